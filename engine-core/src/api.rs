@@ -1,0 +1,482 @@
+//! [`TransferEngine`]: the surface users call. Everything that can be checked locally is checked
+//! here, on the caller's thread, before anything is queued; the outcome on the wire arrives
+//! through [`OnDone`].
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crate::config::{Config, NicSelection};
+use crate::domain::{Device, MemoryRegion, Registration};
+use crate::error::{Error, Result};
+use crate::plan::{split, Chunk};
+use crate::plugin::find_backend;
+use crate::runtime::completion::OnDone;
+use crate::runtime::{spawn_callback_thread, spawn_worker, Command, Shared, WriteOp};
+use crate::wire::{MrDesc, NetAddr};
+
+/// A region registered with this engine (all its NICs). Cheap to copy; valid until
+/// [`TransferEngine::dereg_mr`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MrHandle(u64);
+
+impl MrHandle {
+    /// The raw id (for logs).
+    pub fn id(self) -> u64 {
+        self.0
+    }
+}
+
+/// A set of peers registered with [`TransferEngine::add_peer_group`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PeerGroupHandle(u64);
+
+/// Pages of a region: page `i` starts at `offset + indices[i] * stride`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Pages {
+    /// Page numbers, in any order.
+    pub indices: Vec<u32>,
+    /// Bytes from one page number to the next.
+    pub stride: u64,
+    /// Offset of page 0 from the region's start.
+    pub offset: u64,
+}
+
+/// One destination of a scatter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScatterDst {
+    /// Bytes to write.
+    pub len: u64,
+    /// Where they start in the source region.
+    pub src_offset: u64,
+    /// The destination region.
+    pub dst: MrDesc,
+    /// Where they go in it.
+    pub dst_offset: u64,
+}
+
+/// A region on this side, as the caller's thread validates against it.
+#[derive(Debug, Clone)]
+struct LocalRegion {
+    ptr: u64,
+    len: u64,
+    /// One registration per NIC, in NIC order.
+    keys: Vec<Registration>,
+}
+
+/// Point-to-point RDMA over one DomainGroup. See the crate docs for the model.
+///
+/// Dropping the engine fails everything still in flight with [`Error::Shutdown`] (each
+/// `OnDone` still fires exactly once) and joins its threads.
+pub struct TransferEngine {
+    shared: Arc<Shared>,
+    addresses: Vec<NetAddr>,
+    regions: RwLock<HashMap<u64, LocalRegion>>,
+    peer_groups: Mutex<HashMap<u64, HashSet<NetAddr>>>,
+    next_id: AtomicU64,
+    next_first_nic: AtomicUsize,
+    worker: Option<JoinHandle<()>>,
+    callbacks: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for TransferEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferEngine")
+            .field("backend", &self.shared.backend)
+            .field("addresses", &self.addresses)
+            .finish_non_exhaustive()
+    }
+}
+
+fn check_range(side: &'static str, offset: u64, len: u64, region_len: u64) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= region_len => Ok(()),
+        _ => Err(Error::OutOfBounds {
+            side,
+            offset,
+            len,
+            region_len,
+        }),
+    }
+}
+
+fn page_offset(pages: &Pages, i: usize) -> Option<u64> {
+    u64::from(pages.indices[i])
+        .checked_mul(pages.stride)?
+        .checked_add(pages.offset)
+}
+
+impl TransferEngine {
+    /// Opens an engine on the first DomainGroup of `config`.
+    pub fn open(config: &Config) -> Result<Self> {
+        Self::open_group(config, 0)
+    }
+
+    /// Opens an engine on DomainGroup `group` of `config`.
+    pub fn open_group(config: &Config, group: usize) -> Result<Self> {
+        if group >= config.groups.len() {
+            return Err(Error::InvalidArgument(format!(
+                "group {group} does not exist; {} has {} groups",
+                config.source.display(),
+                config.groups.len()
+            )));
+        }
+        let backend = find_backend(&config.backend, config.plugin.as_deref())?;
+        let thread_error = |e: std::io::Error| Error::Backend {
+            backend: config.backend.clone(),
+            message: format!("cannot spawn the callback thread: {e}"),
+        };
+        let (jobs, callbacks) = spawn_callback_thread(format!("xfer-callbacks-{group}")).map_err(thread_error)?;
+        let shared = Arc::new(Shared::new(config.clone(), backend.name().to_owned(), jobs));
+        let worker = match spawn_worker(Arc::clone(&shared), backend, group) {
+            Ok(w) => w,
+            Err(e) => {
+                let _ = shared.jobs.send(None);
+                let _ = callbacks.join();
+                return Err(e);
+            }
+        };
+        Ok(Self {
+            shared,
+            addresses: worker.addresses,
+            regions: RwLock::new(HashMap::new()),
+            peer_groups: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            next_first_nic: AtomicUsize::new(0),
+            worker: Some(worker.thread),
+            callbacks: Some(callbacks),
+        })
+    }
+
+    /// This engine's address (its first NIC's), for peers' `submit_send` and peer groups.
+    pub fn main_address(&self) -> NetAddr {
+        self.addresses[0].clone()
+    }
+
+    /// The addresses of all NICs of the group, in NIC order.
+    pub fn nic_addresses(&self) -> &[NetAddr] {
+        &self.addresses
+    }
+
+    /// How many NICs this engine stripes over.
+    pub fn nic_count(&self) -> usize {
+        self.addresses.len()
+    }
+
+    /// The backend's name.
+    pub fn backend(&self) -> &str {
+        &self.shared.backend
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &Config {
+        &self.shared.config
+    }
+
+    fn control<T>(&self, make: impl FnOnce(crossbeam_channel::Sender<Result<T>>) -> Command) -> Result<T> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.shared.submit(make(tx))?;
+        let timeout = self.shared.config.timeouts.control();
+        rx.recv_timeout(timeout).unwrap_or(Err(Error::Timeout(timeout)))
+    }
+
+    fn register(&self, ptr: *mut u8, len: usize, device: Device, remote_write: bool) -> Result<(MrHandle, LocalRegion)> {
+        if ptr.is_null() || len == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "cannot register {len} bytes at {ptr:?}: the region must be non-null and non-empty"
+            )));
+        }
+        let region = MemoryRegion {
+            ptr: ptr as u64,
+            len: len as u64,
+            device,
+            remote_write,
+        };
+        let keys = self.control(|reply| Command::Register { region, reply })?;
+        let local = LocalRegion {
+            ptr: region.ptr,
+            len: region.len,
+            keys,
+        };
+        let handle = MrHandle(self.next_id.fetch_add(1, Ordering::Relaxed));
+        self.regions
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(handle.0, local.clone());
+        Ok((handle, local))
+    }
+
+    /// Registers `len` bytes at `ptr` on every NIC; returns the local handle and the
+    /// descriptor to give peers so they can write here.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until [`dereg_mr`](Self::dereg_mr) returns, and while it
+    /// is registered peers may write into it at any time: read it only after the writes you
+    /// wait for have been counted (an `expect_imm_count` or the writer's own signal).
+    pub unsafe fn reg_mr(&self, ptr: *mut u8, len: usize, device: Device) -> Result<(MrHandle, MrDesc)> {
+        let (handle, local) = self.register(ptr, len, device, true)?;
+        let rkeys = self
+            .addresses
+            .iter()
+            .cloned()
+            .zip(local.keys.iter().map(|k| k.remote_key))
+            .collect();
+        let desc = MrDesc::new(local.ptr, local.len, rkeys).map_err(|source| Error::Decode {
+            what: "MrDesc",
+            source,
+        })?;
+        Ok((handle, desc))
+    }
+
+    /// Registers memory only as a source of writes (peers get no key to it).
+    ///
+    /// # Safety
+    /// The memory must stay allocated until [`dereg_mr`](Self::dereg_mr) returns.
+    pub unsafe fn reg_mr_local(&self, ptr: *mut u8, len: usize, device: Device) -> Result<MrHandle> {
+        Ok(self.register(ptr, len, device, false)?.0)
+    }
+
+    /// Deregisters a region on every NIC. After it returns, no write touches the memory.
+    pub fn dereg_mr(&self, handle: MrHandle) -> Result<()> {
+        let region = self
+            .regions
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&handle.0)
+            .ok_or(Error::UnknownHandle(handle.0))?;
+        let keys = region.keys.iter().map(|k| k.local_key).collect();
+        self.control(|reply| Command::Deregister { keys, reply })
+    }
+
+    fn local_region(&self, handle: MrHandle) -> Result<LocalRegion> {
+        self.regions
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&handle.0)
+            .cloned()
+            .ok_or(Error::UnknownHandle(handle.0))
+    }
+
+    fn check_peer_nics(&self, desc: &MrDesc) -> Result<()> {
+        if desc.rkeys().len() != self.nic_count() {
+            return Err(Error::InvalidArgument(format!(
+                "the destination MrDesc has {} NICs but this engine has {}; peers must use the same NIC count",
+                desc.rkeys().len(),
+                self.nic_count()
+            )));
+        }
+        Ok(())
+    }
+
+    fn first_nic(&self) -> usize {
+        match self.shared.config.nic_selection {
+            NicSelection::First(n) => n,
+            NicSelection::RoundRobin => self.next_first_nic.fetch_add(1, Ordering::Relaxed) % self.nic_count(),
+        }
+    }
+
+    /// Plans one contiguous unit and appends its writes, pairing each chunk with *its* NIC's
+    /// local key, remote key and peer address (the one place where they are paired).
+    #[allow(clippy::too_many_arguments)]
+    fn plan_unit(&self, ops: &mut Vec<WriteOp>, chunks: &mut Vec<Chunk>, first: usize, src: &LocalRegion, src_offset: u64, dst: &MrDesc, dst_offset: u64, len: u64, imm: Option<u32>) {
+        chunks.clear();
+        split(len, self.nic_count(), first, &self.shared.config.stripe, chunks);
+        for c in chunks.iter() {
+            let (peer, remote_key) = &dst.rkeys()[c.nic];
+            ops.push(WriteOp {
+                nic: c.nic,
+                peer: peer.clone(),
+                local_addr: src.ptr + src_offset + c.offset,
+                local_key: src.keys[c.nic].local_key,
+                remote_addr: dst.ptr() + dst_offset + c.offset,
+                remote_key: *remote_key,
+                len: c.len,
+                imm,
+            });
+        }
+    }
+
+    /// Writes `len` bytes from `src` (handle, offset) to `dst` (descriptor, offset); large
+    /// writes stripe over the NICs. With `imm`, each write carries it: the receiver counts
+    /// [`expected_arrivals`](crate::expected_arrivals) of them.
+    pub fn submit_single_write(&self, len: u64, imm: Option<u32>, src: (MrHandle, u64), dst: (&MrDesc, u64), on_done: impl Into<OnDone>) -> Result<()> {
+        let region = self.local_region(src.0)?;
+        check_range("source", src.1, len, region.len)?;
+        check_range("destination", dst.1, len, dst.0.len())?;
+        self.check_peer_nics(dst.0)?;
+        let mut ops = Vec::with_capacity(1);
+        let mut chunks = Vec::with_capacity(1);
+        self.plan_unit(&mut ops, &mut chunks, self.first_nic(), &region, src.1, dst.0, dst.1, len, imm);
+        self.shared.submit(Command::Writes { ops, on_done: on_done.into() })
+    }
+
+    /// Writes pages of `page_len` bytes: source page `i` of `src` to destination page `i` of
+    /// `dst`. Pages are spread over the NICs; each write carries `imm`.
+    pub fn submit_paged_writes(&self, page_len: u64, imm: Option<u32>, src: (MrHandle, &Pages), dst: (&MrDesc, &Pages), on_done: impl Into<OnDone>) -> Result<()> {
+        let (src_pages, dst_pages) = (src.1, dst.1);
+        if src_pages.indices.len() != dst_pages.indices.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} source pages but {} destination pages",
+                src_pages.indices.len(),
+                dst_pages.indices.len()
+            )));
+        }
+        let region = self.local_region(src.0)?;
+        self.check_peer_nics(dst.0)?;
+        let overflow = |side| Error::OutOfBounds { side, offset: u64::MAX, len: page_len, region_len: 0 };
+        let first = self.first_nic();
+        let mut ops = Vec::with_capacity(src_pages.indices.len());
+        let mut chunks = Vec::new();
+        for i in 0..src_pages.indices.len() {
+            let s = page_offset(src_pages, i).ok_or_else(|| overflow("source"))?;
+            let d = page_offset(dst_pages, i).ok_or_else(|| overflow("destination"))?;
+            check_range("source", s, page_len, region.len)?;
+            check_range("destination", d, page_len, dst.0.len())?;
+            self.plan_unit(&mut ops, &mut chunks, (first + i) % self.nic_count(), &region, s, dst.0, d, page_len, imm);
+        }
+        self.shared.submit(Command::Writes { ops, on_done: on_done.into() })
+    }
+
+    /// Registers a set of peers (by main address) that scatters and barriers may be checked
+    /// against.
+    pub fn add_peer_group(&self, addrs: Vec<NetAddr>) -> Result<PeerGroupHandle> {
+        if addrs.is_empty() {
+            return Err(Error::InvalidArgument("a peer group needs at least one peer".into()));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.peer_groups
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, addrs.into_iter().collect());
+        Ok(PeerGroupHandle(id))
+    }
+
+    fn check_group<'a>(&self, group: Option<PeerGroupHandle>, owners: impl Iterator<Item = &'a NetAddr>) -> Result<()> {
+        let Some(group) = group else { return Ok(()) };
+        let groups = self.peer_groups.lock().unwrap_or_else(|p| p.into_inner());
+        let members = groups.get(&group.0).ok_or(Error::UnknownPeerGroup(group.0))?;
+        for owner in owners {
+            if !members.contains(owner) {
+                return Err(Error::InvalidArgument(format!("peer {owner} is not in peer group {}", group.0)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes pieces of one source region to many destinations (any peers, any sizes).
+    pub fn submit_scatter(&self, group: Option<PeerGroupHandle>, on_done: impl Into<OnDone>, imm: Option<u32>, src: MrHandle, dsts: &[ScatterDst]) -> Result<()> {
+        let region = self.local_region(src)?;
+        self.check_group(group, dsts.iter().map(|d| d.dst.owner()))?;
+        let first = self.first_nic();
+        let mut ops = Vec::with_capacity(dsts.len());
+        let mut chunks = Vec::new();
+        for (j, d) in dsts.iter().enumerate() {
+            check_range("source", d.src_offset, d.len, region.len)?;
+            check_range("destination", d.dst_offset, d.len, d.dst.len())?;
+            self.check_peer_nics(&d.dst)?;
+            self.plan_unit(&mut ops, &mut chunks, (first + j) % self.nic_count(), &region, d.src_offset, &d.dst, d.dst_offset, d.len, imm);
+        }
+        self.shared.submit(Command::Writes { ops, on_done: on_done.into() })
+    }
+
+    /// A zero-byte write carrying `imm` to each destination region's owner (one arrival each).
+    pub fn submit_barrier(&self, group: Option<PeerGroupHandle>, on_done: impl Into<OnDone>, imm: u32, dsts: &[MrDesc]) -> Result<()> {
+        self.check_group(group, dsts.iter().map(MrDesc::owner))?;
+        let first = self.first_nic();
+        let mut ops = Vec::with_capacity(dsts.len());
+        for (j, d) in dsts.iter().enumerate() {
+            self.check_peer_nics(d)?;
+            let nic = (first + j) % self.nic_count();
+            let (peer, remote_key) = &d.rkeys()[nic];
+            // Zero-byte writes still name a valid destination and key: EFA refuses them
+            // otherwise, and a NIC checks the key even for no bytes.
+            ops.push(WriteOp {
+                nic,
+                peer: peer.clone(),
+                local_addr: 0,
+                local_key: 0,
+                remote_addr: d.ptr(),
+                remote_key: *remote_key,
+                len: 0,
+                imm: Some(imm),
+            });
+        }
+        self.shared.submit(Command::Writes { ops, on_done: on_done.into() })
+    }
+
+    /// Sends a message to a peer's main address; `data` is copied, the caller may reuse it.
+    pub fn submit_send(&self, peer: &NetAddr, data: &[u8], on_done: impl Into<OnDone>) -> Result<()> {
+        let max = self.shared.config.worker.max_message;
+        if data.len() > max {
+            return Err(Error::InvalidArgument(format!(
+                "message of {} bytes is larger than worker.max_message ({max})",
+                data.len()
+            )));
+        }
+        self.shared.submit(Command::Send {
+            peer: peer.clone(),
+            data: data.to_vec(),
+            on_done: on_done.into(),
+        })
+    }
+
+    /// Posts `count` receive buffers of `len` bytes; `handler` is called (on the callback
+    /// thread) with each message, after which its buffer is posted again. One pool per engine.
+    pub fn submit_recvs(&self, len: usize, count: usize, handler: impl Fn(&[u8]) + Send + Sync + 'static) -> Result<()> {
+        if len == 0 || count == 0 {
+            return Err(Error::InvalidArgument("receive buffers need a non-zero length and count".into()));
+        }
+        if self.shared.recv_handler.set((len, Arc::new(handler))).is_err() {
+            return Err(Error::InvalidArgument("this engine already has a receive pool".into()));
+        }
+        self.shared.submit(Command::PostRecvs { buf_len: len, count })
+    }
+
+    /// Calls `on_done` once `count` writes carrying `imm` have landed here (counting those
+    /// that landed before this call), consuming them; fails with `Timeout` after
+    /// `timeouts.expect_ms`.
+    pub fn expect_imm_count(&self, imm: u32, count: u64, on_done: impl Into<OnDone>) -> Result<()> {
+        let deadline = Instant::now() + self.shared.config.timeouts.expect();
+        let ready = self.shared.lock_imm().expect(imm, count, deadline, on_done.into());
+        match ready {
+            Some(w) => w.complete(Ok(()), &self.shared.jobs),
+            // The worker may be parked with a later deadline in mind.
+            None => self.shared.wake(),
+        }
+        Ok(())
+    }
+
+    /// Arrivals of `imm` counted and not yet consumed by an expectation.
+    pub fn imm_count(&self, imm: u32) -> u64 {
+        self.shared.lock_imm().count(imm)
+    }
+
+    /// Allocates a watcher slot that fires `cb(old, new)` when its value changes. Served by
+    /// the `uvm-watcher` crate; the engine alone does not provide one.
+    pub fn alloc_uvm_watcher(&self, cb: impl FnMut(u64, u64) + Send + 'static) -> Result<()> {
+        drop(cb);
+        Err(Error::NotAvailable(
+            "alloc_uvm_watcher needs the uvm-watcher crate, which is not built yet".into(),
+        ))
+    }
+}
+
+impl Drop for TransferEngine {
+    fn drop(&mut self) {
+        // Push the shutdown before closing the queue so the worker sees it.
+        let _ = self.shared.submit(Command::Shutdown);
+        self.shared.close();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+        let _ = self.shared.jobs.send(None);
+        if let Some(c) = self.callbacks.take() {
+            // Dropped from inside a callback: that thread ends on its own after this job.
+            if c.thread().id() != std::thread::current().id() {
+                let _ = c.join();
+            }
+        }
+    }
+}

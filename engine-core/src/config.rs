@@ -1,0 +1,321 @@
+//! The TOML configuration: which backend, which NICs per group, pinning, timeouts, striping,
+//! and each backend's own table. Unknown keys are errors that name the key and the file.
+//!
+//! Found via an explicit path, then `$XFER_CONFIG`, then [`DEFAULT_CONFIG`] (the mock).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::plan::StripePolicy;
+use crate::wire::MAX_NICS;
+
+/// Environment variable naming a config file.
+pub const CONFIG_ENV: &str = "XFER_CONFIG";
+
+/// The config used when none is given: one group of one mock NIC.
+pub const DEFAULT_CONFIG: &str = r#"
+backend = "mock"
+
+[[groups]]
+nics = ["mock0"]
+"#;
+
+/// Why a config is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config {file}: {message}")]
+    Read {
+        /// The file.
+        file: PathBuf,
+        /// The OS error.
+        message: String,
+    },
+    /// The TOML is malformed or has an unknown key or a wrong type.
+    #[error("config {file}: {message}")]
+    Parse {
+        /// The file (or `<embedded default>` / `<string>`).
+        file: PathBuf,
+        /// The parser's message, naming the key and line.
+        message: String,
+    },
+    /// The values are well-formed but inconsistent.
+    #[error("config {file}: {message}")]
+    Invalid {
+        /// The file.
+        file: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// How the first NIC of each transfer is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum NicSelection {
+    /// Rotate the first NIC from one transfer to the next, spreading small transfers.
+    #[default]
+    RoundRobin,
+    /// Start every transfer on this NIC (large transfers still stripe over all NICs).
+    First(usize),
+}
+
+/// One DomainGroup: the NICs serving one GPU, and where its worker runs.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupConfig {
+    /// NIC names in the backend's terms, 1 to 4 of them; peers must use as many.
+    pub nics: Vec<String>,
+    /// CPU to pin the worker thread to (none: not pinned).
+    #[serde(default)]
+    pub worker_cpu: Option<usize>,
+}
+
+/// Deadlines, in milliseconds in the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Timeouts {
+    /// A transfer not complete after this fails with `Timeout`.
+    pub transfer_ms: u64,
+    /// An `expect_imm_count` not met after this fails with `Timeout`.
+    pub expect_ms: u64,
+    /// A backend's connection handshake gives up after this (passed to backends).
+    pub connect_ms: u64,
+    /// A request to the worker thread (register, deregister) gives up after this.
+    pub control_ms: u64,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            transfer_ms: 5_000,
+            expect_ms: 10_000,
+            connect_ms: 3_000,
+            control_ms: 5_000,
+        }
+    }
+}
+
+impl Timeouts {
+    /// `transfer_ms` as a duration.
+    pub fn transfer(&self) -> Duration {
+        Duration::from_millis(self.transfer_ms)
+    }
+    /// `expect_ms` as a duration.
+    pub fn expect(&self) -> Duration {
+        Duration::from_millis(self.expect_ms)
+    }
+    /// `control_ms` as a duration.
+    pub fn control(&self) -> Duration {
+        Duration::from_millis(self.control_ms)
+    }
+}
+
+/// How the worker spends its CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerConfig {
+    /// After the last piece of work, keep busy-polling this long before backing off.
+    pub spin_us: u64,
+    /// When idle, poll Domains that cannot wake the worker at this interval.
+    pub idle_poll_us: u64,
+    /// Largest message `submit_send` accepts.
+    pub max_message: usize,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        Self {
+            spin_us: 50,
+            idle_poll_us: 1_000,
+            max_message: 64 << 10,
+        }
+    }
+}
+
+/// A whole configuration.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// The backend's name (`mock`, `verbs`, `efa`, or a plugin's).
+    pub backend: String,
+    /// A plugin library to load for `backend` (else built-ins, then `$XFER_PLUGIN_PATH`).
+    #[serde(default)]
+    pub plugin: Option<PathBuf>,
+    /// The DomainGroups of this process, one per GPU.
+    pub groups: Vec<GroupConfig>,
+    /// How the first NIC of a transfer is chosen.
+    #[serde(default)]
+    pub nic_selection: NicSelection,
+    /// Deadlines.
+    #[serde(default)]
+    pub timeouts: Timeouts,
+    /// Striping; both peers must agree.
+    #[serde(default)]
+    pub stripe: StripePolicy,
+    /// Worker spinning and limits.
+    #[serde(default)]
+    pub worker: WorkerConfig,
+    /// Each backend's own table, `[backends.<name>]`, handed to it as TOML.
+    #[serde(default)]
+    pub backends: toml::Table,
+    /// Where this config came from, for error messages.
+    #[serde(skip)]
+    pub source: PathBuf,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self::from_toml(DEFAULT_CONFIG, Path::new("<embedded default>"))
+            .expect("the embedded default config is valid")
+    }
+}
+
+impl Config {
+    /// Loads the config: `explicit` if given, else `$XFER_CONFIG`, else the default.
+    pub fn load(explicit: Option<&Path>) -> Result<Self, ConfigError> {
+        let from_env = std::env::var_os(CONFIG_ENV).map(PathBuf::from);
+        match explicit.map(Path::to_path_buf).or(from_env) {
+            Some(path) => Self::from_file(&path),
+            None => Ok(Self::default()),
+        }
+    }
+
+    /// Reads and checks one file.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            file: path.to_owned(),
+            message: e.to_string(),
+        })?;
+        Self::from_toml(&text, path)
+    }
+
+    /// Parses and checks TOML text; `source` names it in errors.
+    pub fn from_toml(text: &str, source: &Path) -> Result<Self, ConfigError> {
+        let mut config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            file: source.to_owned(),
+            message: e.to_string(),
+        })?;
+        config.source = source.to_owned();
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn invalid(&self, message: String) -> ConfigError {
+        ConfigError::Invalid {
+            file: self.source.clone(),
+            message,
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.groups.is_empty() {
+            return Err(self.invalid("`groups` is empty: add one [[groups]] with `nics`".into()));
+        }
+        let width = self.groups[0].nics.len();
+        for (i, g) in self.groups.iter().enumerate() {
+            if g.nics.is_empty() || g.nics.len() > MAX_NICS {
+                return Err(self.invalid(format!(
+                    "groups[{i}] has {} NICs; a group has 1 to {MAX_NICS}",
+                    g.nics.len()
+                )));
+            }
+            if g.nics.len() != width {
+                return Err(self.invalid(format!(
+                    "groups[{i}] has {} NICs but groups[0] has {width}; all groups must be the same size so peers agree on striping",
+                    g.nics.len()
+                )));
+            }
+        }
+        if let NicSelection::First(n) = self.nic_selection {
+            if n >= width {
+                return Err(self.invalid(format!(
+                    "nic_selection.first = {n}, but groups have {width} NICs"
+                )));
+            }
+        }
+        self.stripe.validate().map_err(|m| self.invalid(m))?;
+        let t = &self.timeouts;
+        if [t.transfer_ms, t.expect_ms, t.connect_ms, t.control_ms].contains(&0) {
+            return Err(self.invalid("every timeout must be at least 1 ms".into()));
+        }
+        Ok(())
+    }
+
+    /// The selected backend's own table as TOML text (empty if absent).
+    pub fn backend_options(&self) -> String {
+        match self.backends.get(&self.backend) {
+            Some(toml::Value::Table(t)) => toml::to_string(t).unwrap_or_default(),
+            _ => String::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::from_toml(text, Path::new("test.toml"))
+    }
+
+    #[test]
+    fn the_default_selects_the_mock() {
+        let c = Config::default();
+        assert_eq!(c.backend, "mock");
+        assert_eq!(c.groups[0].nics, vec!["mock0"]);
+    }
+
+    #[test]
+    fn a_full_config_parses() {
+        let c = parse(
+            r#"
+            backend = "verbs"
+            nic_selection = { first = 1 }
+            [[groups]]
+            nics = ["mlx5_0", "mlx5_1"]
+            worker_cpu = 3
+            [timeouts]
+            transfer_ms = 100
+            [stripe]
+            align = 64
+            [backends.verbs]
+            gid_index = 3
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.nic_selection, NicSelection::First(1));
+        assert_eq!(c.groups[0].worker_cpu, Some(3));
+        assert_eq!(c.timeouts.transfer_ms, 100);
+        assert_eq!(c.timeouts.expect_ms, Timeouts::default().expect_ms);
+        assert_eq!(c.stripe.align, 64);
+        assert_eq!(c.backend_options().trim(), "gid_index = 3");
+    }
+
+    #[test]
+    fn unknown_keys_are_named_with_the_file() {
+        let err = parse("backend = \"mock\"\nbogus_key = 1\n[[groups]]\nnics = [\"a\"]").unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("bogus_key") && text.contains("test.toml"), "{text}");
+        let err = parse("backend = \"mock\"\n[[groups]]\nnics = [\"a\"]\n[timeouts]\ntransfer = 1").unwrap_err();
+        assert!(err.to_string().contains("transfer"), "{err}");
+    }
+
+    #[test]
+    fn inconsistent_values_are_refused() {
+        for (text, needle) in [
+            ("backend = \"m\"\ngroups = []", "empty"),
+            ("backend = \"m\"\n[[groups]]\nnics = [\"a\",\"b\",\"c\",\"d\",\"e\"]", "1 to 4"),
+            ("backend = \"m\"\n[[groups]]\nnics = [\"a\"]\n[[groups]]\nnics = [\"b\",\"c\"]", "same size"),
+            ("backend = \"m\"\nnic_selection = { first = 2 }\n[[groups]]\nnics = [\"a\"]", "first = 2"),
+            ("backend = \"m\"\n[[groups]]\nnics = [\"a\"]\n[stripe]\nalign = 3", "power of two"),
+            ("backend = \"m\"\n[[groups]]\nnics = [\"a\"]\n[timeouts]\ntransfer_ms = 0", "at least 1 ms"),
+        ] {
+            let err = parse(text).unwrap_err();
+            assert!(err.to_string().contains(needle), "{text}: {err}");
+        }
+    }
+}

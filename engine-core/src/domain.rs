@@ -1,0 +1,225 @@
+//! The Domain trait: what one NIC must do for the engine. Backends implement it; the worker
+//! thread is its only caller, so every method takes `&mut self` and none needs a lock.
+//!
+//! The shape fits both libibverbs RC (a QP per peer, connected lazily, an SRQ for arrivals)
+//! and libfabric RDM (one endpoint, peers in an address vector): the engine hands over
+//! fully resolved writes (local key, remote key and the peer's address on *this* NIC) and
+//! pulls events back with [`Domain::poll`].
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::wire::NetAddr;
+
+/// Where a registered region lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Device {
+    /// Ordinary (pageable or pinned) host memory.
+    Host,
+    /// Memory of CUDA device `n`.
+    Cuda(u32),
+}
+
+/// A region of memory to register with a NIC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryRegion {
+    /// First byte.
+    pub ptr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Where it lives.
+    pub device: Device,
+    /// Whether peers may write into it (false for a local-only registration).
+    pub remote_write: bool,
+}
+
+/// The keys a NIC assigned to a registration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
+pub struct Registration {
+    /// Used in local work requests (lkey / local descriptor).
+    pub local_key: u64,
+    /// Given to peers so they can write here (rkey / remote key); 0 for local-only.
+    pub remote_key: u64,
+}
+
+/// One RDMA WRITE, fully resolved for one NIC.
+#[derive(Debug, Clone, Copy)]
+pub struct WriteRequest<'a> {
+    /// Returned unchanged in the matching [`Event::Done`].
+    pub wr_id: u64,
+    /// The peer's address on this NIC's index.
+    pub peer: &'a NetAddr,
+    /// Source address (inside a region registered with this NIC).
+    pub local_addr: u64,
+    /// This NIC's local key of the source region.
+    pub local_key: u64,
+    /// Destination address in the peer's address space.
+    pub remote_addr: u64,
+    /// The peer NIC's remote key of the destination region.
+    pub remote_key: u64,
+    /// Bytes to write (may be zero).
+    pub len: u64,
+    /// Immediate delivered to the peer's ImmCounter once the data has landed.
+    pub imm: Option<u32>,
+}
+
+/// Whether a post was accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PostStatus {
+    /// The work request was queued on the NIC; exactly one `Done` will follow.
+    Posted,
+    /// The NIC's queue is full: nothing was queued, try again after `poll`.
+    Busy,
+}
+
+/// What a poll returns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A work request posted on this NIC finished.
+    Done {
+        /// The request's id.
+        wr_id: u64,
+        /// Its outcome.
+        result: Result<(), DomainError>,
+    },
+    /// A peer's write-with-immediate landed in our memory.
+    ImmArrival {
+        /// The immediate it carried.
+        imm: u32,
+    },
+    /// A message arrived in one of the posted receive buffers (which is then used up).
+    Message {
+        /// Its bytes.
+        data: Vec<u8>,
+    },
+}
+
+/// The kind of a backend failure, so the engine can map it to a typed [`crate::Error`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+#[non_exhaustive]
+pub enum DomainErrorKind {
+    /// Anything else; the message says what.
+    Other = 0,
+    /// The remote NIC refused the access (rkey, bounds, permissions).
+    RemoteAccess = 1,
+    /// The peer could not be reached or went away.
+    PeerUnreachable = 2,
+    /// The request was malformed for this NIC.
+    InvalidArgument = 3,
+    /// The backend's own deadline passed.
+    Timeout = 4,
+}
+
+impl DomainErrorKind {
+    /// Decodes the ABI's integer form; unknown values become `Other`.
+    pub fn from_raw(raw: u32) -> Self {
+        match raw {
+            1 => Self::RemoteAccess,
+            2 => Self::PeerUnreachable,
+            3 => Self::InvalidArgument,
+            4 => Self::Timeout,
+            _ => Self::Other,
+        }
+    }
+}
+
+/// A failure reported by a Domain, with the backend's own words.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{kind:?}: {message}")]
+pub struct DomainError {
+    /// What kind of failure.
+    pub kind: DomainErrorKind,
+    /// The backend's message (status names, provider text).
+    pub message: String,
+}
+
+impl DomainError {
+    /// A failure of `kind` with `message`.
+    pub fn new(kind: DomainErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+/// Wakes a parked worker; a Domain calls it when events arrive that `poll` would return.
+#[derive(Clone)]
+pub struct Waker(Arc<dyn Fn() + Send + Sync>);
+
+impl Waker {
+    /// Wraps a wake function.
+    pub fn new(f: impl Fn() + Send + Sync + 'static) -> Self {
+        Self(Arc::new(f))
+    }
+
+    /// Wakes the worker (cheap when it is not parked).
+    pub fn wake(&self) {
+        (self.0)()
+    }
+}
+
+impl fmt::Debug for Waker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Waker")
+    }
+}
+
+/// One NIC. See the module docs.
+pub trait Domain: Send {
+    /// This NIC's address, as peers must name it.
+    fn address(&self) -> NetAddr;
+
+    /// Registers memory; must be usable in writes posted after it returns.
+    fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError>;
+
+    /// Deregisters the region with this local key; no write touches it after this returns.
+    fn deregister(&mut self, local_key: u64) -> Result<(), DomainError>;
+
+    /// Posts a write. Connecting to a new peer happens here, lazily; writes posted while it
+    /// connects are queued by the Domain, not refused.
+    fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError>;
+
+    /// Posts a message to `peer` (copied before this returns).
+    fn post_send(&mut self, wr_id: u64, peer: &NetAddr, data: &[u8]) -> Result<PostStatus, DomainError>;
+
+    /// Adds `count` receive buffers of `buf_len` bytes for incoming messages.
+    fn post_recvs(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError>;
+
+    /// Makes progress and appends every event that is ready.
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError>;
+
+    /// Asks the Domain to call `waker` whenever `poll` would return something new. Returns
+    /// whether it will; a Domain that cannot (most hardware without a completion channel) is
+    /// polled on a short interval while the engine idles.
+    fn set_waker(&mut self, waker: Waker) -> bool {
+        let _ = waker;
+        false
+    }
+}
+
+/// What a backend's `open` receives for one NIC.
+#[derive(Debug, Clone, Copy)]
+pub struct DomainConfig<'a> {
+    /// The NIC's name from the config (`mlx5_0`, `rxe0`, `mock0`, a libfabric domain).
+    pub nic: &'a str,
+    /// The backend's own config table (`[backends.<name>]`), as TOML text.
+    pub options: &'a str,
+}
+
+/// Opens one Domain.
+pub type OpenFn = fn(&DomainConfig<'_>) -> Result<Box<dyn Domain>, DomainError>;
+
+/// A backend linked into the binary; submitted with `inventory::submit!`.
+#[derive(Debug)]
+pub struct BackendRegistration {
+    /// The name configs select it by.
+    pub name: &'static str,
+    /// Opens one NIC.
+    pub open: OpenFn,
+}
+
+inventory::collect!(BackendRegistration);

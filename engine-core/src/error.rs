@@ -1,0 +1,77 @@
+//! The errors every operation reports.
+//!
+//! Caller mistakes (detected before anything is posted), peer or wire problems and backend
+//! failures are separate variants, so a caller can tell "my bug" from "their bug" from "the
+//! NIC said no" without parsing strings.
+
+use std::time::Duration;
+
+use crate::wire::DecodeError;
+
+/// Everything that can go wrong in xfer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The caller passed something that can never work (checked locally, nothing was posted).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// An offset/length pair reaches past the end of a registered region (nothing was posted).
+    #[error("{side} range {offset}+{len} is past the end of a region of {region_len} bytes")]
+    OutOfBounds {
+        /// `"source"` or `"destination"`.
+        side: &'static str,
+        /// The first byte asked for.
+        offset: u64,
+        /// The number of bytes asked for.
+        len: u64,
+        /// The size of the registered region.
+        region_len: u64,
+    },
+    /// A local memory-region handle that is not (or no longer) registered with this engine.
+    #[error("memory region handle {0} is not registered with this engine")]
+    UnknownHandle(u64),
+    /// A peer group handle that this engine did not create.
+    #[error("peer group {0} is unknown to this engine")]
+    UnknownPeerGroup(u64),
+    /// A serialized `NetAddr` or `MrDesc` could not be decoded.
+    #[error("malformed {what}: {source}")]
+    Decode {
+        /// What was being decoded.
+        what: &'static str,
+        /// Why it was rejected.
+        source: DecodeError,
+    },
+    /// The configuration file is unusable.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    /// A backend plugin could not be found or loaded.
+    #[error(transparent)]
+    Plugin(#[from] crate::plugin::PluginError),
+    /// The remote NIC refused the access (bad rkey, out of bounds, missing permission).
+    #[error("remote access error: {0}")]
+    RemoteAccess(String),
+    /// The peer could not be reached, stopped answering, or went away (the backend's
+    /// message names the peer).
+    #[error("peer unreachable: {0}")]
+    PeerUnreachable(String),
+    /// The operation did not finish within its deadline.
+    #[error("timed out after {0:?}")]
+    Timeout(Duration),
+    /// The backend reported a failure of its own.
+    #[error("backend {backend}: {message}")]
+    Backend {
+        /// Backend name.
+        backend: String,
+        /// The backend's own message (status names, provider text).
+        message: String,
+    },
+    /// The feature is not available in this build or on this machine.
+    #[error("not available: {0}")]
+    NotAvailable(String),
+    /// The engine is shutting down; the operation was not carried out.
+    #[error("the engine is shut down")]
+    Shutdown,
+}
+
+/// Shorthand for results in this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,436 @@
+//! The versioned C ABI between the engine and an out-of-tree backend (one `cdylib`).
+//!
+//! A plugin exports one symbol, [`ENTRY_SYMBOL`], returning a pointer to a static
+//! [`PluginTable`]. The table starts with a [`PluginHeader`] (ABI version and the table's
+//! size) that the engine reads *before* anything else and refuses on mismatch. Only
+//! `#[repr(C)]` types cross this boundary; Rust trait objects stay on their own side.
+//!
+//! Backend authors do not write any of this: [`export_plugin!`](crate::export_plugin) turns a
+//! Rust [`Domain`] opener into the table.
+
+use std::ffi::c_void;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use crate::domain::{
+    Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion, OpenFn,
+    PostStatus, Registration, WriteRequest,
+};
+use crate::wire::{NetAddr, MAX_ADDR_LEN};
+
+/// Bumped on any change to the layout or meaning of [`PluginTable`].
+pub const ABI_VERSION: u32 = 1;
+/// The symbol every plugin exports: `extern "C" fn() -> *const PluginTable`.
+pub const ENTRY_SYMBOL: &str = "xfer_plugin_entry";
+
+/// The signature of [`ENTRY_SYMBOL`].
+pub type EntryFn = unsafe extern "C" fn() -> *const PluginTable;
+
+/// First bytes of every table, in every ABI version.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct PluginHeader {
+    /// The plugin's [`ABI_VERSION`].
+    pub abi_version: u32,
+    /// `size_of::<PluginTable>()` as the plugin was built.
+    pub table_size: u32,
+}
+
+/// A borrowed byte string.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct RawBytes {
+    /// First byte (may dangle when `len` is 0).
+    pub ptr: *const u8,
+    /// Length.
+    pub len: usize,
+}
+
+impl RawBytes {
+    /// Borrows `bytes`.
+    pub fn new(bytes: &[u8]) -> Self {
+        Self {
+            ptr: bytes.as_ptr(),
+            len: bytes.len(),
+        }
+    }
+
+    /// # Safety
+    /// `ptr` must point to `len` readable bytes that outlive `'a`.
+    pub unsafe fn as_slice<'a>(self) -> &'a [u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: the caller guarantees ptr/len describe live bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+/// Room for an error message coming back across the boundary.
+#[repr(C)]
+#[derive(Debug)]
+pub struct RawError {
+    /// A [`DomainErrorKind`] as an integer.
+    pub kind: u32,
+    /// Bytes of `message` used.
+    pub len: u32,
+    /// UTF-8 message, truncated to fit.
+    pub message: [u8; 512],
+}
+
+impl RawError {
+    /// An empty error buffer.
+    pub fn empty() -> Self {
+        Self {
+            kind: 0,
+            len: 0,
+            message: [0; 512],
+        }
+    }
+
+    fn fill(&mut self, err: &DomainError) {
+        let msg = err.message.as_bytes();
+        let mut n = msg.len().min(self.message.len());
+        while !err.message.is_char_boundary(n) {
+            n -= 1;
+        }
+        self.kind = err.kind as u32;
+        self.len = n as u32;
+        self.message[..n].copy_from_slice(&msg[..n]);
+    }
+
+    /// The error it holds.
+    pub fn to_error(&self) -> DomainError {
+        let n = (self.len as usize).min(self.message.len());
+        DomainError::new(
+            DomainErrorKind::from_raw(self.kind),
+            String::from_utf8_lossy(&self.message[..n]).into_owned(),
+        )
+    }
+}
+
+/// [`MemoryRegion`] in C layout.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct RawRegion {
+    /// First byte.
+    pub ptr: u64,
+    /// Length.
+    pub len: u64,
+    /// 0 = host, 1 = CUDA.
+    pub device_kind: u32,
+    /// The CUDA device index.
+    pub device_index: u32,
+    /// 1 if peers may write into it.
+    pub remote_write: u32,
+}
+
+/// [`WriteRequest`] in C layout.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct RawWrite {
+    /// See [`WriteRequest::wr_id`].
+    pub wr_id: u64,
+    /// The peer's address bytes.
+    pub peer: RawBytes,
+    /// Source address.
+    pub local_addr: u64,
+    /// Source local key.
+    pub local_key: u64,
+    /// Destination address.
+    pub remote_addr: u64,
+    /// Destination remote key.
+    pub remote_key: u64,
+    /// Bytes.
+    pub len: u64,
+    /// 1 if `imm` is meaningful.
+    pub has_imm: u32,
+    /// The immediate.
+    pub imm: u32,
+}
+
+/// One event in C layout; its byte strings are valid only during the sink call.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct RawEvent {
+    /// 0 = done ok, 1 = done with error, 2 = immediate arrival, 3 = message.
+    pub kind: u32,
+    /// A [`DomainErrorKind`] for kind 1.
+    pub error_kind: u32,
+    /// For kinds 0 and 1.
+    pub wr_id: u64,
+    /// For kind 2.
+    pub imm: u32,
+    /// Message bytes (kind 3) or error text (kind 1).
+    pub data: RawBytes,
+}
+
+/// Called by the plugin for each event during `poll`.
+pub type EventSink = unsafe extern "C" fn(sink: *mut c_void, event: *const RawEvent);
+/// Called by the plugin to wake the engine's worker.
+pub type WakeFn = unsafe extern "C" fn(ctx: *const c_void);
+
+/// Status codes of the table's functions.
+pub const STATUS_OK: i32 = 0;
+/// The queue is full ([`PostStatus::Busy`]).
+pub const STATUS_BUSY: i32 = 1;
+/// Failed; the `RawError` says why.
+pub const STATUS_ERROR: i32 = -1;
+
+/// The function table a plugin exports. Every handle is the `*mut c_void` `open` returned.
+#[repr(C)]
+#[derive(Debug)]
+pub struct PluginTable {
+    /// Version and size, checked before anything else is read.
+    pub header: PluginHeader,
+    /// The backend's name (UTF-8, static).
+    pub name: RawBytes,
+    /// Opens a Domain for one NIC with the backend's options (TOML text).
+    pub open: unsafe extern "C" fn(nic: RawBytes, options: RawBytes, out: *mut *mut c_void, err: *mut RawError) -> i32,
+    /// Closes a Domain.
+    pub close: unsafe extern "C" fn(domain: *mut c_void),
+    /// Writes the address into `buf`; returns its length (or 0 if `cap` is too small).
+    pub address: unsafe extern "C" fn(domain: *mut c_void, buf: *mut u8, cap: usize) -> usize,
+    /// Registers memory.
+    pub register: unsafe extern "C" fn(domain: *mut c_void, region: *const RawRegion, out: *mut Registration, err: *mut RawError) -> i32,
+    /// Deregisters memory.
+    pub deregister: unsafe extern "C" fn(domain: *mut c_void, local_key: u64, err: *mut RawError) -> i32,
+    /// Posts a write.
+    pub post_write: unsafe extern "C" fn(domain: *mut c_void, wr: *const RawWrite, err: *mut RawError) -> i32,
+    /// Posts a message.
+    pub post_send: unsafe extern "C" fn(domain: *mut c_void, wr_id: u64, peer: RawBytes, data: RawBytes, err: *mut RawError) -> i32,
+    /// Adds receive buffers.
+    pub post_recvs: unsafe extern "C" fn(domain: *mut c_void, buf_len: usize, count: usize, err: *mut RawError) -> i32,
+    /// Makes progress and hands each ready event to `sink_fn(sink, event)`.
+    pub poll: unsafe extern "C" fn(domain: *mut c_void, sink: *mut c_void, sink_fn: EventSink, err: *mut RawError) -> i32,
+    /// Installs a wake function; returns 1 if the plugin will call it.
+    pub set_waker: unsafe extern "C" fn(domain: *mut c_void, ctx: *const c_void, wake: WakeFn) -> u32,
+}
+
+// SAFETY: the table is immutable static data (function pointers and a static name).
+unsafe impl Sync for PluginTable {}
+
+/// Implemented by the type [`export_plugin!`](crate::export_plugin) generates.
+pub trait PluginOpener {
+    /// The backend's name.
+    const NAME: &'static str;
+    /// Opens one NIC.
+    const OPEN: OpenFn;
+}
+
+impl PluginTable {
+    /// The table for opener `O`; every entry is a shim that forwards to a Rust `Domain`.
+    pub const fn new<O: PluginOpener>() -> Self {
+        Self {
+            header: PluginHeader {
+                abi_version: ABI_VERSION,
+                table_size: std::mem::size_of::<PluginTable>() as u32,
+            },
+            name: RawBytes {
+                ptr: O::NAME.as_ptr(),
+                len: O::NAME.len(),
+            },
+            open: shim_open::<O>,
+            close: shim_close,
+            address: shim_address,
+            register: shim_register,
+            deregister: shim_deregister,
+            post_write: shim_post_write,
+            post_send: shim_post_send,
+            post_recvs: shim_post_recvs,
+            poll: shim_poll,
+            set_waker: shim_set_waker,
+        }
+    }
+}
+
+/// The handle behind the `*mut c_void`: a boxed trait object, boxed again to get a thin pointer.
+type Handle = Box<dyn Domain>;
+
+/// Runs `f`, turning a panic or an error into `STATUS_ERROR` with a message in `err`.
+fn guarded(err: *mut RawError, f: impl FnOnce() -> Result<i32, DomainError>) -> i32 {
+    let outcome = catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        Err(DomainError::new(DomainErrorKind::Other, "the plugin panicked"))
+    });
+    match outcome {
+        Ok(status) => status,
+        Err(e) => {
+            // SAFETY: the engine always passes a valid, exclusive RawError.
+            if let Some(err) = unsafe { err.as_mut() } {
+                err.fill(&e);
+            }
+            STATUS_ERROR
+        }
+    }
+}
+
+/// # Safety
+/// `domain` must be a handle returned by `open` and not yet closed, used by one thread at a time.
+unsafe fn handle<'a>(domain: *mut c_void) -> &'a mut Handle {
+    // SAFETY: per the function's contract, domain came from Box::into_raw in shim_open.
+    unsafe { &mut *(domain as *mut Handle) }
+}
+
+fn post_status(s: PostStatus) -> i32 {
+    match s {
+        PostStatus::Posted => STATUS_OK,
+        PostStatus::Busy => STATUS_BUSY,
+    }
+}
+
+fn peer_addr(raw: RawBytes) -> Result<NetAddr, DomainError> {
+    // SAFETY: the engine passes a borrowed, live address.
+    NetAddr::new(unsafe { raw.as_slice() })
+        .map_err(|e| DomainError::new(DomainErrorKind::InvalidArgument, e.to_string()))
+}
+
+unsafe extern "C" fn shim_open<O: PluginOpener>(nic: RawBytes, options: RawBytes, out: *mut *mut c_void, err: *mut RawError) -> i32 {
+    guarded(err, || {
+        // SAFETY: the engine passes live UTF-8 strings for the call's duration.
+        let (nic, options) = unsafe { (nic.as_slice(), options.as_slice()) };
+        let utf8 = |b| std::str::from_utf8(b).map_err(|e| DomainError::new(DomainErrorKind::InvalidArgument, e.to_string()));
+        let domain: Handle = (O::OPEN)(&DomainConfig { nic: utf8(nic)?, options: utf8(options)? })?;
+        // SAFETY: out is a valid pointer the engine provides.
+        unsafe { *out = Box::into_raw(Box::new(domain)) as *mut c_void };
+        Ok(STATUS_OK)
+    })
+}
+
+unsafe extern "C" fn shim_close(domain: *mut c_void) {
+    if !domain.is_null() {
+        // SAFETY: handles come from Box::into_raw in shim_open and are closed once.
+        let boxed = unsafe { Box::from_raw(domain as *mut Handle) };
+        let _ = catch_unwind(AssertUnwindSafe(move || drop(boxed)));
+    }
+}
+
+unsafe extern "C" fn shim_address(domain: *mut c_void, buf: *mut u8, cap: usize) -> usize {
+    catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: a live handle, per the ABI contract.
+        let addr = unsafe { handle(domain) }.address();
+        let raw = addr.raw();
+        if raw.len() > cap || raw.len() > MAX_ADDR_LEN {
+            return 0;
+        }
+        // SAFETY: buf has room for cap >= raw.len() bytes.
+        unsafe { std::ptr::copy_nonoverlapping(raw.as_ptr(), buf, raw.len()) };
+        raw.len()
+    }))
+    .unwrap_or(0)
+}
+
+unsafe extern "C" fn shim_register(domain: *mut c_void, region: *const RawRegion, out: *mut Registration, err: *mut RawError) -> i32 {
+    guarded(err, || {
+        // SAFETY: the engine passes a valid region for the call's duration.
+        let r = unsafe { *region };
+        let device = match r.device_kind {
+            0 => Device::Host,
+            _ => Device::Cuda(r.device_index),
+        };
+        let region = MemoryRegion { ptr: r.ptr, len: r.len, device, remote_write: r.remote_write != 0 };
+        // SAFETY: a live handle, per the ABI contract.
+        let reg = unsafe { handle(domain) }.register(&region)?;
+        // SAFETY: out is valid for writes.
+        unsafe { *out = reg };
+        Ok(STATUS_OK)
+    })
+}
+
+unsafe extern "C" fn shim_deregister(domain: *mut c_void, local_key: u64, err: *mut RawError) -> i32 {
+    // SAFETY: a live handle, per the ABI contract.
+    guarded(err, || unsafe { handle(domain) }.deregister(local_key).map(|()| STATUS_OK))
+}
+
+unsafe extern "C" fn shim_post_write(domain: *mut c_void, wr: *const RawWrite, err: *mut RawError) -> i32 {
+    guarded(err, || {
+        // SAFETY: the engine passes a valid request for the call's duration.
+        let w = unsafe { *wr };
+        let peer = peer_addr(w.peer)?;
+        let wr = WriteRequest {
+            wr_id: w.wr_id,
+            peer: &peer,
+            local_addr: w.local_addr,
+            local_key: w.local_key,
+            remote_addr: w.remote_addr,
+            remote_key: w.remote_key,
+            len: w.len,
+            imm: (w.has_imm != 0).then_some(w.imm),
+        };
+        // SAFETY: a live handle, per the ABI contract.
+        unsafe { handle(domain) }.post_write(&wr).map(post_status)
+    })
+}
+
+unsafe extern "C" fn shim_post_send(domain: *mut c_void, wr_id: u64, peer: RawBytes, data: RawBytes, err: *mut RawError) -> i32 {
+    guarded(err, || {
+        let peer = peer_addr(peer)?;
+        // SAFETY: the engine passes live message bytes for the call's duration.
+        let data = unsafe { data.as_slice() };
+        // SAFETY: a live handle, per the ABI contract.
+        unsafe { handle(domain) }.post_send(wr_id, &peer, data).map(post_status)
+    })
+}
+
+unsafe extern "C" fn shim_post_recvs(domain: *mut c_void, buf_len: usize, count: usize, err: *mut RawError) -> i32 {
+    // SAFETY: a live handle, per the ABI contract.
+    guarded(err, || unsafe { handle(domain) }.post_recvs(buf_len, count).map(|()| STATUS_OK))
+}
+
+unsafe extern "C" fn shim_poll(domain: *mut c_void, sink: *mut c_void, sink_fn: EventSink, err: *mut RawError) -> i32 {
+    guarded(err, || {
+        let mut events = Vec::new();
+        // SAFETY: a live handle, per the ABI contract.
+        unsafe { handle(domain) }.poll(&mut events)?;
+        for event in &events {
+            let raw = match event {
+                Event::Done { wr_id, result: Ok(()) } => RawEvent { kind: 0, error_kind: 0, wr_id: *wr_id, imm: 0, data: RawBytes::new(&[]) },
+                Event::Done { wr_id, result: Err(e) } => RawEvent { kind: 1, error_kind: e.kind as u32, wr_id: *wr_id, imm: 0, data: RawBytes::new(e.message.as_bytes()) },
+                Event::ImmArrival { imm } => RawEvent { kind: 2, error_kind: 0, wr_id: 0, imm: *imm, data: RawBytes::new(&[]) },
+                Event::Message { data } => RawEvent { kind: 3, error_kind: 0, wr_id: 0, imm: 0, data: RawBytes::new(data) },
+            };
+            // SAFETY: sink/sink_fn come from the engine's PluginDomain::poll and are valid
+            // for this call; raw borrows `events`, which outlives the call.
+            unsafe { sink_fn(sink, &raw) };
+        }
+        Ok(STATUS_OK)
+    })
+}
+
+unsafe extern "C" fn shim_set_waker(domain: *mut c_void, ctx: *const c_void, wake: WakeFn) -> u32 {
+    /// Lets the raw context cross into the `Send + Sync` waker closure.
+    struct Ctx(*const c_void);
+    // SAFETY: the engine guarantees ctx stays valid and callable from any thread until close.
+    unsafe impl Send for Ctx {}
+    // SAFETY: as above; the engine's wake context is thread-safe.
+    unsafe impl Sync for Ctx {}
+    let ctx = Ctx(ctx);
+    let waker = crate::domain::Waker::new(move || {
+        let ctx = &ctx;
+        // SAFETY: the engine keeps ctx alive until after close.
+        unsafe { wake(ctx.0) }
+    });
+    // SAFETY: a live handle, per the ABI contract.
+    catch_unwind(AssertUnwindSafe(|| unsafe { handle(domain) }.set_waker(waker) as u32)).unwrap_or(0)
+}
+
+/// Exports a backend as an xfer plugin: `export_plugin!("name", open_fn);` in a `cdylib`.
+///
+/// `open_fn` has the type [`OpenFn`]. The macro defines the [`ENTRY_SYMBOL`] function.
+#[macro_export]
+macro_rules! export_plugin {
+    ($name:expr, $open:path) => {
+        #[doc(hidden)]
+        pub struct XferPluginOpener;
+        impl $crate::plugin::abi::PluginOpener for XferPluginOpener {
+            const NAME: &'static str = $name;
+            const OPEN: $crate::domain::OpenFn = $open;
+        }
+        #[doc(hidden)]
+        pub static XFER_PLUGIN_TABLE: $crate::plugin::abi::PluginTable =
+            $crate::plugin::abi::PluginTable::new::<XferPluginOpener>();
+        /// The xfer plugin entry point.
+        #[no_mangle]
+        pub extern "C" fn xfer_plugin_entry() -> *const $crate::plugin::abi::PluginTable {
+            &XFER_PLUGIN_TABLE
+        }
+    };
+}

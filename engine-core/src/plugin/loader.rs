@@ -1,0 +1,393 @@
+//! Finding a backend by name and turning a loaded plugin into a [`Domain`].
+
+use std::ffi::c_void;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::abi::{
+    EntryFn, PluginHeader, PluginTable, RawBytes, RawError, RawEvent, RawRegion, RawWrite,
+    ABI_VERSION, ENTRY_SYMBOL, STATUS_BUSY, STATUS_OK,
+};
+use crate::domain::{
+    BackendRegistration, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event,
+    MemoryRegion, PostStatus, Registration, Waker, WriteRequest,
+};
+use crate::wire::{NetAddr, MAX_ADDR_LEN};
+
+/// Colon-separated directories searched for plugins not named by path in the config.
+pub const PLUGIN_PATH_ENV: &str = "XFER_PLUGIN_PATH";
+
+/// Why a backend could not be found or loaded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PluginError {
+    /// No built-in backend or plugin of that name.
+    #[error("no backend named {name:?}: built-in backends are {builtin:?}, and none was found in {searched:?} (set {PLUGIN_PATH_ENV} or `plugin` in the config)")]
+    UnknownBackend {
+        /// The name asked for.
+        name: String,
+        /// Backends linked into this binary.
+        builtin: Vec<String>,
+        /// Directories searched for plugins.
+        searched: Vec<PathBuf>,
+    },
+    /// The library could not be opened by the dynamic loader.
+    #[error("cannot load plugin {path}: {message}")]
+    Load {
+        /// The library.
+        path: PathBuf,
+        /// The loader's message.
+        message: String,
+    },
+    /// The library does not export the entry symbol.
+    #[error("{path} is not an xfer plugin: it does not export `{ENTRY_SYMBOL}` ({message})")]
+    MissingEntry {
+        /// The library.
+        path: PathBuf,
+        /// The loader's message.
+        message: String,
+    },
+    /// The plugin was built against another ABI version.
+    #[error("plugin {path} has ABI version {found} (table of {table_size} bytes); this engine expects ABI version {expected} (table of {expected_size} bytes)")]
+    AbiMismatch {
+        /// The library.
+        path: PathBuf,
+        /// Its version.
+        found: u32,
+        /// The version this engine speaks.
+        expected: u32,
+        /// Its table size.
+        table_size: u32,
+        /// This engine's table size.
+        expected_size: u32,
+    },
+    /// The plugin serves a different backend than the config asks for.
+    #[error("plugin {path} provides backend {found:?}, but the config asks for {expected:?}")]
+    NameMismatch {
+        /// The library.
+        path: PathBuf,
+        /// The name in its table.
+        found: String,
+        /// The name in the config.
+        expected: String,
+    },
+}
+
+/// A backend ready to open Domains.
+#[derive(Clone)]
+pub enum Backend {
+    /// Linked into this binary.
+    Builtin(&'static BackendRegistration),
+    /// Loaded from a shared library.
+    Plugin(Arc<LoadedPlugin>),
+}
+
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Builtin(r) => write!(f, "Builtin({})", r.name),
+            Self::Plugin(p) => write!(f, "Plugin({})", p.path.display()),
+        }
+    }
+}
+
+impl Backend {
+    /// The backend's name.
+    pub fn name(&self) -> &str {
+        match self {
+            Self::Builtin(r) => r.name,
+            Self::Plugin(p) => &p.name,
+        }
+    }
+
+    /// Opens one NIC.
+    pub fn open(&self, config: &DomainConfig<'_>) -> Result<Box<dyn Domain>, DomainError> {
+        match self {
+            Self::Builtin(r) => (r.open)(config),
+            Self::Plugin(p) => p.open(config),
+        }
+    }
+
+    /// Names of the backends linked into this binary.
+    pub fn builtin_names() -> Vec<String> {
+        inventory::iter::<BackendRegistration>
+            .into_iter()
+            .map(|r| r.name.to_owned())
+            .collect()
+    }
+}
+
+/// Resolves a backend: an explicit plugin path first, then a built-in of that name, then
+/// `lib<name>.so`, `libxfer_<name>.so` or `libbackend_<name>.so` in `$XFER_PLUGIN_PATH`.
+pub fn find_backend(name: &str, plugin_path: Option<&Path>) -> Result<Backend, PluginError> {
+    if let Some(path) = plugin_path {
+        return load_checked(path, name);
+    }
+    if let Some(reg) = inventory::iter::<BackendRegistration>
+        .into_iter()
+        .find(|r| r.name == name)
+    {
+        return Ok(Backend::Builtin(reg));
+    }
+    let searched: Vec<PathBuf> = std::env::var_os(PLUGIN_PATH_ENV)
+        .map(|v| std::env::split_paths(&v).collect())
+        .unwrap_or_default();
+    for dir in &searched {
+        for file in [format!("lib{name}.so"), format!("libxfer_{name}.so"), format!("libbackend_{name}.so")] {
+            let candidate = dir.join(file);
+            if candidate.is_file() {
+                return load_checked(&candidate, name);
+            }
+        }
+    }
+    Err(PluginError::UnknownBackend {
+        name: name.to_owned(),
+        builtin: Backend::builtin_names(),
+        searched,
+    })
+}
+
+fn load_checked(path: &Path, name: &str) -> Result<Backend, PluginError> {
+    let plugin = LoadedPlugin::load(path)?;
+    if plugin.name != name {
+        return Err(PluginError::NameMismatch {
+            path: path.to_owned(),
+            found: plugin.name.clone(),
+            expected: name.to_owned(),
+        });
+    }
+    Ok(Backend::Plugin(Arc::new(plugin)))
+}
+
+/// A plugin library whose table passed the version check.
+pub struct LoadedPlugin {
+    path: PathBuf,
+    name: String,
+    table: &'static PluginTable,
+    // Keeps the code behind `table` mapped; dropped last (after every Domain holding an Arc).
+    _library: libloading::Library,
+}
+
+impl LoadedPlugin {
+    /// Opens `path`, checks its ABI header, and keeps it loaded.
+    pub fn load(path: &Path) -> Result<Self, PluginError> {
+        // SAFETY: loading a library runs its initialisers; the user chose this file as a plugin
+        // (by config or search path), which is the trust decision dlopen always requires.
+        let library = unsafe { libloading::Library::new(path) }.map_err(|e| PluginError::Load {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })?;
+        // SAFETY: we only read the symbol's address here; its type is checked by the header
+        // below before anything beyond the header is used.
+        let entry = unsafe { library.get::<EntryFn>(ENTRY_SYMBOL.as_bytes()) }.map_err(|e| {
+            PluginError::MissingEntry {
+                path: path.to_owned(),
+                message: e.to_string(),
+            }
+        })?;
+        // SAFETY: the entry symbol is the ABI's `extern "C" fn() -> *const PluginTable`; every
+        // ABI version begins the table with a PluginHeader, the only part read before checking.
+        let table_ptr = unsafe { entry() };
+        if table_ptr.is_null() {
+            return Err(PluginError::MissingEntry {
+                path: path.to_owned(),
+                message: "the entry returned a null table".into(),
+            });
+        }
+        // SAFETY: non-null, and every version starts with the 8-byte header.
+        let header = unsafe { *(table_ptr as *const PluginHeader) };
+        let expected_size = std::mem::size_of::<PluginTable>() as u32;
+        if header.abi_version != ABI_VERSION || header.table_size != expected_size {
+            return Err(PluginError::AbiMismatch {
+                path: path.to_owned(),
+                found: header.abi_version,
+                expected: ABI_VERSION,
+                table_size: header.table_size,
+                expected_size,
+            });
+        }
+        // SAFETY: version and size match ours, so the pointer is to our PluginTable layout;
+        // it is static data of the library, which `_library` keeps mapped as long as `self`.
+        let table: &'static PluginTable = unsafe { &*table_ptr };
+        // SAFETY: the table's name is static UTF-8 in the library (checked lossily anyway).
+        let name = String::from_utf8_lossy(unsafe { table.name.as_slice() }).into_owned();
+        Ok(Self {
+            path: path.to_owned(),
+            name,
+            table,
+            _library: library,
+        })
+    }
+
+    fn open(self: &Arc<Self>, config: &DomainConfig<'_>) -> Result<Box<dyn Domain>, DomainError> {
+        let mut handle: *mut c_void = std::ptr::null_mut();
+        let mut err = RawError::empty();
+        // SAFETY: every pointer is live for the call; the strings are borrowed only during it.
+        let status = unsafe {
+            (self.table.open)(
+                RawBytes::new(config.nic.as_bytes()),
+                RawBytes::new(config.options.as_bytes()),
+                &mut handle,
+                &mut err,
+            )
+        };
+        if status != STATUS_OK || handle.is_null() {
+            return Err(err.to_error());
+        }
+        Ok(Box::new(PluginDomain {
+            plugin: Arc::clone(self),
+            handle,
+            waker: None,
+        }))
+    }
+}
+
+/// A Domain living in a plugin; every call goes through the table.
+struct PluginDomain {
+    plugin: Arc<LoadedPlugin>,
+    handle: *mut c_void,
+    /// The wake context handed to the plugin; freed only after `close`.
+    waker: Option<Box<Waker>>,
+}
+
+// SAFETY: the ABI requires Domains to be movable between threads (the engine uses each from
+// one worker thread at a time), exactly like the `Send` bound on the Rust trait.
+unsafe impl Send for PluginDomain {}
+
+impl PluginDomain {
+    fn check(status: i32, err: &RawError) -> Result<PostStatus, DomainError> {
+        match status {
+            STATUS_OK => Ok(PostStatus::Posted),
+            STATUS_BUSY => Ok(PostStatus::Busy),
+            _ => Err(err.to_error()),
+        }
+    }
+}
+
+impl Drop for PluginDomain {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from open and is closed exactly once, here.
+        unsafe { (self.plugin.table.close)(self.handle) };
+        // The waker box drops after close, so the plugin can no longer call it.
+        self.waker = None;
+    }
+}
+
+unsafe extern "C" fn collect_event(sink: *mut c_void, event: *const RawEvent) {
+    // SAFETY: sink is the &mut Vec<Event> passed by PluginDomain::poll for this call.
+    let events = unsafe { &mut *(sink as *mut Vec<Event>) };
+    // SAFETY: the plugin passes a valid event whose bytes live for this call.
+    let e = unsafe { &*event };
+    // SAFETY: as above.
+    let data = unsafe { e.data.as_slice() };
+    events.push(match e.kind {
+        0 => Event::Done { wr_id: e.wr_id, result: Ok(()) },
+        1 => Event::Done {
+            wr_id: e.wr_id,
+            result: Err(DomainError::new(
+                DomainErrorKind::from_raw(e.error_kind),
+                String::from_utf8_lossy(data).into_owned(),
+            )),
+        },
+        2 => Event::ImmArrival { imm: e.imm },
+        _ => Event::Message { data: data.to_vec() },
+    });
+}
+
+unsafe extern "C" fn wake_trampoline(ctx: *const c_void) {
+    // SAFETY: ctx is the Box<Waker> PluginDomain keeps alive until after close.
+    unsafe { &*(ctx as *const Waker) }.wake();
+}
+
+impl Domain for PluginDomain {
+    fn address(&self) -> NetAddr {
+        let mut buf = [0u8; MAX_ADDR_LEN];
+        // SAFETY: live handle; buf has MAX_ADDR_LEN bytes of room.
+        let n = unsafe { (self.plugin.table.address)(self.handle, buf.as_mut_ptr(), buf.len()) };
+        // A plugin returning no address is broken; a one-byte zero address fails every
+        // lookup loudly instead of crashing here.
+        NetAddr::new(&buf[..n]).unwrap_or_else(|_| NetAddr::new(&[0]).expect("one byte is valid"))
+    }
+
+    fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError> {
+        let (device_kind, device_index) = match region.device {
+            Device::Host => (0, 0),
+            Device::Cuda(i) => (1, i),
+        };
+        let raw = RawRegion {
+            ptr: region.ptr,
+            len: region.len,
+            device_kind,
+            device_index,
+            remote_write: region.remote_write as u32,
+        };
+        let mut out = Registration { local_key: 0, remote_key: 0 };
+        let mut err = RawError::empty();
+        // SAFETY: live handle; all pointers valid for the call.
+        let status = unsafe { (self.plugin.table.register)(self.handle, &raw, &mut out, &mut err) };
+        Self::check(status, &err).map(|_| out)
+    }
+
+    fn deregister(&mut self, local_key: u64) -> Result<(), DomainError> {
+        let mut err = RawError::empty();
+        // SAFETY: live handle; err valid for the call.
+        let status = unsafe { (self.plugin.table.deregister)(self.handle, local_key, &mut err) };
+        Self::check(status, &err).map(|_| ())
+    }
+
+    fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError> {
+        let raw = RawWrite {
+            wr_id: wr.wr_id,
+            peer: RawBytes::new(wr.peer.raw()),
+            local_addr: wr.local_addr,
+            local_key: wr.local_key,
+            remote_addr: wr.remote_addr,
+            remote_key: wr.remote_key,
+            len: wr.len,
+            has_imm: wr.imm.is_some() as u32,
+            imm: wr.imm.unwrap_or(0),
+        };
+        let mut err = RawError::empty();
+        // SAFETY: live handle; raw borrows wr.peer, which outlives the call.
+        let status = unsafe { (self.plugin.table.post_write)(self.handle, &raw, &mut err) };
+        Self::check(status, &err)
+    }
+
+    fn post_send(&mut self, wr_id: u64, peer: &NetAddr, data: &[u8]) -> Result<PostStatus, DomainError> {
+        let mut err = RawError::empty();
+        // SAFETY: live handle; both byte strings outlive the call (the plugin copies them).
+        let status = unsafe {
+            (self.plugin.table.post_send)(self.handle, wr_id, RawBytes::new(peer.raw()), RawBytes::new(data), &mut err)
+        };
+        Self::check(status, &err)
+    }
+
+    fn post_recvs(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError> {
+        let mut err = RawError::empty();
+        // SAFETY: live handle; err valid for the call.
+        let status = unsafe { (self.plugin.table.post_recvs)(self.handle, buf_len, count, &mut err) };
+        Self::check(status, &err).map(|_| ())
+    }
+
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError> {
+        let mut err = RawError::empty();
+        let sink = events as *mut Vec<Event> as *mut c_void;
+        // SAFETY: live handle; `sink` is exclusively borrowed for the call, and collect_event
+        // casts it back to the same type.
+        let status = unsafe { (self.plugin.table.poll)(self.handle, sink, collect_event, &mut err) };
+        Self::check(status, &err).map(|_| ())
+    }
+
+    fn set_waker(&mut self, waker: Waker) -> bool {
+        let boxed = Box::new(waker);
+        let ctx = &*boxed as *const Waker as *const c_void;
+        // SAFETY: live handle; ctx stays valid until after close (it is dropped in Drop).
+        let will_wake = unsafe { (self.plugin.table.set_waker)(self.handle, ctx, wake_trampoline) } != 0;
+        // Any previous waker may still be referenced by the plugin until close; keep the old
+        // one alive by leaking at most one per call (the engine installs one per Domain).
+        if let Some(old) = self.waker.replace(boxed) {
+            std::mem::forget(old);
+        }
+        will_wake
+    }
+}

@@ -1,0 +1,8 @@
+//! Backends: the built-in ones registered with `inventory`, and out-of-tree plugins loaded with
+//! `libloading` through the C ABI in [`abi`]. This module holds the crate's only `unsafe`
+//! besides the ABI shims themselves.
+
+pub mod abi;
+mod loader;
+
+pub use loader::{find_backend, Backend, PluginError, PLUGIN_PATH_ENV};

@@ -1,0 +1,212 @@
+//! How a caller learns that something finished: a callback, or a flag or counter to poll.
+//!
+//! Callbacks run on the engine's callback thread, never on the worker, so a slow or
+//! re-submitting callback cannot stall the NICs. Flags and counters are set by the worker
+//! directly (no thread hop), which is what the fastest callers use.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+
+use crate::error::{Error, Result};
+
+/// A unit of work for the callback thread; `None` tells it to stop once all before it ran.
+pub(crate) type Job = Option<Box<dyn FnOnce() + Send>>;
+
+/// What to do when an operation finishes (exactly once, with its outcome).
+pub enum OnDone {
+    /// Call this on the callback thread.
+    Callback(Box<dyn FnOnce(Result<()>) + Send>),
+    /// Set this flag.
+    Flag(Arc<DoneFlag>),
+    /// Count into this counter (one counter can serve many operations).
+    Counter(Arc<DoneCounter>),
+}
+
+impl fmt::Debug for OnDone {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Callback(_) => f.write_str("OnDone::Callback"),
+            Self::Flag(flag) => write!(f, "OnDone::Flag({flag:?})"),
+            Self::Counter(c) => write!(f, "OnDone::Counter({c:?})"),
+        }
+    }
+}
+
+impl OnDone {
+    /// A callback.
+    pub fn callback(f: impl FnOnce(Result<()>) + Send + 'static) -> Self {
+        Self::Callback(Box::new(f))
+    }
+
+    /// Delivers the outcome: flags and counters at once, callbacks through `jobs`. If the
+    /// callback thread is gone (engine shut down), the callback runs here rather than be lost.
+    pub(crate) fn complete(self, result: Result<()>, jobs: &Sender<Job>) {
+        match self {
+            Self::Flag(flag) => flag.set(result),
+            Self::Counter(counter) => counter.add(result),
+            Self::Callback(cb) => {
+                if let Err(returned) = jobs.send(Some(Box::new(move || cb(result)))) {
+                    if let Some(job) = returned.into_inner() {
+                        job();
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl From<Arc<DoneFlag>> for OnDone {
+    fn from(flag: Arc<DoneFlag>) -> Self {
+        Self::Flag(flag)
+    }
+}
+
+impl From<Arc<DoneCounter>> for OnDone {
+    fn from(counter: Arc<DoneCounter>) -> Self {
+        Self::Counter(counter)
+    }
+}
+
+const PENDING: u8 = 0;
+const OK: u8 = 1;
+const FAILED: u8 = 2;
+
+/// Polls with a short spin, then yields, then sleeps, until `done()` or the deadline.
+fn wait_until(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    let mut round = 0u32;
+    loop {
+        if done() {
+            return true;
+        }
+        if start.elapsed() >= timeout {
+            return done();
+        }
+        round += 1;
+        if round < 64 {
+            std::hint::spin_loop();
+        } else if round < 256 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+/// A one-shot completion flag.
+#[derive(Debug, Default)]
+pub struct DoneFlag {
+    state: AtomicU8,
+    error: Mutex<Option<Error>>,
+}
+
+impl DoneFlag {
+    /// A new, unset flag.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    fn set(&self, result: Result<()>) {
+        match result {
+            Ok(()) => self.state.store(OK, Ordering::Release),
+            Err(e) => {
+                *self.error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                self.state.store(FAILED, Ordering::Release);
+            }
+        }
+    }
+
+    /// Whether the operation has finished.
+    pub fn is_done(&self) -> bool {
+        self.state.load(Ordering::Acquire) != PENDING
+    }
+
+    /// The outcome, once finished.
+    pub fn result(&self) -> Option<Result<()>> {
+        match self.state.load(Ordering::Acquire) {
+            PENDING => None,
+            OK => Some(Ok(())),
+            _ => Some(Err(self
+                .error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+                .unwrap_or(Error::Shutdown))),
+        }
+    }
+
+    /// Waits up to `timeout` for the outcome; `Err(Timeout)` if it is not there by then.
+    pub fn wait(&self, timeout: Duration) -> Result<()> {
+        wait_until(timeout, || self.is_done());
+        self.result().unwrap_or(Err(Error::Timeout(timeout)))
+    }
+}
+
+/// Counts the outcomes of many operations.
+#[derive(Debug, Default)]
+pub struct DoneCounter {
+    ok: AtomicU64,
+    failed: AtomicU64,
+    first_error: Mutex<Option<Error>>,
+}
+
+impl DoneCounter {
+    /// A new counter at zero.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    fn add(&self, result: Result<()>) {
+        match result {
+            Ok(()) => {
+                self.ok.fetch_add(1, Ordering::Release);
+            }
+            Err(e) => {
+                self.first_error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert(e);
+                self.failed.fetch_add(1, Ordering::Release);
+            }
+        }
+    }
+
+    /// Operations that succeeded.
+    pub fn ok(&self) -> u64 {
+        self.ok.load(Ordering::Acquire)
+    }
+
+    /// Operations that failed.
+    pub fn failed(&self) -> u64 {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// Operations finished either way.
+    pub fn finished(&self) -> u64 {
+        self.ok() + self.failed()
+    }
+
+    /// The first error counted, if any.
+    pub fn first_error(&self) -> Option<Error> {
+        self.first_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Waits up to `timeout` until `n` operations have finished; then `Ok` if none failed,
+    /// else the first error; `Err(Timeout)` if fewer than `n` finished in time.
+    pub fn wait_for(&self, n: u64, timeout: Duration) -> Result<()> {
+        if !wait_until(timeout, || self.finished() >= n) {
+            return Err(Error::Timeout(timeout));
+        }
+        match self.first_error() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! Per-transfer completion tracking: which transfers are in flight, how many of their work
+//! requests are still out, the first error seen, and their deadlines. Pure bookkeeping that
+//! the worker feeds with `Done` events and the clock.
+//!
+//! A work request's id names its transfer's slot and the slot's generation, so a completion
+//! that arrives after its transfer timed out (and the slot was reused) is recognised as stale
+//! and ignored instead of completing someone else's transfer.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+
+struct Slot<W> {
+    generation: u32,
+    entry: Option<InFlight<W>>,
+}
+
+struct InFlight<W> {
+    remaining: u64,
+    error: Option<Error>,
+    waiter: W,
+}
+
+/// In-flight transfers, each finishing exactly once.
+pub(crate) struct Tracker<W> {
+    slots: Vec<Slot<W>>,
+    free: Vec<u32>,
+    /// (slot, generation, deadline) in submission order; deadlines only grow because every
+    /// transfer gets the same timeout.
+    deadlines: VecDeque<(u32, u32, Instant)>,
+    live: usize,
+}
+
+impl<W> Tracker<W> {
+    pub(crate) fn new() -> Self {
+        Self {
+            slots: Vec::new(),
+            free: Vec::new(),
+            deadlines: VecDeque::new(),
+            live: 0,
+        }
+    }
+
+    /// Transfers in flight.
+    pub(crate) fn len(&self) -> usize {
+        self.live
+    }
+
+    /// Starts tracking a transfer of `requests` work requests (at least one); returns the
+    /// work-request id all of them carry.
+    pub(crate) fn insert(&mut self, requests: u64, deadline: Instant, waiter: W) -> u64 {
+        debug_assert!(requests > 0);
+        let slot = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push(Slot {
+                    generation: 0,
+                    entry: None,
+                });
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let s = &mut self.slots[slot as usize];
+        s.entry = Some(InFlight {
+            remaining: requests,
+            error: None,
+            waiter,
+        });
+        self.deadlines.push_back((slot, s.generation, deadline));
+        self.live += 1;
+        (u64::from(s.generation) << 32) | u64::from(slot)
+    }
+
+    fn entry(&mut self, wr_id: u64) -> Option<&mut InFlight<W>> {
+        let (slot, generation) = ((wr_id & 0xffff_ffff) as usize, (wr_id >> 32) as u32);
+        let s = self.slots.get_mut(slot)?;
+        if s.generation != generation {
+            return None;
+        }
+        s.entry.as_mut()
+    }
+
+    /// Whether the transfer behind `wr_id` is still in flight.
+    pub(crate) fn is_live(&mut self, wr_id: u64) -> bool {
+        self.entry(wr_id).is_some()
+    }
+
+    fn finish(&mut self, slot: usize) -> (W, Result<()>) {
+        let s = &mut self.slots[slot];
+        let done = s.entry.take().expect("finish is called on a live slot");
+        s.generation = s.generation.wrapping_add(1);
+        self.free.push(slot as u32);
+        self.live -= 1;
+        (done.waiter, done.error.map_or(Ok(()), Err))
+    }
+
+    /// Records one work request's outcome; returns the transfer's waiter and result once its
+    /// last request is in. Stale or unknown ids return `None`.
+    pub(crate) fn handle_done(&mut self, wr_id: u64, result: Result<()>) -> Option<(W, Result<()>)> {
+        let entry = self.entry(wr_id)?;
+        entry.remaining -= 1;
+        if let Err(e) = result {
+            entry.error.get_or_insert(e);
+        }
+        if entry.remaining > 0 {
+            return None;
+        }
+        Some(self.finish((wr_id & 0xffff_ffff) as usize))
+    }
+
+    /// Ends every transfer whose deadline is at or before `now` with `timeout()`.
+    pub(crate) fn poll_expired(&mut self, now: Instant, timeout: impl Fn() -> Error, out: &mut Vec<(W, Result<()>)>) {
+        while let Some(&(slot, generation, deadline)) = self.deadlines.front() {
+            let s = &self.slots[slot as usize];
+            let live = s.generation == generation && s.entry.is_some();
+            if live && deadline > now {
+                break;
+            }
+            self.deadlines.pop_front();
+            if live {
+                let (waiter, _) = self.finish(slot as usize);
+                out.push((waiter, Err(timeout())));
+            }
+        }
+    }
+
+    /// The earliest deadline still pending.
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        self.deadlines.front().map(|&(_, _, d)| d)
+    }
+
+    /// Ends every transfer (at shutdown), returning their waiters.
+    pub(crate) fn drain(&mut self) -> Vec<W> {
+        self.deadlines.clear();
+        let live: Vec<usize> = (0..self.slots.len())
+            .filter(|&i| self.slots[i].entry.is_some())
+            .collect();
+        live.into_iter().map(|i| self.finish(i).0).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_transfer_finishes_after_its_last_request_with_the_first_error() {
+        let mut t = Tracker::new();
+        let far = Instant::now() + Duration::from_secs(60);
+        let id = t.insert(3, far, "w");
+        assert!(t.handle_done(id, Ok(())).is_none());
+        assert!(t.handle_done(id, Err(Error::RemoteAccess("first".into()))).is_none());
+        let (w, r) = t.handle_done(id, Err(Error::RemoteAccess("second".into()))).unwrap();
+        assert_eq!((w, r), ("w", Err(Error::RemoteAccess("first".into()))));
+        assert_eq!(t.len(), 0);
+        assert!(t.handle_done(id, Ok(())).is_none(), "a finished transfer never finishes again");
+    }
+
+    #[test]
+    fn late_completions_after_a_timeout_do_not_touch_the_reused_slot() {
+        let mut t = Tracker::new();
+        let now = Instant::now();
+        let old = t.insert(1, now, "old");
+        let mut out = Vec::new();
+        t.poll_expired(now, || Error::Timeout(Duration::ZERO), &mut out);
+        assert_eq!(out, vec![("old", Err(Error::Timeout(Duration::ZERO)))]);
+        let new = t.insert(1, now + Duration::from_secs(60), "new");
+        assert_eq!(new & 0xffff_ffff, old & 0xffff_ffff, "the slot is reused");
+        assert!(t.handle_done(old, Ok(())).is_none(), "the stale completion is ignored");
+        assert!(t.is_live(new));
+        assert_eq!(t.handle_done(new, Ok(())), Some(("new", Ok(()))));
+    }
+
+    #[test]
+    fn drain_ends_everything_in_flight() {
+        let mut t = Tracker::new();
+        let far = Instant::now() + Duration::from_secs(60);
+        let a = t.insert(2, far, 1);
+        t.insert(1, far, 2);
+        t.handle_done(a, Ok(()));
+        let mut left = t.drain();
+        left.sort();
+        assert_eq!(left, vec![1, 2]);
+        assert_eq!(t.len(), 0);
+        assert_eq!(t.next_deadline(), None);
+    }
+}

@@ -1,0 +1,414 @@
+//! The worker: one thread per DomainGroup that posts work, polls completions and enforces
+//! deadlines. It is a thin loop around [`Tracker`] and the [`ImmCounter`](crate::ImmCounter);
+//! the planning happened on the caller's thread.
+//!
+//! Spinning policy: while any transfer is in flight (or a post is waiting for room) the worker
+//! busy-polls; after `worker.spin_us` without work it parks until woken by a submission or a
+//! Domain's waker, the next deadline, or (for Domains that cannot wake it) `idle_poll_us`.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::completion::OnDone;
+use super::tracker::Tracker;
+use super::{Command, Shared, WriteOp};
+use crate::domain::{Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus, Registration, Waker, WriteRequest};
+use crate::error::{Error, Result};
+use crate::imm::Outcome;
+use crate::plugin::Backend;
+use crate::wire::NetAddr;
+
+/// A work request waiting for room on its NIC.
+enum Pending {
+    Write(WriteOp),
+    Send { peer: NetAddr, data: Vec<u8> },
+}
+
+/// Turns a Domain's error into the engine's typed error.
+pub(crate) fn map_domain_error(backend: &str, e: DomainError) -> Error {
+    match e.kind {
+        DomainErrorKind::RemoteAccess => Error::RemoteAccess(e.message),
+        DomainErrorKind::PeerUnreachable => Error::PeerUnreachable(e.message),
+        DomainErrorKind::InvalidArgument => Error::InvalidArgument(e.message),
+        DomainErrorKind::Timeout => Error::Timeout(Duration::ZERO),
+        _ => Error::Backend {
+            backend: backend.to_owned(),
+            message: e.message,
+        },
+    }
+}
+
+struct Worker {
+    shared: Arc<Shared>,
+    domains: Vec<Box<dyn Domain>>,
+    /// Whether every Domain wakes the worker on new events.
+    domains_wake: bool,
+    tracker: Tracker<OnDone>,
+    pending: Vec<VecDeque<(u64, Pending)>>,
+    events: Vec<Event>,
+    finished: Vec<(OnDone, Result<()>)>,
+    imm_outcomes: Vec<Outcome<OnDone>>,
+    transfer_timeout: Duration,
+}
+
+/// What the engine keeps of its worker.
+pub(crate) struct WorkerHandle {
+    pub(crate) thread: JoinHandle<()>,
+    pub(crate) addresses: Vec<NetAddr>,
+}
+
+/// Starts the worker: pins it, then opens the group's Domains on it (so their memory is
+/// allocated near the pinned CPU), and returns once they are open.
+pub(crate) fn spawn_worker(shared: Arc<Shared>, backend: Backend, group: usize) -> Result<WorkerHandle> {
+    let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<Vec<NetAddr>>>(1);
+    let thread_shared = Arc::clone(&shared);
+    let thread = std::thread::Builder::new()
+        .name(format!("xfer-worker-{group}"))
+        .spawn(move || {
+            let shared = thread_shared;
+            match open_domains(&shared, &backend, group) {
+                Ok(worker) => {
+                    let addresses = worker.domains.iter().map(|d| d.address()).collect();
+                    let _ = ready_tx.send(Ok(addresses));
+                    worker.run();
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            }
+        })
+        .map_err(|e| Error::Backend {
+            backend: shared.backend.clone(),
+            message: format!("cannot spawn the worker thread: {e}"),
+        })?;
+    let _ = shared.worker.set(thread.thread().clone());
+    let timeout = shared.config.timeouts.control() + Duration::from_millis(shared.config.timeouts.connect_ms);
+    let addresses = match ready_rx.recv_timeout(timeout) {
+        Ok(Ok(a)) => a,
+        Ok(Err(e)) => {
+            let _ = thread.join();
+            return Err(e);
+        }
+        Err(_) => return Err(Error::Timeout(timeout)),
+    };
+    Ok(WorkerHandle { thread, addresses })
+}
+
+fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result<Worker> {
+    let config = &shared.config;
+    let group_config = &config.groups[group];
+    if let Some(cpu) = group_config.worker_cpu {
+        if !core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
+            return Err(Error::InvalidArgument(format!(
+                "cannot pin the worker of group {group} to CPU {cpu} (see groups[{group}].worker_cpu in {})",
+                config.source.display()
+            )));
+        }
+    }
+    let options = config.backend_options();
+    let mut domains = Vec::with_capacity(group_config.nics.len());
+    let mut domains_wake = true;
+    for nic in &group_config.nics {
+        let mut domain = backend
+            .open(&DomainConfig { nic, options: &options })
+            .map_err(|e| Error::Backend {
+                backend: shared.backend.clone(),
+                message: format!("cannot open NIC {nic:?}: {}", e.message),
+            })?;
+        let weak: Weak<Shared> = Arc::downgrade(shared);
+        domains_wake &= domain.set_waker(Waker::new(move || {
+            if let Some(s) = weak.upgrade() {
+                s.wake();
+            }
+        }));
+        domains.push(domain);
+    }
+    let nics = domains.len();
+    Ok(Worker {
+        shared: Arc::clone(shared),
+        domains,
+        domains_wake,
+        tracker: Tracker::new(),
+        pending: (0..nics).map(|_| VecDeque::new()).collect(),
+        events: Vec::new(),
+        finished: Vec::new(),
+        imm_outcomes: Vec::new(),
+        transfer_timeout: config.timeouts.transfer(),
+    })
+}
+
+impl Worker {
+    fn run(mut self) {
+        let spin = Duration::from_micros(self.shared.config.worker.spin_us);
+        let idle_poll = Duration::from_micros(self.shared.config.worker.idle_poll_us);
+        let mut idle_since: Option<Instant> = None;
+        let mut rounds: u32 = 0;
+        loop {
+            let mut busy = false;
+            for _ in 0..256 {
+                match self.shared.queue.pop() {
+                    Some(Command::Shutdown) => return self.shutdown(),
+                    Some(cmd) => {
+                        self.handle_command(cmd);
+                        busy = true;
+                    }
+                    None => break,
+                }
+            }
+            busy |= self.flush_pending();
+            busy |= self.poll_domains();
+            self.deliver();
+            rounds = rounds.wrapping_add(1);
+            if busy {
+                idle_since = None;
+                if rounds % 64 == 0 {
+                    self.expire(Instant::now());
+                }
+                continue;
+            }
+            let now = Instant::now();
+            self.expire(now);
+            let in_flight = self.tracker.len() > 0 || self.pending.iter().any(|p| !p.is_empty());
+            let idle_start = *idle_since.get_or_insert(now);
+            if in_flight || now.duration_since(idle_start) < spin {
+                std::hint::spin_loop();
+                continue;
+            }
+            self.park(now, idle_poll);
+        }
+    }
+
+    fn park(&mut self, now: Instant, idle_poll: Duration) {
+        let deadline = [self.tracker.next_deadline(), self.shared.lock_imm().next_deadline()]
+            .into_iter()
+            .flatten()
+            .min();
+        let mut timeout = deadline.map_or(Duration::from_secs(3600), |d| d.saturating_duration_since(now));
+        if !self.domains_wake {
+            timeout = timeout.min(idle_poll);
+        }
+        if self.shared.queue.is_empty() {
+            std::thread::park_timeout(timeout);
+        }
+    }
+
+    fn handle_command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Writes { ops, on_done } => {
+                if ops.is_empty() {
+                    self.finished.push((on_done, Ok(())));
+                    return;
+                }
+                let id = self.tracker.insert(ops.len() as u64, Instant::now() + self.transfer_timeout, on_done);
+                for op in ops {
+                    let nic = op.nic;
+                    self.post(nic, id, Pending::Write(op));
+                }
+            }
+            Command::Send { peer, data, on_done } => {
+                let id = self.tracker.insert(1, Instant::now() + self.transfer_timeout, on_done);
+                self.post(0, id, Pending::Send { peer, data });
+            }
+            Command::Register { region, reply } => {
+                let _ = reply.send(self.register(&region));
+            }
+            Command::Deregister { keys, reply } => {
+                let mut result = Ok(());
+                for (domain, key) in self.domains.iter_mut().zip(keys) {
+                    if let Err(e) = domain.deregister(key) {
+                        result = result.and(Err(map_domain_error(&self.shared.backend, e)));
+                    }
+                }
+                let _ = reply.send(result);
+            }
+            Command::PostRecvs { buf_len, count } => {
+                if let Err(e) = self.domains[0].post_recvs(buf_len, count) {
+                    tracing::error!(error = %e, "cannot post receive buffers");
+                }
+            }
+            Command::Shutdown => unreachable!("handled by run"),
+        }
+    }
+
+    fn register(&mut self, region: &crate::domain::MemoryRegion) -> Result<Vec<Registration>> {
+        let mut done = Vec::with_capacity(self.domains.len());
+        for i in 0..self.domains.len() {
+            match self.domains[i].register(region) {
+                Ok(reg) => done.push(reg),
+                Err(e) => {
+                    for (d, reg) in self.domains.iter_mut().zip(&done) {
+                        let _ = d.deregister(reg.local_key);
+                    }
+                    return Err(map_domain_error(&self.shared.backend, e));
+                }
+            }
+        }
+        Ok(done)
+    }
+
+    /// Posts now if the NIC has room and nothing is queued ahead; queues otherwise.
+    fn post(&mut self, nic: usize, id: u64, work: Pending) {
+        if self.pending[nic].is_empty() {
+            match self.try_post(nic, id, &work) {
+                Ok(PostStatus::Posted) => return,
+                Ok(PostStatus::Busy) => {}
+                Err(e) => {
+                    self.fail_request(id, e);
+                    return;
+                }
+            }
+        }
+        self.pending[nic].push_back((id, work));
+    }
+
+    fn try_post(&mut self, nic: usize, id: u64, work: &Pending) -> Result<PostStatus, DomainError> {
+        match work {
+            Pending::Write(op) => self.domains[nic].post_write(&WriteRequest {
+                wr_id: id,
+                peer: &op.peer,
+                local_addr: op.local_addr,
+                local_key: op.local_key,
+                remote_addr: op.remote_addr,
+                remote_key: op.remote_key,
+                len: op.len,
+                imm: op.imm,
+            }),
+            Pending::Send { peer, data } => self.domains[nic].post_send(id, peer, data),
+        }
+    }
+
+    fn fail_request(&mut self, id: u64, e: DomainError) {
+        let err = map_domain_error(&self.shared.backend, e);
+        if let Some(done) = self.tracker.handle_done(id, Err(err)) {
+            self.finished.push(done);
+        }
+    }
+
+    /// Retries queued posts in order; returns whether anything moved.
+    fn flush_pending(&mut self) -> bool {
+        let mut moved = false;
+        for nic in 0..self.pending.len() {
+            while let Some((id, work)) = self.pending[nic].pop_front() {
+                if !self.tracker.is_live(id) {
+                    moved = true; // its transfer already ended (timed out); drop it
+                    continue;
+                }
+                match self.try_post(nic, id, &work) {
+                    Ok(PostStatus::Posted) => moved = true,
+                    Ok(PostStatus::Busy) => {
+                        self.pending[nic].push_front((id, work));
+                        break;
+                    }
+                    Err(e) => {
+                        moved = true;
+                        self.fail_request(id, e);
+                    }
+                }
+            }
+        }
+        moved
+    }
+
+    fn poll_domains(&mut self) -> bool {
+        let mut any = false;
+        for nic in 0..self.domains.len() {
+            self.events.clear();
+            if let Err(e) = self.domains[nic].poll(&mut self.events) {
+                tracing::error!(nic, error = %e, "polling a Domain failed");
+            }
+            if self.events.is_empty() {
+                continue;
+            }
+            any = true;
+            let mut events = std::mem::take(&mut self.events);
+            self.handle_events(&mut events);
+            self.events = events;
+        }
+        any
+    }
+
+    fn handle_events(&mut self, events: &mut Vec<Event>) {
+        let mut imm = None;
+        for event in events.drain(..) {
+            match event {
+                Event::Done { wr_id, result } => {
+                    let result = result.map_err(|e| map_domain_error(&self.shared.backend, e));
+                    if let Some(done) = self.tracker.handle_done(wr_id, result) {
+                        self.finished.push(done);
+                    }
+                }
+                Event::ImmArrival { imm: value } => {
+                    // Take the ImmCounter lock once per batch, not once per arrival.
+                    let counter = imm.get_or_insert_with(|| self.shared.lock_imm());
+                    counter.handle_arrivals(value, 1, &mut self.imm_outcomes);
+                }
+                Event::Message { data } => self.deliver_message(data),
+            }
+        }
+    }
+
+    fn deliver_message(&self, data: Vec<u8>) {
+        let Some((buf_len, handler)) = self.shared.recv_handler.get() else {
+            tracing::error!("a message arrived with no receive handler; dropped");
+            return;
+        };
+        let (buf_len, handler) = (*buf_len, Arc::clone(handler));
+        let weak = Arc::downgrade(&self.shared);
+        let job = Box::new(move || {
+            handler(&data);
+            // The buffer goes back to the pool only after the callback returns.
+            if let Some(shared) = weak.upgrade() {
+                let _ = shared.submit(Command::PostRecvs { buf_len, count: 1 });
+            }
+        });
+        let _ = self.shared.jobs.send(Some(job));
+    }
+
+    /// Hands finished transfers and met expectations to their waiters.
+    fn deliver(&mut self) {
+        for (on_done, result) in self.finished.drain(..) {
+            on_done.complete(result, &self.shared.jobs);
+        }
+        let expect_timeout = self.shared.config.timeouts.expect();
+        for outcome in self.imm_outcomes.drain(..) {
+            match outcome {
+                Outcome::Met(w) => w.complete(Ok(()), &self.shared.jobs),
+                Outcome::Expired(w) => w.complete(Err(Error::Timeout(expect_timeout)), &self.shared.jobs),
+            }
+        }
+    }
+
+    fn expire(&mut self, now: Instant) {
+        let timeout = self.transfer_timeout;
+        self.tracker.poll_expired(now, || Error::Timeout(timeout), &mut self.finished);
+        self.shared.lock_imm().poll_expired(now, &mut self.imm_outcomes);
+        self.deliver();
+    }
+
+    fn shutdown(mut self) {
+        for w in self.tracker.drain() {
+            self.finished.push((w, Err(Error::Shutdown)));
+        }
+        let waiting = self.shared.lock_imm().drain_waiting();
+        self.finished.extend(waiting.into_iter().map(|w| (w, Err(Error::Shutdown))));
+        while let Some(cmd) = self.shared.queue.pop() {
+            match cmd {
+                Command::Writes { on_done, .. } | Command::Send { on_done, .. } => {
+                    self.finished.push((on_done, Err(Error::Shutdown)));
+                }
+                Command::Register { reply, .. } => {
+                    let _ = reply.send(Err(Error::Shutdown));
+                }
+                Command::Deregister { reply, .. } => {
+                    let _ = reply.send(Err(Error::Shutdown));
+                }
+                Command::PostRecvs { .. } | Command::Shutdown => {}
+            }
+        }
+        self.deliver();
+        // Domains close here, on the thread that opened them.
+        self.domains.clear();
+    }
+}

@@ -1,0 +1,398 @@
+//! Wire formats: [`NetAddr`] and [`MrDesc`], the two things peers exchange out of band.
+//!
+//! Each has three forms: serde (for the caller's own RPC), a compact versioned binary form
+//! (`to_bytes`/`from_bytes`) and its hex text (`Display`/`FromStr`). Decoders check the version,
+//! reject truncation, trailing bytes and absurd lengths, and never panic: these bytes come from
+//! another machine.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+/// Version byte that starts every binary form; bumped when a layout changes.
+pub const WIRE_VERSION: u8 = 1;
+/// Longest NIC address any backend produces (EFA: 32 bytes; verbs: GID + QPN + QKey).
+pub const MAX_ADDR_LEN: usize = 64;
+/// Most NICs a DomainGroup (and so an `MrDesc`) can hold.
+pub const MAX_NICS: usize = 4;
+
+/// Why a serialized address or descriptor was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// The input ended before the structure did.
+    #[error("truncated: needed {needed} more bytes at offset {at}")]
+    Truncated {
+        /// Where the read started.
+        at: usize,
+        /// How many bytes were missing.
+        needed: usize,
+    },
+    /// The version byte is not one this build understands.
+    #[error("wire version {found}, expected {expected}")]
+    Version {
+        /// The version found.
+        found: u8,
+        /// The version this build speaks.
+        expected: u8,
+    },
+    /// Bytes were left over after a complete structure.
+    #[error("{0} trailing bytes")]
+    Trailing(usize),
+    /// A length field is zero or larger than any valid value.
+    #[error("{field} is {value}, allowed {min}..={max}")]
+    Length {
+        /// The field.
+        field: &'static str,
+        /// The value found.
+        value: usize,
+        /// Smallest valid value.
+        min: usize,
+        /// Largest valid value.
+        max: usize,
+    },
+    /// `ptr + len` does not fit in 64 bits.
+    #[error("region {ptr:#x}+{len} overflows the address space")]
+    Overflow {
+        /// Region start.
+        ptr: u64,
+        /// Region length.
+        len: u64,
+    },
+    /// The hex text form has a non-hex character or an odd length.
+    #[error("bad hex text: {0}")]
+    Hex(String),
+}
+
+/// A byte reader that turns every short read into [`DecodeError::Truncated`].
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn new(bytes: &'a [u8]) -> Self {
+        Self { bytes, at: 0 }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        let rest = &self.bytes[self.at..];
+        if rest.len() < n {
+            return Err(DecodeError::Truncated {
+                at: self.at,
+                needed: n - rest.len(),
+            });
+        }
+        self.at += n;
+        Ok(&rest[..n])
+    }
+
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        let b = self.take(8)?;
+        Ok(u64::from_le_bytes(b.try_into().expect("take(8) returns 8 bytes")))
+    }
+
+    fn version(&mut self) -> Result<(), DecodeError> {
+        match self.u8()? {
+            WIRE_VERSION => Ok(()),
+            found => Err(DecodeError::Version {
+                found,
+                expected: WIRE_VERSION,
+            }),
+        }
+    }
+
+    fn finish(self) -> Result<(), DecodeError> {
+        match self.bytes.len() - self.at {
+            0 => Ok(()),
+            n => Err(DecodeError::Trailing(n)),
+        }
+    }
+}
+
+fn check_len(field: &'static str, value: usize, min: usize, max: usize) -> Result<(), DecodeError> {
+    if (min..=max).contains(&value) {
+        Ok(())
+    } else {
+        Err(DecodeError::Length {
+            field,
+            value,
+            min,
+            max,
+        })
+    }
+}
+
+fn from_hex(text: &str) -> Result<Vec<u8>, DecodeError> {
+    hex::decode(text.trim()).map_err(|e| DecodeError::Hex(e.to_string()))
+}
+
+/// The address of one NIC of an engine, as its backend defines it (opaque to the engine).
+///
+/// An engine's [`main_address`](crate::TransferEngine::main_address) is its first NIC's address;
+/// the addresses of all its NICs travel inside every [`MrDesc`] it hands out. Cloning is cheap
+/// (a reference count), since every write carries its peer's address.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "Vec<u8>", into = "Vec<u8>")]
+pub struct NetAddr(Arc<[u8]>);
+
+impl NetAddr {
+    /// Wraps a backend's raw address bytes (1 to [`MAX_ADDR_LEN`] bytes).
+    pub fn new(raw: &[u8]) -> Result<Self, DecodeError> {
+        check_len("address length", raw.len(), 1, MAX_ADDR_LEN)?;
+        Ok(Self(raw.into()))
+    }
+
+    /// The backend's raw address bytes.
+    pub fn raw(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// The compact binary form: version, length, bytes.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(2 + self.0.len());
+        out.push(WIRE_VERSION);
+        self.encode_body(&mut out);
+        out
+    }
+
+    /// Decodes [`to_bytes`](Self::to_bytes)' output, rejecting anything else.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, DecodeError> {
+        let mut r = Reader::new(bytes);
+        r.version()?;
+        let addr = Self::decode_body(&mut r)?;
+        r.finish()?;
+        Ok(addr)
+    }
+
+    fn encode_body(&self, out: &mut Vec<u8>) {
+        // new() bounds the length by MAX_ADDR_LEN, which fits in a byte.
+        out.push(self.0.len() as u8);
+        out.extend_from_slice(&self.0);
+    }
+
+    fn decode_body(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        let len = usize::from(r.u8()?);
+        check_len("address length", len, 1, MAX_ADDR_LEN)?;
+        Ok(Self(r.take(len)?.into()))
+    }
+}
+
+impl TryFrom<Vec<u8>> for NetAddr {
+    type Error = DecodeError;
+    fn try_from(raw: Vec<u8>) -> Result<Self, DecodeError> {
+        Self::new(&raw)
+    }
+}
+
+impl From<NetAddr> for Vec<u8> {
+    fn from(addr: NetAddr) -> Vec<u8> {
+        addr.0.to_vec()
+    }
+}
+
+/// Hex of the binary form.
+impl fmt::Display for NetAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&hex::encode(self.to_bytes()))
+    }
+}
+
+impl fmt::Debug for NetAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "NetAddr({})", hex::encode(&self.0))
+    }
+}
+
+impl FromStr for NetAddr {
+    type Err = DecodeError;
+    fn from_str(text: &str) -> Result<Self, DecodeError> {
+        Self::from_bytes(&from_hex(text)?)
+    }
+}
+
+/// What a peer needs to write into a registered region: its start address, length, and one
+/// (NIC address, rkey) pair per NIC of the owner's DomainGroup, in NIC order.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "MrDescFields")]
+pub struct MrDesc {
+    ptr: u64,
+    len: u64,
+    rkeys: Vec<(NetAddr, u64)>,
+}
+
+/// The unchecked shape serde sees; turned into an `MrDesc` only through [`MrDesc::new`].
+#[derive(Deserialize)]
+struct MrDescFields {
+    ptr: u64,
+    len: u64,
+    rkeys: Vec<(NetAddr, u64)>,
+}
+
+impl TryFrom<MrDescFields> for MrDesc {
+    type Error = DecodeError;
+    fn try_from(f: MrDescFields) -> Result<Self, DecodeError> {
+        Self::new(f.ptr, f.len, f.rkeys)
+    }
+}
+
+impl MrDesc {
+    /// Builds a descriptor, checking that it names 1 to [`MAX_NICS`] NICs and a region that
+    /// fits in the address space.
+    pub fn new(ptr: u64, len: u64, rkeys: Vec<(NetAddr, u64)>) -> Result<Self, DecodeError> {
+        check_len("NIC count", rkeys.len(), 1, MAX_NICS)?;
+        if ptr.checked_add(len).is_none() {
+            return Err(DecodeError::Overflow { ptr, len });
+        }
+        Ok(Self { ptr, len, rkeys })
+    }
+
+    /// Start address of the region in the owner's address space.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Length of the region in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the region is empty (only zero-byte writes, such as barriers, can target it).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// One (NIC address, rkey) pair per NIC of the owner, in NIC order.
+    pub fn rkeys(&self) -> &[(NetAddr, u64)] {
+        &self.rkeys
+    }
+
+    /// The owner's first NIC: the address its engine's `main_address` returns.
+    pub fn owner(&self) -> &NetAddr {
+        &self.rkeys[0].0
+    }
+
+    /// The compact binary form.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(18 + self.rkeys.len() * (10 + MAX_ADDR_LEN));
+        out.push(WIRE_VERSION);
+        out.extend_from_slice(&self.ptr.to_le_bytes());
+        out.extend_from_slice(&self.len.to_le_bytes());
+        // new() bounds the count by MAX_NICS.
+        out.push(self.rkeys.len() as u8);
+        for (addr, rkey) in &self.rkeys {
+            addr.encode_body(&mut out);
+            out.extend_from_slice(&rkey.to_le_bytes());
+        }
+        out
+    }
+
+    /// Decodes [`to_bytes`](Self::to_bytes)' output, rejecting anything else.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, DecodeError> {
+        let mut r = Reader::new(bytes);
+        r.version()?;
+        let ptr = r.u64()?;
+        let len = r.u64()?;
+        let count = usize::from(r.u8()?);
+        check_len("NIC count", count, 1, MAX_NICS)?;
+        let mut rkeys = Vec::with_capacity(count);
+        for _ in 0..count {
+            let addr = NetAddr::decode_body(&mut r)?;
+            rkeys.push((addr, r.u64()?));
+        }
+        r.finish()?;
+        Self::new(ptr, len, rkeys)
+    }
+}
+
+/// Hex of the binary form.
+impl fmt::Display for MrDesc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&hex::encode(self.to_bytes()))
+    }
+}
+
+impl FromStr for MrDesc {
+    type Err = DecodeError;
+    fn from_str(text: &str) -> Result<Self, DecodeError> {
+        Self::from_bytes(&from_hex(text)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn desc() -> MrDesc {
+        let nic0 = NetAddr::new(&[1, 2, 3]).unwrap();
+        let nic1 = NetAddr::new(&[4; 32]).unwrap();
+        MrDesc::new(0x1000, 4096, vec![(nic0, 7), (nic1, u64::MAX)]).unwrap()
+    }
+
+    #[test]
+    fn every_form_round_trips() {
+        let d = desc();
+        assert_eq!(MrDesc::from_bytes(&d.to_bytes()).unwrap(), d);
+        assert_eq!(d.to_string().parse::<MrDesc>().unwrap(), d);
+        assert_eq!(postcard::from_bytes::<MrDesc>(&postcard::to_allocvec(&d).unwrap()).unwrap(), d);
+        let a = d.owner().clone();
+        assert_eq!(a.to_string().parse::<NetAddr>().unwrap(), a);
+        assert_eq!(NetAddr::from_bytes(&a.to_bytes()).unwrap(), a);
+    }
+
+    #[test]
+    fn every_truncation_is_rejected() {
+        let bytes = desc().to_bytes();
+        for cut in 0..bytes.len() {
+            let err = MrDesc::from_bytes(&bytes[..cut]).unwrap_err();
+            assert!(matches!(err, DecodeError::Truncated { .. }), "cut {cut}: {err}");
+        }
+    }
+
+    #[test]
+    fn trailing_bytes_wrong_version_and_absurd_lengths_are_rejected() {
+        let mut bytes = desc().to_bytes();
+        bytes.push(0);
+        assert_eq!(MrDesc::from_bytes(&bytes), Err(DecodeError::Trailing(1)));
+
+        let mut bytes = desc().to_bytes();
+        bytes[0] = 9;
+        assert!(matches!(MrDesc::from_bytes(&bytes), Err(DecodeError::Version { found: 9, .. })));
+
+        let mut bytes = desc().to_bytes();
+        bytes[17] = 200; // NIC count
+        assert!(matches!(MrDesc::from_bytes(&bytes), Err(DecodeError::Length { field: "NIC count", .. })));
+
+        let mut bytes = desc().to_bytes();
+        bytes[18] = 255; // first address length
+        assert!(matches!(MrDesc::from_bytes(&bytes), Err(DecodeError::Length { field: "address length", .. })));
+
+        assert!(matches!(NetAddr::from_bytes(&[WIRE_VERSION, 0]), Err(DecodeError::Length { .. })));
+        assert!(matches!("zz".parse::<NetAddr>(), Err(DecodeError::Hex(_))));
+    }
+
+    #[test]
+    fn overflowing_region_is_rejected_in_every_form() {
+        let a = NetAddr::new(&[1]).unwrap();
+        assert!(matches!(MrDesc::new(u64::MAX, 2, vec![(a.clone(), 1)]), Err(DecodeError::Overflow { .. })));
+        let bad = MrDesc { ptr: u64::MAX, len: 2, rkeys: vec![(a, 1)] };
+        assert!(MrDesc::from_bytes(&bad.to_bytes()).is_err());
+        assert!(postcard::from_bytes::<MrDesc>(&postcard::to_allocvec(&bad).unwrap()).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn decoders_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = MrDesc::from_bytes(&bytes);
+            let _ = NetAddr::from_bytes(&bytes);
+            let _ = postcard::from_bytes::<MrDesc>(&bytes);
+        }
+    }
+}
