@@ -1,0 +1,499 @@
+//! The backend conformance suite: one battery of tests every backend runs against engines of
+//! its own. A backend is "supported" exactly when it passes.
+//!
+//! A backend's test file implements [`Harness`] (how to configure engines with `n` NICs) and
+//! invokes [`conformance_suite!`](crate::conformance_suite), which expands to one `#[test]`
+//! per check:
+//!
+//! ```ignore
+//! struct Mock;
+//! impl engine_core::conformance::Harness for Mock {
+//!     fn config(&self, nics: usize) -> engine_core::Config { /* ... */ }
+//!     fn max_nics(&self) -> usize { 4 }
+//! }
+//! engine_core::conformance_suite!(Mock);
+//! ```
+//!
+//! Every check panics with a message naming what broke. Deadlines are taken from the
+//! harness's config with the transfer and expectation timeouts capped at two seconds, so a
+//! broken backend fails fast instead of hanging.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::config::NicSelection;
+use crate::{
+    expected_arrivals, Config, Device, DoneCounter, DoneFlag, Error, MrDesc, MrHandle, OnDone,
+    Pages, ScatterDst, TransferEngine, TransferShape,
+};
+
+/// How a backend's engines are configured for the suite.
+pub trait Harness: Sync {
+    /// A config for engines with `nics` NICs (1 ..= `max_nics()`); each call may return the
+    /// same config, since several engines are opened from it in one process.
+    fn config(&self, nics: usize) -> Config;
+    /// The most NICs per engine this backend can offer here.
+    fn max_nics(&self) -> usize;
+}
+
+/// Long enough for any engine deadline to fire first.
+const WAIT: Duration = Duration::from_secs(20);
+
+/// The harness's config with short deadlines.
+pub fn quick_config<H: Harness + ?Sized>(h: &H, nics: usize) -> Config {
+    let mut c = h.config(nics);
+    c.timeouts.transfer_ms = c.timeouts.transfer_ms.min(2_000);
+    c.timeouts.expect_ms = c.timeouts.expect_ms.min(2_000);
+    c
+}
+
+fn open(config: &Config) -> Arc<TransferEngine> {
+    Arc::new(TransferEngine::open(config).unwrap_or_else(|e| panic!("opening an engine failed: {e}")))
+}
+
+/// A registered buffer that deregisters itself before its memory is freed.
+pub struct Buffer {
+    engine: Arc<TransferEngine>,
+    data: Vec<u8>,
+    /// The local handle.
+    pub mr: MrHandle,
+    /// The descriptor peers write with.
+    pub desc: MrDesc,
+}
+
+impl Buffer {
+    /// Allocates `len` bytes filled by `fill(i)` and registers them with `engine`.
+    pub fn new(engine: &Arc<TransferEngine>, len: usize, fill: impl Fn(usize) -> u8) -> Self {
+        let mut data: Vec<u8> = (0..len).map(fill).collect();
+        // SAFETY: `data` is owned by the Buffer and deregistered in Drop before it is freed.
+        let (mr, desc) = unsafe { engine.reg_mr(data.as_mut_ptr(), len, Device::Host) }
+            .unwrap_or_else(|e| panic!("reg_mr of {len} bytes failed: {e}"));
+        Self { engine: Arc::clone(engine), data, mr, desc }
+    }
+
+    /// The bytes (read only after the writes into them were counted).
+    pub fn bytes(&self) -> &[u8] {
+        &self.data
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        let _ = self.engine.dereg_mr(self.mr);
+    }
+}
+
+/// A deterministic byte pattern that differs per seed and position.
+pub fn pattern(seed: u64) -> impl Fn(usize) -> u8 {
+    move |i| ((i as u64).wrapping_mul(31).wrapping_add(seed.wrapping_mul(7919)) % 251) as u8
+}
+
+fn flag() -> Arc<DoneFlag> {
+    DoneFlag::new()
+}
+
+fn expect_arrivals(engine: &TransferEngine, imm: u32, n: u64) -> Arc<DoneFlag> {
+    let f = flag();
+    engine.expect_imm_count(imm, n, f.clone()).expect("expect_imm_count");
+    f
+}
+
+fn assert_copied(what: &str, dst: &[u8], src: &[u8]) {
+    if dst != src {
+        let at = dst.iter().zip(src).position(|(a, b)| a != b).unwrap_or(0);
+        panic!("{what}: data differs at byte {at} of {}", dst.len());
+    }
+}
+
+/// Single writes of several sizes land byte for byte, and the receiver counts exactly the
+/// arrivals `expected_arrivals` predicts.
+pub fn single_write(h: &dyn Harness) {
+    let config = quick_config(h, 1);
+    let (a, b) = (open(&config), open(&config));
+    for (k, len) in [1usize, 4096, 65_536 + 17, 1 << 20].into_iter().enumerate() {
+        let src = Buffer::new(&a, len, pattern(k as u64 + 1));
+        let dst = Buffer::new(&b, len, |_| 0);
+        let imm = 100 + k as u32;
+        let n = expected_arrivals(TransferShape::Single { len: len as u64 }, b.nic_count(), &config.stripe);
+        let landed = expect_arrivals(&b, imm, n);
+        let sent = flag();
+        a.submit_single_write(len as u64, Some(imm), (src.mr, 0), (&dst.desc, 0), sent.clone()).unwrap();
+        sent.wait(WAIT).unwrap_or_else(|e| panic!("write of {len} bytes failed: {e}"));
+        landed.wait(WAIT).unwrap_or_else(|e| panic!("arrivals of {len} bytes: {e}"));
+        assert_copied(&format!("single write of {len}"), dst.bytes(), src.bytes());
+        assert_eq!(b.imm_count(imm), 0, "no arrivals beyond the expected {n}");
+    }
+}
+
+/// Writes at offsets, and a write without an immediate (nothing counted).
+pub fn write_at_offsets_without_imm(h: &dyn Harness) {
+    let config = quick_config(h, 1);
+    let (a, b) = (open(&config), open(&config));
+    let src = Buffer::new(&a, 8192, pattern(3));
+    let dst = Buffer::new(&b, 8192, |_| 0xee);
+    let done = flag();
+    a.submit_single_write(1000, None, (src.mr, 100), (&dst.desc, 5000), done.clone()).unwrap();
+    done.wait(WAIT).unwrap();
+    assert_copied("offset write", &dst.bytes()[5000..6000], &src.bytes()[100..1100]);
+    assert!(dst.bytes()[..5000].iter().chain(&dst.bytes()[6000..]).all(|&x| x == 0xee), "bytes outside the range were touched");
+    assert_eq!(b.imm_count(0), 0);
+}
+
+/// Large writes stripe over every NIC count and every first-NIC choice, with each chunk
+/// carrying its own NIC's keys (a wrong pairing is a remote-access error on a real NIC).
+pub fn striping(h: &dyn Harness) {
+    for nics in 1..=h.max_nics() {
+        let mut selections: Vec<NicSelection> = (0..nics).map(NicSelection::First).collect();
+        selections.push(NicSelection::RoundRobin);
+        for selection in selections {
+            let mut config = quick_config(h, nics);
+            config.nic_selection = selection;
+            let (a, b) = (open(&config), open(&config));
+            assert_eq!(a.nic_count(), nics);
+            for (k, len) in [3 * (1 << 20) + 12_345, 100, 256 << 10].into_iter().enumerate() {
+                let src = Buffer::new(&a, len, pattern(nics as u64 * 10 + k as u64));
+                let dst = Buffer::new(&b, len, |_| 0);
+                let n = expected_arrivals(TransferShape::Single { len: len as u64 }, nics, &config.stripe);
+                let landed = expect_arrivals(&b, 7, n);
+                let sent = flag();
+                a.submit_single_write(len as u64, Some(7), (src.mr, 0), (&dst.desc, 0), sent.clone()).unwrap();
+                sent.wait(WAIT).unwrap_or_else(|e| panic!("{nics} NICs, {selection:?}, {len} bytes: {e}"));
+                landed.wait(WAIT).unwrap_or_else(|e| panic!("{nics} NICs, {selection:?}: arrivals: {e}"));
+                assert_copied(&format!("{nics} NICs {selection:?} {len} bytes"), dst.bytes(), src.bytes());
+                assert_eq!(b.imm_count(7), 0, "{nics} NICs {selection:?}: more arrivals than predicted");
+            }
+        }
+    }
+}
+
+/// Paged writes move each source page to its destination page, in any page order.
+pub fn paged_writes(h: &dyn Harness) {
+    let nics = h.max_nics();
+    let config = quick_config(h, nics);
+    let (a, b) = (open(&config), open(&config));
+    let (page_len, stride, pages) = (1000u64, 1024u64, 64u32);
+    let src = Buffer::new(&a, (stride * u64::from(pages) + 16) as usize, pattern(5));
+    let dst = Buffer::new(&b, (stride * u64::from(pages) + 64) as usize, |_| 0);
+    let src_pages = Pages { indices: (0..pages).collect(), stride, offset: 16 };
+    // Destination pages in a scrambled order, at a different base offset.
+    let dst_pages = Pages { indices: (0..pages).map(|i| (i * 37) % pages).collect(), stride, offset: 64 };
+    let n = expected_arrivals(TransferShape::Paged { page_len, pages: u64::from(pages) }, nics, &config.stripe);
+    let landed = expect_arrivals(&b, 9, n);
+    let sent = flag();
+    a.submit_paged_writes(page_len, Some(9), (src.mr, &src_pages), (&dst.desc, &dst_pages), sent.clone()).unwrap();
+    sent.wait(WAIT).unwrap();
+    landed.wait(WAIT).unwrap();
+    for i in 0..pages as usize {
+        let s = (16 + u64::from(src_pages.indices[i]) * stride) as usize;
+        let d = (64 + u64::from(dst_pages.indices[i]) * stride) as usize;
+        assert_copied(&format!("page {i}"), &dst.bytes()[d..d + page_len as usize], &src.bytes()[s..s + page_len as usize]);
+    }
+}
+
+/// A scatter of variable-size pieces to two peers; each peer counts its own arrivals.
+pub fn scatter(h: &dyn Harness) {
+    let nics = h.max_nics();
+    let config = quick_config(h, nics);
+    let (a, b, c) = (open(&config), open(&config), open(&config));
+    let src = Buffer::new(&a, 1 << 20, pattern(11));
+    let (db, dc) = (Buffer::new(&b, 1 << 20, |_| 0), Buffer::new(&c, 1 << 20, |_| 0));
+    let group = a.add_peer_group(vec![b.main_address(), c.main_address()]).unwrap();
+    let pieces: [(u64, u64, bool, u64); 5] =
+        [(10, 0, true, 0), (70_000, 100, false, 4096), (1, 99_999, true, 500), (300_000, 200_000, true, 600_000), (4096, 0, false, 0)];
+    let dsts: Vec<ScatterDst> = pieces
+        .iter()
+        .map(|&(len, src_offset, to_b, dst_offset)| ScatterDst {
+            len,
+            src_offset,
+            dst: if to_b { db.desc.clone() } else { dc.desc.clone() },
+            dst_offset,
+        })
+        .collect();
+    let lens = |to_b: bool| -> Vec<u64> { pieces.iter().filter(|p| p.2 == to_b).map(|p| p.0).collect() };
+    let (lb, lc) = (lens(true), lens(false));
+    let fb = expect_arrivals(&b, 3, expected_arrivals(TransferShape::Scatter { lens: &lb }, nics, &config.stripe));
+    let fc = expect_arrivals(&c, 3, expected_arrivals(TransferShape::Scatter { lens: &lc }, nics, &config.stripe));
+    let sent = flag();
+    a.submit_scatter(Some(group), sent.clone(), Some(3), src.mr, &dsts).unwrap();
+    sent.wait(WAIT).unwrap();
+    fb.wait(WAIT).unwrap();
+    fc.wait(WAIT).unwrap();
+    for &(len, so, to_b, d) in &pieces {
+        let dst = if to_b { &db } else { &dc };
+        let (len, so, d) = (len as usize, so as usize, d as usize);
+        assert_copied("scatter piece", &dst.bytes()[d..d + len], &src.bytes()[so..so + len]);
+    }
+    // A destination outside the group is refused before anything is posted.
+    let stranger = open(&config);
+    let ds = Buffer::new(&stranger, 64, |_| 0);
+    let bad = [ScatterDst { len: 8, src_offset: 0, dst: ds.desc.clone(), dst_offset: 0 }];
+    assert!(matches!(a.submit_scatter(Some(group), flag(), None, src.mr, &bad), Err(Error::InvalidArgument(_))));
+}
+
+/// A barrier is one arrival at each peer.
+pub fn barrier(h: &dyn Harness) {
+    let nics = h.max_nics();
+    let config = quick_config(h, nics);
+    let (a, b, c) = (open(&config), open(&config), open(&config));
+    let (db, dc) = (Buffer::new(&b, 64, |_| 1), Buffer::new(&c, 64, |_| 1));
+    for round in 0..3 {
+        let fb = expect_arrivals(&b, 77, 1);
+        let fc = expect_arrivals(&c, 77, 1);
+        let sent = flag();
+        a.submit_barrier(None, sent.clone(), 77, &[db.desc.clone(), dc.desc.clone()]).unwrap();
+        sent.wait(WAIT).unwrap_or_else(|e| panic!("barrier round {round}: {e}"));
+        fb.wait(WAIT).unwrap();
+        fc.wait(WAIT).unwrap();
+    }
+    assert!(db.bytes().iter().chain(dc.bytes()).all(|&x| x == 1), "a barrier wrote bytes");
+}
+
+/// Messages both ways, more than the receive pool holds (buffers are reposted), with content.
+pub fn send_recv(h: &dyn Harness) {
+    let config = quick_config(h, 1);
+    let (a, b) = (open(&config), open(&config));
+    let got = Arc::new(std::sync::Mutex::new(Vec::<Vec<u8>>::new()));
+    let sink = Arc::clone(&got);
+    b.submit_recvs(256, 4, move |m| sink.lock().unwrap().push(m.to_vec())).unwrap();
+    let replies = Arc::new(AtomicU64::new(0));
+    let r = Arc::clone(&replies);
+    a.submit_recvs(64, 2, move |m| {
+        assert_eq!(m, b"pong");
+        r.fetch_add(1, Ordering::SeqCst);
+    })
+    .unwrap();
+    let sent = DoneCounter::new();
+    for i in 0..20u32 {
+        let msg = format!("message {i} {}", "x".repeat(i as usize * 7));
+        a.submit_send(&b.main_address(), msg.as_bytes(), sent.clone()).unwrap();
+    }
+    sent.wait_for(20, WAIT).unwrap();
+    let back = DoneCounter::new();
+    for _ in 0..5 {
+        b.submit_send(&a.main_address(), b"pong", back.clone()).unwrap();
+    }
+    back.wait_for(5, WAIT).unwrap();
+    let deadline = Instant::now() + WAIT;
+    while (got.lock().unwrap().len() < 20 || replies.load(Ordering::SeqCst) < 5) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut got = got.lock().unwrap().clone();
+    got.sort();
+    let mut want: Vec<Vec<u8>> = (0..20u32).map(|i| format!("message {i} {}", "x".repeat(i as usize * 7)).into_bytes()).collect();
+    want.sort();
+    assert_eq!(got, want, "every message arrives once, intact");
+    assert_eq!(replies.load(Ordering::SeqCst), 5);
+    // Too large for the sender's limit: refused locally.
+    let huge = vec![0u8; config.worker.max_message + 1];
+    assert!(matches!(a.submit_send(&b.main_address(), &huge, flag()), Err(Error::InvalidArgument(_))));
+}
+
+/// Arrivals counted before the expectation, after it, and interleaved with other immediates
+/// are all counted exactly; the pollable count agrees.
+pub fn imm_counts(h: &dyn Harness) {
+    let config = quick_config(h, 1);
+    let (a, b) = (open(&config), open(&config));
+    let src = Buffer::new(&a, 64, pattern(1));
+    let dst = Buffer::new(&b, 64, |_| 0);
+    let writes = DoneCounter::new();
+    for i in 0..10 {
+        let imm = if i % 2 == 0 { 1 } else { 2 };
+        a.submit_single_write(8, Some(imm), (src.mr, 0), (&dst.desc, 8), writes.clone()).unwrap();
+    }
+    writes.wait_for(10, WAIT).unwrap();
+    let deadline = Instant::now() + WAIT;
+    while b.imm_count(1) + b.imm_count(2) < 10 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!((b.imm_count(1), b.imm_count(2)), (5, 5), "pollable counts");
+    // Met at once by arrivals already counted; consumes 3 of 5.
+    expect_arrivals(&b, 1, 3).wait(WAIT).unwrap();
+    assert_eq!(b.imm_count(1), 2);
+    // Needs 4 more than the 2 left: met only after they arrive.
+    let later = expect_arrivals(&b, 1, 6);
+    assert!(!later.is_done());
+    for _ in 0..4 {
+        a.submit_single_write(8, Some(1), (src.mr, 0), (&dst.desc, 0), writes.clone()).unwrap();
+    }
+    later.wait(WAIT).unwrap();
+    assert_eq!((b.imm_count(1), b.imm_count(2)), (0, 5));
+}
+
+/// An expectation nobody meets fails with `Timeout`, and the count stays usable.
+pub fn expectation_times_out(h: &dyn Harness) {
+    let mut config = quick_config(h, 1);
+    config.timeouts.expect_ms = 200;
+    let b = open(&config);
+    let start = Instant::now();
+    let f = expect_arrivals(&b, 5, 1);
+    assert!(matches!(f.wait(WAIT), Err(Error::Timeout(_))));
+    assert!(start.elapsed() < Duration::from_secs(5), "the deadline was honoured");
+}
+
+/// Caller mistakes are typed errors before anything is posted.
+pub fn bad_input(h: &dyn Harness) {
+    let config = quick_config(h, 1);
+    let (a, b) = (open(&config), open(&config));
+    let src = Buffer::new(&a, 4096, pattern(1));
+    let dst = Buffer::new(&b, 4096, |_| 0);
+    let oob = |r: crate::Result<()>| matches!(r, Err(Error::OutOfBounds { .. }));
+    assert!(oob(a.submit_single_write(4097, None, (src.mr, 0), (&dst.desc, 0), flag())));
+    assert!(oob(a.submit_single_write(10, None, (src.mr, 4090), (&dst.desc, 0), flag())));
+    assert!(oob(a.submit_single_write(10, None, (src.mr, 0), (&dst.desc, 4090), flag())));
+    assert!(oob(a.submit_single_write(1, None, (src.mr, u64::MAX), (&dst.desc, 0), flag())));
+    let pages = Pages { indices: vec![0, u32::MAX], stride: 1 << 40, offset: 0 };
+    assert!(oob(a.submit_paged_writes(8, None, (src.mr, &pages), (&dst.desc, &pages), flag())));
+    let two = Pages { indices: vec![0, 1], stride: 8, offset: 0 };
+    let one = Pages { indices: vec![0], stride: 8, offset: 0 };
+    assert!(matches!(a.submit_paged_writes(8, None, (src.mr, &two), (&dst.desc, &one), flag()), Err(Error::InvalidArgument(_))));
+    let gone = Buffer::new(&a, 64, |_| 0);
+    let gone_mr = gone.mr;
+    drop(gone);
+    assert!(matches!(a.submit_single_write(1, None, (gone_mr, 0), (&dst.desc, 0), flag()), Err(Error::UnknownHandle(_))));
+    assert!(matches!(a.dereg_mr(gone_mr), Err(Error::UnknownHandle(_))));
+    // A descriptor from a peer with another NIC count.
+    let (ptr, len) = (dst.desc.ptr(), dst.desc.len());
+    let doubled = MrDesc::new(ptr, len, vec![dst.desc.rkeys()[0].clone(), dst.desc.rkeys()[0].clone()]).unwrap();
+    assert!(matches!(a.submit_single_write(1, None, (src.mr, 0), (&doubled, 0), flag()), Err(Error::InvalidArgument(_))));
+    // Malformed descriptors never decode.
+    let bytes = dst.desc.to_bytes();
+    assert!(MrDesc::from_bytes(&bytes[..bytes.len() - 1]).is_err());
+    assert!(crate::NetAddr::from_bytes(&[1, 200]).is_err());
+    assert!(matches!(a.add_peer_group(vec![]), Err(Error::InvalidArgument(_))));
+    // SAFETY: a null pointer is refused before anything is registered.
+    assert!(matches!(unsafe { a.reg_mr(std::ptr::null_mut(), 8, Device::Host) }, Err(Error::InvalidArgument(_))));
+}
+
+/// A wrong rkey is a remote-access error, and nothing is written or counted.
+pub fn remote_access_error(h: &dyn Harness) {
+    let config = quick_config(h, 1);
+    let (a, b) = (open(&config), open(&config));
+    let src = Buffer::new(&a, 4096, pattern(2));
+    let dst = Buffer::new(&b, 4096, |_| 0);
+    let (addr, rkey) = dst.desc.rkeys()[0].clone();
+    let forged = MrDesc::new(dst.desc.ptr(), dst.desc.len(), vec![(addr, rkey ^ 0x5a5a_0000)]).unwrap();
+    let f = flag();
+    a.submit_single_write(4096, Some(4), (src.mr, 0), (&forged, 0), f.clone()).unwrap();
+    let r = f.wait(WAIT);
+    assert!(matches!(r, Err(Error::RemoteAccess(_))), "got {r:?}");
+    assert!(dst.bytes().iter().all(|&x| x == 0), "nothing may be written");
+    assert_eq!(b.imm_count(4), 0, "nothing may be counted");
+    // The engine keeps working after the error.
+    let ok = flag();
+    a.submit_single_write(4096, None, (src.mr, 0), (&dst.desc, 0), ok.clone()).unwrap();
+    ok.wait(WAIT).unwrap();
+}
+
+/// A peer that went away fails transfers within the deadline; the engine serves others.
+pub fn dead_peer(h: &dyn Harness) {
+    let config = quick_config(h, 1);
+    let (a, b, c) = (open(&config), open(&config), open(&config));
+    let src = Buffer::new(&a, 4096, pattern(2));
+    let dc = Buffer::new(&c, 4096, |_| 0);
+    // B's memory is gone with B; only its descriptor remains.
+    let mut gone = vec![0u8; 4096];
+    // SAFETY: deregistered (by dropping B) before `gone` is freed; no write ever succeeds.
+    let (_, desc_b) = unsafe { b.reg_mr(gone.as_mut_ptr(), gone.len(), Device::Host) }.unwrap();
+    drop(b);
+    let start = Instant::now();
+    let f = flag();
+    a.submit_single_write(64, Some(1), (src.mr, 0), (&desc_b, 0), f.clone()).unwrap();
+    let r = f.wait(WAIT);
+    assert!(matches!(r, Err(Error::PeerUnreachable(_) | Error::Timeout(_))), "got {r:?}");
+    assert!(start.elapsed() < Duration::from_millis(config.timeouts.transfer_ms + 3_000));
+    drop(gone);
+    let ok = flag();
+    a.submit_single_write(4096, None, (src.mr, 0), (&dc.desc, 0), ok.clone()).unwrap();
+    ok.wait(WAIT).unwrap();
+    assert_copied("after a dead peer", dc.bytes(), src.bytes());
+}
+
+/// Thousands of concurrent transfers each finish exactly once.
+pub fn exactly_once(h: &dyn Harness) {
+    let nics = h.max_nics();
+    let config = quick_config(h, nics);
+    let (a, b) = (open(&config), open(&config));
+    let src = Buffer::new(&a, 1 << 16, pattern(8));
+    let dst = Buffer::new(&b, 1 << 16, |_| 0);
+    let counter = DoneCounter::new();
+    let callbacks = Arc::new(AtomicU64::new(0));
+    const N: u64 = 3_000;
+    let landed = expect_arrivals(&b, 12, N);
+    for i in 0..N {
+        let off = (i * 64) % (1 << 16);
+        let on_done: OnDone = if i % 2 == 0 {
+            counter.clone().into()
+        } else {
+            let cb = Arc::clone(&callbacks);
+            OnDone::callback(move |r| {
+                r.expect("write");
+                cb.fetch_add(1, Ordering::SeqCst);
+            })
+        };
+        a.submit_single_write(64, Some(12), (src.mr, off), (&dst.desc, off), on_done).unwrap();
+    }
+    landed.wait(WAIT).unwrap();
+    counter.wait_for(N / 2, WAIT).unwrap();
+    let deadline = Instant::now() + WAIT;
+    while callbacks.load(Ordering::SeqCst) < N / 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(counter.finished(), N / 2, "no completion twice");
+    assert_eq!(callbacks.load(Ordering::SeqCst), N / 2, "every callback exactly once");
+    assert_eq!(b.imm_count(12), 0);
+    assert_copied("exactly once", dst.bytes(), src.bytes());
+}
+
+/// A callback may submit the next transfer (no deadlock), here 200 in a chain.
+pub fn callbacks_can_submit(h: &dyn Harness) {
+    let config = quick_config(h, 1);
+    let (a, b) = (open(&config), open(&config));
+    let src = Arc::new(Buffer::new(&a, 4096, pattern(4)));
+    let dst = Arc::new(Buffer::new(&b, 4096, |_| 0));
+    let finished = DoneFlag::new();
+    fn next(a: Arc<TransferEngine>, src: Arc<Buffer>, dst: Arc<Buffer>, left: u32, finished: Arc<DoneFlag>) {
+        if left == 0 {
+            let _ = a.submit_single_write(1, None, (src.mr, 0), (&dst.desc, 0), finished);
+            return;
+        }
+        let (a2, s2, d2) = (Arc::clone(&a), Arc::clone(&src), Arc::clone(&dst));
+        a.submit_single_write(4096, Some(6), (src.mr, 0), (&dst.desc, 0), OnDone::callback(move |r| {
+            r.expect("chained write");
+            next(a2, s2, d2, left - 1, finished);
+        }))
+        .unwrap();
+    }
+    next(Arc::clone(&a), Arc::clone(&src), Arc::clone(&dst), 200, finished.clone());
+    finished.wait(WAIT).unwrap();
+    expect_arrivals(&b, 6, 200).wait(WAIT).unwrap();
+}
+
+/// Dropping an engine fails what it still waits for with `Shutdown`, exactly once.
+pub fn shutdown_fails_waiting(h: &dyn Harness) {
+    let config = quick_config(h, 1);
+    let b = open(&config);
+    let waiting = expect_arrivals(&b, 99, 1);
+    drop(b);
+    assert_eq!(waiting.wait(WAIT), Err(Error::Shutdown));
+}
+
+/// Expands to one `#[test]` per conformance check, each run with the given harness value.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($harness:expr) => {
+        $crate::conformance_suite!(@tests $harness;
+            single_write, write_at_offsets_without_imm, striping, paged_writes, scatter, barrier,
+            send_recv, imm_counts, expectation_times_out, bad_input, remote_access_error,
+            dead_peer, exactly_once, callbacks_can_submit, shutdown_fails_waiting);
+    };
+    (@tests $harness:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                $crate::conformance::$name(&$harness);
+            }
+        )*
+    };
+}
