@@ -117,10 +117,11 @@ impl MockDomain {
             return Ok(PostStatus::Posted);
         }
         if self.options.defers() {
-            let delay = match self.options.delay_us {
-                0 => Duration::ZERO,
-                max => Duration::from_micros(self.rng.u64(0..=max)),
+            let jitter = match self.options.jitter_us {
+                0 => 0,
+                max => self.rng.u64(0..=max),
             };
+            let delay = Duration::from_micros(self.options.delay_us + jitter);
             self.deferred.push((Instant::now() + delay, op));
         } else {
             self.execute(op);

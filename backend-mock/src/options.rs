@@ -11,8 +11,10 @@ pub struct MockOptions {
     pub seed: u64,
     /// Deliver arrivals and completions in a shuffled order.
     pub reorder: bool,
-    /// Hold each operation up to this long (uniformly drawn) before it lands.
+    /// Hold each operation this long before it lands ...
     pub delay_us: u64,
+    /// ... plus a uniformly drawn extra of up to this long.
+    pub jitter_us: u64,
     /// Fail the Nth operation posted on each NIC (1-based; 0 = never).
     pub fail_nth: u64,
     /// Fail every Nth operation posted on each NIC (0 = never).
@@ -31,6 +33,6 @@ impl MockOptions {
 
     /// Whether operations must be held and executed during `poll` rather than at once.
     pub(crate) fn defers(&self) -> bool {
-        self.reorder || self.delay_us > 0 || self.queue_depth > 0
+        self.reorder || self.delay_us > 0 || self.jitter_us > 0 || self.queue_depth > 0
     }
 }
