@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::mock_config;
-use engine_core::conformance::{pattern, Buffer};
+use engine_core::conformance::{buffer, pattern};
 use engine_core::{expected_arrivals, DoneCounter, DoneFlag, Error, TransferEngine, TransferShape};
 use proptest::prelude::*;
 
@@ -21,11 +21,11 @@ fn open(config: &engine_core::Config) -> Arc<TransferEngine> {
 fn the_nth_operation_fails_with_the_backends_message_and_the_rest_succeed() {
     let config = mock_config(1, "[backends.mock]\nfail_nth = 3\n");
     let (a, b) = (open(&config), open(&config));
-    let src = Buffer::new(&a, 64, pattern(1));
-    let dst = Buffer::new(&b, 64, |_| 0);
+    let src = buffer(&a, 64, pattern(1));
+    let dst = buffer(&b, 64, |_| 0);
     let flags: Vec<_> = (0..5).map(|_| DoneFlag::new()).collect();
     for f in &flags {
-        a.submit_single_write(8, Some(1), (src.mr, 0), (&dst.desc, 0), f.clone()).unwrap();
+        a.submit_single_write(8, Some(1), (src.mr(), 0), (dst.desc(), 0), f.clone()).unwrap();
     }
     let results: Vec<_> = flags.iter().map(|f| f.wait(WAIT)).collect();
     for (i, r) in results.iter().enumerate() {
@@ -44,12 +44,12 @@ fn the_nth_operation_fails_with_the_backends_message_and_the_rest_succeed() {
 fn a_full_queue_is_backpressure_not_an_error() {
     let config = mock_config(2, "[backends.mock]\nqueue_depth = 2\njitter_us = 200\n");
     let (a, b) = (open(&config), open(&config));
-    let src = Buffer::new(&a, 1 << 16, pattern(2));
-    let dst = Buffer::new(&b, 1 << 16, |_| 0);
+    let src = buffer(&a, 1 << 16, pattern(2));
+    let dst = buffer(&b, 1 << 16, |_| 0);
     let done = DoneCounter::new();
     for i in 0..200u64 {
         let off = (i * 256) % (1 << 16);
-        a.submit_single_write(256, Some(2), (src.mr, off), (&dst.desc, off), done.clone()).unwrap();
+        a.submit_single_write(256, Some(2), (src.mr(), off), (dst.desc(), off), done.clone()).unwrap();
     }
     done.wait_for(200, WAIT).unwrap();
     assert_eq!(done.ok(), 200);
@@ -60,23 +60,23 @@ fn a_full_queue_is_backpressure_not_an_error() {
 fn a_killed_peer_fails_what_is_aimed_at_it_and_its_own_pending_work() {
     let config = mock_config(1, "[backends.mock]\ndelay_us = 1000000\n");
     let (a, b, c) = (open(&config), open(&config), open(&config));
-    let src = Buffer::new(&a, 64, pattern(3));
-    let db = Buffer::new(&b, 64, |_| 0);
-    let bsrc = Buffer::new(&b, 64, |_| 5);
-    let dc = Buffer::new(&c, 64, |_| 0);
+    let src = buffer(&a, 64, pattern(3));
+    let db = buffer(&b, 64, |_| 0);
+    let bsrc = buffer(&b, 64, |_| 5);
+    let dc = buffer(&c, 64, |_| 0);
     // B's own write is delayed, then B dies.
     let b_pending = DoneFlag::new();
     // (B's write waits a second in the mock before landing.)
-    b.submit_single_write(8, None, (bsrc.mr, 0), (&dc.desc, 0), b_pending.clone()).unwrap();
+    b.submit_single_write(8, None, (bsrc.mr(), 0), (dc.desc(), 0), b_pending.clone()).unwrap();
     std::thread::sleep(Duration::from_millis(10));
     assert!(backend_mock::kill(&b.main_address()));
     assert!(matches!(b_pending.wait(WAIT), Err(Error::PeerUnreachable(_))));
     let to_b = DoneFlag::new();
-    a.submit_single_write(8, Some(1), (src.mr, 0), (&db.desc, 0), to_b.clone()).unwrap();
+    a.submit_single_write(8, Some(1), (src.mr(), 0), (db.desc(), 0), to_b.clone()).unwrap();
     assert!(matches!(to_b.wait(WAIT), Err(Error::PeerUnreachable(_))));
     // A still serves C.
     let to_c = DoneFlag::new();
-    a.submit_single_write(64, None, (src.mr, 0), (&dc.desc, 0), to_c.clone()).unwrap();
+    a.submit_single_write(64, None, (src.mr(), 0), (dc.desc(), 0), to_c.clone()).unwrap();
     to_c.wait(WAIT).unwrap();
     assert!(dc.bytes() == src.bytes());
 }
@@ -85,13 +85,13 @@ fn a_killed_peer_fails_what_is_aimed_at_it_and_its_own_pending_work() {
 fn a_completion_after_the_deadline_is_ignored_safely() {
     let config = mock_config(1, "[backends.mock]\njitter_us = 300000\nseed = 4\n[timeouts]\ntransfer_ms = 30\n");
     let (a, b) = (open(&config), open(&config));
-    let src = Buffer::new(&a, 64, pattern(3));
-    let dst = Buffer::new(&b, 64, |_| 0);
+    let src = buffer(&a, 64, pattern(3));
+    let dst = buffer(&b, 64, |_| 0);
     let counter = DoneCounter::new();
     // With delays drawn up to 300 ms and a 30 ms deadline, most of these time out and their
     // completions come late; each must still be counted exactly once.
     for _ in 0..20 {
-        a.submit_single_write(8, None, (src.mr, 0), (&dst.desc, 0), counter.clone()).unwrap();
+        a.submit_single_write(8, None, (src.mr(), 0), (dst.desc(), 0), counter.clone()).unwrap();
     }
     let _ = counter.wait_for(20, WAIT);
     assert!(counter.failed() > 0, "some transfers must time out");
@@ -116,8 +116,8 @@ fn soak_ten_thousand_transfers_under_faults() {
     const SLOTS: usize = 16;
     let config = mock_config(2, "[backends.mock]\nseed = 42\nreorder = true\njitter_us = 300\nfail_every = 97\n");
     let (a, b) = (open(&config), open(&config));
-    let src = Buffer::new(&a, SLOT * SLOTS, pattern(9));
-    let dst = Buffer::new(&b, SLOT * SLOTS, |_| 0);
+    let src = buffer(&a, SLOT * SLOTS, pattern(9));
+    let dst = buffer(&b, SLOT * SLOTS, |_| 0);
     let mut rng = fastrand::Rng::with_seed(7);
     let mut flags = Vec::with_capacity(N);
     let mut lens = Vec::with_capacity(N);
@@ -131,7 +131,7 @@ fn soak_ten_thousand_transfers_under_faults() {
         };
         let slot = (i % SLOTS * SLOT) as u64;
         let f = DoneFlag::new();
-        a.submit_single_write(len, Some(i as u32), (src.mr, slot), (&dst.desc, slot), f.clone()).unwrap();
+        a.submit_single_write(len, Some(i as u32), (src.mr(), slot), (dst.desc(), slot), f.clone()).unwrap();
         flags.push(f);
         lens.push(len);
         if i % SLOTS == SLOTS - 1 {
@@ -182,14 +182,14 @@ proptest! {
         let config = mock_config(nics, &extra);
         let (a, b) = (open(&config), open(&config));
         let total = (len * u64::from(pages)) as usize;
-        let src = Buffer::new(&a, total, pattern(len));
-        let dst = Buffer::new(&b, total, |_| 0);
+        let src = buffer(&a, total, pattern(len));
+        let dst = buffer(&b, total, |_| 0);
         let done = DoneFlag::new();
-        a.submit_single_write(len, Some(1), (src.mr, 0), (&dst.desc, 0), done.clone()).unwrap();
+        a.submit_single_write(len, Some(1), (src.mr(), 0), (dst.desc(), 0), done.clone()).unwrap();
         done.wait(WAIT).unwrap();
         let pages_of = engine_core::Pages { indices: (0..pages).rev().collect(), stride: len, offset: 0 };
         let done = DoneFlag::new();
-        a.submit_paged_writes(len, Some(2), (src.mr, &pages_of), (&dst.desc, &pages_of), done.clone()).unwrap();
+        a.submit_paged_writes(len, Some(2), (src.mr(), &pages_of), (dst.desc(), &pages_of), done.clone()).unwrap();
         done.wait(WAIT).unwrap();
         let deadline = Instant::now() + Duration::from_millis(200);
         while Instant::now() < deadline {

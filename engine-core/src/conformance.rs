@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::NicSelection;
 use crate::{
-    expected_arrivals, Config, Device, DoneCounter, DoneFlag, Error, MrDesc, MrHandle, OnDone,
+    expected_arrivals, Config, Device, DoneCounter, DoneFlag, Error, HostBuffer, MrDesc, OnDone,
     Pages, ScatterDst, TransferEngine, TransferShape,
 };
 
@@ -52,36 +52,9 @@ fn open(config: &Config) -> Arc<TransferEngine> {
     Arc::new(TransferEngine::open(config).unwrap_or_else(|e| panic!("opening an engine failed: {e}")))
 }
 
-/// A registered buffer that deregisters itself before its memory is freed.
-pub struct Buffer {
-    engine: Arc<TransferEngine>,
-    data: Vec<u8>,
-    /// The local handle.
-    pub mr: MrHandle,
-    /// The descriptor peers write with.
-    pub desc: MrDesc,
-}
-
-impl Buffer {
-    /// Allocates `len` bytes filled by `fill(i)` and registers them with `engine`.
-    pub fn new(engine: &Arc<TransferEngine>, len: usize, fill: impl Fn(usize) -> u8) -> Self {
-        let mut data: Vec<u8> = (0..len).map(fill).collect();
-        // SAFETY: `data` is owned by the Buffer and deregistered in Drop before it is freed.
-        let (mr, desc) = unsafe { engine.reg_mr(data.as_mut_ptr(), len, Device::Host) }
-            .unwrap_or_else(|e| panic!("reg_mr of {len} bytes failed: {e}"));
-        Self { engine: Arc::clone(engine), data, mr, desc }
-    }
-
-    /// The bytes (read only after the writes into them were counted).
-    pub fn bytes(&self) -> &[u8] {
-        &self.data
-    }
-}
-
-impl Drop for Buffer {
-    fn drop(&mut self) {
-        let _ = self.engine.dereg_mr(self.mr);
-    }
+/// A registered buffer filled with `fill(i)`; panics if registration fails.
+pub fn buffer(engine: &Arc<TransferEngine>, len: usize, fill: impl Fn(usize) -> u8) -> HostBuffer {
+    HostBuffer::from_fn(engine, len, fill).unwrap_or_else(|e| panic!("registering {len} bytes failed: {e}"))
 }
 
 /// A deterministic byte pattern that differs per seed and position.
@@ -112,13 +85,13 @@ pub fn single_write(h: &dyn Harness) {
     let config = quick_config(h, 1);
     let (a, b) = (open(&config), open(&config));
     for (k, len) in [1usize, 4096, 65_536 + 17, 1 << 20].into_iter().enumerate() {
-        let src = Buffer::new(&a, len, pattern(k as u64 + 1));
-        let dst = Buffer::new(&b, len, |_| 0);
+        let src = buffer(&a, len, pattern(k as u64 + 1));
+        let dst = buffer(&b, len, |_| 0);
         let imm = 100 + k as u32;
         let n = expected_arrivals(TransferShape::Single { len: len as u64 }, b.nic_count(), &config.stripe);
         let landed = expect_arrivals(&b, imm, n);
         let sent = flag();
-        a.submit_single_write(len as u64, Some(imm), (src.mr, 0), (&dst.desc, 0), sent.clone()).unwrap();
+        a.submit_single_write(len as u64, Some(imm), (src.mr(), 0), (dst.desc(), 0), sent.clone()).unwrap();
         sent.wait(WAIT).unwrap_or_else(|e| panic!("write of {len} bytes failed: {e}"));
         landed.wait(WAIT).unwrap_or_else(|e| panic!("arrivals of {len} bytes: {e}"));
         assert_copied(&format!("single write of {len}"), dst.bytes(), src.bytes());
@@ -130,10 +103,10 @@ pub fn single_write(h: &dyn Harness) {
 pub fn write_at_offsets_without_imm(h: &dyn Harness) {
     let config = quick_config(h, 1);
     let (a, b) = (open(&config), open(&config));
-    let src = Buffer::new(&a, 8192, pattern(3));
-    let dst = Buffer::new(&b, 8192, |_| 0xee);
+    let src = buffer(&a, 8192, pattern(3));
+    let dst = buffer(&b, 8192, |_| 0xee);
     let done = flag();
-    a.submit_single_write(1000, None, (src.mr, 100), (&dst.desc, 5000), done.clone()).unwrap();
+    a.submit_single_write(1000, None, (src.mr(), 100), (dst.desc(), 5000), done.clone()).unwrap();
     done.wait(WAIT).unwrap();
     assert_copied("offset write", &dst.bytes()[5000..6000], &src.bytes()[100..1100]);
     assert!(dst.bytes()[..5000].iter().chain(&dst.bytes()[6000..]).all(|&x| x == 0xee), "bytes outside the range were touched");
@@ -152,12 +125,12 @@ pub fn striping(h: &dyn Harness) {
             let (a, b) = (open(&config), open(&config));
             assert_eq!(a.nic_count(), nics);
             for (k, len) in [3 * (1 << 20) + 12_345, 100, 256 << 10].into_iter().enumerate() {
-                let src = Buffer::new(&a, len, pattern(nics as u64 * 10 + k as u64));
-                let dst = Buffer::new(&b, len, |_| 0);
+                let src = buffer(&a, len, pattern(nics as u64 * 10 + k as u64));
+                let dst = buffer(&b, len, |_| 0);
                 let n = expected_arrivals(TransferShape::Single { len: len as u64 }, nics, &config.stripe);
                 let landed = expect_arrivals(&b, 7, n);
                 let sent = flag();
-                a.submit_single_write(len as u64, Some(7), (src.mr, 0), (&dst.desc, 0), sent.clone()).unwrap();
+                a.submit_single_write(len as u64, Some(7), (src.mr(), 0), (dst.desc(), 0), sent.clone()).unwrap();
                 sent.wait(WAIT).unwrap_or_else(|e| panic!("{nics} NICs, {selection:?}, {len} bytes: {e}"));
                 landed.wait(WAIT).unwrap_or_else(|e| panic!("{nics} NICs, {selection:?}: arrivals: {e}"));
                 assert_copied(&format!("{nics} NICs {selection:?} {len} bytes"), dst.bytes(), src.bytes());
@@ -173,15 +146,15 @@ pub fn paged_writes(h: &dyn Harness) {
     let config = quick_config(h, nics);
     let (a, b) = (open(&config), open(&config));
     let (page_len, stride, pages) = (1000u64, 1024u64, 64u32);
-    let src = Buffer::new(&a, (stride * u64::from(pages) + 16) as usize, pattern(5));
-    let dst = Buffer::new(&b, (stride * u64::from(pages) + 64) as usize, |_| 0);
+    let src = buffer(&a, (stride * u64::from(pages) + 16) as usize, pattern(5));
+    let dst = buffer(&b, (stride * u64::from(pages) + 64) as usize, |_| 0);
     let src_pages = Pages { indices: (0..pages).collect(), stride, offset: 16 };
     // Destination pages in a scrambled order, at a different base offset.
     let dst_pages = Pages { indices: (0..pages).map(|i| (i * 37) % pages).collect(), stride, offset: 64 };
     let n = expected_arrivals(TransferShape::Paged { page_len, pages: u64::from(pages) }, nics, &config.stripe);
     let landed = expect_arrivals(&b, 9, n);
     let sent = flag();
-    a.submit_paged_writes(page_len, Some(9), (src.mr, &src_pages), (&dst.desc, &dst_pages), sent.clone()).unwrap();
+    a.submit_paged_writes(page_len, Some(9), (src.mr(), &src_pages), (dst.desc(), &dst_pages), sent.clone()).unwrap();
     sent.wait(WAIT).unwrap();
     landed.wait(WAIT).unwrap();
     for i in 0..pages as usize {
@@ -196,8 +169,8 @@ pub fn scatter(h: &dyn Harness) {
     let nics = h.max_nics();
     let config = quick_config(h, nics);
     let (a, b, c) = (open(&config), open(&config), open(&config));
-    let src = Buffer::new(&a, 1 << 20, pattern(11));
-    let (db, dc) = (Buffer::new(&b, 1 << 20, |_| 0), Buffer::new(&c, 1 << 20, |_| 0));
+    let src = buffer(&a, 1 << 20, pattern(11));
+    let (db, dc) = (buffer(&b, 1 << 20, |_| 0), buffer(&c, 1 << 20, |_| 0));
     let group = a.add_peer_group(vec![b.main_address(), c.main_address()]).unwrap();
     let pieces: [(u64, u64, bool, u64); 5] =
         [(10, 0, true, 0), (70_000, 100, false, 4096), (1, 99_999, true, 500), (300_000, 200_000, true, 600_000), (4096, 0, false, 0)];
@@ -206,7 +179,7 @@ pub fn scatter(h: &dyn Harness) {
         .map(|&(len, src_offset, to_b, dst_offset)| ScatterDst {
             len,
             src_offset,
-            dst: if to_b { db.desc.clone() } else { dc.desc.clone() },
+            dst: if to_b { db.desc().clone() } else { dc.desc().clone() },
             dst_offset,
         })
         .collect();
@@ -215,7 +188,7 @@ pub fn scatter(h: &dyn Harness) {
     let fb = expect_arrivals(&b, 3, expected_arrivals(TransferShape::Scatter { lens: &lb }, nics, &config.stripe));
     let fc = expect_arrivals(&c, 3, expected_arrivals(TransferShape::Scatter { lens: &lc }, nics, &config.stripe));
     let sent = flag();
-    a.submit_scatter(Some(group), sent.clone(), Some(3), src.mr, &dsts).unwrap();
+    a.submit_scatter(Some(group), sent.clone(), Some(3), src.mr(), &dsts).unwrap();
     sent.wait(WAIT).unwrap();
     fb.wait(WAIT).unwrap();
     fc.wait(WAIT).unwrap();
@@ -226,9 +199,9 @@ pub fn scatter(h: &dyn Harness) {
     }
     // A destination outside the group is refused before anything is posted.
     let stranger = open(&config);
-    let ds = Buffer::new(&stranger, 64, |_| 0);
-    let bad = [ScatterDst { len: 8, src_offset: 0, dst: ds.desc.clone(), dst_offset: 0 }];
-    assert!(matches!(a.submit_scatter(Some(group), flag(), None, src.mr, &bad), Err(Error::InvalidArgument(_))));
+    let ds = buffer(&stranger, 64, |_| 0);
+    let bad = [ScatterDst { len: 8, src_offset: 0, dst: ds.desc().clone(), dst_offset: 0 }];
+    assert!(matches!(a.submit_scatter(Some(group), flag(), None, src.mr(), &bad), Err(Error::InvalidArgument(_))));
 }
 
 /// A barrier is one arrival at each peer.
@@ -236,12 +209,12 @@ pub fn barrier(h: &dyn Harness) {
     let nics = h.max_nics();
     let config = quick_config(h, nics);
     let (a, b, c) = (open(&config), open(&config), open(&config));
-    let (db, dc) = (Buffer::new(&b, 64, |_| 1), Buffer::new(&c, 64, |_| 1));
+    let (db, dc) = (buffer(&b, 64, |_| 1), buffer(&c, 64, |_| 1));
     for round in 0..3 {
         let fb = expect_arrivals(&b, 77, 1);
         let fc = expect_arrivals(&c, 77, 1);
         let sent = flag();
-        a.submit_barrier(None, sent.clone(), 77, &[db.desc.clone(), dc.desc.clone()]).unwrap();
+        a.submit_barrier(None, sent.clone(), 77, &[db.desc().clone(), dc.desc().clone()]).unwrap();
         sent.wait(WAIT).unwrap_or_else(|e| panic!("barrier round {round}: {e}"));
         fb.wait(WAIT).unwrap();
         fc.wait(WAIT).unwrap();
@@ -294,12 +267,12 @@ pub fn send_recv(h: &dyn Harness) {
 pub fn imm_counts(h: &dyn Harness) {
     let config = quick_config(h, 1);
     let (a, b) = (open(&config), open(&config));
-    let src = Buffer::new(&a, 64, pattern(1));
-    let dst = Buffer::new(&b, 64, |_| 0);
+    let src = buffer(&a, 64, pattern(1));
+    let dst = buffer(&b, 64, |_| 0);
     let writes = DoneCounter::new();
     for i in 0..10 {
         let imm = if i % 2 == 0 { 1 } else { 2 };
-        a.submit_single_write(8, Some(imm), (src.mr, 0), (&dst.desc, 8), writes.clone()).unwrap();
+        a.submit_single_write(8, Some(imm), (src.mr(), 0), (dst.desc(), 8), writes.clone()).unwrap();
     }
     writes.wait_for(10, WAIT).unwrap();
     let deadline = Instant::now() + WAIT;
@@ -314,7 +287,7 @@ pub fn imm_counts(h: &dyn Harness) {
     let later = expect_arrivals(&b, 1, 6);
     assert!(!later.is_done());
     for _ in 0..4 {
-        a.submit_single_write(8, Some(1), (src.mr, 0), (&dst.desc, 0), writes.clone()).unwrap();
+        a.submit_single_write(8, Some(1), (src.mr(), 0), (dst.desc(), 0), writes.clone()).unwrap();
     }
     later.wait(WAIT).unwrap();
     assert_eq!((b.imm_count(1), b.imm_count(2)), (0, 5));
@@ -335,29 +308,29 @@ pub fn expectation_times_out(h: &dyn Harness) {
 pub fn bad_input(h: &dyn Harness) {
     let config = quick_config(h, 1);
     let (a, b) = (open(&config), open(&config));
-    let src = Buffer::new(&a, 4096, pattern(1));
-    let dst = Buffer::new(&b, 4096, |_| 0);
+    let src = buffer(&a, 4096, pattern(1));
+    let dst = buffer(&b, 4096, |_| 0);
     let oob = |r: crate::Result<()>| matches!(r, Err(Error::OutOfBounds { .. }));
-    assert!(oob(a.submit_single_write(4097, None, (src.mr, 0), (&dst.desc, 0), flag())));
-    assert!(oob(a.submit_single_write(10, None, (src.mr, 4090), (&dst.desc, 0), flag())));
-    assert!(oob(a.submit_single_write(10, None, (src.mr, 0), (&dst.desc, 4090), flag())));
-    assert!(oob(a.submit_single_write(1, None, (src.mr, u64::MAX), (&dst.desc, 0), flag())));
+    assert!(oob(a.submit_single_write(4097, None, (src.mr(), 0), (dst.desc(), 0), flag())));
+    assert!(oob(a.submit_single_write(10, None, (src.mr(), 4090), (dst.desc(), 0), flag())));
+    assert!(oob(a.submit_single_write(10, None, (src.mr(), 0), (dst.desc(), 4090), flag())));
+    assert!(oob(a.submit_single_write(1, None, (src.mr(), u64::MAX), (dst.desc(), 0), flag())));
     let pages = Pages { indices: vec![0, u32::MAX], stride: 1 << 40, offset: 0 };
-    assert!(oob(a.submit_paged_writes(8, None, (src.mr, &pages), (&dst.desc, &pages), flag())));
+    assert!(oob(a.submit_paged_writes(8, None, (src.mr(), &pages), (dst.desc(), &pages), flag())));
     let two = Pages { indices: vec![0, 1], stride: 8, offset: 0 };
     let one = Pages { indices: vec![0], stride: 8, offset: 0 };
-    assert!(matches!(a.submit_paged_writes(8, None, (src.mr, &two), (&dst.desc, &one), flag()), Err(Error::InvalidArgument(_))));
-    let gone = Buffer::new(&a, 64, |_| 0);
-    let gone_mr = gone.mr;
+    assert!(matches!(a.submit_paged_writes(8, None, (src.mr(), &two), (dst.desc(), &one), flag()), Err(Error::InvalidArgument(_))));
+    let gone = buffer(&a, 64, |_| 0);
+    let gone_mr = gone.mr();
     drop(gone);
-    assert!(matches!(a.submit_single_write(1, None, (gone_mr, 0), (&dst.desc, 0), flag()), Err(Error::UnknownHandle(_))));
+    assert!(matches!(a.submit_single_write(1, None, (gone_mr, 0), (dst.desc(), 0), flag()), Err(Error::UnknownHandle(_))));
     assert!(matches!(a.dereg_mr(gone_mr), Err(Error::UnknownHandle(_))));
     // A descriptor from a peer with another NIC count.
-    let (ptr, len) = (dst.desc.ptr(), dst.desc.len());
-    let doubled = MrDesc::new(ptr, len, vec![dst.desc.rkeys()[0].clone(), dst.desc.rkeys()[0].clone()]).unwrap();
-    assert!(matches!(a.submit_single_write(1, None, (src.mr, 0), (&doubled, 0), flag()), Err(Error::InvalidArgument(_))));
+    let (ptr, len) = (dst.desc().ptr(), dst.desc().len());
+    let doubled = MrDesc::new(ptr, len, vec![dst.desc().rkeys()[0].clone(), dst.desc().rkeys()[0].clone()]).unwrap();
+    assert!(matches!(a.submit_single_write(1, None, (src.mr(), 0), (&doubled, 0), flag()), Err(Error::InvalidArgument(_))));
     // Malformed descriptors never decode.
-    let bytes = dst.desc.to_bytes();
+    let bytes = dst.desc().to_bytes();
     assert!(MrDesc::from_bytes(&bytes[..bytes.len() - 1]).is_err());
     assert!(crate::NetAddr::from_bytes(&[1, 200]).is_err());
     assert!(matches!(a.add_peer_group(vec![]), Err(Error::InvalidArgument(_))));
@@ -369,19 +342,19 @@ pub fn bad_input(h: &dyn Harness) {
 pub fn remote_access_error(h: &dyn Harness) {
     let config = quick_config(h, 1);
     let (a, b) = (open(&config), open(&config));
-    let src = Buffer::new(&a, 4096, pattern(2));
-    let dst = Buffer::new(&b, 4096, |_| 0);
-    let (addr, rkey) = dst.desc.rkeys()[0].clone();
-    let forged = MrDesc::new(dst.desc.ptr(), dst.desc.len(), vec![(addr, rkey ^ 0x5a5a_0000)]).unwrap();
+    let src = buffer(&a, 4096, pattern(2));
+    let dst = buffer(&b, 4096, |_| 0);
+    let (addr, rkey) = dst.desc().rkeys()[0].clone();
+    let forged = MrDesc::new(dst.desc().ptr(), dst.desc().len(), vec![(addr, rkey ^ 0x5a5a_0000)]).unwrap();
     let f = flag();
-    a.submit_single_write(4096, Some(4), (src.mr, 0), (&forged, 0), f.clone()).unwrap();
+    a.submit_single_write(4096, Some(4), (src.mr(), 0), (&forged, 0), f.clone()).unwrap();
     let r = f.wait(WAIT);
     assert!(matches!(r, Err(Error::RemoteAccess(_))), "got {r:?}");
     assert!(dst.bytes().iter().all(|&x| x == 0), "nothing may be written");
     assert_eq!(b.imm_count(4), 0, "nothing may be counted");
     // The engine keeps working after the error.
     let ok = flag();
-    a.submit_single_write(4096, None, (src.mr, 0), (&dst.desc, 0), ok.clone()).unwrap();
+    a.submit_single_write(4096, None, (src.mr(), 0), (dst.desc(), 0), ok.clone()).unwrap();
     ok.wait(WAIT).unwrap();
 }
 
@@ -389,8 +362,8 @@ pub fn remote_access_error(h: &dyn Harness) {
 pub fn dead_peer(h: &dyn Harness) {
     let config = quick_config(h, 1);
     let (a, b, c) = (open(&config), open(&config), open(&config));
-    let src = Buffer::new(&a, 4096, pattern(2));
-    let dc = Buffer::new(&c, 4096, |_| 0);
+    let src = buffer(&a, 4096, pattern(2));
+    let dc = buffer(&c, 4096, |_| 0);
     // B's memory is gone with B; only its descriptor remains.
     let mut gone = vec![0u8; 4096];
     // SAFETY: deregistered (by dropping B) before `gone` is freed; no write ever succeeds.
@@ -398,13 +371,13 @@ pub fn dead_peer(h: &dyn Harness) {
     drop(b);
     let start = Instant::now();
     let f = flag();
-    a.submit_single_write(64, Some(1), (src.mr, 0), (&desc_b, 0), f.clone()).unwrap();
+    a.submit_single_write(64, Some(1), (src.mr(), 0), (&desc_b, 0), f.clone()).unwrap();
     let r = f.wait(WAIT);
     assert!(matches!(r, Err(Error::PeerUnreachable(_) | Error::Timeout(_))), "got {r:?}");
     assert!(start.elapsed() < Duration::from_millis(config.timeouts.transfer_ms + 3_000));
     drop(gone);
     let ok = flag();
-    a.submit_single_write(4096, None, (src.mr, 0), (&dc.desc, 0), ok.clone()).unwrap();
+    a.submit_single_write(4096, None, (src.mr(), 0), (dc.desc(), 0), ok.clone()).unwrap();
     ok.wait(WAIT).unwrap();
     assert_copied("after a dead peer", dc.bytes(), src.bytes());
 }
@@ -414,8 +387,8 @@ pub fn exactly_once(h: &dyn Harness) {
     let nics = h.max_nics();
     let config = quick_config(h, nics);
     let (a, b) = (open(&config), open(&config));
-    let src = Buffer::new(&a, 1 << 16, pattern(8));
-    let dst = Buffer::new(&b, 1 << 16, |_| 0);
+    let src = buffer(&a, 1 << 16, pattern(8));
+    let dst = buffer(&b, 1 << 16, |_| 0);
     let counter = DoneCounter::new();
     let callbacks = Arc::new(AtomicU64::new(0));
     const N: u64 = 3_000;
@@ -431,7 +404,7 @@ pub fn exactly_once(h: &dyn Harness) {
                 cb.fetch_add(1, Ordering::SeqCst);
             })
         };
-        a.submit_single_write(64, Some(12), (src.mr, off), (&dst.desc, off), on_done).unwrap();
+        a.submit_single_write(64, Some(12), (src.mr(), off), (dst.desc(), off), on_done).unwrap();
     }
     landed.wait(WAIT).unwrap();
     counter.wait_for(N / 2, WAIT).unwrap();
@@ -450,16 +423,16 @@ pub fn exactly_once(h: &dyn Harness) {
 pub fn callbacks_can_submit(h: &dyn Harness) {
     let config = quick_config(h, 1);
     let (a, b) = (open(&config), open(&config));
-    let src = Arc::new(Buffer::new(&a, 4096, pattern(4)));
-    let dst = Arc::new(Buffer::new(&b, 4096, |_| 0));
+    let src = Arc::new(buffer(&a, 4096, pattern(4)));
+    let dst = Arc::new(buffer(&b, 4096, |_| 0));
     let finished = DoneFlag::new();
-    fn next(a: Arc<TransferEngine>, src: Arc<Buffer>, dst: Arc<Buffer>, left: u32, finished: Arc<DoneFlag>) {
+    fn next(a: Arc<TransferEngine>, src: Arc<HostBuffer>, dst: Arc<HostBuffer>, left: u32, finished: Arc<DoneFlag>) {
         if left == 0 {
-            let _ = a.submit_single_write(1, None, (src.mr, 0), (&dst.desc, 0), finished);
+            let _ = a.submit_single_write(1, None, (src.mr(), 0), (dst.desc(), 0), finished);
             return;
         }
         let (a2, s2, d2) = (Arc::clone(&a), Arc::clone(&src), Arc::clone(&dst));
-        a.submit_single_write(4096, Some(6), (src.mr, 0), (&dst.desc, 0), OnDone::callback(move |r| {
+        a.submit_single_write(4096, Some(6), (src.mr(), 0), (dst.desc(), 0), OnDone::callback(move |r| {
             r.expect("chained write");
             next(a2, s2, d2, left - 1, finished);
         }))

@@ -45,6 +45,7 @@
 //! ```
 
 mod api;
+mod buffer;
 pub mod config;
 pub mod domain;
 mod error;
@@ -58,6 +59,7 @@ pub mod wire;
 pub mod conformance;
 
 pub use api::{MrHandle, Pages, PeerGroupHandle, ScatterDst, TransferEngine};
+pub use buffer::HostBuffer;
 pub use config::Config;
 pub use domain::Device;
 pub use error::{Error, Result};
