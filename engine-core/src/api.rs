@@ -73,7 +73,7 @@ struct LocalRegion {
 pub struct TransferEngine {
     shared: Arc<Shared>,
     addresses: Vec<NetAddr>,
-    regions: RwLock<HashMap<u64, LocalRegion>>,
+    regions: RwLock<HashMap<u64, Arc<LocalRegion>>>,
     peer_groups: Mutex<HashMap<u64, HashSet<NetAddr>>>,
     next_id: AtomicU64,
     next_first_nic: AtomicUsize,
@@ -204,7 +204,7 @@ impl TransferEngine {
         self.regions
             .write()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(handle.0, local.clone());
+            .insert(handle.0, Arc::new(local.clone()));
         Ok((handle, local))
     }
 
@@ -250,7 +250,7 @@ impl TransferEngine {
         self.control(|reply| Command::Deregister { keys, reply })
     }
 
-    fn local_region(&self, handle: MrHandle) -> Result<LocalRegion> {
+    fn local_region(&self, handle: MrHandle) -> Result<Arc<LocalRegion>> {
         self.regions
             .read()
             .unwrap_or_else(|p| p.into_inner())

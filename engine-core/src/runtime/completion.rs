@@ -59,6 +59,35 @@ impl OnDone {
     }
 }
 
+/// Callbacks finished in one worker pass, handed to the callback thread as one job.
+pub(crate) type CallbackBatch = Vec<Box<dyn FnOnce() + Send>>;
+
+impl OnDone {
+    /// Like [`complete`](Self::complete), but a callback joins `batch` instead of being sent
+    /// alone: one channel message (and at most one wake-up) per worker pass, not per callback.
+    pub(crate) fn complete_batched(self, result: Result<()>, batch: &mut CallbackBatch) {
+        match self {
+            Self::Flag(flag) => flag.set(result),
+            Self::Counter(counter) => counter.add(result),
+            Self::Callback(cb) => batch.push(Box::new(move || cb(result))),
+        }
+    }
+}
+
+/// Sends a batch of callbacks to the callback thread (or runs them here if it is gone).
+pub(crate) fn send_batch(batch: &mut CallbackBatch, jobs: &Sender<Job>) {
+    if batch.is_empty() {
+        return;
+    }
+    let callbacks = std::mem::take(batch);
+    let job: Box<dyn FnOnce() + Send> = Box::new(move || callbacks.into_iter().for_each(|cb| cb()));
+    if let Err(returned) = jobs.send(Some(job)) {
+        if let Some(job) = returned.into_inner() {
+            job();
+        }
+    }
+}
+
 impl From<Arc<DoneFlag>> for OnDone {
     fn from(flag: Arc<DoneFlag>) -> Self {
         Self::Flag(flag)

@@ -11,7 +11,7 @@ use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::completion::OnDone;
+use super::completion::{send_batch, CallbackBatch, OnDone};
 use super::tracker::Tracker;
 use super::{Command, Shared, WriteOp};
 use crate::domain::{Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus, Registration, Waker, WriteRequest};
@@ -50,6 +50,7 @@ struct Worker {
     events: Vec<Event>,
     finished: Vec<(OnDone, Result<()>)>,
     imm_outcomes: Vec<Outcome<OnDone>>,
+    callbacks: CallbackBatch,
     transfer_timeout: Duration,
 }
 
@@ -135,6 +136,7 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
         events: Vec::new(),
         finished: Vec::new(),
         imm_outcomes: Vec::new(),
+        callbacks: Vec::new(),
         transfer_timeout: config.timeouts.transfer(),
     })
 }
@@ -173,7 +175,7 @@ impl Worker {
             let in_flight = self.tracker.len() > 0 || self.pending.iter().any(|p| !p.is_empty());
             let idle_start = *idle_since.get_or_insert(now);
             if in_flight || now.duration_since(idle_start) < spin {
-                std::hint::spin_loop();
+                std::thread::yield_now();
                 continue;
             }
             self.park(now, idle_poll);
@@ -369,15 +371,16 @@ impl Worker {
     /// Hands finished transfers and met expectations to their waiters.
     fn deliver(&mut self) {
         for (on_done, result) in self.finished.drain(..) {
-            on_done.complete(result, &self.shared.jobs);
+            on_done.complete_batched(result, &mut self.callbacks);
         }
         let expect_timeout = self.shared.config.timeouts.expect();
         for outcome in self.imm_outcomes.drain(..) {
             match outcome {
-                Outcome::Met(w) => w.complete(Ok(()), &self.shared.jobs),
-                Outcome::Expired(w) => w.complete(Err(Error::Timeout(expect_timeout)), &self.shared.jobs),
+                Outcome::Met(w) => w.complete_batched(Ok(()), &mut self.callbacks),
+                Outcome::Expired(w) => w.complete_batched(Err(Error::Timeout(expect_timeout)), &mut self.callbacks),
             }
         }
+        send_batch(&mut self.callbacks, &self.shared.jobs);
     }
 
     fn expire(&mut self, now: Instant) {
