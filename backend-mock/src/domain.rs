@@ -64,7 +64,8 @@ impl MockDomain {
     pub fn open(config: &DomainConfig<'_>) -> Result<Self, DomainError> {
         let options = MockOptions::parse(config.options)?;
         let nic = fabric::join();
-        let rng = fastrand::Rng::with_seed(options.seed ^ nic.id.wrapping_mul(0x2545_f491_4f6c_dd1d));
+        let rng =
+            fastrand::Rng::with_seed(options.seed ^ nic.id.wrapping_mul(0x2545_f491_4f6c_dd1d));
         Ok(Self {
             nic,
             options,
@@ -104,7 +105,12 @@ impl MockDomain {
         let n = self.posted;
         let o = &self.options;
         let hit = n == o.fail_nth || (o.fail_every > 0 && n % o.fail_every == 0);
-        hit.then(|| DomainError::new(DomainErrorKind::Other, format!("injected failure of operation {n}")))
+        hit.then(|| {
+            DomainError::new(
+                DomainErrorKind::Other,
+                format!("injected failure of operation {n}"),
+            )
+        })
     }
 
     fn accept(&mut self, op: Op) -> Result<PostStatus, DomainError> {
@@ -113,7 +119,10 @@ impl MockDomain {
             return Ok(PostStatus::Busy);
         }
         if let Some(e) = self.injected_failure() {
-            self.done.push(Event::Done { wr_id: op.wr_id(), result: Err(e) });
+            self.done.push(Event::Done {
+                wr_id: op.wr_id(),
+                result: Err(e),
+            });
             return Ok(PostStatus::Posted);
         }
         if self.options.defers() {
@@ -133,9 +142,24 @@ impl MockDomain {
     fn execute(&mut self, op: Op) {
         let wr_id = op.wr_id();
         let result = match op {
-            Op::Write { peer, local_addr, local_key, remote_addr, remote_key, len, imm, .. } => {
-                self.write(&peer, local_addr, local_key, remote_addr, remote_key, len, imm)
-            }
+            Op::Write {
+                peer,
+                local_addr,
+                local_key,
+                remote_addr,
+                remote_key,
+                len,
+                imm,
+                ..
+            } => self.write(
+                &peer,
+                local_addr,
+                local_key,
+                remote_addr,
+                remote_key,
+                len,
+                imm,
+            ),
             Op::Send { peer, data, .. } => match self.send(&peer, data, wr_id) {
                 // Completes when the receiver posts a buffer (from its side).
                 Ok(false) => return,
@@ -147,25 +171,49 @@ impl MockDomain {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn write(&mut self, peer: &NetAddr, local_addr: u64, local_key: u64, remote_addr: u64, remote_key: u64, len: u64, imm: Option<u32>) -> Result<(), DomainError> {
+    fn write(
+        &mut self,
+        peer: &NetAddr,
+        local_addr: u64,
+        local_key: u64,
+        remote_addr: u64,
+        remote_key: u64,
+        len: u64,
+        imm: Option<u32>,
+    ) -> Result<(), DomainError> {
         let target = self.peer(peer)?;
         // Lock order: our regions, then the peer's (the same lock, read twice, for loopback).
         let ours = self.nic.regions();
         if len > 0 {
             let src = ours.local.get(&local_key).ok_or_else(|| {
-                DomainError::new(DomainErrorKind::InvalidArgument, format!("local key {local_key:#x} is not registered with mock NIC {}", self.nic.addr))
+                DomainError::new(
+                    DomainErrorKind::InvalidArgument,
+                    format!(
+                        "local key {local_key:#x} is not registered with mock NIC {}",
+                        self.nic.addr
+                    ),
+                )
             })?;
             if !src.contains(local_addr, len) {
                 return Err(DomainError::new(
                     DomainErrorKind::InvalidArgument,
-                    format!("source {local_addr:#x}+{len} is outside its region {:#x}+{}", src.ptr, src.len),
+                    format!(
+                        "source {local_addr:#x}+{len} is outside its region {:#x}+{}",
+                        src.ptr, src.len
+                    ),
                 ));
             }
         }
-        let theirs = if Arc::ptr_eq(&target, &self.nic) { None } else { Some(target.regions()) };
+        let theirs = if Arc::ptr_eq(&target, &self.nic) {
+            None
+        } else {
+            Some(target.regions())
+        };
         let regions = theirs.as_deref().unwrap_or(&ours);
         let dst: Region = *regions.remote.get(&remote_key).ok_or_else(|| {
-            remote_access(format!("rkey {remote_key:#x} is not valid for remote write at mock NIC {peer}"))
+            remote_access(format!(
+                "rkey {remote_key:#x} is not valid for remote write at mock NIC {peer}"
+            ))
         })?;
         if !dst.contains(remote_addr, len) {
             return Err(remote_access(format!(
@@ -178,7 +226,13 @@ impl MockDomain {
             // locks are held, so neither can be deregistered during the copy. The owners
             // promised (TransferEngine::reg_mr's contract) the memory stays allocated while
             // registered; `copy` tolerates overlap (a loopback write within one region).
-            unsafe { std::ptr::copy(local_addr as *const u8, remote_addr as *mut u8, len as usize) };
+            unsafe {
+                std::ptr::copy(
+                    local_addr as *const u8,
+                    remote_addr as *mut u8,
+                    len as usize,
+                )
+            };
         }
         drop(theirs);
         drop(ours);
@@ -199,7 +253,11 @@ impl MockDomain {
             }
             None => {
                 let sender = Arc::downgrade(&self.nic);
-                inbox.waiting_sends.push_back(WaitingSend { data, sender, wr_id });
+                inbox.waiting_sends.push_back(WaitingSend {
+                    data,
+                    sender,
+                    wr_id,
+                });
                 false
             }
         };
@@ -214,7 +272,10 @@ impl MockDomain {
         if !self.nic.alive.load(Ordering::Acquire) {
             let err = self.check_alive().expect_err("not alive");
             for (_, op) in self.deferred.drain(..) {
-                self.done.push(Event::Done { wr_id: op.wr_id(), result: Err(err.clone()) });
+                self.done.push(Event::Done {
+                    wr_id: op.wr_id(),
+                    result: Err(err.clone()),
+                });
             }
             return;
         }
@@ -246,26 +307,44 @@ impl Domain for MockDomain {
         if region.device != Device::Host {
             return Err(DomainError::new(
                 DomainErrorKind::InvalidArgument,
-                format!("the mock backend registers host memory only, not {:?}", region.device),
+                format!(
+                    "the mock backend registers host memory only, not {:?}",
+                    region.device
+                ),
             ));
         }
-        let r = Region { ptr: region.ptr, len: region.len };
+        let r = Region {
+            ptr: region.ptr,
+            len: region.len,
+        };
         let local_key = fabric::new_key();
-        let remote_key = if region.remote_write { fabric::new_key() } else { 0 };
+        let remote_key = if region.remote_write {
+            fabric::new_key()
+        } else {
+            0
+        };
         let mut regions = self.nic.regions.write().unwrap_or_else(|p| p.into_inner());
         regions.local.insert(local_key, r);
         if region.remote_write {
             regions.remote.insert(remote_key, r);
         }
-        Ok(Registration { local_key, remote_key })
+        Ok(Registration {
+            local_key,
+            remote_key,
+        })
     }
 
     fn deregister(&mut self, local_key: u64) -> Result<(), DomainError> {
         let mut regions = self.nic.regions.write().unwrap_or_else(|p| p.into_inner());
         let region = regions.local.remove(&local_key).ok_or_else(|| {
-            DomainError::new(DomainErrorKind::InvalidArgument, format!("local key {local_key:#x} is not registered"))
+            DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!("local key {local_key:#x} is not registered"),
+            )
         })?;
-        regions.remote.retain(|_, r| r.ptr != region.ptr || r.len != region.len);
+        regions
+            .remote
+            .retain(|_, r| r.ptr != region.ptr || r.len != region.len);
         Ok(())
     }
 
@@ -282,13 +361,25 @@ impl Domain for MockDomain {
         })
     }
 
-    fn post_send(&mut self, wr_id: u64, peer: &NetAddr, data: &[u8]) -> Result<PostStatus, DomainError> {
-        self.accept(Op::Send { wr_id, peer: peer.clone(), data: data.to_vec() })
+    fn post_send(
+        &mut self,
+        wr_id: u64,
+        peer: &NetAddr,
+        data: &[u8],
+    ) -> Result<PostStatus, DomainError> {
+        self.accept(Op::Send {
+            wr_id,
+            peer: peer.clone(),
+            data: data.to_vec(),
+        })
     }
 
     fn post_recvs(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError> {
         self.check_alive()?;
-        self.nic.inbox().recv_buffers.extend(std::iter::repeat_n(buf_len, count));
+        self.nic
+            .inbox()
+            .recv_buffers
+            .extend(std::iter::repeat_n(buf_len, count));
         self.nic.match_waiting_sends();
         Ok(())
     }

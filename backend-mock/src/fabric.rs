@@ -18,7 +18,10 @@ pub(crate) struct Region {
 impl Region {
     /// Whether `[addr, addr + len)` lies inside the region.
     pub(crate) fn contains(&self, addr: u64, len: u64) -> bool {
-        addr >= self.ptr && addr.checked_add(len).is_some_and(|end| end <= self.ptr + self.len)
+        addr >= self.ptr
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= self.ptr + self.len)
     }
 }
 
@@ -102,7 +105,12 @@ impl Nic {
 }
 
 /// Puts a message in a buffer of `buf_len` bytes, or refuses it as a NIC would.
-pub(crate) fn accept_message(inbox: &mut Inbox, buf_len: usize, data: Vec<u8>, at: &NetAddr) -> Result<(), DomainError> {
+pub(crate) fn accept_message(
+    inbox: &mut Inbox,
+    buf_len: usize,
+    data: Vec<u8>,
+    at: &NetAddr,
+) -> Result<(), DomainError> {
     if data.len() > buf_len {
         return Err(DomainError::new(
             DomainErrorKind::RemoteAccess,
@@ -126,7 +134,10 @@ static FABRIC: LazyLock<Fabric> = LazyLock::new(|| Fabric {
 /// Keys are unique across the whole fabric, so a key of NIC i used on NIC k is caught.
 pub(crate) fn new_key() -> u64 {
     // Spread the counter so keys look unrelated and never collide with a plain small number.
-    FABRIC.next_id.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    FABRIC
+        .next_id
+        .fetch_add(1, Ordering::Relaxed)
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
 /// Adds a NIC to the fabric.
@@ -196,5 +207,8 @@ pub fn kill(addr: &NetAddr) -> bool {
 }
 
 pub(crate) fn unreachable(addr: &NetAddr) -> DomainError {
-    DomainError::new(DomainErrorKind::PeerUnreachable, format!("no live mock NIC at {addr}"))
+    DomainError::new(
+        DomainErrorKind::PeerUnreachable,
+        format!("no live mock NIC at {addr}"),
+    )
 }

@@ -27,7 +27,10 @@ impl MockOptions {
     /// Parses the TOML text of `[backends.mock]`; unknown keys are named in the error.
     pub fn parse(text: &str) -> Result<Self, DomainError> {
         toml::from_str(text).map_err(|e| {
-            DomainError::new(DomainErrorKind::InvalidArgument, format!("[backends.mock]: {e}"))
+            DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!("[backends.mock]: {e}"),
+            )
         })
     }
 

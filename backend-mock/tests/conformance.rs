@@ -9,7 +9,10 @@ impl Harness for Mock {
     fn config(&self, nics: usize) -> Config {
         backend_mock::link();
         let names: Vec<String> = (0..nics).map(|i| format!("\"mock{i}\"")).collect();
-        let text = format!("backend = \"mock\"\n[[groups]]\nnics = [{}]\n", names.join(", "));
+        let text = format!(
+            "backend = \"mock\"\n[[groups]]\nnics = [{}]\n",
+            names.join(", ")
+        );
         Config::from_toml(&text, std::path::Path::new("<mock conformance>")).unwrap()
     }
 

@@ -25,7 +25,8 @@ fn the_nth_operation_fails_with_the_backends_message_and_the_rest_succeed() {
     let dst = buffer(&b, 64, |_| 0);
     let flags: Vec<_> = (0..5).map(|_| DoneFlag::new()).collect();
     for f in &flags {
-        a.submit_single_write(8, Some(1), (src.mr(), 0), (dst.desc(), 0), f.clone()).unwrap();
+        a.submit_single_write(8, Some(1), (src.mr(), 0), (dst.desc(), 0), f.clone())
+            .unwrap();
     }
     let results: Vec<_> = flags.iter().map(|f| f.wait(WAIT)).collect();
     for (i, r) in results.iter().enumerate() {
@@ -49,7 +50,14 @@ fn a_full_queue_is_backpressure_not_an_error() {
     let done = DoneCounter::new();
     for i in 0..200u64 {
         let off = (i * 256) % (1 << 16);
-        a.submit_single_write(256, Some(2), (src.mr(), off), (dst.desc(), off), done.clone()).unwrap();
+        a.submit_single_write(
+            256,
+            Some(2),
+            (src.mr(), off),
+            (dst.desc(), off),
+            done.clone(),
+        )
+        .unwrap();
     }
     done.wait_for(200, WAIT).unwrap();
     assert_eq!(done.ok(), 200);
@@ -67,23 +75,32 @@ fn a_killed_peer_fails_what_is_aimed_at_it_and_its_own_pending_work() {
     // B's own write is delayed, then B dies.
     let b_pending = DoneFlag::new();
     // (B's write waits a second in the mock before landing.)
-    b.submit_single_write(8, None, (bsrc.mr(), 0), (dc.desc(), 0), b_pending.clone()).unwrap();
+    b.submit_single_write(8, None, (bsrc.mr(), 0), (dc.desc(), 0), b_pending.clone())
+        .unwrap();
     std::thread::sleep(Duration::from_millis(10));
     assert!(backend_mock::kill(&b.main_address()));
-    assert!(matches!(b_pending.wait(WAIT), Err(Error::PeerUnreachable(_))));
+    assert!(matches!(
+        b_pending.wait(WAIT),
+        Err(Error::PeerUnreachable(_))
+    ));
     let to_b = DoneFlag::new();
-    a.submit_single_write(8, Some(1), (src.mr(), 0), (db.desc(), 0), to_b.clone()).unwrap();
+    a.submit_single_write(8, Some(1), (src.mr(), 0), (db.desc(), 0), to_b.clone())
+        .unwrap();
     assert!(matches!(to_b.wait(WAIT), Err(Error::PeerUnreachable(_))));
     // A still serves C.
     let to_c = DoneFlag::new();
-    a.submit_single_write(64, None, (src.mr(), 0), (dc.desc(), 0), to_c.clone()).unwrap();
+    a.submit_single_write(64, None, (src.mr(), 0), (dc.desc(), 0), to_c.clone())
+        .unwrap();
     to_c.wait(WAIT).unwrap();
     assert!(dc.bytes() == src.bytes());
 }
 
 #[test]
 fn a_completion_after_the_deadline_is_ignored_safely() {
-    let config = mock_config(1, "[backends.mock]\njitter_us = 300000\nseed = 4\n[timeouts]\ntransfer_ms = 30\n");
+    let config = mock_config(
+        1,
+        "[backends.mock]\njitter_us = 300000\nseed = 4\n[timeouts]\ntransfer_ms = 30\n",
+    );
     let (a, b) = (open(&config), open(&config));
     let src = buffer(&a, 64, pattern(3));
     let dst = buffer(&b, 64, |_| 0);
@@ -91,13 +108,18 @@ fn a_completion_after_the_deadline_is_ignored_safely() {
     // With delays drawn up to 300 ms and a 30 ms deadline, most of these time out and their
     // completions come late; each must still be counted exactly once.
     for _ in 0..20 {
-        a.submit_single_write(8, None, (src.mr(), 0), (dst.desc(), 0), counter.clone()).unwrap();
+        a.submit_single_write(8, None, (src.mr(), 0), (dst.desc(), 0), counter.clone())
+            .unwrap();
     }
     let _ = counter.wait_for(20, WAIT);
     assert!(counter.failed() > 0, "some transfers must time out");
     assert!(matches!(counter.first_error(), Some(Error::Timeout(_))));
     std::thread::sleep(Duration::from_millis(400));
-    assert_eq!(counter.finished(), 20, "late completions must not finish anything twice");
+    assert_eq!(
+        counter.finished(),
+        20,
+        "late completions must not finish anything twice"
+    );
 }
 
 #[test]
@@ -114,7 +136,10 @@ fn soak_ten_thousand_transfers_under_faults() {
     const N: usize = 10_000;
     const SLOT: usize = 256 << 10;
     const SLOTS: usize = 16;
-    let config = mock_config(2, "[backends.mock]\nseed = 42\nreorder = true\njitter_us = 300\nfail_every = 97\n");
+    let config = mock_config(
+        2,
+        "[backends.mock]\nseed = 42\nreorder = true\njitter_us = 300\nfail_every = 97\n",
+    );
     let (a, b) = (open(&config), open(&config));
     let src = buffer(&a, SLOT * SLOTS, pattern(9));
     let dst = buffer(&b, SLOT * SLOTS, |_| 0);
@@ -131,16 +156,27 @@ fn soak_ten_thousand_transfers_under_faults() {
         };
         let slot = (i % SLOTS * SLOT) as u64;
         let f = DoneFlag::new();
-        a.submit_single_write(len, Some(i as u32), (src.mr(), slot), (dst.desc(), slot), f.clone()).unwrap();
+        a.submit_single_write(
+            len,
+            Some(i as u32),
+            (src.mr(), slot),
+            (dst.desc(), slot),
+            f.clone(),
+        )
+        .unwrap();
         flags.push(f);
         lens.push(len);
         if i % SLOTS == SLOTS - 1 {
             // Wait for the batch so slots are not rewritten while checked.
             for j in i + 1 - SLOTS..=i {
                 let r = flags[j].wait(WAIT);
-                assert!(matches!(r, Ok(()) | Err(Error::Backend { .. })), "transfer {j}: {r:?}");
+                assert!(
+                    matches!(r, Ok(()) | Err(Error::Backend { .. })),
+                    "transfer {j}: {r:?}"
+                );
                 let s = (j % SLOTS) * SLOT;
-                let want = expected_arrivals(TransferShape::Single { len: lens[j] }, 2, &config.stripe);
+                let want =
+                    expected_arrivals(TransferShape::Single { len: lens[j] }, 2, &config.stripe);
                 if r.is_ok() {
                     let deadline = Instant::now() + WAIT;
                     while b.imm_count(j as u32) < want && Instant::now() < deadline {
@@ -148,16 +184,28 @@ fn soak_ten_thousand_transfers_under_faults() {
                     }
                     assert_eq!(b.imm_count(j as u32), want, "transfer {j}: arrivals");
                     let n = lens[j] as usize;
-                    assert!(dst.bytes()[s..s + n] == src.bytes()[s..s + n], "transfer {j}: data");
+                    assert!(
+                        dst.bytes()[s..s + n] == src.bytes()[s..s + n],
+                        "transfer {j}: data"
+                    );
                 } else {
-                    assert!(b.imm_count(j as u32) < want, "a failed transfer lost at least one arrival");
+                    assert!(
+                        b.imm_count(j as u32) < want,
+                        "a failed transfer lost at least one arrival"
+                    );
                 }
             }
         }
     }
-    let failed = flags.iter().filter(|f| f.result().is_some_and(|r| r.is_err())).count();
+    let failed = flags
+        .iter()
+        .filter(|f| f.result().is_some_and(|r| r.is_err()))
+        .count();
     assert!(flags.iter().all(|f| f.is_done()));
-    assert!(failed > 0 && failed < N / 20, "{failed} failures from every 97th operation");
+    assert!(
+        failed > 0 && failed < N / 20,
+        "{failed} failures from every 97th operation"
+    );
 }
 
 proptest! {

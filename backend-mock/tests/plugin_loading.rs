@@ -11,18 +11,32 @@ fn a_plugin_with_the_wrong_abi_version_is_refused_with_both_versions() {
     let path = common::built_library("plugin_fixture_wrong_abi");
     let err = find_backend("mock", Some(&path)).unwrap_err();
     match &err {
-        PluginError::AbiMismatch { path: p, found, expected, .. } => {
-            assert_eq!((p, *found, *expected), (&path, 999, engine_core::plugin::abi::ABI_VERSION));
+        PluginError::AbiMismatch {
+            path: p,
+            found,
+            expected,
+            ..
+        } => {
+            assert_eq!(
+                (p, *found, *expected),
+                (&path, 999, engine_core::plugin::abi::ABI_VERSION)
+            );
         }
         other => panic!("expected AbiMismatch, got {other:?}"),
     }
     let text = err.to_string();
-    assert!(text.contains("999") && text.contains("plugin_fixture_wrong_abi"), "{text}");
+    assert!(
+        text.contains("999") && text.contains("plugin_fixture_wrong_abi"),
+        "{text}"
+    );
 
     // Through the engine, the same error arrives typed.
     let mut config = common::mock_config(1, "");
     config.plugin = Some(path);
-    assert!(matches!(TransferEngine::open(&config), Err(Error::Plugin(PluginError::AbiMismatch { .. }))));
+    assert!(matches!(
+        TransferEngine::open(&config),
+        Err(Error::Plugin(PluginError::AbiMismatch { .. }))
+    ));
 }
 
 #[test]
@@ -50,15 +64,26 @@ fn a_plugin_serving_another_backend_is_refused() {
 fn plugins_are_found_on_the_search_path_and_unknown_names_list_what_exists() {
     let dir = std::env::temp_dir().join(format!("xfer-plugin-path-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::copy(common::built_library("plugin_fixture_wrong_abi"), dir.join("libxfer_fancy.so")).unwrap();
+    std::fs::copy(
+        common::built_library("plugin_fixture_wrong_abi"),
+        dir.join("libxfer_fancy.so"),
+    )
+    .unwrap();
     // This test binary's only user of the variable.
     std::env::set_var(engine_core::plugin::PLUGIN_PATH_ENV, &dir);
     let found = find_backend("fancy", None).unwrap_err();
-    assert!(matches!(found, PluginError::AbiMismatch { .. }), "found on the search path: {found:?}");
+    assert!(
+        matches!(found, PluginError::AbiMismatch { .. }),
+        "found on the search path: {found:?}"
+    );
     backend_mock::link();
     let err = find_backend("nonesuch", None).unwrap_err();
     match &err {
-        PluginError::UnknownBackend { name, builtin, searched } => {
+        PluginError::UnknownBackend {
+            name,
+            builtin,
+            searched,
+        } => {
             assert_eq!(name, "nonesuch");
             assert!(builtin.contains(&"mock".to_string()), "{builtin:?}");
             assert_eq!(searched, &vec![dir.clone()]);

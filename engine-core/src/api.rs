@@ -128,7 +128,8 @@ impl TransferEngine {
             backend: config.backend.clone(),
             message: format!("cannot spawn the callback thread: {e}"),
         };
-        let (jobs, callbacks) = spawn_callback_thread(format!("xfer-callbacks-{group}")).map_err(thread_error)?;
+        let (jobs, callbacks) =
+            spawn_callback_thread(format!("xfer-callbacks-{group}")).map_err(thread_error)?;
         let shared = Arc::new(Shared::new(config.clone(), backend.name().to_owned(), jobs));
         let worker = match spawn_worker(Arc::clone(&shared), backend, group) {
             Ok(w) => w,
@@ -175,14 +176,24 @@ impl TransferEngine {
         &self.shared.config
     }
 
-    fn control<T>(&self, make: impl FnOnce(crossbeam_channel::Sender<Result<T>>) -> Command) -> Result<T> {
+    fn control<T>(
+        &self,
+        make: impl FnOnce(crossbeam_channel::Sender<Result<T>>) -> Command,
+    ) -> Result<T> {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.shared.submit(make(tx))?;
         let timeout = self.shared.config.timeouts.control();
-        rx.recv_timeout(timeout).unwrap_or(Err(Error::Timeout(timeout)))
+        rx.recv_timeout(timeout)
+            .unwrap_or(Err(Error::Timeout(timeout)))
     }
 
-    fn register(&self, ptr: *mut u8, len: usize, device: Device, remote_write: bool) -> Result<(MrHandle, LocalRegion)> {
+    fn register(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        device: Device,
+        remote_write: bool,
+    ) -> Result<(MrHandle, LocalRegion)> {
         if ptr.is_null() || len == 0 {
             return Err(Error::InvalidArgument(format!(
                 "cannot register {len} bytes at {ptr:?}: the region must be non-null and non-empty"
@@ -215,7 +226,12 @@ impl TransferEngine {
     /// The memory must stay allocated until [`dereg_mr`](Self::dereg_mr) returns, and while it
     /// is registered peers may write into it at any time: read it only after the writes you
     /// wait for have been counted (an `expect_imm_count` or the writer's own signal).
-    pub unsafe fn reg_mr(&self, ptr: *mut u8, len: usize, device: Device) -> Result<(MrHandle, MrDesc)> {
+    pub unsafe fn reg_mr(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        device: Device,
+    ) -> Result<(MrHandle, MrDesc)> {
         let (handle, local) = self.register(ptr, len, device, true)?;
         let rkeys = self
             .addresses
@@ -234,7 +250,12 @@ impl TransferEngine {
     ///
     /// # Safety
     /// The memory must stay allocated until [`dereg_mr`](Self::dereg_mr) returns.
-    pub unsafe fn reg_mr_local(&self, ptr: *mut u8, len: usize, device: Device) -> Result<MrHandle> {
+    pub unsafe fn reg_mr_local(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        device: Device,
+    ) -> Result<MrHandle> {
         Ok(self.register(ptr, len, device, false)?.0)
     }
 
@@ -273,16 +294,35 @@ impl TransferEngine {
     fn first_nic(&self) -> usize {
         match self.shared.config.nic_selection {
             NicSelection::First(n) => n,
-            NicSelection::RoundRobin => self.next_first_nic.fetch_add(1, Ordering::Relaxed) % self.nic_count(),
+            NicSelection::RoundRobin => {
+                self.next_first_nic.fetch_add(1, Ordering::Relaxed) % self.nic_count()
+            }
         }
     }
 
     /// Plans one contiguous unit and appends its writes, pairing each chunk with *its* NIC's
     /// local key, remote key and peer address (the one place where they are paired).
     #[allow(clippy::too_many_arguments)]
-    fn plan_unit(&self, ops: &mut Vec<WriteOp>, chunks: &mut Vec<Chunk>, first: usize, src: &LocalRegion, src_offset: u64, dst: &MrDesc, dst_offset: u64, len: u64, imm: Option<u32>) {
+    fn plan_unit(
+        &self,
+        ops: &mut Vec<WriteOp>,
+        chunks: &mut Vec<Chunk>,
+        first: usize,
+        src: &LocalRegion,
+        src_offset: u64,
+        dst: &MrDesc,
+        dst_offset: u64,
+        len: u64,
+        imm: Option<u32>,
+    ) {
         chunks.clear();
-        split(len, self.nic_count(), first, &self.shared.config.stripe, chunks);
+        split(
+            len,
+            self.nic_count(),
+            first,
+            &self.shared.config.stripe,
+            chunks,
+        );
         for c in chunks.iter() {
             let (peer, remote_key) = &dst.rkeys()[c.nic];
             ops.push(WriteOp {
@@ -301,20 +341,47 @@ impl TransferEngine {
     /// Writes `len` bytes from `src` (handle, offset) to `dst` (descriptor, offset); large
     /// writes stripe over the NICs. With `imm`, each write carries it: the receiver counts
     /// [`expected_arrivals`](crate::expected_arrivals) of them.
-    pub fn submit_single_write(&self, len: u64, imm: Option<u32>, src: (MrHandle, u64), dst: (&MrDesc, u64), on_done: impl Into<OnDone>) -> Result<()> {
+    pub fn submit_single_write(
+        &self,
+        len: u64,
+        imm: Option<u32>,
+        src: (MrHandle, u64),
+        dst: (&MrDesc, u64),
+        on_done: impl Into<OnDone>,
+    ) -> Result<()> {
         let region = self.local_region(src.0)?;
         check_range("source", src.1, len, region.len)?;
         check_range("destination", dst.1, len, dst.0.len())?;
         self.check_peer_nics(dst.0)?;
         let mut ops = Vec::with_capacity(1);
         let mut chunks = Vec::with_capacity(1);
-        self.plan_unit(&mut ops, &mut chunks, self.first_nic(), &region, src.1, dst.0, dst.1, len, imm);
-        self.shared.submit(Command::Writes { ops, on_done: on_done.into() })
+        self.plan_unit(
+            &mut ops,
+            &mut chunks,
+            self.first_nic(),
+            &region,
+            src.1,
+            dst.0,
+            dst.1,
+            len,
+            imm,
+        );
+        self.shared.submit(Command::Writes {
+            ops,
+            on_done: on_done.into(),
+        })
     }
 
     /// Writes pages of `page_len` bytes: source page `i` of `src` to destination page `i` of
     /// `dst`. Pages are spread over the NICs; each write carries `imm`.
-    pub fn submit_paged_writes(&self, page_len: u64, imm: Option<u32>, src: (MrHandle, &Pages), dst: (&MrDesc, &Pages), on_done: impl Into<OnDone>) -> Result<()> {
+    pub fn submit_paged_writes(
+        &self,
+        page_len: u64,
+        imm: Option<u32>,
+        src: (MrHandle, &Pages),
+        dst: (&MrDesc, &Pages),
+        on_done: impl Into<OnDone>,
+    ) -> Result<()> {
         let (src_pages, dst_pages) = (src.1, dst.1);
         if src_pages.indices.len() != dst_pages.indices.len() {
             return Err(Error::InvalidArgument(format!(
@@ -325,7 +392,12 @@ impl TransferEngine {
         }
         let region = self.local_region(src.0)?;
         self.check_peer_nics(dst.0)?;
-        let overflow = |side| Error::OutOfBounds { side, offset: u64::MAX, len: page_len, region_len: 0 };
+        let overflow = |side| Error::OutOfBounds {
+            side,
+            offset: u64::MAX,
+            len: page_len,
+            region_len: 0,
+        };
         let first = self.first_nic();
         let mut ops = Vec::with_capacity(src_pages.indices.len());
         let mut chunks = Vec::new();
@@ -334,16 +406,31 @@ impl TransferEngine {
             let d = page_offset(dst_pages, i).ok_or_else(|| overflow("destination"))?;
             check_range("source", s, page_len, region.len)?;
             check_range("destination", d, page_len, dst.0.len())?;
-            self.plan_unit(&mut ops, &mut chunks, (first + i) % self.nic_count(), &region, s, dst.0, d, page_len, imm);
+            self.plan_unit(
+                &mut ops,
+                &mut chunks,
+                (first + i) % self.nic_count(),
+                &region,
+                s,
+                dst.0,
+                d,
+                page_len,
+                imm,
+            );
         }
-        self.shared.submit(Command::Writes { ops, on_done: on_done.into() })
+        self.shared.submit(Command::Writes {
+            ops,
+            on_done: on_done.into(),
+        })
     }
 
     /// Registers a set of peers (by main address) that scatters and barriers may be checked
     /// against.
     pub fn add_peer_group(&self, addrs: Vec<NetAddr>) -> Result<PeerGroupHandle> {
         if addrs.is_empty() {
-            return Err(Error::InvalidArgument("a peer group needs at least one peer".into()));
+            return Err(Error::InvalidArgument(
+                "a peer group needs at least one peer".into(),
+            ));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         self.peer_groups
@@ -353,20 +440,36 @@ impl TransferEngine {
         Ok(PeerGroupHandle(id))
     }
 
-    fn check_group<'a>(&self, group: Option<PeerGroupHandle>, owners: impl Iterator<Item = &'a NetAddr>) -> Result<()> {
+    fn check_group<'a>(
+        &self,
+        group: Option<PeerGroupHandle>,
+        owners: impl Iterator<Item = &'a NetAddr>,
+    ) -> Result<()> {
         let Some(group) = group else { return Ok(()) };
         let groups = self.peer_groups.lock().unwrap_or_else(|p| p.into_inner());
-        let members = groups.get(&group.0).ok_or(Error::UnknownPeerGroup(group.0))?;
+        let members = groups
+            .get(&group.0)
+            .ok_or(Error::UnknownPeerGroup(group.0))?;
         for owner in owners {
             if !members.contains(owner) {
-                return Err(Error::InvalidArgument(format!("peer {owner} is not in peer group {}", group.0)));
+                return Err(Error::InvalidArgument(format!(
+                    "peer {owner} is not in peer group {}",
+                    group.0
+                )));
             }
         }
         Ok(())
     }
 
     /// Writes pieces of one source region to many destinations (any peers, any sizes).
-    pub fn submit_scatter(&self, group: Option<PeerGroupHandle>, on_done: impl Into<OnDone>, imm: Option<u32>, src: MrHandle, dsts: &[ScatterDst]) -> Result<()> {
+    pub fn submit_scatter(
+        &self,
+        group: Option<PeerGroupHandle>,
+        on_done: impl Into<OnDone>,
+        imm: Option<u32>,
+        src: MrHandle,
+        dsts: &[ScatterDst],
+    ) -> Result<()> {
         let region = self.local_region(src)?;
         self.check_group(group, dsts.iter().map(|d| d.dst.owner()))?;
         let first = self.first_nic();
@@ -376,13 +479,32 @@ impl TransferEngine {
             check_range("source", d.src_offset, d.len, region.len)?;
             check_range("destination", d.dst_offset, d.len, d.dst.len())?;
             self.check_peer_nics(&d.dst)?;
-            self.plan_unit(&mut ops, &mut chunks, (first + j) % self.nic_count(), &region, d.src_offset, &d.dst, d.dst_offset, d.len, imm);
+            self.plan_unit(
+                &mut ops,
+                &mut chunks,
+                (first + j) % self.nic_count(),
+                &region,
+                d.src_offset,
+                &d.dst,
+                d.dst_offset,
+                d.len,
+                imm,
+            );
         }
-        self.shared.submit(Command::Writes { ops, on_done: on_done.into() })
+        self.shared.submit(Command::Writes {
+            ops,
+            on_done: on_done.into(),
+        })
     }
 
     /// A zero-byte write carrying `imm` to each destination region's owner (one arrival each).
-    pub fn submit_barrier(&self, group: Option<PeerGroupHandle>, on_done: impl Into<OnDone>, imm: u32, dsts: &[MrDesc]) -> Result<()> {
+    pub fn submit_barrier(
+        &self,
+        group: Option<PeerGroupHandle>,
+        on_done: impl Into<OnDone>,
+        imm: u32,
+        dsts: &[MrDesc],
+    ) -> Result<()> {
         self.check_group(group, dsts.iter().map(MrDesc::owner))?;
         let first = self.first_nic();
         let mut ops = Vec::with_capacity(dsts.len());
@@ -403,11 +525,19 @@ impl TransferEngine {
                 imm: Some(imm),
             });
         }
-        self.shared.submit(Command::Writes { ops, on_done: on_done.into() })
+        self.shared.submit(Command::Writes {
+            ops,
+            on_done: on_done.into(),
+        })
     }
 
     /// Sends a message to a peer's main address; `data` is copied, the caller may reuse it.
-    pub fn submit_send(&self, peer: &NetAddr, data: &[u8], on_done: impl Into<OnDone>) -> Result<()> {
+    pub fn submit_send(
+        &self,
+        peer: &NetAddr,
+        data: &[u8],
+        on_done: impl Into<OnDone>,
+    ) -> Result<()> {
         let max = self.shared.config.worker.max_message;
         if data.len() > max {
             return Err(Error::InvalidArgument(format!(
@@ -424,14 +554,31 @@ impl TransferEngine {
 
     /// Posts `count` receive buffers of `len` bytes; `handler` is called (on the callback
     /// thread) with each message, after which its buffer is posted again. One pool per engine.
-    pub fn submit_recvs(&self, len: usize, count: usize, handler: impl Fn(&[u8]) + Send + Sync + 'static) -> Result<()> {
+    pub fn submit_recvs(
+        &self,
+        len: usize,
+        count: usize,
+        handler: impl Fn(&[u8]) + Send + Sync + 'static,
+    ) -> Result<()> {
         if len == 0 || count == 0 {
-            return Err(Error::InvalidArgument("receive buffers need a non-zero length and count".into()));
+            return Err(Error::InvalidArgument(
+                "receive buffers need a non-zero length and count".into(),
+            ));
         }
-        if self.shared.recv_handler.set((len, Arc::new(handler))).is_err() {
-            return Err(Error::InvalidArgument("this engine already has a receive pool".into()));
+        if self
+            .shared
+            .recv_handler
+            .set((len, Arc::new(handler)))
+            .is_err()
+        {
+            return Err(Error::InvalidArgument(
+                "this engine already has a receive pool".into(),
+            ));
         }
-        self.shared.submit(Command::PostRecvs { buf_len: len, count })
+        self.shared.submit(Command::PostRecvs {
+            buf_len: len,
+            count,
+        })
     }
 
     /// Calls `on_done` once `count` writes carrying `imm` have landed here (counting those
@@ -439,7 +586,10 @@ impl TransferEngine {
     /// `timeouts.expect_ms`.
     pub fn expect_imm_count(&self, imm: u32, count: u64, on_done: impl Into<OnDone>) -> Result<()> {
         let deadline = Instant::now() + self.shared.config.timeouts.expect();
-        let ready = self.shared.lock_imm().expect(imm, count, deadline, on_done.into());
+        let ready = self
+            .shared
+            .lock_imm()
+            .expect(imm, count, deadline, on_done.into());
         match ready {
             Some(w) => w.complete(Ok(()), &self.shared.jobs),
             // The worker may be parked with a later deadline in mind.

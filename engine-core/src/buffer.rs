@@ -22,7 +22,10 @@ pub struct HostBuffer {
 
 impl std::fmt::Debug for HostBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostBuffer").field("len", &self.data.len()).field("mr", &self.mr).finish()
+        f.debug_struct("HostBuffer")
+            .field("len", &self.data.len())
+            .field("mr", &self.mr)
+            .finish()
     }
 }
 
@@ -33,7 +36,11 @@ impl HostBuffer {
     }
 
     /// Allocates `len` bytes filled with `fill(i)` and registers them with `engine`.
-    pub fn from_fn(engine: &Arc<TransferEngine>, len: usize, fill: impl Fn(usize) -> u8) -> Result<Self> {
+    pub fn from_fn(
+        engine: &Arc<TransferEngine>,
+        len: usize,
+        fill: impl Fn(usize) -> u8,
+    ) -> Result<Self> {
         let mut data: Box<[u8]> = (0..len).map(fill).collect();
         // SAFETY: `data` is owned by the HostBuffer, never reallocated, and deregistered in
         // Drop before it is freed.

@@ -297,10 +297,15 @@ mod tests {
 
     #[test]
     fn unknown_keys_are_named_with_the_file() {
-        let err = parse("backend = \"mock\"\nbogus_key = 1\n[[groups]]\nnics = [\"a\"]").unwrap_err();
+        let err =
+            parse("backend = \"mock\"\nbogus_key = 1\n[[groups]]\nnics = [\"a\"]").unwrap_err();
         let text = err.to_string();
-        assert!(text.contains("bogus_key") && text.contains("test.toml"), "{text}");
-        let err = parse("backend = \"mock\"\n[[groups]]\nnics = [\"a\"]\n[timeouts]\ntransfer = 1").unwrap_err();
+        assert!(
+            text.contains("bogus_key") && text.contains("test.toml"),
+            "{text}"
+        );
+        let err = parse("backend = \"mock\"\n[[groups]]\nnics = [\"a\"]\n[timeouts]\ntransfer = 1")
+            .unwrap_err();
         assert!(err.to_string().contains("transfer"), "{err}");
     }
 
@@ -308,11 +313,26 @@ mod tests {
     fn inconsistent_values_are_refused() {
         for (text, needle) in [
             ("backend = \"m\"\ngroups = []", "empty"),
-            ("backend = \"m\"\n[[groups]]\nnics = [\"a\",\"b\",\"c\",\"d\",\"e\"]", "1 to 4"),
-            ("backend = \"m\"\n[[groups]]\nnics = [\"a\"]\n[[groups]]\nnics = [\"b\",\"c\"]", "same size"),
-            ("backend = \"m\"\nnic_selection = { first = 2 }\n[[groups]]\nnics = [\"a\"]", "first = 2"),
-            ("backend = \"m\"\n[[groups]]\nnics = [\"a\"]\n[stripe]\nalign = 3", "power of two"),
-            ("backend = \"m\"\n[[groups]]\nnics = [\"a\"]\n[timeouts]\ntransfer_ms = 0", "at least 1 ms"),
+            (
+                "backend = \"m\"\n[[groups]]\nnics = [\"a\",\"b\",\"c\",\"d\",\"e\"]",
+                "1 to 4",
+            ),
+            (
+                "backend = \"m\"\n[[groups]]\nnics = [\"a\"]\n[[groups]]\nnics = [\"b\",\"c\"]",
+                "same size",
+            ),
+            (
+                "backend = \"m\"\nnic_selection = { first = 2 }\n[[groups]]\nnics = [\"a\"]",
+                "first = 2",
+            ),
+            (
+                "backend = \"m\"\n[[groups]]\nnics = [\"a\"]\n[stripe]\nalign = 3",
+                "power of two",
+            ),
+            (
+                "backend = \"m\"\n[[groups]]\nnics = [\"a\"]\n[timeouts]\ntransfer_ms = 0",
+                "at least 1 ms",
+            ),
         ] {
             let err = parse(text).unwrap_err();
             assert!(err.to_string().contains(needle), "{text}: {err}");

@@ -49,17 +49,25 @@ pub fn quick_config<H: Harness + ?Sized>(h: &H, nics: usize) -> Config {
 }
 
 fn open(config: &Config) -> Arc<TransferEngine> {
-    Arc::new(TransferEngine::open(config).unwrap_or_else(|e| panic!("opening an engine failed: {e}")))
+    Arc::new(
+        TransferEngine::open(config).unwrap_or_else(|e| panic!("opening an engine failed: {e}")),
+    )
 }
 
 /// A registered buffer filled with `fill(i)`; panics if registration fails.
 pub fn buffer(engine: &Arc<TransferEngine>, len: usize, fill: impl Fn(usize) -> u8) -> HostBuffer {
-    HostBuffer::from_fn(engine, len, fill).unwrap_or_else(|e| panic!("registering {len} bytes failed: {e}"))
+    HostBuffer::from_fn(engine, len, fill)
+        .unwrap_or_else(|e| panic!("registering {len} bytes failed: {e}"))
 }
 
 /// A deterministic byte pattern that differs per seed and position.
 pub fn pattern(seed: u64) -> impl Fn(usize) -> u8 {
-    move |i| ((i as u64).wrapping_mul(31).wrapping_add(seed.wrapping_mul(7919)) % 251) as u8
+    move |i| {
+        ((i as u64)
+            .wrapping_mul(31)
+            .wrapping_add(seed.wrapping_mul(7919))
+            % 251) as u8
+    }
 }
 
 fn flag() -> Arc<DoneFlag> {
@@ -68,7 +76,9 @@ fn flag() -> Arc<DoneFlag> {
 
 fn expect_arrivals(engine: &TransferEngine, imm: u32, n: u64) -> Arc<DoneFlag> {
     let f = flag();
-    engine.expect_imm_count(imm, n, f.clone()).expect("expect_imm_count");
+    engine
+        .expect_imm_count(imm, n, f.clone())
+        .expect("expect_imm_count");
     f
 }
 
@@ -88,12 +98,26 @@ pub fn single_write(h: &dyn Harness) {
         let src = buffer(&a, len, pattern(k as u64 + 1));
         let dst = buffer(&b, len, |_| 0);
         let imm = 100 + k as u32;
-        let n = expected_arrivals(TransferShape::Single { len: len as u64 }, b.nic_count(), &config.stripe);
+        let n = expected_arrivals(
+            TransferShape::Single { len: len as u64 },
+            b.nic_count(),
+            &config.stripe,
+        );
         let landed = expect_arrivals(&b, imm, n);
         let sent = flag();
-        a.submit_single_write(len as u64, Some(imm), (src.mr(), 0), (dst.desc(), 0), sent.clone()).unwrap();
-        sent.wait(WAIT).unwrap_or_else(|e| panic!("write of {len} bytes failed: {e}"));
-        landed.wait(WAIT).unwrap_or_else(|e| panic!("arrivals of {len} bytes: {e}"));
+        a.submit_single_write(
+            len as u64,
+            Some(imm),
+            (src.mr(), 0),
+            (dst.desc(), 0),
+            sent.clone(),
+        )
+        .unwrap();
+        sent.wait(WAIT)
+            .unwrap_or_else(|e| panic!("write of {len} bytes failed: {e}"));
+        landed
+            .wait(WAIT)
+            .unwrap_or_else(|e| panic!("arrivals of {len} bytes: {e}"));
         assert_copied(&format!("single write of {len}"), dst.bytes(), src.bytes());
         assert_eq!(b.imm_count(imm), 0, "no arrivals beyond the expected {n}");
     }
@@ -106,10 +130,27 @@ pub fn write_at_offsets_without_imm(h: &dyn Harness) {
     let src = buffer(&a, 8192, pattern(3));
     let dst = buffer(&b, 8192, |_| 0xee);
     let done = flag();
-    a.submit_single_write(1000, None, (src.mr(), 100), (dst.desc(), 5000), done.clone()).unwrap();
+    a.submit_single_write(
+        1000,
+        None,
+        (src.mr(), 100),
+        (dst.desc(), 5000),
+        done.clone(),
+    )
+    .unwrap();
     done.wait(WAIT).unwrap();
-    assert_copied("offset write", &dst.bytes()[5000..6000], &src.bytes()[100..1100]);
-    assert!(dst.bytes()[..5000].iter().chain(&dst.bytes()[6000..]).all(|&x| x == 0xee), "bytes outside the range were touched");
+    assert_copied(
+        "offset write",
+        &dst.bytes()[5000..6000],
+        &src.bytes()[100..1100],
+    );
+    assert!(
+        dst.bytes()[..5000]
+            .iter()
+            .chain(&dst.bytes()[6000..])
+            .all(|&x| x == 0xee),
+        "bytes outside the range were touched"
+    );
     assert_eq!(b.imm_count(0), 0);
 }
 
@@ -124,17 +165,42 @@ pub fn striping(h: &dyn Harness) {
             config.nic_selection = selection;
             let (a, b) = (open(&config), open(&config));
             assert_eq!(a.nic_count(), nics);
-            for (k, len) in [3 * (1 << 20) + 12_345, 100, 256 << 10].into_iter().enumerate() {
+            for (k, len) in [3 * (1 << 20) + 12_345, 100, 256 << 10]
+                .into_iter()
+                .enumerate()
+            {
                 let src = buffer(&a, len, pattern(nics as u64 * 10 + k as u64));
                 let dst = buffer(&b, len, |_| 0);
-                let n = expected_arrivals(TransferShape::Single { len: len as u64 }, nics, &config.stripe);
+                let n = expected_arrivals(
+                    TransferShape::Single { len: len as u64 },
+                    nics,
+                    &config.stripe,
+                );
                 let landed = expect_arrivals(&b, 7, n);
                 let sent = flag();
-                a.submit_single_write(len as u64, Some(7), (src.mr(), 0), (dst.desc(), 0), sent.clone()).unwrap();
-                sent.wait(WAIT).unwrap_or_else(|e| panic!("{nics} NICs, {selection:?}, {len} bytes: {e}"));
-                landed.wait(WAIT).unwrap_or_else(|e| panic!("{nics} NICs, {selection:?}: arrivals: {e}"));
-                assert_copied(&format!("{nics} NICs {selection:?} {len} bytes"), dst.bytes(), src.bytes());
-                assert_eq!(b.imm_count(7), 0, "{nics} NICs {selection:?}: more arrivals than predicted");
+                a.submit_single_write(
+                    len as u64,
+                    Some(7),
+                    (src.mr(), 0),
+                    (dst.desc(), 0),
+                    sent.clone(),
+                )
+                .unwrap();
+                sent.wait(WAIT)
+                    .unwrap_or_else(|e| panic!("{nics} NICs, {selection:?}, {len} bytes: {e}"));
+                landed
+                    .wait(WAIT)
+                    .unwrap_or_else(|e| panic!("{nics} NICs, {selection:?}: arrivals: {e}"));
+                assert_copied(
+                    &format!("{nics} NICs {selection:?} {len} bytes"),
+                    dst.bytes(),
+                    src.bytes(),
+                );
+                assert_eq!(
+                    b.imm_count(7),
+                    0,
+                    "{nics} NICs {selection:?}: more arrivals than predicted"
+                );
             }
         }
     }
@@ -148,19 +214,45 @@ pub fn paged_writes(h: &dyn Harness) {
     let (page_len, stride, pages) = (1000u64, 1024u64, 64u32);
     let src = buffer(&a, (stride * u64::from(pages) + 16) as usize, pattern(5));
     let dst = buffer(&b, (stride * u64::from(pages) + 64) as usize, |_| 0);
-    let src_pages = Pages { indices: (0..pages).collect(), stride, offset: 16 };
+    let src_pages = Pages {
+        indices: (0..pages).collect(),
+        stride,
+        offset: 16,
+    };
     // Destination pages in a scrambled order, at a different base offset.
-    let dst_pages = Pages { indices: (0..pages).map(|i| (i * 37) % pages).collect(), stride, offset: 64 };
-    let n = expected_arrivals(TransferShape::Paged { page_len, pages: u64::from(pages) }, nics, &config.stripe);
+    let dst_pages = Pages {
+        indices: (0..pages).map(|i| (i * 37) % pages).collect(),
+        stride,
+        offset: 64,
+    };
+    let n = expected_arrivals(
+        TransferShape::Paged {
+            page_len,
+            pages: u64::from(pages),
+        },
+        nics,
+        &config.stripe,
+    );
     let landed = expect_arrivals(&b, 9, n);
     let sent = flag();
-    a.submit_paged_writes(page_len, Some(9), (src.mr(), &src_pages), (dst.desc(), &dst_pages), sent.clone()).unwrap();
+    a.submit_paged_writes(
+        page_len,
+        Some(9),
+        (src.mr(), &src_pages),
+        (dst.desc(), &dst_pages),
+        sent.clone(),
+    )
+    .unwrap();
     sent.wait(WAIT).unwrap();
     landed.wait(WAIT).unwrap();
     for i in 0..pages as usize {
         let s = (16 + u64::from(src_pages.indices[i]) * stride) as usize;
         let d = (64 + u64::from(dst_pages.indices[i]) * stride) as usize;
-        assert_copied(&format!("page {i}"), &dst.bytes()[d..d + page_len as usize], &src.bytes()[s..s + page_len as usize]);
+        assert_copied(
+            &format!("page {i}"),
+            &dst.bytes()[d..d + page_len as usize],
+            &src.bytes()[s..s + page_len as usize],
+        );
     }
 }
 
@@ -171,37 +263,70 @@ pub fn scatter(h: &dyn Harness) {
     let (a, b, c) = (open(&config), open(&config), open(&config));
     let src = buffer(&a, 1 << 20, pattern(11));
     let (db, dc) = (buffer(&b, 1 << 20, |_| 0), buffer(&c, 1 << 20, |_| 0));
-    let group = a.add_peer_group(vec![b.main_address(), c.main_address()]).unwrap();
-    let pieces: [(u64, u64, bool, u64); 5] =
-        [(10, 0, true, 0), (70_000, 100, false, 4096), (1, 99_999, true, 500), (300_000, 200_000, true, 600_000), (4096, 0, false, 0)];
+    let group = a
+        .add_peer_group(vec![b.main_address(), c.main_address()])
+        .unwrap();
+    let pieces: [(u64, u64, bool, u64); 5] = [
+        (10, 0, true, 0),
+        (70_000, 100, false, 4096),
+        (1, 99_999, true, 500),
+        (300_000, 200_000, true, 600_000),
+        (4096, 0, false, 0),
+    ];
     let dsts: Vec<ScatterDst> = pieces
         .iter()
         .map(|&(len, src_offset, to_b, dst_offset)| ScatterDst {
             len,
             src_offset,
-            dst: if to_b { db.desc().clone() } else { dc.desc().clone() },
+            dst: if to_b {
+                db.desc().clone()
+            } else {
+                dc.desc().clone()
+            },
             dst_offset,
         })
         .collect();
-    let lens = |to_b: bool| -> Vec<u64> { pieces.iter().filter(|p| p.2 == to_b).map(|p| p.0).collect() };
+    let lens =
+        |to_b: bool| -> Vec<u64> { pieces.iter().filter(|p| p.2 == to_b).map(|p| p.0).collect() };
     let (lb, lc) = (lens(true), lens(false));
-    let fb = expect_arrivals(&b, 3, expected_arrivals(TransferShape::Scatter { lens: &lb }, nics, &config.stripe));
-    let fc = expect_arrivals(&c, 3, expected_arrivals(TransferShape::Scatter { lens: &lc }, nics, &config.stripe));
+    let fb = expect_arrivals(
+        &b,
+        3,
+        expected_arrivals(TransferShape::Scatter { lens: &lb }, nics, &config.stripe),
+    );
+    let fc = expect_arrivals(
+        &c,
+        3,
+        expected_arrivals(TransferShape::Scatter { lens: &lc }, nics, &config.stripe),
+    );
     let sent = flag();
-    a.submit_scatter(Some(group), sent.clone(), Some(3), src.mr(), &dsts).unwrap();
+    a.submit_scatter(Some(group), sent.clone(), Some(3), src.mr(), &dsts)
+        .unwrap();
     sent.wait(WAIT).unwrap();
     fb.wait(WAIT).unwrap();
     fc.wait(WAIT).unwrap();
     for &(len, so, to_b, d) in &pieces {
         let dst = if to_b { &db } else { &dc };
         let (len, so, d) = (len as usize, so as usize, d as usize);
-        assert_copied("scatter piece", &dst.bytes()[d..d + len], &src.bytes()[so..so + len]);
+        assert_copied(
+            "scatter piece",
+            &dst.bytes()[d..d + len],
+            &src.bytes()[so..so + len],
+        );
     }
     // A destination outside the group is refused before anything is posted.
     let stranger = open(&config);
     let ds = buffer(&stranger, 64, |_| 0);
-    let bad = [ScatterDst { len: 8, src_offset: 0, dst: ds.desc().clone(), dst_offset: 0 }];
-    assert!(matches!(a.submit_scatter(Some(group), flag(), None, src.mr(), &bad), Err(Error::InvalidArgument(_))));
+    let bad = [ScatterDst {
+        len: 8,
+        src_offset: 0,
+        dst: ds.desc().clone(),
+        dst_offset: 0,
+    }];
+    assert!(matches!(
+        a.submit_scatter(Some(group), flag(), None, src.mr(), &bad),
+        Err(Error::InvalidArgument(_))
+    ));
 }
 
 /// A barrier is one arrival at each peer.
@@ -214,12 +339,22 @@ pub fn barrier(h: &dyn Harness) {
         let fb = expect_arrivals(&b, 77, 1);
         let fc = expect_arrivals(&c, 77, 1);
         let sent = flag();
-        a.submit_barrier(None, sent.clone(), 77, &[db.desc().clone(), dc.desc().clone()]).unwrap();
-        sent.wait(WAIT).unwrap_or_else(|e| panic!("barrier round {round}: {e}"));
+        a.submit_barrier(
+            None,
+            sent.clone(),
+            77,
+            &[db.desc().clone(), dc.desc().clone()],
+        )
+        .unwrap();
+        sent.wait(WAIT)
+            .unwrap_or_else(|e| panic!("barrier round {round}: {e}"));
         fb.wait(WAIT).unwrap();
         fc.wait(WAIT).unwrap();
     }
-    assert!(db.bytes().iter().chain(dc.bytes()).all(|&x| x == 1), "a barrier wrote bytes");
+    assert!(
+        db.bytes().iter().chain(dc.bytes()).all(|&x| x == 1),
+        "a barrier wrote bytes"
+    );
 }
 
 /// Messages both ways, more than the receive pool holds (buffers are reposted), with content.
@@ -228,7 +363,8 @@ pub fn send_recv(h: &dyn Harness) {
     let (a, b) = (open(&config), open(&config));
     let got = Arc::new(std::sync::Mutex::new(Vec::<Vec<u8>>::new()));
     let sink = Arc::clone(&got);
-    b.submit_recvs(256, 4, move |m| sink.lock().unwrap().push(m.to_vec())).unwrap();
+    b.submit_recvs(256, 4, move |m| sink.lock().unwrap().push(m.to_vec()))
+        .unwrap();
     let replies = Arc::new(AtomicU64::new(0));
     let r = Arc::clone(&replies);
     a.submit_recvs(64, 2, move |m| {
@@ -239,27 +375,36 @@ pub fn send_recv(h: &dyn Harness) {
     let sent = DoneCounter::new();
     for i in 0..20u32 {
         let msg = format!("message {i} {}", "x".repeat(i as usize * 7));
-        a.submit_send(&b.main_address(), msg.as_bytes(), sent.clone()).unwrap();
+        a.submit_send(&b.main_address(), msg.as_bytes(), sent.clone())
+            .unwrap();
     }
     sent.wait_for(20, WAIT).unwrap();
     let back = DoneCounter::new();
     for _ in 0..5 {
-        b.submit_send(&a.main_address(), b"pong", back.clone()).unwrap();
+        b.submit_send(&a.main_address(), b"pong", back.clone())
+            .unwrap();
     }
     back.wait_for(5, WAIT).unwrap();
     let deadline = Instant::now() + WAIT;
-    while (got.lock().unwrap().len() < 20 || replies.load(Ordering::SeqCst) < 5) && Instant::now() < deadline {
+    while (got.lock().unwrap().len() < 20 || replies.load(Ordering::SeqCst) < 5)
+        && Instant::now() < deadline
+    {
         std::thread::sleep(Duration::from_millis(1));
     }
     let mut got = got.lock().unwrap().clone();
     got.sort();
-    let mut want: Vec<Vec<u8>> = (0..20u32).map(|i| format!("message {i} {}", "x".repeat(i as usize * 7)).into_bytes()).collect();
+    let mut want: Vec<Vec<u8>> = (0..20u32)
+        .map(|i| format!("message {i} {}", "x".repeat(i as usize * 7)).into_bytes())
+        .collect();
     want.sort();
     assert_eq!(got, want, "every message arrives once, intact");
     assert_eq!(replies.load(Ordering::SeqCst), 5);
     // Too large for the sender's limit: refused locally.
     let huge = vec![0u8; config.worker.max_message + 1];
-    assert!(matches!(a.submit_send(&b.main_address(), &huge, flag()), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        a.submit_send(&b.main_address(), &huge, flag()),
+        Err(Error::InvalidArgument(_))
+    ));
 }
 
 /// Arrivals counted before the expectation, after it, and interleaved with other immediates
@@ -272,7 +417,8 @@ pub fn imm_counts(h: &dyn Harness) {
     let writes = DoneCounter::new();
     for i in 0..10 {
         let imm = if i % 2 == 0 { 1 } else { 2 };
-        a.submit_single_write(8, Some(imm), (src.mr(), 0), (dst.desc(), 8), writes.clone()).unwrap();
+        a.submit_single_write(8, Some(imm), (src.mr(), 0), (dst.desc(), 8), writes.clone())
+            .unwrap();
     }
     writes.wait_for(10, WAIT).unwrap();
     let deadline = Instant::now() + WAIT;
@@ -287,7 +433,8 @@ pub fn imm_counts(h: &dyn Harness) {
     let later = expect_arrivals(&b, 1, 6);
     assert!(!later.is_done());
     for _ in 0..4 {
-        a.submit_single_write(8, Some(1), (src.mr(), 0), (dst.desc(), 0), writes.clone()).unwrap();
+        a.submit_single_write(8, Some(1), (src.mr(), 0), (dst.desc(), 0), writes.clone())
+            .unwrap();
     }
     later.wait(WAIT).unwrap();
     assert_eq!((b.imm_count(1), b.imm_count(2)), (0, 5));
@@ -301,7 +448,10 @@ pub fn expectation_times_out(h: &dyn Harness) {
     let start = Instant::now();
     let f = expect_arrivals(&b, 5, 1);
     assert!(matches!(f.wait(WAIT), Err(Error::Timeout(_))));
-    assert!(start.elapsed() < Duration::from_secs(5), "the deadline was honoured");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "the deadline was honoured"
+    );
 }
 
 /// Caller mistakes are typed errors before anything is posted.
@@ -311,31 +461,91 @@ pub fn bad_input(h: &dyn Harness) {
     let src = buffer(&a, 4096, pattern(1));
     let dst = buffer(&b, 4096, |_| 0);
     let oob = |r: crate::Result<()>| matches!(r, Err(Error::OutOfBounds { .. }));
-    assert!(oob(a.submit_single_write(4097, None, (src.mr(), 0), (dst.desc(), 0), flag())));
-    assert!(oob(a.submit_single_write(10, None, (src.mr(), 4090), (dst.desc(), 0), flag())));
-    assert!(oob(a.submit_single_write(10, None, (src.mr(), 0), (dst.desc(), 4090), flag())));
-    assert!(oob(a.submit_single_write(1, None, (src.mr(), u64::MAX), (dst.desc(), 0), flag())));
-    let pages = Pages { indices: vec![0, u32::MAX], stride: 1 << 40, offset: 0 };
-    assert!(oob(a.submit_paged_writes(8, None, (src.mr(), &pages), (dst.desc(), &pages), flag())));
-    let two = Pages { indices: vec![0, 1], stride: 8, offset: 0 };
-    let one = Pages { indices: vec![0], stride: 8, offset: 0 };
-    assert!(matches!(a.submit_paged_writes(8, None, (src.mr(), &two), (dst.desc(), &one), flag()), Err(Error::InvalidArgument(_))));
+    assert!(oob(a.submit_single_write(
+        4097,
+        None,
+        (src.mr(), 0),
+        (dst.desc(), 0),
+        flag()
+    )));
+    assert!(oob(a.submit_single_write(
+        10,
+        None,
+        (src.mr(), 4090),
+        (dst.desc(), 0),
+        flag()
+    )));
+    assert!(oob(a.submit_single_write(
+        10,
+        None,
+        (src.mr(), 0),
+        (dst.desc(), 4090),
+        flag()
+    )));
+    assert!(oob(a.submit_single_write(
+        1,
+        None,
+        (src.mr(), u64::MAX),
+        (dst.desc(), 0),
+        flag()
+    )));
+    let pages = Pages {
+        indices: vec![0, u32::MAX],
+        stride: 1 << 40,
+        offset: 0,
+    };
+    assert!(oob(a.submit_paged_writes(
+        8,
+        None,
+        (src.mr(), &pages),
+        (dst.desc(), &pages),
+        flag()
+    )));
+    let two = Pages {
+        indices: vec![0, 1],
+        stride: 8,
+        offset: 0,
+    };
+    let one = Pages {
+        indices: vec![0],
+        stride: 8,
+        offset: 0,
+    };
+    assert!(matches!(
+        a.submit_paged_writes(8, None, (src.mr(), &two), (dst.desc(), &one), flag()),
+        Err(Error::InvalidArgument(_))
+    ));
     let gone = buffer(&a, 64, |_| 0);
     let gone_mr = gone.mr();
     drop(gone);
-    assert!(matches!(a.submit_single_write(1, None, (gone_mr, 0), (dst.desc(), 0), flag()), Err(Error::UnknownHandle(_))));
+    assert!(matches!(
+        a.submit_single_write(1, None, (gone_mr, 0), (dst.desc(), 0), flag()),
+        Err(Error::UnknownHandle(_))
+    ));
     assert!(matches!(a.dereg_mr(gone_mr), Err(Error::UnknownHandle(_))));
     // A descriptor from a peer with another NIC count.
     let (ptr, len) = (dst.desc().ptr(), dst.desc().len());
-    let doubled = MrDesc::new(ptr, len, vec![dst.desc().rkeys()[0].clone(), dst.desc().rkeys()[0].clone()]).unwrap();
-    assert!(matches!(a.submit_single_write(1, None, (src.mr(), 0), (&doubled, 0), flag()), Err(Error::InvalidArgument(_))));
+    let doubled = MrDesc::new(
+        ptr,
+        len,
+        vec![dst.desc().rkeys()[0].clone(), dst.desc().rkeys()[0].clone()],
+    )
+    .unwrap();
+    assert!(matches!(
+        a.submit_single_write(1, None, (src.mr(), 0), (&doubled, 0), flag()),
+        Err(Error::InvalidArgument(_))
+    ));
     // Malformed descriptors never decode.
     let bytes = dst.desc().to_bytes();
     assert!(MrDesc::from_bytes(&bytes[..bytes.len() - 1]).is_err());
     assert!(crate::NetAddr::from_bytes(&[1, 200]).is_err());
-    assert!(matches!(a.add_peer_group(vec![]), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        a.add_peer_group(vec![]),
+        Err(Error::InvalidArgument(_))
+    ));
     // SAFETY: a null pointer is refused before anything is registered.
-    assert!(matches!(unsafe { a.reg_mr(std::ptr::null_mut(), 8, Device::Host) }, Err(Error::InvalidArgument(_))));
+    let null = unsafe { a.reg_mr(std::ptr::null_mut(), 8, Device::Host) };
+    assert!(matches!(null, Err(Error::InvalidArgument(_))));
 }
 
 /// A wrong rkey is a remote-access error, and nothing is written or counted.
@@ -345,16 +555,26 @@ pub fn remote_access_error(h: &dyn Harness) {
     let src = buffer(&a, 4096, pattern(2));
     let dst = buffer(&b, 4096, |_| 0);
     let (addr, rkey) = dst.desc().rkeys()[0].clone();
-    let forged = MrDesc::new(dst.desc().ptr(), dst.desc().len(), vec![(addr, rkey ^ 0x5a5a_0000)]).unwrap();
+    let forged = MrDesc::new(
+        dst.desc().ptr(),
+        dst.desc().len(),
+        vec![(addr, rkey ^ 0x5a5a_0000)],
+    )
+    .unwrap();
     let f = flag();
-    a.submit_single_write(4096, Some(4), (src.mr(), 0), (&forged, 0), f.clone()).unwrap();
+    a.submit_single_write(4096, Some(4), (src.mr(), 0), (&forged, 0), f.clone())
+        .unwrap();
     let r = f.wait(WAIT);
     assert!(matches!(r, Err(Error::RemoteAccess(_))), "got {r:?}");
-    assert!(dst.bytes().iter().all(|&x| x == 0), "nothing may be written");
+    assert!(
+        dst.bytes().iter().all(|&x| x == 0),
+        "nothing may be written"
+    );
     assert_eq!(b.imm_count(4), 0, "nothing may be counted");
     // The engine keeps working after the error.
     let ok = flag();
-    a.submit_single_write(4096, None, (src.mr(), 0), (dst.desc(), 0), ok.clone()).unwrap();
+    a.submit_single_write(4096, None, (src.mr(), 0), (dst.desc(), 0), ok.clone())
+        .unwrap();
     ok.wait(WAIT).unwrap();
 }
 
@@ -371,13 +591,18 @@ pub fn dead_peer(h: &dyn Harness) {
     drop(b);
     let start = Instant::now();
     let f = flag();
-    a.submit_single_write(64, Some(1), (src.mr(), 0), (&desc_b, 0), f.clone()).unwrap();
+    a.submit_single_write(64, Some(1), (src.mr(), 0), (&desc_b, 0), f.clone())
+        .unwrap();
     let r = f.wait(WAIT);
-    assert!(matches!(r, Err(Error::PeerUnreachable(_) | Error::Timeout(_))), "got {r:?}");
+    assert!(
+        matches!(r, Err(Error::PeerUnreachable(_) | Error::Timeout(_))),
+        "got {r:?}"
+    );
     assert!(start.elapsed() < Duration::from_millis(config.timeouts.transfer_ms + 3_000));
     drop(gone);
     let ok = flag();
-    a.submit_single_write(4096, None, (src.mr(), 0), (dc.desc(), 0), ok.clone()).unwrap();
+    a.submit_single_write(4096, None, (src.mr(), 0), (dc.desc(), 0), ok.clone())
+        .unwrap();
     ok.wait(WAIT).unwrap();
     assert_copied("after a dead peer", dc.bytes(), src.bytes());
 }
@@ -404,7 +629,8 @@ pub fn exactly_once(h: &dyn Harness) {
                 cb.fetch_add(1, Ordering::SeqCst);
             })
         };
-        a.submit_single_write(64, Some(12), (src.mr(), off), (dst.desc(), off), on_done).unwrap();
+        a.submit_single_write(64, Some(12), (src.mr(), off), (dst.desc(), off), on_done)
+            .unwrap();
     }
     landed.wait(WAIT).unwrap();
     counter.wait_for(N / 2, WAIT).unwrap();
@@ -414,7 +640,11 @@ pub fn exactly_once(h: &dyn Harness) {
     }
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(counter.finished(), N / 2, "no completion twice");
-    assert_eq!(callbacks.load(Ordering::SeqCst), N / 2, "every callback exactly once");
+    assert_eq!(
+        callbacks.load(Ordering::SeqCst),
+        N / 2,
+        "every callback exactly once"
+    );
     assert_eq!(b.imm_count(12), 0);
     assert_copied("exactly once", dst.bytes(), src.bytes());
 }
@@ -426,19 +656,37 @@ pub fn callbacks_can_submit(h: &dyn Harness) {
     let src = Arc::new(buffer(&a, 4096, pattern(4)));
     let dst = Arc::new(buffer(&b, 4096, |_| 0));
     let finished = DoneFlag::new();
-    fn next(a: Arc<TransferEngine>, src: Arc<HostBuffer>, dst: Arc<HostBuffer>, left: u32, finished: Arc<DoneFlag>) {
+    fn next(
+        a: Arc<TransferEngine>,
+        src: Arc<HostBuffer>,
+        dst: Arc<HostBuffer>,
+        left: u32,
+        finished: Arc<DoneFlag>,
+    ) {
         if left == 0 {
             let _ = a.submit_single_write(1, None, (src.mr(), 0), (dst.desc(), 0), finished);
             return;
         }
         let (a2, s2, d2) = (Arc::clone(&a), Arc::clone(&src), Arc::clone(&dst));
-        a.submit_single_write(4096, Some(6), (src.mr(), 0), (dst.desc(), 0), OnDone::callback(move |r| {
-            r.expect("chained write");
-            next(a2, s2, d2, left - 1, finished);
-        }))
+        a.submit_single_write(
+            4096,
+            Some(6),
+            (src.mr(), 0),
+            (dst.desc(), 0),
+            OnDone::callback(move |r| {
+                r.expect("chained write");
+                next(a2, s2, d2, left - 1, finished);
+            }),
+        )
         .unwrap();
     }
-    next(Arc::clone(&a), Arc::clone(&src), Arc::clone(&dst), 200, finished.clone());
+    next(
+        Arc::clone(&a),
+        Arc::clone(&src),
+        Arc::clone(&dst),
+        200,
+        finished.clone(),
+    );
     finished.wait(WAIT).unwrap();
     expect_arrivals(&b, 6, 200).wait(WAIT).unwrap();
 }

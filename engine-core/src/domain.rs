@@ -184,7 +184,12 @@ pub trait Domain: Send {
     fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError>;
 
     /// Posts a message to `peer` (copied before this returns).
-    fn post_send(&mut self, wr_id: u64, peer: &NetAddr, data: &[u8]) -> Result<PostStatus, DomainError>;
+    fn post_send(
+        &mut self,
+        wr_id: u64,
+        peer: &NetAddr,
+        data: &[u8],
+    ) -> Result<PostStatus, DomainError>;
 
     /// Adds `count` receive buffers of `buf_len` bytes for incoming messages.
     fn post_recvs(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError>;

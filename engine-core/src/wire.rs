@@ -95,7 +95,9 @@ impl<'a> Reader<'a> {
 
     fn u64(&mut self) -> Result<u64, DecodeError> {
         let b = self.take(8)?;
-        Ok(u64::from_le_bytes(b.try_into().expect("take(8) returns 8 bytes")))
+        Ok(u64::from_le_bytes(
+            b.try_into().expect("take(8) returns 8 bytes"),
+        ))
     }
 
     fn version(&mut self) -> Result<(), DecodeError> {
@@ -341,7 +343,10 @@ mod tests {
         let d = desc();
         assert_eq!(MrDesc::from_bytes(&d.to_bytes()).unwrap(), d);
         assert_eq!(d.to_string().parse::<MrDesc>().unwrap(), d);
-        assert_eq!(postcard::from_bytes::<MrDesc>(&postcard::to_allocvec(&d).unwrap()).unwrap(), d);
+        assert_eq!(
+            postcard::from_bytes::<MrDesc>(&postcard::to_allocvec(&d).unwrap()).unwrap(),
+            d
+        );
         let a = d.owner().clone();
         assert_eq!(a.to_string().parse::<NetAddr>().unwrap(), a);
         assert_eq!(NetAddr::from_bytes(&a.to_bytes()).unwrap(), a);
@@ -352,7 +357,10 @@ mod tests {
         let bytes = desc().to_bytes();
         for cut in 0..bytes.len() {
             let err = MrDesc::from_bytes(&bytes[..cut]).unwrap_err();
-            assert!(matches!(err, DecodeError::Truncated { .. }), "cut {cut}: {err}");
+            assert!(
+                matches!(err, DecodeError::Truncated { .. }),
+                "cut {cut}: {err}"
+            );
         }
     }
 
@@ -364,25 +372,50 @@ mod tests {
 
         let mut bytes = desc().to_bytes();
         bytes[0] = 9;
-        assert!(matches!(MrDesc::from_bytes(&bytes), Err(DecodeError::Version { found: 9, .. })));
+        assert!(matches!(
+            MrDesc::from_bytes(&bytes),
+            Err(DecodeError::Version { found: 9, .. })
+        ));
 
         let mut bytes = desc().to_bytes();
         bytes[17] = 200; // NIC count
-        assert!(matches!(MrDesc::from_bytes(&bytes), Err(DecodeError::Length { field: "NIC count", .. })));
+        assert!(matches!(
+            MrDesc::from_bytes(&bytes),
+            Err(DecodeError::Length {
+                field: "NIC count",
+                ..
+            })
+        ));
 
         let mut bytes = desc().to_bytes();
         bytes[18] = 255; // first address length
-        assert!(matches!(MrDesc::from_bytes(&bytes), Err(DecodeError::Length { field: "address length", .. })));
+        assert!(matches!(
+            MrDesc::from_bytes(&bytes),
+            Err(DecodeError::Length {
+                field: "address length",
+                ..
+            })
+        ));
 
-        assert!(matches!(NetAddr::from_bytes(&[WIRE_VERSION, 0]), Err(DecodeError::Length { .. })));
+        assert!(matches!(
+            NetAddr::from_bytes(&[WIRE_VERSION, 0]),
+            Err(DecodeError::Length { .. })
+        ));
         assert!(matches!("zz".parse::<NetAddr>(), Err(DecodeError::Hex(_))));
     }
 
     #[test]
     fn overflowing_region_is_rejected_in_every_form() {
         let a = NetAddr::new(&[1]).unwrap();
-        assert!(matches!(MrDesc::new(u64::MAX, 2, vec![(a.clone(), 1)]), Err(DecodeError::Overflow { .. })));
-        let bad = MrDesc { ptr: u64::MAX, len: 2, rkeys: vec![(a, 1)] };
+        assert!(matches!(
+            MrDesc::new(u64::MAX, 2, vec![(a.clone(), 1)]),
+            Err(DecodeError::Overflow { .. })
+        ));
+        let bad = MrDesc {
+            ptr: u64::MAX,
+            len: 2,
+            rkeys: vec![(a, 1)],
+        };
         assert!(MrDesc::from_bytes(&bad.to_bytes()).is_err());
         assert!(postcard::from_bytes::<MrDesc>(&postcard::to_allocvec(&bad).unwrap()).is_err());
     }

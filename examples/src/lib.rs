@@ -7,7 +7,10 @@ use engine_core::{Config, TransferEngine};
 
 /// Engines on `$XFER_CONFIG` (default: the mock), with the first group's NIC count set to
 /// `nics` when the backend is the mock.
-pub fn open_engines(count: usize, nics: usize) -> Result<Vec<Arc<TransferEngine>>, engine_core::Error> {
+pub fn open_engines(
+    count: usize,
+    nics: usize,
+) -> Result<Vec<Arc<TransferEngine>>, engine_core::Error> {
     backend_mock::link();
     let mut config = Config::load(None)?;
     if config.backend == "mock" {

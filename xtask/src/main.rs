@@ -1,1 +1,115 @@
-fn main() {}
+//! `cargo xtask <command>`: the project's own runner. Installs what a command needs (Debian
+//! packages) when it is missing, so a fresh Debian 12 machine with Rust runs everything.
+//!
+//! - `test`: format and lint checks, the whole test suite, the example workloads, and a short
+//!   verified run of the bench — what CI runs.
+//! - `bench`: the mock benchmark sweep in release mode (extra arguments go to transfer-bench).
+
+use std::process::{Command, ExitCode};
+
+type Result<T = ()> = std::result::Result<T, String>;
+
+fn run(program: &str, args: &[&str]) -> Result {
+    eprintln!("xtask: {program} {}", args.join(" "));
+    let status = Command::new(program)
+        .args(args)
+        .status()
+        .map_err(|e| format!("cannot run {program}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{program} {}` failed with {status}",
+            args.join(" ")
+        ))
+    }
+}
+
+fn cargo(args: &[&str]) -> Result {
+    run(
+        &std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()),
+        args,
+    )
+}
+
+/// Installs the Debian packages that are not installed yet (needs root, as on CI).
+#[allow(dead_code)] // used once a backend needs system libraries
+fn ensure_packages(packages: &[&str]) -> Result {
+    let missing: Vec<&str> = packages
+        .iter()
+        .copied()
+        .filter(|p| {
+            !Command::new("dpkg")
+                .args(["-s", p])
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    run("apt-get", &["update", "-q"])?;
+    let mut args = vec!["install", "-y", "-q", "--no-install-recommends"];
+    args.extend(&missing);
+    run("apt-get", &args)
+}
+
+fn test() -> Result {
+    cargo(&["fmt", "--all", "--", "--check"])?;
+    cargo(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
+    cargo(&["test", "--workspace"])?;
+    cargo(&["doc", "--workspace", "--no-deps", "--quiet"])?;
+    for example in ["kv_cache", "rl_weight_sync", "moe_dispatch"] {
+        cargo(&["run", "--quiet", "-p", "examples", "--bin", example])?;
+    }
+    cargo(&[
+        "run",
+        "--quiet",
+        "-p",
+        "examples",
+        "--bin",
+        "transfer-bench",
+        "--",
+        "--verify",
+        "--duration",
+        "0.2",
+    ])
+}
+
+fn bench(extra: &[String]) -> Result {
+    let mut args = vec![
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "examples",
+        "--bin",
+        "transfer-bench",
+        "--",
+    ];
+    args.extend(extra.iter().map(String::as_str));
+    cargo(&args)
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("test") => test(),
+        Some("bench") => bench(&args[1..]),
+        _ => Err("usage: cargo xtask test | bench [transfer-bench args]".into()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

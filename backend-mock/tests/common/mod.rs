@@ -9,7 +9,10 @@ use engine_core::Config;
 pub fn mock_config(nics: usize, extra: &str) -> Config {
     backend_mock::link();
     let names: Vec<String> = (0..nics).map(|i| format!("\"mock{i}\"")).collect();
-    let text = format!("backend = \"mock\"\n[[groups]]\nnics = [{}]\n{extra}", names.join(", "));
+    let text = format!(
+        "backend = \"mock\"\n[[groups]]\nnics = [{}]\n{extra}",
+        names.join(", ")
+    );
     Config::from_toml(&text, Path::new("<mock test>")).unwrap()
 }
 

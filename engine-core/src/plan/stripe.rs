@@ -40,7 +40,10 @@ impl StripePolicy {
     /// Checks the invariants `split` relies on; returns what is wrong.
     pub fn validate(&self) -> Result<(), String> {
         if !self.align.is_power_of_two() {
-            return Err(format!("stripe.align must be a power of two, not {}", self.align));
+            return Err(format!(
+                "stripe.align must be a power of two, not {}",
+                self.align
+            ));
         }
         if self.max_chunk < self.align {
             return Err(format!(
@@ -156,8 +159,22 @@ mod tests {
     #[test]
     fn small_writes_stay_whole_on_the_first_nic() {
         let p = StripePolicy::default();
-        assert_eq!(plan(100, 4, 2, &p), vec![Chunk { nic: 2, offset: 0, len: 100 }]);
-        assert_eq!(plan(0, 4, 3, &p), vec![Chunk { nic: 3, offset: 0, len: 0 }]);
+        assert_eq!(
+            plan(100, 4, 2, &p),
+            vec![Chunk {
+                nic: 2,
+                offset: 0,
+                len: 100
+            }]
+        );
+        assert_eq!(
+            plan(0, 4, 3, &p),
+            vec![Chunk {
+                nic: 3,
+                offset: 0,
+                len: 0
+            }]
+        );
     }
 
     #[test]
@@ -166,7 +183,9 @@ mod tests {
         let c = plan(1 << 20, 4, 1, &p);
         let nics: Vec<_> = c.iter().map(|c| c.nic).collect();
         assert_eq!(nics, vec![1, 2, 3, 0]);
-        assert!(c.iter().all(|c| c.len == 256 << 10 && c.offset % p.align == 0));
+        assert!(c
+            .iter()
+            .all(|c| c.len == 256 << 10 && c.offset % p.align == 0));
         // An uneven length: the remainder goes to the last part, nothing is dropped.
         let c = plan((1 << 20) + 5, 4, 0, &p);
         assert_eq!(c.iter().map(|c| c.len).sum::<u64>(), (1 << 20) + 5);
@@ -179,13 +198,20 @@ mod tests {
         let c = plan(len, 2, 0, &p);
         assert_eq!(c.iter().map(|c| c.len).sum::<u64>(), len);
         assert!(c.iter().all(|c| c.len <= p.max_chunk));
-        assert_eq!(c.len() as u64, expected_arrivals(TransferShape::Single { len }, 2, &p));
+        assert_eq!(
+            c.len() as u64,
+            expected_arrivals(TransferShape::Single { len }, 2, &p)
+        );
     }
 
     fn policy() -> impl Strategy<Value = StripePolicy> {
         (0u64..1 << 16, 0u32..14, 0u32..6).prop_map(|(min, align_log, extra_log)| {
             let align = 1u64 << align_log;
-            StripePolicy { min_stripe_len: min, align, max_chunk: align << extra_log }
+            StripePolicy {
+                min_stripe_len: min,
+                align,
+                max_chunk: align << extra_log,
+            }
         })
     }
 

@@ -185,25 +185,54 @@ pub struct PluginTable {
     /// The backend's name (UTF-8, static).
     pub name: RawBytes,
     /// Opens a Domain for one NIC with the backend's options (TOML text).
-    pub open: unsafe extern "C" fn(nic: RawBytes, options: RawBytes, out: *mut *mut c_void, err: *mut RawError) -> i32,
+    pub open: unsafe extern "C" fn(
+        nic: RawBytes,
+        options: RawBytes,
+        out: *mut *mut c_void,
+        err: *mut RawError,
+    ) -> i32,
     /// Closes a Domain.
     pub close: unsafe extern "C" fn(domain: *mut c_void),
     /// Writes the address into `buf`; returns its length (or 0 if `cap` is too small).
     pub address: unsafe extern "C" fn(domain: *mut c_void, buf: *mut u8, cap: usize) -> usize,
     /// Registers memory.
-    pub register: unsafe extern "C" fn(domain: *mut c_void, region: *const RawRegion, out: *mut Registration, err: *mut RawError) -> i32,
+    pub register: unsafe extern "C" fn(
+        domain: *mut c_void,
+        region: *const RawRegion,
+        out: *mut Registration,
+        err: *mut RawError,
+    ) -> i32,
     /// Deregisters memory.
-    pub deregister: unsafe extern "C" fn(domain: *mut c_void, local_key: u64, err: *mut RawError) -> i32,
+    pub deregister:
+        unsafe extern "C" fn(domain: *mut c_void, local_key: u64, err: *mut RawError) -> i32,
     /// Posts a write.
-    pub post_write: unsafe extern "C" fn(domain: *mut c_void, wr: *const RawWrite, err: *mut RawError) -> i32,
+    pub post_write:
+        unsafe extern "C" fn(domain: *mut c_void, wr: *const RawWrite, err: *mut RawError) -> i32,
     /// Posts a message.
-    pub post_send: unsafe extern "C" fn(domain: *mut c_void, wr_id: u64, peer: RawBytes, data: RawBytes, err: *mut RawError) -> i32,
+    pub post_send: unsafe extern "C" fn(
+        domain: *mut c_void,
+        wr_id: u64,
+        peer: RawBytes,
+        data: RawBytes,
+        err: *mut RawError,
+    ) -> i32,
     /// Adds receive buffers.
-    pub post_recvs: unsafe extern "C" fn(domain: *mut c_void, buf_len: usize, count: usize, err: *mut RawError) -> i32,
+    pub post_recvs: unsafe extern "C" fn(
+        domain: *mut c_void,
+        buf_len: usize,
+        count: usize,
+        err: *mut RawError,
+    ) -> i32,
     /// Makes progress and hands each ready event to `sink_fn(sink, event)`.
-    pub poll: unsafe extern "C" fn(domain: *mut c_void, sink: *mut c_void, sink_fn: EventSink, err: *mut RawError) -> i32,
+    pub poll: unsafe extern "C" fn(
+        domain: *mut c_void,
+        sink: *mut c_void,
+        sink_fn: EventSink,
+        err: *mut RawError,
+    ) -> i32,
     /// Installs a wake function; returns 1 if the plugin will call it.
-    pub set_waker: unsafe extern "C" fn(domain: *mut c_void, ctx: *const c_void, wake: WakeFn) -> u32,
+    pub set_waker:
+        unsafe extern "C" fn(domain: *mut c_void, ctx: *const c_void, wake: WakeFn) -> u32,
 }
 
 // SAFETY: the table is immutable static data (function pointers and a static name).
@@ -249,7 +278,10 @@ type Handle = Box<dyn Domain>;
 /// Runs `f`, turning a panic or an error into `STATUS_ERROR` with a message in `err`.
 fn guarded(err: *mut RawError, f: impl FnOnce() -> Result<i32, DomainError>) -> i32 {
     let outcome = catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
-        Err(DomainError::new(DomainErrorKind::Other, "the plugin panicked"))
+        Err(DomainError::new(
+            DomainErrorKind::Other,
+            "the plugin panicked",
+        ))
     });
     match outcome {
         Ok(status) => status,
@@ -283,12 +315,23 @@ fn peer_addr(raw: RawBytes) -> Result<NetAddr, DomainError> {
         .map_err(|e| DomainError::new(DomainErrorKind::InvalidArgument, e.to_string()))
 }
 
-unsafe extern "C" fn shim_open<O: PluginOpener>(nic: RawBytes, options: RawBytes, out: *mut *mut c_void, err: *mut RawError) -> i32 {
+unsafe extern "C" fn shim_open<O: PluginOpener>(
+    nic: RawBytes,
+    options: RawBytes,
+    out: *mut *mut c_void,
+    err: *mut RawError,
+) -> i32 {
     guarded(err, || {
         // SAFETY: the engine passes live UTF-8 strings for the call's duration.
         let (nic, options) = unsafe { (nic.as_slice(), options.as_slice()) };
-        let utf8 = |b| std::str::from_utf8(b).map_err(|e| DomainError::new(DomainErrorKind::InvalidArgument, e.to_string()));
-        let domain: Handle = (O::OPEN)(&DomainConfig { nic: utf8(nic)?, options: utf8(options)? })?;
+        let utf8 = |b| {
+            std::str::from_utf8(b)
+                .map_err(|e| DomainError::new(DomainErrorKind::InvalidArgument, e.to_string()))
+        };
+        let domain: Handle = (O::OPEN)(&DomainConfig {
+            nic: utf8(nic)?,
+            options: utf8(options)?,
+        })?;
         // SAFETY: out is a valid pointer the engine provides.
         unsafe { *out = Box::into_raw(Box::new(domain)) as *mut c_void };
         Ok(STATUS_OK)
@@ -318,7 +361,12 @@ unsafe extern "C" fn shim_address(domain: *mut c_void, buf: *mut u8, cap: usize)
     .unwrap_or(0)
 }
 
-unsafe extern "C" fn shim_register(domain: *mut c_void, region: *const RawRegion, out: *mut Registration, err: *mut RawError) -> i32 {
+unsafe extern "C" fn shim_register(
+    domain: *mut c_void,
+    region: *const RawRegion,
+    out: *mut Registration,
+    err: *mut RawError,
+) -> i32 {
     guarded(err, || {
         // SAFETY: the engine passes a valid region for the call's duration.
         let r = unsafe { *region };
@@ -326,7 +374,12 @@ unsafe extern "C" fn shim_register(domain: *mut c_void, region: *const RawRegion
             0 => Device::Host,
             _ => Device::Cuda(r.device_index),
         };
-        let region = MemoryRegion { ptr: r.ptr, len: r.len, device, remote_write: r.remote_write != 0 };
+        let region = MemoryRegion {
+            ptr: r.ptr,
+            len: r.len,
+            device,
+            remote_write: r.remote_write != 0,
+        };
         // SAFETY: a live handle, per the ABI contract.
         let reg = unsafe { handle(domain) }.register(&region)?;
         // SAFETY: out is valid for writes.
@@ -335,12 +388,23 @@ unsafe extern "C" fn shim_register(domain: *mut c_void, region: *const RawRegion
     })
 }
 
-unsafe extern "C" fn shim_deregister(domain: *mut c_void, local_key: u64, err: *mut RawError) -> i32 {
-    // SAFETY: a live handle, per the ABI contract.
-    guarded(err, || unsafe { handle(domain) }.deregister(local_key).map(|()| STATUS_OK))
+unsafe extern "C" fn shim_deregister(
+    domain: *mut c_void,
+    local_key: u64,
+    err: *mut RawError,
+) -> i32 {
+    guarded(err, || {
+        // SAFETY: a live handle, per the ABI contract.
+        let domain = unsafe { handle(domain) };
+        domain.deregister(local_key).map(|()| STATUS_OK)
+    })
 }
 
-unsafe extern "C" fn shim_post_write(domain: *mut c_void, wr: *const RawWrite, err: *mut RawError) -> i32 {
+unsafe extern "C" fn shim_post_write(
+    domain: *mut c_void,
+    wr: *const RawWrite,
+    err: *mut RawError,
+) -> i32 {
     guarded(err, || {
         // SAFETY: the engine passes a valid request for the call's duration.
         let w = unsafe { *wr };
@@ -360,32 +424,83 @@ unsafe extern "C" fn shim_post_write(domain: *mut c_void, wr: *const RawWrite, e
     })
 }
 
-unsafe extern "C" fn shim_post_send(domain: *mut c_void, wr_id: u64, peer: RawBytes, data: RawBytes, err: *mut RawError) -> i32 {
+unsafe extern "C" fn shim_post_send(
+    domain: *mut c_void,
+    wr_id: u64,
+    peer: RawBytes,
+    data: RawBytes,
+    err: *mut RawError,
+) -> i32 {
     guarded(err, || {
         let peer = peer_addr(peer)?;
         // SAFETY: the engine passes live message bytes for the call's duration.
         let data = unsafe { data.as_slice() };
         // SAFETY: a live handle, per the ABI contract.
-        unsafe { handle(domain) }.post_send(wr_id, &peer, data).map(post_status)
+        unsafe { handle(domain) }
+            .post_send(wr_id, &peer, data)
+            .map(post_status)
     })
 }
 
-unsafe extern "C" fn shim_post_recvs(domain: *mut c_void, buf_len: usize, count: usize, err: *mut RawError) -> i32 {
-    // SAFETY: a live handle, per the ABI contract.
-    guarded(err, || unsafe { handle(domain) }.post_recvs(buf_len, count).map(|()| STATUS_OK))
+unsafe extern "C" fn shim_post_recvs(
+    domain: *mut c_void,
+    buf_len: usize,
+    count: usize,
+    err: *mut RawError,
+) -> i32 {
+    guarded(err, || {
+        // SAFETY: a live handle, per the ABI contract.
+        let domain = unsafe { handle(domain) };
+        domain.post_recvs(buf_len, count).map(|()| STATUS_OK)
+    })
 }
 
-unsafe extern "C" fn shim_poll(domain: *mut c_void, sink: *mut c_void, sink_fn: EventSink, err: *mut RawError) -> i32 {
+unsafe extern "C" fn shim_poll(
+    domain: *mut c_void,
+    sink: *mut c_void,
+    sink_fn: EventSink,
+    err: *mut RawError,
+) -> i32 {
     guarded(err, || {
         let mut events = Vec::new();
         // SAFETY: a live handle, per the ABI contract.
         unsafe { handle(domain) }.poll(&mut events)?;
         for event in &events {
             let raw = match event {
-                Event::Done { wr_id, result: Ok(()) } => RawEvent { kind: 0, error_kind: 0, wr_id: *wr_id, imm: 0, data: RawBytes::new(&[]) },
-                Event::Done { wr_id, result: Err(e) } => RawEvent { kind: 1, error_kind: e.kind as u32, wr_id: *wr_id, imm: 0, data: RawBytes::new(e.message.as_bytes()) },
-                Event::ImmArrival { imm } => RawEvent { kind: 2, error_kind: 0, wr_id: 0, imm: *imm, data: RawBytes::new(&[]) },
-                Event::Message { data } => RawEvent { kind: 3, error_kind: 0, wr_id: 0, imm: 0, data: RawBytes::new(data) },
+                Event::Done {
+                    wr_id,
+                    result: Ok(()),
+                } => RawEvent {
+                    kind: 0,
+                    error_kind: 0,
+                    wr_id: *wr_id,
+                    imm: 0,
+                    data: RawBytes::new(&[]),
+                },
+                Event::Done {
+                    wr_id,
+                    result: Err(e),
+                } => RawEvent {
+                    kind: 1,
+                    error_kind: e.kind as u32,
+                    wr_id: *wr_id,
+                    imm: 0,
+                    data: RawBytes::new(e.message.as_bytes()),
+                },
+                Event::ImmArrival { imm } => RawEvent {
+                    kind: 2,
+                    error_kind: 0,
+                    wr_id: 0,
+                    imm: *imm,
+                    data: RawBytes::new(&[]),
+                },
+                Event::Message { data } => RawEvent {
+                    kind: 3,
+                    error_kind: 0,
+                    wr_id: 0,
+                    imm: 0,
+                    data: RawBytes::new(data),
+                },
             };
             // SAFETY: sink/sink_fn come from the engine's PluginDomain::poll and are valid
             // for this call; raw borrows `events`, which outlives the call.
@@ -408,8 +523,12 @@ unsafe extern "C" fn shim_set_waker(domain: *mut c_void, ctx: *const c_void, wak
         // SAFETY: the engine keeps ctx alive until after close.
         unsafe { wake(ctx.0) }
     });
-    // SAFETY: a live handle, per the ABI contract.
-    catch_unwind(AssertUnwindSafe(|| unsafe { handle(domain) }.set_waker(waker) as u32)).unwrap_or(0)
+    catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: a live handle, per the ABI contract.
+        let domain = unsafe { handle(domain) };
+        domain.set_waker(waker) as u32
+    }))
+    .unwrap_or(0)
 }
 
 /// Exports a backend as an xfer plugin: `export_plugin!("name", open_fn);` in a `cdylib`.

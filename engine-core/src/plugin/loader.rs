@@ -133,7 +133,11 @@ pub fn find_backend(name: &str, plugin_path: Option<&Path>) -> Result<Backend, P
         .map(|v| std::env::split_paths(&v).collect())
         .unwrap_or_default();
     for dir in &searched {
-        for file in [format!("lib{name}.so"), format!("libxfer_{name}.so"), format!("libbackend_{name}.so")] {
+        for file in [
+            format!("lib{name}.so"),
+            format!("libxfer_{name}.so"),
+            format!("libbackend_{name}.so"),
+        ] {
             let candidate = dir.join(file);
             if candidate.is_file() {
                 return load_checked(&candidate, name);
@@ -281,7 +285,10 @@ unsafe extern "C" fn collect_event(sink: *mut c_void, event: *const RawEvent) {
     // SAFETY: as above.
     let data = unsafe { e.data.as_slice() };
     events.push(match e.kind {
-        0 => Event::Done { wr_id: e.wr_id, result: Ok(()) },
+        0 => Event::Done {
+            wr_id: e.wr_id,
+            result: Ok(()),
+        },
         1 => Event::Done {
             wr_id: e.wr_id,
             result: Err(DomainError::new(
@@ -290,7 +297,9 @@ unsafe extern "C" fn collect_event(sink: *mut c_void, event: *const RawEvent) {
             )),
         },
         2 => Event::ImmArrival { imm: e.imm },
-        _ => Event::Message { data: data.to_vec() },
+        _ => Event::Message {
+            data: data.to_vec(),
+        },
     });
 }
 
@@ -321,7 +330,10 @@ impl Domain for PluginDomain {
             device_index,
             remote_write: region.remote_write as u32,
         };
-        let mut out = Registration { local_key: 0, remote_key: 0 };
+        let mut out = Registration {
+            local_key: 0,
+            remote_key: 0,
+        };
         let mut err = RawError::empty();
         // SAFETY: live handle; all pointers valid for the call.
         let status = unsafe { (self.plugin.table.register)(self.handle, &raw, &mut out, &mut err) };
@@ -353,11 +365,22 @@ impl Domain for PluginDomain {
         Self::check(status, &err)
     }
 
-    fn post_send(&mut self, wr_id: u64, peer: &NetAddr, data: &[u8]) -> Result<PostStatus, DomainError> {
+    fn post_send(
+        &mut self,
+        wr_id: u64,
+        peer: &NetAddr,
+        data: &[u8],
+    ) -> Result<PostStatus, DomainError> {
         let mut err = RawError::empty();
         // SAFETY: live handle; both byte strings outlive the call (the plugin copies them).
         let status = unsafe {
-            (self.plugin.table.post_send)(self.handle, wr_id, RawBytes::new(peer.raw()), RawBytes::new(data), &mut err)
+            (self.plugin.table.post_send)(
+                self.handle,
+                wr_id,
+                RawBytes::new(peer.raw()),
+                RawBytes::new(data),
+                &mut err,
+            )
         };
         Self::check(status, &err)
     }
@@ -365,7 +388,8 @@ impl Domain for PluginDomain {
     fn post_recvs(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError> {
         let mut err = RawError::empty();
         // SAFETY: live handle; err valid for the call.
-        let status = unsafe { (self.plugin.table.post_recvs)(self.handle, buf_len, count, &mut err) };
+        let status =
+            unsafe { (self.plugin.table.post_recvs)(self.handle, buf_len, count, &mut err) };
         Self::check(status, &err).map(|_| ())
     }
 
@@ -374,7 +398,8 @@ impl Domain for PluginDomain {
         let sink = events as *mut Vec<Event> as *mut c_void;
         // SAFETY: live handle; `sink` is exclusively borrowed for the call, and collect_event
         // casts it back to the same type.
-        let status = unsafe { (self.plugin.table.poll)(self.handle, sink, collect_event, &mut err) };
+        let status =
+            unsafe { (self.plugin.table.poll)(self.handle, sink, collect_event, &mut err) };
         Self::check(status, &err).map(|_| ())
     }
 
@@ -382,7 +407,8 @@ impl Domain for PluginDomain {
         let boxed = Box::new(waker);
         let ctx = &*boxed as *const Waker as *const c_void;
         // SAFETY: live handle; ctx stays valid until after close (it is dropped in Drop).
-        let will_wake = unsafe { (self.plugin.table.set_waker)(self.handle, ctx, wake_trampoline) } != 0;
+        let will_wake =
+            unsafe { (self.plugin.table.set_waker)(self.handle, ctx, wake_trampoline) } != 0;
         // Any previous waker may still be referenced by the plugin until close; keep the old
         // one alive by leaking at most one per call (the engine installs one per Domain).
         if let Some(old) = self.waker.replace(boxed) {

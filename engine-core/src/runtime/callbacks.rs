@@ -7,7 +7,9 @@ use crossbeam_channel::{Receiver, Sender};
 use super::completion::Job;
 
 /// Starts the callback thread; it ends after running every job queued before a `None`.
-pub(crate) fn spawn_callback_thread(name: String) -> std::io::Result<(Sender<Job>, JoinHandle<()>)> {
+pub(crate) fn spawn_callback_thread(
+    name: String,
+) -> std::io::Result<(Sender<Job>, JoinHandle<()>)> {
     let (tx, rx): (Sender<Job>, Receiver<Job>) = crossbeam_channel::unbounded();
     let handle = std::thread::Builder::new().name(name).spawn(move || {
         while let Ok(Some(job)) = rx.recv() {

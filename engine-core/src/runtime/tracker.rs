@@ -97,7 +97,11 @@ impl<W> Tracker<W> {
 
     /// Records one work request's outcome; returns the transfer's waiter and result once its
     /// last request is in. Stale or unknown ids return `None`.
-    pub(crate) fn handle_done(&mut self, wr_id: u64, result: Result<()>) -> Option<(W, Result<()>)> {
+    pub(crate) fn handle_done(
+        &mut self,
+        wr_id: u64,
+        result: Result<()>,
+    ) -> Option<(W, Result<()>)> {
         let entry = self.entry(wr_id)?;
         entry.remaining -= 1;
         if let Err(e) = result {
@@ -110,7 +114,12 @@ impl<W> Tracker<W> {
     }
 
     /// Ends every transfer whose deadline is at or before `now` with `timeout()`.
-    pub(crate) fn poll_expired(&mut self, now: Instant, timeout: impl Fn() -> Error, out: &mut Vec<(W, Result<()>)>) {
+    pub(crate) fn poll_expired(
+        &mut self,
+        now: Instant,
+        timeout: impl Fn() -> Error,
+        out: &mut Vec<(W, Result<()>)>,
+    ) {
         while let Some(&(slot, generation, deadline)) = self.deadlines.front() {
             let s = &self.slots[slot as usize];
             let live = s.generation == generation && s.entry.is_some();
@@ -151,11 +160,18 @@ mod tests {
         let far = Instant::now() + Duration::from_secs(60);
         let id = t.insert(3, far, "w");
         assert!(t.handle_done(id, Ok(())).is_none());
-        assert!(t.handle_done(id, Err(Error::RemoteAccess("first".into()))).is_none());
-        let (w, r) = t.handle_done(id, Err(Error::RemoteAccess("second".into()))).unwrap();
+        assert!(t
+            .handle_done(id, Err(Error::RemoteAccess("first".into())))
+            .is_none());
+        let (w, r) = t
+            .handle_done(id, Err(Error::RemoteAccess("second".into())))
+            .unwrap();
         assert_eq!((w, r), ("w", Err(Error::RemoteAccess("first".into()))));
         assert_eq!(t.len(), 0);
-        assert!(t.handle_done(id, Ok(())).is_none(), "a finished transfer never finishes again");
+        assert!(
+            t.handle_done(id, Ok(())).is_none(),
+            "a finished transfer never finishes again"
+        );
     }
 
     #[test]
@@ -168,7 +184,10 @@ mod tests {
         assert_eq!(out, vec![("old", Err(Error::Timeout(Duration::ZERO)))]);
         let new = t.insert(1, now + Duration::from_secs(60), "new");
         assert_eq!(new & 0xffff_ffff, old & 0xffff_ffff, "the slot is reused");
-        assert!(t.handle_done(old, Ok(())).is_none(), "the stale completion is ignored");
+        assert!(
+            t.handle_done(old, Ok(())).is_none(),
+            "the stale completion is ignored"
+        );
         assert!(t.is_live(new));
         assert_eq!(t.handle_done(new, Ok(())), Some(("new", Ok(()))));
     }

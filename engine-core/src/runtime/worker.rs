@@ -14,7 +14,10 @@ use std::time::{Duration, Instant};
 use super::completion::{send_batch, CallbackBatch, OnDone};
 use super::tracker::Tracker;
 use super::{Command, Shared, WriteOp};
-use crate::domain::{Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus, Registration, Waker, WriteRequest};
+use crate::domain::{
+    Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus, Registration, Waker,
+    WriteRequest,
+};
 use crate::error::{Error, Result};
 use crate::imm::Outcome;
 use crate::plugin::Backend;
@@ -62,7 +65,11 @@ pub(crate) struct WorkerHandle {
 
 /// Starts the worker: pins it, then opens the group's Domains on it (so their memory is
 /// allocated near the pinned CPU), and returns once they are open.
-pub(crate) fn spawn_worker(shared: Arc<Shared>, backend: Backend, group: usize) -> Result<WorkerHandle> {
+pub(crate) fn spawn_worker(
+    shared: Arc<Shared>,
+    backend: Backend,
+    group: usize,
+) -> Result<WorkerHandle> {
     let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<Vec<NetAddr>>>(1);
     let thread_shared = Arc::clone(&shared);
     let thread = std::thread::Builder::new()
@@ -85,7 +92,8 @@ pub(crate) fn spawn_worker(shared: Arc<Shared>, backend: Backend, group: usize) 
             message: format!("cannot spawn the worker thread: {e}"),
         })?;
     let _ = shared.worker.set(thread.thread().clone());
-    let timeout = shared.config.timeouts.control() + Duration::from_millis(shared.config.timeouts.connect_ms);
+    let timeout =
+        shared.config.timeouts.control() + Duration::from_millis(shared.config.timeouts.connect_ms);
     let addresses = match ready_rx.recv_timeout(timeout) {
         Ok(Ok(a)) => a,
         Ok(Err(e)) => {
@@ -113,7 +121,10 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
     let mut domains_wake = true;
     for nic in &group_config.nics {
         let mut domain = backend
-            .open(&DomainConfig { nic, options: &options })
+            .open(&DomainConfig {
+                nic,
+                options: &options,
+            })
             .map_err(|e| Error::Backend {
                 backend: shared.backend.clone(),
                 message: format!("cannot open NIC {nic:?}: {}", e.message),
@@ -183,11 +194,16 @@ impl Worker {
     }
 
     fn park(&mut self, now: Instant, idle_poll: Duration) {
-        let deadline = [self.tracker.next_deadline(), self.shared.lock_imm().next_deadline()]
-            .into_iter()
-            .flatten()
-            .min();
-        let mut timeout = deadline.map_or(Duration::from_secs(3600), |d| d.saturating_duration_since(now));
+        let deadline = [
+            self.tracker.next_deadline(),
+            self.shared.lock_imm().next_deadline(),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        let mut timeout = deadline.map_or(Duration::from_secs(3600), |d| {
+            d.saturating_duration_since(now)
+        });
         if !self.domains_wake {
             timeout = timeout.min(idle_poll);
         }
@@ -203,14 +219,24 @@ impl Worker {
                     self.finished.push((on_done, Ok(())));
                     return;
                 }
-                let id = self.tracker.insert(ops.len() as u64, Instant::now() + self.transfer_timeout, on_done);
+                let id = self.tracker.insert(
+                    ops.len() as u64,
+                    Instant::now() + self.transfer_timeout,
+                    on_done,
+                );
                 for op in ops {
                     let nic = op.nic;
                     self.post(nic, id, Pending::Write(op));
                 }
             }
-            Command::Send { peer, data, on_done } => {
-                let id = self.tracker.insert(1, Instant::now() + self.transfer_timeout, on_done);
+            Command::Send {
+                peer,
+                data,
+                on_done,
+            } => {
+                let id = self
+                    .tracker
+                    .insert(1, Instant::now() + self.transfer_timeout, on_done);
                 self.post(0, id, Pending::Send { peer, data });
             }
             Command::Register { region, reply } => {
@@ -377,7 +403,9 @@ impl Worker {
         for outcome in self.imm_outcomes.drain(..) {
             match outcome {
                 Outcome::Met(w) => w.complete_batched(Ok(()), &mut self.callbacks),
-                Outcome::Expired(w) => w.complete_batched(Err(Error::Timeout(expect_timeout)), &mut self.callbacks),
+                Outcome::Expired(w) => {
+                    w.complete_batched(Err(Error::Timeout(expect_timeout)), &mut self.callbacks)
+                }
             }
         }
         send_batch(&mut self.callbacks, &self.shared.jobs);
@@ -385,8 +413,11 @@ impl Worker {
 
     fn expire(&mut self, now: Instant) {
         let timeout = self.transfer_timeout;
-        self.tracker.poll_expired(now, || Error::Timeout(timeout), &mut self.finished);
-        self.shared.lock_imm().poll_expired(now, &mut self.imm_outcomes);
+        self.tracker
+            .poll_expired(now, || Error::Timeout(timeout), &mut self.finished);
+        self.shared
+            .lock_imm()
+            .poll_expired(now, &mut self.imm_outcomes);
         self.deliver();
     }
 
@@ -395,7 +426,8 @@ impl Worker {
             self.finished.push((w, Err(Error::Shutdown)));
         }
         let waiting = self.shared.lock_imm().drain_waiting();
-        self.finished.extend(waiting.into_iter().map(|w| (w, Err(Error::Shutdown))));
+        self.finished
+            .extend(waiting.into_iter().map(|w| (w, Err(Error::Shutdown))));
         while let Some(cmd) = self.shared.queue.pop() {
             match cmd {
                 Command::Writes { on_done, .. } | Command::Send { on_done, .. } => {

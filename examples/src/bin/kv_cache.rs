@@ -33,17 +33,28 @@ fn main() {
 
     // Decoder: one expectation per layer, registered before anything is sent.
     let stripe = &decode.config().stripe;
-    let per_layer = expected_arrivals(TransferShape::Paged { page_len: PAGE_LEN, pages: PAGES_PER_LAYER as u64 }, decode.nic_count(), stripe);
+    let per_layer = expected_arrivals(
+        TransferShape::Paged {
+            page_len: PAGE_LEN,
+            pages: PAGES_PER_LAYER as u64,
+        },
+        decode.nic_count(),
+        stripe,
+    );
     let arrived = Arc::new(Mutex::new(Vec::new()));
     let remaining = Arc::new(AtomicUsize::new(LAYERS));
     for layer in 0..LAYERS {
         let (arrived, remaining) = (Arc::clone(&arrived), Arc::clone(&remaining));
         decode
-            .expect_imm_count(layer as u32, per_layer, OnDone::callback(move |r| {
-                r.unwrap_or_else(|e| fail(format!("layer {layer}: {e}")));
-                arrived.lock().unwrap().push(layer);
-                remaining.fetch_sub(1, Ordering::SeqCst);
-            }))
+            .expect_imm_count(
+                layer as u32,
+                per_layer,
+                OnDone::callback(move |r| {
+                    r.unwrap_or_else(|e| fail(format!("layer {layer}: {e}")));
+                    arrived.lock().unwrap().push(layer);
+                    remaining.fetch_sub(1, Ordering::SeqCst);
+                }),
+            )
             .unwrap_or_else(|e| fail(e));
     }
 
@@ -55,17 +66,35 @@ fn main() {
         let first = layer * PAGES_PER_LAYER;
         for p in 0..PAGES_PER_LAYER {
             let at = (first + p) * PAGE_LEN as usize;
-            for (i, x) in src.bytes_mut()[at..at + PAGE_LEN as usize].iter_mut().enumerate() {
+            for (i, x) in src.bytes_mut()[at..at + PAGE_LEN as usize]
+                .iter_mut()
+                .enumerate()
+            {
                 *x = byte(layer, p, i);
             }
         }
-        let src_pages = Pages { indices: (first as u32..(first + PAGES_PER_LAYER) as u32).collect(), stride: PAGE_LEN, offset: 0 };
-        let dst_layer = Pages { indices: dst_pages[layer].clone(), stride: PAGE_LEN, offset: 0 };
+        let src_pages = Pages {
+            indices: (first as u32..(first + PAGES_PER_LAYER) as u32).collect(),
+            stride: PAGE_LEN,
+            offset: 0,
+        };
+        let dst_layer = Pages {
+            indices: dst_pages[layer].clone(),
+            stride: PAGE_LEN,
+            offset: 0,
+        };
         prefill
-            .submit_paged_writes(PAGE_LEN, Some(layer as u32), (src.mr(), &src_pages), (dst.desc(), &dst_layer), sent.clone())
+            .submit_paged_writes(
+                PAGE_LEN,
+                Some(layer as u32),
+                (src.mr(), &src_pages),
+                (dst.desc(), &dst_layer),
+                sent.clone(),
+            )
             .unwrap_or_else(|e| fail(e));
     }
-    sent.wait_for(LAYERS as u64, Duration::from_secs(30)).unwrap_or_else(|e| fail(e));
+    sent.wait_for(LAYERS as u64, Duration::from_secs(30))
+        .unwrap_or_else(|e| fail(e));
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while remaining.load(Ordering::SeqCst) > 0 {
         if std::time::Instant::now() > deadline {
@@ -74,8 +103,8 @@ fn main() {
         std::thread::sleep(Duration::from_millis(1));
     }
 
-    for layer in 0..LAYERS {
-        for (p, &page) in dst_pages[layer].iter().enumerate() {
+    for (layer, pages) in dst_pages.iter().enumerate() {
+        for (p, &page) in pages.iter().enumerate() {
             let at = page as usize * PAGE_LEN as usize;
             let got = &dst.bytes()[at..at + PAGE_LEN as usize];
             if got.iter().enumerate().any(|(i, &x)| x != byte(layer, p, i)) {

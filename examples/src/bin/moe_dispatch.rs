@@ -19,11 +19,15 @@ const RANKS: usize = 3;
 const EXPERTS_PER_RANK: usize = 2;
 const TOKENS: usize = 200;
 const HIDDEN: usize = 256; // bytes per token
+/// The experts rank `r`'s tokens need on rank `o`, keyed by `(r, o)`, as told by messages.
+type ExpertLists = HashMap<(usize, usize), Vec<u8>>;
+
 const WAIT: Duration = Duration::from_secs(30);
 
 fn wait_all(flags: &[Arc<DoneFlag>], what: &str) {
     for f in flags {
-        f.wait(WAIT).unwrap_or_else(|e| fail(format!("{what}: {e}")));
+        f.wait(WAIT)
+            .unwrap_or_else(|e| fail(format!("{what}: {e}")));
     }
 }
 
@@ -32,14 +36,19 @@ fn barrier_all(engines: &[Arc<TransferEngine>], bufs: &[HostBuffer], imm: u32) {
         .iter()
         .map(|e| {
             let f = DoneFlag::new();
-            e.expect_imm_count(imm, (RANKS - 1) as u64, f.clone()).unwrap_or_else(|e| fail(e));
+            e.expect_imm_count(imm, (RANKS - 1) as u64, f.clone())
+                .unwrap_or_else(|e| fail(e));
             f
         })
         .collect();
     for (r, e) in engines.iter().enumerate() {
-        let others: Vec<_> = (0..RANKS).filter(|&o| o != r).map(|o| bufs[o].desc().clone()).collect();
+        let others: Vec<_> = (0..RANKS)
+            .filter(|&o| o != r)
+            .map(|o| bufs[o].desc().clone())
+            .collect();
         let f = DoneFlag::new();
-        e.submit_barrier(None, f.clone(), imm, &others).unwrap_or_else(|e| fail(e));
+        e.submit_barrier(None, f.clone(), imm, &others)
+            .unwrap_or_else(|e| fail(e));
         f.wait(WAIT).unwrap_or_else(|e| fail(e));
     }
     wait_all(&landed, "barrier");
@@ -49,22 +58,36 @@ fn main() {
     let engines = open_engines(RANKS, 2).unwrap_or_else(|e| fail(e));
     let mut rng = fastrand::Rng::with_seed(7);
     // Each token goes to one expert; expert x lives on rank x / EXPERTS_PER_RANK.
-    let routes: Vec<Vec<usize>> = (0..RANKS).map(|_| (0..TOKENS).map(|_| rng.usize(0..RANKS * EXPERTS_PER_RANK)).collect()).collect();
-    let mut tokens: Vec<HostBuffer> = engines.iter().map(|e| HostBuffer::new(e, TOKENS * HIDDEN).unwrap_or_else(|e| fail(e))).collect();
+    let routes: Vec<Vec<usize>> = (0..RANKS)
+        .map(|_| {
+            (0..TOKENS)
+                .map(|_| rng.usize(0..RANKS * EXPERTS_PER_RANK))
+                .collect()
+        })
+        .collect();
+    let mut tokens: Vec<HostBuffer> = engines
+        .iter()
+        .map(|e| HostBuffer::new(e, TOKENS * HIDDEN).unwrap_or_else(|e| fail(e)))
+        .collect();
     for (r, t) in tokens.iter_mut().enumerate() {
         for (i, x) in t.bytes_mut().iter_mut().enumerate() {
             *x = byte(r, i / HIDDEN, i % HIDDEN);
         }
     }
     // Receive area: one slot of up to TOKENS tokens per source rank.
-    let inboxes: Vec<HostBuffer> = engines.iter().map(|e| HostBuffer::new(e, RANKS * TOKENS * HIDDEN).unwrap_or_else(|e| fail(e))).collect();
+    let inboxes: Vec<HostBuffer> = engines
+        .iter()
+        .map(|e| HostBuffer::new(e, RANKS * TOKENS * HIDDEN).unwrap_or_else(|e| fail(e)))
+        .collect();
 
     // 1. Counts: rank r tells rank o which experts its tokens need, as a message.
-    let told: Arc<Mutex<HashMap<(usize, usize), Vec<u8>>>> = Arc::default();
+    let told: Arc<Mutex<ExpertLists>> = Arc::default();
     for (o, e) in engines.iter().enumerate() {
         let told = Arc::clone(&told);
         e.submit_recvs(1024, 8, move |m| {
-            told.lock().unwrap().insert((m[0] as usize, o), m[1..].to_vec());
+            told.lock()
+                .unwrap()
+                .insert((m[0] as usize, o), m[1..].to_vec());
         })
         .unwrap_or_else(|e| fail(e));
     }
@@ -72,9 +95,15 @@ fn main() {
     for (r, e) in engines.iter().enumerate() {
         for (o, peer) in engines.iter().enumerate().filter(|&(o, _)| o != r) {
             let mut msg = vec![r as u8];
-            msg.extend(routes[r].iter().filter(|&&x| x / EXPERTS_PER_RANK == o).map(|&x| x as u8));
+            msg.extend(
+                routes[r]
+                    .iter()
+                    .filter(|&&x| x / EXPERTS_PER_RANK == o)
+                    .map(|&x| x as u8),
+            );
             let f = DoneFlag::new();
-            e.submit_send(&peer.main_address(), &msg, f.clone()).unwrap_or_else(|e| fail(e));
+            e.submit_send(&peer.main_address(), &msg, f.clone())
+                .unwrap_or_else(|e| fail(e));
             sends.push(f);
         }
     }
@@ -90,7 +119,7 @@ fn main() {
     // 2. Dispatch: rank r's tokens for owner o go, in token order, into o's slot r.
     let mut done = Vec::new();
     for (r, e) in engines.iter().enumerate() {
-        let mut filled = vec![0usize; RANKS];
+        let mut filled = [0usize; RANKS];
         let dsts: Vec<ScatterDst> = routes[r]
             .iter()
             .enumerate()
@@ -98,11 +127,17 @@ fn main() {
                 let o = x / EXPERTS_PER_RANK;
                 let at = (r * TOKENS + filled[o]) * HIDDEN;
                 filled[o] += 1;
-                ScatterDst { len: HIDDEN as u64, src_offset: (t * HIDDEN) as u64, dst: inboxes[o].desc().clone(), dst_offset: at as u64 }
+                ScatterDst {
+                    len: HIDDEN as u64,
+                    src_offset: (t * HIDDEN) as u64,
+                    dst: inboxes[o].desc().clone(),
+                    dst_offset: at as u64,
+                }
             })
             .collect();
         let f = DoneFlag::new();
-        e.submit_scatter(None, f.clone(), None, tokens[r].mr(), &dsts).unwrap_or_else(|e| fail(e));
+        e.submit_scatter(None, f.clone(), None, tokens[r].mr(), &dsts)
+            .unwrap_or_else(|e| fail(e));
         done.push(f);
     }
     wait_all(&done, "dispatch");
@@ -116,23 +151,36 @@ fn main() {
         out.bytes_mut().copy_from_slice(inboxes[o].bytes());
         for r in 0..RANKS {
             let experts: Vec<u8> = if r == o {
-                routes[r].iter().filter(|&&x| x / EXPERTS_PER_RANK == o).map(|&x| x as u8).collect()
+                routes[r]
+                    .iter()
+                    .filter(|&&x| x / EXPERTS_PER_RANK == o)
+                    .map(|&x| x as u8)
+                    .collect()
             } else {
                 told[&(r, o)].clone()
             };
             for (k, &x) in experts.iter().enumerate() {
                 let at = (r * TOKENS + k) * HIDDEN;
-                out.bytes_mut()[at..at + HIDDEN].iter_mut().for_each(|b| *b = b.wrapping_add(x));
+                out.bytes_mut()[at..at + HIDDEN]
+                    .iter_mut()
+                    .for_each(|b| *b = b.wrapping_add(x));
             }
         }
         outboxes.push(out);
     }
-    let results: Vec<HostBuffer> = engines.iter().map(|e| HostBuffer::new(e, TOKENS * HIDDEN).unwrap_or_else(|e| fail(e))).collect();
+    let results: Vec<HostBuffer> = engines
+        .iter()
+        .map(|e| HostBuffer::new(e, TOKENS * HIDDEN).unwrap_or_else(|e| fail(e)))
+        .collect();
     let mut done = Vec::new();
     for (o, e) in engines.iter().enumerate() {
         let mut dsts = Vec::new();
         for r in 0..RANKS {
-            let homes = routes[r].iter().enumerate().filter(|&(_, &x)| x / EXPERTS_PER_RANK == o).map(|(t, _)| t);
+            let homes = routes[r]
+                .iter()
+                .enumerate()
+                .filter(|&(_, &x)| x / EXPERTS_PER_RANK == o)
+                .map(|(t, _)| t);
             for (k, t) in homes.enumerate() {
                 dsts.push(ScatterDst {
                     len: HIDDEN as u64,
@@ -143,7 +191,8 @@ fn main() {
             }
         }
         let f = DoneFlag::new();
-        e.submit_scatter(None, f.clone(), None, outboxes[o].mr(), &dsts).unwrap_or_else(|e| fail(e));
+        e.submit_scatter(None, f.clone(), None, outboxes[o].mr(), &dsts)
+            .unwrap_or_else(|e| fail(e));
         done.push(f);
     }
     wait_all(&done, "combine");
@@ -153,13 +202,26 @@ fn main() {
     for r in 0..RANKS {
         for (t, &x) in routes[r].iter().enumerate() {
             let got = &results[r].bytes()[t * HIDDEN..(t + 1) * HIDDEN];
-            if got.iter().enumerate().any(|(i, &b)| b != byte(r, t, i).wrapping_add(x as u8)) {
+            if got
+                .iter()
+                .enumerate()
+                .any(|(i, &b)| b != byte(r, t, i).wrapping_add(x as u8))
+            {
                 fail(format!("rank {r} token {t} (expert {x}) came back wrong"));
             }
         }
     }
     let per_rank: Vec<Vec<usize>> = (0..RANKS)
-        .map(|r| (0..RANKS).map(|o| routes[r].iter().filter(|&&x| x / EXPERTS_PER_RANK == o).count()).collect())
+        .map(|r| {
+            (0..RANKS)
+                .map(|o| {
+                    routes[r]
+                        .iter()
+                        .filter(|&&x| x / EXPERTS_PER_RANK == o)
+                        .count()
+                })
+                .collect()
+        })
         .collect();
     println!("moe: {RANKS} ranks x {TOKENS} tokens of {HIDDEN} B routed {per_rank:?} (rows: source, columns: owner); dispatch + combine verified");
 }

@@ -82,7 +82,10 @@ struct Row {
 
 #[derive(Debug, Serialize)]
 struct ImmRate {
+    /// Completed within the measured window.
     ops: u64,
+    /// Submitted in total (the window's plus those in flight when it closed).
+    submitted: u64,
     duration_s: f64,
     mops_per_s: f64,
     arrivals_counted: u64,
@@ -100,7 +103,10 @@ struct Report {
 type BoxError = Box<dyn std::error::Error>;
 
 fn pattern(seed: u64, i: usize) -> u8 {
-    ((i as u64).wrapping_mul(131).wrapping_add(seed.wrapping_mul(7)) % 253) as u8
+    ((i as u64)
+        .wrapping_mul(131)
+        .wrapping_add(seed.wrapping_mul(7))
+        % 253) as u8
 }
 
 fn load_config(args: &Args) -> Result<Config, BoxError> {
@@ -130,13 +136,26 @@ fn wait(counter: &DoneCounter, target: u64) -> Result<(), BoxError> {
 }
 
 /// Runs trips of `batch` writes of `block` bytes into `dst` for `duration`.
-fn run_trips(engine: &TransferEngine, src: &HostBuffer, dst: &MrDesc, block: u64, batch: u64, duration: Duration) -> Result<(u64, Duration), BoxError> {
+fn run_trips(
+    engine: &TransferEngine,
+    src: &HostBuffer,
+    dst: &MrDesc,
+    block: u64,
+    batch: u64,
+    duration: Duration,
+) -> Result<(u64, Duration), BoxError> {
     let counter = DoneCounter::new();
     let start = Instant::now();
     let mut trips = 0u64;
     while trips == 0 || start.elapsed() < duration {
         for i in 0..batch {
-            engine.submit_single_write(block, None, (src.mr(), i * block), (dst, i * block), counter.clone())?;
+            engine.submit_single_write(
+                block,
+                None,
+                (src.mr(), i * block),
+                (dst, i * block),
+                counter.clone(),
+            )?;
         }
         trips += 1;
         wait(&counter, trips * batch)?;
@@ -177,7 +196,13 @@ fn row(block: u64, batch: u64, trips: u64, elapsed: Duration) -> Row {
 }
 
 /// 64-byte writes with an immediate, submit to callback, with up to 4096 in flight.
-fn imm_rate(a: &TransferEngine, b: &TransferEngine, src: &HostBuffer, dst: &HostBuffer, duration: Duration) -> Result<ImmRate, BoxError> {
+fn imm_rate(
+    a: &TransferEngine,
+    b: &TransferEngine,
+    src: &HostBuffer,
+    dst: &HostBuffer,
+    duration: Duration,
+) -> Result<ImmRate, BoxError> {
     const WINDOW: u64 = 4096;
     let done = Arc::new(AtomicU64::new(0));
     let failed = Arc::new(AtomicU64::new(0));
@@ -187,12 +212,18 @@ fn imm_rate(a: &TransferEngine, b: &TransferEngine, src: &HostBuffer, dst: &Host
         while submitted - done.load(Ordering::Acquire) < WINDOW {
             let (d, f) = (Arc::clone(&done), Arc::clone(&failed));
             let slot = (submitted % 1024) * 64;
-            a.submit_single_write(64, Some(1), (src.mr(), slot), (dst.desc(), slot), OnDone::callback(move |r| {
-                if r.is_err() {
-                    f.fetch_add(1, Ordering::Relaxed);
-                }
-                d.fetch_add(1, Ordering::Release);
-            }))?;
+            a.submit_single_write(
+                64,
+                Some(1),
+                (src.mr(), slot),
+                (dst.desc(), slot),
+                OnDone::callback(move |r| {
+                    if r.is_err() {
+                        f.fetch_add(1, Ordering::Relaxed);
+                    }
+                    d.fetch_add(1, Ordering::Release);
+                }),
+            )?;
             submitted += 1;
         }
         std::thread::yield_now();
@@ -203,11 +234,24 @@ fn imm_rate(a: &TransferEngine, b: &TransferEngine, src: &HostBuffer, dst: &Host
     while done.load(Ordering::Acquire) < submitted && Instant::now() < deadline {
         std::thread::yield_now();
     }
-    if failed.load(Ordering::Relaxed) > 0 {
-        return Err(format!("{} of the 64-byte writes failed", failed.load(Ordering::Relaxed)).into());
+    if failed.load(Ordering::Relaxed) > 0 || done.load(Ordering::Acquire) < submitted {
+        let (failed, missing) = (
+            failed.load(Ordering::Relaxed),
+            submitted - done.load(Ordering::Acquire),
+        );
+        return Err(format!(
+            "of the 64-byte writes, {failed} failed and {missing} never completed"
+        )
+        .into());
     }
     let counted = wait_count(b, 1, submitted);
-    Ok(ImmRate { ops, duration_s: elapsed.as_secs_f64(), mops_per_s: ops as f64 / elapsed.as_secs_f64() / 1e6, arrivals_counted: counted })
+    Ok(ImmRate {
+        ops,
+        submitted,
+        duration_s: elapsed.as_secs_f64(),
+        mops_per_s: ops as f64 / elapsed.as_secs_f64() / 1e6,
+        arrivals_counted: counted,
+    })
 }
 
 fn wait_count(engine: &TransferEngine, imm: u32, want: u64) -> u64 {
@@ -257,7 +301,13 @@ fn loopback(args: &Args, config: &Config) -> Result<Report, BoxError> {
         let d = HostBuffer::new(&b, 64 * 1024)?;
         Some(imm_rate(&a, &b, &s, &d, duration)?)
     };
-    Ok(Report { backend: a.backend().to_owned(), nics: a.nic_count(), mode: "loopback".into(), rows, imm_rate })
+    Ok(Report {
+        backend: a.backend().to_owned(),
+        nics: a.nic_count(),
+        mode: "loopback".into(),
+        rows,
+        imm_rate,
+    })
 }
 
 fn read_line(reader: &mut impl BufRead) -> Result<String, BoxError> {
@@ -274,7 +324,12 @@ fn target(args: &Args, config: &Config) -> Result<(), BoxError> {
     let span = sizes(args).iter().max().copied().unwrap_or(1) * args.batch_size;
     let dst = HostBuffer::new(&engine, span as usize)?;
     let listener = TcpListener::bind(&args.addr)?;
-    eprintln!("target: {} NICs on {}, listening on {}", engine.nic_count(), engine.backend(), args.addr);
+    eprintln!(
+        "target: {} NICs on {}, listening on {}",
+        engine.nic_count(),
+        engine.backend(),
+        args.addr
+    );
     let (stream, _) = listener.accept()?;
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut out = stream;
@@ -285,7 +340,10 @@ fn target(args: &Args, config: &Config) -> Result<(), BoxError> {
         match words.as_slice() {
             ["check", bytes, seed] => {
                 let (bytes, seed): (usize, u64) = (bytes.parse()?, seed.parse()?);
-                let bad = dst.bytes()[..bytes].iter().enumerate().position(|(i, &x)| x != pattern(seed, i));
+                let bad = dst.bytes()[..bytes]
+                    .iter()
+                    .enumerate()
+                    .position(|(i, &x)| x != pattern(seed, i));
                 match bad {
                     None => writeln!(out, "ok")?,
                     Some(at) => writeln!(out, "bad {at}")?,
@@ -304,7 +362,9 @@ fn initiator(args: &Args, config: &Config) -> Result<Report, BoxError> {
     let stream = loop {
         match TcpStream::connect(&args.addr) {
             Ok(s) => break s,
-            Err(e) if Instant::now() > deadline => return Err(format!("cannot reach the target at {}: {e}", args.addr).into()),
+            Err(e) if Instant::now() > deadline => {
+                return Err(format!("cannot reach the target at {}: {e}", args.addr).into())
+            }
             Err(_) => std::thread::sleep(Duration::from_millis(100)),
         }
     };
@@ -331,22 +391,43 @@ fn initiator(args: &Args, config: &Config) -> Result<Report, BoxError> {
         rows.push(r);
     }
     writeln!(out, "bye")?;
-    Ok(Report { backend: engine.backend().to_owned(), nics: engine.nic_count(), mode: "initiator".into(), rows, imm_rate: None })
+    Ok(Report {
+        backend: engine.backend().to_owned(),
+        nics: engine.nic_count(),
+        mode: "initiator".into(),
+        rows,
+        imm_rate: None,
+    })
 }
 
 fn print_table(report: &Report) {
-    println!("backend: {}, NICs: {}, mode: {}", report.backend, report.nics, report.mode);
+    println!(
+        "backend: {}, NICs: {}, mode: {}",
+        report.backend, report.nics, report.mode
+    );
     println!(
         "{:>10} | {:>18} | {:>11} | {:>25} | {:>12} | {:>26} | {:>19} | {:>14} | {:>9} | {:>8}",
-        "Batch Size", "Block Size (Bytes)", "Total Trips", "Total Transferred (MiB)", "Duration (s)",
-        "Average Latency (ms/trip)", "Throughput (MiB/s)", "memcpy (MiB/s)", "vs memcpy", "Verified"
+        "Batch Size",
+        "Block Size (Bytes)",
+        "Total Trips",
+        "Total Transferred (MiB)",
+        "Duration (s)",
+        "Average Latency (ms/trip)",
+        "Throughput (MiB/s)",
+        "memcpy (MiB/s)",
+        "vs memcpy",
+        "Verified"
     );
     for r in &report.rows {
         let (reference, ratio) = match r.reference_mib_s {
             Some(m) => (format!("{m:.1}"), format!("{:.3}", r.throughput_mib_s / m)),
             None => ("-".into(), "-".into()),
         };
-        let verified = r.verified.map_or("-".to_owned(), |v| if v { "yes".into() } else { "NO".into() });
+        let verified =
+            r.verified.map_or(
+                "-".to_owned(),
+                |v| if v { "yes".into() } else { "NO".into() },
+            );
         println!(
             "{:>10} | {:>18} | {:>11} | {:>25.1} | {:>12.3} | {:>26.4} | {:>19.1} | {:>14} | {:>9} | {:>8}",
             r.batch_size, r.block_size, r.total_trips, r.total_mib, r.duration_s, r.avg_latency_ms, r.throughput_mib_s, reference, ratio, verified
@@ -354,8 +435,8 @@ fn print_table(report: &Report) {
     }
     if let Some(i) = &report.imm_rate {
         println!(
-            "64-byte write with imm, submit to callback: {:.3} M ops/s ({} ops in {:.2} s; {} arrivals counted)",
-            i.mops_per_s, i.ops, i.duration_s, i.arrivals_counted
+            "64-byte write with imm, submit to callback: {:.3} M ops/s ({} ops in {:.2} s; {} of {} submitted counted at the target)",
+            i.mops_per_s, i.ops, i.duration_s, i.arrivals_counted, i.submitted
         );
     }
 }
@@ -376,7 +457,10 @@ fn main() {
     match result {
         Ok(Some(report)) => {
             if args.json {
-                println!("{}", serde_json::to_string_pretty(&report).expect("a report serializes"));
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).expect("a report serializes")
+                );
             } else {
                 print_table(&report);
             }
