@@ -83,6 +83,8 @@ pub(crate) struct Shared {
     pub(crate) jobs: Sender<Job>,
     pub(crate) recv_handler: OnceLock<(usize, RecvHandler)>,
     closed: AtomicBool,
+    /// Set by the worker just before it parks; wakers unpark only then.
+    pub(crate) parked: AtomicBool,
 }
 
 impl Shared {
@@ -96,6 +98,7 @@ impl Shared {
             jobs,
             recv_handler: OnceLock::new(),
             closed: AtomicBool::new(false),
+            parked: AtomicBool::new(false),
         }
     }
 
@@ -114,11 +117,15 @@ impl Shared {
         self.closed.store(true, Ordering::Release);
     }
 
-    /// Wakes the worker. `unpark` is a single atomic swap when the worker is not parked, and
-    /// leaves a token when it is about to park, so no wake-up is ever lost.
+    /// Wakes the worker if it parked. The worker announces `parked` and then checks the queue
+    /// and its Domains once more before parking (both sides use `SeqCst`), so either it sees
+    /// the new work or this sees `parked`: no wake-up is lost, and a busy worker costs
+    /// submitters one shared load instead of an atomic swap.
     pub(crate) fn wake(&self) {
-        if let Some(t) = self.worker.get() {
-            t.unpark();
+        if self.parked.load(Ordering::SeqCst) {
+            if let Some(t) = self.worker.get() {
+                t.unpark();
+            }
         }
     }
 

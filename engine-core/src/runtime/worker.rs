@@ -7,6 +7,7 @@
 //! Domain's waker, the next deadline, or (for Domains that cannot wake it) `idle_poll_us`.
 
 use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -55,6 +56,8 @@ struct Worker {
     imm_outcomes: Vec<Outcome<OnDone>>,
     callbacks: CallbackBatch,
     transfer_timeout: Duration,
+    /// The clock as of the current batch of submissions.
+    now: Instant,
 }
 
 /// What the engine keeps of its worker.
@@ -148,6 +151,7 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
         finished: Vec::new(),
         imm_outcomes: Vec::new(),
         callbacks: Vec::new(),
+        now: Instant::now(),
         transfer_timeout: config.timeouts.transfer(),
     })
 }
@@ -160,15 +164,25 @@ impl Worker {
         let mut rounds: u32 = 0;
         loop {
             let mut busy = false;
-            for _ in 0..256 {
-                match self.shared.queue.pop() {
-                    Some(Command::Shutdown) => return self.shutdown(),
-                    Some(cmd) => {
-                        self.handle_command(cmd);
-                        busy = true;
+            if let Some(first) = self.shared.queue.pop() {
+                // One clock read per batch of submissions, not one per transfer.
+                self.now = Instant::now();
+                let mut next = Some(first);
+                let mut budget = 256;
+                while let Some(cmd) = next {
+                    if matches!(cmd, Command::Shutdown) {
+                        return self.shutdown();
                     }
-                    None => break,
+                    self.handle_command(cmd);
+                    budget -= 1;
+                    // Leave the rest for the next pass, after posting and polling.
+                    next = if budget > 0 {
+                        self.shared.queue.pop()
+                    } else {
+                        None
+                    };
                 }
+                busy = true;
             }
             busy |= self.flush_pending();
             busy |= self.poll_domains();
@@ -179,6 +193,12 @@ impl Worker {
                 if rounds % 64 == 0 {
                     self.expire(Instant::now());
                 }
+                continue;
+            }
+            // Idle: read the clock only every 16th round; yield so that on a small machine
+            // the threads we wait for (submitters, callbacks, peers) get the CPU.
+            if rounds % 16 != 0 {
+                std::thread::yield_now();
                 continue;
             }
             let now = Instant::now();
@@ -207,9 +227,13 @@ impl Worker {
         if !self.domains_wake {
             timeout = timeout.min(idle_poll);
         }
-        if self.shared.queue.is_empty() {
+        // Announce the park, then look once more: whatever raced with the announcement is
+        // either seen here or its submitter/waker sees `parked` and unparks us.
+        self.shared.parked.store(true, Ordering::SeqCst);
+        if self.shared.queue.is_empty() && !self.poll_domains() {
             std::thread::park_timeout(timeout);
         }
+        self.shared.parked.store(false, Ordering::SeqCst);
     }
 
     fn handle_command(&mut self, cmd: Command) {
@@ -221,7 +245,7 @@ impl Worker {
                 }
                 let id = self.tracker.insert(
                     ops.len() as u64,
-                    Instant::now() + self.transfer_timeout,
+                    self.now + self.transfer_timeout,
                     on_done,
                 );
                 for op in ops {
@@ -236,7 +260,7 @@ impl Worker {
             } => {
                 let id = self
                     .tracker
-                    .insert(1, Instant::now() + self.transfer_timeout, on_done);
+                    .insert(1, self.now + self.transfer_timeout, on_done);
                 self.post(0, id, Pending::Send { peer, data });
             }
             Command::Register { region, reply } => {
