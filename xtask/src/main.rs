@@ -5,7 +5,8 @@
 //!   verified run of the bench — what CI runs.
 //! - `bench`: the mock benchmark sweep in release mode (extra arguments go to transfer-bench).
 
-use std::process::{Command, ExitCode};
+use std::io::{BufRead, BufReader};
+use std::process::{Command, ExitCode, Stdio};
 
 type Result<T = ()> = std::result::Result<T, String>;
 
@@ -15,6 +16,48 @@ fn run(program: &str, args: &[&str]) -> Result {
         .args(args)
         .status()
         .map_err(|e| format!("cannot run {program}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{program} {}` failed with {status}",
+            args.join(" ")
+        ))
+    }
+}
+
+/// Runs `cargo test ...`, echoing its output, and adds up its "test result" lines.
+fn cargo_test(args: &[&str], totals: &mut (u64, u64)) -> Result {
+    let program = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    eprintln!("xtask: {program} {}", args.join(" "));
+    let mut child = Command::new(&program)
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run {program}: {e}"))?;
+    let stdout = child.stdout.take().expect("stdout is piped");
+    for line in BufReader::new(stdout).lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        println!("{line}");
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            let count = |word: &str| -> u64 {
+                rest.split(';')
+                    .find_map(|part| {
+                        part.trim()
+                            .strip_suffix(word)?
+                            .trim()
+                            .rsplit(' ')
+                            .next()?
+                            .parse()
+                            .ok()
+                    })
+                    .unwrap_or(0)
+            };
+            totals.0 += count("passed");
+            totals.1 += count("failed");
+        }
+    }
+    let status = child.wait().map_err(|e| e.to_string())?;
     if status.success() {
         Ok(())
     } else {
@@ -64,7 +107,11 @@ fn test() -> Result {
         "-D",
         "warnings",
     ])?;
-    cargo(&["test", "--workspace"])?;
+    let mut totals = (0, 0);
+    let tests = cargo_test(&["test", "--workspace"], &mut totals);
+    // The plain closing line CI readers look for, whatever happens next.
+    println!("xtask test: {} passed, {} failed", totals.0, totals.1);
+    tests?;
     cargo(&["doc", "--workspace", "--no-deps", "--quiet"])?;
     for example in ["kv_cache", "rl_weight_sync", "moe_dispatch"] {
         cargo(&["run", "--quiet", "-p", "examples", "--bin", example])?;
