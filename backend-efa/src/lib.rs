@@ -1,9 +1,45 @@
-//! # backend-efa (not built yet)
+//! # backend-efa: libfabric RDM endpoints
 //!
-//! The libfabric RDM backend for AWS EFA (and libfabric's `shm` / `tcp;ofi_rxm` providers in
-//! tests). It will implement [`engine_core::domain::Domain`] over `fi_writemsg` with remote CQ
-//! data. Until it lands, configs naming `backend = "efa"` get a typed "no backend named efa"
-//! error.
+//! One Domain per libfabric domain (an EFA device in production). Writes are `fi_writemsg`
+//! with `FI_REMOTE_CQ_DATA` carrying the immediate; the receiver's CQ reports it and the
+//! engine's ImmCounter counts it. Messages use `fi_send` / `fi_recv`. The provider comes from
+//! the config (`[backends.efa] provider`), so the same code runs on EFA and, in tests, on
+//! libfabric's `shm` and `tcp;ofi_rxm` providers. Whatever `mr_mode` bits the provider asks
+//! for (`FI_MR_LOCAL`, `VIRT_ADDR`, `PROV_KEY`, `ALLOCATED`, `ENDPOINT`) are honoured.
+//!
+//! NIC names in `[[groups]].nics` are libfabric domain names (`fi_info -p efa`), or `auto` for
+//! the provider's first domain; a `#suffix` opens another endpoint on the same domain (tests
+//! use `["auto", "auto#1"]` for a two-"NIC" group).
 
-/// What this crate will provide, for `xfer info`.
-pub const STATUS: &str = "planned: libfabric RDM transport (see the backend-efa issue)";
+mod domain;
+mod ffi;
+mod options;
+
+pub use domain::EfaDomain;
+pub use options::EfaOptions;
+
+use engine_core::domain::{BackendRegistration, Domain, DomainConfig, DomainError};
+
+/// The name configs select this backend by.
+pub const NAME: &str = "efa";
+
+/// Opens one libfabric domain.
+pub fn open(config: &DomainConfig<'_>) -> Result<Box<dyn Domain>, DomainError> {
+    Ok(Box::new(EfaDomain::open(config)?))
+}
+
+/// The providers and domains libfabric offers with RDM endpoints and RMA, as
+/// `(provider, domain)` pairs.
+pub fn providers() -> Result<Vec<(String, String)>, String> {
+    ffi::list(None)
+}
+
+inventory::submit! {
+    BackendRegistration { name: NAME, open }
+}
+
+engine_core::export_plugin!(NAME, open);
+
+/// Makes sure this crate is linked, so its static registration is seen.
+#[inline(never)]
+pub fn link() {}

@@ -332,6 +332,7 @@ impl TransferEngine {
                 local_key: src.keys[c.nic].local_key,
                 remote_addr: dst.ptr() + dst_offset + c.offset,
                 remote_key: *remote_key,
+                remote_base: dst.ptr(),
                 len: c.len,
                 imm,
             });
@@ -521,6 +522,7 @@ impl TransferEngine {
                 local_key: 0,
                 remote_addr: d.ptr(),
                 remote_key: *remote_key,
+                remote_base: d.ptr(),
                 len: 0,
                 imm: Some(imm),
             });

@@ -59,6 +59,9 @@ pub struct WriteRequest<'a> {
     pub remote_addr: u64,
     /// The peer NIC's remote key of the destination region.
     pub remote_key: u64,
+    /// Start of the destination region (its `MrDesc::ptr`), for NICs that address remote
+    /// regions by offset rather than by virtual address.
+    pub remote_base: u64,
     /// Bytes to write (may be zero).
     pub len: u64,
     /// Immediate delivered to the peer's ImmCounter once the data has landed.

@@ -140,6 +140,8 @@ pub struct RawWrite {
     pub remote_addr: u64,
     /// Destination remote key.
     pub remote_key: u64,
+    /// Start of the destination region.
+    pub remote_base: u64,
     /// Bytes.
     pub len: u64,
     /// 1 if `imm` is meaningful.
@@ -416,6 +418,7 @@ unsafe extern "C" fn shim_post_write(
             local_key: w.local_key,
             remote_addr: w.remote_addr,
             remote_key: w.remote_key,
+            remote_base: w.remote_base,
             len: w.len,
             imm: (w.has_imm != 0).then_some(w.imm),
         };

@@ -355,6 +355,7 @@ impl Domain for PluginDomain {
             local_key: wr.local_key,
             remote_addr: wr.remote_addr,
             remote_key: wr.remote_key,
+            remote_base: wr.remote_base,
             len: wr.len,
             has_imm: wr.imm.is_some() as u32,
             imm: wr.imm.unwrap_or(0),

@@ -43,6 +43,7 @@ pub(crate) struct WriteOp {
     pub(crate) local_key: u64,
     pub(crate) remote_addr: u64,
     pub(crate) remote_key: u64,
+    pub(crate) remote_base: u64,
     pub(crate) len: u64,
     pub(crate) imm: Option<u32>,
 }

@@ -324,6 +324,7 @@ impl Worker {
                 local_key: op.local_key,
                 remote_addr: op.remote_addr,
                 remote_key: op.remote_key,
+                remote_base: op.remote_base,
                 len: op.len,
                 imm: op.imm,
             }),

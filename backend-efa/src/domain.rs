@@ -1,0 +1,468 @@
+//! One libfabric domain as an xfer Domain.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+
+use engine_core::domain::{
+    Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion, PostStatus,
+    Registration, WriteRequest,
+};
+use engine_core::NetAddr;
+
+use crate::ffi::{
+    Completion, CqError, Endpoint, MemoryRegistration, OfiError, Posted, KIND_RECV,
+    KIND_REMOTE_DATA,
+};
+use crate::options::EfaOptions;
+
+/// Scratch the provider may use (FI_CONTEXT2 is eight pointers) at a stable address.
+#[repr(C)]
+struct OpContext {
+    scratch: [usize; 8],
+}
+
+/// What a posted operation is, found again from its context when it completes.
+enum InFlight {
+    Write {
+        wr_id: u64,
+        peer: NetAddr,
+    },
+    Send {
+        wr_id: u64,
+        peer: NetAddr,
+        _buffer: Box<[u8]>,
+        _mr: Option<MemoryRegistration>,
+    },
+    Recv {
+        buffer: usize,
+    },
+}
+
+struct Region {
+    base: u64,
+    len: u64,
+    mr: MemoryRegistration,
+}
+
+struct RecvBuffer {
+    data: Box<[u8]>,
+    mr: Option<MemoryRegistration>,
+}
+
+/// One libfabric domain with its RDM endpoint.
+pub struct EfaDomain {
+    // Drop order matters: registrations and buffers go before the endpoint's domain closes
+    // (the endpoint itself is closed first, in Drop).
+    regions: HashMap<u64, Region>,
+    recv_buffers: Vec<RecvBuffer>,
+    free_recv_buffers: Vec<usize>,
+    in_flight: HashMap<usize, (Box<OpContext>, InFlight)>,
+    // Boxed so each context keeps its address while the provider holds it.
+    #[allow(clippy::vec_box)]
+    spare_contexts: Vec<Box<OpContext>>,
+    /// Source of zero-byte writes: EFA wants a valid descriptor even for no bytes.
+    zero_source: (Box<[u8]>, MemoryRegistration),
+    endpoint: Endpoint,
+    address: NetAddr,
+    provider: String,
+    peers: HashMap<NetAddr, u64>,
+    options: EfaOptions,
+    next_key: u64,
+    posts_since_poll: usize,
+    completions: Vec<Completion>,
+}
+
+fn other(e: OfiError) -> DomainError {
+    DomainError::new(DomainErrorKind::Other, e.message)
+}
+
+/// Maps a completion's libfabric error to the engine's kinds (libfabric uses errno values).
+fn classify(err: i32) -> DomainErrorKind {
+    match err.abs() {
+        1 | 13 | 14 | 121 | 129 => DomainErrorKind::RemoteAccess, // EPERM EACCES EFAULT EREMOTEIO EKEYREJECTED
+        22 => DomainErrorKind::RemoteAccess, // EINVAL: a bad key or range at the target
+        103 | 104 | 107 | 110 | 111 | 112 | 113 => DomainErrorKind::PeerUnreachable,
+        _ => DomainErrorKind::Other,
+    }
+}
+
+impl EfaDomain {
+    /// Opens the domain named by `config.nic` (`auto` for the first; `#suffix` ignored).
+    pub fn open(config: &DomainConfig<'_>) -> Result<Self, DomainError> {
+        let options = EfaOptions::parse(config.options)?;
+        let name = config.nic.split('#').next().unwrap_or_default();
+        let domain = (name != "auto" && !name.is_empty()).then_some(name);
+        let mut endpoint = Endpoint::open(&options.provider, domain).map_err(|e| {
+            let offered = crate::ffi::list(None)
+                .map(|l| l.iter().map(|(p, d)| format!("{p} ({d})")).collect::<Vec<_>>().join(", "))
+                .unwrap_or_else(|e| e);
+            DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!("cannot open libfabric provider {:?} domain {:?}: {}; libfabric offers: {offered}", options.provider, config.nic, e.message),
+            )
+        })?;
+        if endpoint.attr.cq_data_size < 4 {
+            return Err(DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!(
+                    "provider {} carries {} bytes of remote CQ data; immediates need 4",
+                    options.provider, endpoint.attr.cq_data_size
+                ),
+            ));
+        }
+        let raw = endpoint.name().map_err(other)?;
+        let address = NetAddr::new(&raw).map_err(|e| {
+            DomainError::new(
+                DomainErrorKind::Other,
+                format!(
+                    "provider {} address of {} bytes: {e}",
+                    options.provider,
+                    raw.len()
+                ),
+            )
+        })?;
+        let zero = vec![0u8; 64].into_boxed_slice();
+        // SAFETY: `zero` is owned by the Domain next to its registration, and dropped after it.
+        let zero_mr = unsafe { endpoint.register(zero.as_ptr(), zero.len(), 1) }.map_err(other)?;
+        Ok(Self {
+            regions: HashMap::new(),
+            recv_buffers: Vec::new(),
+            free_recv_buffers: Vec::new(),
+            in_flight: HashMap::new(),
+            spare_contexts: Vec::new(),
+            zero_source: (zero, zero_mr),
+            provider: options.provider.clone(),
+            endpoint,
+            address,
+            peers: HashMap::new(),
+            options,
+            next_key: 2,
+            posts_since_poll: 0,
+            completions: Vec::with_capacity(64),
+        })
+    }
+
+    /// The libfabric domain's name.
+    pub fn domain_name(&self) -> String {
+        self.endpoint.domain_name()
+    }
+
+    fn peer(&mut self, addr: &NetAddr) -> Result<u64, DomainError> {
+        if let Some(&a) = self.peers.get(addr) {
+            return Ok(a);
+        }
+        let a = self.endpoint.insert_peer(addr.raw()).map_err(|e| {
+            DomainError::new(
+                DomainErrorKind::PeerUnreachable,
+                format!("{addr}: {}", e.message),
+            )
+        })?;
+        self.peers.insert(addr.clone(), a);
+        Ok(a)
+    }
+
+    fn acquire(&mut self, state: InFlight) -> *mut c_void {
+        let mut ctx = self
+            .spare_contexts
+            .pop()
+            .unwrap_or_else(|| Box::new(OpContext { scratch: [0; 8] }));
+        let ptr = &mut *ctx as *mut OpContext as *mut c_void;
+        self.in_flight.insert(ptr as usize, (ctx, state));
+        ptr
+    }
+
+    fn release(&mut self, ptr: usize) -> Option<InFlight> {
+        let (ctx, state) = self.in_flight.remove(&ptr)?;
+        self.spare_contexts.push(ctx);
+        Some(state)
+    }
+
+    /// Runs a post, undoing the context on anything but success.
+    fn finish_post(
+        &mut self,
+        ctx: *mut c_void,
+        result: Result<Posted, OfiError>,
+    ) -> Result<PostStatus, DomainError> {
+        match result {
+            Ok(Posted::Queued) => {
+                self.posts_since_poll += 1;
+                Ok(PostStatus::Posted)
+            }
+            Ok(Posted::Again) => {
+                self.release(ctx as usize);
+                Ok(PostStatus::Busy)
+            }
+            Err(e) => {
+                self.release(ctx as usize);
+                Err(other(e))
+            }
+        }
+    }
+
+    fn handle_completion(&mut self, c: &Completion, events: &mut Vec<Event>) {
+        if c.kind == KIND_REMOTE_DATA {
+            // Immediates are 32 bits; providers carry 4 or 8 bytes of CQ data.
+            events.push(Event::ImmArrival { imm: c.data as u32 });
+            return;
+        }
+        match self.release(c.context) {
+            Some(InFlight::Write { wr_id, .. } | InFlight::Send { wr_id, .. }) => {
+                events.push(Event::Done {
+                    wr_id,
+                    result: Ok(()),
+                })
+            }
+            Some(InFlight::Recv { buffer }) if c.kind == KIND_RECV => {
+                let len = c.len.min(self.recv_buffers[buffer].data.len());
+                events.push(Event::Message {
+                    data: self.recv_buffers[buffer].data[..len].to_vec(),
+                });
+                self.free_recv_buffers.push(buffer);
+            }
+            Some(InFlight::Recv { buffer }) => self.free_recv_buffers.push(buffer),
+            None => {}
+        }
+    }
+}
+
+impl Domain for EfaDomain {
+    fn address(&self) -> NetAddr {
+        self.address.clone()
+    }
+
+    fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError> {
+        if region.device != Device::Host {
+            return Err(DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!(
+                    "backend-efa registers host memory only for now, not {:?}",
+                    region.device
+                ),
+            ));
+        }
+        let key = self.next_key;
+        self.next_key += 1;
+        // SAFETY: TransferEngine::reg_mr's contract keeps the memory allocated until it is
+        // deregistered, which drops this registration.
+        let mr = unsafe {
+            self.endpoint
+                .register(region.ptr as *const u8, region.len as usize, key)
+        }
+        .map_err(other)?;
+        let remote_key = if region.remote_write { mr.key } else { 0 };
+        self.regions.insert(
+            key,
+            Region {
+                base: region.ptr,
+                len: region.len,
+                mr,
+            },
+        );
+        Ok(Registration {
+            local_key: key,
+            remote_key,
+        })
+    }
+
+    fn deregister(&mut self, local_key: u64) -> Result<(), DomainError> {
+        self.regions.remove(&local_key).map(drop).ok_or_else(|| {
+            DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!("local key {local_key} is not registered"),
+            )
+        })
+    }
+
+    fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError> {
+        if self.posts_since_poll >= self.options.max_posts_per_poll {
+            return Ok(PostStatus::Busy);
+        }
+        let dest = self.peer(wr.peer)?;
+        let (buf, desc) = if wr.len == 0 {
+            (self.zero_source.0.as_ptr(), self.zero_source.1.desc)
+        } else {
+            let r = self.regions.get(&wr.local_key).ok_or_else(|| {
+                DomainError::new(
+                    DomainErrorKind::InvalidArgument,
+                    format!("local key {} is not registered", wr.local_key),
+                )
+            })?;
+            let inside = wr.local_addr >= r.base
+                && wr
+                    .local_addr
+                    .checked_add(wr.len)
+                    .is_some_and(|end| end <= r.base + r.len);
+            if !inside {
+                return Err(DomainError::new(
+                    DomainErrorKind::InvalidArgument,
+                    format!(
+                        "source {:#x}+{} is outside its region",
+                        wr.local_addr, wr.len
+                    ),
+                ));
+            }
+            (wr.local_addr as *const u8, r.mr.desc)
+        };
+        let remote_addr = if self.endpoint.attr.mr_virt_addr != 0 {
+            wr.remote_addr
+        } else {
+            wr.remote_addr - wr.remote_base
+        };
+        let ctx = self.acquire(InFlight::Write {
+            wr_id: wr.wr_id,
+            peer: wr.peer.clone(),
+        });
+        // SAFETY: the source range lies in a live registration (checked above, or the Domain's
+        // own zero source); ctx stays in `in_flight` until its completion is read.
+        let result = unsafe {
+            self.endpoint.write(
+                buf,
+                wr.len as usize,
+                desc,
+                dest,
+                remote_addr,
+                wr.remote_key,
+                wr.imm,
+                ctx,
+            )
+        };
+        self.finish_post(ctx, result)
+    }
+
+    fn post_send(
+        &mut self,
+        wr_id: u64,
+        peer: &NetAddr,
+        data: &[u8],
+    ) -> Result<PostStatus, DomainError> {
+        if self.posts_since_poll >= self.options.max_posts_per_poll {
+            return Ok(PostStatus::Busy);
+        }
+        let dest = self.peer(peer)?;
+        let buffer: Box<[u8]> = data.into();
+        let mr = if self.endpoint.attr.mr_local != 0 {
+            let key = self.next_key;
+            self.next_key += 1;
+            // SAFETY: the buffer is kept with its registration in `in_flight` until completion.
+            Some(
+                unsafe {
+                    self.endpoint
+                        .register(buffer.as_ptr(), buffer.len().max(1), key)
+                }
+                .map_err(other)?,
+            )
+        } else {
+            None
+        };
+        let desc = mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc);
+        let (ptr, len) = (buffer.as_ptr(), buffer.len());
+        let ctx = self.acquire(InFlight::Send {
+            wr_id,
+            peer: peer.clone(),
+            _buffer: buffer,
+            _mr: mr,
+        });
+        // SAFETY: the buffer (and its registration) live in `in_flight` until completion.
+        let result = unsafe { self.endpoint.send(ptr, len, desc, dest, ctx) };
+        self.finish_post(ctx, result)
+    }
+
+    fn post_recvs(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError> {
+        for _ in 0..count {
+            let reuse = self
+                .free_recv_buffers
+                .iter()
+                .position(|&b| self.recv_buffers[b].data.len() == buf_len);
+            let buffer = match reuse {
+                Some(i) => self.free_recv_buffers.swap_remove(i),
+                None => {
+                    let data = vec![0u8; buf_len].into_boxed_slice();
+                    let mr = if self.endpoint.attr.mr_local != 0 {
+                        let key = self.next_key;
+                        self.next_key += 1;
+                        // SAFETY: the buffer lives in `recv_buffers` for the Domain's lifetime.
+                        Some(
+                            unsafe { self.endpoint.register(data.as_ptr(), data.len(), key) }
+                                .map_err(other)?,
+                        )
+                    } else {
+                        None
+                    };
+                    self.recv_buffers.push(RecvBuffer { data, mr });
+                    self.recv_buffers.len() - 1
+                }
+            };
+            let desc = self.recv_buffers[buffer]
+                .mr
+                .as_ref()
+                .map_or(std::ptr::null_mut(), |m| m.desc);
+            let (ptr, len) = (self.recv_buffers[buffer].data.as_mut_ptr(), buf_len);
+            let ctx = self.acquire(InFlight::Recv { buffer });
+            // SAFETY: the buffer is owned by the Domain and not reused until its completion.
+            let result = unsafe { self.endpoint.recv(ptr, len, desc, ctx) };
+            match self.finish_post(ctx, result)? {
+                PostStatus::Posted => {}
+                PostStatus::Busy => {
+                    self.free_recv_buffers.push(buffer);
+                    return Err(DomainError::new(
+                        DomainErrorKind::Other,
+                        "the provider's receive queue is full",
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError> {
+        self.posts_since_poll = 0;
+        let mut completions = std::mem::take(&mut self.completions);
+        let result = loop {
+            completions.clear();
+            match self.endpoint.read(&mut completions) {
+                Ok(0) => break Ok(()),
+                Ok(_) => completions
+                    .iter()
+                    .for_each(|c| self.handle_completion(c, events)),
+                Err(CqError::Completion {
+                    context,
+                    err,
+                    message,
+                }) => {
+                    let error = DomainError::new(
+                        classify(err),
+                        format!("{} via {}: {message}", self.provider, self.address),
+                    );
+                    match self.release(context) {
+                        Some(
+                            InFlight::Write { wr_id, peer } | InFlight::Send { wr_id, peer, .. },
+                        ) => {
+                            // The provider may have torn the peer's connection down (tcp;ofi_rxm
+                            // does on a refused key): forget the address, so the next transfer
+                            // to that peer inserts it again and reconnects.
+                            if let Some(fi_addr) = self.peers.remove(&peer) {
+                                self.endpoint.remove_peer(fi_addr);
+                            }
+                            events.push(Event::Done {
+                                wr_id,
+                                result: Err(error),
+                            });
+                        }
+                        Some(InFlight::Recv { buffer }) => self.free_recv_buffers.push(buffer),
+                        None => {}
+                    }
+                }
+                Err(CqError::Read(e)) => break Err(other(e)),
+            }
+        };
+        self.completions = completions;
+        result
+    }
+}
+
+impl Drop for EfaDomain {
+    fn drop(&mut self) {
+        // Cancel everything posted before the buffers and registrations it uses go away.
+        self.endpoint.close_endpoint();
+    }
+}

@@ -1,0 +1,36 @@
+//! `[backends.efa]`.
+
+use engine_core::domain::{DomainError, DomainErrorKind};
+use serde::Deserialize;
+
+/// The EFA backend's config table.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EfaOptions {
+    /// libfabric provider: `efa` on AWS; `shm` or `tcp;ofi_rxm` elsewhere.
+    pub provider: String,
+    /// At most this many posts between two polls of the CQ; more get backpressure, so the
+    /// provider's progress engine runs often enough.
+    pub max_posts_per_poll: usize,
+}
+
+impl Default for EfaOptions {
+    fn default() -> Self {
+        Self {
+            provider: "efa".into(),
+            max_posts_per_poll: 64,
+        }
+    }
+}
+
+impl EfaOptions {
+    /// Parses the TOML text of `[backends.efa]`; unknown keys are named in the error.
+    pub fn parse(text: &str) -> Result<Self, DomainError> {
+        toml::from_str(text).map_err(|e| {
+            DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!("[backends.efa]: {e}"),
+            )
+        })
+    }
+}

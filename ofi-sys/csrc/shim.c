@@ -1,0 +1,317 @@
+/* A flat, stable C surface over libfabric's inline fi_* calls, for Rust.
+ *
+ * libfabric's public calls are static inline functions going through per-object ops tables,
+ * so they cannot be called from Rust directly. This file wraps the handful xfer needs, built
+ * against the system headers (so every struct layout is the real one), and requests API
+ * version 1.17 so the same binary runs against newer libfabric (2.x keeps the soname).
+ */
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define XFER_FI_API FI_VERSION(1, 17)
+
+typedef struct xfer_ofi_ep {
+    struct fi_info *info;
+    struct fid_fabric *fabric;
+    struct fid_domain *domain;
+    struct fid_ep *ep;
+    struct fid_av *av;
+    struct fid_cq *cq;
+} xfer_ofi_ep;
+
+/* What the Rust side needs to know about the chosen provider. */
+typedef struct xfer_ofi_attr {
+    int mr_local;     /* FI_MR_LOCAL: local buffers need a registered descriptor */
+    int mr_virt_addr; /* FI_MR_VIRT_ADDR: peers address regions by virtual address */
+    int mr_prov_key;  /* FI_MR_PROV_KEY: the provider picks keys */
+    int mr_endpoint;  /* FI_MR_ENDPOINT: regions are bound to the endpoint */
+    uint64_t mr_mode;
+    size_t cq_data_size;
+    size_t max_msg_size;
+} xfer_ofi_attr;
+
+/* One completion, classified. */
+typedef struct xfer_ofi_completion {
+    void *context;
+    int kind; /* 0: our operation finished; 1: a peer's write carried remote CQ data; 2: a message arrived */
+    size_t len;
+    uint64_t data;
+} xfer_ofi_completion;
+
+static void set_err(char *err, size_t cap, const char *what, int rc) {
+    if (err && cap)
+        snprintf(err, cap, "%s: %s (%d)", what, fi_strerror(rc < 0 ? -rc : rc), rc);
+}
+
+static struct fi_info *make_hints(const char *prov) {
+    struct fi_info *hints = fi_allocinfo();
+    if (!hints)
+        return NULL;
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+    /* Every operation's context points at 64 bytes of scratch the provider may use. */
+    hints->mode = FI_CONTEXT | FI_CONTEXT2;
+    /* Everything the Rust side can honour; the provider keeps what it needs. */
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED |
+                                  FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+    hints->domain_attr->threading = FI_THREAD_DOMAIN;
+    /* xfer's model: a write's completion at the sender means its data is placed at the
+     * receiver (what RC acks and EFA's delivery-complete give). Without this, tcp;ofi_rxm
+     * completes small writes when they leave the sender. */
+    hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+    if (prov)
+        hints->fabric_attr->prov_name = strdup(prov);
+    return hints;
+}
+
+/* Lists "provider domain" lines of every RDM+RMA endpoint libfabric offers (prov may be NULL). */
+int xfer_ofi_list(const char *prov, char *buf, size_t cap) {
+    struct fi_info *hints = make_hints(prov), *info = NULL;
+    if (!hints)
+        return -FI_ENOMEM;
+    int rc = fi_getinfo(XFER_FI_API, NULL, NULL, 0, hints, &info);
+    fi_freeinfo(hints);
+    if (rc)
+        return rc;
+    size_t used = 0;
+    if (cap)
+        buf[0] = 0;
+    for (struct fi_info *i = info; i; i = i->next) {
+        int n = snprintf(buf + used, cap > used ? cap - used : 0, "%s %s\n",
+                         i->fabric_attr->prov_name, i->domain_attr->name);
+        if (n > 0)
+            used += (size_t)n;
+    }
+    fi_freeinfo(info);
+    return 0;
+}
+
+/* Closes just the endpoint (cancelling what is posted), so memory registrations can be closed
+ * before the domain. */
+void xfer_ofi_close_ep(xfer_ofi_ep *e) {
+    if (e && e->ep) {
+        fi_close(&e->ep->fid);
+        e->ep = NULL;
+    }
+}
+
+void xfer_ofi_close(xfer_ofi_ep *e) {
+    if (!e)
+        return;
+    xfer_ofi_close_ep(e);
+    if (e->av)
+        fi_close(&e->av->fid);
+    if (e->cq)
+        fi_close(&e->cq->fid);
+    if (e->domain)
+        fi_close(&e->domain->fid);
+    if (e->fabric)
+        fi_close(&e->fabric->fid);
+    if (e->info)
+        fi_freeinfo(e->info);
+    free(e);
+}
+
+/* Opens an RDM endpoint of `prov` on the domain named `domain_name` (NULL: the first). */
+int xfer_ofi_open(const char *prov, const char *domain_name, xfer_ofi_ep **out, xfer_ofi_attr *attr,
+                  char *err, size_t errcap) {
+    struct fi_info *hints = make_hints(prov), *info = NULL, *chosen = NULL;
+    xfer_ofi_ep *e = calloc(1, sizeof *e);
+    int rc;
+    if (!hints || !e) {
+        fi_freeinfo(hints);
+        free(e);
+        set_err(err, errcap, "allocation", -FI_ENOMEM);
+        return -FI_ENOMEM;
+    }
+    rc = fi_getinfo(XFER_FI_API, NULL, NULL, 0, hints, &info);
+    fi_freeinfo(hints);
+    if (rc) {
+        set_err(err, errcap, "fi_getinfo", rc);
+        free(e);
+        return rc;
+    }
+    for (struct fi_info *i = info; i; i = i->next) {
+        if (!domain_name || strcmp(i->domain_attr->name, domain_name) == 0) {
+            chosen = i;
+            break;
+        }
+    }
+    if (!chosen) {
+        snprintf(err, errcap, "no domain named \"%s\" for provider %s", domain_name, prov ? prov : "(any)");
+        fi_freeinfo(info);
+        free(e);
+        return -FI_ENODATA;
+    }
+    e->info = fi_dupinfo(chosen);
+    fi_freeinfo(info);
+    if (!e->info) {
+        set_err(err, errcap, "fi_dupinfo", -FI_ENOMEM);
+        free(e);
+        return -FI_ENOMEM;
+    }
+    if ((rc = fi_fabric(e->info->fabric_attr, &e->fabric, NULL))) {
+        set_err(err, errcap, "fi_fabric", rc);
+        goto fail;
+    }
+    if ((rc = fi_domain(e->fabric, e->info, &e->domain, NULL))) {
+        set_err(err, errcap, "fi_domain", rc);
+        goto fail;
+    }
+    struct fi_cq_attr cq_attr = {.format = FI_CQ_FORMAT_DATA, .wait_obj = FI_WAIT_NONE};
+    if ((rc = fi_cq_open(e->domain, &cq_attr, &e->cq, NULL))) {
+        set_err(err, errcap, "fi_cq_open", rc);
+        goto fail;
+    }
+    struct fi_av_attr av_attr = {.type = FI_AV_TABLE};
+    if ((rc = fi_av_open(e->domain, &av_attr, &e->av, NULL))) {
+        set_err(err, errcap, "fi_av_open", rc);
+        goto fail;
+    }
+    if ((rc = fi_endpoint(e->domain, e->info, &e->ep, NULL))) {
+        set_err(err, errcap, "fi_endpoint", rc);
+        goto fail;
+    }
+    if ((rc = fi_ep_bind(e->ep, &e->cq->fid, FI_TRANSMIT | FI_RECV))) {
+        set_err(err, errcap, "fi_ep_bind(cq)", rc);
+        goto fail;
+    }
+    if ((rc = fi_ep_bind(e->ep, &e->av->fid, 0))) {
+        set_err(err, errcap, "fi_ep_bind(av)", rc);
+        goto fail;
+    }
+    if ((rc = fi_enable(e->ep))) {
+        set_err(err, errcap, "fi_enable", rc);
+        goto fail;
+    }
+    uint64_t mode = e->info->domain_attr->mr_mode;
+    attr->mr_mode = mode;
+    attr->mr_local = !!(mode & FI_MR_LOCAL);
+    attr->mr_virt_addr = !!(mode & FI_MR_VIRT_ADDR);
+    attr->mr_prov_key = !!(mode & FI_MR_PROV_KEY);
+    attr->mr_endpoint = !!(mode & FI_MR_ENDPOINT);
+    attr->cq_data_size = e->info->domain_attr->cq_data_size;
+    attr->max_msg_size = e->info->ep_attr->max_msg_size;
+    *out = e;
+    return 0;
+fail:
+    xfer_ofi_close(e);
+    return rc;
+}
+
+const char *xfer_ofi_provider(const xfer_ofi_ep *e) { return e->info->fabric_attr->prov_name; }
+const char *xfer_ofi_domain_name(const xfer_ofi_ep *e) { return e->info->domain_attr->name; }
+
+int xfer_ofi_getname(xfer_ofi_ep *e, void *buf, size_t *len) { return fi_getname(&e->ep->fid, buf, len); }
+
+int xfer_ofi_av_insert(xfer_ofi_ep *e, const void *addr, uint64_t *fi_addr) {
+    fi_addr_t a = FI_ADDR_UNSPEC;
+    int n = fi_av_insert(e->av, addr, 1, &a, 0, NULL);
+    if (n != 1)
+        return n < 0 ? n : -FI_EADDRNOTAVAIL;
+    *fi_addr = a;
+    return 0;
+}
+
+int xfer_ofi_av_remove(xfer_ofi_ep *e, uint64_t fi_addr) {
+    fi_addr_t a = fi_addr;
+    return fi_av_remove(e->av, &a, 1, 0);
+}
+
+int xfer_ofi_mr_reg(xfer_ofi_ep *e, const void *buf, size_t len, uint64_t requested_key,
+                    struct fid_mr **mr, uint64_t *key, void **desc) {
+    uint64_t access = FI_SEND | FI_RECV | FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ;
+    int rc = fi_mr_reg(e->domain, buf, len, access, 0, requested_key, 0, mr, NULL);
+    if (rc)
+        return rc;
+    if (e->info->domain_attr->mr_mode & FI_MR_ENDPOINT) {
+        if ((rc = fi_mr_bind(*mr, &e->ep->fid, 0)) || (rc = fi_mr_enable(*mr))) {
+            fi_close(&(*mr)->fid);
+            return rc;
+        }
+    }
+    *key = fi_mr_key(*mr);
+    *desc = fi_mr_desc(*mr);
+    return 0;
+}
+
+int xfer_ofi_mr_close(struct fid_mr *mr) { return fi_close(&mr->fid); }
+
+/* Posting returns 0 when queued, 1 when the provider asks to retry later (-FI_EAGAIN), or a
+ * negative libfabric error. */
+static int post_status(ssize_t rc) { return rc == 0 ? 0 : rc == -FI_EAGAIN ? 1 : (int)rc; }
+
+int xfer_ofi_write(xfer_ofi_ep *e, const void *buf, size_t len, void *desc, uint64_t dest,
+                   uint64_t raddr, uint64_t rkey, int has_data, uint64_t data, void *context) {
+    struct iovec iov = {.iov_base = (void *)buf, .iov_len = len};
+    struct fi_rma_iov rma = {.addr = raddr, .len = len, .key = rkey};
+    struct fi_msg_rma msg = {
+        .msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = dest,
+        .rma_iov = &rma, .rma_iov_count = 1, .context = context, .data = data,
+    };
+    uint64_t flags = FI_COMPLETION | (len ? FI_DELIVERY_COMPLETE : 0) | (has_data ? FI_REMOTE_CQ_DATA : 0);
+    return post_status(fi_writemsg(e->ep, &msg, flags));
+}
+
+int xfer_ofi_send(xfer_ofi_ep *e, const void *buf, size_t len, void *desc, uint64_t dest, void *context) {
+    return post_status(fi_send(e->ep, buf, len, desc, dest, context));
+}
+
+int xfer_ofi_recv(xfer_ofi_ep *e, void *buf, size_t len, void *desc, void *context) {
+    return post_status(fi_recv(e->ep, buf, len, desc, FI_ADDR_UNSPEC, context));
+}
+
+/* Reads up to `count` completions; returns how many, 0 if none, -1 if an error completion is
+ * waiting (read it with xfer_ofi_cq_readerr), or another negative libfabric error. */
+long xfer_ofi_cq_read(xfer_ofi_ep *e, xfer_ofi_completion *out, size_t count) {
+    struct fi_cq_data_entry entries[64];
+    if (count > 64)
+        count = 64;
+    ssize_t n = fi_cq_read(e->cq, entries, count);
+    if (n == -FI_EAGAIN)
+        return 0;
+    if (n == -FI_EAVAIL)
+        return -1;
+    if (n < 0)
+        return (long)n;
+    for (ssize_t i = 0; i < n; i++) {
+        uint64_t f = entries[i].flags;
+        out[i].context = entries[i].op_context;
+        out[i].len = entries[i].len;
+        out[i].data = entries[i].data;
+        if ((f & FI_REMOTE_CQ_DATA) && (f & (FI_REMOTE_WRITE | FI_RMA)) && !(f & FI_MSG))
+            out[i].kind = 1;
+        else if (f & FI_RECV)
+            out[i].kind = 2;
+        else
+            out[i].kind = 0;
+    }
+    return (long)n;
+}
+
+/* Reads one error completion: its context, libfabric error, provider errno and both texts. */
+int xfer_ofi_cq_readerr(xfer_ofi_ep *e, void **context, int *err, int *prov_errno, char *msg, size_t cap) {
+    struct fi_cq_err_entry entry;
+    memset(&entry, 0, sizeof entry);
+    ssize_t n = fi_cq_readerr(e->cq, &entry, 0);
+    if (n < 0)
+        return (int)n;
+    *context = entry.op_context;
+    *err = entry.err;
+    *prov_errno = entry.prov_errno;
+    char prov_text[256] = {0};
+    fi_cq_strerror(e->cq, entry.prov_errno, entry.err_data, prov_text, sizeof prov_text);
+    snprintf(msg, cap, "%s (provider: %s, errno %d)", fi_strerror(entry.err), prov_text, entry.prov_errno);
+    return 0;
+}
+
+const char *xfer_ofi_strerror(int err) { return fi_strerror(err < 0 ? -err : err); }
