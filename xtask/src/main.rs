@@ -75,8 +75,16 @@ fn cargo(args: &[&str]) -> Result {
     )
 }
 
+/// System packages the workspace builds and tests against: libfabric (backend-efa's ofi-sys
+/// links it; its shm and tcp providers run the EFA backend's tests).
+const PACKAGES: &[&str] = &[
+    "build-essential",
+    "pkg-config",
+    "libfabric-dev",
+    "libfabric-bin",
+];
+
 /// Installs the Debian packages that are not installed yet (needs root, as on CI).
-#[allow(dead_code)] // used once a backend needs system libraries
 fn ensure_packages(packages: &[&str]) -> Result {
     let missing: Vec<&str> = packages
         .iter()
@@ -98,6 +106,7 @@ fn ensure_packages(packages: &[&str]) -> Result {
 }
 
 fn test() -> Result {
+    ensure_packages(PACKAGES)?;
     cargo(&["fmt", "--all", "--", "--check"])?;
     cargo(&[
         "clippy",

@@ -1,0 +1,61 @@
+//! A peer process for two-process tests: opens an engine on the efa backend, registers a
+//! buffer, prints `desc <hex>` and `addr <hex>`, then answers commands on stdin, one per line:
+//! `expect <imm> <n>` (wait for n arrivals), `dump <offset> <len>` (print bytes as hex),
+//! `recv` (print the next message), `quit`.
+
+use std::io::BufRead;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use engine_core::{Config, DoneFlag, HostBuffer, TransferEngine};
+
+fn main() {
+    let provider = std::env::args().nth(1).unwrap_or_else(|| "shm".into());
+    backend_efa::link();
+    let text = format!("backend = \"efa\"\n[[groups]]\nnics = [\"auto\"]\n[worker]\nidle_poll_us = 50\n[backends.efa]\nprovider = \"{provider}\"\n");
+    let config = Config::from_toml(&text, std::path::Path::new("<xfer-efa-peer>")).expect("config");
+    let engine = Arc::new(TransferEngine::open(&config).unwrap_or_else(|e| {
+        println!("error {e}");
+        std::process::exit(1)
+    }));
+    let buffer = HostBuffer::new(&engine, 4 << 20).expect("register");
+    let (tx, rx) = mpsc::channel::<Vec<u8>>();
+    let tx = Mutex::new(tx);
+    engine
+        .submit_recvs(4096, 16, move |m| {
+            let _ = tx.lock().unwrap().send(m.to_vec());
+        })
+        .expect("recvs");
+    println!("desc {}", buffer.desc());
+    println!("addr {}", engine.main_address());
+    for line in std::io::stdin().lock().lines() {
+        let line = line.unwrap_or_default();
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let reply = match words.as_slice() {
+            ["expect", imm, n] => {
+                let f = DoneFlag::new();
+                engine
+                    .expect_imm_count(imm.parse().unwrap(), n.parse().unwrap(), f.clone())
+                    .unwrap();
+                match f.wait(Duration::from_secs(20)) {
+                    Ok(()) => "ok".to_owned(),
+                    Err(e) => format!("err {e}"),
+                }
+            }
+            ["dump", offset, len] => {
+                let (offset, len): (usize, usize) = (offset.parse().unwrap(), len.parse().unwrap());
+                format!(
+                    "bytes {}",
+                    hex::encode(&buffer.bytes()[offset..offset + len])
+                )
+            }
+            ["recv"] => match rx.recv_timeout(Duration::from_secs(20)) {
+                Ok(m) => format!("msg {}", String::from_utf8_lossy(&m)),
+                Err(e) => format!("err {e}"),
+            },
+            ["quit"] => break,
+            _ => format!("err unknown command {line:?}"),
+        };
+        println!("{reply}");
+    }
+}

@@ -1,0 +1,314 @@
+//! Two engines in two processes on one host, over shm and over tcp;ofi_rxm on 127.0.0.1:
+//! single, paged, scatter and barrier writes, send/recv, ImmCounter counts, data verified; and
+//! a peer process killed mid-transfer.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engine_core::conformance::{buffer, pattern};
+use engine_core::{
+    expected_arrivals, DoneCounter, DoneFlag, Error, MrDesc, NetAddr, Pages, ScatterDst,
+    TransferEngine, TransferShape,
+};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+struct Peer {
+    child: Child,
+    input: ChildStdin,
+    output: BufReader<ChildStdout>,
+    desc: MrDesc,
+    addr: NetAddr,
+}
+
+impl Peer {
+    fn spawn(provider: &str) -> Peer {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_xfer-efa-peer"))
+            .arg(provider)
+            .env("FI_TCP_IFACE", "lo")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn the peer");
+        let input = child.stdin.take().unwrap();
+        let mut output = BufReader::new(child.stdout.take().unwrap());
+        let mut field = |name: &str| {
+            let mut line = String::new();
+            output.read_line(&mut line).unwrap();
+            line.trim()
+                .strip_prefix(name)
+                .unwrap_or_else(|| panic!("peer said {line:?}"))
+                .trim()
+                .to_owned()
+        };
+        let desc = field("desc").parse().unwrap();
+        let addr = field("addr").parse().unwrap();
+        Peer {
+            child,
+            input,
+            output,
+            desc,
+            addr,
+        }
+    }
+
+    fn ask(&mut self, command: &str) -> String {
+        writeln!(self.input, "{command}").unwrap();
+        let mut line = String::new();
+        self.output.read_line(&mut line).unwrap();
+        line.trim().to_owned()
+    }
+
+    fn bytes(&mut self, offset: usize, len: usize) -> Vec<u8> {
+        let reply = self.ask(&format!("dump {offset} {len}"));
+        hex::decode(
+            reply
+                .strip_prefix("bytes ")
+                .unwrap_or_else(|| panic!("{reply}")),
+        )
+        .unwrap()
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = writeln!(self.input, "quit");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn every_primitive_across_processes(provider: &str) {
+    let config = common::config(provider, 1);
+    let engine = Arc::new(TransferEngine::open(&config).unwrap());
+    let mut peer = Peer::spawn(provider);
+    let stripe = &config.stripe;
+    let src = buffer(&engine, 4 << 20, pattern(3));
+
+    // Single write of 1 MiB + 5 with an immediate.
+    let len = (1 << 20) + 5;
+    let sent = DoneFlag::new();
+    engine
+        .submit_single_write(len, Some(1), (src.mr(), 0), (&peer.desc, 0), sent.clone())
+        .unwrap();
+    sent.wait(WAIT).unwrap();
+    let n = expected_arrivals(TransferShape::Single { len }, 1, stripe);
+    assert_eq!(peer.ask(&format!("expect 1 {n}")), "ok");
+    assert!(
+        peer.bytes(0, len as usize) == src.bytes()[..len as usize],
+        "single write data"
+    );
+
+    // Paged: 16 pages of 4000 bytes into scattered destination pages of a 4096 stride.
+    let src_pages = Pages {
+        indices: (0..16).collect(),
+        stride: 4000,
+        offset: 0,
+    };
+    let dst_pages = Pages {
+        indices: (0..16).map(|i| (i * 5) % 16 + 300).collect(),
+        stride: 4096,
+        offset: 0,
+    };
+    let sent = DoneFlag::new();
+    engine
+        .submit_paged_writes(
+            4000,
+            Some(2),
+            (src.mr(), &src_pages),
+            (&peer.desc, &dst_pages),
+            sent.clone(),
+        )
+        .unwrap();
+    sent.wait(WAIT).unwrap();
+    let n = expected_arrivals(
+        TransferShape::Paged {
+            page_len: 4000,
+            pages: 16,
+        },
+        1,
+        stripe,
+    );
+    assert_eq!(peer.ask(&format!("expect 2 {n}")), "ok");
+    for i in 0..16usize {
+        let d = dst_pages.indices[i] as usize * 4096;
+        assert!(
+            peer.bytes(d, 4000) == src.bytes()[i * 4000..i * 4000 + 4000],
+            "page {i}"
+        );
+    }
+
+    // Scatter to the peer process and to a second, local engine; then a barrier to both.
+    let local = Arc::new(TransferEngine::open(&config).unwrap());
+    let local_dst = buffer(&local, 1 << 20, |_| 0);
+    let group = engine
+        .add_peer_group(vec![peer.addr.clone(), local.main_address()])
+        .unwrap();
+    let dsts = [
+        ScatterDst {
+            len: 70_000,
+            src_offset: 10,
+            dst: peer.desc.clone(),
+            dst_offset: 2 << 20,
+        },
+        ScatterDst {
+            len: 123,
+            src_offset: 99,
+            dst: local_dst.desc().clone(),
+            dst_offset: 7,
+        },
+        ScatterDst {
+            len: 5000,
+            src_offset: 500_000,
+            dst: peer.desc.clone(),
+            dst_offset: 3 << 20,
+        },
+    ];
+    let local_landed = DoneFlag::new();
+    local.expect_imm_count(3, 1, local_landed.clone()).unwrap();
+    let sent = DoneFlag::new();
+    engine
+        .submit_scatter(Some(group), sent.clone(), Some(3), src.mr(), &dsts)
+        .unwrap();
+    sent.wait(WAIT).unwrap();
+    let n = expected_arrivals(
+        TransferShape::Scatter {
+            lens: &[70_000, 5000],
+        },
+        1,
+        stripe,
+    );
+    assert_eq!(peer.ask(&format!("expect 3 {n}")), "ok");
+    local_landed.wait(WAIT).unwrap();
+    assert!(peer.bytes(2 << 20, 70_000) == src.bytes()[10..70_010]);
+    assert!(peer.bytes(3 << 20, 5000) == src.bytes()[500_000..505_000]);
+    assert!(local_dst.bytes()[7..130] == src.bytes()[99..222]);
+    let local_barrier = DoneFlag::new();
+    local.expect_imm_count(4, 1, local_barrier.clone()).unwrap();
+    let sent = DoneFlag::new();
+    engine
+        .submit_barrier(
+            Some(group),
+            sent.clone(),
+            4,
+            &[peer.desc.clone(), local_dst.desc().clone()],
+        )
+        .unwrap();
+    sent.wait(WAIT).unwrap();
+    assert_eq!(peer.ask("expect 4 1"), "ok");
+    local_barrier.wait(WAIT).unwrap();
+    assert_eq!(local.imm_count(4), 0, "exactly one barrier arrival");
+
+    // A message.
+    let sent = DoneFlag::new();
+    engine
+        .submit_send(&peer.addr, b"hello from the other process", sent.clone())
+        .unwrap();
+    sent.wait(WAIT).unwrap();
+    assert_eq!(peer.ask("recv"), "msg hello from the other process");
+}
+
+fn killed_peer_fails_within_the_timeout(provider: &str) {
+    let config = common::config(provider, 1);
+    let engine = Arc::new(TransferEngine::open(&config).unwrap());
+    let mut peer = Peer::spawn(provider);
+    let src = buffer(&engine, 1 << 20, pattern(4));
+    // Traffic in flight while the peer dies.
+    let before = DoneCounter::new();
+    for _ in 0..200 {
+        engine
+            .submit_single_write(
+                64 << 10,
+                Some(9),
+                (src.mr(), 0),
+                (&peer.desc, 0),
+                before.clone(),
+            )
+            .unwrap();
+    }
+    peer.child.kill().unwrap();
+    peer.child.wait().unwrap();
+    // Everything submitted before finishes (either way) and everything after fails, within
+    // the transfer deadline: nothing hangs.
+    let start = Instant::now();
+    let after = DoneCounter::new();
+    for _ in 0..20 {
+        engine
+            .submit_single_write(
+                64 << 10,
+                Some(9),
+                (src.mr(), 0),
+                (&peer.desc, 0),
+                after.clone(),
+            )
+            .unwrap();
+    }
+    let limit = Duration::from_millis(config.timeouts.transfer_ms) + Duration::from_secs(5);
+    let _ = before.wait_for(200, limit);
+    assert_eq!(
+        before.finished(),
+        200,
+        "every transfer in flight when the peer died finished"
+    );
+    let r = after.wait_for(20, limit);
+    assert_eq!(after.finished(), 20);
+    assert!(
+        matches!(
+            r,
+            Err(Error::PeerUnreachable(_) | Error::Timeout(_) | Error::Backend { .. })
+        ),
+        "{r:?}"
+    );
+    assert!(start.elapsed() < limit);
+    // The engine still serves a live peer.
+    let other = Arc::new(TransferEngine::open(&config).unwrap());
+    let dst = buffer(&other, 4096, |_| 0);
+    let ok = DoneFlag::new();
+    engine
+        .submit_single_write(4096, None, (src.mr(), 0), (dst.desc(), 0), ok.clone())
+        .unwrap();
+    ok.wait(WAIT).unwrap();
+    assert!(dst.bytes() == &src.bytes()[..4096]);
+}
+
+#[test]
+fn shm_every_primitive_across_processes() {
+    every_primitive_across_processes("shm");
+}
+
+#[test]
+fn tcp_every_primitive_across_processes() {
+    every_primitive_across_processes("tcp;ofi_rxm");
+}
+
+#[test]
+fn shm_killed_peer() {
+    killed_peer_fails_within_the_timeout("shm");
+}
+
+#[test]
+fn tcp_killed_peer() {
+    killed_peer_fails_within_the_timeout("tcp;ofi_rxm");
+}
+
+#[test]
+fn an_unknown_provider_lists_what_libfabric_offers() {
+    let err = TransferEngine::open(&common::config("nosuchprovider", 1))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("nosuchprovider") && err.contains("libfabric offers") && err.contains("shm"),
+        "{err}"
+    );
+}
