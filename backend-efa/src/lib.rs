@@ -14,6 +14,7 @@
 mod domain;
 mod ffi;
 mod options;
+pub mod raw;
 
 pub use domain::EfaDomain;
 pub use options::EfaOptions;
@@ -38,7 +39,7 @@ inventory::submit! {
     BackendRegistration { name: NAME, open }
 }
 
-engine_core::export_plugin!(NAME, open);
+engine_core::export_plugin!("efa", open);
 
 /// Makes sure this crate is linked, so its static registration is seen.
 #[inline(never)]

@@ -36,7 +36,7 @@ inventory::submit! {
     BackendRegistration { name: NAME, open }
 }
 
-engine_core::export_plugin!(NAME, open);
+engine_core::export_plugin!("mock", open);
 
 /// Makes sure this crate is linked, so its static registration is seen. Call it once from a
 /// binary that names the mock backend only in its config.

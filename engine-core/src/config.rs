@@ -120,7 +120,11 @@ impl Timeouts {
 pub struct WorkerConfig {
     /// After the last piece of work, keep busy-polling this long before backing off.
     pub spin_us: u64,
-    /// When idle, poll Domains that cannot wake the worker at this interval.
+    /// When idle, poll Domains that cannot wake the worker at this interval; 0 keeps polling
+    /// (yielding the CPU between polls) instead of parking, for providers whose transfers only
+    /// progress while the *receiver* polls (libfabric shm, tcp). Timed parks are coarse (the
+    /// kernel's timer slack is about 50 µs), so small non-zero values are not much better
+    /// than 1000.
     pub idle_poll_us: u64,
     /// Largest message `submit_send` accepts.
     pub max_message: usize,

@@ -4,6 +4,8 @@
 //! - `test`: format and lint checks, the whole test suite, the example workloads, and a short
 //!   verified run of the bench — what CI runs.
 //! - `bench`: the mock benchmark sweep in release mode (extra arguments go to transfer-bench).
+//! - `bench-efa`: the EFA backend on libfabric's shm provider, next to a raw libfabric write
+//!   loop, then initiator and target in two processes.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, ExitCode, Stdio};
@@ -139,6 +141,66 @@ fn test() -> Result {
     ])
 }
 
+/// The EFA backend's benchmark on shm: loopback next to a raw libfabric loop in the same run,
+/// then initiator and target in two processes.
+fn bench_efa(extra: &[String]) -> Result {
+    ensure_packages(PACKAGES)?;
+    let bench = [
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "examples",
+        "--features",
+        "efa",
+        "--bin",
+        "transfer-bench",
+        "--",
+    ];
+    let sizes = ["--block-size", "4096,65536,1048576"];
+    let mut args: Vec<&str> = bench.to_vec();
+    args.extend(["--config", "configs/efa-shm.toml", "--no-imm-rate"]);
+    args.extend(sizes);
+    args.extend(extra.iter().map(String::as_str));
+    cargo(&args)?;
+    // Two processes: build once, start the target, run the initiator against it.
+    cargo(&[
+        "build",
+        "--release",
+        "--quiet",
+        "-p",
+        "examples",
+        "--features",
+        "efa",
+        "--bin",
+        "transfer-bench",
+    ])?;
+    let exe = "target/release/transfer-bench";
+    let common = [
+        "--config",
+        "configs/efa-shm.toml",
+        "--addr",
+        "127.0.0.1:18517",
+    ];
+    let mut target = Command::new(exe)
+        .args(common)
+        .args(["--mode", "target"])
+        .args(sizes)
+        .spawn()
+        .map_err(|e| format!("cannot start the target: {e}"))?;
+    let initiator = run(
+        exe,
+        &[
+            &common[..],
+            &["--mode", "initiator", "--verify"],
+            &sizes[..],
+        ]
+        .concat(),
+    );
+    let _ = target.wait();
+    initiator
+}
+
 fn bench(extra: &[String]) -> Result {
     let mut args = vec![
         "run",
@@ -159,7 +221,8 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("test") => test(),
         Some("bench") => bench(&args[1..]),
-        _ => Err("usage: cargo xtask test | bench [transfer-bench args]".into()),
+        Some("bench-efa") => bench_efa(&args[1..]),
+        _ => Err("usage: cargo xtask test | bench [transfer-bench args] | bench-efa [transfer-bench args]".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

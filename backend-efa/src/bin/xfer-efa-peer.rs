@@ -12,7 +12,7 @@ use engine_core::{Config, DoneFlag, HostBuffer, TransferEngine};
 fn main() {
     let provider = std::env::args().nth(1).unwrap_or_else(|| "shm".into());
     backend_efa::link();
-    let text = format!("backend = \"efa\"\n[[groups]]\nnics = [\"auto\"]\n[worker]\nidle_poll_us = 50\n[backends.efa]\nprovider = \"{provider}\"\n");
+    let text = format!("backend = \"efa\"\n[[groups]]\nnics = [\"auto\"]\n[worker]\nidle_poll_us = 0\n[backends.efa]\nprovider = \"{provider}\"\n");
     let config = Config::from_toml(&text, std::path::Path::new("<xfer-efa-peer>")).expect("config");
     let engine = Arc::new(TransferEngine::open(&config).unwrap_or_else(|e| {
         println!("error {e}");

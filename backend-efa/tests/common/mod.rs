@@ -20,7 +20,7 @@ pub fn config(provider: &str, nics: usize) -> Config {
         })
         .collect();
     let text = format!(
-        "backend = \"efa\"\n[[groups]]\nnics = [{}]\n[worker]\nidle_poll_us = 50\n[backends.efa]\nprovider = \"{provider}\"\n",
+        "backend = \"efa\"\n[[groups]]\nnics = [{}]\n[worker]\nidle_poll_us = 0\n[backends.efa]\nprovider = \"{provider}\"\n",
         names.join(", ")
     );
     Config::from_toml(&text, Path::new("<efa test>")).unwrap()

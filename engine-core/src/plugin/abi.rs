@@ -1,7 +1,9 @@
 //! The versioned C ABI between the engine and an out-of-tree backend (one `cdylib`).
 //!
-//! A plugin exports one symbol, [`ENTRY_SYMBOL`], returning a pointer to a static
-//! [`PluginTable`]. The table starts with a [`PluginHeader`] (ABI version and the table's
+//! A plugin exports an entry symbol, `xfer_plugin_entry_<backend name>` (or plain
+//! [`ENTRY_SYMBOL`] for a library that serves one backend), returning a pointer to a static
+//! [`PluginTable`]. The per-name symbol lets several backends be linked into one binary as
+//! rlibs without their entry points clashing. The table starts with a [`PluginHeader`] (ABI version and the table's
 //! size) that the engine reads *before* anything else and refuses on mismatch. Only
 //! `#[repr(C)]` types cross this boundary; Rust trait objects stay on their own side.
 //!
@@ -19,8 +21,14 @@ use crate::wire::{NetAddr, MAX_ADDR_LEN};
 
 /// Bumped on any change to the layout or meaning of [`PluginTable`].
 pub const ABI_VERSION: u32 = 1;
-/// The symbol every plugin exports: `extern "C" fn() -> *const PluginTable`.
+/// The generic entry symbol, `extern "C" fn() -> *const PluginTable`, looked up when the
+/// per-backend one ([`entry_symbol`]) is absent.
 pub const ENTRY_SYMBOL: &str = "xfer_plugin_entry";
+
+/// The entry symbol of backend `name`: `xfer_plugin_entry_<name>`.
+pub fn entry_symbol(name: &str) -> String {
+    format!("{ENTRY_SYMBOL}_{name}")
+}
 
 /// The signature of [`ENTRY_SYMBOL`].
 pub type EntryFn = unsafe extern "C" fn() -> *const PluginTable;
@@ -536,10 +544,11 @@ unsafe extern "C" fn shim_set_waker(domain: *mut c_void, ctx: *const c_void, wak
 
 /// Exports a backend as an xfer plugin: `export_plugin!("name", open_fn);` in a `cdylib`.
 ///
-/// `open_fn` has the type [`OpenFn`]. The macro defines the [`ENTRY_SYMBOL`] function.
+/// `open_fn` has the type [`OpenFn`]; `"name"` must be a string literal (it names the entry
+/// symbol, [`entry_symbol`]`("name")`).
 #[macro_export]
 macro_rules! export_plugin {
-    ($name:expr, $open:path) => {
+    ($name:literal, $open:path) => {
         #[doc(hidden)]
         pub struct XferPluginOpener;
         impl $crate::plugin::abi::PluginOpener for XferPluginOpener {
@@ -549,8 +558,8 @@ macro_rules! export_plugin {
         #[doc(hidden)]
         pub static XFER_PLUGIN_TABLE: $crate::plugin::abi::PluginTable =
             $crate::plugin::abi::PluginTable::new::<XferPluginOpener>();
-        /// The xfer plugin entry point.
-        #[no_mangle]
+        /// The xfer plugin entry point of this backend.
+        #[export_name = concat!("xfer_plugin_entry_", $name)]
         pub extern "C" fn xfer_plugin_entry() -> *const $crate::plugin::abi::PluginTable {
             &XFER_PLUGIN_TABLE
         }

@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::abi::{
-    EntryFn, PluginHeader, PluginTable, RawBytes, RawError, RawEvent, RawRegion, RawWrite,
-    ABI_VERSION, ENTRY_SYMBOL, STATUS_BUSY, STATUS_OK,
+    entry_symbol, EntryFn, PluginHeader, PluginTable, RawBytes, RawError, RawEvent, RawRegion,
+    RawWrite, ABI_VERSION, ENTRY_SYMBOL, STATUS_BUSY, STATUS_OK,
 };
 use crate::domain::{
     BackendRegistration, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event,
@@ -39,11 +39,13 @@ pub enum PluginError {
         /// The loader's message.
         message: String,
     },
-    /// The library does not export the entry symbol.
-    #[error("{path} is not an xfer plugin: it does not export `{ENTRY_SYMBOL}` ({message})")]
+    /// The library exports no entry for the backend asked for.
+    #[error("{path} is not an xfer plugin for backend {backend:?}: it exports neither `{ENTRY_SYMBOL}_{backend}` nor `{ENTRY_SYMBOL}` ({message})")]
     MissingEntry {
         /// The library.
         path: PathBuf,
+        /// The backend name asked for.
+        backend: String,
         /// The loader's message.
         message: String,
     },
@@ -152,7 +154,7 @@ pub fn find_backend(name: &str, plugin_path: Option<&Path>) -> Result<Backend, P
 }
 
 fn load_checked(path: &Path, name: &str) -> Result<Backend, PluginError> {
-    let plugin = LoadedPlugin::load(path)?;
+    let plugin = LoadedPlugin::load(path, name)?;
     if plugin.name != name {
         return Err(PluginError::NameMismatch {
             path: path.to_owned(),
@@ -173,8 +175,9 @@ pub struct LoadedPlugin {
 }
 
 impl LoadedPlugin {
-    /// Opens `path`, checks its ABI header, and keeps it loaded.
-    pub fn load(path: &Path) -> Result<Self, PluginError> {
+    /// Opens `path`, finds backend `name`'s entry (or the generic one), checks its ABI
+    /// header, and keeps the library loaded.
+    pub fn load(path: &Path, name: &str) -> Result<Self, PluginError> {
         // SAFETY: loading a library runs its initialisers; the user chose this file as a plugin
         // (by config or search path), which is the trust decision dlopen always requires.
         let library = unsafe { libloading::Library::new(path) }.map_err(|e| PluginError::Load {
@@ -183,18 +186,21 @@ impl LoadedPlugin {
         })?;
         // SAFETY: we only read the symbol's address here; its type is checked by the header
         // below before anything beyond the header is used.
-        let entry = unsafe { library.get::<EntryFn>(ENTRY_SYMBOL.as_bytes()) }.map_err(|e| {
-            PluginError::MissingEntry {
+        let entry = unsafe { library.get::<EntryFn>(entry_symbol(name).as_bytes()) }
+            // SAFETY: as above, for the generic symbol.
+            .or_else(|_| unsafe { library.get::<EntryFn>(ENTRY_SYMBOL.as_bytes()) })
+            .map_err(|e| PluginError::MissingEntry {
                 path: path.to_owned(),
+                backend: name.to_owned(),
                 message: e.to_string(),
-            }
-        })?;
+            })?;
         // SAFETY: the entry symbol is the ABI's `extern "C" fn() -> *const PluginTable`; every
         // ABI version begins the table with a PluginHeader, the only part read before checking.
         let table_ptr = unsafe { entry() };
         if table_ptr.is_null() {
             return Err(PluginError::MissingEntry {
                 path: path.to_owned(),
+                backend: name.to_owned(),
                 message: "the entry returned a null table".into(),
             });
         }

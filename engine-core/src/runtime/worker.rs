@@ -205,7 +205,10 @@ impl Worker {
             self.expire(now);
             let in_flight = self.tracker.len() > 0 || self.pending.iter().any(|p| !p.is_empty());
             let idle_start = *idle_since.get_or_insert(now);
-            if in_flight || now.duration_since(idle_start) < spin {
+            // Domains that cannot wake us and need polling to make progress (libfabric's
+            // manual-progress providers) with `idle_poll_us = 0`: never park.
+            let never_park = !self.domains_wake && idle_poll.is_zero();
+            if in_flight || never_park || now.duration_since(idle_start) < spin {
                 std::thread::yield_now();
                 continue;
             }

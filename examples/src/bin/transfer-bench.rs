@@ -75,7 +75,8 @@ struct Row {
     duration_s: f64,
     avg_latency_ms: f64,
     throughput_mib_s: f64,
-    /// memcpy of the same bytes in the same run (loopback only).
+    /// The reference measured in the same run (loopback only): memcpy for the mock, a raw
+    /// libfabric write loop for efa.
     reference_mib_s: Option<f64>,
     verified: Option<bool>,
 }
@@ -94,6 +95,8 @@ struct ImmRate {
 #[derive(Debug, Serialize)]
 struct Report {
     backend: String,
+    /// What `reference_mib_s` measures.
+    reference: Option<String>,
     nics: usize,
     mode: String,
     rows: Vec<Row>,
@@ -177,6 +180,54 @@ fn memcpy_mib_s(bytes: usize, block: usize, duration: Duration) -> f64 {
         trips += 1;
     }
     (trips as f64 * bytes as f64 / (1 << 20) as f64) / start.elapsed().as_secs_f64()
+}
+
+/// The libfabric provider an efa config selects.
+fn efa_provider(config: &Config) -> String {
+    toml::from_str::<toml::Table>(&config.backend_options())
+        .ok()
+        .and_then(|t| t.get("provider")?.as_str().map(str::to_owned))
+        .unwrap_or_else(|| "efa".into())
+}
+
+fn reference_name(config: &Config) -> Option<String> {
+    match config.backend.as_str() {
+        "mock" => Some("memcpy of the same bytes".into()),
+        "efa" if cfg!(feature = "efa") => Some(format!(
+            "raw libfabric fi_writemsg loop on {}",
+            efa_provider(config)
+        )),
+        _ => None,
+    }
+}
+
+/// The reference throughput for this backend, measured now with the same sizes.
+fn reference_mib_s(
+    config: &Config,
+    bytes: usize,
+    block: u64,
+    batch: u64,
+    duration: Duration,
+) -> Result<Option<f64>, BoxError> {
+    match config.backend.as_str() {
+        "mock" => Ok(Some(memcpy_mib_s(bytes, block as usize, duration))),
+        #[cfg(feature = "efa")]
+        "efa" => {
+            let (trips, elapsed) = backend_efa::raw::write_loop(
+                &efa_provider(config),
+                block as usize,
+                batch as usize,
+                duration,
+            )?;
+            Ok(Some(
+                (trips * batch * block) as f64 / (1 << 20) as f64 / elapsed.as_secs_f64(),
+            ))
+        }
+        _ => {
+            let _ = (bytes, batch);
+            Ok(None)
+        }
+    }
 }
 
 fn row(block: u64, batch: u64, trips: u64, elapsed: Duration) -> Row {
@@ -286,9 +337,7 @@ fn loopback(args: &Args, config: &Config) -> Result<Report, BoxError> {
         }
         let (trips, elapsed) = run_trips(&a, &src, dst.desc(), block, args.batch_size, duration)?;
         let mut r = row(block, args.batch_size, trips, elapsed);
-        if a.backend() == "mock" {
-            r.reference_mib_s = Some(memcpy_mib_s(bytes, block as usize, duration));
-        }
+        r.reference_mib_s = reference_mib_s(config, bytes, block, args.batch_size, duration)?;
         if args.verify {
             r.verified = Some(dst.bytes()[..bytes] == src.bytes()[..bytes]);
         }
@@ -303,6 +352,7 @@ fn loopback(args: &Args, config: &Config) -> Result<Report, BoxError> {
     };
     Ok(Report {
         backend: a.backend().to_owned(),
+        reference: reference_name(config),
         nics: a.nic_count(),
         mode: "loopback".into(),
         rows,
@@ -393,6 +443,7 @@ fn initiator(args: &Args, config: &Config) -> Result<Report, BoxError> {
     writeln!(out, "bye")?;
     Ok(Report {
         backend: engine.backend().to_owned(),
+        reference: None,
         nics: engine.nic_count(),
         mode: "initiator".into(),
         rows,
@@ -402,11 +453,14 @@ fn initiator(args: &Args, config: &Config) -> Result<Report, BoxError> {
 
 fn print_table(report: &Report) {
     println!(
-        "backend: {}, NICs: {}, mode: {}",
-        report.backend, report.nics, report.mode
+        "backend: {}, NICs: {}, mode: {}, reference: {}",
+        report.backend,
+        report.nics,
+        report.mode,
+        report.reference.as_deref().unwrap_or("none")
     );
     println!(
-        "{:>10} | {:>18} | {:>11} | {:>25} | {:>12} | {:>26} | {:>19} | {:>14} | {:>9} | {:>8}",
+        "{:>10} | {:>18} | {:>11} | {:>25} | {:>12} | {:>26} | {:>19} | {:>17} | {:>12} | {:>8}",
         "Batch Size",
         "Block Size (Bytes)",
         "Total Trips",
@@ -414,8 +468,8 @@ fn print_table(report: &Report) {
         "Duration (s)",
         "Average Latency (ms/trip)",
         "Throughput (MiB/s)",
-        "memcpy (MiB/s)",
-        "vs memcpy",
+        "Reference (MiB/s)",
+        "vs reference",
         "Verified"
     );
     for r in &report.rows {
@@ -429,7 +483,7 @@ fn print_table(report: &Report) {
                 |v| if v { "yes".into() } else { "NO".into() },
             );
         println!(
-            "{:>10} | {:>18} | {:>11} | {:>25.1} | {:>12.3} | {:>26.4} | {:>19.1} | {:>14} | {:>9} | {:>8}",
+            "{:>10} | {:>18} | {:>11} | {:>25.1} | {:>12.3} | {:>26.4} | {:>19.1} | {:>17} | {:>12} | {:>8}",
             r.batch_size, r.block_size, r.total_trips, r.total_mib, r.duration_s, r.avg_latency_ms, r.throughput_mib_s, reference, ratio, verified
         );
     }
@@ -444,6 +498,8 @@ fn print_table(report: &Report) {
 fn main() {
     let args = Args::parse();
     backend_mock::link();
+    #[cfg(feature = "efa")]
+    backend_efa::link();
     let result = load_config(&args).and_then(|config| {
         if config.backend == "mock" && args.mode != Mode::Loopback {
             return Err("the mock backend is in-process: use --mode loopback".into());
