@@ -53,6 +53,7 @@ pub mod imm;
 pub mod plan;
 pub mod plugin;
 mod runtime;
+pub mod topo;
 pub mod wire;
 
 #[cfg(feature = "conformance")]

@@ -4,8 +4,11 @@
 //! - `test`: format and lint checks, the whole test suite, the example workloads, and a short
 //!   verified run of the bench — what CI runs.
 //! - `bench`: the mock benchmark sweep in release mode (extra arguments go to transfer-bench).
+//! - `fixtures`: rewrites the sysfs fixture trees of the topology tests.
 //! - `bench-efa`: the EFA backend on libfabric's shm provider, next to a raw libfabric write
 //!   loop, then initiator and target in two processes.
+
+mod fixtures;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, ExitCode, Stdio};
@@ -222,6 +225,7 @@ fn main() -> ExitCode {
         Some("test") => test(),
         Some("bench") => bench(&args[1..]),
         Some("bench-efa") => bench_efa(&args[1..]),
+        Some("fixtures") => fixtures::write_all(std::path::Path::new("engine-core/tests/fixtures/sysfs")).map_err(|e| e.to_string()),
         _ => Err("usage: cargo xtask test | bench [transfer-bench args] | bench-efa [transfer-bench args]".into()),
     };
     match result {
