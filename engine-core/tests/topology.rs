@@ -64,10 +64,10 @@ fn gpudirect_example_pairs_gpus_with_their_switch_nic_and_flags_the_ones_without
     assert_eq!(cores.len(), 8, "no two workers share a physical core");
     // The matrix is symmetric with X on the diagonal, and crosses sockets as SYS.
     let m = topo::matrix(&t);
-    for i in 0..m.len() {
-        assert_eq!(m[i][i], Link::X);
-        for j in 0..m.len() {
-            assert_eq!(m[i][j], m[j][i]);
+    for (i, row) in m.iter().enumerate() {
+        assert_eq!(row[i], Link::X);
+        for (j, cell) in row.iter().enumerate() {
+            assert_eq!(*cell, m[j][i]);
         }
     }
     assert_eq!(link(&t.gpus[0], &t.nics[1]), Link::Sys);
