@@ -76,6 +76,20 @@ fn other(e: OfiError) -> DomainError {
     DomainError::new(DomainErrorKind::Other, e.message)
 }
 
+/// A failed registration, with the memlock limit named when the cause is ENOMEM (the most
+/// common set-up failure: `xfer doctor` checks the same limit).
+fn registration_error(e: OfiError, len: u64) -> DomainError {
+    let mut message = format!("registering {len} bytes: {}", e.message);
+    if message.contains("(-12)") || message.contains("Cannot allocate memory") {
+        let limit = engine_core::topo::doctor::memlock_limit(std::path::Path::new("/proc"))
+            .map_or("unlimited".to_owned(), |l| format!("{l} bytes"));
+        message.push_str(&format!(
+            "; the locked-memory limit (ulimit -l) is {limit}: raise it, see `xfer doctor`"
+        ));
+    }
+    DomainError::new(DomainErrorKind::Other, message)
+}
+
 /// Maps a completion's libfabric error to the engine's kinds (libfabric uses errno values).
 fn classify(err: i32) -> DomainErrorKind {
     match err.abs() {
@@ -248,7 +262,7 @@ impl Domain for EfaDomain {
             self.endpoint
                 .register(region.ptr as *const u8, region.len as usize, key)
         }
-        .map_err(other)?;
+        .map_err(|e| registration_error(e, region.len))?;
         let remote_key = if region.remote_write { mr.key } else { 0 };
         self.regions.insert(
             key,

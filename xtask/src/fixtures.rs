@@ -78,8 +78,24 @@ impl Machine {
         )
     }
 
-    fn virtual_nic(&self, name: &str) -> std::io::Result<()> {
-        self.write(&format!("class/infiniband/{name}/node_type"), "1: CA")
+    /// A soft-RoCE device on netdev `ndev`: no PCI parent, one active Ethernet port with a
+    /// link-local RoCE v1 and v2 GID, as `rdma link add` creates them.
+    fn virtual_nic(&self, name: &str, ndev: &str, mac_suffix: &str) -> std::io::Result<()> {
+        let port = format!("class/infiniband/{name}/ports/1");
+        self.write(&format!("class/infiniband/{name}/node_type"), "1: CA")?;
+        self.write(&format!("{port}/state"), "4: ACTIVE")?;
+        self.write(&format!("{port}/link_layer"), "Ethernet")?;
+        let gid = format!("fe80:0000:0000:0000:{mac_suffix}");
+        for (i, kind) in [(0, "IB/RoCE v1"), (1, "RoCE v2")] {
+            self.write(&format!("{port}/gids/{i}"), &gid)?;
+            self.write(&format!("{port}/gid_attrs/types/{i}"), kind)?;
+            self.write(&format!("{port}/gid_attrs/ndevs/{i}"), ndev)?;
+        }
+        self.write(
+            &format!("{port}/gids/2"),
+            "0000:0000:0000:0000:0000:0000:0000:0000",
+        )?;
+        self.write(&format!("class/net/{ndev}/mtu"), "1500")
     }
 
     /// NUMA nodes with their CPU lists; hyper-threads `i` and `i + threads/2` share a core.
@@ -257,8 +273,8 @@ pub(crate) fn write_all(base: &Path) -> std::io::Result<()> {
 
     // The soft-RoCE guest: two rxe devices with no PCI parent.
     let m = Machine::new(base, "rxe-guest")?;
-    m.virtual_nic("rxe0")?;
-    m.virtual_nic("rxe1")?;
+    m.virtual_nic("rxe0", "rxenet0", "b8ab:10ff:fe01:0001")?;
+    m.virtual_nic("rxe1", "rxenet1", "b8ab:10ff:fe01:0002")?;
     m.cpus(&["0-1"], 2)?;
     Ok(())
 }

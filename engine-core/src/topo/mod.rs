@@ -5,6 +5,7 @@
 //! everything else here is pure: [`link`] classifies a pair of devices, [`propose`] picks each
 //! GPU's NICs and worker CPU. The config can override every choice.
 
+pub mod doctor;
 pub mod sysfs;
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -1,0 +1,483 @@
+//! `xfer doctor`: the set-up problems behind most "RDMA does not work" reports, each with a
+//! verdict and its fix. [`gather`] reads the machine (sysfs, /dev, /proc); [`evaluate`] is pure
+//! and tested on made-up facts.
+
+use std::path::Path;
+
+use serde::Serialize;
+
+/// A check's verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Status {
+    /// Fine.
+    Pass,
+    /// Works, but slower or less robust than it could be.
+    Warn,
+    /// Transfers would fail.
+    Fail,
+    /// Does not apply to this configuration.
+    Skip,
+}
+
+/// One check.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Check {
+    /// Short name.
+    pub name: &'static str,
+    /// Verdict.
+    pub status: Status,
+    /// What was found.
+    pub detail: String,
+    /// What to do about it (for warnings and failures).
+    pub fix: Option<String>,
+}
+
+/// One RDMA port as sysfs shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Port {
+    /// RDMA device (`mlx5_0`, `rxe0`).
+    pub device: String,
+    /// Port number.
+    pub port: u32,
+    /// `ACTIVE`, `DOWN`, ...
+    pub state: String,
+    /// `Ethernet` (RoCE) or `InfiniBand`.
+    pub link_layer: String,
+    /// Non-zero GIDs: (index, GID, type such as `RoCE v2`).
+    pub gids: Vec<(u32, String, String)>,
+    /// MTU of the netdev behind the first GID (RoCE), in bytes.
+    pub netdev_mtu: Option<u32>,
+}
+
+/// What the checks look at.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Facts {
+    /// The configured backend.
+    pub backend: String,
+    /// The configured NICs (all groups).
+    pub nics: Vec<String>,
+    /// The soft `RLIMIT_MEMLOCK` in bytes (`None`: unlimited or unknown).
+    pub memlock_bytes: Option<u64>,
+    /// Bytes the caller plans to register.
+    pub register_bytes: u64,
+    /// `/dev/infiniband/uverbs*` devices and whether this process may open them.
+    pub uverbs: Vec<(String, bool)>,
+    /// Every RDMA port.
+    pub ports: Vec<Port>,
+    /// NVIDIA GPUs found.
+    pub gpus: usize,
+    /// Kernel (major, minor).
+    pub kernel: Option<(u32, u32)>,
+    /// `nvidia_peermem` loaded.
+    pub nvidia_peermem: bool,
+    /// `/dev/gdrdrv` present (GDRCopy's driver).
+    pub gdrdrv: bool,
+    /// The libfabric provider the config asks for (efa backend).
+    pub libfabric_provider: Option<String>,
+    /// Providers libfabric offers (`None` if not known in this build).
+    pub libfabric_providers: Option<Vec<String>>,
+}
+
+fn check(
+    name: &'static str,
+    status: Status,
+    detail: impl Into<String>,
+    fix: Option<&str>,
+) -> Check {
+    Check {
+        name,
+        status,
+        detail: detail.into(),
+        fix: fix.map(str::to_owned),
+    }
+}
+
+/// The largest RoCE MTU (256..4096) that fits a netdev MTU (RoCE headers take about 60 bytes).
+pub fn roce_mtu(netdev_mtu: u32) -> u32 {
+    [4096, 2048, 1024, 512, 256]
+        .into_iter()
+        .find(|m| m + 60 <= netdev_mtu)
+        .unwrap_or(256)
+}
+
+/// Runs every check.
+pub fn evaluate(f: &Facts) -> Vec<Check> {
+    let verbs = f.backend == "verbs";
+    let efa = f.backend == "efa";
+    // Only real NICs pin memory and need /dev/infiniband; libfabric's shm and tcp do not.
+    let hw = verbs || (efa && f.libfabric_provider.as_deref() == Some("efa"));
+    let pins = hw;
+    let mut out = Vec::new();
+
+    out.push(match (pins, f.memlock_bytes) {
+        (false, _) => check("memlock", Status::Skip, format!("backend {} does not pin memory here", f.backend), None),
+        (true, None) => check("memlock", Status::Pass, "locked-memory limit: unlimited", None),
+        (true, Some(limit)) if limit >= f.register_bytes => {
+            check("memlock", Status::Pass, format!("locked-memory limit {limit} B covers {} B", f.register_bytes), None)
+        }
+        (true, Some(limit)) => check(
+            "memlock",
+            Status::Fail,
+            format!("locked-memory limit is {limit} B but {} B will be registered: memory registration fails with ENOMEM", f.register_bytes),
+            Some("raise it: `ulimit -l unlimited`, `memlock` in /etc/security/limits.conf, LimitMEMLOCK=infinity for systemd units, or `--ulimit memlock=-1` for containers"),
+        ),
+    });
+
+    let rdma_fix = "load the RDMA stack (`modprobe ib_uverbs` and the NIC's driver), or for testing create a soft-RoCE device (`rdma link add rxe0 type rxe netdev eth0`)";
+    out.push(if !hw {
+        check(
+            "rdma devices",
+            Status::Skip,
+            format!("backend {} needs no RDMA device", f.backend),
+            None,
+        )
+    } else if f.uverbs.is_empty() {
+        check(
+            "rdma devices",
+            Status::Fail,
+            "no /dev/infiniband/uverbs* device: this kernel exposes no RDMA NIC",
+            Some(rdma_fix),
+        )
+    } else if let Some((dev, _)) = f.uverbs.iter().find(|(_, ok)| !ok) {
+        check(
+            "rdma devices",
+            Status::Fail,
+            format!("{dev} exists but this user cannot open it"),
+            Some("add the user to the `rdma` group or fix the udev rule for /dev/infiniband"),
+        )
+    } else {
+        check(
+            "rdma devices",
+            Status::Pass,
+            format!("{} uverbs device(s) accessible", f.uverbs.len()),
+            None,
+        )
+    });
+
+    let ports: Vec<&Port> = f
+        .ports
+        .iter()
+        .filter(|p| {
+            f.nics.is_empty()
+                || f.nics
+                    .iter()
+                    .any(|n| n.split('#').next() == Some(p.device.as_str()))
+        })
+        .collect();
+    out.push(if !verbs {
+        check("ports active", Status::Skip, "only the verbs backend drives ports directly", None)
+    } else if ports.is_empty() {
+        check("ports active", Status::Fail, format!("no port of the configured NICs {:?} was found", f.nics), Some(rdma_fix))
+    } else if let Some(p) = ports.iter().find(|p| !p.state.contains("ACTIVE")) {
+        check("ports active", Status::Fail, format!("{} port {} is {}", p.device, p.port, p.state), Some("bring the link up (`ip link set <netdev> up`, check the cable/switch); IB ports also need a subnet manager"))
+    } else {
+        check("ports active", Status::Pass, format!("{} port(s) ACTIVE", ports.len()), None)
+    });
+
+    let roce: Vec<&&Port> = ports
+        .iter()
+        .filter(|p| p.link_layer == "Ethernet")
+        .collect();
+    out.push(if !verbs || roce.is_empty() {
+        check("RoCE v2 GID", Status::Skip, "no RoCE port in use", None)
+    } else {
+        match roce.iter().find(|p| !p.gids.iter().any(|g| g.2 == "RoCE v2")) {
+            None => check("RoCE v2 GID", Status::Pass, "every RoCE port has a RoCE v2 GID", None),
+            Some(p) if p.gids.is_empty() => check("RoCE v2 GID", Status::Fail, format!("{} port {} has no usable GID", p.device, p.port), Some("give the netdev an address or bring it up; GID 0 (link-local) appears once it is up")),
+            Some(p) => check("RoCE v2 GID", Status::Warn, format!("{} port {} has only RoCE v1 GIDs", p.device, p.port), Some("assign an IP address to the netdev (RoCE v2 GIDs follow IP addresses), or set gid_index in [backends.verbs]")),
+        }
+    });
+
+    let mtus: Vec<u32> = roce
+        .iter()
+        .filter_map(|p| p.netdev_mtu.map(roce_mtu))
+        .collect();
+    out.push(match (verbs, mtus.iter().min(), mtus.iter().max()) {
+        (true, Some(lo), Some(hi)) if lo != hi => check("MTU consistent", Status::Warn, format!("RoCE MTUs differ across the group's ports ({lo}..{hi}); connections use the smaller"), Some("set the same MTU on every netdev of the group and its peers")),
+        (true, Some(lo), Some(_)) => check("MTU consistent", Status::Pass, format!("RoCE MTU {lo} on every port"), None),
+        _ => check("MTU consistent", Status::Skip, "no RoCE port in use", None),
+    });
+
+    let dmabuf = f.kernel.is_some_and(|k| k >= (5, 12));
+    out.push(if f.gpus == 0 {
+        check(
+            "GPU memory registration",
+            Status::Skip,
+            "no NVIDIA GPU",
+            None,
+        )
+    } else if !hw {
+        check(
+            "GPU memory registration",
+            Status::Skip,
+            format!(
+                "backend {} does not register GPU memory with a NIC",
+                f.backend
+            ),
+            None,
+        )
+    } else if f.nvidia_peermem || dmabuf {
+        let how = if dmabuf {
+            "dma-buf (kernel >= 5.12)"
+        } else {
+            "nvidia_peermem"
+        };
+        check(
+            "GPU memory registration",
+            Status::Pass,
+            format!("GPU memory can be registered through {how}"),
+            None,
+        )
+    } else {
+        check(
+            "GPU memory registration",
+            Status::Fail,
+            "neither dma-buf (kernel >= 5.12) nor nvidia_peermem is available",
+            Some("`modprobe nvidia_peermem`, or run a kernel >= 5.12 with an open NVIDIA driver"),
+        )
+    });
+
+    out.push(if f.gpus == 0 {
+        check("GDRCopy", Status::Skip, "no NVIDIA GPU", None)
+    } else if f.gdrdrv {
+        check("GDRCopy", Status::Pass, "/dev/gdrdrv present", None)
+    } else {
+        check(
+            "GDRCopy",
+            Status::Warn,
+            "/dev/gdrdrv missing: CPU-to-GPU flags fall back to device-mapped host memory",
+            Some("install GDRCopy and load gdrdrv"),
+        )
+    });
+
+    out.push(match (efa, &f.libfabric_provider, &f.libfabric_providers) {
+        (false, _, _) => check("libfabric provider", Status::Skip, "backend is not efa", None),
+        (true, Some(p), Some(offered)) if offered.iter().any(|o| o == p) => check("libfabric provider", Status::Pass, format!("provider {p} is available"), None),
+        (true, p, Some(offered)) => check("libfabric provider", Status::Fail, format!("provider {:?} is not offered; libfabric offers {offered:?}", p.as_deref().unwrap_or("efa")), Some("install the provider (on AWS: the EFA installer), or choose one of those offered in [backends.efa] provider")),
+        (true, _, None) => check("libfabric provider", Status::Warn, "this build cannot list libfabric providers", None),
+    });
+    out
+}
+
+fn read(path: &Path) -> Option<String> {
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_owned())
+}
+
+fn list(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// The soft locked-memory limit from `/proc/self/limits` (`None`: unlimited or unreadable).
+pub fn memlock_limit(proc_root: &Path) -> Option<u64> {
+    let text = read(&proc_root.join("self/limits"))?;
+    let line = text.lines().find(|l| l.starts_with("Max locked memory"))?;
+    line["Max locked memory".len()..]
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Every RDMA port under `<sys>/class/infiniband`.
+pub fn ports(sys: &Path) -> Vec<Port> {
+    let mut out = Vec::new();
+    for device in list(&sys.join("class/infiniband")) {
+        let dir = sys.join("class/infiniband").join(&device).join("ports");
+        for port in list(&dir) {
+            let p = dir.join(&port);
+            let mut gids = Vec::new();
+            let mut netdev = None;
+            for index in list(&p.join("gids")) {
+                let gid = read(&p.join("gids").join(&index)).unwrap_or_default();
+                if gid.is_empty() || gid.chars().all(|c| c == '0' || c == ':') {
+                    continue;
+                }
+                let kind = read(&p.join("gid_attrs/types").join(&index)).unwrap_or_default();
+                netdev = netdev.or_else(|| read(&p.join("gid_attrs/ndevs").join(&index)));
+                gids.push((index.parse().unwrap_or(0), gid, kind));
+            }
+            gids.sort();
+            out.push(Port {
+                device: device.clone(),
+                port: port.parse().unwrap_or(0),
+                state: read(&p.join("state")).unwrap_or_default(),
+                link_layer: read(&p.join("link_layer")).unwrap_or_default(),
+                gids,
+                netdev_mtu: netdev.and_then(|n| {
+                    read(&sys.join("class/net").join(n).join("mtu"))?
+                        .parse()
+                        .ok()
+                }),
+            });
+        }
+    }
+    out
+}
+
+/// Reads the machine-dependent facts; the caller fills in the backend, NICs, sizes and
+/// libfabric's providers.
+pub fn gather(sys: &Path, dev: &Path, proc_root: &Path) -> Facts {
+    let uverbs = list(&dev.join("infiniband"))
+        .into_iter()
+        .filter(|n| n.starts_with("uverbs"))
+        .map(|n| {
+            let path = dev.join("infiniband").join(&n);
+            let ok = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .is_ok();
+            (path.display().to_string(), ok)
+        })
+        .collect();
+    let kernel = read(&proc_root.join("sys/kernel/osrelease")).and_then(|r| {
+        let mut it = r
+            .split(|c: char| !c.is_ascii_digit())
+            .filter(|s| !s.is_empty());
+        Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
+    });
+    Facts {
+        memlock_bytes: memlock_limit(proc_root),
+        uverbs,
+        ports: ports(sys),
+        gpus: super::sysfs::read(sys).gpus.len(),
+        kernel,
+        nvidia_peermem: sys.join("module/nvidia_peermem").exists(),
+        gdrdrv: dev.join("gdrdrv").exists(),
+        ..Facts::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(checks: &[Check], name: &str) -> Status {
+        checks.iter().find(|c| c.name == name).unwrap().status
+    }
+
+    fn healthy_roce() -> Facts {
+        Facts {
+            backend: "verbs".into(),
+            nics: vec!["rxe0".into()],
+            memlock_bytes: None,
+            register_bytes: 1 << 30,
+            uverbs: vec![("/dev/infiniband/uverbs0".into(), true)],
+            ports: vec![Port {
+                device: "rxe0".into(),
+                port: 1,
+                state: "4: ACTIVE".into(),
+                link_layer: "Ethernet".into(),
+                gids: vec![
+                    (0, "fe80::1".into(), "IB/RoCE v1".into()),
+                    (1, "fe80::1".into(), "RoCE v2".into()),
+                ],
+                netdev_mtu: Some(1500),
+            }],
+            kernel: Some((6, 1)),
+            ..Facts::default()
+        }
+    }
+
+    #[test]
+    fn a_healthy_roce_machine_passes_everything_that_applies() {
+        let checks = evaluate(&healthy_roce());
+        assert!(
+            checks
+                .iter()
+                .all(|c| matches!(c.status, Status::Pass | Status::Skip)),
+            "{checks:#?}"
+        );
+        assert_eq!(status(&checks, "ports active"), Status::Pass);
+    }
+
+    #[test]
+    fn each_setup_failure_is_named_with_its_fix() {
+        let mut f = healthy_roce();
+        f.memlock_bytes = Some(64 << 10);
+        f.ports[0].state = "1: DOWN".into();
+        f.ports[0].gids.retain(|g| g.2 != "RoCE v2");
+        let checks = evaluate(&f);
+        let memlock = checks.iter().find(|c| c.name == "memlock").unwrap();
+        assert_eq!(memlock.status, Status::Fail);
+        assert!(
+            memlock.detail.contains("65536")
+                && memlock.fix.as_deref().unwrap().contains("ulimit -l")
+        );
+        assert_eq!(status(&checks, "ports active"), Status::Fail);
+        assert_eq!(status(&checks, "RoCE v2 GID"), Status::Warn);
+    }
+
+    #[test]
+    fn no_rdma_at_all_fails_verbs_but_not_the_mock() {
+        let mut f = healthy_roce();
+        f.uverbs.clear();
+        f.ports.clear();
+        let checks = evaluate(&f);
+        assert_eq!(status(&checks, "rdma devices"), Status::Fail);
+        assert_eq!(status(&checks, "ports active"), Status::Fail);
+        f.backend = "mock".into();
+        assert!(evaluate(&f).iter().all(|c| c.status == Status::Skip));
+    }
+
+    #[test]
+    fn gpus_need_dmabuf_or_peermem_and_mtus_should_match() {
+        let mut f = healthy_roce();
+        f.gpus = 8;
+        f.kernel = Some((5, 4));
+        let checks = evaluate(&f);
+        assert_eq!(status(&checks, "GPU memory registration"), Status::Fail);
+        assert_eq!(status(&checks, "GDRCopy"), Status::Warn);
+        f.nvidia_peermem = true;
+        let mut second = f.ports[0].clone();
+        second.device = "rxe1".into();
+        second.netdev_mtu = Some(9000);
+        f.ports.push(second);
+        f.nics.push("rxe1".into());
+        let checks = evaluate(&f);
+        assert_eq!(status(&checks, "GPU memory registration"), Status::Pass);
+        assert_eq!(status(&checks, "MTU consistent"), Status::Warn);
+        assert_eq!(roce_mtu(1500), 1024);
+        assert_eq!(roce_mtu(9000), 4096);
+    }
+
+    #[test]
+    fn a_missing_libfabric_provider_lists_the_offered_ones() {
+        let f = Facts {
+            backend: "efa".into(),
+            libfabric_provider: Some("efa".into()),
+            libfabric_providers: Some(vec!["shm".into(), "tcp;ofi_rxm".into()]),
+            ..Facts::default()
+        };
+        let c = evaluate(&f)
+            .into_iter()
+            .find(|c| c.name == "libfabric provider")
+            .unwrap();
+        assert_eq!(c.status, Status::Fail);
+        assert!(c.detail.contains("shm"));
+    }
+
+    #[test]
+    fn this_machine_can_be_read() {
+        let f = gather(Path::new("/sys"), Path::new("/dev"), Path::new("/proc"));
+        assert!(
+            f.kernel.is_some_and(|(major, _)| major >= 3),
+            "{:?}",
+            f.kernel
+        );
+        let port_dirs: usize = list(Path::new("/sys/class/infiniband"))
+            .iter()
+            .map(|d| list(&Path::new("/sys/class/infiniband").join(d).join("ports")).len())
+            .sum();
+        assert_eq!(f.ports.len(), port_dirs);
+    }
+}

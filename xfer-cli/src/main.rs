@@ -1,0 +1,358 @@
+//! `xfer topo | info | doctor`: what the machine looks like to xfer, which backends it has,
+//! and why a set-up would fail. Every command takes `--json`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use engine_core::plugin::{abi, find_backend, Backend, PLUGIN_PATH_ENV};
+use engine_core::topo::{self, doctor};
+use engine_core::Config;
+use serde::Serialize;
+
+#[derive(Parser)]
+#[command(
+    name = "xfer",
+    about = "xfer: topology, backends and set-up diagnostics"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    /// Print JSON.
+    #[arg(long, global = true)]
+    json: bool,
+    /// Config file (else $XFER_CONFIG, else the built-in mock config).
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+    /// sysfs root to read (a fixture tree in tests).
+    #[arg(long, global = true, default_value = "/sys")]
+    sysfs: PathBuf,
+    /// /dev root to check (tests).
+    #[arg(long, global = true, default_value = "/dev", hide = true)]
+    dev: PathBuf,
+    /// /proc root to read (tests).
+    #[arg(long, global = true, default_value = "/proc", hide = true)]
+    proc: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// The GPU/NIC matrix like `nvidia-smi topo -m`, and the proposed groups and CPUs.
+    Topo {
+        /// Most NICs per group.
+        #[arg(long, default_value_t = 4)]
+        max_nics: usize,
+    },
+    /// Backends (built in and plugins), devices per backend, and the effective config.
+    Info,
+    /// Checks that would make transfers fail, each with its fix; exits 1 if any fails.
+    Doctor {
+        /// Bytes the application will register (checked against the memlock limit).
+        #[arg(long, default_value_t = 1 << 30)]
+        register_bytes: u64,
+    },
+}
+
+#[derive(Serialize)]
+struct TopoReport {
+    devices: Vec<String>,
+    matrix: Vec<Vec<String>>,
+    numa: Vec<Option<u32>>,
+    groups: Vec<topo::GroupProposal>,
+}
+
+fn topo_cmd(cli: &Cli, max_nics: usize) -> ExitCode {
+    let t = topo::sysfs::read(&cli.sysfs);
+    let devices: Vec<String> = t
+        .gpus
+        .iter()
+        .chain(&t.nics)
+        .map(|d| d.name.clone())
+        .collect();
+    let matrix: Vec<Vec<String>> = topo::matrix(&t)
+        .iter()
+        .map(|r| r.iter().map(|l| l.to_string()).collect())
+        .collect();
+    let numa = t.gpus.iter().chain(&t.nics).map(|d| d.numa).collect();
+    let report = TopoReport {
+        devices,
+        matrix,
+        numa,
+        groups: topo::propose(&t, max_nics),
+    };
+    if cli.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).expect("serializes")
+        );
+        return ExitCode::SUCCESS;
+    }
+    if report.devices.is_empty() {
+        println!("no GPU and no RDMA NIC under {}", cli.sysfs.display());
+    } else {
+        print!("{:>10}", "");
+        report.devices.iter().for_each(|d| print!("{d:>10}"));
+        println!("{:>10}", "NUMA");
+        for (d, (row, numa)) in report
+            .devices
+            .iter()
+            .zip(report.matrix.iter().zip(&report.numa))
+        {
+            print!("{d:>10}");
+            row.iter().for_each(|l| print!("{l:>10}"));
+            println!("{:>10}", numa.map_or("-".into(), |n| n.to_string()));
+        }
+        println!("\nLegend: X = self, PIX = one PCIe bridge/switch, PXB = several bridges, PHB = PCIe host bridge, NODE = between host bridges of a NUMA node (or a virtual NIC), SYS = across NUMA nodes");
+    }
+    println!("\nProposed groups:");
+    if report.groups.is_empty() {
+        println!("  none: no RDMA NIC found");
+    }
+    for g in &report.groups {
+        let link = g.link.map_or("-".into(), |l| l.to_string());
+        let cpu = g.worker_cpu.map_or("-".into(), |c| c.to_string());
+        println!(
+            "  {:>6}: nics {:?} (link {link}), worker_cpu {cpu}",
+            g.gpu.as_deref().unwrap_or("host"),
+            g.nics
+        );
+        if let Some(n) = &g.note {
+            println!("          note: {n}");
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+#[derive(Serialize)]
+struct PluginInfo {
+    path: String,
+    backend: Option<String>,
+    abi_version: Option<u32>,
+    error: Option<String>,
+}
+
+#[derive(Serialize)]
+struct InfoReport {
+    builtin_backends: Vec<String>,
+    plugin_abi_version: u32,
+    plugins: Vec<PluginInfo>,
+    rdma_ports: Vec<doctor::Port>,
+    libfabric: Result<BTreeMap<String, Vec<String>>, String>,
+    config: String,
+}
+
+/// Plugins on `$XFER_PLUGIN_PATH`, each loaded and checked as the engine would.
+fn plugins() -> Vec<PluginInfo> {
+    let dirs: Vec<PathBuf> = std::env::var_os(PLUGIN_PATH_ENV)
+        .map(|v| std::env::split_paths(&v).collect())
+        .unwrap_or_default();
+    let mut out = Vec::new();
+    for dir in dirs {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let Some(file) = path.file_name().and_then(|f| f.to_str()) else {
+                continue;
+            };
+            let Some(stem) = file.strip_prefix("lib").and_then(|f| f.strip_suffix(".so")) else {
+                continue;
+            };
+            let name = stem
+                .trim_start_matches("xfer_")
+                .trim_start_matches("backend_");
+            let info = match find_backend(name, Some(&path)) {
+                Ok(b) => PluginInfo {
+                    path: path.display().to_string(),
+                    backend: Some(b.name().to_owned()),
+                    abi_version: Some(abi::ABI_VERSION),
+                    error: None,
+                },
+                Err(engine_core::plugin::PluginError::AbiMismatch { found, .. }) => PluginInfo {
+                    path: path.display().to_string(),
+                    backend: Some(name.to_owned()),
+                    abi_version: Some(found),
+                    error: Some("ABI version mismatch".into()),
+                },
+                Err(e) => PluginInfo {
+                    path: path.display().to_string(),
+                    backend: None,
+                    abi_version: None,
+                    error: Some(e.to_string()),
+                },
+            };
+            out.push(info);
+        }
+    }
+    out
+}
+
+fn load_config(cli: &Cli) -> Result<Config, String> {
+    Config::load(cli.config.as_deref()).map_err(|e| e.to_string())
+}
+
+fn info_cmd(cli: &Cli) -> ExitCode {
+    let config = match load_config(cli) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("xfer: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut libfabric: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let providers = backend_efa::providers().map(|list| {
+        for (p, d) in list {
+            libfabric.entry(p).or_default().push(d);
+        }
+        libfabric
+    });
+    let report = InfoReport {
+        builtin_backends: Backend::builtin_names(),
+        plugin_abi_version: abi::ABI_VERSION,
+        plugins: plugins(),
+        rdma_ports: doctor::ports(&cli.sysfs),
+        libfabric: providers,
+        config: format!("{config:#?}"),
+    };
+    if cli.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).expect("serializes")
+        );
+        return ExitCode::SUCCESS;
+    }
+    println!(
+        "Built-in backends: {} (plugin ABI version {})",
+        report.builtin_backends.join(", "),
+        report.plugin_abi_version
+    );
+    if report.plugins.is_empty() {
+        println!("Plugins on ${PLUGIN_PATH_ENV}: none");
+    }
+    for p in &report.plugins {
+        println!(
+            "Plugin {}: backend {:?}, ABI {:?}{}",
+            p.path,
+            p.backend,
+            p.abi_version,
+            p.error
+                .as_ref()
+                .map_or(String::new(), |e| format!(" — {e}"))
+        );
+    }
+    println!("\nverbs devices (sysfs):");
+    if report.rdma_ports.is_empty() {
+        println!("  none (no /sys/class/infiniband entries)");
+    }
+    for p in &report.rdma_ports {
+        let mtu = p.netdev_mtu.map_or("-".into(), |m| {
+            format!("{} (netdev {m})", doctor::roce_mtu(m))
+        });
+        println!(
+            "  {} port {}: {}, {}, MTU {mtu}",
+            p.device, p.port, p.state, p.link_layer
+        );
+        for (i, gid, kind) in &p.gids {
+            println!("    GID[{i}] {gid} {kind}");
+        }
+    }
+    println!("\nlibfabric (RDM endpoints with RMA):");
+    match &report.libfabric {
+        Ok(map) => map
+            .iter()
+            .for_each(|(p, d)| println!("  {p}: domains {d:?}")),
+        Err(e) => println!("  unavailable: {e}"),
+    }
+    println!(
+        "\nEffective config ({}):\n{}",
+        config.source.display(),
+        report.config
+    );
+    ExitCode::SUCCESS
+}
+
+fn doctor_cmd(cli: &Cli, register_bytes: u64) -> ExitCode {
+    let config = match load_config(cli) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("xfer: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut facts = doctor::gather(&cli.sysfs, &cli.dev, &cli.proc);
+    facts.backend = config.backend.clone();
+    facts.nics = config.groups.iter().flat_map(|g| g.nics.clone()).collect();
+    facts.register_bytes = register_bytes;
+    if config.backend == "efa" {
+        let options: Result<backend_efa::EfaOptions, _> =
+            backend_efa::EfaOptions::parse(&config.backend_options());
+        facts.libfabric_provider =
+            Some(options.map(|o| o.provider).unwrap_or_else(|_| "efa".into()));
+        facts.libfabric_providers = backend_efa::providers().ok().map(|l| {
+            let mut v: Vec<String> = l.into_iter().map(|(p, _)| p).collect();
+            v.dedup();
+            v
+        });
+    }
+    let checks = doctor::evaluate(&facts);
+    let failed = checks.iter().any(|c| c.status == doctor::Status::Fail);
+    if cli.json {
+        #[derive(Serialize)]
+        struct Out<'a> {
+            backend: &'a str,
+            ok: bool,
+            checks: &'a [doctor::Check],
+        }
+        let out = Out {
+            backend: &facts.backend,
+            ok: !failed,
+            checks: &checks,
+        };
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&out).expect("serializes")
+        );
+    } else {
+        println!(
+            "xfer doctor: backend {}, NICs {:?}",
+            facts.backend, facts.nics
+        );
+        for c in &checks {
+            println!(
+                "  [{:>4}] {:<24} {}",
+                format!("{:?}", c.status).to_uppercase(),
+                c.name,
+                c.detail
+            );
+            if let Some(fix) = &c.fix {
+                println!("         {:<24} fix: {fix}", "");
+            }
+        }
+        println!(
+            "{}",
+            if failed {
+                "verdict: transfers would FAIL on this set-up"
+            } else {
+                "verdict: OK"
+            }
+        );
+    }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn main() -> ExitCode {
+    backend_mock::link();
+    backend_efa::link();
+    let cli = Cli::parse();
+    match &cli.command {
+        Command::Topo { max_nics } => topo_cmd(&cli, *max_nics),
+        Command::Info => info_cmd(&cli),
+        Command::Doctor { register_bytes } => doctor_cmd(&cli, *register_bytes),
+    }
+}

@@ -1,0 +1,126 @@
+//! The `xfer` command on fixture machines and on this one.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn xfer(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(args)
+        .env_remove("XFER_CONFIG")
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_owned()
+}
+
+fn fixture(name: &str) -> String {
+    root()
+        .join("engine-core/tests/fixtures/sysfs")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+#[test]
+fn topo_prints_the_matrix_and_groups_as_json() {
+    let (code, out) = xfer(&["topo", "--json", "--sysfs", &fixture("h100-8gpu-8nic")]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["devices"].as_array().unwrap().len(), 16);
+    assert_eq!(v["matrix"][0][8], "PIX", "GPU0 and mlx5_0 share a switch");
+    assert_eq!(v["groups"][3]["nics"][0], "mlx5_3");
+    let (code, text) = xfer(&["topo", "--sysfs", &fixture("gpu-without-nic")]);
+    assert_eq!(code, 0);
+    assert!(
+        text.contains("no NIC shares a PCIe switch with GPU1"),
+        "{text}"
+    );
+}
+
+#[test]
+fn doctor_is_green_for_a_healthy_rxe_guest_and_names_what_is_missing_here() {
+    // A fake /dev with an openable uverbs device and an unlimited memlock in a fake /proc.
+    let tmp = std::env::temp_dir().join(format!("xfer-cli-{}", std::process::id()));
+    std::fs::create_dir_all(tmp.join("dev/infiniband")).unwrap();
+    std::fs::write(tmp.join("dev/infiniband/uverbs0"), b"").unwrap();
+    std::fs::create_dir_all(tmp.join("proc/self")).unwrap();
+    std::fs::create_dir_all(tmp.join("proc/sys/kernel")).unwrap();
+    std::fs::write(
+        tmp.join("proc/self/limits"),
+        "Max locked memory         unlimited            unlimited            bytes\n",
+    )
+    .unwrap();
+    std::fs::write(tmp.join("proc/sys/kernel/osrelease"), "6.1.0-28-amd64\n").unwrap();
+    let config = root().join("configs/verbs-rxe.toml").display().to_string();
+    let dev = tmp.join("dev").display().to_string();
+    let proc = tmp.join("proc").display().to_string();
+    let (code, out) = xfer(&[
+        "doctor",
+        "--json",
+        "--config",
+        &config,
+        "--sysfs",
+        &fixture("rxe-guest"),
+        "--dev",
+        &dev,
+        "--proc",
+        &proc,
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!((code, v["ok"].as_bool()), (0, Some(true)), "{out}");
+    assert!(v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|c| c["status"] == "Pass" || c["status"] == "Skip"));
+    // No RDMA device: the verbs config fails, naming the check and the fix.
+    std::fs::remove_file(tmp.join("dev/infiniband/uverbs0")).unwrap();
+    let (code, out) = xfer(&[
+        "doctor",
+        "--config",
+        &config,
+        "--sysfs",
+        &fixture("no-gpu"),
+        "--dev",
+        &dev,
+        "--proc",
+        &proc,
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("[FAIL] rdma devices") && out.contains("fix:"),
+        "{out}"
+    );
+    std::fs::remove_dir_all(&tmp).unwrap();
+    // The mock needs nothing: green on any machine.
+    let (code, out) = xfer(&["doctor"]);
+    assert_eq!(code, 0, "{out}");
+}
+
+#[test]
+fn info_lists_backends_devices_and_libfabric() {
+    let (code, out) = xfer(&["info", "--json", "--sysfs", &fixture("rxe-guest")]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let builtin: Vec<&str> = v["builtin_backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|b| b.as_str())
+        .collect();
+    assert!(
+        builtin.contains(&"mock") && builtin.contains(&"efa"),
+        "{builtin:?}"
+    );
+    assert_eq!(v["rdma_ports"][1]["gids"][1][2], "RoCE v2");
+    assert!(v["libfabric"]["Ok"]["shm"].is_array(), "{}", v["libfabric"]);
+}
