@@ -124,3 +124,37 @@ fn info_lists_backends_devices_and_libfabric() {
     assert_eq!(v["rdma_ports"][1]["gids"][1][2], "RoCE v2");
     assert!(v["libfabric"]["Ok"]["shm"].is_array(), "{}", v["libfabric"]);
 }
+
+/// Inside the soft-RoCE guest (two rxe devices), on the real /sys and /dev:
+/// `cargo xtask rxe --nics 2 -- cargo test -p xfer-cli --test cli -- --ignored`.
+#[test]
+#[ignore = "runs in the rxe guest (cargo xtask test does)"]
+fn in_the_rxe_guest_topology_and_doctor_are_green() {
+    let (code, out) = xfer(&["topo", "--json"]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        v["groups"][0]["nics"],
+        serde_json::json!(["rxe0", "rxe1"]),
+        "{out}"
+    );
+    let config = root().join("configs/verbs-rxe.toml").display().to_string();
+    let (code, out) = xfer(&["doctor", "--json", "--config", &config]);
+    assert_eq!(code, 0, "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    for name in [
+        "rdma devices",
+        "ports active",
+        "RoCE v2 GID",
+        "MTU consistent",
+        "memlock",
+    ] {
+        let c = v["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap();
+        assert_eq!(c["status"], "Pass", "{name}: {c}");
+    }
+}

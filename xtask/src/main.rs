@@ -4,11 +4,14 @@
 //! - `test`: format and lint checks, the whole test suite, the example workloads, and a short
 //!   verified run of the bench — what CI runs.
 //! - `bench`: the mock benchmark sweep in release mode (extra arguments go to transfer-bench).
+//! - `rxe [--nics N] [--timeout S] -- <command>`: runs a command next to N soft-RoCE devices
+//!   in a qemu guest (see `rxe.rs`).
 //! - `fixtures`: rewrites the sysfs fixture trees of the topology tests.
 //! - `bench-efa`: the EFA backend on libfabric's shm provider, next to a raw libfabric write
 //!   loop, then initiator and target in two processes.
 
 mod fixtures;
+mod rxe;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, ExitCode, Stdio};
@@ -112,11 +115,13 @@ fn ensure_packages(packages: &[&str]) -> Result {
 
 fn test() -> Result {
     ensure_packages(PACKAGES)?;
+    ensure_packages(rxe::PACKAGES)?;
     cargo(&["fmt", "--all", "--", "--check"])?;
     cargo(&[
         "clippy",
         "--workspace",
         "--all-targets",
+        "--all-features",
         "--",
         "-D",
         "warnings",
@@ -126,6 +131,29 @@ fn test() -> Result {
     // The plain closing line CI readers look for, whatever happens next.
     println!("xtask test: {} passed, {} failed", totals.0, totals.1);
     tests?;
+    // Real soft-RoCE devices in a qemu guest: topology and doctor on them.
+    let guest = rxe::run(
+        2,
+        std::time::Duration::from_secs(900),
+        &[
+            "cargo",
+            "test",
+            "--quiet",
+            "-p",
+            "xfer-cli",
+            "--test",
+            "cli",
+            "--",
+            "--ignored",
+        ]
+        .map(String::from),
+    )?;
+    if guest != 0 {
+        return Err(format!(
+            "the tests in the rxe guest failed with status {guest}"
+        ));
+    }
+    totals.0 += 1; // the guest's test, counted once
     cargo(&["doc", "--workspace", "--no-deps", "--quiet"])?;
     for example in ["kv_cache", "rl_weight_sync", "moe_dispatch"] {
         cargo(&["run", "--quiet", "-p", "examples", "--bin", example])?;
@@ -141,7 +169,9 @@ fn test() -> Result {
         "--verify",
         "--duration",
         "0.2",
-    ])
+    ])?;
+    println!("xtask test: {} passed, {} failed", totals.0, totals.1);
+    Ok(())
 }
 
 /// The EFA backend's benchmark on shm: loopback next to a raw libfabric loop in the same run,
@@ -204,6 +234,41 @@ fn bench_efa(extra: &[String]) -> Result {
     initiator
 }
 
+/// `rxe [--nics N] [--timeout S] -- command...`
+fn rxe_command(args: &[String]) -> Result {
+    let mut nics = 1;
+    let mut timeout = 600;
+    let mut rest = args;
+    while let Some(flag) = rest.first() {
+        match flag.as_str() {
+            "--nics" | "--timeout" => {
+                let value: u64 = rest
+                    .get(1)
+                    .and_then(|v| v.parse().ok())
+                    .ok_or(format!("{flag} needs a number"))?;
+                if flag == "--nics" {
+                    nics = value as u32;
+                } else {
+                    timeout = value;
+                }
+                rest = &rest[2..];
+            }
+            "--" => {
+                rest = &rest[1..];
+                break;
+            }
+            _ => break,
+        }
+    }
+    let code = rxe::run(nics, std::time::Duration::from_secs(timeout), rest)?;
+    if code != 0 {
+        eprintln!("xtask: the command exited with status {code} in the rxe guest");
+        // The command's own status is ours.
+        std::process::exit(code);
+    }
+    Ok(())
+}
+
 fn bench(extra: &[String]) -> Result {
     let mut args = vec![
         "run",
@@ -225,6 +290,7 @@ fn main() -> ExitCode {
         Some("test") => test(),
         Some("bench") => bench(&args[1..]),
         Some("bench-efa") => bench_efa(&args[1..]),
+        Some("rxe") => rxe_command(&args[1..]),
         Some("fixtures") => fixtures::write_all(std::path::Path::new("engine-core/tests/fixtures/sysfs")).map_err(|e| e.to_string()),
         _ => Err("usage: cargo xtask test | bench [transfer-bench args] | bench-efa [transfer-bench args]".into()),
     };
