@@ -1,8 +1,42 @@
-//! # uvm-watcher (not built yet)
+//! # uvm-watcher: watch u64 slots, fire a callback on every change
 //!
-//! A GPU kernel bumps a u64 in host-visible memory; a pinned CPU thread sees the change and
-//! fires a callback (start the RDMA of a layer the moment it is computed). Until it lands,
-//! `TransferEngine::alloc_uvm_watcher` returns `Error::NotAvailable`.
+//! A producer — a GPU kernel writing device-mapped host memory, or a CPU thread — bumps a
+//! 64-bit value; one polling thread per [`WatcherPool`], pinned to a configured CPU, sees the
+//! change and calls the slot's callback with `(old, new)`. The typical use: start the RDMA of
+//! a layer's KV pages the moment the GPU has computed it, while the next layer computes.
+//!
+//! **Coalescing.** The poller reads each slot once per pass. If a producer writes several
+//! times between two reads, the callback sees one `(old, new)` pair spanning them: no change
+//! is lost (the callback always learns the latest value and where it moved from), but
+//! intermediate values may be skipped. Producers that need every step counted should
+//! increment a counter (as GPUs do) and consumers should look at `new - old`.
+//!
+//! **Memory.** Slots live in blocks of 512 (one 4 KiB page) that never move while the pool
+//! lives. On machines without CUDA the blocks are ordinary host memory — a real feature for
+//! CPU producers, not a stub. With a CUDA driver present (feature `cuda`, loaded at run time)
+//! they are page-locked, device-mapped host memory and [`Watcher::device_ptr`] gives the
+//! address a kernel writes.
+//!
+//! **Threads.** The poller spins while any slot is active and parks when none is. A callback
+//! returns [`Control::Stop`] to free its slot; dropping the [`Watcher`] frees it too.
 
-/// What this crate will provide.
-pub const STATUS: &str = "planned: GPU-to-CPU watcher slots with a host-memory fallback";
+mod memory;
+mod pool;
+
+pub use memory::{MemoryKind, SLOTS_PER_BLOCK};
+pub use pool::{Control, PoolConfig, Watcher, WatcherPool};
+
+/// Why a pool or watcher could not be created.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WatcherError {
+    /// The pool's memory could not be allocated.
+    #[error("cannot allocate watcher memory: {0}")]
+    Memory(String),
+    /// The polling thread could not be started or pinned.
+    #[error("cannot start the watcher thread: {0}")]
+    Thread(String),
+    /// The pool already serves its maximum number of slots.
+    #[error("all {0} watcher slots are in use")]
+    Full(usize),
+}

@@ -1,0 +1,108 @@
+//! The host-memory watcher: many slots, a fast producer, every change observed, slots reused.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use uvm_watcher::{Control, PoolConfig, WatcherPool, SLOTS_PER_BLOCK};
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn every_change_of_many_slots_is_seen_with_nothing_lost() {
+    const WATCHERS: usize = 300;
+    const BUMPS: u64 = 2_000;
+    let pool = WatcherPool::new(PoolConfig::default()).unwrap();
+    // Per slot: the sum of (new - old) the callback saw, and the last `new`.
+    let seen: Arc<Vec<(AtomicU64, AtomicU64)>> = Arc::new((0..WATCHERS).map(|_| (AtomicU64::new(0), AtomicU64::new(0))).collect());
+    let watchers: Vec<_> = (0..WATCHERS)
+        .map(|k| {
+            let seen = Arc::clone(&seen);
+            pool.watch(move |old, new| {
+                assert!(new > old, "a counter only grows");
+                seen[k].0.fetch_add(new - old, Ordering::Relaxed);
+                seen[k].1.store(new, Ordering::Release);
+                Control::Continue
+            })
+            .unwrap()
+        })
+        .collect();
+    assert_eq!(pool.active(), WATCHERS);
+    let producer = {
+        let ptrs: Vec<usize> = watchers.iter().map(|w| w.host_ptr() as usize).collect();
+        std::thread::spawn(move || {
+            for _ in 0..BUMPS {
+                for &p in &ptrs {
+                    // SAFETY: the slots stay allocated while their watchers live (joined below
+                    // before they drop); the slot is an aligned u64 the poller reads atomically.
+                    let cell = unsafe { &*(p as *const AtomicU64) };
+                    cell.fetch_add(1, Ordering::Release);
+                }
+            }
+        })
+    };
+    producer.join().unwrap();
+    wait_until("every final value", || seen.iter().all(|s| s.1.load(Ordering::Acquire) == BUMPS));
+    for (k, s) in seen.iter().enumerate() {
+        assert_eq!(s.0.load(Ordering::Relaxed), BUMPS, "slot {k}: the deltas add up to every bump");
+    }
+    drop(watchers);
+    wait_until("slots to be freed", || pool.active() == 0);
+}
+
+#[test]
+fn a_callback_can_stop_and_slots_are_reused() {
+    let pool = WatcherPool::new(PoolConfig { cpu: None, max_slots: SLOTS_PER_BLOCK }).unwrap();
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let c = Arc::clone(&calls);
+    let w = pool
+        .watch(move |old, new| {
+            c.lock().unwrap().push((old, new));
+            if new >= 3 {
+                Control::Stop
+            } else {
+                Control::Continue
+            }
+        })
+        .unwrap();
+    let first_slot = w.slot();
+    for v in 1..=3 {
+        w.store(v);
+        wait_until("the change", || calls.lock().unwrap().last().map(|x| x.1) == Some(v));
+    }
+    wait_until("the stop to free the slot", || pool.active() == 0);
+    w.store(10);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(calls.lock().unwrap().len(), 3, "no callback after Stop");
+    drop(w); // dropping a stopped watcher is harmless
+    let again = pool.watch(|_, _| Control::Continue).unwrap();
+    assert_eq!(again.slot(), first_slot, "the freed slot is reused");
+    assert_eq!(again.value(), 0, "a reused slot starts at zero");
+}
+
+#[test]
+fn the_pool_refuses_more_slots_than_configured_and_callbacks_may_create_watchers() {
+    let pool = Arc::new(WatcherPool::new(PoolConfig { cpu: None, max_slots: SLOTS_PER_BLOCK }).unwrap());
+    let all: Vec<_> = (0..SLOTS_PER_BLOCK).map(|_| pool.watch(|_, _| Control::Continue).unwrap()).collect();
+    assert!(matches!(pool.watch(|_, _| Control::Continue), Err(uvm_watcher::WatcherError::Full(512))));
+    drop(all);
+    wait_until("free slots", || pool.active() == 0);
+    // A callback that watches another slot (no deadlock: the poller owns the callbacks).
+    let created = Arc::new(Mutex::new(None));
+    let (p, c) = (Arc::clone(&pool), Arc::clone(&created));
+    let w = pool
+        .watch(move |_, _| {
+            *c.lock().unwrap() = Some(p.watch(|_, _| Control::Continue).unwrap());
+            Control::Stop
+        })
+        .unwrap();
+    w.store(1);
+    wait_until("the nested watcher", || created.lock().unwrap().is_some());
+    assert_eq!(pool.active(), 1);
+}
