@@ -77,6 +77,7 @@ pub struct TransferEngine {
     peer_groups: Mutex<HashMap<u64, HashSet<NetAddr>>>,
     next_id: AtomicU64,
     next_first_nic: AtomicUsize,
+    watchers: std::sync::OnceLock<uvm_watcher::WatcherPool>,
     worker: Option<JoinHandle<()>>,
     callbacks: Option<JoinHandle<()>>,
 }
@@ -146,6 +147,7 @@ impl TransferEngine {
             peer_groups: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             next_first_nic: AtomicUsize::new(0),
+            watchers: std::sync::OnceLock::new(),
             worker: Some(worker.thread),
             callbacks: Some(callbacks),
         })
@@ -605,13 +607,30 @@ impl TransferEngine {
         self.shared.lock_imm().count(imm)
     }
 
-    /// Allocates a watcher slot that fires `cb(old, new)` when its value changes. Served by
-    /// the `uvm-watcher` crate; the engine alone does not provide one.
-    pub fn alloc_uvm_watcher(&self, cb: impl FnMut(u64, u64) + Send + 'static) -> Result<()> {
-        drop(cb);
-        Err(Error::NotAvailable(
-            "alloc_uvm_watcher needs the uvm-watcher crate, which is not built yet".into(),
-        ))
+    /// Allocates a watcher slot: a u64 that a producer (a GPU kernel through
+    /// `Watcher::device_ptr`, or a CPU thread) bumps; `cb(old, new)` runs on the engine's
+    /// pinned watcher thread at each change it sees (changes between two polls coalesce into
+    /// one call; see the `uvm_watcher` crate). Return `Control::Stop` to free the slot. The
+    /// callback may submit transfers: the typical use starts a layer's RDMA when the GPU
+    /// signals the layer is computed.
+    pub fn alloc_uvm_watcher(
+        &self,
+        cb: impl FnMut(u64, u64) -> uvm_watcher::Control + Send + 'static,
+    ) -> Result<uvm_watcher::Watcher> {
+        let pool = match self.watchers.get() {
+            Some(p) => p,
+            None => {
+                let w = self.shared.config.watcher;
+                let pool = uvm_watcher::WatcherPool::new(uvm_watcher::PoolConfig {
+                    cpu: w.cpu,
+                    max_slots: w.max_slots,
+                })?;
+                // Another thread may have won the race; its pool is used and ours dropped.
+                let _ = self.watchers.set(pool);
+                self.watchers.get().expect("set above")
+            }
+        };
+        Ok(pool.watch(cb)?)
     }
 }
 

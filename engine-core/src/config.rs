@@ -140,6 +140,25 @@ impl Default for WorkerConfig {
     }
 }
 
+/// The uvm-watcher pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WatcherConfig {
+    /// CPU to pin the polling thread to (none: not pinned).
+    pub cpu: Option<usize>,
+    /// Most watcher slots (rounded up to blocks of 512).
+    pub max_slots: usize,
+}
+
+impl Default for WatcherConfig {
+    fn default() -> Self {
+        Self {
+            cpu: None,
+            max_slots: 2048,
+        }
+    }
+}
+
 /// A whole configuration.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -163,6 +182,9 @@ pub struct Config {
     /// Worker spinning and limits.
     #[serde(default)]
     pub worker: WorkerConfig,
+    /// The uvm-watcher pool.
+    #[serde(default)]
+    pub watcher: WatcherConfig,
     /// Each backend's own table, `[backends.<name>]`, handed to it as TOML.
     #[serde(default)]
     pub backends: toml::Table,

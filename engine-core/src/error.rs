@@ -65,6 +65,9 @@ pub enum Error {
         /// The backend's own message (status names, provider text).
         message: String,
     },
+    /// A watcher slot could not be allocated.
+    #[error(transparent)]
+    Watcher(#[from] uvm_watcher::WatcherError),
     /// The feature is not available in this build or on this machine.
     #[error("not available: {0}")]
     NotAvailable(String),

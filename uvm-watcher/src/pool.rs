@@ -39,8 +39,15 @@ impl Default for PoolConfig {
 /// What handles ask of the poller, which alone owns the callbacks (so a callback may create
 /// or drop watchers without deadlocking).
 enum Command {
-    Watch { index: usize, generation: u64, callback: Callback },
-    Unwatch { index: usize, generation: u64 },
+    Watch {
+        index: usize,
+        generation: u64,
+        callback: Callback,
+    },
+    Unwatch {
+        index: usize,
+        generation: u64,
+    },
 }
 
 struct Shared {
@@ -58,7 +65,10 @@ struct Shared {
 
 impl Shared {
     fn command(&self, cmd: Command) {
-        self.commands.lock().unwrap_or_else(|p| p.into_inner()).push(cmd);
+        self.commands
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(cmd);
         if let Some(t) = &*self.poller.lock().unwrap_or_else(|p| p.into_inner()) {
             t.unpark();
         }
@@ -73,7 +83,9 @@ pub struct WatcherPool {
 
 impl std::fmt::Debug for WatcherPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WatcherPool").field("active", &self.shared.active.load(Ordering::Relaxed)).finish()
+        f.debug_struct("WatcherPool")
+            .field("active", &self.shared.active.load(Ordering::Relaxed))
+            .finish()
     }
 }
 
@@ -87,7 +99,10 @@ pub struct Watcher {
 
 impl std::fmt::Debug for Watcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Watcher").field("slot", &self.index).field("value", &self.value()).finish()
+        f.debug_struct("Watcher")
+            .field("slot", &self.index)
+            .field("value", &self.value())
+            .finish()
     }
 }
 
@@ -139,7 +154,10 @@ impl Drop for Watcher {
     fn drop(&mut self) {
         // The generation makes this a no-op if the callback already freed the slot and it was
         // handed to another watcher since.
-        self.shared.command(Command::Unwatch { index: self.index, generation: self.generation });
+        self.shared.command(Command::Unwatch {
+            index: self.index,
+            generation: self.generation,
+        });
     }
 }
 
@@ -164,7 +182,9 @@ impl WatcherPool {
             .spawn(move || {
                 if let Some(cpu) = config.cpu {
                     if !core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
-                        let _ = ready_tx.send(Err(WatcherError::Thread(format!("cannot pin to CPU {cpu}"))));
+                        let _ = ready_tx.send(Err(WatcherError::Thread(format!(
+                            "cannot pin to CPU {cpu}"
+                        ))));
                         return;
                     }
                 }
@@ -173,20 +193,41 @@ impl WatcherPool {
             })
             .map_err(|e| WatcherError::Thread(e.to_string()))?;
         *shared.poller.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread.thread().clone());
-        ready_rx.recv().map_err(|e| WatcherError::Thread(e.to_string()))??;
-        Ok(Self { shared, thread: Some(thread) })
+        ready_rx
+            .recv()
+            .map_err(|e| WatcherError::Thread(e.to_string()))??;
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+        })
     }
 
     /// Watches a new slot (starting at 0): `callback(old, new)` runs on the polling thread
     /// at each change it sees. Keep it short; it may submit transfers.
-    pub fn watch(&self, callback: impl FnMut(u64, u64) -> Control + Send + 'static) -> Result<Watcher, WatcherError> {
+    pub fn watch(
+        &self,
+        callback: impl FnMut(u64, u64) -> Control + Send + 'static,
+    ) -> Result<Watcher, WatcherError> {
         let index = self.take_slot()?;
-        let block = Arc::clone(&self.shared.blocks.lock().unwrap_or_else(|p| p.into_inner())[index / SLOTS_PER_BLOCK]);
-        block.slot(index % SLOTS_PER_BLOCK).store(0, Ordering::Release);
+        let block = Arc::clone(
+            &self.shared.blocks.lock().unwrap_or_else(|p| p.into_inner())[index / SLOTS_PER_BLOCK],
+        );
+        block
+            .slot(index % SLOTS_PER_BLOCK)
+            .store(0, Ordering::Release);
         let generation = self.shared.next_generation.fetch_add(1, Ordering::Relaxed);
         self.shared.active.fetch_add(1, Ordering::AcqRel);
-        self.shared.command(Command::Watch { index, generation, callback: Box::new(callback) });
-        Ok(Watcher { shared: Arc::clone(&self.shared), block, index, generation })
+        self.shared.command(Command::Watch {
+            index,
+            generation,
+            callback: Box::new(callback),
+        });
+        Ok(Watcher {
+            shared: Arc::clone(&self.shared),
+            block,
+            index,
+            generation,
+        })
     }
 
     /// Slots being watched.
@@ -195,11 +236,21 @@ impl WatcherPool {
     }
 
     fn take_slot(&self) -> Result<usize, WatcherError> {
-        if let Some(i) = self.shared.free.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+        if let Some(i) = self
+            .shared
+            .free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+        {
             return Ok(i);
         }
         let mut blocks = self.shared.blocks.lock().unwrap_or_else(|p| p.into_inner());
-        let mut created = self.shared.created.lock().unwrap_or_else(|p| p.into_inner());
+        let mut created = self
+            .shared
+            .created
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         if *created >= self.shared.max_slots {
             return Err(WatcherError::Full(self.shared.max_slots));
         }
@@ -240,18 +291,35 @@ fn poll_loop(shared: &Shared) {
     let mut rounds = 0u32;
     let mut freed = Vec::new();
     while !shared.stop.load(Ordering::Acquire) {
-        let commands = std::mem::take(&mut *shared.commands.lock().unwrap_or_else(|p| p.into_inner()));
+        let commands =
+            std::mem::take(&mut *shared.commands.lock().unwrap_or_else(|p| p.into_inner()));
         for cmd in commands {
             match cmd {
-                Command::Watch { index, generation, callback } => {
+                Command::Watch {
+                    index,
+                    generation,
+                    callback,
+                } => {
                     if watches.len() <= index {
                         watches.resize_with(index + 1, || None);
                     }
-                    let block = Arc::clone(&shared.blocks.lock().unwrap_or_else(|p| p.into_inner())[index / SLOTS_PER_BLOCK]);
-                    watches[index] = Some(Watch { generation, callback, last: 0, cell: (block, index % SLOTS_PER_BLOCK) });
+                    let block = Arc::clone(
+                        &shared.blocks.lock().unwrap_or_else(|p| p.into_inner())
+                            [index / SLOTS_PER_BLOCK],
+                    );
+                    watches[index] = Some(Watch {
+                        generation,
+                        callback,
+                        last: 0,
+                        cell: (block, index % SLOTS_PER_BLOCK),
+                    });
                 }
                 Command::Unwatch { index, generation } => {
-                    if watches.get(index).and_then(Option::as_ref).is_some_and(|w| w.generation == generation) {
+                    if watches
+                        .get(index)
+                        .and_then(Option::as_ref)
+                        .is_some_and(|w| w.generation == generation)
+                    {
                         watches[index] = None;
                         freed.push(index);
                     }
@@ -265,7 +333,8 @@ fn poll_loop(shared: &Shared) {
                 continue;
             }
             let old = std::mem::replace(&mut w.last, now);
-            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (w.callback)(old, now)));
+            let outcome =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (w.callback)(old, now)));
             if !matches!(outcome, Ok(Control::Continue)) {
                 if outcome.is_err() {
                     tracing::error!(slot = i, "a watcher callback panicked; its slot is freed");
@@ -275,10 +344,22 @@ fn poll_loop(shared: &Shared) {
             }
         }
         if !freed.is_empty() {
-            shared.active.fetch_sub(freed.len() as u64, Ordering::AcqRel);
-            shared.free.lock().unwrap_or_else(|p| p.into_inner()).append(&mut freed);
+            shared
+                .active
+                .fetch_sub(freed.len() as u64, Ordering::AcqRel);
+            shared
+                .free
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .append(&mut freed);
         }
-        if shared.active.load(Ordering::Acquire) == 0 && shared.commands.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+        if shared.active.load(Ordering::Acquire) == 0
+            && shared
+                .commands
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty()
+        {
             // Nothing to watch: sleep until a handle unparks us (or shutdown).
             std::thread::park_timeout(std::time::Duration::from_millis(100));
             continue;

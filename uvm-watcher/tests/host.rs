@@ -20,7 +20,11 @@ fn every_change_of_many_slots_is_seen_with_nothing_lost() {
     const BUMPS: u64 = 2_000;
     let pool = WatcherPool::new(PoolConfig::default()).unwrap();
     // Per slot: the sum of (new - old) the callback saw, and the last `new`.
-    let seen: Arc<Vec<(AtomicU64, AtomicU64)>> = Arc::new((0..WATCHERS).map(|_| (AtomicU64::new(0), AtomicU64::new(0))).collect());
+    let seen: Arc<Vec<(AtomicU64, AtomicU64)>> = Arc::new(
+        (0..WATCHERS)
+            .map(|_| (AtomicU64::new(0), AtomicU64::new(0)))
+            .collect(),
+    );
     let watchers: Vec<_> = (0..WATCHERS)
         .map(|k| {
             let seen = Arc::clone(&seen);
@@ -48,9 +52,15 @@ fn every_change_of_many_slots_is_seen_with_nothing_lost() {
         })
     };
     producer.join().unwrap();
-    wait_until("every final value", || seen.iter().all(|s| s.1.load(Ordering::Acquire) == BUMPS));
+    wait_until("every final value", || {
+        seen.iter().all(|s| s.1.load(Ordering::Acquire) == BUMPS)
+    });
     for (k, s) in seen.iter().enumerate() {
-        assert_eq!(s.0.load(Ordering::Relaxed), BUMPS, "slot {k}: the deltas add up to every bump");
+        assert_eq!(
+            s.0.load(Ordering::Relaxed),
+            BUMPS,
+            "slot {k}: the deltas add up to every bump"
+        );
     }
     drop(watchers);
     wait_until("slots to be freed", || pool.active() == 0);
@@ -58,7 +68,11 @@ fn every_change_of_many_slots_is_seen_with_nothing_lost() {
 
 #[test]
 fn a_callback_can_stop_and_slots_are_reused() {
-    let pool = WatcherPool::new(PoolConfig { cpu: None, max_slots: SLOTS_PER_BLOCK }).unwrap();
+    let pool = WatcherPool::new(PoolConfig {
+        cpu: None,
+        max_slots: SLOTS_PER_BLOCK,
+    })
+    .unwrap();
     let calls = Arc::new(Mutex::new(Vec::new()));
     let c = Arc::clone(&calls);
     let w = pool
@@ -74,7 +88,9 @@ fn a_callback_can_stop_and_slots_are_reused() {
     let first_slot = w.slot();
     for v in 1..=3 {
         w.store(v);
-        wait_until("the change", || calls.lock().unwrap().last().map(|x| x.1) == Some(v));
+        wait_until("the change", || {
+            calls.lock().unwrap().last().map(|x| x.1) == Some(v)
+        });
     }
     wait_until("the stop to free the slot", || pool.active() == 0);
     w.store(10);
@@ -88,9 +104,20 @@ fn a_callback_can_stop_and_slots_are_reused() {
 
 #[test]
 fn the_pool_refuses_more_slots_than_configured_and_callbacks_may_create_watchers() {
-    let pool = Arc::new(WatcherPool::new(PoolConfig { cpu: None, max_slots: SLOTS_PER_BLOCK }).unwrap());
-    let all: Vec<_> = (0..SLOTS_PER_BLOCK).map(|_| pool.watch(|_, _| Control::Continue).unwrap()).collect();
-    assert!(matches!(pool.watch(|_, _| Control::Continue), Err(uvm_watcher::WatcherError::Full(512))));
+    let pool = Arc::new(
+        WatcherPool::new(PoolConfig {
+            cpu: None,
+            max_slots: SLOTS_PER_BLOCK,
+        })
+        .unwrap(),
+    );
+    let all: Vec<_> = (0..SLOTS_PER_BLOCK)
+        .map(|_| pool.watch(|_, _| Control::Continue).unwrap())
+        .collect();
+    assert!(matches!(
+        pool.watch(|_, _| Control::Continue),
+        Err(uvm_watcher::WatcherError::Full(512))
+    ));
     drop(all);
     wait_until("free slots", || pool.active() == 0);
     // A callback that watches another slot (no deadlock: the poller owns the callbacks).
