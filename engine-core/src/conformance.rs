@@ -727,17 +727,27 @@ pub fn shutdown_fails_waiting(h: &dyn Harness) {
 }
 
 /// Expands to one `#[test]` per conformance check, each run with the given harness value.
+///
+/// `conformance_suite!(ignored = "why", harness)` marks every test `#[ignore]`, for backends
+/// whose devices exist only somewhere else (the rxe guest runs them with `--ignored`).
 #[macro_export]
 macro_rules! conformance_suite {
-    ($harness:expr) => {
-        $crate::conformance_suite!(@tests $harness;
+    (ignored = $why:literal, $harness:expr) => {
+        $crate::conformance_suite!(@tests [ignore = $why] $harness;
             single_write, write_at_offsets_without_imm, striping, paged_writes, scatter, barrier,
             send_recv, imm_counts, expectation_times_out, bad_input, remote_access_error,
             dead_peer, exactly_once, callbacks_can_submit, shutdown_fails_waiting);
     };
-    (@tests $harness:expr; $($name:ident),* $(,)?) => {
+    ($harness:expr) => {
+        $crate::conformance_suite!(@tests [cfg_attr(any(), ignore)] $harness;
+            single_write, write_at_offsets_without_imm, striping, paged_writes, scatter, barrier,
+            send_recv, imm_counts, expectation_times_out, bad_input, remote_access_error,
+            dead_peer, exactly_once, callbacks_can_submit, shutdown_fails_waiting);
+    };
+    (@tests [$attr:meta] $harness:expr; $($name:ident),* $(,)?) => {
         $(
             #[test]
+            #[$attr]
             fn $name() {
                 let harness = $harness;
                 if let Some(why) = $crate::conformance::Harness::skip(&harness, stringify!($name)) {

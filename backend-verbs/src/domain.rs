@@ -1,0 +1,851 @@
+//! One RDMA device as an xfer Domain: RC QPs per peer, connected lazily through a handshake
+//! on the device's UD QP.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use engine_core::domain::{
+    Device as MemDevice, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion,
+    PostStatus, Registration, WriteRequest,
+};
+use engine_core::NetAddr;
+
+use crate::ffi::{
+    self, Attr, Device, Mr, Qp, Wc, Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV,
+};
+use crate::options::VerbsOptions;
+use crate::wire::{choose_gid, GidEntry, Handshake, Kind, VerbsAddr};
+
+/// A write or send waiting for its peer's connection.
+enum Queued {
+    Write(Write),
+    Send { wr_id: u64, data: Vec<u8> },
+}
+
+enum Peer {
+    Connecting {
+        request_id: u64,
+        data: Qp,
+        msg: Qp,
+        data_psn: u32,
+        msg_psn: u32,
+        deadline: Instant,
+        last_sent: Instant,
+        queued: VecDeque<Queued>,
+    },
+    Connected {
+        data: Qp,
+        msg: Qp,
+        /// Posts that found the send queue full, retried after polling.
+        queued: VecDeque<Queued>,
+        request_id: u64,
+    },
+}
+
+struct Region {
+    base: u64,
+    len: u64,
+    mr: Mr,
+}
+
+struct MsgBuffer {
+    data: Box<[u8]>,
+    mr: Mr,
+}
+
+struct SendBuffer {
+    _data: Box<[u8]>,
+    _mr: Mr,
+}
+
+/// Receive work-request ids of message buffers carry this tag.
+const MSG_TAG: u64 = 1 << 62;
+
+/// An RDMA device.
+pub struct VerbsDomain {
+    // Drop order: QPs, registrations and buffers before the device.
+    peers: HashMap<NetAddr, Peer>,
+    /// QPs of failed connections, kept until the device closes so their flushed completions
+    /// can still be read.
+    graveyard: Vec<Qp>,
+    regions: HashMap<u64, Region>,
+    msg_buffers: Vec<MsgBuffer>,
+    free_msg_buffers: Vec<usize>,
+    sends: HashMap<u64, SendBuffer>,
+    device: Device,
+    attr: Attr,
+    me: VerbsAddr,
+    address: NetAddr,
+    name: String,
+    options: VerbsOptions,
+    next_key: u64,
+    /// QP number → the peer it talks to.
+    qp_peer: HashMap<u32, NetAddr>,
+    done: Vec<Event>,
+    /// The response given to each peer's latest request, resent if the request repeats.
+    answers: HashMap<NetAddr, Handshake>,
+    wcs: Vec<Wc>,
+    rng: fastrand::Rng,
+}
+
+fn err(kind: DomainErrorKind, message: impl Into<String>) -> DomainError {
+    DomainError::new(kind, message)
+}
+
+fn other(message: String) -> DomainError {
+    err(DomainErrorKind::Other, message)
+}
+
+/// Maps a failed work completion to the engine's kinds.
+fn classify(status: i32) -> DomainErrorKind {
+    match status {
+        10 | 9 => DomainErrorKind::RemoteAccess, // REM_ACCESS_ERR, REM_INV_REQ_ERR
+        12 | 13 | 5 => DomainErrorKind::PeerUnreachable, // RETRY_EXC, RNR_RETRY_EXC, WR_FLUSH
+        _ => DomainErrorKind::Other,
+    }
+}
+
+impl VerbsDomain {
+    /// Opens the device named `config.nic`.
+    pub fn open(config: &DomainConfig<'_>) -> Result<Self, DomainError> {
+        let options = VerbsOptions::parse(config.options)?;
+        let mut device = Device::open(config.nic, options.port).map_err(|e| {
+            err(
+                DomainErrorKind::InvalidArgument,
+                format!(
+                    "{e}; devices present: {:?} (see `xfer doctor`)",
+                    ffi::devices()
+                ),
+            )
+        })?;
+        let gid_index = match options.gid_index {
+            Some(i) => i,
+            None => {
+                let mut entries = Vec::new();
+                for index in 0.. {
+                    match device.gid(index) {
+                        Ok(Some((gid, roce_v2))) => entries.push(GidEntry {
+                            index: index as u32,
+                            gid,
+                            roce_v2,
+                        }),
+                        Ok(None) => {}
+                        Err(()) => break,
+                    }
+                }
+                choose_gid(&entries).ok_or_else(|| {
+                    err(
+                        DomainErrorKind::InvalidArgument,
+                        format!(
+                            "{} port {} has no usable GID: bring its netdev up (see `xfer doctor`)",
+                            config.nic, options.port
+                        ),
+                    )
+                })? as i32
+            }
+        };
+        let attr = device
+            .setup(gid_index, 8192, options.imm_receives.max(16) * 2)
+            .map_err(|e| other(format!("{}: {e}", config.nic)))?;
+        if attr.state != 4 {
+            return Err(err(
+                DomainErrorKind::InvalidArgument,
+                format!(
+                    "{} port {} is not ACTIVE (state {}); see `xfer doctor`",
+                    config.nic, options.port, attr.state
+                ),
+            ));
+        }
+        for i in 0..options.imm_receives {
+            // SAFETY: zero-length receives touch no memory.
+            unsafe { device.post_srq_recv(false, i as u64, 0, 0, 0) }.map_err(other)?;
+        }
+        let me = VerbsAddr {
+            gid: attr.gid,
+            lid: attr.lid,
+            ud_qpn: attr.ud_qpn,
+        };
+        let address = NetAddr::new(&me.encode()).expect("24 bytes is a valid address");
+        Ok(Self {
+            peers: HashMap::new(),
+            graveyard: Vec::new(),
+            regions: HashMap::new(),
+            msg_buffers: Vec::new(),
+            free_msg_buffers: Vec::new(),
+            sends: HashMap::new(),
+            device,
+            attr,
+            me,
+            address,
+            name: config.nic.to_owned(),
+            options,
+            next_key: 1,
+            qp_peer: HashMap::new(),
+            done: Vec::new(),
+            answers: HashMap::new(),
+            wcs: vec![Wc::default(); 32],
+            rng: fastrand::Rng::new(),
+        })
+    }
+
+    fn psn(&mut self) -> u32 {
+        self.rng.u32(..) & 0x00ff_ffff
+    }
+
+    fn new_qps(&mut self) -> Result<(Qp, Qp), DomainError> {
+        let data = self
+            .device
+            .create_rc(false, self.options.send_queue)
+            .map_err(other)?;
+        let msg = self
+            .device
+            .create_rc(true, self.options.send_queue.min(256))
+            .map_err(other)?;
+        Ok((data, msg))
+    }
+
+    fn send_handshake(&mut self, to: &VerbsAddr, h: &Handshake) {
+        if let Err(e) = self.device.ud_send(&to.gid, to.lid, to.ud_qpn, &h.encode()) {
+            tracing_free_log(&format!("{}: {e}", self.name));
+        }
+    }
+
+    /// Starts connecting to `peer` (we are the requester).
+    fn start_connect(&mut self, peer: &NetAddr) -> Result<(), DomainError> {
+        let to = VerbsAddr::decode(peer.raw())
+            .map_err(|e| err(DomainErrorKind::InvalidArgument, format!("{peer}: {e}")))?;
+        let (data, msg) = self.new_qps()?;
+        let (data_psn, msg_psn, request_id) = (self.psn(), self.psn(), self.rng.u64(..));
+        let h = Handshake {
+            kind: Kind::Request,
+            request_id,
+            from: self.me,
+            data_qpn: data.qpn,
+            data_psn,
+            msg_qpn: msg.qpn,
+            msg_psn,
+            mtu: self.attr.active_mtu as u8,
+        };
+        self.qp_peer.insert(data.qpn, peer.clone());
+        self.qp_peer.insert(msg.qpn, peer.clone());
+        self.send_handshake(&to, &h);
+        let now = Instant::now();
+        self.peers.insert(
+            peer.clone(),
+            Peer::Connecting {
+                request_id,
+                data,
+                msg,
+                data_psn,
+                msg_psn,
+                deadline: now + Duration::from_millis(self.options.connect_ms),
+                last_sent: now,
+                queued: VecDeque::new(),
+            },
+        );
+        Ok(())
+    }
+
+    fn fail_peer(&mut self, peer: &NetAddr, why: &str) {
+        let Some(state) = self.peers.remove(peer) else {
+            return;
+        };
+        let (data, msg, queued) = match state {
+            Peer::Connecting {
+                data, msg, queued, ..
+            }
+            | Peer::Connected {
+                data, msg, queued, ..
+            } => (data, msg, queued),
+        };
+        for q in queued {
+            let wr_id = match q {
+                Queued::Write(w) => w.wr_id,
+                Queued::Send { wr_id, .. } => wr_id,
+            };
+            self.done.push(Event::Done {
+                wr_id,
+                result: Err(err(
+                    DomainErrorKind::PeerUnreachable,
+                    format!("{peer} via {}: {why}", self.name),
+                )),
+            });
+        }
+        self.graveyard.push(data);
+        self.graveyard.push(msg);
+    }
+
+    fn connect_qps(
+        &mut self,
+        data: &Qp,
+        msg: &Qp,
+        h: &Handshake,
+        data_psn: u32,
+        msg_psn: u32,
+    ) -> Result<(), String> {
+        let mtu = i32::from(h.mtu.min(self.attr.active_mtu as u8));
+        let t = self.options.ack_timeout;
+        self.device.connect(
+            data,
+            h.data_qpn,
+            h.data_psn,
+            data_psn,
+            &h.from.gid,
+            h.from.lid,
+            mtu,
+            t,
+        )?;
+        self.device.connect(
+            msg,
+            h.msg_qpn,
+            h.msg_psn,
+            msg_psn,
+            &h.from.gid,
+            h.from.lid,
+            mtu,
+            t,
+        )
+    }
+
+    fn handle_handshake(&mut self, raw: &[u8]) {
+        let Ok(h) = Handshake::decode(raw) else {
+            return;
+        };
+        let peer = NetAddr::new(&h.from.encode()).expect("24 bytes");
+        match h.kind {
+            Kind::Request => {
+                // Simultaneous connects: the smaller address answers, the larger keeps waiting.
+                if let Some(Peer::Connecting { .. }) = self.peers.get(&peer) {
+                    if self.address.raw() > peer.raw() {
+                        return;
+                    }
+                }
+                // A repeated request (our answer was lost): answer the same again.
+                if let Some(Peer::Connected { request_id, .. }) = self.peers.get(&peer) {
+                    if *request_id == h.request_id {
+                        if let Some(resp) = self.answers.get(&peer).copied() {
+                            self.send_handshake(&h.from, &resp);
+                        }
+                        return;
+                    }
+                }
+                let (data, msg, queued) = match self.peers.remove(&peer) {
+                    Some(Peer::Connecting {
+                        data, msg, queued, ..
+                    }) => (data, msg, queued),
+                    Some(Peer::Connected {
+                        data, msg, queued, ..
+                    }) => {
+                        // The peer restarted the connection: the old QPs are done.
+                        self.graveyard.push(data);
+                        self.graveyard.push(msg);
+                        match self.new_qps() {
+                            Ok((d, m)) => (d, m, queued),
+                            Err(_) => return,
+                        }
+                    }
+                    None => match self.new_qps() {
+                        Ok((d, m)) => (d, m, VecDeque::new()),
+                        Err(_) => return,
+                    },
+                };
+                let (data_psn, msg_psn) = (self.psn(), self.psn());
+                if let Err(e) = self.connect_qps(&data, &msg, &h, data_psn, msg_psn) {
+                    tracing_free_log(&format!("{}: accepting {peer}: {e}", self.name));
+                    self.graveyard.push(data);
+                    self.graveyard.push(msg);
+                    return;
+                }
+                let resp = Handshake {
+                    kind: Kind::Response,
+                    request_id: h.request_id,
+                    from: self.me,
+                    data_qpn: data.qpn,
+                    data_psn,
+                    msg_qpn: msg.qpn,
+                    msg_psn,
+                    mtu: self.attr.active_mtu as u8,
+                };
+                self.send_handshake(&h.from, &resp);
+                self.answers.insert(peer.clone(), resp);
+                self.qp_peer.insert(data.qpn, peer.clone());
+                self.qp_peer.insert(msg.qpn, peer.clone());
+                self.peers.insert(
+                    peer.clone(),
+                    Peer::Connected {
+                        data,
+                        msg,
+                        queued,
+                        request_id: h.request_id,
+                    },
+                );
+                self.flush(&peer);
+            }
+            Kind::Response => {
+                let Some(Peer::Connecting { request_id, .. }) = self.peers.get(&peer) else {
+                    return;
+                };
+                if *request_id != h.request_id {
+                    return;
+                }
+                let Some(Peer::Connecting {
+                    data,
+                    msg,
+                    data_psn,
+                    msg_psn,
+                    queued,
+                    request_id,
+                    ..
+                }) = self.peers.remove(&peer)
+                else {
+                    return;
+                };
+                match self.connect_qps(&data, &msg, &h, data_psn, msg_psn) {
+                    Ok(()) => {
+                        self.peers.insert(
+                            peer.clone(),
+                            Peer::Connected {
+                                data,
+                                msg,
+                                queued,
+                                request_id,
+                            },
+                        );
+                        self.flush(&peer);
+                    }
+                    Err(e) => {
+                        self.peers.insert(
+                            peer.clone(),
+                            Peer::Connecting {
+                                request_id,
+                                data,
+                                msg,
+                                data_psn,
+                                msg_psn,
+                                deadline: Instant::now(),
+                                last_sent: Instant::now(),
+                                queued,
+                            },
+                        );
+                        self.fail_peer(&peer, &format!("connecting the QPs failed: {e} (local GID index {}, MTU {}; peer MTU {})", self.attr.gid_index, self.attr.active_mtu, h.mtu));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Posts what is queued for a connected peer, until its send queue is full.
+    fn flush(&mut self, peer: &NetAddr) {
+        let mut failed = None;
+        if let Some(Peer::Connected {
+            data, msg, queued, ..
+        }) = self.peers.get_mut(peer)
+        {
+            while let Some(q) = queued.pop_front() {
+                let r = match &q {
+                    Queued::Write(w) => {
+                        // SAFETY: queued writes were checked against live registrations when
+                        // posted, and deregistration cannot happen while they wait.
+                        let posted = unsafe { data.post_writes(std::slice::from_ref(w)) };
+                        posted.map(|n| n == 1)
+                    }
+                    Queued::Send { wr_id, data: bytes } => post_message(
+                        &mut self.device,
+                        msg,
+                        &mut self.sends,
+                        &mut self.next_key,
+                        *wr_id,
+                        bytes,
+                    ),
+                };
+                match r {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        queued.push_front(q);
+                        break;
+                    }
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                }
+            }
+        }
+        if let Some(e) = failed {
+            self.fail_peer(peer, &e);
+        }
+    }
+
+    fn check_handshakes(&mut self) {
+        let now = Instant::now();
+        let retry = Duration::from_millis(self.options.retry_ms);
+        let mut expired = Vec::new();
+        let mut resend = Vec::new();
+        for (peer, state) in &mut self.peers {
+            if let Peer::Connecting {
+                deadline,
+                last_sent,
+                request_id,
+                data,
+                msg,
+                data_psn,
+                msg_psn,
+                ..
+            } = state
+            {
+                if now >= *deadline {
+                    expired.push(peer.clone());
+                } else if now.duration_since(*last_sent) >= retry {
+                    *last_sent = now;
+                    resend.push((
+                        peer.clone(),
+                        Handshake {
+                            kind: Kind::Request,
+                            request_id: *request_id,
+                            from: self.me,
+                            data_qpn: data.qpn,
+                            data_psn: *data_psn,
+                            msg_qpn: msg.qpn,
+                            msg_psn: *msg_psn,
+                            mtu: self.attr.active_mtu as u8,
+                        },
+                    ));
+                }
+            }
+        }
+        for (peer, h) in resend {
+            if let Ok(to) = VerbsAddr::decode(peer.raw()) {
+                self.send_handshake(&to, &h);
+            }
+        }
+        for peer in expired {
+            let ms = self.options.connect_ms;
+            self.fail_peer(&peer, &format!("no answer to the connection handshake within {ms} ms (is the peer up? same GID type and subnet?)"));
+        }
+    }
+}
+
+/// Copies a message into a registered buffer and posts it; `Ok(false)` when the queue is full.
+fn post_message(
+    device: &mut Device,
+    qp: &mut Qp,
+    sends: &mut HashMap<u64, SendBuffer>,
+    next_key: &mut u64,
+    wr_id: u64,
+    bytes: &[u8],
+) -> Result<bool, String> {
+    let data: Box<[u8]> = if bytes.is_empty() {
+        vec![0u8; 1].into()
+    } else {
+        bytes.into()
+    };
+    // SAFETY: `data` is kept with its registration in `sends` until the send completes.
+    let mr = unsafe { device.register(data.as_ptr() as u64, data.len(), false) }?;
+    // SAFETY: the buffer lies in `mr` and lives in `sends` until its completion.
+    let posted = unsafe { qp.post_send(wr_id, data.as_ptr() as u64, bytes.len() as u32, mr.lkey) }?;
+    if posted {
+        *next_key += 1;
+        sends.insert(
+            wr_id,
+            SendBuffer {
+                _data: data,
+                _mr: mr,
+            },
+        );
+    }
+    Ok(posted)
+}
+
+fn tracing_free_log(message: &str) {
+    eprintln!("xfer backend-verbs: {message}");
+}
+
+impl Domain for VerbsDomain {
+    fn address(&self) -> NetAddr {
+        self.address.clone()
+    }
+
+    fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError> {
+        if region.device != MemDevice::Host {
+            return Err(err(
+                DomainErrorKind::InvalidArgument,
+                format!(
+                    "backend-verbs registers host memory only for now, not {:?}",
+                    region.device
+                ),
+            ));
+        }
+        // SAFETY: TransferEngine::reg_mr's contract keeps the memory allocated until it is
+        // deregistered, which drops this registration.
+        let mr = unsafe {
+            self.device
+                .register(region.ptr, region.len as usize, region.remote_write)
+        }
+        .map_err(|e| {
+            let limit = engine_core::topo::doctor::memlock_limit(std::path::Path::new("/proc"))
+                .map_or("unlimited".to_owned(), |l| format!("{l} bytes"));
+            other(format!(
+                "{e} (locked-memory limit: {limit}; see `xfer doctor`)"
+            ))
+        })?;
+        let key = self.next_key;
+        self.next_key += 1;
+        let remote_key = if region.remote_write {
+            u64::from(mr.rkey)
+        } else {
+            0
+        };
+        self.regions.insert(
+            key,
+            Region {
+                base: region.ptr,
+                len: region.len,
+                mr,
+            },
+        );
+        Ok(Registration {
+            local_key: key,
+            remote_key,
+        })
+    }
+
+    fn deregister(&mut self, local_key: u64) -> Result<(), DomainError> {
+        self.regions.remove(&local_key).map(drop).ok_or_else(|| {
+            err(
+                DomainErrorKind::InvalidArgument,
+                format!("local key {local_key} is not registered"),
+            )
+        })
+    }
+
+    fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError> {
+        if wr.len > u64::from(self.attr.max_msg_sz) {
+            return Err(err(
+                DomainErrorKind::InvalidArgument,
+                format!(
+                    "write of {} bytes exceeds {}'s max message size {}",
+                    wr.len, self.name, self.attr.max_msg_sz
+                ),
+            ));
+        }
+        let remote_key = u32::try_from(wr.remote_key).map_err(|_| {
+            err(
+                DomainErrorKind::InvalidArgument,
+                format!("rkey {:#x} is not a verbs rkey", wr.remote_key),
+            )
+        })?;
+        let (laddr, lkey) = if wr.len == 0 {
+            (0, 0)
+        } else {
+            let r = self.regions.get(&wr.local_key).ok_or_else(|| {
+                err(
+                    DomainErrorKind::InvalidArgument,
+                    format!("local key {} is not registered", wr.local_key),
+                )
+            })?;
+            if wr.local_addr < r.base
+                || wr
+                    .local_addr
+                    .checked_add(wr.len)
+                    .is_none_or(|end| end > r.base + r.len)
+            {
+                return Err(err(
+                    DomainErrorKind::InvalidArgument,
+                    format!(
+                        "source {:#x}+{} is outside its region",
+                        wr.local_addr, wr.len
+                    ),
+                ));
+            }
+            (wr.local_addr, r.mr.lkey)
+        };
+        let w = Write {
+            wr_id: wr.wr_id,
+            laddr,
+            raddr: wr.remote_addr,
+            len: wr.len as u32,
+            lkey,
+            rkey: remote_key,
+            imm: wr.imm.unwrap_or(0),
+            has_imm: wr.imm.is_some() as i32,
+            signaled: 1,
+        };
+        if !self.peers.contains_key(wr.peer) {
+            self.start_connect(wr.peer)?;
+        }
+        match self.peers.get_mut(wr.peer) {
+            Some(Peer::Connecting { queued, .. }) => {
+                queued.push_back(Queued::Write(w));
+                Ok(PostStatus::Posted)
+            }
+            Some(Peer::Connected { data, queued, .. }) => {
+                if !queued.is_empty() {
+                    return Ok(PostStatus::Busy);
+                }
+                // SAFETY: the source range was checked against a live registration above.
+                match unsafe { data.post_writes(std::slice::from_ref(&w)) } {
+                    Ok(1) => Ok(PostStatus::Posted),
+                    Ok(_) => Ok(PostStatus::Busy),
+                    Err(e) => Err(other(e)),
+                }
+            }
+            None => Err(err(
+                DomainErrorKind::PeerUnreachable,
+                format!("{} failed to connect", wr.peer),
+            )),
+        }
+    }
+
+    fn post_send(
+        &mut self,
+        wr_id: u64,
+        peer: &NetAddr,
+        data: &[u8],
+    ) -> Result<PostStatus, DomainError> {
+        if !self.peers.contains_key(peer) {
+            self.start_connect(peer)?;
+        }
+        match self.peers.get_mut(peer) {
+            Some(Peer::Connecting { queued, .. }) => {
+                queued.push_back(Queued::Send {
+                    wr_id,
+                    data: data.to_vec(),
+                });
+                Ok(PostStatus::Posted)
+            }
+            Some(Peer::Connected { msg, queued, .. }) => {
+                if !queued.is_empty() {
+                    return Ok(PostStatus::Busy);
+                }
+                match post_message(
+                    &mut self.device,
+                    msg,
+                    &mut self.sends,
+                    &mut self.next_key,
+                    wr_id,
+                    data,
+                ) {
+                    Ok(true) => Ok(PostStatus::Posted),
+                    Ok(false) => Ok(PostStatus::Busy),
+                    Err(e) => Err(other(e)),
+                }
+            }
+            None => Err(err(
+                DomainErrorKind::PeerUnreachable,
+                format!("{peer} failed to connect"),
+            )),
+        }
+    }
+
+    fn post_recvs(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError> {
+        for _ in 0..count {
+            let reuse = self
+                .free_msg_buffers
+                .iter()
+                .position(|&b| self.msg_buffers[b].data.len() == buf_len);
+            let index = match reuse {
+                Some(i) => self.free_msg_buffers.swap_remove(i),
+                None => {
+                    let data = vec![0u8; buf_len].into_boxed_slice();
+                    // SAFETY: the buffer lives in `msg_buffers` for the Domain's lifetime.
+                    let mr = unsafe {
+                        self.device
+                            .register(data.as_ptr() as u64, data.len(), false)
+                    }
+                    .map_err(other)?;
+                    self.msg_buffers.push(MsgBuffer { data, mr });
+                    self.msg_buffers.len() - 1
+                }
+            };
+            let b = &self.msg_buffers[index];
+            let (addr, lkey) = (b.data.as_ptr() as u64, b.mr.lkey);
+            // SAFETY: the buffer is registered and not reused until its completion.
+            unsafe {
+                self.device
+                    .post_srq_recv(true, MSG_TAG | index as u64, addr, buf_len as u32, lkey)
+            }
+            .map_err(other)?;
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError> {
+        events.append(&mut self.done);
+        let mut wcs = std::mem::take(&mut self.wcs);
+        let result = loop {
+            let n = match self.device.poll(&mut wcs) {
+                Ok(n) => n,
+                Err(e) => break Err(other(e)),
+            };
+            for wc in &wcs[..n] {
+                match wc.kind {
+                    KIND_UD_RECV => {
+                        let len = (wc.byte_len as usize).min(wc.data.len());
+                        let raw = wc.data[..len].to_vec();
+                        self.handle_handshake(&raw);
+                    }
+                    KIND_RECV_IMM => {
+                        if wc.status == 0 {
+                            events.push(Event::ImmArrival { imm: wc.imm });
+                        }
+                        // SAFETY: zero-length receives touch no memory.
+                        let _ = unsafe { self.device.post_srq_recv(false, wc.wr_id, 0, 0, 0) };
+                    }
+                    KIND_RECV_MSG => {
+                        let index = (wc.wr_id & !MSG_TAG) as usize;
+                        if wc.status == 0 {
+                            if let Some(b) = self.msg_buffers.get(index) {
+                                let len = (wc.byte_len as usize).min(b.data.len());
+                                events.push(Event::Message {
+                                    data: b.data[..len].to_vec(),
+                                });
+                            }
+                        }
+                        self.free_msg_buffers.push(index);
+                    }
+                    _ => {
+                        self.sends.remove(&wc.wr_id);
+                        let result = if wc.status == 0 {
+                            Ok(())
+                        } else {
+                            let peer = self.qp_peer.get(&wc.qp_num).cloned();
+                            let text = format!(
+                                "{} (vendor error {:#x}) on {} to {}",
+                                ffi::status_text(wc.status),
+                                wc.vendor_err,
+                                self.name,
+                                peer.as_ref()
+                                    .map_or("an unknown peer".into(), |p| p.to_string())
+                            );
+                            // The QP is in error now: forget the peer so the next transfer reconnects.
+                            if let Some(p) = peer {
+                                self.fail_peer(&p, &text);
+                            }
+                            Err(err(classify(wc.status), text))
+                        };
+                        events.push(Event::Done {
+                            wr_id: wc.wr_id,
+                            result,
+                        });
+                    }
+                }
+            }
+            if n < wcs.len() {
+                break Ok(());
+            }
+        };
+        self.wcs = wcs;
+        self.check_handshakes();
+        let connected: Vec<NetAddr> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| matches!(p, Peer::Connected { queued, .. } if !queued.is_empty()))
+            .map(|(a, _)| a.clone())
+            .collect();
+        for p in connected {
+            self.flush(&p);
+        }
+        events.append(&mut self.done);
+        result
+    }
+}

@@ -1,0 +1,331 @@
+//! Safe wrappers over `verbs-sys`. All of this backend's `unsafe` is in this file.
+
+use std::ffi::{c_char, CStr, CString};
+use std::ptr::NonNull;
+
+use verbs_sys as sys;
+
+pub(crate) use sys::{
+    XvAttr as Attr, XvWc as Wc, XvWrite as Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV,
+};
+
+fn text(buf: &[c_char]) -> String {
+    // SAFETY: the shim NUL-terminates what it writes and the buffer starts zeroed.
+    unsafe { CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn errno_text(code: i32) -> String {
+    std::io::Error::from_raw_os_error(code).to_string()
+}
+
+/// The names of the RDMA devices present.
+pub(crate) fn devices() -> Vec<String> {
+    let mut buf = vec![0 as c_char; 16 * 1024];
+    // SAFETY: buf has the capacity passed.
+    let n = unsafe { sys::xv_list(buf.as_mut_ptr(), buf.len()) };
+    if n <= 0 {
+        return Vec::new();
+    }
+    text(&buf).lines().map(str::to_owned).collect()
+}
+
+/// An opened RDMA device with its PD, CQ, SRQs and UD handshake QP.
+pub(crate) struct Device {
+    raw: NonNull<sys::XvDev>,
+}
+
+// SAFETY: verbs objects may be used from any thread; the Domain (and so this) is used by one
+// thread at a time.
+unsafe impl Send for Device {}
+
+impl Device {
+    pub(crate) fn open(name: &str, port: i32) -> Result<Self, String> {
+        let cname = CString::new(name).map_err(|_| format!("{name:?} contains a NUL byte"))?;
+        let mut raw = std::ptr::null_mut();
+        let mut err = [0 as c_char; 512];
+        // SAFETY: valid pointers for the call.
+        let rc =
+            unsafe { sys::xv_open(cname.as_ptr(), port, &mut raw, err.as_mut_ptr(), err.len()) };
+        match NonNull::new(raw) {
+            Some(raw) if rc == 0 => Ok(Self { raw }),
+            _ => Err(text(&err)),
+        }
+    }
+
+    /// GID table entry `index`: `Ok(Some((gid, roce_v2)))`, `Ok(None)` for an empty entry,
+    /// `Err(())` past the end of the table.
+    pub(crate) fn gid(&mut self, index: i32) -> Result<Option<([u8; 16], bool)>, ()> {
+        let mut gid = [0u8; 16];
+        let mut kind = 0;
+        // SAFETY: gid has 16 bytes; the device is open.
+        match unsafe { sys::xv_query_gid(self.raw.as_ptr(), index, gid.as_mut_ptr(), &mut kind) } {
+            0 => Ok(Some((gid, kind == 2))),
+            -1 => Ok(None),
+            _ => Err(()),
+        }
+    }
+
+    pub(crate) fn setup(
+        &mut self,
+        gid_index: i32,
+        cq_size: i32,
+        srq_size: i32,
+    ) -> Result<Attr, String> {
+        let mut attr = Attr::default();
+        let mut err = [0 as c_char; 512];
+        // SAFETY: the device is open; out-pointers valid.
+        let rc = unsafe {
+            sys::xv_setup(
+                self.raw.as_ptr(),
+                gid_index,
+                cq_size,
+                srq_size,
+                &mut attr,
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        if rc != 0 {
+            return Err(text(&err));
+        }
+        Ok(attr)
+    }
+
+    /// Registers memory.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until the registration is dropped.
+    pub(crate) unsafe fn register(
+        &mut self,
+        addr: u64,
+        len: usize,
+        remote_write: bool,
+    ) -> Result<Mr, String> {
+        let (mut lkey, mut rkey, mut err) = (0, 0, 0);
+        // SAFETY: per this function's contract.
+        let mr = unsafe {
+            sys::xv_reg_mr(
+                self.raw.as_ptr(),
+                addr as *mut _,
+                len,
+                remote_write as i32,
+                &mut lkey,
+                &mut rkey,
+                &mut err,
+            )
+        };
+        NonNull::new(mr)
+            .map(|raw| Mr { raw, lkey, rkey })
+            .ok_or_else(|| format!("ibv_reg_mr of {len} bytes: {}", errno_text(err)))
+    }
+
+    /// A new RC QP in INIT, receiving from the message SRQ (`msg`) or the immediate SRQ.
+    pub(crate) fn create_rc(&mut self, msg: bool, max_send_wr: i32) -> Result<Qp, String> {
+        let (mut qpn, mut err) = (0, 0);
+        // SAFETY: the device is open; out-pointers valid.
+        let qp = unsafe {
+            sys::xv_create_rc(
+                self.raw.as_ptr(),
+                msg as i32,
+                max_send_wr,
+                &mut qpn,
+                &mut err,
+            )
+        };
+        NonNull::new(qp)
+            .map(|raw| Qp { raw, qpn })
+            .ok_or_else(|| format!("ibv_create_qp(RC): {}", errno_text(err)))
+    }
+
+    /// INIT → RTR → RTS towards `(gid, lid, qpn, psn)`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn connect(
+        &mut self,
+        qp: &Qp,
+        rqpn: u32,
+        rpsn: u32,
+        lpsn: u32,
+        gid: &[u8; 16],
+        lid: u16,
+        mtu: i32,
+        timeout: i32,
+    ) -> Result<(), String> {
+        let mut err = [0 as c_char; 512];
+        // SAFETY: qp belongs to this device; gid has 16 bytes.
+        let rc = unsafe {
+            sys::xv_connect_rc(
+                self.raw.as_ptr(),
+                qp.raw.as_ptr(),
+                rqpn,
+                rpsn,
+                lpsn,
+                gid.as_ptr(),
+                lid,
+                mtu,
+                timeout,
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        if rc != 0 {
+            return Err(text(&err));
+        }
+        Ok(())
+    }
+
+    /// Posts one receive on the message (`msg`) or immediate SRQ.
+    ///
+    /// # Safety
+    /// A non-empty buffer must stay registered and allocated until its completion.
+    pub(crate) unsafe fn post_srq_recv(
+        &mut self,
+        msg: bool,
+        wr_id: u64,
+        addr: u64,
+        len: u32,
+        lkey: u32,
+    ) -> Result<(), String> {
+        // SAFETY: per this function's contract.
+        let rc =
+            unsafe { sys::xv_post_srq_recv(self.raw.as_ptr(), msg as i32, wr_id, addr, len, lkey) };
+        if rc != 0 {
+            return Err(format!("ibv_post_srq_recv: {}", errno_text(rc)));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn ud_send(
+        &mut self,
+        gid: &[u8; 16],
+        lid: u16,
+        qpn: u32,
+        msg: &[u8],
+    ) -> Result<(), String> {
+        // SAFETY: the shim copies msg (bounded by its slot size) before returning.
+        let rc = unsafe {
+            sys::xv_ud_send(
+                self.raw.as_ptr(),
+                gid.as_ptr(),
+                lid,
+                qpn,
+                msg.as_ptr().cast(),
+                msg.len() as u32,
+            )
+        };
+        if rc != 0 {
+            return Err(format!("handshake send: {}", errno_text(rc)));
+        }
+        Ok(())
+    }
+
+    /// Polls up to `out.len()` (at most 32) completions.
+    pub(crate) fn poll(&mut self, out: &mut [Wc]) -> Result<usize, String> {
+        // SAFETY: out has out.len() writable entries.
+        let n = unsafe {
+            sys::xv_poll(
+                self.raw.as_ptr(),
+                out.as_mut_ptr(),
+                out.len().min(32) as i32,
+            )
+        };
+        if n < 0 {
+            return Err(format!("ibv_poll_cq failed ({n})"));
+        }
+        Ok(n as usize)
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: opened once, closed once; QPs and MRs are dropped before (the Domain owns
+        // them in fields declared ahead of the device).
+        unsafe { sys::xv_close(self.raw.as_ptr()) };
+    }
+}
+
+/// The text of a work-completion status.
+pub(crate) fn status_text(status: i32) -> String {
+    // SAFETY: ibv_wc_status_str returns a static string for any value.
+    unsafe { CStr::from_ptr(sys::xv_wc_status_str(status)) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// A registered region.
+pub(crate) struct Mr {
+    raw: NonNull<sys::IbvMr>,
+    pub(crate) lkey: u32,
+    pub(crate) rkey: u32,
+}
+
+// SAFETY: as for Device.
+unsafe impl Send for Mr {}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        // SAFETY: registered once, deregistered once.
+        unsafe { sys::xv_dereg_mr(self.raw.as_ptr()) };
+    }
+}
+
+/// An RC queue pair.
+pub(crate) struct Qp {
+    raw: NonNull<sys::IbvQp>,
+    pub(crate) qpn: u32,
+}
+
+// SAFETY: as for Device.
+unsafe impl Send for Qp {}
+
+impl Qp {
+    /// Posts up to 4 writes as one chain; returns how many were queued (fewer when the send
+    /// queue is full).
+    ///
+    /// # Safety
+    /// Every local range must lie in a live registration with the given lkey.
+    pub(crate) unsafe fn post_writes(&mut self, writes: &[Write]) -> Result<usize, String> {
+        let mut posted = 0;
+        // SAFETY: per this function's contract; writes has writes.len() entries (≤ 4 used).
+        let rc = unsafe {
+            sys::xv_post_writes(
+                self.raw.as_ptr(),
+                writes.as_ptr(),
+                writes.len() as i32,
+                &mut posted,
+            )
+        };
+        match rc {
+            0 => Ok(writes.len().min(4)),
+            12 => Ok(posted.max(0) as usize), // ENOMEM: the send queue is full
+            e => Err(format!("ibv_post_send: {}", errno_text(e))),
+        }
+    }
+
+    /// Posts a send; `Ok(false)` when the send queue is full.
+    ///
+    /// # Safety
+    /// The buffer must lie in a live registration with `lkey` until its completion.
+    pub(crate) unsafe fn post_send(
+        &mut self,
+        wr_id: u64,
+        addr: u64,
+        len: u32,
+        lkey: u32,
+    ) -> Result<bool, String> {
+        // SAFETY: per this function's contract.
+        match unsafe { sys::xv_post_send(self.raw.as_ptr(), wr_id, addr, len, lkey) } {
+            0 => Ok(true),
+            12 => Ok(false),
+            e => Err(format!("ibv_post_send: {}", errno_text(e))),
+        }
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        // SAFETY: created once, destroyed once.
+        unsafe { sys::xv_destroy_qp(self.raw.as_ptr()) };
+    }
+}

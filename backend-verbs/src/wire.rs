@@ -1,0 +1,267 @@
+//! The verbs backend's wire formats: its `NetAddr` layout and the connection handshake
+//! messages exchanged over the UD QP. Pure, decoded defensively (they come off the network).
+
+/// Tag of a verbs address, so a foreign address is refused instead of misread.
+const ADDR_TAG: u8 = b'V';
+const ADDR_VERSION: u8 = 1;
+/// Encoded address length.
+pub const ADDR_LEN: usize = 24;
+
+/// Where a verbs NIC listens for handshakes: its GID, LID (InfiniBand) and UD QP number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct VerbsAddr {
+    /// The GID the NIC uses.
+    pub gid: [u8; 16],
+    /// The port's LID (0 on RoCE).
+    pub lid: u16,
+    /// The UD QP that answers handshakes.
+    pub ud_qpn: u32,
+}
+
+impl VerbsAddr {
+    /// `[tag, version, gid(16), ud_qpn(4 LE), lid(2 LE)]`.
+    pub fn encode(&self) -> [u8; ADDR_LEN] {
+        let mut b = [0u8; ADDR_LEN];
+        b[0] = ADDR_TAG;
+        b[1] = ADDR_VERSION;
+        b[2..18].copy_from_slice(&self.gid);
+        b[18..22].copy_from_slice(&self.ud_qpn.to_le_bytes());
+        b[22..24].copy_from_slice(&self.lid.to_le_bytes());
+        b
+    }
+
+    /// Decodes [`encode`](Self::encode)'s output; anything else is an error naming why.
+    pub fn decode(raw: &[u8]) -> Result<Self, String> {
+        if raw.len() != ADDR_LEN || raw[0] != ADDR_TAG {
+            return Err(format!("not a verbs address ({} bytes)", raw.len()));
+        }
+        if raw[1] != ADDR_VERSION {
+            return Err(format!(
+                "verbs address version {}, expected {ADDR_VERSION}",
+                raw[1]
+            ));
+        }
+        Ok(Self {
+            gid: raw[2..18].try_into().expect("16 bytes"),
+            ud_qpn: u32::from_le_bytes(raw[18..22].try_into().expect("4 bytes")),
+            lid: u16::from_le_bytes(raw[22..24].try_into().expect("2 bytes")),
+        })
+    }
+}
+
+const MSG_MAGIC: [u8; 4] = *b"XFRH";
+const MSG_VERSION: u8 = 1;
+/// Encoded handshake length.
+pub const MSG_LEN: usize = 4 + 1 + 1 + 8 + ADDR_LEN + 4 * 4 + 1;
+
+/// Request or response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// "Here are my QPs; connect yours to them and answer."
+    Request,
+    /// "Connected; here are mine."
+    Response,
+}
+
+/// One handshake message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Handshake {
+    /// Request or response.
+    pub kind: Kind,
+    /// Chosen by the requester; the response echoes it (retries reuse it).
+    pub request_id: u64,
+    /// The sender's address (where to answer).
+    pub from: VerbsAddr,
+    /// The sender's QP for one-sided writes, and its first PSN.
+    pub data_qpn: u32,
+    /// PSN of `data_qpn`'s first packet.
+    pub data_psn: u32,
+    /// The sender's QP for messages.
+    pub msg_qpn: u32,
+    /// PSN of `msg_qpn`'s first packet.
+    pub msg_psn: u32,
+    /// The sender's active MTU (`ibv_mtu`: 1 = 256 ... 5 = 4096); both sides use the smaller.
+    pub mtu: u8,
+}
+
+impl Handshake {
+    /// Fixed-size little-endian encoding.
+    pub fn encode(&self) -> [u8; MSG_LEN] {
+        let mut b = [0u8; MSG_LEN];
+        b[..4].copy_from_slice(&MSG_MAGIC);
+        b[4] = MSG_VERSION;
+        b[5] = match self.kind {
+            Kind::Request => 1,
+            Kind::Response => 2,
+        };
+        b[6..14].copy_from_slice(&self.request_id.to_le_bytes());
+        b[14..38].copy_from_slice(&self.from.encode());
+        for (i, v) in [self.data_qpn, self.data_psn, self.msg_qpn, self.msg_psn]
+            .into_iter()
+            .enumerate()
+        {
+            b[38 + 4 * i..42 + 4 * i].copy_from_slice(&v.to_le_bytes());
+        }
+        b[54] = self.mtu;
+        b
+    }
+
+    /// Decodes a datagram; wrong magic, version, kind, length or MTU is an error.
+    pub fn decode(raw: &[u8]) -> Result<Self, String> {
+        if raw.len() < MSG_LEN {
+            return Err(format!(
+                "handshake of {} bytes, expected {MSG_LEN}",
+                raw.len()
+            ));
+        }
+        if raw[..4] != MSG_MAGIC {
+            return Err("not an xfer handshake".into());
+        }
+        if raw[4] != MSG_VERSION {
+            return Err(format!(
+                "handshake version {}, expected {MSG_VERSION}",
+                raw[4]
+            ));
+        }
+        let kind = match raw[5] {
+            1 => Kind::Request,
+            2 => Kind::Response,
+            k => return Err(format!("unknown handshake kind {k}")),
+        };
+        let word =
+            |i: usize| u32::from_le_bytes(raw[38 + 4 * i..42 + 4 * i].try_into().expect("4 bytes"));
+        let mtu = raw[54];
+        if !(1..=5).contains(&mtu) {
+            return Err(format!("handshake MTU code {mtu} is not 1..=5"));
+        }
+        Ok(Self {
+            kind,
+            request_id: u64::from_le_bytes(raw[6..14].try_into().expect("8 bytes")),
+            from: VerbsAddr::decode(&raw[14..38])?,
+            data_qpn: word(0),
+            data_psn: word(1),
+            msg_qpn: word(2),
+            msg_psn: word(3),
+            mtu,
+        })
+    }
+}
+
+/// How a GID table entry may be used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GidEntry {
+    /// Table index.
+    pub index: u32,
+    /// The GID.
+    pub gid: [u8; 16],
+    /// True for RoCE v2 (routable UDP), false for RoCE v1 / InfiniBand.
+    pub roce_v2: bool,
+}
+
+/// Picks the GID index: RoCE v2 with a routable address first (IPv4-mapped or global IPv6),
+/// then RoCE v2 link-local, then anything non-zero. Never a hard-coded 0.
+pub fn choose_gid(entries: &[GidEntry]) -> Option<u32> {
+    let usable = entries.iter().filter(|e| e.gid != [0; 16]);
+    let link_local = |g: &[u8; 16]| g[0] == 0xfe && g[1] & 0xc0 == 0x80;
+    let rank = |e: &GidEntry| match (e.roce_v2, link_local(&e.gid)) {
+        (true, false) => 0,
+        (true, true) => 1,
+        (false, _) => 2,
+    };
+    usable.min_by_key(|e| (rank(e), e.index)).map(|e| e.index)
+}
+
+/// `ibv_mtu` code to bytes.
+pub fn mtu_bytes(code: u8) -> u32 {
+    128 << code.clamp(1, 5)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn addr() -> VerbsAddr {
+        VerbsAddr {
+            gid: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8],
+            lid: 7,
+            ud_qpn: 0x123456,
+        }
+    }
+
+    #[test]
+    fn addresses_and_handshakes_round_trip() {
+        assert_eq!(VerbsAddr::decode(&addr().encode()).unwrap(), addr());
+        let h = Handshake {
+            kind: Kind::Response,
+            request_id: u64::MAX - 3,
+            from: addr(),
+            data_qpn: 17,
+            data_psn: 0xabcdef,
+            msg_qpn: 18,
+            msg_psn: 5,
+            mtu: 3,
+        };
+        assert_eq!(Handshake::decode(&h.encode()).unwrap(), h);
+    }
+
+    #[test]
+    fn malformed_handshakes_are_refused() {
+        let h = Handshake {
+            kind: Kind::Request,
+            request_id: 1,
+            from: addr(),
+            data_qpn: 1,
+            data_psn: 2,
+            msg_qpn: 3,
+            msg_psn: 4,
+            mtu: 5,
+        }
+        .encode();
+        assert!(Handshake::decode(&h[..MSG_LEN - 1]).is_err());
+        let mut bad = h;
+        bad[0] = b'Y';
+        assert!(Handshake::decode(&bad)
+            .unwrap_err()
+            .contains("not an xfer handshake"));
+        let mut bad = h;
+        bad[5] = 9;
+        assert!(Handshake::decode(&bad).is_err());
+        let mut bad = h;
+        bad[54] = 6;
+        assert!(Handshake::decode(&bad).unwrap_err().contains("MTU"));
+        assert!(VerbsAddr::decode(b"mock\x01\0\0\0\0\0\0\0").is_err());
+    }
+
+    #[test]
+    fn gid_choice_prefers_routable_roce_v2() {
+        let ll = [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8];
+        let v4 = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 0, 0, 1];
+        let e = |index, gid, roce_v2| GidEntry {
+            index,
+            gid,
+            roce_v2,
+        };
+        assert_eq!(
+            choose_gid(&[
+                e(0, ll, false),
+                e(1, ll, true),
+                e(2, v4, false),
+                e(3, v4, true)
+            ]),
+            Some(3)
+        );
+        assert_eq!(choose_gid(&[e(0, ll, false), e(1, ll, true)]), Some(1));
+        assert_eq!(choose_gid(&[e(0, [0; 16], true), e(4, ll, false)]), Some(4));
+        assert_eq!(choose_gid(&[]), None);
+        assert_eq!(mtu_bytes(3), 1024);
+    }
+
+    proptest! {
+        #[test]
+        fn decoding_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..80)) {
+            let _ = Handshake::decode(&bytes);
+            let _ = VerbsAddr::decode(&bytes);
+        }
+    }
+}

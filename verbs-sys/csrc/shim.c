@@ -1,0 +1,428 @@
+/* A flat C surface over libibverbs for Rust. ibv_post_send, ibv_poll_cq and friends are static
+ * inline functions going through the context's ops, so they are wrapped here, compiled against
+ * rdma-core's headers (every struct layout is the real one). */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <infiniband/verbs.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define UD_SLOTS 64
+#define UD_MSG 256
+#define GRH 40
+#define UD_QKEY 0x58464552u /* "XFER" */
+
+typedef struct xv_dev {
+    struct ibv_context *ctx;
+    struct ibv_pd *pd;
+    struct ibv_cq *cq;
+    struct ibv_srq *srq_imm;
+    struct ibv_srq *srq_msg;
+    struct ibv_qp *ud;
+    struct ibv_mr *ud_mr;
+    uint8_t *ud_buf; /* UD_SLOTS send slots, then UD_SLOTS recv slots of GRH + UD_MSG */
+    unsigned ud_next_send;
+    int port;
+    int gid_index;
+    union ibv_gid gid;
+    struct ibv_port_attr port_attr;
+    uint32_t max_msg_sz;
+} xv_dev;
+
+typedef struct xv_attr {
+    uint8_t gid[16];
+    int gid_index;
+    uint32_t ud_qpn;
+    uint16_t lid;
+    int active_mtu; /* enum ibv_mtu: 1=256 .. 5=4096 */
+    int ethernet;
+    int state; /* enum ibv_port_state: 4 = ACTIVE */
+    uint32_t max_msg_sz;
+} xv_attr;
+
+/* Completion kinds, normalised for Rust. */
+enum { XV_SEND_DONE = 0, XV_RECV_MSG = 1, XV_RECV_IMM = 2, XV_UD_RECV = 3, XV_UD_SEND_DONE = 4 };
+#define XV_UD_TAG (1ull << 63)
+
+typedef struct xv_wc {
+    uint64_t wr_id;
+    int status;
+    int kind;
+    uint32_t byte_len;
+    uint32_t imm; /* host order */
+    uint32_t qp_num;
+    uint32_t vendor_err;
+    uint8_t data[UD_MSG]; /* UD payloads, copied out (the buffer is reposted at once) */
+} xv_wc;
+
+static void set_err(char *err, size_t cap, const char *what, int rc) {
+    if (err && cap)
+        snprintf(err, cap, "%s: %s (%d)", what, strerror(rc), rc);
+}
+
+/* Lists device names, one per line. */
+int xv_list(char *buf, size_t cap) {
+    int n = 0;
+    struct ibv_device **list = ibv_get_device_list(&n);
+    if (!list)
+        return -errno;
+    size_t used = 0;
+    if (cap)
+        buf[0] = 0;
+    for (int i = 0; i < n; i++) {
+        int w = snprintf(buf + used, cap > used ? cap - used : 0, "%s\n", ibv_get_device_name(list[i]));
+        if (w > 0)
+            used += (size_t)w;
+    }
+    ibv_free_device_list(list);
+    return n;
+}
+
+/* Opens a device and queries its port; no resources yet. */
+int xv_open(const char *name, int port, xv_dev **out, char *err, size_t cap) {
+    int n = 0, rc;
+    struct ibv_device **list = ibv_get_device_list(&n);
+    if (!list) {
+        set_err(err, cap, "ibv_get_device_list", errno);
+        return -1;
+    }
+    struct ibv_device *dev = NULL;
+    for (int i = 0; i < n; i++)
+        if (strcmp(ibv_get_device_name(list[i]), name) == 0)
+            dev = list[i];
+    if (!dev) {
+        snprintf(err, cap, "no RDMA device named \"%s\" (%d devices present)", name, n);
+        ibv_free_device_list(list);
+        return -1;
+    }
+    xv_dev *d = calloc(1, sizeof *d);
+    d->ctx = ibv_open_device(dev);
+    ibv_free_device_list(list);
+    if (!d->ctx) {
+        set_err(err, cap, "ibv_open_device", errno);
+        free(d);
+        return -1;
+    }
+    d->port = port;
+    if ((rc = ibv_query_port(d->ctx, port, &d->port_attr))) {
+        set_err(err, cap, "ibv_query_port", rc);
+        ibv_close_device(d->ctx);
+        free(d);
+        return -1;
+    }
+    d->max_msg_sz = d->port_attr.max_msg_sz;
+    *out = d;
+    return 0;
+}
+
+/* GID table entry `index`: returns 0 and fills gid/type (1 = RoCE v1/IB, 2 = RoCE v2), or -1 past
+ * the end / for an unused entry. */
+int xv_query_gid(xv_dev *d, int index, uint8_t gid[16], int *type) {
+    struct ibv_gid_entry e;
+    if (index >= d->port_attr.gid_tbl_len)
+        return -2;
+    if (ibv_query_gid_ex(d->ctx, d->port, index, &e, 0))
+        return -1;
+    memcpy(gid, e.gid.raw, 16);
+    *type = e.gid_type == IBV_GID_TYPE_ROCE_V2 ? 2 : 1;
+    return 0;
+}
+
+static int ud_post_recv(xv_dev *d, unsigned slot) {
+    struct ibv_sge sge = {.addr = (uintptr_t)(d->ud_buf + (UD_SLOTS + slot) * (GRH + UD_MSG)),
+                          .length = GRH + UD_MSG, .lkey = d->ud_mr->lkey};
+    struct ibv_recv_wr wr = {.wr_id = XV_UD_TAG | slot, .sg_list = &sge, .num_sge = 1}, *bad;
+    return ibv_post_recv(d->ud, &wr, &bad);
+}
+
+/* Creates PD, CQ, the two SRQs and the UD handshake QP, using GID `gid_index`. */
+int xv_setup(xv_dev *d, int gid_index, int cq_size, int srq_size, xv_attr *attr, char *err, size_t cap) {
+    int rc;
+    d->gid_index = gid_index;
+    if ((rc = ibv_query_gid(d->ctx, d->port, gid_index, &d->gid))) {
+        set_err(err, cap, "ibv_query_gid", rc);
+        return -1;
+    }
+    if (!(d->pd = ibv_alloc_pd(d->ctx)) || !(d->cq = ibv_create_cq(d->ctx, cq_size, NULL, NULL, 0))) {
+        set_err(err, cap, d->pd ? "ibv_create_cq" : "ibv_alloc_pd", errno);
+        return -1;
+    }
+    struct ibv_srq_init_attr sa = {.attr = {.max_wr = srq_size, .max_sge = 1}};
+    if (!(d->srq_imm = ibv_create_srq(d->pd, &sa)) || !(d->srq_msg = ibv_create_srq(d->pd, &sa))) {
+        set_err(err, cap, "ibv_create_srq", errno);
+        return -1;
+    }
+    size_t ud_len = (size_t)UD_SLOTS * UD_MSG + (size_t)UD_SLOTS * (GRH + UD_MSG);
+    d->ud_buf = calloc(1, ud_len);
+    if (!(d->ud_mr = ibv_reg_mr(d->pd, d->ud_buf, ud_len, IBV_ACCESS_LOCAL_WRITE))) {
+        set_err(err, cap, "ibv_reg_mr(handshake buffers)", errno);
+        return -1;
+    }
+    struct ibv_qp_init_attr qa = {.send_cq = d->cq, .recv_cq = d->cq, .qp_type = IBV_QPT_UD,
+                                  .cap = {.max_send_wr = UD_SLOTS, .max_recv_wr = UD_SLOTS, .max_send_sge = 1, .max_recv_sge = 1}};
+    if (!(d->ud = ibv_create_qp(d->pd, &qa))) {
+        set_err(err, cap, "ibv_create_qp(UD)", errno);
+        return -1;
+    }
+    struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = d->port, .qkey = UD_QKEY};
+    if ((rc = ibv_modify_qp(d->ud, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY))) {
+        set_err(err, cap, "UD QP to INIT", rc);
+        return -1;
+    }
+    a.qp_state = IBV_QPS_RTR;
+    if ((rc = ibv_modify_qp(d->ud, &a, IBV_QP_STATE))) {
+        set_err(err, cap, "UD QP to RTR", rc);
+        return -1;
+    }
+    a.qp_state = IBV_QPS_RTS;
+    a.sq_psn = 0;
+    if ((rc = ibv_modify_qp(d->ud, &a, IBV_QP_STATE | IBV_QP_SQ_PSN))) {
+        set_err(err, cap, "UD QP to RTS", rc);
+        return -1;
+    }
+    for (unsigned i = 0; i < UD_SLOTS; i++)
+        if ((rc = ud_post_recv(d, i))) {
+            set_err(err, cap, "ibv_post_recv(UD)", rc);
+            return -1;
+        }
+    memcpy(attr->gid, d->gid.raw, 16);
+    attr->gid_index = gid_index;
+    attr->ud_qpn = d->ud->qp_num;
+    attr->lid = d->port_attr.lid;
+    attr->active_mtu = d->port_attr.active_mtu;
+    attr->ethernet = d->port_attr.link_layer == IBV_LINK_LAYER_ETHERNET;
+    attr->state = d->port_attr.state;
+    attr->max_msg_sz = d->max_msg_sz;
+    return 0;
+}
+
+void xv_close(xv_dev *d) {
+    if (!d)
+        return;
+    if (d->ud)
+        ibv_destroy_qp(d->ud);
+    if (d->ud_mr)
+        ibv_dereg_mr(d->ud_mr);
+    free(d->ud_buf);
+    if (d->srq_imm)
+        ibv_destroy_srq(d->srq_imm);
+    if (d->srq_msg)
+        ibv_destroy_srq(d->srq_msg);
+    if (d->cq)
+        ibv_destroy_cq(d->cq);
+    if (d->pd)
+        ibv_dealloc_pd(d->pd);
+    ibv_close_device(d->ctx);
+    free(d);
+}
+
+struct ibv_mr *xv_reg_mr(xv_dev *d, void *addr, size_t len, int remote_write, uint32_t *lkey, uint32_t *rkey, int *err) {
+    int access = IBV_ACCESS_LOCAL_WRITE | (remote_write ? IBV_ACCESS_REMOTE_WRITE : 0) | IBV_ACCESS_RELAXED_ORDERING;
+    struct ibv_mr *mr = ibv_reg_mr(d->pd, addr, len, access);
+    if (!mr) {
+        /* Devices without relaxed ordering refuse the flag on some kernels: retry without. */
+        mr = ibv_reg_mr(d->pd, addr, len, access & ~IBV_ACCESS_RELAXED_ORDERING);
+    }
+    if (!mr) {
+        *err = errno;
+        return NULL;
+    }
+    *lkey = mr->lkey;
+    *rkey = mr->rkey;
+    return mr;
+}
+
+int xv_dereg_mr(struct ibv_mr *mr) { return ibv_dereg_mr(mr); }
+
+/* An RC QP in INIT, receiving from the imm or the message SRQ. */
+struct ibv_qp *xv_create_rc(xv_dev *d, int msg, int max_send_wr, uint32_t *qpn, int *err) {
+    struct ibv_qp_init_attr qa = {.send_cq = d->cq, .recv_cq = d->cq, .srq = msg ? d->srq_msg : d->srq_imm,
+                                  .qp_type = IBV_QPT_RC,
+                                  .cap = {.max_send_wr = max_send_wr, .max_send_sge = 1, .max_inline_data = 0}};
+    struct ibv_qp *qp = ibv_create_qp(d->pd, &qa);
+    if (!qp) {
+        *err = errno;
+        return NULL;
+    }
+    struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = d->port,
+                            .qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE};
+    int rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
+    if (rc) {
+        ibv_destroy_qp(qp);
+        *err = rc;
+        return NULL;
+    }
+    *qpn = qp->qp_num;
+    return qp;
+}
+
+/* INIT -> RTR -> RTS towards a remote QP. */
+int xv_connect_rc(xv_dev *d, struct ibv_qp *qp, uint32_t rqpn, uint32_t rpsn, uint32_t lpsn, const uint8_t rgid[16],
+                  uint16_t rlid, int mtu, int timeout, char *err, size_t cap) {
+    struct ibv_qp_attr a;
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_RTR;
+    a.path_mtu = mtu;
+    a.dest_qp_num = rqpn;
+    a.rq_psn = rpsn;
+    a.max_dest_rd_atomic = 1;
+    a.min_rnr_timer = 12;
+    a.ah_attr.port_num = d->port;
+    a.ah_attr.dlid = rlid;
+    a.ah_attr.is_global = 1;
+    memcpy(a.ah_attr.grh.dgid.raw, rgid, 16);
+    a.ah_attr.grh.sgid_index = d->gid_index;
+    a.ah_attr.grh.hop_limit = 64;
+    int rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                                       IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
+    if (rc) {
+        set_err(err, cap, "RC QP to RTR", rc);
+        return -1;
+    }
+    a.qp_state = IBV_QPS_RTS;
+    a.timeout = timeout;
+    a.retry_cnt = 7;
+    a.rnr_retry = 7;
+    a.sq_psn = lpsn;
+    a.max_rd_atomic = 1;
+    rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+                                   IBV_QP_MAX_QP_RD_ATOMIC);
+    if (rc) {
+        set_err(err, cap, "RC QP to RTS", rc);
+        return -1;
+    }
+    return 0;
+}
+
+int xv_destroy_qp(struct ibv_qp *qp) { return ibv_destroy_qp(qp); }
+
+typedef struct xv_write {
+    uint64_t wr_id;
+    uint64_t laddr;
+    uint64_t raddr;
+    uint32_t len;
+    uint32_t lkey;
+    uint32_t rkey;
+    uint32_t imm;
+    int has_imm;
+    int signaled;
+} xv_write;
+
+/* Posts up to 4 writes as one chain (one doorbell). Returns 0 or an errno (ENOMEM: the send
+ * queue is full — nothing of the chain after `*posted` was queued). */
+int xv_post_writes(struct ibv_qp *qp, const xv_write *w, int n, int *posted) {
+    struct ibv_sge sge[4];
+    struct ibv_send_wr wr[4], *bad = NULL;
+    if (n > 4)
+        n = 4;
+    for (int i = 0; i < n; i++) {
+        sge[i] = (struct ibv_sge){.addr = w[i].laddr, .length = w[i].len, .lkey = w[i].lkey};
+        memset(&wr[i], 0, sizeof wr[i]);
+        wr[i].wr_id = w[i].wr_id;
+        wr[i].sg_list = w[i].len ? &sge[i] : NULL;
+        wr[i].num_sge = w[i].len ? 1 : 0;
+        wr[i].opcode = w[i].has_imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+        wr[i].send_flags = w[i].signaled ? IBV_SEND_SIGNALED : 0;
+        wr[i].imm_data = htonl(w[i].imm);
+        wr[i].wr.rdma.remote_addr = w[i].raddr;
+        wr[i].wr.rdma.rkey = w[i].rkey;
+        wr[i].next = i + 1 < n ? &wr[i + 1] : NULL;
+    }
+    int rc = ibv_post_send(qp, wr, &bad);
+    *posted = rc ? (int)(bad - wr) : n;
+    return rc;
+}
+
+int xv_post_send(struct ibv_qp *qp, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey) {
+    struct ibv_sge sge = {.addr = addr, .length = len, .lkey = lkey};
+    struct ibv_send_wr wr = {.wr_id = wr_id, .sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_SEND,
+                             .send_flags = IBV_SEND_SIGNALED}, *bad;
+    return ibv_post_send(qp, &wr, &bad);
+}
+
+int xv_post_srq_recv(xv_dev *d, int msg, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey) {
+    struct ibv_sge sge = {.addr = addr, .length = len, .lkey = lkey};
+    struct ibv_recv_wr wr = {.wr_id = wr_id, .sg_list = len ? &sge : NULL, .num_sge = len ? 1 : 0}, *bad;
+    return ibv_post_srq_recv(msg ? d->srq_msg : d->srq_imm, &wr, &bad);
+}
+
+/* Sends a handshake datagram to (gid, lid, qpn). */
+int xv_ud_send(xv_dev *d, const uint8_t dgid[16], uint16_t dlid, uint32_t dqpn, const void *msg, uint32_t len) {
+    if (len > UD_MSG)
+        return EINVAL;
+    struct ibv_ah_attr aa = {.dlid = dlid, .port_num = d->port, .is_global = 1};
+    memcpy(aa.grh.dgid.raw, dgid, 16);
+    aa.grh.sgid_index = d->gid_index;
+    aa.grh.hop_limit = 64;
+    struct ibv_ah *ah = ibv_create_ah(d->pd, &aa);
+    if (!ah)
+        return errno ? errno : EINVAL;
+    unsigned slot = d->ud_next_send++ % UD_SLOTS;
+    uint8_t *buf = d->ud_buf + slot * UD_MSG;
+    memcpy(buf, msg, len);
+    struct ibv_sge sge = {.addr = (uintptr_t)buf, .length = len, .lkey = d->ud_mr->lkey};
+    struct ibv_send_wr wr = {.wr_id = XV_UD_TAG | ((uint64_t)(uintptr_t)ah >> 1), .sg_list = &sge, .num_sge = 1,
+                             .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED}, *bad;
+    wr.wr.ud.ah = ah;
+    wr.wr.ud.remote_qpn = dqpn;
+    wr.wr.ud.remote_qkey = UD_QKEY;
+    int rc = ibv_post_send(d->ud, &wr, &bad);
+    if (rc)
+        ibv_destroy_ah(ah);
+    return rc;
+}
+
+/* Polls the CQ; UD receives are copied out and reposted, UD send completions free their AH. */
+int xv_poll(xv_dev *d, xv_wc *out, int n) {
+    struct ibv_wc wc[32];
+    if (n > 32)
+        n = 32;
+    int got = ibv_poll_cq(d->cq, n, wc);
+    if (got < 0)
+        return got;
+    int k = 0;
+    for (int i = 0; i < got; i++) {
+        xv_wc *o = &out[k];
+        memset(o, 0, offsetof(xv_wc, data));
+        o->wr_id = wc[i].wr_id;
+        o->status = wc[i].status;
+        o->byte_len = wc[i].byte_len;
+        o->qp_num = wc[i].qp_num;
+        o->vendor_err = wc[i].vendor_err;
+        if (d->ud && wc[i].qp_num == d->ud->qp_num) {
+            if (wc[i].opcode == IBV_WC_SEND) {
+                ibv_destroy_ah((struct ibv_ah *)(uintptr_t)((wc[i].wr_id & ~XV_UD_TAG) << 1));
+                continue; /* handshake sends need no report */
+            }
+            unsigned slot = (unsigned)(wc[i].wr_id & ~XV_UD_TAG);
+            if (wc[i].status == IBV_WC_SUCCESS && wc[i].byte_len > GRH) {
+                uint32_t len = wc[i].byte_len - GRH;
+                if (len > UD_MSG)
+                    len = UD_MSG;
+                memcpy(o->data, d->ud_buf + (UD_SLOTS + slot) * (GRH + UD_MSG) + GRH, len);
+                o->byte_len = len;
+                o->kind = XV_UD_RECV;
+                k++;
+            }
+            ud_post_recv(d, slot);
+            continue;
+        }
+        switch (wc[i].opcode) {
+        case IBV_WC_RECV_RDMA_WITH_IMM:
+            o->kind = XV_RECV_IMM;
+            o->imm = ntohl(wc[i].imm_data);
+            break;
+        case IBV_WC_RECV:
+            o->kind = XV_RECV_MSG;
+            break;
+        default:
+            o->kind = wc[i].status == IBV_WC_SUCCESS ? XV_SEND_DONE : (wc[i].opcode & IBV_WC_RECV ? XV_RECV_MSG : XV_SEND_DONE);
+        }
+        k++;
+    }
+    return k;
+}
+
+const char *xv_wc_status_str(int status) { return ibv_wc_status_str((enum ibv_wc_status)status); }

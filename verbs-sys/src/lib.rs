@@ -1,0 +1,156 @@
+//! Raw bindings to xfer's libibverbs shim (`csrc/shim.c`). `backend-verbs`'s `ffi` module
+//! wraps them; everything here is `unsafe` to call.
+#![allow(missing_docs)]
+
+use std::ffi::{c_char, c_int, c_void};
+
+/// The shim's device bundle (context, PD, CQ, SRQs, UD QP); opaque here.
+#[repr(C)]
+pub struct XvDev {
+    _opaque: [u8; 0],
+}
+
+/// `struct ibv_qp` / `struct ibv_mr`, opaque here.
+#[repr(C)]
+pub struct IbvQp {
+    _opaque: [u8; 0],
+}
+#[repr(C)]
+pub struct IbvMr {
+    _opaque: [u8; 0],
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct XvAttr {
+    pub gid: [u8; 16],
+    pub gid_index: c_int,
+    pub ud_qpn: u32,
+    pub lid: u16,
+    pub active_mtu: c_int,
+    pub ethernet: c_int,
+    pub state: c_int,
+    pub max_msg_sz: u32,
+}
+
+pub const UD_MSG: usize = 256;
+pub const KIND_SEND_DONE: c_int = 0;
+pub const KIND_RECV_MSG: c_int = 1;
+pub const KIND_RECV_IMM: c_int = 2;
+pub const KIND_UD_RECV: c_int = 3;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct XvWc {
+    pub wr_id: u64,
+    pub status: c_int,
+    pub kind: c_int,
+    pub byte_len: u32,
+    pub imm: u32,
+    pub qp_num: u32,
+    pub vendor_err: u32,
+    pub data: [u8; UD_MSG],
+}
+
+impl Default for XvWc {
+    fn default() -> Self {
+        Self {
+            wr_id: 0,
+            status: 0,
+            kind: 0,
+            byte_len: 0,
+            imm: 0,
+            qp_num: 0,
+            vendor_err: 0,
+            data: [0; UD_MSG],
+        }
+    }
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct XvWrite {
+    pub wr_id: u64,
+    pub laddr: u64,
+    pub raddr: u64,
+    pub len: u32,
+    pub lkey: u32,
+    pub rkey: u32,
+    pub imm: u32,
+    pub has_imm: c_int,
+    pub signaled: c_int,
+}
+
+extern "C" {
+    pub fn xv_list(buf: *mut c_char, cap: usize) -> c_int;
+    pub fn xv_open(
+        name: *const c_char,
+        port: c_int,
+        out: *mut *mut XvDev,
+        err: *mut c_char,
+        cap: usize,
+    ) -> c_int;
+    pub fn xv_query_gid(d: *mut XvDev, index: c_int, gid: *mut u8, kind: *mut c_int) -> c_int;
+    pub fn xv_setup(
+        d: *mut XvDev,
+        gid_index: c_int,
+        cq_size: c_int,
+        srq_size: c_int,
+        attr: *mut XvAttr,
+        err: *mut c_char,
+        cap: usize,
+    ) -> c_int;
+    pub fn xv_close(d: *mut XvDev);
+    pub fn xv_reg_mr(
+        d: *mut XvDev,
+        addr: *mut c_void,
+        len: usize,
+        remote_write: c_int,
+        lkey: *mut u32,
+        rkey: *mut u32,
+        err: *mut c_int,
+    ) -> *mut IbvMr;
+    pub fn xv_dereg_mr(mr: *mut IbvMr) -> c_int;
+    pub fn xv_create_rc(
+        d: *mut XvDev,
+        msg: c_int,
+        max_send_wr: c_int,
+        qpn: *mut u32,
+        err: *mut c_int,
+    ) -> *mut IbvQp;
+    pub fn xv_connect_rc(
+        d: *mut XvDev,
+        qp: *mut IbvQp,
+        rqpn: u32,
+        rpsn: u32,
+        lpsn: u32,
+        rgid: *const u8,
+        rlid: u16,
+        mtu: c_int,
+        timeout: c_int,
+        err: *mut c_char,
+        cap: usize,
+    ) -> c_int;
+    pub fn xv_destroy_qp(qp: *mut IbvQp) -> c_int;
+    pub fn xv_post_writes(qp: *mut IbvQp, w: *const XvWrite, n: c_int, posted: *mut c_int)
+        -> c_int;
+    pub fn xv_post_send(qp: *mut IbvQp, wr_id: u64, addr: u64, len: u32, lkey: u32) -> c_int;
+    pub fn xv_post_srq_recv(
+        d: *mut XvDev,
+        msg: c_int,
+        wr_id: u64,
+        addr: u64,
+        len: u32,
+        lkey: u32,
+    ) -> c_int;
+    pub fn xv_ud_send(
+        d: *mut XvDev,
+        dgid: *const u8,
+        dlid: u16,
+        dqpn: u32,
+        msg: *const c_void,
+        len: u32,
+    ) -> c_int;
+    pub fn xv_poll(d: *mut XvDev, out: *mut XvWc, n: c_int) -> c_int;
+    pub fn xv_wc_status_str(status: c_int) -> *const c_char;
+}
