@@ -445,7 +445,8 @@ impl VerbsDomain {
                 let r = match &q {
                     Queued::Write(w) => {
                         // SAFETY: queued writes were checked against live registrations when
-                        // posted, and deregistration cannot happen while they wait.
+                        // posted; if one was deregistered since, the NIC refuses its lkey (a
+                        // local protection error completion) and never reads the memory.
                         let posted = unsafe { data.post_writes(std::slice::from_ref(w)) };
                         posted.map(|n| n == 1)
                     }

@@ -108,7 +108,8 @@ fn cargo(args: &[&str]) -> Result {
 }
 
 /// System packages the workspace builds and tests against: libfabric (backend-efa's ofi-sys
-/// links it; its shm and tcp providers run the EFA backend's tests).
+/// links it; its shm and tcp providers run the EFA backend's tests) and libibverbs
+/// (backend-verbs' verbs-sys links it; soft-RoCE in the qemu guest runs its tests).
 const PACKAGES: &[&str] = &[
     "build-essential",
     "pkg-config",
@@ -159,17 +160,19 @@ fn test() -> Result {
     // built here and run there directly (cargo in the guest could decide to rebuild under
     // emulation, with other feature unification than the workspace build).
     let cli_tests = test_executable(&["-p", "xfer-cli", "--test", "cli"])?;
+    let verbs_tests = test_executable(&["-p", "backend-verbs", "--test", "conformance_rxe"])?;
+    let script = format!("{cli_tests} --ignored && {verbs_tests} --ignored --test-threads 1");
     let guest = rxe::run(
         2,
-        std::time::Duration::from_secs(900),
-        &[cli_tests, "--ignored".into()],
+        std::time::Duration::from_secs(1200),
+        &["bash".into(), "-c".into(), script],
     )?;
     if guest != 0 {
         return Err(format!(
             "the tests in the rxe guest failed with status {guest}"
         ));
     }
-    totals.0 += 1; // the guest's test, counted once
+    totals.0 += 16; // the guest's tests: topology/doctor, and the verbs conformance suite
     cargo(&["doc", "--workspace", "--no-deps", "--quiet"])?;
     for example in ["kv_cache", "rl_weight_sync", "moe_dispatch"] {
         cargo(&["run", "--quiet", "-p", "examples", "--bin", example])?;
