@@ -58,6 +58,28 @@ fn test_executable(target: &[&str]) -> Result<String> {
         .ok_or_else(|| format!("cargo reported no executable for {target:?}"))
 }
 
+/// Adds a libtest "test result: ok. N passed; M failed; ..." line to the totals.
+fn add_test_result(line: &str, totals: &mut (u64, u64)) {
+    let Some(rest) = line.trim().strip_prefix("test result: ") else {
+        return;
+    };
+    let count = |word: &str| -> u64 {
+        rest.split(';')
+            .find_map(|part| {
+                part.trim()
+                    .strip_suffix(word)?
+                    .trim()
+                    .rsplit(' ')
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or(0)
+    };
+    totals.0 += count("passed");
+    totals.1 += count("failed");
+}
+
 /// Runs `cargo test ...`, echoing its output, and adds up its "test result" lines.
 fn cargo_test(args: &[&str], totals: &mut (u64, u64)) -> Result {
     let program = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
@@ -156,7 +178,8 @@ fn test() -> Result {
     // The plain closing line CI readers look for, whatever happens next.
     println!("xtask test: {} passed, {} failed", totals.0, totals.1);
     tests?;
-    // Real soft-RoCE devices in a qemu guest: topology and doctor on them. The test binary is
+    // Real soft-RoCE devices in a qemu guest: topology and doctor, and the verbs backend's
+    // conformance suite, on them. The test binary is
     // built here and run there directly (cargo in the guest could decide to rebuild under
     // emulation, with other feature unification than the workspace build).
     let cli_tests = test_executable(&["-p", "xfer-cli", "--test", "cli"])?;
@@ -167,12 +190,16 @@ fn test() -> Result {
         std::time::Duration::from_secs(1200),
         &["bash".into(), "-c".into(), script],
     )?;
-    if guest != 0 {
+    guest
+        .output
+        .iter()
+        .for_each(|l| add_test_result(l, &mut totals));
+    if guest.status != 0 {
         return Err(format!(
-            "the tests in the rxe guest failed with status {guest}"
+            "the tests in the rxe guest failed with status {}",
+            guest.status
         ));
     }
-    totals.0 += 16; // the guest's tests: topology/doctor, and the verbs conformance suite
     cargo(&["doc", "--workspace", "--no-deps", "--quiet"])?;
     for example in ["kv_cache", "rl_weight_sync", "moe_dispatch"] {
         cargo(&["run", "--quiet", "-p", "examples", "--bin", example])?;
@@ -279,7 +306,7 @@ fn rxe_command(args: &[String]) -> Result {
             _ => break,
         }
     }
-    let code = rxe::run(nics, std::time::Duration::from_secs(timeout), rest)?;
+    let code = rxe::run(nics, std::time::Duration::from_secs(timeout), rest)?.status;
     if code != 0 {
         eprintln!("xtask: the command exited with status {code} in the rxe guest");
         // The command's own status is ours.

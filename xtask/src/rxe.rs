@@ -147,7 +147,7 @@ fn guest_script(nics: u32, command: &[String]) -> Result<String> {
 }
 
 /// Boots the guest, runs `command` there with `nics` rxe devices, and returns its exit status.
-pub(crate) fn run(nics: u32, timeout: Duration, command: &[String]) -> Result<i32> {
+pub(crate) fn run(nics: u32, timeout: Duration, command: &[String]) -> Result<Run> {
     if command.is_empty() {
         return Err("usage: cargo xtask rxe [--nics N] [--timeout SECONDS] -- <command>".into());
     }
@@ -164,7 +164,7 @@ pub(crate) fn run(nics: u32, timeout: Duration, command: &[String]) -> Result<i3
     result
 }
 
-fn boot(kernel: &str, initrd: &Path, timeout: Duration) -> Result<i32> {
+fn boot(kernel: &str, initrd: &Path, timeout: Duration) -> Result<Run> {
     let mut child = Command::new("qemu-system-x86_64")
         .args([
             "-accel",
@@ -198,9 +198,10 @@ fn boot(kernel: &str, initrd: &Path, timeout: Duration) -> Result<i32> {
         .map_err(|e| format!("cannot start qemu: {e}"))?;
     let stdout = child.stdout.take().expect("piped");
     // Read the console on a thread so the deadline below is enforced even if it goes quiet.
-    let (tx, rx) = std::sync::mpsc::channel::<Option<i32>>();
+    let (tx, rx) = std::sync::mpsc::channel::<(Option<i32>, Vec<String>)>();
     let reader = std::thread::spawn(move || {
         let mut status = None;
+        let mut output = Vec::new();
         for line in BufReader::new(stdout).lines().map_while(|l| l.ok()) {
             let line = line.replace('\r', "");
             let clean = strip_escapes(&line);
@@ -213,9 +214,10 @@ fn boot(kernel: &str, initrd: &Path, timeout: Duration) -> Result<i32> {
                 || clean.contains("reboot: Power down");
             if !(noise || clean.trim().is_empty()) {
                 println!("{clean}");
+                output.push(clean);
             }
         }
-        let _ = tx.send(status);
+        let _ = tx.send((status, output));
     });
     let deadline = Instant::now() + timeout;
     loop {
@@ -233,11 +235,22 @@ fn boot(kernel: &str, initrd: &Path, timeout: Duration) -> Result<i32> {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    let status = rx.recv_timeout(Duration::from_secs(5)).ok().flatten();
+    let (status, output) = rx
+        .recv_timeout(Duration::from_secs(5))
+        .unwrap_or((None, Vec::new()));
     let _ = reader.join();
-    status.ok_or_else(|| {
-        "the guest stopped without reporting the command's exit status (boot failure?)".into()
-    })
+    let status = status.ok_or_else(|| {
+        "the guest stopped without reporting the command's exit status (boot failure?)".to_owned()
+    })?;
+    Ok(Run { status, output })
+}
+
+/// What a guest run gave back.
+pub(crate) struct Run {
+    /// The command's exit status.
+    pub(crate) status: i32,
+    /// Its console output, line by line (boot noise removed).
+    pub(crate) output: Vec<String>,
 }
 
 /// Removes terminal escape sequences the guest's console emits.
