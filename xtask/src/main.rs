@@ -6,6 +6,7 @@
 //! - `bench`: the mock benchmark sweep in release mode (extra arguments go to transfer-bench).
 //! - `rxe [--nics N] [--timeout S] -- <command>`: runs a command next to N soft-RoCE devices
 //!   in a qemu guest (see `rxe.rs`).
+//! - `rxe-bench`: the verbs backend next to perftest's `ib_write_bw` on the same rxe device.
 //! - `fixtures`: rewrites the sysfs fixture trees of the topology tests.
 //! - `bench-efa`: the EFA backend on libfabric's shm provider, next to a raw libfabric write
 //!   loop, then initiator and target in two processes.
@@ -315,6 +316,89 @@ fn rxe_command(args: &[String]) -> Result {
     Ok(())
 }
 
+/// The verbs backend next to perftest's `ib_write_bw` on the same soft-RoCE device, in one
+/// guest run: engine throughput (two engines on rxe0, loopback mode) over perftest's.
+fn rxe_bench() -> Result {
+    ensure_packages(PACKAGES)?;
+    ensure_packages(rxe::PACKAGES)?;
+    cargo(&[
+        "build",
+        "--release",
+        "--quiet",
+        "-p",
+        "examples",
+        "--features",
+        "verbs",
+        "--bin",
+        "transfer-bench",
+    ])?;
+    let sizes = [4096u64, 65536, 1 << 20];
+    let list = sizes.map(|s| s.to_string()).join(" ");
+    let script = format!(
+        "for s in {list}; do \
+           ib_write_bw -d rxe0 -x 0 -F -s $s -D 3 >/dev/null 2>&1 & sleep 1; \
+           ib_write_bw -d rxe0 -x 0 -F -s $s -D 3 localhost | awk -v s=$s '$1==s {{print \"PERFTEST\", s, $4}}'; wait; \
+         done; \
+         target/release/transfer-bench --config configs/verbs-rxe0.toml --block-size {} --batch-size 32 --duration 3 --no-imm-rate --json",
+        sizes.map(|s| s.to_string()).join(",")
+    );
+    let run = rxe::run(
+        1,
+        std::time::Duration::from_secs(900),
+        &["bash".into(), "-c".into(), script],
+    )?;
+    if run.status != 0 {
+        return Err(format!(
+            "the benchmark failed in the guest (status {})",
+            run.status
+        ));
+    }
+    let mut perftest = std::collections::BTreeMap::new();
+    let mut engine = std::collections::BTreeMap::new();
+    let mut block = None;
+    for line in &run.output {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if let ["PERFTEST", size, mb_s] = words.as_slice() {
+            if let (Ok(size), Ok(mb_s)) = (size.parse::<u64>(), mb_s.parse::<f64>()) {
+                perftest.insert(size, mb_s * 1e6 / (1u64 << 20) as f64);
+            }
+        }
+        let field = |name: &str| {
+            line.trim()
+                .strip_prefix(&format!("\"{name}\": "))?
+                .trim_end_matches(',')
+                .parse::<f64>()
+                .ok()
+        };
+        if let Some(b) = field("block_size") {
+            block = Some(b as u64);
+        }
+        if let (Some(b), Some(t)) = (block, field("throughput_mib_s")) {
+            engine.insert(b, t);
+        }
+    }
+    println!("\nverbs on soft-RoCE (TCG guest), batch 32, 3 s per size; perftest: ib_write_bw -x 0 -F -D 3");
+    println!(
+        "{:>10} | {:>16} | {:>19} | {:>6}",
+        "block", "xfer (MiB/s)", "ib_write_bw (MiB/s)", "ratio"
+    );
+    for size in sizes {
+        match (engine.get(&size), perftest.get(&size)) {
+            (Some(e), Some(p)) => println!("{size:>10} | {e:>16.1} | {p:>19.1} | {:>6.3}", e / p),
+            (e, p) => println!(
+                "{size:>10} | {:>16} | {:>19} |      -",
+                fmt_opt(e),
+                fmt_opt(p)
+            ),
+        }
+    }
+    Ok(())
+}
+
+fn fmt_opt(v: Option<&f64>) -> String {
+    v.map_or("missing".into(), |v| format!("{v:.1}"))
+}
+
 fn bench(extra: &[String]) -> Result {
     let mut args = vec![
         "run",
@@ -337,6 +421,7 @@ fn main() -> ExitCode {
         Some("bench") => bench(&args[1..]),
         Some("bench-efa") => bench_efa(&args[1..]),
         Some("rxe") => rxe_command(&args[1..]),
+        Some("rxe-bench") => rxe_bench(),
         Some("fixtures") => fixtures::write_all(std::path::Path::new("engine-core/tests/fixtures/sysfs")).map_err(|e| e.to_string()),
         _ => Err("usage: cargo xtask test | bench [transfer-bench args] | bench-efa [transfer-bench args]".into()),
     };

@@ -500,6 +500,8 @@ fn main() {
     backend_mock::link();
     #[cfg(feature = "efa")]
     backend_efa::link();
+    #[cfg(feature = "verbs")]
+    backend_verbs::link();
     let result = load_config(&args).and_then(|config| {
         if config.backend == "mock" && args.mode != Mode::Loopback {
             return Err("the mock backend is in-process: use --mode loopback".into());
