@@ -35,28 +35,37 @@ fn run(program: &str, args: &[&str]) -> Result {
     }
 }
 
-/// Builds a test target and returns its executable's path (from cargo's JSON messages).
-fn test_executable(target: &[&str]) -> Result<String> {
+/// Builds test target `test` of `package` and returns its executable's path (from cargo's
+/// JSON messages; other artifacts, such as binaries the test runs, are skipped).
+fn test_executable(package: &str, test: &str) -> Result<String> {
     let program = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut args = vec!["test", "--no-run", "--message-format=json"];
-    args.extend(target);
+    let args = [
+        "test",
+        "--no-run",
+        "--message-format=json",
+        "-p",
+        package,
+        "--test",
+        test,
+    ];
     let out = Command::new(&program)
-        .args(&args)
+        .args(args)
         .stderr(Stdio::inherit())
         .output()
         .map_err(|e| e.to_string())?;
     if !out.status.success() {
-        return Err(format!("building {target:?} failed"));
+        return Err(format!("building test {test} of {package} failed"));
     }
+    let wanted = format!("\"kind\":[\"test\"],\"crate_types\":[\"bin\"],\"name\":\"{test}\"");
     String::from_utf8_lossy(&out.stdout)
         .lines()
-        .filter(|l| l.contains("\"reason\":\"compiler-artifact\""))
+        .filter(|l| l.contains("\"reason\":\"compiler-artifact\"") && l.contains(&wanted))
         .find_map(|l| {
             let start = l.find("\"executable\":\"")? + "\"executable\":\"".len();
             let end = start + l[start..].find('"')?;
             Some(l[start..end].to_owned())
         })
-        .ok_or_else(|| format!("cargo reported no executable for {target:?}"))
+        .ok_or_else(|| format!("cargo reported no executable for test {test} of {package}"))
 }
 
 /// Adds a libtest "test result: ok. N passed; M failed; ..." line to the totals.
@@ -183,9 +192,12 @@ fn test() -> Result {
     // conformance suite, on them. The test binary is
     // built here and run there directly (cargo in the guest could decide to rebuild under
     // emulation, with other feature unification than the workspace build).
-    let cli_tests = test_executable(&["-p", "xfer-cli", "--test", "cli"])?;
-    let verbs_tests = test_executable(&["-p", "backend-verbs", "--test", "conformance_rxe"])?;
-    let script = format!("{cli_tests} --ignored && {verbs_tests} --ignored --test-threads 1");
+    let cli_tests = test_executable("xfer-cli", "cli")?;
+    let two_process = test_executable("xfer-cli", "two_process")?;
+    let verbs_tests = test_executable("backend-verbs", "conformance_rxe")?;
+    let script = format!(
+        "{cli_tests} --ignored && {verbs_tests} --ignored --test-threads 1 && {two_process} --ignored --test-threads 1"
+    );
     let guest = rxe::run(
         2,
         std::time::Duration::from_secs(1200),

@@ -1,5 +1,5 @@
-//! A peer process for two-process tests: opens an engine on the efa backend, registers a
-//! buffer, prints `desc <hex>` and `addr <hex>`, then answers commands on stdin, one per line:
+//! A peer process for two-process tests: opens an engine from the config file given as its
+//! argument (any backend linked into the xfer CLI), registers a buffer, prints `desc <hex>` and `addr <hex>`, then answers commands on stdin, one per line:
 //! `expect <imm> <n>` (wait for n arrivals), `dump <offset> <len>` (print bytes as hex),
 //! `recv` (print the next message), `quit`.
 
@@ -10,10 +10,14 @@ use std::time::Duration;
 use engine_core::{Config, DoneFlag, HostBuffer, TransferEngine};
 
 fn main() {
-    let provider = std::env::args().nth(1).unwrap_or_else(|| "shm".into());
+    let path = std::env::args().nth(1).expect("usage: xfer-peer CONFIG");
+    backend_mock::link();
     backend_efa::link();
-    let text = format!("backend = \"efa\"\n[[groups]]\nnics = [\"auto\"]\n[worker]\nidle_poll_us = 0\n[backends.efa]\nprovider = \"{provider}\"\n");
-    let config = Config::from_toml(&text, std::path::Path::new("<xfer-efa-peer>")).expect("config");
+    backend_verbs::link();
+    let config = Config::from_file(std::path::Path::new(&path)).unwrap_or_else(|e| {
+        println!("error {e}");
+        std::process::exit(1)
+    });
     let engine = Arc::new(TransferEngine::open(&config).unwrap_or_else(|e| {
         println!("error {e}");
         std::process::exit(1)
