@@ -1,7 +1,7 @@
 //! One RDMA device as an xfer Domain: RC QPs per peer, connected lazily through a handshake
 //! on the device's UD QP.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use engine_core::domain::{
@@ -40,6 +40,37 @@ enum Peer {
         queued: VecDeque<Queued>,
         request_id: u64,
     },
+}
+
+/// Writes of one data QP: a chain being built (posted with one doorbell, at most 4), and what
+/// is on the send queue in post order with whether it was signalled. Only the last write of a
+/// chain is signalled; RC completes in order, so its completion completes the writes before
+/// it, and each still gets its own `Done` event.
+#[derive(Default)]
+struct DataQueue {
+    chain: Vec<Write>,
+    outstanding: VecDeque<(u64, bool)>,
+}
+
+/// Writes per doorbell.
+const CHAIN: usize = 4;
+
+/// Posts `q.chain` on `qp` (the last write signalled); what does not fit stays in the chain.
+fn post_chain(qp: &mut Qp, q: &mut DataQueue) -> Result<(), String> {
+    if q.chain.is_empty() {
+        return Ok(());
+    }
+    let last = q.chain.len() - 1;
+    for (i, w) in q.chain.iter_mut().enumerate() {
+        w.signaled = (i == last) as i32;
+    }
+    // SAFETY: every write was checked against a live registration when accepted; a region
+    // deregistered since has its lkey refused by the NIC (an error completion), never read.
+    let posted = unsafe { qp.post_writes(&q.chain) }?;
+    for w in q.chain.drain(..posted) {
+        q.outstanding.push_back((w.wr_id, w.signaled != 0));
+    }
+    Ok(())
 }
 
 struct Region {
@@ -81,6 +112,11 @@ pub struct VerbsDomain {
     next_key: u64,
     /// QP number → the peer it talks to.
     qp_peer: HashMap<u32, NetAddr>,
+    /// Data QP number → its chain and outstanding writes.
+    data_queues: HashMap<u32, DataQueue>,
+    /// Data QPs whose writes were all accounted for when they failed; their late
+    /// completions are ignored.
+    dead_qps: HashSet<u32>,
     done: Vec<Event>,
     /// The response given to each peer's latest request, resent if the request repeats.
     answers: HashMap<NetAddr, Handshake>,
@@ -181,6 +217,8 @@ impl VerbsDomain {
             options,
             next_key: 1,
             qp_peer: HashMap::new(),
+            data_queues: HashMap::new(),
+            dead_qps: HashSet::new(),
             done: Vec::new(),
             answers: HashMap::new(),
             wcs: vec![Wc::default(); 32],
@@ -258,21 +296,103 @@ impl VerbsDomain {
                 data, msg, queued, ..
             } => (data, msg, queued),
         };
-        for q in queued {
-            let wr_id = match q {
-                Queued::Write(w) => w.wr_id,
-                Queued::Send { wr_id, .. } => wr_id,
-            };
-            self.done.push(Event::Done {
-                wr_id,
-                result: Err(err(
-                    DomainErrorKind::PeerUnreachable,
-                    format!("{peer} via {}: {why}", self.name),
-                )),
-            });
+        let failure = |wr_id| Event::Done {
+            wr_id,
+            result: Err(err(
+                DomainErrorKind::PeerUnreachable,
+                format!("{peer} via {}: {why}", self.name),
+            )),
+        };
+        let mut failed: Vec<Event> = queued
+            .into_iter()
+            .map(|q| match q {
+                Queued::Write(w) => failure(w.wr_id),
+                Queued::Send { wr_id, .. } => failure(wr_id),
+            })
+            .collect();
+        // Every write of the data QP, posted or not, ends here, exactly once.
+        if let Some(q) = self.data_queues.remove(&data.qpn) {
+            failed.extend(q.outstanding.into_iter().map(|(wr_id, _)| failure(wr_id)));
+            failed.extend(q.chain.into_iter().map(|w| failure(w.wr_id)));
         }
+        self.dead_qps.insert(data.qpn);
+        self.done.extend(failed);
         self.graveyard.push(data);
         self.graveyard.push(msg);
+    }
+
+    /// Posts every non-empty chain of a connected peer.
+    fn post_chains(&mut self) {
+        let mut failed = Vec::new();
+        for (addr, p) in self.peers.iter_mut() {
+            if let Peer::Connected { data, .. } = p {
+                if let Some(q) = self.data_queues.get_mut(&data.qpn) {
+                    if let Err(e) = post_chain(data, q) {
+                        failed.push((addr.clone(), e));
+                    }
+                }
+            }
+        }
+        for (addr, e) in failed {
+            self.fail_peer(&addr, &e);
+        }
+    }
+
+    /// A completion of a data QP: settles the writes it completes, in post order.
+    fn data_completion(&mut self, wc: &Wc, events: &mut Vec<Event>) {
+        if self.dead_qps.contains(&wc.qp_num) {
+            return;
+        }
+        let Some(q) = self.data_queues.get_mut(&wc.qp_num) else {
+            return;
+        };
+        if wc.status == 0 {
+            while let Some((wr_id, signaled)) = q.outstanding.pop_front() {
+                events.push(Event::Done {
+                    wr_id,
+                    result: Ok(()),
+                });
+                if signaled {
+                    break;
+                }
+            }
+            return;
+        }
+        let peer = self.qp_peer.get(&wc.qp_num).cloned();
+        let text = format!(
+            "{} (vendor error {:#x}) on {} to {}",
+            ffi::status_text(wc.status),
+            wc.vendor_err,
+            self.name,
+            peer.as_ref()
+                .map_or("an unknown peer".into(), |p| p.to_string())
+        );
+        // RC completes in order: what was posted before the failed write succeeded.
+        let at = q
+            .outstanding
+            .iter()
+            .position(|&(id, _)| id == wc.wr_id)
+            .unwrap_or(0);
+        for (wr_id, _) in q.outstanding.drain(..at) {
+            events.push(Event::Done {
+                wr_id,
+                result: Ok(()),
+            });
+        }
+        if let Some((wr_id, _)) = q.outstanding.pop_front() {
+            events.push(Event::Done {
+                wr_id,
+                result: Err(err(classify(wc.status), text.clone())),
+            });
+        }
+        // The QP is in error now: the rest fail, and the next transfer reconnects.
+        match peer {
+            Some(p) => self.fail_peer(&p, &format!("the connection failed: {text}")),
+            None => {
+                self.data_queues.remove(&wc.qp_num);
+                self.dead_qps.insert(wc.qp_num);
+            }
+        }
     }
 
     fn connect_qps(
@@ -441,14 +561,21 @@ impl VerbsDomain {
             data, msg, queued, ..
         }) = self.peers.get_mut(peer)
         {
+            let limit = self.options.send_queue as usize;
             while let Some(q) = queued.pop_front() {
                 let r = match &q {
                     Queued::Write(w) => {
-                        // SAFETY: queued writes were checked against live registrations when
-                        // posted; if one was deregistered since, the NIC refuses its lkey (a
-                        // local protection error completion) and never reads the memory.
-                        let posted = unsafe { data.post_writes(std::slice::from_ref(w)) };
-                        posted.map(|n| n == 1)
+                        let dq = self.data_queues.entry(data.qpn).or_default();
+                        if dq.outstanding.len() + dq.chain.len() >= limit {
+                            Ok(false)
+                        } else {
+                            dq.chain.push(*w);
+                            if dq.chain.len() >= CHAIN {
+                                post_chain(data, dq).map(|()| true)
+                            } else {
+                                Ok(true)
+                            }
+                        }
                     }
                     Queued::Send { wr_id, data: bytes } => post_message(
                         &mut self.device,
@@ -680,15 +807,17 @@ impl Domain for VerbsDomain {
                 Ok(PostStatus::Posted)
             }
             Some(Peer::Connected { data, queued, .. }) => {
-                if !queued.is_empty() {
+                let q = self.data_queues.entry(data.qpn).or_default();
+                if !queued.is_empty()
+                    || q.outstanding.len() + q.chain.len() >= self.options.send_queue as usize
+                {
                     return Ok(PostStatus::Busy);
                 }
-                // SAFETY: the source range was checked against a live registration above.
-                match unsafe { data.post_writes(std::slice::from_ref(&w)) } {
-                    Ok(1) => Ok(PostStatus::Posted),
-                    Ok(_) => Ok(PostStatus::Busy),
-                    Err(e) => Err(other(e)),
+                q.chain.push(w);
+                if q.chain.len() >= CHAIN {
+                    post_chain(data, q).map_err(other)?;
                 }
+                Ok(PostStatus::Posted)
             }
             None => Err(err(
                 DomainErrorKind::PeerUnreachable,
@@ -771,6 +900,8 @@ impl Domain for VerbsDomain {
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError> {
+        // Chains still building since the last pass go out now, one doorbell each.
+        self.post_chains();
         events.append(&mut self.done);
         let mut wcs = std::mem::take(&mut self.wcs);
         let result = loop {
@@ -804,7 +935,13 @@ impl Domain for VerbsDomain {
                         }
                         self.free_msg_buffers.push(index);
                     }
+                    _ if self.data_queues.contains_key(&wc.qp_num)
+                        || self.dead_qps.contains(&wc.qp_num) =>
+                    {
+                        self.data_completion(wc, events);
+                    }
                     _ => {
+                        // A message: every send is signalled, so each has its own completion.
                         self.sends.remove(&wc.wr_id);
                         let result = if wc.status == 0 {
                             Ok(())
@@ -818,7 +955,6 @@ impl Domain for VerbsDomain {
                                 peer.as_ref()
                                     .map_or("an unknown peer".into(), |p| p.to_string())
                             );
-                            // The QP is in error now: forget the peer so the next transfer reconnects.
                             if let Some(p) = peer {
                                 self.fail_peer(&p, &text);
                             }
@@ -846,6 +982,7 @@ impl Domain for VerbsDomain {
         for p in connected {
             self.flush(&p);
         }
+        self.post_chains();
         events.append(&mut self.done);
         result
     }
