@@ -27,3 +27,37 @@ engine_core::conformance_suite!(
     ignored = "needs soft-RoCE devices: runs in the rxe guest",
     Rxe
 );
+
+/// A well-formed address whose UD QP does not exist: the handshake is never answered, and
+/// the transfer fails as unreachable within the connect deadline.
+#[test]
+#[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
+fn an_address_with_no_listening_qp_is_unreachable() {
+    use engine_core::conformance::Harness;
+    use std::time::{Duration, Instant};
+    let mut config = Rxe.config(1);
+    config.backends = toml::from_str("[verbs]\nconnect_ms = 500\n").unwrap();
+    let engine = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let src = engine_core::HostBuffer::new(&engine, 64).unwrap();
+    let real = backend_verbs::wire::VerbsAddr::decode(engine.main_address().raw()).unwrap();
+    let bogus = backend_verbs::wire::VerbsAddr {
+        ud_qpn: real.ud_qpn + 1000,
+        ..real
+    };
+    let peer = engine_core::NetAddr::new(&bogus.encode()).unwrap();
+    let desc = engine_core::MrDesc::new(0x1000, 64, vec![(peer, 1)]).unwrap();
+    let start = Instant::now();
+    let f = engine_core::DoneFlag::new();
+    engine
+        .submit_single_write(64, Some(1), (src.mr(), 0), (&desc, 0), f.clone())
+        .unwrap();
+    let r = f.wait(Duration::from_secs(10));
+    assert!(
+        matches!(r, Err(engine_core::Error::PeerUnreachable(_))),
+        "{r:?}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "within the 500 ms connect deadline"
+    );
+}
