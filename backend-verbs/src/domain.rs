@@ -10,6 +10,7 @@ use engine_core::domain::{
 };
 use engine_core::NetAddr;
 
+use crate::completion::Outstanding;
 use crate::ffi::{
     self, Attr, Device, Mr, Qp, Wc, Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV,
 };
@@ -43,13 +44,12 @@ enum Peer {
 }
 
 /// Writes of one data QP: a chain being built (posted with one doorbell, at most 4), and what
-/// is on the send queue in post order with whether it was signalled. Only the last write of a
-/// chain is signalled; RC completes in order, so its completion completes the writes before
-/// it, and each still gets its own `Done` event.
+/// is on the send queue (see [`Outstanding`]): only the last write of a chain is signalled,
+/// and each write still gets its own `Done` event.
 #[derive(Default)]
 struct DataQueue {
     chain: Vec<Write>,
-    outstanding: VecDeque<(u64, bool)>,
+    outstanding: Outstanding,
 }
 
 /// Writes per doorbell.
@@ -68,7 +68,7 @@ fn post_chain(qp: &mut Qp, q: &mut DataQueue) -> Result<(), String> {
     // deregistered since has its lkey refused by the NIC (an error completion), never read.
     let posted = unsafe { qp.post_writes(&q.chain) }?;
     for w in q.chain.drain(..posted) {
-        q.outstanding.push_back((w.wr_id, w.signaled != 0));
+        q.outstanding.push(w.wr_id, w.signaled != 0);
     }
     Ok(())
 }
@@ -311,8 +311,8 @@ impl VerbsDomain {
             })
             .collect();
         // Every write of the data QP, posted or not, ends here, exactly once.
-        if let Some(q) = self.data_queues.remove(&data.qpn) {
-            failed.extend(q.outstanding.into_iter().map(|(wr_id, _)| failure(wr_id)));
+        if let Some(mut q) = self.data_queues.remove(&data.qpn) {
+            failed.extend(q.outstanding.drain().into_iter().map(failure));
             failed.extend(q.chain.into_iter().map(|w| failure(w.wr_id)));
         }
         self.dead_qps.insert(data.qpn);
@@ -347,15 +347,15 @@ impl VerbsDomain {
             return;
         };
         if wc.status == 0 {
-            while let Some((wr_id, signaled)) = q.outstanding.pop_front() {
-                events.push(Event::Done {
-                    wr_id,
-                    result: Ok(()),
-                });
-                if signaled {
-                    break;
-                }
-            }
+            events.extend(
+                q.outstanding
+                    .complete()
+                    .into_iter()
+                    .map(|wr_id| Event::Done {
+                        wr_id,
+                        result: Ok(()),
+                    }),
+            );
             return;
         }
         let peer = self.qp_peer.get(&wc.qp_num).cloned();
@@ -368,18 +368,12 @@ impl VerbsDomain {
                 .map_or("an unknown peer".into(), |p| p.to_string())
         );
         // RC completes in order: what was posted before the failed write succeeded.
-        let at = q
-            .outstanding
-            .iter()
-            .position(|&(id, _)| id == wc.wr_id)
-            .unwrap_or(0);
-        for (wr_id, _) in q.outstanding.drain(..at) {
-            events.push(Event::Done {
-                wr_id,
-                result: Ok(()),
-            });
-        }
-        if let Some((wr_id, _)) = q.outstanding.pop_front() {
+        let (before, failed) = q.outstanding.fail(wc.wr_id);
+        events.extend(before.into_iter().map(|wr_id| Event::Done {
+            wr_id,
+            result: Ok(()),
+        }));
+        if let Some(wr_id) = failed {
             events.push(Event::Done {
                 wr_id,
                 result: Err(err(classify(wc.status), text.clone())),

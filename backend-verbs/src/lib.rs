@@ -11,6 +11,7 @@
 //! `unsafe` lives in `ffi.rs`; the handshake and address formats and the GID choice are pure
 //! (`wire.rs`).
 
+pub mod completion;
 mod domain;
 mod ffi;
 mod options;

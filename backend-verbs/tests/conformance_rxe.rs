@@ -61,3 +61,35 @@ fn an_address_with_no_listening_qp_is_unreachable() {
         "within the 500 ms connect deadline"
     );
 }
+
+/// A remote access error breaks the RC connection; the next transfer to the same peer
+/// reconnects and succeeds.
+#[test]
+#[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
+fn the_next_transfer_after_a_failure_reconnects() {
+    use engine_core::conformance::Harness;
+    use std::time::Duration;
+    let config = Rxe.config(1);
+    let a = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let b = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let src = engine_core::HostBuffer::from_fn(&a, 4096, |i| i as u8).unwrap();
+    let dst = engine_core::HostBuffer::new(&b, 4096).unwrap();
+    let (addr, rkey) = dst.desc().rkeys()[0].clone();
+    let forged =
+        engine_core::MrDesc::new(dst.desc().ptr(), 4096, vec![(addr, rkey ^ 0x77)]).unwrap();
+    let f = engine_core::DoneFlag::new();
+    a.submit_single_write(4096, None, (src.mr(), 0), (&forged, 0), f.clone())
+        .unwrap();
+    assert!(matches!(
+        f.wait(Duration::from_secs(10)),
+        Err(engine_core::Error::RemoteAccess(_))
+    ));
+    for round in 0..3 {
+        let ok = engine_core::DoneFlag::new();
+        a.submit_single_write(4096, Some(5), (src.mr(), 0), (dst.desc(), 0), ok.clone())
+            .unwrap();
+        ok.wait(Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+    }
+    assert!(dst.bytes() == src.bytes());
+}
