@@ -5,7 +5,7 @@ use std::ffi::c_void;
 
 use engine_core::domain::{
     Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion, PostStatus,
-    Registration, WriteRequest,
+    RegionTable, Registration, WriteRequest,
 };
 use engine_core::NetAddr;
 
@@ -38,12 +38,6 @@ enum InFlight {
     },
 }
 
-struct Region {
-    base: u64,
-    len: u64,
-    mr: MemoryRegistration,
-}
-
 struct RecvBuffer {
     data: Box<[u8]>,
     mr: Option<MemoryRegistration>,
@@ -53,7 +47,7 @@ struct RecvBuffer {
 pub struct EfaDomain {
     // Drop order matters: registrations and buffers go before the endpoint's domain closes
     // (the endpoint itself is closed first, in Drop).
-    regions: HashMap<u64, Region>,
+    regions: RegionTable<MemoryRegistration>,
     recv_buffers: Vec<RecvBuffer>,
     free_recv_buffers: Vec<usize>,
     in_flight: HashMap<usize, (Box<OpContext>, InFlight)>,
@@ -67,7 +61,6 @@ pub struct EfaDomain {
     provider: String,
     peers: HashMap<NetAddr, u64>,
     options: EfaOptions,
-    next_key: u64,
     posts_since_poll: usize,
     completions: Vec<Completion>,
 }
@@ -136,10 +129,13 @@ impl EfaDomain {
             )
         })?;
         let zero = vec![0u8; 64].into_boxed_slice();
+        let mut regions = RegionTable::new();
+        let zero_key = regions.next_key();
         // SAFETY: `zero` is owned by the Domain next to its registration, and dropped after it.
-        let zero_mr = unsafe { endpoint.register(zero.as_ptr(), zero.len(), 1) }.map_err(other)?;
+        let zero_mr =
+            unsafe { endpoint.register(zero.as_ptr(), zero.len(), zero_key) }.map_err(other)?;
         Ok(Self {
-            regions: HashMap::new(),
+            regions,
             recv_buffers: Vec::new(),
             free_recv_buffers: Vec::new(),
             in_flight: HashMap::new(),
@@ -150,7 +146,6 @@ impl EfaDomain {
             address,
             peers: HashMap::new(),
             options,
-            next_key: 2,
             posts_since_poll: 0,
             completions: Vec::with_capacity(64),
         })
@@ -254,8 +249,7 @@ impl Domain for EfaDomain {
                 ),
             ));
         }
-        let key = self.next_key;
-        self.next_key += 1;
+        let key = self.regions.next_key();
         // SAFETY: TransferEngine::reg_mr's contract keeps the memory allocated until it is
         // deregistered, which drops this registration.
         let mr = unsafe {
@@ -264,14 +258,7 @@ impl Domain for EfaDomain {
         }
         .map_err(|e| registration_error(e, region.len))?;
         let remote_key = if region.remote_write { mr.key } else { 0 };
-        self.regions.insert(
-            key,
-            Region {
-                base: region.ptr,
-                len: region.len,
-                mr,
-            },
-        );
+        self.regions.insert(key, region, mr);
         Ok(Registration {
             local_key: key,
             remote_key,
@@ -279,12 +266,7 @@ impl Domain for EfaDomain {
     }
 
     fn deregister(&mut self, local_key: u64) -> Result<(), DomainError> {
-        self.regions.remove(&local_key).map(drop).ok_or_else(|| {
-            DomainError::new(
-                DomainErrorKind::InvalidArgument,
-                format!("local key {local_key} is not registered"),
-            )
-        })
+        self.regions.remove(local_key).map(drop)
     }
 
     fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError> {
@@ -295,27 +277,8 @@ impl Domain for EfaDomain {
         let (buf, desc) = if wr.len == 0 {
             (self.zero_source.0.as_ptr(), self.zero_source.1.desc)
         } else {
-            let r = self.regions.get(&wr.local_key).ok_or_else(|| {
-                DomainError::new(
-                    DomainErrorKind::InvalidArgument,
-                    format!("local key {} is not registered", wr.local_key),
-                )
-            })?;
-            let inside = wr.local_addr >= r.base
-                && wr
-                    .local_addr
-                    .checked_add(wr.len)
-                    .is_some_and(|end| end <= r.base + r.len);
-            if !inside {
-                return Err(DomainError::new(
-                    DomainErrorKind::InvalidArgument,
-                    format!(
-                        "source {:#x}+{} is outside its region",
-                        wr.local_addr, wr.len
-                    ),
-                ));
-            }
-            (wr.local_addr as *const u8, r.mr.desc)
+            let mr = self.regions.source(wr.local_key, wr.local_addr, wr.len)?;
+            (wr.local_addr as *const u8, mr.desc)
         };
         let remote_addr = if self.endpoint.attr.mr_virt_addr != 0 {
             wr.remote_addr
@@ -355,8 +318,7 @@ impl Domain for EfaDomain {
         let dest = self.peer(peer)?;
         let buffer: Box<[u8]> = data.into();
         let mr = if self.endpoint.attr.mr_local != 0 {
-            let key = self.next_key;
-            self.next_key += 1;
+            let key = self.regions.next_key();
             // SAFETY: the buffer is kept with its registration in `in_flight` until completion.
             Some(
                 unsafe {
@@ -392,8 +354,7 @@ impl Domain for EfaDomain {
                 None => {
                     let data = vec![0u8; buf_len].into_boxed_slice();
                     let mr = if self.endpoint.attr.mr_local != 0 {
-                        let key = self.next_key;
-                        self.next_key += 1;
+                        let key = self.regions.next_key();
                         // SAFETY: the buffer lives in `recv_buffers` for the Domain's lifetime.
                         Some(
                             unsafe { self.endpoint.register(data.as_ptr(), data.len(), key) }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use engine_core::domain::{
     Device as MemDevice, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion,
-    PostStatus, Registration, WriteRequest,
+    PostStatus, RegionTable, Registration, WriteRequest,
 };
 use engine_core::NetAddr;
 
@@ -73,12 +73,6 @@ fn post_chain(qp: &mut Qp, q: &mut DataQueue) -> Result<(), String> {
     Ok(())
 }
 
-struct Region {
-    base: u64,
-    len: u64,
-    mr: Mr,
-}
-
 struct MsgBuffer {
     data: Box<[u8]>,
     mr: Mr,
@@ -99,7 +93,7 @@ pub struct VerbsDomain {
     /// QPs of failed connections, kept until the device closes so their flushed completions
     /// can still be read.
     graveyard: Vec<Qp>,
-    regions: HashMap<u64, Region>,
+    regions: RegionTable<Mr>,
     msg_buffers: Vec<MsgBuffer>,
     free_msg_buffers: Vec<usize>,
     sends: HashMap<u64, SendBuffer>,
@@ -109,7 +103,6 @@ pub struct VerbsDomain {
     address: NetAddr,
     name: String,
     options: VerbsOptions,
-    next_key: u64,
     /// QP number → the peer it talks to.
     qp_peer: HashMap<u32, NetAddr>,
     /// Data QP number → its chain and outstanding writes.
@@ -205,7 +198,7 @@ impl VerbsDomain {
         Ok(Self {
             peers: HashMap::new(),
             graveyard: Vec::new(),
-            regions: HashMap::new(),
+            regions: RegionTable::new(),
             msg_buffers: Vec::new(),
             free_msg_buffers: Vec::new(),
             sends: HashMap::new(),
@@ -215,7 +208,6 @@ impl VerbsDomain {
             address,
             name: config.nic.to_owned(),
             options,
-            next_key: 1,
             qp_peer: HashMap::new(),
             data_queues: HashMap::new(),
             dead_qps: HashSet::new(),
@@ -571,14 +563,9 @@ impl VerbsDomain {
                             }
                         }
                     }
-                    Queued::Send { wr_id, data: bytes } => post_message(
-                        &mut self.device,
-                        msg,
-                        &mut self.sends,
-                        &mut self.next_key,
-                        *wr_id,
-                        bytes,
-                    ),
+                    Queued::Send { wr_id, data: bytes } => {
+                        post_message(&mut self.device, msg, &mut self.sends, *wr_id, bytes)
+                    }
                 };
                 match r {
                     Ok(true) => {}
@@ -652,7 +639,6 @@ fn post_message(
     device: &mut Device,
     qp: &mut Qp,
     sends: &mut HashMap<u64, SendBuffer>,
-    next_key: &mut u64,
     wr_id: u64,
     bytes: &[u8],
 ) -> Result<bool, String> {
@@ -666,7 +652,6 @@ fn post_message(
     // SAFETY: the buffer lies in `mr` and lives in `sends` until its completion.
     let posted = unsafe { qp.post_send(wr_id, data.as_ptr() as u64, bytes.len() as u32, mr.lkey) }?;
     if posted {
-        *next_key += 1;
         sends.insert(
             wr_id,
             SendBuffer {
@@ -710,21 +695,13 @@ impl Domain for VerbsDomain {
                 "{e} (locked-memory limit: {limit}; see `xfer doctor`)"
             ))
         })?;
-        let key = self.next_key;
-        self.next_key += 1;
+        let key = self.regions.next_key();
         let remote_key = if region.remote_write {
             u64::from(mr.rkey)
         } else {
             0
         };
-        self.regions.insert(
-            key,
-            Region {
-                base: region.ptr,
-                len: region.len,
-                mr,
-            },
-        );
+        self.regions.insert(key, region, mr);
         Ok(Registration {
             local_key: key,
             remote_key,
@@ -732,12 +709,7 @@ impl Domain for VerbsDomain {
     }
 
     fn deregister(&mut self, local_key: u64) -> Result<(), DomainError> {
-        self.regions.remove(&local_key).map(drop).ok_or_else(|| {
-            err(
-                DomainErrorKind::InvalidArgument,
-                format!("local key {local_key} is not registered"),
-            )
-        })
+        self.regions.remove(local_key).map(drop)
     }
 
     fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError> {
@@ -759,27 +731,8 @@ impl Domain for VerbsDomain {
         let (laddr, lkey) = if wr.len == 0 {
             (0, 0)
         } else {
-            let r = self.regions.get(&wr.local_key).ok_or_else(|| {
-                err(
-                    DomainErrorKind::InvalidArgument,
-                    format!("local key {} is not registered", wr.local_key),
-                )
-            })?;
-            if wr.local_addr < r.base
-                || wr
-                    .local_addr
-                    .checked_add(wr.len)
-                    .is_none_or(|end| end > r.base + r.len)
-            {
-                return Err(err(
-                    DomainErrorKind::InvalidArgument,
-                    format!(
-                        "source {:#x}+{} is outside its region",
-                        wr.local_addr, wr.len
-                    ),
-                ));
-            }
-            (wr.local_addr, r.mr.lkey)
+            let mr = self.regions.source(wr.local_key, wr.local_addr, wr.len)?;
+            (wr.local_addr, mr.lkey)
         };
         let w = Write {
             wr_id: wr.wr_id,
@@ -841,14 +794,7 @@ impl Domain for VerbsDomain {
                 if !queued.is_empty() {
                     return Ok(PostStatus::Busy);
                 }
-                match post_message(
-                    &mut self.device,
-                    msg,
-                    &mut self.sends,
-                    &mut self.next_key,
-                    wr_id,
-                    data,
-                ) {
+                match post_message(&mut self.device, msg, &mut self.sends, wr_id, data) {
                     Ok(true) => Ok(PostStatus::Posted),
                     Ok(false) => Ok(PostStatus::Busy),
                     Err(e) => Err(other(e)),

@@ -231,3 +231,105 @@ pub struct BackendRegistration {
 }
 
 inventory::collect!(BackendRegistration);
+
+/// A Domain's local registrations: key → (range, the backend's registration object), so every
+/// backend hands out keys and checks write sources the same way.
+#[derive(Debug)]
+pub struct RegionTable<M> {
+    next_key: u64,
+    regions: std::collections::HashMap<u64, (u64, u64, M)>,
+}
+
+impl<M> Default for RegionTable<M> {
+    fn default() -> Self {
+        Self {
+            next_key: 1,
+            regions: std::collections::HashMap::new(),
+        }
+    }
+}
+
+impl<M> RegionTable<M> {
+    /// An empty table; keys start at 1.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A key no other registration of this table has (for providers that take the key
+    /// before registering, and for the Domain's own buffers).
+    pub fn next_key(&mut self) -> u64 {
+        let key = self.next_key;
+        self.next_key += 1;
+        key
+    }
+
+    /// Records `region`'s registration under `key`.
+    pub fn insert(&mut self, key: u64, region: &MemoryRegion, registration: M) {
+        self.regions
+            .insert(key, (region.ptr, region.len, registration));
+    }
+
+    /// Removes a registration (dropping it deregisters, for RAII registrations).
+    pub fn remove(&mut self, key: u64) -> Result<M, DomainError> {
+        self.regions.remove(&key).map(|(_, _, m)| m).ok_or_else(|| {
+            DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!("local key {key} is not registered"),
+            )
+        })
+    }
+
+    /// The registration a write's source must lie in: `[addr, addr + len)` inside region `key`.
+    pub fn source(&self, key: u64, addr: u64, len: u64) -> Result<&M, DomainError> {
+        let (base, size, m) = self.regions.get(&key).ok_or_else(|| {
+            DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!("local key {key} is not registered"),
+            )
+        })?;
+        let inside = addr >= *base && addr.checked_add(len).is_some_and(|end| end <= base + size);
+        if !inside {
+            return Err(DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!("source {addr:#x}+{len} is outside its region {base:#x}+{size}"),
+            ));
+        }
+        Ok(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn region_table_checks_sources_and_keys() {
+        let mut t = RegionTable::new();
+        let key = t.next_key();
+        t.insert(
+            key,
+            &MemoryRegion {
+                ptr: 0x1000,
+                len: 0x100,
+                device: Device::Host,
+                remote_write: true,
+            },
+            "mr",
+        );
+        assert_eq!(t.source(key, 0x1000, 0x100), Ok(&"mr"));
+        assert!(t
+            .source(key, 0x10ff, 2)
+            .unwrap_err()
+            .message
+            .contains("outside"));
+        assert!(t.source(key, u64::MAX, 2).is_err());
+        assert!(t
+            .source(key + 1, 0x1000, 1)
+            .unwrap_err()
+            .message
+            .contains("not registered"));
+        assert_eq!(t.remove(key), Ok("mr"));
+        assert!(t.remove(key).is_err());
+        assert_ne!(t.next_key(), key, "keys are never reused");
+    }
+}

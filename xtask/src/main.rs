@@ -103,23 +103,7 @@ fn cargo_test(args: &[&str], totals: &mut (u64, u64)) -> Result {
     for line in BufReader::new(stdout).lines() {
         let line = line.map_err(|e| e.to_string())?;
         println!("{line}");
-        if let Some(rest) = line.strip_prefix("test result: ") {
-            let count = |word: &str| -> u64 {
-                rest.split(';')
-                    .find_map(|part| {
-                        part.trim()
-                            .strip_suffix(word)?
-                            .trim()
-                            .rsplit(' ')
-                            .next()?
-                            .parse()
-                            .ok()
-                    })
-                    .unwrap_or(0)
-            };
-            totals.0 += count("passed");
-            totals.1 += count("failed");
-        }
+        add_test_result(&line, totals);
     }
     let status = child.wait().map_err(|e| e.to_string())?;
     if status.success() {
