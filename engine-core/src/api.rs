@@ -624,6 +624,7 @@ impl TransferEngine {
                 let pool = uvm_watcher::WatcherPool::new(uvm_watcher::PoolConfig {
                     cpu: w.cpu,
                     max_slots: w.max_slots,
+                    ..uvm_watcher::PoolConfig::default()
                 })?;
                 // Another thread may have won the race; its pool is used and ours dropped.
                 let _ = self.watchers.set(pool);

@@ -20,11 +20,17 @@
 //! **Threads.** The poller spins while any slot is active and parks when none is. A callback
 //! returns [`Control::Stop`] to free its slot; dropping the [`Watcher`] frees it too.
 
+mod cuda;
 mod memory;
 mod pool;
 
 pub use memory::{MemoryKind, SLOTS_PER_BLOCK};
-pub use pool::{Control, PoolConfig, Watcher, WatcherPool};
+pub use pool::{Control, MemoryChoice, PoolConfig, Watcher, WatcherPool};
+
+/// Whether a CUDA driver library is present (device-mapped slots are possible).
+pub fn cuda_driver_present() -> bool {
+    cuda::driver_present()
+}
 
 /// Why a pool or watcher could not be created.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -18,6 +18,18 @@ pub enum Control {
 
 type Callback = Box<dyn FnMut(u64, u64) -> Control + Send>;
 
+/// Which memory a pool's slots use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryChoice {
+    /// Device-mapped memory when a CUDA driver and device are present, else host memory
+    /// (logged once).
+    Auto,
+    /// Host memory, always.
+    Host,
+    /// Device-mapped memory, or an error saying why not.
+    DeviceMapped,
+}
+
 /// How a pool is set up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PoolConfig {
@@ -25,6 +37,10 @@ pub struct PoolConfig {
     pub cpu: Option<usize>,
     /// Most slots (rounded up to whole blocks of 512).
     pub max_slots: usize,
+    /// Which memory.
+    pub memory: MemoryChoice,
+    /// The CUDA device whose address space device-mapped slots appear in.
+    pub cuda_device: i32,
 }
 
 impl Default for PoolConfig {
@@ -32,6 +48,8 @@ impl Default for PoolConfig {
         Self {
             cpu: None,
             max_slots: 4 * SLOTS_PER_BLOCK,
+            memory: MemoryChoice::Auto,
+            cuda_device: 0,
         }
     }
 }
@@ -61,6 +79,8 @@ struct Shared {
     stop: AtomicBool,
     max_slots: usize,
     poller: Mutex<Option<std::thread::Thread>>,
+    /// Set when slots are device-mapped.
+    cuda: Option<Arc<crate::cuda::Cuda>>,
 }
 
 impl Shared {
@@ -123,12 +143,12 @@ impl Watcher {
 
     /// The address a GPU kernel writes, when the slot is device-mapped memory.
     pub fn device_ptr(&self) -> Option<u64> {
-        None
+        self.block.device_ptr(self.index % SLOTS_PER_BLOCK)
     }
 
     /// What backs the slot.
     pub fn memory(&self) -> MemoryKind {
-        MemoryKind::Host
+        self.block.kind()
     }
 
     /// The slot's current value.
@@ -164,6 +184,19 @@ impl Drop for Watcher {
 impl WatcherPool {
     /// Starts the polling thread (pinned if `config.cpu` is set).
     pub fn new(config: PoolConfig) -> Result<Self, WatcherError> {
+        let cuda = match config.memory {
+            MemoryChoice::Host => None,
+            MemoryChoice::DeviceMapped => Some(Arc::new(
+                crate::cuda::Cuda::open(config.cuda_device).map_err(WatcherError::Memory)?,
+            )),
+            MemoryChoice::Auto => match crate::cuda::Cuda::open(config.cuda_device) {
+                Ok(c) => Some(Arc::new(c)),
+                Err(why) => {
+                    tracing::info!("uvm-watcher: slots in host memory ({why})");
+                    None
+                }
+            },
+        };
         let shared = Arc::new(Shared {
             blocks: Mutex::new(Vec::new()),
             created: Mutex::new(0),
@@ -174,6 +207,7 @@ impl WatcherPool {
             stop: AtomicBool::new(false),
             max_slots: config.max_slots.div_ceil(SLOTS_PER_BLOCK).max(1) * SLOTS_PER_BLOCK,
             poller: Mutex::new(None),
+            cuda,
         });
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let s = Arc::clone(&shared);
@@ -254,7 +288,11 @@ impl WatcherPool {
         if *created >= self.shared.max_slots {
             return Err(WatcherError::Full(self.shared.max_slots));
         }
-        blocks.push(Arc::new(Block::host()));
+        let block = match &self.shared.cuda {
+            Some(cuda) => Block::mapped(cuda).map_err(WatcherError::Memory)?,
+            None => Block::host(),
+        };
+        blocks.push(Arc::new(block));
         let first = *created;
         *created += SLOTS_PER_BLOCK;
         // Hand out the first new slot; the rest go on the free list (lowest first).

@@ -69,8 +69,8 @@ fn every_change_of_many_slots_is_seen_with_nothing_lost() {
 #[test]
 fn a_callback_can_stop_and_slots_are_reused() {
     let pool = WatcherPool::new(PoolConfig {
-        cpu: None,
         max_slots: SLOTS_PER_BLOCK,
+        ..PoolConfig::default()
     })
     .unwrap();
     let calls = Arc::new(Mutex::new(Vec::new()));
@@ -106,8 +106,8 @@ fn a_callback_can_stop_and_slots_are_reused() {
 fn the_pool_refuses_more_slots_than_configured_and_callbacks_may_create_watchers() {
     let pool = Arc::new(
         WatcherPool::new(PoolConfig {
-            cpu: None,
             max_slots: SLOTS_PER_BLOCK,
+            ..PoolConfig::default()
         })
         .unwrap(),
     );
@@ -132,4 +132,21 @@ fn the_pool_refuses_more_slots_than_configured_and_callbacks_may_create_watchers
     w.store(1);
     wait_until("the nested watcher", || created.lock().unwrap().is_some());
     assert_eq!(pool.active(), 1);
+}
+
+#[test]
+fn without_a_cuda_driver_auto_falls_back_to_host_memory_and_mapped_is_refused() {
+    if uvm_watcher::cuda_driver_present() {
+        return; // a GPU machine: the device-mapped path is checked by `cargo xtask gpu-check`
+    }
+    let pool = WatcherPool::new(PoolConfig::default()).unwrap();
+    let w = pool.watch(|_, _| Control::Continue).unwrap();
+    assert_eq!(w.memory(), uvm_watcher::MemoryKind::Host);
+    assert_eq!(w.device_ptr(), None);
+    let err = WatcherPool::new(PoolConfig {
+        memory: uvm_watcher::MemoryChoice::DeviceMapped,
+        ..PoolConfig::default()
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("no CUDA driver"), "{err}");
 }
