@@ -7,6 +7,7 @@
 //! - `rxe [--nics N] [--timeout S] -- <command>`: runs a command next to N soft-RoCE devices
 //!   in a qemu guest (see `rxe.rs`).
 //! - `rxe-bench`: the verbs backend next to perftest's `ib_write_bw` on the same rxe device.
+//! - `gpu-check`: builds the GPU check and a script for a machine with an NVIDIA GPU.
 //! - `fixtures`: rewrites the sysfs fixture trees of the topology tests.
 //! - `bench-efa`: the EFA backend on libfabric's shm provider, next to a raw libfabric write
 //!   loop, then initiator and target in two processes.
@@ -312,6 +313,44 @@ fn rxe_command(args: &[String]) -> Result {
     Ok(())
 }
 
+/// Prepares the GPU check: builds the binaries here (release), copies them into
+/// `.gpu-check/` (git-ignored) with a script, for a machine with an NVIDIA GPU to run:
+/// `bash .gpu-check/run.sh` (under 5 minutes).
+fn gpu_check() -> Result {
+    cargo(&[
+        "build",
+        "--release",
+        "--quiet",
+        "-p",
+        "examples",
+        "--bin",
+        "gpu-check",
+        "--bin",
+        "watcher-latency",
+    ])?;
+    let dir = std::path::Path::new(".gpu-check");
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    for bin in ["gpu-check", "watcher-latency"] {
+        std::fs::copy(format!("target/release/{bin}"), dir.join(bin))
+            .map_err(|e| format!("{bin}: {e}"))?;
+    }
+    let script = "#!/usr/bin/env bash\n\
+        # uvm-watcher on a GPU: device-mapped slots bumped by a kernel, then by a CPU producer.\n\
+        set -u\n\
+        cd \"$(dirname \"$0\")\"\n\
+        nvidia-smi -L || true\n\
+        timeout 120 ./gpu-check --events 20000 --cpu 2; s1=$?\n\
+        timeout 60 ./watcher-latency --cpu 2 --producer-cpu 3; s2=$?\n\
+        echo \"gpu-check exit $s1, watcher-latency exit $s2\"\n\
+        exit $(( s1 | s2 ))\n";
+    std::fs::write(dir.join("run.sh"), script).map_err(|e| e.to_string())?;
+    println!(
+        "prepared {}: run `bash .gpu-check/run.sh` on the GPU machine (carry `.gpu-check`)",
+        dir.display()
+    );
+    Ok(())
+}
+
 /// The verbs backend next to perftest's `ib_write_bw` on the same soft-RoCE device, in one
 /// guest run: engine throughput (two engines on rxe0, loopback mode) over perftest's.
 fn rxe_bench() -> Result {
@@ -424,6 +463,7 @@ fn main() -> ExitCode {
         Some("bench-efa") => bench_efa(&args[1..]),
         Some("rxe") => rxe_command(&args[1..]),
         Some("rxe-bench") => rxe_bench(),
+        Some("gpu-check") => gpu_check(),
         Some("fixtures") => fixtures::write_all(std::path::Path::new("engine-core/tests/fixtures/sysfs")).map_err(|e| e.to_string()),
         _ => Err("usage: cargo xtask test | bench [transfer-bench args] | bench-efa [transfer-bench args]".into()),
     };
