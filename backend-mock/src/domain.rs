@@ -184,6 +184,7 @@ impl MockDomain {
         let target = self.peer(peer)?;
         // Lock order: our regions, then the peer's (the same lock, read twice, for loopback).
         let ours = self.nic.regions();
+        let mut src_gpu = false;
         if len > 0 {
             let src = ours.local.get(&local_key).ok_or_else(|| {
                 DomainError::new(
@@ -203,6 +204,7 @@ impl MockDomain {
                     ),
                 ));
             }
+            src_gpu = src.gpu;
         }
         let theirs = if Arc::ptr_eq(&target, &self.nic) {
             None
@@ -221,7 +223,18 @@ impl MockDomain {
                 dst.ptr, dst.len
             )));
         }
-        if len > 0 {
+        if len > 0 && (src_gpu || dst.gpu) {
+            // SAFETY: as below; the engine checked both GPU ranges with the driver when they
+            // were registered, and the driver copies between any host/device addresses.
+            unsafe { uvm_watcher::gpu::copy(remote_addr, local_addr, len as usize) }.map_err(
+                |e| {
+                    DomainError::new(
+                        DomainErrorKind::Other,
+                        format!("GPU copy at mock NIC {peer}: {e}"),
+                    )
+                },
+            )?;
+        } else if len > 0 {
             // SAFETY: both ranges were checked against live registrations, and the regions
             // locks are held, so neither can be deregistered during the copy. The owners
             // promised (TransferEngine::reg_mr's contract) the memory stays allocated while
@@ -304,18 +317,11 @@ impl Domain for MockDomain {
     }
 
     fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError> {
-        if region.device != Device::Host {
-            return Err(DomainError::new(
-                DomainErrorKind::InvalidArgument,
-                format!(
-                    "the mock backend registers host memory only, not {:?}",
-                    region.device
-                ),
-            ));
-        }
+        // GPU memory (checked by the engine with the CUDA driver) is copied with the driver.
         let r = Region {
             ptr: region.ptr,
             len: region.len,
+            gpu: region.device != Device::Host,
         };
         let local_key = fabric::new_key();
         let remote_key = if region.remote_write {

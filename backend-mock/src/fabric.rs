@@ -13,6 +13,8 @@ use engine_core::NetAddr;
 pub(crate) struct Region {
     pub(crate) ptr: u64,
     pub(crate) len: u64,
+    /// GPU memory: copied through the CUDA driver rather than by the CPU.
+    pub(crate) gpu: bool,
 }
 
 impl Region {

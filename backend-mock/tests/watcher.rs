@@ -72,3 +72,26 @@ fn each_bump_sends_that_layer() {
     assert!(dst.bytes() == src.bytes());
     assert_eq!(sent.finished(), LAYERS, "each layer sent exactly once");
 }
+
+/// GPU registrations are checked with the CUDA driver before anything is registered; without
+/// a driver they are refused with the reason, host memory still registers.
+#[test]
+fn gpu_memory_without_a_driver_is_a_typed_error() {
+    if uvm_watcher::cuda_driver_present() {
+        return; // a GPU machine: `cargo xtask gpu-check` exercises the device path
+    }
+    let config = common::mock_config(1, "");
+    let engine = Arc::new(TransferEngine::open(&config).unwrap());
+    let mut fake = vec![0u8; 4096];
+    // SAFETY: refused before anything registers the memory.
+    let err = unsafe { engine.reg_mr(fake.as_mut_ptr(), fake.len(), engine_core::Device::Cuda(0)) }
+        .unwrap_err();
+    assert!(
+        matches!(&err, engine_core::Error::InvalidArgument(m) if m.contains("no CUDA driver")),
+        "{err}"
+    );
+    // SAFETY: `fake` outlives the registration, deregistered right after.
+    let (mr, _) =
+        unsafe { engine.reg_mr(fake.as_mut_ptr(), fake.len(), engine_core::Device::Host) }.unwrap();
+    engine.dereg_mr(mr).unwrap();
+}

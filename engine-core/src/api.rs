@@ -207,6 +207,14 @@ impl TransferEngine {
             device,
             remote_write,
         };
+        // Wrong memory kinds are caught here, before any NIC sees them: a device pointer
+        // passed as host memory, host memory (or another GPU's) passed as a device's, a range
+        // across two allocations, a device that does not exist.
+        match device {
+            Device::Host => uvm_watcher::gpu::check_host_range(region.ptr),
+            Device::Cuda(i) => uvm_watcher::gpu::check_device_range(region.ptr, region.len, i),
+        }
+        .map_err(Error::InvalidArgument)?;
         let keys = self.control(|reply| Command::Register { region, reply })?;
         let local = LocalRegion {
             ptr: region.ptr,

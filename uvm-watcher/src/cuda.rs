@@ -91,3 +91,90 @@ impl Cuda {
         }
     }
 }
+
+impl Cuda {
+    fn make_current(&self) -> Result<(), String> {
+        // SAFETY: the context was retained in open.
+        check("cuCtxSetCurrent", unsafe {
+            sys::cuCtxSetCurrent(self.context)
+        })
+    }
+
+    /// The memory type of `ptr` (`None` when the driver does not know it: plain host memory).
+    fn memory_type(&self, ptr: u64) -> Result<Option<sys::CUmemorytype>, String> {
+        self.make_current()?;
+        let mut kind: u32 = 0;
+        // SAFETY: `kind` is a valid out-pointer for this attribute (an unsigned int).
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut kind as *mut u32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                ptr,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Ok(None);
+        }
+        Ok(Some(
+            if kind == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+                sys::CUmemorytype::CU_MEMORYTYPE_DEVICE
+            } else {
+                sys::CUmemorytype::CU_MEMORYTYPE_HOST
+            },
+        ))
+    }
+
+    /// Checks that `[ptr, ptr + len)` is device memory of `device`, inside one allocation.
+    pub(crate) fn check_device_range(&self, ptr: u64, len: u64, device: i32) -> Result<(), String> {
+        if self.memory_type(ptr)? != Some(sys::CUmemorytype::CU_MEMORYTYPE_DEVICE) {
+            return Err(format!("{ptr:#x} is not CUDA device memory (host memory passed as Device::Cuda({device})?)"));
+        }
+        let mut ordinal: i32 = -1;
+        // SAFETY: valid out-pointer for this attribute (an int); context current.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut ordinal as *mut i32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                ptr,
+            )
+        };
+        check("cuPointerGetAttribute(DEVICE_ORDINAL)", r)?;
+        if ordinal != device {
+            return Err(format!(
+                "{ptr:#x} belongs to CUDA device {ordinal}, not {device}"
+            ));
+        }
+        let (mut base, mut size) = (0u64, 0usize);
+        // SAFETY: valid out-pointers; context current.
+        check("cuMemGetAddressRange", unsafe {
+            sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
+        })?;
+        if ptr
+            .checked_add(len)
+            .is_none_or(|end| end > base + size as u64)
+        {
+            return Err(format!("{ptr:#x}+{len} crosses the end of its allocation {base:#x}+{size}: register each allocation separately"));
+        }
+        Ok(())
+    }
+
+    /// Refuses device memory registered as host memory.
+    pub(crate) fn check_host_range(&self, ptr: u64) -> Result<(), String> {
+        match self.memory_type(ptr)? {
+            Some(sys::CUmemorytype::CU_MEMORYTYPE_DEVICE) => Err(format!(
+                "{ptr:#x} is CUDA device memory: register it as Device::Cuda"
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Copies `len` bytes between any two addresses the driver can reach (unified addressing).
+    ///
+    /// # Safety
+    /// Both ranges must be valid for the copy.
+    pub(crate) unsafe fn copy(&self, dst: u64, src: u64, len: usize) -> Result<(), String> {
+        self.make_current()?;
+        // SAFETY: per this function's contract.
+        check("cuMemcpy", unsafe { sys::cuMemcpy(dst, src, len) })
+    }
+}

@@ -21,6 +21,7 @@
 //! returns [`Control::Stop`] to free its slot; dropping the [`Watcher`] frees it too.
 
 mod cuda;
+pub mod gpu;
 mod memory;
 mod pool;
 
