@@ -240,23 +240,21 @@ impl Domain for EfaDomain {
     }
 
     fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError> {
-        if region.device != Device::Host {
-            return Err(DomainError::new(
-                DomainErrorKind::InvalidArgument,
-                format!(
-                    "backend-efa registers host memory only for now, not {:?}",
-                    region.device
-                ),
-            ));
-        }
         let key = self.regions.next_key();
-        // SAFETY: TransferEngine::reg_mr's contract keeps the memory allocated until it is
-        // deregistered, which drops this registration.
-        let mr = unsafe {
-            self.endpoint
-                .register(region.ptr as *const u8, region.len as usize, key)
-        }
-        .map_err(|e| registration_error(e, region.len))?;
+        let mr = match region.device {
+            // SAFETY: the engine checked the range is live device memory of this GPU, kept
+            // allocated until deregistration drops this registration.
+            Device::Cuda(index) => unsafe { self.endpoint.register_cuda(region.ptr, region.len as usize, index as i32, key) }.map_err(|e| {
+                DomainError::new(
+                    DomainErrorKind::InvalidArgument,
+                    format!("{} cannot register GPU memory of CUDA device {index}: {} (does the provider support FI_HMEM?)", self.provider, e.message),
+                )
+            })?,
+            // SAFETY: TransferEngine::reg_mr's contract keeps the memory allocated until it is
+            // deregistered, which drops this registration.
+            _ => unsafe { self.endpoint.register(region.ptr as *const u8, region.len as usize, key) }
+                .map_err(|e| registration_error(e, region.len))?,
+        };
         let remote_key = if region.remote_write { mr.key } else { 0 };
         self.regions.insert(key, region, mr);
         Ok(Registration {

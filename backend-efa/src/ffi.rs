@@ -201,6 +201,39 @@ impl Endpoint {
         }
     }
 
+    /// Registers memory of CUDA device `device` (`FI_HMEM_CUDA`).
+    ///
+    /// # Safety
+    /// The device memory must stay allocated until the registration is dropped.
+    pub(crate) unsafe fn register_cuda(
+        &mut self,
+        ptr: u64,
+        len: usize,
+        device: i32,
+        requested_key: u64,
+    ) -> Result<MemoryRegistration, OfiError> {
+        let mut mr = std::ptr::null_mut();
+        let mut key = 0u64;
+        let mut desc = std::ptr::null_mut();
+        // SAFETY: per this function's contract; out-pointers are valid.
+        let rc = unsafe {
+            sys::xfer_ofi_mr_reg_cuda(
+                self.raw.as_ptr(),
+                ptr as *const c_void,
+                len,
+                device,
+                requested_key,
+                &mut mr,
+                &mut key,
+                &mut desc,
+            )
+        };
+        match NonNull::new(mr) {
+            Some(mr) if rc == 0 => Ok(MemoryRegistration { mr, key, desc }),
+            _ => Err(error("fi_mr_regattr(FI_HMEM_CUDA)", rc)),
+        }
+    }
+
     /// Posts an RDMA write (with remote CQ data when `imm` is given).
     ///
     /// # Safety

@@ -667,34 +667,64 @@ fn tracing_free_log(message: &str) {
     eprintln!("xfer backend-verbs: {message}");
 }
 
+impl VerbsDomain {
+    /// GPU memory: dma-buf first (`cuMemGetHandleForAddressRange` → `ibv_reg_dmabuf_mr`),
+    /// then plain `ibv_reg_mr` (works with nvidia-peermem); both reasons if neither works.
+    fn register_gpu(&mut self, region: &MemoryRegion, index: u32) -> Result<Mr, DomainError> {
+        let dmabuf =
+            uvm_watcher::gpu::dmabuf(region.ptr, region.len, index).and_then(|(fd, offset)| {
+                // SAFETY: the engine checked the range is live device memory of this GPU; the fd
+                // was just exported for it and is handed over.
+                unsafe {
+                    self.device.register_dmabuf(
+                        offset,
+                        region.len as usize,
+                        region.ptr,
+                        fd,
+                        region.remote_write,
+                    )
+                }
+            });
+        let dmabuf_error = match dmabuf {
+            Ok(mr) => return Ok(mr),
+            Err(e) => e,
+        };
+        // SAFETY: as for host memory; with nvidia-peermem the NIC pins GPU pages itself.
+        match unsafe { self.device.register(region.ptr, region.len as usize, region.remote_write) } {
+            Ok(mr) => Ok(mr),
+            Err(peermem_error) => Err(err(
+                DomainErrorKind::InvalidArgument,
+                format!("GPU memory of CUDA device {index} cannot be registered with {}: dma-buf: {dmabuf_error}; nvidia-peermem: {peermem_error} (see `xfer doctor`)", self.name),
+            )),
+        }
+    }
+}
+
 impl Domain for VerbsDomain {
     fn address(&self) -> NetAddr {
         self.address.clone()
     }
 
     fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError> {
-        if region.device != MemDevice::Host {
-            return Err(err(
-                DomainErrorKind::InvalidArgument,
-                format!(
-                    "backend-verbs registers host memory only for now, not {:?}",
-                    region.device
-                ),
-            ));
-        }
-        // SAFETY: TransferEngine::reg_mr's contract keeps the memory allocated until it is
-        // deregistered, which drops this registration.
-        let mr = unsafe {
-            self.device
-                .register(region.ptr, region.len as usize, region.remote_write)
-        }
-        .map_err(|e| {
-            let limit = engine_core::topo::doctor::memlock_limit(std::path::Path::new("/proc"))
-                .map_or("unlimited".to_owned(), |l| format!("{l} bytes"));
-            other(format!(
-                "{e} (locked-memory limit: {limit}; see `xfer doctor`)"
-            ))
-        })?;
+        let mr = match region.device {
+            MemDevice::Cuda(index) => self.register_gpu(region, index)?,
+            _ => {
+                // SAFETY: TransferEngine::reg_mr's contract keeps the memory allocated until it
+                // is deregistered, which drops this registration.
+                unsafe {
+                    self.device
+                        .register(region.ptr, region.len as usize, region.remote_write)
+                }
+                .map_err(|e| {
+                    let limit =
+                        engine_core::topo::doctor::memlock_limit(std::path::Path::new("/proc"))
+                            .map_or("unlimited".to_owned(), |l| format!("{l} bytes"));
+                    other(format!(
+                        "{e} (locked-memory limit: {limit}; see `xfer doctor`)"
+                    ))
+                })?
+            }
+        };
         let key = self.regions.next_key();
         let remote_key = if region.remote_write {
             u64::from(mr.rkey)

@@ -121,6 +121,43 @@ impl Device {
             .ok_or_else(|| format!("ibv_reg_mr of {len} bytes: {}", errno_text(err)))
     }
 
+    /// Registers GPU memory exported as a dma-buf (`fd` spans whole pages; the region starts
+    /// `offset` bytes into it and peers address it as `iova`). The fd is closed afterwards.
+    ///
+    /// # Safety
+    /// The GPU memory must stay allocated until the registration is dropped; `fd` must be an
+    /// open dma-buf descriptor this call may close.
+    pub(crate) unsafe fn register_dmabuf(
+        &mut self,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        fd: i32,
+        remote_write: bool,
+    ) -> Result<Mr, String> {
+        let (mut lkey, mut rkey, mut err) = (0, 0, 0);
+        // SAFETY: per this function's contract.
+        let mr = unsafe {
+            sys::xv_reg_dmabuf_mr(
+                self.raw.as_ptr(),
+                offset,
+                len,
+                iova,
+                fd,
+                remote_write as i32,
+                &mut lkey,
+                &mut rkey,
+                &mut err,
+            )
+        };
+        // SAFETY: the caller handed the descriptor over; the registration keeps its own
+        // reference to the dma-buf.
+        drop(unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+        NonNull::new(mr)
+            .map(|raw| Mr { raw, lkey, rkey })
+            .ok_or_else(|| format!("ibv_reg_dmabuf_mr of {len} bytes: {}", errno_text(err)))
+    }
+
     /// A new RC QP in INIT, receiving from the message SRQ (`msg`) or the immediate SRQ.
     pub(crate) fn create_rc(&mut self, msg: bool, max_send_wr: i32) -> Result<Qp, String> {
         let (mut qpn, mut err) = (0, 0);

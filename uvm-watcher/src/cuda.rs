@@ -178,3 +178,67 @@ impl Cuda {
         check("cuMemcpy", unsafe { sys::cuMemcpy(dst, src, len) })
     }
 }
+
+impl Cuda {
+    /// Allocates `len` bytes of device memory.
+    pub(crate) fn alloc_device(&self, len: usize) -> Result<u64, String> {
+        self.make_current()?;
+        let mut ptr = 0;
+        // SAFETY: valid out-pointer; context current.
+        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut ptr, len) })?;
+        Ok(ptr)
+    }
+
+    /// Frees device memory from `alloc_device`.
+    ///
+    /// # Safety
+    /// `ptr` came from `alloc_device` and is no longer used.
+    pub(crate) unsafe fn free_device(&self, ptr: u64) {
+        let _ = self.make_current();
+        // SAFETY: per this function's contract.
+        unsafe { sys::cuMemFree_v2(ptr) };
+    }
+
+    /// Copies host bytes to device memory.
+    ///
+    /// # Safety
+    /// `dst..dst+src.len()` must be live device memory.
+    pub(crate) unsafe fn upload(&self, dst: u64, src: &[u8]) -> Result<(), String> {
+        self.make_current()?;
+        // SAFETY: per this function's contract; src is a live slice.
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len())
+        })
+    }
+
+    /// Copies device memory to host bytes.
+    ///
+    /// # Safety
+    /// `src..src+dst.len()` must be live device memory.
+    pub(crate) unsafe fn download(&self, dst: &mut [u8], src: u64) -> Result<(), String> {
+        self.make_current()?;
+        // SAFETY: per this function's contract; dst is a live slice.
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len())
+        })
+    }
+
+    /// A dma-buf file descriptor for `[base, base + len)` (page aligned), for NICs that
+    /// register GPU memory through dma-buf.
+    pub(crate) fn dmabuf_fd(&self, base: u64, len: u64) -> Result<i32, String> {
+        self.make_current()?;
+        let mut fd: i32 = -1;
+        // SAFETY: `fd` is a valid out-pointer for a DMA_BUF_FD handle (an int).
+        let r = unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut i32).cast(),
+                base,
+                len as usize,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        };
+        check("cuMemGetHandleForAddressRange(DMA_BUF_FD)", r)?;
+        Ok(fd)
+    }
+}

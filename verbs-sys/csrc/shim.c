@@ -234,6 +234,21 @@ struct ibv_mr *xv_reg_mr(xv_dev *d, void *addr, size_t len, int remote_write, ui
     return mr;
 }
 
+/* GPU memory through dma-buf: the fd spans whole pages; `offset` is where the region starts in
+ * it and `iova` the address peers use (the device pointer). */
+struct ibv_mr *xv_reg_dmabuf_mr(xv_dev *d, uint64_t offset, size_t len, uint64_t iova, int fd, int remote_write,
+                                uint32_t *lkey, uint32_t *rkey, int *err) {
+    int access = IBV_ACCESS_LOCAL_WRITE | (remote_write ? IBV_ACCESS_REMOTE_WRITE : 0);
+    struct ibv_mr *mr = ibv_reg_dmabuf_mr(d->pd, offset, len, iova, fd, access);
+    if (!mr) {
+        *err = errno;
+        return NULL;
+    }
+    *lkey = mr->lkey;
+    *rkey = mr->rkey;
+    return mr;
+}
+
 int xv_dereg_mr(struct ibv_mr *mr) { return ibv_dereg_mr(mr); }
 
 /* An RC QP in INIT, receiving from the imm or the message SRQ. */

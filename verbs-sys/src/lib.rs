@@ -111,6 +111,17 @@ extern "C" {
         err: *mut c_int,
     ) -> *mut IbvMr;
     pub fn xv_dereg_mr(mr: *mut IbvMr) -> c_int;
+    pub fn xv_reg_dmabuf_mr(
+        d: *mut XvDev,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        fd: c_int,
+        remote_write: c_int,
+        lkey: *mut u32,
+        rkey: *mut u32,
+        err: *mut c_int,
+    ) -> *mut IbvMr;
     pub fn xv_create_rc(
         d: *mut XvDev,
         msg: c_int,
