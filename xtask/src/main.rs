@@ -330,7 +330,7 @@ fn gpu_check() -> Result {
     ])?;
     let dir = std::path::Path::new(".gpu-check");
     std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
-    for bin in ["gpu-check", "watcher-latency"] {
+    for bin in ["gpu-check", "watcher-latency", "kv_cache"] {
         std::fs::copy(format!("target/release/{bin}"), dir.join(bin))
             .map_err(|e| format!("{bin}: {e}"))?;
     }
@@ -341,8 +341,9 @@ fn gpu_check() -> Result {
         nvidia-smi -L || true\n\
         timeout 120 ./gpu-check --events 20000 --cpu 2; s1=$?\n\
         timeout 60 ./watcher-latency --cpu 2 --producer-cpu 3; s2=$?\n\
-        echo \"gpu-check exit $s1, watcher-latency exit $s2\"\n\
-        exit $(( s1 | s2 ))\n";
+        timeout 60 ./kv_cache --gpu; s3=$?\n\
+        echo \"gpu-check exit $s1, watcher-latency exit $s2, kv_cache --gpu exit $s3\"\n\
+        exit $(( s1 | s2 | s3 ))\n";
     std::fs::write(dir.join("run.sh"), script).map_err(|e| e.to_string())?;
     println!(
         "prepared {}: run `bash .gpu-check/run.sh` on the GPU machine (carry `.gpu-check`)",

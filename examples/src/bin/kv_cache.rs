@@ -10,20 +10,90 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use engine_core::{expected_arrivals, DoneCounter, HostBuffer, OnDone, Pages, TransferShape};
+use engine_core::{
+    expected_arrivals, Device, DoneCounter, HostBuffer, MrDesc, MrHandle, OnDone, Pages,
+    TransferEngine, TransferShape,
+};
 use examples::{byte, fail, open_engines};
+use uvm_watcher::gpu::DeviceBuffer;
 
 const LAYERS: usize = 12;
 const PAGES_PER_LAYER: usize = 32;
 const PAGE_LEN: u64 = 16 * 1024; // e.g. 16 tokens x 8 heads x 128 dims x bf16 (K and V)
 
+/// A KV cache in host memory, or (`--gpu`) in GPU 0's memory.
+enum Cache {
+    Host(HostBuffer),
+    Gpu {
+        memory: DeviceBuffer,
+        mr: MrHandle,
+        desc: MrDesc,
+        engine: Arc<TransferEngine>,
+    },
+}
+
+impl Cache {
+    fn new(engine: &Arc<TransferEngine>, len: usize, gpu: bool) -> Cache {
+        if !gpu {
+            return Cache::Host(HostBuffer::new(engine, len).unwrap_or_else(|e| fail(e)));
+        }
+        let memory = DeviceBuffer::new(0, len).unwrap_or_else(|e| fail(e));
+        // SAFETY: `memory` stays allocated until the Cache drops, after deregistration.
+        let (mr, desc) = unsafe { engine.reg_mr(memory.ptr() as *mut u8, len, Device::Cuda(0)) }
+            .unwrap_or_else(|e| fail(e));
+        Cache::Gpu {
+            memory,
+            mr,
+            desc,
+            engine: Arc::clone(engine),
+        }
+    }
+
+    fn mr(&self) -> MrHandle {
+        match self {
+            Cache::Host(b) => b.mr(),
+            Cache::Gpu { mr, .. } => *mr,
+        }
+    }
+
+    fn desc(&self) -> &MrDesc {
+        match self {
+            Cache::Host(b) => b.desc(),
+            Cache::Gpu { desc, .. } => desc,
+        }
+    }
+
+    fn write(&mut self, at: usize, bytes: &[u8]) {
+        match self {
+            Cache::Host(b) => b.bytes_mut()[at..at + bytes.len()].copy_from_slice(bytes),
+            Cache::Gpu { memory, .. } => memory.upload(at, bytes).unwrap_or_else(|e| fail(e)),
+        }
+    }
+
+    fn read(&self) -> Vec<u8> {
+        match self {
+            Cache::Host(b) => b.bytes().to_vec(),
+            Cache::Gpu { memory, .. } => memory.download().unwrap_or_else(|e| fail(e)),
+        }
+    }
+}
+
+impl Drop for Cache {
+    fn drop(&mut self) {
+        if let Cache::Gpu { mr, engine, .. } = self {
+            let _ = engine.dereg_mr(*mr);
+        }
+    }
+}
+
 fn main() {
+    let gpu = std::env::args().any(|a| a == "--gpu");
     let engines = open_engines(2, 2).unwrap_or_else(|e| fail(e));
     let (prefill, decode) = (&engines[0], &engines[1]);
     let slots = LAYERS * PAGES_PER_LAYER;
-    let mut src = HostBuffer::new(prefill, slots * PAGE_LEN as usize).unwrap_or_else(|e| fail(e));
+    let mut src = Cache::new(prefill, slots * PAGE_LEN as usize, gpu);
     // The decoder's cache is bigger and its page allocator hands out scattered pages.
-    let dst = HostBuffer::new(decode, 2 * slots * PAGE_LEN as usize).unwrap_or_else(|e| fail(e));
+    let dst = Cache::new(decode, 2 * slots * PAGE_LEN as usize, gpu);
     let mut rng = fastrand::Rng::with_seed(1);
     let mut free: Vec<u32> = (0..2 * slots as u32).collect();
     rng.shuffle(&mut free);
@@ -65,13 +135,8 @@ fn main() {
     for &layer in &order {
         let first = layer * PAGES_PER_LAYER;
         for p in 0..PAGES_PER_LAYER {
-            let at = (first + p) * PAGE_LEN as usize;
-            for (i, x) in src.bytes_mut()[at..at + PAGE_LEN as usize]
-                .iter_mut()
-                .enumerate()
-            {
-                *x = byte(layer, p, i);
-            }
+            let page: Vec<u8> = (0..PAGE_LEN as usize).map(|i| byte(layer, p, i)).collect();
+            src.write((first + p) * PAGE_LEN as usize, &page);
         }
         let src_pages = Pages {
             indices: (first as u32..(first + PAGES_PER_LAYER) as u32).collect(),
@@ -103,17 +168,19 @@ fn main() {
         std::thread::sleep(Duration::from_millis(1));
     }
 
+    let received = dst.read();
     for (layer, pages) in dst_pages.iter().enumerate() {
         for (p, &page) in pages.iter().enumerate() {
             let at = page as usize * PAGE_LEN as usize;
-            let got = &dst.bytes()[at..at + PAGE_LEN as usize];
+            let got = &received[at..at + PAGE_LEN as usize];
             if got.iter().enumerate().any(|(i, &x)| x != byte(layer, p, i)) {
                 fail(format!("layer {layer} page {p} differs"));
             }
         }
     }
     println!(
-        "kv-cache: {LAYERS} layers x {PAGES_PER_LAYER} pages of {PAGE_LEN} B over {} NICs; sent in order {order:?}, decoder saw {:?}; all bytes verified",
+        "kv-cache ({} memory): {LAYERS} layers x {PAGES_PER_LAYER} pages of {PAGE_LEN} B over {} NICs; sent in order {order:?}, decoder saw {:?}; all bytes verified",
+        if gpu { "GPU" } else { "host" },
         prefill.nic_count(),
         arrived.lock().unwrap()
     );
