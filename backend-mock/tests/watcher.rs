@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use engine_core::conformance::{buffer, pattern};
 use engine_core::{
-    expected_arrivals, DoneCounter, DoneFlag, TransferEngine, TransferShape, WatchControl,
+    expected_arrivals, DoneCounter, DoneFlag, GpuCounter, TransferEngine, TransferShape,
+    WatchControl,
 };
 
 #[test]
@@ -94,4 +95,59 @@ fn gpu_memory_without_a_driver_is_a_typed_error() {
     let (mr, _) =
         unsafe { engine.reg_mr(fake.as_mut_ptr(), fake.len(), engine_core::Device::Host) }.unwrap();
     engine.dereg_mr(mr).unwrap();
+}
+
+/// The ImmCounter mirrored into a GpuCounter (host memory here; GPU memory where there is
+/// one): the counter follows every arrival, consumed or not.
+#[test]
+fn arrivals_are_mirrored_into_a_gpu_counter() {
+    let config = common::mock_config(2, "");
+    let (a, b) = (
+        Arc::new(TransferEngine::open(&config).unwrap()),
+        Arc::new(TransferEngine::open(&config).unwrap()),
+    );
+    let src = buffer(&a, 1 << 20, pattern(2));
+    let dst = buffer(&b, 1 << 20, |_| 0);
+    let early = DoneCounter::new();
+    a.submit_single_write(64, Some(9), (src.mr(), 0), (dst.desc(), 0), early.clone())
+        .unwrap();
+    early.wait_for(1, Duration::from_secs(20)).unwrap();
+    let counter = GpuCounter::new(0);
+    if !uvm_watcher::cuda_driver_present() {
+        assert_eq!(counter.memory(), uvm_watcher::CounterMemory::Host);
+    }
+    let mirror = Arc::clone(&counter);
+    // Wait for the early arrival to be counted, so the first report is deterministic.
+    while b.imm_count(9) < 1 {
+        std::thread::yield_now();
+    }
+    b.mirror_imm_count(9, move |n| mirror.set(n)).unwrap();
+    assert_eq!(
+        counter.value(),
+        1,
+        "the registration reports the total so far"
+    );
+    let n = expected_arrivals(TransferShape::Single { len: 1 << 20 }, 2, &config.stripe);
+    let sent = DoneCounter::new();
+    for _ in 0..5 {
+        a.submit_single_write(
+            1 << 20,
+            Some(9),
+            (src.mr(), 0),
+            (dst.desc(), 0),
+            sent.clone(),
+        )
+        .unwrap();
+    }
+    sent.wait_for(5, Duration::from_secs(20)).unwrap();
+    // Consuming arrivals does not move the mirror back.
+    let f = DoneFlag::new();
+    b.expect_imm_count(9, 1 + 5 * n, f.clone()).unwrap();
+    f.wait(Duration::from_secs(20)).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while counter.value() < 1 + 5 * n && std::time::Instant::now() < deadline {
+        std::thread::yield_now();
+    }
+    assert_eq!(counter.value(), 1 + 5 * n);
+    assert_eq!(b.imm_count(9), 0);
 }

@@ -610,6 +610,30 @@ impl TransferEngine {
         Ok(())
     }
 
+    /// Mirrors the running total of `imm`'s arrivals (consumed or not) into `sink`, called on
+    /// the worker thread after each batch in which some arrived (and once now). Keep it to a
+    /// store: the typical sink is `GpuCounter::set`, so a GPU kernel can poll "all pages of
+    /// layer k have arrived" in its own memory.
+    pub fn mirror_imm_count(
+        &self,
+        imm: u32,
+        sink: impl Fn(u64) + Send + Sync + 'static,
+    ) -> Result<()> {
+        let sink: crate::runtime::Mirror = Arc::new(sink);
+        // Same lock order as the worker (ImmCounter, then mirrors), so no arrival slips
+        // between the first report and the registration.
+        let counter = self.shared.lock_imm();
+        let mut mirrors = self
+            .shared
+            .mirrors
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        sink(counter.total(imm));
+        mirrors.entry(imm).or_default().push(sink);
+        self.shared.has_mirrors.store(true, Ordering::Release);
+        Ok(())
+    }
+
     /// Arrivals of `imm` counted and not yet consumed by an expectation.
     pub fn imm_count(&self, imm: u32) -> u64 {
         self.shared.lock_imm().count(imm)

@@ -18,6 +18,8 @@ use std::time::Instant;
 #[derive(Debug)]
 pub struct ImmCounter<W> {
     entries: HashMap<u32, Entry<W>>,
+    /// Every arrival ever counted, per immediate (consumed or not).
+    totals: HashMap<u32, u64>,
 }
 
 #[derive(Debug)]
@@ -46,6 +48,7 @@ impl<W> Default for ImmCounter<W> {
     fn default() -> Self {
         Self {
             entries: HashMap::new(),
+            totals: HashMap::new(),
         }
     }
 }
@@ -61,6 +64,11 @@ impl<W> ImmCounter<W> {
         self.entries.get(&imm).map_or(0, |e| e.count)
     }
 
+    /// Every arrival of `imm` counted so far, consumed or not (what a mirror reports).
+    pub fn total(&self, imm: u32) -> u64 {
+        self.totals.get(&imm).copied().unwrap_or(0)
+    }
+
     /// Whether any expectation is waiting.
     pub fn has_waiting(&self) -> bool {
         self.entries.values().any(|e| !e.waiting.is_empty())
@@ -68,6 +76,7 @@ impl<W> ImmCounter<W> {
 
     /// Counts `n` arrivals of `imm`; returns the expectations this met, in registration order.
     pub fn handle_arrivals(&mut self, imm: u32, n: u64, met: &mut Vec<Outcome<W>>) {
+        *self.totals.entry(imm).or_insert(0) += n;
         let entry = self.entries.entry(imm).or_insert_with(|| Entry {
             count: 0,
             waiting: VecDeque::new(),

@@ -67,5 +67,5 @@ pub use error::{Error, Result};
 pub use imm::ImmCounter;
 pub use plan::{expected_arrivals, StripePolicy, TransferShape};
 pub use runtime::completion::{DoneCounter, DoneFlag, OnDone};
-pub use uvm_watcher::{Control as WatchControl, Watcher};
+pub use uvm_watcher::{Control as WatchControl, GpuCounter, Watcher};
 pub use wire::{MrDesc, NetAddr};

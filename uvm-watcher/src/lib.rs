@@ -20,11 +20,13 @@
 //! **Threads.** The poller spins while any slot is active and parks when none is. A callback
 //! returns [`Control::Stop`] to free its slot; dropping the [`Watcher`] frees it too.
 
+mod counter;
 mod cuda;
 pub mod gpu;
 mod memory;
 mod pool;
 
+pub use counter::{CounterMemory, GpuCounter};
 pub use memory::{MemoryKind, SLOTS_PER_BLOCK};
 pub use pool::{Control, MemoryChoice, PoolConfig, Watcher, WatcherPool};
 

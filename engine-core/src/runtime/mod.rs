@@ -31,6 +31,9 @@ use completion::{Job, OnDone};
 pub(crate) use callbacks::spawn_callback_thread;
 pub(crate) use worker::spawn_worker;
 
+/// Receives an immediate's running total of arrivals; see `TransferEngine::mirror_imm_count`.
+pub(crate) type Mirror = Arc<dyn Fn(u64) + Send + Sync>;
+
 /// Handles incoming messages; see `TransferEngine::submit_recvs`.
 pub(crate) type RecvHandler = Arc<dyn Fn(&[u8]) + Send + Sync>;
 
@@ -86,6 +89,9 @@ pub(crate) struct Shared {
     closed: AtomicBool,
     /// Set by the worker just before it parks; wakers unpark only then.
     pub(crate) parked: AtomicBool,
+    /// Mirrors of immediates' totals, and whether there are any (checked per batch).
+    pub(crate) mirrors: std::sync::RwLock<std::collections::HashMap<u32, Vec<Mirror>>>,
+    pub(crate) has_mirrors: AtomicBool,
 }
 
 impl Shared {
@@ -100,6 +106,8 @@ impl Shared {
             recv_handler: OnceLock::new(),
             closed: AtomicBool::new(false),
             parked: AtomicBool::new(false),
+            mirrors: std::sync::RwLock::new(std::collections::HashMap::new()),
+            has_mirrors: AtomicBool::new(false),
         }
     }
 

@@ -387,6 +387,8 @@ impl Worker {
 
     fn handle_events(&mut self, events: &mut Vec<Event>) {
         let mut imm = None;
+        let mirrored = self.shared.has_mirrors.load(Ordering::Acquire);
+        let mut arrived: Vec<u32> = Vec::new();
         for event in events.drain(..) {
             match event {
                 Event::Done { wr_id, result } => {
@@ -399,8 +401,25 @@ impl Worker {
                     // Take the ImmCounter lock once per batch, not once per arrival.
                     let counter = imm.get_or_insert_with(|| self.shared.lock_imm());
                     counter.handle_arrivals(value, 1, &mut self.imm_outcomes);
+                    if mirrored && !arrived.contains(&value) {
+                        arrived.push(value);
+                    }
                 }
                 Event::Message { data } => self.deliver_message(data),
+            }
+        }
+        if let Some(counter) = imm {
+            if !arrived.is_empty() {
+                let mirrors = self
+                    .shared
+                    .mirrors
+                    .read()
+                    .unwrap_or_else(|p| p.into_inner());
+                for value in arrived {
+                    for mirror in mirrors.get(&value).into_iter().flatten() {
+                        mirror(counter.total(value));
+                    }
+                }
             }
         }
     }
