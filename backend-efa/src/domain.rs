@@ -132,8 +132,8 @@ impl EfaDomain {
         let mut regions = RegionTable::new();
         let zero_key = regions.next_key();
         // SAFETY: `zero` is owned by the Domain next to its registration, and dropped after it.
-        let zero_mr =
-            unsafe { endpoint.register(zero.as_ptr(), zero.len(), zero_key) }.map_err(other)?;
+        let zero_mr = unsafe { endpoint.register(zero.as_ptr(), zero.len(), None, zero_key) }
+            .map_err(other)?;
         Ok(Self {
             regions,
             recv_buffers: Vec::new(),
@@ -244,7 +244,7 @@ impl Domain for EfaDomain {
         let mr = match region.device {
             // SAFETY: the engine checked the range is live device memory of this GPU, kept
             // allocated until deregistration drops this registration.
-            Device::Cuda(index) => unsafe { self.endpoint.register_cuda(region.ptr, region.len as usize, index as i32, key) }.map_err(|e| {
+            Device::Cuda(index) => unsafe { self.endpoint.register(region.ptr as *const u8, region.len as usize, Some(index as i32), key) }.map_err(|e| {
                 DomainError::new(
                     DomainErrorKind::InvalidArgument,
                     format!("{} cannot register GPU memory of CUDA device {index}: {} (does the provider support FI_HMEM?)", self.provider, e.message),
@@ -252,7 +252,7 @@ impl Domain for EfaDomain {
             })?,
             // SAFETY: TransferEngine::reg_mr's contract keeps the memory allocated until it is
             // deregistered, which drops this registration.
-            _ => unsafe { self.endpoint.register(region.ptr as *const u8, region.len as usize, key) }
+            _ => unsafe { self.endpoint.register(region.ptr as *const u8, region.len as usize, None, key) }
                 .map_err(|e| registration_error(e, region.len))?,
         };
         let remote_key = if region.remote_write { mr.key } else { 0 };
@@ -321,7 +321,7 @@ impl Domain for EfaDomain {
             Some(
                 unsafe {
                     self.endpoint
-                        .register(buffer.as_ptr(), buffer.len().max(1), key)
+                        .register(buffer.as_ptr(), buffer.len().max(1), None, key)
                 }
                 .map_err(other)?,
             )
@@ -355,7 +355,7 @@ impl Domain for EfaDomain {
                         let key = self.regions.next_key();
                         // SAFETY: the buffer lives in `recv_buffers` for the Domain's lifetime.
                         Some(
-                            unsafe { self.endpoint.register(data.as_ptr(), data.len(), key) }
+                            unsafe { self.endpoint.register(data.as_ptr(), data.len(), None, key) }
                                 .map_err(other)?,
                         )
                     } else {

@@ -170,7 +170,8 @@ impl Endpoint {
         unsafe { sys::xfer_ofi_av_remove(self.raw.as_ptr(), fi_addr) };
     }
 
-    /// Registers `len` bytes at `ptr` (for local use and remote writes).
+    /// Registers `len` bytes at `ptr` for local use and remote writes: host memory, or with
+    /// `cuda_device` the memory of that CUDA device (`FI_HMEM_CUDA`).
     ///
     /// # Safety
     /// The memory must stay allocated until the returned registration is dropped.
@@ -178,6 +179,7 @@ impl Endpoint {
         &mut self,
         ptr: *const u8,
         len: usize,
+        cuda_device: Option<i32>,
         requested_key: u64,
     ) -> Result<MemoryRegistration, OfiError> {
         let mut mr = std::ptr::null_mut();
@@ -189,6 +191,7 @@ impl Endpoint {
                 self.raw.as_ptr(),
                 ptr.cast(),
                 len,
+                cuda_device.unwrap_or(-1),
                 requested_key,
                 &mut mr,
                 &mut key,
@@ -197,40 +200,7 @@ impl Endpoint {
         };
         match NonNull::new(mr) {
             Some(mr) if rc == 0 => Ok(MemoryRegistration { mr, key, desc }),
-            _ => Err(error("fi_mr_reg", rc)),
-        }
-    }
-
-    /// Registers memory of CUDA device `device` (`FI_HMEM_CUDA`).
-    ///
-    /// # Safety
-    /// The device memory must stay allocated until the registration is dropped.
-    pub(crate) unsafe fn register_cuda(
-        &mut self,
-        ptr: u64,
-        len: usize,
-        device: i32,
-        requested_key: u64,
-    ) -> Result<MemoryRegistration, OfiError> {
-        let mut mr = std::ptr::null_mut();
-        let mut key = 0u64;
-        let mut desc = std::ptr::null_mut();
-        // SAFETY: per this function's contract; out-pointers are valid.
-        let rc = unsafe {
-            sys::xfer_ofi_mr_reg_cuda(
-                self.raw.as_ptr(),
-                ptr as *const c_void,
-                len,
-                device,
-                requested_key,
-                &mut mr,
-                &mut key,
-                &mut desc,
-            )
-        };
-        match NonNull::new(mr) {
-            Some(mr) if rc == 0 => Ok(MemoryRegistration { mr, key, desc }),
-            _ => Err(error("fi_mr_regattr(FI_HMEM_CUDA)", rc)),
+            _ => Err(error("fi_mr_regattr", rc)),
         }
     }
 

@@ -227,31 +227,17 @@ int xfer_ofi_av_remove(xfer_ofi_ep *e, uint64_t fi_addr) {
     return fi_av_remove(e->av, &a, 1, 0);
 }
 
-int xfer_ofi_mr_reg(xfer_ofi_ep *e, const void *buf, size_t len, uint64_t requested_key,
+/* Registers host memory (`cuda_device` < 0) or memory of that CUDA device (FI_HMEM_CUDA),
+ * binding it to the endpoint when the provider asks for FI_MR_ENDPOINT. */
+int xfer_ofi_mr_reg(xfer_ofi_ep *e, const void *buf, size_t len, int cuda_device, uint64_t requested_key,
                     struct fid_mr **mr, uint64_t *key, void **desc) {
-    uint64_t access = FI_SEND | FI_RECV | FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ;
-    int rc = fi_mr_reg(e->domain, buf, len, access, 0, requested_key, 0, mr, NULL);
-    if (rc)
-        return rc;
-    if (e->info->domain_attr->mr_mode & FI_MR_ENDPOINT) {
-        if ((rc = fi_mr_bind(*mr, &e->ep->fid, 0)) || (rc = fi_mr_enable(*mr))) {
-            fi_close(&(*mr)->fid);
-            return rc;
-        }
-    }
-    *key = fi_mr_key(*mr);
-    *desc = fi_mr_desc(*mr);
-    return 0;
-}
-
-/* GPU memory of CUDA device `cuda_device` (FI_HMEM_CUDA), through fi_mr_regattr. */
-int xfer_ofi_mr_reg_cuda(xfer_ofi_ep *e, const void *buf, size_t len, int cuda_device, uint64_t requested_key,
-                         struct fid_mr **mr, uint64_t *key, void **desc) {
     struct iovec iov = {.iov_base = (void *)buf, .iov_len = len};
     struct fi_mr_attr attr = {.mr_iov = &iov, .iov_count = 1,
                               .access = FI_SEND | FI_RECV | FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ,
-                              .requested_key = requested_key, .iface = FI_HMEM_CUDA};
-    attr.device.cuda = cuda_device;
+                              .requested_key = requested_key,
+                              .iface = cuda_device < 0 ? FI_HMEM_SYSTEM : FI_HMEM_CUDA};
+    if (cuda_device >= 0)
+        attr.device.cuda = cuda_device;
     int rc = fi_mr_regattr(e->domain, &attr, 0, mr);
     if (rc)
         return rc;

@@ -81,22 +81,13 @@ extern "C" {
         e: *mut XferOfiEp,
         buf: *const c_void,
         len: usize,
-        requested_key: u64,
-        mr: *mut *mut FidMr,
-        key: *mut u64,
-        desc: *mut *mut c_void,
-    ) -> c_int;
-    pub fn xfer_ofi_mr_close(mr: *mut FidMr) -> c_int;
-    pub fn xfer_ofi_mr_reg_cuda(
-        e: *mut XferOfiEp,
-        buf: *const c_void,
-        len: usize,
         cuda_device: c_int,
         requested_key: u64,
         mr: *mut *mut FidMr,
         key: *mut u64,
         desc: *mut *mut c_void,
     ) -> c_int;
+    pub fn xfer_ofi_mr_close(mr: *mut FidMr) -> c_int;
     pub fn xfer_ofi_write(
         e: *mut XferOfiEp,
         buf: *const c_void,
