@@ -255,12 +255,8 @@ impl Domain for EfaDomain {
             _ => unsafe { self.endpoint.register(region.ptr as *const u8, region.len as usize, None, key) }
                 .map_err(|e| registration_error(e, region.len))?,
         };
-        let remote_key = if region.remote_write { mr.key } else { 0 };
-        self.regions.insert(key, region, mr);
-        Ok(Registration {
-            local_key: key,
-            remote_key,
-        })
+        let remote_key = mr.key;
+        Ok(self.regions.insert(key, region, mr, remote_key))
     }
 
     fn deregister(&mut self, local_key: u64) -> Result<(), DomainError> {

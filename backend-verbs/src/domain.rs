@@ -726,16 +726,8 @@ impl Domain for VerbsDomain {
             }
         };
         let key = self.regions.next_key();
-        let remote_key = if region.remote_write {
-            u64::from(mr.rkey)
-        } else {
-            0
-        };
-        self.regions.insert(key, region, mr);
-        Ok(Registration {
-            local_key: key,
-            remote_key,
-        })
+        let remote_key = u64::from(mr.rkey);
+        Ok(self.regions.insert(key, region, mr, remote_key))
     }
 
     fn deregister(&mut self, local_key: u64) -> Result<(), DomainError> {

@@ -263,10 +263,21 @@ impl<M> RegionTable<M> {
         key
     }
 
-    /// Records `region`'s registration under `key`.
-    pub fn insert(&mut self, key: u64, region: &MemoryRegion, registration: M) {
+    /// Records `region`'s registration under `key` and returns what the engine is told:
+    /// the key, and `remote_key` if peers may write into the region (else 0).
+    pub fn insert(
+        &mut self,
+        key: u64,
+        region: &MemoryRegion,
+        registration: M,
+        remote_key: u64,
+    ) -> Registration {
         self.regions
             .insert(key, (region.ptr, region.len, registration));
+        Registration {
+            local_key: key,
+            remote_key: if region.remote_write { remote_key } else { 0 },
+        }
     }
 
     /// Removes a registration (dropping it deregisters, for RAII registrations).
@@ -306,15 +317,30 @@ mod tests {
     fn region_table_checks_sources_and_keys() {
         let mut t = RegionTable::new();
         let key = t.next_key();
-        t.insert(
-            key,
-            &MemoryRegion {
-                ptr: 0x1000,
-                len: 0x100,
-                device: Device::Host,
-                remote_write: true,
-            },
-            "mr",
+        let region = MemoryRegion {
+            ptr: 0x1000,
+            len: 0x100,
+            device: Device::Host,
+            remote_write: true,
+        };
+        assert_eq!(
+            t.insert(key, &region, "mr", 77),
+            Registration {
+                local_key: key,
+                remote_key: 77
+            }
+        );
+        let local_only = t.next_key();
+        let region = MemoryRegion {
+            ptr: 0x9000,
+            len: 8,
+            device: Device::Host,
+            remote_write: false,
+        };
+        assert_eq!(
+            t.insert(local_only, &region, "local", 78).remote_key,
+            0,
+            "no remote key for a local-only region"
         );
         assert_eq!(t.source(key, 0x1000, 0x100), Ok(&"mr"));
         assert!(t
@@ -324,7 +350,7 @@ mod tests {
             .contains("outside"));
         assert!(t.source(key, u64::MAX, 2).is_err());
         assert!(t
-            .source(key + 1, 0x1000, 1)
+            .source(key + 100, 0x1000, 1)
             .unwrap_err()
             .message
             .contains("not registered"));
