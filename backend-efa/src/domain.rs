@@ -5,7 +5,7 @@ use std::ffi::c_void;
 
 use engine_core::domain::{
     Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion, PostStatus,
-    RegionTable, Registration, WriteRequest,
+    ReceivePool, RegionTable, Registration, WriteRequest,
 };
 use engine_core::NetAddr;
 
@@ -38,18 +38,13 @@ enum InFlight {
     },
 }
 
-struct RecvBuffer {
-    data: Box<[u8]>,
-    mr: Option<MemoryRegistration>,
-}
-
 /// One libfabric domain with its RDM endpoint.
 pub struct EfaDomain {
     // Drop order matters: registrations and buffers go before the endpoint's domain closes
     // (the endpoint itself is closed first, in Drop).
     regions: RegionTable<MemoryRegistration>,
-    recv_buffers: Vec<RecvBuffer>,
-    free_recv_buffers: Vec<usize>,
+    /// Message buffers, with a registration where the provider needs local descriptors.
+    receives: ReceivePool<Option<MemoryRegistration>>,
     in_flight: HashMap<usize, (Box<OpContext>, InFlight)>,
     // Boxed so each context keeps its address while the provider holds it.
     #[allow(clippy::vec_box)]
@@ -136,8 +131,7 @@ impl EfaDomain {
             .map_err(other)?;
         Ok(Self {
             regions,
-            recv_buffers: Vec::new(),
-            free_recv_buffers: Vec::new(),
+            receives: ReceivePool::new(),
             in_flight: HashMap::new(),
             spare_contexts: Vec::new(),
             zero_source: (zero, zero_mr),
@@ -222,13 +216,11 @@ impl EfaDomain {
                 })
             }
             Some(InFlight::Recv { buffer }) if c.kind == KIND_RECV => {
-                let len = c.len.min(self.recv_buffers[buffer].data.len());
-                events.push(Event::Message {
-                    data: self.recv_buffers[buffer].data[..len].to_vec(),
-                });
-                self.free_recv_buffers.push(buffer);
+                if let Some(data) = self.receives.take_message(buffer, c.len) {
+                    events.push(Event::Message { data });
+                }
             }
-            Some(InFlight::Recv { buffer }) => self.free_recv_buffers.push(buffer),
+            Some(InFlight::Recv { buffer }) => self.receives.release(buffer),
             None => {}
         }
     }
@@ -339,40 +331,26 @@ impl Domain for EfaDomain {
 
     fn post_recvs(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError> {
         for _ in 0..count {
-            let reuse = self
-                .free_recv_buffers
-                .iter()
-                .position(|&b| self.recv_buffers[b].data.len() == buf_len);
-            let buffer = match reuse {
-                Some(i) => self.free_recv_buffers.swap_remove(i),
-                None => {
-                    let data = vec![0u8; buf_len].into_boxed_slice();
-                    let mr = if self.endpoint.attr.mr_local != 0 {
-                        let key = self.regions.next_key();
-                        // SAFETY: the buffer lives in `recv_buffers` for the Domain's lifetime.
-                        Some(
-                            unsafe { self.endpoint.register(data.as_ptr(), data.len(), None, key) }
-                                .map_err(other)?,
-                        )
-                    } else {
-                        None
-                    };
-                    self.recv_buffers.push(RecvBuffer { data, mr });
-                    self.recv_buffers.len() - 1
+            let (endpoint, regions) = (&mut self.endpoint, &mut self.regions);
+            let buffer = self.receives.take(buf_len, |data| {
+                if endpoint.attr.mr_local == 0 {
+                    return Ok(None);
                 }
-            };
-            let desc = self.recv_buffers[buffer]
-                .mr
-                .as_ref()
-                .map_or(std::ptr::null_mut(), |m| m.desc);
-            let (ptr, len) = (self.recv_buffers[buffer].data.as_mut_ptr(), buf_len);
+                let key = regions.next_key();
+                // SAFETY: the buffer lives in the pool for the Domain's lifetime.
+                unsafe { endpoint.register(data.as_ptr(), data.len(), None, key) }
+                    .map(Some)
+                    .map_err(other)
+            })?;
+            let (ptr, len, mr) = self.receives.get(buffer);
+            let desc = mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc);
             let ctx = self.acquire(InFlight::Recv { buffer });
             // SAFETY: the buffer is owned by the Domain and not reused until its completion.
             let result = unsafe { self.endpoint.recv(ptr, len, desc, ctx) };
             match self.finish_post(ctx, result)? {
                 PostStatus::Posted => {}
                 PostStatus::Busy => {
-                    self.free_recv_buffers.push(buffer);
+                    self.receives.release(buffer);
                     return Err(DomainError::new(
                         DomainErrorKind::Other,
                         "the provider's receive queue is full",
@@ -417,7 +395,7 @@ impl Domain for EfaDomain {
                                 result: Err(error),
                             });
                         }
-                        Some(InFlight::Recv { buffer }) => self.free_recv_buffers.push(buffer),
+                        Some(InFlight::Recv { buffer }) => self.receives.release(buffer),
                         None => {}
                     }
                 }

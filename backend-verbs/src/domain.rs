@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use engine_core::domain::{
     Device as MemDevice, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion,
-    PostStatus, RegionTable, Registration, WriteRequest,
+    PostStatus, ReceivePool, RegionTable, Registration, WriteRequest,
 };
 use engine_core::NetAddr;
 
@@ -73,11 +73,6 @@ fn post_chain(qp: &mut Qp, q: &mut DataQueue) -> Result<(), String> {
     Ok(())
 }
 
-struct MsgBuffer {
-    data: Box<[u8]>,
-    mr: Mr,
-}
-
 struct SendBuffer {
     _data: Box<[u8]>,
     _mr: Mr,
@@ -94,8 +89,8 @@ pub struct VerbsDomain {
     /// can still be read.
     graveyard: Vec<Qp>,
     regions: RegionTable<Mr>,
-    msg_buffers: Vec<MsgBuffer>,
-    free_msg_buffers: Vec<usize>,
+    /// Message buffers posted to the message SRQ.
+    receives: ReceivePool<Mr>,
     sends: HashMap<u64, SendBuffer>,
     device: Device,
     attr: Attr,
@@ -199,8 +194,7 @@ impl VerbsDomain {
             peers: HashMap::new(),
             graveyard: Vec::new(),
             regions: RegionTable::new(),
-            msg_buffers: Vec::new(),
-            free_msg_buffers: Vec::new(),
+            receives: ReceivePool::new(),
             sends: HashMap::new(),
             device,
             attr,
@@ -831,30 +825,24 @@ impl Domain for VerbsDomain {
 
     fn post_recvs(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError> {
         for _ in 0..count {
-            let reuse = self
-                .free_msg_buffers
-                .iter()
-                .position(|&b| self.msg_buffers[b].data.len() == buf_len);
-            let index = match reuse {
-                Some(i) => self.free_msg_buffers.swap_remove(i),
-                None => {
-                    let data = vec![0u8; buf_len].into_boxed_slice();
-                    // SAFETY: the buffer lives in `msg_buffers` for the Domain's lifetime.
-                    let mr = unsafe {
-                        self.device
-                            .register(data.as_ptr() as u64, data.len(), false)
-                    }
-                    .map_err(other)?;
-                    self.msg_buffers.push(MsgBuffer { data, mr });
-                    self.msg_buffers.len() - 1
-                }
-            };
-            let b = &self.msg_buffers[index];
-            let (addr, lkey) = (b.data.as_ptr() as u64, b.mr.lkey);
+            let device = &mut self.device;
+            // SAFETY: the buffer lives in the pool for the Domain's lifetime.
+            let index = self
+                .receives
+                .take(buf_len, |data| unsafe {
+                    device.register(data.as_ptr() as u64, data.len(), false)
+                })
+                .map_err(other)?;
+            let (addr, len, mr) = self.receives.get(index);
             // SAFETY: the buffer is registered and not reused until its completion.
             unsafe {
-                self.device
-                    .post_srq_recv(true, MSG_TAG | index as u64, addr, buf_len as u32, lkey)
+                self.device.post_srq_recv(
+                    true,
+                    MSG_TAG | index as u64,
+                    addr as u64,
+                    len as u32,
+                    mr.lkey,
+                )
             }
             .map_err(other)?;
         }
@@ -887,15 +875,13 @@ impl Domain for VerbsDomain {
                     }
                     KIND_RECV_MSG => {
                         let index = (wc.wr_id & !MSG_TAG) as usize;
-                        if wc.status == 0 {
-                            if let Some(b) = self.msg_buffers.get(index) {
-                                let len = (wc.byte_len as usize).min(b.data.len());
-                                events.push(Event::Message {
-                                    data: b.data[..len].to_vec(),
-                                });
-                            }
+                        if wc.status != 0 {
+                            self.receives.release(index);
+                        } else if let Some(data) =
+                            self.receives.take_message(index, wc.byte_len as usize)
+                        {
+                            events.push(Event::Message { data });
                         }
-                        self.free_msg_buffers.push(index);
                     }
                     _ if self.data_queues.contains_key(&wc.qp_num)
                         || self.dead_qps.contains(&wc.qp_num) =>

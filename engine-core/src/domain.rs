@@ -309,6 +309,72 @@ impl<M> RegionTable<M> {
     }
 }
 
+/// A Domain's receive buffers for messages: each with the backend's registration, reused
+/// (by exact length) once its message has been handed over.
+#[derive(Debug)]
+pub struct ReceivePool<M> {
+    buffers: Vec<(Box<[u8]>, M)>,
+    free: Vec<usize>,
+}
+
+impl<M> Default for ReceivePool<M> {
+    fn default() -> Self {
+        Self {
+            buffers: Vec::new(),
+            free: Vec::new(),
+        }
+    }
+}
+
+impl<M> ReceivePool<M> {
+    /// An empty pool.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A free buffer of exactly `len` bytes, or a new one registered with `register` (which
+    /// sees the buffer at the address it keeps for the pool's lifetime). Returns its index.
+    pub fn take<E>(
+        &mut self,
+        len: usize,
+        register: impl FnOnce(&mut [u8]) -> Result<M, E>,
+    ) -> Result<usize, E> {
+        if let Some(at) = self
+            .free
+            .iter()
+            .position(|&b| self.buffers[b].0.len() == len)
+        {
+            return Ok(self.free.swap_remove(at));
+        }
+        let mut data = vec![0u8; len].into_boxed_slice();
+        let registration = register(&mut data)?;
+        self.buffers.push((data, registration));
+        Ok(self.buffers.len() - 1)
+    }
+
+    /// Buffer `index`: its bytes' address and length, and its registration.
+    pub fn get(&mut self, index: usize) -> (*mut u8, usize, &M) {
+        let (data, m) = &mut self.buffers[index];
+        (data.as_mut_ptr(), data.len(), m)
+    }
+
+    /// A copy of the first `len` bytes of buffer `index` (at most its length), which is then
+    /// free for reuse.
+    pub fn take_message(&mut self, index: usize, len: usize) -> Option<Vec<u8>> {
+        let (data, _) = self.buffers.get(index)?;
+        let message = data[..len.min(data.len())].to_vec();
+        self.free.push(index);
+        Some(message)
+    }
+
+    /// Puts buffer `index` back unused (its receive failed or was never posted).
+    pub fn release(&mut self, index: usize) {
+        if index < self.buffers.len() {
+            self.free.push(index);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -357,5 +423,35 @@ mod tests {
         assert_eq!(t.remove(key), Ok("mr"));
         assert!(t.remove(key).is_err());
         assert_ne!(t.next_key(), key, "keys are never reused");
+    }
+
+    #[test]
+    fn receive_pool_reuses_buffers_of_the_same_length_only() {
+        let mut p: ReceivePool<u32> = ReceivePool::new();
+        let mut registered = 0;
+        let a = p
+            .take(8, |b| -> Result<u32, ()> {
+                b[0] = 7;
+                registered += 1;
+                Ok(1)
+            })
+            .unwrap();
+        let (_, len, reg) = p.get(a);
+        assert_eq!((len, *reg), (8, 1));
+        assert_eq!(
+            p.take_message(a, 100),
+            Some(vec![7, 0, 0, 0, 0, 0, 0, 0]),
+            "capped at the buffer"
+        );
+        let b = p.take(16, |_| Ok::<_, ()>(2)).unwrap();
+        assert_ne!(a, b, "a 16-byte request does not reuse the 8-byte buffer");
+        let again = p
+            .take(8, |_| -> Result<u32, ()> { panic!("must reuse") })
+            .unwrap();
+        assert_eq!((again, registered), (a, 1));
+        assert_eq!(p.take(4, |_| Err("no memory")), Err("no memory"));
+        p.release(b);
+        assert_eq!(p.take(16, |_| Err("unused")), Ok(b));
+        assert_eq!(p.take_message(99, 1), None);
     }
 }
