@@ -282,6 +282,19 @@ impl VerbsDomain {
                 data, msg, queued, ..
             } => (data, msg, queued),
         };
+        self.fail_connection(peer, data, msg, queued, why);
+    }
+
+    /// Fails everything queued or outstanding on a connection that is no longer in `peers`,
+    /// and retires its QPs.
+    fn fail_connection(
+        &mut self,
+        peer: &NetAddr,
+        data: Qp,
+        msg: Qp,
+        queued: VecDeque<Queued>,
+        why: &str,
+    ) {
         let failure = |wr_id| Event::Done {
             wr_id,
             result: Err(err(
@@ -514,20 +527,7 @@ impl VerbsDomain {
                         self.flush(&peer);
                     }
                     Err(e) => {
-                        self.peers.insert(
-                            peer.clone(),
-                            Peer::Connecting {
-                                request_id,
-                                data,
-                                msg,
-                                data_psn,
-                                msg_psn,
-                                deadline: Instant::now(),
-                                last_sent: Instant::now(),
-                                queued,
-                            },
-                        );
-                        self.fail_peer(&peer, &format!("connecting the QPs failed: {e} (local GID index {}, MTU {}; peer MTU {})", self.attr.gid_index, self.attr.active_mtu, h.mtu));
+                        self.fail_connection(&peer, data, msg, queued, &format!("connecting the QPs failed: {e} (local GID index {}, MTU {}; peer MTU {})", self.attr.gid_index, self.attr.active_mtu, h.mtu));
                     }
                 }
             }
