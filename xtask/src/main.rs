@@ -222,25 +222,7 @@ fn test() -> Result {
 /// then initiator and target in two processes.
 fn bench_efa(extra: &[String]) -> Result {
     ensure_packages(PACKAGES)?;
-    let bench = [
-        "run",
-        "--release",
-        "--quiet",
-        "-p",
-        "examples",
-        "--features",
-        "efa",
-        "--bin",
-        "transfer-bench",
-        "--",
-    ];
-    let sizes = ["--block-size", "4096,65536,1048576"];
-    let mut args: Vec<&str> = bench.to_vec();
-    args.extend(["--config", "configs/efa-shm.toml", "--no-imm-rate"]);
-    args.extend(sizes);
-    args.extend(extra.iter().map(String::as_str));
-    cargo(&args)?;
-    // Two processes: build once, start the target, run the initiator against it.
+    // Built once; the loopback run and both processes use the same executable.
     cargo(&[
         "build",
         "--release",
@@ -253,6 +235,12 @@ fn bench_efa(extra: &[String]) -> Result {
         "transfer-bench",
     ])?;
     let exe = "target/release/transfer-bench";
+    let sizes = ["--block-size", "4096,65536,1048576"];
+    let mut loopback = vec!["--config", "configs/efa-shm.toml", "--no-imm-rate"];
+    loopback.extend(sizes);
+    loopback.extend(extra.iter().map(String::as_str));
+    run(exe, &loopback)?;
+    // Two processes: start the target, run the initiator against it.
     let common = [
         "--config",
         "configs/efa-shm.toml",
