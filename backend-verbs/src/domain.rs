@@ -337,15 +337,31 @@ impl VerbsDomain {
         }
     }
 
+    /// The peer of a failed completion's QP, and a message naming the status, the device
+    /// and the peer.
+    fn describe_failure(&self, wc: &Wc) -> (Option<NetAddr>, String) {
+        let peer = self.qp_peer.get(&wc.qp_num).cloned();
+        let text = format!(
+            "{} (vendor error {:#x}) on {} to {}",
+            ffi::status_text(wc.status),
+            wc.vendor_err,
+            self.name,
+            peer.as_ref()
+                .map_or("an unknown peer".into(), |p| p.to_string())
+        );
+        (peer, text)
+    }
+
     /// A completion of a data QP: settles the writes it completes, in post order.
     fn data_completion(&mut self, wc: &Wc, events: &mut Vec<Event>) {
         if self.dead_qps.contains(&wc.qp_num) {
             return;
         }
+        let failure = (wc.status != 0).then(|| self.describe_failure(wc));
         let Some(q) = self.data_queues.get_mut(&wc.qp_num) else {
             return;
         };
-        if wc.status == 0 {
+        let Some((peer, text)) = failure else {
             events.extend(
                 q.outstanding
                     .complete()
@@ -356,16 +372,7 @@ impl VerbsDomain {
                     }),
             );
             return;
-        }
-        let peer = self.qp_peer.get(&wc.qp_num).cloned();
-        let text = format!(
-            "{} (vendor error {:#x}) on {} to {}",
-            ffi::status_text(wc.status),
-            wc.vendor_err,
-            self.name,
-            peer.as_ref()
-                .map_or("an unknown peer".into(), |p| p.to_string())
-        );
+        };
         // RC completes in order: what was posted before the failed write succeeded.
         let (before, failed) = q.outstanding.fail(wc.wr_id);
         events.extend(before.into_iter().map(|wr_id| Event::Done {
@@ -894,15 +901,7 @@ impl Domain for VerbsDomain {
                         let result = if wc.status == 0 {
                             Ok(())
                         } else {
-                            let peer = self.qp_peer.get(&wc.qp_num).cloned();
-                            let text = format!(
-                                "{} (vendor error {:#x}) on {} to {}",
-                                ffi::status_text(wc.status),
-                                wc.vendor_err,
-                                self.name,
-                                peer.as_ref()
-                                    .map_or("an unknown peer".into(), |p| p.to_string())
-                            );
+                            let (peer, text) = self.describe_failure(wc);
                             if let Some(p) = peer {
                                 self.fail_peer(&p, &text);
                             }
