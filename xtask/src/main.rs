@@ -8,11 +8,14 @@
 //!   in a qemu guest (see `rxe.rs`).
 //! - `rxe-bench`: the verbs backend next to perftest's `ib_write_bw` on the same rxe device.
 //! - `gpu-check`: builds the GPU check and a script for a machine with an NVIDIA GPU.
+//! - `fresh`: `test` in a clean Debian 12 root built with debootstrap (what CI runs; see
+//!   `fresh.rs`), so a missing install step fails here as it would on a new machine.
 //! - `fixtures`: rewrites the sysfs fixture trees of the topology tests.
 //! - `bench-efa`: the EFA backend on libfabric's shm provider, next to a raw libfabric write
 //!   loop, then initiator and target in two processes.
 
 mod fixtures;
+mod fresh;
 mod rxe;
 
 use std::io::{BufRead, BufReader};
@@ -132,6 +135,7 @@ const PACKAGES: &[&str] = &[
     "pkg-config",
     "libfabric-dev",
     "libfabric-bin",
+    "libibverbs-dev",
 ];
 
 /// Installs the Debian packages that are not installed yet (needs root, as on CI).
@@ -448,13 +452,14 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("test") => test(),
+        Some("fresh") => fresh::fresh(),
         Some("bench") => bench(&args[1..]),
         Some("bench-efa") => bench_efa(&args[1..]),
         Some("rxe") => rxe_command(&args[1..]),
         Some("rxe-bench") => rxe_bench(),
         Some("gpu-check") => gpu_check(),
         Some("fixtures") => fixtures::write_all(std::path::Path::new("engine-core/tests/fixtures/sysfs")).map_err(|e| e.to_string()),
-        _ => Err("usage: cargo xtask test | bench [transfer-bench args] | bench-efa [transfer-bench args]".into()),
+        _ => Err("usage: cargo xtask test | fresh | bench [transfer-bench args] | bench-efa [transfer-bench args]".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -28,6 +28,8 @@ pub(crate) const PACKAGES: &[&str] = &[
     "zstd",
     "cpio",
     "kmod",
+    // `ip` and `rdma` set up the dummy netdevs and rxe links inside the guest.
+    "iproute2",
 ];
 
 /// Modules the initramfs loads to mount the host's root over 9p.
