@@ -12,6 +12,10 @@ pub struct EfaOptions {
     /// At most this many posts between two polls of the CQ; more get backpressure, so the
     /// provider's progress engine runs often enough.
     pub max_posts_per_poll: usize,
+    /// The engine's `[timeouts] connect_ms`, passed to every backend. RDM endpoints have no
+    /// connection handshake of their own (the provider's first-contact exchange is part of
+    /// the first transfer, bounded by `transfer_ms`), so it bounds nothing here yet.
+    pub connect_ms: u64,
 }
 
 impl Default for EfaOptions {
@@ -19,6 +23,7 @@ impl Default for EfaOptions {
         Self {
             provider: "efa".into(),
             max_posts_per_poll: 64,
+            connect_ms: 3_000,
         }
     }
 }

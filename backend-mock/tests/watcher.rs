@@ -70,7 +70,7 @@ fn each_bump_sends_that_layer() {
         f.wait(Duration::from_secs(20))
             .unwrap_or_else(|e| panic!("layer {l}: {e}"));
     }
-    assert!(dst.bytes() == src.bytes());
+    assert!(dst.to_vec() == src.to_vec());
     assert_eq!(sent.finished(), LAYERS, "each layer sent exactly once");
 }
 

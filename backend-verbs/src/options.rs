@@ -11,7 +11,8 @@ pub struct VerbsOptions {
     pub port: i32,
     /// GID index; chosen automatically (RoCE v2 with an address first) when absent.
     pub gid_index: Option<i32>,
-    /// A peer that does not answer the handshake within this fails its queued transfers.
+    /// A peer that does not answer the handshake within this fails its queued transfers. Set
+    /// by the engine from `[timeouts] connect_ms` (not in `[backends.verbs]`).
     pub connect_ms: u64,
     /// Handshake retry interval.
     pub retry_ms: u64,

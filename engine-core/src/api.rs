@@ -3,35 +3,46 @@
 //! through [`OnDone`].
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::config::{Config, NicSelection};
 use crate::domain::{Device, MemoryRegion, Registration};
 use crate::error::{Error, Result};
+use crate::imm::ResetReport;
 use crate::plan::{split, Chunk};
 use crate::plugin::find_backend;
 use crate::runtime::completion::OnDone;
-use crate::runtime::{spawn_callback_thread, spawn_worker, Command, Shared, WriteOp};
+use crate::runtime::{spawn_callback_thread, spawn_worker, Command, Mirror, Shared, WriteOp};
 use crate::wire::{MrDesc, NetAddr};
 
+/// Engine ids, so a handle from one engine is refused by another.
+static NEXT_ENGINE: AtomicU32 = AtomicU32::new(1);
+
 /// A region registered with this engine (all its NICs). Cheap to copy; valid until
-/// [`TransferEngine::dereg_mr`].
+/// [`TransferEngine::dereg_mr`], and only with the engine that created it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct MrHandle(u64);
+pub struct MrHandle {
+    engine: u32,
+    id: u64,
+}
 
 impl MrHandle {
     /// The raw id (for logs).
     pub fn id(self) -> u64 {
-        self.0
+        self.id
     }
 }
 
-/// A set of peers registered with [`TransferEngine::add_peer_group`].
+/// A set of peers registered with [`TransferEngine::add_peer_group`]; only valid with the
+/// engine that created it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct PeerGroupHandle(u64);
+pub struct PeerGroupHandle {
+    engine: u32,
+    id: u64,
+}
 
 /// Pages of a region: page `i` starts at `offset + indices[i] * stride`.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -71,6 +82,7 @@ struct LocalRegion {
 /// Dropping the engine fails everything still in flight with [`Error::Shutdown`] (each
 /// `OnDone` still fires exactly once) and joins its threads.
 pub struct TransferEngine {
+    id: u32,
     shared: Arc<Shared>,
     addresses: Vec<NetAddr>,
     regions: RwLock<HashMap<u64, Arc<LocalRegion>>>,
@@ -117,6 +129,8 @@ impl TransferEngine {
 
     /// Opens an engine on DomainGroup `group` of `config`.
     pub fn open_group(config: &Config, group: usize) -> Result<Self> {
+        // A Config built or changed in code gets the checks a file gets.
+        config.validate()?;
         if group >= config.groups.len() {
             return Err(Error::InvalidArgument(format!(
                 "group {group} does not exist; {} has {} groups",
@@ -141,6 +155,7 @@ impl TransferEngine {
             }
         };
         Ok(Self {
+            id: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
             shared,
             addresses: worker.addresses,
             regions: RwLock::new(HashMap::new()),
@@ -178,6 +193,8 @@ impl TransferEngine {
         &self.shared.config
     }
 
+    /// A request/reply round trip to the worker that gives up after `control_ms`. Only for
+    /// requests the worker undoes when nobody waits for the reply any more.
     fn control<T>(
         &self,
         make: impl FnOnce(crossbeam_channel::Sender<Result<T>>) -> Command,
@@ -185,8 +202,44 @@ impl TransferEngine {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.shared.submit(make(tx))?;
         let timeout = self.shared.config.timeouts.control();
-        rx.recv_timeout(timeout)
-            .unwrap_or(Err(Error::Timeout(timeout)))
+        match rx.recv_timeout(timeout) {
+            Ok(result) => result,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(Error::Timeout(timeout)),
+            // The worker dropped the request: it failed or shut down.
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(self.gone()),
+        }
+    }
+
+    /// A round trip that waits for the worker's answer however long it takes: what it
+    /// guarantees must hold when it returns. The worker cannot wedge on a panic (it contains
+    /// them), so only a backend call that never returns keeps this waiting; that is logged
+    /// every `control_ms`.
+    fn control_until_done<T>(
+        &self,
+        what: &str,
+        make: impl FnOnce(crossbeam_channel::Sender<Result<T>>) -> Command,
+    ) -> Result<T> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.shared.submit(make(tx))?;
+        let step = self.shared.config.timeouts.control();
+        let start = Instant::now();
+        loop {
+            match rx.recv_timeout(step) {
+                Ok(result) => return result,
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => tracing::warn!(
+                    waited_ms = start.elapsed().as_millis() as u64,
+                    "{what} is still waiting for the worker"
+                ),
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return Err(self.gone()),
+            }
+        }
+    }
+
+    fn gone(&self) -> Error {
+        match self.shared.failed.get() {
+            Some(why) => Error::WorkerFailed(why.clone()),
+            None => Error::Shutdown,
+        }
     }
 
     fn register(
@@ -221,11 +274,14 @@ impl TransferEngine {
             len: region.len,
             keys,
         };
-        let handle = MrHandle(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let handle = MrHandle {
+            engine: self.id,
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+        };
         self.regions
             .write()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(handle.0, Arc::new(local.clone()));
+            .insert(handle.id, Arc::new(local.clone()));
         Ok((handle, local))
     }
 
@@ -269,25 +325,50 @@ impl TransferEngine {
         Ok(self.register(ptr, len, device, false)?.0)
     }
 
-    /// Deregisters a region on every NIC. After it returns, no write touches the memory.
+    /// Deregisters a region on every NIC.
+    ///
+    /// **Whatever it returns, no NIC touches the memory after it returns**: it waits for the
+    /// worker however long that takes (no timeout), and if the worker failed or the engine
+    /// shut down, the Domains were closed before this returns. An error only says that some
+    /// NIC reported a failure while deregistering (logged) or that the handle is unknown.
+    /// Writes of this engine still in flight from the region may fail.
     pub fn dereg_mr(&self, handle: MrHandle) -> Result<()> {
+        self.check_owner("memory region", handle.engine, handle.id)?;
         let region = self
             .regions
             .write()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(&handle.0)
-            .ok_or(Error::UnknownHandle(handle.0))?;
+            .remove(&handle.id)
+            .ok_or(Error::UnknownHandle(handle.id))?;
         let keys = region.keys.iter().map(|k| k.local_key).collect();
-        self.control(|reply| Command::Deregister { keys, reply })
+        match self.control_until_done("dereg_mr", |reply| Command::Deregister { keys, reply }) {
+            // Closed Domains hold no registrations: the guarantee holds.
+            Err(Error::Shutdown | Error::WorkerFailed(_)) => Ok(()),
+            other => other,
+        }
+    }
+
+    fn check_owner(&self, what: &'static str, owner: u32, id: u64) -> Result<()> {
+        if owner == self.id {
+            Ok(())
+        } else {
+            Err(Error::ForeignHandle {
+                what,
+                id,
+                owner,
+                this: self.id,
+            })
+        }
     }
 
     fn local_region(&self, handle: MrHandle) -> Result<Arc<LocalRegion>> {
+        self.check_owner("memory region", handle.engine, handle.id)?;
         self.regions
             .read()
             .unwrap_or_else(|p| p.into_inner())
-            .get(&handle.0)
+            .get(&handle.id)
             .cloned()
-            .ok_or(Error::UnknownHandle(handle.0))
+            .ok_or(Error::UnknownHandle(handle.id))
     }
 
     fn check_peer_nics(&self, desc: &MrDesc) -> Result<()> {
@@ -377,7 +458,7 @@ impl TransferEngine {
             len,
             imm,
         );
-        self.shared.submit(Command::Writes {
+        self.shared.submit_counted(Command::Writes {
             ops,
             on_done: on_done.into(),
         })
@@ -429,7 +510,7 @@ impl TransferEngine {
                 imm,
             );
         }
-        self.shared.submit(Command::Writes {
+        self.shared.submit_counted(Command::Writes {
             ops,
             on_done: on_done.into(),
         })
@@ -448,7 +529,10 @@ impl TransferEngine {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(id, addrs.into_iter().collect());
-        Ok(PeerGroupHandle(id))
+        Ok(PeerGroupHandle {
+            engine: self.id,
+            id,
+        })
     }
 
     fn check_group<'a>(
@@ -457,15 +541,16 @@ impl TransferEngine {
         owners: impl Iterator<Item = &'a NetAddr>,
     ) -> Result<()> {
         let Some(group) = group else { return Ok(()) };
+        self.check_owner("peer group", group.engine, group.id)?;
         let groups = self.peer_groups.lock().unwrap_or_else(|p| p.into_inner());
         let members = groups
-            .get(&group.0)
-            .ok_or(Error::UnknownPeerGroup(group.0))?;
+            .get(&group.id)
+            .ok_or(Error::UnknownPeerGroup(group.id))?;
         for owner in owners {
             if !members.contains(owner) {
                 return Err(Error::InvalidArgument(format!(
                     "peer {owner} is not in peer group {}",
-                    group.0
+                    group.id
                 )));
             }
         }
@@ -502,7 +587,7 @@ impl TransferEngine {
                 imm,
             );
         }
-        self.shared.submit(Command::Writes {
+        self.shared.submit_counted(Command::Writes {
             ops,
             on_done: on_done.into(),
         })
@@ -537,7 +622,7 @@ impl TransferEngine {
                 imm: Some(imm),
             });
         }
-        self.shared.submit(Command::Writes {
+        self.shared.submit_counted(Command::Writes {
             ops,
             on_done: on_done.into(),
         })
@@ -557,7 +642,7 @@ impl TransferEngine {
                 data.len()
             )));
         }
-        self.shared.submit(Command::Send {
+        self.shared.submit_counted(Command::Send {
             peer: peer.clone(),
             data: data.to_vec(),
             on_done: on_done.into(),
@@ -587,21 +672,33 @@ impl TransferEngine {
                 "this engine already has a receive pool".into(),
             ));
         }
-        self.shared.submit(Command::PostRecvs {
+        // Nothing is registered by the caller here, so a plain timeout is safe.
+        self.control(|reply| Command::PostRecvs {
             buf_len: len,
             count,
+            reply: Some(reply),
         })
     }
 
     /// Calls `on_done` once `count` writes carrying `imm` have landed here (counting those
     /// that landed before this call), consuming them; fails with `Timeout` after
     /// `timeouts.expect_ms`.
+    ///
+    /// Expectations on one immediate are met in registration order. **An expectation that
+    /// times out still owes its arrivals**: late arrivals of the transfer it waited for are
+    /// absorbed when they land, never counted for a later expectation on the same immediate
+    /// (which would then complete early, with none of its own data). If they never land (the
+    /// sender's transfer failed), later expectations on that immediate time out too; once the
+    /// peers agree that nothing more is in flight, [`reset_imm`](Self::reset_imm) clears it.
     pub fn expect_imm_count(&self, imm: u32, count: u64, on_done: impl Into<OnDone>) -> Result<()> {
         let deadline = Instant::now() + self.shared.config.timeouts.expect();
-        let ready = self
-            .shared
-            .lock_imm()
-            .expect(imm, count, deadline, on_done.into());
+        let mut counter = self.shared.lock_imm();
+        // Checked under the counter's lock: the worker sets it before draining expectations.
+        if let Some(why) = self.shared.failed.get() {
+            return Err(Error::WorkerFailed(why.clone()));
+        }
+        let ready = counter.expect(imm, count, deadline, on_done.into());
+        drop(counter);
         match ready {
             Some(w) => w.complete(Ok(()), &self.shared.jobs),
             // The worker may be parked with a later deadline in mind.
@@ -619,24 +716,74 @@ impl TransferEngine {
         imm: u32,
         sink: impl Fn(u64) + Send + Sync + 'static,
     ) -> Result<()> {
-        let sink: crate::runtime::Mirror = Arc::new(sink);
-        // Same lock order as the worker (ImmCounter, then mirrors), so no arrival slips
-        // between the first report and the registration.
-        let counter = self.shared.lock_imm();
-        let mut mirrors = self
-            .shared
-            .mirrors
-            .write()
-            .unwrap_or_else(|p| p.into_inner());
-        sink(counter.total(imm));
-        mirrors.entry(imm).or_default().push(sink);
-        self.shared.has_mirrors.store(true, Ordering::Release);
+        let mirror = Mirror::new(sink);
+        // Registered under the counter's lock, so no arrival slips between the first report
+        // and the registration; reported after both locks are released (the sink is user
+        // code). A racing report from the worker is ordered by the sink's own high-water mark.
+        let total = {
+            let mut counter = self.shared.lock_imm();
+            let total = counter.track_total(imm);
+            self.shared
+                .mirrors
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(imm)
+                .or_default()
+                .push(Arc::clone(&mirror));
+            self.shared.has_mirrors.store(true, Ordering::Release);
+            total
+        };
+        mirror.report(imm, total);
         Ok(())
     }
 
     /// Arrivals of `imm` counted and not yet consumed by an expectation.
     pub fn imm_count(&self, imm: u32) -> u64 {
         self.shared.lock_imm().count(imm)
+    }
+
+    /// Arrivals of `imm` still owed to expectations that timed out (absorbed when they land).
+    pub fn imm_owed(&self, imm: u32) -> u64 {
+        self.shared.lock_imm().owed(imm)
+    }
+
+    /// Arrivals the ImmCounter dropped because its table of immediates nobody waited for was
+    /// full (`worker.max_idle_imms`).
+    pub fn imm_dropped(&self) -> u64 {
+        self.shared.lock_imm().dropped()
+    }
+
+    /// Forgets `imm`'s unconsumed arrivals and what timed-out expectations still owe. Call it
+    /// only once the peers agree that no write carrying `imm` is in flight (e.g. after a
+    /// barrier on another immediate, or after the sender's transfers all finished): an
+    /// arrival that lands after the reset counts for the next expectation. Waiting
+    /// expectations keep waiting for new arrivals.
+    pub fn reset_imm(&self, imm: u32) -> ResetReport {
+        self.shared.lock_imm().reset(imm)
+    }
+
+    /// Transfers and sends accepted and not yet finished (bounded by
+    /// `worker.max_outstanding`; past it, `submit_*` returns [`Error::Busy`]).
+    pub fn outstanding(&self) -> usize {
+        self.shared.outstanding.load(Ordering::Acquire)
+    }
+
+    /// Waits until fewer than `worker.max_outstanding` operations are outstanding, or
+    /// `timeout` passes (`Err(Timeout)`). A submit may still get `Busy` if other threads
+    /// submit in between.
+    pub fn wait_for_capacity(&self, timeout: Duration) -> Result<()> {
+        let limit = self.shared.config.worker.max_outstanding;
+        let start = Instant::now();
+        while self.outstanding() >= limit {
+            if let Some(why) = self.shared.failed.get() {
+                return Err(Error::WorkerFailed(why.clone()));
+            }
+            if start.elapsed() >= timeout {
+                return Err(Error::Timeout(timeout));
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        Ok(())
     }
 
     /// Allocates a watcher slot: a u64 that a producer (a GPU kernel through
@@ -669,9 +816,8 @@ impl TransferEngine {
 
 impl Drop for TransferEngine {
     fn drop(&mut self) {
-        // Push the shutdown before closing the queue so the worker sees it.
-        let _ = self.shared.submit(Command::Shutdown);
         self.shared.close();
+        self.shared.push_shutdown();
         if let Some(w) = self.worker.take() {
             let _ = w.join();
         }

@@ -82,7 +82,8 @@ pub struct Timeouts {
     pub transfer_ms: u64,
     /// An `expect_imm_count` not met after this fails with `Timeout`.
     pub expect_ms: u64,
-    /// A backend's connection handshake gives up after this (passed to backends).
+    /// A backend's connection handshake gives up after this. The engine passes it to every
+    /// backend as `connect_ms` in its options table; setting it there instead is an error.
     pub connect_ms: u64,
     /// A request to the worker thread (register, deregister) gives up after this.
     pub control_ms: u64,
@@ -128,6 +129,12 @@ pub struct WorkerConfig {
     pub idle_poll_us: u64,
     /// Largest message `submit_send` accepts.
     pub max_message: usize,
+    /// Most operations (transfers, sends) accepted and not yet finished; past it `submit_*`
+    /// returns `Error::Busy`. Bounds the memory queued work can take.
+    pub max_outstanding: usize,
+    /// Most immediates that nobody waits for whose arrivals the ImmCounter keeps; arrivals
+    /// beyond it are dropped and reported (see `engine_core::imm`).
+    pub max_idle_imms: usize,
 }
 
 impl Default for WorkerConfig {
@@ -136,6 +143,8 @@ impl Default for WorkerConfig {
             spin_us: 50,
             idle_poll_us: 1_000,
             max_message: 64 << 10,
+            max_outstanding: 1 << 16,
+            max_idle_imms: crate::imm::DEFAULT_MAX_IDLE_IMMS,
         }
     }
 }
@@ -237,7 +246,9 @@ impl Config {
         }
     }
 
-    fn validate(&self) -> Result<(), ConfigError> {
+    /// Checks that the values are consistent. [`TransferEngine::open`](crate::TransferEngine)
+    /// runs it too, so a `Config` built or changed in code gets the same checks as a file.
+    pub fn validate(&self) -> Result<(), ConfigError> {
         if self.groups.is_empty() {
             return Err(self.invalid("`groups` is empty: add one [[groups]] with `nics`".into()));
         }
@@ -268,15 +279,46 @@ impl Config {
         if [t.transfer_ms, t.expect_ms, t.connect_ms, t.control_ms].contains(&0) {
             return Err(self.invalid("every timeout must be at least 1 ms".into()));
         }
+        // Deadlines are computed as `now + timeout`: keep them far from overflowing.
+        const MAX_TIMEOUT_MS: u64 = 1 << 40;
+        if [t.transfer_ms, t.expect_ms, t.connect_ms, t.control_ms]
+            .iter()
+            .any(|&ms| ms > MAX_TIMEOUT_MS)
+        {
+            return Err(self.invalid(format!(
+                "a timeout is longer than {MAX_TIMEOUT_MS} ms (about 35 years)"
+            )));
+        }
+        for (name, table) in &self.backends {
+            if let toml::Value::Table(t) = table {
+                if t.contains_key("connect_ms") {
+                    return Err(self.invalid(format!(
+                        "[backends.{name}] connect_ms: the handshake deadline is [timeouts] connect_ms, which every backend receives"
+                    )));
+                }
+            }
+        }
+        let w = &self.worker;
+        if w.max_message == 0 || w.max_outstanding == 0 || w.max_idle_imms == 0 {
+            return Err(self.invalid(
+                "worker.max_message, worker.max_outstanding and worker.max_idle_imms must be at least 1".into(),
+            ));
+        }
         Ok(())
     }
 
-    /// The selected backend's own table as TOML text (empty if absent).
+    /// The selected backend's own table as TOML text, with the engine-wide settings every
+    /// backend receives (`connect_ms`) added.
     pub fn backend_options(&self) -> String {
-        match self.backends.get(&self.backend) {
-            Some(toml::Value::Table(t)) => toml::to_string(t).unwrap_or_default(),
-            _ => String::new(),
-        }
+        let mut table = match self.backends.get(&self.backend) {
+            Some(toml::Value::Table(t)) => t.clone(),
+            _ => toml::Table::new(),
+        };
+        table.insert(
+            "connect_ms".into(),
+            toml::Value::Integer(i64::try_from(self.timeouts.connect_ms).unwrap_or(i64::MAX)),
+        );
+        toml::to_string(&table).unwrap_or_default()
     }
 }
 
@@ -318,7 +360,10 @@ mod tests {
         assert_eq!(c.timeouts.transfer_ms, 100);
         assert_eq!(c.timeouts.expect_ms, Timeouts::default().expect_ms);
         assert_eq!(c.stripe.align, 64);
-        assert_eq!(c.backend_options().trim(), "gid_index = 3");
+        assert_eq!(
+            c.backend_options().trim(),
+            "connect_ms = 3000\ngid_index = 3"
+        );
     }
 
     #[test]
@@ -358,6 +403,14 @@ mod tests {
             (
                 "backend = \"m\"\n[[groups]]\nnics = [\"a\"]\n[timeouts]\ntransfer_ms = 0",
                 "at least 1 ms",
+            ),
+            (
+                "backend = \"verbs\"\n[[groups]]\nnics = [\"a\"]\n[backends.verbs]\nconnect_ms = 5",
+                "[timeouts] connect_ms",
+            ),
+            (
+                "backend = \"m\"\n[[groups]]\nnics = [\"a\"]\n[worker]\nmax_outstanding = 0",
+                "max_outstanding",
             ),
         ] {
             let err = parse(text).unwrap_err();

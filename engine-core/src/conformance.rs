@@ -132,7 +132,11 @@ pub fn single_write(h: &dyn Harness) {
         landed
             .wait(WAIT)
             .unwrap_or_else(|e| panic!("arrivals of {len} bytes: {e}"));
-        assert_copied(&format!("single write of {len}"), dst.bytes(), src.bytes());
+        assert_copied(
+            &format!("single write of {len}"),
+            &dst.to_vec(),
+            &src.to_vec(),
+        );
         assert_eq!(b.imm_count(imm), 0, "no arrivals beyond the expected {n}");
     }
 }
@@ -155,13 +159,13 @@ pub fn write_at_offsets_without_imm(h: &dyn Harness) {
     done.wait(WAIT).unwrap();
     assert_copied(
         "offset write",
-        &dst.bytes()[5000..6000],
-        &src.bytes()[100..1100],
+        &dst.to_vec()[5000..6000],
+        &src.to_vec()[100..1100],
     );
     assert!(
-        dst.bytes()[..5000]
+        dst.to_vec()[..5000]
             .iter()
-            .chain(&dst.bytes()[6000..])
+            .chain(&dst.to_vec()[6000..])
             .all(|&x| x == 0xee),
         "bytes outside the range were touched"
     );
@@ -207,8 +211,8 @@ pub fn striping(h: &dyn Harness) {
                     .unwrap_or_else(|e| panic!("{nics} NICs, {selection:?}: arrivals: {e}"));
                 assert_copied(
                     &format!("{nics} NICs {selection:?} {len} bytes"),
-                    dst.bytes(),
-                    src.bytes(),
+                    &dst.to_vec(),
+                    &src.to_vec(),
                 );
                 assert_eq!(
                     b.imm_count(7),
@@ -264,8 +268,8 @@ pub fn paged_writes(h: &dyn Harness) {
         let d = (64 + u64::from(dst_pages.indices[i]) * stride) as usize;
         assert_copied(
             &format!("page {i}"),
-            &dst.bytes()[d..d + page_len as usize],
-            &src.bytes()[s..s + page_len as usize],
+            &dst.to_vec()[d..d + page_len as usize],
+            &src.to_vec()[s..s + page_len as usize],
         );
     }
 }
@@ -324,8 +328,8 @@ pub fn scatter(h: &dyn Harness) {
         let (len, so, d) = (len as usize, so as usize, d as usize);
         assert_copied(
             "scatter piece",
-            &dst.bytes()[d..d + len],
-            &src.bytes()[so..so + len],
+            &dst.to_vec()[d..d + len],
+            &src.to_vec()[so..so + len],
         );
     }
     // A destination outside the group is refused before anything is posted.
@@ -366,7 +370,7 @@ pub fn barrier(h: &dyn Harness) {
         fc.wait(WAIT).unwrap();
     }
     assert!(
-        db.bytes().iter().chain(dc.bytes()).all(|&x| x == 1),
+        db.to_vec().iter().chain(&dc.to_vec()).all(|&x| x == 1),
         "a barrier wrote bytes"
     );
 }
@@ -589,7 +593,7 @@ pub fn remote_access_error(h: &dyn Harness) {
         );
     }
     assert!(
-        dst.bytes().iter().all(|&x| x == 0),
+        dst.to_vec().iter().all(|&x| x == 0),
         "nothing may be written"
     );
     assert_eq!(b.imm_count(4), 0, "nothing may be counted");
@@ -601,7 +605,7 @@ pub fn remote_access_error(h: &dyn Harness) {
     a.submit_single_write(4096, None, (src.mr(), 0), (dc.desc(), 0), ok.clone())
         .unwrap();
     ok.wait(WAIT).unwrap();
-    assert_copied("after a remote access error", dc.bytes(), src.bytes());
+    assert_copied("after a remote access error", &dc.to_vec(), &src.to_vec());
 }
 
 /// A peer that went away fails transfers within the deadline; the engine serves others.
@@ -630,7 +634,7 @@ pub fn dead_peer(h: &dyn Harness) {
     a.submit_single_write(4096, None, (src.mr(), 0), (dc.desc(), 0), ok.clone())
         .unwrap();
     ok.wait(WAIT).unwrap();
-    assert_copied("after a dead peer", dc.bytes(), src.bytes());
+    assert_copied("after a dead peer", &dc.to_vec(), &src.to_vec());
 }
 
 /// Thousands of concurrent transfers each finish exactly once.
@@ -672,7 +676,7 @@ pub fn exactly_once(h: &dyn Harness) {
         "every callback exactly once"
     );
     assert_eq!(b.imm_count(12), 0);
-    assert_copied("exactly once", dst.bytes(), src.bytes());
+    assert_copied("exactly once", &dst.to_vec(), &src.to_vec());
 }
 
 /// A callback may submit the next transfer (no deadlock), here 200 in a chain.

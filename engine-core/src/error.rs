@@ -33,6 +33,43 @@ pub enum Error {
     /// A peer group handle that this engine did not create.
     #[error("peer group {0} is unknown to this engine")]
     UnknownPeerGroup(u64),
+    /// A handle (memory region or peer group) that another engine created.
+    #[error("{what} handle {id} belongs to engine {owner}, not to this engine ({this})")]
+    ForeignHandle {
+        /// `"memory region"` or `"peer group"`.
+        what: &'static str,
+        /// The handle's id.
+        id: u64,
+        /// The engine that created it.
+        owner: u32,
+        /// The engine it was passed to.
+        this: u32,
+    },
+    /// Too much work is outstanding (`worker.max_outstanding`); nothing was queued. Retry
+    /// after some completes, or wait with `TransferEngine::wait_for_capacity`.
+    #[error(
+        "busy: {outstanding} operations outstanding, the limit is {limit} (worker.max_outstanding)"
+    )]
+    Busy {
+        /// Operations accepted and not yet finished.
+        outstanding: usize,
+        /// The configured limit.
+        limit: usize,
+    },
+    /// An expectation timed out while the ImmCounter had dropped arrivals because its table of
+    /// immediates nobody waited for was full (`worker.max_idle_imms`): its arrivals may be
+    /// among them.
+    #[error("timed out after {timeout:?}, and {dropped} arrivals were dropped because the table of unexpected immediates was full (worker.max_idle_imms)")]
+    ArrivalsDropped {
+        /// The expectation's timeout.
+        timeout: Duration,
+        /// Arrivals dropped so far.
+        dropped: u64,
+    },
+    /// The worker thread failed (a backend or a user sink panicked); everything in flight
+    /// failed with this, the Domains were closed, and the engine accepts no more work.
+    #[error("the engine's worker failed: {0}")]
+    WorkerFailed(String),
     /// A serialized `NetAddr` or `MrDesc` could not be decoded.
     #[error("malformed {what}: {source}")]
     Decode {

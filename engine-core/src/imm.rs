@@ -7,10 +7,27 @@
 //! order with arrivals of other immediates. Expectations on one immediate are met in the order
 //! they were registered.
 //!
+//! **Stale arrivals never satisfy a later expectation.** An expectation that times out still
+//! *owes* the arrivals it waited for: a transfer that timed out at its sender can land later,
+//! and its arrivals would otherwise meet the next expectation on that immediate early, with
+//! none of its own data (the next KV-cache request that reuses a layer's immediate would read
+//! garbage). So an expired expectation stays in its queue, without a waiter, as a *debt*: it
+//! absorbs the next arrivals exactly as if it were still waiting, and the expectations behind
+//! it count only what comes after. If the late arrivals never come (the sender's transfer
+//! failed), the expectations behind it time out too — loudly, never early. A caller that knows
+//! from its peer that nothing more is in flight for an immediate clears the debts and the
+//! unconsumed count with [`reset`](ImmCounter::reset).
+//!
+//! **Bounded memory.** A peer can send any immediate; an entry for an immediate nobody waits
+//! for lives until it is expected or reset, so the number of such entries is capped
+//! (`max_idle`). An arrival that would need a new entry beyond the cap is dropped and counted,
+//! and every expectation that then times out says that arrivals were dropped. Totals (for
+//! mirrors) are kept only for immediates someone mirrors.
+//!
 //! This type is pure bookkeeping: no clock, no threads. The engine wraps it in a mutex, feeds it
 //! arrivals from the worker and passes `now` in for deadlines.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
 /// Counts arrivals per immediate and matches them against expectations carrying a `W` (the
@@ -18,13 +35,22 @@ use std::time::Instant;
 #[derive(Debug)]
 pub struct ImmCounter<W> {
     entries: HashMap<u32, Entry<W>>,
-    /// Every arrival ever counted, per immediate (consumed or not).
+    /// Running totals of the immediates someone mirrors (from the first mirror on, plus what
+    /// was unconsumed then).
     totals: HashMap<u32, u64>,
+    /// The most entries with nothing waiting that are kept (see the module docs).
+    max_idle: usize,
+    /// Entries with no expectation in their queue.
+    idle: HashSet<u32>,
+    /// Arrivals dropped because the table was full.
+    dropped: u64,
 }
 
 #[derive(Debug)]
 struct Entry<W> {
+    /// Arrivals counted and not consumed.
     count: u64,
+    /// Expectations (and debts of expired ones) in registration order.
     waiting: VecDeque<Expectation<W>>,
 }
 
@@ -32,7 +58,8 @@ struct Entry<W> {
 struct Expectation<W> {
     need: u64,
     deadline: Instant,
-    waiter: W,
+    /// `None` once expired: a debt that absorbs `need` arrivals.
+    waiter: Option<W>,
 }
 
 /// How an expectation ended.
@@ -40,110 +67,238 @@ struct Expectation<W> {
 pub enum Outcome<W> {
     /// The arrivals it waited for were counted (and consumed).
     Met(W),
-    /// Its deadline passed first; the arrivals counted so far stay counted.
-    Expired(W),
+    /// Its deadline passed first. The arrivals it waited for are still owed: they are
+    /// absorbed when they land. `dropped` is the number of arrivals (of any immediate) the
+    /// counter had to drop so far because its table was full.
+    Expired {
+        /// The expectation's waiter.
+        waiter: W,
+        /// Arrivals dropped so far (0 unless the table of idle immediates overflowed).
+        dropped: u64,
+    },
 }
+
+/// What [`ImmCounter::reset`] discarded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ResetReport {
+    /// Unconsumed arrivals.
+    pub unconsumed: u64,
+    /// Arrivals still owed to expired expectations.
+    pub owed: u64,
+}
+
+/// The default cap on entries with nothing waiting (see the module docs).
+pub const DEFAULT_MAX_IDLE_IMMS: usize = 1 << 16;
 
 impl<W> Default for ImmCounter<W> {
     fn default() -> Self {
-        Self {
-            entries: HashMap::new(),
-            totals: HashMap::new(),
-        }
+        Self::with_max_idle(DEFAULT_MAX_IDLE_IMMS)
     }
 }
 
 impl<W> ImmCounter<W> {
-    /// An empty counter.
+    /// An empty counter with the default cap.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Arrivals of `imm` counted and not yet consumed by an expectation.
+    /// An empty counter keeping at most `max_idle` immediates that nobody waits for.
+    pub fn with_max_idle(max_idle: usize) -> Self {
+        Self {
+            entries: HashMap::new(),
+            totals: HashMap::new(),
+            max_idle,
+            idle: HashSet::new(),
+            dropped: 0,
+        }
+    }
+
+    /// Arrivals of `imm` counted and not yet consumed by an expectation (or absorbed by a
+    /// debt).
     pub fn count(&self, imm: u32) -> u64 {
         self.entries.get(&imm).map_or(0, |e| e.count)
     }
 
-    /// Every arrival of `imm` counted so far, consumed or not (what a mirror reports).
+    /// Arrivals of `imm` still owed to expectations that expired.
+    pub fn owed(&self, imm: u32) -> u64 {
+        self.entries.get(&imm).map_or(0, |e| {
+            e.waiting
+                .iter()
+                .filter(|x| x.waiter.is_none())
+                .map(|x| x.need)
+                .sum::<u64>()
+        })
+    }
+
+    /// Arrivals dropped because the table of idle immediates was full.
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// Immediates with an entry (for memory checks).
+    pub fn entries(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Starts keeping the running total of `imm` (for a mirror); returns it: what is
+    /// unconsumed now, or the total kept so far.
+    pub fn track_total(&mut self, imm: u32) -> u64 {
+        let count = self.count(imm);
+        *self.totals.entry(imm).or_insert(count)
+    }
+
+    /// The running total of a tracked immediate (0 if it is not tracked).
     pub fn total(&self, imm: u32) -> u64 {
         self.totals.get(&imm).copied().unwrap_or(0)
     }
 
-    /// Whether any expectation is waiting.
+    /// Whether any expectation is waiting (debts do not count: they have no deadline).
     pub fn has_waiting(&self) -> bool {
-        self.entries.values().any(|e| !e.waiting.is_empty())
+        self.entries
+            .values()
+            .any(|e| e.waiting.iter().any(|x| x.waiter.is_some()))
     }
 
     /// Counts `n` arrivals of `imm`; returns the expectations this met, in registration order.
     pub fn handle_arrivals(&mut self, imm: u32, n: u64, met: &mut Vec<Outcome<W>>) {
-        *self.totals.entry(imm).or_insert(0) += n;
-        let entry = self.entries.entry(imm).or_insert_with(|| Entry {
-            count: 0,
-            waiting: VecDeque::new(),
-        });
+        if let Some(total) = self.totals.get_mut(&imm) {
+            *total += n;
+        }
+        if !self.entries.contains_key(&imm) {
+            if self.idle.len() >= self.max_idle {
+                self.dropped += n;
+                return;
+            }
+            self.entries.insert(imm, Entry::new());
+        }
+        let entry = self.entries.get_mut(&imm).expect("inserted above");
         entry.count += n;
         entry.drain_met(met);
+        self.settle(imm);
     }
 
     /// Registers an expectation of `need` arrivals of `imm`. If it is met by arrivals already
-    /// counted (and no earlier expectation on `imm` is waiting), it is returned at once.
+    /// counted (and nothing earlier on `imm` is waiting or owed), it is returned at once.
     pub fn expect(&mut self, imm: u32, need: u64, deadline: Instant, waiter: W) -> Option<W> {
-        let entry = self.entries.entry(imm).or_insert_with(|| Entry {
-            count: 0,
-            waiting: VecDeque::new(),
-        });
+        let entry = self.entries.entry(imm).or_insert_with(Entry::new);
         if entry.waiting.is_empty() && entry.count >= need {
             entry.count -= need;
+            self.settle(imm);
             return Some(waiter);
         }
         entry.waiting.push_back(Expectation {
             need,
             deadline,
-            waiter,
+            waiter: Some(waiter),
         });
+        self.settle(imm);
         None
     }
 
-    /// Ends every expectation whose deadline is at or before `now`. Removing a head can let the
-    /// ones queued behind it be met by what is already counted; those are returned as met.
-    pub fn poll_expired(&mut self, now: Instant, out: &mut Vec<Outcome<W>>) {
-        for entry in self.entries.values_mut() {
-            if entry.waiting.iter().all(|e| e.deadline > now) {
-                continue;
+    /// Discards `imm`'s unconsumed arrivals and what expired expectations still owe, for a
+    /// caller that knows from its peer that nothing more is in flight for it. Waiting
+    /// expectations keep waiting, now for new arrivals only.
+    pub fn reset(&mut self, imm: u32) -> ResetReport {
+        let Some(entry) = self.entries.get_mut(&imm) else {
+            return ResetReport::default();
+        };
+        let mut report = ResetReport {
+            unconsumed: entry.count,
+            owed: 0,
+        };
+        entry.count = 0;
+        entry.waiting.retain(|x| {
+            if x.waiter.is_none() {
+                report.owed += x.need;
             }
-            let mut kept = VecDeque::with_capacity(entry.waiting.len());
-            for e in entry.waiting.drain(..) {
+            x.waiter.is_some()
+        });
+        self.settle(imm);
+        report
+    }
+
+    /// Ends every expectation whose deadline is at or before `now`; each stays behind as a
+    /// debt (see the module docs).
+    pub fn poll_expired(&mut self, now: Instant, out: &mut Vec<Outcome<W>>) {
+        let dropped = self.dropped;
+        let mut touched = Vec::new();
+        for (imm, entry) in self.entries.iter_mut() {
+            let mut any = false;
+            for e in entry.waiting.iter_mut() {
                 if e.deadline <= now {
-                    out.push(Outcome::Expired(e.waiter));
-                } else {
-                    kept.push_back(e);
+                    if let Some(waiter) = e.waiter.take() {
+                        out.push(Outcome::Expired { waiter, dropped });
+                        any = true;
+                    }
                 }
             }
-            entry.waiting = kept;
-            entry.drain_met(out);
+            if any {
+                touched.push(*imm);
+            }
         }
-        self.entries
-            .retain(|_, e| e.count > 0 || !e.waiting.is_empty());
+        for imm in touched {
+            self.settle(imm);
+        }
     }
 
     /// Ends every waiting expectation (at shutdown), returning their waiters.
     pub fn drain_waiting(&mut self) -> Vec<W> {
-        self.entries
+        let waiters = self
+            .entries
             .values_mut()
-            .flat_map(|e| e.waiting.drain(..).map(|x| x.waiter))
-            .collect()
+            .flat_map(|e| e.waiting.drain(..).filter_map(|x| x.waiter))
+            .collect();
+        let imms: Vec<u32> = self.entries.keys().copied().collect();
+        for imm in imms {
+            self.settle(imm);
+        }
+        waiters
     }
 
     /// The earliest deadline of any waiting expectation.
     pub fn next_deadline(&self) -> Option<Instant> {
         self.entries
             .values()
-            .flat_map(|e| e.waiting.iter().map(|x| x.deadline))
+            .flat_map(|e| {
+                e.waiting
+                    .iter()
+                    .filter(|x| x.waiter.is_some())
+                    .map(|x| x.deadline)
+            })
             .min()
+    }
+
+    /// Keeps the idle set and the table in step with `imm`'s entry: an entry with nothing
+    /// counted and nothing queued goes; one with nothing queued is idle.
+    fn settle(&mut self, imm: u32) {
+        match self.entries.get(&imm) {
+            Some(e) if e.count == 0 && e.waiting.is_empty() => {
+                self.entries.remove(&imm);
+                self.idle.remove(&imm);
+            }
+            Some(e) if e.waiting.is_empty() => {
+                self.idle.insert(imm);
+            }
+            Some(_) => {
+                self.idle.remove(&imm);
+            }
+            None => {
+                self.idle.remove(&imm);
+            }
+        }
     }
 }
 
 impl<W> Entry<W> {
+    fn new() -> Self {
+        Self {
+            count: 0,
+            waiting: VecDeque::new(),
+        }
+    }
+
+    /// Meets (or, for debts, pays) the expectations at the head of the queue that what is
+    /// counted covers.
     fn drain_met(&mut self, met: &mut Vec<Outcome<W>>) {
         while let Some(head) = self.waiting.front() {
             if self.count < head.need {
@@ -151,7 +306,9 @@ impl<W> Entry<W> {
             }
             self.count -= head.need;
             let head = self.waiting.pop_front().expect("front() was Some");
-            met.push(Outcome::Met(head.waiter));
+            if let Some(waiter) = head.waiter {
+                met.push(Outcome::Met(waiter));
+            }
         }
     }
 }
@@ -195,19 +352,164 @@ mod tests {
     }
 
     #[test]
-    fn expiry_keeps_the_count_and_unblocks_the_queue() {
+    fn an_expired_expectation_owes_its_arrivals_and_unblocks_nothing_early() {
         let mut c = ImmCounter::new();
         let now = Instant::now();
         let mut out = Vec::new();
         assert_eq!(c.expect(1, 5, now + Duration::from_millis(1), "slow"), None);
-        assert_eq!(c.expect(1, 1, now + Duration::from_secs(9), "fast"), None);
+        assert_eq!(c.expect(1, 1, now + Duration::from_secs(9), "next"), None);
         c.handle_arrivals(1, 1, &mut out);
         assert!(out.is_empty());
         assert_eq!(c.next_deadline(), Some(now + Duration::from_millis(1)));
         c.poll_expired(now + Duration::from_millis(2), &mut out);
-        assert_eq!(out, vec![Outcome::Expired("slow"), Outcome::Met("fast")]);
-        assert_eq!(c.count(1), 0);
+        assert_eq!(
+            out,
+            vec![Outcome::Expired {
+                waiter: "slow",
+                dropped: 0
+            }]
+        );
+        out.clear();
+        // The 4 the expired one still waited for land late: absorbed, not counted for "next".
+        c.handle_arrivals(1, 4, &mut out);
+        assert!(out.is_empty(), "stale arrivals met a later expectation");
+        assert_eq!(c.owed(1), 0);
+        c.handle_arrivals(1, 1, &mut out);
+        assert_eq!(out, vec![Outcome::Met("next")]);
         assert!(!c.has_waiting());
-        assert_eq!(c.next_deadline(), None);
+        assert_eq!(c.entries(), 0, "nothing left behind");
+    }
+
+    /// The defect a user hit: a timed-out layer's late arrivals completed the next request
+    /// that reused the immediate, with none of its own data.
+    #[test]
+    fn late_arrivals_of_a_timed_out_request_do_not_complete_the_next_one() {
+        let mut c = ImmCounter::new();
+        let now = Instant::now();
+        let mut out = Vec::new();
+        assert_eq!(c.expect(3, 2, now, "request 1"), None);
+        c.poll_expired(now, &mut out);
+        out.clear();
+        // Request 1's two writes land after its expectation expired.
+        c.handle_arrivals(3, 2, &mut out);
+        // Request 2 registers after; nothing of its own has landed.
+        assert_eq!(c.expect(3, 2, later(5), "request 2"), None);
+        assert!(out.is_empty());
+        c.handle_arrivals(3, 2, &mut out);
+        assert_eq!(out, vec![Outcome::Met("request 2")]);
+    }
+
+    #[test]
+    fn reset_forgets_debts_and_unconsumed_arrivals() {
+        let mut c = ImmCounter::new();
+        let now = Instant::now();
+        let mut out = Vec::new();
+        c.expect(4, 3, now, "expired");
+        c.poll_expired(now, &mut out);
+        out.clear();
+        c.handle_arrivals(4, 1, &mut out);
+        assert_eq!((c.count(4), c.owed(4)), (1, 3));
+        assert_eq!(
+            c.reset(4),
+            ResetReport {
+                unconsumed: 1,
+                owed: 3
+            }
+        );
+        assert_eq!(c.entries(), 0);
+        assert_eq!(c.expect(4, 1, later(5), "fresh"), None);
+        c.handle_arrivals(4, 1, &mut out);
+        assert_eq!(out, vec![Outcome::Met("fresh")]);
+    }
+
+    #[test]
+    fn idle_immediates_are_capped_and_drops_are_reported_on_expiry() {
+        let mut c = ImmCounter::with_max_idle(2);
+        let now = Instant::now();
+        let mut out = Vec::new();
+        for imm in 0..10 {
+            c.handle_arrivals(imm, 1, &mut out);
+        }
+        assert_eq!(c.entries(), 2, "a peer cannot grow the table at will");
+        assert_eq!(c.dropped(), 8);
+        // An immediate someone waits for is not idle: its arrivals are always counted.
+        assert_eq!(c.expect(100, 2, now, "w"), None);
+        c.handle_arrivals(100, 1, &mut out);
+        assert_eq!(c.count(100), 1);
+        c.poll_expired(now, &mut out);
+        assert_eq!(
+            out,
+            vec![Outcome::Expired {
+                waiter: "w",
+                dropped: 8
+            }]
+        );
+    }
+
+    #[test]
+    fn totals_are_kept_only_for_tracked_immediates() {
+        let mut c: ImmCounter<()> = ImmCounter::new();
+        let mut out = Vec::new();
+        c.handle_arrivals(1, 2, &mut out);
+        assert_eq!(c.total(1), 0);
+        assert_eq!(c.track_total(1), 2, "starts from what is unconsumed");
+        c.handle_arrivals(1, 3, &mut out);
+        assert_eq!(c.expect(1, 5, later(1), ()), Some(()));
+        assert_eq!(c.total(1), 5, "consuming does not lower a total");
+        c.handle_arrivals(2, 1, &mut out);
+        assert_eq!(c.total(2), 0);
+    }
+
+    proptest::proptest! {
+        /// Whatever the interleaving of arrivals, expectations and expiries, an expectation is
+        /// met only by arrivals that landed after every earlier expectation on its immediate
+        /// (met or expired) had its share: arrivals are assigned in registration order.
+        #[test]
+        fn arrivals_are_assigned_in_registration_order(
+            ops in proptest::collection::vec((0u8..3, 1u64..4), 1..60)
+        ) {
+            let mut c = ImmCounter::new();
+            let t0 = Instant::now();
+            let mut out = Vec::new();
+            // Model: the queue of (id, need), and arrivals assigned FIFO.
+            let mut queue: VecDeque<(usize, u64, bool)> = VecDeque::new();
+            let mut spare = 0u64;
+            let mut met_model = Vec::new();
+            let mut met_real = Vec::new();
+            let mut next_id = 0usize;
+            for (kind, n) in ops {
+                match kind {
+                    0 => {
+                        c.handle_arrivals(9, n, &mut out);
+                        spare += n;
+                    }
+                    1 => {
+                        let id = next_id;
+                        next_id += 1;
+                        if let Some(w) = c.expect(9, n, t0, id) {
+                            met_real.push(w);
+                        }
+                        queue.push_back((id, n, false));
+                    }
+                    _ => {
+                        c.poll_expired(t0, &mut out);
+                        for e in queue.iter_mut() {
+                            e.2 = true;
+                        }
+                    }
+                }
+                while let Some(&(id, need, expired)) = queue.front() {
+                    if spare < need { break; }
+                    spare -= need;
+                    queue.pop_front();
+                    if !expired { met_model.push(id); }
+                }
+                for o in out.drain(..) {
+                    if let Outcome::Met(w) = o { met_real.push(w); }
+                }
+            }
+            proptest::prop_assert_eq!(met_real, met_model);
+            proptest::prop_assert_eq!(c.count(9), spare);
+        }
     }
 }

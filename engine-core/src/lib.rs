@@ -61,10 +61,10 @@ pub mod conformance;
 
 pub use api::{MrHandle, Pages, PeerGroupHandle, ScatterDst, TransferEngine};
 pub use buffer::HostBuffer;
-pub use config::Config;
+pub use config::{Config, NicSelection};
 pub use domain::Device;
 pub use error::{Error, Result};
-pub use imm::ImmCounter;
+pub use imm::{ImmCounter, ResetReport};
 pub use plan::{expected_arrivals, StripePolicy, TransferShape};
 pub use runtime::completion::{DoneCounter, DoneFlag, OnDone};
 pub use uvm_watcher::{Control as WatchControl, GpuCounter, Watcher};

@@ -310,7 +310,11 @@ impl Drop for WatcherPool {
         self.shared.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
             t.thread().unpark();
-            let _ = t.join();
+            // Dropped by one of its own callbacks (the last reference to an engine went on
+            // the watcher thread): it cannot join itself; it ends when that callback returns.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
         }
     }
 }

@@ -120,7 +120,7 @@ fn every_primitive_across_processes(config_name: &str) {
     let n = expected_arrivals(TransferShape::Single { len }, 1, stripe);
     assert_eq!(peer.ask(&format!("expect 1 {n}")), "ok");
     assert!(
-        peer.bytes(0, len as usize) == src.bytes()[..len as usize],
+        peer.bytes(0, len as usize) == src.to_vec()[..len as usize],
         "single write data"
     );
 
@@ -158,7 +158,7 @@ fn every_primitive_across_processes(config_name: &str) {
     for i in 0..16usize {
         let d = dst_pages.indices[i] as usize * 4096;
         assert!(
-            peer.bytes(d, 4000) == src.bytes()[i * 4000..i * 4000 + 4000],
+            peer.bytes(d, 4000) == src.to_vec()[i * 4000..i * 4000 + 4000],
             "page {i}"
         );
     }
@@ -205,9 +205,9 @@ fn every_primitive_across_processes(config_name: &str) {
     );
     assert_eq!(peer.ask(&format!("expect 3 {n}")), "ok");
     local_landed.wait(WAIT).unwrap();
-    assert!(peer.bytes(2 << 20, 70_000) == src.bytes()[10..70_010]);
-    assert!(peer.bytes(3 << 20, 5000) == src.bytes()[500_000..505_000]);
-    assert!(local_dst.bytes()[7..130] == src.bytes()[99..222]);
+    assert!(peer.bytes(2 << 20, 70_000) == src.to_vec()[10..70_010]);
+    assert!(peer.bytes(3 << 20, 5000) == src.to_vec()[500_000..505_000]);
+    assert!(local_dst.to_vec()[7..130] == src.to_vec()[99..222]);
     let local_barrier = DoneFlag::new();
     local.expect_imm_count(4, 1, local_barrier.clone()).unwrap();
     let sent = DoneFlag::new();
@@ -293,7 +293,7 @@ fn killed_peer_fails_within_the_timeout(config_name: &str) {
         .submit_single_write(4096, None, (src.mr(), 0), (dst.desc(), 0), ok.clone())
         .unwrap();
     ok.wait(WAIT).unwrap();
-    assert!(dst.bytes() == &src.bytes()[..4096]);
+    assert!(dst.to_vec() == src.to_vec()[..4096]);
 }
 
 #[test]

@@ -4,7 +4,7 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::completion::Job;
+use super::completion::{run_contained, Job};
 
 /// Starts the callback thread; it ends after running every job queued before a `None`.
 pub(crate) fn spawn_callback_thread(
@@ -15,9 +15,7 @@ pub(crate) fn spawn_callback_thread(
         while let Ok(Some(job)) = rx.recv() {
             // A panicking callback is the caller's bug; it must not take the engine's other
             // callbacks down with it.
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
-                tracing::error!("an xfer callback panicked; continuing with the next one");
-            }
+            run_contained(job);
         }
     })?;
     Ok((tx, handle))

@@ -74,13 +74,28 @@ impl OnDone {
     }
 }
 
+/// Runs a user callback, logging (not propagating) a panic.
+pub(crate) fn run_contained(cb: impl FnOnce()) {
+    if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(cb)) {
+        tracing::error!(
+            panic = %super::panic_message(&*panic),
+            "an xfer callback panicked; continuing with the next one"
+        );
+    }
+}
+
 /// Sends a batch of callbacks to the callback thread (or runs them here if it is gone).
 pub(crate) fn send_batch(batch: &mut CallbackBatch, jobs: &Sender<Job>) {
     if batch.is_empty() {
         return;
     }
     let callbacks = std::mem::take(batch);
-    let job: Box<dyn FnOnce() + Send> = Box::new(move || callbacks.into_iter().for_each(|cb| cb()));
+    // Each callback on its own: one that panics must not drop the others of its batch.
+    let job: Box<dyn FnOnce() + Send> = Box::new(move || {
+        for cb in callbacks {
+            run_contained(cb);
+        }
+    });
     if let Err(returned) = jobs.send(Some(job)) {
         if let Some(job) = returned.into_inner() {
             job();

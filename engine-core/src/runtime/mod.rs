@@ -6,15 +6,17 @@
 //!        │                      unbounded)            ├─ flags/counters: set directly
 //!        └────── callbacks ◀── callback thread ◀──────┘  callbacks: crossbeam channel
 //! ```
-//! Both queues are unbounded, so a callback that submits new work can never deadlock against
-//! a full queue: no cycle of bounded queues exists.
+//! Neither queue blocks a producer, so a callback that submits new work can never deadlock
+//! against a full queue: no cycle of bounded queues exists. What bounds them is
+//! `worker.max_outstanding`: a transfer or send is counted from its acceptance until its
+//! `OnDone` fires, and past the limit `submit_*` returns `Error::Busy` instead of queueing.
 
 mod callbacks;
 pub(crate) mod completion;
 mod tracker;
 mod worker;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::Thread;
 
@@ -32,7 +34,63 @@ pub(crate) use callbacks::spawn_callback_thread;
 pub(crate) use worker::spawn_worker;
 
 /// Receives an immediate's running total of arrivals; see `TransferEngine::mirror_imm_count`.
-pub(crate) type Mirror = Arc<dyn Fn(u64) + Send + Sync>;
+///
+/// Reported outside every engine lock. Reports can race (the registration's first report on
+/// the caller's thread, later ones on the worker), so each sink remembers what it last saw
+/// and only ever moves forward.
+pub(crate) struct Mirror {
+    sink: Box<dyn Fn(u64) + Send + Sync>,
+    last: Mutex<Option<u64>>,
+    /// Set when the sink panicked; it is not called again.
+    failed: AtomicBool,
+}
+
+impl Mirror {
+    pub(crate) fn new(sink: impl Fn(u64) + Send + Sync + 'static) -> Arc<Self> {
+        Arc::new(Self {
+            sink: Box::new(sink),
+            last: Mutex::new(None),
+            failed: AtomicBool::new(false),
+        })
+    }
+
+    /// Reports `total` unless a larger one was reported already. A panicking sink is caught,
+    /// logged and disabled; it never takes the worker down.
+    pub(crate) fn report(&self, imm: u32, total: u64) {
+        if self.failed.load(Ordering::Acquire) {
+            return;
+        }
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        if last.is_some_and(|l| l >= total) {
+            return;
+        }
+        *last = Some(total);
+        let call = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (self.sink)(total)));
+        if let Err(panic) = call {
+            self.failed.store(true, Ordering::Release);
+            tracing::error!(
+                imm,
+                panic = %panic_message(&*panic),
+                "a mirror_imm_count sink panicked; it is disabled"
+            );
+        }
+    }
+
+    pub(crate) fn is_failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+}
+
+/// The text of a panic payload.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_owned()
+    }
+}
 
 /// Handles incoming messages; see `TransferEngine::submit_recvs`.
 pub(crate) type RecvHandler = Arc<dyn Fn(&[u8]) + Send + Sync>;
@@ -61,7 +119,9 @@ pub(crate) enum Command {
         data: Vec<u8>,
         on_done: OnDone,
     },
-    /// Register with every NIC; reply with one registration per NIC.
+    /// Register with every NIC; reply with one registration per NIC. If the caller gave up
+    /// waiting (the reply cannot be sent), the worker deregisters at once: no registration
+    /// outlives its caller's knowledge of it.
     Register {
         region: MemoryRegion,
         reply: Sender<Result<Vec<Registration>>>,
@@ -71,8 +131,13 @@ pub(crate) enum Command {
         keys: Vec<u64>,
         reply: Sender<Result<()>>,
     },
-    /// Add receive buffers on the main NIC.
-    PostRecvs { buf_len: usize, count: usize },
+    /// Add receive buffers on the main NIC (reply: whether the NIC took them; `None` for the
+    /// reposts after a message was handled, whose failure is logged).
+    PostRecvs {
+        buf_len: usize,
+        count: usize,
+        reply: Option<Sender<Result<()>>>,
+    },
     /// Fail what is in flight and stop.
     Shutdown,
 }
@@ -90,24 +155,55 @@ pub(crate) struct Shared {
     /// Set by the worker just before it parks; wakers unpark only then.
     pub(crate) parked: AtomicBool,
     /// Mirrors of immediates' totals, and whether there are any (checked per batch).
-    pub(crate) mirrors: std::sync::RwLock<std::collections::HashMap<u32, Vec<Mirror>>>,
+    pub(crate) mirrors: std::sync::RwLock<std::collections::HashMap<u32, Vec<Arc<Mirror>>>>,
     pub(crate) has_mirrors: AtomicBool,
+    /// Transfers and sends accepted and not finished (see the module docs).
+    pub(crate) outstanding: AtomicUsize,
+    /// Why the worker failed, once it has (then nothing more is accepted).
+    pub(crate) failed: OnceLock<String>,
 }
 
 impl Shared {
     pub(crate) fn new(config: Config, backend: String, jobs: Sender<Job>) -> Self {
+        let max_idle_imms = config.worker.max_idle_imms;
         Self {
             config,
             backend,
             queue: SegQueue::new(),
             worker: OnceLock::new(),
-            imm: Mutex::new(ImmCounter::new()),
+            imm: Mutex::new(ImmCounter::with_max_idle(max_idle_imms)),
             jobs,
             recv_handler: OnceLock::new(),
             closed: AtomicBool::new(false),
             parked: AtomicBool::new(false),
             mirrors: std::sync::RwLock::new(std::collections::HashMap::new()),
             has_mirrors: AtomicBool::new(false),
+            outstanding: AtomicUsize::new(0),
+            failed: OnceLock::new(),
+        }
+    }
+
+    /// Queues a transfer or send, counting it against `worker.max_outstanding`; the worker
+    /// uncounts it when its `OnDone` fires.
+    pub(crate) fn submit_counted(&self, cmd: Command) -> Result<()> {
+        let limit = self.config.worker.max_outstanding;
+        let before = self.outstanding.fetch_add(1, Ordering::AcqRel);
+        if before >= limit {
+            self.outstanding.fetch_sub(1, Ordering::AcqRel);
+            return Err(Error::Busy {
+                outstanding: before,
+                limit,
+            });
+        }
+        self.submit(cmd).inspect_err(|_| {
+            self.outstanding.fetch_sub(1, Ordering::AcqRel);
+        })
+    }
+
+    /// Marks `n` counted operations finished.
+    pub(crate) fn finished(&self, n: usize) {
+        if n > 0 {
+            self.outstanding.fetch_sub(n, Ordering::AcqRel);
         }
     }
 
@@ -116,9 +212,23 @@ impl Shared {
         if self.closed.load(Ordering::Acquire) {
             return Err(Error::Shutdown);
         }
+        if let Some(why) = self.failed.get() {
+            return Err(Error::WorkerFailed(why.clone()));
+        }
         self.queue.push(cmd);
         self.wake();
         Ok(())
+    }
+
+    /// Queues the shutdown, whatever state the engine is in (closed, failed).
+    pub(crate) fn push_shutdown(&self) {
+        self.queue.push(Command::Shutdown);
+        self.wake();
+        // The worker may be parked without having announced it yet (still opening); it pops
+        // the queue first thing when it runs.
+        if let Some(t) = self.worker.get() {
+            t.unpark();
+        }
     }
 
     /// Refuses further submissions (the engine is being dropped).

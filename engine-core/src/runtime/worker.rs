@@ -2,11 +2,21 @@
 //! deadlines. It is a thin loop around [`Tracker`] and the [`ImmCounter`](crate::ImmCounter);
 //! the planning happened on the caller's thread.
 //!
+//! Failure containment: each pass of the loop runs under `catch_unwind`. If a backend (or
+//! anything else on this thread) panics, the worker closes its Domains first — so no NIC
+//! touches registered memory afterwards — then fails everything in flight with
+//! `Error::WorkerFailed`, and from then on refuses new work until the engine is dropped.
+//! User code that runs here (mirror sinks) is caught on its own and never gets that far.
+//!
+//! Backpressure from a NIC parks work per (NIC, peer), so one peer with a full queue (a dead
+//! one, say) never holds up work for the others.
+//!
 //! Spinning policy: while any transfer is in flight (or a post is waiting for room) the worker
 //! busy-polls; after `worker.spin_us` without work it parks until woken by a submission or a
 //! Domain's waker, the next deadline, or (for Domains that cannot wake it) `idle_poll_us`.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
@@ -14,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use super::completion::{send_batch, CallbackBatch, OnDone};
 use super::tracker::Tracker;
-use super::{Command, Shared, WriteOp};
+use super::{panic_message, Command, Mirror, Shared, WriteOp};
 use crate::domain::{
     Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus, Registration, Waker,
     WriteRequest,
@@ -50,7 +60,8 @@ struct Worker {
     /// Whether every Domain wakes the worker on new events.
     domains_wake: bool,
     tracker: Tracker<OnDone>,
-    pending: Vec<VecDeque<(u64, Pending)>>,
+    /// Work refused with `Busy`, per (NIC, peer), in submission order within each.
+    pending: HashMap<(usize, NetAddr), VecDeque<(u64, Pending)>>,
     events: Vec<Event>,
     finished: Vec<(OnDone, Result<()>)>,
     imm_outcomes: Vec<Outcome<OnDone>>,
@@ -103,7 +114,12 @@ pub(crate) fn spawn_worker(
             let _ = thread.join();
             return Err(e);
         }
-        Err(_) => return Err(Error::Timeout(timeout)),
+        Err(_) => {
+            // Still opening: tell it to stop as soon as it starts, so no orphan lives on.
+            shared.push_shutdown();
+            shared.close();
+            return Err(Error::Timeout(timeout));
+        }
     };
     Ok(WorkerHandle { thread, addresses })
 }
@@ -140,13 +156,12 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
         }));
         domains.push(domain);
     }
-    let nics = domains.len();
     Ok(Worker {
         shared: Arc::clone(shared),
         domains,
         domains_wake,
         tracker: Tracker::new(),
-        pending: (0..nics).map(|_| VecDeque::new()).collect(),
+        pending: HashMap::new(),
         events: Vec::new(),
         finished: Vec::new(),
         imm_outcomes: Vec::new(),
@@ -163,57 +178,76 @@ impl Worker {
         let mut idle_since: Option<Instant> = None;
         let mut rounds: u32 = 0;
         loop {
-            let mut busy = false;
-            if let Some(first) = self.shared.queue.pop() {
-                // One clock read per batch of submissions, not one per transfer.
-                self.now = Instant::now();
-                let mut next = Some(first);
-                let mut budget = 256;
-                while let Some(cmd) = next {
-                    if matches!(cmd, Command::Shutdown) {
-                        return self.shutdown();
-                    }
-                    self.handle_command(cmd);
-                    budget -= 1;
-                    // Leave the rest for the next pass, after posting and polling.
-                    next = if budget > 0 {
-                        self.shared.queue.pop()
-                    } else {
-                        None
-                    };
-                }
-                busy = true;
+            let pass = catch_unwind(AssertUnwindSafe(|| {
+                self.pass(spin, idle_poll, &mut idle_since, &mut rounds)
+            }));
+            match pass {
+                Ok(true) => {}
+                Ok(false) => return self.shutdown(),
+                Err(panic) => return self.fail(panic_message(&*panic)),
             }
-            busy |= self.flush_pending();
-            busy |= self.poll_domains();
-            self.deliver();
-            rounds = rounds.wrapping_add(1);
-            if busy {
-                idle_since = None;
-                if rounds % 64 == 0 {
-                    self.expire(Instant::now());
-                }
-                continue;
-            }
-            // Idle: read the clock only every 16th round; yield so that on a small machine
-            // the threads we wait for (submitters, callbacks, peers) get the CPU.
-            if rounds % 16 != 0 {
-                std::thread::yield_now();
-                continue;
-            }
-            let now = Instant::now();
-            self.expire(now);
-            let in_flight = self.tracker.len() > 0 || self.pending.iter().any(|p| !p.is_empty());
-            let idle_start = *idle_since.get_or_insert(now);
-            // Domains that cannot wake us and need polling to make progress (libfabric's
-            // manual-progress providers) with `idle_poll_us = 0`: never park.
-            let never_park = !self.domains_wake && idle_poll.is_zero();
-            if in_flight || never_park || now.duration_since(idle_start) < spin {
-                std::thread::yield_now();
-                continue;
-            }
-            self.park(now, idle_poll);
         }
+    }
+
+    /// One pass of the loop; returns `false` once a shutdown was seen.
+    fn pass(
+        &mut self,
+        spin: Duration,
+        idle_poll: Duration,
+        idle_since: &mut Option<Instant>,
+        rounds: &mut u32,
+    ) -> bool {
+        let mut busy = false;
+        if let Some(first) = self.shared.queue.pop() {
+            // One clock read per batch of submissions, not one per transfer.
+            self.now = Instant::now();
+            let mut next = Some(first);
+            let mut budget = 256;
+            while let Some(cmd) = next {
+                if matches!(cmd, Command::Shutdown) {
+                    return false;
+                }
+                self.handle_command(cmd);
+                budget -= 1;
+                // Leave the rest for the next pass, after posting and polling.
+                next = if budget > 0 {
+                    self.shared.queue.pop()
+                } else {
+                    None
+                };
+            }
+            busy = true;
+        }
+        busy |= self.flush_pending();
+        busy |= self.poll_domains();
+        self.deliver();
+        *rounds = rounds.wrapping_add(1);
+        if busy {
+            *idle_since = None;
+            if *rounds % 64 == 0 {
+                self.expire(Instant::now());
+            }
+            return true;
+        }
+        // Idle: read the clock only every 16th round; yield so that on a small machine
+        // the threads we wait for (submitters, callbacks, peers) get the CPU.
+        if *rounds % 16 != 0 {
+            std::thread::yield_now();
+            return true;
+        }
+        let now = Instant::now();
+        self.expire(now);
+        let in_flight = self.tracker.len() > 0 || !self.pending.is_empty();
+        let idle_start = *idle_since.get_or_insert(now);
+        // Domains that cannot wake us and need polling to make progress (libfabric's
+        // manual-progress providers) with `idle_poll_us = 0`: never park.
+        let never_park = !self.domains_wake && idle_poll.is_zero();
+        if in_flight || never_park || now.duration_since(idle_start) < spin {
+            std::thread::yield_now();
+            return true;
+        }
+        self.park(now, idle_poll);
+        true
     }
 
     fn park(&mut self, now: Instant, idle_poll: Duration) {
@@ -267,7 +301,16 @@ impl Worker {
                 self.post(0, id, Pending::Send { peer, data });
             }
             Command::Register { region, reply } => {
-                let _ = reply.send(self.register(&region));
+                let result = self.register(&region);
+                if let Err(unsent) = reply.send(result) {
+                    // The caller stopped waiting and was told it failed: undo it, so no
+                    // registration outlives the caller's knowledge of it.
+                    if let Ok(regs) = unsent.into_inner() {
+                        for (d, reg) in self.domains.iter_mut().zip(&regs) {
+                            let _ = d.deregister(reg.local_key);
+                        }
+                    }
+                }
             }
             Command::Deregister { keys, reply } => {
                 let mut result = Ok(());
@@ -278,9 +321,23 @@ impl Worker {
                 }
                 let _ = reply.send(result);
             }
-            Command::PostRecvs { buf_len, count } => {
-                if let Err(e) = self.domains[0].post_recvs(buf_len, count) {
-                    tracing::error!(error = %e, "cannot post receive buffers");
+            Command::PostRecvs {
+                buf_len,
+                count,
+                reply,
+            } => {
+                let result = self.domains[0]
+                    .post_recvs(buf_len, count)
+                    .map_err(|e| map_domain_error(&self.shared.backend, e));
+                match reply {
+                    Some(reply) => {
+                        let _ = reply.send(result);
+                    }
+                    None => {
+                        if let Err(e) = result {
+                            tracing::error!(error = %e, "cannot post a receive buffer again");
+                        }
+                    }
                 }
             }
             Command::Shutdown => unreachable!("handled by run"),
@@ -303,9 +360,11 @@ impl Worker {
         Ok(done)
     }
 
-    /// Posts now if the NIC has room and nothing is queued ahead; queues otherwise.
+    /// Posts now if the NIC has room and nothing for that peer is queued ahead; queues
+    /// otherwise (per NIC and peer, so one stalled peer holds up only its own work).
     fn post(&mut self, nic: usize, id: u64, work: Pending) {
-        if self.pending[nic].is_empty() {
+        let key = (nic, work.peer().clone());
+        if !self.pending.contains_key(&key) {
             match self.try_post(nic, id, &work) {
                 Ok(PostStatus::Posted) => return,
                 Ok(PostStatus::Busy) => {}
@@ -315,7 +374,7 @@ impl Worker {
                 }
             }
         }
-        self.pending[nic].push_back((id, work));
+        self.pending.entry(key).or_default().push_back((id, work));
     }
 
     fn try_post(&mut self, nic: usize, id: u64, work: &Pending) -> Result<PostStatus, DomainError> {
@@ -342,11 +401,16 @@ impl Worker {
         }
     }
 
-    /// Retries queued posts in order; returns whether anything moved.
+    /// Retries queued posts, in order within each (NIC, peer); returns whether anything
+    /// moved.
     fn flush_pending(&mut self) -> bool {
+        if self.pending.is_empty() {
+            return false;
+        }
         let mut moved = false;
-        for nic in 0..self.pending.len() {
-            while let Some((id, work)) = self.pending[nic].pop_front() {
+        let mut queues = std::mem::take(&mut self.pending);
+        for (&(nic, _), queue) in queues.iter_mut() {
+            while let Some((id, work)) = queue.pop_front() {
                 if !self.tracker.is_live(id) {
                     moved = true; // its transfer already ended (timed out); drop it
                     continue;
@@ -354,7 +418,7 @@ impl Worker {
                 match self.try_post(nic, id, &work) {
                     Ok(PostStatus::Posted) => moved = true,
                     Ok(PostStatus::Busy) => {
-                        self.pending[nic].push_front((id, work));
+                        queue.push_front((id, work));
                         break;
                     }
                     Err(e) => {
@@ -364,6 +428,10 @@ impl Worker {
                 }
             }
         }
+        queues.retain(|_, q| !q.is_empty());
+        // Nothing posts into `self.pending` during the flush (failures only finish).
+        debug_assert!(self.pending.is_empty());
+        self.pending = queues;
         moved
     }
 
@@ -408,19 +476,42 @@ impl Worker {
                 Event::Message { data } => self.deliver_message(data),
             }
         }
-        if let Some(counter) = imm {
-            if !arrived.is_empty() {
-                let mirrors = self
-                    .shared
-                    .mirrors
-                    .read()
-                    .unwrap_or_else(|p| p.into_inner());
-                for value in arrived {
-                    for mirror in mirrors.get(&value).into_iter().flatten() {
-                        mirror(counter.total(value));
-                    }
-                }
-            }
+        let Some(counter) = imm else { return };
+        if arrived.is_empty() {
+            return;
+        }
+        let totals: Vec<(u32, u64)> = arrived.iter().map(|&v| (v, counter.total(v))).collect();
+        drop(counter);
+        // User sinks run with no engine lock held; clone them out of the map first.
+        let sinks: Vec<(u32, u64, Arc<Mirror>)> = {
+            let mirrors = self
+                .shared
+                .mirrors
+                .read()
+                .unwrap_or_else(|p| p.into_inner());
+            totals
+                .iter()
+                .flat_map(|&(v, total)| {
+                    mirrors
+                        .get(&v)
+                        .into_iter()
+                        .flatten()
+                        .map(move |m| (v, total, Arc::clone(m)))
+                })
+                .collect()
+        };
+        let mut any_failed = false;
+        for (v, total, sink) in sinks {
+            sink.report(v, total);
+            any_failed |= sink.is_failed();
+        }
+        if any_failed {
+            self.shared
+                .mirrors
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .values_mut()
+                .for_each(|list| list.retain(|m| !m.is_failed()));
         }
     }
 
@@ -432,10 +523,18 @@ impl Worker {
         let (buf_len, handler) = (*buf_len, Arc::clone(handler));
         let weak = Arc::downgrade(&self.shared);
         let job = Box::new(move || {
-            handler(&data);
-            // The buffer goes back to the pool only after the callback returns.
+            // The buffer goes back to the pool only after the handler returns — also when it
+            // panics, or the pool would shrink by one buffer per panic.
+            let handled = catch_unwind(AssertUnwindSafe(|| handler(&data)));
             if let Some(shared) = weak.upgrade() {
-                let _ = shared.submit(Command::PostRecvs { buf_len, count: 1 });
+                let _ = shared.submit(Command::PostRecvs {
+                    buf_len,
+                    count: 1,
+                    reply: None,
+                });
+            }
+            if let Err(panic) = handled {
+                std::panic::resume_unwind(panic);
             }
         });
         let _ = self.shared.jobs.send(Some(job));
@@ -443,15 +542,22 @@ impl Worker {
 
     /// Hands finished transfers and met expectations to their waiters.
     fn deliver(&mut self) {
+        let transfers = self.finished.len();
         for (on_done, result) in self.finished.drain(..) {
             on_done.complete_batched(result, &mut self.callbacks);
         }
-        let expect_timeout = self.shared.config.timeouts.expect();
+        self.shared.finished(transfers);
+        let timeout = self.shared.config.timeouts.expect();
         for outcome in self.imm_outcomes.drain(..) {
             match outcome {
                 Outcome::Met(w) => w.complete_batched(Ok(()), &mut self.callbacks),
-                Outcome::Expired(w) => {
-                    w.complete_batched(Err(Error::Timeout(expect_timeout)), &mut self.callbacks)
+                Outcome::Expired { waiter, dropped } => {
+                    let error = if dropped > 0 {
+                        Error::ArrivalsDropped { timeout, dropped }
+                    } else {
+                        Error::Timeout(timeout)
+                    };
+                    waiter.complete_batched(Err(error), &mut self.callbacks)
                 }
             }
         }
@@ -468,29 +574,92 @@ impl Worker {
         self.deliver();
     }
 
-    fn shutdown(mut self) {
-        for w in self.tracker.drain() {
-            self.finished.push((w, Err(Error::Shutdown)));
-        }
-        let waiting = self.shared.lock_imm().drain_waiting();
-        self.finished
-            .extend(waiting.into_iter().map(|w| (w, Err(Error::Shutdown))));
-        while let Some(cmd) = self.shared.queue.pop() {
-            match cmd {
-                Command::Writes { on_done, .. } | Command::Send { on_done, .. } => {
-                    self.finished.push((on_done, Err(Error::Shutdown)));
-                }
-                Command::Register { reply, .. } => {
-                    let _ = reply.send(Err(Error::Shutdown));
-                }
-                Command::Deregister { reply, .. } => {
-                    let _ = reply.send(Err(Error::Shutdown));
-                }
-                Command::PostRecvs { .. } | Command::Shutdown => {}
+    /// Closes every Domain, so no NIC touches registered memory from here on. A Domain that
+    /// panics while closing is abandoned (leaked) rather than half-dropped twice.
+    fn close_domains(&mut self) {
+        for domain in self.domains.drain(..) {
+            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| drop(domain))) {
+                tracing::error!(panic = %panic_message(&*panic), "a Domain panicked while closing");
             }
         }
+    }
+
+    /// Fails everything the worker holds with `error`: transfers in flight or parked, and
+    /// commands still queued. Deregistrations succeed: the Domains are closed already.
+    fn fail_everything(&mut self, error: &Error) {
+        self.pending.clear();
+        for w in self.tracker.drain() {
+            self.finished.push((w, Err(error.clone())));
+        }
+        let waiting = self.shared.lock_imm().drain_waiting();
+        for w in waiting {
+            w.complete_batched(Err(error.clone()), &mut self.callbacks);
+        }
+        while let Some(cmd) = self.shared.queue.pop() {
+            self.refuse(cmd, error);
+        }
         self.deliver();
-        // Domains close here, on the thread that opened them.
-        self.domains.clear();
+    }
+
+    fn refuse(&mut self, cmd: Command, error: &Error) {
+        match cmd {
+            Command::Writes { on_done, .. } | Command::Send { on_done, .. } => {
+                self.finished.push((on_done, Err(error.clone())));
+            }
+            Command::Register { reply, .. } => {
+                let _ = reply.send(Err(error.clone()));
+            }
+            Command::Deregister { reply, .. } => {
+                let _ = reply.send(Ok(()));
+            }
+            Command::PostRecvs { reply, .. } => {
+                if let Some(reply) = reply {
+                    let _ = reply.send(Err(error.clone()));
+                }
+            }
+            Command::Shutdown => {}
+        }
+    }
+
+    /// The engine is being dropped: Domains close first (on the thread that opened them), and
+    /// only then do completions fire, so a caller that frees memory on `Shutdown` is safe.
+    fn shutdown(mut self) {
+        self.close_domains();
+        self.fail_everything(&Error::Shutdown);
+    }
+
+    /// Something on this thread panicked: contain it (see the module docs).
+    fn fail(mut self, why: String) {
+        tracing::error!(reason = %why, "the xfer worker failed; failing everything in flight");
+        self.close_domains();
+        let error = Error::WorkerFailed(why.clone());
+        // Set before draining expectations: `expect_imm_count` checks it under the same lock.
+        let _ = self.shared.failed.set(why);
+        self.fail_everything(&error);
+        // Serve the queue until the engine is dropped: whatever still arrives is refused.
+        loop {
+            while let Some(cmd) = self.shared.queue.pop() {
+                if matches!(cmd, Command::Shutdown) {
+                    self.fail_everything(&Error::Shutdown);
+                    return;
+                }
+                self.refuse(cmd, &error);
+                self.deliver();
+            }
+            self.shared.parked.store(true, Ordering::SeqCst);
+            if self.shared.queue.is_empty() {
+                std::thread::park_timeout(Duration::from_millis(100));
+            }
+            self.shared.parked.store(false, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Pending {
+    fn peer(&self) -> &NetAddr {
+        match self {
+            Self::Write(op) => &op.peer,
+            Self::Send { peer, .. } => peer,
+        }
     }
 }

@@ -65,14 +65,14 @@ impl Cache {
 
     fn write(&mut self, at: usize, bytes: &[u8]) {
         match self {
-            Cache::Host(b) => b.bytes_mut()[at..at + bytes.len()].copy_from_slice(bytes),
+            Cache::Host(b) => b.write(at, bytes).unwrap_or_else(|e| fail(e)),
             Cache::Gpu { memory, .. } => memory.upload(at, bytes).unwrap_or_else(|e| fail(e)),
         }
     }
 
     fn read(&self) -> Vec<u8> {
         match self {
-            Cache::Host(b) => b.bytes().to_vec(),
+            Cache::Host(b) => b.to_vec(),
             Cache::Gpu { memory, .. } => memory.download().unwrap_or_else(|e| fail(e)),
         }
     }

@@ -65,14 +65,15 @@ fn main() {
                 .collect()
         })
         .collect();
-    let mut tokens: Vec<HostBuffer> = engines
+    let tokens: Vec<HostBuffer> = engines
         .iter()
         .map(|e| HostBuffer::new(e, TOKENS * HIDDEN).unwrap_or_else(|e| fail(e)))
         .collect();
-    for (r, t) in tokens.iter_mut().enumerate() {
-        for (i, x) in t.bytes_mut().iter_mut().enumerate() {
-            *x = byte(r, i / HIDDEN, i % HIDDEN);
-        }
+    for (r, t) in tokens.iter().enumerate() {
+        let fill: Vec<u8> = (0..t.len())
+            .map(|i| byte(r, i / HIDDEN, i % HIDDEN))
+            .collect();
+        t.write(0, &fill).unwrap_or_else(|e| fail(e));
     }
     // Receive area: one slot of up to TOKENS tokens per source rank.
     let inboxes: Vec<HostBuffer> = engines
@@ -147,8 +148,8 @@ fn main() {
     let told = told.lock().unwrap().clone();
     let mut outboxes: Vec<HostBuffer> = Vec::new();
     for (o, e) in engines.iter().enumerate() {
-        let mut out = HostBuffer::new(e, RANKS * TOKENS * HIDDEN).unwrap_or_else(|e| fail(e));
-        out.bytes_mut().copy_from_slice(inboxes[o].bytes());
+        let out = HostBuffer::new(e, RANKS * TOKENS * HIDDEN).unwrap_or_else(|e| fail(e));
+        let mut computed = inboxes[o].to_vec();
         for r in 0..RANKS {
             let experts: Vec<u8> = if r == o {
                 routes[r]
@@ -161,11 +162,12 @@ fn main() {
             };
             for (k, &x) in experts.iter().enumerate() {
                 let at = (r * TOKENS + k) * HIDDEN;
-                out.bytes_mut()[at..at + HIDDEN]
+                computed[at..at + HIDDEN]
                     .iter_mut()
                     .for_each(|b| *b = b.wrapping_add(x));
             }
         }
+        out.write(0, &computed).unwrap_or_else(|e| fail(e));
         outboxes.push(out);
     }
     let results: Vec<HostBuffer> = engines
@@ -201,7 +203,7 @@ fn main() {
     // 4. Every token is back, transformed by its expert.
     for r in 0..RANKS {
         for (t, &x) in routes[r].iter().enumerate() {
-            let got = &results[r].bytes()[t * HIDDEN..(t + 1) * HIDDEN];
+            let got = &results[r].to_vec()[t * HIDDEN..(t + 1) * HIDDEN];
             if got
                 .iter()
                 .enumerate()

@@ -30,7 +30,7 @@ fn main() {
         })
         .collect();
     let total = sizes.iter().sum::<u64>() as usize;
-    let mut weights = HostBuffer::new(trainer, total).unwrap_or_else(|e| fail(e));
+    let weights = HostBuffer::new(trainer, total).unwrap_or_else(|e| fail(e));
     let replicas: Vec<HostBuffer> = inference
         .iter()
         .map(|e| HostBuffer::new(e, total).unwrap_or_else(|e| fail(e)))
@@ -41,12 +41,10 @@ fn main() {
 
     for step in 0..STEPS {
         for (t, (&off, &len)) in offsets.iter().zip(&sizes).enumerate() {
-            for (i, x) in weights.bytes_mut()[off as usize..(off + len) as usize]
-                .iter_mut()
-                .enumerate()
-            {
-                *x = byte(step, t, i);
-            }
+            let fill: Vec<u8> = (0..len as usize).map(|i| byte(step, t, i)).collect();
+            weights
+                .write(off as usize, &fill)
+                .unwrap_or_else(|e| fail(e));
         }
         // Every peer waits for the step's barrier before it loads the weights.
         let ready: Vec<_> = inference
@@ -89,7 +87,7 @@ fn main() {
         }
         let elapsed = start.elapsed();
         for (p, r) in replicas.iter().enumerate() {
-            if r.bytes() != weights.bytes() {
+            if r.to_vec() != weights.to_vec() {
                 fail(format!("peer {p} has different weights after step {step}"));
             }
         }

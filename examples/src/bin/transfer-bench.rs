@@ -326,20 +326,19 @@ fn loopback(args: &Args, config: &Config) -> Result<Report, BoxError> {
     let b = Arc::new(TransferEngine::open(config)?);
     let sizes = sizes(args);
     let span = sizes.iter().max().copied().unwrap_or(1) * args.batch_size;
-    let mut src = HostBuffer::new(&a, span as usize)?;
+    let src = HostBuffer::new(&a, span as usize)?;
     let dst = HostBuffer::new(&b, span as usize)?;
     let duration = Duration::from_secs_f64(args.duration);
     let mut rows = Vec::new();
     for (k, &block) in sizes.iter().enumerate() {
         let bytes = (block * args.batch_size) as usize;
-        for (i, x) in src.bytes_mut()[..bytes].iter_mut().enumerate() {
-            *x = pattern(k as u64 + 2, i);
-        }
+        let fill: Vec<u8> = (0..bytes).map(|i| pattern(k as u64 + 2, i)).collect();
+        src.write(0, &fill)?;
         let (trips, elapsed) = run_trips(&a, &src, dst.desc(), block, args.batch_size, duration)?;
         let mut r = row(block, args.batch_size, trips, elapsed);
         r.reference_mib_s = reference_mib_s(config, bytes, block, args.batch_size, duration)?;
         if args.verify {
-            r.verified = Some(dst.bytes()[..bytes] == src.bytes()[..bytes]);
+            r.verified = Some(dst.to_vec()[..bytes] == src.to_vec()[..bytes]);
         }
         rows.push(r);
     }
@@ -390,7 +389,7 @@ fn target(args: &Args, config: &Config) -> Result<(), BoxError> {
         match words.as_slice() {
             ["check", bytes, seed] => {
                 let (bytes, seed): (usize, u64) = (bytes.parse()?, seed.parse()?);
-                let bad = dst.bytes()[..bytes]
+                let bad = dst.to_vec()[..bytes]
                     .iter()
                     .enumerate()
                     .position(|(i, &x)| x != pattern(seed, i));
@@ -423,15 +422,14 @@ fn initiator(args: &Args, config: &Config) -> Result<Report, BoxError> {
     let desc: MrDesc = read_line(&mut reader)?.parse()?;
     let sizes = sizes(args);
     let span = sizes.iter().max().copied().unwrap_or(1) * args.batch_size;
-    let mut src = HostBuffer::new(&engine, span as usize)?;
+    let src = HostBuffer::new(&engine, span as usize)?;
     let duration = Duration::from_secs_f64(args.duration);
     let mut rows = Vec::new();
     for (k, &block) in sizes.iter().enumerate() {
         let bytes = (block * args.batch_size) as usize;
         let seed = k as u64 + 2;
-        for (i, x) in src.bytes_mut()[..bytes].iter_mut().enumerate() {
-            *x = pattern(seed, i);
-        }
+        let fill: Vec<u8> = (0..bytes).map(|i| pattern(seed, i)).collect();
+        src.write(0, &fill)?;
         let (trips, elapsed) = run_trips(&engine, &src, &desc, block, args.batch_size, duration)?;
         let mut r = row(block, args.batch_size, trips, elapsed);
         if args.verify {

@@ -50,7 +50,7 @@ fn main() {
                 let (offset, len): (usize, usize) = (offset.parse().unwrap(), len.parse().unwrap());
                 format!(
                     "bytes {}",
-                    hex::encode(&buffer.bytes()[offset..offset + len])
+                    hex::encode(&buffer.to_vec()[offset..offset + len])
                 )
             }
             ["recv"] => match rx.recv_timeout(Duration::from_secs(20)) {
