@@ -1,8 +1,8 @@
-//! One mock NIC: checks like a NIC, copies like DMA, fails as configured.
+//! One mock NIC: checks like a NIC, copies like DMA, fails as configured. Posting hands the
+//! operation to the fabric (see `fabric.rs`), which lands it on its own clock.
 
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engine_core::domain::{
@@ -11,36 +11,8 @@ use engine_core::domain::{
 };
 use engine_core::NetAddr;
 
-use crate::fabric::{self, accept_message, Nic, Region, WaitingSend};
+use crate::fabric::{self, Nic, Op, Posted, Region};
 use crate::options::MockOptions;
-
-/// An operation as posted, kept until it lands when faults defer it.
-#[derive(Debug)]
-enum Op {
-    Write {
-        wr_id: u64,
-        peer: NetAddr,
-        local_addr: u64,
-        local_key: u64,
-        remote_addr: u64,
-        remote_key: u64,
-        len: u64,
-        imm: Option<u32>,
-    },
-    Send {
-        wr_id: u64,
-        peer: NetAddr,
-        data: Vec<u8>,
-    },
-}
-
-impl Op {
-    fn wr_id(&self) -> u64 {
-        match self {
-            Self::Write { wr_id, .. } | Self::Send { wr_id, .. } => *wr_id,
-        }
-    }
-}
 
 /// A mock NIC.
 pub struct MockDomain {
@@ -48,15 +20,6 @@ pub struct MockDomain {
     options: MockOptions,
     rng: fastrand::Rng,
     posted: u64,
-    /// Operations held back by delay/reorder/queue-depth faults, with their due time.
-    deferred: Vec<(Instant, Op)>,
-    /// Completions of our own operations, returned by the next poll.
-    done: Vec<Event>,
-    peers: HashMap<NetAddr, Weak<Nic>>,
-}
-
-fn remote_access(message: String) -> DomainError {
-    DomainError::new(DomainErrorKind::RemoteAccess, message)
 }
 
 impl MockDomain {
@@ -71,21 +34,7 @@ impl MockDomain {
             options,
             rng,
             posted: 0,
-            deferred: Vec::new(),
-            done: Vec::new(),
-            peers: HashMap::new(),
         })
-    }
-
-    fn peer(&mut self, addr: &NetAddr) -> Result<Arc<Nic>, DomainError> {
-        if let Some(nic) = self.peers.get(addr).and_then(Weak::upgrade) {
-            if nic.alive.load(Ordering::Acquire) {
-                return Ok(nic);
-            }
-        }
-        let nic = fabric::lookup(addr).ok_or_else(|| fabric::unreachable(addr))?;
-        self.peers.insert(addr.clone(), Arc::downgrade(&nic));
-        Ok(nic)
     }
 
     fn check_alive(&self) -> Result<(), DomainError> {
@@ -104,6 +53,12 @@ impl MockDomain {
         self.posted += 1;
         let n = self.posted;
         let o = &self.options;
+        if n == o.panic_on_post {
+            panic!(
+                "mock NIC {}: injected panic in post {n} (panic_on_post)",
+                self.nic.addr
+            );
+        }
         let hit = n == o.fail_nth || (o.fail_every > 0 && n % o.fail_every == 0);
         hit.then(|| {
             DomainError::new(
@@ -115,199 +70,38 @@ impl MockDomain {
 
     fn accept(&mut self, op: Op) -> Result<PostStatus, DomainError> {
         self.check_alive()?;
-        if self.options.queue_depth > 0 && self.deferred.len() >= self.options.queue_depth {
-            return Ok(PostStatus::Busy);
-        }
-        if let Some(e) = self.injected_failure() {
-            self.done.push(Event::Done {
-                wr_id: op.wr_id(),
-                result: Err(e),
-            });
+        let epoch = {
+            let mut conns = self.nic.conns.lock().unwrap_or_else(|p| p.into_inner());
+            let conn = conns.entry(op.peer().clone()).or_default();
+            if self.options.queue_depth > 0 && conn.outstanding >= self.options.queue_depth {
+                return Ok(PostStatus::Busy);
+            }
+            conn.outstanding += 1;
+            conn.epoch
+        };
+        let injected = self.injected_failure();
+        let posted = Posted {
+            src: Arc::clone(&self.nic),
+            op,
+            epoch,
+            injected,
+        };
+        if self.options.inline {
+            fabric::land(posted);
             return Ok(PostStatus::Posted);
         }
-        if self.options.defers() {
-            let jitter = match self.options.jitter_us {
-                0 => 0,
-                max => self.rng.u64(0..=max),
-            };
-            let delay = Duration::from_micros(self.options.delay_us + jitter);
-            self.deferred.push((Instant::now() + delay, op));
+        let jitter = match self.options.jitter_us {
+            0 => 0,
+            max => self.rng.u64(0..=max),
+        };
+        let due = Instant::now() + Duration::from_micros(self.options.delay_us + jitter);
+        let order = if self.options.reorder {
+            self.rng.u64(..)
         } else {
-            self.execute(op);
-        }
+            self.posted
+        };
+        fabric::schedule(posted, due, order);
         Ok(PostStatus::Posted)
-    }
-
-    /// Carries an operation out and records its completion.
-    fn execute(&mut self, op: Op) {
-        let wr_id = op.wr_id();
-        let result = match op {
-            Op::Write {
-                peer,
-                local_addr,
-                local_key,
-                remote_addr,
-                remote_key,
-                len,
-                imm,
-                ..
-            } => self.write(
-                &peer,
-                local_addr,
-                local_key,
-                remote_addr,
-                remote_key,
-                len,
-                imm,
-            ),
-            Op::Send { peer, data, .. } => match self.send(&peer, data, wr_id) {
-                // Completes when the receiver posts a buffer (from its side).
-                Ok(false) => return,
-                Ok(true) => Ok(()),
-                Err(e) => Err(e),
-            },
-        };
-        self.done.push(Event::Done { wr_id, result });
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn write(
-        &mut self,
-        peer: &NetAddr,
-        local_addr: u64,
-        local_key: u64,
-        remote_addr: u64,
-        remote_key: u64,
-        len: u64,
-        imm: Option<u32>,
-    ) -> Result<(), DomainError> {
-        let target = self.peer(peer)?;
-        // Lock order: our regions, then the peer's (the same lock, read twice, for loopback).
-        let ours = self.nic.regions();
-        let mut src_gpu = false;
-        if len > 0 {
-            let src = ours.local.get(&local_key).ok_or_else(|| {
-                DomainError::new(
-                    DomainErrorKind::InvalidArgument,
-                    format!(
-                        "local key {local_key:#x} is not registered with mock NIC {}",
-                        self.nic.addr
-                    ),
-                )
-            })?;
-            if !src.contains(local_addr, len) {
-                return Err(DomainError::new(
-                    DomainErrorKind::InvalidArgument,
-                    format!(
-                        "source {local_addr:#x}+{len} is outside its region {:#x}+{}",
-                        src.ptr, src.len
-                    ),
-                ));
-            }
-            src_gpu = src.gpu;
-        }
-        let theirs = if Arc::ptr_eq(&target, &self.nic) {
-            None
-        } else {
-            Some(target.regions())
-        };
-        let regions = theirs.as_deref().unwrap_or(&ours);
-        let dst: Region = *regions.remote.get(&remote_key).ok_or_else(|| {
-            remote_access(format!(
-                "rkey {remote_key:#x} is not valid for remote write at mock NIC {peer}"
-            ))
-        })?;
-        if !dst.contains(remote_addr, len) {
-            return Err(remote_access(format!(
-                "destination {remote_addr:#x}+{len} is outside the region {:#x}+{} of rkey {remote_key:#x} at mock NIC {peer}",
-                dst.ptr, dst.len
-            )));
-        }
-        if len > 0 && (src_gpu || dst.gpu) {
-            // SAFETY: as below; the engine checked both GPU ranges with the driver when they
-            // were registered, and the driver copies between any host/device addresses.
-            unsafe { uvm_watcher::gpu::copy(remote_addr, local_addr, len as usize) }.map_err(
-                |e| {
-                    DomainError::new(
-                        DomainErrorKind::Other,
-                        format!("GPU copy at mock NIC {peer}: {e}"),
-                    )
-                },
-            )?;
-        } else if len > 0 {
-            // SAFETY: both ranges were checked against live registrations, and the regions
-            // locks are held, so neither can be deregistered during the copy. The owners
-            // promised (TransferEngine::reg_mr's contract) the memory stays allocated while
-            // registered; `copy` tolerates overlap (a loopback write within one region).
-            unsafe {
-                std::ptr::copy(
-                    local_addr as *const u8,
-                    remote_addr as *mut u8,
-                    len as usize,
-                )
-            };
-        }
-        drop(theirs);
-        drop(ours);
-        if let Some(imm) = imm {
-            target.deliver(Event::ImmArrival { imm });
-        }
-        Ok(())
-    }
-
-    /// Returns whether the message was delivered now (else it waits for a receive buffer).
-    fn send(&mut self, peer: &NetAddr, data: Vec<u8>, wr_id: u64) -> Result<bool, DomainError> {
-        let target = self.peer(peer)?;
-        let mut inbox = target.inbox();
-        let delivered = match inbox.recv_buffers.pop_front() {
-            Some(buf_len) => {
-                accept_message(&mut inbox, buf_len, data, peer)?;
-                true
-            }
-            None => {
-                let sender = Arc::downgrade(&self.nic);
-                inbox.waiting_sends.push_back(WaitingSend {
-                    data,
-                    sender,
-                    wr_id,
-                });
-                false
-            }
-        };
-        drop(inbox);
-        if delivered {
-            target.wake();
-        }
-        Ok(delivered)
-    }
-
-    fn run_deferred(&mut self) {
-        if !self.nic.alive.load(Ordering::Acquire) {
-            let err = self.check_alive().expect_err("not alive");
-            for (_, op) in self.deferred.drain(..) {
-                self.done.push(Event::Done {
-                    wr_id: op.wr_id(),
-                    result: Err(err.clone()),
-                });
-            }
-            return;
-        }
-        let now = Instant::now();
-        let mut due = Vec::new();
-        let mut i = 0;
-        while i < self.deferred.len() {
-            if self.deferred[i].0 <= now {
-                due.push(self.deferred.swap_remove(i).1);
-            } else {
-                i += 1;
-            }
-        }
-        if self.options.reorder {
-            self.rng.shuffle(&mut due);
-        }
-        for op in due {
-            self.execute(op);
-        }
     }
 }
 
@@ -317,13 +111,18 @@ impl Domain for MockDomain {
     }
 
     fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError> {
+        self.check_alive()?;
+        if self.options.register_delay_us > 0 {
+            std::thread::sleep(Duration::from_micros(self.options.register_delay_us));
+        }
+        let local_key = fabric::new_key();
         // GPU memory (checked by the engine with the CUDA driver) is copied with the driver.
         let r = Region {
             ptr: region.ptr,
             len: region.len,
             gpu: region.device != Device::Host,
+            owner: local_key,
         };
-        let local_key = fabric::new_key();
         let remote_key = if region.remote_write {
             fabric::new_key()
         } else {
@@ -348,9 +147,9 @@ impl Domain for MockDomain {
                 format!("local key {local_key:#x} is not registered"),
             )
         })?;
-        regions
-            .remote
-            .retain(|_, r| r.ptr != region.ptr || r.len != region.len);
+        // Only this registration's remote key goes; another registration of the same range
+        // keeps its own.
+        regions.remote.retain(|_, r| r.owner != region.owner);
         Ok(())
     }
 
@@ -382,6 +181,12 @@ impl Domain for MockDomain {
 
     fn post_recvs(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError> {
         self.check_alive()?;
+        if buf_len == 0 {
+            return Err(DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                "receive buffers of 0 bytes",
+            ));
+        }
         self.nic
             .inbox()
             .recv_buffers
@@ -391,11 +196,7 @@ impl Domain for MockDomain {
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError> {
-        if !self.deferred.is_empty() {
-            self.run_deferred();
-        }
         let start = events.len();
-        events.append(&mut self.done);
         events.append(&mut self.nic.inbox().events);
         if self.options.reorder {
             self.rng.shuffle(&mut events[start..]);

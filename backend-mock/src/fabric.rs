@@ -1,9 +1,24 @@
-//! The process-wide fabric: every open mock NIC, by address, with its registered regions and
-//! the events waiting for its next poll.
+//! The process-wide fabric: every open mock NIC, by address, with its registered regions,
+//! its outgoing connections and the events waiting for its next poll; and the progress thread
+//! that lands operations on the fabric's own clock.
+//!
+//! What it models of RC/SRD hardware, because the engine must survive it:
+//! - completions and arrivals come asynchronously and unordered, whenever the fabric gets to
+//!   them, not when the worker polls;
+//! - a failed operation puts its connection (local NIC → peer) in the error state: every
+//!   operation still outstanding on it is flushed with an error, and the next post opens a
+//!   fresh connection (what a verbs backend does when it reconnects);
+//! - a write that fails part-way has written part of its data and counts no immediate;
+//! - a NIC never touches memory whose registration is gone: every copy holds both regions'
+//!   locks, and deregistration takes them for writing.
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, Weak};
+use std::sync::{
+    Arc, Condvar, LazyLock, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, Weak,
+};
+use std::time::{Duration, Instant};
 
 use engine_core::domain::{DomainError, DomainErrorKind, Event, Waker};
 use engine_core::NetAddr;
@@ -15,6 +30,9 @@ pub(crate) struct Region {
     pub(crate) len: u64,
     /// GPU memory: copied through the CUDA driver rather than by the CPU.
     pub(crate) gpu: bool,
+    /// The local key of the registration this belongs to (a remote key is revoked with its
+    /// own registration only, never with another registration of the same range).
+    pub(crate) owner: u64,
 }
 
 impl Region {
@@ -38,10 +56,11 @@ pub(crate) struct Regions {
 pub(crate) struct WaitingSend {
     pub(crate) data: Vec<u8>,
     pub(crate) sender: Weak<Nic>,
+    pub(crate) peer: NetAddr,
     pub(crate) wr_id: u64,
 }
 
-/// What a NIC's next poll will return from others, plus its receive buffers.
+/// What a NIC's next poll will return, plus its receive buffers.
 #[derive(Default)]
 pub(crate) struct Inbox {
     pub(crate) events: Vec<Event>,
@@ -49,24 +68,86 @@ pub(crate) struct Inbox {
     pub(crate) waiting_sends: VecDeque<WaitingSend>,
 }
 
+/// One outgoing connection (this NIC → a peer).
+#[derive(Debug, Default)]
+pub(crate) struct Conn {
+    /// Bumped when the connection goes to error: operations posted under an older epoch are
+    /// flushed.
+    pub(crate) epoch: u64,
+    /// Operations posted and not completed (the send queue's fill).
+    pub(crate) outstanding: usize,
+}
+
 /// One mock NIC as the fabric sees it.
 pub(crate) struct Nic {
     pub(crate) addr: NetAddr,
     pub(crate) id: u64,
     pub(crate) alive: AtomicBool,
+    /// While set, operations aimed at this NIC neither land nor fail (a hung host).
+    pub(crate) frozen: AtomicBool,
     pub(crate) regions: RwLock<Regions>,
+    pub(crate) conns: Mutex<HashMap<NetAddr, Conn>>,
     inbox: Mutex<Inbox>,
     waker: OnceLock<Waker>,
 }
 
+/// An operation as posted.
+#[derive(Debug)]
+pub(crate) enum Op {
+    Write {
+        wr_id: u64,
+        peer: NetAddr,
+        local_addr: u64,
+        local_key: u64,
+        remote_addr: u64,
+        remote_key: u64,
+        len: u64,
+        imm: Option<u32>,
+    },
+    Send {
+        wr_id: u64,
+        peer: NetAddr,
+        data: Vec<u8>,
+    },
+}
+
+impl Op {
+    pub(crate) fn wr_id(&self) -> u64 {
+        match self {
+            Self::Write { wr_id, .. } | Self::Send { wr_id, .. } => *wr_id,
+        }
+    }
+
+    pub(crate) fn peer(&self) -> &NetAddr {
+        match self {
+            Self::Write { peer, .. } | Self::Send { peer, .. } => peer,
+        }
+    }
+}
+
+/// An operation on its way: which connection epoch it was posted under, and whether fault
+/// injection fails it.
+pub(crate) struct Posted {
+    pub(crate) src: Arc<Nic>,
+    pub(crate) op: Op,
+    pub(crate) epoch: u64,
+    pub(crate) injected: Option<DomainError>,
+}
+
+fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section here finishes its own bookkeeping; a poisoned lock holds
+    // consistent data.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl Nic {
     pub(crate) fn regions(&self) -> RwLockReadGuard<'_, Regions> {
-        // Region maps are only ever replaced whole-entry; a poisoned lock holds valid data.
+        // Region maps are only ever changed whole-entry; a poisoned lock holds valid data.
         self.regions.read().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(crate) fn inbox(&self) -> MutexGuard<'_, Inbox> {
-        self.inbox.lock().unwrap_or_else(|p| p.into_inner())
+        locked(&self.inbox)
     }
 
     pub(crate) fn set_waker(&self, waker: Waker) {
@@ -85,6 +166,15 @@ impl Nic {
         }
     }
 
+    /// Records an operation's completion on this (its source) NIC: the connection's queue
+    /// drains by one, and the engine learns the outcome at its next poll.
+    pub(crate) fn complete(&self, peer: &NetAddr, wr_id: u64, result: Result<(), DomainError>) {
+        if let Some(conn) = locked(&self.conns).get_mut(peer) {
+            conn.outstanding = conn.outstanding.saturating_sub(1);
+        }
+        self.deliver(Event::Done { wr_id, result });
+    }
+
     /// Hands waiting messages to free receive buffers, completing each on its sender.
     pub(crate) fn match_waiting_sends(&self) {
         let mut completions = Vec::new();
@@ -92,33 +182,34 @@ impl Nic {
             let mut inbox = self.inbox();
             while !inbox.recv_buffers.is_empty() && !inbox.waiting_sends.is_empty() {
                 let send = inbox.waiting_sends.pop_front().expect("checked non-empty");
-                let buf_len = inbox.recv_buffers.pop_front().expect("checked non-empty");
-                let result = accept_message(&mut inbox, buf_len, send.data, &self.addr);
-                completions.push((send.sender, send.wr_id, result));
+                let result = accept_message(&mut inbox, send.data, &self.addr);
+                completions.push((send.sender, send.peer, send.wr_id, result));
             }
         }
         self.wake();
-        for (sender, wr_id, result) in completions {
+        for (sender, peer, wr_id, result) in completions {
             if let Some(sender) = sender.upgrade() {
-                sender.deliver(Event::Done { wr_id, result });
+                sender.complete(&peer, wr_id, result);
             }
         }
     }
 }
 
-/// Puts a message in a buffer of `buf_len` bytes, or refuses it as a NIC would.
+/// Puts a message in the next receive buffer, or refuses it as a NIC would. A refused
+/// message leaves the buffer posted (no receive buffer is ever lost).
 pub(crate) fn accept_message(
     inbox: &mut Inbox,
-    buf_len: usize,
     data: Vec<u8>,
     at: &NetAddr,
 ) -> Result<(), DomainError> {
+    let buf_len = *inbox.recv_buffers.front().expect("the caller checked");
     if data.len() > buf_len {
         return Err(DomainError::new(
             DomainErrorKind::RemoteAccess,
             format!("message of {} bytes is larger than the receive buffer of {buf_len} bytes at mock NIC {at}", data.len()),
         ));
     }
+    inbox.recv_buffers.pop_front();
     inbox.events.push(Event::Message { data });
     Ok(())
 }
@@ -152,7 +243,9 @@ pub(crate) fn join() -> Arc<Nic> {
         addr: addr.clone(),
         id,
         alive: AtomicBool::new(true),
+        frozen: AtomicBool::new(false),
         regions: RwLock::new(Regions::default()),
+        conns: Mutex::new(HashMap::new()),
         inbox: Mutex::new(Inbox::default()),
         waker: OnceLock::new(),
     });
@@ -175,10 +268,16 @@ pub(crate) fn lookup(addr: &NetAddr) -> Option<Arc<Nic>> {
         .cloned()
 }
 
-/// Removes a NIC: later operations aimed at it fail, and messages waiting for its buffers
-/// fail on their senders.
+/// Removes a NIC: later operations aimed at it fail, operations it posted fail without
+/// touching memory, and messages waiting for its buffers fail on their senders.
 pub(crate) fn leave(nic: &Nic) {
-    nic.alive.store(false, Ordering::Release);
+    {
+        // Under the regions lock: a copy in progress finishes first, and none starts after.
+        let mut regions = nic.regions.write().unwrap_or_else(|p| p.into_inner());
+        nic.alive.store(false, Ordering::Release);
+        regions.local.clear();
+        regions.remote.clear();
+    }
     FABRIC
         .nics
         .write()
@@ -187,10 +286,7 @@ pub(crate) fn leave(nic: &Nic) {
     let waiting: Vec<WaitingSend> = nic.inbox().waiting_sends.drain(..).collect();
     for send in waiting {
         if let Some(sender) = send.sender.upgrade() {
-            sender.deliver(Event::Done {
-                wr_id: send.wr_id,
-                result: Err(unreachable(&nic.addr)),
-            });
+            sender.complete(&send.peer, send.wr_id, Err(unreachable(&nic.addr)));
         }
     }
     nic.wake();
@@ -208,9 +304,322 @@ pub fn kill(addr: &NetAddr) -> bool {
     }
 }
 
+/// Makes the NIC at `addr` hang (or recover): operations aimed at it neither land nor fail
+/// while it is frozen, as with a host that stopped answering but whose link is up; senders
+/// learn of it only through their own deadlines. Returns whether such a NIC exists.
+pub fn freeze(addr: &NetAddr, frozen: bool) -> bool {
+    match lookup(addr) {
+        Some(nic) => {
+            nic.frozen.store(frozen, Ordering::Release);
+            true
+        }
+        None => false,
+    }
+}
+
+/// How many registrations (local keys) the NIC at `addr` holds, for tests that check no
+/// registration outlives its owner's knowledge of it.
+pub fn registrations(addr: &NetAddr) -> Option<usize> {
+    lookup(addr).map(|nic| nic.regions().local.len())
+}
+
 pub(crate) fn unreachable(addr: &NetAddr) -> DomainError {
     DomainError::new(
         DomainErrorKind::PeerUnreachable,
         format!("no live mock NIC at {addr}"),
     )
+}
+
+fn flushed(peer: &NetAddr) -> DomainError {
+    DomainError::new(
+        DomainErrorKind::Other,
+        format!("flushed: the connection to mock NIC {peer} went to the error state after an earlier operation failed"),
+    )
+}
+
+/// Lands one operation, on whichever thread the fabric runs it.
+pub(crate) fn land(posted: Posted) {
+    let Posted {
+        src,
+        op,
+        epoch,
+        injected,
+    } = posted;
+    let peer = op.peer().clone();
+    let wr_id = op.wr_id();
+    if !src.alive.load(Ordering::Acquire) {
+        src.complete(
+            &peer,
+            wr_id,
+            Err(DomainError::new(
+                DomainErrorKind::PeerUnreachable,
+                format!("mock NIC {} was dropped from the fabric", src.addr),
+            )),
+        );
+        return;
+    }
+    let current = locked(&src.conns).get(&peer).map_or(0, |c| c.epoch);
+    if current != epoch {
+        src.complete(&peer, wr_id, Err(flushed(&peer)));
+        return;
+    }
+    let result = match op {
+        Op::Write {
+            local_addr,
+            local_key,
+            remote_addr,
+            remote_key,
+            len,
+            imm,
+            ..
+        } => write(
+            &src,
+            &peer,
+            local_addr,
+            local_key,
+            remote_addr,
+            remote_key,
+            len,
+            imm,
+            injected,
+        ),
+        Op::Send { data, .. } => match injected {
+            Some(e) => Err(e),
+            None => match send(&src, &peer, data, wr_id) {
+                // Completes when the receiver posts a buffer (from its side).
+                Ok(false) => return,
+                Ok(true) => Ok(()),
+                Err(e) => Err(e),
+            },
+        },
+    };
+    if result.is_err() {
+        // RC: the connection goes to the error state; what is still queued on it is flushed.
+        if let Some(conn) = locked(&src.conns).get_mut(&peer) {
+            if conn.epoch == epoch {
+                conn.epoch += 1;
+            }
+        }
+    }
+    src.complete(&peer, wr_id, result);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn write(
+    src: &Arc<Nic>,
+    peer: &NetAddr,
+    local_addr: u64,
+    local_key: u64,
+    remote_addr: u64,
+    remote_key: u64,
+    len: u64,
+    imm: Option<u32>,
+    injected: Option<DomainError>,
+) -> Result<(), DomainError> {
+    let target = lookup(peer).ok_or_else(|| unreachable(peer))?;
+    // Lock order: the source's regions, then the target's (the same lock, read twice, for
+    // loopback). Both are held across the copy, so neither side can deregister mid-copy.
+    let ours = src.regions();
+    if !src.alive.load(Ordering::Acquire) {
+        return Err(unreachable(&src.addr));
+    }
+    let mut src_gpu = false;
+    if len > 0 {
+        let region = ours.local.get(&local_key).ok_or_else(|| {
+            DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!(
+                    "local key {local_key:#x} is not registered with mock NIC {}",
+                    src.addr
+                ),
+            )
+        })?;
+        if !region.contains(local_addr, len) {
+            return Err(DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!(
+                    "source {local_addr:#x}+{len} is outside its region {:#x}+{}",
+                    region.ptr, region.len
+                ),
+            ));
+        }
+        src_gpu = region.gpu;
+    }
+    let theirs = if Arc::ptr_eq(&target, src) {
+        None
+    } else {
+        Some(target.regions())
+    };
+    let regions = theirs.as_deref().unwrap_or(&ours);
+    if !target.alive.load(Ordering::Acquire) {
+        return Err(unreachable(peer));
+    }
+    let dst: Region = *regions.remote.get(&remote_key).ok_or_else(|| {
+        DomainError::new(
+            DomainErrorKind::RemoteAccess,
+            format!("rkey {remote_key:#x} is not valid for remote write at mock NIC {peer}"),
+        )
+    })?;
+    if !dst.contains(remote_addr, len) {
+        return Err(DomainError::new(
+            DomainErrorKind::RemoteAccess,
+            format!(
+                "destination {remote_addr:#x}+{len} is outside the region {:#x}+{} of rkey {remote_key:#x} at mock NIC {peer}",
+                dst.ptr, dst.len
+            ),
+        ));
+    }
+    // A link failure part-way: part of the data is placed, no immediate is counted.
+    let placed = if injected.is_some() { len / 2 } else { len };
+    if placed > 0 && (src_gpu || dst.gpu) {
+        // SAFETY: as below; the engine checked both GPU ranges with the driver when they
+        // were registered, and the driver copies between any host/device addresses.
+        unsafe { uvm_watcher::gpu::copy(remote_addr, local_addr, placed as usize) }.map_err(
+            |e| {
+                DomainError::new(
+                    DomainErrorKind::Other,
+                    format!("GPU copy at mock NIC {peer}: {e}"),
+                )
+            },
+        )?;
+    } else if placed > 0 {
+        // SAFETY: both ranges were checked against live registrations, and both regions
+        // locks are held, so neither can be deregistered during the copy. The owners
+        // promised (TransferEngine::reg_mr's contract) the memory stays allocated while
+        // registered; `copy` tolerates overlap (a loopback write within one region).
+        unsafe {
+            std::ptr::copy(
+                local_addr as *const u8,
+                remote_addr as *mut u8,
+                placed as usize,
+            )
+        };
+    }
+    drop(theirs);
+    drop(ours);
+    if let Some(e) = injected {
+        return Err(e);
+    }
+    if let Some(imm) = imm {
+        target.deliver(Event::ImmArrival { imm });
+    }
+    Ok(())
+}
+
+/// Returns whether the message was delivered now (else it waits for a receive buffer).
+fn send(src: &Arc<Nic>, peer: &NetAddr, data: Vec<u8>, wr_id: u64) -> Result<bool, DomainError> {
+    let target = lookup(peer).ok_or_else(|| unreachable(peer))?;
+    let mut inbox = target.inbox();
+    let delivered = if inbox.recv_buffers.is_empty() {
+        inbox.waiting_sends.push_back(WaitingSend {
+            data,
+            sender: Arc::downgrade(src),
+            peer: peer.clone(),
+            wr_id,
+        });
+        false
+    } else {
+        accept_message(&mut inbox, data, peer)?;
+        true
+    };
+    drop(inbox);
+    if delivered {
+        target.wake();
+    }
+    Ok(delivered)
+}
+
+/// An operation waiting for its time on the progress thread.
+struct Scheduled {
+    due: Instant,
+    /// Breaks ties: posting order, or a random draw when reordering.
+    order: u64,
+    posted: Posted,
+}
+
+impl PartialEq for Scheduled {
+    fn eq(&self, other: &Self) -> bool {
+        (self.due, self.order) == (other.due, other.order)
+    }
+}
+impl Eq for Scheduled {}
+impl PartialOrd for Scheduled {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Scheduled {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.due, self.order).cmp(&(other.due, other.order))
+    }
+}
+
+/// The fabric's clock: one thread that lands operations when they are due.
+struct Progress {
+    queue: Mutex<BinaryHeap<Reverse<Scheduled>>>,
+    ready: Condvar,
+}
+
+static PROGRESS: LazyLock<&'static Progress> = LazyLock::new(|| {
+    let progress: &'static Progress = Box::leak(Box::new(Progress {
+        queue: Mutex::new(BinaryHeap::new()),
+        ready: Condvar::new(),
+    }));
+    std::thread::Builder::new()
+        .name("xfer-mock-fabric".into())
+        .spawn(move || progress.run())
+        .expect("cannot start the mock fabric's progress thread");
+    progress
+});
+
+/// Operations aimed at a frozen NIC are looked at again this often.
+const FROZEN_RETRY: Duration = Duration::from_millis(1);
+
+impl Progress {
+    fn run(&self) {
+        let mut due = Vec::new();
+        loop {
+            {
+                let mut queue = locked(&self.queue);
+                loop {
+                    let now = Instant::now();
+                    match queue.peek() {
+                        Some(Reverse(next)) if next.due <= now => break,
+                        Some(Reverse(next)) => {
+                            let wait = next.due - now;
+                            queue = self
+                                .ready
+                                .wait_timeout(queue, wait)
+                                .unwrap_or_else(|p| p.into_inner())
+                                .0;
+                        }
+                        None => {
+                            queue = self.ready.wait(queue).unwrap_or_else(|p| p.into_inner());
+                        }
+                    }
+                }
+                let now = Instant::now();
+                while queue.peek().is_some_and(|Reverse(s)| s.due <= now) {
+                    due.push(queue.pop().expect("peeked").0);
+                }
+            }
+            for mut s in due.drain(..) {
+                let frozen =
+                    lookup(s.posted.op.peer()).is_some_and(|t| t.frozen.load(Ordering::Acquire));
+                if frozen && s.posted.src.alive.load(Ordering::Acquire) {
+                    s.due = Instant::now() + FROZEN_RETRY;
+                    locked(&self.queue).push(Reverse(s));
+                    continue;
+                }
+                land(s.posted);
+            }
+        }
+    }
+}
+
+/// Hands an operation to the fabric, to land at `due`.
+pub(crate) fn schedule(posted: Posted, due: Instant, order: u64) {
+    let progress = *PROGRESS;
+    locked(&progress.queue).push(Reverse(Scheduled { due, order, posted }));
+    progress.ready.notify_one();
 }

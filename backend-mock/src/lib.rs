@@ -6,10 +6,14 @@
 //! and counts the immediate there; on any check failing it reports a remote-access error and
 //! writes nothing.
 //!
-//! Faults are injected from the config (`[backends.mock]`, see [`MockOptions`]), seeded and
-//! deterministic per NIC: reordered arrivals and completions (like SRD), delays, the Nth or
-//! every Nth operation failing, a bounded queue (backpressure). [`kill`] drops a NIC from the
-//! fabric: its pending and later operations fail, and so does everything aimed at it.
+//! By default it is as unkind as the hardware: operations land asynchronously on the fabric's
+//! own clock and unordered; a failed operation puts its connection in the error state and
+//! flushes what is queued on it (as RC does); a write that fails part-way leaves part of its
+//! data. Faults are injected from the config (`[backends.mock]`, see [`MockOptions`]), seeded
+//! per NIC: delays, the Nth or every Nth operation failing, a per-peer send queue depth
+//! (backpressure), a panic inside a post, slow registration. [`kill`] drops a NIC from the
+//! fabric: its pending and later operations fail, and so does everything aimed at it;
+//! [`freeze`] makes one hang. `inline = true` makes it an ideal in-order NIC, for benchmarks.
 //!
 //! The crate builds as an rlib (registered statically under the name `mock`) and as a cdylib
 //! exporting the same backend through the plugin ABI.
@@ -19,7 +23,7 @@ mod fabric;
 mod options;
 
 pub use domain::MockDomain;
-pub use fabric::kill;
+pub use fabric::{freeze, kill, registrations};
 pub use options::MockOptions;
 
 use engine_core::domain::{BackendRegistration, Domain, DomainConfig, DomainError};

@@ -1,16 +1,24 @@
-//! `[backends.mock]`: fault-injection knobs.
+//! `[backends.mock]`: how the mock NIC behaves, and fault-injection knobs.
+//!
+//! By default the mock is as unkind as RC or SRD hardware: operations complete asynchronously
+//! on the fabric's own clock (a progress thread, not the worker's polling), in no particular
+//! order, a little late (`jitter_us`). `inline = true` turns that off — every operation lands
+//! during its post, in order — for measuring the engine's own overhead against memcpy.
 
 use engine_core::domain::{DomainError, DomainErrorKind};
 use serde::Deserialize;
 
-/// The mock's config table. All faults are off by default.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+/// The mock's config table.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MockOptions {
     /// Seed of the fault RNG (each NIC mixes in its own id).
     pub seed: u64,
-    /// Deliver arrivals and completions in a shuffled order.
+    /// Land operations in a shuffled order (SRD-like), and deliver events shuffled.
     pub reorder: bool,
+    /// Land every operation during its post, in order (an ideal NIC; for benchmarks). The
+    /// delay, jitter and reorder knobs then do nothing.
+    pub inline: bool,
     /// Hold each operation this long before it lands ...
     pub delay_us: u64,
     /// ... plus a uniformly drawn extra of up to this long.
@@ -19,8 +27,35 @@ pub struct MockOptions {
     pub fail_nth: u64,
     /// Fail every Nth operation posted on each NIC (0 = never).
     pub fail_every: u64,
-    /// At most this many operations outstanding per NIC; more get `Busy` (0 = unlimited).
+    /// At most this many operations outstanding per peer connection (a send queue); more get
+    /// `Busy` (0 = unlimited).
     pub queue_depth: usize,
+    /// Panic inside the Nth post on each NIC (1-based; 0 = never): a backend bug, for testing
+    /// that the engine contains it.
+    pub panic_on_post: u64,
+    /// Take this long to register memory (a slow `ibv_reg_mr`), on the worker thread.
+    pub register_delay_us: u64,
+    /// The engine's `[timeouts] connect_ms`, passed to every backend. The mock has no
+    /// handshake to bound; it is accepted so the one setting reaches every backend alike.
+    pub connect_ms: u64,
+}
+
+impl Default for MockOptions {
+    fn default() -> Self {
+        Self {
+            seed: 1,
+            reorder: true,
+            inline: false,
+            delay_us: 0,
+            jitter_us: 20,
+            fail_nth: 0,
+            fail_every: 0,
+            queue_depth: 0,
+            panic_on_post: 0,
+            register_delay_us: 0,
+            connect_ms: 0,
+        }
+    }
 }
 
 impl MockOptions {
@@ -32,10 +67,5 @@ impl MockOptions {
                 format!("[backends.mock]: {e}"),
             )
         })
-    }
-
-    /// Whether operations must be held and executed during `poll` rather than at once.
-    pub(crate) fn defers(&self) -> bool {
-        self.reorder || self.delay_us > 0 || self.jitter_us > 0 || self.queue_depth > 0
     }
 }

@@ -18,17 +18,21 @@ fn open(config: &engine_core::Config) -> Arc<TransferEngine> {
 }
 
 #[test]
-fn the_nth_operation_fails_with_the_backends_message_and_the_rest_succeed() {
+fn the_nth_operation_fails_with_the_backends_message_and_later_ones_succeed() {
     let config = mock_config(1, "[backends.mock]\nfail_nth = 3\n");
     let (a, b) = (open(&config), open(&config));
     let src = buffer(&a, 64, pattern(1));
     let dst = buffer(&b, 64, |_| 0);
-    let flags: Vec<_> = (0..5).map(|_| DoneFlag::new()).collect();
-    for f in &flags {
-        a.submit_single_write(8, Some(1), (src.mr(), 0), (dst.desc(), 0), f.clone())
-            .unwrap();
-    }
-    let results: Vec<_> = flags.iter().map(|f| f.wait(WAIT)).collect();
+    // One at a time: operations outstanding beside a failed one are flushed with it (RC);
+    // those posted after it go out on a fresh connection.
+    let results: Vec<_> = (0..5)
+        .map(|_| {
+            let f = DoneFlag::new();
+            a.submit_single_write(8, Some(1), (src.mr(), 0), (dst.desc(), 0), f.clone())
+                .unwrap();
+            f.wait(WAIT)
+        })
+        .collect();
     for (i, r) in results.iter().enumerate() {
         if i == 2 {
             assert!(
@@ -61,7 +65,7 @@ fn a_full_queue_is_backpressure_not_an_error() {
     }
     done.wait_for(200, WAIT).unwrap();
     assert_eq!(done.ok(), 200);
-    assert!(src.bytes()[..200 * 256] == dst.bytes()[..200 * 256]);
+    assert!(src.to_vec()[..200 * 256] == dst.to_vec()[..200 * 256]);
 }
 
 #[test]
@@ -92,7 +96,7 @@ fn a_killed_peer_fails_what_is_aimed_at_it_and_its_own_pending_work() {
     a.submit_single_write(64, None, (src.mr(), 0), (dc.desc(), 0), to_c.clone())
         .unwrap();
     to_c.wait(WAIT).unwrap();
-    assert!(dc.bytes() == src.bytes());
+    assert!(dc.to_vec() == src.to_vec());
 }
 
 #[test]
@@ -185,7 +189,7 @@ fn soak_ten_thousand_transfers_under_faults() {
                     assert_eq!(b.imm_count(j as u32), want, "transfer {j}: arrivals");
                     let n = lens[j] as usize;
                     assert!(
-                        dst.bytes()[s..s + n] == src.bytes()[s..s + n],
+                        dst.to_vec()[s..s + n] == src.to_vec()[s..s + n],
                         "transfer {j}: data"
                     );
                 } else {
@@ -202,8 +206,9 @@ fn soak_ten_thousand_transfers_under_faults() {
         .filter(|f| f.result().is_some_and(|r| r.is_err()))
         .count();
     assert!(flags.iter().all(|f| f.is_done()));
+    // Every 97th operation fails, and (RC) flushes what was outstanding on its connection.
     assert!(
-        failed > 0 && failed < N / 20,
+        failed > 0 && failed < N / 5,
         "{failed} failures from every 97th operation"
     );
 }
@@ -247,6 +252,6 @@ proptest! {
         let paged = expected_arrivals(TransferShape::Paged { page_len: len, pages: u64::from(pages) }, nics, &config.stripe);
         prop_assert_eq!(b.imm_count(1), single);
         prop_assert_eq!(b.imm_count(2), paged);
-        prop_assert!(dst.bytes() == src.bytes());
+        prop_assert!(dst.to_vec() == src.to_vec());
     }
 }

@@ -1,0 +1,541 @@
+//! The engine's promise under failure — every accepted operation finishes exactly once, no
+//! byte lands outside live registered memory, a receiver never counts another request's
+//! arrival — one test per way it was found broken (issue #10, items 1–13).
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::mock_config;
+use engine_core::conformance::{buffer, pattern};
+use engine_core::{
+    Config, Device, DoneCounter, DoneFlag, Error, HostBuffer, NicSelection, OnDone, TransferEngine,
+};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+fn open(config: &Config) -> Arc<TransferEngine> {
+    Arc::new(TransferEngine::open(config).unwrap())
+}
+
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// 1. A write that lands after its receiver's expectation timed out must not complete the
+///    next expectation on the same immediate.
+#[test]
+fn late_arrivals_never_complete_the_next_expectation_on_their_immediate() {
+    let config = mock_config(
+        1,
+        "[timeouts]\nexpect_ms = 50\n[backends.mock]\ndelay_us = 300000\njitter_us = 0\n",
+    );
+    let (a, b) = (open(&config), open(&config));
+    let src = buffer(&a, 64, pattern(1));
+    let dst = buffer(&b, 64, |_| 0);
+    // Request 1: its write is slow; the receiver gives up first.
+    let first = DoneFlag::new();
+    b.expect_imm_count(5, 1, first.clone()).unwrap();
+    let sent = DoneFlag::new();
+    a.submit_single_write(8, Some(5), (src.mr(), 0), (dst.desc(), 0), sent.clone())
+        .unwrap();
+    assert!(matches!(first.wait(WAIT), Err(Error::Timeout(_))));
+    assert_eq!(
+        b.imm_owed(5),
+        1,
+        "the timed-out expectation still owes its arrival"
+    );
+    sent.wait(WAIT).unwrap();
+    wait_until("the late arrival to be absorbed", || b.imm_owed(5) == 0);
+    assert_eq!(b.imm_count(5), 0, "absorbed, not counted");
+    // Request 2 reuses the immediate; nothing of its own has landed, so it must wait (before
+    // the fix it completed at once from request 1's stale arrival).
+    let second = DoneFlag::new();
+    b.expect_imm_count(5, 1, second.clone()).unwrap();
+    std::thread::sleep(Duration::from_millis(10));
+    assert!(
+        !matches!(second.result(), Some(Ok(()))),
+        "request 1's late arrival completed request 2"
+    );
+    assert!(matches!(second.wait(WAIT), Err(Error::Timeout(_))));
+    // reset_imm clears what is owed once the peers agree nothing is in flight.
+    let third = DoneFlag::new();
+    b.expect_imm_count(6, 3, third.clone()).unwrap();
+    assert!(matches!(third.wait(WAIT), Err(Error::Timeout(_))));
+    assert_eq!(b.imm_owed(6), 3);
+    let report = b.reset_imm(6);
+    assert_eq!((report.owed, b.imm_owed(6)), (3, 0));
+}
+
+/// 1. A peer cannot grow the ImmCounter at will with immediates nobody expects.
+#[test]
+fn unexpected_immediates_are_bounded_and_their_loss_is_loud() {
+    let config = mock_config(
+        1,
+        "[timeouts]\nexpect_ms = 100\n[worker]\nmax_idle_imms = 4\n",
+    );
+    let (a, b) = (open(&config), open(&config));
+    let src = buffer(&a, 64, pattern(1));
+    let dst = buffer(&b, 64, |_| 0);
+    let sent = DoneCounter::new();
+    for imm in 0..20 {
+        a.submit_single_write(1, Some(imm), (src.mr(), 0), (dst.desc(), 0), sent.clone())
+            .unwrap();
+    }
+    sent.wait_for(20, WAIT).unwrap();
+    wait_until("arrivals to be counted or dropped", || {
+        (0..20).map(|i| b.imm_count(i)).sum::<u64>() + b.imm_dropped() == 20
+    });
+    assert_eq!(b.imm_dropped(), 16);
+    let f = DoneFlag::new();
+    b.expect_imm_count(1000, 1, f.clone()).unwrap();
+    assert!(
+        matches!(
+            f.wait(WAIT),
+            Err(Error::ArrivalsDropped { dropped: 16, .. })
+        ),
+        "an expectation that times out says arrivals were dropped"
+    );
+}
+
+/// 2. A panicking mirror sink is contained: the engine keeps working.
+#[test]
+fn a_panicking_mirror_sink_does_not_wedge_the_engine() {
+    let config = mock_config(1, "");
+    let (a, b) = (open(&config), open(&config));
+    let src = buffer(&a, 64, pattern(1));
+    let dst = buffer(&b, 64, |_| 0);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = Arc::clone(&calls);
+    b.mirror_imm_count(3, move |n| {
+        c.fetch_add(1, Ordering::SeqCst);
+        if n > 0 {
+            panic!("sink bug");
+        }
+    })
+    .unwrap();
+    for round in 0..3 {
+        let landed = DoneFlag::new();
+        b.expect_imm_count(3, 1, landed.clone()).unwrap();
+        let sent = DoneFlag::new();
+        a.submit_single_write(8, Some(3), (src.mr(), 0), (dst.desc(), 0), sent.clone())
+            .unwrap();
+        sent.wait(WAIT).unwrap();
+        landed
+            .wait(WAIT)
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+    }
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "the sink is disabled after its panic"
+    );
+    // Registration and deregistration still work.
+    let more = HostBuffer::new(&b, 128).unwrap();
+    drop(more);
+}
+
+/// 2. A backend that panics on the worker fails everything in flight with a typed error,
+///    refuses new work, and everything still finishes exactly once (drop included).
+#[test]
+fn a_panicking_backend_fails_everything_once_and_refuses_new_work() {
+    let config = mock_config(
+        1,
+        "[timeouts]\nexpect_ms = 60000\ntransfer_ms = 60000\n[backends.mock]\npanic_on_post = 3\ndelay_us = 200000\n",
+    );
+    let (a, b) = (open(&config), open(&config));
+    let src = buffer(&a, 64, pattern(1));
+    let dst = buffer(&b, 64, |_| 0);
+    let waiting = DoneFlag::new();
+    a.expect_imm_count(9, 1, waiting.clone()).unwrap();
+    let done = DoneCounter::new();
+    for _ in 0..2 {
+        a.submit_single_write(8, None, (src.mr(), 0), (dst.desc(), 0), done.clone())
+            .unwrap();
+    }
+    // The third post panics inside the backend.
+    let _ = a.submit_single_write(8, None, (src.mr(), 0), (dst.desc(), 0), done.clone());
+    let r = done.wait_for(3, WAIT);
+    assert!(
+        matches!(r, Err(Error::WorkerFailed(ref m)) if m.contains("panic_on_post")),
+        "{r:?}"
+    );
+    assert_eq!(done.finished(), 3);
+    assert!(matches!(waiting.wait(WAIT), Err(Error::WorkerFailed(_))));
+    // New work is refused at once, with the reason.
+    assert!(matches!(
+        a.submit_single_write(8, None, (src.mr(), 0), (dst.desc(), 0), DoneFlag::new()),
+        Err(Error::WorkerFailed(_))
+    ));
+    assert!(matches!(
+        a.expect_imm_count(9, 1, DoneFlag::new()),
+        Err(Error::WorkerFailed(_))
+    ));
+    assert!(matches!(
+        HostBuffer::new(&a, 64),
+        Err(Error::WorkerFailed(_))
+    ));
+    // Deregistration holds its promise (the Domains are closed), and drop does not hang.
+    drop(src);
+    let start = Instant::now();
+    drop(a);
+    assert!(start.elapsed() < WAIT);
+}
+
+/// 3. A panicking callback does not drop the callbacks batched with it.
+#[test]
+fn every_callback_runs_even_when_others_in_its_batch_panic() {
+    let config = mock_config(1, "[backends.mock]\ninline = true\n");
+    let (a, b) = (open(&config), open(&config));
+    let src = buffer(&a, 64, pattern(1));
+    let dst = buffer(&b, 64, |_| 0);
+    let ran = Arc::new(AtomicUsize::new(0));
+    for i in 0..200 {
+        let ran = Arc::clone(&ran);
+        a.submit_single_write(
+            8,
+            None,
+            (src.mr(), 0),
+            (dst.desc(), 0),
+            OnDone::callback(move |r| {
+                r.unwrap();
+                ran.fetch_add(1, Ordering::SeqCst);
+                if i % 2 == 0 {
+                    panic!("callback {i} panics");
+                }
+            }),
+        )
+        .unwrap();
+    }
+    wait_until("every callback", || ran.load(Ordering::SeqCst) == 200);
+}
+
+/// 4. A registration that timed out is undone by the worker, never left live; deregistration
+///    waits for the worker rather than returning while the region is still registered.
+#[test]
+fn a_timed_out_registration_never_stays_registered() {
+    let mut config = mock_config(1, "[backends.mock]\nregister_delay_us = 300000\n");
+    config.timeouts.control_ms = 20;
+    let a = open(&config);
+    let mut memory = vec![0u8; 4096];
+    // SAFETY: `memory` outlives the engine's use of it: the registration fails, and the
+    // worker undoes it before `a` is dropped.
+    let r = unsafe { a.reg_mr(memory.as_mut_ptr(), memory.len(), Device::Host) };
+    assert!(matches!(r, Err(Error::Timeout(_))), "{r:?}");
+    wait_until("the late registration to be undone", || {
+        backend_mock::registrations(&a.main_address()) == Some(0)
+    });
+    // dereg_mr outlasts control_ms: it waits for the worker, then the key is gone.
+    // SAFETY: as above; `memory` outlives the registration.
+    let registered = HostBuffer::new(&a, 64);
+    assert!(matches!(registered, Err(Error::Timeout(_))));
+    config.timeouts.control_ms = 5_000;
+    let b = open(&config);
+    let buf = HostBuffer::new(&b, 64).unwrap();
+    assert_eq!(backend_mock::registrations(&b.main_address()), Some(1));
+    drop(buf);
+    assert_eq!(backend_mock::registrations(&b.main_address()), Some(0));
+}
+
+/// 6. Outstanding work is bounded: past `max_outstanding` a submit is `Busy`, not queued.
+#[test]
+fn submissions_past_the_limit_are_busy_and_capacity_comes_back() {
+    let config = mock_config(
+        1,
+        "[worker]\nmax_outstanding = 4\n[backends.mock]\ndelay_us = 100000\n",
+    );
+    let (a, b) = (open(&config), open(&config));
+    let src = buffer(&a, 64, pattern(1));
+    let dst = buffer(&b, 64, |_| 0);
+    let done = DoneCounter::new();
+    for _ in 0..4 {
+        a.submit_single_write(8, None, (src.mr(), 0), (dst.desc(), 0), done.clone())
+            .unwrap();
+    }
+    let r = a.submit_single_write(8, None, (src.mr(), 0), (dst.desc(), 0), done.clone());
+    assert!(
+        matches!(
+            r,
+            Err(Error::Busy {
+                outstanding: 4,
+                limit: 4
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(matches!(
+        a.submit_send(&b.main_address(), b"x", DoneFlag::new()),
+        Err(Error::Busy { .. })
+    ));
+    a.wait_for_capacity(WAIT).unwrap();
+    done.wait_for(4, WAIT).unwrap();
+    assert_eq!(a.outstanding(), 0);
+    a.submit_single_write(8, None, (src.mr(), 0), (dst.desc(), 0), done.clone())
+        .unwrap();
+    done.wait_for(5, WAIT).unwrap();
+}
+
+/// 7. A Config built in code is validated on open, with typed errors.
+#[test]
+fn open_validates_a_config_built_in_code() {
+    let base = mock_config(2, "");
+    let mut zero_chunk = base.clone();
+    zero_chunk.stripe.max_chunk = 0;
+    let mut past = base.clone();
+    past.nic_selection = NicSelection::First(7);
+    let mut no_nics = base.clone();
+    no_nics.groups[0].nics.clear();
+    let mut huge_timeout = base.clone();
+    huge_timeout.timeouts.transfer_ms = u64::MAX;
+    for (name, config) in [
+        ("max_chunk = 0", zero_chunk),
+        ("first = 7", past),
+        ("no NICs", no_nics),
+        ("huge timeout", huge_timeout),
+    ] {
+        let r = TransferEngine::open(&config);
+        assert!(matches!(r, Err(Error::Config(_))), "{name}: {r:?}");
+    }
+    // Sizes a user passes are checked arithmetic: no overflow panics.
+    let (a, b) = (open(&base), open(&base));
+    let src = buffer(&a, 64, pattern(1));
+    let dst = buffer(&b, 64, |_| 0);
+    assert!(matches!(
+        a.submit_single_write(
+            u64::MAX,
+            None,
+            (src.mr(), 1),
+            (dst.desc(), 0),
+            DoneFlag::new()
+        ),
+        Err(Error::OutOfBounds { .. })
+    ));
+}
+
+/// 8. Handles are tied to their engine.
+#[test]
+fn another_engines_handles_are_refused() {
+    let config = mock_config(1, "");
+    let (a, b) = (open(&config), open(&config));
+    let on_a = buffer(&a, 64, pattern(1));
+    let on_b = buffer(&b, 64, |_| 0);
+    let r = b.submit_single_write(8, None, (on_a.mr(), 0), (on_b.desc(), 0), DoneFlag::new());
+    assert!(
+        matches!(
+            r,
+            Err(Error::ForeignHandle {
+                what: "memory region",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(matches!(
+        b.dereg_mr(on_a.mr()),
+        Err(Error::ForeignHandle { .. })
+    ));
+    let group = a.add_peer_group(vec![b.main_address()]).unwrap();
+    let r = b.submit_barrier(Some(group), DoneFlag::new(), 1, &[on_a.desc().clone()]);
+    assert!(
+        matches!(
+            r,
+            Err(Error::ForeignHandle {
+                what: "peer group",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+}
+
+/// 9. Shutdown closes the Domains before completions fire: a callback told `Shutdown` may
+///    free its buffer, because the NIC is already gone.
+#[test]
+fn shutdown_closes_the_nics_before_failing_what_is_in_flight() {
+    let config = mock_config(1, "[backends.mock]\ndelay_us = 5000000\n");
+    let (a, b) = (open(&config), open(&config));
+    let src = buffer(&a, 64, pattern(1));
+    let dst = buffer(&b, 64, |_| 0);
+    let address = a.main_address();
+    let nic_alive_at_callback = Arc::new(Mutex::new(None));
+    let seen = Arc::clone(&nic_alive_at_callback);
+    a.submit_single_write(
+        8,
+        None,
+        (src.mr(), 0),
+        (dst.desc(), 0),
+        OnDone::callback(move |r| {
+            assert!(matches!(r, Err(Error::Shutdown)), "{r:?}");
+            *seen.lock().unwrap() = Some(backend_mock::registrations(&address).is_some());
+        }),
+    )
+    .unwrap();
+    drop(src);
+    drop(a);
+    assert_eq!(*nic_alive_at_callback.lock().unwrap(), Some(false));
+}
+
+/// 9. `submit_recvs` reports a failure to post.
+#[test]
+fn submit_recvs_reports_a_refused_post() {
+    let config = mock_config(1, "");
+    let a = open(&config);
+    assert!(backend_mock::kill(&a.main_address()));
+    let r = a.submit_recvs(64, 4, |_| {});
+    assert!(matches!(r, Err(Error::PeerUnreachable(_))), "{r:?}");
+}
+
+/// 9. Dropping the last reference to the engine from one of its own watcher callbacks does
+///    not panic (the watcher thread cannot join itself).
+#[test]
+fn the_engine_can_be_dropped_from_its_watcher_thread() {
+    let config = mock_config(1, "");
+    let engine = open(&config);
+    let holder = Arc::new(Mutex::new(Some(Arc::clone(&engine))));
+    let h = Arc::clone(&holder);
+    let dropped = DoneFlag::new();
+    let flag_done = Arc::clone(&dropped);
+    let watcher = engine
+        .alloc_uvm_watcher(move |_, _| {
+            // The last reference goes on the watcher thread.
+            drop(h.lock().unwrap().take());
+            let _ = &flag_done;
+            uvm_watcher::Control::Stop
+        })
+        .unwrap();
+    drop(engine);
+    watcher.store(1);
+    wait_until("the watcher to drop the engine", || {
+        holder.lock().unwrap().is_none()
+    });
+    std::thread::sleep(Duration::from_millis(50));
+}
+
+/// 10. An oversized message is refused without losing the receiver's buffer.
+#[test]
+fn an_oversized_message_does_not_cost_the_receiver_a_buffer() {
+    let config = mock_config(1, "");
+    let (a, b) = (open(&config), open(&config));
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let g = Arc::clone(&got);
+    b.submit_recvs(16, 1, move |m| g.lock().unwrap().push(m.to_vec()))
+        .unwrap();
+    let big = DoneFlag::new();
+    a.submit_send(&b.main_address(), &[7; 64], big.clone())
+        .unwrap();
+    assert!(matches!(big.wait(WAIT), Err(Error::RemoteAccess(_))));
+    let small = DoneFlag::new();
+    a.submit_send(&b.main_address(), b"fits", small.clone())
+        .unwrap();
+    small.wait(WAIT).unwrap();
+    wait_until("the message", || got.lock().unwrap().len() == 1);
+    assert_eq!(got.lock().unwrap()[0], b"fits");
+}
+
+/// 10. Deregistering one of two registrations of the same range leaves the other usable.
+#[test]
+fn deregistering_one_registration_of_a_range_keeps_the_other() {
+    let config = mock_config(1, "");
+    let (a, b) = (open(&config), open(&config));
+    let src = buffer(&a, 64, pattern(1));
+    let mut memory = vec![0u8; 64];
+    let ptr = memory.as_mut_ptr();
+    // SAFETY: `memory` outlives both registrations (deregistered below, before it drops).
+    let (first, _) = unsafe { b.reg_mr(ptr, 64, Device::Host) }.unwrap();
+    // SAFETY: as above.
+    let (second, desc) = unsafe { b.reg_mr(ptr, 64, Device::Host) }.unwrap();
+    b.dereg_mr(first).unwrap();
+    let f = DoneFlag::new();
+    a.submit_single_write(64, None, (src.mr(), 0), (&desc, 0), f.clone())
+        .unwrap();
+    f.wait(WAIT).unwrap();
+    b.dereg_mr(second).unwrap();
+    assert_eq!(memory, src.to_vec());
+}
+
+/// 10. A failed operation puts its connection in the error state: what was outstanding on it
+///     is flushed (an error, never a silent success), partial data may have landed, and the
+///     next transfer works again.
+#[test]
+fn a_failure_flushes_its_connection_and_the_next_transfer_reconnects() {
+    let config = mock_config(
+        1,
+        "[backends.mock]\nfail_nth = 1\ndelay_us = 20000\njitter_us = 0\nreorder = false\n",
+    );
+    let (a, b) = (open(&config), open(&config));
+    let src = buffer(&a, 4096, |_| 0xab);
+    let dst = buffer(&b, 4096, |_| 0);
+    let flags: Vec<_> = (0..4).map(|_| DoneFlag::new()).collect();
+    for f in &flags {
+        a.submit_single_write(4096, Some(1), (src.mr(), 0), (dst.desc(), 0), f.clone())
+            .unwrap();
+    }
+    for (i, f) in flags.iter().enumerate() {
+        let r = f.wait(WAIT);
+        assert!(r.is_err(), "operation {i} of the failed connection: {r:?}");
+    }
+    let landed = dst.to_vec();
+    assert!(
+        landed[..2048].iter().all(|&x| x == 0xab),
+        "partial data landed"
+    );
+    assert!(
+        landed[2048..].iter().all(|&x| x == 0),
+        "and only part of it"
+    );
+    assert_eq!(b.imm_count(1), 0, "a failed write counts no arrival");
+    let again = DoneFlag::new();
+    a.submit_single_write(4096, Some(1), (src.mr(), 0), (dst.desc(), 0), again.clone())
+        .unwrap();
+    again.wait(WAIT).unwrap();
+}
+
+/// 12. One peer's backpressure does not stall another peer on the same NIC.
+#[test]
+fn a_hung_peer_with_a_full_queue_does_not_stall_a_healthy_one() {
+    let config = mock_config(
+        1,
+        "[timeouts]\ntransfer_ms = 60000\n[backends.mock]\nqueue_depth = 2\n",
+    );
+    let (a, hung, healthy) = (open(&config), open(&config), open(&config));
+    let src = buffer(&a, 64, pattern(1));
+    let to_hung = buffer(&hung, 64, |_| 0);
+    let to_healthy = buffer(&healthy, 64, |_| 0);
+    assert!(backend_mock::freeze(&hung.main_address(), true));
+    let stuck = DoneCounter::new();
+    for _ in 0..6 {
+        a.submit_single_write(8, None, (src.mr(), 0), (to_hung.desc(), 0), stuck.clone())
+            .unwrap();
+    }
+    let fine = DoneCounter::new();
+    for _ in 0..16 {
+        a.submit_single_write(8, None, (src.mr(), 0), (to_healthy.desc(), 0), fine.clone())
+            .unwrap();
+    }
+    fine.wait_for(16, WAIT).unwrap();
+    assert_eq!(
+        stuck.finished(),
+        0,
+        "the hung peer's writes are still waiting"
+    );
+    backend_mock::freeze(&hung.main_address(), false);
+    stuck.wait_for(6, WAIT).unwrap();
+}
+
+/// 13. `[timeouts] connect_ms` reaches the backend (the mock refuses unknown keys, so the
+///     engine's addition must parse), and setting it per backend is refused.
+#[test]
+fn connect_ms_is_one_engine_setting() {
+    let config = mock_config(1, "[timeouts]\nconnect_ms = 1234\n");
+    assert!(config.backend_options().contains("connect_ms = 1234"));
+    open(&config);
+    let text = "backend = \"mock\"\n[[groups]]\nnics = [\"m\"]\n[backends.mock]\nconnect_ms = 5\n";
+    let r = Config::from_toml(text, std::path::Path::new("t.toml"));
+    assert!(r.is_err());
+}
