@@ -113,6 +113,23 @@ impl HostBuffer {
         Ok(())
     }
 
+    /// Copies `len` bytes from `src` at `src_offset` into this buffer at `offset`: a local
+    /// memcpy between two registered buffers (what a benchmark compares the engine against).
+    pub fn copy_from(
+        &self,
+        offset: usize,
+        src: &HostBuffer,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        self.check(offset, len)?;
+        src.check(src_offset, len)?;
+        // SAFETY: both ranges are in bounds (checked); `copy` allows them to overlap (the
+        // same buffer passed as both).
+        unsafe { std::ptr::copy(src.base().add(src_offset), self.base().add(offset), len) };
+        Ok(())
+    }
+
     /// A copy of the whole buffer.
     pub fn to_vec(&self) -> Vec<u8> {
         let mut out = vec![0; self.data.len()];

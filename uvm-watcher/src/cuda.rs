@@ -12,10 +12,19 @@ fn check(what: &str, r: sys::CUresult) -> Result<(), String> {
     }
 }
 
-/// Whether libcuda can be loaded.
+/// How many times the driver library was probed for (each probe is ~17 `dlopen` attempts:
+/// 2.2 s under emulation), for the test that it happens once per process.
+pub(crate) static PROBES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Whether libcuda can be loaded. Probed once per process: a driver does not appear or vanish
+/// under a running program, and every `reg_mr` asks.
 pub(crate) fn driver_present() -> bool {
-    // SAFETY: only probes for the library with dlopen.
-    unsafe { sys::is_culib_present() }
+    static PRESENT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PRESENT.get_or_init(|| {
+        PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: only probes for the library with dlopen.
+        unsafe { sys::is_culib_present() }
+    })
 }
 
 /// A primary context of one device, made current on the threads that allocate.
@@ -32,8 +41,7 @@ impl Cuda {
     /// The driver and device `device`, or why not. Never panics: the library's presence is
     /// checked before any driver call.
     pub(crate) fn open(device: i32) -> Result<Self, String> {
-        // SAFETY: only probes for the library with dlopen.
-        if !unsafe { sys::is_culib_present() } {
+        if !driver_present() {
             return Err("no CUDA driver library (libcuda.so) on this machine".into());
         }
         // SAFETY: the library is present; these are plain driver calls with valid out-pointers.
@@ -240,5 +248,17 @@ impl Cuda {
         };
         check("cuMemGetHandleForAddressRange(DMA_BUF_FD)", r)?;
         Ok(fd)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_driver_is_probed_once_per_process() {
+        for _ in 0..10 {
+            let _ = super::driver_present();
+            let _ = crate::gpu::check_host_range(0x1000);
+        }
+        assert_eq!(super::PROBES.load(std::sync::atomic::Ordering::Relaxed), 1);
     }
 }

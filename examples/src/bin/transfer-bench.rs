@@ -64,6 +64,10 @@ struct Args {
     /// Skip the 64-byte write-with-immediate rate measurement.
     #[arg(long)]
     no_imm_rate: bool,
+    /// Instead of the sweep: queue this many 64-byte writes behind a slow mock NIC and report
+    /// the memory each queued operation takes (resident set growth per operation).
+    #[arg(long)]
+    queue_memory: Option<usize>,
 }
 
 #[derive(Debug, Serialize)]
@@ -117,6 +121,18 @@ fn load_config(args: &Args) -> Result<Config, BoxError> {
     if let Some(b) = &args.backend {
         config.backend = b.clone();
     }
+    // The mock is unkind by default (asynchronous, unordered, jittered: for tests). What the
+    // bench measures is the engine's own cost next to memcpy, so unless the config says
+    // otherwise it runs the mock as an ideal, in-order NIC.
+    if config.backend == "mock" {
+        let table = config
+            .backends
+            .entry("mock")
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        if let toml::Value::Table(t) = table {
+            t.entry("inline").or_insert(toml::Value::Boolean(true));
+        }
+    }
     if let Some(n) = args.nics {
         config.groups[0].nics = (0..n).map(|i| format!("{}{i}", config.backend)).collect();
     }
@@ -167,19 +183,69 @@ fn run_trips(
 }
 
 /// memcpy of `bytes` bytes, repeated for `duration`: the mock's reference in MiB/s.
-fn memcpy_mib_s(bytes: usize, block: usize, duration: Duration) -> f64 {
-    let src: Vec<u8> = (0..bytes).map(|i| pattern(1, i)).collect();
-    let mut dst = vec![0u8; bytes];
+/// memcpy between the same two registered buffers the engine copies between (page-aligned
+/// heap allocations of the same size), in the same `block`-sized pieces. Two small `Vec`s
+/// allocated back to back would sit 16 bytes apart and hit 4 KiB aliasing, making the
+/// reference ~20× too slow below 256 KiB.
+fn memcpy_mib_s(
+    src: &HostBuffer,
+    dst: &HostBuffer,
+    bytes: usize,
+    block: usize,
+    duration: Duration,
+) -> f64 {
     let start = Instant::now();
     let mut trips = 0u64;
     while trips == 0 || start.elapsed() < duration {
-        for (d, s) in dst.chunks_mut(block).zip(src.chunks(block)) {
-            d.copy_from_slice(black_box(s));
+        let mut at = 0;
+        while at < bytes {
+            let n = block.min(bytes - at);
+            dst.copy_from(at, black_box(src), at, n)
+                .expect("the bench's buffers hold every trip");
+            at += n;
         }
-        black_box(&mut dst);
+        black_box(dst);
         trips += 1;
     }
     (trips as f64 * bytes as f64 / (1 << 20) as f64) / start.elapsed().as_secs_f64()
+}
+
+/// Bytes of memory the kernel says are available (None where it does not say).
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// The bytes one buffer needs for every block size at this batch, refused with a clear error
+/// when it cannot work (zero sizes, overflow, more than the machine has).
+fn buffer_span(args: &Args, buffers: u64) -> Result<u64, BoxError> {
+    let sizes = sizes(args);
+    if args.batch_size == 0 || sizes.contains(&0) {
+        return Err("--block-size and --batch-size must be at least 1".into());
+    }
+    let largest = sizes.iter().max().copied().unwrap_or(1);
+    let span = largest
+        .checked_mul(args.batch_size)
+        .filter(|s| usize::try_from(*s).is_ok())
+        .ok_or_else(|| {
+            format!(
+                "--block-size {largest} × --batch-size {} does not fit in memory addresses",
+                args.batch_size
+            )
+        })?;
+    if let Some(available) = available_memory() {
+        let needed = span.saturating_mul(buffers);
+        if needed > available {
+            return Err(format!(
+                "--block-size {largest} × --batch-size {} needs {needed} bytes of buffers, more than the {available} bytes available",
+                args.batch_size
+            )
+            .into());
+        }
+    }
+    Ok(span)
 }
 
 /// The libfabric provider an efa config selects.
@@ -192,7 +258,7 @@ fn efa_provider(config: &Config) -> String {
 
 fn reference_name(config: &Config) -> Option<String> {
     match config.backend.as_str() {
-        "mock" => Some("memcpy of the same bytes".into()),
+        "mock" => Some("memcpy between the same registered buffers".into()),
         "efa" if cfg!(feature = "efa") => Some(format!(
             "raw libfabric fi_writemsg loop on {}",
             efa_provider(config)
@@ -204,13 +270,20 @@ fn reference_name(config: &Config) -> Option<String> {
 /// The reference throughput for this backend, measured now with the same sizes.
 fn reference_mib_s(
     config: &Config,
+    (src, dst): (&HostBuffer, &HostBuffer),
     bytes: usize,
     block: u64,
     batch: u64,
     duration: Duration,
 ) -> Result<Option<f64>, BoxError> {
     match config.backend.as_str() {
-        "mock" => Ok(Some(memcpy_mib_s(bytes, block as usize, duration))),
+        "mock" => Ok(Some(memcpy_mib_s(
+            src,
+            dst,
+            bytes,
+            block as usize,
+            duration,
+        ))),
         #[cfg(feature = "efa")]
         "efa" => {
             let (trips, elapsed) = backend_efa::raw::write_loop(
@@ -224,7 +297,7 @@ fn reference_mib_s(
             ))
         }
         _ => {
-            let _ = (bytes, batch);
+            let _ = (src, dst, bytes, batch);
             Ok(None)
         }
     }
@@ -325,7 +398,7 @@ fn loopback(args: &Args, config: &Config) -> Result<Report, BoxError> {
     let a = Arc::new(TransferEngine::open(config)?);
     let b = Arc::new(TransferEngine::open(config)?);
     let sizes = sizes(args);
-    let span = sizes.iter().max().copied().unwrap_or(1) * args.batch_size;
+    let span = buffer_span(args, 2)?;
     let src = HostBuffer::new(&a, span as usize)?;
     let dst = HostBuffer::new(&b, span as usize)?;
     let duration = Duration::from_secs_f64(args.duration);
@@ -336,7 +409,14 @@ fn loopback(args: &Args, config: &Config) -> Result<Report, BoxError> {
         src.write(0, &fill)?;
         let (trips, elapsed) = run_trips(&a, &src, dst.desc(), block, args.batch_size, duration)?;
         let mut r = row(block, args.batch_size, trips, elapsed);
-        r.reference_mib_s = reference_mib_s(config, bytes, block, args.batch_size, duration)?;
+        r.reference_mib_s = reference_mib_s(
+            config,
+            (&src, &dst),
+            bytes,
+            block,
+            args.batch_size,
+            duration,
+        )?;
         if args.verify {
             r.verified = Some(dst.to_vec()[..bytes] == src.to_vec()[..bytes]);
         }
@@ -370,7 +450,7 @@ fn read_line(reader: &mut impl BufRead) -> Result<String, BoxError> {
 /// Target: registers a buffer, hands its descriptor over TCP, verifies on request.
 fn target(args: &Args, config: &Config) -> Result<(), BoxError> {
     let engine = Arc::new(TransferEngine::open(config)?);
-    let span = sizes(args).iter().max().copied().unwrap_or(1) * args.batch_size;
+    let span = buffer_span(args, 1)?;
     let dst = HostBuffer::new(&engine, span as usize)?;
     let listener = TcpListener::bind(&args.addr)?;
     eprintln!(
@@ -421,7 +501,7 @@ fn initiator(args: &Args, config: &Config) -> Result<Report, BoxError> {
     let mut out = stream;
     let desc: MrDesc = read_line(&mut reader)?.parse()?;
     let sizes = sizes(args);
-    let span = sizes.iter().max().copied().unwrap_or(1) * args.batch_size;
+    let span = buffer_span(args, 1)?;
     let src = HostBuffer::new(&engine, span as usize)?;
     let duration = Duration::from_secs_f64(args.duration);
     let mut rows = Vec::new();
@@ -493,8 +573,53 @@ fn print_table(report: &Report) {
     }
 }
 
+/// Resident memory of this process, in bytes.
+fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// `--queue-memory N`: what N outstanding operations cost, held by a mock NIC that lands
+/// nothing for two seconds (so they stay queued in the engine and the fabric).
+fn queue_memory(n: usize) -> Result<(), BoxError> {
+    let text = format!(
+        "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n[worker]\nmax_outstanding = {}\n[timeouts]\ntransfer_ms = 60000\n[backends.mock]\ndelay_us = 2000000\njitter_us = 0\n",
+        n.max(1)
+    );
+    let config = Config::from_toml(&text, std::path::Path::new("<queue-memory>"))?;
+    let a = Arc::new(TransferEngine::open(&config)?);
+    let b = Arc::new(TransferEngine::open(&config)?);
+    let src = HostBuffer::new(&a, 64)?;
+    let dst = HostBuffer::new(&b, 64)?;
+    let done = DoneCounter::new();
+    let before = resident_bytes().ok_or("no /proc/self/status")?;
+    for _ in 0..n {
+        a.submit_single_write(64, Some(1), (src.mr(), 0), (dst.desc(), 0), done.clone())?;
+    }
+    // Let the worker take them all off the submission queue and post them.
+    std::thread::sleep(Duration::from_millis(500));
+    let after = resident_bytes().ok_or("no /proc/self/status")?;
+    println!(
+        "{n} queued 64-byte writes: resident memory grew {} KiB, {:.0} bytes per queued operation (engine + mock fabric)",
+        after.saturating_sub(before) / 1024,
+        after.saturating_sub(before) as f64 / n.max(1) as f64
+    );
+    wait(&done, n as u64)?;
+    Ok(())
+}
+
 fn main() {
     let args = Args::parse();
+    if let Some(n) = args.queue_memory {
+        backend_mock::link();
+        if let Err(e) = queue_memory(n) {
+            eprintln!("transfer-bench: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     backend_mock::link();
     #[cfg(feature = "efa")]
     backend_efa::link();
