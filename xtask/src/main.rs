@@ -97,9 +97,16 @@ fn add_test_result(line: &str, totals: &mut (u64, u64)) {
 /// Runs `cargo test ...`, echoing its output, and adds up its "test result" lines.
 fn cargo_test(args: &[&str], totals: &mut (u64, u64)) -> Result {
     let program = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    eprintln!("xtask: {program} {}", args.join(" "));
-    let mut child = Command::new(&program)
+    counted(&program, args, &[], totals)
+}
+
+/// Runs a test program (or cargo), echoing its output and adding up its "test result" lines.
+fn counted(program: &str, args: &[&str], envs: &[(&str, &str)], totals: &mut (u64, u64)) -> Result {
+    let shown: Vec<String> = envs.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    eprintln!("xtask: {} {program} {}", shown.join(" "), args.join(" "));
+    let mut child = Command::new(program)
         .args(args)
+        .envs(envs.iter().copied())
         .stdout(Stdio::piped())
         .spawn()
         .map_err(|e| format!("cannot run {program}: {e}"))?;
@@ -136,7 +143,75 @@ const PACKAGES: &[&str] = &[
     "libfabric-dev",
     "libfabric-bin",
     "libibverbs-dev",
+    // Runs the mock's conformance suite under memcheck.
+    "valgrind",
 ];
+
+/// The failure schedules CI runs (each a few milliseconds; a failure names its seed).
+const CI_SCHEDULES: &str = "3000";
+
+/// The mock's conformance suite (statically linked, and loaded through dlopen) under valgrind
+/// memcheck: any error fails. `striping` moves hundreds of megabytes and takes many minutes
+/// under memcheck; it runs natively with everything else.
+fn memcheck(totals: &mut (u64, u64)) -> Result {
+    for test in ["conformance", "plugin_conformance"] {
+        let exe = test_executable("backend-mock", test)?;
+        counted(
+            "valgrind",
+            &[
+                "--error-exitcode=99",
+                "--leak-check=no",
+                "-q",
+                &exe,
+                "--test-threads",
+                "2",
+                "--skip",
+                "striping",
+            ],
+            &[],
+            totals,
+        )?;
+    }
+    Ok(())
+}
+
+/// The mock's conformance and failure-path suites under AddressSanitizer, where the nightly
+/// toolchain is installed (built in its own target directory); skipped with the reason where
+/// it is not.
+fn address_sanitizer(totals: &mut (u64, u64)) -> Result {
+    let nightly = Command::new("cargo")
+        .args(["+nightly", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !nightly {
+        println!(
+            "xtask: AddressSanitizer run skipped: no nightly toolchain (`cargo +nightly` fails)"
+        );
+        return Ok(());
+    }
+    counted(
+        "cargo",
+        &[
+            "+nightly",
+            "test",
+            "-p",
+            "backend-mock",
+            "--test",
+            "conformance",
+            "--test",
+            "failure_paths",
+            "--target",
+            "x86_64-unknown-linux-gnu",
+            "--target-dir",
+            "target/asan",
+        ],
+        &[
+            ("RUSTFLAGS", "-Zsanitizer=address"),
+            ("ASAN_OPTIONS", "detect_leaks=0"),
+        ],
+        totals,
+    )
+}
 
 /// Installs the Debian packages that are not installed yet (needs root, as on CI).
 fn ensure_packages(packages: &[&str]) -> Result {
@@ -173,7 +248,17 @@ fn test() -> Result {
         "warnings",
     ])?;
     let mut totals = (0, 0);
-    let tests = cargo_test(&["test", "--workspace"], &mut totals);
+    let tests = cargo_test(&["test", "--workspace"], &mut totals).and_then(|()| {
+        let program = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        counted(
+            &program,
+            &["test", "-p", "backend-mock", "--test", "schedules"],
+            &[("XFER_SCHEDULES", CI_SCHEDULES)],
+            &mut totals,
+        )?;
+        memcheck(&mut totals)?;
+        address_sanitizer(&mut totals)
+    });
     // The plain closing line CI readers look for, whatever happens next.
     println!("xtask test: {} passed, {} failed", totals.0, totals.1);
     tests?;
