@@ -10,6 +10,7 @@
 //! - `gpu-check`: builds the GPU check and a script for a machine with an NVIDIA GPU.
 //! - `fresh`: `test` in a clean Debian 12 root built with debootstrap (what CI runs; see
 //!   `fresh.rs`), so a missing install step fails here as it would on a new machine.
+//! - `fuzz [SECONDS]`: the decoders' fuzz targets (`fuzz/`), with libFuzzer on nightly.
 //! - `fixtures`: rewrites the sysfs fixture trees of the topology tests.
 //! - `bench-efa`: the EFA backend on libfabric's shm provider, next to a raw libfabric write
 //!   loop, then initiator and target in two processes.
@@ -175,15 +176,104 @@ fn memcheck(totals: &mut (u64, u64)) -> Result {
     Ok(())
 }
 
+/// Whether `cargo +nightly` works here (sanitizers and fuzzing need it).
+fn nightly_available() -> bool {
+    Command::new("cargo")
+        .args(["+nightly", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Seconds each fuzz target runs in `cargo xtask test`.
+const FUZZ_SECONDS: u32 = 20;
+
+/// The fuzz targets (`fuzz/`: every decoder of untrusted input) built with libFuzzer and
+/// AddressSanitizer on nightly, each run for a bounded time; any crash fails, and the input
+/// that caused it is left in `fuzz/artifacts/<target>/`. Skipped with the reason where nightly
+/// is absent. `cargo xtask fuzz [SECONDS]` runs them alone.
+fn fuzz(seconds: u32, totals: &mut (u64, u64)) -> Result {
+    if !nightly_available() {
+        println!("xtask: fuzzing skipped: no nightly toolchain (`cargo +nightly` fails)");
+        return Ok(());
+    }
+    // What cargo-fuzz passes, without needing cargo-fuzz installed.
+    let flags = [
+        "-Cpasses=sancov-module",
+        "-Cllvm-args=-sanitizer-coverage-level=4",
+        "-Cllvm-args=-sanitizer-coverage-inline-8bit-counters",
+        "-Cllvm-args=-sanitizer-coverage-pc-table",
+        "-Cllvm-args=-sanitizer-coverage-trace-compares",
+        "--cfg",
+        "fuzzing",
+        "-Zsanitizer=address",
+        "-Cdebug-assertions",
+        "-Coverflow-checks",
+    ]
+    .join(" ");
+    let status = Command::new("cargo")
+        .args([
+            "+nightly",
+            "build",
+            "--release",
+            "--quiet",
+            "--manifest-path",
+            "fuzz/Cargo.toml",
+            "--target",
+            "x86_64-unknown-linux-gnu",
+            "--target-dir",
+            "target/fuzz",
+        ])
+        .env("RUSTFLAGS", flags)
+        .status()
+        .map_err(|e| format!("cannot run cargo +nightly: {e}"))?;
+    if !status.success() {
+        return Err("building the fuzz targets failed".into());
+    }
+    for target in ["netaddr", "mrdesc", "handshake", "config"] {
+        let corpus = format!("fuzz/corpus/{target}");
+        let artifacts = format!("fuzz/artifacts/{target}/");
+        std::fs::create_dir_all(&corpus).map_err(|e| e.to_string())?;
+        std::fs::create_dir_all(&artifacts).map_err(|e| e.to_string())?;
+        let exe = format!("target/fuzz/x86_64-unknown-linux-gnu/release/{target}");
+        eprintln!("xtask: {exe} -max_total_time={seconds} {corpus}");
+        // libFuzzer is chatty: keep its output, show the summary (all of it on a crash).
+        let out = Command::new(&exe)
+            .args([
+                &format!("-max_total_time={seconds}"),
+                &format!("-artifact_prefix={artifacts}"),
+                &corpus,
+            ])
+            .output()
+            .map_err(|e| format!("cannot run {exe}: {e}"))?;
+        let log = String::from_utf8_lossy(&out.stderr);
+        if out.status.success() {
+            totals.0 += 1;
+            let runs = log
+                .lines()
+                .rev()
+                .find(|l| l.starts_with("Done "))
+                .unwrap_or("done");
+            println!("xtask: fuzz target {target}: no crash ({runs})");
+        } else {
+            totals.1 += 1;
+            let tail: Vec<&str> = log.lines().rev().take(60).collect();
+            for line in tail.into_iter().rev() {
+                eprintln!("{line}");
+            }
+            return Err(format!(
+                "fuzz target {target} crashed ({}); the input is in {artifacts}",
+                out.status
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The mock's conformance and failure-path suites under AddressSanitizer, where the nightly
 /// toolchain is installed (built in its own target directory); skipped with the reason where
 /// it is not.
 fn address_sanitizer(totals: &mut (u64, u64)) -> Result {
-    let nightly = Command::new("cargo")
-        .args(["+nightly", "--version"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !nightly {
+    if !nightly_available() {
         println!(
             "xtask: AddressSanitizer run skipped: no nightly toolchain (`cargo +nightly` fails)"
         );
@@ -257,7 +347,8 @@ fn test() -> Result {
             &mut totals,
         )?;
         memcheck(&mut totals)?;
-        address_sanitizer(&mut totals)
+        address_sanitizer(&mut totals)?;
+        fuzz(FUZZ_SECONDS, &mut totals)
     });
     // The plain closing line CI readers look for, whatever happens next.
     println!("xtask test: {} passed, {} failed", totals.0, totals.1);
@@ -538,6 +629,10 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("test") => test(),
         Some("fresh") => fresh::fresh(),
+        Some("fuzz") => {
+            let seconds = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(60);
+            fuzz(seconds, &mut (0, 0))
+        }
         Some("bench") => bench(&args[1..]),
         Some("bench-efa") => bench_efa(&args[1..]),
         Some("rxe") => rxe_command(&args[1..]),
