@@ -6,16 +6,18 @@
 
 use std::collections::VecDeque;
 
-/// A QP's posted writes, oldest first, with whether each was signalled.
+/// A QP's posted writes, oldest first: each with the id the NIC knows it by (unique per work
+/// request), the engine's id for it (shared by the chunks of one transfer), and whether it
+/// was signalled.
 #[derive(Debug, Default)]
 pub struct Outstanding {
-    fifo: VecDeque<(u64, bool)>,
+    fifo: VecDeque<(u64, u64, bool)>,
 }
 
 impl Outstanding {
-    /// Records a posted write.
-    pub fn push(&mut self, wr_id: u64, signaled: bool) {
-        self.fifo.push_back((wr_id, signaled));
+    /// Records a posted write: `wr_id` as posted, `user` as the engine knows it.
+    pub fn push(&mut self, wr_id: u64, user: u64, signaled: bool) {
+        self.fifo.push_back((wr_id, user, signaled));
     }
 
     /// Writes on the send queue.
@@ -28,11 +30,12 @@ impl Outstanding {
         self.fifo.is_empty()
     }
 
-    /// A successful completion (of the oldest signalled write): the ids it completes, in order.
+    /// A successful completion (of the oldest signalled write): the engine ids it completes,
+    /// in order.
     pub fn complete(&mut self) -> Vec<u64> {
         let mut done = Vec::new();
-        while let Some((wr_id, signaled)) = self.fifo.pop_front() {
-            done.push(wr_id);
+        while let Some((_, user, signaled)) = self.fifo.pop_front() {
+            done.push(user);
             if signaled {
                 break;
             }
@@ -40,22 +43,21 @@ impl Outstanding {
         done
     }
 
-    /// A failed completion of a write with id `wr_id`: the ids that succeeded before it, and
-    /// the failed one (the oldest write with that id). Later writes stay, for the caller to
-    /// fail with [`drain`](Self::drain) once it tears the QP down.
+    /// A failed completion of the work request posted as `wr_id`: the engine ids of the writes
+    /// that succeeded before it, and the failed one's. Later writes stay (their own flush
+    /// completions settle them, or [`drain`](Self::drain)). A `wr_id` that is not outstanding
+    /// (a duplicate, or one already settled) settles nothing.
     pub fn fail(&mut self, wr_id: u64) -> (Vec<u64>, Option<u64>) {
-        let at = self
-            .fifo
-            .iter()
-            .position(|&(id, _)| id == wr_id)
-            .unwrap_or(0);
-        let before = self.fifo.drain(..at).map(|(id, _)| id).collect();
-        (before, self.fifo.pop_front().map(|(id, _)| id))
+        let Some(at) = self.fifo.iter().position(|&(id, _, _)| id == wr_id) else {
+            return (Vec::new(), None);
+        };
+        let before = self.fifo.drain(..at).map(|(_, user, _)| user).collect();
+        (before, self.fifo.pop_front().map(|(_, user, _)| user))
     }
 
-    /// Everything still outstanding (the QP failed), oldest first.
+    /// Everything still outstanding, oldest first (engine ids).
     pub fn drain(&mut self) -> Vec<u64> {
-        self.fifo.drain(..).map(|(id, _)| id).collect()
+        self.fifo.drain(..).map(|(_, user, _)| user).collect()
     }
 }
 
@@ -66,8 +68,14 @@ mod tests {
     #[test]
     fn a_signalled_completion_settles_its_chain() {
         let mut o = Outstanding::default();
-        for (id, s) in [(1, false), (1, false), (2, false), (2, true), (3, true)] {
-            o.push(id, s);
+        for (id, user, s) in [
+            (1, 1, false),
+            (2, 1, false),
+            (3, 2, false),
+            (4, 2, true),
+            (5, 3, true),
+        ] {
+            o.push(id, user, s);
         }
         assert_eq!(o.complete(), vec![1, 1, 2, 2]);
         assert_eq!(o.complete(), vec![3]);
@@ -75,16 +83,38 @@ mod tests {
         assert_eq!(o.complete(), Vec::<u64>::new());
     }
 
+    /// Chunks of one transfer share the engine's id; the NIC's id says which one failed. (It
+    /// used to blame the oldest write with the engine's id, reporting an unrelated completed
+    /// chunk as failed.)
     #[test]
-    fn a_failure_splits_before_and_after() {
+    fn a_failure_names_exactly_the_work_request_that_failed() {
         let mut o = Outstanding::default();
-        for (id, s) in [(1, false), (2, false), (3, false), (3, true), (4, true)] {
-            o.push(id, s);
+        for (id, user, s) in [
+            (10, 7, false),
+            (11, 8, false),
+            (12, 7, false),
+            (13, 7, true),
+        ] {
+            o.push(id, user, s);
         }
-        assert_eq!(o.fail(3), (vec![1, 2], Some(3)));
-        assert_eq!(o.drain(), vec![3, 4]);
-        // An id that is not outstanding fails the oldest write.
-        o.push(9, true);
-        assert_eq!(o.fail(42), (vec![], Some(9)));
+        assert_eq!(o.fail(12), (vec![7, 8], Some(7)));
+        assert_eq!(o.drain(), vec![7]);
+        // An id that is not outstanding settles nothing.
+        o.push(20, 9, true);
+        assert_eq!(o.fail(42), (vec![], None));
+        assert_eq!(o.len(), 1);
+    }
+
+    /// After the QP moved to the error state, each write's flush completion settles it alone.
+    #[test]
+    fn flushes_settle_one_by_one() {
+        let mut o = Outstanding::default();
+        for (id, user, s) in [(1, 1, false), (2, 1, false), (3, 2, true)] {
+            o.push(id, user, s);
+        }
+        assert_eq!(o.fail(1), (vec![], Some(1)));
+        assert_eq!(o.fail(2), (vec![], Some(1)));
+        assert_eq!(o.fail(3), (vec![], Some(2)));
+        assert!(o.is_empty());
     }
 }

@@ -13,6 +13,7 @@ use engine_core::NetAddr;
 use crate::completion::Outstanding;
 use crate::ffi::{
     self, Attr, Device, Mr, Qp, Wc, Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV,
+    TAG_IMM_RECV, TAG_MASK, TAG_MSG_RECV, TAG_SEND,
 };
 use crate::options::VerbsOptions;
 use crate::wire::{choose_gid, GidEntry, Handshake, Kind, VerbsAddr};
@@ -46,10 +47,22 @@ enum Peer {
 /// Writes of one data QP: a chain being built (posted with one doorbell, at most 4), and what
 /// is on the send queue (see [`Outstanding`]): only the last write of a chain is signalled,
 /// and each write still gets its own `Done` event.
-#[derive(Default)]
 struct DataQueue {
     chain: Vec<Write>,
     outstanding: Outstanding,
+    /// When the send queue last moved (a completion, or its first write after being empty):
+    /// a peer whose queue does not move for `unreachable_ms` is declared unreachable.
+    last_progress: Instant,
+}
+
+impl Default for DataQueue {
+    fn default() -> Self {
+        Self {
+            chain: Vec::new(),
+            outstanding: Outstanding::default(),
+            last_progress: Instant::now(),
+        }
+    }
 }
 
 /// Writes per doorbell.
@@ -67,19 +80,21 @@ fn post_chain(qp: &mut Qp, q: &mut DataQueue) -> Result<(), String> {
     // SAFETY: every write was checked against a live registration when accepted; a region
     // deregistered since has its lkey refused by the NIC (an error completion), never read.
     let posted = unsafe { qp.post_writes(&q.chain) }?;
+    if q.outstanding.is_empty() && posted > 0 {
+        q.last_progress = Instant::now();
+    }
     for w in q.chain.drain(..posted) {
-        q.outstanding.push(w.wr_id, w.signaled != 0);
+        q.outstanding.push(w.wr_id, w.user, w.signaled != 0);
     }
     Ok(())
 }
 
 struct SendBuffer {
+    /// The engine's id for the send.
+    user: u64,
     _data: Box<[u8]>,
     _mr: Mr,
 }
-
-/// Receive work-request ids of message buffers carry this tag.
-const MSG_TAG: u64 = 1 << 62;
 
 /// An RDMA device.
 pub struct VerbsDomain {
@@ -110,6 +125,11 @@ pub struct VerbsDomain {
     answers: HashMap<NetAddr, Handshake>,
     wcs: Vec<Wc>,
     rng: fastrand::Rng,
+    /// The id of the next send-side work request (low bits; tagged `TAG_SEND`): unique per
+    /// work request, so a failed completion names exactly one.
+    next_wr: u64,
+    /// Polls since the last check for peers that stopped answering.
+    polls_since_check: u32,
 }
 
 fn err(kind: DomainErrorKind, message: impl Into<String>) -> DomainError {
@@ -182,7 +202,8 @@ impl VerbsDomain {
         }
         for i in 0..options.imm_receives {
             // SAFETY: zero-length receives touch no memory.
-            unsafe { device.post_srq_recv(false, i as u64, 0, 0, 0) }.map_err(other)?;
+            unsafe { device.post_srq_recv(false, TAG_IMM_RECV | i as u64, 0, 0, 0) }
+                .map_err(other)?;
         }
         let me = VerbsAddr {
             gid: attr.gid,
@@ -209,7 +230,15 @@ impl VerbsDomain {
             answers: HashMap::new(),
             wcs: vec![Wc::default(); 32],
             rng: fastrand::Rng::new(),
+            next_wr: 0,
+            polls_since_check: 0,
         })
+    }
+
+    /// A fresh send-side work-request id (see `next_wr`).
+    fn wr_id(&mut self) -> u64 {
+        self.next_wr = (self.next_wr + 1) & !TAG_MASK;
+        TAG_SEND | self.next_wr
     }
 
     fn psn(&mut self) -> u32 {
@@ -305,14 +334,29 @@ impl VerbsDomain {
         let mut failed: Vec<Event> = queued
             .into_iter()
             .map(|q| match q {
-                Queued::Write(w) => failure(w.wr_id),
+                Queued::Write(w) => failure(w.user),
                 Queued::Send { wr_id, .. } => failure(wr_id),
             })
             .collect();
-        // Every write of the data QP, posted or not, ends here, exactly once.
-        if let Some(mut q) = self.data_queues.remove(&data.qpn) {
-            failed.extend(q.outstanding.drain().into_iter().map(failure));
-            failed.extend(q.chain.into_iter().map(|w| failure(w.wr_id)));
+        // The QPs go to the error state first: nothing they hold executes any more (a write
+        // reported failed must not land later, or a retry double-counts its immediate).
+        // What was posted then settles from its own completions — each flushed one fails,
+        // one that completed before the error succeeded — instead of being declared failed
+        // while the NIC may still be executing it. Writes never posted fail now.
+        let mut data = data;
+        let mut msg = msg;
+        let flushing = data.move_to_error().is_ok();
+        let _ = msg.move_to_error();
+        if let Some(q) = self.data_queues.get_mut(&data.qpn) {
+            failed.extend(
+                std::mem::take(&mut q.chain)
+                    .into_iter()
+                    .map(|w| failure(w.user)),
+            );
+            if !flushing || q.outstanding.is_empty() {
+                failed.extend(q.outstanding.drain().into_iter().map(failure));
+                self.data_queues.remove(&data.qpn);
+            }
         }
         self.dead_qps.insert(data.qpn);
         self.done.extend(failed);
@@ -355,12 +399,14 @@ impl VerbsDomain {
     /// A completion of a data QP: settles the writes it completes, in post order.
     fn data_completion(&mut self, wc: &Wc, events: &mut Vec<Event>) {
         if self.dead_qps.contains(&wc.qp_num) {
+            self.settle_flushed(wc, events);
             return;
         }
         let failure = (wc.status != 0).then(|| self.describe_failure(wc));
         let Some(q) = self.data_queues.get_mut(&wc.qp_num) else {
             return;
         };
+        q.last_progress = Instant::now();
         let Some((peer, text)) = failure else {
             events.extend(
                 q.outstanding
@@ -395,6 +441,74 @@ impl VerbsDomain {
         }
     }
 
+    /// A completion of a data QP already in the error state: settles the writes it names (a
+    /// flush fails its write; a success completes its chain), without failing the connection
+    /// again.
+    fn settle_flushed(&mut self, wc: &Wc, events: &mut Vec<Event>) {
+        let text = (wc.status != 0).then(|| self.describe_failure(wc).1);
+        let Some(q) = self.data_queues.get_mut(&wc.qp_num) else {
+            return;
+        };
+        match text {
+            None => events.extend(
+                q.outstanding
+                    .complete()
+                    .into_iter()
+                    .map(|wr_id| Event::Done {
+                        wr_id,
+                        result: Ok(()),
+                    }),
+            ),
+            Some(text) => {
+                let (before, failed) = q.outstanding.fail(wc.wr_id);
+                events.extend(before.into_iter().map(|wr_id| Event::Done {
+                    wr_id,
+                    result: Ok(()),
+                }));
+                if let Some(wr_id) = failed {
+                    events.push(Event::Done {
+                        wr_id,
+                        result: Err(err(classify(wc.status), text)),
+                    });
+                }
+            }
+        }
+        if q.outstanding.is_empty() {
+            self.data_queues.remove(&wc.qp_num);
+        }
+    }
+
+    /// Declares unreachable every peer whose send queue has not moved for `unreachable_ms`
+    /// (a vanished peer: the transport's own retries may never give up, as on soft-RoCE; an
+    /// empty receive queue at the peer with `rnr_retry = 7`). Its QPs go to the error state and
+    /// its writes settle from the flushes as `PeerUnreachable`.
+    fn check_stalled_peers(&mut self) {
+        let limit = Duration::from_millis(self.options.unreachable_ms);
+        let now = Instant::now();
+        let stalled: Vec<(NetAddr, u64)> = self
+            .peers
+            .iter()
+            .filter_map(|(addr, p)| match p {
+                Peer::Connected { data, .. } => {
+                    let q = self.data_queues.get(&data.qpn)?;
+                    let idle = now.duration_since(q.last_progress);
+                    (!q.outstanding.is_empty() && idle >= limit)
+                        .then(|| (addr.clone(), idle.as_millis() as u64))
+                }
+                Peer::Connecting { .. } => None,
+            })
+            .collect();
+        for (peer, idle) in stalled {
+            self.fail_peer(
+                &peer,
+                &format!(
+                    "no completion for {idle} ms (unreachable_ms = {}): the peer is unreachable",
+                    self.options.unreachable_ms
+                ),
+            );
+        }
+    }
+
     fn connect_qps(
         &mut self,
         data: &Qp,
@@ -404,7 +518,11 @@ impl VerbsDomain {
         msg_psn: u32,
     ) -> Result<(), String> {
         let mtu = i32::from(h.mtu.min(self.attr.active_mtu as u8));
-        let t = self.options.ack_timeout;
+        let t = (
+            self.options.ack_timeout,
+            self.options.retry_cnt,
+            self.options.rnr_retry,
+        );
         self.device.connect(
             data,
             h.data_qpn,
@@ -565,7 +683,9 @@ impl VerbsDomain {
                         }
                     }
                     Queued::Send { wr_id, data: bytes } => {
-                        post_message(&mut self.device, msg, &mut self.sends, *wr_id, bytes)
+                        self.next_wr = (self.next_wr + 1) & !TAG_MASK;
+                        let id = TAG_SEND | self.next_wr;
+                        post_message(&mut self.device, msg, &mut self.sends, (id, *wr_id), bytes)
                     }
                 };
                 match r {
@@ -640,7 +760,7 @@ fn post_message(
     device: &mut Device,
     qp: &mut Qp,
     sends: &mut HashMap<u64, SendBuffer>,
-    wr_id: u64,
+    (wr_id, user): (u64, u64),
     bytes: &[u8],
 ) -> Result<bool, String> {
     let data: Box<[u8]> = if bytes.is_empty() {
@@ -656,6 +776,7 @@ fn post_message(
         sends.insert(
             wr_id,
             SendBuffer {
+                user,
                 _data: data,
                 _mr: mr,
             },
@@ -758,7 +879,8 @@ impl Domain for VerbsDomain {
             (wr.local_addr, mr.lkey)
         };
         let w = Write {
-            wr_id: wr.wr_id,
+            wr_id: self.wr_id(),
+            user: wr.wr_id,
             laddr,
             raddr: wr.remote_addr,
             len: wr.len as u32,
@@ -785,7 +907,13 @@ impl Domain for VerbsDomain {
                 }
                 q.chain.push(w);
                 if q.chain.len() >= CHAIN {
-                    post_chain(data, q).map_err(other)?;
+                    if let Err(e) = post_chain(data, q) {
+                        // The write is accepted (it is in the chain): the connection's failure
+                        // reports it, once, as a Done event; returning an error here too
+                        // would finish it twice.
+                        let peer = wr.peer.clone();
+                        self.fail_peer(&peer, &format!("posting writes failed: {e}"));
+                    }
                 }
                 Ok(PostStatus::Posted)
             }
@@ -817,7 +945,9 @@ impl Domain for VerbsDomain {
                 if !queued.is_empty() {
                     return Ok(PostStatus::Busy);
                 }
-                match post_message(&mut self.device, msg, &mut self.sends, wr_id, data) {
+                self.next_wr = (self.next_wr + 1) & !TAG_MASK;
+                let id = TAG_SEND | self.next_wr;
+                match post_message(&mut self.device, msg, &mut self.sends, (id, wr_id), data) {
                     Ok(true) => Ok(PostStatus::Posted),
                     Ok(false) => Ok(PostStatus::Busy),
                     Err(e) => Err(other(e)),
@@ -845,7 +975,7 @@ impl Domain for VerbsDomain {
             unsafe {
                 self.device.post_srq_recv(
                     true,
-                    MSG_TAG | index as u64,
+                    TAG_MSG_RECV | index as u64,
                     addr as u64,
                     len as u32,
                     mr.lkey,
@@ -859,6 +989,11 @@ impl Domain for VerbsDomain {
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError> {
         // Chains still building since the last pass go out now, one doorbell each.
         self.post_chains();
+        self.polls_since_check += 1;
+        if self.polls_since_check >= 1024 {
+            self.polls_since_check = 0;
+            self.check_stalled_peers();
+        }
         events.append(&mut self.done);
         let mut wcs = std::mem::take(&mut self.wcs);
         let result = loop {
@@ -881,7 +1016,7 @@ impl Domain for VerbsDomain {
                         let _ = unsafe { self.device.post_srq_recv(false, wc.wr_id, 0, 0, 0) };
                     }
                     KIND_RECV_MSG => {
-                        let index = (wc.wr_id & !MSG_TAG) as usize;
+                        let index = (wc.wr_id & !TAG_MASK) as usize;
                         if wc.status != 0 {
                             self.receives.release(index);
                         } else if let Some(data) =
@@ -897,7 +1032,9 @@ impl Domain for VerbsDomain {
                     }
                     _ => {
                         // A message: every send is signalled, so each has its own completion.
-                        self.sends.remove(&wc.wr_id);
+                        let Some(send) = self.sends.remove(&wc.wr_id) else {
+                            continue;
+                        };
                         let result = if wc.status == 0 {
                             Ok(())
                         } else {
@@ -908,7 +1045,7 @@ impl Domain for VerbsDomain {
                             Err(err(classify(wc.status), text))
                         };
                         events.push(Event::Done {
-                            wr_id: wc.wr_id,
+                            wr_id: send.user,
                             result,
                         });
                     }

@@ -7,6 +7,7 @@ use verbs_sys as sys;
 
 pub(crate) use sys::{
     XvAttr as Attr, XvWc as Wc, XvWrite as Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV,
+    TAG_IMM_RECV, TAG_MASK, TAG_MSG_RECV, TAG_SEND,
 };
 
 fn text(buf: &[c_char]) -> String {
@@ -187,7 +188,7 @@ impl Device {
         gid: &[u8; 16],
         lid: u16,
         mtu: i32,
-        timeout: i32,
+        (timeout, retry_cnt, rnr_retry): (i32, i32, i32),
     ) -> Result<(), String> {
         let mut err = [0 as c_char; 512];
         // SAFETY: qp belongs to this device; gid has 16 bytes.
@@ -202,6 +203,8 @@ impl Device {
                 lid,
                 mtu,
                 timeout,
+                retry_cnt,
+                rnr_retry,
                 err.as_mut_ptr(),
                 err.len(),
             )
@@ -356,6 +359,18 @@ impl Qp {
             0 => Ok(true),
             12 => Ok(false),
             e => Err(format!("ibv_post_send: {}", errno_text(e))),
+        }
+    }
+}
+
+impl Qp {
+    /// Moves the QP to the error state: nothing more it holds executes, and every outstanding
+    /// work request completes with a flush error.
+    pub(crate) fn move_to_error(&mut self) -> Result<(), String> {
+        // SAFETY: a live QP of this process.
+        match unsafe { sys::xv_qp_to_error(self.raw.as_ptr()) } {
+            0 => Ok(()),
+            e => Err(format!("ibv_modify_qp(ERR): {}", errno_text(e))),
         }
     }
 }

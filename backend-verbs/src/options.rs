@@ -20,8 +20,19 @@ pub struct VerbsOptions {
     pub send_queue: i32,
     /// Zero-length receives kept posted for write-with-immediate arrivals.
     pub imm_receives: i32,
-    /// Local ACK timeout exponent (4.096 µs × 2^n).
+    /// Local ACK timeout exponent (4.096 µs × 2^n), 1 to 31 (0, "wait forever", is refused).
     pub ack_timeout: i32,
+    /// Transport retries before a write fails with "retry exceeded", 0 to 6. (7 is refused:
+    /// soft-RoCE treats it as "retry forever".)
+    pub retry_cnt: i32,
+    /// Retries when the peer has no receive posted, 0 to 7 (7: forever; a stall is still
+    /// caught by `unreachable_ms`).
+    pub rnr_retry: i32,
+    /// A connection whose send queue holds work and has not completed anything for this long
+    /// is declared unreachable: its QPs go to the error state and its writes fail with
+    /// `PeerUnreachable` — whatever the transport's own retries would do. Keep it below the
+    /// engine's `transfer_ms`, so callers see the cause rather than a timeout.
+    pub unreachable_ms: u64,
 }
 
 impl Default for VerbsOptions {
@@ -34,6 +45,9 @@ impl Default for VerbsOptions {
             send_queue: 1024,
             imm_receives: 4096,
             ack_timeout: 14,
+            retry_cnt: 6,
+            rnr_retry: 7,
+            unreachable_ms: 2_000,
         }
     }
 }
@@ -41,11 +55,79 @@ impl Default for VerbsOptions {
 impl VerbsOptions {
     /// Parses `[backends.verbs]`; unknown keys are named.
     pub fn parse(text: &str) -> Result<Self, DomainError> {
-        toml::from_str(text).map_err(|e| {
+        let options: Self = toml::from_str(text).map_err(|e| {
             DomainError::new(
                 DomainErrorKind::InvalidArgument,
                 format!("[backends.verbs]: {e}"),
             )
-        })
+        })?;
+        options.validate().map_err(|m| {
+            DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!("[backends.verbs]: {m}"),
+            )
+        })?;
+        Ok(options)
+    }
+
+    /// Values a NIC would take but that cannot work (an infinite timeout, no receives).
+    pub fn validate(&self) -> Result<(), String> {
+        let checks = [
+            (
+                (1..=31).contains(&self.ack_timeout),
+                format!(
+                    "ack_timeout = {} (1 to 31; 0 would wait forever)",
+                    self.ack_timeout
+                ),
+            ),
+            (
+                (0..=6).contains(&self.retry_cnt),
+                format!(
+                    "retry_cnt = {} (0 to 6; soft-RoCE retries forever at 7)",
+                    self.retry_cnt
+                ),
+            ),
+            (
+                (0..=7).contains(&self.rnr_retry),
+                format!("rnr_retry = {} (0 to 7)", self.rnr_retry),
+            ),
+            (
+                self.imm_receives >= 1,
+                format!("imm_receives = {} (at least 1)", self.imm_receives),
+            ),
+            (
+                self.send_queue >= 1,
+                format!("send_queue = {} (at least 1)", self.send_queue),
+            ),
+            (
+                self.unreachable_ms >= 1 && self.retry_ms >= 1 && self.connect_ms >= 1,
+                "unreachable_ms, retry_ms and connect_ms must be at least 1".to_owned(),
+            ),
+        ];
+        match checks.into_iter().find(|(ok, _)| !ok) {
+            Some((_, message)) => Err(message),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_that_cannot_work_are_refused_by_name() {
+        for (text, needle) in [
+            ("ack_timeout = 0", "ack_timeout"),
+            ("retry_cnt = 7", "retry_cnt"),
+            ("rnr_retry = 8", "rnr_retry"),
+            ("imm_receives = 0", "imm_receives"),
+            ("send_queue = 0", "send_queue"),
+            ("unreachable_ms = 0", "unreachable_ms"),
+        ] {
+            let e = VerbsOptions::parse(text).unwrap_err();
+            assert!(e.message.contains(needle), "{text}: {}", e.message);
+        }
+        assert!(VerbsOptions::parse("").is_ok());
     }
 }

@@ -94,3 +94,49 @@ fn the_next_transfer_after_a_failure_reconnects() {
     }
     assert!(dst.to_vec() == src.to_vec());
 }
+
+/// A peer that vanished after connecting is declared unreachable — not left to the engine's
+/// timeout, whatever the transport's own retries do (soft-RoCE retries forever at
+/// `retry_cnt = 7`) — and well before `transfer_ms`.
+#[test]
+#[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
+fn a_vanished_peer_is_unreachable_before_the_deadline() {
+    use engine_core::conformance::Harness;
+    use std::time::{Duration, Instant};
+    let mut config = Rxe.config(1);
+    config.timeouts.transfer_ms = 20_000;
+    config.backends = toml::from_str("[verbs]\nunreachable_ms = 500\n").unwrap();
+    let a = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let b = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let src = engine_core::HostBuffer::from_fn(&a, 4096, |i| i as u8).unwrap();
+    let dst = engine_core::HostBuffer::new(&b, 4096).unwrap();
+    let desc = dst.desc().clone();
+    let first = engine_core::DoneFlag::new();
+    a.submit_single_write(4096, None, (src.mr(), 0), (&desc, 0), first.clone())
+        .unwrap();
+    first.wait(Duration::from_secs(10)).unwrap();
+    // B's process "dies": its QPs and registrations are gone, the device stays.
+    drop(dst);
+    drop(b);
+    let start = Instant::now();
+    let done = engine_core::DoneCounter::new();
+    for _ in 0..8 {
+        a.submit_single_write(4096, None, (src.mr(), 0), (&desc, 0), done.clone())
+            .unwrap();
+    }
+    let _ = done.wait_for(8, Duration::from_secs(30));
+    assert_eq!(done.failed(), 8);
+    assert!(
+        matches!(
+            done.first_error(),
+            Some(engine_core::Error::PeerUnreachable(_))
+        ),
+        "{:?}",
+        done.first_error()
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "declared unreachable in {:?}, not at the 20 s deadline",
+        start.elapsed()
+    );
+}

@@ -44,7 +44,22 @@ typedef struct xv_attr {
 
 /* Completion kinds, normalised for Rust. */
 enum { XV_SEND_DONE = 0, XV_RECV_MSG = 1, XV_RECV_IMM = 2, XV_UD_RECV = 3, XV_UD_SEND_DONE = 4 };
-#define XV_UD_TAG (1ull << 63)
+
+/* Every work request's id carries what it is in its top four bits, because a failed work
+ * completion defines only wr_id, status, vendor_err and qp_num (ibv_poll_cq(3)): its opcode,
+ * byte_len and immediate are undefined (mlx5 does not write them). Completions are routed by
+ * these tags, never by opcode. The Rust side uses the same values (verbs-sys/src/lib.rs). */
+#define XV_TAG_SHIFT 60
+#define XV_TAG_MASK (0xfull << XV_TAG_SHIFT)
+#define XV_TAG_SEND (0x1ull << XV_TAG_SHIFT)     /* RC write or message send */
+#define XV_TAG_IMM_RECV (0x2ull << XV_TAG_SHIFT) /* zero-length receive of the immediate SRQ */
+#define XV_TAG_MSG_RECV (0x4ull << XV_TAG_SHIFT) /* message buffer of the message SRQ */
+#define XV_TAG_UD_RECV (0x8ull << XV_TAG_SHIFT)  /* handshake receive */
+#define XV_TAG_UD_SEND (0x9ull << XV_TAG_SHIFT)  /* handshake send; low bits: its AH >> 1 */
+
+/* What a failed completion's undefined fields are overwritten with, so code that reads them
+ * fails on soft-RoCE too (rxe happens to fill them in). */
+#define XV_POISON 0xdeadbeefu
 
 typedef struct xv_wc {
     uint64_t wr_id;
@@ -133,7 +148,7 @@ int xv_query_gid(xv_dev *d, int index, uint8_t gid[16], int *type) {
 static int ud_post_recv(xv_dev *d, unsigned slot) {
     struct ibv_sge sge = {.addr = (uintptr_t)(d->ud_buf + (UD_SLOTS + slot) * (GRH + UD_MSG)),
                           .length = GRH + UD_MSG, .lkey = d->ud_mr->lkey};
-    struct ibv_recv_wr wr = {.wr_id = XV_UD_TAG | slot, .sg_list = &sge, .num_sge = 1}, *bad;
+    struct ibv_recv_wr wr = {.wr_id = XV_TAG_UD_RECV | slot, .sg_list = &sge, .num_sge = 1}, *bad;
     return ibv_post_recv(d->ud, &wr, &bad);
 }
 
@@ -275,7 +290,7 @@ struct ibv_qp *xv_create_rc(xv_dev *d, int msg, int max_send_wr, uint32_t *qpn, 
 
 /* INIT -> RTR -> RTS towards a remote QP. */
 int xv_connect_rc(xv_dev *d, struct ibv_qp *qp, uint32_t rqpn, uint32_t rpsn, uint32_t lpsn, const uint8_t rgid[16],
-                  uint16_t rlid, int mtu, int timeout, char *err, size_t cap) {
+                  uint16_t rlid, int mtu, int timeout, int retry_cnt, int rnr_retry, char *err, size_t cap) {
     struct ibv_qp_attr a;
     memset(&a, 0, sizeof a);
     a.qp_state = IBV_QPS_RTR;
@@ -298,8 +313,8 @@ int xv_connect_rc(xv_dev *d, struct ibv_qp *qp, uint32_t rqpn, uint32_t rpsn, ui
     }
     a.qp_state = IBV_QPS_RTS;
     a.timeout = timeout;
-    a.retry_cnt = 7;
-    a.rnr_retry = 7;
+    a.retry_cnt = retry_cnt;
+    a.rnr_retry = rnr_retry;
     a.sq_psn = lpsn;
     a.max_rd_atomic = 1;
     rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
@@ -323,6 +338,7 @@ typedef struct xv_write {
     uint32_t imm;
     int has_imm;
     int signaled;
+    uint64_t user; /* the caller's own id for it; not given to the NIC */
 } xv_write;
 
 /* Posts up to 4 writes as one chain (one doorbell). Returns 0 or an errno (ENOMEM: the send
@@ -348,6 +364,15 @@ int xv_post_writes(struct ibv_qp *qp, const xv_write *w, int n, int *posted) {
     int rc = ibv_post_send(qp, wr, &bad);
     *posted = rc ? (int)(bad - wr) : n;
     return rc;
+}
+
+/* Moves a QP to the error state: nothing more it holds executes, and every outstanding work
+ * request completes with a flush error (signalled or not). */
+int xv_qp_to_error(struct ibv_qp *qp) {
+    struct ibv_qp_attr a;
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_ERR;
+    return ibv_modify_qp(qp, &a, IBV_QP_STATE);
 }
 
 int xv_post_send(struct ibv_qp *qp, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey) {
@@ -378,7 +403,7 @@ int xv_ud_send(xv_dev *d, const uint8_t dgid[16], uint16_t dlid, uint32_t dqpn, 
     uint8_t *buf = d->ud_buf + slot * UD_MSG;
     memcpy(buf, msg, len);
     struct ibv_sge sge = {.addr = (uintptr_t)buf, .length = len, .lkey = d->ud_mr->lkey};
-    struct ibv_send_wr wr = {.wr_id = XV_UD_TAG | ((uint64_t)(uintptr_t)ah >> 1), .sg_list = &sge, .num_sge = 1,
+    struct ibv_send_wr wr = {.wr_id = XV_TAG_UD_SEND | ((uint64_t)(uintptr_t)ah >> 1), .sg_list = &sge, .num_sge = 1,
                              .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED}, *bad;
     wr.wr.ud.ah = ah;
     wr.wr.ud.remote_qpn = dqpn;
@@ -399,6 +424,13 @@ int xv_poll(xv_dev *d, xv_wc *out, int n) {
         return got;
     int k = 0;
     for (int i = 0; i < got; i++) {
+        if (wc[i].status != IBV_WC_SUCCESS) {
+            wc[i].opcode = (enum ibv_wc_opcode)XV_POISON;
+            wc[i].byte_len = XV_POISON;
+            wc[i].imm_data = XV_POISON;
+            wc[i].src_qp = XV_POISON;
+            wc[i].wc_flags = XV_POISON;
+        }
         xv_wc *o = &out[k];
         memset(o, 0, offsetof(xv_wc, data));
         o->wr_id = wc[i].wr_id;
@@ -406,12 +438,13 @@ int xv_poll(xv_dev *d, xv_wc *out, int n) {
         o->byte_len = wc[i].byte_len;
         o->qp_num = wc[i].qp_num;
         o->vendor_err = wc[i].vendor_err;
-        if (d->ud && wc[i].qp_num == d->ud->qp_num) {
-            if (wc[i].opcode == IBV_WC_SEND) {
-                ibv_destroy_ah((struct ibv_ah *)(uintptr_t)((wc[i].wr_id & ~XV_UD_TAG) << 1));
-                continue; /* handshake sends need no report */
-            }
-            unsigned slot = (unsigned)(wc[i].wr_id & ~XV_UD_TAG);
+        uint64_t tag = wc[i].wr_id & XV_TAG_MASK;
+        if (tag == XV_TAG_UD_SEND) {
+            ibv_destroy_ah((struct ibv_ah *)(uintptr_t)((wc[i].wr_id & ~XV_TAG_MASK) << 1));
+            continue; /* handshake sends need no report */
+        }
+        if (tag == XV_TAG_UD_RECV) {
+            unsigned slot = (unsigned)(wc[i].wr_id & ~XV_TAG_MASK);
             if (wc[i].status == IBV_WC_SUCCESS && wc[i].byte_len > GRH) {
                 uint32_t len = wc[i].byte_len - GRH;
                 if (len > UD_MSG)
@@ -421,20 +454,21 @@ int xv_poll(xv_dev *d, xv_wc *out, int n) {
                 o->kind = XV_UD_RECV;
                 k++;
             }
-            ud_post_recv(d, slot);
+            /* A flushed receive (the UD QP failed) is not reposted into a dead QP. */
+            if (wc[i].status != IBV_WC_WR_FLUSH_ERR)
+                ud_post_recv(d, slot);
             continue;
         }
-        switch (wc[i].opcode) {
-        case IBV_WC_RECV_RDMA_WITH_IMM:
+        if (tag == XV_TAG_IMM_RECV) {
             o->kind = XV_RECV_IMM;
-            o->imm = ntohl(wc[i].imm_data);
-            break;
-        case IBV_WC_RECV:
+            o->imm = wc[i].status == IBV_WC_SUCCESS ? ntohl(wc[i].imm_data) : XV_POISON;
+        } else if (tag == XV_TAG_MSG_RECV) {
             o->kind = XV_RECV_MSG;
-            break;
-        default:
-            o->kind = wc[i].status == IBV_WC_SUCCESS ? XV_SEND_DONE : (wc[i].opcode & IBV_WC_RECV ? XV_RECV_MSG : XV_SEND_DONE);
+        } else {
+            o->kind = XV_SEND_DONE;
         }
+        if (wc[i].status != IBV_WC_SUCCESS)
+            o->byte_len = XV_POISON;
         k++;
     }
     return k;

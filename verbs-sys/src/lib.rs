@@ -39,6 +39,18 @@ pub const KIND_RECV_MSG: c_int = 1;
 pub const KIND_RECV_IMM: c_int = 2;
 pub const KIND_UD_RECV: c_int = 3;
 
+/// Work-request id tags (top four bits), as in `shim.c`: a failed completion defines only
+/// `wr_id`, `status`, `vendor_err` and `qp_num`, so completions are routed by these.
+pub const TAG_SHIFT: u32 = 60;
+/// The tag bits.
+pub const TAG_MASK: u64 = 0xf << TAG_SHIFT;
+/// An RC write or message send.
+pub const TAG_SEND: u64 = 0x1 << TAG_SHIFT;
+/// A zero-length receive of the immediate SRQ.
+pub const TAG_IMM_RECV: u64 = 0x2 << TAG_SHIFT;
+/// A message buffer of the message SRQ.
+pub const TAG_MSG_RECV: u64 = 0x4 << TAG_SHIFT;
+
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct XvWc {
@@ -79,6 +91,8 @@ pub struct XvWrite {
     pub imm: u32,
     pub has_imm: c_int,
     pub signaled: c_int,
+    /// The caller's own id for the write (not given to the NIC).
+    pub user: u64,
 }
 
 extern "C" {
@@ -139,9 +153,12 @@ extern "C" {
         rlid: u16,
         mtu: c_int,
         timeout: c_int,
+        retry_cnt: c_int,
+        rnr_retry: c_int,
         err: *mut c_char,
         cap: usize,
     ) -> c_int;
+    pub fn xv_qp_to_error(qp: *mut IbvQp) -> c_int;
     pub fn xv_destroy_qp(qp: *mut IbvQp) -> c_int;
     pub fn xv_post_writes(qp: *mut IbvQp, w: *const XvWrite, n: c_int, posted: *mut c_int)
         -> c_int;

@@ -537,24 +537,25 @@ fn rxe_bench() -> Result {
         "transfer-bench",
     ])?;
     let sizes = [4096u64, 65536, 1 << 20];
-    let list = sizes.map(|s| s.to_string()).join(" ");
-    // perftest's duration mode reports 0 iterations for 1 MiB under emulation: it counts
-    // iterations instead (64 MiB per size, at most 5000). The client retries while the
-    // server is still starting (slow under emulation).
+    // Three rounds in one boot, perftest and xfer alternating per size, so a ratio is not
+    // one sample of TCG noise (the same command varies ±30 % between rounds). perftest's
+    // duration mode reports 0 iterations for 1 MiB under emulation: it counts iterations
+    // instead (64 MiB per size, at most 5000). The client retries while the server is still
+    // starting (slow under emulation).
     let script = format!(
-        "for s in {list}; do n=$(( 67108864 / s )); [ $n -gt 5000 ] && n=5000; \
+        "for round in 1 2 3; do for s in {list}; do n=$(( 67108864 / s )); [ $n -gt 5000 ] && n=5000; \
            ib_write_bw -d rxe0 -x 0 -F -s $s -n $n >/dev/null 2>&1 & sleep 2; \
            for try in 1 2 3 4 5; do \
              out=$(ib_write_bw -d rxe0 -x 0 -F -s $s -n $n localhost 2>/dev/null | awk -v s=$s '$1==s {{print \"PERFTEST\", s, $4}}'); \
              [ -n \"$out\" ] && break; sleep 1; \
            done; echo \"$out\"; wait; \
-         done; \
-         target/release/transfer-bench --config configs/verbs-rxe0.toml --block-size {} --batch-size 128 --duration 3 --no-imm-rate --json",
-        sizes.map(|s| s.to_string()).join(",")
+           target/release/transfer-bench --config configs/verbs-rxe0.toml --block-size $s --batch-size 128 --duration 3 --no-imm-rate --json; \
+         done; done",
+        list = sizes.map(|s| s.to_string()).join(" ")
     );
     let run = rxe::run(
         1,
-        std::time::Duration::from_secs(900),
+        std::time::Duration::from_secs(1500),
         &["bash".into(), "-c".into(), script],
     )?;
     if run.status != 0 {
@@ -563,14 +564,15 @@ fn rxe_bench() -> Result {
             run.status
         ));
     }
-    let mut perftest = std::collections::BTreeMap::new();
-    let mut engine = std::collections::BTreeMap::new();
+    let mut perftest: std::collections::BTreeMap<u64, Vec<f64>> = Default::default();
+    let mut engine: std::collections::BTreeMap<u64, Vec<f64>> = Default::default();
     let mut block = None;
     for line in &run.output {
         let words: Vec<&str> = line.split_whitespace().collect();
-        if let ["PERFTEST", size, mb_s] = words.as_slice() {
-            if let (Ok(size), Ok(mb_s)) = (size.parse::<u64>(), mb_s.parse::<f64>()) {
-                perftest.insert(size, mb_s * 1e6 / (1u64 << 20) as f64);
+        if let ["PERFTEST", size, mib_s] = words.as_slice() {
+            // perftest 4.5 reports MiB/s (2^20 bytes; its --help says so): taken as is.
+            if let (Ok(size), Ok(mib_s)) = (size.parse::<u64>(), mib_s.parse::<f64>()) {
+                perftest.entry(size).or_default().push(mib_s);
             }
         }
         let field = |name: &str| {
@@ -584,29 +586,42 @@ fn rxe_bench() -> Result {
             block = Some(b as u64);
         }
         if let (Some(b), Some(t)) = (block, field("throughput_mib_s")) {
-            engine.insert(b, t);
+            engine.entry(b).or_default().push(t);
         }
     }
-    println!("\nverbs on soft-RoCE (TCG guest), batch 128 (= perftest's TX depth), 3 s per size; perftest: ib_write_bw -x 0 -F -n");
+    println!("\nverbs on soft-RoCE (TCG guest), batch 128 (= perftest's TX depth), 3 s per size, 3 alternating rounds; perftest: ib_write_bw -x 0 -F -n (MiB/s)");
     println!(
-        "{:>10} | {:>16} | {:>19} | {:>6}",
-        "block", "xfer (MiB/s)", "ib_write_bw (MiB/s)", "ratio"
+        "{:>10} | {:>24} | {:>24} | {:>6} | {:>13}",
+        "block", "xfer MiB/s (per round)", "ib_write_bw MiB/s", "median", "ratio spread"
     );
     for size in sizes {
-        match (engine.get(&size), perftest.get(&size)) {
-            (Some(e), Some(p)) => println!("{size:>10} | {e:>16.1} | {p:>19.1} | {:>6.3}", e / p),
-            (e, p) => println!(
-                "{size:>10} | {:>16} | {:>19} |      -",
-                fmt_opt(e),
-                fmt_opt(p)
+        let (e, p) = (
+            engine.get(&size).cloned().unwrap_or_default(),
+            perftest.get(&size).cloned().unwrap_or_default(),
+        );
+        let mut ratios: Vec<f64> = e.iter().zip(&p).map(|(e, p)| e / p).collect();
+        ratios.sort_by(f64::total_cmp);
+        let list = |v: &[f64]| {
+            v.iter()
+                .map(|x| format!("{x:.0}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        match (ratios.first(), ratios.last()) {
+            (Some(lo), Some(hi)) => println!(
+                "{size:>10} | {:>24} | {:>24} | {:>6.3} | {lo:.3}–{hi:.3}",
+                list(&e),
+                list(&p),
+                ratios[ratios.len() / 2]
+            ),
+            _ => println!(
+                "{size:>10} | {:>24} | {:>24} |      - | missing rounds",
+                list(&e),
+                list(&p)
             ),
         }
     }
     Ok(())
-}
-
-fn fmt_opt(v: Option<&f64>) -> String {
-    v.map_or("missing".into(), |v| format!("{v:.1}"))
 }
 
 fn bench(extra: &[String]) -> Result {
