@@ -417,6 +417,30 @@ fn the_engine_can_be_dropped_from_its_watcher_thread() {
     std::thread::sleep(Duration::from_millis(50));
 }
 
+/// 9. A watcher that is handed its engine does not keep it alive (no reference cycle).
+#[test]
+fn a_watcher_handed_its_engine_does_not_keep_it_alive() {
+    let config = mock_config(1, "");
+    let engine = open(&config);
+    let seen = Arc::new(AtomicUsize::new(0));
+    let s = Arc::clone(&seen);
+    let watcher = engine
+        .alloc_uvm_watcher_for(move |e, _, new| {
+            assert!(e.nic_count() >= 1);
+            s.store(new as usize, Ordering::SeqCst);
+            uvm_watcher::Control::Continue
+        })
+        .unwrap();
+    watcher.store(3);
+    wait_until("the callback", || seen.load(Ordering::SeqCst) == 3);
+    let weak = Arc::downgrade(&engine);
+    drop(engine);
+    assert!(
+        weak.upgrade().is_none(),
+        "the watcher kept the engine alive"
+    );
+}
+
 /// 10. An oversized message is refused without losing the receiver's buffer.
 #[test]
 fn an_oversized_message_does_not_cost_the_receiver_a_buffer() {

@@ -792,6 +792,10 @@ impl TransferEngine {
     /// one call; see the `uvm_watcher` crate). Return `Control::Stop` to free the slot. The
     /// callback may submit transfers: the typical use starts a layer's RDMA when the GPU
     /// signals the layer is computed.
+    ///
+    /// A callback that captures an `Arc` of this engine keeps it alive (engine → watcher pool
+    /// → callback → engine) until it returns `Stop` or its slot is freed; use
+    /// [`alloc_uvm_watcher_for`](Self::alloc_uvm_watcher_for) to be handed the engine instead.
     pub fn alloc_uvm_watcher(
         &self,
         cb: impl FnMut(u64, u64) -> uvm_watcher::Control + Send + 'static,
@@ -811,6 +815,20 @@ impl TransferEngine {
             }
         };
         Ok(pool.watch(cb)?)
+    }
+
+    /// Like [`alloc_uvm_watcher`](Self::alloc_uvm_watcher), but the callback is handed the
+    /// engine (`cb(&engine, old, new)`) instead of capturing it: the slot holds the engine
+    /// weakly, so dropping the caller's last `Arc` drops the engine (the slot then stops).
+    pub fn alloc_uvm_watcher_for(
+        self: &Arc<Self>,
+        mut cb: impl FnMut(&Arc<TransferEngine>, u64, u64) -> uvm_watcher::Control + Send + 'static,
+    ) -> Result<uvm_watcher::Watcher> {
+        let weak = Arc::downgrade(self);
+        self.alloc_uvm_watcher(move |old, new| match weak.upgrade() {
+            Some(engine) => cb(&engine, old, new),
+            None => uvm_watcher::Control::Stop,
+        })
     }
 }
 

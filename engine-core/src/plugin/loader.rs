@@ -247,7 +247,7 @@ impl LoadedPlugin {
         Ok(Box::new(PluginDomain {
             plugin: Arc::clone(self),
             handle,
-            waker: None,
+            wakers: Vec::new(),
         }))
     }
 }
@@ -256,9 +256,16 @@ impl LoadedPlugin {
 struct PluginDomain {
     plugin: Arc<LoadedPlugin>,
     handle: *mut c_void,
-    /// The wake context handed to the plugin; freed only after `close`.
-    waker: Option<Box<Waker>>,
+    /// The ids of the wakers handed to the plugin (its `ctx`), removed from [`WAKERS`] on drop.
+    wakers: Vec<usize>,
 }
+
+/// Wakers handed to plugins, by id. A plugin gets an id, never a pointer: one that (against
+/// the contract) calls its waker after `close` finds nothing and does nothing, instead of
+/// reading freed memory.
+static WAKERS: std::sync::LazyLock<std::sync::RwLock<std::collections::HashMap<usize, Waker>>> =
+    std::sync::LazyLock::new(Default::default);
+static NEXT_WAKER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
 
 // SAFETY: the ABI requires Domains to be movable between threads (the engine uses each from
 // one worker thread at a time), exactly like the `Send` bound on the Rust trait.
@@ -278,8 +285,11 @@ impl Drop for PluginDomain {
     fn drop(&mut self) {
         // SAFETY: the handle came from open and is closed exactly once, here.
         unsafe { (self.plugin.table.close)(self.handle) };
-        // The waker box drops after close, so the plugin can no longer call it.
-        self.waker = None;
+        // After close; a late call finds no waker (see WAKERS).
+        let mut wakers = WAKERS.write().unwrap_or_else(|p| p.into_inner());
+        for id in self.wakers.drain(..) {
+            wakers.remove(&id);
+        }
     }
 }
 
@@ -310,8 +320,16 @@ unsafe extern "C" fn collect_event(sink: *mut c_void, event: *const RawEvent) {
 }
 
 unsafe extern "C" fn wake_trampoline(ctx: *const c_void) {
-    // SAFETY: ctx is the Box<Waker> PluginDomain keeps alive until after close.
-    unsafe { &*(ctx as *const Waker) }.wake();
+    // ctx is a waker id, not a pointer (see WAKERS): nothing is dereferenced.
+    let id = ctx as usize;
+    let waker = WAKERS
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&id)
+        .cloned();
+    if let Some(w) = waker {
+        w.wake();
+    }
 }
 
 impl Domain for PluginDomain {
@@ -411,16 +429,17 @@ impl Domain for PluginDomain {
     }
 
     fn set_waker(&mut self, waker: Waker) -> bool {
-        let boxed = Box::new(waker);
-        let ctx = &*boxed as *const Waker as *const c_void;
-        // SAFETY: live handle; ctx stays valid until after close (it is dropped in Drop).
+        let id = NEXT_WAKER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        WAKERS
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, waker);
+        let ctx = id as *const c_void;
+        // SAFETY: live handle; ctx is an opaque id the trampoline looks up, valid forever.
         let will_wake =
             unsafe { (self.plugin.table.set_waker)(self.handle, ctx, wake_trampoline) } != 0;
-        // Any previous waker may still be referenced by the plugin until close; keep the old
-        // one alive by leaking at most one per call (the engine installs one per Domain).
-        if let Some(old) = self.waker.replace(boxed) {
-            std::mem::forget(old);
-        }
+        // A previous waker stays registered until close: the plugin may still call it.
+        self.wakers.push(id);
         will_wake
     }
 }
