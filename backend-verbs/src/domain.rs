@@ -130,6 +130,10 @@ pub struct VerbsDomain {
     next_wr: u64,
     /// Polls since the last check for peers that stopped answering.
     polls_since_check: u32,
+    /// Immediate receives consumed and not yet reposted: refilled in one batch per poll, and
+    /// kept owed (and reported) when the SRQ refuses them.
+    imm_deficit: u32,
+    next_imm_recv: u64,
 }
 
 fn err(kind: DomainErrorKind, message: impl Into<String>) -> DomainError {
@@ -143,7 +147,8 @@ fn other(message: String) -> DomainError {
 /// Maps a failed work completion to the engine's kinds.
 fn classify(status: i32) -> DomainErrorKind {
     match status {
-        10 | 9 => DomainErrorKind::RemoteAccess, // REM_ACCESS_ERR, REM_INV_REQ_ERR
+        10 => DomainErrorKind::RemoteAccess,   // REM_ACCESS_ERR
+        9 => DomainErrorKind::InvalidArgument, // REM_INV_REQ_ERR: the request itself was malformed
         12 | 13 | 5 => DomainErrorKind::PeerUnreachable, // RETRY_EXC, RNR_RETRY_EXC, WR_FLUSH
         _ => DomainErrorKind::Other,
     }
@@ -205,6 +210,7 @@ impl VerbsDomain {
             unsafe { device.post_srq_recv(false, TAG_IMM_RECV | i as u64, 0, 0, 0) }
                 .map_err(other)?;
         }
+        let options_imm_receives = options.imm_receives;
         let me = VerbsAddr {
             gid: attr.gid,
             lid: attr.lid,
@@ -232,7 +238,29 @@ impl VerbsDomain {
             rng: fastrand::Rng::new(),
             next_wr: 0,
             polls_since_check: 0,
+            imm_deficit: 0,
+            next_imm_recv: u64::try_from(options_imm_receives).unwrap_or(0),
         })
+    }
+
+    /// Reposts the immediate receives consumed so far, in one batch. What the SRQ refuses stays
+    /// owed and is reported: an SRQ that runs dry would stall every writer (RNR) silently.
+    fn refill_imm_receives(&mut self) -> Result<(), DomainError> {
+        if self.imm_deficit == 0 {
+            return Ok(());
+        }
+        let (posted, error) = self
+            .device
+            .post_imm_recvs(self.next_imm_recv, self.imm_deficit);
+        self.next_imm_recv += u64::from(posted);
+        self.imm_deficit -= posted;
+        match error {
+            None => Ok(()),
+            Some(e) => Err(other(format!(
+                "{}: {} immediate receives could not be reposted ({e}); writers will stall",
+                self.name, self.imm_deficit
+            ))),
+        }
     }
 
     /// A fresh send-side work-request id (see `next_wr`).
@@ -362,6 +390,57 @@ impl VerbsDomain {
         self.done.extend(failed);
         self.graveyard.push(data);
         self.graveyard.push(msg);
+    }
+
+    /// Retires a connection the peer replaced: its QPs go to the error state and are kept until
+    /// the device closes (their flushes settle what was posted), and the writes it never
+    /// posted are returned, to go out on the new connection.
+    fn retire_connection(
+        &mut self,
+        mut data: Qp,
+        mut msg: Qp,
+        mut queued: VecDeque<Queued>,
+    ) -> VecDeque<Queued> {
+        let flushing = data.move_to_error().is_ok();
+        let _ = msg.move_to_error();
+        if let Some(q) = self.data_queues.get_mut(&data.qpn) {
+            let unposted: Vec<Queued> = q.chain.drain(..).map(Queued::Write).collect();
+            for w in unposted.into_iter().rev() {
+                queued.push_front(w);
+            }
+            if !flushing || q.outstanding.is_empty() {
+                let lost = q.outstanding.drain();
+                self.data_queues.remove(&data.qpn);
+                self.done.extend(lost.into_iter().map(|wr_id| Event::Done {
+                    wr_id,
+                    result: Err(err(
+                        DomainErrorKind::PeerUnreachable,
+                        "the peer replaced the connection".to_owned(),
+                    )),
+                }));
+            }
+        }
+        self.dead_qps.insert(data.qpn);
+        self.graveyard.push(data);
+        self.graveyard.push(msg);
+        queued
+    }
+
+    /// Fails writes and sends that were never posted.
+    fn fail_queued(&mut self, peer: &NetAddr, queued: VecDeque<Queued>, why: &str) {
+        for q in queued {
+            let wr_id = match q {
+                Queued::Write(w) => w.user,
+                Queued::Send { wr_id, .. } => wr_id,
+            };
+            self.done.push(Event::Done {
+                wr_id,
+                result: Err(err(
+                    DomainErrorKind::PeerUnreachable,
+                    format!("{peer} via {}: {why}", self.name),
+                )),
+            });
+        }
     }
 
     /// Posts every non-empty chain of a connected peer.
@@ -574,12 +653,17 @@ impl VerbsDomain {
                     Some(Peer::Connected {
                         data, msg, queued, ..
                     }) => {
-                        // The peer restarted the connection: the old QPs are done.
-                        self.graveyard.push(data);
-                        self.graveyard.push(msg);
+                        // The peer restarted the connection: settle the old one fully first.
+                        // Its QPs go to the error state (what they hold settles from the
+                        // flushes, never reported twice, never failing the new connection);
+                        // writes it never posted move to the new one.
+                        let queued = self.retire_connection(data, msg, queued);
                         match self.new_qps() {
                             Ok((d, m)) => (d, m, queued),
-                            Err(_) => return,
+                            Err(_) => {
+                                self.fail_queued(&peer, queued, "no QPs for the new connection");
+                                return;
+                            }
                         }
                     }
                     None => match self.new_qps() {
@@ -1012,8 +1096,8 @@ impl Domain for VerbsDomain {
                         if wc.status == 0 {
                             events.push(Event::ImmArrival { imm: wc.imm });
                         }
-                        // SAFETY: zero-length receives touch no memory.
-                        let _ = unsafe { self.device.post_srq_recv(false, wc.wr_id, 0, 0, 0) };
+                        // Reposted in one batch at the end of this poll.
+                        self.imm_deficit += 1;
                     }
                     KIND_RECV_MSG => {
                         let index = (wc.wr_id & !TAG_MASK) as usize;
@@ -1039,7 +1123,12 @@ impl Domain for VerbsDomain {
                             Ok(())
                         } else {
                             let (peer, text) = self.describe_failure(wc);
-                            if let Some(p) = peer {
+                            // A late error of a connection already replaced must not tear
+                            // down its successor.
+                            let current = peer.as_ref().is_some_and(|p| {
+                                matches!(self.peers.get(p), Some(Peer::Connected { msg, .. }) if msg.qpn == wc.qp_num)
+                            });
+                            if let (true, Some(p)) = (current, peer) {
                                 self.fail_peer(&p, &text);
                             }
                             Err(err(classify(wc.status), text))
@@ -1056,6 +1145,8 @@ impl Domain for VerbsDomain {
             }
         };
         self.wcs = wcs;
+        // Every receive consumed in this pass goes back in one batch.
+        let refill = self.refill_imm_receives();
         self.check_handshakes();
         let connected: Vec<NetAddr> = self
             .peers
@@ -1068,6 +1159,6 @@ impl Domain for VerbsDomain {
         }
         self.post_chains();
         events.append(&mut self.done);
-        result
+        result.and(refill)
     }
 }

@@ -236,6 +236,17 @@ impl Device {
         Ok(())
     }
 
+    /// Posts `n` zero-length receives to the immediate SRQ in one call; returns how many went
+    /// in, and the error if not all did.
+    pub(crate) fn post_imm_recvs(&mut self, first: u64, n: u32) -> (u32, Option<String>) {
+        let mut posted = 0;
+        let n = i32::try_from(n).unwrap_or(i32::MAX);
+        // SAFETY: zero-length receives touch no memory; `posted` is a valid out-pointer.
+        let rc = unsafe { sys::xv_post_imm_recvs(self.raw.as_ptr(), first, n, &mut posted) };
+        let error = (rc != 0).then(|| format!("ibv_post_srq_recv: {}", errno_text(rc)));
+        (posted.max(0) as u32, error)
+    }
+
     pub(crate) fn ud_send(
         &mut self,
         gid: &[u8; 16],

@@ -803,10 +803,12 @@ impl TransferEngine {
         let pool = match self.watchers.get() {
             Some(p) => p,
             None => {
-                let w = self.shared.config.watcher;
+                let w = &self.shared.config.watcher;
                 let pool = uvm_watcher::WatcherPool::new(uvm_watcher::PoolConfig {
                     cpu: w.cpu,
                     max_slots: w.max_slots,
+                    memory: w.memory_choice().map_err(Error::InvalidArgument)?,
+                    pass_interval_us: w.pass_interval_us,
                     ..uvm_watcher::PoolConfig::default()
                 })?;
                 // Another thread may have won the race; its pool is used and ours dropped.

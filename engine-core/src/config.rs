@@ -150,13 +150,21 @@ impl Default for WorkerConfig {
 }
 
 /// The uvm-watcher pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct WatcherConfig {
     /// CPU to pin the polling thread to (none: not pinned).
     pub cpu: Option<usize>,
     /// Most watcher slots (rounded up to blocks of 512).
     pub max_slots: usize,
+    /// Where slots live: `auto` (GPU memory through GDRCopy, else device-mapped host memory,
+    /// else host memory), `host`, `device_mapped` or `gpu_gdrcopy` (a kind that cannot be had
+    /// is an error naming why). See the `uvm_watcher` crate for what each costs.
+    pub memory: String,
+    /// Pause between polling passes, in microseconds (0: spin). GPU-memory slots cost an
+    /// uncached PCIe read per block and pass; a pause makes the poller cheap at that much
+    /// latency.
+    pub pass_interval_us: u64,
 }
 
 impl Default for WatcherConfig {
@@ -164,7 +172,16 @@ impl Default for WatcherConfig {
         Self {
             cpu: None,
             max_slots: 2048,
+            memory: "auto".into(),
+            pass_interval_us: 0,
         }
+    }
+}
+
+impl WatcherConfig {
+    /// The slot memory asked for.
+    pub fn memory_choice(&self) -> Result<uvm_watcher::MemoryChoice, String> {
+        uvm_watcher::MemoryChoice::parse(&self.memory).map_err(|e| format!("watcher.memory: {e}"))
     }
 }
 
@@ -298,6 +315,7 @@ impl Config {
                 }
             }
         }
+        self.watcher.memory_choice().map_err(|m| self.invalid(m))?;
         let w = &self.worker;
         if w.max_message == 0 || w.max_outstanding == 0 || w.max_idle_imms == 0 {
             return Err(self.invalid(

@@ -25,6 +25,8 @@ type Unpin = unsafe extern "C" fn(*mut c_void, MemHandle) -> c_int;
 type Map = unsafe extern "C" fn(*mut c_void, MemHandle, *mut *mut c_void, usize) -> c_int;
 type Unmap = unsafe extern "C" fn(*mut c_void, MemHandle, *mut c_void, usize) -> c_int;
 type Version = unsafe extern "C" fn(*mut c_int, *mut c_int);
+type CopyFrom = unsafe extern "C" fn(MemHandle, *mut c_void, *const c_void, usize) -> c_int;
+type CopyTo = unsafe extern "C" fn(MemHandle, *mut c_void, *const c_void, usize) -> c_int;
 
 /// An open GDRCopy handle (library loaded, driver reachable).
 pub struct Gdr {
@@ -34,6 +36,8 @@ pub struct Gdr {
     unpin: Unpin,
     map: Map,
     unmap: Unmap,
+    copy_from: CopyFrom,
+    copy_to: CopyTo,
     /// (major, minor) of the runtime.
     pub version: (i32, i32),
     _library: Library,
@@ -89,6 +93,8 @@ impl Gdr {
             unpin: symbol(&library, "gdr_unpin_buffer")?,
             map: symbol(&library, "gdr_map")?,
             unmap: symbol(&library, "gdr_unmap")?,
+            copy_from: symbol(&library, "gdr_copy_from_mapping")?,
+            copy_to: symbol(&library, "gdr_copy_to_mapping")?,
             version: (major, minor),
             _library: library,
         })
@@ -119,6 +125,26 @@ impl Gdr {
             return Err(format!("gdr_map failed ({rc})"));
         }
         Ok((mh, va as *mut u8))
+    }
+
+    /// Reads `dst.len()` bytes of a mapping at `src` with GDRCopy's BAR-read routine (one bulk
+    /// read: BAR reads are uncached and cost about a microsecond each, so batch them).
+    ///
+    /// # Safety
+    /// `src..src + dst.len()` lies inside the live mapping `mh`.
+    pub unsafe fn copy_from_mapping(&self, mh: MemHandle, dst: &mut [u8], src: *const u8) {
+        // SAFETY: per this function's contract; `dst` is ours.
+        unsafe { (self.copy_from)(mh, dst.as_mut_ptr().cast(), src.cast(), dst.len()) };
+    }
+
+    /// Writes `src` into a mapping at `dst` (write-combined; visible to the GPU after the
+    /// fence GDRCopy's routine ends with).
+    ///
+    /// # Safety
+    /// `dst..dst + src.len()` lies inside the live mapping `mh`.
+    pub unsafe fn copy_to_mapping(&self, mh: MemHandle, dst: *mut u8, src: &[u8]) {
+        // SAFETY: per this function's contract.
+        unsafe { (self.copy_to)(mh, dst.cast(), src.as_ptr().cast(), src.len()) };
     }
 
     /// Undoes [`pin_and_map`](Self::pin_and_map).

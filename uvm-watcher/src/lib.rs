@@ -28,7 +28,7 @@ mod pool;
 
 pub use counter::{CounterMemory, GpuCounter};
 pub use memory::{MemoryKind, SLOTS_PER_BLOCK};
-pub use pool::{Control, MemoryChoice, PoolConfig, Watcher, WatcherPool};
+pub use pool::{probe, Control, MemoryChoice, PoolConfig, Watcher, WatcherPool};
 
 /// Whether a CUDA driver library is present (device-mapped slots are possible).
 pub fn cuda_driver_present() -> bool {

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use crate::memory::{Block, MemoryKind, SLOTS_PER_BLOCK};
+use crate::memory::{changed, Block, MemoryKind, SLOTS_PER_BLOCK};
 use crate::WatcherError;
 
 /// What a callback asks for next.
@@ -18,16 +18,104 @@ pub enum Control {
 
 type Callback = Box<dyn FnMut(u64, u64) -> Control + Send>;
 
-/// Which memory a pool's slots use.
+/// Which memory a pool's slots use (see the `memory` module for what each costs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MemoryChoice {
-    /// Device-mapped memory when a CUDA driver and device are present, else host memory
-    /// (logged once).
+    /// GPU memory through GDRCopy when `libgdrapi` and the `gdrdrv` device are present, else
+    /// device-mapped memory when a CUDA driver and device are, else host memory; the choice
+    /// and the reasons are logged.
     Auto,
     /// Host memory, always.
     Host,
     /// Device-mapped memory, or an error saying why not.
     DeviceMapped,
+    /// GPU memory polled through GDRCopy, or an error saying why not (no driver, no
+    /// `gdrdrv`, pinning failed) — never a silent fallback.
+    GpuGdrcopy,
+}
+
+impl MemoryChoice {
+    /// Parses a config value: `auto`, `host`, `device_mapped` or `gpu_gdrcopy`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        match text {
+            "auto" => Ok(Self::Auto),
+            "host" => Ok(Self::Host),
+            "device_mapped" => Ok(Self::DeviceMapped),
+            "gpu_gdrcopy" => Ok(Self::GpuGdrcopy),
+            other => Err(format!(
+                "unknown watcher memory {other:?}: auto, host, device_mapped or gpu_gdrcopy"
+            )),
+        }
+    }
+}
+
+/// Where new blocks come from.
+#[derive(Clone)]
+enum Source {
+    Host,
+    Mapped(Arc<crate::cuda::Cuda>),
+    Gdr(Arc<gdrcopy_sys::Gdr>, u32),
+}
+
+impl Source {
+    fn kind(&self) -> MemoryKind {
+        match self {
+            Self::Host => MemoryKind::Host,
+            Self::Mapped(_) => MemoryKind::DeviceMapped,
+            Self::Gdr(..) => MemoryKind::GpuGdrcopy,
+        }
+    }
+
+    fn block(&self) -> Result<Block, String> {
+        match self {
+            Self::Host => Ok(Block::host()),
+            Self::Mapped(cuda) => Block::mapped(cuda),
+            Self::Gdr(gdr, device) => Block::gdr(gdr, *device),
+        }
+    }
+
+    /// What `choice` gives on this machine, or why it cannot be had. For `Auto`, the reasons
+    /// the better kinds were passed over come back too. One block is allocated and dropped to
+    /// prove the kind works (pinning can fail where the library loads).
+    fn choose(choice: MemoryChoice, device: i32) -> Result<(Self, Vec<String>), String> {
+        let gdr = || -> Result<Self, String> {
+            let index = u32::try_from(device).map_err(|_| format!("CUDA device {device}"))?;
+            if !crate::cuda_driver_present() {
+                return Err("no CUDA driver library (libcuda.so) on this machine".into());
+            }
+            let source = Self::Gdr(Arc::new(gdrcopy_sys::Gdr::open()?), index);
+            source
+                .block()
+                .map_err(|e| format!("pinning GPU memory with GDRCopy: {e}"))?;
+            Ok(source)
+        };
+        let mapped = || -> Result<Self, String> {
+            Ok(Self::Mapped(Arc::new(crate::cuda::Cuda::open(device)?)))
+        };
+        match choice {
+            MemoryChoice::Host => Ok((Self::Host, Vec::new())),
+            MemoryChoice::DeviceMapped => mapped().map(|s| (s, Vec::new())),
+            MemoryChoice::GpuGdrcopy => gdr().map(|s| (s, Vec::new())),
+            MemoryChoice::Auto => {
+                let mut passed = Vec::new();
+                match gdr() {
+                    Ok(s) => return Ok((s, passed)),
+                    Err(why) => passed.push(format!("not gpu_gdrcopy: {why}")),
+                }
+                match mapped() {
+                    Ok(s) => return Ok((s, passed)),
+                    Err(why) => passed.push(format!("not device_mapped: {why}")),
+                }
+                Ok((Self::Host, passed))
+            }
+        }
+    }
+}
+
+/// Which kind `choice` gives on this machine, with the reasons better kinds were passed over
+/// (for `xfer info` and `xfer doctor`), or why the requested kind cannot be had.
+pub fn probe(choice: MemoryChoice, cuda_device: i32) -> Result<(MemoryKind, Vec<String>), String> {
+    Source::choose(choice, cuda_device).map(|(s, why)| (s.kind(), why))
 }
 
 /// How a pool is set up.
@@ -41,6 +129,11 @@ pub struct PoolConfig {
     pub memory: MemoryChoice,
     /// The CUDA device whose address space device-mapped slots appear in.
     pub cuda_device: i32,
+    /// Pause between two polling passes, in microseconds (0: spin, yielding now and then).
+    /// Each pass over GPU-memory slots costs one uncached PCIe read per block with active
+    /// slots (~1 µs for one slot, ~10 µs for a whole block), so a short pause trades that
+    /// much latency for a much cheaper poller.
+    pub pass_interval_us: u64,
 }
 
 impl Default for PoolConfig {
@@ -50,6 +143,7 @@ impl Default for PoolConfig {
             max_slots: 4 * SLOTS_PER_BLOCK,
             memory: MemoryChoice::Auto,
             cuda_device: 0,
+            pass_interval_us: 0,
         }
     }
 }
@@ -79,8 +173,12 @@ struct Shared {
     stop: AtomicBool,
     max_slots: usize,
     poller: Mutex<Option<std::thread::Thread>>,
-    /// Set when slots are device-mapped.
-    cuda: Option<Arc<crate::cuda::Cuda>>,
+    /// Where blocks come from.
+    source: Source,
+    pass_interval: std::time::Duration,
+    /// Polling passes over active slots, and the time they took (read and compare).
+    passes: AtomicU64,
+    pass_ns: AtomicU64,
 }
 
 impl Shared {
@@ -127,8 +225,8 @@ impl std::fmt::Debug for Watcher {
 }
 
 impl Watcher {
-    fn cell(&self) -> &AtomicU64 {
-        self.block.slot(self.index % SLOTS_PER_BLOCK)
+    fn at(&self) -> usize {
+        self.index % SLOTS_PER_BLOCK
     }
 
     /// The slot's index in the pool.
@@ -136,14 +234,15 @@ impl Watcher {
         self.index
     }
 
-    /// The host address of the slot, for producers that write it directly.
+    /// The CPU address of the slot, for producers that write it directly (for GPU memory:
+    /// inside the uncached BAR mapping; prefer [`store`](Self::store)).
     pub fn host_ptr(&self) -> *mut u64 {
-        self.cell().as_ptr()
+        self.block.host_ptr(self.at())
     }
 
     /// The address a GPU kernel writes, when the slot is device-mapped memory.
     pub fn device_ptr(&self) -> Option<u64> {
-        self.block.device_ptr(self.index % SLOTS_PER_BLOCK)
+        self.block.device_ptr(self.at())
     }
 
     /// What backs the slot.
@@ -153,17 +252,18 @@ impl Watcher {
 
     /// The slot's current value.
     pub fn value(&self) -> u64 {
-        self.cell().load(Ordering::Acquire)
+        self.block.load(self.at())
     }
 
     /// Sets the slot (a CPU producer).
     pub fn store(&self, value: u64) {
-        self.cell().store(value, Ordering::Release);
+        self.block.store(self.at(), value);
     }
 
-    /// Adds to the slot (a CPU producer bumping a counter); returns the new value.
+    /// Adds to the slot (a CPU producer bumping a counter); returns the new value. Atomic
+    /// except in GPU memory, where it is a read-modify-write over PCIe (see `MemoryKind`).
     pub fn add(&self, delta: u64) -> u64 {
-        self.cell().fetch_add(delta, Ordering::AcqRel) + delta
+        self.block.add(self.at(), delta)
     }
 
     /// Frees the slot now.
@@ -184,19 +284,14 @@ impl Drop for Watcher {
 impl WatcherPool {
     /// Starts the polling thread (pinned if `config.cpu` is set).
     pub fn new(config: PoolConfig) -> Result<Self, WatcherError> {
-        let cuda = match config.memory {
-            MemoryChoice::Host => None,
-            MemoryChoice::DeviceMapped => Some(Arc::new(
-                crate::cuda::Cuda::open(config.cuda_device).map_err(WatcherError::Memory)?,
-            )),
-            MemoryChoice::Auto => match crate::cuda::Cuda::open(config.cuda_device) {
-                Ok(c) => Some(Arc::new(c)),
-                Err(why) => {
-                    tracing::info!("uvm-watcher: slots in host memory ({why})");
-                    None
-                }
-            },
-        };
+        let (source, passed_over) =
+            Source::choose(config.memory, config.cuda_device).map_err(WatcherError::Memory)?;
+        tracing::info!(
+            memory = source.kind().name(),
+            passed_over = ?passed_over,
+            "uvm-watcher: slots in {} memory",
+            source.kind().name()
+        );
         let shared = Arc::new(Shared {
             blocks: Mutex::new(Vec::new()),
             created: Mutex::new(0),
@@ -207,7 +302,10 @@ impl WatcherPool {
             stop: AtomicBool::new(false),
             max_slots: config.max_slots.div_ceil(SLOTS_PER_BLOCK).max(1) * SLOTS_PER_BLOCK,
             poller: Mutex::new(None),
-            cuda,
+            source,
+            pass_interval: std::time::Duration::from_micros(config.pass_interval_us),
+            passes: AtomicU64::new(0),
+            pass_ns: AtomicU64::new(0),
         });
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let s = Arc::clone(&shared);
@@ -246,9 +344,7 @@ impl WatcherPool {
         let block = Arc::clone(
             &self.shared.blocks.lock().unwrap_or_else(|p| p.into_inner())[index / SLOTS_PER_BLOCK],
         );
-        block
-            .slot(index % SLOTS_PER_BLOCK)
-            .store(0, Ordering::Release);
+        block.store(index % SLOTS_PER_BLOCK, 0);
         let generation = self.shared.next_generation.fetch_add(1, Ordering::Relaxed);
         self.shared.active.fetch_add(1, Ordering::AcqRel);
         self.shared.command(Command::Watch {
@@ -267,6 +363,20 @@ impl WatcherPool {
     /// Slots being watched.
     pub fn active(&self) -> usize {
         self.shared.active.load(Ordering::Acquire) as usize
+    }
+
+    /// What backs this pool's slots.
+    pub fn memory(&self) -> MemoryKind {
+        self.shared.source.kind()
+    }
+
+    /// Polling passes over active slots so far, and the total time they took (reading the
+    /// slots and finding what changed; callbacks excluded): what polling costs the CPU.
+    pub fn pass_stats(&self) -> (u64, std::time::Duration) {
+        (
+            self.shared.passes.load(Ordering::Relaxed),
+            std::time::Duration::from_nanos(self.shared.pass_ns.load(Ordering::Relaxed)),
+        )
     }
 
     fn take_slot(&self) -> Result<usize, WatcherError> {
@@ -288,10 +398,7 @@ impl WatcherPool {
         if *created >= self.shared.max_slots {
             return Err(WatcherError::Full(self.shared.max_slots));
         }
-        let block = match &self.shared.cuda {
-            Some(cuda) => Block::mapped(cuda).map_err(WatcherError::Memory)?,
-            None => Block::host(),
-        };
+        let block = self.shared.source.block().map_err(WatcherError::Memory)?;
         blocks.push(Arc::new(block));
         let first = *created;
         *created += SLOTS_PER_BLOCK;
@@ -332,6 +439,8 @@ fn poll_loop(shared: &Shared) {
     let mut watches: Vec<Option<Watch>> = Vec::new();
     let mut rounds = 0u32;
     let mut freed = Vec::new();
+    let mut span: Vec<u64> = Vec::new();
+    let mut changes: Vec<(usize, u64, u64)> = Vec::new();
     while !shared.stop.load(Ordering::Acquire) {
         let commands =
             std::mem::take(&mut *shared.commands.lock().unwrap_or_else(|p| p.into_inner()));
@@ -368,20 +477,42 @@ fn poll_loop(shared: &Shared) {
                 }
             }
         }
-        for (i, slot) in watches.iter_mut().enumerate() {
-            let Some(w) = slot else { continue };
-            let now = w.cell.0.slot(w.cell.1).load(Ordering::Acquire);
-            if now == w.last {
+        // One read per block with active slots, covering the span from its lowest to its
+        // highest active slot (one bulk BAR read for GPU memory), then what changed.
+        let started = std::time::Instant::now();
+        changes.clear();
+        for (b, chunk) in watches.chunks_mut(SLOTS_PER_BLOCK).enumerate() {
+            let active = || chunk.iter().enumerate().filter(|(_, w)| w.is_some());
+            let (Some((lo, _)), Some((hi, _))) = (active().next(), active().next_back()) else {
                 continue;
-            }
-            let old = std::mem::replace(&mut w.last, now);
+            };
+            let block = &chunk[lo].as_ref().expect("active").cell.0;
+            span.resize(hi - lo + 1, 0);
+            block.read_span(lo, &mut span);
+            let base = b * SLOTS_PER_BLOCK;
+            let watched = chunk
+                .iter_mut()
+                .enumerate()
+                .filter_map(|(k, w)| w.as_mut().map(|w| (base + k, &mut w.last)));
+            changed(watched, base + lo, &span, &mut changes);
+        }
+        if !watches.is_empty() {
+            shared.passes.fetch_add(1, Ordering::Relaxed);
+            shared
+                .pass_ns
+                .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+        for &(i, old, now) in &changes {
+            let Some(w) = watches[i].as_mut() else {
+                continue;
+            };
             let outcome =
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (w.callback)(old, now)));
             if !matches!(outcome, Ok(Control::Continue)) {
                 if outcome.is_err() {
                     tracing::error!(slot = i, "a watcher callback panicked; its slot is freed");
                 }
-                *slot = None;
+                watches[i] = None;
                 freed.push(i);
             }
         }
@@ -407,6 +538,10 @@ fn poll_loop(shared: &Shared) {
             continue;
         }
         rounds = rounds.wrapping_add(1);
+        if !shared.pass_interval.is_zero() {
+            std::thread::park_timeout(shared.pass_interval);
+            continue;
+        }
         // Spin, but give the CPU away now and then so a small machine is not starved.
         if rounds % 256 == 0 {
             std::thread::yield_now();

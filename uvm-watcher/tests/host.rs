@@ -150,3 +150,71 @@ fn without_a_cuda_driver_auto_falls_back_to_host_memory_and_mapped_is_refused() 
     .unwrap_err();
     assert!(err.to_string().contains("no CUDA driver"), "{err}");
 }
+
+/// A specific kind that cannot be had is an error naming why — never a silent fallback; auto
+/// says which kinds it passed over and why.
+#[test]
+fn a_gdrcopy_pool_without_gdrcopy_is_refused_with_the_reason() {
+    if std::path::Path::new("/dev/gdrdrv").exists() {
+        return; // a GDRCopy machine: `cargo xtask gpu-check` measures the real path
+    }
+    let err = WatcherPool::new(PoolConfig {
+        memory: uvm_watcher::MemoryChoice::GpuGdrcopy,
+        ..PoolConfig::default()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("CUDA driver") || err.contains("GDRCopy") || err.contains("gdrdrv"),
+        "{err}"
+    );
+    let (kind, passed_over) =
+        uvm_watcher::probe(uvm_watcher::MemoryChoice::Auto, 0).expect("auto always succeeds");
+    if !uvm_watcher::cuda_driver_present() {
+        assert_eq!(kind, uvm_watcher::MemoryKind::Host);
+        assert_eq!(passed_over.len(), 2, "{passed_over:?}");
+        assert!(passed_over[0].starts_with("not gpu_gdrcopy"));
+        assert!(passed_over[1].starts_with("not device_mapped"));
+    }
+    for (text, choice) in [
+        ("auto", uvm_watcher::MemoryChoice::Auto),
+        ("host", uvm_watcher::MemoryChoice::Host),
+        ("device_mapped", uvm_watcher::MemoryChoice::DeviceMapped),
+        ("gpu_gdrcopy", uvm_watcher::MemoryChoice::GpuGdrcopy),
+    ] {
+        assert_eq!(uvm_watcher::MemoryChoice::parse(text), Ok(choice));
+    }
+    assert!(uvm_watcher::MemoryChoice::parse("gpu").is_err());
+}
+
+/// With a pass interval the poller sleeps between passes and still sees every change; pass
+/// statistics say what polling costs.
+#[test]
+fn a_paced_poller_sees_changes_and_reports_its_cost() {
+    let pool = WatcherPool::new(PoolConfig {
+        memory: uvm_watcher::MemoryChoice::Host,
+        pass_interval_us: 200,
+        ..PoolConfig::default()
+    })
+    .unwrap();
+    let seen = Arc::new(AtomicU64::new(0));
+    let s = Arc::clone(&seen);
+    let watchers: Vec<_> = (0..64)
+        .map(|_| pool.watch(|_, _| Control::Continue).unwrap())
+        .collect();
+    let last = pool
+        .watch(move |_, new| {
+            s.store(new, Ordering::SeqCst);
+            Control::Continue
+        })
+        .unwrap();
+    for v in 1..=5 {
+        last.store(v);
+        wait_until("the paced poller", || seen.load(Ordering::SeqCst) == v);
+    }
+    let (passes, busy) = pool.pass_stats();
+    assert!(passes > 0);
+    assert!(busy.as_nanos() > 0);
+    assert_eq!(pool.memory(), uvm_watcher::MemoryKind::Host);
+    drop(watchers);
+}

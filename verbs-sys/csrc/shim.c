@@ -388,6 +388,29 @@ int xv_post_srq_recv(xv_dev *d, int msg, uint64_t wr_id, uint64_t addr, uint32_t
     return ibv_post_srq_recv(msg ? d->srq_msg : d->srq_imm, &wr, &bad);
 }
 
+/* Posts `n` zero-length receives to the immediate SRQ in one call (ids tagged, counting up from
+ * `first`). Returns 0 or an errno; `*posted` says how many went in. */
+int xv_post_imm_recvs(xv_dev *d, uint64_t first, int n, int *posted) {
+    struct ibv_recv_wr wr[64], *bad = NULL;
+    *posted = 0;
+    while (n > 0) {
+        int k = n < 64 ? n : 64;
+        for (int i = 0; i < k; i++) {
+            memset(&wr[i], 0, sizeof wr[i]);
+            wr[i].wr_id = XV_TAG_IMM_RECV | ((first + (uint64_t)*posted + (uint64_t)i) & ~XV_TAG_MASK);
+            wr[i].next = i + 1 < k ? &wr[i + 1] : NULL;
+        }
+        int rc = ibv_post_srq_recv(d->srq_imm, wr, &bad);
+        if (rc) {
+            *posted += (int)(bad - wr);
+            return rc;
+        }
+        *posted += k;
+        n -= k;
+    }
+    return 0;
+}
+
 /* Sends a handshake datagram to (gid, lid, qpn). */
 int xv_ud_send(xv_dev *d, const uint8_t dgid[16], uint16_t dlid, uint32_t dqpn, const void *msg, uint32_t len) {
     if (len > UD_MSG)

@@ -163,6 +163,7 @@ extern "C" {
     pub fn xv_post_writes(qp: *mut IbvQp, w: *const XvWrite, n: c_int, posted: *mut c_int)
         -> c_int;
     pub fn xv_post_send(qp: *mut IbvQp, wr_id: u64, addr: u64, len: u32, lkey: u32) -> c_int;
+    pub fn xv_post_imm_recvs(d: *mut XvDev, first: u64, n: c_int, posted: *mut c_int) -> c_int;
     pub fn xv_post_srq_recv(
         d: *mut XvDev,
         msg: c_int,

@@ -139,7 +139,15 @@ struct InfoReport {
     plugins: Vec<PluginInfo>,
     rdma_ports: Vec<doctor::Port>,
     libfabric: Result<BTreeMap<String, Vec<String>>, String>,
+    /// What `[watcher] memory` gives here: (kind, why better kinds were passed over).
+    watcher_memory: Result<(String, Vec<String>), String>,
     config: String,
+}
+
+/// What the configured watcher memory gives on this machine (see `uvm_watcher::probe`).
+fn watcher_memory(config: &engine_core::Config) -> Result<(String, Vec<String>), String> {
+    let choice = config.watcher.memory_choice()?;
+    uvm_watcher::probe(choice, 0).map(|(kind, why)| (kind.name().to_owned(), why))
 }
 
 /// Plugins on `$XFER_PLUGIN_PATH`, each loaded and checked as the engine would.
@@ -214,6 +222,7 @@ fn info_cmd(cli: &Cli) -> ExitCode {
         plugins: plugins(),
         rdma_ports: doctor::ports(&cli.sysfs),
         libfabric: providers,
+        watcher_memory: watcher_memory(&config),
         config: format!("{config:#?}"),
     };
     if cli.json {
@@ -241,6 +250,23 @@ fn info_cmd(cli: &Cli) -> ExitCode {
                 .as_ref()
                 .map_or(String::new(), |e| format!(" — {e}"))
         );
+    }
+    match &report.watcher_memory {
+        Ok((kind, passed_over)) if passed_over.is_empty() => {
+            println!(
+                "Watcher slots ([watcher] memory = {:?}): {kind}",
+                config.watcher.memory
+            )
+        }
+        Ok((kind, passed_over)) => println!(
+            "Watcher slots ([watcher] memory = {:?}): {kind} ({})",
+            config.watcher.memory,
+            passed_over.join("; ")
+        ),
+        Err(why) => println!(
+            "Watcher slots ([watcher] memory = {:?}): unavailable: {why}",
+            config.watcher.memory
+        ),
     }
     println!("\nverbs devices (sysfs):");
     if report.rdma_ports.is_empty() {
@@ -285,6 +311,8 @@ fn doctor_cmd(cli: &Cli, register_bytes: u64) -> ExitCode {
     facts.backend = config.backend.clone();
     facts.nics = config.groups.iter().flat_map(|g| g.nics.clone()).collect();
     facts.register_bytes = register_bytes;
+    facts.watcher_memory_request = config.watcher.memory.clone();
+    facts.watcher_memory = watcher_memory(&config);
     if config.backend == "efa" {
         let options: Result<backend_efa::EfaOptions, _> =
             backend_efa::EfaOptions::parse(&config.backend_options());

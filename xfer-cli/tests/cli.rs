@@ -123,6 +123,32 @@ fn info_lists_backends_devices_and_libfabric() {
     );
     assert_eq!(v["rdma_ports"][1]["gids"][1][2], "RoCE v2");
     assert!(v["libfabric"]["Ok"]["shm"].is_array(), "{}", v["libfabric"]);
+    // Which memory the watcher's slots would use here, and why better kinds were passed over.
+    let kind = v["watcher_memory"]["Ok"][0].as_str().unwrap();
+    assert!(
+        ["host", "device_mapped", "gpu_gdrcopy"].contains(&kind),
+        "{}",
+        v["watcher_memory"]
+    );
+}
+
+#[test]
+fn doctor_fails_a_watcher_memory_that_cannot_be_had() {
+    if std::path::Path::new("/dev/gdrdrv").exists() {
+        return; // a GDRCopy machine: it can be had
+    }
+    let dir = std::env::temp_dir().join(format!("xfer-watcher-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("gdr.toml");
+    std::fs::write(
+        &config,
+        "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n[watcher]\nmemory = \"gpu_gdrcopy\"\n",
+    )
+    .unwrap();
+    let (code, out) = xfer(&["doctor", "--config", config.to_str().unwrap()]);
+    assert_ne!(code, 0, "{out}");
+    assert!(out.contains("[FAIL] watcher slots"), "{out}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Inside the soft-RoCE guest (two rxe devices), on the real /sys and /dev:

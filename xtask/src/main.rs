@@ -507,11 +507,14 @@ fn gpu_check() -> Result {
         set -u\n\
         cd \"$(dirname \"$0\")\"\n\
         nvidia-smi -L || true\n\
-        timeout 120 ./gpu-check --events 20000 --cpu 2; s1=$?\n\
+        timeout 120 ./gpu-check --memory device_mapped --events 20000 --cpu 2; s1=$?\n\
+        timeout 120 ./gpu-check --memory gpu_gdrcopy --events 20000 --cpu 2; s4=$?\n\
+        timeout 60 ./gpu-check --memory device_mapped --pass-cost --cpu 2; s5=$?\n\
+        timeout 60 ./gpu-check --memory gpu_gdrcopy --pass-cost --cpu 2; s6=$?\n\
         timeout 60 ./watcher-latency --cpu 2 --producer-cpu 3; s2=$?\n\
         timeout 60 ./kv_cache --gpu; s3=$?\n\
-        echo \"gpu-check exit $s1, watcher-latency exit $s2, kv_cache --gpu exit $s3\"\n\
-        exit $(( s1 | s2 | s3 ))\n";
+        echo \"gpu-check exit $s1 (device_mapped) $s4 (gpu_gdrcopy; fails where GDRCopy is not installed), pass cost exit $s5 $s6, watcher-latency exit $s2, kv_cache --gpu exit $s3\"\n\
+        exit $(( s1 | s2 | s3 | s5 ))\n";
     std::fs::write(dir.join("run.sh"), script).map_err(|e| e.to_string())?;
     println!(
         "prepared {}: run `bash .gpu-check/run.sh` on the GPU machine (carry `.gpu-check`)",

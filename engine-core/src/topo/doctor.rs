@@ -50,7 +50,7 @@ pub struct Port {
 }
 
 /// What the checks look at.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Facts {
     /// The configured backend.
     pub backend: String,
@@ -76,6 +76,33 @@ pub struct Facts {
     pub libfabric_provider: Option<String>,
     /// Providers libfabric offers (`None` if not known in this build).
     pub libfabric_providers: Option<Vec<String>>,
+    /// `[watcher] memory` as configured.
+    pub watcher_memory_request: String,
+    /// What the watcher's slots would be on this machine (`host`, `device_mapped`,
+    /// `gpu_gdrcopy`) with why better kinds were passed over, or why the requested kind
+    /// cannot be had.
+    pub watcher_memory: Result<(String, Vec<String>), String>,
+}
+
+impl Default for Facts {
+    fn default() -> Self {
+        Self {
+            backend: String::new(),
+            nics: Vec::new(),
+            memlock_bytes: None,
+            register_bytes: 0,
+            uverbs: Vec::new(),
+            ports: Vec::new(),
+            gpus: 0,
+            kernel: None,
+            nvidia_peermem: false,
+            gdrdrv: false,
+            libfabric_provider: None,
+            libfabric_providers: None,
+            watcher_memory_request: "auto".into(),
+            watcher_memory: Ok(("host".into(), Vec::new())),
+        }
+    }
 }
 
 fn check(
@@ -250,6 +277,30 @@ pub fn evaluate(f: &Facts) -> Vec<Check> {
         )
     });
 
+    out.push(match &f.watcher_memory {
+        Err(why) => check(
+            "watcher slots",
+            Status::Fail,
+            format!("[watcher] memory = {:?} cannot be had: {why}", f.watcher_memory_request),
+            Some("install what it needs (the CUDA driver; GDRCopy with gdrdrv loaded), or choose another [watcher] memory"),
+        ),
+        Ok((kind, _)) if f.gpus > 0 && kind == "host" => check(
+            "watcher slots",
+            Status::Warn,
+            "slots in host memory on a GPU machine: kernels cannot signal them",
+            Some("install the CUDA driver (device_mapped) or GDRCopy (gpu_gdrcopy)"),
+        ),
+        Ok((kind, passed_over)) if passed_over.is_empty() => {
+            check("watcher slots", Status::Pass, format!("slots in {kind} memory"), None)
+        }
+        Ok((kind, passed_over)) => check(
+            "watcher slots",
+            Status::Pass,
+            format!("slots in {kind} memory ({})", passed_over.join("; ")),
+            None,
+        ),
+    });
+
     out.push(match (efa, &f.libfabric_provider, &f.libfabric_providers) {
         (false, _, _) => check("libfabric provider", Status::Skip, "backend is not efa", None),
         (true, Some(p), Some(offered)) if offered.iter().any(|o| o == p) => check("libfabric provider", Status::Pass, format!("provider {p} is available"), None),
@@ -361,6 +412,21 @@ pub fn gather(sys: &Path, dev: &Path, proc_root: &Path) -> Facts {
 mod tests {
     use super::*;
 
+    #[test]
+    fn the_watcher_check_says_which_slots_and_fails_an_impossible_request() {
+        let mut f = Facts::default();
+        assert_eq!(status(&evaluate(&f), "watcher slots"), Status::Pass);
+        f.gpus = 1;
+        assert_eq!(status(&evaluate(&f), "watcher slots"), Status::Warn);
+        f.watcher_memory_request = "gpu_gdrcopy".into();
+        f.watcher_memory = Err("gdr_open failed: is the gdrdrv kernel module loaded".into());
+        let checks = evaluate(&f);
+        assert_eq!(status(&checks, "watcher slots"), Status::Fail);
+        assert!(checks.iter().any(|c| c.detail.contains("gdrdrv")));
+        f.watcher_memory = Ok(("gpu_gdrcopy".into(), Vec::new()));
+        assert_eq!(status(&evaluate(&f), "watcher slots"), Status::Pass);
+    }
+
     fn status(checks: &[Check], name: &str) -> Status {
         checks.iter().find(|c| c.name == name).unwrap().status
     }
@@ -426,7 +492,11 @@ mod tests {
         assert_eq!(status(&checks, "rdma devices"), Status::Fail);
         assert_eq!(status(&checks, "ports active"), Status::Fail);
         f.backend = "mock".into();
-        assert!(evaluate(&f).iter().all(|c| c.status == Status::Skip));
+        // Only the watcher's check is about the machine rather than the backend.
+        assert!(evaluate(&f)
+            .iter()
+            .filter(|c| c.name != "watcher slots")
+            .all(|c| c.status == Status::Skip));
     }
 
     #[test]

@@ -1,9 +1,14 @@
 //! The GPU check of uvm-watcher (run by `cargo xtask gpu-check` on a machine with an NVIDIA
-//! GPU): a kernel bumps a device-mapped watcher slot; the watcher thread sees each value and
+//! GPU): a kernel bumps a watcher slot — device-mapped host memory or GPU memory polled through
+//! GDRCopy (`--memory`); the watcher thread sees each value and
 //! acknowledges it through a second slot the kernel polls before the next bump. Reports the
 //! round trip (ack written by the CPU → next value seen by the CPU) p50/p99 over `--events`,
 //! and half of it as the one-way GPU-write → CPU-callback estimate. Exits non-zero without a
 //! GPU, or if any value is missed.
+//!
+//! `--pass-cost` instead measures what polling costs the CPU: the time per polling pass with
+//! 1, 64 and 512 watched slots of the chosen memory (any memory, `host` included, so it runs
+//! without a GPU too).
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -52,6 +57,51 @@ struct Args {
     /// Print JSON.
     #[arg(long)]
     json: bool,
+    /// Slot memory: `device_mapped` or `gpu_gdrcopy` (and `host` with --pass-cost).
+    #[arg(long, default_value = "device_mapped")]
+    memory: String,
+    /// Measure the poller's CPU time per pass with 1, 64 and 512 watched slots instead.
+    #[arg(long)]
+    pass_cost: bool,
+}
+
+/// `--pass-cost`: the poller's time per pass (read and compare; no callbacks fire), with 1,
+/// 64 and 512 watched slots, over one second each.
+fn pass_cost(args: &Args, memory: MemoryChoice) {
+    for n in [1usize, 64, 512] {
+        let pool = WatcherPool::new(PoolConfig {
+            cpu: args.cpu,
+            memory,
+            max_slots: 512,
+            ..PoolConfig::default()
+        })
+        .unwrap_or_else(|e| {
+            eprintln!("gpu-check: {e}");
+            std::process::exit(1)
+        });
+        let watchers: Vec<_> = (0..n)
+            .map(|_| pool.watch(|_, _| Control::Continue).expect("slot"))
+            .collect();
+        std::thread::sleep(Duration::from_millis(100));
+        let (p0, t0) = pool.pass_stats();
+        std::thread::sleep(Duration::from_secs(1));
+        let (p1, t1) = pool.pass_stats();
+        let per_pass_ns = (t1 - t0).as_nanos() as f64 / (p1 - p0).max(1) as f64;
+        if args.json {
+            println!(
+                "{{\"memory\": \"{}\", \"slots\": {n}, \"passes\": {}, \"ns_per_pass\": {per_pass_ns:.0}}}",
+                pool.memory().name(),
+                p1 - p0
+            );
+        } else {
+            println!(
+                "gpu-check pass cost: {} memory, {n} slots: {per_pass_ns:.0} ns per pass ({} passes in 1 s)",
+                pool.memory().name(),
+                p1 - p0
+            );
+        }
+        drop(watchers);
+    }
 }
 
 fn check(what: &str, r: sys::CUresult) {
@@ -63,9 +113,16 @@ fn check(what: &str, r: sys::CUresult) {
 
 fn main() {
     let args = Args::parse();
+    let memory = MemoryChoice::parse(&args.memory).unwrap_or_else(|e| {
+        eprintln!("gpu-check: {e}");
+        std::process::exit(2)
+    });
+    if args.pass_cost {
+        return pass_cost(&args, memory);
+    }
     let pool = WatcherPool::new(PoolConfig {
         cpu: args.cpu,
-        memory: MemoryChoice::DeviceMapped,
+        memory,
         ..PoolConfig::default()
     })
     .unwrap_or_else(|e| {
@@ -97,10 +154,14 @@ fn main() {
             Control::Continue
         })
         .expect("watched slot");
-    assert_eq!(slot.memory(), MemoryKind::DeviceMapped);
+    assert_ne!(
+        slot.memory(),
+        MemoryKind::Host,
+        "a kernel needs device-visible slots"
+    );
     let (slot_dev, ack_dev) = (
-        slot.device_ptr().expect("mapped"),
-        ack.device_ptr().expect("mapped"),
+        slot.device_ptr().expect("device-visible"),
+        ack.device_ptr().expect("device-visible"),
     );
     // SAFETY: the pool opened the driver and retained device 0's primary context (made current
     // by its allocations on this thread); the PTX and names are NUL-terminated; the kernel
@@ -155,9 +216,9 @@ fn main() {
     let (p50, p99) = (pct(0.5), pct(0.99));
     let missed = missed.load(Ordering::Relaxed);
     if args.json {
-        println!("{{\"events\": {}, \"missed\": {missed}, \"round_trip_p50_us\": {p50:.3}, \"round_trip_p99_us\": {p99:.3}, \"one_way_p50_us\": {:.3}, \"one_way_p99_us\": {:.3}}}", rt.len(), p50 / 2.0, p99 / 2.0);
+        println!("{{\"memory\": \"{}\", \"events\": {}, \"missed\": {missed}, \"round_trip_p50_us\": {p50:.3}, \"round_trip_p99_us\": {p99:.3}, \"one_way_p50_us\": {:.3}, \"one_way_p99_us\": {:.3}}}", slot.memory().name(), rt.len(), p50 / 2.0, p99 / 2.0);
     } else {
-        println!("gpu-check: {} events, {missed} missed; CPU ack -> next GPU value seen: p50 {p50:.2} us, p99 {p99:.2} us (one way ~ p50 {:.2} us, p99 {:.2} us)", rt.len(), p50 / 2.0, p99 / 2.0);
+        println!("gpu-check ({} slots): {} events, {missed} missed; CPU ack -> next GPU value seen: p50 {p50:.2} us, p99 {p99:.2} us (one way ~ p50 {:.2} us, p99 {:.2} us)", slot.memory().name(), rt.len(), p50 / 2.0, p99 / 2.0);
     }
     if missed > 0 {
         std::process::exit(1);
