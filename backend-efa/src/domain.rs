@@ -5,7 +5,7 @@ use std::ffi::c_void;
 
 use engine_core::domain::{
     Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion, PostStatus,
-    ReceivePool, RegionTable, Registration, WriteRequest,
+    ReadRequest, ReceivePool, RegionTable, Registration, WriteRequest,
 };
 use engine_core::NetAddr;
 
@@ -127,8 +127,9 @@ impl EfaDomain {
         let mut regions = RegionTable::new();
         let zero_key = regions.next_key();
         // SAFETY: `zero` is owned by the Domain next to its registration, and dropped after it.
-        let zero_mr = unsafe { endpoint.register(zero.as_ptr(), zero.len(), None, zero_key) }
-            .map_err(other)?;
+        let zero_mr =
+            unsafe { endpoint.register(zero.as_ptr(), zero.len(), None, zero_key, (false, false)) }
+                .map_err(other)?;
         Ok(Self {
             regions,
             receives: ReceivePool::new(),
@@ -236,7 +237,7 @@ impl Domain for EfaDomain {
         let mr = match region.device {
             // SAFETY: the engine checked the range is live device memory of this GPU, kept
             // allocated until deregistration drops this registration.
-            Device::Cuda(index) => unsafe { self.endpoint.register(region.ptr as *const u8, region.len as usize, Some(index as i32), key) }.map_err(|e| {
+            Device::Cuda(index) => unsafe { self.endpoint.register(region.ptr as *const u8, region.len as usize, Some(index as i32), key, (region.remote_write, region.remote_read)) }.map_err(|e| {
                 DomainError::new(
                     DomainErrorKind::InvalidArgument,
                     format!("{} cannot register GPU memory of CUDA device {index}: {} (does the provider support FI_HMEM?)", self.provider, e.message),
@@ -244,7 +245,7 @@ impl Domain for EfaDomain {
             })?,
             // SAFETY: TransferEngine::reg_mr's contract keeps the memory allocated until it is
             // deregistered, which drops this registration.
-            _ => unsafe { self.endpoint.register(region.ptr as *const u8, region.len as usize, None, key) }
+            _ => unsafe { self.endpoint.register(region.ptr as *const u8, region.len as usize, None, key, (region.remote_write, region.remote_read)) }
                 .map_err(|e| registration_error(e, region.len))?,
         };
         let remote_key = mr.key;
@@ -292,6 +293,49 @@ impl Domain for EfaDomain {
         self.finish_post(ctx, result)
     }
 
+    fn supports_read(&self) -> bool {
+        true
+    }
+
+    fn post_read(&mut self, rd: &ReadRequest<'_>) -> Result<PostStatus, DomainError> {
+        if self.posts_since_poll >= self.options.max_posts_per_poll {
+            return Ok(PostStatus::Busy);
+        }
+        let dest = self.peer(rd.peer)?;
+        let (buf, desc) = if rd.len == 0 {
+            (
+                self.zero_source.0.as_ptr().cast_mut(),
+                self.zero_source.1.desc,
+            )
+        } else {
+            let mr = self.regions.source(rd.local_key, rd.local_addr, rd.len)?;
+            (rd.local_addr as *mut u8, mr.desc)
+        };
+        let remote_addr = if self.endpoint.attr.mr_virt_addr != 0 {
+            rd.remote_addr
+        } else {
+            rd.remote_addr - rd.remote_base
+        };
+        let ctx = self.acquire(InFlight::Write {
+            wr_id: rd.wr_id,
+            peer: rd.peer.clone(),
+        });
+        // SAFETY: the destination range lies in a live registration (checked above; a
+        // zero-byte read touches nothing); ctx stays in `in_flight` until its completion.
+        let result = unsafe {
+            self.endpoint.rdma_read(
+                buf,
+                rd.len as usize,
+                desc,
+                dest,
+                remote_addr,
+                rd.remote_key,
+                ctx,
+            )
+        };
+        self.finish_post(ctx, result)
+    }
+
     fn post_send(
         &mut self,
         wr_id: u64,
@@ -308,8 +352,13 @@ impl Domain for EfaDomain {
             // SAFETY: the buffer is kept with its registration in `in_flight` until completion.
             Some(
                 unsafe {
-                    self.endpoint
-                        .register(buffer.as_ptr(), buffer.len().max(1), None, key)
+                    self.endpoint.register(
+                        buffer.as_ptr(),
+                        buffer.len().max(1),
+                        None,
+                        key,
+                        (false, false),
+                    )
                 }
                 .map_err(other)?,
             )
@@ -338,7 +387,7 @@ impl Domain for EfaDomain {
                 }
                 let key = regions.next_key();
                 // SAFETY: the buffer lives in the pool for the Domain's lifetime.
-                unsafe { endpoint.register(data.as_ptr(), data.len(), None, key) }
+                unsafe { endpoint.register(data.as_ptr(), data.len(), None, key, (false, false)) }
                     .map(Some)
                     .map_err(other)
             })?;

@@ -181,6 +181,7 @@ impl Endpoint {
         len: usize,
         cuda_device: Option<i32>,
         requested_key: u64,
+        (remote_write, remote_read): (bool, bool),
     ) -> Result<MemoryRegistration, OfiError> {
         let mut mr = std::ptr::null_mut();
         let mut key = 0u64;
@@ -193,6 +194,7 @@ impl Endpoint {
                 len,
                 cuda_device.unwrap_or(-1),
                 requested_key,
+                i32::from(remote_write) | (i32::from(remote_read) << 1),
                 &mut mr,
                 &mut key,
                 &mut desc,
@@ -238,6 +240,37 @@ impl Endpoint {
             )
         };
         posted("fi_writemsg", rc)
+    }
+
+    /// Posts an RDMA read of the peer's range into `buf`.
+    ///
+    /// # Safety
+    /// As for [`write`](Self::write); `buf..buf+len` is written by the NIC until completion.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn rdma_read(
+        &mut self,
+        buf: *mut u8,
+        len: usize,
+        desc: *mut c_void,
+        dest: u64,
+        remote_addr: u64,
+        remote_key: u64,
+        context: *mut c_void,
+    ) -> Result<Posted, OfiError> {
+        // SAFETY: per this function's contract.
+        let rc = unsafe {
+            sys::xfer_ofi_read(
+                self.raw.as_ptr(),
+                buf.cast(),
+                len,
+                desc,
+                dest,
+                remote_addr,
+                remote_key,
+                context,
+            )
+        };
+        posted("fi_readmsg", rc)
     }
 
     /// Posts a message send.

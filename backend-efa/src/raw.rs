@@ -20,11 +20,11 @@ pub fn write_loop(
     let dst = vec![0u8; span.max(1)].into_boxed_slice();
     // SAFETY: both buffers outlive their registrations (dropped at the end of this function,
     // after the registrations, which are declared later).
-    let src_mr =
-        unsafe { initiator.register(src.as_ptr(), src.len(), None, 1) }.map_err(|e| e.message)?;
+    let src_mr = unsafe { initiator.register(src.as_ptr(), src.len(), None, 1, (false, false)) }
+        .map_err(|e| e.message)?;
     // SAFETY: as above.
-    let dst_mr =
-        unsafe { target.register(dst.as_ptr(), dst.len(), None, 2) }.map_err(|e| e.message)?;
+    let dst_mr = unsafe { target.register(dst.as_ptr(), dst.len(), None, 2, (true, false)) }
+        .map_err(|e| e.message)?;
     let dest = initiator
         .insert_peer(&target.name().map_err(|e| e.message)?)
         .map_err(|e| e.message)?;

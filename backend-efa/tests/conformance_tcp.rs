@@ -18,6 +18,18 @@ impl engine_core::conformance::Harness for Tcp {
     fn typed_remote_access(&self) -> bool {
         false
     }
+
+    fn skip(&self, check: &str) -> Option<&'static str> {
+        match check {
+            // libfabric 1.17's tcp provider checks an RMA key and range but not the region's
+            // FI_REMOTE_READ access: a read of a write-only region succeeds there. A real NIC
+            // (and the mock, and verbs on soft-RoCE) refuses it.
+            "read_of_an_unreadable_region" => {
+                Some("tcp;ofi_rxm does not enforce a region's remote-read access")
+            }
+            _ => None,
+        }
+    }
 }
 
 engine_core::conformance_suite!(Tcp);

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use engine_core::domain::{
     Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion, PostStatus,
-    Registration, Waker, WriteRequest,
+    ReadRequest, Registration, Waker, WriteRequest,
 };
 use engine_core::NetAddr;
 
@@ -122,15 +122,14 @@ impl Domain for MockDomain {
             len: region.len,
             gpu: region.device != Device::Host,
             owner: local_key,
+            remote_write: region.remote_write,
+            remote_read: region.remote_read,
         };
-        let remote_key = if region.remote_write {
-            fabric::new_key()
-        } else {
-            0
-        };
+        let remote = region.remote_write || region.remote_read;
+        let remote_key = if remote { fabric::new_key() } else { 0 };
         let mut regions = self.nic.regions.write().unwrap_or_else(|p| p.into_inner());
         regions.local.insert(local_key, r);
-        if region.remote_write {
+        if remote {
             regions.remote.insert(remote_key, r);
         }
         Ok(Registration {
@@ -163,6 +162,22 @@ impl Domain for MockDomain {
             remote_key: wr.remote_key,
             len: wr.len,
             imm: wr.imm,
+        })
+    }
+
+    fn supports_read(&self) -> bool {
+        true
+    }
+
+    fn post_read(&mut self, rd: &ReadRequest<'_>) -> Result<PostStatus, DomainError> {
+        self.accept(Op::Read {
+            wr_id: rd.wr_id,
+            peer: rd.peer.clone(),
+            local_addr: rd.local_addr,
+            local_key: rd.local_key,
+            remote_addr: rd.remote_addr,
+            remote_key: rd.remote_key,
+            len: rd.len,
         })
     }
 

@@ -33,6 +33,10 @@ pub(crate) struct Region {
     /// The local key of the registration this belongs to (a remote key is revoked with its
     /// own registration only, never with another registration of the same range).
     pub(crate) owner: u64,
+    /// Peers may write into it.
+    pub(crate) remote_write: bool,
+    /// Peers may read it.
+    pub(crate) remote_read: bool,
 }
 
 impl Region {
@@ -109,18 +113,29 @@ pub(crate) enum Op {
         peer: NetAddr,
         data: Vec<u8>,
     },
+    Read {
+        wr_id: u64,
+        peer: NetAddr,
+        local_addr: u64,
+        local_key: u64,
+        remote_addr: u64,
+        remote_key: u64,
+        len: u64,
+    },
 }
 
 impl Op {
     pub(crate) fn wr_id(&self) -> u64 {
         match self {
-            Self::Write { wr_id, .. } | Self::Send { wr_id, .. } => *wr_id,
+            Self::Write { wr_id, .. } | Self::Send { wr_id, .. } | Self::Read { wr_id, .. } => {
+                *wr_id
+            }
         }
     }
 
     pub(crate) fn peer(&self) -> &NetAddr {
         match self {
-            Self::Write { peer, .. } | Self::Send { peer, .. } => peer,
+            Self::Write { peer, .. } | Self::Send { peer, .. } | Self::Read { peer, .. } => peer,
         }
     }
 }
@@ -383,6 +398,21 @@ pub(crate) fn land(posted: Posted) {
             imm,
             injected,
         ),
+        Op::Read {
+            local_addr,
+            local_key,
+            remote_addr,
+            remote_key,
+            len,
+            ..
+        } => read(
+            &src,
+            &peer,
+            (local_addr, local_key),
+            (remote_addr, remote_key),
+            len,
+            injected,
+        ),
         Op::Send { data, .. } => match injected {
             Some(e) => Err(e),
             None => match send(&src, &peer, data, wr_id) {
@@ -454,12 +484,16 @@ fn write(
     if !target.alive.load(Ordering::Acquire) {
         return Err(unreachable(peer));
     }
-    let dst: Region = *regions.remote.get(&remote_key).ok_or_else(|| {
-        DomainError::new(
-            DomainErrorKind::RemoteAccess,
-            format!("rkey {remote_key:#x} is not valid for remote write at mock NIC {peer}"),
-        )
-    })?;
+    let dst: Region = *regions
+        .remote
+        .get(&remote_key)
+        .filter(|r| r.remote_write)
+        .ok_or_else(|| {
+            DomainError::new(
+                DomainErrorKind::RemoteAccess,
+                format!("rkey {remote_key:#x} is not valid for remote write at mock NIC {peer}"),
+            )
+        })?;
     if !dst.contains(remote_addr, len) {
         return Err(DomainError::new(
             DomainErrorKind::RemoteAccess,
@@ -504,6 +538,97 @@ fn write(
         target.deliver(Event::ImmArrival { imm });
     }
     Ok(())
+}
+
+/// An RDMA READ: the peer's readable range into our local one. Both regions' locks are held
+/// across the copy, as for writes; nothing is counted at the peer.
+fn read(
+    src: &Arc<Nic>,
+    peer: &NetAddr,
+    (local_addr, local_key): (u64, u64),
+    (remote_addr, remote_key): (u64, u64),
+    len: u64,
+    injected: Option<DomainError>,
+) -> Result<(), DomainError> {
+    let target = lookup(peer).ok_or_else(|| unreachable(peer))?;
+    let ours = src.regions();
+    if !src.alive.load(Ordering::Acquire) {
+        return Err(unreachable(&src.addr));
+    }
+    let dst = *ours.local.get(&local_key).ok_or_else(|| {
+        DomainError::new(
+            DomainErrorKind::InvalidArgument,
+            format!(
+                "local key {local_key:#x} is not registered with mock NIC {}",
+                src.addr
+            ),
+        )
+    })?;
+    if !dst.contains(local_addr, len) {
+        return Err(DomainError::new(
+            DomainErrorKind::InvalidArgument,
+            format!(
+                "destination {local_addr:#x}+{len} is outside its region {:#x}+{}",
+                dst.ptr, dst.len
+            ),
+        ));
+    }
+    let theirs = if Arc::ptr_eq(&target, src) {
+        None
+    } else {
+        Some(target.regions())
+    };
+    let regions = theirs.as_deref().unwrap_or(&ours);
+    if !target.alive.load(Ordering::Acquire) {
+        return Err(unreachable(peer));
+    }
+    let source = *regions
+        .remote
+        .get(&remote_key)
+        .filter(|r| r.remote_read)
+        .ok_or_else(|| {
+            DomainError::new(
+                DomainErrorKind::RemoteAccess,
+                format!("rkey {remote_key:#x} is not valid for remote read at mock NIC {peer}"),
+            )
+        })?;
+    if !source.contains(remote_addr, len) {
+        return Err(DomainError::new(
+            DomainErrorKind::RemoteAccess,
+            format!(
+                "source {remote_addr:#x}+{len} is outside the region {:#x}+{} of rkey {remote_key:#x} at mock NIC {peer}",
+                source.ptr, source.len
+            ),
+        ));
+    }
+    let placed = if injected.is_some() { len / 2 } else { len };
+    if placed > 0 && (source.gpu || dst.gpu) {
+        // SAFETY: as in `write`, with the roles of the regions swapped.
+        unsafe { uvm_watcher::gpu::copy(local_addr, remote_addr, placed as usize) }.map_err(
+            |e| {
+                DomainError::new(
+                    DomainErrorKind::Other,
+                    format!("GPU copy from mock NIC {peer}: {e}"),
+                )
+            },
+        )?;
+    } else if placed > 0 {
+        // SAFETY: as in `write`: both ranges checked against live registrations whose locks
+        // are held; `copy` tolerates overlap (a loopback read within one region).
+        unsafe {
+            std::ptr::copy(
+                remote_addr as *const u8,
+                local_addr as *mut u8,
+                placed as usize,
+            )
+        };
+    }
+    drop(theirs);
+    drop(ours);
+    match injected {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// Returns whether the message was delivered now (else it waits for a receive buffer).

@@ -94,3 +94,36 @@ fn plugins_are_found_on_the_search_path_and_unknown_names_list_what_exists() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A plugin built against ABI version 1 (before reads were appended) still loads on this
+/// engine and works; the engine knows it lacks reads and refuses them naming the backend.
+#[test]
+fn a_plugin_built_against_an_older_abi_loads_and_its_missing_entries_are_refused() {
+    let path = common::built_library("plugin_fixture_old_abi");
+    let plugin = engine_core::plugin::LoadedPlugin::load(&path, "oldmock").unwrap();
+    assert_eq!(plugin.abi_version(), 1);
+    let mut config = common::mock_config(1, "");
+    config.backend = "oldmock".into();
+    config.plugin = Some(path);
+    let (a, b) = (
+        std::sync::Arc::new(TransferEngine::open(&config).unwrap()),
+        std::sync::Arc::new(TransferEngine::open(&config).unwrap()),
+    );
+    let src = engine_core::conformance::buffer(&a, 4096, engine_core::conformance::pattern(1));
+    let dst = engine_core::conformance::buffer(&b, 4096, |_| 0);
+    let f = engine_core::DoneFlag::new();
+    a.submit_single_write(4096, Some(1), (src.mr(), 0), (dst.desc(), 0), f.clone())
+        .unwrap();
+    f.wait(std::time::Duration::from_secs(20)).unwrap();
+    assert!(dst.to_vec() == src.to_vec());
+    let r = a.submit_single_read(
+        64,
+        (dst.mr(), 0),
+        (src.desc(), 0),
+        engine_core::DoneFlag::new(),
+    );
+    assert!(
+        matches!(&r, Err(Error::NotAvailable(m)) if m.contains("oldmock")),
+        "{r:?}"
+    );
+}

@@ -6,13 +6,13 @@ use std::time::{Duration, Instant};
 
 use engine_core::domain::{
     Device as MemDevice, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion,
-    PostStatus, ReceivePool, RegionTable, Registration, WriteRequest,
+    PostStatus, ReadRequest, ReceivePool, RegionTable, Registration, WriteRequest,
 };
 use engine_core::NetAddr;
 
 use crate::completion::Outstanding;
 use crate::ffi::{
-    self, Attr, Device, Mr, Qp, Wc, Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV,
+    self, Attr, Device, Mr, Qp, RemoteBits, Wc, Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV,
     TAG_IMM_RECV, TAG_MASK, TAG_MSG_RECV, TAG_SEND,
 };
 use crate::options::VerbsOptions;
@@ -63,6 +63,19 @@ impl Default for DataQueue {
             last_progress: Instant::now(),
         }
     }
+}
+
+/// A write or a read, as `post_rdma` takes it.
+struct Rdma<'a> {
+    wr_id: u64,
+    peer: &'a NetAddr,
+    /// (address, key) of the local range: the source of a write, the destination of a read.
+    local: (u64, u64),
+    /// (address, key) of the peer's range.
+    remote: (u64, u64),
+    len: u64,
+    imm: Option<u32>,
+    read: bool,
 }
 
 /// Writes per doorbell.
@@ -260,6 +273,80 @@ impl VerbsDomain {
                 "{}: {} immediate receives could not be reposted ({e}); writers will stall",
                 self.name, self.imm_deficit
             ))),
+        }
+    }
+
+    /// Posts a write or a read: both travel the same chains and the same in-order accounting.
+    fn post_rdma(&mut self, wr: Rdma<'_>) -> Result<PostStatus, DomainError> {
+        if wr.len > u64::from(self.attr.max_msg_sz) {
+            return Err(err(
+                DomainErrorKind::InvalidArgument,
+                format!(
+                    "{} of {} bytes exceeds {}'s max message size {}",
+                    if wr.read { "read" } else { "write" },
+                    wr.len,
+                    self.name,
+                    self.attr.max_msg_sz
+                ),
+            ));
+        }
+        let remote_key = u32::try_from(wr.remote.1).map_err(|_| {
+            err(
+                DomainErrorKind::InvalidArgument,
+                format!("rkey {:#x} is not a verbs rkey", wr.remote.1),
+            )
+        })?;
+        let (laddr, lkey) = if wr.len == 0 {
+            (0, 0)
+        } else {
+            let mr = self.regions.source(wr.local.1, wr.local.0, wr.len)?;
+            (wr.local.0, mr.lkey)
+        };
+        let w = Write {
+            wr_id: self.wr_id(),
+            user: wr.wr_id,
+            laddr,
+            raddr: wr.remote.0,
+            len: wr.len as u32,
+            lkey,
+            rkey: remote_key,
+            imm: wr.imm.unwrap_or(0),
+            has_imm: wr.imm.is_some() as i32,
+            signaled: 1,
+            read: i32::from(wr.read),
+            pad: 0,
+        };
+        if !self.peers.contains_key(wr.peer) {
+            self.start_connect(wr.peer)?;
+        }
+        match self.peers.get_mut(wr.peer) {
+            Some(Peer::Connecting { queued, .. }) => {
+                queued.push_back(Queued::Write(w));
+                Ok(PostStatus::Posted)
+            }
+            Some(Peer::Connected { data, queued, .. }) => {
+                let q = self.data_queues.entry(data.qpn).or_default();
+                if !queued.is_empty()
+                    || q.outstanding.len() + q.chain.len() >= self.options.send_queue as usize
+                {
+                    return Ok(PostStatus::Busy);
+                }
+                q.chain.push(w);
+                if q.chain.len() >= CHAIN {
+                    if let Err(e) = post_chain(data, q) {
+                        // The write is accepted (it is in the chain): the connection's failure
+                        // reports it, once, as a Done event; returning an error here too
+                        // would finish it twice.
+                        let peer = wr.peer.clone();
+                        self.fail_peer(&peer, &format!("posting writes failed: {e}"));
+                    }
+                }
+                Ok(PostStatus::Posted)
+            }
+            None => Err(err(
+                DomainErrorKind::PeerUnreachable,
+                format!("{} failed to connect", wr.peer),
+            )),
         }
     }
 
@@ -853,7 +940,13 @@ fn post_message(
         bytes.into()
     };
     // SAFETY: `data` is kept with its registration in `sends` until the send completes.
-    let mr = unsafe { device.register(data.as_ptr() as u64, data.len(), false) }?;
+    let mr = unsafe {
+        device.register(
+            data.as_ptr() as u64,
+            data.len(),
+            RemoteBits::of(false, false),
+        )
+    }?;
     // SAFETY: the buffer lies in `mr` and lives in `sends` until its completion.
     let posted = unsafe { qp.post_send(wr_id, data.as_ptr() as u64, bytes.len() as u32, mr.lkey) }?;
     if posted {
@@ -887,7 +980,7 @@ impl VerbsDomain {
                         region.len as usize,
                         region.ptr,
                         fd,
-                        region.remote_write,
+                        RemoteBits::of(region.remote_write, region.remote_read),
                     )
                 }
             });
@@ -895,8 +988,9 @@ impl VerbsDomain {
             Ok(mr) => return Ok(mr),
             Err(e) => e,
         };
+        let remote = RemoteBits::of(region.remote_write, region.remote_read);
         // SAFETY: as for host memory; with nvidia-peermem the NIC pins GPU pages itself.
-        match unsafe { self.device.register(region.ptr, region.len as usize, region.remote_write) } {
+        match unsafe { self.device.register(region.ptr, region.len as usize, remote) } {
             Ok(mr) => Ok(mr),
             Err(peermem_error) => Err(err(
                 DomainErrorKind::InvalidArgument,
@@ -918,8 +1012,11 @@ impl Domain for VerbsDomain {
                 // SAFETY: TransferEngine::reg_mr's contract keeps the memory allocated until it
                 // is deregistered, which drops this registration.
                 unsafe {
-                    self.device
-                        .register(region.ptr, region.len as usize, region.remote_write)
+                    self.device.register(
+                        region.ptr,
+                        region.len as usize,
+                        RemoteBits::of(region.remote_write, region.remote_read),
+                    )
                 }
                 .map_err(|e| {
                     let limit =
@@ -941,71 +1038,31 @@ impl Domain for VerbsDomain {
     }
 
     fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError> {
-        if wr.len > u64::from(self.attr.max_msg_sz) {
-            return Err(err(
-                DomainErrorKind::InvalidArgument,
-                format!(
-                    "write of {} bytes exceeds {}'s max message size {}",
-                    wr.len, self.name, self.attr.max_msg_sz
-                ),
-            ));
-        }
-        let remote_key = u32::try_from(wr.remote_key).map_err(|_| {
-            err(
-                DomainErrorKind::InvalidArgument,
-                format!("rkey {:#x} is not a verbs rkey", wr.remote_key),
-            )
-        })?;
-        let (laddr, lkey) = if wr.len == 0 {
-            (0, 0)
-        } else {
-            let mr = self.regions.source(wr.local_key, wr.local_addr, wr.len)?;
-            (wr.local_addr, mr.lkey)
-        };
-        let w = Write {
-            wr_id: self.wr_id(),
-            user: wr.wr_id,
-            laddr,
-            raddr: wr.remote_addr,
-            len: wr.len as u32,
-            lkey,
-            rkey: remote_key,
-            imm: wr.imm.unwrap_or(0),
-            has_imm: wr.imm.is_some() as i32,
-            signaled: 1,
-        };
-        if !self.peers.contains_key(wr.peer) {
-            self.start_connect(wr.peer)?;
-        }
-        match self.peers.get_mut(wr.peer) {
-            Some(Peer::Connecting { queued, .. }) => {
-                queued.push_back(Queued::Write(w));
-                Ok(PostStatus::Posted)
-            }
-            Some(Peer::Connected { data, queued, .. }) => {
-                let q = self.data_queues.entry(data.qpn).or_default();
-                if !queued.is_empty()
-                    || q.outstanding.len() + q.chain.len() >= self.options.send_queue as usize
-                {
-                    return Ok(PostStatus::Busy);
-                }
-                q.chain.push(w);
-                if q.chain.len() >= CHAIN {
-                    if let Err(e) = post_chain(data, q) {
-                        // The write is accepted (it is in the chain): the connection's failure
-                        // reports it, once, as a Done event; returning an error here too
-                        // would finish it twice.
-                        let peer = wr.peer.clone();
-                        self.fail_peer(&peer, &format!("posting writes failed: {e}"));
-                    }
-                }
-                Ok(PostStatus::Posted)
-            }
-            None => Err(err(
-                DomainErrorKind::PeerUnreachable,
-                format!("{} failed to connect", wr.peer),
-            )),
-        }
+        self.post_rdma(Rdma {
+            wr_id: wr.wr_id,
+            peer: wr.peer,
+            local: (wr.local_addr, wr.local_key),
+            remote: (wr.remote_addr, wr.remote_key),
+            len: wr.len,
+            imm: wr.imm,
+            read: false,
+        })
+    }
+
+    fn supports_read(&self) -> bool {
+        true
+    }
+
+    fn post_read(&mut self, rd: &ReadRequest<'_>) -> Result<PostStatus, DomainError> {
+        self.post_rdma(Rdma {
+            wr_id: rd.wr_id,
+            peer: rd.peer,
+            local: (rd.local_addr, rd.local_key),
+            remote: (rd.remote_addr, rd.remote_key),
+            len: rd.len,
+            imm: None,
+            read: true,
+        })
     }
 
     fn post_send(
@@ -1051,7 +1108,11 @@ impl Domain for VerbsDomain {
             let index = self
                 .receives
                 .take(buf_len, |data| unsafe {
-                    device.register(data.as_ptr() as u64, data.len(), false)
+                    device.register(
+                        data.as_ptr() as u64,
+                        data.len(),
+                        RemoteBits::of(false, false),
+                    )
                 })
                 .map_err(other)?;
             let (addr, len, mr) = self.receives.get(index);

@@ -10,6 +10,16 @@ pub(crate) use sys::{
     TAG_IMM_RECV, TAG_MASK, TAG_MSG_RECV, TAG_SEND,
 };
 
+/// What peers may do to a registration, as the shim takes it: bit 0 write, bit 1 read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RemoteBits(pub(crate) i32);
+
+impl RemoteBits {
+    pub(crate) fn of(write: bool, read: bool) -> Self {
+        Self(i32::from(write) | (i32::from(read) << 1))
+    }
+}
+
 fn text(buf: &[c_char]) -> String {
     // SAFETY: the shim NUL-terminates what it writes and the buffer starts zeroed.
     unsafe { CStr::from_ptr(buf.as_ptr()) }
@@ -102,7 +112,7 @@ impl Device {
         &mut self,
         addr: u64,
         len: usize,
-        remote_write: bool,
+        remote: RemoteBits,
     ) -> Result<Mr, String> {
         let (mut lkey, mut rkey, mut err) = (0, 0, 0);
         // SAFETY: per this function's contract.
@@ -111,7 +121,7 @@ impl Device {
                 self.raw.as_ptr(),
                 addr as *mut _,
                 len,
-                remote_write as i32,
+                remote.0,
                 &mut lkey,
                 &mut rkey,
                 &mut err,
@@ -134,7 +144,7 @@ impl Device {
         len: usize,
         iova: u64,
         fd: i32,
-        remote_write: bool,
+        remote: RemoteBits,
     ) -> Result<Mr, String> {
         let (mut lkey, mut rkey, mut err) = (0, 0, 0);
         // SAFETY: per this function's contract.
@@ -145,7 +155,7 @@ impl Device {
                 len,
                 iova,
                 fd,
-                remote_write as i32,
+                remote.0,
                 &mut lkey,
                 &mut rkey,
                 &mut err,

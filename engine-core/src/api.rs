@@ -44,6 +44,38 @@ pub struct PeerGroupHandle {
     id: u64,
 }
 
+/// What peers may do to a registered region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RemoteAccess {
+    /// Peers may write into it (RDMA WRITE, with or without immediate).
+    pub write: bool,
+    /// Peers may read it (RDMA READ).
+    pub read: bool,
+}
+
+impl RemoteAccess {
+    /// Local only: a source of writes, a destination of reads.
+    pub const NONE: Self = Self {
+        write: false,
+        read: false,
+    };
+    /// Peers may write (what [`TransferEngine::reg_mr`] registers).
+    pub const WRITE: Self = Self {
+        write: true,
+        read: false,
+    };
+    /// Peers may read.
+    pub const READ: Self = Self {
+        write: false,
+        read: true,
+    };
+    /// Peers may read and write.
+    pub const READ_WRITE: Self = Self {
+        write: true,
+        read: true,
+    };
+}
+
 /// Pages of a region: page `i` starts at `offset + indices[i] * stride`.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Pages {
@@ -83,6 +115,8 @@ struct LocalRegion {
 /// `OnDone` still fires exactly once) and joins its threads.
 pub struct TransferEngine {
     id: u32,
+    /// Whether the backend's Domains support RDMA READ.
+    reads: bool,
     shared: Arc<Shared>,
     addresses: Vec<NetAddr>,
     regions: RwLock<HashMap<u64, Arc<LocalRegion>>>,
@@ -156,6 +190,7 @@ impl TransferEngine {
         };
         Ok(Self {
             id: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
+            reads: worker.reads,
             shared,
             addresses: worker.addresses,
             regions: RwLock::new(HashMap::new()),
@@ -247,7 +282,7 @@ impl TransferEngine {
         ptr: *mut u8,
         len: usize,
         device: Device,
-        remote_write: bool,
+        access: RemoteAccess,
     ) -> Result<(MrHandle, LocalRegion)> {
         if ptr.is_null() || len == 0 {
             return Err(Error::InvalidArgument(format!(
@@ -258,7 +293,8 @@ impl TransferEngine {
             ptr: ptr as u64,
             len: len as u64,
             device,
-            remote_write,
+            remote_write: access.write,
+            remote_read: access.read,
         };
         // Wrong memory kinds are caught here, before any NIC sees them: a device pointer
         // passed as host memory, host memory (or another GPU's) passed as a device's, a range
@@ -298,7 +334,43 @@ impl TransferEngine {
         len: usize,
         device: Device,
     ) -> Result<(MrHandle, MrDesc)> {
-        let (handle, local) = self.register(ptr, len, device, true)?;
+        self.register_remote(ptr, len, device, RemoteAccess::WRITE)
+    }
+
+    /// Registers `len` bytes at `ptr` on every NIC with the remote access given — e.g.
+    /// [`RemoteAccess::READ`] for a region peers pull from with
+    /// [`submit_single_read`](Self::submit_single_read) (a prefill node's KV cache) — and
+    /// returns the handle and the descriptor for peers. A peer's access the region was not
+    /// registered for fails at the peer's NIC as a remote access error, nothing transferred.
+    ///
+    /// # Safety
+    /// As for [`reg_mr`](Self::reg_mr): the memory stays allocated until `dereg_mr` returns,
+    /// and peers may read or write it (as allowed) at any time meanwhile.
+    pub unsafe fn reg_mr_with(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        device: Device,
+        access: RemoteAccess,
+    ) -> Result<(MrHandle, MrDesc)> {
+        self.register_remote(ptr, len, device, access)
+    }
+
+    /// What `reg_mr` and `reg_mr_with` do (their contract is the callers').
+    fn register_remote(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        device: Device,
+        access: RemoteAccess,
+    ) -> Result<(MrHandle, MrDesc)> {
+        if !access.write && !access.read {
+            return Err(Error::InvalidArgument(
+                "a region peers can neither read nor write has no descriptor: use reg_mr_local"
+                    .into(),
+            ));
+        }
+        let (handle, local) = self.register(ptr, len, device, access)?;
         let rkeys = self
             .addresses
             .iter()
@@ -322,7 +394,7 @@ impl TransferEngine {
         len: usize,
         device: Device,
     ) -> Result<MrHandle> {
-        Ok(self.register(ptr, len, device, false)?.0)
+        Ok(self.register(ptr, len, device, RemoteAccess::NONE)?.0)
     }
 
     /// Deregisters a region on every NIC.
@@ -405,6 +477,7 @@ impl TransferEngine {
         dst_offset: u64,
         len: u64,
         imm: Option<u32>,
+        read: bool,
     ) {
         chunks.clear();
         split(
@@ -417,6 +490,7 @@ impl TransferEngine {
         for c in chunks.iter() {
             let (peer, remote_key) = &dst.rkeys()[c.nic];
             ops.push(WriteOp {
+                read,
                 nic: c.nic,
                 peer: peer.clone(),
                 local_addr: src.ptr + src_offset + c.offset,
@@ -457,7 +531,109 @@ impl TransferEngine {
             dst.1,
             len,
             imm,
+            false,
         );
+        self.shared.submit_counted(Command::Writes {
+            ops,
+            on_done: on_done.into(),
+        })
+    }
+
+    fn check_reads(&self) -> Result<()> {
+        if self.reads {
+            Ok(())
+        } else {
+            Err(Error::NotAvailable(format!(
+                "backend {} does not support RDMA READ (a plugin built before ABI version 2, or a backend without reads)",
+                self.shared.backend
+            )))
+        }
+    }
+
+    /// Reads `len` bytes of a peer's region (descriptor, offset) into `local` (handle,
+    /// offset); large reads stripe over the NICs like writes. `on_done` fires when the bytes
+    /// are in local memory. There is no immediate: the peer is not told, and counts nothing.
+    /// The peer's region must have been registered readable ([`RemoteAccess::READ`]);
+    /// otherwise the read fails with `RemoteAccess` and nothing is read.
+    pub fn submit_single_read(
+        &self,
+        len: u64,
+        local: (MrHandle, u64),
+        remote: (&MrDesc, u64),
+        on_done: impl Into<OnDone>,
+    ) -> Result<()> {
+        self.check_reads()?;
+        let region = self.local_region(local.0)?;
+        check_range("destination", local.1, len, region.len)?;
+        check_range("source", remote.1, len, remote.0.len())?;
+        self.check_peer_nics(remote.0)?;
+        let mut ops = Vec::with_capacity(1);
+        let mut chunks = Vec::with_capacity(1);
+        self.plan_unit(
+            &mut ops,
+            &mut chunks,
+            self.first_nic(),
+            &region,
+            local.1,
+            remote.0,
+            remote.1,
+            len,
+            None,
+            true,
+        );
+        self.shared.submit_counted(Command::Writes {
+            ops,
+            on_done: on_done.into(),
+        })
+    }
+
+    /// Reads pages of `page_len` bytes: remote page `i` of `remote` into local page `i` of
+    /// `local`, spread over the NICs (see [`submit_single_read`](Self::submit_single_read)).
+    pub fn submit_paged_reads(
+        &self,
+        page_len: u64,
+        local: (MrHandle, &Pages),
+        remote: (&MrDesc, &Pages),
+        on_done: impl Into<OnDone>,
+    ) -> Result<()> {
+        self.check_reads()?;
+        let (local_pages, remote_pages) = (local.1, remote.1);
+        if local_pages.indices.len() != remote_pages.indices.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} local pages but {} remote pages",
+                local_pages.indices.len(),
+                remote_pages.indices.len()
+            )));
+        }
+        let region = self.local_region(local.0)?;
+        self.check_peer_nics(remote.0)?;
+        let overflow = |side| Error::OutOfBounds {
+            side,
+            offset: u64::MAX,
+            len: page_len,
+            region_len: 0,
+        };
+        let first = self.first_nic();
+        let mut ops = Vec::with_capacity(local_pages.indices.len());
+        let mut chunks = Vec::new();
+        for i in 0..local_pages.indices.len() {
+            let l = page_offset(local_pages, i).ok_or_else(|| overflow("destination"))?;
+            let r = page_offset(remote_pages, i).ok_or_else(|| overflow("source"))?;
+            check_range("destination", l, page_len, region.len)?;
+            check_range("source", r, page_len, remote.0.len())?;
+            self.plan_unit(
+                &mut ops,
+                &mut chunks,
+                (first + i) % self.nic_count(),
+                &region,
+                l,
+                remote.0,
+                r,
+                page_len,
+                None,
+                true,
+            );
+        }
         self.shared.submit_counted(Command::Writes {
             ops,
             on_done: on_done.into(),
@@ -508,6 +684,7 @@ impl TransferEngine {
                 d,
                 page_len,
                 imm,
+                false,
             );
         }
         self.shared.submit_counted(Command::Writes {
@@ -585,6 +762,7 @@ impl TransferEngine {
                 d.dst_offset,
                 d.len,
                 imm,
+                false,
             );
         }
         self.shared.submit_counted(Command::Writes {
@@ -611,6 +789,7 @@ impl TransferEngine {
             // Zero-byte writes still name a valid destination and key: EFA refuses them
             // otherwise, and a NIC checks the key even for no bytes.
             ops.push(WriteOp {
+                read: false,
                 nic,
                 peer: peer.clone(),
                 local_addr: 0,

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use crate::config::NicSelection;
 use crate::{
     expected_arrivals, Config, Device, DoneCounter, DoneFlag, Error, HostBuffer, MrDesc, OnDone,
-    Pages, ScatterDst, TransferEngine, TransferShape,
+    Pages, RemoteAccess, ScatterDst, TransferEngine, TransferShape,
 };
 
 /// How a backend's engines are configured for the suite.
@@ -640,7 +640,11 @@ pub fn dead_peer(h: &dyn Harness) {
 /// Thousands of concurrent transfers each finish exactly once.
 pub fn exactly_once(h: &dyn Harness) {
     let nics = h.max_nics();
-    let config = quick_config(h, nics);
+    let mut config = quick_config(h, nics);
+    // 3,000 transfers on a loaded 2-core machine can take longer than the suite's 2 s cap;
+    // this check is about counting, not speed.
+    config.timeouts.transfer_ms = 15_000;
+    config.timeouts.expect_ms = 15_000;
     let (a, b) = (open(&config), open(&config));
     let src = buffer(&a, 1 << 16, pattern(8));
     let dst = buffer(&b, 1 << 16, |_| 0);
@@ -730,6 +734,163 @@ pub fn shutdown_fails_waiting(h: &dyn Harness) {
     assert_eq!(waiting.wait(WAIT), Err(Error::Shutdown));
 }
 
+/// Memory registered readable by peers, with its owner's handle dropped at the end.
+struct Readable {
+    engine: Arc<TransferEngine>,
+    data: Vec<u8>,
+    mr: crate::MrHandle,
+    desc: MrDesc,
+}
+
+impl Readable {
+    fn new(
+        engine: &Arc<TransferEngine>,
+        len: usize,
+        fill: impl Fn(usize) -> u8,
+        access: RemoteAccess,
+    ) -> Self {
+        let mut data: Vec<u8> = (0..len).map(fill).collect();
+        // SAFETY: `data` lives in the returned value and is deregistered in its Drop before
+        // it is freed.
+        let (mr, desc) =
+            unsafe { engine.reg_mr_with(data.as_mut_ptr(), len, Device::Host, access) }
+                .unwrap_or_else(|e| panic!("registering {len} readable bytes failed: {e}"));
+        Self {
+            engine: Arc::clone(engine),
+            data,
+            mr,
+            desc,
+        }
+    }
+}
+
+impl Drop for Readable {
+    fn drop(&mut self) {
+        let _ = self.engine.dereg_mr(self.mr);
+        let _ = &self.data;
+    }
+}
+
+/// RDMA READ: single reads of every size class (striped over every NIC count), at offsets,
+/// and paged reads; the bytes arrive exactly, and the peer counts nothing.
+pub fn reads(h: &dyn Harness) {
+    for nics in 1..=h.max_nics() {
+        let config = quick_config(h, nics);
+        let (a, b) = (open(&config), open(&config));
+        const LEN: usize = 3 << 20;
+        let remote = Readable::new(&b, LEN, pattern(11), RemoteAccess::READ);
+        let local = buffer(&a, LEN, |_| 0);
+        for (len, at_local, at_remote) in [
+            (1u64, 0u64, 0u64),
+            (4000, 17, 4096),
+            (65_536, 0, 100),
+            (2 << 20, 4096, 8192),
+        ] {
+            let f = DoneFlag::new();
+            a.submit_single_read(
+                len,
+                (local.mr(), at_local),
+                (&remote.desc, at_remote),
+                f.clone(),
+            )
+            .unwrap();
+            f.wait(WAIT)
+                .unwrap_or_else(|e| panic!("{nics} NICs: read of {len}: {e}"));
+            let got = local.to_vec();
+            let (l, r, n) = (at_local as usize, at_remote as usize, len as usize);
+            assert_copied(
+                &format!("{nics} NICs: read of {len}"),
+                &got[l..l + n],
+                &remote.data[r..r + n],
+            );
+        }
+        // Paged: remote pages 9, 2, 5 into local pages 0, 1, 2.
+        let pages = |indices: Vec<u32>| Pages {
+            indices,
+            stride: 8192,
+            offset: 64,
+        };
+        let (lp, rp) = (pages(vec![0, 1, 2]), pages(vec![9, 2, 5]));
+        let f = DoneFlag::new();
+        a.submit_paged_reads(4096, (local.mr(), &lp), (&remote.desc, &rp), f.clone())
+            .unwrap();
+        f.wait(WAIT)
+            .unwrap_or_else(|e| panic!("{nics} NICs: paged read: {e}"));
+        let got = local.to_vec();
+        for (l, r) in lp.indices.iter().zip(&rp.indices) {
+            let (l, r) = (64 + *l as usize * 8192, 64 + *r as usize * 8192);
+            assert_copied("paged read", &got[l..l + 4096], &remote.data[r..r + 4096]);
+        }
+        assert_eq!(b.imm_count(0), 0, "a read counts nothing at the peer");
+        // Out of bounds on either side: refused before anything is posted.
+        assert!(matches!(
+            a.submit_single_read(
+                64,
+                (local.mr(), LEN as u64 - 1),
+                (&remote.desc, 0),
+                DoneFlag::new()
+            ),
+            Err(Error::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            a.submit_single_read(
+                64,
+                (local.mr(), 0),
+                (&remote.desc, LEN as u64),
+                DoneFlag::new()
+            ),
+            Err(Error::OutOfBounds { .. })
+        ));
+    }
+}
+
+/// Reading a region its owner registered only for writes fails as a remote access error, and
+/// nothing is read; a region registered for both can be read and written.
+pub fn read_of_an_unreadable_region(h: &dyn Harness) {
+    let config = quick_config(h, 1);
+    let (a, b) = (open(&config), open(&config));
+    let write_only = buffer(&b, 4096, pattern(3));
+    let local = buffer(&a, 4096, |_| 0xaa);
+    let f = DoneFlag::new();
+    a.submit_single_read(4096, (local.mr(), 0), (write_only.desc(), 0), f.clone())
+        .unwrap();
+    let r = f.wait(WAIT);
+    if h.typed_remote_access() {
+        assert!(matches!(r, Err(Error::RemoteAccess(_))), "{r:?}");
+    } else {
+        assert!(r.is_err(), "a read of a write-only region succeeded");
+    }
+    assert!(
+        local.to_vec().iter().all(|&x| x == 0xaa),
+        "nothing may be read"
+    );
+    let both = Readable::new(&b, 4096, pattern(4), RemoteAccess::READ_WRITE);
+    let f = DoneFlag::new();
+    a.submit_single_read(4096, (local.mr(), 0), (&both.desc, 0), f.clone())
+        .unwrap();
+    f.wait(WAIT).unwrap();
+    assert_copied("read of a read-write region", &local.to_vec(), &both.data);
+}
+
+/// A read from a peer that died fails (never hangs, never succeeds); reads from others go on.
+pub fn read_from_a_dead_peer(h: &dyn Harness) {
+    let config = quick_config(h, 1);
+    let (a, b) = (open(&config), open(&config));
+    let remote = Readable::new(&b, 4096, pattern(5), RemoteAccess::READ);
+    let desc = remote.desc.clone();
+    let local = buffer(&a, 4096, |_| 0);
+    let f = DoneFlag::new();
+    a.submit_single_read(4096, (local.mr(), 0), (&desc, 0), f.clone())
+        .unwrap();
+    f.wait(WAIT).unwrap();
+    drop(remote);
+    drop(b);
+    let f = DoneFlag::new();
+    a.submit_single_read(4096, (local.mr(), 0), (&desc, 0), f.clone())
+        .unwrap();
+    assert!(f.wait(WAIT).is_err(), "a read from a dead peer succeeded");
+}
+
 /// Expands to one `#[test]` per conformance check, each run with the given harness value.
 ///
 /// `conformance_suite!(ignored = "why", harness)` marks every test `#[ignore]`, for backends
@@ -740,13 +901,15 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!(@tests [ignore = $why] $harness;
             single_write, write_at_offsets_without_imm, striping, paged_writes, scatter, barrier,
             send_recv, imm_counts, expectation_times_out, bad_input, remote_access_error,
-            dead_peer, exactly_once, callbacks_can_submit, shutdown_fails_waiting);
+            dead_peer, exactly_once, callbacks_can_submit, shutdown_fails_waiting,
+            reads, read_of_an_unreadable_region, read_from_a_dead_peer);
     };
     ($harness:expr) => {
         $crate::conformance_suite!(@tests [cfg_attr(any(), ignore)] $harness;
             single_write, write_at_offsets_without_imm, striping, paged_writes, scatter, barrier,
             send_recv, imm_counts, expectation_times_out, bad_input, remote_access_error,
-            dead_peer, exactly_once, callbacks_can_submit, shutdown_fails_waiting);
+            dead_peer, exactly_once, callbacks_can_submit, shutdown_fails_waiting,
+            reads, read_of_an_unreadable_region, read_from_a_dead_peer);
     };
     (@tests [$attr:meta] $harness:expr; $($name:ident),* $(,)?) => {
         $(

@@ -32,6 +32,8 @@ pub struct MemoryRegion {
     pub device: Device,
     /// Whether peers may write into it (false for a local-only registration).
     pub remote_write: bool,
+    /// Whether peers may read it (RDMA READ).
+    pub remote_read: bool,
 }
 
 /// The keys a NIC assigned to a registration.
@@ -66,6 +68,28 @@ pub struct WriteRequest<'a> {
     pub len: u64,
     /// Immediate delivered to the peer's ImmCounter once the data has landed.
     pub imm: Option<u32>,
+}
+
+/// One RDMA READ, fully resolved for one NIC: `len` bytes of the peer's region into ours.
+/// No immediate: the peer learns nothing, and its ImmCounter counts nothing.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadRequest<'a> {
+    /// Returned unchanged in the matching [`Event::Done`].
+    pub wr_id: u64,
+    /// The peer's address on this NIC's index.
+    pub peer: &'a NetAddr,
+    /// Destination address (inside a region registered with this NIC).
+    pub local_addr: u64,
+    /// This NIC's local key of the destination region.
+    pub local_key: u64,
+    /// Source address in the peer's address space.
+    pub remote_addr: u64,
+    /// The peer NIC's remote key of the source region (registered remotely readable).
+    pub remote_key: u64,
+    /// Start of the source region, for NICs that address remote regions by offset.
+    pub remote_base: u64,
+    /// Bytes to read.
+    pub len: u64,
 }
 
 /// Whether a post was accepted.
@@ -186,6 +210,21 @@ pub trait Domain: Send {
     /// connects are queued by the Domain, not refused.
     fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError>;
 
+    /// Posts an RDMA READ. Its `Done` means the bytes are in local memory. Backends without
+    /// reads keep this default, which refuses with a typed error.
+    fn post_read(&mut self, rd: &ReadRequest<'_>) -> Result<PostStatus, DomainError> {
+        let _ = rd;
+        Err(DomainError::new(
+            DomainErrorKind::InvalidArgument,
+            "this backend does not support RDMA READ",
+        ))
+    }
+
+    /// Whether [`post_read`](Self::post_read) is implemented.
+    fn supports_read(&self) -> bool {
+        false
+    }
+
     /// Posts a message to `peer` (copied before this returns).
     fn post_send(
         &mut self,
@@ -276,7 +315,11 @@ impl<M> RegionTable<M> {
             .insert(key, (region.ptr, region.len, registration));
         Registration {
             local_key: key,
-            remote_key: if region.remote_write { remote_key } else { 0 },
+            remote_key: if region.remote_write || region.remote_read {
+                remote_key
+            } else {
+                0
+            },
         }
     }
 
@@ -388,6 +431,7 @@ mod tests {
             len: 0x100,
             device: Device::Host,
             remote_write: true,
+            remote_read: false,
         };
         assert_eq!(
             t.insert(key, &region, "mr", 77),
@@ -402,6 +446,7 @@ mod tests {
             len: 8,
             device: Device::Host,
             remote_write: false,
+            remote_read: false,
         };
         assert_eq!(
             t.insert(local_only, &region, "local", 78).remote_key,

@@ -59,7 +59,7 @@ pub mod wire;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 
-pub use api::{MrHandle, Pages, PeerGroupHandle, ScatterDst, TransferEngine};
+pub use api::{MrHandle, Pages, PeerGroupHandle, RemoteAccess, ScatterDst, TransferEngine};
 pub use buffer::HostBuffer;
 pub use config::{Config, NicSelection};
 pub use domain::Device;

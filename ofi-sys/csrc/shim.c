@@ -57,7 +57,7 @@ static struct fi_info *make_hints(const char *prov) {
     if (!hints)
         return NULL;
     hints->ep_attr->type = FI_EP_RDM;
-    hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+    hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ | FI_SEND | FI_RECV;
     /* Every operation's context points at 64 bytes of scratch the provider may use. */
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
     /* Everything the Rust side can honour; the provider keeps what it needs. */
@@ -228,12 +228,14 @@ int xfer_ofi_av_remove(xfer_ofi_ep *e, uint64_t fi_addr) {
 }
 
 /* Registers host memory (`cuda_device` < 0) or memory of that CUDA device (FI_HMEM_CUDA),
- * binding it to the endpoint when the provider asks for FI_MR_ENDPOINT. */
+ * binding it to the endpoint when the provider asks for FI_MR_ENDPOINT. `remote`: bit 0
+ * peers may write, bit 1 peers may read (a local-only registration grants neither). */
 int xfer_ofi_mr_reg(xfer_ofi_ep *e, const void *buf, size_t len, int cuda_device, uint64_t requested_key,
-                    struct fid_mr **mr, uint64_t *key, void **desc) {
+                    int remote, struct fid_mr **mr, uint64_t *key, void **desc) {
     struct iovec iov = {.iov_base = (void *)buf, .iov_len = len};
     struct fi_mr_attr attr = {.mr_iov = &iov, .iov_count = 1,
-                              .access = FI_SEND | FI_RECV | FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ,
+                              .access = FI_SEND | FI_RECV | FI_WRITE | FI_READ |
+                                        (remote & 1 ? FI_REMOTE_WRITE : 0) | (remote & 2 ? FI_REMOTE_READ : 0),
                               .requested_key = requested_key,
                               .iface = cuda_device < 0 ? FI_HMEM_SYSTEM : FI_HMEM_CUDA};
     if (cuda_device >= 0)
@@ -268,6 +270,18 @@ int xfer_ofi_write(xfer_ofi_ep *e, const void *buf, size_t len, void *desc, uint
     };
     uint64_t flags = FI_COMPLETION | (len ? FI_DELIVERY_COMPLETE : 0) | (has_data ? FI_REMOTE_CQ_DATA : 0);
     return post_status(fi_writemsg(e->ep, &msg, flags));
+}
+
+/* An RDMA read of the peer's (raddr, rkey) into buf; its completion means the bytes are here. */
+int xfer_ofi_read(xfer_ofi_ep *e, void *buf, size_t len, void *desc, uint64_t dest, uint64_t raddr, uint64_t rkey,
+                  void *context) {
+    struct iovec iov = {.iov_base = buf, .iov_len = len};
+    struct fi_rma_iov rma = {.addr = raddr, .len = len, .key = rkey};
+    struct fi_msg_rma msg = {
+        .msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = dest,
+        .rma_iov = &rma, .rma_iov_count = 1, .context = context,
+    };
+    return post_status(fi_readmsg(e->ep, &msg, FI_COMPLETION));
 }
 
 int xfer_ofi_send(xfer_ofi_ep *e, const void *buf, size_t len, void *desc, uint64_t dest, void *context) {

@@ -83,6 +83,7 @@ extern "C" {
         len: usize,
         cuda_device: c_int,
         requested_key: u64,
+        remote: c_int,
         mr: *mut *mut FidMr,
         key: *mut u64,
         desc: *mut *mut c_void,
@@ -98,6 +99,16 @@ extern "C" {
         rkey: u64,
         has_data: c_int,
         data: u64,
+        context: *mut c_void,
+    ) -> c_int;
+    pub fn xfer_ofi_read(
+        e: *mut XferOfiEp,
+        buf: *mut c_void,
+        len: usize,
+        desc: *mut c_void,
+        dest: u64,
+        raddr: u64,
+        rkey: u64,
         context: *mut c_void,
     ) -> c_int;
     pub fn xfer_ofi_send(

@@ -29,6 +29,10 @@ typedef struct xv_dev {
     union ibv_gid gid;
     struct ibv_port_attr port_attr;
     uint32_t max_msg_sz;
+    /* RDMA READs in flight per QP: as initiator, and as responder (the device's limits, so
+     * reads are not serialised one at a time). */
+    int max_rd_atomic;
+    int max_dest_rd_atomic;
 } xv_dev;
 
 typedef struct xv_attr {
@@ -156,6 +160,14 @@ static int ud_post_recv(xv_dev *d, unsigned slot) {
 int xv_setup(xv_dev *d, int gid_index, int cq_size, int srq_size, xv_attr *attr, char *err, size_t cap) {
     int rc;
     d->gid_index = gid_index;
+    {
+        struct ibv_device_attr da;
+        d->max_rd_atomic = d->max_dest_rd_atomic = 1;
+        if (!ibv_query_device(d->ctx, &da)) {
+            d->max_rd_atomic = da.max_qp_init_rd_atom > 0 ? (da.max_qp_init_rd_atom < 16 ? da.max_qp_init_rd_atom : 16) : 1;
+            d->max_dest_rd_atomic = da.max_qp_rd_atom > 0 ? (da.max_qp_rd_atom < 16 ? da.max_qp_rd_atom : 16) : 1;
+        }
+    }
     if ((rc = ibv_query_gid(d->ctx, d->port, gid_index, &d->gid))) {
         set_err(err, cap, "ibv_query_gid", rc);
         return -1;
@@ -233,8 +245,13 @@ void xv_close(xv_dev *d) {
     free(d);
 }
 
-struct ibv_mr *xv_reg_mr(xv_dev *d, void *addr, size_t len, int remote_write, uint32_t *lkey, uint32_t *rkey, int *err) {
-    int access = IBV_ACCESS_LOCAL_WRITE | (remote_write ? IBV_ACCESS_REMOTE_WRITE : 0) | IBV_ACCESS_RELAXED_ORDERING;
+/* `remote`: bit 0 peers may write, bit 1 peers may read. */
+static int remote_access(int remote) {
+    return (remote & 1 ? IBV_ACCESS_REMOTE_WRITE : 0) | (remote & 2 ? IBV_ACCESS_REMOTE_READ : 0);
+}
+
+struct ibv_mr *xv_reg_mr(xv_dev *d, void *addr, size_t len, int remote, uint32_t *lkey, uint32_t *rkey, int *err) {
+    int access = IBV_ACCESS_LOCAL_WRITE | remote_access(remote) | IBV_ACCESS_RELAXED_ORDERING;
     struct ibv_mr *mr = ibv_reg_mr(d->pd, addr, len, access);
     if (!mr) {
         /* Devices without relaxed ordering refuse the flag on some kernels: retry without. */
@@ -253,7 +270,7 @@ struct ibv_mr *xv_reg_mr(xv_dev *d, void *addr, size_t len, int remote_write, ui
  * it and `iova` the address peers use (the device pointer). */
 struct ibv_mr *xv_reg_dmabuf_mr(xv_dev *d, uint64_t offset, size_t len, uint64_t iova, int fd, int remote_write,
                                 uint32_t *lkey, uint32_t *rkey, int *err) {
-    int access = IBV_ACCESS_LOCAL_WRITE | (remote_write ? IBV_ACCESS_REMOTE_WRITE : 0);
+    int access = IBV_ACCESS_LOCAL_WRITE | remote_access(remote_write);
     struct ibv_mr *mr = ibv_reg_dmabuf_mr(d->pd, offset, len, iova, fd, access);
     if (!mr) {
         *err = errno;
@@ -277,7 +294,7 @@ struct ibv_qp *xv_create_rc(xv_dev *d, int msg, int max_send_wr, uint32_t *qpn, 
         return NULL;
     }
     struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = d->port,
-                            .qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE};
+                            .qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_LOCAL_WRITE};
     int rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
     if (rc) {
         ibv_destroy_qp(qp);
@@ -297,7 +314,7 @@ int xv_connect_rc(xv_dev *d, struct ibv_qp *qp, uint32_t rqpn, uint32_t rpsn, ui
     a.path_mtu = mtu;
     a.dest_qp_num = rqpn;
     a.rq_psn = rpsn;
-    a.max_dest_rd_atomic = 1;
+    a.max_dest_rd_atomic = d->max_dest_rd_atomic;
     a.min_rnr_timer = 12;
     a.ah_attr.port_num = d->port;
     a.ah_attr.dlid = rlid;
@@ -316,7 +333,7 @@ int xv_connect_rc(xv_dev *d, struct ibv_qp *qp, uint32_t rqpn, uint32_t rpsn, ui
     a.retry_cnt = retry_cnt;
     a.rnr_retry = rnr_retry;
     a.sq_psn = lpsn;
-    a.max_rd_atomic = 1;
+    a.max_rd_atomic = d->max_rd_atomic;
     rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
                                    IBV_QP_MAX_QP_RD_ATOMIC);
     if (rc) {
@@ -339,6 +356,8 @@ typedef struct xv_write {
     int has_imm;
     int signaled;
     uint64_t user; /* the caller's own id for it; not given to the NIC */
+    int read;      /* 1: RDMA READ of raddr into laddr (no immediate) */
+    int pad;
 } xv_write;
 
 /* Posts up to 4 writes as one chain (one doorbell). Returns 0 or an errno (ENOMEM: the send
@@ -354,7 +373,7 @@ int xv_post_writes(struct ibv_qp *qp, const xv_write *w, int n, int *posted) {
         wr[i].wr_id = w[i].wr_id;
         wr[i].sg_list = w[i].len ? &sge[i] : NULL;
         wr[i].num_sge = w[i].len ? 1 : 0;
-        wr[i].opcode = w[i].has_imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+        wr[i].opcode = w[i].read ? IBV_WR_RDMA_READ : w[i].has_imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
         wr[i].send_flags = w[i].signaled ? IBV_SEND_SIGNALED : 0;
         wr[i].imm_data = htonl(w[i].imm);
         wr[i].wr.rdma.remote_addr = w[i].raddr;

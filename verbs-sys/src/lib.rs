@@ -93,6 +93,9 @@ pub struct XvWrite {
     pub signaled: c_int,
     /// The caller's own id for the write (not given to the NIC).
     pub user: u64,
+    /// 1: an RDMA READ of `raddr` into `laddr` (no immediate).
+    pub read: c_int,
+    pub pad: c_int,
 }
 
 extern "C" {

@@ -3,9 +3,20 @@
 //! A plugin exports an entry symbol, `xfer_plugin_entry_<backend name>` (or plain
 //! [`ENTRY_SYMBOL`] for a library that serves one backend), returning a pointer to a static
 //! [`PluginTable`]. The per-name symbol lets several backends be linked into one binary as
-//! rlibs without their entry points clashing. The table starts with a [`PluginHeader`] (ABI version and the table's
-//! size) that the engine reads *before* anything else and refuses on mismatch. Only
-//! `#[repr(C)]` types cross this boundary; Rust trait objects stay on their own side.
+//! rlibs without their entry points clashing. Only `#[repr(C)]` types cross this boundary;
+//! Rust trait objects stay on their own side.
+//!
+//! The table starts with a [`PluginHeader`] (ABI version and the table's size) that the
+//! engine reads *before* anything else.
+//!
+//! **The table only grows.** Entries are appended, never moved or changed, and each version's
+//! table is a prefix of the next. The engine accepts any version from [`MIN_ABI_VERSION`] to
+//! [`ABI_VERSION`] and reads only the `table_size` bytes the plugin declares: entries past them
+//! are absent (`None`), and the engine refuses what needs them with a typed error naming the
+//! plugin. A plugin newer than the engine is refused with both versions named. Version 2
+//! appended [`post_read`](PluginTable::post_read) (RDMA READ) and the `remote_read` flag at the
+//! end of [`RawRegion`] (which version-1 plugins never read, so a region they register is never
+//! remotely readable).
 //!
 //! Backend authors do not write any of this: [`export_plugin!`](crate::export_plugin) turns a
 //! Rust [`Domain`] opener into the table.
@@ -15,12 +26,16 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::domain::{
     Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion, OpenFn,
-    PostStatus, Registration, WriteRequest,
+    PostStatus, ReadRequest, Registration, WriteRequest,
 };
 use crate::wire::{NetAddr, MAX_ADDR_LEN};
 
-/// Bumped on any change to the layout or meaning of [`PluginTable`].
-pub const ABI_VERSION: u32 = 1;
+/// The ABI this engine speaks: bumped when entries are appended to [`PluginTable`].
+pub const ABI_VERSION: u32 = 2;
+/// The oldest ABI whose plugins this engine still loads.
+pub const MIN_ABI_VERSION: u32 = 1;
+/// Size of a version-1 table: everything before [`PluginTable::post_read`].
+pub const V1_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, post_read) as u32;
 /// The generic entry symbol, `extern "C" fn() -> *const PluginTable`, looked up when the
 /// per-backend one ([`entry_symbol`]) is absent.
 pub const ENTRY_SYMBOL: &str = "xfer_plugin_entry";
@@ -130,6 +145,8 @@ pub struct RawRegion {
     pub device_index: u32,
     /// 1 if peers may write into it.
     pub remote_write: u32,
+    /// 1 if peers may read it (ABI 2; version-1 plugins do not read it).
+    pub remote_read: u32,
 }
 
 /// [`WriteRequest`] in C layout.
@@ -156,6 +173,28 @@ pub struct RawWrite {
     pub has_imm: u32,
     /// The immediate.
     pub imm: u32,
+}
+
+/// [`ReadRequest`] in C layout (ABI 2).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct RawRead {
+    /// Returned in the matching done event.
+    pub wr_id: u64,
+    /// The peer's address bytes.
+    pub peer: RawBytes,
+    /// Destination address (local).
+    pub local_addr: u64,
+    /// Destination local key.
+    pub local_key: u64,
+    /// Source address (at the peer).
+    pub remote_addr: u64,
+    /// Source remote key.
+    pub remote_key: u64,
+    /// Start of the source region.
+    pub remote_base: u64,
+    /// Bytes.
+    pub len: u64,
 }
 
 /// One event in C layout; its byte strings are valid only during the sink call.
@@ -243,10 +282,17 @@ pub struct PluginTable {
     /// Installs a wake function; returns 1 if the plugin will call it.
     pub set_waker:
         unsafe extern "C" fn(domain: *mut c_void, ctx: *const c_void, wake: WakeFn) -> u32,
+    /// ABI 2: posts an RDMA READ (null: the plugin has no reads). Appended; absent from
+    /// version-1 tables.
+    pub post_read: Option<
+        unsafe extern "C" fn(domain: *mut c_void, rd: *const RawRead, err: *mut RawError) -> i32,
+    >,
 }
 
 // SAFETY: the table is immutable static data (function pointers and a static name).
 unsafe impl Sync for PluginTable {}
+// SAFETY: as above: a copy holds the same function pointers and the same static name.
+unsafe impl Send for PluginTable {}
 
 /// Implemented by the type [`export_plugin!`](crate::export_plugin) generates.
 pub trait PluginOpener {
@@ -278,7 +324,20 @@ impl PluginTable {
             post_recvs: shim_post_recvs,
             poll: shim_poll,
             set_waker: shim_set_waker,
+            post_read: Some(shim_post_read),
         }
+    }
+
+    /// The table as a version-1 plugin built it: its header declares version 1 and the
+    /// version-1 size, so the engine reads nothing past [`set_waker`](Self::set_waker). For
+    /// tests and fixtures that stand for plugins built before reads existed.
+    pub const fn new_v1<O: PluginOpener>() -> Self {
+        let mut table = Self::new::<O>();
+        table.header = PluginHeader {
+            abi_version: 1,
+            table_size: V1_TABLE_SIZE,
+        };
+        table
     }
 }
 
@@ -389,6 +448,7 @@ unsafe extern "C" fn shim_register(
             len: r.len,
             device,
             remote_write: r.remote_write != 0,
+            remote_read: r.remote_read != 0,
         };
         // SAFETY: a live handle, per the ABI contract.
         let reg = unsafe { handle(domain) }.register(&region)?;
@@ -432,6 +492,37 @@ unsafe extern "C" fn shim_post_write(
         };
         // SAFETY: a live handle, per the ABI contract.
         unsafe { handle(domain) }.post_write(&wr).map(post_status)
+    })
+}
+
+unsafe extern "C" fn shim_post_read(
+    domain: *mut c_void,
+    rd: *const RawRead,
+    err: *mut RawError,
+) -> i32 {
+    guarded(err, || {
+        // SAFETY: the engine passes a valid request for the call's duration.
+        let r = unsafe { *rd };
+        let peer = peer_addr(r.peer)?;
+        let rd = ReadRequest {
+            wr_id: r.wr_id,
+            peer: &peer,
+            local_addr: r.local_addr,
+            local_key: r.local_key,
+            remote_addr: r.remote_addr,
+            remote_key: r.remote_key,
+            remote_base: r.remote_base,
+            len: r.len,
+        };
+        // SAFETY: a live handle, per the ABI contract.
+        let domain = unsafe { handle(domain) };
+        if !domain.supports_read() {
+            return Err(DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                "this backend does not support RDMA READ",
+            ));
+        }
+        domain.post_read(&rd).map(post_status)
     })
 }
 

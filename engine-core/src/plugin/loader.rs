@@ -5,12 +5,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::abi::{
-    entry_symbol, EntryFn, PluginHeader, PluginTable, RawBytes, RawError, RawEvent, RawRegion,
-    RawWrite, ABI_VERSION, ENTRY_SYMBOL, STATUS_BUSY, STATUS_OK,
+    entry_symbol, EntryFn, PluginHeader, PluginTable, RawBytes, RawError, RawEvent, RawRead,
+    RawRegion, RawWrite, ABI_VERSION, ENTRY_SYMBOL, MIN_ABI_VERSION, STATUS_BUSY, STATUS_OK,
+    V1_TABLE_SIZE,
 };
 use crate::domain::{
     BackendRegistration, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event,
-    MemoryRegion, PostStatus, Registration, Waker, WriteRequest,
+    MemoryRegion, PostStatus, ReadRequest, Registration, Waker, WriteRequest,
 };
 use crate::wire::{NetAddr, MAX_ADDR_LEN};
 
@@ -50,7 +51,7 @@ pub enum PluginError {
         message: String,
     },
     /// The plugin was built against another ABI version.
-    #[error("plugin {path} has ABI version {found} (table of {table_size} bytes); this engine expects ABI version {expected} (table of {expected_size} bytes)")]
+    #[error("plugin {path} has ABI version {found} (table of {table_size} bytes); this engine loads ABI versions {MIN_ABI_VERSION} to {expected} (tables of {V1_TABLE_SIZE} to {expected_size} bytes)")]
     AbiMismatch {
         /// The library.
         path: PathBuf,
@@ -169,9 +170,55 @@ fn load_checked(path: &Path, name: &str) -> Result<Backend, PluginError> {
 pub struct LoadedPlugin {
     path: PathBuf,
     name: String,
-    table: &'static PluginTable,
+    /// The plugin's ABI version.
+    version: u32,
+    /// A copy of the plugin's table: the `table_size` bytes it declared, entries past them
+    /// absent (`None`).
+    table: PluginTable,
     // Keeps the code behind `table` mapped; dropped last (after every Domain holding an Arc).
     _library: libloading::Library,
+}
+
+/// Copies the first `size` bytes of a plugin's table (at least a version-1 table) into a table
+/// of this engine's layout whose later entries stay absent, after checking that every entry a
+/// version-1 table must have is non-null (a null function pointer would be undefined behaviour
+/// the moment it is read as one). Returns the name of the first null entry otherwise.
+fn copy_table(table: *const PluginTable, size: u32) -> Result<PluginTable, &'static str> {
+    use std::mem::{offset_of, size_of, MaybeUninit};
+    let n = (size as usize).min(size_of::<PluginTable>());
+    let mut copy = MaybeUninit::<PluginTable>::zeroed();
+    // SAFETY: the plugin declared `size` readable bytes of static table (at least the
+    // version-1 size, checked by the caller); we copy no more than our own table holds.
+    unsafe { std::ptr::copy_nonoverlapping(table.cast::<u8>(), copy.as_mut_ptr().cast::<u8>(), n) };
+    let required = [
+        ("open", offset_of!(PluginTable, open)),
+        ("close", offset_of!(PluginTable, close)),
+        ("address", offset_of!(PluginTable, address)),
+        ("register", offset_of!(PluginTable, register)),
+        ("deregister", offset_of!(PluginTable, deregister)),
+        ("post_write", offset_of!(PluginTable, post_write)),
+        ("post_send", offset_of!(PluginTable, post_send)),
+        ("post_recvs", offset_of!(PluginTable, post_recvs)),
+        ("poll", offset_of!(PluginTable, poll)),
+        ("set_waker", offset_of!(PluginTable, set_waker)),
+    ];
+    for (entry, offset) in required {
+        // SAFETY: every required entry lies inside the copied version-1 prefix; reading it as
+        // a plain word says whether it is null without treating it as a function pointer.
+        let word = unsafe {
+            copy.as_ptr()
+                .cast::<u8>()
+                .add(offset)
+                .cast::<usize>()
+                .read_unaligned()
+        };
+        if word == 0 {
+            return Err(entry);
+        }
+    }
+    // SAFETY: every non-optional field was copied from the plugin's table and checked
+    // non-null; the optional entries past its size are zero, which is `None`.
+    Ok(unsafe { copy.assume_init() })
 }
 
 impl LoadedPlugin {
@@ -207,7 +254,11 @@ impl LoadedPlugin {
         // SAFETY: non-null, and every version starts with the 8-byte header.
         let header = unsafe { *(table_ptr as *const PluginHeader) };
         let expected_size = std::mem::size_of::<PluginTable>() as u32;
-        if header.abi_version != ABI_VERSION || header.table_size != expected_size {
+        // Versions only append entries: any version we know, with at least the version-1
+        // entries; a newer plugin (or a table smaller than version 1's) is refused.
+        if !(MIN_ABI_VERSION..=ABI_VERSION).contains(&header.abi_version)
+            || header.table_size < V1_TABLE_SIZE
+        {
             return Err(PluginError::AbiMismatch {
                 path: path.to_owned(),
                 found: header.abi_version,
@@ -216,17 +267,25 @@ impl LoadedPlugin {
                 expected_size,
             });
         }
-        // SAFETY: version and size match ours, so the pointer is to our PluginTable layout;
-        // it is static data of the library, which `_library` keeps mapped as long as `self`.
-        let table: &'static PluginTable = unsafe { &*table_ptr };
+        let table =
+            copy_table(table_ptr, header.table_size).map_err(|entry| PluginError::Load {
+                path: path.to_owned(),
+                message: format!("its table's entry `{entry}` is null"),
+            })?;
         // SAFETY: the table's name is static UTF-8 in the library (checked lossily anyway).
         let name = String::from_utf8_lossy(unsafe { table.name.as_slice() }).into_owned();
         Ok(Self {
             path: path.to_owned(),
             name,
+            version: header.abi_version,
             table,
             _library: library,
         })
+    }
+
+    /// The plugin's ABI version.
+    pub fn abi_version(&self) -> u32 {
+        self.version
     }
 
     fn open(self: &Arc<Self>, config: &DomainConfig<'_>) -> Result<Box<dyn Domain>, DomainError> {
@@ -353,6 +412,7 @@ impl Domain for PluginDomain {
             device_kind,
             device_index,
             remote_write: region.remote_write as u32,
+            remote_read: region.remote_read as u32,
         };
         let mut out = Registration {
             local_key: 0,
@@ -387,6 +447,38 @@ impl Domain for PluginDomain {
         let mut err = RawError::empty();
         // SAFETY: live handle; raw borrows wr.peer, which outlives the call.
         let status = unsafe { (self.plugin.table.post_write)(self.handle, &raw, &mut err) };
+        Self::check(status, &err)
+    }
+
+    fn supports_read(&self) -> bool {
+        self.plugin.table.post_read.is_some()
+    }
+
+    fn post_read(&mut self, rd: &ReadRequest<'_>) -> Result<PostStatus, DomainError> {
+        let Some(post_read) = self.plugin.table.post_read else {
+            return Err(DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!(
+                    "plugin {} ({}, ABI version {}) has no RDMA READ",
+                    self.plugin.name,
+                    self.plugin.path.display(),
+                    self.plugin.version
+                ),
+            ));
+        };
+        let raw = RawRead {
+            wr_id: rd.wr_id,
+            peer: RawBytes::new(rd.peer.raw()),
+            local_addr: rd.local_addr,
+            local_key: rd.local_key,
+            remote_addr: rd.remote_addr,
+            remote_key: rd.remote_key,
+            remote_base: rd.remote_base,
+            len: rd.len,
+        };
+        let mut err = RawError::empty();
+        // SAFETY: live handle; raw borrows rd.peer, which outlives the call.
+        let status = unsafe { post_read(self.handle, &raw, &mut err) };
         Self::check(status, &err)
     }
 

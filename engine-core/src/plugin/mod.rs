@@ -5,4 +5,4 @@
 pub mod abi;
 mod loader;
 
-pub use loader::{find_backend, Backend, PluginError, PLUGIN_PATH_ENV};
+pub use loader::{find_backend, Backend, LoadedPlugin, PluginError, PLUGIN_PATH_ENV};

@@ -95,9 +95,11 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// Handles incoming messages; see `TransferEngine::submit_recvs`.
 pub(crate) type RecvHandler = Arc<dyn Fn(&[u8]) + Send + Sync>;
 
-/// One write, resolved to a NIC, its keys and the peer's address on that NIC.
+/// One write (or read), resolved to a NIC, its keys and the peer's address on that NIC.
 #[derive(Debug, Clone)]
 pub(crate) struct WriteOp {
+    /// An RDMA READ of the remote range into the local one (no immediate).
+    pub(crate) read: bool,
     pub(crate) nic: usize,
     pub(crate) peer: NetAddr,
     pub(crate) local_addr: u64,

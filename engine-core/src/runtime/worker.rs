@@ -26,8 +26,8 @@ use super::completion::{send_batch, CallbackBatch, OnDone};
 use super::tracker::Tracker;
 use super::{panic_message, Command, Mirror, Shared, WriteOp};
 use crate::domain::{
-    Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus, Registration, Waker,
-    WriteRequest,
+    Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus, ReadRequest,
+    Registration, Waker, WriteRequest,
 };
 use crate::error::{Error, Result};
 use crate::imm::Outcome;
@@ -75,6 +75,8 @@ struct Worker {
 pub(crate) struct WorkerHandle {
     pub(crate) thread: JoinHandle<()>,
     pub(crate) addresses: Vec<NetAddr>,
+    /// Whether every Domain supports RDMA READ.
+    pub(crate) reads: bool,
 }
 
 /// Starts the worker: pins it, then opens the group's Domains on it (so their memory is
@@ -84,7 +86,7 @@ pub(crate) fn spawn_worker(
     backend: Backend,
     group: usize,
 ) -> Result<WorkerHandle> {
-    let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<Vec<NetAddr>>>(1);
+    let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(Vec<NetAddr>, bool)>>(1);
     let thread_shared = Arc::clone(&shared);
     let thread = std::thread::Builder::new()
         .name(format!("xfer-worker-{group}"))
@@ -93,7 +95,8 @@ pub(crate) fn spawn_worker(
             match open_domains(&shared, &backend, group) {
                 Ok(worker) => {
                     let addresses = worker.domains.iter().map(|d| d.address()).collect();
-                    let _ = ready_tx.send(Ok(addresses));
+                    let reads = worker.domains.iter().all(|d| d.supports_read());
+                    let _ = ready_tx.send(Ok((addresses, reads)));
                     worker.run();
                 }
                 Err(e) => {
@@ -108,7 +111,7 @@ pub(crate) fn spawn_worker(
     let _ = shared.worker.set(thread.thread().clone());
     let timeout =
         shared.config.timeouts.control() + Duration::from_millis(shared.config.timeouts.connect_ms);
-    let addresses = match ready_rx.recv_timeout(timeout) {
+    let (addresses, reads) = match ready_rx.recv_timeout(timeout) {
         Ok(Ok(a)) => a,
         Ok(Err(e)) => {
             let _ = thread.join();
@@ -121,7 +124,11 @@ pub(crate) fn spawn_worker(
             return Err(Error::Timeout(timeout));
         }
     };
-    Ok(WorkerHandle { thread, addresses })
+    Ok(WorkerHandle {
+        thread,
+        addresses,
+        reads,
+    })
 }
 
 fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result<Worker> {
@@ -379,6 +386,16 @@ impl Worker {
 
     fn try_post(&mut self, nic: usize, id: u64, work: &Pending) -> Result<PostStatus, DomainError> {
         match work {
+            Pending::Write(op) if op.read => self.domains[nic].post_read(&ReadRequest {
+                wr_id: id,
+                peer: &op.peer,
+                local_addr: op.local_addr,
+                local_key: op.local_key,
+                remote_addr: op.remote_addr,
+                remote_key: op.remote_key,
+                remote_base: op.remote_base,
+                len: op.len,
+            }),
             Pending::Write(op) => self.domains[nic].post_write(&WriteRequest {
                 wr_id: id,
                 peer: &op.peer,
