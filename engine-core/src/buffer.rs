@@ -4,7 +4,7 @@
 use std::cell::UnsafeCell;
 use std::sync::Arc;
 
-use crate::api::{MrHandle, TransferEngine};
+use crate::api::{MrHandle, RemoteAccess, TransferEngine};
 use crate::domain::Device;
 use crate::error::{Error, Result};
 use crate::wire::MrDesc;
@@ -49,17 +49,29 @@ impl HostBuffer {
         Self::from_fn(engine, len, |_| 0)
     }
 
-    /// Allocates `len` bytes filled with `fill(i)` and registers them with `engine`.
+    /// Allocates `len` bytes filled with `fill(i)` and registers them with `engine` for
+    /// peers to write.
     pub fn from_fn(
         engine: &Arc<TransferEngine>,
         len: usize,
         fill: impl Fn(usize) -> u8,
     ) -> Result<Self> {
+        Self::with_access(engine, len, fill, RemoteAccess::WRITE)
+    }
+
+    /// Allocates `len` bytes filled with `fill(i)` and registers them with `engine` with the
+    /// remote access given (e.g. [`RemoteAccess::READ`] for a buffer peers read).
+    pub fn with_access(
+        engine: &Arc<TransferEngine>,
+        len: usize,
+        fill: impl Fn(usize) -> u8,
+        access: RemoteAccess,
+    ) -> Result<Self> {
         let data: Box<[UnsafeCell<u8>]> = (0..len).map(|i| UnsafeCell::new(fill(i))).collect();
         let ptr = UnsafeCell::raw_get(data.as_ptr());
         // SAFETY: `data` is owned by the HostBuffer, never reallocated, and deregistered in
         // Drop before it is freed (dereg_mr guarantees no NIC touches it after it returns).
-        let (mr, desc) = unsafe { engine.reg_mr(ptr, len, Device::Host)? };
+        let (mr, desc) = unsafe { engine.reg_mr_with(ptr, len, Device::Host, access)? };
         Ok(Self {
             engine: Arc::clone(engine),
             data,

@@ -383,6 +383,24 @@ fn test() -> Result {
         cargo(&["run", "--quiet", "-p", "examples", "--bin", example])?;
     }
     cargo(&[
+        "run", "--quiet", "-p", "examples", "--bin", "kv_cache", "--", "--pull",
+    ])?;
+    cargo(&[
+        "run",
+        "--quiet",
+        "-p",
+        "examples",
+        "--bin",
+        "transfer-bench",
+        "--",
+        "--op",
+        "read",
+        "--verify",
+        "--duration",
+        "0.2",
+        "--no-imm-rate",
+    ])?;
+    cargo(&[
         "run",
         "--quiet",
         "-p",
@@ -525,7 +543,16 @@ fn gpu_check() -> Result {
 
 /// The verbs backend next to perftest's `ib_write_bw` on the same soft-RoCE device, in one
 /// guest run: engine throughput (two engines on rxe0, loopback mode) over perftest's.
-fn rxe_bench() -> Result {
+fn rxe_bench(op: &str) -> Result {
+    let (tool, op_flag) = match op {
+        "write" => ("ib_write_bw", "write"),
+        "read" => ("ib_read_bw", "read"),
+        other => {
+            return Err(format!(
+                "rxe-bench: unknown operation {other:?} (write or read)"
+            ))
+        }
+    };
     ensure_packages(PACKAGES)?;
     ensure_packages(rxe::PACKAGES)?;
     cargo(&[
@@ -547,12 +574,12 @@ fn rxe_bench() -> Result {
     // starting (slow under emulation).
     let script = format!(
         "for round in 1 2 3; do for s in {list}; do n=$(( 67108864 / s )); [ $n -gt 5000 ] && n=5000; \
-           ib_write_bw -d rxe0 -x 0 -F -s $s -n $n >/dev/null 2>&1 & sleep 2; \
+           {tool} -d rxe0 -x 0 -F -s $s -n $n >/dev/null 2>&1 & sleep 2; \
            for try in 1 2 3 4 5; do \
-             out=$(ib_write_bw -d rxe0 -x 0 -F -s $s -n $n localhost 2>/dev/null | awk -v s=$s '$1==s {{print \"PERFTEST\", s, $4}}'); \
+             out=$({tool} -d rxe0 -x 0 -F -s $s -n $n localhost 2>/dev/null | awk -v s=$s '$1==s {{print \"PERFTEST\", s, $4}}'); \
              [ -n \"$out\" ] && break; sleep 1; \
            done; echo \"$out\"; wait; \
-           target/release/transfer-bench --config configs/verbs-rxe0.toml --block-size $s --batch-size 128 --duration 3 --no-imm-rate --json; \
+           target/release/transfer-bench --config configs/verbs-rxe0.toml --op {op_flag} --block-size $s --batch-size 128 --duration 3 --no-imm-rate --json; \
          done; done",
         list = sizes.map(|s| s.to_string()).join(" ")
     );
@@ -592,10 +619,10 @@ fn rxe_bench() -> Result {
             engine.entry(b).or_default().push(t);
         }
     }
-    println!("\nverbs on soft-RoCE (TCG guest), batch 128 (= perftest's TX depth), 3 s per size, 3 alternating rounds; perftest: ib_write_bw -x 0 -F -n (MiB/s)");
+    println!("\nverbs {op} on soft-RoCE (TCG guest), batch 128 (= perftest's TX depth), 3 s per size, 3 alternating rounds; perftest: {tool} -x 0 -F -n (MiB/s)");
     println!(
         "{:>10} | {:>24} | {:>24} | {:>6} | {:>13}",
-        "block", "xfer MiB/s (per round)", "ib_write_bw MiB/s", "median", "ratio spread"
+        "block", "xfer MiB/s (per round)", "perftest MiB/s", "median", "ratio spread"
     );
     for size in sizes {
         let (e, p) = (
@@ -654,7 +681,7 @@ fn main() -> ExitCode {
         Some("bench") => bench(&args[1..]),
         Some("bench-efa") => bench_efa(&args[1..]),
         Some("rxe") => rxe_command(&args[1..]),
-        Some("rxe-bench") => rxe_bench(),
+        Some("rxe-bench") => rxe_bench(args.get(1).map_or("write", String::as_str)),
         Some("gpu-check") => gpu_check(),
         Some("fixtures") => fixtures::write_all(std::path::Path::new("engine-core/tests/fixtures/sysfs")).map_err(|e| e.to_string()),
         _ => Err("usage: cargo xtask test | fresh | bench [transfer-bench args] | bench-efa [transfer-bench args]".into()),

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
-use engine_core::{Config, DoneCounter, HostBuffer, MrDesc, OnDone, TransferEngine};
+use engine_core::{Config, DoneCounter, HostBuffer, MrDesc, OnDone, RemoteAccess, TransferEngine};
 use serde::Serialize;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -28,8 +28,18 @@ enum Mode {
     Target,
 }
 
+/// What each transfer is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Op {
+    /// RDMA WRITE from the initiator into the target.
+    Write,
+    /// RDMA READ by the initiator from the target (loopback mode).
+    Read,
+}
+
 #[derive(Debug, Parser)]
-#[command(about = "xfer write throughput/latency benchmark")]
+#[command(about = "xfer write/read throughput benchmark")]
 struct Args {
     /// Backend name (overrides the config's).
     #[arg(long)]
@@ -40,6 +50,9 @@ struct Args {
     /// Where the two sides run.
     #[arg(long, value_enum, default_value_t = Mode::Loopback)]
     mode: Mode,
+    /// Writes (default) or reads.
+    #[arg(long, value_enum, default_value_t = Op::Write)]
+    op: Op,
     /// Block sizes in bytes (comma-separated); a sweep from 4 KiB to 4 MiB if none.
     #[arg(long, value_delimiter = ',')]
     block_size: Vec<u64>,
@@ -155,10 +168,13 @@ fn wait(counter: &DoneCounter, target: u64) -> Result<(), BoxError> {
 }
 
 /// Runs trips of `batch` writes of `block` bytes into `dst` for `duration`.
+/// Trips of `batch` transfers of `block` bytes between the local buffer and the peer's (a
+/// write from `local` into `remote`, or a read from `remote` into `local`), for `duration`.
 fn run_trips(
     engine: &TransferEngine,
-    src: &HostBuffer,
-    dst: &MrDesc,
+    op: Op,
+    local: &HostBuffer,
+    remote: &MrDesc,
     block: u64,
     batch: u64,
     duration: Duration,
@@ -168,13 +184,11 @@ fn run_trips(
     let mut trips = 0u64;
     while trips == 0 || start.elapsed() < duration {
         for i in 0..batch {
-            engine.submit_single_write(
-                block,
-                None,
-                (src.mr(), i * block),
-                (dst, i * block),
-                counter.clone(),
-            )?;
+            let (l, r) = ((local.mr(), i * block), (remote, i * block));
+            match op {
+                Op::Write => engine.submit_single_write(block, None, l, r, counter.clone())?,
+                Op::Read => engine.submit_single_read(block, l, r, counter.clone())?,
+            }
         }
         trips += 1;
         wait(&counter, trips * batch)?;
@@ -399,15 +413,28 @@ fn loopback(args: &Args, config: &Config) -> Result<Report, BoxError> {
     let b = Arc::new(TransferEngine::open(config)?);
     let sizes = sizes(args);
     let span = buffer_span(args, 2)?;
+    // A's buffer is the local side; B's is the remote one (written into, or read from).
     let src = HostBuffer::new(&a, span as usize)?;
-    let dst = HostBuffer::new(&b, span as usize)?;
+    let dst = HostBuffer::with_access(&b, span as usize, |_| 0, RemoteAccess::READ_WRITE)?;
     let duration = Duration::from_secs_f64(args.duration);
     let mut rows = Vec::new();
     for (k, &block) in sizes.iter().enumerate() {
         let bytes = (block * args.batch_size) as usize;
         let fill: Vec<u8> = (0..bytes).map(|i| pattern(k as u64 + 2, i)).collect();
-        src.write(0, &fill)?;
-        let (trips, elapsed) = run_trips(&a, &src, dst.desc(), block, args.batch_size, duration)?;
+        // The bytes start on the side that sends them: A for writes, B for reads.
+        match args.op {
+            Op::Write => src.write(0, &fill)?,
+            Op::Read => dst.write(0, &fill)?,
+        }
+        let (trips, elapsed) = run_trips(
+            &a,
+            args.op,
+            &src,
+            dst.desc(),
+            block,
+            args.batch_size,
+            duration,
+        )?;
         let mut r = row(block, args.batch_size, trips, elapsed);
         r.reference_mib_s = reference_mib_s(
             config,
@@ -510,7 +537,15 @@ fn initiator(args: &Args, config: &Config) -> Result<Report, BoxError> {
         let seed = k as u64 + 2;
         let fill: Vec<u8> = (0..bytes).map(|i| pattern(seed, i)).collect();
         src.write(0, &fill)?;
-        let (trips, elapsed) = run_trips(&engine, &src, &desc, block, args.batch_size, duration)?;
+        let (trips, elapsed) = run_trips(
+            &engine,
+            Op::Write,
+            &src,
+            &desc,
+            block,
+            args.batch_size,
+            duration,
+        )?;
         let mut r = row(block, args.batch_size, trips, elapsed);
         if args.verify {
             writeln!(out, "check {bytes} {seed}")?;
@@ -626,6 +661,9 @@ fn main() {
     #[cfg(feature = "verbs")]
     backend_verbs::link();
     let result = load_config(&args).and_then(|config| {
+        if args.op == Op::Read && args.mode != Mode::Loopback {
+            return Err("--op read runs in --mode loopback".into());
+        }
         if config.backend == "mock" && args.mode != Mode::Loopback {
             return Err("the mock backend is in-process: use --mode loopback".into());
         }
