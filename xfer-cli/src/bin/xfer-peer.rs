@@ -1,13 +1,14 @@
 //! A peer process for two-process tests: opens an engine from the config file given as its
 //! argument (any backend linked into the xfer CLI), registers a buffer, prints `desc <hex>` and `addr <hex>`, then answers commands on stdin, one per line:
 //! `expect <imm> <n>` (wait for n arrivals), `dump <offset> <len>` (print bytes as hex),
-//! `recv` (print the next message), `quit`.
+//! `fill <offset> <len> <seed>` (write a pattern, for the other side to read), `recv` (print
+//! the next message), `quit`. The buffer is registered readable and writable by peers.
 
 use std::io::BufRead;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use engine_core::{Config, DoneFlag, HostBuffer, TransferEngine};
+use engine_core::{Config, DoneFlag, HostBuffer, RemoteAccess, TransferEngine};
 
 fn main() {
     let path = std::env::args().nth(1).expect("usage: xfer-peer CONFIG");
@@ -22,7 +23,8 @@ fn main() {
         println!("error {e}");
         std::process::exit(1)
     }));
-    let buffer = HostBuffer::new(&engine, 4 << 20).expect("register");
+    let buffer = HostBuffer::with_access(&engine, 4 << 20, |_| 0, RemoteAccess::READ_WRITE)
+        .expect("register");
     let (tx, rx) = mpsc::channel::<Vec<u8>>();
     let tx = Mutex::new(tx);
     engine
@@ -52,6 +54,20 @@ fn main() {
                     "bytes {}",
                     hex::encode(&buffer.to_vec()[offset..offset + len])
                 )
+            }
+            ["fill", offset, len, seed] => {
+                let (offset, len, seed): (usize, usize, u64) = (
+                    offset.parse().unwrap(),
+                    len.parse().unwrap(),
+                    seed.parse().unwrap(),
+                );
+                let bytes: Vec<u8> = (0..len)
+                    .map(engine_core::conformance::pattern(seed))
+                    .collect();
+                match buffer.write(offset, &bytes) {
+                    Ok(()) => "ok".to_owned(),
+                    Err(e) => format!("err {e}"),
+                }
             }
             ["recv"] => match rx.recv_timeout(Duration::from_secs(20)) {
                 Ok(m) => format!("msg {}", String::from_utf8_lossy(&m)),
