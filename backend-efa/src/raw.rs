@@ -1,6 +1,6 @@
-//! A minimal raw libfabric write loop — no engine, no worker thread — as the reference the
-//! engine's benchmark is compared against: two endpoints of one provider in this process, one
-//! writing batches into the other, polling both CQs.
+//! A minimal raw libfabric write (or read) loop — no engine, no worker thread — as the
+//! reference the engine's benchmark is compared against: two endpoints of one provider in this
+//! process, one writing batches into the other (or reading batches from it), polling both CQs.
 
 use std::time::{Duration, Instant};
 
@@ -13,6 +13,26 @@ pub fn write_loop(
     batch: usize,
     duration: Duration,
 ) -> Result<(u64, Duration), String> {
+    rma_loop(provider, block, batch, duration, false)
+}
+
+/// Reads `batch` blocks of `block` bytes per trip (`fi_readmsg`) for `duration`.
+pub fn read_loop(
+    provider: &str,
+    block: usize,
+    batch: usize,
+    duration: Duration,
+) -> Result<(u64, Duration), String> {
+    rma_loop(provider, block, batch, duration, true)
+}
+
+fn rma_loop(
+    provider: &str,
+    block: usize,
+    batch: usize,
+    duration: Duration,
+    read: bool,
+) -> Result<(u64, Duration), String> {
     let mut initiator = Endpoint::open(provider, None).map_err(|e| e.message)?;
     let mut target = Endpoint::open(provider, None).map_err(|e| e.message)?;
     let span = block * batch;
@@ -23,7 +43,7 @@ pub fn write_loop(
     let src_mr = unsafe { initiator.register(src.as_ptr(), src.len(), None, 1, (false, false)) }
         .map_err(|e| e.message)?;
     // SAFETY: as above.
-    let dst_mr = unsafe { target.register(dst.as_ptr(), dst.len(), None, 2, (true, false)) }
+    let dst_mr = unsafe { target.register(dst.as_ptr(), dst.len(), None, 2, (true, true)) }
         .map_err(|e| e.message)?;
     let dest = initiator
         .insert_peer(&target.name().map_err(|e| e.message)?)
@@ -44,19 +64,31 @@ pub fn write_loop(
             while posted < batch {
                 let offset = posted * block;
                 let ctx = contexts[posted].as_mut_ptr().cast();
-                // SAFETY: the source range is inside `src_mr`'s region and the context slot
+                // SAFETY: the local range is inside `src_mr`'s region and the context slot
                 // is not reused until this trip's completions are all read.
                 let r = unsafe {
-                    initiator.write(
-                        src.as_ptr().add(offset),
-                        block,
-                        src_mr.desc,
-                        dest,
-                        base + offset as u64,
-                        dst_mr.key,
-                        None,
-                        ctx,
-                    )
+                    if read {
+                        initiator.rdma_read(
+                            src.as_ptr().add(offset).cast_mut(),
+                            block,
+                            src_mr.desc,
+                            dest,
+                            base + offset as u64,
+                            dst_mr.key,
+                            ctx,
+                        )
+                    } else {
+                        initiator.write(
+                            src.as_ptr().add(offset),
+                            block,
+                            src_mr.desc,
+                            dest,
+                            base + offset as u64,
+                            dst_mr.key,
+                            None,
+                            ctx,
+                        )
+                    }
                 };
                 match r.map_err(|e| e.message)? {
                     Posted::Queued => posted += 1,
@@ -66,7 +98,7 @@ pub fn write_loop(
             completions.clear();
             match initiator.read(&mut completions) {
                 Ok(n) => done += n,
-                Err(_) => return Err("a raw write failed".into()),
+                Err(_) => return Err("a raw RMA operation failed".into()),
             }
             completions.clear();
             let _ = target.read(&mut completions);

@@ -274,7 +274,7 @@ fn reference_name(config: &Config) -> Option<String> {
     match config.backend.as_str() {
         "mock" => Some("memcpy between the same registered buffers".into()),
         "efa" if cfg!(feature = "efa") => Some(format!(
-            "raw libfabric fi_writemsg loop on {}",
+            "raw libfabric fi_writemsg (or fi_readmsg) loop on {}",
             efa_provider(config)
         )),
         _ => None,
@@ -284,6 +284,7 @@ fn reference_name(config: &Config) -> Option<String> {
 /// The reference throughput for this backend, measured now with the same sizes.
 fn reference_mib_s(
     config: &Config,
+    op: Op,
     (src, dst): (&HostBuffer, &HostBuffer),
     bytes: usize,
     block: u64,
@@ -300,7 +301,11 @@ fn reference_mib_s(
         ))),
         #[cfg(feature = "efa")]
         "efa" => {
-            let (trips, elapsed) = backend_efa::raw::write_loop(
+            let raw = match op {
+                Op::Write => backend_efa::raw::write_loop,
+                Op::Read => backend_efa::raw::read_loop,
+            };
+            let (trips, elapsed) = raw(
                 &efa_provider(config),
                 block as usize,
                 batch as usize,
@@ -311,7 +316,7 @@ fn reference_mib_s(
             ))
         }
         _ => {
-            let _ = (src, dst, bytes, batch);
+            let _ = (op, src, dst, bytes, batch);
             Ok(None)
         }
     }
@@ -438,6 +443,7 @@ fn loopback(args: &Args, config: &Config) -> Result<Report, BoxError> {
         let mut r = row(block, args.batch_size, trips, elapsed);
         r.reference_mib_s = reference_mib_s(
             config,
+            args.op,
             (&src, &dst),
             bytes,
             block,
