@@ -127,3 +127,30 @@ fn a_plugin_built_against_an_older_abi_loads_and_its_missing_entries_are_refused
         "{r:?}"
     );
 }
+
+/// A plugin that panics is contained by its shim; the panic's text comes back, the Domain is
+/// not used again, and everything finishes once with the reason.
+#[test]
+fn a_panicking_plugin_fails_its_engine_with_the_panic_text() {
+    let mut config = common::mock_config(1, "[backends.mock]\npanic_on_post = 2\n");
+    config.plugin = Some(common::built_library("backend_mock"));
+    let (a, b) = (
+        std::sync::Arc::new(TransferEngine::open(&config).unwrap()),
+        std::sync::Arc::new(TransferEngine::open(&config).unwrap()),
+    );
+    let src = engine_core::conformance::buffer(&a, 64, engine_core::conformance::pattern(1));
+    let dst = engine_core::conformance::buffer(&b, 64, |_| 0);
+    let done = engine_core::DoneCounter::new();
+    for _ in 0..2 {
+        let _ = a.submit_single_write(8, None, (src.mr(), 0), (dst.desc(), 0), done.clone());
+    }
+    let _ = done.wait_for(2, std::time::Duration::from_secs(20));
+    assert_eq!(done.finished(), 2);
+    let e = done.first_error().expect("the panicking post fails");
+    assert!(e.to_string().contains("panic_on_post"), "{e}");
+    let r = a.submit_single_write(8, None, (src.mr(), 0), (dst.desc(), 0), done.clone());
+    assert!(
+        matches!(&r, Err(Error::WorkerFailed(m)) if m.contains("the plugin panicked")),
+        "{r:?}"
+    );
+}

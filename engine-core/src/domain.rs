@@ -138,6 +138,9 @@ pub enum DomainErrorKind {
     InvalidArgument = 3,
     /// The backend's own deadline passed.
     Timeout = 4,
+    /// The Domain cannot go on (its plugin panicked, its poll failed for good, it broke the
+    /// ABI): the engine stops using it and fails everything in flight.
+    Fatal = 5,
 }
 
 impl DomainErrorKind {
@@ -148,6 +151,7 @@ impl DomainErrorKind {
             2 => Self::PeerUnreachable,
             3 => Self::InvalidArgument,
             4 => Self::Timeout,
+            5 => Self::Fatal,
             _ => Self::Other,
         }
     }

@@ -346,10 +346,12 @@ type Handle = Box<dyn Domain>;
 
 /// Runs `f`, turning a panic or an error into `STATUS_ERROR` with a message in `err`.
 fn guarded(err: *mut RawError, f: impl FnOnce() -> Result<i32, DomainError>) -> i32 {
-    let outcome = catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+    let outcome = catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        // The text travels back: "the plugin panicked" alone tells a vendor nothing.
+        let text = crate::runtime::panic_message(&*panic);
         Err(DomainError::new(
-            DomainErrorKind::Other,
-            "the plugin panicked",
+            DomainErrorKind::Fatal,
+            format!("the plugin panicked: {text}"),
         ))
     });
     match outcome {
@@ -441,7 +443,13 @@ unsafe extern "C" fn shim_register(
         let r = unsafe { *region };
         let device = match r.device_kind {
             0 => Device::Host,
-            _ => Device::Cuda(r.device_index),
+            1 => Device::Cuda(r.device_index),
+            other => {
+                return Err(DomainError::new(
+                    DomainErrorKind::InvalidArgument,
+                    format!("unknown device kind {other} (0 = host, 1 = CUDA)"),
+                ))
+            }
         };
         let region = MemoryRegion {
             ptr: r.ptr,

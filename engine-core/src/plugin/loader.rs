@@ -352,9 +352,16 @@ impl Drop for PluginDomain {
     }
 }
 
+/// What a poll collects: the events, and the first event kind the engine does not know.
+struct Collected<'a> {
+    events: &'a mut Vec<Event>,
+    unknown_kind: Option<u32>,
+}
+
 unsafe extern "C" fn collect_event(sink: *mut c_void, event: *const RawEvent) {
-    // SAFETY: sink is the &mut Vec<Event> passed by PluginDomain::poll for this call.
-    let events = unsafe { &mut *(sink as *mut Vec<Event>) };
+    // SAFETY: sink is the &mut Collected passed by PluginDomain::poll for this call.
+    let collected = unsafe { &mut *(sink as *mut Collected<'_>) };
+    let events = &mut *collected.events;
     // SAFETY: the plugin passes a valid event whose bytes live for this call.
     let e = unsafe { &*event };
     // SAFETY: as above.
@@ -372,9 +379,14 @@ unsafe extern "C" fn collect_event(sink: *mut c_void, event: *const RawEvent) {
             )),
         },
         2 => Event::ImmArrival { imm: e.imm },
-        _ => Event::Message {
+        3 => Event::Message {
             data: data.to_vec(),
         },
+        // Never guessed at: taken for a message, an immediate would vanish.
+        other => {
+            collected.unknown_kind.get_or_insert(other);
+            return;
+        }
     });
 }
 
@@ -512,11 +524,24 @@ impl Domain for PluginDomain {
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError> {
         let mut err = RawError::empty();
-        let sink = events as *mut Vec<Event> as *mut c_void;
+        let mut collected = Collected {
+            events,
+            unknown_kind: None,
+        };
+        let sink = &mut collected as *mut Collected<'_> as *mut c_void;
         // SAFETY: live handle; `sink` is exclusively borrowed for the call, and collect_event
         // casts it back to the same type.
         let status =
             unsafe { (self.plugin.table.poll)(self.handle, sink, collect_event, &mut err) };
+        if let Some(kind) = collected.unknown_kind {
+            return Err(DomainError::new(
+                DomainErrorKind::Fatal,
+                format!(
+                    "plugin {} handed the engine an event of unknown kind {kind} (ABI version {})",
+                    self.plugin.name, self.plugin.version
+                ),
+            ));
+        }
         Self::check(status, &err).map(|_| ())
     }
 
@@ -533,5 +558,52 @@ impl Domain for PluginDomain {
         // A previous waker stays registered until close: the plugin may still call it.
         self.wakers.push(id);
         will_wake
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An event kind the engine does not know is never guessed at (taken for a message, an
+    /// immediate would vanish): it is recorded, and poll turns it into a fatal error.
+    #[test]
+    fn an_unknown_event_kind_is_recorded_not_read_as_a_message() {
+        let mut events = Vec::new();
+        let mut collected = Collected {
+            events: &mut events,
+            unknown_kind: None,
+        };
+        let sink = &mut collected as *mut Collected<'_> as *mut c_void;
+        for kind in [2, 9, 3] {
+            let event = RawEvent {
+                kind,
+                error_kind: 0,
+                wr_id: 0,
+                imm: 7,
+                data: RawBytes::new(b"m"),
+            };
+            // SAFETY: sink points at a live Collected; the event and its bytes are live.
+            unsafe { collect_event(sink, &event) };
+        }
+        assert_eq!(collected.unknown_kind, Some(9));
+        assert_eq!(
+            events,
+            vec![
+                Event::ImmArrival { imm: 7 },
+                Event::Message {
+                    data: b"m".to_vec()
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn a_version_1_table_is_a_prefix_of_the_current_one() {
+        assert!(V1_TABLE_SIZE < std::mem::size_of::<PluginTable>() as u32);
+        assert_eq!(
+            V1_TABLE_SIZE as usize,
+            std::mem::offset_of!(PluginTable, post_read)
+        );
     }
 }

@@ -69,6 +69,10 @@ struct Worker {
     transfer_timeout: Duration,
     /// The clock as of the current batch of submissions.
     now: Instant,
+    /// A Domain failed for good (a `Fatal` poll error): the worker fails after this pass.
+    fatal: Option<String>,
+    /// Poll errors that were not fatal, logged at a bounded rate.
+    poll_errors: u64,
 }
 
 /// What the engine keeps of its worker.
@@ -175,6 +179,8 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
         callbacks: Vec::new(),
         now: Instant::now(),
         transfer_timeout: config.timeouts.transfer(),
+        fatal: None,
+        poll_errors: 0,
     })
 }
 
@@ -192,6 +198,9 @@ impl Worker {
                 Ok(true) => {}
                 Ok(false) => return self.shutdown(),
                 Err(panic) => return self.fail(panic_message(&*panic)),
+            }
+            if let Some(why) = self.fatal.take() {
+                return self.fail(why);
             }
         }
     }
@@ -412,6 +421,9 @@ impl Worker {
     }
 
     fn fail_request(&mut self, id: u64, e: DomainError) {
+        if e.kind == DomainErrorKind::Fatal {
+            self.fatal.get_or_insert_with(|| e.message.clone());
+        }
         let err = map_domain_error(&self.shared.backend, e);
         if let Some(done) = self.tracker.handle_done(id, Err(err)) {
             self.finished.push(done);
@@ -457,7 +469,17 @@ impl Worker {
         for nic in 0..self.domains.len() {
             self.events.clear();
             if let Err(e) = self.domains[nic].poll(&mut self.events) {
-                tracing::error!(nic, error = %e, "polling a Domain failed");
+                if e.kind == DomainErrorKind::Fatal {
+                    // Never polled again: the whole group fails, once, with the reason.
+                    self.fatal
+                        .get_or_insert_with(|| format!("NIC {nic}: {}", e.message));
+                    return any;
+                }
+                // A poll that keeps failing must not flood the log (one line per pass).
+                self.poll_errors += 1;
+                if self.poll_errors.is_power_of_two() {
+                    tracing::error!(nic, error = %e, times = self.poll_errors, "polling a Domain failed");
+                }
             }
             if self.events.is_empty() {
                 continue;
