@@ -16,7 +16,7 @@ use crate::ffi::{
     TAG_IMM_RECV, TAG_MASK, TAG_MSG_RECV, TAG_SEND,
 };
 use crate::options::VerbsOptions;
-use crate::wire::{choose_gid, GidEntry, Handshake, Kind, VerbsAddr};
+use crate::wire::{choose_gid, choose_gid_for, GidEntry, GidWanted, Handshake, Kind, VerbsAddr};
 
 /// A write or send waiting for its peer's connection.
 enum Queued {
@@ -171,7 +171,8 @@ impl VerbsDomain {
     /// Opens the device named `config.nic`.
     pub fn open(config: &DomainConfig<'_>) -> Result<Self, DomainError> {
         let options = VerbsOptions::parse(config.options)?;
-        let mut device = Device::open(config.nic, options.port).map_err(|e| {
+        let port = options.port_of(config.nic);
+        let mut device = Device::open(config.nic, port).map_err(|e| {
             err(
                 DomainErrorKind::InvalidArgument,
                 format!(
@@ -195,15 +196,40 @@ impl VerbsDomain {
                         Err(()) => break,
                     }
                 }
-                choose_gid(&entries).ok_or_else(|| {
-                    err(
-                        DomainErrorKind::InvalidArgument,
-                        format!(
+                if let Some(wanted) = &options.gid {
+                    // Each GID's netdev, as sysfs shows it.
+                    let netdevs: Vec<Option<String>> = entries
+                        .iter()
+                        .map(|e| {
+                            std::fs::read_to_string(format!(
+                                "/sys/class/infiniband/{}/ports/{port}/gid_attrs/ndevs/{}",
+                                config.nic, e.index
+                            ))
+                            .ok()
+                            .map(|s| s.trim().to_owned())
+                        })
+                        .collect();
+                    let chosen = choose_gid_for(&entries, &netdevs, &GidWanted::parse(wanted));
+                    chosen.ok_or_else(|| {
+                        err(
+                            DomainErrorKind::InvalidArgument,
+                            format!(
+                                "{} port {port} has no GID for gid = {wanted:?} (an IP address of, or a netdev on, this port; see `xfer info`)",
+                                config.nic
+                            ),
+                        )
+                    })? as i32
+                } else {
+                    choose_gid(&entries).ok_or_else(|| {
+                        err(
+                            DomainErrorKind::InvalidArgument,
+                            format!(
                             "{} port {} has no usable GID: bring its netdev up (see `xfer doctor`)",
-                            config.nic, options.port
+                            config.nic, port
                         ),
-                    )
-                })? as i32
+                        )
+                    })? as i32
+                }
             }
         };
         let attr = device
@@ -214,10 +240,25 @@ impl VerbsDomain {
                 DomainErrorKind::InvalidArgument,
                 format!(
                     "{} port {} is not ACTIVE (state {}); see `xfer doctor`",
-                    config.nic, options.port, attr.state
+                    config.nic, port, attr.state
                 ),
             ));
         }
+        let global_mode = match options.global_routing.as_str() {
+            "always" => 1,
+            "never" if attr.ethernet != 0 => {
+                return Err(err(
+                    DomainErrorKind::InvalidArgument,
+                    format!(
+                        "global_routing = \"never\" on {}, a RoCE port: RoCE packets always carry a GRH",
+                        config.nic
+                    ),
+                ))
+            }
+            "never" => 2,
+            _ => 0,
+        };
+        device.set_path(options.traffic_class, options.service_level, global_mode);
         for i in 0..options.imm_receives {
             // SAFETY: zero-length receives touch no memory.
             unsafe { device.post_srq_recv(false, TAG_IMM_RECV | i as u64, 0, 0, 0) }

@@ -257,6 +257,20 @@ impl Device {
         (posted.max(0) as u32, error)
     }
 
+    /// Sets the path settings of every later QP and handshake datagram: traffic class,
+    /// service level, and the GRH policy (0 auto, 1 always, 2 never).
+    pub(crate) fn set_path(&mut self, traffic_class: u8, service_level: u8, global_mode: i32) {
+        // SAFETY: a live device; plain values.
+        unsafe {
+            sys::xv_set_path(
+                self.raw.as_ptr(),
+                i32::from(traffic_class),
+                i32::from(service_level),
+                global_mode,
+            )
+        };
+    }
+
     pub(crate) fn ud_send(
         &mut self,
         gid: &[u8; 16],

@@ -9,8 +9,20 @@ use serde::Deserialize;
 pub struct VerbsOptions {
     /// Port of each device.
     pub port: i32,
+    /// A port for particular devices (`ports = { mlx5_1 = 2 }`), over `port`.
+    pub ports: std::collections::BTreeMap<String, i32>,
     /// GID index; chosen automatically (RoCE v2 with an address first) when absent.
     pub gid_index: Option<i32>,
+    /// Choose the GID by IP address (`"192.0.2.7"`, the GID carrying it) or by netdev
+    /// (`"eth1"`, its best GID) instead of by index.
+    pub gid: Option<String>,
+    /// Traffic class (DSCP << 2 | ECN) of RoCE packets: lossless RoCE classes need it.
+    pub traffic_class: u8,
+    /// InfiniBand service level (0 to 15), which RoCE maps to a priority.
+    pub service_level: u8,
+    /// Whether packets carry a GRH: `auto` (RoCE always; InfiniBand only when the peer has no
+    /// LID), `always`, or `never` (an IB subnet addressed by LIDs alone).
+    pub global_routing: String,
     /// A peer that does not answer the handshake within this fails its queued transfers. Set
     /// by the engine from `[timeouts] connect_ms` (not in `[backends.verbs]`).
     pub connect_ms: u64,
@@ -39,7 +51,12 @@ impl Default for VerbsOptions {
     fn default() -> Self {
         Self {
             port: 1,
+            ports: std::collections::BTreeMap::new(),
             gid_index: None,
+            gid: None,
+            traffic_class: 0,
+            service_level: 0,
+            global_routing: "auto".into(),
             connect_ms: 3_000,
             retry_ms: 200,
             send_queue: 1024,
@@ -100,6 +117,21 @@ impl VerbsOptions {
                 format!("send_queue = {} (at least 1)", self.send_queue),
             ),
             (
+                self.service_level <= 15,
+                format!("service_level = {} (0 to 15)", self.service_level),
+            ),
+            (
+                ["auto", "always", "never"].contains(&self.global_routing.as_str()),
+                format!(
+                    "global_routing = {:?} (auto, always or never)",
+                    self.global_routing
+                ),
+            ),
+            (
+                !(self.gid.is_some() && self.gid_index.is_some()),
+                "gid and gid_index both choose the GID: set one".to_owned(),
+            ),
+            (
                 self.unreachable_ms >= 1 && self.retry_ms >= 1 && self.connect_ms >= 1,
                 "unreachable_ms, retry_ms and connect_ms must be at least 1".to_owned(),
             ),
@@ -108,6 +140,13 @@ impl VerbsOptions {
             Some((_, message)) => Err(message),
             None => Ok(()),
         }
+    }
+}
+
+impl VerbsOptions {
+    /// The port to use on device `nic`.
+    pub fn port_of(&self, nic: &str) -> i32 {
+        self.ports.get(nic).copied().unwrap_or(self.port)
     }
 }
 
@@ -124,6 +163,9 @@ mod tests {
             ("imm_receives = 0", "imm_receives"),
             ("send_queue = 0", "send_queue"),
             ("unreachable_ms = 0", "unreachable_ms"),
+            ("service_level = 16", "service_level"),
+            ("global_routing = \"sometimes\"", "global_routing"),
+            ("gid = \"eth0\"\ngid_index = 1", "gid and gid_index"),
         ] {
             let e = VerbsOptions::parse(text).unwrap_err();
             assert!(e.message.contains(needle), "{text}: {}", e.message);

@@ -171,6 +171,52 @@ pub fn choose_gid(entries: &[GidEntry]) -> Option<u32> {
     usable.min_by_key(|e| (rank(e), e.index)).map(|e| e.index)
 }
 
+/// What `[backends.verbs] gid` asks for: the GID of an IP address, or a GID on a netdev.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GidWanted {
+    /// The GID carrying this address (IPv4 as an IPv4-mapped IPv6 GID).
+    Address(std::net::IpAddr),
+    /// The best GID (as `choose_gid` ranks them) among those on this netdev.
+    Netdev(String),
+}
+
+impl GidWanted {
+    /// An address if `text` parses as one, else a netdev name.
+    pub fn parse(text: &str) -> Self {
+        match text.parse::<std::net::IpAddr>() {
+            Ok(ip) => Self::Address(ip),
+            Err(_) => Self::Netdev(text.to_owned()),
+        }
+    }
+}
+
+/// The GID bytes of an IP address, as RoCE GID tables hold them.
+pub fn gid_of(ip: std::net::IpAddr) -> [u8; 16] {
+    match ip {
+        std::net::IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+        std::net::IpAddr::V6(v6) => v6.octets(),
+    }
+}
+
+/// Picks the GID index `wanted` names among `entries`; `netdevs[i]` is the netdev of entry
+/// `i` (from sysfs `gid_attrs/ndevs`). Among several matches, `choose_gid`'s order decides.
+pub fn choose_gid_for(
+    entries: &[GidEntry],
+    netdevs: &[Option<String>],
+    wanted: &GidWanted,
+) -> Option<u32> {
+    let matching: Vec<GidEntry> = entries
+        .iter()
+        .enumerate()
+        .filter(|(i, e)| match wanted {
+            GidWanted::Address(ip) => e.gid == gid_of(*ip),
+            GidWanted::Netdev(name) => netdevs.get(*i).and_then(Option::as_deref) == Some(name),
+        })
+        .map(|(_, e)| *e)
+        .collect();
+    choose_gid(&matching)
+}
+
 /// `ibv_mtu` code to bytes.
 pub fn mtu_bytes(code: u8) -> u32 {
     128 << code.clamp(1, 5)
@@ -187,6 +233,40 @@ mod tests {
             lid: 7,
             ud_qpn: 0x123456,
         }
+    }
+
+    #[test]
+    fn a_gid_is_chosen_by_address_or_netdev() {
+        let v4 = gid_of("192.0.2.7".parse().unwrap());
+        let entries = [
+            GidEntry {
+                index: 0,
+                gid: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8],
+                roce_v2: false,
+            },
+            GidEntry {
+                index: 1,
+                gid: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8],
+                roce_v2: true,
+            },
+            GidEntry {
+                index: 3,
+                gid: v4,
+                roce_v2: true,
+            },
+        ];
+        let netdevs = [
+            Some("eth0".to_owned()),
+            Some("eth0".to_owned()),
+            Some("eth1".to_owned()),
+        ];
+        let by = |w: &str| choose_gid_for(&entries, &netdevs, &GidWanted::parse(w));
+        assert_eq!(by("192.0.2.7"), Some(3));
+        assert_eq!(by("eth0"), Some(1), "RoCE v2 first among the netdev's GIDs");
+        assert_eq!(by("eth1"), Some(3));
+        assert_eq!(by("198.51.100.1"), None);
+        assert_eq!(by("eth9"), None);
+        assert_eq!(v4[10..12], [0xff, 0xff]);
     }
 
     #[test]

@@ -140,3 +140,41 @@ fn a_vanished_peer_is_unreachable_before_the_deadline() {
         start.elapsed()
     );
 }
+
+/// What a RoCE operator sets — traffic class, service level, the GID chosen by netdev, a port
+/// per device — is accepted and the transfer works; what cannot work on RoCE is refused with
+/// the option named.
+#[test]
+#[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
+fn operator_path_options_work_and_impossible_ones_are_named() {
+    use engine_core::conformance::Harness;
+    use std::time::Duration;
+    let mut config = Rxe.config(1);
+    config.backends = toml::from_str(
+        "[verbs]\ntraffic_class = 106\nservice_level = 3\ngid = \"rxenet0\"\nports = { rxe0 = 1 }\n",
+    )
+    .unwrap();
+    let a = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let b = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let src = engine_core::HostBuffer::from_fn(&a, 4096, |i| i as u8).unwrap();
+    let dst = engine_core::HostBuffer::new(&b, 4096).unwrap();
+    let f = engine_core::DoneFlag::new();
+    a.submit_single_write(4096, Some(2), (src.mr(), 0), (dst.desc(), 0), f.clone())
+        .unwrap();
+    f.wait(Duration::from_secs(10)).unwrap();
+    assert!(dst.to_vec() == src.to_vec());
+    for (table, needle) in [
+        (
+            "[verbs]\ngid = \"nosuchnetdev\"\n",
+            "gid = \"nosuchnetdev\"",
+        ),
+        ("[verbs]\nglobal_routing = \"never\"\n", "global_routing"),
+    ] {
+        let mut bad = Rxe.config(1);
+        bad.backends = toml::from_str(table).unwrap();
+        let e = engine_core::TransferEngine::open(&bad)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(needle), "{table}: {e}");
+    }
+}

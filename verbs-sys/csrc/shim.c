@@ -33,7 +33,43 @@ typedef struct xv_dev {
      * reads are not serialised one at a time). */
     int max_rd_atomic;
     int max_dest_rd_atomic;
+    /* Path settings for every QP and handshake datagram: traffic class, service level, and
+     * whether packets carry a GRH (0 auto, 1 always, 2 never). */
+    uint8_t traffic_class;
+    uint8_t service_level;
+    int global_mode;
 } xv_dev;
+
+/* Whether a path to `dlid` carries a GRH: RoCE always does; InfiniBand only when asked, or
+ * when the peer has no LID to route by. */
+static int path_is_global(const xv_dev *d, uint16_t dlid) {
+    if (d->global_mode == 1)
+        return 1;
+    if (d->global_mode == 2)
+        return 0;
+    return d->port_attr.link_layer == IBV_LINK_LAYER_ETHERNET || dlid == 0;
+}
+
+/* Fills an address vector towards (dgid, dlid) with the device's path settings. */
+static void fill_ah(const xv_dev *d, struct ibv_ah_attr *aa, const uint8_t dgid[16], uint16_t dlid) {
+    aa->dlid = dlid;
+    aa->sl = d->service_level;
+    aa->port_num = d->port;
+    aa->is_global = path_is_global(d, dlid);
+    if (aa->is_global) {
+        memcpy(aa->grh.dgid.raw, dgid, 16);
+        aa->grh.sgid_index = d->gid_index;
+        aa->grh.hop_limit = 64;
+        aa->grh.traffic_class = d->traffic_class;
+    }
+}
+
+/* Sets the path settings (see xv_dev). */
+void xv_set_path(xv_dev *d, int traffic_class, int service_level, int global_mode) {
+    d->traffic_class = (uint8_t)traffic_class;
+    d->service_level = (uint8_t)service_level;
+    d->global_mode = global_mode;
+}
 
 typedef struct xv_attr {
     uint8_t gid[16];
@@ -270,8 +306,11 @@ struct ibv_mr *xv_reg_mr(xv_dev *d, void *addr, size_t len, int remote, uint32_t
  * it and `iova` the address peers use (the device pointer). */
 struct ibv_mr *xv_reg_dmabuf_mr(xv_dev *d, uint64_t offset, size_t len, uint64_t iova, int fd, int remote_write,
                                 uint32_t *lkey, uint32_t *rkey, int *err) {
-    int access = IBV_ACCESS_LOCAL_WRITE | remote_access(remote_write);
+    /* Relaxed ordering on GPU memory too (PCIe peer-to-peer writes gain most from it). */
+    int access = IBV_ACCESS_LOCAL_WRITE | remote_access(remote_write) | IBV_ACCESS_RELAXED_ORDERING;
     struct ibv_mr *mr = ibv_reg_dmabuf_mr(d->pd, offset, len, iova, fd, access);
+    if (!mr)
+        mr = ibv_reg_dmabuf_mr(d->pd, offset, len, iova, fd, access & ~IBV_ACCESS_RELAXED_ORDERING);
     if (!mr) {
         *err = errno;
         return NULL;
@@ -316,12 +355,7 @@ int xv_connect_rc(xv_dev *d, struct ibv_qp *qp, uint32_t rqpn, uint32_t rpsn, ui
     a.rq_psn = rpsn;
     a.max_dest_rd_atomic = d->max_dest_rd_atomic;
     a.min_rnr_timer = 12;
-    a.ah_attr.port_num = d->port;
-    a.ah_attr.dlid = rlid;
-    a.ah_attr.is_global = 1;
-    memcpy(a.ah_attr.grh.dgid.raw, rgid, 16);
-    a.ah_attr.grh.sgid_index = d->gid_index;
-    a.ah_attr.grh.hop_limit = 64;
+    fill_ah(d, &a.ah_attr, rgid, rlid);
     int rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
                                        IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
     if (rc) {
@@ -434,10 +468,9 @@ int xv_post_imm_recvs(xv_dev *d, uint64_t first, int n, int *posted) {
 int xv_ud_send(xv_dev *d, const uint8_t dgid[16], uint16_t dlid, uint32_t dqpn, const void *msg, uint32_t len) {
     if (len > UD_MSG)
         return EINVAL;
-    struct ibv_ah_attr aa = {.dlid = dlid, .port_num = d->port, .is_global = 1};
-    memcpy(aa.grh.dgid.raw, dgid, 16);
-    aa.grh.sgid_index = d->gid_index;
-    aa.grh.hop_limit = 64;
+    struct ibv_ah_attr aa;
+    memset(&aa, 0, sizeof aa);
+    fill_ah(d, &aa, dgid, dlid);
     struct ibv_ah *ah = ibv_create_ah(d->pd, &aa);
     if (!ah)
         return errno ? errno : EINVAL;

@@ -162,6 +162,12 @@ extern "C" {
         cap: usize,
     ) -> c_int;
     pub fn xv_qp_to_error(qp: *mut IbvQp) -> c_int;
+    pub fn xv_set_path(
+        d: *mut XvDev,
+        traffic_class: c_int,
+        service_level: c_int,
+        global_mode: c_int,
+    );
     pub fn xv_destroy_qp(qp: *mut IbvQp) -> c_int;
     pub fn xv_post_writes(qp: *mut IbvQp, w: *const XvWrite, n: c_int, posted: *mut c_int)
         -> c_int;
