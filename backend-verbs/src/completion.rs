@@ -7,17 +7,26 @@
 use std::collections::VecDeque;
 
 /// A QP's posted writes, oldest first: each with the id the NIC knows it by (unique per work
-/// request), the engine's id for it (shared by the chunks of one transfer), and whether it
-/// was signalled.
-#[derive(Debug, Default)]
-pub struct Outstanding {
-    fifo: VecDeque<(u64, u64, bool)>,
+/// request), the engine's id for it (shared by the chunks of one transfer), whether it was
+/// signalled, and the work request itself (`P`), to post again if it was flushed unexecuted.
+#[derive(Debug)]
+pub struct Outstanding<P = ()> {
+    fifo: VecDeque<(u64, u64, bool, P)>,
 }
 
-impl Outstanding {
-    /// Records a posted write: `wr_id` as posted, `user` as the engine knows it.
-    pub fn push(&mut self, wr_id: u64, user: u64, signaled: bool) {
-        self.fifo.push_back((wr_id, user, signaled));
+impl<P> Default for Outstanding<P> {
+    fn default() -> Self {
+        Self {
+            fifo: VecDeque::new(),
+        }
+    }
+}
+
+impl<P> Outstanding<P> {
+    /// Records a posted write: `wr_id` as posted, `user` as the engine knows it, `posted` to
+    /// repost it with.
+    pub fn push(&mut self, wr_id: u64, user: u64, signaled: bool, posted: P) {
+        self.fifo.push_back((wr_id, user, signaled, posted));
     }
 
     /// Writes on the send queue.
@@ -34,7 +43,7 @@ impl Outstanding {
     /// in order.
     pub fn complete(&mut self) -> Vec<u64> {
         let mut done = Vec::new();
-        while let Some((_, user, signaled)) = self.fifo.pop_front() {
+        while let Some((_, user, signaled, _)) = self.fifo.pop_front() {
             done.push(user);
             if signaled {
                 break;
@@ -48,16 +57,28 @@ impl Outstanding {
     /// completions settle them, or [`drain`](Self::drain)). A `wr_id` that is not outstanding
     /// (a duplicate, or one already settled) settles nothing.
     pub fn fail(&mut self, wr_id: u64) -> (Vec<u64>, Option<u64>) {
-        let Some(at) = self.fifo.iter().position(|&(id, _, _)| id == wr_id) else {
+        let Some(at) = self.fifo.iter().position(|(id, ..)| *id == wr_id) else {
             return (Vec::new(), None);
         };
-        let before = self.fifo.drain(..at).map(|(_, user, _)| user).collect();
-        (before, self.fifo.pop_front().map(|(_, user, _)| user))
+        let before = self.fifo.drain(..at).map(|(_, user, ..)| user).collect();
+        (before, self.fifo.pop_front().map(|(_, user, ..)| user))
+    }
+
+    /// The QP was put in the error state by its peer, and `wr_id` was flushed — so it and
+    /// everything after it never executed. Returns the engine ids of the writes before it
+    /// (they succeeded) and the work requests from it on, to post again.
+    pub fn flushed_from(&mut self, wr_id: u64) -> (Vec<u64>, Vec<P>) {
+        let Some(at) = self.fifo.iter().position(|(id, ..)| *id == wr_id) else {
+            return (Vec::new(), Vec::new());
+        };
+        let before = self.fifo.drain(..at).map(|(_, user, ..)| user).collect();
+        let rest = self.fifo.drain(..).map(|(.., posted)| posted).collect();
+        (before, rest)
     }
 
     /// Everything still outstanding, oldest first (engine ids).
     pub fn drain(&mut self) -> Vec<u64> {
-        self.fifo.drain(..).map(|(_, user, _)| user).collect()
+        self.fifo.drain(..).map(|(_, user, ..)| user).collect()
     }
 }
 
@@ -75,7 +96,7 @@ mod tests {
             (4, 2, true),
             (5, 3, true),
         ] {
-            o.push(id, user, s);
+            o.push(id, user, s, ());
         }
         assert_eq!(o.complete(), vec![1, 1, 2, 2]);
         assert_eq!(o.complete(), vec![3]);
@@ -95,14 +116,26 @@ mod tests {
             (12, 7, false),
             (13, 7, true),
         ] {
-            o.push(id, user, s);
+            o.push(id, user, s, ());
         }
         assert_eq!(o.fail(12), (vec![7, 8], Some(7)));
         assert_eq!(o.drain(), vec![7]);
         // An id that is not outstanding settles nothing.
-        o.push(20, 9, true);
+        o.push(20, 9, true, ());
         assert_eq!(o.fail(42), (vec![], None));
         assert_eq!(o.len(), 1);
+    }
+
+    /// A flush the peer caused: what came before succeeded, the rest is returned to repost.
+    #[test]
+    fn a_flush_from_the_peer_returns_the_unexecuted_requests() {
+        let mut o = Outstanding::default();
+        for (id, user, s) in [(1, 1, false), (2, 1, true), (3, 2, false), (4, 2, true)] {
+            o.push(id, user, s, id * 10);
+        }
+        assert_eq!(o.flushed_from(3), (vec![1, 1], vec![30, 40]));
+        assert!(o.is_empty());
+        assert_eq!(o.flushed_from(9), (vec![], vec![]));
     }
 
     /// After the QP moved to the error state, each write's flush completion settles it alone.
@@ -110,7 +143,7 @@ mod tests {
     fn flushes_settle_one_by_one() {
         let mut o = Outstanding::default();
         for (id, user, s) in [(1, 1, false), (2, 1, false), (3, 2, true)] {
-            o.push(id, user, s);
+            o.push(id, user, s, ());
         }
         assert_eq!(o.fail(1), (vec![], Some(1)));
         assert_eq!(o.fail(2), (vec![], Some(1)));

@@ -49,7 +49,7 @@ enum Peer {
 /// and each write still gets its own `Done` event.
 struct DataQueue {
     chain: Vec<Write>,
-    outstanding: Outstanding,
+    outstanding: Outstanding<Write>,
     /// When the send queue last moved (a completion, or its first write after being empty):
     /// a peer whose queue does not move for `unreachable_ms` is declared unreachable.
     last_progress: Instant,
@@ -78,6 +78,9 @@ struct Rdma<'a> {
     read: bool,
 }
 
+/// `IBV_WC_WR_FLUSH_ERR`: the work request never executed (its QP was in the error state).
+const WC_WR_FLUSH_ERR: i32 = 5;
+
 /// Writes per doorbell.
 const CHAIN: usize = 4;
 
@@ -97,7 +100,7 @@ fn post_chain(qp: &mut Qp, q: &mut DataQueue) -> Result<(), String> {
         q.last_progress = Instant::now();
     }
     for w in q.chain.drain(..posted) {
-        q.outstanding.push(w.wr_id, w.user, w.signaled != 0);
+        q.outstanding.push(w.wr_id, w.user, w.signaled != 0, w);
     }
     Ok(())
 }
@@ -626,6 +629,28 @@ impl VerbsDomain {
             );
             return;
         };
+        if wc.status == WC_WR_FLUSH_ERR {
+            // The first error on a live QP is a flush: the peer broke the connection (its
+            // side went to the error state, e.g. after its own bad write). Nothing from this
+            // write on executed, so it goes out again on a new connection — our caller did
+            // nothing wrong. Once only: a write flushed twice fails.
+            let (before, rest) = q.outstanding.flushed_from(wc.wr_id);
+            events.extend(before.into_iter().map(|wr_id| Event::Done {
+                wr_id,
+                result: Ok(()),
+            }));
+            if let Some(p) = peer {
+                self.reconnect_with(&p, rest, &text);
+                return;
+            }
+            events.extend(rest.into_iter().map(|w| Event::Done {
+                wr_id: w.user,
+                result: Err(err(classify(wc.status), text.clone())),
+            }));
+            self.data_queues.remove(&wc.qp_num);
+            self.dead_qps.insert(wc.qp_num);
+            return;
+        }
         // RC completes in order: what was posted before the failed write succeeded.
         let (before, failed) = q.outstanding.fail(wc.wr_id);
         events.extend(before.into_iter().map(|wr_id| Event::Done {
@@ -645,6 +670,45 @@ impl VerbsDomain {
                 self.data_queues.remove(&wc.qp_num);
                 self.dead_qps.insert(wc.qp_num);
             }
+        }
+    }
+
+    /// Replaces `peer`'s connection, which its peer broke, with a new one, and queues on it the
+    /// writes that were flushed unexecuted (each at most once more; one flushed again fails).
+    fn reconnect_with(&mut self, peer: &NetAddr, flushed: Vec<Write>, why: &str) {
+        let old = self.peers.remove(peer);
+        let mut queued = VecDeque::new();
+        if let Some(Peer::Connected {
+            data,
+            msg,
+            queued: q,
+            ..
+        }) = old
+        {
+            queued = self.retire_connection(data, msg, q);
+        }
+        let mut again: VecDeque<Queued> = VecDeque::new();
+        for mut w in flushed {
+            if w.pad >= 1 {
+                self.done.push(Event::Done {
+                    wr_id: w.user,
+                    result: Err(err(
+                        DomainErrorKind::PeerUnreachable,
+                        format!("{peer} via {}: flushed twice: {why}", self.name),
+                    )),
+                });
+            } else {
+                w.pad += 1;
+                again.push_back(Queued::Write(w));
+            }
+        }
+        again.extend(queued);
+        if let Err(e) = self.start_connect(peer) {
+            self.fail_queued(peer, again, &e.message);
+            return;
+        }
+        if let Some(Peer::Connecting { queued, .. }) = self.peers.get_mut(peer) {
+            queued.extend(again);
         }
     }
 

@@ -178,3 +178,45 @@ fn operator_path_options_work_and_impossible_ones_are_named() {
         assert!(e.contains(needle), "{table}: {e}");
     }
 }
+
+/// Both directions share a peer's QPs: A's bad write puts B's side of the connection in the
+/// error state too. B's next (correct) write must not fail for it — B's caller did nothing
+/// wrong — and must land exactly once.
+#[test]
+#[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
+fn the_other_sides_bad_write_does_not_fail_my_next_write() {
+    use engine_core::conformance::Harness;
+    use std::time::Duration;
+    let config = Rxe.config(1);
+    let a = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let b = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let on_a = engine_core::HostBuffer::from_fn(&a, 4096, |i| i as u8).unwrap();
+    let on_b = engine_core::HostBuffer::from_fn(&b, 4096, |i| (i * 7) as u8).unwrap();
+    // Connect both directions with a good write each way.
+    for (from, src, dst) in [(&a, &on_a, &on_b), (&b, &on_b, &on_a)] {
+        let f = engine_core::DoneFlag::new();
+        from.submit_single_write(16, None, (src.mr(), 0), (dst.desc(), 2048), f.clone())
+            .unwrap();
+        f.wait(Duration::from_secs(10)).unwrap();
+    }
+    // A's write with a forged key fails at A ...
+    let (addr, rkey) = on_b.desc().rkeys()[0].clone();
+    let forged =
+        engine_core::MrDesc::new(on_b.desc().ptr(), 4096, vec![(addr, rkey ^ 0x55)]).unwrap();
+    let f = engine_core::DoneFlag::new();
+    a.submit_single_write(64, None, (on_a.mr(), 0), (&forged, 0), f.clone())
+        .unwrap();
+    assert!(f.wait(Duration::from_secs(10)).is_err());
+    std::thread::sleep(Duration::from_millis(200));
+    // ... and B's next correct write to A succeeds, landing once.
+    let landed = engine_core::DoneFlag::new();
+    a.expect_imm_count(77, 1, landed.clone()).unwrap();
+    let f = engine_core::DoneFlag::new();
+    b.submit_single_write(1024, Some(77), (on_b.mr(), 0), (on_a.desc(), 0), f.clone())
+        .unwrap();
+    f.wait(Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("B's write failed for A's mistake: {e}"));
+    landed.wait(Duration::from_secs(10)).unwrap();
+    assert_eq!(a.imm_count(77), 0, "exactly one arrival");
+    assert!(on_a.to_vec()[..1024] == on_b.to_vec()[..1024]);
+}
