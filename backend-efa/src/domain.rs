@@ -23,6 +23,9 @@ struct OpContext {
 
 /// What a posted operation is, found again from its context when it completes.
 enum InFlight {
+    /// Failed and reported already, when its peer's address was removed: the provider may
+    /// still hold the context (so it is not reused), and a late completion is ignored.
+    Abandoned,
     Write {
         wr_id: u64,
         peer: NetAddr,
@@ -46,6 +49,8 @@ pub struct EfaDomain {
     /// Message buffers, with a registration where the provider needs local descriptors.
     receives: ReceivePool<Option<MemoryRegistration>>,
     in_flight: HashMap<usize, (Box<OpContext>, InFlight)>,
+    /// Receive buffers the provider refused to take back (EAGAIN), posted after the next poll.
+    unposted_receives: Vec<usize>,
     // Boxed so each context keeps its address while the provider holds it.
     #[allow(clippy::vec_box)]
     spare_contexts: Vec<Box<OpContext>>,
@@ -134,6 +139,7 @@ impl EfaDomain {
             regions,
             receives: ReceivePool::new(),
             in_flight: HashMap::new(),
+            unposted_receives: Vec::new(),
             spare_contexts: Vec::new(),
             zero_source: (zero, zero_mr),
             provider: options.provider.clone(),
@@ -221,10 +227,57 @@ impl EfaDomain {
                     events.push(Event::Message { data });
                 }
             }
-            Some(InFlight::Recv { buffer }) => self.receives.release(buffer),
-            None => {}
+            Some(InFlight::Recv { buffer }) => self.repost(buffer),
+            Some(InFlight::Abandoned) | None => {}
         }
     }
+
+    /// Posts a receive buffer of the pool again (after a failed receive); one the provider
+    /// refuses for now (EAGAIN) is retried after the next poll.
+    fn repost(&mut self, buffer: usize) {
+        let (ptr, len, mr) = self.receives.get(buffer);
+        let desc = mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc);
+        let ctx = self.acquire(InFlight::Recv { buffer });
+        // SAFETY: the buffer is owned by the Domain and not reused until its completion.
+        let result = unsafe { self.endpoint.recv(ptr, len, desc, ctx) };
+        match self.finish_post(ctx, result) {
+            Ok(PostStatus::Posted) => {}
+            Ok(PostStatus::Busy) => self.unposted_receives.push(buffer),
+            Err(e) => {
+                self.receives.release(buffer);
+                tracing_log(&format!(
+                    "{}: a receive buffer could not be posted again: {}",
+                    self.address, e.message
+                ));
+            }
+        }
+    }
+
+    /// Removes a peer's address after a connection-level failure, and fails everything still
+    /// in flight to it now: once the address is gone, the provider may never complete them.
+    fn forget_peer(&mut self, peer: &NetAddr, error: &DomainError, events: &mut Vec<Event>) {
+        let Some(fi_addr) = self.peers.remove(peer) else {
+            return;
+        };
+        self.endpoint.remove_peer(fi_addr);
+        for (_, state) in self.in_flight.values_mut() {
+            let to_peer = matches!(state, InFlight::Write { peer: p, .. } | InFlight::Send { peer: p, .. } if p == peer);
+            if to_peer {
+                if let InFlight::Write { wr_id, .. } | InFlight::Send { wr_id, .. } =
+                    std::mem::replace(state, InFlight::Abandoned)
+                {
+                    events.push(Event::Done {
+                        wr_id,
+                        result: Err(error.clone()),
+                    });
+                }
+            }
+        }
+    }
+}
+
+fn tracing_log(message: &str) {
+    eprintln!("xfer backend-efa: {message}");
 }
 
 impl Domain for EfaDomain {
@@ -398,13 +451,8 @@ impl Domain for EfaDomain {
             let result = unsafe { self.endpoint.recv(ptr, len, desc, ctx) };
             match self.finish_post(ctx, result)? {
                 PostStatus::Posted => {}
-                PostStatus::Busy => {
-                    self.receives.release(buffer);
-                    return Err(DomainError::new(
-                        DomainErrorKind::Other,
-                        "the provider's receive queue is full",
-                    ));
-                }
+                // EAGAIN is not an error: the buffer goes in after the next poll.
+                PostStatus::Busy => self.unposted_receives.push(buffer),
             }
         }
         Ok(())
@@ -433,25 +481,41 @@ impl Domain for EfaDomain {
                         Some(
                             InFlight::Write { wr_id, peer } | InFlight::Send { wr_id, peer, .. },
                         ) => {
-                            // The provider may have torn the peer's connection down (tcp;ofi_rxm
-                            // does on a refused key): forget the address, so the next transfer
-                            // to that peer inserts it again and reconnects.
-                            if let Some(fi_addr) = self.peers.remove(&peer) {
-                                self.endpoint.remove_peer(fi_addr);
+                            // A connection-level failure (tcp;ofi_rxm tears the connection down
+                            // on a refused key and reports it as cancelled): forget the address,
+                            // so the next transfer reconnects. Not for a refused access: on EFA
+                            // removing an address drops the completions of everything else in
+                            // flight to that peer.
+                            if error.kind != DomainErrorKind::RemoteAccess {
+                                self.forget_peer(&peer, &error, events);
                             }
                             events.push(Event::Done {
                                 wr_id,
                                 result: Err(error),
                             });
                         }
-                        Some(InFlight::Recv { buffer }) => self.receives.release(buffer),
-                        None => {}
+                        // A failed receive goes back on the queue: the pool must not shrink.
+                        Some(InFlight::Recv { buffer }) => self.repost(buffer),
+                        Some(InFlight::Abandoned) | None => {}
                     }
                 }
-                Err(CqError::Read(e)) => break Err(other(e)),
+                // The CQ itself failed: the Domain cannot go on (never a log line per poll).
+                Err(CqError::Read(e)) => {
+                    break Err(DomainError::new(
+                        DomainErrorKind::Fatal,
+                        format!(
+                            "{} via {}: reading the CQ failed: {}",
+                            self.provider, self.address, e.message
+                        ),
+                    ))
+                }
             }
         };
         self.completions = completions;
+        // Receives the provider refused earlier (EAGAIN) go back now.
+        for buffer in std::mem::take(&mut self.unposted_receives) {
+            self.repost(buffer);
+        }
         result
     }
 }

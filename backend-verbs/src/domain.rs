@@ -1268,7 +1268,24 @@ impl Domain for VerbsDomain {
                     KIND_RECV_MSG => {
                         let index = (wc.wr_id & !TAG_MASK) as usize;
                         if wc.status != 0 {
-                            self.receives.release(index);
+                            // A failed receive (an oversized message) goes back on the SRQ:
+                            // the pool must not shrink.
+                            let (addr, len, mr) = self.receives.get(index);
+                            let lkey = mr.lkey;
+                            // SAFETY: the buffer is registered and owned by the pool; it is not
+                            // reused until this receive completes.
+                            let reposted = unsafe {
+                                self.device.post_srq_recv(
+                                    true,
+                                    TAG_MSG_RECV | index as u64,
+                                    addr as u64,
+                                    len as u32,
+                                    lkey,
+                                )
+                            };
+                            if reposted.is_err() {
+                                self.receives.release(index);
+                            }
                         } else if let Some(data) =
                             self.receives.take_message(index, wc.byte_len as usize)
                         {

@@ -734,6 +734,39 @@ pub fn shutdown_fails_waiting(h: &dyn Harness) {
     assert_eq!(waiting.wait(WAIT), Err(Error::Shutdown));
 }
 
+/// A message larger than the receive buffer fails (or is dropped) without costing the
+/// receiver its buffer: the next message that fits arrives, and no truncated one is delivered.
+pub fn oversized_message_keeps_the_buffer(h: &dyn Harness) {
+    let config = quick_config(h, 1);
+    let (a, b) = (open(&config), open(&config));
+    let got = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let g = Arc::clone(&got);
+    b.submit_recvs(64, 1, move |m| g.lock().unwrap().push(m.to_vec()))
+        .unwrap();
+    let big = flag();
+    a.submit_send(&b.main_address(), &[7; 4096], big.clone())
+        .unwrap();
+    let _ = big.wait(WAIT);
+    let deadline = Instant::now() + WAIT;
+    let mut sent = false;
+    while got.lock().unwrap().is_empty() && Instant::now() < deadline {
+        if !sent {
+            let small = flag();
+            a.submit_send(&b.main_address(), b"fits", small.clone())
+                .unwrap();
+            // A connection the oversized message broke fails this send; the next reconnects.
+            sent = small.wait(WAIT).is_ok();
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let got = got.lock().unwrap().clone();
+    assert_eq!(
+        got,
+        vec![b"fits".to_vec()],
+        "the buffer came back and only the small message was delivered"
+    );
+}
+
 /// Memory registered readable by peers, with its owner's handle dropped at the end.
 struct Readable {
     engine: Arc<TransferEngine>,
@@ -902,14 +935,16 @@ macro_rules! conformance_suite {
             single_write, write_at_offsets_without_imm, striping, paged_writes, scatter, barrier,
             send_recv, imm_counts, expectation_times_out, bad_input, remote_access_error,
             dead_peer, exactly_once, callbacks_can_submit, shutdown_fails_waiting,
-            reads, read_of_an_unreadable_region, read_from_a_dead_peer);
+            reads, read_of_an_unreadable_region, read_from_a_dead_peer,
+            oversized_message_keeps_the_buffer);
     };
     ($harness:expr) => {
         $crate::conformance_suite!(@tests [cfg_attr(any(), ignore)] $harness;
             single_write, write_at_offsets_without_imm, striping, paged_writes, scatter, barrier,
             send_recv, imm_counts, expectation_times_out, bad_input, remote_access_error,
             dead_peer, exactly_once, callbacks_can_submit, shutdown_fails_waiting,
-            reads, read_of_an_unreadable_region, read_from_a_dead_peer);
+            reads, read_of_an_unreadable_region, read_from_a_dead_peer,
+            oversized_message_keeps_the_buffer);
     };
     (@tests [$attr:meta] $harness:expr; $($name:ident),* $(,)?) => {
         $(
