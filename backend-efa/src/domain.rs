@@ -209,6 +209,68 @@ impl EfaDomain {
         }
     }
 
+    /// Posts an RDMA write (`write = Some(imm)`) or read (`None`) between a local range and a
+    /// peer's: `remote` is (address, key, region base).
+    fn post_rma(
+        &mut self,
+        wr_id: u64,
+        peer: &NetAddr,
+        (local_addr, local_key): (u64, u64),
+        (remote_addr, remote_key, remote_base): (u64, u64, u64),
+        len: u64,
+        write: Option<Option<u32>>,
+    ) -> Result<PostStatus, DomainError> {
+        if self.posts_since_poll >= self.options.max_posts_per_poll {
+            return Ok(PostStatus::Busy);
+        }
+        let dest = self.peer(peer)?;
+        let (buf, desc) = if len == 0 {
+            (
+                self.zero_source.0.as_ptr().cast_mut(),
+                self.zero_source.1.desc,
+            )
+        } else {
+            let mr = self.regions.source(local_key, local_addr, len)?;
+            (local_addr as *mut u8, mr.desc)
+        };
+        let remote_addr = if self.endpoint.attr.mr_virt_addr != 0 {
+            remote_addr
+        } else {
+            remote_addr - remote_base
+        };
+        let ctx = self.acquire(InFlight::Write {
+            wr_id,
+            peer: peer.clone(),
+        });
+        // SAFETY: the local range lies in a live registration (checked above, or the Domain's
+        // own zero source, which a zero-byte operation never touches); ctx stays in
+        // `in_flight` until its completion is read.
+        let result = unsafe {
+            match write {
+                Some(imm) => self.endpoint.write(
+                    buf,
+                    len as usize,
+                    desc,
+                    dest,
+                    remote_addr,
+                    remote_key,
+                    imm,
+                    ctx,
+                ),
+                None => self.endpoint.rdma_read(
+                    buf,
+                    len as usize,
+                    desc,
+                    dest,
+                    remote_addr,
+                    remote_key,
+                    ctx,
+                ),
+            }
+        };
+        self.finish_post(ctx, result)
+    }
+
     fn handle_completion(&mut self, c: &Completion, events: &mut Vec<Event>) {
         if c.kind == KIND_REMOTE_DATA {
             // Immediates are 32 bits; providers carry 4 or 8 bytes of CQ data.
@@ -310,40 +372,14 @@ impl Domain for EfaDomain {
     }
 
     fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError> {
-        if self.posts_since_poll >= self.options.max_posts_per_poll {
-            return Ok(PostStatus::Busy);
-        }
-        let dest = self.peer(wr.peer)?;
-        let (buf, desc) = if wr.len == 0 {
-            (self.zero_source.0.as_ptr(), self.zero_source.1.desc)
-        } else {
-            let mr = self.regions.source(wr.local_key, wr.local_addr, wr.len)?;
-            (wr.local_addr as *const u8, mr.desc)
-        };
-        let remote_addr = if self.endpoint.attr.mr_virt_addr != 0 {
-            wr.remote_addr
-        } else {
-            wr.remote_addr - wr.remote_base
-        };
-        let ctx = self.acquire(InFlight::Write {
-            wr_id: wr.wr_id,
-            peer: wr.peer.clone(),
-        });
-        // SAFETY: the source range lies in a live registration (checked above, or the Domain's
-        // own zero source); ctx stays in `in_flight` until its completion is read.
-        let result = unsafe {
-            self.endpoint.write(
-                buf,
-                wr.len as usize,
-                desc,
-                dest,
-                remote_addr,
-                wr.remote_key,
-                wr.imm,
-                ctx,
-            )
-        };
-        self.finish_post(ctx, result)
+        self.post_rma(
+            wr.wr_id,
+            wr.peer,
+            (wr.local_addr, wr.local_key),
+            (wr.remote_addr, wr.remote_key, wr.remote_base),
+            wr.len,
+            Some(wr.imm),
+        )
     }
 
     fn supports_read(&self) -> bool {
@@ -351,42 +387,14 @@ impl Domain for EfaDomain {
     }
 
     fn post_read(&mut self, rd: &ReadRequest<'_>) -> Result<PostStatus, DomainError> {
-        if self.posts_since_poll >= self.options.max_posts_per_poll {
-            return Ok(PostStatus::Busy);
-        }
-        let dest = self.peer(rd.peer)?;
-        let (buf, desc) = if rd.len == 0 {
-            (
-                self.zero_source.0.as_ptr().cast_mut(),
-                self.zero_source.1.desc,
-            )
-        } else {
-            let mr = self.regions.source(rd.local_key, rd.local_addr, rd.len)?;
-            (rd.local_addr as *mut u8, mr.desc)
-        };
-        let remote_addr = if self.endpoint.attr.mr_virt_addr != 0 {
-            rd.remote_addr
-        } else {
-            rd.remote_addr - rd.remote_base
-        };
-        let ctx = self.acquire(InFlight::Write {
-            wr_id: rd.wr_id,
-            peer: rd.peer.clone(),
-        });
-        // SAFETY: the destination range lies in a live registration (checked above; a
-        // zero-byte read touches nothing); ctx stays in `in_flight` until its completion.
-        let result = unsafe {
-            self.endpoint.rdma_read(
-                buf,
-                rd.len as usize,
-                desc,
-                dest,
-                remote_addr,
-                rd.remote_key,
-                ctx,
-            )
-        };
-        self.finish_post(ctx, result)
+        self.post_rma(
+            rd.wr_id,
+            rd.peer,
+            (rd.local_addr, rd.local_key),
+            (rd.remote_addr, rd.remote_key, rd.remote_base),
+            rd.len,
+            None,
+        )
     }
 
     fn post_send(

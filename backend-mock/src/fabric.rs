@@ -387,13 +387,12 @@ pub(crate) fn land(posted: Posted) {
             len,
             imm,
             ..
-        } => write(
+        } => rdma(
             &src,
             &peer,
-            local_addr,
-            local_key,
-            remote_addr,
-            remote_key,
+            Direction::Write,
+            (local_addr, local_key),
+            (remote_addr, remote_key),
             len,
             imm,
             injected,
@@ -405,12 +404,14 @@ pub(crate) fn land(posted: Posted) {
             remote_key,
             len,
             ..
-        } => read(
+        } => rdma(
             &src,
             &peer,
+            Direction::Read,
             (local_addr, local_key),
             (remote_addr, remote_key),
             len,
+            None,
             injected,
         ),
         Op::Send { data, .. } => match injected {
@@ -434,27 +435,38 @@ pub(crate) fn land(posted: Posted) {
     src.complete(&peer, wr_id, result);
 }
 
+/// Which way an RDMA operation copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    /// Our local range into the peer's remote one (needs remote-write access there).
+    Write,
+    /// The peer's remote range into our local one (needs remote-read access there).
+    Read,
+}
+
+/// One RDMA WRITE or READ between our local range and the peer's remote range, checked as a
+/// NIC checks it. Lock order: our regions, then the peer's (the same lock, read twice, for
+/// loopback); both are held across the copy, so neither side can deregister mid-copy. A write
+/// that fails part-way (an injected failure) has placed half its data and counts no immediate.
 #[allow(clippy::too_many_arguments)]
-fn write(
+fn rdma(
     src: &Arc<Nic>,
     peer: &NetAddr,
-    local_addr: u64,
-    local_key: u64,
-    remote_addr: u64,
-    remote_key: u64,
+    direction: Direction,
+    (local_addr, local_key): (u64, u64),
+    (remote_addr, remote_key): (u64, u64),
     len: u64,
     imm: Option<u32>,
     injected: Option<DomainError>,
 ) -> Result<(), DomainError> {
     let target = lookup(peer).ok_or_else(|| unreachable(peer))?;
-    // Lock order: the source's regions, then the target's (the same lock, read twice, for
-    // loopback). Both are held across the copy, so neither side can deregister mid-copy.
     let ours = src.regions();
     if !src.alive.load(Ordering::Acquire) {
         return Err(unreachable(&src.addr));
     }
-    let mut src_gpu = false;
-    if len > 0 {
+    // Zero-byte writes name no local range; a read always does.
+    let mut local_gpu = false;
+    if len > 0 || direction == Direction::Read {
         let region = ours.local.get(&local_key).ok_or_else(|| {
             DomainError::new(
                 DomainErrorKind::InvalidArgument,
@@ -468,12 +480,12 @@ fn write(
             return Err(DomainError::new(
                 DomainErrorKind::InvalidArgument,
                 format!(
-                    "source {local_addr:#x}+{len} is outside its region {:#x}+{}",
+                    "local range {local_addr:#x}+{len} is outside its region {:#x}+{}",
                     region.ptr, region.len
                 ),
             ));
         }
-        src_gpu = region.gpu;
+        local_gpu = region.gpu;
     }
     let theirs = if Arc::ptr_eq(&target, src) {
         None
@@ -484,50 +496,50 @@ fn write(
     if !target.alive.load(Ordering::Acquire) {
         return Err(unreachable(peer));
     }
-    let dst: Region = *regions
+    let (access, allowed): (&str, fn(&Region) -> bool) = match direction {
+        Direction::Write => ("write", |r| r.remote_write),
+        Direction::Read => ("read", |r| r.remote_read),
+    };
+    let remote: Region = *regions
         .remote
         .get(&remote_key)
-        .filter(|r| r.remote_write)
+        .filter(|r| allowed(r))
         .ok_or_else(|| {
             DomainError::new(
                 DomainErrorKind::RemoteAccess,
-                format!("rkey {remote_key:#x} is not valid for remote write at mock NIC {peer}"),
+                format!("rkey {remote_key:#x} is not valid for remote {access} at mock NIC {peer}"),
             )
         })?;
-    if !dst.contains(remote_addr, len) {
+    if !remote.contains(remote_addr, len) {
         return Err(DomainError::new(
             DomainErrorKind::RemoteAccess,
             format!(
-                "destination {remote_addr:#x}+{len} is outside the region {:#x}+{} of rkey {remote_key:#x} at mock NIC {peer}",
-                dst.ptr, dst.len
+                "remote range {remote_addr:#x}+{len} is outside the region {:#x}+{} of rkey {remote_key:#x} at mock NIC {peer}",
+                remote.ptr, remote.len
             ),
         ));
     }
+    let (to, from) = match direction {
+        Direction::Write => (remote_addr, local_addr),
+        Direction::Read => (local_addr, remote_addr),
+    };
     // A link failure part-way: part of the data is placed, no immediate is counted.
     let placed = if injected.is_some() { len / 2 } else { len };
-    if placed > 0 && (src_gpu || dst.gpu) {
+    if placed > 0 && (local_gpu || remote.gpu) {
         // SAFETY: as below; the engine checked both GPU ranges with the driver when they
         // were registered, and the driver copies between any host/device addresses.
-        unsafe { uvm_watcher::gpu::copy(remote_addr, local_addr, placed as usize) }.map_err(
-            |e| {
-                DomainError::new(
-                    DomainErrorKind::Other,
-                    format!("GPU copy at mock NIC {peer}: {e}"),
-                )
-            },
-        )?;
+        unsafe { uvm_watcher::gpu::copy(to, from, placed as usize) }.map_err(|e| {
+            DomainError::new(
+                DomainErrorKind::Other,
+                format!("GPU copy at mock NIC {peer}: {e}"),
+            )
+        })?;
     } else if placed > 0 {
         // SAFETY: both ranges were checked against live registrations, and both regions
         // locks are held, so neither can be deregistered during the copy. The owners
         // promised (TransferEngine::reg_mr's contract) the memory stays allocated while
-        // registered; `copy` tolerates overlap (a loopback write within one region).
-        unsafe {
-            std::ptr::copy(
-                local_addr as *const u8,
-                remote_addr as *mut u8,
-                placed as usize,
-            )
-        };
+        // registered; `copy` tolerates overlap (a loopback transfer within one region).
+        unsafe { std::ptr::copy(from as *const u8, to as *mut u8, placed as usize) };
     }
     drop(theirs);
     drop(ours);
@@ -538,97 +550,6 @@ fn write(
         target.deliver(Event::ImmArrival { imm });
     }
     Ok(())
-}
-
-/// An RDMA READ: the peer's readable range into our local one. Both regions' locks are held
-/// across the copy, as for writes; nothing is counted at the peer.
-fn read(
-    src: &Arc<Nic>,
-    peer: &NetAddr,
-    (local_addr, local_key): (u64, u64),
-    (remote_addr, remote_key): (u64, u64),
-    len: u64,
-    injected: Option<DomainError>,
-) -> Result<(), DomainError> {
-    let target = lookup(peer).ok_or_else(|| unreachable(peer))?;
-    let ours = src.regions();
-    if !src.alive.load(Ordering::Acquire) {
-        return Err(unreachable(&src.addr));
-    }
-    let dst = *ours.local.get(&local_key).ok_or_else(|| {
-        DomainError::new(
-            DomainErrorKind::InvalidArgument,
-            format!(
-                "local key {local_key:#x} is not registered with mock NIC {}",
-                src.addr
-            ),
-        )
-    })?;
-    if !dst.contains(local_addr, len) {
-        return Err(DomainError::new(
-            DomainErrorKind::InvalidArgument,
-            format!(
-                "destination {local_addr:#x}+{len} is outside its region {:#x}+{}",
-                dst.ptr, dst.len
-            ),
-        ));
-    }
-    let theirs = if Arc::ptr_eq(&target, src) {
-        None
-    } else {
-        Some(target.regions())
-    };
-    let regions = theirs.as_deref().unwrap_or(&ours);
-    if !target.alive.load(Ordering::Acquire) {
-        return Err(unreachable(peer));
-    }
-    let source = *regions
-        .remote
-        .get(&remote_key)
-        .filter(|r| r.remote_read)
-        .ok_or_else(|| {
-            DomainError::new(
-                DomainErrorKind::RemoteAccess,
-                format!("rkey {remote_key:#x} is not valid for remote read at mock NIC {peer}"),
-            )
-        })?;
-    if !source.contains(remote_addr, len) {
-        return Err(DomainError::new(
-            DomainErrorKind::RemoteAccess,
-            format!(
-                "source {remote_addr:#x}+{len} is outside the region {:#x}+{} of rkey {remote_key:#x} at mock NIC {peer}",
-                source.ptr, source.len
-            ),
-        ));
-    }
-    let placed = if injected.is_some() { len / 2 } else { len };
-    if placed > 0 && (source.gpu || dst.gpu) {
-        // SAFETY: as in `write`, with the roles of the regions swapped.
-        unsafe { uvm_watcher::gpu::copy(local_addr, remote_addr, placed as usize) }.map_err(
-            |e| {
-                DomainError::new(
-                    DomainErrorKind::Other,
-                    format!("GPU copy from mock NIC {peer}: {e}"),
-                )
-            },
-        )?;
-    } else if placed > 0 {
-        // SAFETY: as in `write`: both ranges checked against live registrations whose locks
-        // are held; `copy` tolerates overlap (a loopback read within one region).
-        unsafe {
-            std::ptr::copy(
-                remote_addr as *const u8,
-                local_addr as *mut u8,
-                placed as usize,
-            )
-        };
-    }
-    drop(theirs);
-    drop(ours);
-    match injected {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
 }
 
 /// Returns whether the message was delivered now (else it waits for a receive buffer).

@@ -44,6 +44,37 @@ pub struct PeerGroupHandle {
     id: u64,
 }
 
+/// A write (with its immediate, if any) or a read, as the shared submit paths take it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rdma {
+    Write(Option<u32>),
+    Read,
+}
+
+impl Rdma {
+    fn imm(self) -> Option<u32> {
+        match self {
+            Self::Write(imm) => imm,
+            Self::Read => None,
+        }
+    }
+
+    /// How errors name the local range: the source of a write, the destination of a read.
+    fn local_side(self) -> &'static str {
+        match self {
+            Self::Write(_) => "source",
+            Self::Read => "destination",
+        }
+    }
+
+    fn remote_side(self) -> &'static str {
+        match self {
+            Self::Write(_) => "destination",
+            Self::Read => "source",
+        }
+    }
+}
+
 /// What peers may do to a registered region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RemoteAccess {
@@ -515,39 +546,20 @@ impl TransferEngine {
         dst: (&MrDesc, u64),
         on_done: impl Into<OnDone>,
     ) -> Result<()> {
-        let region = self.local_region(src.0)?;
-        check_range("source", src.1, len, region.len)?;
-        check_range("destination", dst.1, len, dst.0.len())?;
-        self.check_peer_nics(dst.0)?;
-        let mut ops = Vec::with_capacity(1);
-        let mut chunks = Vec::with_capacity(1);
-        self.plan_unit(
-            &mut ops,
-            &mut chunks,
-            self.first_nic(),
-            &region,
-            src.1,
-            dst.0,
-            dst.1,
-            len,
-            imm,
-            false,
-        );
-        self.shared.submit_counted(Command::Writes {
-            ops,
-            on_done: on_done.into(),
-        })
+        self.submit_single(Rdma::Write(imm), len, src, dst, on_done.into())
     }
 
-    fn check_reads(&self) -> Result<()> {
-        if self.reads {
-            Ok(())
-        } else {
-            Err(Error::NotAvailable(format!(
-                "backend {} does not support RDMA READ (a plugin built before ABI version 2, or a backend without reads)",
-                self.shared.backend
-            )))
-        }
+    /// Writes pages of `page_len` bytes: source page `i` of `src` to destination page `i` of
+    /// `dst`. Pages are spread over the NICs; each write carries `imm`.
+    pub fn submit_paged_writes(
+        &self,
+        page_len: u64,
+        imm: Option<u32>,
+        src: (MrHandle, &Pages),
+        dst: (&MrDesc, &Pages),
+        on_done: impl Into<OnDone>,
+    ) -> Result<()> {
+        self.submit_paged(Rdma::Write(imm), page_len, src, dst, on_done.into())
     }
 
     /// Reads `len` bytes of a peer's region (descriptor, offset) into `local` (handle,
@@ -563,28 +575,7 @@ impl TransferEngine {
         on_done: impl Into<OnDone>,
     ) -> Result<()> {
         self.check_reads()?;
-        let region = self.local_region(local.0)?;
-        check_range("destination", local.1, len, region.len)?;
-        check_range("source", remote.1, len, remote.0.len())?;
-        self.check_peer_nics(remote.0)?;
-        let mut ops = Vec::with_capacity(1);
-        let mut chunks = Vec::with_capacity(1);
-        self.plan_unit(
-            &mut ops,
-            &mut chunks,
-            self.first_nic(),
-            &region,
-            local.1,
-            remote.0,
-            remote.1,
-            len,
-            None,
-            true,
-        );
-        self.shared.submit_counted(Command::Writes {
-            ops,
-            on_done: on_done.into(),
-        })
+        self.submit_single(Rdma::Read, len, local, remote, on_done.into())
     }
 
     /// Reads pages of `page_len` bytes: remote page `i` of `remote` into local page `i` of
@@ -597,12 +588,67 @@ impl TransferEngine {
         on_done: impl Into<OnDone>,
     ) -> Result<()> {
         self.check_reads()?;
+        self.submit_paged(Rdma::Read, page_len, local, remote, on_done.into())
+    }
+
+    fn check_reads(&self) -> Result<()> {
+        if self.reads {
+            Ok(())
+        } else {
+            Err(Error::NotAvailable(format!(
+                "backend {} does not support RDMA READ (a plugin built before ABI version 2, or a backend without reads)",
+                self.shared.backend
+            )))
+        }
+    }
+
+    /// One contiguous write or read between a local and a remote range.
+    fn submit_single(
+        &self,
+        op: Rdma,
+        len: u64,
+        local: (MrHandle, u64),
+        remote: (&MrDesc, u64),
+        on_done: OnDone,
+    ) -> Result<()> {
+        let region = self.local_region(local.0)?;
+        check_range(op.local_side(), local.1, len, region.len)?;
+        check_range(op.remote_side(), remote.1, len, remote.0.len())?;
+        self.check_peer_nics(remote.0)?;
+        let mut ops = Vec::with_capacity(1);
+        let mut chunks = Vec::with_capacity(1);
+        self.plan_unit(
+            &mut ops,
+            &mut chunks,
+            self.first_nic(),
+            &region,
+            local.1,
+            remote.0,
+            remote.1,
+            len,
+            op.imm(),
+            op == Rdma::Read,
+        );
+        self.shared.submit_counted(Command::Writes { ops, on_done })
+    }
+
+    /// Pages of `page_len` bytes: local page `i` with remote page `i`, spread over the NICs.
+    fn submit_paged(
+        &self,
+        op: Rdma,
+        page_len: u64,
+        local: (MrHandle, &Pages),
+        remote: (&MrDesc, &Pages),
+        on_done: OnDone,
+    ) -> Result<()> {
         let (local_pages, remote_pages) = (local.1, remote.1);
         if local_pages.indices.len() != remote_pages.indices.len() {
             return Err(Error::InvalidArgument(format!(
-                "{} local pages but {} remote pages",
+                "{} {} pages but {} {} pages",
                 local_pages.indices.len(),
-                remote_pages.indices.len()
+                op.local_side(),
+                remote_pages.indices.len(),
+                op.remote_side()
             )));
         }
         let region = self.local_region(local.0)?;
@@ -617,10 +663,10 @@ impl TransferEngine {
         let mut ops = Vec::with_capacity(local_pages.indices.len());
         let mut chunks = Vec::new();
         for i in 0..local_pages.indices.len() {
-            let l = page_offset(local_pages, i).ok_or_else(|| overflow("destination"))?;
-            let r = page_offset(remote_pages, i).ok_or_else(|| overflow("source"))?;
-            check_range("destination", l, page_len, region.len)?;
-            check_range("source", r, page_len, remote.0.len())?;
+            let l = page_offset(local_pages, i).ok_or_else(|| overflow(op.local_side()))?;
+            let r = page_offset(remote_pages, i).ok_or_else(|| overflow(op.remote_side()))?;
+            check_range(op.local_side(), l, page_len, region.len)?;
+            check_range(op.remote_side(), r, page_len, remote.0.len())?;
             self.plan_unit(
                 &mut ops,
                 &mut chunks,
@@ -630,67 +676,11 @@ impl TransferEngine {
                 remote.0,
                 r,
                 page_len,
-                None,
-                true,
+                op.imm(),
+                op == Rdma::Read,
             );
         }
-        self.shared.submit_counted(Command::Writes {
-            ops,
-            on_done: on_done.into(),
-        })
-    }
-
-    /// Writes pages of `page_len` bytes: source page `i` of `src` to destination page `i` of
-    /// `dst`. Pages are spread over the NICs; each write carries `imm`.
-    pub fn submit_paged_writes(
-        &self,
-        page_len: u64,
-        imm: Option<u32>,
-        src: (MrHandle, &Pages),
-        dst: (&MrDesc, &Pages),
-        on_done: impl Into<OnDone>,
-    ) -> Result<()> {
-        let (src_pages, dst_pages) = (src.1, dst.1);
-        if src_pages.indices.len() != dst_pages.indices.len() {
-            return Err(Error::InvalidArgument(format!(
-                "{} source pages but {} destination pages",
-                src_pages.indices.len(),
-                dst_pages.indices.len()
-            )));
-        }
-        let region = self.local_region(src.0)?;
-        self.check_peer_nics(dst.0)?;
-        let overflow = |side| Error::OutOfBounds {
-            side,
-            offset: u64::MAX,
-            len: page_len,
-            region_len: 0,
-        };
-        let first = self.first_nic();
-        let mut ops = Vec::with_capacity(src_pages.indices.len());
-        let mut chunks = Vec::new();
-        for i in 0..src_pages.indices.len() {
-            let s = page_offset(src_pages, i).ok_or_else(|| overflow("source"))?;
-            let d = page_offset(dst_pages, i).ok_or_else(|| overflow("destination"))?;
-            check_range("source", s, page_len, region.len)?;
-            check_range("destination", d, page_len, dst.0.len())?;
-            self.plan_unit(
-                &mut ops,
-                &mut chunks,
-                (first + i) % self.nic_count(),
-                &region,
-                s,
-                dst.0,
-                d,
-                page_len,
-                imm,
-                false,
-            );
-        }
-        self.shared.submit_counted(Command::Writes {
-            ops,
-            on_done: on_done.into(),
-        })
+        self.shared.submit_counted(Command::Writes { ops, on_done })
     }
 
     /// Registers a set of peers (by main address) that scatters and barriers may be checked
