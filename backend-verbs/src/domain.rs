@@ -78,6 +78,27 @@ struct Rdma<'a> {
     read: bool,
 }
 
+/// A failed completion of `wc.wr_id`: the writes posted before it succeeded (RC completes in
+/// order), and it failed with the completion's status.
+fn settle_failure(
+    outstanding: &mut Outstanding<Write>,
+    wc: &Wc,
+    text: &str,
+    events: &mut Vec<Event>,
+) {
+    let (before, failed) = outstanding.fail(wc.wr_id);
+    events.extend(before.into_iter().map(|wr_id| Event::Done {
+        wr_id,
+        result: Ok(()),
+    }));
+    if let Some(wr_id) = failed {
+        events.push(Event::Done {
+            wr_id,
+            result: Err(err(classify(wc.status), text.to_owned())),
+        });
+    }
+}
+
 /// `IBV_WC_WR_FLUSH_ERR`: the work request never executed (its QP was in the error state).
 const WC_WR_FLUSH_ERR: i32 = 5;
 
@@ -652,17 +673,7 @@ impl VerbsDomain {
             return;
         }
         // RC completes in order: what was posted before the failed write succeeded.
-        let (before, failed) = q.outstanding.fail(wc.wr_id);
-        events.extend(before.into_iter().map(|wr_id| Event::Done {
-            wr_id,
-            result: Ok(()),
-        }));
-        if let Some(wr_id) = failed {
-            events.push(Event::Done {
-                wr_id,
-                result: Err(err(classify(wc.status), text.clone())),
-            });
-        }
+        settle_failure(&mut q.outstanding, wc, &text, events);
         // The QP is in error now: the rest fail, and the next transfer reconnects.
         match peer {
             Some(p) => self.fail_peer(&p, &format!("the connection failed: {text}")),
@@ -730,19 +741,7 @@ impl VerbsDomain {
                         result: Ok(()),
                     }),
             ),
-            Some(text) => {
-                let (before, failed) = q.outstanding.fail(wc.wr_id);
-                events.extend(before.into_iter().map(|wr_id| Event::Done {
-                    wr_id,
-                    result: Ok(()),
-                }));
-                if let Some(wr_id) = failed {
-                    events.push(Event::Done {
-                        wr_id,
-                        result: Err(err(classify(wc.status), text)),
-                    });
-                }
-            }
+            Some(text) => settle_failure(&mut q.outstanding, wc, &text, events),
         }
         if q.outstanding.is_empty() {
             self.data_queues.remove(&wc.qp_num);

@@ -148,16 +148,7 @@ fn main() {
     rng.shuffle(&mut order);
     let sent = DoneCounter::new();
     for &layer in &order {
-        let first = layer * PAGES_PER_LAYER;
-        for p in 0..PAGES_PER_LAYER {
-            let page: Vec<u8> = (0..PAGE_LEN as usize).map(|i| byte(layer, p, i)).collect();
-            src.write((first + p) * PAGE_LEN as usize, &page);
-        }
-        let src_pages = Pages {
-            indices: (first as u32..(first + PAGES_PER_LAYER) as u32).collect(),
-            stride: PAGE_LEN,
-            offset: 0,
-        };
+        let src_pages = compute_layer(&mut src, layer);
         let dst_layer = Pages {
             indices: dst_pages[layer].clone(),
             stride: PAGE_LEN,
@@ -201,6 +192,21 @@ fn main() {
     );
 }
 
+/// "Computes" a layer into the prefill cache (its pages are the layer's slots) and returns
+/// them.
+fn compute_layer(src: &mut Cache, layer: usize) -> Pages {
+    let first = layer * PAGES_PER_LAYER;
+    for p in 0..PAGES_PER_LAYER {
+        let page: Vec<u8> = (0..PAGE_LEN as usize).map(|i| byte(layer, p, i)).collect();
+        src.write((first + p) * PAGE_LEN as usize, &page);
+    }
+    Pages {
+        indices: (first as u32..(first + PAGES_PER_LAYER) as u32).collect(),
+        stride: PAGE_LEN,
+        offset: 0,
+    }
+}
+
 /// `--pull`: the decoder reads each layer's pages from the prefill cache as the layer is ready.
 fn pull(gpu: bool) {
     let engines = open_engines(2, 2).unwrap_or_else(|e| fail(e));
@@ -223,15 +229,7 @@ fn pull(gpu: bool) {
         // Prefill computes the layer; the decoder is told (in a real system: a notification
         // or a watcher slot) and pulls its pages into free slots of its own cache.
         let first = layer * PAGES_PER_LAYER;
-        for p in 0..PAGES_PER_LAYER {
-            let page: Vec<u8> = (0..PAGE_LEN as usize).map(|i| byte(layer, p, i)).collect();
-            src.write((first + p) * PAGE_LEN as usize, &page);
-        }
-        let remote = Pages {
-            indices: (first as u32..(first + PAGES_PER_LAYER) as u32).collect(),
-            stride: PAGE_LEN,
-            offset: 0,
-        };
+        let remote = compute_layer(&mut src, layer);
         let local = Pages {
             indices: free[first..first + PAGES_PER_LAYER].to_vec(),
             stride: PAGE_LEN,
