@@ -139,7 +139,7 @@ pub struct VerbsDomain {
     peers: HashMap<NetAddr, Peer>,
     /// QPs of failed connections, kept until the device closes so their flushed completions
     /// can still be read.
-    graveyard: Vec<Qp>,
+    graveyard: Vec<(Instant, Qp)>,
     regions: RegionTable<Mr>,
     /// Message buffers posted to the message SRQ.
     receives: ReceivePool<Mr>,
@@ -415,6 +415,35 @@ impl VerbsDomain {
         }
     }
 
+    /// Keeps a retired connection's QPs until their flushes have been read, then frees them
+    /// (see `collect_graveyard`).
+    fn bury(&mut self, data: Qp, msg: Qp) {
+        let now = Instant::now();
+        self.graveyard.push((now, data));
+        self.graveyard.push((now, msg));
+    }
+
+    /// Frees retired QPs whose writes are all settled and whose last flushes are long read,
+    /// with everything kept about them (peer map, dead list): a long-running engine that
+    /// reconnects often would otherwise grow without bound, and a QP number the device hands
+    /// out again must not be taken for the dead one.
+    fn collect_graveyard(&mut self) {
+        const LINGER: Duration = Duration::from_secs(5);
+        let now = Instant::now();
+        let (data_queues, dead_qps, qp_peer) =
+            (&self.data_queues, &mut self.dead_qps, &mut self.qp_peer);
+        self.graveyard.retain(|(since, qp)| {
+            let settled = !data_queues.contains_key(&qp.qpn);
+            if settled && now.duration_since(*since) >= LINGER {
+                dead_qps.remove(&qp.qpn);
+                qp_peer.remove(&qp.qpn);
+                false
+            } else {
+                true
+            }
+        });
+    }
+
     /// A fresh send-side work-request id (see `next_wr`).
     fn wr_id(&mut self) -> u64 {
         self.next_wr = (self.next_wr + 1) & !TAG_MASK;
@@ -437,9 +466,18 @@ impl VerbsDomain {
         Ok((data, msg))
     }
 
-    fn send_handshake(&mut self, to: &VerbsAddr, h: &Handshake) {
-        if let Err(e) = self.device.ud_send(&to.gid, to.lid, to.ud_qpn, &h.encode()) {
-            tracing_free_log(&format!("{}: {e}", self.name));
+    /// Sends a handshake datagram; false if it could not go now (every send slot busy, or
+    /// an error), in which case requests are resent on the next check and responses on the
+    /// peer's next request.
+    fn send_handshake(&mut self, to: &VerbsAddr, h: &Handshake) -> bool {
+        match self.device.ud_send(&to.gid, to.lid, to.ud_qpn, &h.encode()) {
+            Ok(()) => true,
+            Err(e) => {
+                if !e.contains("Resource temporarily unavailable") {
+                    tracing_free_log(&format!("{}: {e}", self.name));
+                }
+                false
+            }
         }
     }
 
@@ -461,8 +499,15 @@ impl VerbsDomain {
         };
         self.qp_peer.insert(data.qpn, peer.clone());
         self.qp_peer.insert(msg.qpn, peer.clone());
-        self.send_handshake(&to, &h);
+        let sent = self.send_handshake(&to, &h);
         let now = Instant::now();
+        // Not sent (no free slot): due at the next check rather than a retry interval later.
+        let last_sent = if sent {
+            now
+        } else {
+            now.checked_sub(Duration::from_millis(self.options.retry_ms))
+                .unwrap_or(now)
+        };
         self.peers.insert(
             peer.clone(),
             Peer::Connecting {
@@ -472,7 +517,7 @@ impl VerbsDomain {
                 data_psn,
                 msg_psn,
                 deadline: now + Duration::from_millis(self.options.connect_ms),
-                last_sent: now,
+                last_sent,
                 queued: VecDeque::new(),
             },
         );
@@ -480,6 +525,7 @@ impl VerbsDomain {
     }
 
     fn fail_peer(&mut self, peer: &NetAddr, why: &str) {
+        self.answers.remove(peer);
         let Some(state) = self.peers.remove(peer) else {
             return;
         };
@@ -540,8 +586,7 @@ impl VerbsDomain {
         }
         self.dead_qps.insert(data.qpn);
         self.done.extend(failed);
-        self.graveyard.push(data);
-        self.graveyard.push(msg);
+        self.bury(data, msg);
     }
 
     /// Retires a connection the peer replaced: its QPs go to the error state and are kept until
@@ -573,8 +618,7 @@ impl VerbsDomain {
             }
         }
         self.dead_qps.insert(data.qpn);
-        self.graveyard.push(data);
-        self.graveyard.push(msg);
+        self.bury(data, msg);
         queued
     }
 
@@ -865,8 +909,7 @@ impl VerbsDomain {
                 let (data_psn, msg_psn) = (self.psn(), self.psn());
                 if let Err(e) = self.connect_qps(&data, &msg, &h, data_psn, msg_psn) {
                     tracing_free_log(&format!("{}: accepting {peer}: {e}", self.name));
-                    self.graveyard.push(data);
-                    self.graveyard.push(msg);
+                    self.bury(data, msg);
                     return;
                 }
                 let resp = Handshake {
@@ -1019,8 +1062,14 @@ impl VerbsDomain {
             }
         }
         for (peer, h) in resend {
-            if let Ok(to) = VerbsAddr::decode(peer.raw()) {
-                self.send_handshake(&to, &h);
+            let sent = VerbsAddr::decode(peer.raw())
+                .map(|to| self.send_handshake(&to, &h))
+                .unwrap_or(true);
+            if !sent {
+                // No room for it now: due again at the next check, not a whole retry later.
+                if let Some(Peer::Connecting { last_sent, .. }) = self.peers.get_mut(&peer) {
+                    *last_sent = now.checked_sub(retry).unwrap_or(now);
+                }
             }
         }
         for peer in expired {
@@ -1242,6 +1291,7 @@ impl Domain for VerbsDomain {
         if self.polls_since_check >= 1024 {
             self.polls_since_check = 0;
             self.check_stalled_peers();
+            self.collect_graveyard();
         }
         events.append(&mut self.done);
         let mut wcs = std::mem::take(&mut self.wcs);

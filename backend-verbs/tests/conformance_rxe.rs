@@ -220,3 +220,42 @@ fn the_other_sides_bad_write_does_not_fail_my_next_write() {
     assert_eq!(a.imm_count(77), 0, "exactly one arrival");
     assert!(on_a.to_vec()[..1024] == on_b.to_vec()[..1024]);
 }
+
+/// Fan-out: one engine connects to 60 peers at once. KNOWN FAILING (issue #11, item 7): in the
+/// TCG guest 56 of 60 (and 56 of 80) connect within 20 s, the rest never get an answer; not yet
+/// understood. `cargo xtask test` skips it (see xtask); run it by name to work on it:
+/// `cargo xtask rxe --nics 2 -- <conformance_rxe binary> --ignored fan_out`. More handshakes than the UD queue has
+/// slots go out as slots free up (none is overwritten while the NIC reads it), and every
+/// connection completes within `connect_ms`: every write lands.
+#[test]
+#[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
+fn fan_out_to_many_peers_connects_every_one() {
+    use engine_core::conformance::Harness;
+    use std::time::Duration;
+    const PEERS: usize = 60;
+    let mut config = Rxe.config(1);
+    config.timeouts.connect_ms = 20_000;
+    config.timeouts.transfer_ms = 30_000;
+    config.worker.idle_poll_us = 1_000;
+    config.backends = toml::from_str("[verbs]\nimm_receives = 16\nsend_queue = 16\n").unwrap();
+    let a = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let src = engine_core::HostBuffer::from_fn(&a, 64, |i| i as u8).unwrap();
+    let peers: Vec<_> = (0..PEERS)
+        .map(|_| {
+            let e = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+            let b = engine_core::HostBuffer::new(&e, 64).unwrap();
+            (e, b)
+        })
+        .collect();
+    let done = engine_core::DoneCounter::new();
+    for (_, b) in &peers {
+        a.submit_single_write(64, Some(1), (src.mr(), 0), (b.desc(), 0), done.clone())
+            .unwrap();
+    }
+    let r = done.wait_for(PEERS as u64, Duration::from_secs(60));
+    assert_eq!(done.ok(), PEERS as u64, "{r:?}");
+    for (e, b) in &peers {
+        assert_eq!(e.imm_count(1), 1);
+        assert!(b.to_vec() == src.to_vec());
+    }
+}

@@ -23,7 +23,10 @@ typedef struct xv_dev {
     struct ibv_qp *ud;
     struct ibv_mr *ud_mr;
     uint8_t *ud_buf; /* UD_SLOTS send slots, then UD_SLOTS recv slots of GRH + UD_MSG */
-    unsigned ud_next_send;
+    /* Handshake send slots in use (bit i: slot i), each with its AH until its completion. A
+     * slot is reused only once its send completed: never overwritten while the NIC reads it. */
+    uint64_t ud_busy;
+    struct ibv_ah *ud_ah[UD_SLOTS];
     int port;
     int gid_index;
     union ibv_gid gid;
@@ -95,7 +98,7 @@ enum { XV_SEND_DONE = 0, XV_RECV_MSG = 1, XV_RECV_IMM = 2, XV_UD_RECV = 3, XV_UD
 #define XV_TAG_IMM_RECV (0x2ull << XV_TAG_SHIFT) /* zero-length receive of the immediate SRQ */
 #define XV_TAG_MSG_RECV (0x4ull << XV_TAG_SHIFT) /* message buffer of the message SRQ */
 #define XV_TAG_UD_RECV (0x8ull << XV_TAG_SHIFT)  /* handshake receive */
-#define XV_TAG_UD_SEND (0x9ull << XV_TAG_SHIFT)  /* handshake send; low bits: its AH >> 1 */
+#define XV_TAG_UD_SEND (0x9ull << XV_TAG_SHIFT)  /* handshake send; low bits: its send slot */
 
 /* What a failed completion's undefined fields are overwritten with, so code that reads them
  * fails on soft-RoCE too (rxe happens to fill them in). */
@@ -471,22 +474,28 @@ int xv_ud_send(xv_dev *d, const uint8_t dgid[16], uint16_t dlid, uint32_t dqpn, 
     struct ibv_ah_attr aa;
     memset(&aa, 0, sizeof aa);
     fill_ah(d, &aa, dgid, dlid);
+    if (d->ud_busy == ~0ull)
+        return EAGAIN; /* every slot is still being sent: try again after polling */
+    unsigned slot = (unsigned)__builtin_ctzll(~d->ud_busy);
     struct ibv_ah *ah = ibv_create_ah(d->pd, &aa);
     if (!ah)
         return errno ? errno : EINVAL;
-    unsigned slot = d->ud_next_send++ % UD_SLOTS;
     uint8_t *buf = d->ud_buf + slot * UD_MSG;
     memcpy(buf, msg, len);
     struct ibv_sge sge = {.addr = (uintptr_t)buf, .length = len, .lkey = d->ud_mr->lkey};
-    struct ibv_send_wr wr = {.wr_id = XV_TAG_UD_SEND | ((uint64_t)(uintptr_t)ah >> 1), .sg_list = &sge, .num_sge = 1,
+    struct ibv_send_wr wr = {.wr_id = XV_TAG_UD_SEND | slot, .sg_list = &sge, .num_sge = 1,
                              .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED}, *bad;
     wr.wr.ud.ah = ah;
     wr.wr.ud.remote_qpn = dqpn;
     wr.wr.ud.remote_qkey = UD_QKEY;
     int rc = ibv_post_send(d->ud, &wr, &bad);
-    if (rc)
+    if (rc) {
         ibv_destroy_ah(ah);
-    return rc;
+        return rc;
+    }
+    d->ud_busy |= 1ull << slot;
+    d->ud_ah[slot] = ah;
+    return 0;
 }
 
 /* Polls the CQ; UD receives are copied out and reposted, UD send completions free their AH. */
@@ -515,7 +524,12 @@ int xv_poll(xv_dev *d, xv_wc *out, int n) {
         o->vendor_err = wc[i].vendor_err;
         uint64_t tag = wc[i].wr_id & XV_TAG_MASK;
         if (tag == XV_TAG_UD_SEND) {
-            ibv_destroy_ah((struct ibv_ah *)(uintptr_t)((wc[i].wr_id & ~XV_TAG_MASK) << 1));
+            unsigned slot = (unsigned)(wc[i].wr_id & ~XV_TAG_MASK) % UD_SLOTS;
+            if (d->ud_busy & (1ull << slot)) {
+                ibv_destroy_ah(d->ud_ah[slot]);
+                d->ud_ah[slot] = NULL;
+                d->ud_busy &= ~(1ull << slot);
+            }
             continue; /* handshake sends need no report */
         }
         if (tag == XV_TAG_UD_RECV) {
