@@ -383,7 +383,9 @@ impl Domain for EfaDomain {
     }
 
     fn supports_read(&self) -> bool {
-        true
+        // Only when the provider granted FI_READ/FI_REMOTE_READ; the engine refuses reads
+        // otherwise, naming the backend.
+        self.endpoint.attr.rma_read != 0
     }
 
     fn post_read(&mut self, rd: &ReadRequest<'_>) -> Result<PostStatus, DomainError> {

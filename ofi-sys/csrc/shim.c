@@ -37,6 +37,7 @@ typedef struct xfer_ofi_attr {
     uint64_t mr_mode;
     size_t cq_data_size;
     size_t max_msg_size;
+    int rma_read; /* FI_READ | FI_REMOTE_READ were granted: RDMA reads work */
 } xfer_ofi_attr;
 
 /* One completion, classified. */
@@ -52,12 +53,13 @@ static void set_err(char *err, size_t cap, const char *what, int rc) {
         snprintf(err, cap, "%s: %s (%d)", what, fi_strerror(rc < 0 ? -rc : rc), rc);
 }
 
-static struct fi_info *make_hints(const char *prov) {
+static struct fi_info *make_hints(const char *prov, int with_read) {
     struct fi_info *hints = fi_allocinfo();
     if (!hints)
         return NULL;
     hints->ep_attr->type = FI_EP_RDM;
-    hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ | FI_SEND | FI_RECV;
+    hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV |
+                  (with_read ? FI_READ | FI_REMOTE_READ : 0);
     /* Every operation's context points at 64 bytes of scratch the provider may use. */
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
     /* Everything the Rust side can honour; the provider keeps what it needs. */
@@ -75,7 +77,7 @@ static struct fi_info *make_hints(const char *prov) {
 
 /* Lists "provider domain" lines of every RDM+RMA endpoint libfabric offers (prov may be NULL). */
 int xfer_ofi_list(const char *prov, char *buf, size_t cap) {
-    struct fi_info *hints = make_hints(prov), *info = NULL;
+    struct fi_info *hints = make_hints(prov, 0), *info = NULL;
     if (!hints)
         return -FI_ENOMEM;
     int rc = fi_getinfo(XFER_FI_API, NULL, NULL, 0, hints, &info);
@@ -124,7 +126,10 @@ void xfer_ofi_close(xfer_ofi_ep *e) {
 /* Opens an RDM endpoint of `prov` on the domain named `domain_name` (NULL: the first). */
 int xfer_ofi_open(const char *prov, const char *domain_name, xfer_ofi_ep **out, xfer_ofi_attr *attr,
                   char *err, size_t errcap) {
-    struct fi_info *hints = make_hints(prov), *info = NULL, *chosen = NULL;
+    /* Reads if the provider offers them; a provider without RMA reads still serves writes
+     * (the engine then refuses reads, naming the backend). */
+    int with_read = 1;
+    struct fi_info *hints = make_hints(prov, with_read), *info = NULL, *chosen = NULL;
     xfer_ofi_ep *e = calloc(1, sizeof *e);
     int rc;
     if (!hints || !e) {
@@ -135,6 +140,16 @@ int xfer_ofi_open(const char *prov, const char *domain_name, xfer_ofi_ep **out, 
     }
     rc = fi_getinfo(XFER_FI_API, NULL, NULL, 0, hints, &info);
     fi_freeinfo(hints);
+    if (rc == -FI_ENODATA) {
+        with_read = 0;
+        if (!(hints = make_hints(prov, with_read))) {
+            free(e);
+            set_err(err, errcap, "allocation", -FI_ENOMEM);
+            return -FI_ENOMEM;
+        }
+        rc = fi_getinfo(XFER_FI_API, NULL, NULL, 0, hints, &info);
+        fi_freeinfo(hints);
+    }
     if (rc) {
         set_err(err, errcap, "fi_getinfo", rc);
         free(e);
@@ -195,6 +210,7 @@ int xfer_ofi_open(const char *prov, const char *domain_name, xfer_ofi_ep **out, 
     }
     uint64_t mode = e->info->domain_attr->mr_mode;
     attr->mr_mode = mode;
+    attr->rma_read = with_read;
     attr->mr_local = !!(mode & FI_MR_LOCAL);
     attr->mr_virt_addr = !!(mode & FI_MR_VIRT_ADDR);
     attr->mr_prov_key = !!(mode & FI_MR_PROV_KEY);

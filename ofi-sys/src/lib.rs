@@ -27,6 +27,8 @@ pub struct XferOfiAttr {
     pub mr_mode: u64,
     pub cq_data_size: usize,
     pub max_msg_size: usize,
+    /// Whether RDMA reads were granted (`FI_READ | FI_REMOTE_READ`).
+    pub rma_read: c_int,
 }
 
 /// A classified completion.
