@@ -27,6 +27,12 @@ impl engine_core::conformance::Harness for Tcp {
             "read_of_an_unreadable_region" => {
                 Some("tcp;ofi_rxm does not enforce a region's remote-read access")
             }
+            // As on shm (issue #12): after a truncated receive, later messages to that
+            // endpoint sometimes never arrive (passed alone, failed under CI load). The mock
+            // and soft-RoCE run this check.
+            "oversized_message_keeps_the_buffer" => {
+                Some("tcp;ofi_rxm: messages after a truncated receive do not always arrive")
+            }
             _ => None,
         }
     }
