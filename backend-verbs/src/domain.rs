@@ -126,11 +126,18 @@ fn post_chain(qp: &mut Qp, q: &mut DataQueue) -> Result<(), String> {
     Ok(())
 }
 
+/// A message on its way: the engine's id for it and the pool buffer it was copied into.
 struct SendBuffer {
     /// The engine's id for the send.
     user: u64,
-    _data: Box<[u8]>,
-    _mr: Mr,
+    /// Its buffer in `send_pool`, free again when the send completes.
+    buffer: usize,
+}
+
+/// Message buffers are pooled by size class (powers of two from 256 bytes), so a send copies
+/// into memory registered once rather than registering (and pinning) a buffer per message.
+fn send_class(len: usize) -> usize {
+    len.max(256).next_power_of_two()
 }
 
 /// An RDMA device.
@@ -144,6 +151,8 @@ pub struct VerbsDomain {
     /// Message buffers posted to the message SRQ.
     receives: ReceivePool<Mr>,
     sends: HashMap<u64, SendBuffer>,
+    /// Registered message buffers for sends (see `send_class`).
+    send_pool: ReceivePool<Mr>,
     device: Device,
     attr: Attr,
     me: VerbsAddr,
@@ -301,6 +310,7 @@ impl VerbsDomain {
             regions: RegionTable::new(),
             receives: ReceivePool::new(),
             sends: HashMap::new(),
+            send_pool: ReceivePool::new(),
             device,
             attr,
             me,
@@ -1003,7 +1013,13 @@ impl VerbsDomain {
                     Queued::Send { wr_id, data: bytes } => {
                         self.next_wr = (self.next_wr + 1) & !TAG_MASK;
                         let id = TAG_SEND | self.next_wr;
-                        post_message(&mut self.device, msg, &mut self.sends, (id, *wr_id), bytes)
+                        post_message(
+                            &mut self.device,
+                            msg,
+                            (&mut self.sends, &mut self.send_pool),
+                            (id, *wr_id),
+                            bytes,
+                        )
                     }
                 };
                 match r {
@@ -1079,40 +1095,44 @@ impl VerbsDomain {
     }
 }
 
-/// Copies a message into a registered buffer and posts it; `Ok(false)` when the queue is full.
+/// Copies a message into a pooled registered buffer and posts it; `Ok(false)` when the queue
+/// is full (the buffer goes back to the pool).
 fn post_message(
     device: &mut Device,
     qp: &mut Qp,
-    sends: &mut HashMap<u64, SendBuffer>,
+    (sends, pool): (&mut HashMap<u64, SendBuffer>, &mut ReceivePool<Mr>),
     (wr_id, user): (u64, u64),
     bytes: &[u8],
 ) -> Result<bool, String> {
-    let data: Box<[u8]> = if bytes.is_empty() {
-        vec![0u8; 1].into()
-    } else {
-        bytes.into()
-    };
-    // SAFETY: `data` is kept with its registration in `sends` until the send completes.
-    let mr = unsafe {
-        device.register(
-            data.as_ptr() as u64,
-            data.len(),
-            RemoteBits::of(false, false),
-        )
-    }?;
-    // SAFETY: the buffer lies in `mr` and lives in `sends` until its completion.
-    let posted = unsafe { qp.post_send(wr_id, data.as_ptr() as u64, bytes.len() as u32, mr.lkey) }?;
-    if posted {
-        sends.insert(
-            wr_id,
-            SendBuffer {
-                user,
-                _data: data,
-                _mr: mr,
-            },
-        );
+    let buffer = pool.take(send_class(bytes.len()), |data| {
+        // SAFETY: the pool keeps the buffer at this address for the Domain's lifetime, and
+        // the registration with it.
+        unsafe {
+            device.register(
+                data.as_ptr() as u64,
+                data.len(),
+                RemoteBits::of(false, false),
+            )
+        }
+    })?;
+    let (ptr, _, mr) = pool.get(buffer);
+    let lkey = mr.lkey;
+    // SAFETY: the class holds at least `bytes.len()` bytes, and the buffer is ours (taken
+    // from the pool, not posted) until it is released.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len()) };
+    // SAFETY: the buffer lies in its registration and stays out of the pool until its
+    // completion.
+    let posted = unsafe { qp.post_send(wr_id, ptr as u64, bytes.len() as u32, lkey) };
+    match posted {
+        Ok(true) => {
+            sends.insert(wr_id, SendBuffer { user, buffer });
+            Ok(true)
+        }
+        other => {
+            pool.release(buffer);
+            other
+        }
     }
-    Ok(posted)
 }
 
 fn tracing_free_log(message: &str) {
@@ -1241,7 +1261,13 @@ impl Domain for VerbsDomain {
                 }
                 self.next_wr = (self.next_wr + 1) & !TAG_MASK;
                 let id = TAG_SEND | self.next_wr;
-                match post_message(&mut self.device, msg, &mut self.sends, (id, wr_id), data) {
+                match post_message(
+                    &mut self.device,
+                    msg,
+                    (&mut self.sends, &mut self.send_pool),
+                    (id, wr_id),
+                    data,
+                ) {
                     Ok(true) => Ok(PostStatus::Posted),
                     Ok(false) => Ok(PostStatus::Busy),
                     Err(e) => Err(other(e)),
@@ -1351,6 +1377,7 @@ impl Domain for VerbsDomain {
                         let Some(send) = self.sends.remove(&wc.wr_id) else {
                             continue;
                         };
+                        self.send_pool.release(send.buffer);
                         let result = if wc.status == 0 {
                             Ok(())
                         } else {
@@ -1392,5 +1419,16 @@ impl Domain for VerbsDomain {
         self.post_chains();
         events.append(&mut self.done);
         result.and(refill)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn messages_share_a_few_buffer_sizes() {
+        assert_eq!(super::send_class(0), 256);
+        assert_eq!(super::send_class(256), 256);
+        assert_eq!(super::send_class(257), 512);
+        assert_eq!(super::send_class(65_536), 65_536);
     }
 }
