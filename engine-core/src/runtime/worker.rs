@@ -267,6 +267,12 @@ impl Worker {
     }
 
     fn park(&mut self, now: Instant, idle_poll: Duration) {
+        // Announce the park first, then read the deadlines and look once more: an expectation
+        // registered concurrently (its deadline unknown to a timeout computed earlier) is either
+        // seen here or its `expect_imm_count` sees `parked` and unparks us. Computing the
+        // timeout before the announcement lost such wake-ups: the worker slept past the new
+        // expectation's deadline (up to an hour).
+        self.shared.parked.store(true, Ordering::SeqCst);
         let deadline = [
             self.tracker.next_deadline(),
             self.shared.lock_imm().next_deadline(),
@@ -280,9 +286,6 @@ impl Worker {
         if !self.domains_wake {
             timeout = timeout.min(idle_poll);
         }
-        // Announce the park, then look once more: whatever raced with the announcement is
-        // either seen here or its submitter/waker sees `parked` and unparks us.
-        self.shared.parked.store(true, Ordering::SeqCst);
         if self.shared.queue.is_empty() && !self.poll_domains() {
             std::thread::park_timeout(timeout);
         }
