@@ -11,7 +11,7 @@ use engine_core::domain::{
 };
 use engine_core::NetAddr;
 
-use crate::fabric::{self, Nic, Op, Posted, Region};
+use crate::fabric::{self, Direction, Nic, Op, Posted, Region};
 use crate::options::MockOptions;
 
 /// A mock NIC.
@@ -153,13 +153,12 @@ impl Domain for MockDomain {
     }
 
     fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError> {
-        self.accept(Op::Write {
+        self.accept(Op::Rdma {
             wr_id: wr.wr_id,
             peer: wr.peer.clone(),
-            local_addr: wr.local_addr,
-            local_key: wr.local_key,
-            remote_addr: wr.remote_addr,
-            remote_key: wr.remote_key,
+            direction: Direction::Write,
+            local: (wr.local_addr, wr.local_key),
+            remote: (wr.remote_addr, wr.remote_key),
             len: wr.len,
             imm: wr.imm,
         })
@@ -170,14 +169,14 @@ impl Domain for MockDomain {
     }
 
     fn post_read(&mut self, rd: &ReadRequest<'_>) -> Result<PostStatus, DomainError> {
-        self.accept(Op::Read {
+        self.accept(Op::Rdma {
             wr_id: rd.wr_id,
             peer: rd.peer.clone(),
-            local_addr: rd.local_addr,
-            local_key: rd.local_key,
-            remote_addr: rd.remote_addr,
-            remote_key: rd.remote_key,
+            direction: Direction::Read,
+            local: (rd.local_addr, rd.local_key),
+            remote: (rd.remote_addr, rd.remote_key),
             len: rd.len,
+            imm: None,
         })
     }
 

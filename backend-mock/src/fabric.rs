@@ -98,13 +98,14 @@ pub(crate) struct Nic {
 /// An operation as posted.
 #[derive(Debug)]
 pub(crate) enum Op {
-    Write {
+    /// An RDMA write (with its immediate, if any) or read.
+    Rdma {
         wr_id: u64,
         peer: NetAddr,
-        local_addr: u64,
-        local_key: u64,
-        remote_addr: u64,
-        remote_key: u64,
+        direction: Direction,
+        /// (address, key) of our range and of the peer's.
+        local: (u64, u64),
+        remote: (u64, u64),
         len: u64,
         imm: Option<u32>,
     },
@@ -113,29 +114,18 @@ pub(crate) enum Op {
         peer: NetAddr,
         data: Vec<u8>,
     },
-    Read {
-        wr_id: u64,
-        peer: NetAddr,
-        local_addr: u64,
-        local_key: u64,
-        remote_addr: u64,
-        remote_key: u64,
-        len: u64,
-    },
 }
 
 impl Op {
     pub(crate) fn wr_id(&self) -> u64 {
         match self {
-            Self::Write { wr_id, .. } | Self::Send { wr_id, .. } | Self::Read { wr_id, .. } => {
-                *wr_id
-            }
+            Self::Rdma { wr_id, .. } | Self::Send { wr_id, .. } => *wr_id,
         }
     }
 
     pub(crate) fn peer(&self) -> &NetAddr {
         match self {
-            Self::Write { peer, .. } | Self::Send { peer, .. } | Self::Read { peer, .. } => peer,
+            Self::Rdma { peer, .. } | Self::Send { peer, .. } => peer,
         }
     }
 }
@@ -379,41 +369,14 @@ pub(crate) fn land(posted: Posted) {
         return;
     }
     let result = match op {
-        Op::Write {
-            local_addr,
-            local_key,
-            remote_addr,
-            remote_key,
+        Op::Rdma {
+            direction,
+            local,
+            remote,
             len,
             imm,
             ..
-        } => rdma(
-            &src,
-            &peer,
-            Direction::Write,
-            (local_addr, local_key),
-            (remote_addr, remote_key),
-            len,
-            imm,
-            injected,
-        ),
-        Op::Read {
-            local_addr,
-            local_key,
-            remote_addr,
-            remote_key,
-            len,
-            ..
-        } => rdma(
-            &src,
-            &peer,
-            Direction::Read,
-            (local_addr, local_key),
-            (remote_addr, remote_key),
-            len,
-            None,
-            injected,
-        ),
+        } => rdma(&src, &peer, direction, local, remote, len, imm, injected),
         Op::Send { data, .. } => match injected {
             Some(e) => Err(e),
             None => match send(&src, &peer, data, wr_id) {
@@ -437,7 +400,7 @@ pub(crate) fn land(posted: Posted) {
 
 /// Which way an RDMA operation copies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Direction {
+pub(crate) enum Direction {
     /// Our local range into the peer's remote one (needs remote-write access there).
     Write,
     /// The peer's remote range into our local one (needs remote-read access there).
