@@ -297,14 +297,8 @@ impl EfaDomain {
     /// Posts a receive buffer of the pool again (after a failed receive); one the provider
     /// refuses for now (EAGAIN) is retried after the next poll.
     fn repost(&mut self, buffer: usize) {
-        let (ptr, len, mr) = self.receives.get(buffer);
-        let desc = mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc);
-        let ctx = self.acquire(InFlight::Recv { buffer });
-        // SAFETY: the buffer is owned by the Domain and not reused until its completion.
-        let result = unsafe { self.endpoint.recv(ptr, len, desc, ctx) };
-        match self.finish_post(ctx, result) {
-            Ok(PostStatus::Posted) => {}
-            Ok(PostStatus::Busy) => self.unposted_receives.push(buffer),
+        match self.post_receive(buffer) {
+            Ok(()) => {}
             Err(e) => {
                 self.receives.release(buffer);
                 tracing_log(&format!(
@@ -313,6 +307,20 @@ impl EfaDomain {
                 ));
             }
         }
+    }
+
+    /// Posts pool buffer `buffer` as a receive; one the provider refuses for now (EAGAIN) is
+    /// kept for after the next poll — not an error.
+    fn post_receive(&mut self, buffer: usize) -> Result<(), DomainError> {
+        let (ptr, len, mr) = self.receives.get(buffer);
+        let desc = mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc);
+        let ctx = self.acquire(InFlight::Recv { buffer });
+        // SAFETY: the buffer is owned by the Domain and not reused until its completion.
+        let result = unsafe { self.endpoint.recv(ptr, len, desc, ctx) };
+        if self.finish_post(ctx, result)? == PostStatus::Busy {
+            self.unposted_receives.push(buffer);
+        }
+        Ok(())
     }
 
     /// Removes a peer's address after a connection-level failure, and fails everything still
@@ -454,16 +462,7 @@ impl Domain for EfaDomain {
                     .map(Some)
                     .map_err(other)
             })?;
-            let (ptr, len, mr) = self.receives.get(buffer);
-            let desc = mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc);
-            let ctx = self.acquire(InFlight::Recv { buffer });
-            // SAFETY: the buffer is owned by the Domain and not reused until its completion.
-            let result = unsafe { self.endpoint.recv(ptr, len, desc, ctx) };
-            match self.finish_post(ctx, result)? {
-                PostStatus::Posted => {}
-                // EAGAIN is not an error: the buffer goes in after the next poll.
-                PostStatus::Busy => self.unposted_receives.push(buffer),
-            }
+            self.post_receive(buffer)?;
         }
         Ok(())
     }
