@@ -126,6 +126,13 @@ fn post_chain(qp: &mut Qp, q: &mut DataQueue) -> Result<(), String> {
     Ok(())
 }
 
+/// The next send-side work-request id from `counter` (low bits; tagged `TAG_SEND`). A free
+/// function so it can be called while a peer's QPs are borrowed from the peer map.
+fn next_send_id(counter: &mut u64) -> u64 {
+    *counter = (*counter + 1) & !TAG_MASK;
+    TAG_SEND | *counter
+}
+
 /// A message on its way: the engine's id for it and the pool buffer it was copied into.
 struct SendBuffer {
     /// The engine's id for the send.
@@ -297,7 +304,8 @@ impl VerbsDomain {
             unsafe { device.post_srq_recv(false, TAG_IMM_RECV | i as u64, 0, 0, 0) }
                 .map_err(other)?;
         }
-        let options_imm_receives = options.imm_receives;
+        // Reposted immediate receives get ids after those posted here.
+        let next_imm_recv = u64::try_from(options.imm_receives).unwrap_or(0);
         let me = VerbsAddr {
             gid: attr.gid,
             lid: attr.lid,
@@ -327,7 +335,7 @@ impl VerbsDomain {
             next_wr: 0,
             polls_since_check: 0,
             imm_deficit: 0,
-            next_imm_recv: u64::try_from(options_imm_receives).unwrap_or(0),
+            next_imm_recv,
         })
     }
 
@@ -456,8 +464,7 @@ impl VerbsDomain {
 
     /// A fresh send-side work-request id (see `next_wr`).
     fn wr_id(&mut self) -> u64 {
-        self.next_wr = (self.next_wr + 1) & !TAG_MASK;
-        TAG_SEND | self.next_wr
+        next_send_id(&mut self.next_wr)
     }
 
     fn psn(&mut self) -> u32 {
@@ -1011,8 +1018,7 @@ impl VerbsDomain {
                         }
                     }
                     Queued::Send { wr_id, data: bytes } => {
-                        self.next_wr = (self.next_wr + 1) & !TAG_MASK;
-                        let id = TAG_SEND | self.next_wr;
+                        let id = next_send_id(&mut self.next_wr);
                         post_message(
                             &mut self.device,
                             msg,
@@ -1259,8 +1265,7 @@ impl Domain for VerbsDomain {
                 if !queued.is_empty() {
                     return Ok(PostStatus::Busy);
                 }
-                self.next_wr = (self.next_wr + 1) & !TAG_MASK;
-                let id = TAG_SEND | self.next_wr;
+                let id = next_send_id(&mut self.next_wr);
                 match post_message(
                     &mut self.device,
                     msg,
