@@ -187,6 +187,10 @@ pub struct VerbsDomain {
     /// kept owed (and reported) when the SRQ refuses them.
     imm_deficit: u32,
     next_imm_recv: u64,
+    /// Handshake datagrams sent (for the `ud_error_after_sends` fault).
+    handshakes_sent: u32,
+    /// Handshake-QP resets already logged.
+    ud_resets_seen: u64,
 }
 
 fn err(kind: DomainErrorKind, message: impl Into<String>) -> DomainError {
@@ -334,6 +338,8 @@ impl VerbsDomain {
             rng: fastrand::Rng::new(),
             next_wr: 0,
             polls_since_check: 0,
+            handshakes_sent: 0,
+            ud_resets_seen: 0,
             imm_deficit: 0,
             next_imm_recv,
         })
@@ -488,7 +494,15 @@ impl VerbsDomain {
     /// peer's next request.
     fn send_handshake(&mut self, to: &VerbsAddr, h: &Handshake) -> bool {
         match self.device.ud_send(&to.gid, to.lid, to.ud_qpn, &h.encode()) {
-            Ok(()) => true,
+            Ok(()) => {
+                self.handshakes_sent += 1;
+                if self.handshakes_sent == self.options.faults.ud_error_after_sends {
+                    if let Err(e) = self.device.ud_to_error() {
+                        tracing_free_log(&format!("{}: fault injection: {e}", self.name));
+                    }
+                }
+                true
+            }
             Err(e) => {
                 if !e.contains("Resource temporarily unavailable") {
                     tracing_free_log(&format!("{}: {e}", self.name));
@@ -1409,6 +1423,14 @@ impl Domain for VerbsDomain {
             }
         };
         self.wcs = wcs;
+        let resets = self.device.ud_resets();
+        if resets != self.ud_resets_seen {
+            self.ud_resets_seen = resets;
+            tracing_free_log(&format!(
+                "{}: the handshake QP failed and was reset ({resets} so far); handshakes in flight are resent",
+                self.name
+            ));
+        }
         // Every receive consumed in this pass goes back in one batch.
         let refill = self.refill_imm_receives();
         self.check_handshakes();

@@ -295,6 +295,22 @@ impl Device {
         Ok(())
     }
 
+    /// Test fault: puts the handshake QP into the error state.
+    pub(crate) fn ud_to_error(&mut self) -> Result<(), String> {
+        // SAFETY: the device is open; the shim only modifies its own UD QP.
+        let rc = unsafe { sys::xv_ud_to_error(self.raw.as_ptr()) };
+        if rc != 0 {
+            return Err(format!("UD QP to ERR: {}", errno_text(rc)));
+        }
+        Ok(())
+    }
+
+    /// How many times the shim reset the handshake QP after an error.
+    pub(crate) fn ud_resets(&self) -> u64 {
+        // SAFETY: the device is open; this reads one counter.
+        unsafe { sys::xv_ud_resets(self.raw.as_ptr()) }
+    }
+
     /// Polls up to `out.len()` (at most 32) completions.
     pub(crate) fn poll(&mut self, out: &mut [Wc]) -> Result<usize, String> {
         // SAFETY: out has out.len() writable entries.

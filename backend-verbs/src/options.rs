@@ -45,6 +45,18 @@ pub struct VerbsOptions {
     /// `PeerUnreachable` — whatever the transport's own retries would do. Keep it below the
     /// engine's `transfer_ms`, so callers see the cause rather than a timeout.
     pub unreachable_ms: u64,
+    /// Test knobs (faults injected on purpose); none are set in production configs.
+    pub faults: Faults,
+}
+
+/// Faults the tests inject through `[backends.verbs.faults]`, so recovery paths that a
+/// ConnectX rarely shows run on soft-RoCE every time.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Faults {
+    /// After this many handshake datagrams sent (0: never), put the handshake QP into the
+    /// error state once, as a failed datagram does.
+    pub ud_error_after_sends: u32,
 }
 
 impl Default for VerbsOptions {
@@ -65,6 +77,7 @@ impl Default for VerbsOptions {
             retry_cnt: 6,
             rnr_retry: 7,
             unreachable_ms: 2_000,
+            faults: Faults::default(),
         }
     }
 }

@@ -259,3 +259,38 @@ fn fan_out_to_many_peers_connects_every_one() {
         assert!(b.to_vec() == src.to_vec());
     }
 }
+
+/// A handshake QP that fails (soft-RoCE puts it in the error state under load: the cause of
+/// the fan-out failures) is reset with the same QP number and handshakes resume: both peers'
+/// handshake QPs fail right after their first datagram, and they still connect, and a third
+/// engine connects to both afterwards.
+#[test]
+#[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
+fn a_failed_handshake_qp_is_reset_and_peers_still_connect() {
+    use engine_core::conformance::Harness;
+    use std::time::Duration;
+    let mut config = Rxe.config(1);
+    config.timeouts.connect_ms = 10_000;
+    config.backends = toml::from_str("[verbs.faults]\nud_error_after_sends = 1\n").unwrap();
+    let a = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let b = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let c = std::sync::Arc::new(engine_core::TransferEngine::open(&Rxe.config(1)).unwrap());
+    let src = engine_core::HostBuffer::from_fn(&a, 4096, |i| i as u8).unwrap();
+    let dst = engine_core::HostBuffer::new(&b, 4096).unwrap();
+    let ok = engine_core::DoneFlag::new();
+    a.submit_single_write(4096, Some(3), (src.mr(), 0), (dst.desc(), 0), ok.clone())
+        .unwrap();
+    ok.wait(Duration::from_secs(20)).unwrap();
+    assert!(dst.to_vec() == src.to_vec());
+    assert_eq!(b.imm_count(3), 1);
+    let csrc = engine_core::HostBuffer::from_fn(&c, 4096, |i| (i * 3) as u8).unwrap();
+    let adst = engine_core::HostBuffer::new(&a, 4096).unwrap();
+    for (to, n) in [(&adst, 0u64), (&dst, 1)] {
+        let ok = engine_core::DoneFlag::new();
+        c.submit_single_write(4096, Some(4), (csrc.mr(), 0), (to.desc(), 0), ok.clone())
+            .unwrap();
+        ok.wait(Duration::from_secs(20))
+            .unwrap_or_else(|e| panic!("third engine to peer {n}: {e}"));
+        assert!(to.to_vec() == csrc.to_vec());
+    }
+}

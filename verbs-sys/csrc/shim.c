@@ -27,6 +27,13 @@ typedef struct xv_dev {
      * slot is reused only once its send completed: never overwritten while the NIC reads it. */
     uint64_t ud_busy;
     struct ibv_ah *ud_ah[UD_SLOTS];
+    /* The UD QP's incarnation: a UD error completion puts the QP in the error state (soft-RoCE
+     * does so under load), so it is reset (same QPN: peers know it) and brought up again.
+     * Work request ids carry the generation, so completions of the old incarnation are
+     * recognised and dropped, never freeing a slot or reposting into the new one. */
+    uint32_t ud_gen;
+    int ud_broken;
+    uint64_t ud_resets;
     int port;
     int gid_index;
     union ibv_gid gid;
@@ -188,12 +195,81 @@ int xv_query_gid(xv_dev *d, int index, uint8_t gid[16], int *type) {
     return 0;
 }
 
+/* UD work request ids: tag | generation << 16 | slot. */
+static uint64_t ud_wr_id(const xv_dev *d, uint64_t tag, unsigned slot) {
+    return tag | ((uint64_t)d->ud_gen << 16) | slot;
+}
+
+static uint32_t ud_gen_of(uint64_t wr_id) { return (uint32_t)((wr_id & ~XV_TAG_MASK) >> 16); }
+
 static int ud_post_recv(xv_dev *d, unsigned slot) {
     struct ibv_sge sge = {.addr = (uintptr_t)(d->ud_buf + (UD_SLOTS + slot) * (GRH + UD_MSG)),
                           .length = GRH + UD_MSG, .lkey = d->ud_mr->lkey};
-    struct ibv_recv_wr wr = {.wr_id = XV_TAG_UD_RECV | slot, .sg_list = &sge, .num_sge = 1}, *bad;
+    struct ibv_recv_wr wr = {.wr_id = ud_wr_id(d, XV_TAG_UD_RECV, slot), .sg_list = &sge, .num_sge = 1}, *bad;
     return ibv_post_recv(d->ud, &wr, &bad);
 }
+
+/* INIT → RTR → RTS and every receive slot posted: a new UD QP, or one just reset. */
+static int ud_bring_up(xv_dev *d, const char **what) {
+    int rc;
+    struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = d->port, .qkey = UD_QKEY};
+    if ((rc = ibv_modify_qp(d->ud, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY))) {
+        *what = "UD QP to INIT";
+        return rc;
+    }
+    a.qp_state = IBV_QPS_RTR;
+    if ((rc = ibv_modify_qp(d->ud, &a, IBV_QP_STATE))) {
+        *what = "UD QP to RTR";
+        return rc;
+    }
+    a.qp_state = IBV_QPS_RTS;
+    a.sq_psn = 0;
+    if ((rc = ibv_modify_qp(d->ud, &a, IBV_QP_STATE | IBV_QP_SQ_PSN))) {
+        *what = "UD QP to RTS";
+        return rc;
+    }
+    for (unsigned i = 0; i < UD_SLOTS; i++)
+        if ((rc = ud_post_recv(d, i))) {
+            *what = "ibv_post_recv(UD)";
+            return rc;
+        }
+    return 0;
+}
+
+/* Resets a failed UD QP (RESET keeps its QPN) and brings it up again; sends in flight are
+ * lost (the handshake resends requests, and answers repeated requests). */
+static int ud_reset(xv_dev *d) {
+    struct ibv_qp_attr a;
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_RESET;
+    int rc = ibv_modify_qp(d->ud, &a, IBV_QP_STATE);
+    if (rc)
+        return rc;
+    for (unsigned i = 0; i < UD_SLOTS; i++)
+        if (d->ud_busy & (1ull << i)) {
+            ibv_destroy_ah(d->ud_ah[i]);
+            d->ud_ah[i] = NULL;
+        }
+    d->ud_busy = 0;
+    d->ud_gen = (d->ud_gen + 1) & 0xffffffffu;
+    const char *what;
+    if ((rc = ud_bring_up(d, &what)))
+        return rc;
+    d->ud_broken = 0;
+    d->ud_resets++;
+    return 0;
+}
+
+/* Test hook: puts the UD QP into the error state, as a failed datagram does. */
+int xv_ud_to_error(xv_dev *d) {
+    struct ibv_qp_attr a;
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_ERR;
+    return ibv_modify_qp(d->ud, &a, IBV_QP_STATE);
+}
+
+/* How many times the UD QP was reset after an error. */
+uint64_t xv_ud_resets(const xv_dev *d) { return d->ud_resets; }
 
 /* Creates PD, CQ, the two SRQs and the UD handshake QP, using GID `gid_index`. */
 int xv_setup(xv_dev *d, int gid_index, int cq_size, int srq_size, xv_attr *attr, char *err, size_t cap) {
@@ -232,27 +308,11 @@ int xv_setup(xv_dev *d, int gid_index, int cq_size, int srq_size, xv_attr *attr,
         set_err(err, cap, "ibv_create_qp(UD)", errno);
         return -1;
     }
-    struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = d->port, .qkey = UD_QKEY};
-    if ((rc = ibv_modify_qp(d->ud, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY))) {
-        set_err(err, cap, "UD QP to INIT", rc);
+    const char *what;
+    if ((rc = ud_bring_up(d, &what))) {
+        set_err(err, cap, what, rc);
         return -1;
     }
-    a.qp_state = IBV_QPS_RTR;
-    if ((rc = ibv_modify_qp(d->ud, &a, IBV_QP_STATE))) {
-        set_err(err, cap, "UD QP to RTR", rc);
-        return -1;
-    }
-    a.qp_state = IBV_QPS_RTS;
-    a.sq_psn = 0;
-    if ((rc = ibv_modify_qp(d->ud, &a, IBV_QP_STATE | IBV_QP_SQ_PSN))) {
-        set_err(err, cap, "UD QP to RTS", rc);
-        return -1;
-    }
-    for (unsigned i = 0; i < UD_SLOTS; i++)
-        if ((rc = ud_post_recv(d, i))) {
-            set_err(err, cap, "ibv_post_recv(UD)", rc);
-            return -1;
-        }
     memcpy(attr->gid, d->gid.raw, 16);
     attr->gid_index = gid_index;
     attr->ud_qpn = d->ud->qp_num;
@@ -483,7 +543,7 @@ int xv_ud_send(xv_dev *d, const uint8_t dgid[16], uint16_t dlid, uint32_t dqpn, 
     uint8_t *buf = d->ud_buf + slot * UD_MSG;
     memcpy(buf, msg, len);
     struct ibv_sge sge = {.addr = (uintptr_t)buf, .length = len, .lkey = d->ud_mr->lkey};
-    struct ibv_send_wr wr = {.wr_id = XV_TAG_UD_SEND | slot, .sg_list = &sge, .num_sge = 1,
+    struct ibv_send_wr wr = {.wr_id = ud_wr_id(d, XV_TAG_UD_SEND, slot), .sg_list = &sge, .num_sge = 1,
                              .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED}, *bad;
     wr.wr.ud.ah = ah;
     wr.wr.ud.remote_qpn = dqpn;
@@ -523,8 +583,12 @@ int xv_poll(xv_dev *d, xv_wc *out, int n) {
         o->qp_num = wc[i].qp_num;
         o->vendor_err = wc[i].vendor_err;
         uint64_t tag = wc[i].wr_id & XV_TAG_MASK;
+        if ((tag == XV_TAG_UD_SEND || tag == XV_TAG_UD_RECV) && ud_gen_of(wc[i].wr_id) != d->ud_gen)
+            continue; /* the QP's previous incarnation: its slots were reclaimed at the reset */
+        if ((tag == XV_TAG_UD_SEND || tag == XV_TAG_UD_RECV) && wc[i].status != IBV_WC_SUCCESS)
+            d->ud_broken = 1; /* an error moves a UD QP to the error state: reset below */
         if (tag == XV_TAG_UD_SEND) {
-            unsigned slot = (unsigned)(wc[i].wr_id & ~XV_TAG_MASK) % UD_SLOTS;
+            unsigned slot = (unsigned)(wc[i].wr_id & 0xffff) % UD_SLOTS;
             if (d->ud_busy & (1ull << slot)) {
                 ibv_destroy_ah(d->ud_ah[slot]);
                 d->ud_ah[slot] = NULL;
@@ -533,7 +597,7 @@ int xv_poll(xv_dev *d, xv_wc *out, int n) {
             continue; /* handshake sends need no report */
         }
         if (tag == XV_TAG_UD_RECV) {
-            unsigned slot = (unsigned)(wc[i].wr_id & ~XV_TAG_MASK);
+            unsigned slot = (unsigned)(wc[i].wr_id & 0xffff) % UD_SLOTS;
             if (wc[i].status == IBV_WC_SUCCESS && wc[i].byte_len > GRH) {
                 uint32_t len = wc[i].byte_len - GRH;
                 if (len > UD_MSG)
@@ -543,8 +607,8 @@ int xv_poll(xv_dev *d, xv_wc *out, int n) {
                 o->kind = XV_UD_RECV;
                 k++;
             }
-            /* A flushed receive (the UD QP failed) is not reposted into a dead QP. */
-            if (wc[i].status != IBV_WC_WR_FLUSH_ERR)
+            /* After an error the QP is reset (every slot reposted then), never reposted into. */
+            if (!d->ud_broken)
                 ud_post_recv(d, slot);
             continue;
         }
@@ -560,6 +624,10 @@ int xv_poll(xv_dev *d, xv_wc *out, int n) {
             o->byte_len = XV_POISON;
         k++;
     }
+    /* Once its completions are read: the reset discards what the failed QP still held. A
+     * failed reset is retried on the next poll. */
+    if (d->ud_broken)
+        ud_reset(d);
     return k;
 }
 

@@ -190,5 +190,7 @@ extern "C" {
         len: u32,
     ) -> c_int;
     pub fn xv_poll(d: *mut XvDev, out: *mut XvWc, n: c_int) -> c_int;
+    pub fn xv_ud_to_error(d: *mut XvDev) -> c_int;
+    pub fn xv_ud_resets(d: *const XvDev) -> u64;
     pub fn xv_wc_status_str(status: c_int) -> *const c_char;
 }
