@@ -1,0 +1,720 @@
+//! `xfer.TransferEngine`: the engine, its registrations, peer groups and watchers.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use engine_core::{MrHandle, Pages, ScatterDst};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::errors::{self, OrRaise};
+use crate::memory::{self, Keep, MemoryRegion};
+use crate::transfer::{call_reporting, Transfer};
+use crate::values::{self, addr_of, desc_of, indices_of};
+
+type Engine = Arc<engine_core::TransferEngine>;
+
+/// Point-to-point RDMA transfers (see the package docs for the model: reliable but
+/// unordered delivery, completion on the receiver counted by immediates).
+///
+/// `TransferEngine(config=None)`: `config` is a path to a TOML file, a dict with the same
+/// structure, or `None` (`$XFER_CONFIG`, else the built-in mock backend). Close it with
+/// `close()` or a `with` block; garbage collection closes it too.
+#[pyclass(module = "xfer", frozen)]
+pub(crate) struct TransferEngine {
+    engine: RwLock<Option<Engine>>,
+    /// What keeps each registration's memory alive, by handle id.
+    regions: Mutex<HashMap<u64, Keep>>,
+}
+
+/// A set of peers from `add_peer_group` (checks that a scatter or barrier stays inside it).
+#[pyclass(module = "xfer", frozen)]
+pub(crate) struct PeerGroup(engine_core::PeerGroupHandle);
+
+/// A uvm watcher slot: a 64-bit counter in memory a GPU kernel can write
+/// (`device_ptr`, or `host_ptr` when it lives in host memory); the callback gets
+/// `(old, new)` whenever the value changes, on the watcher thread.
+#[pyclass(module = "xfer", frozen)]
+pub(crate) struct Watcher(Mutex<Option<engine_core::Watcher>>);
+
+impl TransferEngine {
+    fn engine(&self, py: Python<'_>) -> PyResult<Engine> {
+        self.engine
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| errors::closed(py))
+    }
+
+    pub(crate) fn is_registered(&self, id: u64) -> bool {
+        self.regions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(&id)
+    }
+
+    pub(crate) fn dereg_handle(&self, py: Python<'_>, handle: MrHandle) -> PyResult<()> {
+        let engine = self.engine(py)?;
+        if !self.is_registered(handle.id()) {
+            return Err(errors::invalid(
+                py,
+                "the region is not registered (deregistered already?)",
+            ));
+        }
+        let result = py.detach(|| engine.dereg_mr(handle));
+        // Whatever it returned, no NIC touches the memory any more: release the exporter.
+        let keep = self
+            .regions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&handle.id());
+        drop(keep);
+        result.or_raise(py)
+    }
+
+    fn register(
+        slf: &Bound<'_, Self>,
+        exported: memory::Exported,
+        access: Option<engine_core::RemoteAccess>,
+    ) -> PyResult<MemoryRegion> {
+        let py = slf.py();
+        let this = slf.get();
+        let engine = this.engine(py)?;
+        let (ptr, nbytes, device) = (exported.ptr, exported.nbytes, exported.device);
+        // SAFETY: `exported.keep` (the exporter's buffer or capsule, or the caller's keepalive
+        // for raw registrations) is stored under the handle below and released only after
+        // `dereg_mr` returned or the engine closed.
+        let (handle, desc) = py
+            .detach(|| unsafe { crate::ffi::register(&engine, ptr, nbytes, device, access) })
+            .or_raise(py)?;
+        this.regions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(handle.id(), exported.keep);
+        Ok(MemoryRegion {
+            engine: slf.clone().unbind(),
+            handle,
+            desc,
+            ptr,
+            nbytes,
+            device,
+        })
+    }
+
+    /// The region behind a `MemoryRegion` argument, checked to belong to this engine.
+    fn local(&self, py: Python<'_>, region: &Bound<'_, PyAny>) -> PyResult<(MrHandle, u64)> {
+        let r = region.cast::<MemoryRegion>().map_err(|_| {
+            errors::invalid(
+                py,
+                format!(
+                    "expected an xfer.MemoryRegion of this engine, not {}",
+                    values::type_name(region)
+                ),
+            )
+        })?;
+        let r = r.get();
+        if !std::ptr::eq(r.engine.get(), self) {
+            return Err(errors::invalid(
+                py,
+                "the MemoryRegion belongs to another engine",
+            ));
+        }
+        Ok((r.handle, r.nbytes))
+    }
+
+    fn close_now(&self, py: Python<'_>) {
+        let engine = self
+            .engine
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(engine) = engine {
+            // Joins the worker and callback threads (which may be waiting for the GIL) and
+            // closes the Domains (deregistering everything).
+            py.detach(move || drop(engine));
+        }
+        let keeps: Vec<Keep> = self
+            .regions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+            .map(|(_, k)| k)
+            .collect();
+        drop(keeps);
+    }
+}
+
+impl Drop for TransferEngine {
+    fn drop(&mut self) {
+        let engine = self
+            .engine
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(engine) = engine {
+            // Collected without close(): the engine's threads may want the GIL to finish
+            // their callbacks, so it is released while they are joined.
+            Python::attach(|py| py.detach(move || drop(engine)));
+        }
+    }
+}
+
+/// Offsets of a paged transfer: pages from any int sequence or integer array.
+fn pages(indices: &Bound<'_, PyAny>, stride: u64, offset: u64) -> PyResult<Pages> {
+    Ok(Pages {
+        indices: indices_of(indices)?,
+        stride,
+        offset,
+    })
+}
+
+#[pymethods]
+impl TransferEngine {
+    #[new]
+    #[pyo3(signature = (config=None))]
+    fn new(py: Python<'_>, config: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let config = match config {
+            None => engine_core::Config::load(None),
+            Some(c) => {
+                if let Ok(d) = c.cast::<PyDict>() {
+                    let text = values::toml_of_dict(d)?;
+                    engine_core::Config::from_toml(&text, Path::new("<dict>"))
+                } else {
+                    let path: std::path::PathBuf = c.extract().map_err(|_| {
+                        errors::raise(
+                            py,
+                            "ConfigError",
+                            format!(
+                                "config must be a path, a dict or None, not {}",
+                                values::type_name(c)
+                            ),
+                        )
+                    })?;
+                    engine_core::Config::from_file(&path)
+                }
+            }
+        }
+        .map_err(|e| errors::to_py(py, e.into()))?;
+        let engine = py
+            .detach(|| engine_core::TransferEngine::open(&config))
+            .or_raise(py)?;
+        Ok(Self {
+            engine: RwLock::new(Some(Arc::new(engine))),
+            regions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// This engine's address (its first NIC's), as bytes: what peers need to reach it.
+    #[getter]
+    fn main_address<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(PyBytes::new(
+            py,
+            &self.engine(py)?.main_address().to_bytes(),
+        ))
+    }
+
+    /// Every NIC's address, in NIC order.
+    #[getter]
+    fn nic_addresses<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let e = self.engine(py)?;
+        Ok(e.nic_addresses()
+            .iter()
+            .map(|a| PyBytes::new(py, &a.to_bytes()))
+            .collect())
+    }
+
+    /// How many NICs the engine stripes over.
+    #[getter]
+    fn nic_count(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.engine(py)?.nic_count())
+    }
+
+    /// The backend's name (`mock`, `verbs`, `efa`, or a plugin's).
+    #[getter]
+    fn backend(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(self.engine(py)?.backend().to_owned())
+    }
+
+    /// Whether `close()` ran.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.engine
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none()
+    }
+
+    /// Registers an object's memory: anything exporting DLPack (numpy, torch; CPU or CUDA,
+    /// the device taken from DLPack) or the buffer protocol (bytearray, memoryview, mmap).
+    /// `access`: what peers may do — `"write"` (default), `"read"`, `"read_write"`, or
+    /// `"local"` (a source of writes / destination of reads only; no descriptor). The region
+    /// holds the object until it is deregistered.
+    #[pyo3(signature = (obj, *, access="write"))]
+    fn reg_mr(
+        slf: &Bound<'_, Self>,
+        obj: &Bound<'_, PyAny>,
+        access: &str,
+    ) -> PyResult<MemoryRegion> {
+        let access = memory::parse_access(slf.py(), access)?;
+        let exported = memory::export(obj, access.is_some_and(|a| a.write))?;
+        Self::register(slf, exported, access)
+    }
+
+    /// Registers `nbytes` at address `ptr` on `device` (`"cpu"`, `"cuda:N"`). The caller
+    /// keeps that memory allocated until the region is deregistered (`keepalive` is held
+    /// until then, e.g. the object owning it).
+    #[pyo3(signature = (ptr, nbytes, device=None, *, access="write", keepalive=None))]
+    fn reg_mr_raw(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        ptr: u64,
+        nbytes: u64,
+        device: Option<Bound<'_, PyAny>>,
+        access: &str,
+        keepalive: Option<Py<PyAny>>,
+    ) -> PyResult<MemoryRegion> {
+        let access = memory::parse_access(py, access)?;
+        let device = match device {
+            Some(d) => memory::parse_device(&d)?,
+            None => engine_core::Device::Host,
+        };
+        let exported = memory::Exported {
+            ptr,
+            nbytes,
+            device,
+            keep: Keep::Raw(keepalive),
+        };
+        Self::register(slf, exported, access)
+    }
+
+    /// Deregisters a region (same as `region.dereg()`).
+    fn dereg_mr(&self, py: Python<'_>, region: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (handle, _) = self.local(py, region)?;
+        self.dereg_handle(py, handle)
+    }
+
+    /// Writes `nbytes` (default: the rest of `src` after `src_offset`) from the local region
+    /// `src` to `dst` (an `MrDesc`, its bytes, or a local region). With `imm`, every write
+    /// carries it: the receiver counts `expected_arrivals(nbytes)` of them.
+    #[pyo3(signature = (src, dst, nbytes=None, *, src_offset=0, dst_offset=0, imm=None, on_done=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_single_write(
+        &self,
+        py: Python<'_>,
+        src: &Bound<'_, PyAny>,
+        dst: &Bound<'_, PyAny>,
+        nbytes: Option<u64>,
+        src_offset: u64,
+        dst_offset: u64,
+        imm: Option<u32>,
+        on_done: Option<Py<PyAny>>,
+    ) -> PyResult<Transfer> {
+        let engine = self.engine(py)?;
+        let (handle, len) = self.local(py, src)?;
+        let dst = desc_of(dst)?;
+        let nbytes = nbytes.unwrap_or_else(|| len.saturating_sub(src_offset));
+        let (t, done) = Transfer::new("write", nbytes, on_done);
+        engine
+            .submit_single_write(nbytes, imm, (handle, src_offset), (&dst, dst_offset), done)
+            .or_raise(py)?;
+        Ok(t)
+    }
+
+    /// Writes pages of `page_len` bytes: source page `src_pages[i]` to destination page
+    /// `dst_pages[i]` (indices as any int sequence or integer numpy array). Page `n` starts
+    /// at `offset + n * stride` (stride defaults to `page_len`).
+    #[pyo3(signature = (page_len, src, src_pages, dst, dst_pages, *, src_stride=None, dst_stride=None, src_offset=0, dst_offset=0, imm=None, on_done=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_paged_writes(
+        &self,
+        py: Python<'_>,
+        page_len: u64,
+        src: &Bound<'_, PyAny>,
+        src_pages: &Bound<'_, PyAny>,
+        dst: &Bound<'_, PyAny>,
+        dst_pages: &Bound<'_, PyAny>,
+        src_stride: Option<u64>,
+        dst_stride: Option<u64>,
+        src_offset: u64,
+        dst_offset: u64,
+        imm: Option<u32>,
+        on_done: Option<Py<PyAny>>,
+    ) -> PyResult<Transfer> {
+        let engine = self.engine(py)?;
+        let (handle, _) = self.local(py, src)?;
+        let dst = desc_of(dst)?;
+        let sp = pages(src_pages, src_stride.unwrap_or(page_len), src_offset)?;
+        let dp = pages(dst_pages, dst_stride.unwrap_or(page_len), dst_offset)?;
+        let nbytes = page_len.saturating_mul(sp.indices.len() as u64);
+        let (t, done) = Transfer::new("paged write", nbytes, on_done);
+        engine
+            .submit_paged_writes(page_len, imm, (handle, &sp), (&dst, &dp), done)
+            .or_raise(py)?;
+        Ok(t)
+    }
+
+    /// Reads `nbytes` (default: the rest of `local`) of a peer's region `remote` (an
+    /// `MrDesc` registered readable) into the local region `local`.
+    #[pyo3(signature = (local, remote, nbytes=None, *, local_offset=0, remote_offset=0, on_done=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_single_read(
+        &self,
+        py: Python<'_>,
+        local: &Bound<'_, PyAny>,
+        remote: &Bound<'_, PyAny>,
+        nbytes: Option<u64>,
+        local_offset: u64,
+        remote_offset: u64,
+        on_done: Option<Py<PyAny>>,
+    ) -> PyResult<Transfer> {
+        let engine = self.engine(py)?;
+        let (handle, len) = self.local(py, local)?;
+        let remote = desc_of(remote)?;
+        let nbytes = nbytes.unwrap_or_else(|| len.saturating_sub(local_offset));
+        let (t, done) = Transfer::new("read", nbytes, on_done);
+        engine
+            .submit_single_read(
+                nbytes,
+                (handle, local_offset),
+                (&remote, remote_offset),
+                done,
+            )
+            .or_raise(py)?;
+        Ok(t)
+    }
+
+    /// Reads pages: remote page `remote_pages[i]` into local page `local_pages[i]`.
+    #[pyo3(signature = (page_len, local, local_pages, remote, remote_pages, *, local_stride=None, remote_stride=None, local_offset=0, remote_offset=0, on_done=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_paged_reads(
+        &self,
+        py: Python<'_>,
+        page_len: u64,
+        local: &Bound<'_, PyAny>,
+        local_pages: &Bound<'_, PyAny>,
+        remote: &Bound<'_, PyAny>,
+        remote_pages: &Bound<'_, PyAny>,
+        local_stride: Option<u64>,
+        remote_stride: Option<u64>,
+        local_offset: u64,
+        remote_offset: u64,
+        on_done: Option<Py<PyAny>>,
+    ) -> PyResult<Transfer> {
+        let engine = self.engine(py)?;
+        let (handle, _) = self.local(py, local)?;
+        let remote = desc_of(remote)?;
+        let lp = pages(local_pages, local_stride.unwrap_or(page_len), local_offset)?;
+        let rp = pages(
+            remote_pages,
+            remote_stride.unwrap_or(page_len),
+            remote_offset,
+        )?;
+        let nbytes = page_len.saturating_mul(lp.indices.len() as u64);
+        let (t, done) = Transfer::new("paged read", nbytes, on_done);
+        engine
+            .submit_paged_reads(page_len, (handle, &lp), (&remote, &rp), done)
+            .or_raise(py)?;
+        Ok(t)
+    }
+
+    /// Registers a set of peers (addresses as bytes or `NetAddr`): scatters and barriers
+    /// given the group must stay inside it.
+    fn add_peer_group(&self, py: Python<'_>, peers: &Bound<'_, PyAny>) -> PyResult<PeerGroup> {
+        let engine = self.engine(py)?;
+        let addrs = peers
+            .try_iter()?
+            .map(|p| addr_of(&p?))
+            .collect::<PyResult<Vec<_>>>()?;
+        engine.add_peer_group(addrs).map(PeerGroup).or_raise(py)
+    }
+
+    /// Writes pieces of `src` to many destinations: `dsts` is a list of
+    /// `(nbytes, src_offset, dst, dst_offset)` tuples (`dst` an `MrDesc`).
+    #[pyo3(signature = (src, dsts, *, imm=None, group=None, on_done=None))]
+    fn submit_scatter(
+        &self,
+        py: Python<'_>,
+        src: &Bound<'_, PyAny>,
+        dsts: &Bound<'_, PyAny>,
+        imm: Option<u32>,
+        group: Option<&Bound<'_, PeerGroup>>,
+        on_done: Option<Py<PyAny>>,
+    ) -> PyResult<Transfer> {
+        let engine = self.engine(py)?;
+        let (handle, _) = self.local(py, src)?;
+        let mut list = Vec::new();
+        for item in dsts.try_iter()? {
+            let item = item?;
+            let (len, src_offset, dst, dst_offset): (u64, u64, Bound<'_, PyAny>, u64) =
+                item.extract().map_err(|_| {
+                    errors::invalid(
+                        py,
+                        "each scatter destination is a tuple (nbytes, src_offset, dst, dst_offset)",
+                    )
+                })?;
+            list.push(ScatterDst {
+                len,
+                src_offset,
+                dst: desc_of(&dst)?,
+                dst_offset,
+            });
+        }
+        let nbytes = list.iter().map(|d| d.len).sum();
+        let (t, done) = Transfer::new("scatter", nbytes, on_done);
+        engine
+            .submit_scatter(group.map(|g| g.get().0), done, imm, handle, &list)
+            .or_raise(py)?;
+        Ok(t)
+    }
+
+    /// A zero-byte write carrying `imm` to the owner of each descriptor in `dsts`.
+    #[pyo3(signature = (imm, dsts, *, group=None, on_done=None))]
+    fn submit_barrier(
+        &self,
+        py: Python<'_>,
+        imm: u32,
+        dsts: &Bound<'_, PyAny>,
+        group: Option<&Bound<'_, PeerGroup>>,
+        on_done: Option<Py<PyAny>>,
+    ) -> PyResult<Transfer> {
+        let engine = self.engine(py)?;
+        let list = dsts
+            .try_iter()?
+            .map(|d| desc_of(&d?))
+            .collect::<PyResult<Vec<_>>>()?;
+        let (t, done) = Transfer::new("barrier", 0, on_done);
+        engine
+            .submit_barrier(group.map(|g| g.get().0), done, imm, &list)
+            .or_raise(py)?;
+        Ok(t)
+    }
+
+    /// Sends a message (bytes-like, at most `worker.max_message` bytes) to `peer`; it lands
+    /// in the peer's `submit_recvs` handler.
+    #[pyo3(signature = (peer, data, *, on_done=None))]
+    fn submit_send(
+        &self,
+        py: Python<'_>,
+        peer: &Bound<'_, PyAny>,
+        data: &Bound<'_, PyAny>,
+        on_done: Option<Py<PyAny>>,
+    ) -> PyResult<Transfer> {
+        let engine = self.engine(py)?;
+        let peer = addr_of(peer)?;
+        let data = values::bytes_of(data)?;
+        let (t, done) = Transfer::new("send", data.len() as u64, on_done);
+        engine.submit_send(&peer, &data, done).or_raise(py)?;
+        Ok(t)
+    }
+
+    /// Posts `count` receive buffers of `nbytes`; `handler(message: bytes)` is called on the
+    /// callback thread for each message (an exception it raises is reported, and the buffer
+    /// is reposted regardless). One receive pool per engine.
+    fn submit_recvs(
+        &self,
+        py: Python<'_>,
+        nbytes: usize,
+        count: usize,
+        handler: Py<PyAny>,
+    ) -> PyResult<()> {
+        let engine = self.engine(py)?;
+        engine
+            .submit_recvs(nbytes, count, move |msg: &[u8]| {
+                Python::attach(|py| call_reporting(py, &handler, msg.to_vec()));
+            })
+            .or_raise(py)
+    }
+
+    /// Completes once `count` writes carrying `imm` have landed here (counting earlier
+    /// arrivals), consuming them; fails with `TimeoutError` after `timeouts.expect_ms`.
+    #[pyo3(signature = (imm, count, *, on_done=None))]
+    fn expect_imm_count(
+        &self,
+        py: Python<'_>,
+        imm: u32,
+        count: u64,
+        on_done: Option<Py<PyAny>>,
+    ) -> PyResult<Transfer> {
+        let engine = self.engine(py)?;
+        let (t, done) = Transfer::new("expectation", 0, on_done);
+        engine.expect_imm_count(imm, count, done).or_raise(py)?;
+        Ok(t)
+    }
+
+    /// Calls `sink(total)` with the running total of `imm`'s arrivals (every arrival, never
+    /// consumed), on the worker's side; an exception it raises is reported.
+    fn mirror_imm_count(&self, py: Python<'_>, imm: u32, sink: Py<PyAny>) -> PyResult<()> {
+        let engine = self.engine(py)?;
+        engine
+            .mirror_imm_count(imm, move |total| {
+                Python::attach(|py| {
+                    if let Err(e) = sink.call1(py, (total,)) {
+                        crate::transfer::CALLBACK_ERRORS
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        e.write_unraisable(py, Some(sink.bind(py)));
+                    }
+                });
+            })
+            .or_raise(py)
+    }
+
+    /// Arrivals of `imm` not yet consumed by an expectation.
+    fn imm_count(&self, py: Python<'_>, imm: u32) -> PyResult<u64> {
+        Ok(self.engine(py)?.imm_count(imm))
+    }
+
+    /// Arrivals of `imm` still owed to expectations that timed out.
+    fn imm_owed(&self, py: Python<'_>, imm: u32) -> PyResult<u64> {
+        Ok(self.engine(py)?.imm_owed(imm))
+    }
+
+    /// Forgets `imm`'s unconsumed arrivals and debts (see the Rust docs of `reset_imm`);
+    /// returns what was cleared as a dict.
+    fn reset_imm<'py>(&self, py: Python<'py>, imm: u32) -> PyResult<Bound<'py, PyDict>> {
+        let report = self.engine(py)?.reset_imm(imm);
+        let d = PyDict::new(py);
+        d.set_item("report", format!("{report:?}"))?;
+        Ok(d)
+    }
+
+    /// Operations accepted and not yet finished.
+    #[getter]
+    fn outstanding(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.engine(py)?.outstanding())
+    }
+
+    /// Waits (GIL released) until fewer than `worker.max_outstanding` are outstanding.
+    fn wait_for_capacity(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let engine = self.engine(py)?;
+        let timeout = Duration::try_from_secs_f64(timeout).map_err(|_| {
+            errors::invalid(py, format!("timeout {timeout} is not a number of seconds"))
+        })?;
+        py.detach(|| engine.wait_for_capacity(timeout)).or_raise(py)
+    }
+
+    /// `expected_arrivals` with this engine's NIC count and stripe policy (peers with the
+    /// same config send the same shapes).
+    #[pyo3(signature = (nbytes=None, *, page_len=None, pages=None, scatter_lens=None, barrier=false))]
+    fn expected_arrivals(
+        &self,
+        py: Python<'_>,
+        nbytes: Option<u64>,
+        page_len: Option<u64>,
+        pages: Option<u64>,
+        scatter_lens: Option<Vec<u64>>,
+        barrier: bool,
+    ) -> PyResult<u64> {
+        let engine = self.engine(py)?;
+        values::arrivals(
+            py,
+            (nbytes, page_len, pages, scatter_lens.as_deref(), barrier),
+            engine.nic_count(),
+            &engine.config().stripe,
+        )
+    }
+
+    /// A watcher slot whose `callback(old, new)` runs when its value changes; return
+    /// `False` to stop watching (anything else keeps it).
+    fn alloc_uvm_watcher(&self, py: Python<'_>, callback: Py<PyAny>) -> PyResult<Watcher> {
+        let engine = self.engine(py)?;
+        let w = py
+            .detach(|| {
+                engine.alloc_uvm_watcher(move |old, new| {
+                    Python::attach(|py| match callback.call1(py, (old, new)) {
+                        Ok(r) if r.bind(py).is(pyo3::types::PyBool::new(py, false)) => {
+                            engine_core::WatchControl::Stop
+                        }
+                        Ok(_) => engine_core::WatchControl::Continue,
+                        Err(e) => {
+                            crate::transfer::CALLBACK_ERRORS
+                                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            e.write_unraisable(py, Some(callback.bind(py)));
+                            engine_core::WatchControl::Continue
+                        }
+                    })
+                })
+            })
+            .or_raise(py)?;
+        Ok(Watcher(Mutex::new(Some(w))))
+    }
+
+    /// Closes the engine: fails what is in flight (each callback still runs once),
+    /// deregisters every region and releases the objects they held. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        self.close_now(py);
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close_now(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        match &*self.engine.read().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => format!(
+                "<xfer.TransferEngine {} with {} NIC(s) at {}>",
+                e.backend(),
+                e.nic_count(),
+                e.main_address()
+            ),
+            None => "<xfer.TransferEngine (closed)>".into(),
+        }
+    }
+}
+
+#[pymethods]
+impl Watcher {
+    /// The counter's device address (for a GPU kernel), or `None` in host memory.
+    #[getter]
+    fn device_ptr(&self, py: Python<'_>) -> PyResult<Option<u64>> {
+        self.with(py, |w| w.device_ptr())
+    }
+
+    /// The counter's host address.
+    #[getter]
+    fn host_ptr(&self, py: Python<'_>) -> PyResult<u64> {
+        self.with(py, |w| w.host_ptr() as u64)
+    }
+
+    /// The counter's current value.
+    #[getter]
+    fn value(&self, py: Python<'_>) -> PyResult<u64> {
+        self.with(py, |w| w.value())
+    }
+
+    /// Stores a value (from the host), as a kernel would.
+    fn store(&self, py: Python<'_>, value: u64) -> PyResult<()> {
+        self.with(py, |w| w.store(value))
+    }
+
+    /// Frees the slot (the callback is not called again).
+    fn close(&self, py: Python<'_>) {
+        let w = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
+        py.detach(move || drop(w));
+    }
+}
+
+impl Watcher {
+    fn with<T>(&self, py: Python<'_>, f: impl FnOnce(&engine_core::Watcher) -> T) -> PyResult<T> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(f)
+            .ok_or_else(|| errors::invalid(py, "the watcher is closed"))
+    }
+}
+
+#[pymethods]
+impl PeerGroup {
+    fn __repr__(&self) -> String {
+        format!("<xfer.PeerGroup {:?}>", self.0)
+    }
+}

@@ -1,0 +1,233 @@
+//! Registering Python objects: the buffer protocol (bytearray, memoryview, mmap, numpy) and
+//! DLPack (numpy, torch; CPU or CUDA). The registration holds the exporter, so the memory
+//! stays where it is until deregistration.
+
+use engine_core::{Device, RemoteAccess};
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::prelude::*;
+use pyo3::types::PyCapsule;
+
+use crate::errors;
+use crate::ffi::{self, DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED};
+use crate::values::{type_name, MrDesc};
+
+/// What keeps a registered object's memory allocated and in place.
+pub(crate) enum Keep {
+    /// An exported buffer (the exporter cannot resize or free it while exported).
+    Buffer(#[allow(dead_code)] PyUntypedBuffer),
+    /// An unconsumed DLPack capsule (its destructor frees the tensor view) and the tensor.
+    DlPack(#[allow(dead_code)] Py<PyAny>, #[allow(dead_code)] Py<PyAny>),
+    /// `reg_mr_raw`: whatever the caller passed as `keepalive`.
+    Raw(#[allow(dead_code)] Option<Py<PyAny>>),
+}
+
+/// A registered range, as found in an object.
+pub(crate) struct Exported {
+    pub(crate) ptr: u64,
+    pub(crate) nbytes: u64,
+    pub(crate) device: Device,
+    pub(crate) keep: Keep,
+}
+
+/// The `access=` argument: what peers may do.
+pub(crate) fn parse_access(py: Python<'_>, access: &str) -> PyResult<Option<RemoteAccess>> {
+    match access {
+        "write" => Ok(Some(RemoteAccess::WRITE)),
+        "read" => Ok(Some(RemoteAccess::READ)),
+        "read_write" | "rw" => Ok(Some(RemoteAccess::READ_WRITE)),
+        "local" | "none" => Ok(None),
+        other => Err(errors::invalid(
+            py,
+            format!("access {other:?}: expected \"write\", \"read\", \"read_write\" or \"local\""),
+        )),
+    }
+}
+
+/// `"cpu"`, `"cuda"`, `"cuda:N"` (or an `int` N for CUDA device N).
+pub(crate) fn parse_device(obj: &Bound<'_, PyAny>) -> PyResult<Device> {
+    let py = obj.py();
+    if let Ok(n) = obj.extract::<u32>() {
+        return Ok(Device::Cuda(n));
+    }
+    let text: String = obj.extract().map_err(|_| {
+        errors::invalid(
+            py,
+            format!(
+                "device must be \"cpu\", \"cuda:N\" or an int, not {}",
+                type_name(obj)
+            ),
+        )
+    })?;
+    match text.as_str() {
+        "cpu" | "host" => Ok(Device::Host),
+        "cuda" => Ok(Device::Cuda(0)),
+        t => t
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(Device::Cuda)
+            .ok_or_else(|| {
+                errors::invalid(py, format!("device {t:?}: expected \"cpu\" or \"cuda:N\""))
+            }),
+    }
+}
+
+fn device_name(d: Device) -> String {
+    match d {
+        Device::Host => "cpu".into(),
+        Device::Cuda(n) => format!("cuda:{n}"),
+        other => format!("{other:?}"),
+    }
+}
+
+/// The memory of `obj`: DLPack for device memory (and for objects without the buffer
+/// protocol, such as torch tensors), else the buffer protocol. A region peers may write
+/// must be writable.
+pub(crate) fn export(obj: &Bound<'_, PyAny>, peers_write: bool) -> PyResult<Exported> {
+    let py = obj.py();
+    let dl_device: Option<(i32, i32)> = if obj.hasattr("__dlpack_device__")? {
+        Some(obj.call_method0("__dlpack_device__")?.extract()?)
+    } else {
+        None
+    };
+    let on_cpu = dl_device.is_none_or(|(t, _)| t == DL_CPU || t == DL_CUDA_HOST);
+    if on_cpu {
+        if let Ok(buf) = PyUntypedBuffer::get(obj) {
+            if !buf.is_c_contiguous() {
+                return Err(errors::invalid(
+                    py,
+                    format!(
+                        "the {} is not contiguous: register a contiguous buffer",
+                        type_name(obj)
+                    ),
+                ));
+            }
+            if peers_write && buf.readonly() {
+                return Err(errors::invalid(
+                    py,
+                    format!("the {} is read-only, and peers may write into this region: register it with access=\"read\" or \"local\", or pass a writable buffer", type_name(obj)),
+                ));
+            }
+            return Ok(Exported {
+                ptr: buf.buf_ptr() as u64,
+                nbytes: buf.len_bytes() as u64,
+                device: Device::Host,
+                keep: Keep::Buffer(buf),
+            });
+        }
+    }
+    if dl_device.is_none() && !obj.hasattr("__dlpack__")? {
+        return Err(errors::invalid(
+            py,
+            format!("cannot register a {}: it exports neither DLPack (__dlpack__) nor the buffer protocol", type_name(obj)),
+        ));
+    }
+    let capsule = obj.call_method0("__dlpack__")?;
+    let cap = capsule.cast::<PyCapsule>().map_err(|_| {
+        errors::invalid(
+            py,
+            format!("{}.__dlpack__() did not return a capsule", type_name(obj)),
+        )
+    })?;
+    let view = ffi::read_dlpack(cap)?;
+    let device = match view.device_type {
+        DL_CPU | DL_CUDA_HOST => Device::Host,
+        DL_CUDA | DL_CUDA_MANAGED => Device::Cuda(u32::try_from(view.device_id).unwrap_or(0)),
+        other => {
+            return Err(errors::raise(
+                py,
+                "NotAvailableError",
+                format!("DLPack device type {other} cannot be registered (CPU, CUDA, CUDA host and managed memory can)"),
+            ))
+        }
+    };
+    Ok(Exported {
+        ptr: view.ptr,
+        nbytes: view.nbytes,
+        device,
+        keep: Keep::DlPack(capsule.unbind(), obj.clone().unbind()),
+    })
+}
+
+/// A registered region. `desc` is what peers need to write into (or read) it; pass the
+/// region itself as the local side of a transfer. Deregister with `dereg()` (or use it as a
+/// context manager); the engine deregisters what is left when it closes.
+#[pyclass(module = "xfer", frozen)]
+pub(crate) struct MemoryRegion {
+    pub(crate) engine: Py<crate::engine::TransferEngine>,
+    pub(crate) handle: engine_core::MrHandle,
+    pub(crate) desc: Option<engine_core::MrDesc>,
+    pub(crate) ptr: u64,
+    pub(crate) nbytes: u64,
+    pub(crate) device: Device,
+}
+
+impl MemoryRegion {
+    pub(crate) fn desc_or_err(&self, py: Python<'_>) -> PyResult<engine_core::MrDesc> {
+        self.desc.clone().ok_or_else(|| {
+            errors::invalid(
+                py,
+                "this region was registered with access=\"local\": peers have no descriptor of it",
+            )
+        })
+    }
+}
+
+#[pymethods]
+impl MemoryRegion {
+    /// The descriptor to send to peers (`bytes(region.desc)`).
+    #[getter]
+    fn desc(&self, py: Python<'_>) -> PyResult<MrDesc> {
+        self.desc_or_err(py).map(MrDesc)
+    }
+
+    /// The first byte's address.
+    #[getter]
+    fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.nbytes
+    }
+
+    /// `"cpu"` or `"cuda:N"`.
+    #[getter]
+    fn device(&self) -> String {
+        device_name(self.device)
+    }
+
+    /// Whether it is still registered.
+    #[getter]
+    fn registered(&self) -> bool {
+        self.engine.get().is_registered(self.handle.id())
+    }
+
+    /// Deregisters it (waits until no NIC touches the memory; releases the GIL meanwhile),
+    /// then releases the exporting object.
+    fn dereg(&self, py: Python<'_>) -> PyResult<()> {
+        self.engine.get().dereg_handle(py, self.handle)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        if self.engine.get().is_registered(self.handle.id()) {
+            self.dereg(py)?;
+        }
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<xfer.MemoryRegion {} bytes at {:#x} on {}>",
+            self.nbytes,
+            self.ptr,
+            device_name(self.device)
+        )
+    }
+}

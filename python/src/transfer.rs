@@ -1,0 +1,303 @@
+//! `xfer.Transfer`: one submitted operation's completion, usable three ways (wait, callback,
+//! await) and carrying its telemetry.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use engine_core::OnDone;
+use pyo3::prelude::*;
+
+use crate::errors;
+
+/// Exceptions raised by Python callbacks (reported through `sys.unraisablehook` and counted:
+/// `xfer.callback_errors()`).
+pub(crate) static CALLBACK_ERRORS: AtomicU64 = AtomicU64::new(0);
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+#[derive(Default)]
+struct State {
+    result: Option<engine_core::Result<()>>,
+    completed_at: Option<(f64, Instant)>,
+    callbacks: Vec<Py<PyAny>>,
+}
+
+pub(crate) struct Shared {
+    state: Mutex<State>,
+    cond: Condvar,
+    /// Set (after `state.result`) when finished: waiters spin on it briefly before sleeping,
+    /// as the engine's own waits do, since a sleep and a wake-up cost more than a short
+    /// transfer.
+    finished: AtomicBool,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Calls a Python callback with `None` or the exception; an exception it raises is reported,
+/// never propagated into the engine's threads.
+pub(crate) fn call_reporting(py: Python<'_>, cb: &Py<PyAny>, args: impl IntoPyObjectTuple) {
+    if let Err(e) = args.call(py, cb) {
+        CALLBACK_ERRORS.fetch_add(1, Ordering::Relaxed);
+        e.write_unraisable(py, Some(cb.bind(py)));
+    }
+}
+
+/// Argument tuples [`call_reporting`] takes (a small seam so callbacks of different shapes
+/// share one reporting path).
+pub(crate) trait IntoPyObjectTuple {
+    fn call(self, py: Python<'_>, cb: &Py<PyAny>) -> PyResult<()>;
+}
+
+impl IntoPyObjectTuple for Option<PyErr> {
+    fn call(self, py: Python<'_>, cb: &Py<PyAny>) -> PyResult<()> {
+        let arg = self.map(|e| e.into_value(py));
+        cb.call1(py, (arg,)).map(drop)
+    }
+}
+
+impl IntoPyObjectTuple for (u64, u64) {
+    fn call(self, py: Python<'_>, cb: &Py<PyAny>) -> PyResult<()> {
+        cb.call1(py, self).map(drop)
+    }
+}
+
+impl IntoPyObjectTuple for Vec<u8> {
+    fn call(self, py: Python<'_>, cb: &Py<PyAny>) -> PyResult<()> {
+        let bytes = pyo3::types::PyBytes::new(py, &self);
+        cb.call1(py, (bytes,)).map(drop)
+    }
+}
+
+/// The outcome of one operation (`submit_*` and `expect_imm_count` return it).
+///
+/// Wait for it with `wait(timeout)` (releases the GIL), poll it with `done()`, `await` it
+/// from asyncio, or pass `on_done=` / call `add_done_callback(fn)`: `fn(None)` on success,
+/// `fn(exc)` with the `xfer.Error` on failure, called on the engine's callback thread.
+#[pyclass(module = "xfer", frozen)]
+pub(crate) struct Transfer {
+    shared: Arc<Shared>,
+    kind: &'static str,
+    nbytes: u64,
+    posted_at: f64,
+    posted: Instant,
+}
+
+impl Transfer {
+    /// A pending transfer and the `OnDone` that completes it.
+    pub(crate) fn new(
+        kind: &'static str,
+        nbytes: u64,
+        on_done: Option<Py<PyAny>>,
+    ) -> (Self, OnDone) {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                callbacks: on_done.into_iter().collect(),
+                ..State::default()
+            }),
+            cond: Condvar::new(),
+            finished: AtomicBool::new(false),
+        });
+        let done = Arc::clone(&shared);
+        let on_done = OnDone::callback(move |result| {
+            let callbacks = {
+                let mut s = done.lock();
+                s.result = Some(result.clone());
+                s.completed_at = Some((unix_now(), Instant::now()));
+                done.finished.store(true, Ordering::Release);
+                done.cond.notify_all();
+                std::mem::take(&mut s.callbacks)
+            };
+            if !callbacks.is_empty() {
+                Python::attach(|py| {
+                    for cb in &callbacks {
+                        let exc = result.clone().err().map(|e| errors::to_py(py, e));
+                        call_reporting(py, cb, exc);
+                    }
+                });
+            }
+        });
+        (
+            Self {
+                shared,
+                kind,
+                nbytes,
+                posted_at: unix_now(),
+                posted: Instant::now(),
+            },
+            on_done,
+        )
+    }
+
+    fn outcome(&self, py: Python<'_>) -> Option<PyResult<()>> {
+        self.shared
+            .lock()
+            .result
+            .clone()
+            .map(|r| r.map_err(|e| errors::to_py(py, e)))
+    }
+}
+
+#[pymethods]
+impl Transfer {
+    /// Whether the operation has finished (successfully or not).
+    fn done(&self) -> bool {
+        self.shared.lock().result.is_some()
+    }
+
+    /// Waits until it finishes (at most `timeout` seconds; `None` waits as long as the
+    /// engine's own timeouts allow) and raises its error, if any. Releases the GIL.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let limit = match timeout {
+            Some(t) if !(t.is_finite() && t >= 0.0) => {
+                return Err(errors::invalid(
+                    py,
+                    format!("timeout {t} is not a non-negative number of seconds"),
+                ));
+            }
+            Some(t) => Some(Duration::from_secs_f64(t)),
+            None => None,
+        };
+        let shared = Arc::clone(&self.shared);
+        let finished = py.detach(move || {
+            let start = Instant::now();
+            for round in 0..256 {
+                if shared.finished.load(Ordering::Acquire) {
+                    return true;
+                }
+                if round < 64 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+            let mut s = shared.lock();
+            while s.result.is_none() {
+                let left = match limit {
+                    Some(l) => match l.checked_sub(start.elapsed()) {
+                        Some(left) if !left.is_zero() => left,
+                        _ => return false,
+                    },
+                    // Wake now and then so Ctrl-C (checked below, with the GIL) is seen.
+                    None => Duration::from_millis(100),
+                };
+                s = shared
+                    .cond
+                    .wait_timeout(s, left.min(Duration::from_millis(100)))
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+                if limit.is_none() && s.result.is_none() {
+                    drop(s);
+                    if Python::attach(|py| py.check_signals()).is_err() {
+                        return false;
+                    }
+                    s = shared.lock();
+                }
+            }
+            true
+        });
+        py.check_signals()?;
+        if !finished {
+            let t = timeout.unwrap_or(0.0);
+            return Err(errors::raise(
+                py,
+                "TimeoutError",
+                format!("the {} did not finish within {t} s", self.kind),
+            ));
+        }
+        self.outcome(py).unwrap_or(Ok(()))
+    }
+
+    /// The error if it failed (as an exception object), `None` if it succeeded; raises
+    /// `InvalidArgumentError` while it is still running.
+    fn exception(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        match self.outcome(py) {
+            None => Err(errors::invalid(
+                py,
+                format!("the {} has not finished", self.kind),
+            )),
+            Some(Ok(())) => Ok(None),
+            Some(Err(e)) => Ok(Some(e.into_value(py).into_any())),
+        }
+    }
+
+    /// Calls `fn(None)` or `fn(exc)` when it finishes (at once, on this thread, if it has).
+    fn add_done_callback(&self, py: Python<'_>, callback: Py<PyAny>) -> PyResult<()> {
+        let finished = {
+            let mut s = self.shared.lock();
+            match &s.result {
+                Some(r) => Some(r.clone()),
+                None => {
+                    s.callbacks.push(callback.clone_ref(py));
+                    None
+                }
+            }
+        };
+        if let Some(r) = finished {
+            let exc = r.err().map(|e| errors::to_py(py, e));
+            call_reporting(py, &callback, exc);
+        }
+        Ok(())
+    }
+
+    /// `await transfer`: resolves on the running loop (through `call_soon_threadsafe`).
+    fn __await__<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let fut = py.import("xfer._glue")?.call_method1("future_of", (slf,))?;
+        fut.call_method0("__await__")
+    }
+
+    /// What it is: "write", "paged write", "read", "send", "expectation", …
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.kind
+    }
+
+    /// Bytes it moves (0 for sends of nothing, barriers and expectations).
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.nbytes
+    }
+
+    /// When it was submitted (seconds since the epoch, like `time.time()`).
+    #[getter]
+    fn posted_at(&self) -> f64 {
+        self.posted_at
+    }
+
+    /// When it finished (seconds since the epoch), or `None`.
+    #[getter]
+    fn completed_at(&self) -> Option<f64> {
+        self.shared.lock().completed_at.map(|c| c.0)
+    }
+
+    /// Seconds from submission to completion (monotonic clock), or `None`.
+    #[getter]
+    fn duration(&self) -> Option<f64> {
+        self.shared
+            .lock()
+            .completed_at
+            .map(|c| c.1.duration_since(self.posted).as_secs_f64())
+    }
+
+    fn __repr__(&self) -> String {
+        let state = match &self.shared.lock().result {
+            None => "pending".to_owned(),
+            Some(Ok(())) => "done".to_owned(),
+            Some(Err(e)) => format!("failed: {e}"),
+        };
+        format!(
+            "<xfer.Transfer {} of {} bytes, {state}>",
+            self.kind, self.nbytes
+        )
+    }
+}

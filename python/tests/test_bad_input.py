@@ -1,0 +1,110 @@
+"""Bad input gets the right exception, never a crash."""
+
+import numpy as np
+import pytest
+
+import xfer
+from conftest import MOCK
+
+
+def test_wrong_types(engine):
+    with pytest.raises(xfer.InvalidArgumentError, match="neither DLPack"):
+        engine.reg_mr(12345)
+    with pytest.raises(xfer.InvalidArgumentError, match="read-only"):
+        engine.reg_mr(b"immutable bytes")
+    ro = np.zeros(64, dtype=np.uint8)
+    ro.setflags(write=False)
+    with pytest.raises(xfer.InvalidArgumentError, match="read-only"):
+        engine.reg_mr(ro)
+    engine.reg_mr(ro, access="read")  # peers may only read it: fine
+    with pytest.raises(xfer.InvalidArgumentError, match="not contiguous"):
+        engine.reg_mr(np.zeros((64, 64), dtype=np.uint8)[:, ::2])
+    with pytest.raises(xfer.InvalidArgumentError, match="access"):
+        engine.reg_mr(bytearray(64), access="everything")
+    src = engine.reg_mr(bytearray(64), access="local")
+    with pytest.raises(xfer.InvalidArgumentError, match="MrDesc"):
+        engine.submit_single_write(src, "not a descriptor")
+    with pytest.raises(xfer.InvalidArgumentError, match="MemoryRegion"):
+        engine.submit_single_write(b"\x00" * 64, src)
+    with pytest.raises(xfer.InvalidArgumentError, match="no descriptor"):
+        src.desc
+    with pytest.raises(xfer.InvalidArgumentError, match="page index"):
+        engine.submit_paged_writes(8, src, [-1], engine.reg_mr(bytearray(64)), [0])
+    with pytest.raises(xfer.InvalidArgumentError, match="page index"):
+        engine.submit_paged_writes(8, src, ["a"], engine.reg_mr(bytearray(64)), [0])
+
+
+def test_out_of_bounds(engine):
+    src = engine.reg_mr(bytearray(64), access="local")
+    dst = engine.reg_mr(bytearray(64))
+    with pytest.raises(xfer.OutOfBoundsError):
+        engine.submit_single_write(src, dst.desc, 65)
+    with pytest.raises(xfer.OutOfBoundsError):
+        engine.submit_single_write(src, dst.desc, 8, dst_offset=60)
+    with pytest.raises(IndexError):  # also a builtin IndexError
+        engine.submit_paged_writes(32, src, [0, 1], dst, [1, 2])
+    with pytest.raises(OverflowError):
+        engine.submit_single_write(src, dst.desc, -1)
+
+
+def test_regions_of_another_engine_are_refused(engine):
+    with xfer.TransferEngine(MOCK) as other:
+        foreign = other.reg_mr(bytearray(64), access="local")
+        dst = engine.reg_mr(bytearray(64))
+        with pytest.raises(xfer.InvalidArgumentError, match="another engine"):
+            engine.submit_single_write(foreign, dst.desc)
+
+
+def test_a_closed_engine_refuses_everything():
+    e = xfer.TransferEngine(MOCK)
+    src = e.reg_mr(bytearray(64), access="local")
+    dst = e.reg_mr(bytearray(64))
+    e.close()
+    e.close()  # idempotent
+    with pytest.raises(xfer.ShutdownError):
+        e.submit_single_write(src, dst)
+    with pytest.raises(xfer.ShutdownError):
+        e.reg_mr(bytearray(8))
+    with pytest.raises(xfer.ShutdownError):
+        e.main_address
+    with pytest.raises(xfer.ShutdownError):
+        src.dereg()
+    assert "closed" in repr(e)
+
+
+def test_in_flight_work_fails_once_at_close():
+    e = xfer.TransferEngine(MOCK)
+    got = []
+    t = e.expect_imm_count(1, 1, on_done=got.append)
+    e.close()
+    with pytest.raises(xfer.ShutdownError):
+        t.wait(5)
+    assert len(got) == 1 and isinstance(got[0], xfer.ShutdownError)
+
+
+def test_configs_are_checked():
+    with pytest.raises(xfer.ConfigError):
+        xfer.TransferEngine({"backend": "mock", "groups": []})
+    with pytest.raises(xfer.ConfigError):
+        xfer.TransferEngine({"backend": "mock", "no such key": 1})
+    with pytest.raises(xfer.ConfigError):
+        xfer.TransferEngine("/nonexistent/xfer.toml")
+    with pytest.raises(xfer.ConfigError):
+        xfer.TransferEngine(42)
+    with pytest.raises(ValueError):  # ConfigError is a ValueError
+        xfer.TransferEngine({"backend": "mock", "groups": [{"nics": [object()]}]})
+
+
+def test_an_unknown_backend_names_what_was_searched():
+    with pytest.raises(xfer.PluginError, match="no_such_nic"):
+        xfer.TransferEngine({"backend": "no_such_nic", "groups": [{"nics": ["x"]}]})
+
+
+def test_raw_registration_checks_its_device_argument(engine):
+    buf = np.zeros(64, dtype=np.uint8)
+    r = engine.reg_mr_raw(buf.ctypes.data, 64, "cpu", keepalive=buf)
+    assert r.device == "cpu" and r.nbytes == 64
+    with pytest.raises(xfer.InvalidArgumentError, match="device"):
+        engine.reg_mr_raw(buf.ctypes.data, 64, "tpu:0")
+    with pytest.raises(xfer.InvalidArgumentError, match="device"):
+        engine.reg_mr_raw(buf.ctypes.data, 64, 1.5)

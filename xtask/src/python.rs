@@ -1,0 +1,118 @@
+//! The Python package (`python/`): built by maturin through `pip install ./python` into a
+//! virtual environment under `target/` (Debian's own Python refuses `pip install`), with the
+//! efa and verbs plugins inside it; then its pytest suite, examples and bench.
+
+use crate::{cargo, counted, run, Result};
+
+/// The virtual environment the package is installed into (kept between runs: pip is fast
+/// when nothing changed).
+pub(crate) const VENV: &str = "target/python-venv";
+
+/// What the package needs from Debian besides Python itself: `venv` (with ensurepip).
+pub(crate) const PACKAGES: &[&str] = &["python3", "python3-venv"];
+
+fn venv_bin(tool: &str) -> String {
+    format!("{VENV}/bin/{tool}")
+}
+
+/// Builds the plugins, creates the venv, installs pytest, numpy and the package.
+pub(crate) fn install() -> Result {
+    crate::ensure_packages(PACKAGES)?;
+    crate::ensure_packages(crate::PACKAGES)?;
+    // The backends a config may select, shipped inside the package and loaded only then.
+    cargo(&[
+        "build",
+        "--release",
+        "--quiet",
+        "-p",
+        "backend-efa",
+        "-p",
+        "backend-verbs",
+    ])?;
+    let plugins = std::path::Path::new("python/xfer/plugins");
+    std::fs::create_dir_all(plugins).map_err(|e| format!("{}: {e}", plugins.display()))?;
+    for name in ["efa", "verbs"] {
+        let file = format!("libbackend_{name}.so");
+        std::fs::copy(format!("target/release/{file}"), plugins.join(&file))
+            .map_err(|e| format!("{file}: {e}"))?;
+    }
+    if !std::path::Path::new(&venv_bin("python")).exists() {
+        run("python3", &["-m", "venv", VENV])?;
+    }
+    run(
+        &venv_bin("pip"),
+        &["install", "--quiet", "pytest", "numpy>=1.22"],
+    )?;
+    // `pip install ./python`, the README's command (maturin comes from PyPI as its build
+    // backend); reinstalled every time so the tests never run a stale build.
+    run(
+        &venv_bin("pip"),
+        &[
+            "install",
+            "--quiet",
+            "--force-reinstall",
+            "--no-deps",
+            "./python",
+        ],
+    )
+}
+
+/// The pytest suite (numbers added to `totals`), the examples and a short bench.
+pub(crate) fn test(totals: &mut (u64, u64)) -> Result {
+    install()?;
+    let python = venv_bin("python");
+    let tests = counted(
+        &python,
+        &[
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "python/tests",
+        ],
+        &[],
+        totals,
+    );
+    tests?;
+    for example in ["kv_cache.py", "weight_sync.py"] {
+        run(&python, &[&format!("python/examples/{example}")])?;
+    }
+    run(&python, &["-m", "xfer.bench", "--duration", "0.2"])
+}
+
+/// pytest's closing line ("3 passed, 1 skipped in 2.0s", "1 failed, 2 passed in …"), in the
+/// totals like cargo's "test result" lines.
+pub(crate) fn add_pytest_result(line: &str, totals: &mut (u64, u64)) {
+    let line = line.trim().trim_matches('=').trim();
+    let outcomes = [" passed", " failed", " error"];
+    if !line.contains(" in ") || !outcomes.iter().any(|o| line.contains(o)) {
+        return;
+    }
+    let count = |word: &str| -> u64 {
+        line.split(" in ")
+            .next()
+            .unwrap_or("")
+            .split(',')
+            .find_map(|part| part.trim().strip_suffix(word)?.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    totals.0 += count("passed");
+    totals.1 += count("failed") + count("error") + count("errors");
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn pytest_summaries_are_counted() {
+        let mut t = (0, 0);
+        super::add_pytest_result("27 passed in 5.71s", &mut t);
+        super::add_pytest_result("==== 1 failed, 3 passed, 2 skipped in 2.00s ====", &mut t);
+        super::add_pytest_result("2 errors in 0.1s", &mut t);
+        super::add_pytest_result("test_x.py::test_y PASSED", &mut t);
+        assert_eq!(t, (30, 3));
+        // cargo's lines are not pytest's.
+        crate::add_test_result("test result: ok. 4 passed; 0 failed", &mut t);
+        assert_eq!(t, (34, 3));
+    }
+}
