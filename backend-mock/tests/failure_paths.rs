@@ -563,3 +563,56 @@ fn connect_ms_is_one_engine_setting() {
     let r = Config::from_toml(text, std::path::Path::new("t.toml"));
     assert!(r.is_err());
 }
+
+/// Notifications (issue #14) under reordering and delays: none is seen before its data,
+/// and a transfer that fails sends none — its `OnDone` gets the failure instead.
+#[test]
+fn notifications_never_overtake_their_data_and_failed_transfers_send_none() {
+    const CHUNK: u64 = 64 << 10;
+    let config = mock_config(
+        2,
+        "[backends.mock]\nreorder = true\ndelay_us = 2000\njitter_us = 3000\nfail_nth = 5\n",
+    );
+    let (a, b) = (open(&config), open(&config));
+    b.listen_notifications(64).unwrap();
+    let src = buffer(&a, (CHUNK * 32) as usize, pattern(3));
+    let dst = buffer(&b, (CHUNK * 32) as usize, |_| 0);
+    let outcomes: Vec<Arc<DoneFlag>> = (0..32).map(|_| DoneFlag::new()).collect();
+    for (i, f) in outcomes.iter().enumerate() {
+        let id = (i as u32).to_le_bytes();
+        let done = a
+            .notify_when_done(&b.main_address(), &id, f.clone())
+            .unwrap();
+        let at = i as u64 * CHUNK;
+        a.submit_single_write(CHUNK, None, (src.mr(), at), (dst.desc(), at), done)
+            .unwrap();
+    }
+    let want = src.to_vec();
+    let failed: Vec<usize> = outcomes
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| f.wait(WAIT).is_err())
+        .map(|(i, _)| i)
+        .collect();
+    assert!(
+        !failed.is_empty(),
+        "fail_nth failed a write (or its notification)"
+    );
+    let mut seen = Vec::new();
+    while seen.len() + failed.len() < 32 {
+        let id = b.wait_notification(WAIT).unwrap();
+        let i = u32::from_le_bytes(id.try_into().unwrap()) as usize;
+        let range = i * CHUNK as usize..(i + 1) * CHUNK as usize;
+        assert!(
+            dst.to_vec()[range.clone()] == want[range],
+            "notification {i} arrived before its data"
+        );
+        seen.push(i);
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(
+        b.poll_notifications().is_empty(),
+        "no notification for a failed transfer"
+    );
+    assert!(seen.iter().all(|i| !failed.contains(i)));
+}

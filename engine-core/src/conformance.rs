@@ -425,6 +425,70 @@ pub fn send_recv(h: &dyn Harness) {
     ));
 }
 
+/// A notification attached to a transfer reaches the peer only after every byte of that
+/// transfer is in the peer's memory: many writes in flight at once, notifications taken in
+/// whatever order they come, each one's data checked the moment it is seen.
+pub fn notifications_follow_their_data(h: &dyn Harness) {
+    const CHUNK: usize = 128 << 10;
+    const ROUNDS: usize = 16;
+    let config = quick_config(h, h.max_nics().min(2));
+    let (a, b) = (open(&config), open(&config));
+    b.listen_notifications(ROUNDS).unwrap();
+    let src = buffer(&a, CHUNK * ROUNDS, pattern(77));
+    let dst = buffer(&b, CHUNK * ROUNDS, |_| 0);
+    let sent = DoneCounter::new();
+    for round in 0..ROUNDS {
+        let id = format!("req-{round}");
+        let done = a
+            .notify_when_done(&b.main_address(), id.as_bytes(), sent.clone())
+            .unwrap();
+        let at = (round * CHUNK) as u64;
+        a.submit_single_write(CHUNK as u64, None, (src.mr(), at), (dst.desc(), at), done)
+            .unwrap();
+    }
+    let want = src.to_vec();
+    let mut seen = Vec::new();
+    for _ in 0..ROUNDS {
+        let id = b
+            .wait_notification(WAIT)
+            .expect("every notification arrives");
+        let round: usize = std::str::from_utf8(&id)
+            .ok()
+            .and_then(|t| t.strip_prefix("req-"))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("unexpected notification {id:?}"));
+        let range = round * CHUNK..(round + 1) * CHUNK;
+        let got = dst.to_vec();
+        assert_copied(
+            &format!("chunk {round} when its notification arrived"),
+            &got[range.clone()],
+            &want[range],
+        );
+        seen.push(round);
+    }
+    let r = sent.wait_for(ROUNDS as u64, WAIT);
+    assert!(
+        r.is_ok(),
+        "{r:?}: ok {} failed {} first {:?}",
+        sent.ok(),
+        sent.failed(),
+        sent.first_error()
+    );
+    seen.sort_unstable();
+    assert_eq!(
+        seen,
+        (0..ROUNDS).collect::<Vec<_>>(),
+        "each notification exactly once"
+    );
+    assert!(b.poll_notifications().is_empty());
+    // An id too long for a message is refused before anything is sent.
+    let long = vec![b'x'; config.worker.max_message];
+    assert!(matches!(
+        a.notify_when_done(&b.main_address(), &long, flag()),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
 /// Arrivals counted before the expectation, after it, and interleaved with other immediates
 /// are all counted exactly; the pollable count agrees.
 pub fn imm_counts(h: &dyn Harness) {
@@ -936,7 +1000,7 @@ macro_rules! conformance_suite {
             send_recv, imm_counts, expectation_times_out, bad_input, remote_access_error,
             dead_peer, exactly_once, callbacks_can_submit, shutdown_fails_waiting,
             reads, read_of_an_unreadable_region, read_from_a_dead_peer,
-            oversized_message_keeps_the_buffer);
+            oversized_message_keeps_the_buffer, notifications_follow_their_data);
     };
     ($harness:expr) => {
         $crate::conformance_suite!(@tests [cfg_attr(any(), ignore)] $harness;
@@ -944,7 +1008,7 @@ macro_rules! conformance_suite {
             send_recv, imm_counts, expectation_times_out, bad_input, remote_access_error,
             dead_peer, exactly_once, callbacks_can_submit, shutdown_fails_waiting,
             reads, read_of_an_unreadable_region, read_from_a_dead_peer,
-            oversized_message_keeps_the_buffer);
+            oversized_message_keeps_the_buffer, notifications_follow_their_data);
     };
     (@tests [$attr:meta] $harness:expr; $($name:ident),* $(,)?) => {
         $(

@@ -327,6 +327,24 @@ impl FromStr for MrDesc {
     }
 }
 
+/// The tag that starts a notification message (see [`TransferEngine::notify_when_done`]
+/// (crate::TransferEngine::notify_when_done)): eight bytes no text message starts with.
+/// Messages that start with it are notifications; user messages must not.
+pub const NOTIFY_TAG: [u8; 8] = *b"\xffXFNTF\x00\x01";
+
+/// A notification's message: the tag, then the caller's id bytes.
+pub fn encode_notification(id: &[u8]) -> Vec<u8> {
+    let mut m = Vec::with_capacity(NOTIFY_TAG.len() + id.len());
+    m.extend_from_slice(&NOTIFY_TAG);
+    m.extend_from_slice(id);
+    m
+}
+
+/// The id of a notification message, or `None` for any other message.
+pub fn decode_notification(message: &[u8]) -> Option<&[u8]> {
+    message.strip_prefix(&NOTIFY_TAG[..])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -427,5 +445,18 @@ mod tests {
             let _ = NetAddr::from_bytes(&bytes);
             let _ = postcard::from_bytes::<MrDesc>(&bytes);
         }
+    }
+
+    #[test]
+    fn notifications_round_trip_and_other_messages_are_not_taken_for_them() {
+        let m = encode_notification(b"req-42");
+        assert_eq!(decode_notification(&m), Some(&b"req-42"[..]));
+        assert_eq!(
+            decode_notification(&encode_notification(b"")),
+            Some(&b""[..])
+        );
+        assert_eq!(decode_notification(b"req-42"), None);
+        assert_eq!(decode_notification(&NOTIFY_TAG[..7]), None);
+        assert_eq!(decode_notification(b""), None);
     }
 }

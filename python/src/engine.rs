@@ -161,6 +161,25 @@ impl Drop for TransferEngine {
     }
 }
 
+/// The completion of a transfer, with its notification (`notify=`) to `peer` attached.
+fn completion(
+    py: Python<'_>,
+    engine: &engine_core::TransferEngine,
+    (kind, nbytes): (&'static str, u64),
+    on_done: Option<Py<PyAny>>,
+    notify: Option<(&engine_core::NetAddr, &Bound<'_, PyAny>)>,
+) -> PyResult<(Transfer, engine_core::OnDone)> {
+    let (t, done) = Transfer::new(kind, nbytes, on_done);
+    let done = match notify {
+        Some((peer, id)) => {
+            let id = values::bytes_of(id)?;
+            engine.notify_when_done(peer, &id, done).or_raise(py)?
+        }
+        None => done,
+    };
+    Ok((t, done))
+}
+
 /// Offsets of a paged transfer: pages from any int sequence or integer array.
 fn pages(indices: &Bound<'_, PyAny>, stride: u64, offset: u64) -> PyResult<Pages> {
     Ok(Pages {
@@ -298,7 +317,7 @@ impl TransferEngine {
     /// Writes `nbytes` (default: the rest of `src` after `src_offset`) from the local region
     /// `src` to `dst` (an `MrDesc`, its bytes, or a local region). With `imm`, every write
     /// carries it: the receiver counts `expected_arrivals(nbytes)` of them.
-    #[pyo3(signature = (src, dst, nbytes=None, *, src_offset=0, dst_offset=0, imm=None, on_done=None))]
+    #[pyo3(signature = (src, dst, nbytes=None, *, src_offset=0, dst_offset=0, imm=None, notify=None, on_done=None))]
     #[allow(clippy::too_many_arguments)]
     fn submit_single_write(
         &self,
@@ -309,13 +328,15 @@ impl TransferEngine {
         src_offset: u64,
         dst_offset: u64,
         imm: Option<u32>,
+        notify: Option<&Bound<'_, PyAny>>,
         on_done: Option<Py<PyAny>>,
     ) -> PyResult<Transfer> {
         let engine = self.engine(py)?;
         let (handle, len) = self.local(py, src)?;
         let dst = desc_of(dst)?;
         let nbytes = nbytes.unwrap_or_else(|| len.saturating_sub(src_offset));
-        let (t, done) = Transfer::new("write", nbytes, on_done);
+        let notify = notify.map(|id| (dst.owner(), id));
+        let (t, done) = completion(py, &engine, ("write", nbytes), on_done, notify)?;
         engine
             .submit_single_write(nbytes, imm, (handle, src_offset), (&dst, dst_offset), done)
             .or_raise(py)?;
@@ -325,7 +346,7 @@ impl TransferEngine {
     /// Writes pages of `page_len` bytes: source page `src_pages[i]` to destination page
     /// `dst_pages[i]` (indices as any int sequence or integer numpy array). Page `n` starts
     /// at `offset + n * stride` (stride defaults to `page_len`).
-    #[pyo3(signature = (page_len, src, src_pages, dst, dst_pages, *, src_stride=None, dst_stride=None, src_offset=0, dst_offset=0, imm=None, on_done=None))]
+    #[pyo3(signature = (page_len, src, src_pages, dst, dst_pages, *, src_stride=None, dst_stride=None, src_offset=0, dst_offset=0, imm=None, notify=None, on_done=None))]
     #[allow(clippy::too_many_arguments)]
     fn submit_paged_writes(
         &self,
@@ -340,6 +361,7 @@ impl TransferEngine {
         src_offset: u64,
         dst_offset: u64,
         imm: Option<u32>,
+        notify: Option<&Bound<'_, PyAny>>,
         on_done: Option<Py<PyAny>>,
     ) -> PyResult<Transfer> {
         let engine = self.engine(py)?;
@@ -348,7 +370,8 @@ impl TransferEngine {
         let sp = pages(src_pages, src_stride.unwrap_or(page_len), src_offset)?;
         let dp = pages(dst_pages, dst_stride.unwrap_or(page_len), dst_offset)?;
         let nbytes = page_len.saturating_mul(sp.indices.len() as u64);
-        let (t, done) = Transfer::new("paged write", nbytes, on_done);
+        let notify = notify.map(|id| (dst.owner(), id));
+        let (t, done) = completion(py, &engine, ("paged write", nbytes), on_done, notify)?;
         engine
             .submit_paged_writes(page_len, imm, (handle, &sp), (&dst, &dp), done)
             .or_raise(py)?;
@@ -357,7 +380,7 @@ impl TransferEngine {
 
     /// Reads `nbytes` (default: the rest of `local`) of a peer's region `remote` (an
     /// `MrDesc` registered readable) into the local region `local`.
-    #[pyo3(signature = (local, remote, nbytes=None, *, local_offset=0, remote_offset=0, on_done=None))]
+    #[pyo3(signature = (local, remote, nbytes=None, *, local_offset=0, remote_offset=0, notify=None, on_done=None))]
     #[allow(clippy::too_many_arguments)]
     fn submit_single_read(
         &self,
@@ -367,13 +390,15 @@ impl TransferEngine {
         nbytes: Option<u64>,
         local_offset: u64,
         remote_offset: u64,
+        notify: Option<&Bound<'_, PyAny>>,
         on_done: Option<Py<PyAny>>,
     ) -> PyResult<Transfer> {
         let engine = self.engine(py)?;
         let (handle, len) = self.local(py, local)?;
         let remote = desc_of(remote)?;
         let nbytes = nbytes.unwrap_or_else(|| len.saturating_sub(local_offset));
-        let (t, done) = Transfer::new("read", nbytes, on_done);
+        let notify = notify.map(|id| (remote.owner(), id));
+        let (t, done) = completion(py, &engine, ("read", nbytes), on_done, notify)?;
         engine
             .submit_single_read(
                 nbytes,
@@ -386,7 +411,7 @@ impl TransferEngine {
     }
 
     /// Reads pages: remote page `remote_pages[i]` into local page `local_pages[i]`.
-    #[pyo3(signature = (page_len, local, local_pages, remote, remote_pages, *, local_stride=None, remote_stride=None, local_offset=0, remote_offset=0, on_done=None))]
+    #[pyo3(signature = (page_len, local, local_pages, remote, remote_pages, *, local_stride=None, remote_stride=None, local_offset=0, remote_offset=0, notify=None, on_done=None))]
     #[allow(clippy::too_many_arguments)]
     fn submit_paged_reads(
         &self,
@@ -400,6 +425,7 @@ impl TransferEngine {
         remote_stride: Option<u64>,
         local_offset: u64,
         remote_offset: u64,
+        notify: Option<&Bound<'_, PyAny>>,
         on_done: Option<Py<PyAny>>,
     ) -> PyResult<Transfer> {
         let engine = self.engine(py)?;
@@ -412,7 +438,8 @@ impl TransferEngine {
             remote_offset,
         )?;
         let nbytes = page_len.saturating_mul(lp.indices.len() as u64);
-        let (t, done) = Transfer::new("paged read", nbytes, on_done);
+        let notify = notify.map(|id| (remote.owner(), id));
+        let (t, done) = completion(py, &engine, ("paged read", nbytes), on_done, notify)?;
         engine
             .submit_paged_reads(page_len, (handle, &lp), (&remote, &rp), done)
             .or_raise(py)?;
@@ -558,6 +585,51 @@ impl TransferEngine {
                 });
             })
             .or_raise(py)
+    }
+
+    /// Lets notifications arrive (posts `count` receive buffers for them unless
+    /// `submit_recvs` made a pool). Call it before peers send `notify=` transfers here.
+    #[pyo3(signature = (count=64))]
+    fn listen_notifications(&self, py: Python<'_>, count: usize) -> PyResult<()> {
+        let engine = self.engine(py)?;
+        py.detach(|| engine.listen_notifications(count))
+            .or_raise(py)
+    }
+
+    /// Every notification that arrived so far (their ids, as bytes, in arrival order). A
+    /// notification is seen only after every byte of the transfer it was attached to
+    /// (`notify=` on a write or read) has landed here.
+    fn poll_notifications<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let engine = self.engine(py)?;
+        Ok(engine
+            .poll_notifications()
+            .iter()
+            .map(|id| PyBytes::new(py, id))
+            .collect())
+    }
+
+    /// The next notification, waiting up to `timeout` seconds (GIL released);
+    /// `TimeoutError` if none comes.
+    fn wait_notification<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: f64,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let engine = self.engine(py)?;
+        let timeout = Duration::try_from_secs_f64(timeout).map_err(|_| {
+            errors::invalid(py, format!("timeout {timeout} is not a number of seconds"))
+        })?;
+        let id = py
+            .detach(|| engine.wait_notification(timeout))
+            .or_raise(py)?;
+        Ok(PyBytes::new(py, &id))
+    }
+
+    /// `async for note in engine.notifications():` the notifications as they arrive.
+    fn notifications<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        slf.py()
+            .import("xfer._glue")?
+            .call_method1("notification_stream", (slf,))
     }
 
     /// Arrivals of `imm` not yet consumed by an expectation.

@@ -297,3 +297,35 @@ def test_registered_objects_stay_alive_and_are_released():
     del e2
     gc.collect()
     assert sys.getrefcount(arr) == start
+
+
+def test_notifications_follow_their_data_under_reordering():
+    config = dict(MOCK, backends={"mock": {"seed": 3, "reorder": True, "delay_us": 1000, "jitter_us": 2000}})
+    with xfer.TransferEngine(config) as a, xfer.TransferEngine(config) as b:
+        b.listen_notifications(32)
+        chunk, n = 32 << 10, 16
+        src = pattern(chunk * n)
+        dst = np.zeros(chunk * n, dtype=np.uint8)
+        s, d = a.reg_mr(src, access="local"), b.reg_mr(dst)
+        ts = [a.submit_single_write(s, d.desc, chunk, src_offset=i * chunk, dst_offset=i * chunk,
+                                    notify=b"req-%d" % i) for i in range(n - 1)]
+        ts.append(a.submit_paged_writes(chunk, s, [n - 1], d, [n - 1], notify=b"req-last"))
+        seen = set()
+        while len(seen) < n:
+            note = b.wait_notification(10)
+            i = n - 1 if note == b"req-last" else int(note[4:])
+            # Seen only once every byte of its transfer landed.
+            assert np.array_equal(dst[i * chunk:(i + 1) * chunk], src[i * chunk:(i + 1) * chunk]), note
+            seen.add(i)
+        for t in ts:
+            t.wait(10)
+        assert b.poll_notifications() == []
+
+        async def stream():
+            a.submit_single_write(s, d.desc, 64, notify=b"async-1")
+            async for note in b.notifications():
+                return note
+
+        assert asyncio.run(stream()) == b"async-1"
+        with pytest.raises(xfer.TimeoutError):
+            b.wait_notification(0.05)

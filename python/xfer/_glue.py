@@ -28,3 +28,20 @@ def future_of(transfer):
 
     transfer.add_done_callback(on_done)
     return fut
+
+
+async def notification_stream(engine, poll=0.25):
+    """``async for note in engine.notifications()``: notifications as they arrive.
+
+    Each wait runs in the loop's default executor (the engine's wait releases the GIL), in
+    slices of ``poll`` seconds so the loop can cancel the iteration between them.
+    """
+    loop = asyncio.get_running_loop()
+    while True:
+        for note in engine.poll_notifications():
+            yield note
+        try:
+            note = await loop.run_in_executor(None, engine.wait_notification, poll)
+        except TimeoutError:
+            continue
+        yield note

@@ -63,6 +63,16 @@ impl OnDone {
 pub(crate) type CallbackBatch = Vec<Box<dyn FnOnce() + Send>>;
 
 impl OnDone {
+    /// Delivers the outcome on this thread: for code already running on the callback
+    /// thread (a callback that finishes another operation's `OnDone`).
+    pub(crate) fn complete_inline(self, result: Result<()>) {
+        match self {
+            Self::Flag(flag) => flag.set(result),
+            Self::Counter(counter) => counter.add(result),
+            Self::Callback(cb) => cb(result),
+        }
+    }
+
     /// Like [`complete`](Self::complete), but a callback joins `batch` instead of being sent
     /// alone: one channel message (and at most one wake-up) per worker pass, not per callback.
     pub(crate) fn complete_batched(self, result: Result<()>, batch: &mut CallbackBatch) {

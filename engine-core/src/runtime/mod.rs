@@ -163,6 +163,9 @@ pub(crate) struct Shared {
     pub(crate) outstanding: AtomicUsize,
     /// Why the worker failed, once it has (then nothing more is accepted).
     pub(crate) failed: OnceLock<String>,
+    /// Notifications received and not yet taken (see `TransferEngine::poll_notifications`).
+    pub(crate) notifications: Mutex<std::collections::VecDeque<Vec<u8>>>,
+    pub(crate) notified: std::sync::Condvar,
 }
 
 impl Shared {
@@ -182,6 +185,8 @@ impl Shared {
             has_mirrors: AtomicBool::new(false),
             outstanding: AtomicUsize::new(0),
             failed: OnceLock::new(),
+            notifications: Mutex::new(std::collections::VecDeque::new()),
+            notified: std::sync::Condvar::new(),
         }
     }
 

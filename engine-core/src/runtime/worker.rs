@@ -426,6 +426,10 @@ impl Worker {
     fn fail_request(&mut self, id: u64, e: DomainError) {
         if e.kind == DomainErrorKind::Fatal {
             self.fatal.get_or_insert_with(|| e.message.clone());
+            // Refuse new work from now on, not only once this pass ends: this request's
+            // failure is delivered in this pass, and a caller that sees it and submits again
+            // must be refused (a race the plugin tests caught, 1 run in 6).
+            let _ = self.shared.failed.set(e.message.clone());
         }
         let err = map_domain_error(&self.shared.backend, e);
         if let Some(done) = self.tracker.handle_done(id, Err(err)) {
@@ -474,8 +478,9 @@ impl Worker {
             if let Err(e) = self.domains[nic].poll(&mut self.events) {
                 if e.kind == DomainErrorKind::Fatal {
                     // Never polled again: the whole group fails, once, with the reason.
-                    self.fatal
-                        .get_or_insert_with(|| format!("NIC {nic}: {}", e.message));
+                    let why = format!("NIC {nic}: {}", e.message);
+                    let _ = self.shared.failed.set(why.clone());
+                    self.fatal.get_or_insert(why);
                     return any;
                 }
                 // A poll that keeps failing must not flood the log (one line per pass).
@@ -558,6 +563,24 @@ impl Worker {
     }
 
     fn deliver_message(&self, data: Vec<u8>) {
+        if let Some(id) = crate::wire::decode_notification(&data) {
+            // A notification: queued for `poll_notifications`, its buffer reposted at once
+            // (no user code runs, so no job for the callback thread).
+            self.shared
+                .notifications
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push_back(id.to_vec());
+            self.shared.notified.notify_all();
+            if let Some((buf_len, _)) = self.shared.recv_handler.get() {
+                let _ = self.shared.submit(Command::PostRecvs {
+                    buf_len: *buf_len,
+                    count: 1,
+                    reply: None,
+                });
+            }
+            return;
+        }
         let Some((buf_len, handler)) = self.shared.recv_handler.get() else {
             tracing::error!("a message arrived with no receive handler; dropped");
             return;
