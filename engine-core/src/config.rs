@@ -185,6 +185,19 @@ impl WatcherConfig {
     }
 }
 
+/// Where peers find each other by name (the `xfer-rendezvous` crate reads it; the engine
+/// itself does not), so the backend and the rendezvous come from one file.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct RendezvousConfig {
+    /// `xfer://host:port[/prefix]` (the embedded service, `xfer serve`) or
+    /// `etcd://host:port[,host:port…][/prefix]`.
+    pub url: Option<String>,
+    /// Lease of a published name, in milliseconds (at least 2000: etcd's minimum); a
+    /// process that dies disappears within it. 0: the default, 5000.
+    pub ttl_ms: u64,
+}
+
 /// A whole configuration.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -214,6 +227,9 @@ pub struct Config {
     /// Each backend's own table, `[backends.<name>]`, handed to it as TOML.
     #[serde(default)]
     pub backends: toml::Table,
+    /// Where peers find each other (`[rendezvous] url = ...`).
+    #[serde(default)]
+    pub rendezvous: RendezvousConfig,
     /// Where this config came from, for error messages.
     #[serde(skip)]
     pub source: PathBuf,

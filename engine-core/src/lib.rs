@@ -61,7 +61,7 @@ pub mod conformance;
 
 pub use api::{MrHandle, Pages, PeerGroupHandle, RemoteAccess, ScatterDst, TransferEngine};
 pub use buffer::HostBuffer;
-pub use config::{Config, NicSelection};
+pub use config::{Config, NicSelection, RendezvousConfig};
 pub use domain::Device;
 pub use error::{Error, Result};
 pub use imm::{ImmCounter, ResetReport};

@@ -52,6 +52,77 @@ enum Command {
         #[arg(long, default_value_t = 1 << 30)]
         register_bytes: u64,
     },
+    /// Runs the embedded rendezvous service (peers find each other by name) until killed.
+    Serve {
+        /// Address to listen on (keep tests on 127.0.0.1).
+        #[arg(long, default_value = "127.0.0.1:7420")]
+        listen: String,
+    },
+    /// Lists the peers published on a rendezvous (xfer://host:port or etcd://host:port).
+    Peers {
+        /// The rendezvous URL.
+        #[arg(long)]
+        rendezvous: String,
+    },
+}
+
+fn serve_cmd(listen: &str) -> ExitCode {
+    match xfer_rendezvous::Server::start(listen) {
+        Ok(server) => {
+            // The URL on stdout (first line), so a script can start it with port 0 and read it.
+            println!("{}", server.url());
+            loop {
+                std::thread::park();
+            }
+        }
+        Err(e) => {
+            eprintln!("xfer serve: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn peers_cmd(cli: &Cli, url: &str) -> ExitCode {
+    let listing = xfer_rendezvous::Rendezvous::connect(url).and_then(|r| r.list());
+    match listing {
+        Ok(records) => {
+            if cli.json {
+                let rows: Vec<serde_json::Value> = records
+                    .iter()
+                    .map(|r| {
+                        serde_json::json!({
+                            "name": r.name,
+                            "incarnation": r.incarnation,
+                            "addr": r.addr.to_string(),
+                            "regions": r.regions.iter().map(|(n, d)| serde_json::json!({"name": n, "bytes": d.len()})).collect::<Vec<_>>(),
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::Value::Array(rows));
+            } else {
+                for r in &records {
+                    let regions: Vec<String> = r
+                        .regions
+                        .iter()
+                        .map(|(n, d)| format!("{n} ({} bytes)", d.len()))
+                        .collect();
+                    println!(
+                        "{}  {}  incarnation {:016x}  {}",
+                        r.name,
+                        r.addr,
+                        r.incarnation,
+                        regions.join(", ")
+                    );
+                }
+                println!("{} peer(s) on {url}", records.len());
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("xfer peers: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -382,5 +453,7 @@ fn main() -> ExitCode {
         Command::Topo { max_nics } => topo_cmd(&cli, *max_nics),
         Command::Info => info_cmd(&cli),
         Command::Doctor { register_bytes } => doctor_cmd(&cli, *register_bytes),
+        Command::Serve { listen } => serve_cmd(listen),
+        Command::Peers { rendezvous } => peers_cmd(&cli, rendezvous),
     }
 }

@@ -184,3 +184,48 @@ fn in_the_rxe_guest_topology_and_doctor_are_green() {
         assert_eq!(c["status"], "Pass", "{name}: {c}");
     }
 }
+
+/// `xfer serve` prints its URL; `xfer peers` lists who is published there (and names an
+/// unreachable service).
+#[test]
+fn serve_and_peers_list_published_names() {
+    use std::io::BufRead;
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut url = String::new();
+    std::io::BufReader::new(serve.stdout.take().unwrap())
+        .read_line(&mut url)
+        .unwrap();
+    let url = url.trim().to_owned();
+    assert!(url.starts_with("xfer://127.0.0.1:"), "{url}");
+    let r = xfer_rendezvous::Rendezvous::connect(&url).unwrap();
+    let addr = engine_core::NetAddr::new(&[1, 2, 3]).unwrap();
+    let desc = engine_core::MrDesc::new(0x1000, 4096, vec![(addr.clone(), 5)]).unwrap();
+    let _p = r
+        .publish(
+            "prefill-0",
+            &addr,
+            &[("kv-cache", &desc)],
+            std::time::Duration::from_secs(5),
+        )
+        .unwrap();
+    let (code, out) = xfer(&["peers", "--rendezvous", &url]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("prefill-0")
+            && out.contains("kv-cache (4096 bytes)")
+            && out.contains("1 peer(s)"),
+        "{out}"
+    );
+    let (code, json) = xfer(&["peers", "--rendezvous", &url, "--json"]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v[0]["name"], "prefill-0");
+    serve.kill().unwrap();
+    let _ = serve.wait();
+    let (code, _) = xfer(&["peers", "--rendezvous", &url]);
+    assert_eq!(code, 1);
+}

@@ -150,6 +150,11 @@ const PACKAGES: &[&str] = &[
     "libibverbs-dev",
     // Runs the mock's conformance suite under memcheck.
     "valgrind",
+    // The rendezvous' etcd client (etcd-client compiles etcd's protos with protoc, which
+    // needs the well-known types), and etcd itself, which its suite starts on 127.0.0.1.
+    "protobuf-compiler",
+    "libprotobuf-dev",
+    "etcd-server",
 ];
 
 /// The failure schedules CI runs (each a few milliseconds; a failure names its seed).
@@ -350,6 +355,14 @@ fn test() -> Result {
             &[("XFER_SCHEDULES", CI_SCHEDULES)],
             &mut totals,
         )?;
+        // The rendezvous suite against a real etcd too (the workspace run covered the
+        // embedded service; this one fails if etcd is missing rather than skipping it).
+        counted(
+            &program,
+            &["test", "-p", "xfer-rendezvous", "--features", "etcd"],
+            &[("XFER_REQUIRE_ETCD", "1")],
+            &mut totals,
+        )?;
         memcheck(&mut totals)?;
         address_sanitizer(&mut totals)?;
         fuzz(FUZZ_SECONDS, &mut totals)?;
@@ -365,9 +378,21 @@ fn test() -> Result {
     let cli_tests = test_executable("xfer-cli", "cli")?;
     let two_process = test_executable("xfer-cli", "two_process")?;
     let verbs_tests = test_executable("backend-verbs", "conformance_rxe")?;
+    // The KV-cache example as two processes meeting through `xfer serve`, over shm and tcp
+    // here (and over verbs in the guest, below).
+    cargo(&[
+        "build", "--quiet", "-p", "examples", "--bin", "kv_cache", "-p", "xfer-cli", "--bin",
+        "xfer",
+    ])?;
+    for config in ["configs/efa-shm.toml", "configs/efa-tcp.toml"] {
+        kv_cache_processes(config)?;
+    }
     let script = format!(
         "{cli_tests} --ignored && {verbs_tests} --ignored --test-threads 1 && {two_process} --ignored --test-threads 1 \
-         && {venv}/bin/python -m pytest -q -p no:cacheprovider python/tests/test_two_process.py -k verbs",
+         && {venv}/bin/python -m pytest -q -p no:cacheprovider python/tests/test_two_process.py -k verbs \
+         && {{ target/debug/xfer serve --listen 127.0.0.1:7421 >/dev/null & sleep 1; }} \
+         && {{ XFER_PLUGIN_PATH=$PWD/target/debug target/debug/kv_cache --role decode --rendezvous xfer://127.0.0.1:7421 --config configs/verbs-rxe0.toml & d=$!; }} \
+         && XFER_PLUGIN_PATH=$PWD/target/debug target/debug/kv_cache --role prefill --rendezvous xfer://127.0.0.1:7421 --config configs/verbs-rxe0.toml && wait $d",
         venv = python::VENV
     );
     let guest = rxe::run(
@@ -421,6 +446,48 @@ fn test() -> Result {
     ])?;
     println!("xtask test: {} passed, {} failed", totals.0, totals.1);
     Ok(())
+}
+
+/// `kv_cache --role decode` and `--role prefill` as two processes that find each other
+/// through the embedded rendezvous (`xfer serve` on a free port), with backend `config`.
+fn kv_cache_processes(config: &str) -> Result {
+    let mut serve = Command::new("target/debug/xfer")
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start xfer serve: {e}"))?;
+    let mut url = String::new();
+    BufReader::new(serve.stdout.take().expect("piped"))
+        .read_line(&mut url)
+        .map_err(|e| e.to_string())?;
+    let url = url.trim().to_owned();
+    let plugins = std::env::current_dir()
+        .map_err(|e| e.to_string())?
+        .join("target/debug");
+    let side = |role: &str| {
+        let mut c = Command::new("target/debug/kv_cache");
+        c.args(["--role", role, "--rendezvous", &url, "--config", config])
+            .env("XFER_PLUGIN_PATH", &plugins);
+        c
+    };
+    eprintln!("xtask: kv_cache as two processes over {config}, rendezvous {url}");
+    let result = (|| {
+        let mut decode = side("decode")
+            .spawn()
+            .map_err(|e| format!("cannot start the decoder: {e}"))?;
+        let prefill = side("prefill").status().map_err(|e| e.to_string())?;
+        let decoded = decode.wait().map_err(|e| e.to_string())?;
+        if prefill.success() && decoded.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "kv_cache over {config}: prefill {prefill}, decode {decoded}"
+            ))
+        }
+    })();
+    let _ = serve.kill();
+    let _ = serve.wait();
+    result
 }
 
 /// The EFA backend's benchmark on shm: loopback next to a raw libfabric loop in the same run,

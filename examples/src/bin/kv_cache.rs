@@ -6,6 +6,14 @@
 //! `expected_arrivals`, so it can start attending to layer k as soon as its pages are in,
 //! whatever order layers arrive in. Finally every page is checked byte for byte.
 //!
+//! `--role decode|prefill --rendezvous URL [--config FILE]`: the two sides as separate
+//! processes (or machines) that find each other by name: the decoder publishes `decode-0`
+//! with its `kv-cache` region on the rendezvous (`xfer serve`, or etcd), the prefill process
+//! looks it up and writes; each layer's write also carries a notification, and the decoder
+//! checks each layer's bytes the moment its notification arrives. Both sides derive the
+//! decoder's scattered page table from the same seed (in a server it would travel with the
+//! request).
+//!
 //! `--pull`: the decoder pulls instead (NIXL's and DLSlime's way): the prefill cache is
 //! registered readable, and as each layer is ready the decoder reads its pages into its own
 //! scattered pages with one paged RDMA READ; the read's completion says the bytes are there.
@@ -93,7 +101,141 @@ impl Drop for Cache {
     }
 }
 
+/// The value following `--flag`, if given.
+fn arg(flag: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+/// The decoder's page table: the same scattered slots on both sides (seeded).
+fn page_table() -> Vec<Vec<u32>> {
+    let slots = LAYERS * PAGES_PER_LAYER;
+    let mut rng = fastrand::Rng::with_seed(1);
+    let mut free: Vec<u32> = (0..2 * slots as u32).collect();
+    rng.shuffle(&mut free);
+    (0..LAYERS)
+        .map(|l| free[l * PAGES_PER_LAYER..(l + 1) * PAGES_PER_LAYER].to_vec())
+        .collect()
+}
+
+/// One side of the transfer as its own process (`--role`), meeting the other through the
+/// rendezvous.
+fn role(role: &str, url: Option<&str>) {
+    let config = engine_core::Config::load(arg("--config").as_deref().map(std::path::Path::new))
+        .unwrap_or_else(|e| fail(e));
+    let engine = Arc::new(TransferEngine::open(&config).unwrap_or_else(|e| fail(e)));
+    // `--rendezvous URL`, else the config's `[rendezvous] url`.
+    let (rdv, ttl) = match url {
+        Some(url) => (
+            xfer_rendezvous::Rendezvous::connect(url).unwrap_or_else(|e| fail(e)),
+            Duration::from_secs(5),
+        ),
+        None => xfer_rendezvous::Rendezvous::from_config(&config).unwrap_or_else(|e| fail(e)),
+    };
+    let slots = LAYERS * PAGES_PER_LAYER;
+    let table = page_table();
+    let wait = Duration::from_secs(60);
+    match role {
+        "decode" => {
+            let cache = Cache::new(
+                &engine,
+                2 * slots * PAGE_LEN as usize,
+                false,
+                RemoteAccess::WRITE,
+            );
+            engine
+                .listen_notifications(LAYERS)
+                .unwrap_or_else(|e| fail(e));
+            let _published = rdv
+                .publish(
+                    "decode-0",
+                    &engine.main_address(),
+                    &[("kv-cache", cache.desc())],
+                    ttl,
+                )
+                .unwrap_or_else(|e| fail(e));
+            let mut seen = Vec::new();
+            while seen.len() < LAYERS {
+                let id = engine.wait_notification(wait).unwrap_or_else(|e| fail(e));
+                let layer: usize = std::str::from_utf8(&id)
+                    .ok()
+                    .and_then(|t| t.strip_prefix("layer-"))
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or_else(|| fail(format!("unexpected notification {id:?}")));
+                // The notification follows its layer's bytes: check them now.
+                let received = cache.read();
+                for (p, &page) in table[layer].iter().enumerate() {
+                    let at = page as usize * PAGE_LEN as usize;
+                    if received[at..at + PAGE_LEN as usize]
+                        .iter()
+                        .enumerate()
+                        .any(|(i, &x)| x != byte(layer, p, i))
+                    {
+                        fail(format!(
+                            "layer {layer} page {p} differs when its notification arrived"
+                        ));
+                    }
+                }
+                seen.push(layer);
+            }
+            println!("decode: {LAYERS} layers verified as their notifications arrived, in order {seen:?}");
+        }
+        "prefill" => {
+            let peer = rdv.lookup("decode-0", wait).unwrap_or_else(|e| fail(e));
+            let dst = peer
+                .region("kv-cache")
+                .unwrap_or_else(|| fail("decode-0 published no kv-cache region"))
+                .clone();
+            let mut src = Cache::new(
+                &engine,
+                slots * PAGE_LEN as usize,
+                false,
+                RemoteAccess::WRITE,
+            );
+            let sent = DoneCounter::new();
+            for (layer, slots) in table.iter().enumerate() {
+                let src_pages = compute_layer(&mut src, layer);
+                let dst_layer = Pages {
+                    indices: slots.clone(),
+                    stride: PAGE_LEN,
+                    offset: 0,
+                };
+                let done = engine
+                    .notify_when_done(
+                        dst.owner(),
+                        format!("layer-{layer}").as_bytes(),
+                        sent.clone(),
+                    )
+                    .unwrap_or_else(|e| fail(e));
+                engine
+                    .submit_paged_writes(
+                        PAGE_LEN,
+                        Some(layer as u32),
+                        (src.mr(), &src_pages),
+                        (&dst, &dst_layer),
+                        done,
+                    )
+                    .unwrap_or_else(|e| fail(e));
+            }
+            sent.wait_for(LAYERS as u64, wait)
+                .unwrap_or_else(|e| fail(e));
+            println!(
+                "prefill: {LAYERS} layers sent to {} (incarnation {:016x}) over {}",
+                peer.name,
+                peer.incarnation,
+                engine.backend()
+            );
+        }
+        other => fail(format!("--role {other}: expected decode or prefill")),
+    }
+}
+
 fn main() {
+    if let Some(r) = arg("--role") {
+        return role(&r, arg("--rendezvous").as_deref());
+    }
     let gpu = std::env::args().any(|a| a == "--gpu");
     if std::env::args().any(|a| a == "--pull") {
         return pull(gpu);

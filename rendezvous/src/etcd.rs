@@ -1,0 +1,254 @@
+//! The rendezvous on etcd (v3 API, through `etcd-client`), behind the same blocking API:
+//! one small tokio runtime per connection runs the client; publications keep their lease
+//! alive from a task that also survives etcd restarts (reconnecting, and re-publishing if
+//! the lease was lost).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use tokio::runtime::Runtime;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::{Change, Changes, Error, Keeper, Result, Store};
+
+/// Every etcd call gives up after this (the service is down or unreachable).
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub(crate) struct EtcdStore {
+    rt: Arc<Runtime>,
+    client: Client,
+    service: String,
+}
+
+fn service_error(service: &str, why: impl std::fmt::Display) -> Error {
+    Error::Service {
+        service: service.to_owned(),
+        why: why.to_string(),
+    }
+}
+
+impl EtcdStore {
+    pub(crate) fn connect(endpoints: &[String]) -> Result<Self> {
+        let service = format!("etcd://{}", endpoints.join(","));
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("xfer-etcd")
+            .enable_all()
+            .build()
+            .map_err(|e| service_error(&service, format!("cannot start its runtime: {e}")))?;
+        let options = ConnectOptions::new()
+            .with_connect_timeout(CALL_TIMEOUT)
+            .with_timeout(CALL_TIMEOUT);
+        let client = rt
+            .block_on(Client::connect(endpoints, Some(options)))
+            .map_err(|e| service_error(&service, e))?;
+        let store = Self {
+            rt: Arc::new(rt),
+            client,
+            service,
+        };
+        // Fail now, with the reason, if nothing answers there.
+        store.get("/xfer-connect-check")?;
+        Ok(store)
+    }
+
+    fn err(&self, why: impl std::fmt::Display) -> Error {
+        service_error(&self.service, why)
+    }
+}
+
+struct EtcdKeeper {
+    stop: Option<oneshot::Sender<()>>,
+    done: Option<std::sync::mpsc::Receiver<()>>,
+}
+
+impl Keeper for EtcdKeeper {}
+
+impl Drop for EtcdKeeper {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        // Wait (bounded) for the revoke, so a caller that unpublishes sees the name gone.
+        if let Some(done) = self.done.take() {
+            let _ = done.recv_timeout(CALL_TIMEOUT);
+        }
+    }
+}
+
+async fn grant_and_put(
+    client: &mut Client,
+    key: &str,
+    value: &[u8],
+    ttl: Duration,
+) -> std::result::Result<i64, etcd_client::Error> {
+    let lease = client
+        .lease_grant(ttl.as_secs().max(1) as i64, None)
+        .await?
+        .id();
+    client
+        .put(key, value, Some(PutOptions::new().with_lease(lease)))
+        .await?;
+    Ok(lease)
+}
+
+impl Store for EtcdStore {
+    fn publish(&self, key: &str, value: Vec<u8>, ttl: Duration) -> Result<Box<dyn Keeper>> {
+        let mut client = self.client.clone();
+        let mut lease = self
+            .rt
+            .block_on(grant_and_put(&mut client, key, &value, ttl))
+            .map_err(|e| self.err(e))?;
+        let (stop_tx, mut stop_rx) = oneshot::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let key = key.to_owned();
+        let period = ttl / 3;
+        self.rt.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = &mut stop_rx => break,
+                    () = tokio::time::sleep(period) => {}
+                }
+                // One keep-alive round trip per period; on any failure, re-publish (the
+                // lease may be gone: etcd restarted past the TTL, or we were cut off).
+                let alive = async {
+                    let (mut keeper, mut stream) = client.lease_keep_alive(lease).await?;
+                    keeper.keep_alive().await?;
+                    Ok::<_, etcd_client::Error>(
+                        stream.message().await?.is_some_and(|r| r.ttl() > 0),
+                    )
+                };
+                match tokio::time::timeout(CALL_TIMEOUT, alive).await {
+                    Ok(Ok(true)) => {}
+                    _ => {
+                        if let Ok(Ok(l)) = tokio::time::timeout(
+                            CALL_TIMEOUT,
+                            grant_and_put(&mut client, &key, &value, ttl),
+                        )
+                        .await
+                        {
+                            lease = l;
+                        }
+                    }
+                }
+            }
+            let _ = tokio::time::timeout(CALL_TIMEOUT, client.lease_revoke(lease)).await;
+            let _ = done_tx.send(());
+        });
+        Ok(Box::new(EtcdKeeper {
+            stop: Some(stop_tx),
+            done: Some(done_rx),
+        }))
+    }
+
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        let mut client = self.client.clone();
+        let resp = self
+            .rt
+            .block_on(client.get(key, None))
+            .map_err(|e| self.err(e))?;
+        Ok(resp.kvs().first().map(|kv| kv.value().to_vec()))
+    }
+
+    fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>> {
+        let mut client = self.client.clone();
+        let resp = self
+            .rt
+            .block_on(client.get(prefix, Some(GetOptions::new().with_prefix())))
+            .map_err(|e| self.err(e))?;
+        Ok(resp
+            .kvs()
+            .iter()
+            .map(|kv| {
+                (
+                    String::from_utf8_lossy(kv.key()).into_owned(),
+                    kv.value().to_vec(),
+                )
+            })
+            .collect())
+    }
+
+    fn watch(&self, prefix: &str) -> Result<Box<dyn Changes>> {
+        // The current members first, then changes from the next revision on.
+        let mut client = self.client.clone();
+        let current = self
+            .rt
+            .block_on(client.get(prefix, Some(GetOptions::new().with_prefix())))
+            .map_err(|e| self.err(e))?;
+        let revision = current.header().map_or(0, |h| h.revision());
+        let (tx, rx) = mpsc::unbounded_channel();
+        for kv in current.kvs() {
+            let _ = tx.send(Ok(Change::Put(
+                String::from_utf8_lossy(kv.key()).into_owned(),
+                kv.value().to_vec(),
+            )));
+        }
+        let mut stream = self
+            .rt
+            .block_on(
+                client.watch(
+                    prefix,
+                    Some(
+                        WatchOptions::new()
+                            .with_prefix()
+                            .with_start_revision(revision + 1),
+                    ),
+                ),
+            )
+            .map_err(|e| self.err(e))?;
+        let service = self.service.clone();
+        self.rt.spawn(async move {
+            loop {
+                let msg = match stream.message().await {
+                    Ok(Some(m)) => m,
+                    Ok(None) => {
+                        let _ = tx.send(Err("the watch ended".to_owned()));
+                        return;
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(format!("the watch broke: {e}")));
+                        return;
+                    }
+                };
+                for ev in msg.events() {
+                    let Some(kv) = ev.kv() else { continue };
+                    let key = String::from_utf8_lossy(kv.key()).into_owned();
+                    let change = match ev.event_type() {
+                        EventType::Put => Change::Put(key, kv.value().to_vec()),
+                        EventType::Delete => Change::Delete(key),
+                    };
+                    if tx.send(Ok(change)).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Box::new(EtcdChanges {
+            rt: Arc::clone(&self.rt),
+            rx,
+            service,
+        }))
+    }
+}
+
+struct EtcdChanges {
+    rt: Arc<Runtime>,
+    rx: mpsc::UnboundedReceiver<std::result::Result<Change, String>>,
+    service: String,
+}
+
+impl Changes for EtcdChanges {
+    fn next(&mut self, timeout: Duration) -> Result<Option<Change>> {
+        let rx = &mut self.rx;
+        match self
+            .rt
+            .block_on(async { tokio::time::timeout(timeout, rx.recv()).await })
+        {
+            Ok(Some(Ok(c))) => Ok(Some(c)),
+            Ok(Some(Err(why))) => Err(service_error(&self.service, why)),
+            Ok(None) => Err(service_error(&self.service, "the watch ended")),
+            Err(_) => Ok(None),
+        }
+    }
+}

@@ -1,0 +1,390 @@
+//! Rendezvous: engines find each other by name.
+//!
+//! A process publishes "I am `prefill-3`: here is my address and my `kv-cache` region" under
+//! a lease with a TTL, kept alive in the background; others look the name up (waiting until
+//! it appears), list or watch who is published, and see a killed process disappear within
+//! the TTL. Two services, one API and one test suite:
+//!
+//! - `xfer://host:port[/prefix]`: the embedded service (`xfer serve`, or [`Server`] in a
+//!   test), for one machine or a quick set-up; small on purpose.
+//! - `etcd://host:port[,host:port…][/prefix]`: etcd (feature `etcd`), for clusters.
+//!
+//! Keys are `{prefix}/peers/{name}` (prefix `/xfer` by default); values are [`record`]s: the
+//! engine's own binary codecs, versioned, so anything malformed or written by another
+//! program is a typed error naming the key, never a panic.
+
+pub mod embedded;
+#[cfg(feature = "etcd")]
+mod etcd;
+pub mod record;
+
+use std::time::{Duration, Instant};
+
+use engine_core::{MrDesc, NetAddr};
+
+pub use embedded::Server;
+pub use record::Record;
+
+/// What can go wrong.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The URL is not `xfer://host:port[/prefix]` or `etcd://host:port[,…][/prefix]`.
+    #[error("rendezvous URL {url:?}: {why}")]
+    BadUrl {
+        /// The URL given.
+        url: String,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// A peer or region name outside 1–128 of `A-Z a-z 0-9 . _ -`.
+    #[error("invalid {what} name {name:?}: use 1 to 128 of A-Z a-z 0-9 . _ -")]
+    InvalidName {
+        /// "peer" or "region".
+        what: &'static str,
+        /// The name given.
+        name: String,
+    },
+    /// The value under `key` is not a record this build reads.
+    #[error("malformed record under {key}: {why}")]
+    BadRecord {
+        /// The key it was read from.
+        key: String,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// Nothing was published under the name within the timeout.
+    #[error("no peer named {name:?} was published within {timeout:?}")]
+    NotFound {
+        /// The name looked up.
+        name: String,
+        /// How long the lookup waited.
+        timeout: Duration,
+    },
+    /// The service could not be reached or answered wrongly.
+    #[error("rendezvous service {service}: {why}")]
+    Service {
+        /// Which service.
+        service: String,
+        /// What happened.
+        why: String,
+    },
+    /// This build has no etcd client (feature `etcd`).
+    #[error("this build of xfer has no etcd client: build with the `etcd` feature (needs protoc), or use the embedded service (xfer://)")]
+    NoEtcd,
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A change of who is published.
+#[derive(Debug)]
+pub enum Event {
+    /// A peer published (or re-published, with a new incarnation after a restart).
+    Joined(Record),
+    /// A peer unpublished, or its lease expired (the process died).
+    Left {
+        /// Its name.
+        name: String,
+    },
+    /// A value under the prefix that is not a record (written by something else).
+    Malformed(Error),
+}
+
+/// The key-value operations a service offers (both services implement them).
+pub(crate) trait Store: Send + Sync {
+    /// Stores `value` under `key` with a new lease of `ttl`, kept alive until the returned
+    /// keeper is dropped (which revokes it).
+    fn publish(&self, key: &str, value: Vec<u8>, ttl: Duration) -> Result<Box<dyn Keeper>>;
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>>;
+    fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>>;
+    /// Current entries under `prefix` (as puts), then changes.
+    fn watch(&self, prefix: &str) -> Result<Box<dyn Changes>>;
+}
+
+/// Keeps a lease alive; dropping it revokes the lease (the key disappears).
+pub(crate) trait Keeper: Send {}
+
+/// A stream of key changes under a prefix.
+pub(crate) trait Changes: Send {
+    /// The next change, or `None` if none came within `timeout`.
+    fn next(&mut self, timeout: Duration) -> Result<Option<Change>>;
+}
+
+/// A key that was put (with its value) or deleted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Change {
+    Put(String, Vec<u8>),
+    Delete(String),
+}
+
+/// A connection to a rendezvous service.
+pub struct Rendezvous {
+    store: Box<dyn Store>,
+    prefix: String,
+    url: String,
+}
+
+impl std::fmt::Debug for Rendezvous {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rendezvous")
+            .field("url", &self.url)
+            .finish()
+    }
+}
+
+/// A published name; dropping it (or [`unpublish`](Self::unpublish)) removes it. If the
+/// process dies, the service removes it when the lease's TTL passes.
+pub struct Publication {
+    _keeper: Box<dyn Keeper>,
+    record: Record,
+}
+
+impl Publication {
+    /// What was published.
+    pub fn record(&self) -> &Record {
+        &self.record
+    }
+
+    /// Removes the name now.
+    pub fn unpublish(self) {}
+}
+
+/// Joins and leaves under the rendezvous prefix.
+pub struct Watch {
+    changes: Box<dyn Changes>,
+    prefix: String,
+}
+
+impl Watch {
+    /// The next event, or `None` if nothing happened within `timeout`. Events for the
+    /// members already published come first (as joins).
+    pub fn next(&mut self, timeout: Duration) -> Result<Option<Event>> {
+        let Some(change) = self.changes.next(timeout)? else {
+            return Ok(None);
+        };
+        Ok(Some(match change {
+            Change::Put(key, value) => match record::decode(&key, &value) {
+                Ok(r) => Event::Joined(r),
+                Err(e) => Event::Malformed(e),
+            },
+            Change::Delete(key) => Event::Left {
+                name: key.strip_prefix(&self.prefix).unwrap_or(&key).to_owned(),
+            },
+        }))
+    }
+}
+
+/// A parsed rendezvous URL: the service kind, its endpoints and the key prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Url {
+    pub(crate) etcd: bool,
+    pub(crate) endpoints: Vec<String>,
+    pub(crate) prefix: String,
+}
+
+pub(crate) fn parse_url(url: &str) -> Result<Url> {
+    let bad = |why: &str| Error::BadUrl {
+        url: url.to_owned(),
+        why: why.to_owned(),
+    };
+    let (etcd, rest) = if let Some(r) = url.strip_prefix("etcd://") {
+        (true, r)
+    } else if let Some(r) = url.strip_prefix("xfer://") {
+        (false, r)
+    } else {
+        return Err(bad(
+            "expected xfer://host:port or etcd://host:port[,host:port]",
+        ));
+    };
+    let (hosts, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let endpoints: Vec<String> = hosts.split(',').map(str::to_owned).collect();
+    for e in &endpoints {
+        let (host, port) = e
+            .rsplit_once(':')
+            .ok_or_else(|| bad(&format!("endpoint {e:?} has no port")))?;
+        if host.is_empty() || port.parse::<u16>().is_err() {
+            return Err(bad(&format!("endpoint {e:?} is not host:port")));
+        }
+    }
+    if !etcd && endpoints.len() != 1 {
+        return Err(bad("the embedded service has one endpoint"));
+    }
+    let path = path.trim_end_matches('/');
+    for part in path.split('/').filter(|p| !p.is_empty()) {
+        record::check_name("prefix", part).map_err(|e| bad(&e.to_string()))?;
+    }
+    let prefix = if path.is_empty() {
+        "/xfer".to_owned()
+    } else {
+        format!("/{path}")
+    };
+    Ok(Url {
+        etcd,
+        endpoints,
+        prefix,
+    })
+}
+
+impl Rendezvous {
+    /// Connects to `xfer://host:port[/prefix]` or `etcd://host:port[,host:port…][/prefix]`.
+    pub fn connect(url: &str) -> Result<Self> {
+        let parsed = parse_url(url)?;
+        let store: Box<dyn Store> = if parsed.etcd {
+            #[cfg(feature = "etcd")]
+            {
+                Box::new(etcd::EtcdStore::connect(&parsed.endpoints)?)
+            }
+            #[cfg(not(feature = "etcd"))]
+            {
+                return Err(Error::NoEtcd);
+            }
+        } else {
+            Box::new(embedded::Client::connect(&parsed.endpoints[0])?)
+        };
+        Ok(Self {
+            store,
+            prefix: format!("{}/peers/", parsed.prefix),
+            url: url.to_owned(),
+        })
+    }
+
+    fn key(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    /// Publishes `name` → (`addr`, named regions) under a lease of `ttl` (at least 2 s:
+    /// etcd's minimum), kept alive until the returned [`Publication`] is dropped. A name
+    /// published again (a restarted peer) replaces the old record; the old lease's expiry
+    /// does not remove the new one.
+    pub fn publish(
+        &self,
+        name: &str,
+        addr: &NetAddr,
+        regions: &[(&str, &MrDesc)],
+        ttl: Duration,
+    ) -> Result<Publication> {
+        record::check_name("peer", name)?;
+        for (r, _) in regions {
+            record::check_name("region", r)?;
+        }
+        let record = Record {
+            name: name.to_owned(),
+            incarnation: fastrand::u64(1..),
+            addr: addr.clone(),
+            regions: regions
+                .iter()
+                .map(|(n, d)| ((*n).to_owned(), (*d).clone()))
+                .collect(),
+        };
+        let ttl = ttl.max(Duration::from_secs(2));
+        let keeper = self
+            .store
+            .publish(&self.key(name), record::encode(&record), ttl)?;
+        Ok(Publication {
+            _keeper: keeper,
+            record,
+        })
+    }
+
+    /// The record published under `name`, waiting up to `timeout` for it to appear.
+    pub fn lookup(&self, name: &str, timeout: Duration) -> Result<Record> {
+        record::check_name("peer", name)?;
+        let key = self.key(name);
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(v) = self.store.get(&key)? {
+                return record::decode(&key, &v);
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::NotFound {
+                    name: name.to_owned(),
+                    timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Everyone published now, by name. Values that are not records are skipped (and
+    /// logged): a stray key must not hide everyone else.
+    pub fn list(&self) -> Result<Vec<Record>> {
+        let mut out = Vec::new();
+        for (key, value) in self.store.list(&self.prefix)? {
+            match record::decode(&key, &value) {
+                Ok(r) => out.push(r),
+                Err(e) => tracing::warn!("{e}"),
+            }
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    /// Joins and leaves from now on (the current members first, as joins).
+    pub fn watch(&self) -> Result<Watch> {
+        Ok(Watch {
+            changes: self.store.watch(&self.prefix)?,
+            prefix: self.prefix.clone(),
+        })
+    }
+
+    /// Connects to the config's `[rendezvous] url`; returns it with the config's TTL.
+    pub fn from_config(config: &engine_core::Config) -> Result<(Self, Duration)> {
+        let url = config
+            .rendezvous
+            .url
+            .as_deref()
+            .ok_or_else(|| Error::BadUrl {
+                url: String::new(),
+                why: format!("{} has no [rendezvous] url", config.source.display()),
+            })?;
+        let ttl = match config.rendezvous.ttl_ms {
+            0 => Duration::from_secs(5),
+            ms => Duration::from_millis(ms),
+        };
+        Ok((Self::connect(url)?, ttl))
+    }
+
+    /// The URL this connects to.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_parse_and_bad_ones_say_why() {
+        let u = parse_url("xfer://127.0.0.1:7000").unwrap();
+        assert!(!u.etcd && u.endpoints == ["127.0.0.1:7000"] && u.prefix == "/xfer");
+        let u = parse_url("etcd://a:1,b:2/cluster-1/").unwrap();
+        assert!(u.etcd && u.endpoints == ["a:1", "b:2"] && u.prefix == "/cluster-1");
+        for bad in [
+            "http://a:1",
+            "xfer://a",
+            "xfer://a:port",
+            "xfer://a:1,b:2",
+            "etcd://:1",
+            "etcd://a:1/bad prefix",
+        ] {
+            assert!(matches!(parse_url(bad), Err(Error::BadUrl { .. })), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_config_names_the_rendezvous() {
+        let server = Server::start("127.0.0.1:0").unwrap();
+        let text = format!(
+            "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n[rendezvous]\nurl = \"{}\"\nttl_ms = 3000\n",
+            server.url()
+        );
+        let config = engine_core::Config::from_toml(&text, std::path::Path::new("t.toml")).unwrap();
+        let (r, ttl) = Rendezvous::from_config(&config).unwrap();
+        assert_eq!((r.url(), ttl), (server.url().as_str(), Duration::from_secs(3)));
+        let none = engine_core::Config::default();
+        let e = Rendezvous::from_config(&none).unwrap_err().to_string();
+        assert!(e.contains("no [rendezvous] url"), "{e}");
+    }
+}
