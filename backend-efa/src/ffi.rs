@@ -399,3 +399,9 @@ impl Drop for MemoryRegistration {
         unsafe { sys::xfer_ofi_mr_close(self.mr.as_ptr()) };
     }
 }
+
+/// `FI_VERSION(major, minor)` the shim passes to `fi_getinfo`.
+pub(crate) fn api_version() -> u32 {
+    // SAFETY: a pure function of the loaded library's version.
+    unsafe { sys::xfer_ofi_api_version() }
+}

@@ -35,6 +35,13 @@ pub fn providers() -> Result<Vec<(String, String)>, String> {
     ffi::list(None)
 }
 
+/// The libfabric API version the backend requests, as `major.minor`: the newest that both
+/// the headers it was built against and the library loaded now offer.
+pub fn api_version() -> String {
+    let v = ffi::api_version();
+    format!("{}.{}", v >> 16, v & 0xffff)
+}
+
 inventory::submit! {
     BackendRegistration { name: NAME, open }
 }
@@ -44,3 +51,14 @@ engine_core::export_plugin!("efa", open);
 /// Makes sure this crate is linked, so its static registration is seen.
 #[inline(never)]
 pub fn link() {}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_requested_api_is_at_least_the_one_the_shim_needs() {
+        let v = super::api_version();
+        let (major, minor) = v.split_once('.').unwrap();
+        let (major, minor): (u32, u32) = (major.parse().unwrap(), minor.parse().unwrap());
+        assert!((major, minor) >= (1, 17), "{v}");
+    }
+}

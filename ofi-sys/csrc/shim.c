@@ -17,7 +17,20 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define XFER_FI_API FI_VERSION(1, 17)
+/* The API version asked of fi_getinfo: the newest that both the headers this was built
+ * against and the library loaded at run time offer (at least 1.17, what the shim needs):
+ * a newer library (AWS's 2.x) enables what it gates on the version, an older one still
+ * works. */
+static uint32_t xfer_fi_api(void) {
+    uint32_t built = FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION);
+    uint32_t loaded = fi_version();
+    uint32_t v = loaded < built ? loaded : built;
+    return v < FI_VERSION(1, 17) ? FI_VERSION(1, 17) : v;
+}
+#define XFER_FI_API xfer_fi_api()
+
+/* The API version in use, for `xfer doctor` and logs. */
+uint32_t xfer_ofi_api_version(void) { return xfer_fi_api(); }
 
 typedef struct xfer_ofi_ep {
     struct fi_info *info;

@@ -75,6 +75,8 @@ extern "C" {
     pub fn xfer_ofi_close_ep(e: *mut XferOfiEp);
     pub fn xfer_ofi_close(e: *mut XferOfiEp);
     pub fn xfer_ofi_provider(e: *const XferOfiEp) -> *const c_char;
+    /// The libfabric API version the shim requests (`FI_VERSION(major, minor)`).
+    pub fn xfer_ofi_api_version() -> u32;
     pub fn xfer_ofi_domain_name(e: *const XferOfiEp) -> *const c_char;
     pub fn xfer_ofi_getname(e: *mut XferOfiEp, buf: *mut c_void, len: *mut usize) -> c_int;
     pub fn xfer_ofi_av_insert(e: *mut XferOfiEp, addr: *const c_void, fi_addr: *mut u64) -> c_int;

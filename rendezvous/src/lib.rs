@@ -382,7 +382,10 @@ mod tests {
         );
         let config = engine_core::Config::from_toml(&text, std::path::Path::new("t.toml")).unwrap();
         let (r, ttl) = Rendezvous::from_config(&config).unwrap();
-        assert_eq!((r.url(), ttl), (server.url().as_str(), Duration::from_secs(3)));
+        assert_eq!(
+            (r.url(), ttl),
+            (server.url().as_str(), Duration::from_secs(3))
+        );
         let none = engine_core::Config::default();
         let e = Rendezvous::from_config(&none).unwrap_err().to_string();
         assert!(e.contains("no [rendezvous] url"), "{e}");

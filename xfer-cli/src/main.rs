@@ -210,6 +210,8 @@ struct InfoReport {
     plugins: Vec<PluginInfo>,
     rdma_ports: Vec<doctor::Port>,
     libfabric: Result<BTreeMap<String, Vec<String>>, String>,
+    /// The libfabric API version the efa backend requests (headers and loaded library).
+    libfabric_api: String,
     /// What `[watcher] memory` gives here: (kind, why better kinds were passed over).
     watcher_memory: Result<(String, Vec<String>), String>,
     config: String,
@@ -293,6 +295,7 @@ fn info_cmd(cli: &Cli) -> ExitCode {
         plugins: plugins(),
         rdma_ports: doctor::ports(&cli.sysfs),
         libfabric: providers,
+        libfabric_api: backend_efa::api_version(),
         watcher_memory: watcher_memory(&config),
         config: format!("{config:#?}"),
     };
@@ -355,7 +358,10 @@ fn info_cmd(cli: &Cli) -> ExitCode {
             println!("    GID[{i}] {gid} {kind}");
         }
     }
-    println!("\nlibfabric (RDM endpoints with RMA):");
+    println!(
+        "\nlibfabric (RDM endpoints with RMA; API {} requested):",
+        report.libfabric_api
+    );
     match &report.libfabric {
         Ok(map) => map
             .iter()
