@@ -175,8 +175,12 @@ pub struct LoadedPlugin {
     /// A copy of the plugin's table: the `table_size` bytes it declared, entries past them
     /// absent (`None`).
     table: PluginTable,
-    // Keeps the code behind `table` mapped; dropped last (after every Domain holding an Arc).
-    _library: libloading::Library,
+    /// Keeps the code behind `table` mapped — for the whole process, never `dlclose`d: a
+    /// thread that ran plugin code (the worker) runs the plugin's thread-local destructors
+    /// when it exits, which can be after the last `Arc` of this plugin dropped; unmapping
+    /// the library first made the worker jump into unmapped memory at exit (seen with the
+    /// verbs plugin on soft-RoCE: a segfault after every byte had arrived).
+    _library: std::mem::ManuallyDrop<libloading::Library>,
 }
 
 /// Copies the first `size` bytes of a plugin's table (at least a version-1 table) into a table
@@ -279,7 +283,7 @@ impl LoadedPlugin {
             name,
             version: header.abi_version,
             table,
-            _library: library,
+            _library: std::mem::ManuallyDrop::new(library),
         })
     }
 
