@@ -10,6 +10,7 @@ mod engine;
 mod errors;
 mod ffi;
 mod memory;
+mod rendezvous;
 mod transfer;
 mod values;
 
@@ -38,6 +39,9 @@ fn _xfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<values::MrDesc>()?;
     m.add_class::<values::NetAddr>()?;
     m.add_class::<transfer::Transfer>()?;
+    m.add_class::<rendezvous::Rendezvous>()?;
+    m.add_class::<rendezvous::Publication>()?;
+    m.add_class::<rendezvous::Server>()?;
     m.add_function(wrap_pyfunction!(values::expected_arrivals, m)?)?;
     m.add_function(wrap_pyfunction!(callback_errors, m)?)?;
     m.add_function(wrap_pyfunction!(builtin_backends, m)?)?;

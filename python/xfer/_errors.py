@@ -63,6 +63,10 @@ class WorkerFailedError(Error):
     """The engine's worker thread failed; the engine refuses further work."""
 
 
+class RendezvousError(Error, ConnectionError):
+    """The rendezvous service could not be reached or answered wrongly."""
+
+
 class ShutdownError(Error):
     """The engine is closed."""
 

@@ -1,0 +1,170 @@
+//! `xfer.Rendezvous`: peers find each other by name (the `xfer-rendezvous` crate: the
+//! embedded service `xfer://host:port`, or etcd where the package was built with it).
+
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::errors;
+use crate::values::{addr_of, desc_of, MrDesc};
+
+fn to_py(py: Python<'_>, e: xfer_rendezvous::Error) -> PyErr {
+    let class = match &e {
+        xfer_rendezvous::Error::NotFound { .. } => "TimeoutError",
+        xfer_rendezvous::Error::BadUrl { .. } | xfer_rendezvous::Error::InvalidName { .. } => {
+            "InvalidArgumentError"
+        }
+        xfer_rendezvous::Error::BadRecord { .. } => "DecodeError",
+        xfer_rendezvous::Error::NoEtcd => "NotAvailableError",
+        _ => "RendezvousError",
+    };
+    errors::raise(py, class, e.to_string())
+}
+
+fn seconds(py: Python<'_>, what: &str, s: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|_| errors::invalid(py, format!("{what} {s} is not a number of seconds")))
+}
+
+/// A published peer: `name`, `incarnation`, `addr` (bytes) and `regions` (name → MrDesc).
+fn record<'py>(py: Python<'py>, r: &xfer_rendezvous::Record) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("name", &r.name)?;
+    d.set_item("incarnation", r.incarnation)?;
+    d.set_item("addr", PyBytes::new(py, &r.addr.to_bytes()))?;
+    let regions = PyDict::new(py);
+    for (n, desc) in &r.regions {
+        regions.set_item(n, MrDesc(desc.clone()))?;
+    }
+    d.set_item("regions", regions)?;
+    Ok(d)
+}
+
+/// A connection to a rendezvous: `Rendezvous("xfer://127.0.0.1:7420")` (the embedded
+/// service, `xfer serve`) or `etcd://host:port/prefix`.
+#[pyclass(module = "xfer", frozen)]
+pub(crate) struct Rendezvous(xfer_rendezvous::Rendezvous);
+
+/// A published name; `unpublish()` (or garbage collection) removes it.
+#[pyclass(module = "xfer", frozen)]
+pub(crate) struct Publication(std::sync::Mutex<Option<xfer_rendezvous::Publication>>);
+
+#[pymethods]
+impl Rendezvous {
+    #[new]
+    fn new(py: Python<'_>, url: &str) -> PyResult<Self> {
+        py.detach(|| xfer_rendezvous::Rendezvous::connect(url))
+            .map(Self)
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// Publishes `name` → (`addr`, `regions`: a dict of name → MrDesc or MemoryRegion)
+    /// under a lease of `ttl` seconds, kept alive in the background.
+    #[pyo3(signature = (name, addr, regions=None, *, ttl=5.0))]
+    fn publish(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        addr: &Bound<'_, PyAny>,
+        regions: Option<&Bound<'_, PyDict>>,
+        ttl: f64,
+    ) -> PyResult<Publication> {
+        let addr = addr_of(addr)?;
+        let mut named = Vec::new();
+        if let Some(regions) = regions {
+            for (k, v) in regions.iter() {
+                named.push((k.extract::<String>()?, desc_of(&v)?));
+            }
+        }
+        let ttl = seconds(py, "ttl", ttl)?;
+        let refs: Vec<(&str, &engine_core::MrDesc)> =
+            named.iter().map(|(n, d)| (n.as_str(), d)).collect();
+        py.detach(|| self.0.publish(name, &addr, &refs, ttl))
+            .map(|p| Publication(std::sync::Mutex::new(Some(p))))
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// The record published under `name`, waiting up to `timeout` seconds for it
+    /// (`TimeoutError` if it does not appear).
+    #[pyo3(signature = (name, timeout=30.0))]
+    fn lookup<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        timeout: f64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let timeout = seconds(py, "timeout", timeout)?;
+        let r = py
+            .detach(|| self.0.lookup(name, timeout))
+            .map_err(|e| to_py(py, e))?;
+        record(py, &r)
+    }
+
+    /// Everyone published now (records as dicts, by name).
+    fn list<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let all = py.detach(|| self.0.list()).map_err(|e| to_py(py, e))?;
+        all.iter().map(|r| record(py, r)).collect()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("xfer.Rendezvous({:?})", self.0.url())
+    }
+}
+
+#[pymethods]
+impl Publication {
+    /// Removes the name now.
+    fn unpublish(&self, py: Python<'_>) {
+        let p = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
+        py.detach(move || drop(p));
+    }
+
+    /// The incarnation this publication carries.
+    #[getter]
+    fn incarnation(&self) -> Option<u64> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|p| p.record().incarnation)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.unpublish(py);
+        false
+    }
+}
+
+/// An embedded rendezvous service in this process (`xfer serve` without the CLI), for
+/// tests and single-machine set-ups: `Server("127.0.0.1:0").url`.
+#[pyclass(module = "xfer", frozen)]
+pub(crate) struct Server(std::sync::Mutex<Option<xfer_rendezvous::Server>>, String);
+
+#[pymethods]
+impl Server {
+    #[new]
+    #[pyo3(signature = (listen="127.0.0.1:0"))]
+    fn new(py: Python<'_>, listen: &str) -> PyResult<Self> {
+        let s = xfer_rendezvous::Server::start(listen).map_err(|e| to_py(py, e))?;
+        let url = s.url();
+        Ok(Self(std::sync::Mutex::new(Some(s)), url))
+    }
+
+    /// `xfer://host:port`.
+    #[getter]
+    fn url(&self) -> String {
+        self.1.clone()
+    }
+
+    /// Stops the service.
+    fn close(&self, py: Python<'_>) {
+        let s = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
+        py.detach(move || drop(s));
+    }
+}
