@@ -1,11 +1,11 @@
 //! `xfer.Transfer`: one submitted operation's completion, usable three ways (wait, callback,
 //! await) and carrying its telemetry.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use engine_core::OnDone;
+use engine_core::{DoneFlag, OnDone};
 use pyo3::prelude::*;
 
 use crate::errors;
@@ -13,6 +13,9 @@ use crate::errors;
 /// Exceptions raised by Python callbacks (reported through `sys.unraisablehook` and counted:
 /// `xfer.callback_errors()`).
 pub(crate) static CALLBACK_ERRORS: AtomicU64 = AtomicU64::new(0);
+
+/// How long `wait()` spins (yielding) before sleeping.
+const SPIN: Duration = Duration::from_millis(2);
 
 fn unix_now() -> f64 {
     SystemTime::now()
@@ -22,24 +25,46 @@ fn unix_now() -> f64 {
 
 #[derive(Default)]
 struct State {
-    result: Option<engine_core::Result<()>>,
     completed_at: Option<(f64, Instant)>,
+    /// Waiters asleep on the condition variable: the waker (on the engine's worker) makes
+    /// the futex call only when there is one, not once per transfer.
+    sleepers: usize,
+    /// Python callbacks waiting for the outcome (taken when it comes).
     callbacks: Vec<Py<PyAny>>,
 }
 
+/// A transfer's state beside its `DoneFlag`: when it finished and who waits for it.
 pub(crate) struct Shared {
     state: Mutex<State>,
     cond: Condvar,
-    /// Set (after `state.result`) when finished: waiters spin on it briefly before sleeping,
-    /// as the engine's own waits do, since a sleep and a wake-up cost more than a short
-    /// transfer.
-    finished: AtomicBool,
 }
 
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// Work for the thread that runs Python callbacks (never the engine's worker, which must
+/// not wait for the GIL).
+type Job = Box<dyn FnOnce(Python<'_>) + Send>;
+
+/// The bindings' callback thread, started on first use.
+fn dispatch(job: Job) {
+    static JOBS: OnceLock<Mutex<std::sync::mpsc::Sender<Job>>> = OnceLock::new();
+    let jobs = JOBS.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name("xfer-py-callbacks".into())
+            .spawn(move || {
+                while let Ok(job) = rx.recv() {
+                    Python::attach(job);
+                }
+            })
+            .expect("spawning the Python callback thread");
+        Mutex::new(tx)
+    });
+    let _ = jobs.lock().unwrap_or_else(|p| p.into_inner()).send(job);
 }
 
 /// Calls a Python callback with `None` or the exception; an exception it raises is reported,
@@ -85,6 +110,10 @@ impl IntoPyObjectTuple for Vec<u8> {
 #[pyclass(module = "xfer", frozen)]
 pub(crate) struct Transfer {
     shared: Arc<Shared>,
+    /// Set by the engine's worker; its waker records the time, wakes sleeping waiters and
+    /// hands callbacks to the Python callback thread — no hop through the engine's callback
+    /// thread, so `wait()` on a short transfer costs little more than the transfer.
+    flag: Arc<DoneFlag>,
     kind: &'static str,
     nbytes: u64,
     posted_at: f64,
@@ -104,44 +133,55 @@ impl Transfer {
                 ..State::default()
             }),
             cond: Condvar::new(),
-            finished: AtomicBool::new(false),
         });
-        let done = Arc::clone(&shared);
-        let on_done = OnDone::callback(move |result| {
+        // The waker holds the state (and so the callbacks) until the outcome comes, also
+        // when the Python object was dropped meanwhile; the flag is reached through a weak
+        // reference (the flag owns the waker: a strong one would be a cycle).
+        let pinned = Mutex::new(Some(Arc::clone(&shared)));
+        let me: Arc<OnceLock<Weak<DoneFlag>>> = Arc::default();
+        let flag_ref = Arc::clone(&me);
+        let flag = DoneFlag::with_waker(move || {
+            let Some(shared) = pinned.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+                return;
+            };
             let callbacks = {
-                let mut s = done.lock();
-                s.result = Some(result.clone());
+                let mut s = shared.lock();
                 s.completed_at = Some((unix_now(), Instant::now()));
-                done.finished.store(true, Ordering::Release);
-                done.cond.notify_all();
+                if s.sleepers > 0 {
+                    shared.cond.notify_all();
+                }
                 std::mem::take(&mut s.callbacks)
             };
-            if !callbacks.is_empty() {
-                Python::attach(|py| {
+            let result = flag_ref
+                .get()
+                .and_then(Weak::upgrade)
+                .and_then(|f| f.result());
+            if let (false, Some(result)) = (callbacks.is_empty(), result) {
+                dispatch(Box::new(move |py| {
                     for cb in &callbacks {
                         let exc = result.clone().err().map(|e| errors::to_py(py, e));
                         call_reporting(py, cb, exc);
                     }
-                });
+                }));
             }
         });
+        let _ = me.set(Arc::downgrade(&flag));
         (
             Self {
                 shared,
+                flag: Arc::clone(&flag),
                 kind,
                 nbytes,
                 posted_at: unix_now(),
                 posted: Instant::now(),
             },
-            on_done,
+            OnDone::Flag(flag),
         )
     }
 
     fn outcome(&self, py: Python<'_>) -> Option<PyResult<()>> {
-        self.shared
-            .lock()
-            .result
-            .clone()
+        self.flag
+            .result()
             .map(|r| r.map_err(|e| errors::to_py(py, e)))
     }
 }
@@ -150,7 +190,7 @@ impl Transfer {
 impl Transfer {
     /// Whether the operation has finished (successfully or not).
     fn done(&self) -> bool {
-        self.shared.lock().result.is_some()
+        self.flag.is_done()
     }
 
     /// Waits until it finishes (at most `timeout` seconds; `None` waits as long as the
@@ -167,35 +207,37 @@ impl Transfer {
             Some(t) => Some(Duration::from_secs_f64(t)),
             None => None,
         };
-        let shared = Arc::clone(&self.shared);
+        let (shared, flag) = (Arc::clone(&self.shared), Arc::clone(&self.flag));
         let finished = py.detach(move || {
             let start = Instant::now();
-            for round in 0..256 {
-                if shared.finished.load(Ordering::Acquire) {
+            // Spin (yielding) first, as the engine's own waits do: a sleep and a wake-up
+            // cost more than a short transfer. Then sleep on the condition variable the
+            // flag's waker notifies.
+            let spin = limit.map_or(SPIN, |l| l.min(SPIN));
+            while start.elapsed() < spin {
+                if flag.is_done() {
                     return true;
                 }
-                if round < 64 {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
-                }
+                std::thread::yield_now();
             }
             let mut s = shared.lock();
-            while s.result.is_none() {
+            while !flag.is_done() {
                 let left = match limit {
                     Some(l) => match l.checked_sub(start.elapsed()) {
                         Some(left) if !left.is_zero() => left,
                         _ => return false,
                     },
-                    // Wake now and then so Ctrl-C (checked below, with the GIL) is seen.
                     None => Duration::from_millis(100),
                 };
+                s.sleepers += 1;
                 s = shared
                     .cond
                     .wait_timeout(s, left.min(Duration::from_millis(100)))
                     .unwrap_or_else(|p| p.into_inner())
                     .0;
-                if limit.is_none() && s.result.is_none() {
+                s.sleepers -= 1;
+                if limit.is_none() && !flag.is_done() {
+                    // Wake now and then so Ctrl-C is seen.
                     drop(s);
                     if Python::attach(|py| py.check_signals()).is_err() {
                         return false;
@@ -232,20 +274,21 @@ impl Transfer {
 
     /// Calls `fn(None)` or `fn(exc)` when it finishes (at once, on this thread, if it has).
     fn add_done_callback(&self, py: Python<'_>, callback: Py<PyAny>) -> PyResult<()> {
-        let finished = {
+        {
             let mut s = self.shared.lock();
-            match &s.result {
-                Some(r) => Some(r.clone()),
-                None => {
-                    s.callbacks.push(callback.clone_ref(py));
-                    None
-                }
+            // Under the lock the waker takes the callbacks in: either it has not run yet
+            // (the callback is taken with the others) or it has (`completed_at` is set).
+            if s.completed_at.is_none() {
+                s.callbacks.push(callback);
+                return Ok(());
             }
-        };
-        if let Some(r) = finished {
-            let exc = r.err().map(|e| errors::to_py(py, e));
-            call_reporting(py, &callback, exc);
         }
+        let exc = self
+            .flag
+            .result()
+            .and_then(|r| r.err())
+            .map(|e| errors::to_py(py, e));
+        call_reporting(py, &callback, exc);
         Ok(())
     }
 
@@ -290,7 +333,7 @@ impl Transfer {
     }
 
     fn __repr__(&self) -> String {
-        let state = match &self.shared.lock().result {
+        let state = match self.flag.result() {
             None => "pending".to_owned(),
             Some(Ok(())) => "done".to_owned(),
             Some(Err(e)) => format!("failed: {e}"),

@@ -151,11 +151,24 @@ fn wait_until(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// What a flag calls right after it is set (see [`DoneFlag::with_waker`]).
+type Waker = Box<dyn Fn() + Send + Sync>;
+
 /// A one-shot completion flag.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct DoneFlag {
     state: AtomicU8,
     error: Mutex<Option<Error>>,
+    waker: Option<Waker>,
+}
+
+impl fmt::Debug for DoneFlag {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DoneFlag")
+            .field("state", &self.state)
+            .field("waker", &self.waker.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl DoneFlag {
@@ -164,12 +177,29 @@ impl DoneFlag {
         Arc::new(Self::default())
     }
 
+    /// A flag that calls `waker` right after it is set, **on the engine's worker thread**:
+    /// it must be quick and must not block (wake a waiter, hand work to another thread). It
+    /// saves the hop through the callback thread that an [`OnDone::Callback`] takes — for
+    /// bindings whose waiters spin on the flag and only sometimes need a callback (Python's
+    /// `Transfer`). A panic in it is caught and logged.
+    pub fn with_waker(waker: impl Fn() + Send + Sync + 'static) -> Arc<Self> {
+        Arc::new(Self {
+            waker: Some(Box::new(waker)),
+            ..Self::default()
+        })
+    }
+
     fn set(&self, result: Result<()>) {
         match result {
             Ok(()) => self.state.store(OK, Ordering::Release),
             Err(e) => {
                 *self.error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                 self.state.store(FAILED, Ordering::Release);
+            }
+        }
+        if let Some(waker) = &self.waker {
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(waker)).is_err() {
+                tracing::error!("a DoneFlag waker panicked");
             }
         }
     }
@@ -262,5 +292,36 @@ impl DoneCounter {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn a_flags_waker_runs_once_after_the_outcome_is_visible() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::new(Mutex::new(None));
+        let flag = {
+            let (calls, seen) = (Arc::clone(&calls), Arc::clone(&seen));
+            let slot: Arc<std::sync::OnceLock<std::sync::Weak<DoneFlag>>> = Arc::default();
+            let inner = Arc::clone(&slot);
+            let flag = DoneFlag::with_waker(move || {
+                calls.fetch_add(1, Ordering::SeqCst);
+                let f = inner.get().and_then(std::sync::Weak::upgrade).unwrap();
+                *seen.lock().unwrap() = Some(f.result().map(|r| r.is_err()));
+            });
+            slot.set(Arc::downgrade(&flag)).unwrap();
+            flag
+        };
+        OnDone::Flag(Arc::clone(&flag)).complete_inline(Err(Error::Shutdown));
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert_eq!(*seen.lock().unwrap(), Some(Some(true)));
+        // A panicking waker is contained.
+        let bad = DoneFlag::with_waker(|| panic!("waker"));
+        OnDone::Flag(Arc::clone(&bad)).complete_inline(Ok(()));
+        assert!(bad.is_done());
     }
 }
