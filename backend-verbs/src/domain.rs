@@ -41,7 +41,20 @@ enum Peer {
         /// Posts that found the send queue full, retried after polling.
         queued: VecDeque<Queued>,
         request_id: u64,
+        /// As the responder, until the requester's `Ready`: our QPs can receive, but the
+        /// requester's may not yet, so nothing is posted (queued instead) — a packet sent
+        /// early is dropped there and retransmitted only after the ack timeout, or fails the
+        /// write if the requester is slower than the retry budget.
+        awaiting_ready: Option<AwaitReady>,
     },
+}
+
+/// A responder's wait for the requester's `Ready`; the response is resent every retry
+/// interval (it, or the `Ready`, may be lost), and the connection fails at the deadline.
+#[derive(Debug, Clone, Copy)]
+struct AwaitReady {
+    deadline: Instant,
+    last_sent: Instant,
 }
 
 /// Writes of one data QP: a chain being built (posted with one doorbell, at most 4), and what
@@ -409,7 +422,14 @@ impl VerbsDomain {
             self.start_connect(wr.peer)?;
         }
         match self.peers.get_mut(wr.peer) {
-            Some(Peer::Connecting { queued, .. }) => {
+            Some(
+                Peer::Connecting { queued, .. }
+                | Peer::Connected {
+                    queued,
+                    awaiting_ready: Some(_),
+                    ..
+                },
+            ) => {
                 queued.push_back(Queued::Write(w));
                 Ok(PostStatus::Posted)
             }
@@ -510,6 +530,17 @@ impl VerbsDomain {
                 false
             }
         }
+    }
+
+    /// Tells a responder our QPs are ready (answering its `Response` `h`). If it is lost,
+    /// the responder repeats its response and we answer again.
+    fn send_ready(&mut self, h: &Handshake) {
+        let ready = Handshake {
+            kind: Kind::Ready,
+            from: self.me,
+            ..*h
+        };
+        self.send_handshake(&h.from, &ready);
     }
 
     /// Starts connecting to `peer` (we are the requester).
@@ -957,6 +988,8 @@ impl VerbsDomain {
                 self.answers.insert(peer.clone(), resp);
                 self.qp_peer.insert(data.qpn, peer.clone());
                 self.qp_peer.insert(msg.qpn, peer.clone());
+                let now = Instant::now();
+                // Nothing is posted until the requester says its QPs are ready (`Ready`).
                 self.peers.insert(
                     peer.clone(),
                     Peer::Connected {
@@ -964,16 +997,40 @@ impl VerbsDomain {
                         msg,
                         queued,
                         request_id: h.request_id,
+                        awaiting_ready: Some(AwaitReady {
+                            deadline: now + Duration::from_millis(self.options.connect_ms),
+                            last_sent: now,
+                        }),
                     },
                 );
-                self.flush(&peer);
+            }
+            Kind::Ready => {
+                if let Some(Peer::Connected {
+                    request_id,
+                    awaiting_ready,
+                    ..
+                }) = self.peers.get_mut(&peer)
+                {
+                    if *request_id == h.request_id && awaiting_ready.take().is_some() {
+                        self.flush(&peer);
+                    }
+                }
             }
             Kind::Response => {
-                let Some(Peer::Connecting { request_id, .. }) = self.peers.get(&peer) else {
-                    return;
-                };
-                if *request_id != h.request_id {
-                    return;
+                match self.peers.get(&peer) {
+                    Some(Peer::Connecting { request_id, .. }) if *request_id == h.request_id => {}
+                    // Our `Ready` was lost (the responder repeats its response): again.
+                    Some(Peer::Connected { request_id, .. }) if *request_id == h.request_id => {
+                        self.send_ready(&h);
+                        return;
+                    }
+                    _ => return,
+                }
+                if self.options.faults.delay_response_ms > 0 {
+                    // Test fault: a requester slow to bring its QPs up.
+                    std::thread::sleep(Duration::from_millis(
+                        self.options.faults.delay_response_ms,
+                    ));
                 }
                 let Some(Peer::Connecting {
                     data,
@@ -996,8 +1053,11 @@ impl VerbsDomain {
                                 msg,
                                 queued,
                                 request_id,
+                                awaiting_ready: None,
                             },
                         );
+                        // Our QPs can receive now: the responder may send.
+                        self.send_ready(&h);
                         self.flush(&peer);
                     }
                     Err(e) => {
@@ -1012,7 +1072,11 @@ impl VerbsDomain {
     fn flush(&mut self, peer: &NetAddr) {
         let mut failed = None;
         if let Some(Peer::Connected {
-            data, msg, queued, ..
+            data,
+            msg,
+            queued,
+            awaiting_ready: None,
+            ..
         }) = self.peers.get_mut(peer)
         {
             let limit = self.options.send_queue as usize;
@@ -1064,8 +1128,25 @@ impl VerbsDomain {
         let now = Instant::now();
         let retry = Duration::from_millis(self.options.retry_ms);
         let mut expired = Vec::new();
+        let mut unconfirmed = Vec::new();
         let mut resend = Vec::new();
         for (peer, state) in &mut self.peers {
+            // A responder whose `Ready` has not come: repeat the response (answers hold it).
+            if let Peer::Connected {
+                awaiting_ready: Some(wait),
+                ..
+            } = state
+            {
+                if now >= wait.deadline {
+                    unconfirmed.push(peer.clone());
+                } else if now.duration_since(wait.last_sent) >= retry {
+                    wait.last_sent = now;
+                    if let Some(answer) = self.answers.get(peer) {
+                        resend.push((peer.clone(), *answer));
+                    }
+                }
+                continue;
+            }
             if let Peer::Connecting {
                 deadline,
                 last_sent,
@@ -1108,9 +1189,12 @@ impl VerbsDomain {
                 }
             }
         }
+        let ms = self.options.connect_ms;
         for peer in expired {
-            let ms = self.options.connect_ms;
             self.fail_peer(&peer, &format!("no answer to the connection handshake within {ms} ms (is the peer up? same GID type and subnet?)"));
+        }
+        for peer in unconfirmed {
+            self.fail_peer(&peer, &format!("the peer answered the handshake but never confirmed its side (Ready) within {ms} ms"));
         }
     }
 }
@@ -1268,7 +1352,14 @@ impl Domain for VerbsDomain {
             self.start_connect(peer)?;
         }
         match self.peers.get_mut(peer) {
-            Some(Peer::Connecting { queued, .. }) => {
+            Some(
+                Peer::Connecting { queued, .. }
+                | Peer::Connected {
+                    queued,
+                    awaiting_ready: Some(_),
+                    ..
+                },
+            ) => {
                 queued.push_back(Queued::Send {
                     wr_id,
                     data: data.to_vec(),

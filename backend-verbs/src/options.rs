@@ -57,6 +57,9 @@ pub struct Faults {
     /// After this many handshake datagrams sent (0: never), put the handshake QP into the
     /// error state once, as a failed datagram does.
     pub ud_error_after_sends: u32,
+    /// As a requester, wait this long (ms) after a response before bringing the QPs up: a
+    /// requester slower than the responder's retransmission budget.
+    pub delay_response_ms: u64,
 }
 
 impl Default for VerbsOptions {

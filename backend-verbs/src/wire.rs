@@ -50,17 +50,19 @@ impl VerbsAddr {
 }
 
 const MSG_MAGIC: [u8; 4] = *b"XFRH";
-const MSG_VERSION: u8 = 1;
+const MSG_VERSION: u8 = 2;
 /// Encoded handshake length.
 pub const MSG_LEN: usize = 4 + 1 + 1 + 8 + ADDR_LEN + 4 * 4 + 1;
 
-/// Request or response.
+/// The three steps of a connection: no side sends a packet before the other can receive it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
-    /// "Here are my QPs; connect yours to them and answer."
+    /// "Here are my QPs; connect yours to them and answer." (requester)
     Request,
-    /// "Connected; here are mine."
+    /// "Mine are ready to receive; here they are." (responder; it sends nothing yet)
     Response,
+    /// "Mine are connected too: send." (requester, once its QPs are ready to receive)
+    Ready,
 }
 
 /// One handshake message.
@@ -93,6 +95,7 @@ impl Handshake {
         b[5] = match self.kind {
             Kind::Request => 1,
             Kind::Response => 2,
+            Kind::Ready => 3,
         };
         b[6..14].copy_from_slice(&self.request_id.to_le_bytes());
         b[14..38].copy_from_slice(&self.from.encode());
@@ -126,6 +129,7 @@ impl Handshake {
         let kind = match raw[5] {
             1 => Kind::Request,
             2 => Kind::Response,
+            3 => Kind::Ready,
             k => return Err(format!("unknown handshake kind {k}")),
         };
         let word =

@@ -294,3 +294,39 @@ fn a_failed_handshake_qp_is_reset_and_peers_still_connect() {
         assert!(to.to_vec() == csrc.to_vec());
     }
 }
+
+/// Simultaneous connects where the requester is slow to bring its QPs up (a fault delays
+/// it by 3 s, longer than the responder's retransmission budget): the responder must post
+/// nothing before the requester's `Ready`, or its writes are dropped until they fail.
+#[test]
+#[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
+fn a_responder_sends_nothing_before_the_requester_is_ready() {
+    use engine_core::conformance::Harness;
+    use std::time::Duration;
+    let mut config = Rxe.config(1);
+    config.timeouts.connect_ms = 30_000;
+    config.timeouts.transfer_ms = 40_000;
+    config.backends = toml::from_str(
+        "[verbs]\nack_timeout = 10\nretry_cnt = 2\n[verbs.faults]\ndelay_response_ms = 3000\n",
+    )
+    .unwrap();
+    let a = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let b = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let (sa, sb) = (
+        engine_core::HostBuffer::from_fn(&a, 65536, |i| i as u8).unwrap(),
+        engine_core::HostBuffer::from_fn(&b, 65536, |i| (i * 7) as u8).unwrap(),
+    );
+    let (da, db) = (
+        engine_core::HostBuffer::new(&a, 65536).unwrap(),
+        engine_core::HostBuffer::new(&b, 65536).unwrap(),
+    );
+    // Both directions at once: one side answers the other's request with writes queued.
+    let (fa, fb) = (engine_core::DoneFlag::new(), engine_core::DoneFlag::new());
+    a.submit_single_write(65536, Some(1), (sa.mr(), 0), (db.desc(), 0), fa.clone())
+        .unwrap();
+    b.submit_single_write(65536, Some(1), (sb.mr(), 0), (da.desc(), 0), fb.clone())
+        .unwrap();
+    fa.wait(Duration::from_secs(60)).expect("a to b");
+    fb.wait(Duration::from_secs(60)).expect("b to a");
+    assert!(db.to_vec() == sa.to_vec() && da.to_vec() == sb.to_vec());
+}
