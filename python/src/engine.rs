@@ -446,6 +446,62 @@ impl TransferEngine {
         Ok(t)
     }
 
+    /// A batch of writes from `src` into one peer region `dst`, as NIXL-style descriptor
+    /// lists: entry `i` writes `nbytes[i]` bytes from `src_offsets[i]` to `dst_offsets[i]`.
+    /// Each list is a numpy integer array or any int sequence; `nbytes` may be one int for
+    /// all. One `Transfer` for the batch; with `imm`, the receiver counts
+    /// `expected_arrivals(scatter_lens=nbytes)` arrivals.
+    #[pyo3(signature = (src, dst, src_offsets, dst_offsets, nbytes, *, imm=None, notify=None, on_done=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_writes(
+        &self,
+        py: Python<'_>,
+        src: &Bound<'_, PyAny>,
+        dst: &Bound<'_, PyAny>,
+        src_offsets: &Bound<'_, PyAny>,
+        dst_offsets: &Bound<'_, PyAny>,
+        nbytes: &Bound<'_, PyAny>,
+        imm: Option<u32>,
+        notify: Option<&Bound<'_, PyAny>>,
+        on_done: Option<Py<PyAny>>,
+    ) -> PyResult<Transfer> {
+        let engine = self.engine(py)?;
+        let (handle, _) = self.local(py, src)?;
+        let dst = desc_of(dst)?;
+        let so = values::u64s_of(src_offsets, "src_offsets", None)?;
+        let dof = values::u64s_of(dst_offsets, "dst_offsets", None)?;
+        let lens = values::u64s_of(nbytes, "nbytes", Some(so.len()))?;
+        if so.len() != dof.len() || so.len() != lens.len() {
+            return Err(errors::invalid(
+                py,
+                format!(
+                    "descriptor lists of different lengths: {} src_offsets, {} dst_offsets, {} nbytes",
+                    so.len(),
+                    dof.len(),
+                    lens.len()
+                ),
+            ));
+        }
+        let list: Vec<ScatterDst> = so
+            .iter()
+            .zip(&dof)
+            .zip(&lens)
+            .map(|((&src_offset, &dst_offset), &len)| ScatterDst {
+                len,
+                src_offset,
+                dst: dst.clone(),
+                dst_offset,
+            })
+            .collect();
+        let total = lens.iter().sum();
+        let notify = notify.map(|id| (dst.owner(), id));
+        let (t, done) = completion(py, &engine, ("batch of writes", total), on_done, notify)?;
+        engine
+            .submit_scatter(None, done, imm, handle, &list)
+            .or_raise(py)?;
+        Ok(t)
+    }
+
     /// Registers a set of peers (addresses as bytes or `NetAddr`): scatters and barriers
     /// given the group must stay inside it.
     fn add_peer_group(&self, py: Python<'_>, peers: &Bound<'_, PyAny>) -> PyResult<PeerGroup> {

@@ -195,6 +195,53 @@ pub(crate) fn indices_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     .collect()
 }
 
+/// Byte counts or offsets from an int, a sequence of ints or an integer array (read
+/// without a Python loop when it is a buffer of 32- or 64-bit integers). An int stands for
+/// `n` copies of itself.
+pub(crate) fn u64s_of(obj: &Bound<'_, PyAny>, what: &str, n: Option<usize>) -> PyResult<Vec<u64>> {
+    let py = obj.py();
+    if let (Ok(v), Some(n)) = (obj.extract::<u64>(), n) {
+        return Ok(vec![v; n]);
+    }
+    let bad = |v: i128| errors::invalid(py, format!("{what} {v} is negative or too large"));
+    if let Ok(b) = PyBuffer::<u64>::get(obj) {
+        return b.to_vec(py);
+    }
+    if let Ok(b) = PyBuffer::<i64>::get(obj) {
+        return b
+            .to_vec(py)?
+            .into_iter()
+            .map(|v| u64::try_from(v).map_err(|_| bad(v.into())))
+            .collect();
+    }
+    if let Ok(b) = PyBuffer::<u32>::get(obj) {
+        return Ok(b.to_vec(py)?.into_iter().map(u64::from).collect());
+    }
+    if let Ok(b) = PyBuffer::<i32>::get(obj) {
+        return b
+            .to_vec(py)?
+            .into_iter()
+            .map(|v| u64::try_from(v).map_err(|_| bad(v.into())))
+            .collect();
+    }
+    let iter = obj.try_iter().map_err(|_| {
+        errors::invalid(
+            py,
+            format!(
+                "{what} must be an int, a sequence of ints or an integer array, not {}",
+                type_name(obj)
+            ),
+        )
+    })?;
+    iter.map(|item| {
+        let v: i128 = item?
+            .extract()
+            .map_err(|_| errors::invalid(py, format!("{what} must be ints")))?;
+        u64::try_from(v).map_err(|_| bad(v))
+    })
+    .collect()
+}
+
 /// A Python config dict as TOML text (the engine parses and checks it like a file).
 pub(crate) fn toml_of_dict(dict: &Bound<'_, PyDict>) -> PyResult<String> {
     let table = table_of(dict)?;

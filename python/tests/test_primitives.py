@@ -329,3 +329,28 @@ def test_notifications_follow_their_data_under_reordering():
         assert asyncio.run(stream()) == b"async-1"
         with pytest.raises(xfer.TimeoutError):
             b.wait_notification(0.05)
+
+
+def test_batched_descriptor_lists_as_numpy_arrays(engine):
+    src, dst = pattern(1 << 16), np.zeros(1 << 16, dtype=np.uint8)
+    s, d = engine.reg_mr(src, access="local"), engine.reg_mr(dst)
+    n = 100
+    rng = np.random.default_rng(5)
+    src_off = rng.integers(0, (1 << 16) - 512, n).astype(np.int64)
+    dst_off = (np.arange(n, dtype=np.uint64) * 600)[::-1].copy()
+    lens = rng.integers(1, 512, n).astype(np.uint32)
+    t = engine.submit_writes(s, d.desc, src_off, dst_off, lens, imm=12)
+    t.wait(10)
+    assert t.nbytes == int(lens.sum())
+    engine.expect_imm_count(12, engine.expected_arrivals(scatter_lens=lens.tolist())).wait(10)
+    for so, do, ln in zip(src_off, dst_off, lens):
+        assert np.array_equal(dst[do:do + ln], src[so:so + ln])
+    # One length for all, plain lists.
+    engine.submit_writes(s, d, [0, 64], [1000, 2000], 16).wait(10)
+    assert np.array_equal(dst[2000:2016], src[64:80])
+    with pytest.raises(xfer.InvalidArgumentError, match="different lengths"):
+        engine.submit_writes(s, d, [0, 1], [0], [1, 1])
+    with pytest.raises(xfer.InvalidArgumentError, match="negative"):
+        engine.submit_writes(s, d, [-1], [0], 1)
+    with pytest.raises(xfer.OutOfBoundsError):
+        engine.submit_writes(s, d, [0], [(1 << 16) - 1], 2)

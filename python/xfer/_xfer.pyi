@@ -142,6 +142,10 @@ class TransferEngine:
         local_offset: int = 0, remote_offset: int = 0, notify: BytesLike | None = None,
         on_done: OnDone | None = None,
     ) -> Transfer: ...
+    def submit_writes(
+        self, src: MemoryRegion, dst: MrDesc | MemoryRegion | bytes, src_offsets: Indices, dst_offsets: Indices,
+        nbytes: int | Indices, *, imm: int | None = None, notify: BytesLike | None = None, on_done: OnDone | None = None,
+    ) -> Transfer: ...
     def add_peer_group(self, peers: Iterable[bytes | NetAddr]) -> PeerGroup: ...
     def submit_scatter(
         self, src: MemoryRegion, dsts: Iterable[tuple[int, int, MrDesc | bytes, int]], *,
