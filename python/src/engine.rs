@@ -134,6 +134,8 @@ impl TransferEngine {
             // Joins the worker and callback threads (which may be waiting for the GIL) and
             // closes the Domains (deregistering everything).
             py.detach(move || drop(engine));
+            // What the close failed has had its callbacks run when close() returns.
+            crate::transfer::drain_callbacks(py);
         }
         let keeps: Vec<Keep> = self
             .regions

@@ -49,6 +49,18 @@ impl Shared {
 /// not wait for the GIL).
 type Job = Box<dyn FnOnce(Python<'_>) + Send>;
 
+/// Waits (GIL released) until every callback handed to the bindings' callback thread so
+/// far has run: `close()` returns only after the callbacks of what it failed.
+pub(crate) fn drain_callbacks(py: Python<'_>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    dispatch(Box::new(move |_| {
+        let _ = tx.send(());
+    }));
+    py.detach(move || {
+        let _ = rx.recv_timeout(std::time::Duration::from_secs(60));
+    });
+}
+
 /// The bindings' callback thread, started on first use.
 fn dispatch(job: Job) {
     static JOBS: OnceLock<Mutex<std::sync::mpsc::Sender<Job>>> = OnceLock::new();

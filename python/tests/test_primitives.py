@@ -180,12 +180,14 @@ def test_completion_three_ways(engine):
 def test_a_failure_reaches_every_way_of_waiting():
     config = dict(MOCK, timeouts={"expect_ms": 50, "transfer_ms": 1000})
     with xfer.TransferEngine(config) as e:
-        got = []
-        t = e.expect_imm_count(1, 1, on_done=got.append)
+        got, called = [], threading.Event()
+        t = e.expect_imm_count(1, 1, on_done=lambda exc: (got.append(exc), called.set()))
         with pytest.raises(xfer.TimeoutError) as info:
             t.wait(5)
         assert isinstance(info.value, TimeoutError)  # the builtin, too
         assert isinstance(t.exception(), xfer.TimeoutError)
+        # Callbacks run on the bindings' callback thread, after the outcome is visible.
+        assert called.wait(5)
         assert len(got) == 1 and isinstance(got[0], xfer.TimeoutError)
         assert e.imm_owed(1) == 1
 
