@@ -31,3 +31,62 @@ pub fn fail(message: impl std::fmt::Display) -> ! {
     eprintln!("FAILED: {message}");
     std::process::exit(1)
 }
+
+/// The value following `--flag` on the command line.
+pub fn arg(flag: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+/// One process of a multi-process run: `--rank N --world W [--rendezvous URL] [--config
+/// FILE]`. Its engine (on the config's backend) and the rendezvous it meets the others
+/// through (`--rendezvous`, else the config's `[rendezvous] url`).
+pub struct Member {
+    /// This process's engine.
+    pub engine: Arc<TransferEngine>,
+    /// Where the processes find each other.
+    pub rendezvous: xfer_rendezvous::Rendezvous,
+    /// Lease of what this process publishes.
+    pub ttl: std::time::Duration,
+    /// This process's rank.
+    pub rank: usize,
+    /// How many processes take part.
+    pub world: usize,
+}
+
+impl Member {
+    /// `Some` when `--rank` was given (the multi-process mode), `None` otherwise.
+    pub fn from_args() -> Option<Member> {
+        let rank: usize = arg("--rank")?.parse().unwrap_or_else(|_| fail("--rank N"));
+        let world: usize = arg("--world")
+            .and_then(|w| w.parse().ok())
+            .unwrap_or_else(|| fail("--world W is required with --rank"));
+        if rank >= world {
+            fail(format!("--rank {rank} is not below --world {world}"));
+        }
+        backend_mock::link();
+        let mut config = Config::load(arg("--config").as_deref().map(std::path::Path::new))
+            .unwrap_or_else(|e| fail(e));
+        // Several busy processes may share a couple of cores (as in CI): deadlines for the
+        // whole run, not for one transfer on an idle machine.
+        config.timeouts.transfer_ms = config.timeouts.transfer_ms.max(60_000);
+        config.timeouts.expect_ms = config.timeouts.expect_ms.max(60_000);
+        let engine = Arc::new(TransferEngine::open(&config).unwrap_or_else(|e| fail(e)));
+        let (rendezvous, ttl) = match arg("--rendezvous") {
+            Some(url) => (
+                xfer_rendezvous::Rendezvous::connect(&url).unwrap_or_else(|e| fail(e)),
+                std::time::Duration::from_secs(5),
+            ),
+            None => xfer_rendezvous::Rendezvous::from_config(&config).unwrap_or_else(|e| fail(e)),
+        };
+        Some(Member {
+            engine,
+            rendezvous,
+            ttl,
+            rank,
+            world,
+        })
+    }
+}

@@ -11,6 +11,7 @@
 //! - `fresh`: `test` in a clean Debian 12 root built with debootstrap (what CI runs; see
 //!   `fresh.rs`), so a missing install step fails here as it would on a new machine.
 //! - `fuzz [SECONDS]`: the decoders' fuzz targets (`fuzz/`), with libFuzzer on nightly.
+//! - `examples`: the example workloads as separate processes meeting through the rendezvous.
 //! - `python`: builds the Python package with its plugins and installs it into
 //!   `target/python-venv` (what `test` does before running the pytest suite).
 //! - `fixtures`: rewrites the sysfs fixture trees of the topology tests.
@@ -378,15 +379,7 @@ fn test() -> Result {
     let cli_tests = test_executable("xfer-cli", "cli")?;
     let two_process = test_executable("xfer-cli", "two_process")?;
     let verbs_tests = test_executable("backend-verbs", "conformance_rxe")?;
-    // The KV-cache example as two processes meeting through `xfer serve`, over shm and tcp
-    // here (and over verbs in the guest, below).
-    cargo(&[
-        "build", "--quiet", "-p", "examples", "--bin", "kv_cache", "-p", "xfer-cli", "--bin",
-        "xfer",
-    ])?;
-    for config in ["configs/efa-shm.toml", "configs/efa-tcp.toml"] {
-        kv_cache_processes(config)?;
-    }
+    multi_process_examples()?;
     let script = format!(
         "{cli_tests} --ignored && {verbs_tests} --ignored --test-threads 1 && {two_process} --ignored --test-threads 1 \
          && {venv}/bin/python -m pytest -q -p no:cacheprovider python/tests/test_two_process.py -k verbs \
@@ -448,9 +441,46 @@ fn test() -> Result {
     Ok(())
 }
 
-/// `kv_cache --role decode` and `--role prefill` as two processes that find each other
-/// through the embedded rendezvous (`xfer serve` on a free port), with backend `config`.
-fn kv_cache_processes(config: &str) -> Result {
+/// The examples as separate processes meeting through `xfer serve`: the KV cache over shm
+/// and tcp (over verbs the rxe guest runs it), weight sync over shm (`cargo xtask
+/// examples`; `test` runs it too).
+fn multi_process_examples() -> Result {
+    cargo(&[
+        "build",
+        "--quiet",
+        "-p",
+        "examples",
+        "--bin",
+        "kv_cache",
+        "--bin",
+        "rl_weight_sync",
+        "-p",
+        "xfer-cli",
+        "--bin",
+        "xfer",
+    ])?;
+    for config in ["configs/efa-shm.toml", "configs/efa-tcp.toml"] {
+        example_processes(
+            "kv_cache",
+            &[&["--role", "decode"], &["--role", "prefill"]],
+            config,
+        )?;
+    }
+    example_processes(
+        "rl_weight_sync",
+        &[
+            &["--rank", "1", "--world", "3"],
+            &["--rank", "2", "--world", "3"],
+            &["--rank", "0", "--world", "3"],
+        ],
+        "configs/efa-shm.toml",
+    )
+}
+
+/// An example as several processes that find each other through the embedded rendezvous
+/// (`xfer serve` on a free port), with backend `config`: one process per argument list, the
+/// last run in the foreground once the others are started.
+fn example_processes(example: &str, members: &[&[&str]], config: &str) -> Result {
     let mut serve = Command::new("target/debug/xfer")
         .args(["serve", "--listen", "127.0.0.1:0"])
         .stdout(Stdio::piped())
@@ -464,25 +494,42 @@ fn kv_cache_processes(config: &str) -> Result {
     let plugins = std::env::current_dir()
         .map_err(|e| e.to_string())?
         .join("target/debug");
-    let side = |role: &str| {
-        let mut c = Command::new("target/debug/kv_cache");
-        c.args(["--role", role, "--rendezvous", &url, "--config", config])
+    let member = |args: &[&str]| {
+        let mut c = Command::new(format!("target/debug/{example}"));
+        c.args(args)
+            .args(["--rendezvous", &url, "--config", config])
             .env("XFER_PLUGIN_PATH", &plugins);
         c
     };
-    eprintln!("xtask: kv_cache as two processes over {config}, rendezvous {url}");
+    eprintln!(
+        "xtask: {example} as {} processes over {config}, rendezvous {url}",
+        members.len()
+    );
     let result = (|| {
-        let mut decode = side("decode")
-            .spawn()
-            .map_err(|e| format!("cannot start the decoder: {e}"))?;
-        let prefill = side("prefill").status().map_err(|e| e.to_string())?;
-        let decoded = decode.wait().map_err(|e| e.to_string())?;
-        if prefill.success() && decoded.success() {
+        let (last, others) = members.split_last().ok_or("no members")?;
+        let mut background = Vec::new();
+        for args in others {
+            background.push(
+                member(args)
+                    .spawn()
+                    .map_err(|e| format!("cannot start {example}: {e}"))?,
+            );
+        }
+        let mut failed = Vec::new();
+        let status = member(last).status().map_err(|e| e.to_string())?;
+        if !status.success() {
+            failed.push(format!("{last:?}: {status}"));
+        }
+        for (args, mut child) in others.iter().zip(background) {
+            let status = child.wait().map_err(|e| e.to_string())?;
+            if !status.success() {
+                failed.push(format!("{args:?}: {status}"));
+            }
+        }
+        if failed.is_empty() {
             Ok(())
         } else {
-            Err(format!(
-                "kv_cache over {config}: prefill {prefill}, decode {decoded}"
-            ))
+            Err(format!("{example} over {config}: {}", failed.join(", ")))
         }
     })();
     let _ = serve.kill();
@@ -758,6 +805,7 @@ fn main() -> ExitCode {
         Some("rxe-bench") => rxe_bench(args.get(1).map_or("write", String::as_str)),
         Some("gpu-check") => gpu_check(),
         Some("python") => python::install(),
+        Some("examples") => multi_process_examples(),
         Some("fixtures") => fixtures::write_all(std::path::Path::new("engine-core/tests/fixtures/sysfs")).map_err(|e| e.to_string()),
         _ => Err("usage: cargo xtask test | fresh | bench [transfer-bench args] | bench-efa [transfer-bench args]".into()),
     };
