@@ -441,9 +441,9 @@ fn test() -> Result {
     Ok(())
 }
 
-/// The examples as separate processes meeting through `xfer serve`: the KV cache over shm
-/// and tcp (over verbs the rxe guest runs it), weight sync over shm (`cargo xtask
-/// examples`; `test` runs it too).
+/// The examples as separate processes meeting through `xfer serve`: transfer-bench's
+/// initiator and target, the KV cache over shm and tcp (over verbs the rxe guest runs it),
+/// weight sync over shm (`cargo xtask examples`; `test` runs it too).
 fn multi_process_examples() -> Result {
     cargo(&[
         "build",
