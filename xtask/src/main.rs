@@ -443,7 +443,8 @@ fn test() -> Result {
 
 /// The examples as separate processes meeting through `xfer serve`: transfer-bench's
 /// initiator and target, the KV cache over shm and tcp (over verbs the rxe guest runs it),
-/// weight sync over shm (`cargo xtask examples`; `test` runs it too).
+/// MoE dispatch/combine over tcp, weight sync over shm (`cargo xtask examples`; `test` runs
+/// it too).
 fn multi_process_examples() -> Result {
     cargo(&[
         "build",

@@ -7,6 +7,11 @@
 //! 3. Each owner "runs the expert" (adds its expert id to every byte) and combines: it scatters
 //!    the results back to where each token came from, then a barrier again.
 //! 4. Every rank checks each of its tokens came back transformed by the right expert.
+//!
+//! `--rank N --world W [--rendezvous URL] [--config FILE]`: each rank is its own process,
+//! publishing `moe-N` with its inbox and results regions and finding the others through the
+//! rendezvous; the count messages then also carry each token's index, since no rank knows
+//! another's routing.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -54,7 +59,171 @@ fn barrier_all(engines: &[Arc<TransferEngine>], bufs: &[HostBuffer], imm: u32) {
     wait_all(&landed, "barrier");
 }
 
+/// One rank of the multi-process mode.
+fn member(m: examples::Member) {
+    let (me, world, engine) = (m.rank, m.world, &m.engine);
+    if world > 255 || TOKENS > 255 {
+        fail("this example numbers ranks and tokens with one byte");
+    }
+    let mut rng = fastrand::Rng::with_seed(7 + me as u64);
+    let routes: Vec<usize> = (0..TOKENS)
+        .map(|_| rng.usize(0..world * EXPERTS_PER_RANK))
+        .collect();
+    let tokens = HostBuffer::new(engine, TOKENS * HIDDEN).unwrap_or_else(|e| fail(e));
+    let fill: Vec<u8> = (0..tokens.len())
+        .map(|i| byte(me, i / HIDDEN, i % HIDDEN))
+        .collect();
+    tokens.write(0, &fill).unwrap_or_else(|e| fail(e));
+    let inbox = HostBuffer::new(engine, world * TOKENS * HIDDEN).unwrap_or_else(|e| fail(e));
+    let results = HostBuffer::new(engine, TOKENS * HIDDEN).unwrap_or_else(|e| fail(e));
+    // (token, expert) pairs each source rank routed here, from its count message.
+    let told: Arc<Mutex<HashMap<usize, Vec<(usize, u8)>>>> = Arc::default();
+    let sink = Arc::clone(&told);
+    engine
+        .submit_recvs(1024, 8, move |msg| {
+            let pairs = msg[1..].chunks(2).map(|p| (p[0] as usize, p[1])).collect();
+            sink.lock().unwrap().insert(msg[0] as usize, pairs);
+        })
+        .unwrap_or_else(|e| fail(e));
+    let _me = m
+        .rendezvous
+        .publish(
+            &format!("moe-{me}"),
+            &engine.main_address(),
+            &[("inbox", inbox.desc()), ("results", results.desc())],
+            m.ttl,
+        )
+        .unwrap_or_else(|e| fail(e));
+    let peers: Vec<xfer_rendezvous::Record> = (0..world)
+        .map(|r| {
+            m.rendezvous
+                .lookup(&format!("moe-{r}"), WAIT)
+                .unwrap_or_else(|e| fail(e))
+        })
+        .collect();
+    let region = |r: usize, name: &str| -> engine_core::MrDesc {
+        peers[r]
+            .region(name)
+            .unwrap_or_else(|| fail(format!("moe-{r} published no {name}")))
+            .clone()
+    };
+    let owner = |x: usize| x / EXPERTS_PER_RANK;
+    // 1. Counts (with token indices) to every other rank.
+    let mut sends = Vec::new();
+    for o in (0..world).filter(|&o| o != me) {
+        let mut msg = vec![me as u8];
+        for (t, &x) in routes.iter().enumerate().filter(|&(_, &x)| owner(x) == o) {
+            msg.extend([t as u8, x as u8]);
+        }
+        let f = DoneFlag::new();
+        engine
+            .submit_send(&peers[o].addr, &msg, f.clone())
+            .unwrap_or_else(|e| fail(e));
+        sends.push(f);
+    }
+    wait_all(&sends, "count messages");
+    let deadline = Instant::now() + WAIT;
+    while told.lock().unwrap().len() < world - 1 {
+        if Instant::now() > deadline {
+            fail("count messages did not all arrive");
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut told = told.lock().unwrap().clone();
+    told.insert(
+        me,
+        routes
+            .iter()
+            .enumerate()
+            .filter(|&(_, &x)| owner(x) == me)
+            .map(|(t, &x)| (t, x as u8))
+            .collect(),
+    );
+    // The barrier of one phase: a zero-byte write with `imm` to every other rank's `region`.
+    let barrier = |imm: u32, region_name: &str| {
+        let landed = DoneFlag::new();
+        engine
+            .expect_imm_count(imm, (world - 1) as u64, landed.clone())
+            .unwrap_or_else(|e| fail(e));
+        let others: Vec<_> = (0..world)
+            .filter(|&o| o != me)
+            .map(|o| region(o, region_name))
+            .collect();
+        let sent = DoneFlag::new();
+        engine
+            .submit_barrier(None, sent.clone(), imm, &others)
+            .unwrap_or_else(|e| fail(e));
+        wait_all(&[sent, landed], "barrier");
+    };
+    // 2. Dispatch into slot `me` of each owner's inbox, in token order.
+    let mut filled = vec![0usize; world];
+    let dsts: Vec<ScatterDst> = routes
+        .iter()
+        .enumerate()
+        .map(|(t, &x)| {
+            let o = owner(x);
+            let at = (me * TOKENS + filled[o]) * HIDDEN;
+            filled[o] += 1;
+            ScatterDst {
+                len: HIDDEN as u64,
+                src_offset: (t * HIDDEN) as u64,
+                dst: region(o, "inbox"),
+                dst_offset: at as u64,
+            }
+        })
+        .collect();
+    let f = DoneFlag::new();
+    engine
+        .submit_scatter(None, f.clone(), None, tokens.mr(), &dsts)
+        .unwrap_or_else(|e| fail(e));
+    wait_all(&[f], "dispatch");
+    barrier(1, "inbox");
+    // 3. Run the experts on what arrived, and send each result home.
+    let mut computed = inbox.to_vec();
+    let mut dsts = Vec::new();
+    for (&r, pairs) in &told {
+        for (k, &(t, x)) in pairs.iter().enumerate() {
+            let at = (r * TOKENS + k) * HIDDEN;
+            computed[at..at + HIDDEN]
+                .iter_mut()
+                .for_each(|b| *b = b.wrapping_add(x));
+            dsts.push(ScatterDst {
+                len: HIDDEN as u64,
+                src_offset: at as u64,
+                dst: region(r, "results"),
+                dst_offset: (t * HIDDEN) as u64,
+            });
+        }
+    }
+    let outbox = HostBuffer::new(engine, world * TOKENS * HIDDEN).unwrap_or_else(|e| fail(e));
+    outbox.write(0, &computed).unwrap_or_else(|e| fail(e));
+    let f = DoneFlag::new();
+    engine
+        .submit_scatter(None, f.clone(), None, outbox.mr(), &dsts)
+        .unwrap_or_else(|e| fail(e));
+    wait_all(&[f], "combine");
+    barrier(2, "results");
+    // 4. Every token of this rank is back, transformed by its expert.
+    let back = results.to_vec();
+    for (t, &x) in routes.iter().enumerate() {
+        if back[t * HIDDEN..(t + 1) * HIDDEN]
+            .iter()
+            .enumerate()
+            .any(|(i, &b)| b != byte(me, t, i).wrapping_add(x as u8))
+        {
+            fail(format!("rank {me} token {t} (expert {x}) came back wrong"));
+        }
+    }
+    let per_owner: Vec<usize> = (0..world)
+        .map(|o| routes.iter().filter(|&&x| owner(x) == o).count())
+        .collect();
+    println!("moe rank {me}/{world}: {TOKENS} tokens routed {per_owner:?} by owner; dispatch + combine verified");
+}
+
 fn main() {
+    if let Some(m) = examples::Member::from_args() {
+        return member(m);
+    }
     let engines = open_engines(RANKS, 2).unwrap_or_else(|e| fail(e));
     let mut rng = fastrand::Rng::with_seed(7);
     // Each token goes to one expert; expert x lives on rank x / EXPERTS_PER_RANK.
