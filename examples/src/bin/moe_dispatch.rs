@@ -27,6 +27,9 @@ const HIDDEN: usize = 256; // bytes per token
 /// The experts rank `r`'s tokens need on rank `o`, keyed by `(r, o)`, as told by messages.
 type ExpertLists = HashMap<(usize, usize), Vec<u8>>;
 
+/// The (token, expert) pairs each source rank routed to this rank (multi-process mode).
+type RoutedHere = HashMap<usize, Vec<(usize, u8)>>;
+
 const WAIT: Duration = Duration::from_secs(30);
 
 fn wait_all(flags: &[Arc<DoneFlag>], what: &str) {
@@ -77,7 +80,7 @@ fn member(m: examples::Member) {
     let inbox = HostBuffer::new(engine, world * TOKENS * HIDDEN).unwrap_or_else(|e| fail(e));
     let results = HostBuffer::new(engine, TOKENS * HIDDEN).unwrap_or_else(|e| fail(e));
     // (token, expert) pairs each source rank routed here, from its count message.
-    let told: Arc<Mutex<HashMap<usize, Vec<(usize, u8)>>>> = Arc::default();
+    let told: Arc<Mutex<RoutedHere>> = Arc::default();
     let sink = Arc::clone(&told);
     engine
         .submit_recvs(1024, 8, move |msg| {
