@@ -179,12 +179,17 @@ fn memcheck(totals: &mut (u64, u64)) -> Result {
                 "--skip",
                 "striping",
             ],
-            &[],
+            // Memcheck runs the code tens of times slower: deadlines for that, not 2 s.
+            &[(CONFORMANCE_DEADLINE_ENV, "20000")],
             totals,
         )?;
     }
     Ok(())
 }
+
+/// `engine_core::conformance::DEADLINE_ENV` (xtask does not link engine-core): the
+/// conformance suite's short deadlines, raised for runs under valgrind or ASan.
+const CONFORMANCE_DEADLINE_ENV: &str = "XFER_CONFORMANCE_DEADLINE_MS";
 
 /// Whether `cargo +nightly` works here (sanitizers and fuzzing need it).
 fn nightly_available() -> bool {
@@ -307,6 +312,7 @@ fn address_sanitizer(totals: &mut (u64, u64)) -> Result {
         ],
         &[
             ("RUSTFLAGS", "-Zsanitizer=address"),
+            (CONFORMANCE_DEADLINE_ENV, "20000"),
             ("ASAN_OPTIONS", "detect_leaks=0"),
         ],
         totals,
