@@ -3,7 +3,7 @@
 //! `etcd-server` and sets `XFER_REQUIRE_ETCD=1`, elsewhere the etcd half is skipped when
 //! there is no `etcd` binary).
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use engine_core::{MrDesc, NetAddr};
@@ -54,8 +54,9 @@ impl Service for Embedded {
     }
 }
 
+#[cfg(feature = "etcd")]
 struct Etcd {
-    child: Option<Child>,
+    child: Option<std::process::Child>,
     dir: std::path::PathBuf,
     client: u16,
     peer: u16,
@@ -69,6 +70,7 @@ fn free_port() -> u16 {
         .port()
 }
 
+#[cfg(feature = "etcd")]
 impl Etcd {
     fn start() -> Option<Self> {
         if Command::new("etcd").arg("--version").output().is_err() {
@@ -130,6 +132,7 @@ impl Etcd {
     }
 }
 
+#[cfg(feature = "etcd")]
 fn fastrand_u64() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -138,6 +141,7 @@ fn fastrand_u64() -> u64 {
         .into()
 }
 
+#[cfg(feature = "etcd")]
 impl Service for Etcd {
     fn url(&self) -> String {
         format!("etcd://127.0.0.1:{}/xfer-test", self.client)
@@ -152,6 +156,7 @@ impl Service for Etcd {
     }
 }
 
+#[cfg(feature = "etcd")]
 impl Drop for Etcd {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {
