@@ -76,6 +76,12 @@ impl<P> Outstanding<P> {
         (before, rest)
     }
 
+    /// Whether any outstanding work request satisfies `f` (e.g. uses a region about to be
+    /// deregistered).
+    pub fn any(&self, f: impl Fn(&P) -> bool) -> bool {
+        self.fifo.iter().any(|(.., posted)| f(posted))
+    }
+
     /// Everything still outstanding, oldest first (engine ids).
     pub fn drain(&mut self) -> Vec<u64> {
         self.fifo.drain(..).map(|(_, user, ..)| user).collect()
@@ -85,6 +91,16 @@ impl<P> Outstanding<P> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn any_looks_at_every_outstanding_request() {
+        let mut o = Outstanding::default();
+        o.push(1, 10, false, 7u32);
+        o.push(2, 10, true, 9u32);
+        assert!(o.any(|&p| p == 9) && !o.any(|&p| p == 8));
+        o.complete();
+        assert!(!o.any(|&p| p == 9));
+    }
 
     #[test]
     fn a_signalled_completion_settles_its_chain() {

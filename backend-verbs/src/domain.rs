@@ -943,6 +943,10 @@ impl VerbsDomain {
                         return;
                     }
                 }
+                if self.options.faults.delay_request_ms > 0 && !self.peers.contains_key(&peer) {
+                    // Test fault: a responder slow to answer a new peer.
+                    std::thread::sleep(Duration::from_millis(self.options.faults.delay_request_ms));
+                }
                 let (data, msg, queued) = match self.peers.remove(&peer) {
                     Some(Peer::Connecting {
                         data, msg, queued, ..
@@ -1310,7 +1314,82 @@ impl Domain for VerbsDomain {
         Ok(self.regions.insert(key, region, mr, remote_key))
     }
 
+    /// Deregisters only once no work request can use the region: writes and reads that
+    /// would use it but are not posted yet (queued for a connection, or in a chain) fail now;
+    /// posted ones are waited for (polling here, completions kept for the next `poll`), at most
+    /// `unreachable_ms`, after which their connections go to the error state (a QP in error
+    /// executes nothing). Without this, a queued write was later posted with the dead lkey —
+    /// a protection error that broke the connection and failed unrelated writes — and a
+    /// posted read could land in memory already freed.
     fn deregister(&mut self, local_key: u64) -> Result<(), DomainError> {
+        let lkey = self
+            .regions
+            .registration(local_key)
+            .ok_or_else(|| {
+                err(
+                    DomainErrorKind::InvalidArgument,
+                    format!("local key {local_key} is not registered"),
+                )
+            })?
+            .lkey;
+        let uses = |w: &Write| w.len > 0 && w.lkey == lkey;
+        let gone = || {
+            Err(err(
+                DomainErrorKind::InvalidArgument,
+                "its local region was deregistered before it was posted",
+            ))
+        };
+        let mut failed = Vec::new();
+        for p in self.peers.values_mut() {
+            let (Peer::Connecting { queued, .. } | Peer::Connected { queued, .. }) = p;
+            queued.retain(|q| match q {
+                Queued::Write(w) if uses(w) => {
+                    failed.push(w.user);
+                    false
+                }
+                _ => true,
+            });
+        }
+        for q in self.data_queues.values_mut() {
+            q.chain.retain(|w| {
+                let keep = !uses(w);
+                if !keep {
+                    failed.push(w.user);
+                }
+                keep
+            });
+        }
+        self.done
+            .extend(failed.into_iter().map(|wr_id| Event::Done {
+                wr_id,
+                result: gone(),
+            }));
+        let deadline = Instant::now() + Duration::from_millis(self.options.unreachable_ms);
+        loop {
+            let busy: Vec<u32> = self
+                .data_queues
+                .iter()
+                .filter(|(_, q)| q.outstanding.any(uses))
+                .map(|(&qpn, _)| qpn)
+                .collect();
+            if busy.is_empty() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                for qpn in busy {
+                    if let Some(peer) = self.qp_peer.get(&qpn).cloned() {
+                        self.fail_peer(
+                            &peer,
+                            "a region its writes use was deregistered while they stayed unfinished",
+                        );
+                    }
+                }
+                break;
+            }
+            let mut events = Vec::new();
+            self.poll(&mut events)?;
+            self.done.append(&mut events);
+        }
         self.regions.remove(local_key).map(drop)
     }
 

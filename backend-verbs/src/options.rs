@@ -60,6 +60,9 @@ pub struct Faults {
     /// As a requester, wait this long (ms) after a response before bringing the QPs up: a
     /// requester slower than the responder's retransmission budget.
     pub delay_response_ms: u64,
+    /// As a responder, wait this long (ms) before answering a new request: a peer slow to
+    /// answer, so the requester's writes stay queued meanwhile.
+    pub delay_request_ms: u64,
 }
 
 impl Default for VerbsOptions {

@@ -330,3 +330,45 @@ fn a_responder_sends_nothing_before_the_requester_is_ready() {
     fb.wait(Duration::from_secs(60)).expect("b to a");
     assert!(db.to_vec() == sa.to_vec() && da.to_vec() == sb.to_vec());
 }
+
+/// Deregistering a region while a write from it is still queued (its peer slow to answer
+/// the handshake): that write fails at once, naming the deregistration, and is never posted
+/// with the dead key — which used to break the connection and fail the other region's write
+/// queued behind it.
+#[test]
+#[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
+fn deregistering_a_region_fails_its_queued_writes_and_spares_the_others() {
+    use engine_core::conformance::Harness;
+    use std::time::Duration;
+    let mut config = Rxe.config(1);
+    config.timeouts.connect_ms = 20_000;
+    config.timeouts.transfer_ms = 30_000;
+    let a = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let mut slow = config.clone();
+    slow.backends = toml::from_str("[verbs.faults]\ndelay_request_ms = 1500\n").unwrap();
+    let b = std::sync::Arc::new(engine_core::TransferEngine::open(&slow).unwrap());
+    let r1 = engine_core::HostBuffer::from_fn(&a, 4096, |i| i as u8).unwrap();
+    let r2 = engine_core::HostBuffer::from_fn(&a, 4096, |i| (i * 3) as u8).unwrap();
+    let dst = engine_core::HostBuffer::new(&b, 8192).unwrap();
+    let (f1, f2) = (engine_core::DoneFlag::new(), engine_core::DoneFlag::new());
+    a.submit_single_write(4096, None, (r1.mr(), 0), (dst.desc(), 0), f1.clone())
+        .unwrap();
+    a.submit_single_write(4096, Some(2), (r2.mr(), 0), (dst.desc(), 4096), f2.clone())
+        .unwrap();
+    let r1_bytes = r1.to_vec();
+    drop(r1); // deregisters while both writes wait for the handshake
+    let e = f1.wait(Duration::from_secs(30)).unwrap_err();
+    assert!(
+        matches!(&e, engine_core::Error::Backend { message, .. } | engine_core::Error::InvalidArgument(message) if message.contains("deregistered")),
+        "{e:?}"
+    );
+    f2.wait(Duration::from_secs(30))
+        .expect("the other region's write");
+    let got = dst.to_vec();
+    assert!(got[4096..] == r2.to_vec()[..], "the second write landed");
+    assert!(
+        got[..4096].iter().all(|&b| b == 0),
+        "the deregistered region's write never ran"
+    );
+    drop(r1_bytes);
+}

@@ -337,6 +337,11 @@ impl<M> RegionTable<M> {
         })
     }
 
+    /// The registration under `key`, if any.
+    pub fn registration(&self, key: u64) -> Option<&M> {
+        self.regions.get(&key).map(|(_, _, m)| m)
+    }
+
     /// The registration a write's source must lie in: `[addr, addr + len)` inside region `key`.
     pub fn source(&self, key: u64, addr: u64, len: u64) -> Result<&M, DomainError> {
         let (base, size, m) = self.regions.get(&key).ok_or_else(|| {
