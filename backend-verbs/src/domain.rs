@@ -204,6 +204,8 @@ pub struct VerbsDomain {
     handshakes_sent: u32,
     /// Handshake-QP resets already logged.
     ud_resets_seen: u64,
+    /// The `stall_on_first_arrival_ms` fault, until it fired.
+    stall_once: Option<u64>,
 }
 
 fn err(kind: DomainErrorKind, message: impl Into<String>) -> DomainError {
@@ -289,8 +291,18 @@ impl VerbsDomain {
                 }
             }
         };
+        let stall_once = Some(options.faults.stall_on_first_arrival_ms).filter(|&ms| ms > 0);
+        // The CQ holds what can complete on it: the immediate receives posted (imm_receives),
+        // every message receive the message SRQ can hold, and the handshake QP's 64 receives
+        // and 64 sends (plus slack); each RC QP's send queue is added when it is created (the
+        // shim grows the CQ). A fixed size overran as soon as more could be outstanding.
+        let srq_size = options.imm_receives.max(16) * 2;
         let attr = device
-            .setup(gid_index, 8192, options.imm_receives.max(16) * 2)
+            .setup(
+                gid_index,
+                options.imm_receives + srq_size + 2 * 64 + 64,
+                srq_size,
+            )
             .map_err(|e| other(format!("{}: {e}", config.nic)))?;
         if attr.state != 4 {
             return Err(err(
@@ -353,6 +365,7 @@ impl VerbsDomain {
             polls_since_check: 0,
             handshakes_sent: 0,
             ud_resets_seen: 0,
+            stall_once,
             imm_deficit: 0,
             next_imm_recv,
         })
@@ -528,6 +541,35 @@ impl VerbsDomain {
                     tracing_free_log(&format!("{}: {e}", self.name));
                 }
                 false
+            }
+        }
+    }
+
+    /// Reads the device's asynchronous events: a CQ overrun, a fatal device or SRQ error fail
+    /// the Domain (typed, once) rather than stalling it silently; a QP error fails that
+    /// connection (its writes settle from the flushes); others are logged.
+    fn read_async_events(&mut self) -> Result<(), DomainError> {
+        loop {
+            let event = self.device.async_event().map_err(other)?;
+            let Some((name, kind, qpn)) = event else {
+                return Ok(());
+            };
+            // ibv_event_type: 0 CQ_ERR, 1 QP_FATAL, 2 QP_REQ_ERR, 3 QP_ACCESS_ERR,
+            // 8 DEVICE_FATAL, 14 SRQ_ERR.
+            match kind {
+                0 | 8 | 14 => {
+                    let (cap, need) = self.device.cq_state();
+                    return Err(err(
+                        DomainErrorKind::Fatal,
+                        format!("{}: {name} (completion queue of {cap} entries, {need} reserved); the device cannot be used further", self.name),
+                    ));
+                }
+                1..=3 => {
+                    if let Some(peer) = self.qp_peer.get(&qpn).cloned() {
+                        self.fail_peer(&peer, &format!("the NIC reported {name} on its QP {qpn}"));
+                    }
+                }
+                _ => tracing_free_log(&format!("{}: {name}", self.name)),
             }
         }
     }
@@ -1507,6 +1549,7 @@ impl Domain for VerbsDomain {
             self.polls_since_check = 0;
             self.check_stalled_peers();
             self.collect_graveyard();
+            self.read_async_events()?;
         }
         events.append(&mut self.done);
         let mut wcs = std::mem::take(&mut self.wcs);
@@ -1525,6 +1568,11 @@ impl Domain for VerbsDomain {
                     KIND_RECV_IMM => {
                         if wc.status == 0 {
                             events.push(Event::ImmArrival { imm: wc.imm });
+                        }
+                        if let Some(ms) = self.stall_once.take() {
+                            // Test fault: a worker stalled (a long registration, say) while
+                            // arrivals keep completing on the CQ.
+                            std::thread::sleep(Duration::from_millis(ms));
                         }
                         // Reposted in one batch at the end of this poll.
                         self.imm_deficit += 1;

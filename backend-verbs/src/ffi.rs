@@ -305,6 +305,33 @@ impl Device {
         Ok(())
     }
 
+    /// The next asynchronous event (QP and port errors, CQ overrun), without blocking: its
+    /// type's name, its raw type, and the QP number for QP events.
+    pub(crate) fn async_event(&mut self) -> Result<Option<(String, i32, u32)>, String> {
+        let (mut kind, mut qpn) = (0, 0);
+        // SAFETY: the device is open; out-pointers valid; the shim acknowledges the event.
+        let rc = unsafe { sys::xv_async_event(self.raw.as_ptr(), &mut kind, &mut qpn) };
+        match rc {
+            0 => Ok(None),
+            1 => {
+                // SAFETY: ibv_event_type_str returns a static string for any value.
+                let name = unsafe { CStr::from_ptr(sys::xv_event_str(kind)) }
+                    .to_string_lossy()
+                    .into_owned();
+                Ok(Some((name, kind, qpn)))
+            }
+            _ => Err("reading async events failed".into()),
+        }
+    }
+
+    /// The completion queue's capacity and how much of it is reserved.
+    pub(crate) fn cq_state(&self) -> (i32, i64) {
+        let (mut cap, mut need) = (0, 0);
+        // SAFETY: the device is open; out-pointers valid.
+        unsafe { sys::xv_cq_state(self.raw.as_ptr(), &mut cap, &mut need) };
+        (cap, need as i64)
+    }
+
     /// How many times the shim reset the handshake QP after an error.
     pub(crate) fn ud_resets(&self) -> u64 {
         // SAFETY: the device is open; this reads one counter.

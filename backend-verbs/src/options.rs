@@ -63,6 +63,9 @@ pub struct Faults {
     /// As a responder, wait this long (ms) before answering a new request: a peer slow to
     /// answer, so the requester's writes stay queued meanwhile.
     pub delay_request_ms: u64,
+    /// Stall the worker this long (ms) when the first immediate arrives, while the NIC
+    /// keeps completing arrivals on the CQ.
+    pub stall_on_first_arrival_ms: u64,
 }
 
 impl Default for VerbsOptions {

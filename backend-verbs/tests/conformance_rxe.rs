@@ -372,3 +372,63 @@ fn deregistering_a_region_fails_its_queued_writes_and_spares_the_others() {
     );
     drop(r1_bytes);
 }
+
+/// A burst of arrivals larger than the old fixed 8,192-entry CQ (16,383 on rxe, which rounds up) while the receiver's worker
+/// is stalled (a fault: 20 s at its first arrival): 8,000 writes with immediate and 9,000
+/// messages complete on its CQ meanwhile. The CQ is sized from what can be outstanding, so
+/// nothing overruns and every arrival is counted.
+#[test]
+#[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
+fn a_stalled_receiver_loses_no_completion_to_a_cq_overrun() {
+    use engine_core::conformance::Harness;
+    use std::time::Duration;
+    const WRITES: u64 = 8_000;
+    const MESSAGES: usize = 9_000;
+    let mut config = Rxe.config(1);
+    config.timeouts.transfer_ms = 120_000;
+    config.timeouts.expect_ms = 120_000;
+    let a = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let mut receiver = config.clone();
+    receiver.backends = toml::from_str(
+        "[verbs]\nimm_receives = 8100\n[verbs.faults]\nstall_on_first_arrival_ms = 20000\n",
+    )
+    .unwrap();
+    let b = std::sync::Arc::new(engine_core::TransferEngine::open(&receiver).unwrap());
+    let got = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = std::sync::Arc::clone(&got);
+    b.submit_recvs(64, MESSAGES, move |_| {
+        seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    })
+    .unwrap();
+    let src = engine_core::HostBuffer::from_fn(&a, 8 * WRITES as usize, |i| i as u8).unwrap();
+    let dst = engine_core::HostBuffer::new(&b, 8 * WRITES as usize).unwrap();
+    let pages = engine_core::Pages {
+        indices: (0..WRITES as u32).collect(),
+        stride: 8,
+        offset: 0,
+    };
+    let arrived = engine_core::DoneFlag::new();
+    b.expect_imm_count(7, WRITES, arrived.clone()).unwrap();
+    let sent = engine_core::DoneCounter::new();
+    a.submit_paged_writes(
+        8,
+        Some(7),
+        (src.mr(), &pages),
+        (dst.desc(), &pages),
+        sent.clone(),
+    )
+    .unwrap();
+    for _ in 0..MESSAGES {
+        a.submit_send(&b.main_address(), b"burst", sent.clone())
+            .unwrap();
+    }
+    sent.wait_for(1 + MESSAGES as u64, Duration::from_secs(120))
+        .unwrap();
+    arrived.wait(Duration::from_secs(120)).unwrap();
+    assert!(dst.to_vec() == src.to_vec());
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while got.load(std::sync::atomic::Ordering::SeqCst) < MESSAGES {
+        assert!(std::time::Instant::now() < deadline, "messages lost");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

@@ -3,6 +3,7 @@
  * rdma-core's headers (every struct layout is the real one). */
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <infiniband/verbs.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -34,6 +35,12 @@ typedef struct xv_dev {
     uint32_t ud_gen;
     int ud_broken;
     uint64_t ud_resets;
+    /* The CQ is sized from what can be outstanding on it: the receives (both SRQs, the UD
+     * QP) at setup, plus each RC QP's send queue while it exists (grown with ibv_resize_cq,
+     * up to the device's max_cqe; a QP that would not fit is refused). */
+    int cq_cap;
+    long cq_need;
+    int max_cqe;
     int port;
     int gid_index;
     union ibv_gid gid;
@@ -275,10 +282,13 @@ uint64_t xv_ud_resets(const xv_dev *d) { return d->ud_resets; }
 int xv_setup(xv_dev *d, int gid_index, int cq_size, int srq_size, xv_attr *attr, char *err, size_t cap) {
     int rc;
     d->gid_index = gid_index;
+    d->max_cqe = 1 << 22;
     {
         struct ibv_device_attr da;
         d->max_rd_atomic = d->max_dest_rd_atomic = 1;
         if (!ibv_query_device(d->ctx, &da)) {
+            if (da.max_cqe > 0)
+                d->max_cqe = da.max_cqe;
             d->max_rd_atomic = da.max_qp_init_rd_atom > 0 ? (da.max_qp_init_rd_atom < 16 ? da.max_qp_init_rd_atom : 16) : 1;
             d->max_dest_rd_atomic = da.max_qp_rd_atom > 0 ? (da.max_qp_rd_atom < 16 ? da.max_qp_rd_atom : 16) : 1;
         }
@@ -287,9 +297,21 @@ int xv_setup(xv_dev *d, int gid_index, int cq_size, int srq_size, xv_attr *attr,
         set_err(err, cap, "ibv_query_gid", rc);
         return -1;
     }
+    if (cq_size > d->max_cqe)
+        cq_size = d->max_cqe;
     if (!(d->pd = ibv_alloc_pd(d->ctx)) || !(d->cq = ibv_create_cq(d->ctx, cq_size, NULL, NULL, 0))) {
         set_err(err, cap, d->pd ? "ibv_create_cq" : "ibv_alloc_pd", errno);
         return -1;
+    }
+    d->cq_cap = d->cq->cqe;
+    d->cq_need = cq_size;
+    /* Async events (QP and port errors, CQ overrun) are read without blocking, from poll. */
+    {
+        int flags = fcntl(d->ctx->async_fd, F_GETFL);
+        if (flags < 0 || fcntl(d->ctx->async_fd, F_SETFL, flags | O_NONBLOCK) < 0) {
+            set_err(err, cap, "making the async event fd non-blocking", errno);
+            return -1;
+        }
     }
     struct ibv_srq_init_attr sa = {.attr = {.max_wr = srq_size, .max_sge = 1}};
     if (!(d->srq_imm = ibv_create_srq(d->pd, &sa)) || !(d->srq_msg = ibv_create_srq(d->pd, &sa))) {
@@ -386,20 +408,65 @@ struct ibv_mr *xv_reg_dmabuf_mr(xv_dev *d, uint64_t offset, size_t len, uint64_t
 int xv_dereg_mr(struct ibv_mr *mr) { return ibv_dereg_mr(mr); }
 
 /* An RC QP in INIT, receiving from the imm or the message SRQ. */
+int xv_destroy_qp(struct ibv_qp *qp);
+
+/* What an RC QP holds of its device's CQ, released when it is destroyed. */
+typedef struct xv_cq_share {
+    xv_dev *d;
+    int entries;
+} xv_cq_share;
+
+/* Makes room on the CQ for `entries` more completions (growing it if needed). */
+static int cq_reserve(xv_dev *d, int entries) {
+    long need = d->cq_need + entries;
+    if (need > d->max_cqe)
+        return ENOSPC;
+    if (need > d->cq_cap) {
+        long grow = (long)d->cq_cap * 2;
+        int size = (int)(need > grow ? need : (grow > d->max_cqe ? d->max_cqe : grow));
+        int rc = ibv_resize_cq(d->cq, size);
+        if (rc)
+            return rc;
+        d->cq_cap = d->cq->cqe;
+    }
+    d->cq_need = need;
+    return 0;
+}
+
+/* CQ capacity now and what is reserved of it (for `xfer doctor` and tests). */
+void xv_cq_state(const xv_dev *d, int *cap, long *need) {
+    *cap = d->cq_cap;
+    *need = d->cq_need;
+}
+
 struct ibv_qp *xv_create_rc(xv_dev *d, int msg, int max_send_wr, uint32_t *qpn, int *err) {
-    struct ibv_qp_init_attr qa = {.send_cq = d->cq, .recv_cq = d->cq, .srq = msg ? d->srq_msg : d->srq_imm,
-                                  .qp_type = IBV_QPT_RC,
+    xv_cq_share *share = malloc(sizeof *share);
+    if (!share) {
+        *err = ENOMEM;
+        return NULL;
+    }
+    int rc = cq_reserve(d, max_send_wr);
+    if (rc) {
+        free(share);
+        *err = rc;
+        return NULL;
+    }
+    *share = (xv_cq_share){.d = d, .entries = max_send_wr};
+    struct ibv_qp_init_attr qa = {.qp_context = share, .send_cq = d->cq, .recv_cq = d->cq,
+                                  .srq = msg ? d->srq_msg : d->srq_imm, .qp_type = IBV_QPT_RC,
                                   .cap = {.max_send_wr = max_send_wr, .max_send_sge = 1, .max_inline_data = 0}};
     struct ibv_qp *qp = ibv_create_qp(d->pd, &qa);
     if (!qp) {
         *err = errno;
+        d->cq_need -= max_send_wr;
+        free(share);
         return NULL;
     }
     struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = d->port,
                             .qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_LOCAL_WRITE};
-    int rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
+    rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
     if (rc) {
-        ibv_destroy_qp(qp);
+        xv_destroy_qp(qp);
         *err = rc;
         return NULL;
     }
@@ -440,7 +507,44 @@ int xv_connect_rc(xv_dev *d, struct ibv_qp *qp, uint32_t rqpn, uint32_t rpsn, ui
     return 0;
 }
 
-int xv_destroy_qp(struct ibv_qp *qp) { return ibv_destroy_qp(qp); }
+int xv_destroy_qp(struct ibv_qp *qp) {
+    xv_cq_share *share = qp->qp_context;
+    int rc = ibv_destroy_qp(qp);
+    if (share) {
+        share->d->cq_need -= share->entries;
+        free(share);
+    }
+    return rc;
+}
+
+/* One pending async event, without blocking: 1 (and its type, the QP number for QP events,
+ * 0 otherwise), 0 if none, -1 on error. The event is acknowledged. */
+int xv_async_event(xv_dev *d, int *type, uint32_t *qpn) {
+    struct ibv_async_event ev;
+    if (ibv_get_async_event(d->ctx, &ev)) {
+        return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
+    }
+    *type = ev.event_type;
+    *qpn = 0;
+    switch (ev.event_type) {
+    case IBV_EVENT_QP_FATAL:
+    case IBV_EVENT_QP_REQ_ERR:
+    case IBV_EVENT_QP_ACCESS_ERR:
+    case IBV_EVENT_COMM_EST:
+    case IBV_EVENT_SQ_DRAINED:
+    case IBV_EVENT_PATH_MIG:
+    case IBV_EVENT_PATH_MIG_ERR:
+    case IBV_EVENT_QP_LAST_WQE_REACHED:
+        *qpn = ev.element.qp ? ev.element.qp->qp_num : 0;
+        break;
+    default:
+        break;
+    }
+    ibv_ack_async_event(&ev);
+    return 1;
+}
+
+const char *xv_event_str(int type) { return ibv_event_type_str((enum ibv_event_type)type); }
 
 typedef struct xv_write {
     uint64_t wr_id;

@@ -191,6 +191,9 @@ extern "C" {
     ) -> c_int;
     pub fn xv_poll(d: *mut XvDev, out: *mut XvWc, n: c_int) -> c_int;
     pub fn xv_ud_to_error(d: *mut XvDev) -> c_int;
+    pub fn xv_async_event(d: *mut XvDev, event_type: *mut c_int, qpn: *mut u32) -> c_int;
+    pub fn xv_event_str(event_type: c_int) -> *const c_char;
+    pub fn xv_cq_state(d: *const XvDev, cap: *mut c_int, need: *mut core::ffi::c_long);
     pub fn xv_ud_resets(d: *const XvDev) -> u64;
     pub fn xv_wc_status_str(status: c_int) -> *const c_char;
 }
