@@ -329,7 +329,7 @@ impl Device {
         let (mut cap, mut need) = (0, 0);
         // SAFETY: the device is open; out-pointers valid.
         unsafe { sys::xv_cq_state(self.raw.as_ptr(), &mut cap, &mut need) };
-        (cap, need as i64)
+        (cap, need)
     }
 
     /// How many times the shim reset the handshake QP after an error.
