@@ -452,20 +452,45 @@ fn test() -> Result {
 /// MoE dispatch/combine over tcp, weight sync over shm (`cargo xtask examples`; `test` runs
 /// it too).
 fn multi_process_examples() -> Result {
-    cargo(&[
-        "build",
-        "--quiet",
-        "-p",
-        "examples",
-        "--bin",
+    let bins = [
         "kv_cache",
-        "--bin",
         "rl_weight_sync",
+        "moe_dispatch",
+        "transfer-bench",
+    ];
+    let mut args = vec!["build", "--quiet", "-p", "examples"];
+    for bin in &bins {
+        args.extend(["--bin", bin]);
+    }
+    // The backends the configs name, as the plugins the examples load (cargo test builds
+    // them only as rlibs: a fresh root had no libbackend_efa.so).
+    args.extend([
         "-p",
         "xfer-cli",
         "--bin",
         "xfer",
-    ])?;
+        "-p",
+        "backend-efa",
+        "-p",
+        "backend-verbs",
+    ]);
+    cargo(&args)?;
+    example_processes(
+        "transfer-bench",
+        &[
+            &["--mode", "target", "--block-size", "4096,65536"],
+            &[
+                "--mode",
+                "initiator",
+                "--block-size",
+                "4096,65536",
+                "--verify",
+                "--duration",
+                "0.2",
+            ],
+        ],
+        "configs/efa-shm.toml",
+    )?;
     for config in ["configs/efa-shm.toml", "configs/efa-tcp.toml"] {
         example_processes(
             "kv_cache",
@@ -473,15 +498,10 @@ fn multi_process_examples() -> Result {
             config,
         )?;
     }
-    example_processes(
-        "rl_weight_sync",
-        &[
-            &["--rank", "1", "--world", "3"],
-            &["--rank", "2", "--world", "3"],
-            &["--rank", "0", "--world", "3"],
-        ],
-        "configs/efa-shm.toml",
-    )
+    let three = |r: &'static str| -> [&'static str; 4] { ["--rank", r, "--world", "3"] };
+    let (r1, r2, r0) = (three("1"), three("2"), three("0"));
+    example_processes("moe_dispatch", &[&r1, &r2, &r0], "configs/efa-tcp.toml")?;
+    example_processes("rl_weight_sync", &[&r1, &r2, &r0], "configs/efa-shm.toml")
 }
 
 /// An example as several processes that find each other through the embedded rendezvous
