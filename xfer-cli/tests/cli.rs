@@ -229,3 +229,19 @@ fn serve_and_peers_list_published_names() {
     let (code, _) = xfer(&["peers", "--rendezvous", &url]);
     assert_eq!(code, 1);
 }
+
+/// Every config the repository ships parses and passes validation (they are documentation
+/// users copy; a stale key would be refused on their machine).
+#[test]
+fn every_shipped_config_is_valid() {
+    let mut seen = 0;
+    for entry in std::fs::read_dir(root().join("configs")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            engine_core::Config::from_file(&path)
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            seen += 1;
+        }
+    }
+    assert!(seen >= 6, "{seen} configs");
+}
