@@ -206,6 +206,11 @@ pub struct VerbsDomain {
     ud_resets_seen: u64,
     /// The `stall_on_first_arrival_ms` fault, until it fired.
     stall_once: Option<u64>,
+    /// The request id of the last connection established with each peer: what a request
+    /// replacing it must name (`Handshake::prev`).
+    established: HashMap<NetAddr, u64>,
+    /// When the `forge_requests_every_ms` fault last fired.
+    last_forged: Instant,
 }
 
 fn err(kind: DomainErrorKind, message: impl Into<String>) -> DomainError {
@@ -366,6 +371,8 @@ impl VerbsDomain {
             handshakes_sent: 0,
             ud_resets_seen: 0,
             stall_once,
+            established: HashMap::new(),
+            last_forged: Instant::now(),
             imm_deficit: 0,
             next_imm_recv,
         })
@@ -594,6 +601,7 @@ impl VerbsDomain {
         let h = Handshake {
             kind: Kind::Request,
             request_id,
+            prev: self.established.get(peer).copied().unwrap_or(0),
             from: self.me,
             data_qpn: data.qpn,
             data_psn,
@@ -985,6 +993,23 @@ impl VerbsDomain {
                         return;
                     }
                 }
+                // A request that would replace an established connection must name it (`prev`):
+                // a stale or forged datagram cannot tear down a live connection (its writes would
+                // fail, and the replacement would wait for a `Ready` that never comes). Only a
+                // connection still waiting for its `Ready` may be replaced unproven (the peer
+                // may have given up on it). Chosen trade-off: a peer that restarted with the
+                // very same address (QPN reuse) is answered only once this side has noticed the
+                // old connection is dead (its next write fails) — new processes get new QPNs.
+                if let Some(Peer::Connected {
+                    request_id,
+                    awaiting_ready: None,
+                    ..
+                }) = self.peers.get(&peer)
+                {
+                    if h.prev != *request_id {
+                        return;
+                    }
+                }
                 if self.options.faults.delay_request_ms > 0 && !self.peers.contains_key(&peer) {
                     // Test fault: a responder slow to answer a new peer.
                     std::thread::sleep(Duration::from_millis(self.options.faults.delay_request_ms));
@@ -1029,9 +1054,11 @@ impl VerbsDomain {
                     msg_qpn: msg.qpn,
                     msg_psn,
                     mtu: self.attr.active_mtu as u8,
+                    prev: 0,
                 };
                 self.send_handshake(&h.from, &resp);
                 self.answers.insert(peer.clone(), resp);
+                self.established.insert(peer.clone(), h.request_id);
                 self.qp_peer.insert(data.qpn, peer.clone());
                 self.qp_peer.insert(msg.qpn, peer.clone());
                 let now = Instant::now();
@@ -1102,6 +1129,7 @@ impl VerbsDomain {
                                 awaiting_ready: None,
                             },
                         );
+                        self.established.insert(peer.clone(), request_id);
                         // Our QPs can receive now: the responder may send.
                         self.send_ready(&h);
                         self.flush(&peer);
@@ -1172,6 +1200,38 @@ impl VerbsDomain {
 
     fn check_handshakes(&mut self) {
         let now = Instant::now();
+        let forge = self.options.faults.forge_requests_every_ms;
+        if forge > 0 && now.duration_since(self.last_forged) >= Duration::from_millis(forge) {
+            // Test fault: a request for every connected peer that names no connection (as a
+            // stale or forged datagram would), with our current QPs.
+            self.last_forged = now;
+            let forged: Vec<(NetAddr, Handshake)> = self
+                .peers
+                .iter()
+                .filter_map(|(peer, p)| match p {
+                    Peer::Connected { data, msg, .. } => Some((
+                        peer.clone(),
+                        Handshake {
+                            kind: Kind::Request,
+                            request_id: self.rng.u64(..),
+                            prev: 0,
+                            from: self.me,
+                            data_qpn: data.qpn,
+                            data_psn: 0,
+                            msg_qpn: msg.qpn,
+                            msg_psn: 0,
+                            mtu: self.attr.active_mtu as u8,
+                        },
+                    )),
+                    Peer::Connecting { .. } => None,
+                })
+                .collect();
+            for (peer, h) in forged {
+                if let Ok(to) = VerbsAddr::decode(peer.raw()) {
+                    self.send_handshake(&to, &h);
+                }
+            }
+        }
         let retry = Duration::from_millis(self.options.retry_ms);
         let mut expired = Vec::new();
         let mut unconfirmed = Vec::new();
@@ -1213,6 +1273,7 @@ impl VerbsDomain {
                         Handshake {
                             kind: Kind::Request,
                             request_id: *request_id,
+                            prev: self.established.get(peer).copied().unwrap_or(0),
                             from: self.me,
                             data_qpn: data.qpn,
                             data_psn: *data_psn,

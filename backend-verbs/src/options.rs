@@ -66,6 +66,9 @@ pub struct Faults {
     /// Stall the worker this long (ms) when the first immediate arrives, while the NIC
     /// keeps completing arrivals on the CQ.
     pub stall_on_first_arrival_ms: u64,
+    /// Every this many ms (0: never), send each connected peer a request that names no
+    /// connection, as a stale or forged datagram would.
+    pub forge_requests_every_ms: u64,
 }
 
 impl Default for VerbsOptions {

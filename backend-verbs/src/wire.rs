@@ -52,7 +52,7 @@ impl VerbsAddr {
 const MSG_MAGIC: [u8; 4] = *b"XFRH";
 const MSG_VERSION: u8 = 2;
 /// Encoded handshake length.
-pub const MSG_LEN: usize = 4 + 1 + 1 + 8 + ADDR_LEN + 4 * 4 + 1;
+pub const MSG_LEN: usize = 4 + 1 + 1 + 8 + ADDR_LEN + 4 * 4 + 1 + 8;
 
 /// The three steps of a connection: no side sends a packet before the other can receive it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,6 +84,10 @@ pub struct Handshake {
     pub msg_psn: u32,
     /// The sender's active MTU (`ibv_mtu`: 1 = 256 ... 5 = 4096); both sides use the smaller.
     pub mtu: u8,
+    /// In a request: the `request_id` of the connection with the receiver that this one
+    /// replaces (0 for none). A request that replaces a connection busy with work must name
+    /// it — proof that it comes from the peer that has it, not a stale or forged datagram.
+    pub prev: u64,
 }
 
 impl Handshake {
@@ -106,6 +110,7 @@ impl Handshake {
             b[38 + 4 * i..42 + 4 * i].copy_from_slice(&v.to_le_bytes());
         }
         b[54] = self.mtu;
+        b[55..63].copy_from_slice(&self.prev.to_le_bytes());
         b
     }
 
@@ -147,6 +152,7 @@ impl Handshake {
             msg_qpn: word(2),
             msg_psn: word(3),
             mtu,
+            prev: u64::from_le_bytes(raw[55..63].try_into().expect("8 bytes")),
         })
     }
 }
@@ -285,6 +291,7 @@ mod tests {
             msg_qpn: 18,
             msg_psn: 5,
             mtu: 3,
+            prev: 0x1122_3344_5566_7788,
         };
         assert_eq!(Handshake::decode(&h.encode()).unwrap(), h);
     }
@@ -300,6 +307,7 @@ mod tests {
             msg_qpn: 3,
             msg_psn: 4,
             mtu: 5,
+            prev: 0,
         }
         .encode();
         assert!(Handshake::decode(&h[..MSG_LEN - 1]).is_err());

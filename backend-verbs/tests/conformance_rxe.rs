@@ -432,3 +432,45 @@ fn a_stalled_receiver_loses_no_completion_to_a_cq_overrun() {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// Requests that name no connection (stale or forged datagrams: a fault on A sends one to
+/// every connected peer every 30 ms) must not replace a live connection — busy or idle — so
+/// no write in either direction fails.
+#[test]
+#[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
+fn unproven_requests_do_not_replace_a_live_connection() {
+    use engine_core::conformance::Harness;
+    use std::time::Duration;
+    let config = Rxe.config(1);
+    let mut forging = config.clone();
+    forging.backends = toml::from_str("[verbs.faults]\nforge_requests_every_ms = 30\n").unwrap();
+    let a = std::sync::Arc::new(engine_core::TransferEngine::open(&forging).unwrap());
+    let b = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let (sa, sb) = (
+        engine_core::HostBuffer::from_fn(&a, 65536, |i| i as u8).unwrap(),
+        engine_core::HostBuffer::from_fn(&b, 65536, |i| (i * 5) as u8).unwrap(),
+    );
+    let (da, db) = (
+        engine_core::HostBuffer::new(&a, 65536).unwrap(),
+        engine_core::HostBuffer::new(&b, 65536).unwrap(),
+    );
+    for round in 0..4 {
+        let done = engine_core::DoneCounter::new();
+        for _ in 0..50 {
+            b.submit_single_write(65536, None, (sb.mr(), 0), (da.desc(), 0), done.clone())
+                .unwrap();
+            a.submit_single_write(65536, None, (sa.mr(), 0), (db.desc(), 0), done.clone())
+                .unwrap();
+        }
+        let r = done.wait_for(100, Duration::from_secs(60));
+        assert_eq!(
+            done.ok(),
+            100,
+            "round {round}: {r:?} {:?}",
+            done.first_error()
+        );
+        // Idle for a while: forged requests keep coming.
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    assert!(da.to_vec() == sb.to_vec() && db.to_vec() == sa.to_vec());
+}
