@@ -447,18 +447,20 @@ fn test() -> Result {
     Ok(())
 }
 
-/// The examples as separate processes meeting through `xfer serve`: transfer-bench's
-/// initiator and target, the KV cache over shm and tcp (over verbs the rxe guest runs it),
-/// MoE dispatch/combine over tcp, weight sync over shm (`cargo xtask examples`; `test` runs
-/// it too).
+/// The examples as separate processes meeting through a rendezvous: through `xfer serve`
+/// transfer-bench's initiator and target (shm), the KV cache (shm, tcp; over verbs the rxe
+/// guest runs it) and weight sync (shm); through etcd the KV cache (shm) and MoE
+/// dispatch/combine (tcp). `cargo xtask examples`; `test` runs it too.
 fn multi_process_examples() -> Result {
+    ensure_packages(PACKAGES)?;
     let bins = [
         "kv_cache",
         "rl_weight_sync",
         "moe_dispatch",
         "transfer-bench",
     ];
-    let mut args = vec!["build", "--quiet", "-p", "examples"];
+    // With the etcd client (its build needs protoc, from PACKAGES).
+    let mut args = vec!["build", "--quiet", "-p", "examples", "--features", "etcd"];
     for bin in &bins {
         args.extend(["--bin", bin]);
     }
@@ -490,34 +492,125 @@ fn multi_process_examples() -> Result {
             ],
         ],
         "configs/efa-shm.toml",
+        false,
     )?;
+    let roles: [&[&str]; 2] = [&["--role", "decode"], &["--role", "prefill"]];
     for config in ["configs/efa-shm.toml", "configs/efa-tcp.toml"] {
-        example_processes(
-            "kv_cache",
-            &[&["--role", "decode"], &["--role", "prefill"]],
-            config,
-        )?;
+        example_processes("kv_cache", &roles, config, false)?;
     }
+    // The same through etcd.
+    example_processes("kv_cache", &roles, "configs/efa-shm.toml", true)?;
     let three = |r: &'static str| -> [&'static str; 4] { ["--rank", r, "--world", "3"] };
     let (r1, r2, r0) = (three("1"), three("2"), three("0"));
-    example_processes("moe_dispatch", &[&r1, &r2, &r0], "configs/efa-tcp.toml")?;
-    example_processes("rl_weight_sync", &[&r1, &r2, &r0], "configs/efa-shm.toml")
+    example_processes(
+        "moe_dispatch",
+        &[&r1, &r2, &r0],
+        "configs/efa-tcp.toml",
+        true,
+    )?;
+    example_processes(
+        "rl_weight_sync",
+        &[&r1, &r2, &r0],
+        "configs/efa-shm.toml",
+        false,
+    )
 }
 
-/// An example as several processes that find each other through the embedded rendezvous
-/// (`xfer serve` on a free port), with backend `config`: one process per argument list, the
-/// last run in the foreground once the others are started.
-fn example_processes(example: &str, members: &[&[&str]], config: &str) -> Result {
-    let mut serve = Command::new("target/debug/xfer")
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot start xfer serve: {e}"))?;
-    let mut url = String::new();
-    BufReader::new(serve.stdout.take().expect("piped"))
-        .read_line(&mut url)
-        .map_err(|e| e.to_string())?;
-    let url = url.trim().to_owned();
+/// A rendezvous service for the multi-process examples on 127.0.0.1, stopped (and its data
+/// removed) when dropped: the embedded one (`xfer serve` on a free port) or etcd (free ports,
+/// a temporary data directory).
+struct RendezvousService {
+    child: std::process::Child,
+    url: String,
+    data: Option<std::path::PathBuf>,
+}
+
+fn free_port() -> Result<u16> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| format!("no free port: {e}"))
+}
+
+impl RendezvousService {
+    fn embedded() -> Result<Self> {
+        let mut child = Command::new("target/debug/xfer")
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start xfer serve: {e}"))?;
+        let mut url = String::new();
+        BufReader::new(child.stdout.take().expect("piped"))
+            .read_line(&mut url)
+            .map_err(|e| e.to_string())?;
+        Ok(Self {
+            child,
+            url: url.trim().to_owned(),
+            data: None,
+        })
+    }
+
+    fn etcd() -> Result<Self> {
+        let (client, peer) = (free_port()?, free_port()?);
+        let data = std::env::temp_dir().join(format!("xtask-etcd-{}", std::process::id()));
+        let client_url = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let child = Command::new("etcd")
+            .args(["--name", "xtask", "--log-level", "error", "--data-dir"])
+            .arg(&data)
+            .args([
+                "--listen-client-urls",
+                &client_url,
+                "--advertise-client-urls",
+                &client_url,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &peer_url,
+                "--initial-advertise-peer-urls",
+                &peer_url,
+            ])
+            .args(["--initial-cluster", &format!("xtask={peer_url}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("cannot start etcd (Debian package etcd-server): {e}"))?;
+        let service = Self {
+            child,
+            url: format!("etcd://127.0.0.1:{client}/xtask"),
+            data: Some(data),
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
+            if std::time::Instant::now() > deadline {
+                return Err(format!("etcd did not listen on {client_url} within 30 s"));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        Ok(service)
+    }
+}
+
+impl Drop for RendezvousService {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(d) = &self.data {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
+/// An example as several processes that find each other through a rendezvous (`etcd`, or
+/// the embedded service), with backend `config`: one process per argument list, the last run
+/// in the foreground once the others are started.
+fn example_processes(example: &str, members: &[&[&str]], config: &str, etcd: bool) -> Result {
+    let service = if etcd {
+        RendezvousService::etcd()?
+    } else {
+        RendezvousService::embedded()?
+    };
+    let url = service.url.clone();
     let plugins = std::env::current_dir()
         .map_err(|e| e.to_string())?
         .join("target/debug");
@@ -559,8 +652,7 @@ fn example_processes(example: &str, members: &[&[&str]], config: &str) -> Result
             Err(format!("{example} over {config}: {}", failed.join(", ")))
         }
     })();
-    let _ = serve.kill();
-    let _ = serve.wait();
+    drop(service);
     result
 }
 
