@@ -438,21 +438,10 @@ impl VerbsDomain {
             read: i32::from(wr.read),
             pad: 0,
         };
-        if !self.peers.contains_key(wr.peer) {
-            self.start_connect(wr.peer)?;
+        if self.queue_until_ready(wr.peer, || Queued::Write(w))? {
+            return Ok(PostStatus::Posted);
         }
         match self.peers.get_mut(wr.peer) {
-            Some(
-                Peer::Connecting { queued, .. }
-                | Peer::Connected {
-                    queued,
-                    awaiting_ready: Some(_),
-                    ..
-                },
-            ) => {
-                queued.push_back(Queued::Write(w));
-                Ok(PostStatus::Posted)
-            }
             Some(Peer::Connected { data, queued, .. }) => {
                 let q = self.data_queues.entry(data.qpn).or_default();
                 if !queued.is_empty()
@@ -472,10 +461,38 @@ impl VerbsDomain {
                 }
                 Ok(PostStatus::Posted)
             }
-            None => Err(err(
+            // Gone (its connect failed at once); connecting ones were queued above.
+            _ => Err(err(
                 DomainErrorKind::PeerUnreachable,
                 format!("{} failed to connect", wr.peer),
             )),
+        }
+    }
+
+    /// Connects to `peer` if need be, and queues what `make` builds while the connection
+    /// cannot take posts (connecting, or waiting for the requester's `Ready`): `true` if it
+    /// was queued, `false` if the caller may post now.
+    fn queue_until_ready(
+        &mut self,
+        peer: &NetAddr,
+        make: impl FnOnce() -> Queued,
+    ) -> Result<bool, DomainError> {
+        if !self.peers.contains_key(peer) {
+            self.start_connect(peer)?;
+        }
+        match self.peers.get_mut(peer) {
+            Some(
+                Peer::Connecting { queued, .. }
+                | Peer::Connected {
+                    queued,
+                    awaiting_ready: Some(_),
+                    ..
+                },
+            ) => {
+                queued.push_back(make());
+                Ok(true)
+            }
+            _ => Ok(false),
         }
     }
 
@@ -1530,24 +1547,14 @@ impl Domain for VerbsDomain {
         peer: &NetAddr,
         data: &[u8],
     ) -> Result<PostStatus, DomainError> {
-        if !self.peers.contains_key(peer) {
-            self.start_connect(peer)?;
+        let queued = self.queue_until_ready(peer, || Queued::Send {
+            wr_id,
+            data: data.to_vec(),
+        })?;
+        if queued {
+            return Ok(PostStatus::Posted);
         }
         match self.peers.get_mut(peer) {
-            Some(
-                Peer::Connecting { queued, .. }
-                | Peer::Connected {
-                    queued,
-                    awaiting_ready: Some(_),
-                    ..
-                },
-            ) => {
-                queued.push_back(Queued::Send {
-                    wr_id,
-                    data: data.to_vec(),
-                });
-                Ok(PostStatus::Posted)
-            }
             Some(Peer::Connected { msg, queued, .. }) => {
                 if !queued.is_empty() {
                     return Ok(PostStatus::Busy);
@@ -1565,7 +1572,7 @@ impl Domain for VerbsDomain {
                     Err(e) => Err(other(e)),
                 }
             }
-            None => Err(err(
+            _ => Err(err(
                 DomainErrorKind::PeerUnreachable,
                 format!("{peer} failed to connect"),
             )),

@@ -191,6 +191,60 @@ fn pages(indices: &Bound<'_, PyAny>, stride: u64, offset: u64) -> PyResult<Pages
     })
 }
 
+/// The arguments a paged write and a paged read share: the local region and its pages, the
+/// peer's region and its pages (page `n` at `offset + n * stride`, stride defaulting to the
+/// page length), the notification and the callback.
+struct PagedArgs<'a, 'py> {
+    page_len: u64,
+    local: (
+        &'a Bound<'py, PyAny>,
+        &'a Bound<'py, PyAny>,
+        Option<u64>,
+        u64,
+    ),
+    remote: (
+        &'a Bound<'py, PyAny>,
+        &'a Bound<'py, PyAny>,
+        Option<u64>,
+        u64,
+    ),
+    notify: Option<&'a Bound<'py, PyAny>>,
+    on_done: Option<Py<PyAny>>,
+}
+
+/// What a paged transfer is submitted with, once its arguments are checked.
+struct Paged {
+    engine: Engine,
+    handle: MrHandle,
+    remote: engine_core::MrDesc,
+    local_pages: Pages,
+    remote_pages: Pages,
+    transfer: Transfer,
+    done: engine_core::OnDone,
+}
+
+impl TransferEngine {
+    fn paged(&self, py: Python<'_>, kind: &'static str, a: PagedArgs<'_, '_>) -> PyResult<Paged> {
+        let engine = self.engine(py)?;
+        let (handle, _) = self.local(py, a.local.0)?;
+        let remote = desc_of(a.remote.0)?;
+        let local_pages = pages(a.local.1, a.local.2.unwrap_or(a.page_len), a.local.3)?;
+        let remote_pages = pages(a.remote.1, a.remote.2.unwrap_or(a.page_len), a.remote.3)?;
+        let nbytes = a.page_len.saturating_mul(local_pages.indices.len() as u64);
+        let notify = a.notify.map(|id| (remote.owner(), id));
+        let (transfer, done) = completion(py, &engine, (kind, nbytes), a.on_done, notify)?;
+        Ok(Paged {
+            engine,
+            handle,
+            remote,
+            local_pages,
+            remote_pages,
+            transfer,
+            done,
+        })
+    }
+}
+
 #[pymethods]
 impl TransferEngine {
     #[new]
@@ -366,18 +420,27 @@ impl TransferEngine {
         notify: Option<&Bound<'_, PyAny>>,
         on_done: Option<Py<PyAny>>,
     ) -> PyResult<Transfer> {
-        let engine = self.engine(py)?;
-        let (handle, _) = self.local(py, src)?;
-        let dst = desc_of(dst)?;
-        let sp = pages(src_pages, src_stride.unwrap_or(page_len), src_offset)?;
-        let dp = pages(dst_pages, dst_stride.unwrap_or(page_len), dst_offset)?;
-        let nbytes = page_len.saturating_mul(sp.indices.len() as u64);
-        let notify = notify.map(|id| (dst.owner(), id));
-        let (t, done) = completion(py, &engine, ("paged write", nbytes), on_done, notify)?;
-        engine
-            .submit_paged_writes(page_len, imm, (handle, &sp), (&dst, &dp), done)
+        let p = self.paged(
+            py,
+            "paged write",
+            PagedArgs {
+                page_len,
+                local: (src, src_pages, src_stride, src_offset),
+                remote: (dst, dst_pages, dst_stride, dst_offset),
+                notify,
+                on_done,
+            },
+        )?;
+        p.engine
+            .submit_paged_writes(
+                page_len,
+                imm,
+                (p.handle, &p.local_pages),
+                (&p.remote, &p.remote_pages),
+                p.done,
+            )
             .or_raise(py)?;
-        Ok(t)
+        Ok(p.transfer)
     }
 
     /// Reads `nbytes` (default: the rest of `local`) of a peer's region `remote` (an
@@ -430,22 +493,26 @@ impl TransferEngine {
         notify: Option<&Bound<'_, PyAny>>,
         on_done: Option<Py<PyAny>>,
     ) -> PyResult<Transfer> {
-        let engine = self.engine(py)?;
-        let (handle, _) = self.local(py, local)?;
-        let remote = desc_of(remote)?;
-        let lp = pages(local_pages, local_stride.unwrap_or(page_len), local_offset)?;
-        let rp = pages(
-            remote_pages,
-            remote_stride.unwrap_or(page_len),
-            remote_offset,
+        let p = self.paged(
+            py,
+            "paged read",
+            PagedArgs {
+                page_len,
+                local: (local, local_pages, local_stride, local_offset),
+                remote: (remote, remote_pages, remote_stride, remote_offset),
+                notify,
+                on_done,
+            },
         )?;
-        let nbytes = page_len.saturating_mul(lp.indices.len() as u64);
-        let notify = notify.map(|id| (remote.owner(), id));
-        let (t, done) = completion(py, &engine, ("paged read", nbytes), on_done, notify)?;
-        engine
-            .submit_paged_reads(page_len, (handle, &lp), (&remote, &rp), done)
+        p.engine
+            .submit_paged_reads(
+                page_len,
+                (p.handle, &p.local_pages),
+                (&p.remote, &p.remote_pages),
+                p.done,
+            )
             .or_raise(py)?;
-        Ok(t)
+        Ok(p.transfer)
     }
 
     /// A batch of writes from `src` into one peer region `dst`, as NIXL-style descriptor

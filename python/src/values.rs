@@ -147,40 +147,37 @@ pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
         .map_or_else(|_| "?".into(), |n| n.to_string())
 }
 
-/// Page indices from any int sequence or a numpy array of integers (read without a Python
-/// loop when it is a buffer of 32- or 64-bit integers).
-pub(crate) fn indices_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+/// Integers from any int sequence or an integer array (read without a Python loop when it
+/// is a buffer of 32- or 64-bit integers), each converted to `T`; `what` names them in errors.
+fn ints_of<T: TryFrom<i128>>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<T>> {
     let py = obj.py();
-    let bad = |v: i128| errors::invalid(py, format!("page index {v} is not in 0..2^32"));
+    let convert = |v: i128| {
+        T::try_from(v)
+            .map_err(|_| errors::invalid(py, format!("{what} {v} is negative or too large")))
+    };
+    fn all<T, V: Into<i128> + Copy>(
+        values: Vec<V>,
+        convert: impl Fn(i128) -> PyResult<T>,
+    ) -> PyResult<Vec<T>> {
+        values.into_iter().map(|v| convert(v.into())).collect()
+    }
     if let Ok(b) = PyBuffer::<u32>::get(obj) {
-        return b.to_vec(py);
+        return all(b.to_vec(py)?, convert);
     }
     if let Ok(b) = PyBuffer::<i32>::get(obj) {
-        return b
-            .to_vec(py)?
-            .into_iter()
-            .map(|v| u32::try_from(v).map_err(|_| bad(v.into())))
-            .collect();
+        return all(b.to_vec(py)?, convert);
     }
     if let Ok(b) = PyBuffer::<i64>::get(obj) {
-        return b
-            .to_vec(py)?
-            .into_iter()
-            .map(|v| u32::try_from(v).map_err(|_| bad(v.into())))
-            .collect();
+        return all(b.to_vec(py)?, convert);
     }
     if let Ok(b) = PyBuffer::<u64>::get(obj) {
-        return b
-            .to_vec(py)?
-            .into_iter()
-            .map(|v| u32::try_from(v).map_err(|_| bad(v.into())))
-            .collect();
+        return all(b.to_vec(py)?, convert);
     }
     let iter = obj.try_iter().map_err(|_| {
         errors::invalid(
             py,
             format!(
-                "page indices must be a sequence of ints or an integer array, not {}",
+                "{what} must be a sequence of ints or an integer array, not {}",
                 type_name(obj)
             ),
         )
@@ -188,58 +185,25 @@ pub(crate) fn indices_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     iter.map(|item| {
         let item = item?;
         let v: i128 = item.extract().map_err(|_| {
-            errors::invalid(py, format!("page index {} is not an int", type_name(&item)))
+            errors::invalid(py, format!("{what} must be ints, not {}", type_name(&item)))
         })?;
-        u32::try_from(v).map_err(|_| bad(v))
+        convert(v)
     })
     .collect()
 }
 
-/// Byte counts or offsets from an int, a sequence of ints or an integer array (read
-/// without a Python loop when it is a buffer of 32- or 64-bit integers). An int stands for
-/// `n` copies of itself.
+/// Page indices (any int sequence or integer numpy array).
+pub(crate) fn indices_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    ints_of(obj, "page index")
+}
+
+/// Byte counts or offsets: an int (standing for `n` copies of itself) or what `ints_of`
+/// takes.
 pub(crate) fn u64s_of(obj: &Bound<'_, PyAny>, what: &str, n: Option<usize>) -> PyResult<Vec<u64>> {
-    let py = obj.py();
     if let (Ok(v), Some(n)) = (obj.extract::<u64>(), n) {
         return Ok(vec![v; n]);
     }
-    let bad = |v: i128| errors::invalid(py, format!("{what} {v} is negative or too large"));
-    if let Ok(b) = PyBuffer::<u64>::get(obj) {
-        return b.to_vec(py);
-    }
-    if let Ok(b) = PyBuffer::<i64>::get(obj) {
-        return b
-            .to_vec(py)?
-            .into_iter()
-            .map(|v| u64::try_from(v).map_err(|_| bad(v.into())))
-            .collect();
-    }
-    if let Ok(b) = PyBuffer::<u32>::get(obj) {
-        return Ok(b.to_vec(py)?.into_iter().map(u64::from).collect());
-    }
-    if let Ok(b) = PyBuffer::<i32>::get(obj) {
-        return b
-            .to_vec(py)?
-            .into_iter()
-            .map(|v| u64::try_from(v).map_err(|_| bad(v.into())))
-            .collect();
-    }
-    let iter = obj.try_iter().map_err(|_| {
-        errors::invalid(
-            py,
-            format!(
-                "{what} must be an int, a sequence of ints or an integer array, not {}",
-                type_name(obj)
-            ),
-        )
-    })?;
-    iter.map(|item| {
-        let v: i128 = item?
-            .extract()
-            .map_err(|_| errors::invalid(py, format!("{what} must be ints")))?;
-        u64::try_from(v).map_err(|_| bad(v))
-    })
-    .collect()
+    ints_of(obj, what)
 }
 
 /// A Python config dict as TOML text (the engine parses and checks it like a file).
