@@ -464,19 +464,19 @@ fn multi_process_examples() -> Result {
     for bin in &bins {
         args.extend(["--bin", bin]);
     }
-    // The backends the configs name, as the plugins the examples load (cargo test builds
-    // them only as rlibs: a fresh root had no libbackend_efa.so).
-    args.extend([
-        "-p",
-        "xfer-cli",
-        "--bin",
-        "xfer",
+    args.extend(["-p", "xfer-cli", "--bin", "xfer"]);
+    cargo(&args)?;
+    // The backends the configs name, as the plugins the examples load: their cdylibs, built
+    // by a command of their own (with `--bin` filters cargo builds only binaries, and cargo
+    // test builds these crates only as rlibs: a fresh root had no libbackend_efa.so).
+    cargo(&[
+        "build",
+        "--quiet",
         "-p",
         "backend-efa",
         "-p",
         "backend-verbs",
-    ]);
-    cargo(&args)?;
+    ])?;
     example_processes(
         "transfer-bench",
         &[
