@@ -469,14 +469,7 @@ fn multi_process_examples() -> Result {
     // The backends the configs name, as the plugins the examples load: their cdylibs, built
     // by a command of their own (with `--bin` filters cargo builds only binaries, and cargo
     // test builds these crates only as rlibs: a fresh root had no libbackend_efa.so).
-    cargo(&[
-        "build",
-        "--quiet",
-        "-p",
-        "backend-efa",
-        "-p",
-        "backend-verbs",
-    ])?;
+    build_plugins(false)?;
     example_processes(
         "transfer-bench",
         &[
@@ -514,6 +507,23 @@ fn multi_process_examples() -> Result {
         "configs/efa-shm.toml",
         false,
     )
+}
+
+/// Builds the efa and verbs backends' plugin libraries (cdylibs) in `target/debug` or
+/// `target/release`.
+pub(crate) fn build_plugins(release: bool) -> Result {
+    let mut args = vec![
+        "build",
+        "--quiet",
+        "-p",
+        "backend-efa",
+        "-p",
+        "backend-verbs",
+    ];
+    if release {
+        args.push("--release");
+    }
+    cargo(&args)
 }
 
 /// A rendezvous service for the multi-process examples on 127.0.0.1, stopped (and its data

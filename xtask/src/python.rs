@@ -2,7 +2,7 @@
 //! virtual environment under `target/` (Debian's own Python refuses `pip install`), with the
 //! efa and verbs plugins inside it; then its pytest suite, examples and bench.
 
-use crate::{cargo, counted, run, Result};
+use crate::{counted, run, Result};
 
 /// The virtual environment the package is installed into (kept between runs: pip is fast
 /// when nothing changed).
@@ -20,15 +20,7 @@ pub(crate) fn install() -> Result {
     crate::ensure_packages(PACKAGES)?;
     crate::ensure_packages(crate::PACKAGES)?;
     // The backends a config may select, shipped inside the package and loaded only then.
-    cargo(&[
-        "build",
-        "--release",
-        "--quiet",
-        "-p",
-        "backend-efa",
-        "-p",
-        "backend-verbs",
-    ])?;
+    crate::build_plugins(true)?;
     let plugins = std::path::Path::new("python/xfer/plugins");
     std::fs::create_dir_all(plugins).map_err(|e| format!("{}: {e}", plugins.display()))?;
     for name in ["efa", "verbs"] {

@@ -50,6 +50,21 @@ fn fill(weights: &HostBuffer, step: usize, offsets: &[u64], sizes: &[u64]) {
     }
 }
 
+/// Every tensor (at `offsets`, of `sizes`) to the same place in each replica.
+fn scatter_list(replicas: &[MrDesc], offsets: &[u64], sizes: &[u64]) -> Vec<ScatterDst> {
+    replicas
+        .iter()
+        .flat_map(|r| {
+            offsets.iter().zip(sizes).map(|(&off, &len)| ScatterDst {
+                len,
+                src_offset: off,
+                dst: r.clone(),
+                dst_offset: off,
+            })
+        })
+        .collect()
+}
+
 /// One process of the multi-process mode.
 fn member(m: examples::Member) {
     let (offsets, sizes, total) = tensors();
@@ -80,19 +95,9 @@ fn member(m: examples::Member) {
         let group = engine
             .add_peer_group(replicas.iter().map(|d| d.owner().clone()).collect())
             .unwrap_or_else(|e| fail(e));
+        let dsts = scatter_list(&replicas, &offsets, &sizes);
         for step in 0..STEPS {
             fill(&weights, step, &offsets, &sizes);
-            let dsts: Vec<ScatterDst> = replicas
-                .iter()
-                .flat_map(|r| {
-                    offsets.iter().zip(&sizes).map(|(&off, &len)| ScatterDst {
-                        len,
-                        src_offset: off,
-                        dst: r.clone(),
-                        dst_offset: off,
-                    })
-                })
-                .collect();
             let scattered = DoneFlag::new();
             engine
                 .submit_scatter(Some(group), scattered.clone(), None, weights.mr(), &dsts)
@@ -174,6 +179,9 @@ fn main() {
     let group = trainer
         .add_peer_group(inference.iter().map(|e| e.main_address()).collect())
         .unwrap_or_else(|e| fail(e));
+    let descs: Vec<MrDesc> = replicas.iter().map(|r| r.desc().clone()).collect();
+    // The same destinations every step: each tensor to its place in every replica.
+    let dsts = scatter_list(&descs, &offsets, &sizes);
 
     for step in 0..STEPS {
         fill(&weights, step, &offsets, &sizes);
@@ -187,17 +195,6 @@ fn main() {
                 f
             })
             .collect();
-        let dsts: Vec<ScatterDst> = replicas
-            .iter()
-            .flat_map(|r| {
-                offsets.iter().zip(&sizes).map(|(&off, &len)| ScatterDst {
-                    len,
-                    src_offset: off,
-                    dst: r.desc().clone(),
-                    dst_offset: off,
-                })
-            })
-            .collect();
         let start = std::time::Instant::now();
         let scattered = DoneFlag::new();
         trainer
@@ -207,7 +204,6 @@ fn main() {
             .wait(WAIT)
             .unwrap_or_else(|e| fail(format!("step {step} scatter: {e}")));
         let barrier = DoneFlag::new();
-        let descs: Vec<_> = replicas.iter().map(|r| r.desc().clone()).collect();
         trainer
             .submit_barrier(Some(group), barrier.clone(), 1000 + step as u32, &descs)
             .unwrap_or_else(|e| fail(e));
