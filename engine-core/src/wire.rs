@@ -327,9 +327,10 @@ impl FromStr for MrDesc {
     }
 }
 
-/// The tag that starts a notification message (see [`TransferEngine::notify_when_done`]
-/// (crate::TransferEngine::notify_when_done)): eight bytes no text message starts with.
-/// Messages that start with it are notifications; user messages must not.
+/// The tag that starts a notification message (see
+/// [`TransferEngine::notify_when_done`](crate::TransferEngine::notify_when_done)): eight bytes
+/// no text message starts with. Messages that start with it are notifications; user messages
+/// must not.
 pub const NOTIFY_TAG: [u8; 8] = *b"\xffXFNTF\x00\x01";
 
 /// A notification's message: the tag, then the caller's id bytes.
