@@ -27,6 +27,7 @@ impl MockDomain {
     pub fn open(config: &DomainConfig<'_>) -> Result<Self, DomainError> {
         let options = MockOptions::parse(config.options)?;
         let nic = fabric::join();
+        tracing::debug!(nic = %nic.addr, "mock NIC opened");
         let rng =
             fastrand::Rng::with_seed(options.seed ^ nic.id.wrapping_mul(0x2545_f491_4f6c_dd1d));
         Ok(Self {

@@ -51,6 +51,33 @@ fn a_library_without_the_entry_symbol_is_not_a_plugin() {
     assert!(matches!(err, PluginError::Load { .. }), "{err:?}");
 }
 
+/// The dynamic loader's own words travel in the error (a vendor needs "undefined symbol" or
+/// "invalid ELF header", not "dlopen failed").
+#[test]
+fn load_errors_keep_the_dynamic_loaders_text() {
+    let missing = find_backend("mock", Some(std::path::Path::new("/nonexistent/libx.so")))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        missing.contains("/nonexistent/libx.so") && missing.contains("No such file"),
+        "{missing}"
+    );
+    let not_elf = std::env::temp_dir().join(format!("xfer-not-elf-{}.so", std::process::id()));
+    std::fs::write(&not_elf, b"this is text, not a shared object").unwrap();
+    let text = find_backend("mock", Some(&not_elf)).unwrap_err().to_string();
+    std::fs::remove_file(&not_elf).unwrap();
+    assert!(
+        text.contains("invalid ELF header") || text.contains("file too short"),
+        "{text}"
+    );
+    let no_entry = find_backend("mock", Some(&common::built_library("backend_mock")))
+        .map(|_| ())
+        .and_then(|()| find_backend("nosuch", Some(&common::built_library("backend_mock"))).map(|_| ()))
+        .unwrap_err()
+        .to_string();
+    assert!(no_entry.contains("undefined symbol"), "{no_entry}");
+}
+
 #[test]
 fn a_plugin_serving_another_backend_is_refused() {
     // The mock's library exports `xfer_plugin_entry_mock` only.

@@ -148,6 +148,8 @@ pub struct TransferEngine {
     id: u32,
     /// Whether the backend's Domains support RDMA READ.
     reads: bool,
+    /// Each NIC's capabilities, as its Domain declared them.
+    caps: Vec<crate::domain::Capabilities>,
     shared: Arc<Shared>,
     addresses: Vec<NetAddr>,
     regions: RwLock<HashMap<u64, Arc<LocalRegion>>>,
@@ -222,6 +224,7 @@ impl TransferEngine {
         Ok(Self {
             id: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
             reads: worker.reads,
+            caps: worker.caps,
             shared,
             addresses: worker.addresses,
             regions: RwLock::new(HashMap::new()),
@@ -247,6 +250,12 @@ impl TransferEngine {
     /// How many NICs this engine stripes over.
     pub fn nic_count(&self) -> usize {
         self.addresses.len()
+    }
+
+    /// What each NIC's Domain declared it can do (limits, memory kinds, immediates), in NIC
+    /// order; the engine refuses what they rule out before posting.
+    pub fn capabilities(&self) -> &[crate::domain::Capabilities] {
+        &self.caps
     }
 
     /// The backend's name.

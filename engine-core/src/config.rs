@@ -258,7 +258,15 @@ impl Config {
             file: path.to_owned(),
             message: e.to_string(),
         })?;
-        Self::from_toml(&text, path)
+        let mut config = Self::from_toml(&text, path)?;
+        // A relative `plugin` means "next to this file", not "next to wherever the program
+        // happens to run".
+        if let (Some(plugin), Some(dir)) = (&config.plugin, path.parent()) {
+            if plugin.is_relative() {
+                config.plugin = Some(dir.join(plugin));
+            }
+        }
+        Ok(config)
     }
 
     /// Parses and checks TOML text; `source` names it in errors.
@@ -362,6 +370,28 @@ mod tests {
 
     fn parse(text: &str) -> Result<Config, ConfigError> {
         Config::from_toml(text, Path::new("test.toml"))
+    }
+
+    #[test]
+    fn a_relative_plugin_path_is_taken_from_the_config_files_directory() {
+        let dir = std::env::temp_dir().join(format!("xfer-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("nic.toml");
+        std::fs::write(
+            &file,
+            "backend = \"mynic\"\nplugin = \"lib/libmynic.so\"\n[[groups]]\nnics = [\"n0\"]\n",
+        )
+        .unwrap();
+        let config = Config::from_file(&file).unwrap();
+        assert_eq!(config.plugin, Some(dir.join("lib/libmynic.so")));
+        std::fs::write(
+            &file,
+            "backend = \"mynic\"\nplugin = \"/opt/x/libmynic.so\"\n[[groups]]\nnics = [\"n0\"]\n",
+        )
+        .unwrap();
+        let config = Config::from_file(&file).unwrap();
+        assert_eq!(config.plugin, Some(PathBuf::from("/opt/x/libmynic.so")));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -69,3 +69,4 @@ pub use plan::{expected_arrivals, StripePolicy, TransferShape};
 pub use runtime::completion::{DoneCounter, DoneFlag, OnDone};
 pub use uvm_watcher::{Control as WatchControl, GpuCounter, Watcher};
 pub use wire::{MrDesc, NetAddr};
+pub use xfer_plugin::export_plugin;

@@ -75,7 +75,6 @@ fn device_name(d: Device) -> String {
     match d {
         Device::Host => "cpu".into(),
         Device::Cuda(n) => format!("cuda:{n}"),
-        other => format!("{other:?}"),
     }
 }
 

@@ -5,14 +5,17 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::abi::{
-    entry_symbol, EntryFn, PluginHeader, PluginTable, RawBytes, RawError, RawEvent, RawRead,
-    RawRegion, RawWrite, ABI_VERSION, ENTRY_SYMBOL, MIN_ABI_VERSION, STATUS_BUSY, STATUS_OK,
-    V1_TABLE_SIZE,
+    entry_symbol, EntryFn, PluginHeader, PluginTable, RawBytes, RawCapabilities, RawError,
+    RawEvent, RawRead, RawRegion, RawWrite, ABI_VERSION, DEVICE_CUDA, DEVICE_HOST, ENTRY_SYMBOL,
+    EVENT_DONE, EVENT_FAILED, EVENT_IMM, EVENT_MESSAGE, MIN_ABI_VERSION, OPTIONS_FLAT,
+    OPTIONS_TOML, STATUS_BUSY, STATUS_OK, V1_TABLE_SIZE,
 };
 use crate::domain::{
-    BackendRegistration, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event,
-    MemoryRegion, PostStatus, ReadRequest, Registration, Waker, WriteRequest,
+    BackendRegistration, Capabilities, Device, Domain, DomainConfig, DomainError,
+    DomainErrorKind, Event, MemoryRegion, PostStatus, ReadRequest, Registration, Waker,
+    WriteRequest,
 };
+use xfer_plugin::log::{LOG_DEBUG, LOG_ERROR, LOG_INFO, LOG_TRACE, LOG_WARN};
 use crate::wire::{NetAddr, MAX_ADDR_LEN};
 
 /// Colon-separated directories searched for plugins not named by path in the config.
@@ -233,7 +236,7 @@ impl LoadedPlugin {
         // (by config or search path), which is the trust decision dlopen always requires.
         let library = unsafe { libloading::Library::new(path) }.map_err(|e| PluginError::Load {
             path: path.to_owned(),
-            message: e.to_string(),
+            message: loader_text(&e),
         })?;
         // SAFETY: we only read the symbol's address here; its type is checked by the header
         // below before anything beyond the header is used.
@@ -243,7 +246,7 @@ impl LoadedPlugin {
             .map_err(|e| PluginError::MissingEntry {
                 path: path.to_owned(),
                 backend: name.to_owned(),
-                message: e.to_string(),
+                message: loader_text(&e),
             })?;
         // SAFETY: the entry symbol is the ABI's `extern "C" fn() -> *const PluginTable`; every
         // ABI version begins the table with a PluginHeader, the only part read before checking.
@@ -276,6 +279,20 @@ impl LoadedPlugin {
                 path: path.to_owned(),
                 message: format!("its table's entry `{entry}` is null"),
             })?;
+        if ![OPTIONS_TOML, OPTIONS_FLAT].contains(&table.options_format) {
+            return Err(PluginError::Load {
+                path: path.to_owned(),
+                message: format!(
+                    "its options format {} is unknown ({OPTIONS_TOML} = TOML, {OPTIONS_FLAT} = flat lines)",
+                    table.options_format
+                ),
+            });
+        }
+        if let Some(set_log) = table.set_log {
+            // SAFETY: host_log is callable from any thread for the life of the process; the
+            // plugin keeps it (the library is never unloaded, see `_library`).
+            unsafe { set_log(host_log, host_log_level()) };
+        }
         // SAFETY: the table's name is static UTF-8 in the library (checked lossily anyway).
         let name = String::from_utf8_lossy(unsafe { table.name.as_slice() }).into_owned();
         Ok(Self {
@@ -293,13 +310,20 @@ impl LoadedPlugin {
     }
 
     fn open(self: &Arc<Self>, config: &DomainConfig<'_>) -> Result<Box<dyn Domain>, DomainError> {
+        let flat;
+        let options = if self.table.options_format == OPTIONS_FLAT {
+            flat = flat_options(config.options)?;
+            flat.as_str()
+        } else {
+            config.options
+        };
         let mut handle: *mut c_void = std::ptr::null_mut();
         let mut err = RawError::empty();
         // SAFETY: every pointer is live for the call; the strings are borrowed only during it.
         let status = unsafe {
             (self.table.open)(
                 RawBytes::new(config.nic.as_bytes()),
-                RawBytes::new(config.options.as_bytes()),
+                RawBytes::new(options.as_bytes()),
                 &mut handle,
                 &mut err,
             )
@@ -371,19 +395,19 @@ unsafe extern "C" fn collect_event(sink: *mut c_void, event: *const RawEvent) {
     // SAFETY: as above.
     let data = unsafe { e.data.as_slice() };
     events.push(match e.kind {
-        0 => Event::Done {
+        EVENT_DONE => Event::Done {
             wr_id: e.wr_id,
             result: Ok(()),
         },
-        1 => Event::Done {
+        EVENT_FAILED => Event::Done {
             wr_id: e.wr_id,
             result: Err(DomainError::new(
                 DomainErrorKind::from_raw(e.error_kind),
                 String::from_utf8_lossy(data).into_owned(),
             )),
         },
-        2 => Event::ImmArrival { imm: e.imm },
-        3 => Event::Message {
+        EVENT_IMM => Event::ImmArrival { imm: e.imm },
+        EVENT_MESSAGE => Event::Message {
             data: data.to_vec(),
         },
         // Never guessed at: taken for a message, an immediate would vanish.
@@ -419,8 +443,8 @@ impl Domain for PluginDomain {
 
     fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError> {
         let (device_kind, device_index) = match region.device {
-            Device::Host => (0, 0),
-            Device::Cuda(i) => (1, i),
+            Device::Host => (DEVICE_HOST, 0),
+            Device::Cuda(i) => (DEVICE_CUDA, i),
         };
         let raw = RawRegion {
             ptr: region.ptr,
@@ -549,6 +573,19 @@ impl Domain for PluginDomain {
         Self::check(status, &err).map(|_| ())
     }
 
+    fn capabilities(&self) -> Capabilities {
+        let Some(query) = self.plugin.table.capabilities else {
+            return Capabilities::default();
+        };
+        let mut raw = RawCapabilities::from_capabilities(&Capabilities::default());
+        // SAFETY: live handle; raw is valid for writes during the call.
+        if unsafe { query(self.handle, &mut raw) } != STATUS_OK {
+            tracing::warn!(plugin = %self.plugin.name, "the plugin's capabilities query failed; assuming the defaults");
+            return Capabilities::default();
+        }
+        raw.to_capabilities()
+    }
+
     fn set_waker(&mut self, waker: Waker) -> bool {
         let id = NEXT_WAKER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         WAKERS
@@ -562,6 +599,73 @@ impl Domain for PluginDomain {
         // A previous waker stays registered until close: the plugin may still call it.
         self.wakers.push(id);
         will_wake
+    }
+}
+
+/// libloading's error with the dynamic loader's own words: its `Display` says only "dlopen
+/// failed"; `dlerror()`'s text ("cannot open shared object file", "undefined symbol") is its
+/// source.
+fn loader_text(e: &libloading::Error) -> String {
+    match std::error::Error::source(e) {
+        Some(source) => format!("{e}: {source}"),
+        None => e.to_string(),
+    }
+}
+
+/// The most verbose level the host's subscriber wants, as a `LogFn` level.
+fn host_log_level() -> u32 {
+    use tracing::level_filters::LevelFilter;
+    match LevelFilter::current() {
+        LevelFilter::OFF => 0,
+        LevelFilter::ERROR => LOG_ERROR,
+        LevelFilter::WARN => LOG_WARN,
+        LevelFilter::INFO => LOG_INFO,
+        LevelFilter::DEBUG => LOG_DEBUG,
+        _ => LOG_TRACE,
+    }
+}
+
+/// A plugin's log line, as an event of the host's `tracing` (target `xfer::plugin`).
+unsafe extern "C" fn host_log(level: u32, target: RawBytes, message: RawBytes) {
+    // SAFETY: the plugin passes byte strings live for the call (the ABI's contract).
+    let (target, message) = unsafe { (target.as_slice(), message.as_slice()) };
+    let target = String::from_utf8_lossy(target);
+    let message = String::from_utf8_lossy(message);
+    match level {
+        LOG_ERROR => tracing::error!(target: "xfer::plugin", plugin_target = %target, "{message}"),
+        LOG_WARN => tracing::warn!(target: "xfer::plugin", plugin_target = %target, "{message}"),
+        LOG_INFO => tracing::info!(target: "xfer::plugin", plugin_target = %target, "{message}"),
+        LOG_DEBUG => tracing::debug!(target: "xfer::plugin", plugin_target = %target, "{message}"),
+        _ => tracing::trace!(target: "xfer::plugin", plugin_target = %target, "{message}"),
+    }
+}
+
+/// The backend's TOML options as the flat `key=value` lines of [`OPTIONS_FLAT`].
+pub fn flat_options(toml_text: &str) -> Result<String, DomainError> {
+    let table: toml::Table = toml_text.parse().map_err(|e: toml::de::Error| {
+        DomainError::new(DomainErrorKind::InvalidArgument, e.message().to_owned())
+    })?;
+    let mut lines = Vec::new();
+    flatten("", &table, &mut lines);
+    lines.sort();
+    Ok(lines.concat())
+}
+
+fn flat_value(value: &toml::Value) -> String {
+    match value {
+        toml::Value::String(s) => s.replace('\\', "\\\\").replace('\n', "\\n"),
+        toml::Value::Array(items) => items.iter().map(flat_value).collect::<Vec<_>>().join(","),
+        other => other.to_string(),
+    }
+}
+
+fn flatten(prefix: &str, table: &toml::Table, lines: &mut Vec<String>) {
+    for (key, value) in table {
+        let key = format!("{prefix}{key}");
+        match value {
+            toml::Value::Table(inner) => flatten(&format!("{key}."), inner, lines),
+            other => lines.push(format!("{key}={}\n", flat_value(other))),
+        }
     }
 }
 
@@ -600,6 +704,20 @@ mod tests {
                 }
             ]
         );
+    }
+
+    #[test]
+    fn options_flatten_to_sorted_key_value_lines() {
+        let flat = flat_options(
+            "b = true\nname = \"two\\nlines\"\nsizes = [1, 2]\n[faults]\ndelay_ms = 3\n",
+        )
+        .unwrap();
+        assert_eq!(
+            flat,
+            "b=true\nfaults.delay_ms=3\nname=two\\nlines\nsizes=1,2\n"
+        );
+        assert_eq!(flat_options("").unwrap(), "");
+        assert!(flat_options("= broken").is_err());
     }
 
     #[test]

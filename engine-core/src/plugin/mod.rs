@@ -2,7 +2,7 @@
 //! `libloading` through the C ABI in [`abi`]. This module holds the crate's only `unsafe`
 //! besides the ABI shims themselves.
 
-pub mod abi;
+pub use xfer_plugin::abi;
 mod loader;
 
-pub use loader::{find_backend, Backend, LoadedPlugin, PluginError, PLUGIN_PATH_ENV};
+pub use loader::{find_backend, flat_options, Backend, LoadedPlugin, PluginError, PLUGIN_PATH_ENV};

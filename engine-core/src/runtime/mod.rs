@@ -81,16 +81,7 @@ impl Mirror {
     }
 }
 
-/// The text of a panic payload.
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic without a message".to_owned()
-    }
-}
+pub(crate) use xfer_plugin::panic_message;
 
 /// Handles incoming messages; see `TransferEngine::submit_recvs`.
 pub(crate) type RecvHandler = Arc<dyn Fn(&[u8]) + Send + Sync>;

@@ -26,7 +26,7 @@ use super::completion::{send_batch, CallbackBatch, OnDone};
 use super::tracker::Tracker;
 use super::{panic_message, Command, Mirror, Shared, WriteOp};
 use crate::domain::{
-    Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus, ReadRequest,
+    Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus, ReadRequest,
     Registration, Waker, WriteRequest,
 };
 use crate::error::{Error, Result};
@@ -59,6 +59,10 @@ struct Worker {
     domains: Vec<Box<dyn Domain>>,
     /// Whether every Domain wakes the worker on new events.
     domains_wake: bool,
+    /// Each Domain's limits, checked before anything is posted to it.
+    caps: Vec<Capabilities>,
+    /// Some Domain moves only while polled (also to receive): never park.
+    needs_polling: bool,
     tracker: Tracker<OnDone>,
     /// Work refused with `Busy`, per (NIC, peer), in submission order within each.
     pending: HashMap<(usize, NetAddr), VecDeque<(u64, Pending)>>,
@@ -81,6 +85,8 @@ pub(crate) struct WorkerHandle {
     pub(crate) addresses: Vec<NetAddr>,
     /// Whether every Domain supports RDMA READ.
     pub(crate) reads: bool,
+    /// Each Domain's capabilities, in NIC order.
+    pub(crate) caps: Vec<Capabilities>,
 }
 
 /// Starts the worker: pins it, then opens the group's Domains on it (so their memory is
@@ -90,7 +96,8 @@ pub(crate) fn spawn_worker(
     backend: Backend,
     group: usize,
 ) -> Result<WorkerHandle> {
-    let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(Vec<NetAddr>, bool)>>(1);
+    type Ready = (Vec<NetAddr>, bool, Vec<Capabilities>);
+    let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<Ready>>(1);
     let thread_shared = Arc::clone(&shared);
     let thread = std::thread::Builder::new()
         .name(format!("xfer-worker-{group}"))
@@ -100,7 +107,8 @@ pub(crate) fn spawn_worker(
                 Ok(worker) => {
                     let addresses = worker.domains.iter().map(|d| d.address()).collect();
                     let reads = worker.domains.iter().all(|d| d.supports_read());
-                    let _ = ready_tx.send(Ok((addresses, reads)));
+                    let caps = worker.caps.clone();
+                    let _ = ready_tx.send(Ok((addresses, reads, caps)));
                     worker.run();
                 }
                 Err(e) => {
@@ -115,7 +123,7 @@ pub(crate) fn spawn_worker(
     let _ = shared.worker.set(thread.thread().clone());
     let timeout =
         shared.config.timeouts.control() + Duration::from_millis(shared.config.timeouts.connect_ms);
-    let (addresses, reads) = match ready_rx.recv_timeout(timeout) {
+    let (addresses, reads, caps) = match ready_rx.recv_timeout(timeout) {
         Ok(Ok(a)) => a,
         Ok(Err(e)) => {
             let _ = thread.join();
@@ -132,6 +140,7 @@ pub(crate) fn spawn_worker(
         thread,
         addresses,
         reads,
+        caps,
     })
 }
 
@@ -165,12 +174,29 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
                 s.wake();
             }
         }));
+        let caps = domain.capabilities();
+        let address_len = domain.address().raw().len();
+        if caps.max_address_len > crate::wire::MAX_ADDR_LEN || address_len > caps.max_address_len
+        {
+            return Err(Error::Backend {
+                backend: shared.backend.clone(),
+                message: format!(
+                    "NIC {nic:?}: the backend declares addresses of up to {} bytes and handed out one of {address_len}; the engine carries at most {}",
+                    caps.max_address_len,
+                    crate::wire::MAX_ADDR_LEN
+                ),
+            });
+        }
         domains.push(domain);
     }
+    let caps: Vec<Capabilities> = domains.iter().map(|d| d.capabilities()).collect();
+    let needs_polling = caps.iter().any(|c| c.needs_receiver_polling);
     Ok(Worker {
         shared: Arc::clone(shared),
         domains,
         domains_wake,
+        caps,
+        needs_polling,
         tracker: Tracker::new(),
         pending: HashMap::new(),
         events: Vec::new(),
@@ -257,7 +283,7 @@ impl Worker {
         let idle_start = *idle_since.get_or_insert(now);
         // Domains that cannot wake us and need polling to make progress (libfabric's
         // manual-progress providers) with `idle_poll_us = 0`: never park.
-        let never_park = !self.domains_wake && idle_poll.is_zero();
+        let never_park = (!self.domains_wake && idle_poll.is_zero()) || self.needs_polling;
         if in_flight || never_park || now.duration_since(idle_start) < spin {
             std::thread::yield_now();
             return true;
@@ -299,6 +325,11 @@ impl Worker {
                     self.finished.push((on_done, Ok(())));
                     return;
                 }
+                if let Some(refused) = ops.iter().find_map(|op| self.beyond_capabilities(op)) {
+                    // Refused whole, before any part is posted: the backend said it cannot.
+                    self.finished.push((on_done, Err(Error::InvalidArgument(refused))));
+                    return;
+                }
                 let id = self.tracker.insert(
                     ops.len() as u64,
                     self.now + self.transfer_timeout,
@@ -314,6 +345,16 @@ impl Worker {
                 data,
                 on_done,
             } => {
+                if let Some(max) = self.caps[0].max_message_size.filter(|&m| data.len() > m) {
+                    let refused = format!(
+                        "a message of {} bytes is larger than backend {}'s limit of {max}",
+                        data.len(),
+                        self.shared.backend
+                    );
+                    self.finished
+                        .push((on_done, Err(Error::InvalidArgument(refused))));
+                    return;
+                }
                 let id = self
                     .tracker
                     .insert(1, self.now + self.transfer_timeout, on_done);
@@ -363,7 +404,47 @@ impl Worker {
         }
     }
 
+    /// Why the backend's declared capabilities rule out `op`, if they do.
+    fn beyond_capabilities(&self, op: &WriteOp) -> Option<String> {
+        let caps = &self.caps[op.nic];
+        let backend = &self.shared.backend;
+        let what = if op.read { "read" } else { "write" };
+        if let Some(max) = caps.max_write_size.filter(|&m| op.len > m) {
+            return Some(format!(
+                "a {what} of {} bytes on NIC {} is larger than backend {backend}'s limit of {max} (lower stripe.chunk_bytes or split the transfer)",
+                op.len, op.nic
+            ));
+        }
+        if op.len == 0 && !caps.zero_byte_writes {
+            return Some(format!("backend {backend} does not support zero-byte writes"));
+        }
+        if op.imm.is_some() && !caps.immediates {
+            return Some(format!(
+                "backend {backend} does not support writes with an immediate"
+            ));
+        }
+        None
+    }
+
     fn register(&mut self, region: &crate::domain::MemoryRegion) -> Result<Vec<Registration>> {
+        if let Device::Cuda(gpu) = region.device {
+            if let Some(nic) = self
+                .caps
+                .iter()
+                .position(|c| !c.cuda_memory && !c.dmabuf)
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "backend {} cannot register CUDA memory (GPU {gpu}) on NIC {nic}: it declares host memory only",
+                    self.shared.backend
+                )));
+            }
+        }
+        if region.device == Device::Host && !self.caps.iter().all(|c| c.host_memory) {
+            return Err(Error::InvalidArgument(format!(
+                "backend {} cannot register host memory",
+                self.shared.backend
+            )));
+        }
         let mut done = Vec::with_capacity(self.domains.len());
         for i in 0..self.domains.len() {
             match self.domains[i].register(region) {

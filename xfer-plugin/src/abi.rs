@@ -16,7 +16,11 @@
 //! plugin. A plugin newer than the engine is refused with both versions named. Version 2
 //! appended [`post_read`](PluginTable::post_read) (RDMA READ) and the `remote_read` flag at the
 //! end of [`RawRegion`] (which version-1 plugins never read, so a region they register is never
-//! remotely readable).
+//! remotely readable). Version 3 appended [`capabilities`](PluginTable::capabilities) (limits
+//! the engine checks instead of discovering them at run time), [`set_log`](PluginTable::set_log)
+//! (the plugin's log lines into the host's `tracing`) and
+//! [`options_format`](PluginTable::options_format) (backend options as TOML text or as flat
+//! `key=value` lines a C plugin reads without a TOML parser).
 //!
 //! Backend authors do not write any of this: [`export_plugin!`](crate::export_plugin) turns a
 //! Rust [`Domain`] opener into the table.
@@ -24,18 +28,21 @@
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use crate::addr::{NetAddr, MAX_ADDR_LEN};
 use crate::domain::{
-    Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion, OpenFn,
-    PostStatus, ReadRequest, Registration, WriteRequest,
+    Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event,
+    MemoryRegion, OpenFn, PostStatus, ReadRequest, Registration, WriteRequest,
 };
-use crate::wire::{NetAddr, MAX_ADDR_LEN};
+use crate::log::LogFn;
 
 /// The ABI this engine speaks: bumped when entries are appended to [`PluginTable`].
-pub const ABI_VERSION: u32 = 2;
+pub const ABI_VERSION: u32 = 3;
 /// The oldest ABI whose plugins this engine still loads.
 pub const MIN_ABI_VERSION: u32 = 1;
 /// Size of a version-1 table: everything before [`PluginTable::post_read`].
 pub const V1_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, post_read) as u32;
+/// Size of a version-2 table: everything before [`PluginTable::capabilities`].
+pub const V2_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, capabilities) as u32;
 /// The generic entry symbol, `extern "C" fn() -> *const PluginTable`, looked up when the
 /// per-backend one ([`entry_symbol`]) is absent.
 pub const ENTRY_SYMBOL: &str = "xfer_plugin_entry";
@@ -139,7 +146,7 @@ pub struct RawRegion {
     pub ptr: u64,
     /// Length.
     pub len: u64,
-    /// 0 = host, 1 = CUDA.
+    /// [`DEVICE_HOST`] or [`DEVICE_CUDA`]; anything else is refused.
     pub device_kind: u32,
     /// The CUDA device index.
     pub device_index: u32,
@@ -147,6 +154,88 @@ pub struct RawRegion {
     pub remote_write: u32,
     /// 1 if peers may read it (ABI 2; version-1 plugins do not read it).
     pub remote_read: u32,
+}
+
+/// [`RawRegion::device_kind`]: host memory.
+pub const DEVICE_HOST: u32 = 0;
+/// [`RawRegion::device_kind`]: memory of CUDA device `device_index`.
+pub const DEVICE_CUDA: u32 = 1;
+
+/// [`RawCapabilities::memory_kinds`]: registers host memory.
+pub const MEMORY_HOST: u32 = 1;
+/// Registers CUDA memory (GPUDirect: the NIC reads and writes it without a host bounce).
+pub const MEMORY_CUDA: u32 = 2;
+/// Registers CUDA memory through dma-buf.
+pub const MEMORY_DMABUF: u32 = 4;
+
+/// [`RawCapabilities::flags`]: writes may carry an immediate.
+pub const CAP_IMMEDIATES: u32 = 1;
+/// Zero-byte writes (with an immediate: a pure signal) are supported.
+pub const CAP_ZERO_BYTE_WRITES: u32 = 2;
+/// The Domain only makes progress while polled, also on the receiving side (libfabric's
+/// manual-progress providers, EFA): the engine keeps polling it instead of parking.
+pub const CAP_NEEDS_RECEIVER_POLLING: u32 = 4;
+
+/// [`PluginTable::options_format`]: the backend's options as TOML text (the `[backends.<name>]`
+/// table).
+pub const OPTIONS_TOML: u32 = 0;
+/// The backend's options as lines `key=value\n`: nested tables as dotted keys
+/// (`faults.delay_ms=3`), strings unquoted (a newline inside one written as `\n`), arrays
+/// comma-separated, booleans `true`/`false`. Keys in sorted order.
+pub const OPTIONS_FLAT: u32 = 1;
+
+/// [`Capabilities`] in C layout (ABI 3).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawCapabilities {
+    /// Largest single write or read in bytes; 0 = no limit.
+    pub max_write_size: u64,
+    /// Largest message in bytes; 0 = no limit.
+    pub max_message_size: u64,
+    /// Longest address this plugin hands out (at most 64).
+    pub max_address_len: u32,
+    /// `MEMORY_*` bits.
+    pub memory_kinds: u32,
+    /// `CAP_*` bits.
+    pub flags: u32,
+    /// Zero; room to grow without changing the size.
+    pub reserved: u32,
+}
+
+impl RawCapabilities {
+    /// The C form of `caps`.
+    pub fn from_capabilities(caps: &Capabilities) -> Self {
+        let bit = |on: bool, b: u32| if on { b } else { 0 };
+        Self {
+            max_write_size: caps.max_write_size.unwrap_or(0),
+            max_message_size: caps.max_message_size.unwrap_or(0) as u64,
+            max_address_len: caps.max_address_len as u32,
+            memory_kinds: bit(caps.host_memory, MEMORY_HOST)
+                | bit(caps.cuda_memory, MEMORY_CUDA)
+                | bit(caps.dmabuf, MEMORY_DMABUF),
+            flags: bit(caps.immediates, CAP_IMMEDIATES)
+                | bit(caps.zero_byte_writes, CAP_ZERO_BYTE_WRITES)
+                | bit(caps.needs_receiver_polling, CAP_NEEDS_RECEIVER_POLLING),
+            reserved: 0,
+        }
+    }
+
+    /// What it says, as the engine uses it.
+    pub fn to_capabilities(&self) -> Capabilities {
+        let has = |bits: u32, b: u32| bits & b != 0;
+        Capabilities {
+            max_write_size: (self.max_write_size != 0).then_some(self.max_write_size),
+            max_message_size: (self.max_message_size != 0)
+                .then(|| usize::try_from(self.max_message_size).unwrap_or(usize::MAX)),
+            max_address_len: self.max_address_len as usize,
+            host_memory: has(self.memory_kinds, MEMORY_HOST),
+            cuda_memory: has(self.memory_kinds, MEMORY_CUDA),
+            dmabuf: has(self.memory_kinds, MEMORY_DMABUF),
+            immediates: has(self.flags, CAP_IMMEDIATES),
+            zero_byte_writes: has(self.flags, CAP_ZERO_BYTE_WRITES),
+            needs_receiver_polling: has(self.flags, CAP_NEEDS_RECEIVER_POLLING),
+        }
+    }
 }
 
 /// [`WriteRequest`] in C layout.
@@ -197,11 +286,20 @@ pub struct RawRead {
     pub len: u64,
 }
 
+/// [`RawEvent::kind`]: a posted request finished well.
+pub const EVENT_DONE: u32 = 0;
+/// A posted request failed; `error_kind` and `data` (the text) say how.
+pub const EVENT_FAILED: u32 = 1;
+/// A peer's write with immediate `imm` landed.
+pub const EVENT_IMM: u32 = 2;
+/// A message (`data`) arrived in a posted receive buffer.
+pub const EVENT_MESSAGE: u32 = 3;
+
 /// One event in C layout; its byte strings are valid only during the sink call.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct RawEvent {
-    /// 0 = done ok, 1 = done with error, 2 = immediate arrival, 3 = message.
+    /// `EVENT_*`; any other value makes the engine fail the Domain.
     pub kind: u32,
     /// A [`DomainErrorKind`] for kind 1.
     pub error_kind: u32,
@@ -287,6 +385,17 @@ pub struct PluginTable {
     pub post_read: Option<
         unsafe extern "C" fn(domain: *mut c_void, rd: *const RawRead, err: *mut RawError) -> i32,
     >,
+    /// ABI 3: fills in the Domain's limits and abilities (null: the engine assumes no limits,
+    /// host and CUDA memory, immediates and zero-byte writes, no receiver polling).
+    pub capabilities:
+        Option<unsafe extern "C" fn(domain: *mut c_void, out: *mut RawCapabilities) -> i32>,
+    /// ABI 3: called once, right after loading and before any `open`, with the host's log
+    /// function and the most verbose level it wants (see [`crate::log`]); may be null.
+    pub set_log: Option<unsafe extern "C" fn(log: LogFn, max_level: u32)>,
+    /// ABI 3: how `open` receives the backend's options: [`OPTIONS_TOML`] or [`OPTIONS_FLAT`].
+    pub options_format: u32,
+    /// Zero; keeps the table's size a multiple of 8 on every target.
+    pub reserved: u32,
 }
 
 // SAFETY: the table is immutable static data (function pointers and a static name).
@@ -325,6 +434,10 @@ impl PluginTable {
             poll: shim_poll,
             set_waker: shim_set_waker,
             post_read: Some(shim_post_read),
+            capabilities: Some(shim_capabilities),
+            set_log: Some(shim_set_log),
+            options_format: OPTIONS_TOML,
+            reserved: 0,
         }
     }
 
@@ -339,6 +452,17 @@ impl PluginTable {
         };
         table
     }
+
+    /// The table as a version-2 plugin built it (no capabilities, no logging, TOML options),
+    /// for fixtures.
+    pub const fn new_v2<O: PluginOpener>() -> Self {
+        let mut table = Self::new::<O>();
+        table.header = PluginHeader {
+            abi_version: 2,
+            table_size: V2_TABLE_SIZE,
+        };
+        table
+    }
 }
 
 /// The handle behind the `*mut c_void`: a boxed trait object, boxed again to get a thin pointer.
@@ -348,7 +472,7 @@ type Handle = Box<dyn Domain>;
 fn guarded(err: *mut RawError, f: impl FnOnce() -> Result<i32, DomainError>) -> i32 {
     let outcome = catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
         // The text travels back: "the plugin panicked" alone tells a vendor nothing.
-        let text = crate::runtime::panic_message(&*panic);
+        let text = crate::panic_message(&*panic);
         Err(DomainError::new(
             DomainErrorKind::Fatal,
             format!("the plugin panicked: {text}"),
@@ -442,8 +566,8 @@ unsafe extern "C" fn shim_register(
         // SAFETY: the engine passes a valid region for the call's duration.
         let r = unsafe { *region };
         let device = match r.device_kind {
-            0 => Device::Host,
-            1 => Device::Cuda(r.device_index),
+            DEVICE_HOST => Device::Host,
+            DEVICE_CUDA => Device::Cuda(r.device_index),
             other => {
                 return Err(DomainError::new(
                     DomainErrorKind::InvalidArgument,
@@ -581,7 +705,7 @@ unsafe extern "C" fn shim_poll(
                     wr_id,
                     result: Ok(()),
                 } => RawEvent {
-                    kind: 0,
+                    kind: EVENT_DONE,
                     error_kind: 0,
                     wr_id: *wr_id,
                     imm: 0,
@@ -591,21 +715,21 @@ unsafe extern "C" fn shim_poll(
                     wr_id,
                     result: Err(e),
                 } => RawEvent {
-                    kind: 1,
+                    kind: EVENT_FAILED,
                     error_kind: e.kind as u32,
                     wr_id: *wr_id,
                     imm: 0,
                     data: RawBytes::new(e.message.as_bytes()),
                 },
                 Event::ImmArrival { imm } => RawEvent {
-                    kind: 2,
+                    kind: EVENT_IMM,
                     error_kind: 0,
                     wr_id: 0,
                     imm: *imm,
                     data: RawBytes::new(&[]),
                 },
                 Event::Message { data } => RawEvent {
-                    kind: 3,
+                    kind: EVENT_MESSAGE,
                     error_kind: 0,
                     wr_id: 0,
                     imm: 0,
@@ -641,6 +765,29 @@ unsafe extern "C" fn shim_set_waker(domain: *mut c_void, ctx: *const c_void, wak
     .unwrap_or(0)
 }
 
+unsafe extern "C" fn shim_capabilities(domain: *mut c_void, out: *mut RawCapabilities) -> i32 {
+    catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: a live handle, per the ABI contract.
+        let caps = unsafe { handle(domain) }.capabilities();
+        // SAFETY: out is valid for writes, per the ABI contract.
+        unsafe { *out = RawCapabilities::from_capabilities(&caps) };
+        STATUS_OK
+    }))
+    .unwrap_or(STATUS_ERROR)
+}
+
+unsafe extern "C" fn shim_set_log(log: LogFn, max_level: u32) {
+    static MAX_LEVEL: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    // This library's own copy of `tracing` gets a global subscriber that forwards to the host.
+    // A later call (the library loaded again by another engine) finds it set and keeps it —
+    // the host's function is the same — but takes the host's level as it is now.
+    let _ = catch_unwind(|| {
+        crate::log::Forward::set_max_level(&MAX_LEVEL, max_level);
+        let _ =
+            tracing::subscriber::set_global_default(crate::log::Forward::new(log, &MAX_LEVEL));
+    });
+}
+
 /// Exports a backend as an xfer plugin: `export_plugin!("name", open_fn);` in a `cdylib`.
 ///
 /// `open_fn` has the type [`OpenFn`]; `"name"` must be a string literal (it names the entry
@@ -650,16 +797,16 @@ macro_rules! export_plugin {
     ($name:literal, $open:path) => {
         #[doc(hidden)]
         pub struct XferPluginOpener;
-        impl $crate::plugin::abi::PluginOpener for XferPluginOpener {
+        impl $crate::abi::PluginOpener for XferPluginOpener {
             const NAME: &'static str = $name;
             const OPEN: $crate::domain::OpenFn = $open;
         }
         #[doc(hidden)]
-        pub static XFER_PLUGIN_TABLE: $crate::plugin::abi::PluginTable =
-            $crate::plugin::abi::PluginTable::new::<XferPluginOpener>();
+        pub static XFER_PLUGIN_TABLE: $crate::abi::PluginTable =
+            $crate::abi::PluginTable::new::<XferPluginOpener>();
         /// The xfer plugin entry point of this backend.
         #[export_name = concat!("xfer_plugin_entry_", $name)]
-        pub extern "C" fn xfer_plugin_entry() -> *const $crate::plugin::abi::PluginTable {
+        pub extern "C" fn xfer_plugin_entry() -> *const $crate::abi::PluginTable {
             &XFER_PLUGIN_TABLE
         }
     };

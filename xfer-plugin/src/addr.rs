@@ -1,0 +1,232 @@
+//! [`NetAddr`], a NIC's address, and the wire primitives its encoding shares with the
+//! engine's `MrDesc`.
+//!
+//! Each wire structure has three forms: serde (for the caller's own RPC), a compact versioned binary form
+//! (`to_bytes`/`from_bytes`) and its hex text (`Display`/`FromStr`). Decoders check the version,
+//! reject truncation, trailing bytes and absurd lengths, and never panic: these bytes come from
+//! another machine.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+/// Version byte that starts every binary form; bumped when a layout changes.
+pub const WIRE_VERSION: u8 = 1;
+/// Longest NIC address any backend produces (EFA: 32 bytes; verbs: GID + QPN + QKey).
+pub const MAX_ADDR_LEN: usize = 64;
+
+/// Why a serialized address or descriptor was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// The input ended before the structure did.
+    #[error("truncated: needed {needed} more bytes at offset {at}")]
+    Truncated {
+        /// Where the read started.
+        at: usize,
+        /// How many bytes were missing.
+        needed: usize,
+    },
+    /// The version byte is not one this build understands.
+    #[error("wire version {found}, expected {expected}")]
+    Version {
+        /// The version found.
+        found: u8,
+        /// The version this build speaks.
+        expected: u8,
+    },
+    /// Bytes were left over after a complete structure.
+    #[error("{0} trailing bytes")]
+    Trailing(usize),
+    /// A length field is zero or larger than any valid value.
+    #[error("{field} is {value}, allowed {min}..={max}")]
+    Length {
+        /// The field.
+        field: &'static str,
+        /// The value found.
+        value: usize,
+        /// Smallest valid value.
+        min: usize,
+        /// Largest valid value.
+        max: usize,
+    },
+    /// `ptr + len` does not fit in 64 bits.
+    #[error("region {ptr:#x}+{len} overflows the address space")]
+    Overflow {
+        /// Region start.
+        ptr: u64,
+        /// Region length.
+        len: u64,
+    },
+    /// The hex text form has a non-hex character or an odd length.
+    #[error("bad hex text: {0}")]
+    Hex(String),
+}
+
+/// A byte reader that turns every short read into [`DecodeError::Truncated`].
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    #[allow(missing_docs)]
+    pub fn new(bytes: &'a [u8]) -> Self {
+        Self { bytes, at: 0 }
+    }
+
+    #[allow(missing_docs)]
+    pub fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        let rest = &self.bytes[self.at..];
+        if rest.len() < n {
+            return Err(DecodeError::Truncated {
+                at: self.at,
+                needed: n - rest.len(),
+            });
+        }
+        self.at += n;
+        Ok(&rest[..n])
+    }
+
+    #[allow(missing_docs)]
+    pub fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?[0])
+    }
+
+    #[allow(missing_docs)]
+    pub fn u64(&mut self) -> Result<u64, DecodeError> {
+        let b = self.take(8)?;
+        Ok(u64::from_le_bytes(
+            b.try_into().expect("take(8) returns 8 bytes"),
+        ))
+    }
+
+    #[allow(missing_docs)]
+    pub fn version(&mut self) -> Result<(), DecodeError> {
+        match self.u8()? {
+            WIRE_VERSION => Ok(()),
+            found => Err(DecodeError::Version {
+                found,
+                expected: WIRE_VERSION,
+            }),
+        }
+    }
+
+    #[allow(missing_docs)]
+    pub fn finish(self) -> Result<(), DecodeError> {
+        match self.bytes.len() - self.at {
+            0 => Ok(()),
+            n => Err(DecodeError::Trailing(n)),
+        }
+    }
+}
+
+#[doc(hidden)]
+pub fn check_len(field: &'static str, value: usize, min: usize, max: usize) -> Result<(), DecodeError> {
+    if (min..=max).contains(&value) {
+        Ok(())
+    } else {
+        Err(DecodeError::Length {
+            field,
+            value,
+            min,
+            max,
+        })
+    }
+}
+
+#[doc(hidden)]
+pub fn from_hex(text: &str) -> Result<Vec<u8>, DecodeError> {
+    hex::decode(text.trim()).map_err(|e| DecodeError::Hex(e.to_string()))
+}
+
+/// The address of one NIC of an engine, as its backend defines it (opaque to the engine).
+///
+/// An engine's `main_address` is its first NIC's address;
+/// the addresses of all its NICs travel inside every `MrDesc` it hands out. Cloning is cheap
+/// (a reference count), since every write carries its peer's address.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "Vec<u8>", into = "Vec<u8>")]
+pub struct NetAddr(Arc<[u8]>);
+
+impl NetAddr {
+    /// Wraps a backend's raw address bytes (1 to [`MAX_ADDR_LEN`] bytes).
+    pub fn new(raw: &[u8]) -> Result<Self, DecodeError> {
+        check_len("address length", raw.len(), 1, MAX_ADDR_LEN)?;
+        Ok(Self(raw.into()))
+    }
+
+    /// The backend's raw address bytes.
+    pub fn raw(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// The compact binary form: version, length, bytes.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(2 + self.0.len());
+        out.push(WIRE_VERSION);
+        self.encode_body(&mut out);
+        out
+    }
+
+    /// Decodes [`to_bytes`](Self::to_bytes)' output, rejecting anything else.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, DecodeError> {
+        let mut r = Reader::new(bytes);
+        r.version()?;
+        let addr = Self::decode_body(&mut r)?;
+        r.finish()?;
+        Ok(addr)
+    }
+
+    #[doc(hidden)]
+    pub fn encode_body(&self, out: &mut Vec<u8>) {
+        // new() bounds the length by MAX_ADDR_LEN, which fits in a byte.
+        out.push(self.0.len() as u8);
+        out.extend_from_slice(&self.0);
+    }
+
+    #[doc(hidden)]
+    pub fn decode_body(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        let len = usize::from(r.u8()?);
+        check_len("address length", len, 1, MAX_ADDR_LEN)?;
+        Ok(Self(r.take(len)?.into()))
+    }
+}
+
+impl TryFrom<Vec<u8>> for NetAddr {
+    type Error = DecodeError;
+    fn try_from(raw: Vec<u8>) -> Result<Self, DecodeError> {
+        Self::new(&raw)
+    }
+}
+
+impl From<NetAddr> for Vec<u8> {
+    fn from(addr: NetAddr) -> Vec<u8> {
+        addr.0.to_vec()
+    }
+}
+
+/// Hex of the binary form.
+impl fmt::Display for NetAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&hex::encode(self.to_bytes()))
+    }
+}
+
+impl fmt::Debug for NetAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "NetAddr({})", hex::encode(&self.0))
+    }
+}
+
+impl FromStr for NetAddr {
+    type Err = DecodeError;
+    fn from_str(text: &str) -> Result<Self, DecodeError> {
+        Self::from_bytes(&from_hex(text)?)
+    }
+}
+

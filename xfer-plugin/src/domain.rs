@@ -1,0 +1,552 @@
+//! The Domain trait: what one NIC must do for the engine. Backends implement it; the worker
+//! thread is its only caller, so every method takes `&mut self` and none needs a lock.
+//!
+//! The shape fits both libibverbs RC (a QP per peer, connected lazily, an SRQ for arrivals)
+//! and libfabric RDM (one endpoint, peers in an address vector): the engine hands over
+//! fully resolved writes (local key, remote key and the peer's address on *this* NIC) and
+//! pulls events back with [`Domain::poll`].
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::addr::NetAddr;
+
+/// Where a registered region lives.
+///
+/// Exhaustive on purpose: a new kind is an ABI change (a new `DEVICE_*` value), and every
+/// backend must decide what to do with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Device {
+    /// Ordinary (pageable or pinned) host memory.
+    Host,
+    /// Memory of CUDA device `n`.
+    Cuda(u32),
+}
+
+/// A region of memory to register with a NIC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryRegion {
+    /// First byte.
+    pub ptr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Where it lives.
+    pub device: Device,
+    /// Whether peers may write into it (false for a local-only registration).
+    pub remote_write: bool,
+    /// Whether peers may read it (RDMA READ).
+    pub remote_read: bool,
+}
+
+/// The keys a NIC assigned to a registration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
+pub struct Registration {
+    /// Used in local work requests (lkey / local descriptor).
+    pub local_key: u64,
+    /// Given to peers so they can write here (rkey / remote key); 0 for local-only.
+    pub remote_key: u64,
+}
+
+/// One RDMA WRITE, fully resolved for one NIC.
+#[derive(Debug, Clone, Copy)]
+pub struct WriteRequest<'a> {
+    /// Returned unchanged in the matching [`Event::Done`].
+    pub wr_id: u64,
+    /// The peer's address on this NIC's index.
+    pub peer: &'a NetAddr,
+    /// Source address (inside a region registered with this NIC).
+    pub local_addr: u64,
+    /// This NIC's local key of the source region.
+    pub local_key: u64,
+    /// Destination address in the peer's address space.
+    pub remote_addr: u64,
+    /// The peer NIC's remote key of the destination region.
+    pub remote_key: u64,
+    /// Start of the destination region (its `MrDesc::ptr`), for NICs that address remote
+    /// regions by offset rather than by virtual address.
+    pub remote_base: u64,
+    /// Bytes to write (may be zero).
+    pub len: u64,
+    /// Immediate delivered to the peer's ImmCounter once the data has landed.
+    pub imm: Option<u32>,
+}
+
+/// One RDMA READ, fully resolved for one NIC: `len` bytes of the peer's region into ours.
+/// No immediate: the peer learns nothing, and its ImmCounter counts nothing.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadRequest<'a> {
+    /// Returned unchanged in the matching [`Event::Done`].
+    pub wr_id: u64,
+    /// The peer's address on this NIC's index.
+    pub peer: &'a NetAddr,
+    /// Destination address (inside a region registered with this NIC).
+    pub local_addr: u64,
+    /// This NIC's local key of the destination region.
+    pub local_key: u64,
+    /// Source address in the peer's address space.
+    pub remote_addr: u64,
+    /// The peer NIC's remote key of the source region (registered remotely readable).
+    pub remote_key: u64,
+    /// Start of the source region, for NICs that address remote regions by offset.
+    pub remote_base: u64,
+    /// Bytes to read.
+    pub len: u64,
+}
+
+/// Whether a post was accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PostStatus {
+    /// The work request was queued on the NIC; exactly one `Done` will follow.
+    Posted,
+    /// The NIC's queue is full: nothing was queued, try again after `poll`.
+    Busy,
+}
+
+/// What a poll returns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A work request posted on this NIC finished.
+    Done {
+        /// The request's id.
+        wr_id: u64,
+        /// Its outcome.
+        result: Result<(), DomainError>,
+    },
+    /// A peer's write-with-immediate landed in our memory.
+    ImmArrival {
+        /// The immediate it carried.
+        imm: u32,
+    },
+    /// A message arrived in one of the posted receive buffers (which is then used up).
+    Message {
+        /// Its bytes.
+        data: Vec<u8>,
+    },
+}
+
+/// The kind of a backend failure, so the engine can map it to a typed error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+#[non_exhaustive]
+pub enum DomainErrorKind {
+    /// Anything else; the message says what.
+    Other = 0,
+    /// The remote NIC refused the access (rkey, bounds, permissions).
+    RemoteAccess = 1,
+    /// The peer could not be reached or went away.
+    PeerUnreachable = 2,
+    /// The request was malformed for this NIC.
+    InvalidArgument = 3,
+    /// The backend's own deadline passed.
+    Timeout = 4,
+    /// The Domain cannot go on (its plugin panicked, its poll failed for good, it broke the
+    /// ABI): the engine stops using it and fails everything in flight.
+    Fatal = 5,
+}
+
+impl DomainErrorKind {
+    /// Decodes the ABI's integer form; unknown values become `Other`.
+    pub fn from_raw(raw: u32) -> Self {
+        match raw {
+            1 => Self::RemoteAccess,
+            2 => Self::PeerUnreachable,
+            3 => Self::InvalidArgument,
+            4 => Self::Timeout,
+            5 => Self::Fatal,
+            _ => Self::Other,
+        }
+    }
+}
+
+/// A failure reported by a Domain, with the backend's own words.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{kind:?}: {message}")]
+pub struct DomainError {
+    /// What kind of failure.
+    pub kind: DomainErrorKind,
+    /// The backend's message (status names, provider text).
+    pub message: String,
+}
+
+impl DomainError {
+    /// A failure of `kind` with `message`.
+    pub fn new(kind: DomainErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+/// Wakes a parked worker; a Domain calls it when events arrive that `poll` would return.
+#[derive(Clone)]
+pub struct Waker(Arc<dyn Fn() + Send + Sync>);
+
+impl Waker {
+    /// Wraps a wake function.
+    pub fn new(f: impl Fn() + Send + Sync + 'static) -> Self {
+        Self(Arc::new(f))
+    }
+
+    /// Wakes the worker (cheap when it is not parked).
+    pub fn wake(&self) {
+        (self.0)()
+    }
+}
+
+impl fmt::Debug for Waker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Waker")
+    }
+}
+
+/// One NIC. See the module docs.
+pub trait Domain: Send {
+    /// This NIC's address, as peers must name it.
+    fn address(&self) -> NetAddr;
+
+    /// Registers memory; must be usable in writes posted after it returns.
+    fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError>;
+
+    /// Deregisters the region with this local key; no write touches it after this returns.
+    fn deregister(&mut self, local_key: u64) -> Result<(), DomainError>;
+
+    /// Posts a write. Connecting to a new peer happens here, lazily; writes posted while it
+    /// connects are queued by the Domain, not refused.
+    fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError>;
+
+    /// Posts an RDMA READ. Its `Done` means the bytes are in local memory. Backends without
+    /// reads keep this default, which refuses with a typed error.
+    fn post_read(&mut self, rd: &ReadRequest<'_>) -> Result<PostStatus, DomainError> {
+        let _ = rd;
+        Err(DomainError::new(
+            DomainErrorKind::InvalidArgument,
+            "this backend does not support RDMA READ",
+        ))
+    }
+
+    /// Whether [`post_read`](Self::post_read) is implemented.
+    fn supports_read(&self) -> bool {
+        false
+    }
+
+    /// Posts a message to `peer` (copied before this returns).
+    fn post_send(
+        &mut self,
+        wr_id: u64,
+        peer: &NetAddr,
+        data: &[u8],
+    ) -> Result<PostStatus, DomainError>;
+
+    /// Adds `count` receive buffers of `buf_len` bytes for incoming messages.
+    fn post_recvs(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError>;
+
+    /// Makes progress and appends every event that is ready.
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError>;
+
+    /// Asks the Domain to call `waker` whenever `poll` would return something new. Returns
+    /// whether it will; a Domain that cannot (most hardware without a completion channel) is
+    /// polled on a short interval while the engine idles.
+    fn set_waker(&mut self, waker: Waker) -> bool {
+        let _ = waker;
+        false
+    }
+
+    /// This Domain's limits and abilities; the default is [`Capabilities::default`].
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
+    }
+}
+
+/// A Domain's limits and abilities, which the engine checks before posting (refusing what a
+/// backend cannot do with an error naming it) instead of discovering them at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Largest single write or read; `None` = no limit.
+    pub max_write_size: Option<u64>,
+    /// Largest message; `None` = no limit.
+    pub max_message_size: Option<usize>,
+    /// Longest address the Domain hands out (at most [`MAX_ADDR_LEN`](crate::addr::MAX_ADDR_LEN)).
+    pub max_address_len: usize,
+    /// Registers host memory.
+    pub host_memory: bool,
+    /// Registers CUDA memory for direct NIC access.
+    pub cuda_memory: bool,
+    /// Registers CUDA memory through dma-buf.
+    pub dmabuf: bool,
+    /// Writes may carry an immediate.
+    pub immediates: bool,
+    /// Zero-byte writes are supported (with an immediate: a pure signal).
+    pub zero_byte_writes: bool,
+    /// The Domain makes progress only while polled, also when it only receives (libfabric's
+    /// manual-progress providers such as EFA): the engine keeps polling instead of parking.
+    pub needs_receiver_polling: bool,
+}
+
+impl Default for Capabilities {
+    /// What the engine assumes of a backend that does not say (and of plugins older than
+    /// ABI 3): no limits, host and CUDA memory, immediates and zero-byte writes, no receiver
+    /// polling.
+    fn default() -> Self {
+        Self {
+            max_write_size: None,
+            max_message_size: None,
+            max_address_len: crate::addr::MAX_ADDR_LEN,
+            host_memory: true,
+            cuda_memory: true,
+            dmabuf: false,
+            immediates: true,
+            zero_byte_writes: true,
+            needs_receiver_polling: false,
+        }
+    }
+}
+
+/// What a backend's `open` receives for one NIC.
+#[derive(Debug, Clone, Copy)]
+pub struct DomainConfig<'a> {
+    /// The NIC's name from the config (`mlx5_0`, `rxe0`, `mock0`, a libfabric domain).
+    pub nic: &'a str,
+    /// The backend's own config table (`[backends.<name>]`), as TOML text.
+    pub options: &'a str,
+}
+
+/// Opens one Domain.
+pub type OpenFn = fn(&DomainConfig<'_>) -> Result<Box<dyn Domain>, DomainError>;
+
+
+/// A Domain's local registrations: key → (range, the backend's registration object), so every
+/// backend hands out keys and checks write sources the same way.
+#[derive(Debug)]
+pub struct RegionTable<M> {
+    next_key: u64,
+    regions: std::collections::HashMap<u64, (u64, u64, M)>,
+}
+
+impl<M> Default for RegionTable<M> {
+    fn default() -> Self {
+        Self {
+            next_key: 1,
+            regions: std::collections::HashMap::new(),
+        }
+    }
+}
+
+impl<M> RegionTable<M> {
+    /// An empty table; keys start at 1.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A key no other registration of this table has (for providers that take the key
+    /// before registering, and for the Domain's own buffers).
+    pub fn next_key(&mut self) -> u64 {
+        let key = self.next_key;
+        self.next_key += 1;
+        key
+    }
+
+    /// Records `region`'s registration under `key` and returns what the engine is told:
+    /// the key, and `remote_key` if peers may write into the region (else 0).
+    pub fn insert(
+        &mut self,
+        key: u64,
+        region: &MemoryRegion,
+        registration: M,
+        remote_key: u64,
+    ) -> Registration {
+        self.regions
+            .insert(key, (region.ptr, region.len, registration));
+        Registration {
+            local_key: key,
+            remote_key: if region.remote_write || region.remote_read {
+                remote_key
+            } else {
+                0
+            },
+        }
+    }
+
+    /// Removes a registration (dropping it deregisters, for RAII registrations).
+    pub fn remove(&mut self, key: u64) -> Result<M, DomainError> {
+        self.regions.remove(&key).map(|(_, _, m)| m).ok_or_else(|| {
+            DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!("local key {key} is not registered"),
+            )
+        })
+    }
+
+    /// The registration under `key`, if any.
+    pub fn registration(&self, key: u64) -> Option<&M> {
+        self.regions.get(&key).map(|(_, _, m)| m)
+    }
+
+    /// The registration a write's source must lie in: `[addr, addr + len)` inside region `key`.
+    pub fn source(&self, key: u64, addr: u64, len: u64) -> Result<&M, DomainError> {
+        let (base, size, m) = self.regions.get(&key).ok_or_else(|| {
+            DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!("local key {key} is not registered"),
+            )
+        })?;
+        let inside = addr >= *base && addr.checked_add(len).is_some_and(|end| end <= base + size);
+        if !inside {
+            return Err(DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!("source {addr:#x}+{len} is outside its region {base:#x}+{size}"),
+            ));
+        }
+        Ok(m)
+    }
+}
+
+/// A Domain's receive buffers for messages: each with the backend's registration, reused
+/// (by exact length) once its message has been handed over.
+#[derive(Debug)]
+pub struct ReceivePool<M> {
+    buffers: Vec<(Box<[u8]>, M)>,
+    free: Vec<usize>,
+}
+
+impl<M> Default for ReceivePool<M> {
+    fn default() -> Self {
+        Self {
+            buffers: Vec::new(),
+            free: Vec::new(),
+        }
+    }
+}
+
+impl<M> ReceivePool<M> {
+    /// An empty pool.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A free buffer of exactly `len` bytes, or a new one registered with `register` (which
+    /// sees the buffer at the address it keeps for the pool's lifetime). Returns its index.
+    pub fn take<E>(
+        &mut self,
+        len: usize,
+        register: impl FnOnce(&mut [u8]) -> Result<M, E>,
+    ) -> Result<usize, E> {
+        if let Some(at) = self
+            .free
+            .iter()
+            .position(|&b| self.buffers[b].0.len() == len)
+        {
+            return Ok(self.free.swap_remove(at));
+        }
+        let mut data = vec![0u8; len].into_boxed_slice();
+        let registration = register(&mut data)?;
+        self.buffers.push((data, registration));
+        Ok(self.buffers.len() - 1)
+    }
+
+    /// Buffer `index`: its bytes' address and length, and its registration.
+    pub fn get(&mut self, index: usize) -> (*mut u8, usize, &M) {
+        let (data, m) = &mut self.buffers[index];
+        (data.as_mut_ptr(), data.len(), m)
+    }
+
+    /// A copy of the first `len` bytes of buffer `index` (at most its length), which is then
+    /// free for reuse.
+    pub fn take_message(&mut self, index: usize, len: usize) -> Option<Vec<u8>> {
+        let (data, _) = self.buffers.get(index)?;
+        let message = data[..len.min(data.len())].to_vec();
+        self.free.push(index);
+        Some(message)
+    }
+
+    /// Puts buffer `index` back unused (its receive failed or was never posted).
+    pub fn release(&mut self, index: usize) {
+        if index < self.buffers.len() {
+            self.free.push(index);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn region_table_checks_sources_and_keys() {
+        let mut t = RegionTable::new();
+        let key = t.next_key();
+        let region = MemoryRegion {
+            ptr: 0x1000,
+            len: 0x100,
+            device: Device::Host,
+            remote_write: true,
+            remote_read: false,
+        };
+        assert_eq!(
+            t.insert(key, &region, "mr", 77),
+            Registration {
+                local_key: key,
+                remote_key: 77
+            }
+        );
+        let local_only = t.next_key();
+        let region = MemoryRegion {
+            ptr: 0x9000,
+            len: 8,
+            device: Device::Host,
+            remote_write: false,
+            remote_read: false,
+        };
+        assert_eq!(
+            t.insert(local_only, &region, "local", 78).remote_key,
+            0,
+            "no remote key for a local-only region"
+        );
+        assert_eq!(t.source(key, 0x1000, 0x100), Ok(&"mr"));
+        assert!(t
+            .source(key, 0x10ff, 2)
+            .unwrap_err()
+            .message
+            .contains("outside"));
+        assert!(t.source(key, u64::MAX, 2).is_err());
+        assert!(t
+            .source(key + 100, 0x1000, 1)
+            .unwrap_err()
+            .message
+            .contains("not registered"));
+        assert_eq!(t.remove(key), Ok("mr"));
+        assert!(t.remove(key).is_err());
+        assert_ne!(t.next_key(), key, "keys are never reused");
+    }
+
+    #[test]
+    fn receive_pool_reuses_buffers_of_the_same_length_only() {
+        let mut p: ReceivePool<u32> = ReceivePool::new();
+        let mut registered = 0;
+        let a = p
+            .take(8, |b| -> Result<u32, ()> {
+                b[0] = 7;
+                registered += 1;
+                Ok(1)
+            })
+            .unwrap();
+        let (_, len, reg) = p.get(a);
+        assert_eq!((len, *reg), (8, 1));
+        assert_eq!(
+            p.take_message(a, 100),
+            Some(vec![7, 0, 0, 0, 0, 0, 0, 0]),
+            "capped at the buffer"
+        );
+        let b = p.take(16, |_| Ok::<_, ()>(2)).unwrap();
+        assert_ne!(a, b, "a 16-byte request does not reuse the 8-byte buffer");
+        let again = p
+            .take(8, |_| -> Result<u32, ()> { panic!("must reuse") })
+            .unwrap();
+        assert_eq!((again, registered), (a, 1));
+        assert_eq!(p.take(4, |_| Err("no memory")), Err("no memory"));
+        p.release(b);
+        assert_eq!(p.take(16, |_| Err("unused")), Ok(b));
+        assert_eq!(p.take_message(99, 1), None);
+    }
+}

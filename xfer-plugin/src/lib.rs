@@ -1,0 +1,34 @@
+//! # xfer-plugin: what a NIC vendor builds an xfer backend against
+//!
+//! A small crate (no CUDA, no engine, no TOML parser) holding exactly what crosses between the
+//! engine and a backend:
+//! - [`domain`]: the [`Domain`](domain::Domain) trait one NIC implements, and the requests,
+//!   events, errors and [`Capabilities`](domain::Capabilities) it exchanges with the engine;
+//! - [`addr`]: [`NetAddr`](addr::NetAddr), the opaque NIC address a backend hands out;
+//! - [`abi`]: the versioned, append-only C ABI, and [`export_plugin!`] that turns a Rust
+//!   `Domain` opener into it (C plugins use the generated header `include/xfer_plugin.h`);
+//! - [`log`]: how a plugin's `tracing` events reach the host process's subscriber.
+//!
+//! The conformance suite needs a running engine, so it lives in `engine-core` (feature
+//! `conformance`, as a dev-dependency) and in the `xfer conformance --plugin` command, which
+//! needs no Rust at all. `docs/plugins.md` is the guide; its Rust snippets are compiled as
+//! this crate's doc tests (see [`guide`]).
+
+pub mod abi;
+pub mod addr;
+pub mod domain;
+pub mod log;
+
+/// The text of a panic payload (`&str` or `String`; anything else is named as such).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_owned()
+    }
+}
+
+#[doc = include_str!("../../docs/plugins.md")]
+pub mod guide {}
