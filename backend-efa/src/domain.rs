@@ -4,8 +4,8 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 
 use engine_core::domain::{
-    Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion, PostStatus,
-    ReadRequest, ReceivePool, RegionTable, Registration, WriteRequest,
+    Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion,
+    PostStatus, ReadRequest, ReceivePool, RegionTable, Registration, WriteRequest,
 };
 use engine_core::NetAddr;
 
@@ -388,6 +388,20 @@ impl Domain for EfaDomain {
             wr.len,
             Some(wr.imm),
         )
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        // 0 = the provider did not say: no limit the engine could check.
+        let max = (self.endpoint.attr.max_msg_size > 0).then_some(self.endpoint.attr.max_msg_size);
+        Capabilities {
+            max_write_size: max.map(|m| m as u64),
+            max_message_size: max,
+            // EFA moves RMA, immediates and its handshake only while the receiver polls
+            // (manual progress): the engine keeps polling an EFA Domain instead of parking.
+            // shm and tcp;ofi_rxm progress with the 1 ms idle poll, as before.
+            needs_receiver_polling: self.provider.starts_with("efa"),
+            ..Capabilities::default()
+        }
     }
 
     fn supports_read(&self) -> bool {

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engine_core::domain::{
-    Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion, PostStatus,
-    ReadRequest, Registration, Waker, WriteRequest,
+    Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion,
+    PostStatus, ReadRequest, Registration, Waker, WriteRequest,
 };
 use engine_core::NetAddr;
 
@@ -69,8 +69,31 @@ impl MockDomain {
         })
     }
 
+    /// The engine must never post what this Domain's declared capabilities rule out.
+    fn check_declared(&self, op: &Op) -> Result<(), DomainError> {
+        let caps = self.options.capabilities();
+        let broken = match op {
+            Op::Rdma { len, imm, .. } => {
+                caps.max_write_size.is_some_and(|m| *len > m)
+                    || (*len == 0 && !caps.zero_byte_writes)
+                    || (imm.is_some() && !caps.immediates)
+            }
+            Op::Send { data, .. } => caps.max_message_size.is_some_and(|m| data.len() > m),
+        };
+        if broken {
+            return Err(DomainError::new(
+                DomainErrorKind::Fatal,
+                format!(
+                    "the engine posted {op:?} beyond this mock's declared capabilities {caps:?}"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn accept(&mut self, op: Op) -> Result<PostStatus, DomainError> {
         self.check_alive()?;
+        self.check_declared(&op)?;
         let epoch = {
             let mut conns = self.nic.conns.lock().unwrap_or_else(|p| p.into_inner());
             let conn = conns.entry(op.peer().clone()).or_default();
@@ -113,6 +136,12 @@ impl Domain for MockDomain {
 
     fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError> {
         self.check_alive()?;
+        if self.options.host_memory_only && region.device != Device::Host {
+            return Err(DomainError::new(
+                DomainErrorKind::Fatal,
+                "the engine registered device memory with a mock that declared host memory only",
+            ));
+        }
         if self.options.register_delay_us > 0 {
             std::thread::sleep(Duration::from_micros(self.options.register_delay_us));
         }
@@ -167,6 +196,10 @@ impl Domain for MockDomain {
 
     fn supports_read(&self) -> bool {
         true
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.options.capabilities()
     }
 
     fn post_read(&mut self, rd: &ReadRequest<'_>) -> Result<PostStatus, DomainError> {

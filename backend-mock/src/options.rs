@@ -5,7 +5,7 @@
 //! order, a little late (`jitter_us`). `inline = true` turns that off — every operation lands
 //! during its post, in order — for measuring the engine's own overhead against memcpy.
 
-use engine_core::domain::{DomainError, DomainErrorKind};
+use engine_core::domain::{Capabilities, DomainError, DomainErrorKind};
 use serde::Deserialize;
 
 /// The mock's config table.
@@ -38,6 +38,20 @@ pub struct MockOptions {
     /// The engine's `[timeouts] connect_ms`, passed to every backend. The mock has no
     /// handshake to bound; it is accepted so the one setting reaches every backend alike.
     pub connect_ms: u64,
+    /// Declared capabilities (what `Domain::capabilities` reports), to test that the engine
+    /// honours a backend's limits: the largest write or read (0 = none) ...
+    pub max_write_size: u64,
+    /// ... the largest message (0 = none) ...
+    pub max_message_size: usize,
+    /// ... no immediates ...
+    pub no_immediates: bool,
+    /// ... no zero-byte writes ...
+    pub no_zero_byte_writes: bool,
+    /// ... host memory only ...
+    pub host_memory_only: bool,
+    /// ... and progress only while polled (like EFA). The mock fails its Domain (`Fatal`)
+    /// when the engine posts anything its declared limits rule out: visibly wrong.
+    pub needs_receiver_polling: bool,
 }
 
 impl Default for MockOptions {
@@ -54,11 +68,30 @@ impl Default for MockOptions {
             panic_on_post: 0,
             register_delay_us: 0,
             connect_ms: 0,
+            max_write_size: 0,
+            max_message_size: 0,
+            no_immediates: false,
+            no_zero_byte_writes: false,
+            host_memory_only: false,
+            needs_receiver_polling: false,
         }
     }
 }
 
 impl MockOptions {
+    /// The capabilities these options declare.
+    pub fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            max_write_size: (self.max_write_size > 0).then_some(self.max_write_size),
+            max_message_size: (self.max_message_size > 0).then_some(self.max_message_size),
+            cuda_memory: !self.host_memory_only,
+            immediates: !self.no_immediates,
+            zero_byte_writes: !self.no_zero_byte_writes,
+            needs_receiver_polling: self.needs_receiver_polling,
+            ..Capabilities::default()
+        }
+    }
+
     /// Parses the TOML text of `[backends.mock]`; unknown keys are named in the error.
     pub fn parse(text: &str) -> Result<Self, DomainError> {
         toml::from_str(text).map_err(|e| {

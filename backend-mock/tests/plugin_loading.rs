@@ -64,7 +64,9 @@ fn load_errors_keep_the_dynamic_loaders_text() {
     );
     let not_elf = std::env::temp_dir().join(format!("xfer-not-elf-{}.so", std::process::id()));
     std::fs::write(&not_elf, b"this is text, not a shared object").unwrap();
-    let text = find_backend("mock", Some(&not_elf)).unwrap_err().to_string();
+    let text = find_backend("mock", Some(&not_elf))
+        .unwrap_err()
+        .to_string();
     std::fs::remove_file(&not_elf).unwrap();
     assert!(
         text.contains("invalid ELF header") || text.contains("file too short"),
@@ -72,7 +74,9 @@ fn load_errors_keep_the_dynamic_loaders_text() {
     );
     let no_entry = find_backend("mock", Some(&common::built_library("backend_mock")))
         .map(|_| ())
-        .and_then(|()| find_backend("nosuch", Some(&common::built_library("backend_mock"))).map(|_| ()))
+        .and_then(|()| {
+            find_backend("nosuch", Some(&common::built_library("backend_mock"))).map(|_| ())
+        })
         .unwrap_err()
         .to_string();
     assert!(no_entry.contains("undefined symbol"), "{no_entry}");
@@ -180,4 +184,87 @@ fn a_panicking_plugin_fails_its_engine_with_the_panic_text() {
         matches!(&r, Err(Error::WorkerFailed(m)) if m.contains("the plugin panicked")),
         "{r:?}"
     );
+}
+
+/// ABI 3: a plugin's declared capabilities cross the boundary, and the engine refuses what
+/// they rule out — before posting, with the backend named — instead of letting the NIC fail
+/// it (the mock fails its whole Domain if the engine ever posts such a request).
+#[test]
+fn the_engine_refuses_what_a_plugins_capabilities_rule_out() {
+    let mut config = common::mock_config(
+        1,
+        "[backends.mock]\nmax_write_size = 1024\nmax_message_size = 100\nno_zero_byte_writes = true\nno_immediates = true\nneeds_receiver_polling = true\n",
+    );
+    config.plugin = Some(common::built_library("backend_mock"));
+    let (a, b) = (
+        std::sync::Arc::new(TransferEngine::open(&config).unwrap()),
+        std::sync::Arc::new(TransferEngine::open(&config).unwrap()),
+    );
+    let caps = a.capabilities()[0];
+    assert_eq!(caps.max_write_size, Some(1024));
+    assert_eq!(caps.max_message_size, Some(100));
+    assert!(!caps.zero_byte_writes && !caps.immediates && caps.needs_receiver_polling);
+    assert!(caps.host_memory && caps.cuda_memory);
+
+    let src = engine_core::conformance::buffer(&a, 4096, engine_core::conformance::pattern(1));
+    let dst = engine_core::conformance::buffer(&b, 4096, |_| 0);
+    let refused = |len: u64, imm: Option<u32>| {
+        let f = engine_core::DoneFlag::new();
+        a.submit_single_write(len, imm, (src.mr(), 0), (dst.desc(), 0), f.clone())
+            .unwrap();
+        f.wait(std::time::Duration::from_secs(20)).unwrap_err()
+    };
+    for (len, imm, says) in [
+        (2048, None, "limit of 1024"),
+        (0, None, "zero-byte"),
+        (8, Some(1), "immediate"),
+    ] {
+        let e = refused(len, imm);
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains(says) && m.contains("mock")),
+            "{len} bytes, imm {imm:?}: {e}"
+        );
+    }
+    // What the limits allow still works (the Domain was never failed by a refused post).
+    let f = engine_core::DoneFlag::new();
+    a.submit_single_write(1024, None, (src.mr(), 0), (dst.desc(), 0), f.clone())
+        .unwrap();
+    f.wait(std::time::Duration::from_secs(20)).unwrap();
+    assert_eq!(dst.to_vec()[..1024], src.to_vec()[..1024]);
+    let f = engine_core::DoneFlag::new();
+    a.submit_send(&b.main_address(), &[7; 101], f.clone())
+        .unwrap();
+    let e = f.wait(std::time::Duration::from_secs(20)).unwrap_err();
+    assert!(
+        matches!(&e, Error::InvalidArgument(m) if m.contains("101 bytes")),
+        "{e}"
+    );
+}
+
+/// A plugin built against ABI 2 (before capabilities and logging were appended) loads on this
+/// engine, is assumed to have the default capabilities, and works.
+#[test]
+fn a_version_2_plugin_loads_with_default_capabilities() {
+    let path = common::built_library("plugin_fixture_old_abi");
+    let plugin = engine_core::plugin::LoadedPlugin::load(&path, "v2mock").unwrap();
+    assert_eq!(plugin.abi_version(), 2);
+    let mut config = common::mock_config(1, "[backends.v2mock]\nmax_write_size = 16\n");
+    config.backend = "v2mock".into();
+    config.plugin = Some(path);
+    let (a, b) = (
+        std::sync::Arc::new(TransferEngine::open(&config).unwrap()),
+        std::sync::Arc::new(TransferEngine::open(&config).unwrap()),
+    );
+    assert_eq!(
+        a.capabilities()[0],
+        engine_core::domain::Capabilities::default(),
+        "a version-2 table has no capabilities entry: the engine must not read past it"
+    );
+    let src = engine_core::conformance::buffer(&a, 64, engine_core::conformance::pattern(2));
+    let dst = engine_core::conformance::buffer(&b, 64, |_| 0);
+    let f = engine_core::DoneFlag::new();
+    a.submit_single_write(8, None, (src.mr(), 0), (dst.desc(), 0), f.clone())
+        .unwrap();
+    f.wait(std::time::Duration::from_secs(20)).unwrap();
+    assert_eq!(dst.to_vec()[..8], src.to_vec()[..8]);
 }

@@ -11,8 +11,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-pub use xfer_plugin::addr::{DecodeError, NetAddr, MAX_ADDR_LEN, WIRE_VERSION};
 use xfer_plugin::addr::{check_len, from_hex, Reader};
+pub use xfer_plugin::addr::{DecodeError, NetAddr, MAX_ADDR_LEN, WIRE_VERSION};
 
 /// Most NICs a DomainGroup (and so an `MrDesc`) can hold.
 pub const MAX_NICS: usize = 4;

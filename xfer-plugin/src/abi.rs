@@ -30,8 +30,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::addr::{NetAddr, MAX_ADDR_LEN};
 use crate::domain::{
-    Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event,
-    MemoryRegion, OpenFn, PostStatus, ReadRequest, Registration, WriteRequest,
+    Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion,
+    OpenFn, PostStatus, ReadRequest, Registration, WriteRequest,
 };
 use crate::log::LogFn;
 
@@ -783,8 +783,7 @@ unsafe extern "C" fn shim_set_log(log: LogFn, max_level: u32) {
     // the host's function is the same — but takes the host's level as it is now.
     let _ = catch_unwind(|| {
         crate::log::Forward::set_max_level(&MAX_LEVEL, max_level);
-        let _ =
-            tracing::subscriber::set_global_default(crate::log::Forward::new(log, &MAX_LEVEL));
+        let _ = tracing::subscriber::set_global_default(crate::log::Forward::new(log, &MAX_LEVEL));
     });
 }
 

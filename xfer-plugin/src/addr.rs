@@ -126,7 +126,12 @@ impl<'a> Reader<'a> {
 }
 
 #[doc(hidden)]
-pub fn check_len(field: &'static str, value: usize, min: usize, max: usize) -> Result<(), DecodeError> {
+pub fn check_len(
+    field: &'static str,
+    value: usize,
+    min: usize,
+    max: usize,
+) -> Result<(), DecodeError> {
     if (min..=max).contains(&value) {
         Ok(())
     } else {
@@ -229,4 +234,3 @@ impl FromStr for NetAddr {
         Self::from_bytes(&from_hex(text)?)
     }
 }
-

@@ -315,7 +315,6 @@ pub struct DomainConfig<'a> {
 /// Opens one Domain.
 pub type OpenFn = fn(&DomainConfig<'_>) -> Result<Box<dyn Domain>, DomainError>;
 
-
 /// A Domain's local registrations: key → (range, the backend's registration object), so every
 /// backend hands out keys and checks write sources the same way.
 #[derive(Debug)]

@@ -11,12 +11,11 @@ use super::abi::{
     OPTIONS_TOML, STATUS_BUSY, STATUS_OK, V1_TABLE_SIZE,
 };
 use crate::domain::{
-    BackendRegistration, Capabilities, Device, Domain, DomainConfig, DomainError,
-    DomainErrorKind, Event, MemoryRegion, PostStatus, ReadRequest, Registration, Waker,
-    WriteRequest,
+    BackendRegistration, Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind,
+    Event, MemoryRegion, PostStatus, ReadRequest, Registration, Waker, WriteRequest,
 };
-use xfer_plugin::log::{LOG_DEBUG, LOG_ERROR, LOG_INFO, LOG_TRACE, LOG_WARN};
 use crate::wire::{NetAddr, MAX_ADDR_LEN};
+use xfer_plugin::log::{LOG_DEBUG, LOG_ERROR, LOG_INFO, LOG_TRACE, LOG_WARN};
 
 /// Colon-separated directories searched for plugins not named by path in the config.
 pub const PLUGIN_PATH_ENV: &str = "XFER_PLUGIN_PATH";

@@ -26,8 +26,8 @@ use super::completion::{send_batch, CallbackBatch, OnDone};
 use super::tracker::Tracker;
 use super::{panic_message, Command, Mirror, Shared, WriteOp};
 use crate::domain::{
-    Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus, ReadRequest,
-    Registration, Waker, WriteRequest,
+    Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus,
+    ReadRequest, Registration, Waker, WriteRequest,
 };
 use crate::error::{Error, Result};
 use crate::imm::Outcome;
@@ -176,8 +176,7 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
         }));
         let caps = domain.capabilities();
         let address_len = domain.address().raw().len();
-        if caps.max_address_len > crate::wire::MAX_ADDR_LEN || address_len > caps.max_address_len
-        {
+        if caps.max_address_len > crate::wire::MAX_ADDR_LEN || address_len > caps.max_address_len {
             return Err(Error::Backend {
                 backend: shared.backend.clone(),
                 message: format!(
@@ -327,7 +326,8 @@ impl Worker {
                 }
                 if let Some(refused) = ops.iter().find_map(|op| self.beyond_capabilities(op)) {
                     // Refused whole, before any part is posted: the backend said it cannot.
-                    self.finished.push((on_done, Err(Error::InvalidArgument(refused))));
+                    self.finished
+                        .push((on_done, Err(Error::InvalidArgument(refused))));
                     return;
                 }
                 let id = self.tracker.insert(
@@ -416,7 +416,9 @@ impl Worker {
             ));
         }
         if op.len == 0 && !caps.zero_byte_writes {
-            return Some(format!("backend {backend} does not support zero-byte writes"));
+            return Some(format!(
+                "backend {backend} does not support zero-byte writes"
+            ));
         }
         if op.imm.is_some() && !caps.immediates {
             return Some(format!(
@@ -428,11 +430,7 @@ impl Worker {
 
     fn register(&mut self, region: &crate::domain::MemoryRegion) -> Result<Vec<Registration>> {
         if let Device::Cuda(gpu) = region.device {
-            if let Some(nic) = self
-                .caps
-                .iter()
-                .position(|c| !c.cuda_memory && !c.dmabuf)
-            {
+            if let Some(nic) = self.caps.iter().position(|c| !c.cuda_memory && !c.dmabuf) {
                 return Err(Error::InvalidArgument(format!(
                     "backend {} cannot register CUDA memory (GPU {gpu}) on NIC {nic}: it declares host memory only",
                     self.shared.backend

@@ -1,6 +1,7 @@
-//! The mock backend, exported under the name `oldmock` with a version-1 table: its header
-//! declares ABI version 1 and the version-1 size, as a plugin built before RDMA READ was
-//! appended would. The engine must load it, drive it, and refuse reads naming it.
+//! The mock backend exported twice with old tables, as plugins built against older ABIs:
+//! `oldmock` with a version-1 table (before RDMA READ was appended) — the engine must load it,
+//! drive it, and refuse reads naming it — and `v2mock` with a version-2 table (before
+//! capabilities and logging) — the engine must not read past it and assume the defaults.
 
 use engine_core::plugin::abi::{PluginOpener, PluginTable};
 
@@ -17,4 +18,19 @@ static TABLE: PluginTable = PluginTable::new_v1::<OldMock>();
 #[no_mangle]
 pub extern "C" fn xfer_plugin_entry_oldmock() -> *const PluginTable {
     &TABLE
+}
+
+struct V2Mock;
+
+impl PluginOpener for V2Mock {
+    const NAME: &'static str = "v2mock";
+    const OPEN: engine_core::domain::OpenFn = backend_mock::open;
+}
+
+static V2_TABLE: PluginTable = PluginTable::new_v2::<V2Mock>();
+
+/// The plugin entry point of backend `v2mock`.
+#[no_mangle]
+pub extern "C" fn xfer_plugin_entry_v2mock() -> *const PluginTable {
+    &V2_TABLE
 }
