@@ -235,10 +235,10 @@ impl Domain for MockDomain {
                 "receive buffers of 0 bytes",
             ));
         }
-        self.nic
-            .inbox()
-            .recv_buffers
-            .extend(std::iter::repeat_n(buf_len, count));
+        self.nic.inbox().recv_buffers.extend(std::iter::repeat_n(
+            buf_len,
+            count * self.options.receives_multiplier.max(1),
+        ));
         self.nic.match_waiting_sends();
         Ok(())
     }
@@ -253,7 +253,9 @@ impl Domain for MockDomain {
     }
 
     fn set_waker(&mut self, waker: Waker) -> bool {
-        self.nic.set_waker(waker);
+        if !self.options.silent_waker {
+            self.nic.set_waker(waker);
+        }
         true
     }
 }

@@ -52,6 +52,12 @@ pub struct MockOptions {
     /// ... and progress only while polled (like EFA). The mock fails its Domain (`Fatal`)
     /// when the engine posts anything its declared limits rule out: visibly wrong.
     pub needs_receiver_polling: bool,
+    /// A broken backend, for proving the conformance suite catches it: post this many
+    /// receive buffers for each one asked for (as a plugin with buffers of its own would).
+    /// 0 or 1 = as asked.
+    pub receives_multiplier: usize,
+    /// A broken backend: `set_waker` promises to wake the engine and never does.
+    pub silent_waker: bool,
 }
 
 impl Default for MockOptions {
@@ -74,6 +80,8 @@ impl Default for MockOptions {
             no_zero_byte_writes: false,
             host_memory_only: false,
             needs_receiver_polling: false,
+            receives_multiplier: 1,
+            silent_waker: false,
         }
     }
 }

@@ -997,6 +997,382 @@ pub fn read_from_a_dead_peer(h: &dyn Harness) {
     assert!(f.wait(WAIT).is_err(), "a read from a dead peer succeeded");
 }
 
+/// A zero-byte write with an immediate (a pure signal) arrives and is counted, unless the
+/// backend declares it cannot (then the engine refuses it, typed).
+pub fn zero_byte_write_with_imm(h: &dyn Harness) {
+    let config = quick_config(h, 1);
+    let (a, b) = (open(&config), open(&config));
+    let src = buffer(&a, 64, |_| 1);
+    let dst = buffer(&b, 64, |_| 0);
+    let sent = flag();
+    a.submit_single_write(0, Some(901), (src.mr(), 0), (dst.desc(), 0), sent.clone())
+        .unwrap();
+    if !a.capabilities()[0].zero_byte_writes {
+        assert!(
+            matches!(sent.wait(WAIT), Err(Error::InvalidArgument(_))),
+            "a backend without zero-byte writes must have them refused"
+        );
+        return;
+    }
+    let n = expected_arrivals(
+        TransferShape::Single { len: 0 },
+        b.nic_count(),
+        &config.stripe,
+    );
+    let landed = expect_arrivals(&b, 901, n);
+    sent.wait(WAIT)
+        .unwrap_or_else(|e| panic!("a zero-byte write failed: {e}"));
+    landed
+        .wait(WAIT)
+        .unwrap_or_else(|e| panic!("a zero-byte write's immediate was not counted: {e}"));
+    assert!(
+        dst.to_vec().iter().all(|&x| x == 0),
+        "a zero-byte write wrote bytes"
+    );
+}
+
+/// Several engines of one backend in one process, each with its own worker calling into its
+/// own Domains concurrently (a plugin's Domains must not share unguarded state): a ring of
+/// writes with immediates, every one counted and every byte checked.
+pub fn engines_in_parallel(h: &dyn Harness) {
+    const ENGINES: usize = 4;
+    const WRITES: u32 = 100;
+    let config = quick_config(h, 1);
+    let engines: Vec<_> = (0..ENGINES).map(|_| open(&config)).collect();
+    let srcs: Vec<_> = engines
+        .iter()
+        .enumerate()
+        .map(|(i, e)| buffer(e, 4096, pattern(i as u64 + 40)))
+        .collect();
+    let dsts: Vec<_> = engines
+        .iter()
+        .map(|e| buffer(e, 4096 * WRITES as usize, |_| 0))
+        .collect();
+    let n = expected_arrivals(TransferShape::Single { len: 4096 }, 1, &config.stripe);
+    let landed: Vec<_> = engines
+        .iter()
+        .map(|e| expect_arrivals(e, 77, n * u64::from(WRITES)))
+        .collect();
+    std::thread::scope(|scope| {
+        for i in 0..ENGINES {
+            let (engine, src, dst) = (&engines[i], &srcs[i], &dsts[(i + 1) % ENGINES]);
+            scope.spawn(move || {
+                let sent = DoneCounter::new();
+                for w in 0..WRITES {
+                    let at = u64::from(w) * 4096;
+                    engine
+                        .submit_single_write(
+                            4096,
+                            Some(77),
+                            (src.mr(), 0),
+                            (dst.desc(), at),
+                            sent.clone(),
+                        )
+                        .unwrap();
+                }
+                sent.wait_for(u64::from(WRITES), WAIT)
+                    .unwrap_or_else(|e| panic!("engine {i}'s writes failed: {e}"));
+            });
+        }
+    });
+    for (i, l) in landed.iter().enumerate() {
+        l.wait(WAIT)
+            .unwrap_or_else(|e| panic!("engine {i} did not count every arrival: {e}"));
+    }
+    for i in 0..ENGINES {
+        let got = dsts[(i + 1) % ENGINES].to_vec();
+        for chunk in got.chunks(4096) {
+            assert_copied("a write in the ring of engines", chunk, &srcs[i].to_vec());
+        }
+    }
+}
+
+/// Two raw Domains of the harness's backend on its first NIC, driven here without an engine:
+/// what the engine would smooth over (a late repost, a worker that polls anyway) shows.
+struct RawPair {
+    a: Box<dyn crate::domain::Domain>,
+    b: Box<dyn crate::domain::Domain>,
+    a_events: Vec<crate::domain::Event>,
+    b_events: Vec<crate::domain::Event>,
+    /// The suite's short deadline (`quick_config`'s transfer timeout).
+    deadline: Duration,
+}
+
+impl RawPair {
+    fn open(h: &dyn Harness) -> Self {
+        let config = quick_config(h, 1);
+        let backend = crate::plugin::find_backend(&config.backend, config.plugin.as_deref())
+            .unwrap_or_else(|e| panic!("cannot find the backend: {e}"));
+        let options = config.backend_options();
+        let nic = &config.groups[0].nics[0];
+        let open = || {
+            backend
+                .open(&crate::domain::DomainConfig {
+                    nic,
+                    options: &options,
+                })
+                .unwrap_or_else(|e| panic!("cannot open NIC {nic}: {e}"))
+        };
+        Self {
+            a: open(),
+            b: open(),
+            a_events: Vec::new(),
+            b_events: Vec::new(),
+            deadline: config.timeouts.transfer(),
+        }
+    }
+
+    fn poll(&mut self, poll_b: bool) {
+        self.a.poll(&mut self.a_events).expect("polling the sender");
+        if poll_b {
+            self.b
+                .poll(&mut self.b_events)
+                .expect("polling the receiver");
+        }
+    }
+
+    /// Polls both until `done` holds, for at most `limit`; returns whether it held.
+    fn poll_until(&mut self, limit: Duration, done: impl Fn(&Self) -> bool) -> bool {
+        let until = Instant::now() + limit;
+        while Instant::now() < until {
+            self.poll(true);
+            if done(self) {
+                return true;
+            }
+            std::thread::yield_now();
+        }
+        done(self)
+    }
+
+    fn messages(&self) -> Vec<Vec<u8>> {
+        self.b_events
+            .iter()
+            .filter_map(|e| match e {
+                crate::domain::Event::Message { data } => Some(data.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn register(
+        domain: &mut dyn crate::domain::Domain,
+        mem: &mut [u8],
+    ) -> crate::domain::Registration {
+        domain
+            .register(&crate::domain::MemoryRegion {
+                ptr: mem.as_mut_ptr() as u64,
+                len: mem.len() as u64,
+                device: Device::Host,
+                remote_write: true,
+                remote_read: false,
+            })
+            .unwrap_or_else(|e| panic!("registering {} bytes failed: {e}", mem.len()))
+    }
+
+    /// Posts a write of all of `src` (registered as `src_reg` on a) into `dst` (b's
+    /// registration `dst_reg`), retrying while the queue is full.
+    fn write(
+        &mut self,
+        src: &[u8],
+        src_reg: crate::domain::Registration,
+        dst: &[u8],
+        dst_reg: crate::domain::Registration,
+        imm: u32,
+    ) {
+        let peer = self.b.address();
+        let wr = crate::domain::WriteRequest {
+            wr_id: 1,
+            peer: &peer,
+            local_addr: src.as_ptr() as u64,
+            local_key: src_reg.local_key,
+            remote_addr: dst.as_ptr() as u64,
+            remote_key: dst_reg.remote_key,
+            remote_base: dst.as_ptr() as u64,
+            len: src.len() as u64,
+            imm: Some(imm),
+        };
+        let until = Instant::now() + WAIT;
+        while self.a.post_write(&wr).expect("posting a write") == crate::domain::PostStatus::Busy {
+            assert!(Instant::now() < until, "the sender stayed busy");
+            self.poll(true);
+        }
+    }
+}
+
+/// Messages land only in receive buffers the engine posted: with one buffer posted and two
+/// messages sent, one arrives; the second waits until a buffer is posted again, then arrives.
+/// A backend that ignores `post_recvs` (delivering into buffers of its own) fails here — on a
+/// real NIC that is a receiver-not-ready stall or a dropped message the engine never sees.
+pub fn messages_use_posted_receives(h: &dyn Harness) {
+    let mut pair = RawPair::open(h);
+    pair.b
+        .post_recvs(64, 1)
+        .expect("posting one receive buffer");
+    let peer = pair.b.address();
+    for (id, text) in [(1u64, &b"first"[..]), (2, b"second")] {
+        let until = Instant::now() + WAIT;
+        while pair.a.post_send(id, &peer, text).expect("posting a send")
+            == crate::domain::PostStatus::Busy
+        {
+            assert!(Instant::now() < until, "the sender stayed busy");
+            pair.poll(true);
+        }
+    }
+    assert!(
+        pair.poll_until(WAIT, |p| !p.messages().is_empty()),
+        "no message arrived in the posted buffer"
+    );
+    // Long enough for a second message to show up if it had somewhere to go.
+    pair.poll_until(Duration::from_millis(300), |p| p.messages().len() > 1);
+    assert_eq!(
+        pair.messages().len(),
+        1,
+        "two messages arrived with one receive buffer posted: the backend ignores post_recvs"
+    );
+    pair.b
+        .post_recvs(64, 1)
+        .expect("posting a second receive buffer");
+    assert!(
+        pair.poll_until(WAIT, |p| p.messages().len() == 2),
+        "the second message never arrived after a buffer was posted"
+    );
+    let mut got = pair.messages();
+    got.sort();
+    assert_eq!(got, vec![b"first".to_vec(), b"second".to_vec()]);
+}
+
+/// An immediate is reported only once its write's data is in the receiver's memory: checked
+/// the moment the arrival event is seen, on a write large enough to take a while.
+pub fn immediate_arrives_after_its_data(h: &dyn Harness) {
+    let mut pair = RawPair::open(h);
+    let len = 1 << 20;
+    let mut src: Vec<u8> = (0..len).map(pattern(91)).collect();
+    let mut dst = vec![0u8; len];
+    let src_reg = RawPair::register(&mut *pair.a, &mut src);
+    let dst_reg = RawPair::register(&mut *pair.b, &mut dst);
+    pair.write(&src, src_reg, &dst, dst_reg, 4242);
+    let arrived = |p: &RawPair| {
+        p.b_events
+            .iter()
+            .any(|e| matches!(e, crate::domain::Event::ImmArrival { imm: 4242 }))
+    };
+    assert!(
+        pair.poll_until(WAIT, arrived),
+        "the immediate never arrived"
+    );
+    // `dst` is ours; the NIC is done with these bytes once their immediate arrived.
+    assert_copied("data at the moment its immediate arrived", &dst, &src);
+    pair.poll_until(WAIT, |p| {
+        p.a_events
+            .iter()
+            .any(|e| matches!(e, crate::domain::Event::Done { .. }))
+    });
+    let _ = pair.a.deregister(src_reg.local_key);
+    let _ = pair.b.deregister(dst_reg.local_key);
+}
+
+/// A Domain that promises to wake the engine (`set_waker` returns true) calls the waker when
+/// an arrival is ready, without being polled first; an engine trusting the promise parks.
+pub fn a_promised_waker_is_called(h: &dyn Harness) {
+    let mut pair = RawPair::open(h);
+    let woken = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let w = Arc::clone(&woken);
+    let will_wake = pair.b.set_waker(crate::domain::Waker::new(move || {
+        w.store(true, Ordering::SeqCst)
+    }));
+    if !will_wake {
+        return; // it will be polled on an interval instead; nothing was promised
+    }
+    let mut src = vec![5u8; 4096];
+    let mut dst = vec![0u8; 4096];
+    let src_reg = RawPair::register(&mut *pair.a, &mut src);
+    let dst_reg = RawPair::register(&mut *pair.b, &mut dst);
+    // Set-up work may have woken it already; only what follows the write counts.
+    pair.poll(true);
+    pair.b_events.clear();
+    woken.store(false, Ordering::SeqCst);
+    pair.write(&src, src_reg, &dst, dst_reg, 5151);
+    let until = Instant::now() + pair.deadline;
+    while !woken.load(Ordering::SeqCst) && Instant::now() < until {
+        pair.poll(false); // the sender only: the receiver must wake us by itself
+        std::thread::yield_now();
+    }
+    assert!(
+        woken.load(Ordering::SeqCst),
+        "set_waker returned true, but the Domain never called the waker for an arrival"
+    );
+    assert!(
+        pair.poll_until(WAIT, |p| p
+            .b_events
+            .iter()
+            .any(|e| matches!(e, crate::domain::Event::ImmArrival { imm: 5151 }))),
+        "woken, but the arrival never came"
+    );
+    let _ = pair.a.deregister(src_reg.local_key);
+    let _ = pair.b.deregister(dst_reg.local_key);
+}
+
+/// Every check of the suite, by name, in the order `conformance_suite!` and the
+/// `xfer conformance` command run them.
+pub const CHECKS: &[(&str, fn(&dyn Harness))] = &[
+    ("single_write", single_write),
+    ("write_at_offsets_without_imm", write_at_offsets_without_imm),
+    ("striping", striping),
+    ("paged_writes", paged_writes),
+    ("scatter", scatter),
+    ("barrier", barrier),
+    ("send_recv", send_recv),
+    ("imm_counts", imm_counts),
+    ("expectation_times_out", expectation_times_out),
+    ("bad_input", bad_input),
+    ("remote_access_error", remote_access_error),
+    ("dead_peer", dead_peer),
+    ("exactly_once", exactly_once),
+    ("callbacks_can_submit", callbacks_can_submit),
+    ("shutdown_fails_waiting", shutdown_fails_waiting),
+    ("reads", reads),
+    ("read_of_an_unreadable_region", read_of_an_unreadable_region),
+    ("read_from_a_dead_peer", read_from_a_dead_peer),
+    (
+        "oversized_message_keeps_the_buffer",
+        oversized_message_keeps_the_buffer,
+    ),
+    (
+        "notifications_follow_their_data",
+        notifications_follow_their_data,
+    ),
+    ("zero_byte_write_with_imm", zero_byte_write_with_imm),
+    ("engines_in_parallel", engines_in_parallel),
+    ("messages_use_posted_receives", messages_use_posted_receives),
+    (
+        "immediate_arrives_after_its_data",
+        immediate_arrives_after_its_data,
+    ),
+    ("a_promised_waker_is_called", a_promised_waker_is_called),
+];
+
+/// How one check ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CheckOutcome {
+    /// It passed.
+    Passed,
+    /// The harness says it cannot pass on this backend, and why.
+    Skipped(&'static str),
+    /// It failed: the panic's text.
+    Failed(String),
+}
+
+/// Runs one check, catching its panic (a failed check) into the outcome.
+pub fn run_check(h: &dyn Harness, name: &str, check: fn(&dyn Harness)) -> CheckOutcome {
+    if let Some(why) = h.skip(name) {
+        return CheckOutcome::Skipped(why);
+    }
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(h))) {
+        Ok(()) => CheckOutcome::Passed,
+        Err(panic) => CheckOutcome::Failed(crate::runtime::panic_message(&*panic)),
+    }
+}
+
 /// Expands to one `#[test]` per conformance check, each run with the given harness value.
 ///
 /// `conformance_suite!(ignored = "why", harness)` marks every test `#[ignore]`, for backends
@@ -1009,7 +1385,9 @@ macro_rules! conformance_suite {
             send_recv, imm_counts, expectation_times_out, bad_input, remote_access_error,
             dead_peer, exactly_once, callbacks_can_submit, shutdown_fails_waiting,
             reads, read_of_an_unreadable_region, read_from_a_dead_peer,
-            oversized_message_keeps_the_buffer, notifications_follow_their_data);
+            oversized_message_keeps_the_buffer, notifications_follow_their_data,
+            zero_byte_write_with_imm, engines_in_parallel, messages_use_posted_receives,
+            immediate_arrives_after_its_data, a_promised_waker_is_called);
     };
     ($harness:expr) => {
         $crate::conformance_suite!(@tests [cfg_attr(any(), ignore)] $harness;
@@ -1017,9 +1395,18 @@ macro_rules! conformance_suite {
             send_recv, imm_counts, expectation_times_out, bad_input, remote_access_error,
             dead_peer, exactly_once, callbacks_can_submit, shutdown_fails_waiting,
             reads, read_of_an_unreadable_region, read_from_a_dead_peer,
-            oversized_message_keeps_the_buffer, notifications_follow_their_data);
+            oversized_message_keeps_the_buffer, notifications_follow_their_data,
+            zero_byte_write_with_imm, engines_in_parallel, messages_use_posted_receives,
+            immediate_arrives_after_its_data, a_promised_waker_is_called);
     };
     (@tests [$attr:meta] $harness:expr; $($name:ident),* $(,)?) => {
+        /// The tests above are the whole suite: the same checks as `CHECKS`, in order.
+        #[test]
+        fn conformance_tests_cover_every_check() {
+            let generated = [$(stringify!($name)),*];
+            let listed: Vec<&str> = $crate::conformance::CHECKS.iter().map(|c| c.0).collect();
+            assert_eq!(generated.to_vec(), listed);
+        }
         $(
             #[test]
             #[$attr]
