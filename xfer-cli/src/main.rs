@@ -36,6 +36,8 @@ struct Cli {
     proc: PathBuf,
 }
 
+mod conformance;
+
 #[derive(Subcommand)]
 enum Command {
     /// The GPU/NIC matrix like `nvidia-smi topo -m`, and the proposed groups and CPUs.
@@ -63,6 +65,22 @@ enum Command {
         /// The rendezvous URL.
         #[arg(long)]
         rendezvous: String,
+    },
+    /// Runs the backend conformance suite (a plugin's, or the config's backend): one line per
+    /// check; exits 1 if any fails.
+    Conformance {
+        /// The plugin library to test (else the config's `plugin`/backend).
+        #[arg(long)]
+        plugin: Option<PathBuf>,
+        /// The backend name the plugin serves (default: from its file name, lib<name>.so).
+        #[arg(long)]
+        backend: Option<String>,
+        /// A NIC name to open (repeat for more NICs; default: the config's first group).
+        #[arg(long = "nic")]
+        nics: Vec<String>,
+        /// Run only the checks whose name contains this.
+        #[arg(long)]
+        check: Option<String>,
     },
 }
 
@@ -461,5 +479,17 @@ fn main() -> ExitCode {
         Command::Doctor { register_bytes } => doctor_cmd(&cli, *register_bytes),
         Command::Serve { listen } => serve_cmd(listen),
         Command::Peers { rendezvous } => peers_cmd(&cli, rendezvous),
+        Command::Conformance {
+            plugin,
+            backend,
+            nics,
+            check,
+        } => conformance::run(&conformance::Request {
+            config: cli.config.as_deref(),
+            plugin: plugin.as_deref(),
+            backend: backend.as_deref(),
+            nics,
+            only: check.as_deref(),
+        }),
     }
 }

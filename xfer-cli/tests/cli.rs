@@ -245,3 +245,53 @@ fn every_shipped_config_is_valid() {
     }
     assert!(seen >= 6, "{seen} configs");
 }
+
+/// `xfer conformance` runs the suite on a backend and says which checks fail, with exit
+/// status 1: here the built-in mock, broken by a knob so that it ignores `post_recvs`.
+#[test]
+fn conformance_prints_each_check_and_fails_a_broken_backend() {
+    let dir = std::env::temp_dir().join(format!("xfer-cli-conformance-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("good.toml");
+    std::fs::write(
+        &good,
+        "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n",
+    )
+    .unwrap();
+    let (code, out) = xfer(&[
+        "conformance",
+        "--config",
+        good.to_str().unwrap(),
+        "--check",
+        "messages_use_posted_receives",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("PASS messages_use_posted_receives") && out.contains("1 passed, 0 failed"),
+        "{out}"
+    );
+    let broken = dir.join("broken.toml");
+    std::fs::write(
+        &broken,
+        "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n[backends.mock]\nreceives_multiplier = 3\n",
+    )
+    .unwrap();
+    let (code, out) = xfer(&[
+        "conformance",
+        "--config",
+        broken.to_str().unwrap(),
+        "--check",
+        "messages",
+    ]);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("FAIL messages_use_posted_receives") && out.contains("ignores post_recvs"),
+        "{out}"
+    );
+    let (code, _) = xfer(&["conformance", "--plugin", "/nonexistent/mynic.so"]);
+    assert_eq!(
+        code, 2,
+        "a plugin whose name cannot be told is a usage error"
+    );
+}

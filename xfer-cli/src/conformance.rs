@@ -1,0 +1,149 @@
+//! `xfer conformance`: the backend conformance suite as a command, so a NIC vendor tests a
+//! plugin (Rust or C) without writing any Rust. Each check prints one line; the exit status is
+//! 1 if any failed.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use engine_core::config::GroupConfig;
+use engine_core::conformance::{run_check, CheckOutcome, Harness, CHECKS};
+use engine_core::Config;
+
+/// What the command was asked to test.
+pub(crate) struct Request<'a> {
+    pub(crate) config: Option<&'a Path>,
+    pub(crate) plugin: Option<&'a Path>,
+    pub(crate) backend: Option<&'a str>,
+    pub(crate) nics: &'a [String],
+    pub(crate) only: Option<&'a str>,
+}
+
+/// Engines for the suite: the given config (or the default) with the plugin, backend and
+/// NIC names from the command line.
+struct CommandHarness {
+    base: Config,
+    nics: Vec<String>,
+}
+
+impl Harness for CommandHarness {
+    fn config(&self, nics: usize) -> Config {
+        let mut config = self.base.clone();
+        config.groups = vec![GroupConfig {
+            nics: self.nics[..nics].to_vec(),
+            worker_cpu: None,
+        }];
+        config
+    }
+
+    fn max_nics(&self) -> usize {
+        self.nics.len().min(engine_core::wire::MAX_NICS)
+    }
+}
+
+/// A backend name from a plugin's file name: `libxfer_<name>.so`, `libbackend_<name>.so` or
+/// `lib<name>.so` (the names the engine searches for).
+pub(crate) fn backend_from_file(path: &Path) -> Option<String> {
+    let stem = path.file_name()?.to_str()?.strip_suffix(".so")?;
+    let name = ["libxfer_", "libbackend_", "lib"]
+        .iter()
+        .find_map(|prefix| stem.strip_prefix(prefix))?;
+    (!name.is_empty()).then(|| name.to_owned())
+}
+
+fn harness(req: &Request<'_>) -> Result<CommandHarness, String> {
+    let mut base = Config::load(req.config).map_err(|e| e.to_string())?;
+    if let Some(plugin) = req.plugin {
+        base.plugin = Some(PathBuf::from(plugin));
+        base.backend = match req.backend {
+            Some(name) => name.to_owned(),
+            None => backend_from_file(plugin).ok_or_else(|| {
+                format!(
+                    "cannot tell the backend's name from {}: pass --backend",
+                    plugin.display()
+                )
+            })?,
+        };
+    } else if let Some(name) = req.backend {
+        base.backend = name.to_owned();
+    }
+    let nics = if req.nics.is_empty() {
+        base.groups
+            .first()
+            .map(|g| g.nics.clone())
+            .unwrap_or_default()
+    } else {
+        req.nics.to_vec()
+    };
+    if nics.is_empty() {
+        return Err("no NIC names: pass --nic (repeat it for more NICs) or a config".into());
+    }
+    Ok(CommandHarness { base, nics })
+}
+
+pub(crate) fn run(req: &Request<'_>) -> ExitCode {
+    let harness = match harness(req) {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("xfer conformance: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    println!(
+        "conformance of backend {:?}{} on NICs {:?}",
+        harness.base.backend,
+        harness
+            .base
+            .plugin
+            .as_ref()
+            .map(|p| format!(" ({})", p.display()))
+            .unwrap_or_default(),
+        harness.nics
+    );
+    // Each failed check panics; its message is printed once below, not by the panic hook.
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let (mut passed, mut failed, mut skipped) = (0, 0, 0);
+    for (name, check) in CHECKS {
+        if req.only.is_some_and(|only| !name.contains(only)) {
+            continue;
+        }
+        let started = Instant::now();
+        match run_check(&harness, name, *check) {
+            CheckOutcome::Passed => {
+                passed += 1;
+                println!("PASS {name} ({:.1} s)", started.elapsed().as_secs_f64());
+            }
+            CheckOutcome::Skipped(why) => {
+                skipped += 1;
+                println!("SKIP {name}: {why}");
+            }
+            CheckOutcome::Failed(message) => {
+                failed += 1;
+                println!("FAIL {name}: {message}");
+            }
+        }
+    }
+    std::panic::set_hook(hook);
+    println!("{passed} passed, {failed} failed, {skipped} skipped");
+    if failed > 0 || passed == 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_names_come_from_the_searched_file_names() {
+        let name = |p: &str| backend_from_file(Path::new(p));
+        assert_eq!(name("/x/libxfer_mynic.so").as_deref(), Some("mynic"));
+        assert_eq!(name("libbackend_mock.so").as_deref(), Some("mock"));
+        assert_eq!(name("./libloopback.so").as_deref(), Some("loopback"));
+        assert_eq!(name("mynic.so"), None);
+        assert_eq!(name("lib.so"), None);
+    }
+}
