@@ -1312,9 +1312,12 @@ pub fn a_promised_waker_is_called(h: &dyn Harness) {
     let _ = pair.b.deregister(dst_reg.local_key);
 }
 
+/// One conformance check: panics, naming what broke, if the backend fails it.
+pub type Check = fn(&dyn Harness);
+
 /// Every check of the suite, by name, in the order `conformance_suite!` and the
 /// `xfer conformance` command run them.
-pub const CHECKS: &[(&str, fn(&dyn Harness))] = &[
+pub const CHECKS: &[(&str, Check)] = &[
     ("single_write", single_write),
     ("write_at_offsets_without_imm", write_at_offsets_without_imm),
     ("striping", striping),
@@ -1363,7 +1366,7 @@ pub enum CheckOutcome {
 }
 
 /// Runs one check, catching its panic (a failed check) into the outcome.
-pub fn run_check(h: &dyn Harness, name: &str, check: fn(&dyn Harness)) -> CheckOutcome {
+pub fn run_check(h: &dyn Harness, name: &str, check: Check) -> CheckOutcome {
     if let Some(why) = h.skip(name) {
         return CheckOutcome::Skipped(why);
     }

@@ -104,6 +104,7 @@ pub(crate) fn run(req: &Request<'_>) -> ExitCode {
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
     let (mut passed, mut failed, mut skipped) = (0, 0, 0);
+    let suite_started = Instant::now();
     for (name, check) in CHECKS {
         if req.only.is_some_and(|only| !name.contains(only)) {
             continue;
@@ -125,7 +126,12 @@ pub(crate) fn run(req: &Request<'_>) -> ExitCode {
         }
     }
     std::panic::set_hook(hook);
-    println!("{passed} passed, {failed} failed, {skipped} skipped");
+    // pytest's summary shape, which `cargo xtask test` adds to its totals.
+    println!(
+        "{passed} passed, {failed} failed, {skipped} skipped in {:.1}s (conformance of {})",
+        suite_started.elapsed().as_secs_f64(),
+        harness.base.backend
+    );
     if failed > 0 || passed == 0 {
         ExitCode::from(1)
     } else {

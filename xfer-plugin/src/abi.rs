@@ -810,3 +810,22 @@ macro_rules! export_plugin {
         }
     };
 }
+
+// Published layouts: plugins built against earlier versions rely on these sizes and offsets,
+// so a change here (a field moved, resized or inserted rather than appended) fails the build.
+// The generated C header asserts the same numbers on the C side.
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(size_of::<PluginHeader>() == 8);
+    assert!(size_of::<RawBytes>() == 16);
+    assert!(size_of::<RawError>() == 520);
+    assert!(size_of::<RawRegion>() == 32);
+    assert!(size_of::<RawWrite>() == 80);
+    assert!(size_of::<RawRead>() == 72);
+    assert!(size_of::<RawEvent>() == 40);
+    assert!(size_of::<RawCapabilities>() == 32);
+    assert!(V1_TABLE_SIZE == 104);
+    assert!(V2_TABLE_SIZE == 112);
+    assert!(offset_of!(PluginTable, set_log) == 120);
+    assert!(size_of::<PluginTable>() == 136);
+};

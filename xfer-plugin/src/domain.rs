@@ -57,7 +57,9 @@ pub struct WriteRequest<'a> {
     pub peer: &'a NetAddr,
     /// Source address (inside a region registered with this NIC).
     pub local_addr: u64,
-    /// This NIC's local key of the source region.
+    /// This NIC's local key of the source region. A zero-byte write (a barrier's signal) has
+    /// no source: `local_addr` and `local_key` are 0, while its destination and remote key are
+    /// real and must be checked.
     pub local_key: u64,
     /// Destination address in the peer's address space.
     pub remote_addr: u64,

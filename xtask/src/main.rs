@@ -15,11 +15,14 @@
 //! - `python`: builds the Python package with its plugins and installs it into
 //!   `target/python-venv` (what `test` does before running the pytest suite).
 //! - `fixtures`: rewrites the sysfs fixture trees of the topology tests.
+//! - `header [--check]`: writes (or checks) the plugin ABI's C header from the Rust
+//!   definitions (see `header.rs`).
 //! - `bench-efa`: the EFA backend on libfabric's shm provider, next to a raw libfabric write
 //!   loop, then initiator and target in two processes.
 
 mod fixtures;
 mod fresh;
+mod header;
 mod python;
 mod rxe;
 
@@ -98,6 +101,56 @@ fn add_test_result(line: &str, totals: &mut (u64, u64)) {
     };
     totals.0 += count("passed");
     totals.1 += count("failed");
+}
+
+/// Where `cargo xtask test` builds the C example plugin.
+const C_PLUGIN: &str = "target/c-plugin/libxfer_loopback.so";
+
+/// Builds the C example plugin (`xfer-plugin/c-example/loopback.c`) against the checked-in
+/// header alone, warnings as errors.
+fn build_c_plugin() -> Result<&'static str> {
+    std::fs::create_dir_all("target/c-plugin").map_err(|e| e.to_string())?;
+    run(
+        "cc",
+        &[
+            "-std=c11",
+            "-D_POSIX_C_SOURCE=200809L",
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-g",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-Ixfer-plugin/include",
+            "xfer-plugin/c-example/loopback.c",
+            "-o",
+            C_PLUGIN,
+            "-lpthread",
+        ],
+    )?;
+    Ok(C_PLUGIN)
+}
+
+/// The plugin kit as a vendor uses it: the header is not stale, the C example plugin builds
+/// from it, and `xfer conformance` passes on it and on the mock's plugin (both through dlopen).
+fn plugin_kit(totals: &mut (u64, u64)) -> Result {
+    header::header(true)?;
+    let c_plugin = build_c_plugin()?;
+    for (plugin, nics) in [
+        (c_plugin, ["lo0", "lo1", "lo2", "lo3"]),
+        (
+            "target/debug/libbackend_mock.so",
+            ["mock0", "mock1", "mock2", "mock3"],
+        ),
+    ] {
+        let mut args = vec!["conformance", "--plugin", plugin];
+        for nic in &nics {
+            args.extend(["--nic", nic]);
+        }
+        counted("target/debug/xfer", &args, &[], totals)?;
+    }
+    Ok(())
 }
 
 /// Runs `cargo test ...`, echoing its output, and adds up its "test result" lines.
@@ -370,6 +423,7 @@ fn test() -> Result {
             &[("XFER_REQUIRE_ETCD", "1")],
             &mut totals,
         )?;
+        plugin_kit(&mut totals)?;
         memcheck(&mut totals)?;
         address_sanitizer(&mut totals)?;
         fuzz(FUZZ_SECONDS, &mut totals)?;
@@ -935,6 +989,7 @@ fn main() -> ExitCode {
         Some("gpu-check") => gpu_check(),
         Some("python") => python::install(),
         Some("examples") => multi_process_examples(),
+        Some("header") => header::header(args.get(1).is_some_and(|a| a == "--check")),
         Some("fixtures") => fixtures::write_all(std::path::Path::new("engine-core/tests/fixtures/sysfs")).map_err(|e| e.to_string()),
         _ => Err("usage: cargo xtask test | fresh | bench [transfer-bench args] | bench-efa [transfer-bench args]".into()),
     };
