@@ -43,7 +43,7 @@ pub fn api_version() -> String {
 }
 
 inventory::submit! {
-    BackendRegistration { name: NAME, open }
+    BackendRegistration { name: NAME, open, open_group: None }
 }
 
 engine_core::export_plugin!("efa", open);

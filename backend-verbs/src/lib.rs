@@ -36,7 +36,7 @@ pub fn devices() -> Vec<String> {
 }
 
 inventory::submit! {
-    BackendRegistration { name: NAME, open }
+    BackendRegistration { name: NAME, open, open_group: None }
 }
 
 engine_core::export_plugin!("verbs", open);

@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 use crate::config::{Config, NicSelection};
 use crate::domain::{Device, MemoryRegion, Registration};
 use crate::error::{Error, Result};
+use crate::group::SpreadPolicy;
 use crate::imm::ResetReport;
-use crate::plan::{split, Chunk};
+use crate::plan::{Chunk, TransferShape};
 use crate::plugin::find_backend;
 use crate::runtime::completion::OnDone;
 use crate::runtime::{spawn_callback_thread, spawn_worker, Command, Mirror, Shared, WriteOp};
@@ -150,6 +151,8 @@ pub struct TransferEngine {
     reads: bool,
     /// Each NIC's capabilities, as its Domain declared them.
     caps: Vec<crate::domain::Capabilities>,
+    /// How this engine's DomainGroup spreads transfers over its NICs.
+    spread: Arc<dyn SpreadPolicy>,
     shared: Arc<Shared>,
     addresses: Vec<NetAddr>,
     regions: RwLock<HashMap<u64, Arc<LocalRegion>>>,
@@ -225,6 +228,7 @@ impl TransferEngine {
             id: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
             reads: worker.reads,
             caps: worker.caps,
+            spread: worker.spread,
             shared,
             addresses: worker.addresses,
             regions: RwLock::new(HashMap::new()),
@@ -250,6 +254,14 @@ impl TransferEngine {
     /// How many NICs this engine stripes over.
     pub fn nic_count(&self) -> usize {
         self.addresses.len()
+    }
+
+    /// How many arrivals (immediates) a receiver counts for a transfer of `shape` from a peer
+    /// with this engine's group and config: the `n` to pass to `expect_imm_count`. The group
+    /// decides (the built-in striping group gives
+    /// [`expected_arrivals`](crate::expected_arrivals)`(shape, nic_count, &config.stripe)`).
+    pub fn expected_arrivals(&self, shape: TransferShape<'_>) -> u64 {
+        self.spread.expected_arrivals(shape, self.nic_count())
     }
 
     /// What each NIC's Domain declared it can do (limits, memory kinds, immediates), in NIC
@@ -520,13 +532,7 @@ impl TransferEngine {
         read: bool,
     ) {
         chunks.clear();
-        split(
-            len,
-            self.nic_count(),
-            first,
-            &self.shared.config.stripe,
-            chunks,
-        );
+        self.spread.split(len, self.nic_count(), first, chunks);
         for c in chunks.iter() {
             let (peer, remote_key) = &dst.rkeys()[c.nic];
             ops.push(WriteOp {

@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use crate::config::NicSelection;
 use crate::{
-    expected_arrivals, Config, Device, DoneCounter, DoneFlag, Error, HostBuffer, MrDesc, OnDone,
-    Pages, RemoteAccess, ScatterDst, TransferEngine, TransferShape,
+    Config, Device, DoneCounter, DoneFlag, Error, HostBuffer, MrDesc, OnDone, Pages, RemoteAccess,
+    ScatterDst, TransferEngine, TransferShape,
 };
 
 /// How a backend's engines are configured for the suite.
@@ -121,11 +121,7 @@ pub fn single_write(h: &dyn Harness) {
         let src = buffer(&a, len, pattern(k as u64 + 1));
         let dst = buffer(&b, len, |_| 0);
         let imm = 100 + k as u32;
-        let n = expected_arrivals(
-            TransferShape::Single { len: len as u64 },
-            b.nic_count(),
-            &config.stripe,
-        );
+        let n = b.expected_arrivals(TransferShape::Single { len: len as u64 });
         let landed = expect_arrivals(&b, imm, n);
         let sent = flag();
         a.submit_single_write(
@@ -198,11 +194,7 @@ pub fn striping(h: &dyn Harness) {
             {
                 let src = buffer(&a, len, pattern(nics as u64 * 10 + k as u64));
                 let dst = buffer(&b, len, |_| 0);
-                let n = expected_arrivals(
-                    TransferShape::Single { len: len as u64 },
-                    nics,
-                    &config.stripe,
-                );
+                let n = b.expected_arrivals(TransferShape::Single { len: len as u64 });
                 let landed = expect_arrivals(&b, 7, n);
                 let sent = flag();
                 a.submit_single_write(
@@ -252,14 +244,10 @@ pub fn paged_writes(h: &dyn Harness) {
         stride,
         offset: 64,
     };
-    let n = expected_arrivals(
-        TransferShape::Paged {
-            page_len,
-            pages: u64::from(pages),
-        },
-        nics,
-        &config.stripe,
-    );
+    let n = b.expected_arrivals(TransferShape::Paged {
+        page_len,
+        pages: u64::from(pages),
+    });
     let landed = expect_arrivals(&b, 9, n);
     let sent = flag();
     a.submit_paged_writes(
@@ -319,12 +307,12 @@ pub fn scatter(h: &dyn Harness) {
     let fb = expect_arrivals(
         &b,
         3,
-        expected_arrivals(TransferShape::Scatter { lens: &lb }, nics, &config.stripe),
+        b.expected_arrivals(TransferShape::Scatter { lens: &lb }),
     );
     let fc = expect_arrivals(
         &c,
         3,
-        expected_arrivals(TransferShape::Scatter { lens: &lc }, nics, &config.stripe),
+        c.expected_arrivals(TransferShape::Scatter { lens: &lc }),
     );
     let sent = flag();
     a.submit_scatter(Some(group), sent.clone(), Some(3), src.mr(), &dsts)
@@ -1014,11 +1002,7 @@ pub fn zero_byte_write_with_imm(h: &dyn Harness) {
         );
         return;
     }
-    let n = expected_arrivals(
-        TransferShape::Single { len: 0 },
-        b.nic_count(),
-        &config.stripe,
-    );
+    let n = b.expected_arrivals(TransferShape::Single { len: 0 });
     let landed = expect_arrivals(&b, 901, n);
     sent.wait(WAIT)
         .unwrap_or_else(|e| panic!("a zero-byte write failed: {e}"));
@@ -1048,7 +1032,7 @@ pub fn engines_in_parallel(h: &dyn Harness) {
         .iter()
         .map(|e| buffer(e, 4096 * WRITES as usize, |_| 0))
         .collect();
-    let n = expected_arrivals(TransferShape::Single { len: 4096 }, 1, &config.stripe);
+    let n = engines[0].expected_arrivals(TransferShape::Single { len: 4096 });
     let landed: Vec<_> = engines
         .iter()
         .map(|e| expect_arrivals(e, 77, n * u64::from(WRITES)))

@@ -11,6 +11,11 @@ pub struct BackendRegistration {
     pub name: &'static str,
     /// Opens one NIC.
     pub open: OpenFn,
+    /// The backend's own DomainGroup over the opened NICs; `None`: the built-in
+    /// [`StripingGroup`](crate::group::StripingGroup). Plugins loaded through the C ABI always
+    /// get the built-in group (a plugin whose library spreads over its rails by itself exposes
+    /// the logical device as one NIC).
+    pub open_group: Option<crate::group::OpenGroupFn>,
 }
 
 inventory::collect!(BackendRegistration);

@@ -49,6 +49,7 @@ mod buffer;
 pub mod config;
 pub mod domain;
 mod error;
+pub mod group;
 pub mod imm;
 pub mod plan;
 pub mod plugin;

@@ -791,8 +791,8 @@ impl TransferEngine {
         py.detach(|| engine.wait_for_capacity(timeout)).or_raise(py)
     }
 
-    /// `expected_arrivals` with this engine's NIC count and stripe policy (peers with the
-    /// same config send the same shapes).
+    /// `expected_arrivals` as this engine's DomainGroup plans them (its NIC count and spread
+    /// policy; peers with the same config send the same shapes).
     #[pyo3(signature = (nbytes=None, *, page_len=None, pages=None, scatter_lens=None, barrier=false))]
     fn expected_arrivals(
         &self,
@@ -807,8 +807,7 @@ impl TransferEngine {
         values::arrivals(
             py,
             (nbytes, page_len, pages, scatter_lens.as_deref(), barrier),
-            engine.nic_count(),
-            &engine.config().stripe,
+            |shape| engine.expected_arrivals(shape),
         )
     }
 

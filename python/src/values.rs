@@ -298,11 +298,16 @@ pub(crate) fn expected_arrivals(
     policy.align = align.unwrap_or(policy.align);
     policy.max_chunk = max_chunk.unwrap_or(policy.max_chunk);
     policy.validate().map_err(|e| errors::invalid(py, e))?;
+    if !(1..=4).contains(&nics) {
+        return Err(errors::invalid(
+            py,
+            format!("nics is {nics}: a DomainGroup has 1 to 4 NICs"),
+        ));
+    }
     arrivals(
         py,
         (nbytes, page_len, pages, scatter_lens.as_deref(), barrier),
-        nics,
-        &policy,
+        |shape| engine_core::expected_arrivals(shape, nics, &policy),
     )
 }
 
@@ -315,18 +320,12 @@ pub(crate) type ShapeArgs<'a> = (
     bool,
 );
 
+/// Reads the shape arguments and asks `count` (a group's policy) how many arrivals it makes.
 pub(crate) fn arrivals(
     py: Python<'_>,
     (nbytes, page_len, pages, lens, barrier): ShapeArgs<'_>,
-    nics: usize,
-    policy: &engine_core::StripePolicy,
+    count: impl FnOnce(engine_core::TransferShape<'_>) -> u64,
 ) -> PyResult<u64> {
-    if !(1..=4).contains(&nics) {
-        return Err(errors::invalid(
-            py,
-            format!("nics is {nics}: a DomainGroup has 1 to 4 NICs"),
-        ));
-    }
     use engine_core::TransferShape as S;
     let shape =
         match (nbytes, page_len, pages, lens, barrier) {
@@ -339,7 +338,7 @@ pub(crate) fn arrivals(
                 "give exactly one shape: nbytes, page_len and pages, scatter_lens, or barrier=True",
             )),
         };
-    Ok(engine_core::expected_arrivals(shape, nics, policy))
+    Ok(count(shape))
 }
 
 /// An `MrDesc` from an `MrDesc`, a `MemoryRegion` (its descriptor) or bytes.

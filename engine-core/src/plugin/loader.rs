@@ -113,6 +113,15 @@ impl Backend {
         }
     }
 
+    /// How the engine makes this backend's DomainGroup: the backend's own, or the built-in
+    /// striping group.
+    pub fn open_group(&self) -> crate::group::OpenGroupFn {
+        match self {
+            Self::Builtin(r) => r.open_group.unwrap_or(crate::group::StripingGroup::open),
+            Self::Plugin(_) => crate::group::StripingGroup::open,
+        }
+    }
+
     /// Names of the backends linked into this binary.
     pub fn builtin_names() -> Vec<String> {
         inventory::iter::<BackendRegistration>

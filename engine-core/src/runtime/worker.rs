@@ -26,10 +26,11 @@ use super::completion::{send_batch, CallbackBatch, OnDone};
 use super::tracker::Tracker;
 use super::{panic_message, Command, Mirror, Shared, WriteOp};
 use crate::domain::{
-    Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus,
+    Capabilities, Device, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus,
     ReadRequest, Registration, Waker, WriteRequest,
 };
 use crate::error::{Error, Result};
+use crate::group::{DomainGroup, SpreadPolicy};
 use crate::imm::Outcome;
 use crate::plugin::Backend;
 use crate::wire::NetAddr;
@@ -56,7 +57,9 @@ pub(crate) fn map_domain_error(backend: &str, e: DomainError) -> Error {
 
 struct Worker {
     shared: Arc<Shared>,
-    domains: Vec<Box<dyn Domain>>,
+    /// The NICs, driven as one; which group it is (built-in striping or a backend's own)
+    /// does not matter here.
+    group: Box<dyn DomainGroup>,
     /// Whether every Domain wakes the worker on new events.
     domains_wake: bool,
     /// Each Domain's limits, checked before anything is posted to it.
@@ -87,6 +90,8 @@ pub(crate) struct WorkerHandle {
     pub(crate) reads: bool,
     /// Each Domain's capabilities, in NIC order.
     pub(crate) caps: Vec<Capabilities>,
+    /// The group's spread policy, for planning and counting on the callers' threads.
+    pub(crate) spread: Arc<dyn SpreadPolicy>,
 }
 
 /// Starts the worker: pins it, then opens the group's Domains on it (so their memory is
@@ -96,7 +101,7 @@ pub(crate) fn spawn_worker(
     backend: Backend,
     group: usize,
 ) -> Result<WorkerHandle> {
-    type Ready = (Vec<NetAddr>, bool, Vec<Capabilities>);
+    type Ready = (Vec<NetAddr>, bool, Vec<Capabilities>, Arc<dyn SpreadPolicy>);
     let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<Ready>>(1);
     let thread_shared = Arc::clone(&shared);
     let thread = std::thread::Builder::new()
@@ -105,10 +110,12 @@ pub(crate) fn spawn_worker(
             let shared = thread_shared;
             match open_domains(&shared, &backend, group) {
                 Ok(worker) => {
-                    let addresses = worker.domains.iter().map(|d| d.address()).collect();
-                    let reads = worker.domains.iter().all(|d| d.supports_read());
+                    let domains = worker.group.domains();
+                    let addresses = domains.iter().map(|d| d.address()).collect();
+                    let reads = domains.iter().all(|d| d.supports_read());
                     let caps = worker.caps.clone();
-                    let _ = ready_tx.send(Ok((addresses, reads, caps)));
+                    let spread = worker.group.spread();
+                    let _ = ready_tx.send(Ok((addresses, reads, caps, spread)));
                     worker.run();
                 }
                 Err(e) => {
@@ -123,7 +130,7 @@ pub(crate) fn spawn_worker(
     let _ = shared.worker.set(thread.thread().clone());
     let timeout =
         shared.config.timeouts.control() + Duration::from_millis(shared.config.timeouts.connect_ms);
-    let (addresses, reads, caps) = match ready_rx.recv_timeout(timeout) {
+    let (addresses, reads, caps, spread) = match ready_rx.recv_timeout(timeout) {
         Ok(Ok(a)) => a,
         Ok(Err(e)) => {
             let _ = thread.join();
@@ -141,6 +148,7 @@ pub(crate) fn spawn_worker(
         addresses,
         reads,
         caps,
+        spread,
     })
 }
 
@@ -190,9 +198,23 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
     }
     let caps: Vec<Capabilities> = domains.iter().map(|d| d.capabilities()).collect();
     let needs_polling = caps.iter().any(|c| c.needs_receiver_polling);
+    let nics = domains.len();
+    let group = (backend.open_group())(domains, config).map_err(|e| Error::Backend {
+        backend: shared.backend.clone(),
+        message: format!("cannot make the DomainGroup: {}", e.message),
+    })?;
+    if group.domains().len() != nics {
+        return Err(Error::Backend {
+            backend: shared.backend.clone(),
+            message: format!(
+                "the backend's DomainGroup has {} NICs; the config names {nics}",
+                group.domains().len()
+            ),
+        });
+    }
     Ok(Worker {
         shared: Arc::clone(shared),
-        domains,
+        group,
         domains_wake,
         caps,
         needs_polling,
@@ -366,7 +388,7 @@ impl Worker {
                     // The caller stopped waiting and was told it failed: undo it, so no
                     // registration outlives the caller's knowledge of it.
                     if let Ok(regs) = unsent.into_inner() {
-                        for (d, reg) in self.domains.iter_mut().zip(&regs) {
+                        for (d, reg) in self.group.domains_mut().iter_mut().zip(&regs) {
                             let _ = d.deregister(reg.local_key);
                         }
                     }
@@ -374,7 +396,7 @@ impl Worker {
             }
             Command::Deregister { keys, reply } => {
                 let mut result = Ok(());
-                for (domain, key) in self.domains.iter_mut().zip(keys) {
+                for (domain, key) in self.group.domains_mut().iter_mut().zip(keys) {
                     if let Err(e) = domain.deregister(key) {
                         result = result.and(Err(map_domain_error(&self.shared.backend, e)));
                     }
@@ -386,7 +408,7 @@ impl Worker {
                 count,
                 reply,
             } => {
-                let result = self.domains[0]
+                let result = self.group.domains_mut()[0]
                     .post_recvs(buf_len, count)
                     .map_err(|e| map_domain_error(&self.shared.backend, e));
                 match reply {
@@ -443,12 +465,13 @@ impl Worker {
                 self.shared.backend
             )));
         }
-        let mut done = Vec::with_capacity(self.domains.len());
-        for i in 0..self.domains.len() {
-            match self.domains[i].register(region) {
+        let domains = self.group.domains_mut();
+        let mut done = Vec::with_capacity(domains.len());
+        for i in 0..domains.len() {
+            match domains[i].register(region) {
                 Ok(reg) => done.push(reg),
                 Err(e) => {
-                    for (d, reg) in self.domains.iter_mut().zip(&done) {
+                    for (d, reg) in domains.iter_mut().zip(&done) {
                         let _ = d.deregister(reg.local_key);
                     }
                     return Err(map_domain_error(&self.shared.backend, e));
@@ -477,17 +500,19 @@ impl Worker {
 
     fn try_post(&mut self, nic: usize, id: u64, work: &Pending) -> Result<PostStatus, DomainError> {
         match work {
-            Pending::Write(op) if op.read => self.domains[nic].post_read(&ReadRequest {
-                wr_id: id,
-                peer: &op.peer,
-                local_addr: op.local_addr,
-                local_key: op.local_key,
-                remote_addr: op.remote_addr,
-                remote_key: op.remote_key,
-                remote_base: op.remote_base,
-                len: op.len,
-            }),
-            Pending::Write(op) => self.domains[nic].post_write(&WriteRequest {
+            Pending::Write(op) if op.read => {
+                self.group.domains_mut()[nic].post_read(&ReadRequest {
+                    wr_id: id,
+                    peer: &op.peer,
+                    local_addr: op.local_addr,
+                    local_key: op.local_key,
+                    remote_addr: op.remote_addr,
+                    remote_key: op.remote_key,
+                    remote_base: op.remote_base,
+                    len: op.len,
+                })
+            }
+            Pending::Write(op) => self.group.domains_mut()[nic].post_write(&WriteRequest {
                 wr_id: id,
                 peer: &op.peer,
                 local_addr: op.local_addr,
@@ -498,7 +523,7 @@ impl Worker {
                 len: op.len,
                 imm: op.imm,
             }),
-            Pending::Send { peer, data } => self.domains[nic].post_send(id, peer, data),
+            Pending::Send { peer, data } => self.group.domains_mut()[nic].post_send(id, peer, data),
         }
     }
 
@@ -552,9 +577,9 @@ impl Worker {
 
     fn poll_domains(&mut self) -> bool {
         let mut any = false;
-        for nic in 0..self.domains.len() {
+        for nic in 0..self.group.domains().len() {
             self.events.clear();
-            if let Err(e) = self.domains[nic].poll(&mut self.events) {
+            if let Err(e) = self.group.domains_mut()[nic].poll(&mut self.events) {
                 if e.kind == DomainErrorKind::Fatal {
                     // Never polled again: the whole group fails, once, with the reason.
                     let why = format!("NIC {nic}: {}", e.message);
@@ -721,7 +746,7 @@ impl Worker {
     /// Closes every Domain, so no NIC touches registered memory from here on. A Domain that
     /// panics while closing is abandoned (leaked) rather than half-dropped twice.
     fn close_domains(&mut self) {
-        for domain in self.domains.drain(..) {
+        for domain in self.group.domains_mut().drain(..) {
             if let Err(panic) = catch_unwind(AssertUnwindSafe(|| drop(domain))) {
                 tracing::error!(panic = %panic_message(&*panic), "a Domain panicked while closing");
             }

@@ -1,0 +1,181 @@
+//! The DomainGroup: the NICs one worker drives as a unit, and how a transfer spreads over them.
+//!
+//! The worker drives a [`DomainGroup`] without knowing which one: it posts each planned write
+//! on the Domain of its NIC and polls every Domain. The API plans on the caller's thread with
+//! the group's [`SpreadPolicy`], and a receiver asks the same policy how many arrivals a shape
+//! produces ([`TransferEngine::expected_arrivals`](crate::TransferEngine::expected_arrivals)).
+//!
+//! The built-in group is [`StripingGroup`]: the pure striping planner ([`crate::plan`]) over
+//! the configured NICs. A backend whose hardware or library already spreads traffic over its
+//! rails supplies its own group through [`BackendRegistration::open_group`]: its own policy
+//! (say, each unit whole on one rail), its own Domains.
+//!
+//! Both peers must use the same group and config: arrivals are counted from the sender's plan.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::domain::{Domain, DomainError};
+use crate::plan::{expected_arrivals, split, Chunk, StripePolicy, TransferShape};
+
+#[cfg(doc)]
+use crate::domain::BackendRegistration;
+
+/// How a group cuts one unit (a single write, a page, a scatter destination) into writes on
+/// its NICs, and how many arrivals that makes. Pure: shared between the callers' threads
+/// (planning) and receivers (counting).
+pub trait SpreadPolicy: Send + Sync + fmt::Debug {
+    /// Plans one unit of `len` bytes over `nics` NICs, starting at NIC `first` (rotated per
+    /// transfer by the engine), appending its writes to `out`. Every byte of the unit must be
+    /// covered exactly once; a zero-byte unit is one zero-byte write.
+    fn split(&self, len: u64, nics: usize, first: usize, out: &mut Vec<Chunk>);
+
+    /// How many immediates a receiver counts for a transfer of `shape` sent over `nics` NICs:
+    /// the number of writes `split` plans for it.
+    fn expected_arrivals(&self, shape: TransferShape<'_>, nics: usize) -> u64;
+}
+
+impl SpreadPolicy for StripePolicy {
+    fn split(&self, len: u64, nics: usize, first: usize, out: &mut Vec<Chunk>) {
+        split(len, nics, first, self, out);
+    }
+
+    fn expected_arrivals(&self, shape: TransferShape<'_>, nics: usize) -> u64 {
+        expected_arrivals(shape, nics, self)
+    }
+}
+
+/// The NICs one worker drives as a unit.
+pub trait DomainGroup: Send {
+    /// The Domains, in NIC order: peers see one address and one remote key per NIC.
+    fn domains(&self) -> &[Box<dyn Domain>];
+
+    /// The same, to post on and poll; the worker closes the group by draining it.
+    fn domains_mut(&mut self) -> &mut Vec<Box<dyn Domain>>;
+
+    /// How transfers spread over these NICs and how many arrivals they make.
+    fn spread(&self) -> Arc<dyn SpreadPolicy>;
+}
+
+/// Makes a backend's own group from the Domains the engine opened for the configured NICs.
+pub type OpenGroupFn =
+    fn(domains: Vec<Box<dyn Domain>>, config: &Config) -> Result<Box<dyn DomainGroup>, DomainError>;
+
+/// The built-in group: the configured NICs, with the config's [`StripePolicy`].
+pub struct StripingGroup {
+    domains: Vec<Box<dyn Domain>>,
+    policy: Arc<StripePolicy>,
+}
+
+impl StripingGroup {
+    /// Stripes over `domains` with `policy`.
+    pub fn new(domains: Vec<Box<dyn Domain>>, policy: StripePolicy) -> Self {
+        Self {
+            domains,
+            policy: Arc::new(policy),
+        }
+    }
+
+    /// [`OpenGroupFn`] of the built-in group.
+    pub fn open(
+        domains: Vec<Box<dyn Domain>>,
+        config: &Config,
+    ) -> Result<Box<dyn DomainGroup>, DomainError> {
+        Ok(Box::new(Self::new(domains, config.stripe)))
+    }
+}
+
+impl DomainGroup for StripingGroup {
+    fn domains(&self) -> &[Box<dyn Domain>] {
+        &self.domains
+    }
+
+    fn domains_mut(&mut self) -> &mut Vec<Box<dyn Domain>> {
+        &mut self.domains
+    }
+
+    fn spread(&self) -> Arc<dyn SpreadPolicy> {
+        self.policy.clone()
+    }
+}
+
+/// A policy for groups whose rails are used whole: each unit goes to one NIC (the transfer's
+/// rotating first NIC), cut only at `max_chunk`. One arrival per unit (per `max_chunk`), on
+/// any number of NICs. A building block for backends that spread load by unit rather than by
+/// byte range, and the vendor group the conformance suite runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WholeUnits {
+    /// No single write is longer than this.
+    pub max_chunk: u64,
+}
+
+impl SpreadPolicy for WholeUnits {
+    fn split(&self, len: u64, nics: usize, first: usize, out: &mut Vec<Chunk>) {
+        debug_assert!(nics >= 1 && first < nics);
+        let writes = len.div_ceil(self.max_chunk).max(1);
+        for w in 0..writes {
+            let offset = w * self.max_chunk;
+            out.push(Chunk {
+                nic: first,
+                offset,
+                len: self.max_chunk.min(len - offset),
+            });
+        }
+    }
+
+    fn expected_arrivals(&self, shape: TransferShape<'_>, _nics: usize) -> u64 {
+        let unit = |len: u64| len.div_ceil(self.max_chunk).max(1);
+        match shape {
+            TransferShape::Single { len } => unit(len),
+            TransferShape::Paged { page_len, pages } => pages * unit(page_len),
+            TransferShape::Scatter { lens } => lens.iter().map(|&len| unit(len)).sum(),
+            TransferShape::Barrier => 1,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn count(policy: &dyn SpreadPolicy, len: u64, nics: usize, first: usize) -> Vec<Chunk> {
+        let mut out = Vec::new();
+        policy.split(len, nics, first, &mut out);
+        out
+    }
+
+    proptest! {
+        /// For both policies: the writes cover the unit exactly once, on valid NICs, and
+        /// their number is what a receiver is told to expect.
+        #[test]
+        fn plans_cover_each_byte_once_and_match_the_arrival_count(
+            len in 0u64..(1 << 22),
+            nics in 1usize..=4,
+            first_seed in 0usize..4,
+            max_chunk_pow in 12u32..22,
+            whole in any::<bool>(),
+        ) {
+            let first = first_seed % nics;
+            let stripe = StripePolicy { max_chunk: 1 << max_chunk_pow, ..StripePolicy::default() };
+            let units = WholeUnits { max_chunk: 1 << max_chunk_pow };
+            let policy: &dyn SpreadPolicy = if whole { &units } else { &stripe };
+            let chunks = count(policy, len, nics, first);
+            let mut at = 0;
+            for c in &chunks {
+                prop_assert!(c.nic < nics);
+                prop_assert_eq!(c.offset, at);
+                at += c.len;
+            }
+            prop_assert_eq!(at, len);
+            prop_assert_eq!(
+                chunks.len() as u64,
+                policy.expected_arrivals(TransferShape::Single { len }, nics)
+            );
+            if whole {
+                prop_assert!(chunks.iter().all(|c| c.nic == first), "whole units stay on one rail");
+            }
+        }
+    }
+}
