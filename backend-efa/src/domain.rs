@@ -99,7 +99,8 @@ impl EfaDomain {
         let options = EfaOptions::parse(config.options)?;
         let name = config.nic.split('#').next().unwrap_or_default();
         let domain = (name != "auto" && !name.is_empty()).then_some(name);
-        let mut endpoint = Endpoint::open(&options.provider, domain).map_err(|e| {
+        let mut endpoint = Endpoint::open(&options.provider, domain, options.shared_memory_choice())
+            .map_err(|e| {
             let offered = crate::ffi::list(None)
                 .map(|l| l.iter().map(|(p, d)| format!("{p} ({d})")).collect::<Vec<_>>().join(", "))
                 .unwrap_or_else(|e| e);
@@ -116,6 +117,23 @@ impl EfaDomain {
                     options.provider, endpoint.attr.cq_data_size
                 ),
             ));
+        }
+        if endpoint.attr.emulated_write == 1 {
+            // Users of other engines met this silently: immediates travel as messages, capped
+            // at a few hundred in flight and invisible to the NIC's write counters.
+            tracing::warn!(
+                provider = %options.provider,
+                "this EFA device has no native RDMA write: writes and immediates are emulated with send/recv (slow path)"
+            );
+        }
+        if let Some(wanted) = options.shared_memory_choice() {
+            if endpoint.attr.shared_memory != i32::from(wanted) {
+                tracing::info!(
+                    provider = %options.provider,
+                    wanted,
+                    "this libfabric cannot set FI_OPT_SHARED_MEMORY_PERMITTED; the provider's default applies"
+                );
+            }
         }
         let raw = endpoint.name().map_err(other)?;
         let address = NetAddr::new(&raw).map_err(|e| {
@@ -290,7 +308,16 @@ impl EfaDomain {
                 }
             }
             Some(InFlight::Recv { buffer }) => self.repost(buffer),
-            Some(InFlight::Abandoned) | None => {}
+            Some(InFlight::Abandoned) => {}
+            // Never silently: a completion this Domain did not post means the provider and
+            // the shim disagree on what it is (an immediate taken for an own operation was
+            // lost this way on libfabric 2.1's shm).
+            None => tracing::error!(
+                address = %self.address,
+                kind = c.kind,
+                len = c.len,
+                "a completion for an operation this Domain never posted; dropped"
+            ),
         }
     }
 
@@ -347,7 +374,7 @@ impl EfaDomain {
 }
 
 fn tracing_log(message: &str) {
-    eprintln!("xfer backend-efa: {message}");
+    tracing::error!("{message}");
 }
 
 impl Domain for EfaDomain {
@@ -400,6 +427,9 @@ impl Domain for EfaDomain {
             // (manual progress): the engine keeps polling an EFA Domain instead of parking.
             // shm and tcp;ofi_rxm progress with the 1 ms idle poll, as before.
             needs_receiver_polling: self.provider.starts_with("efa"),
+            // Without FI_HMEM the provider would take a CUDA pointer for host memory; the
+            // engine refuses device memory instead, naming the backend.
+            cuda_memory: self.endpoint.attr.hmem != 0,
             ..Capabilities::default()
         }
     }

@@ -86,8 +86,13 @@ pub(crate) struct Endpoint {
 unsafe impl Send for Endpoint {}
 
 impl Endpoint {
-    /// Opens an endpoint of `provider` on the domain named `domain` (the first if `None`).
-    pub(crate) fn open(provider: &str, domain: Option<&str>) -> Result<Self, OfiError> {
+    /// Opens an endpoint of `provider` on the domain named `domain` (the first if `None`);
+    /// `shared_memory` permits or forbids the provider's same-host path (`None`: its default).
+    pub(crate) fn open(
+        provider: &str,
+        domain: Option<&str>,
+        shared_memory: Option<bool>,
+    ) -> Result<Self, OfiError> {
         let prov = cstring(provider)?;
         let dom = domain.map(cstring).transpose()?;
         let mut raw = std::ptr::null_mut();
@@ -98,6 +103,7 @@ impl Endpoint {
             sys::xfer_ofi_open(
                 prov.as_ptr(),
                 dom.as_ref().map_or(std::ptr::null(), |d| d.as_ptr()),
+                shared_memory.map_or(-1, std::os::raw::c_int::from),
                 &mut raw,
                 &mut attr,
                 err.as_mut_ptr(),

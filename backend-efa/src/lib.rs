@@ -35,6 +35,22 @@ pub fn providers() -> Result<Vec<(String, String)>, String> {
     ffi::list(None)
 }
 
+/// What an endpoint of `options.provider` (first domain) was granted, for `xfer doctor`:
+/// opens one and closes it.
+pub fn probe(options: &EfaOptions) -> Result<engine_core::topo::doctor::EndpointFacts, String> {
+    let endpoint = ffi::Endpoint::open(&options.provider, None, options.shared_memory_choice())
+        .map_err(|e| e.message)?;
+    let a = endpoint.attr;
+    let flag = |v: i32| (v >= 0).then_some(v == 1);
+    Ok(engine_core::topo::doctor::EndpointFacts {
+        hmem: a.hmem != 0,
+        cuda_api_forbidden: a.cuda_api_forbidden != 0,
+        shared_memory: flag(a.shared_memory),
+        shared_memory_wanted: options.shared_memory_choice(),
+        emulated_write: flag(a.emulated_write),
+    })
+}
+
 /// The libfabric API version the backend requests, as `major.minor`: the newest that both
 /// the headers it was built against and the library loaded now offer.
 pub fn api_version() -> String {

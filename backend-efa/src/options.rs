@@ -16,6 +16,12 @@ pub struct EfaOptions {
     /// connection handshake of their own (the provider's first-contact exchange is part of
     /// the first transfer, bounded by `transfer_ms`), so it bounds nothing here yet.
     pub connect_ms: u64,
+    /// Whether the provider may carry traffic to peers on the same host over its own
+    /// shared-memory path (`FI_OPT_SHARED_MEMORY_PERMITTED`, libfabric ≥ 1.19). Unset: off
+    /// for `efa` (same-host peers then go through the NIC like every other peer, with the
+    /// NIC's semantics: delivery-complete, GPU memory), the provider's default otherwise. A
+    /// library without the option keeps its default (`xfer info` says which).
+    pub shared_memory: Option<bool>,
 }
 
 impl Default for EfaOptions {
@@ -24,11 +30,18 @@ impl Default for EfaOptions {
             provider: "efa".into(),
             max_posts_per_poll: 64,
             connect_ms: 3_000,
+            shared_memory: None,
         }
     }
 }
 
 impl EfaOptions {
+    /// What is asked of the provider's shared-memory path: the option, else off for `efa`.
+    pub fn shared_memory_choice(&self) -> Option<bool> {
+        self.shared_memory
+            .or_else(|| self.provider.starts_with("efa").then_some(false))
+    }
+
     /// Parses the TOML text of `[backends.efa]`; unknown keys are named in the error.
     pub fn parse(text: &str) -> Result<Self, DomainError> {
         toml::from_str(text).map_err(|e| {

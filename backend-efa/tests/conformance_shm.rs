@@ -14,8 +14,13 @@ impl engine_core::conformance::Harness for Shm {
     }
 
     fn skip(&self, check: &str) -> Option<&'static str> {
+        // Set to see whether a newer libfabric lifts these limits (checked on 1.17 and 2.1:
+        // neither does; 2.1's shm segfaults on a forged key and on a closed peer too).
+        if std::env::var_os("XFER_SHM_NO_SKIPS").is_some() {
+            return None;
+        }
         match check {
-            // libfabric 1.17's shm copies with process_vm_writev at the virtual address it is
+            // libfabric's shm (1.17 and 2.1) copies with process_vm_writev at the virtual address it is
             // given and does not check the key; a real NIC (and tcp;ofi_rxm) refuses.
             "remote_access_error" | "read_of_an_unreadable_region" => {
                 Some("shm does not validate remote keys or access")

@@ -11,7 +11,9 @@
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
+#include <rdma/fi_ext.h>
 #include <rdma/fi_rma.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,6 +30,12 @@ static uint32_t xfer_fi_api(void) {
     return v < FI_VERSION(1, 17) ? FI_VERSION(1, 17) : v;
 }
 #define XFER_FI_API xfer_fi_api()
+
+/* Endpoint options that exist only in newer headers (enum values, so no #ifdef): built in
+ * when the headers have them; at run time an older library refuses them (-FI_ENOPROTOOPT),
+ * which the shim reports as "not set" rather than failing. */
+#define XFER_HEADERS_AT_LEAST(major, minor) \
+    (FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION) >= FI_VERSION(major, minor))
 
 /* The API version in use, for `xfer doctor` and logs. */
 uint32_t xfer_ofi_api_version(void) { return xfer_fi_api(); }
@@ -51,6 +59,16 @@ typedef struct xfer_ofi_attr {
     size_t cq_data_size;
     size_t max_msg_size;
     int rma_read; /* FI_READ | FI_REMOTE_READ were granted: RDMA reads work */
+    int hmem;     /* FI_HMEM was granted: device (CUDA) memory is registered as such */
+    /* FI_OPT_CUDA_API_PERMITTED = false took: the provider makes no CUDA calls of its own on
+     * the worker (1); not asked, or refused by this library (0). */
+    int cuda_api_forbidden;
+    /* FI_OPT_SHARED_MEMORY_PERMITTED as set: 0 or 1; -1 = left at the provider's default
+     * (not asked, or the library does not have the option). */
+    int shared_memory;
+    /* FI_OPT_EFA_EMULATED_WRITE read back: 1 = RDMA write (and immediates) emulated with
+     * send/recv, 0 = native; -1 = unknown (not EFA, or the library cannot say). */
+    int emulated_write;
 } xfer_ofi_attr;
 
 /* One completion, classified. */
@@ -66,13 +84,13 @@ static void set_err(char *err, size_t cap, const char *what, int rc) {
         snprintf(err, cap, "%s: %s (%d)", what, fi_strerror(rc < 0 ? -rc : rc), rc);
 }
 
-static struct fi_info *make_hints(const char *prov, int with_read) {
+static struct fi_info *make_hints(const char *prov, int with_read, int with_hmem) {
     struct fi_info *hints = fi_allocinfo();
     if (!hints)
         return NULL;
     hints->ep_attr->type = FI_EP_RDM;
     hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV |
-                  (with_read ? FI_READ | FI_REMOTE_READ : 0);
+                  (with_read ? FI_READ | FI_REMOTE_READ : 0) | (with_hmem ? FI_HMEM : 0);
     /* Every operation's context points at 64 bytes of scratch the provider may use. */
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
     /* Everything the Rust side can honour; the provider keeps what it needs. */
@@ -90,7 +108,7 @@ static struct fi_info *make_hints(const char *prov, int with_read) {
 
 /* Lists "provider domain" lines of every RDM+RMA endpoint libfabric offers (prov may be NULL). */
 int xfer_ofi_list(const char *prov, char *buf, size_t cap) {
-    struct fi_info *hints = make_hints(prov, 0), *info = NULL;
+    struct fi_info *hints = make_hints(prov, 0, 0), *info = NULL;
     if (!hints)
         return -FI_ENOMEM;
     int rc = fi_getinfo(XFER_FI_API, NULL, NULL, 0, hints, &info);
@@ -136,26 +154,36 @@ void xfer_ofi_close(xfer_ofi_ep *e) {
     free(e);
 }
 
-/* Opens an RDM endpoint of `prov` on the domain named `domain_name` (NULL: the first). */
-int xfer_ofi_open(const char *prov, const char *domain_name, xfer_ofi_ep **out, xfer_ofi_attr *attr,
-                  char *err, size_t errcap) {
-    /* Reads if the provider offers them; a provider without RMA reads still serves writes
-     * (the engine then refuses reads, naming the backend). */
-    int with_read = 1;
-    struct fi_info *hints = make_hints(prov, with_read), *info = NULL, *chosen = NULL;
+/* Sets a boolean endpoint option; returns 1 if it took, 0 if this library refused it. */
+#if XFER_HEADERS_AT_LEAST(1, 18)
+static int set_bool_opt(struct fid_ep *ep, int level, int name, int value) {
+    bool v = value != 0;
+    return fi_setopt(&ep->fid, level, name, &v, sizeof v) == 0;
+}
+#endif
+
+/* Opens an RDM endpoint of `prov` on the domain named `domain_name` (NULL: the first).
+ * `shared_memory`: -1 leaves the provider's same-host shared-memory path at its default;
+ * 0 forbids it, 1 permits it (FI_OPT_SHARED_MEMORY_PERMITTED, where the library has it). */
+int xfer_ofi_open(const char *prov, const char *domain_name, int shared_memory, xfer_ofi_ep **out,
+                  xfer_ofi_attr *attr, char *err, size_t errcap) {
+    /* The most the provider grants, tried in order: reads and device memory (FI_HMEM), then
+     * without one, then without both. A provider without reads still serves writes (the
+     * engine refuses reads, naming the backend); one without FI_HMEM registers host memory
+     * only (the engine refuses device memory rather than let it be treated as host memory). */
+    static const int tries[4][2] = {{1, 1}, {1, 0}, {0, 1}, {0, 0}};
+    int with_read = 0, with_hmem = 0;
+    struct fi_info *hints = NULL, *info = NULL, *chosen = NULL;
     xfer_ofi_ep *e = calloc(1, sizeof *e);
-    int rc;
-    if (!hints || !e) {
-        fi_freeinfo(hints);
-        free(e);
+    int rc = -FI_ENODATA;
+    if (!e) {
         set_err(err, errcap, "allocation", -FI_ENOMEM);
         return -FI_ENOMEM;
     }
-    rc = fi_getinfo(XFER_FI_API, NULL, NULL, 0, hints, &info);
-    fi_freeinfo(hints);
-    if (rc == -FI_ENODATA) {
-        with_read = 0;
-        if (!(hints = make_hints(prov, with_read))) {
+    for (int t = 0; t < 4 && rc == -FI_ENODATA; t++) {
+        with_read = tries[t][0];
+        with_hmem = tries[t][1];
+        if (!(hints = make_hints(prov, with_read, with_hmem))) {
             free(e);
             set_err(err, errcap, "allocation", -FI_ENOMEM);
             return -FI_ENOMEM;
@@ -209,6 +237,23 @@ int xfer_ofi_open(const char *prov, const char *domain_name, xfer_ofi_ep **out, 
         set_err(err, errcap, "fi_endpoint", rc);
         goto fail;
     }
+    /* Options are set before fi_enable; a library without them leaves the defaults. */
+    attr->cuda_api_forbidden = 0;
+    attr->shared_memory = -1;
+#if XFER_HEADERS_AT_LEAST(1, 18)
+    /* The worker thread must not block in CUDA calls the provider makes by itself (GPU
+     * memory is only ever touched by the NIC); where the provider needs them, it says so
+     * by refusing, and then keeps its default. */
+    if (with_hmem)
+        attr->cuda_api_forbidden = set_bool_opt(e->ep, FI_OPT_ENDPOINT, FI_OPT_CUDA_API_PERMITTED, 0);
+#endif
+#if XFER_HEADERS_AT_LEAST(1, 19)
+    if (shared_memory >= 0 &&
+        set_bool_opt(e->ep, FI_OPT_ENDPOINT, FI_OPT_SHARED_MEMORY_PERMITTED, shared_memory))
+        attr->shared_memory = shared_memory;
+#else
+    (void)shared_memory;
+#endif
     if ((rc = fi_ep_bind(e->ep, &e->cq->fid, FI_TRANSMIT | FI_RECV))) {
         set_err(err, errcap, "fi_ep_bind(cq)", rc);
         goto fail;
@@ -224,6 +269,16 @@ int xfer_ofi_open(const char *prov, const char *domain_name, xfer_ofi_ep **out, 
     uint64_t mode = e->info->domain_attr->mr_mode;
     attr->mr_mode = mode;
     attr->rma_read = with_read;
+    attr->hmem = with_hmem && (e->info->caps & FI_HMEM);
+    attr->emulated_write = -1;
+#if XFER_HEADERS_AT_LEAST(2, 0)
+    {
+        bool emulated = false;
+        size_t len = sizeof emulated;
+        if (fi_getopt(&e->ep->fid, FI_OPT_ENDPOINT, FI_OPT_EFA_EMULATED_WRITE, &emulated, &len) == 0)
+            attr->emulated_write = emulated ? 1 : 0;
+    }
+#endif
     attr->mr_local = !!(mode & FI_MR_LOCAL);
     attr->mr_virt_addr = !!(mode & FI_MR_VIRT_ADDR);
     attr->mr_prov_key = !!(mode & FI_MR_PROV_KEY);
@@ -339,7 +394,11 @@ long xfer_ofi_cq_read(xfer_ofi_ep *e, xfer_ofi_completion *out, size_t count) {
         out[i].context = entries[i].op_context;
         out[i].len = entries[i].len;
         out[i].data = entries[i].data;
-        if ((f & FI_REMOTE_CQ_DATA) && (f & (FI_REMOTE_WRITE | FI_RMA)) && !(f & FI_MSG))
+        /* A peer's write with remote CQ data: FI_REMOTE_CQ_DATA on a completion that is not a
+         * receive. Providers differ in the other flags: 1.17's shm and tcp add
+         * FI_RMA | FI_REMOTE_WRITE, 2.1's shm sets FI_REMOTE_CQ_DATA alone (with a context
+         * that is not ours) — requiring FI_RMA lost every immediate there. */
+        if ((f & FI_REMOTE_CQ_DATA) && !(f & (FI_RECV | FI_MSG)))
             out[i].kind = 1;
         else if (f & FI_RECV)
             out[i].kind = 2;

@@ -29,6 +29,14 @@ pub struct XferOfiAttr {
     pub max_msg_size: usize,
     /// Whether RDMA reads were granted (`FI_READ | FI_REMOTE_READ`).
     pub rma_read: c_int,
+    /// Whether `FI_HMEM` was granted (device memory registered as device memory).
+    pub hmem: c_int,
+    /// 1 if `FI_OPT_CUDA_API_PERMITTED = false` took (the provider makes no CUDA calls).
+    pub cuda_api_forbidden: c_int,
+    /// `FI_OPT_SHARED_MEMORY_PERMITTED` as set (0/1), or -1 if left at the default.
+    pub shared_memory: c_int,
+    /// `FI_OPT_EFA_EMULATED_WRITE`: 1 emulated, 0 native, -1 unknown.
+    pub emulated_write: c_int,
 }
 
 /// A classified completion.
@@ -67,6 +75,7 @@ extern "C" {
     pub fn xfer_ofi_open(
         prov: *const c_char,
         domain_name: *const c_char,
+        shared_memory: c_int,
         out: *mut *mut XferOfiEp,
         attr: *mut XferOfiAttr,
         err: *mut c_char,

@@ -411,6 +411,12 @@ fn doctor_cmd(cli: &Cli, register_bytes: u64) -> ExitCode {
     if config.backend == "efa" {
         let options: Result<backend_efa::EfaOptions, _> =
             backend_efa::EfaOptions::parse(&config.backend_options());
+        facts.libfabric_endpoint = Some(
+            options
+                .as_ref()
+                .map_err(|e| e.message.clone())
+                .and_then(backend_efa::probe),
+        );
         facts.libfabric_provider =
             Some(options.map(|o| o.provider).unwrap_or_else(|_| "efa".into()));
         facts.libfabric_providers = backend_efa::providers().ok().map(|l| {

@@ -15,6 +15,8 @@
 //! - `python`: builds the Python package with its plugins and installs it into
 //!   `target/python-venv` (what `test` does before running the pytest suite).
 //! - `fixtures`: rewrites the sysfs fixture trees of the topology tests.
+//! - `efa-libfabric2`: the EFA backend's tests against libfabric 2.x built from Debian 13's
+//!   source (part of `test`; see `libfabric2.rs`).
 //! - `header [--check]`: writes (or checks) the plugin ABI's C header from the Rust
 //!   definitions (see `header.rs`).
 //! - `bench-efa`: the EFA backend on libfabric's shm provider, next to a raw libfabric write
@@ -23,6 +25,7 @@
 mod fixtures;
 mod fresh;
 mod header;
+mod libfabric2;
 mod python;
 mod rxe;
 
@@ -101,6 +104,29 @@ fn add_test_result(line: &str, totals: &mut (u64, u64)) {
     };
     totals.0 += count("passed");
     totals.1 += count("failed");
+}
+
+/// The EFA backend's tests (conformance on shm and tcp, and the two-process tests) again,
+/// against libfabric 2.x built from Debian 13's source (see `libfabric2.rs`), in a target
+/// directory of their own so the 1.17 build is not disturbed.
+fn efa_on_libfabric2(totals: &mut (u64, u64)) -> Result {
+    let prefix = libfabric2::ensure()?;
+    let prefix = prefix.display().to_string();
+    let lib = format!("{prefix}/lib");
+    let program = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let envs = [
+        ("LIBFABRIC_DIR", prefix.as_str()),
+        ("LD_LIBRARY_PATH", lib.as_str()),
+        ("XFER_EXPECT_LIBFABRIC", "2."),
+        ("CARGO_TARGET_DIR", "target/libfabric2-tests"),
+    ];
+    counted(&program, &["test", "-p", "backend-efa"], &envs, totals)?;
+    counted(
+        &program,
+        &["test", "-p", "xfer-cli", "--test", "two_process"],
+        &envs,
+        totals,
+    )
 }
 
 /// Where `cargo xtask test` builds the C example plugin.
@@ -424,6 +450,7 @@ fn test() -> Result {
             &mut totals,
         )?;
         plugin_kit(&mut totals)?;
+        efa_on_libfabric2(&mut totals)?;
         memcheck(&mut totals)?;
         address_sanitizer(&mut totals)?;
         fuzz(FUZZ_SECONDS, &mut totals)?;
@@ -989,6 +1016,12 @@ fn main() -> ExitCode {
         Some("gpu-check") => gpu_check(),
         Some("python") => python::install(),
         Some("examples") => multi_process_examples(),
+        Some("efa-libfabric2") => {
+            let mut totals = (0, 0);
+            let result = efa_on_libfabric2(&mut totals);
+            println!("xtask efa-libfabric2: {} passed, {} failed", totals.0, totals.1);
+            result
+        }
         Some("header") => header::header(args.get(1).is_some_and(|a| a == "--check")),
         Some("fixtures") => fixtures::write_all(std::path::Path::new("engine-core/tests/fixtures/sysfs")).map_err(|e| e.to_string()),
         _ => Err("usage: cargo xtask test | fresh | bench [transfer-bench args] | bench-efa [transfer-bench args]".into()),

@@ -76,6 +76,9 @@ pub struct Facts {
     pub libfabric_provider: Option<String>,
     /// Providers libfabric offers (`None` if not known in this build).
     pub libfabric_providers: Option<Vec<String>>,
+    /// What an endpoint of the configured provider was granted (efa backend), or why none
+    /// could be opened.
+    pub libfabric_endpoint: Option<Result<EndpointFacts, String>>,
     /// `[watcher] memory` as configured.
     pub watcher_memory_request: String,
     /// What the watcher's slots would be on this machine (`host`, `device_mapped`,
@@ -99,6 +102,7 @@ impl Default for Facts {
             gdrdrv: false,
             libfabric_provider: None,
             libfabric_providers: None,
+            libfabric_endpoint: None,
             watcher_memory_request: "auto".into(),
             watcher_memory: Ok(("host".into(), Vec::new())),
         }
@@ -125,6 +129,55 @@ pub fn roce_mtu(netdev_mtu: u32) -> u32 {
         .into_iter()
         .find(|m| m + 60 <= netdev_mtu)
         .unwrap_or(256)
+}
+
+/// What a libfabric endpoint was granted, as far as the doctor's checks go.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct EndpointFacts {
+    /// `FI_HMEM`: device memory registered as device memory.
+    pub hmem: bool,
+    /// `FI_OPT_CUDA_API_PERMITTED = false` took.
+    pub cuda_api_forbidden: bool,
+    /// `FI_OPT_SHARED_MEMORY_PERMITTED` as set; `None`: left at the provider's default.
+    pub shared_memory: Option<bool>,
+    /// What the config asked of it (`None`: nothing).
+    pub shared_memory_wanted: Option<bool>,
+    /// `FI_OPT_EFA_EMULATED_WRITE`; `None`: the provider cannot say.
+    pub emulated_write: Option<bool>,
+}
+
+/// The checks of a libfabric endpoint's grants (efa backend only).
+fn endpoint_checks(f: &Facts, out: &mut Vec<Check>) {
+    let Some(probe) = &f.libfabric_endpoint else {
+        return;
+    };
+    let e = match probe {
+        Ok(e) => e,
+        Err(why) => {
+            out.push(check(
+                "libfabric endpoint",
+                Status::Fail,
+                format!("cannot open an endpoint: {why}"),
+                Some("see `xfer info` for what libfabric offers"),
+            ));
+            return;
+        }
+    };
+    out.push(match (f.gpus, e.hmem) {
+        (0, _) => check("gpu memory", Status::Skip, "no NVIDIA GPU", None),
+        (_, true) => check("gpu memory", Status::Pass, format!("FI_HMEM granted: GPU memory is registered as such{}", if e.cuda_api_forbidden { "; the provider makes no CUDA calls of its own" } else { "" }), None),
+        (_, false) => check("gpu memory", Status::Warn, "the provider did not grant FI_HMEM: GPU memory would be bounced through host memory, so the engine refuses CUDA registrations", Some("use a libfabric built with CUDA (AWS's /opt/amazon/efa, LIBFABRIC_DIR=/opt/amazon/efa when building)")),
+    });
+    out.push(match e.emulated_write {
+        Some(true) => check("rdma write", Status::Warn, "RDMA write is emulated with send/recv: immediates travel as messages (slower, a few hundred in flight)", Some("a device with RDMA write (p4d/p5 and newer EFA instances)")),
+        Some(false) => check("rdma write", Status::Pass, "native RDMA write", None),
+        None => check("rdma write", Status::Skip, "the provider cannot say whether writes are emulated (not EFA, or libfabric < 2.0)", None),
+    });
+    out.push(match (e.shared_memory_wanted, e.shared_memory) {
+        (None, _) => check("shared memory path", Status::Skip, "left at the provider's default", None),
+        (Some(w), Some(s)) if w == s => check("shared memory path", Status::Pass, format!("same-host peers {} the provider's shared-memory path", if s { "use" } else { "do not use" }), None),
+        (Some(w), _) => check("shared memory path", Status::Warn, format!("asked to {} the shared-memory path for same-host peers, but this libfabric cannot set it (FI_OPT_SHARED_MEMORY_PERMITTED needs 1.19)", if w { "permit" } else { "forbid" }), Some("a newer libfabric (AWS's 2.x)")),
+    });
 }
 
 /// Runs every check.
@@ -307,6 +360,7 @@ pub fn evaluate(f: &Facts) -> Vec<Check> {
         (true, p, Some(offered)) => check("libfabric provider", Status::Fail, format!("provider {:?} is not offered; libfabric offers {offered:?}", p.as_deref().unwrap_or("efa")), Some("install the provider (on AWS: the EFA installer), or choose one of those offered in [backends.efa] provider")),
         (true, _, None) => check("libfabric provider", Status::Warn, "this build cannot list libfabric providers", None),
     });
+    endpoint_checks(f, &mut out);
     out
 }
 
@@ -518,6 +572,48 @@ mod tests {
         assert_eq!(status(&checks, "MTU consistent"), Status::Warn);
         assert_eq!(roce_mtu(1500), 1024);
         assert_eq!(roce_mtu(9000), 4096);
+    }
+
+    #[test]
+    fn an_efa_endpoint_without_fi_hmem_or_native_writes_is_reported() {
+        let f = Facts {
+            backend: "efa".into(),
+            gpus: 8,
+            libfabric_provider: Some("efa".into()),
+            libfabric_providers: Some(vec!["efa".into()]),
+            libfabric_endpoint: Some(Ok(EndpointFacts {
+                hmem: false,
+                cuda_api_forbidden: false,
+                shared_memory: None,
+                shared_memory_wanted: Some(false),
+                emulated_write: Some(true),
+            })),
+            ..Facts::default()
+        };
+        let checks = evaluate(&f);
+        let status = |name: &str| checks.iter().find(|c| c.name == name).map(|c| c.status);
+        assert_eq!(status("gpu memory"), Some(Status::Warn));
+        assert_eq!(status("rdma write"), Some(Status::Warn));
+        assert_eq!(status("shared memory path"), Some(Status::Warn));
+        let f = Facts {
+            libfabric_endpoint: Some(Ok(EndpointFacts {
+                hmem: true,
+                cuda_api_forbidden: true,
+                shared_memory: Some(false),
+                shared_memory_wanted: Some(false),
+                emulated_write: Some(false),
+            })),
+            ..f
+        };
+        let checks = evaluate(&f);
+        assert!(
+            ["gpu memory", "rdma write", "shared memory path"]
+                .iter()
+                .all(|n| checks
+                    .iter()
+                    .any(|c| c.name == *n && c.status == Status::Pass)),
+            "{checks:?}"
+        );
     }
 
     #[test]
