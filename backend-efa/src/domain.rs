@@ -83,8 +83,24 @@ fn registration_error(e: OfiError, len: u64) -> DomainError {
     DomainError::new(DomainErrorKind::Other, message)
 }
 
-/// Maps a completion's libfabric error to the engine's kinds (libfabric uses errno values).
-fn classify(err: i32) -> DomainErrorKind {
+/// Maps a completion's error to the engine's kinds. EFA folds bad local keys, invalid address
+/// handles and unsupported operations into `EINVAL` together with a bad remote key, so for the
+/// `efa` provider its own status (`prov_errno`, from the provider's efa_errno.h) decides; other
+/// providers are classified by the libfabric error (errno values).
+fn classify(provider: &str, err: i32, prov_errno: i32) -> DomainErrorKind {
+    if provider.starts_with("efa") {
+        match prov_errno {
+            // REMOTE_ERROR_BAD_ADDRESS (rkey / remote range), REMOTE_ERROR_BAD_LENGTH (the
+            // remote range too short), RMA_ADDR (RMA address verification failed).
+            7 | 11 | 4111 => return DomainErrorKind::RemoteAccess,
+            // UNSUPPORTED_OP, INVALID_AH, INVALID_LKEY, local BAD_LENGTH: this side's request.
+            3..=6 => return DomainErrorKind::InvalidArgument,
+            // REMOTE_ERROR_ABORT, BAD_DEST_QPN, UNRESP_REMOTE, UNKNOWN_PEER, UNREACH_REMOTE,
+            // PEER_HANDSHAKE, and the established/unestablished receiver-unresponsive codes.
+            8 | 9 | 13..=15 | 4113 | 4124 | 4126 => return DomainErrorKind::PeerUnreachable,
+            _ => {}
+        }
+    }
     match err.abs() {
         1 | 13 | 14 | 121 | 129 => DomainErrorKind::RemoteAccess, // EPERM EACCES EFAULT EREMOTEIO EKEYREJECTED
         22 => DomainErrorKind::RemoteAccess, // EINVAL: a bad key or range at the target
@@ -99,14 +115,25 @@ impl EfaDomain {
         let options = EfaOptions::parse(config.options)?;
         let name = config.nic.split('#').next().unwrap_or_default();
         let domain = (name != "auto" && !name.is_empty()).then_some(name);
-        let mut endpoint = Endpoint::open(&options.provider, domain, options.shared_memory_choice())
+        let mut endpoint = Endpoint::open(
+            &options.provider,
+            options.fabric.as_deref(),
+            domain,
+            options.shared_memory_choice(),
+        )
             .map_err(|e| {
             let offered = crate::ffi::list(None)
                 .map(|l| l.iter().map(|(p, d)| format!("{p} ({d})")).collect::<Vec<_>>().join(", "))
                 .unwrap_or_else(|e| e);
             DomainError::new(
                 DomainErrorKind::InvalidArgument,
-                format!("cannot open libfabric provider {:?} domain {:?}: {}; libfabric offers: {offered}", options.provider, config.nic, e.message),
+                format!(
+                    "cannot open libfabric provider {:?}{} domain {:?}: {}; libfabric offers: {offered}",
+                    options.provider,
+                    options.fabric.as_ref().map(|f| format!(" on fabric {f:?}")).unwrap_or_default(),
+                    config.nic,
+                    e.message
+                ),
             )
         })?;
         if endpoint.attr.cq_data_size < 4 {
@@ -524,11 +551,15 @@ impl Domain for EfaDomain {
                 Err(CqError::Completion {
                     context,
                     err,
+                    prov_errno,
                     message,
                 }) => {
                     let error = DomainError::new(
-                        classify(err),
-                        format!("{} via {}: {message}", self.provider, self.address),
+                        classify(&self.provider, err, prov_errno),
+                        format!(
+                            "{} via {}: {message} (libfabric error {err}, provider errno {prov_errno})",
+                            self.provider, self.address
+                        ),
                     );
                     match self.release(context) {
                         Some(
@@ -577,5 +608,39 @@ impl Drop for EfaDomain {
     fn drop(&mut self) {
         // Cancel everything posted before the buffers and registrations it uses go away.
         self.endpoint.close_endpoint();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// EFA reports a bad remote key and a bad local key alike as EINVAL; its own status tells
+    /// them apart. Other providers are classified by the libfabric error.
+    #[test]
+    fn efa_errors_are_classified_by_the_providers_status() {
+        let einval = -22;
+        assert_eq!(classify("efa", einval, 7), DomainErrorKind::RemoteAccess);
+        assert_eq!(classify("efa", einval, 5), DomainErrorKind::InvalidArgument);
+        assert_eq!(classify("efa", einval, 3), DomainErrorKind::InvalidArgument);
+        assert_eq!(
+            classify("efa", -103, 4124),
+            DomainErrorKind::PeerUnreachable
+        );
+        assert_eq!(
+            classify("efa-direct", -107, 14),
+            DomainErrorKind::PeerUnreachable
+        );
+        // Unknown EFA status: the libfabric error decides.
+        assert_eq!(
+            classify("efa", -111, 4096),
+            DomainErrorKind::PeerUnreachable
+        );
+        // tcp;ofi_rxm refuses a forged key with EINVAL (no provider status to go by).
+        assert_eq!(
+            classify("tcp;ofi_rxm", einval, 0),
+            DomainErrorKind::RemoteAccess
+        );
+        assert_eq!(classify("shm", -5, 0), DomainErrorKind::Other);
     }
 }

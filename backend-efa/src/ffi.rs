@@ -90,10 +90,12 @@ impl Endpoint {
     /// `shared_memory` permits or forbids the provider's same-host path (`None`: its default).
     pub(crate) fn open(
         provider: &str,
+        fabric: Option<&str>,
         domain: Option<&str>,
         shared_memory: Option<bool>,
     ) -> Result<Self, OfiError> {
         let prov = cstring(provider)?;
+        let fab = fabric.map(cstring).transpose()?;
         let dom = domain.map(cstring).transpose()?;
         let mut raw = std::ptr::null_mut();
         let mut attr = Attr::default();
@@ -102,6 +104,7 @@ impl Endpoint {
         let rc = unsafe {
             sys::xfer_ofi_open(
                 prov.as_ptr(),
+                fab.as_ref().map_or(std::ptr::null(), |f| f.as_ptr()),
                 dom.as_ref().map_or(std::ptr::null(), |d| d.as_ptr()),
                 shared_memory.map_or(-1, std::os::raw::c_int::from),
                 &mut raw,
@@ -356,6 +359,7 @@ impl Endpoint {
         Err(CqError::Completion {
             context: context as usize,
             err,
+            prov_errno,
             message: text(&msg),
         })
     }
@@ -377,6 +381,8 @@ pub(crate) enum CqError {
     Completion {
         context: usize,
         err: i32,
+        /// The provider's own code (EFA: its completion status or proprietary error).
+        prov_errno: i32,
         message: String,
     },
 }

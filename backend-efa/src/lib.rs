@@ -38,8 +38,13 @@ pub fn providers() -> Result<Vec<(String, String)>, String> {
 /// What an endpoint of `options.provider` (first domain) was granted, for `xfer doctor`:
 /// opens one and closes it.
 pub fn probe(options: &EfaOptions) -> Result<engine_core::topo::doctor::EndpointFacts, String> {
-    let endpoint = ffi::Endpoint::open(&options.provider, None, options.shared_memory_choice())
-        .map_err(|e| e.message)?;
+    let endpoint = ffi::Endpoint::open(
+        &options.provider,
+        options.fabric.as_deref(),
+        None,
+        options.shared_memory_choice(),
+    )
+    .map_err(|e| e.message)?;
     let a = endpoint.attr;
     let flag = |v: i32| (v >= 0).then_some(v == 1);
     Ok(engine_core::topo::doctor::EndpointFacts {

@@ -22,6 +22,10 @@ pub struct EfaOptions {
     /// NIC's semantics: delivery-complete, GPU memory), the provider's default otherwise. A
     /// library without the option keeps its default (`xfer info` says which).
     pub shared_memory: Option<bool>,
+    /// The libfabric fabric to use (`efa` or `efa-direct` on libfabric 2.x, `shm`, an
+    /// address range for tcp): pinned here rather than left to whichever the library lists
+    /// first. Unset: the first that offers what the backend needs.
+    pub fabric: Option<String>,
 }
 
 impl Default for EfaOptions {
@@ -31,6 +35,7 @@ impl Default for EfaOptions {
             max_posts_per_poll: 64,
             connect_ms: 3_000,
             shared_memory: None,
+            fabric: None,
         }
     }
 }

@@ -33,8 +33,8 @@ fn rma_loop(
     duration: Duration,
     read: bool,
 ) -> Result<(u64, Duration), String> {
-    let mut initiator = Endpoint::open(provider, None, None).map_err(|e| e.message)?;
-    let mut target = Endpoint::open(provider, None, None).map_err(|e| e.message)?;
+    let mut initiator = Endpoint::open(provider, None, None, None).map_err(|e| e.message)?;
+    let mut target = Endpoint::open(provider, None, None, None).map_err(|e| e.message)?;
     let span = block * batch;
     let src = vec![1u8; span.max(1)].into_boxed_slice();
     let dst = vec![0u8; span.max(1)].into_boxed_slice();

@@ -84,7 +84,7 @@ static void set_err(char *err, size_t cap, const char *what, int rc) {
         snprintf(err, cap, "%s: %s (%d)", what, fi_strerror(rc < 0 ? -rc : rc), rc);
 }
 
-static struct fi_info *make_hints(const char *prov, int with_read, int with_hmem) {
+static struct fi_info *make_hints(const char *prov, const char *fabric, int with_read, int with_hmem) {
     struct fi_info *hints = fi_allocinfo();
     if (!hints)
         return NULL;
@@ -103,12 +103,16 @@ static struct fi_info *make_hints(const char *prov, int with_read, int with_hmem
     hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
     if (prov)
         hints->fabric_attr->prov_name = strdup(prov);
+    /* Pinned by config (e.g. `efa` rather than `efa-direct` on libfabric 2.x), not left to
+     * whichever fabric the library lists first. */
+    if (fabric)
+        hints->fabric_attr->name = strdup(fabric);
     return hints;
 }
 
 /* Lists "provider domain" lines of every RDM+RMA endpoint libfabric offers (prov may be NULL). */
 int xfer_ofi_list(const char *prov, char *buf, size_t cap) {
-    struct fi_info *hints = make_hints(prov, 0, 0), *info = NULL;
+    struct fi_info *hints = make_hints(prov, NULL, 0, 0), *info = NULL;
     if (!hints)
         return -FI_ENOMEM;
     int rc = fi_getinfo(XFER_FI_API, NULL, NULL, 0, hints, &info);
@@ -165,7 +169,7 @@ static int set_bool_opt(struct fid_ep *ep, int level, int name, int value) {
 /* Opens an RDM endpoint of `prov` on the domain named `domain_name` (NULL: the first).
  * `shared_memory`: -1 leaves the provider's same-host shared-memory path at its default;
  * 0 forbids it, 1 permits it (FI_OPT_SHARED_MEMORY_PERMITTED, where the library has it). */
-int xfer_ofi_open(const char *prov, const char *domain_name, int shared_memory, xfer_ofi_ep **out,
+int xfer_ofi_open(const char *prov, const char *fabric, const char *domain_name, int shared_memory, xfer_ofi_ep **out,
                   xfer_ofi_attr *attr, char *err, size_t errcap) {
     /* The most the provider grants, tried in order: reads and device memory (FI_HMEM), then
      * without one, then without both. A provider without reads still serves writes (the
@@ -183,7 +187,7 @@ int xfer_ofi_open(const char *prov, const char *domain_name, int shared_memory, 
     for (int t = 0; t < 4 && rc == -FI_ENODATA; t++) {
         with_read = tries[t][0];
         with_hmem = tries[t][1];
-        if (!(hints = make_hints(prov, with_read, with_hmem))) {
+        if (!(hints = make_hints(prov, fabric, with_read, with_hmem))) {
             free(e);
             set_err(err, errcap, "allocation", -FI_ENOMEM);
             return -FI_ENOMEM;
@@ -197,13 +201,17 @@ int xfer_ofi_open(const char *prov, const char *domain_name, int shared_memory, 
         return rc;
     }
     for (struct fi_info *i = info; i; i = i->next) {
+        /* Checked here too: some providers (1.17's shm) ignore the fabric name in hints. */
+        if (fabric && strcmp(i->fabric_attr->name, fabric) != 0)
+            continue;
         if (!domain_name || strcmp(i->domain_attr->name, domain_name) == 0) {
             chosen = i;
             break;
         }
     }
     if (!chosen) {
-        snprintf(err, errcap, "no domain named \"%s\" for provider %s", domain_name, prov ? prov : "(any)");
+        snprintf(err, errcap, "no domain named \"%s\" on fabric \"%s\" for provider %s",
+                 domain_name ? domain_name : "(any)", fabric ? fabric : "(any)", prov ? prov : "(any)");
         fi_freeinfo(info);
         free(e);
         return -FI_ENODATA;
@@ -368,8 +376,17 @@ int xfer_ofi_read(xfer_ofi_ep *e, void *buf, size_t len, void *desc, uint64_t de
     return post_status(fi_readmsg(e->ep, &msg, FI_COMPLETION));
 }
 
+/* A message's completion means it is in the peer's receive buffer (delivery-complete, as an
+ * RC send's ack), except for a zero-byte one: shm never completes a zero-byte
+ * delivery-complete send, and every later send to that peer stalls behind it (seen on 1.17);
+ * it is sent transmit-complete, as zero-byte writes are. */
 int xfer_ofi_send(xfer_ofi_ep *e, const void *buf, size_t len, void *desc, uint64_t dest, void *context) {
-    return post_status(fi_send(e->ep, buf, len, desc, dest, context));
+    struct iovec iov = {.iov_base = (void *)buf, .iov_len = len};
+    struct fi_msg msg = {
+        .msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = dest, .context = context,
+    };
+    uint64_t flags = FI_COMPLETION | (len ? FI_DELIVERY_COMPLETE : FI_TRANSMIT_COMPLETE);
+    return post_status(fi_sendmsg(e->ep, &msg, flags));
 }
 
 int xfer_ofi_recv(xfer_ofi_ep *e, void *buf, size_t len, void *desc, void *context) {

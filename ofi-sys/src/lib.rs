@@ -74,6 +74,7 @@ extern "C" {
     pub fn xfer_ofi_list(prov: *const c_char, buf: *mut c_char, cap: usize) -> c_int;
     pub fn xfer_ofi_open(
         prov: *const c_char,
+        fabric: *const c_char,
         domain_name: *const c_char,
         shared_memory: c_int,
         out: *mut *mut XferOfiEp,
