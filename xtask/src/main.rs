@@ -17,9 +17,12 @@
 //! - `fixtures`: rewrites the sysfs fixture trees of the topology tests.
 //! - `efa-libfabric2`: the EFA backend's tests against libfabric 2.x built from Debian 13's
 //!   source (part of `test`; see `libfabric2.rs`).
+//! - `plugin-kit`: the header is current, the C example plugin builds as docs/plugins.md
+//!   says (in an empty directory), and `xfer conformance` passes on it and on the mock's
+//!   plugin (part of `test`).
 //! - `header [--check]`: writes (or checks) the plugin ABI's C header from the Rust
 //!   definitions (see `header.rs`).
-//! - `bench-efa`: the EFA backend on libfabric's shm provider, next to a raw libfabric write
+//! - `bench-efa [--libfabric2]`: the EFA backend on libfabric's shm provider, next to a raw libfabric write
 //!   loop, then initiator and target in two processes.
 
 mod fixtures;
@@ -129,42 +132,55 @@ fn efa_on_libfabric2(totals: &mut (u64, u64)) -> Result {
     )
 }
 
-/// Where `cargo xtask test` builds the C example plugin.
-const C_PLUGIN: &str = "target/c-plugin/libxfer_loopback.so";
+/// Where `cargo xtask test` follows docs/plugins.md's C path: an empty directory that gets
+/// the header and the example plugin, nothing else from the tree.
+const VENDOR_DIR: &str = "target/vendor-from-scratch";
 
-/// Builds the C example plugin (`xfer-plugin/c-example/loopback.c`) against the checked-in
-/// header alone, warnings as errors.
-fn build_c_plugin() -> Result<&'static str> {
-    std::fs::create_dir_all("target/c-plugin").map_err(|e| e.to_string())?;
-    run(
-        "cc",
-        &[
-            "-std=c11",
-            "-D_POSIX_C_SOURCE=200809L",
-            "-shared",
-            "-fPIC",
-            "-O2",
-            "-g",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-Ixfer-plugin/include",
-            "xfer-plugin/c-example/loopback.c",
-            "-o",
-            C_PLUGIN,
-            "-lpthread",
-        ],
-    )?;
-    Ok(C_PLUGIN)
+/// Builds the C example plugin as docs/plugins.md tells a vendor to: copy
+/// `xfer_plugin.h` and `loopback.c` into an empty directory and run the guide's `cc` line
+/// there (warnings as errors). Returns the library's path.
+fn build_c_plugin() -> Result<String> {
+    let dir = std::path::Path::new(VENDOR_DIR);
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    for (from, to) in [
+        (header::HEADER, "xfer_plugin.h"),
+        ("xfer-plugin/c-example/loopback.c", "loopback.c"),
+    ] {
+        std::fs::copy(from, dir.join(to)).map_err(|e| format!("copying {from}: {e}"))?;
+    }
+    // The guide's command, word for word (docs/plugins.md, "C: from an empty directory").
+    let guide = std::fs::read_to_string("docs/plugins.md").map_err(|e| e.to_string())?;
+    let command = guide
+        .lines()
+        .skip_while(|l| !l.starts_with("cc "))
+        .take_while(|l| !l.starts_with("```"))
+        .map(|l| l.trim_end_matches('\\').trim())
+        .collect::<Vec<_>>()
+        .join(" ");
+    if command.is_empty() {
+        return Err("docs/plugins.md has no `cc ...` line to build the C plugin with".into());
+    }
+    eprintln!("xtask: (in {VENDOR_DIR}) {command}");
+    let status = Command::new("sh")
+        .args(["-ec", &command])
+        .current_dir(dir)
+        .status()
+        .map_err(|e| e.to_string())?;
+    if !status.success() {
+        return Err(format!("the guide's build command failed: {command}"));
+    }
+    Ok(format!("{VENDOR_DIR}/libxfer_loopback.so"))
 }
 
 /// The plugin kit as a vendor uses it: the header is not stale, the C example plugin builds
-/// from it, and `xfer conformance` passes on it and on the mock's plugin (both through dlopen).
+/// from it in an empty directory with the guide's command, and `xfer conformance` passes on
+/// it and on the mock's plugin (both through dlopen).
 fn plugin_kit(totals: &mut (u64, u64)) -> Result {
     header::header(true)?;
     let c_plugin = build_c_plugin()?;
     for (plugin, nics) in [
-        (c_plugin, ["lo0", "lo1", "lo2", "lo3"]),
+        (c_plugin.as_str(), ["lo0", "lo1", "lo2", "lo3"]),
         (
             "target/debug/libbackend_mock.so",
             ["mock0", "mock1", "mock2", "mock3"],
@@ -749,26 +765,64 @@ fn example_processes(example: &str, members: &[&[&str]], config: &str, etcd: boo
 
 /// The EFA backend's benchmark on shm: loopback next to a raw libfabric loop in the same run,
 /// then initiator and target in two processes.
-fn bench_efa(extra: &[String]) -> Result {
+/// `bench-efa [--libfabric2] [transfer-bench args]`: the EFA backend on shm next to a raw
+/// libfabric loop (3 alternating rounds per size, batch 1 and 16; the median ratio with its
+/// spread), then initiator and target in two processes. `--libfabric2`: against libfabric
+/// 2.x built from Debian 13's source (see `libfabric2.rs`) instead of the system's 1.17.
+fn bench_efa(args: &[String]) -> Result {
     ensure_packages(PACKAGES)?;
-    // Built once; the loopback run and both processes use the same executable.
-    cargo(&[
-        "build",
-        "--release",
-        "--quiet",
-        "-p",
-        "examples",
-        "--features",
-        "efa",
-        "--bin",
-        "transfer-bench",
-    ])?;
-    let exe = "target/release/transfer-bench";
+    let (libfabric2, extra) = match args.first().map(String::as_str) {
+        Some("--libfabric2") => (true, &args[1..]),
+        _ => (false, args),
+    };
+    let mut envs: Vec<(String, String)> = Vec::new();
+    let mut exe = "target/release/transfer-bench".to_owned();
+    if libfabric2 {
+        let prefix = libfabric2::ensure()?.display().to_string();
+        envs.push(("LD_LIBRARY_PATH".into(), format!("{prefix}/lib")));
+        envs.push(("LIBFABRIC_DIR".into(), prefix));
+        envs.push(("CARGO_TARGET_DIR".into(), "target/libfabric2-tests".into()));
+        exe = "target/libfabric2-tests/release/transfer-bench".into();
+    }
+    // Built once; the loopback runs and both processes use the same executable.
+    let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args([
+            "build",
+            "--release",
+            "--quiet",
+            "-p",
+            "examples",
+            "--features",
+            "efa",
+        ])
+        .args(["--bin", "transfer-bench"])
+        .envs(envs.iter().map(|(k, v)| (k, v)))
+        .status()
+        .map_err(|e| e.to_string())?;
+    if !status.success() {
+        return Err("building transfer-bench failed".into());
+    }
+    let bench = |args: &[&str]| -> Result {
+        eprintln!("xtask: {exe} {}", args.join(" "));
+        let status = Command::new(&exe)
+            .args(args)
+            .envs(envs.iter().map(|(k, v)| (k, v)))
+            .status()
+            .map_err(|e| e.to_string())?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(format!("transfer-bench failed with {status}"))
+        }
+    };
     let sizes = ["--block-size", "4096,65536,1048576"];
-    let mut loopback = vec!["--config", "configs/efa-shm.toml", "--no-imm-rate"];
-    loopback.extend(sizes);
-    loopback.extend(extra.iter().map(String::as_str));
-    run(exe, &loopback)?;
+    for batch in ["1", "16"] {
+        let mut loopback = vec!["--config", "configs/efa-shm.toml", "--no-imm-rate"];
+        loopback.extend(["--rounds", "3", "--batch-size", batch]);
+        loopback.extend(sizes);
+        loopback.extend(extra.iter().map(String::as_str));
+        bench(&loopback)?;
+    }
     // Two processes: start the target, run the initiator against it.
     let common = [
         "--config",
@@ -776,14 +830,14 @@ fn bench_efa(extra: &[String]) -> Result {
         "--addr",
         "127.0.0.1:18517",
     ];
-    let mut target = Command::new(exe)
+    let mut target = Command::new(&exe)
         .args(common)
         .args(["--mode", "target"])
         .args(sizes)
+        .envs(envs.iter().map(|(k, v)| (k, v)))
         .spawn()
         .map_err(|e| format!("cannot start the target: {e}"))?;
-    let initiator = run(
-        exe,
+    let initiator = bench(
         &[
             &common[..],
             &["--mode", "initiator", "--verify"],
@@ -1020,6 +1074,12 @@ fn main() -> ExitCode {
             let mut totals = (0, 0);
             let result = efa_on_libfabric2(&mut totals);
             println!("xtask efa-libfabric2: {} passed, {} failed", totals.0, totals.1);
+            result
+        }
+        Some("plugin-kit") => {
+            let mut totals = (0, 0);
+            let result = plugin_kit(&mut totals);
+            println!("xtask plugin-kit: {} passed, {} failed", totals.0, totals.1);
             result
         }
         Some("header") => header::header(args.get(1).is_some_and(|a| a == "--check")),

@@ -80,6 +80,11 @@ struct Args {
     /// NICs per engine (rewrites the config's first group for the mock: mock0..mockN-1).
     #[arg(long)]
     nics: Option<usize>,
+    /// Loopback: rounds per block size, alternating the reference and xfer (which goes first
+    /// alternates too); the row reports the median of each and the median of the per-round
+    /// ratios with their spread. One round cannot tell a ratio from noise on a busy machine.
+    #[arg(long, default_value_t = 1)]
+    rounds: u32,
     /// Skip the 64-byte write-with-immediate rate measurement.
     #[arg(long)]
     no_imm_rate: bool,
@@ -101,7 +106,21 @@ struct Row {
     /// The reference measured in the same run (loopback only): memcpy for the mock, a raw
     /// libfabric write loop for efa.
     reference_mib_s: Option<f64>,
+    /// xfer / reference of each round, in round order (loopback with a reference).
+    ratios: Vec<f64>,
     verified: Option<bool>,
+}
+
+/// The median of `v` (the mean of the middle two for an even count); `None` if empty.
+fn median(v: &[f64]) -> Option<f64> {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(v[n / 2]),
+        _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -291,20 +310,24 @@ fn reference_name(config: &Config) -> Option<String> {
 fn reference_mib_s(
     config: &Config,
     op: Op,
-    (src, dst): (&HostBuffer, &HostBuffer),
+    buffers: Option<(&HostBuffer, &HostBuffer)>,
     bytes: usize,
     block: u64,
     batch: u64,
     duration: Duration,
 ) -> Result<Option<f64>, BoxError> {
     match config.backend.as_str() {
-        "mock" => Ok(Some(memcpy_mib_s(
-            src,
-            dst,
-            bytes,
-            block as usize,
-            duration,
-        ))),
+        "mock" => {
+            let (src, dst) =
+                buffers.ok_or("the mock's reference copies between the pair's buffers")?;
+            Ok(Some(memcpy_mib_s(
+                src,
+                dst,
+                bytes,
+                block as usize,
+                duration,
+            )))
+        }
         #[cfg(feature = "efa")]
         "efa" => {
             let raw = match op {
@@ -322,7 +345,7 @@ fn reference_mib_s(
             ))
         }
         _ => {
-            let _ = (op, src, dst, bytes, batch);
+            let _ = (op, buffers, bytes, batch);
             Ok(None)
         }
     }
@@ -340,6 +363,7 @@ fn row(block: u64, batch: u64, trips: u64, elapsed: Duration) -> Row {
         avg_latency_ms: secs * 1e3 / trips as f64,
         throughput_mib_s: mib / secs,
         reference_mib_s: None,
+        ratios: Vec::new(),
         verified: None,
     }
 }
@@ -419,59 +443,111 @@ fn sizes(args: &Args) -> Vec<u64> {
     }
 }
 
+/// Two engines and their buffers for one loopback round: A's buffer is the local side, B's
+/// the remote one (written into, or read from).
+struct Pair {
+    a: Arc<TransferEngine>,
+    b: Arc<TransferEngine>,
+    src: HostBuffer,
+    dst: HostBuffer,
+}
+
+impl Pair {
+    fn open(config: &Config, span: u64) -> Result<Self, BoxError> {
+        let a = Arc::new(TransferEngine::open(config)?);
+        let b = Arc::new(TransferEngine::open(config)?);
+        let src = HostBuffer::new(&a, span as usize)?;
+        let dst = HostBuffer::with_access(&b, span as usize, |_| 0, RemoteAccess::READ_WRITE)?;
+        Ok(Self { a, b, src, dst })
+    }
+}
+
 fn loopback(args: &Args, config: &Config) -> Result<Report, BoxError> {
-    let a = Arc::new(TransferEngine::open(config)?);
-    let b = Arc::new(TransferEngine::open(config)?);
     let sizes = sizes(args);
     let span = buffer_span(args, 2)?;
-    // A's buffer is the local side; B's is the remote one (written into, or read from).
-    let src = HostBuffer::new(&a, span as usize)?;
-    let dst = HostBuffer::with_access(&b, span as usize, |_| 0, RemoteAccess::READ_WRITE)?;
     let duration = Duration::from_secs_f64(args.duration);
+    // The mock's reference (memcpy) runs between the pair's buffers; the efa reference (a raw
+    // libfabric loop) needs no engine, and runs with none open: engines whose workers poll
+    // without parking (shm, EFA) would otherwise take its CPU on a small machine.
+    let reference_uses_pair = config.backend == "mock";
     let mut rows = Vec::new();
     for (k, &block) in sizes.iter().enumerate() {
         let bytes = (block * args.batch_size) as usize;
         let fill: Vec<u8> = (0..bytes).map(|i| pattern(k as u64 + 2, i)).collect();
-        // The bytes start on the side that sends them: A for writes, B for reads.
-        match args.op {
-            Op::Write => src.write(0, &fill)?,
-            Op::Read => dst.write(0, &fill)?,
+        let reference = |pair: Option<&Pair>| {
+            reference_mib_s(
+                config,
+                args.op,
+                pair.map(|p| (&p.src, &p.dst)),
+                bytes,
+                block,
+                args.batch_size,
+                duration,
+            )
+        };
+        // Rounds alternate which of the two runs first, so a machine that speeds up or slows
+        // down during the sweep does not favour either side.
+        let mut runs = Vec::new();
+        let mut references = Vec::new();
+        let mut verified = None;
+        for round in 0..args.rounds.max(1) {
+            let reference_first = round % 2 == 1;
+            if reference_first && !reference_uses_pair {
+                references.extend(reference(None)?);
+            }
+            let pair = Pair::open(config, span)?;
+            // The bytes start on the side that sends them: A for writes, B for reads.
+            match args.op {
+                Op::Write => pair.src.write(0, &fill)?,
+                Op::Read => pair.dst.write(0, &fill)?,
+            }
+            if reference_first && reference_uses_pair {
+                references.extend(reference(Some(&pair))?);
+            }
+            let (trips, elapsed) = run_trips(
+                &pair.a,
+                args.op,
+                &pair.src,
+                pair.dst.desc(),
+                block,
+                args.batch_size,
+                duration,
+            )?;
+            runs.push(row(block, args.batch_size, trips, elapsed));
+            if !reference_first && reference_uses_pair {
+                references.extend(reference(Some(&pair))?);
+            }
+            if args.verify {
+                verified = Some(pair.dst.to_vec()[..bytes] == pair.src.to_vec()[..bytes]);
+            }
+            drop(pair);
+            if !reference_first && !reference_uses_pair {
+                references.extend(reference(None)?);
+            }
         }
-        let (trips, elapsed) = run_trips(
-            &a,
-            args.op,
-            &src,
-            dst.desc(),
-            block,
-            args.batch_size,
-            duration,
-        )?;
-        let mut r = row(block, args.batch_size, trips, elapsed);
-        r.reference_mib_s = reference_mib_s(
-            config,
-            args.op,
-            (&src, &dst),
-            bytes,
-            block,
-            args.batch_size,
-            duration,
-        )?;
-        if args.verify {
-            r.verified = Some(dst.to_vec()[..bytes] == src.to_vec()[..bytes]);
-        }
+        let ratios: Vec<f64> = runs
+            .iter()
+            .zip(&references)
+            .map(|(x, reference)| x.throughput_mib_s / reference)
+            .collect();
+        // The row is xfer's median round; the reference its median too.
+        runs.sort_by(|x, y| x.throughput_mib_s.total_cmp(&y.throughput_mib_s));
+        let mut r = runs.swap_remove(runs.len() / 2);
+        r.reference_mib_s = median(&references);
+        r.ratios = ratios;
+        r.verified = verified;
         rows.push(r);
     }
+    let pair = Pair::open(config, span.max(64 * 1024))?;
     let imm_rate = if args.no_imm_rate {
         None
     } else {
-        let s = HostBuffer::new(&a, 64 * 1024)?;
-        let d = HostBuffer::new(&b, 64 * 1024)?;
-        Some(imm_rate(&a, &b, &s, &d, duration)?)
+        Some(imm_rate(&pair.a, &pair.b, &pair.src, &pair.dst, duration)?)
     };
     Ok(Report {
-        backend: a.backend().to_owned(),
+        backend: pair.a.backend().to_owned(),
         reference: reference_name(config),
-        nics: a.nic_count(),
+        nics: pair.a.nic_count(),
         mode: "loopback".into(),
         rows,
         imm_rate,
@@ -694,7 +770,7 @@ fn print_table(report: &Report) {
         report.reference.as_deref().unwrap_or("none")
     );
     println!(
-        "{:>10} | {:>18} | {:>11} | {:>25} | {:>12} | {:>26} | {:>19} | {:>17} | {:>12} | {:>8}",
+        "{:>10} | {:>18} | {:>11} | {:>25} | {:>12} | {:>26} | {:>19} | {:>17} | {:>20} | {:>8}",
         "Batch Size",
         "Block Size (Bytes)",
         "Total Trips",
@@ -707,9 +783,14 @@ fn print_table(report: &Report) {
         "Verified"
     );
     for r in &report.rows {
-        let (reference, ratio) = match r.reference_mib_s {
-            Some(m) => (format!("{m:.1}"), format!("{:.3}", r.throughput_mib_s / m)),
-            None => ("-".into(), "-".into()),
+        let (reference, ratio) = match (r.reference_mib_s, median(&r.ratios)) {
+            (Some(m), Some(median)) if r.ratios.len() > 1 => {
+                let lo = r.ratios.iter().copied().fold(f64::INFINITY, f64::min);
+                let hi = r.ratios.iter().copied().fold(0.0, f64::max);
+                (format!("{m:.1}"), format!("{median:.3} ({lo:.2}-{hi:.2})"))
+            }
+            (Some(m), _) => (format!("{m:.1}"), format!("{:.3}", r.throughput_mib_s / m)),
+            _ => ("-".into(), "-".into()),
         };
         let verified =
             r.verified.map_or(
@@ -717,7 +798,7 @@ fn print_table(report: &Report) {
                 |v| if v { "yes".into() } else { "NO".into() },
             );
         println!(
-            "{:>10} | {:>18} | {:>11} | {:>25.1} | {:>12.3} | {:>26.4} | {:>19.1} | {:>17} | {:>12} | {:>8}",
+            "{:>10} | {:>18} | {:>11} | {:>25.1} | {:>12.3} | {:>26.4} | {:>19.1} | {:>17} | {:>20} | {:>8}",
             r.batch_size, r.block_size, r.total_trips, r.total_mib, r.duration_s, r.avg_latency_ms, r.throughput_mib_s, reference, ratio, verified
         );
     }
