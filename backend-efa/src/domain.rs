@@ -4,8 +4,9 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 
 use engine_core::domain::{
-    Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion,
-    PostStatus, ReadRequest, ReceivePool, RegionTable, Registration, WriteRequest,
+    message_size_class, Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind,
+    Event, MemoryRegion, PostStatus, ReadRequest, ReceivePool, RegionTable, Registration,
+    WriteRequest,
 };
 use engine_core::NetAddr;
 
@@ -24,8 +25,11 @@ struct OpContext {
 /// What a posted operation is, found again from its context when it completes.
 enum InFlight {
     /// Failed and reported already, when its peer's address was removed: the provider may
-    /// still hold the context (so it is not reused), and a late completion is ignored.
-    Abandoned,
+    /// still hold the context (so it is not reused), and a late completion is ignored. A
+    /// message's buffer stays out of the pool until then: the provider may still read it.
+    Abandoned {
+        send_buffer: Option<usize>,
+    },
     Write {
         wr_id: u64,
         peer: NetAddr,
@@ -33,8 +37,8 @@ enum InFlight {
     Send {
         wr_id: u64,
         peer: NetAddr,
-        _buffer: Box<[u8]>,
-        _mr: Option<MemoryRegistration>,
+        /// Its buffer in `send_pool`.
+        buffer: usize,
     },
     Recv {
         buffer: usize,
@@ -48,6 +52,9 @@ pub struct EfaDomain {
     regions: RegionTable<MemoryRegistration>,
     /// Message buffers, with a registration where the provider needs local descriptors.
     receives: ReceivePool<Option<MemoryRegistration>>,
+    /// Message buffers for sends, registered once per buffer (by `message_size_class`) where
+    /// the provider needs local descriptors, instead of a registration per message.
+    send_pool: ReceivePool<Option<MemoryRegistration>>,
     in_flight: HashMap<usize, (Box<OpContext>, InFlight)>,
     /// Receive buffers the provider refused to take back (EAGAIN), posted after the next poll.
     unposted_receives: Vec<usize>,
@@ -183,6 +190,7 @@ impl EfaDomain {
         Ok(Self {
             regions,
             receives: ReceivePool::new(),
+            send_pool: ReceivePool::new(),
             in_flight: HashMap::new(),
             unposted_receives: Vec::new(),
             spare_contexts: Vec::new(),
@@ -229,6 +237,15 @@ impl EfaDomain {
     fn release(&mut self, ptr: usize) -> Option<InFlight> {
         let (ctx, state) = self.in_flight.remove(&ptr)?;
         self.spare_contexts.push(ctx);
+        // A message buffer is free again only now that the provider returned its context
+        // (before, it may still be reading it).
+        if let InFlight::Send { buffer, .. }
+        | InFlight::Abandoned {
+            send_buffer: Some(buffer),
+        } = state
+        {
+            self.send_pool.release(buffer);
+        }
         Some(state)
     }
 
@@ -335,7 +352,7 @@ impl EfaDomain {
                 }
             }
             Some(InFlight::Recv { buffer }) => self.repost(buffer),
-            Some(InFlight::Abandoned) => {}
+            Some(InFlight::Abandoned { .. }) => {}
             // Never silently: a completion this Domain did not post means the provider and
             // the shim disagree on what it is (an immediate taken for an own operation was
             // lost this way on libfabric 2.1's shm).
@@ -387,8 +404,12 @@ impl EfaDomain {
         for (_, state) in self.in_flight.values_mut() {
             let to_peer = matches!(state, InFlight::Write { peer: p, .. } | InFlight::Send { peer: p, .. } if p == peer);
             if to_peer {
+                let send_buffer = match state {
+                    InFlight::Send { buffer, .. } => Some(*buffer),
+                    _ => None,
+                };
                 if let InFlight::Write { wr_id, .. } | InFlight::Send { wr_id, .. } =
-                    std::mem::replace(state, InFlight::Abandoned)
+                    std::mem::replace(state, InFlight::Abandoned { send_buffer })
                 {
                     events.push(Event::Done {
                         wr_id,
@@ -488,35 +509,32 @@ impl Domain for EfaDomain {
             return Ok(PostStatus::Busy);
         }
         let dest = self.peer(peer)?;
-        let buffer: Box<[u8]> = data.into();
-        let mr = if self.endpoint.attr.mr_local != 0 {
-            let key = self.regions.next_key();
-            // SAFETY: the buffer is kept with its registration in `in_flight` until completion.
-            Some(
-                unsafe {
-                    self.endpoint.register(
-                        buffer.as_ptr(),
-                        buffer.len().max(1),
-                        None,
-                        key,
-                        (false, false),
-                    )
+        let (endpoint, regions) = (&mut self.endpoint, &mut self.regions);
+        let mr_local = endpoint.attr.mr_local != 0;
+        let buffer = self
+            .send_pool
+            .take(message_size_class(data.len()), |buf| {
+                if !mr_local {
+                    return Ok(None);
                 }
-                .map_err(other)?,
-            )
-        } else {
-            None
-        };
+                let key = regions.next_key();
+                // SAFETY: the pool keeps the buffer at this address, next to its registration,
+                // for the Domain's lifetime.
+                unsafe { endpoint.register(buf.as_ptr(), buf.len(), None, key, (false, false)) }
+                    .map(Some)
+            })
+            .map_err(other)?;
+        let filled = self.send_pool.fill(buffer, data);
+        debug_assert!(filled, "a size-class buffer holds its message");
+        let (ptr, _, mr) = self.send_pool.get(buffer);
         let desc = mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc);
-        let (ptr, len) = (buffer.as_ptr(), buffer.len());
         let ctx = self.acquire(InFlight::Send {
             wr_id,
             peer: peer.clone(),
-            _buffer: buffer,
-            _mr: mr,
+            buffer,
         });
-        // SAFETY: the buffer (and its registration) live in `in_flight` until completion.
-        let result = unsafe { self.endpoint.send(ptr, len, desc, dest, ctx) };
+        // SAFETY: the buffer (and its registration) stay out of the pool until completion.
+        let result = unsafe { self.endpoint.send(ptr, data.len(), desc, dest, ctx) };
         self.finish_post(ctx, result)
     }
 
@@ -580,7 +598,7 @@ impl Domain for EfaDomain {
                         }
                         // A failed receive goes back on the queue: the pool must not shrink.
                         Some(InFlight::Recv { buffer }) => self.repost(buffer),
-                        Some(InFlight::Abandoned) | None => {}
+                        Some(InFlight::Abandoned { .. }) | None => {}
                     }
                 }
                 // The CQ itself failed: the Domain cannot go on (never a log line per poll).

@@ -5,8 +5,9 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use engine_core::domain::{
-    Device as MemDevice, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion,
-    PostStatus, ReadRequest, ReceivePool, RegionTable, Registration, WriteRequest,
+    message_size_class, Device as MemDevice, Domain, DomainConfig, DomainError, DomainErrorKind,
+    Event, MemoryRegion, PostStatus, ReadRequest, ReceivePool, RegionTable, Registration,
+    WriteRequest,
 };
 use engine_core::NetAddr;
 
@@ -154,12 +155,6 @@ struct SendBuffer {
     buffer: usize,
 }
 
-/// Message buffers are pooled by size class (powers of two from 256 bytes), so a send copies
-/// into memory registered once rather than registering (and pinning) a buffer per message.
-fn send_class(len: usize) -> usize {
-    len.max(256).next_power_of_two()
-}
-
 /// An RDMA device.
 pub struct VerbsDomain {
     // Drop order: QPs, registrations and buffers before the device.
@@ -171,7 +166,7 @@ pub struct VerbsDomain {
     /// Message buffers posted to the message SRQ.
     receives: ReceivePool<Mr>,
     sends: HashMap<u64, SendBuffer>,
-    /// Registered message buffers for sends (see `send_class`).
+    /// Registered message buffers for sends (see `message_size_class`).
     send_pool: ReceivePool<Mr>,
     device: Device,
     attr: Attr,
@@ -436,6 +431,8 @@ impl VerbsDomain {
             has_imm: wr.imm.is_some() as i32,
             signaled: 1,
             read: i32::from(wr.read),
+            inline_data: 0, // decided per QP when posted
+            flushes: 0,
             pad: 0,
         };
         if self.queue_until_ready(wr.peer, || Queued::Write(w))? {
@@ -537,11 +534,11 @@ impl VerbsDomain {
     fn new_qps(&mut self) -> Result<(Qp, Qp), DomainError> {
         let data = self
             .device
-            .create_rc(false, self.options.send_queue)
+            .create_rc(false, self.options.send_queue, self.options.inline_bytes)
             .map_err(other)?;
         let msg = self
             .device
-            .create_rc(true, self.options.send_queue.min(256))
+            .create_rc(true, self.options.send_queue.min(256), 0)
             .map_err(other)?;
         Ok((data, msg))
     }
@@ -873,7 +870,7 @@ impl VerbsDomain {
         }
         let mut again: VecDeque<Queued> = VecDeque::new();
         for mut w in flushed {
-            if w.pad >= 1 {
+            if w.flushes >= 1 {
                 self.done.push(Event::Done {
                     wr_id: w.user,
                     result: Err(err(
@@ -882,7 +879,7 @@ impl VerbsDomain {
                     )),
                 });
             } else {
-                w.pad += 1;
+                w.flushes += 1;
                 again.push_back(Queued::Write(w));
             }
         }
@@ -1332,7 +1329,7 @@ fn post_message(
     (wr_id, user): (u64, u64),
     bytes: &[u8],
 ) -> Result<bool, String> {
-    let buffer = pool.take(send_class(bytes.len()), |data| {
+    let buffer = pool.take(message_size_class(bytes.len()), |data| {
         // SAFETY: the pool keeps the buffer at this address for the Domain's lifetime, and
         // the registration with it.
         unsafe {
@@ -1739,9 +1736,9 @@ impl Domain for VerbsDomain {
 mod tests {
     #[test]
     fn messages_share_a_few_buffer_sizes() {
-        assert_eq!(super::send_class(0), 256);
-        assert_eq!(super::send_class(256), 256);
-        assert_eq!(super::send_class(257), 512);
-        assert_eq!(super::send_class(65_536), 65_536);
+        assert_eq!(super::message_size_class(0), 256);
+        assert_eq!(super::message_size_class(256), 256);
+        assert_eq!(super::message_size_class(257), 512);
+        assert_eq!(super::message_size_class(65_536), 65_536);
     }
 }

@@ -30,6 +30,10 @@ pub struct VerbsOptions {
     pub retry_ms: u64,
     /// Send queue depth of each RC QP.
     pub send_queue: i32,
+    /// Writes of up to this many bytes are posted inline (`IBV_SEND_INLINE`: the bytes travel
+    /// in the work request, so the NIC does not read the source by DMA). The device may grant
+    /// less (or none; then nothing is inlined). 0 turns it off.
+    pub inline_bytes: u32,
     /// Zero-length receives kept posted for write-with-immediate arrivals.
     pub imm_receives: i32,
     /// Local ACK timeout exponent (4.096 µs × 2^n), 1 to 31 (0, "wait forever", is refused).
@@ -84,6 +88,7 @@ impl Default for VerbsOptions {
             connect_ms: 3_000,
             retry_ms: 200,
             send_queue: 1024,
+            inline_bytes: 64,
             imm_receives: 4096,
             ack_timeout: 14,
             retry_cnt: 6,

@@ -474,3 +474,49 @@ fn unproven_requests_do_not_replace_a_live_connection() {
     }
     assert!(da.to_vec() == sb.to_vec() && db.to_vec() == sa.to_vec());
 }
+
+/// Small writes go inline (`IBV_SEND_INLINE`, up to `inline_bytes`) and land byte for byte
+/// with their immediates counted, on both sides of the inline limit; a size the device
+/// refuses gets QPs without inline data instead of no QPs.
+#[test]
+#[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
+fn small_writes_inline_and_an_inline_size_the_device_refuses_falls_back() {
+    use engine_core::conformance::Harness;
+    use std::time::Duration;
+    for inline_bytes in [64u32, 1 << 20] {
+        let mut config = Rxe.config(1);
+        let mut verbs = toml::Table::new();
+        verbs.insert(
+            "inline_bytes".into(),
+            toml::Value::Integer(inline_bytes.into()),
+        );
+        config
+            .backends
+            .insert("verbs".into(), toml::Value::Table(verbs));
+        let a = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+        let b = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+        let src = engine_core::HostBuffer::from_fn(&a, 8192, |i| (i * 7 + 3) as u8).unwrap();
+        let dst = engine_core::HostBuffer::new(&b, 8192).unwrap();
+        let sizes = [1u64, 8, 63, 64, 65, 4096];
+        let landed = engine_core::DoneFlag::new();
+        b.expect_imm_count(9, sizes.len() as u64, landed.clone())
+            .unwrap();
+        let sent = engine_core::DoneCounter::new();
+        let mut at = 0;
+        for len in sizes {
+            a.submit_single_write(len, Some(9), (src.mr(), at), (dst.desc(), at), sent.clone())
+                .unwrap();
+            at += len;
+        }
+        sent.wait_for(sizes.len() as u64, Duration::from_secs(20))
+            .unwrap_or_else(|e| panic!("inline_bytes {inline_bytes}: {e}"));
+        landed
+            .wait(Duration::from_secs(20))
+            .unwrap_or_else(|e| panic!("inline_bytes {inline_bytes}: arrivals: {e}"));
+        let at = at as usize;
+        assert!(
+            dst.to_vec()[..at] == src.to_vec()[..at],
+            "inline_bytes {inline_bytes}: data"
+        );
+    }
+}

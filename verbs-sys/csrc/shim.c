@@ -439,7 +439,9 @@ void xv_cq_state(const xv_dev *d, int *cap, long *need) {
     *need = d->cq_need;
 }
 
-struct ibv_qp *xv_create_rc(xv_dev *d, int msg, int max_send_wr, uint32_t *qpn, int *err) {
+/* `max_inline`: in, the inline data size asked for; out, what the QP has (a device that
+ * refuses the size gets a QP without inline data, rather than none). */
+struct ibv_qp *xv_create_rc(xv_dev *d, int msg, int max_send_wr, uint32_t *max_inline, uint32_t *qpn, int *err) {
     xv_cq_share *share = malloc(sizeof *share);
     if (!share) {
         *err = ENOMEM;
@@ -454,8 +456,12 @@ struct ibv_qp *xv_create_rc(xv_dev *d, int msg, int max_send_wr, uint32_t *qpn, 
     *share = (xv_cq_share){.d = d, .entries = max_send_wr};
     struct ibv_qp_init_attr qa = {.qp_context = share, .send_cq = d->cq, .recv_cq = d->cq,
                                   .srq = msg ? d->srq_msg : d->srq_imm, .qp_type = IBV_QPT_RC,
-                                  .cap = {.max_send_wr = max_send_wr, .max_send_sge = 1, .max_inline_data = 0}};
+                                  .cap = {.max_send_wr = max_send_wr, .max_send_sge = 1, .max_inline_data = *max_inline}};
     struct ibv_qp *qp = ibv_create_qp(d->pd, &qa);
+    if (!qp && *max_inline) {
+        qa.cap.max_inline_data = 0;
+        qp = ibv_create_qp(d->pd, &qa);
+    }
     if (!qp) {
         *err = errno;
         d->cq_need -= max_send_wr;
@@ -471,6 +477,7 @@ struct ibv_qp *xv_create_rc(xv_dev *d, int msg, int max_send_wr, uint32_t *qpn, 
         return NULL;
     }
     *qpn = qp->qp_num;
+    *max_inline = qa.cap.max_inline_data;
     return qp;
 }
 
@@ -558,6 +565,8 @@ typedef struct xv_write {
     int signaled;
     uint64_t user; /* the caller's own id for it; not given to the NIC */
     int read;      /* 1: RDMA READ of raddr into laddr (no immediate) */
+    int inline_data; /* 1: the bytes go inside the work request (IBV_SEND_INLINE); lkey unused */
+    int flushes;     /* the caller's count of flushes it survived; not given to the NIC */
     int pad;
 } xv_write;
 
@@ -575,7 +584,7 @@ int xv_post_writes(struct ibv_qp *qp, const xv_write *w, int n, int *posted) {
         wr[i].sg_list = w[i].len ? &sge[i] : NULL;
         wr[i].num_sge = w[i].len ? 1 : 0;
         wr[i].opcode = w[i].read ? IBV_WR_RDMA_READ : w[i].has_imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
-        wr[i].send_flags = w[i].signaled ? IBV_SEND_SIGNALED : 0;
+        wr[i].send_flags = (w[i].signaled ? IBV_SEND_SIGNALED : 0) | (w[i].inline_data ? IBV_SEND_INLINE : 0);
         wr[i].imm_data = htonl(w[i].imm);
         wr[i].wr.rdma.remote_addr = w[i].raddr;
         wr[i].wr.rdma.rkey = w[i].rkey;

@@ -95,6 +95,10 @@ pub struct XvWrite {
     pub user: u64,
     /// 1: an RDMA READ of `raddr` into `laddr` (no immediate).
     pub read: c_int,
+    /// 1: the bytes are copied into the work request at post time (`IBV_SEND_INLINE`).
+    pub inline_data: c_int,
+    /// The caller's count of connection flushes the write survived (not given to the NIC).
+    pub flushes: c_int,
     pub pad: c_int,
 }
 
@@ -143,6 +147,7 @@ extern "C" {
         d: *mut XvDev,
         msg: c_int,
         max_send_wr: c_int,
+        max_inline: *mut u32,
         qpn: *mut u32,
         err: *mut c_int,
     ) -> *mut IbvQp;

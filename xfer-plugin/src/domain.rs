@@ -403,6 +403,13 @@ impl<M> RegionTable<M> {
     }
 }
 
+/// The size class of a message buffer: powers of two from 256 bytes, so a Domain keeps a few
+/// registered buffers per class for its sends instead of registering (and pinning) one per
+/// message. Use with [`ReceivePool`], which reuses buffers by exact length.
+pub fn message_size_class(len: usize) -> usize {
+    len.max(256).next_power_of_two()
+}
+
 /// A Domain's receive buffers for messages: each with the backend's registration, reused
 /// (by exact length) once its message has been handed over.
 #[derive(Debug)]
@@ -444,6 +451,18 @@ impl<M> ReceivePool<M> {
         let registration = register(&mut data)?;
         self.buffers.push((data, registration));
         Ok(self.buffers.len() - 1)
+    }
+
+    /// Copies `data` to the start of buffer `index` (a send buffer being filled); false if it
+    /// does not fit.
+    pub fn fill(&mut self, index: usize, data: &[u8]) -> bool {
+        match self.buffers.get_mut(index) {
+            Some((buf, _)) if buf.len() >= data.len() => {
+                buf[..data.len()].copy_from_slice(data);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Buffer `index`: its bytes' address and length, and its registration.

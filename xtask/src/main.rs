@@ -6,7 +6,8 @@
 //! - `bench`: the mock benchmark sweep in release mode (extra arguments go to transfer-bench).
 //! - `rxe [--nics N] [--timeout S] -- <command>`: runs a command next to N soft-RoCE devices
 //!   in a qemu guest (see `rxe.rs`).
-//! - `rxe-bench`: the verbs backend next to perftest's `ib_write_bw` on the same rxe device.
+//! - `rxe-bench [write|read|lat]`: the verbs backend next to perftest's `ib_write_bw`,
+//!   `ib_read_bw` or `ib_write_lat` on the same rxe device.
 //! - `gpu-check`: builds the GPU check and a script for a machine with an NVIDIA GPU.
 //! - `fresh`: `test` in a clean Debian 12 root built with debootstrap (what CI runs; see
 //!   `fresh.rs`), so a missing install step fails here as it would on a new machine.
@@ -178,6 +179,10 @@ fn build_c_plugin() -> Result<String> {
 /// it and on the mock's plugin (both through dlopen).
 fn plugin_kit(totals: &mut (u64, u64)) -> Result {
     header::header(true)?;
+    // `cargo test` leaves the mock's cdylib in target/debug/deps only; a build of the
+    // library puts it where a vendor's path would point (a fresh root had none there).
+    cargo(&["build", "--quiet", "-p", "backend-mock", "--lib"])?;
+    cargo(&["build", "--quiet", "-p", "xfer-cli", "--bin", "xfer"])?;
     let c_plugin = build_c_plugin()?;
     for (plugin, nics) in [
         (c_plugin.as_str(), ["lo0", "lo1", "lo2", "lo3"]),
@@ -928,13 +933,102 @@ fn gpu_check() -> Result {
 
 /// The verbs backend next to perftest's `ib_write_bw` on the same soft-RoCE device, in one
 /// guest run: engine throughput (two engines on rxe0, loopback mode) over perftest's.
+/// `rxe-bench lat`: 8-byte write-with-immediate latency next to `ib_write_lat` on the same rxe
+/// device, three alternating rounds in one boot; one-way (half a round trip) p50 and p99.
+fn rxe_latency() -> Result {
+    ensure_packages(PACKAGES)?;
+    ensure_packages(rxe::PACKAGES)?;
+    cargo(&[
+        "build",
+        "--release",
+        "--quiet",
+        "-p",
+        "examples",
+        "--features",
+        "verbs",
+        "--bin",
+        "transfer-bench",
+    ])?;
+    // ib_write_lat prints `#bytes #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%`.
+    let script = "for round in 1 2 3; do \
+           ib_write_lat -d rxe0 -x 0 -F -s 8 -n 2000 >/dev/null 2>&1 & sleep 2; \
+           for try in 1 2 3 4 5; do \
+             out=$(ib_write_lat -d rxe0 -x 0 -F -s 8 -n 2000 localhost 2>/dev/null | awk '$1==8 {print \"PERFTEST\", $5, $8}'); \
+             [ -n \"$out\" ] && break; sleep 1; \
+           done; echo \"$out\"; wait; \
+           target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --json; \
+         done";
+    let run = rxe::run(
+        1,
+        std::time::Duration::from_secs(900),
+        &["bash".into(), "-c".into(), script.into()],
+    )?;
+    if run.status != 0 {
+        return Err(format!(
+            "the latency benchmark failed in the guest (status {})",
+            run.status
+        ));
+    }
+    let (mut perftest, mut engine) = (Vec::new(), Vec::new());
+    let mut p50 = None;
+    for line in &run.output {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if let ["PERFTEST", typical, p99] = words.as_slice() {
+            if let (Ok(t), Ok(p)) = (typical.parse::<f64>(), p99.parse::<f64>()) {
+                perftest.push((t, p));
+            }
+        }
+        let field = |name: &str| {
+            line.trim()
+                .strip_prefix(&format!("\"{name}\": "))?
+                .trim_end_matches(',')
+                .parse::<f64>()
+                .ok()
+        };
+        if let Some(v) = field("latency_us_p50") {
+            p50 = Some(v);
+        }
+        if let (Some(m), Some(p)) = (p50, field("latency_us_p99")) {
+            engine.push((m, p));
+            p50 = None;
+        }
+    }
+    println!("\nverbs 8-byte write with immediate on soft-RoCE (TCG guest), one way (half a round trip), 2000 iterations, 3 alternating rounds; perftest: ib_write_lat -x 0 -F (t_typical, 99%)");
+    println!(
+        "{:>6} | {:>20} | {:>20} | {:>10}",
+        "round", "xfer p50 / p99 (us)", "perftest (us)", "p50 ratio"
+    );
+    let mut ratios = Vec::new();
+    for (i, (e, p)) in engine.iter().zip(&perftest).enumerate() {
+        ratios.push(e.0 / p.0);
+        println!(
+            "{:>6} | {:>9.2} / {:>8.2} | {:>9.2} / {:>8.2} | {:>10.3}",
+            i + 1,
+            e.0,
+            e.1,
+            p.0,
+            p.1,
+            e.0 / p.0
+        );
+    }
+    ratios.sort_by(f64::total_cmp);
+    match ratios.get(ratios.len() / 2) {
+        Some(m) => println!("median p50 ratio: {m:.3} (goal <= 1.1)"),
+        None => println!("no complete round"),
+    }
+    Ok(())
+}
+
 fn rxe_bench(op: &str) -> Result {
+    if op == "lat" {
+        return rxe_latency();
+    }
     let (tool, op_flag) = match op {
         "write" => ("ib_write_bw", "write"),
         "read" => ("ib_read_bw", "read"),
         other => {
             return Err(format!(
-                "rxe-bench: unknown operation {other:?} (write or read)"
+                "rxe-bench: unknown operation {other:?} (write, read or lat)"
             ))
         }
     };

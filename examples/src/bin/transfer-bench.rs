@@ -92,6 +92,12 @@ struct Args {
     /// the memory each queued operation takes (resident set growth per operation).
     #[arg(long)]
     queue_memory: Option<usize>,
+    /// Instead of the sweep: this many 8-byte write-with-immediate ping-pongs between two
+    /// engines (loopback; each side waits for the other's arrival, then answers), reporting
+    /// the one-way latency (half a round trip) p50/p99 in microseconds — what `ib_write_lat`
+    /// reports as t_typical and its 99% percentile.
+    #[arg(long)]
+    latency: Option<u64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -810,6 +816,94 @@ fn print_table(report: &Report) {
     }
 }
 
+/// One-way latency figures of `--latency`, in microseconds.
+#[derive(Debug, Serialize)]
+struct Latency {
+    iterations: u64,
+    latency_us_p50: f64,
+    latency_us_p99: f64,
+    latency_us_min: f64,
+}
+
+/// `--latency N`: 8-byte write-with-immediate ping-pongs. B waits (spinning, yielding) for
+/// A's i-th arrival and answers; A times each round trip until B's answer arrives. Arrivals
+/// are counted by each engine's ImmCounter, as an application would wait for them.
+fn latency(config: &Config, iterations: u64) -> Result<Latency, BoxError> {
+    let pair = Pair::open(config, 64)?;
+    let back = HostBuffer::with_access(&pair.a, 64, |_| 0, RemoteAccess::READ_WRITE)?;
+    let b_src = HostBuffer::new(&pair.b, 64)?;
+    const PING: u32 = 0x7a11;
+    const PONG: u32 = 0x7a12;
+    let warmup = (iterations / 10).max(10);
+    let total = warmup + iterations;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let spin_until = |engine: &TransferEngine, imm: u32, n: u64| -> Result<(), BoxError> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while engine.imm_count(imm) < n {
+            if stop.load(std::sync::atomic::Ordering::Relaxed) || Instant::now() > deadline {
+                return Err(format!("arrival {n} of immediate {imm:#x} never came").into());
+            }
+            std::hint::spin_loop();
+        }
+        Ok(())
+    };
+    let (a_sent, b_sent) = (DoneCounter::new(), DoneCounter::new());
+    let mut samples = Vec::with_capacity(iterations as usize);
+    std::thread::scope(|scope| -> Result<(), BoxError> {
+        let answerer = scope.spawn(|| -> Result<(), String> {
+            for i in 1..=total {
+                spin_until(&pair.b, PING, i).map_err(|e| e.to_string())?;
+                pair.b
+                    .submit_single_write(
+                        8,
+                        Some(PONG),
+                        (b_src.mr(), 0),
+                        (back.desc(), 0),
+                        b_sent.clone(),
+                    )
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        });
+        let pinged = (|| -> Result<(), BoxError> {
+            for i in 1..=total {
+                let start = Instant::now();
+                pair.a.submit_single_write(
+                    8,
+                    Some(PING),
+                    (pair.src.mr(), 0),
+                    (pair.dst.desc(), 0),
+                    a_sent.clone(),
+                )?;
+                spin_until(&pair.a, PONG, i)?;
+                if i > warmup {
+                    samples.push(start.elapsed().as_secs_f64() * 1e6 / 2.0);
+                }
+            }
+            Ok(())
+        })();
+        if pinged.is_err() {
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        let answered = answerer
+            .join()
+            .map_err(|_| "the answering thread panicked")?;
+        pinged?;
+        answered.map_err(Into::into)
+    })?;
+    if let Some(e) = a_sent.first_error().or_else(|| b_sent.first_error()) {
+        return Err(format!("a ping-pong write failed: {e}").into());
+    }
+    samples.sort_by(f64::total_cmp);
+    let at = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
+    Ok(Latency {
+        iterations,
+        latency_us_p50: at(0.5),
+        latency_us_p99: at(0.99),
+        latency_us_min: samples[0],
+    })
+}
+
 /// Resident memory of this process, in bytes.
 fn resident_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -862,6 +956,24 @@ fn main() {
     backend_efa::link();
     #[cfg(feature = "verbs")]
     backend_verbs::link();
+    if let Some(n) = args.latency {
+        let result = load_config(&args).and_then(|config| latency(&config, n.max(1)));
+        match result {
+            Ok(l) if args.json => println!(
+                "{}",
+                serde_json::to_string_pretty(&l).expect("a report serializes")
+            ),
+            Ok(l) => println!(
+                "8-byte write with immediate, one way (half a round trip), {} iterations: p50 {:.2} us, p99 {:.2} us, min {:.2} us",
+                l.iterations, l.latency_us_p50, l.latency_us_p99, l.latency_us_min
+            ),
+            Err(e) => {
+                eprintln!("transfer-bench: {e}");
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
     let result = load_config(&args).and_then(|config| {
         if args.op == Op::Read && args.mode != Mode::Loopback {
             return Err("--op read runs in --mode loopback".into());
