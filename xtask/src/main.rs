@@ -935,6 +935,8 @@ fn gpu_check() -> Result {
 /// guest run: engine throughput (two engines on rxe0, loopback mode) over perftest's.
 /// `rxe-bench lat`: 8-byte write-with-immediate latency next to `ib_write_lat` on the same rxe
 /// device, three alternating rounds in one boot; one-way (half a round trip) p50 and p99.
+/// The workers busy-poll (`--busy-poll`), as `ib_write_lat` spins on memory: a verbs Domain
+/// cannot wake a parked worker, which then sees an arrival only at its next idle poll.
 fn rxe_latency() -> Result {
     ensure_packages(PACKAGES)?;
     ensure_packages(rxe::PACKAGES)?;
@@ -956,7 +958,7 @@ fn rxe_latency() -> Result {
              out=$(ib_write_lat -d rxe0 -x 0 -F -s 8 -n 2000 localhost 2>/dev/null | awk '$1==8 {print \"PERFTEST\", $5, $8}'); \
              [ -n \"$out\" ] && break; sleep 1; \
            done; echo \"$out\"; wait; \
-           target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --json; \
+           target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --busy-poll --json; \
          done";
     let run = rxe::run(
         1,

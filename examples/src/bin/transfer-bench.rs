@@ -98,6 +98,10 @@ struct Args {
     /// reports as t_typical and its 99% percentile.
     #[arg(long)]
     latency: Option<u64>,
+    /// Keep the workers polling while idle (`[worker] idle_poll_us = 0`), as perftest's
+    /// latency tools spin on memory: for latency next to `ib_write_lat`.
+    #[arg(long)]
+    busy_poll: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -176,6 +180,9 @@ fn load_config(args: &Args) -> Result<Config, BoxError> {
         if let toml::Value::Table(t) = table {
             t.entry("inline").or_insert(toml::Value::Boolean(true));
         }
+    }
+    if args.busy_poll {
+        config.worker.idle_poll_us = 0;
     }
     if let Some(n) = args.nics {
         config.groups[0].nics = (0..n).map(|i| format!("{}{i}", config.backend)).collect();
@@ -825,9 +832,9 @@ struct Latency {
     latency_us_min: f64,
 }
 
-/// `--latency N`: 8-byte write-with-immediate ping-pongs. B waits (spinning, yielding) for
-/// A's i-th arrival and answers; A times each round trip until B's answer arrives. Arrivals
-/// are counted by each engine's ImmCounter, as an application would wait for them.
+/// `--latency N`: 8-byte write-with-immediate ping-pongs. B waits for A's next arrival (an
+/// `expect_imm_count` of one) and answers; A times each round trip until B's answer arrives,
+/// as an application would wait for arrivals.
 fn latency(config: &Config, iterations: u64) -> Result<Latency, BoxError> {
     let pair = Pair::open(config, 64)?;
     let back = HostBuffer::with_access(&pair.a, 64, |_| 0, RemoteAccess::READ_WRITE)?;
@@ -837,22 +844,25 @@ fn latency(config: &Config, iterations: u64) -> Result<Latency, BoxError> {
     let warmup = (iterations / 10).max(10);
     let total = warmup + iterations;
     let stop = std::sync::atomic::AtomicBool::new(false);
-    let spin_until = |engine: &TransferEngine, imm: u32, n: u64| -> Result<(), BoxError> {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while engine.imm_count(imm) < n {
-            if stop.load(std::sync::atomic::Ordering::Relaxed) || Instant::now() > deadline {
-                return Err(format!("arrival {n} of immediate {imm:#x} never came").into());
-            }
-            std::hint::spin_loop();
+    // Each side waits for the next arrival with an expectation (it consumes one arrival),
+    // blocking rather than spinning: the spinning is the workers' job (`--busy-poll`), and on
+    // a small machine more spinning threads only take CPU from the NIC (soft-RoCE runs in
+    // the kernel here).
+    let wait_one = |engine: &TransferEngine, imm: u32| -> Result<(), BoxError> {
+        if stop.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err("the other side stopped".into());
         }
+        let arrived = engine_core::DoneFlag::new();
+        engine.expect_imm_count(imm, 1, arrived.clone())?;
+        arrived.wait(Duration::from_secs(10))?;
         Ok(())
     };
     let (a_sent, b_sent) = (DoneCounter::new(), DoneCounter::new());
     let mut samples = Vec::with_capacity(iterations as usize);
     std::thread::scope(|scope| -> Result<(), BoxError> {
         let answerer = scope.spawn(|| -> Result<(), String> {
-            for i in 1..=total {
-                spin_until(&pair.b, PING, i).map_err(|e| e.to_string())?;
+            for _ in 1..=total {
+                wait_one(&pair.b, PING).map_err(|e| e.to_string())?;
                 pair.b
                     .submit_single_write(
                         8,
@@ -875,7 +885,7 @@ fn latency(config: &Config, iterations: u64) -> Result<Latency, BoxError> {
                     (pair.dst.desc(), 0),
                     a_sent.clone(),
                 )?;
-                spin_until(&pair.a, PONG, i)?;
+                wait_one(&pair.a, PONG)?;
                 if i > warmup {
                     samples.push(start.elapsed().as_secs_f64() * 1e6 / 2.0);
                 }
