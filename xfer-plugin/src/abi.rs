@@ -829,3 +829,118 @@ const _: () = {
     assert!(offset_of!(PluginTable, set_log) == 120);
     assert!(size_of::<PluginTable>() == 136);
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{DomainConfig, PostStatus};
+
+    /// A Domain that accepts registrations and nothing else: enough to drive the shims.
+    struct Inert;
+
+    impl Domain for Inert {
+        fn address(&self) -> NetAddr {
+            NetAddr::new(b"inert").expect("a valid address")
+        }
+        fn register(&mut self, _: &MemoryRegion) -> Result<Registration, DomainError> {
+            Ok(Registration {
+                local_key: 1,
+                remote_key: 2,
+            })
+        }
+        fn deregister(&mut self, _: u64) -> Result<(), DomainError> {
+            Ok(())
+        }
+        fn post_write(&mut self, _: &WriteRequest<'_>) -> Result<PostStatus, DomainError> {
+            Ok(PostStatus::Busy)
+        }
+        fn post_send(&mut self, _: u64, _: &NetAddr, _: &[u8]) -> Result<PostStatus, DomainError> {
+            Ok(PostStatus::Busy)
+        }
+        fn post_recvs(&mut self, _: usize, _: usize) -> Result<(), DomainError> {
+            Ok(())
+        }
+        fn poll(&mut self, _: &mut Vec<Event>) -> Result<(), DomainError> {
+            Ok(())
+        }
+    }
+
+    fn open_inert(_: &DomainConfig<'_>) -> Result<Box<dyn Domain>, DomainError> {
+        Ok(Box::new(Inert))
+    }
+
+    struct InertOpener;
+    impl PluginOpener for InertOpener {
+        const NAME: &'static str = "inert";
+        const OPEN: OpenFn = open_inert;
+    }
+
+    /// Through the C ABI as the engine calls it: a device kind the ABI does not define is
+    /// refused with its number, never taken for CUDA; the defined ones register.
+    #[test]
+    fn an_unknown_device_kind_is_refused_by_the_shim() {
+        let table = PluginTable::new::<InertOpener>();
+        let mut handle = std::ptr::null_mut();
+        let mut err = RawError::empty();
+        // SAFETY: the strings and out-pointers live for the call.
+        let opened = unsafe {
+            (table.open)(
+                RawBytes::new(b"nic0"),
+                RawBytes::new(b""),
+                &mut handle,
+                &mut err,
+            )
+        };
+        assert_eq!(opened, STATUS_OK);
+        let buf = [0u8; 64];
+        let region = |device_kind| RawRegion {
+            ptr: buf.as_ptr() as u64,
+            len: buf.len() as u64,
+            device_kind,
+            device_index: 0,
+            remote_write: 1,
+            remote_read: 0,
+        };
+        let mut out = Registration {
+            local_key: 0,
+            remote_key: 0,
+        };
+        for (kind, want) in [(DEVICE_HOST, STATUS_OK), (7, STATUS_ERROR)] {
+            let mut err = RawError::empty();
+            // SAFETY: a live handle; the region and out-pointers live for the call.
+            let status = unsafe { (table.register)(handle, &region(kind), &mut out, &mut err) };
+            assert_eq!(status, want, "device kind {kind}");
+            if want == STATUS_ERROR {
+                let e = err.to_error();
+                assert_eq!(e.kind, DomainErrorKind::InvalidArgument);
+                assert!(e.message.contains("unknown device kind 7"), "{e}");
+            }
+        }
+        // SAFETY: the handle came from open and is closed once.
+        unsafe { (table.close)(handle) };
+    }
+
+    /// The capabilities entry reports what the Domain declares, in the C layout.
+    #[test]
+    fn capabilities_cross_the_abi_unchanged() {
+        let caps = Capabilities {
+            max_write_size: Some(1 << 20),
+            max_message_size: None,
+            max_address_len: 12,
+            host_memory: true,
+            cuda_memory: false,
+            dmabuf: true,
+            immediates: false,
+            zero_byte_writes: true,
+            needs_receiver_polling: true,
+        };
+        assert_eq!(
+            RawCapabilities::from_capabilities(&caps).to_capabilities(),
+            caps
+        );
+        assert_eq!(
+            RawCapabilities::from_capabilities(&Capabilities::default()).to_capabilities(),
+            Capabilities::default()
+        );
+    }
+}

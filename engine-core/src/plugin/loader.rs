@@ -728,6 +728,43 @@ mod tests {
         assert!(flat_options("= broken").is_err());
     }
 
+    struct MockOpener;
+    impl super::super::abi::PluginOpener for MockOpener {
+        const NAME: &'static str = "mock";
+        const OPEN: crate::domain::OpenFn = backend_mock::open;
+    }
+
+    /// A table with a null required entry is refused with the entry named, before anything
+    /// reads it as a function pointer; optional entries may be null.
+    #[test]
+    fn a_null_required_entry_is_named_and_an_absent_optional_one_is_none() {
+        use std::mem::{offset_of, size_of};
+        let table = PluginTable::new::<MockOpener>();
+        let size = size_of::<PluginTable>();
+        let mut bytes = vec![0u8; size];
+        // SAFETY: `table` is a live PluginTable of `size` bytes; bytes has room for them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (&table as *const PluginTable).cast::<u8>(),
+                bytes.as_mut_ptr(),
+                size,
+            )
+        };
+        let with_zeroed = |offset: usize| {
+            let mut b = bytes.clone();
+            b[offset..offset + size_of::<usize>()].fill(0);
+            b
+        };
+        let poll_null = with_zeroed(offset_of!(PluginTable, poll));
+        assert_eq!(
+            copy_table(poll_null.as_ptr().cast(), size as u32).err(),
+            Some("poll")
+        );
+        let log_null = with_zeroed(offset_of!(PluginTable, set_log));
+        let copied = copy_table(log_null.as_ptr().cast(), size as u32).expect("optional");
+        assert!(copied.set_log.is_none() && copied.capabilities.is_some());
+    }
+
     #[test]
     fn a_version_1_table_is_a_prefix_of_the_current_one() {
         assert!(V1_TABLE_SIZE < std::mem::size_of::<PluginTable>() as u32);
