@@ -33,6 +33,14 @@ impl engine_core::conformance::Harness for Tcp {
             "oversized_message_keeps_the_buffer" => {
                 Some("tcp;ofi_rxm: messages after a truncated receive do not always arrive")
             }
+            // libfabric 2.1 (not 1.17): a receiver that inserts a peer whose messages already
+            // wait as unexpected (they came before the receiver knew the peer) segfaults inside
+            // rxm_av_insert -> util_foreach_unspec -> rxm_get_addr. Reproduced 3 of 3 here
+            // with gdb (`--exact send_recv`, where the replying side inserts its sender); a
+            // provider bug, not worked around. EFA does not use rxm; 1.17 runs the check.
+            "send_recv" if backend_efa::api_version().starts_with("2.") => Some(
+                "libfabric 2.1's tcp;ofi_rxm segfaults inserting a peer whose messages wait as unexpected",
+            ),
             _ => None,
         }
     }
