@@ -125,13 +125,7 @@ impl SpreadPolicy for WholeUnits {
     }
 
     fn expected_arrivals(&self, shape: TransferShape<'_>, _nics: usize) -> u64 {
-        let unit = |len: u64| len.div_ceil(self.max_chunk).max(1);
-        match shape {
-            TransferShape::Single { len } => unit(len),
-            TransferShape::Paged { page_len, pages } => pages * unit(page_len),
-            TransferShape::Scatter { lens } => lens.iter().map(|&len| unit(len)).sum(),
-            TransferShape::Barrier => 1,
-        }
+        shape.arrivals(|len| len.div_ceil(self.max_chunk).max(1))
     }
 }
 

@@ -931,13 +931,8 @@ fn gpu_check() -> Result {
     Ok(())
 }
 
-/// The verbs backend next to perftest's `ib_write_bw` on the same soft-RoCE device, in one
-/// guest run: engine throughput (two engines on rxe0, loopback mode) over perftest's.
-/// `rxe-bench lat`: 8-byte write-with-immediate latency next to `ib_write_lat` on the same rxe
-/// device, three alternating rounds in one boot; one-way (half a round trip) p50 and p99.
-/// The workers busy-poll (`--busy-poll`), as `ib_write_lat` spins on memory: a verbs Domain
-/// cannot wake a parked worker, which then sees an arrival only at its next idle poll.
-fn rxe_latency() -> Result {
+/// What both rxe benchmarks need: the guest's packages and transfer-bench with verbs.
+fn build_rxe_bench() -> Result {
     ensure_packages(PACKAGES)?;
     ensure_packages(rxe::PACKAGES)?;
     cargo(&[
@@ -950,7 +945,24 @@ fn rxe_latency() -> Result {
         "verbs",
         "--bin",
         "transfer-bench",
-    ])?;
+    ])
+}
+
+/// A number field of transfer-bench's pretty JSON on its own line (`"name": 1.5,`).
+fn json_number(line: &str, name: &str) -> Option<f64> {
+    line.trim()
+        .strip_prefix(&format!("\"{name}\": "))?
+        .trim_end_matches(',')
+        .parse::<f64>()
+        .ok()
+}
+
+/// `rxe-bench lat`: 8-byte write-with-immediate latency next to `ib_write_lat` on the same rxe
+/// device, three alternating rounds in one boot; one-way (half a round trip) p50 and p99.
+/// The workers busy-poll (`--busy-poll`), as `ib_write_lat` spins on memory: a verbs Domain
+/// cannot wake a parked worker, which then sees an arrival only at its next idle poll.
+fn rxe_latency() -> Result {
+    build_rxe_bench()?;
     // ib_write_lat prints `#bytes #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%`.
     let script = "for round in 1 2 3; do \
            ib_write_lat -d rxe0 -x 0 -F -s 8 -n 2000 >/dev/null 2>&1 & sleep 2; \
@@ -980,17 +992,10 @@ fn rxe_latency() -> Result {
                 perftest.push((t, p));
             }
         }
-        let field = |name: &str| {
-            line.trim()
-                .strip_prefix(&format!("\"{name}\": "))?
-                .trim_end_matches(',')
-                .parse::<f64>()
-                .ok()
-        };
-        if let Some(v) = field("latency_us_p50") {
+        if let Some(v) = json_number(line, "latency_us_p50") {
             p50 = Some(v);
         }
-        if let (Some(m), Some(p)) = (p50, field("latency_us_p99")) {
+        if let (Some(m), Some(p)) = (p50, json_number(line, "latency_us_p99")) {
             engine.push((m, p));
             p50 = None;
         }
@@ -1021,6 +1026,8 @@ fn rxe_latency() -> Result {
     Ok(())
 }
 
+/// The verbs backend next to perftest's `ib_write_bw` on the same soft-RoCE device, in one
+/// guest run: engine throughput (two engines on rxe0, loopback mode) over perftest's.
 fn rxe_bench(op: &str) -> Result {
     if op == "lat" {
         return rxe_latency();
@@ -1034,19 +1041,7 @@ fn rxe_bench(op: &str) -> Result {
             ))
         }
     };
-    ensure_packages(PACKAGES)?;
-    ensure_packages(rxe::PACKAGES)?;
-    cargo(&[
-        "build",
-        "--release",
-        "--quiet",
-        "-p",
-        "examples",
-        "--features",
-        "verbs",
-        "--bin",
-        "transfer-bench",
-    ])?;
+    build_rxe_bench()?;
     let sizes = [4096u64, 65536, 1 << 20];
     // Three rounds in one boot, perftest and xfer alternating per size, so a ratio is not
     // one sample of TCG noise (the same command varies ±30 % between rounds). perftest's
@@ -1086,17 +1081,10 @@ fn rxe_bench(op: &str) -> Result {
                 perftest.entry(size).or_default().push(mib_s);
             }
         }
-        let field = |name: &str| {
-            line.trim()
-                .strip_prefix(&format!("\"{name}\": "))?
-                .trim_end_matches(',')
-                .parse::<f64>()
-                .ok()
-        };
-        if let Some(b) = field("block_size") {
+        if let Some(b) = json_number(line, "block_size") {
             block = Some(b as u64);
         }
-        if let (Some(b), Some(t)) = (block, field("throughput_mib_s")) {
+        if let (Some(b), Some(t)) = (block, json_number(line, "throughput_mib_s")) {
             engine.entry(b).or_default().push(t);
         }
     }

@@ -129,20 +129,27 @@ pub enum TransferShape<'a> {
     Barrier,
 }
 
+impl TransferShape<'_> {
+    /// The arrivals of this shape when each unit of `len` bytes (the single write, a page, a
+    /// scatter destination) becomes `writes(len)` writes; a barrier is one zero-byte write.
+    pub fn arrivals(self, writes: impl Fn(u64) -> u64) -> u64 {
+        match self {
+            TransferShape::Single { len } => writes(len),
+            TransferShape::Paged { page_len, pages } => pages * writes(page_len),
+            TransferShape::Scatter { lens } => lens.iter().map(|&len| writes(len)).sum(),
+            TransferShape::Barrier => 1,
+        }
+    }
+}
+
 /// How many immediates a receiver counts for a transfer of `shape`, sent by a peer with `nics`
 /// NICs and `policy`: the `n` to pass to `expect_imm_count`.
 pub fn expected_arrivals(shape: TransferShape<'_>, nics: usize, policy: &StripePolicy) -> u64 {
-    let unit = |len: u64| -> u64 {
+    shape.arrivals(|len| {
         parts(len, nics, policy)
             .map(|(_, part_len)| writes_in_part(part_len, policy))
             .sum()
-    };
-    match shape {
-        TransferShape::Single { len } => unit(len),
-        TransferShape::Paged { page_len, pages } => pages * unit(page_len),
-        TransferShape::Scatter { lens } => lens.iter().map(|&len| unit(len)).sum(),
-        TransferShape::Barrier => 1,
-    }
+    })
 }
 
 #[cfg(test)]
