@@ -303,7 +303,16 @@ fn soak_hundred_thousand_operations_with_flat_memory() {
     }
     let _ = done.wait_for(N, Duration::from_secs(120));
     assert_eq!(done.finished(), N, "every operation finished");
-    assert!(done.failed() > 0 && done.ok() > N / 2);
+    // Each injected failure flushes what is in flight on its connection, and how much that
+    // is depends on the machine's load: 68 % ok here idle or with two busy loops, under half
+    // once in a CI run building on the same 2 cores. Both kinds must occur; the share is not
+    // the property under test.
+    assert!(
+        done.failed() > 0 && done.ok() > N / 10,
+        "{} ok, {} failed",
+        done.ok(),
+        done.failed()
+    );
     for imm in 0..8 {
         b.reset_imm(imm);
     }
