@@ -372,10 +372,11 @@ impl EfaDomain {
             Ok(()) => {}
             Err(e) => {
                 self.receives.release(buffer);
-                tracing_log(&format!(
-                    "{}: a receive buffer could not be posted again: {}",
-                    self.address, e.message
-                ));
+                tracing::error!(
+                    address = %self.address,
+                    error = %e.message,
+                    "a receive buffer could not be posted again"
+                );
             }
         }
     }
@@ -419,10 +420,6 @@ impl EfaDomain {
             }
         }
     }
-}
-
-fn tracing_log(message: &str) {
-    tracing::error!("{message}");
 }
 
 impl Domain for EfaDomain {

@@ -55,6 +55,19 @@ pub fn level_filter(max: u32) -> LevelFilter {
     }
 }
 
+/// The [`LogFn`] level of a `tracing` filter: the most verbose level it lets through (0: off).
+/// The inverse of [`level_filter`].
+pub fn filter_number(filter: LevelFilter) -> u32 {
+    match filter {
+        LevelFilter::OFF => 0,
+        LevelFilter::ERROR => LOG_ERROR,
+        LevelFilter::WARN => LOG_WARN,
+        LevelFilter::INFO => LOG_INFO,
+        LevelFilter::DEBUG => LOG_DEBUG,
+        _ => LOG_TRACE,
+    }
+}
+
 /// A subscriber that hands every event to the host's [`LogFn`]: the message first, then the
 /// other fields as ` name=value`. Spans are not forwarded (their fields would need the host's
 /// span ids); events inside them still are.
@@ -161,6 +174,13 @@ mod tests {
             String::from_utf8_lossy(t).into_owned(),
             String::from_utf8_lossy(m).into_owned(),
         ));
+    }
+
+    #[test]
+    fn filter_numbers_and_level_filters_are_inverse() {
+        for n in 0..=LOG_TRACE {
+            assert_eq!(filter_number(level_filter(n)), n);
+        }
     }
 
     #[test]

@@ -11,27 +11,13 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::{ensure_packages, run, Result};
+use crate::{ensure_packages, run, sh_in, Result};
 
 /// The upstream version Debian 13 carries.
 pub(crate) const VERSION: &str = "2.1.0";
 
 /// What building it needs beyond the project's packages.
 const PACKAGES: &[&str] = &["autoconf", "automake", "libtool", "xz-utils"];
-
-fn sh(script: &str, dir: &Path) -> Result {
-    eprintln!("xtask: (in {}) {script}", dir.display());
-    let status = std::process::Command::new("sh")
-        .args(["-ec", script])
-        .current_dir(dir)
-        .status()
-        .map_err(|e| format!("cannot run sh: {e}"))?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(format!("`{script}` failed with {status}"))
-    }
-}
 
 /// Downloads the upstream tarball into `dir` with a private apt state; returns its path.
 fn download(dir: &Path) -> Result<PathBuf> {
@@ -58,12 +44,9 @@ fn download(dir: &Path) -> Result<PathBuf> {
         "-oAPT::Sandbox::User=root".into(),
     ];
     let opts = options.join(" ");
-    sh(&format!("apt-get -q {opts} update"), dir)?;
+    sh_in(dir, &format!("apt-get -q {opts} update"))?;
     // The .dsc and Debian diff may be gone from the mirror (404): only the tarball matters.
-    let _ = sh(
-        &format!("apt-get -q {opts} source --download-only libfabric={VERSION}-1.1 || apt-get -q {opts} source --download-only libfabric"),
-        dir,
-    );
+    let _ = sh_in(dir, &format!("apt-get -q {opts} source --download-only libfabric={VERSION}-1.1 || apt-get -q {opts} source --download-only libfabric"));
     if tarball.is_file() {
         Ok(tarball)
     } else {
@@ -100,7 +83,8 @@ pub(crate) fn ensure() -> Result<PathBuf> {
         ],
     )?;
     let source = build.join(format!("libfabric-{VERSION}"));
-    sh(
+    sh_in(
+        &source,
         &format!(
             "./autogen.sh >autogen.log 2>&1 || {{ tail -20 autogen.log; exit 1; }}
              ./configure --prefix={} --enable-only --enable-shm --enable-tcp --enable-rxm \
@@ -109,7 +93,6 @@ pub(crate) fn ensure() -> Result<PathBuf> {
              make install >install.log 2>&1 || {{ tail -20 install.log; exit 1; }}",
             install.display()
         ),
-        &source,
     )?;
     Ok(install)
 }

@@ -39,9 +39,15 @@ use std::process::{Command, ExitCode, Stdio};
 type Result<T = ()> = std::result::Result<T, String>;
 
 fn run(program: &str, args: &[&str]) -> Result {
+    run_with(program, args, &[])
+}
+
+/// [`run`] with extra environment variables.
+fn run_with(program: &str, args: &[&str], envs: &[(String, String)]) -> Result {
     eprintln!("xtask: {program} {}", args.join(" "));
     let status = Command::new(program)
         .args(args)
+        .envs(envs.iter().map(|(k, v)| (k, v)))
         .status()
         .map_err(|e| format!("cannot run {program}: {e}"))?;
     if status.success() {
@@ -133,6 +139,21 @@ fn efa_on_libfabric2(totals: &mut (u64, u64)) -> Result {
     )
 }
 
+/// Runs a shell script (`sh -e`) in `dir`.
+fn sh_in(dir: &std::path::Path, script: &str) -> Result {
+    eprintln!("xtask: (in {}) {script}", dir.display());
+    let status = Command::new("sh")
+        .args(["-ec", script])
+        .current_dir(dir)
+        .status()
+        .map_err(|e| format!("cannot run sh: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("`{script}` failed with {status}"))
+    }
+}
+
 /// Where `cargo xtask test` follows docs/plugins.md's C path: an empty directory that gets
 /// the header and the example plugin, nothing else from the tree.
 const VENDOR_DIR: &str = "target/vendor-from-scratch";
@@ -162,15 +183,7 @@ fn build_c_plugin() -> Result<String> {
     if command.is_empty() {
         return Err("docs/plugins.md has no `cc ...` line to build the C plugin with".into());
     }
-    eprintln!("xtask: (in {VENDOR_DIR}) {command}");
-    let status = Command::new("sh")
-        .args(["-ec", &command])
-        .current_dir(dir)
-        .status()
-        .map_err(|e| e.to_string())?;
-    if !status.success() {
-        return Err(format!("the guide's build command failed: {command}"));
-    }
+    sh_in(dir, &command)?;
     Ok(format!("{VENDOR_DIR}/libxfer_loopback.so"))
 }
 
@@ -790,8 +803,9 @@ fn bench_efa(args: &[String]) -> Result {
         exe = "target/libfabric2-tests/release/transfer-bench".into();
     }
     // Built once; the loopback runs and both processes use the same executable.
-    let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args([
+    run_with(
+        &std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()),
+        &[
             "build",
             "--release",
             "--quiet",
@@ -799,27 +813,12 @@ fn bench_efa(args: &[String]) -> Result {
             "examples",
             "--features",
             "efa",
-        ])
-        .args(["--bin", "transfer-bench"])
-        .envs(envs.iter().map(|(k, v)| (k, v)))
-        .status()
-        .map_err(|e| e.to_string())?;
-    if !status.success() {
-        return Err("building transfer-bench failed".into());
-    }
-    let bench = |args: &[&str]| -> Result {
-        eprintln!("xtask: {exe} {}", args.join(" "));
-        let status = Command::new(&exe)
-            .args(args)
-            .envs(envs.iter().map(|(k, v)| (k, v)))
-            .status()
-            .map_err(|e| e.to_string())?;
-        if status.success() {
-            Ok(())
-        } else {
-            Err(format!("transfer-bench failed with {status}"))
-        }
-    };
+            "--bin",
+            "transfer-bench",
+        ],
+        &envs,
+    )?;
+    let bench = |args: &[&str]| run_with(&exe, args, &envs);
     let sizes = ["--block-size", "4096,65536,1048576"];
     for batch in ["1", "16"] {
         let mut loopback = vec!["--config", "configs/efa-shm.toml", "--no-imm-rate"];

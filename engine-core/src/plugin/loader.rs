@@ -15,7 +15,7 @@ use crate::domain::{
     Event, MemoryRegion, PostStatus, ReadRequest, Registration, Waker, WriteRequest,
 };
 use crate::wire::{NetAddr, MAX_ADDR_LEN};
-use xfer_plugin::log::{LOG_DEBUG, LOG_ERROR, LOG_INFO, LOG_TRACE, LOG_WARN};
+use xfer_plugin::log::{filter_number, LOG_DEBUG, LOG_ERROR, LOG_INFO, LOG_WARN};
 
 /// Colon-separated directories searched for plugins not named by path in the config.
 pub const PLUGIN_PATH_ENV: &str = "XFER_PLUGIN_PATH";
@@ -297,9 +297,11 @@ impl LoadedPlugin {
             });
         }
         if let Some(set_log) = table.set_log {
+            // The most verbose level the host's subscriber wants now.
+            let level = filter_number(tracing::level_filters::LevelFilter::current());
             // SAFETY: host_log is callable from any thread for the life of the process; the
             // plugin keeps it (the library is never unloaded, see `_library`).
-            unsafe { set_log(host_log, host_log_level()) };
+            unsafe { set_log(host_log, level) };
         }
         // SAFETY: the table's name is static UTF-8 in the library (checked lossily anyway).
         let name = String::from_utf8_lossy(unsafe { table.name.as_slice() }).into_owned();
@@ -617,19 +619,6 @@ fn loader_text(e: &libloading::Error) -> String {
     match std::error::Error::source(e) {
         Some(source) => format!("{e}: {source}"),
         None => e.to_string(),
-    }
-}
-
-/// The most verbose level the host's subscriber wants, as a `LogFn` level.
-fn host_log_level() -> u32 {
-    use tracing::level_filters::LevelFilter;
-    match LevelFilter::current() {
-        LevelFilter::OFF => 0,
-        LevelFilter::ERROR => LOG_ERROR,
-        LevelFilter::WARN => LOG_WARN,
-        LevelFilter::INFO => LOG_INFO,
-        LevelFilter::DEBUG => LOG_DEBUG,
-        _ => LOG_TRACE,
     }
 }
 

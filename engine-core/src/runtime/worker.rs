@@ -165,6 +165,8 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
     }
     let options = config.backend_options();
     let mut domains = Vec::with_capacity(group_config.nics.len());
+    // Queried once per Domain (a plugin's is a call through the ABI), checked here, kept.
+    let mut caps: Vec<Capabilities> = Vec::with_capacity(group_config.nics.len());
     let mut domains_wake = true;
     for nic in &group_config.nics {
         let mut domain = backend
@@ -182,21 +184,23 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
                 s.wake();
             }
         }));
-        let caps = domain.capabilities();
+        let declared = domain.capabilities();
         let address_len = domain.address().raw().len();
-        if caps.max_address_len > crate::wire::MAX_ADDR_LEN || address_len > caps.max_address_len {
+        if declared.max_address_len > crate::wire::MAX_ADDR_LEN
+            || address_len > declared.max_address_len
+        {
             return Err(Error::Backend {
                 backend: shared.backend.clone(),
                 message: format!(
                     "NIC {nic:?}: the backend declares addresses of up to {} bytes and handed out one of {address_len}; the engine carries at most {}",
-                    caps.max_address_len,
+                    declared.max_address_len,
                     crate::wire::MAX_ADDR_LEN
                 ),
             });
         }
         domains.push(domain);
+        caps.push(declared);
     }
-    let caps: Vec<Capabilities> = domains.iter().map(|d| d.capabilities()).collect();
     let needs_polling = caps.iter().any(|c| c.needs_receiver_polling);
     let nics = domains.len();
     let group = (backend.open_group())(domains, config).map_err(|e| Error::Backend {
@@ -433,7 +437,7 @@ impl Worker {
         let what = if op.read { "read" } else { "write" };
         if let Some(max) = caps.max_write_size.filter(|&m| op.len > m) {
             return Some(format!(
-                "a {what} of {} bytes on NIC {} is larger than backend {backend}'s limit of {max} (lower stripe.chunk_bytes or split the transfer)",
+                "a {what} of {} bytes on NIC {} is larger than backend {backend}'s limit of {max} (lower stripe.max_chunk or split the transfer)",
                 op.len, op.nic
             ));
         }
