@@ -248,14 +248,20 @@ fn fan_out_to_many_peers_connects_every_one() {
         })
         .collect();
     let done = engine_core::DoneCounter::new();
-    for (_, b) in &peers {
+    let arrived = engine_core::DoneCounter::new();
+    for (e, b) in &peers {
+        e.expect_imm_count(1, 1, arrived.clone()).unwrap();
         a.submit_single_write(64, Some(1), (src.mr(), 0), (b.desc(), 0), done.clone())
             .unwrap();
     }
     let r = done.wait_for(PEERS as u64, Duration::from_secs(60));
     assert_eq!(done.ok(), PEERS as u64, "{r:?}");
+    // The writer's completion says the data is placed, not that the receiver's engine has
+    // polled the immediate yet: each receiver waits for its own arrival.
+    let r = arrived.wait_for(PEERS as u64, Duration::from_secs(10));
+    assert_eq!(arrived.ok(), PEERS as u64, "{r:?}");
     for (e, b) in &peers {
-        assert_eq!(e.imm_count(1), 1);
+        assert_eq!(e.imm_count(1), 0, "exactly one arrival");
         assert!(b.to_vec() == src.to_vec());
     }
 }
@@ -278,11 +284,15 @@ fn a_failed_handshake_qp_is_reset_and_peers_still_connect() {
     let src = engine_core::HostBuffer::from_fn(&a, 4096, |i| i as u8).unwrap();
     let dst = engine_core::HostBuffer::new(&b, 4096).unwrap();
     let ok = engine_core::DoneFlag::new();
+    let arrived = engine_core::DoneFlag::new();
+    b.expect_imm_count(3, 1, arrived.clone()).unwrap();
     a.submit_single_write(4096, Some(3), (src.mr(), 0), (dst.desc(), 0), ok.clone())
         .unwrap();
     ok.wait(Duration::from_secs(20)).unwrap();
+    // A's completion can come before B's engine polls the immediate (CI saw it): wait for it.
+    arrived.wait(Duration::from_secs(10)).unwrap();
     assert!(dst.to_vec() == src.to_vec());
-    assert_eq!(b.imm_count(3), 1);
+    assert_eq!(b.imm_count(3), 0, "exactly one arrival");
     let csrc = engine_core::HostBuffer::from_fn(&c, 4096, |i| (i * 3) as u8).unwrap();
     let adst = engine_core::HostBuffer::new(&a, 4096).unwrap();
     for (to, n) in [(&adst, 0u64), (&dst, 1)] {
