@@ -2,11 +2,13 @@
 //! on the device's UD QP.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engine_core::domain::{
     message_size_class, Device as MemDevice, Domain, DomainConfig, DomainError, DomainErrorKind,
-    Event, MemoryRegion, PostStatus, ReadRequest, ReceivePool, RegionTable, Registration,
+    Event, MemoryRegion, PostStatus, ReadRequest, ReceivePool, RegionTable, Registration, Waker,
     WriteRequest,
 };
 use engine_core::NetAddr;
@@ -16,6 +18,7 @@ use crate::ffi::{
     self, Attr, Device, Mr, Qp, RemoteBits, Wc, Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV,
     TAG_IMM_RECV, TAG_MASK, TAG_MSG_RECV, TAG_SEND,
 };
+use crate::notify::NotifyState;
 use crate::options::VerbsOptions;
 use crate::wire::{choose_gid, choose_gid_for, GidEntry, GidWanted, Handshake, Kind, VerbsAddr};
 
@@ -206,6 +209,8 @@ pub struct VerbsDomain {
     established: HashMap<NetAddr, u64>,
     /// When the `forge_requests_every_ms` fault last fired.
     last_forged: Instant,
+    /// Shared with the completion-channel thread once the engine gave a waker (see `notify`).
+    notify: Option<Arc<NotifyState>>,
 }
 
 fn err(kind: DomainErrorKind, message: impl Into<String>) -> DomainError {
@@ -368,6 +373,7 @@ impl VerbsDomain {
             stall_once,
             established: HashMap::new(),
             last_forged: Instant::now(),
+            notify: None,
             imm_deficit: 0,
             next_imm_recv,
         })
@@ -540,6 +546,11 @@ impl VerbsDomain {
             .device
             .create_rc(true, self.options.send_queue.min(256), 0)
             .map_err(other)?;
+        if let Some(notify) = &self.notify {
+            // The CQ may have been resized for the new send queues, which need not keep its
+            // arming: arm again at the next empty poll.
+            notify.armed.store(false, Ordering::SeqCst);
+        }
         Ok((data, msg))
     }
 
@@ -1250,6 +1261,24 @@ impl VerbsDomain {
         let mut expired = Vec::new();
         let mut unconfirmed = Vec::new();
         let mut resend = Vec::new();
+        if let Some(notify) = &self.notify {
+            // Resends and deadlines below need this check to run while the worker idles:
+            // the notifier wakes it every retry_ms while any is pending.
+            let pending = forge > 0
+                || self.peers.values().any(|p| {
+                    matches!(
+                        p,
+                        Peer::Connecting { .. }
+                            | Peer::Connected {
+                                awaiting_ready: Some(_),
+                                ..
+                            }
+                    )
+                });
+            if notify.timers.swap(pending, Ordering::SeqCst) != pending && pending {
+                self.device.kick();
+            }
+        }
         for (peer, state) in &mut self.peers {
             // A responder whose `Ready` has not come: repeat the response (answers hold it).
             if let Peer::Connected {
@@ -1360,7 +1389,7 @@ fn post_message(
     }
 }
 
-fn tracing_free_log(message: &str) {
+pub(crate) fn tracing_free_log(message: &str) {
     eprintln!("xfer backend-verbs: {message}");
 }
 
@@ -1395,6 +1424,120 @@ impl VerbsDomain {
                 format!("GPU memory of CUDA device {index} cannot be registered with {}: dma-buf: {dmabuf_error}; nvidia-peermem: {peermem_error} (see `xfer doctor`)", self.name),
             )),
         }
+    }
+}
+
+impl VerbsDomain {
+    /// Reads every completion on the CQ into `events`; returns how many there were.
+    fn drain_cq(&mut self, events: &mut Vec<Event>) -> Result<usize, DomainError> {
+        let mut wcs = std::mem::take(&mut self.wcs);
+        let mut found = 0;
+        let result = loop {
+            let n = match self.device.poll(&mut wcs) {
+                Ok(n) => n,
+                Err(e) => break Err(other(e)),
+            };
+            found += n;
+            for wc in &wcs[..n] {
+                match wc.kind {
+                    KIND_UD_RECV => {
+                        let len = (wc.byte_len as usize).min(wc.data.len());
+                        let raw = wc.data[..len].to_vec();
+                        self.handle_handshake(&raw);
+                    }
+                    KIND_RECV_IMM => {
+                        if wc.status == 0 {
+                            events.push(Event::ImmArrival { imm: wc.imm });
+                        }
+                        if let Some(ms) = self.stall_once.take() {
+                            // Test fault: a worker stalled (a long registration, say) while
+                            // arrivals keep completing on the CQ.
+                            std::thread::sleep(Duration::from_millis(ms));
+                        }
+                        // Reposted in one batch at the end of this poll.
+                        self.imm_deficit += 1;
+                    }
+                    KIND_RECV_MSG => {
+                        let index = (wc.wr_id & !TAG_MASK) as usize;
+                        if wc.status != 0 {
+                            // A failed receive (an oversized message) goes back on the SRQ:
+                            // the pool must not shrink.
+                            let (addr, len, mr) = self.receives.get(index);
+                            let lkey = mr.lkey;
+                            // SAFETY: the buffer is registered and owned by the pool; it is not
+                            // reused until this receive completes.
+                            let reposted = unsafe {
+                                self.device.post_srq_recv(
+                                    true,
+                                    TAG_MSG_RECV | index as u64,
+                                    addr as u64,
+                                    len as u32,
+                                    lkey,
+                                )
+                            };
+                            if reposted.is_err() {
+                                self.receives.release(index);
+                            }
+                        } else if let Some(data) =
+                            self.receives.take_message(index, wc.byte_len as usize)
+                        {
+                            events.push(Event::Message { data });
+                        }
+                    }
+                    _ if self.data_queues.contains_key(&wc.qp_num)
+                        || self.dead_qps.contains(&wc.qp_num) =>
+                    {
+                        self.data_completion(wc, events);
+                    }
+                    _ => {
+                        // A message: every send is signalled, so each has its own completion.
+                        let Some(send) = self.sends.remove(&wc.wr_id) else {
+                            continue;
+                        };
+                        self.send_pool.release(send.buffer);
+                        let result = if wc.status == 0 {
+                            Ok(())
+                        } else {
+                            let (peer, text) = self.describe_failure(wc);
+                            // A late error of a connection already replaced must not tear
+                            // down its successor.
+                            let current = peer.as_ref().is_some_and(|p| {
+                                matches!(self.peers.get(p), Some(Peer::Connected { msg, .. }) if msg.qpn == wc.qp_num)
+                            });
+                            if let (true, Some(p)) = (current, peer) {
+                                self.fail_peer(&p, &text);
+                            }
+                            Err(err(classify(wc.status), text))
+                        };
+                        events.push(Event::Done {
+                            wr_id: send.user,
+                            result,
+                        });
+                    }
+                }
+            }
+            if n < wcs.len() {
+                break Ok(found);
+            }
+        };
+        self.wcs = wcs;
+        result
+    }
+
+    /// After a poll that found the CQ empty: arms it for the notifier thread (once per event,
+    /// see `notify`) and reads what completed in between, which raises no event.
+    fn arm_if_idle(&mut self, events: &mut Vec<Event>) -> Result<usize, DomainError> {
+        let Some(notify) = &self.notify else {
+            return Ok(0);
+        };
+        if notify.armed.swap(true, Ordering::SeqCst) {
+            return Ok(0);
+        }
+        if let Err(e) = self.device.arm_cq() {
+            notify.armed.store(false, Ordering::SeqCst);
+            return Err(err(DomainErrorKind::Fatal, format!("{}: {e}", self.name)));
+        }
+        self.drain_cq(events)
     }
 }
 
@@ -1606,6 +1749,33 @@ impl Domain for VerbsDomain {
         Ok(())
     }
 
+    fn set_waker(&mut self, waker: Waker) -> bool {
+        if !self.options.completion_channel || self.notify.is_some() {
+            return false;
+        }
+        let state = Arc::new(NotifyState::default());
+        let shared = state.clone();
+        let retry = Duration::from_millis(self.options.retry_ms);
+        let started = self
+            .device
+            .start_notifier(format!("xfer-verbs-{}", self.name), move |events| {
+                crate::notify::run(&events, &shared, retry, &waker)
+            });
+        match started {
+            Ok(()) => {
+                self.notify = Some(state);
+                true
+            }
+            Err(e) => {
+                tracing_free_log(&format!(
+                    "{}: {e}; the engine polls this device on an interval",
+                    self.name
+                ));
+                false
+            }
+        }
+    }
+
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError> {
         // Chains still building since the last pass go out now, one doorbell each.
         self.post_chains();
@@ -1617,95 +1787,10 @@ impl Domain for VerbsDomain {
             self.read_async_events()?;
         }
         events.append(&mut self.done);
-        let mut wcs = std::mem::take(&mut self.wcs);
-        let result = loop {
-            let n = match self.device.poll(&mut wcs) {
-                Ok(n) => n,
-                Err(e) => break Err(other(e)),
-            };
-            for wc in &wcs[..n] {
-                match wc.kind {
-                    KIND_UD_RECV => {
-                        let len = (wc.byte_len as usize).min(wc.data.len());
-                        let raw = wc.data[..len].to_vec();
-                        self.handle_handshake(&raw);
-                    }
-                    KIND_RECV_IMM => {
-                        if wc.status == 0 {
-                            events.push(Event::ImmArrival { imm: wc.imm });
-                        }
-                        if let Some(ms) = self.stall_once.take() {
-                            // Test fault: a worker stalled (a long registration, say) while
-                            // arrivals keep completing on the CQ.
-                            std::thread::sleep(Duration::from_millis(ms));
-                        }
-                        // Reposted in one batch at the end of this poll.
-                        self.imm_deficit += 1;
-                    }
-                    KIND_RECV_MSG => {
-                        let index = (wc.wr_id & !TAG_MASK) as usize;
-                        if wc.status != 0 {
-                            // A failed receive (an oversized message) goes back on the SRQ:
-                            // the pool must not shrink.
-                            let (addr, len, mr) = self.receives.get(index);
-                            let lkey = mr.lkey;
-                            // SAFETY: the buffer is registered and owned by the pool; it is not
-                            // reused until this receive completes.
-                            let reposted = unsafe {
-                                self.device.post_srq_recv(
-                                    true,
-                                    TAG_MSG_RECV | index as u64,
-                                    addr as u64,
-                                    len as u32,
-                                    lkey,
-                                )
-                            };
-                            if reposted.is_err() {
-                                self.receives.release(index);
-                            }
-                        } else if let Some(data) =
-                            self.receives.take_message(index, wc.byte_len as usize)
-                        {
-                            events.push(Event::Message { data });
-                        }
-                    }
-                    _ if self.data_queues.contains_key(&wc.qp_num)
-                        || self.dead_qps.contains(&wc.qp_num) =>
-                    {
-                        self.data_completion(wc, events);
-                    }
-                    _ => {
-                        // A message: every send is signalled, so each has its own completion.
-                        let Some(send) = self.sends.remove(&wc.wr_id) else {
-                            continue;
-                        };
-                        self.send_pool.release(send.buffer);
-                        let result = if wc.status == 0 {
-                            Ok(())
-                        } else {
-                            let (peer, text) = self.describe_failure(wc);
-                            // A late error of a connection already replaced must not tear
-                            // down its successor.
-                            let current = peer.as_ref().is_some_and(|p| {
-                                matches!(self.peers.get(p), Some(Peer::Connected { msg, .. }) if msg.qpn == wc.qp_num)
-                            });
-                            if let (true, Some(p)) = (current, peer) {
-                                self.fail_peer(&p, &text);
-                            }
-                            Err(err(classify(wc.status), text))
-                        };
-                        events.push(Event::Done {
-                            wr_id: send.user,
-                            result,
-                        });
-                    }
-                }
-            }
-            if n < wcs.len() {
-                break Ok(());
-            }
+        let result = match self.drain_cq(events) {
+            Ok(0) => self.arm_if_idle(events).map(drop),
+            other => other.map(drop),
         };
-        self.wcs = wcs;
         let resets = self.device.ud_resets();
         if resets != self.ud_resets_seen {
             self.ud_resets_seen = resets;

@@ -2,6 +2,9 @@
 
 use std::ffi::{c_char, CStr, CString};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
 use verbs_sys as sys;
 
@@ -45,6 +48,52 @@ pub(crate) fn devices() -> Vec<String> {
 /// An opened RDMA device with its PD, CQ, SRQs and UD handshake QP.
 pub(crate) struct Device {
     raw: NonNull<sys::XvDev>,
+    /// The thread waiting on the CQ's completion channel, if started: stopped and joined
+    /// before the device closes.
+    notifier: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+}
+
+/// What a wait on the completion channel ended with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// A completion event: the CQ got a completion after it was armed (and is disarmed now).
+    Completion,
+    /// [`Device::kick`] was called.
+    Kick,
+    Timeout,
+}
+
+/// The wake thread's handle on the device's completion channel.
+pub(crate) struct CqEvents {
+    raw: NonNull<sys::XvDev>,
+    stop: Arc<AtomicBool>,
+}
+
+// SAFETY: the shim's wait touches only the completion channel and the kick eventfd, which
+// libibverbs and the kernel let one thread wait on while another polls and arms the CQ; the
+// device outlives this handle (Device::drop joins its thread before closing).
+unsafe impl Send for CqEvents {}
+
+impl CqEvents {
+    /// Waits for a completion event or a kick, at most `timeout` (`None`: without limit).
+    pub(crate) fn wait(&self, timeout: Option<Duration>) -> Result<Wait, String> {
+        let ms = timeout.map_or(-1, |t| t.as_millis().clamp(1, i32::MAX as u128) as i32);
+        // SAFETY: see `unsafe impl Send for CqEvents`.
+        match unsafe { sys::xv_wait_cq(self.raw.as_ptr(), ms) } {
+            0 => Ok(Wait::Timeout),
+            1 => Ok(Wait::Completion),
+            2 => Ok(Wait::Kick),
+            e => Err(format!(
+                "waiting on the completion channel: {}",
+                errno_text(-e)
+            )),
+        }
+    }
+
+    /// Whether the device is closing (the thread must return).
+    pub(crate) fn stopping(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
 }
 
 // SAFETY: verbs objects may be used from any thread; the Domain (and so this) is used by one
@@ -60,7 +109,10 @@ impl Device {
         let rc =
             unsafe { sys::xv_open(cname.as_ptr(), port, &mut raw, err.as_mut_ptr(), err.len()) };
         match NonNull::new(raw) {
-            Some(raw) if rc == 0 => Ok(Self { raw }),
+            Some(raw) if rc == 0 => Ok(Self {
+                raw,
+                notifier: None,
+            }),
             _ => Err(text(&err)),
         }
     }
@@ -351,6 +403,45 @@ impl Device {
         unsafe { sys::xv_ud_resets(self.raw.as_ptr()) }
     }
 
+    /// Starts `run` on a thread of its own with the device's completion channel (at most
+    /// once per device).
+    pub(crate) fn start_notifier(
+        &mut self,
+        name: String,
+        run: impl FnOnce(CqEvents) + Send + 'static,
+    ) -> Result<(), String> {
+        if self.notifier.is_some() {
+            return Err("the completion channel already has a thread".into());
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let events = CqEvents {
+            raw: self.raw,
+            stop: stop.clone(),
+        };
+        let handle = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || run(events))
+            .map_err(|e| format!("starting the completion thread: {e}"))?;
+        self.notifier = Some((stop, handle));
+        Ok(())
+    }
+
+    /// Arms the CQ: its next completion raises one event on the channel. Completions already
+    /// on it raise none, so poll once more after arming.
+    pub(crate) fn arm_cq(&mut self) -> Result<(), String> {
+        // SAFETY: the device is open.
+        match unsafe { sys::xv_arm_cq(self.raw.as_ptr()) } {
+            0 => Ok(()),
+            e => Err(format!("ibv_req_notify_cq: {}", errno_text(e))),
+        }
+    }
+
+    /// Ends the current wait of the notifier thread (it recomputes its timeout).
+    pub(crate) fn kick(&self) {
+        // SAFETY: the device is open; this writes to its eventfd.
+        unsafe { sys::xv_kick(self.raw.as_ptr()) };
+    }
+
     /// Polls up to `out.len()` (at most 32) completions.
     pub(crate) fn poll(&mut self, out: &mut [Wc]) -> Result<usize, String> {
         // SAFETY: out has out.len() writable entries.
@@ -370,8 +461,13 @@ impl Device {
 
 impl Drop for Device {
     fn drop(&mut self) {
-        // SAFETY: opened once, closed once; QPs and MRs are dropped before (the Domain owns
-        // them in fields declared ahead of the device).
+        if let Some((stop, handle)) = self.notifier.take() {
+            stop.store(true, Ordering::SeqCst);
+            self.kick();
+            let _ = handle.join();
+        }
+        // SAFETY: opened once, closed once, after the notifier thread ended; QPs and MRs are
+        // dropped before (the Domain owns them in fields declared ahead of the device).
         unsafe { sys::xv_close(self.raw.as_ptr()) };
     }
 }

@@ -63,6 +63,68 @@ fn an_address_with_no_listening_qp_is_unreachable() {
     );
 }
 
+/// Workers that park with nothing in flight are woken by the device (its completion channel),
+/// not by an idle poll: here the idle poll is an hour, so an arrival that does not wake the
+/// receiver's worker is never seen (with `completion_channel = false` this fails at the first
+/// write: the receiver's worker sleeps through the handshake request). Covers the handshake
+/// (the receiver answers from a parked worker), writes with immediate each way after both
+/// sides went idle, and messages.
+#[test]
+#[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
+fn arrivals_wake_a_parked_worker() {
+    use engine_core::conformance::Harness;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+    let mut config = Rxe.config(1);
+    config.worker.idle_poll_us = 3_600_000_000;
+    config.worker.spin_us = 0;
+    let a = Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let b = Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let on_a = engine_core::HostBuffer::from_fn(&a, 4096, |i| i as u8).unwrap();
+    let on_b = engine_core::HostBuffer::from_fn(&b, 4096, |i| (i * 7) as u8).unwrap();
+    let got = Arc::new(Mutex::new(Vec::<Vec<u8>>::new()));
+    let sink = got.clone();
+    b.submit_recvs(64, 4, move |m| sink.lock().unwrap().push(m.to_vec()))
+        .unwrap();
+    for round in 0..3u32 {
+        // Idle long enough for both workers to park.
+        std::thread::sleep(Duration::from_millis(50));
+        let (from, to, src, dst) = if round % 2 == 0 {
+            (&a, &b, &on_a, &on_b)
+        } else {
+            (&b, &a, &on_b, &on_a)
+        };
+        let arrived = engine_core::DoneFlag::new();
+        to.expect_imm_count(round, 1, arrived.clone()).unwrap();
+        let written = engine_core::DoneFlag::new();
+        from.submit_single_write(
+            512,
+            Some(round),
+            (src.mr(), 0),
+            (dst.desc(), 1024),
+            written.clone(),
+        )
+        .unwrap();
+        written
+            .wait(Duration::from_secs(20))
+            .unwrap_or_else(|e| panic!("round {round}: the write: {e}"));
+        arrived
+            .wait(Duration::from_secs(20))
+            .unwrap_or_else(|e| panic!("round {round}: the arrival never woke the receiver: {e}"));
+        assert!(dst.to_vec()[1024..1536] == src.to_vec()[..512]);
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    let sent = engine_core::DoneFlag::new();
+    a.submit_send(&b.main_address(), b"while parked", sent.clone())
+        .unwrap();
+    sent.wait(Duration::from_secs(20)).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while got.lock().unwrap().is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(*got.lock().unwrap(), vec![b"while parked".to_vec()]);
+}
+
 /// A remote access error breaks the RC connection; the next transfer to the same peer
 /// reconnects and succeeds.
 #[test]

@@ -5,6 +5,9 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <infiniband/verbs.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,6 +58,10 @@ typedef struct xv_dev {
     uint8_t traffic_class;
     uint8_t service_level;
     int global_mode;
+    /* Completion notification (see xv_arm_cq / xv_wait_cq): the CQ's completion channel, and
+     * an eventfd that interrupts a wait (a new timer to keep, or the device closing). */
+    struct ibv_comp_channel *chan;
+    int kick_fd;
 } xv_dev;
 
 /* Whether a path to `dlid` carries a GRH: RoCE always does; InfiniBand only when asked, or
@@ -170,6 +177,7 @@ int xv_open(const char *name, int port, xv_dev **out, char *err, size_t cap) {
         return -1;
     }
     xv_dev *d = calloc(1, sizeof *d);
+    d->kick_fd = -1;
     d->ctx = ibv_open_device(dev);
     ibv_free_device_list(list);
     if (!d->ctx) {
@@ -299,7 +307,23 @@ int xv_setup(xv_dev *d, int gid_index, int cq_size, int srq_size, xv_attr *attr,
     }
     if (cq_size > d->max_cqe)
         cq_size = d->max_cqe;
-    if (!(d->pd = ibv_alloc_pd(d->ctx)) || !(d->cq = ibv_create_cq(d->ctx, cq_size, NULL, NULL, 0))) {
+    /* The channel costs nothing until the CQ is armed; a worker that parks arms it. */
+    if (!(d->chan = ibv_create_comp_channel(d->ctx))) {
+        set_err(err, cap, "ibv_create_comp_channel", errno);
+        return -1;
+    }
+    {
+        int flags = fcntl(d->chan->fd, F_GETFL);
+        if (flags < 0 || fcntl(d->chan->fd, F_SETFL, flags | O_NONBLOCK) < 0) {
+            set_err(err, cap, "making the completion channel non-blocking", errno);
+            return -1;
+        }
+    }
+    if ((d->kick_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0) {
+        set_err(err, cap, "eventfd", errno);
+        return -1;
+    }
+    if (!(d->pd = ibv_alloc_pd(d->ctx)) || !(d->cq = ibv_create_cq(d->ctx, cq_size, NULL, d->chan, 0))) {
         set_err(err, cap, d->pd ? "ibv_create_cq" : "ibv_alloc_pd", errno);
         return -1;
     }
@@ -359,7 +383,11 @@ void xv_close(xv_dev *d) {
     if (d->srq_msg)
         ibv_destroy_srq(d->srq_msg);
     if (d->cq)
-        ibv_destroy_cq(d->cq);
+        ibv_destroy_cq(d->cq); /* every event was acknowledged when it was read */
+    if (d->chan)
+        ibv_destroy_comp_channel(d->chan);
+    if (d->kick_fd >= 0)
+        close(d->kick_fd);
     if (d->pd)
         ibv_dealloc_pd(d->pd);
     ibv_close_device(d->ctx);
@@ -669,6 +697,45 @@ int xv_ud_send(xv_dev *d, const uint8_t dgid[16], uint16_t dlid, uint32_t dqpn, 
     d->ud_busy |= 1ull << slot;
     d->ud_ah[slot] = ah;
     return 0;
+}
+
+/* Asks for one completion event at the CQ's next completion (0, or an errno). Completions
+ * already on the CQ raise none: the caller polls once more after arming. */
+int xv_arm_cq(xv_dev *d) { return ibv_req_notify_cq(d->cq, 0); }
+
+/* Waits up to `timeout_ms` (-1: without limit) for a completion event or a kick: 1 an event
+ * came (read and acknowledged: the CQ is disarmed until armed again), 2 a kick, 0 timeout,
+ * or -errno. Runs on the wake thread while the owner polls, arms and resizes the CQ: libibverbs
+ * makes these calls safe to make concurrently. */
+int xv_wait_cq(xv_dev *d, int timeout_ms) {
+    struct pollfd fds[2] = {{.fd = d->chan->fd, .events = POLLIN}, {.fd = d->kick_fd, .events = POLLIN}};
+    int rc = poll(fds, 2, timeout_ms);
+    if (rc < 0)
+        return errno == EINTR ? 0 : -errno;
+    int result = 0;
+    if (fds[1].revents & POLLIN) {
+        uint64_t drained;
+        if (read(d->kick_fd, &drained, sizeof drained) < 0 && errno != EAGAIN)
+            return -errno;
+        result = 2;
+    }
+    if (fds[0].revents & POLLIN) {
+        struct ibv_cq *cq;
+        void *ctx;
+        while (!ibv_get_cq_event(d->chan, &cq, &ctx)) {
+            ibv_ack_cq_events(cq, 1);
+            result = 1;
+        }
+        if (errno != EAGAIN && result != 1)
+            return -errno;
+    }
+    return result;
+}
+
+/* Interrupts a wait in xv_wait_cq (0, or an errno). */
+int xv_kick(xv_dev *d) {
+    uint64_t one = 1;
+    return write(d->kick_fd, &one, sizeof one) < 0 ? errno : 0;
 }
 
 /* Polls the CQ; UD receives are copied out and reposted, UD send completions free their AH. */

@@ -1,0 +1,193 @@
+//! Waking a parked engine worker from the CQ's completion channel.
+//!
+//! The worker parks when nothing is in flight, so an arrival (a write with immediate, a
+//! message, a handshake datagram) must wake it, or it waits for its next idle poll. The
+//! protocol with the Domain, which polls the CQ on the worker's thread:
+//!
+//! - After a poll that found the CQ empty, the Domain arms it (`armed` false → true) and polls
+//!   once more (completions already on the CQ raise no event). While `armed` stays true it
+//!   does not arm again: one `ibv_req_notify_cq` per event, not one per empty poll.
+//! - This thread waits on the channel. An event means a completion came after arming: it
+//!   clears `armed` first and then calls the waker, so the worker's next pass (which the
+//!   waker guarantees) sees `armed` false and re-arms before it can park again.
+//! - The Domain also has timer work while idle: handshakes it must resend every `retry_ms`
+//!   and deadlines it must enforce. While any is pending (`timers`), the wait has a
+//!   `retry_ms` timeout after which the worker is woken; the Domain kicks the wait when
+//!   `timers` turns true, so a wait begun without a timeout is not kept.
+//!
+//! The loop is generic over its event source so that it is tested without a device.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use engine_core::domain::Waker;
+
+use crate::ffi::{CqEvents, Wait};
+
+/// What the Domain and its notifier thread share.
+#[derive(Debug, Default)]
+pub(crate) struct NotifyState {
+    /// The CQ is armed: an event will come at its next completion.
+    pub(crate) armed: AtomicBool,
+    /// Handshakes or deadlines need the Domain polled every `retry_ms` even when idle.
+    pub(crate) timers: AtomicBool,
+}
+
+/// Where the loop waits: the device's completion channel, or a script in tests.
+pub(crate) trait EventSource {
+    fn wait(&self, timeout: Option<Duration>) -> Result<Wait, String>;
+    fn stopping(&self) -> bool;
+}
+
+impl EventSource for CqEvents {
+    fn wait(&self, timeout: Option<Duration>) -> Result<Wait, String> {
+        CqEvents::wait(self, timeout)
+    }
+    fn stopping(&self) -> bool {
+        CqEvents::stopping(self)
+    }
+}
+
+/// The notifier thread's loop; returns when the source says the device is closing.
+pub(crate) fn run(source: &impl EventSource, state: &NotifyState, retry: Duration, waker: &Waker) {
+    let mut failures = 0u32;
+    loop {
+        if source.stopping() {
+            return;
+        }
+        let timeout = state.timers.load(Ordering::SeqCst).then_some(retry);
+        match source.wait(timeout) {
+            Ok(Wait::Completion) => {
+                failures = 0;
+                state.armed.store(false, Ordering::SeqCst);
+                waker.wake();
+            }
+            Ok(Wait::Kick) => {}
+            Ok(Wait::Timeout) => {
+                if state.timers.load(Ordering::SeqCst) {
+                    waker.wake();
+                }
+            }
+            Err(e) => {
+                // The channel cannot be waited on: the worker is woken on a short interval
+                // instead (what a Domain without a channel gets), so nothing is stranded.
+                if failures == 0 {
+                    crate::domain::tracing_free_log(&format!(
+                        "{e}; waking the worker every millisecond instead"
+                    ));
+                }
+                failures = failures.saturating_add(1);
+                state.armed.store(false, Ordering::SeqCst);
+                waker.wake();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+    use std::sync::atomic::AtomicU32;
+    use std::sync::Arc;
+
+    /// Plays a script of wait outcomes; records the timeouts asked for; stops when done.
+    struct Script {
+        outcomes: RefCell<Vec<Result<Wait, String>>>,
+        asked: RefCell<Vec<Option<Duration>>>,
+        /// Run before each outcome is returned (to change the shared state mid-script).
+        before: Box<dyn Fn(usize)>,
+    }
+
+    impl EventSource for Script {
+        fn wait(&self, timeout: Option<Duration>) -> Result<Wait, String> {
+            let step = self.asked.borrow().len();
+            self.asked.borrow_mut().push(timeout);
+            (self.before)(step);
+            self.outcomes.borrow_mut().remove(0)
+        }
+        fn stopping(&self) -> bool {
+            self.outcomes.borrow().is_empty()
+        }
+    }
+
+    fn counting_waker() -> (Waker, Arc<AtomicU32>) {
+        let wakes = Arc::new(AtomicU32::new(0));
+        let w = wakes.clone();
+        (
+            Waker::new(move || {
+                w.fetch_add(1, Ordering::SeqCst);
+            }),
+            wakes,
+        )
+    }
+
+    const RETRY: Duration = Duration::from_millis(200);
+
+    #[test]
+    fn an_event_disarms_before_it_wakes_and_idle_waits_have_no_timeout() {
+        let state = Arc::new(NotifyState::default());
+        state.armed.store(true, Ordering::SeqCst);
+        let seen = state.clone();
+        let armed_at_wake = Arc::new(AtomicBool::new(true));
+        let flag = armed_at_wake.clone();
+        let waker =
+            Waker::new(move || flag.store(seen.armed.load(Ordering::SeqCst), Ordering::SeqCst));
+        let script = Script {
+            outcomes: RefCell::new(vec![Ok(Wait::Completion), Ok(Wait::Timeout)]),
+            asked: RefCell::new(Vec::new()),
+            before: Box::new(|_| {}),
+        };
+        run(&script, &state, RETRY, &waker);
+        assert!(
+            !armed_at_wake.load(Ordering::SeqCst),
+            "woken while still marked armed"
+        );
+        assert_eq!(*script.asked.borrow(), vec![None, None]);
+    }
+
+    #[test]
+    fn pending_timers_wake_the_worker_every_retry_and_a_kick_picks_them_up() {
+        let state = Arc::new(NotifyState::default());
+        let (waker, wakes) = counting_waker();
+        let shared = state.clone();
+        let script = Script {
+            // A wait without timeout is kicked when a handshake starts; then two timeouts
+            // while it is pending, and one more after it ended (no wake).
+            outcomes: RefCell::new(vec![
+                Ok(Wait::Kick),
+                Ok(Wait::Timeout),
+                Ok(Wait::Timeout),
+                Ok(Wait::Timeout),
+            ]),
+            asked: RefCell::new(Vec::new()),
+            before: Box::new(move |step| match step {
+                0 => shared.timers.store(true, Ordering::SeqCst),
+                3 => shared.timers.store(false, Ordering::SeqCst),
+                _ => {}
+            }),
+        };
+        run(&script, &state, RETRY, &waker);
+        assert_eq!(
+            *script.asked.borrow(),
+            vec![None, Some(RETRY), Some(RETRY), Some(RETRY)]
+        );
+        assert_eq!(wakes.load(Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn a_channel_that_fails_degrades_to_waking_on_an_interval() {
+        let state = NotifyState::default();
+        state.armed.store(true, Ordering::SeqCst);
+        let (waker, wakes) = counting_waker();
+        let script = Script {
+            outcomes: RefCell::new(vec![Err("EBADF".into()), Err("EBADF".into())]),
+            asked: RefCell::new(Vec::new()),
+            before: Box::new(|_| {}),
+        };
+        run(&script, &state, RETRY, &waker);
+        assert_eq!(wakes.load(Ordering::SeqCst), 2);
+        assert!(!state.armed.load(Ordering::SeqCst));
+    }
+}
