@@ -209,8 +209,9 @@ pub struct VerbsDomain {
     established: HashMap<NetAddr, u64>,
     /// When the `forge_requests_every_ms` fault last fired.
     last_forged: Instant,
-    /// Shared with the completion-channel thread once the engine gave a waker (see `notify`).
-    notify: Option<Arc<NotifyState>>,
+    /// Shared with the completion-channel thread once the engine gave a waker (see `notify`),
+    /// and that waker (asked whether the worker is about to park).
+    notify: Option<(Arc<NotifyState>, Waker)>,
 }
 
 fn err(kind: DomainErrorKind, message: impl Into<String>) -> DomainError {
@@ -546,7 +547,7 @@ impl VerbsDomain {
             .device
             .create_rc(true, self.options.send_queue.min(256), 0)
             .map_err(other)?;
-        if let Some(notify) = &self.notify {
+        if let Some((notify, _)) = &self.notify {
             // The CQ may have been resized for the new send queues, which need not keep its
             // arming: arm again at the next empty poll.
             notify.armed.store(false, Ordering::SeqCst);
@@ -1261,7 +1262,7 @@ impl VerbsDomain {
         let mut expired = Vec::new();
         let mut unconfirmed = Vec::new();
         let mut resend = Vec::new();
-        if let Some(notify) = &self.notify {
+        if let Some((notify, _)) = &self.notify {
             // Resends and deadlines below need this check to run while the worker idles:
             // the notifier wakes it every retry_ms while any is pending.
             let pending = forge > 0
@@ -1524,13 +1525,15 @@ impl VerbsDomain {
         result
     }
 
-    /// After a poll that found the CQ empty: arms it for the notifier thread (once per event,
-    /// see `notify`) and reads what completed in between, which raises no event.
+    /// After a poll that found the CQ empty, when the worker is about to park: arms the CQ
+    /// for the notifier thread (once per event, see `notify`) and reads what completed in
+    /// between, which raises no event. A busy worker's empty polls arm nothing (an armed CQ
+    /// wakes the notifier thread at its next completion: CPU the NIC's driver may need).
     fn arm_if_idle(&mut self, events: &mut Vec<Event>) -> Result<usize, DomainError> {
-        let Some(notify) = &self.notify else {
+        let Some((notify, waker)) = &self.notify else {
             return Ok(0);
         };
-        if notify.armed.swap(true, Ordering::SeqCst) {
+        if !waker.worker_parking() || notify.armed.swap(true, Ordering::SeqCst) {
             return Ok(0);
         }
         if let Err(e) = self.device.arm_cq() {
@@ -1756,14 +1759,15 @@ impl Domain for VerbsDomain {
         let state = Arc::new(NotifyState::default());
         let shared = state.clone();
         let retry = Duration::from_millis(self.options.retry_ms);
+        let thread_waker = waker.clone();
         let started = self
             .device
             .start_notifier(format!("xfer-verbs-{}", self.name), move |events| {
-                crate::notify::run(&events, &shared, retry, &waker)
+                crate::notify::run(&events, &shared, retry, &thread_waker)
             });
         match started {
             Ok(()) => {
-                self.notify = Some(state);
+                self.notify = Some((state, waker));
                 true
             }
             Err(e) => {

@@ -183,17 +183,45 @@ impl DomainError {
 
 /// Wakes a parked worker; a Domain calls it when events arrive that `poll` would return.
 #[derive(Clone)]
-pub struct Waker(Arc<dyn Fn() + Send + Sync>);
+pub struct Waker {
+    wake: Arc<dyn Fn() + Send + Sync>,
+    parking: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
+}
 
 impl Waker {
     /// Wraps a wake function.
     pub fn new(f: impl Fn() + Send + Sync + 'static) -> Self {
-        Self(Arc::new(f))
+        Self {
+            wake: Arc::new(f),
+            parking: None,
+        }
+    }
+
+    /// Wraps a wake function and a query saying whether the worker is about to park (see
+    /// [`worker_parking`](Self::worker_parking)).
+    pub fn with_parking(
+        f: impl Fn() + Send + Sync + 'static,
+        parking: impl Fn() -> bool + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            wake: Arc::new(f),
+            parking: Some(Arc::new(parking)),
+        }
     }
 
     /// Wakes the worker (cheap when it is not parked).
     pub fn wake(&self) {
-        (self.0)()
+        (self.wake)()
+    }
+
+    /// Whether the worker announced that it parks after the `poll` in progress. A Domain
+    /// that must arm something to be able to wake it (a completion channel) may arm only
+    /// when this is true: the worker announces the park before its last poll, so an event
+    /// after that poll still wakes it. `true` when unknown (a waker built with
+    /// [`new`](Self::new), as the plugin ABI builds them): such a Domain arms on every idle
+    /// poll.
+    pub fn worker_parking(&self) -> bool {
+        self.parking.as_ref().is_none_or(|f| f())
     }
 }
 
@@ -568,5 +596,20 @@ mod tests {
         p.release(b);
         assert_eq!(p.take(16, |_| Err("unused")), Ok(b));
         assert_eq!(p.take_message(99, 1), None);
+    }
+
+    #[test]
+    fn a_waker_says_whether_the_worker_parks_and_assumes_it_does_when_unknown() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let parked = Arc::new(AtomicBool::new(false));
+        let seen = parked.clone();
+        let told = Waker::with_parking(|| {}, move || seen.load(Ordering::SeqCst));
+        assert!(!told.worker_parking());
+        parked.store(true, Ordering::SeqCst);
+        assert!(told.clone().worker_parking());
+        assert!(
+            Waker::new(|| {}).worker_parking(),
+            "unknown: arm every time"
+        );
     }
 }

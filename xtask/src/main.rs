@@ -958,8 +958,9 @@ fn json_number(line: &str, name: &str) -> Option<f64> {
 
 /// `rxe-bench lat`: 8-byte write-with-immediate latency next to `ib_write_lat` on the same rxe
 /// device, three alternating rounds in one boot; one-way (half a round trip) p50 and p99.
-/// The workers busy-poll (`--busy-poll`), as `ib_write_lat` spins on memory: a verbs Domain
-/// cannot wake a parked worker, which then sees an arrival only at its next idle poll.
+/// xfer runs twice per round: with parked workers woken by the completion channel (the
+/// default configuration) and with busy-polling workers (`--busy-poll`, as `ib_write_lat`
+/// spins on memory).
 fn rxe_latency() -> Result {
     build_rxe_bench()?;
     // ib_write_lat prints `#bytes #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%`.
@@ -968,8 +969,9 @@ fn rxe_latency() -> Result {
            for try in 1 2 3 4 5; do \
              out=$(ib_write_lat -d rxe0 -x 0 -F -s 8 -n 2000 localhost 2>/dev/null | awk '$1==8 {print \"PERFTEST\", $5, $8}'); \
              [ -n \"$out\" ] && break; sleep 1; \
-           done; echo \"$out\"; wait; \
-           target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --busy-poll --json; \
+           done; echo \"${out:-PERFTEST failed}\"; wait; \
+           echo MODE parked; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --json; \
+           echo MODE busy; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --busy-poll --json; \
          done";
     let run = rxe::run(
         1,
@@ -982,45 +984,63 @@ fn rxe_latency() -> Result {
             run.status
         ));
     }
-    let (mut perftest, mut engine) = (Vec::new(), Vec::new());
-    let mut p50 = None;
+    // One entry per round (None: perftest printed nothing that round), so rounds pair up.
+    let mut perftest: Vec<Option<(f64, f64)>> = Vec::new();
+    // (mode, p50, p99) per xfer run.
+    let mut engine: Vec<(String, f64, f64)> = Vec::new();
+    let (mut mode, mut p50) = (String::new(), None);
     for line in &run.output {
         let words: Vec<&str> = line.split_whitespace().collect();
-        if let ["PERFTEST", typical, p99] = words.as_slice() {
-            if let (Ok(t), Ok(p)) = (typical.parse::<f64>(), p99.parse::<f64>()) {
-                perftest.push((t, p));
+        match words.as_slice() {
+            ["PERFTEST", typical, p99] => {
+                perftest.push(typical.parse::<f64>().ok().zip(p99.parse::<f64>().ok()))
             }
+            ["PERFTEST", "failed"] => perftest.push(None),
+            ["MODE", m] => mode = (*m).to_owned(),
+            _ => {}
         }
         if let Some(v) = json_number(line, "latency_us_p50") {
             p50 = Some(v);
         }
         if let (Some(m), Some(p)) = (p50, json_number(line, "latency_us_p99")) {
-            engine.push((m, p));
+            engine.push((mode.clone(), m, p));
             p50 = None;
         }
     }
     println!("\nverbs 8-byte write with immediate on soft-RoCE (TCG guest), one way (half a round trip), 2000 iterations, 3 alternating rounds; perftest: ib_write_lat -x 0 -F (t_typical, 99%)");
-    println!(
-        "{:>6} | {:>20} | {:>20} | {:>10}",
-        "round", "xfer p50 / p99 (us)", "perftest (us)", "p50 ratio"
-    );
-    let mut ratios = Vec::new();
-    for (i, (e, p)) in engine.iter().zip(&perftest).enumerate() {
-        ratios.push(e.0 / p.0);
+    for wanted in ["parked", "busy"] {
         println!(
-            "{:>6} | {:>9.2} / {:>8.2} | {:>9.2} / {:>8.2} | {:>10.3}",
-            i + 1,
-            e.0,
-            e.1,
-            p.0,
-            p.1,
-            e.0 / p.0
+            "\nxfer workers {wanted}\n{:>6} | {:>20} | {:>20} | {:>10}",
+            "round", "xfer p50 / p99 (us)", "perftest (us)", "p50 ratio"
         );
-    }
-    ratios.sort_by(f64::total_cmp);
-    match ratios.get(ratios.len() / 2) {
-        Some(m) => println!("median p50 ratio: {m:.3} (goal <= 1.1)"),
-        None => println!("no complete round"),
+        let runs = engine.iter().filter(|(m, ..)| m == wanted);
+        let mut ratios = Vec::new();
+        for (i, ((_, e50, e99), p)) in runs.zip(&perftest).enumerate() {
+            let Some(p) = p else {
+                println!(
+                    "{:>6} | {:>9.2} / {:>8.2} | perftest failed",
+                    i + 1,
+                    e50,
+                    e99
+                );
+                continue;
+            };
+            ratios.push(e50 / p.0);
+            println!(
+                "{:>6} | {:>9.2} / {:>8.2} | {:>9.2} / {:>8.2} | {:>10.3}",
+                i + 1,
+                e50,
+                e99,
+                p.0,
+                p.1,
+                e50 / p.0
+            );
+        }
+        ratios.sort_by(f64::total_cmp);
+        match ratios.get(ratios.len() / 2) {
+            Some(m) => println!("median p50 ratio ({wanted}): {m:.3} (goal <= 1.1)"),
+            None => println!("no complete round"),
+        }
     }
     Ok(())
 }

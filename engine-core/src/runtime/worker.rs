@@ -179,11 +179,19 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
                 message: format!("cannot open NIC {nic:?}: {}", e.message),
             })?;
         let weak: Weak<Shared> = Arc::downgrade(shared);
-        domains_wake &= domain.set_waker(Waker::new(move || {
-            if let Some(s) = weak.upgrade() {
-                s.wake();
-            }
-        }));
+        let parking = Arc::downgrade(shared);
+        domains_wake &= domain.set_waker(Waker::with_parking(
+            move || {
+                if let Some(s) = weak.upgrade() {
+                    s.wake();
+                }
+            },
+            move || {
+                parking
+                    .upgrade()
+                    .is_some_and(|s| s.parked.load(Ordering::SeqCst))
+            },
+        ));
         let declared = domain.capabilities();
         let address_len = domain.address().raw().len();
         if declared.max_address_len > crate::wire::MAX_ADDR_LEN

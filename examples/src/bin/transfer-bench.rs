@@ -98,8 +98,9 @@ struct Args {
     /// reports as t_typical and its 99% percentile.
     #[arg(long)]
     latency: Option<u64>,
-    /// Keep the workers polling while idle (`[worker] idle_poll_us = 0`), as perftest's
-    /// latency tools spin on memory: for latency next to `ib_write_lat`.
+    /// Keep the workers polling while idle (`[worker] idle_poll_us = 0` and a spin without
+    /// end), as perftest's latency tools spin on memory. Without it, idle workers park and
+    /// rely on the Domain's waker (verbs: its completion channel).
     #[arg(long)]
     busy_poll: bool,
 }
@@ -183,6 +184,9 @@ fn load_config(args: &Args) -> Result<Config, BoxError> {
     }
     if args.busy_poll {
         config.worker.idle_poll_us = 0;
+        // A Domain with a waker lets an idle worker park after `spin_us` whatever
+        // `idle_poll_us` says: spin for an hour instead.
+        config.worker.spin_us = 3_600_000_000;
     }
     if let Some(n) = args.nics {
         config.groups[0].nics = (0..n).map(|i| format!("{}{i}", config.backend)).collect();
