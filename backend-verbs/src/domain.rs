@@ -303,13 +303,16 @@ impl VerbsDomain {
         // and 64 sends (plus slack); each RC QP's send queue is added when it is created (the
         // shim grows the CQ). A fixed size overran as soon as more could be outstanding.
         let srq_size = options.imm_receives.max(16) * 2;
+        let cq_size = match options.faults.cq_entries {
+            0 => options.imm_receives + srq_size + 2 * 64 + 64,
+            fixed => fixed as i32,
+        };
         let attr = device
-            .setup(
-                gid_index,
-                options.imm_receives + srq_size + 2 * 64 + 64,
-                srq_size,
-            )
+            .setup(gid_index, cq_size, srq_size)
             .map_err(|e| other(format!("{}: {e}", config.nic)))?;
+        if options.faults.cq_entries > 0 {
+            device.fix_cq_size();
+        }
         if attr.state != 4 {
             return Err(err(
                 DomainErrorKind::InvalidArgument,
@@ -1789,6 +1792,20 @@ impl Domain for VerbsDomain {
             self.check_stalled_peers();
             self.collect_graveyard();
             self.read_async_events()?;
+        }
+        let async_pending = self
+            .notify
+            .as_ref()
+            .is_some_and(|(n, _)| n.async_pending.load(Ordering::SeqCst));
+        if async_pending {
+            // The notifier saw one and stopped watching the fd until it is read: read, then
+            // let it watch again.
+            let read = self.read_async_events();
+            if let Some((notify, _)) = &self.notify {
+                notify.async_pending.store(false, Ordering::SeqCst);
+            }
+            self.device.kick();
+            read?;
         }
         events.append(&mut self.done);
         let result = match self.drain_cq(events) {

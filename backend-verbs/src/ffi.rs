@@ -53,14 +53,15 @@ pub(crate) struct Device {
     notifier: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
 }
 
-/// What a wait on the completion channel ended with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Wait {
+/// What a wait on the completion channel ended with (all false: the timeout).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Wait {
     /// A completion event: the CQ got a completion after it was armed (and is disarmed now).
-    Completion,
+    pub(crate) completion: bool,
     /// [`Device::kick`] was called.
-    Kick,
-    Timeout,
+    pub(crate) kick: bool,
+    /// An asynchronous event waits to be read (by the Domain: see `Device::async_event`).
+    pub(crate) async_event: bool,
 }
 
 /// The wake thread's handle on the device's completion channel.
@@ -75,18 +76,25 @@ pub(crate) struct CqEvents {
 unsafe impl Send for CqEvents {}
 
 impl CqEvents {
-    /// Waits for a completion event or a kick, at most `timeout` (`None`: without limit).
-    pub(crate) fn wait(&self, timeout: Option<Duration>) -> Result<Wait, String> {
+    /// Waits for a completion event, a kick or (with `watch_async`) a pending asynchronous
+    /// event, at most `timeout` (`None`: without limit).
+    pub(crate) fn wait(
+        &self,
+        timeout: Option<Duration>,
+        watch_async: bool,
+    ) -> Result<Wait, String> {
         let ms = timeout.map_or(-1, |t| t.as_millis().clamp(1, i32::MAX as u128) as i32);
         // SAFETY: see `unsafe impl Send for CqEvents`.
-        match unsafe { sys::xv_wait_cq(self.raw.as_ptr(), ms) } {
-            0 => Ok(Wait::Timeout),
-            1 => Ok(Wait::Completion),
-            2 => Ok(Wait::Kick),
-            e => Err(format!(
+        match unsafe { sys::xv_wait_cq(self.raw.as_ptr(), ms, i32::from(watch_async)) } {
+            e if e < 0 => Err(format!(
                 "waiting on the completion channel: {}",
                 errno_text(-e)
             )),
+            mask => Ok(Wait {
+                completion: mask & 1 != 0,
+                kick: mask & 2 != 0,
+                async_event: mask & 4 != 0,
+            }),
         }
     }
 
@@ -434,6 +442,12 @@ impl Device {
             0 => Ok(()),
             e => Err(format!("ibv_req_notify_cq: {}", errno_text(e))),
         }
+    }
+
+    /// Test fault: the CQ keeps its present size, so enough unread completions overrun it.
+    pub(crate) fn fix_cq_size(&mut self) {
+        // SAFETY: the device is open; this sets a flag of the shim's.
+        unsafe { sys::xv_fix_cq(self.raw.as_ptr()) };
     }
 
     /// Ends the current wait of the notifier thread (it recomputes its timeout).

@@ -12,6 +12,12 @@
 //! - This thread waits on the channel. An event means a completion came after arming: it
 //!   clears `armed` first and then calls the waker, so the worker's next pass (which the
 //!   waker guarantees) sees `armed` false and re-arms before it can park again.
+//! - Asynchronous events (a CQ overrun, a QP or port error) are read by the Domain, which
+//!   fails typed on the fatal ones. A parked worker would not read them until its next
+//!   arrival, perhaps never (an overrun CQ delivers nothing more), so this thread also waits
+//!   on the async fd: when one is pending it sets `async_pending`, wakes the worker and stops
+//!   watching the fd (it stays readable until read) until the Domain has read the events,
+//!   cleared the flag and kicked the wait.
 //! - The Domain also has timer work while idle: handshakes it must resend every `retry_ms`
 //!   and deadlines it must enforce. While any is pending (`timers`), the wait has a
 //!   `retry_ms` timeout after which the worker is woken; the Domain kicks the wait when
@@ -33,17 +39,19 @@ pub(crate) struct NotifyState {
     pub(crate) armed: AtomicBool,
     /// Handshakes or deadlines need the Domain polled every `retry_ms` even when idle.
     pub(crate) timers: AtomicBool,
+    /// An asynchronous event waits to be read by the Domain.
+    pub(crate) async_pending: AtomicBool,
 }
 
 /// Where the loop waits: the device's completion channel, or a script in tests.
 pub(crate) trait EventSource {
-    fn wait(&self, timeout: Option<Duration>) -> Result<Wait, String>;
+    fn wait(&self, timeout: Option<Duration>, watch_async: bool) -> Result<Wait, String>;
     fn stopping(&self) -> bool;
 }
 
 impl EventSource for CqEvents {
-    fn wait(&self, timeout: Option<Duration>) -> Result<Wait, String> {
-        CqEvents::wait(self, timeout)
+    fn wait(&self, timeout: Option<Duration>, watch_async: bool) -> Result<Wait, String> {
+        CqEvents::wait(self, timeout, watch_async)
     }
     fn stopping(&self) -> bool {
         CqEvents::stopping(self)
@@ -58,15 +66,24 @@ pub(crate) fn run(source: &impl EventSource, state: &NotifyState, retry: Duratio
             return;
         }
         let timeout = state.timers.load(Ordering::SeqCst).then_some(retry);
-        match source.wait(timeout) {
-            Ok(Wait::Completion) => {
+        let watch_async = !state.async_pending.load(Ordering::SeqCst);
+        match source.wait(timeout, watch_async) {
+            Ok(woke) => {
                 failures = 0;
-                state.armed.store(false, Ordering::SeqCst);
-                waker.wake();
-            }
-            Ok(Wait::Kick) => {}
-            Ok(Wait::Timeout) => {
-                if state.timers.load(Ordering::SeqCst) {
+                let timed_out = woke == Wait::default();
+                let mut wake = false;
+                if woke.completion {
+                    state.armed.store(false, Ordering::SeqCst);
+                    wake = true;
+                }
+                if woke.async_event && watch_async {
+                    state.async_pending.store(true, Ordering::SeqCst);
+                    wake = true;
+                }
+                if timed_out && state.timers.load(Ordering::SeqCst) {
+                    wake = true;
+                }
+                if wake {
                     waker.wake();
                 }
             }
@@ -98,14 +115,17 @@ mod tests {
     struct Script {
         outcomes: RefCell<Vec<Result<Wait, String>>>,
         asked: RefCell<Vec<Option<Duration>>>,
+        /// Whether each wait watched the async fd.
+        watched: RefCell<Vec<bool>>,
         /// Run before each outcome is returned (to change the shared state mid-script).
         before: Box<dyn Fn(usize)>,
     }
 
     impl EventSource for Script {
-        fn wait(&self, timeout: Option<Duration>) -> Result<Wait, String> {
+        fn wait(&self, timeout: Option<Duration>, watch_async: bool) -> Result<Wait, String> {
             let step = self.asked.borrow().len();
             self.asked.borrow_mut().push(timeout);
+            self.watched.borrow_mut().push(watch_async);
             (self.before)(step);
             self.outcomes.borrow_mut().remove(0)
         }
@@ -126,6 +146,48 @@ mod tests {
     }
 
     const RETRY: Duration = Duration::from_millis(200);
+    const COMPLETION: Wait = Wait {
+        completion: true,
+        kick: false,
+        async_event: false,
+    };
+    const KICK: Wait = Wait {
+        completion: false,
+        kick: true,
+        async_event: false,
+    };
+    const ASYNC: Wait = Wait {
+        completion: false,
+        kick: false,
+        async_event: true,
+    };
+
+    #[test]
+    fn a_pending_async_event_wakes_the_worker_once_until_the_domain_has_read_it() {
+        let state = Arc::new(NotifyState::default());
+        let (waker, wakes) = counting_waker();
+        let domain = state.clone();
+        let script = Script {
+            // The event; waits that must not watch the fd while it is unread (the Domain
+            // reads it during the second of them and kicks); then the fd is watched again.
+            outcomes: RefCell::new(vec![
+                Ok(ASYNC),
+                Ok(Wait::default()),
+                Ok(KICK),
+                Ok(Wait::default()),
+            ]),
+            asked: RefCell::new(Vec::new()),
+            watched: RefCell::new(Vec::new()),
+            before: Box::new(move |step| {
+                if step == 2 {
+                    domain.async_pending.store(false, Ordering::SeqCst);
+                }
+            }),
+        };
+        run(&script, &state, RETRY, &waker);
+        assert_eq!(*script.watched.borrow(), vec![true, false, false, true]);
+        assert_eq!(wakes.load(Ordering::SeqCst), 1);
+    }
 
     #[test]
     fn an_event_disarms_before_it_wakes_and_idle_waits_have_no_timeout() {
@@ -137,8 +199,9 @@ mod tests {
         let waker =
             Waker::new(move || flag.store(seen.armed.load(Ordering::SeqCst), Ordering::SeqCst));
         let script = Script {
-            outcomes: RefCell::new(vec![Ok(Wait::Completion), Ok(Wait::Timeout)]),
+            outcomes: RefCell::new(vec![Ok(COMPLETION), Ok(Wait::default())]),
             asked: RefCell::new(Vec::new()),
+            watched: RefCell::new(Vec::new()),
             before: Box::new(|_| {}),
         };
         run(&script, &state, RETRY, &waker);
@@ -158,12 +221,13 @@ mod tests {
             // A wait without timeout is kicked when a handshake starts; then two timeouts
             // while it is pending, and one more after it ended (no wake).
             outcomes: RefCell::new(vec![
-                Ok(Wait::Kick),
-                Ok(Wait::Timeout),
-                Ok(Wait::Timeout),
-                Ok(Wait::Timeout),
+                Ok(KICK),
+                Ok(Wait::default()),
+                Ok(Wait::default()),
+                Ok(Wait::default()),
             ]),
             asked: RefCell::new(Vec::new()),
+            watched: RefCell::new(Vec::new()),
             before: Box::new(move |step| match step {
                 0 => shared.timers.store(true, Ordering::SeqCst),
                 3 => shared.timers.store(false, Ordering::SeqCst),
@@ -186,6 +250,7 @@ mod tests {
         let script = Script {
             outcomes: RefCell::new(vec![Err("EBADF".into()), Err("EBADF".into())]),
             asked: RefCell::new(Vec::new()),
+            watched: RefCell::new(Vec::new()),
             before: Box::new(|_| {}),
         };
         run(&script, &state, RETRY, &waker);

@@ -77,6 +77,10 @@ pub struct Faults {
     /// Every this many ms (0: never), send each connected peer a request that names no
     /// connection, as a stale or forged datagram would.
     pub forge_requests_every_ms: u64,
+    /// A CQ of this many entries that never grows (0: sized from what can be outstanding),
+    /// so that a stalled worker lets it overrun: the device reports the overrun as an
+    /// asynchronous event, which must fail the Domain with its name.
+    pub cq_entries: u32,
 }
 
 impl Default for VerbsOptions {

@@ -125,6 +125,61 @@ fn arrivals_wake_a_parked_worker() {
     assert_eq!(*got.lock().unwrap(), vec![b"while parked".to_vec()]);
 }
 
+/// An asynchronous event reaches the engine, typed, while the receiver's worker idles: the
+/// receiver's CQ is fixed at 256 entries (fault `cq_entries`) and its worker stalls at the
+/// first arrival (fault `stall_on_first_arrival_ms`), so a burst of 2,000 writes with
+/// immediate overruns the CQ; the device reports a CQ error, and the receiver's waiting
+/// expectation fails with it, naming the completion queue — not at its 120 s deadline, and
+/// not by hanging (an overrun CQ delivers nothing more that could wake the worker).
+#[test]
+#[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
+fn a_cq_overrun_fails_the_receiver_with_its_cause() {
+    use engine_core::conformance::Harness;
+    use std::time::Duration;
+    const WRITES: u32 = 2_000;
+    let mut config = Rxe.config(1);
+    config.timeouts.expect_ms = 120_000;
+    config.timeouts.transfer_ms = 120_000;
+    let a = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let mut receiver = config.clone();
+    receiver.backends =
+        toml::from_str("[verbs.faults]\ncq_entries = 256\nstall_on_first_arrival_ms = 3000\n")
+            .unwrap();
+    let b = std::sync::Arc::new(engine_core::TransferEngine::open(&receiver).unwrap());
+    let src = engine_core::HostBuffer::new(&a, 8 * WRITES as usize).unwrap();
+    let dst = engine_core::HostBuffer::new(&b, 8 * WRITES as usize).unwrap();
+    let pages = engine_core::Pages {
+        indices: (0..WRITES).collect(),
+        stride: 8,
+        offset: 0,
+    };
+    let arrived = engine_core::DoneFlag::new();
+    b.expect_imm_count(5, WRITES.into(), arrived.clone())
+        .unwrap();
+    let sent = engine_core::DoneCounter::new();
+    a.submit_paged_writes(
+        8,
+        Some(5),
+        (src.mr(), &pages),
+        (dst.desc(), &pages),
+        sent.clone(),
+    )
+    .unwrap();
+    let started = std::time::Instant::now();
+    let r = arrived.wait(Duration::from_secs(100));
+    let text = format!("{r:?}");
+    assert!(
+        r.is_err() && text.contains("completion queue of"),
+        "the overrun must fail the receiver with its cause: {text}"
+    );
+    assert!(
+        !matches!(r, Err(engine_core::Error::Timeout(_))),
+        "failed by the deadline, not by the event: {text} after {:?}",
+        started.elapsed()
+    );
+    let _ = sent.wait_for(1, Duration::from_secs(30));
+}
+
 /// A remote access error breaks the RC connection; the next transfer to the same peer
 /// reconnects and succeeds.
 #[test]

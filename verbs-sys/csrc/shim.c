@@ -62,6 +62,8 @@ typedef struct xv_dev {
      * an eventfd that interrupts a wait (a new timer to keep, or the device closing). */
     struct ibv_comp_channel *chan;
     int kick_fd;
+    /* Test fault: the CQ keeps its size whatever is reserved of it, so it can overrun. */
+    int cq_fixed;
 } xv_dev;
 
 /* Whether a path to `dlid` carries a GRH: RoCE always does; InfiniBand only when asked, or
@@ -447,6 +449,10 @@ typedef struct xv_cq_share {
 /* Makes room on the CQ for `entries` more completions (growing it if needed). */
 static int cq_reserve(xv_dev *d, int entries) {
     long need = d->cq_need + entries;
+    if (d->cq_fixed) {
+        d->cq_need = need;
+        return 0;
+    }
     if (need > d->max_cqe)
         return ENOSPC;
     if (need > d->cq_cap) {
@@ -703,13 +709,20 @@ int xv_ud_send(xv_dev *d, const uint8_t dgid[16], uint16_t dlid, uint32_t dqpn, 
  * already on the CQ raise none: the caller polls once more after arming. */
 int xv_arm_cq(xv_dev *d) { return ibv_req_notify_cq(d->cq, 0); }
 
-/* Waits up to `timeout_ms` (-1: without limit) for a completion event or a kick: 1 an event
- * came (read and acknowledged: the CQ is disarmed until armed again), 2 a kick, 0 timeout,
- * or -errno. Runs on the wake thread while the owner polls, arms and resizes the CQ: libibverbs
- * makes these calls safe to make concurrently. */
-int xv_wait_cq(xv_dev *d, int timeout_ms) {
-    struct pollfd fds[2] = {{.fd = d->chan->fd, .events = POLLIN}, {.fd = d->kick_fd, .events = POLLIN}};
-    int rc = poll(fds, 2, timeout_ms);
+/* Test fault: the CQ never grows again (see cq_fixed). */
+void xv_fix_cq(xv_dev *d) { d->cq_fixed = 1; }
+
+/* Waits up to `timeout_ms` (-1: without limit) for a completion event, a kick or (when
+ * `watch_async`) an asynchronous event waiting to be read. Returns a mask — 1 a completion
+ * event came (read and acknowledged: the CQ is disarmed until armed again), 2 a kick, 4 an
+ * async event is pending (left for the owner to read) — 0 on timeout, or -errno. Runs on the
+ * wake thread while the owner polls, arms and resizes the CQ: libibverbs makes these calls
+ * safe to make concurrently. */
+int xv_wait_cq(xv_dev *d, int timeout_ms, int watch_async) {
+    struct pollfd fds[3] = {{.fd = d->chan->fd, .events = POLLIN},
+                            {.fd = d->kick_fd, .events = POLLIN},
+                            {.fd = d->ctx->async_fd, .events = watch_async ? POLLIN : 0}};
+    int rc = poll(fds, 3, timeout_ms);
     if (rc < 0)
         return errno == EINTR ? 0 : -errno;
     int result = 0;
@@ -717,17 +730,21 @@ int xv_wait_cq(xv_dev *d, int timeout_ms) {
         uint64_t drained;
         if (read(d->kick_fd, &drained, sizeof drained) < 0 && errno != EAGAIN)
             return -errno;
-        result = 2;
+        result |= 2;
     }
+    if (fds[2].revents & POLLIN)
+        result |= 4;
     if (fds[0].revents & POLLIN) {
         struct ibv_cq *cq;
         void *ctx;
+        int got = 0;
         while (!ibv_get_cq_event(d->chan, &cq, &ctx)) {
             ibv_ack_cq_events(cq, 1);
-            result = 1;
+            got = 1;
         }
-        if (errno != EAGAIN && result != 1)
+        if (errno != EAGAIN && !got)
             return -errno;
+        result |= got;
     }
     return result;
 }

@@ -105,7 +105,8 @@ pub struct XvWrite {
 extern "C" {
     pub fn xv_list(buf: *mut c_char, cap: usize) -> c_int;
     pub fn xv_arm_cq(d: *mut XvDev) -> c_int;
-    pub fn xv_wait_cq(d: *mut XvDev, timeout_ms: c_int) -> c_int;
+    pub fn xv_wait_cq(d: *mut XvDev, timeout_ms: c_int, watch_async: c_int) -> c_int;
+    pub fn xv_fix_cq(d: *mut XvDev);
     pub fn xv_kick(d: *mut XvDev) -> c_int;
     pub fn xv_open(
         name: *const c_char,
