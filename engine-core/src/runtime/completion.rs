@@ -5,8 +5,8 @@
 //! directly (no thread hop), which is what the fastest callers use.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{fence, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
@@ -129,24 +129,67 @@ const PENDING: u8 = 0;
 const OK: u8 = 1;
 const FAILED: u8 = 2;
 
-/// Polls with a short spin, then yields, then sleeps, until `done()` or the deadline.
-fn wait_until(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
-    let start = Instant::now();
-    let mut round = 0u32;
-    loop {
-        if done() {
-            return true;
+/// The threads blocked in a flag's or counter's wait. A waiter spins briefly, yields a while,
+/// then blocks on a condition variable that the setter signals: it wakes when the outcome is
+/// there, not at the next slice of a sleep loop (the 50 µs sleeps used before added their
+/// slice and the timer slack to every wait that outlasted the spin — most of a round trip's
+/// latency on a small machine).
+#[derive(Debug, Default)]
+struct Sleepers {
+    /// Waiters that may be blocked; the setter takes the lock only when there are any.
+    count: AtomicUsize,
+    lock: Mutex<()>,
+    cv: Condvar,
+}
+
+impl Sleepers {
+    /// Waits until `done()` or the deadline; returns `done()`'s last answer.
+    fn wait_until(&self, timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
+        let start = Instant::now();
+        for round in 0..256 {
+            if done() {
+                return true;
+            }
+            if start.elapsed() >= timeout {
+                return done();
+            }
+            if round < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         }
-        if start.elapsed() >= timeout {
-            return done();
-        }
-        round += 1;
-        if round < 64 {
-            std::hint::spin_loop();
-        } else if round < 256 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
+        self.count.fetch_add(1, Ordering::SeqCst);
+        // Pairs with the fence in `notify`: either the setter sees this waiter counted, or
+        // the `done()` below sees the outcome it stored.
+        fence(Ordering::SeqCst);
+        let mut guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let finished = loop {
+            if done() {
+                break true;
+            }
+            let elapsed = start.elapsed();
+            if elapsed >= timeout {
+                break done();
+            }
+            guard = match self.cv.wait_timeout(guard, timeout - elapsed) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        };
+        drop(guard);
+        self.count.fetch_sub(1, Ordering::SeqCst);
+        finished
+    }
+
+    /// Wakes the blocked waiters; called after the outcome is stored.
+    fn notify(&self) {
+        fence(Ordering::SeqCst);
+        if self.count.load(Ordering::SeqCst) > 0 {
+            // Taking the lock orders this after a waiter's check of `done()`: it is either
+            // blocked in `wait_timeout` (and woken) or has not checked yet (and will see it).
+            drop(self.lock.lock().unwrap_or_else(|p| p.into_inner()));
+            self.cv.notify_all();
         }
     }
 }
@@ -160,6 +203,7 @@ pub struct DoneFlag {
     state: AtomicU8,
     error: Mutex<Option<Error>>,
     waker: Option<Waker>,
+    sleepers: Sleepers,
 }
 
 impl fmt::Debug for DoneFlag {
@@ -197,6 +241,7 @@ impl DoneFlag {
                 self.state.store(FAILED, Ordering::Release);
             }
         }
+        self.sleepers.notify();
         if let Some(waker) = &self.waker {
             if std::panic::catch_unwind(std::panic::AssertUnwindSafe(waker)).is_err() {
                 tracing::error!("a DoneFlag waker panicked");
@@ -225,7 +270,7 @@ impl DoneFlag {
 
     /// Waits up to `timeout` for the outcome; `Err(Timeout)` if it is not there by then.
     pub fn wait(&self, timeout: Duration) -> Result<()> {
-        wait_until(timeout, || self.is_done());
+        self.sleepers.wait_until(timeout, || self.is_done());
         self.result().unwrap_or(Err(Error::Timeout(timeout)))
     }
 }
@@ -236,6 +281,7 @@ pub struct DoneCounter {
     ok: AtomicU64,
     failed: AtomicU64,
     first_error: Mutex<Option<Error>>,
+    sleepers: Sleepers,
 }
 
 impl DoneCounter {
@@ -257,6 +303,7 @@ impl DoneCounter {
                 self.failed.fetch_add(1, Ordering::Release);
             }
         }
+        self.sleepers.notify();
     }
 
     /// Operations that succeeded.
@@ -285,7 +332,7 @@ impl DoneCounter {
     /// Waits up to `timeout` until `n` operations have finished; then `Ok` if none failed,
     /// else the first error; `Err(Timeout)` if fewer than `n` finished in time.
     pub fn wait_for(&self, n: u64, timeout: Duration) -> Result<()> {
-        if !wait_until(timeout, || self.finished() >= n) {
+        if !self.sleepers.wait_until(timeout, || self.finished() >= n) {
             return Err(Error::Timeout(timeout));
         }
         match self.first_error() {
@@ -299,6 +346,49 @@ impl DoneCounter {
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn blocked_waiters_are_woken_by_the_outcome_and_time_out_without_it() {
+        // Several threads block (past the spin) on one flag and one counter; each returns
+        // with the outcome set from another thread. A deadline long enough that only a
+        // lost wake-up could reach it; proves no timing.
+        let flag = DoneFlag::new();
+        let counter = DoneCounter::new();
+        std::thread::scope(|s| {
+            let waiters: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        (
+                            flag.wait(Duration::from_secs(60)),
+                            counter.wait_for(3, Duration::from_secs(60)),
+                        )
+                    })
+                })
+                .collect();
+            std::thread::sleep(Duration::from_millis(20));
+            OnDone::Flag(Arc::clone(&flag)).complete_inline(Ok(()));
+            for _ in 0..2 {
+                OnDone::Counter(Arc::clone(&counter)).complete_inline(Ok(()));
+            }
+            OnDone::Counter(Arc::clone(&counter))
+                .complete_inline(Err(Error::Timeout(Duration::ZERO)));
+            for w in waiters {
+                let (f, c) = w.join().unwrap();
+                assert!(f.is_ok());
+                assert!(matches!(c, Err(Error::Timeout(d)) if d.is_zero()), "{c:?}");
+            }
+        });
+        assert_eq!(flag.sleepers.count.load(Ordering::SeqCst), 0);
+        let never = DoneFlag::new();
+        assert!(matches!(
+            never.wait(Duration::from_millis(5)),
+            Err(Error::Timeout(_))
+        ));
+        assert_eq!(
+            DoneCounter::new().wait_for(1, Duration::from_millis(5)),
+            Err(Error::Timeout(Duration::from_millis(5)))
+        );
+    }
 
     #[test]
     fn a_flags_waker_runs_once_after_the_outcome_is_visible() {
