@@ -958,9 +958,10 @@ fn json_number(line: &str, name: &str) -> Option<f64> {
 
 /// `rxe-bench lat`: 8-byte write-with-immediate latency next to `ib_write_lat` on the same rxe
 /// device, three alternating rounds in one boot; one-way (half a round trip) p50 and p99.
-/// xfer runs twice per round: with parked workers woken by the completion channel (the
+/// xfer runs four times per round: with parked workers woken by the completion channel (the
 /// default configuration) and with busy-polling workers (`--busy-poll`, as `ib_write_lat`
-/// spins on memory).
+/// spins on memory), each with application threads answering arrivals and with the answers
+/// submitted from the workers themselves (`--reactive`).
 fn rxe_latency() -> Result {
     build_rxe_bench()?;
     // ib_write_lat prints `#bytes #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%`.
@@ -972,6 +973,8 @@ fn rxe_latency() -> Result {
            done; echo \"${out:-PERFTEST failed}\"; wait; \
            echo MODE parked; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --json; \
            echo MODE busy; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --busy-poll --json; \
+           echo MODE reactive; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --reactive --json; \
+           echo MODE reactive-busy; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --reactive --busy-poll --json; \
          done";
     let run = rxe::run(
         1,
@@ -1008,7 +1011,7 @@ fn rxe_latency() -> Result {
         }
     }
     println!("\nverbs 8-byte write with immediate on soft-RoCE (TCG guest), one way (half a round trip), 2000 iterations, 3 alternating rounds; perftest: ib_write_lat -x 0 -F (t_typical, 99%)");
-    for wanted in ["parked", "busy"] {
+    for wanted in ["parked", "busy", "reactive", "reactive-busy"] {
         println!(
             "\nxfer workers {wanted}\n{:>6} | {:>20} | {:>20} | {:>10}",
             "round", "xfer p50 / p99 (us)", "perftest (us)", "p50 ratio"
