@@ -13,7 +13,7 @@ use engine_core::domain::{
 };
 use engine_core::NetAddr;
 
-use crate::completion::Outstanding;
+use crate::completion::{Outstanding, Progress};
 use crate::ffi::{
     self, Attr, Device, Mr, Qp, RemoteBits, Wc, Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV,
     TAG_IMM_RECV, TAG_MASK, TAG_MSG_RECV, TAG_SEND,
@@ -67,9 +67,9 @@ struct AwaitReady {
 struct DataQueue {
     chain: Vec<Write>,
     outstanding: Outstanding<Write>,
-    /// When the send queue last moved (a completion, or its first write after being empty):
+    /// Whether the send queue moves (a completion, or its first write after being empty):
     /// a peer whose queue does not move for `unreachable_ms` is declared unreachable.
-    last_progress: Instant,
+    progress: Progress,
 }
 
 impl Default for DataQueue {
@@ -77,7 +77,7 @@ impl Default for DataQueue {
         Self {
             chain: Vec::new(),
             outstanding: Outstanding::default(),
-            last_progress: Instant::now(),
+            progress: Progress::default(),
         }
     }
 }
@@ -135,7 +135,7 @@ fn post_chain(qp: &mut Qp, q: &mut DataQueue) -> Result<(), String> {
     // deregistered since has its lkey refused by the NIC (an error completion), never read.
     let posted = unsafe { qp.post_writes(&q.chain) }?;
     if q.outstanding.is_empty() && posted > 0 {
-        q.last_progress = Instant::now();
+        q.progress.moved();
     }
     for w in q.chain.drain(..posted) {
         q.outstanding.push(w.wr_id, w.user, w.signaled != 0, w);
@@ -822,7 +822,7 @@ impl VerbsDomain {
         let Some(q) = self.data_queues.get_mut(&wc.qp_num) else {
             return;
         };
-        q.last_progress = Instant::now();
+        q.progress.moved();
         let Some((peer, text)) = failure else {
             events.extend(
                 q.outstanding
@@ -940,15 +940,15 @@ impl VerbsDomain {
     fn check_stalled_peers(&mut self) {
         let limit = Duration::from_millis(self.options.unreachable_ms);
         let now = Instant::now();
+        let data_queues = &mut self.data_queues;
         let stalled: Vec<(NetAddr, u64)> = self
             .peers
             .iter()
             .filter_map(|(addr, p)| match p {
                 Peer::Connected { data, .. } => {
-                    let q = self.data_queues.get(&data.qpn)?;
-                    let idle = now.duration_since(q.last_progress);
-                    (!q.outstanding.is_empty() && idle >= limit)
-                        .then(|| (addr.clone(), idle.as_millis() as u64))
+                    let q = data_queues.get_mut(&data.qpn)?;
+                    let idle = q.progress.stalled_for(!q.outstanding.is_empty(), now)?;
+                    (idle >= limit).then(|| (addr.clone(), idle.as_millis() as u64))
                 }
                 Peer::Connecting { .. } => None,
             })
@@ -1228,8 +1228,31 @@ impl VerbsDomain {
     }
 
     fn check_handshakes(&mut self) {
-        let now = Instant::now();
         let forge = self.options.faults.forge_requests_every_ms;
+        // Runs at every poll: with no handshake under way (the steady state) it reads no
+        // clock (a system call where the TSC is unusable, as in the soft-RoCE guest).
+        let pending = forge > 0
+            || self.peers.values().any(|p| {
+                matches!(
+                    p,
+                    Peer::Connecting { .. }
+                        | Peer::Connected {
+                            awaiting_ready: Some(_),
+                            ..
+                        }
+                )
+            });
+        if let Some((notify, _)) = &self.notify {
+            // Resends and deadlines below need this check to run while the worker idles:
+            // the notifier wakes it every retry_ms while any is pending.
+            if notify.timers.swap(pending, Ordering::SeqCst) != pending && pending {
+                self.device.kick();
+            }
+        }
+        if !pending {
+            return;
+        }
+        let now = Instant::now();
         if forge > 0 && now.duration_since(self.last_forged) >= Duration::from_millis(forge) {
             // Test fault: a request for every connected peer that names no connection (as a
             // stale or forged datagram would), with our current QPs.
@@ -1265,24 +1288,6 @@ impl VerbsDomain {
         let mut expired = Vec::new();
         let mut unconfirmed = Vec::new();
         let mut resend = Vec::new();
-        if let Some((notify, _)) = &self.notify {
-            // Resends and deadlines below need this check to run while the worker idles:
-            // the notifier wakes it every retry_ms while any is pending.
-            let pending = forge > 0
-                || self.peers.values().any(|p| {
-                    matches!(
-                        p,
-                        Peer::Connecting { .. }
-                            | Peer::Connected {
-                                awaiting_ready: Some(_),
-                                ..
-                            }
-                    )
-                });
-            if notify.timers.swap(pending, Ordering::SeqCst) != pending && pending {
-                self.device.kick();
-            }
-        }
         for (peer, state) in &mut self.peers {
             // A responder whose `Ready` has not come: repeat the response (answers hold it).
             if let Peer::Connected {

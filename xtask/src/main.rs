@@ -971,6 +971,11 @@ fn rxe_latency() -> Result {
              out=$(ib_write_lat -d rxe0 -x 0 -F -s 8 -n 2000 localhost 2>/dev/null | awk '$1==8 {print \"PERFTEST\", $5, $8}'); \
              [ -n \"$out\" ] && break; sleep 1; \
            done; echo \"${out:-PERFTEST failed}\"; wait; \
+           ib_send_lat -d rxe0 -x 0 -F -s 8 -n 2000 >/dev/null 2>&1 & sleep 2; \
+           for try in 1 2 3 4 5; do \
+             out=$(ib_send_lat -d rxe0 -x 0 -F -s 8 -n 2000 localhost 2>/dev/null | awk '$1==8 {print \"SENDLAT\", $5, $8}'); \
+             [ -n \"$out\" ] && break; sleep 1; \
+           done; echo \"${out:-SENDLAT failed}\"; wait; \
            echo MODE parked; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --json; \
            echo MODE busy; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --busy-poll --json; \
            echo MODE reactive; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --reactive --json; \
@@ -987,18 +992,28 @@ fn rxe_latency() -> Result {
             run.status
         ));
     }
-    // One entry per round (None: perftest printed nothing that round), so rounds pair up.
+    // One entry per round (None: perftest printed nothing usable that round), so rounds pair
+    // up: ib_write_lat, and ib_send_lat (whose receiver, like a write with immediate's,
+    // consumes a posted receive and polls a completion, where ib_write_lat spins on memory).
     let mut perftest: Vec<Option<(f64, f64)>> = Vec::new();
+    let mut send_lat: Vec<Option<(f64, f64)>> = Vec::new();
+    let figures = |typical: &str, p99: &str| {
+        typical
+            .parse::<f64>()
+            .ok()
+            .zip(p99.parse::<f64>().ok())
+            .filter(|(t, p)| t.is_finite() && p.is_finite() && *t > 0.0)
+    };
     // (mode, p50, p99) per xfer run.
     let mut engine: Vec<(String, f64, f64)> = Vec::new();
     let (mut mode, mut p50) = (String::new(), None);
     for line in &run.output {
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
-            ["PERFTEST", typical, p99] => {
-                perftest.push(typical.parse::<f64>().ok().zip(p99.parse::<f64>().ok()))
-            }
             ["PERFTEST", "failed"] => perftest.push(None),
+            ["SENDLAT", "failed"] => send_lat.push(None),
+            ["PERFTEST", typical, p99] => perftest.push(figures(typical, p99)),
+            ["SENDLAT", typical, p99] => send_lat.push(figures(typical, p99)),
             ["MODE", m] => mode = (*m).to_owned(),
             _ => {}
         }
@@ -1010,40 +1025,56 @@ fn rxe_latency() -> Result {
             p50 = None;
         }
     }
-    println!("\nverbs 8-byte write with immediate on soft-RoCE (TCG guest), one way (half a round trip), 2000 iterations, 3 alternating rounds; perftest: ib_write_lat -x 0 -F (t_typical, 99%)");
+    println!("\nverbs 8-byte write with immediate on soft-RoCE (TCG guest), one way (half a round trip), 2000 iterations, 3 alternating rounds; perftest: ib_write_lat and ib_send_lat -x 0 -F -s 8 (t_typical, 99%)");
+    let show = |p: &Option<(f64, f64)>| match p {
+        Some((t, q)) => format!("{t:>9.2} / {q:>8.2}"),
+        None => format!("{:>20}", "failed"),
+    };
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2)
+            .map_or_else(|| "no complete round".to_owned(), |m| format!("{m:.3}"))
+    };
     for wanted in ["parked", "busy", "reactive", "reactive-busy"] {
         println!(
-            "\nxfer workers {wanted}\n{:>6} | {:>20} | {:>20} | {:>10}",
-            "round", "xfer p50 / p99 (us)", "perftest (us)", "p50 ratio"
+            "\nxfer workers {wanted}\n{:>6} | {:>20} | {:>20} | {:>8} | {:>20} | {:>8}",
+            "round",
+            "xfer p50 / p99 (us)",
+            "ib_write_lat (us)",
+            "ratio",
+            "ib_send_lat (us)",
+            "ratio"
         );
         let runs = engine.iter().filter(|(m, ..)| m == wanted);
-        let mut ratios = Vec::new();
-        for (i, ((_, e50, e99), p)) in runs.zip(&perftest).enumerate() {
-            let Some(p) = p else {
-                println!(
-                    "{:>6} | {:>9.2} / {:>8.2} | perftest failed",
-                    i + 1,
-                    e50,
-                    e99
-                );
-                continue;
+        let (mut vs_write, mut vs_send) = (Vec::new(), Vec::new());
+        for (i, (_, e50, e99)) in runs.enumerate() {
+            let (w, sl) = (
+                perftest.get(i).copied().flatten(),
+                send_lat.get(i).copied().flatten(),
+            );
+            let ratio = |r: Option<(f64, f64)>, into: &mut Vec<f64>| match r {
+                Some((t, _)) => {
+                    into.push(e50 / t);
+                    format!("{:>8.3}", e50 / t)
+                }
+                None => format!("{:>8}", "-"),
             };
-            ratios.push(e50 / p.0);
             println!(
-                "{:>6} | {:>9.2} / {:>8.2} | {:>9.2} / {:>8.2} | {:>10.3}",
+                "{:>6} | {:>9.2} / {:>8.2} | {} | {} | {} | {}",
                 i + 1,
                 e50,
                 e99,
-                p.0,
-                p.1,
-                e50 / p.0
+                show(&w),
+                ratio(w, &mut vs_write),
+                show(&sl),
+                ratio(sl, &mut vs_send)
             );
         }
-        ratios.sort_by(f64::total_cmp);
-        match ratios.get(ratios.len() / 2) {
-            Some(m) => println!("median p50 ratio ({wanted}): {m:.3} (goal <= 1.1)"),
-            None => println!("no complete round"),
-        }
+        println!(
+            "median p50 ratio ({wanted}): {} vs ib_write_lat (goal <= 1.1), {} vs ib_send_lat",
+            median(vs_write),
+            median(vs_send)
+        );
     }
     Ok(())
 }
