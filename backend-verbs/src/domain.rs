@@ -64,6 +64,7 @@ struct AwaitReady {
 /// Writes of one data QP: a chain being built (posted with one doorbell, at most 4), and what
 /// is on the send queue (see [`Outstanding`]): only the last write of a chain is signalled,
 /// and each write still gets its own `Done` event.
+#[derive(Default)]
 struct DataQueue {
     chain: Vec<Write>,
     outstanding: Outstanding<Write>,
@@ -72,15 +73,6 @@ struct DataQueue {
     progress: Progress,
 }
 
-impl Default for DataQueue {
-    fn default() -> Self {
-        Self {
-            chain: Vec::new(),
-            outstanding: Outstanding::default(),
-            progress: Progress::default(),
-        }
-    }
-}
 
 /// A write or a read, as `post_rdma` takes it.
 struct Rdma<'a> {
