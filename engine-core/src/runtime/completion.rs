@@ -225,7 +225,9 @@ impl DoneFlag {
     /// it must be quick and must not block (wake a waiter, hand work to another thread). It
     /// saves the hop through the callback thread that an [`OnDone::Callback`] takes — for
     /// bindings whose waiters spin on the flag and only sometimes need a callback (Python's
-    /// `Transfer`). A panic in it is caught and logged.
+    /// `Transfer`), and for answering an arrival at once: the waker may call
+    /// `expect_imm_count` and submit transfers (both only queue work for the worker; see
+    /// `transfer-bench --latency --reactive`). A panic in it is caught and logged.
     pub fn with_waker(waker: impl Fn() + Send + Sync + 'static) -> Arc<Self> {
         Arc::new(Self {
             waker: Some(Box::new(waker)),
