@@ -73,7 +73,6 @@ struct DataQueue {
     progress: Progress,
 }
 
-
 /// A write or a read, as `post_rdma` takes it.
 struct Rdma<'a> {
     wr_id: u64,
