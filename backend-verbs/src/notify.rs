@@ -4,10 +4,11 @@
 //! message, a handshake datagram) must wake it, or it waits for its next idle poll. The
 //! protocol with the Domain, which polls the CQ on the worker's thread:
 //!
-//! - After a poll that found the CQ empty while the worker says it is about to park
-//!   (`Waker::worker_parking`: it announces the park before its last poll), the Domain arms
-//!   the CQ (`armed` false → true) and polls once more (completions already on the CQ raise
-//!   no event). While `armed` stays true it does not arm again: one `ibv_req_notify_cq` per
+//! - At a poll while the worker says it is about to park (`Waker::worker_parking`: it
+//!   announces the park before its last poll), the Domain arms the CQ (`armed` false → true)
+//!   and drains it once more (completions already on the CQ raise no event) — whatever the
+//!   drain before found: completions that produce no event (a handshake datagram) leave the
+//!   worker parking all the same. While `armed` stays true it does not arm again: one `ibv_req_notify_cq` per
 //!   park at most, and none while the worker is busy.
 //! - This thread waits on the channel. An event means a completion came after arming: it
 //!   clears `armed` first and then calls the waker, so the worker's next pass (which the
