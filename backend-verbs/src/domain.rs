@@ -543,7 +543,7 @@ impl VerbsDomain {
             .map_err(other)?;
         if let Some((notify, _)) = &self.notify {
             // The CQ may have been resized for the new send queues, which need not keep its
-            // arming: arm again at the next empty poll.
+            // arming: arm again when the worker next parks.
             notify.armed.store(false, Ordering::SeqCst);
         }
         Ok((data, msg))
@@ -1428,16 +1428,14 @@ impl VerbsDomain {
 }
 
 impl VerbsDomain {
-    /// Reads every completion on the CQ into `events`; returns how many there were.
-    fn drain_cq(&mut self, events: &mut Vec<Event>) -> Result<usize, DomainError> {
+    /// Reads every completion on the CQ into `events`.
+    fn drain_cq(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError> {
         let mut wcs = std::mem::take(&mut self.wcs);
-        let mut found = 0;
         let result = loop {
             let n = match self.device.poll(&mut wcs) {
                 Ok(n) => n,
                 Err(e) => break Err(other(e)),
             };
-            found += n;
             for wc in &wcs[..n] {
                 match wc.kind {
                     KIND_UD_RECV => {
@@ -1517,7 +1515,7 @@ impl VerbsDomain {
                 }
             }
             if n < wcs.len() {
-                break Ok(found);
+                break Ok(());
             }
         };
         self.wcs = wcs;
@@ -1528,12 +1526,12 @@ impl VerbsDomain {
     /// the notifier thread (once per event, see `notify`) and reads what completed since the
     /// drain, which raises no event. A busy worker's polls arm nothing (an armed CQ wakes the
     /// notifier thread at its next completion: CPU the NIC's driver may need).
-    fn arm_if_parking(&mut self, events: &mut Vec<Event>) -> Result<usize, DomainError> {
+    fn arm_if_parking(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError> {
         let Some((notify, waker)) = &self.notify else {
-            return Ok(0);
+            return Ok(());
         };
         if !waker.worker_parking() || notify.armed.swap(true, Ordering::SeqCst) {
-            return Ok(0);
+            return Ok(());
         }
         if let Err(e) = self.device.arm_cq() {
             notify.armed.store(false, Ordering::SeqCst);
@@ -1810,8 +1808,7 @@ impl Domain for VerbsDomain {
         // parked unarmed right after a handshake datagram; guest runs failed 2 of 4).
         let result = self
             .drain_cq(events)
-            .and_then(|_| self.arm_if_parking(events))
-            .map(drop);
+            .and_then(|()| self.arm_if_parking(events));
         let resets = self.device.ud_resets();
         if resets != self.ud_resets_seen {
             self.ud_resets_seen = resets;

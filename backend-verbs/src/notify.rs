@@ -61,7 +61,8 @@ impl EventSource for CqEvents {
 
 /// The notifier thread's loop; returns when the source says the device is closing.
 pub(crate) fn run(source: &impl EventSource, state: &NotifyState, retry: Duration, waker: &Waker) {
-    let mut failures = 0u32;
+    // Whether the last wait failed: its error is logged once per run of failures.
+    let mut failing = false;
     loop {
         if source.stopping() {
             return;
@@ -70,7 +71,7 @@ pub(crate) fn run(source: &impl EventSource, state: &NotifyState, retry: Duratio
         let watch_async = !state.async_pending.load(Ordering::SeqCst);
         match source.wait(timeout, watch_async) {
             Ok(woke) => {
-                failures = 0;
+                failing = false;
                 let timed_out = woke == Wait::default();
                 let mut wake = false;
                 if woke.completion {
@@ -91,12 +92,12 @@ pub(crate) fn run(source: &impl EventSource, state: &NotifyState, retry: Duratio
             Err(e) => {
                 // The channel cannot be waited on: the worker is woken on a short interval
                 // instead (what a Domain without a channel gets), so nothing is stranded.
-                if failures == 0 {
+                if !failing {
                     crate::domain::tracing_free_log(&format!(
                         "{e}; waking the worker every millisecond instead"
                     ));
                 }
-                failures = failures.saturating_add(1);
+                failing = true;
                 state.armed.store(false, Ordering::SeqCst);
                 waker.wake();
                 std::thread::sleep(Duration::from_millis(1));

@@ -288,6 +288,12 @@ int xv_ud_to_error(xv_dev *d) {
 /* How many times the UD QP was reset after an error. */
 uint64_t xv_ud_resets(const xv_dev *d) { return d->ud_resets; }
 
+/* Sets O_NONBLOCK on `fd`: 0, or -1 with errno set. */
+static int set_nonblocking(int fd) {
+    int flags = fcntl(fd, F_GETFL);
+    return flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0 ? -1 : 0;
+}
+
 /* Creates PD, CQ, the two SRQs and the UD handshake QP, using GID `gid_index`. */
 int xv_setup(xv_dev *d, int gid_index, int cq_size, int srq_size, xv_attr *attr, char *err, size_t cap) {
     int rc;
@@ -314,12 +320,9 @@ int xv_setup(xv_dev *d, int gid_index, int cq_size, int srq_size, xv_attr *attr,
         set_err(err, cap, "ibv_create_comp_channel", errno);
         return -1;
     }
-    {
-        int flags = fcntl(d->chan->fd, F_GETFL);
-        if (flags < 0 || fcntl(d->chan->fd, F_SETFL, flags | O_NONBLOCK) < 0) {
-            set_err(err, cap, "making the completion channel non-blocking", errno);
-            return -1;
-        }
+    if (set_nonblocking(d->chan->fd)) {
+        set_err(err, cap, "making the completion channel non-blocking", errno);
+        return -1;
     }
     if ((d->kick_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0) {
         set_err(err, cap, "eventfd", errno);
@@ -332,12 +335,9 @@ int xv_setup(xv_dev *d, int gid_index, int cq_size, int srq_size, xv_attr *attr,
     d->cq_cap = d->cq->cqe;
     d->cq_need = cq_size;
     /* Async events (QP and port errors, CQ overrun) are read without blocking, from poll. */
-    {
-        int flags = fcntl(d->ctx->async_fd, F_GETFL);
-        if (flags < 0 || fcntl(d->ctx->async_fd, F_SETFL, flags | O_NONBLOCK) < 0) {
-            set_err(err, cap, "making the async event fd non-blocking", errno);
-            return -1;
-        }
+    if (set_nonblocking(d->ctx->async_fd)) {
+        set_err(err, cap, "making the async event fd non-blocking", errno);
+        return -1;
     }
     struct ibv_srq_init_attr sa = {.attr = {.max_wr = srq_size, .max_sge = 1}};
     if (!(d->srq_imm = ibv_create_srq(d->pd, &sa)) || !(d->srq_msg = ibv_create_srq(d->pd, &sa))) {

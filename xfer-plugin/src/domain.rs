@@ -218,8 +218,8 @@ impl Waker {
     /// that must arm something to be able to wake it (a completion channel) may arm only
     /// when this is true: the worker announces the park before its last poll, so an event
     /// after that poll still wakes it. `true` when unknown (a waker built with
-    /// [`new`](Self::new), as the plugin ABI builds them): such a Domain arms on every idle
-    /// poll.
+    /// [`new`](Self::new), as the plugin ABI builds them): such a Domain arms at every poll
+    /// that finds itself unarmed, busy or not.
     pub fn worker_parking(&self) -> bool {
         self.parking.as_ref().is_none_or(|f| f())
     }
