@@ -58,10 +58,24 @@ fn throw(rally: &Arc<Rally>, thrower: usize) {
 #[test]
 fn a_flag_waker_on_the_worker_can_expect_and_submit_the_answer() {
     // Delayed, reordered completions: the wakers run whenever the mock's fabric delivers.
-    let config = mock_config(
+    rally(mock_config(
         1,
         "[backends.mock]\nreorder = true\ndelay_us = 200\njitter_us = 200\n",
-    );
+    ));
+}
+
+#[test]
+fn workers_that_spin_instead_of_yielding_still_answer() {
+    // `yield_when_idle = false`: idle polls spin (no system call between them) for a
+    // millisecond before the worker parks; the rally must not notice the difference.
+    rally(mock_config(
+        1,
+        "[worker]\nyield_when_idle = false\nspin_us = 1000\n[backends.mock]\nreorder = true\ndelay_us = 50\njitter_us = 100\n",
+    ));
+}
+
+/// 300 throws between two engines opened with `config`, answered only by wakers.
+fn rally(config: engine_core::Config) {
     let a = Arc::new(TransferEngine::open(&config).unwrap());
     let b = Arc::new(TransferEngine::open(&config).unwrap());
     let on_a = HostBuffer::from_fn(&a, 64, |i| i as u8).unwrap();

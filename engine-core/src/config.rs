@@ -127,6 +127,13 @@ pub struct WorkerConfig {
     /// kernel's timer slack is about 50 µs), so small non-zero values are not much better
     /// than 1000.
     pub idle_poll_us: u64,
+    /// Between polls of an awake, idle worker (within `spin_us`, or never parking): `true`
+    /// gives the CPU to other threads (`sched_yield`), `false` spins on it with no system
+    /// call. Spinning answers arrivals soonest when the worker has a core to itself (a
+    /// yield costs a trip through the scheduler, about a microsecond natively and far more
+    /// under emulation); on a machine with fewer cores than busy threads it takes CPU from
+    /// the threads the worker waits for (submitters, callbacks, a software NIC).
+    pub yield_when_idle: bool,
     /// Largest message `submit_send` accepts.
     pub max_message: usize,
     /// Most operations (transfers, sends) accepted and not yet finished; past it `submit_*`
@@ -142,6 +149,7 @@ impl Default for WorkerConfig {
         Self {
             spin_us: 50,
             idle_poll_us: 1_000,
+            yield_when_idle: true,
             max_message: 64 << 10,
             max_outstanding: 1 << 16,
             max_idle_imms: crate::imm::DEFAULT_MAX_IDLE_IMMS,
@@ -414,11 +422,15 @@ mod tests {
             transfer_ms = 100
             [stripe]
             align = 64
+            [worker]
+            yield_when_idle = false
             [backends.verbs]
             gid_index = 3
             "#,
         )
         .unwrap();
+        assert!(!c.worker.yield_when_idle);
+        assert!(Config::default().worker.yield_when_idle);
         assert_eq!(c.nic_selection, NicSelection::First(1));
         assert_eq!(c.groups[0].worker_cpu, Some(3));
         assert_eq!(c.timeouts.transfer_ms, 100);

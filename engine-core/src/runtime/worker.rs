@@ -14,6 +14,7 @@
 //! Spinning policy: while any transfer is in flight (or a post is waiting for room) the worker
 //! busy-polls; after `worker.spin_us` without work it parks until woken by a submission or a
 //! Domain's waker, the next deadline, or (for Domains that cannot wake it) `idle_poll_us`.
+//! Idle polls while awake yield the CPU between them unless `worker.yield_when_idle` is off.
 
 use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -304,10 +305,9 @@ impl Worker {
             }
             return true;
         }
-        // Idle: read the clock only every 16th round; yield so that on a small machine
-        // the threads we wait for (submitters, callbacks, peers) get the CPU.
+        // Idle: read the clock only every 16th round; between, pause (see `idle_pause`).
         if *rounds % 16 != 0 {
-            std::thread::yield_now();
+            self.idle_pause();
             return true;
         }
         let now = Instant::now();
@@ -318,11 +318,22 @@ impl Worker {
         // manual-progress providers) with `idle_poll_us = 0`: never park.
         let never_park = (!self.domains_wake && idle_poll.is_zero()) || self.needs_polling;
         if in_flight || never_park || now.duration_since(idle_start) < spin {
-            std::thread::yield_now();
+            self.idle_pause();
             return true;
         }
         self.park(now, idle_poll);
         true
+    }
+
+    /// Between idle polls: by default yield, so that on a small machine the threads we wait
+    /// for (submitters, callbacks, peers, a software NIC) get the CPU; with
+    /// `worker.yield_when_idle = false` spin instead, for a worker with a core to itself.
+    fn idle_pause(&self) {
+        if self.shared.config.worker.yield_when_idle {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
     }
 
     fn park(&mut self, now: Instant, idle_poll: Duration) {

@@ -109,6 +109,10 @@ struct Args {
     /// rely on the Domain's waker (verbs: its completion channel).
     #[arg(long)]
     busy_poll: bool,
+    /// With `--busy-poll`: spin between idle polls instead of yielding the CPU
+    /// (`[worker] yield_when_idle = false`), as perftest does; best when each worker has a core.
+    #[arg(long, requires = "busy_poll")]
+    spin: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -193,6 +197,7 @@ fn load_config(args: &Args) -> Result<Config, BoxError> {
         // A Domain with a waker lets an idle worker park after `spin_us` whatever
         // `idle_poll_us` says: spin for an hour instead.
         config.worker.spin_us = 3_600_000_000;
+        config.worker.yield_when_idle = !args.spin;
     }
     if let Some(n) = args.nics {
         config.groups[0].nics = (0..n).map(|i| format!("{}{i}", config.backend)).collect();
