@@ -961,28 +961,33 @@ fn json_number(line: &str, name: &str) -> Option<f64> {
 
 /// `rxe-bench lat`: 8-byte write-with-immediate latency next to `ib_write_lat` on the same rxe
 /// device, three alternating rounds in one boot; one-way (half a round trip) p50 and p99.
-/// xfer runs four times per round: with parked workers woken by the completion channel (the
+/// xfer runs five times per round: with parked workers woken by the completion channel (the
 /// default configuration) and with busy-polling workers (`--busy-poll`, as `ib_write_lat`
 /// spins on memory), each with application threads answering arrivals and with the answers
-/// submitted from the workers themselves (`--reactive`).
+/// submitted from the workers themselves (`--reactive`); and a fifth time answering on
+/// workers that spin without yielding between polls (`--spin`), as perftest's loops do.
 fn rxe_latency() -> Result {
     build_rxe_bench()?;
     // ib_write_lat prints `#bytes #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%`.
+    // Each perftest run gets its own TCP port: the third round's ib_write_lat failed in
+    // every boot when all rounds shared perftest's default one.
     let script = "for round in 1 2 3; do \
-           ib_write_lat -d rxe0 -x 0 -F -s 8 -n 2000 >/dev/null 2>&1 & sleep 2; \
+           port=$((18600 + 2 * round)); \
+           ib_write_lat -d rxe0 -x 0 -F -s 8 -n 2000 -p $port >/dev/null 2>&1 & sleep 2; \
            for try in 1 2 3 4 5; do \
-             out=$(ib_write_lat -d rxe0 -x 0 -F -s 8 -n 2000 localhost 2>/dev/null | awk '$1==8 {print \"PERFTEST\", $5, $8}'); \
+             out=$(ib_write_lat -d rxe0 -x 0 -F -s 8 -n 2000 -p $port localhost 2>/dev/null | awk '$1==8 {print \"PERFTEST\", $5, $8}'); \
              [ -n \"$out\" ] && break; sleep 1; \
            done; echo \"${out:-PERFTEST failed}\"; wait; \
-           ib_send_lat -d rxe0 -x 0 -F -s 8 -n 2000 >/dev/null 2>&1 & sleep 2; \
+           ib_send_lat -d rxe0 -x 0 -F -s 8 -n 2000 -p $((port + 1)) >/dev/null 2>&1 & sleep 2; \
            for try in 1 2 3 4 5; do \
-             out=$(ib_send_lat -d rxe0 -x 0 -F -s 8 -n 2000 localhost 2>/dev/null | awk '$1==8 {print \"SENDLAT\", $5, $8}'); \
+             out=$(ib_send_lat -d rxe0 -x 0 -F -s 8 -n 2000 -p $((port + 1)) localhost 2>/dev/null | awk '$1==8 {print \"SENDLAT\", $5, $8}'); \
              [ -n \"$out\" ] && break; sleep 1; \
            done; echo \"${out:-SENDLAT failed}\"; wait; \
            echo MODE parked; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --json; \
            echo MODE busy; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --busy-poll --json; \
            echo MODE reactive; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --reactive --json; \
            echo MODE reactive-busy; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --reactive --busy-poll --json; \
+           echo MODE reactive-spin; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --reactive --busy-poll --spin --json; \
          done";
     let run = rxe::run(
         1,
@@ -1038,7 +1043,13 @@ fn rxe_latency() -> Result {
         v.get(v.len() / 2)
             .map_or_else(|| "no complete round".to_owned(), |m| format!("{m:.3}"))
     };
-    for wanted in ["parked", "busy", "reactive", "reactive-busy"] {
+    for wanted in [
+        "parked",
+        "busy",
+        "reactive",
+        "reactive-busy",
+        "reactive-spin",
+    ] {
         println!(
             "\nxfer workers {wanted}\n{:>6} | {:>20} | {:>20} | {:>8} | {:>20} | {:>8}",
             "round",
@@ -1099,13 +1110,13 @@ fn rxe_bench(op: &str) -> Result {
     };
     build_rxe_bench()?;
     let sizes = [4096u64, 65536, 1 << 20];
-    // Three rounds in one boot, perftest and xfer alternating per size, so a ratio is not
+    // Five rounds in one boot, perftest and xfer alternating per size, so a ratio is not
     // one sample of TCG noise (the same command varies ±30 % between rounds). perftest's
     // duration mode reports 0 iterations for 1 MiB under emulation: it counts iterations
     // instead (64 MiB per size, at most 5000). The client retries while the server is still
     // starting (slow under emulation).
     let script = format!(
-        "for round in 1 2 3; do for s in {list}; do n=$(( 67108864 / s )); [ $n -gt 5000 ] && n=5000; \
+        "for round in 1 2 3 4 5; do for s in {list}; do n=$(( 67108864 / s )); [ $n -gt 5000 ] && n=5000; \
            {tool} -d rxe0 -x 0 -F -s $s -n $n >/dev/null 2>&1 & sleep 2; \
            for try in 1 2 3 4 5; do \
              out=$({tool} -d rxe0 -x 0 -F -s $s -n $n localhost 2>/dev/null | awk -v s=$s '$1==s {{print \"PERFTEST\", s, $4}}'); \
@@ -1144,7 +1155,7 @@ fn rxe_bench(op: &str) -> Result {
             engine.entry(b).or_default().push(t);
         }
     }
-    println!("\nverbs {op} on soft-RoCE (TCG guest), batch 128 (= perftest's TX depth), 3 s per size, 3 alternating rounds; perftest: {tool} -x 0 -F -n (MiB/s)");
+    println!("\nverbs {op} on soft-RoCE (TCG guest), batch 128 (= perftest's TX depth), 3 s per size, 5 alternating rounds; perftest: {tool} -x 0 -F -n (MiB/s)");
     println!(
         "{:>10} | {:>24} | {:>24} | {:>6} | {:>13}",
         "block", "xfer MiB/s (per round)", "perftest MiB/s", "median", "ratio spread"
