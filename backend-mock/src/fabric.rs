@@ -13,7 +13,9 @@
 //!   locks, and deregistration takes them for writing.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
+
+use foldhash::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{
     Arc, Condvar, LazyLock, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, Weak,
@@ -225,7 +227,7 @@ struct Fabric {
 }
 
 static FABRIC: LazyLock<Fabric> = LazyLock::new(|| Fabric {
-    nics: RwLock::new(HashMap::new()),
+    nics: RwLock::new(HashMap::default()),
     next_id: AtomicU64::new(1),
 });
 
@@ -250,7 +252,7 @@ pub(crate) fn join() -> Arc<Nic> {
         alive: AtomicBool::new(true),
         frozen: AtomicBool::new(false),
         regions: RwLock::new(Regions::default()),
-        conns: Mutex::new(HashMap::new()),
+        conns: Mutex::new(HashMap::default()),
         inbox: Mutex::new(Inbox::default()),
         waker: OnceLock::new(),
     });

@@ -1,7 +1,9 @@
 //! One RDMA device as an xfer Domain: RC QPs per peer, connected lazily through a handshake
 //! on the device's UD QP.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
+
+use foldhash::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -342,11 +344,11 @@ impl VerbsDomain {
         };
         let address = NetAddr::new(&me.encode()).expect("24 bytes is a valid address");
         Ok(Self {
-            peers: HashMap::new(),
+            peers: HashMap::default(),
             graveyard: Vec::new(),
             regions: RegionTable::new(),
             receives: ReceivePool::new(),
-            sends: HashMap::new(),
+            sends: HashMap::default(),
             send_pool: ReceivePool::new(),
             device,
             attr,
@@ -354,11 +356,11 @@ impl VerbsDomain {
             address,
             name: config.nic.to_owned(),
             options,
-            qp_peer: HashMap::new(),
-            data_queues: HashMap::new(),
-            dead_qps: HashSet::new(),
+            qp_peer: HashMap::default(),
+            data_queues: HashMap::default(),
+            dead_qps: HashSet::default(),
             done: Vec::new(),
-            answers: HashMap::new(),
+            answers: HashMap::default(),
             wcs: vec![Wc::default(); 32],
             rng: fastrand::Rng::new(),
             next_wr: 0,
@@ -366,7 +368,7 @@ impl VerbsDomain {
             handshakes_sent: 0,
             ud_resets_seen: 0,
             stall_once,
-            established: HashMap::new(),
+            established: HashMap::default(),
             last_forged: Instant::now(),
             notify: None,
             imm_deficit: 0,

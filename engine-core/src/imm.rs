@@ -27,7 +27,9 @@
 //! This type is pure bookkeeping: no clock, no threads. The engine wraps it in a mutex, feeds it
 //! arrivals from the worker and passes `now` in for deadlines.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
+
+use foldhash::{HashMap, HashSet};
 use std::time::Instant;
 
 /// Counts arrivals per immediate and matches them against expectations carrying a `W` (the
@@ -105,10 +107,10 @@ impl<W> ImmCounter<W> {
     /// An empty counter keeping at most `max_idle` immediates that nobody waits for.
     pub fn with_max_idle(max_idle: usize) -> Self {
         Self {
-            entries: HashMap::new(),
-            totals: HashMap::new(),
+            entries: HashMap::default(),
+            totals: HashMap::default(),
             max_idle,
-            idle: HashSet::new(),
+            idle: HashSet::default(),
             dropped: 0,
         }
     }

@@ -350,14 +350,14 @@ pub type OpenFn = fn(&DomainConfig<'_>) -> Result<Box<dyn Domain>, DomainError>;
 #[derive(Debug)]
 pub struct RegionTable<M> {
     next_key: u64,
-    regions: std::collections::HashMap<u64, (u64, u64, M)>,
+    regions: foldhash::HashMap<u64, (u64, u64, M)>,
 }
 
 impl<M> Default for RegionTable<M> {
     fn default() -> Self {
         Self {
             next_key: 1,
-            regions: std::collections::HashMap::new(),
+            regions: foldhash::HashMap::default(),
         }
     }
 }

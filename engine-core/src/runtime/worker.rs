@@ -16,7 +16,9 @@
 //! Domain's waker, the next deadline, or (for Domains that cannot wake it) `idle_poll_us`.
 //! Idle polls while awake yield the CPU between them unless `worker.yield_when_idle` is off.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use foldhash::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
@@ -232,7 +234,7 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
         caps,
         needs_polling,
         tracker: Tracker::new(),
-        pending: HashMap::new(),
+        pending: HashMap::default(),
         events: Vec::new(),
         finished: Vec::new(),
         imm_outcomes: Vec::new(),
