@@ -112,6 +112,12 @@ fn classify(provider: &str, err: i32, prov_errno: i32) -> DomainErrorKind {
         1 | 13 | 14 | 121 | 129 => DomainErrorKind::RemoteAccess, // EPERM EACCES EFAULT EREMOTEIO EKEYREJECTED
         22 => DomainErrorKind::RemoteAccess, // EINVAL: a bad key or range at the target
         103 | 104 | 107 | 110 | 111 | 112 | 113 => DomainErrorKind::PeerUnreachable,
+        // ECANCELED: the provider cancelled the operation because it tore its connection
+        // down (tcp;ofi_rxm: the peer died, or it refused a key; the sender cannot tell
+        // which, see `typed_remote_access` in its conformance harness). This side's own
+        // cancellations (closing the endpoint) reach nobody: the engine has failed those
+        // transfers with its own error by then.
+        125 => DomainErrorKind::PeerUnreachable,
         _ => DomainErrorKind::Other,
     }
 }
@@ -657,5 +663,11 @@ mod tests {
             DomainErrorKind::RemoteAccess
         );
         assert_eq!(classify("shm", -5, 0), DomainErrorKind::Other);
+        // tcp;ofi_rxm cancels what is in flight on a connection it tears down: a write to a
+        // peer that died completes with FI_ECANCELED (CI's fresh run, `dead_peer`, once).
+        assert_eq!(
+            classify("tcp;ofi_rxm", -125, 2),
+            DomainErrorKind::PeerUnreachable
+        );
     }
 }
