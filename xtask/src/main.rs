@@ -6,8 +6,8 @@
 //! - `bench`: the mock benchmark sweep in release mode (extra arguments go to transfer-bench).
 //! - `rxe [--nics N] [--timeout S] -- <command>`: runs a command next to N soft-RoCE devices
 //!   in a qemu guest (see `rxe.rs`).
-//! - `rxe-bench [write|read|lat]`: the verbs backend next to perftest's `ib_write_bw`,
-//!   `ib_read_bw` or `ib_write_lat` on the same rxe device.
+//! - `rxe-bench [write|read|lat] [--rounds N] [--sizes A,B,..]`: the verbs backend next to
+//!   perftest's `ib_write_bw`, `ib_read_bw` or `ib_write_lat` on the same rxe device.
 //! - `gpu-check`: builds the GPU check and a script for a machine with an NVIDIA GPU.
 //! - `fresh`: `test` in a clean Debian 12 root built with debootstrap (what CI runs; see
 //!   `fresh.rs`), so a missing install step fails here as it would on a new machine.
@@ -1095,10 +1095,62 @@ fn rxe_latency() -> Result {
 
 /// The verbs backend next to perftest's `ib_write_bw` on the same soft-RoCE device, in one
 /// guest run: engine throughput (two engines on rxe0, loopback mode) over perftest's.
-fn rxe_bench(op: &str) -> Result {
+/// What `rxe-bench write|read` measures: how many alternating rounds, at which block sizes.
+#[derive(Debug, PartialEq)]
+struct BenchPlan {
+    rounds: u32,
+    sizes: Vec<u64>,
+}
+
+/// Parses `[--rounds N] [--sizes A,B,...]` (defaults: five rounds at 4 KiB, 64 KiB and 1 MiB).
+/// More rounds narrow the median where one round's ratio swings ±30 % under emulation.
+fn parse_bench_plan(args: &[String]) -> Result<BenchPlan> {
+    let mut plan = BenchPlan {
+        rounds: 5,
+        sizes: vec![4096, 65536, 1 << 20],
+    };
+    let mut rest = args;
+    while let Some(flag) = rest.first() {
+        let value = rest
+            .get(1)
+            .ok_or(format!("rxe-bench: {flag} needs a value"))?;
+        match flag.as_str() {
+            "--rounds" => {
+                plan.rounds = value
+                    .parse()
+                    .ok()
+                    .filter(|&n: &u32| (1..=100).contains(&n))
+                    .ok_or(format!("rxe-bench: --rounds {value:?} is not 1..=100"))?;
+            }
+            "--sizes" => {
+                plan.sizes = value
+                    .split(',')
+                    .map(|s| {
+                        s.parse()
+                            .ok()
+                            .filter(|&n: &u64| (1..=1 << 30).contains(&n))
+                            .ok_or(format!(
+                                "rxe-bench: block size {s:?} is not a byte count in 1..=1 GiB"
+                            ))
+                    })
+                    .collect::<Result<_>>()?;
+            }
+            other => {
+                return Err(format!(
+                    "rxe-bench: unknown option {other:?} (--rounds, --sizes)"
+                ))
+            }
+        }
+        rest = &rest[2..];
+    }
+    Ok(plan)
+}
+
+fn rxe_bench(op: &str, options: &[String]) -> Result {
     if op == "lat" {
         return rxe_latency();
     }
+    let plan = parse_bench_plan(options)?;
     let (tool, op_flag) = match op {
         "write" => ("ib_write_bw", "write"),
         "read" => ("ib_read_bw", "read"),
@@ -1109,14 +1161,14 @@ fn rxe_bench(op: &str) -> Result {
         }
     };
     build_rxe_bench()?;
-    let sizes = [4096u64, 65536, 1 << 20];
-    // Five rounds in one boot, perftest and xfer alternating per size, so a ratio is not
-    // one sample of TCG noise (the same command varies ±30 % between rounds). perftest's
+    let sizes = &plan.sizes;
+    // Rounds in one boot (five by default), perftest and xfer alternating per size, so a
+    // ratio is not one sample of TCG noise (the same command varies ±30 % between rounds). perftest's
     // duration mode reports 0 iterations for 1 MiB under emulation: it counts iterations
     // instead (64 MiB per size, at most 5000). The client retries while the server is still
     // starting (slow under emulation).
     let script = format!(
-        "for round in 1 2 3 4 5; do for s in {list}; do n=$(( 67108864 / s )); [ $n -gt 5000 ] && n=5000; \
+        "for round in $(seq {rounds}); do for s in {list}; do n=$(( 67108864 / s )); [ $n -gt 5000 ] && n=5000; \
            {tool} -d rxe0 -x 0 -F -s $s -n $n >/dev/null 2>&1 & sleep 2; \
            for try in 1 2 3 4 5; do \
              out=$({tool} -d rxe0 -x 0 -F -s $s -n $n localhost 2>/dev/null | awk -v s=$s '$1==s {{print \"PERFTEST\", s, $4}}'); \
@@ -1124,11 +1176,15 @@ fn rxe_bench(op: &str) -> Result {
            done; echo \"$out\"; wait; \
            target/release/transfer-bench --config configs/verbs-rxe0.toml --op {op_flag} --block-size $s --batch-size 128 --duration 3 --no-imm-rate --json; \
          done; done",
-        list = sizes.map(|s| s.to_string()).join(" ")
+        rounds = plan.rounds,
+        list = sizes.iter().map(u64::to_string).collect::<Vec<_>>().join(" ")
     );
+    // About 15 s per pair (a perftest server's start, both runs, the engines' set-up); twice
+    // that, for a slow boot.
+    let pairs = u64::from(plan.rounds) * sizes.len() as u64;
     let run = rxe::run(
         1,
-        std::time::Duration::from_secs(1500),
+        std::time::Duration::from_secs(300 + 30 * pairs),
         &["bash".into(), "-c".into(), script],
     )?;
     if run.status != 0 {
@@ -1155,12 +1211,12 @@ fn rxe_bench(op: &str) -> Result {
             engine.entry(b).or_default().push(t);
         }
     }
-    println!("\nverbs {op} on soft-RoCE (TCG guest), batch 128 (= perftest's TX depth), 3 s per size, 5 alternating rounds; perftest: {tool} -x 0 -F -n (MiB/s)");
+    println!("\nverbs {op} on soft-RoCE (TCG guest), batch 128 (= perftest's TX depth), 3 s per size, {} alternating rounds; perftest: {tool} -x 0 -F -n (MiB/s)", plan.rounds);
     println!(
         "{:>10} | {:>24} | {:>24} | {:>6} | {:>13}",
         "block", "xfer MiB/s (per round)", "perftest MiB/s", "median", "ratio spread"
     );
-    for size in sizes {
+    for &size in sizes {
         let (e, p) = (
             engine.get(&size).cloned().unwrap_or_default(),
             perftest.get(&size).cloned().unwrap_or_default(),
@@ -1217,7 +1273,10 @@ fn main() -> ExitCode {
         Some("bench") => bench(&args[1..]),
         Some("bench-efa") => bench_efa(&args[1..]),
         Some("rxe") => rxe_command(&args[1..]),
-        Some("rxe-bench") => rxe_bench(args.get(1).map_or("write", String::as_str)),
+        Some("rxe-bench") => rxe_bench(
+            args.get(1).map_or("write", String::as_str),
+            args.get(2..).unwrap_or_default(),
+        ),
         Some("gpu-check") => gpu_check(),
         Some("python") => python::install(),
         Some("examples") => multi_process_examples(),
@@ -1242,6 +1301,49 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("xtask: {e}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn bench_plan_defaults_to_five_rounds_at_three_sizes() {
+        let plan = parse_bench_plan(&[]).unwrap();
+        assert_eq!(plan.rounds, 5);
+        assert_eq!(plan.sizes, [4096, 65536, 1 << 20]);
+    }
+
+    #[test]
+    fn bench_plan_takes_rounds_and_sizes() {
+        let plan =
+            parse_bench_plan(&args(&["--sizes", "65536,1048576", "--rounds", "15"])).unwrap();
+        assert_eq!(
+            plan,
+            BenchPlan {
+                rounds: 15,
+                sizes: vec![65536, 1 << 20]
+            }
+        );
+    }
+
+    #[test]
+    fn bench_plan_names_what_is_wrong() {
+        for (bad, names) in [
+            (&["--rounds", "0"][..], "--rounds \"0\""),
+            (&["--rounds"][..], "--rounds needs a value"),
+            (&["--sizes", "64k"][..], "block size \"64k\""),
+            (&["--sizes", "0"][..], "block size \"0\""),
+            (&["--duration", "3"][..], "unknown option \"--duration\""),
+        ] {
+            let e = parse_bench_plan(&args(bad)).unwrap_err();
+            assert!(e.contains(names), "{bad:?}: {e}");
         }
     }
 }
