@@ -971,7 +971,7 @@ fn rxe_latency() -> Result {
     // ib_write_lat prints `#bytes #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%`.
     // Each perftest run gets its own TCP port: the third round's ib_write_lat failed in
     // every boot when all rounds shared perftest's default one.
-    let script = "for round in 1 2 3; do \
+    let script = "for round in 1 2 3; do echo ROUND $round; \
            port=$((18600 + 2 * round)); \
            ib_write_lat -d rxe0 -x 0 -F -s 8 -n 2000 -p $port >/dev/null 2>&1 & sleep 2; \
            for try in 1 2 3 4 5; do \
@@ -1000,39 +1000,7 @@ fn rxe_latency() -> Result {
             run.status
         ));
     }
-    // One entry per round (None: perftest printed nothing usable that round), so rounds pair
-    // up: ib_write_lat, and ib_send_lat (whose receiver, like a write with immediate's,
-    // consumes a posted receive and polls a completion, where ib_write_lat spins on memory).
-    let mut perftest: Vec<Option<(f64, f64)>> = Vec::new();
-    let mut send_lat: Vec<Option<(f64, f64)>> = Vec::new();
-    let figures = |typical: &str, p99: &str| {
-        typical
-            .parse::<f64>()
-            .ok()
-            .zip(p99.parse::<f64>().ok())
-            .filter(|(t, p)| t.is_finite() && p.is_finite() && *t > 0.0)
-    };
-    // (mode, p50, p99) per xfer run.
-    let mut engine: Vec<(String, f64, f64)> = Vec::new();
-    let (mut mode, mut p50) = (String::new(), None);
-    for line in &run.output {
-        let words: Vec<&str> = line.split_whitespace().collect();
-        match words.as_slice() {
-            ["PERFTEST", "failed"] => perftest.push(None),
-            ["SENDLAT", "failed"] => send_lat.push(None),
-            ["PERFTEST", typical, p99] => perftest.push(figures(typical, p99)),
-            ["SENDLAT", typical, p99] => send_lat.push(figures(typical, p99)),
-            ["MODE", m] => mode = (*m).to_owned(),
-            _ => {}
-        }
-        if let Some(v) = json_number(line, "latency_us_p50") {
-            p50 = Some(v);
-        }
-        if let (Some(m), Some(p)) = (p50, json_number(line, "latency_us_p99")) {
-            engine.push((mode.clone(), m, p));
-            p50 = None;
-        }
-    }
+    let rounds = latency_rounds(&run.output);
     println!("\nverbs 8-byte write with immediate on soft-RoCE (TCG guest), one way (half a round trip), 2000 iterations, 3 alternating rounds; perftest: ib_write_lat and ib_send_lat -x 0 -F -s 8 (t_typical, 99%)");
     let show = |p: &Option<(f64, f64)>| match p {
         Some((t, q)) => format!("{t:>9.2} / {q:>8.2}"),
@@ -1059,13 +1027,12 @@ fn rxe_latency() -> Result {
             "ib_send_lat (us)",
             "ratio"
         );
-        let runs = engine.iter().filter(|(m, ..)| m == wanted);
         let (mut vs_write, mut vs_send) = (Vec::new(), Vec::new());
-        for (i, (_, e50, e99)) in runs.enumerate() {
-            let (w, sl) = (
-                perftest.get(i).copied().flatten(),
-                send_lat.get(i).copied().flatten(),
-            );
+        for (i, round) in rounds.iter().enumerate() {
+            let Some(&(_, e50, e99)) = round.engine.iter().find(|(m, ..)| m == wanted) else {
+                continue;
+            };
+            let (w, sl) = (round.write_lat, round.send_lat);
             let ratio = |r: Option<(f64, f64)>, into: &mut Vec<f64>| match r {
                 Some((t, _)) => {
                     into.push(e50 / t);
@@ -1093,8 +1060,56 @@ fn rxe_latency() -> Result {
     Ok(())
 }
 
-/// The verbs backend next to perftest's `ib_write_bw` on the same soft-RoCE device, in one
-/// guest run: engine throughput (two engines on rxe0, loopback mode) over perftest's.
+/// One round of `rxe-bench lat` as the guest printed it.
+#[derive(Debug, Default, PartialEq)]
+struct LatencyRound {
+    /// ib_write_lat's (t_typical, 99 %) in µs; None when it printed nothing usable.
+    write_lat: Option<(f64, f64)>,
+    /// ib_send_lat's, whose receiver, like a write with immediate's, consumes a posted
+    /// receive and polls a completion (ib_write_lat spins on memory).
+    send_lat: Option<(f64, f64)>,
+    /// xfer's (mode, p50, p99) per run.
+    engine: Vec<(String, f64, f64)>,
+}
+
+/// Splits the guest's output at its `ROUND n` lines, so a figure missing from one round
+/// leaves a gap there instead of shifting every later round against the wrong perftest run.
+fn latency_rounds(output: &[String]) -> Vec<LatencyRound> {
+    let figures = |typical: &str, p99: &str| {
+        typical
+            .parse::<f64>()
+            .ok()
+            .zip(p99.parse::<f64>().ok())
+            .filter(|(t, p)| t.is_finite() && p.is_finite() && *t > 0.0)
+    };
+    let mut rounds: Vec<LatencyRound> = Vec::new();
+    let (mut mode, mut p50) = (String::new(), None);
+    for line in output {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if let ["ROUND", _] = words.as_slice() {
+            rounds.push(LatencyRound::default());
+            continue;
+        }
+        let Some(round) = rounds.last_mut() else {
+            continue;
+        };
+        match words.as_slice() {
+            ["PERFTEST", typical, p99] => round.write_lat = figures(typical, p99),
+            ["SENDLAT", typical, p99] => round.send_lat = figures(typical, p99),
+            ["MODE", m] => mode = (*m).to_owned(),
+            _ => {}
+        }
+        if let Some(v) = json_number(line, "latency_us_p50") {
+            p50 = Some(v);
+        }
+        if let (Some(m), Some(p)) = (p50, json_number(line, "latency_us_p99")) {
+            round.engine.push((mode.clone(), m, p));
+            p50 = None;
+        }
+    }
+    rounds
+}
+
 /// What `rxe-bench write|read` measures: how many alternating rounds, at which block sizes.
 #[derive(Debug, PartialEq)]
 struct BenchPlan {
@@ -1146,6 +1161,8 @@ fn parse_bench_plan(args: &[String]) -> Result<BenchPlan> {
     Ok(plan)
 }
 
+/// The verbs backend next to perftest's `ib_write_bw` on the same soft-RoCE device, in one
+/// guest run: engine throughput (two engines on rxe0, loopback mode) over perftest's.
 fn rxe_bench(op: &str, options: &[String]) -> Result {
     if op == "lat" {
         return rxe_latency();
@@ -1345,5 +1362,30 @@ mod tests {
             let e = parse_bench_plan(&args(bad)).unwrap_err();
             assert!(e.contains(names), "{bad:?}: {e}");
         }
+    }
+
+    #[test]
+    fn a_missing_perftest_figure_leaves_its_round_empty() {
+        let output = args(&[
+            "ROUND 1",
+            "SENDLAT 20.5 40.0",
+            "MODE reactive",
+            "  \"latency_us_p50\": 41.0,",
+            "  \"latency_us_p99\": 90.0,",
+            "ROUND 2",
+            "PERFTEST 18.0 30.0",
+            "SENDLAT failed",
+            "MODE reactive",
+            "  \"latency_us_p50\": 44.0,",
+            "  \"latency_us_p99\": 95.0,",
+        ]);
+        let rounds = latency_rounds(&output);
+        assert_eq!(rounds.len(), 2);
+        assert_eq!(rounds[0].write_lat, None);
+        assert_eq!(rounds[0].send_lat, Some((20.5, 40.0)));
+        assert_eq!(rounds[0].engine, [("reactive".to_owned(), 41.0, 90.0)]);
+        assert_eq!(rounds[1].write_lat, Some((18.0, 30.0)));
+        assert_eq!(rounds[1].send_lat, None);
+        assert_eq!(rounds[1].engine, [("reactive".to_owned(), 44.0, 95.0)]);
     }
 }
