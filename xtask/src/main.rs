@@ -1110,6 +1110,53 @@ fn latency_rounds(output: &[String]) -> Vec<LatencyRound> {
     rounds
 }
 
+/// `rxe-bench write|read`'s output per block size: one (xfer, perftest) MiB/s pair per
+/// `ROUND n` line, either `None` where that run printed nothing usable — so a run missing
+/// from one round does not pair every later round with the wrong run of the other.
+fn throughput_rounds(output: &[String]) -> std::collections::BTreeMap<u64, Vec<PairMibS>> {
+    let mut rounds: std::collections::BTreeMap<u64, Vec<PairMibS>> = Default::default();
+    let (mut round, mut block) = (None, None);
+    for line in output {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if let ["ROUND", _] = words.as_slice() {
+            round = Some(round.map_or(0, |r| r + 1));
+            continue;
+        }
+        let Some(round) = round else {
+            continue;
+        };
+        if let ["PERFTEST", size, mib_s] = words.as_slice() {
+            // perftest 4.5 reports MiB/s (2^20 bytes; its --help says so): taken as is.
+            if let (Ok(size), Ok(mib_s)) = (size.parse::<u64>(), mib_s.parse::<f64>()) {
+                slot(&mut rounds, size, round).1 = Some(mib_s);
+            }
+        }
+        if let Some(b) = json_number(line, "block_size") {
+            block = Some(b as u64);
+        }
+        if let (Some(b), Some(t)) = (block, json_number(line, "throughput_mib_s")) {
+            slot(&mut rounds, b, round).0 = Some(t);
+        }
+    }
+    rounds
+}
+
+/// xfer's and perftest's MiB/s in one round at one block size.
+type PairMibS = (Option<f64>, Option<f64>);
+
+/// `round`'s pair at block size `size`, the rounds before it filled with empty pairs.
+fn slot(
+    rounds: &mut std::collections::BTreeMap<u64, Vec<PairMibS>>,
+    size: u64,
+    round: usize,
+) -> &mut PairMibS {
+    let pairs = rounds.entry(size).or_default();
+    if pairs.len() <= round {
+        pairs.resize(round + 1, (None, None));
+    }
+    &mut pairs[round]
+}
+
 /// What `rxe-bench write|read` measures: how many alternating rounds, at which block sizes.
 #[derive(Debug, PartialEq)]
 struct BenchPlan {
@@ -1185,7 +1232,7 @@ fn rxe_bench(op: &str, options: &[String]) -> Result {
     // instead (64 MiB per size, at most 5000). The client retries while the server is still
     // starting (slow under emulation).
     let script = format!(
-        "for round in $(seq {rounds}); do for s in {list}; do n=$(( 67108864 / s )); [ $n -gt 5000 ] && n=5000; \
+        "for round in $(seq {rounds}); do echo ROUND $round; for s in {list}; do n=$(( 67108864 / s )); [ $n -gt 5000 ] && n=5000; \
            {tool} -d rxe0 -x 0 -F -s $s -n $n >/dev/null 2>&1 & sleep 2; \
            for try in 1 2 3 4 5; do \
              out=$({tool} -d rxe0 -x 0 -F -s $s -n $n localhost 2>/dev/null | awk -v s=$s '$1==s {{print \"PERFTEST\", s, $4}}'); \
@@ -1210,39 +1257,21 @@ fn rxe_bench(op: &str, options: &[String]) -> Result {
             run.status
         ));
     }
-    let mut perftest: std::collections::BTreeMap<u64, Vec<f64>> = Default::default();
-    let mut engine: std::collections::BTreeMap<u64, Vec<f64>> = Default::default();
-    let mut block = None;
-    for line in &run.output {
-        let words: Vec<&str> = line.split_whitespace().collect();
-        if let ["PERFTEST", size, mib_s] = words.as_slice() {
-            // perftest 4.5 reports MiB/s (2^20 bytes; its --help says so): taken as is.
-            if let (Ok(size), Ok(mib_s)) = (size.parse::<u64>(), mib_s.parse::<f64>()) {
-                perftest.entry(size).or_default().push(mib_s);
-            }
-        }
-        if let Some(b) = json_number(line, "block_size") {
-            block = Some(b as u64);
-        }
-        if let (Some(b), Some(t)) = (block, json_number(line, "throughput_mib_s")) {
-            engine.entry(b).or_default().push(t);
-        }
-    }
+    let rounds = throughput_rounds(&run.output);
     println!("\nverbs {op} on soft-RoCE (TCG guest), batch 128 (= perftest's TX depth), 3 s per size, {} alternating rounds; perftest: {tool} -x 0 -F -n (MiB/s)", plan.rounds);
     println!(
         "{:>10} | {:>24} | {:>24} | {:>6} | {:>13}",
         "block", "xfer MiB/s (per round)", "perftest MiB/s", "median", "ratio spread"
     );
     for &size in sizes {
-        let (e, p) = (
-            engine.get(&size).cloned().unwrap_or_default(),
-            perftest.get(&size).cloned().unwrap_or_default(),
-        );
-        let mut ratios: Vec<f64> = e.iter().zip(&p).map(|(e, p)| e / p).collect();
+        let pairs = rounds.get(&size).map_or(&[][..], Vec::as_slice);
+        let (e, p): (Vec<_>, Vec<_>) = pairs.iter().copied().unzip();
+        let mut ratios: Vec<f64> = pairs.iter().filter_map(|&(e, p)| Some(e? / p?)).collect();
         ratios.sort_by(f64::total_cmp);
-        let list = |v: &[f64]| {
+        // A round either side missed shows as "-", so the columns stay round by round.
+        let list = |v: &[Option<f64>]| {
             v.iter()
-                .map(|x| format!("{x:.0}"))
+                .map(|x| x.map_or_else(|| "-".to_owned(), |x| format!("{x:.0}")))
                 .collect::<Vec<_>>()
                 .join(" ")
         };
@@ -1387,5 +1416,25 @@ mod tests {
         assert_eq!(rounds[1].write_lat, Some((18.0, 30.0)));
         assert_eq!(rounds[1].send_lat, None);
         assert_eq!(rounds[1].engine, [("reactive".to_owned(), 44.0, 95.0)]);
+    }
+
+    #[test]
+    fn a_missing_throughput_run_leaves_its_round_empty() {
+        let output = args(&[
+            "ROUND 1",
+            "  \"block_size\": 4096,",
+            "  \"throughput_mib_s\": 20.0,",
+            "ROUND 2",
+            "PERFTEST 4096 25.0",
+            "  \"block_size\": 4096,",
+            "  \"throughput_mib_s\": 24.0,",
+            "PERFTEST 65536 30.0",
+        ]);
+        let rounds = throughput_rounds(&output);
+        assert_eq!(
+            rounds[&4096],
+            [(Some(20.0), None), (Some(24.0), Some(25.0))]
+        );
+        assert_eq!(rounds[&65536], [(None, None), (None, Some(30.0))]);
     }
 }

@@ -259,7 +259,6 @@ pub(crate) struct Run {
     pub(crate) output: Vec<String>,
 }
 
-/// Removes terminal escape sequences the guest's console emits.
 /// What a console line says once the firmware's noise is gone: `None` for a line of only
 /// noise. The firmware's last words ("Booting from ROM..") end without a newline, so the
 /// guest's first line can follow them on the same line: that remainder is kept (`rxe-bench
@@ -276,6 +275,7 @@ fn console_line(raw: &str) -> Option<String> {
     (!noise && !clean.trim().is_empty()).then_some(clean)
 }
 
+/// Removes terminal escape sequences the guest's console emits.
 fn strip_escapes(line: &str) -> String {
     let mut out = String::with_capacity(line.len());
     let mut chars = line.chars().peekable();
