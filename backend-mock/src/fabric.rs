@@ -14,8 +14,6 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
-
-use foldhash::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{
     Arc, Condvar, LazyLock, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, Weak,
@@ -24,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use engine_core::domain::{DomainError, DomainErrorKind, Event, Waker};
 use engine_core::NetAddr;
+use foldhash::HashMap;
 
 /// A registered region.
 #[derive(Debug, Clone, Copy)]

@@ -2,8 +2,6 @@
 //! on the device's UD QP.
 
 use std::collections::VecDeque;
-
-use foldhash::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,6 +12,7 @@ use engine_core::domain::{
     WriteRequest,
 };
 use engine_core::NetAddr;
+use foldhash::{HashMap, HashSet};
 
 use crate::completion::{Outstanding, Progress};
 use crate::ffi::{

@@ -28,9 +28,9 @@
 //! arrivals from the worker and passes `now` in for deadlines.
 
 use std::collections::VecDeque;
+use std::time::Instant;
 
 use foldhash::{HashMap, HashSet};
-use std::time::Instant;
 
 /// Counts arrivals per immediate and matches them against expectations carrying a `W` (the
 /// engine's waiter: a callback or a flag).

@@ -17,13 +17,13 @@
 //! Idle polls while awake yield the CPU between them unless `worker.yield_when_idle` is off.
 
 use std::collections::VecDeque;
-
-use foldhash::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use foldhash::HashMap;
 
 use super::completion::{send_batch, CallbackBatch, OnDone};
 use super::tracker::Tracker;
