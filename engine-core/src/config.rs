@@ -204,6 +204,10 @@ pub struct RendezvousConfig {
     /// Lease of a published name, in milliseconds (at least 2000: etcd's minimum); a
     /// process that dies disappears within it. 0: the default, 5000.
     pub ttl_ms: u64,
+    /// How long a client rides out a rendezvous service that is not up yet or is
+    /// restarting (connect, publish, list, watch), in milliseconds, before it fails naming
+    /// the URL. 0: the default, 30000.
+    pub connect_ms: u64,
 }
 
 /// A whole configuration.

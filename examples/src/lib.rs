@@ -27,6 +27,18 @@ pub fn byte(a: usize, b: usize, c: usize) -> u8 {
 }
 
 /// Exits non-zero with a message: the examples check their own results.
+/// Logs to stderr, filtered by `RUST_LOG` (warnings and errors when unset): a process
+/// waiting for its rendezvous service says so. Calling it twice is harmless.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
+
 pub fn fail(message: impl std::fmt::Display) -> ! {
     eprintln!("FAILED: {message}");
     std::process::exit(1)
@@ -67,6 +79,7 @@ impl Member {
             fail(format!("--rank {rank} is not below --world {world}"));
         }
         backend_mock::link();
+        init_logging();
         let mut config = Config::load(arg("--config").as_deref().map(std::path::Path::new))
             .unwrap_or_else(|e| fail(e));
         // Several busy processes may share a couple of cores (as in CI): deadlines for the
@@ -76,7 +89,11 @@ impl Member {
         let engine = Arc::new(TransferEngine::open(&config).unwrap_or_else(|e| fail(e)));
         let (rendezvous, ttl) = match arg("--rendezvous") {
             Some(url) => (
-                xfer_rendezvous::Rendezvous::connect(&url).unwrap_or_else(|e| fail(e)),
+                xfer_rendezvous::Rendezvous::connect_within(
+                    &url,
+                    xfer_rendezvous::connect_wait(&config),
+                )
+                .unwrap_or_else(|e| fail(e)),
                 std::time::Duration::from_secs(5),
             ),
             None => xfer_rendezvous::Rendezvous::from_config(&config).unwrap_or_else(|e| fail(e)),

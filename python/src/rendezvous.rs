@@ -52,9 +52,14 @@ pub(crate) struct Publication(std::sync::Mutex<Option<xfer_rendezvous::Publicati
 
 #[pymethods]
 impl Rendezvous {
+    /// Waits up to `connect_timeout` seconds for a service that is not up yet (or is
+    /// restarting), in this call and in later publish/list calls; then `RendezvousError`
+    /// naming the URL.
     #[new]
-    fn new(py: Python<'_>, url: &str) -> PyResult<Self> {
-        py.detach(|| xfer_rendezvous::Rendezvous::connect(url))
+    #[pyo3(signature = (url, *, connect_timeout=30.0))]
+    fn new(py: Python<'_>, url: &str, connect_timeout: f64) -> PyResult<Self> {
+        let wait = seconds(py, "connect_timeout", connect_timeout)?;
+        py.detach(|| xfer_rendezvous::Rendezvous::connect_within(url, wait))
             .map(Self)
             .map_err(|e| to_py(py, e))
     }

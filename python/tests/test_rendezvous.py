@@ -40,5 +40,28 @@ def test_bad_urls_names_and_unreachable_services():
     with pytest.raises(xfer.InvalidArgumentError, match="name"):
         rdv.lookup("no/slashes", timeout=0.1)
     server.close()
-    with pytest.raises(xfer.RendezvousError):
-        xfer.Rendezvous(url)
+    with pytest.raises(xfer.RendezvousError, match="not reachable within"):
+        xfer.Rendezvous(url, connect_timeout=0.3)
+
+
+def test_a_client_started_before_the_service_waits_for_it():
+    """Issue 23: processes start in any order; the client rides out a service that comes
+    up two seconds after it."""
+    import socket
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    late = []
+    starter = threading.Timer(2.0, lambda: late.append(xfer.Server(f"127.0.0.1:{port}")))
+    starter.start()
+    try:
+        rdv = xfer.Rendezvous(f"xfer://127.0.0.1:{port}", connect_timeout=60)
+        with xfer.TransferEngine(MOCK) as engine:
+            with rdv.publish("early", engine.main_address, ttl=3):
+                assert rdv.lookup("early", timeout=10)["addr"] == engine.main_address
+    finally:
+        starter.join()
+        for server in late:
+            server.close()

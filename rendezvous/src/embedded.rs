@@ -327,49 +327,77 @@ fn stream_watch(mut conn: TcpStream, state: &Mutex<State>, stop: &AtomicBool, pr
     }
 }
 
-/// A client of the embedded service.
+/// A client of the embedded service. It opens its connection on first use and reopens it
+/// after a failure; failures to reach the service are [`Error::Unreachable`], which the
+/// caller's retry loop rides out.
 pub(crate) struct Client {
+    /// The URL, for errors.
+    service: String,
     addr: String,
     conn: Mutex<Option<TcpStream>>,
 }
 
 impl Client {
-    pub(crate) fn connect(addr: &str) -> Result<Self> {
-        let c = Self {
+    pub(crate) fn new(service: &str, addr: &str) -> Self {
+        Self {
+            service: service.to_owned(),
             addr: addr.to_owned(),
             conn: Mutex::new(None),
-        };
-        c.call(Request::List {
-            prefix: "\u{0}".into(),
-        })?;
-        Ok(c)
+        }
     }
 
+    /// One round trip that changes nothing: the service is there and speaks our protocol.
+    pub(crate) fn probe(&self) -> Result<()> {
+        match self.call(Request::List {
+            prefix: "\u{0}".into(),
+        })? {
+            Response::Values(_) => Ok(()),
+            other => Err(self.error(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// The service answered wrongly (not retried).
     fn error(&self, why: impl std::fmt::Display) -> Error {
         Error::Service {
-            service: format!("xfer://{}", self.addr),
+            service: self.service.clone(),
+            why: why.to_string(),
+        }
+    }
+
+    /// The service could not be reached (retried by the caller until its deadline).
+    fn unreachable(&self, why: impl std::fmt::Display) -> Error {
+        Error::Unreachable {
+            service: self.service.clone(),
+            waited: Duration::ZERO,
             why: why.to_string(),
         }
     }
 
     fn open(&self) -> Result<TcpStream> {
         let addrs: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(&self.addr)
-            .map_err(|e| self.error(format!("cannot resolve: {e}")))?
+            .map_err(|e| self.unreachable(format!("cannot resolve {}: {e}", self.addr)))?
             .collect();
-        let s = addrs
-            .iter()
-            .find_map(|a| TcpStream::connect_timeout(a, Duration::from_secs(2)).ok())
-            .ok_or_else(|| self.error("cannot connect (is `xfer serve` running there?)"))?;
-        let _ = s.set_nodelay(true);
-        let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-        Ok(s)
+        let mut last = format!("{} resolves to no address", self.addr);
+        for a in &addrs {
+            match TcpStream::connect_timeout(a, Duration::from_secs(2)) {
+                Ok(s) => {
+                    let _ = s.set_nodelay(true);
+                    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+                    return Ok(s);
+                }
+                Err(e) => last = format!("cannot connect to {a}: {e}"),
+            }
+        }
+        Err(self.unreachable(last))
     }
 
-    /// One request and its response; a broken connection is reopened once (the service
-    /// may have restarted).
+    /// One request and its response. A kept connection that fails is reopened at once (the
+    /// service may have restarted since it was opened); a fresh one that fails is
+    /// [`Error::Unreachable`].
     fn call(&self, req: Request) -> Result<Response> {
         let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        for attempt in 0..2 {
+        let kept = conn.is_some();
+        for fresh in [!kept, true] {
             if conn.is_none() {
                 *conn = Some(self.open()?);
             }
@@ -379,20 +407,17 @@ impl Client {
                 Ok(r) => return Ok(r),
                 Err(e) => {
                     *conn = None;
-                    if attempt == 1 {
-                        return Err(self.error(e));
+                    if fresh {
+                        return Err(self.unreachable(format!("the connection broke: {e}")));
                     }
                 }
             }
         }
-        unreachable!("the loop returns")
+        unreachable!("the second pass uses a fresh connection and returns")
     }
 
     fn clone_client(&self) -> Self {
-        Self {
-            addr: self.addr.clone(),
-            conn: Mutex::new(None),
-        }
+        Self::new(&self.service, &self.addr)
     }
 }
 
@@ -491,8 +516,8 @@ impl Store for Client {
                 prefix: prefix.to_owned(),
             },
         )
-        .map_err(|e| self.error(e))?;
-        let initial = match read_frame::<Response>(&mut s).map_err(|e| self.error(e))? {
+        .map_err(|e| self.unreachable(e))?;
+        let initial = match read_frame::<Response>(&mut s).map_err(|e| self.unreachable(e))? {
             Response::Values(v) => v,
             other => return Err(self.error(format!("unexpected answer {other:?}"))),
         };
@@ -500,7 +525,7 @@ impl Store for Client {
         for (k, v) in initial {
             let _ = tx.send(Ok(Change::Put(k, v)));
         }
-        let service = format!("xfer://{}", self.addr);
+        let service = self.service.clone();
         let _ = s.set_read_timeout(None);
         std::thread::spawn(move || loop {
             let change = match read_frame::<Response>(&mut s) {

@@ -10,7 +10,7 @@ use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, Wat
 use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::{Change, Changes, Error, Keeper, Result, Store};
+use crate::{retry, Change, Changes, Error, Keeper, Result, Store};
 
 /// Every etcd call gives up after this (the service is down or unreachable).
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -28,33 +28,62 @@ fn service_error(service: &str, why: impl std::fmt::Display) -> Error {
     }
 }
 
+/// An etcd client error as ours: no connection (or one that broke, or a member without a
+/// leader yet) is [`Error::Unreachable`], which callers ride out until their deadline;
+/// anything else is an answer ([`Error::Service`]).
+fn classify(service: &str, e: etcd_client::Error) -> Error {
+    use etcd_client::Error as E;
+    use tonic::Code;
+    let unreachable = match &e {
+        E::TransportError(_) | E::IoError(_) => true,
+        E::GRpcStatus(status) => matches!(
+            status.code(),
+            Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown
+        ),
+        _ => false,
+    };
+    if unreachable {
+        Error::Unreachable {
+            service: service.to_owned(),
+            waited: Duration::ZERO,
+            why: e.to_string(),
+        }
+    } else {
+        service_error(service, e)
+    }
+}
+
 impl EtcdStore {
-    pub(crate) fn connect(endpoints: &[String]) -> Result<Self> {
-        let service = format!("etcd://{}", endpoints.join(","));
+    /// Connects to `endpoints` (of `url`), riding out an etcd that is not up yet for `wait`.
+    pub(crate) fn connect(url: &str, endpoints: &[String], wait: Duration) -> Result<Self> {
+        let service = url.to_owned();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("xfer-etcd")
             .enable_all()
             .build()
             .map_err(|e| service_error(&service, format!("cannot start its runtime: {e}")))?;
-        let options = ConnectOptions::new()
-            .with_connect_timeout(CALL_TIMEOUT)
-            .with_timeout(CALL_TIMEOUT);
-        let client = rt
-            .block_on(Client::connect(endpoints, Some(options)))
-            .map_err(|e| service_error(&service, e))?;
-        let store = Self {
+        let client = retry::until(url, wait, || {
+            let options = ConnectOptions::new()
+                .with_connect_timeout(CALL_TIMEOUT)
+                .with_timeout(CALL_TIMEOUT);
+            let mut client = rt
+                .block_on(Client::connect(endpoints, Some(options)))
+                .map_err(|e| classify(&service, e))?;
+            // Fail now, with the reason, if nothing answers there.
+            rt.block_on(client.get("/xfer-connect-check", None))
+                .map_err(|e| classify(&service, e))?;
+            Ok(client)
+        })?;
+        Ok(Self {
             rt: Arc::new(rt),
             client,
             service,
-        };
-        // Fail now, with the reason, if nothing answers there.
-        store.get("/xfer-connect-check")?;
-        Ok(store)
+        })
     }
 
-    fn err(&self, why: impl std::fmt::Display) -> Error {
-        service_error(&self.service, why)
+    fn err(&self, e: etcd_client::Error) -> Error {
+        classify(&self.service, e)
     }
 }
 

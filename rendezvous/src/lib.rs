@@ -17,6 +17,7 @@ pub mod embedded;
 #[cfg(feature = "etcd")]
 mod etcd;
 pub mod record;
+mod retry;
 
 use std::time::{Duration, Instant};
 
@@ -24,6 +25,7 @@ use engine_core::{MrDesc, NetAddr};
 
 pub use embedded::Server;
 pub use record::Record;
+pub use retry::DEFAULT_WAIT;
 
 /// What can go wrong.
 #[derive(Debug, thiserror::Error)]
@@ -61,7 +63,20 @@ pub enum Error {
         /// How long the lookup waited.
         timeout: Duration,
     },
-    /// The service could not be reached or answered wrongly.
+    /// The service could not be reached (nothing listens there, or the connection broke)
+    /// for as long as the caller was prepared to wait: connect's wait, or the lookup's
+    /// timeout. Calls ride out a service that is starting or restarting until then.
+    #[error("rendezvous service {service} not reachable within {waited:?}: {why} (is `xfer serve` or etcd running there?)")]
+    Unreachable {
+        /// Which service (its URL).
+        service: String,
+        /// How long the call kept trying.
+        waited: Duration,
+        /// The last failure.
+        why: String,
+    },
+    /// The service answered, but not as asked (a refusal, or a reply this build does not
+    /// expect).
     #[error("rendezvous service {service}: {why}")]
     Service {
         /// Which service.
@@ -123,6 +138,8 @@ pub struct Rendezvous {
     store: Box<dyn Store>,
     prefix: String,
     url: String,
+    /// How long a call rides out an unreachable service (lookups: their own timeout).
+    wait: Duration,
 }
 
 impl std::fmt::Debug for Rendezvous {
@@ -227,26 +244,44 @@ pub(crate) fn parse_url(url: &str) -> Result<Url> {
 }
 
 impl Rendezvous {
-    /// Connects to `xfer://host:port[/prefix]` or `etcd://host:port[,host:port…][/prefix]`.
+    /// Connects to `xfer://host:port[/prefix]` or `etcd://host:port[,host:port…][/prefix]`,
+    /// waiting up to [`DEFAULT_WAIT`] for a service that is not up yet.
     pub fn connect(url: &str) -> Result<Self> {
+        Self::connect_within(url, DEFAULT_WAIT)
+    }
+
+    /// Connects, riding out a service that is not up yet (or is restarting) for up to
+    /// `wait`: refused or broken connections are retried with backoff, logged once, and
+    /// end in [`Error::Unreachable`] naming the URL. Later calls on the connection
+    /// (`publish`, `list`, `watch`) ride out a restarting service for as long; `lookup`
+    /// for its own timeout. A zero `wait` tries once.
+    pub fn connect_within(url: &str, wait: Duration) -> Result<Self> {
         let parsed = parse_url(url)?;
         let store: Box<dyn Store> = if parsed.etcd {
             #[cfg(feature = "etcd")]
             {
-                Box::new(etcd::EtcdStore::connect(&parsed.endpoints)?)
+                Box::new(etcd::EtcdStore::connect(url, &parsed.endpoints, wait)?)
             }
             #[cfg(not(feature = "etcd"))]
             {
                 return Err(Error::NoEtcd);
             }
         } else {
-            Box::new(embedded::Client::connect(&parsed.endpoints[0])?)
+            let client = embedded::Client::new(url, &parsed.endpoints[0]);
+            retry::until(url, wait, || client.probe())?;
+            Box::new(client)
         };
         Ok(Self {
             store,
             prefix: format!("{}/peers/", parsed.prefix),
             url: url.to_owned(),
+            wait,
         })
+    }
+
+    /// Runs one store call, riding out an unreachable service for `wait`.
+    fn retrying<T>(&self, wait: Duration, call: impl FnMut() -> Result<T>) -> Result<T> {
+        retry::until(&self.url, wait, call)
     }
 
     fn key(&self, name: &str) -> String {
@@ -278,25 +313,29 @@ impl Rendezvous {
                 .collect(),
         };
         let ttl = ttl.max(Duration::from_secs(2));
-        let keeper = self
-            .store
-            .publish(&self.key(name), record::encode(&record), ttl)?;
+        let (key, value) = (self.key(name), record::encode(&record));
+        let keeper = self.retrying(self.wait, || self.store.publish(&key, value.clone(), ttl))?;
         Ok(Publication {
             _keeper: keeper,
             record,
         })
     }
 
-    /// The record published under `name`, waiting up to `timeout` for it to appear.
+    /// The record published under `name`, waiting up to `timeout` for it to appear (and
+    /// for the service, if it is not reachable yet).
     pub fn lookup(&self, name: &str, timeout: Duration) -> Result<Record> {
         record::check_name("peer", name)?;
         let key = self.key(name);
-        let deadline = Instant::now() + timeout;
+        // A timeout too large to add to the clock waits without end.
+        let deadline = Instant::now().checked_add(timeout);
         loop {
-            if let Some(v) = self.store.get(&key)? {
+            let left = deadline.map_or(Duration::MAX, |d| {
+                d.saturating_duration_since(Instant::now())
+            });
+            if let Some(v) = self.retrying(left, || self.store.get(&key))? {
                 return record::decode(&key, &v);
             }
-            if Instant::now() >= deadline {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Err(Error::NotFound {
                     name: name.to_owned(),
                     timeout,
@@ -310,7 +349,7 @@ impl Rendezvous {
     /// logged): a stray key must not hide everyone else.
     pub fn list(&self) -> Result<Vec<Record>> {
         let mut out = Vec::new();
-        for (key, value) in self.store.list(&self.prefix)? {
+        for (key, value) in self.retrying(self.wait, || self.store.list(&self.prefix))? {
             match record::decode(&key, &value) {
                 Ok(r) => out.push(r),
                 Err(e) => tracing::warn!("{e}"),
@@ -323,7 +362,7 @@ impl Rendezvous {
     /// Joins and leaves from now on (the current members first, as joins).
     pub fn watch(&self) -> Result<Watch> {
         Ok(Watch {
-            changes: self.store.watch(&self.prefix)?,
+            changes: self.retrying(self.wait, || self.store.watch(&self.prefix))?,
             prefix: self.prefix.clone(),
         })
     }
@@ -342,12 +381,21 @@ impl Rendezvous {
             0 => Duration::from_secs(5),
             ms => Duration::from_millis(ms),
         };
-        Ok((Self::connect(url)?, ttl))
+        Ok((Self::connect_within(url, connect_wait(config))?, ttl))
     }
 
     /// The URL this connects to.
     pub fn url(&self) -> &str {
         &self.url
+    }
+}
+
+/// How long a client of `config` rides out an unreachable service: `[rendezvous]
+/// connect_ms`, or [`DEFAULT_WAIT`] when it is 0 (unset).
+pub fn connect_wait(config: &engine_core::Config) -> Duration {
+    match config.rendezvous.connect_ms {
+        0 => DEFAULT_WAIT,
+        ms => Duration::from_millis(ms),
     }
 }
 
@@ -377,15 +425,20 @@ mod tests {
     fn the_config_names_the_rendezvous() {
         let server = Server::start("127.0.0.1:0").unwrap();
         let text = format!(
-            "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n[rendezvous]\nurl = \"{}\"\nttl_ms = 3000\n",
+            "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n[rendezvous]\nurl = \"{}\"\nttl_ms = 3000\nconnect_ms = 1500\n",
             server.url()
         );
         let config = engine_core::Config::from_toml(&text, std::path::Path::new("t.toml")).unwrap();
         let (r, ttl) = Rendezvous::from_config(&config).unwrap();
         assert_eq!(
-            (r.url(), ttl),
-            (server.url().as_str(), Duration::from_secs(3))
+            (r.url(), ttl, connect_wait(&config)),
+            (
+                server.url().as_str(),
+                Duration::from_secs(3),
+                Duration::from_millis(1500)
+            )
         );
+        assert_eq!(connect_wait(&engine_core::Config::default()), DEFAULT_WAIT);
         let none = engine_core::Config::default();
         let e = Rendezvous::from_config(&none).unwrap_err().to_string();
         assert!(e.contains("no [rendezvous] url"), "{e}");

@@ -12,10 +12,17 @@ use xfer_rendezvous::{Error, Event, Rendezvous, Server};
 const TTL: Duration = Duration::from_secs(2);
 const WAIT: Duration = Duration::from_secs(30);
 
-trait Service {
+trait Service: Send {
     fn url(&self) -> String;
-    /// Stops the service and starts it again at the same address (etcd keeps its data).
-    fn restart(&mut self);
+    /// Stops the service (etcd keeps its data).
+    fn stop(&mut self);
+    /// Starts it again at the same address, returning once it answers.
+    fn resume(&mut self);
+    /// Stops the service and starts it again at the same address.
+    fn restart(&mut self) {
+        self.stop();
+        self.resume();
+    }
 }
 
 struct Embedded {
@@ -38,8 +45,11 @@ impl Service for Embedded {
         format!("xfer://{}", self.addr)
     }
 
-    fn restart(&mut self) {
+    fn stop(&mut self) {
         drop(self.server.take());
+    }
+
+    fn resume(&mut self) {
         let deadline = Instant::now() + WAIT;
         loop {
             match Server::start(&self.addr.to_string()) {
@@ -147,11 +157,14 @@ impl Service for Etcd {
         format!("etcd://127.0.0.1:{}/xfer-test", self.client)
     }
 
-    fn restart(&mut self) {
+    fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    fn resume(&mut self) {
         self.spawn();
     }
 }
@@ -355,6 +368,32 @@ fn the_service_restarting_mid_run_is_survived(s: &mut dyn Service) {
     drop(p);
 }
 
+/// Issue 23: while the service is down for two seconds, publish, lookup, list and watch
+/// called in the gap ride it out, and a publisher keeps its name throughout.
+fn calls_made_while_the_service_is_down_ride_it_out(s: &mut dyn Service) {
+    let r = Rendezvous::connect(&s.url()).unwrap();
+    let kept = r.publish("kept", &addr(2), &[], TTL).unwrap();
+    s.stop();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            std::thread::sleep(Duration::from_secs(2));
+            s.resume();
+        });
+        // Called while nothing listens.
+        let during = r.publish("during", &addr(3), &[], TTL).unwrap();
+        assert_eq!(r.lookup("during", WAIT).unwrap().addr, addr(3));
+        wait_for("the kept publication after the restart", || {
+            r.lookup("kept", Duration::ZERO).is_ok()
+        });
+        let names: Vec<String> = r.list().unwrap().into_iter().map(|r| r.name).collect();
+        assert!(names.contains(&"kept".to_owned()) && names.contains(&"during".to_owned()));
+        let mut w = r.watch().unwrap();
+        assert!(matches!(w.next(WAIT).unwrap(), Some(Event::Joined(_))));
+        drop(during);
+    });
+    drop(kept);
+}
+
 macro_rules! suite {
     ($module:ident, $start:expr) => {
         mod $module {
@@ -392,6 +431,10 @@ macro_rules! suite {
             fn the_service_restarting_mid_run_is_survived() {
                 run(super::the_service_restarting_mid_run_is_survived)
             }
+            #[test]
+            fn calls_made_while_the_service_is_down_ride_it_out() {
+                run(super::calls_made_while_the_service_is_down_ride_it_out)
+            }
         }
     };
 }
@@ -403,11 +446,52 @@ suite!(etcd, Etcd::start());
 #[test]
 fn an_unreachable_service_is_an_error_naming_it() {
     let port = free_port();
-    let e = Rendezvous::connect(&format!("xfer://127.0.0.1:{port}")).unwrap_err();
+    let e = Rendezvous::connect_within(&format!("xfer://127.0.0.1:{port}"), Duration::ZERO)
+        .unwrap_err();
     assert!(e.to_string().contains(&port.to_string()), "{e}");
     #[cfg(not(feature = "etcd"))]
     assert!(matches!(
         Rendezvous::connect("etcd://127.0.0.1:2379"),
         Err(Error::NoEtcd)
     ));
+}
+
+/// Issue 23: a serving system starts its processes in any order. A client that starts two
+/// seconds before the embedded service connects, publishes and looks up once it is up.
+#[test]
+fn a_client_started_before_the_service_waits_for_it() {
+    let port = free_port();
+    let url = format!("xfer://127.0.0.1:{port}");
+    let late_server = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(2));
+        Server::start(&format!("127.0.0.1:{port}")).unwrap()
+    });
+    let r = Rendezvous::connect(&url).unwrap();
+    let _p = r.publish("early-bird", &addr(1), &[], TTL).unwrap();
+    assert_eq!(r.lookup("early-bird", WAIT).unwrap().addr, addr(1));
+    drop(late_server.join().unwrap());
+}
+
+/// Issue 23: a service that never comes up is a typed error naming its URL once the
+/// caller's wait is over, not at the first refused connection and not never.
+#[test]
+fn a_service_that_never_comes_up_fails_after_the_wait() {
+    let port = free_port();
+    let url = format!("xfer://127.0.0.1:{port}");
+    let started = Instant::now();
+    let e = Rendezvous::connect_within(&url, Duration::from_millis(600)).unwrap_err();
+    assert!(
+        started.elapsed() >= Duration::from_millis(600),
+        "gave up early: {e}"
+    );
+    match &e {
+        Error::Unreachable {
+            service, waited, ..
+        } => {
+            assert_eq!(service, &url);
+            assert!(*waited >= Duration::from_millis(600));
+        }
+        other => panic!("expected Unreachable, got {other:?}"),
+    }
+    assert!(e.to_string().contains(&url), "{e}");
 }

@@ -59,12 +59,23 @@ enum Command {
         /// Address to listen on (keep tests on 127.0.0.1).
         #[arg(long, default_value = "127.0.0.1:7420")]
         listen: String,
+        /// Once listening, write the service's URL to this file (created whole, by rename),
+        /// so a script can wait for readiness instead of for a fixed time. The URL is also
+        /// the first line on stdout.
+        #[arg(long)]
+        ready_file: Option<PathBuf>,
+        /// Test knob: wait this long before listening, as a slow start would.
+        #[arg(long, default_value_t = 0, hide = true)]
+        delay_listen_ms: u64,
     },
     /// Lists the peers published on a rendezvous (xfer://host:port or etcd://host:port).
     Peers {
         /// The rendezvous URL.
         #[arg(long)]
         rendezvous: String,
+        /// How long to wait for a service that is not up yet, in milliseconds.
+        #[arg(long, default_value_t = 5_000)]
+        wait_ms: u64,
     },
     /// Runs the backend conformance suite (a plugin's, or the config's backend): one line per
     /// check; exits 1 if any fails.
@@ -84,11 +95,35 @@ enum Command {
     },
 }
 
-fn serve_cmd(listen: &str) -> ExitCode {
+/// Logs to stderr, filtered by `RUST_LOG` (warnings and errors when unset), for the
+/// rendezvous commands: a client waiting for its service says so.
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
+
+fn serve_cmd(listen: &str, ready_file: Option<&std::path::Path>, delay_ms: u64) -> ExitCode {
+    init_logging();
+    std::thread::sleep(std::time::Duration::from_millis(delay_ms));
     match xfer_rendezvous::Server::start(listen) {
         Ok(server) => {
-            // The URL on stdout (first line), so a script can start it with port 0 and read it.
+            // Readiness: the URL on stdout (first line), so a script can start it with port 0
+            // and read it, and in the ready file. Both only once the socket listens.
             println!("{}", server.url());
+            if let Some(path) = ready_file {
+                let partial = path.with_extension("partial");
+                let written = std::fs::write(&partial, format!("{}\n", server.url()))
+                    .and_then(|()| std::fs::rename(&partial, path));
+                if let Err(e) = written {
+                    eprintln!("xfer serve: cannot write {}: {e}", path.display());
+                    return ExitCode::FAILURE;
+                }
+            }
             loop {
                 std::thread::park();
             }
@@ -100,8 +135,10 @@ fn serve_cmd(listen: &str) -> ExitCode {
     }
 }
 
-fn peers_cmd(cli: &Cli, url: &str) -> ExitCode {
-    let listing = xfer_rendezvous::Rendezvous::connect(url).and_then(|r| r.list());
+fn peers_cmd(cli: &Cli, url: &str, wait_ms: u64) -> ExitCode {
+    init_logging();
+    let wait = std::time::Duration::from_millis(wait_ms);
+    let listing = xfer_rendezvous::Rendezvous::connect_within(url, wait).and_then(|r| r.list());
     match listing {
         Ok(records) => {
             if cli.json {
@@ -483,8 +520,15 @@ fn main() -> ExitCode {
         Command::Topo { max_nics } => topo_cmd(&cli, *max_nics),
         Command::Info => info_cmd(&cli),
         Command::Doctor { register_bytes } => doctor_cmd(&cli, *register_bytes),
-        Command::Serve { listen } => serve_cmd(listen),
-        Command::Peers { rendezvous } => peers_cmd(&cli, rendezvous),
+        Command::Serve {
+            listen,
+            ready_file,
+            delay_listen_ms,
+        } => serve_cmd(listen, ready_file.as_deref(), *delay_listen_ms),
+        Command::Peers {
+            rendezvous,
+            wait_ms,
+        } => peers_cmd(&cli, rendezvous, *wait_ms),
         Command::Conformance {
             plugin,
             backend,

@@ -226,8 +226,45 @@ fn serve_and_peers_list_published_names() {
     assert_eq!(v[0]["name"], "prefill-0");
     serve.kill().unwrap();
     let _ = serve.wait();
-    let (code, _) = xfer(&["peers", "--rendezvous", &url]);
+    let (code, _) = xfer(&["peers", "--rendezvous", &url, "--wait-ms", "200"]);
     assert_eq!(code, 1);
+}
+
+/// Issue 23, as separate processes: a client started before the service (which takes two
+/// seconds to listen) waits for it; the service says it is ready in its ready file, which
+/// appears only once it listens.
+#[test]
+fn a_client_process_started_before_serve_waits_for_it() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("xfer://127.0.0.1:{port}");
+    let dir = std::env::temp_dir().join(format!("xfer-ready-{}-{port}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ready = dir.join("ready");
+    let client = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(["peers", "--rendezvous", &url, "--wait-ms", "60000"])
+        .env_remove("XFER_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--delay-listen-ms", "2000", "--ready-file"])
+        .arg(&ready)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(!ready.exists(), "ready before listening");
+    let out = client.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("0 peer(s)"), "{text}");
+    assert_eq!(std::fs::read_to_string(&ready).unwrap().trim(), url);
+    serve.kill().unwrap();
+    let _ = serve.wait();
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Every config the repository ships parses and passes validation (they are documentation

@@ -507,10 +507,11 @@ fn test() -> Result {
         "{cli_tests} --ignored && {verbs_tests} --ignored --test-threads 1 && {verbs_tests} --ignored --test-threads 1 \
          && {two_process} --ignored --test-threads 1 \
          && {venv}/bin/python -m pytest -q -p no:cacheprovider python/tests/test_two_process.py -k verbs \
-         && {{ target/debug/xfer serve --listen 127.0.0.1:7421 >/dev/null & sleep 1; }} \
+         && {serve} \
          && {{ XFER_PLUGIN_PATH=$PWD/target/debug target/debug/kv_cache --role decode --rendezvous xfer://127.0.0.1:7421 --config configs/verbs-rxe0.toml & d=$!; }} \
          && XFER_PLUGIN_PATH=$PWD/target/debug target/debug/kv_cache --role prefill --rendezvous xfer://127.0.0.1:7421 --config configs/verbs-rxe0.toml && wait $d",
-        venv = python::VENV
+        venv = python::VENV,
+        serve = serve_in_guest("127.0.0.1:7421"),
     );
     let guest = rxe::run(
         2,
@@ -563,6 +564,20 @@ fn test() -> Result {
     ])?;
     println!("xtask test: {} passed, {} failed", totals.0, totals.1);
     Ok(())
+}
+
+/// Shell that starts `xfer serve` on `listen` in the background and returns once it says it
+/// listens (its ready file), failing after two minutes: a client must never find it not up
+/// yet because a fixed pause was too short. The service is slowed by 3 s on purpose, so the
+/// wait is exercised on every run (the clients also ride out a service that is not up yet,
+/// but the harness must not depend on that).
+fn serve_in_guest(listen: &str) -> String {
+    format!(
+        "{{ ready=$(mktemp -u /tmp/xfer-serve-ready.XXXXXX); \
+           target/debug/xfer serve --listen {listen} --delay-listen-ms 3000 --ready-file $ready >/dev/null & \
+           for i in $(seq 1200); do [ -s $ready ] && break; sleep 0.1; done; \
+           [ -s $ready ] && echo \"xfer serve is up: $(cat $ready)\" || {{ echo 'xfer serve did not become ready within 120 s'; false; }}; }}"
+    )
 }
 
 /// The examples as separate processes meeting through a rendezvous: through `xfer serve`
@@ -708,15 +723,36 @@ impl RendezvousService {
             url: format!("etcd://127.0.0.1:{client}/xtask"),
             data: Some(data),
         };
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
+        // Ready when etcd says it is healthy (a member that listens may not have elected
+        // itself leader yet), not when its port accepts.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !etcd_healthy(client) {
             if std::time::Instant::now() > deadline {
-                return Err(format!("etcd did not listen on {client_url} within 30 s"));
+                return Err(format!("etcd on {client_url} was not healthy within 60 s"));
             }
             std::thread::sleep(std::time::Duration::from_millis(100));
         }
         Ok(service)
     }
+}
+
+/// Whether etcd on 127.0.0.1:`port` answers its `/health` endpoint with health "true".
+fn etcd_healthy(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut conn) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = conn.set_read_timeout(Some(std::time::Duration::from_secs(2)));
+    let mut answer = String::new();
+    conn.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .and_then(|()| conn.read_to_string(&mut answer))
+        .is_ok()
+        && is_healthy(&answer)
+}
+
+/// Whether an HTTP answer from etcd's `/health` says healthy (`{"health":"true",…}`).
+fn is_healthy(answer: &str) -> bool {
+    answer.starts_with("HTTP/1.") && answer.contains("200") && answer.contains(r#""health":"true""#)
 }
 
 impl Drop for RendezvousService {
@@ -973,13 +1009,13 @@ fn rxe_latency() -> Result {
     // every boot when all rounds shared perftest's default one.
     let script = "for round in 1 2 3; do echo ROUND $round; \
            port=$((18600 + 2 * round)); \
-           ib_write_lat -d rxe0 -x 0 -F -s 8 -n 2000 -p $port >/dev/null 2>&1 & sleep 2; \
-           for try in 1 2 3 4 5; do \
+           ib_write_lat -d rxe0 -x 0 -F -s 8 -n 2000 -p $port >/dev/null 2>&1 & \
+           for try in $(seq 30); do \
              out=$(ib_write_lat -d rxe0 -x 0 -F -s 8 -n 2000 -p $port localhost 2>/dev/null | awk '$1==8 {print \"PERFTEST\", $5, $8}'); \
              [ -n \"$out\" ] && break; sleep 1; \
            done; echo \"${out:-PERFTEST failed}\"; wait; \
-           ib_send_lat -d rxe0 -x 0 -F -s 8 -n 2000 -p $((port + 1)) >/dev/null 2>&1 & sleep 2; \
-           for try in 1 2 3 4 5; do \
+           ib_send_lat -d rxe0 -x 0 -F -s 8 -n 2000 -p $((port + 1)) >/dev/null 2>&1 & \
+           for try in $(seq 30); do \
              out=$(ib_send_lat -d rxe0 -x 0 -F -s 8 -n 2000 -p $((port + 1)) localhost 2>/dev/null | awk '$1==8 {print \"SENDLAT\", $5, $8}'); \
              [ -n \"$out\" ] && break; sleep 1; \
            done; echo \"${out:-SENDLAT failed}\"; wait; \
@@ -1233,8 +1269,8 @@ fn rxe_bench(op: &str, options: &[String]) -> Result {
     // starting (slow under emulation).
     let script = format!(
         "for round in $(seq {rounds}); do echo ROUND $round; for s in {list}; do n=$(( 67108864 / s )); [ $n -gt 5000 ] && n=5000; \
-           {tool} -d rxe0 -x 0 -F -s $s -n $n >/dev/null 2>&1 & sleep 2; \
-           for try in 1 2 3 4 5; do \
+           {tool} -d rxe0 -x 0 -F -s $s -n $n >/dev/null 2>&1 & \
+           for try in $(seq 30); do \
              out=$({tool} -d rxe0 -x 0 -F -s $s -n $n localhost 2>/dev/null | awk -v s=$s '$1==s {{print \"PERFTEST\", s, $4}}'); \
              [ -n \"$out\" ] && break; sleep 1; \
            done; echo \"$out\"; wait; \
@@ -1357,6 +1393,49 @@ mod tests {
 
     fn args(list: &[&str]) -> Vec<String> {
         list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn etcd_health_is_read_from_its_answer() {
+        let ok = "HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n{\"health\":\"true\",\"reason\":\"\"}";
+        assert!(is_healthy(ok));
+        let no_leader = "HTTP/1.0 503 Service Unavailable\r\n\r\n{\"health\":\"false\",\"reason\":\"RAFT NO LEADER\"}";
+        assert!(!is_healthy(no_leader));
+        assert!(!is_healthy(""));
+    }
+
+    /// Issue 23: a service started in the background is waited for by what it says, never
+    /// by a fixed pause; this keeps the pattern from coming back to the harness, CI or the
+    /// examples.
+    #[test]
+    fn no_fixed_pause_follows_a_background_start() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .unwrap();
+        let mut files = vec![root.join(".ci/run")];
+        for dir in ["xtask/src", "examples/src", "examples/src/bin"] {
+            for entry in std::fs::read_dir(root.join(dir)).unwrap() {
+                let path = entry.unwrap().path();
+                if path.extension().is_some_and(|e| e == "rs" || e == "sh") {
+                    files.push(path);
+                }
+            }
+        }
+        let needle = ["&", "sleep"];
+        for file in files {
+            let text = std::fs::read_to_string(&file).unwrap();
+            for (n, line) in text.lines().enumerate() {
+                let squeezed: String = line.split_whitespace().collect::<Vec<_>>().join(" ");
+                assert!(
+                    !squeezed.contains(&needle.join(" ")),
+                    "{}:{}: a background start followed by a fixed pause: {line}",
+                    file.display(),
+                    n + 1
+                );
+            }
+        }
+        let script = serve_in_guest("127.0.0.1:7421");
+        assert!(script.contains("--ready-file $ready") && script.contains("[ -s $ready ]"));
     }
 
     #[test]

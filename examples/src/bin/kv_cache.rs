@@ -123,13 +123,18 @@ fn page_table() -> Vec<Vec<u32>> {
 /// One side of the transfer as its own process (`--role`), meeting the other through the
 /// rendezvous.
 fn role(role: &str, url: Option<&str>) {
+    examples::init_logging();
     let config = engine_core::Config::load(arg("--config").as_deref().map(std::path::Path::new))
         .unwrap_or_else(|e| fail(e));
     let engine = Arc::new(TransferEngine::open(&config).unwrap_or_else(|e| fail(e)));
     // `--rendezvous URL`, else the config's `[rendezvous] url`.
     let (rdv, ttl) = match url {
         Some(url) => (
-            xfer_rendezvous::Rendezvous::connect(url).unwrap_or_else(|e| fail(e)),
+            xfer_rendezvous::Rendezvous::connect_within(
+                url,
+                xfer_rendezvous::connect_wait(&config),
+            )
+            .unwrap_or_else(|e| fail(e)),
             Duration::from_secs(5),
         ),
         None => xfer_rendezvous::Rendezvous::from_config(&config).unwrap_or_else(|e| fail(e)),

@@ -646,7 +646,10 @@ fn target(args: &Args, config: &Config) -> Result<(), BoxError> {
     let mut control = match &args.rendezvous {
         Some(url) => {
             let lines = Control::listen(&engine)?;
-            let rdv = xfer_rendezvous::Rendezvous::connect(url)?;
+            let rdv = xfer_rendezvous::Rendezvous::connect_within(
+                url,
+                xfer_rendezvous::connect_wait(config),
+            )?;
             let published = rdv.publish(
                 "bench-target",
                 &engine.main_address(),
@@ -708,7 +711,10 @@ fn initiator(args: &Args, config: &Config) -> Result<Report, BoxError> {
     let (desc, mut control) = match &args.rendezvous {
         Some(url) => {
             let lines = Control::listen(&engine)?;
-            let rdv = xfer_rendezvous::Rendezvous::connect(url)?;
+            let rdv = xfer_rendezvous::Rendezvous::connect_within(
+                url,
+                xfer_rendezvous::connect_wait(config),
+            )?;
             let published = rdv.publish(
                 "bench-initiator",
                 &engine.main_address(),
@@ -1124,6 +1130,7 @@ fn queue_memory(n: usize) -> Result<(), BoxError> {
 }
 
 fn main() {
+    examples::init_logging();
     let args = Args::parse();
     if let Some(n) = args.queue_memory {
         backend_mock::link();
