@@ -19,6 +19,7 @@ use crate::ffi::{
     self, Attr, Device, Mr, Qp, RemoteBits, Wc, Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV,
     TAG_IMM_RECV, TAG_MASK, TAG_MSG_RECV, TAG_SEND,
 };
+use crate::handshake::{self, Action, Ends, Handshaker, Prior};
 use crate::notify::NotifyState;
 use crate::options::VerbsOptions;
 use crate::wire::{choose_gid, choose_gid_for, GidEntry, GidWanted, Handshake, Kind, VerbsAddr};
@@ -29,37 +30,18 @@ enum Queued {
     Send { wr_id: u64, data: Vec<u8> },
 }
 
-enum Peer {
-    Connecting {
-        request_id: u64,
-        data: Qp,
-        msg: Qp,
-        data_psn: u32,
-        msg_psn: u32,
-        deadline: Instant,
-        last_sent: Instant,
-        queued: VecDeque<Queued>,
-    },
-    Connected {
-        data: Qp,
-        msg: Qp,
-        /// Posts that found the send queue full, retried after polling.
-        queued: VecDeque<Queued>,
-        request_id: u64,
-        /// As the responder, until the requester's `Ready`: our QPs can receive, but the
-        /// requester's may not yet, so nothing is posted (queued instead) — a packet sent
-        /// early is dropped there and retransmitted only after the ack timeout, or fails the
-        /// write if the requester is slower than the retry budget.
-        awaiting_ready: Option<AwaitReady>,
-    },
-}
-
-/// A responder's wait for the requester's `Ready`; the response is resent every retry
-/// interval (it, or the `Ready`, may be lost), and the connection fails at the deadline.
-#[derive(Debug, Clone, Copy)]
-struct AwaitReady {
-    deadline: Instant,
-    last_sent: Instant,
+/// One peer's connection: its two RC QPs, what waits for them, and whether it may post.
+/// The handshake's state lives in [`Handshaker`]; this is what the Domain owns.
+struct Connection {
+    data: Qp,
+    msg: Qp,
+    /// Posts waiting for the handshake, or that found the send queue full (retried after
+    /// polling).
+    queued: VecDeque<Queued>,
+    /// The handshake finished on our side: as the requester once our QPs are connected, as
+    /// the responder once the requester's `Ready` came (before it, a packet sent early is
+    /// dropped at the requester and retransmitted only after the ack timeout).
+    ready: bool,
 }
 
 /// Writes of one data QP: a chain being built (posted with one doorbell, at most 4), and what
@@ -153,7 +135,9 @@ struct SendBuffer {
 /// An RDMA device.
 pub struct VerbsDomain {
     // Drop order: QPs, registrations and buffers before the device.
-    peers: HashMap<NetAddr, Peer>,
+    peers: HashMap<NetAddr, Connection>,
+    /// Every peer's handshake (pure: see `handshake`).
+    handshake: Handshaker,
     /// QPs of failed connections, kept until the device closes so their flushed completions
     /// can still be read.
     graveyard: Vec<(Instant, Qp)>,
@@ -177,8 +161,6 @@ pub struct VerbsDomain {
     /// completions are ignored.
     dead_qps: HashSet<u32>,
     done: Vec<Event>,
-    /// The response given to each peer's latest request, resent if the request repeats.
-    answers: HashMap<NetAddr, Handshake>,
     wcs: Vec<Wc>,
     rng: fastrand::Rng,
     /// The id of the next send-side work request (low bits; tagged `TAG_SEND`): unique per
@@ -196,9 +178,6 @@ pub struct VerbsDomain {
     ud_resets_seen: u64,
     /// The `stall_on_first_arrival_ms` fault, until it fired.
     stall_once: Option<u64>,
-    /// The request id of the last connection established with each peer: what a request
-    /// replacing it must name (`Handshake::prev`).
-    established: HashMap<NetAddr, u64>,
     /// When the `forge_requests_every_ms` fault last fired.
     last_forged: Instant,
     /// Shared with the completion-channel thread once the engine gave a waker (see `notify`),
@@ -342,8 +321,14 @@ impl VerbsDomain {
             ud_qpn: attr.ud_qpn,
         };
         let address = NetAddr::new(&me.encode()).expect("24 bytes is a valid address");
+        let timing = handshake::Timing {
+            retry: Duration::from_millis(options.retry_ms),
+            connect: Duration::from_millis(options.connect_ms),
+        };
+        let handshake = Handshaker::new(me, attr.active_mtu as u8, timing, fastrand::u64(..));
         Ok(Self {
             peers: HashMap::default(),
+            handshake,
             graveyard: Vec::new(),
             regions: RegionTable::new(),
             receives: ReceivePool::new(),
@@ -359,7 +344,6 @@ impl VerbsDomain {
             data_queues: HashMap::default(),
             dead_qps: HashSet::default(),
             done: Vec::new(),
-            answers: HashMap::default(),
             wcs: vec![Wc::default(); 32],
             rng: fastrand::Rng::new(),
             next_wr: 0,
@@ -367,7 +351,6 @@ impl VerbsDomain {
             handshakes_sent: 0,
             ud_resets_seen: 0,
             stall_once,
-            established: HashMap::default(),
             last_forged: Instant::now(),
             notify: None,
             imm_deficit: 0,
@@ -441,7 +424,12 @@ impl VerbsDomain {
             return Ok(PostStatus::Posted);
         }
         match self.peers.get_mut(wr.peer) {
-            Some(Peer::Connected { data, queued, .. }) => {
+            Some(Connection {
+                data,
+                queued,
+                ready: true,
+                ..
+            }) => {
                 let q = self.data_queues.entry(data.qpn).or_default();
                 if !queued.is_empty()
                     || q.outstanding.len() + q.chain.len() >= self.options.send_queue as usize
@@ -480,14 +468,11 @@ impl VerbsDomain {
             self.start_connect(peer)?;
         }
         match self.peers.get_mut(peer) {
-            Some(
-                Peer::Connecting { queued, .. }
-                | Peer::Connected {
-                    queued,
-                    awaiting_ready: Some(_),
-                    ..
-                },
-            ) => {
+            Some(Connection {
+                queued,
+                ready: false,
+                ..
+            }) => {
                 queued.push_back(make());
                 Ok(true)
             }
@@ -527,10 +512,6 @@ impl VerbsDomain {
     /// A fresh send-side work-request id (see `next_wr`).
     fn wr_id(&mut self) -> u64 {
         next_send_id(&mut self.next_wr)
-    }
-
-    fn psn(&mut self) -> u32 {
-        self.rng.u32(..) & 0x00ff_ffff
     }
 
     fn new_qps(&mut self) -> Result<(Qp, Qp), DomainError> {
@@ -602,75 +583,39 @@ impl VerbsDomain {
         }
     }
 
-    /// Tells a responder our QPs are ready (answering its `Response` `h`). If it is lost,
-    /// the responder repeats its response and we answer again.
-    fn send_ready(&mut self, h: &Handshake) {
-        let ready = Handshake {
-            kind: Kind::Ready,
-            from: self.me,
-            ..*h
-        };
-        self.send_handshake(&h.from, &ready);
-    }
-
     /// Starts connecting to `peer` (we are the requester).
     fn start_connect(&mut self, peer: &NetAddr) -> Result<(), DomainError> {
-        let to = VerbsAddr::decode(peer.raw())
+        VerbsAddr::decode(peer.raw())
             .map_err(|e| err(DomainErrorKind::InvalidArgument, format!("{peer}: {e}")))?;
         let (data, msg) = self.new_qps()?;
-        let (data_psn, msg_psn, request_id) = (self.psn(), self.psn(), self.rng.u64(..));
-        let h = Handshake {
-            kind: Kind::Request,
-            request_id,
-            prev: self.established.get(peer).copied().unwrap_or(0),
-            from: self.me,
-            data_qpn: data.qpn,
-            data_psn,
-            msg_qpn: msg.qpn,
-            msg_psn,
-            mtu: self.attr.active_mtu as u8,
-        };
+        let mut actions = Vec::new();
+        let now = Instant::now();
+        let qpns = (data.qpn, msg.qpn);
+        if let Err(e) = self.handshake.connect(now, peer, qpns, &mut actions) {
+            self.bury(data, msg);
+            return Err(err(DomainErrorKind::InvalidArgument, e));
+        }
         self.qp_peer.insert(data.qpn, peer.clone());
         self.qp_peer.insert(msg.qpn, peer.clone());
-        let sent = self.send_handshake(&to, &h);
-        let now = Instant::now();
-        // Not sent (no free slot): due at the next check rather than a retry interval later.
-        let last_sent = if sent {
-            now
-        } else {
-            now.checked_sub(Duration::from_millis(self.options.retry_ms))
-                .unwrap_or(now)
-        };
         self.peers.insert(
             peer.clone(),
-            Peer::Connecting {
-                request_id,
+            Connection {
                 data,
                 msg,
-                data_psn,
-                msg_psn,
-                deadline: now + Duration::from_millis(self.options.connect_ms),
-                last_sent,
                 queued: VecDeque::new(),
+                ready: false,
             },
         );
+        self.carry_out(now, actions);
         Ok(())
     }
 
     fn fail_peer(&mut self, peer: &NetAddr, why: &str) {
-        self.answers.remove(peer);
-        let Some(state) = self.peers.remove(peer) else {
+        self.handshake.forget(peer);
+        let Some(c) = self.peers.remove(peer) else {
             return;
         };
-        let (data, msg, queued) = match state {
-            Peer::Connecting {
-                data, msg, queued, ..
-            }
-            | Peer::Connected {
-                data, msg, queued, ..
-            } => (data, msg, queued),
-        };
-        self.fail_connection(peer, data, msg, queued, why);
+        self.fail_connection(peer, c.data, c.msg, c.queued, why);
     }
 
     /// Fails everything queued or outstanding on a connection that is no longer in `peers`,
@@ -775,12 +720,13 @@ impl VerbsDomain {
     /// Posts every non-empty chain of a connected peer.
     fn post_chains(&mut self) {
         let mut failed = Vec::new();
-        for (addr, p) in self.peers.iter_mut() {
-            if let Peer::Connected { data, .. } = p {
-                if let Some(q) = self.data_queues.get_mut(&data.qpn) {
-                    if let Err(e) = post_chain(data, q) {
-                        failed.push((addr.clone(), e));
-                    }
+        for (addr, c) in self.peers.iter_mut() {
+            if !c.ready {
+                continue;
+            }
+            if let Some(q) = self.data_queues.get_mut(&c.data.qpn) {
+                if let Err(e) = post_chain(&mut c.data, q) {
+                    failed.push((addr.clone(), e));
                 }
             }
         }
@@ -866,15 +812,10 @@ impl VerbsDomain {
     fn reconnect_with(&mut self, peer: &NetAddr, flushed: Vec<Write>, why: &str) {
         let old = self.peers.remove(peer);
         let mut queued = VecDeque::new();
-        if let Some(Peer::Connected {
-            data,
-            msg,
-            queued: q,
-            ..
-        }) = old
-        {
-            queued = self.retire_connection(data, msg, q);
+        if let Some(c) = old {
+            queued = self.retire_connection(c.data, c.msg, c.queued);
         }
+        self.handshake.forget(peer);
         let mut again: VecDeque<Queued> = VecDeque::new();
         for mut w in flushed {
             if w.flushes >= 1 {
@@ -895,8 +836,8 @@ impl VerbsDomain {
             self.fail_queued(peer, again, &e.message);
             return;
         }
-        if let Some(Peer::Connecting { queued, .. }) = self.peers.get_mut(peer) {
-            queued.extend(again);
+        if let Some(c) = self.peers.get_mut(peer) {
+            c.queued.extend(again);
         }
     }
 
@@ -936,13 +877,11 @@ impl VerbsDomain {
         let stalled: Vec<(NetAddr, u64)> = self
             .peers
             .iter()
-            .filter_map(|(addr, p)| match p {
-                Peer::Connected { data, .. } => {
-                    let q = data_queues.get_mut(&data.qpn)?;
-                    let idle = q.progress.stalled_for(!q.outstanding.is_empty(), now)?;
-                    (idle >= limit).then(|| (addr.clone(), idle.as_millis() as u64))
-                }
-                Peer::Connecting { .. } => None,
+            .filter_map(|(addr, c)| {
+                // A connection still handshaking has posted nothing: no queue to watch.
+                let q = data_queues.get_mut(&c.data.qpn)?;
+                let idle = q.progress.stalled_for(!q.outstanding.is_empty(), now)?;
+                (idle >= limit).then(|| (addr.clone(), idle.as_millis() as u64))
             })
             .collect();
         for (peer, idle) in stalled {
@@ -993,185 +932,152 @@ impl VerbsDomain {
     }
 
     fn handle_handshake(&mut self, raw: &[u8]) {
-        let Ok(h) = Handshake::decode(raw) else {
-            return;
-        };
-        let peer = NetAddr::new(&h.from.encode()).expect("24 bytes");
-        match h.kind {
-            Kind::Request => {
-                // Simultaneous connects: the smaller address answers, the larger keeps waiting.
-                if let Some(Peer::Connecting { .. }) = self.peers.get(&peer) {
-                    if self.address.raw() > peer.raw() {
-                        return;
-                    }
-                }
-                // A repeated request (our answer was lost): answer the same again.
-                if let Some(Peer::Connected { request_id, .. }) = self.peers.get(&peer) {
-                    if *request_id == h.request_id {
-                        if let Some(resp) = self.answers.get(&peer).copied() {
-                            self.send_handshake(&h.from, &resp);
-                        }
-                        return;
-                    }
-                }
-                // A request that would replace an established connection must name it (`prev`):
-                // a stale or forged datagram cannot tear down a live connection (its writes would
-                // fail, and the replacement would wait for a `Ready` that never comes). Only a
-                // connection still waiting for its `Ready` may be replaced unproven (the peer
-                // may have given up on it). Chosen trade-off: a peer that restarted with the
-                // very same address (QPN reuse) is answered only once this side has noticed the
-                // old connection is dead (its next write fails) — new processes get new QPNs.
-                if let Some(Peer::Connected {
-                    request_id,
-                    awaiting_ready: None,
-                    ..
-                }) = self.peers.get(&peer)
-                {
-                    if h.prev != *request_id {
-                        return;
-                    }
-                }
-                if self.options.faults.delay_request_ms > 0 && !self.peers.contains_key(&peer) {
-                    // Test fault: a responder slow to answer a new peer.
-                    std::thread::sleep(Duration::from_millis(self.options.faults.delay_request_ms));
-                }
-                let (data, msg, queued) = match self.peers.remove(&peer) {
-                    Some(Peer::Connecting {
-                        data, msg, queued, ..
-                    }) => (data, msg, queued),
-                    Some(Peer::Connected {
-                        data, msg, queued, ..
-                    }) => {
-                        // The peer restarted the connection: settle the old one fully first.
-                        // Its QPs go to the error state (what they hold settles from the
-                        // flushes, never reported twice, never failing the new connection);
-                        // writes it never posted move to the new one.
-                        let queued = self.retire_connection(data, msg, queued);
-                        match self.new_qps() {
-                            Ok((d, m)) => (d, m, queued),
-                            Err(_) => {
-                                self.fail_queued(&peer, queued, "no QPs for the new connection");
-                                return;
-                            }
-                        }
-                    }
-                    None => match self.new_qps() {
-                        Ok((d, m)) => (d, m, VecDeque::new()),
-                        Err(_) => return,
-                    },
-                };
-                let (data_psn, msg_psn) = (self.psn(), self.psn());
-                if let Err(e) = self.connect_qps(&data, &msg, &h, data_psn, msg_psn) {
-                    tracing_free_log(&format!("{}: accepting {peer}: {e}", self.name));
-                    self.bury(data, msg);
-                    return;
-                }
-                let resp = Handshake {
-                    kind: Kind::Response,
-                    request_id: h.request_id,
-                    from: self.me,
-                    data_qpn: data.qpn,
-                    data_psn,
-                    msg_qpn: msg.qpn,
-                    msg_psn,
-                    mtu: self.attr.active_mtu as u8,
-                    prev: 0,
-                };
-                self.send_handshake(&h.from, &resp);
-                self.answers.insert(peer.clone(), resp);
-                self.established.insert(peer.clone(), h.request_id);
-                self.qp_peer.insert(data.qpn, peer.clone());
-                self.qp_peer.insert(msg.qpn, peer.clone());
-                let now = Instant::now();
-                // Nothing is posted until the requester says its QPs are ready (`Ready`).
-                self.peers.insert(
-                    peer.clone(),
-                    Peer::Connected {
-                        data,
-                        msg,
-                        queued,
-                        request_id: h.request_id,
-                        awaiting_ready: Some(AwaitReady {
-                            deadline: now + Duration::from_millis(self.options.connect_ms),
-                            last_sent: now,
-                        }),
-                    },
-                );
-            }
-            Kind::Ready => {
-                if let Some(Peer::Connected {
-                    request_id,
-                    awaiting_ready,
-                    ..
-                }) = self.peers.get_mut(&peer)
-                {
-                    if *request_id == h.request_id && awaiting_ready.take().is_some() {
-                        self.flush(&peer);
-                    }
-                }
-            }
-            Kind::Response => {
-                match self.peers.get(&peer) {
-                    Some(Peer::Connecting { request_id, .. }) if *request_id == h.request_id => {}
-                    // Our `Ready` was lost (the responder repeats its response): again.
-                    Some(Peer::Connected { request_id, .. }) if *request_id == h.request_id => {
-                        self.send_ready(&h);
-                        return;
-                    }
-                    _ => return,
-                }
-                if self.options.faults.delay_response_ms > 0 {
-                    // Test fault: a requester slow to bring its QPs up.
-                    std::thread::sleep(Duration::from_millis(
-                        self.options.faults.delay_response_ms,
-                    ));
-                }
-                let Some(Peer::Connecting {
-                    data,
-                    msg,
-                    data_psn,
-                    msg_psn,
-                    queued,
-                    request_id,
-                    ..
-                }) = self.peers.remove(&peer)
-                else {
-                    return;
-                };
-                match self.connect_qps(&data, &msg, &h, data_psn, msg_psn) {
-                    Ok(()) => {
-                        self.peers.insert(
-                            peer.clone(),
-                            Peer::Connected {
-                                data,
-                                msg,
-                                queued,
-                                request_id,
-                                awaiting_ready: None,
-                            },
-                        );
-                        self.established.insert(peer.clone(), request_id);
-                        // Our QPs can receive now: the responder may send.
-                        self.send_ready(&h);
-                        self.flush(&peer);
-                    }
-                    Err(e) => {
-                        self.fail_connection(&peer, data, msg, queued, &format!("connecting the QPs failed: {e} (local GID index {}, MTU {}; peer MTU {})", self.attr.gid_index, self.attr.active_mtu, h.mtu));
-                    }
-                }
-            }
+        let mut actions = Vec::new();
+        self.handshake.handle_datagram(raw, &mut actions);
+        if !actions.is_empty() {
+            self.carry_out(Instant::now(), actions);
         }
+    }
+
+    /// Carries out what the handshake asked for (see [`Action`]); what that feeds back to it
+    /// is carried out in turn.
+    fn carry_out(&mut self, now: Instant, actions: Vec<Action>) {
+        let mut actions = VecDeque::from(actions);
+        while let Some(action) = actions.pop_front() {
+            let mut more = Vec::new();
+            match action {
+                Action::Send { peer, to, msg } => {
+                    if !self.send_handshake(&to, &msg) {
+                        self.handshake.unsent(now, &peer);
+                    }
+                }
+                Action::Accept {
+                    peer,
+                    request,
+                    psns,
+                    prior,
+                } => {
+                    let result = self.accept(&peer, &request, psns, prior);
+                    self.handshake
+                        .accepted(now, &peer, &request, result, &mut more);
+                }
+                Action::Complete {
+                    peer,
+                    response,
+                    local,
+                } => {
+                    let result = self.complete(&peer, &response, local);
+                    self.handshake
+                        .completed(&peer, &response, result, &mut more);
+                }
+                Action::Ready { peer } => {
+                    if let Some(c) = self.peers.get_mut(&peer) {
+                        c.ready = true;
+                    }
+                    self.flush(&peer);
+                }
+                Action::Fail { peer, why } => self.fail_peer(&peer, &why.to_string()),
+            }
+            actions.extend(more);
+        }
+    }
+
+    /// Accepts `peer`'s `request`: QPs as `prior` says (ours requested from it: reuse; a
+    /// connection it replaces: retire it — what it holds settles from the flushes, what it
+    /// never posted moves over — and create new ones), connected to the request's with our
+    /// first PSNs `psns`. A failure fails what was queued.
+    fn accept(
+        &mut self,
+        peer: &NetAddr,
+        request: &Handshake,
+        (data_psn, msg_psn): (u32, u32),
+        prior: Prior,
+    ) -> Result<Ends, String> {
+        if self.options.faults.delay_request_ms > 0 && prior == Prior::None {
+            // Test fault: a responder slow to answer a new peer.
+            std::thread::sleep(Duration::from_millis(self.options.faults.delay_request_ms));
+        }
+        let (data, msg, queued) = match self.peers.remove(peer) {
+            Some(c) if prior == Prior::Requesting => (c.data, c.msg, c.queued),
+            Some(c) => {
+                let queued = self.retire_connection(c.data, c.msg, c.queued);
+                match self.new_qps() {
+                    Ok((d, m)) => (d, m, queued),
+                    Err(e) => {
+                        let why = format!("no QPs for the new connection: {}", e.message);
+                        self.fail_queued(peer, queued, &why);
+                        return Err(why);
+                    }
+                }
+            }
+            None => {
+                let (d, m) = self
+                    .new_qps()
+                    .map_err(|e| format!("no QPs for the new connection: {}", e.message))?;
+                (d, m, VecDeque::new())
+            }
+        };
+        if let Err(e) = self.connect_qps(&data, &msg, request, data_psn, msg_psn) {
+            let why = format!("accepting {peer}: {e}");
+            tracing_free_log(&format!("{}: {why}", self.name));
+            self.fail_connection(peer, data, msg, queued, &why);
+            return Err(why);
+        }
+        let ends = Ends {
+            data_qpn: data.qpn,
+            data_psn,
+            msg_qpn: msg.qpn,
+            msg_psn,
+        };
+        self.qp_peer.insert(data.qpn, peer.clone());
+        self.qp_peer.insert(msg.qpn, peer.clone());
+        self.peers.insert(
+            peer.clone(),
+            Connection {
+                data,
+                msg,
+                queued,
+                ready: false,
+            },
+        );
+        Ok(ends)
+    }
+
+    /// Connects our requested QPs (`local`) to `response`'s.
+    fn complete(
+        &mut self,
+        peer: &NetAddr,
+        response: &Handshake,
+        local: Ends,
+    ) -> Result<(), String> {
+        if self.options.faults.delay_response_ms > 0 {
+            // Test fault: a requester slow to bring its QPs up.
+            std::thread::sleep(Duration::from_millis(self.options.faults.delay_response_ms));
+        }
+        let Some(c) = self.peers.remove(peer) else {
+            return Err("the connection is gone".into());
+        };
+        debug_assert_eq!((c.data.qpn, c.msg.qpn), (local.data_qpn, local.msg_qpn));
+        let result = self
+            .connect_qps(&c.data, &c.msg, response, local.data_psn, local.msg_psn)
+            .map_err(|e| {
+                format!(
+                    "connecting the QPs failed: {e} (local GID index {}, MTU {}; peer MTU {})",
+                    self.attr.gid_index, self.attr.active_mtu, response.mtu
+                )
+            });
+        self.peers.insert(peer.clone(), c);
+        result
     }
 
     /// Posts what is queued for a connected peer, until its send queue is full.
     fn flush(&mut self, peer: &NetAddr) {
         let mut failed = None;
-        if let Some(Peer::Connected {
+        if let Some(Connection {
             data,
             msg,
             queued,
-            awaiting_ready: None,
-            ..
+            ready: true,
         }) = self.peers.get_mut(peer)
         {
             let limit = self.options.send_queue as usize;
@@ -1223,17 +1129,7 @@ impl VerbsDomain {
         let forge = self.options.faults.forge_requests_every_ms;
         // Runs at every poll: with no handshake under way (the steady state) it reads no
         // clock (a system call where the TSC is unusable, as in the soft-RoCE guest).
-        let pending = forge > 0
-            || self.peers.values().any(|p| {
-                matches!(
-                    p,
-                    Peer::Connecting { .. }
-                        | Peer::Connected {
-                            awaiting_ready: Some(_),
-                            ..
-                        }
-                )
-            });
+        let pending = forge > 0 || self.handshake.pending();
         if let Some((notify, _)) = &self.notify {
             // Resends and deadlines below need this check to run while the worker idles:
             // the notifier wakes it every retry_ms while any is pending.
@@ -1246,106 +1142,44 @@ impl VerbsDomain {
         }
         let now = Instant::now();
         if forge > 0 && now.duration_since(self.last_forged) >= Duration::from_millis(forge) {
-            // Test fault: a request for every connected peer that names no connection (as a
-            // stale or forged datagram would), with our current QPs.
             self.last_forged = now;
-            let forged: Vec<(NetAddr, Handshake)> = self
-                .peers
-                .iter()
-                .filter_map(|(peer, p)| match p {
-                    Peer::Connected { data, msg, .. } => Some((
-                        peer.clone(),
-                        Handshake {
-                            kind: Kind::Request,
-                            request_id: self.rng.u64(..),
-                            prev: 0,
-                            from: self.me,
-                            data_qpn: data.qpn,
-                            data_psn: 0,
-                            msg_qpn: msg.qpn,
-                            msg_psn: 0,
-                            mtu: self.attr.active_mtu as u8,
-                        },
-                    )),
-                    Peer::Connecting { .. } => None,
-                })
-                .collect();
-            for (peer, h) in forged {
-                if let Ok(to) = VerbsAddr::decode(peer.raw()) {
-                    self.send_handshake(&to, &h);
-                }
-            }
+            self.forge_requests();
         }
-        let retry = Duration::from_millis(self.options.retry_ms);
-        let mut expired = Vec::new();
-        let mut unconfirmed = Vec::new();
-        let mut resend = Vec::new();
-        for (peer, state) in &mut self.peers {
-            // A responder whose `Ready` has not come: repeat the response (answers hold it).
-            if let Peer::Connected {
-                awaiting_ready: Some(wait),
-                ..
-            } = state
-            {
-                if now >= wait.deadline {
-                    unconfirmed.push(peer.clone());
-                } else if now.duration_since(wait.last_sent) >= retry {
-                    wait.last_sent = now;
-                    if let Some(answer) = self.answers.get(peer) {
-                        resend.push((peer.clone(), *answer));
-                    }
-                }
-                continue;
-            }
-            if let Peer::Connecting {
-                deadline,
-                last_sent,
-                request_id,
-                data,
-                msg,
-                data_psn,
-                msg_psn,
-                ..
-            } = state
-            {
-                if now >= *deadline {
-                    expired.push(peer.clone());
-                } else if now.duration_since(*last_sent) >= retry {
-                    *last_sent = now;
-                    resend.push((
-                        peer.clone(),
-                        Handshake {
-                            kind: Kind::Request,
-                            request_id: *request_id,
-                            prev: self.established.get(peer).copied().unwrap_or(0),
-                            from: self.me,
-                            data_qpn: data.qpn,
-                            data_psn: *data_psn,
-                            msg_qpn: msg.qpn,
-                            msg_psn: *msg_psn,
-                            mtu: self.attr.active_mtu as u8,
-                        },
-                    ));
-                }
-            }
+        if self.handshake.poll_timeout().is_some_and(|due| due <= now) {
+            let mut actions = Vec::new();
+            self.handshake.handle_timeout(now, &mut actions);
+            self.carry_out(now, actions);
         }
-        for (peer, h) in resend {
-            let sent = VerbsAddr::decode(peer.raw())
-                .map(|to| self.send_handshake(&to, &h))
-                .unwrap_or(true);
-            if !sent {
-                // No room for it now: due again at the next check, not a whole retry later.
-                if let Some(Peer::Connecting { last_sent, .. }) = self.peers.get_mut(&peer) {
-                    *last_sent = now.checked_sub(retry).unwrap_or(now);
-                }
+    }
+
+    /// Test fault: a request for every connected peer that names no connection (as a stale
+    /// or forged datagram would), with our current QPs.
+    fn forge_requests(&mut self) {
+        let forged: Vec<(NetAddr, Handshake)> = self
+            .peers
+            .iter()
+            .filter(|(_, c)| c.ready)
+            .map(|(peer, c)| {
+                (
+                    peer.clone(),
+                    Handshake {
+                        kind: Kind::Request,
+                        request_id: self.rng.u64(..),
+                        prev: 0,
+                        from: self.me,
+                        data_qpn: c.data.qpn,
+                        data_psn: 0,
+                        msg_qpn: c.msg.qpn,
+                        msg_psn: 0,
+                        mtu: self.attr.active_mtu as u8,
+                    },
+                )
+            })
+            .collect();
+        for (peer, h) in forged {
+            if let Ok(to) = VerbsAddr::decode(peer.raw()) {
+                self.send_handshake(&to, &h);
             }
-        }
-        let ms = self.options.connect_ms;
-        for peer in expired {
-            self.fail_peer(&peer, &format!("no answer to the connection handshake within {ms} ms (is the peer up? same GID type and subnet?)"));
-        }
-        for peer in unconfirmed {
-            self.fail_peer(&peer, &format!("the peer answered the handshake but never confirmed its side (Ready) within {ms} ms"));
         }
     }
 }
@@ -1501,7 +1335,7 @@ impl VerbsDomain {
                             // A late error of a connection already replaced must not tear
                             // down its successor.
                             let current = peer.as_ref().is_some_and(|p| {
-                                matches!(self.peers.get(p), Some(Peer::Connected { msg, .. }) if msg.qpn == wc.qp_num)
+                                self.peers.get(p).is_some_and(|c| c.msg.qpn == wc.qp_num)
                             });
                             if let (true, Some(p)) = (current, peer) {
                                 self.fail_peer(&p, &text);
@@ -1601,9 +1435,8 @@ impl Domain for VerbsDomain {
             ))
         };
         let mut failed = Vec::new();
-        for p in self.peers.values_mut() {
-            let (Peer::Connecting { queued, .. } | Peer::Connected { queued, .. }) = p;
-            queued.retain(|q| match q {
+        for c in self.peers.values_mut() {
+            c.queued.retain(|q| match q {
                 Queued::Write(w) if uses(w) => {
                     failed.push(w.user);
                     false
@@ -1696,7 +1529,12 @@ impl Domain for VerbsDomain {
             return Ok(PostStatus::Posted);
         }
         match self.peers.get_mut(peer) {
-            Some(Peer::Connected { msg, queued, .. }) => {
+            Some(Connection {
+                msg,
+                queued,
+                ready: true,
+                ..
+            }) => {
                 if !queued.is_empty() {
                     return Ok(PostStatus::Busy);
                 }
@@ -1824,7 +1662,7 @@ impl Domain for VerbsDomain {
         let connected: Vec<NetAddr> = self
             .peers
             .iter()
-            .filter(|(_, p)| matches!(p, Peer::Connected { queued, .. } if !queued.is_empty()))
+            .filter(|(_, c)| c.ready && !c.queued.is_empty())
             .map(|(a, _)| a.clone())
             .collect();
         for p in connected {

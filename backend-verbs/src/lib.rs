@@ -14,6 +14,7 @@
 pub mod completion;
 mod domain;
 mod ffi;
+mod handshake;
 mod notify;
 mod options;
 pub mod wire;

@@ -1,0 +1,530 @@
+//! The connection handshake as a pure state machine, after quinn-proto's design: it reads no
+//! clock, creates no QP, sends nothing and sleeps nowhere. The Domain feeds it datagrams, the
+//! time and the outcome of what it asked for, and carries out the [`Action`]s it returns; the
+//! Pair harness (`handshake/pair.rs`) does the same against a lossy, duplicating, reordering
+//! network on a virtual clock, for thousands of seeds without a device.
+//!
+//! Three steps over the device's UD QP, each resent every `retry` until `connect` passes:
+//!
+//! 1. The requester creates its two RC QPs and sends `Request` (their numbers and first
+//!    PSNs; `prev`: the id of the connection with that peer it replaces, 0 for none).
+//! 2. The responder creates (or reuses) QPs, connects them to the request's, and answers
+//!    `Response`. It posts nothing yet: the requester's QPs may not receive yet, and a packet
+//!    sent early is dropped there and retransmitted only after the ack timeout.
+//! 3. The requester connects its QPs to the response's and sends `Ready`; it may post now,
+//!    and so may the responder once the `Ready` arrives.
+//!
+//! Rules a datagram cannot break:
+//! - Simultaneous connects: the smaller address answers, the larger keeps waiting.
+//! - A repeated `Request` (the response was lost) is answered with the same response; a
+//!   repeated `Response` (the `Ready` was lost) with `Ready` again.
+//! - A `Request` that would replace an established connection must name it (`prev`): a
+//!   stale or forged datagram cannot tear down a live connection. A connection still waiting
+//!   for its `Ready` may be replaced unproven (the requester may have given up on it).
+//!   Chosen trade-off: a peer that restarted at the very same address (QPN reuse) is
+//!   answered only once this side noticed the old connection is dead (its next write fails:
+//!   [`Handshaker::forget`]) — new processes get new QPNs.
+
+use std::time::{Duration, Instant};
+
+use engine_core::NetAddr;
+use foldhash::HashMap;
+
+use crate::wire::{Handshake, Kind, VerbsAddr};
+
+/// Resend interval and deadline of a handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Timing {
+    /// A request or response unanswered this long is sent again.
+    pub retry: Duration,
+    /// A handshake not finished this long after it began fails.
+    pub connect: Duration,
+}
+
+/// Our end of a connection: the numbers of its two QPs and their first PSNs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ends {
+    pub data_qpn: u32,
+    pub data_psn: u32,
+    pub msg_qpn: u32,
+    pub msg_psn: u32,
+}
+
+/// What the peer had with us when its request was accepted: what becomes of its QPs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Prior {
+    /// Nothing: create QPs.
+    None,
+    /// Our own request to it (we are the smaller address): reuse the QPs created for it.
+    Requesting,
+    /// A connection (established, or waiting for its `Ready`) that the request replaces:
+    /// retire it (its QPs go to the error state) and create new QPs.
+    Connected,
+}
+
+/// Why a handshake failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Failure {
+    /// Our request was not answered within the deadline.
+    NoAnswer { connect_ms: u64 },
+    /// We answered, and the requester never confirmed with `Ready` within the deadline.
+    NeverConfirmed { connect_ms: u64 },
+    /// Creating or connecting the QPs failed (the Domain's words).
+    Qps(String),
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NoAnswer { connect_ms } => write!(f, "no answer to the connection handshake within {connect_ms} ms (is the peer up? same GID type and subnet?)"),
+            Self::NeverConfirmed { connect_ms } => write!(f, "the peer answered the handshake but never confirmed its side (Ready) within {connect_ms} ms"),
+            Self::Qps(why) => f.write_str(why),
+        }
+    }
+}
+
+/// What the Domain must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Action {
+    /// Send `msg` to `to` on the UD QP. If it cannot go now, tell [`Handshaker::unsent`].
+    Send {
+        peer: NetAddr,
+        to: VerbsAddr,
+        msg: Handshake,
+    },
+    /// Accept `request` from `peer`: get QPs as `prior` says, connect them to the request's
+    /// with our first PSNs `psns` (data, msg), then call [`Handshaker::accepted`].
+    Accept {
+        peer: NetAddr,
+        request: Handshake,
+        psns: (u32, u32),
+        prior: Prior,
+    },
+    /// Connect our QPs (`local`) to `response`'s, then call [`Handshaker::completed`].
+    Complete {
+        peer: NetAddr,
+        response: Handshake,
+        local: Ends,
+    },
+    /// The connection with `peer` may post.
+    Ready { peer: NetAddr },
+    /// The handshake with `peer` failed: fail its connection (what was queued fails).
+    Fail { peer: NetAddr, why: Failure },
+}
+
+/// One peer's handshake state.
+#[derive(Debug, Clone)]
+enum State {
+    /// We sent a request; waiting for its response.
+    Requesting {
+        request_id: u64,
+        ends: Ends,
+        deadline: Instant,
+        last_sent: Instant,
+    },
+    /// We answered a request; waiting for the requester's `Ready`.
+    AwaitingReady {
+        request_id: u64,
+        response: Handshake,
+        deadline: Instant,
+        last_sent: Instant,
+    },
+    /// Both sides can receive. `response`: ours, if we were the responder (a repeated
+    /// request gets it again).
+    Established {
+        request_id: u64,
+        response: Option<Handshake>,
+    },
+}
+
+/// Every peer's handshake (see the module docs).
+pub(crate) struct Handshaker {
+    me: VerbsAddr,
+    /// `me` as the engine's address, compared byte-wise to break simultaneous connects.
+    my_addr: NetAddr,
+    mtu: u8,
+    timing: Timing,
+    rng: fastrand::Rng,
+    peers: HashMap<NetAddr, State>,
+    /// The request id of the last connection established with each peer: what a request
+    /// replacing it must name (`prev`). Kept when the connection fails.
+    established: HashMap<NetAddr, u64>,
+}
+
+impl Handshaker {
+    /// `me`: our handshake address; `mtu`: our port's active MTU code; `seed`: for request
+    /// ids and PSNs (the Domain seeds it from the OS, the Pair harness per schedule).
+    pub(crate) fn new(me: VerbsAddr, mtu: u8, timing: Timing, seed: u64) -> Self {
+        Self {
+            me,
+            my_addr: NetAddr::new(&me.encode()).expect("an encoded VerbsAddr is a NetAddr"),
+            mtu,
+            timing,
+            rng: fastrand::Rng::with_seed(seed),
+            peers: HashMap::default(),
+            established: HashMap::default(),
+        }
+    }
+
+    fn psn(&mut self) -> u32 {
+        self.rng.u32(..) & 0x00ff_ffff
+    }
+
+    fn request(&self, peer: &NetAddr, request_id: u64, ends: &Ends) -> Handshake {
+        Handshake {
+            kind: Kind::Request,
+            request_id,
+            prev: self.established.get(peer).copied().unwrap_or(0),
+            from: self.me,
+            data_qpn: ends.data_qpn,
+            data_psn: ends.data_psn,
+            msg_qpn: ends.msg_qpn,
+            msg_psn: ends.msg_psn,
+            mtu: self.mtu,
+        }
+    }
+
+    /// Starts connecting to `peer` with the QPs `(data_qpn, msg_qpn)` just created for it,
+    /// replacing whatever handshake was under way. Refuses an address that is not a verbs
+    /// address.
+    pub(crate) fn connect(
+        &mut self,
+        now: Instant,
+        peer: &NetAddr,
+        (data_qpn, msg_qpn): (u32, u32),
+        out: &mut Vec<Action>,
+    ) -> Result<(), String> {
+        let to = VerbsAddr::decode(peer.raw()).map_err(|e| format!("{peer}: {e}"))?;
+        let ends = Ends {
+            data_qpn,
+            data_psn: self.psn(),
+            msg_qpn,
+            msg_psn: self.psn(),
+        };
+        // Never 0: a `prev` of 0 means "replaces nothing".
+        let request_id = self.rng.u64(1..);
+        let msg = self.request(peer, request_id, &ends);
+        self.peers.insert(
+            peer.clone(),
+            State::Requesting {
+                request_id,
+                ends,
+                deadline: now + self.timing.connect,
+                last_sent: now,
+            },
+        );
+        out.push(Action::Send {
+            peer: peer.clone(),
+            to,
+            msg,
+        });
+        Ok(())
+    }
+
+    /// A handshake datagram arrived. Malformed ones are ignored (the UD QP receives whatever
+    /// anyone sends it).
+    pub(crate) fn handle_datagram(&mut self, raw: &[u8], out: &mut Vec<Action>) {
+        let Ok(h) = Handshake::decode(raw) else {
+            return;
+        };
+        let peer = NetAddr::new(&h.from.encode()).expect("an encoded VerbsAddr is a NetAddr");
+        match h.kind {
+            Kind::Request => self.on_request(peer, h, out),
+            Kind::Response => self.on_response(peer, h, out),
+            Kind::Ready => self.on_ready(peer, &h, out),
+        }
+    }
+
+    fn on_request(&mut self, peer: NetAddr, h: Handshake, out: &mut Vec<Action>) {
+        let prior = match self.peers.get(&peer) {
+            None => Prior::None,
+            Some(State::Requesting { .. }) => {
+                if self.my_addr.raw() > peer.raw() {
+                    return;
+                }
+                Prior::Requesting
+            }
+            Some(
+                State::AwaitingReady {
+                    request_id,
+                    response,
+                    ..
+                }
+                | State::Established {
+                    request_id,
+                    response: Some(response),
+                },
+            ) if *request_id == h.request_id => {
+                out.push(Action::Send {
+                    peer,
+                    to: h.from,
+                    msg: *response,
+                });
+                return;
+            }
+            Some(State::Established { request_id, .. }) => {
+                if h.prev != *request_id {
+                    return;
+                }
+                Prior::Connected
+            }
+            Some(State::AwaitingReady { .. }) => Prior::Connected,
+        };
+        let psns = (self.psn(), self.psn());
+        out.push(Action::Accept {
+            peer,
+            request: h,
+            psns,
+            prior,
+        });
+    }
+
+    /// The Domain carried out [`Action::Accept`] for `request`: `Ok` with our QPs connected to
+    /// the request's (with the action's PSNs), or why it could not.
+    pub(crate) fn accepted(
+        &mut self,
+        now: Instant,
+        peer: &NetAddr,
+        request: &Handshake,
+        result: Result<Ends, String>,
+        out: &mut Vec<Action>,
+    ) {
+        let ends = match result {
+            Ok(ends) => ends,
+            Err(why) => {
+                self.peers.remove(peer);
+                out.push(Action::Fail {
+                    peer: peer.clone(),
+                    why: Failure::Qps(why),
+                });
+                return;
+            }
+        };
+        let response = Handshake {
+            kind: Kind::Response,
+            request_id: request.request_id,
+            from: self.me,
+            data_qpn: ends.data_qpn,
+            data_psn: ends.data_psn,
+            msg_qpn: ends.msg_qpn,
+            msg_psn: ends.msg_psn,
+            mtu: self.mtu,
+            prev: 0,
+        };
+        self.established.insert(peer.clone(), request.request_id);
+        self.peers.insert(
+            peer.clone(),
+            State::AwaitingReady {
+                request_id: request.request_id,
+                response,
+                deadline: now + self.timing.connect,
+                last_sent: now,
+            },
+        );
+        out.push(Action::Send {
+            peer: peer.clone(),
+            to: request.from,
+            msg: response,
+        });
+    }
+
+    fn ready_for(&self, response: &Handshake) -> Handshake {
+        Handshake {
+            kind: Kind::Ready,
+            from: self.me,
+            ..*response
+        }
+    }
+
+    fn on_response(&mut self, peer: NetAddr, h: Handshake, out: &mut Vec<Action>) {
+        match self.peers.get(&peer) {
+            Some(State::Requesting {
+                request_id, ends, ..
+            }) if *request_id == h.request_id => out.push(Action::Complete {
+                peer,
+                response: h,
+                local: *ends,
+            }),
+            // Our `Ready` was lost (the responder repeats its response): again.
+            Some(State::Established {
+                request_id,
+                response: None,
+            }) if *request_id == h.request_id => out.push(Action::Send {
+                peer,
+                to: h.from,
+                msg: self.ready_for(&h),
+            }),
+            _ => {}
+        }
+    }
+
+    /// The Domain carried out [`Action::Complete`]: `Ok` with our QPs connected to the
+    /// response's, or why not.
+    pub(crate) fn completed(
+        &mut self,
+        peer: &NetAddr,
+        response: &Handshake,
+        result: Result<(), String>,
+        out: &mut Vec<Action>,
+    ) {
+        match self.peers.get(peer) {
+            Some(State::Requesting { request_id, .. }) if *request_id == response.request_id => {}
+            _ => return,
+        }
+        match result {
+            Ok(()) => {
+                self.established.insert(peer.clone(), response.request_id);
+                self.peers.insert(
+                    peer.clone(),
+                    State::Established {
+                        request_id: response.request_id,
+                        response: None,
+                    },
+                );
+                // Our QPs can receive now: the responder may send.
+                out.push(Action::Send {
+                    peer: peer.clone(),
+                    to: response.from,
+                    msg: self.ready_for(response),
+                });
+                out.push(Action::Ready { peer: peer.clone() });
+            }
+            Err(why) => {
+                self.peers.remove(peer);
+                out.push(Action::Fail {
+                    peer: peer.clone(),
+                    why: Failure::Qps(why),
+                });
+            }
+        }
+    }
+
+    fn on_ready(&mut self, peer: NetAddr, h: &Handshake, out: &mut Vec<Action>) {
+        if let Some(State::AwaitingReady {
+            request_id,
+            response,
+            ..
+        }) = self.peers.get(&peer)
+        {
+            if *request_id == h.request_id {
+                let (request_id, response) = (*request_id, *response);
+                self.peers.insert(
+                    peer.clone(),
+                    State::Established {
+                        request_id,
+                        response: Some(response),
+                    },
+                );
+                out.push(Action::Ready { peer });
+            }
+        }
+    }
+
+    /// A [`Action::Send`] of a request could not go now (no free send slot): due again at
+    /// the next check rather than a whole retry interval later.
+    pub(crate) fn unsent(&mut self, now: Instant, peer: &NetAddr) {
+        if let Some(State::Requesting { last_sent, .. }) = self.peers.get_mut(peer) {
+            *last_sent = now.checked_sub(self.timing.retry).unwrap_or(now);
+        }
+    }
+
+    /// The connection with `peer` failed for a reason of the Domain's (a QP error, a stalled
+    /// queue): its handshake state goes; the id of the last established connection stays,
+    /// for the next request's `prev`.
+    pub(crate) fn forget(&mut self, peer: &NetAddr) {
+        self.peers.remove(peer);
+    }
+
+    /// Whether any handshake is under way (resends and deadlines need [`handle_timeout`]);
+    /// false in the steady state, where the Domain reads no clock.
+    ///
+    /// [`handle_timeout`]: Self::handle_timeout
+    pub(crate) fn pending(&self) -> bool {
+        self.peers
+            .values()
+            .any(|s| !matches!(s, State::Established { .. }))
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) next has something to do.
+    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        self.peers
+            .values()
+            .filter_map(|s| match s {
+                State::Requesting {
+                    deadline,
+                    last_sent,
+                    ..
+                }
+                | State::AwaitingReady {
+                    deadline,
+                    last_sent,
+                    ..
+                } => Some((*deadline).min(*last_sent + self.timing.retry)),
+                State::Established { .. } => None,
+            })
+            .min()
+    }
+
+    /// Resends what is due and fails what passed its deadline.
+    pub(crate) fn handle_timeout(&mut self, now: Instant, out: &mut Vec<Action>) {
+        let connect_ms = self.timing.connect.as_millis() as u64;
+        let mut failed = Vec::new();
+        let mut resend = Vec::new();
+        for (peer, state) in &mut self.peers {
+            let (deadline, last_sent, failure) = match state {
+                State::Requesting {
+                    deadline,
+                    last_sent,
+                    ..
+                } => (deadline, last_sent, Failure::NoAnswer { connect_ms }),
+                State::AwaitingReady {
+                    deadline,
+                    last_sent,
+                    ..
+                } => (deadline, last_sent, Failure::NeverConfirmed { connect_ms }),
+                State::Established { .. } => continue,
+            };
+            if now >= *deadline {
+                failed.push((peer.clone(), failure));
+            } else if now.duration_since(*last_sent) >= self.timing.retry {
+                *last_sent = now;
+                resend.push(peer.clone());
+            }
+        }
+        for peer in resend {
+            let msg = match &self.peers[&peer] {
+                State::Requesting {
+                    request_id, ends, ..
+                } => self.request(&peer, *request_id, ends),
+                State::AwaitingReady { response, .. } => *response,
+                State::Established { .. } => continue,
+            };
+            if let Ok(to) = VerbsAddr::decode(peer.raw()) {
+                out.push(Action::Send { peer, to, msg });
+            }
+        }
+        for (peer, why) in failed {
+            self.peers.remove(&peer);
+            out.push(Action::Fail { peer, why });
+        }
+    }
+
+    /// Whether the connection with `peer` is established (tests and assertions).
+    #[cfg(test)]
+    pub(crate) fn is_established(&self, peer: &NetAddr) -> bool {
+        matches!(self.peers.get(peer), Some(State::Established { .. }))
+    }
+
+    /// The request id of the connection with `peer`, in whatever state (tests).
+    #[cfg(test)]
+    pub(crate) fn request_id(&self, peer: &NetAddr) -> Option<u64> {
+        self.peers.get(peer).map(|s| match s {
+            State::Requesting { request_id, .. }
+            | State::AwaitingReady { request_id, .. }
+            | State::Established { request_id, .. } => *request_id,
+        })
+    }
+}
+
+#[cfg(test)]
+mod pair;

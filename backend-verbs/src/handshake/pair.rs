@@ -1,0 +1,881 @@
+//! The Pair harness: pure handshake endpoints on a virtual clock, joined by a network that
+//! loses, duplicates, reorders and delays datagrams by a seeded schedule, each with a
+//! stand-in Domain that carries out the actions (QP numbers, which remote QPs each QP is
+//! connected to, readiness). Thousands of schedules run in `cargo test` without a device; a
+//! failing one names its scenario and seed (`XFER_HANDSHAKE_SEED=N` reruns just it), and
+//! seeds that once found a bug stay in [`REGRESSIONS`].
+//!
+//! What must hold in every schedule:
+//! - Safety, at every `Ready`: the QPs a side is about to post on are connected to the peer's
+//!   current QPs, and those to ours (same numbers, same first PSNs) — or the peer has moved on
+//!   and our posts fail (a destroyed QP never acks) instead of landing somewhere else.
+//! - The responder posts only after the requester's QPs were connected.
+//! - Liveness: every wanted connection ends established and mutually matched on both sides,
+//!   with no handshake left pending, within the horizon.
+
+use std::collections::{BTreeMap, HashSet};
+
+use super::*;
+use crate::wire::MSG_LEN;
+
+const TIMING: Timing = Timing {
+    retry: Duration::from_millis(200),
+    connect: Duration::from_millis(3000),
+};
+
+/// How often the stand-in Domains look for connections whose peer's QPs are gone.
+const SCAN: Duration = Duration::from_millis(10);
+
+/// Longest a schedule may run (virtual time).
+const HORIZON: Duration = Duration::from_secs(120);
+
+/// Schedules that once failed, kept as regression cases: (scenario, seed).
+const REGRESSIONS: &[(Scenario, u64)] = &[];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scenario {
+    /// A connects to B.
+    OneWay,
+    /// A and B connect to each other at nearly the same time.
+    Simultaneous,
+    /// Connected; then A's connection fails on A's side only, and A re-handshakes (`prev`).
+    Rehandshake,
+    /// Connected; then A restarts at a new address (a new process: a new UD QPN).
+    RestartNewAddress,
+    /// Connected; then A restarts at the same address (QPN reuse), with no memory of B.
+    RestartSameAddress,
+    /// The first `Ready` datagrams are lost on top of the random losses.
+    LostReady,
+}
+
+const SCENARIOS: [Scenario; 6] = [
+    Scenario::OneWay,
+    Scenario::Simultaneous,
+    Scenario::Rehandshake,
+    Scenario::RestartNewAddress,
+    Scenario::RestartSameAddress,
+    Scenario::LostReady,
+];
+
+/// A datagram in flight.
+struct Datagram {
+    to: NetAddr,
+    bytes: [u8; MSG_LEN],
+}
+
+/// The unkind network.
+struct Net {
+    rng: fastrand::Rng,
+    /// Per mille of datagrams lost, duplicated.
+    loss: u32,
+    dup: u32,
+    max_delay: Duration,
+    /// Delivery time and a sequence number (for a stable order) → datagram.
+    in_flight: BTreeMap<(Instant, u64), Datagram>,
+    seq: u64,
+    /// How many more `Ready` datagrams to drop.
+    drop_ready: u32,
+    /// Datagrams handed to the network (a schedule that sent none tested nothing).
+    sent: u64,
+}
+
+impl Net {
+    fn send(&mut self, now: Instant, to: NetAddr, msg: &Handshake) {
+        self.sent += 1;
+        if msg.kind == Kind::Ready && self.drop_ready > 0 {
+            self.drop_ready -= 1;
+            return;
+        }
+        if self.rng.u32(..1000) < self.loss {
+            return;
+        }
+        let copies = if self.rng.u32(..1000) < self.dup {
+            2
+        } else {
+            1
+        };
+        for _ in 0..copies {
+            let delay = self.max_delay.mul_f64(self.rng.f64());
+            self.seq += 1;
+            self.in_flight.insert(
+                (now + delay, self.seq),
+                Datagram {
+                    to: to.clone(),
+                    bytes: msg.encode(),
+                },
+            );
+        }
+    }
+}
+
+/// The stand-in Domain's view of one connection.
+#[derive(Debug, Clone)]
+struct Conn {
+    data_qpn: u32,
+    msg_qpn: u32,
+    /// Our first PSNs, once the handshake told them (the requester learns them at Complete).
+    psns: Option<(u32, u32)>,
+    /// The peer's QPs ours are connected to.
+    remote: Option<Ends>,
+    ready: bool,
+    /// Since when the peer's QPs ours talk to are gone (our next post would fail).
+    broken_since: Option<Instant>,
+}
+
+impl Conn {
+    fn local(&self) -> Option<Ends> {
+        self.psns.map(|(data_psn, msg_psn)| Ends {
+            data_qpn: self.data_qpn,
+            data_psn,
+            msg_qpn: self.msg_qpn,
+            msg_psn,
+        })
+    }
+}
+
+struct Endpoint {
+    addr: NetAddr,
+    hs: Handshaker,
+    conns: HashMap<NetAddr, Conn>,
+    next_qpn: u32,
+    /// Peers the application wants a connection with: reconnected after a failure, as the
+    /// engine's next transfer would.
+    wants: HashSet<NetAddr>,
+    /// How long this side takes to notice that a peer's QPs are gone (its unreachable_ms).
+    notice: Duration,
+    failures: Vec<Failure>,
+    /// Live (ready) connections that an accepted request replaced.
+    replaced_live: u32,
+}
+
+fn verbs_addr(id: u32, incarnation: u32) -> VerbsAddr {
+    let mut gid = [0u8; 16];
+    gid[..4].copy_from_slice(&id.to_le_bytes());
+    VerbsAddr {
+        gid,
+        lid: 0,
+        ud_qpn: 0x100 + incarnation,
+    }
+}
+
+impl Endpoint {
+    fn new(me: VerbsAddr, seed: u64, notice: Duration) -> Self {
+        Self {
+            addr: NetAddr::new(&me.encode()).unwrap(),
+            hs: Handshaker::new(me, 5, TIMING, seed),
+            conns: HashMap::default(),
+            next_qpn: 0x1000 + (seed as u32 & 0xffff) * 16,
+            wants: HashSet::new(),
+            notice,
+            failures: Vec::new(),
+            replaced_live: 0,
+        }
+    }
+
+    fn new_qps(&mut self) -> (u32, u32) {
+        self.next_qpn += 2;
+        (self.next_qpn, self.next_qpn + 1)
+    }
+
+    fn connect(&mut self, now: Instant, peer: &NetAddr, net: &mut Net, ready: &mut Vec<NetAddr>) {
+        let (data_qpn, msg_qpn) = self.new_qps();
+        self.conns.insert(
+            peer.clone(),
+            Conn {
+                data_qpn,
+                msg_qpn,
+                psns: None,
+                remote: None,
+                ready: false,
+                broken_since: None,
+            },
+        );
+        let mut out = Vec::new();
+        self.hs
+            .connect(now, peer, (data_qpn, msg_qpn), &mut out)
+            .unwrap();
+        self.carry_out(now, out, net, ready);
+    }
+
+    /// Fails our connection with `peer` on our side only (a QP error, a stalled queue).
+    fn fail(&mut self, peer: &NetAddr) {
+        self.conns.remove(peer);
+        self.hs.forget(peer);
+    }
+
+    /// What the Domain does with the actions; the peers that became ready go to `ready`.
+    fn carry_out(
+        &mut self,
+        now: Instant,
+        actions: Vec<Action>,
+        net: &mut Net,
+        ready: &mut Vec<NetAddr>,
+    ) {
+        let mut actions = std::collections::VecDeque::from(actions);
+        while let Some(action) = actions.pop_front() {
+            let mut more = Vec::new();
+            match action {
+                Action::Send { peer, to, msg } => {
+                    // A request tells our first PSNs (the machine drew them).
+                    if msg.kind == Kind::Request {
+                        if let Some(c) = self.conns.get_mut(&peer) {
+                            if (c.data_qpn, c.msg_qpn) == (msg.data_qpn, msg.msg_qpn) {
+                                c.psns = Some((msg.data_psn, msg.msg_psn));
+                            }
+                        }
+                    }
+                    net.send(now, NetAddr::new(&to.encode()).unwrap(), &msg)
+                }
+                Action::Accept {
+                    peer,
+                    request,
+                    psns,
+                    prior,
+                } => {
+                    if prior == Prior::Connected && self.conns.get(&peer).is_some_and(|c| c.ready) {
+                        self.replaced_live += 1;
+                    }
+                    let qps = match (prior, self.conns.get(&peer)) {
+                        (Prior::Requesting, Some(c)) => (c.data_qpn, c.msg_qpn),
+                        (Prior::Requesting, None) => panic!("Prior::Requesting without QPs"),
+                        (Prior::None | Prior::Connected, _) => self.new_qps(),
+                    };
+                    let remote = Ends {
+                        data_qpn: request.data_qpn,
+                        data_psn: request.data_psn,
+                        msg_qpn: request.msg_qpn,
+                        msg_psn: request.msg_psn,
+                    };
+                    self.conns.insert(
+                        peer.clone(),
+                        Conn {
+                            data_qpn: qps.0,
+                            msg_qpn: qps.1,
+                            psns: Some(psns),
+                            remote: Some(remote),
+                            ready: false,
+                            broken_since: None,
+                        },
+                    );
+                    let ends = Ends {
+                        data_qpn: qps.0,
+                        data_psn: psns.0,
+                        msg_qpn: qps.1,
+                        msg_psn: psns.1,
+                    };
+                    self.hs.accepted(now, &peer, &request, Ok(ends), &mut more);
+                }
+                Action::Complete {
+                    peer,
+                    response,
+                    local,
+                } => {
+                    let conn = self
+                        .conns
+                        .get_mut(&peer)
+                        .expect("Complete for a peer with no QPs");
+                    assert_eq!(
+                        (conn.data_qpn, conn.msg_qpn),
+                        (local.data_qpn, local.msg_qpn),
+                        "Complete names QPs that are not the connection's"
+                    );
+                    conn.psns = Some((local.data_psn, local.msg_psn));
+                    conn.remote = Some(Ends {
+                        data_qpn: response.data_qpn,
+                        data_psn: response.data_psn,
+                        msg_qpn: response.msg_qpn,
+                        msg_psn: response.msg_psn,
+                    });
+                    self.hs.completed(&peer, &response, Ok(()), &mut more);
+                }
+                Action::Ready { peer } => {
+                    let conn = self.conns.get_mut(&peer).expect("Ready with no QPs");
+                    assert!(conn.remote.is_some(), "Ready before our QPs were connected");
+                    conn.ready = true;
+                    ready.push(peer);
+                }
+                Action::Fail { peer, why } => {
+                    self.conns.remove(&peer);
+                    self.failures.push(why);
+                }
+            }
+            actions.extend(more);
+        }
+    }
+}
+
+struct World {
+    eps: Vec<Endpoint>,
+    /// Endpoint index by address (rebuilt when one restarts at a new address).
+    index: HashMap<NetAddr, usize>,
+    net: Net,
+    now: Instant,
+    /// Application events: (when, endpoint, peer endpoint) wants a connection.
+    starts: Vec<(Instant, usize, usize)>,
+    /// A scenario's disruption, once everyone is connected: (endpoint) suffers it.
+    disrupt: Option<(Scenario, usize)>,
+    seed: u64,
+    /// When broken connections were last looked for (every 10 ms of virtual time: a side
+    /// takes 0–4 s to notice, and a scan visits every connection).
+    last_scan: Option<Instant>,
+}
+
+impl World {
+    fn index_of(&self, addr: &NetAddr) -> Option<usize> {
+        self.index.get(addr).copied()
+    }
+
+    fn reindex(&mut self) {
+        self.index = self
+            .eps
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.addr.clone(), i))
+            .collect();
+    }
+
+    /// Safety at a `Ready` of endpoint `x` for `peer`.
+    fn check_ready(&self, x: usize, peer: &NetAddr) -> Result<(), String> {
+        let Some(y) = self.index_of(peer) else {
+            return Ok(());
+        };
+        let mine = &self.eps[x].conns[peer];
+        let Some(theirs) = self.eps[y].conns.get(&self.eps[x].addr) else {
+            return Ok(());
+        };
+        // Do ours talk to the peer's current QPs? Then theirs must talk to ours.
+        if let (Some(remote), Some(their_local)) = (mine.remote, theirs.local()) {
+            if remote == their_local && theirs.remote != mine.local() {
+                return Err(format!(
+                    "endpoint {x} ready on QPs {:?} connected to {remote:?}, but the peer's are connected to {:?}",
+                    mine.local(),
+                    theirs.remote
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn all_connected(&self) -> bool {
+        self.wanted_pairs().iter().all(|&(x, y)| {
+            let (a, b) = (&self.eps[x], &self.eps[y]);
+            match (a.conns.get(&b.addr), b.conns.get(&a.addr)) {
+                (Some(ca), Some(cb)) => {
+                    ca.ready
+                        && cb.ready
+                        && ca.remote.is_some()
+                        && ca.remote == cb.local()
+                        && cb.remote == ca.local()
+                        && a.hs.is_established(&b.addr)
+                        && b.hs.is_established(&a.addr)
+                        && a.hs.request_id(&b.addr) == b.hs.request_id(&a.addr)
+                }
+                _ => false,
+            }
+        }) && self.eps.iter().all(|e| !e.hs.pending())
+    }
+
+    fn wanted_pairs(&self) -> Vec<(usize, usize)> {
+        let mut pairs = Vec::new();
+        for (x, e) in self.eps.iter().enumerate() {
+            for peer in &e.wants {
+                if let Some(y) = self.index_of(peer) {
+                    pairs.push((x, y));
+                }
+            }
+        }
+        pairs
+    }
+
+    /// Marks connections whose peer QPs are gone, and fails those broken for longer than
+    /// their side takes to notice (its posts stopped completing).
+    fn detect_broken(&mut self) {
+        let now = self.now;
+        // Which ready connections still talk to their peer's current QPs.
+        let mut alive = HashMap::default();
+        for (x, e) in self.eps.iter().enumerate() {
+            for (peer, conn) in &e.conns {
+                let Some(remote) = conn.remote.filter(|_| conn.ready) else {
+                    continue;
+                };
+                let theirs = self
+                    .index_of(peer)
+                    .and_then(|y| self.eps[y].conns.get(&e.addr))
+                    .and_then(Conn::local);
+                alive.insert((x, peer.clone()), theirs == Some(remote));
+            }
+        }
+        for (x, e) in self.eps.iter_mut().enumerate() {
+            let mut failed = Vec::new();
+            for (peer, conn) in &mut e.conns {
+                let Some(&alive) = alive.get(&(x, peer.clone())) else {
+                    continue;
+                };
+                match (alive, conn.broken_since) {
+                    (true, _) => conn.broken_since = None,
+                    (false, None) => conn.broken_since = Some(now),
+                    (false, Some(since)) if now.duration_since(since) >= e.notice => {
+                        failed.push(peer.clone())
+                    }
+                    (false, Some(_)) => {}
+                }
+            }
+            for peer in failed {
+                e.fail(&peer);
+            }
+        }
+    }
+
+    fn next_event(&self) -> Option<Instant> {
+        let mut next: Option<Instant> = None;
+        let mut consider = |t: Instant| next = Some(next.map_or(t, |n| n.min(t)));
+        if let Some(((t, _), _)) = self.net.in_flight.first_key_value() {
+            consider(*t);
+        }
+        for &(t, _, _) in &self.starts {
+            consider(t);
+        }
+        for e in &self.eps {
+            if let Some(t) = e.hs.poll_timeout() {
+                consider(t);
+            }
+            for c in e.conns.values() {
+                if let Some(since) = c.broken_since {
+                    // Noticed at the first scan after its notice time.
+                    let scan = self.last_scan.map_or(since, |t| t + SCAN);
+                    consider((since + e.notice).max(scan));
+                }
+            }
+        }
+        next
+    }
+
+    /// Application: every wanted peer without a connection gets one (the next transfer).
+    fn reconnect(&mut self) -> Result<(), String> {
+        for x in 0..self.eps.len() {
+            let missing: Vec<NetAddr> = self.eps[x]
+                .wants
+                .iter()
+                .filter(|p| !self.eps[x].conns.contains_key(*p))
+                .cloned()
+                .collect();
+            for peer in missing {
+                let mut ready = Vec::new();
+                self.eps[x].connect(self.now, &peer, &mut self.net, &mut ready);
+                for p in ready {
+                    self.check_ready(x, &p)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn disrupt(&mut self, scenario: Scenario, x: usize) {
+        let peers: Vec<NetAddr> = self.eps[x].wants.iter().cloned().collect();
+        match scenario {
+            Scenario::Rehandshake => {
+                for p in &peers {
+                    self.eps[x].fail(p);
+                }
+            }
+            Scenario::RestartNewAddress | Scenario::RestartSameAddress => {
+                let id = x as u32;
+                let incarnation = if scenario == Scenario::RestartNewAddress {
+                    1
+                } else {
+                    0
+                };
+                let notice = self.eps[x].notice;
+                let mut fresh =
+                    Endpoint::new(verbs_addr(id, incarnation), self.seed ^ 0x5eed, notice);
+                fresh.next_qpn = self.eps[x].next_qpn + 0x100;
+                fresh.wants = peers.into_iter().collect();
+                self.eps[x] = fresh;
+                self.reindex();
+            }
+            _ => {}
+        }
+    }
+
+    fn run(&mut self) -> Result<(), String> {
+        let end = self.now + HORIZON;
+        loop {
+            self.reconnect()?;
+            // Done once every start has happened (before, "all wanted are connected" holds
+            // vacuously), nothing is in flight and all are connected.
+            if self.starts.is_empty() && self.net.in_flight.is_empty() && self.all_connected() {
+                match self.disrupt.take() {
+                    Some((scenario, x)) => {
+                        self.disrupt(scenario, x);
+                        continue;
+                    }
+                    None => return Ok(()),
+                }
+            }
+            let Some(next) = self.next_event() else {
+                return Err("nothing left to happen, and not connected".into());
+            };
+            if next > end {
+                return Err(format!("not connected within {HORIZON:?}"));
+            }
+            self.now = self.now.max(next);
+            let now = self.now;
+            // Application starts due now.
+            let (due, later): (Vec<_>, Vec<_>) =
+                self.starts.iter().partition(|(t, _, _)| *t <= now);
+            self.starts = later;
+            for (_, x, y) in due {
+                let peer = self.eps[y].addr.clone();
+                self.eps[x].wants.insert(peer);
+            }
+            // Datagrams due now, in delivery order.
+            while let Some(entry) = self.net.in_flight.first_entry() {
+                if entry.key().0 > now {
+                    break;
+                }
+                let dg = entry.remove();
+                let Some(x) = self.index_of(&dg.to) else {
+                    continue;
+                };
+                let mut out = Vec::new();
+                self.eps[x].hs.handle_datagram(&dg.bytes, &mut out);
+                let mut ready = Vec::new();
+                self.eps[x].carry_out(now, out, &mut self.net, &mut ready);
+                for p in ready {
+                    self.check_ready(x, &p)?;
+                }
+            }
+            for x in 0..self.eps.len() {
+                if self.eps[x].hs.poll_timeout().is_some_and(|t| t <= now) {
+                    let mut out = Vec::new();
+                    self.eps[x].hs.handle_timeout(now, &mut out);
+                    let mut ready = Vec::new();
+                    self.eps[x].carry_out(now, out, &mut self.net, &mut ready);
+                    for p in ready {
+                        self.check_ready(x, &p)?;
+                    }
+                }
+            }
+            if self.last_scan.is_none_or(|t| now.duration_since(t) >= SCAN) {
+                self.last_scan = Some(now);
+                self.detect_broken();
+            }
+        }
+    }
+}
+
+/// One schedule: `peers` requesters (endpoints 1..) and endpoint 0, or the scenario's pair.
+fn schedule(scenario: Scenario, seed: u64, peers: usize) -> World {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let now = Instant::now();
+    let net = Net {
+        loss: rng.u32(0..=300),
+        dup: rng.u32(0..=200),
+        max_delay: Duration::from_micros(rng.u64(0..=80_000)),
+        in_flight: BTreeMap::new(),
+        seq: 0,
+        sent: 0,
+        drop_ready: if scenario == Scenario::LostReady {
+            rng.u32(1..=3)
+        } else {
+            0
+        },
+        rng: fastrand::Rng::with_seed(rng.u64(..)),
+    };
+    let eps: Vec<Endpoint> = (0..=peers)
+        .map(|i| {
+            let notice = Duration::from_millis(rng.u64(0..=4_000));
+            Endpoint::new(verbs_addr(i as u32, 0), rng.u64(..), notice)
+        })
+        .collect();
+    let mut starts: Vec<(Instant, usize, usize)> = (1..=peers)
+        .map(|i| (now + Duration::from_millis(rng.u64(0..=50)), i, 0))
+        .collect();
+    if scenario == Scenario::Simultaneous {
+        starts.push((now + Duration::from_millis(rng.u64(0..=50)), 0, 1));
+    }
+    let disrupt = match scenario {
+        Scenario::Rehandshake | Scenario::RestartNewAddress | Scenario::RestartSameAddress => {
+            Some((scenario, 1))
+        }
+        _ => None,
+    };
+    let mut world = World {
+        eps,
+        index: HashMap::default(),
+        net,
+        now,
+        starts,
+        disrupt,
+        seed,
+        last_scan: None,
+    };
+    world.reindex();
+    world
+}
+
+/// Runs one schedule; on success, how many datagrams it sent and handshakes that failed
+/// (and were retried by the application) along the way.
+fn run_one(scenario: Scenario, seed: u64) -> Result<(u64, usize), String> {
+    let mut world = schedule(scenario, seed, 1);
+    world
+        .run()
+        .and_then(|()| {
+            // Without a disruption nothing may tear down a live connection: a stale or
+            // duplicated request must never replace one.
+            let replaced: u32 = world.eps.iter().map(|e| e.replaced_live).sum();
+            let disrupted = matches!(
+                scenario,
+                Scenario::Rehandshake | Scenario::RestartNewAddress | Scenario::RestartSameAddress
+            );
+            if replaced > 0 && !disrupted {
+                return Err(format!(
+                    "{replaced} live connection(s) replaced without cause"
+                ));
+            }
+            Ok(())
+        })
+        .map(|()| {
+            (
+                world.net.sent,
+                world.eps.iter().map(|e| e.failures.len()).sum(),
+            )
+        })
+        .map_err(|e| {
+            format!(
+                "{scenario:?} seed {seed} (XFER_HANDSHAKE_SEED={seed}): {e}; failures seen: {:?}",
+                world
+                    .eps
+                    .iter()
+                    .map(|e| e.failures.clone())
+                    .collect::<Vec<_>>()
+            )
+        })
+}
+
+/// How many schedules per scenario (`XFER_HANDSHAKE_SCHEDULES`, default 1,000: 6,000 in all).
+fn schedules() -> u64 {
+    std::env::var("XFER_HANDSHAKE_SCHEDULES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1_000)
+}
+
+#[test]
+fn every_seeded_schedule_connects_safely() {
+    if let Some(seed) = std::env::var("XFER_HANDSHAKE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        for scenario in SCENARIOS {
+            run_one(scenario, seed).unwrap();
+        }
+        return;
+    }
+    let mut failed = Vec::new();
+    let (mut sent, mut retried) = (0, 0);
+    for scenario in SCENARIOS {
+        for seed in 0..schedules() {
+            match run_one(scenario, seed) {
+                Ok((s, f)) => {
+                    sent += s;
+                    retried += f;
+                }
+                Err(e) => failed.push(e),
+            }
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} schedules failed; the first: {}",
+        failed.len(),
+        failed[0]
+    );
+    // Every schedule exchanged at least a request, a response and a Ready, and losses made
+    // some handshakes fail and start over.
+    let total = schedules() * SCENARIOS.len() as u64;
+    assert!(sent >= 3 * total, "{sent} datagrams in {total} schedules");
+    assert!(
+        retried > 0 || total < 100,
+        "no handshake ever failed: too kind a network"
+    );
+    eprintln!("{total} schedules: {sent} datagrams, {retried} failed handshakes retried");
+}
+
+#[test]
+fn regression_schedules_still_pass() {
+    for &(scenario, seed) in REGRESSIONS {
+        run_one(scenario, seed).unwrap();
+    }
+    assert!(REGRESSIONS.iter().all(|(s, _)| SCENARIOS.contains(s)));
+}
+
+#[test]
+fn a_thousand_and_twenty_four_peers_connect_to_one() {
+    for seed in 0..1 {
+        let mut world = schedule(Scenario::OneWay, seed, 1024);
+        world.run().unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        assert_eq!(world.eps[0].conns.len(), 1024);
+    }
+}
+
+/// The harness itself must be able to fail: a network that loses everything never connects,
+/// and says so instead of passing.
+#[test]
+fn a_dead_network_is_reported_not_passed() {
+    let mut world = schedule(Scenario::OneWay, 7, 1);
+    world.net.loss = 1000;
+    let e = world.run().unwrap_err();
+    assert!(e.contains("not connected"), "{e}");
+    assert!(world.eps[1]
+        .failures
+        .iter()
+        .any(|f| matches!(f, Failure::NoAnswer { .. })));
+}
+
+/// Deterministic checks of single rules, without a network.
+mod rules {
+    use super::*;
+
+    fn pair() -> (Endpoint, Endpoint) {
+        (
+            Endpoint::new(verbs_addr(1, 0), 1, Duration::ZERO),
+            Endpoint::new(verbs_addr(2, 0), 2, Duration::ZERO),
+        )
+    }
+
+    fn sent(actions: &[Action]) -> Vec<Handshake> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Send { msg, .. } => Some(*msg),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_request_that_does_not_name_the_established_connection_is_ignored() {
+        let (a, mut b) = pair();
+        let now = Instant::now();
+        let mut out = Vec::new();
+        // B establishes with A as responder: request, accepted, Ready.
+        let request = Handshake {
+            kind: Kind::Request,
+            request_id: 11,
+            prev: 0,
+            from: verbs_addr(1, 0),
+            data_qpn: 5,
+            data_psn: 1,
+            msg_qpn: 6,
+            msg_psn: 2,
+            mtu: 5,
+        };
+        b.hs.handle_datagram(&request.encode(), &mut out);
+        assert!(matches!(
+            out[..],
+            [Action::Accept {
+                prior: Prior::None,
+                ..
+            }]
+        ));
+        let ends = Ends {
+            data_qpn: 9,
+            data_psn: 3,
+            msg_qpn: 10,
+            msg_psn: 4,
+        };
+        out.clear();
+        b.hs.accepted(now, &a.addr, &request, Ok(ends), &mut out);
+        let ready = Handshake {
+            kind: Kind::Ready,
+            ..request
+        };
+        out.clear();
+        b.hs.handle_datagram(&ready.encode(), &mut out);
+        assert!(matches!(out[..], [Action::Ready { .. }]));
+        assert!(b.hs.is_established(&a.addr));
+        // A forged or stale request (prev 0, another id) changes nothing.
+        let forged = Handshake {
+            request_id: 99,
+            ..request
+        };
+        out.clear();
+        b.hs.handle_datagram(&forged.encode(), &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        // One naming the connection replaces it.
+        let real = Handshake {
+            request_id: 12,
+            prev: 11,
+            ..request
+        };
+        b.hs.handle_datagram(&real.encode(), &mut out);
+        assert!(matches!(
+            out[..],
+            [Action::Accept {
+                prior: Prior::Connected,
+                ..
+            }]
+        ));
+        // A repeated request of the established connection gets the same response again.
+        let mut again = Vec::new();
+        let (_, mut c) = pair();
+        c.hs.handle_datagram(&request.encode(), &mut again);
+        again.clear();
+        c.hs.accepted(now, &a.addr, &request, Ok(ends), &mut again);
+        let first = sent(&again);
+        again.clear();
+        c.hs.handle_datagram(&request.encode(), &mut again);
+        assert_eq!(sent(&again), first);
+    }
+
+    #[test]
+    fn simultaneous_requests_are_answered_by_the_smaller_address_only() {
+        let (mut a, mut b) = pair();
+        let now = Instant::now();
+        let (mut oa, mut ob) = (Vec::new(), Vec::new());
+        a.hs.connect(now, &b.addr, (1, 2), &mut oa).unwrap();
+        b.hs.connect(now, &a.addr, (3, 4), &mut ob).unwrap();
+        let (ra, rb) = (sent(&oa)[0], sent(&ob)[0]);
+        let (mut ia, mut ib) = (Vec::new(), Vec::new());
+        a.hs.handle_datagram(&rb.encode(), &mut ia);
+        b.hs.handle_datagram(&ra.encode(), &mut ib);
+        let accepts = |v: &[Action]| {
+            v.iter()
+                .filter(|x| matches!(x, Action::Accept { .. }))
+                .count()
+        };
+        assert_eq!(accepts(&ia) + accepts(&ib), 1, "{ia:?} {ib:?}");
+        let smaller_accepted = if a.addr.raw() < b.addr.raw() {
+            accepts(&ia)
+        } else {
+            accepts(&ib)
+        };
+        assert_eq!(smaller_accepted, 1);
+    }
+
+    #[test]
+    fn deadlines_fail_with_their_reason_and_nothing_is_resent_after() {
+        let (mut a, b) = pair();
+        let now = Instant::now();
+        let mut out = Vec::new();
+        a.hs.connect(now, &b.addr, (1, 2), &mut out).unwrap();
+        out.clear();
+        a.hs.handle_timeout(now + TIMING.retry, &mut out);
+        assert_eq!(sent(&out).len(), 1, "resent after retry");
+        out.clear();
+        a.hs.handle_timeout(now + TIMING.connect, &mut out);
+        assert!(matches!(
+            &out[..],
+            [Action::Fail {
+                why: Failure::NoAnswer { connect_ms: 3000 },
+                ..
+            }]
+        ));
+        assert!(!a.hs.pending() && a.hs.poll_timeout().is_none());
+        assert!(a
+            .hs
+            .connect(now, &NetAddr::new(&[1, 2, 3]).unwrap(), (1, 2), &mut out)
+            .is_err());
+    }
+}
