@@ -138,6 +138,13 @@ pub struct VerbsDomain {
     peers: HashMap<NetAddr, Connection>,
     /// Every peer's handshake (pure: see `handshake`).
     handshake: Handshaker,
+    /// QPs built beside an unproven connection for a request that did not name it: they
+    /// replace it when their `Ready` comes (`Action::Promote`).
+    candidates: HashMap<NetAddr, (Qp, Qp)>,
+    /// QPs of connections that have not carried traffic yet: their first successful
+    /// completion or arrival proves the connection to the handshake. Empty in the steady
+    /// state, so the completion path pays one branch.
+    unproven: HashSet<u32>,
     /// QPs of failed connections, kept until the device closes so their flushed completions
     /// can still be read.
     graveyard: Vec<(Instant, Qp)>,
@@ -321,14 +328,17 @@ impl VerbsDomain {
             ud_qpn: attr.ud_qpn,
         };
         let address = NetAddr::new(&me.encode()).expect("24 bytes is a valid address");
-        let timing = handshake::Timing {
+        let settings = handshake::Settings {
             retry: Duration::from_millis(options.retry_ms),
             connect: Duration::from_millis(options.connect_ms),
+            max_half_open: options.max_half_open,
         };
-        let handshake = Handshaker::new(me, attr.active_mtu as u8, timing, fastrand::u64(..));
+        let handshake = Handshaker::new(me, attr.active_mtu as u8, settings, fastrand::u64(..));
         Ok(Self {
             peers: HashMap::default(),
             handshake,
+            candidates: HashMap::default(),
+            unproven: HashSet::default(),
             graveyard: Vec::new(),
             regions: RegionTable::new(),
             receives: ReceivePool::new(),
@@ -483,6 +493,8 @@ impl VerbsDomain {
     /// Keeps a retired connection's QPs until their flushes have been read, then frees them
     /// (see `collect_graveyard`).
     fn bury(&mut self, data: Qp, msg: Qp) {
+        self.unproven.remove(&data.qpn);
+        self.unproven.remove(&msg.qpn);
         let now = Instant::now();
         self.graveyard.push((now, data));
         self.graveyard.push((now, msg));
@@ -528,6 +540,8 @@ impl VerbsDomain {
             // arming: arm again when the worker next parks.
             notify.armed.store(false, Ordering::SeqCst);
         }
+        self.unproven.insert(data.qpn);
+        self.unproven.insert(msg.qpn);
         Ok((data, msg))
     }
 
@@ -612,6 +626,9 @@ impl VerbsDomain {
 
     fn fail_peer(&mut self, peer: &NetAddr, why: &str) {
         self.handshake.forget(peer);
+        if let Some((data, msg)) = self.candidates.remove(peer) {
+            self.retire_unused(data, msg);
+        }
         let Some(c) = self.peers.remove(peer) else {
             return;
         };
@@ -959,7 +976,7 @@ impl VerbsDomain {
                 } => {
                     let result = self.accept(&peer, &request, psns, prior);
                     self.handshake
-                        .accepted(now, &peer, &request, result, &mut more);
+                        .accepted(now, &peer, &request, prior, result, &mut more);
                 }
                 Action::Complete {
                     peer,
@@ -975,6 +992,12 @@ impl VerbsDomain {
                         c.ready = true;
                     }
                     self.flush(&peer);
+                }
+                Action::Promote { peer } => self.promote(&peer),
+                Action::DropCandidate { peer } => {
+                    if let Some((data, msg)) = self.candidates.remove(&peer) {
+                        self.retire_unused(data, msg);
+                    }
                 }
                 Action::Fail { peer, why } => self.fail_peer(&peer, &why.to_string()),
             }
@@ -996,6 +1019,27 @@ impl VerbsDomain {
         if self.options.faults.delay_request_ms > 0 && prior == Prior::None {
             // Test fault: a responder slow to answer a new peer.
             std::thread::sleep(Duration::from_millis(self.options.faults.delay_request_ms));
+        }
+        if prior == Prior::Candidate {
+            let (data, msg) = self
+                .new_qps()
+                .map_err(|e| format!("no QPs for a candidate connection: {}", e.message))?;
+            if let Err(e) = self.connect_qps(&data, &msg, request, data_psn, msg_psn) {
+                self.retire_unused(data, msg);
+                return Err(format!("accepting {peer}: {e}"));
+            }
+            self.qp_peer.insert(data.qpn, peer.clone());
+            self.qp_peer.insert(msg.qpn, peer.clone());
+            let ends = Ends {
+                data_qpn: data.qpn,
+                data_psn,
+                msg_qpn: msg.qpn,
+                msg_psn,
+            };
+            if let Some((old_data, old_msg)) = self.candidates.insert(peer.clone(), (data, msg)) {
+                self.retire_unused(old_data, old_msg);
+            }
+            return Ok(ends);
         }
         let (data, msg, queued) = match self.peers.remove(peer) {
             Some(c) if prior == Prior::Requesting => (c.data, c.msg, c.queued),
@@ -1041,6 +1085,62 @@ impl VerbsDomain {
             },
         );
         Ok(ends)
+    }
+
+    /// The candidate's `Ready` came: it replaces the connection it stood beside, which is
+    /// retired (what it holds settles from its flushes; what it never posted moves over).
+    fn promote(&mut self, peer: &NetAddr) {
+        let Some((data, msg)) = self.candidates.remove(peer) else {
+            return;
+        };
+        let queued = match self.peers.remove(peer) {
+            Some(old) => self.retire_connection(old.data, old.msg, old.queued),
+            None => VecDeque::new(),
+        };
+        self.peers.insert(
+            peer.clone(),
+            Connection {
+                data,
+                msg,
+                queued,
+                ready: true,
+            },
+        );
+        self.flush(peer);
+    }
+
+    /// Destroys QPs that never carried a connection's traffic (a dropped candidate).
+    fn retire_unused(&mut self, mut data: Qp, mut msg: Qp) {
+        let _ = data.move_to_error();
+        let _ = msg.move_to_error();
+        self.dead_qps.insert(data.qpn);
+        self.bury(data, msg);
+    }
+
+    /// The first successful completion or arrival on QP `qpn`: if it belongs to its peer's
+    /// connection, that connection is proven (see `handshake`).
+    fn traffic_on(&mut self, qpn: u32) {
+        let Some(peer) = self.qp_peer.get(&qpn).cloned() else {
+            return;
+        };
+        if self
+            .candidates
+            .get(&peer)
+            .is_some_and(|(d, m)| d.qpn == qpn || m.qpn == qpn)
+        {
+            // A candidate's: it proves its connection once promoted, at the next completion.
+            self.unproven.insert(qpn);
+            return;
+        }
+        if self
+            .peers
+            .get(&peer)
+            .is_some_and(|c| c.data.qpn == qpn || c.msg.qpn == qpn)
+        {
+            let mut actions = Vec::new();
+            self.handshake.proven(&peer, &mut actions);
+            self.carry_out(Instant::now(), actions);
+        }
     }
 
     /// Connects our requested QPs (`local`) to `response`'s.
@@ -1272,6 +1372,13 @@ impl VerbsDomain {
                 Err(e) => break Err(other(e)),
             };
             for wc in &wcs[..n] {
+                if wc.status == 0
+                    && wc.kind != KIND_UD_RECV
+                    && !self.unproven.is_empty()
+                    && self.unproven.remove(&wc.qp_num)
+                {
+                    self.traffic_on(wc.qp_num);
+                }
                 match wc.kind {
                     KIND_UD_RECV => {
                         let len = (wc.byte_len as usize).min(wc.data.len());

@@ -17,13 +17,31 @@
 //! Rules a datagram cannot break:
 //! - Simultaneous connects: the smaller address answers, the larger keeps waiting.
 //! - A repeated `Request` (the response was lost) is answered with the same response; a
-//!   repeated `Response` (the `Ready` was lost) with `Ready` again.
-//! - A `Request` that would replace an established connection must name it (`prev`): a
-//!   stale or forged datagram cannot tear down a live connection. A connection still waiting
-//!   for its `Ready` may be replaced unproven (the requester may have given up on it).
-//!   Chosen trade-off: a peer that restarted at the very same address (QPN reuse) is
-//!   answered only once this side noticed the old connection is dead (its next write fails:
-//!   [`Handshaker::forget`]) — new processes get new QPNs.
+//!   repeated `Response` (the `Ready` was lost) with `Ready` again — but only if it names the
+//!   QPs we connected to: a response to our request naming others means the responder
+//!   rebuilt its side (our answer there was displaced), so our connection is dead; it fails
+//!   ([`Failure::Rebuilt`]) rather than confirm QPs we are not connected to. Likewise a
+//!   `Ready` counts only if it echoes the response it answers (a delayed duplicate confirming
+//!   an earlier answer to the same request is ignored).
+//! - A `Request` that would replace a *proven* connection — one that carried traffic (an RC
+//!   completion or arrival on its QPs: the peer's QPs acked, so they exist and are connected
+//!   to ours; the Domain reports it through [`Handshaker::proven`]) — must name it (`prev`):
+//!   a stale or forged datagram cannot tear down a live connection. A request that does not
+//!   name an established but unproven connection builds a *candidate* beside it: new QPs and
+//!   a response, while the old connection keeps serving; the candidate replaces it only when
+//!   its own `Ready` arrives ([`Action::Promote`]) and is dropped at its deadline otherwise
+//!   ([`Action::DropCandidate`]). So a forged Request + Ready claiming to be X cannot lock the
+//!   real X out (X, having lost its state, can only send `prev = 0`, and its handshake
+//!   completes as a candidate), and forged or stale requests alone change nothing. A
+//!   connection still waiting for its `Ready` may be replaced outright (the requester may
+//!   have given up on it). Chosen trade-off: a peer that restarted at the very
+//!   same address (QPN reuse) while its old connection is proven is answered only once this
+//!   side noticed that connection is dead (its next write fails: [`Handshaker::forget`]) —
+//!   new processes get new QPNs.
+//! - At most `max_half_open` handshakes wait for their `Ready` at once: a request from a new
+//!   peer beyond that is dropped (a real requester resends it), so a flood of forged sources
+//!   costs a bounded number of QPs. Without a cluster secret such a flood can still delay new
+//!   connections; it cannot tear down proven ones.
 
 use std::time::{Duration, Instant};
 
@@ -32,13 +50,15 @@ use foldhash::HashMap;
 
 use crate::wire::{Handshake, Kind, VerbsAddr};
 
-/// Resend interval and deadline of a handshake.
+/// Resend interval, deadline and limits of the handshakes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Timing {
+pub(crate) struct Settings {
     /// A request or response unanswered this long is sent again.
     pub retry: Duration,
     /// A handshake not finished this long after it began fails.
     pub connect: Duration,
+    /// Most handshakes waiting for their `Ready` at once.
+    pub max_half_open: usize,
 }
 
 /// Our end of a connection: the numbers of its two QPs and their first PSNs.
@@ -60,6 +80,9 @@ pub(crate) enum Prior {
     /// A connection (established, or waiting for its `Ready`) that the request replaces:
     /// retire it (its QPs go to the error state) and create new QPs.
     Connected,
+    /// An established connection that has not carried traffic and that the request does not
+    /// name: keep it serving, and create the new QPs beside it as a candidate.
+    Candidate,
 }
 
 /// Why a handshake failed.
@@ -71,6 +94,9 @@ pub(crate) enum Failure {
     NeverConfirmed { connect_ms: u64 },
     /// Creating or connecting the QPs failed (the Domain's words).
     Qps(String),
+    /// The responder answered our established request again with other QPs: it rebuilt its
+    /// side, and ours talks to QPs that are gone.
+    Rebuilt,
 }
 
 impl std::fmt::Display for Failure {
@@ -79,6 +105,7 @@ impl std::fmt::Display for Failure {
             Self::NoAnswer { connect_ms } => write!(f, "no answer to the connection handshake within {connect_ms} ms (is the peer up? same GID type and subnet?)"),
             Self::NeverConfirmed { connect_ms } => write!(f, "the peer answered the handshake but never confirmed its side (Ready) within {connect_ms} ms"),
             Self::Qps(why) => f.write_str(why),
+            Self::Rebuilt => f.write_str("the peer rebuilt its side of the connection (answered our request again with other QPs)"),
         }
     }
 }
@@ -108,8 +135,24 @@ pub(crate) enum Action {
     },
     /// The connection with `peer` may post.
     Ready { peer: NetAddr },
+    /// The candidate's `Ready` came: retire the connection it stood beside (what it never
+    /// posted moves over) and make the candidate's QPs the connection, ready to post.
+    Promote { peer: NetAddr },
+    /// The candidate was not confirmed in time, or the old connection proved itself: destroy
+    /// the candidate's QPs; the connection goes on.
+    DropCandidate { peer: NetAddr },
     /// The handshake with `peer` failed: fail its connection (what was queued fails).
     Fail { peer: NetAddr, why: Failure },
+}
+
+/// The sender's QPs and first PSNs that a handshake message names.
+fn ends_of(h: &Handshake) -> Ends {
+    Ends {
+        data_qpn: h.data_qpn,
+        data_psn: h.data_psn,
+        msg_qpn: h.msg_qpn,
+        msg_psn: h.msg_psn,
+    }
 }
 
 /// One peer's handshake state.
@@ -128,13 +171,29 @@ enum State {
         response: Handshake,
         deadline: Instant,
         last_sent: Instant,
+        /// Traffic already arrived on its QPs (the requester posts once connected; its
+        /// `Ready` may still be on the way).
+        proven: bool,
     },
     /// Both sides can receive. `response`: ours, if we were the responder (a repeated
-    /// request gets it again).
+    /// request gets it again). `answered_by`: if we were the requester, the responder's QPs
+    /// we connected to. `proven`: traffic flowed on its QPs.
     Established {
         request_id: u64,
         response: Option<Handshake>,
+        answered_by: Option<Ends>,
+        proven: bool,
+        candidate: Option<Candidate>,
     },
+}
+
+/// A connection being built beside an unproven established one (see the module docs).
+#[derive(Debug, Clone, Copy)]
+struct Candidate {
+    request_id: u64,
+    response: Handshake,
+    deadline: Instant,
+    last_sent: Instant,
 }
 
 /// Every peer's handshake (see the module docs).
@@ -143,7 +202,7 @@ pub(crate) struct Handshaker {
     /// `me` as the engine's address, compared byte-wise to break simultaneous connects.
     my_addr: NetAddr,
     mtu: u8,
-    timing: Timing,
+    settings: Settings,
     rng: fastrand::Rng,
     peers: HashMap<NetAddr, State>,
     /// The request id of the last connection established with each peer: what a request
@@ -154,12 +213,12 @@ pub(crate) struct Handshaker {
 impl Handshaker {
     /// `me`: our handshake address; `mtu`: our port's active MTU code; `seed`: for request
     /// ids and PSNs (the Domain seeds it from the OS, the Pair harness per schedule).
-    pub(crate) fn new(me: VerbsAddr, mtu: u8, timing: Timing, seed: u64) -> Self {
+    pub(crate) fn new(me: VerbsAddr, mtu: u8, settings: Settings, seed: u64) -> Self {
         Self {
             me,
             my_addr: NetAddr::new(&me.encode()).expect("an encoded VerbsAddr is a NetAddr"),
             mtu,
-            timing,
+            settings,
             rng: fastrand::Rng::with_seed(seed),
             peers: HashMap::default(),
             established: HashMap::default(),
@@ -209,7 +268,7 @@ impl Handshaker {
             State::Requesting {
                 request_id,
                 ends,
-                deadline: now + self.timing.connect,
+                deadline: now + self.settings.connect,
                 last_sent: now,
             },
         );
@@ -253,6 +312,7 @@ impl Handshaker {
                 | State::Established {
                     request_id,
                     response: Some(response),
+                    ..
                 },
             ) if *request_id == h.request_id => {
                 out.push(Action::Send {
@@ -262,14 +322,34 @@ impl Handshaker {
                 });
                 return;
             }
-            Some(State::Established { request_id, .. }) => {
-                if h.prev != *request_id {
+            Some(State::Established {
+                candidate: Some(c), ..
+            }) if c.request_id == h.request_id => {
+                out.push(Action::Send {
+                    peer,
+                    to: h.from,
+                    msg: c.response,
+                });
+                return;
+            }
+            Some(State::Established {
+                request_id, proven, ..
+            }) => {
+                if h.prev == *request_id {
+                    Prior::Connected
+                } else if *proven {
                     return;
+                } else {
+                    Prior::Candidate
                 }
-                Prior::Connected
             }
             Some(State::AwaitingReady { .. }) => Prior::Connected,
         };
+        if matches!(prior, Prior::None | Prior::Candidate)
+            && self.half_open() >= self.settings.max_half_open
+        {
+            return;
+        }
         let psns = (self.psn(), self.psn());
         out.push(Action::Accept {
             peer,
@@ -286,10 +366,13 @@ impl Handshaker {
         now: Instant,
         peer: &NetAddr,
         request: &Handshake,
+        prior: Prior,
         result: Result<Ends, String>,
         out: &mut Vec<Action>,
     ) {
         let ends = match result {
+            // A candidate that could not be built leaves the connection as it was.
+            Err(_) if prior == Prior::Candidate => return,
             Ok(ends) => ends,
             Err(why) => {
                 self.peers.remove(peer);
@@ -311,14 +394,31 @@ impl Handshaker {
             mtu: self.mtu,
             prev: 0,
         };
+        if prior == Prior::Candidate {
+            if let Some(State::Established { candidate, .. }) = self.peers.get_mut(peer) {
+                *candidate = Some(Candidate {
+                    request_id: request.request_id,
+                    response,
+                    deadline: now + self.settings.connect,
+                    last_sent: now,
+                });
+                out.push(Action::Send {
+                    peer: peer.clone(),
+                    to: request.from,
+                    msg: response,
+                });
+            }
+            return;
+        }
         self.established.insert(peer.clone(), request.request_id);
         self.peers.insert(
             peer.clone(),
             State::AwaitingReady {
                 request_id: request.request_id,
                 response,
-                deadline: now + self.timing.connect,
+                deadline: now + self.settings.connect,
                 last_sent: now,
+                proven: false,
             },
         );
         out.push(Action::Send {
@@ -345,15 +445,26 @@ impl Handshaker {
                 response: h,
                 local: *ends,
             }),
-            // Our `Ready` was lost (the responder repeats its response): again.
             Some(State::Established {
                 request_id,
-                response: None,
-            }) if *request_id == h.request_id => out.push(Action::Send {
-                peer,
-                to: h.from,
-                msg: self.ready_for(&h),
-            }),
+                answered_by: Some(ends),
+                ..
+            }) if *request_id == h.request_id => {
+                if *ends == ends_of(&h) {
+                    // Our `Ready` was lost (the responder repeats its response): again.
+                    out.push(Action::Send {
+                        peer,
+                        to: h.from,
+                        msg: self.ready_for(&h),
+                    });
+                } else {
+                    self.peers.remove(&peer);
+                    out.push(Action::Fail {
+                        peer,
+                        why: Failure::Rebuilt,
+                    });
+                }
+            }
             _ => {}
         }
     }
@@ -379,6 +490,9 @@ impl Handshaker {
                     State::Established {
                         request_id: response.request_id,
                         response: None,
+                        answered_by: Some(ends_of(response)),
+                        proven: false,
+                        candidate: None,
                     },
                 );
                 // Our QPs can receive now: the responder may send.
@@ -400,19 +514,46 @@ impl Handshaker {
     }
 
     fn on_ready(&mut self, peer: NetAddr, h: &Handshake, out: &mut Vec<Action>) {
+        if let Some(State::Established {
+            candidate: Some(c), ..
+        }) = self.peers.get(&peer)
+        {
+            // A `Ready` echoes the response it confirms: one for an earlier answer to the same
+            // request (a duplicate, delayed) confirms QPs that are gone.
+            if c.request_id == h.request_id && ends_of(h) == ends_of(&c.response) {
+                let c = *c;
+                self.established.insert(peer.clone(), c.request_id);
+                self.peers.insert(
+                    peer.clone(),
+                    State::Established {
+                        request_id: c.request_id,
+                        response: Some(c.response),
+                        answered_by: None,
+                        proven: false,
+                        candidate: None,
+                    },
+                );
+                out.push(Action::Promote { peer });
+            }
+            return;
+        }
         if let Some(State::AwaitingReady {
             request_id,
             response,
+            proven,
             ..
         }) = self.peers.get(&peer)
         {
-            if *request_id == h.request_id {
-                let (request_id, response) = (*request_id, *response);
+            if *request_id == h.request_id && ends_of(h) == ends_of(response) {
+                let (request_id, response, proven) = (*request_id, *response, *proven);
                 self.peers.insert(
                     peer.clone(),
                     State::Established {
                         request_id,
                         response: Some(response),
+                        answered_by: None,
+                        proven,
+                        candidate: None,
                     },
                 );
                 out.push(Action::Ready { peer });
@@ -424,8 +565,43 @@ impl Handshaker {
     /// the next check rather than a whole retry interval later.
     pub(crate) fn unsent(&mut self, now: Instant, peer: &NetAddr) {
         if let Some(State::Requesting { last_sent, .. }) = self.peers.get_mut(peer) {
-            *last_sent = now.checked_sub(self.timing.retry).unwrap_or(now);
+            *last_sent = now.checked_sub(self.settings.retry).unwrap_or(now);
         }
+    }
+
+    /// Traffic flowed on the connection with `peer` (the first completion or arrival on its
+    /// QPs): from now on only a request naming it (`prev`) replaces it.
+    pub(crate) fn proven(&mut self, peer: &NetAddr, out: &mut Vec<Action>) {
+        match self.peers.get_mut(peer) {
+            Some(State::AwaitingReady { proven, .. }) => *proven = true,
+            Some(State::Established {
+                proven, candidate, ..
+            }) => {
+                *proven = true;
+                // The connection is real: whoever asked for the candidate was not its peer.
+                if candidate.take().is_some() {
+                    out.push(Action::DropCandidate { peer: peer.clone() });
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Handshakes waiting for their `Ready` (candidates included).
+    fn half_open(&self) -> usize {
+        self.peers
+            .values()
+            .filter(|s| {
+                matches!(
+                    s,
+                    State::AwaitingReady { .. }
+                        | State::Established {
+                            candidate: Some(_),
+                            ..
+                        }
+                )
+            })
+            .count()
     }
 
     /// The connection with `peer` failed for a reason of the Domain's (a QP error, a stalled
@@ -440,9 +616,15 @@ impl Handshaker {
     ///
     /// [`handle_timeout`]: Self::handle_timeout
     pub(crate) fn pending(&self) -> bool {
-        self.peers
-            .values()
-            .any(|s| !matches!(s, State::Established { .. }))
+        self.peers.values().any(|s| {
+            !matches!(
+                s,
+                State::Established {
+                    candidate: None,
+                    ..
+                }
+            )
+        })
     }
 
     /// When [`handle_timeout`](Self::handle_timeout) next has something to do.
@@ -459,7 +641,16 @@ impl Handshaker {
                     deadline,
                     last_sent,
                     ..
-                } => Some((*deadline).min(*last_sent + self.timing.retry)),
+                }
+                | State::Established {
+                    candidate:
+                        Some(Candidate {
+                            deadline,
+                            last_sent,
+                            ..
+                        }),
+                    ..
+                } => Some((*deadline).min(*last_sent + self.settings.retry)),
                 State::Established { .. } => None,
             })
             .min()
@@ -467,10 +658,27 @@ impl Handshaker {
 
     /// Resends what is due and fails what passed its deadline.
     pub(crate) fn handle_timeout(&mut self, now: Instant, out: &mut Vec<Action>) {
-        let connect_ms = self.timing.connect.as_millis() as u64;
+        let connect_ms = self.settings.connect.as_millis() as u64;
         let mut failed = Vec::new();
         let mut resend = Vec::new();
         for (peer, state) in &mut self.peers {
+            if let State::Established { candidate, .. } = state {
+                let Some(c) = candidate else { continue };
+                if now >= c.deadline {
+                    *candidate = None;
+                    out.push(Action::DropCandidate { peer: peer.clone() });
+                } else if now.duration_since(c.last_sent) >= self.settings.retry {
+                    c.last_sent = now;
+                    if let Ok(to) = VerbsAddr::decode(peer.raw()) {
+                        out.push(Action::Send {
+                            peer: peer.clone(),
+                            to,
+                            msg: c.response,
+                        });
+                    }
+                }
+                continue;
+            }
             let (deadline, last_sent, failure) = match state {
                 State::Requesting {
                     deadline,
@@ -486,7 +694,7 @@ impl Handshaker {
             };
             if now >= *deadline {
                 failed.push((peer.clone(), failure));
-            } else if now.duration_since(*last_sent) >= self.timing.retry {
+            } else if now.duration_since(*last_sent) >= self.settings.retry {
                 *last_sent = now;
                 resend.push(peer.clone());
             }

@@ -28,6 +28,10 @@ pub struct VerbsOptions {
     pub connect_ms: u64,
     /// Handshake retry interval.
     pub retry_ms: u64,
+    /// Most handshakes answered and waiting for the requester's `Ready` at once; a request
+    /// from a new peer beyond that is dropped (a real requester resends it), so a flood of
+    /// forged requests costs at most twice this many QPs.
+    pub max_half_open: usize,
     /// Send queue depth of each RC QP.
     pub send_queue: i32,
     /// Writes of up to this many bytes are posted inline (`IBV_SEND_INLINE`: the bytes travel
@@ -95,6 +99,7 @@ impl Default for VerbsOptions {
             global_routing: "auto".into(),
             connect_ms: 3_000,
             retry_ms: 200,
+            max_half_open: 256,
             send_queue: 1024,
             inline_bytes: 64,
             imm_receives: 4096,

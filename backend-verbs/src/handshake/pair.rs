@@ -18,9 +18,10 @@ use std::collections::{BTreeMap, HashSet};
 use super::*;
 use crate::wire::MSG_LEN;
 
-const TIMING: Timing = Timing {
+const SETTINGS: Settings = Settings {
     retry: Duration::from_millis(200),
     connect: Duration::from_millis(3000),
+    max_half_open: 64,
 };
 
 /// How often the stand-in Domains look for connections whose peer's QPs are gone.
@@ -30,7 +31,11 @@ const SCAN: Duration = Duration::from_millis(10);
 const HORIZON: Duration = Duration::from_secs(120);
 
 /// Schedules that once failed, kept as regression cases: (scenario, seed).
-const REGRESSIONS: &[(Scenario, u64)] = &[];
+/// - Forged 4: a forged request displaced the real peer's candidate, whose request then
+///   got a second answer with other QPs; the requester confirmed it with `Ready` (once
+///   re-sent for the repeated response, once a delayed duplicate of its first `Ready`), and
+///   the responder posted to QPs the requester was not connected to.
+const REGRESSIONS: &[(Scenario, u64)] = &[(Scenario::Forged, 4)];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Scenario {
@@ -46,15 +51,19 @@ enum Scenario {
     RestartSameAddress,
     /// The first `Ready` datagrams are lost on top of the random losses.
     LostReady,
+    /// Before A connects, a forger installs a connection in A's name at B (a forged
+    /// Request + Ready claiming to be A), and keeps forging requests for A.
+    Forged,
 }
 
-const SCENARIOS: [Scenario; 6] = [
+const SCENARIOS: [Scenario; 7] = [
     Scenario::OneWay,
     Scenario::Simultaneous,
     Scenario::Rehandshake,
     Scenario::RestartNewAddress,
     Scenario::RestartSameAddress,
     Scenario::LostReady,
+    Scenario::Forged,
 ];
 
 /// A datagram in flight.
@@ -137,6 +146,8 @@ struct Endpoint {
     addr: NetAddr,
     hs: Handshaker,
     conns: HashMap<NetAddr, Conn>,
+    /// QPs built beside an unproven connection (`Prior::Candidate`), until promoted.
+    candidates: HashMap<NetAddr, Conn>,
     next_qpn: u32,
     /// Peers the application wants a connection with: reconnected after a failure, as the
     /// engine's next transfer would.
@@ -144,8 +155,10 @@ struct Endpoint {
     /// How long this side takes to notice that a peer's QPs are gone (its unreachable_ms).
     notice: Duration,
     failures: Vec<Failure>,
-    /// Live (ready) connections that an accepted request replaced.
+    /// Proven live connections that an accepted request replaced.
     replaced_live: u32,
+    /// Connections that carried traffic (reported to the handshake as proven).
+    proven: HashSet<NetAddr>,
 }
 
 fn verbs_addr(id: u32, incarnation: u32) -> VerbsAddr {
@@ -162,13 +175,15 @@ impl Endpoint {
     fn new(me: VerbsAddr, seed: u64, notice: Duration) -> Self {
         Self {
             addr: NetAddr::new(&me.encode()).unwrap(),
-            hs: Handshaker::new(me, 5, TIMING, seed),
+            hs: Handshaker::new(me, 5, SETTINGS, seed),
             conns: HashMap::default(),
+            candidates: HashMap::default(),
             next_qpn: 0x1000 + (seed as u32 & 0xffff) * 16,
             wants: HashSet::new(),
             notice,
             failures: Vec::new(),
             replaced_live: 0,
+            proven: HashSet::new(),
         }
     }
 
@@ -200,6 +215,8 @@ impl Endpoint {
     /// Fails our connection with `peer` on our side only (a QP error, a stalled queue).
     fn fail(&mut self, peer: &NetAddr) {
         self.conns.remove(peer);
+        self.candidates.remove(peer);
+        self.proven.remove(peer);
         self.hs.forget(peer);
     }
 
@@ -232,13 +249,13 @@ impl Endpoint {
                     psns,
                     prior,
                 } => {
-                    if prior == Prior::Connected && self.conns.get(&peer).is_some_and(|c| c.ready) {
+                    if prior == Prior::Connected && self.proven.contains(&peer) {
                         self.replaced_live += 1;
                     }
                     let qps = match (prior, self.conns.get(&peer)) {
                         (Prior::Requesting, Some(c)) => (c.data_qpn, c.msg_qpn),
                         (Prior::Requesting, None) => panic!("Prior::Requesting without QPs"),
-                        (Prior::None | Prior::Connected, _) => self.new_qps(),
+                        (Prior::None | Prior::Connected | Prior::Candidate, _) => self.new_qps(),
                     };
                     let remote = Ends {
                         data_qpn: request.data_qpn,
@@ -246,24 +263,28 @@ impl Endpoint {
                         msg_qpn: request.msg_qpn,
                         msg_psn: request.msg_psn,
                     };
-                    self.conns.insert(
-                        peer.clone(),
-                        Conn {
-                            data_qpn: qps.0,
-                            msg_qpn: qps.1,
-                            psns: Some(psns),
-                            remote: Some(remote),
-                            ready: false,
-                            broken_since: None,
-                        },
-                    );
+                    let conn = Conn {
+                        data_qpn: qps.0,
+                        msg_qpn: qps.1,
+                        psns: Some(psns),
+                        remote: Some(remote),
+                        ready: false,
+                        broken_since: None,
+                    };
+                    if prior == Prior::Candidate {
+                        self.candidates.insert(peer.clone(), conn);
+                    } else {
+                        self.proven.remove(&peer);
+                        self.conns.insert(peer.clone(), conn);
+                    }
                     let ends = Ends {
                         data_qpn: qps.0,
                         data_psn: psns.0,
                         msg_qpn: qps.1,
                         msg_psn: psns.1,
                     };
-                    self.hs.accepted(now, &peer, &request, Ok(ends), &mut more);
+                    self.hs
+                        .accepted(now, &peer, &request, prior, Ok(ends), &mut more);
                 }
                 Action::Complete {
                     peer,
@@ -294,8 +315,26 @@ impl Endpoint {
                     conn.ready = true;
                     ready.push(peer);
                 }
+                Action::Promote { peer } => {
+                    let mut conn = self
+                        .candidates
+                        .remove(&peer)
+                        .expect("Promote with no candidate");
+                    conn.ready = true;
+                    self.conns.insert(peer.clone(), conn);
+                    self.proven.remove(&peer);
+                    ready.push(peer);
+                }
+                Action::DropCandidate { peer } => {
+                    assert!(
+                        self.candidates.remove(&peer).is_some(),
+                        "DropCandidate with no candidate"
+                    );
+                }
                 Action::Fail { peer, why } => {
                     self.conns.remove(&peer);
+                    self.candidates.remove(&peer);
+                    self.proven.remove(&peer);
                     self.failures.push(why);
                 }
             }
@@ -407,10 +446,16 @@ impl World {
         }
         for (x, e) in self.eps.iter_mut().enumerate() {
             let mut failed = Vec::new();
+            let mut traffic = Vec::new();
             for (peer, conn) in &mut e.conns {
                 let Some(&alive) = alive.get(&(x, peer.clone())) else {
                     continue;
                 };
+                // A ready connection whose peer's QPs are ours carries the application's
+                // traffic: its first completion proves it.
+                if alive && !e.proven.contains(peer) {
+                    traffic.push(peer.clone());
+                }
                 match (alive, conn.broken_since) {
                     (true, _) => conn.broken_since = None,
                     (false, None) => conn.broken_since = Some(now),
@@ -422,6 +467,14 @@ impl World {
             }
             for peer in failed {
                 e.fail(&peer);
+            }
+            for peer in traffic {
+                e.proven.insert(peer.clone());
+                let mut out = Vec::new();
+                e.hs.proven(&peer, &mut out);
+                let mut ready = Vec::new();
+                e.carry_out(now, out, &mut self.net, &mut ready);
+                assert!(ready.is_empty(), "proof made a connection ready");
             }
         }
     }
@@ -611,7 +664,50 @@ fn schedule(scenario: Scenario, seed: u64, peers: usize) -> World {
         last_scan: None,
     };
     world.reindex();
+    if scenario == Scenario::Forged {
+        forge(&mut world, &mut rng);
+    }
     world
+}
+
+/// A forger at B (endpoint 0) in A's (endpoint 1's) name: a Request + Ready before A starts,
+/// then a request every 100 ms for 3 s, none naming a connection.
+fn forge(world: &mut World, rng: &mut fastrand::Rng) {
+    let (b, a) = (world.eps[0].addr.clone(), &world.eps[1]);
+    let victim = VerbsAddr::decode(a.addr.raw()).unwrap();
+    let request = |request_id| Handshake {
+        kind: Kind::Request,
+        request_id,
+        prev: 0,
+        from: victim,
+        data_qpn: 0xdead,
+        data_psn: 1,
+        msg_qpn: 0xdeae,
+        msg_psn: 2,
+        mtu: 5,
+    };
+    let mut put = |at: Instant, msg: Handshake| {
+        world.net.seq += 1;
+        world.net.in_flight.insert(
+            (at, world.net.seq),
+            Datagram {
+                to: b.clone(),
+                bytes: msg.encode(),
+            },
+        );
+    };
+    let t0 = world.now;
+    put(t0, request(0xf00d));
+    put(
+        t0 + Duration::from_micros(1),
+        Handshake {
+            kind: Kind::Ready,
+            ..request(0xf00d)
+        },
+    );
+    for k in 1..=30u32 {
+        put(t0 + Duration::from_millis(100) * k, request(rng.u64(1..)));
+    }
 }
 
 /// Runs one schedule; on success, how many datagrams it sent and handshakes that failed
@@ -744,6 +840,15 @@ mod rules {
         )
     }
 
+    /// The `Ready` the requester of `request` sends for `response`.
+    fn ready_for(response: &Handshake, request: &Handshake) -> Handshake {
+        Handshake {
+            kind: Kind::Ready,
+            from: request.from,
+            ..*response
+        }
+    }
+
     fn sent(actions: &[Action]) -> Vec<Handshake> {
         actions
             .iter()
@@ -786,15 +891,16 @@ mod rules {
             msg_psn: 4,
         };
         out.clear();
-        b.hs.accepted(now, &a.addr, &request, Ok(ends), &mut out);
-        let ready = Handshake {
-            kind: Kind::Ready,
-            ..request
-        };
+        b.hs.accepted(now, &a.addr, &request, Prior::None, Ok(ends), &mut out);
+        let ready = ready_for(&sent(&out)[0], &request);
         out.clear();
         b.hs.handle_datagram(&ready.encode(), &mut out);
         assert!(matches!(out[..], [Action::Ready { .. }]));
         assert!(b.hs.is_established(&a.addr));
+        // Traffic flowed: the connection is proven.
+        out.clear();
+        b.hs.proven(&a.addr, &mut out);
+        assert!(out.is_empty());
         // A forged or stale request (prev 0, another id) changes nothing.
         let forged = Handshake {
             request_id: 99,
@@ -822,11 +928,214 @@ mod rules {
         let (_, mut c) = pair();
         c.hs.handle_datagram(&request.encode(), &mut again);
         again.clear();
-        c.hs.accepted(now, &a.addr, &request, Ok(ends), &mut again);
+        c.hs.accepted(now, &a.addr, &request, Prior::None, Ok(ends), &mut again);
         let first = sent(&again);
         again.clear();
         c.hs.handle_datagram(&request.encode(), &mut again);
         assert_eq!(sent(&again), first);
+    }
+
+    /// Issue 25: a forged Request + Ready claiming to be X install a connection for X that
+    /// nothing ever used; X's real request (which cannot name it) must still get through.
+    #[test]
+    fn a_forged_connection_never_locks_the_real_peer_out() {
+        let (x, mut b) = pair();
+        let now = Instant::now();
+        let forged = Handshake {
+            kind: Kind::Request,
+            request_id: 666,
+            prev: 0,
+            from: verbs_addr(1, 0),
+            data_qpn: 7,
+            data_psn: 7,
+            msg_qpn: 8,
+            msg_psn: 8,
+            mtu: 5,
+        };
+        let mut out = Vec::new();
+        b.hs.handle_datagram(&forged.encode(), &mut out);
+        let ends = Ends {
+            data_qpn: 9,
+            data_psn: 3,
+            msg_qpn: 10,
+            msg_psn: 4,
+        };
+        out.clear();
+        b.hs.accepted(now, &x.addr, &forged, Prior::None, Ok(ends), &mut out);
+        // An on-path forger, who saw B's response (an off-path one cannot echo its random
+        // PSNs, and its Ready is ignored).
+        let forged_ready = ready_for(&sent(&out)[0], &forged);
+        out.clear();
+        let blind = Handshake {
+            kind: Kind::Ready,
+            ..forged
+        };
+        b.hs.handle_datagram(&blind.encode(), &mut out);
+        assert!(out.is_empty() && !b.hs.is_established(&x.addr));
+        b.hs.handle_datagram(&forged_ready.encode(), &mut out);
+        assert!(b.hs.is_established(&x.addr));
+        // X itself, knowing nothing of it, asks with prev = 0: a candidate is built beside
+        // the forged connection, which keeps its place until the candidate is confirmed.
+        let real = Handshake {
+            request_id: 42,
+            data_qpn: 100,
+            msg_qpn: 101,
+            ..forged
+        };
+        out.clear();
+        b.hs.handle_datagram(&real.encode(), &mut out);
+        assert!(
+            matches!(
+                out[..],
+                [Action::Accept {
+                    prior: Prior::Candidate,
+                    ..
+                }]
+            ),
+            "the real peer is locked out: {out:?}"
+        );
+        let cand = Ends {
+            data_qpn: 19,
+            data_psn: 5,
+            msg_qpn: 20,
+            msg_psn: 6,
+        };
+        out.clear();
+        b.hs.accepted(now, &x.addr, &real, Prior::Candidate, Ok(cand), &mut out);
+        assert!(matches!(&sent(&out)[..], [r] if r.kind == Kind::Response && r.request_id == 42));
+        let real_ready = ready_for(&sent(&out)[0], &real);
+        assert!(b.hs.is_established(&x.addr) && b.hs.request_id(&x.addr) == Some(666));
+        // X completes: its Ready promotes the candidate.
+        out.clear();
+        b.hs.handle_datagram(&real_ready.encode(), &mut out);
+        assert!(matches!(out[..], [Action::Promote { .. }]), "{out:?}");
+        assert_eq!(b.hs.request_id(&x.addr), Some(42));
+        // Requests alone (no Ready) against an unproven connection build a candidate that is
+        // dropped at its deadline; the connection is untouched.
+        out.clear();
+        b.hs.handle_datagram(
+            &Handshake {
+                request_id: 7,
+                ..forged
+            }
+            .encode(),
+            &mut out,
+        );
+        assert!(matches!(
+            out[..],
+            [Action::Accept {
+                prior: Prior::Candidate,
+                ..
+            }]
+        ));
+        let forged7 = Handshake {
+            request_id: 7,
+            ..forged
+        };
+        out.clear();
+        b.hs.accepted(now, &x.addr, &forged7, Prior::Candidate, Ok(ends), &mut out);
+        out.clear();
+        b.hs.handle_timeout(now + SETTINGS.connect, &mut out);
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, Action::DropCandidate { .. }))
+                && !out.iter().any(|a| matches!(a, Action::Fail { .. })),
+            "{out:?}"
+        );
+        assert_eq!(b.hs.request_id(&x.addr), Some(42));
+        // Once the connection carried traffic it is proven, and only a request naming it
+        // replaces it.
+        out.clear();
+        b.hs.proven(&x.addr, &mut out);
+        b.hs.handle_datagram(
+            &Handshake {
+                request_id: 43,
+                ..forged
+            }
+            .encode(),
+            &mut out,
+        );
+        assert!(
+            out.is_empty(),
+            "a proven connection was challenged: {out:?}"
+        );
+        b.hs.handle_datagram(
+            &Handshake {
+                request_id: 44,
+                prev: 42,
+                ..forged
+            }
+            .encode(),
+            &mut out,
+        );
+        assert!(matches!(
+            out[..],
+            [Action::Accept {
+                prior: Prior::Connected,
+                ..
+            }]
+        ));
+    }
+
+    /// Issue 25: a flood of requests from forged sources gets at most `max_half_open`
+    /// connections built (two QPs each), however long it lasts; a real peer that asks after
+    /// the flood's handshakes expired gets through.
+    #[test]
+    fn a_flood_of_forged_sources_builds_a_bounded_number_of_connections() {
+        let (x, mut b) = pair();
+        let now = Instant::now();
+        let mut accepts = 0;
+        for i in 0..10_000u32 {
+            let mut out = Vec::new();
+            let request = Handshake {
+                kind: Kind::Request,
+                request_id: u64::from(i) + 1,
+                prev: 0,
+                from: verbs_addr(1000 + i, 0),
+                data_qpn: i,
+                data_psn: 0,
+                msg_qpn: i,
+                msg_psn: 0,
+                mtu: 5,
+            };
+            b.hs.handle_datagram(&request.encode(), &mut out);
+            for a in out {
+                if let Action::Accept {
+                    peer,
+                    request,
+                    prior,
+                    ..
+                } = a
+                {
+                    accepts += 1;
+                    let mut more = Vec::new();
+                    let ends = Ends {
+                        data_qpn: i,
+                        data_psn: 0,
+                        msg_qpn: i,
+                        msg_psn: 0,
+                    };
+                    b.hs.accepted(now, &peer, &request, prior, Ok(ends), &mut more);
+                }
+            }
+        }
+        assert_eq!(accepts, SETTINGS.max_half_open);
+        // The flood's handshakes expire; a real request is answered.
+        let mut out = Vec::new();
+        b.hs.handle_timeout(now + SETTINGS.connect, &mut out);
+        assert_eq!(
+            out.iter()
+                .filter(|a| matches!(a, Action::Fail { .. }))
+                .count(),
+            SETTINGS.max_half_open
+        );
+        let mut out = Vec::new();
+        let mut ours = Vec::new();
+        let (mut a, _) = pair();
+        a.hs.connect(now, &b.addr, (1, 2), &mut ours).unwrap();
+        b.hs.handle_datagram(&sent(&ours)[0].encode(), &mut out);
+        assert!(matches!(out[..], [Action::Accept { .. }]), "{out:?}");
+        let _ = x;
     }
 
     #[test]
@@ -861,10 +1170,10 @@ mod rules {
         let mut out = Vec::new();
         a.hs.connect(now, &b.addr, (1, 2), &mut out).unwrap();
         out.clear();
-        a.hs.handle_timeout(now + TIMING.retry, &mut out);
+        a.hs.handle_timeout(now + SETTINGS.retry, &mut out);
         assert_eq!(sent(&out).len(), 1, "resent after retry");
         out.clear();
-        a.hs.handle_timeout(now + TIMING.connect, &mut out);
+        a.hs.handle_timeout(now + SETTINGS.connect, &mut out);
         assert!(matches!(
             &out[..],
             [Action::Fail {
