@@ -281,6 +281,36 @@ fn submissions_past_the_limit_are_busy_and_capacity_comes_back() {
     done.wait_for(5, WAIT).unwrap();
 }
 
+/// 6b. Capacity comes back before completion is visible: whoever sees an operation done
+/// (here a flag's waker, which runs on the worker the moment the flag is set) can submit
+/// again at the limit without a spurious `Busy`. (Under AddressSanitizer the test above once
+/// saw `outstanding() == 1` right after its counter reached 4.)
+#[test]
+fn an_operation_seen_done_no_longer_counts_against_the_limit() {
+    let config = mock_config(1, "[worker]\nmax_outstanding = 1\n");
+    let (a, b) = (open(&config), open(&config));
+    let src = buffer(&a, 64, pattern(1));
+    let dst = buffer(&b, 64, |_| 0);
+    let (tx, seen) = std::sync::mpsc::channel();
+    let tx = Mutex::new(tx);
+    let weak = Arc::downgrade(&a);
+    let flag = DoneFlag::with_waker(move || {
+        if let Some(engine) = weak.upgrade() {
+            let _ = tx.lock().unwrap().send(engine.outstanding());
+        }
+    });
+    a.submit_single_write(8, None, (src.mr(), 0), (dst.desc(), 0), flag.clone())
+        .unwrap();
+    flag.wait(WAIT).unwrap();
+    let outstanding = seen.recv_timeout(WAIT).unwrap();
+    assert_eq!(outstanding, 0, "still counted when seen done");
+    // And at the limit, a submit right after the wait is accepted.
+    let again = DoneFlag::new();
+    a.submit_single_write(8, None, (src.mr(), 0), (dst.desc(), 0), again.clone())
+        .unwrap();
+    again.wait(WAIT).unwrap();
+}
+
 /// 7. A Config built in code is validated on open, with typed errors.
 #[test]
 fn open_validates_a_config_built_in_code() {

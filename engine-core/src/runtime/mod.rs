@@ -8,8 +8,9 @@
 //! ```
 //! Neither queue blocks a producer, so a callback that submits new work can never deadlock
 //! against a full queue: no cycle of bounded queues exists. What bounds them is
-//! `worker.max_outstanding`: a transfer or send is counted from its acceptance until its
-//! `OnDone` fires, and past the limit `submit_*` returns `Error::Busy` instead of queueing.
+//! `worker.max_outstanding`: a transfer or send is counted from its acceptance until just
+//! before its `OnDone` fires (so whoever sees it done may submit again at once), and past the
+//! limit `submit_*` returns `Error::Busy` instead of queueing.
 
 mod callbacks;
 pub(crate) mod completion;

@@ -736,11 +736,12 @@ impl Worker {
 
     /// Hands finished transfers and met expectations to their waiters.
     fn deliver(&mut self) {
-        let transfers = self.finished.len();
+        // Capacity first: whoever sees one of these done (a flag or counter is set right
+        // here) may submit again at the limit at once, and must not be told Busy.
+        self.shared.finished(self.finished.len());
         for (on_done, result) in self.finished.drain(..) {
             on_done.complete_batched(result, &mut self.callbacks);
         }
-        self.shared.finished(transfers);
         let timeout = self.shared.config.timeouts.expect();
         for outcome in self.imm_outcomes.drain(..) {
             match outcome {
