@@ -20,6 +20,8 @@ pub struct MockDomain {
     options: MockOptions,
     rng: fastrand::Rng,
     posted: u64,
+    /// The post that panicked (`panic_on_post`), after which nothing may be posted.
+    panicked_in: Option<u64>,
 }
 
 impl MockDomain {
@@ -35,6 +37,7 @@ impl MockDomain {
             options,
             rng,
             posted: 0,
+            panicked_in: None,
         })
     }
 
@@ -55,6 +58,7 @@ impl MockDomain {
         let n = self.posted;
         let o = &self.options;
         if n == o.panic_on_post {
+            self.panicked_in = Some(n);
             panic!(
                 "mock NIC {}: injected panic in post {n} (panic_on_post)",
                 self.nic.addr
@@ -92,6 +96,16 @@ impl MockDomain {
     }
 
     fn accept(&mut self, op: Op) -> Result<PostStatus, DomainError> {
+        if let Some(n) = self.panicked_in {
+            // A Domain is not used again after a fatal error: make it visible if it is.
+            return Err(DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                format!(
+                    "mock NIC {}: posted to after its fatal error (the panic in post {n})",
+                    self.nic.addr
+                ),
+            ));
+        }
         self.check_alive()?;
         self.check_declared(&op)?;
         let epoch = {

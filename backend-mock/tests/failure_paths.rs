@@ -311,6 +311,39 @@ fn an_operation_seen_done_no_longer_counts_against_the_limit() {
     again.wait(WAIT).unwrap();
 }
 
+/// Issue 25 §7: a backend that panics while the engine's shutdown is already queued behind
+/// the panicking work must not hang the engine's drop (the failed worker used to swallow that
+/// shutdown while failing everything, then wait for another that never came). The worker is
+/// held in a slow registration while a write that panics on post and the shutdown queue up
+/// behind it.
+#[test]
+fn a_backend_panic_with_the_shutdown_queued_behind_it_does_not_hang_the_drop() {
+    let config = mock_config(
+        2,
+        "[timeouts]\ncontrol_ms = 50\n[backends.mock]\npanic_on_post = 1\nregister_delay_us = 500000\n",
+    );
+    let a = open(&config);
+    let b = open(&mock_config(2, ""));
+    let mut memory = vec![0u8; 64];
+    // SAFETY: `memory` outlives the engine (dropped below, before it).
+    let slow = unsafe { a.reg_mr(memory.as_mut_ptr(), memory.len(), Device::Host) };
+    assert!(matches!(slow, Err(Error::Timeout(_))), "{slow:?}");
+    // The worker is still inside the registration: the send (whose post panics) and the
+    // shutdown queue behind it.
+    let done = DoneFlag::new();
+    a.submit_send(&b.main_address(), b"x", done.clone())
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(a);
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(Duration::from_secs(30))
+        .expect("dropping the engine hung after its backend panicked");
+    assert!(done.is_done());
+    drop(memory);
+}
+
 /// 7. A Config built in code is validated on open, with typed errors.
 #[test]
 fn open_validates_a_config_built_in_code() {

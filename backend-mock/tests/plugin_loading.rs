@@ -186,6 +186,48 @@ fn a_panicking_plugin_fails_its_engine_with_the_panic_text() {
     );
 }
 
+/// Issue 25 §7: after a plugin's post failed fatally (a panic its shim contained), the
+/// engine posts nothing more to it — not the rest of the batch, not what was queued. The
+/// worker is held in a slow registration so that twenty sends reach it in one batch; with a
+/// send queue one deep the first is posted and the rest wait, and the second post panics
+/// when the queue is flushed. The mock fails any post after its panic with "after its fatal
+/// error".
+#[test]
+fn a_plugin_is_not_used_again_after_a_fatal_error() {
+    let mut faulty = common::mock_config(
+        1,
+        "[timeouts]\ncontrol_ms = 50\n[backends.mock]\npanic_on_post = 2\nqueue_depth = 1\ndelay_us = 1000\nregister_delay_us = 300000\n",
+    );
+    faulty.plugin = Some(common::built_library("backend_mock"));
+    let mut plain = common::mock_config(1, "");
+    plain.plugin = Some(common::built_library("backend_mock"));
+    let a = std::sync::Arc::new(TransferEngine::open(&faulty).unwrap());
+    let b = std::sync::Arc::new(TransferEngine::open(&plain).unwrap());
+    b.submit_recvs(64, 64, |_| {}).unwrap();
+    let mut memory = vec![0u8; 64];
+    // SAFETY: `memory` outlives the engine (dropped below, before it).
+    let slow = unsafe { a.reg_mr(memory.as_mut_ptr(), memory.len(), engine_core::Device::Host) };
+    assert!(matches!(slow, Err(Error::Timeout(_))), "{slow:?}");
+    let flags: Vec<_> = (0..20)
+        .map(|_| {
+            let f = engine_core::DoneFlag::new();
+            a.submit_send(&b.main_address(), b"x", f.clone())
+                .map(|()| f)
+        })
+        .collect();
+    for f in flags.into_iter().flatten() {
+        let r = f.wait(std::time::Duration::from_secs(20));
+        if let Err(e) = r {
+            assert!(
+                !e.to_string().contains("after its fatal error"),
+                "the engine posted to a Domain after its fatal error: {e}"
+            );
+        }
+    }
+    drop(a);
+    drop(memory);
+}
+
 /// ABI 3: a plugin's declared capabilities cross the boundary, and the engine refuses what
 /// they rule out — before posting, with the backend named — instead of letting the NIC fail
 /// it (the mock fails its whole Domain if the engine ever posts such a request).

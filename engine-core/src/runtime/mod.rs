@@ -253,3 +253,65 @@ impl Shared {
         self.imm.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
+
+/// Whatever is still queued when the last holder lets go was pushed after the worker
+/// stopped (a holder of `Shared` — a receive handler's repost, a binding's close — raced the
+/// shutdown between its `closed` check and its push): it is refused here, so every accepted
+/// operation still completes exactly once, with `Shutdown`.
+impl Drop for Shared {
+    fn drop(&mut self) {
+        while let Some(cmd) = self.queue.pop() {
+            match cmd {
+                Command::Writes { on_done, .. } | Command::Send { on_done, .. } => {
+                    on_done.complete(Err(Error::Shutdown), &self.jobs);
+                }
+                Command::Register { reply, .. } => {
+                    let _ = reply.send(Err(Error::Shutdown));
+                }
+                Command::Deregister { reply, .. } => {
+                    let _ = reply.send(Ok(()));
+                }
+                Command::PostRecvs { reply, .. } => {
+                    if let Some(reply) = reply {
+                        let _ = reply.send(Err(Error::Shutdown));
+                    }
+                }
+                Command::Shutdown => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::completion::DoneFlag;
+
+    /// Issue 25 §7: a command pushed after the worker drained the queue and stopped (the
+    /// window between a submitter's `closed` check and its push) still completes, once.
+    #[test]
+    fn a_command_stranded_after_the_worker_stopped_completes_with_shutdown() {
+        let (jobs, _rx) = crossbeam_channel::unbounded();
+        let shared = Shared::new(Config::default(), "mock".into(), jobs);
+        let flag = DoneFlag::new();
+        let (reply, replies) = crossbeam_channel::unbounded();
+        // As if the submitter passed the `closed` check, and the worker then stopped.
+        shared.queue.push(Command::Writes {
+            ops: Vec::new(),
+            on_done: OnDone::Flag(Arc::clone(&flag)),
+        });
+        shared.queue.push(Command::Register {
+            region: MemoryRegion {
+                ptr: 0,
+                len: 0,
+                device: crate::domain::Device::Host,
+                remote_write: false,
+                remote_read: false,
+            },
+            reply,
+        });
+        drop(shared);
+        assert!(matches!(flag.result(), Some(Err(Error::Shutdown))));
+        assert!(matches!(replies.try_recv(), Ok(Err(Error::Shutdown))));
+    }
+}

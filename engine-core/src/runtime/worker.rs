@@ -509,6 +509,13 @@ impl Worker {
     /// Posts now if the NIC has room and nothing for that peer is queued ahead; queues
     /// otherwise (per NIC and peer, so one stalled peer holds up only its own work).
     fn post(&mut self, nic: usize, id: u64, work: Pending) {
+        if let Some(why) = &self.fatal {
+            // A Domain failed for good earlier in this pass: none is used again (the worker
+            // fails everything once the pass ends).
+            let e = DomainError::new(DomainErrorKind::Fatal, why.clone());
+            self.fail_request(id, e);
+            return;
+        }
         let key = (nic, work.peer().clone());
         if !self.pending.contains_key(&key) {
             match self.try_post(nic, id, &work) {
@@ -576,6 +583,12 @@ impl Worker {
         let mut queues = std::mem::take(&mut self.pending);
         for (&(nic, _), queue) in queues.iter_mut() {
             while let Some((id, work)) = queue.pop_front() {
+                if self.fatal.is_some() {
+                    // Not posted to a Domain after a fatal error; failed with everything else
+                    // when the pass ends.
+                    queue.push_front((id, work));
+                    break;
+                }
                 if !self.tracker.is_live(id) {
                     moved = true; // its transfer already ended (timed out); drop it
                     continue;
@@ -781,7 +794,8 @@ impl Worker {
 
     /// Fails everything the worker holds with `error`: transfers in flight or parked, and
     /// commands still queued. Deregistrations succeed: the Domains are closed already.
-    fn fail_everything(&mut self, error: &Error) {
+    /// Returns whether a queued shutdown was among them (the engine is being dropped).
+    fn fail_everything(&mut self, error: &Error) -> bool {
         self.pending.clear();
         for w in self.tracker.drain() {
             self.finished.push((w, Err(error.clone())));
@@ -790,13 +804,16 @@ impl Worker {
         for w in waiting {
             w.complete_batched(Err(error.clone()), &mut self.callbacks);
         }
+        let mut shutdown = false;
         while let Some(cmd) = self.shared.queue.pop() {
-            self.refuse(cmd, error);
+            shutdown |= self.refuse(cmd, error);
         }
         self.deliver();
+        shutdown
     }
 
-    fn refuse(&mut self, cmd: Command, error: &Error) {
+    /// Fails `cmd` with `error`; true if it was the shutdown.
+    fn refuse(&mut self, cmd: Command, error: &Error) -> bool {
         match cmd {
             Command::Writes { on_done, .. } | Command::Send { on_done, .. } => {
                 self.finished.push((on_done, Err(error.clone())));
@@ -812,8 +829,9 @@ impl Worker {
                     let _ = reply.send(Err(error.clone()));
                 }
             }
-            Command::Shutdown => {}
+            Command::Shutdown => return true,
         }
+        false
     }
 
     /// The engine is being dropped: Domains close first (on the thread that opened them), and
@@ -830,7 +848,11 @@ impl Worker {
         let error = Error::WorkerFailed(why.clone());
         // Set before draining expectations: `expect_imm_count` checks it under the same lock.
         let _ = self.shared.failed.set(why);
-        self.fail_everything(&error);
+        // The engine's shutdown may already be queued (dropped while this thread panicked):
+        // then that was the last command, and waiting for another would hang the drop.
+        if self.fail_everything(&error) {
+            return;
+        }
         // Serve the queue until the engine is dropped: whatever still arrives is refused.
         loop {
             while let Some(cmd) = self.shared.queue.pop() {
