@@ -97,6 +97,14 @@ pub fn decode(key: &str, value: &[u8]) -> Result<Record, Error> {
         return Err(bad(format!("{} trailing bytes", rest.len())));
     }
     check_name("peer", &wire.name).map_err(|e| bad(e.to_string()))?;
+    // A record is published under its own name: one stored under another's key (a mistake,
+    // or a peer posing as another in listings) is refused.
+    if key.rsplit('/').next() != Some(wire.name.as_str()) {
+        return Err(bad(format!(
+            "the record names peer {:?}, not the one its key names",
+            wire.name
+        )));
+    }
     if wire.regions.len() > MAX_REGIONS {
         return Err(bad(format!(
             "{} regions (at most {MAX_REGIONS})",
@@ -140,7 +148,7 @@ mod tests {
     #[test]
     fn records_round_trip() {
         let r = record();
-        assert_eq!(decode("k", &encode(&r)).unwrap(), r);
+        assert_eq!(decode("/xfer/peers/prefill-3", &encode(&r)).unwrap(), r);
         assert!(r.region("kv-cache").is_some() && r.region("other").is_none());
     }
 
@@ -161,6 +169,17 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("trailing"));
+    }
+
+    /// Issue 25: a record named `prefill-3` stored under another name's key would list as a
+    /// second `prefill-3`; its name must be its key's.
+    #[test]
+    fn a_record_under_another_names_key_is_refused() {
+        let e = decode("/xfer/peers/evil", &encode(&record())).unwrap_err();
+        assert!(
+            matches!(&e, Error::BadRecord { key, why } if key == "/xfer/peers/evil" && why.contains("prefill-3")),
+            "{e}"
+        );
     }
 
     #[test]

@@ -495,3 +495,88 @@ fn a_service_that_never_comes_up_fails_after_the_wait() {
     }
     assert!(e.to_string().contains(&url), "{e}");
 }
+
+fn open_descriptors() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// Issue 25: every connection used to leak one descriptor in the service (a clone kept until
+/// `peer_addr()` failed, which a half-closed socket never does), until `accept` hit EMFILE.
+#[test]
+fn connect_and_close_cycles_leave_the_descriptor_count_flat() {
+    let server = Server::start("127.0.0.1:0").unwrap();
+    let url = server.url();
+    // Warm up (threads, the first client's allocations).
+    drop(Rendezvous::connect(&url).unwrap().list().unwrap());
+    let before = open_descriptors();
+    for _ in 0..300 {
+        let r = Rendezvous::connect(&url).unwrap();
+        r.list().unwrap();
+    }
+    wait_for("the service to close the 300 connections", || {
+        open_descriptors() <= before + 8
+    });
+    assert_eq!(server.connections(), 0);
+}
+
+/// Issue 25: connections are capped, and idle ones are shed: 1,000 clients that connect and
+/// say nothing never hold more than the cap, are closed after the idle time, and a real
+/// client is served afterwards.
+#[test]
+fn idle_connections_stay_within_the_cap_and_are_shed() {
+    use xfer_rendezvous::embedded::Limits;
+    let limits = Limits {
+        max_connections: 64,
+        idle: Duration::from_millis(1500),
+        ..Limits::default()
+    };
+    let server = Server::start_with("127.0.0.1:0", limits).unwrap();
+    let mut idle = Vec::new();
+    for _ in 0..1000 {
+        if let Ok(s) = std::net::TcpStream::connect(server.addr()) {
+            idle.push(s);
+        }
+        assert!(
+            server.connections() <= 64,
+            "{} served",
+            server.connections()
+        );
+    }
+    wait_for("the idle connections to be shed", || {
+        server.connections() == 0
+    });
+    drop(idle);
+    let r = Rendezvous::connect_within(&server.url(), WAIT).unwrap();
+    let _p = r.publish("after-the-flood", &addr(1), &[], TTL).unwrap();
+    assert_eq!(r.lookup("after-the-flood", WAIT).unwrap().addr, addr(1));
+}
+
+/// Issue 25: a request split across the service's read timeout (a slow or stalled client)
+/// is still read whole; the stream never loses its framing.
+#[test]
+fn a_request_split_across_a_read_timeout_keeps_its_framing() {
+    use std::io::{Read, Write};
+    let server = Server::start("127.0.0.1:0").unwrap();
+    let r = Rendezvous::connect(&server.url()).unwrap();
+    let _p = r.publish("split", &addr(4), &[], TTL).unwrap();
+    let frame = xfer_rendezvous::embedded::request_frame_for_tests("/xfer/peers/split");
+    let mut s = std::net::TcpStream::connect(server.addr()).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    let (head, tail) = frame.split_at(frame.len() / 2);
+    s.write_all(head).unwrap();
+    // Longer than the service's own read timeout (500 ms): it must keep what it has.
+    std::thread::sleep(Duration::from_millis(1200));
+    s.write_all(tail).unwrap();
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).unwrap();
+    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+    s.read_exact(&mut body).unwrap();
+    let value = xfer_rendezvous::embedded::value_of_response_for_tests(&body)
+        .expect("an answer to the split request");
+    assert_eq!(
+        xfer_rendezvous::record::decode("/xfer/peers/split", &value)
+            .unwrap()
+            .addr,
+        addr(4)
+    );
+}
