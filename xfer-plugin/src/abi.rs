@@ -11,9 +11,10 @@
 //!
 //! **The table only grows.** Entries are appended, never moved or changed, and each version's
 //! table is a prefix of the next. The engine accepts any version from [`MIN_ABI_VERSION`] to
-//! [`ABI_VERSION`] and reads only the `table_size` bytes the plugin declares: entries past them
-//! are absent (`None`), and the engine refuses what needs them with a typed error naming the
-//! plugin. A plugin newer than the engine is refused with both versions named. Version 2
+//! [`ABI_VERSION`]; the declared version decides which entries exist: the engine reads exactly
+//! that version's table ([`table_size_of`]) and refuses a `table_size` smaller than it. Entries
+//! of later versions are absent (`None`), and the engine refuses what needs them with a typed
+//! error naming the plugin. A plugin newer than the engine is refused with both versions named. Version 2
 //! appended [`post_read`](PluginTable::post_read) (RDMA READ) and the `remote_read` flag at the
 //! end of [`RawRegion`] (which version-1 plugins never read, so a region they register is never
 //! remotely readable). Version 3 appended [`capabilities`](PluginTable::capabilities) (limits
@@ -43,6 +44,21 @@ pub const MIN_ABI_VERSION: u32 = 1;
 pub const V1_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, post_read) as u32;
 /// Size of a version-2 table: everything before [`PluginTable::capabilities`].
 pub const V2_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, capabilities) as u32;
+/// Size of a version-3 table: the whole [`PluginTable`].
+pub const V3_TABLE_SIZE: u32 = std::mem::size_of::<PluginTable>() as u32;
+
+/// The size of a table of ABI `version` (each version appends entries), or `None` for a
+/// version this crate does not know. The engine reads exactly this many bytes of a plugin's
+/// table: the declared version decides which entries exist, and the declared `table_size`
+/// must cover them.
+pub const fn table_size_of(version: u32) -> Option<u32> {
+    match version {
+        1 => Some(V1_TABLE_SIZE),
+        2 => Some(V2_TABLE_SIZE),
+        3 => Some(V3_TABLE_SIZE),
+        _ => None,
+    }
+}
 /// The generic entry symbol, `extern "C" fn() -> *const PluginTable`, looked up when the
 /// per-backend one ([`entry_symbol`]) is absent.
 pub const ENTRY_SYMBOL: &str = "xfer_plugin_entry";

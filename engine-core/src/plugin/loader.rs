@@ -10,6 +10,7 @@ use super::abi::{
     EVENT_DONE, EVENT_FAILED, EVENT_IMM, EVENT_MESSAGE, MIN_ABI_VERSION, OPTIONS_FLAT,
     OPTIONS_TOML, STATUS_BUSY, STATUS_OK, V1_TABLE_SIZE,
 };
+use super::abi::{table_size_of, V2_TABLE_SIZE, V3_TABLE_SIZE};
 use crate::domain::{
     BackendRegistration, Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind,
     Event, MemoryRegion, PostStatus, ReadRequest, Registration, Waker, WriteRequest,
@@ -52,8 +53,9 @@ pub enum PluginError {
         /// The loader's message.
         message: String,
     },
-    /// The plugin was built against another ABI version.
-    #[error("plugin {path} has ABI version {found} (table of {table_size} bytes); this engine loads ABI versions {MIN_ABI_VERSION} to {expected} (tables of {V1_TABLE_SIZE} to {expected_size} bytes)")]
+    /// The plugin was built against another ABI version, or its table is smaller than its
+    /// version's.
+    #[error("plugin {path} has ABI version {found} with a table of {table_size} bytes; this engine loads ABI versions {MIN_ABI_VERSION} to {expected}, each with at least its version's table (version 1: {V1_TABLE_SIZE} bytes, 2: {V2_TABLE_SIZE}, 3: {V3_TABLE_SIZE})")]
     AbiMismatch {
         /// The library.
         path: PathBuf,
@@ -194,16 +196,51 @@ pub struct LoadedPlugin {
     _library: std::mem::ManuallyDrop<libloading::Library>,
 }
 
-/// Copies the first `size` bytes of a plugin's table (at least a version-1 table) into a table
-/// of this engine's layout whose later entries stay absent, after checking that every entry a
-/// version-1 table must have is non-null (a null function pointer would be undefined behaviour
-/// the moment it is read as one). Returns the name of the first null entry otherwise.
+/// Why a plugin's table is refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum TableRefusal {
+    /// A version this engine does not load, or a table smaller than its version's.
+    Version { found: u32, table_size: u32 },
+    /// A required entry is null.
+    Null(&'static str),
+}
+
+/// Checks a plugin's table header and copies the table: exactly the entries of its declared
+/// version (the version decides what exists; the declared size must cover them, and bytes
+/// past them are never read — a version-1 table declaring more is read as version 1, and a
+/// size ending inside a pointer cannot copy half of one).
+///
+/// # Safety
+/// `table_ptr` is non-null and points at a table whose header is readable, and which has at
+/// least the `table_size` readable bytes its header declares.
+unsafe fn checked_table(table_ptr: *const PluginTable) -> Result<PluginTable, TableRefusal> {
+    // SAFETY: the caller guarantees the header is readable; every version starts with it.
+    let header = unsafe { *(table_ptr as *const PluginHeader) };
+    let refused = TableRefusal::Version {
+        found: header.abi_version,
+        table_size: header.table_size,
+    };
+    let size = match table_size_of(header.abi_version) {
+        Some(size) if (MIN_ABI_VERSION..=ABI_VERSION).contains(&header.abi_version) => size,
+        _ => return Err(refused),
+    };
+    if header.table_size < size {
+        return Err(refused);
+    }
+    copy_table(table_ptr, size).map_err(TableRefusal::Null)
+}
+
+/// Copies the first `size` bytes of a plugin's table (a whole table of its version) into a
+/// table of this engine's layout whose later entries stay absent, after checking that every
+/// entry a version-1 table must have is non-null (a null function pointer would be undefined
+/// behaviour the moment it is read as one). Returns the name of the first null entry
+/// otherwise.
 fn copy_table(table: *const PluginTable, size: u32) -> Result<PluginTable, &'static str> {
     use std::mem::{offset_of, size_of, MaybeUninit};
     let n = (size as usize).min(size_of::<PluginTable>());
     let mut copy = MaybeUninit::<PluginTable>::zeroed();
-    // SAFETY: the plugin declared `size` readable bytes of static table (at least the
-    // version-1 size, checked by the caller); we copy no more than our own table holds.
+    // SAFETY: the plugin declared at least `size` readable bytes of static table (its
+    // version's size, checked by the caller); we copy no more than our own table holds.
     unsafe { std::ptr::copy_nonoverlapping(table.cast::<u8>(), copy.as_mut_ptr().cast::<u8>(), n) };
     let required = [
         ("open", offset_of!(PluginTable, open)),
@@ -266,27 +303,21 @@ impl LoadedPlugin {
                 message: "the entry returned a null table".into(),
             });
         }
-        // SAFETY: non-null, and every version starts with the 8-byte header.
-        let header = unsafe { *(table_ptr as *const PluginHeader) };
-        let expected_size = std::mem::size_of::<PluginTable>() as u32;
-        // Versions only append entries: any version we know, with at least the version-1
-        // entries; a newer plugin (or a table smaller than version 1's) is refused.
-        if !(MIN_ABI_VERSION..=ABI_VERSION).contains(&header.abi_version)
-            || header.table_size < V1_TABLE_SIZE
-        {
-            return Err(PluginError::AbiMismatch {
+        // SAFETY: non-null; the plugin's entry promises a table with the header it declares
+        // (a plugin is trusted code: dlopen ran its initialisers already).
+        let table = unsafe { checked_table(table_ptr) }.map_err(|refusal| match refusal {
+            TableRefusal::Version { found, table_size } => PluginError::AbiMismatch {
                 path: path.to_owned(),
-                found: header.abi_version,
+                found,
                 expected: ABI_VERSION,
-                table_size: header.table_size,
-                expected_size,
-            });
-        }
-        let table =
-            copy_table(table_ptr, header.table_size).map_err(|entry| PluginError::Load {
+                table_size,
+                expected_size: V3_TABLE_SIZE,
+            },
+            TableRefusal::Null(entry) => PluginError::Load {
                 path: path.to_owned(),
                 message: format!("its table's entry `{entry}` is null"),
-            })?;
+            },
+        })?;
         if ![OPTIONS_TOML, OPTIONS_FLAT].contains(&table.options_format) {
             return Err(PluginError::Load {
                 path: path.to_owned(),
@@ -308,7 +339,7 @@ impl LoadedPlugin {
         Ok(Self {
             path: path.to_owned(),
             name,
-            version: header.abi_version,
+            version: table.header.abi_version,
             table,
             _library: std::mem::ManuallyDrop::new(library),
         })
@@ -669,6 +700,63 @@ fn flatten(prefix: &str, table: &toml::Table, lines: &mut Vec<String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::OpenFn;
+    use crate::plugin::abi::PluginOpener;
+
+    struct Nothing;
+
+    impl PluginOpener for Nothing {
+        const NAME: &'static str = "nothing";
+        const OPEN: OpenFn = |_| Err(DomainError::new(DomainErrorKind::Other, "nothing"));
+    }
+
+    fn with_header(abi_version: u32, table_size: u32) -> PluginTable {
+        let mut t = PluginTable::new::<Nothing>();
+        t.header = PluginHeader {
+            abi_version,
+            table_size,
+        };
+        t
+    }
+
+    /// Issue 25 §6: the declared version decides which entries exist. A version-1 plugin
+    /// declaring a larger table used to have entries read past its table (and `set_log`
+    /// called at load); a version-3 plugin with a version-1-sized table silently lost its
+    /// capabilities and options format; a size ending inside a pointer copied half of one.
+    #[test]
+    fn the_declared_version_decides_which_entries_are_read() {
+        let v1_big = with_header(1, V3_TABLE_SIZE);
+        // SAFETY: a whole table, live for the call.
+        let t = unsafe { checked_table(&v1_big) }.unwrap();
+        assert!(t.post_read.is_none() && t.capabilities.is_none() && t.set_log.is_none());
+        assert_eq!(t.options_format, 0);
+        for (version, size) in [
+            (3, V1_TABLE_SIZE),
+            (2, V2_TABLE_SIZE - 4),
+            (3, V3_TABLE_SIZE - 4),
+        ] {
+            let t = with_header(version, size);
+            // SAFETY: as above.
+            let r = unsafe { checked_table(&t) };
+            assert_eq!(
+                r.err(),
+                Some(TableRefusal::Version {
+                    found: version,
+                    table_size: size
+                }),
+                "version {version}, {size} bytes"
+            );
+        }
+        for version in [0, ABI_VERSION + 1] {
+            let t = with_header(version, V3_TABLE_SIZE);
+            // SAFETY: as above.
+            assert!(unsafe { checked_table(&t) }.is_err());
+        }
+        let v2 = with_header(2, V2_TABLE_SIZE);
+        // SAFETY: as above.
+        let t = unsafe { checked_table(&v2) }.unwrap();
+        assert!(t.post_read.is_some() && t.capabilities.is_none());
+    }
 
     /// An event kind the engine does not know is never guessed at (taken for a message, an
     /// immediate would vanish): it is recorded, and poll turns it into a fatal error.
