@@ -336,9 +336,11 @@ pub(crate) fn unreachable(addr: &NetAddr) -> DomainError {
     )
 }
 
+/// What an operation flushed with its failed connection completes with: the peer is out of
+/// reach on that connection until it is rebuilt (verbs reports `IBV_WC_WR_FLUSH_ERR` so too).
 fn flushed(peer: &NetAddr) -> DomainError {
     DomainError::new(
-        DomainErrorKind::Other,
+        DomainErrorKind::PeerUnreachable,
         format!("flushed: the connection to mock NIC {peer} went to the error state after an earlier operation failed"),
     )
 }

@@ -344,6 +344,35 @@ fn a_backend_panic_with_the_shutdown_queued_behind_it_does_not_hang_the_drop() {
     drop(memory);
 }
 
+/// Issue 25 §8: a read of a write-only region striped over two NICs is refused at the
+/// peer's NIC on one and flushed on the other; the refusal is what the caller sees, whichever
+/// arrives first.
+#[test]
+fn a_striped_read_of_a_write_only_region_fails_with_remote_access_every_time() {
+    // Many requests per NIC: after the first is refused, the rest of that NIC's are flushed,
+    // and with the mock's reordering a flush often completes first.
+    let config = mock_config(2, "[stripe]\nmax_chunk = 65536\n");
+    let (a, b) = (open(&config), open(&config));
+    let len = 1 << 20;
+    let local = buffer(&a, len, |_| 0);
+    let write_only = buffer(&b, len, pattern(3));
+    for round in 0..20 {
+        let f = DoneFlag::new();
+        a.submit_single_read(
+            len as u64,
+            (local.mr(), 0),
+            (write_only.desc(), 0),
+            f.clone(),
+        )
+        .unwrap();
+        let r = f.wait(WAIT);
+        assert!(
+            matches!(r, Err(Error::RemoteAccess(_))),
+            "round {round}: {r:?}"
+        );
+    }
+}
+
 /// 7. A Config built in code is validated on open, with typed errors.
 #[test]
 fn open_validates_a_config_built_in_code() {
@@ -566,6 +595,13 @@ fn a_failure_flushes_its_connection_and_the_next_transfer_reconnects() {
     for (i, f) in flags.iter().enumerate() {
         let r = f.wait(WAIT);
         assert!(r.is_err(), "operation {i} of the failed connection: {r:?}");
+        // The ones flushed with it say so in their kind (issue 25 §8), as verbs does.
+        if i > 0 {
+            assert!(
+                matches!(&r, Err(Error::PeerUnreachable(m)) if m.contains("flushed")),
+                "operation {i}: {r:?}"
+            );
+        }
     }
     let landed = dst.to_vec();
     assert!(

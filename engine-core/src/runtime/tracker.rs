@@ -105,7 +105,15 @@ impl<W> Tracker<W> {
         let entry = self.entry(wr_id)?;
         entry.remaining -= 1;
         if let Err(e) = result {
-            entry.error.get_or_insert(e);
+            // The root cause wins over what it caused, whatever arrives first: a striped
+            // transfer's bad key on one NIC flushes its requests on the others.
+            if entry
+                .error
+                .as_ref()
+                .is_none_or(|kept| cause_rank(&e) > cause_rank(kept))
+            {
+                entry.error = Some(e);
+            }
         }
         if entry.remaining > 0 {
             return None;
@@ -149,10 +157,41 @@ impl<W> Tracker<W> {
     }
 }
 
+/// How much an error says about why a transfer failed, for choosing among its requests'
+/// errors: a request's own fault (the peer's NIC refused its key, or it was malformed)
+/// outranks a backend's own words, which outrank an unreachable peer — what a request that
+/// was flushed because another failed reports — which outranks running out of time.
+fn cause_rank(e: &Error) -> u8 {
+    match e {
+        Error::RemoteAccess(_) | Error::InvalidArgument(_) | Error::OutOfBounds { .. } => 4,
+        Error::Backend { .. } => 3,
+        Error::PeerUnreachable(_) => 2,
+        Error::Timeout(_) => 0,
+        _ => 1,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// Issue 25 §8: a read of a write-only region striped over two NICs failed as "flushed"
+    /// (or unreachable) when the other NIC's flush arrived before the refusal that caused it.
+    #[test]
+    fn the_root_cause_wins_over_the_flushes_it_caused_in_any_order() {
+        let root = Error::RemoteAccess("bad key".into());
+        let flush = Error::PeerUnreachable("flushed".into());
+        let far = Instant::now() + Duration::from_secs(60);
+        for order in [[flush.clone(), root.clone()], [root.clone(), flush.clone()]] {
+            let mut t = Tracker::new();
+            let id = t.insert(2, far, ());
+            let [first, second] = order;
+            assert!(t.handle_done(id, Err(first)).is_none());
+            let (_, r) = t.handle_done(id, Err(second)).unwrap();
+            assert_eq!(r, Err(root.clone()));
+        }
+    }
 
     #[test]
     fn a_transfer_finishes_after_its_last_request_with_the_first_error() {
