@@ -160,8 +160,9 @@ pub struct TransferEngine {
     next_id: AtomicU64,
     next_first_nic: AtomicUsize,
     watchers: std::sync::OnceLock<uvm_watcher::WatcherPool>,
-    worker: Option<JoinHandle<()>>,
-    callbacks: Option<JoinHandle<()>>,
+    /// Taken (and joined) by the first `shutdown`.
+    worker: Mutex<Option<JoinHandle<()>>>,
+    callbacks: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for TransferEngine {
@@ -236,8 +237,8 @@ impl TransferEngine {
             next_id: AtomicU64::new(1),
             next_first_nic: AtomicUsize::new(0),
             watchers: std::sync::OnceLock::new(),
-            worker: Some(worker.thread),
-            callbacks: Some(callbacks),
+            worker: Mutex::new(Some(worker.thread)),
+            callbacks: Mutex::new(Some(callbacks)),
         })
     }
 
@@ -971,6 +972,9 @@ impl TransferEngine {
             if let Some(id) = q.pop_front() {
                 return Ok(id);
             }
+            if self.shared.is_closed() {
+                return Err(Error::Shutdown);
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(Error::Timeout(timeout));
@@ -1138,19 +1142,50 @@ impl TransferEngine {
     }
 }
 
-impl Drop for TransferEngine {
-    fn drop(&mut self) {
+impl TransferEngine {
+    /// Stops the engine now, whoever else still holds it (a binding's `close()` while other
+    /// threads are inside calls): the worker stops, the Domains close — so no NIC touches any
+    /// registered memory once this returns — everything pending fails with
+    /// [`Error::Shutdown`], waiters for notifications wake with it, and every later call
+    /// fails with it. Dropping the engine does the same; calling it again does nothing.
+    pub fn shutdown(&self) {
         self.shared.close();
         self.shared.push_shutdown();
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
+        let me = std::thread::current().id();
+        let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(w) = worker {
+            // Called on the worker itself (a flag's waker): it ends when this returns.
+            if w.thread().id() != me {
+                let _ = w.join();
+            }
+        }
+        {
+            // Under the queue's lock: a waiter checks `closed` under it before it sleeps, so
+            // this cannot fall between its check and its wait.
+            let _queue = self
+                .shared
+                .notifications
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            self.shared.notified.notify_all();
         }
         let _ = self.shared.jobs.send(None);
-        if let Some(c) = self.callbacks.take() {
-            // Dropped from inside a callback: that thread ends on its own after this job.
-            if c.thread().id() != std::thread::current().id() {
+        let callbacks = self
+            .callbacks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(c) = callbacks {
+            // Called from inside a callback: that thread ends on its own after this job.
+            if c.thread().id() != me {
                 let _ = c.join();
             }
         }
+    }
+}
+
+impl Drop for TransferEngine {
+    fn drop(&mut self) {
+        self.shutdown();
     }
 }

@@ -131,12 +131,17 @@ impl TransferEngine {
             .unwrap_or_else(|p| p.into_inner())
             .take();
         if let Some(engine) = engine {
-            // Joins the worker and callback threads (which may be waiting for the GIL) and
-            // closes the Domains (deregistering everything).
+            // Other threads may be inside calls that hold the engine (a clone of it): stop
+            // it outright — worker and callback threads joined (they may be waiting for the
+            // GIL, so it is released), Domains closed, pending work failed with Shutdown,
+            // waiters woken — so that no NIC touches any registered memory before the
+            // keep-alives below are released.
+            py.detach(|| engine.shutdown());
             py.detach(move || drop(engine));
             // What the close failed has had its callbacks run when close() returns.
             crate::transfer::drain_callbacks(py);
         }
+        // Only now: nothing can write into these buffers any more.
         let keeps: Vec<Keep> = self
             .regions
             .lock()

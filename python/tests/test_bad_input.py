@@ -82,6 +82,50 @@ def test_in_flight_work_fails_once_at_close():
     assert len(got) == 1 and isinstance(got[0], xfer.ShutdownError)
 
 
+def test_close_while_another_thread_holds_the_engine_stops_it_first():
+    """Issue 25 §4: close() while another thread is inside a call that holds the engine
+    (here waiting for a notification) used to release every registration's keep-alive while
+    the engine still ran: a peer could still write into the region. Now the engine is stopped
+    (its NICs closed) before anything is released, and the waiting call fails at once with
+    ShutdownError rather than waiting out its timeout."""
+    import threading
+
+    e = xfer.TransferEngine(MOCK)
+    peer = xfer.TransferEngine(MOCK)
+    try:
+        target = np.zeros(4096, dtype=np.uint8)
+        region = e.reg_mr(target)
+        e.listen_notifications()
+        outcome = []
+
+        def waiter():
+            try:
+                e.wait_notification(30)
+                outcome.append("notified")
+            except Exception as err:  # noqa: BLE001 - the type is what is checked
+                outcome.append(err)
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        # Let the waiter get inside the call (nothing inside it can say so; a waiter not
+        # yet inside fails with ShutdownError too, so a short head start only weakens the
+        # test, it cannot fail it).
+        import time
+
+        time.sleep(0.5)
+        e.close()
+        t.join(60)
+        assert not t.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], xfer.ShutdownError), outcome
+        # Nothing lands in the region of a closed engine: its NICs are gone.
+        src = peer.reg_mr(np.full(4096, 9, dtype=np.uint8), access="local")
+        with pytest.raises(xfer.Error):
+            peer.submit_single_write(src, region.desc).wait(10)
+        assert not target.any()
+    finally:
+        peer.close()
+
+
 def test_configs_are_checked():
     with pytest.raises(xfer.ConfigError):
         xfer.TransferEngine({"backend": "mock", "groups": []})

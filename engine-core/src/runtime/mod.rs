@@ -235,6 +235,11 @@ impl Shared {
         self.closed.store(true, Ordering::Release);
     }
 
+    /// Whether the engine was shut down.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
     /// Wakes the worker if it parked. The worker announces `parked` and then checks the queue
     /// and its Domains once more before parking (both sides use `SeqCst`), so either it sees
     /// the new work or this sees `parked`: no wake-up is lost, and a busy worker costs
