@@ -962,7 +962,8 @@ impl TransferEngine {
 
     /// Takes the next notification, waiting up to `timeout` for one (`Err(Timeout)`).
     pub fn wait_notification(&self, timeout: Duration) -> Result<Vec<u8>> {
-        let deadline = Instant::now() + timeout;
+        // A timeout too large for the clock waits without end.
+        let deadline = Instant::now().checked_add(timeout);
         let mut q = self
             .shared
             .notifications
@@ -975,7 +976,9 @@ impl TransferEngine {
             if self.shared.is_closed() {
                 return Err(Error::Shutdown);
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline.map_or(Duration::MAX, |d| {
+                d.saturating_duration_since(Instant::now())
+            });
             if left.is_zero() {
                 return Err(Error::Timeout(timeout));
             }

@@ -746,9 +746,7 @@ impl TransferEngine {
         timeout: f64,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let engine = self.engine(py)?;
-        let timeout = Duration::try_from_secs_f64(timeout).map_err(|_| {
-            errors::invalid(py, format!("timeout {timeout} is not a number of seconds"))
-        })?;
+        let timeout = errors::timeout_of(py, "timeout", timeout)?;
         let id = py
             .detach(|| engine.wait_notification(timeout))
             .or_raise(py)?;

@@ -67,3 +67,20 @@ pub(crate) fn closed(py: Python<'_>) -> PyErr {
 pub(crate) fn invalid(py: Python<'_>, message: impl Into<String>) -> PyErr {
     raise(py, "InvalidArgumentError", message.into())
 }
+
+/// A timeout in seconds from Python: NaN or negative is refused; a finite value too large for
+/// the clock (or infinity) means without end (`Duration::MAX`, which every wait in the engine
+/// reads as no deadline) rather than a clock overflow.
+pub(crate) fn timeout_of(
+    py: Python<'_>,
+    what: &str,
+    seconds: f64,
+) -> PyResult<std::time::Duration> {
+    if seconds.is_nan() || seconds < 0.0 {
+        return Err(invalid(
+            py,
+            format!("{what} {seconds} is not a non-negative number of seconds"),
+        ));
+    }
+    Ok(std::time::Duration::try_from_secs_f64(seconds).unwrap_or(std::time::Duration::MAX))
+}

@@ -58,7 +58,7 @@ impl Rendezvous {
     #[new]
     #[pyo3(signature = (url, *, connect_timeout=30.0))]
     fn new(py: Python<'_>, url: &str, connect_timeout: f64) -> PyResult<Self> {
-        let wait = seconds(py, "connect_timeout", connect_timeout)?;
+        let wait = errors::timeout_of(py, "connect_timeout", connect_timeout)?;
         py.detach(|| xfer_rendezvous::Rendezvous::connect_within(url, wait))
             .map(Self)
             .map_err(|e| to_py(py, e))
@@ -99,7 +99,7 @@ impl Rendezvous {
         name: &str,
         timeout: f64,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let timeout = seconds(py, "timeout", timeout)?;
+        let timeout = errors::timeout_of(py, "timeout", timeout)?;
         let r = py
             .detach(|| self.0.lookup(name, timeout))
             .map_err(|e| to_py(py, e))?;

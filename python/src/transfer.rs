@@ -209,16 +209,9 @@ impl Transfer {
     /// engine's own timeouts allow) and raises its error, if any. Releases the GIL.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
-        let limit = match timeout {
-            Some(t) if !(t.is_finite() && t >= 0.0) => {
-                return Err(errors::invalid(
-                    py,
-                    format!("timeout {t} is not a non-negative number of seconds"),
-                ));
-            }
-            Some(t) => Some(Duration::from_secs_f64(t)),
-            None => None,
-        };
+        let limit = timeout
+            .map(|t| errors::timeout_of(py, "timeout", t))
+            .transpose()?;
         let (shared, flag) = (Arc::clone(&self.shared), Arc::clone(&self.flag));
         let finished = py.detach(move || {
             let start = Instant::now();

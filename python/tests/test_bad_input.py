@@ -152,3 +152,32 @@ def test_raw_registration_checks_its_device_argument(engine):
         engine.reg_mr_raw(buf.ctypes.data, 64, "tpu:0")
     with pytest.raises(xfer.InvalidArgumentError, match="device"):
         engine.reg_mr_raw(buf.ctypes.data, 64, 1.5)
+
+
+def test_huge_timeouts_mean_forever_and_bad_ones_are_refused():
+    """Issue 25 §4: wait(1e20), wait_notification(1e19) and lookup(..., 1e19) raised
+    PanicException (a clock overflow). A finite timeout too large for the clock waits without
+    end; NaN and negative ones are InvalidArgumentError."""
+    a, b = xfer.TransferEngine(MOCK), xfer.TransferEngine(MOCK)
+    server = xfer.Server()
+    try:
+        dst = b.reg_mr(np.zeros(64, dtype=np.uint8))
+        src = a.reg_mr(np.ones(64, dtype=np.uint8), access="local")
+        b.listen_notifications()
+        t = a.submit_single_write(src, dst.desc, notify=b"huge")
+        t.wait(1e20)
+        assert b.wait_notification(1e19) == b"huge"
+        rdv = xfer.Rendezvous(server.url)
+        with rdv.publish("huge", b.main_address, ttl=3):
+            assert rdv.lookup("huge", timeout=1e19)["name"] == "huge"
+        for bad in (float("nan"), -1.0):
+            with pytest.raises(xfer.InvalidArgumentError):
+                t.wait(bad)
+            with pytest.raises(xfer.InvalidArgumentError):
+                b.wait_notification(bad)
+            with pytest.raises(xfer.InvalidArgumentError):
+                rdv.lookup("huge", timeout=bad)
+    finally:
+        server.close()
+        a.close()
+        b.close()
