@@ -82,7 +82,12 @@ impl TransferEngine {
         let py = slf.py();
         let this = slf.get();
         let engine = this.engine(py)?;
-        let (ptr, nbytes, device) = (exported.ptr, exported.nbytes, exported.device);
+        let (ptr, nbytes, device, writable) = (
+            exported.ptr,
+            exported.nbytes,
+            exported.device,
+            exported.writable,
+        );
         // SAFETY: `exported.keep` (the exporter's buffer or capsule, or the caller's keepalive
         // for raw registrations) is stored under the handle below and released only after
         // `dereg_mr` returned or the engine closed.
@@ -100,7 +105,23 @@ impl TransferEngine {
             ptr,
             nbytes,
             device,
+            writable,
         })
+    }
+
+    /// Refuses a region whose memory is read-only as the destination of a read: the NIC would
+    /// write into memory its owner promised nobody writes (a `bytes` object is shared and
+    /// immutable; a read-only mapping faults).
+    fn check_read_destination(&self, py: Python<'_>, region: &Bound<'_, PyAny>) -> PyResult<()> {
+        if let Ok(r) = region.cast::<MemoryRegion>() {
+            if !r.get().writable {
+                return Err(errors::invalid(
+                    py,
+                    "the region's memory is read-only (a bytes object, a read-only buffer or mapping): it cannot be the destination of a read; register a writable buffer",
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The region behind a `MemoryRegion` argument, checked to belong to this engine.
@@ -365,6 +386,8 @@ impl TransferEngine {
             nbytes,
             device,
             keep: Keep::Raw(keepalive),
+            // Raw memory: the caller vouches for it (as for its lifetime).
+            writable: true,
         };
         Self::register(slf, exported, access)
     }
@@ -465,6 +488,7 @@ impl TransferEngine {
     ) -> PyResult<Transfer> {
         let engine = self.engine(py)?;
         let (handle, len) = self.local(py, local)?;
+        self.check_read_destination(py, local)?;
         let remote = desc_of(remote)?;
         let nbytes = nbytes.unwrap_or_else(|| len.saturating_sub(local_offset));
         let notify = notify.map(|id| (remote.owner(), id));
@@ -498,6 +522,7 @@ impl TransferEngine {
         notify: Option<&Bound<'_, PyAny>>,
         on_done: Option<Py<PyAny>>,
     ) -> PyResult<Transfer> {
+        self.check_read_destination(py, local)?;
         let p = self.paged(
             py,
             "paged read",

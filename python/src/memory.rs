@@ -27,6 +27,9 @@ pub(crate) struct Exported {
     pub(crate) nbytes: u64,
     pub(crate) device: Device,
     pub(crate) keep: Keep,
+    /// Whether the exporter lets its memory be written (a `bytes` object or a read-only mmap
+    /// does not): only such memory may be the destination of a read.
+    pub(crate) writable: bool,
 }
 
 /// The `access=` argument: what peers may do.
@@ -106,11 +109,13 @@ pub(crate) fn export(obj: &Bound<'_, PyAny>, peers_write: bool) -> PyResult<Expo
                     format!("the {} is read-only, and peers may write into this region: register it with access=\"read\" or \"local\", or pass a writable buffer", type_name(obj)),
                 ));
             }
+            let writable = !buf.readonly();
             return Ok(Exported {
                 ptr: buf.buf_ptr() as u64,
                 nbytes: buf.len_bytes() as u64,
                 device: Device::Host,
                 keep: Keep::Buffer(buf),
+                writable,
             });
         }
     }
@@ -144,6 +149,9 @@ pub(crate) fn export(obj: &Bound<'_, PyAny>, peers_write: bool) -> PyResult<Expo
         nbytes: view.nbytes,
         device,
         keep: Keep::DlPack(capsule.unbind(), obj.clone().unbind()),
+        // An unversioned DLPack tensor carries no read-only flag: its producer's tensors are
+        // writable (torch, numpy arrays that are not read-only take the buffer path above).
+        writable: true,
     })
 }
 
@@ -158,6 +166,8 @@ pub(crate) struct MemoryRegion {
     pub(crate) ptr: u64,
     pub(crate) nbytes: u64,
     pub(crate) device: Device,
+    /// Whether its memory may be written (the destination of a read).
+    pub(crate) writable: bool,
 }
 
 impl MemoryRegion {

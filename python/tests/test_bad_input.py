@@ -181,3 +181,25 @@ def test_huge_timeouts_mean_forever_and_bad_ones_are_refused():
         server.close()
         a.close()
         b.close()
+
+
+def test_a_read_into_read_only_memory_is_refused():
+    """Issue 25 §4: a read into a `bytes` object registered access="local" mutated an
+    immutable (possibly shared, interned) object; into a read-only mapping it would fault.
+    Read-only memory is refused as the destination of a read, before anything is posted."""
+    a, b = xfer.TransferEngine(MOCK), xfer.TransferEngine(MOCK)
+    try:
+        remote = b.reg_mr(np.full(64, 5, dtype=np.uint8), access="read")
+        frozen = bytes(64)
+        local = a.reg_mr(frozen, access="local")
+        with pytest.raises(xfer.InvalidArgumentError, match="read-only"):
+            a.submit_single_read(local, remote.desc)
+        with pytest.raises(xfer.InvalidArgumentError, match="read-only"):
+            a.submit_paged_reads(16, local, [0], remote.desc, [1])
+        assert frozen == bytes(64)
+        # A writable destination reads as before.
+        dst = a.reg_mr(bytearray(64), access="local")
+        a.submit_single_read(dst, remote.desc).wait(10)
+    finally:
+        a.close()
+        b.close()
