@@ -729,15 +729,15 @@ impl TransferEngine {
     /// consumed), on the worker's side; an exception it raises is reported.
     fn mirror_imm_count(&self, py: Python<'_>, imm: u32, sink: Py<PyAny>) -> PyResult<()> {
         let engine = self.engine(py)?;
+        // The engine calls the mirror on its worker, which must never wait for the GIL: the
+        // Python sink runs on the bindings' callback thread, in arrival order.
+        let sink = Arc::new(sink);
         engine
             .mirror_imm_count(imm, move |total| {
-                Python::attach(|py| {
-                    if let Err(e) = sink.call1(py, (total,)) {
-                        crate::transfer::CALLBACK_ERRORS
-                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        e.write_unraisable(py, Some(sink.bind(py)));
-                    }
-                });
+                let sink = Arc::clone(&sink);
+                crate::transfer::dispatch(Box::new(move |py| {
+                    crate::transfer::call_reporting(py, &sink, (total,));
+                }));
             })
             .or_raise(py)
     }

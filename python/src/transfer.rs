@@ -52,6 +52,12 @@ type Job = Box<dyn FnOnce(Python<'_>) + Send>;
 /// Waits (GIL released) until every callback handed to the bindings' callback thread so
 /// far has run: `close()` returns only after the callbacks of what it failed.
 pub(crate) fn drain_callbacks(py: Python<'_>) {
+    if ON_CALLBACK_THREAD.with(|on| on.get()) {
+        // Called from a callback (close() inside on_done): the barrier would queue behind
+        // the callback that waits for it. The callbacks of what this close failed run right
+        // after the current one returns.
+        return;
+    }
     let (tx, rx) = std::sync::mpsc::channel();
     dispatch(Box::new(move |_| {
         let _ = tx.send(());
@@ -61,14 +67,20 @@ pub(crate) fn drain_callbacks(py: Python<'_>) {
     });
 }
 
+thread_local! {
+    /// Whether this thread is the bindings' callback thread.
+    static ON_CALLBACK_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// The bindings' callback thread, started on first use.
-fn dispatch(job: Job) {
+pub(crate) fn dispatch(job: Job) {
     static JOBS: OnceLock<Mutex<std::sync::mpsc::Sender<Job>>> = OnceLock::new();
     let jobs = JOBS.get_or_init(|| {
         let (tx, rx) = std::sync::mpsc::channel::<Job>();
         std::thread::Builder::new()
             .name("xfer-py-callbacks".into())
             .spawn(move || {
+                ON_CALLBACK_THREAD.with(|on| on.set(true));
                 while let Ok(job) = rx.recv() {
                     Python::attach(job);
                 }
@@ -102,6 +114,12 @@ impl IntoPyObjectTuple for Option<PyErr> {
 }
 
 impl IntoPyObjectTuple for (u64, u64) {
+    fn call(self, py: Python<'_>, cb: &Py<PyAny>) -> PyResult<()> {
+        cb.call1(py, self).map(drop)
+    }
+}
+
+impl IntoPyObjectTuple for (u64,) {
     fn call(self, py: Python<'_>, cb: &Py<PyAny>) -> PyResult<()> {
         cb.call1(py, self).map(drop)
     }

@@ -203,3 +203,56 @@ def test_a_read_into_read_only_memory_is_refused():
     finally:
         a.close()
         b.close()
+
+
+def test_a_mirror_sink_never_runs_on_the_engines_worker():
+    """Issue 25 §4: mirror_imm_count's Python sink ran on the engine's worker under the
+    GIL; a sink that blocks (or a GIL held elsewhere) stalled every transfer of the engine.
+    It runs on the bindings' callback thread: the engine's own transfers go on meanwhile."""
+    import threading
+
+    a, b = xfer.TransferEngine(MOCK), xfer.TransferEngine(MOCK)
+    release = threading.Event()
+    seen = []
+
+    def sink(total):
+        seen.append(total)
+        release.wait(30)
+
+    try:
+        b.mirror_imm_count(3, sink)
+        dst_b = b.reg_mr(np.zeros(64, dtype=np.uint8))
+        src_a = a.reg_mr(np.ones(64, dtype=np.uint8), access="local")
+        a.submit_single_write(src_a, dst_b.desc, imm=3).wait(10)
+        # b's worker must be free while the sink blocks: b's own write completes.
+        dst_a = a.reg_mr(np.zeros(64, dtype=np.uint8))
+        src_b = b.reg_mr(np.ones(64, dtype=np.uint8), access="local")
+        b.submit_single_write(src_b, dst_a.desc).wait(10)
+    finally:
+        release.set()
+        a.close()
+        b.close()
+    # The mirror reports the total at registration, then each change, in order.
+    assert seen == [0, 1], seen
+
+
+def test_close_inside_a_callback_returns():
+    """Issue 25 §4: close() called from a transfer's callback waited 60 s for the callback
+    thread (its own) to run a barrier queued behind itself."""
+    import threading
+
+    a, b = xfer.TransferEngine(MOCK), xfer.TransferEngine(MOCK)
+    closed = threading.Event()
+
+    def on_done(_err):
+        a.close()
+        closed.set()
+
+    try:
+        dst = b.reg_mr(np.zeros(64, dtype=np.uint8))
+        src = a.reg_mr(np.ones(64, dtype=np.uint8), access="local")
+        a.submit_single_write(src, dst.desc, on_done=on_done)
+        assert closed.wait(30), "close() inside a callback did not return"
+    finally:
+        a.close()
+        b.close()
