@@ -20,6 +20,7 @@ use crate::ffi::{
     TAG_IMM_RECV, TAG_MASK, TAG_MSG_RECV, TAG_SEND,
 };
 use crate::handshake::{self, Action, Ends, Handshaker, Prior};
+use crate::log;
 use crate::notify::NotifyState;
 use crate::options::VerbsOptions;
 use crate::wire::{choose_gid, choose_gid_for, GidEntry, GidWanted, Handshake, Kind, VerbsAddr};
@@ -554,14 +555,14 @@ impl VerbsDomain {
                 self.handshakes_sent += 1;
                 if self.handshakes_sent == self.options.faults.ud_error_after_sends {
                     if let Err(e) = self.device.ud_to_error() {
-                        tracing_free_log(&format!("{}: fault injection: {e}", self.name));
+                        log::line(&format!("{}: fault injection: {e}", self.name));
                     }
                 }
                 true
             }
             Err(e) => {
                 if !e.contains("Resource temporarily unavailable") {
-                    tracing_free_log(&format!("{}: {e}", self.name));
+                    log::line(&format!("{}: {e}", self.name));
                 }
                 false
             }
@@ -592,7 +593,7 @@ impl VerbsDomain {
                         self.fail_peer(&peer, &format!("the NIC reported {name} on its QP {qpn}"));
                     }
                 }
-                _ => tracing_free_log(&format!("{}: {name}", self.name)),
+                _ => log::line(&format!("{}: {name}", self.name)),
             }
         }
     }
@@ -1063,7 +1064,7 @@ impl VerbsDomain {
         };
         if let Err(e) = self.connect_qps(&data, &msg, request, data_psn, msg_psn) {
             let why = format!("accepting {peer}: {e}");
-            tracing_free_log(&format!("{}: {why}", self.name));
+            log::line(&format!("{}: {why}", self.name));
             self.fail_connection(peer, data, msg, queued, &why);
             return Err(why);
         }
@@ -1322,10 +1323,6 @@ fn post_message(
             other
         }
     }
-}
-
-pub(crate) fn tracing_free_log(message: &str) {
-    eprintln!("xfer backend-verbs: {message}");
 }
 
 impl VerbsDomain {
@@ -1714,7 +1711,7 @@ impl Domain for VerbsDomain {
                 true
             }
             Err(e) => {
-                tracing_free_log(&format!(
+                log::line(&format!(
                     "{}: {e}; the engine polls this device on an interval",
                     self.name
                 ));
@@ -1758,7 +1755,7 @@ impl Domain for VerbsDomain {
         let resets = self.device.ud_resets();
         if resets != self.ud_resets_seen {
             self.ud_resets_seen = resets;
-            tracing_free_log(&format!(
+            log::line(&format!(
                 "{}: the handshake QP failed and was reset ({resets} so far); handshakes in flight are resent",
                 self.name
             ));

@@ -15,6 +15,7 @@ pub mod completion;
 mod domain;
 mod ffi;
 mod handshake;
+mod log;
 mod notify;
 mod options;
 pub mod wire;

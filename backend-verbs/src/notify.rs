@@ -93,9 +93,7 @@ pub(crate) fn run(source: &impl EventSource, state: &NotifyState, retry: Duratio
                 // The channel cannot be waited on: the worker is woken on a short interval
                 // instead (what a Domain without a channel gets), so nothing is stranded.
                 if !failing {
-                    crate::domain::tracing_free_log(&format!(
-                        "{e}; waking the worker every millisecond instead"
-                    ));
+                    crate::log::line(&format!("{e}; waking the worker every millisecond instead"));
                 }
                 failing = true;
                 state.armed.store(false, Ordering::SeqCst);

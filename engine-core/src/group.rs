@@ -7,7 +7,7 @@
 //!
 //! The built-in group is [`StripingGroup`]: the pure striping planner ([`crate::plan`]) over
 //! the configured NICs. A backend whose hardware or library already spreads traffic over its
-//! rails supplies its own group through [`BackendRegistration::open_group`]: its own policy
+//! rails supplies its own group through [`BackendRegistration::open_group`](crate::domain::BackendRegistration::open_group): its own policy
 //! (say, each unit whole on one rail), its own Domains.
 //!
 //! Both peers must use the same group and config: arrivals are counted from the sender's plan.
@@ -16,11 +16,8 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::config::Config;
-use crate::domain::{Domain, DomainError};
 use crate::plan::{expected_arrivals, split, Chunk, StripePolicy, TransferShape};
-
-#[cfg(doc)]
-use crate::domain::BackendRegistration;
+use xfer_plugin::domain::{Domain, DomainError};
 
 /// How a group cuts one unit (a single write, a page, a scatter destination) into writes on
 /// its NICs, and how many arrivals that makes. Pure: shared between the callers' threads

@@ -35,6 +35,7 @@ use crate::domain::{
     OpenFn, PostStatus, ReadRequest, Registration, WriteRequest,
 };
 use crate::log::LogFn;
+pub use crate::raw::RawBytes;
 
 /// The ABI this engine speaks: bumped when entries are appended to [`PluginTable`].
 pub const ABI_VERSION: u32 = 3;
@@ -79,36 +80,6 @@ pub struct PluginHeader {
     pub abi_version: u32,
     /// `size_of::<PluginTable>()` as the plugin was built.
     pub table_size: u32,
-}
-
-/// A borrowed byte string.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct RawBytes {
-    /// First byte (may dangle when `len` is 0).
-    pub ptr: *const u8,
-    /// Length.
-    pub len: usize,
-}
-
-impl RawBytes {
-    /// Borrows `bytes`.
-    pub fn new(bytes: &[u8]) -> Self {
-        Self {
-            ptr: bytes.as_ptr(),
-            len: bytes.len(),
-        }
-    }
-
-    /// # Safety
-    /// `ptr` must point to `len` readable bytes that outlive `'a`.
-    pub unsafe fn as_slice<'a>(self) -> &'a [u8] {
-        if self.len == 0 {
-            return &[];
-        }
-        // SAFETY: the caller guarantees ptr/len describe live bytes.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
 }
 
 /// Room for an error message coming back across the boundary.

@@ -18,6 +18,7 @@ pub mod abi;
 pub mod addr;
 pub mod domain;
 pub mod log;
+mod raw;
 
 /// The text of a panic payload (`&str` or `String`; anything else is named as such).
 pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {

@@ -15,7 +15,7 @@ use tracing::level_filters::LevelFilter;
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Level, Metadata, Subscriber};
 
-use crate::abi::RawBytes;
+use crate::raw::RawBytes;
 
 /// `level` values of [`LogFn`]: error.
 pub const LOG_ERROR: u32 = 1;
