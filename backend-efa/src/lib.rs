@@ -64,6 +64,13 @@ pub fn api_version() -> String {
 }
 
 inventory::submit! {
+    engine_core::config::OptionsCheck {
+        backend: NAME,
+        check: |text| options::EfaOptions::parse(text).map(|_| ()).map_err(|e| e.message),
+    }
+}
+
+inventory::submit! {
     BackendRegistration { name: NAME, open, open_group: None }
 }
 

@@ -38,6 +38,13 @@ pub fn open(config: &DomainConfig<'_>) -> Result<Box<dyn Domain>, DomainError> {
 }
 
 inventory::submit! {
+    engine_core::config::OptionsCheck {
+        backend: NAME,
+        check: |text| options::MockOptions::parse(text).map(|_| ()).map_err(|e| e.message),
+    }
+}
+
+inventory::submit! {
     BackendRegistration { name: NAME, open, open_group: None }
 }
 
@@ -81,6 +88,13 @@ fn open_rails_group(
 
 inventory::submit! {
     BackendRegistration { name: RAILS_NAME, open, open_group: Some(open_rails_group) }
+}
+
+inventory::submit! {
+    engine_core::config::OptionsCheck {
+        backend: RAILS_NAME,
+        check: |text| options::MockOptions::parse(text).map(|_| ()).map_err(|e| e.message),
+    }
 }
 
 engine_core::export_plugin!("mock", open);

@@ -651,6 +651,22 @@ fn a_hung_peer_with_a_full_queue_does_not_stall_a_healthy_one() {
     stuck.wait_for(6, WAIT).unwrap();
 }
 
+/// Issue 24: a typo in a linked-in backend's table is an error when the config is loaded,
+/// naming the key and the file — not a failure to open a NIC later.
+#[test]
+fn a_typo_in_a_backend_table_is_refused_at_load_naming_the_key() {
+    let text = "backend = \"mock\"\n[[groups]]\nnics = [\"m\"]\n[backends.mock]\nseeed = 5\n";
+    let e = engine_core::Config::from_toml(text, std::path::Path::new("typo.toml")).unwrap_err();
+    let message = e.to_string();
+    assert!(
+        message.contains("seeed") && message.contains("typo.toml"),
+        "{message}"
+    );
+    // The same table with the key spelt right loads.
+    let fixed = text.replace("seeed", "seed");
+    engine_core::Config::from_toml(&fixed, std::path::Path::new("fixed.toml")).unwrap();
+}
+
 /// 13. `[timeouts] connect_ms` reaches the backend (the mock refuses unknown keys, so the
 ///     engine's addition must parse), and setting it per backend is refused.
 #[test]

@@ -128,7 +128,13 @@ fn a_completion_after_the_deadline_is_ignored_safely() {
 
 #[test]
 fn unknown_mock_options_are_named() {
-    let config = mock_config(1, "[backends.mock]\nreorderr = true\n");
+    // Refused when the file is loaded...
+    let text = "backend = \"mock\"\n[[groups]]\nnics = [\"m\"]\n[backends.mock]\nreorderr = true\n";
+    let err = engine_core::Config::from_toml(text, std::path::Path::new("t.toml")).unwrap_err();
+    assert!(err.to_string().contains("reorderr"), "{err}");
+    // ...and when a config built in code carries it to open.
+    let mut config = mock_config(1, "");
+    config.backends = toml::from_str("[mock]\nreorderr = true\n").unwrap();
     let err = TransferEngine::open(&config).unwrap_err();
     assert!(err.to_string().contains("reorderr"), "{err}");
 }

@@ -39,6 +39,13 @@ pub fn devices() -> Vec<String> {
 }
 
 inventory::submit! {
+    engine_core::config::OptionsCheck {
+        backend: NAME,
+        check: |text| options::VerbsOptions::parse(text).map(|_| ()).map_err(|e| e.message),
+    }
+}
+
+inventory::submit! {
     BackendRegistration { name: NAME, open, open_group: None }
 }
 
