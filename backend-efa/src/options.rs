@@ -16,6 +16,9 @@ pub struct EfaOptions {
     /// connection handshake of their own (the provider's first-contact exchange is part of
     /// the first transfer, bounded by `transfer_ms`), so it bounds nothing here yet.
     pub connect_ms: u64,
+    /// The engine's `[security] secret_file`, passed to every backend. RDM endpoints have no
+    /// handshake of xfer's to authenticate (see docs/security.md for what EFA protects).
+    pub secret_file: Option<String>,
     /// Whether the provider may carry traffic to peers on the same host over its own
     /// shared-memory path (`FI_OPT_SHARED_MEMORY_PERMITTED`, libfabric ≥ 1.19). Unset: off
     /// for `efa` (same-host peers then go through the NIC like every other peer, with the
@@ -34,6 +37,7 @@ impl Default for EfaOptions {
             provider: "efa".into(),
             max_posts_per_poll: 64,
             connect_ms: 3_000,
+            secret_file: None,
             shared_memory: None,
             fabric: None,
         }

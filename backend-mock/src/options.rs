@@ -38,6 +38,9 @@ pub struct MockOptions {
     /// The engine's `[timeouts] connect_ms`, passed to every backend. The mock has no
     /// handshake to bound; it is accepted so the one setting reaches every backend alike.
     pub connect_ms: u64,
+    /// The engine's `[security] secret_file`, passed to every backend; the mock has no
+    /// handshake to authenticate.
+    pub secret_file: Option<String>,
     /// Declared capabilities (what `Domain::capabilities` reports), to test that the engine
     /// honours a backend's limits: the largest write or read (0 = none) ...
     pub max_write_size: u64,
@@ -74,6 +77,7 @@ impl Default for MockOptions {
             panic_on_post: 0,
             register_delay_us: 0,
             connect_ms: 0,
+            secret_file: None,
             max_write_size: 0,
             max_message_size: 0,
             no_immediates: false,

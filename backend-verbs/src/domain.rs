@@ -184,6 +184,8 @@ pub struct VerbsDomain {
     handshakes_sent: u32,
     /// Handshake-QP resets already logged.
     ud_resets_seen: u64,
+    /// Unauthenticated handshake datagrams already logged.
+    unauthenticated_seen: u64,
     /// The `stall_on_first_arrival_ms` fault, until it fired.
     stall_once: Option<u64>,
     /// When the `forge_requests_every_ms` fault last fired.
@@ -334,7 +336,22 @@ impl VerbsDomain {
             connect: Duration::from_millis(options.connect_ms),
             max_half_open: options.max_half_open,
         };
-        let handshake = Handshaker::new(me, attr.active_mtu as u8, settings, fastrand::u64(..));
+        let mut handshake = Handshaker::new(me, attr.active_mtu as u8, settings, fastrand::u64(..));
+        if let Some(path) = &options.secret_file {
+            let secret = std::fs::read(path).map_err(|e| {
+                err(
+                    DomainErrorKind::InvalidArgument,
+                    format!("[security] secret_file {path}: {e}"),
+                )
+            })?;
+            if secret.is_empty() {
+                return Err(err(
+                    DomainErrorKind::InvalidArgument,
+                    format!("[security] secret_file {path} is empty"),
+                ));
+            }
+            handshake = handshake.with_secret(&secret);
+        }
         Ok(Self {
             peers: HashMap::default(),
             handshake,
@@ -361,6 +378,7 @@ impl VerbsDomain {
             polls_since_check: 0,
             handshakes_sent: 0,
             ud_resets_seen: 0,
+            unauthenticated_seen: 0,
             stall_once,
             last_forged: Instant::now(),
             notify: None,
@@ -550,7 +568,8 @@ impl VerbsDomain {
     /// an error), in which case requests are resent on the next check and responses on the
     /// peer's next request.
     fn send_handshake(&mut self, to: &VerbsAddr, h: &Handshake) -> bool {
-        match self.device.ud_send(&to.gid, to.lid, to.ud_qpn, &h.encode()) {
+        let bytes = self.handshake.seal(h);
+        match self.device.ud_send(&to.gid, to.lid, to.ud_qpn, &bytes) {
             Ok(()) => {
                 self.handshakes_sent += 1;
                 if self.handshakes_sent == self.options.faults.ud_error_after_sends {
@@ -1728,6 +1747,14 @@ impl Domain for VerbsDomain {
             self.polls_since_check = 0;
             self.check_stalled_peers();
             self.collect_graveyard();
+            let dropped = self.handshake.unauthenticated();
+            if dropped != self.unauthenticated_seen {
+                self.unauthenticated_seen = dropped;
+                log::line(&format!(
+                    "{}: {dropped} handshake datagrams without a valid MAC dropped so far (a peer without the cluster secret, or forged)",
+                    self.name
+                ));
+            }
             self.read_async_events()?;
         }
         let async_pending = self

@@ -42,13 +42,24 @@
 //!   peer beyond that is dropped (a real requester resends it), so a flood of forged sources
 //!   costs a bounded number of QPs. Without a cluster secret such a flood can still delay new
 //!   connections; it cannot tear down proven ones.
+//! - With a cluster secret ([`Handshaker::with_secret`]) every message carries a MAC
+//!   (HMAC-SHA256 over the message, truncated to [`MAC_LEN`] bytes) and a datagram whose MAC
+//!   does not verify is dropped before any state is kept: only holders of the secret can
+//!   take part. A replayed authentic datagram cannot complete a handshake (a `Ready` must echo
+//!   the responder's fresh random PSNs) and costs at most a bounded half-open entry.
 
 use std::time::{Duration, Instant};
 
 use engine_core::NetAddr;
 use foldhash::HashMap;
+use hmac::{KeyInit, Mac};
 
-use crate::wire::{Handshake, Kind, VerbsAddr};
+use crate::wire::{Handshake, Kind, VerbsAddr, MSG_LEN};
+
+/// Bytes of MAC a keyed handshake message carries after the message.
+pub(crate) const MAC_LEN: usize = 16;
+
+type HmacSha256 = hmac::Hmac<sha2::Sha256>;
 
 /// Resend interval, deadline and limits of the handshakes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -208,6 +219,10 @@ pub(crate) struct Handshaker {
     /// The request id of the last connection established with each peer: what a request
     /// replacing it must name (`prev`). Kept when the connection fails.
     established: HashMap<NetAddr, u64>,
+    /// The cluster secret's MAC key, when one is configured.
+    key: Option<HmacSha256>,
+    /// Datagrams dropped because their MAC did not verify (or was missing).
+    unauthenticated: u64,
 }
 
 impl Handshaker {
@@ -222,7 +237,47 @@ impl Handshaker {
             rng: fastrand::Rng::with_seed(seed),
             peers: HashMap::default(),
             established: HashMap::default(),
+            key: None,
+            unauthenticated: 0,
         }
+    }
+
+    /// Authenticates every message with `secret` (see the module docs); peers must hold the
+    /// same secret.
+    pub(crate) fn with_secret(mut self, secret: &[u8]) -> Self {
+        self.key =
+            Some(HmacSha256::new_from_slice(secret).expect("HMAC takes a key of any length"));
+        self
+    }
+
+    /// `msg` as it goes on the wire: its encoding, and with a secret its MAC after it.
+    pub(crate) fn seal(&self, msg: &Handshake) -> Vec<u8> {
+        let mut bytes = msg.encode().to_vec();
+        if let Some(key) = &self.key {
+            let mut mac = key.clone();
+            mac.update(&bytes);
+            bytes.extend_from_slice(&mac.finalize().into_bytes()[..MAC_LEN]);
+        }
+        bytes
+    }
+
+    /// The message part of `raw` if it is authentic (always, without a secret).
+    fn authentic<'a>(&self, raw: &'a [u8]) -> Option<&'a [u8]> {
+        let Some(key) = &self.key else {
+            return Some(raw);
+        };
+        if raw.len() != MSG_LEN + MAC_LEN {
+            return None;
+        }
+        let (msg, tag) = raw.split_at(MSG_LEN);
+        let mut mac = key.clone();
+        mac.update(msg);
+        mac.verify_truncated_left(tag).ok().map(|()| msg)
+    }
+
+    /// Datagrams dropped as unauthenticated so far.
+    pub(crate) fn unauthenticated(&self) -> u64 {
+        self.unauthenticated
     }
 
     fn psn(&mut self) -> u32 {
@@ -283,7 +338,11 @@ impl Handshaker {
     /// A handshake datagram arrived. Malformed ones are ignored (the UD QP receives whatever
     /// anyone sends it).
     pub(crate) fn handle_datagram(&mut self, raw: &[u8], out: &mut Vec<Action>) {
-        let Ok(h) = Handshake::decode(raw) else {
+        let Some(msg) = self.authentic(raw) else {
+            self.unauthenticated += 1;
+            return;
+        };
+        let Ok(h) = Handshake::decode(msg) else {
             return;
         };
         let peer = NetAddr::new(&h.from.encode()).expect("an encoded VerbsAddr is a NetAddr");

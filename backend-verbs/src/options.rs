@@ -28,6 +28,9 @@ pub struct VerbsOptions {
     pub connect_ms: u64,
     /// Handshake retry interval.
     pub retry_ms: u64,
+    /// The engine's `[security] secret_file`: when set, every handshake datagram carries a MAC
+    /// with the secret it holds, and datagrams without a valid one are dropped.
+    pub secret_file: Option<String>,
     /// Most handshakes answered and waiting for the requester's `Ready` at once; a request
     /// from a new peer beyond that is dropped (a real requester resends it), so a flood of
     /// forged requests costs at most twice this many QPs.
@@ -98,6 +101,7 @@ impl Default for VerbsOptions {
             service_level: 0,
             global_routing: "auto".into(),
             connect_ms: 3_000,
+            secret_file: None,
             retry_ms: 200,
             max_half_open: 256,
             send_queue: 1024,

@@ -647,3 +647,44 @@ fn small_writes_inline_and_an_inline_size_the_device_refuses_falls_back() {
         );
     }
 }
+
+/// Issue 25 §5: with `[security] secret_file`, engines holding the same secret connect and
+/// move data; one holding another secret, or none, gets no answer to its handshake (its
+/// write fails as unreachable) — on real QPs, the handshake datagrams sealed and checked.
+#[test]
+#[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
+fn a_cluster_secret_admits_only_its_holders() {
+    use engine_core::conformance::Harness;
+    use std::time::Duration;
+    let dir = std::env::temp_dir().join(format!("xfer-secret-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (ours, theirs) = (dir.join("ours"), dir.join("theirs"));
+    std::fs::write(&ours, b"32 bytes of the cluster's secret").unwrap();
+    std::fs::write(&theirs, b"another cluster's secret, longer").unwrap();
+    let with = |secret: Option<&std::path::Path>| {
+        let mut c = Rxe.config(1);
+        c.security.secret_file = secret.map(std::path::Path::to_path_buf);
+        c.timeouts.connect_ms = 2_000;
+        c.timeouts.transfer_ms = 20_000;
+        std::sync::Arc::new(engine_core::TransferEngine::open(&c).unwrap())
+    };
+    let (a, b) = (with(Some(&ours)), with(Some(&ours)));
+    let dst = engine_core::HostBuffer::new(&b, 4096).unwrap();
+    let send = |from: &std::sync::Arc<engine_core::TransferEngine>| {
+        let src = engine_core::HostBuffer::from_fn(from, 4096, |i| i as u8).unwrap();
+        let f = engine_core::DoneFlag::new();
+        from.submit_single_write(4096, None, (src.mr(), 0), (dst.desc(), 0), f.clone())
+            .unwrap();
+        f.wait(Duration::from_secs(30))
+    };
+    send(&a).unwrap();
+    assert_eq!(dst.to_vec()[..16], (0..16u8).collect::<Vec<_>>()[..]);
+    for (who, stranger) in [("another secret", with(Some(&theirs))), ("no secret", with(None))] {
+        let r = send(&stranger);
+        assert!(
+            matches!(r, Err(engine_core::Error::PeerUnreachable(_))),
+            "a peer with {who} got: {r:?}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

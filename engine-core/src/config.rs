@@ -193,6 +193,17 @@ impl WatcherConfig {
     }
 }
 
+/// What the processes of one cluster share to recognise each other.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct SecurityConfig {
+    /// A file holding the cluster secret (any bytes; 32 random ones will do:
+    /// `head -c 32 /dev/urandom > secret`). Backends with a handshake authenticate it with
+    /// the secret (verbs); peers without it cannot connect. Only the path is handed to
+    /// backends, as `secret_file` in their table; never put a secret on a command line.
+    pub secret_file: Option<PathBuf>,
+}
+
 /// A linked-in backend's check of its own config table (`[backends.<name>]`, as TOML text
 /// with the engine-wide settings added), submitted with `inventory::submit!` next to its
 /// registration: a typo in that table is an error when the config is loaded, naming the key
@@ -257,6 +268,9 @@ pub struct Config {
     /// Where peers find each other (`[rendezvous] url = ...`).
     #[serde(default)]
     pub rendezvous: RendezvousConfig,
+    /// The cluster secret (`[security] secret_file = ...`).
+    #[serde(default)]
+    pub security: SecurityConfig,
     /// Where this config came from, for error messages.
     #[serde(skip)]
     pub source: PathBuf,
@@ -397,6 +411,13 @@ impl Config {
             "connect_ms".into(),
             toml::Value::Integer(i64::try_from(self.timeouts.connect_ms).unwrap_or(i64::MAX)),
         );
+        // The path only, never the secret: this text may be shown (`xfer info`).
+        if let Some(path) = &self.security.secret_file {
+            table.insert(
+                "secret_file".into(),
+                toml::Value::String(path.display().to_string()),
+            );
+        }
         toml::to_string(&table).unwrap_or_default()
     }
 }

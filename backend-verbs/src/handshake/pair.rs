@@ -54,9 +54,15 @@ enum Scenario {
     /// Before A connects, a forger installs a connection in A's name at B (a forged
     /// Request + Ready claiming to be A), and keeps forging requests for A.
     Forged,
+    /// The same, but the cluster has a secret the forger does not hold: nothing it sends is
+    /// even looked at.
+    ForgedKeyed,
 }
 
-const SCENARIOS: [Scenario; 7] = [
+/// The cluster secret of the keyed scenarios.
+const SECRET: &[u8] = b"the cluster's secret";
+
+const SCENARIOS: [Scenario; 8] = [
     Scenario::OneWay,
     Scenario::Simultaneous,
     Scenario::Rehandshake,
@@ -64,12 +70,13 @@ const SCENARIOS: [Scenario; 7] = [
     Scenario::RestartSameAddress,
     Scenario::LostReady,
     Scenario::Forged,
+    Scenario::ForgedKeyed,
 ];
 
 /// A datagram in flight.
 struct Datagram {
     to: NetAddr,
-    bytes: [u8; MSG_LEN],
+    bytes: Vec<u8>,
 }
 
 /// The unkind network.
@@ -89,7 +96,8 @@ struct Net {
 }
 
 impl Net {
-    fn send(&mut self, now: Instant, to: NetAddr, msg: &Handshake) {
+    /// Sends `msg` as `bytes` (as its sender sealed it).
+    fn send(&mut self, now: Instant, to: NetAddr, msg: &Handshake, bytes: Vec<u8>) {
         self.sent += 1;
         if msg.kind == Kind::Ready && self.drop_ready > 0 {
             self.drop_ready -= 1;
@@ -110,7 +118,7 @@ impl Net {
                 (now + delay, self.seq),
                 Datagram {
                     to: to.clone(),
-                    bytes: msg.encode(),
+                    bytes: bytes.clone(),
                 },
             );
         }
@@ -241,7 +249,8 @@ impl Endpoint {
                             }
                         }
                     }
-                    net.send(now, NetAddr::new(&to.encode()).unwrap(), &msg)
+                    let bytes = self.hs.seal(&msg);
+                    net.send(now, NetAddr::new(&to.encode()).unwrap(), &msg, bytes)
                 }
                 Action::Accept {
                     peer,
@@ -638,7 +647,12 @@ fn schedule(scenario: Scenario, seed: u64, peers: usize) -> World {
     let eps: Vec<Endpoint> = (0..=peers)
         .map(|i| {
             let notice = Duration::from_millis(rng.u64(0..=4_000));
-            Endpoint::new(verbs_addr(i as u32, 0), rng.u64(..), notice)
+            let mut e = Endpoint::new(verbs_addr(i as u32, 0), rng.u64(..), notice);
+            if scenario == Scenario::ForgedKeyed {
+                e.hs = Handshaker::new(verbs_addr(i as u32, 0), 5, SETTINGS, rng.u64(..))
+                    .with_secret(SECRET);
+            }
+            e
         })
         .collect();
     let mut starts: Vec<(Instant, usize, usize)> = (1..=peers)
@@ -664,7 +678,7 @@ fn schedule(scenario: Scenario, seed: u64, peers: usize) -> World {
         last_scan: None,
     };
     world.reindex();
-    if scenario == Scenario::Forged {
+    if matches!(scenario, Scenario::Forged | Scenario::ForgedKeyed) {
         forge(&mut world, &mut rng);
     }
     world
@@ -692,7 +706,8 @@ fn forge(world: &mut World, rng: &mut fastrand::Rng) {
             (at, world.net.seq),
             Datagram {
                 to: b.clone(),
-                bytes: msg.encode(),
+                // The forger has no secret: plain messages.
+                bytes: msg.encode().to_vec(),
             },
         );
     };
@@ -727,6 +742,13 @@ fn run_one(scenario: Scenario, seed: u64) -> Result<(u64, usize), String> {
             if replaced > 0 && !disrupted {
                 return Err(format!(
                     "{replaced} live connection(s) replaced without cause"
+                ));
+            }
+            // With the secret, every forged datagram (32) was dropped unread.
+            if scenario == Scenario::ForgedKeyed && world.eps[0].hs.unauthenticated() < 32 {
+                return Err(format!(
+                    "only {} forged datagrams dropped as unauthenticated",
+                    world.eps[0].hs.unauthenticated()
                 ));
             }
             Ok(())
@@ -1136,6 +1158,44 @@ mod rules {
         b.hs.handle_datagram(&sent(&ours)[0].encode(), &mut out);
         assert!(matches!(out[..], [Action::Accept { .. }]), "{out:?}");
         let _ = x;
+    }
+
+    /// Issue 25 §5: with a cluster secret, a message goes with its MAC and is taken only if
+    /// the MAC verifies: a peer with another secret, an unsealed message or one tampered with
+    /// in flight is dropped before any state is kept.
+    #[test]
+    fn with_a_secret_only_authentic_datagrams_are_read() {
+        let keyed = |id, secret: &[u8]| {
+            Handshaker::new(verbs_addr(id, 0), 5, SETTINGS, u64::from(id)).with_secret(secret)
+        };
+        let (mut a, mut b) = (keyed(1, SECRET), keyed(2, SECRET));
+        let b_addr = NetAddr::new(&verbs_addr(2, 0).encode()).unwrap();
+        let now = Instant::now();
+        let mut out = Vec::new();
+        a.connect(now, &b_addr, (1, 2), &mut out).unwrap();
+        let request = a.seal(&sent(&out)[0]);
+        assert_eq!(request.len(), MSG_LEN + MAC_LEN);
+        // Tampered in flight: one bit of the message, or of the MAC.
+        for at in [10, MSG_LEN + 3] {
+            let mut bad = request.clone();
+            bad[at] ^= 1;
+            let mut got = Vec::new();
+            b.handle_datagram(&bad, &mut got);
+            assert!(got.is_empty(), "tampered byte {at} accepted: {got:?}");
+        }
+        // Unsealed, or sealed with another secret.
+        let mut got = Vec::new();
+        b.handle_datagram(&sent(&out)[0].encode(), &mut got);
+        let other = keyed(1, b"another secret");
+        b.handle_datagram(&other.seal(&sent(&out)[0]), &mut got);
+        assert!(got.is_empty(), "{got:?}");
+        assert_eq!(b.unauthenticated(), 4);
+        // The authentic one is read.
+        b.handle_datagram(&request, &mut got);
+        assert!(matches!(got[..], [Action::Accept { .. }]), "{got:?}");
+        // Without a secret nothing changes on the wire.
+        let plain = Handshaker::new(verbs_addr(3, 0), 5, SETTINGS, 3);
+        assert_eq!(plain.seal(&sent(&out)[0]), sent(&out)[0].encode().to_vec());
     }
 
     #[test]
