@@ -679,7 +679,10 @@ fn a_cluster_secret_admits_only_its_holders() {
     };
     send(&a).unwrap();
     assert_eq!(dst.to_vec()[..16], (0..16u8).collect::<Vec<_>>()[..]);
-    for (who, stranger) in [("another secret", with(Some(&theirs))), ("no secret", with(None))] {
+    for (who, stranger) in [
+        ("another secret", with(Some(&theirs))),
+        ("no secret", with(None)),
+    ] {
         let r = send(&stranger);
         assert!(
             matches!(r, Err(engine_core::Error::PeerUnreachable(_))),
