@@ -16,7 +16,45 @@ pub(crate) struct Request<'a> {
     pub(crate) plugin: Option<&'a Path>,
     pub(crate) backend: Option<&'a str>,
     pub(crate) nics: &'a [String],
-    pub(crate) only: Option<&'a str>,
+    /// Run only the checks whose name contains one of these (all when empty).
+    pub(crate) only: &'a [String],
+    /// One JSON object on stdout instead of lines.
+    pub(crate) json: bool,
+}
+
+/// The checks `only` selects, in the suite's order; a filter that matches nothing is an
+/// error naming it and the checks there are (a typo must not pass as "0 passed").
+fn selected(
+    only: &[String],
+) -> Result<Vec<(&'static str, engine_core::conformance::Check)>, String> {
+    for filter in only {
+        if !CHECKS
+            .iter()
+            .any(|(name, _)| name.contains(filter.as_str()))
+        {
+            let names: Vec<&str> = CHECKS.iter().map(|(n, _)| *n).collect();
+            return Err(format!(
+                "--check {filter:?} matches no check; the checks are: {}",
+                names.join(", ")
+            ));
+        }
+    }
+    Ok(CHECKS
+        .iter()
+        .filter(|(name, _)| only.is_empty() || only.iter().any(|f| name.contains(f.as_str())))
+        .copied()
+        .collect())
+}
+
+/// Loads the plugin once before any check, so a library that cannot be loaded (not a
+/// plugin, another ABI version) is reported once, not by every check.
+fn preflight(harness: &CommandHarness) -> Result<(), String> {
+    let Some(path) = &harness.base.plugin else {
+        return Ok(());
+    };
+    engine_core::plugin::LoadedPlugin::load(path, &harness.base.backend)
+        .map(drop)
+        .map_err(|e| e.to_string())
 }
 
 /// Engines for the suite: the given config (or the default) with the plugin, backend and
@@ -82,50 +120,91 @@ fn harness(req: &Request<'_>) -> Result<CommandHarness, String> {
 }
 
 pub(crate) fn run(req: &Request<'_>) -> ExitCode {
-    let harness = match harness(req) {
+    let (harness, checks) = match harness(req).and_then(|h| Ok((h, selected(req.only)?))) {
         Ok(h) => h,
         Err(e) => {
             eprintln!("xfer conformance: {e}");
             return ExitCode::from(2);
         }
     };
-    println!(
-        "conformance of backend {:?}{} on NICs {:?}",
-        harness.base.backend,
-        harness
-            .base
-            .plugin
-            .as_ref()
-            .map(|p| format!(" ({})", p.display()))
-            .unwrap_or_default(),
-        harness.nics
-    );
+    if let Err(e) = preflight(&harness) {
+        if req.json {
+            println!(
+                "{}",
+                serde_json::json!({"backend": harness.base.backend, "error": e, "passed": 0, "failed": 0, "skipped": 0})
+            );
+        } else {
+            println!("xfer conformance: the plugin cannot be loaded, so no check can run: {e}");
+        }
+        return ExitCode::from(1);
+    }
+    let mut report = Vec::new();
+    if !req.json {
+        println!(
+            "conformance of backend {:?}{} on NICs {:?}",
+            harness.base.backend,
+            harness
+                .base
+                .plugin
+                .as_ref()
+                .map(|p| format!(" ({})", p.display()))
+                .unwrap_or_default(),
+            harness.nics
+        );
+    }
     // Each failed check panics; its message is printed once below, not by the panic hook.
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
     let (mut passed, mut failed, mut skipped) = (0, 0, 0);
     let suite_started = Instant::now();
-    for (name, check) in CHECKS {
-        if req.only.is_some_and(|only| !name.contains(only)) {
-            continue;
-        }
+    for (name, check) in checks {
         let started = Instant::now();
-        match run_check(&harness, name, *check) {
+        let outcome = run_check(&harness, name, check);
+        let seconds = started.elapsed().as_secs_f64();
+        let (status, message) = match &outcome {
             CheckOutcome::Passed => {
                 passed += 1;
-                println!("PASS {name} ({:.1} s)", started.elapsed().as_secs_f64());
+                ("pass", None::<String>)
             }
             CheckOutcome::Skipped(why) => {
                 skipped += 1;
-                println!("SKIP {name}: {why}");
+                ("skip", Some(why.to_string()))
             }
             CheckOutcome::Failed(message) => {
                 failed += 1;
-                println!("FAIL {name}: {message}");
+                ("fail", Some(message.to_string()))
             }
+        };
+        if req.json {
+            report.push(serde_json::json!({"name": name, "outcome": status, "seconds": seconds, "message": message}));
+            continue;
+        }
+        match outcome {
+            CheckOutcome::Passed => println!("PASS {name} ({seconds:.1} s)"),
+            CheckOutcome::Skipped(why) => println!("SKIP {name}: {why}"),
+            CheckOutcome::Failed(message) => println!("FAIL {name}: {message}"),
         }
     }
     std::panic::set_hook(hook);
+    if req.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "backend": harness.base.backend,
+                "nics": harness.nics,
+                "checks": report,
+                "passed": passed,
+                "failed": failed,
+                "skipped": skipped,
+                "seconds": suite_started.elapsed().as_secs_f64(),
+            })
+        );
+        return if failed > 0 || passed == 0 {
+            ExitCode::from(1)
+        } else {
+            ExitCode::SUCCESS
+        };
+    }
     // pytest's summary shape, which `cargo xtask test` adds to its totals.
     println!(
         "{passed} passed, {failed} failed, {skipped} skipped in {:.1}s (conformance of {})",

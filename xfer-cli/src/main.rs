@@ -89,9 +89,10 @@ enum Command {
         /// A NIC name to open (repeat for more NICs; default: the config's first group).
         #[arg(long = "nic")]
         nics: Vec<String>,
-        /// Run only the checks whose name contains this.
-        #[arg(long)]
-        check: Option<String>,
+        /// Run only the checks whose name contains this (repeat for more; each must match
+        /// at least one check).
+        #[arg(long = "check")]
+        checks: Vec<String>,
     },
 }
 
@@ -533,13 +534,14 @@ fn main() -> ExitCode {
             plugin,
             backend,
             nics,
-            check,
+            checks,
         } => conformance::run(&conformance::Request {
             config: cli.config.as_deref(),
             plugin: plugin.as_deref(),
             backend: backend.as_deref(),
             nics,
-            only: check.as_deref(),
+            only: checks,
+            json: cli.json,
         }),
     }
 }

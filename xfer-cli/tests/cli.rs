@@ -332,3 +332,69 @@ fn conformance_prints_each_check_and_fails_a_broken_backend() {
         "a plugin whose name cannot be told is a usage error"
     );
 }
+
+/// Issue 26: `--check` repeats; one that matches no check is a usage error naming it and the
+/// checks (it used to print "0 passed" and exit 1 silently); `--json` prints one object; a
+/// library that cannot be loaded is reported once, not by each of the 25 checks.
+#[test]
+fn conformance_checks_repeat_typos_are_named_json_works_and_load_errors_come_once() {
+    let dir = std::env::temp_dir().join(format!("xfer-cli-conf2-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("good.toml");
+    std::fs::write(
+        &good,
+        "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n",
+    )
+    .unwrap();
+    let good = good.to_str().unwrap();
+    let (code, out) = xfer(&[
+        "conformance",
+        "--config",
+        good,
+        "--check",
+        "messages_use_posted_receives",
+        "--check",
+        "imm_counts",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("2 passed, 0 failed"), "{out}");
+    let (code, _) = xfer(&["conformance", "--config", good, "--check", "no_such_chek"]);
+    assert_eq!(code, 2);
+    let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(["conformance", "--config", good, "--check", "no_such_chek"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no_such_chek") && err.contains("imm_counts"),
+        "{err}"
+    );
+    let (code, json) = xfer(&[
+        "conformance",
+        "--config",
+        good,
+        "--check",
+        "imm_counts",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{json}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(
+        (v["passed"].as_u64(), v["checks"][0]["name"].as_str()),
+        (Some(1), Some("imm_counts"))
+    );
+    let junk = dir.join("libxfer_junk.so");
+    std::fs::write(&junk, b"not a shared object").unwrap();
+    let (code, out) = xfer(&[
+        "conformance",
+        "--plugin",
+        junk.to_str().unwrap(),
+        "--nic",
+        "j0",
+    ]);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(code, 1, "{out}");
+    let refusals = out.lines().filter(|l| l.contains("cannot load")).count();
+    assert_eq!(refusals, 1, "reported {refusals} times:\n{out}");
+    assert!(!out.contains("FAIL"), "{out}");
+}
