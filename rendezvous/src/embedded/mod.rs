@@ -1,0 +1,74 @@
+//! The embedded rendezvous service (`xfer serve`): keys with leases and prefix watches over
+//! TCP, in memory, with etcd's semantics for what the rendezvous uses — and nothing more.
+//!
+//! Frames are a 4-byte little-endian length and a postcard body. A watch has its own
+//! connection, on which the server streams changes after the current entries.
+//!
+//! No client can exhaust it ([`Limits`]): connections are capped and idle ones closed,
+//! values, entries and watchers are bounded, a client that does not take what it is sent
+//! is cut off, and a request split across reads keeps its framing. Lease ids come from the
+//! OS's CSPRNG. It does not authenticate clients (see `docs/security.md`).
+//!
+//! Modules: `wire` (frames and messages), `state` (keys, leases, watchers: pure), `server`
+//! (connections and threads), `client` (the `Store` over TCP).
+
+mod client;
+mod server;
+mod state;
+mod wire;
+
+use std::time::Duration;
+
+pub(crate) use client::Client;
+pub use server::Server;
+pub use wire::{request_frame_for_tests, value_of_response_for_tests};
+
+/// Largest frame a client accepts: a listing of `max_entries` (default) values of
+/// [`MAX_VALUE`] fits, so a listing never fails because someone stored large values.
+const MAX_FRAME: usize = 128 << 20;
+
+/// Largest request the service reads (a key and a value).
+const MAX_REQUEST: usize = MAX_VALUE + 4096;
+
+/// Largest value stored under a key: the largest record (256 named regions of 4 NICs each)
+/// is about 77 KiB; a typical one is under 200 bytes.
+pub const MAX_VALUE: usize = 96 << 10;
+
+/// Longest lease: a name cannot be kept alive without keeping it alive.
+pub const MAX_TTL: Duration = Duration::from_secs(3600);
+
+/// How often a served connection looks up from its read (for the stop flag and idleness).
+const READ_TICK: Duration = Duration::from_millis(500);
+
+/// What the service bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections served at once (request and watch connections); more are closed at once.
+    pub max_connections: usize,
+    /// A request connection with no request for this long is closed (clients reopen theirs
+    /// on their next call).
+    pub idle: Duration,
+    /// A client that does not take an answer or a watch event within this is cut off.
+    pub write_timeout: Duration,
+    /// Keys stored at once; a put of a new key beyond it is refused. The default keeps a
+    /// full listing within what a client reads in one frame (for more peers, use etcd).
+    pub max_entries: usize,
+    /// Watches at once; more are refused.
+    pub max_watchers: usize,
+    /// Changes queued for one watcher; a watcher that falls this far behind is cut off (it
+    /// sees its watch end) rather than grow the service without bound.
+    pub watch_queue: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_connections: 1024,
+            idle: Duration::from_secs(60),
+            write_timeout: Duration::from_secs(5),
+            max_entries: 1024,
+            max_watchers: 256,
+            watch_queue: 4096,
+        }
+    }
+}

@@ -1,0 +1,260 @@
+//! The service's state, pure: keys with their leases, lease expiry, watchers' queues. Every
+//! request is one call of [`State::handle`] under the server's lock.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::time::{Duration, Instant};
+
+use super::wire::{Request, Response};
+use super::{Limits, MAX_TTL, MAX_VALUE};
+use crate::Change;
+
+struct Lease {
+    ttl: Duration,
+    deadline: Instant,
+    keys: BTreeSet<String>,
+}
+
+pub(super) struct State {
+    entries: BTreeMap<String, (Vec<u8>, u64)>,
+    leases: HashMap<u64, Lease>,
+    pub(super) watchers: Vec<(String, SyncSender<Change>)>,
+    pub(super) limits: Limits,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        Self::new(Limits::default())
+    }
+}
+
+/// A new lease id: 64 bits from the OS's CSPRNG, never 0.
+fn new_lease_id() -> u64 {
+    loop {
+        let mut bytes = [0u8; 8];
+        if getrandom::fill(&mut bytes).is_err() {
+            // No OS randomness (never seen on Linux): still unique per run, not secret.
+            return fastrand::u64(1..);
+        }
+        let id = u64::from_le_bytes(bytes);
+        if id != 0 {
+            return id;
+        }
+    }
+}
+
+impl State {
+    pub(super) fn new(limits: Limits) -> Self {
+        Self {
+            entries: BTreeMap::new(),
+            leases: HashMap::new(),
+            watchers: Vec::new(),
+            limits,
+        }
+    }
+
+    fn notify(&mut self, change: &Change) {
+        let key = match change {
+            Change::Put(k, _) | Change::Delete(k) => k,
+        };
+        // A watcher whose queue is full has fallen behind: it is cut off (its stream ends),
+        // not buffered for without bound.
+        self.watchers.retain(|(prefix, tx)| {
+            !key.starts_with(prefix.as_str())
+                || match tx.try_send(change.clone()) {
+                    Ok(()) => true,
+                    Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => false,
+                }
+        });
+    }
+
+    fn revoke(&mut self, lease: u64) {
+        let Some(l) = self.leases.remove(&lease) else {
+            return;
+        };
+        for key in l.keys {
+            if self
+                .entries
+                .get(&key)
+                .is_some_and(|(_, owner)| *owner == lease)
+            {
+                self.entries.remove(&key);
+                self.notify(&Change::Delete(key));
+            }
+        }
+    }
+
+    pub(super) fn handle(&mut self, req: Request) -> Response {
+        match req {
+            Request::Put { key, value, ttl_ms } => {
+                if value.len() > MAX_VALUE {
+                    return Response::Refused(format!(
+                        "a value of {} bytes (at most {MAX_VALUE})",
+                        value.len()
+                    ));
+                }
+                if !self.entries.contains_key(&key) && self.entries.len() >= self.limits.max_entries
+                {
+                    return Response::Refused(format!(
+                        "the service holds its maximum of {} keys",
+                        self.limits.max_entries
+                    ));
+                }
+                let lease = new_lease_id();
+                let ttl = Duration::from_millis(ttl_ms.max(1)).min(MAX_TTL);
+                // The key moves to the new lease: the old one's expiry no longer removes it.
+                if let Some((_, old)) = self.entries.get(&key) {
+                    if let Some(l) = self.leases.get_mut(old) {
+                        l.keys.remove(&key);
+                    }
+                }
+                self.leases.insert(
+                    lease,
+                    Lease {
+                        ttl,
+                        deadline: Instant::now() + ttl,
+                        keys: BTreeSet::from([key.clone()]),
+                    },
+                );
+                self.entries.insert(key.clone(), (value.clone(), lease));
+                self.notify(&Change::Put(key, value));
+                Response::Lease(lease)
+            }
+            Request::KeepAlive { lease } => match self.leases.get_mut(&lease) {
+                Some(l) => {
+                    l.deadline = Instant::now() + l.ttl;
+                    Response::Ok
+                }
+                None => Response::NoLease,
+            },
+            Request::Revoke { lease } => {
+                self.revoke(lease);
+                Response::Ok
+            }
+            Request::Get { key } => Response::Value(self.entries.get(&key).map(|(v, _)| v.clone())),
+            Request::List { prefix } => Response::Values(
+                self.entries
+                    .range(prefix.clone()..)
+                    .take_while(|(k, _)| k.starts_with(&prefix))
+                    .map(|(k, (v, _))| (k.clone(), v.clone()))
+                    .collect(),
+            ),
+            Request::Watch { .. } => Response::Refused("watch on a request connection".into()),
+        }
+    }
+
+    pub(super) fn expire(&mut self, now: Instant) {
+        let expired: Vec<u64> = self
+            .leases
+            .iter()
+            .filter(|(_, l)| l.deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for lease in expired {
+            self.revoke(lease);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leases_expire_and_a_replaced_key_outlives_its_old_lease() {
+        let mut s = State::default();
+        let Response::Lease(old) = s.handle(Request::Put {
+            key: "/x/a".into(),
+            value: b"1".to_vec(),
+            ttl_ms: 10,
+        }) else {
+            panic!()
+        };
+        let Response::Lease(_new) = s.handle(Request::Put {
+            key: "/x/a".into(),
+            value: b"2".to_vec(),
+            ttl_ms: 60_000,
+        }) else {
+            panic!()
+        };
+        s.expire(Instant::now() + Duration::from_millis(20));
+        assert!(matches!(
+            s.handle(Request::KeepAlive { lease: old }),
+            Response::NoLease
+        ));
+        assert!(
+            matches!(s.handle(Request::Get { key: "/x/a".into() }), Response::Value(Some(v)) if v == b"2")
+        );
+        s.expire(Instant::now() + Duration::from_secs(61));
+        assert!(matches!(
+            s.handle(Request::Get { key: "/x/a".into() }),
+            Response::Value(None)
+        ));
+    }
+
+    /// Issue 25: lease ids were sequential from 1 in every run, so a keeper of the old run
+    /// got `Ok` for someone else's lease after a restart and its drop revoked another peer's
+    /// record. Two runs never hand out the same id, and none is guessable from another.
+    #[test]
+    fn two_runs_never_hand_out_the_same_lease_id() {
+        let leases = |s: &mut State| -> Vec<u64> {
+            (0..100)
+                .map(|i| {
+                    match s.handle(Request::Put {
+                        key: format!("/x/{i}"),
+                        value: vec![],
+                        ttl_ms: 1000,
+                    }) {
+                        Response::Lease(l) => l,
+                        other => panic!("{other:?}"),
+                    }
+                })
+                .collect()
+        };
+        let (first, second) = (leases(&mut State::default()), leases(&mut State::default()));
+        assert!(
+            first.iter().all(|l| !second.contains(l)),
+            "{first:?} {second:?}"
+        );
+        // Not a counter: consecutive ids are not neighbours.
+        assert!(first.windows(2).all(|w| w[1].abs_diff(w[0]) > 1_000_000));
+    }
+
+    /// Issue 25: a TTL has a ceiling, so a client cannot keep a name alive for ever without
+    /// keeping it alive.
+    #[test]
+    fn ttls_have_a_ceiling() {
+        let mut s = State::default();
+        s.handle(Request::Put {
+            key: "/x/forever".into(),
+            value: vec![],
+            ttl_ms: u64::MAX,
+        });
+        s.expire(Instant::now() + MAX_TTL + Duration::from_secs(1));
+        assert!(matches!(
+            s.handle(Request::Get {
+                key: "/x/forever".into()
+            }),
+            Response::Value(None)
+        ));
+    }
+
+    #[test]
+    fn list_stays_inside_its_prefix() {
+        let mut s = State::default();
+        for k in ["/x/a", "/x/b", "/xa", "/y"] {
+            s.handle(Request::Put {
+                key: k.into(),
+                value: vec![],
+                ttl_ms: 1000,
+            });
+        }
+        let Response::Values(v) = s.handle(Request::List {
+            prefix: "/x/".into(),
+        }) else {
+            panic!()
+        };
+        let keys: Vec<_> = v.into_iter().map(|(k, _)| k).collect();
+        assert_eq!(keys, ["/x/a", "/x/b"]);
+    }
+}

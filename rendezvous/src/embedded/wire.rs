@@ -1,0 +1,139 @@
+//! The protocol: a 4-byte little-endian length and a postcard body per frame; the requests
+//! and responses; a reader that keeps a partial frame across read timeouts.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+
+use serde::{Deserialize, Serialize};
+
+use super::MAX_FRAME;
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) enum Request {
+    Put {
+        key: String,
+        value: Vec<u8>,
+        ttl_ms: u64,
+    },
+    KeepAlive {
+        lease: u64,
+    },
+    Revoke {
+        lease: u64,
+    },
+    Get {
+        key: String,
+    },
+    List {
+        prefix: String,
+    },
+    Watch {
+        prefix: String,
+    },
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) enum Response {
+    Lease(u64),
+    Ok,
+    NoLease,
+    Value(Option<Vec<u8>>),
+    Values(Vec<(String, Vec<u8>)>),
+    Put(String, Vec<u8>),
+    Delete(String),
+    Refused(String),
+}
+
+pub(super) fn write_frame<T: Serialize>(s: &mut TcpStream, msg: &T) -> std::io::Result<()> {
+    let body = postcard::to_stdvec(msg).map_err(std::io::Error::other)?;
+    let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+    frame.extend(body);
+    s.write_all(&frame)
+}
+
+/// Reads frames from a stream whose reads time out, keeping a partial frame across
+/// timeouts (a timeout mid-frame used to drop what was read and desynchronise the stream).
+pub(super) struct FrameReader {
+    buf: Vec<u8>,
+    limit: usize,
+}
+
+impl FrameReader {
+    pub(super) fn new(limit: usize) -> Self {
+        Self {
+            buf: Vec::new(),
+            limit,
+        }
+    }
+
+    /// The next whole frame; `None` if the read timed out first (what arrived is kept).
+    pub(super) fn next<T: for<'de> Deserialize<'de>>(
+        &mut self,
+        s: &mut TcpStream,
+    ) -> std::io::Result<Option<T>> {
+        loop {
+            if self.buf.len() >= 4 {
+                let len = u32::from_le_bytes(self.buf[..4].try_into().expect("4 bytes")) as usize;
+                if len > self.limit {
+                    return Err(std::io::Error::other(format!(
+                        "a frame of {len} bytes (at most {})",
+                        self.limit
+                    )));
+                }
+                if self.buf.len() >= 4 + len {
+                    let msg =
+                        postcard::from_bytes(&self.buf[4..4 + len]).map_err(std::io::Error::other);
+                    self.buf.drain(..4 + len);
+                    return msg.map(Some);
+                }
+            }
+            let mut chunk = [0u8; 4096];
+            match s.read(&mut chunk) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Ok(None)
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// A `Get` request as bytes on the wire (tests that speak the protocol by hand).
+#[doc(hidden)]
+pub fn request_frame_for_tests(key: &str) -> Vec<u8> {
+    let body = postcard::to_stdvec(&Request::Get {
+        key: key.to_owned(),
+    })
+    .expect("a request serializes");
+    let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+    frame.extend(body);
+    frame
+}
+
+/// The value in a `Get` answer's body (tests that speak the protocol by hand).
+#[doc(hidden)]
+pub fn value_of_response_for_tests(body: &[u8]) -> Option<Vec<u8>> {
+    match postcard::from_bytes(body).ok()? {
+        Response::Value(v) => v,
+        _ => None,
+    }
+}
+
+pub(super) fn read_frame<T: for<'de> Deserialize<'de>>(s: &mut TcpStream) -> std::io::Result<T> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(std::io::Error::other(format!("a frame of {len} bytes")));
+    }
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body)?;
+    postcard::from_bytes(&body).map_err(std::io::Error::other)
+}
