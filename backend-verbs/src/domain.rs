@@ -629,6 +629,14 @@ impl VerbsDomain {
             self.bury(data, msg);
             return Err(err(DomainErrorKind::InvalidArgument, e));
         }
+        self.install(peer, data, msg, VecDeque::new());
+        self.carry_out(now, actions);
+        Ok(())
+    }
+
+    /// Makes `(data, msg)` the connection with `peer`, not ready yet, with `queued` waiting
+    /// for it; completions on its QPs are routed to `peer`.
+    fn install(&mut self, peer: &NetAddr, data: Qp, msg: Qp, queued: VecDeque<Queued>) {
         self.qp_peer.insert(data.qpn, peer.clone());
         self.qp_peer.insert(msg.qpn, peer.clone());
         self.peers.insert(
@@ -636,12 +644,10 @@ impl VerbsDomain {
             Connection {
                 data,
                 msg,
-                queued: VecDeque::new(),
+                queued,
                 ready: false,
             },
         );
-        self.carry_out(now, actions);
-        Ok(())
     }
 
     fn fail_peer(&mut self, peer: &NetAddr, why: &str) {
@@ -1093,17 +1099,7 @@ impl VerbsDomain {
             msg_qpn: msg.qpn,
             msg_psn,
         };
-        self.qp_peer.insert(data.qpn, peer.clone());
-        self.qp_peer.insert(msg.qpn, peer.clone());
-        self.peers.insert(
-            peer.clone(),
-            Connection {
-                data,
-                msg,
-                queued,
-                ready: false,
-            },
-        );
+        self.install(peer, data, msg, queued);
         Ok(ends)
     }
 

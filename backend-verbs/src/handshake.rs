@@ -284,11 +284,12 @@ impl Handshaker {
         self.rng.u32(..) & 0x00ff_ffff
     }
 
-    fn request(&self, peer: &NetAddr, request_id: u64, ends: &Ends) -> Handshake {
+    /// A message of ours naming our QPs `ends`.
+    fn message(&self, kind: Kind, request_id: u64, prev: u64, ends: &Ends) -> Handshake {
         Handshake {
-            kind: Kind::Request,
+            kind,
             request_id,
-            prev: self.established.get(peer).copied().unwrap_or(0),
+            prev,
             from: self.me,
             data_qpn: ends.data_qpn,
             data_psn: ends.data_psn,
@@ -296,6 +297,11 @@ impl Handshaker {
             msg_psn: ends.msg_psn,
             mtu: self.mtu,
         }
+    }
+
+    fn request(&self, peer: &NetAddr, request_id: u64, ends: &Ends) -> Handshake {
+        let prev = self.established.get(peer).copied().unwrap_or(0);
+        self.message(Kind::Request, request_id, prev, ends)
     }
 
     /// Starts connecting to `peer` with the QPs `(data_qpn, msg_qpn)` just created for it,
@@ -442,17 +448,7 @@ impl Handshaker {
                 return;
             }
         };
-        let response = Handshake {
-            kind: Kind::Response,
-            request_id: request.request_id,
-            from: self.me,
-            data_qpn: ends.data_qpn,
-            data_psn: ends.data_psn,
-            msg_qpn: ends.msg_qpn,
-            msg_psn: ends.msg_psn,
-            mtu: self.mtu,
-            prev: 0,
-        };
+        let response = self.message(Kind::Response, request.request_id, 0, &ends);
         if prior == Prior::Candidate {
             if let Some(State::Established { candidate, .. }) = self.peers.get_mut(peer) {
                 *candidate = Some(Candidate {
