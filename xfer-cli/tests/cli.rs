@@ -283,11 +283,9 @@ fn every_shipped_config_is_valid() {
     assert!(seen >= 6, "{seen} configs");
 }
 
-/// `xfer conformance` runs the suite on a backend and says which checks fail, with exit
-/// status 1: here the built-in mock, broken by a knob so that it ignores `post_recvs`.
-#[test]
-fn conformance_prints_each_check_and_fails_a_broken_backend() {
-    let dir = std::env::temp_dir().join(format!("xfer-cli-conformance-{}", std::process::id()));
+/// A fresh directory for test `tag` with `good.toml`: the mock on one NIC.
+fn mock_config_file(tag: &str) -> (PathBuf, PathBuf) {
+    let dir = std::env::temp_dir().join(format!("xfer-cli-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let good = dir.join("good.toml");
     std::fs::write(
@@ -295,6 +293,14 @@ fn conformance_prints_each_check_and_fails_a_broken_backend() {
         "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n",
     )
     .unwrap();
+    (dir, good)
+}
+
+/// `xfer conformance` runs the suite on a backend and says which checks fail, with exit
+/// status 1: here the built-in mock, broken by a knob so that it ignores `post_recvs`.
+#[test]
+fn conformance_prints_each_check_and_fails_a_broken_backend() {
+    let (dir, good) = mock_config_file("conformance");
     let (code, out) = xfer(&[
         "conformance",
         "--config",
@@ -338,14 +344,7 @@ fn conformance_prints_each_check_and_fails_a_broken_backend() {
 /// library that cannot be loaded is reported once, not by each of the 25 checks.
 #[test]
 fn conformance_checks_repeat_typos_are_named_json_works_and_load_errors_come_once() {
-    let dir = std::env::temp_dir().join(format!("xfer-cli-conf2-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let good = dir.join("good.toml");
-    std::fs::write(
-        &good,
-        "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n",
-    )
-    .unwrap();
+    let (dir, good) = mock_config_file("conf2");
     let good = good.to_str().unwrap();
     let (code, out) = xfer(&[
         "conformance",
