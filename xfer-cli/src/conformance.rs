@@ -116,6 +116,12 @@ fn harness(req: &Request<'_>) -> Result<CommandHarness, String> {
     if nics.is_empty() {
         return Err("no NIC names: pass --nic (repeat it for more NICs) or a config".into());
     }
+    if nics.len() > engine_core::wire::MAX_NICS {
+        let (given, max) = (nics.len(), engine_core::wire::MAX_NICS);
+        return Err(format!(
+            "{given} NICs given; a DomainGroup has at most {max} (the suite stripes over 1 to {max})"
+        ));
+    }
     Ok(CommandHarness { base, nics })
 }
 

@@ -368,6 +368,17 @@ fn conformance_checks_repeat_typos_are_named_json_works_and_load_errors_come_onc
         err.contains("no_such_chek") && err.contains("imm_counts"),
         "{err}"
     );
+    // Five NICs: the limit is four, said at once rather than the fifth ignored.
+    let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(["conformance", "--config", good, "--check", "imm_counts"])
+        .args([
+            "--nic", "m0", "--nic", "m1", "--nic", "m2", "--nic", "m3", "--nic", "m4",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("5 NICs") && err.contains("at most 4"), "{err}");
     let (code, json) = xfer(&[
         "conformance",
         "--config",
