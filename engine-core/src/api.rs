@@ -607,6 +607,12 @@ impl TransferEngine {
         self.submit_paged(Rdma::Read, page_len, local, remote, on_done.into())
     }
 
+    /// Whether this engine's backend performs RDMA READ (plugins before ABI version 2, and
+    /// backends that declare none, do not: reads fail with `NotAvailable`).
+    pub fn supports_reads(&self) -> bool {
+        self.reads
+    }
+
     fn check_reads(&self) -> Result<()> {
         if self.reads {
             Ok(())

@@ -871,6 +871,7 @@ pub fn reads(h: &dyn Harness) {
     for nics in 1..=h.max_nics() {
         let config = quick_config(h, nics);
         let (a, b) = (open(&config), open(&config));
+        require_reads(&a);
         const LEN: usize = 3 << 20;
         let remote = Readable::new(&b, LEN, pattern(11), RemoteAccess::READ);
         let local = buffer(&a, LEN, |_| 0);
@@ -943,6 +944,7 @@ pub fn reads(h: &dyn Harness) {
 pub fn read_of_an_unreadable_region(h: &dyn Harness) {
     let config = quick_config(h, 1);
     let (a, b) = (open(&config), open(&config));
+    require_reads(&a);
     let write_only = buffer(&b, 4096, pattern(3));
     let local = buffer(&a, 4096, |_| 0xaa);
     let f = DoneFlag::new();
@@ -970,6 +972,7 @@ pub fn read_of_an_unreadable_region(h: &dyn Harness) {
 pub fn read_from_a_dead_peer(h: &dyn Harness) {
     let config = quick_config(h, 1);
     let (a, b) = (open(&config), open(&config));
+    require_reads(&a);
     let remote = Readable::new(&b, 4096, pattern(5), RemoteAccess::READ);
     let desc = remote.desc.clone();
     let local = buffer(&a, 4096, |_| 0);
@@ -1349,14 +1352,38 @@ pub enum CheckOutcome {
     Failed(String),
 }
 
-/// Runs one check, catching its panic (a failed check) into the outcome.
+/// Why a check ended without testing anything: a capability the backend may lack (reads,
+/// for a plugin built before ABI version 2). The suite reports it as `SKIP`, never a pass.
+struct SkipCheck(&'static str);
+
+/// Ends the running check as skipped, with why (see [`SkipCheck`]): only for what the ABI
+/// makes optional, so that "supported exactly when it passes" holds.
+pub fn skip_check(why: &'static str) -> ! {
+    std::panic::panic_any(SkipCheck(why))
+}
+
+/// The reason every read check gives on a backend without reads.
+const NO_READS: &str =
+    "the backend has no RDMA READ (a plugin built before ABI version 2, or one that declares none)";
+
+/// Skips the running check unless `engine` reads.
+fn require_reads(engine: &TransferEngine) {
+    if !engine.supports_reads() {
+        skip_check(NO_READS);
+    }
+}
+
+/// Runs one check, catching its panic (a failed check, or a skip) into the outcome.
 pub fn run_check(h: &dyn Harness, name: &str, check: Check) -> CheckOutcome {
     if let Some(why) = h.skip(name) {
         return CheckOutcome::Skipped(why);
     }
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(h))) {
         Ok(()) => CheckOutcome::Passed,
-        Err(panic) => CheckOutcome::Failed(crate::runtime::panic_message(&*panic)),
+        Err(panic) => match panic.downcast_ref::<SkipCheck>() {
+            Some(SkipCheck(why)) => CheckOutcome::Skipped(why),
+            None => CheckOutcome::Failed(crate::runtime::panic_message(&*panic)),
+        },
     }
 }
 
@@ -1399,11 +1426,17 @@ macro_rules! conformance_suite {
             #[$attr]
             fn $name() {
                 let harness = $harness;
-                if let Some(why) = $crate::conformance::Harness::skip(&harness, stringify!($name)) {
-                    eprintln!("conformance check {} SKIPPED: {why}", stringify!($name));
-                    return;
+                match $crate::conformance::run_check(
+                    &harness,
+                    stringify!($name),
+                    $crate::conformance::$name,
+                ) {
+                    $crate::conformance::CheckOutcome::Passed => {}
+                    $crate::conformance::CheckOutcome::Skipped(why) => {
+                        eprintln!("conformance check {} SKIPPED: {why}", stringify!($name));
+                    }
+                    $crate::conformance::CheckOutcome::Failed(message) => panic!("{message}"),
                 }
-                $crate::conformance::$name(&harness);
             }
         )*
     };

@@ -408,3 +408,43 @@ fn conformance_checks_repeat_typos_are_named_json_works_and_load_errors_come_onc
     assert_eq!(refusals, 1, "reported {refusals} times:\n{out}");
     assert!(!out.contains("FAIL"), "{out}");
 }
+
+/// Issue 26: reads are optional in the ABI; a plugin without them (ABI 1) gets SKIP with the
+/// reason for the three read checks, not FAIL with `unwrap()` on `NotAvailable`.
+#[test]
+fn read_checks_skip_a_plugin_without_reads() {
+    let fixture = Path::new(env!("CARGO_BIN_EXE_xfer"))
+        .parent()
+        .unwrap()
+        .join("libplugin_fixture_old_abi.so");
+    assert!(
+        fixture.is_file(),
+        "{} is built by `cargo test --workspace` (plugin-fixtures/old-abi)",
+        fixture.display()
+    );
+    let (code, out) = xfer(&[
+        "conformance",
+        "--plugin",
+        fixture.to_str().unwrap(),
+        "--backend",
+        "oldmock",
+        "--nic",
+        "m0",
+        "--check",
+        "read",
+        "--check",
+        "imm_counts",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    for check in [
+        "reads",
+        "read_of_an_unreadable_region",
+        "read_from_a_dead_peer",
+    ] {
+        assert!(
+            out.contains(&format!("SKIP {check}: the backend has no RDMA READ")),
+            "{check}:\n{out}"
+        );
+    }
+    assert!(out.contains("1 passed, 0 failed, 3 skipped"), "{out}");
+}
