@@ -1,8 +1,7 @@
 //! `xfer.TransferEngine`: the engine, its registrations, peer groups and watchers.
 
-use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use engine_core::{MrHandle, Pages, ScatterDst};
@@ -10,9 +9,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::errors::{self, OrRaise};
-use crate::memory::{self, Keep, MemoryRegion};
+use crate::memory::{self, desc_of, Keep, MemoryRegion, Registrations};
 use crate::transfer::{call_reporting, Transfer};
-use crate::values::{self, addr_of, desc_of, indices_of};
+use crate::values::{self, addr_of, indices_of};
 
 type Engine = Arc<engine_core::TransferEngine>;
 
@@ -24,9 +23,8 @@ type Engine = Arc<engine_core::TransferEngine>;
 /// `close()` or a `with` block; garbage collection closes it too.
 #[pyclass(module = "xfer", frozen)]
 pub(crate) struct TransferEngine {
-    engine: RwLock<Option<Engine>>,
-    /// What keeps each registration's memory alive, by handle id.
-    regions: Mutex<HashMap<u64, Keep>>,
+    /// The engine and its registrations' keep-alives, shared with its regions.
+    reg: Arc<Registrations>,
 }
 
 /// A set of peers from `add_peer_group` (checks that a scatter or barrier stays inside it).
@@ -41,37 +39,7 @@ pub(crate) struct Watcher(Mutex<Option<engine_core::Watcher>>);
 
 impl TransferEngine {
     fn engine(&self, py: Python<'_>) -> PyResult<Engine> {
-        self.engine
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-            .ok_or_else(|| errors::closed(py))
-    }
-
-    pub(crate) fn is_registered(&self, id: u64) -> bool {
-        self.regions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains_key(&id)
-    }
-
-    pub(crate) fn dereg_handle(&self, py: Python<'_>, handle: MrHandle) -> PyResult<()> {
-        let engine = self.engine(py)?;
-        if !self.is_registered(handle.id()) {
-            return Err(errors::invalid(
-                py,
-                "the region is not registered (deregistered already?)",
-            ));
-        }
-        let result = py.detach(|| engine.dereg_mr(handle));
-        // Whatever it returned, no NIC touches the memory any more: release the exporter.
-        let keep = self
-            .regions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&handle.id());
-        drop(keep);
-        result.or_raise(py)
+        self.reg.engine(py)
     }
 
     fn register(
@@ -94,12 +62,10 @@ impl TransferEngine {
         let (handle, desc) = py
             .detach(|| unsafe { crate::ffi::register(&engine, ptr, nbytes, device, access) })
             .or_raise(py)?;
-        this.regions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(handle.id(), exported.keep);
+        this.reg.keep(handle.id(), exported.keep);
         Ok(MemoryRegion {
-            engine: slf.clone().unbind(),
+            owner: Arc::clone(&this.reg),
+            _engine: slf.clone().into_any().unbind(),
             handle,
             desc,
             ptr,
@@ -136,7 +102,7 @@ impl TransferEngine {
             )
         })?;
         let r = r.get();
-        if !std::ptr::eq(r.engine.get(), self) {
+        if !Arc::ptr_eq(&r.owner, &self.reg) {
             return Err(errors::invalid(
                 py,
                 "the MemoryRegion belongs to another engine",
@@ -147,6 +113,7 @@ impl TransferEngine {
 
     fn close_now(&self, py: Python<'_>) {
         let engine = self
+            .reg
             .engine
             .write()
             .unwrap_or_else(|p| p.into_inner())
@@ -163,13 +130,7 @@ impl TransferEngine {
             crate::transfer::drain_callbacks(py);
         }
         // Only now: nothing can write into these buffers any more.
-        let keeps: Vec<Keep> = self
-            .regions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain()
-            .map(|(_, k)| k)
-            .collect();
+        let keeps: Vec<Keep> = self.reg.take_all();
         drop(keeps);
     }
 }
@@ -177,8 +138,9 @@ impl TransferEngine {
 impl Drop for TransferEngine {
     fn drop(&mut self) {
         let engine = self
+            .reg
             .engine
-            .get_mut()
+            .write()
             .unwrap_or_else(|p| p.into_inner())
             .take();
         if let Some(engine) = engine {
@@ -302,8 +264,7 @@ impl TransferEngine {
             .detach(|| engine_core::TransferEngine::open(&config))
             .or_raise(py)?;
         Ok(Self {
-            engine: RwLock::new(Some(Arc::new(engine))),
-            regions: Mutex::new(HashMap::new()),
+            reg: Arc::new(Registrations::new(engine)),
         })
     }
 
@@ -341,7 +302,8 @@ impl TransferEngine {
     /// Whether `close()` ran.
     #[getter]
     fn closed(&self) -> bool {
-        self.engine
+        self.reg
+            .engine
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .is_none()
@@ -395,7 +357,7 @@ impl TransferEngine {
     /// Deregisters a region (same as `region.dereg()`).
     fn dereg_mr(&self, py: Python<'_>, region: &Bound<'_, PyAny>) -> PyResult<()> {
         let (handle, _) = self.local(py, region)?;
-        self.dereg_handle(py, handle)
+        self.reg.dereg_handle(py, handle)
     }
 
     /// Writes `nbytes` (default: the rest of `src` after `src_offset`) from the local region
@@ -881,7 +843,7 @@ impl TransferEngine {
     }
 
     fn __repr__(&self) -> String {
-        match &*self.engine.read().unwrap_or_else(|p| p.into_inner()) {
+        match &*self.reg.engine.read().unwrap_or_else(|p| p.into_inner()) {
             Some(e) => format!(
                 "<xfer.TransferEngine {} with {} NIC(s) at {}>",
                 e.backend(),

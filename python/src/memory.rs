@@ -2,14 +2,78 @@
 //! DLPack (numpy, torch; CPU or CUDA). The registration holds the exporter, so the memory
 //! stays where it is until deregistration.
 
-use engine_core::{Device, RemoteAccess};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+
+use engine_core::{Device, MrHandle, RemoteAccess};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::prelude::*;
-use pyo3::types::PyCapsule;
+use pyo3::types::{PyBytes, PyCapsule};
 
-use crate::errors;
+use crate::errors::{self, OrRaise};
 use crate::ffi::{self, DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED};
 use crate::values::{type_name, MrDesc};
+
+/// An engine and what keeps its registrations' memory alive, shared by the
+/// `xfer.TransferEngine` and each of its `MemoryRegion`s (so a region deregisters itself
+/// without knowing the engine's Python class).
+pub(crate) struct Registrations {
+    /// `None` once closed.
+    pub(crate) engine: RwLock<Option<Arc<engine_core::TransferEngine>>>,
+    /// What keeps each registration's memory alive, by handle id.
+    keeps: Mutex<HashMap<u64, Keep>>,
+}
+
+impl Registrations {
+    pub(crate) fn new(engine: engine_core::TransferEngine) -> Self {
+        Self {
+            engine: RwLock::new(Some(Arc::new(engine))),
+            keeps: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The engine, or `ShutdownError` once closed.
+    pub(crate) fn engine(&self, py: Python<'_>) -> PyResult<Arc<engine_core::TransferEngine>> {
+        self.engine
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| errors::closed(py))
+    }
+
+    fn keeps(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Keep>> {
+        self.keeps.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn is_registered(&self, id: u64) -> bool {
+        self.keeps().contains_key(&id)
+    }
+
+    /// Keeps `keep` until registration `id` is deregistered or the engine closes.
+    pub(crate) fn keep(&self, id: u64, keep: Keep) {
+        self.keeps().insert(id, keep);
+    }
+
+    /// Every keep-alive, for release once nothing can touch the memory (the engine shut down).
+    pub(crate) fn take_all(&self) -> Vec<Keep> {
+        self.keeps().drain().map(|(_, k)| k).collect()
+    }
+
+    pub(crate) fn dereg_handle(&self, py: Python<'_>, handle: MrHandle) -> PyResult<()> {
+        let engine = self.engine(py)?;
+        if !self.is_registered(handle.id()) {
+            return Err(errors::invalid(
+                py,
+                "the region is not registered (deregistered already?)",
+            ));
+        }
+        let result = py.detach(|| engine.dereg_mr(handle));
+        // Whatever it returned, no NIC touches the memory any more: release the exporter.
+        let keep = self.keeps().remove(&handle.id());
+        drop(keep);
+        result.or_raise(py)
+    }
+}
 
 /// What keeps a registered object's memory allocated and in place.
 pub(crate) enum Keep {
@@ -160,7 +224,10 @@ pub(crate) fn export(obj: &Bound<'_, PyAny>, peers_write: bool) -> PyResult<Expo
 /// context manager); the engine deregisters what is left when it closes.
 #[pyclass(module = "xfer", frozen)]
 pub(crate) struct MemoryRegion {
-    pub(crate) engine: Py<crate::engine::TransferEngine>,
+    /// Its engine's registrations (for `dereg`, and to tell its engine from others).
+    pub(crate) owner: Arc<Registrations>,
+    /// The engine object, kept alive as long as the region (as a Python reference would).
+    pub(crate) _engine: Py<PyAny>,
     pub(crate) handle: engine_core::MrHandle,
     pub(crate) desc: Option<engine_core::MrDesc>,
     pub(crate) ptr: u64,
@@ -210,13 +277,13 @@ impl MemoryRegion {
     /// Whether it is still registered.
     #[getter]
     fn registered(&self) -> bool {
-        self.engine.get().is_registered(self.handle.id())
+        self.owner.is_registered(self.handle.id())
     }
 
     /// Deregisters it (waits until no NIC touches the memory; releases the GIL meanwhile),
     /// then releases the exporting object.
     fn dereg(&self, py: Python<'_>) -> PyResult<()> {
-        self.engine.get().dereg_handle(py, self.handle)
+        self.owner.dereg_handle(py, self.handle)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -225,7 +292,7 @@ impl MemoryRegion {
 
     #[pyo3(signature = (*_args))]
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
-        if self.engine.get().is_registered(self.handle.id()) {
+        if self.owner.is_registered(self.handle.id()) {
             self.dereg(py)?;
         }
         Ok(false)
@@ -239,4 +306,25 @@ impl MemoryRegion {
             device_name(self.device)
         )
     }
+}
+
+/// An `MrDesc` from an `MrDesc`, a `MemoryRegion` (its descriptor) or bytes.
+pub(crate) fn desc_of(obj: &Bound<'_, PyAny>) -> PyResult<engine_core::MrDesc> {
+    let py = obj.py();
+    if let Ok(d) = obj.cast::<MrDesc>() {
+        return Ok(d.get().0.clone());
+    }
+    if let Ok(r) = obj.cast::<MemoryRegion>() {
+        return r.get().desc_or_err(py);
+    }
+    if obj.is_instance_of::<PyBytes>() {
+        return MrDesc::new(py, obj).map(|d| d.0);
+    }
+    Err(errors::invalid(
+        py,
+        format!(
+            "expected an xfer.MrDesc (or its bytes, or a MemoryRegion), not {}",
+            type_name(obj)
+        ),
+    ))
 }

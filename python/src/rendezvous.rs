@@ -7,7 +7,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::errors;
-use crate::values::{addr_of, desc_of, MrDesc};
+use crate::memory::desc_of;
+use crate::values::{addr_of, MrDesc};
 
 fn to_py(py: Python<'_>, e: xfer_rendezvous::Error) -> PyErr {
     let class = match &e {

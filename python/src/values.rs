@@ -55,7 +55,7 @@ pub(crate) struct MrDesc(pub(crate) engine_core::MrDesc);
 #[pymethods]
 impl MrDesc {
     #[new]
-    fn new(py: Python<'_>, raw: &Bound<'_, PyAny>) -> PyResult<Self> {
+    pub(crate) fn new(py: Python<'_>, raw: &Bound<'_, PyAny>) -> PyResult<Self> {
         let bytes = bytes_of(raw)?;
         engine_core::MrDesc::from_bytes(&bytes)
             .map(Self)
@@ -339,27 +339,6 @@ pub(crate) fn arrivals(
             )),
         };
     Ok(count(shape))
-}
-
-/// An `MrDesc` from an `MrDesc`, a `MemoryRegion` (its descriptor) or bytes.
-pub(crate) fn desc_of(obj: &Bound<'_, PyAny>) -> PyResult<engine_core::MrDesc> {
-    let py = obj.py();
-    if let Ok(d) = obj.cast::<MrDesc>() {
-        return Ok(d.get().0.clone());
-    }
-    if let Ok(r) = obj.cast::<crate::memory::MemoryRegion>() {
-        return r.get().desc_or_err(py);
-    }
-    if obj.is_instance_of::<PyBytes>() {
-        return MrDesc::new(py, obj).map(|d| d.0);
-    }
-    Err(errors::invalid(
-        py,
-        format!(
-            "expected an xfer.MrDesc (or its bytes, or a MemoryRegion), not {}",
-            type_name(obj)
-        ),
-    ))
 }
 
 /// A `NetAddr` from a `NetAddr` or bytes.
