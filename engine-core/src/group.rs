@@ -7,7 +7,7 @@
 //!
 //! The built-in group is [`StripingGroup`]: the pure striping planner ([`crate::plan`]) over
 //! the configured NICs. A backend whose hardware or library already spreads traffic over its
-//! rails supplies its own group through [`BackendRegistration::open_group`](crate::domain::BackendRegistration::open_group): its own policy
+//! rails supplies its own group through `domain::BackendRegistration::open_group`: its own policy
 //! (say, each unit whole on one rail), its own Domains.
 //!
 //! Both peers must use the same group and config: arrivals are counted from the sender's plan.
