@@ -1,3 +1,6 @@
+//! (Over 700 lines on purpose: one state machine — its states, transitions, deadlines and
+//! sealing — reads best in one place; a third of it is these docs.)
+//!
 //! The connection handshake as a pure state machine, after quinn-proto's design: it reads no
 //! clock, creates no QP, sends nothing and sleeps nowhere. The Domain feeds it datagrams, the
 //! time and the outcome of what it asked for, and carries out the [`Action`]s it returns; the

@@ -1,3 +1,6 @@
+//! (Over 700 lines on purpose: the simulated network, the stand-in Domain, the scenarios and
+//! the rule tests are one harness and are read together.)
+//!
 //! The Pair harness: pure handshake endpoints on a virtual clock, joined by a network that
 //! loses, duplicates, reorders and delays datagrams by a seeded schedule, each with a
 //! stand-in Domain that carries out the actions (QP numbers, which remote QPs each QP is
