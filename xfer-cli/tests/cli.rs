@@ -413,15 +413,15 @@ fn conformance_checks_repeat_typos_are_named_json_works_and_load_errors_come_onc
 /// reason for the three read checks, not FAIL with `unwrap()` on `NotAvailable`.
 #[test]
 fn read_checks_skip_a_plugin_without_reads() {
-    let fixture = Path::new(env!("CARGO_BIN_EXE_xfer"))
-        .parent()
-        .unwrap()
-        .join("libplugin_fixture_old_abi.so");
-    assert!(
-        fixture.is_file(),
-        "{} is built by `cargo test --workspace` (plugin-fixtures/old-abi)",
-        fixture.display()
-    );
+    // A dev-dependency: cargo builds its cdylib next to this test (deps/), or a workspace
+    // build put it one level up.
+    let exe = std::env::current_exe().unwrap();
+    let deps = exe.parent().unwrap();
+    let file = "libplugin_fixture_old_abi.so";
+    let fixture = [deps.join(file), deps.parent().unwrap().join(file)]
+        .into_iter()
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| panic!("{file} was not built next to {}", exe.display()));
     let (code, out) = xfer(&[
         "conformance",
         "--plugin",
