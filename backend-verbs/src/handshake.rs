@@ -1,5 +1,6 @@
-//! (Over 700 lines on purpose: one state machine — its states, transitions, deadlines and
-//! sealing — reads best in one place; a third of it is these docs.)
+//! Why one file: it is one state machine. Every transition reads and writes the same per-peer
+//! `State` and the rules depend on each other (prev, proof, candidates, the Ready echo, the
+//! MAC); split, a rule would sit apart from the states it guards. A third of it is these docs.
 //!
 //! The connection handshake as a pure state machine, after quinn-proto's design: it reads no
 //! clock, creates no QP, sends nothing and sleeps nowhere. The Domain feeds it datagrams, the

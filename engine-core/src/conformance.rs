@@ -1,3 +1,7 @@
+//! Why one file: it is one suite. `CHECKS` lists every check by name, the `conformance_suite!`
+//! macro turns that list into tests, and the checks share the small helpers at the top; a vendor
+//! reads a failing check next to its neighbours.
+//!
 //! The backend conformance suite: one battery of tests every backend runs against engines of
 //! its own. A backend is "supported" exactly when it passes.
 //!

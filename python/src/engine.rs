@@ -1,3 +1,8 @@
+//! Why one file: it is the `xfer.TransferEngine` class. PyO3 takes one `#[pymethods]` block per
+//! class (without its `multiple-pymethods` feature, which needs `inventory` across the extension),
+//! so every Python method of the class lives in that one block; the helpers beside it are only
+//! the argument conversions those methods share.
+//!
 //! `xfer.TransferEngine`: the engine, its registrations, peer groups and watchers.
 
 use std::path::Path;

@@ -1,3 +1,7 @@
+//! Why one file: it is one contract. The `#[repr(C)]` types, the table of entries, the shims
+//! that fill it from a Rust `Domain` and the compile-time layout assertions must agree field by
+//! field, and the C header is generated from exactly this file's types.
+//!
 //! The versioned C ABI between the engine and an out-of-tree backend (one `cdylib`).
 //!
 //! A plugin exports an entry symbol, `xfer_plugin_entry_<backend name>` (or plain

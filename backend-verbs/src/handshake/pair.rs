@@ -1,5 +1,6 @@
-//! (Over 700 lines on purpose: the simulated network, the stand-in Domain, the scenarios and
-//! the rule tests are one harness and are read together.)
+//! Why one file: one test harness. The simulated network, the stand-in Domain, the invariants
+//! checked at each step and the scenarios that drive them share the `World` they run in, and a
+//! failing seed is read against all of them at once.
 //!
 //! The Pair harness: pure handshake endpoints on a virtual clock, joined by a network that
 //! loses, duplicates, reorders and delays datagrams by a seeded schedule, each with a

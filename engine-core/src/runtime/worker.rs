@@ -1,3 +1,7 @@
+//! Why one file: it is one thread and the state only that thread owns (`Worker`'s fields: the
+//! tracker, the parked posts, the events, the batch of finished operations). Every method reads
+//! or writes that state; the pure parts it drives live elsewhere (tracker, ImmCounter, planning).
+//!
 //! The worker: one thread per DomainGroup that posts work, polls completions and enforces
 //! deadlines. It is a thin loop around [`Tracker`] and the [`ImmCounter`](crate::ImmCounter);
 //! the planning happened on the caller's thread.
