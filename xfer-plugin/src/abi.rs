@@ -1,6 +1,7 @@
 //! Why one file: it is one contract. The `#[repr(C)]` types, the table of entries, the shims
 //! that fill it from a Rust `Domain` and the compile-time layout assertions must agree field by
-//! field, and the C header is generated from exactly this file's types.
+//! field, and the C header is generated from these types (with `RawBytes`, kept in `raw.rs`
+//! because the log forwarding uses it too).
 //!
 //! The versioned C ABI between the engine and an out-of-tree backend (one `cdylib`).
 //!
