@@ -1,0 +1,452 @@
+//! One RDMA device as an xfer Domain: RC QPs per peer, connected lazily through a handshake
+//! on the device's UD QP.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engine_core::domain::{
+    message_size_class, Device as MemDevice, Domain, DomainConfig, DomainError, DomainErrorKind,
+    Event, MemoryRegion, PostStatus, ReadRequest, ReceivePool, RegionTable, Registration, Waker,
+    WriteRequest,
+};
+use engine_core::NetAddr;
+use foldhash::{HashMap, HashSet};
+
+use crate::completion::{Outstanding, Progress};
+use crate::ffi::{
+    self, Attr, Device, Mr, Qp, RemoteBits, Wc, Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV,
+    TAG_IMM_RECV, TAG_MASK, TAG_MSG_RECV, TAG_SEND,
+};
+use crate::handshake::{self, Action, Ends, Handshaker, Prior};
+use crate::log;
+use crate::notify::NotifyState;
+use crate::options::VerbsOptions;
+use crate::wire::{choose_gid, choose_gid_for, GidEntry, GidWanted, Handshake, Kind, VerbsAddr};
+
+mod completions;
+mod connect;
+mod datapath;
+mod lifecycle;
+mod memory;
+mod setup;
+
+use datapath::{next_send_id, post_message, DataQueue, Rdma, SendBuffer};
+
+/// A write or send waiting for its peer's connection.
+enum Queued {
+    Write(Write),
+    Send { wr_id: u64, data: Vec<u8> },
+}
+
+/// One peer's connection: its two RC QPs, what waits for them, and whether it may post.
+/// The handshake's state lives in [`Handshaker`]; this is what the Domain owns.
+struct Connection {
+    data: Qp,
+    msg: Qp,
+    /// Posts waiting for the handshake, or that found the send queue full (retried after
+    /// polling).
+    queued: VecDeque<Queued>,
+    /// The handshake finished on our side: as the requester once our QPs are connected, as
+    /// the responder once the requester's `Ready` came (before it, a packet sent early is
+    /// dropped at the requester and retransmitted only after the ack timeout).
+    ready: bool,
+}
+
+/// An RDMA device.
+pub struct VerbsDomain {
+    // Drop order: QPs, registrations and buffers before the device.
+    peers: HashMap<NetAddr, Connection>,
+    /// Every peer's handshake (pure: see `handshake`).
+    handshake: Handshaker,
+    /// QPs built beside an unproven connection for a request that did not name it: they
+    /// replace it when their `Ready` comes (`Action::Promote`).
+    candidates: HashMap<NetAddr, (Qp, Qp)>,
+    /// QPs of connections that have not carried traffic yet: their first successful
+    /// completion or arrival proves the connection to the handshake. Empty in the steady
+    /// state, so the completion path pays one branch.
+    unproven: HashSet<u32>,
+    /// QPs of failed connections, kept until the device closes so their flushed completions
+    /// can still be read.
+    graveyard: Vec<(Instant, Qp)>,
+    regions: RegionTable<Mr>,
+    /// Message buffers posted to the message SRQ.
+    receives: ReceivePool<Mr>,
+    sends: HashMap<u64, SendBuffer>,
+    /// Registered message buffers for sends (see `message_size_class`).
+    send_pool: ReceivePool<Mr>,
+    device: Device,
+    attr: Attr,
+    me: VerbsAddr,
+    address: NetAddr,
+    name: String,
+    options: VerbsOptions,
+    /// QP number → the peer it talks to.
+    qp_peer: HashMap<u32, NetAddr>,
+    /// Data QP number → its chain and outstanding writes.
+    data_queues: HashMap<u32, DataQueue>,
+    /// Data QPs whose writes were all accounted for when they failed; their late
+    /// completions are ignored.
+    dead_qps: HashSet<u32>,
+    done: Vec<Event>,
+    wcs: Vec<Wc>,
+    rng: fastrand::Rng,
+    /// The id of the next send-side work request (low bits; tagged `TAG_SEND`): unique per
+    /// work request, so a failed completion names exactly one.
+    next_wr: u64,
+    /// Polls since the last check for peers that stopped answering.
+    polls_since_check: u32,
+    /// Immediate receives consumed and not yet reposted: refilled in one batch per poll, and
+    /// kept owed (and reported) when the SRQ refuses them.
+    imm_deficit: u32,
+    next_imm_recv: u64,
+    /// Handshake datagrams sent (for the `ud_error_after_sends` fault).
+    handshakes_sent: u32,
+    /// Handshake-QP resets already logged.
+    ud_resets_seen: u64,
+    /// Unauthenticated handshake datagrams already logged.
+    unauthenticated_seen: u64,
+    /// The `stall_on_first_arrival_ms` fault, until it fired.
+    stall_once: Option<u64>,
+    /// When the `forge_requests_every_ms` fault last fired.
+    last_forged: Instant,
+    /// Shared with the completion-channel thread once the engine gave a waker (see `notify`),
+    /// and that waker (asked whether the worker is about to park).
+    notify: Option<(Arc<NotifyState>, Waker)>,
+}
+
+fn err(kind: DomainErrorKind, message: impl Into<String>) -> DomainError {
+    DomainError::new(kind, message)
+}
+
+fn other(message: String) -> DomainError {
+    err(DomainErrorKind::Other, message)
+}
+
+/// Maps a failed work completion to the engine's kinds.
+fn classify(status: i32) -> DomainErrorKind {
+    match status {
+        10 => DomainErrorKind::RemoteAccess,   // REM_ACCESS_ERR
+        9 => DomainErrorKind::InvalidArgument, // REM_INV_REQ_ERR: the request itself was malformed
+        12 | 13 | 5 => DomainErrorKind::PeerUnreachable, // RETRY_EXC, RNR_RETRY_EXC, WR_FLUSH
+        _ => DomainErrorKind::Other,
+    }
+}
+
+impl Domain for VerbsDomain {
+    fn address(&self) -> NetAddr {
+        self.address.clone()
+    }
+
+    fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError> {
+        let mr = match region.device {
+            MemDevice::Cuda(index) => self.register_gpu(region, index)?,
+            _ => {
+                // SAFETY: TransferEngine::reg_mr's contract keeps the memory allocated until it
+                // is deregistered, which drops this registration.
+                unsafe {
+                    self.device.register(
+                        region.ptr,
+                        region.len as usize,
+                        RemoteBits::of(region.remote_write, region.remote_read),
+                    )
+                }
+                .map_err(|e| {
+                    let limit =
+                        engine_core::topo::doctor::memlock_limit(std::path::Path::new("/proc"))
+                            .map_or("unlimited".to_owned(), |l| format!("{l} bytes"));
+                    other(format!(
+                        "{e} (locked-memory limit: {limit}; see `xfer doctor`)"
+                    ))
+                })?
+            }
+        };
+        let key = self.regions.next_key();
+        let remote_key = u64::from(mr.rkey);
+        Ok(self.regions.insert(key, region, mr, remote_key))
+    }
+
+    /// Deregisters only once no work request can use the region: writes and reads that
+    /// would use it but are not posted yet (queued for a connection, or in a chain) fail now;
+    /// posted ones are waited for (polling here, completions kept for the next `poll`), at most
+    /// `unreachable_ms`, after which their connections go to the error state (a QP in error
+    /// executes nothing). Without this, a queued write was later posted with the dead lkey —
+    /// a protection error that broke the connection and failed unrelated writes — and a
+    /// posted read could land in memory already freed.
+    fn deregister(&mut self, local_key: u64) -> Result<(), DomainError> {
+        let lkey = self
+            .regions
+            .registration(local_key)
+            .ok_or_else(|| {
+                err(
+                    DomainErrorKind::InvalidArgument,
+                    format!("local key {local_key} is not registered"),
+                )
+            })?
+            .lkey;
+        let uses = |w: &Write| w.len > 0 && w.lkey == lkey;
+        let gone = || {
+            Err(err(
+                DomainErrorKind::InvalidArgument,
+                "its local region was deregistered before it was posted",
+            ))
+        };
+        let mut failed = Vec::new();
+        for c in self.peers.values_mut() {
+            c.queued.retain(|q| match q {
+                Queued::Write(w) if uses(w) => {
+                    failed.push(w.user);
+                    false
+                }
+                _ => true,
+            });
+        }
+        for q in self.data_queues.values_mut() {
+            q.chain.retain(|w| {
+                let keep = !uses(w);
+                if !keep {
+                    failed.push(w.user);
+                }
+                keep
+            });
+        }
+        self.done
+            .extend(failed.into_iter().map(|wr_id| Event::Done {
+                wr_id,
+                result: gone(),
+            }));
+        let deadline = Instant::now() + Duration::from_millis(self.options.unreachable_ms);
+        loop {
+            let busy: Vec<u32> = self
+                .data_queues
+                .iter()
+                .filter(|(_, q)| q.outstanding.any(uses))
+                .map(|(&qpn, _)| qpn)
+                .collect();
+            if busy.is_empty() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                for qpn in busy {
+                    if let Some(peer) = self.qp_peer.get(&qpn).cloned() {
+                        self.fail_peer(
+                            &peer,
+                            "a region its writes use was deregistered while they stayed unfinished",
+                        );
+                    }
+                }
+                break;
+            }
+            let mut events = Vec::new();
+            self.poll(&mut events)?;
+            self.done.append(&mut events);
+        }
+        self.regions.remove(local_key).map(drop)
+    }
+
+    fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError> {
+        self.post_rdma(Rdma {
+            wr_id: wr.wr_id,
+            peer: wr.peer,
+            local: (wr.local_addr, wr.local_key),
+            remote: (wr.remote_addr, wr.remote_key),
+            len: wr.len,
+            imm: wr.imm,
+            read: false,
+        })
+    }
+
+    fn supports_read(&self) -> bool {
+        true
+    }
+
+    fn post_read(&mut self, rd: &ReadRequest<'_>) -> Result<PostStatus, DomainError> {
+        self.post_rdma(Rdma {
+            wr_id: rd.wr_id,
+            peer: rd.peer,
+            local: (rd.local_addr, rd.local_key),
+            remote: (rd.remote_addr, rd.remote_key),
+            len: rd.len,
+            imm: None,
+            read: true,
+        })
+    }
+
+    fn post_send(
+        &mut self,
+        wr_id: u64,
+        peer: &NetAddr,
+        data: &[u8],
+    ) -> Result<PostStatus, DomainError> {
+        let queued = self.queue_until_ready(peer, || Queued::Send {
+            wr_id,
+            data: data.to_vec(),
+        })?;
+        if queued {
+            return Ok(PostStatus::Posted);
+        }
+        match self.peers.get_mut(peer) {
+            Some(Connection {
+                msg,
+                queued,
+                ready: true,
+                ..
+            }) => {
+                if !queued.is_empty() {
+                    return Ok(PostStatus::Busy);
+                }
+                let id = next_send_id(&mut self.next_wr);
+                match post_message(
+                    &mut self.device,
+                    msg,
+                    (&mut self.sends, &mut self.send_pool),
+                    (id, wr_id),
+                    data,
+                ) {
+                    Ok(true) => Ok(PostStatus::Posted),
+                    Ok(false) => Ok(PostStatus::Busy),
+                    Err(e) => Err(other(e)),
+                }
+            }
+            _ => Err(err(
+                DomainErrorKind::PeerUnreachable,
+                format!("{peer} failed to connect"),
+            )),
+        }
+    }
+
+    fn post_recvs(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError> {
+        for _ in 0..count {
+            let device = &mut self.device;
+            // SAFETY: the buffer lives in the pool for the Domain's lifetime.
+            let index = self
+                .receives
+                .take(buf_len, |data| unsafe {
+                    device.register(
+                        data.as_ptr() as u64,
+                        data.len(),
+                        RemoteBits::of(false, false),
+                    )
+                })
+                .map_err(other)?;
+            let (addr, len, mr) = self.receives.get(index);
+            // SAFETY: the buffer is registered and not reused until its completion.
+            unsafe {
+                self.device.post_srq_recv(
+                    true,
+                    TAG_MSG_RECV | index as u64,
+                    addr as u64,
+                    len as u32,
+                    mr.lkey,
+                )
+            }
+            .map_err(other)?;
+        }
+        Ok(())
+    }
+
+    fn set_waker(&mut self, waker: Waker) -> bool {
+        if !self.options.completion_channel || self.notify.is_some() {
+            return false;
+        }
+        let state = Arc::new(NotifyState::default());
+        let shared = state.clone();
+        let retry = Duration::from_millis(self.options.retry_ms);
+        let thread_waker = waker.clone();
+        let started = self
+            .device
+            .start_notifier(format!("xfer-verbs-{}", self.name), move |events| {
+                crate::notify::run(&events, &shared, retry, &thread_waker)
+            });
+        match started {
+            Ok(()) => {
+                self.notify = Some((state, waker));
+                true
+            }
+            Err(e) => {
+                log::line(&format!(
+                    "{}: {e}; the engine polls this device on an interval",
+                    self.name
+                ));
+                false
+            }
+        }
+    }
+
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError> {
+        // Chains still building since the last pass go out now, one doorbell each.
+        self.post_chains();
+        self.polls_since_check += 1;
+        if self.polls_since_check >= 1024 {
+            self.polls_since_check = 0;
+            self.check_stalled_peers();
+            self.collect_graveyard();
+            let dropped = self.handshake.unauthenticated();
+            if dropped != self.unauthenticated_seen {
+                self.unauthenticated_seen = dropped;
+                log::line(&format!(
+                    "{}: {dropped} handshake datagrams without a valid MAC dropped so far (a peer without the cluster secret, or forged)",
+                    self.name
+                ));
+            }
+            self.read_async_events()?;
+        }
+        let async_pending = self
+            .notify
+            .as_ref()
+            .is_some_and(|(n, _)| n.async_pending.load(Ordering::SeqCst));
+        if async_pending {
+            // The notifier saw one and stopped watching the fd until it is read: read, then
+            // let it watch again.
+            let read = self.read_async_events();
+            if let Some((notify, _)) = &self.notify {
+                notify.async_pending.store(false, Ordering::SeqCst);
+            }
+            self.device.kick();
+            read?;
+        }
+        events.append(&mut self.done);
+        // Arm whatever this drain found: completions that raise no event (a handshake
+        // datagram, a flushed write of a dead QP) leave the worker idle, and it parks after
+        // this poll. Arming only after an empty drain lost exactly those wake-ups (a receiver
+        // parked unarmed right after a handshake datagram; guest runs failed 2 of 4).
+        let result = self
+            .drain_cq(events)
+            .and_then(|()| self.arm_if_parking(events));
+        let resets = self.device.ud_resets();
+        if resets != self.ud_resets_seen {
+            self.ud_resets_seen = resets;
+            log::line(&format!(
+                "{}: the handshake QP failed and was reset ({resets} so far); handshakes in flight are resent",
+                self.name
+            ));
+        }
+        // Every receive consumed in this pass goes back in one batch.
+        let refill = self.refill_imm_receives();
+        self.check_handshakes();
+        let connected: Vec<NetAddr> = self
+            .peers
+            .iter()
+            .filter(|(_, c)| c.ready && !c.queued.is_empty())
+            .map(|(a, _)| a.clone())
+            .collect();
+        for p in connected {
+            self.flush(&p);
+        }
+        self.post_chains();
+        events.append(&mut self.done);
+        result.and(refill)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn messages_share_a_few_buffer_sizes() {
+        assert_eq!(super::message_size_class(0), 256);
+        assert_eq!(super::message_size_class(256), 256);
+        assert_eq!(super::message_size_class(257), 512);
+        assert_eq!(super::message_size_class(65_536), 65_536);
+    }
+}

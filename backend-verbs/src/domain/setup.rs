@@ -1,0 +1,179 @@
+//! Opening a device: its port, GID and MTU, the CQ, SRQs and UD QP, the immediate receives
+//! posted up front, and the handshake machine with the cluster secret.
+
+use super::*;
+
+impl VerbsDomain {
+    /// Opens the device named `config.nic`.
+    pub fn open(config: &DomainConfig<'_>) -> Result<Self, DomainError> {
+        let options = VerbsOptions::parse(config.options)?;
+        let port = options.port_of(config.nic);
+        let mut device = Device::open(config.nic, port).map_err(|e| {
+            err(
+                DomainErrorKind::InvalidArgument,
+                format!(
+                    "{e}; devices present: {:?} (see `xfer doctor`)",
+                    ffi::devices()
+                ),
+            )
+        })?;
+        let gid_index = match options.gid_index {
+            Some(i) => i,
+            None => {
+                let mut entries = Vec::new();
+                for index in 0.. {
+                    match device.gid(index) {
+                        Ok(Some((gid, roce_v2))) => entries.push(GidEntry {
+                            index: index as u32,
+                            gid,
+                            roce_v2,
+                        }),
+                        Ok(None) => {}
+                        Err(()) => break,
+                    }
+                }
+                if let Some(wanted) = &options.gid {
+                    // Each GID's netdev, as sysfs shows it.
+                    let netdevs: Vec<Option<String>> = entries
+                        .iter()
+                        .map(|e| {
+                            std::fs::read_to_string(format!(
+                                "/sys/class/infiniband/{}/ports/{port}/gid_attrs/ndevs/{}",
+                                config.nic, e.index
+                            ))
+                            .ok()
+                            .map(|s| s.trim().to_owned())
+                        })
+                        .collect();
+                    let chosen = choose_gid_for(&entries, &netdevs, &GidWanted::parse(wanted));
+                    chosen.ok_or_else(|| {
+                        err(
+                            DomainErrorKind::InvalidArgument,
+                            format!(
+                                "{} port {port} has no GID for gid = {wanted:?} (an IP address of, or a netdev on, this port; see `xfer info`)",
+                                config.nic
+                            ),
+                        )
+                    })? as i32
+                } else {
+                    choose_gid(&entries).ok_or_else(|| {
+                        err(
+                            DomainErrorKind::InvalidArgument,
+                            format!(
+                            "{} port {} has no usable GID: bring its netdev up (see `xfer doctor`)",
+                            config.nic, port
+                        ),
+                        )
+                    })? as i32
+                }
+            }
+        };
+        let stall_once = Some(options.faults.stall_on_first_arrival_ms).filter(|&ms| ms > 0);
+        // The CQ holds what can complete on it: the immediate receives posted (imm_receives),
+        // every message receive the message SRQ can hold, and the handshake QP's 64 receives
+        // and 64 sends (plus slack); each RC QP's send queue is added when it is created (the
+        // shim grows the CQ). A fixed size overran as soon as more could be outstanding.
+        let srq_size = options.imm_receives.max(16) * 2;
+        let cq_size = match options.faults.cq_entries {
+            0 => options.imm_receives + srq_size + 2 * 64 + 64,
+            fixed => fixed as i32,
+        };
+        let attr = device
+            .setup(gid_index, cq_size, srq_size)
+            .map_err(|e| other(format!("{}: {e}", config.nic)))?;
+        if options.faults.cq_entries > 0 {
+            device.fix_cq_size();
+        }
+        if attr.state != 4 {
+            return Err(err(
+                DomainErrorKind::InvalidArgument,
+                format!(
+                    "{} port {} is not ACTIVE (state {}); see `xfer doctor`",
+                    config.nic, port, attr.state
+                ),
+            ));
+        }
+        let global_mode = match options.global_routing.as_str() {
+            "always" => 1,
+            "never" if attr.ethernet != 0 => {
+                return Err(err(
+                    DomainErrorKind::InvalidArgument,
+                    format!(
+                        "global_routing = \"never\" on {}, a RoCE port: RoCE packets always carry a GRH",
+                        config.nic
+                    ),
+                ))
+            }
+            "never" => 2,
+            _ => 0,
+        };
+        device.set_path(options.traffic_class, options.service_level, global_mode);
+        for i in 0..options.imm_receives {
+            // SAFETY: zero-length receives touch no memory.
+            unsafe { device.post_srq_recv(false, TAG_IMM_RECV | i as u64, 0, 0, 0) }
+                .map_err(other)?;
+        }
+        // Reposted immediate receives get ids after those posted here.
+        let next_imm_recv = u64::try_from(options.imm_receives).unwrap_or(0);
+        let me = VerbsAddr {
+            gid: attr.gid,
+            lid: attr.lid,
+            ud_qpn: attr.ud_qpn,
+        };
+        let address = NetAddr::new(&me.encode()).expect("24 bytes is a valid address");
+        let settings = handshake::Settings {
+            retry: Duration::from_millis(options.retry_ms),
+            connect: Duration::from_millis(options.connect_ms),
+            max_half_open: options.max_half_open,
+        };
+        let mut handshake = Handshaker::new(me, attr.active_mtu as u8, settings, fastrand::u64(..));
+        if let Some(path) = &options.secret_file {
+            let secret = std::fs::read(path).map_err(|e| {
+                err(
+                    DomainErrorKind::InvalidArgument,
+                    format!("[security] secret_file {path}: {e}"),
+                )
+            })?;
+            if secret.is_empty() {
+                return Err(err(
+                    DomainErrorKind::InvalidArgument,
+                    format!("[security] secret_file {path} is empty"),
+                ));
+            }
+            handshake = handshake.with_secret(&secret);
+        }
+        Ok(Self {
+            peers: HashMap::default(),
+            handshake,
+            candidates: HashMap::default(),
+            unproven: HashSet::default(),
+            graveyard: Vec::new(),
+            regions: RegionTable::new(),
+            receives: ReceivePool::new(),
+            sends: HashMap::default(),
+            send_pool: ReceivePool::new(),
+            device,
+            attr,
+            me,
+            address,
+            name: config.nic.to_owned(),
+            options,
+            qp_peer: HashMap::default(),
+            data_queues: HashMap::default(),
+            dead_qps: HashSet::default(),
+            done: Vec::new(),
+            wcs: vec![Wc::default(); 32],
+            rng: fastrand::Rng::new(),
+            next_wr: 0,
+            polls_since_check: 0,
+            handshakes_sent: 0,
+            ud_resets_seen: 0,
+            unauthenticated_seen: 0,
+            stall_once,
+            last_forged: Instant::now(),
+            notify: None,
+            imm_deficit: 0,
+            next_imm_recv,
+        })
+    }
+}
