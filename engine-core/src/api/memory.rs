@@ -1,0 +1,181 @@
+//! Registering memory: checks on the caller's thread, the round trip to the worker, and the
+//! table of this engine's regions that transfers are validated against.
+
+use super::*;
+
+/// A region on this side, as the caller's thread validates against it.
+#[derive(Debug, Clone)]
+pub(super) struct LocalRegion {
+    pub(super) ptr: u64,
+    pub(super) len: u64,
+    /// One registration per NIC, in NIC order.
+    pub(super) keys: Vec<Registration>,
+}
+
+impl TransferEngine {
+    pub(super) fn register(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        device: Device,
+        access: RemoteAccess,
+    ) -> Result<(MrHandle, LocalRegion)> {
+        if ptr.is_null() || len == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "cannot register {len} bytes at {ptr:?}: the region must be non-null and non-empty"
+            )));
+        }
+        let region = MemoryRegion {
+            ptr: ptr as u64,
+            len: len as u64,
+            device,
+            remote_write: access.write,
+            remote_read: access.read,
+        };
+        // Wrong memory kinds are caught here, before any NIC sees them: a device pointer
+        // passed as host memory, host memory (or another GPU's) passed as a device's, a range
+        // across two allocations, a device that does not exist.
+        match device {
+            Device::Host => uvm_watcher::gpu::check_host_range(region.ptr),
+            Device::Cuda(i) => uvm_watcher::gpu::check_device_range(region.ptr, region.len, i),
+        }
+        .map_err(Error::InvalidArgument)?;
+        let keys = self.control(|reply| Command::Register { region, reply })?;
+        let local = LocalRegion {
+            ptr: region.ptr,
+            len: region.len,
+            keys,
+        };
+        let handle = MrHandle {
+            engine: self.id,
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+        };
+        self.regions
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(handle.id, Arc::new(local.clone()));
+        Ok((handle, local))
+    }
+
+    /// Registers `len` bytes at `ptr` on every NIC; returns the local handle and the
+    /// descriptor to give peers so they can write here.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until [`dereg_mr`](Self::dereg_mr) returns, and while it
+    /// is registered peers may write into it at any time: read it only after the writes you
+    /// wait for have been counted (an `expect_imm_count` or the writer's own signal).
+    pub unsafe fn reg_mr(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        device: Device,
+    ) -> Result<(MrHandle, MrDesc)> {
+        self.register_remote(ptr, len, device, RemoteAccess::WRITE)
+    }
+
+    /// Registers `len` bytes at `ptr` on every NIC with the remote access given — e.g.
+    /// [`RemoteAccess::READ`] for a region peers pull from with
+    /// [`submit_single_read`](Self::submit_single_read) (a prefill node's KV cache) — and
+    /// returns the handle and the descriptor for peers. A peer's access the region was not
+    /// registered for fails at the peer's NIC as a remote access error, nothing transferred.
+    ///
+    /// # Safety
+    /// As for [`reg_mr`](Self::reg_mr): the memory stays allocated until `dereg_mr` returns,
+    /// and peers may read or write it (as allowed) at any time meanwhile.
+    pub unsafe fn reg_mr_with(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        device: Device,
+        access: RemoteAccess,
+    ) -> Result<(MrHandle, MrDesc)> {
+        self.register_remote(ptr, len, device, access)
+    }
+
+    /// What `reg_mr` and `reg_mr_with` do (their contract is the callers').
+    pub(super) fn register_remote(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        device: Device,
+        access: RemoteAccess,
+    ) -> Result<(MrHandle, MrDesc)> {
+        if !access.write && !access.read {
+            return Err(Error::InvalidArgument(
+                "a region peers can neither read nor write has no descriptor: use reg_mr_local"
+                    .into(),
+            ));
+        }
+        let (handle, local) = self.register(ptr, len, device, access)?;
+        let rkeys = self
+            .addresses
+            .iter()
+            .cloned()
+            .zip(local.keys.iter().map(|k| k.remote_key))
+            .collect();
+        let desc = MrDesc::new(local.ptr, local.len, rkeys).map_err(|source| Error::Decode {
+            what: "MrDesc",
+            source,
+        })?;
+        Ok((handle, desc))
+    }
+
+    /// Registers memory only as a source of writes (peers get no key to it).
+    ///
+    /// # Safety
+    /// The memory must stay allocated until [`dereg_mr`](Self::dereg_mr) returns.
+    pub unsafe fn reg_mr_local(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        device: Device,
+    ) -> Result<MrHandle> {
+        Ok(self.register(ptr, len, device, RemoteAccess::NONE)?.0)
+    }
+
+    /// Deregisters a region on every NIC.
+    ///
+    /// **Whatever it returns, no NIC touches the memory after it returns**: it waits for the
+    /// worker however long that takes (no timeout), and if the worker failed or the engine
+    /// shut down, the Domains were closed before this returns. An error only says that some
+    /// NIC reported a failure while deregistering (logged) or that the handle is unknown.
+    /// Writes of this engine still in flight from the region may fail.
+    pub fn dereg_mr(&self, handle: MrHandle) -> Result<()> {
+        self.check_owner("memory region", handle.engine, handle.id)?;
+        let region = self
+            .regions
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&handle.id)
+            .ok_or(Error::UnknownHandle(handle.id))?;
+        let keys = region.keys.iter().map(|k| k.local_key).collect();
+        match self.control_until_done("dereg_mr", |reply| Command::Deregister { keys, reply }) {
+            // Closed Domains hold no registrations: the guarantee holds.
+            Err(Error::Shutdown | Error::WorkerFailed(_)) => Ok(()),
+            other => other,
+        }
+    }
+
+    pub(super) fn check_owner(&self, what: &'static str, owner: u32, id: u64) -> Result<()> {
+        if owner == self.id {
+            Ok(())
+        } else {
+            Err(Error::ForeignHandle {
+                what,
+                id,
+                owner,
+                this: self.id,
+            })
+        }
+    }
+
+    pub(super) fn local_region(&self, handle: MrHandle) -> Result<Arc<LocalRegion>> {
+        self.check_owner("memory region", handle.engine, handle.id)?;
+        self.regions
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&handle.id)
+            .cloned()
+            .ok_or(Error::UnknownHandle(handle.id))
+    }
+}

@@ -1,0 +1,383 @@
+//! Writes and reads: single and paged, striped over the NICs by the group's policy, scatters
+//! and barriers over peer groups; bounds, handles and NICs checked before anything is queued.
+
+use super::*;
+
+/// A write (with its immediate, if any) or a read, as the shared submit paths take it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Rdma {
+    Write(Option<u32>),
+    Read,
+}
+
+impl Rdma {
+    fn imm(self) -> Option<u32> {
+        match self {
+            Self::Write(imm) => imm,
+            Self::Read => None,
+        }
+    }
+
+    /// How errors name the local range: the source of a write, the destination of a read.
+    fn local_side(self) -> &'static str {
+        match self {
+            Self::Write(_) => "source",
+            Self::Read => "destination",
+        }
+    }
+
+    fn remote_side(self) -> &'static str {
+        match self {
+            Self::Write(_) => "destination",
+            Self::Read => "source",
+        }
+    }
+}
+
+pub(super) fn check_range(
+    side: &'static str,
+    offset: u64,
+    len: u64,
+    region_len: u64,
+) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= region_len => Ok(()),
+        _ => Err(Error::OutOfBounds {
+            side,
+            offset,
+            len,
+            region_len,
+        }),
+    }
+}
+
+pub(super) fn page_offset(pages: &Pages, i: usize) -> Option<u64> {
+    u64::from(pages.indices[i])
+        .checked_mul(pages.stride)?
+        .checked_add(pages.offset)
+}
+
+impl TransferEngine {
+    pub(super) fn check_peer_nics(&self, desc: &MrDesc) -> Result<()> {
+        if desc.rkeys().len() != self.nic_count() {
+            return Err(Error::InvalidArgument(format!(
+                "the destination MrDesc has {} NICs but this engine has {}; peers must use the same NIC count",
+                desc.rkeys().len(),
+                self.nic_count()
+            )));
+        }
+        Ok(())
+    }
+
+    pub(super) fn first_nic(&self) -> usize {
+        match self.shared.config.nic_selection {
+            NicSelection::First(n) => n,
+            NicSelection::RoundRobin => {
+                self.next_first_nic.fetch_add(1, Ordering::Relaxed) % self.nic_count()
+            }
+        }
+    }
+
+    /// Plans one contiguous unit and appends its writes, pairing each chunk with *its* NIC's
+    /// local key, remote key and peer address (the one place where they are paired).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn plan_unit(
+        &self,
+        ops: &mut Vec<WriteOp>,
+        chunks: &mut Vec<Chunk>,
+        first: usize,
+        src: &LocalRegion,
+        src_offset: u64,
+        dst: &MrDesc,
+        dst_offset: u64,
+        len: u64,
+        imm: Option<u32>,
+        read: bool,
+    ) {
+        chunks.clear();
+        self.spread.split(len, self.nic_count(), first, chunks);
+        for c in chunks.iter() {
+            let (peer, remote_key) = &dst.rkeys()[c.nic];
+            ops.push(WriteOp {
+                read,
+                nic: c.nic,
+                peer: peer.clone(),
+                local_addr: src.ptr + src_offset + c.offset,
+                local_key: src.keys[c.nic].local_key,
+                remote_addr: dst.ptr() + dst_offset + c.offset,
+                remote_key: *remote_key,
+                remote_base: dst.ptr(),
+                len: c.len,
+                imm,
+            });
+        }
+    }
+
+    /// Writes `len` bytes from `src` (handle, offset) to `dst` (descriptor, offset); large
+    /// writes stripe over the NICs. With `imm`, each write carries it: the receiver counts
+    /// [`expected_arrivals`](crate::expected_arrivals) of them.
+    pub fn submit_single_write(
+        &self,
+        len: u64,
+        imm: Option<u32>,
+        src: (MrHandle, u64),
+        dst: (&MrDesc, u64),
+        on_done: impl Into<OnDone>,
+    ) -> Result<()> {
+        self.submit_single(Rdma::Write(imm), len, src, dst, on_done.into())
+    }
+
+    /// Writes pages of `page_len` bytes: source page `i` of `src` to destination page `i` of
+    /// `dst`. Pages are spread over the NICs; each write carries `imm`.
+    pub fn submit_paged_writes(
+        &self,
+        page_len: u64,
+        imm: Option<u32>,
+        src: (MrHandle, &Pages),
+        dst: (&MrDesc, &Pages),
+        on_done: impl Into<OnDone>,
+    ) -> Result<()> {
+        self.submit_paged(Rdma::Write(imm), page_len, src, dst, on_done.into())
+    }
+
+    /// Reads `len` bytes of a peer's region (descriptor, offset) into `local` (handle,
+    /// offset); large reads stripe over the NICs like writes. `on_done` fires when the bytes
+    /// are in local memory. There is no immediate: the peer is not told, and counts nothing.
+    /// The peer's region must have been registered readable ([`RemoteAccess::READ`]);
+    /// otherwise the read fails with `RemoteAccess` and nothing is read.
+    pub fn submit_single_read(
+        &self,
+        len: u64,
+        local: (MrHandle, u64),
+        remote: (&MrDesc, u64),
+        on_done: impl Into<OnDone>,
+    ) -> Result<()> {
+        self.check_reads()?;
+        self.submit_single(Rdma::Read, len, local, remote, on_done.into())
+    }
+
+    /// Reads pages of `page_len` bytes: remote page `i` of `remote` into local page `i` of
+    /// `local`, spread over the NICs (see [`submit_single_read`](Self::submit_single_read)).
+    pub fn submit_paged_reads(
+        &self,
+        page_len: u64,
+        local: (MrHandle, &Pages),
+        remote: (&MrDesc, &Pages),
+        on_done: impl Into<OnDone>,
+    ) -> Result<()> {
+        self.check_reads()?;
+        self.submit_paged(Rdma::Read, page_len, local, remote, on_done.into())
+    }
+
+    /// Whether this engine's backend performs RDMA READ (plugins before ABI version 2, and
+    /// backends that declare none, do not: reads fail with `NotAvailable`).
+    pub fn supports_reads(&self) -> bool {
+        self.reads
+    }
+
+    pub(super) fn check_reads(&self) -> Result<()> {
+        if self.reads {
+            Ok(())
+        } else {
+            Err(Error::NotAvailable(format!(
+                "backend {} does not support RDMA READ (a plugin built before ABI version 2, or a backend without reads)",
+                self.shared.backend
+            )))
+        }
+    }
+
+    /// One contiguous write or read between a local and a remote range.
+    pub(super) fn submit_single(
+        &self,
+        op: Rdma,
+        len: u64,
+        local: (MrHandle, u64),
+        remote: (&MrDesc, u64),
+        on_done: OnDone,
+    ) -> Result<()> {
+        let region = self.local_region(local.0)?;
+        check_range(op.local_side(), local.1, len, region.len)?;
+        check_range(op.remote_side(), remote.1, len, remote.0.len())?;
+        self.check_peer_nics(remote.0)?;
+        let mut ops = Vec::with_capacity(1);
+        let mut chunks = Vec::with_capacity(1);
+        self.plan_unit(
+            &mut ops,
+            &mut chunks,
+            self.first_nic(),
+            &region,
+            local.1,
+            remote.0,
+            remote.1,
+            len,
+            op.imm(),
+            op == Rdma::Read,
+        );
+        self.shared.submit_counted(Command::Writes { ops, on_done })
+    }
+
+    /// Pages of `page_len` bytes: local page `i` with remote page `i`, spread over the NICs.
+    pub(super) fn submit_paged(
+        &self,
+        op: Rdma,
+        page_len: u64,
+        local: (MrHandle, &Pages),
+        remote: (&MrDesc, &Pages),
+        on_done: OnDone,
+    ) -> Result<()> {
+        let (local_pages, remote_pages) = (local.1, remote.1);
+        if local_pages.indices.len() != remote_pages.indices.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} {} pages but {} {} pages",
+                local_pages.indices.len(),
+                op.local_side(),
+                remote_pages.indices.len(),
+                op.remote_side()
+            )));
+        }
+        let region = self.local_region(local.0)?;
+        self.check_peer_nics(remote.0)?;
+        let overflow = |side| Error::OutOfBounds {
+            side,
+            offset: u64::MAX,
+            len: page_len,
+            region_len: 0,
+        };
+        let first = self.first_nic();
+        let mut ops = Vec::with_capacity(local_pages.indices.len());
+        let mut chunks = Vec::new();
+        for i in 0..local_pages.indices.len() {
+            let l = page_offset(local_pages, i).ok_or_else(|| overflow(op.local_side()))?;
+            let r = page_offset(remote_pages, i).ok_or_else(|| overflow(op.remote_side()))?;
+            check_range(op.local_side(), l, page_len, region.len)?;
+            check_range(op.remote_side(), r, page_len, remote.0.len())?;
+            self.plan_unit(
+                &mut ops,
+                &mut chunks,
+                (first + i) % self.nic_count(),
+                &region,
+                l,
+                remote.0,
+                r,
+                page_len,
+                op.imm(),
+                op == Rdma::Read,
+            );
+        }
+        self.shared.submit_counted(Command::Writes { ops, on_done })
+    }
+
+    /// Registers a set of peers (by main address) that scatters and barriers may be checked
+    /// against.
+    pub fn add_peer_group(&self, addrs: Vec<NetAddr>) -> Result<PeerGroupHandle> {
+        if addrs.is_empty() {
+            return Err(Error::InvalidArgument(
+                "a peer group needs at least one peer".into(),
+            ));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.peer_groups
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, addrs.into_iter().collect());
+        Ok(PeerGroupHandle {
+            engine: self.id,
+            id,
+        })
+    }
+
+    pub(super) fn check_group<'a>(
+        &self,
+        group: Option<PeerGroupHandle>,
+        owners: impl Iterator<Item = &'a NetAddr>,
+    ) -> Result<()> {
+        let Some(group) = group else { return Ok(()) };
+        self.check_owner("peer group", group.engine, group.id)?;
+        let groups = self.peer_groups.lock().unwrap_or_else(|p| p.into_inner());
+        let members = groups
+            .get(&group.id)
+            .ok_or(Error::UnknownPeerGroup(group.id))?;
+        for owner in owners {
+            if !members.contains(owner) {
+                return Err(Error::InvalidArgument(format!(
+                    "peer {owner} is not in peer group {}",
+                    group.id
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes pieces of one source region to many destinations (any peers, any sizes).
+    pub fn submit_scatter(
+        &self,
+        group: Option<PeerGroupHandle>,
+        on_done: impl Into<OnDone>,
+        imm: Option<u32>,
+        src: MrHandle,
+        dsts: &[ScatterDst],
+    ) -> Result<()> {
+        let region = self.local_region(src)?;
+        self.check_group(group, dsts.iter().map(|d| d.dst.owner()))?;
+        let first = self.first_nic();
+        let mut ops = Vec::with_capacity(dsts.len());
+        let mut chunks = Vec::new();
+        for (j, d) in dsts.iter().enumerate() {
+            check_range("source", d.src_offset, d.len, region.len)?;
+            check_range("destination", d.dst_offset, d.len, d.dst.len())?;
+            self.check_peer_nics(&d.dst)?;
+            self.plan_unit(
+                &mut ops,
+                &mut chunks,
+                (first + j) % self.nic_count(),
+                &region,
+                d.src_offset,
+                &d.dst,
+                d.dst_offset,
+                d.len,
+                imm,
+                false,
+            );
+        }
+        self.shared.submit_counted(Command::Writes {
+            ops,
+            on_done: on_done.into(),
+        })
+    }
+
+    /// A zero-byte write carrying `imm` to each destination region's owner (one arrival each).
+    pub fn submit_barrier(
+        &self,
+        group: Option<PeerGroupHandle>,
+        on_done: impl Into<OnDone>,
+        imm: u32,
+        dsts: &[MrDesc],
+    ) -> Result<()> {
+        self.check_group(group, dsts.iter().map(MrDesc::owner))?;
+        let first = self.first_nic();
+        let mut ops = Vec::with_capacity(dsts.len());
+        for (j, d) in dsts.iter().enumerate() {
+            self.check_peer_nics(d)?;
+            let nic = (first + j) % self.nic_count();
+            let (peer, remote_key) = &d.rkeys()[nic];
+            // Zero-byte writes still name a valid destination and key: EFA refuses them
+            // otherwise, and a NIC checks the key even for no bytes.
+            ops.push(WriteOp {
+                read: false,
+                nic,
+                peer: peer.clone(),
+                local_addr: 0,
+                local_key: 0,
+                remote_addr: d.ptr(),
+                remote_key: *remote_key,
+                remote_base: d.ptr(),
+                len: 0,
+                imm: Some(imm),
+            });
+        }
+        self.shared.submit_counted(Command::Writes {
+            ops,
+            on_done: on_done.into(),
+        })
+    }
+}
