@@ -1,21 +1,14 @@
 //! Finding a backend by name and turning a loaded plugin into a [`Domain`].
 
-use std::ffi::c_void;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::abi::{
-    entry_symbol, EntryFn, PluginHeader, PluginTable, RawBytes, RawCapabilities, RawError,
-    RawEvent, RawRead, RawRegion, RawWrite, ABI_VERSION, DEVICE_CUDA, DEVICE_HOST, ENTRY_SYMBOL,
-    EVENT_DONE, EVENT_FAILED, EVENT_IMM, EVENT_MESSAGE, MIN_ABI_VERSION, OPTIONS_FLAT,
-    OPTIONS_TOML, STATUS_BUSY, STATUS_OK, V1_TABLE_SIZE,
+    entry_symbol, EntryFn, PluginHeader, PluginTable, RawBytes, ABI_VERSION, ENTRY_SYMBOL,
+    MIN_ABI_VERSION, OPTIONS_FLAT, OPTIONS_TOML, V1_TABLE_SIZE,
 };
 use super::abi::{table_size_of, V2_TABLE_SIZE, V3_TABLE_SIZE};
-use crate::domain::{
-    BackendRegistration, Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind,
-    Event, MemoryRegion, PostStatus, ReadRequest, Registration, Waker, WriteRequest,
-};
-use crate::wire::{NetAddr, MAX_ADDR_LEN};
+use crate::domain::{BackendRegistration, Domain, DomainConfig, DomainError};
 use xfer_plugin::log::{filter_number, LOG_DEBUG, LOG_ERROR, LOG_INFO, LOG_WARN};
 
 /// Colon-separated directories searched for plugins not named by path in the config.
@@ -181,13 +174,13 @@ fn load_checked(path: &Path, name: &str) -> Result<Backend, PluginError> {
 
 /// A plugin library whose table passed the version check.
 pub struct LoadedPlugin {
-    path: PathBuf,
-    name: String,
+    pub(super) path: PathBuf,
+    pub(super) name: String,
     /// The plugin's ABI version.
-    version: u32,
+    pub(super) version: u32,
     /// A copy of the plugin's table: the `table_size` bytes it declared, entries past them
     /// absent (`None`).
-    table: PluginTable,
+    pub(super) table: PluginTable,
     /// Keeps the code behind `table` mapped — for the whole process, never `dlclose`d: a
     /// thread that ran plugin code (the worker) runs the plugin's thread-local destructors
     /// when it exits, which can be after the last `Arc` of this plugin dropped; unmapping
@@ -349,298 +342,6 @@ impl LoadedPlugin {
     pub fn abi_version(&self) -> u32 {
         self.version
     }
-
-    fn open(self: &Arc<Self>, config: &DomainConfig<'_>) -> Result<Box<dyn Domain>, DomainError> {
-        let flat;
-        let options = if self.table.options_format == OPTIONS_FLAT {
-            flat = flat_options(config.options)?;
-            flat.as_str()
-        } else {
-            config.options
-        };
-        let mut handle: *mut c_void = std::ptr::null_mut();
-        let mut err = RawError::empty();
-        // SAFETY: every pointer is live for the call; the strings are borrowed only during it.
-        let status = unsafe {
-            (self.table.open)(
-                RawBytes::new(config.nic.as_bytes()),
-                RawBytes::new(options.as_bytes()),
-                &mut handle,
-                &mut err,
-            )
-        };
-        if status != STATUS_OK || handle.is_null() {
-            return Err(err.to_error());
-        }
-        Ok(Box::new(PluginDomain {
-            plugin: Arc::clone(self),
-            handle,
-            wakers: Vec::new(),
-        }))
-    }
-}
-
-/// A Domain living in a plugin; every call goes through the table.
-struct PluginDomain {
-    plugin: Arc<LoadedPlugin>,
-    handle: *mut c_void,
-    /// The ids of the wakers handed to the plugin (its `ctx`), removed from [`WAKERS`] on drop.
-    wakers: Vec<usize>,
-}
-
-/// Wakers handed to plugins, by id. A plugin gets an id, never a pointer: one that (against
-/// the contract) calls its waker after `close` finds nothing and does nothing, instead of
-/// reading freed memory.
-static WAKERS: std::sync::LazyLock<std::sync::RwLock<std::collections::HashMap<usize, Waker>>> =
-    std::sync::LazyLock::new(Default::default);
-static NEXT_WAKER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
-
-// SAFETY: the ABI requires Domains to be movable between threads (the engine uses each from
-// one worker thread at a time), exactly like the `Send` bound on the Rust trait.
-unsafe impl Send for PluginDomain {}
-
-impl PluginDomain {
-    fn check(status: i32, err: &RawError) -> Result<PostStatus, DomainError> {
-        match status {
-            STATUS_OK => Ok(PostStatus::Posted),
-            STATUS_BUSY => Ok(PostStatus::Busy),
-            _ => Err(err.to_error()),
-        }
-    }
-}
-
-impl Drop for PluginDomain {
-    fn drop(&mut self) {
-        // SAFETY: the handle came from open and is closed exactly once, here.
-        unsafe { (self.plugin.table.close)(self.handle) };
-        // After close; a late call finds no waker (see WAKERS).
-        let mut wakers = WAKERS.write().unwrap_or_else(|p| p.into_inner());
-        for id in self.wakers.drain(..) {
-            wakers.remove(&id);
-        }
-    }
-}
-
-/// What a poll collects: the events, and the first event kind the engine does not know.
-struct Collected<'a> {
-    events: &'a mut Vec<Event>,
-    unknown_kind: Option<u32>,
-}
-
-unsafe extern "C" fn collect_event(sink: *mut c_void, event: *const RawEvent) {
-    // SAFETY: sink is the &mut Collected passed by PluginDomain::poll for this call.
-    let collected = unsafe { &mut *(sink as *mut Collected<'_>) };
-    let events = &mut *collected.events;
-    // SAFETY: the plugin passes a valid event whose bytes live for this call.
-    let e = unsafe { &*event };
-    // SAFETY: as above.
-    let data = unsafe { e.data.as_slice() };
-    events.push(match e.kind {
-        EVENT_DONE => Event::Done {
-            wr_id: e.wr_id,
-            result: Ok(()),
-        },
-        EVENT_FAILED => Event::Done {
-            wr_id: e.wr_id,
-            result: Err(DomainError::new(
-                DomainErrorKind::from_raw(e.error_kind),
-                String::from_utf8_lossy(data).into_owned(),
-            )),
-        },
-        EVENT_IMM => Event::ImmArrival { imm: e.imm },
-        EVENT_MESSAGE => Event::Message {
-            data: data.to_vec(),
-        },
-        // Never guessed at: taken for a message, an immediate would vanish.
-        other => {
-            collected.unknown_kind.get_or_insert(other);
-            return;
-        }
-    });
-}
-
-unsafe extern "C" fn wake_trampoline(ctx: *const c_void) {
-    // ctx is a waker id, not a pointer (see WAKERS): nothing is dereferenced.
-    let id = ctx as usize;
-    let waker = WAKERS
-        .read()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(&id)
-        .cloned();
-    if let Some(w) = waker {
-        w.wake();
-    }
-}
-
-impl Domain for PluginDomain {
-    fn address(&self) -> NetAddr {
-        let mut buf = [0u8; MAX_ADDR_LEN];
-        // SAFETY: live handle; buf has MAX_ADDR_LEN bytes of room.
-        let n = unsafe { (self.plugin.table.address)(self.handle, buf.as_mut_ptr(), buf.len()) };
-        // A plugin returning no address is broken; a one-byte zero address fails every
-        // lookup loudly instead of crashing here.
-        NetAddr::new(&buf[..n]).unwrap_or_else(|_| NetAddr::new(&[0]).expect("one byte is valid"))
-    }
-
-    fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError> {
-        let (device_kind, device_index) = match region.device {
-            Device::Host => (DEVICE_HOST, 0),
-            Device::Cuda(i) => (DEVICE_CUDA, i),
-        };
-        let raw = RawRegion {
-            ptr: region.ptr,
-            len: region.len,
-            device_kind,
-            device_index,
-            remote_write: region.remote_write as u32,
-            remote_read: region.remote_read as u32,
-        };
-        let mut out = Registration {
-            local_key: 0,
-            remote_key: 0,
-        };
-        let mut err = RawError::empty();
-        // SAFETY: live handle; all pointers valid for the call.
-        let status = unsafe { (self.plugin.table.register)(self.handle, &raw, &mut out, &mut err) };
-        Self::check(status, &err).map(|_| out)
-    }
-
-    fn deregister(&mut self, local_key: u64) -> Result<(), DomainError> {
-        let mut err = RawError::empty();
-        // SAFETY: live handle; err valid for the call.
-        let status = unsafe { (self.plugin.table.deregister)(self.handle, local_key, &mut err) };
-        Self::check(status, &err).map(|_| ())
-    }
-
-    fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError> {
-        let raw = RawWrite {
-            wr_id: wr.wr_id,
-            peer: RawBytes::new(wr.peer.raw()),
-            local_addr: wr.local_addr,
-            local_key: wr.local_key,
-            remote_addr: wr.remote_addr,
-            remote_key: wr.remote_key,
-            remote_base: wr.remote_base,
-            len: wr.len,
-            has_imm: wr.imm.is_some() as u32,
-            imm: wr.imm.unwrap_or(0),
-        };
-        let mut err = RawError::empty();
-        // SAFETY: live handle; raw borrows wr.peer, which outlives the call.
-        let status = unsafe { (self.plugin.table.post_write)(self.handle, &raw, &mut err) };
-        Self::check(status, &err)
-    }
-
-    fn supports_read(&self) -> bool {
-        self.plugin.table.post_read.is_some()
-    }
-
-    fn post_read(&mut self, rd: &ReadRequest<'_>) -> Result<PostStatus, DomainError> {
-        let Some(post_read) = self.plugin.table.post_read else {
-            return Err(DomainError::new(
-                DomainErrorKind::InvalidArgument,
-                format!(
-                    "plugin {} ({}, ABI version {}) has no RDMA READ",
-                    self.plugin.name,
-                    self.plugin.path.display(),
-                    self.plugin.version
-                ),
-            ));
-        };
-        let raw = RawRead {
-            wr_id: rd.wr_id,
-            peer: RawBytes::new(rd.peer.raw()),
-            local_addr: rd.local_addr,
-            local_key: rd.local_key,
-            remote_addr: rd.remote_addr,
-            remote_key: rd.remote_key,
-            remote_base: rd.remote_base,
-            len: rd.len,
-        };
-        let mut err = RawError::empty();
-        // SAFETY: live handle; raw borrows rd.peer, which outlives the call.
-        let status = unsafe { post_read(self.handle, &raw, &mut err) };
-        Self::check(status, &err)
-    }
-
-    fn post_send(
-        &mut self,
-        wr_id: u64,
-        peer: &NetAddr,
-        data: &[u8],
-    ) -> Result<PostStatus, DomainError> {
-        let mut err = RawError::empty();
-        // SAFETY: live handle; both byte strings outlive the call (the plugin copies them).
-        let status = unsafe {
-            (self.plugin.table.post_send)(
-                self.handle,
-                wr_id,
-                RawBytes::new(peer.raw()),
-                RawBytes::new(data),
-                &mut err,
-            )
-        };
-        Self::check(status, &err)
-    }
-
-    fn post_recvs(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError> {
-        let mut err = RawError::empty();
-        // SAFETY: live handle; err valid for the call.
-        let status =
-            unsafe { (self.plugin.table.post_recvs)(self.handle, buf_len, count, &mut err) };
-        Self::check(status, &err).map(|_| ())
-    }
-
-    fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError> {
-        let mut err = RawError::empty();
-        let mut collected = Collected {
-            events,
-            unknown_kind: None,
-        };
-        let sink = &mut collected as *mut Collected<'_> as *mut c_void;
-        // SAFETY: live handle; `sink` is exclusively borrowed for the call, and collect_event
-        // casts it back to the same type.
-        let status =
-            unsafe { (self.plugin.table.poll)(self.handle, sink, collect_event, &mut err) };
-        if let Some(kind) = collected.unknown_kind {
-            return Err(DomainError::new(
-                DomainErrorKind::Fatal,
-                format!(
-                    "plugin {} handed the engine an event of unknown kind {kind} (ABI version {})",
-                    self.plugin.name, self.plugin.version
-                ),
-            ));
-        }
-        Self::check(status, &err).map(|_| ())
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        let Some(query) = self.plugin.table.capabilities else {
-            return Capabilities::default();
-        };
-        let mut raw = RawCapabilities::from_capabilities(&Capabilities::default());
-        // SAFETY: live handle; raw is valid for writes during the call.
-        if unsafe { query(self.handle, &mut raw) } != STATUS_OK {
-            tracing::warn!(plugin = %self.plugin.name, "the plugin's capabilities query failed; assuming the defaults");
-            return Capabilities::default();
-        }
-        raw.to_capabilities()
-    }
-
-    fn set_waker(&mut self, waker: Waker) -> bool {
-        let id = NEXT_WAKER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        WAKERS
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, waker);
-        let ctx = id as *const c_void;
-        // SAFETY: live handle; ctx is an opaque id the trampoline looks up, valid forever.
-        let will_wake =
-            unsafe { (self.plugin.table.set_waker)(self.handle, ctx, wake_trampoline) } != 0;
-        // A previous waker stays registered until close: the plugin may still call it.
-        self.wakers.push(id);
-        will_wake
-    }
 }
 
 /// libloading's error with the dynamic loader's own words: its `Display` says only "dlopen
@@ -668,38 +369,16 @@ unsafe extern "C" fn host_log(level: u32, target: RawBytes, message: RawBytes) {
     }
 }
 
-/// The backend's TOML options as the flat `key=value` lines of [`OPTIONS_FLAT`].
-pub fn flat_options(toml_text: &str) -> Result<String, DomainError> {
-    let table: toml::Table = toml_text.parse().map_err(|e: toml::de::Error| {
-        DomainError::new(DomainErrorKind::InvalidArgument, e.message().to_owned())
-    })?;
-    let mut lines = Vec::new();
-    flatten("", &table, &mut lines);
-    lines.sort();
-    Ok(lines.concat())
-}
-
-fn flat_value(value: &toml::Value) -> String {
-    match value {
-        toml::Value::String(s) => s.replace('\\', "\\\\").replace('\n', "\\n"),
-        toml::Value::Array(items) => items.iter().map(flat_value).collect::<Vec<_>>().join(","),
-        other => other.to_string(),
-    }
-}
-
-fn flatten(prefix: &str, table: &toml::Table, lines: &mut Vec<String>) {
-    for (key, value) in table {
-        let key = format!("{prefix}{key}");
-        match value {
-            toml::Value::Table(inner) => flatten(&format!("{key}."), inner, lines),
-            other => lines.push(format!("{key}={}\n", flat_value(other))),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::DomainErrorKind;
+
+    struct MockOpener;
+    impl super::super::abi::PluginOpener for MockOpener {
+        const NAME: &'static str = "mock";
+        const OPEN: crate::domain::OpenFn = backend_mock::open;
+    }
     use crate::domain::OpenFn;
     use crate::plugin::abi::PluginOpener;
 
@@ -756,59 +435,6 @@ mod tests {
         // SAFETY: as above.
         let t = unsafe { checked_table(&v2) }.unwrap();
         assert!(t.post_read.is_some() && t.capabilities.is_none());
-    }
-
-    /// An event kind the engine does not know is never guessed at (taken for a message, an
-    /// immediate would vanish): it is recorded, and poll turns it into a fatal error.
-    #[test]
-    fn an_unknown_event_kind_is_recorded_not_read_as_a_message() {
-        let mut events = Vec::new();
-        let mut collected = Collected {
-            events: &mut events,
-            unknown_kind: None,
-        };
-        let sink = &mut collected as *mut Collected<'_> as *mut c_void;
-        for kind in [2, 9, 3] {
-            let event = RawEvent {
-                kind,
-                error_kind: 0,
-                wr_id: 0,
-                imm: 7,
-                data: RawBytes::new(b"m"),
-            };
-            // SAFETY: sink points at a live Collected; the event and its bytes are live.
-            unsafe { collect_event(sink, &event) };
-        }
-        assert_eq!(collected.unknown_kind, Some(9));
-        assert_eq!(
-            events,
-            vec![
-                Event::ImmArrival { imm: 7 },
-                Event::Message {
-                    data: b"m".to_vec()
-                }
-            ]
-        );
-    }
-
-    #[test]
-    fn options_flatten_to_sorted_key_value_lines() {
-        let flat = flat_options(
-            "b = true\nname = \"two\\nlines\"\nsizes = [1, 2]\n[faults]\ndelay_ms = 3\n",
-        )
-        .unwrap();
-        assert_eq!(
-            flat,
-            "b=true\nfaults.delay_ms=3\nname=two\\nlines\nsizes=1,2\n"
-        );
-        assert_eq!(flat_options("").unwrap(), "");
-        assert!(flat_options("= broken").is_err());
-    }
-
-    struct MockOpener;
-    impl super::super::abi::PluginOpener for MockOpener {
-        const NAME: &'static str = "mock";
-        const OPEN: crate::domain::OpenFn = backend_mock::open;
     }
 
     /// A table with a null required entry is refused with the entry named, before anything

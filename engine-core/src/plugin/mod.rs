@@ -3,6 +3,9 @@
 //! besides the ABI shims themselves.
 
 pub use xfer_plugin::abi;
+mod flat;
 mod loader;
+mod plugin_domain;
 
-pub use loader::{find_backend, flat_options, Backend, LoadedPlugin, PluginError, PLUGIN_PATH_ENV};
+pub use flat::flat_options;
+pub use loader::{find_backend, Backend, LoadedPlugin, PluginError, PLUGIN_PATH_ENV};
