@@ -285,7 +285,12 @@ mod tests {
             .parent()
             .unwrap();
         let mut files = vec![root.join(".ci/run")];
-        for dir in ["xtask/src", "examples/src", "examples/src/bin"] {
+        for dir in [
+            "xtask/src",
+            "examples/src",
+            "examples/src/bin",
+            "examples/src/bin/transfer-bench",
+        ] {
             for entry in std::fs::read_dir(root.join(dir)).unwrap() {
                 let path = entry.unwrap().path();
                 if path.extension().is_some_and(|e| e == "rs" || e == "sh") {
