@@ -59,23 +59,34 @@ impl VerbsDomain {
             self.bury(data, msg);
             return Err(err(DomainErrorKind::InvalidArgument, e));
         }
-        self.install(peer, data, msg, VecDeque::new());
+        self.install(peer, (data, msg), VecDeque::new(), false);
         self.carry_out(now, actions);
         Ok(())
     }
 
-    /// Makes `(data, msg)` the connection with `peer`, not ready yet, with `queued` waiting
-    /// for it; completions on its QPs are routed to `peer`.
-    pub(super) fn install(&mut self, peer: &NetAddr, data: Qp, msg: Qp, queued: VecDeque<Queued>) {
+    /// Routes completions on `(data, msg)` to `peer`.
+    fn route(&mut self, peer: &NetAddr, data: &Qp, msg: &Qp) {
         self.qp_peer.insert(data.qpn, peer.clone());
         self.qp_peer.insert(msg.qpn, peer.clone());
+    }
+
+    /// Makes `(data, msg)` the connection with `peer`, with `queued` waiting for it and
+    /// `ready` saying whether it may post; completions on its QPs are routed to `peer`.
+    pub(super) fn install(
+        &mut self,
+        peer: &NetAddr,
+        (data, msg): (Qp, Qp),
+        queued: VecDeque<Queued>,
+        ready: bool,
+    ) {
+        self.route(peer, &data, &msg);
         self.peers.insert(
             peer.clone(),
             Connection {
                 data,
                 msg,
                 queued,
-                ready: false,
+                ready,
             },
         );
     }
@@ -196,8 +207,7 @@ impl VerbsDomain {
                 self.retire_unused(data, msg);
                 return Err(format!("accepting {peer}: {e}"));
             }
-            self.qp_peer.insert(data.qpn, peer.clone());
-            self.qp_peer.insert(msg.qpn, peer.clone());
+            self.route(peer, &data, &msg);
             let ends = Ends {
                 data_qpn: data.qpn,
                 data_psn,
@@ -241,7 +251,7 @@ impl VerbsDomain {
             msg_qpn: msg.qpn,
             msg_psn,
         };
-        self.install(peer, data, msg, queued);
+        self.install(peer, (data, msg), queued, false);
         Ok(ends)
     }
 
@@ -255,15 +265,8 @@ impl VerbsDomain {
             Some(old) => self.retire_connection(old.data, old.msg, old.queued),
             None => VecDeque::new(),
         };
-        self.peers.insert(
-            peer.clone(),
-            Connection {
-                data,
-                msg,
-                queued,
-                ready: true,
-            },
-        );
+        // Its Ready came: it posts at once.
+        self.install(peer, (data, msg), queued, true);
         self.flush(peer);
     }
 
