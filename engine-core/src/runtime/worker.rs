@@ -513,13 +513,6 @@ impl Worker {
     /// Posts now if the NIC has room and nothing for that peer is queued ahead; queues
     /// otherwise (per NIC and peer, so one stalled peer holds up only its own work).
     fn post(&mut self, nic: usize, id: u64, work: Pending) {
-        if let Some(why) = &self.fatal {
-            // A Domain failed for good earlier in this pass: none is used again (the worker
-            // fails everything once the pass ends).
-            let e = DomainError::new(DomainErrorKind::Fatal, why.clone());
-            self.fail_request(id, e);
-            return;
-        }
         let key = (nic, work.peer().clone());
         if !self.pending.contains_key(&key) {
             match self.try_post(nic, id, &work) {
@@ -534,7 +527,13 @@ impl Worker {
         self.pending.entry(key).or_default().push_back((id, work));
     }
 
+    /// The one place the worker hands a Domain work.
     fn try_post(&mut self, nic: usize, id: u64, work: &Pending) -> Result<PostStatus, DomainError> {
+        if self.fatal.is_some() {
+            // A Domain failed for good earlier in this pass: none is used again. "Not now"
+            // keeps the work queued, and it fails with everything else when the pass ends.
+            return Ok(PostStatus::Busy);
+        }
         match work {
             Pending::Write(op) if op.read => {
                 self.group.domains_mut()[nic].post_read(&ReadRequest {
@@ -587,12 +586,6 @@ impl Worker {
         let mut queues = std::mem::take(&mut self.pending);
         for (&(nic, _), queue) in queues.iter_mut() {
             while let Some((id, work)) = queue.pop_front() {
-                if self.fatal.is_some() {
-                    // Not posted to a Domain after a fatal error; failed with everything else
-                    // when the pass ends.
-                    queue.push_front((id, work));
-                    break;
-                }
                 if !self.tracker.is_live(id) {
                     moved = true; // its transfer already ended (timed out); drop it
                     continue;
