@@ -171,7 +171,7 @@ fn ends_of(h: &Handshake) -> Ends {
 }
 
 /// One peer's handshake state.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Copy)]
 enum State {
     /// We sent a request; waiting for its response.
     Requesting {
@@ -209,6 +209,54 @@ struct Candidate {
     response: Handshake,
     deadline: Instant,
     last_sent: Instant,
+}
+
+/// When a handshake under way in a state is due: its deadline and its last send (for an
+/// established connection, its candidate's). `None`: nothing under way.
+struct Timers<'a> {
+    deadline: Instant,
+    last_sent: &'a mut Instant,
+}
+
+impl State {
+    fn timers(&mut self) -> Option<Timers<'_>> {
+        match self {
+            State::Requesting {
+                deadline,
+                last_sent,
+                ..
+            }
+            | State::AwaitingReady {
+                deadline,
+                last_sent,
+                ..
+            }
+            | State::Established {
+                candidate:
+                    Some(Candidate {
+                        deadline,
+                        last_sent,
+                        ..
+                    }),
+                ..
+            } => Some(Timers {
+                deadline: *deadline,
+                last_sent,
+            }),
+            State::Established { .. } => None,
+        }
+    }
+
+    /// Whether a handshake is under way (see [`timers`](Self::timers)).
+    fn under_way(&self) -> bool {
+        !matches!(
+            self,
+            State::Established {
+                candidate: None,
+                ..
+            }
+        )
+    }
 }
 
 /// Every peer's handshake (see the module docs).
@@ -675,86 +723,34 @@ impl Handshaker {
     ///
     /// [`handle_timeout`]: Self::handle_timeout
     pub(crate) fn pending(&self) -> bool {
-        self.peers.values().any(|s| {
-            !matches!(
-                s,
-                State::Established {
-                    candidate: None,
-                    ..
-                }
-            )
-        })
+        self.peers.values().any(State::under_way)
     }
 
     /// When [`handle_timeout`](Self::handle_timeout) next has something to do.
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        let retry = self.settings.retry;
         self.peers
             .values()
-            .filter_map(|s| match s {
-                State::Requesting {
-                    deadline,
-                    last_sent,
-                    ..
-                }
-                | State::AwaitingReady {
-                    deadline,
-                    last_sent,
-                    ..
-                }
-                | State::Established {
-                    candidate:
-                        Some(Candidate {
-                            deadline,
-                            last_sent,
-                            ..
-                        }),
-                    ..
-                } => Some((*deadline).min(*last_sent + self.settings.retry)),
-                State::Established { .. } => None,
+            .filter_map(|s| {
+                // A copy, to read its timers (plain data: no allocation).
+                let mut s = *s;
+                let t = s.timers()?;
+                Some(t.deadline.min(*t.last_sent + retry))
             })
             .min()
     }
 
     /// Resends what is due and fails what passed its deadline.
     pub(crate) fn handle_timeout(&mut self, now: Instant, out: &mut Vec<Action>) {
-        let connect_ms = self.settings.connect.as_millis() as u64;
-        let mut failed = Vec::new();
+        let retry = self.settings.retry;
+        let mut expired = Vec::new();
         let mut resend = Vec::new();
         for (peer, state) in &mut self.peers {
-            if let State::Established { candidate, .. } = state {
-                let Some(c) = candidate else { continue };
-                if now >= c.deadline {
-                    *candidate = None;
-                    out.push(Action::DropCandidate { peer: peer.clone() });
-                } else if now.duration_since(c.last_sent) >= self.settings.retry {
-                    c.last_sent = now;
-                    if let Ok(to) = VerbsAddr::decode(peer.raw()) {
-                        out.push(Action::Send {
-                            peer: peer.clone(),
-                            to,
-                            msg: c.response,
-                        });
-                    }
-                }
-                continue;
-            }
-            let (deadline, last_sent, failure) = match state {
-                State::Requesting {
-                    deadline,
-                    last_sent,
-                    ..
-                } => (deadline, last_sent, Failure::NoAnswer { connect_ms }),
-                State::AwaitingReady {
-                    deadline,
-                    last_sent,
-                    ..
-                } => (deadline, last_sent, Failure::NeverConfirmed { connect_ms }),
-                State::Established { .. } => continue,
-            };
-            if now >= *deadline {
-                failed.push((peer.clone(), failure));
-            } else if now.duration_since(*last_sent) >= self.settings.retry {
-                *last_sent = now;
+            let Some(t) = state.timers() else { continue };
+            if now >= t.deadline {
+                expired.push(peer.clone());
+            } else if now.duration_since(*t.last_sent) >= retry {
+                *t.last_sent = now;
                 resend.push(peer.clone());
             }
         }
@@ -764,13 +760,30 @@ impl Handshaker {
                     request_id, ends, ..
                 } => self.request(&peer, *request_id, ends),
                 State::AwaitingReady { response, .. } => *response,
-                State::Established { .. } => continue,
+                State::Established {
+                    candidate: Some(c), ..
+                } => c.response,
+                State::Established {
+                    candidate: None, ..
+                } => continue,
             };
             if let Ok(to) = VerbsAddr::decode(peer.raw()) {
                 out.push(Action::Send { peer, to, msg });
             }
         }
-        for (peer, why) in failed {
+        let connect_ms = self.settings.connect.as_millis() as u64;
+        for peer in expired {
+            let why = match self.peers.get_mut(&peer) {
+                // An unconfirmed candidate goes; the connection it stood beside stays.
+                Some(State::Established { candidate, .. }) => {
+                    *candidate = None;
+                    out.push(Action::DropCandidate { peer });
+                    continue;
+                }
+                Some(State::Requesting { .. }) => Failure::NoAnswer { connect_ms },
+                Some(State::AwaitingReady { .. }) => Failure::NeverConfirmed { connect_ms },
+                None => continue,
+            };
             self.peers.remove(&peer);
             out.push(Action::Fail { peer, why });
         }
