@@ -1,3 +1,6 @@
+//! Why one file: it is one numbered list — each failure-path promise the engine makes, with the
+//! test that holds it to it — read in order.
+//!
 //! The engine's promise under failure — every accepted operation finishes exactly once, no
 //! byte lands outside live registered memory, a receiver never counts another request's
 //! arrival — one test per way it was found broken (issue #10, items 1–13).
