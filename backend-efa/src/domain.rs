@@ -3,12 +3,12 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 
-use engine_core::domain::{
+use xfer_plugin::addr::NetAddr;
+use xfer_plugin::domain::{
     message_size_class, Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind,
     Event, MemoryRegion, PostStatus, ReadRequest, ReceivePool, RegionTable, Registration,
     WriteRequest,
 };
-use engine_core::NetAddr;
 
 use crate::ffi::{
     Completion, CqError, Endpoint, MemoryRegistration, OfiError, Posted, KIND_RECV,
@@ -81,7 +81,7 @@ fn other(e: OfiError) -> DomainError {
 fn registration_error(e: OfiError, len: u64) -> DomainError {
     let mut message = format!("registering {len} bytes: {}", e.message);
     if message.contains("(-12)") || message.contains("Cannot allocate memory") {
-        let limit = engine_core::topo::doctor::memlock_limit(std::path::Path::new("/proc"))
+        let limit = xfer_topology::doctor::memlock_limit(std::path::Path::new("/proc"))
             .map_or("unlimited".to_owned(), |l| format!("{l} bytes"));
         message.push_str(&format!(
             "; the locked-memory limit (ulimit -l) is {limit}: raise it, see `xfer doctor`"

@@ -19,7 +19,8 @@ pub mod raw;
 pub use domain::EfaDomain;
 pub use options::EfaOptions;
 
-use engine_core::domain::{BackendRegistration, Domain, DomainConfig, DomainError};
+use xfer_plugin::domain::{Domain, DomainConfig, DomainError};
+use xfer_plugin::registry::BackendRegistration;
 
 /// The name configs select this backend by.
 pub const NAME: &str = "efa";
@@ -37,7 +38,7 @@ pub fn providers() -> Result<Vec<(String, String)>, String> {
 
 /// What an endpoint of `options.provider` (first domain) was granted, for `xfer doctor`:
 /// opens one and closes it.
-pub fn probe(options: &EfaOptions) -> Result<engine_core::topo::doctor::EndpointFacts, String> {
+pub fn probe(options: &EfaOptions) -> Result<xfer_topology::doctor::EndpointFacts, String> {
     let endpoint = ffi::Endpoint::open(
         &options.provider,
         options.fabric.as_deref(),
@@ -47,7 +48,7 @@ pub fn probe(options: &EfaOptions) -> Result<engine_core::topo::doctor::Endpoint
     .map_err(|e| e.message)?;
     let a = endpoint.attr;
     let flag = |v: i32| (v >= 0).then_some(v == 1);
-    Ok(engine_core::topo::doctor::EndpointFacts {
+    Ok(xfer_topology::doctor::EndpointFacts {
         hmem: a.hmem != 0,
         cuda_api_forbidden: a.cuda_api_forbidden != 0,
         shared_memory: flag(a.shared_memory),
@@ -63,18 +64,15 @@ pub fn api_version() -> String {
     format!("{}.{}", v >> 16, v & 0xffff)
 }
 
-inventory::submit! {
-    engine_core::config::OptionsCheck {
-        backend: NAME,
-        check: |text| options::EfaOptions::parse(text).map(|_| ()).map_err(|e| e.message),
+xfer_plugin::inventory::submit! {
+    BackendRegistration {
+        name: NAME,
+        open,
+        check_options: |text| options::EfaOptions::parse(text).map(|_| ()).map_err(|e| e.message),
     }
 }
 
-inventory::submit! {
-    BackendRegistration { name: NAME, open, open_group: None }
-}
-
-engine_core::export_plugin!("efa", open);
+xfer_plugin::export_plugin!("efa", open);
 
 /// Makes sure this crate is linked, so its static registration is seen.
 #[inline(never)]

@@ -1,7 +1,7 @@
 //! `[backends.efa]`.
 
-use engine_core::domain::{DomainError, DomainErrorKind};
 use serde::Deserialize;
+use xfer_plugin::domain::{DomainError, DomainErrorKind};
 
 /// The EFA backend's config table.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]

@@ -4,7 +4,7 @@ mod common;
 
 struct Shm;
 
-impl engine_core::conformance::Harness for Shm {
+impl xfer_conformance::Harness for Shm {
     fn config(&self, nics: usize) -> engine_core::Config {
         common::config("shm", nics)
     }
@@ -42,4 +42,4 @@ impl engine_core::conformance::Harness for Shm {
     }
 }
 
-engine_core::conformance_suite!(Shm);
+xfer_conformance::conformance_suite!(Shm);

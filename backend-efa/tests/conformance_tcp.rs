@@ -4,7 +4,7 @@ mod common;
 
 struct Tcp;
 
-impl engine_core::conformance::Harness for Tcp {
+impl xfer_conformance::Harness for Tcp {
     fn config(&self, nics: usize) -> engine_core::Config {
         common::config("tcp;ofi_rxm", nics)
     }
@@ -46,4 +46,4 @@ impl engine_core::conformance::Harness for Tcp {
     }
 }
 
-engine_core::conformance_suite!(Tcp);
+xfer_conformance::conformance_suite!(Tcp);

@@ -7,8 +7,8 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use engine_core::conformance::{buffer, pattern};
 use engine_core::{DoneFlag, TransferEngine, TransferShape};
+use xfer_conformance::{buffer, pattern};
 
 fn write_and_count(config: &engine_core::Config) {
     let (a, b) = (

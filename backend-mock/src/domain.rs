@@ -5,11 +5,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine_core::domain::{
+use xfer_plugin::addr::NetAddr;
+use xfer_plugin::domain::{
     Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion,
     PostStatus, ReadRequest, Registration, Waker, WriteRequest,
 };
-use engine_core::NetAddr;
 
 use crate::fabric::{self, Direction, Nic, Op, Posted, Region};
 use crate::options::MockOptions;

@@ -20,9 +20,9 @@ use std::sync::{
 };
 use std::time::{Duration, Instant};
 
-use engine_core::domain::{DomainError, DomainErrorKind, Event, Waker};
-use engine_core::NetAddr;
 use foldhash::HashMap;
+use xfer_plugin::addr::NetAddr;
+use xfer_plugin::domain::{DomainError, DomainErrorKind, Event, Waker};
 
 /// A registered region.
 #[derive(Debug, Clone, Copy)]
@@ -494,7 +494,7 @@ fn rdma(
     if placed > 0 && (local_gpu || remote.gpu) {
         // SAFETY: as below; the engine checked both GPU ranges with the driver when they
         // were registered, and the driver copies between any host/device addresses.
-        unsafe { uvm_watcher::gpu::copy(to, from, placed as usize) }.map_err(|e| {
+        unsafe { xfer_cuda::copy(to, from, placed as usize) }.map_err(|e| {
             DomainError::new(
                 DomainErrorKind::Other,
                 format!("GPU copy at mock NIC {peer}: {e}"),

@@ -26,8 +26,8 @@ pub use domain::MockDomain;
 pub use fabric::{freeze, kill, registrations};
 pub use options::MockOptions;
 
-use engine_core::domain::{BackendRegistration, Domain, DomainConfig, DomainError};
-use engine_core::group::{DomainGroup, SpreadPolicy, WholeUnits};
+use xfer_plugin::domain::{Domain, DomainConfig, DomainError};
+use xfer_plugin::registry::BackendRegistration;
 
 /// The name configs select this backend by.
 pub const NAME: &str = "mock";
@@ -37,67 +37,15 @@ pub fn open(config: &DomainConfig<'_>) -> Result<Box<dyn Domain>, DomainError> {
     Ok(Box::new(MockDomain::open(config)?))
 }
 
-inventory::submit! {
-    engine_core::config::OptionsCheck {
-        backend: NAME,
-        check: |text| options::MockOptions::parse(text).map(|_| ()).map_err(|e| e.message),
+xfer_plugin::inventory::submit! {
+    BackendRegistration {
+        name: NAME,
+        open,
+        check_options: |text| MockOptions::parse(text).map(|_| ()).map_err(|e| e.message),
     }
 }
 
-inventory::submit! {
-    BackendRegistration { name: NAME, open, open_group: None }
-}
-
-/// The mock again, as backend `mockrails`, with a DomainGroup of its own: the way a vendor
-/// whose library spreads traffic over its rails plugs in its group. Each unit (a single write,
-/// a page, a scatter destination) goes whole to one rail ([`WholeUnits`]), so the receiver
-/// counts one arrival per unit whatever the NIC count. The conformance suite runs on it.
-pub const RAILS_NAME: &str = "mockrails";
-
-/// A vendor-style group: the mock's NICs as rails, each unit whole on one of them.
-struct RailsGroup {
-    rails: Vec<Box<dyn Domain>>,
-    policy: std::sync::Arc<WholeUnits>,
-}
-
-impl DomainGroup for RailsGroup {
-    fn domains(&self) -> &[Box<dyn Domain>] {
-        &self.rails
-    }
-
-    fn domains_mut(&mut self) -> &mut Vec<Box<dyn Domain>> {
-        &mut self.rails
-    }
-
-    fn spread(&self) -> std::sync::Arc<dyn SpreadPolicy> {
-        self.policy.clone()
-    }
-}
-
-fn open_rails_group(
-    rails: Vec<Box<dyn Domain>>,
-    config: &engine_core::Config,
-) -> Result<Box<dyn DomainGroup>, DomainError> {
-    Ok(Box::new(RailsGroup {
-        rails,
-        policy: std::sync::Arc::new(WholeUnits {
-            max_chunk: config.stripe.max_chunk,
-        }),
-    }))
-}
-
-inventory::submit! {
-    BackendRegistration { name: RAILS_NAME, open, open_group: Some(open_rails_group) }
-}
-
-inventory::submit! {
-    engine_core::config::OptionsCheck {
-        backend: RAILS_NAME,
-        check: |text| options::MockOptions::parse(text).map(|_| ()).map_err(|e| e.message),
-    }
-}
-
-engine_core::export_plugin!("mock", open);
+xfer_plugin::export_plugin!("mock", open);
 
 /// Makes sure this crate is linked, so its static registration is seen. Call it once from a
 /// binary that names the mock backend only in its config.

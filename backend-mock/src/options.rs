@@ -5,8 +5,8 @@
 //! order, a little late (`jitter_us`). `inline = true` turns that off — every operation lands
 //! during its post, in order — for measuring the engine's own overhead against memcpy.
 
-use engine_core::domain::{Capabilities, DomainError, DomainErrorKind};
 use serde::Deserialize;
+use xfer_plugin::domain::{Capabilities, DomainError, DomainErrorKind};
 
 /// The mock's config table.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]

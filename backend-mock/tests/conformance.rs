@@ -1,7 +1,7 @@
 //! The conformance suite on the mock, linked in and registered statically.
 
-use engine_core::conformance::Harness;
 use engine_core::Config;
+use xfer_conformance::Harness;
 
 struct Mock;
 
@@ -21,4 +21,4 @@ impl Harness for Mock {
     }
 }
 
-engine_core::conformance_suite!(Mock);
+xfer_conformance::conformance_suite!(Mock);

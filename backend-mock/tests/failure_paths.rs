@@ -12,10 +12,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::mock_config;
-use engine_core::conformance::{buffer, pattern};
 use engine_core::{
     Config, Device, DoneCounter, DoneFlag, Error, HostBuffer, NicSelection, OnDone, TransferEngine,
 };
+use xfer_conformance::{buffer, pattern};
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -501,7 +501,7 @@ fn the_engine_can_be_dropped_from_its_watcher_thread() {
             // The last reference goes on the watcher thread.
             drop(h.lock().unwrap().take());
             let _ = &flag_done;
-            uvm_watcher::Control::Stop
+            engine_core::WatchControl::Stop
         })
         .unwrap();
     drop(engine);
@@ -523,7 +523,7 @@ fn a_watcher_handed_its_engine_does_not_keep_it_alive() {
         .alloc_uvm_watcher_for(move |e, _, new| {
             assert!(e.nic_count() >= 1);
             s.store(new as usize, Ordering::SeqCst);
-            uvm_watcher::Control::Continue
+            engine_core::WatchControl::Continue
         })
         .unwrap();
     watcher.store(3);

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::mock_config;
-use engine_core::conformance::{buffer, pattern};
 use engine_core::{expected_arrivals, DoneCounter, DoneFlag, Error, TransferEngine, TransferShape};
 use proptest::prelude::*;
+use xfer_conformance::{buffer, pattern};
 
 const WAIT: Duration = Duration::from_secs(20);
 

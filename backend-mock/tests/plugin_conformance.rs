@@ -3,8 +3,8 @@
 
 mod common;
 
-use engine_core::conformance::Harness;
 use engine_core::Config;
+use xfer_conformance::Harness;
 
 struct MockPlugin;
 
@@ -20,7 +20,7 @@ impl Harness for MockPlugin {
     }
 }
 
-engine_core::conformance_suite!(MockPlugin);
+xfer_conformance::conformance_suite!(MockPlugin);
 
 #[test]
 fn the_engine_really_runs_the_plugin() {
@@ -45,7 +45,7 @@ fn the_suite_fails_a_plugin_that_breaks_the_receive_or_waker_rules() {
             1
         }
     }
-    use engine_core::conformance::{
+    use xfer_conformance::{
         a_promised_waker_is_called, messages_use_posted_receives, run_check, CheckOutcome,
     };
     let outcome = run_check(

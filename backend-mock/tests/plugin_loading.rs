@@ -140,8 +140,8 @@ fn a_plugin_built_against_an_older_abi_loads_and_its_missing_entries_are_refused
         std::sync::Arc::new(TransferEngine::open(&config).unwrap()),
         std::sync::Arc::new(TransferEngine::open(&config).unwrap()),
     );
-    let src = engine_core::conformance::buffer(&a, 4096, engine_core::conformance::pattern(1));
-    let dst = engine_core::conformance::buffer(&b, 4096, |_| 0);
+    let src = xfer_conformance::buffer(&a, 4096, xfer_conformance::pattern(1));
+    let dst = xfer_conformance::buffer(&b, 4096, |_| 0);
     let f = engine_core::DoneFlag::new();
     a.submit_single_write(4096, Some(1), (src.mr(), 0), (dst.desc(), 0), f.clone())
         .unwrap();
@@ -169,8 +169,8 @@ fn a_panicking_plugin_fails_its_engine_with_the_panic_text() {
         std::sync::Arc::new(TransferEngine::open(&config).unwrap()),
         std::sync::Arc::new(TransferEngine::open(&config).unwrap()),
     );
-    let src = engine_core::conformance::buffer(&a, 64, engine_core::conformance::pattern(1));
-    let dst = engine_core::conformance::buffer(&b, 64, |_| 0);
+    let src = xfer_conformance::buffer(&a, 64, xfer_conformance::pattern(1));
+    let dst = xfer_conformance::buffer(&b, 64, |_| 0);
     let done = engine_core::DoneCounter::new();
     for _ in 0..2 {
         let _ = a.submit_single_write(8, None, (src.mr(), 0), (dst.desc(), 0), done.clone());
@@ -248,8 +248,8 @@ fn the_engine_refuses_what_a_plugins_capabilities_rule_out() {
     assert!(!caps.zero_byte_writes && !caps.immediates && caps.needs_receiver_polling);
     assert!(caps.host_memory && caps.cuda_memory);
 
-    let src = engine_core::conformance::buffer(&a, 4096, engine_core::conformance::pattern(1));
-    let dst = engine_core::conformance::buffer(&b, 4096, |_| 0);
+    let src = xfer_conformance::buffer(&a, 4096, xfer_conformance::pattern(1));
+    let dst = xfer_conformance::buffer(&b, 4096, |_| 0);
     let refused = |len: u64, imm: Option<u32>| {
         let f = engine_core::DoneFlag::new();
         a.submit_single_write(len, imm, (src.mr(), 0), (dst.desc(), 0), f.clone())
@@ -302,8 +302,8 @@ fn a_version_2_plugin_loads_with_default_capabilities() {
         engine_core::domain::Capabilities::default(),
         "a version-2 table has no capabilities entry: the engine must not read past it"
     );
-    let src = engine_core::conformance::buffer(&a, 64, engine_core::conformance::pattern(2));
-    let dst = engine_core::conformance::buffer(&b, 64, |_| 0);
+    let src = xfer_conformance::buffer(&a, 64, xfer_conformance::pattern(2));
+    let dst = xfer_conformance::buffer(&b, 64, |_| 0);
     let f = engine_core::DoneFlag::new();
     a.submit_single_write(8, None, (src.mr(), 0), (dst.desc(), 0), f.clone())
         .unwrap();

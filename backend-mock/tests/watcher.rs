@@ -6,11 +6,11 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use engine_core::conformance::{buffer, pattern};
 use engine_core::{
     expected_arrivals, DoneCounter, DoneFlag, GpuCounter, TransferEngine, TransferShape,
     WatchControl,
 };
+use xfer_conformance::{buffer, pattern};
 
 #[test]
 fn each_bump_sends_that_layer() {

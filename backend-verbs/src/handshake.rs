@@ -54,9 +54,9 @@
 
 use std::time::{Duration, Instant};
 
-use engine_core::NetAddr;
 use foldhash::HashMap;
 use hmac::{KeyInit, Mac};
+use xfer_plugin::addr::NetAddr;
 
 use crate::wire::{Handshake, Kind, VerbsAddr, MSG_LEN};
 

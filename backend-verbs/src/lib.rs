@@ -23,7 +23,8 @@ pub mod wire;
 pub use domain::VerbsDomain;
 pub use options::VerbsOptions;
 
-use engine_core::domain::{BackendRegistration, Domain, DomainConfig, DomainError};
+use xfer_plugin::domain::{Domain, DomainConfig, DomainError};
+use xfer_plugin::registry::BackendRegistration;
 
 /// The name configs select this backend by.
 pub const NAME: &str = "verbs";
@@ -38,18 +39,15 @@ pub fn devices() -> Vec<String> {
     ffi::devices()
 }
 
-inventory::submit! {
-    engine_core::config::OptionsCheck {
-        backend: NAME,
-        check: |text| options::VerbsOptions::parse(text).map(|_| ()).map_err(|e| e.message),
+xfer_plugin::inventory::submit! {
+    BackendRegistration {
+        name: NAME,
+        open,
+        check_options: |text| options::VerbsOptions::parse(text).map(|_| ()).map_err(|e| e.message),
     }
 }
 
-inventory::submit! {
-    BackendRegistration { name: NAME, open, open_group: None }
-}
-
-engine_core::export_plugin!("verbs", open);
+xfer_plugin::export_plugin!("verbs", open);
 
 /// Makes sure this crate is linked, so its static registration is seen.
 #[inline(never)]

@@ -29,7 +29,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use engine_core::domain::Waker;
+use xfer_plugin::domain::Waker;
 
 use crate::ffi::{CqEvents, Wait};
 

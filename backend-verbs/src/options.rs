@@ -1,7 +1,7 @@
 //! `[backends.verbs]`.
 
-use engine_core::domain::{DomainError, DomainErrorKind};
 use serde::Deserialize;
+use xfer_plugin::domain::{DomainError, DomainErrorKind};
 
 /// The verbs backend's config table.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]

@@ -3,7 +3,7 @@
 
 struct Rxe;
 
-impl engine_core::conformance::Harness for Rxe {
+impl xfer_conformance::Harness for Rxe {
     fn config(&self, nics: usize) -> engine_core::Config {
         backend_verbs::link();
         let names: Vec<String> = (0..nics).map(|i| format!("\"rxe{i}\"")).collect();
@@ -23,7 +23,7 @@ impl engine_core::conformance::Harness for Rxe {
     }
 }
 
-engine_core::conformance_suite!(
+xfer_conformance::conformance_suite!(
     ignored = "needs soft-RoCE devices: runs in the rxe guest",
     Rxe
 );
@@ -33,8 +33,8 @@ engine_core::conformance_suite!(
 #[test]
 #[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
 fn an_address_with_no_listening_qp_is_unreachable() {
-    use engine_core::conformance::Harness;
     use std::time::{Duration, Instant};
+    use xfer_conformance::Harness;
     let mut config = Rxe.config(1);
     // The engine's one handshake deadline, which it passes to the backend.
     config.timeouts.connect_ms = 500;
@@ -72,9 +72,9 @@ fn an_address_with_no_listening_qp_is_unreachable() {
 #[test]
 #[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
 fn arrivals_wake_a_parked_worker() {
-    use engine_core::conformance::Harness;
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
+    use xfer_conformance::Harness;
     let mut config = Rxe.config(1);
     config.worker.idle_poll_us = 3_600_000_000;
     config.worker.spin_us = 0;
@@ -134,8 +134,8 @@ fn arrivals_wake_a_parked_worker() {
 #[test]
 #[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
 fn a_cq_overrun_fails_the_receiver_with_its_cause() {
-    use engine_core::conformance::Harness;
     use std::time::Duration;
+    use xfer_conformance::Harness;
     const WRITES: u32 = 2_000;
     let mut config = Rxe.config(1);
     config.timeouts.expect_ms = 120_000;
@@ -185,8 +185,8 @@ fn a_cq_overrun_fails_the_receiver_with_its_cause() {
 #[test]
 #[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
 fn the_next_transfer_after_a_failure_reconnects() {
-    use engine_core::conformance::Harness;
     use std::time::Duration;
+    use xfer_conformance::Harness;
     let config = Rxe.config(1);
     let a = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
     let b = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
@@ -218,8 +218,8 @@ fn the_next_transfer_after_a_failure_reconnects() {
 #[test]
 #[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
 fn a_vanished_peer_is_unreachable_before_the_deadline() {
-    use engine_core::conformance::Harness;
     use std::time::{Duration, Instant};
+    use xfer_conformance::Harness;
     let mut config = Rxe.config(1);
     config.timeouts.transfer_ms = 20_000;
     config.backends = toml::from_str("[verbs]\nunreachable_ms = 500\n").unwrap();
@@ -264,8 +264,8 @@ fn a_vanished_peer_is_unreachable_before_the_deadline() {
 #[test]
 #[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
 fn operator_path_options_work_and_impossible_ones_are_named() {
-    use engine_core::conformance::Harness;
     use std::time::Duration;
+    use xfer_conformance::Harness;
     let mut config = Rxe.config(1);
     config.backends = toml::from_str(
         "[verbs]\ntraffic_class = 106\nservice_level = 3\ngid = \"rxenet0\"\nports = { rxe0 = 1 }\n",
@@ -302,8 +302,8 @@ fn operator_path_options_work_and_impossible_ones_are_named() {
 #[test]
 #[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
 fn the_other_sides_bad_write_does_not_fail_my_next_write() {
-    use engine_core::conformance::Harness;
     use std::time::Duration;
+    use xfer_conformance::Harness;
     let config = Rxe.config(1);
     let a = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
     let b = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
@@ -347,8 +347,8 @@ fn the_other_sides_bad_write_does_not_fail_my_next_write() {
 #[test]
 #[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
 fn fan_out_to_many_peers_connects_every_one() {
-    use engine_core::conformance::Harness;
     use std::time::Duration;
+    use xfer_conformance::Harness;
     const PEERS: usize = 60;
     let mut config = Rxe.config(1);
     config.timeouts.connect_ms = 20_000;
@@ -390,8 +390,8 @@ fn fan_out_to_many_peers_connects_every_one() {
 #[test]
 #[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
 fn a_failed_handshake_qp_is_reset_and_peers_still_connect() {
-    use engine_core::conformance::Harness;
     use std::time::Duration;
+    use xfer_conformance::Harness;
     let mut config = Rxe.config(1);
     config.timeouts.connect_ms = 10_000;
     config.backends = toml::from_str("[verbs.faults]\nud_error_after_sends = 1\n").unwrap();
@@ -428,8 +428,8 @@ fn a_failed_handshake_qp_is_reset_and_peers_still_connect() {
 #[test]
 #[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
 fn a_responder_sends_nothing_before_the_requester_is_ready() {
-    use engine_core::conformance::Harness;
     use std::time::Duration;
+    use xfer_conformance::Harness;
     let mut config = Rxe.config(1);
     config.timeouts.connect_ms = 30_000;
     config.timeouts.transfer_ms = 40_000;
@@ -465,8 +465,8 @@ fn a_responder_sends_nothing_before_the_requester_is_ready() {
 #[test]
 #[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
 fn deregistering_a_region_fails_its_queued_writes_and_spares_the_others() {
-    use engine_core::conformance::Harness;
     use std::time::Duration;
+    use xfer_conformance::Harness;
     let mut config = Rxe.config(1);
     config.timeouts.connect_ms = 20_000;
     config.timeouts.transfer_ms = 30_000;
@@ -507,8 +507,8 @@ fn deregistering_a_region_fails_its_queued_writes_and_spares_the_others() {
 #[test]
 #[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
 fn a_stalled_receiver_loses_no_completion_to_a_cq_overrun() {
-    use engine_core::conformance::Harness;
     use std::time::Duration;
+    use xfer_conformance::Harness;
     const WRITES: u64 = 8_000;
     const MESSAGES: usize = 9_000;
     let mut config = Rxe.config(1);
@@ -566,8 +566,8 @@ fn a_stalled_receiver_loses_no_completion_to_a_cq_overrun() {
 #[test]
 #[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
 fn unproven_requests_do_not_replace_a_live_connection() {
-    use engine_core::conformance::Harness;
     use std::time::Duration;
+    use xfer_conformance::Harness;
     let config = Rxe.config(1);
     let mut forging = config.clone();
     forging.backends = toml::from_str("[verbs.faults]\nforge_requests_every_ms = 30\n").unwrap();
@@ -608,8 +608,8 @@ fn unproven_requests_do_not_replace_a_live_connection() {
 #[test]
 #[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
 fn small_writes_inline_and_an_inline_size_the_device_refuses_falls_back() {
-    use engine_core::conformance::Harness;
     use std::time::Duration;
+    use xfer_conformance::Harness;
     for inline_bytes in [64u32, 1 << 20] {
         let mut config = Rxe.config(1);
         let mut verbs = toml::Table::new();
@@ -654,8 +654,8 @@ fn small_writes_inline_and_an_inline_size_the_device_refuses_falls_back() {
 #[test]
 #[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
 fn a_cluster_secret_admits_only_its_holders() {
-    use engine_core::conformance::Harness;
     use std::time::Duration;
+    use xfer_conformance::Harness;
     let dir = std::env::temp_dir().join(format!("xfer-secret-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (ours, theirs) = (dir.join("ours"), dir.join("theirs"));

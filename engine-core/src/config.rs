@@ -204,21 +204,6 @@ pub struct SecurityConfig {
     pub secret_file: Option<PathBuf>,
 }
 
-/// A linked-in backend's check of its own config table (`[backends.<name>]`, as TOML text
-/// with the engine-wide settings added), submitted with `inventory::submit!` next to its
-/// registration: a typo in that table is an error when the config is loaded, naming the key
-/// and the file, instead of a failure to open a NIC later. Here, not beside the registration,
-/// so the config depends on nothing that depends on it.
-#[derive(Debug)]
-pub struct OptionsCheck {
-    /// The backend's name.
-    pub backend: &'static str,
-    /// Parses the table; the error names what is wrong.
-    pub check: fn(&str) -> Result<(), String>,
-}
-
-inventory::collect!(OptionsCheck);
-
 /// Where peers find each other by name (the `xfer-rendezvous` crate reads it; the engine
 /// itself does not), so the backend and the rendezvous come from one file.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Default)]
@@ -393,11 +378,10 @@ impl Config {
     /// Checks the selected backend's own table with the backend's parser, when the backend is
     /// linked into this binary (a plugin's is checked when it opens its NICs).
     fn check_backend_options(&self) -> Result<(), ConfigError> {
-        let Some(check) = inventory::iter::<OptionsCheck>().find(|c| c.backend == self.backend)
-        else {
+        let Some(backend) = xfer_plugin::registry::find(&self.backend) else {
             return Ok(());
         };
-        (check.check)(&self.backend_options()).map_err(|why| self.invalid(why))
+        (backend.check_options)(&self.backend_options()).map_err(|why| self.invalid(why))
     }
 
     /// The selected backend's own table as TOML text, with the engine-wide settings every

@@ -7,7 +7,7 @@
 //!
 //! The built-in group is [`StripingGroup`]: the pure striping planner ([`crate::plan`]) over
 //! the configured NICs. A backend whose hardware or library already spreads traffic over its
-//! rails supplies its own group through `domain::BackendRegistration::open_group`: its own policy
+//! rails supplies its own group through a [`GroupRegistration`]: its own policy
 //! (say, each unit whole on one rail), its own Domains.
 //!
 //! Both peers must use the same group and config: arrivals are counted from the sender's plan.
@@ -58,6 +58,30 @@ pub trait DomainGroup: Send {
 /// Makes a backend's own group from the Domains the engine opened for the configured NICs.
 pub type OpenGroupFn =
     fn(domains: Vec<Box<dyn Domain>>, config: &Config) -> Result<Box<dyn DomainGroup>, DomainError>;
+
+/// A linked-in backend's own DomainGroup, submitted with `inventory::submit!` beside its
+/// [`BackendRegistration`](crate::domain::BackendRegistration). Backends without one get the
+/// built-in [`StripingGroup`]; so do plugins loaded through the C ABI (a plugin whose library
+/// spreads over its rails by itself exposes the logical device as one NIC). Here, in the
+/// engine, because a group is planned with the engine's config and policies.
+#[derive(Debug)]
+pub struct GroupRegistration {
+    /// The backend's name.
+    pub backend: &'static str,
+    /// Makes the group from the Domains the engine opened.
+    pub open: OpenGroupFn,
+}
+
+inventory::collect!(GroupRegistration);
+
+/// How the engine makes backend `name`'s DomainGroup: its registered one, else the built-in
+/// striping group.
+pub fn group_opener(name: &str) -> OpenGroupFn {
+    inventory::iter::<GroupRegistration>
+        .into_iter()
+        .find(|g| g.backend == name)
+        .map_or(StripingGroup::open as OpenGroupFn, |g| g.open)
+}
 
 /// The built-in group: the configured NICs, with the config's [`StripePolicy`].
 pub struct StripingGroup {

@@ -54,11 +54,7 @@ pub mod imm;
 pub mod plan;
 pub mod plugin;
 mod runtime;
-pub mod topo;
 pub mod wire;
-
-#[cfg(feature = "conformance")]
-pub mod conformance;
 
 pub use api::{MrHandle, Pages, PeerGroupHandle, RemoteAccess, ScatterDst, TransferEngine};
 pub use buffer::HostBuffer;

@@ -38,8 +38,8 @@ impl GpuCounter {
         let block = match gdr {
             Ok(b) => b,
             Err(why) => {
-                let mapped = crate::cuda::Cuda::open(device as i32)
-                    .and_then(|c| Block::mapped(&Arc::new(c)));
+                let mapped =
+                    xfer_cuda::Cuda::open(device as i32).and_then(|c| Block::mapped(&Arc::new(c)));
                 match mapped {
                     Ok(block) => {
                         tracing::info!(

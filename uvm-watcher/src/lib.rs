@@ -21,8 +21,6 @@
 //! returns [`Control::Stop`] to free its slot; dropping the [`Watcher`] frees it too.
 
 mod counter;
-mod cuda;
-pub mod gpu;
 mod memory;
 mod pool;
 
@@ -32,7 +30,7 @@ pub use pool::{probe, Control, MemoryChoice, PoolConfig, Watcher, WatcherPool};
 
 /// Whether a CUDA driver library is present (device-mapped slots are possible).
 pub fn cuda_driver_present() -> bool {
-    cuda::driver_present()
+    xfer_cuda::driver_present()
 }
 
 /// Why a pool or watcher could not be created.

@@ -16,7 +16,7 @@
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::cuda::Cuda;
+use xfer_cuda::Cuda;
 
 /// Slots per block: one 4 KiB page.
 pub const SLOTS_PER_BLOCK: usize = 512;
@@ -54,14 +54,14 @@ pub(crate) struct GdrMapping {
     va: *mut u8,
     /// The GPU page the slots live in (inside `memory`).
     device: u64,
-    memory: crate::gpu::DeviceBuffer,
+    memory: xfer_cuda::DeviceBuffer,
 }
 
 impl GdrMapping {
     /// Allocates one GPU page (aligned, as `gdr_map` requires: an allocation of twice the
     /// page, rounded up inside it) on device `index`, zeroes it, pins and maps it.
     pub(crate) fn new(gdr: &Arc<gdrcopy_sys::Gdr>, index: u32) -> Result<Self, String> {
-        let memory = crate::gpu::DeviceBuffer::new(index, 2 * GPU_PAGE)?;
+        let memory = xfer_cuda::DeviceBuffer::new(index, 2 * GPU_PAGE)?;
         let device = memory.ptr().next_multiple_of(GPU_PAGE as u64);
         memory.upload((device - memory.ptr()) as usize, &[0u8; GPU_PAGE])?;
         // SAFETY: `memory` lives as long as the mapping (dropped after unmap, in Drop), and

@@ -53,7 +53,7 @@ impl MemoryChoice {
 #[derive(Clone)]
 enum Source {
     Host,
-    Mapped(Arc<crate::cuda::Cuda>),
+    Mapped(Arc<xfer_cuda::Cuda>),
     Gdr(Arc<gdrcopy_sys::Gdr>, u32),
 }
 
@@ -90,7 +90,7 @@ impl Source {
             Ok(source)
         };
         let mapped = || -> Result<Self, String> {
-            Ok(Self::Mapped(Arc::new(crate::cuda::Cuda::open(device)?)))
+            Ok(Self::Mapped(Arc::new(xfer_cuda::Cuda::open(device)?)))
         };
         match choice {
             MemoryChoice::Host => Ok((Self::Host, Vec::new())),

@@ -7,8 +7,8 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use engine_core::config::GroupConfig;
-use engine_core::conformance::{run_check, CheckOutcome, Harness, CHECKS};
 use engine_core::Config;
+use xfer_conformance::{run_check, CheckOutcome, Harness, CHECKS};
 
 /// What the command was asked to test.
 pub(crate) struct Request<'a> {
@@ -24,9 +24,7 @@ pub(crate) struct Request<'a> {
 
 /// The checks `only` selects, in the suite's order; a filter that matches nothing is an
 /// error naming it and the checks there are (a typo must not pass as "0 passed").
-fn selected(
-    only: &[String],
-) -> Result<Vec<(&'static str, engine_core::conformance::Check)>, String> {
+fn selected(only: &[String]) -> Result<Vec<(&'static str, xfer_conformance::Check)>, String> {
     for filter in only {
         if !CHECKS
             .iter()

@@ -7,9 +7,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use engine_core::plugin::{abi, find_backend, Backend, PLUGIN_PATH_ENV};
-use engine_core::topo::{self, doctor};
 use engine_core::Config;
 use serde::Serialize;
+use xfer_topology::{self as topo, doctor};
 
 #[derive(Parser)]
 #[command(
@@ -206,7 +206,7 @@ fn topo_cmd(cli: &Cli, max_nics: usize) -> ExitCode {
         devices,
         matrix,
         numa,
-        groups: topo::propose(&t, max_nics),
+        groups: topo::propose(&t, max_nics.min(engine_core::wire::MAX_NICS)),
     };
     if cli.json {
         println!(

@@ -24,7 +24,7 @@ fn root() -> PathBuf {
 
 fn fixture(name: &str) -> String {
     root()
-        .join("engine-core/tests/fixtures/sysfs")
+        .join("topology/tests/fixtures/sysfs")
         .join(name)
         .display()
         .to_string()

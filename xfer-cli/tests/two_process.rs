@@ -9,11 +9,11 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine_core::conformance::{buffer, pattern};
 use engine_core::{
     expected_arrivals, DoneCounter, DoneFlag, Error, MrDesc, NetAddr, Pages, ScatterDst,
     TransferEngine, TransferShape,
 };
+use xfer_conformance::{buffer, pattern};
 
 const WAIT: Duration = Duration::from_secs(20);
 

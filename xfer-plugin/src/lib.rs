@@ -7,11 +7,11 @@
 //! - [`addr`]: [`NetAddr`](addr::NetAddr), the opaque NIC address a backend hands out;
 //! - [`abi`]: the versioned, append-only C ABI, and [`export_plugin!`] that turns a Rust
 //!   `Domain` opener into it (C plugins use the generated header `include/xfer_plugin.h`);
-//! - [`log`]: how a plugin's `tracing` events reach the host process's subscriber.
+//! - [`log`]: how a plugin's `tracing` events reach the host process's subscriber;
+//! - [`registry`]: how a backend linked into a binary as a Rust crate announces itself.
 //!
-//! The conformance suite needs a running engine, so it lives in `engine-core` (feature
-//! `conformance`, as a dev-dependency) and in the `xfer conformance --plugin` command, which
-//! needs no Rust at all. `docs/plugins.md` is the guide; its Rust snippets are compiled as
+//! The conformance suite needs a running engine, so it lives in `xfer-conformance` (a
+//! dev-dependency) and in the `xfer conformance --plugin` command, which needs no Rust at all. `docs/plugins.md` is the guide; its Rust snippets are compiled as
 //! this crate's doc tests (see [`guide`]).
 
 pub mod abi;
@@ -19,6 +19,11 @@ pub mod addr;
 pub mod domain;
 pub mod log;
 mod raw;
+pub mod registry;
+
+/// Re-exported so a backend submits its [`registry::BackendRegistration`] without naming
+/// the crate itself.
+pub use inventory;
 
 /// The text of a panic payload (`&str` or `String`; anything else is named as such).
 pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {

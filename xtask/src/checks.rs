@@ -224,7 +224,7 @@ pub(crate) fn memcheck(totals: &mut (u64, u64)) -> Result {
     Ok(())
 }
 
-/// `engine_core::conformance::DEADLINE_ENV` (xtask does not link engine-core): the
+/// `xfer_conformance::DEADLINE_ENV` (xtask does not link engine-core): the
 /// conformance suite's short deadlines, raised for runs under valgrind or ASan.
 pub(crate) const CONFORMANCE_DEADLINE_ENV: &str = "XFER_CONFORMANCE_DEADLINE_MS";
 

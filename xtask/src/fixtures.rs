@@ -1,5 +1,5 @@
 //! `cargo xtask fixtures`: writes the sysfs fixture trees the topology tests read
-//! (`engine-core/tests/fixtures/sysfs/<machine>`), modelled on documented machines. The
+//! (`topology/tests/fixtures/sysfs/<machine>`), modelled on documented machines. The
 //! output is committed; rerun this after changing a machine here.
 
 use std::fs;

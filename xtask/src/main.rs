@@ -258,7 +258,7 @@ fn main() -> ExitCode {
             result
         }
         Some("header") => header::header(args.get(1).is_some_and(|a| a == "--check")),
-        Some("fixtures") => fixtures::write_all(std::path::Path::new("engine-core/tests/fixtures/sysfs")).map_err(|e| e.to_string()),
+        Some("fixtures") => fixtures::write_all(std::path::Path::new("topology/tests/fixtures/sysfs")).map_err(|e| e.to_string()),
         _ => Err("usage: cargo xtask test | fresh | bench [transfer-bench args] | bench-efa [transfer-bench args]".into()),
     };
     match result {

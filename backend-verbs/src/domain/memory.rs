@@ -11,20 +11,19 @@ impl VerbsDomain {
         region: &MemoryRegion,
         index: u32,
     ) -> Result<Mr, DomainError> {
-        let dmabuf =
-            uvm_watcher::gpu::dmabuf(region.ptr, region.len, index).and_then(|(fd, offset)| {
-                // SAFETY: the engine checked the range is live device memory of this GPU; the fd
-                // was just exported for it and is handed over.
-                unsafe {
-                    self.device.register_dmabuf(
-                        offset,
-                        region.len as usize,
-                        region.ptr,
-                        fd,
-                        RemoteBits::of(region.remote_write, region.remote_read),
-                    )
-                }
-            });
+        let dmabuf = xfer_cuda::dmabuf(region.ptr, region.len, index).and_then(|(fd, offset)| {
+            // SAFETY: the engine checked the range is live device memory of this GPU; the fd
+            // was just exported for it and is handed over.
+            unsafe {
+                self.device.register_dmabuf(
+                    offset,
+                    region.len as usize,
+                    region.ptr,
+                    fd,
+                    RemoteBits::of(region.remote_write, region.remote_read),
+                )
+            }
+        });
         let dmabuf_error = match dmabuf {
             Ok(mr) => return Ok(mr),
             Err(e) => e,

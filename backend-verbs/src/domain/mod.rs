@@ -6,13 +6,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine_core::domain::{
+use foldhash::{HashMap, HashSet};
+use xfer_plugin::addr::NetAddr;
+use xfer_plugin::domain::{
     message_size_class, Device as MemDevice, Domain, DomainConfig, DomainError, DomainErrorKind,
     Event, MemoryRegion, PostStatus, ReadRequest, ReceivePool, RegionTable, Registration, Waker,
     WriteRequest,
 };
-use engine_core::NetAddr;
-use foldhash::{HashMap, HashSet};
 
 use crate::completion::{Outstanding, Progress};
 use crate::ffi::{
@@ -153,9 +153,8 @@ impl Domain for VerbsDomain {
                     )
                 }
                 .map_err(|e| {
-                    let limit =
-                        engine_core::topo::doctor::memlock_limit(std::path::Path::new("/proc"))
-                            .map_or("unlimited".to_owned(), |l| format!("{l} bytes"));
+                    let limit = xfer_topology::doctor::memlock_limit(std::path::Path::new("/proc"))
+                        .map_or("unlimited".to_owned(), |l| format!("{l} bytes"));
                     other(format!(
                         "{e} (locked-memory limit: {limit}; see `xfer doctor`)"
                     ))

@@ -36,8 +36,8 @@ impl TransferEngine {
         // passed as host memory, host memory (or another GPU's) passed as a device's, a range
         // across two allocations, a device that does not exist.
         match device {
-            Device::Host => uvm_watcher::gpu::check_host_range(region.ptr),
-            Device::Cuda(i) => uvm_watcher::gpu::check_device_range(region.ptr, region.len, i),
+            Device::Host => xfer_cuda::check_host_range(region.ptr),
+            Device::Cuda(i) => xfer_cuda::check_device_range(region.ptr, region.len, i),
         }
         .map_err(Error::InvalidArgument)?;
         let keys = self.control(|reply| Command::Register { region, reply })?;

@@ -112,15 +112,14 @@ impl Backend {
     /// striping group.
     pub fn open_group(&self) -> crate::group::OpenGroupFn {
         match self {
-            Self::Builtin(r) => r.open_group.unwrap_or(crate::group::StripingGroup::open),
+            Self::Builtin(r) => crate::group::group_opener(r.name),
             Self::Plugin(_) => crate::group::StripingGroup::open,
         }
     }
 
     /// Names of the backends linked into this binary.
     pub fn builtin_names() -> Vec<String> {
-        inventory::iter::<BackendRegistration>
-            .into_iter()
+        xfer_plugin::registry::all()
             .map(|r| r.name.to_owned())
             .collect()
     }
@@ -132,10 +131,7 @@ pub fn find_backend(name: &str, plugin_path: Option<&Path>) -> Result<Backend, P
     if let Some(path) = plugin_path {
         return load_checked(path, name);
     }
-    if let Some(reg) = inventory::iter::<BackendRegistration>
-        .into_iter()
-        .find(|r| r.name == name)
-    {
+    if let Some(reg) = xfer_plugin::registry::find(name) {
         return Ok(Backend::Builtin(reg));
     }
     let searched: Vec<PathBuf> = std::env::var_os(PLUGIN_PATH_ENV)

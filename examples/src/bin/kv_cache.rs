@@ -27,7 +27,7 @@ use engine_core::{
     RemoteAccess, TransferEngine, TransferShape,
 };
 use examples::{byte, fail, open_engines};
-use uvm_watcher::gpu::DeviceBuffer;
+use xfer_cuda::DeviceBuffer;
 
 const LAYERS: usize = 12;
 const PAGES_PER_LAYER: usize = 32;

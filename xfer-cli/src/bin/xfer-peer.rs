@@ -61,9 +61,7 @@ fn main() {
                     len.parse().unwrap(),
                     seed.parse().unwrap(),
                 );
-                let bytes: Vec<u8> = (0..len)
-                    .map(engine_core::conformance::pattern(seed))
-                    .collect();
+                let bytes: Vec<u8> = (0..len).map(xfer_conformance::pattern(seed)).collect();
                 match buffer.write(offset, &bytes) {
                     Ok(()) => "ok".to_owned(),
                     Err(e) => format!("err {e}"),

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use engine_core::topo::{self, link, propose, Link};
+use xfer_topology::{self as topo, link, propose, Link};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

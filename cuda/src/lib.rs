@@ -1,10 +1,21 @@
-//! GPU memory checks and copies for registration (`reg_mr(ptr, len, Device::Cuda(i))`), through
-//! the CUDA driver loaded at run time. Without a driver, GPU registrations are refused with the
-//! reason and host registrations pass unchecked.
+//! # xfer-cuda: GPU memory checks and copies for registration (`reg_mr(ptr, len, Device::Cuda(i))`)
+//!
+//! Through the CUDA driver loaded at run time (no toolkit at build time). Without a driver, GPU
+//! registrations are refused with the reason and host registrations pass unchecked. Its own
+//! crate so that a backend needing only these (the mock's copies, verbs' dma-buf export) does
+//! not link the watcher pool, and the engine, the watcher and the backends share one opened
+//! context per device. All `unsafe` driver calls are in `ffi`. Without the default feature
+//! `driver` (`--no-default-features`), nothing loads CUDA and GPU requests are refused.
+
+#[cfg(not(feature = "driver"))]
+#[path = "absent.rs"]
+mod ffi;
+#[cfg(feature = "driver")]
+mod ffi;
 
 use std::sync::{Arc, Mutex, OnceLock};
 
-use crate::cuda::Cuda;
+pub use ffi::{driver_present, Cuda};
 
 /// Opened devices, by index.
 type Opened = Mutex<Vec<(u32, Arc<Cuda>)>>;
@@ -33,7 +44,7 @@ pub fn check_device_range(ptr: u64, len: u64, index: u32) -> Result<(), String> 
 
 /// Checks a host registration is not device memory (only where a CUDA driver is present).
 pub fn check_host_range(ptr: u64) -> Result<(), String> {
-    if !crate::cuda_driver_present() {
+    if !driver_present() {
         return Ok(());
     }
     match device(0) {

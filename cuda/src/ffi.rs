@@ -1,5 +1,5 @@
 //! Page-locked, device-mapped host memory through the CUDA driver, loaded at run time.
-//! All of this crate's `unsafe` CUDA calls are here.
+//! All of this crate's `unsafe` CUDA calls are here; the watcher's memory uses [`Cuda`] too.
 
 use cudarc::driver::sys;
 
@@ -18,7 +18,7 @@ pub(crate) static PROBES: std::sync::atomic::AtomicUsize = std::sync::atomic::At
 
 /// Whether libcuda can be loaded. Probed once per process: a driver does not appear or vanish
 /// under a running program, and every `reg_mr` asks.
-pub(crate) fn driver_present() -> bool {
+pub fn driver_present() -> bool {
     static PRESENT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *PRESENT.get_or_init(|| {
         PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -28,7 +28,7 @@ pub(crate) fn driver_present() -> bool {
 }
 
 /// A primary context of one device, made current on the threads that allocate.
-pub(crate) struct Cuda {
+pub struct Cuda {
     context: sys::CUcontext,
 }
 
@@ -40,7 +40,7 @@ unsafe impl Sync for Cuda {}
 impl Cuda {
     /// The driver and device `device`, or why not. Never panics: the library's presence is
     /// checked before any driver call.
-    pub(crate) fn open(device: i32) -> Result<Self, String> {
+    pub fn open(device: i32) -> Result<Self, String> {
         if !driver_present() {
             return Err("no CUDA driver library (libcuda.so) on this machine".into());
         }
@@ -67,7 +67,7 @@ impl Cuda {
 
     /// Allocates `len` bytes of page-locked host memory mapped into the device's address space;
     /// returns (host pointer, device pointer).
-    pub(crate) fn alloc_mapped(&self, len: usize) -> Result<(*mut u8, u64), String> {
+    pub fn alloc_mapped(&self, len: usize) -> Result<(*mut u8, u64), String> {
         // SAFETY: the context was retained in open; out-pointers are valid.
         unsafe {
             check("cuCtxSetCurrent", sys::cuCtxSetCurrent(self.context))?;
@@ -91,7 +91,7 @@ impl Cuda {
     ///
     /// # Safety
     /// `host` came from `alloc_mapped` and nothing uses it any more.
-    pub(crate) unsafe fn free_mapped(&self, host: *mut u8) {
+    pub unsafe fn free_mapped(&self, host: *mut u8) {
         // SAFETY: per this function's contract.
         unsafe {
             sys::cuCtxSetCurrent(self.context);
@@ -133,7 +133,7 @@ impl Cuda {
     }
 
     /// Checks that `[ptr, ptr + len)` is device memory of `device`, inside one allocation.
-    pub(crate) fn check_device_range(&self, ptr: u64, len: u64, device: i32) -> Result<(), String> {
+    pub fn check_device_range(&self, ptr: u64, len: u64, device: i32) -> Result<(), String> {
         if self.memory_type(ptr)? != Some(sys::CUmemorytype::CU_MEMORYTYPE_DEVICE) {
             return Err(format!("{ptr:#x} is not CUDA device memory (host memory passed as Device::Cuda({device})?)"));
         }
@@ -167,7 +167,7 @@ impl Cuda {
     }
 
     /// Refuses device memory registered as host memory.
-    pub(crate) fn check_host_range(&self, ptr: u64) -> Result<(), String> {
+    pub fn check_host_range(&self, ptr: u64) -> Result<(), String> {
         match self.memory_type(ptr)? {
             Some(sys::CUmemorytype::CU_MEMORYTYPE_DEVICE) => Err(format!(
                 "{ptr:#x} is CUDA device memory: register it as Device::Cuda"
@@ -180,7 +180,7 @@ impl Cuda {
     ///
     /// # Safety
     /// Both ranges must be valid for the copy.
-    pub(crate) unsafe fn copy(&self, dst: u64, src: u64, len: usize) -> Result<(), String> {
+    pub unsafe fn copy(&self, dst: u64, src: u64, len: usize) -> Result<(), String> {
         self.make_current()?;
         // SAFETY: per this function's contract.
         check("cuMemcpy", unsafe { sys::cuMemcpy(dst, src, len) })
@@ -189,7 +189,7 @@ impl Cuda {
 
 impl Cuda {
     /// Allocates `len` bytes of device memory.
-    pub(crate) fn alloc_device(&self, len: usize) -> Result<u64, String> {
+    pub fn alloc_device(&self, len: usize) -> Result<u64, String> {
         self.make_current()?;
         let mut ptr = 0;
         // SAFETY: valid out-pointer; context current.
@@ -201,7 +201,7 @@ impl Cuda {
     ///
     /// # Safety
     /// `ptr` came from `alloc_device` and is no longer used.
-    pub(crate) unsafe fn free_device(&self, ptr: u64) {
+    pub unsafe fn free_device(&self, ptr: u64) {
         let _ = self.make_current();
         // SAFETY: per this function's contract.
         unsafe { sys::cuMemFree_v2(ptr) };
@@ -211,7 +211,7 @@ impl Cuda {
     ///
     /// # Safety
     /// `dst..dst+src.len()` must be live device memory.
-    pub(crate) unsafe fn upload(&self, dst: u64, src: &[u8]) -> Result<(), String> {
+    pub unsafe fn upload(&self, dst: u64, src: &[u8]) -> Result<(), String> {
         self.make_current()?;
         // SAFETY: per this function's contract; src is a live slice.
         check("cuMemcpyHtoD", unsafe {
@@ -223,7 +223,7 @@ impl Cuda {
     ///
     /// # Safety
     /// `src..src+dst.len()` must be live device memory.
-    pub(crate) unsafe fn download(&self, dst: &mut [u8], src: u64) -> Result<(), String> {
+    pub unsafe fn download(&self, dst: &mut [u8], src: u64) -> Result<(), String> {
         self.make_current()?;
         // SAFETY: per this function's contract; dst is a live slice.
         check("cuMemcpyDtoH", unsafe {
@@ -233,7 +233,7 @@ impl Cuda {
 
     /// A dma-buf file descriptor for `[base, base + len)` (page aligned), for NICs that
     /// register GPU memory through dma-buf.
-    pub(crate) fn dmabuf_fd(&self, base: u64, len: u64) -> Result<i32, String> {
+    pub fn dmabuf_fd(&self, base: u64, len: u64) -> Result<i32, String> {
         self.make_current()?;
         let mut fd: i32 = -1;
         // SAFETY: `fd` is a valid out-pointer for a DMA_BUF_FD handle (an int).
@@ -257,7 +257,7 @@ mod tests {
     fn the_driver_is_probed_once_per_process() {
         for _ in 0..10 {
             let _ = super::driver_present();
-            let _ = crate::gpu::check_host_range(0x1000);
+            let _ = crate::check_host_range(0x1000);
         }
         assert_eq!(super::PROBES.load(std::sync::atomic::Ordering::Relaxed), 1);
     }

@@ -1,3 +1,5 @@
+//! # xfer-conformance: the backend conformance suite
+//!
 //! Why one file: it is one suite. `CHECKS` lists every check by name, the `conformance_suite!`
 //! macro turns that list into tests, and the checks share the small helpers at the top; a vendor
 //! reads a failing check next to its neighbours.
@@ -6,17 +8,20 @@
 //! its own. A backend is "supported" exactly when it passes.
 //!
 //! A backend's test file implements [`Harness`] (how to configure engines with `n` NICs) and
-//! invokes [`conformance_suite!`](crate::conformance_suite), which expands to one `#[test]`
+//! invokes [`conformance_suite!`], which expands to one `#[test]`
 //! per check:
 //!
 //! ```ignore
 //! struct Mock;
-//! impl engine_core::conformance::Harness for Mock {
+//! impl xfer_conformance::Harness for Mock {
 //!     fn config(&self, nics: usize) -> engine_core::Config { /* ... */ }
 //!     fn max_nics(&self) -> usize { 4 }
 //! }
-//! engine_core::conformance_suite!(Mock);
+//! xfer_conformance::conformance_suite!(Mock);
 //! ```
+//!
+//! Its own crate, apart from the engine it tests: backends (as a dev-dependency), vendors and
+//! the `xfer conformance` command use it; the engine does not.
 //!
 //! Every check panics with a message naming what broke. Deadlines are taken from the
 //! harness's config with the transfer and expectation timeouts capped at two seconds, so a
@@ -26,8 +31,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::config::NicSelection;
-use crate::{
+use engine_core::config::NicSelection;
+use engine_core::{
     Config, Device, DoneCounter, DoneFlag, Error, HostBuffer, MrDesc, OnDone, Pages, RemoteAccess,
     ScatterDst, TransferEngine, TransferShape,
 };
@@ -543,7 +548,7 @@ pub fn bad_input(h: &dyn Harness) {
     let (a, b) = (open(&config), open(&config));
     let src = buffer(&a, 4096, pattern(1));
     let dst = buffer(&b, 4096, |_| 0);
-    let oob = |r: crate::Result<()>| matches!(r, Err(Error::OutOfBounds { .. }));
+    let oob = |r: engine_core::Result<()>| matches!(r, Err(Error::OutOfBounds { .. }));
     assert!(oob(a.submit_single_write(
         4097,
         None,
@@ -621,7 +626,7 @@ pub fn bad_input(h: &dyn Harness) {
     // Malformed descriptors never decode.
     let bytes = dst.desc().to_bytes();
     assert!(MrDesc::from_bytes(&bytes[..bytes.len() - 1]).is_err());
-    assert!(crate::NetAddr::from_bytes(&[1, 200]).is_err());
+    assert!(engine_core::NetAddr::from_bytes(&[1, 200]).is_err());
     assert!(matches!(
         a.add_peer_group(vec![]),
         Err(Error::InvalidArgument(_))
@@ -836,7 +841,7 @@ pub fn oversized_message_keeps_the_buffer(h: &dyn Harness) {
 struct Readable {
     engine: Arc<TransferEngine>,
     data: Vec<u8>,
-    mr: crate::MrHandle,
+    mr: engine_core::MrHandle,
     desc: MrDesc,
 }
 
@@ -1081,10 +1086,10 @@ pub fn engines_in_parallel(h: &dyn Harness) {
 /// Two raw Domains of the harness's backend on its first NIC, driven here without an engine:
 /// what the engine would smooth over (a late repost, a worker that polls anyway) shows.
 struct RawPair {
-    a: Box<dyn crate::domain::Domain>,
-    b: Box<dyn crate::domain::Domain>,
-    a_events: Vec<crate::domain::Event>,
-    b_events: Vec<crate::domain::Event>,
+    a: Box<dyn engine_core::domain::Domain>,
+    b: Box<dyn engine_core::domain::Domain>,
+    a_events: Vec<engine_core::domain::Event>,
+    b_events: Vec<engine_core::domain::Event>,
     /// The suite's short deadline (`quick_config`'s transfer timeout).
     deadline: Duration,
 }
@@ -1092,13 +1097,13 @@ struct RawPair {
 impl RawPair {
     fn open(h: &dyn Harness) -> Self {
         let config = quick_config(h, 1);
-        let backend = crate::plugin::find_backend(&config.backend, config.plugin.as_deref())
+        let backend = engine_core::plugin::find_backend(&config.backend, config.plugin.as_deref())
             .unwrap_or_else(|e| panic!("cannot find the backend: {e}"));
         let options = config.backend_options();
         let nic = &config.groups[0].nics[0];
         let open = || {
             backend
-                .open(&crate::domain::DomainConfig {
+                .open(&engine_core::domain::DomainConfig {
                     nic,
                     options: &options,
                 })
@@ -1139,18 +1144,18 @@ impl RawPair {
         self.b_events
             .iter()
             .filter_map(|e| match e {
-                crate::domain::Event::Message { data } => Some(data.clone()),
+                engine_core::domain::Event::Message { data } => Some(data.clone()),
                 _ => None,
             })
             .collect()
     }
 
     fn register(
-        domain: &mut dyn crate::domain::Domain,
+        domain: &mut dyn engine_core::domain::Domain,
         mem: &mut [u8],
-    ) -> crate::domain::Registration {
+    ) -> engine_core::domain::Registration {
         domain
-            .register(&crate::domain::MemoryRegion {
+            .register(&engine_core::domain::MemoryRegion {
                 ptr: mem.as_mut_ptr() as u64,
                 len: mem.len() as u64,
                 device: Device::Host,
@@ -1165,13 +1170,13 @@ impl RawPair {
     fn write(
         &mut self,
         src: &[u8],
-        src_reg: crate::domain::Registration,
+        src_reg: engine_core::domain::Registration,
         dst: &[u8],
-        dst_reg: crate::domain::Registration,
+        dst_reg: engine_core::domain::Registration,
         imm: u32,
     ) {
         let peer = self.b.address();
-        let wr = crate::domain::WriteRequest {
+        let wr = engine_core::domain::WriteRequest {
             wr_id: 1,
             peer: &peer,
             local_addr: src.as_ptr() as u64,
@@ -1183,7 +1188,9 @@ impl RawPair {
             imm: Some(imm),
         };
         let until = Instant::now() + WAIT;
-        while self.a.post_write(&wr).expect("posting a write") == crate::domain::PostStatus::Busy {
+        while self.a.post_write(&wr).expect("posting a write")
+            == engine_core::domain::PostStatus::Busy
+        {
             assert!(Instant::now() < until, "the sender stayed busy");
             self.poll(true);
         }
@@ -1203,7 +1210,7 @@ pub fn messages_use_posted_receives(h: &dyn Harness) {
     for (id, text) in [(1u64, &b"first"[..]), (2, b"second")] {
         let until = Instant::now() + WAIT;
         while pair.a.post_send(id, &peer, text).expect("posting a send")
-            == crate::domain::PostStatus::Busy
+            == engine_core::domain::PostStatus::Busy
         {
             assert!(Instant::now() < until, "the sender stayed busy");
             pair.poll(true);
@@ -1245,7 +1252,7 @@ pub fn immediate_arrives_after_its_data(h: &dyn Harness) {
     let arrived = |p: &RawPair| {
         p.b_events
             .iter()
-            .any(|e| matches!(e, crate::domain::Event::ImmArrival { imm: 4242 }))
+            .any(|e| matches!(e, engine_core::domain::Event::ImmArrival { imm: 4242 }))
     };
     assert!(
         pair.poll_until(WAIT, arrived),
@@ -1256,7 +1263,7 @@ pub fn immediate_arrives_after_its_data(h: &dyn Harness) {
     pair.poll_until(WAIT, |p| {
         p.a_events
             .iter()
-            .any(|e| matches!(e, crate::domain::Event::Done { .. }))
+            .any(|e| matches!(e, engine_core::domain::Event::Done { .. }))
     });
     let _ = pair.a.deregister(src_reg.local_key);
     let _ = pair.b.deregister(dst_reg.local_key);
@@ -1268,7 +1275,7 @@ pub fn a_promised_waker_is_called(h: &dyn Harness) {
     let mut pair = RawPair::open(h);
     let woken = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let w = Arc::clone(&woken);
-    let will_wake = pair.b.set_waker(crate::domain::Waker::new(move || {
+    let will_wake = pair.b.set_waker(engine_core::domain::Waker::new(move || {
         w.store(true, Ordering::SeqCst)
     }));
     if !will_wake {
@@ -1293,10 +1300,10 @@ pub fn a_promised_waker_is_called(h: &dyn Harness) {
         "set_waker returned true, but the Domain never called the waker for an arrival"
     );
     assert!(
-        pair.poll_until(WAIT, |p| p
-            .b_events
-            .iter()
-            .any(|e| matches!(e, crate::domain::Event::ImmArrival { imm: 5151 }))),
+        pair.poll_until(WAIT, |p| p.b_events.iter().any(|e| matches!(
+            e,
+            engine_core::domain::Event::ImmArrival { imm: 5151 }
+        ))),
         "woken, but the arrival never came"
     );
     let _ = pair.a.deregister(src_reg.local_key);
@@ -1386,7 +1393,7 @@ pub fn run_check(h: &dyn Harness, name: &str, check: Check) -> CheckOutcome {
         Ok(()) => CheckOutcome::Passed,
         Err(panic) => match panic.downcast_ref::<SkipCheck>() {
             Some(SkipCheck(why)) => CheckOutcome::Skipped(why),
-            None => CheckOutcome::Failed(crate::runtime::panic_message(&*panic)),
+            None => CheckOutcome::Failed(xfer_plugin::panic_message(&*panic)),
         },
     }
 }
@@ -1422,7 +1429,7 @@ macro_rules! conformance_suite {
         #[test]
         fn conformance_tests_cover_every_check() {
             let generated = [$(stringify!($name)),*];
-            let listed: Vec<&str> = $crate::conformance::CHECKS.iter().map(|c| c.0).collect();
+            let listed: Vec<&str> = $crate::CHECKS.iter().map(|c| c.0).collect();
             assert_eq!(generated.to_vec(), listed);
         }
         $(
@@ -1430,16 +1437,16 @@ macro_rules! conformance_suite {
             #[$attr]
             fn $name() {
                 let harness = $harness;
-                match $crate::conformance::run_check(
+                match $crate::run_check(
                     &harness,
                     stringify!($name),
-                    $crate::conformance::$name,
+                    $crate::$name,
                 ) {
-                    $crate::conformance::CheckOutcome::Passed => {}
-                    $crate::conformance::CheckOutcome::Skipped(why) => {
+                    $crate::CheckOutcome::Passed => {}
+                    $crate::CheckOutcome::Skipped(why) => {
                         eprintln!("conformance check {} SKIPPED: {why}", stringify!($name));
                     }
-                    $crate::conformance::CheckOutcome::Failed(message) => panic!("{message}"),
+                    $crate::CheckOutcome::Failed(message) => panic!("{message}"),
                 }
             }
         )*

@@ -1,9 +1,15 @@
-//! Topology: which NICs and CPUs are close to each GPU, in `nvidia-smi topo -m`'s terms, and
-//! the DomainGroups that follow from it.
+//! # xfer-topology: which NICs and CPUs are close to each GPU, in `nvidia-smi topo -m`'s
+//! terms, and the DomainGroups that follow from it.
+//!
+//! Apart from the engine: the CLI (`xfer topo`, `xfer doctor`), tests and backends need it (a
+//! backend explains a failed registration with [`doctor::memlock_limit`]); the engine itself
+//! does not. Reading files is all it does with the machine, so it has no `unsafe`.
 //!
 //! [`sysfs::read`] builds a [`Topology`] from a sysfs tree (the real `/sys`, or a fixture);
 //! everything else here is pure: [`link`] classifies a pair of devices, [`propose`] picks each
 //! GPU's NICs and worker CPU. The config can override every choice.
+
+#![forbid(unsafe_code)]
 
 pub mod doctor;
 pub mod sysfs;
@@ -141,12 +147,13 @@ pub struct GroupProposal {
 }
 
 /// Proposes one DomainGroup per GPU: its closest NICs (all groups the same size, at most
-/// `max_nics`, since peers must agree on the NIC count) and a worker CPU.
+/// `max_nics`, since peers must agree on the NIC count; the caller bounds it by what an engine
+/// drives) and a worker CPU.
 ///
 /// The size is how many NICs every GPU has at its best link level (at least 1): on a node
 /// with one NIC per GPU switch that is 1, with four EFA devices per GPU switch it is 4.
 pub fn propose(topo: &Topology, max_nics: usize) -> Vec<GroupProposal> {
-    let max_nics = max_nics.clamp(1, crate::wire::MAX_NICS);
+    let max_nics = max_nics.max(1);
     if topo.nics.is_empty() {
         return Vec::new();
     }
