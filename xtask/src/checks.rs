@@ -133,8 +133,10 @@ pub(crate) fn build_c_plugin() -> Result<String> {
 
 /// The plugin kit as a vendor uses it: the header is not stale, the C example plugin builds
 /// from it in an empty directory with the guide's command, and `xfer conformance` passes on
-/// it and on the mock's plugin (both through dlopen).
+/// it and on the mock's plugin (both through dlopen); no plugin carries the engine
+/// ([`layering`]).
 pub(crate) fn plugin_kit(totals: &mut (u64, u64)) -> Result {
+    layering(totals)?;
     header::header(true)?;
     // `cargo test` leaves the mock's cdylib in target/debug/deps only; a build of the
     // library puts it where a vendor's path would point (a fresh root had none there).
@@ -354,4 +356,57 @@ pub(crate) fn address_sanitizer(totals: &mut (u64, u64)) -> Result {
         ],
         totals,
     )
+}
+
+/// What each backend links, from `cargo tree`: a plugin `.so` must not carry the engine (or
+/// the watcher pool), and one built with `--no-default-features` must not carry CUDA loading.
+/// Each rule counts as one test.
+pub(crate) fn layering(totals: &mut (u64, u64)) -> Result {
+    const RULES: [(&str, &[&str], &[&str]); 6] = [
+        (
+            "xfer-plugin",
+            &[],
+            &["engine-core", "uvm-watcher", "cudarc", "toml"],
+        ),
+        ("backend-mock", &[], &["engine-core", "uvm-watcher"]),
+        ("backend-verbs", &[], &["engine-core", "uvm-watcher"]),
+        (
+            "backend-efa",
+            &[],
+            &["engine-core", "uvm-watcher", "cudarc"],
+        ),
+        ("backend-mock", &["--no-default-features"], &["cudarc"]),
+        ("backend-verbs", &["--no-default-features"], &["cudarc"]),
+    ];
+    let mut broken = Vec::new();
+    for (package, flags, forbidden) in RULES {
+        let mut args = vec!["tree", "-e", "normal", "--prefix", "none", "-p", package];
+        args.extend_from_slice(flags);
+        let out = Command::new("cargo")
+            .args(&args)
+            .output()
+            .map_err(|e| e.to_string())?;
+        let tree = String::from_utf8_lossy(&out.stdout);
+        let found: Vec<&str> = forbidden
+            .iter()
+            .copied()
+            .filter(|name| tree.lines().any(|l| l.starts_with(&format!("{name} v"))))
+            .collect();
+        if out.status.success() && found.is_empty() {
+            totals.0 += 1;
+        } else {
+            totals.1 += 1;
+            broken.push(format!("{package} {flags:?} links {found:?}"));
+        }
+    }
+    println!(
+        "xtask layering: {} rules, {} broken",
+        RULES.len(),
+        broken.len()
+    );
+    if broken.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("layering broken: {}", broken.join("; ")))
+    }
 }
