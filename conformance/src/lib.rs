@@ -455,9 +455,15 @@ pub fn notifications_follow_their_data(h: &dyn Harness) {
     let want = src.to_vec();
     let mut seen = Vec::new();
     for _ in 0..ROUNDS {
-        let id = b
+        let note = b
             .wait_notification(WAIT)
             .expect("every notification arrives");
+        assert_eq!(
+            note.from,
+            a.main_address(),
+            "a notification names its sender"
+        );
+        let id = note.id;
         let round: usize = std::str::from_utf8(&id)
             .ok()
             .and_then(|t| t.strip_prefix("req-"))
@@ -487,8 +493,8 @@ pub fn notifications_follow_their_data(h: &dyn Harness) {
         "each notification exactly once"
     );
     assert!(b.poll_notifications().is_empty());
-    // An id too long for a message is refused before anything is sent.
-    let long = vec![b'x'; config.worker.max_message];
+    // An id longer than the protocol's limit is refused before anything is sent.
+    let long = vec![b'x'; engine_core::NOTIFICATION_ID_MAX + 1];
     assert!(matches!(
         a.notify_when_done(&b.main_address(), &long, flag()),
         Err(Error::InvalidArgument(_))

@@ -142,6 +142,9 @@ pub struct WorkerConfig {
     /// Most immediates that nobody waits for whose arrivals the ImmCounter keeps; arrivals
     /// beyond it are dropped and reported (see `engine_core::imm`).
     pub max_idle_imms: usize,
+    /// Most notifications queued and not yet taken; arrivals past it are dropped, logged and
+    /// counted (`TransferEngine::notifications_dropped`).
+    pub max_notifications: usize,
 }
 
 impl Default for WorkerConfig {
@@ -153,6 +156,7 @@ impl Default for WorkerConfig {
             max_message: 64 << 10,
             max_outstanding: 1 << 16,
             max_idle_imms: crate::imm::DEFAULT_MAX_IDLE_IMMS,
+            max_notifications: 1 << 14,
         }
     }
 }
@@ -367,9 +371,13 @@ impl Config {
         }
         self.watcher.memory_choice().map_err(|m| self.invalid(m))?;
         let w = &self.worker;
-        if w.max_message == 0 || w.max_outstanding == 0 || w.max_idle_imms == 0 {
+        if w.max_message == 0
+            || w.max_outstanding == 0
+            || w.max_idle_imms == 0
+            || w.max_notifications == 0
+        {
             return Err(self.invalid(
-                "worker.max_message, worker.max_outstanding and worker.max_idle_imms must be at least 1".into(),
+                "worker.max_message, worker.max_outstanding, worker.max_idle_imms and worker.max_notifications must be at least 1".into(),
             ));
         }
         self.check_backend_options()

@@ -125,23 +125,98 @@ impl FromStr for MrDesc {
     }
 }
 
-/// The tag that starts a notification message (see
-/// [`TransferEngine::notify_when_done`](crate::TransferEngine::notify_when_done)): eight bytes
-/// no text message starts with. Messages that start with it are notifications; user messages
-/// must not.
-pub const NOTIFY_TAG: [u8; 8] = *b"\xffXFNTF\x00\x01";
+/// Longest notification id, in bytes: one limit both sides know, checked when the sender
+/// submits ([`TransferEngine::notify_when_done`](crate::TransferEngine::notify_when_done)), so
+/// an id never fails after its transfer's data landed.
+pub const NOTIFICATION_ID_MAX: usize = 256;
 
-/// A notification's message: the tag, then the caller's id bytes.
-pub fn encode_notification(id: &[u8]) -> Vec<u8> {
-    let mut m = Vec::with_capacity(NOTIFY_TAG.len() + id.len());
-    m.extend_from_slice(&NOTIFY_TAG);
+/// Every message between engines starts with one byte naming its channel, so the engine's
+/// own messages travel where user payloads cannot reach: a user's bytes are never inspected.
+const CHANNEL_USER: u8 = 0;
+const CHANNEL_NOTIFICATION: u8 = 1;
+
+/// Bytes the channel byte adds to every message.
+pub const MESSAGE_HEADER_LEN: usize = 1;
+
+/// Longest notification on the wire: channel, sender address (length + bytes), id.
+pub const NOTIFICATION_WIRE_MAX: usize =
+    MESSAGE_HEADER_LEN + 1 + MAX_ADDR_LEN + NOTIFICATION_ID_MAX;
+
+/// The length of a receive buffer for user messages of up to `payload_max` bytes: room for
+/// the channel byte, and never too short for a notification.
+pub fn receive_buffer_len(payload_max: usize) -> usize {
+    payload_max
+        .saturating_add(MESSAGE_HEADER_LEN)
+        .max(NOTIFICATION_WIRE_MAX)
+}
+
+/// A message as it arrives: a user's payload, or a notification naming its sender (the
+/// sender's own claim: see docs/security.md).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Message<'a> {
+    /// Bytes a user sent with `submit_send`, for the receive handler.
+    User(&'a [u8]),
+    /// A notification attached to a finished transfer.
+    Notification {
+        /// The sender's main address.
+        from: NetAddr,
+        /// The id the sender attached, at most [`NOTIFICATION_ID_MAX`] bytes.
+        id: &'a [u8],
+    },
+}
+
+/// Why an arriving message was not understood (it is dropped and counted).
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum MessageError {
+    /// A message of zero bytes carries no channel.
+    #[error("an empty message")]
+    Empty,
+    /// The channel byte names no channel this engine knows (a newer or a foreign peer).
+    #[error("a message on unknown channel {0}")]
+    UnknownChannel(u8),
+    /// The notification's sender address does not decode.
+    #[error("a notification with a bad sender address: {0}")]
+    BadSender(DecodeError),
+    /// The notification's id is longer than [`NOTIFICATION_ID_MAX`].
+    #[error("a notification id of {0} bytes (at most {NOTIFICATION_ID_MAX})")]
+    IdTooLong(usize),
+}
+
+/// A user's message on the wire.
+pub fn encode_user_message(payload: &[u8]) -> Vec<u8> {
+    let mut m = Vec::with_capacity(MESSAGE_HEADER_LEN + payload.len());
+    m.push(CHANNEL_USER);
+    m.extend_from_slice(payload);
+    m
+}
+
+/// A notification on the wire. The caller checks `id` against [`NOTIFICATION_ID_MAX`].
+pub fn encode_notification(from: &NetAddr, id: &[u8]) -> Vec<u8> {
+    debug_assert!(id.len() <= NOTIFICATION_ID_MAX);
+    let mut m = Vec::with_capacity(MESSAGE_HEADER_LEN + 1 + from.raw().len() + id.len());
+    m.push(CHANNEL_NOTIFICATION);
+    from.encode_body(&mut m);
     m.extend_from_slice(id);
     m
 }
 
-/// The id of a notification message, or `None` for any other message.
-pub fn decode_notification(message: &[u8]) -> Option<&[u8]> {
-    message.strip_prefix(&NOTIFY_TAG[..])
+/// Reads a message's channel and, for a notification, its sender and id.
+pub fn decode_message(message: &[u8]) -> Result<Message<'_>, MessageError> {
+    let (&channel, body) = message.split_first().ok_or(MessageError::Empty)?;
+    match channel {
+        CHANNEL_USER => Ok(Message::User(body)),
+        CHANNEL_NOTIFICATION => {
+            let mut r = Reader::new(body);
+            let from = NetAddr::decode_body(&mut r).map_err(MessageError::BadSender)?;
+            let at = 1 + from.raw().len();
+            let id = &body[at..];
+            if id.len() > NOTIFICATION_ID_MAX {
+                return Err(MessageError::IdTooLong(id.len()));
+            }
+            Ok(Message::Notification { from, id })
+        }
+        other => Err(MessageError::UnknownChannel(other)),
+    }
 }
 
 #[cfg(test)]
@@ -247,15 +322,59 @@ mod tests {
     }
 
     #[test]
-    fn notifications_round_trip_and_other_messages_are_not_taken_for_them() {
-        let m = encode_notification(b"req-42");
-        assert_eq!(decode_notification(&m), Some(&b"req-42"[..]));
+    fn messages_round_trip_and_user_bytes_are_never_taken_for_engine_messages() {
+        let from = NetAddr::new(&[9; MAX_ADDR_LEN]).unwrap();
+        let longest = [b'i'; NOTIFICATION_ID_MAX];
+        let m = encode_notification(&from, &longest);
+        assert_eq!(m.len(), NOTIFICATION_WIRE_MAX);
         assert_eq!(
-            decode_notification(&encode_notification(b"")),
-            Some(&b""[..])
+            decode_message(&m),
+            Ok(Message::Notification {
+                from: from.clone(),
+                id: &longest[..]
+            })
         );
-        assert_eq!(decode_notification(b"req-42"), None);
-        assert_eq!(decode_notification(&NOTIFY_TAG[..7]), None);
-        assert_eq!(decode_notification(b""), None);
+        assert_eq!(
+            decode_message(&encode_notification(&from, b"")),
+            Ok(Message::Notification { from, id: &b""[..] })
+        );
+        // Whatever a user sends, notification-shaped or not, stays a user message.
+        let shaped = encode_notification(&NetAddr::new(&[1]).unwrap(), b"req");
+        for payload in [&b""[..], b"req-42", &shaped, b"\xffXFNTF\x00\x01req"] {
+            assert_eq!(
+                decode_message(&encode_user_message(payload)),
+                Ok(Message::User(payload))
+            );
+        }
+    }
+
+    #[test]
+    fn malformed_messages_are_named() {
+        assert_eq!(decode_message(b""), Err(MessageError::Empty));
+        assert_eq!(
+            decode_message(&[7, 1, 2]),
+            Err(MessageError::UnknownChannel(7))
+        );
+        assert!(matches!(
+            decode_message(&[CHANNEL_NOTIFICATION, 0]),
+            Err(MessageError::BadSender(DecodeError::Length { .. }))
+        ));
+        assert!(matches!(
+            decode_message(&[CHANNEL_NOTIFICATION, 5, 1]),
+            Err(MessageError::BadSender(DecodeError::Truncated { .. }))
+        ));
+        let mut long = encode_notification(&NetAddr::new(&[1]).unwrap(), &[0; NOTIFICATION_ID_MAX]);
+        long.push(0);
+        assert_eq!(
+            decode_message(&long),
+            Err(MessageError::IdTooLong(NOTIFICATION_ID_MAX + 1))
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn the_message_decoder_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
+            let _ = decode_message(&bytes);
+        }
     }
 }

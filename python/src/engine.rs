@@ -718,31 +718,68 @@ impl TransferEngine {
             .or_raise(py)
     }
 
-    /// Every notification that arrived so far (their ids, as bytes, in arrival order). A
-    /// notification is seen only after every byte of the transfer it was attached to
-    /// (`notify=` on a write or read) has landed here.
-    fn poll_notifications<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    /// Every notification that arrived so far, in arrival order: their ids as bytes, or with
+    /// `with_sender=True` `(id, sender)` pairs (`sender` is the peer's `main_address`, as it
+    /// claims it). A notification is seen only after every byte of the transfer it was
+    /// attached to (`notify=` on a write or read) has landed here.
+    #[pyo3(signature = (*, with_sender=false))]
+    fn poll_notifications<'py>(
+        &self,
+        py: Python<'py>,
+        with_sender: bool,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let engine = self.engine(py)?;
-        Ok(engine
+        engine
             .poll_notifications()
             .iter()
-            .map(|id| PyBytes::new(py, id))
-            .collect())
+            .map(|note| notification_value(py, note, with_sender))
+            .collect()
     }
 
     /// The next notification, waiting up to `timeout` seconds (GIL released);
-    /// `TimeoutError` if none comes.
+    /// `TimeoutError` if none comes. Its id as bytes, or `(id, sender)` with
+    /// `with_sender=True`.
+    #[pyo3(signature = (timeout, *, with_sender=false))]
     fn wait_notification<'py>(
         &self,
         py: Python<'py>,
         timeout: f64,
-    ) -> PyResult<Bound<'py, PyBytes>> {
+        with_sender: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let engine = self.engine(py)?;
         let timeout = errors::timeout_of(py, "timeout", timeout)?;
-        let id = py
+        let note = py
             .detach(|| engine.wait_notification(timeout))
             .or_raise(py)?;
-        Ok(PyBytes::new(py, &id))
+        notification_value(py, &note, with_sender)
+    }
+
+    /// Only notifications from `peers` (addresses as bytes or `NetAddr`) are kept from now
+    /// on; others are dropped and counted in `notifications_dropped`. `None` accepts all.
+    #[pyo3(signature = (peers))]
+    fn restrict_notifications(
+        &self,
+        py: Python<'_>,
+        peers: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let engine = self.engine(py)?;
+        let allowed = match peers {
+            None => None,
+            Some(list) => Some(
+                list.try_iter()?
+                    .map(|p| addr_of(&p?))
+                    .collect::<PyResult<Vec<_>>>()?,
+            ),
+        };
+        engine.restrict_notifications(allowed);
+        Ok(())
+    }
+
+    /// Notifications dropped so far: refused senders, or past `worker.max_notifications`
+    /// queued and not taken.
+    #[getter]
+    fn notifications_dropped(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.engine(py)?.notifications_dropped())
     }
 
     /// `async for note in engine.notifications():` the notifications as they arrive.
@@ -907,5 +944,20 @@ impl Watcher {
 impl PeerGroup {
     fn __repr__(&self) -> String {
         format!("<xfer.PeerGroup {:?}>", self.0)
+    }
+}
+
+/// A notification as Python sees it: its id, or `(id, sender)`.
+fn notification_value<'py>(
+    py: Python<'py>,
+    note: &engine_core::Notification,
+    with_sender: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let id = PyBytes::new(py, &note.id);
+    if with_sender {
+        let from = PyBytes::new(py, &note.from.to_bytes());
+        Ok((id, from).into_pyobject(py)?.into_any())
+    } else {
+        Ok(id.into_any())
     }
 }

@@ -6,6 +6,7 @@ import mmap
 import pickle
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -356,3 +357,29 @@ def test_batched_descriptor_lists_as_numpy_arrays(engine):
         engine.submit_writes(s, d, [-1], [0], 1)
     with pytest.raises(xfer.OutOfBoundsError):
         engine.submit_writes(s, d, [0], [(1 << 16) - 1], 2)
+
+
+def test_notifications_name_their_sender_and_can_be_restricted():
+    """Issue 25 §3: a notification names its sender; a receiver can refuse other peers."""
+    with xfer.TransferEngine(MOCK) as a, xfer.TransferEngine(MOCK) as b, \
+            xfer.TransferEngine(MOCK) as c:
+        b.listen_notifications(8)
+        dst = np.zeros(64, dtype=np.uint8)
+        d = b.reg_mr(dst)
+        sa, sc = a.reg_mr(pattern(64), access="local"), c.reg_mr(pattern(64), access="local")
+        a.submit_single_write(sa, d.desc, 64, notify=b"from-a").wait(10)
+        assert b.wait_notification(10, with_sender=True) == (b"from-a", a.main_address)
+        b.restrict_notifications([c.main_address])
+        a.submit_single_write(sa, d.desc, 64, notify=b"refused").wait(10)
+        c.submit_single_write(sc, d.desc, 64, notify=b"from-c").wait(10)
+        assert b.wait_notification(10) == b"from-c"
+        deadline = time.monotonic() + 10
+        while b.notifications_dropped < 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert b.notifications_dropped == 1
+        assert b.poll_notifications(with_sender=True) == []
+        b.restrict_notifications(None)
+        a.submit_single_write(sa, d.desc, 64, notify=b"again").wait(10)
+        assert b.wait_notification(10) == b"again"
+        with pytest.raises(xfer.InvalidArgumentError, match="256"):
+            a.submit_single_write(sa, d.desc, 64, notify=b"x" * 257)

@@ -2,6 +2,8 @@
 //! peer sees after the data of its transfer).
 
 use super::*;
+use crate::notifications::Notification;
+use crate::wire;
 
 impl TransferEngine {
     /// Sends a message to a peer's main address; `data` is copied, the caller may reuse it.
@@ -20,13 +22,17 @@ impl TransferEngine {
         }
         self.shared.submit_counted(Command::Send {
             peer: peer.clone(),
-            data: data.to_vec(),
+            data: wire::encode_user_message(data),
             on_done: on_done.into(),
         })
     }
 
-    /// Posts `count` receive buffers of `len` bytes; `handler` is called (on the callback
-    /// thread) with each message, after which its buffer is posted again. One pool per engine.
+    /// Posts `count` receive buffers for messages of up to `len` bytes; `handler` is called
+    /// (on the callback thread) with each message, after which its buffer is posted again.
+    /// One pool per engine; notifications share it, so `len` is raised to at least
+    /// [`wire::NOTIFICATION_WIRE_MAX`] − 1 (321) bytes: the longest notification always fits.
+    /// A message longer than the buffers fails at its sender (truncation is the transport's
+    /// error), and the receiver keeps its buffer.
     pub fn submit_recvs(
         &self,
         len: usize,
@@ -38,10 +44,12 @@ impl TransferEngine {
                 "receive buffers need a non-zero length and count".into(),
             ));
         }
+        let buf_len = wire::receive_buffer_len(len);
+        let payload_max = buf_len - wire::MESSAGE_HEADER_LEN;
         if self
             .shared
             .recv_handler
-            .set((len, Arc::new(handler)))
+            .set((payload_max, Arc::new(handler)))
             .is_err()
         {
             return Err(Error::InvalidArgument(
@@ -50,7 +58,7 @@ impl TransferEngine {
         }
         // Nothing is registered by the caller here, so a plain timeout is safe.
         self.control(|reply| Command::PostRecvs {
-            buf_len: len,
+            buf_len,
             count,
             reply: Some(reply),
         })
@@ -79,33 +87,30 @@ impl TransferEngine {
         id: &[u8],
         on_done: impl Into<OnDone>,
     ) -> Result<OnDone> {
-        let message = crate::wire::encode_notification(id);
-        let max = self.shared.config.worker.max_message;
-        if message.len() > max {
+        if id.len() > wire::NOTIFICATION_ID_MAX {
             return Err(Error::InvalidArgument(format!(
-                "a notification id of {} bytes does not fit a message of worker.max_message ({max}) bytes with its {}-byte tag",
+                "a notification id of {} bytes is longer than the {} bytes every engine accepts",
                 id.len(),
-                crate::wire::NOTIFY_TAG.len()
+                wire::NOTIFICATION_ID_MAX
             )));
         }
+        let message = wire::encode_notification(&self.main_address(), id);
+        // The send takes its slot of worker.max_outstanding now: once the data landed, the
+        // notification is never refused as Busy. Dropping the OnDone unused gives it back.
+        let slot = self.shared.reserve()?;
         let (peer, on_done) = (peer.clone(), on_done.into());
-        let shared = Arc::downgrade(&self.shared);
         // This runs on the callback thread, so `on_done` is finished right here.
         Ok(OnDone::callback(move |result| {
             if let Err(e) = result {
                 return on_done.complete_inline(Err(e));
             }
-            let Some(s) = shared.upgrade() else {
-                return on_done.complete_inline(Err(Error::Shutdown));
-            };
-            // The send's own completion finishes `on_done`; if it cannot even be queued,
-            // `on_done` gets that error (and is never lost).
-            let slot = Arc::new(Mutex::new(Some(on_done)));
-            let take = |slot: &Mutex<Option<OnDone>>| {
-                slot.lock().unwrap_or_else(|p| p.into_inner()).take()
-            };
-            let inner = Arc::clone(&slot);
-            let queued = s.submit_counted(Command::Send {
+            // The send's own completion finishes `on_done`; if it cannot even be queued
+            // (the engine shut down), `on_done` gets that error and is never lost.
+            let waiting = Arc::new(Mutex::new(Some(on_done)));
+            let take =
+                |w: &Mutex<Option<OnDone>>| w.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let inner = Arc::clone(&waiting);
+            let queued = slot.submit(Command::Send {
                 peer,
                 data: message,
                 on_done: OnDone::callback(move |r| {
@@ -115,7 +120,7 @@ impl TransferEngine {
                 }),
             });
             if let Err(e) = queued {
-                if let Some(d) = take(&slot) {
+                if let Some(d) = take(&waiting) {
                     d.complete_inline(Err(e));
                 }
             }
@@ -130,9 +135,7 @@ impl TransferEngine {
         if self.shared.recv_handler.get().is_some() {
             return Ok(());
         }
-        let len = (crate::wire::NOTIFY_TAG.len() + 256)
-            .min(self.shared.config.worker.max_message.max(64));
-        match self.submit_recvs(len, count, |m: &[u8]| {
+        match self.submit_recvs(1, count, |m: &[u8]| {
             tracing::warn!("a message of {} bytes arrived at an engine that only listens for notifications; dropped", m.len());
         }) {
             // Raced with another listener or submit_recvs: a pool exists, which is enough.
@@ -141,28 +144,33 @@ impl TransferEngine {
         }
     }
 
-    /// Takes every notification that arrived so far (ids, in arrival order).
-    pub fn poll_notifications(&self) -> Vec<Vec<u8>> {
-        self.shared
-            .notifications
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-            .collect()
+    /// Only notifications from `peers` (main addresses) are queued from now on; others are
+    /// dropped and counted in [`notifications_dropped`](Self::notifications_dropped). `None`
+    /// accepts every peer again. What is already queued stays. A sender's address is its
+    /// own claim: see docs/security.md for what each transport proves about it.
+    pub fn restrict_notifications(&self, peers: Option<Vec<NetAddr>>) {
+        self.inbox().restrict(peers);
+    }
+
+    /// Notifications dropped so far: from senders [`restrict_notifications`](Self::restrict_notifications)
+    /// refused, or past `worker.max_notifications` queued (malformed messages are logged).
+    pub fn notifications_dropped(&self) -> u64 {
+        self.inbox().dropped()
+    }
+
+    /// Takes every notification that arrived so far, in arrival order.
+    pub fn poll_notifications(&self) -> Vec<Notification> {
+        self.inbox().take_all()
     }
 
     /// Takes the next notification, waiting up to `timeout` for one (`Err(Timeout)`).
-    pub fn wait_notification(&self, timeout: Duration) -> Result<Vec<u8>> {
+    pub fn wait_notification(&self, timeout: Duration) -> Result<Notification> {
         // A timeout too large for the clock waits without end.
         let deadline = Instant::now().checked_add(timeout);
-        let mut q = self
-            .shared
-            .notifications
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut inbox = self.inbox();
         loop {
-            if let Some(id) = q.pop_front() {
-                return Ok(id);
+            if let Some(note) = inbox.pop() {
+                return Ok(note);
             }
             if self.shared.is_closed() {
                 return Err(Error::Shutdown);
@@ -173,12 +181,20 @@ impl TransferEngine {
             if left.is_zero() {
                 return Err(Error::Timeout(timeout));
             }
-            q = self
+            inbox = self
                 .shared
                 .notified
-                .wait_timeout(q, left)
+                .wait_timeout(inbox, left)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
+    }
+
+    fn inbox(&self) -> std::sync::MutexGuard<'_, crate::notifications::Inbox> {
+        // Every Inbox method finishes its bookkeeping before returning: poisoning is ignored.
+        self.shared
+            .notifications
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 }

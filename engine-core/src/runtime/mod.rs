@@ -28,6 +28,7 @@ use crate::config::Config;
 use crate::domain::{MemoryRegion, Registration};
 use crate::error::{Error, Result};
 use crate::imm::ImmCounter;
+use crate::notifications::Inbox;
 use crate::wire::NetAddr;
 use completion::{Job, OnDone};
 
@@ -156,13 +157,14 @@ pub(crate) struct Shared {
     /// Why the worker failed, once it has (then nothing more is accepted).
     pub(crate) failed: OnceLock<String>,
     /// Notifications received and not yet taken (see `TransferEngine::poll_notifications`).
-    pub(crate) notifications: Mutex<std::collections::VecDeque<Vec<u8>>>,
+    pub(crate) notifications: Mutex<Inbox>,
     pub(crate) notified: std::sync::Condvar,
 }
 
 impl Shared {
     pub(crate) fn new(config: Config, backend: String, jobs: Sender<Job>) -> Self {
         let max_idle_imms = config.worker.max_idle_imms;
+        let notifications = Mutex::new(Inbox::new(config.worker.max_notifications));
         Self {
             config,
             backend,
@@ -177,7 +179,7 @@ impl Shared {
             has_mirrors: AtomicBool::new(false),
             outstanding: AtomicUsize::new(0),
             failed: OnceLock::new(),
-            notifications: Mutex::new(std::collections::VecDeque::new()),
+            notifications,
             notified: std::sync::Condvar::new(),
         }
     }
@@ -185,6 +187,21 @@ impl Shared {
     /// Queues a transfer or send, counting it against `worker.max_outstanding`; the worker
     /// uncounts it when its `OnDone` fires.
     pub(crate) fn submit_counted(&self, cmd: Command) -> Result<()> {
+        self.take_slot()?;
+        self.submit(cmd).inspect_err(|_| self.finished(1))
+    }
+
+    /// Takes one slot of `worker.max_outstanding` now for a command queued later (a
+    /// notification's send, queued when its transfer finished): the slot is held until the
+    /// reservation is used or dropped.
+    pub(crate) fn reserve(self: &Arc<Self>) -> Result<Reservation> {
+        self.take_slot()?;
+        Ok(Reservation {
+            shared: Arc::downgrade(self),
+        })
+    }
+
+    fn take_slot(&self) -> Result<()> {
         let limit = self.config.worker.max_outstanding;
         let before = self.outstanding.fetch_add(1, Ordering::AcqRel);
         if before >= limit {
@@ -194,9 +211,7 @@ impl Shared {
                 limit,
             });
         }
-        self.submit(cmd).inspect_err(|_| {
-            self.outstanding.fetch_sub(1, Ordering::AcqRel);
-        })
+        Ok(())
     }
 
     /// Marks `n` counted operations finished.
@@ -256,6 +271,31 @@ impl Shared {
         // A panic while holding this lock cannot leave the counter half-updated (every
         // method finishes its own bookkeeping before returning), so poisoning is ignored.
         self.imm.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// One slot of `worker.max_outstanding`, taken by [`Shared::reserve`]; given back on drop
+/// unless [`submit`](Self::submit) handed it to a command (the worker frees it then).
+pub(crate) struct Reservation {
+    shared: std::sync::Weak<Shared>,
+}
+
+impl Reservation {
+    /// Queues `cmd` in the reserved slot.
+    pub(crate) fn submit(self, cmd: Command) -> Result<()> {
+        let shared = self.shared.upgrade().ok_or(Error::Shutdown)?;
+        shared.submit(cmd)?;
+        // The command owns the slot now.
+        std::mem::forget(self);
+        Ok(())
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if let Some(shared) = self.shared.upgrade() {
+            shared.finished(1);
+        }
     }
 }
 

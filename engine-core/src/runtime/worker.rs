@@ -39,13 +39,31 @@ use crate::domain::{
 use crate::error::{Error, Result};
 use crate::group::{DomainGroup, SpreadPolicy};
 use crate::imm::Outcome;
+use crate::notifications::{Notification, Refused};
 use crate::plugin::Backend;
-use crate::wire::NetAddr;
+use crate::wire::{Message, NetAddr, MESSAGE_HEADER_LEN};
 
 /// A work request waiting for room on its NIC.
 enum Pending {
     Write(WriteOp),
     Send { peer: NetAddr, data: Vec<u8> },
+}
+
+/// Logs a dropped notification: the first of each kind, then at every power of two, so a
+/// flood from a refused peer cannot flood the log as well.
+fn report_dropped_notification(why: Refused, shared: &Shared) {
+    let dropped = shared
+        .notifications
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .dropped();
+    if dropped.is_power_of_two() {
+        let reason = match why {
+            Refused::Sender => "its sender is not among the peers allowed to notify",
+            Refused::Full => "worker.max_notifications are queued and not taken",
+        };
+        tracing::error!("a notification was dropped: {reason} ({dropped} dropped so far)");
+    }
 }
 
 /// Turns a Domain's error into the engine's typed error.
@@ -397,10 +415,12 @@ impl Worker {
                 on_done,
             } => {
                 if let Some(max) = self.caps[0].max_message_size.filter(|&m| data.len() > m) {
+                    // Counted as the user sees it: without the channel byte.
                     let refused = format!(
-                        "a message of {} bytes is larger than backend {}'s limit of {max}",
-                        data.len(),
-                        self.shared.backend
+                        "a message of {} bytes is larger than backend {}'s limit of {}",
+                        data.len() - MESSAGE_HEADER_LEN,
+                        self.shared.backend,
+                        max.saturating_sub(MESSAGE_HEADER_LEN)
                     );
                     self.finished
                         .push((on_done, Err(Error::InvalidArgument(refused))));
@@ -702,40 +722,61 @@ impl Worker {
     }
 
     fn deliver_message(&self, data: Vec<u8>) {
-        if let Some(id) = crate::wire::decode_notification(&data) {
-            // A notification: queued for `poll_notifications`, its buffer reposted at once
-            // (no user code runs, so no job for the callback thread).
-            self.shared
-                .notifications
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push_back(id.to_vec());
-            self.shared.notified.notify_all();
-            if let Some((buf_len, _)) = self.shared.recv_handler.get() {
-                let _ = self.shared.submit(Command::PostRecvs {
-                    buf_len: *buf_len,
-                    count: 1,
-                    reply: None,
-                });
-            }
-            return;
-        }
-        let Some((buf_len, handler)) = self.shared.recv_handler.get() else {
+        let Some((payload_max, handler)) = self.shared.recv_handler.get() else {
             tracing::error!("a message arrived with no receive handler; dropped");
             return;
         };
-        let (buf_len, handler) = (*buf_len, Arc::clone(handler));
+        let (payload_max, handler) = (*payload_max, Arc::clone(handler));
+        let buf_len = crate::wire::receive_buffer_len(payload_max);
+        let repost = move |shared: &Shared| {
+            let _ = shared.submit(Command::PostRecvs {
+                buf_len,
+                count: 1,
+                reply: None,
+            });
+        };
+        match crate::wire::decode_message(&data) {
+            Ok(Message::User(payload)) if payload.len() <= payload_max => {}
+            Ok(Message::User(payload)) => {
+                // Only a backend that overran the buffer it was given gets here.
+                tracing::error!(
+                    "a message of {} bytes arrived for receive buffers of {payload_max}; dropped",
+                    payload.len()
+                );
+                return repost(&self.shared);
+            }
+            Ok(Message::Notification { from, id }) => {
+                // Queued for `poll_notifications`, its buffer reposted at once (no user code
+                // runs, so no job for the callback thread).
+                let note = Notification {
+                    id: id.to_vec(),
+                    from,
+                };
+                let offered = self
+                    .shared
+                    .notifications
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .offer(note);
+                match offered {
+                    Ok(()) => self.shared.notified.notify_all(),
+                    Err(why) => report_dropped_notification(why, &self.shared),
+                }
+                return repost(&self.shared);
+            }
+            Err(e) => {
+                tracing::warn!("{e} arrived; dropped");
+                return repost(&self.shared);
+            }
+        }
         let weak = Arc::downgrade(&self.shared);
         let job = Box::new(move || {
             // The buffer goes back to the pool only after the handler returns — also when it
             // panics, or the pool would shrink by one buffer per panic.
-            let handled = catch_unwind(AssertUnwindSafe(|| handler(&data)));
+            let payload = &data[MESSAGE_HEADER_LEN..];
+            let handled = catch_unwind(AssertUnwindSafe(|| handler(payload)));
             if let Some(shared) = weak.upgrade() {
-                let _ = shared.submit(Command::PostRecvs {
-                    buf_len,
-                    count: 1,
-                    reply: None,
-                });
+                repost(&shared);
             }
             if let Err(panic) = handled {
                 std::panic::resume_unwind(panic);

@@ -163,7 +163,10 @@ fn role(role: &str, url: Option<&str>) {
                 .unwrap_or_else(|e| fail(e));
             let mut seen = Vec::new();
             while seen.len() < LAYERS {
-                let id = engine.wait_notification(wait).unwrap_or_else(|e| fail(e));
+                let id = engine
+                    .wait_notification(wait)
+                    .unwrap_or_else(|e| fail(e))
+                    .id;
                 let layer: usize = std::str::from_utf8(&id)
                     .ok()
                     .and_then(|t| t.strip_prefix("layer-"))

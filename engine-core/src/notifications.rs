@@ -1,0 +1,125 @@
+//! The receiver's side of notifications, as pure data: the bounded queue of arrived
+//! notifications, the optional list of peers allowed to notify, and the count of what was
+//! dropped. The worker offers what arrives; `TransferEngine::poll_notifications` and
+//! `wait_notification` take from it.
+
+use std::collections::{HashSet, VecDeque};
+
+use crate::wire::NetAddr;
+
+/// A notification: the id a peer attached to a transfer (see
+/// [`TransferEngine::notify_when_done`](crate::TransferEngine::notify_when_done)) and the
+/// peer's main address. The address is the sender's own claim, carried in the message: a
+/// receiver that restricts notifications trusts peers not to lie about it (see
+/// docs/security.md for what each transport proves).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Notification {
+    /// The id, at most [`NOTIFICATION_ID_MAX`](crate::wire::NOTIFICATION_ID_MAX) bytes.
+    pub id: Vec<u8>,
+    /// The sender's main address.
+    pub from: NetAddr,
+}
+
+/// Why an arrived notification was not queued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// Its sender is not among the peers allowed to notify.
+    Sender,
+    /// The queue holds `worker.max_notifications` already.
+    Full,
+}
+
+/// Notifications waiting to be taken, bounded by `worker.max_notifications`.
+#[derive(Debug)]
+pub(crate) struct Inbox {
+    queue: VecDeque<Notification>,
+    allowed: Option<HashSet<NetAddr>>,
+    max: usize,
+    dropped: u64,
+}
+
+impl Inbox {
+    pub(crate) fn new(max: usize) -> Self {
+        Self {
+            queue: VecDeque::new(),
+            allowed: None,
+            max,
+            dropped: 0,
+        }
+    }
+
+    /// Queues `note`, or drops and counts it (a refused sender, or a full queue: the newest
+    /// arrival is the one dropped, so what was queued keeps its order).
+    pub(crate) fn offer(&mut self, note: Notification) -> Result<(), Refused> {
+        let refused = if self
+            .allowed
+            .as_ref()
+            .is_some_and(|a| !a.contains(&note.from))
+        {
+            Refused::Sender
+        } else if self.queue.len() >= self.max {
+            Refused::Full
+        } else {
+            self.queue.push_back(note);
+            return Ok(());
+        };
+        self.dropped += 1;
+        Err(refused)
+    }
+
+    /// Only notifications from `peers` are queued from now on (`None`: from anyone).
+    /// Notifications already queued stay.
+    pub(crate) fn restrict(&mut self, peers: Option<Vec<NetAddr>>) {
+        self.allowed = peers.map(|p| p.into_iter().collect());
+    }
+
+    pub(crate) fn pop(&mut self) -> Option<Notification> {
+        self.queue.pop_front()
+    }
+
+    pub(crate) fn take_all(&mut self) -> Vec<Notification> {
+        self.queue.drain(..).collect()
+    }
+
+    /// Notifications dropped so far (refused senders and a full queue).
+    pub(crate) fn dropped(&self) -> u64 {
+        self.dropped
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn note(from: u8, id: u8) -> Notification {
+        Notification {
+            id: vec![id],
+            from: NetAddr::new(&[from]).unwrap(),
+        }
+    }
+
+    #[test]
+    fn a_full_inbox_drops_the_newest_and_counts_it() {
+        let mut inbox = Inbox::new(2);
+        assert_eq!(inbox.offer(note(1, 0)), Ok(()));
+        assert_eq!(inbox.offer(note(1, 1)), Ok(()));
+        assert_eq!(inbox.offer(note(1, 2)), Err(Refused::Full));
+        assert_eq!(inbox.dropped(), 1);
+        assert_eq!(inbox.pop(), Some(note(1, 0)));
+        assert_eq!(inbox.offer(note(1, 3)), Ok(()));
+        assert_eq!(inbox.take_all(), vec![note(1, 1), note(1, 3)]);
+        assert_eq!(inbox.pop(), None);
+    }
+
+    #[test]
+    fn a_restricted_inbox_refuses_other_senders_until_lifted() {
+        let mut inbox = Inbox::new(8);
+        inbox.restrict(Some(vec![NetAddr::new(&[2]).unwrap()]));
+        assert_eq!(inbox.offer(note(1, 0)), Err(Refused::Sender));
+        assert_eq!(inbox.offer(note(2, 1)), Ok(()));
+        inbox.restrict(None);
+        assert_eq!(inbox.offer(note(1, 2)), Ok(()));
+        assert_eq!(inbox.dropped(), 1);
+        assert_eq!(inbox.take_all(), vec![note(2, 1), note(1, 2)]);
+    }
+}
