@@ -55,14 +55,23 @@ pub(crate) struct Publication(std::sync::Mutex<Option<xfer_rendezvous::Publicati
 impl Rendezvous {
     /// Waits up to `connect_timeout` seconds for a service that is not up yet (or is
     /// restarting), in this call and in later publish/list calls; then `RendezvousError`
-    /// naming the URL.
+    /// naming the URL. `secret_file` (else `$XFER_SECRET_FILE`) holds the cluster secret
+    /// the embedded service asks for.
     #[new]
-    #[pyo3(signature = (url, *, connect_timeout=30.0))]
-    fn new(py: Python<'_>, url: &str, connect_timeout: f64) -> PyResult<Self> {
+    #[pyo3(signature = (url, *, connect_timeout=30.0, secret_file=None))]
+    fn new(
+        py: Python<'_>,
+        url: &str,
+        connect_timeout: f64,
+        secret_file: Option<std::path::PathBuf>,
+    ) -> PyResult<Self> {
         let wait = errors::timeout_of(py, "connect_timeout", connect_timeout)?;
-        py.detach(|| xfer_rendezvous::Rendezvous::connect_within(url, wait))
-            .map(Self)
-            .map_err(|e| to_py(py, e))
+        py.detach(|| {
+            let secret = xfer_rendezvous::Secret::from_file_or_env(secret_file.as_deref())?;
+            xfer_rendezvous::Rendezvous::connect_with(url, wait, secret)
+        })
+        .map(Self)
+        .map_err(|e| to_py(py, e))
     }
 
     /// Publishes `name` → (`addr`, `regions`: a dict of name → MrDesc or MemoryRegion)
@@ -148,16 +157,29 @@ impl Publication {
 }
 
 /// An embedded rendezvous service in this process (`xfer serve` without the CLI), for
-/// tests and single-machine set-ups: `Server("127.0.0.1:0").url`.
+/// tests and single-machine set-ups: `Server("127.0.0.1:0").url`. With `secret_file` (else
+/// `$XFER_SECRET_FILE`) clients must prove the secret; without one, loopback only.
 #[pyclass(module = "xfer", frozen)]
 pub(crate) struct Server(std::sync::Mutex<Option<xfer_rendezvous::Server>>, String);
 
 #[pymethods]
 impl Server {
     #[new]
-    #[pyo3(signature = (listen="127.0.0.1:0"))]
-    fn new(py: Python<'_>, listen: &str) -> PyResult<Self> {
-        let s = xfer_rendezvous::Server::start(listen).map_err(|e| to_py(py, e))?;
+    #[pyo3(signature = (listen="127.0.0.1:0", *, secret_file=None))]
+    fn new(
+        py: Python<'_>,
+        listen: &str,
+        secret_file: Option<std::path::PathBuf>,
+    ) -> PyResult<Self> {
+        let s = xfer_rendezvous::Secret::from_file_or_env(secret_file.as_deref())
+            .and_then(|secret| {
+                xfer_rendezvous::Server::start_with(
+                    listen,
+                    xfer_rendezvous::embedded::Limits::default(),
+                    secret,
+                )
+            })
+            .map_err(|e| to_py(py, e))?;
         let url = s.url();
         Ok(Self(std::sync::Mutex::new(Some(s)), url))
     }

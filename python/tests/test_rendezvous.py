@@ -65,3 +65,25 @@ def test_a_client_started_before_the_service_waits_for_it():
         starter.join()
         for server in late:
             server.close()
+
+
+def test_the_service_and_its_clients_share_a_secret(tmp_path):
+    """Issue 25 §1: with a secret file, only clients holding the same secret get in."""
+    secret, other = tmp_path / "secret", tmp_path / "other"
+    secret.write_bytes(b"\x01" * 32)
+    other.write_bytes(b"\x02" * 32)
+    server = xfer.Server(secret_file=secret)
+    try:
+        rdv = xfer.Rendezvous(server.url, secret_file=secret, connect_timeout=5)
+        pub = rdv.publish("p-0", b"\x01\x06" + b"\x07" * 6, ttl=3)
+        assert [r["name"] for r in rdv.list()] == ["p-0"]
+        for wrong in (other, None):
+            with pytest.raises(xfer.RendezvousError, match="authentication failed"):
+                xfer.Rendezvous(server.url, secret_file=wrong, connect_timeout=5)
+        # A second publisher of a live name is refused once its wait runs out.
+        with pytest.raises(xfer.RendezvousError, match="another live publisher"):
+            xfer.Rendezvous(server.url, secret_file=secret, connect_timeout=0.3).publish(
+                "p-0", b"\x01\x06" + b"\x08" * 6, ttl=3)
+        pub.unpublish()
+    finally:
+        server.close()

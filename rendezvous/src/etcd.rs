@@ -6,7 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
+    WatchOptions,
+};
 use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, oneshot};
 
@@ -106,34 +109,55 @@ impl Drop for EtcdKeeper {
     }
 }
 
+/// Puts `value` under `key` with a new lease, if the key is free or held by `owner` (the
+/// lease we held): a key belongs to the lease that wrote it, as on the embedded service.
+/// `Ok(None)`: another live lease holds it.
 async fn grant_and_put(
     client: &mut Client,
     key: &str,
     value: &[u8],
     ttl: Duration,
-) -> std::result::Result<i64, etcd_client::Error> {
+    owner: Option<i64>,
+) -> std::result::Result<Option<i64>, etcd_client::Error> {
     let lease = client
         .lease_grant(ttl.as_secs().max(1) as i64, None)
         .await?
         .id();
-    client
-        .put(key, value, Some(PutOptions::new().with_lease(lease)))
-        .await?;
-    Ok(lease)
+    let mut claims = vec![Compare::create_revision(key, CompareOp::Equal, 0)];
+    claims.extend(owner.map(|o| Compare::lease(key, CompareOp::Equal, o)));
+    for claim in claims {
+        let put = TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease)));
+        if client
+            .txn(Txn::new().when([claim]).and_then([put]))
+            .await?
+            .succeeded()
+        {
+            return Ok(Some(lease));
+        }
+    }
+    let _ = client.lease_revoke(lease).await;
+    Ok(None)
 }
 
 impl Store for EtcdStore {
     fn publish(&self, key: &str, value: Vec<u8>, ttl: Duration) -> Result<Box<dyn Keeper>> {
         let mut client = self.client.clone();
-        let mut lease = self
+        let Some(mut lease) = self
             .rt
-            .block_on(grant_and_put(&mut client, key, &value, ttl))
-            .map_err(|e| self.err(e))?;
+            .block_on(grant_and_put(&mut client, key, &value, ttl, None))
+            .map_err(|e| self.err(e))?
+        else {
+            return Err(Error::NameTaken {
+                service: self.service.clone(),
+                name: key.to_owned(),
+            });
+        };
         let (stop_tx, mut stop_rx) = oneshot::channel();
         let (done_tx, done_rx) = std::sync::mpsc::channel();
         let key = key.to_owned();
         let period = ttl / 3;
         self.rt.spawn(async move {
+            let mut reported = false;
             loop {
                 tokio::select! {
                     _ = &mut stop_rx => break,
@@ -150,16 +174,22 @@ impl Store for EtcdStore {
                 };
                 match tokio::time::timeout(CALL_TIMEOUT, alive).await {
                     Ok(Ok(true)) => {}
-                    _ => {
-                        if let Ok(Ok(l)) = tokio::time::timeout(
-                            CALL_TIMEOUT,
-                            grant_and_put(&mut client, &key, &value, ttl),
-                        )
-                        .await
-                        {
+                    _ => match tokio::time::timeout(
+                        CALL_TIMEOUT,
+                        grant_and_put(&mut client, &key, &value, ttl, Some(lease)),
+                    )
+                    .await
+                    {
+                        Ok(Ok(Some(l))) => {
                             lease = l;
+                            reported = false;
                         }
-                    }
+                        Ok(Ok(None)) if !reported => {
+                            tracing::error!("rendezvous: {key} was taken by another publisher after this one's lease was lost; retrying every {period:?}");
+                            reported = true;
+                        }
+                        _ => {}
+                    },
                 }
             }
             let _ = tokio::time::timeout(CALL_TIMEOUT, client.lease_revoke(lease)).await;

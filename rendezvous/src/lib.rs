@@ -18,6 +18,7 @@ pub mod embedded;
 mod etcd;
 pub mod record;
 mod retry;
+mod secret;
 
 use std::time::{Duration, Instant};
 
@@ -26,6 +27,7 @@ use engine_core::{MrDesc, NetAddr};
 pub use embedded::Server;
 pub use record::Record;
 pub use retry::DEFAULT_WAIT;
+pub use secret::{Secret, SECRET_FILE_ENV};
 
 /// What can go wrong.
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +84,33 @@ pub enum Error {
         /// Which service.
         service: String,
         /// What happened.
+        why: String,
+    },
+    /// The name is published by another live publisher: a key belongs to the lease that
+    /// wrote it until that lease ends (revoked, or expired within its TTL when its process
+    /// died). `publish` waits for that up to the connection's wait before failing with this.
+    #[error("rendezvous service {service}: the name {name:?} is published by another live publisher (it frees when that publisher unpublishes, or within its TTL if it died)")]
+    NameTaken {
+        /// Which service.
+        service: String,
+        /// The name.
+        name: String,
+    },
+    /// The service and this client do not share the cluster secret (either side has none,
+    /// or they differ). Not retried: waiting does not change it.
+    #[error("rendezvous service {service}: authentication failed: {why}")]
+    Authentication {
+        /// Which service.
+        service: String,
+        /// What did not match.
+        why: String,
+    },
+    /// The cluster secret could not be read.
+    #[error("cluster secret {path}: {why}")]
+    Secret {
+        /// The file named (by the config, `--secret-file` or `$XFER_SECRET_FILE`).
+        path: std::path::PathBuf,
+        /// What is wrong with it.
         why: String,
     },
     /// This build has no etcd client (feature `etcd`).
@@ -254,8 +283,17 @@ impl Rendezvous {
     /// `wait`: refused or broken connections are retried with backoff, logged once, and
     /// end in [`Error::Unreachable`] naming the URL. Later calls on the connection
     /// (`publish`, `list`, `watch`) ride out a restarting service for as long; `lookup`
-    /// for its own timeout. A zero `wait` tries once.
+    /// for its own timeout. A zero `wait` tries once. The cluster secret, if any, comes
+    /// from the file `$XFER_SECRET_FILE` names.
     pub fn connect_within(url: &str, wait: Duration) -> Result<Self> {
+        Self::connect_with(url, wait, Secret::from_env()?)
+    }
+
+    /// Connects as [`connect_within`](Self::connect_within), proving `secret` to the
+    /// embedded service (which proves it back). A service and a client that do not share
+    /// a secret fail at once with [`Error::Authentication`]. etcd authenticates in its own
+    /// way and ignores it.
+    pub fn connect_with(url: &str, wait: Duration, secret: Option<Secret>) -> Result<Self> {
         let parsed = parse_url(url)?;
         let store: Box<dyn Store> = if parsed.etcd {
             #[cfg(feature = "etcd")]
@@ -267,7 +305,7 @@ impl Rendezvous {
                 return Err(Error::NoEtcd);
             }
         } else {
-            let client = embedded::Client::new(url, &parsed.endpoints[0]);
+            let client = embedded::Client::new(url, &parsed.endpoints[0], secret, wait);
             retry::until(url, wait, || client.probe())?;
             Box::new(client)
         };
@@ -290,8 +328,10 @@ impl Rendezvous {
 
     /// Publishes `name` → (`addr`, named regions) under a lease of `ttl` (at least 2 s:
     /// etcd's minimum), kept alive until the returned [`Publication`] is dropped. A name
-    /// published again (a restarted peer) replaces the old record; the old lease's expiry
-    /// does not remove the new one.
+    /// belongs to the live publication that holds it: publishing it again while another
+    /// lease holds it waits (up to the connection's wait) for that lease to end — a
+    /// restarted peer gets its name back within the dead process's TTL — and then fails
+    /// with [`Error::NameTaken`] (a second live process with the same name).
     pub fn publish(
         &self,
         name: &str,
@@ -314,7 +354,27 @@ impl Rendezvous {
         };
         let ttl = ttl.max(Duration::from_secs(2));
         let (key, value) = (self.key(name), record::encode(&record));
-        let keeper = self.retrying(self.wait, || self.store.publish(&key, value.clone(), ttl))?;
+        let started = Instant::now();
+        let mut attempt = 0;
+        let keeper = loop {
+            match self.retrying(self.wait, || self.store.publish(&key, value.clone(), ttl)) {
+                Err(Error::NameTaken { service, .. }) => {
+                    let left = self.wait.saturating_sub(started.elapsed());
+                    if left.is_zero() {
+                        return Err(Error::NameTaken {
+                            service,
+                            name: name.to_owned(),
+                        });
+                    }
+                    if attempt == 0 {
+                        tracing::warn!("rendezvous {}: {name} is held by another publication; waiting up to {:?} for it to end", self.url, self.wait);
+                    }
+                    std::thread::sleep(retry::backoff(attempt).min(left));
+                    attempt += 1;
+                }
+                other => break other?,
+            }
+        };
         Ok(Publication {
             _keeper: keeper,
             record,
@@ -381,7 +441,8 @@ impl Rendezvous {
             0 => Duration::from_secs(5),
             ms => Duration::from_millis(ms),
         };
-        Ok((Self::connect_within(url, connect_wait(config))?, ttl))
+        let secret = Secret::from_file_or_env(config.security.secret_file.as_deref())?;
+        Ok((Self::connect_with(url, connect_wait(config), secret)?, ttl))
     }
 
     /// The URL this connects to.

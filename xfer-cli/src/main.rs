@@ -67,6 +67,10 @@ enum Command {
         /// Test knob: wait this long before listening, as a slow start would.
         #[arg(long, default_value_t = 0, hide = true)]
         delay_listen_ms: u64,
+        /// A file holding the cluster secret that clients must prove (else
+        /// `$XFER_SECRET_FILE`; without either, only loopback addresses may be served).
+        #[arg(long)]
+        secret_file: Option<PathBuf>,
     },
     /// Lists the peers published on a rendezvous (xfer://host:port or etcd://host:port).
     Peers {
@@ -76,6 +80,9 @@ enum Command {
         /// How long to wait for a service that is not up yet, in milliseconds.
         #[arg(long, default_value_t = 5_000)]
         wait_ms: u64,
+        /// A file holding the cluster secret the service asks for (else `$XFER_SECRET_FILE`).
+        #[arg(long)]
+        secret_file: Option<PathBuf>,
     },
     /// Runs the backend conformance suite (a plugin's, or the config's backend): one line per
     /// check; exits 1 if any fails.
@@ -108,10 +115,22 @@ fn init_logging() {
         .try_init();
 }
 
-fn serve_cmd(listen: &str, ready_file: Option<&std::path::Path>, delay_ms: u64) -> ExitCode {
+fn serve_cmd(
+    listen: &str,
+    ready_file: Option<&std::path::Path>,
+    delay_ms: u64,
+    secret_file: Option<&std::path::Path>,
+) -> ExitCode {
     init_logging();
     std::thread::sleep(std::time::Duration::from_millis(delay_ms));
-    match xfer_rendezvous::Server::start(listen) {
+    let started = xfer_rendezvous::Secret::from_file_or_env(secret_file).and_then(|secret| {
+        xfer_rendezvous::Server::start_with(
+            listen,
+            xfer_rendezvous::embedded::Limits::default(),
+            secret,
+        )
+    });
+    match started {
         Ok(server) => {
             // Readiness: the URL on stdout (first line), so a script can start it with port 0
             // and read it, and in the ready file. Both only once the socket listens.
@@ -136,10 +155,17 @@ fn serve_cmd(listen: &str, ready_file: Option<&std::path::Path>, delay_ms: u64) 
     }
 }
 
-fn peers_cmd(cli: &Cli, url: &str, wait_ms: u64) -> ExitCode {
+fn peers_cmd(
+    cli: &Cli,
+    url: &str,
+    wait_ms: u64,
+    secret_file: Option<&std::path::Path>,
+) -> ExitCode {
     init_logging();
     let wait = std::time::Duration::from_millis(wait_ms);
-    let listing = xfer_rendezvous::Rendezvous::connect_within(url, wait).and_then(|r| r.list());
+    let listing = xfer_rendezvous::Secret::from_file_or_env(secret_file)
+        .and_then(|secret| xfer_rendezvous::Rendezvous::connect_with(url, wait, secret))
+        .and_then(|r| r.list());
     match listing {
         Ok(records) => {
             if cli.json {
@@ -525,11 +551,18 @@ fn main() -> ExitCode {
             listen,
             ready_file,
             delay_listen_ms,
-        } => serve_cmd(listen, ready_file.as_deref(), *delay_listen_ms),
+            secret_file,
+        } => serve_cmd(
+            listen,
+            ready_file.as_deref(),
+            *delay_listen_ms,
+            secret_file.as_deref(),
+        ),
         Command::Peers {
             rendezvous,
             wait_ms,
-        } => peers_cmd(&cli, rendezvous, *wait_ms),
+            secret_file,
+        } => peers_cmd(&cli, rendezvous, *wait_ms, secret_file.as_deref()),
         Command::Conformance {
             plugin,
             backend,

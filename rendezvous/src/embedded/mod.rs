@@ -7,7 +7,11 @@
 //! No client can exhaust it ([`Limits`]): connections are capped and idle ones closed,
 //! values, entries and watchers are bounded, a client that does not take what it is sent
 //! is cut off, and a request split across reads keeps its framing. Lease ids come from the
-//! OS's CSPRNG. It does not authenticate clients (see `docs/security.md`).
+//! OS's CSPRNG, and a key belongs to the live lease that wrote it (only its holder, who
+//! alone knows the id, may write it again). With a cluster secret, the service and each
+//! client prove it to each other when a connection opens ([`crate::Secret`]); without
+//! one, it listens on loopback only (see `docs/security.md`). Watches carry heartbeats and
+//! resubscribe after a restart.
 //!
 //! Modules: `wire` (frames and messages), `state` (keys, leases, watchers: pure), `server`
 //! (connections and threads), `client` (the `Store` over TCP).
@@ -21,7 +25,10 @@ use std::time::Duration;
 
 pub(crate) use client::Client;
 pub use server::Server;
-pub use wire::{request_frame_for_tests, value_of_response_for_tests};
+pub use wire::{
+    hello_frame_for_tests, is_taken_for_tests, request_frame_for_tests, takeover_frame_for_tests,
+    value_of_response_for_tests,
+};
 
 /// Largest frame a client accepts: a listing of `max_entries` (default) values of
 /// [`MAX_VALUE`] fits, so a listing never fails because someone stored large values.
@@ -39,6 +46,13 @@ pub const MAX_TTL: Duration = Duration::from_secs(3600);
 
 /// How often a served connection looks up from its read (for the stop flag and idleness).
 const READ_TICK: Duration = Duration::from_millis(500);
+
+/// An idle watch stream carries a heartbeat this often.
+const HEARTBEAT: Duration = Duration::from_secs(1);
+
+/// A watch stream silent this long (no change, no heartbeat) is taken for broken: the
+/// client subscribes again.
+const WATCH_SILENCE: Duration = Duration::from_secs(5);
 
 /// What the service bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

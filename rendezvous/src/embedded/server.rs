@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use super::state::State;
 use super::wire::{write_frame, FrameReader, Request, Response};
-use super::{Limits, MAX_REQUEST, READ_TICK};
+use super::{Limits, HEARTBEAT, MAX_REQUEST, READ_TICK};
+use crate::secret::{nonce, Role, Secret, SECRET_FILE_ENV};
 use crate::{Change, Error, Result};
 
 /// The connections being served, by id: each serving thread removes its own when it ends,
@@ -68,19 +69,33 @@ pub struct Server {
 
 impl Server {
     /// Listens on `listen` (`127.0.0.1:0` picks a free port; see [`addr`](Self::addr)) with
-    /// the default [`Limits`].
+    /// the default [`Limits`] and no secret: loopback addresses only.
     pub fn start(listen: &str) -> Result<Self> {
-        Self::start_with(listen, Limits::default())
+        Self::start_with(listen, Limits::default(), None)
     }
 
-    /// Listens on `listen` with `limits`.
-    pub fn start_with(listen: &str, limits: Limits) -> Result<Self> {
+    /// Listens on `listen` with `limits`. With a `secret`, every client must prove it (and
+    /// the service proves it to them) before any request; without one, the service binds
+    /// loopback addresses only (anyone who can connect can publish and read every record).
+    pub fn start_with(listen: &str, limits: Limits, secret: Option<Secret>) -> Result<Self> {
         let service = |why: String| Error::Service {
             service: listen.to_owned(),
             why,
         };
+        let addrs: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(listen)
+            .map_err(|e| service(format!("cannot resolve: {e}")))?
+            .collect();
+        if secret.is_none() && addrs.iter().any(|a| !a.ip().is_loopback()) {
+            return Err(service(format!(
+                "without a cluster secret the service listens on loopback addresses only (anyone who can connect can publish and read every record); set one (--secret-file, ${SECRET_FILE_ENV}) or listen on 127.0.0.1"
+            )));
+        }
+        match &secret {
+            Some(_) => tracing::info!("xfer serve: clients must prove the cluster secret"),
+            None => tracing::info!("xfer serve: no cluster secret: serving loopback only"),
+        }
         let listener =
-            TcpListener::bind(listen).map_err(|e| service(format!("cannot listen: {e}")))?;
+            TcpListener::bind(&addrs[..]).map_err(|e| service(format!("cannot listen: {e}")))?;
         let addr = listener.local_addr().map_err(|e| service(e.to_string()))?;
         listener
             .set_nonblocking(true)
@@ -115,9 +130,10 @@ impl Server {
                             };
                             let state = Arc::clone(&state);
                             let stop = Arc::clone(&stop);
+                            let secret = secret.clone();
                             std::thread::spawn(move || {
                                 let _admitted = admitted;
-                                serve(conn, &state, &stop, &limits);
+                                serve(conn, &state, &stop, &limits, secret.as_ref());
                             });
                         }
                         // Nothing to accept, or out of descriptors for a moment: look again
@@ -167,8 +183,87 @@ fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
     state.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// One client connection: requests until it closes or idles out, or a watch stream.
-fn serve(mut conn: TcpStream, state: &Mutex<State>, stop: &AtomicBool, limits: &Limits) {
+/// The next request, waiting through read ticks until the connection idles out (`None`:
+/// idle, broken, or the service is stopping).
+fn next_request(
+    conn: &mut TcpStream,
+    reader: &mut FrameReader,
+    stop: &AtomicBool,
+    idle: Duration,
+) -> Option<Request> {
+    let since = Instant::now();
+    while !stop.load(Ordering::Acquire) {
+        match reader.next(conn) {
+            Ok(Some(r)) => return Some(r),
+            Ok(None) if since.elapsed() >= idle => return None,
+            Ok(None) => continue,
+            Err(_) => return None,
+        }
+    }
+    None
+}
+
+/// The greeting every connection starts with: the client's `Hello`, the service's
+/// `Welcome` and, with a secret, the mutual proof. `false`: the connection is to be closed.
+fn greet(
+    conn: &mut TcpStream,
+    reader: &mut FrameReader,
+    stop: &AtomicBool,
+    limits: &Limits,
+    secret: Option<&Secret>,
+) -> bool {
+    let Some(Request::Hello {
+        nonce: client_nonce,
+    }) = next_request(conn, reader, stop, limits.idle)
+    else {
+        let _ = write_frame(
+            conn,
+            &Response::Refused("a connection starts with Hello".into()),
+        );
+        return false;
+    };
+    let Some(secret) = secret else {
+        return write_frame(conn, &Response::Welcome { challenge: None }).is_ok();
+    };
+    let service_nonce = nonce();
+    let proof = secret.service_proof(&client_nonce, &service_nonce);
+    if write_frame(
+        conn,
+        &Response::Welcome {
+            challenge: Some((service_nonce, proof)),
+        },
+    )
+    .is_err()
+    {
+        return false;
+    }
+    match next_request(conn, reader, stop, limits.idle) {
+        Some(Request::Prove { proof })
+            if secret.verify(Role::Client, &client_nonce, &service_nonce, &proof) =>
+        {
+            write_frame(conn, &Response::Ok).is_ok()
+        }
+        _ => {
+            let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+            tracing::warn!(%peer, "xfer serve: a client did not prove the cluster secret; closed");
+            let _ = write_frame(
+                conn,
+                &Response::Refused("the client did not prove the cluster secret".into()),
+            );
+            false
+        }
+    }
+}
+
+/// One client connection: the greeting, then requests until it closes or idles out, or a
+/// watch stream.
+fn serve(
+    mut conn: TcpStream,
+    state: &Mutex<State>,
+    stop: &AtomicBool,
+    limits: &Limits,
+    secret: Option<&Secret>,
+) {
     let _ = conn.set_nonblocking(false);
     let _ = conn.set_nodelay(true);
     // Reads look up every tick (stop, idleness); a client that does not take its answers
@@ -176,15 +271,10 @@ fn serve(mut conn: TcpStream, state: &Mutex<State>, stop: &AtomicBool, limits: &
     let _ = conn.set_read_timeout(Some(READ_TICK));
     let _ = conn.set_write_timeout(Some(limits.write_timeout));
     let mut reader = FrameReader::new(MAX_REQUEST);
-    let mut last = Instant::now();
-    while !stop.load(Ordering::Acquire) {
-        let req: Request = match reader.next(&mut conn) {
-            Ok(Some(r)) => r,
-            Ok(None) if last.elapsed() >= limits.idle => return,
-            Ok(None) => continue,
-            Err(_) => return,
-        };
-        last = Instant::now();
+    if !greet(&mut conn, &mut reader, stop, limits, secret) {
+        return;
+    }
+    while let Some(req) = next_request(&mut conn, &mut reader, stop, limits.idle) {
         if let Request::Watch { prefix } = req {
             return stream_watch(conn, state, stop, prefix);
         }
@@ -215,19 +305,26 @@ fn stream_watch(mut conn: TcpStream, state: &Mutex<State>, stop: &AtomicBool, pr
     if write_frame(&mut conn, &snapshot).is_err() {
         return;
     }
+    // A heartbeat on an idle stream: a client that went away fails the write (and this
+    // thread, its descriptor and its watcher slot end); a client sees a service that went
+    // silent by the heartbeats stopping.
+    let mut last_write = Instant::now();
     while !stop.load(Ordering::Acquire) {
-        let change = match rx.recv_timeout(Duration::from_millis(200)) {
-            Ok(c) => c,
+        let msg = match rx.recv_timeout(Duration::from_millis(200)) {
+            Ok(Change::Put(k, v)) => Response::Put(k, v),
+            Ok(Change::Delete(k)) => Response::Delete(k),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+                if last_write.elapsed() >= HEARTBEAT =>
+            {
+                Response::Heartbeat
+            }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
             // Cut off (fell behind) or the service is stopping.
             Err(_) => return,
         };
-        let msg = match change {
-            Change::Put(k, v) => Response::Put(k, v),
-            Change::Delete(k) => Response::Delete(k),
-        };
         if write_frame(&mut conn, &msg).is_err() {
             return;
         }
+        last_write = Instant::now();
     }
 }

@@ -86,7 +86,12 @@ impl State {
 
     pub(super) fn handle(&mut self, req: Request) -> Response {
         match req {
-            Request::Put { key, value, ttl_ms } => {
+            Request::Put {
+                key,
+                value,
+                ttl_ms,
+                owner,
+            } => {
                 if value.len() > MAX_VALUE {
                     return Response::Refused(format!(
                         "a value of {} bytes (at most {MAX_VALUE})",
@@ -100,14 +105,22 @@ impl State {
                         self.limits.max_entries
                     ));
                 }
-                let lease = new_lease_id();
-                let ttl = Duration::from_millis(ttl_ms.max(1)).min(MAX_TTL);
-                // The key moves to the new lease: the old one's expiry no longer removes it.
-                if let Some((_, old)) = self.entries.get(&key) {
-                    if let Some(l) = self.leases.get_mut(old) {
+                // A key belongs to the live lease that wrote it: only that lease's holder
+                // (who alone knows its id) may write it again.
+                if let Some(&(_, holder)) = self.entries.get(&key) {
+                    if owner != Some(holder) {
+                        return Response::Taken;
+                    }
+                    // The key moves to the new lease; the old one, now empty, ends quietly.
+                    if let Some(l) = self.leases.get_mut(&holder) {
                         l.keys.remove(&key);
+                        if l.keys.is_empty() {
+                            self.leases.remove(&holder);
+                        }
                     }
                 }
+                let lease = new_lease_id();
+                let ttl = Duration::from_millis(ttl_ms.max(1)).min(MAX_TTL);
                 self.leases.insert(
                     lease,
                     Lease {
@@ -140,6 +153,9 @@ impl State {
                     .collect(),
             ),
             Request::Watch { .. } => Response::Refused("watch on a request connection".into()),
+            Request::Hello { .. } | Request::Prove { .. } => {
+                Response::Refused("a greeting on a connection already greeted".into())
+            }
         }
     }
 
@@ -167,6 +183,7 @@ mod tests {
             key: "/x/a".into(),
             value: b"1".to_vec(),
             ttl_ms: 10,
+            owner: None,
         }) else {
             panic!()
         };
@@ -174,6 +191,7 @@ mod tests {
             key: "/x/a".into(),
             value: b"2".to_vec(),
             ttl_ms: 60_000,
+            owner: Some(old),
         }) else {
             panic!()
         };
@@ -192,6 +210,64 @@ mod tests {
         ));
     }
 
+    fn put(s: &mut State, key: &str, value: &[u8], owner: Option<u64>) -> Response {
+        s.handle(Request::Put {
+            key: key.into(),
+            value: value.to_vec(),
+            ttl_ms: 1000,
+            owner,
+        })
+    }
+
+    /// Issue 25 §1: any client could put over another's key. A key belongs to the live lease
+    /// that wrote it; its holder (who alone knows the lease id) may write it again; once the
+    /// lease ends, anyone may take the name, and the old holder's stale claim is refused.
+    #[test]
+    fn a_key_belongs_to_the_lease_that_wrote_it() {
+        let mut s = State::default();
+        let Response::Lease(mine) = put(&mut s, "/x/a", b"mine", None) else {
+            panic!()
+        };
+        assert!(matches!(
+            put(&mut s, "/x/a", b"evil", None),
+            Response::Taken
+        ));
+        assert!(matches!(
+            put(&mut s, "/x/a", b"evil", Some(mine ^ 1)),
+            Response::Taken
+        ));
+        let Response::Lease(again) = put(&mut s, "/x/a", b"mine-2", Some(mine)) else {
+            panic!()
+        };
+        // The old lease ended with the move: it cannot be kept alive or claim the key.
+        assert!(matches!(
+            s.handle(Request::KeepAlive { lease: mine }),
+            Response::NoLease
+        ));
+        assert!(matches!(
+            put(&mut s, "/x/a", b"x", Some(mine)),
+            Response::Taken
+        ));
+        // Its lease expired (the holder died): the name is free for anyone.
+        s.expire(Instant::now() + Duration::from_secs(2));
+        let Response::Lease(theirs) = put(&mut s, "/x/a", b"theirs", None) else {
+            panic!()
+        };
+        // The old holder, re-publishing with the lease it knew, is told it was taken.
+        assert!(matches!(
+            put(&mut s, "/x/a", b"x", Some(again)),
+            Response::Taken
+        ));
+        assert!(matches!(
+            s.handle(Request::Revoke { lease: again }),
+            Response::Ok
+        ));
+        assert!(
+            matches!(s.handle(Request::Get { key: "/x/a".into() }), Response::Value(Some(v)) if v == b"theirs")
+        );
+        assert_ne!(theirs, again);
+    }
+
     /// Issue 25: lease ids were sequential from 1 in every run, so a keeper of the old run
     /// got `Ok` for someone else's lease after a restart and its drop revoked another peer's
     /// record. Two runs never hand out the same id, and none is guessable from another.
@@ -204,6 +280,7 @@ mod tests {
                         key: format!("/x/{i}"),
                         value: vec![],
                         ttl_ms: 1000,
+                        owner: None,
                     }) {
                         Response::Lease(l) => l,
                         other => panic!("{other:?}"),
@@ -229,6 +306,7 @@ mod tests {
             key: "/x/forever".into(),
             value: vec![],
             ttl_ms: u64::MAX,
+            owner: None,
         });
         s.expire(Instant::now() + MAX_TTL + Duration::from_secs(1));
         assert!(matches!(
@@ -247,6 +325,7 @@ mod tests {
                 key: k.into(),
                 value: vec![],
                 ttl_ms: 1000,
+                owner: None,
             });
         }
         let Response::Values(v) = s.handle(Request::List {

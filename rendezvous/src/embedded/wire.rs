@@ -7,13 +7,25 @@ use std::net::TcpStream;
 use serde::{Deserialize, Serialize};
 
 use super::MAX_FRAME;
+use crate::secret::Proof;
 
 #[derive(Debug, Serialize, Deserialize)]
 pub(super) enum Request {
+    /// The first request on every connection: the client's nonce.
+    Hello {
+        nonce: Proof,
+    },
+    /// The client's proof of the secret, when the service's `Welcome` carried a challenge.
+    Prove {
+        proof: Proof,
+    },
+    /// Stores `value` under `key`. A key held by a live lease is refused unless `owner` is
+    /// that lease (its publisher re-publishing).
     Put {
         key: String,
         value: Vec<u8>,
         ttl_ms: u64,
+        owner: Option<u64>,
     },
     KeepAlive {
         lease: u64,
@@ -34,6 +46,14 @@ pub(super) enum Request {
 
 #[derive(Debug, Serialize, Deserialize)]
 pub(super) enum Response {
+    /// The answer to `Hello`: with a secret, the service's nonce and its proof.
+    Welcome {
+        challenge: Option<(Proof, Proof)>,
+    },
+    /// A put of a key another live lease holds.
+    Taken,
+    /// Sent on an idle watch stream, so both ends notice a dead peer.
+    Heartbeat,
     Lease(u64),
     Ok,
     NoLease,
@@ -108,10 +128,36 @@ impl FrameReader {
 /// A `Get` request as bytes on the wire (tests that speak the protocol by hand).
 #[doc(hidden)]
 pub fn request_frame_for_tests(key: &str) -> Vec<u8> {
-    let body = postcard::to_stdvec(&Request::Get {
+    frame_of(&Request::Get {
         key: key.to_owned(),
     })
-    .expect("a request serializes");
+}
+
+/// A `Hello` as bytes on the wire (tests that speak the protocol by hand).
+#[doc(hidden)]
+pub fn hello_frame_for_tests() -> Vec<u8> {
+    frame_of(&Request::Hello { nonce: [7; 32] })
+}
+
+/// A `Put` of `key` claiming no lease (tests that try to take a name over by hand).
+#[doc(hidden)]
+pub fn takeover_frame_for_tests(key: &str) -> Vec<u8> {
+    frame_of(&Request::Put {
+        key: key.to_owned(),
+        value: b"evil".to_vec(),
+        ttl_ms: 60_000,
+        owner: None,
+    })
+}
+
+/// Whether a response body is `Taken` (tests that speak the protocol by hand).
+#[doc(hidden)]
+pub fn is_taken_for_tests(body: &[u8]) -> bool {
+    matches!(postcard::from_bytes(body), Ok(Response::Taken))
+}
+
+fn frame_of(req: &Request) -> Vec<u8> {
+    let body = postcard::to_stdvec(req).expect("a request serializes");
     let mut frame = (body.len() as u32).to_le_bytes().to_vec();
     frame.extend(body);
     frame
