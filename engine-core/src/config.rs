@@ -223,6 +223,21 @@ pub struct RendezvousConfig {
     /// restarting (connect, publish, list, watch), in milliseconds, before it fails naming
     /// the URL. 0: the default, 30000.
     pub connect_ms: u64,
+    /// etcd over TLS: the CA that signed etcd's certificate (PEM). Setting it turns TLS on.
+    pub etcd_ca_file: Option<PathBuf>,
+    /// etcd over TLS: this client's certificate and key (PEM), for etcd's
+    /// `--client-cert-auth`. Both or neither.
+    pub etcd_cert_file: Option<PathBuf>,
+    /// See `etcd_cert_file`.
+    pub etcd_key_file: Option<PathBuf>,
+    /// etcd over TLS: the name etcd's certificate is checked against (default: the
+    /// endpoint's host).
+    pub etcd_domain: Option<String>,
+    /// etcd authentication: the user name.
+    pub etcd_user: Option<String>,
+    /// etcd authentication: a file holding the user's password (never the password itself
+    /// in the config).
+    pub etcd_password_file: Option<PathBuf>,
 }
 
 /// A whole configuration.

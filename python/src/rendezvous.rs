@@ -56,19 +56,40 @@ impl Rendezvous {
     /// Waits up to `connect_timeout` seconds for a service that is not up yet (or is
     /// restarting), in this call and in later publish/list calls; then `RendezvousError`
     /// naming the URL. `secret_file` (else `$XFER_SECRET_FILE`) holds the cluster secret
-    /// the embedded service asks for.
+    /// the embedded service asks for; the `etcd_*` files give etcd TLS (a CA, and a client
+    /// certificate and key for `--client-cert-auth`) and a user (its password in a file).
     #[new]
-    #[pyo3(signature = (url, *, connect_timeout=30.0, secret_file=None))]
+    #[pyo3(signature = (url, *, connect_timeout=30.0, secret_file=None, etcd_ca_file=None,
+        etcd_cert_file=None, etcd_key_file=None, etcd_domain=None, etcd_user=None,
+        etcd_password_file=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         url: &str,
         connect_timeout: f64,
         secret_file: Option<std::path::PathBuf>,
+        etcd_ca_file: Option<std::path::PathBuf>,
+        etcd_cert_file: Option<std::path::PathBuf>,
+        etcd_key_file: Option<std::path::PathBuf>,
+        etcd_domain: Option<String>,
+        etcd_user: Option<String>,
+        etcd_password_file: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let wait = errors::timeout_of(py, "connect_timeout", connect_timeout)?;
         py.detach(|| {
-            let secret = xfer_rendezvous::Secret::from_file_or_env(secret_file.as_deref())?;
-            xfer_rendezvous::Rendezvous::connect_with(url, wait, secret)
+            let options = xfer_rendezvous::ConnectOptions {
+                wait,
+                secret: xfer_rendezvous::Secret::from_file_or_env(secret_file.as_deref())?,
+                etcd: xfer_rendezvous::EtcdSecurity {
+                    ca_file: etcd_ca_file,
+                    cert_file: etcd_cert_file,
+                    key_file: etcd_key_file,
+                    domain: etcd_domain,
+                    user: etcd_user,
+                    password_file: etcd_password_file,
+                },
+            };
+            xfer_rendezvous::Rendezvous::connect_with(url, &options)
         })
         .map(Self)
         .map_err(|e| to_py(py, e))

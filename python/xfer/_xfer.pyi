@@ -195,7 +195,19 @@ class Publication:
 
 class Rendezvous:
     """Peers by name: Rendezvous("xfer://host:port") (xfer serve) or "etcd://host:port/prefix"."""
-    def __init__(self, url: str, *, connect_timeout: float = 30.0, secret_file: str | PathLike[str] | None = None) -> None: ...
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout: float = 30.0,
+        secret_file: str | PathLike[str] | None = None,
+        etcd_ca_file: str | PathLike[str] | None = None,
+        etcd_cert_file: str | PathLike[str] | None = None,
+        etcd_key_file: str | PathLike[str] | None = None,
+        etcd_domain: str | None = None,
+        etcd_user: str | None = None,
+        etcd_password_file: str | PathLike[str] | None = None,
+    ) -> None: ...
     def publish(
         self, name: str, addr: bytes | NetAddr, regions: dict[str, MrDesc | MemoryRegion] | None = None, *, ttl: float = 5.0
     ) -> Publication: ...

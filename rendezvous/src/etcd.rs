@@ -13,7 +13,7 @@ use etcd_client::{
 use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::{retry, Change, Changes, Error, Keeper, Result, Store};
+use crate::{retry, Change, Changes, Error, EtcdSecurity, Keeper, Result, Store};
 
 /// Every etcd call gives up after this (the service is down or unreachable).
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -31,12 +31,36 @@ fn service_error(service: &str, why: impl std::fmt::Display) -> Error {
     }
 }
 
-/// An etcd client error as ours: no connection (or one that broke, or a member without a
-/// leader yet) is [`Error::Unreachable`], which callers ride out until their deadline;
-/// anything else is an answer ([`Error::Service`]).
+/// An etcd client error as ours: a refused user, password or certificate is
+/// [`Error::Authentication`] (waiting does not change it); no connection (or one that
+/// broke, or a member without a leader yet) is [`Error::Unreachable`], which callers ride
+/// out until their deadline; anything else is an answer ([`Error::Service`]).
 fn classify(service: &str, e: etcd_client::Error) -> Error {
     use etcd_client::Error as E;
     use tonic::Code;
+    // The whole chain: a transport error's cause (a certificate) is in its sources.
+    let mut why = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(s) = source {
+        why = format!("{why}: {s}");
+        source = s.source();
+    }
+    let refused = match &e {
+        E::GRpcStatus(status) => {
+            matches!(
+                status.code(),
+                Code::Unauthenticated | Code::PermissionDenied
+            ) || status.message().contains("authentication failed")
+        }
+        E::TransportError(_) | E::IoError(_) => why.contains("certificate"),
+        _ => false,
+    };
+    if refused {
+        return Error::Authentication {
+            service: service.to_owned(),
+            why,
+        };
+    }
     let unreachable = match &e {
         E::TransportError(_) | E::IoError(_) => true,
         E::GRpcStatus(status) => matches!(
@@ -49,7 +73,7 @@ fn classify(service: &str, e: etcd_client::Error) -> Error {
         Error::Unreachable {
             service: service.to_owned(),
             waited: Duration::ZERO,
-            why: e.to_string(),
+            why,
         }
     } else {
         service_error(service, e)
@@ -57,8 +81,14 @@ fn classify(service: &str, e: etcd_client::Error) -> Error {
 }
 
 impl EtcdStore {
-    /// Connects to `endpoints` (of `url`), riding out an etcd that is not up yet for `wait`.
-    pub(crate) fn connect(url: &str, endpoints: &[String], wait: Duration) -> Result<Self> {
+    /// Connects to `endpoints` (of `url`), riding out an etcd that is not up yet for `wait`,
+    /// with `security`'s TLS and user.
+    pub(crate) fn connect(
+        url: &str,
+        endpoints: &[String],
+        wait: Duration,
+        security: &EtcdSecurity,
+    ) -> Result<Self> {
         let service = url.to_owned();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -66,10 +96,13 @@ impl EtcdStore {
             .enable_all()
             .build()
             .map_err(|e| service_error(&service, format!("cannot start its runtime: {e}")))?;
+        let secured = secure(security)?;
         let client = retry::until(url, wait, || {
-            let options = ConnectOptions::new()
-                .with_connect_timeout(CALL_TIMEOUT)
-                .with_timeout(CALL_TIMEOUT);
+            let options = secured(
+                ConnectOptions::new()
+                    .with_connect_timeout(CALL_TIMEOUT)
+                    .with_timeout(CALL_TIMEOUT),
+            );
             let mut client = rt
                 .block_on(Client::connect(endpoints, Some(options)))
                 .map_err(|e| classify(&service, e))?;
@@ -88,6 +121,86 @@ impl EtcdStore {
     fn err(&self, e: etcd_client::Error) -> Error {
         classify(&self.service, e)
     }
+}
+
+/// Reads `security`'s files once and returns what adds them to a connection's options.
+fn secure(security: &EtcdSecurity) -> Result<impl Fn(ConnectOptions) -> ConnectOptions> {
+    use etcd_client::{Certificate, Identity, TlsOptions};
+    let read = |path: &std::path::Path| {
+        std::fs::read(path).map_err(|e| Error::Credentials {
+            path: path.to_owned(),
+            why: e.to_string(),
+        })
+    };
+    let tls_asked = security.ca_file.is_some()
+        || security.cert_file.is_some()
+        || security.key_file.is_some()
+        || security.domain.is_some();
+    let tls = match &security.ca_file {
+        None if tls_asked => {
+            return Err(Error::Credentials {
+                path: Default::default(),
+                why: "etcd over TLS needs etcd_ca_file (the CA that signed etcd's certificate)"
+                    .into(),
+            })
+        }
+        None => None,
+        Some(ca) => {
+            let mut tls = TlsOptions::new().ca_certificate(Certificate::from_pem(read(ca)?));
+            match (&security.cert_file, &security.key_file) {
+                (Some(cert), Some(key)) => {
+                    tls = tls.identity(Identity::from_pem(read(cert)?, read(key)?));
+                }
+                (None, None) => {}
+                (Some(p), None) | (None, Some(p)) => {
+                    return Err(Error::Credentials {
+                        path: p.clone(),
+                        why: "a client certificate needs both etcd_cert_file and etcd_key_file"
+                            .into(),
+                    })
+                }
+            }
+            if let Some(domain) = &security.domain {
+                tls = tls.domain_name(domain.clone());
+            }
+            Some(tls)
+        }
+    };
+    let user = match (&security.user, &security.password_file) {
+        (Some(user), Some(file)) => {
+            let password = String::from_utf8(read(file)?).map_err(|_| Error::Credentials {
+                path: file.clone(),
+                why: "the password is not UTF-8".into(),
+            })?;
+            // A trailing newline (echo pw > file) is not part of the password.
+            Some((
+                user.clone(),
+                password.trim_end_matches(['\n', '\r']).to_owned(),
+            ))
+        }
+        (None, None) => None,
+        (Some(_), None) => {
+            return Err(Error::Credentials {
+                path: Default::default(),
+                why: "etcd_user needs etcd_password_file".into(),
+            })
+        }
+        (None, Some(p)) => {
+            return Err(Error::Credentials {
+                path: p.clone(),
+                why: "etcd_password_file needs etcd_user".into(),
+            })
+        }
+    };
+    Ok(move |mut options: ConnectOptions| {
+        if let Some(tls) = &tls {
+            options = options.with_tls(tls.clone());
+        }
+        if let Some((user, password)) = &user {
+            options = options.with_user(user.clone(), password.clone());
+        }
+        options
+    })
 }
 
 struct EtcdKeeper {

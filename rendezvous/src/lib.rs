@@ -29,6 +29,45 @@ pub use record::Record;
 pub use retry::DEFAULT_WAIT;
 pub use secret::{Secret, SECRET_FILE_ENV};
 
+/// How to reach a rendezvous service, beyond its URL.
+#[derive(Clone, Debug)]
+pub struct ConnectOptions {
+    /// How long calls ride out a service that is not up yet or is restarting.
+    pub wait: Duration,
+    /// The cluster secret the embedded service asks for (etcd ignores it).
+    pub secret: Option<Secret>,
+    /// TLS and user authentication for etcd (the embedded service ignores them).
+    pub etcd: EtcdSecurity,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        Self {
+            wait: DEFAULT_WAIT,
+            secret: None,
+            etcd: EtcdSecurity::default(),
+        }
+    }
+}
+
+/// etcd's TLS and user authentication, as files (PEM certificates and keys; a password in a
+/// file of its own). Any TLS file turns TLS on, and then `ca_file` is required.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EtcdSecurity {
+    /// The CA that signed etcd's certificate.
+    pub ca_file: Option<std::path::PathBuf>,
+    /// This client's certificate, for etcd's `--client-cert-auth` (with `key_file`).
+    pub cert_file: Option<std::path::PathBuf>,
+    /// This client's key.
+    pub key_file: Option<std::path::PathBuf>,
+    /// The name etcd's certificate must carry (default: the endpoint's host).
+    pub domain: Option<String>,
+    /// The etcd user.
+    pub user: Option<String>,
+    /// A file holding the user's password.
+    pub password_file: Option<std::path::PathBuf>,
+}
+
 /// What can go wrong.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -103,6 +142,14 @@ pub enum Error {
         /// Which service.
         service: String,
         /// What did not match.
+        why: String,
+    },
+    /// A credential file (an etcd CA, certificate, key or password) could not be used.
+    #[error("rendezvous credentials {path}: {why}")]
+    Credentials {
+        /// The file named.
+        path: std::path::PathBuf,
+        /// What is wrong with it.
         why: String,
     },
     /// The cluster secret could not be read.
@@ -286,19 +333,33 @@ impl Rendezvous {
     /// for its own timeout. A zero `wait` tries once. The cluster secret, if any, comes
     /// from the file `$XFER_SECRET_FILE` names.
     pub fn connect_within(url: &str, wait: Duration) -> Result<Self> {
-        Self::connect_with(url, wait, Secret::from_env()?)
+        Self::connect_with(
+            url,
+            &ConnectOptions {
+                wait,
+                secret: Secret::from_env()?,
+                ..ConnectOptions::default()
+            },
+        )
     }
 
-    /// Connects as [`connect_within`](Self::connect_within), proving `secret` to the
-    /// embedded service (which proves it back). A service and a client that do not share
-    /// a secret fail at once with [`Error::Authentication`]. etcd authenticates in its own
-    /// way and ignores it.
-    pub fn connect_with(url: &str, wait: Duration, secret: Option<Secret>) -> Result<Self> {
+    /// Connects as [`connect_within`](Self::connect_within) with `options`: the embedded
+    /// service and this client prove `options.secret` to each other, etcd gets TLS and a
+    /// user from `options.etcd`. A service and a client that do not share a secret, or an
+    /// etcd that refuses the user or the certificate, fail at once with
+    /// [`Error::Authentication`].
+    pub fn connect_with(url: &str, options: &ConnectOptions) -> Result<Self> {
+        let (wait, secret) = (options.wait, options.secret.clone());
         let parsed = parse_url(url)?;
         let store: Box<dyn Store> = if parsed.etcd {
             #[cfg(feature = "etcd")]
             {
-                Box::new(etcd::EtcdStore::connect(url, &parsed.endpoints, wait)?)
+                Box::new(etcd::EtcdStore::connect(
+                    url,
+                    &parsed.endpoints,
+                    wait,
+                    &options.etcd,
+                )?)
             }
             #[cfg(not(feature = "etcd"))]
             {
@@ -441,8 +502,20 @@ impl Rendezvous {
             0 => Duration::from_secs(5),
             ms => Duration::from_millis(ms),
         };
-        let secret = Secret::from_file_or_env(config.security.secret_file.as_deref())?;
-        Ok((Self::connect_with(url, connect_wait(config), secret)?, ttl))
+        let r = &config.rendezvous;
+        let options = ConnectOptions {
+            wait: connect_wait(config),
+            secret: Secret::from_file_or_env(config.security.secret_file.as_deref())?,
+            etcd: EtcdSecurity {
+                ca_file: r.etcd_ca_file.clone(),
+                cert_file: r.etcd_cert_file.clone(),
+                key_file: r.etcd_key_file.clone(),
+                domain: r.etcd_domain.clone(),
+                user: r.etcd_user.clone(),
+                password_file: r.etcd_password_file.clone(),
+            },
+        };
+        Ok((Self::connect_with(url, &options)?, ttl))
     }
 
     /// The URL this connects to.

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use engine_core::NetAddr;
 use xfer_rendezvous::embedded::{self, Limits};
-use xfer_rendezvous::{Error, Event, Rendezvous, Secret, Server};
+use xfer_rendezvous::{ConnectOptions, Error, Event, Rendezvous, Secret, Server};
 
 const TTL: Duration = Duration::from_secs(2);
 const WAIT: Duration = Duration::from_secs(30);
@@ -19,6 +19,14 @@ fn addr(n: u8) -> NetAddr {
 
 fn secret(bytes: &[u8]) -> Option<Secret> {
     Some(Secret::from_bytes(bytes).unwrap())
+}
+
+fn options(wait: Duration, secret: Option<Secret>) -> ConnectOptions {
+    ConnectOptions {
+        wait,
+        secret,
+        ..ConnectOptions::default()
+    }
 }
 
 fn secured(bytes: &[u8]) -> Server {
@@ -67,19 +75,19 @@ fn clients_and_service_must_share_the_secret() {
     let url = server.url();
     let quick = Duration::from_millis(500);
 
-    let r = Rendezvous::connect_with(&url, quick, secret(b"cluster secret")).unwrap();
+    let r = Rendezvous::connect_with(&url, &options(quick, secret(b"cluster secret"))).unwrap();
     let _p = r.publish("decode-1", &addr(1), &[], TTL).unwrap();
     assert_eq!(r.lookup("decode-1", WAIT).unwrap().addr, addr(1));
 
     // No secret, or another one: refused at once (not retried as unreachable), naming why.
     let started = Instant::now();
-    match Rendezvous::connect_with(&url, WAIT, None) {
+    match Rendezvous::connect_with(&url, &options(WAIT, None)) {
         Err(Error::Authentication { why, .. }) => {
             assert!(why.contains("requires the cluster secret"), "{why}")
         }
         other => panic!("expected Authentication, got {:?}", other.map(|_| ())),
     }
-    match Rendezvous::connect_with(&url, WAIT, secret(b"guess")) {
+    match Rendezvous::connect_with(&url, &options(WAIT, secret(b"guess"))) {
         Err(Error::Authentication { why, .. }) => assert!(why.contains("did not prove"), "{why}"),
         other => panic!("expected Authentication, got {:?}", other.map(|_| ())),
     }
@@ -90,7 +98,7 @@ fn clients_and_service_must_share_the_secret() {
 
     // A client with a secret does not trust a service without one (anyone could run it).
     let open = Server::start("127.0.0.1:0").unwrap();
-    match Rendezvous::connect_with(&open.url(), quick, secret(b"cluster secret")) {
+    match Rendezvous::connect_with(&open.url(), &options(quick, secret(b"cluster secret"))) {
         Err(Error::Authentication { why, .. }) => {
             assert!(why.contains("no cluster secret"), "{why}")
         }

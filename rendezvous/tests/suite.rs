@@ -70,6 +70,10 @@ struct Etcd {
     dir: std::path::PathBuf,
     client: u16,
     peer: u16,
+    /// With TLS: the directory of `make_certs`' files (the server requires client
+    /// certificates), and what a client needs to get in.
+    tls: Option<std::path::PathBuf>,
+    security: xfer_rendezvous::EtcdSecurity,
 }
 
 fn free_port() -> u16 {
@@ -83,6 +87,10 @@ fn free_port() -> u16 {
 #[cfg(feature = "etcd")]
 impl Etcd {
     fn start() -> Option<Self> {
+        Self::start_with(None)
+    }
+
+    fn start_with(tls: Option<std::path::PathBuf>) -> Option<Self> {
         if Command::new("etcd").arg("--version").output().is_err() {
             assert!(
                 std::env::var_os("XFER_REQUIRE_ETCD").is_none(),
@@ -96,20 +104,50 @@ impl Etcd {
             std::process::id(),
             fastrand_u64()
         ));
+        let security = match &tls {
+            Some(certs) => xfer_rendezvous::EtcdSecurity {
+                ca_file: Some(certs.join("ca.pem")),
+                cert_file: Some(certs.join("client.pem")),
+                key_file: Some(certs.join("client-key.pem")),
+                ..Default::default()
+            },
+            None => Default::default(),
+        };
         let mut e = Self {
             child: None,
             dir,
             client: free_port(),
             peer: free_port(),
+            tls,
+            security,
         };
         e.spawn();
         Some(e)
     }
 
+    fn options(&self, wait: Duration) -> xfer_rendezvous::ConnectOptions {
+        xfer_rendezvous::ConnectOptions {
+            wait,
+            secret: None,
+            etcd: self.security.clone(),
+        }
+    }
+
     fn spawn(&mut self) {
-        let client = format!("http://127.0.0.1:{}", self.client);
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let client = format!("{scheme}://127.0.0.1:{}", self.client);
         let peer = format!("http://127.0.0.1:{}", self.peer);
-        let child = Command::new("etcd")
+        let mut etcd = Command::new("etcd");
+        if let Some(certs) = &self.tls {
+            etcd.arg("--cert-file")
+                .arg(certs.join("server.pem"))
+                .arg("--key-file")
+                .arg(certs.join("server-key.pem"))
+                .arg("--trusted-ca-file")
+                .arg(certs.join("ca.pem"))
+                .arg("--client-cert-auth");
+        }
+        let child = etcd
             .args(["--name", "xfer-test", "--data-dir"])
             .arg(&self.dir)
             .args([
@@ -132,7 +170,7 @@ impl Etcd {
             .unwrap();
         self.child = Some(child);
         let deadline = Instant::now() + WAIT;
-        while Rendezvous::connect(&self.url()).is_err() {
+        while Rendezvous::connect_with(&self.url(), &self.options(WAIT)).is_err() {
             assert!(
                 Instant::now() < deadline,
                 "etcd did not come up on {client}"
@@ -647,4 +685,160 @@ fn a_request_split_across_a_read_timeout_keeps_its_framing() {
             .addr,
         addr(4)
     );
+}
+
+/// Makes a CA, a server certificate for 127.0.0.1 and a client certificate (CN `root`) in
+/// `dir` with openssl, at test time.
+#[cfg(feature = "etcd")]
+fn make_certs(dir: &std::path::Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(
+        dir.join("san.ext"),
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
+    )
+    .unwrap();
+    let openssl = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl (Debian: openssl) makes the test certificates");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    openssl(
+        &[
+            &["req", "-x509"][..],
+            &ec,
+            &[
+                "-keyout",
+                "ca-key.pem",
+                "-out",
+                "ca.pem",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=xfer-test-ca",
+            ],
+        ]
+        .concat(),
+    );
+    for (name, cn) in [("server", "127.0.0.1"), ("client", "root")] {
+        let (key, csr, pem) = (
+            format!("{name}-key.pem"),
+            format!("{name}.csr"),
+            format!("{name}.pem"),
+        );
+        openssl(
+            &[
+                &["req"][..],
+                &ec,
+                &["-keyout", &key, "-out", &csr, "-subj", &format!("/CN={cn}")],
+            ]
+            .concat(),
+        );
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca-key.pem",
+            "-CAcreateserial",
+            "-out",
+            &pem,
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+        ]);
+    }
+}
+
+/// Issue 25 §2: etcd as a cluster operator runs it — TLS with client certificates and user
+/// authentication, configured through `[rendezvous]`. The right user gets in; a wrong
+/// password is refused at once with a clear error; a client without TLS never gets in.
+#[cfg(feature = "etcd")]
+#[test]
+fn etcd_with_tls_and_authentication() {
+    let certs = std::env::temp_dir().join(format!(
+        "xfer-etcd-certs-{}-{}",
+        std::process::id(),
+        fastrand_u64()
+    ));
+    make_certs(&certs);
+    let Some(mut etcd) = Etcd::start_with(Some(certs.clone())) else {
+        return;
+    };
+    // Turn authentication on, as an operator would (etcdctl user add / auth enable).
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let tls = etcd_client::TlsOptions::new()
+            .ca_certificate(etcd_client::Certificate::from_pem(
+                std::fs::read(certs.join("ca.pem")).unwrap(),
+            ))
+            .identity(etcd_client::Identity::from_pem(
+                std::fs::read(certs.join("client.pem")).unwrap(),
+                std::fs::read(certs.join("client-key.pem")).unwrap(),
+            ));
+        let endpoint = format!("127.0.0.1:{}", etcd.client);
+        let mut c = etcd_client::Client::connect(
+            [endpoint],
+            Some(etcd_client::ConnectOptions::new().with_tls(tls)),
+        )
+        .await
+        .unwrap();
+        c.user_add("root", "right-password", None).await.unwrap();
+        let _ = c.role_add("root").await;
+        let _ = c.user_grant_role("root", "root").await;
+        c.auth_enable().await.unwrap();
+    });
+    let password = |text: &str| {
+        let path = certs.join(format!("password-{}", fastrand_u64()));
+        std::fs::write(&path, format!("{text}\n")).unwrap();
+        path
+    };
+    etcd.security.user = Some("root".into());
+    etcd.security.password_file = Some(password("right-password"));
+    let r = Rendezvous::connect_with(&etcd.url(), &etcd.options(WAIT)).unwrap();
+    let _p = r.publish("tls-peer", &addr(7), &[], TTL).unwrap();
+    assert_eq!(r.lookup("tls-peer", WAIT).unwrap().addr, addr(7));
+
+    let mut wrong = etcd.options(WAIT);
+    wrong.etcd.password_file = Some(password("wrong-password"));
+    let started = Instant::now();
+    match Rendezvous::connect_with(&etcd.url(), &wrong) {
+        Err(Error::Authentication { why, .. }) => {
+            assert!(why.contains("authentication failed"), "{why}")
+        }
+        other => panic!("expected Authentication, got {:?}", other.map(|_| ())),
+    }
+    assert!(
+        started.elapsed() < WAIT,
+        "a refusal is an answer, not an outage"
+    );
+
+    // Without TLS the client never gets an answer from a TLS-only etcd.
+    let plain = xfer_rendezvous::ConnectOptions {
+        wait: Duration::from_millis(500),
+        ..Default::default()
+    };
+    assert!(Rendezvous::connect_with(&etcd.url(), &plain).is_err());
+    etcd.stop();
+    let _ = std::fs::remove_dir_all(&certs);
 }

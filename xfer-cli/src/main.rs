@@ -164,7 +164,14 @@ fn peers_cmd(
     init_logging();
     let wait = std::time::Duration::from_millis(wait_ms);
     let listing = xfer_rendezvous::Secret::from_file_or_env(secret_file)
-        .and_then(|secret| xfer_rendezvous::Rendezvous::connect_with(url, wait, secret))
+        .and_then(|secret| {
+            let options = xfer_rendezvous::ConnectOptions {
+                wait,
+                secret,
+                ..Default::default()
+            };
+            xfer_rendezvous::Rendezvous::connect_with(url, &options)
+        })
         .and_then(|r| r.list());
     match listing {
         Ok(records) => {

@@ -90,6 +90,8 @@ const PACKAGES: &[&str] = &[
     "protobuf-compiler",
     "libprotobuf-dev",
     "etcd-server",
+    // Makes the certificates of the etcd-over-TLS test at test time.
+    "openssl",
 ];
 
 /// Installs the Debian packages that are not installed yet (needs root, as on CI).
