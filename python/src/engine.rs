@@ -55,11 +55,12 @@ impl TransferEngine {
         let py = slf.py();
         let this = slf.get();
         let engine = this.engine(py)?;
-        let (ptr, nbytes, device, writable) = (
+        let (ptr, nbytes, device, writable, storage) = (
             exported.ptr,
             exported.nbytes,
             exported.device,
             exported.writable,
+            exported.storage,
         );
         // SAFETY: `exported.keep` (the exporter's buffer or capsule, or the caller's keepalive
         // for raw registrations) is stored under the handle below and released only after
@@ -77,6 +78,7 @@ impl TransferEngine {
             nbytes,
             device,
             writable,
+            storage,
         })
     }
 
@@ -112,6 +114,9 @@ impl TransferEngine {
                 py,
                 "the MemoryRegion belongs to another engine",
             ));
+        }
+        if let Some(storage) = &r.storage {
+            storage.check(py)?;
         }
         Ok((r.handle, r.nbytes))
     }
@@ -355,6 +360,7 @@ impl TransferEngine {
             keep: Keep::Raw(keepalive),
             // Raw memory: the caller vouches for it (as for its lifetime).
             writable: true,
+            storage: None,
         };
         Self::register(slf, exported, access)
     }

@@ -94,6 +94,54 @@ pub(crate) struct Exported {
     /// Whether the exporter lets its memory be written (a `bytes` object or a read-only mmap
     /// does not): only such memory may be the destination of a read.
     pub(crate) writable: bool,
+    /// For exporters whose storage can move under the registration (a torch tensor's
+    /// `resize_` or `set_` reallocates it): the storage's address when registered.
+    pub(crate) storage: Option<StorageWitness>,
+}
+
+/// Where a torch-like exporter's storage was when it was registered (`untyped_storage()
+/// .data_ptr()`): if it is elsewhere later, the registered memory was freed or abandoned.
+/// Checked whenever the region is used locally; a peer writing into it cannot be stopped,
+/// which is why the contract (docs/python.md) is to deregister before resizing.
+pub(crate) struct StorageWitness {
+    exporter: Py<PyAny>,
+    registered_at: u64,
+}
+
+impl StorageWitness {
+    /// The witness of `obj`, if it has a torch-style `untyped_storage()`.
+    fn of(obj: &Bound<'_, PyAny>) -> PyResult<Option<Self>> {
+        if !obj.hasattr("untyped_storage")? {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            exporter: obj.clone().unbind(),
+            registered_at: storage_ptr(obj)?,
+        }))
+    }
+
+    /// `InvalidArgumentError` if the storage moved since registration.
+    pub(crate) fn check(&self, py: Python<'_>) -> PyResult<()> {
+        let now = storage_ptr(self.exporter.bind(py))?;
+        if now == self.registered_at {
+            return Ok(());
+        }
+        Err(errors::invalid(
+            py,
+            format!(
+                "the {} registered here was resized or re-pointed after registration (its storage moved from {:#x} to {:#x}): the registered memory may be freed; deregister the region before resizing, and register the tensor again",
+                type_name(self.exporter.bind(py)),
+                self.registered_at,
+                now
+            ),
+        ))
+    }
+}
+
+fn storage_ptr(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    obj.call_method0("untyped_storage")?
+        .call_method0("data_ptr")?
+        .extract()
 }
 
 /// The `access=` argument: what peers may do.
@@ -180,6 +228,7 @@ pub(crate) fn export(obj: &Bound<'_, PyAny>, peers_write: bool) -> PyResult<Expo
                 device: Device::Host,
                 keep: Keep::Buffer(buf),
                 writable,
+                storage: None,
             });
         }
     }
@@ -216,6 +265,7 @@ pub(crate) fn export(obj: &Bound<'_, PyAny>, peers_write: bool) -> PyResult<Expo
         // An unversioned DLPack tensor carries no read-only flag: its producer's tensors are
         // writable (torch, numpy arrays that are not read-only take the buffer path above).
         writable: true,
+        storage: StorageWitness::of(obj)?,
     })
 }
 
@@ -235,6 +285,8 @@ pub(crate) struct MemoryRegion {
     pub(crate) device: Device,
     /// Whether its memory may be written (the destination of a read).
     pub(crate) writable: bool,
+    /// Where a torch tensor's storage was at registration (checked at each local use).
+    pub(crate) storage: Option<StorageWitness>,
 }
 
 impl MemoryRegion {

@@ -256,3 +256,47 @@ def test_close_inside_a_callback_returns():
     finally:
         a.close()
         b.close()
+
+
+class TorchLike:
+    """Just enough of a torch tensor's surface (DLPack, untyped_storage().data_ptr(),
+    resize_) to run the resize check without torch, which is not a test dependency."""
+
+    class _Storage:
+        def __init__(self, array):
+            self._array = array
+
+        def data_ptr(self):
+            return self._array.ctypes.data
+
+    def __init__(self, n):
+        self._array = np.zeros(n, dtype=np.uint8)
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+    def untyped_storage(self):
+        return TorchLike._Storage(self._array)
+
+    def resize_(self, n):
+        # As torch does for a larger size: new storage, the old one released.
+        self._array = np.zeros(n, dtype=np.uint8)
+
+
+def test_a_tensor_resized_after_registration_is_refused_at_its_next_use(engine):
+    """Issue 25 §4: a torch tensor resized after registration frees the registered storage.
+    Detected where it can be: every local use of the region checks the storage is still
+    where it was registered."""
+    t = TorchLike(4096)
+    region = engine.reg_mr(t, access="local")
+    dst = engine.reg_mr(np.zeros(1 << 16, dtype=np.uint8))
+    engine.submit_single_write(region, dst.desc, 4096).wait(10)
+    t.resize_(1 << 16)
+    with pytest.raises(xfer.InvalidArgumentError, match="resized or re-pointed"):
+        engine.submit_single_write(region, dst.desc, 4096)
+    region.dereg()
+    again = engine.reg_mr(t, access="local")
+    engine.submit_single_write(again, dst.desc, 1 << 16).wait(10)
