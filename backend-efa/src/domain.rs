@@ -473,7 +473,10 @@ impl Domain for EfaDomain {
         let max = (self.endpoint.attr.max_msg_size > 0).then_some(self.endpoint.attr.max_msg_size);
         Capabilities {
             max_write_size: max.map(|m| m as u64),
-            max_message_size: max,
+            // What every peer's receive buffers hold (the option), within the provider's.
+            max_message_size: Some(max.map_or(self.options.max_message, |m| {
+                m.min(self.options.max_message)
+            })),
             // EFA moves RMA, immediates and its handshake only while the receiver polls
             // (manual progress): the engine keeps polling an EFA Domain instead of parking.
             // shm and tcp;ofi_rxm progress with the 1 ms idle poll, as before.
@@ -542,6 +545,9 @@ impl Domain for EfaDomain {
     }
 
     fn post_recvs(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError> {
+        // Never shorter than the longest message a peer may send: a truncated receive stops
+        // shm's and tcp's delivery to this endpoint (see EfaOptions::max_message).
+        let buf_len = buf_len.max(self.options.max_message);
         for _ in 0..count {
             let (endpoint, regions) = (&mut self.endpoint, &mut self.regions);
             let buffer = self.receives.take(buf_len, |data| {

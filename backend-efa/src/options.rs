@@ -29,6 +29,12 @@ pub struct EfaOptions {
     /// address range for tcp): pinned here rather than left to whichever the library lists
     /// first. Unset: the first that offers what the backend needs.
     pub fabric: Option<String>,
+    /// Largest message the backend carries, the engine's one-byte channel header included
+    /// (default 64 KiB + 1: the engine's default `worker.max_message` and its header).
+    /// Every receive buffer is at least this long and longer messages are refused at the
+    /// sender, so no receive is ever truncated: libfabric's shm and tcp providers (1.17)
+    /// stop delivering to an endpoint after a truncated receive. Peers must agree on it.
+    pub max_message: usize,
 }
 
 impl Default for EfaOptions {
@@ -40,6 +46,7 @@ impl Default for EfaOptions {
             secret_file: None,
             shared_memory: None,
             fabric: None,
+            max_message: (64 << 10) + 1,
         }
     }
 }

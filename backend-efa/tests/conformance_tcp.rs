@@ -27,12 +27,6 @@ impl xfer_conformance::Harness for Tcp {
             "read_of_an_unreadable_region" => {
                 Some("tcp;ofi_rxm does not enforce a region's remote-read access")
             }
-            // As on shm (issue #12): after a truncated receive, later messages to that
-            // endpoint sometimes never arrive (passed alone, failed under CI load). The mock
-            // and soft-RoCE run this check.
-            "oversized_message_keeps_the_buffer" => {
-                Some("tcp;ofi_rxm: messages after a truncated receive do not always arrive")
-            }
             // libfabric 2.1 (not 1.17): a receiver that inserts a peer whose messages already
             // wait as unexpected (they came before the receiver knew the peer) segfaults inside
             // rxm_av_insert -> util_foreach_unspec -> rxm_get_addr. Reproduced 3 of 3 here

@@ -155,3 +155,50 @@ fn the_fabric_is_pinned_by_config() {
         .expect_err("an unknown fabric is refused");
     assert!(err.to_string().contains("efa-direct-nowhere"), "{err}");
 }
+
+/// Issue 25 §8: after a truncated receive, shm and tcp (1.17) stopped delivering to that
+/// endpoint. No receive is truncated now: receive buffers hold `max_message`, a longer
+/// message is refused at the sender naming the limit, and a message longer than the
+/// receiver's pool but within `max_message` is dropped there (logged) — later ones arrive.
+#[test]
+fn no_receive_is_ever_truncated() {
+    for provider in ["shm", "tcp;ofi_rxm"] {
+        let mut config = common::config(provider, 1);
+        config.worker.max_message = 1 << 20;
+        let (a, b) = (
+            Arc::new(TransferEngine::open(&config).unwrap()),
+            Arc::new(TransferEngine::open(&config).unwrap()),
+        );
+        let got = Arc::new(std::sync::Mutex::new(Vec::<Vec<u8>>::new()));
+        let sink = Arc::clone(&got);
+        b.submit_recvs(64, 2, move |m| sink.lock().unwrap().push(m.to_vec()))
+            .unwrap();
+        // Longer than the backend's max_message (64 KiB + the engine's byte): refused.
+        let too_long = DoneFlag::new();
+        a.submit_send(
+            &b.main_address(),
+            &vec![1; (64 << 10) + 1],
+            too_long.clone(),
+        )
+        .unwrap();
+        match too_long.wait(Duration::from_secs(20)) {
+            Err(engine_core::Error::InvalidArgument(m)) => {
+                assert!(m.contains("65536"), "{provider}: {m}")
+            }
+            other => panic!("{provider}: expected InvalidArgument, got {other:?}"),
+        }
+        // Longer than b's pool, within max_message: dropped at b, its buffer reposted.
+        for data in [vec![2u8; 4096], vec![3u8; 4096], b"after".to_vec()] {
+            let sent = DoneFlag::new();
+            a.submit_send(&b.main_address(), &data, sent.clone())
+                .unwrap();
+            sent.wait(Duration::from_secs(20))
+                .unwrap_or_else(|e| panic!("{provider}: {e}"));
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while got.lock().unwrap().is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(*got.lock().unwrap(), vec![b"after".to_vec()], "{provider}");
+    }
+}

@@ -360,8 +360,28 @@ pub fn evaluate(f: &Facts) -> Vec<Check> {
         (true, p, Some(offered)) => check("libfabric provider", Status::Fail, format!("provider {:?} is not offered; libfabric offers {offered:?}", p.as_deref().unwrap_or("efa")), Some("install the provider (on AWS: the EFA installer), or choose one of those offered in [backends.efa] provider")),
         (true, _, None) => check("libfabric provider", Status::Warn, "this build cannot list libfabric providers", None),
     });
+    out.push(remote_access_check(f));
     endpoint_checks(f, &mut out);
     out
+}
+
+/// Whether the NIC enforces a region's remote access rights (a read of a write-only region
+/// fails with `RemoteAccess`). libfabric's tcp and shm providers (1.17) do not: a read of a
+/// write-only region succeeds on tcp and times out on shm, so any holder of a key can read.
+fn remote_access_check(f: &Facts) -> Check {
+    const NAME: &str = "remote access rights";
+    let provider = f.libfabric_provider.as_deref().unwrap_or("efa");
+    match f.backend.as_str() {
+        "verbs" => check(NAME, Status::Pass, "enforced by the NIC (a read of a write-only region fails)", None),
+        "efa" if provider == "efa" => check(NAME, Status::Pass, "enforced by the NIC (a read of a write-only region fails)", None),
+        "efa" => check(
+            NAME,
+            Status::Warn,
+            format!("libfabric provider {provider:?} does not enforce them: a read of a write-only region succeeds (tcp) or hangs until the transfer timeout (shm), so any holder of a region's descriptor can read it"),
+            Some("use it only among trusted processes (tests, one machine); across machines use the efa provider or verbs"),
+        ),
+        other => check(NAME, Status::Skip, format!("backend {other}: no NIC"), None),
+    }
 }
 
 fn read(path: &Path) -> Option<String> {
@@ -479,6 +499,36 @@ mod tests {
         assert!(checks.iter().any(|c| c.detail.contains("gdrdrv")));
         f.watcher_memory = Ok(("gpu_gdrcopy".into(), Vec::new()));
         assert_eq!(status(&evaluate(&f), "watcher slots"), Status::Pass);
+    }
+
+    /// Issue 25 §8: libfabric tcp serves a read of a write-only region and shm hangs on it;
+    /// xfer cannot enforce it there, so doctor says so.
+    #[test]
+    fn providers_that_do_not_enforce_access_rights_are_warned_about() {
+        let mut f = Facts {
+            backend: "efa".into(),
+            ..Facts::default()
+        };
+        for (provider, want) in [
+            ("tcp;ofi_rxm", Status::Warn),
+            ("shm", Status::Warn),
+            ("efa", Status::Pass),
+        ] {
+            f.libfabric_provider = Some(provider.into());
+            let checks = evaluate(&f);
+            assert_eq!(status(&checks, "remote access rights"), want, "{provider}");
+            if want == Status::Warn {
+                let c = checks
+                    .iter()
+                    .find(|c| c.name == "remote access rights")
+                    .unwrap();
+                assert!(c.detail.contains(provider) && c.fix.is_some(), "{c:?}");
+            }
+        }
+        assert_eq!(
+            status(&evaluate(&healthy_roce()), "remote access rights"),
+            Status::Pass
+        );
     }
 
     fn status(checks: &[Check], name: &str) -> Status {
