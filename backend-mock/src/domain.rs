@@ -260,6 +260,19 @@ impl Domain for MockDomain {
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError> {
         let start = events.len();
         events.append(&mut self.nic.inbox().events);
+        if self.options.duplicate_completions {
+            let twice: Vec<Event> = events[start..]
+                .iter()
+                .filter_map(|e| match e {
+                    Event::Done { wr_id, result } => Some(Event::Done {
+                        wr_id: *wr_id,
+                        result: result.clone(),
+                    }),
+                    _ => None,
+                })
+                .collect();
+            events.extend(twice);
+        }
         if self.options.reorder {
             self.rng.shuffle(&mut events[start..]);
         }

@@ -61,6 +61,8 @@ pub struct MockOptions {
     pub receives_multiplier: usize,
     /// A broken backend: `set_waker` promises to wake the engine and never does.
     pub silent_waker: bool,
+    /// A broken backend: every work request's completion is reported twice.
+    pub duplicate_completions: bool,
 }
 
 impl Default for MockOptions {
@@ -86,6 +88,7 @@ impl Default for MockOptions {
             needs_receiver_polling: false,
             receives_multiplier: 1,
             silent_waker: false,
+            duplicate_completions: false,
         }
     }
 }

@@ -46,7 +46,8 @@ fn the_suite_fails_a_plugin_that_breaks_the_receive_or_waker_rules() {
         }
     }
     use xfer_conformance::{
-        a_promised_waker_is_called, messages_use_posted_receives, run_check, CheckOutcome,
+        a_promised_waker_is_called, exactly_once, messages_use_posted_receives, run_check,
+        CheckOutcome,
     };
     let outcome = run_check(
         &Broken("[backends.mock]\nreceives_multiplier = 4\n"),
@@ -64,6 +65,16 @@ fn the_suite_fails_a_plugin_that_breaks_the_receive_or_waker_rules() {
     );
     assert!(
         matches!(&outcome, CheckOutcome::Failed(m) if m.contains("never called the waker")),
+        "{outcome:?}"
+    );
+    // Issue 26: a plugin reporting every completion twice passed the whole suite.
+    let outcome = run_check(
+        &Broken("[backends.mock]\nduplicate_completions = true\n"),
+        "exactly_once",
+        exactly_once,
+    );
+    assert!(
+        matches!(&outcome, CheckOutcome::Failed(m) if m.contains("reported a request twice")),
         "{outcome:?}"
     );
 }

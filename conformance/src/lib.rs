@@ -757,6 +757,17 @@ pub fn exactly_once(h: &dyn Harness) {
     );
     assert_eq!(b.imm_count(12), 0);
     assert_copied("exactly once", &dst.to_vec(), &src.to_vec());
+    // The engine absorbs a completion it does not wait for; the counters show it. Without
+    // timeouts in this check, any such completion is the backend's: one work request
+    // reported twice (or one never posted) — on a striped transfer, a duplicate would have
+    // finished it before its last piece landed.
+    for (side, engine) in [("sender", &a), ("receiver", &b)] {
+        let stale = engine.stats().expect("stats").stale_completions;
+        assert_eq!(
+            stale, 0,
+            "the {side} saw {stale} completions for work requests that were not in flight: the backend reported a request twice (or one never posted); rule 1 is exactly once"
+        );
+    }
 }
 
 /// A callback may submit the next transfer (no deadlock), here 200 in a chain.

@@ -113,5 +113,31 @@ pub enum Error {
     Shutdown,
 }
 
+impl Error {
+    /// The variant's name in snake case (a stable label for metrics and logs).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::InvalidArgument(_) => "invalid_argument",
+            Error::OutOfBounds { .. } => "out_of_bounds",
+            Error::UnknownHandle(_) => "unknown_handle",
+            Error::UnknownPeerGroup(_) => "unknown_peer_group",
+            Error::ForeignHandle { .. } => "foreign_handle",
+            Error::Busy { .. } => "busy",
+            Error::ArrivalsDropped { .. } => "arrivals_dropped",
+            Error::WorkerFailed(_) => "worker_failed",
+            Error::Decode { .. } => "decode",
+            Error::Config(_) => "config",
+            Error::Plugin(_) => "plugin",
+            Error::RemoteAccess(_) => "remote_access",
+            Error::PeerUnreachable(_) => "peer_unreachable",
+            Error::Timeout(_) => "timeout",
+            Error::Backend { .. } => "backend",
+            Error::Watcher(_) => "watcher",
+            Error::NotAvailable(_) => "not_available",
+            Error::Shutdown => "shutdown",
+        }
+    }
+}
+
 /// Shorthand for results in this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

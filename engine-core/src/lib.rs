@@ -55,6 +55,7 @@ mod notifications;
 pub mod plan;
 pub mod plugin;
 mod runtime;
+pub mod stats;
 pub mod wire;
 
 pub use api::{MrHandle, Pages, PeerGroupHandle, RemoteAccess, ScatterDst, TransferEngine};
@@ -66,6 +67,7 @@ pub use imm::{ImmCounter, ResetReport};
 pub use notifications::Notification;
 pub use plan::{expected_arrivals, StripePolicy, TransferShape};
 pub use runtime::completion::{DoneCounter, DoneFlag, OnDone};
+pub use stats::{OpKind, Stats};
 pub use uvm_watcher::{Control as WatchControl, GpuCounter, Watcher};
 pub use wire::{MrDesc, NetAddr, NOTIFICATION_ID_MAX};
 pub use xfer_plugin::export_plugin;

@@ -133,7 +133,7 @@ pub const NOTIFICATION_ID_MAX: usize = 256;
 /// Every message between engines starts with one byte naming its channel, so the engine's
 /// own messages travel where user payloads cannot reach: a user's bytes are never inspected.
 const CHANNEL_USER: u8 = 0;
-const CHANNEL_NOTIFICATION: u8 = 1;
+pub(crate) const CHANNEL_NOTIFICATION: u8 = 1;
 
 /// Bytes the channel byte adds to every message.
 pub const MESSAGE_HEADER_LEN: usize = 1;

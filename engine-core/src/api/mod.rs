@@ -286,6 +286,16 @@ impl TransferEngine {
         self.shared.outstanding.load(Ordering::Acquire)
     }
 
+    /// A snapshot of the engine's counters ([`Stats`](crate::Stats)): operations, bytes,
+    /// errors by kind and latency histograms per kind of operation, per-peer traffic and
+    /// failures, stale completions, immediates, notifications and registrations. One round
+    /// trip to the worker, which keeps the counters as plain integers (counting costs the
+    /// data path no shared atomics). Fails only if the worker does not answer within
+    /// `[timeouts] control_ms`.
+    pub fn stats(&self) -> Result<crate::Stats> {
+        self.control(|reply| Command::Stats { reply })
+    }
+
     /// Waits until fewer than `worker.max_outstanding` operations are outstanding, or
     /// `timeout` passes (`Err(Timeout)`). A submit may still get `Busy` if other threads
     /// submit in between.

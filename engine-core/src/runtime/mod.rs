@@ -133,6 +133,10 @@ pub(crate) enum Command {
         count: usize,
         reply: Option<Sender<Result<()>>>,
     },
+    /// A copy of the worker's counters.
+    Stats {
+        reply: Sender<Result<crate::stats::Stats>>,
+    },
     /// Fail what is in flight and stop.
     Shutdown,
 }
@@ -321,7 +325,7 @@ impl Drop for Shared {
                         let _ = reply.send(Err(Error::Shutdown));
                     }
                 }
-                Command::Shutdown => {}
+                Command::Stats { .. } | Command::Shutdown => {}
             }
         }
     }

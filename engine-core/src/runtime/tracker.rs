@@ -30,6 +30,8 @@ pub(crate) struct Tracker<W> {
     /// transfer gets the same timeout.
     deadlines: VecDeque<(u32, u32, Instant)>,
     live: usize,
+    /// Completions for ids not (or no longer) in flight.
+    stale: u64,
 }
 
 impl<W> Tracker<W> {
@@ -39,6 +41,7 @@ impl<W> Tracker<W> {
             free: Vec::new(),
             deadlines: VecDeque::new(),
             live: 0,
+            stale: 0,
         }
     }
 
@@ -81,6 +84,12 @@ impl<W> Tracker<W> {
         s.entry.as_mut()
     }
 
+    /// Completions seen for work requests not (or no longer) in flight: late ones after a
+    /// timeout, or a backend reporting a request twice.
+    pub(crate) fn stale(&self) -> u64 {
+        self.stale
+    }
+
     /// Whether the transfer behind `wr_id` is still in flight.
     pub(crate) fn is_live(&mut self, wr_id: u64) -> bool {
         self.entry(wr_id).is_some()
@@ -102,7 +111,10 @@ impl<W> Tracker<W> {
         wr_id: u64,
         result: Result<()>,
     ) -> Option<(W, Result<()>)> {
-        let entry = self.entry(wr_id)?;
+        let Some(entry) = self.entry(wr_id) else {
+            self.stale += 1;
+            return None;
+        };
         entry.remaining -= 1;
         if let Err(e) = result {
             // The root cause wins over what it caused, whatever arrives first: a striped

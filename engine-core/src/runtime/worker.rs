@@ -41,7 +41,8 @@ use crate::group::{DomainGroup, SpreadPolicy};
 use crate::imm::Outcome;
 use crate::notifications::{Notification, Refused};
 use crate::plugin::Backend;
-use crate::wire::{Message, NetAddr, MESSAGE_HEADER_LEN};
+use crate::stats::{OpKind, Recorder, Started};
+use crate::wire::{Message, NetAddr, CHANNEL_NOTIFICATION, MESSAGE_HEADER_LEN};
 
 /// A work request waiting for room on its NIC.
 enum Pending {
@@ -91,11 +92,11 @@ struct Worker {
     caps: Vec<Capabilities>,
     /// Some Domain moves only while polled (also to receive): never park.
     needs_polling: bool,
-    tracker: Tracker<OnDone>,
+    tracker: Tracker<Tracked>,
     /// Work refused with `Busy`, per (NIC, peer), in submission order within each.
     pending: HashMap<(usize, NetAddr), VecDeque<(u64, Pending)>>,
     events: Vec<Event>,
-    finished: Vec<(OnDone, Result<()>)>,
+    finished: Vec<(Tracked, Result<()>)>,
     imm_outcomes: Vec<Outcome<OnDone>>,
     callbacks: CallbackBatch,
     transfer_timeout: Duration,
@@ -105,6 +106,24 @@ struct Worker {
     fatal: Option<String>,
     /// Poll errors that were not fatal, logged at a bounded rate.
     poll_errors: u64,
+    /// The engine's counters (see `crate::stats`); only this thread touches them.
+    recorder: Recorder,
+}
+
+/// A finished (or refused) operation's waiter, with what the counters need of it when it
+/// was accepted.
+pub(crate) struct Tracked {
+    on_done: OnDone,
+    started: Option<Started>,
+}
+
+impl From<OnDone> for Tracked {
+    fn from(on_done: OnDone) -> Self {
+        Self {
+            on_done,
+            started: None,
+        }
+    }
 }
 
 /// What the engine keeps of its worker.
@@ -259,6 +278,7 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
         pending: HashMap::default(),
         events: Vec::new(),
         finished: Vec::new(),
+        recorder: Recorder::default(),
         imm_outcomes: Vec::new(),
         callbacks: Vec::new(),
         now: Instant::now(),
@@ -390,19 +410,23 @@ impl Worker {
         match cmd {
             Command::Writes { ops, on_done } => {
                 if ops.is_empty() {
-                    self.finished.push((on_done, Ok(())));
+                    self.finished.push((on_done.into(), Ok(())));
                     return;
                 }
                 if let Some(refused) = ops.iter().find_map(|op| self.beyond_capabilities(op)) {
                     // Refused whole, before any part is posted: the backend said it cannot.
                     self.finished
-                        .push((on_done, Err(Error::InvalidArgument(refused))));
+                        .push((on_done.into(), Err(Error::InvalidArgument(refused))));
                     return;
                 }
+                let started = self.count_writes(&ops);
                 let id = self.tracker.insert(
                     ops.len() as u64,
                     self.now + self.transfer_timeout,
-                    on_done,
+                    Tracked {
+                        on_done,
+                        started: Some(started),
+                    },
                 );
                 for op in ops {
                     let nic = op.nic;
@@ -423,16 +447,45 @@ impl Worker {
                         max.saturating_sub(MESSAGE_HEADER_LEN)
                     );
                     self.finished
-                        .push((on_done, Err(Error::InvalidArgument(refused))));
+                        .push((on_done.into(), Err(Error::InvalidArgument(refused))));
                     return;
                 }
-                let id = self
-                    .tracker
-                    .insert(1, self.now + self.transfer_timeout, on_done);
+                let kind = if data.first() == Some(&CHANNEL_NOTIFICATION) {
+                    OpKind::Notification
+                } else {
+                    OpKind::Send
+                };
+                let bytes = data.len() as u64;
+                self.recorder.started(kind, 1);
+                self.recorder.posted_to(&peer, 1, bytes);
+                let started = Started {
+                    kind,
+                    peer: Some(peer.clone()),
+                    bytes,
+                    at: self.now,
+                };
+                let id = self.tracker.insert(
+                    1,
+                    self.now + self.transfer_timeout,
+                    Tracked {
+                        on_done,
+                        started: Some(started),
+                    },
+                );
                 self.post(0, id, Pending::Send { peer, data });
             }
             Command::Register { region, reply } => {
+                let began = Instant::now();
                 let result = self.register(&region);
+                let r = &mut self.recorder.stats.registrations;
+                match &result {
+                    Ok(_) => {
+                        r.registered += 1;
+                        r.bytes += region.len;
+                        r.time_us += began.elapsed().as_micros() as u64;
+                    }
+                    Err(_) => r.failed += 1,
+                }
                 if let Err(unsent) = reply.send(result) {
                     // The caller stopped waiting and was told it failed: undo it, so no
                     // registration outlives the caller's knowledge of it.
@@ -444,6 +497,7 @@ impl Worker {
                 }
             }
             Command::Deregister { keys, reply } => {
+                self.recorder.stats.registrations.deregistered += 1;
                 let mut result = Ok(());
                 for (domain, key) in self.group.domains_mut().iter_mut().zip(keys) {
                     if let Err(e) = domain.deregister(key) {
@@ -471,7 +525,51 @@ impl Worker {
                     }
                 }
             }
+            Command::Stats { reply } => {
+                let mut stats = self.recorder.stats.clone();
+                stats.stale_completions = self.tracker.stale();
+                stats.outstanding = self.shared.outstanding.load(Ordering::Acquire) as u64;
+                stats.imm_dropped = self.shared.lock_imm().dropped();
+                stats.notifications_dropped = self
+                    .shared
+                    .notifications
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .dropped();
+                let _ = reply.send(Ok(stats));
+            }
             Command::Shutdown => unreachable!("handled by run"),
+        }
+    }
+
+    /// Counts an accepted transfer of `ops` (one lookup per run of ops to the same peer, so a
+    /// paged transfer to one peer costs one); returns what its completion needs.
+    fn count_writes(&mut self, ops: &[WriteOp]) -> Started {
+        let kind = if ops[0].read {
+            OpKind::Read
+        } else {
+            OpKind::Write
+        };
+        self.recorder.started(kind, ops.len() as u64);
+        let mut bytes = 0;
+        let mut single_peer = true;
+        let mut run = (&ops[0].peer, 0u64, 0u64);
+        for op in ops {
+            bytes += op.len;
+            if op.peer != *run.0 {
+                single_peer = false;
+                self.recorder.posted_to(run.0, run.1, run.2);
+                run = (&op.peer, 0, 0);
+            }
+            run.1 += 1;
+            run.2 += op.len;
+        }
+        self.recorder.posted_to(run.0, run.1, run.2);
+        Started {
+            kind,
+            peer: single_peer.then(|| ops[0].peer.clone()),
+            bytes,
+            at: self.now,
         }
     }
 
@@ -672,6 +770,7 @@ impl Worker {
                     }
                 }
                 Event::ImmArrival { imm: value } => {
+                    self.recorder.stats.imm_arrivals += 1;
                     // Take the ImmCounter lock once per batch, not once per arrival.
                     let counter = imm.get_or_insert_with(|| self.shared.lock_imm());
                     counter.handle_arrivals(value, 1, &mut self.imm_outcomes);
@@ -790,8 +889,18 @@ impl Worker {
         // Capacity first: whoever sees one of these done (a flag or counter is set right
         // here) may submit again at the limit at once, and must not be told Busy.
         self.shared.finished(self.finished.len());
-        for (on_done, result) in self.finished.drain(..) {
-            on_done.complete_batched(result, &mut self.callbacks);
+        let now = if self.finished.is_empty() {
+            self.now
+        } else {
+            Instant::now()
+        };
+        for (tracked, result) in self.finished.drain(..) {
+            if let Some(started) = &tracked.started {
+                self.recorder.finished(started, &result, now);
+            }
+            tracked
+                .on_done
+                .complete_batched(result, &mut self.callbacks);
         }
         let timeout = self.shared.config.timeouts.expect();
         for outcome in self.imm_outcomes.drain(..) {
@@ -854,7 +963,7 @@ impl Worker {
     fn refuse(&mut self, cmd: Command, error: &Error) -> bool {
         match cmd {
             Command::Writes { on_done, .. } | Command::Send { on_done, .. } => {
-                self.finished.push((on_done, Err(error.clone())));
+                self.finished.push((on_done.into(), Err(error.clone())));
             }
             Command::Register { reply, .. } => {
                 let _ = reply.send(Err(error.clone()));
@@ -867,6 +976,8 @@ impl Worker {
                     let _ = reply.send(Err(error.clone()));
                 }
             }
+            // Dropping the reply tells the caller the engine is gone.
+            Command::Stats { .. } => {}
             Command::Shutdown => return true,
         }
         false

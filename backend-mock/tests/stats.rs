@@ -1,0 +1,95 @@
+//! `TransferEngine::stats()` (issue 27): what each kind of operation, each peer and the
+//! registrations add to the counters, on the unordered mock.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use engine_core::{DoneCounter, DoneFlag, HostBuffer, OpKind, RemoteAccess, TransferEngine};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn engine(extra: &str) -> Arc<TransferEngine> {
+    Arc::new(TransferEngine::open(&common::mock_config(2, extra)).unwrap())
+}
+
+#[test]
+fn writes_reads_sends_and_notifications_are_counted_with_their_bytes_and_peers() {
+    let (a, b) = (engine(""), engine(""));
+    let before = a.stats().unwrap();
+    let src = HostBuffer::from_fn(&a, 1 << 16, |i| i as u8).unwrap();
+    let dst = HostBuffer::new(&b, 1 << 16).unwrap();
+    let done = DoneCounter::new();
+    for i in 0..10u64 {
+        a.submit_single_write(
+            4096,
+            None,
+            (src.mr(), i * 4096),
+            (dst.desc(), i * 4096),
+            done.clone(),
+        )
+        .unwrap();
+    }
+    b.listen_notifications(4).unwrap();
+    let note = a
+        .notify_when_done(&b.main_address(), b"n", done.clone())
+        .unwrap();
+    a.submit_single_write(4096, None, (src.mr(), 0), (dst.desc(), 0), note)
+        .unwrap();
+    done.wait_for(11, WAIT).unwrap();
+    b.wait_notification(WAIT).unwrap();
+
+    let s = a.stats().unwrap();
+    let w = s.op(OpKind::Write);
+    assert_eq!(
+        (w.started, w.completed, w.bytes),
+        (11, 11, 11 * 4096),
+        "{w:?}"
+    );
+    assert_eq!(w.latency.count(), 11, "one latency per finished write");
+    let n = s.op(OpKind::Notification);
+    assert_eq!((n.started, n.completed), (1, 1), "{n:?}");
+    assert_eq!(s.stale_completions, 0);
+    assert_eq!(
+        s.registrations.registered - before.registrations.registered,
+        1,
+        "the source buffer"
+    );
+    assert_eq!(s.registrations.bytes - before.registrations.bytes, 1 << 16);
+    // Every write went to b, over one of its two NICs.
+    let to_b: u64 = b
+        .nic_addresses()
+        .iter()
+        .filter_map(|nic| s.peers.get(nic))
+        .map(|p| p.bytes)
+        .sum();
+    assert!(to_b >= 11 * 4096, "{:?}", s.peers);
+    assert!(b.stats().unwrap().imm_arrivals == 0);
+}
+
+#[test]
+fn failures_are_counted_by_kind_and_charged_to_their_peer() {
+    let (a, b) = (engine(""), engine(""));
+    let src = HostBuffer::from_fn(&a, 4096, |i| i as u8).unwrap();
+    // Write-only at b: a read of it fails with RemoteAccess.
+    let dst = HostBuffer::with_access(&b, 4096, |_| 0, RemoteAccess::WRITE).unwrap();
+    let failed = DoneFlag::new();
+    a.submit_single_read(4096, (src.mr(), 0), (dst.desc(), 0), failed.clone())
+        .unwrap();
+    assert!(failed.wait(WAIT).is_err());
+    let s = a.stats().unwrap();
+    let r = s.op(OpKind::Read);
+    assert_eq!(r.completed, 0);
+    assert_eq!(r.failed.get("remote_access"), Some(&1), "{r:?}");
+    let charged: Vec<_> = s.peers.values().filter(|p| p.failed == 1).collect();
+    assert_eq!(charged.len(), 1, "{:?}", s.peers);
+    assert!(charged[0].last_error.as_deref().unwrap().contains("access"));
+}
+
+#[test]
+fn stats_of_a_closed_engine_fail_loudly() {
+    let a = engine("");
+    a.shutdown();
+    assert!(a.stats().is_err());
+}

@@ -1,0 +1,250 @@
+//! The engine's counters, as pure data: what the worker records as transfers finish, and the
+//! snapshot [`TransferEngine::stats`](crate::TransferEngine::stats) returns.
+//!
+//! The worker owns the only live copy (plain integers, no shared atomics per operation);
+//! `stats()` asks the worker for a copy, so counting costs the hot path an addition or two
+//! per transfer and a snapshot costs one round trip to the worker.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::error::Error;
+use crate::wire::NetAddr;
+
+/// What an operation was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OpKind {
+    /// Writes (single, paged, scatter, barrier), with or without an immediate.
+    Write,
+    /// RDMA reads.
+    Read,
+    /// Messages (`submit_send`).
+    Send,
+    /// Notifications sent after a transfer (`notify_when_done`).
+    Notification,
+}
+
+impl OpKind {
+    /// Its name, as in metrics labels.
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::Write => "write",
+            OpKind::Read => "read",
+            OpKind::Send => "send",
+            OpKind::Notification => "notification",
+        }
+    }
+}
+
+/// Upper bounds of the latency histograms' buckets, in microseconds (powers of four; the
+/// last bucket holds everything above).
+pub const LATENCY_BOUNDS_US: [u64; 11] = [
+    1, 4, 16, 64, 256, 1_024, 4_096, 16_384, 65_536, 262_144, 1_048_576,
+];
+
+/// A fixed-bucket histogram of durations.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Histogram {
+    /// `counts[i]`: durations at most `LATENCY_BOUNDS_US[i]` µs and above the bound before;
+    /// the last entry: above every bound.
+    pub counts: [u64; LATENCY_BOUNDS_US.len() + 1],
+    /// Sum of all durations, in microseconds.
+    pub sum_us: u64,
+}
+
+impl Histogram {
+    /// Records one duration.
+    pub fn record(&mut self, d: Duration) {
+        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        let bucket = LATENCY_BOUNDS_US
+            .iter()
+            .position(|&b| us <= b)
+            .unwrap_or(LATENCY_BOUNDS_US.len());
+        self.counts[bucket] += 1;
+        self.sum_us = self.sum_us.saturating_add(us);
+    }
+
+    /// Durations recorded.
+    pub fn count(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+}
+
+/// Counters of one kind of operation.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct OpStats {
+    /// Accepted by the worker (refusals at submit are not counted).
+    pub started: u64,
+    /// Finished successfully.
+    pub completed: u64,
+    /// Finished with an error, by the error's kind (`Error::kind`).
+    pub failed: BTreeMap<&'static str, u64>,
+    /// Bytes of the operations that completed successfully.
+    pub bytes: u64,
+    /// Work requests posted to NICs for them (a striped or paged transfer posts several).
+    pub requests: u64,
+    /// From the worker taking the operation to its completion.
+    pub latency: Histogram,
+}
+
+/// Counters of one peer (by its address on the NIC the operation used).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PeerStats {
+    /// Work requests posted to it.
+    pub requests: u64,
+    /// Bytes posted to it (or read from it).
+    pub bytes: u64,
+    /// Operations to it alone that failed.
+    pub failed: u64,
+    /// The last such failure.
+    pub last_error: Option<String>,
+}
+
+/// Registrations with the NICs.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RegistrationStats {
+    /// Successful registrations.
+    pub registered: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Time spent registering (all NICs), in microseconds.
+    pub time_us: u64,
+    /// Deregistrations.
+    pub deregistered: u64,
+    /// Registrations that failed.
+    pub failed: u64,
+}
+
+/// A snapshot of the engine's counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Stats {
+    /// Per kind of operation.
+    pub ops: BTreeMap<OpKind, OpStats>,
+    /// Per peer address.
+    pub peers: HashMap<NetAddr, PeerStats>,
+    /// Completions for work requests the engine does not know (or no longer waits for): a
+    /// late completion after its transfer timed out, or a backend reporting one request
+    /// twice. Non-zero without timeouts means a backend broke "exactly once".
+    pub stale_completions: u64,
+    /// Immediates that arrived.
+    pub imm_arrivals: u64,
+    /// Arrivals dropped because the ImmCounter's table of idle immediates was full.
+    pub imm_dropped: u64,
+    /// Notifications refused or dropped (see `notifications_dropped`).
+    pub notifications_dropped: u64,
+    /// Operations accepted and not finished (transfers, sends, reserved notifications).
+    pub outstanding: u64,
+    /// Registrations.
+    pub registrations: RegistrationStats,
+}
+
+impl Stats {
+    /// The counters of `kind` (zeros if none was seen).
+    pub fn op(&self, kind: OpKind) -> OpStats {
+        self.ops.get(&kind).cloned().unwrap_or_default()
+    }
+}
+
+/// What the worker remembers of a transfer until it finishes.
+#[derive(Debug)]
+pub(crate) struct Started {
+    pub(crate) kind: OpKind,
+    /// The peer, when the whole operation went to one (not a scatter to many).
+    pub(crate) peer: Option<NetAddr>,
+    pub(crate) bytes: u64,
+    pub(crate) at: Instant,
+}
+
+/// The worker's live counters.
+#[derive(Debug, Default)]
+pub(crate) struct Recorder {
+    pub(crate) stats: Stats,
+}
+
+impl Recorder {
+    /// An operation of `requests` work requests was accepted.
+    pub(crate) fn started(&mut self, kind: OpKind, requests: u64) {
+        let op = self.stats.ops.entry(kind).or_default();
+        op.started += 1;
+        op.requests += requests;
+    }
+
+    /// Work requests to `peer` carrying `bytes`.
+    pub(crate) fn posted_to(&mut self, peer: &NetAddr, requests: u64, bytes: u64) {
+        let p = match self.stats.peers.get_mut(peer) {
+            Some(p) => p,
+            None => self.stats.peers.entry(peer.clone()).or_default(),
+        };
+        p.requests += requests;
+        p.bytes += bytes;
+    }
+
+    /// An operation finished at `now`.
+    pub(crate) fn finished(&mut self, s: &Started, result: &Result<(), Error>, now: Instant) {
+        let op = self.stats.ops.entry(s.kind).or_default();
+        op.latency.record(now.saturating_duration_since(s.at));
+        match result {
+            Ok(()) => {
+                op.completed += 1;
+                op.bytes += s.bytes;
+            }
+            Err(e) => {
+                *op.failed.entry(e.kind()).or_default() += 1;
+                if let Some(peer) = &s.peer {
+                    let p = self.stats.peers.entry(peer.clone()).or_default();
+                    p.failed += 1;
+                    p.last_error = Some(e.to_string());
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_land_in_their_buckets() {
+        let mut h = Histogram::default();
+        for us in [0, 1, 2, 4, 5, 1_048_576, 1_048_577, u64::MAX / 1_000] {
+            h.record(Duration::from_micros(us));
+        }
+        assert_eq!(h.counts[0], 2, "0 and 1 µs");
+        assert_eq!(h.counts[1], 2, "2 and 4 µs");
+        assert_eq!(h.counts[2], 1, "5 µs");
+        assert_eq!(h.counts[10], 1, "the last bound itself");
+        assert_eq!(h.counts[11], 2, "above every bound");
+        assert_eq!(h.count(), 8);
+    }
+
+    #[test]
+    fn finished_operations_count_bytes_only_on_success_and_errors_by_kind() {
+        let mut r = Recorder::default();
+        let peer = NetAddr::new(&[1]).unwrap();
+        let start = Instant::now();
+        let s = Started {
+            kind: OpKind::Write,
+            peer: Some(peer.clone()),
+            bytes: 100,
+            at: start,
+        };
+        r.started(OpKind::Write, 2);
+        r.posted_to(&peer, 2, 100);
+        r.finished(&s, &Ok(()), start + Duration::from_micros(10));
+        r.started(OpKind::Write, 1);
+        r.finished(&s, &Err(Error::Timeout(Duration::from_secs(1))), start);
+        let w = r.stats.op(OpKind::Write);
+        assert_eq!(
+            (w.started, w.completed, w.bytes, w.requests),
+            (2, 1, 100, 3)
+        );
+        assert_eq!(w.failed.get("timeout"), Some(&1));
+        let p = &r.stats.peers[&peer];
+        assert_eq!((p.requests, p.bytes, p.failed), (2, 100, 1));
+        assert!(p.last_error.as_deref().unwrap().contains("timed out"));
+    }
+}
