@@ -93,3 +93,101 @@ fn stats_of_a_closed_engine_fail_loudly() {
     a.shutdown();
     assert!(a.stats().is_err());
 }
+
+/// Parses Prometheus text into (`name{labels}`, value), skipping comments.
+fn samples(text: &str) -> std::collections::HashMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| {
+            let (name, value) = l
+                .rsplit_once(' ')
+                .unwrap_or_else(|| panic!("bad line {l:?}"));
+            (
+                name.to_owned(),
+                value
+                    .parse()
+                    .unwrap_or_else(|_| panic!("bad value in {l:?}")),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn the_metrics_endpoint_serves_a_fresh_scrape_to_a_real_http_client() {
+    let a = engine("[metrics]\nlisten = \"127.0.0.1:0\"\n");
+    let b = engine("");
+    let url = format!("http://{}/metrics", a.metrics_address().expect("listening"));
+    let src = HostBuffer::from_fn(&a, 8192, |i| i as u8).unwrap();
+    let dst = HostBuffer::new(&b, 8192).unwrap();
+    let done = DoneCounter::new();
+    for i in 0..3u64 {
+        a.submit_single_write(
+            1024,
+            None,
+            (src.mr(), i * 1024),
+            (dst.desc(), i * 1024),
+            done.clone(),
+        )
+        .unwrap();
+    }
+    done.wait_for(3, WAIT).unwrap();
+    let mut response = ureq::get(&url).call().unwrap();
+    let text = response.body_mut().read_to_string().unwrap();
+    let got = samples(&text);
+    assert_eq!(
+        got.get("xfer_operations_completed_total{kind=\"write\"}"),
+        Some(&3.0),
+        "{text}"
+    );
+    assert_eq!(
+        got.get("xfer_bytes_total{kind=\"write\"}"),
+        Some(&3072.0),
+        "{text}"
+    );
+    assert_eq!(
+        got.get("xfer_operation_duration_seconds_count{kind=\"write\"}"),
+        Some(&3.0),
+        "{text}"
+    );
+    assert_eq!(
+        got.get("xfer_operation_duration_seconds_bucket{le=\"+Inf\",kind=\"write\"}")
+            .or_else(
+                || got.get("xfer_operation_duration_seconds_bucket{kind=\"write\",le=\"+Inf\"}")
+            ),
+        Some(&3.0),
+        "{text}"
+    );
+    assert_eq!(
+        got.get("xfer_stale_completions_total"),
+        Some(&0.0),
+        "{text}"
+    );
+    assert!(
+        got.get("xfer_registrations_total")
+            .is_some_and(|&n| n >= 1.0),
+        "{text}"
+    );
+    // Each scrape is fresh.
+    let one_more = DoneFlag::new();
+    a.submit_single_write(1024, None, (src.mr(), 0), (dst.desc(), 0), one_more.clone())
+        .unwrap();
+    one_more.wait(WAIT).unwrap();
+    let text = ureq::get(&url)
+        .call()
+        .unwrap()
+        .body_mut()
+        .read_to_string()
+        .unwrap();
+    assert_eq!(
+        samples(&text).get("xfer_operations_completed_total{kind=\"write\"}"),
+        Some(&4.0)
+    );
+    // Anything but /metrics is 404; a closed engine stops serving.
+    let other = format!("http://{}/other", a.metrics_address().unwrap());
+    assert!(matches!(
+        ureq::get(&other).call(),
+        Err(ureq::Error::StatusCode(404))
+    ));
+    a.shutdown();
+    assert!(ureq::get(&url).call().is_err());
+}

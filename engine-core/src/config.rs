@@ -197,6 +197,15 @@ impl WatcherConfig {
     }
 }
 
+/// The metrics endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Serve `GET /metrics` (Prometheus text of `TransferEngine::stats`) on this address
+    /// (e.g. `127.0.0.1:9464`; port 0 picks one, see `metrics_address`). Off when unset.
+    pub listen: Option<String>,
+}
+
 /// What the processes of one cluster share to recognise each other.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
@@ -275,6 +284,9 @@ pub struct Config {
     /// The cluster secret (`[security] secret_file = ...`).
     #[serde(default)]
     pub security: SecurityConfig,
+    /// The Prometheus endpoint (`[metrics] listen = ...`), off unless set.
+    #[serde(default)]
+    pub metrics: MetricsConfig,
     /// Where this config came from, for error messages.
     #[serde(skip)]
     pub source: PathBuf,

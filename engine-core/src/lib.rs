@@ -51,6 +51,7 @@ pub mod domain;
 mod error;
 pub mod group;
 pub mod imm;
+pub mod metrics;
 mod notifications;
 pub mod plan;
 pub mod plugin;

@@ -123,7 +123,8 @@ pub struct RegistrationStats {
 pub struct Stats {
     /// Per kind of operation.
     pub ops: BTreeMap<OpKind, OpStats>,
-    /// Per peer address.
+    /// Per peer address (serialized keyed by the address's hex text).
+    #[serde(serialize_with = "by_address_text")]
     pub peers: HashMap<NetAddr, PeerStats>,
     /// Completions for work requests the engine does not know (or no longer waits for): a
     /// late completion after its transfer timed out, or a backend reporting one request
@@ -146,6 +147,13 @@ impl Stats {
     pub fn op(&self, kind: OpKind) -> OpStats {
         self.ops.get(&kind).cloned().unwrap_or_default()
     }
+}
+
+fn by_address_text<S: serde::Serializer>(
+    peers: &HashMap<NetAddr, PeerStats>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.collect_map(peers.iter().map(|(a, p)| (a.to_string(), p)))
 }
 
 /// What the worker remembers of a transfer until it finishes.

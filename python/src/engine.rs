@@ -795,6 +795,18 @@ impl TransferEngine {
             .call_method1("notification_stream", (slf,))
     }
 
+    /// A snapshot of the engine's counters as a dict (what `TransferEngine::stats` returns
+    /// in Rust: `ops` per kind with `started`, `completed`, `failed` by error kind, `bytes`,
+    /// `requests` and a `latency` histogram; `peers` keyed by address hex; stale
+    /// completions, immediates, notifications and registrations).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let engine = self.engine(py)?;
+        let stats = py.detach(|| engine.stats()).or_raise(py)?;
+        let text = serde_json::to_string(&stats)
+            .map_err(|e| errors::invalid(py, format!("stats do not serialize: {e}")))?;
+        py.import("json")?.call_method1("loads", (text,))
+    }
+
     /// Arrivals of `imm` not yet consumed by an expectation.
     fn imm_count(&self, py: Python<'_>, imm: u32) -> PyResult<u64> {
         Ok(self.engine(py)?.imm_count(imm))

@@ -383,3 +383,17 @@ def test_notifications_name_their_sender_and_can_be_restricted():
         assert b.wait_notification(10) == b"again"
         with pytest.raises(xfer.InvalidArgumentError, match="256"):
             a.submit_single_write(sa, d.desc, 64, notify=b"x" * 257)
+
+
+def test_stats_count_operations_bytes_and_latency():
+    """Issue 27: engine.stats() as a dict, for a connector's stats hooks."""
+    with xfer.TransferEngine(MOCK) as a, xfer.TransferEngine(MOCK) as b:
+        src, dst = a.reg_mr(pattern(8192), access="local"), b.reg_mr(np.zeros(8192, dtype=np.uint8))
+        for i in range(4):
+            a.submit_single_write(src, dst.desc, 1024, src_offset=i * 1024, dst_offset=i * 1024).wait(10)
+        s = a.stats()
+        w = s["ops"]["write"]
+        assert (w["started"], w["completed"], w["bytes"]) == (4, 4, 4096)
+        assert sum(w["latency"]["counts"]) == 4
+        assert s["stale_completions"] == 0 and s["registrations"]["registered"] >= 1
+        assert sum(p["bytes"] for p in s["peers"].values()) == 4096

@@ -131,6 +131,8 @@ pub struct TransferEngine {
     /// Taken (and joined) by the first `shutdown`.
     worker: Mutex<Option<JoinHandle<()>>>,
     callbacks: Mutex<Option<JoinHandle<()>>>,
+    /// The `[metrics] listen` endpoint, if configured; stopped by `shutdown`.
+    metrics: Mutex<Option<crate::metrics::Endpoint>>,
 }
 
 impl std::fmt::Debug for TransferEngine {
@@ -175,7 +177,24 @@ impl TransferEngine {
                 return Err(e);
             }
         };
+        let metrics = match &config.metrics.listen {
+            Some(listen) => {
+                match crate::metrics::Endpoint::start(listen, Arc::downgrade(&shared)) {
+                    Ok(m) => Some(m),
+                    Err(e) => {
+                        shared.close();
+                        shared.push_shutdown();
+                        let _ = worker.thread.join();
+                        let _ = shared.jobs.send(None);
+                        let _ = callbacks.join();
+                        return Err(e);
+                    }
+                }
+            }
+            None => None,
+        };
         Ok(Self {
+            metrics: Mutex::new(metrics),
             id: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
             reads: worker.reads,
             caps: worker.caps,
@@ -293,7 +312,16 @@ impl TransferEngine {
     /// data path no shared atomics). Fails only if the worker does not answer within
     /// `[timeouts] control_ms`.
     pub fn stats(&self) -> Result<crate::Stats> {
-        self.control(|reply| Command::Stats { reply })
+        self.shared.stats()
+    }
+
+    /// Where the `[metrics] listen` endpoint serves `/metrics` (useful with port 0).
+    pub fn metrics_address(&self) -> Option<std::net::SocketAddr> {
+        self.metrics
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .and_then(|m| m.addr())
     }
 
     /// Waits until fewer than `worker.max_outstanding` operations are outstanding, or
@@ -322,6 +350,12 @@ impl TransferEngine {
     /// [`Error::Shutdown`], waiters for notifications wake with it, and every later call
     /// fails with it. Dropping the engine does the same; calling it again does nothing.
     pub fn shutdown(&self) {
+        drop(
+            self.metrics
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take(),
+        );
         self.shared.close();
         self.shared.push_shutdown();
         let me = std::thread::current().id();

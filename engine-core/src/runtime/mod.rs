@@ -218,6 +218,24 @@ impl Shared {
         Ok(())
     }
 
+    /// A snapshot of the worker's counters: one round trip, within `[timeouts] control_ms`.
+    pub(crate) fn stats(&self) -> Result<crate::stats::Stats> {
+        let (reply, answer) = crossbeam_channel::bounded(1);
+        self.submit(Command::Stats { reply })?;
+        let timeout = self.config.timeouts.control();
+        match answer.recv_timeout(timeout) {
+            Ok(stats) => stats,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(Error::Timeout(timeout)),
+            // The worker dropped the request: it failed or shut down.
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                Err(match self.failed.get() {
+                    Some(why) => Error::WorkerFailed(why.clone()),
+                    None => Error::Shutdown,
+                })
+            }
+        }
+    }
+
     /// Marks `n` counted operations finished.
     pub(crate) fn finished(&self, n: usize) {
         if n > 0 {
