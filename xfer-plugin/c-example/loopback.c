@@ -438,5 +438,5 @@ static const XferPluginTable TABLE = {
     .options_format = XFER_OPTIONS_FLAT,
 };
 
-/* The entry point the engine looks up: xfer_plugin_entry_<backend name>. */
-const XferPluginTable *xfer_plugin_entry_loopback(void) { return &TABLE; }
+/* The entry point the engine looks up: xfer_plugin_entry_<backend name> (TABLE's name). */
+XFER_PLUGIN_ENTRY(loopback) { return &TABLE; }

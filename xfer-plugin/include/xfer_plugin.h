@@ -502,8 +502,9 @@ typedef struct XferPluginTable {
    */
   int32_t (*capabilities)(void *domain, struct XferRawCapabilities *out);
   /**
-   * ABI 3: called once, right after loading and before any `open`, with the host's log
-   * function and the most verbose level it wants (see [`crate::log`]); may be null.
+   * ABI 3: called by each engine that opens the plugin, before its first `open` (so
+   * possibly more than once per process), with the host's log function and the most
+   * verbose level it wants (1 = error … 5 = trace; see the `log` module); may be null.
    */
   void (*set_log)(XferLogFn log, uint32_t max_level);
   /**
@@ -521,27 +522,42 @@ typedef struct XferPluginTable {
  */
 typedef const struct XferPluginTable *(*XferEntryFn)(void);
 
+/* The entry point xfer looks up after dlopen: `xfer_plugin_entry_<backend name>`, or
+ * plain `xfer_plugin_entry` for a library that serves one backend. It returns a
+ * pointer to a table that lives as long as the library, whose `name` must equal the
+ * backend name the config selects. Define it with XFER_PLUGIN_ENTRY(name) { ... }. */
+#define XFER_PLUGIN_ENTRY_SYMBOL "xfer_plugin_entry"
+#if defined(__cplusplus)
+#define XFER_PLUGIN_EXPORT extern "C" __attribute__((visibility("default")))
+#else
+#define XFER_PLUGIN_EXPORT __attribute__((visibility("default")))
+#endif
+#define XFER_PLUGIN_ENTRY(name) \
+  XFER_PLUGIN_EXPORT const struct XferPluginTable *xfer_plugin_entry_##name(void)
+
 /* The layout Rust gives these types (computed by `cargo xtask header`). */
 #if defined(__cplusplus)
 #define XFER_STATIC_ASSERT static_assert
+#define XFER_ALIGNOF alignof
 #else
 #define XFER_STATIC_ASSERT _Static_assert
+#define XFER_ALIGNOF _Alignof
 #endif
 XFER_STATIC_ASSERT(sizeof(XferPluginHeader) == 8, "XferPluginHeader size");
-XFER_STATIC_ASSERT(_Alignof(XferPluginHeader) == 4, "XferPluginHeader alignment");
+XFER_STATIC_ASSERT(XFER_ALIGNOF(XferPluginHeader) == 4, "XferPluginHeader alignment");
 XFER_STATIC_ASSERT(offsetof(XferPluginHeader, abi_version) == 0, "XferPluginHeader.abi_version");
 XFER_STATIC_ASSERT(offsetof(XferPluginHeader, table_size) == 4, "XferPluginHeader.table_size");
 XFER_STATIC_ASSERT(sizeof(XferRawBytes) == 16, "XferRawBytes size");
-XFER_STATIC_ASSERT(_Alignof(XferRawBytes) == 8, "XferRawBytes alignment");
+XFER_STATIC_ASSERT(XFER_ALIGNOF(XferRawBytes) == 8, "XferRawBytes alignment");
 XFER_STATIC_ASSERT(offsetof(XferRawBytes, ptr) == 0, "XferRawBytes.ptr");
 XFER_STATIC_ASSERT(offsetof(XferRawBytes, len) == 8, "XferRawBytes.len");
 XFER_STATIC_ASSERT(sizeof(XferRawError) == 520, "XferRawError size");
-XFER_STATIC_ASSERT(_Alignof(XferRawError) == 4, "XferRawError alignment");
+XFER_STATIC_ASSERT(XFER_ALIGNOF(XferRawError) == 4, "XferRawError alignment");
 XFER_STATIC_ASSERT(offsetof(XferRawError, kind) == 0, "XferRawError.kind");
 XFER_STATIC_ASSERT(offsetof(XferRawError, len) == 4, "XferRawError.len");
 XFER_STATIC_ASSERT(offsetof(XferRawError, message) == 8, "XferRawError.message");
 XFER_STATIC_ASSERT(sizeof(XferRawRegion) == 32, "XferRawRegion size");
-XFER_STATIC_ASSERT(_Alignof(XferRawRegion) == 8, "XferRawRegion alignment");
+XFER_STATIC_ASSERT(XFER_ALIGNOF(XferRawRegion) == 8, "XferRawRegion alignment");
 XFER_STATIC_ASSERT(offsetof(XferRawRegion, ptr) == 0, "XferRawRegion.ptr");
 XFER_STATIC_ASSERT(offsetof(XferRawRegion, len) == 8, "XferRawRegion.len");
 XFER_STATIC_ASSERT(offsetof(XferRawRegion, device_kind) == 16, "XferRawRegion.device_kind");
@@ -549,7 +565,7 @@ XFER_STATIC_ASSERT(offsetof(XferRawRegion, device_index) == 20, "XferRawRegion.d
 XFER_STATIC_ASSERT(offsetof(XferRawRegion, remote_write) == 24, "XferRawRegion.remote_write");
 XFER_STATIC_ASSERT(offsetof(XferRawRegion, remote_read) == 28, "XferRawRegion.remote_read");
 XFER_STATIC_ASSERT(sizeof(XferRawWrite) == 80, "XferRawWrite size");
-XFER_STATIC_ASSERT(_Alignof(XferRawWrite) == 8, "XferRawWrite alignment");
+XFER_STATIC_ASSERT(XFER_ALIGNOF(XferRawWrite) == 8, "XferRawWrite alignment");
 XFER_STATIC_ASSERT(offsetof(XferRawWrite, wr_id) == 0, "XferRawWrite.wr_id");
 XFER_STATIC_ASSERT(offsetof(XferRawWrite, peer) == 8, "XferRawWrite.peer");
 XFER_STATIC_ASSERT(offsetof(XferRawWrite, local_addr) == 24, "XferRawWrite.local_addr");
@@ -561,7 +577,7 @@ XFER_STATIC_ASSERT(offsetof(XferRawWrite, len) == 64, "XferRawWrite.len");
 XFER_STATIC_ASSERT(offsetof(XferRawWrite, has_imm) == 72, "XferRawWrite.has_imm");
 XFER_STATIC_ASSERT(offsetof(XferRawWrite, imm) == 76, "XferRawWrite.imm");
 XFER_STATIC_ASSERT(sizeof(XferRawRead) == 72, "XferRawRead size");
-XFER_STATIC_ASSERT(_Alignof(XferRawRead) == 8, "XferRawRead alignment");
+XFER_STATIC_ASSERT(XFER_ALIGNOF(XferRawRead) == 8, "XferRawRead alignment");
 XFER_STATIC_ASSERT(offsetof(XferRawRead, wr_id) == 0, "XferRawRead.wr_id");
 XFER_STATIC_ASSERT(offsetof(XferRawRead, peer) == 8, "XferRawRead.peer");
 XFER_STATIC_ASSERT(offsetof(XferRawRead, local_addr) == 24, "XferRawRead.local_addr");
@@ -571,14 +587,14 @@ XFER_STATIC_ASSERT(offsetof(XferRawRead, remote_key) == 48, "XferRawRead.remote_
 XFER_STATIC_ASSERT(offsetof(XferRawRead, remote_base) == 56, "XferRawRead.remote_base");
 XFER_STATIC_ASSERT(offsetof(XferRawRead, len) == 64, "XferRawRead.len");
 XFER_STATIC_ASSERT(sizeof(XferRawEvent) == 40, "XferRawEvent size");
-XFER_STATIC_ASSERT(_Alignof(XferRawEvent) == 8, "XferRawEvent alignment");
+XFER_STATIC_ASSERT(XFER_ALIGNOF(XferRawEvent) == 8, "XferRawEvent alignment");
 XFER_STATIC_ASSERT(offsetof(XferRawEvent, kind) == 0, "XferRawEvent.kind");
 XFER_STATIC_ASSERT(offsetof(XferRawEvent, error_kind) == 4, "XferRawEvent.error_kind");
 XFER_STATIC_ASSERT(offsetof(XferRawEvent, wr_id) == 8, "XferRawEvent.wr_id");
 XFER_STATIC_ASSERT(offsetof(XferRawEvent, imm) == 16, "XferRawEvent.imm");
 XFER_STATIC_ASSERT(offsetof(XferRawEvent, data) == 24, "XferRawEvent.data");
 XFER_STATIC_ASSERT(sizeof(XferRawCapabilities) == 32, "XferRawCapabilities size");
-XFER_STATIC_ASSERT(_Alignof(XferRawCapabilities) == 8, "XferRawCapabilities alignment");
+XFER_STATIC_ASSERT(XFER_ALIGNOF(XferRawCapabilities) == 8, "XferRawCapabilities alignment");
 XFER_STATIC_ASSERT(offsetof(XferRawCapabilities, max_write_size) == 0, "XferRawCapabilities.max_write_size");
 XFER_STATIC_ASSERT(offsetof(XferRawCapabilities, max_message_size) == 8, "XferRawCapabilities.max_message_size");
 XFER_STATIC_ASSERT(offsetof(XferRawCapabilities, max_address_len) == 16, "XferRawCapabilities.max_address_len");
@@ -586,11 +602,11 @@ XFER_STATIC_ASSERT(offsetof(XferRawCapabilities, memory_kinds) == 20, "XferRawCa
 XFER_STATIC_ASSERT(offsetof(XferRawCapabilities, flags) == 24, "XferRawCapabilities.flags");
 XFER_STATIC_ASSERT(offsetof(XferRawCapabilities, reserved) == 28, "XferRawCapabilities.reserved");
 XFER_STATIC_ASSERT(sizeof(XferRegistration) == 16, "XferRegistration size");
-XFER_STATIC_ASSERT(_Alignof(XferRegistration) == 8, "XferRegistration alignment");
+XFER_STATIC_ASSERT(XFER_ALIGNOF(XferRegistration) == 8, "XferRegistration alignment");
 XFER_STATIC_ASSERT(offsetof(XferRegistration, local_key) == 0, "XferRegistration.local_key");
 XFER_STATIC_ASSERT(offsetof(XferRegistration, remote_key) == 8, "XferRegistration.remote_key");
 XFER_STATIC_ASSERT(sizeof(XferPluginTable) == 136, "XferPluginTable size");
-XFER_STATIC_ASSERT(_Alignof(XferPluginTable) == 8, "XferPluginTable alignment");
+XFER_STATIC_ASSERT(XFER_ALIGNOF(XferPluginTable) == 8, "XferPluginTable alignment");
 XFER_STATIC_ASSERT(offsetof(XferPluginTable, header) == 0, "XferPluginTable.header");
 XFER_STATIC_ASSERT(offsetof(XferPluginTable, name) == 8, "XferPluginTable.name");
 XFER_STATIC_ASSERT(offsetof(XferPluginTable, open) == 24, "XferPluginTable.open");

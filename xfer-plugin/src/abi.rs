@@ -381,8 +381,9 @@ pub struct PluginTable {
     /// host and CUDA memory, immediates and zero-byte writes, no receiver polling).
     pub capabilities:
         Option<unsafe extern "C" fn(domain: *mut c_void, out: *mut RawCapabilities) -> i32>,
-    /// ABI 3: called once, right after loading and before any `open`, with the host's log
-    /// function and the most verbose level it wants (see [`crate::log`]); may be null.
+    /// ABI 3: called by each engine that opens the plugin, before its first `open` (so
+    /// possibly more than once per process), with the host's log function and the most
+    /// verbose level it wants (1 = error … 5 = trace; see the `log` module); may be null.
     pub set_log: Option<unsafe extern "C" fn(log: LogFn, max_level: u32)>,
     /// ABI 3: how `open` receives the backend's options: [`OPTIONS_TOML`] or [`OPTIONS_FLAT`].
     pub options_format: u32,

@@ -131,6 +131,37 @@ pub(crate) fn build_c_plugin() -> Result<String> {
     Ok(format!("{VENDOR_DIR}/libxfer_loopback.so"))
 }
 
+/// The header in a C++ translation unit, warnings as errors, defining an entry point with
+/// `XFER_PLUGIN_ENTRY`: it compiles, and the symbol is exported unmangled (issue 26).
+pub(crate) fn header_in_cpp(totals: &mut (u64, u64)) -> Result {
+    let dir = std::path::Path::new(VENDOR_DIR).join("cpp");
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    std::fs::copy(header::HEADER, dir.join("xfer_plugin.h")).map_err(|e| e.to_string())?;
+    std::fs::write(
+        dir.join("entry.cpp"),
+        "#include \"xfer_plugin.h\"\n\
+         static XferPluginTable table{};\n\
+         XFER_PLUGIN_ENTRY(cpp) { return &table; }\n",
+    )
+    .map_err(|e| e.to_string())?;
+    let built = sh_in(
+        &dir,
+        "g++ -std=c++17 -Wall -Wextra -Werror -fPIC -shared -o libentry.so entry.cpp \
+         && nm -D --defined-only libentry.so | grep -qw xfer_plugin_entry_cpp",
+    );
+    match built {
+        Ok(()) => {
+            totals.0 += 1;
+            println!("xtask: the header compiles as C++17 with -Werror; XFER_PLUGIN_ENTRY exports xfer_plugin_entry_cpp");
+            Ok(())
+        }
+        Err(e) => {
+            totals.1 += 1;
+            Err(format!("the header as C++: {e}"))
+        }
+    }
+}
+
 /// The plugin kit as a vendor uses it: the header is not stale, the C example plugin builds
 /// from it in an empty directory with the guide's command, and `xfer conformance` passes on
 /// it and on the mock's plugin (both through dlopen); no plugin carries the engine
@@ -143,6 +174,7 @@ pub(crate) fn plugin_kit(totals: &mut (u64, u64)) -> Result {
     cargo(&["build", "--quiet", "-p", "backend-mock", "--lib"])?;
     cargo(&["build", "--quiet", "-p", "xfer-cli", "--bin", "xfer"])?;
     let c_plugin = build_c_plugin()?;
+    header_in_cpp(totals)?;
     for (plugin, nics) in [
         (c_plugin.as_str(), ["lo0", "lo1", "lo2", "lo3"]),
         (

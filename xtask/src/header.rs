@@ -80,14 +80,26 @@ fn generate(root: &Path) -> Result<String> {
 /// lays them out.
 fn layout_asserts() -> String {
     let mut out = String::from(
-        "/* The layout Rust gives these types (computed by `cargo xtask header`). */\n\
-         #if defined(__cplusplus)\n#define XFER_STATIC_ASSERT static_assert\n#else\n\
-         #define XFER_STATIC_ASSERT _Static_assert\n#endif\n",
+        "/* The entry point xfer looks up after dlopen: `xfer_plugin_entry_<backend name>`, or\n\
+         \x20* plain `xfer_plugin_entry` for a library that serves one backend. It returns a\n\
+         \x20* pointer to a table that lives as long as the library, whose `name` must equal the\n\
+         \x20* backend name the config selects. Define it with XFER_PLUGIN_ENTRY(name) { ... }. */\n\
+         #define XFER_PLUGIN_ENTRY_SYMBOL \"xfer_plugin_entry\"\n\
+         #if defined(__cplusplus)\n\
+         #define XFER_PLUGIN_EXPORT extern \"C\" __attribute__((visibility(\"default\")))\n\
+         #else\n\
+         #define XFER_PLUGIN_EXPORT __attribute__((visibility(\"default\")))\n\
+         #endif\n\
+         #define XFER_PLUGIN_ENTRY(name) \\\n\
+         \x20 XFER_PLUGIN_EXPORT const struct XferPluginTable *xfer_plugin_entry_##name(void)\n\n\
+         /* The layout Rust gives these types (computed by `cargo xtask header`). */\n\
+         #if defined(__cplusplus)\n#define XFER_STATIC_ASSERT static_assert\n#define XFER_ALIGNOF alignof\n#else\n\
+         #define XFER_STATIC_ASSERT _Static_assert\n#define XFER_ALIGNOF _Alignof\n#endif\n",
     );
     macro_rules! layout {
         ($t:ty, $c:literal, [$($f:ident),*]) => {
             let _ = writeln!(out, "XFER_STATIC_ASSERT(sizeof({}) == {}, \"{} size\");", $c, size_of::<$t>(), $c);
-            let _ = writeln!(out, "XFER_STATIC_ASSERT(_Alignof({}) == {}, \"{} alignment\");", $c, align_of::<$t>(), $c);
+            let _ = writeln!(out, "XFER_STATIC_ASSERT(XFER_ALIGNOF({}) == {}, \"{} alignment\");", $c, align_of::<$t>(), $c);
             $(
                 // cbindgen renames fields that are C keywords (`register` -> `register_`).
                 let field = match stringify!($f) { "register" => "register_", f => f };
