@@ -16,6 +16,7 @@ use crate::wire::NetAddr;
 /// What an operation was.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
+#[repr(usize)]
 pub enum OpKind {
     /// Writes (single, paged, scatter, barrier), with or without an immediate.
     Write,
@@ -59,10 +60,9 @@ impl Histogram {
     /// Records one duration.
     pub fn record(&mut self, d: Duration) {
         let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
-        let bucket = LATENCY_BOUNDS_US
-            .iter()
-            .position(|&b| us <= b)
-            .unwrap_or(LATENCY_BOUNDS_US.len());
+        // The bounds are 4^i: the bucket is ceil(log4(us)), from the bit length of us - 1.
+        let bits = 64 - us.saturating_sub(1).leading_zeros() as usize;
+        let bucket = bits.div_ceil(2).min(LATENCY_BOUNDS_US.len());
         self.counts[bucket] += 1;
         self.sum_us = self.sum_us.saturating_add(us);
     }
@@ -160,39 +160,60 @@ fn by_address_text<S: serde::Serializer>(
 #[derive(Debug)]
 pub(crate) struct Started {
     pub(crate) kind: OpKind,
-    /// The peer, when the whole operation went to one (not a scatter to many).
-    pub(crate) peer: Option<NetAddr>,
+    /// The peer's index in the recorder, when the whole operation went to one (not a
+    /// scatter to many).
+    pub(crate) peer: Option<u32>,
     pub(crate) bytes: u64,
     pub(crate) at: Instant,
 }
 
-/// The worker's live counters.
+const KINDS: [OpKind; 4] = [
+    OpKind::Write,
+    OpKind::Read,
+    OpKind::Send,
+    OpKind::Notification,
+];
+
+/// The worker's live counters, laid out for the data path: operation kinds in an array,
+/// peers in a vector found through a fast hash (a transfer remembers its peer's index, not
+/// its address), everything else as in [`Stats`].
 #[derive(Debug, Default)]
 pub(crate) struct Recorder {
-    pub(crate) stats: Stats,
+    ops: [OpStats; KINDS.len()],
+    peer_index: foldhash::HashMap<NetAddr, u32>,
+    peers: Vec<(NetAddr, PeerStats)>,
+    /// The counters kept as they are reported.
+    pub(crate) rest: Stats,
 }
 
 impl Recorder {
     /// An operation of `requests` work requests was accepted.
     pub(crate) fn started(&mut self, kind: OpKind, requests: u64) {
-        let op = self.stats.ops.entry(kind).or_default();
+        let op = &mut self.ops[kind as usize];
         op.started += 1;
         op.requests += requests;
     }
 
-    /// Work requests to `peer` carrying `bytes`.
-    pub(crate) fn posted_to(&mut self, peer: &NetAddr, requests: u64, bytes: u64) {
-        let p = match self.stats.peers.get_mut(peer) {
-            Some(p) => p,
-            None => self.stats.peers.entry(peer.clone()).or_default(),
+    /// Work requests to `peer` carrying `bytes`; returns the peer's index.
+    pub(crate) fn posted_to(&mut self, peer: &NetAddr, requests: u64, bytes: u64) -> u32 {
+        let index = match self.peer_index.get(peer) {
+            Some(&i) => i,
+            None => {
+                let i = self.peers.len() as u32;
+                self.peers.push((peer.clone(), PeerStats::default()));
+                self.peer_index.insert(peer.clone(), i);
+                i
+            }
         };
+        let p = &mut self.peers[index as usize].1;
         p.requests += requests;
         p.bytes += bytes;
+        index
     }
 
     /// An operation finished at `now`.
     pub(crate) fn finished(&mut self, s: &Started, result: &Result<(), Error>, now: Instant) {
-        let op = self.stats.ops.entry(s.kind).or_default();
+        let op = &mut self.ops[s.kind as usize];
         op.latency.record(now.saturating_duration_since(s.at));
         match result {
             Ok(()) => {
@@ -201,13 +222,26 @@ impl Recorder {
             }
             Err(e) => {
                 *op.failed.entry(e.kind()).or_default() += 1;
-                if let Some(peer) = &s.peer {
-                    let p = self.stats.peers.entry(peer.clone()).or_default();
+                if let Some(i) = s.peer {
+                    let p = &mut self.peers[i as usize].1;
                     p.failed += 1;
                     p.last_error = Some(e.to_string());
                 }
             }
         }
+    }
+
+    /// The counters as reported.
+    pub(crate) fn snapshot(&self) -> Stats {
+        let mut stats = self.rest.clone();
+        stats.ops = KINDS
+            .iter()
+            .zip(&self.ops)
+            .filter(|(_, o)| o.started > 0)
+            .map(|(k, o)| (*k, o.clone()))
+            .collect();
+        stats.peers = self.peers.iter().cloned().collect();
+        stats
     }
 }
 
@@ -227,6 +261,14 @@ mod tests {
         assert_eq!(h.counts[10], 1, "the last bound itself");
         assert_eq!(h.counts[11], 2, "above every bound");
         assert_eq!(h.count(), 8);
+        // The bit arithmetic agrees with the bounds everywhere near them.
+        for (i, &bound) in LATENCY_BOUNDS_US.iter().enumerate() {
+            for (us, want) in [(bound, i), (bound + 1, i + 1)] {
+                let mut h = Histogram::default();
+                h.record(Duration::from_micros(us));
+                assert_eq!(h.counts[want], 1, "{us} µs");
+            }
+        }
     }
 
     #[test]
@@ -234,24 +276,24 @@ mod tests {
         let mut r = Recorder::default();
         let peer = NetAddr::new(&[1]).unwrap();
         let start = Instant::now();
+        r.started(OpKind::Write, 2);
         let s = Started {
             kind: OpKind::Write,
-            peer: Some(peer.clone()),
+            peer: Some(r.posted_to(&peer, 2, 100)),
             bytes: 100,
             at: start,
         };
-        r.started(OpKind::Write, 2);
-        r.posted_to(&peer, 2, 100);
         r.finished(&s, &Ok(()), start + Duration::from_micros(10));
         r.started(OpKind::Write, 1);
         r.finished(&s, &Err(Error::Timeout(Duration::from_secs(1))), start);
-        let w = r.stats.op(OpKind::Write);
+        let stats = r.snapshot();
+        let w = stats.op(OpKind::Write);
         assert_eq!(
             (w.started, w.completed, w.bytes, w.requests),
             (2, 1, 100, 3)
         );
         assert_eq!(w.failed.get("timeout"), Some(&1));
-        let p = &r.stats.peers[&peer];
+        let p = &stats.peers[&peer];
         assert_eq!((p.requests, p.bytes, p.failed), (2, 100, 1));
         assert!(p.last_error.as_deref().unwrap().contains("timed out"));
     }

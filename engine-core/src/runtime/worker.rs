@@ -457,10 +457,10 @@ impl Worker {
                 };
                 let bytes = data.len() as u64;
                 self.recorder.started(kind, 1);
-                self.recorder.posted_to(&peer, 1, bytes);
+                let index = self.recorder.posted_to(&peer, 1, bytes);
                 let started = Started {
                     kind,
-                    peer: Some(peer.clone()),
+                    peer: Some(index),
                     bytes,
                     at: self.now,
                 };
@@ -477,7 +477,7 @@ impl Worker {
             Command::Register { region, reply } => {
                 let began = Instant::now();
                 let result = self.register(&region);
-                let r = &mut self.recorder.stats.registrations;
+                let r = &mut self.recorder.rest.registrations;
                 match &result {
                     Ok(_) => {
                         r.registered += 1;
@@ -497,7 +497,7 @@ impl Worker {
                 }
             }
             Command::Deregister { keys, reply } => {
-                self.recorder.stats.registrations.deregistered += 1;
+                self.recorder.rest.registrations.deregistered += 1;
                 let mut result = Ok(());
                 for (domain, key) in self.group.domains_mut().iter_mut().zip(keys) {
                     if let Err(e) = domain.deregister(key) {
@@ -526,7 +526,7 @@ impl Worker {
                 }
             }
             Command::Stats { reply } => {
-                let mut stats = self.recorder.stats.clone();
+                let mut stats = self.recorder.snapshot();
                 stats.stale_completions = self.tracker.stale();
                 stats.outstanding = self.shared.outstanding.load(Ordering::Acquire) as u64;
                 stats.imm_dropped = self.shared.lock_imm().dropped();
@@ -564,10 +564,10 @@ impl Worker {
             run.1 += 1;
             run.2 += op.len;
         }
-        self.recorder.posted_to(run.0, run.1, run.2);
+        let last = self.recorder.posted_to(run.0, run.1, run.2);
         Started {
             kind,
-            peer: single_peer.then(|| ops[0].peer.clone()),
+            peer: single_peer.then_some(last),
             bytes,
             at: self.now,
         }
@@ -770,7 +770,7 @@ impl Worker {
                     }
                 }
                 Event::ImmArrival { imm: value } => {
-                    self.recorder.stats.imm_arrivals += 1;
+                    self.recorder.rest.imm_arrivals += 1;
                     // Take the ImmCounter lock once per batch, not once per arrival.
                     let counter = imm.get_or_insert_with(|| self.shared.lock_imm());
                     counter.handle_arrivals(value, 1, &mut self.imm_outcomes);
