@@ -575,13 +575,18 @@ fn main() -> ExitCode {
             backend,
             nics,
             checks,
-        } => conformance::run(&conformance::Request {
-            config: cli.config.as_deref(),
-            plugin: plugin.as_deref(),
-            backend: backend.as_deref(),
-            nics,
-            only: checks,
-            json: cli.json,
-        }),
+        } => {
+            // A plugin's logs reach stderr through the engine (set_log gets this level):
+            // warnings and errors by default, more with RUST_LOG=debug.
+            init_logging();
+            conformance::run(&conformance::Request {
+                config: cli.config.as_deref(),
+                plugin: plugin.as_deref(),
+                backend: backend.as_deref(),
+                nics,
+                only: checks,
+                json: cli.json,
+            })
+        }
     }
 }

@@ -188,7 +188,37 @@ pub(crate) fn plugin_kit(totals: &mut (u64, u64)) -> Result {
         }
         counted("target/debug/xfer", &args, &[], totals)?;
     }
-    Ok(())
+    plugin_logs_reach_stderr(&c_plugin, totals)
+}
+
+/// A plugin's log lines reach `xfer conformance`'s stderr at the level `RUST_LOG` asks for
+/// (the loopback plugin says at debug level that it opened a NIC); issue 26: the tool gave
+/// plugins a maximum level of 0, so their logs never showed.
+fn plugin_logs_reach_stderr(plugin: &str, totals: &mut (u64, u64)) -> Result {
+    let out = Command::new("target/debug/xfer")
+        .args([
+            "conformance",
+            "--plugin",
+            plugin,
+            "--nic",
+            "lo0",
+            "--check",
+            "send_recv",
+        ])
+        .env("RUST_LOG", "debug")
+        .output()
+        .map_err(|e| e.to_string())?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() && stderr.contains("loopback NIC lo0 opened") {
+        totals.0 += 1;
+        println!("xtask: the plugin's debug log reaches stderr with RUST_LOG=debug");
+        Ok(())
+    } else {
+        totals.1 += 1;
+        Err(format!(
+            "no plugin log line on stderr with RUST_LOG=debug: {stderr}"
+        ))
+    }
 }
 
 /// Runs `cargo test ...`, echoing its output, and adds up its "test result" lines.
