@@ -66,8 +66,9 @@
 
 /**
  * The backend's options as lines `key=value\n`: nested tables as dotted keys
- * (`faults.delay_ms=3`), strings unquoted (a newline inside one written as `\n`), arrays
- * comma-separated, booleans `true`/`false`. Keys in sorted order.
+ * (`faults.delay_ms=3`), strings unquoted with `\` written `\\`, a newline `\n` and a comma
+ * `\,` (so an unescaped comma always separates array elements), arrays comma-separated,
+ * booleans `true`/`false`. Keys in sorted order.
  */
 #define XFER_OPTIONS_FLAT 1
 

@@ -172,8 +172,9 @@ pub const CAP_NEEDS_RECEIVER_POLLING: u32 = 4;
 /// table).
 pub const OPTIONS_TOML: u32 = 0;
 /// The backend's options as lines `key=value\n`: nested tables as dotted keys
-/// (`faults.delay_ms=3`), strings unquoted (a newline inside one written as `\n`), arrays
-/// comma-separated, booleans `true`/`false`. Keys in sorted order.
+/// (`faults.delay_ms=3`), strings unquoted with `\` written `\\`, a newline `\n` and a comma
+/// `\,` (so an unescaped comma always separates array elements), arrays comma-separated,
+/// booleans `true`/`false`. Keys in sorted order.
 pub const OPTIONS_FLAT: u32 = 1;
 
 /// [`Capabilities`] in C layout (ABI 3).

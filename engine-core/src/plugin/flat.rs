@@ -15,9 +15,14 @@ pub fn flat_options(toml_text: &str) -> Result<String, DomainError> {
     Ok(lines.concat())
 }
 
+/// A value's text: strings escape `\` as `\\`, a newline as `\n` and a comma as `\,`, so an
+/// unescaped comma always separates array elements (`["a,b", "c"]` is `a\,b,c`, not three).
 fn flat_value(value: &toml::Value) -> String {
     match value {
-        toml::Value::String(s) => s.replace('\\', "\\\\").replace('\n', "\\n"),
+        toml::Value::String(s) => s
+            .replace('\\', "\\\\")
+            .replace('\n', "\\n")
+            .replace(',', "\\,"),
         toml::Value::Array(items) => items.iter().map(flat_value).collect::<Vec<_>>().join(","),
         other => other.to_string(),
     }
@@ -49,5 +54,15 @@ mod tests {
         );
         assert_eq!(flat_options("").unwrap(), "");
         assert!(flat_options("= broken").is_err());
+    }
+
+    /// Issue 26: commas inside array strings were not escaped: `["a,b", "c"]` read as three
+    /// elements.
+    #[test]
+    fn commas_and_backslashes_inside_strings_are_escaped() {
+        assert_eq!(
+            flat_options("a = [\"a,b\", \"c\"]\nb = [\"a\", \"b\", \"c\"]\nc = 'x\\,y'\n").unwrap(),
+            "a=a\\,b,c\nb=a,b,c\nc=x\\\\\\,y\n"
+        );
     }
 }
