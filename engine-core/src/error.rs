@@ -111,6 +111,9 @@ pub enum Error {
     /// The engine is shutting down; the operation was not carried out.
     #[error("the engine is shut down")]
     Shutdown,
+    /// The operation was cancelled (`TransferHandle::cancel`) before it completed.
+    #[error("cancelled")]
+    Cancelled,
 }
 
 impl Error {
@@ -135,6 +138,7 @@ impl Error {
             Error::Watcher(_) => "watcher",
             Error::NotAvailable(_) => "not_available",
             Error::Shutdown => "shutdown",
+            Error::Cancelled => "cancelled",
         }
     }
 }

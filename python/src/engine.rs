@@ -177,7 +177,7 @@ fn completion(
         }
         None => done,
     };
-    Ok((t, done))
+    Ok(t.cancellable(engine, done))
 }
 
 /// Offsets of a paged transfer: pages from any int sequence or integer array.
@@ -618,6 +618,7 @@ impl TransferEngine {
         }
         let nbytes = list.iter().map(|d| d.len).sum();
         let (t, done) = Transfer::new("scatter", nbytes, on_done);
+        let (t, done) = t.cancellable(&engine, done);
         engine
             .submit_scatter(group.map(|g| g.get().0), done, imm, handle, &list)
             .or_raise(py)?;
@@ -640,6 +641,7 @@ impl TransferEngine {
             .map(|d| desc_of(&d?))
             .collect::<PyResult<Vec<_>>>()?;
         let (t, done) = Transfer::new("barrier", 0, on_done);
+        let (t, done) = t.cancellable(&engine, done);
         engine
             .submit_barrier(group.map(|g| g.get().0), done, imm, &list)
             .or_raise(py)?;
@@ -660,6 +662,7 @@ impl TransferEngine {
         let peer = addr_of(peer)?;
         let data = values::bytes_of(data)?;
         let (t, done) = Transfer::new("send", data.len() as u64, on_done);
+        let (t, done) = t.cancellable(&engine, done);
         engine.submit_send(&peer, &data, done).or_raise(py)?;
         Ok(t)
     }

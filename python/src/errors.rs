@@ -24,6 +24,7 @@ fn class_of(e: &Error) -> &'static str {
         Error::Watcher(_) => "WatcherError",
         Error::NotAvailable(_) => "NotAvailableError",
         Error::Shutdown => "ShutdownError",
+        Error::Cancelled => "CancelledError",
         _ => "Error",
     }
 }

@@ -148,6 +148,8 @@ pub(crate) struct Transfer {
     nbytes: u64,
     posted_at: f64,
     posted: Instant,
+    /// Status and cancel, for transfers made cancellable (not for expectations).
+    handle: Option<engine_core::TransferHandle>,
 }
 
 impl Transfer {
@@ -204,9 +206,21 @@ impl Transfer {
                 nbytes,
                 posted_at: unix_now(),
                 posted: Instant::now(),
+                handle: None,
             },
             OnDone::Flag(flag),
         )
+    }
+
+    /// The same transfer, cancellable through `engine`: returns the `OnDone` to submit.
+    pub(crate) fn cancellable(
+        mut self,
+        engine: &engine_core::TransferEngine,
+        done: OnDone,
+    ) -> (Self, OnDone) {
+        let (handle, done) = engine.cancellable(done);
+        self.handle = Some(handle);
+        (self, done)
     }
 
     fn outcome(&self, py: Python<'_>) -> Option<PyResult<()>> {
@@ -216,8 +230,46 @@ impl Transfer {
     }
 }
 
+fn status_name(s: &engine_core::TransferStatus) -> &'static str {
+    match s {
+        engine_core::TransferStatus::Queued => "queued",
+        engine_core::TransferStatus::Posted { .. } => "posted",
+        engine_core::TransferStatus::Done => "done",
+        engine_core::TransferStatus::Failed(_) => "failed",
+        engine_core::TransferStatus::Cancelled => "cancelled",
+    }
+}
+
 #[pymethods]
 impl Transfer {
+    /// Where it is: "queued", "posted", "done", "failed" or "cancelled" ("pending" for an
+    /// expectation not yet met).
+    #[getter]
+    fn status(&self) -> &'static str {
+        match (&self.handle, self.flag.result()) {
+            (Some(h), _) => status_name(&h.status()),
+            (None, None) => "pending",
+            (None, Some(Ok(()))) => "done",
+            (None, Some(Err(engine_core::Error::Cancelled))) => "cancelled",
+            (None, Some(Err(_))) => "failed",
+        }
+    }
+
+    /// Cancels it (GIL released): one not yet posted fails at once with `CancelledError`;
+    /// a posted one returns once no NIC touches its memory, completed as cancelled unless
+    /// it had completed. Returns the final status. Expectations cannot be cancelled.
+    fn cancel(&self, py: Python<'_>) -> PyResult<&'static str> {
+        let Some(handle) = &self.handle else {
+            return Err(errors::raise(
+                py,
+                "NotAvailableError",
+                format!("a {} cannot be cancelled", self.kind),
+            ));
+        };
+        let status = errors::OrRaise::or_raise(py.detach(|| handle.cancel()), py)?;
+        Ok(status_name(&status))
+    }
+
     /// Whether the operation has finished (successfully or not).
     fn done(&self) -> bool {
         self.flag.is_done()

@@ -397,3 +397,27 @@ def test_stats_count_operations_bytes_and_latency():
         assert sum(w["latency"]["counts"]) == 4
         assert s["stale_completions"] == 0 and s["registrations"]["registered"] >= 1
         assert sum(p["bytes"] for p in s["peers"].values()) == 4096
+
+
+def test_a_transfer_can_be_watched_and_cancelled():
+    """Issue 27: status and cancel. A write on a slow NIC is cancelled once the NIC is done
+    with it; exactly one completion, a CancelledError; a finished one stays done."""
+    slow = dict(MOCK, backends={"mock": {"delay_us": 300000}})
+    with xfer.TransferEngine(slow) as a, xfer.TransferEngine(slow) as b:
+        src, dst = a.reg_mr(pattern(4096), access="local"), b.reg_mr(np.zeros(4096, dtype=np.uint8))
+        seen = []
+        t = a.submit_single_write(src, dst.desc, 4096, on_done=seen.append)
+        assert t.status in ("queued", "posted")
+        assert t.cancel() == "cancelled"
+        with pytest.raises(xfer.CancelledError):
+            t.wait(10)
+        assert t.status == "cancelled"
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(seen) == 1 and isinstance(seen[0], xfer.CancelledError)
+        done = a.submit_single_write(src, dst.desc, 64)
+        done.wait(10)
+        assert done.cancel() == "done" and done.status == "done"
+        with pytest.raises(xfer.NotAvailableError):
+            b.expect_imm_count(5, 1).cancel()

@@ -71,4 +71,8 @@ class ShutdownError(Error):
     """The engine is closed."""
 
 
+class CancelledError(Error):
+    """The operation was cancelled (``Transfer.cancel()``) before it completed."""
+
+
 __all__ = [name for name, value in globals().items() if isinstance(value, type) and issubclass(value, Error)]

@@ -315,6 +315,17 @@ impl TransferEngine {
         self.shared.stats()
     }
 
+    /// Wraps `on_done` so that its transfer can be watched and cancelled: pass the returned
+    /// `OnDone` to any `submit_*` (or `notify_when_done`'s result), keep the handle for
+    /// [`status`](crate::TransferHandle::status) and [`cancel`](crate::TransferHandle::cancel).
+    pub fn cancellable(&self, on_done: impl Into<OnDone>) -> (crate::TransferHandle, OnDone) {
+        let (handle, control) = crate::TransferHandle::new(&self.shared);
+        (
+            handle,
+            OnDone::Controlled(control, Box::new(on_done.into())),
+        )
+    }
+
     /// Where the `[metrics] listen` endpoint serves `/metrics` (useful with port 0).
     pub fn metrics_address(&self) -> Option<std::net::SocketAddr> {
         self.metrics

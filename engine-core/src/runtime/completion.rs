@@ -24,6 +24,9 @@ pub enum OnDone {
     Flag(Arc<DoneFlag>),
     /// Count into this counter (one counter can serve many operations).
     Counter(Arc<DoneCounter>),
+    /// Report to a [`TransferHandle`](super::control::TransferHandle), then complete the
+    /// inner one (made by `TransferEngine::cancellable`).
+    Controlled(Arc<super::control::TransferControl>, Box<OnDone>),
 }
 
 impl fmt::Debug for OnDone {
@@ -32,11 +35,20 @@ impl fmt::Debug for OnDone {
             Self::Callback(_) => f.write_str("OnDone::Callback"),
             Self::Flag(flag) => write!(f, "OnDone::Flag({flag:?})"),
             Self::Counter(c) => write!(f, "OnDone::Counter({c:?})"),
+            Self::Controlled(_, inner) => write!(f, "OnDone::Controlled({inner:?})"),
         }
     }
 }
 
 impl OnDone {
+    /// The control of a cancellable transfer's `OnDone`.
+    pub(crate) fn control(&self) -> Option<&Arc<super::control::TransferControl>> {
+        match self {
+            Self::Controlled(c, _) => Some(c),
+            _ => None,
+        }
+    }
+
     /// A callback.
     pub fn callback(f: impl FnOnce(Result<()>) + Send + 'static) -> Self {
         Self::Callback(Box::new(f))
@@ -46,6 +58,10 @@ impl OnDone {
     /// callback thread is gone (engine shut down), the callback runs here rather than be lost.
     pub(crate) fn complete(self, result: Result<()>, jobs: &Sender<Job>) {
         match self {
+            Self::Controlled(control, inner) => {
+                control.finish(&result);
+                inner.complete(result, jobs)
+            }
             Self::Flag(flag) => flag.set(result),
             Self::Counter(counter) => counter.add(result),
             Self::Callback(cb) => {
@@ -67,6 +83,10 @@ impl OnDone {
     /// thread (a callback that finishes another operation's `OnDone`).
     pub(crate) fn complete_inline(self, result: Result<()>) {
         match self {
+            Self::Controlled(control, inner) => {
+                control.finish(&result);
+                inner.complete_inline(result)
+            }
             Self::Flag(flag) => flag.set(result),
             Self::Counter(counter) => counter.add(result),
             Self::Callback(cb) => cb(result),
@@ -77,6 +97,10 @@ impl OnDone {
     /// alone: one channel message (and at most one wake-up) per worker pass, not per callback.
     pub(crate) fn complete_batched(self, result: Result<()>, batch: &mut CallbackBatch) {
         match self {
+            Self::Controlled(control, inner) => {
+                control.finish(&result);
+                inner.complete_batched(result, batch)
+            }
             Self::Flag(flag) => flag.set(result),
             Self::Counter(counter) => counter.add(result),
             Self::Callback(cb) => batch.push(Box::new(move || cb(result))),

@@ -14,6 +14,7 @@
 
 mod callbacks;
 pub(crate) mod completion;
+pub(crate) mod control;
 mod tracker;
 mod worker;
 
@@ -132,6 +133,10 @@ pub(crate) enum Command {
         buf_len: usize,
         count: usize,
         reply: Option<Sender<Result<()>>>,
+    },
+    /// Cancel the transfer behind `control` (see `TransferHandle::cancel`).
+    Cancel {
+        control: Arc<control::TransferControl>,
     },
     /// A copy of the worker's counters.
     Stats {
@@ -343,7 +348,7 @@ impl Drop for Shared {
                         let _ = reply.send(Err(Error::Shutdown));
                     }
                 }
-                Command::Stats { .. } | Command::Shutdown => {}
+                Command::Stats { .. } | Command::Cancel { .. } | Command::Shutdown => {}
             }
         }
     }

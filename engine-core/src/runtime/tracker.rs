@@ -90,6 +90,18 @@ impl<W> Tracker<W> {
         self.stale
     }
 
+    /// Marks the transfer behind `wr_id` cancelled: it finishes with `Cancelled` when its
+    /// requests are in, unless one of them failed. Returns whether it was still in flight.
+    pub(crate) fn cancel(&mut self, wr_id: u64) -> bool {
+        match self.entry(wr_id) {
+            Some(entry) => {
+                entry.error.get_or_insert(Error::Cancelled);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Whether the transfer behind `wr_id` is still in flight.
     pub(crate) fn is_live(&mut self, wr_id: u64) -> bool {
         self.entry(wr_id).is_some()
@@ -179,6 +191,8 @@ fn cause_rank(e: &Error) -> u8 {
         Error::Backend { .. } => 3,
         Error::PeerUnreachable(_) => 2,
         Error::Timeout(_) => 0,
+        // What the user asked for: whatever actually went wrong says more.
+        Error::Cancelled => 0,
         _ => 1,
     }
 }

@@ -419,15 +419,12 @@ impl Worker {
                         .push((on_done.into(), Err(Error::InvalidArgument(refused))));
                     return;
                 }
-                let started = self.count_writes(&ops);
-                let id = self.tracker.insert(
-                    ops.len() as u64,
-                    self.now + self.transfer_timeout,
-                    Tracked {
-                        on_done,
-                        started: Some(started),
-                    },
-                );
+                let requests = ops.len() as u64;
+                let deadline = self.now + self.transfer_timeout;
+                let Some(id) = self.track(requests, deadline, on_done, |w| w.count_writes(&ops))
+                else {
+                    return;
+                };
                 for op in ops {
                     let nic = op.nic;
                     self.post(nic, id, Pending::Write(op));
@@ -456,22 +453,19 @@ impl Worker {
                     OpKind::Send
                 };
                 let bytes = data.len() as u64;
-                self.recorder.started(kind, 1);
-                let index = self.recorder.posted_to(&peer, 1, bytes);
-                let started = Started {
-                    kind,
-                    peer: Some(index),
-                    bytes,
-                    at: self.now,
+                let deadline = self.now + self.transfer_timeout;
+                let Some(id) = self.track(1, deadline, on_done, |w| {
+                    w.recorder.started(kind, 1);
+                    let index = w.recorder.posted_to(&peer, 1, bytes);
+                    Started {
+                        kind,
+                        peer: Some(index),
+                        bytes,
+                        at: w.now,
+                    }
+                }) else {
+                    return;
                 };
-                let id = self.tracker.insert(
-                    1,
-                    self.now + self.transfer_timeout,
-                    Tracked {
-                        on_done,
-                        started: Some(started),
-                    },
-                );
                 self.post(0, id, Pending::Send { peer, data });
             }
             Command::Register { region, reply } => {
@@ -525,6 +519,13 @@ impl Worker {
                     }
                 }
             }
+            Command::Cancel { control } => {
+                if let Some(id) = control.posted_id() {
+                    if self.tracker.cancel(id) {
+                        self.drop_pending(id);
+                    }
+                }
+            }
             Command::Stats { reply } => {
                 let mut stats = self.recorder.snapshot();
                 stats.stale_completions = self.tracker.stale();
@@ -539,6 +540,60 @@ impl Worker {
                 let _ = reply.send(Ok(stats));
             }
             Command::Shutdown => unreachable!("handled by run"),
+        }
+    }
+
+    /// Starts tracking a transfer of `requests` work requests (counted by `count`), unless
+    /// it was cancelled while queued: then it finishes with `Cancelled`, nothing is posted,
+    /// and this returns `None`.
+    fn track(
+        &mut self,
+        requests: u64,
+        deadline: Instant,
+        on_done: OnDone,
+        count: impl FnOnce(&mut Self) -> Started,
+    ) -> Option<u64> {
+        let Some(control) = on_done.control().cloned() else {
+            let started = count(self);
+            let tracked = Tracked {
+                on_done,
+                started: Some(started),
+            };
+            return Some(self.tracker.insert(requests, deadline, tracked));
+        };
+        let mut waiter = Some(on_done);
+        let taken = control.take(|| {
+            let started = count(self);
+            let tracked = Tracked {
+                on_done: waiter.take().expect("taken once"),
+                started: Some(started),
+            };
+            (self.tracker.insert(requests, deadline, tracked), requests)
+        });
+        match taken {
+            Ok(()) => control.posted_id(),
+            Err(e) => {
+                let on_done = waiter.take().expect("not taken when refused");
+                self.finished.push((on_done.into(), Err(e)));
+                None
+            }
+        }
+    }
+
+    /// Drops the requests of transfer `id` not yet handed to a NIC (it was cancelled): each
+    /// counts as done, cancelled.
+    fn drop_pending(&mut self, id: u64) {
+        let mut dropped = 0;
+        for queue in self.pending.values_mut() {
+            let before = queue.len();
+            queue.retain(|(queued, _)| *queued != id);
+            dropped += before - queue.len();
+        }
+        self.pending.retain(|_, q| !q.is_empty());
+        for _ in 0..dropped {
+            if let Some(done) = self.tracker.handle_done(id, Err(Error::Cancelled)) {
+                self.finished.push(done);
+            }
         }
     }
 
@@ -978,6 +1033,8 @@ impl Worker {
             }
             // Dropping the reply tells the caller the engine is gone.
             Command::Stats { .. } => {}
+            // The transfer it names fails with `error` on its own.
+            Command::Cancel { .. } => {}
             Command::Shutdown => return true,
         }
         false
