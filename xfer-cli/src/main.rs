@@ -372,7 +372,7 @@ fn info_cmd(cli: &Cli) -> ExitCode {
         }
     };
     let mut libfabric: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    let providers = backend_efa::providers().map(|list| {
+    let providers = efa::providers().map(|list| {
         for (p, d) in list {
             libfabric.entry(p).or_default().push(d);
         }
@@ -384,7 +384,7 @@ fn info_cmd(cli: &Cli) -> ExitCode {
         plugins: plugins(),
         rdma_ports: doctor::ports(&cli.sysfs),
         libfabric: providers,
-        libfabric_api: backend_efa::api_version(),
+        libfabric_api: efa::api_version(),
         watcher_memory: watcher_memory(&config),
         config: format!("{config:#?}"),
     };
@@ -480,21 +480,7 @@ fn doctor_cmd(cli: &Cli, register_bytes: u64) -> ExitCode {
     facts.watcher_memory_request = config.watcher.memory.clone();
     facts.watcher_memory = watcher_memory(&config);
     if config.backend == "efa" {
-        let options: Result<backend_efa::EfaOptions, _> =
-            backend_efa::EfaOptions::parse(&config.backend_options());
-        facts.libfabric_endpoint = Some(
-            options
-                .as_ref()
-                .map_err(|e| e.message.clone())
-                .and_then(backend_efa::probe),
-        );
-        facts.libfabric_provider =
-            Some(options.map(|o| o.provider).unwrap_or_else(|_| "efa".into()));
-        facts.libfabric_providers = backend_efa::providers().ok().map(|l| {
-            let mut v: Vec<String> = l.into_iter().map(|(p, _)| p).collect();
-            v.dedup();
-            v
-        });
+        efa::doctor_facts(&config, &mut facts);
     }
     let checks = doctor::evaluate(&facts);
     let failed = checks.iter().any(|c| c.status == doctor::Status::Fail);
@@ -548,7 +534,10 @@ fn doctor_cmd(cli: &Cli, register_bytes: u64) -> ExitCode {
 
 fn main() -> ExitCode {
     backend_mock::link();
+    #[cfg(feature = "efa")]
     backend_efa::link();
+    #[cfg(feature = "verbs")]
+    backend_verbs::link();
     let cli = Cli::parse();
     match &cli.command {
         Command::Topo { max_nics } => topo_cmd(&cli, *max_nics),
@@ -588,5 +577,55 @@ fn main() -> ExitCode {
                 json: cli.json,
             })
         }
+    }
+}
+
+/// What the CLI asks of the efa backend, when it is linked in (feature `efa`); without it
+/// the answers say so instead of needing libfabric.
+#[cfg(feature = "efa")]
+mod efa {
+    pub(crate) fn providers() -> Result<Vec<(String, String)>, String> {
+        backend_efa::providers()
+    }
+
+    pub(crate) fn api_version() -> String {
+        backend_efa::api_version()
+    }
+
+    pub(crate) fn doctor_facts(
+        config: &engine_core::Config,
+        facts: &mut xfer_topology::doctor::Facts,
+    ) {
+        let options = backend_efa::EfaOptions::parse(&config.backend_options());
+        facts.libfabric_endpoint = Some(
+            options
+                .as_ref()
+                .map_err(|e| e.message.clone())
+                .and_then(backend_efa::probe),
+        );
+        facts.libfabric_provider =
+            Some(options.map(|o| o.provider).unwrap_or_else(|_| "efa".into()));
+        facts.libfabric_providers = backend_efa::providers().ok().map(|l| {
+            let mut v: Vec<String> = l.into_iter().map(|(p, _)| p).collect();
+            v.dedup();
+            v
+        });
+    }
+}
+
+#[cfg(not(feature = "efa"))]
+mod efa {
+    const ABSENT: &str = "this xfer was built without the efa backend (cargo feature efa)";
+
+    pub(crate) fn providers() -> Result<Vec<(String, String)>, String> {
+        Err(ABSENT.into())
+    }
+
+    pub(crate) fn api_version() -> String {
+        "none".into()
+    }
+
+    pub(crate) fn doctor_facts(_: &engine_core::Config, facts: &mut xfer_topology::doctor::Facts) {
+        facts.libfabric_endpoint = Some(Err(ABSENT.into()));
     }
 }

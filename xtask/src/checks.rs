@@ -424,7 +424,7 @@ pub(crate) fn address_sanitizer(totals: &mut (u64, u64)) -> Result {
 /// the watcher pool), and one built with `--no-default-features` must not carry CUDA loading.
 /// Each rule counts as one test.
 pub(crate) fn layering(totals: &mut (u64, u64)) -> Result {
-    const RULES: [(&str, &[&str], &[&str]); 6] = [
+    const RULES: [(&str, &[&str], &[&str]); 7] = [
         (
             "xfer-plugin",
             &[],
@@ -439,6 +439,12 @@ pub(crate) fn layering(totals: &mut (u64, u64)) -> Result {
         ),
         ("backend-mock", &["--no-default-features"], &["cudarc"]),
         ("backend-verbs", &["--no-default-features"], &["cudarc"]),
+        // A vendor's `xfer` needs neither libfabric nor libibverbs (issue 26).
+        (
+            "xfer-cli",
+            &["--no-default-features"],
+            &["ofi-sys", "verbs-sys", "backend-efa", "backend-verbs"],
+        ),
     ];
     let mut broken = Vec::new();
     for (package, flags, forbidden) in RULES {
