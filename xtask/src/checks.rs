@@ -131,6 +131,93 @@ pub(crate) fn build_c_plugin() -> Result<String> {
     Ok(format!("{VENDOR_DIR}/libxfer_loopback.so"))
 }
 
+/// The code block of `lang` that follows the first line starting with `after` in `text`.
+fn block_after(text: &str, after: &str, lang: &str) -> Result<String> {
+    let rest = text
+        .split_once(&format!("\n{after}"))
+        .map(|(_, r)| r)
+        .ok_or_else(|| format!("docs/plugins.md has no line starting with {after:?}"))?;
+    let body = rest
+        .split_once(&format!("```{lang}\n"))
+        .map(|(_, b)| b)
+        .and_then(|b| b.split_once("\n```").map(|(code, _)| code))
+        .ok_or_else(|| format!("docs/plugins.md has no ```{lang} block after {after:?}"))?;
+    Ok(format!("{body}\n"))
+}
+
+/// Follows docs/plugins.md's Rust path from an empty directory, verbatim: its `Cargo.toml`
+/// (with the guide's offline recipe — path dependencies on this checkout — for its git
+/// ones), `src/lib.rs` and `tests/conformance.rs`; builds the plugin and its tests offline,
+/// and has `xfer conformance` load the plugin, which reports the guide's own refusal (issue
+/// 26: the guide's snippets needed hidden lines and lacked dependencies to compile).
+pub(crate) fn rust_guide_builds(totals: &mut (u64, u64)) -> Result {
+    let guide = std::fs::read_to_string("docs/plugins.md").map_err(|e| e.to_string())?;
+    let root = std::env::current_dir().map_err(|e| e.to_string())?;
+    let dir = root.join(VENDOR_DIR).join("rust");
+    let _ = std::fs::remove_dir_all(dir.join("src"));
+    std::fs::create_dir_all(dir.join("src")).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(dir.join("tests")).map_err(|e| e.to_string())?;
+    let mut manifest = block_after(&guide, "`Cargo.toml`:", "toml")?;
+    for (krate, path) in [
+        ("xfer-plugin", "xfer-plugin"),
+        ("engine-core", "engine-core"),
+        ("xfer-conformance", "conformance"),
+    ] {
+        manifest = manifest.replace(
+            &format!("{krate} = {{ git = \"https://github.com/xfer-rs/xfer\" }}"),
+            &format!(
+                "{krate} = {{ path = {:?} }}",
+                root.join(path).display().to_string()
+            ),
+        );
+    }
+    // Inside this checkout's directory tree a package must say it is its own workspace; a
+    // vendor's empty directory needs no such line.
+    manifest.push_str("\n[workspace]\n");
+    let files = [
+        ("Cargo.toml", manifest),
+        ("src/lib.rs", block_after(&guide, "`src/lib.rs`", "rust")?),
+        (
+            "tests/conformance.rs",
+            block_after(&guide, "`tests/conformance.rs`:", "rust")?,
+        ),
+    ];
+    for (name, text) in &files {
+        std::fs::write(dir.join(name), text).map_err(|e| format!("{name}: {e}"))?;
+    }
+    let built = sh_in(
+        &dir,
+        "cargo build --offline --quiet && cargo test --offline --quiet --no-run",
+    )
+    .and_then(|()| {
+        let out = Command::new(root.join("target/debug/xfer"))
+            .args(["conformance", "--plugin"])
+            .arg(dir.join("target/debug/libxfer_mynic.so"))
+            .args(["--nic", "mynic0", "--check", "send_recv"])
+            .output()
+            .map_err(|e| e.to_string())?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        if text.contains("mynic cannot reach") {
+            Ok(())
+        } else {
+            Err(format!(
+                "xfer conformance did not run the guide's plugin: {text}"
+            ))
+        }
+    });
+    match built {
+        Ok(()) => {
+            totals.0 += 1;
+            println!("xtask: the guide's Rust plugin builds verbatim offline, its tests compile, and xfer conformance runs it");
+            Ok(())
+        }
+        Err(e) => {
+            totals.1 += 1;
+            Err(format!("the guide's Rust path: {e}"))
+        }
+    }
+}
+
 /// The header in a C++ translation unit, warnings as errors, defining an entry point with
 /// `XFER_PLUGIN_ENTRY`: it compiles, and the symbol is exported unmangled (issue 26).
 pub(crate) fn header_in_cpp(totals: &mut (u64, u64)) -> Result {
@@ -175,6 +262,7 @@ pub(crate) fn plugin_kit(totals: &mut (u64, u64)) -> Result {
     cargo(&["build", "--quiet", "-p", "xfer-cli", "--bin", "xfer"])?;
     let c_plugin = build_c_plugin()?;
     header_in_cpp(totals)?;
+    rust_guide_builds(totals)?;
     for (plugin, nics) in [
         (c_plugin.as_str(), ["lo0", "lo1", "lo2", "lo3"]),
         (
