@@ -87,8 +87,37 @@ pub(crate) fn backend_from_file(path: &Path) -> Option<String> {
     (!name.is_empty()).then(|| name.to_owned())
 }
 
+/// The config the checks start from. With `--plugin` (or `--backend`) and `--nic`, a
+/// `--config` file need not say `backend =` or `[[groups]]`: what the command line gives is
+/// filled in (a file used to be refused for each missing field in turn).
+fn base_config(req: &Request<'_>) -> Result<Config, String> {
+    let Some(path) = req.config else {
+        return Config::load(None).map_err(|e| e.to_string());
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| format!("{}: {}", path.display(), e.message()))?;
+    let named = req
+        .backend
+        .map(str::to_owned)
+        .or_else(|| req.plugin.and_then(backend_from_file));
+    if let Some(name) = named {
+        table.entry("backend").or_insert(toml::Value::String(name));
+    }
+    if !req.nics.is_empty() && !table.contains_key("groups") {
+        let nics = req.nics.iter().cloned().map(toml::Value::String).collect();
+        let group = toml::Table::from_iter([("nics".to_owned(), toml::Value::Array(nics))]);
+        table.insert(
+            "groups".into(),
+            toml::Value::Array(vec![toml::Value::Table(group)]),
+        );
+    }
+    Config::from_toml(&table.to_string(), path).map_err(|e| e.to_string())
+}
+
 fn harness(req: &Request<'_>) -> Result<CommandHarness, String> {
-    let mut base = Config::load(req.config).map_err(|e| e.to_string())?;
+    let mut base = base_config(req)?;
     if let Some(plugin) = req.plugin {
         base.plugin = Some(PathBuf::from(plugin));
         base.backend = match req.backend {

@@ -448,3 +448,31 @@ fn read_checks_skip_a_plugin_without_reads() {
     }
     assert!(out.contains("1 passed, 0 failed, 3 skipped"), "{out}");
 }
+
+/// Issue 26: with `--backend` and `--nic`, a `--config` file holding only options and
+/// timeouts was refused for each missing field in turn (`backend`, then `[[groups]]`).
+#[test]
+fn a_config_of_options_only_is_completed_from_the_command_line() {
+    let dir = std::env::temp_dir().join(format!("xfer-cli-partial-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let partial = dir.join("partial.toml");
+    std::fs::write(
+        &partial,
+        "[timeouts]\ntransfer_ms = 3000\n[backends.mock]\nseed = 7\n",
+    )
+    .unwrap();
+    let (code, out) = xfer(&[
+        "conformance",
+        "--backend",
+        "mock",
+        "--nic",
+        "mock0",
+        "--config",
+        partial.to_str().unwrap(),
+        "--check",
+        "send_recv",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("1 passed, 0 failed"), "{out}");
+    let _ = std::fs::remove_dir_all(dir);
+}
