@@ -260,6 +260,11 @@ impl Domain for MockDomain {
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError> {
         let start = events.len();
         events.append(&mut self.nic.inbox().events);
+        if self.options.lose_immediates {
+            let mut kept = events.split_off(start);
+            kept.retain(|e| !matches!(e, Event::ImmArrival { .. }));
+            events.append(&mut kept);
+        }
         if self.options.duplicate_completions {
             let twice: Vec<Event> = events[start..]
                 .iter()

@@ -63,6 +63,8 @@ pub struct MockOptions {
     pub silent_waker: bool,
     /// A broken backend: every work request's completion is reported twice.
     pub duplicate_completions: bool,
+    /// A broken backend: writes land, but their immediates are never reported.
+    pub lose_immediates: bool,
 }
 
 impl Default for MockOptions {
@@ -89,6 +91,7 @@ impl Default for MockOptions {
             receives_multiplier: 1,
             silent_waker: false,
             duplicate_completions: false,
+            lose_immediates: false,
         }
     }
 }

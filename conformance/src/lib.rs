@@ -102,6 +102,48 @@ pub fn pattern(seed: u64) -> impl Fn(usize) -> u8 {
     }
 }
 
+/// The basics every check relies on, each given a short deadline: a write completes at its
+/// sender (rule 1), its bytes are at the target, and its immediate arrives (rule 2). `Err`
+/// names what broke, so a runner can stop at once with the cause instead of letting every
+/// check wait out its own timeout for the same reason (a plugin that never delivered
+/// immediates took 74 s to fail, check by check, with messages that did not say why).
+pub fn probe(h: &dyn Harness) -> Result<(), String> {
+    const WITHIN: Duration = Duration::from_secs(2);
+    let config = quick_config(h, 1);
+    let open = |c: &Config| {
+        TransferEngine::open(c)
+            .map(Arc::new)
+            .map_err(|e| format!("opening an engine failed: {e}"))
+    };
+    let (a, b) = (open(&config)?, open(&config)?);
+    let registered = |e: &Arc<TransferEngine>, fill: &dyn Fn(usize) -> u8| {
+        HostBuffer::from_fn(e, 4096, fill).map_err(|e| format!("registering 4 KiB failed: {e}"))
+    };
+    let (src, dst) = (registered(&a, &pattern(5))?, registered(&b, &|_| 0)?);
+    let immediates = a.capabilities()[0].immediates;
+    let landed = flag();
+    if immediates {
+        b.expect_imm_count(4242, 1, landed.clone())
+            .map_err(|e| format!("expect_imm_count failed: {e}"))?;
+    }
+    let sent = flag();
+    let imm = immediates.then_some(4242);
+    a.submit_single_write(4096, imm, (src.mr(), 0), (dst.desc(), 0), sent.clone())
+        .map_err(|e| format!("submitting a 4 KiB write failed: {e}"))?;
+    sent.wait(WITHIN).map_err(|e| {
+        format!("a 4 KiB write did not complete at its sender ({e}): the plugin reports no Done for a posted write (rule 1), or never makes progress")
+    })?;
+    if dst.to_vec() != src.to_vec() {
+        return Err("a 4 KiB write completed at its sender but its bytes are not at the target: Done came before the data was placed (rule 2), or the write went elsewhere".into());
+    }
+    if immediates {
+        landed.wait(WITHIN).map_err(|e| {
+            format!("a write's bytes landed but its immediate never arrived ({e}): the plugin reports no ImmArrival (rule 2), or declares immediates it does not deliver")
+        })?;
+    }
+    Ok(())
+}
+
 fn flag() -> Arc<DoneFlag> {
     DoneFlag::new()
 }

@@ -171,6 +171,20 @@ pub(crate) fn run(req: &Request<'_>) -> ExitCode {
         }
         return ExitCode::from(1);
     }
+    // The basics first, briefly: if they fail, every check would fail for the same reason
+    // after its own timeout; say the cause once and stop.
+    if let Err(cause) = xfer_conformance::probe(&harness) {
+        if req.json {
+            println!(
+                "{}",
+                serde_json::json!({"backend": harness.base.backend, "error": cause, "passed": 0, "failed": 1, "skipped": 0})
+            );
+        } else {
+            println!("FAIL probe: {cause}");
+            println!("xfer conformance: stopped before the checks: each relies on what failed");
+        }
+        return ExitCode::from(1);
+    }
     let mut report = Vec::new();
     if !req.json {
         println!(

@@ -476,3 +476,26 @@ fn a_config_of_options_only_is_completed_from_the_command_line() {
     assert!(out.contains("1 passed, 0 failed"), "{out}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Issue 26: a plugin that never delivers immediates failed check by check, each after its
+/// own timeout (74 s), with messages that did not say why. The probe names the cause once
+/// and no check runs.
+#[test]
+fn a_backend_that_loses_immediates_fails_the_probe_naming_the_cause() {
+    let dir = std::env::temp_dir().join(format!("xfer-cli-probe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let broken = dir.join("broken.toml");
+    std::fs::write(
+        &broken,
+        "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n[backends.mock]\nlose_immediates = true\n",
+    )
+    .unwrap();
+    let (code, out) = xfer(&["conformance", "--config", broken.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("FAIL probe") && out.contains("immediate never arrived"),
+        "{out}"
+    );
+    assert!(!out.contains("PASS "), "no check ran: {out}");
+    let _ = std::fs::remove_dir_all(dir);
+}
