@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 /**
- * The ABI this engine speaks: bumped when entries are appended to [`PluginTable`].
+ * The ABI this engine speaks: bumped when entries are appended to `XferPluginTable`.
  */
 #define XFER_ABI_VERSION 3
 
@@ -18,17 +18,17 @@
 #define XFER_MIN_ABI_VERSION 1
 
 /**
- * [`RawRegion::device_kind`]: host memory.
+ * `XferRawRegion.device_kind`: host memory.
  */
 #define XFER_DEVICE_HOST 0
 
 /**
- * [`RawRegion::device_kind`]: memory of CUDA device `device_index`.
+ * `XferRawRegion.device_kind`: memory of CUDA device `device_index`.
  */
 #define XFER_DEVICE_CUDA 1
 
 /**
- * [`RawCapabilities::memory_kinds`]: registers host memory.
+ * `XferRawCapabilities.memory_kinds`: registers host memory.
  */
 #define XFER_MEMORY_HOST 1
 
@@ -43,7 +43,7 @@
 #define XFER_MEMORY_DMABUF 4
 
 /**
- * [`RawCapabilities::flags`]: writes may carry an immediate.
+ * `XferRawCapabilities.flags`: writes may carry an immediate.
  */
 #define XFER_CAP_IMMEDIATES 1
 
@@ -59,7 +59,7 @@
 #define XFER_CAP_NEEDS_RECEIVER_POLLING 4
 
 /**
- * [`PluginTable::options_format`]: the backend's options as TOML text (the `[backends.<name>]`
+ * `XferPluginTable.options_format`: the backend's options as TOML text (the `[backends.<name>]`
  * table).
  */
 #define XFER_OPTIONS_TOML 0
@@ -73,7 +73,7 @@
 #define XFER_OPTIONS_FLAT 1
 
 /**
- * [`RawEvent::kind`]: a posted request finished well.
+ * `XferRawEvent.kind`: a posted request finished well.
  */
 #define XFER_EVENT_DONE 0
 
@@ -98,7 +98,7 @@
 #define XFER_STATUS_OK 0
 
 /**
- * The queue is full ([`PostStatus::Busy`]).
+ * The queue is full (`PostStatus.Busy`).
  */
 #define XFER_STATUS_BUSY 1
 
@@ -118,7 +118,7 @@
 #define XFER_MAX_ADDR_LEN 64
 
 /**
- * `level` values of [`LogFn`]: error.
+ * `level` values of `XferLogFn`: error.
  */
 #define XFER_LOG_ERROR 1
 
@@ -189,7 +189,7 @@ typedef uint32_t XferDomainErrorKind;
  */
 typedef struct XferPluginHeader {
   /**
-   * The plugin's [`ABI_VERSION`].
+   * The plugin's `XFER_ABI_VERSION`.
    */
   uint32_t abi_version;
   /**
@@ -217,7 +217,7 @@ typedef struct XferRawBytes {
  */
 typedef struct XferRawError {
   /**
-   * A [`DomainErrorKind`] as an integer.
+   * A `DomainErrorKind` as an integer.
    */
   uint32_t kind;
   /**
@@ -231,7 +231,7 @@ typedef struct XferRawError {
 } XferRawError;
 
 /**
- * [`MemoryRegion`] in C layout.
+ * `MemoryRegion` in C layout.
  */
 typedef struct XferRawRegion {
   /**
@@ -243,7 +243,7 @@ typedef struct XferRawRegion {
    */
   uint64_t len;
   /**
-   * [`DEVICE_HOST`] or [`DEVICE_CUDA`]; anything else is refused.
+   * `XFER_DEVICE_HOST` or `XFER_DEVICE_CUDA`; anything else is refused.
    */
   uint32_t device_kind;
   /**
@@ -275,11 +275,11 @@ typedef struct XferRegistration {
 } XferRegistration;
 
 /**
- * [`WriteRequest`] in C layout.
+ * `WriteRequest` in C layout.
  */
 typedef struct XferRawWrite {
   /**
-   * See [`WriteRequest::wr_id`].
+   * See `WriteRequest.wr_id`.
    */
   uint64_t wr_id;
   /**
@@ -329,7 +329,7 @@ typedef struct XferRawEvent {
    */
   uint32_t kind;
   /**
-   * A [`DomainErrorKind`] for kind 1.
+   * A `DomainErrorKind` for kind 1.
    */
   uint32_t error_kind;
   /**
@@ -357,7 +357,7 @@ typedef void (*XferEventSink)(void *sink, const struct XferRawEvent *event);
 typedef void (*XferWakeFn)(const void *ctx);
 
 /**
- * [`ReadRequest`] in C layout (ABI 2).
+ * `ReadRequest` in C layout (ABI 2).
  */
 typedef struct XferRawRead {
   /**
@@ -395,7 +395,7 @@ typedef struct XferRawRead {
 } XferRawRead;
 
 /**
- * [`Capabilities`] in C layout (ABI 3).
+ * `Capabilities` in C layout (ABI 3).
  */
 typedef struct XferRawCapabilities {
   /**
@@ -509,7 +509,7 @@ typedef struct XferPluginTable {
    */
   void (*set_log)(XferLogFn log, uint32_t max_level);
   /**
-   * ABI 3: how `open` receives the backend's options: [`OPTIONS_TOML`] or [`OPTIONS_FLAT`].
+   * ABI 3: how `open` receives the backend's options: `XFER_OPTIONS_TOML` or `XFER_OPTIONS_FLAT`.
    */
   uint32_t options_format;
   /**
@@ -519,7 +519,7 @@ typedef struct XferPluginTable {
 } XferPluginTable;
 
 /**
- * The signature of [`ENTRY_SYMBOL`].
+ * The signature of `XFER_PLUGIN_ENTRY_SYMBOL`.
  */
 typedef const struct XferPluginTable *(*XferEntryFn)(void);
 

@@ -73,7 +73,57 @@ fn generate(root: &Path) -> Result<String> {
         .rfind("#endif")
         .ok_or("cbindgen wrote no include guard")?;
     text.insert_str(guard_end, &layout_asserts());
-    Ok(text)
+    Ok(c_doc_links(&text))
+}
+
+/// Rust intra-doc links in the comments (`[`RawRegion::device_kind`]`) as the C names a C
+/// reader finds in this header (`XferRawRegion.device_kind`, `XFER_ABI_VERSION`); names that
+/// exist only on the Rust side keep their name, without the link brackets.
+fn c_doc_links(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(start) = rest.find("[`") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let Some(end) = after.find("`]") else {
+            out.push_str(&rest[start..]);
+            return out;
+        };
+        let name = &after[..end];
+        let mut tail = &after[end + 2..];
+        // A link with an explicit target: drop the target.
+        if tail.starts_with('(') {
+            if let Some(close) = tail.find(')') {
+                tail = &tail[close + 1..];
+            }
+        }
+        let (item, member) = name.split_once("::").unwrap_or((name, ""));
+        let c_item = if item == "ENTRY_SYMBOL" {
+            // A string constant cbindgen does not export; the header defines it by hand.
+            "XFER_PLUGIN_ENTRY_SYMBOL".to_owned()
+        } else if item
+            .chars()
+            .all(|c| c.is_ascii_uppercase() || c == '_' || c.is_ascii_digit())
+        {
+            format!("XFER_{item}")
+        } else if item.starts_with("Raw")
+            || ["PluginTable", "PluginHeader", "Registration", "LogFn"].contains(&item)
+        {
+            format!("Xfer{item}")
+        } else {
+            item.to_owned()
+        };
+        out.push('`');
+        out.push_str(&c_item);
+        if !member.is_empty() {
+            out.push('.');
+            out.push_str(member);
+        }
+        out.push('`');
+        rest = tail;
+    }
+    out.push_str(rest);
+    out
 }
 
 /// `_Static_assert`s of every struct's size and alignment and every field's offset, as Rust
