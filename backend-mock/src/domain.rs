@@ -22,6 +22,8 @@ pub struct MockDomain {
     posted: u64,
     /// The post that panicked (`panic_on_post`), after which nothing may be posted.
     panicked_in: Option<u64>,
+    /// Sends whose `Done` is withheld (`lose_send_completions`).
+    lost_sends: std::collections::HashSet<u64>,
 }
 
 impl MockDomain {
@@ -38,6 +40,7 @@ impl MockDomain {
             rng,
             posted: 0,
             panicked_in: None,
+            lost_sends: Default::default(),
         })
     }
 
@@ -234,6 +237,9 @@ impl Domain for MockDomain {
         peer: &NetAddr,
         data: &[u8],
     ) -> Result<PostStatus, DomainError> {
+        if self.options.lose_send_completions {
+            self.lost_sends.insert(wr_id);
+        }
         self.accept(Op::Send {
             wr_id,
             peer: peer.clone(),
@@ -263,6 +269,13 @@ impl Domain for MockDomain {
         if self.options.lose_immediates {
             let mut kept = events.split_off(start);
             kept.retain(|e| !matches!(e, Event::ImmArrival { .. }));
+            events.append(&mut kept);
+        }
+        if !self.lost_sends.is_empty() {
+            let mut kept = events.split_off(start);
+            kept.retain(
+                |e| !matches!(e, Event::Done { wr_id, .. } if self.lost_sends.remove(wr_id)),
+            );
             events.append(&mut kept);
         }
         if self.options.duplicate_completions {

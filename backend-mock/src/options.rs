@@ -65,6 +65,8 @@ pub struct MockOptions {
     pub duplicate_completions: bool,
     /// A broken backend: writes land, but their immediates are never reported.
     pub lose_immediates: bool,
+    /// A broken backend: messages are delivered, but their senders never get a `Done`.
+    pub lose_send_completions: bool,
 }
 
 impl Default for MockOptions {
@@ -92,6 +94,7 @@ impl Default for MockOptions {
             silent_waker: false,
             duplicate_completions: false,
             lose_immediates: false,
+            lose_send_completions: false,
         }
     }
 }

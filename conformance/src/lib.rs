@@ -144,6 +144,38 @@ pub fn probe(h: &dyn Harness) -> Result<(), String> {
     Ok(())
 }
 
+/// A failed step of a check, said so a vendor can act on it: what the check was waiting for,
+/// the engine's error, and which rule of docs/plugins.md that error usually means was broken
+/// (instead of `unwrap() on an Err value: Timeout(2s)`).
+trait OrFail<T> {
+    fn or_fail(self, step: &str) -> T;
+}
+
+impl<T> OrFail<T> for Result<T, engine_core::Error> {
+    #[track_caller]
+    fn or_fail(self, step: &str) -> T {
+        self.unwrap_or_else(|e| panic!("{}", failed_step(step, &e)))
+    }
+}
+
+/// The message of a failed step: `step`, the error, and the rule it points at.
+pub fn failed_step(step: &str, error: &engine_core::Error) -> String {
+    use engine_core::Error as E;
+    let rule = match error {
+        E::Timeout(_) => "nothing reported it in time: the plugin must finish every posted request with one Done (rule 1), report an ImmArrival once a write's bytes are in place (rule 2), and call the waker whenever it promised one (rule 8)",
+        E::PeerUnreachable(_) => "the plugin could not reach an engine that is open: do peers post to the address `address()` returns, and is a live peer found by it?",
+        E::RemoteAccess(_) => "the plugin refused a key, range or permission the engine registered: is each remote key checked against its own region (rule 5)?",
+        E::Backend { .. } => "the plugin reported this failure",
+        E::InvalidArgument(_) | E::OutOfBounds { .. } | E::NotAvailable(_) => "the engine refused the request before the plugin saw it: do the plugin's capabilities say what it supports?",
+        _ => "",
+    };
+    if rule.is_empty() {
+        format!("{step}: {error}")
+    } else {
+        format!("{step}: {error} — {rule}")
+    }
+}
+
 fn flag() -> Arc<DoneFlag> {
     DoneFlag::new()
 }
@@ -182,7 +214,7 @@ pub fn single_write(h: &dyn Harness) {
             (dst.desc(), 0),
             sent.clone(),
         )
-        .unwrap();
+        .or_fail("posting it");
         sent.wait(WAIT)
             .unwrap_or_else(|e| panic!("write of {len} bytes failed: {e}"));
         landed
@@ -211,8 +243,9 @@ pub fn write_at_offsets_without_imm(h: &dyn Harness) {
         (dst.desc(), 5000),
         done.clone(),
     )
-    .unwrap();
-    done.wait(WAIT).unwrap();
+    .or_fail("posting it");
+    done.wait(WAIT)
+        .or_fail("the write's completion at its sender");
     assert_copied(
         "offset write",
         &dst.to_vec()[5000..6000],
@@ -255,7 +288,7 @@ pub fn striping(h: &dyn Harness) {
                     (dst.desc(), 0),
                     sent.clone(),
                 )
-                .unwrap();
+                .or_fail("posting it");
                 sent.wait(WAIT)
                     .unwrap_or_else(|e| panic!("{nics} NICs, {selection:?}, {len} bytes: {e}"));
                 landed
@@ -308,9 +341,12 @@ pub fn paged_writes(h: &dyn Harness) {
         (dst.desc(), &dst_pages),
         sent.clone(),
     )
-    .unwrap();
-    sent.wait(WAIT).unwrap();
-    landed.wait(WAIT).unwrap();
+    .or_fail("posting it");
+    sent.wait(WAIT)
+        .or_fail("the paged write's completion at its sender");
+    landed
+        .wait(WAIT)
+        .or_fail("the immediates of the pages at the target");
     for i in 0..pages as usize {
         let s = (16 + u64::from(src_pages.indices[i]) * stride) as usize;
         let d = (64 + u64::from(dst_pages.indices[i]) * stride) as usize;
@@ -367,10 +403,13 @@ pub fn scatter(h: &dyn Harness) {
     );
     let sent = flag();
     a.submit_scatter(Some(group), sent.clone(), Some(3), src.mr(), &dsts)
-        .unwrap();
-    sent.wait(WAIT).unwrap();
-    fb.wait(WAIT).unwrap();
-    fc.wait(WAIT).unwrap();
+        .or_fail("posting it");
+    sent.wait(WAIT)
+        .or_fail("the scatter's completion at its sender");
+    fb.wait(WAIT)
+        .or_fail("the scatter's immediates at the first target");
+    fc.wait(WAIT)
+        .or_fail("the scatter's immediates at the second target");
     for &(len, so, to_b, d) in &pieces {
         let dst = if to_b { &db } else { &dc };
         let (len, so, d) = (len as usize, so as usize, d as usize);
@@ -411,11 +450,13 @@ pub fn barrier(h: &dyn Harness) {
             77,
             &[db.desc().clone(), dc.desc().clone()],
         )
-        .unwrap();
+        .or_fail("posting it");
         sent.wait(WAIT)
             .unwrap_or_else(|e| panic!("barrier round {round}: {e}"));
-        fb.wait(WAIT).unwrap();
-        fc.wait(WAIT).unwrap();
+        fb.wait(WAIT)
+            .or_fail("the barrier's immediate at the first peer");
+        fc.wait(WAIT)
+            .or_fail("the barrier's immediate at the second peer");
     }
     assert!(
         db.to_vec().iter().chain(&dc.to_vec()).all(|&x| x == 1),
@@ -442,15 +483,15 @@ pub fn send_recv(h: &dyn Harness) {
     for i in 0..20u32 {
         let msg = format!("message {i} {}", "x".repeat(i as usize * 7));
         a.submit_send(&b.main_address(), msg.as_bytes(), sent.clone())
-            .unwrap();
+            .or_fail("posting it");
     }
-    sent.wait_for(20, WAIT).unwrap();
+    sent.wait_for(20, WAIT).or_fail("the 20 sends' completions");
     let back = DoneCounter::new();
     for _ in 0..5 {
         b.submit_send(&a.main_address(), b"pong", back.clone())
-            .unwrap();
+            .or_fail("posting it");
     }
-    back.wait_for(5, WAIT).unwrap();
+    back.wait_for(5, WAIT).or_fail("the 5 replies' completions");
     let deadline = Instant::now() + WAIT;
     while (got.lock().unwrap().len() < 20 || replies.load(Ordering::SeqCst) < 5)
         && Instant::now() < deadline
@@ -492,7 +533,7 @@ pub fn notifications_follow_their_data(h: &dyn Harness) {
             .unwrap();
         let at = (round * CHUNK) as u64;
         a.submit_single_write(CHUNK as u64, None, (src.mr(), at), (dst.desc(), at), done)
-            .unwrap();
+            .or_fail("posting it");
     }
     let want = src.to_vec();
     let mut seen = Vec::new();
@@ -554,25 +595,29 @@ pub fn imm_counts(h: &dyn Harness) {
     for i in 0..10 {
         let imm = if i % 2 == 0 { 1 } else { 2 };
         a.submit_single_write(8, Some(imm), (src.mr(), 0), (dst.desc(), 8), writes.clone())
-            .unwrap();
+            .or_fail("posting it");
     }
-    writes.wait_for(10, WAIT).unwrap();
+    writes
+        .wait_for(10, WAIT)
+        .or_fail("the 10 writes' completions");
     let deadline = Instant::now() + WAIT;
     while b.imm_count(1) + b.imm_count(2) < 10 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!((b.imm_count(1), b.imm_count(2)), (5, 5), "pollable counts");
     // Met at once by arrivals already counted; consumes 3 of 5.
-    expect_arrivals(&b, 1, 3).wait(WAIT).unwrap();
+    expect_arrivals(&b, 1, 3)
+        .wait(WAIT)
+        .or_fail("3 arrivals of immediate 1");
     assert_eq!(b.imm_count(1), 2);
     // Needs 4 more than the 2 left: met only after they arrive.
     let later = expect_arrivals(&b, 1, 6);
     assert!(!later.is_done());
     for _ in 0..4 {
         a.submit_single_write(8, Some(1), (src.mr(), 0), (dst.desc(), 0), writes.clone())
-            .unwrap();
+            .or_fail("posting it");
     }
-    later.wait(WAIT).unwrap();
+    later.wait(WAIT).or_fail("the 5th arrival of immediate 2");
     assert_eq!((b.imm_count(1), b.imm_count(2)), (0, 5));
 }
 
@@ -700,7 +745,7 @@ pub fn remote_access_error(h: &dyn Harness) {
     .unwrap();
     let f = flag();
     a.submit_single_write(4096, Some(4), (src.mr(), 0), (&forged, 0), f.clone())
-        .unwrap();
+        .or_fail("posting it");
     let r = f.wait(WAIT);
     if typed {
         assert!(matches!(r, Err(Error::RemoteAccess(_))), "got {r:?}");
@@ -721,8 +766,9 @@ pub fn remote_access_error(h: &dyn Harness) {
     let dc = buffer(&c, 4096, |_| 0);
     let ok = flag();
     a.submit_single_write(4096, None, (src.mr(), 0), (dc.desc(), 0), ok.clone())
-        .unwrap();
-    ok.wait(WAIT).unwrap();
+        .or_fail("posting it");
+    ok.wait(WAIT)
+        .or_fail("a write to a third engine after a remote access error");
     assert_copied("after a remote access error", &dc.to_vec(), &src.to_vec());
 }
 
@@ -740,7 +786,7 @@ pub fn dead_peer(h: &dyn Harness) {
     let start = Instant::now();
     let f = flag();
     a.submit_single_write(64, Some(1), (src.mr(), 0), (&desc_b, 0), f.clone())
-        .unwrap();
+        .or_fail("posting it");
     let r = f.wait(WAIT);
     assert!(
         matches!(r, Err(Error::PeerUnreachable(_) | Error::Timeout(_))),
@@ -750,8 +796,9 @@ pub fn dead_peer(h: &dyn Harness) {
     drop(gone);
     let ok = flag();
     a.submit_single_write(4096, None, (src.mr(), 0), (dc.desc(), 0), ok.clone())
-        .unwrap();
-    ok.wait(WAIT).unwrap();
+        .or_fail("posting it");
+    ok.wait(WAIT)
+        .or_fail("a write to a live engine after another engine died");
     assert_copied("after a dead peer", &dc.to_vec(), &src.to_vec());
 }
 
@@ -782,10 +829,12 @@ pub fn exactly_once(h: &dyn Harness) {
             })
         };
         a.submit_single_write(64, Some(12), (src.mr(), off), (dst.desc(), off), on_done)
-            .unwrap();
+            .or_fail("posting it");
     }
-    landed.wait(WAIT).unwrap();
-    counter.wait_for(N / 2, WAIT).unwrap();
+    landed.wait(WAIT).or_fail("the write's immediates");
+    counter
+        .wait_for(N / 2, WAIT)
+        .or_fail("half of the writes' completions");
     let deadline = Instant::now() + WAIT;
     while callbacks.load(Ordering::SeqCst) < N / 2 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(1));
@@ -850,8 +899,10 @@ pub fn callbacks_can_submit(h: &dyn Harness) {
         200,
         finished.clone(),
     );
-    finished.wait(WAIT).unwrap();
-    expect_arrivals(&b, 6, 200).wait(WAIT).unwrap();
+    finished.wait(WAIT).or_fail("the 200 writes' completions");
+    expect_arrivals(&b, 6, 200)
+        .wait(WAIT)
+        .or_fail("200 arrivals of immediate 6");
 }
 
 /// Dropping an engine fails what it still waits for with `Shutdown`, exactly once.
@@ -882,7 +933,7 @@ pub fn oversized_message_keeps_the_buffer(h: &dyn Harness) {
         if !sent {
             let small = flag();
             a.submit_send(&b.main_address(), b"fits", small.clone())
-                .unwrap();
+                .or_fail("posting it");
             // A connection the oversized message broke fails this send; the next reconnects.
             sent = small.wait(WAIT).is_ok();
         }
@@ -956,7 +1007,7 @@ pub fn reads(h: &dyn Harness) {
                 (&remote.desc, at_remote),
                 f.clone(),
             )
-            .unwrap();
+            .or_fail("posting it");
             f.wait(WAIT)
                 .unwrap_or_else(|e| panic!("{nics} NICs: read of {len}: {e}"));
             let got = local.to_vec();
@@ -976,7 +1027,7 @@ pub fn reads(h: &dyn Harness) {
         let (lp, rp) = (pages(vec![0, 1, 2]), pages(vec![9, 2, 5]));
         let f = DoneFlag::new();
         a.submit_paged_reads(4096, (local.mr(), &lp), (&remote.desc, &rp), f.clone())
-            .unwrap();
+            .or_fail("posting it");
         f.wait(WAIT)
             .unwrap_or_else(|e| panic!("{nics} NICs: paged read: {e}"));
         let got = local.to_vec();
@@ -1017,7 +1068,7 @@ pub fn read_of_an_unreadable_region(h: &dyn Harness) {
     let local = buffer(&a, 4096, |_| 0xaa);
     let f = DoneFlag::new();
     a.submit_single_read(4096, (local.mr(), 0), (write_only.desc(), 0), f.clone())
-        .unwrap();
+        .or_fail("posting it");
     let r = f.wait(WAIT);
     if h.typed_remote_access() {
         assert!(matches!(r, Err(Error::RemoteAccess(_))), "{r:?}");
@@ -1031,8 +1082,8 @@ pub fn read_of_an_unreadable_region(h: &dyn Harness) {
     let both = Readable::new(&b, 4096, pattern(4), RemoteAccess::READ_WRITE);
     let f = DoneFlag::new();
     a.submit_single_read(4096, (local.mr(), 0), (&both.desc, 0), f.clone())
-        .unwrap();
-    f.wait(WAIT).unwrap();
+        .or_fail("posting it");
+    f.wait(WAIT).or_fail("a read of a read-write region");
     assert_copied("read of a read-write region", &local.to_vec(), &both.data);
 }
 
@@ -1046,13 +1097,13 @@ pub fn read_from_a_dead_peer(h: &dyn Harness) {
     let local = buffer(&a, 4096, |_| 0);
     let f = DoneFlag::new();
     a.submit_single_read(4096, (local.mr(), 0), (&desc, 0), f.clone())
-        .unwrap();
-    f.wait(WAIT).unwrap();
+        .or_fail("posting it");
+    f.wait(WAIT).or_fail("a read from a live peer");
     drop(remote);
     drop(b);
     let f = DoneFlag::new();
     a.submit_single_read(4096, (local.mr(), 0), (&desc, 0), f.clone())
-        .unwrap();
+        .or_fail("posting it");
     assert!(f.wait(WAIT).is_err(), "a read from a dead peer succeeded");
 }
 
@@ -1065,7 +1116,7 @@ pub fn zero_byte_write_with_imm(h: &dyn Harness) {
     let dst = buffer(&b, 64, |_| 0);
     let sent = flag();
     a.submit_single_write(0, Some(901), (src.mr(), 0), (dst.desc(), 0), sent.clone())
-        .unwrap();
+        .or_fail("posting it");
     if !a.capabilities()[0].zero_byte_writes {
         assert!(
             matches!(sent.wait(WAIT), Err(Error::InvalidArgument(_))),
@@ -1123,7 +1174,7 @@ pub fn engines_in_parallel(h: &dyn Harness) {
                             (dst.desc(), at),
                             sent.clone(),
                         )
-                        .unwrap();
+                        .or_fail("posting it");
                 }
                 sent.wait_for(u64::from(WRITES), WAIT)
                     .unwrap_or_else(|e| panic!("engine {i}'s writes failed: {e}"));

@@ -499,3 +499,34 @@ fn a_backend_that_loses_immediates_fails_the_probe_naming_the_cause() {
     assert!(!out.contains("PASS "), "no check ran: {out}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Issue 26: a failed step said only `unwrap() on an Err value: Timeout(2s)`. It now says
+/// what the check was waiting for and which rule of the guide that usually breaks. Broken
+/// fixture: the mock delivers messages but never completes them at the sender.
+#[test]
+fn a_check_that_times_out_names_its_step_and_the_rule() {
+    let dir = std::env::temp_dir().join(format!("xfer-cli-step-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let broken = dir.join("broken.toml");
+    std::fs::write(
+        &broken,
+        "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n[backends.mock]\nlose_send_completions = true\n",
+    )
+    .unwrap();
+    let (code, out) = xfer(&[
+        "conformance",
+        "--config",
+        broken.to_str().unwrap(),
+        "--check",
+        "send_recv",
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("FAIL send_recv")
+            && out.contains("the 20 sends' completions: timed out")
+            && out.contains("one Done (rule 1)")
+            && !out.contains("unwrap()"),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
