@@ -341,8 +341,12 @@ impl EfaDomain {
 
     fn handle_completion(&mut self, c: &Completion, events: &mut Vec<Event>) {
         if c.kind == KIND_REMOTE_DATA {
-            // Immediates are 32 bits; providers carry 4 or 8 bytes of CQ data.
-            events.push(Event::ImmArrival { imm: c.data as u32 });
+            // Immediates are 32 bits; providers carry 4 or 8 bytes of CQ data. The sender is
+            // not named: that needs FI_SOURCE and fi_cq_readfrom (see docs/security.md).
+            events.push(Event::ImmArrival {
+                imm: c.data as u32,
+                from: None,
+            });
             return;
         }
         match self.release(c.context) {

@@ -513,7 +513,10 @@ fn rdma(
         return Err(e);
     }
     if let Some(imm) = imm {
-        target.deliver(Event::ImmArrival { imm });
+        target.deliver(Event::ImmArrival {
+            imm,
+            from: Some(src.addr.clone()),
+        });
     }
     Ok(())
 }

@@ -107,6 +107,44 @@ fn unexpected_immediates_are_bounded_and_their_loss_is_loud() {
     );
 }
 
+/// Issue 25: a peer that sprays fresh immediates (zero-byte writes cost it nothing) filled
+/// the whole table, so another peer's early arrival was dropped and its receiver's
+/// expectation timed out. Each sender now has a share of the table
+/// (`worker.max_idle_imms_per_peer`), and the honest peer's arrival is kept.
+#[test]
+fn one_peer_spraying_immediates_cannot_make_another_peers_arrivals_drop() {
+    let config = mock_config(
+        1,
+        "[worker]\nmax_idle_imms = 8\nmax_idle_imms_per_peer = 3\n",
+    );
+    let (flood, honest, b) = (open(&config), open(&config), open(&config));
+    let dst = buffer(&b, 64, |_| 0);
+    let spray = buffer(&flood, 64, |_| 0);
+    let sent = DoneCounter::new();
+    for imm in 0..50 {
+        flood
+            .submit_single_write(0, Some(imm), (spray.mr(), 0), (dst.desc(), 0), sent.clone())
+            .unwrap();
+    }
+    sent.wait_for(50, WAIT).unwrap();
+    wait_until("the flood to be counted or dropped", || {
+        (0..50).map(|i| b.imm_count(i)).sum::<u64>() + b.imm_dropped() == 50
+    });
+    assert_eq!(b.imm_dropped(), 47, "the flood keeps only its share");
+    // The honest peer's write lands before its receiver expects it.
+    let src = buffer(&honest, 64, pattern(2));
+    let done = DoneFlag::new();
+    honest
+        .submit_single_write(64, Some(777), (src.mr(), 0), (dst.desc(), 0), done.clone())
+        .unwrap();
+    done.wait(WAIT).unwrap();
+    wait_until("the honest arrival to be counted", || b.imm_count(777) == 1);
+    let landed = DoneFlag::new();
+    b.expect_imm_count(777, 1, landed.clone()).unwrap();
+    landed.wait(WAIT).unwrap();
+    assert_eq!(dst.to_vec(), src.to_vec());
+}
+
 /// 2. A panicking mirror sink is contained: the engine keeps working.
 #[test]
 fn a_panicking_mirror_sink_does_not_wedge_the_engine() {

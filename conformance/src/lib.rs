@@ -1362,7 +1362,7 @@ pub fn immediate_arrives_after_its_data(h: &dyn Harness) {
     let arrived = |p: &RawPair| {
         p.b_events
             .iter()
-            .any(|e| matches!(e, engine_core::domain::Event::ImmArrival { imm: 4242 }))
+            .any(|e| matches!(e, engine_core::domain::Event::ImmArrival { imm: 4242, .. }))
     };
     assert!(
         pair.poll_until(WAIT, arrived),
@@ -1412,7 +1412,7 @@ pub fn a_promised_waker_is_called(h: &dyn Harness) {
     assert!(
         pair.poll_until(WAIT, |p| p.b_events.iter().any(|e| matches!(
             e,
-            engine_core::domain::Event::ImmArrival { imm: 5151 }
+            engine_core::domain::Event::ImmArrival { imm: 5151, .. }
         ))),
         "woken, but the arrival never came"
     );

@@ -142,6 +142,9 @@ pub struct WorkerConfig {
     /// Most immediates that nobody waits for whose arrivals the ImmCounter keeps; arrivals
     /// beyond it are dropped and reported (see `engine_core::imm`).
     pub max_idle_imms: usize,
+    /// Most of those immediates one sender's arrivals may have created (where the backend
+    /// names senders: verbs, the mock, plugins that do), so one peer cannot fill the table.
+    pub max_idle_imms_per_peer: usize,
     /// Most notifications queued and not yet taken; arrivals past it are dropped, logged and
     /// counted (`TransferEngine::notifications_dropped`).
     pub max_notifications: usize,
@@ -156,6 +159,7 @@ impl Default for WorkerConfig {
             max_message: 64 << 10,
             max_outstanding: 1 << 16,
             max_idle_imms: crate::imm::DEFAULT_MAX_IDLE_IMMS,
+            max_idle_imms_per_peer: crate::imm::DEFAULT_MAX_IDLE_IMMS / 4,
             max_notifications: 1 << 14,
         }
     }
@@ -401,10 +405,11 @@ impl Config {
         if w.max_message == 0
             || w.max_outstanding == 0
             || w.max_idle_imms == 0
+            || w.max_idle_imms_per_peer == 0
             || w.max_notifications == 0
         {
             return Err(self.invalid(
-                "worker.max_message, worker.max_outstanding, worker.max_idle_imms and worker.max_notifications must be at least 1".into(),
+                "worker.max_message, worker.max_outstanding, worker.max_idle_imms, worker.max_idle_imms_per_peer and worker.max_notifications must be at least 1".into(),
             ));
         }
         self.check_backend_options()

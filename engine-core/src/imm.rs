@@ -21,8 +21,11 @@
 //! **Bounded memory.** A peer can send any immediate; an entry for an immediate nobody waits
 //! for lives until it is expected or reset, so the number of such entries is capped
 //! (`max_idle`). An arrival that would need a new entry beyond the cap is dropped and counted,
-//! and every expectation that then times out says that arrivals were dropped. Totals (for
-//! mirrors) are kept only for immediates someone mirrors.
+//! and every expectation that then times out says that arrivals were dropped. Where the backend
+//! names an arrival's sender, each sender may create at most `max_idle_per_source` of those
+//! entries, so one peer spraying immediates (zero-byte writes cost it nothing) cannot fill the
+//! table and make the early arrivals of every other peer drop. Totals (for mirrors) are kept
+//! only for immediates someone mirrors.
 //!
 //! This type is pure bookkeeping: no clock, no threads. The engine wraps it in a mutex, feeds it
 //! arrivals from the worker and passes `now` in for deadlines.
@@ -31,6 +34,8 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use foldhash::{HashMap, HashSet};
+
+use crate::wire::NetAddr;
 
 /// Counts arrivals per immediate and matches them against expectations carrying a `W` (the
 /// engine's waiter: a callback or a flag).
@@ -44,7 +49,11 @@ pub struct ImmCounter<W> {
     max_idle: usize,
     /// Entries with no expectation in their queue.
     idle: HashSet<u32>,
-    /// Arrivals dropped because the table was full.
+    /// The most idle entries one sender may have created.
+    max_idle_per_source: usize,
+    /// Idle entries by the sender whose arrival created them (senders the backend named).
+    idle_by_source: HashMap<NetAddr, usize>,
+    /// Arrivals dropped because the table, or their sender's share of it, was full.
     dropped: u64,
 }
 
@@ -52,6 +61,9 @@ pub struct ImmCounter<W> {
 struct Entry<W> {
     /// Arrivals counted and not consumed.
     count: u64,
+    /// The sender whose arrival created the entry, if the backend named it (its idle
+    /// entries are counted against its share).
+    source: Option<NetAddr>,
     /// Expectations (and debts of expired ones) in registration order.
     waiting: VecDeque<Expectation<W>>,
 }
@@ -106,13 +118,26 @@ impl<W> ImmCounter<W> {
 
     /// An empty counter keeping at most `max_idle` immediates that nobody waits for.
     pub fn with_max_idle(max_idle: usize) -> Self {
+        Self::with_limits(max_idle, max_idle)
+    }
+
+    /// An empty counter keeping at most `max_idle` immediates that nobody waits for, at
+    /// most `max_idle_per_source` of them created by any one named sender.
+    pub fn with_limits(max_idle: usize, max_idle_per_source: usize) -> Self {
         Self {
             entries: HashMap::default(),
             totals: HashMap::default(),
             max_idle,
             idle: HashSet::default(),
+            max_idle_per_source,
+            idle_by_source: HashMap::default(),
             dropped: 0,
         }
+    }
+
+    /// Idle entries created by `source`'s arrivals.
+    pub fn idle_from(&self, source: &NetAddr) -> usize {
+        self.idle_by_source.get(source).copied().unwrap_or(0)
     }
 
     /// Arrivals of `imm` counted and not yet consumed by an expectation (or absorbed by a
@@ -132,7 +157,8 @@ impl<W> ImmCounter<W> {
         })
     }
 
-    /// Arrivals dropped because the table of idle immediates was full.
+    /// Arrivals dropped because the table of idle immediates, or their sender's share of
+    /// it, was full.
     pub fn dropped(&self) -> u64 {
         self.dropped
     }
@@ -161,17 +187,33 @@ impl<W> ImmCounter<W> {
             .any(|e| e.waiting.iter().any(|x| x.waiter.is_some()))
     }
 
-    /// Counts `n` arrivals of `imm`; returns the expectations this met, in registration order.
+    /// Counts `n` arrivals of `imm` from a sender the backend did not name; returns the
+    /// expectations this met, in registration order.
     pub fn handle_arrivals(&mut self, imm: u32, n: u64, met: &mut Vec<Outcome<W>>) {
+        self.handle_arrivals_from(imm, n, None, met)
+    }
+
+    /// Counts `n` arrivals of `imm` from `source` (if the backend named it); returns the
+    /// expectations this met, in registration order.
+    pub fn handle_arrivals_from(
+        &mut self,
+        imm: u32,
+        n: u64,
+        source: Option<&NetAddr>,
+        met: &mut Vec<Outcome<W>>,
+    ) {
         if let Some(total) = self.totals.get_mut(&imm) {
             *total += n;
         }
         if !self.entries.contains_key(&imm) {
-            if self.idle.len() >= self.max_idle {
+            let share_full = source.is_some_and(|s| self.idle_from(s) >= self.max_idle_per_source);
+            if self.idle.len() >= self.max_idle || share_full {
                 self.dropped += n;
                 return;
             }
-            self.entries.insert(imm, Entry::new());
+            let mut entry = Entry::new();
+            entry.source = source.cloned();
+            self.entries.insert(imm, entry);
         }
         let entry = self.entries.get_mut(&imm).expect("inserted above");
         entry.count += n;
@@ -272,20 +314,32 @@ impl<W> ImmCounter<W> {
 
     /// Keeps the idle set and the table in step with `imm`'s entry: an entry with nothing
     /// counted and nothing queued goes; one with nothing queued is idle.
+    /// An idle entry a named sender created counts against that sender's share while it
+    /// is idle.
     fn settle(&mut self, imm: u32) {
-        match self.entries.get(&imm) {
+        let mut removed = None;
+        let changed = match self.entries.get(&imm) {
             Some(e) if e.count == 0 && e.waiting.is_empty() => {
-                self.entries.remove(&imm);
-                self.idle.remove(&imm);
+                removed = self.entries.remove(&imm);
+                self.idle.remove(&imm)
             }
-            Some(e) if e.waiting.is_empty() => {
-                self.idle.insert(imm);
-            }
-            Some(_) => {
-                self.idle.remove(&imm);
-            }
-            None => {
-                self.idle.remove(&imm);
+            Some(e) if e.waiting.is_empty() => self.idle.insert(imm),
+            Some(_) | None => self.idle.remove(&imm),
+        };
+        if !changed {
+            return;
+        }
+        let now_idle = self.idle.contains(&imm);
+        let entry = removed.as_ref().or_else(|| self.entries.get(&imm));
+        let Some(source) = entry.and_then(|e| e.source.clone()) else {
+            return;
+        };
+        if now_idle {
+            *self.idle_by_source.entry(source).or_insert(0) += 1;
+        } else if let Some(share) = self.idle_by_source.get_mut(&source) {
+            *share -= 1;
+            if *share == 0 {
+                self.idle_by_source.remove(&source);
             }
         }
     }
@@ -295,6 +349,7 @@ impl<W> Entry<W> {
     fn new() -> Self {
         Self {
             count: 0,
+            source: None,
             waiting: VecDeque::new(),
         }
     }
@@ -448,6 +503,42 @@ mod tests {
         );
     }
 
+    fn peer(name: &str) -> NetAddr {
+        NetAddr::new(name.as_bytes()).unwrap()
+    }
+
+    /// Issue 25: a peer that fills the table with zero-byte writes of fresh immediates made
+    /// every other peer's early arrivals drop. Each named sender now has a share.
+    #[test]
+    fn one_sender_cannot_take_the_whole_table_of_idle_immediates() {
+        let mut c: ImmCounter<&str> = ImmCounter::with_limits(8, 3);
+        let (flood, honest) = (peer("flood"), peer("honest"));
+        let mut out = Vec::new();
+        for imm in 0..100 {
+            c.handle_arrivals_from(imm, 1, Some(&flood), &mut out);
+        }
+        assert_eq!(c.idle_from(&flood), 3);
+        assert_eq!(c.dropped(), 97);
+        // The honest peer's early arrival is kept, and met when its receiver expects it.
+        c.handle_arrivals_from(500, 1, Some(&honest), &mut out);
+        assert_eq!(c.count(500), 1);
+        assert_eq!(c.expect(500, 1, later(1), "honest"), Some("honest"));
+        // Arrivals for an immediate someone waits for never count against a share.
+        assert_eq!(c.expect(600, 2, later(1), "waited"), None);
+        c.handle_arrivals_from(600, 2, Some(&flood), &mut out);
+        assert_eq!(out, vec![Outcome::Met("waited")]);
+        // Consuming the flood's idle entries gives its share back.
+        assert_eq!(c.expect(0, 1, later(1), "a"), Some("a"));
+        assert_eq!(c.idle_from(&flood), 2);
+        c.handle_arrivals_from(200, 1, Some(&flood), &mut out);
+        assert_eq!((c.idle_from(&flood), c.count(200)), (3, 1));
+        // Unnamed senders are bound by the table's cap only.
+        for imm in 1000..1010 {
+            c.handle_arrivals(imm, 1, &mut out);
+        }
+        assert_eq!(c.entries(), 8);
+    }
+
     #[test]
     fn totals_are_kept_only_for_tracked_immediates() {
         let mut c: ImmCounter<()> = ImmCounter::new();
@@ -512,6 +603,39 @@ mod tests {
             }
             proptest::prop_assert_eq!(met_real, met_model);
             proptest::prop_assert_eq!(c.count(9), spare);
+        }
+
+        /// Each sender's share always equals the idle entries its arrivals created, and no
+        /// sender holds more than its share, whatever arrives, is expected, expires or is
+        /// reset.
+        #[test]
+        fn shares_match_the_idle_entries_of_each_sender(
+            ops in proptest::collection::vec((0u8..4, 0u32..12, 0usize..3), 1..120)
+        ) {
+            let senders = [peer("a"), peer("b"), peer("c")];
+            let mut c: ImmCounter<u32> = ImmCounter::with_limits(10, 4);
+            let t0 = Instant::now();
+            let mut out = Vec::new();
+            for (kind, imm, who) in ops {
+                match kind {
+                    0 | 1 => c.handle_arrivals_from(imm, 1, Some(&senders[who]), &mut out),
+                    2 => { let _ = c.expect(imm, 1, t0, imm); }
+                    _ => {
+                        c.poll_expired(t0, &mut out);
+                        let _ = c.reset(imm);
+                    }
+                }
+                for s in &senders {
+                    let idle_created = c
+                        .entries
+                        .iter()
+                        .filter(|(imm, e)| c.idle.contains(imm) && e.source.as_ref() == Some(s))
+                        .count();
+                    proptest::prop_assert_eq!(c.idle_from(s), idle_created);
+                    proptest::prop_assert!(idle_created <= 4);
+                }
+                proptest::prop_assert!(c.idle.len() <= 10);
+            }
         }
     }
 }

@@ -298,8 +298,13 @@ static int32_t rdma(struct domain *d, int write, uint64_t wr_id, XferRawBytes pe
             if (write) memmove((void *)(uintptr_t)remote_addr, (const void *)(uintptr_t)local_addr, len);
             else memmove((void *)(uintptr_t)local_addr, (const void *)(uintptr_t)remote_addr, len);
         }
-        /* The data is in place before the immediate is queued: an arrival means visible. */
-        if (write && has_imm) push(target, XFER_EVENT_IMM, 0, 0, imm, NULL, 0);
+        /* The data is in place before the immediate is queued: an arrival means visible.
+         * Its bytes name the sender, so the engine can bound what each peer makes it keep. */
+        if (write && has_imm) {
+            uint8_t from[ADDR_LEN];
+            address_of(d->id, from);
+            push(target, XFER_EVENT_IMM, 0, 0, imm, from, ADDR_LEN);
+        }
         push(d, XFER_EVENT_DONE, 0, wr_id, 0, NULL, 0);
     }
     pthread_mutex_unlock(&fabric);

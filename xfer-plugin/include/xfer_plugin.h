@@ -341,7 +341,9 @@ typedef struct XferRawEvent {
    */
   uint32_t imm;
   /**
-   * Message bytes (kind 3) or error text (kind 1).
+   * Message bytes (kind 3), error text (kind 1), or for kind 2 the sender's address (as
+   * its `address` returns it; empty if the NIC does not tell), which lets the engine bound
+   * per sender the immediates nobody waits for.
    */
   struct XferRawBytes data;
 } XferRawEvent;

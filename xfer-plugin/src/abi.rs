@@ -300,7 +300,9 @@ pub struct RawEvent {
     pub wr_id: u64,
     /// For kind 2.
     pub imm: u32,
-    /// Message bytes (kind 3) or error text (kind 1).
+    /// Message bytes (kind 3), error text (kind 1), or for kind 2 the sender's address (as
+    /// its `address` returns it; empty if the NIC does not tell), which lets the engine bound
+    /// per sender the immediates nobody waits for.
     pub data: RawBytes,
 }
 
@@ -715,12 +717,12 @@ unsafe extern "C" fn shim_poll(
                     imm: 0,
                     data: RawBytes::new(e.message.as_bytes()),
                 },
-                Event::ImmArrival { imm } => RawEvent {
+                Event::ImmArrival { imm, from } => RawEvent {
                     kind: EVENT_IMM,
                     error_kind: 0,
                     wr_id: 0,
                     imm: *imm,
-                    data: RawBytes::new(&[]),
+                    data: RawBytes::new(from.as_ref().map_or(&[], NetAddr::raw)),
                 },
                 Event::Message { data } => RawEvent {
                     kind: EVENT_MESSAGE,

@@ -119,6 +119,10 @@ pub enum Event {
     ImmArrival {
         /// The immediate it carried.
         imm: u32,
+        /// The sender's address (what its Domain's `address` returns), if the NIC tells.
+        /// The engine bounds, per sender, the immediates nobody waits for that a sender can
+        /// make it keep; arrivals without a sender share only the overall bound.
+        from: Option<NetAddr>,
     },
     /// A message arrived in one of the posted receive buffers (which is then used up).
     Message {

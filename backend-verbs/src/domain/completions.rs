@@ -169,7 +169,11 @@ impl VerbsDomain {
                     }
                     KIND_RECV_IMM => {
                         if wc.status == 0 {
-                            events.push(Event::ImmArrival { imm: wc.imm });
+                            events.push(Event::ImmArrival {
+                                imm: wc.imm,
+                                // The QP says who wrote: RC connects one peer per QP.
+                                from: self.qp_peer.get(&wc.qp_num).cloned(),
+                            });
                         }
                         if let Some(ms) = self.stall_once.take() {
                             // Test fault: a worker stalled (a long registration, say) while

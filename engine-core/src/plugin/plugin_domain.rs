@@ -96,17 +96,36 @@ impl Drop for PluginDomain {
 struct Collected<'a> {
     events: &'a mut Vec<Event>,
     unknown_kind: Option<u32>,
+    /// The last sender an arrival named: a stream of arrivals from one peer shares one
+    /// address instead of allocating one each.
+    last_source: Option<NetAddr>,
+}
+
+impl Collected<'_> {
+    /// The sender an `EVENT_IMM` names in its bytes (none when empty or not an address).
+    fn source(&mut self, raw: &[u8]) -> Option<NetAddr> {
+        if raw.is_empty() {
+            return None;
+        }
+        if self
+            .last_source
+            .as_ref()
+            .is_none_or(|last| last.raw() != raw)
+        {
+            self.last_source = Some(NetAddr::new(raw).ok()?);
+        }
+        self.last_source.clone()
+    }
 }
 
 unsafe extern "C" fn collect_event(sink: *mut c_void, event: *const RawEvent) {
     // SAFETY: sink is the &mut Collected passed by PluginDomain::poll for this call.
     let collected = unsafe { &mut *(sink as *mut Collected<'_>) };
-    let events = &mut *collected.events;
     // SAFETY: the plugin passes a valid event whose bytes live for this call.
     let e = unsafe { &*event };
     // SAFETY: as above.
     let data = unsafe { e.data.as_slice() };
-    events.push(match e.kind {
+    let event = match e.kind {
         EVENT_DONE => Event::Done {
             wr_id: e.wr_id,
             result: Ok(()),
@@ -118,7 +137,10 @@ unsafe extern "C" fn collect_event(sink: *mut c_void, event: *const RawEvent) {
                 String::from_utf8_lossy(data).into_owned(),
             )),
         },
-        EVENT_IMM => Event::ImmArrival { imm: e.imm },
+        EVENT_IMM => Event::ImmArrival {
+            imm: e.imm,
+            from: collected.source(data),
+        },
         EVENT_MESSAGE => Event::Message {
             data: data.to_vec(),
         },
@@ -127,7 +149,8 @@ unsafe extern "C" fn collect_event(sink: *mut c_void, event: *const RawEvent) {
             collected.unknown_kind.get_or_insert(other);
             return;
         }
-    });
+    };
+    collected.events.push(event);
 }
 
 unsafe extern "C" fn wake_trampoline(ctx: *const c_void) {
@@ -267,6 +290,7 @@ impl Domain for PluginDomain {
         let mut collected = Collected {
             events,
             unknown_kind: None,
+            last_source: None,
         };
         let sink = &mut collected as *mut Collected<'_> as *mut c_void;
         // SAFETY: live handle; `sink` is exclusively borrowed for the call, and collect_event
@@ -326,6 +350,7 @@ mod tests {
         let mut collected = Collected {
             events: &mut events,
             unknown_kind: None,
+            last_source: None,
         };
         let sink = &mut collected as *mut Collected<'_> as *mut c_void;
         for kind in [2, 9, 3] {
@@ -343,7 +368,11 @@ mod tests {
         assert_eq!(
             events,
             vec![
-                Event::ImmArrival { imm: 7 },
+                // An immediate's bytes name its sender.
+                Event::ImmArrival {
+                    imm: 7,
+                    from: Some(NetAddr::new(b"m").unwrap())
+                },
                 Event::Message {
                     data: b"m".to_vec()
                 }

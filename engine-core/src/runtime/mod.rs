@@ -172,14 +172,17 @@ pub(crate) struct Shared {
 
 impl Shared {
     pub(crate) fn new(config: Config, backend: String, jobs: Sender<Job>) -> Self {
-        let max_idle_imms = config.worker.max_idle_imms;
+        let (max_idle_imms, per_peer) = (
+            config.worker.max_idle_imms,
+            config.worker.max_idle_imms_per_peer,
+        );
         let notifications = Mutex::new(Inbox::new(config.worker.max_notifications));
         Self {
             config,
             backend,
             queue: SegQueue::new(),
             worker: OnceLock::new(),
-            imm: Mutex::new(ImmCounter::with_max_idle(max_idle_imms)),
+            imm: Mutex::new(ImmCounter::with_limits(max_idle_imms, per_peer)),
             jobs,
             recv_handler: OnceLock::new(),
             closed: AtomicBool::new(false),

@@ -824,11 +824,11 @@ impl Worker {
                         self.finished.push(done);
                     }
                 }
-                Event::ImmArrival { imm: value } => {
+                Event::ImmArrival { imm: value, from } => {
                     self.recorder.rest.imm_arrivals += 1;
                     // Take the ImmCounter lock once per batch, not once per arrival.
                     let counter = imm.get_or_insert_with(|| self.shared.lock_imm());
-                    counter.handle_arrivals(value, 1, &mut self.imm_outcomes);
+                    counter.handle_arrivals_from(value, 1, from.as_ref(), &mut self.imm_outcomes);
                     if mirrored && !arrived.contains(&value) {
                         arrived.push(value);
                     }
