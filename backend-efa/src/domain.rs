@@ -15,6 +15,7 @@ use crate::ffi::{
     KIND_REMOTE_DATA,
 };
 use crate::options::EfaOptions;
+use crate::shm_lifetime::{self, EndpointSlot};
 
 /// Scratch the provider may use (FI_CONTEXT2 is eight pointers) at a stable address.
 #[repr(C)]
@@ -63,7 +64,7 @@ pub struct EfaDomain {
     spare_contexts: Vec<Box<OpContext>>,
     /// Source of zero-byte writes: EFA wants a valid descriptor even for no bytes.
     zero_source: (Box<[u8]>, MemoryRegistration),
-    endpoint: Endpoint,
+    endpoint: EndpointSlot,
     address: NetAddr,
     provider: String,
     peers: HashMap<NetAddr, u64>,
@@ -193,6 +194,7 @@ impl EfaDomain {
         let zero_mr =
             unsafe { endpoint.register(zero.as_ptr(), zero.len(), None, zero_key, (false, false)) }
                 .map_err(other)?;
+        shm_lifetime::opened(&options.provider);
         Ok(Self {
             regions,
             receives: ReceivePool::new(),
@@ -202,7 +204,7 @@ impl EfaDomain {
             spare_contexts: Vec::new(),
             zero_source: (zero, zero_mr),
             provider: options.provider.clone(),
-            endpoint,
+            endpoint: EndpointSlot::new(endpoint),
             address,
             peers: HashMap::new(),
             options,
@@ -217,6 +219,13 @@ impl EfaDomain {
     }
 
     fn peer(&mut self, addr: &NetAddr) -> Result<u64, DomainError> {
+        if shm_lifetime::is_closed(&self.provider, addr) {
+            // Never handed to shm, which would crash on the freed endpoint (shm_lifetime).
+            return Err(DomainError::new(
+                DomainErrorKind::PeerUnreachable,
+                format!("{addr}: that shm endpoint of this process closed"),
+            ));
+        }
         if let Some(&a) = self.peers.get(addr) {
             return Ok(a);
         }
@@ -637,8 +646,15 @@ impl Domain for EfaDomain {
 
 impl Drop for EfaDomain {
     fn drop(&mut self) {
-        // Cancel everything posted before the buffers and registrations it uses go away.
-        self.endpoint.close_endpoint();
+        let Some(endpoint) = self.endpoint.take() else {
+            return;
+        };
+        // On shm, parked while other endpoints of this process may still point into it.
+        if let Some(endpoint) = shm_lifetime::close(&self.provider, &self.address, endpoint) {
+            self.endpoint.put(endpoint);
+            // Cancel everything posted before the buffers and registrations it uses go away.
+            self.endpoint.close_endpoint();
+        }
     }
 }
 
