@@ -205,7 +205,7 @@ impl Domain for MockDomain {
             peer: wr.peer.clone(),
             direction: Direction::Write,
             local: (wr.local_addr, wr.local_key),
-            remote: (wr.remote_addr, wr.remote_key),
+            remote: (wr.remote_addr, wr.remote_key, wr.remote_base),
             len: wr.len,
             imm: wr.imm,
         })
@@ -225,7 +225,7 @@ impl Domain for MockDomain {
             peer: rd.peer.clone(),
             direction: Direction::Read,
             local: (rd.local_addr, rd.local_key),
-            remote: (rd.remote_addr, rd.remote_key),
+            remote: (rd.remote_addr, rd.remote_key, rd.remote_base),
             len: rd.len,
             imm: None,
         })

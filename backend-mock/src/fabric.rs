@@ -106,7 +106,7 @@ pub(crate) enum Op {
         direction: Direction,
         /// (address, key) of our range and of the peer's.
         local: (u64, u64),
-        remote: (u64, u64),
+        remote: (u64, u64, u64),
         len: u64,
         imm: Option<u32>,
     },
@@ -420,7 +420,7 @@ fn rdma(
     peer: &NetAddr,
     direction: Direction,
     (local_addr, local_key): (u64, u64),
-    (remote_addr, remote_key): (u64, u64),
+    (remote_addr, remote_key, remote_base): (u64, u64, u64),
     len: u64,
     imm: Option<u32>,
     injected: Option<DomainError>,
@@ -476,6 +476,17 @@ fn rdma(
                 format!("rkey {remote_key:#x} is not valid for remote {access} at mock NIC {peer}"),
             )
         })?;
+    // Like a provider without FI_MR_VIRT_ADDR, the mock needs the registration's start: a
+    // wrong `remote_base` (a region sharing a larger registration, issue 27) is refused.
+    if remote_base != remote.ptr {
+        return Err(DomainError::new(
+            DomainErrorKind::RemoteAccess,
+            format!(
+                "remote_base {remote_base:#x} is not the start {:#x} of rkey {remote_key:#x}'s registration at mock NIC {peer}",
+                remote.ptr
+            ),
+        ));
+    }
     if !remote.contains(remote_addr, len) {
         return Err(DomainError::new(
             DomainErrorKind::RemoteAccess,

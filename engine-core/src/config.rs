@@ -201,6 +201,25 @@ impl WatcherConfig {
     }
 }
 
+/// Registration.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MemoryConfig {
+    /// Share one NIC registration among every `reg_mr` of a range it covers (same memory
+    /// kind and remote access), deregistering at the last `dereg_mr` (see
+    /// `engine_core::regcache`). Off: each `reg_mr` registers, each `dereg_mr` revokes its
+    /// keys at once.
+    pub registration_cache: bool,
+}
+
+impl Default for MemoryConfig {
+    fn default() -> Self {
+        Self {
+            registration_cache: true,
+        }
+    }
+}
+
 /// The metrics endpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
@@ -291,6 +310,9 @@ pub struct Config {
     /// The Prometheus endpoint (`[metrics] listen = ...`), off unless set.
     #[serde(default)]
     pub metrics: MetricsConfig,
+    /// `[memory]`: registration.
+    #[serde(default)]
+    pub memory: MemoryConfig,
     /// Where this config came from, for error messages.
     #[serde(skip)]
     pub source: PathBuf,

@@ -55,6 +55,7 @@ pub mod metrics;
 mod notifications;
 pub mod plan;
 pub mod plugin;
+pub mod regcache;
 mod runtime;
 pub mod stats;
 pub mod wire;

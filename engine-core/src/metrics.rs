@@ -188,6 +188,12 @@ impl Collector for Snapshot {
             "Deregistrations",
             s.registrations.deregistered,
         )?;
+        counter(
+            &mut e,
+            "xfer_registration_cache_hits",
+            "reg_mr calls served by a live registration covering them",
+            s.registrations.cache_hits,
+        )?;
         let secs = ConstCounter::new(s.registrations.time_us as f64 / 1e6);
         secs.encode(e.encode_descriptor(
             "xfer_registration_seconds",

@@ -116,6 +116,9 @@ pub struct RegistrationStats {
     pub deregistered: u64,
     /// Registrations that failed.
     pub failed: u64,
+    /// `reg_mr`s served by a live registration covering them (`[memory] registration_cache`),
+    /// not counted in `registered`.
+    pub cache_hits: u64,
 }
 
 /// A snapshot of the engine's counters.

@@ -25,6 +25,12 @@ pub struct MrDesc {
     ptr: u64,
     len: u64,
     rkeys: Vec<(NetAddr, u64)>,
+    /// How far `ptr` lies past the start of the NIC registration the keys belong to: 0
+    /// unless the region shares a larger registration (the registration cache). Backends
+    /// that address remote memory by offset (libfabric without `FI_MR_VIRT_ADDR`) need it.
+    // Always serialized: postcard (rendezvous records) is not self-describing.
+    #[serde(default)]
+    key_offset: u64,
 }
 
 /// The unchecked shape serde sees; turned into an `MrDesc` only through [`MrDesc::new`].
@@ -33,12 +39,14 @@ struct MrDescFields {
     ptr: u64,
     len: u64,
     rkeys: Vec<(NetAddr, u64)>,
+    #[serde(default)]
+    key_offset: u64,
 }
 
 impl TryFrom<MrDescFields> for MrDesc {
     type Error = DecodeError;
     fn try_from(f: MrDescFields) -> Result<Self, DecodeError> {
-        Self::new(f.ptr, f.len, f.rkeys)
+        Self::new(f.ptr, f.len, f.rkeys)?.within_registration_at(f.ptr.wrapping_sub(f.key_offset))
     }
 }
 
@@ -50,7 +58,31 @@ impl MrDesc {
         if ptr.checked_add(len).is_none() {
             return Err(DecodeError::Overflow { ptr, len });
         }
-        Ok(Self { ptr, len, rkeys })
+        Ok(Self {
+            ptr,
+            len,
+            rkeys,
+            key_offset: 0,
+        })
+    }
+
+    /// The same region, whose keys belong to a registration starting at `base` (at or before
+    /// `ptr`): a range the registration cache served from a larger registration.
+    pub fn within_registration_at(mut self, base: u64) -> Result<Self, DecodeError> {
+        if base > self.ptr {
+            return Err(DecodeError::Overflow {
+                ptr: base,
+                len: self.len,
+            });
+        }
+        self.key_offset = self.ptr - base;
+        Ok(self)
+    }
+
+    /// Where the NIC registration the keys belong to starts (`ptr` unless the region shares a
+    /// larger registration).
+    pub fn registration_base(&self) -> u64 {
+        self.ptr - self.key_offset
     }
 
     /// Start address of the region in the owner's address space.
@@ -90,6 +122,10 @@ impl MrDesc {
             addr.encode_body(&mut out);
             out.extend_from_slice(&rkey.to_le_bytes());
         }
+        // Only when non-zero, so a plain descriptor reads as it always did.
+        if self.key_offset != 0 {
+            out.extend_from_slice(&self.key_offset.to_le_bytes());
+        }
         out
     }
 
@@ -106,8 +142,9 @@ impl MrDesc {
             let addr = NetAddr::decode_body(&mut r)?;
             rkeys.push((addr, r.u64()?));
         }
+        let key_offset = if r.remaining() >= 8 { r.u64()? } else { 0 };
         r.finish()?;
-        Self::new(ptr, len, rkeys)
+        Self::new(ptr, len, rkeys)?.within_registration_at(ptr.wrapping_sub(key_offset))
     }
 }
 
@@ -296,6 +333,29 @@ mod tests {
         assert!(matches!("zz".parse::<NetAddr>(), Err(DecodeError::Hex(_))));
     }
 
+    /// A region the registration cache served from a larger registration carries how far
+    /// it starts into it (backends that address by offset need the registration's base); a
+    /// plain descriptor's bytes are what they always were.
+    #[test]
+    fn a_shared_registration_keeps_its_base_in_every_form() {
+        let a = NetAddr::new(&[1]).unwrap();
+        let plain = MrDesc::new(0x1000, 64, vec![(a.clone(), 7)]).unwrap();
+        let shared = plain.clone().within_registration_at(0x800).unwrap();
+        assert_eq!(plain.registration_base(), 0x1000);
+        assert_eq!(shared.registration_base(), 0x800);
+        assert_eq!(shared.to_bytes().len(), plain.to_bytes().len() + 8);
+        assert_eq!(MrDesc::from_bytes(&shared.to_bytes()).unwrap(), shared);
+        assert_eq!(MrDesc::from_bytes(&plain.to_bytes()).unwrap(), plain);
+        assert_eq!(shared.to_string().parse::<MrDesc>().unwrap(), shared);
+        let pc = postcard::to_allocvec(&shared).unwrap();
+        assert_eq!(postcard::from_bytes::<MrDesc>(&pc).unwrap(), shared);
+        assert!(plain.clone().within_registration_at(0x1001).is_err());
+        // A key offset reaching before address 0 is refused, not wrapped.
+        let mut bytes = plain.to_bytes();
+        bytes.extend_from_slice(&0x2000u64.to_le_bytes());
+        assert!(MrDesc::from_bytes(&bytes).is_err());
+    }
+
     #[test]
     fn overflowing_region_is_rejected_in_every_form() {
         let a = NetAddr::new(&[1]).unwrap();
@@ -307,6 +367,7 @@ mod tests {
             ptr: u64::MAX,
             len: 2,
             rkeys: vec![(a, 1)],
+            key_offset: 0,
         };
         assert!(MrDesc::from_bytes(&bad.to_bytes()).is_err());
         assert!(postcard::from_bytes::<MrDesc>(&postcard::to_allocvec(&bad).unwrap()).is_err());

@@ -116,6 +116,11 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Bytes not read yet (for an optional trailing field).
+    pub fn remaining(&self) -> usize {
+        self.bytes.len() - self.at
+    }
+
     #[allow(missing_docs)]
     pub fn finish(self) -> Result<(), DecodeError> {
         match self.bytes.len() - self.at {

@@ -10,6 +10,16 @@ pub(super) struct LocalRegion {
     pub(super) len: u64,
     /// One registration per NIC, in NIC order.
     pub(super) keys: Vec<Registration>,
+    /// Where the registration the keys belong to starts (`ptr` unless shared).
+    pub(super) base: u64,
+    /// The registration cache's id for the registration, if cached.
+    pub(super) cache_id: Option<u64>,
+}
+
+type RegistrationCache = crate::regcache::RegistrationCache<Vec<Registration>>;
+
+fn lock_cache(cache: &Mutex<RegistrationCache>) -> std::sync::MutexGuard<'_, RegistrationCache> {
+    cache.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl TransferEngine {
@@ -40,11 +50,37 @@ impl TransferEngine {
             Device::Cuda(i) => xfer_cuda::check_device_range(region.ptr, region.len, i),
         }
         .map_err(Error::InvalidArgument)?;
-        let keys = self.control(|reply| Command::Register { region, reply })?;
-        let local = LocalRegion {
-            ptr: region.ptr,
-            len: region.len,
-            keys,
+        let kind = (device, access.write, access.read);
+        let cache = self.shared.registrations.as_ref();
+        let hit = cache.and_then(|c| lock_cache(c).acquire(kind, region.ptr, region.len));
+        let local = match hit {
+            Some(hit) => {
+                self.shared
+                    .registration_cache_hits
+                    .fetch_add(1, Ordering::Relaxed);
+                LocalRegion {
+                    ptr: region.ptr,
+                    len: region.len,
+                    keys: hit.value,
+                    base: hit.base,
+                    cache_id: Some(hit.id),
+                }
+            }
+            None => {
+                let keys = self.control(|reply| Command::Register { region, reply })?;
+                let cache_id = cache.map(|c| {
+                    lock_cache(c)
+                        .insert(kind, region.ptr, region.len, keys.clone())
+                        .id
+                });
+                LocalRegion {
+                    ptr: region.ptr,
+                    len: region.len,
+                    keys,
+                    base: region.ptr,
+                    cache_id,
+                }
+            }
         };
         let handle = MrHandle {
             engine: self.id,
@@ -113,10 +149,12 @@ impl TransferEngine {
             .cloned()
             .zip(local.keys.iter().map(|k| k.remote_key))
             .collect();
-        let desc = MrDesc::new(local.ptr, local.len, rkeys).map_err(|source| Error::Decode {
-            what: "MrDesc",
-            source,
-        })?;
+        let desc = MrDesc::new(local.ptr, local.len, rkeys)
+            .and_then(|d| d.within_registration_at(local.base))
+            .map_err(|source| Error::Decode {
+                what: "MrDesc",
+                source,
+            })?;
         Ok((handle, desc))
     }
 
@@ -140,6 +178,10 @@ impl TransferEngine {
     /// shut down, the Domains were closed before this returns. An error only says that some
     /// NIC reported a failure while deregistering (logged) or that the handle is unknown.
     /// Writes of this engine still in flight from the region may fail.
+    ///
+    /// With `[memory] registration_cache` (the default), handles whose ranges one NIC
+    /// registration covers share it ([`crate::regcache`]): the keys are revoked, and the
+    /// guarantee above applies, when the last of them is deregistered.
     pub fn dereg_mr(&self, handle: MrHandle) -> Result<()> {
         self.check_owner("memory region", handle.engine, handle.id)?;
         let region = self
@@ -148,6 +190,13 @@ impl TransferEngine {
             .unwrap_or_else(|p| p.into_inner())
             .remove(&handle.id)
             .ok_or(Error::UnknownHandle(handle.id))?;
+        if let (Some(id), Some(cache)) = (region.cache_id, &self.shared.registrations) {
+            let last = lock_cache(cache).release(id).is_some();
+            if !last {
+                // Other handles still use the registration: it stays until the last goes.
+                return Ok(());
+            }
+        }
         let keys = region.keys.iter().map(|k| k.local_key).collect();
         match self.control_until_done("dereg_mr", |reply| Command::Deregister { keys, reply }) {
             // Closed Domains hold no registrations: the guarantee holds.

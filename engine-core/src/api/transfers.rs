@@ -106,7 +106,7 @@ impl TransferEngine {
                 local_key: src.keys[c.nic].local_key,
                 remote_addr: dst.ptr() + dst_offset + c.offset,
                 remote_key: *remote_key,
-                remote_base: dst.ptr(),
+                remote_base: dst.registration_base(),
                 len: c.len,
                 imm,
             });
@@ -370,7 +370,7 @@ impl TransferEngine {
                 local_key: 0,
                 remote_addr: d.ptr(),
                 remote_key: *remote_key,
-                remote_base: d.ptr(),
+                remote_base: d.registration_base(),
                 len: 0,
                 imm: Some(imm),
             });

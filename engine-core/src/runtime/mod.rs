@@ -168,6 +168,10 @@ pub(crate) struct Shared {
     /// Notifications received and not yet taken (see `TransferEngine::poll_notifications`).
     pub(crate) notifications: Mutex<Inbox>,
     pub(crate) notified: std::sync::Condvar,
+    /// Live registrations shared by the `reg_mr`s they cover (`[memory] registration_cache`).
+    pub(crate) registrations: Option<Mutex<crate::regcache::RegistrationCache<Vec<Registration>>>>,
+    /// `reg_mr`s the cache served without registering.
+    pub(crate) registration_cache_hits: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -177,7 +181,13 @@ impl Shared {
             config.worker.max_idle_imms_per_peer,
         );
         let notifications = Mutex::new(Inbox::new(config.worker.max_notifications));
+        let registrations = config
+            .memory
+            .registration_cache
+            .then(|| Mutex::new(crate::regcache::RegistrationCache::new()));
         Self {
+            registrations,
+            registration_cache_hits: std::sync::atomic::AtomicU64::new(0),
             config,
             backend,
             queue: SegQueue::new(),
@@ -232,7 +242,10 @@ impl Shared {
         self.submit(Command::Stats { reply })?;
         let timeout = self.config.timeouts.control();
         match answer.recv_timeout(timeout) {
-            Ok(stats) => stats,
+            Ok(stats) => stats.map(|mut s| {
+                s.registrations.cache_hits = self.registration_cache_hits.load(Ordering::Relaxed);
+                s
+            }),
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(Error::Timeout(timeout)),
             // The worker dropped the request: it failed or shut down.
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
