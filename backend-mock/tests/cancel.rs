@@ -148,3 +148,82 @@ fn cancelling_a_finished_transfer_changes_nothing() {
     assert_eq!(handle.status(), TransferStatus::Done);
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
+
+/// Per-transfer telemetry (issue 27): when a transfer was submitted, posted and completed,
+/// what it moved and over which NICs, as the Python completion reports it.
+#[test]
+fn a_transfer_reports_when_it_was_submitted_posted_and_completed() {
+    let config = common::mock_config(2, "[stripe]\nmin_stripe_len = 4096\n");
+    let a = Arc::new(TransferEngine::open(&config).unwrap());
+    let b = Arc::new(TransferEngine::open(&config).unwrap());
+    let src = HostBuffer::from_fn(&a, 1 << 16, |i| i as u8).unwrap();
+    let dst = HostBuffer::new(&b, 1 << 16).unwrap();
+    let (on_done, calls, _) = counted();
+    let (handle, on_done) = a.cancellable(on_done);
+    assert_eq!(
+        handle.telemetry(),
+        engine_core::Telemetry::default(),
+        "nothing before"
+    );
+    let before = std::time::Instant::now();
+    a.submit_single_write(1 << 16, None, (src.mr(), 0), (dst.desc(), 0), on_done)
+        .unwrap();
+    wait_calls(&calls, 1);
+    let t = handle.telemetry();
+    assert_eq!(t.bytes, 1 << 16);
+    assert_eq!(t.nics, vec![0, 1], "striped over both NICs: {t:?}");
+    assert!(t.requests >= 2, "{t:?}");
+    let (submitted, posted, completed) = (
+        t.submitted.unwrap(),
+        t.posted.unwrap(),
+        t.completed.unwrap(),
+    );
+    assert!(
+        before <= submitted && submitted <= posted && posted <= completed,
+        "{t:?}"
+    );
+    assert_eq!(t.duration(), Some(completed - submitted));
+}
+
+/// Issue 27: expectations can be cancelled too. The cancelled one completes once with
+/// `Cancelled`, and its arrivals are owed as after a timeout (never counted for the next
+/// expectation on the immediate).
+#[test]
+fn an_expectation_is_cancelled_and_its_arrivals_stay_owed() {
+    let (a, b) = pair("");
+    let (on_done, calls, last) = counted();
+    let (handle, on_done) = b.cancellable(on_done);
+    b.expect_imm_count(40, 2, on_done).unwrap();
+    assert_eq!(handle.status(), TransferStatus::Queued);
+    assert_eq!(handle.cancel().unwrap(), TransferStatus::Cancelled);
+    wait_calls(&calls, 1);
+    assert!(matches!(*last.lock().unwrap(), Some(Err(Error::Cancelled))));
+    assert_eq!(b.imm_owed(40), 2);
+    // The next expectation on 40 counts only what lands after the cancelled one's share.
+    let next = DoneFlag::new();
+    b.expect_imm_count(40, 1, next.clone()).unwrap();
+    let src = HostBuffer::from_fn(&a, 64, |_| 1).unwrap();
+    let dst = HostBuffer::new(&b, 64).unwrap();
+    let sent = engine_core::DoneCounter::new();
+    for _ in 0..2 {
+        a.submit_single_write(8, Some(40), (src.mr(), 0), (dst.desc(), 0), sent.clone())
+            .unwrap();
+    }
+    sent.wait_for(2, WAIT).unwrap();
+    let deadline = std::time::Instant::now() + WAIT;
+    while b.imm_owed(40) > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the owed arrivals never landed"
+        );
+        std::thread::yield_now();
+    }
+    assert!(
+        next.result().is_none(),
+        "the owed arrivals met the next expectation"
+    );
+    a.submit_single_write(8, Some(40), (src.mr(), 0), (dst.desc(), 0), sent.clone())
+        .unwrap();
+    next.wait(WAIT).unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "exactly one completion");
+}

@@ -48,6 +48,11 @@ fn writes_reads_sends_and_notifications_are_counted_with_their_bytes_and_peers()
         "{w:?}"
     );
     assert_eq!(w.latency.count(), 11, "one latency per finished write");
+    assert_eq!(
+        w.post_latency.count(),
+        11,
+        "one post latency per accepted write"
+    );
     let n = s.op(OpKind::Notification);
     assert_eq!((n.started, n.completed), (1, 1), "{n:?}");
     assert_eq!(s.stale_completions, 0);
@@ -85,6 +90,59 @@ fn failures_are_counted_by_kind_and_charged_to_their_peer() {
     let charged: Vec<_> = s.peers.values().filter(|p| p.failed == 1).collect();
     assert_eq!(charged.len(), 1, "{:?}", s.peers);
     assert!(charged[0].last_error.as_deref().unwrap().contains("access"));
+}
+
+/// `engine.peers()` (issue 27): a dead peer's state says why; a live one stays healthy.
+#[test]
+fn peers_report_their_health_and_a_dead_one_says_why() {
+    let (a, b, c) = (engine(""), engine(""), engine(""));
+    let src = HostBuffer::from_fn(&a, 4096, |i| i as u8).unwrap();
+    let (to_b, to_c) = (
+        HostBuffer::new(&b, 4096).unwrap(),
+        HostBuffer::new(&c, 4096).unwrap(),
+    );
+    let ok = DoneCounter::new();
+    for dst in [&to_b, &to_c] {
+        a.submit_single_write(64, None, (src.mr(), 0), (dst.desc(), 0), ok.clone())
+            .unwrap();
+    }
+    ok.wait_for(2, WAIT).unwrap();
+    assert!(a.peers().unwrap().iter().all(|(_, p)| p.healthy));
+    // c dies (both its NICs); a write to it fails.
+    let c_addrs: Vec<_> = to_c.desc().rkeys().iter().map(|(a, _)| a.clone()).collect();
+    for addr in &c_addrs {
+        assert!(backend_mock::kill(addr));
+    }
+    let failed = DoneFlag::new();
+    a.submit_single_write(64, None, (src.mr(), 0), (to_c.desc(), 0), failed.clone())
+        .unwrap();
+    assert!(failed.wait(WAIT).is_err());
+    let peers = a.peers().unwrap();
+    let dead: Vec<_> = peers
+        .iter()
+        .filter(|(addr, p)| c_addrs.contains(addr) && p.failed > 0)
+        .map(|(_, p)| p)
+        .collect();
+    assert_eq!(dead.len(), 1, "{peers:?}");
+    assert!(!dead[0].healthy, "{peers:?}");
+    assert!(
+        dead[0]
+            .last_error
+            .as_deref()
+            .unwrap()
+            .contains("unreachable"),
+        "{dead:?}"
+    );
+    assert!(dead[0].ms_since_activity.is_some());
+    let b_addrs: Vec<_> = to_b.desc().rkeys().iter().map(|(a, _)| a.clone()).collect();
+    let live: Vec<_> = peers
+        .iter()
+        .filter(|(addr, _)| b_addrs.contains(addr))
+        .collect();
+    assert!(
+        !live.is_empty() && live.iter().all(|(_, p)| p.healthy),
+        "{peers:?}"
+    );
 }
 
 #[test]
@@ -154,6 +212,11 @@ fn the_metrics_endpoint_serves_a_fresh_scrape_to_a_real_http_client() {
             .or_else(
                 || got.get("xfer_operation_duration_seconds_bucket{kind=\"write\",le=\"+Inf\"}")
             ),
+        Some(&3.0),
+        "{text}"
+    );
+    assert_eq!(
+        got.get("xfer_post_duration_seconds_count{kind=\"write\"}"),
         Some(&3.0),
         "{text}"
     );

@@ -285,6 +285,21 @@ impl<W> ImmCounter<W> {
         }
     }
 
+    /// Ends the first waiting expectation whose waiter `matches` (it was cancelled) and
+    /// returns its waiter; like an expiry, it stays behind as a debt and absorbs the
+    /// arrivals it waited for.
+    pub fn cancel_where(&mut self, mut matches: impl FnMut(&W) -> bool) -> Option<W> {
+        let (imm, waiter) = self.entries.iter_mut().find_map(|(imm, entry)| {
+            let x = entry
+                .waiting
+                .iter_mut()
+                .find(|x| x.waiter.as_ref().is_some_and(&mut matches))?;
+            Some((*imm, x.waiter.take()?))
+        })?;
+        self.settle(imm);
+        Some(waiter)
+    }
+
     /// Ends every waiting expectation (at shutdown), returning their waiters.
     pub fn drain_waiting(&mut self) -> Vec<W> {
         let waiters = self
@@ -537,6 +552,22 @@ mod tests {
             c.handle_arrivals(imm, 1, &mut out);
         }
         assert_eq!(c.entries(), 8);
+    }
+
+    #[test]
+    fn a_cancelled_expectation_owes_its_arrivals_like_an_expired_one() {
+        let mut c = ImmCounter::new();
+        let mut out = Vec::new();
+        assert_eq!(c.expect(5, 2, later(60), "first"), None);
+        assert_eq!(c.expect(5, 1, later(60), "second"), None);
+        assert_eq!(c.cancel_where(|w| *w == "first"), Some("first"));
+        assert_eq!(c.cancel_where(|w| *w == "first"), None, "once");
+        assert_eq!(c.owed(5), 2);
+        // The cancelled one's two arrivals are absorbed; the third meets "second".
+        c.handle_arrivals(5, 2, &mut out);
+        assert!(out.is_empty());
+        c.handle_arrivals(5, 1, &mut out);
+        assert_eq!(out, vec![Outcome::Met("second")]);
     }
 
     #[test]

@@ -69,7 +69,7 @@ pub use imm::{ImmCounter, ResetReport};
 pub use notifications::Notification;
 pub use plan::{expected_arrivals, StripePolicy, TransferShape};
 pub use runtime::completion::{DoneCounter, DoneFlag, OnDone};
-pub use runtime::control::{TransferHandle, TransferStatus};
+pub use runtime::control::{Telemetry, TransferHandle, TransferStatus};
 pub use stats::{OpKind, Stats};
 pub use uvm_watcher::{Control as WatchControl, GpuCounter, Watcher};
 pub use wire::{MrDesc, NetAddr, NOTIFICATION_ID_MAX};

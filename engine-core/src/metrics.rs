@@ -96,26 +96,33 @@ impl Collector for Snapshot {
             "Work requests posted to NICs",
             s.ops.iter().map(|(k, o)| (kind(k), o.requests)),
         )?;
-        {
-            let mut family = e.encode_descriptor(
+        for (name, help, histogram) in [
+            (
                 "xfer_operation_duration_seconds",
-                "From the worker taking an operation to its completion",
-                None,
-                MetricType::Histogram,
-            )?;
+                "From submitting an operation to its completion",
+                (|o: &crate::stats::OpStats| &o.latency) as fn(&_) -> &_,
+            ),
+            (
+                "xfer_post_duration_seconds",
+                "From submitting an operation to the worker handing it to the NICs",
+                |o: &crate::stats::OpStats| &o.post_latency,
+            ),
+        ] {
+            let mut family = e.encode_descriptor(name, help, None, MetricType::Histogram)?;
             for (k, o) in &s.ops {
+                let h: &crate::stats::Histogram = histogram(o);
                 // Per-bucket counts: the encoder makes them cumulative.
                 let mut buckets: Vec<(f64, u64)> = LATENCY_BOUNDS_US
                     .iter()
-                    .zip(&o.latency.counts)
+                    .zip(&h.counts)
                     .map(|(&bound, &n)| (bound as f64 / 1e6, n))
                     .collect();
-                buckets.push((f64::INFINITY, o.latency.counts[LATENCY_BOUNDS_US.len()]));
+                buckets.push((f64::INFINITY, h.counts[LATENCY_BOUNDS_US.len()]));
                 family
                     .encode_family(&kind(k))?
                     .encode_histogram::<NoLabelSet>(
-                        o.latency.sum_us as f64 / 1e6,
-                        o.latency.count(),
+                        h.sum_us as f64 / 1e6,
+                        h.count(),
                         &buckets,
                         None,
                     )?;
@@ -140,6 +147,17 @@ impl Collector for Snapshot {
             "Failed operations to each peer address",
             s.peers.iter().map(|(a, p)| (peer(a), p.failed)),
         )?;
+        {
+            let mut family = e.encode_descriptor(
+                "xfer_peer_healthy",
+                "1 unless the last operation to the peer alone that finished failed",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (a, p) in &s.peers {
+                ConstGauge::new(i64::from(p.healthy)).encode(family.encode_family(&peer(a))?)?;
+            }
+        }
         counter(
             &mut e,
             "xfer_stale_completions",

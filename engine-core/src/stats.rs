@@ -86,8 +86,12 @@ pub struct OpStats {
     pub bytes: u64,
     /// Work requests posted to NICs for them (a striped or paged transfer posts several).
     pub requests: u64,
-    /// From the worker taking the operation to its completion.
+    /// From the caller submitting the operation to its completion.
     pub latency: Histogram,
+    /// From the caller submitting the operation to the worker handing its work requests to
+    /// the NICs (a request a full NIC queue turns away waits in the worker; that wait shows
+    /// in `latency`). High values mean a saturated worker.
+    pub post_latency: Histogram,
 }
 
 /// Counters of one peer (by its address on the NIC the operation used).
@@ -101,6 +105,11 @@ pub struct PeerStats {
     pub failed: u64,
     /// The last such failure.
     pub last_error: Option<String>,
+    /// False while the last operation to it alone that finished failed (a dead or refusing
+    /// peer; `last_error` says why); true again after one succeeds.
+    pub healthy: bool,
+    /// Milliseconds since an operation to it alone last finished (`None`: none has).
+    pub ms_since_activity: Option<u64>,
 }
 
 /// Registrations with the NICs.
@@ -167,7 +176,10 @@ pub(crate) struct Started {
     /// scatter to many).
     pub(crate) peer: Option<u32>,
     pub(crate) bytes: u64,
+    /// When it was submitted.
     pub(crate) at: Instant,
+    /// The NICs its work requests went to (bit `i`: NIC `i`).
+    pub(crate) nics: u8,
 }
 
 const KINDS: [OpKind; 4] = [
@@ -185,16 +197,20 @@ pub(crate) struct Recorder {
     ops: [OpStats; KINDS.len()],
     peer_index: foldhash::HashMap<NetAddr, u32>,
     peers: Vec<(NetAddr, PeerStats)>,
+    /// When an operation to each peer (same index) last succeeded and last failed.
+    peer_times: Vec<(Option<Instant>, Option<Instant>)>,
     /// The counters kept as they are reported.
     pub(crate) rest: Stats,
 }
 
 impl Recorder {
-    /// An operation of `requests` work requests was accepted.
-    pub(crate) fn started(&mut self, kind: OpKind, requests: u64) {
+    /// An operation of `requests` work requests was accepted, `waited` after it was
+    /// submitted.
+    pub(crate) fn started(&mut self, kind: OpKind, requests: u64, waited: Duration) {
         let op = &mut self.ops[kind as usize];
         op.started += 1;
         op.requests += requests;
+        op.post_latency.record(waited);
     }
 
     /// Work requests to `peer` carrying `bytes`; returns the peer's index.
@@ -204,6 +220,7 @@ impl Recorder {
             None => {
                 let i = self.peers.len() as u32;
                 self.peers.push((peer.clone(), PeerStats::default()));
+                self.peer_times.push((None, None));
                 self.peer_index.insert(peer.clone(), i);
                 i
             }
@@ -222,6 +239,9 @@ impl Recorder {
             Ok(()) => {
                 op.completed += 1;
                 op.bytes += s.bytes;
+                if let Some(i) = s.peer {
+                    self.peer_times[i as usize].0 = Some(now);
+                }
             }
             Err(e) => {
                 *op.failed.entry(e.kind()).or_default() += 1;
@@ -229,13 +249,14 @@ impl Recorder {
                     let p = &mut self.peers[i as usize].1;
                     p.failed += 1;
                     p.last_error = Some(e.to_string());
+                    self.peer_times[i as usize].1 = Some(now);
                 }
             }
         }
     }
 
-    /// The counters as reported.
-    pub(crate) fn snapshot(&self) -> Stats {
+    /// The counters as reported at `now`.
+    pub(crate) fn snapshot(&self, now: Instant) -> Stats {
         let mut stats = self.rest.clone();
         stats.ops = KINDS
             .iter()
@@ -243,7 +264,23 @@ impl Recorder {
             .filter(|(_, o)| o.started > 0)
             .map(|(k, o)| (*k, o.clone()))
             .collect();
-        stats.peers = self.peers.iter().cloned().collect();
+        stats.peers = self
+            .peers
+            .iter()
+            .zip(&self.peer_times)
+            .map(|((addr, p), &(ok, failed))| {
+                let mut p = p.clone();
+                p.healthy = match (ok, failed) {
+                    (_, None) => true,
+                    (None, Some(_)) => false,
+                    (Some(ok), Some(failed)) => ok > failed,
+                };
+                p.ms_since_activity = ok.max(failed).map(|t| {
+                    u64::try_from(now.saturating_duration_since(t).as_millis()).unwrap_or(u64::MAX)
+                });
+                (addr.clone(), p)
+            })
+            .collect();
         stats
     }
 }
@@ -279,17 +316,18 @@ mod tests {
         let mut r = Recorder::default();
         let peer = NetAddr::new(&[1]).unwrap();
         let start = Instant::now();
-        r.started(OpKind::Write, 2);
+        r.started(OpKind::Write, 2, Duration::from_micros(3));
         let s = Started {
             kind: OpKind::Write,
             peer: Some(r.posted_to(&peer, 2, 100)),
             bytes: 100,
             at: start,
+            nics: 1,
         };
         r.finished(&s, &Ok(()), start + Duration::from_micros(10));
-        r.started(OpKind::Write, 1);
+        r.started(OpKind::Write, 1, Duration::ZERO);
         r.finished(&s, &Err(Error::Timeout(Duration::from_secs(1))), start);
-        let stats = r.snapshot();
+        let stats = r.snapshot(start);
         let w = stats.op(OpKind::Write);
         assert_eq!(
             (w.started, w.completed, w.bytes, w.requests),
@@ -299,5 +337,33 @@ mod tests {
         let p = &stats.peers[&peer];
         assert_eq!((p.requests, p.bytes, p.failed), (2, 100, 1));
         assert!(p.last_error.as_deref().unwrap().contains("timed out"));
+    }
+
+    /// `engine.peers()` health: a peer whose last finished operation failed is unhealthy,
+    /// with the reason, until one succeeds again.
+    #[test]
+    fn a_peer_is_unhealthy_from_a_failure_until_the_next_success() {
+        let mut r = Recorder::default();
+        let peer = NetAddr::new(&[7]).unwrap();
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        r.started(OpKind::Write, 1, Duration::ZERO);
+        let s = Started {
+            kind: OpKind::Write,
+            peer: Some(r.posted_to(&peer, 1, 8)),
+            bytes: 8,
+            at: t0,
+            nics: 1,
+        };
+        let before = r.snapshot(t0).peers[&peer].clone();
+        assert!(before.healthy && before.ms_since_activity.is_none());
+        r.finished(&s, &Ok(()), at(10));
+        r.finished(&s, &Err(Error::PeerUnreachable("gone".into())), at(20));
+        let down = r.snapshot(at(25)).peers[&peer].clone();
+        assert!(!down.healthy);
+        assert_eq!(down.ms_since_activity, Some(5));
+        assert!(down.last_error.unwrap().contains("gone"));
+        r.finished(&s, &Ok(()), at(30));
+        assert!(r.snapshot(at(30)).peers[&peer].healthy);
     }
 }

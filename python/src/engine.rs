@@ -697,6 +697,8 @@ impl TransferEngine {
     ) -> PyResult<Transfer> {
         let engine = self.engine(py)?;
         let (t, done) = Transfer::new("expectation", 0, on_done);
+        // Cancellable too: its arrivals are then owed, as after a timeout.
+        let (t, done) = t.cancellable(&engine, done);
         engine.expect_imm_count(imm, count, done).or_raise(py)?;
         Ok(t)
     }
@@ -807,6 +809,27 @@ impl TransferEngine {
         let stats = py.detach(|| engine.stats()).or_raise(py)?;
         let text = serde_json::to_string(&stats)
             .map_err(|e| errors::invalid(py, format!("stats do not serialize: {e}")))?;
+        py.import("json")?.call_method1("loads", (text,))
+    }
+
+    /// The peers this engine sent work to, each a dict: `address` (hex), `healthy` (false
+    /// while its last finished operation failed; `last_error` says why), `ms_since_activity`,
+    /// `requests`, `bytes`, `failed`.
+    fn peers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let engine = self.engine(py)?;
+        let peers = py.detach(|| engine.peers()).or_raise(py)?;
+        let listed: Vec<serde_json::Value> = peers
+            .into_iter()
+            .map(|(address, p)| {
+                let mut v = serde_json::to_value(&p).unwrap_or_default();
+                if let Some(map) = v.as_object_mut() {
+                    map.insert("address".into(), address.to_string().into());
+                }
+                v
+            })
+            .collect();
+        let text = serde_json::to_string(&listed)
+            .map_err(|e| errors::invalid(py, format!("peers do not serialize: {e}")))?;
         py.import("json")?.call_method1("loads", (text,))
     }
 

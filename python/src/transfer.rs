@@ -148,7 +148,7 @@ pub(crate) struct Transfer {
     nbytes: u64,
     posted_at: f64,
     posted: Instant,
-    /// Status and cancel, for transfers made cancellable (not for expectations).
+    /// Status and cancel (transfers and expectations).
     handle: Option<engine_core::TransferHandle>,
 }
 

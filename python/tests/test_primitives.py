@@ -397,6 +397,8 @@ def test_stats_count_operations_bytes_and_latency():
         assert sum(w["latency"]["counts"]) == 4
         assert s["stale_completions"] == 0 and s["registrations"]["registered"] >= 1
         assert sum(p["bytes"] for p in s["peers"].values()) == 4096
+        peers = a.peers()
+        assert peers and all(p["healthy"] and p["address"] in s["peers"] for p in peers)
 
 
 def test_a_transfer_can_be_watched_and_cancelled():
@@ -419,5 +421,9 @@ def test_a_transfer_can_be_watched_and_cancelled():
         done = a.submit_single_write(src, dst.desc, 64)
         done.wait(10)
         assert done.cancel() == "done" and done.status == "done"
-        with pytest.raises(xfer.NotAvailableError):
-            b.expect_imm_count(5, 1).cancel()
+        # An expectation is cancelled too; its arrivals are then owed.
+        waiting = b.expect_imm_count(5, 1)
+        assert waiting.cancel() == "cancelled"
+        with pytest.raises(xfer.CancelledError):
+            waiting.wait(10)
+        assert b.imm_owed(5) == 1

@@ -24,6 +24,7 @@ impl TransferEngine {
             peer: peer.clone(),
             data: wire::encode_user_message(data),
             on_done: on_done.into(),
+            submitted: Instant::now(),
         })
     }
 
@@ -113,6 +114,7 @@ impl TransferEngine {
             let queued = slot.submit(Command::Send {
                 peer,
                 data: message,
+                submitted: Instant::now(),
                 on_done: OnDone::callback(move |r| {
                     if let Some(d) = take(&inner) {
                         d.complete_inline(r);

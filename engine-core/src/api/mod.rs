@@ -315,6 +315,16 @@ impl TransferEngine {
         self.shared.stats()
     }
 
+    /// The peers this engine has sent work to, by address, with their health: whether the
+    /// last operation to each alone that finished succeeded (if not, `last_error` says why:
+    /// a dead peer says `peer unreachable …`), how long ago one last finished, and its
+    /// traffic. One round trip to the worker, like [`stats`](Self::stats).
+    pub fn peers(&self) -> Result<Vec<(NetAddr, crate::stats::PeerStats)>> {
+        let mut peers: Vec<_> = self.shared.stats()?.peers.into_iter().collect();
+        peers.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(peers)
+    }
+
     /// Wraps `on_done` so that its transfer can be watched and cancelled: pass the returned
     /// `OnDone` to any `submit_*` (or `notify_when_done`'s result), keep the handle for
     /// [`status`](crate::TransferHandle::status) and [`cancel`](crate::TransferHandle::cancel).

@@ -213,7 +213,11 @@ impl TransferEngine {
             op.imm(),
             op == Rdma::Read,
         );
-        self.shared.submit_counted(Command::Writes { ops, on_done })
+        self.shared.submit_counted(Command::Writes {
+            ops,
+            on_done,
+            submitted: Instant::now(),
+        })
     }
 
     /// Pages of `page_len` bytes: local page `i` with remote page `i`, spread over the NICs.
@@ -264,7 +268,11 @@ impl TransferEngine {
                 op == Rdma::Read,
             );
         }
-        self.shared.submit_counted(Command::Writes { ops, on_done })
+        self.shared.submit_counted(Command::Writes {
+            ops,
+            on_done,
+            submitted: Instant::now(),
+        })
     }
 
     /// Registers a set of peers (by main address) that scatters and barriers may be checked
@@ -342,6 +350,7 @@ impl TransferEngine {
         self.shared.submit_counted(Command::Writes {
             ops,
             on_done: on_done.into(),
+            submitted: Instant::now(),
         })
     }
 
@@ -378,6 +387,7 @@ impl TransferEngine {
         self.shared.submit_counted(Command::Writes {
             ops,
             on_done: on_done.into(),
+            submitted: Instant::now(),
         })
     }
 }

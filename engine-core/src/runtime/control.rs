@@ -25,6 +25,35 @@ pub enum TransferStatus {
     Cancelled,
 }
 
+/// What one transfer did, for tracing a slow request (as the Python completion reports).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Telemetry {
+    /// When it was submitted (`None` until the worker took it).
+    pub submitted: Option<Instant>,
+    /// When the worker handed its work requests to the NICs.
+    pub posted: Option<Instant>,
+    /// When it finished (done, failed or cancelled).
+    pub completed: Option<Instant>,
+    /// Bytes it moves.
+    pub bytes: u64,
+    /// Work requests it was split into (pages, stripes, destinations).
+    pub requests: u64,
+    /// The NICs (indices in the DomainGroup) its requests went to.
+    pub nics: Vec<usize>,
+}
+
+impl Telemetry {
+    /// From submit to posted.
+    pub fn post_duration(&self) -> Option<Duration> {
+        Some(self.posted?.saturating_duration_since(self.submitted?))
+    }
+
+    /// From submit to completion.
+    pub fn duration(&self) -> Option<Duration> {
+        Some(self.completed?.saturating_duration_since(self.submitted?))
+    }
+}
+
 impl TransferStatus {
     fn is_final(&self) -> bool {
         matches!(self, Self::Done | Self::Failed(_) | Self::Cancelled)
@@ -37,6 +66,7 @@ struct State {
     /// The tracker id, once posted.
     id: Option<u64>,
     cancel_requested: bool,
+    telemetry: Telemetry,
 }
 
 /// Shared by a [`TransferHandle`] and the transfer's `OnDone`.
@@ -54,20 +84,24 @@ impl TransferControl {
 
     /// The worker took the transfer: `Err(Cancelled)` if it was cancelled while queued (it
     /// is then not posted), else it is posted as `id`.
-    pub(crate) fn take(&self, id_if_posted: impl FnOnce() -> (u64, u64)) -> Result<()> {
+    pub(crate) fn take(&self, id_if_posted: impl FnOnce() -> (u64, Telemetry)) -> Result<()> {
         let mut s = self.lock();
         if s.cancel_requested {
             return Err(Error::Cancelled);
         }
-        let (id, requests) = id_if_posted();
+        let (id, telemetry) = id_if_posted();
         s.id = Some(id);
-        s.status = TransferStatus::Posted { requests };
+        s.status = TransferStatus::Posted {
+            requests: telemetry.requests,
+        };
+        s.telemetry = telemetry;
         Ok(())
     }
 
     /// The transfer finished with `result`.
     pub(crate) fn finish(&self, result: &Result<()>) {
         let mut s = self.lock();
+        s.telemetry.completed = Some(Instant::now());
         s.status = match result {
             Ok(()) => TransferStatus::Done,
             Err(Error::Cancelled) => TransferStatus::Cancelled,
@@ -99,6 +133,7 @@ impl TransferHandle {
                 status: TransferStatus::Queued,
                 id: None,
                 cancel_requested: false,
+                telemetry: Telemetry::default(),
             }),
             changed: Condvar::new(),
         });
@@ -118,6 +153,12 @@ impl TransferHandle {
         self.control.lock().status.clone()
     }
 
+    /// When it was submitted, posted and completed, and what it moved (filled in as it
+    /// goes: nothing until the worker takes it).
+    pub fn telemetry(&self) -> Telemetry {
+        self.control.lock().telemetry.clone()
+    }
+
     /// Cancels the transfer. One still queued fails at once with [`Error::Cancelled`] and is
     /// never posted. A posted one cannot be recalled from a NIC: its requests not yet handed
     /// to a NIC are dropped, and this returns once the NICs are done with the rest (their
@@ -133,9 +174,17 @@ impl TransferHandle {
             s.cancel_requested = true;
         }
         if let Some(shared) = self.shared.upgrade() {
-            shared.submit(Command::Cancel {
-                control: Arc::clone(&self.control),
-            })?;
+            // An expectation (expect_imm_count) ends at once, its arrivals owed as after a
+            // timeout; anything else is the worker's to cancel.
+            let expectation = shared
+                .lock_imm()
+                .cancel_where(|w| w.control().is_some_and(|c| Arc::ptr_eq(c, &self.control)));
+            match expectation {
+                Some(waiter) => waiter.complete(Err(Error::Cancelled), &shared.jobs),
+                None => shared.submit(Command::Cancel {
+                    control: Arc::clone(&self.control),
+                })?,
+            }
         }
         let deadline = Instant::now() + self.bound;
         let mut s = self.control.lock();

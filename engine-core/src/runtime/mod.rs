@@ -108,12 +108,18 @@ pub(crate) struct WriteOp {
 /// What callers ask of the worker.
 pub(crate) enum Command {
     /// A transfer made of writes; finishes when all have.
-    Writes { ops: Vec<WriteOp>, on_done: OnDone },
+    /// `submitted`: when the caller submitted it (latencies are measured from there).
+    Writes {
+        ops: Vec<WriteOp>,
+        on_done: OnDone,
+        submitted: std::time::Instant,
+    },
     /// A message to a peer's main address.
     Send {
         peer: NetAddr,
         data: Vec<u8>,
         on_done: OnDone,
+        submitted: std::time::Instant,
     },
     /// Register with every NIC; reply with one registration per NIC. If the caller gave up
     /// waiting (the reply cannot be sent), the worker deregisters at once: no registration
@@ -387,6 +393,7 @@ mod tests {
         shared.queue.push(Command::Writes {
             ops: Vec::new(),
             on_done: OnDone::Flag(Arc::clone(&flag)),
+            submitted: std::time::Instant::now(),
         });
         shared.queue.push(Command::Register {
             region: MemoryRegion {

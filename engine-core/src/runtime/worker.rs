@@ -408,7 +408,11 @@ impl Worker {
 
     fn handle_command(&mut self, cmd: Command) {
         match cmd {
-            Command::Writes { ops, on_done } => {
+            Command::Writes {
+                ops,
+                on_done,
+                submitted,
+            } => {
                 if ops.is_empty() {
                     self.finished.push((on_done.into(), Ok(())));
                     return;
@@ -421,8 +425,9 @@ impl Worker {
                 }
                 let requests = ops.len() as u64;
                 let deadline = self.now + self.transfer_timeout;
-                let Some(id) = self.track(requests, deadline, on_done, |w| w.count_writes(&ops))
-                else {
+                let Some(id) = self.track(requests, deadline, on_done, |w| {
+                    w.count_writes(&ops, submitted)
+                }) else {
                     return;
                 };
                 for op in ops {
@@ -434,6 +439,7 @@ impl Worker {
                 peer,
                 data,
                 on_done,
+                submitted,
             } => {
                 if let Some(max) = self.caps[0].max_message_size.filter(|&m| data.len() > m) {
                     // Counted as the user sees it: without the channel byte.
@@ -455,13 +461,15 @@ impl Worker {
                 let bytes = data.len() as u64;
                 let deadline = self.now + self.transfer_timeout;
                 let Some(id) = self.track(1, deadline, on_done, |w| {
-                    w.recorder.started(kind, 1);
+                    w.recorder
+                        .started(kind, 1, w.now.saturating_duration_since(submitted));
                     let index = w.recorder.posted_to(&peer, 1, bytes);
                     Started {
                         kind,
                         peer: Some(index),
                         bytes,
-                        at: w.now,
+                        at: submitted,
+                        nics: 1,
                     }
                 }) else {
                     return;
@@ -527,7 +535,7 @@ impl Worker {
                 }
             }
             Command::Stats { reply } => {
-                let mut stats = self.recorder.snapshot();
+                let mut stats = self.recorder.snapshot(Instant::now());
                 stats.stale_completions = self.tracker.stale();
                 stats.outstanding = self.shared.outstanding.load(Ordering::Acquire) as u64;
                 stats.imm_dropped = self.shared.lock_imm().dropped();
@@ -564,11 +572,19 @@ impl Worker {
         let mut waiter = Some(on_done);
         let taken = control.take(|| {
             let started = count(self);
+            let telemetry = super::control::Telemetry {
+                submitted: Some(started.at),
+                posted: Some(self.now.max(started.at)),
+                completed: None,
+                bytes: started.bytes,
+                requests,
+                nics: (0..8).filter(|i| started.nics & (1 << i) != 0).collect(),
+            };
             let tracked = Tracked {
                 on_done: waiter.take().expect("taken once"),
                 started: Some(started),
             };
-            (self.tracker.insert(requests, deadline, tracked), requests)
+            (self.tracker.insert(requests, deadline, tracked), telemetry)
         });
         match taken {
             Ok(()) => control.posted_id(),
@@ -599,18 +615,21 @@ impl Worker {
 
     /// Counts an accepted transfer of `ops` (one lookup per run of ops to the same peer, so a
     /// paged transfer to one peer costs one); returns what its completion needs.
-    fn count_writes(&mut self, ops: &[WriteOp]) -> Started {
+    fn count_writes(&mut self, ops: &[WriteOp], submitted: Instant) -> Started {
         let kind = if ops[0].read {
             OpKind::Read
         } else {
             OpKind::Write
         };
-        self.recorder.started(kind, ops.len() as u64);
+        let waited = self.now.saturating_duration_since(submitted);
+        self.recorder.started(kind, ops.len() as u64, waited);
         let mut bytes = 0;
+        let mut nics = 0u8;
         let mut single_peer = true;
         let mut run = (&ops[0].peer, 0u64, 0u64);
         for op in ops {
             bytes += op.len;
+            nics |= 1 << op.nic;
             if op.peer != *run.0 {
                 single_peer = false;
                 self.recorder.posted_to(run.0, run.1, run.2);
@@ -624,7 +643,8 @@ impl Worker {
             kind,
             peer: single_peer.then_some(last),
             bytes,
-            at: self.now,
+            at: submitted,
+            nics,
         }
     }
 
