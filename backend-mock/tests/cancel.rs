@@ -199,6 +199,7 @@ fn an_expectation_is_cancelled_and_its_arrivals_stay_owed() {
     wait_calls(&calls, 1);
     assert!(matches!(*last.lock().unwrap(), Some(Err(Error::Cancelled))));
     assert_eq!(b.imm_owed(40), 2);
+    assert_eq!(b.stats().unwrap().imm_owed, 2, "the debt shows in stats()");
     // The next expectation on 40 counts only what lands after the cancelled one's share.
     let next = DoneFlag::new();
     b.expect_imm_count(40, 1, next.clone()).unwrap();

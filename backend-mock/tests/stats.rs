@@ -53,6 +53,11 @@ fn writes_reads_sends_and_notifications_are_counted_with_their_bytes_and_peers()
         11,
         "one post latency per accepted write"
     );
+    // Per NIC: every work request of every kind went to one of the two.
+    let total: u64 = s.ops.values().map(|o| o.requests).sum();
+    assert_eq!(s.nics.len(), 2, "{:?}", s.nics);
+    assert_eq!(s.nics.iter().map(|n| n.requests).sum::<u64>(), total);
+    assert_eq!((s.imm_idle, s.imm_owed, s.queued_requests), (0, 0, 0));
     let n = s.op(OpKind::Notification);
     assert_eq!((n.started, n.completed), (1, 1), "{n:?}");
     assert_eq!(s.stale_completions, 0);
@@ -220,6 +225,18 @@ fn the_metrics_endpoint_serves_a_fresh_scrape_to_a_real_http_client() {
         Some(&3.0),
         "{text}"
     );
+    assert_eq!(
+        got.get("xfer_nic_bytes_total{nic=\"0\"}")
+            .copied()
+            .unwrap_or(0.0)
+            + got
+                .get("xfer_nic_bytes_total{nic=\"1\"}")
+                .copied()
+                .unwrap_or(0.0),
+        3072.0,
+        "{text}"
+    );
+    assert_eq!(got.get("xfer_imm_owed"), Some(&0.0), "{text}");
     assert_eq!(
         got.get("xfer_stale_completions_total"),
         Some(&0.0),

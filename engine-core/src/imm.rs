@@ -163,6 +163,20 @@ impl<W> ImmCounter<W> {
         self.dropped
     }
 
+    /// Immediates with arrivals counted and nobody waiting for them.
+    pub fn idle(&self) -> usize {
+        self.idle.len()
+    }
+
+    /// Arrivals owed to expired (or cancelled) expectations, over every immediate.
+    pub fn owed_total(&self) -> u64 {
+        self.entries
+            .values()
+            .flat_map(|e| e.waiting.iter().filter(|x| x.waiter.is_none()))
+            .map(|x| x.need)
+            .sum()
+    }
+
     /// Immediates with an entry (for memory checks).
     pub fn entries(&self) -> usize {
         self.entries.len()

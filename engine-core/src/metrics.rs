@@ -219,13 +219,44 @@ impl Collector for Snapshot {
             None,
             secs.metric_type(),
         )?)?;
-        let outstanding = ConstGauge::new(i64::try_from(s.outstanding).unwrap_or(i64::MAX));
-        outstanding.encode(e.encode_descriptor(
-            "xfer_outstanding",
-            "Operations accepted and not finished",
-            None,
-            outstanding.metric_type(),
-        )?)?;
+        for (name, help, value) in [
+            (
+                "xfer_outstanding",
+                "Operations accepted and not finished",
+                s.outstanding,
+            ),
+            (
+                "xfer_queued_requests",
+                "Work requests held by the worker because their NIC's queue was full",
+                s.queued_requests,
+            ),
+            (
+                "xfer_imm_idle",
+                "Immediates with arrivals nobody waits for yet",
+                s.imm_idle,
+            ),
+            (
+                "xfer_imm_owed",
+                "Arrivals owed to expectations that timed out or were cancelled",
+                s.imm_owed,
+            ),
+        ] {
+            let gauge = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
+            gauge.encode(e.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        let nic = |i: usize| vec![("nic", i.to_string())];
+        counters(
+            &mut e,
+            "xfer_nic_work_requests",
+            "Work requests handed to each NIC of the group",
+            s.nics.iter().enumerate().map(|(i, n)| (nic(i), n.requests)),
+        )?;
+        counters(
+            &mut e,
+            "xfer_nic_bytes",
+            "Bytes of the work requests handed to each NIC",
+            s.nics.iter().enumerate().map(|(i, n)| (nic(i), n.bytes)),
+        )?;
         Ok(())
     }
 }

@@ -112,6 +112,15 @@ pub struct PeerStats {
     pub ms_since_activity: Option<u64>,
 }
 
+/// Counters of one NIC.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct NicStats {
+    /// Work requests handed to it.
+    pub requests: u64,
+    /// Their bytes.
+    pub bytes: u64,
+}
+
 /// Registrations with the NICs.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct RegistrationStats {
@@ -146,6 +155,14 @@ pub struct Stats {
     pub imm_arrivals: u64,
     /// Arrivals dropped because the ImmCounter's table of idle immediates was full.
     pub imm_dropped: u64,
+    /// Immediates with arrivals nobody waits for yet (the ImmCounter's idle table).
+    pub imm_idle: u64,
+    /// Arrivals owed to expectations that timed out or were cancelled (their debts).
+    pub imm_owed: u64,
+    /// Work requests the worker holds because their NIC's queue was full.
+    pub queued_requests: u64,
+    /// Per NIC of the DomainGroup (by index): work requests posted and their bytes.
+    pub nics: Vec<NicStats>,
     /// Notifications refused or dropped (see `notifications_dropped`).
     pub notifications_dropped: u64,
     /// Operations accepted and not finished (transfers, sends, reserved notifications).
@@ -195,6 +212,7 @@ const KINDS: [OpKind; 4] = [
 #[derive(Debug, Default)]
 pub(crate) struct Recorder {
     ops: [OpStats; KINDS.len()],
+    nics: Vec<NicStats>,
     peer_index: foldhash::HashMap<NetAddr, u32>,
     peers: Vec<(NetAddr, PeerStats)>,
     /// When an operation to each peer (same index) last succeeded and last failed.
@@ -211,6 +229,16 @@ impl Recorder {
         op.started += 1;
         op.requests += requests;
         op.post_latency.record(waited);
+    }
+
+    /// A work request of `bytes` for NIC `nic`.
+    pub(crate) fn on_nic(&mut self, nic: usize, bytes: u64) {
+        if nic >= self.nics.len() {
+            self.nics.resize_with(nic + 1, NicStats::default);
+        }
+        let n = &mut self.nics[nic];
+        n.requests += 1;
+        n.bytes += bytes;
     }
 
     /// Work requests to `peer` carrying `bytes`; returns the peer's index.
@@ -264,6 +292,7 @@ impl Recorder {
             .filter(|(_, o)| o.started > 0)
             .map(|(k, o)| (*k, o.clone()))
             .collect();
+        stats.nics = self.nics.clone();
         stats.peers = self
             .peers
             .iter()

@@ -463,6 +463,7 @@ impl Worker {
                 let Some(id) = self.track(1, deadline, on_done, |w| {
                     w.recorder
                         .started(kind, 1, w.now.saturating_duration_since(submitted));
+                    w.recorder.on_nic(0, bytes);
                     let index = w.recorder.posted_to(&peer, 1, bytes);
                     Started {
                         kind,
@@ -538,7 +539,13 @@ impl Worker {
                 let mut stats = self.recorder.snapshot(Instant::now());
                 stats.stale_completions = self.tracker.stale();
                 stats.outstanding = self.shared.outstanding.load(Ordering::Acquire) as u64;
-                stats.imm_dropped = self.shared.lock_imm().dropped();
+                {
+                    let imm = self.shared.lock_imm();
+                    stats.imm_dropped = imm.dropped();
+                    stats.imm_idle = imm.idle() as u64;
+                    stats.imm_owed = imm.owed_total();
+                }
+                stats.queued_requests = self.pending.values().map(|q| q.len() as u64).sum();
                 stats.notifications_dropped = self
                     .shared
                     .notifications
@@ -630,6 +637,7 @@ impl Worker {
         for op in ops {
             bytes += op.len;
             nics |= 1 << op.nic;
+            self.recorder.on_nic(op.nic, op.len);
             if op.peer != *run.0 {
                 single_peer = false;
                 self.recorder.posted_to(run.0, run.1, run.2);
