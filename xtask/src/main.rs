@@ -15,6 +15,8 @@
 //! - `examples`: the example workloads as separate processes meeting through the rendezvous.
 //! - `python`: builds the Python package with its plugins and installs it into
 //!   `target/python-venv` (what `test` does before running the pytest suite).
+//! - `vllm`: installs vLLM 0.33 (from a wheel cache outside the checkout) and the package into
+//!   `target/vllm-venv` and runs the vLLM connector's tests (`test` runs them too).
 //! - `fixtures`: rewrites the sysfs fixture trees of the topology tests.
 //! - `efa-libfabric2`: the EFA backend's tests against libfabric 2.x built from Debian 13's
 //!   source (part of `test`; see `libfabric2.rs`).
@@ -35,6 +37,7 @@ mod header;
 mod libfabric2;
 mod python;
 mod rxe;
+mod vllm;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, ExitCode, Stdio};
@@ -150,7 +153,8 @@ fn test() -> Result {
         memcheck(&mut totals)?;
         address_sanitizer(&mut totals)?;
         fuzz(FUZZ_SECONDS, &mut totals)?;
-        python::test(&mut totals)
+        python::test(&mut totals)?;
+        vllm::test(&mut totals)
     });
     // The plain closing line CI readers look for, whatever happens next.
     println!("xtask test: {} passed, {} failed", totals.0, totals.1);
@@ -246,6 +250,12 @@ fn main() -> ExitCode {
         ),
         Some("gpu-check") => gpu_check(),
         Some("python") => python::install(),
+        Some("vllm") => {
+            let mut totals = (0, 0);
+            let result = vllm::test(&mut totals);
+            println!("xtask vllm: {} passed, {} failed", totals.0, totals.1);
+            result
+        }
         Some("examples") => multi_process_examples(),
         Some("efa-libfabric2") => {
             let mut totals = (0, 0);

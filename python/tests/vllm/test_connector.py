@@ -1,0 +1,237 @@
+"""xfer.vllm.XferConnector against vLLM's own classes (issue 28), on a CPU-only machine.
+
+vLLM 0.33 from PyPI (`cargo xtask vllm` installs it into target/vllm-venv); its platform is
+forced to CPU (`VLLM_TARGET_DEVICE=cpu`: the CUDA wheel cannot infer a device here). Each
+"instance" is a scheduler-side and a worker-side connector made by vLLM's
+KVConnectorFactory from a VllmConfig, with torch CPU tensors as its paged KV cache, over the
+mock backend; requests are vLLM Requests, blocks vLLM KVCacheBlocks.
+"""
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import time
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+import xfer  # noqa: E402
+import xfer.vllm  # noqa: E402
+
+MOCK = {"backend": "mock", "groups": [{"nics": ["mock0"]}], "timeouts": {"transfer_ms": 2000}}
+BLOCK = 4  # tokens per block
+WAIT = 20.0
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = xfer.Server()
+    yield s
+    s.close()
+
+
+class Instance:
+    """One vLLM instance: its scheduler- and worker-side connectors and its KV cache."""
+
+    def __init__(self, engine_id, server, *, layers=2, blocks=16, heads=2, head=8, extra=None):
+        extra = {"rendezvous": server.url, "xfer_config": MOCK, "lookup_timeout_s": 2.0, **(extra or {})}
+        config = VllmConfig(
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="XferConnector",
+                kv_connector_module_path="xfer.vllm",
+                kv_role="kv_both",
+                engine_id=engine_id,
+                kv_connector_extra_config=extra,
+            )
+        )
+        self.scheduler = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, None)
+        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, None)
+        gen = torch.Generator().manual_seed(hash(engine_id) % 2**31)
+        self.caches = {
+            f"model.layers.{i}.self_attn.attn": torch.randn(
+                (2, blocks, BLOCK, heads, head), generator=gen
+            ).to(torch.float16)
+            for i in range(layers)
+        }
+        self.worker.register_kv_caches(self.caches)
+        self.sent, self.recved, self.failed = set(), set(), set()
+
+    def step(self):
+        meta = self.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)
+        self.worker.clear_connector_metadata()
+        self.collect()
+
+    def collect(self):
+        r = self.worker.get_transfer_results(set())
+        self.sent |= r.finished_sending
+        self.recved |= r.finished_recving
+        self.failed |= r.failed_recving
+
+    def wait(self, what, cond):
+        deadline = time.monotonic() + WAIT
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            self.collect()
+            time.sleep(0.001)
+
+    def close(self):
+        self.worker.shutdown()
+
+
+def request(req_id, tokens, params, status=None):
+    r = Request(
+        req_id,
+        list(range(tokens)),
+        SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}),
+        None,
+    )
+    if status is not None:
+        r.status = status
+    return r
+
+
+def blocks_of(ids):
+    return KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),))
+
+
+def prefill(p, req_id, tokens, block_ids):
+    """p computed `req_id` into `block_ids` and keeps them for a reader."""
+    r = request(req_id, tokens, {"do_remote_decode": True}, RequestStatus.FINISHED_LENGTH_CAPPED)
+    delay, params = p.scheduler.request_finished(r, block_ids)
+    assert delay and params["remote_block_ids"] == block_ids
+    p.step()
+    return params
+
+
+def decode(d, req_id, tokens, params, local_ids, computed=0):
+    r = request(req_id, tokens, dict(params))
+    n, load_async = d.scheduler.get_num_new_matched_tokens(r, computed)
+    assert (n, load_async) == (tokens - computed, True)
+    d.scheduler.update_state_after_alloc(r, blocks_of(local_ids), n)
+    # The request loads once: asked again, nothing more is matched.
+    assert d.scheduler.get_num_new_matched_tokens(r, computed) == (0, False)
+    return r
+
+
+def assert_copied(p, d, remote_ids, local_ids):
+    for name, cache in p.caches.items():
+        assert torch.equal(d.caches[name][:, local_ids], cache[:, remote_ids]), name
+
+
+def test_vllm_loads_the_connector_from_its_module_path(server):
+    p = Instance("load-check", server)
+    assert isinstance(p.worker, xfer.vllm.XferConnector)
+    assert isinstance(p.scheduler, xfer.vllm.XferConnector)
+    p.close()
+
+
+def test_pull_copies_every_block_then_frees_them_at_the_prefill(server):
+    p, d = Instance("p1", server), Instance("d1", server)
+    params = prefill(p, "r1", 10, [3, 5, 7])
+    decode(d, "r1-d", 10, params, [0, 9, 2])
+    d.step()
+    d.wait("the load", lambda: "r1-d" in d.recved)
+    assert not d.failed and d.worker.get_block_ids_with_load_errors() == set()
+    assert_copied(p, d, [3, 5, 7], [0, 9, 2])
+    p.wait("the prefill to free its blocks", lambda: "r1" in p.sent)
+    p.close(), d.close()
+
+
+def test_a_prompt_shorter_than_a_block_and_concurrent_loads(server):
+    p, d = Instance("p2", server), Instance("d2", server)
+    specs = [("short", 3, [1], [4]), ("a", 8, [2, 3], [5, 6]), ("b", 12, [8, 9, 10], [7, 11, 12])]
+    for req_id, tokens, remote, local in specs:
+        params = prefill(p, req_id, tokens, remote)
+        decode(d, req_id + "-d", tokens, params, local)
+    d.step()
+    d.wait("three loads", lambda: {"short-d", "a-d", "b-d"} <= d.recved)
+    for _, _, remote, local in specs:
+        assert_copied(p, d, remote, local)
+    p.wait("three frees", lambda: {"short", "a", "b"} <= p.sent)
+    p.close(), d.close()
+
+
+def test_a_full_prefix_hit_only_frees_the_prefill(server):
+    p, d = Instance("p3", server), Instance("d3", server)
+    params = prefill(p, "r3", 8, [1, 2])
+    r = request("r3-d", 8, dict(params))
+    assert d.scheduler.get_num_new_matched_tokens(r, 8) == (0, False)
+    d.scheduler.update_state_after_alloc(r, blocks_of([]), 0)
+    d.step()
+    p.wait("the prefill to free its blocks", lambda: "r3" in p.sent)
+    assert "r3-d" not in d.recved
+    p.close(), d.close()
+
+
+def test_a_layout_mismatch_is_a_load_error_not_a_hang(server):
+    p, d = Instance("p4", server), Instance("d4", server, head=16)
+    params = prefill(p, "r4", 8, [1, 2])
+    decode(d, "r4-d", 8, params, [5, 6])
+    d.step()
+    assert "r4-d" in d.recved and "r4-d" in d.failed
+    assert d.worker.get_block_ids_with_load_errors() == {5, 6}
+    # Refused before any read: the blocks here are untouched.
+    p.wait("the prefill to free its blocks", lambda: "r4" in p.sent)
+    p.close(), d.close()
+
+
+def test_a_dead_prefill_ends_in_load_errors_within_the_deadline(server):
+    p, d = Instance("p5", server), Instance("d5", server)
+    params = prefill(p, "r5", 8, [1, 2])
+    # Learn the peer first (its record stays while its lease lives), then it dies.
+    d.worker._worker._peer("p5")
+    p.worker._worker._engine.close()  # a crash: the engine is gone, the record not yet
+    decode(d, "r5-d", 8, params, [3, 4])
+    started = time.monotonic()
+    d.step()
+    d.wait("the failed load", lambda: "r5-d" in d.recved)
+    assert "r5-d" in d.failed and d.worker.get_block_ids_with_load_errors() == {3, 4}
+    assert time.monotonic() - started < WAIT
+    d.close()
+
+
+def test_an_unknown_peer_is_a_load_error(server):
+    d = Instance("d6", server)
+    params = {"do_remote_prefill": True, "remote_engine_id": "nobody", "remote_block_ids": [1],
+              "remote_request_id": "x"}
+    decode(d, "r6-d", 4, params, [2])
+    d.step()
+    assert "r6-d" in d.failed and d.worker.get_block_ids_with_load_errors() == {2}
+    d.close()
+
+
+def test_a_prefill_whose_reader_never_comes_frees_at_its_lease(server):
+    p = Instance("p7", server, extra={"free_timeout_s": 0.2})
+    prefill(p, "r7", 8, [1, 2])
+    p.collect()
+    assert "r7" not in p.sent
+    p.wait("the lease to expire", lambda: "r7" in p.sent)
+    p.close()
+
+
+def test_an_aborted_prefill_keeps_nothing(server):
+    p = Instance("p8", server)
+    r = request("r8", 8, {"do_remote_decode": True}, RequestStatus.FINISHED_ABORTED)
+    assert p.scheduler.request_finished(r, [1, 2]) == (False, None)
+    p.close()
+
+
+def test_configuration_mistakes_are_named():
+    with pytest.raises(ValueError, match="rendezvous"):
+        xfer.vllm.Options.parse({"xfer_config": MOCK})
+    with pytest.raises(ValueError, match="unknown.*rendevous"):
+        xfer.vllm.Options.parse({"rendevous": "xfer://x:1"})

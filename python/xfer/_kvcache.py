@@ -1,0 +1,112 @@
+"""Paged KV caches as xfer addresses them: pure arithmetic, shared by the serving connectors.
+
+A serving system keeps one cache tensor per attention layer, split in blocks (pages) of
+``block_size`` tokens. Standard attention stores keys and values in two planes,
+``(2, num_blocks, ...)``; MLA stores one latent plane, ``(num_blocks, ...)``. A block of one
+plane is contiguous, so a request's blocks move as pages of ``block_bytes``: page ``p`` of plane
+``k`` is page ``k * blocks_per_plane + p`` when the planes are ``plane_stride`` bytes apart.
+Offsets come from block ids — no descriptor list is built per block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+
+class LayoutError(ValueError):
+    """A cache tensor xfer cannot address as pages, or two that do not match."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One layer's cache tensor, as pages."""
+
+    planes: int
+    """2 (keys and values) or 1 (MLA)."""
+    num_blocks: int
+    block_bytes: int
+    """Bytes of one block in one plane."""
+    plane_pages: int
+    """Pages from the start of one plane to the next (``num_blocks`` when planes are packed)."""
+    dtype: str
+    block_shape: tuple[int, ...]
+    """Shape of one block of one plane (tokens, heads, head size …)."""
+
+    def pages(self, block_ids: Sequence[int]) -> list[int]:
+        """The page indices of ``block_ids`` in every plane, plane by plane."""
+        return [k * self.plane_pages + b for k in range(self.planes) for b in block_ids]
+
+    def describe(self) -> dict[str, object]:
+        """What a peer checks before moving blocks (see ``check_compatible``)."""
+        return {
+            "planes": self.planes,
+            "block_bytes": self.block_bytes,
+            "dtype": self.dtype,
+            "block_shape": list(self.block_shape),
+        }
+
+
+def layout_of(
+    shape: Sequence[int], strides: Sequence[int], itemsize: int, dtype: str, *, mla: bool
+) -> Layout:
+    """The page layout of a cache tensor of ``shape`` and element ``strides``.
+
+    ``mla``: one plane ``(num_blocks, ...)``; else two, ``(2, num_blocks, ...)``. Each block must
+    be contiguous and the planes a whole number of blocks apart.
+    """
+    shape, strides = tuple(shape), tuple(strides)
+    lead = 1 if mla else 2
+    if len(shape) < lead + 1 or (not mla and shape[0] != 2):
+        want = "(num_blocks, ...)" if mla else "(2, num_blocks, ...)"
+        raise LayoutError(f"a KV cache tensor of shape {shape} is not {want}")
+    block_dim = lead - 1
+    block_shape = shape[block_dim + 1 :]
+    block_elems = math.prod(block_shape)
+    # Contiguous within a block: the innermost dimensions are packed.
+    expected = 1
+    for size, stride in reversed(list(zip(block_shape, strides[block_dim + 1 :]))):
+        if size > 1 and stride != expected:
+            raise LayoutError(
+                f"a block of the KV cache (shape {shape}, strides {strides}) is not contiguous"
+            )
+        expected *= size
+    if strides[block_dim] != block_elems:
+        raise LayoutError(
+            f"blocks of the KV cache (shape {shape}, strides {strides}) are not packed"
+        )
+    plane_pages = shape[block_dim]
+    if not mla:
+        if strides[0] % block_elems != 0:
+            raise LayoutError(
+                f"the key and value planes (strides {strides}) are not a whole number of blocks apart"
+            )
+        plane_pages = strides[0] // block_elems
+    return Layout(
+        planes=1 if mla else 2,
+        num_blocks=shape[block_dim],
+        block_bytes=block_elems * itemsize,
+        plane_pages=plane_pages,
+        dtype=dtype,
+        block_shape=tuple(block_shape),
+    )
+
+
+def check_compatible(local: dict[str, object], remote: dict[str, object], what: str) -> None:
+    """Refuses, naming the first difference, two layers that cannot exchange blocks."""
+    for key in ("planes", "dtype", "block_shape", "block_bytes"):
+        if local.get(key) != remote.get(key):
+            raise LayoutError(
+                f"{what}: {key} differs (here {local.get(key)!r}, peer {remote.get(key)!r})"
+            )
+
+
+def matched_blocks(local_ids: Sequence[int], remote_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The remote blocks to read into ``local_ids``: the last ``len(local_ids)`` of the
+    peer's (blocks the receiver already holds from its own prefix cache come first)."""
+    if len(local_ids) > len(remote_ids):
+        raise LayoutError(
+            f"{len(local_ids)} blocks to fill but the peer holds only {len(remote_ids)}"
+        )
+    return list(local_ids), list(remote_ids[len(remote_ids) - len(local_ids) :])

@@ -1,0 +1,487 @@
+"""xfer as a vLLM KV connector (vLLM's V1 connector API), for disaggregated prefill/decode.
+
+Select it without patching vLLM::
+
+    --kv-transfer-config '{"kv_connector": "XferConnector", "kv_connector_module_path": "xfer.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"rendezvous": "xfer://10.0.0.5:7300",
+                                                         "xfer_config": "/etc/xfer/verbs.toml"}}'
+
+**Pull.** The prefill instance finishes a request (its proxy asked for ``do_remote_decode``)
+and keeps its blocks; ``request_finished`` hands back the parameters a decode instance needs.
+The decode instance, given them, reads the blocks with RDMA READ — one paged read per layer,
+offsets computed from block ids, never a list of per-block descriptors — and then tells the
+prefill instance by request id, which frees them. A prefill whose reader never comes frees
+them after ``free_timeout_s`` (a lease).
+
+**Peers** are found through xfer's rendezvous (``extra_config["rendezvous"]``, an ``xfer://``
+or ``etcd://`` URL: required, so nothing defaults silently to localhost across machines):
+each worker publishes ``vllm.<engine_id>.<tp_rank>`` with its engine's address and one region per
+layer, the region's name carrying a tag of the layer's name and its page layout.
+
+**Failures** — a peer that is gone, a refused read, a timeout (xfer's ``timeouts.transfer_ms``),
+a layout that does not match — end the load with the request's blocks reported by
+``get_block_ids_with_load_errors`` and the request reported as finished (and failed) receiving,
+so vLLM recomputes or fails it by its policy; never a hang.
+
+Not yet (issue 28): push mode, heterogeneous tensor parallelism (both sides must have the same
+TP size: rank ``r`` reads rank ``r``), vLLM's side-channel host/port, per-rank stats through
+vLLM's hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+import logging
+import threading
+import time
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+import xfer
+
+from ._kvcache import Layout, LayoutError, check_compatible, layout_of, matched_blocks
+
+logger = logging.getLogger("xfer.vllm")
+
+PROTOCOL = 1
+"""Changes when two versions of this connector can no longer work together."""
+
+_DONE = b"xfer-vllm-done:"
+"""Prefix of the message a reader sends once it read a request's blocks."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """``kv_connector_extra_config``."""
+
+    rendezvous: str
+    """URL of the rendezvous both instances use (``xfer://host:port`` or ``etcd://…``)."""
+    xfer_config: Any
+    """The xfer engine's config: a path, a dict, or ``None`` for ``$XFER_CONFIG``."""
+    free_timeout_s: float = 120.0
+    """How long a prefill instance keeps a finished request's blocks for its reader."""
+    lookup_timeout_s: float = 30.0
+    """How long a reader waits for its peer to appear in the rendezvous."""
+    publish_ttl_s: float = 10.0
+    tp_rank: int | None = None
+    """This worker's tensor-parallel rank (default: vLLM's, or 0 outside a TP group)."""
+
+    @staticmethod
+    def parse(extra: dict[str, Any] | None) -> Options:
+        extra = dict(extra or {})
+        known = {f.name for f in dataclasses.fields(Options)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"XferConnector: unknown kv_connector_extra_config keys {unknown} (known: {sorted(known)})"
+            )
+        if "rendezvous" not in extra:
+            raise ValueError(
+                "XferConnector needs kv_connector_extra_config['rendezvous'] (xfer://host:port or "
+                "etcd://host:port/prefix): the instances find each other there"
+            )
+        extra.setdefault("xfer_config", None)
+        return Options(**extra)
+
+
+@dataclasses.dataclass
+class Load:
+    """A request whose blocks a decode worker reads from its prefill instance."""
+
+    local_block_ids: list[int]
+    remote_engine_id: str
+    remote_block_ids: list[int]
+    remote_request_id: str
+
+
+class XferConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler side tells the workers each step."""
+
+    def __init__(self) -> None:
+        self.loads: dict[str, Load] = {}
+        """Decode: requests to read now."""
+        self.notify_only: dict[str, Load] = {}
+        """Decode: requests whose prefix was all here already; only free them at the peer."""
+        self.sends: dict[str, float] = {}
+        """Prefill: finished requests whose blocks wait for their reader, with the seconds
+        they may wait."""
+
+
+class XferConnector(KVConnectorBase_V1):
+    """See the module docs."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._options = Options.parse(self._kv_transfer_config.kv_connector_extra_config)
+        self._engine_id = str(self._kv_transfer_config.engine_id)
+        model = getattr(vllm_config, "model_config", None)
+        self._mla = bool(getattr(model, "use_mla", False))
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler: _Scheduler | None = _Scheduler(self._engine_id, self._options)
+            self._worker: _Worker | None = None
+        else:
+            self._scheduler = None
+            self._worker = _Worker(self._engine_id, self._options, self._mla)
+
+    # ---- scheduler side ----
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.allocated(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.take_metadata()
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.finished(request, block_ids)
+
+    # ---- worker side ----
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, XferConnectorMetadata)
+        self._worker.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Pull loads finish between steps (the request waits for its blocks): nothing to wait
+        # for inside a forward pass.
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        # Pull mode: the reader comes for the blocks; nothing is pushed while computing.
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        return self._worker.results()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+
+class _Scheduler:
+    """The scheduler side: which requests to read, which to keep for a reader."""
+
+    def __init__(self, engine_id: str, options: Options) -> None:
+        self._engine_id = engine_id
+        self._options = options
+        self._meta = XferConnectorMetadata()
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill"):
+            return 0, False
+        # Every prompt token the prefill instance computed, beyond what is here already.
+        missing = len(request.prompt_token_ids) - num_computed_tokens
+        return (missing, True) if missing > 0 else (0, False)
+
+    def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill"):
+            return
+        load = Load(
+            local_block_ids=[],
+            remote_engine_id=str(params["remote_engine_id"]),
+            remote_block_ids=list(params["remote_block_ids"]),
+            remote_request_id=str(params["remote_request_id"]),
+        )
+        if num_external_tokens > 0:
+            load.local_block_ids = list(blocks.get_unhashed_block_ids())
+            self._meta.loads[request.request_id] = load
+        else:
+            # Everything was here: the prefill instance only needs to free its blocks.
+            self._meta.notify_only[request.request_id] = load
+        # Once: a second allocation for this request (after the load) loads nothing.
+        params["do_remote_prefill"] = False
+
+    def take_metadata(self) -> XferConnectorMetadata:
+        meta, self._meta = self._meta, XferConnectorMetadata()
+        return meta
+
+    def finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_decode"):
+            return False, None
+        from vllm.v1.request import RequestStatus
+
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
+            # Aborted (or nothing computed): no reader will come.
+            return False, None
+        self._meta.sends[request.request_id] = self._options.free_timeout_s
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self._engine_id,
+            "remote_block_ids": list(block_ids),
+            "remote_request_id": request.request_id,
+            "xfer_protocol": PROTOCOL,
+        }
+
+
+@dataclasses.dataclass
+class _Peer:
+    """A prefill worker as its record describes it."""
+
+    address: bytes
+    layers: dict[str, tuple[xfer.MrDesc, Layout, dict[str, Any]]]
+
+
+class _Worker:
+    """The worker side: the engine, its registered caches, loads in flight, blocks kept."""
+
+    def __init__(self, engine_id: str, options: Options, mla: bool) -> None:
+        self._engine_id = engine_id
+        self._options = options
+        self._mla = mla
+        self._rank = options.tp_rank if options.tp_rank is not None else _tp_rank()
+        self._engine = xfer.TransferEngine(options.xfer_config)
+        self._rendezvous = xfer.Rendezvous(options.rendezvous)
+        self._layers: dict[str, tuple[xfer.MemoryRegion, Layout]] = {}
+        self._publication: xfer.Publication | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+        self._recved: set[str] = set()
+        self._failed_recv: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._keeping: dict[str, float] = {}
+        """Prefill: request → monotonic deadline for its reader."""
+        self._read_done: dict[str, float] = {}
+        """Prefill: requests a reader finished, when the message came (it may come first)."""
+        self._engine.submit_recvs(256, 64, self._on_message)
+
+    # ---- registration ----
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        regions: dict[str, xfer.MrDesc] = {}
+        for name, tensor in kv_caches.items():
+            layout = layout_of(
+                tuple(tensor.shape),
+                tuple(tensor.stride()),
+                tensor.element_size(),
+                str(tensor.dtype),
+                mla=self._mla,
+            )
+            # One registration per cache tensor (never per block); peers read it.
+            region = self._engine.reg_mr(tensor, access="read_write")
+            self._layers[name] = (region, layout)
+            regions[_region_name(name, layout)] = region.desc
+        self._publication = self._rendezvous.publish(
+            _record_name(self._engine_id, self._rank),
+            self._engine.main_address,
+            regions,
+            ttl=self._options.publish_ttl_s,
+        )
+
+    # ---- decode: reads ----
+
+    def start(self, meta: XferConnectorMetadata) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for req_id, seconds in meta.sends.items():
+                self._keeping[req_id] = now + seconds
+        for req_id, load in meta.notify_only.items():
+            self._tell_done(load)
+        for req_id, load in meta.loads.items():
+            try:
+                self._load(req_id, load)
+            except Exception as e:  # noqa: BLE001 - any failure is this request's load error
+                logger.error("XferConnector: loading request %s failed: %s", req_id, e)
+                self._finish_load(req_id, load, e)
+
+    def _load(self, req_id: str, load: Load) -> None:
+        peer = self._peer(load.remote_engine_id)
+        if set(peer.layers) != set(self._layers):
+            raise LayoutError(
+                f"peer {load.remote_engine_id} has layers {sorted(peer.layers)[:3]}…, here "
+                f"{sorted(self._layers)[:3]}… ({len(peer.layers)} vs {len(self._layers)})"
+            )
+        local_ids, remote_ids = matched_blocks(load.local_block_ids, load.remote_block_ids)
+        # Every check before the first read: a refused load posts nothing.
+        plan = []
+        for name, (region, layout) in self._layers.items():
+            desc, remote_layout, described = peer.layers[name]
+            check_compatible(layout.describe(), described, f"layer {name}")
+            plan.append((layout.block_bytes, region, layout.pages(local_ids), desc,
+                         remote_layout.pages(remote_ids)))
+        pending = {"left": len(plan), "error": None}
+
+        def one_done(error: BaseException | None) -> None:
+            with self._lock:
+                if error is not None and pending["error"] is None:
+                    pending["error"] = error
+                pending["left"] -= 1
+                last = pending["left"] == 0
+            if last:
+                self._finish_load(req_id, load, pending["error"])
+
+        for page_len, region, local_pages, desc, remote_pages in plan:
+            try:
+                self._engine.submit_paged_reads(
+                    page_len, region, local_pages, desc, remote_pages, on_done=one_done
+                )
+            except Exception as e:  # noqa: BLE001 - refused at submit: counted like a failure
+                one_done(e)
+
+    def _finish_load(self, req_id: str, load: Load, error: BaseException | None) -> None:
+        with self._lock:
+            self._recved.add(req_id)
+            if error is not None:
+                self._failed_recv.add(req_id)
+                self._load_errors.update(load.local_block_ids)
+        if error is not None:
+            logger.error("XferConnector: request %s: blocks not loaded: %s", req_id, error)
+        # Either way the prefill instance may free its blocks now.
+        self._tell_done(load)
+
+    def _tell_done(self, load: Load) -> None:
+        try:
+            peer = self._peer(load.remote_engine_id)
+            self._engine.submit_send(peer.address, _DONE + load.remote_request_id.encode())
+        except Exception as e:  # noqa: BLE001 - its lease frees the blocks anyway
+            logger.warning(
+                "XferConnector: could not tell %s that request %s was read (%s); its lease frees it",
+                load.remote_engine_id, load.remote_request_id, e,
+            )
+
+    def _peer(self, engine_id: str) -> _Peer:
+        with self._lock:
+            known = self._peers.get(engine_id)
+        if known is not None:
+            return known
+        record = self._rendezvous.lookup(
+            _record_name(engine_id, self._rank), self._options.lookup_timeout_s
+        )
+        by_tag = {_layer_tag(name): name for name in self._layers}
+        layers = {}
+        for key, desc in record["regions"].items():
+            tag, layout = _parse_region_name(key, engine_id)
+            # A layer this worker does not have keeps its tag: the layer check names it.
+            layers[by_tag.get(tag, tag)] = (desc, layout, layout.describe())
+        peer = _Peer(address=bytes(record["addr"]), layers=layers)
+        with self._lock:
+            self._peers[engine_id] = peer
+        return peer
+
+    # ---- prefill: freeing ----
+
+    def _on_message(self, data: bytes) -> None:
+        if data.startswith(_DONE):
+            req_id = data[len(_DONE):].decode(errors="replace")
+            with self._lock:
+                self._read_done[req_id] = time.monotonic()
+
+    # ---- both ----
+
+    def results(self) -> KVConnectorTransferResults:
+        now = time.monotonic()
+        with self._lock:
+            sent = {r for r in self._keeping if r in self._read_done or now >= self._keeping[r]}
+            for r in sent:
+                if r not in self._read_done:
+                    logger.warning("XferConnector: request %s was never read; freed at its lease", r)
+                self._keeping.pop(r)
+                self._read_done.pop(r, None)
+            # Messages for requests this worker does not keep (yet): dropped once stale.
+            stale = [r for r, t in self._read_done.items()
+                     if r not in self._keeping and now - t > self._options.free_timeout_s]
+            for r in stale:
+                self._read_done.pop(r)
+            recved, self._recved = self._recved, set()
+            failed, self._failed_recv = self._failed_recv, set()
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=recved, failed_recving=failed
+        )
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def keeping(self) -> int:
+        """Requests whose blocks wait for a reader."""
+        with self._lock:
+            return len(self._keeping)
+
+    def close(self) -> None:
+        if self._publication is not None:
+            self._publication.unpublish()
+            self._publication = None
+        self._engine.close()
+
+
+def _layer_tag(layer: str) -> str:
+    return f"{zlib.crc32(layer.encode()):08x}"
+
+
+def _region_name(layer: str, layout: Layout) -> str:
+    """A layer's region name in the record: what a reader checks before reading, in the
+    characters rendezvous names allow."""
+    dtype = layout.dtype.replace("torch.", "")
+    shape = "x".join(str(d) for d in layout.block_shape)
+    return (
+        f"v{PROTOCOL}-{_layer_tag(layer)}-{layout.planes}-{layout.num_blocks}-"
+        f"{layout.plane_pages}-{layout.block_bytes}-{dtype}-{shape}"
+    )
+
+
+def _parse_region_name(name: str, engine_id: str) -> tuple[str, Layout]:
+    parts = name.split("-")
+    if len(parts) != 8 or parts[0] != f"v{PROTOCOL}":
+        raise LayoutError(
+            f"peer {engine_id} published region {name!r}: not connector protocol {PROTOCOL}"
+        )
+    _, tag, planes, blocks, plane_pages, block_bytes, dtype, shape = parts
+    return tag, Layout(
+        planes=int(planes),
+        num_blocks=int(blocks),
+        block_bytes=int(block_bytes),
+        plane_pages=int(plane_pages),
+        dtype="torch." + dtype,
+        block_shape=tuple(int(d) for d in shape.split("x")),
+    )
+
+
+def _record_name(engine_id: str, rank: int) -> str:
+    # Rendezvous names are A-Z a-z 0-9 . _ - (vLLM's engine ids are UUIDs or such names).
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in engine_id)
+    return f"vllm.{safe}.{rank}"
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - no TP group: one worker
+        return 0
