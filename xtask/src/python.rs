@@ -15,11 +15,11 @@ fn venv_bin(tool: &str) -> String {
     format!("{VENV}/bin/{tool}")
 }
 
-/// Builds the plugins, creates the venv, installs pytest, numpy and the package.
-pub(crate) fn install() -> Result {
+/// Builds the efa and verbs plugins into `python/xfer/plugins`, where `pip install ./python`
+/// ships them inside the package (loaded only when a config selects them).
+pub(crate) fn stage_plugins() -> Result {
     crate::ensure_packages(PACKAGES)?;
     crate::ensure_packages(crate::PACKAGES)?;
-    // The backends a config may select, shipped inside the package and loaded only then.
     crate::build_plugins(true)?;
     let plugins = std::path::Path::new("python/xfer/plugins");
     std::fs::create_dir_all(plugins).map_err(|e| format!("{}: {e}", plugins.display()))?;
@@ -28,6 +28,12 @@ pub(crate) fn install() -> Result {
         std::fs::copy(format!("target/release/{file}"), plugins.join(&file))
             .map_err(|e| format!("{file}: {e}"))?;
     }
+    Ok(())
+}
+
+/// Builds the plugins, creates the venv, installs pytest, numpy and the package.
+pub(crate) fn install() -> Result {
+    stage_plugins()?;
     if !std::path::Path::new(&venv_bin("python")).exists() {
         run("python3", &["-m", "venv", VENV])?;
     }

@@ -27,7 +27,8 @@ fn pip(args: &[&str]) -> Result {
 /// Creates the venv, installs vLLM from the wheel cache (downloading into it what is
 /// missing), and the package (built from `./python`).
 pub(crate) fn install() -> Result {
-    crate::ensure_packages(crate::python::PACKAGES)?;
+    // The package with its efa and verbs plugins (the two-process tests run over libfabric).
+    crate::python::stage_plugins()?;
     if !std::path::Path::new(&format!("{VENV}/bin/python")).exists() {
         run("python3", &["-m", "venv", VENV])?;
     }

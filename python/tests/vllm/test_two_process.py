@@ -1,0 +1,186 @@
+"""The vLLM connector across two processes (issue 28): a prefill instance and a decode instance,
+each its own process with vLLM's connectors and torch CPU caches, over libfabric's shm and tcp
+providers (loopback), meeting through a rendezvous service in the test process — as two
+machines would. Every byte of every block read is checked against what the prefill computed,
+and the prefill frees its blocks once read."""
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import multiprocessing as mp
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+import xfer  # noqa: E402
+
+PROVIDERS = ["shm", "tcp;ofi_rxm"]
+LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 32, 16, 4, 32
+REQUESTS = {"a": [3, 9, 4], "b": [17], "c": [20, 21, 22, 23, 24, 25, 26, 27]}  # prefill's blocks
+
+
+def xfer_config(provider):
+    return {
+        "backend": "efa",
+        "groups": [{"nics": ["auto"]}],
+        "backends": {"efa": {"provider": provider}},
+        "timeouts": {"transfer_ms": 20000, "connect_ms": 20000},
+        "worker": {"idle_poll_us": 0},
+    }
+
+
+def caches(seed):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2, BLOCKS, BLOCK, HEADS, HEAD)
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=gen).to(torch.bfloat16)
+        for i in range(LAYERS)
+    }
+
+
+def connectors(engine_id, rendezvous, provider):
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    config = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="XferConnector",
+            kv_connector_module_path="xfer.vllm",
+            kv_role="kv_both",
+            engine_id=engine_id,
+            kv_connector_extra_config={
+                "rendezvous": rendezvous,
+                "xfer_config": xfer_config(provider),
+            },
+        )
+    )
+    return (
+        KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, None),
+        KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, None),
+    )
+
+
+def step(scheduler, worker, done):
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    worker.bind_connector_metadata(scheduler.build_connector_meta(SchedulerOutput.make_empty()))
+    worker.start_load_kv(None)
+    worker.clear_connector_metadata()
+    poll(worker, done)
+
+
+def poll(worker, done):
+    r = worker.get_transfer_results(set())
+    done["sent"] |= r.finished_sending
+    done["recved"] |= r.finished_recving
+    done["failed"] |= r.failed_recving
+
+
+def until(what, cond, worker, done, seconds=60):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}: {done}")
+        poll(worker, done)
+        time.sleep(0.002)
+
+
+def prefill_process(rendezvous, provider, conn):
+    os.environ["FI_TCP_IFACE"] = "lo"
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    scheduler, worker = connectors("prefill", rendezvous, provider)
+    worker.register_kv_caches(caches(seed=11))
+    done = {"sent": set(), "recved": set(), "failed": set()}
+    params = {}
+    for req_id, block_ids in REQUESTS.items():
+        r = Request(req_id, list(range(len(block_ids) * BLOCK)),
+                    SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}),
+                    None)
+        r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        delay, params[req_id] = scheduler.request_finished(r, block_ids)
+        assert delay
+    step(scheduler, worker, done)
+    conn.send(params)
+    until("every request freed", lambda: set(REQUESTS) <= done["sent"], worker, done)
+    conn.send(("freed", sorted(done["sent"])))
+    worker.shutdown()
+
+
+def decode_process(rendezvous, provider, params, conn):
+    os.environ["FI_TCP_IFACE"] = "lo"
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import Request
+
+    scheduler, worker = connectors("decode", rendezvous, provider)
+    mine = {name: torch.zeros_like(c) for name, c in caches(seed=0).items()}
+    worker.register_kv_caches(mine)
+    done = {"sent": set(), "recved": set(), "failed": set()}
+    local = {}
+    free = iter(range(BLOCKS - 1, -1, -1))  # other block ids than the prefill's
+    for req_id, p in params.items():
+        ids = [next(free) for _ in p["remote_block_ids"]]
+        local[req_id] = ids
+        r = Request(req_id + "-d", list(range(len(ids) * BLOCK)),
+                    SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": dict(p)}), None)
+        n, is_async = scheduler.get_num_new_matched_tokens(r, 0)
+        assert (n, is_async) == (len(ids) * BLOCK, True)
+        scheduler.update_state_after_alloc(r, KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),)), n)
+    step(scheduler, worker, done)
+    want = {r + "-d" for r in params}
+    until("every load", lambda: want <= done["recved"], worker, done)
+    if done["failed"]:
+        conn.send(f"failed loads: {done['failed']}, blocks {worker.get_block_ids_with_load_errors()}")
+        return
+    expected = caches(seed=11)
+    for req_id, p in params.items():
+        for name, cache in expected.items():
+            if not torch.equal(mine[name][:, local[req_id]], cache[:, p["remote_block_ids"]]):
+                conn.send(f"{req_id} {name}: blocks differ")
+                return
+    conn.send("ok")
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_prefill_and_decode_processes(provider):
+    plugins = os.path.join(os.path.dirname(xfer.__file__), "plugins", "libbackend_efa.so")
+    if not os.path.exists(plugins):
+        pytest.skip("the efa plugin is not in the package (cargo xtask vllm stages it)")
+    ctx = mp.get_context("spawn")
+    server = xfer.Server()
+    try:
+        p_here, p_there = ctx.Pipe()
+        d_here, d_there = ctx.Pipe()
+        prefill = ctx.Process(target=prefill_process, args=(server.url, provider, p_there))
+        prefill.start()
+        decode = None
+        try:
+            assert p_here.poll(120), "the prefill process did not start"
+            params = p_here.recv()
+            decode = ctx.Process(target=decode_process, args=(server.url, provider, params, d_there))
+            decode.start()
+            assert d_here.poll(120), "the decode process did not answer"
+            assert d_here.recv() == "ok"
+            assert p_here.poll(60), "the prefill never freed its blocks"
+            assert p_here.recv() == ("freed", sorted(REQUESTS))
+            decode.join(60)
+            prefill.join(60)
+            assert (decode.exitcode, prefill.exitcode) == (0, 0)
+        finally:
+            for p in (prefill, decode):
+                if p is not None and p.is_alive():
+                    p.kill()
+    finally:
+        server.close()
