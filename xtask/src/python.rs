@@ -76,7 +76,8 @@ pub(crate) fn test(totals: &mut (u64, u64)) -> Result {
     for example in ["kv_cache.py", "weight_sync.py"] {
         run(&python, &[&format!("python/examples/{example}")])?;
     }
-    run(&python, &["-m", "xfer.bench", "--duration", "0.2"])
+    run(&python, &["-m", "xfer.bench", "--duration", "0.2"])?;
+    run(&python, &["-m", "xfer.bench_kv", "--sizes", "1000"])
 }
 
 /// pytest's closing line ("3 passed, 1 skipped in 2.0s", "1 failed, 2 passed in …"), in the
