@@ -49,3 +49,48 @@ def test_mismatches_and_short_peers_are_named():
     assert matched_blocks([9, 8], [1, 2, 3]) == ([9, 8], [2, 3])
     with pytest.raises(LayoutError, match="only 1"):
         matched_blocks([1, 2], [5])
+
+
+def apply(plan_reads, local_ranks, remote_ranks):
+    """Performs reads as xfer would: bytes of remote pages at offset + page * stride."""
+    from xfer._kvcache import Read  # noqa: F401
+
+    for r in plan_reads:
+        dst = local_ranks.reshape(-1).view(np.uint8)
+        src = remote_ranks[r.remote_rank].reshape(-1).view(np.uint8)
+        for lp, rp in zip(r.local_pages, r.remote_pages):
+            lo, ro = r.local_offset + lp * r.local_stride, r.remote_offset + rp * r.remote_stride
+            dst[lo:lo + r.page_len] = src[ro:ro + r.page_len]
+
+
+@pytest.mark.parametrize("decode_tp,prefill_tp", [(1, 1), (2, 1), (4, 2), (4, 4), (1, 2), (2, 4)])
+def test_reads_across_tensor_parallel_sizes_put_every_head_in_its_place(decode_tp, prefill_tp):
+    from xfer._kvcache import read_plan
+
+    heads, blocks, tokens, dim = 8, 6, 4, 3
+    rng = np.random.default_rng(decode_tp * 10 + prefill_tp)
+    # The logical cache: (2, blocks, tokens, heads, dim); rank r holds heads [r*h, (r+1)*h).
+    full = rng.integers(0, 60000, size=(2, blocks, tokens, heads, dim)).astype(np.uint16)
+    hp, hd = heads // prefill_tp, heads // decode_tp
+    prefill = [np.ascontiguousarray(full[:, :, :, r * hp:(r + 1) * hp]) for r in range(prefill_tp)]
+    remote_ids, local_ids = [4, 1], [0, 5]
+    for rank in range(decode_tp):
+        mine = np.zeros((2, blocks, tokens, hd, dim), dtype=np.uint16)
+        reads = read_plan(layout(mine), layout(prefill[0]), rank, decode_tp, prefill_tp, local_ids, remote_ids)
+        assert len(reads) == max(1, prefill_tp // decode_tp)
+        apply(reads, mine, prefill)
+        want = full[:, remote_ids][:, :, :, rank * hd:(rank + 1) * hd]
+        assert np.array_equal(mine[:, local_ids], want), (decode_tp, prefill_tp, rank)
+        untouched = [b for b in range(blocks) if b not in local_ids]
+        assert not mine[:, untouched].any()
+
+
+def test_mla_reads_one_peer_rank_whole_and_odd_tp_sizes_are_refused():
+    from xfer._kvcache import read_plan
+
+    latent = layout(np.zeros((5, 4, 16), dtype=np.uint16), mla=True)
+    (read,) = read_plan(latent, latent, 3, 4, 2, [1], [2])
+    assert (read.remote_rank, read.page_len) == (1, latent.block_bytes)
+    kv = layout(np.zeros((2, 4, 4, 2, 8), dtype=np.float16))
+    with pytest.raises(LayoutError, match="divide"):
+        read_plan(kv, kv, 0, 3, 2, [1], [1])

@@ -110,3 +110,80 @@ def matched_blocks(local_ids: Sequence[int], remote_ids: Sequence[int]) -> tuple
             f"{len(local_ids)} blocks to fill but the peer holds only {len(remote_ids)}"
         )
     return list(local_ids), list(remote_ids[len(remote_ids) - len(local_ids) :])
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """One paged read of a layer: from one peer rank, page ``i`` of ``remote_pages`` (at
+    ``remote_offset + page * remote_stride``) into page ``i`` of ``local_pages`` (at
+    ``local_offset + page * local_stride``), ``page_len`` bytes each."""
+
+    remote_rank: int
+    page_len: int
+    local_pages: list[int]
+    local_offset: int
+    local_stride: int
+    remote_pages: list[int]
+    remote_offset: int
+    remote_stride: int
+
+
+def read_plan(
+    local: Layout,
+    remote: Layout,
+    local_rank: int,
+    local_tp: int,
+    remote_tp: int,
+    local_ids: Sequence[int],
+    remote_ids: Sequence[int],
+) -> list[Read]:
+    """The reads that fill ``local_ids`` of one layer from the peer's ``remote_ids``, across
+    tensor-parallel sizes.
+
+    Same TP size: rank ``r`` reads rank ``r``, whole blocks. Otherwise each rank holds
+    ``heads / tp`` KV heads of every token, and a block ``(tokens, heads, head_size)`` is read
+    token by token (pages of one token's head slice): a decode rank with fewer heads reads its
+    slice of one prefill rank; one with more heads reads each of several prefill ranks into its
+    place. MLA's latent cache is the same on every rank: rank ``r`` reads one peer rank whole.
+    """
+    if local.planes != remote.planes or local.dtype != remote.dtype:
+        raise LayoutError(
+            f"planes/dtype differ (here {local.planes} {local.dtype}, peer {remote.planes} {remote.dtype})"
+        )
+    if max(local_tp, remote_tp) % min(local_tp, remote_tp) != 0:
+        raise LayoutError(
+            f"tensor-parallel sizes {local_tp} (here) and {remote_tp} (peer): one must divide the other"
+        )
+    if local_tp == remote_tp or local.planes == 1:
+        if local.describe() != remote.describe():
+            check_compatible(local.describe(), remote.describe(), "layer")
+        rank = local_rank if local_tp == remote_tp else local_rank % remote_tp
+        return [Read(rank, local.block_bytes, local.pages(local_ids), 0, local.block_bytes,
+                     remote.pages(remote_ids), 0, remote.block_bytes)]
+    if len(local.block_shape) != 3 or len(remote.block_shape) != 3:
+        raise LayoutError(
+            f"blocks of shape {local.block_shape} (here) and {remote.block_shape} (peer) are not "
+            "(tokens, heads, head_size): other tensor-parallel sizes need it"
+        )
+    (tokens, heads_l, dim), (tokens_r, heads_r, dim_r) = local.block_shape, remote.block_shape
+    if (tokens, dim) != (tokens_r, dim_r) or heads_l * local_tp != heads_r * remote_tp:
+        raise LayoutError(
+            f"blocks differ beyond the head split: here {local.block_shape} x TP {local_tp}, "
+            f"peer {remote.block_shape} x TP {remote_tp}"
+        )
+    item = local.block_bytes // (tokens * heads_l * dim)
+    token_l, token_r = heads_l * dim * item, heads_r * dim * item
+
+    def token_pages(layout: Layout, ids: Sequence[int]) -> list[int]:
+        return [p * tokens + t for p in layout.pages(ids) for t in range(tokens)]
+
+    local_pages, remote_pages = token_pages(local, local_ids), token_pages(remote, remote_ids)
+    if local_tp > remote_tp:
+        # Fewer heads here: this rank's slice of one peer rank's heads.
+        k = local_tp // remote_tp
+        return [Read(local_rank // k, token_l, local_pages, 0, token_l, remote_pages,
+                     (local_rank % k) * token_l, token_r)]
+    # More heads here: every peer rank holding some of them, each into its place.
+    k = remote_tp // local_tp
+    return [Read(local_rank * k + j, token_r, local_pages, j * token_r, token_l, remote_pages, 0,
+                 token_r) for j in range(k)]

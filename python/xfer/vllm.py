@@ -24,9 +24,15 @@ a layout that does not match — end the load with the request's blocks reported
 ``get_block_ids_with_load_errors`` and the request reported as finished (and failed) receiving,
 so vLLM recomputes or fails it by its policy; never a hang.
 
-Not yet (issue 28): push mode, heterogeneous tensor parallelism (both sides must have the same
-TP size: rank ``r`` reads rank ``r``), vLLM's side-channel host/port, per-rank stats through
-vLLM's hooks.
+**Tensor parallelism** may differ between the instances (one size dividing the other): a decode
+rank with fewer KV heads per rank reads its head slice of one prefill rank, one with more reads
+each prefill rank holding some of its heads into place (token by token, still one paged read
+per layer and prefill rank); MLA's latent cache, the same on every rank, is read whole from one
+rank. Every decode rank tells every prefill rank when it is done; a prefill rank frees the
+blocks once all have.
+
+Not yet (issue 28): push mode, vLLM's side-channel host/port, per-rank stats through vLLM's
+hooks.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import xfer
 
-from ._kvcache import Layout, LayoutError, check_compatible, layout_of, matched_blocks
+from ._kvcache import Layout, LayoutError, Read, layout_of, matched_blocks, read_plan
 
 logger = logging.getLogger("xfer.vllm")
 
@@ -73,6 +79,8 @@ class Options:
     publish_ttl_s: float = 10.0
     tp_rank: int | None = None
     """This worker's tensor-parallel rank (default: vLLM's, or 0 outside a TP group)."""
+    tp_size: int | None = None
+    """This instance's tensor-parallel size (default: vLLM's ``tensor_parallel_size``)."""
 
     @staticmethod
     def parse(extra: dict[str, Any] | None) -> Options:
@@ -100,6 +108,7 @@ class Load:
     remote_engine_id: str
     remote_block_ids: list[int]
     remote_request_id: str
+    remote_tp_size: int = 1
 
 
 class XferConnectorMetadata(KVConnectorMetadata):
@@ -124,12 +133,14 @@ class XferConnector(KVConnectorBase_V1):
         self._engine_id = str(self._kv_transfer_config.engine_id)
         model = getattr(vllm_config, "model_config", None)
         self._mla = bool(getattr(model, "use_mla", False))
+        parallel = getattr(vllm_config, "parallel_config", None)
+        tp_size = self._options.tp_size or int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler: _Scheduler | None = _Scheduler(self._engine_id, self._options)
+            self._scheduler: _Scheduler | None = _Scheduler(self._engine_id, self._options, tp_size)
             self._worker: _Worker | None = None
         else:
             self._scheduler = None
-            self._worker = _Worker(self._engine_id, self._options, self._mla)
+            self._worker = _Worker(self._engine_id, self._options, self._mla, tp_size)
 
     # ---- scheduler side ----
 
@@ -193,9 +204,10 @@ class XferConnector(KVConnectorBase_V1):
 class _Scheduler:
     """The scheduler side: which requests to read, which to keep for a reader."""
 
-    def __init__(self, engine_id: str, options: Options) -> None:
+    def __init__(self, engine_id: str, options: Options, tp_size: int) -> None:
         self._engine_id = engine_id
         self._options = options
+        self._tp_size = tp_size
         self._meta = XferConnectorMetadata()
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -215,6 +227,7 @@ class _Scheduler:
             remote_engine_id=str(params["remote_engine_id"]),
             remote_block_ids=list(params["remote_block_ids"]),
             remote_request_id=str(params["remote_request_id"]),
+            remote_tp_size=int(params.get("remote_tp_size", 1)),
         )
         if num_external_tokens > 0:
             load.local_block_ids = list(blocks.get_unhashed_block_ids())
@@ -245,6 +258,7 @@ class _Scheduler:
             "remote_engine_id": self._engine_id,
             "remote_block_ids": list(block_ids),
             "remote_request_id": request.request_id,
+            "remote_tp_size": self._tp_size,
             "xfer_protocol": PROTOCOL,
         }
 
@@ -260,16 +274,17 @@ class _Peer:
 class _Worker:
     """The worker side: the engine, its registered caches, loads in flight, blocks kept."""
 
-    def __init__(self, engine_id: str, options: Options, mla: bool) -> None:
+    def __init__(self, engine_id: str, options: Options, mla: bool, tp_size: int) -> None:
         self._engine_id = engine_id
         self._options = options
         self._mla = mla
+        self._tp_size = tp_size
         self._rank = options.tp_rank if options.tp_rank is not None else _tp_rank()
         self._engine = xfer.TransferEngine(options.xfer_config)
         self._rendezvous = xfer.Rendezvous(options.rendezvous)
         self._layers: dict[str, tuple[xfer.MemoryRegion, Layout]] = {}
         self._publication: xfer.Publication | None = None
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[tuple[str, int], _Peer] = {}
         self._lock = threading.Lock()
         self._recved: set[str] = set()
         self._failed_recv: set[str] = set()
@@ -277,7 +292,9 @@ class _Worker:
         self._keeping: dict[str, float] = {}
         """Prefill: request → monotonic deadline for its reader."""
         self._read_done: dict[str, float] = {}
-        """Prefill: requests a reader finished, when the message came (it may come first)."""
+        """Prefill: requests every reader finished, when the last said so (it may come first)."""
+        self._readers: dict[str, set[int]] = {}
+        """Prefill: the reader ranks that finished each request so far."""
         self._engine.submit_recvs(256, 64, self._on_message)
 
     # ---- registration ----
@@ -320,20 +337,12 @@ class _Worker:
                 self._finish_load(req_id, load, e)
 
     def _load(self, req_id: str, load: Load) -> None:
-        peer = self._peer(load.remote_engine_id)
-        if set(peer.layers) != set(self._layers):
-            raise LayoutError(
-                f"peer {load.remote_engine_id} has layers {sorted(peer.layers)[:3]}…, here "
-                f"{sorted(self._layers)[:3]}… ({len(peer.layers)} vs {len(self._layers)})"
-            )
         local_ids, remote_ids = matched_blocks(load.local_block_ids, load.remote_block_ids)
         # Every check before the first read: a refused load posts nothing.
         plan = []
         for name, (region, layout) in self._layers.items():
-            desc, remote_layout, described = peer.layers[name]
-            check_compatible(layout.describe(), described, f"layer {name}")
-            plan.append((layout.block_bytes, region, layout.pages(local_ids), desc,
-                         remote_layout.pages(remote_ids)))
+            for read in self._reads(load, name, layout, local_ids, remote_ids):
+                plan.append((region, read))
         pending = {"left": len(plan), "error": None}
 
         def one_done(error: BaseException | None) -> None:
@@ -345,13 +354,43 @@ class _Worker:
             if last:
                 self._finish_load(req_id, load, pending["error"])
 
-        for page_len, region, local_pages, desc, remote_pages in plan:
+        for region, (desc, read) in plan:
             try:
                 self._engine.submit_paged_reads(
-                    page_len, region, local_pages, desc, remote_pages, on_done=one_done
+                    read.page_len, region, read.local_pages, desc, read.remote_pages,
+                    local_stride=read.local_stride, remote_stride=read.remote_stride,
+                    local_offset=read.local_offset, remote_offset=read.remote_offset,
+                    on_done=one_done,
                 )
             except Exception as e:  # noqa: BLE001 - refused at submit: counted like a failure
                 one_done(e)
+
+    def _reads(self, load: Load, name: str, layout: Layout, local_ids: list[int],
+               remote_ids: list[int]) -> list[tuple[xfer.MrDesc, Read]]:
+        """One layer's reads, each with the peer rank's descriptor (checked first)."""
+        reads = []
+        for read in read_plan(layout, self._remote_layout(load, 0, name), self._rank,
+                              self._tp_size, load.remote_tp_size, local_ids, remote_ids):
+            peer = self._peer(load.remote_engine_id, read.remote_rank)
+            if name not in peer.layers:
+                raise LayoutError(
+                    f"peer {load.remote_engine_id} rank {read.remote_rank} has no layer {name} "
+                    f"({len(peer.layers)} layers there, {len(self._layers)} here)"
+                )
+            desc, remote_layout, _ = peer.layers[name]
+            read_plan(layout, remote_layout, self._rank, self._tp_size, load.remote_tp_size,
+                      local_ids[:1], remote_ids[:1])  # the same checks against this rank
+            reads.append((desc, read))
+        return reads
+
+    def _remote_layout(self, load: Load, rank: int, name: str) -> Layout:
+        peer = self._peer(load.remote_engine_id, rank)
+        if set(peer.layers) != set(self._layers):
+            raise LayoutError(
+                f"peer {load.remote_engine_id} has other layers ({len(peer.layers)} there, "
+                f"{len(self._layers)} here)"
+            )
+        return peer.layers[name][1]
 
     def _finish_load(self, req_id: str, load: Load, error: BaseException | None) -> None:
         with self._lock:
@@ -365,22 +404,26 @@ class _Worker:
         self._tell_done(load)
 
     def _tell_done(self, load: Load) -> None:
-        try:
-            peer = self._peer(load.remote_engine_id)
-            self._engine.submit_send(peer.address, _DONE + load.remote_request_id.encode())
-        except Exception as e:  # noqa: BLE001 - its lease frees the blocks anyway
-            logger.warning(
-                "XferConnector: could not tell %s that request %s was read (%s); its lease frees it",
-                load.remote_engine_id, load.remote_request_id, e,
-            )
+        """Tells every rank of the prefill instance that this rank is done with the request:
+        a prefill rank frees it once every reader rank said so."""
+        message = _DONE + f"{self._rank}:{self._tp_size}:{load.remote_request_id}".encode()
+        for rank in range(load.remote_tp_size):
+            try:
+                peer = self._peer(load.remote_engine_id, rank)
+                self._engine.submit_send(peer.address, message)
+            except Exception as e:  # noqa: BLE001 - its lease frees the blocks anyway
+                logger.warning(
+                    "XferConnector: could not tell %s rank %d that request %s was read (%s); "
+                    "its lease frees it", load.remote_engine_id, rank, load.remote_request_id, e,
+                )
 
-    def _peer(self, engine_id: str) -> _Peer:
+    def _peer(self, engine_id: str, rank: int) -> _Peer:
         with self._lock:
-            known = self._peers.get(engine_id)
+            known = self._peers.get((engine_id, rank))
         if known is not None:
             return known
         record = self._rendezvous.lookup(
-            _record_name(engine_id, self._rank), self._options.lookup_timeout_s
+            _record_name(engine_id, rank), self._options.lookup_timeout_s
         )
         by_tag = {_layer_tag(name): name for name in self._layers}
         layers = {}
@@ -390,15 +433,25 @@ class _Worker:
             layers[by_tag.get(tag, tag)] = (desc, layout, layout.describe())
         peer = _Peer(address=bytes(record["addr"]), layers=layers)
         with self._lock:
-            self._peers[engine_id] = peer
+            self._peers[(engine_id, rank)] = peer
         return peer
 
     # ---- prefill: freeing ----
 
     def _on_message(self, data: bytes) -> None:
-        if data.startswith(_DONE):
-            req_id = data[len(_DONE):].decode(errors="replace")
-            with self._lock:
+        if not data.startswith(_DONE):
+            return
+        try:
+            rank, size, req_id = data[len(_DONE):].decode().split(":", 2)
+            rank, size = int(rank), int(size)
+        except ValueError:
+            logger.warning("XferConnector: a malformed done message %r was ignored", data[:80])
+            return
+        with self._lock:
+            readers = self._readers.setdefault(req_id, set())
+            readers.add(rank)
+            if len(readers) >= size:
+                self._readers.pop(req_id)
                 self._read_done[req_id] = time.monotonic()
 
     # ---- both ----

@@ -43,43 +43,75 @@ def server():
 
 
 class Instance:
-    """One vLLM instance: its scheduler- and worker-side connectors and its KV cache."""
+    """One vLLM instance: its scheduler-side connector, one worker-side connector per
+    tensor-parallel rank, and each rank's KV cache (its share of the KV heads)."""
 
-    def __init__(self, engine_id, server, *, layers=2, blocks=16, heads=2, head=8, extra=None):
+    def __init__(self, engine_id, server, *, layers=2, blocks=16, heads=2, head=8, tp=1, extra=None):
         extra = {"rendezvous": server.url, "xfer_config": MOCK, "lookup_timeout_s": 2.0, **(extra or {})}
-        config = VllmConfig(
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="XferConnector",
-                kv_connector_module_path="xfer.vllm",
-                kv_role="kv_both",
-                engine_id=engine_id,
-                kv_connector_extra_config=extra,
+
+        def config(rank):
+            return VllmConfig(
+                kv_transfer_config=KVTransferConfig(
+                    kv_connector="XferConnector",
+                    kv_connector_module_path="xfer.vllm",
+                    kv_role="kv_both",
+                    engine_id=engine_id,
+                    kv_connector_extra_config={**extra, "tp_size": tp, "tp_rank": rank},
+                )
             )
-        )
-        self.scheduler = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, None)
-        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, None)
+
+        self.scheduler = KVConnectorFactory.create_connector(config(0), KVConnectorRole.SCHEDULER, None)
+        self.workers = [
+            KVConnectorFactory.create_connector(config(r), KVConnectorRole.WORKER, None) for r in range(tp)
+        ]
         gen = torch.Generator().manual_seed(hash(engine_id) % 2**31)
-        self.caches = {
+        # The whole cache, heads split over the ranks as tensor parallelism splits them.
+        self.full = {
             f"model.layers.{i}.self_attn.attn": torch.randn(
                 (2, blocks, BLOCK, heads, head), generator=gen
             ).to(torch.float16)
             for i in range(layers)
         }
-        self.worker.register_kv_caches(self.caches)
-        self.sent, self.recved, self.failed = set(), set(), set()
+        share = heads // tp
+        self.ranks = [
+            {name: c[:, :, :, r * share:(r + 1) * share].contiguous() for name, c in self.full.items()}
+            for r in range(tp)
+        ]
+        for worker, caches in zip(self.workers, self.ranks):
+            worker.register_kv_caches(caches)
+        self.caches = self.ranks[0]
+        self.worker = self.workers[0]
+        self._sent = [set() for _ in self.workers]
+        self._recved = [set() for _ in self.workers]
+        self.failed = set()
+
+    @property
+    def sent(self):
+        """Requests every rank finished sending (what vLLM's scheduler waits for)."""
+        return set.intersection(*self._sent)
+
+    @property
+    def recved(self):
+        return set.intersection(*self._recved)
+
+    def gathered(self):
+        """Each layer's cache with the ranks' heads put back together."""
+        return {name: torch.cat([r[name] for r in self.ranks], dim=3) for name in self.full}
 
     def step(self):
         meta = self.scheduler.build_connector_meta(SchedulerOutput.make_empty())
-        self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_kv(None)
-        self.worker.clear_connector_metadata()
+        for worker in self.workers:
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            worker.clear_connector_metadata()
         self.collect()
 
     def collect(self):
-        r = self.worker.get_transfer_results(set())
-        self.sent |= r.finished_sending
-        self.recved |= r.finished_recving
-        self.failed |= r.failed_recving
+        for i, worker in enumerate(self.workers):
+            r = worker.get_transfer_results(set())
+            self._sent[i] |= r.finished_sending
+            self._recved[i] |= r.finished_recving
+            self.failed |= r.failed_recving
 
     def wait(self, what, cond):
         deadline = time.monotonic() + WAIT
@@ -89,7 +121,8 @@ class Instance:
             time.sleep(0.001)
 
     def close(self):
-        self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
 
 
 def request(req_id, tokens, params, status=None):
@@ -128,8 +161,9 @@ def decode(d, req_id, tokens, params, local_ids, computed=0):
 
 
 def assert_copied(p, d, remote_ids, local_ids):
-    for name, cache in p.caches.items():
-        assert torch.equal(d.caches[name][:, local_ids], cache[:, remote_ids]), name
+    theirs, ours = p.gathered(), d.gathered()
+    for name, cache in theirs.items():
+        assert torch.equal(ours[name][:, local_ids], cache[:, remote_ids]), name
 
 
 def test_vllm_loads_the_connector_from_its_module_path(server):
@@ -193,7 +227,7 @@ def test_a_dead_prefill_ends_in_load_errors_within_the_deadline(server):
     p, d = Instance("p5", server), Instance("d5", server)
     params = prefill(p, "r5", 8, [1, 2])
     # Learn the peer first (its record stays while its lease lives), then it dies.
-    d.worker._worker._peer("p5")
+    d.worker._worker._peer("p5", 0)
     p.worker._worker._engine.close()  # a crash: the engine is gone, the record not yet
     decode(d, "r5-d", 8, params, [3, 4])
     started = time.monotonic()
@@ -235,3 +269,21 @@ def test_configuration_mistakes_are_named():
         xfer.vllm.Options.parse({"xfer_config": MOCK})
     with pytest.raises(ValueError, match="unknown.*rendevous"):
         xfer.vllm.Options.parse({"rendevous": "xfer://x:1"})
+
+
+@pytest.mark.parametrize("decode_tp,prefill_tp", [(1, 1), (2, 1), (4, 2), (4, 4), (1, 2), (2, 4)])
+def test_tensor_parallel_sizes_may_differ(server, decode_tp, prefill_tp):
+    """Decode TP > prefill TP reads head slices; prefill TP > decode TP reads several ranks;
+    every byte lands in place, and every prefill rank frees only after every reader rank."""
+    tag = f"{decode_tp}x{prefill_tp}"
+    p = Instance(f"tp-p{tag}", server, heads=8, tp=prefill_tp)
+    d = Instance(f"tp-d{tag}", server, heads=8, tp=decode_tp)
+    params = prefill(p, "r", 10, [3, 5, 7])
+    assert params["remote_tp_size"] == prefill_tp
+    decode(d, "r-d", 10, params, [0, 9, 2])
+    d.step()
+    d.wait("every rank's load", lambda: "r-d" in d.recved)
+    assert not d.failed
+    assert_copied(p, d, [3, 5, 7], [0, 9, 2])
+    p.wait("every prefill rank to free", lambda: "r" in p.sent)
+    p.close(), d.close()
