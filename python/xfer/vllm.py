@@ -31,8 +31,8 @@ per layer and prefill rank); MLA's latent cache, the same on every rank, is read
 rank. Every decode rank tells every prefill rank when it is done; a prefill rank frees the
 blocks once all have.
 
-Not yet (issue 28): push mode, vLLM's side-channel host/port, per-rank stats through vLLM's
-hooks.
+Not yet (issue 28): push mode, vLLM's side-channel host/port, Prometheus metrics through
+vLLM's ``build_prom_metrics``.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import xfer
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ._kvcache import Layout, LayoutError, Read, layout_of, matched_blocks, read_plan
 
@@ -122,6 +124,43 @@ class XferConnectorMetadata(KVConnectorMetadata):
         self.sends: dict[str, float] = {}
         """Prefill: finished requests whose blocks wait for their reader, with the seconds
         they may wait."""
+
+
+_COUNTERS = ("loads", "load_failures", "blocks_loaded", "freed_after_read", "freed_at_lease")
+
+
+@dataclasses.dataclass
+class XferConnectorStats(KVConnectorStats):
+    """What a worker did in one interval, summed over workers (vLLM aggregates them): loads
+    and their failures, blocks loaded, requests freed after their reader or at their lease,
+    and each load's seconds."""
+
+    def __post_init__(self) -> None:
+        for key in _COUNTERS:
+            self.data.setdefault(key, 0)
+        self.data.setdefault("load_seconds", [])
+
+    def reset(self) -> None:
+        self.data = {}
+        self.__post_init__()
+
+    def aggregate(self, other: KVConnectorStats) -> XferConnectorStats:
+        for key in _COUNTERS:
+            self.data[key] += other.data.get(key, 0)
+        self.data["load_seconds"] = self.data["load_seconds"] + list(other.data.get("load_seconds", []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {key: self.data[key] for key in _COUNTERS}
+        seconds = sorted(self.data["load_seconds"])
+        if seconds:
+            out["load_ms_avg"] = 1e3 * sum(seconds) / len(seconds)
+            out["load_ms_p50"] = 1e3 * seconds[len(seconds) // 2]
+            out["load_ms_max"] = 1e3 * seconds[-1]
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data[key] for key in _COUNTERS)
 
 
 class XferConnector(KVConnectorBase_V1):
@@ -199,6 +238,16 @@ class XferConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+
+    def get_kv_connector_stats(self) -> XferConnectorStats | None:
+        """This worker's counters since the last call (vLLM sums the workers')."""
+        if self._worker is None:
+            return None
+        return self._worker.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> XferConnectorStats:
+        return XferConnectorStats(data=dict(data or {}))
 
 
 class _Scheduler:
@@ -294,6 +343,8 @@ class _Worker:
         self._read_done: dict[str, float] = {}
         """Prefill: requests every reader finished, when the last said so (it may come first)."""
         self._readers: dict[str, set[int]] = {}
+        self._stats = XferConnectorStats()
+        self._load_started: dict[str, float] = {}
         """Prefill: the reader ranks that finished each request so far."""
         self._engine.submit_recvs(256, 64, self._on_message)
 
@@ -337,6 +388,8 @@ class _Worker:
                 self._finish_load(req_id, load, e)
 
     def _load(self, req_id: str, load: Load) -> None:
+        with self._lock:
+            self._load_started[req_id] = time.monotonic()
         local_ids, remote_ids = matched_blocks(load.local_block_ids, load.remote_block_ids)
         # Every check before the first read: a refused load posts nothing.
         plan = []
@@ -395,9 +448,17 @@ class _Worker:
     def _finish_load(self, req_id: str, load: Load, error: BaseException | None) -> None:
         with self._lock:
             self._recved.add(req_id)
+            started = self._load_started.pop(req_id, None)
+            data = self._stats.data
+            data["loads"] += 1
+            if started is not None:
+                data["load_seconds"].append(time.monotonic() - started)
             if error is not None:
                 self._failed_recv.add(req_id)
                 self._load_errors.update(load.local_block_ids)
+                data["load_failures"] += 1
+            else:
+                data["blocks_loaded"] += len(load.local_block_ids)
         if error is not None:
             logger.error("XferConnector: request %s: blocks not loaded: %s", req_id, error)
         # Either way the prefill instance may free its blocks now.
@@ -463,6 +524,9 @@ class _Worker:
             for r in sent:
                 if r not in self._read_done:
                     logger.warning("XferConnector: request %s was never read; freed at its lease", r)
+                    self._stats.data["freed_at_lease"] += 1
+                else:
+                    self._stats.data["freed_after_read"] += 1
                 self._keeping.pop(r)
                 self._read_done.pop(r, None)
             # Messages for requests this worker does not keep (yet): dropped once stale.
@@ -475,6 +539,11 @@ class _Worker:
         return KVConnectorTransferResults(
             finished_sending=sent, finished_recving=recved, failed_recving=failed
         )
+
+    def take_stats(self) -> XferConnectorStats:
+        with self._lock:
+            stats, self._stats = self._stats, XferConnectorStats()
+        return stats
 
     def take_load_errors(self) -> set[int]:
         with self._lock:

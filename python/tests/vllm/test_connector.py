@@ -287,3 +287,41 @@ def test_tensor_parallel_sizes_may_differ(server, decode_tp, prefill_tp):
     assert_copied(p, d, [3, 5, 7], [0, 9, 2])
     p.wait("every prefill rank to free", lambda: "r" in p.sent)
     p.close(), d.close()
+
+
+def test_a_decode_request_aborted_while_loading_still_reports_its_load(server):
+    """vLLM keeps an aborted request's blocks until its load reports done (its scheduler
+    waits for finished_recving); the connector must always report it."""
+    p, d = Instance("p9", server), Instance("d9", server)
+    params = prefill(p, "r9", 8, [1, 2])
+    r = decode(d, "r9-d", 8, params, [3, 4])
+    d.step()
+    r.status = RequestStatus.FINISHED_ABORTED
+    assert d.scheduler.request_finished(r, [3, 4]) == (False, None)
+    d.wait("the load to report", lambda: "r9-d" in d.recved)
+    p.wait("the prefill to free", lambda: "r9" in p.sent)
+    p.close(), d.close()
+
+
+def test_stats_reach_vllms_own_logging_summed_over_ranks(server):
+    """get_kv_connector_stats per worker, summed as vLLM sums them, through its
+    KVConnectorLogging (build_kv_connector_stats, aggregate, reduce)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    p, d = Instance("p10", server, heads=4), Instance("d10", server, heads=4, tp=2)
+    params = prefill(p, "r10", 12, [1, 2, 3])
+    decode(d, "r10-d", 12, params, [4, 5, 6])
+    d.step()
+    d.wait("the load", lambda: "r10-d" in d.recved)
+    p.wait("the free", lambda: "r10" in p.sent)
+    per_rank = [w.get_kv_connector_stats() for w in d.workers]
+    total = per_rank[0].aggregate(per_rank[1]).reduce()
+    assert (total["loads"], total["blocks_loaded"], total["load_failures"]) == (2, 6, 0)
+    assert total["load_ms_max"] >= total["load_ms_p50"] > 0
+    freed = p.worker.get_kv_connector_stats().reduce()
+    assert (freed["freed_after_read"], freed["freed_at_lease"]) == (1, 0)
+    assert d.workers[0].get_kv_connector_stats().is_empty(), "an interval starts empty"
+    logging = KVConnectorLogging(d.scheduler._kv_transfer_config)
+    logging.observe(per_rank[0].data)
+    logging.log(log_fn=lambda *a: None)
+    p.close(), d.close()
