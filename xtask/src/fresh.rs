@@ -13,7 +13,7 @@
 //! - the machine's resolver configuration, CA bundle and package-client settings copied in, or
 //!   package downloads fail inside;
 //! - the downloaded `.deb` files kept in a cache (installing them is still done every run), and
-//!   likewise vLLM's wheels (`vllm.rs`).
+//!   likewise the serving frameworks' wheels (`serving.rs`).
 //!
 //! Whatever happens — failure, Ctrl-C, SIGTERM — the mounts are taken down and the run's root
 //! removed; a run killed outright leaves a directory that the next run cleans up first. If the
@@ -286,8 +286,9 @@ impl RunRoot {
         let archives = cache.join("apt-archives");
         std::fs::create_dir_all(archives.join("partial")).map_err(|e| e.to_string())?;
         bind(&archives, &root.join("var/cache/apt/archives"), false)?;
-        // So are vLLM's wheels (3 GB; this machine's pip keeps no cache): see `vllm.rs`.
-        let wheels = crate::vllm::wheel_cache();
+        // So are vLLM's and SGLang's wheels (5 GB; this machine's pip keeps no cache): see
+        // `serving.rs`.
+        let wheels = crate::serving::wheel_cache();
         std::fs::create_dir_all(&wheels).map_err(|e| format!("{wheels}: {e}"))?;
         bind(
             Path::new(&wheels),

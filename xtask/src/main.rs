@@ -15,8 +15,8 @@
 //! - `examples`: the example workloads as separate processes meeting through the rendezvous.
 //! - `python`: builds the Python package with its plugins and installs it into
 //!   `target/python-venv` (what `test` does before running the pytest suite).
-//! - `vllm`: installs vLLM 0.33 (from a wheel cache outside the checkout) and the package into
-//!   `target/vllm-venv` and runs the vLLM connector's tests (`test` runs them too).
+//! - `vllm`, `sglang`: install the framework (from a wheel cache outside the checkout) and the
+//!   package into `target/<name>-venv` and run its connector's tests (`test` runs both).
 //! - `fixtures`: rewrites the sysfs fixture trees of the topology tests.
 //! - `efa-libfabric2`: the EFA backend's tests against libfabric 2.x built from Debian 13's
 //!   source (part of `test`; see `libfabric2.rs`).
@@ -37,7 +37,7 @@ mod header;
 mod libfabric2;
 mod python;
 mod rxe;
-mod vllm;
+mod serving;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, ExitCode, Stdio};
@@ -154,7 +154,8 @@ fn test() -> Result {
         address_sanitizer(&mut totals)?;
         fuzz(FUZZ_SECONDS, &mut totals)?;
         python::test(&mut totals)?;
-        vllm::test(&mut totals)
+        serving::VLLM.test(&mut totals)?;
+        serving::SGLANG.test(&mut totals)
     });
     // The plain closing line CI readers look for, whatever happens next.
     println!("xtask test: {} passed, {} failed", totals.0, totals.1);
@@ -250,10 +251,11 @@ fn main() -> ExitCode {
         ),
         Some("gpu-check") => gpu_check(),
         Some("python") => python::install(),
-        Some("vllm") => {
+        Some(name @ ("vllm" | "sglang")) => {
+            let framework = if name == "vllm" { serving::VLLM } else { serving::SGLANG };
             let mut totals = (0, 0);
-            let result = vllm::test(&mut totals);
-            println!("xtask vllm: {} passed, {} failed", totals.0, totals.1);
+            let result = framework.test(&mut totals);
+            println!("xtask {name}: {} passed, {} failed", totals.0, totals.1);
             result
         }
         Some("examples") => multi_process_examples(),

@@ -1,0 +1,92 @@
+//! The serving connectors' tests — vLLM's (`python/tests/vllm`) and SGLang's
+//! (`python/tests/sglang`) — against the frameworks themselves from PyPI, each in a virtual
+//! environment of its own (`target/vllm-venv`, `target/sglang-venv`: their pins differ).
+//!
+//! Both bring torch with CUDA from PyPI: vLLM 0.33 about 9.4 GB installed, SGLang 0.5.23 about
+//! as much; 5.2 GB of wheels together (they share torch). This machine's pip keeps no cache, so
+//! the wheels are downloaded once into a directory outside the checkout (`$XFER_WHEEL_CACHE`,
+//! default `/var/cache/xfer-wheels`; `cargo xtask fresh` shares it with its clean root, as it
+//! shares the `.deb`s) and installed from there with `--no-index`: a clean-root run unpacks
+//! them (minutes) instead of downloading gigabytes.
+
+use crate::{counted, run, Result};
+
+/// A serving framework the package has a connector for.
+pub(crate) struct Framework {
+    /// Its virtual environment.
+    pub(crate) venv: &'static str,
+    /// What is installed (the connector targets this release).
+    requirements: &'static [&'static str],
+    /// Its tests.
+    tests: &'static str,
+    /// Their environment.
+    env: &'static [(&'static str, &'static str)],
+}
+
+pub(crate) const VLLM: Framework = Framework {
+    venv: "target/vllm-venv",
+    requirements: &["vllm==0.33.0", "pytest"],
+    tests: "python/tests/vllm",
+    // The CUDA wheel cannot infer a device on a machine without a GPU.
+    env: &[("VLLM_TARGET_DEVICE", "cpu")],
+};
+
+pub(crate) const SGLANG: Framework = Framework {
+    venv: "target/sglang-venv",
+    requirements: &["sglang==0.5.23", "pytest"],
+    tests: "python/tests/sglang",
+    env: &[],
+};
+
+/// Where the wheels are kept between runs.
+pub(crate) fn wheel_cache() -> String {
+    std::env::var("XFER_WHEEL_CACHE").unwrap_or_else(|_| "/var/cache/xfer-wheels".into())
+}
+
+impl Framework {
+    fn pip(&self, args: &[&str]) -> Result {
+        run(&format!("{}/bin/pip", self.venv), args)
+    }
+
+    /// Creates the venv, installs the framework from the wheel cache (downloading into it
+    /// what is missing), and the package (built from `./python`, with its plugins).
+    pub(crate) fn install(&self) -> Result {
+        // The package with its efa and verbs plugins (two-process tests run over libfabric).
+        crate::python::stage_plugins()?;
+        if !std::path::Path::new(&format!("{}/bin/python", self.venv)).exists() {
+            run("python3", &["-m", "venv", self.venv])?;
+        }
+        let cache = wheel_cache();
+        std::fs::create_dir_all(&cache).map_err(|e| format!("{cache}: {e}"))?;
+        let mut offline = vec!["install", "--quiet", "--no-index", "--find-links", &cache];
+        offline.extend(self.requirements);
+        if self.pip(&offline).is_err() {
+            eprintln!(
+                "xtask: downloading {:?} into {cache} (once)",
+                self.requirements
+            );
+            let mut download = vec!["download", "--quiet", "--dest", &cache];
+            download.extend(self.requirements);
+            self.pip(&download)?;
+            self.pip(&offline)?;
+        }
+        self.pip(&[
+            "install",
+            "--quiet",
+            "--force-reinstall",
+            "--no-deps",
+            "./python",
+        ])
+    }
+
+    /// Installs, then runs the tests (their counts added to `totals`).
+    pub(crate) fn test(&self, totals: &mut (u64, u64)) -> Result {
+        self.install()?;
+        counted(
+            &format!("{}/bin/python", self.venv),
+            &["-m", "pytest", "-q", "-p", "no:cacheprovider", self.tests],
+            self.env,
+            totals,
+        )
+    }
+}
