@@ -296,6 +296,25 @@ fn mock_config_file(tag: &str) -> (PathBuf, PathBuf) {
     (dir, good)
 }
 
+/// A mock config broken by one `[backends.mock]` knob (`knob = true` or `knob = 3`), in
+/// `dir`; returns its path.
+fn broken_mock_config(dir: &std::path::Path, knob: &str) -> PathBuf {
+    let broken = dir.join("broken.toml");
+    std::fs::write(
+        &broken,
+        format!("backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n[backends.mock]\n{knob}\n"),
+    )
+    .unwrap();
+    broken
+}
+
+/// `xfer conformance --config FILE [--check CHECK]`.
+fn conformance(config: &std::path::Path, check: Option<&str>) -> (i32, String) {
+    let mut args = vec!["conformance", "--config", config.to_str().unwrap()];
+    args.extend(check.iter().flat_map(|c| ["--check", c]));
+    xfer(&args)
+}
+
 /// `xfer conformance` runs the suite on a backend and says which checks fail, with exit
 /// status 1: here the built-in mock, broken by a knob so that it ignores `post_recvs`.
 #[test]
@@ -313,19 +332,8 @@ fn conformance_prints_each_check_and_fails_a_broken_backend() {
         out.contains("PASS messages_use_posted_receives") && out.contains("1 passed, 0 failed"),
         "{out}"
     );
-    let broken = dir.join("broken.toml");
-    std::fs::write(
-        &broken,
-        "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n[backends.mock]\nreceives_multiplier = 3\n",
-    )
-    .unwrap();
-    let (code, out) = xfer(&[
-        "conformance",
-        "--config",
-        broken.to_str().unwrap(),
-        "--check",
-        "messages",
-    ]);
+    let broken = broken_mock_config(&dir, "receives_multiplier = 3");
+    let (code, out) = conformance(&broken, Some("messages"));
     std::fs::remove_dir_all(&dir).unwrap();
     assert_eq!(code, 1, "{out}");
     assert!(
@@ -482,15 +490,9 @@ fn a_config_of_options_only_is_completed_from_the_command_line() {
 /// and no check runs.
 #[test]
 fn a_backend_that_loses_immediates_fails_the_probe_naming_the_cause() {
-    let dir = std::env::temp_dir().join(format!("xfer-cli-probe-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let broken = dir.join("broken.toml");
-    std::fs::write(
-        &broken,
-        "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n[backends.mock]\nlose_immediates = true\n",
-    )
-    .unwrap();
-    let (code, out) = xfer(&["conformance", "--config", broken.to_str().unwrap()]);
+    let (dir, _) = mock_config_file("probe");
+    let broken = broken_mock_config(&dir, "lose_immediates = true");
+    let (code, out) = conformance(&broken, None);
     assert_eq!(code, 1, "{out}");
     assert!(
         out.contains("FAIL probe") && out.contains("immediate never arrived"),
@@ -505,21 +507,9 @@ fn a_backend_that_loses_immediates_fails_the_probe_naming_the_cause() {
 /// fixture: the mock delivers messages but never completes them at the sender.
 #[test]
 fn a_check_that_times_out_names_its_step_and_the_rule() {
-    let dir = std::env::temp_dir().join(format!("xfer-cli-step-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let broken = dir.join("broken.toml");
-    std::fs::write(
-        &broken,
-        "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n[backends.mock]\nlose_send_completions = true\n",
-    )
-    .unwrap();
-    let (code, out) = xfer(&[
-        "conformance",
-        "--config",
-        broken.to_str().unwrap(),
-        "--check",
-        "send_recv",
-    ]);
+    let (dir, _) = mock_config_file("step");
+    let broken = broken_mock_config(&dir, "lose_send_completions = true");
+    let (code, out) = conformance(&broken, Some("send_recv"));
     assert_eq!(code, 1, "{out}");
     assert!(
         out.contains("FAIL send_recv")
