@@ -15,6 +15,7 @@
 //! - `examples`: the example workloads as separate processes meeting through the rendezvous.
 //! - `python`: builds the Python package with its plugins and installs it into
 //!   `target/python-venv` (what `test` does before running the pytest suite).
+//! - `instructions`: instructions per one-way write and per page of a paged write (callgrind).
 //! - `vllm`, `sglang`: install the framework (from a wheel cache outside the checkout) and the
 //!   package into `target/<name>-venv` and run its connector's tests (`test` runs both).
 //! - `fixtures`: rewrites the sysfs fixture trees of the topology tests.
@@ -34,6 +35,7 @@ mod examples;
 mod fixtures;
 mod fresh;
 mod header;
+mod instructions;
 mod libfabric2;
 mod python;
 mod rxe;
@@ -251,6 +253,7 @@ fn main() -> ExitCode {
         ),
         Some("gpu-check") => gpu_check(),
         Some("python") => python::install(),
+        Some("instructions") => instructions::report(),
         Some(name @ ("vllm" | "sglang")) => {
             let framework = if name == "vllm" { serving::VLLM } else { serving::SGLANG };
             let mut totals = (0, 0);

@@ -248,25 +248,40 @@ impl TransferEngine {
             region_len: 0,
         };
         let first = self.first_nic();
-        let mut ops = Vec::with_capacity(local_pages.indices.len());
-        let mut chunks = Vec::new();
+        let nics = self.nic_count();
+        // Every page has the same length, so its split depends only on the NIC it starts at:
+        // planned once per NIC (at most four), not once per page.
+        let plans: Vec<Vec<Chunk>> = (0..nics.min(local_pages.indices.len()))
+            .map(|k| {
+                let mut chunks = Vec::new();
+                self.spread
+                    .split(page_len, nics, (first + k) % nics, &mut chunks);
+                chunks
+            })
+            .collect();
+        let per_page = plans.iter().map(Vec::len).max().unwrap_or(0);
+        let mut ops = Vec::with_capacity(local_pages.indices.len() * per_page);
+        let (read, imm, base) = (op == Rdma::Read, op.imm(), remote.0.registration_base());
         for i in 0..local_pages.indices.len() {
             let l = page_offset(local_pages, i).ok_or_else(|| overflow(op.local_side()))?;
             let r = page_offset(remote_pages, i).ok_or_else(|| overflow(op.remote_side()))?;
             check_range(op.local_side(), l, page_len, region.len)?;
             check_range(op.remote_side(), r, page_len, remote.0.len())?;
-            self.plan_unit(
-                &mut ops,
-                &mut chunks,
-                (first + i) % self.nic_count(),
-                &region,
-                l,
-                remote.0,
-                r,
-                page_len,
-                op.imm(),
-                op == Rdma::Read,
-            );
+            for c in &plans[i % nics] {
+                let (peer, remote_key) = &remote.0.rkeys()[c.nic];
+                ops.push(WriteOp {
+                    read,
+                    nic: c.nic,
+                    peer: peer.clone(),
+                    local_addr: region.ptr + l + c.offset,
+                    local_key: region.keys[c.nic].local_key,
+                    remote_addr: remote.0.ptr() + r + c.offset,
+                    remote_key: *remote_key,
+                    remote_base: base,
+                    len: c.len,
+                    imm,
+                });
+            }
         }
         self.shared.submit_counted(Command::Writes {
             ops,

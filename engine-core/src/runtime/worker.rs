@@ -714,8 +714,10 @@ impl Worker {
     /// Posts now if the NIC has room and nothing for that peer is queued ahead; queues
     /// otherwise (per NIC and peer, so one stalled peer holds up only its own work).
     fn post(&mut self, nic: usize, id: u64, work: Pending) {
-        let key = (nic, work.peer().clone());
-        if !self.pending.contains_key(&key) {
+        // With nothing queued at all (the usual case) the queue's key is never built.
+        let queued_ahead =
+            !self.pending.is_empty() && self.pending.contains_key(&(nic, work.peer().clone()));
+        if !queued_ahead {
             match self.try_post(nic, id, &work) {
                 Ok(PostStatus::Posted) => return,
                 Ok(PostStatus::Busy) => {}
@@ -725,6 +727,7 @@ impl Worker {
                 }
             }
         }
+        let key = (nic, work.peer().clone());
         self.pending.entry(key).or_default().push_back((id, work));
     }
 

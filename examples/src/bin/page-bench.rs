@@ -1,0 +1,76 @@
+//! Paged writes: the page rate of `submit_paged_writes` and what one page costs (issue 29).
+//!
+//! `page-bench [--config FILE] [--pages N] [--page-len BYTES] [--calls C]`: C calls, each
+//! writing N pages of BYTES (a permutation, as a KV-cache request scatters its blocks) from one
+//! engine into another's region, each waited for; prints pages per second, the time to post
+//! one call (the submit returning) and to its completion. Default: the ideal in-order mock
+//! (`inline = true`), 1,000 pages of 64 B, 200 calls. For instructions per page, run it twice
+//! under callgrind with different `--calls` and divide the difference (`cargo xtask
+//! instructions` does).
+
+use std::time::{Duration, Instant};
+
+use engine_core::{Config, DoneFlag, HostBuffer, Pages, TransferEngine};
+use examples::{arg, fail};
+
+fn main() {
+    examples::init_logging();
+    backend_mock::link();
+    let number = |flag: &str, default: usize| {
+        arg(flag).map_or(default, |v| {
+            v.parse().unwrap_or_else(|e| fail(format!("{flag}: {e}")))
+        })
+    };
+    let (pages, page_len, calls) = (
+        number("--pages", 1000),
+        number("--page-len", 64),
+        number("--calls", 200),
+    );
+    let config = match arg("--config") {
+        Some(path) => Config::from_file(std::path::Path::new(&path)),
+        None => Config::from_toml(
+            "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n[worker]\nmax_outstanding = 1048576\n\
+             [backends.mock]\ninline = true\nreorder = false\njitter_us = 0\n",
+            std::path::Path::new("<page-bench>"),
+        ),
+    }
+    .unwrap_or_else(|e| fail(e));
+    let a = std::sync::Arc::new(TransferEngine::open(&config).unwrap_or_else(|e| fail(e)));
+    let b = std::sync::Arc::new(TransferEngine::open(&config).unwrap_or_else(|e| fail(e)));
+    let src = HostBuffer::from_fn(&a, pages * page_len, |i| i as u8).unwrap_or_else(|e| fail(e));
+    let dst = HostBuffer::new(&b, pages * page_len).unwrap_or_else(|e| fail(e));
+    let indices: Vec<u32> = (0..pages as u32).collect();
+    // A fixed permutation: pages land scattered, as a request's blocks do.
+    let mut shuffled = indices.clone();
+    fastrand::Rng::with_seed(7).shuffle(&mut shuffled);
+    let pages_of = |indices: Vec<u32>| Pages {
+        indices,
+        stride: page_len as u64,
+        offset: 0,
+    };
+    let (src_pages, dst_pages) = (pages_of(indices), pages_of(shuffled));
+    let (mut posting, mut total) = (Duration::ZERO, Duration::ZERO);
+    for _ in 0..calls {
+        let done = DoneFlag::new();
+        let start = Instant::now();
+        a.submit_paged_writes(
+            page_len as u64,
+            None,
+            (src.mr(), &src_pages),
+            (dst.desc(), &dst_pages),
+            done.clone(),
+        )
+        .unwrap_or_else(|e| fail(e));
+        posting += start.elapsed();
+        done.wait(Duration::from_secs(60))
+            .unwrap_or_else(|e| fail(e));
+        total += start.elapsed();
+    }
+    let n = (pages * calls) as f64;
+    println!(
+        "page-bench: {calls} calls x {pages} pages of {page_len} B: {:.2} M pages/s, post {:.3} ms/call, done {:.3} ms/call",
+        n / total.as_secs_f64() / 1e6,
+        posting.as_secs_f64() * 1e3 / calls as f64,
+        total.as_secs_f64() * 1e3 / calls as f64,
+    );
+}

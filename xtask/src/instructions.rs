@@ -1,0 +1,81 @@
+//! `cargo xtask instructions`: the per-operation cost as instruction counts (issue 29), which
+//! this noisy shared machine cannot move, unlike timings.
+//!
+//! Each figure is the difference between two callgrind runs of the same benchmark with
+//! different amounts of work, divided by the difference: start-up, engine opening and
+//! registration cancel out.
+//!
+//! - one-way 8-byte write-with-immediate: `transfer-bench --latency N --reactive` (a ping-pong
+//!   answered on the worker) on the mock with `spin_us = 0`, N = 5,000 and 10,000 trips, two
+//!   writes per trip;
+//! - one page of a paged write: `page-bench` (1,000 pages of 64 B per call, inline in-order
+//!   mock), 10 and 20 calls.
+//!
+//! Both include the mock fabric's own work.
+
+use std::process::Command;
+
+use crate::{cargo, ensure_packages, Result};
+
+/// Instructions callgrind counted for `program args`.
+fn instructions(program: &str, args: &[&str], envs: &[(&str, &str)]) -> Result<u64> {
+    let out_file = std::env::temp_dir().join(format!("xfer-callgrind-{}.out", std::process::id()));
+    let status = Command::new("valgrind")
+        .arg("--tool=callgrind")
+        .arg(format!("--callgrind-out-file={}", out_file.display()))
+        .arg(program)
+        .args(args)
+        .envs(envs.iter().copied())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .map_err(|e| format!("cannot run valgrind: {e}"))?;
+    if !status.success() {
+        return Err(format!(
+            "callgrind of {program} {args:?} failed with {status}"
+        ));
+    }
+    let text = std::fs::read_to_string(&out_file).map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_file(&out_file);
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix("summary: ")
+                .or_else(|| l.strip_prefix("totals: "))
+        })
+        .and_then(|n| n.split_whitespace().next()?.parse().ok())
+        .ok_or_else(|| format!("no instruction total in callgrind's output for {program}"))
+}
+
+/// Prints the per-write and per-page instruction counts.
+pub(crate) fn report() -> Result {
+    ensure_packages(&["valgrind"])?;
+    cargo(&[
+        "build",
+        "--quiet",
+        "--release",
+        "-p",
+        "examples",
+        "--bin",
+        "transfer-bench",
+        "--bin",
+        "page-bench",
+    ])?;
+    let config = std::env::temp_dir().join("xfer-instructions-mock.toml");
+    std::fs::write(
+        &config,
+        "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n[worker]\nspin_us = 0\n",
+    )
+    .map_err(|e| e.to_string())?;
+    let config = config.display().to_string();
+    let env = [("XFER_CONFIG", config.as_str())];
+    let bench = "target/release/transfer-bench";
+    let trips = |n: &str| instructions(bench, &["--latency", n, "--reactive"], &env);
+    let per_write = (trips("10000")? - trips("5000")?) / 10_000;
+    let pages = |calls: &str| instructions("target/release/page-bench", &["--calls", calls], &[]);
+    let per_page = (pages("20")? - pages("10")?) / 10_000;
+    println!("xtask instructions: one-way 8-byte write-with-immediate: {per_write}");
+    println!(
+        "xtask instructions: one page of a paged write (64 B pages, 1,000 per call): {per_page}"
+    );
+    Ok(())
+}
