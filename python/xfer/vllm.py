@@ -391,6 +391,10 @@ class _Worker:
         with self._lock:
             self._load_started[req_id] = time.monotonic()
         local_ids, remote_ids = matched_blocks(load.local_block_ids, load.remote_block_ids)
+        # Every prefill rank is told when this rank is done, from the callback thread: look
+        # them all up now, so that never waits on the rendezvous.
+        for rank in range(load.remote_tp_size):
+            self._peer(load.remote_engine_id, rank)
         # Every check before the first read: a refused load posts nothing.
         plan = []
         for name, (region, layout) in self._layers.items():
