@@ -355,6 +355,9 @@ fn chroot_command(root: &Path, inner: &str) -> Command {
         .arg("DEBIAN_FRONTEND=noninteractive")
         .arg("LANG=C.UTF-8")
         .arg("CI=true")
+        // Each serving framework's venv (about 10 GB) goes once its tests ran: the clean root
+        // holds one at a time (see `serving.rs`).
+        .arg("XFER_DROP_SERVING_VENVS=1")
         .args(["/bin/bash", "-c", inner])
         .stdin(Stdio::null());
     // Its own process group, so an interrupt can stop everything it started (qemu included).

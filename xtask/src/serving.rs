@@ -80,13 +80,20 @@ impl Framework {
     }
 
     /// Installs, then runs the tests (their counts added to `totals`).
+    /// With `XFER_DROP_SERVING_VENVS` set (`cargo xtask fresh` sets it), the venv is removed
+    /// afterwards, so a clean root never holds both frameworks' 10 GB at once.
     pub(crate) fn test(&self, totals: &mut (u64, u64)) -> Result {
-        self.install()?;
-        counted(
-            &format!("{}/bin/python", self.venv),
-            &["-m", "pytest", "-q", "-p", "no:cacheprovider", self.tests],
-            self.env,
-            totals,
-        )
+        let result = self.install().and_then(|()| {
+            counted(
+                &format!("{}/bin/python", self.venv),
+                &["-m", "pytest", "-q", "-p", "no:cacheprovider", self.tests],
+                self.env,
+                totals,
+            )
+        });
+        if std::env::var_os("XFER_DROP_SERVING_VENVS").is_some() {
+            let _ = std::fs::remove_dir_all(self.venv);
+        }
+        result
     }
 }
