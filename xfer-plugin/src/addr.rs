@@ -159,9 +159,16 @@ pub fn from_hex(text: &str) -> Result<Vec<u8>, DecodeError> {
 /// An engine's `main_address` is its first NIC's address;
 /// the addresses of all its NICs travel inside every `MrDesc` it hands out. Cloning is cheap
 /// (a reference count), since every write carries its peer's address.
-#[derive(Clone, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Clone, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(try_from = "Vec<u8>", into = "Vec<u8>")]
 pub struct NetAddr(Arc<[u8]>);
+
+/// By the bytes, as equality is.
+impl std::hash::Hash for NetAddr {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.hash(state);
+    }
+}
 
 impl PartialEq for NetAddr {
     fn eq(&self, other: &Self) -> bool {
