@@ -142,7 +142,16 @@ impl MrDesc {
             let addr = NetAddr::decode_body(&mut r)?;
             rkeys.push((addr, r.u64()?));
         }
-        let key_offset = if r.remaining() >= 8 { r.u64()? } else { 0 };
+        let key_offset = if r.remaining() >= 8 {
+            match r.u64()? {
+                // Written only when non-zero: an explicit zero would decode to a descriptor
+                // that encodes otherwise, so it is refused (one encoding per descriptor).
+                0 => return Err(DecodeError::Trailing(8)),
+                k => k,
+            }
+        } else {
+            0
+        };
         r.finish()?;
         Self::new(ptr, len, rkeys)?.within_registration_at(ptr.wrapping_sub(key_offset))
     }
@@ -350,6 +359,11 @@ mod tests {
         let pc = postcard::to_allocvec(&shared).unwrap();
         assert_eq!(postcard::from_bytes::<MrDesc>(&pc).unwrap(), shared);
         assert!(plain.clone().within_registration_at(0x1001).is_err());
+        // An explicit zero offset is refused: every descriptor has one encoding (the fuzz
+        // target found a zero trailer that decoded and re-encoded shorter).
+        let mut zero = plain.to_bytes();
+        zero.extend_from_slice(&0u64.to_le_bytes());
+        assert_eq!(MrDesc::from_bytes(&zero), Err(DecodeError::Trailing(8)));
         // A key offset reaching before address 0 is refused, not wrapped.
         let mut bytes = plain.to_bytes();
         bytes.extend_from_slice(&0x2000u64.to_le_bytes());
