@@ -1,6 +1,8 @@
-//! The serving connectors' tests — vLLM's (`python/tests/vllm`) and SGLang's
-//! (`python/tests/sglang`) — against the frameworks themselves from PyPI, each in a virtual
-//! environment of its own (`target/vllm-venv`, `target/sglang-venv`: their pins differ).
+//! The serving connectors' tests — vLLM's (`python/tests/serving_vllm`) and SGLang's
+//! (`python/tests/serving_sglang`) — against the frameworks themselves from PyPI, each in a virtual
+//! environment of its own (`target/vllm-venv`, `target/sglang-venv`: their pins differ). The
+//! directories are not named `vllm`/`sglang`: on pytest's path they would shadow the packages
+//! where those are not installed (the main Python suite collects them and skips).
 //!
 //! Both bring torch with CUDA from PyPI: vLLM 0.33 about 9.4 GB installed, SGLang 0.5.23 about
 //! as much; 5.2 GB of wheels together (they share torch). This machine's pip keeps no cache, so
@@ -26,7 +28,7 @@ pub(crate) struct Framework {
 pub(crate) const VLLM: Framework = Framework {
     venv: "target/vllm-venv",
     requirements: &["vllm==0.33.0", "pytest"],
-    tests: "python/tests/vllm",
+    tests: "python/tests/serving_vllm",
     // The CUDA wheel cannot infer a device on a machine without a GPU.
     env: &[("VLLM_TARGET_DEVICE", "cpu")],
 };
@@ -34,7 +36,7 @@ pub(crate) const VLLM: Framework = Framework {
 pub(crate) const SGLANG: Framework = Framework {
     venv: "target/sglang-venv",
     requirements: &["sglang==0.5.23", "pytest"],
-    tests: "python/tests/sglang",
+    tests: "python/tests/serving_sglang",
     env: &[],
 };
 
