@@ -96,21 +96,7 @@ impl TransferEngine {
     ) {
         chunks.clear();
         self.spread.split(len, self.nic_count(), first, chunks);
-        for c in chunks.iter() {
-            let (peer, remote_key) = &dst.rkeys()[c.nic];
-            ops.push(WriteOp {
-                read,
-                nic: c.nic,
-                peer: peer.clone(),
-                local_addr: src.ptr + src_offset + c.offset,
-                local_key: src.keys[c.nic].local_key,
-                remote_addr: dst.ptr() + dst_offset + c.offset,
-                remote_key: *remote_key,
-                remote_base: dst.registration_base(),
-                len: c.len,
-                imm,
-            });
-        }
+        push_ops(ops, chunks, src, src_offset, dst, dst_offset, imm, read);
     }
 
     /// Writes `len` bytes from `src` (handle, offset) to `dst` (descriptor, offset); large
@@ -261,27 +247,22 @@ impl TransferEngine {
             .collect();
         let per_page = plans.iter().map(Vec::len).max().unwrap_or(0);
         let mut ops = Vec::with_capacity(local_pages.indices.len() * per_page);
-        let (read, imm, base) = (op == Rdma::Read, op.imm(), remote.0.registration_base());
+        let (read, imm) = (op == Rdma::Read, op.imm());
         for i in 0..local_pages.indices.len() {
             let l = page_offset(local_pages, i).ok_or_else(|| overflow(op.local_side()))?;
             let r = page_offset(remote_pages, i).ok_or_else(|| overflow(op.remote_side()))?;
             check_range(op.local_side(), l, page_len, region.len)?;
             check_range(op.remote_side(), r, page_len, remote.0.len())?;
-            for c in &plans[i % nics] {
-                let (peer, remote_key) = &remote.0.rkeys()[c.nic];
-                ops.push(WriteOp {
-                    read,
-                    nic: c.nic,
-                    peer: peer.clone(),
-                    local_addr: region.ptr + l + c.offset,
-                    local_key: region.keys[c.nic].local_key,
-                    remote_addr: remote.0.ptr() + r + c.offset,
-                    remote_key: *remote_key,
-                    remote_base: base,
-                    len: c.len,
-                    imm,
-                });
-            }
+            push_ops(
+                &mut ops,
+                &plans[i % nics],
+                &region,
+                l,
+                remote.0,
+                r,
+                imm,
+                read,
+            );
         }
         self.shared.submit_counted(Command::Writes {
             ops,
@@ -404,5 +385,35 @@ impl TransferEngine {
             on_done: on_done.into(),
             submitted: Instant::now(),
         })
+    }
+}
+
+/// The work requests of one planned unit: each chunk pairs NIC `k`'s local key with the peer's
+/// NIC-`k` address and rkey (the one place they are paired).
+#[allow(clippy::too_many_arguments)]
+fn push_ops(
+    ops: &mut Vec<WriteOp>,
+    chunks: &[Chunk],
+    src: &LocalRegion,
+    src_offset: u64,
+    dst: &MrDesc,
+    dst_offset: u64,
+    imm: Option<u32>,
+    read: bool,
+) {
+    for c in chunks {
+        let (peer, remote_key) = &dst.rkeys()[c.nic];
+        ops.push(WriteOp {
+            read,
+            nic: c.nic,
+            peer: peer.clone(),
+            local_addr: src.ptr + src_offset + c.offset,
+            local_key: src.keys[c.nic].local_key,
+            remote_addr: dst.ptr() + dst_offset + c.offset,
+            remote_key: *remote_key,
+            remote_base: dst.registration_base(),
+            len: c.len,
+            imm,
+        });
     }
 }
