@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -99,6 +100,13 @@ class Options:
                 "etcd://host:port/prefix): the instances find each other there"
             )
         extra.setdefault("xfer_config", None)
+        if extra["xfer_config"] is None and not os.environ.get("XFER_CONFIG"):
+            # The engine would otherwise open its default (the mock): a production pair that
+            # "works" without moving a byte across machines.
+            raise ValueError(
+                "XferConnector needs an engine config: kv_connector_extra_config['xfer_config'] "
+                "(a TOML path or a dict) or $XFER_CONFIG"
+            )
         return Options(**extra)
 
 

@@ -34,6 +34,7 @@ mod checks;
 mod examples;
 mod fixtures;
 mod fresh;
+mod gpu_fakes;
 mod header;
 mod instructions;
 mod libfabric2;
@@ -152,6 +153,7 @@ fn test() -> Result {
         )?;
         plugin_kit(&mut totals)?;
         efa_on_libfabric2(&mut totals)?;
+        gpu_fakes::test(&mut totals)?;
         memcheck(&mut totals)?;
         address_sanitizer(&mut totals)?;
         fuzz(FUZZ_SECONDS, &mut totals)?;
@@ -252,6 +254,12 @@ fn main() -> ExitCode {
             args.get(2..).unwrap_or_default(),
         ),
         Some("gpu-check") => gpu_check(),
+        Some("gpu-fakes") => {
+            let mut totals = (0, 0);
+            let r = gpu_fakes::test(&mut totals);
+            println!("gpu-fakes: {} passed, {} failed", totals.0, totals.1);
+            r
+        }
         Some("python") => python::install(),
         Some("instructions") => instructions::report(),
         Some(name @ ("vllm" | "sglang")) => {

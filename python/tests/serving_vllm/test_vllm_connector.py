@@ -264,11 +264,17 @@ def test_an_aborted_prefill_keeps_nothing(server):
     p.close()
 
 
-def test_configuration_mistakes_are_named():
+def test_configuration_mistakes_are_named(monkeypatch):
     with pytest.raises(ValueError, match="rendezvous"):
         xfer.vllm.Options.parse({"xfer_config": MOCK})
     with pytest.raises(ValueError, match="unknown.*rendevous"):
         xfer.vllm.Options.parse({"rendevous": "xfer://x:1"})
+    # No engine config anywhere: refused by name, never a silent mock engine in production.
+    monkeypatch.delenv("XFER_CONFIG", raising=False)
+    with pytest.raises(ValueError, match="xfer_config.*XFER_CONFIG"):
+        xfer.vllm.Options.parse({"rendezvous": "xfer://x:1"})
+    monkeypatch.setenv("XFER_CONFIG", "/etc/xfer/verbs.toml")
+    assert xfer.vllm.Options.parse({"rendezvous": "xfer://x:1"}).xfer_config is None
 
 
 @pytest.mark.parametrize("decode_tp,prefill_tp", [(1, 1), (2, 1), (4, 2), (4, 4), (1, 2), (2, 4)])
