@@ -22,14 +22,23 @@ fn device_memory_is_checked_and_copied_only_through_the_driver() {
     xfer_cuda::check_device_range(ptr, len, 0).unwrap();
     xfer_cuda::check_device_range(ptr + 10, len - 10, 0).unwrap();
     let wrong_device = xfer_cuda::check_device_range(ptr, len, 1).unwrap_err();
-    assert!(wrong_device.contains("belongs to CUDA device 0, not 1"), "{wrong_device}");
+    assert!(
+        wrong_device.contains("belongs to CUDA device 0, not 1"),
+        "{wrong_device}"
+    );
     let crosses = xfer_cuda::check_device_range(ptr + 4096, len + 4096, 0).unwrap_err();
-    assert!(crosses.contains("crosses the end of its allocation"), "{crosses}");
+    assert!(
+        crosses.contains("crosses the end of its allocation"),
+        "{crosses}"
+    );
     let as_host = xfer_cuda::check_host_range(ptr).unwrap_err();
     assert!(as_host.contains("register it as Device::Cuda"), "{as_host}");
     let host = [0u8; 64];
     let as_device = xfer_cuda::check_device_range(host.as_ptr() as u64, 64, 0).unwrap_err();
-    assert!(as_device.contains("is not CUDA device memory"), "{as_device}");
+    assert!(
+        as_device.contains("is not CUDA device memory"),
+        "{as_device}"
+    );
     xfer_cuda::check_host_range(host.as_ptr() as u64).unwrap();
 
     // Device to device and device to host through the driver's unified copy.
@@ -56,12 +65,18 @@ fn dma_buf_export_covers_whole_pages_and_failures_name_the_call() {
     let gpu = DeviceBuffer::new(0, bytes.len()).expect(NEEDS);
     gpu.upload(0, &bytes).unwrap();
     let (fd, offset) = xfer_cuda::dmabuf(gpu.ptr() + 100, 5000, 0).unwrap();
-    assert_eq!(offset, 100, "the registration starts inside the first exported page");
+    assert_eq!(
+        offset, 100,
+        "the registration starts inside the first exported page"
+    );
     // SAFETY: the driver just handed us this fd; the File owns and closes it.
     let file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
     let mut seen = vec![0u8; 5000];
     std::os::unix::fs::FileExt::read_exact_at(&file, &mut seen, offset).unwrap();
-    assert!(seen[..] == bytes[100..5100], "the fd holds the device bytes");
+    assert!(
+        seen[..] == bytes[100..5100],
+        "the fd holds the device bytes"
+    );
 
     fakes().fail_cuda("cuMemGetHandleForAddressRange", 1);
     let refused = xfer_cuda::dmabuf(gpu.ptr(), 4096, 0).unwrap_err();
@@ -71,8 +86,14 @@ fn dma_buf_export_covers_whole_pages_and_failures_name_the_call() {
     );
     fakes().fail_cuda("cuMemAlloc_v2", 1);
     let oom = DeviceBuffer::new(0, 4096).unwrap_err();
-    assert!(oom.contains("cuMemAlloc") && oom.contains("OUT_OF_MEMORY"), "{oom}");
-    assert!(DeviceBuffer::new(0, 4096).is_ok(), "one failure was asked for");
+    assert!(
+        oom.contains("cuMemAlloc") && oom.contains("OUT_OF_MEMORY"),
+        "{oom}"
+    );
+    assert!(
+        DeviceBuffer::new(0, 4096).is_ok(),
+        "one failure was asked for"
+    );
 }
 
 #[test]
@@ -80,7 +101,10 @@ fn dma_buf_export_covers_whole_pages_and_failures_name_the_call() {
 fn a_driver_that_fails_to_initialise_is_a_reason() {
     if is_child() {
         let err = xfer_cuda::check_device_range(0x1000, 1, 0).unwrap_err();
-        assert!(err.contains("cuInit") && err.contains("NOT_INITIALIZED"), "{err}");
+        assert!(
+            err.contains("cuInit") && err.contains("NOT_INITIALIZED"),
+            "{err}"
+        );
         let err = DeviceBuffer::new(0, 4096).unwrap_err();
         assert!(err.contains("cuInit"), "{err}");
         return;
@@ -89,7 +113,11 @@ fn a_driver_that_fails_to_initialise_is_a_reason() {
         "a_driver_that_fails_to_initialise_is_a_reason",
         &[("XFER_FAKE_CUDA_FAIL", "cuInit")],
     );
-    assert!(child.status.success(), "{}", String::from_utf8_lossy(&child.stdout));
+    assert!(
+        child.status.success(),
+        "{}",
+        String::from_utf8_lossy(&child.stdout)
+    );
 }
 
 /// The fake is as unkind as a GPU: the CPU touching device memory dies, so a CPU dereference

@@ -32,7 +32,14 @@ pub fn fakes() -> &'static Fakes {
 pub fn run_child(test: &str, env: &[(&str, &str)]) -> std::process::Output {
     let exe = std::env::current_exe().expect("the test binary's path");
     let mut command = std::process::Command::new(exe);
-    command.args([test, "--exact", "--ignored", "--nocapture", "--test-threads", "1"]);
+    command.args([
+        test,
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads",
+        "1",
+    ]);
     command.env("XFER_FAKE_GPU_CHILD", "1");
     for (k, v) in env {
         command.env(k, v);

@@ -89,8 +89,14 @@ impl Source {
                 .map_err(|e| format!("pinning GPU memory with GDRCopy: {e}"))?;
             Ok(source)
         };
+        // As for GDRCopy, a block is allocated (and freed) to prove the kind works: a driver
+        // that opens but cannot allocate mapped memory would fail every later watch.
         let mapped = || -> Result<Self, String> {
-            Ok(Self::Mapped(Arc::new(xfer_cuda::Cuda::open(device)?)))
+            let source = Self::Mapped(Arc::new(xfer_cuda::Cuda::open(device)?));
+            source
+                .block()
+                .map_err(|e| format!("allocating device-mapped memory: {e}"))?;
+            Ok(source)
         };
         match choice {
             MemoryChoice::Host => Ok((Self::Host, Vec::new())),

@@ -15,7 +15,9 @@ fn directory() -> Result<PathBuf> {
 pub(crate) fn build() -> Result<PathBuf> {
     let dir = directory()?;
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let flags = ["-O1", "-g", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared"];
+    let flags = [
+        "-O1", "-g", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
+    ];
     let cuda = dir.join("libcuda.so.1");
     let mut args: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
     args.extend([
@@ -44,7 +46,7 @@ pub(crate) fn build() -> Result<PathBuf> {
 }
 
 /// The crates whose `fake_gpu` tests run against the fakes.
-const SUITES: &[&str] = &["xfer-cuda"];
+const SUITES: &[&str] = &["xfer-cuda", "uvm-watcher", "backend-mock"];
 
 /// Builds the fakes and runs the fake-GPU suites (one test at a time: faults and counts are
 /// per process).
@@ -56,7 +58,14 @@ pub(crate) fn test(totals: &mut (u64, u64)) -> Result {
     for suite in SUITES {
         args.extend(["-p", suite]);
     }
-    args.extend(["--test", "fake_gpu", "--", "--ignored", "--test-threads", "1"]);
+    args.extend([
+        "--test",
+        "fake_gpu",
+        "--",
+        "--ignored",
+        "--test-threads",
+        "1",
+    ]);
     counted(
         &program,
         &args,
@@ -65,4 +74,3 @@ pub(crate) fn test(totals: &mut (u64, u64)) -> Result {
         totals,
     )
 }
-
