@@ -106,7 +106,7 @@ fn device_memory_registered_wrongly_is_a_typed_error() {
         Err(Error::InvalidArgument(m)) if m.contains(what) => {}
         other => panic!("expected InvalidArgument naming {what:?}, got {other:?}"),
     };
-    // SAFETY (all): refused before anything registers the memory.
+    // SAFETY: every call is refused before anything registers the memory.
     unsafe {
         refused(
             a.reg_mr(host.as_mut_ptr(), 4096, Device::Cuda(0))

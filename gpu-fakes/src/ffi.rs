@@ -87,11 +87,8 @@ impl Fakes {
     /// and after the kernel's other unfenced stores (see cuda.c).
     pub fn gpu_store(&self, ptr: u64, value: u64) {
         // SAFETY: the fake checks `ptr` names live driver memory.
-        assert_eq!(
-            unsafe { (self.gpu_store)(ptr, value) },
-            0,
-            "{ptr:#x} is not device memory"
-        );
+        let refused = unsafe { (self.gpu_store)(ptr, value) };
+        assert_eq!(refused, 0, "{ptr:#x} is not device memory");
     }
 
     /// `__threadfence_system()` in the kernel making [`gpu_store`](Self::gpu_store)s.

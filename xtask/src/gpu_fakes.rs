@@ -46,7 +46,13 @@ pub(crate) fn build() -> Result<PathBuf> {
 }
 
 /// The crates whose `fake_gpu` tests run against the fakes.
-const SUITES: &[&str] = &["xfer-cuda", "uvm-watcher", "backend-mock"];
+const SUITES: &[&str] = &[
+    "xfer-cuda",
+    "uvm-watcher",
+    "backend-mock",
+    "backend-efa",
+    "xfer-cli",
+];
 
 /// Builds the fakes and runs the fake-GPU suites (one test at a time: faults and counts are
 /// per process).

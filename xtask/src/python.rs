@@ -73,6 +73,21 @@ pub(crate) fn test(totals: &mut (u64, u64)) -> Result {
         totals,
     );
     tests?;
+    // The "CUDA" DLPack tensor end to end, against the GPU fakes (skipped in the run above).
+    let fakes = crate::gpu_fakes::build()?.display().to_string();
+    counted(
+        &python,
+        &[
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "python/tests/test_fake_gpu.py",
+        ],
+        &[("LD_LIBRARY_PATH", &fakes), ("XFER_GPU_FAKES", &fakes)],
+        totals,
+    )?;
     for example in ["kv_cache.py", "weight_sync.py"] {
         run(&python, &[&format!("python/examples/{example}")])?;
     }
