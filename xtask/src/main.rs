@@ -254,6 +254,7 @@ fn main() -> ExitCode {
             args.get(2..).unwrap_or_default(),
         ),
         Some("gpu-check") => gpu_check(),
+        Some("gpu-coverage") => gpu_fakes::coverage(),
         Some("gpu-fakes") => {
             let mut totals = (0, 0);
             let r = gpu_fakes::test(&mut totals);
