@@ -173,10 +173,13 @@ fn test() -> Result {
     let cli_tests = test_executable("xfer-cli", "cli")?;
     let two_process = test_executable("xfer-cli", "two_process")?;
     let verbs_tests = test_executable("backend-verbs", "conformance_rxe")?;
+    let gpu_on_rxe = test_executable("backend-verbs", "fake_gpu_rxe")?;
+    let fakes = gpu_fakes::build()?.display().to_string();
     multi_process_examples()?;
     let script = format!(
         "{cli_tests} --ignored && {verbs_tests} --ignored --test-threads 1 && {verbs_tests} --ignored --test-threads 1 \
          && {two_process} --ignored --test-threads 1 \
+         && LD_LIBRARY_PATH={fakes} XFER_GPU_FAKES={fakes} {gpu_on_rxe} --ignored \
          && {venv}/bin/python -m pytest -q -p no:cacheprovider python/tests/test_two_process.py -k verbs \
          && {serve} \
          && {{ XFER_PLUGIN_PATH=$PWD/target/debug target/debug/kv_cache --role decode --rendezvous xfer://127.0.0.1:7421 --config configs/verbs-rxe0.toml & d=$!; }} \
