@@ -11,8 +11,10 @@ Offsets come from block ids — no descriptor list is built per block.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Sequence
+from typing import Any
 
 
 class LayoutError(ValueError):
@@ -187,3 +189,17 @@ def read_plan(
     k = remote_tp // local_tp
     return [Read(local_rank * k + j, token_r, local_pages, j * token_r, token_l, remote_pages, 0,
                  token_r) for j in range(k)]
+
+
+def pack_message(prefix: bytes, header: dict[str, Any], payload: bytes = b"") -> bytes:
+    """A connector message: a fixed-length ``prefix`` naming its kind, a JSON header, and raw
+    bytes (block ids as little-endian int32, not JSON: a request has thousands)."""
+    text = json.dumps(header).encode()
+    return prefix + len(text).to_bytes(4, "little") + text + payload
+
+
+def unpack_message(data: bytes, prefix_len: int) -> tuple[bytes, dict[str, Any], bytes]:
+    """The parts of a :func:`pack_message` message whose prefixes are ``prefix_len`` bytes."""
+    prefix, rest = data[:prefix_len], data[prefix_len:]
+    n = int.from_bytes(rest[:4], "little")
+    return prefix, json.loads(rest[4 : 4 + n]), rest[4 + n :]

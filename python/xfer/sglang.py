@@ -26,7 +26,6 @@ decode-side prefix reuse.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -47,6 +46,8 @@ from sglang.srt.disaggregation.base.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 import xfer
+
+from ._kvcache import pack_message, unpack_message
 
 logger = logging.getLogger("xfer.sglang")
 
@@ -71,14 +72,11 @@ def _engine_config() -> Any:
 
 
 def _message(prefix: bytes, header: dict[str, Any], payload: bytes = b"") -> bytes:
-    text = json.dumps(header).encode()
-    return prefix + len(text).to_bytes(4, "little") + text + payload
+    return pack_message(prefix, header, payload)
 
 
 def _parse(data: bytes) -> tuple[bytes, dict[str, Any], bytes]:
-    prefix, rest = data[:9], data[9:]
-    n = int.from_bytes(rest[:4], "little")
-    return prefix, json.loads(rest[4 : 4 + n]), rest[4 + n :]
+    return unpack_message(data, len(_META))
 
 
 class XferKVBootstrapServer(BaseKVBootstrapServer):

@@ -31,17 +31,33 @@ per layer and prefill rank); MLA's latent cache, the same on every rank, is read
 rank. Every decode rank tells every prefill rank when it is done; a prefill rank frees the
 blocks once all have.
 
-Not yet (issue 28): push mode, vLLM's side-channel host/port, Prometheus metrics through
-vLLM's ``build_prom_metrics``.
+**Push** (``kv_transfer_params["xfer_push"]``, chosen per request by the proxy, which then
+asks the decode instance first): the decode instance allocates the request's blocks and sends
+their ids to the prefill ranks it expects data from; the prefill instance writes each layer's
+blocks as soon as the layer is computed (``save_kv_layer``; for GPU tensors once the step's
+stream is synchronised, in ``wait_for_save``), and after the writes completed tells each
+decode rank; a decode rank completes when every prefill rank it expects said so, or reports
+the request's blocks as load errors at ``push_timeout_s``. Ids that arrive after the prefill
+computed the request are pushed at once; a prefill request aborted or never scheduled fails
+its decoder's load instead of letting it wait. The decode side then frees the prefill's
+blocks as in pull mode. Proxy parameters — to the decode instance:
+``{"do_remote_prefill": true, "xfer_push": true, "remote_engine_id": <prefill engine>,
+"remote_request_id": <the prefill's request id>, "remote_tp_size": <its TP>}``; to the prefill
+instance: ``{"do_remote_decode": true, "xfer_push": true}``.
+
+Not yet (issue 28): vLLM's side-channel host/port, Prometheus metrics through vLLM's
+``build_prom_metrics``.
 """
 
 from __future__ import annotations
 
+import array
 import dataclasses
-import zlib
 import logging
 import os
+import sys
 import threading
+import zlib
 import time
 from typing import Any
 
@@ -56,7 +72,16 @@ import xfer
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from ._kvcache import Layout, LayoutError, Read, layout_of, matched_blocks, read_plan
+from ._kvcache import (
+    Layout,
+    LayoutError,
+    Read,
+    layout_of,
+    matched_blocks,
+    pack_message,
+    read_plan,
+    unpack_message,
+)
 
 logger = logging.getLogger("xfer.vllm")
 
@@ -65,6 +90,10 @@ PROTOCOL = 1
 
 _DONE = b"xfer-vllm-done:"
 """Prefix of the message a reader sends once it read a request's blocks."""
+_WANT = b"xfer-vllm-want:"
+"""Push: a decode rank's block ids for a request, to each prefill rank it expects data from."""
+_PUSHED = b"xfer-vllm-push:"
+"""Push: a prefill rank wrote every layer of a request to a decode rank (or could not)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +113,8 @@ class Options:
     """This worker's tensor-parallel rank (default: vLLM's, or 0 outside a TP group)."""
     tp_size: int | None = None
     """This instance's tensor-parallel size (default: vLLM's ``tensor_parallel_size``)."""
+    push_timeout_s: float = 60.0
+    """Push: how long a decode rank waits for its prefill ranks' data."""
 
     @staticmethod
     def parse(extra: dict[str, Any] | None) -> Options:
@@ -132,6 +163,14 @@ class XferConnectorMetadata(KVConnectorMetadata):
         self.sends: dict[str, float] = {}
         """Prefill: finished requests whose blocks wait for their reader, with the seconds
         they may wait."""
+        self.awaits: dict[str, Load] = {}
+        """Decode, push: requests whose blocks the prefill instance writes (ids to send)."""
+        self.push_now: dict[str, list[int]] = {}
+        """Prefill, push: requests computed in this step, with their blocks."""
+        self.push_finish: dict[str, list[int]] = {}
+        """Prefill, push: requests computed to the end, with all their blocks."""
+        self.push_abort: set[str] = set()
+        """Prefill, push: requests aborted (their decoders are told)."""
 
 
 _COUNTERS = ("loads", "load_failures", "blocks_loaded", "freed_after_read", "freed_at_lease")
@@ -220,16 +259,18 @@ class XferConnector(KVConnectorBase_V1):
         self._worker.start(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Pull loads finish between steps (the request waits for its blocks): nothing to wait
-        # for inside a forward pass.
+        # Loads (pulled or pushed) finish between steps (the request waits for its blocks):
+        # nothing to wait for inside a forward pass.
         return None
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        # Pull mode: the reader comes for the blocks; nothing is pushed while computing.
-        return None
+        # Pull: the reader comes for the blocks. Push: this layer goes to the decoders now.
+        assert self._worker is not None
+        self._worker.layer_computed(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        return None
+        assert self._worker is not None
+        self._worker.step_computed()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
@@ -277,16 +318,23 @@ class _Scheduler:
 
     def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode") and params.get("xfer_push"):
+            self._meta.push_now[request.request_id] = list(blocks.get_block_ids()[0])
+            return
         if not params.get("do_remote_prefill"):
             return
         load = Load(
             local_block_ids=[],
             remote_engine_id=str(params["remote_engine_id"]),
-            remote_block_ids=list(params["remote_block_ids"]),
+            remote_block_ids=list(params.get("remote_block_ids", [])),
             remote_request_id=str(params["remote_request_id"]),
             remote_tp_size=int(params.get("remote_tp_size", 1)),
         )
-        if num_external_tokens > 0:
+        if params.get("xfer_push") and num_external_tokens > 0:
+            # The prefill instance writes them; this side sends it the block ids.
+            load.local_block_ids = list(blocks.get_unhashed_block_ids())
+            self._meta.awaits[request.request_id] = load
+        elif num_external_tokens > 0:
             load.local_block_ids = list(blocks.get_unhashed_block_ids())
             self._meta.loads[request.request_id] = load
         else:
@@ -305,10 +353,17 @@ class _Scheduler:
             return False, None
         from vllm.v1.request import RequestStatus
 
+        push = bool(params.get("xfer_push"))
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
-            # Aborted (or nothing computed): no reader will come.
+            # Aborted (or nothing computed): no reader will come; a waiting decoder is told.
+            if push:
+                self._meta.push_abort.add(request.request_id)
             return False, None
         self._meta.sends[request.request_id] = self._options.free_timeout_s
+        if push:
+            # The decoder already has what it needs; the blocks stay until it says it is done.
+            self._meta.push_finish[request.request_id] = list(block_ids)
+            return True, None
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -326,6 +381,42 @@ class _Peer:
 
     address: bytes
     layers: dict[str, tuple[xfer.MrDesc, Layout, dict[str, Any]]]
+
+
+@dataclasses.dataclass
+class _Want:
+    """Push, prefill side: one decode rank's blocks for a request, and what went to it."""
+
+    engine: str
+    rank: int
+    tp: int
+    blocks: list[int]
+    layers: set[str] = dataclasses.field(default_factory=set)
+    """Layers whose writes were submitted (for the request's current blocks)."""
+    pending: int = 0
+    error: str | None = None
+    replied: bool = False
+
+
+@dataclasses.dataclass
+class _Push:
+    """Push, prefill side: a request's blocks here and the decode ranks that want them."""
+
+    created: float
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    wants: dict[tuple[str, int], _Want] = dataclasses.field(default_factory=dict)
+    finished: bool = False
+
+
+@dataclasses.dataclass
+class _Await:
+    """Push, decode side: a request this rank waits for, and from which prefill ranks."""
+
+    req_id: str
+    load: Load
+    ranks: set[int]
+    deadline: float
+    error: BaseException | None = None
 
 
 class _Worker:
@@ -353,8 +444,16 @@ class _Worker:
         self._readers: dict[str, set[int]] = {}
         self._stats = XferConnectorStats()
         self._load_started: dict[str, float] = {}
-        """Prefill: the reader ranks that finished each request so far."""
-        self._engine.submit_recvs(256, 64, self._on_message)
+        self._pushes: dict[str, _Push] = {}
+        """Prefill, push: requests with decoders' block ids or blocks computed, by request id."""
+        self._step_pushes: list[str] = []
+        """Prefill, push: the requests computing in this step."""
+        self._deferred_layers: list[str] = []
+        """Prefill, push: GPU layers of this step, pushed once the stream is synchronised."""
+        self._awaiting: dict[tuple[str, str], _Await] = {}
+        """Decode, push: (prefill engine, its request id) → what this rank waits for."""
+        # Block-id messages carry 4 bytes per block: 64 KiB buffers hold ~16k blocks.
+        self._engine.submit_recvs(65536, 64, self._on_message)
 
     # ---- registration ----
 
@@ -386,6 +485,20 @@ class _Worker:
         with self._lock:
             for req_id, seconds in meta.sends.items():
                 self._keeping[req_id] = now + seconds
+            for req_id, blocks in meta.push_now.items():
+                push = self._pushes.setdefault(req_id, _Push(created=now))
+                push.blocks = blocks
+            self._step_pushes = list(meta.push_now)
+        for req_id, blocks in meta.push_finish.items():
+            self._push_finished(req_id, blocks)
+        for req_id in meta.push_abort:
+            self._push_aborted(req_id, "the request was aborted at the prefill instance")
+        for req_id, load in meta.awaits.items():
+            try:
+                self._await_push(req_id, load)
+            except Exception as e:  # noqa: BLE001 - any failure is this request's load error
+                logger.error("XferConnector: announcing request %s failed: %s", req_id, e)
+                self._finish_load(req_id, load, e)
         for req_id, load in meta.notify_only.items():
             self._tell_done(load)
         for req_id, load in meta.loads.items():
@@ -509,9 +622,203 @@ class _Worker:
             self._peers[(engine_id, rank)] = peer
         return peer
 
+    # ---- push: decode side ----
+
+    def _await_push(self, req_id: str, load: Load) -> None:
+        """Sends this rank's block ids to every prefill rank it expects data from."""
+        with self._lock:
+            self._load_started[req_id] = time.monotonic()
+        ranks = set()
+        for name, (_, layout) in self._layers.items():
+            for read in read_plan(layout, self._remote_layout(load, 0, name), self._rank,
+                                  self._tp_size, load.remote_tp_size, [0], [0]):
+                ranks.add(read.remote_rank)
+        header = {"req": load.remote_request_id, "engine": self._engine_id, "rank": self._rank,
+                  "tp": self._tp_size}
+        ids = array.array("i", load.local_block_ids)
+        if sys.byteorder != "little":
+            ids.byteswap()
+        message = pack_message(_WANT, header, ids.tobytes())
+        if len(message) > 65536:
+            raise LayoutError(f"{len(load.local_block_ids)} blocks do not fit one message (64 KiB)")
+        with self._lock:
+            self._awaiting[(load.remote_engine_id, load.remote_request_id)] = _Await(
+                req_id, load, ranks, time.monotonic() + self._options.push_timeout_s)
+        try:
+            for rank in sorted(ranks):
+                self._engine.submit_send(self._peer(load.remote_engine_id, rank).address, message)
+        except Exception:
+            with self._lock:
+                self._awaiting.pop((load.remote_engine_id, load.remote_request_id), None)
+            raise
+
+    def _pushed(self, header: dict[str, Any]) -> None:
+        """A prefill rank finished (or failed) writing a request to this rank."""
+        key = (str(header["engine"]), str(header["req"]))
+        with self._lock:
+            waiting = self._awaiting.get(key)
+            if waiting is None:
+                return  # timed out already, or not ours
+            waiting.ranks.discard(int(header["rank"]))
+            if not header.get("ok") and waiting.error is None:
+                waiting.error = RuntimeError(
+                    f"prefill {key[0]} rank {header['rank']} could not push: {header.get('why')}")
+            if waiting.ranks:
+                return
+            del self._awaiting[key]
+        self._finish_load(waiting.req_id, waiting.load, waiting.error)
+
+    # ---- push: prefill side ----
+
+    def layer_computed(self, layer: str, kv_layer: Any) -> None:
+        """``save_kv_layer``: this step's push requests get the layer now (CPU tensors) or
+        once the step's stream is synchronised (GPU tensors, whose kernels may still run)."""
+        if not self._step_pushes:
+            return
+        if getattr(getattr(kv_layer, "device", None), "type", "cpu") != "cpu":
+            self._deferred_layers.append(layer)
+            return
+        self._push_layers(self._step_pushes, [layer])
+
+    def step_computed(self) -> None:
+        """``wait_for_save``: pushes the GPU layers held back this step."""
+        if self._deferred_layers:
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+            layers, self._deferred_layers = self._deferred_layers, []
+            self._push_layers(self._step_pushes, layers)
+
+    def _push_layers(self, req_ids: list[str], layers: list[str]) -> None:
+        for req_id in req_ids:
+            with self._lock:
+                push = self._pushes.get(req_id)
+                wants = list(push.wants.values()) if push is not None else []
+            for want in wants:
+                for layer in layers:
+                    self._push_layer(req_id, push, want, layer)
+
+    def _push_layer(self, req_id: str, push: _Push, want: _Want, layer: str) -> None:
+        """Writes one layer of ``req_id``'s blocks to one decode rank (this rank's share)."""
+        with self._lock:
+            if layer in want.layers or want.replied or want.error is not None:
+                return
+            if not push.finished and len(push.blocks) < len(want.blocks):
+                return  # a chunk of a longer prompt: this layer goes when all is computed
+            want.layers.add(layer)
+            blocks = list(push.blocks)
+        try:
+            region, layout = self._layers[layer]
+            peer = self._peer(want.engine, want.rank)
+            if layer not in peer.layers:
+                raise LayoutError(f"decoder {want.engine} rank {want.rank} has no layer {layer}")
+            desc, remote_layout, _ = peer.layers[layer]
+            theirs, ours = matched_blocks(want.blocks, blocks)
+            writes = [w for w in read_plan(remote_layout, layout, want.rank, want.tp,
+                                           self._tp_size, theirs, ours)
+                      if w.remote_rank == self._rank]
+        except Exception as e:  # noqa: BLE001 - this decoder's load fails, named
+            self._push_done(req_id, want, e, submitted=False)
+            return
+        with self._lock:
+            want.pending += len(writes)
+        for w in writes:
+            # The decoder's read plan, turned around: its "remote" pages are ours.
+            try:
+                self._engine.submit_paged_writes(
+                    w.page_len, region, w.remote_pages, desc, w.local_pages,
+                    src_stride=w.remote_stride, dst_stride=w.local_stride,
+                    src_offset=w.remote_offset, dst_offset=w.local_offset,
+                    on_done=lambda error, want=want: self._push_done(req_id, want, error),
+                )
+            except Exception as e:  # noqa: BLE001 - refused at submit: counted like a failure
+                self._push_done(req_id, want, e)
+
+    def _push_done(self, req_id: str, want: _Want, error: BaseException | None,
+                   submitted: bool = True) -> None:
+        with self._lock:
+            if submitted:
+                want.pending -= 1
+            if error is not None and want.error is None:
+                want.error = str(error)
+        self._maybe_reply(req_id, want)
+
+    def _maybe_reply(self, req_id: str, want: _Want) -> None:
+        """Tells a decode rank its push is complete: the request computed, every layer
+        written (or failed), nothing in flight."""
+        with self._lock:
+            push = self._pushes.get(req_id)
+            done = push is not None and push.finished and want.pending == 0 and (
+                want.error is not None or set(self._layers) <= want.layers)
+            if not done or want.replied:
+                return
+            want.replied = True
+        self._reply(req_id, want, want.error)
+
+    def _reply(self, req_id: str, want: _Want, error: str | None) -> None:
+        header = {"req": req_id, "engine": self._engine_id, "rank": self._rank,
+                  "ok": error is None, "why": error}
+        try:
+            self._engine.submit_send(self._peer(want.engine, want.rank).address,
+                                     pack_message(_PUSHED, header))
+        except Exception as e:  # noqa: BLE001 - the decoder times out instead
+            logger.warning("XferConnector: could not tell %s rank %d about request %s: %s",
+                           want.engine, want.rank, req_id, e)
+
+    def _want(self, header: dict[str, Any], payload: bytes) -> None:
+        """A decode rank's block ids for one of this instance's requests."""
+        ids = array.array("i")
+        ids.frombytes(payload)
+        if sys.byteorder != "little":
+            ids.byteswap()
+        want = _Want(str(header["engine"]), int(header["rank"]), int(header["tp"]), list(ids))
+        req_id = str(header["req"])
+        with self._lock:
+            push = self._pushes.setdefault(req_id, _Push(created=time.monotonic()))
+            push.wants[(want.engine, want.rank)] = want
+            finished = push.finished
+        if finished:
+            # Computed before the ids came: every layer now.
+            self._push_layers([req_id], list(self._layers))
+            self._maybe_reply(req_id, want)
+
+    def _push_finished(self, req_id: str, blocks: list[int]) -> None:
+        """The request is computed: layers its decoders have not had yet go now (all of them
+        if its blocks changed since they were pushed)."""
+        with self._lock:
+            push = self._pushes.setdefault(req_id, _Push(created=time.monotonic()))
+            if push.blocks != blocks:
+                push.blocks = blocks
+                for want in push.wants.values():
+                    want.layers.clear()
+            push.finished = True
+            wants = list(push.wants.values())
+        self._push_layers([req_id], list(self._layers))
+        for want in wants:
+            self._maybe_reply(req_id, want)
+
+    def _push_aborted(self, req_id: str, why: str) -> None:
+        with self._lock:
+            push = self._pushes.pop(req_id, None)
+            wants = [w for w in push.wants.values() if not w.replied] if push else []
+            for want in wants:
+                want.replied = True
+        for want in wants:
+            self._reply(req_id, want, why)
+
     # ---- prefill: freeing ----
 
     def _on_message(self, data: bytes) -> None:
+        if data.startswith((_WANT, _PUSHED)):
+            try:
+                kind, header, payload = unpack_message(data, len(_WANT))
+                if kind == _WANT:
+                    self._want(header, payload)
+                else:
+                    self._pushed(header)
+            except (ValueError, KeyError) as e:
+                logger.warning("XferConnector: a malformed push message was ignored (%s)", e)
+            return
         if not data.startswith(_DONE):
             return
         try:
@@ -531,6 +838,20 @@ class _Worker:
 
     def results(self) -> KVConnectorTransferResults:
         now = time.monotonic()
+        with self._lock:
+            late = [k for k, w in self._awaiting.items() if now >= w.deadline]
+            late = [(k, self._awaiting.pop(k)) for k in late]
+            # Push requests that finished and were freed, or whose decoders' ids came for a
+            # request never computed here, are forgotten (the latter's decoders are told).
+            stale = [r for r, p in self._pushes.items()
+                     if (p.finished and r not in self._keeping)
+                     or (not p.finished and now - p.created > self._options.free_timeout_s)]
+        for key, waiting in late:
+            self._finish_load(waiting.req_id, waiting.load, TimeoutError(
+                f"prefill {key[0]} did not push request {key[1]} within "
+                f"{self._options.push_timeout_s}s (ranks {sorted(waiting.ranks)} missing)"))
+        for req_id in stale:
+            self._push_aborted(req_id, "the prefill instance never computed the request")
         with self._lock:
             sent = {r for r in self._keeping if r in self._read_done or now >= self._keeping[r]}
             for r in sent:

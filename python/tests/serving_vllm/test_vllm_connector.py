@@ -331,3 +331,145 @@ def test_stats_reach_vllms_own_logging_summed_over_ranks(server):
     logging.observe(per_rank[0].data)
     logging.log(log_fn=lambda *a: None)
     p.close(), d.close()
+
+
+# ---- push mode ----
+
+
+def push_decode(d, req_id, tokens, prefill_engine, prefill_req, local_ids, prefill_tp=1):
+    """d (asked first) allocates `local_ids` for a request prefill_engine computes and pushes."""
+    params = {"do_remote_prefill": True, "xfer_push": True, "remote_engine_id": prefill_engine,
+              "remote_request_id": prefill_req, "remote_tp_size": prefill_tp}
+    return decode(d, req_id, tokens, params, local_ids)
+
+
+def push_prefill(p, req_id, tokens, block_ids):
+    """p schedules `req_id` into `block_ids` (it will push them as it computes)."""
+    r = request(req_id, tokens, {"do_remote_decode": True, "xfer_push": True})
+    p.scheduler.update_state_after_alloc(r, blocks_of(block_ids), 0)
+    p.step()
+    return r
+
+
+def compute(p, layers):
+    """p's forward pass reaches `layers` (each rank saves its share of each)."""
+    for worker, caches in zip(p.workers, p.ranks):
+        for name in layers:
+            worker.save_kv_layer(name, caches[name], None)
+        worker.wait_for_save()
+
+
+def finish(p, r, block_ids):
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert p.scheduler.request_finished(r, block_ids) == (True, None)
+    p.step()
+
+
+def wanted(p, req_id, ranks=1):
+    """Waits until `ranks` decode ranks' block ids reached each of p's ranks that gets them."""
+    def arrived():
+        return all(
+            len(w._worker._pushes.get(req_id).wants) >= ranks if req_id in w._worker._pushes else False
+            for w in p.workers
+        )
+    p.wait(f"the decoders' block ids for {req_id}", arrived)
+
+
+def test_push_writes_each_layer_as_it_is_computed(server):
+    p, d = Instance("pp1", server, layers=3), Instance("pd1", server, layers=3)
+    push_decode(d, "r-d", 10, "pp1", "r", [0, 9, 2])
+    d.step()
+    r = push_prefill(p, "r", 10, [3, 5, 7])
+    wanted(p, "r")
+    names = list(p.full)
+    compute(p, names[:1])
+    # The first layer lands while the others are still being computed.
+    def first_layer_landed():
+        return torch.equal(d.caches[names[0]][:, [0, 9, 2]], p.caches[names[0]][:, [3, 5, 7]])
+    p.wait("the first layer at the decoder", first_layer_landed)
+    assert not torch.equal(d.caches[names[2]][:, [0, 9, 2]], p.caches[names[2]][:, [3, 5, 7]])
+    assert "r-d" not in d.recved, "not complete before the last layer"
+    compute(p, names[1:])
+    finish(p, r, [3, 5, 7])
+    d.wait("the pushed request", lambda: "r-d" in d.recved)
+    assert not d.failed and d.worker.get_block_ids_with_load_errors() == set()
+    assert_copied(p, d, [3, 5, 7], [0, 9, 2])
+    p.wait("the prefill to free after the decoder", lambda: "r" in p.sent)
+    assert d.worker.get_kv_connector_stats().reduce()["blocks_loaded"] == 3
+    p.close(), d.close()
+
+
+def test_push_ids_arriving_after_the_prefill_computed_go_at_once(server):
+    p, d = Instance("pp2", server), Instance("pd2", server)
+    r = push_prefill(p, "r", 12, [1, 2, 3])
+    compute(p, list(p.full))
+    finish(p, r, [1, 2, 3])
+    push_decode(d, "r-d", 12, "pp2", "r", [4, 5, 6])
+    d.step()
+    d.wait("the pushed request", lambda: "r-d" in d.recved)
+    assert not d.failed
+    assert_copied(p, d, [1, 2, 3], [4, 5, 6])
+    p.wait("the free", lambda: "r" in p.sent)
+    p.close(), d.close()
+
+
+@pytest.mark.parametrize("decode_tp,prefill_tp", [(2, 1), (1, 2), (2, 2), (4, 2)])
+def test_push_across_tensor_parallel_sizes(server, decode_tp, prefill_tp):
+    tag = f"{decode_tp}x{prefill_tp}"
+    p = Instance(f"ptp-p{tag}", server, heads=8, tp=prefill_tp)
+    d = Instance(f"ptp-d{tag}", server, heads=8, tp=decode_tp)
+    push_decode(d, "r-d", 10, f"ptp-p{tag}", "r", [0, 9, 2], prefill_tp=prefill_tp)
+    d.step()
+    r = push_prefill(p, "r", 10, [3, 5, 7])
+    wanted(p, "r", ranks=max(1, decode_tp // prefill_tp))
+    compute(p, list(p.full))
+    finish(p, r, [3, 5, 7])
+    d.wait("every decode rank", lambda: "r-d" in d.recved)
+    assert not d.failed
+    assert_copied(p, d, [3, 5, 7], [0, 9, 2])
+    p.wait("every prefill rank to free", lambda: "r" in p.sent)
+    p.close(), d.close()
+
+
+def test_push_blocks_that_grew_after_the_first_layers_are_pushed_again(server):
+    """Chunked prefill: the blocks at the end are not those the first layers were pushed
+    with (matched from the end); every layer goes again, and the bytes are right."""
+    p, d = Instance("pp3", server), Instance("pd3", server)
+    push_decode(d, "r-d", 12, "pp3", "r", [4, 5, 6])
+    d.step()
+    r = push_prefill(p, "r", 12, [1, 2])
+    wanted(p, "r")
+    compute(p, list(p.full))
+    finish(p, r, [1, 2, 3])
+    d.wait("the pushed request", lambda: "r-d" in d.recved)
+    assert not d.failed
+    assert_copied(p, d, [1, 2, 3], [4, 5, 6])
+    p.close(), d.close()
+
+
+def test_a_push_aborted_at_the_prefill_fails_the_decoders_load_at_once(server):
+    p = Instance("pp4", server)
+    d = Instance("pd4", server, extra={"push_timeout_s": 60.0})
+    push_decode(d, "r-d", 8, "pp4", "r", [3, 4])
+    d.step()
+    r = push_prefill(p, "r", 8, [1, 2])
+    wanted(p, "r")
+    r.status = RequestStatus.FINISHED_ABORTED
+    assert p.scheduler.request_finished(r, [1, 2]) == (False, None)
+    p.step()
+    started = time.monotonic()
+    d.wait("the failed load", lambda: "r-d" in d.failed)
+    assert time.monotonic() - started < 30, "told, not timed out"
+    assert d.worker.get_block_ids_with_load_errors() == {3, 4}
+    p.close(), d.close()
+
+
+def test_a_push_that_never_comes_is_a_load_error_at_its_deadline(server):
+    p = Instance("pp5", server)
+    d = Instance("pd5", server, extra={"push_timeout_s": 0.5})
+    push_decode(d, "r-d", 8, "pp5", "never", [3, 4])
+    d.step()
+    d.wait("the timed-out load", lambda: "r-d" in d.failed)
+    assert "r-d" in d.recved, "reported finished too, so vLLM stops waiting"
+    assert d.worker.get_block_ids_with_load_errors() == {3, 4}
+    p.close(), d.close()
