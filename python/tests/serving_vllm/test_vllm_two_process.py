@@ -92,24 +92,47 @@ def until(what, cond, worker, done, seconds=60):
         time.sleep(0.002)
 
 
-def prefill_process(rendezvous, provider, conn):
+def prefill_process(rendezvous, provider, mode, conn):
     os.environ["FI_TCP_IFACE"] = "lo"
     from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import Request, RequestStatus
 
     scheduler, worker = connectors("prefill", rendezvous, provider)
-    worker.register_kv_caches(caches(seed=11))
+    kv = caches(seed=11)
+    worker.register_kv_caches(kv)
     done = {"sent": set(), "recved": set(), "failed": set()}
-    params = {}
+    params, requests = {}, {}
+    push = {"do_remote_decode": True, "xfer_push": True} if mode == "push" else {"do_remote_decode": True}
     for req_id, block_ids in REQUESTS.items():
         r = Request(req_id, list(range(len(block_ids) * BLOCK)),
-                    SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}),
+                    SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(push)}),
                     None)
-        r.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        delay, params[req_id] = scheduler.request_finished(r, block_ids)
-        assert delay
+        requests[req_id] = r
+        if mode == "push":
+            # Scheduled; the decode instance is asked first and sends its block ids.
+            scheduler.update_state_after_alloc(r, KVCacheBlocks((tuple(KVCacheBlock(i) for i in block_ids),)), 0)
+            params[req_id] = {"do_remote_prefill": True, "xfer_push": True, "remote_engine_id": "prefill",
+                              "remote_request_id": req_id, "remote_tp_size": 1,
+                              "remote_block_ids": block_ids}
+        else:
+            r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            delay, params[req_id] = scheduler.request_finished(r, block_ids)
+            assert delay
     step(scheduler, worker, done)
     conn.send(params)
+    if mode == "push":
+        pushes = worker._worker._pushes
+        until("every decoder's block ids",
+              lambda: all(r in pushes and pushes[r].wants for r in REQUESTS), worker, done)
+        for name, cache in kv.items():  # the forward pass, layer by layer
+            worker.save_kv_layer(name, cache, None)
+        worker.wait_for_save()
+        for req_id, block_ids in REQUESTS.items():
+            requests[req_id].status = RequestStatus.FINISHED_LENGTH_CAPPED
+            assert scheduler.request_finished(requests[req_id], block_ids) == (True, None)
+        step(scheduler, worker, done)
     until("every request freed", lambda: set(REQUESTS) <= done["sent"], worker, done)
     conn.send(("freed", sorted(done["sent"])))
     worker.shutdown()
@@ -153,8 +176,9 @@ def decode_process(rendezvous, provider, params, conn):
     worker.shutdown()
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_prefill_and_decode_processes(provider):
+def test_prefill_and_decode_processes(provider, mode):
     plugins = os.path.join(os.path.dirname(xfer.__file__), "plugins", "libbackend_efa.so")
     if not os.path.exists(plugins):
         pytest.skip("the efa plugin is not in the package (cargo xtask vllm stages it)")
@@ -163,7 +187,7 @@ def test_prefill_and_decode_processes(provider):
     try:
         p_here, p_there = ctx.Pipe()
         d_here, d_there = ctx.Pipe()
-        prefill = ctx.Process(target=prefill_process, args=(server.url, provider, p_there))
+        prefill = ctx.Process(target=prefill_process, args=(server.url, provider, mode, p_there))
         prefill.start()
         decode = None
         try:
