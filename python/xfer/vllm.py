@@ -15,7 +15,10 @@ prefill instance by request id, which frees them. A prefill whose reader never c
 them after ``free_timeout_s`` (a lease).
 
 **Peers** are found through xfer's rendezvous (``extra_config["rendezvous"]``, an ``xfer://``
-or ``etcd://`` URL: required, so nothing defaults silently to localhost across machines):
+or ``etcd://`` URL), or through each instance's own side channel (``extra_config
+["side_channel"] = "host:port"``: the instance's scheduler process serves its records there and
+every request's parameters carry the URL, so no shared service is needed). One of the two is
+required, so nothing defaults silently to localhost across machines:
 each worker publishes ``vllm.<engine_id>.<tp_rank>`` with its engine's address and one region per
 layer, the region's name carrying a tag of the layer's name and its page layout.
 
@@ -45,8 +48,7 @@ blocks as in pull mode. Proxy parameters — to the decode instance:
 "remote_request_id": <the prefill's request id>, "remote_tp_size": <its TP>}``; to the prefill
 instance: ``{"do_remote_decode": true, "xfer_push": true}``.
 
-Not yet (issue 28): vLLM's side-channel host/port, Prometheus metrics through vLLM's
-``build_prom_metrics``.
+Not yet (issue 28): Prometheus metrics through vLLM's ``build_prom_metrics``.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ _PUSHED = b"xfer-vllm-push:"
 class Options:
     """``kv_connector_extra_config``."""
 
-    rendezvous: str
+    rendezvous: str | None
     """URL of the rendezvous both instances use (``xfer://host:port`` or ``etcd://…``)."""
     xfer_config: Any
     """The xfer engine's config: a path, a dict, or ``None`` for ``$XFER_CONFIG``."""
@@ -115,6 +117,10 @@ class Options:
     """This instance's tensor-parallel size (default: vLLM's ``tensor_parallel_size``)."""
     push_timeout_s: float = 60.0
     """Push: how long a decode rank waits for its prefill ranks' data."""
+    side_channel: str | None = None
+    """``host:port`` this instance serves its workers' records at (its scheduler process runs
+    the rendezvous service there): peers learn it from the request's parameters, so no shared
+    service is needed. ``host`` is what peers dial — never a default."""
 
     @staticmethod
     def parse(extra: dict[str, Any] | None) -> Options:
@@ -125,11 +131,22 @@ class Options:
             raise ValueError(
                 f"XferConnector: unknown kv_connector_extra_config keys {unknown} (known: {sorted(known)})"
             )
-        if "rendezvous" not in extra:
+        if not extra.get("rendezvous") and not extra.get("side_channel"):
             raise ValueError(
                 "XferConnector needs kv_connector_extra_config['rendezvous'] (xfer://host:port or "
-                "etcd://host:port/prefix): the instances find each other there"
+                "etcd://host:port/prefix), where the instances find each other, or "
+                "['side_channel'] (host:port this instance serves its records at, which peers "
+                "learn from each request's parameters)"
             )
+        side = extra.get("side_channel")
+        if side is not None:
+            host, _, port = str(side).rpartition(":")
+            if not host or not port.isdigit() or host in ("0.0.0.0", "::", "[::]"):
+                raise ValueError(
+                    f"XferConnector: side_channel {side!r} must be host:port with the host peers "
+                    "dial (not a wildcard address)"
+                )
+        extra.setdefault("rendezvous", None)
         extra.setdefault("xfer_config", None)
         if extra["xfer_config"] is None and not os.environ.get("XFER_CONFIG"):
             # The engine would otherwise open its default (the mock): a production pair that
@@ -150,6 +167,8 @@ class Load:
     remote_block_ids: list[int]
     remote_request_id: str
     remote_tp_size: int = 1
+    remote_rendezvous: str | None = None
+    """Where the peer's records are, when it serves them itself (its side channel)."""
 
 
 class XferConnectorMetadata(KVConnectorMetadata):
@@ -221,7 +240,14 @@ class XferConnector(KVConnectorBase_V1):
         self._mla = bool(getattr(model, "use_mla", False))
         parallel = getattr(vllm_config, "parallel_config", None)
         tp_size = self._options.tp_size or int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        self._side_channel: xfer.Server | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if self._options.side_channel:
+                # One service per instance, in its scheduler process; its workers publish there.
+                self._side_channel = xfer.Server(
+                    self._options.side_channel, secret_file=os.environ.get("XFER_SECRET_FILE"))
+                logger.info("XferConnector: serving this instance's records at %s",
+                            self._side_channel.url)
             self._scheduler: _Scheduler | None = _Scheduler(self._engine_id, self._options, tp_size)
             self._worker: _Worker | None = None
         else:
@@ -287,6 +313,9 @@ class XferConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._side_channel is not None:
+            self._side_channel.close()
+            self._side_channel = None
 
     def get_kv_connector_stats(self) -> XferConnectorStats | None:
         """This worker's counters since the last call (vLLM sums the workers')."""
@@ -329,6 +358,7 @@ class _Scheduler:
             remote_block_ids=list(params.get("remote_block_ids", [])),
             remote_request_id=str(params["remote_request_id"]),
             remote_tp_size=int(params.get("remote_tp_size", 1)),
+            remote_rendezvous=params.get("remote_rendezvous"),
         )
         if params.get("xfer_push") and num_external_tokens > 0:
             # The prefill instance writes them; this side sends it the block ids.
@@ -371,6 +401,7 @@ class _Scheduler:
             "remote_block_ids": list(block_ids),
             "remote_request_id": request.request_id,
             "remote_tp_size": self._tp_size,
+            "remote_rendezvous": _own_rendezvous(self._options),
             "xfer_protocol": PROTOCOL,
         }
 
@@ -391,6 +422,8 @@ class _Want:
     rank: int
     tp: int
     blocks: list[int]
+    url: str | None = None
+    """Where the decode rank's records are (its side channel, or the shared rendezvous)."""
     layers: set[str] = dataclasses.field(default_factory=set)
     """Layers whose writes were submitted (for the request's current blocks)."""
     pending: int = 0
@@ -429,7 +462,10 @@ class _Worker:
         self._tp_size = tp_size
         self._rank = options.tp_rank if options.tp_rank is not None else _tp_rank()
         self._engine = xfer.TransferEngine(options.xfer_config)
-        self._rendezvous = xfer.Rendezvous(options.rendezvous)
+        self._own_url = _own_rendezvous(options)
+        self._rendezvous = xfer.Rendezvous(self._own_url)
+        self._services: dict[str, xfer.Rendezvous] = {self._own_url: self._rendezvous}
+        """Rendezvous clients by URL: the shared one, or peers' side channels."""
         self._layers: dict[str, tuple[xfer.MemoryRegion, Layout]] = {}
         self._publication: xfer.Publication | None = None
         self._peers: dict[tuple[str, int], _Peer] = {}
@@ -515,7 +551,7 @@ class _Worker:
         # Every prefill rank is told when this rank is done, from the callback thread: look
         # them all up now, so that never waits on the rendezvous.
         for rank in range(load.remote_tp_size):
-            self._peer(load.remote_engine_id, rank)
+            self._peer(load.remote_engine_id, rank, load.remote_rendezvous)
         # Every check before the first read: a refused load posts nothing.
         plan = []
         for name, (region, layout) in self._layers.items():
@@ -549,7 +585,7 @@ class _Worker:
         reads = []
         for read in read_plan(layout, self._remote_layout(load, 0, name), self._rank,
                               self._tp_size, load.remote_tp_size, local_ids, remote_ids):
-            peer = self._peer(load.remote_engine_id, read.remote_rank)
+            peer = self._peer(load.remote_engine_id, read.remote_rank, load.remote_rendezvous)
             if name not in peer.layers:
                 raise LayoutError(
                     f"peer {load.remote_engine_id} rank {read.remote_rank} has no layer {name} "
@@ -562,7 +598,7 @@ class _Worker:
         return reads
 
     def _remote_layout(self, load: Load, rank: int, name: str) -> Layout:
-        peer = self._peer(load.remote_engine_id, rank)
+        peer = self._peer(load.remote_engine_id, rank, load.remote_rendezvous)
         if set(peer.layers) != set(self._layers):
             raise LayoutError(
                 f"peer {load.remote_engine_id} has other layers ({len(peer.layers)} there, "
@@ -595,7 +631,7 @@ class _Worker:
         message = _DONE + f"{self._rank}:{self._tp_size}:{load.remote_request_id}".encode()
         for rank in range(load.remote_tp_size):
             try:
-                peer = self._peer(load.remote_engine_id, rank)
+                peer = self._peer(load.remote_engine_id, rank, load.remote_rendezvous)
                 self._engine.submit_send(peer.address, message)
             except Exception as e:  # noqa: BLE001 - its lease frees the blocks anyway
                 logger.warning(
@@ -603,12 +639,24 @@ class _Worker:
                     "its lease frees it", load.remote_engine_id, rank, load.remote_request_id, e,
                 )
 
-    def _peer(self, engine_id: str, rank: int) -> _Peer:
+    def _service(self, url: str | None) -> xfer.Rendezvous:
+        """The rendezvous holding a peer's records: its side channel, else the shared one."""
+        url = url or self._options.rendezvous or self._own_url
+        with self._lock:
+            known = self._services.get(url)
+        if known is None:
+            known = xfer.Rendezvous(url, connect_timeout=self._options.lookup_timeout_s,
+                                    secret_file=os.environ.get("XFER_SECRET_FILE"))
+            with self._lock:
+                known = self._services.setdefault(url, known)
+        return known
+
+    def _peer(self, engine_id: str, rank: int, url: str | None = None) -> _Peer:
         with self._lock:
             known = self._peers.get((engine_id, rank))
         if known is not None:
             return known
-        record = self._rendezvous.lookup(
+        record = self._service(url).lookup(
             _record_name(engine_id, rank), self._options.lookup_timeout_s
         )
         by_tag = {_layer_tag(name): name for name in self._layers}
@@ -634,7 +682,7 @@ class _Worker:
                                   self._tp_size, load.remote_tp_size, [0], [0]):
                 ranks.add(read.remote_rank)
         header = {"req": load.remote_request_id, "engine": self._engine_id, "rank": self._rank,
-                  "tp": self._tp_size}
+                  "tp": self._tp_size, "rendezvous": self._own_url}
         ids = array.array("i", load.local_block_ids)
         if sys.byteorder != "little":
             ids.byteswap()
@@ -646,7 +694,7 @@ class _Worker:
                 req_id, load, ranks, time.monotonic() + self._options.push_timeout_s)
         try:
             for rank in sorted(ranks):
-                self._engine.submit_send(self._peer(load.remote_engine_id, rank).address, message)
+                self._engine.submit_send(self._peer(load.remote_engine_id, rank, load.remote_rendezvous).address, message)
         except Exception:
             with self._lock:
                 self._awaiting.pop((load.remote_engine_id, load.remote_request_id), None)
@@ -709,7 +757,7 @@ class _Worker:
             blocks = list(push.blocks)
         try:
             region, layout = self._layers[layer]
-            peer = self._peer(want.engine, want.rank)
+            peer = self._peer(want.engine, want.rank, want.url)
             if layer not in peer.layers:
                 raise LayoutError(f"decoder {want.engine} rank {want.rank} has no layer {layer}")
             desc, remote_layout, _ = peer.layers[layer]
@@ -759,7 +807,7 @@ class _Worker:
         header = {"req": req_id, "engine": self._engine_id, "rank": self._rank,
                   "ok": error is None, "why": error}
         try:
-            self._engine.submit_send(self._peer(want.engine, want.rank).address,
+            self._engine.submit_send(self._peer(want.engine, want.rank, want.url).address,
                                      pack_message(_PUSHED, header))
         except Exception as e:  # noqa: BLE001 - the decoder times out instead
             logger.warning("XferConnector: could not tell %s rank %d about request %s: %s",
@@ -771,7 +819,8 @@ class _Worker:
         ids.frombytes(payload)
         if sys.byteorder != "little":
             ids.byteswap()
-        want = _Want(str(header["engine"]), int(header["rank"]), int(header["tp"]), list(ids))
+        want = _Want(str(header["engine"]), int(header["rank"]), int(header["tp"]), list(ids),
+                     url=header.get("rendezvous"))
         req_id = str(header["req"])
         with self._lock:
             push = self._pushes.setdefault(req_id, _Push(created=time.monotonic()))
@@ -925,6 +974,14 @@ def _parse_region_name(name: str, engine_id: str) -> tuple[str, Layout]:
         dtype="torch." + dtype,
         block_shape=tuple(int(d) for d in shape.split("x")),
     )
+
+
+def _own_rendezvous(options: Options) -> str:
+    """Where this instance's workers publish: its side channel, else the shared rendezvous."""
+    if options.side_channel:
+        return f"xfer://{options.side_channel}"
+    assert options.rendezvous is not None
+    return options.rendezvous
 
 
 def _record_name(engine_id: str, rank: int) -> str:

@@ -47,7 +47,8 @@ class Instance:
     tensor-parallel rank, and each rank's KV cache (its share of the KV heads)."""
 
     def __init__(self, engine_id, server, *, layers=2, blocks=16, heads=2, head=8, tp=1, extra=None):
-        extra = {"rendezvous": server.url, "xfer_config": MOCK, "lookup_timeout_s": 2.0, **(extra or {})}
+        extra = {"rendezvous": server.url if server else None, "xfer_config": MOCK,
+                 "lookup_timeout_s": 2.0, **(extra or {})}
 
         def config(rank):
             return VllmConfig(
@@ -123,6 +124,7 @@ class Instance:
     def close(self):
         for worker in self.workers:
             worker.shutdown()
+        self.scheduler.shutdown()
 
 
 def request(req_id, tokens, params, status=None):
@@ -269,6 +271,10 @@ def test_configuration_mistakes_are_named(monkeypatch):
         xfer.vllm.Options.parse({"xfer_config": MOCK})
     with pytest.raises(ValueError, match="unknown.*rendevous"):
         xfer.vllm.Options.parse({"rendevous": "xfer://x:1"})
+    with pytest.raises(ValueError, match="wildcard"):
+        xfer.vllm.Options.parse({"side_channel": "0.0.0.0:7300", "xfer_config": MOCK})
+    with pytest.raises(ValueError, match="side_channel"):
+        xfer.vllm.Options.parse({"rendezvous": None, "xfer_config": MOCK})
     # No engine config anywhere: refused by name, never a silent mock engine in production.
     monkeypatch.delenv("XFER_CONFIG", raising=False)
     with pytest.raises(ValueError, match="xfer_config.*XFER_CONFIG"):
@@ -472,4 +478,42 @@ def test_a_push_that_never_comes_is_a_load_error_at_its_deadline(server):
     d.wait("the timed-out load", lambda: "r-d" in d.failed)
     assert "r-d" in d.recved, "reported finished too, so vLLM stops waiting"
     assert d.worker.get_block_ids_with_load_errors() == {3, 4}
+    p.close(), d.close()
+
+
+# ---- side channel ----
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_side_channels_replace_the_shared_rendezvous():
+    """Each instance serves its own records; a request's parameters say where, for pull and
+    for push (where the decoder's ids say where its own records are)."""
+    side = {n: {"rendezvous": None, "side_channel": f"127.0.0.1:{free_port()}"} for n in "pd"}
+    p, d = Instance("sp", None, extra=side["p"]), Instance("sd", None, extra=side["d"])
+    params = prefill(p, "r", 10, [3, 5, 7])
+    assert params["remote_rendezvous"] == "xfer://" + side["p"]["side_channel"]
+    decode(d, "r-d", 10, params, [0, 9, 2])
+    d.step()
+    d.wait("the pulled request", lambda: "r-d" in d.recved)
+    assert not d.failed
+    assert_copied(p, d, [3, 5, 7], [0, 9, 2])
+    pushed = {"do_remote_prefill": True, "xfer_push": True, "remote_engine_id": "sp",
+              "remote_request_id": "q", "remote_rendezvous": params["remote_rendezvous"]}
+    decode(d, "q-d", 8, pushed, [10, 11])
+    d.step()
+    r = push_prefill(p, "q", 8, [1, 2])
+    wanted(p, "q")
+    compute(p, list(p.full))
+    finish(p, r, [1, 2])
+    d.wait("the pushed request", lambda: "q-d" in d.recved)
+    assert not d.failed
+    assert_copied(p, d, [1, 2], [10, 11])
+    p.wait("both freed", lambda: {"r", "q"} <= p.sent)
     p.close(), d.close()
