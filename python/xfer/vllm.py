@@ -48,7 +48,8 @@ blocks as in pull mode. Proxy parameters — to the decode instance:
 "remote_request_id": <the prefill's request id>, "remote_tp_size": <its TP>}``; to the prefill
 instance: ``{"do_remote_decode": true, "xfer_push": true}``.
 
-Not yet (issue 28): Prometheus metrics through vLLM's ``build_prom_metrics``.
+**Metrics**: ``get_kv_connector_stats`` per worker (vLLM sums and logs them) and Prometheus
+``vllm:xfer_*`` counters and a load-time histogram through ``build_prom_metrics``.
 """
 
 from __future__ import annotations
@@ -72,7 +73,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import xfer
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 from ._kvcache import (
     Layout,
@@ -229,6 +233,42 @@ class XferConnectorStats(KVConnectorStats):
         return not any(self.data[key] for key in _COUNTERS)
 
 
+class XferPromMetrics(KVConnectorPromMetrics):
+    """The connector's Prometheus metrics, through vLLM's own (``build_prom_metrics``): the
+    counters of :class:`XferConnectorStats` as ``vllm:xfer_*`` counters and each load's time
+    as a histogram, per engine label."""
+
+    _BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        self._counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(name=f"vllm:xfer_{key}",
+                                  documentation=f"xfer KV connector: {key.replace('_', ' ')}",
+                                  labelnames=labelnames),
+                per_engine_labelvalues)
+            for key in _COUNTERS
+        }
+        self._load_time = create_metric_per_engine(
+            self._histogram_cls(name="vllm:xfer_load_time_seconds",
+                                documentation="xfer KV connector: seconds from a load's start "
+                                "to its last byte (pulled or pushed)",
+                                buckets=list(self._BUCKETS), labelnames=labelnames),
+            per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, counter in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value:
+                counter[engine_idx].inc(value)
+        for seconds in transfer_stats_data.get("load_seconds", []):
+            self._load_time[engine_idx].observe(seconds)
+
+
 class XferConnector(KVConnectorBase_V1):
     """See the module docs."""
 
@@ -326,6 +366,12 @@ class XferConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> XferConnectorStats:
         return XferConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> XferPromMetrics:
+        return XferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
 class _Scheduler:

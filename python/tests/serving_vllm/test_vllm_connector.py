@@ -339,6 +339,31 @@ def test_stats_reach_vllms_own_logging_summed_over_ranks(server):
     p.close(), d.close()
 
 
+def test_prometheus_metrics_through_vllms_own_prom_hooks(server):
+    """vLLM's KVConnectorProm asks the connector class for its metrics (build_prom_metrics) and
+    feeds them the aggregated stats: loads, blocks and load times reach the registry."""
+    from prometheus_client import REGISTRY
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    p, d = Instance("p11", server), Instance("d11", server)
+    params = prefill(p, "r11", 8, [1, 2])
+    decode(d, "r11-d", 8, params, [3, 4])
+    d.step()
+    d.wait("the load", lambda: "r11-d" in d.recved)
+    config = VllmConfig(kv_transfer_config=KVTransferConfig(
+        kv_connector="XferConnector", kv_connector_module_path="xfer.vllm", kv_role="kv_both",
+        kv_connector_extra_config={"rendezvous": server.url, "xfer_config": MOCK}))
+    prom = KVConnectorProm(config, ["model_name", "engine"], {0: ["m", "0"]})
+    assert isinstance(prom.prom_metrics, xfer.vllm.XferPromMetrics)
+    prom.observe(d.worker.get_kv_connector_stats().data, 0)
+    labels = {"model_name": "m", "engine": "0"}
+    assert REGISTRY.get_sample_value("vllm:xfer_loads_total", labels) == 1
+    assert REGISTRY.get_sample_value("vllm:xfer_blocks_loaded_total", labels) == 2
+    assert REGISTRY.get_sample_value("vllm:xfer_load_failures_total", labels) in (None, 0)
+    assert REGISTRY.get_sample_value("vllm:xfer_load_time_seconds_count", labels) == 1
+    p.close(), d.close()
+
+
 # ---- push mode ----
 
 
