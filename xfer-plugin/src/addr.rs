@@ -161,12 +161,25 @@ pub fn from_hex(text: &str) -> Result<Vec<u8>, DecodeError> {
 /// (a reference count), since every write carries its peer's address.
 #[derive(Clone, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(try_from = "Vec<u8>", into = "Vec<u8>")]
-pub struct NetAddr(Arc<[u8]>);
+pub struct NetAddr {
+    // First: the derived order is the bytes' (the digest follows from them).
+    bytes: Arc<[u8]>,
+    /// A hash of the bytes, computed once: every work request looks its peer up in maps
+    /// (the worker's and the backend's), and hashing the whole address each time cost more
+    /// than a hundred instructions per page of a paged write.
+    digest: u64,
+}
 
-/// By the bytes, as equality is.
+/// The digest of an address's bytes (in-process only: never sent or stored).
+fn digest(bytes: &[u8]) -> u64 {
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::default().hash_one(bytes)
+}
+
+/// By the bytes' digest, consistent with equality (equal bytes, equal digests).
 impl std::hash::Hash for NetAddr {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        self.0.hash(state);
+        state.write_u64(self.digest);
     }
 }
 
@@ -174,7 +187,8 @@ impl PartialEq for NetAddr {
     fn eq(&self, other: &Self) -> bool {
         // Clones share one allocation, and most comparisons (a map lookup per work request)
         // are between clones: they end here without reading the bytes.
-        Arc::ptr_eq(&self.0, &other.0) || self.0 == other.0
+        Arc::ptr_eq(&self.bytes, &other.bytes)
+            || (self.digest == other.digest && self.bytes == other.bytes)
     }
 }
 
@@ -184,17 +198,24 @@ impl NetAddr {
     /// Wraps a backend's raw address bytes (1 to [`MAX_ADDR_LEN`] bytes).
     pub fn new(raw: &[u8]) -> Result<Self, DecodeError> {
         check_len("address length", raw.len(), 1, MAX_ADDR_LEN)?;
-        Ok(Self(raw.into()))
+        Ok(Self::wrap(raw))
+    }
+
+    fn wrap(raw: &[u8]) -> Self {
+        Self {
+            bytes: raw.into(),
+            digest: digest(raw),
+        }
     }
 
     /// The backend's raw address bytes.
     pub fn raw(&self) -> &[u8] {
-        &self.0
+        &self.bytes
     }
 
     /// The compact binary form: version, length, bytes.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(2 + self.0.len());
+        let mut out = Vec::with_capacity(2 + self.bytes.len());
         out.push(WIRE_VERSION);
         self.encode_body(&mut out);
         out
@@ -212,15 +233,15 @@ impl NetAddr {
     #[doc(hidden)]
     pub fn encode_body(&self, out: &mut Vec<u8>) {
         // new() bounds the length by MAX_ADDR_LEN, which fits in a byte.
-        out.push(self.0.len() as u8);
-        out.extend_from_slice(&self.0);
+        out.push(self.bytes.len() as u8);
+        out.extend_from_slice(&self.bytes);
     }
 
     #[doc(hidden)]
     pub fn decode_body(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
         let len = usize::from(r.u8()?);
         check_len("address length", len, 1, MAX_ADDR_LEN)?;
-        Ok(Self(r.take(len)?.into()))
+        Ok(Self::wrap(r.take(len)?))
     }
 }
 
@@ -233,7 +254,7 @@ impl TryFrom<Vec<u8>> for NetAddr {
 
 impl From<NetAddr> for Vec<u8> {
     fn from(addr: NetAddr) -> Vec<u8> {
-        addr.0.to_vec()
+        addr.bytes.to_vec()
     }
 }
 
@@ -246,7 +267,7 @@ impl fmt::Display for NetAddr {
 
 impl fmt::Debug for NetAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "NetAddr({})", hex::encode(&self.0))
+        write!(f, "NetAddr({})", hex::encode(&self.bytes))
     }
 }
 
@@ -280,5 +301,13 @@ mod tests {
         assert!(a == clone && a == same_bytes && same_bytes == clone);
         assert!(a != other && other != same_bytes);
         assert_eq!(hash(&a), hash(&same_bytes));
+        // Decoded addresses carry the same digest; the order is still the bytes'.
+        let decoded = NetAddr::from_bytes(&a.to_bytes()).unwrap();
+        assert!(decoded == a && hash(&decoded) == hash(&a));
+        let (low, high) = (
+            NetAddr::new(&[1, 255]).unwrap(),
+            NetAddr::new(&[2, 0]).unwrap(),
+        );
+        assert!(low < high && a < other);
     }
 }
