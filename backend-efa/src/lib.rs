@@ -73,7 +73,13 @@ xfer_plugin::inventory::submit! {
     }
 }
 
-xfer_plugin::export_plugin!("efa", open);
+xfer_plugin::export_plugin!(
+    "efa",
+    open,
+    check = |text| options::EfaOptions::parse(text)
+        .map(|_| ())
+        .map_err(|e| e.message)
+);
 
 /// Makes sure this crate is linked, so its static registration is seen.
 #[inline(never)]

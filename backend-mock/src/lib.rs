@@ -45,7 +45,11 @@ xfer_plugin::inventory::submit! {
     }
 }
 
-xfer_plugin::export_plugin!("mock", open);
+xfer_plugin::export_plugin!(
+    "mock",
+    open,
+    check = |text| MockOptions::parse(text).map(|_| ()).map_err(|e| e.message)
+);
 
 /// Makes sure this crate is linked, so its static registration is seen. Call it once from a
 /// binary that names the mock backend only in its config.

@@ -310,3 +310,35 @@ fn a_version_2_plugin_loads_with_default_capabilities() {
     f.wait(std::time::Duration::from_secs(20)).unwrap();
     assert_eq!(dst.to_vec()[..8], src.to_vec()[..8]);
 }
+
+/// Issue 24 §7: a mistyped option in a plugin's table is refused when the engine opens, as a
+/// config error naming the key (ABI 4's options check), before any NIC opens; a version-3
+/// plugin, without the check, still refuses it, when its NIC opens.
+#[test]
+fn a_mistyped_plugin_option_is_a_config_error_naming_the_key() {
+    let path = common::built_library("plugin_fixture_old_abi");
+    let plugin = engine_core::plugin::LoadedPlugin::load(&path, "checkedmock").unwrap();
+    assert_eq!(plugin.abi_version(), engine_core::plugin::abi::ABI_VERSION);
+    let mut config = common::mock_config(1, "[backends.checkedmock]\nmax_write_sise = 16\n");
+    config.backend = "checkedmock".into();
+    config.plugin = Some(path.clone());
+    match TransferEngine::open(&config) {
+        Err(engine_core::Error::Config(e))
+            if e.to_string().contains("[backends.checkedmock]")
+                && e.to_string().contains("max_write_sise") => {}
+        other => panic!("expected a config error naming the key, got {other:?}"),
+    }
+    let mut good = common::mock_config(1, "[backends.checkedmock]\nmax_write_size = 16\n");
+    good.backend = "checkedmock".into();
+    good.plugin = Some(path.clone());
+    TransferEngine::open(&good).expect("a valid option passes the check");
+    let mut old = common::mock_config(1, "[backends.v3mock]\nmax_write_sise = 16\n");
+    old.backend = "v3mock".into();
+    old.plugin = Some(path);
+    match TransferEngine::open(&old) {
+        Err(e)
+            if !matches!(e, engine_core::Error::Config(_))
+                && e.to_string().contains("max_write_sise") => {}
+        other => panic!("expected the NIC's refusal naming the key, got {other:?}"),
+    }
+}

@@ -47,7 +47,13 @@ xfer_plugin::inventory::submit! {
     }
 }
 
-xfer_plugin::export_plugin!("verbs", open);
+xfer_plugin::export_plugin!(
+    "verbs",
+    open,
+    check = |text| options::VerbsOptions::parse(text)
+        .map(|_| ())
+        .map_err(|e| e.message)
+);
 
 /// Makes sure this crate is linked, so its static registration is seen.
 #[inline(never)]

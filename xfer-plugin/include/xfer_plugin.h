@@ -10,7 +10,7 @@
 /**
  * The ABI this engine speaks: bumped when entries are appended to `XferPluginTable`.
  */
-#define XFER_ABI_VERSION 3
+#define XFER_ABI_VERSION 4
 
 /**
  * The oldest ABI whose plugins this engine still loads.
@@ -518,6 +518,12 @@ typedef struct XferPluginTable {
    * Zero; keeps the table's size a multiple of 8 on every target.
    */
   uint32_t reserved;
+  /**
+   * ABI 4: checks the backend's options (in `options_format`)
+   * without opening anything; an error names the mistake (null: the options are checked
+   * when a NIC opens). The engine calls it once when it opens.
+   */
+  int32_t (*check_options)(struct XferRawBytes options, struct XferRawError *err);
 } XferPluginTable;
 
 /**
@@ -608,7 +614,7 @@ XFER_STATIC_ASSERT(sizeof(XferRegistration) == 16, "XferRegistration size");
 XFER_STATIC_ASSERT(XFER_ALIGNOF(XferRegistration) == 8, "XferRegistration alignment");
 XFER_STATIC_ASSERT(offsetof(XferRegistration, local_key) == 0, "XferRegistration.local_key");
 XFER_STATIC_ASSERT(offsetof(XferRegistration, remote_key) == 8, "XferRegistration.remote_key");
-XFER_STATIC_ASSERT(sizeof(XferPluginTable) == 136, "XferPluginTable size");
+XFER_STATIC_ASSERT(sizeof(XferPluginTable) == 144, "XferPluginTable size");
 XFER_STATIC_ASSERT(XFER_ALIGNOF(XferPluginTable) == 8, "XferPluginTable alignment");
 XFER_STATIC_ASSERT(offsetof(XferPluginTable, header) == 0, "XferPluginTable.header");
 XFER_STATIC_ASSERT(offsetof(XferPluginTable, name) == 8, "XferPluginTable.name");

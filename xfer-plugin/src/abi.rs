@@ -26,7 +26,9 @@
 //! the engine checks instead of discovering them at run time), [`set_log`](PluginTable::set_log)
 //! (the plugin's log lines into the host's `tracing`) and
 //! [`options_format`](PluginTable::options_format) (backend options as TOML text or as flat
-//! `key=value` lines a C plugin reads without a TOML parser).
+//! `key=value` lines a C plugin reads without a TOML parser). Version 4 appended
+//! [`check_options`](PluginTable::check_options), so an engine refuses a mistyped option when
+//! it opens, naming the key, before any NIC is opened.
 //!
 //! Backend authors do not write any of this: [`export_plugin!`](crate::export_plugin) turns a
 //! Rust [`Domain`] opener into the table.
@@ -36,22 +38,24 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::addr::{NetAddr, MAX_ADDR_LEN};
 use crate::domain::{
-    Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion,
-    OpenFn, PostStatus, ReadRequest, Registration, WriteRequest,
+    Capabilities, CheckOptionsFn, Device, Domain, DomainConfig, DomainError, DomainErrorKind,
+    Event, MemoryRegion, OpenFn, PostStatus, ReadRequest, Registration, WriteRequest,
 };
 use crate::log::LogFn;
 pub use crate::raw::RawBytes;
 
 /// The ABI this engine speaks: bumped when entries are appended to [`PluginTable`].
-pub const ABI_VERSION: u32 = 3;
+pub const ABI_VERSION: u32 = 4;
 /// The oldest ABI whose plugins this engine still loads.
 pub const MIN_ABI_VERSION: u32 = 1;
 /// Size of a version-1 table: everything before [`PluginTable::post_read`].
 pub const V1_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, post_read) as u32;
 /// Size of a version-2 table: everything before [`PluginTable::capabilities`].
 pub const V2_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, capabilities) as u32;
-/// Size of a version-3 table: the whole [`PluginTable`].
-pub const V3_TABLE_SIZE: u32 = std::mem::size_of::<PluginTable>() as u32;
+/// Size of a version-3 table: everything before [`PluginTable::check_options`].
+pub const V3_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, check_options) as u32;
+/// Size of a version-4 table: the whole [`PluginTable`].
+pub const V4_TABLE_SIZE: u32 = std::mem::size_of::<PluginTable>() as u32;
 
 /// The size of a table of ABI `version` (each version appends entries), or `None` for a
 /// version this crate does not know. The engine reads exactly this many bytes of a plugin's
@@ -62,6 +66,7 @@ pub const fn table_size_of(version: u32) -> Option<u32> {
         1 => Some(V1_TABLE_SIZE),
         2 => Some(V2_TABLE_SIZE),
         3 => Some(V3_TABLE_SIZE),
+        4 => Some(V4_TABLE_SIZE),
         _ => None,
     }
 }
@@ -392,6 +397,10 @@ pub struct PluginTable {
     pub options_format: u32,
     /// Zero; keeps the table's size a multiple of 8 on every target.
     pub reserved: u32,
+    /// ABI 4: checks the backend's options (in [`options_format`](Self::options_format))
+    /// without opening anything; an error names the mistake (null: the options are checked
+    /// when a NIC opens). The engine calls it once when it opens.
+    pub check_options: Option<unsafe extern "C" fn(options: RawBytes, err: *mut RawError) -> i32>,
 }
 
 // SAFETY: the table is immutable static data (function pointers and a static name).
@@ -405,6 +414,8 @@ pub trait PluginOpener {
     const NAME: &'static str;
     /// Opens one NIC.
     const OPEN: OpenFn;
+    /// Checks the backend's options (TOML text) without opening anything.
+    const CHECK: Option<CheckOptionsFn> = None;
 }
 
 impl PluginTable {
@@ -434,6 +445,10 @@ impl PluginTable {
             set_log: Some(shim_set_log),
             options_format: OPTIONS_TOML,
             reserved: 0,
+            check_options: match O::CHECK {
+                Some(_) => Some(shim_check_options::<O>),
+                None => None,
+            },
         }
     }
 
@@ -445,6 +460,16 @@ impl PluginTable {
         table.header = PluginHeader {
             abi_version: 1,
             table_size: V1_TABLE_SIZE,
+        };
+        table
+    }
+
+    /// The table as a version-3 plugin built it (no options check), for fixtures.
+    pub const fn new_v3<O: PluginOpener>() -> Self {
+        let mut table = Self::new::<O>();
+        table.header = PluginHeader {
+            abi_version: 3,
+            table_size: V3_TABLE_SIZE,
         };
         table
     }
@@ -783,18 +808,47 @@ unsafe extern "C" fn shim_set_log(log: LogFn, max_level: u32) {
     });
 }
 
-/// Exports a backend as an xfer plugin: `export_plugin!("name", open_fn);` in a `cdylib`.
+/// `check_options` for opener `O` (only in tables whose opener has a check).
+unsafe extern "C" fn shim_check_options<O: PluginOpener>(
+    options: RawBytes,
+    err: *mut RawError,
+) -> i32 {
+    guarded(err, || {
+        // SAFETY: the engine passes its options text, live for the call.
+        let text = std::str::from_utf8(unsafe { options.as_slice() }).map_err(|_| {
+            DomainError::new(DomainErrorKind::InvalidArgument, "options are not UTF-8")
+        })?;
+        let check = O::CHECK.ok_or_else(|| {
+            DomainError::new(DomainErrorKind::Other, "this plugin has no options check")
+        })?;
+        check(text)
+            .map(|()| STATUS_OK)
+            .map_err(|m| DomainError::new(DomainErrorKind::InvalidArgument, m))
+    })
+}
+
+/// Exports a backend as an xfer plugin: `export_plugin!("name", open_fn);` in a `cdylib`, or
+/// `export_plugin!("name", open_fn, check = check_fn);` to have mistyped options refused when
+/// an engine opens, before any NIC.
 ///
-/// `open_fn` has the type [`OpenFn`]; `"name"` must be a string literal (it names the entry
-/// symbol, [`entry_symbol`]`("name")`).
+/// `open_fn` has the type [`OpenFn`]; `check_fn` is a `fn(&str) -> Result<(), String>` given
+/// the options' TOML text; `"name"` must be a string literal (it names the entry symbol,
+/// [`entry_symbol`]`("name")`).
 #[macro_export]
 macro_rules! export_plugin {
     ($name:literal, $open:path) => {
+        $crate::export_plugin!(@table $name, $open, None);
+    };
+    ($name:literal, $open:path, check = $check:expr) => {
+        $crate::export_plugin!(@table $name, $open, Some($check));
+    };
+    (@table $name:literal, $open:path, $check:expr) => {
         #[doc(hidden)]
         pub struct XferPluginOpener;
         impl $crate::abi::PluginOpener for XferPluginOpener {
             const NAME: &'static str = $name;
             const OPEN: $crate::domain::OpenFn = $open;
+            const CHECK: Option<$crate::domain::CheckOptionsFn> = $check;
         }
         #[doc(hidden)]
         pub static XFER_PLUGIN_TABLE: $crate::abi::PluginTable =
@@ -823,7 +877,8 @@ const _: () = {
     assert!(V1_TABLE_SIZE == 104);
     assert!(V2_TABLE_SIZE == 112);
     assert!(offset_of!(PluginTable, set_log) == 120);
-    assert!(size_of::<PluginTable>() == 136);
+    assert!(V3_TABLE_SIZE == 136);
+    assert!(size_of::<PluginTable>() == 144);
 };
 
 #[cfg(test)]

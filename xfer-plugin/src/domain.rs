@@ -349,6 +349,10 @@ pub struct DomainConfig<'a> {
 /// Opens one Domain.
 pub type OpenFn = fn(&DomainConfig<'_>) -> Result<Box<dyn Domain>, DomainError>;
 
+/// Checks a backend's options (its `[backends.<name>]` table as TOML text) without opening
+/// anything; the error names the mistake.
+pub type CheckOptionsFn = fn(&str) -> Result<(), String>;
+
 /// A Domain's local registrations: key → (range, the backend's registration object), so every
 /// backend hands out keys and checks write sources the same way.
 #[derive(Debug)]

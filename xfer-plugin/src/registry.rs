@@ -29,7 +29,7 @@ pub struct BackendRegistration {
     /// Parses the backend's own config table (`[backends.<name>]` as TOML text, with the
     /// engine-wide settings added); the error names what is wrong. The engine calls it when
     /// a config is loaded, so a typo fails there, naming the key, instead of at NIC open.
-    pub check_options: fn(&str) -> Result<(), String>,
+    pub check_options: crate::domain::CheckOptionsFn,
 }
 
 inventory::collect!(BackendRegistration);

@@ -162,6 +162,16 @@ impl TransferEngine {
             )));
         }
         let backend = find_backend(&config.backend, config.plugin.as_deref())?;
+        // A plugin's options are checked here, as a linked backend's are by `validate`: a
+        // mistyped key is refused by name before any NIC opens.
+        backend
+            .check_options(&config.backend_options())
+            .map_err(|why| {
+                Error::Config(crate::config::ConfigError::Invalid {
+                    file: config.source.clone(),
+                    message: format!("[backends.{}] {why}", config.backend),
+                })
+            })?;
         let thread_error = |e: std::io::Error| Error::Backend {
             backend: config.backend.clone(),
             message: format!("cannot spawn the callback thread: {e}"),

@@ -18,6 +18,28 @@ use crate::domain::{
 use crate::wire::{NetAddr, MAX_ADDR_LEN};
 
 impl LoadedPlugin {
+    /// The plugin's `check_options` on `options` (converted to its format), if it has one.
+    pub(super) fn check_options(&self, options: &str) -> Result<(), String> {
+        let Some(check) = self.table.check_options else {
+            return Ok(());
+        };
+        let flat;
+        let options = if self.table.options_format == OPTIONS_FLAT {
+            flat = flat_options(options).map_err(|e| e.message)?;
+            flat.as_str()
+        } else {
+            options
+        };
+        let mut err = RawError::empty();
+        // SAFETY: the text is live for the call and only borrowed during it.
+        let status = unsafe { check(RawBytes::new(options.as_bytes()), &mut err) };
+        if status == STATUS_OK {
+            Ok(())
+        } else {
+            Err(err.to_error().message)
+        }
+    }
+
     pub(super) fn open(
         self: &Arc<Self>,
         config: &DomainConfig<'_>,

@@ -1,7 +1,9 @@
 //! The mock backend exported twice with old tables, as plugins built against older ABIs:
 //! `oldmock` with a version-1 table (before RDMA READ was appended) — the engine must load it,
-//! drive it, and refuse reads naming it — and `v2mock` with a version-2 table (before
-//! capabilities and logging) — the engine must not read past it and assume the defaults.
+//! drive it, and refuse reads naming it — `v2mock` with a version-2 table (before
+//! capabilities and logging) — the engine must not read past it and assume the defaults —
+//! and `v3mock` with a version-3 table (before the options check), beside `checkedmock` with
+//! the current table and the mock's options check.
 
 use engine_core::plugin::abi::{PluginOpener, PluginTable};
 
@@ -33,4 +35,39 @@ static V2_TABLE: PluginTable = PluginTable::new_v2::<V2Mock>();
 #[no_mangle]
 pub extern "C" fn xfer_plugin_entry_v2mock() -> *const PluginTable {
     &V2_TABLE
+}
+
+struct V3Mock;
+
+impl PluginOpener for V3Mock {
+    const NAME: &'static str = "v3mock";
+    const OPEN: engine_core::domain::OpenFn = backend_mock::open;
+}
+
+static V3_TABLE: PluginTable = PluginTable::new_v3::<V3Mock>();
+
+/// The plugin entry point of backend `v3mock`.
+#[no_mangle]
+pub extern "C" fn xfer_plugin_entry_v3mock() -> *const PluginTable {
+    &V3_TABLE
+}
+
+struct CheckedMock;
+
+impl PluginOpener for CheckedMock {
+    const NAME: &'static str = "checkedmock";
+    const OPEN: engine_core::domain::OpenFn = backend_mock::open;
+    const CHECK: Option<engine_core::domain::CheckOptionsFn> = Some(|text| {
+        backend_mock::MockOptions::parse(text)
+            .map(|_| ())
+            .map_err(|e| e.message)
+    });
+}
+
+static CHECKED_TABLE: PluginTable = PluginTable::new::<CheckedMock>();
+
+/// The plugin entry point of backend `checkedmock`.
+#[no_mangle]
+pub extern "C" fn xfer_plugin_entry_checkedmock() -> *const PluginTable {
+    &CHECKED_TABLE
 }
