@@ -81,7 +81,7 @@ fn other(e: OfiError) -> DomainError {
 /// common set-up failure: `xfer doctor` checks the same limit).
 fn registration_error(e: OfiError, len: u64) -> DomainError {
     let mut message = format!("registering {len} bytes: {}", e.message);
-    if message.contains("(-12)") || message.contains("Cannot allocate memory") {
+    if e.is_out_of_memory() {
         let limit = xfer_topology::doctor::memlock_limit(std::path::Path::new("/proc"))
             .map_or("unlimited".to_owned(), |l| format!("{l} bytes"));
         message.push_str(&format!(
@@ -661,6 +661,22 @@ impl Drop for EfaDomain {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Out of memory is told by libfabric's code, not its text: it names the memlock limit.
+    #[test]
+    fn a_registration_out_of_memory_names_the_locked_memory_limit() {
+        let oom = OfiError {
+            message: "fi_mr_regattr: whatever the text".into(),
+            code: Some(-12),
+        };
+        let m = registration_error(oom, 4096).message;
+        assert!(m.contains("locked-memory limit (ulimit -l)"), "{m}");
+        let other = OfiError {
+            message: "fi_mr_regattr: Cannot allocate memory, in words only".into(),
+            code: Some(-22),
+        };
+        assert!(!registration_error(other, 4096).message.contains("ulimit"));
+    }
 
     /// EFA reports a bad remote key and a bad local key alike as EINVAL; its own status tells
     /// them apart. Other providers are classified by the libfabric error.

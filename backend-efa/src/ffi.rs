@@ -9,6 +9,17 @@ use ofi_sys as sys;
 #[derive(Debug, Clone)]
 pub(crate) struct OfiError {
     pub(crate) message: String,
+    /// libfabric's return code (`-FI_E…`, which are negative errno values), when the error
+    /// came from a libfabric call: callers decide by it, never by the text.
+    pub(crate) code: Option<i32>,
+}
+
+impl OfiError {
+    /// Whether libfabric ran out of memory (`-FI_ENOMEM`): for registrations, most often the
+    /// locked-memory limit.
+    pub(crate) fn is_out_of_memory(&self) -> bool {
+        self.code == Some(-12)
+    }
 }
 
 fn error(what: &str, code: i32) -> OfiError {
@@ -16,6 +27,7 @@ fn error(what: &str, code: i32) -> OfiError {
     let text = unsafe { CStr::from_ptr(sys::xfer_ofi_strerror(code)) }.to_string_lossy();
     OfiError {
         message: format!("{what}: {text} ({code})"),
+        code: Some(code),
     }
 }
 
@@ -29,6 +41,7 @@ fn text(buf: &[c_char]) -> String {
 fn cstring(s: &str) -> Result<CString, OfiError> {
     CString::new(s).map_err(|_| OfiError {
         message: format!("{s:?} contains a NUL byte"),
+        code: None,
     })
 }
 
@@ -121,6 +134,7 @@ impl Endpoint {
             }),
             _ => Err(OfiError {
                 message: text(&err),
+                code: (rc != 0).then_some(rc),
             }),
         }
     }

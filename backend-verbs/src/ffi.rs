@@ -350,7 +350,7 @@ impl Device {
         lid: u16,
         qpn: u32,
         msg: &[u8],
-    ) -> Result<(), String> {
+    ) -> Result<(), std::io::Error> {
         // SAFETY: the shim copies msg (bounded by its slot size) before returning.
         let rc = unsafe {
             sys::xv_ud_send(
@@ -363,7 +363,8 @@ impl Device {
             )
         };
         if rc != 0 {
-            return Err(format!("handshake send: {}", errno_text(rc)));
+            // The errno itself: a full send queue (EAGAIN) is routine, anything else is not.
+            return Err(std::io::Error::from_raw_os_error(rc));
         }
         Ok(())
     }

@@ -39,8 +39,10 @@ impl VerbsDomain {
                 true
             }
             Err(e) => {
-                if !e.contains("Resource temporarily unavailable") {
-                    log::line(&format!("{}: {e}", self.name));
+                // Every send slot busy is routine (the handshake resends); anything else is
+                // worth a line.
+                if e.kind() != std::io::ErrorKind::WouldBlock {
+                    log::line(&format!("{}: handshake send: {e}", self.name));
                 }
                 false
             }
