@@ -49,4 +49,10 @@ impl Cuda {
     pub fn dmabuf_fd(&self, _base: u64, _len: u64) -> Result<i32, String> {
         match *self {}
     }
+    pub fn device_count(&self) -> Result<i32, String> {
+        match *self {}
+    }
+    pub fn name(&self, _ordinal: i32) -> Result<String, String> {
+        match *self {}
+    }
 }

@@ -188,6 +188,35 @@ impl Cuda {
 }
 
 impl Cuda {
+    /// How many devices the driver reports (`cuInit` ran in `open`).
+    pub fn device_count(&self) -> Result<i32, String> {
+        let mut count = 0;
+        // SAFETY: valid out-pointer; the driver was initialised in open.
+        check("cuDeviceGetCount", unsafe {
+            sys::cuDeviceGetCount(&mut count)
+        })?;
+        Ok(count)
+    }
+
+    /// The name of device `ordinal`, as the driver gives it.
+    pub fn name(&self, ordinal: i32) -> Result<String, String> {
+        let mut dev = 0;
+        // SAFETY: valid out-pointer; the driver was initialised in open.
+        check("cuDeviceGet", unsafe {
+            sys::cuDeviceGet(&mut dev, ordinal)
+        })?;
+        let mut buf = [0 as std::ffi::c_char; 256];
+        // SAFETY: the buffer holds the length passed; the driver NUL-terminates within it.
+        check("cuDeviceGetName", unsafe {
+            sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, dev)
+        })?;
+        buf[buf.len() - 1] = 0;
+        // SAFETY: NUL-terminated (forced above) and live.
+        Ok(unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned())
+    }
+
     /// Allocates `len` bytes of device memory.
     pub fn alloc_device(&self, len: usize) -> Result<u64, String> {
         self.make_current()?;

@@ -42,6 +42,16 @@ pub fn check_device_range(ptr: u64, len: u64, index: u32) -> Result<(), String> 
     device(index)?.check_device_range(ptr, len, index as i32)
 }
 
+/// The CUDA devices the driver reports, by name (for `xfer doctor`), or why there are none
+/// to report (no driver library, a driver that fails to initialise, no device).
+pub fn devices() -> Result<Vec<String>, String> {
+    if !driver_present() {
+        return Err("no CUDA driver library (libcuda.so) on this machine".into());
+    }
+    let first = device(0)?;
+    (0..first.device_count()?).map(|i| first.name(i)).collect()
+}
+
 /// Checks a host registration is not device memory (only where a CUDA driver is present).
 pub fn check_host_range(ptr: u64) -> Result<(), String> {
     if !driver_present() {

@@ -66,6 +66,8 @@ pub struct Facts {
     pub ports: Vec<Port>,
     /// NVIDIA GPUs found.
     pub gpus: usize,
+    /// The CUDA devices the driver library reports, by name, or why none (`None`: not asked).
+    pub cuda_devices: Option<Result<Vec<String>, String>>,
     /// Kernel (major, minor).
     pub kernel: Option<(u32, u32)>,
     /// `nvidia_peermem` loaded.
@@ -97,6 +99,7 @@ impl Default for Facts {
             uverbs: Vec::new(),
             ports: Vec::new(),
             gpus: 0,
+            cuda_devices: None,
             kernel: None,
             nvidia_peermem: false,
             gdrdrv: false,
@@ -276,6 +279,31 @@ pub fn evaluate(f: &Facts) -> Vec<Check> {
         (true, Some(lo), Some(hi)) if lo != hi => check("MTU consistent", Status::Warn, format!("RoCE MTUs differ across the group's ports ({lo}..{hi}); connections use the smaller"), Some("set the same MTU on every netdev of the group and its peers")),
         (true, Some(lo), Some(_)) => check("MTU consistent", Status::Pass, format!("RoCE MTU {lo} on every port"), None),
         _ => check("MTU consistent", Status::Skip, "no RoCE port in use", None),
+    });
+
+    // The driver's view beside sysfs': a GPU the driver cannot reach is as good as none.
+    out.push(match (&f.cuda_devices, f.gpus) {
+        (None, _) => check("CUDA driver", Status::Skip, "not asked", None),
+        (Some(Ok(names)), _) if !names.is_empty() => check(
+            "CUDA driver",
+            Status::Pass,
+            format!("{} device(s): {}", names.len(), names.join(", ")),
+            None,
+        ),
+        (Some(Err(why)), 0) => check("CUDA driver", Status::Skip, why.clone(), None),
+        (Some(Ok(_)), 0) => check("CUDA driver", Status::Skip, "the driver reports no device", None),
+        (Some(result), gpus) => check(
+            "CUDA driver",
+            Status::Warn,
+            format!(
+                "{gpus} NVIDIA GPU(s) in sysfs, but the driver gives {}: GPU memory and GPU watcher slots are refused",
+                match result {
+                    Ok(_) => "no device".to_owned(),
+                    Err(why) => why.clone(),
+                }
+            ),
+            Some("install the NVIDIA driver's libcuda.so.1 where the dynamic loader finds it"),
+        ),
     });
 
     let dmabuf = f.kernel.is_some_and(|k| k >= (5, 12));
@@ -485,6 +513,29 @@ pub fn gather(sys: &Path, dev: &Path, proc_root: &Path) -> Facts {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cuda_driver_check_names_the_devices_or_warns_when_gpus_are_unreachable() {
+        let mut f = Facts::default();
+        assert_eq!(status(&evaluate(&f), "CUDA driver"), Status::Skip);
+        f.cuda_devices = Some(Ok(vec!["GPU A".into(), "GPU B".into()]));
+        let checks = evaluate(&f);
+        let c = checks.iter().find(|c| c.name == "CUDA driver").unwrap();
+        assert!(c.status == Status::Pass && c.detail.contains("2 device(s): GPU A, GPU B"));
+        f.cuda_devices = Some(Err("no CUDA driver library".into()));
+        assert_eq!(
+            status(&evaluate(&f), "CUDA driver"),
+            Status::Skip,
+            "no GPU, no driver"
+        );
+        f.gpus = 2;
+        let checks = evaluate(&f);
+        let c = checks.iter().find(|c| c.name == "CUDA driver").unwrap();
+        assert!(
+            c.status == Status::Warn && c.detail.contains("no CUDA driver library"),
+            "{c:?}"
+        );
+    }
 
     #[test]
     fn the_watcher_check_says_which_slots_and_fails_an_impossible_request() {

@@ -479,6 +479,7 @@ fn doctor_cmd(cli: &Cli, register_bytes: u64) -> ExitCode {
     facts.register_bytes = register_bytes;
     facts.watcher_memory_request = config.watcher.memory.clone();
     facts.watcher_memory = watcher_memory(&config);
+    facts.cuda_devices = Some(xfer_cuda::devices());
     if config.backend == "efa" {
         efa::doctor_facts(&config, &mut facts);
     }

@@ -1,6 +1,6 @@
-//! `xfer info` on a machine whose CUDA driver and GDRCopy are the fakes (`cargo xtask
-//! gpu-fakes` puts them on LD_LIBRARY_PATH; ignored in a plain `cargo test`): the watcher
-//! memory it reports, and why better kinds were passed over when a fake refuses.
+//! `xfer info` and `xfer doctor` on a machine whose CUDA driver and GDRCopy are the fakes
+//! (`cargo xtask gpu-fakes` puts them on LD_LIBRARY_PATH; ignored in a plain `cargo test`):
+//! the watcher memory and the devices they report, and why when a fake refuses.
 
 use std::process::Command;
 
@@ -36,4 +36,28 @@ fn info_reports_the_watcher_memory_the_fake_gpu_gives() {
     let (kind, why) = watcher_memory(&[("XFER_FAKE_CUDA_FAIL", "cuInit")]);
     assert_eq!(kind, "host");
     assert!(why.iter().all(|w| w.contains("cuInit")), "{why:?}");
+}
+
+#[test]
+#[ignore = "needs the GPU fakes: cargo xtask gpu-fakes"]
+fn doctor_names_the_drivers_devices_or_why_there_are_none() {
+    let doctor = |env: &[(&str, &str)]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+            .arg("doctor")
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let out = doctor(&[]);
+    assert!(
+        out.contains("[PASS] CUDA driver")
+            && out.contains("2 device(s): xfer fake GPU 0, xfer fake GPU 1"),
+        "{out}"
+    );
+    let out = doctor(&[("XFER_FAKE_CUDA_FAIL", "cuInit")]);
+    assert!(
+        out.contains("CUDA driver") && out.contains("cuInit failed"),
+        "{out}"
+    );
 }
