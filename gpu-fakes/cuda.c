@@ -34,6 +34,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "faults.h"
+
 typedef int CUresult;
 typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
@@ -83,57 +85,19 @@ static __thread CUcontext current;
 
 /* ---- faults ------------------------------------------------------------------------------ */
 
-#define MAX_FAULTS 32
-static struct {
-    char name[64];
-    int remaining; /* -1: every call */
-} faults[MAX_FAULTS];
+static struct fake_faults faults = {.environment = "XFER_FAKE_CUDA_FAIL"};
 
 /* Fails the next `times` calls of `name` (-1: every call; 0: none any more). */
 int xfer_fake_cuda_fail(const char *name, int times) {
     pthread_mutex_lock(&lock);
-    int slot = -1;
-    for (int i = 0; i < MAX_FAULTS; i++) {
-        if (strcmp(faults[i].name, name) == 0) { slot = i; break; }
-        if (slot < 0 && faults[i].name[0] == 0) slot = i;
-    }
-    if (slot >= 0) {
-        snprintf(faults[slot].name, sizeof faults[slot].name, "%s", name);
-        faults[slot].remaining = times;
-    }
+    int r = fake_faults_plan(&faults, name, times);
     pthread_mutex_unlock(&lock);
-    return slot >= 0 ? 0 : -1;
+    return r;
 }
 
-static void faults_from_environment(void) {
-    static int done;
-    if (done) return;
-    done = 1;
-    const char *list = getenv("XFER_FAKE_CUDA_FAIL");
-    if (!list) return;
-    char copy[512];
-    snprintf(copy, sizeof copy, "%s", list);
-    char *save = NULL;
-    for (char *name = strtok_r(copy, ",", &save); name; name = strtok_r(NULL, ",", &save)) {
-        int slot = -1;
-        for (int i = 0; i < MAX_FAULTS; i++)
-            if (faults[i].name[0] == 0) { slot = i; break; }
-        if (slot < 0) break;
-        snprintf(faults[slot].name, sizeof faults[slot].name, "%s", name);
-        faults[slot].remaining = -1;
-    }
-}
-
-/* Whether this call of `name` is to fail (consumes one planned failure). Called locked. */
+/* Whether this call of `name` is to fail. Called locked. */
 static int failing(const char *name) {
-    faults_from_environment();
-    for (int i = 0; i < MAX_FAULTS; i++) {
-        if (faults[i].name[0] && strcmp(faults[i].name, name) == 0 && faults[i].remaining != 0) {
-            if (faults[i].remaining > 0) faults[i].remaining--;
-            return 1;
-        }
-    }
-    return 0;
+    return fake_faults_take(&faults, name);
 }
 
 static int devices(void) {

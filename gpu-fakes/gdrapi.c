@@ -17,6 +17,8 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include "faults.h"
+
 #define GPU_PAGE (64u << 10)
 #define MAX_PINS 1024
 
@@ -35,33 +37,17 @@ static struct pin {
     unsigned char *map; /* NULL until gdr_map */
 } pins[MAX_PINS + 1]; /* handle h = index; 0 is never used */
 
-static struct { char name[64]; int remaining; } faults[16];
+static struct fake_faults faults = {.environment = "XFER_FAKE_GDR_FAIL"};
 
 int xfer_fake_gdr_fail(const char *name, int times) {
     pthread_mutex_lock(&lock);
-    int slot = -1;
-    for (int i = 0; i < 16; i++) {
-        if (strcmp(faults[i].name, name) == 0) { slot = i; break; }
-        if (slot < 0 && faults[i].name[0] == 0) slot = i;
-    }
-    if (slot >= 0) {
-        snprintf(faults[slot].name, sizeof faults[slot].name, "%s", name);
-        faults[slot].remaining = times;
-    }
+    int r = fake_faults_plan(&faults, name, times);
     pthread_mutex_unlock(&lock);
-    return slot >= 0 ? 0 : -1;
+    return r;
 }
 
 static int failing(const char *name) {
-    const char *env = getenv("XFER_FAKE_GDR_FAIL");
-    if (env && strstr(env, name)) return 1;
-    for (int i = 0; i < 16; i++) {
-        if (faults[i].name[0] && strcmp(faults[i].name, name) == 0 && faults[i].remaining != 0) {
-            if (faults[i].remaining > 0) faults[i].remaining--;
-            return 1;
-        }
-    }
-    return 0;
+    return fake_faults_take(&faults, name);
 }
 
 /* Live pins and live mappings, for leak checks. */

@@ -576,19 +576,19 @@ class _Worker:
         for req_id in meta.push_abort:
             self._push_aborted(req_id, "the request was aborted at the prefill instance")
         for req_id, load in meta.awaits.items():
-            try:
-                self._await_push(req_id, load)
-            except Exception as e:  # noqa: BLE001 - any failure is this request's load error
-                logger.error("XferConnector: announcing request %s failed: %s", req_id, e)
-                self._finish_load(req_id, load, e)
+            self._start_load(req_id, load, self._await_push, "announcing")
         for req_id, load in meta.notify_only.items():
             self._tell_done(load)
         for req_id, load in meta.loads.items():
-            try:
-                self._load(req_id, load)
-            except Exception as e:  # noqa: BLE001 - any failure is this request's load error
-                logger.error("XferConnector: loading request %s failed: %s", req_id, e)
-                self._finish_load(req_id, load, e)
+            self._start_load(req_id, load, self._load, "loading")
+
+    def _start_load(self, req_id: str, load: Load, start: Any, what: str) -> None:
+        """Starts a pulled or pushed load; any failure to start is this request's load error."""
+        try:
+            start(req_id, load)
+        except Exception as e:  # noqa: BLE001 - any failure is this request's load error
+            logger.error("XferConnector: %s request %s failed: %s", what, req_id, e)
+            self._finish_load(req_id, load, e)
 
     def _load(self, req_id: str, load: Load) -> None:
         with self._lock:

@@ -54,13 +54,10 @@ const SUITES: &[&str] = &[
     "xfer-cli",
 ];
 
-/// Builds the fakes and runs the fake-GPU suites (one test at a time: faults and counts are
-/// per process).
-pub(crate) fn test(totals: &mut (u64, u64)) -> Result {
-    let dir = build()?;
-    let dir = dir.display().to_string();
-    let program = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut args = vec!["test"];
+/// `cargo <start> -p … --test fake_gpu -- --ignored --test-threads 1` over every suite (one
+/// test at a time: faults and counts are per process).
+fn suites_command<'a>(start: &[&'a str]) -> Vec<&'a str> {
+    let mut args = start.to_vec();
     for suite in SUITES {
         args.extend(["-p", suite]);
     }
@@ -72,6 +69,16 @@ pub(crate) fn test(totals: &mut (u64, u64)) -> Result {
         "--test-threads",
         "1",
     ]);
+    args
+}
+
+/// Builds the fakes and runs the fake-GPU suites (one test at a time: faults and counts are
+/// per process).
+pub(crate) fn test(totals: &mut (u64, u64)) -> Result {
+    let dir = build()?;
+    let dir = dir.display().to_string();
+    let program = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let args = suites_command(&["test"]);
     counted(
         &program,
         &args,
@@ -131,18 +138,7 @@ pub(crate) fn coverage() -> Result {
         &["test", "-q", "-p", "backend-mock", "--test", "watcher"],
         &env("before", &[]),
     )?;
-    let mut after = vec!["test", "-q"];
-    for suite in SUITES {
-        after.extend(["-p", suite]);
-    }
-    after.extend([
-        "--test",
-        "fake_gpu",
-        "--",
-        "--ignored",
-        "--test-threads",
-        "1",
-    ]);
+    let after = suites_command(&["test", "-q"]);
     let fakes = [
         ("LD_LIBRARY_PATH", dir.as_str()),
         ("XFER_GPU_FAKES", dir.as_str()),

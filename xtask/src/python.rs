@@ -59,32 +59,19 @@ pub(crate) fn install() -> Result {
 pub(crate) fn test(totals: &mut (u64, u64)) -> Result {
     install()?;
     let python = venv_bin("python");
-    let tests = counted(
-        &python,
-        &[
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "python/tests",
-        ],
-        &[],
-        totals,
-    );
-    tests?;
+    let pytest = |target: &str, envs: &[(&str, &str)], totals: &mut (u64, u64)| {
+        counted(
+            &python,
+            &["-m", "pytest", "-q", "-p", "no:cacheprovider", target],
+            envs,
+            totals,
+        )
+    };
+    pytest("python/tests", &[], totals)?;
     // The "CUDA" DLPack tensor end to end, against the GPU fakes (skipped in the run above).
     let fakes = crate::gpu_fakes::build()?.display().to_string();
-    counted(
-        &python,
-        &[
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "python/tests/test_fake_gpu.py",
-        ],
+    pytest(
+        "python/tests/test_fake_gpu.py",
         &[("LD_LIBRARY_PATH", &fakes), ("XFER_GPU_FAKES", &fakes)],
         totals,
     )?;
