@@ -542,3 +542,79 @@ def test_side_channels_replace_the_shared_rendezvous():
     assert_copied(p, d, [1, 2], [10, 11])
     p.wait("both freed", lambda: {"r", "q"} <= p.sent)
     p.close(), d.close()
+
+
+# ---- MLA from a model's own config ----
+
+DEEPSEEK_V2_TINY = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 256,
+    "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 64, "q_lora_rank": None,
+    "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": 4,
+    "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+    "moe_layer_freq": 1, "vocab_size": 1000, "max_position_embeddings": 2048,
+    "rope_theta": 10000, "torch_dtype": "bfloat16",
+}
+
+
+def test_mla_is_taken_from_the_models_config_and_each_decode_rank_reads_the_latent_whole(
+        server, tmp_path):
+    """A DeepSeek-V2 config (config.json only: no weights, nothing downloaded) makes vLLM's
+    ModelConfig say use_mla; the connector then treats each layer's cache as one latent plane
+    the same on every rank: both decode ranks read it whole from the one prefill rank."""
+    import json
+
+    from vllm.config import ModelConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V2_TINY))
+    model = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True)
+    assert model.use_mla
+
+    def connector(engine_id, role, rank, tp):
+        config = VllmConfig(model_config=model, kv_transfer_config=KVTransferConfig(
+            kv_connector="XferConnector", kv_connector_module_path="xfer.vllm",
+            kv_role="kv_both", engine_id=engine_id,
+            kv_connector_extra_config={"rendezvous": server.url, "xfer_config": MOCK,
+                                       "lookup_timeout_s": 2.0, "tp_size": tp, "tp_rank": rank}))
+        return KVConnectorFactory.create_connector(config, role, None)
+
+    latent = 64 + 16  # kv_lora_rank + qk_rope_head_dim
+    gen = torch.Generator().manual_seed(7)
+    theirs = {f"model.layers.{i}.self_attn.attn": torch.randn((16, BLOCK, latent), generator=gen)
+              .to(torch.bfloat16) for i in range(2)}
+    p_sched = connector("mla-p", KVConnectorRole.SCHEDULER, 0, 1)
+    p_worker = connector("mla-p", KVConnectorRole.WORKER, 0, 1)
+    p_worker.register_kv_caches(theirs)
+    d_sched = connector("mla-d", KVConnectorRole.SCHEDULER, 0, 2)
+    d_workers = [connector("mla-d", KVConnectorRole.WORKER, r, 2) for r in range(2)]
+    ours = [{n: torch.zeros_like(c) for n, c in theirs.items()} for _ in range(2)]
+    for w, caches in zip(d_workers, ours):
+        w.register_kv_caches(caches)
+
+    r = request("m", 8, {"do_remote_decode": True}, RequestStatus.FINISHED_LENGTH_CAPPED)
+    delay, params = p_sched.request_finished(r, [3, 5])
+    assert delay
+    meta = p_sched.build_connector_meta(SchedulerOutput.make_empty())
+    p_worker.bind_connector_metadata(meta)
+    p_worker.start_load_kv(None)
+    rd = request("m-d", 8, dict(params))
+    n, _ = d_sched.get_num_new_matched_tokens(rd, 0)
+    d_sched.update_state_after_alloc(rd, blocks_of([9, 1]), n)
+    meta = d_sched.build_connector_meta(SchedulerOutput.make_empty())
+    done = [set(), set()]
+    for w in d_workers:
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+    deadline = time.monotonic() + WAIT
+    while not all("m-d" in s for s in done):
+        assert time.monotonic() < deadline, "timed out waiting for both ranks"
+        for i, w in enumerate(d_workers):
+            res = w.get_transfer_results(set())
+            assert not res.failed_recving
+            done[i] |= res.finished_recving
+        time.sleep(0.001)
+    for caches in ours:
+        for name, cache in theirs.items():
+            assert torch.equal(caches[name][[9, 1]], cache[[3, 5]]), name
+    for c in [p_worker, *d_workers]:
+        c.shutdown()
