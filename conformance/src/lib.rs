@@ -1477,7 +1477,7 @@ pub enum CheckOutcome {
 /// for a plugin built before ABI version 2). The suite reports it as `SKIP`, never a pass.
 struct SkipCheck(&'static str);
 
-/// Ends the running check as skipped, with why (see [`SkipCheck`]): only for what the ABI
+/// Ends the running check as skipped, with why (see `SkipCheck`): only for what the ABI
 /// makes optional, so that "supported exactly when it passes" holds.
 pub fn skip_check(why: &'static str) -> ! {
     std::panic::panic_any(SkipCheck(why))

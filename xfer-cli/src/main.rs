@@ -90,7 +90,7 @@ enum Command {
         /// The plugin library to test (else the config's `plugin`/backend).
         #[arg(long)]
         plugin: Option<PathBuf>,
-        /// The backend name the plugin serves (default: from its file name, lib<name>.so).
+        /// The backend name the plugin serves (default: from its file name, `lib<name>.so`).
         #[arg(long)]
         backend: Option<String>,
         /// A NIC name to open (repeat for more NICs; default: the config's first group).

@@ -123,7 +123,7 @@ impl Reactive {
     }
 }
 
-/// `--latency N --reactive`: the ping-pong of [`latency`], answered on the workers.
+/// `--latency N --reactive`: the ping-pong of [`latency()`], answered on the workers.
 pub(crate) fn latency_reactive(config: &Config, iterations: u64) -> Result<Latency, BoxError> {
     let pair = Pair::open(config, 64)?;
     let back = HostBuffer::with_access(&pair.a, 64, |_| 0, RemoteAccess::READ_WRITE)?;
