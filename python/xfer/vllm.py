@@ -55,6 +55,7 @@ instance: ``{"do_remote_decode": true, "xfer_push": true}``.
 from __future__ import annotations
 
 import array
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -470,6 +471,9 @@ class _Want:
     blocks: list[int]
     url: str | None = None
     """Where the decode rank's records are (its side channel, or the shared rendezvous)."""
+    ready: bool = False
+    """Its record was found (looked up off the engine's callback thread); until then nothing
+    is written to it."""
     layers: set[str] = dataclasses.field(default_factory=set)
     """Layers whose writes were submitted (for the request's current blocks)."""
     pending: int = 0
@@ -534,6 +538,10 @@ class _Worker:
         """Prefill, push: GPU layers of this step, pushed once the stream is synchronised."""
         self._awaiting: dict[tuple[str, str], _Await] = {}
         """Decode, push: (prefill engine, its request id) → what this rank waits for."""
+        self._lookups = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="xfer-vllm-lookup")
+        """Push: decoders' records are looked up here, never on the engine's callback thread
+        (a lookup may wait up to ``lookup_timeout_s``; other transfers' callbacks must not)."""
         # Block-id messages carry 4 bytes per block: 64 KiB buffers hold ~16k blocks.
         self._engine.submit_recvs(65536, 64, self._on_message)
 
@@ -795,7 +803,7 @@ class _Worker:
     def _push_layer(self, req_id: str, push: _Push, want: _Want, layer: str) -> None:
         """Writes one layer of ``req_id``'s blocks to one decode rank (this rank's share)."""
         with self._lock:
-            if layer in want.layers or want.replied or want.error is not None:
+            if layer in want.layers or want.replied or want.error is not None or not want.ready:
                 return
             if not push.finished and len(push.blocks) < len(want.blocks):
                 return  # a chunk of a longer prompt: this layer goes when all is computed
@@ -842,7 +850,7 @@ class _Worker:
         written (or failed), nothing in flight."""
         with self._lock:
             push = self._pushes.get(req_id)
-            done = push is not None and push.finished and want.pending == 0 and (
+            done = push is not None and push.finished and want.ready and want.pending == 0 and (
                 want.error is not None or set(self._layers) <= want.layers)
             if not done or want.replied:
                 return
@@ -871,9 +879,27 @@ class _Worker:
         with self._lock:
             push = self._pushes.setdefault(req_id, _Push(created=time.monotonic()))
             push.wants[(want.engine, want.rank)] = want
-            finished = push.finished
+        try:
+            self._lookups.submit(self._resolve_want, req_id, want)
+        except RuntimeError:
+            pass  # closing: no more pushes
+
+    def _resolve_want(self, req_id: str, want: _Want) -> None:
+        """Finds the decode rank's record; then, if the request was computed before, pushes
+        every layer now (otherwise its layers go as they are computed, or at the end)."""
+        try:
+            self._peer(want.engine, want.rank, want.url)
+        except Exception as e:  # noqa: BLE001 - that decoder cannot be reached: it times out
+            logger.warning("XferConnector: decoder %s rank %d of request %s not found: %s",
+                           want.engine, want.rank, req_id, e)
+            with self._lock:
+                want.error, want.replied = str(e), True
+            return
+        with self._lock:
+            want.ready = True
+            push = self._pushes.get(req_id)
+            finished = push is not None and push.finished
         if finished:
-            # Computed before the ids came: every layer now.
             self._push_layers([req_id], list(self._layers))
             self._maybe_reply(req_id, want)
 
@@ -984,6 +1010,7 @@ class _Worker:
             return len(self._keeping)
 
     def close(self) -> None:
+        self._lookups.shutdown(wait=False, cancel_futures=True)
         if self._publication is not None:
             self._publication.unpublish()
             self._publication = None
