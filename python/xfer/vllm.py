@@ -195,6 +195,8 @@ class XferConnectorMetadata(KVConnectorMetadata):
         """Prefill, push: requests computed to the end, with all their blocks."""
         self.push_abort: set[str] = set()
         """Prefill, push: requests aborted (their decoders are told)."""
+        self.refused: dict[str, tuple[Load, str]] = {}
+        """Decode: requests refused before any transfer (another model), with why."""
 
 
 _COUNTERS = ("loads", "load_failures", "blocks_loaded", "freed_after_read", "freed_at_lease")
@@ -279,6 +281,9 @@ class XferConnector(KVConnectorBase_V1):
         self._engine_id = str(self._kv_transfer_config.engine_id)
         model = getattr(vllm_config, "model_config", None)
         self._mla = bool(getattr(model, "use_mla", False))
+        # What a peer must be serving too: moving one model's KV into another's cache would
+        # pass every layout check (same shapes) and be wrong.
+        self._model = str(getattr(model, "model", "") or "")
         parallel = getattr(vllm_config, "parallel_config", None)
         tp_size = self._options.tp_size or int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         self._side_channel: xfer.Server | None = None
@@ -289,11 +294,12 @@ class XferConnector(KVConnectorBase_V1):
                     self._options.side_channel, secret_file=os.environ.get("XFER_SECRET_FILE"))
                 logger.info("XferConnector: serving this instance's records at %s",
                             self._side_channel.url)
-            self._scheduler: _Scheduler | None = _Scheduler(self._engine_id, self._options, tp_size)
+            self._scheduler: _Scheduler | None = _Scheduler(
+                self._engine_id, self._options, tp_size, self._model)
             self._worker: _Worker | None = None
         else:
             self._scheduler = None
-            self._worker = _Worker(self._engine_id, self._options, self._mla, tp_size)
+            self._worker = _Worker(self._engine_id, self._options, self._mla, tp_size, self._model)
 
     # ---- scheduler side ----
 
@@ -378,10 +384,11 @@ class XferConnector(KVConnectorBase_V1):
 class _Scheduler:
     """The scheduler side: which requests to read, which to keep for a reader."""
 
-    def __init__(self, engine_id: str, options: Options, tp_size: int) -> None:
+    def __init__(self, engine_id: str, options: Options, tp_size: int, model: str) -> None:
         self._engine_id = engine_id
         self._options = options
         self._tp_size = tp_size
+        self._model = model
         self._meta = XferConnectorMetadata()
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -407,7 +414,12 @@ class _Scheduler:
             remote_tp_size=int(params.get("remote_tp_size", 1)),
             remote_rendezvous=params.get("remote_rendezvous"),
         )
-        if params.get("xfer_push") and num_external_tokens > 0:
+        theirs = str(params.get("remote_model") or "")
+        if num_external_tokens > 0 and theirs and self._model and theirs != self._model:
+            load.local_block_ids = list(blocks.get_unhashed_block_ids())
+            self._meta.refused[request.request_id] = (load, (
+                f"the prefill instance serves model {theirs!r}, this one {self._model!r}"))
+        elif params.get("xfer_push") and num_external_tokens > 0:
             # The prefill instance writes them; this side sends it the block ids.
             load.local_block_ids = list(blocks.get_unhashed_block_ids())
             self._meta.awaits[request.request_id] = load
@@ -449,6 +461,7 @@ class _Scheduler:
             "remote_request_id": request.request_id,
             "remote_tp_size": self._tp_size,
             "remote_rendezvous": _own_rendezvous(self._options),
+            "remote_model": self._model,
             "xfer_protocol": PROTOCOL,
         }
 
@@ -471,6 +484,8 @@ class _Want:
     blocks: list[int]
     url: str | None = None
     """Where the decode rank's records are (its side channel, or the shared rendezvous)."""
+    model: str = ""
+    """The model the decoder serves (checked against this instance's)."""
     ready: bool = False
     """Its record was found (looked up off the engine's callback thread); until then nothing
     is written to it."""
@@ -505,10 +520,12 @@ class _Await:
 class _Worker:
     """The worker side: the engine, its registered caches, loads in flight, blocks kept."""
 
-    def __init__(self, engine_id: str, options: Options, mla: bool, tp_size: int) -> None:
+    def __init__(self, engine_id: str, options: Options, mla: bool, tp_size: int,
+                 model: str = "") -> None:
         self._engine_id = engine_id
         self._options = options
         self._mla = mla
+        self._model = model
         self._tp_size = tp_size
         self._rank = options.tp_rank if options.tp_rank is not None else _tp_rank()
         self._engine = xfer.TransferEngine(options.xfer_config)
@@ -583,6 +600,10 @@ class _Worker:
             self._push_finished(req_id, blocks)
         for req_id in meta.push_abort:
             self._push_aborted(req_id, "the request was aborted at the prefill instance")
+        for req_id, (load, why) in meta.refused.items():
+            with self._lock:
+                self._load_started[req_id] = time.monotonic()
+            self._finish_load(req_id, load, LayoutError(why))
         for req_id, load in meta.awaits.items():
             self._start_load(req_id, load, self._await_push, "announcing")
         for req_id, load in meta.notify_only.items():
@@ -736,7 +757,7 @@ class _Worker:
                                   self._tp_size, load.remote_tp_size, [0], [0]):
                 ranks.add(read.remote_rank)
         header = {"req": load.remote_request_id, "engine": self._engine_id, "rank": self._rank,
-                  "tp": self._tp_size, "rendezvous": self._own_url}
+                  "tp": self._tp_size, "rendezvous": self._own_url, "model": self._model}
         ids = array.array("i", load.local_block_ids)
         if sys.byteorder != "little":
             ids.byteswap()
@@ -874,7 +895,7 @@ class _Worker:
         if sys.byteorder != "little":
             ids.byteswap()
         want = _Want(str(header["engine"]), int(header["rank"]), int(header["tp"]), list(ids),
-                     url=header.get("rendezvous"))
+                     url=header.get("rendezvous"), model=str(header.get("model") or ""))
         req_id = str(header["req"])
         with self._lock:
             push = self._pushes.setdefault(req_id, _Push(created=time.monotonic()))
@@ -894,6 +915,12 @@ class _Worker:
                            want.engine, want.rank, req_id, e)
             with self._lock:
                 want.error, want.replied = str(e), True
+            return
+        if want.model and self._model and want.model != self._model:
+            with self._lock:
+                want.ready, want.replied = True, True
+            self._reply(req_id, want, f"the decoder serves model {want.model!r}, this prefill "
+                        f"instance {self._model!r}")
             return
         with self._lock:
             want.ready = True

@@ -46,12 +46,14 @@ class Instance:
     """One vLLM instance: its scheduler-side connector, one worker-side connector per
     tensor-parallel rank, and each rank's KV cache (its share of the KV heads)."""
 
-    def __init__(self, engine_id, server, *, layers=2, blocks=16, heads=2, head=8, tp=1, extra=None):
+    def __init__(self, engine_id, server, *, layers=2, blocks=16, heads=2, head=8, tp=1, extra=None,
+                 model=None):
         extra = {"rendezvous": server.url if server else None, "xfer_config": MOCK,
                  "lookup_timeout_s": 2.0, **(extra or {})}
 
         def config(rank):
             return VllmConfig(
+                model_config=model,
                 kv_transfer_config=KVTransferConfig(
                     kv_connector="XferConnector",
                     kv_connector_module_path="xfer.vllm",
@@ -618,3 +620,53 @@ def test_mla_is_taken_from_the_models_config_and_each_decode_rank_reads_the_late
             assert torch.equal(caches[name][[9, 1]], cache[[3, 5]]), name
     for c in [p_worker, *d_workers]:
         c.shutdown()
+
+
+# ---- the same model on both sides ----
+
+LLAMA_TINY = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 512,
+    "torch_dtype": "float16",
+}
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    """Two models of the same shapes (config.json only: nothing downloaded)."""
+    import json
+
+    from vllm.config import ModelConfig
+
+    models = []
+    for name in ("model-a", "model-b"):
+        d = tmp_path_factory.mktemp(name)
+        (d / "config.json").write_text(json.dumps(LLAMA_TINY))
+        models.append(ModelConfig(model=str(d), skip_tokenizer_init=True))
+    return models
+
+
+def test_kv_of_another_model_is_refused_pulled_or_pushed(server, two_models):
+    """Same layouts, other models: a load would pass every layout check and fill the cache
+    with another model's KV. Refused by name as load errors; the prefill is still freed."""
+    a, b = two_models
+    p, d = Instance("mm-p", server, model=a), Instance("mm-d", server, model=b)
+    params = prefill(p, "r", 8, [1, 2])
+    assert params["remote_model"] == a.model
+    decode(d, "r-d", 8, params, [3, 4])
+    d.step()
+    d.wait("the refused load", lambda: "r-d" in d.failed)
+    assert d.worker.get_block_ids_with_load_errors() == {3, 4}
+    p.wait("the prefill to free", lambda: "r" in p.sent)
+    push_decode(d, "q-d", 8, "mm-p", "q", [5, 6])
+    d.step()
+    started = time.monotonic()
+    d.wait("the refused push", lambda: "q-d" in d.failed)
+    assert time.monotonic() - started < 30, "told by the prefill, not timed out"
+    same = Instance("mm-d2", server, model=a)
+    decode(same, "s-d", 8, prefill(p, "s", 8, [7, 8]), [9, 10])
+    same.step()
+    same.wait("the same model's load", lambda: "s-d" in same.recved)
+    assert not same.failed
+    p.close(), d.close(), same.close()
