@@ -53,7 +53,7 @@ class Instance:
 
         def config(rank):
             return VllmConfig(
-                model_config=model,
+                **({"model_config": model} if model is not None else {}),
                 kv_transfer_config=KVTransferConfig(
                     kv_connector="XferConnector",
                     kv_connector_module_path="xfer.vllm",
