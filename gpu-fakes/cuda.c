@@ -85,20 +85,8 @@ static __thread CUcontext current;
 
 /* ---- faults ------------------------------------------------------------------------------ */
 
-static struct fake_faults faults = {.environment = "XFER_FAKE_CUDA_FAIL"};
-
-/* Fails the next `times` calls of `name` (-1: every call; 0: none any more). */
-int xfer_fake_cuda_fail(const char *name, int times) {
-    pthread_mutex_lock(&lock);
-    int r = fake_faults_plan(&faults, name, times);
-    pthread_mutex_unlock(&lock);
-    return r;
-}
-
-/* Whether this call of `name` is to fail. Called locked. */
-static int failing(const char *name) {
-    return fake_faults_take(&faults, name);
-}
+/* xfer_fake_cuda_fail("cuMemAlloc_v2", n): the next n calls fail (-1: all, 0: none). */
+FAKE_FAULTS_DEFINE(xfer_fake_cuda_fail, "XFER_FAKE_CUDA_FAIL", lock)
 
 static int devices(void) {
     const char *n = getenv("XFER_FAKE_CUDA_DEVICES");

@@ -55,4 +55,17 @@ static int fake_faults_take(struct fake_faults *f, const char *name) {
     return 0;
 }
 
+/* Defines the library's table (failures of every call named in `env`), its exported
+ * `fail_fn(name, times)` for tests, and `failing(name)` for its entry points, under `lock`. */
+#define FAKE_FAULTS_DEFINE(fail_fn, env, lock)                              \
+    static struct fake_faults faults = {.environment = env};              \
+    int fail_fn(const char *name, int times) {                            \
+        pthread_mutex_lock(&lock);                                        \
+        int r = fake_faults_plan(&faults, name, times);                   \
+        pthread_mutex_unlock(&lock);                                      \
+        return r;                                                         \
+    }                                                                     \
+    /* Whether this call of `name` is to fail. Called with `lock` held. */ \
+    static int failing(const char *name) { return fake_faults_take(&faults, name); }
+
 #endif

@@ -37,18 +37,7 @@ static struct pin {
     unsigned char *map; /* NULL until gdr_map */
 } pins[MAX_PINS + 1]; /* handle h = index; 0 is never used */
 
-static struct fake_faults faults = {.environment = "XFER_FAKE_GDR_FAIL"};
-
-int xfer_fake_gdr_fail(const char *name, int times) {
-    pthread_mutex_lock(&lock);
-    int r = fake_faults_plan(&faults, name, times);
-    pthread_mutex_unlock(&lock);
-    return r;
-}
-
-static int failing(const char *name) {
-    return fake_faults_take(&faults, name);
-}
+FAKE_FAULTS_DEFINE(xfer_fake_gdr_fail, "XFER_FAKE_GDR_FAIL", lock)
 
 /* Live pins and live mappings, for leak checks. */
 void xfer_fake_gdr_live(int *pinned, int *mapped) {
