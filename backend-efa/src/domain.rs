@@ -1,4 +1,9 @@
 //! One libfabric domain as an xfer Domain.
+//!
+//! Why one file: it is one type and the state only it owns (the endpoint, its registrations,
+//! receive pool, peer table and completion batch); every method of the `Domain` impl reads or
+//! writes that state, and the parts that need none of it already live apart (`ffi`, `options`,
+//! `shm_lifetime`). A fifth of it is the error classification and its tests.
 
 use std::collections::HashMap;
 use std::ffi::c_void;

@@ -1,5 +1,11 @@
 """xfer as a vLLM KV connector (vLLM's V1 connector API), for disaggregated prefill/decode.
 
+Why one file (for now): it is the module vLLM loads by path (``kv_connector_module_path``), and
+its worker side is one state — the engine, the peers found, one lock, the stats, the blocks kept
+— that pull and push both read and write. Its push side (``_Want``/``_Push``/``_Await`` and the
+``_push_*``/``_await_push`` methods) is the piece to move into a module of its own with that
+state passed in; the page arithmetic and message framing already live in ``_kvcache``.
+
 Select it without patching vLLM::
 
     --kv-transfer-config '{"kv_connector": "XferConnector", "kv_connector_module_path": "xfer.vllm",
