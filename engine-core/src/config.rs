@@ -438,7 +438,8 @@ impl Config {
     }
 
     /// Checks the selected backend's own table with the backend's parser, when the backend is
-    /// linked into this binary (a plugin's is checked when it opens its NICs).
+    /// linked into this binary (a plugin's is checked when an engine loads it, through its
+    /// `check_options` entry).
     fn check_backend_options(&self) -> Result<(), ConfigError> {
         let Some(backend) = xfer_plugin::registry::find(&self.backend) else {
             return Ok(());

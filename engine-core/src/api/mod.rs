@@ -162,10 +162,10 @@ impl TransferEngine {
             )));
         }
         let backend = find_backend(&config.backend, config.plugin.as_deref())?;
-        // A plugin's options are checked here, as a linked backend's are by `validate`: a
+        // A plugin's options are checked here, as a linked backend's were by `validate`: a
         // mistyped key is refused by name before any NIC opens.
         backend
-            .check_options(&config.backend_options())
+            .check_plugin_options(&config.backend_options())
             .map_err(|why| {
                 Error::Config(crate::config::ConfigError::Invalid {
                     file: config.source.clone(),
