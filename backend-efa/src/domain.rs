@@ -11,8 +11,7 @@ use std::ffi::c_void;
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
     message_size_class, Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind,
-    Event, MemoryRegion, PostStatus, ReadRequest, ReceivePool, RegionTable, Registration,
-    WriteRequest,
+    Event, MemoryRegion, PostStatus, RdmaOp, RdmaRequest, ReceivePool, RegionTable, Registration,
 };
 
 use crate::ffi::{
@@ -291,17 +290,19 @@ impl EfaDomain {
         }
     }
 
-    /// Posts an RDMA write (`write = Some(imm)`) or read (`None`) between a local range and a
-    /// peer's: `remote` is (address, key, region base).
-    fn post_rma(
-        &mut self,
-        wr_id: u64,
-        peer: &NetAddr,
-        (local_addr, local_key): (u64, u64),
-        (remote_addr, remote_key, remote_base): (u64, u64, u64),
-        len: u64,
-        write: Option<Option<u32>>,
-    ) -> Result<PostStatus, DomainError> {
+    /// Posts an RDMA write or read between a local range and a peer's.
+    fn post_rma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
+        let RdmaRequest {
+            wr_id,
+            op,
+            peer,
+            local_addr,
+            local_key,
+            remote_addr,
+            remote_key,
+            remote_base,
+            len,
+        } = *req;
         if self.posts_since_poll >= self.options.max_posts_per_poll {
             return Ok(PostStatus::Busy);
         }
@@ -328,8 +329,8 @@ impl EfaDomain {
         // own zero source, which a zero-byte operation never touches); ctx stays in
         // `in_flight` until its completion is read.
         let result = unsafe {
-            match write {
-                Some(imm) => self.endpoint.write(
+            match op {
+                RdmaOp::Write { imm } => self.endpoint.write(
                     buf,
                     len as usize,
                     desc,
@@ -339,7 +340,7 @@ impl EfaDomain {
                     imm,
                     ctx,
                 ),
-                None => self.endpoint.rdma_read(
+                RdmaOp::Read => self.endpoint.rdma_read(
                     buf,
                     len as usize,
                     desc,
@@ -475,15 +476,8 @@ impl Domain for EfaDomain {
         self.regions.remove(local_key).map(drop)
     }
 
-    fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError> {
-        self.post_rma(
-            wr.wr_id,
-            wr.peer,
-            (wr.local_addr, wr.local_key),
-            (wr.remote_addr, wr.remote_key, wr.remote_base),
-            wr.len,
-            Some(wr.imm),
-        )
+    fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
+        self.post_rma(req)
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -510,17 +504,6 @@ impl Domain for EfaDomain {
         // Only when the provider granted FI_READ/FI_REMOTE_READ; the engine refuses reads
         // otherwise, naming the backend.
         self.endpoint.attr.rma_read != 0
-    }
-
-    fn post_read(&mut self, rd: &ReadRequest<'_>) -> Result<PostStatus, DomainError> {
-        self.post_rma(
-            rd.wr_id,
-            rd.peer,
-            (rd.local_addr, rd.local_key),
-            (rd.remote_addr, rd.remote_key, rd.remote_base),
-            rd.len,
-            None,
-        )
     }
 
     fn post_send(

@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
     Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion,
-    PostStatus, ReadRequest, Registration, Waker, WriteRequest,
+    PostStatus, RdmaRequest, Registration, Waker,
 };
 
-use crate::fabric::{self, Direction, Nic, Op, Posted, Region};
+use crate::fabric::{self, Nic, Op, Posted, Region};
 use crate::options::MockOptions;
 
 /// A mock NIC.
@@ -80,10 +80,10 @@ impl MockDomain {
     fn check_declared(&self, op: &Op) -> Result<(), DomainError> {
         let caps = self.options.capabilities();
         let broken = match op {
-            Op::Rdma { len, imm, .. } => {
+            Op::Rdma { len, op, .. } => {
                 caps.max_write_size.is_some_and(|m| *len > m)
                     || (*len == 0 && !caps.zero_byte_writes)
-                    || (imm.is_some() && !caps.immediates)
+                    || (op.imm().is_some() && !caps.immediates)
             }
             Op::Send { data, .. } => caps.max_message_size.is_some_and(|m| data.len() > m),
         };
@@ -199,15 +199,14 @@ impl Domain for MockDomain {
         Ok(())
     }
 
-    fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError> {
+    fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
         self.accept(Op::Rdma {
-            wr_id: wr.wr_id,
-            peer: wr.peer.clone(),
-            direction: Direction::Write,
-            local: (wr.local_addr, wr.local_key),
-            remote: (wr.remote_addr, wr.remote_key, wr.remote_base),
-            len: wr.len,
-            imm: wr.imm,
+            wr_id: req.wr_id,
+            peer: req.peer.clone(),
+            op: req.op,
+            local: (req.local_addr, req.local_key),
+            remote: (req.remote_addr, req.remote_key, req.remote_base),
+            len: req.len,
         })
     }
 
@@ -217,18 +216,6 @@ impl Domain for MockDomain {
 
     fn capabilities(&self) -> Capabilities {
         self.options.capabilities()
-    }
-
-    fn post_read(&mut self, rd: &ReadRequest<'_>) -> Result<PostStatus, DomainError> {
-        self.accept(Op::Rdma {
-            wr_id: rd.wr_id,
-            peer: rd.peer.clone(),
-            direction: Direction::Read,
-            local: (rd.local_addr, rd.local_key),
-            remote: (rd.remote_addr, rd.remote_key, rd.remote_base),
-            len: rd.len,
-            imm: None,
-        })
     }
 
     fn post_send(

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use foldhash::HashMap;
 use xfer_plugin::addr::NetAddr;
-use xfer_plugin::domain::{DomainError, DomainErrorKind, Event, Waker};
+use xfer_plugin::domain::{DomainError, DomainErrorKind, Event, RdmaOp, Waker};
 
 /// A registered region.
 #[derive(Debug, Clone, Copy)]
@@ -103,12 +103,11 @@ pub(crate) enum Op {
     Rdma {
         wr_id: u64,
         peer: NetAddr,
-        direction: Direction,
+        op: RdmaOp,
         /// (address, key) of our range and of the peer's.
         local: (u64, u64),
         remote: (u64, u64, u64),
         len: u64,
-        imm: Option<u32>,
     },
     Send {
         wr_id: u64,
@@ -373,13 +372,12 @@ pub(crate) fn land(posted: Posted) {
     }
     let result = match op {
         Op::Rdma {
-            direction,
+            op,
             local,
             remote,
             len,
-            imm,
             ..
-        } => rdma(&src, &peer, direction, local, remote, len, imm, injected),
+        } => rdma(&src, &peer, op, local, remote, len, injected),
         Op::Send { data, .. } => match injected {
             Some(e) => Err(e),
             None => match send(&src, &peer, data, wr_id) {
@@ -401,28 +399,17 @@ pub(crate) fn land(posted: Posted) {
     src.complete(&peer, wr_id, result);
 }
 
-/// Which way an RDMA operation copies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Direction {
-    /// Our local range into the peer's remote one (needs remote-write access there).
-    Write,
-    /// The peer's remote range into our local one (needs remote-read access there).
-    Read,
-}
-
 /// One RDMA WRITE or READ between our local range and the peer's remote range, checked as a
 /// NIC checks it. Lock order: our regions, then the peer's (the same lock, read twice, for
 /// loopback); both are held across the copy, so neither side can deregister mid-copy. A write
 /// that fails part-way (an injected failure) has placed half its data and counts no immediate.
-#[allow(clippy::too_many_arguments)]
 fn rdma(
     src: &Arc<Nic>,
     peer: &NetAddr,
-    direction: Direction,
+    op: RdmaOp,
     (local_addr, local_key): (u64, u64),
     (remote_addr, remote_key, remote_base): (u64, u64, u64),
     len: u64,
-    imm: Option<u32>,
     injected: Option<DomainError>,
 ) -> Result<(), DomainError> {
     let target = lookup(peer).ok_or_else(|| unreachable(peer))?;
@@ -432,7 +419,7 @@ fn rdma(
     }
     // Zero-byte writes name no local range; a read always does.
     let mut local_gpu = false;
-    if len > 0 || direction == Direction::Read {
+    if len > 0 || op == RdmaOp::Read {
         let region = ours.local.get(&local_key).ok_or_else(|| {
             DomainError::new(
                 DomainErrorKind::InvalidArgument,
@@ -462,9 +449,9 @@ fn rdma(
     if !target.alive.load(Ordering::Acquire) {
         return Err(unreachable(peer));
     }
-    let (access, allowed): (&str, fn(&Region) -> bool) = match direction {
-        Direction::Write => ("write", |r| r.remote_write),
-        Direction::Read => ("read", |r| r.remote_read),
+    let (access, allowed): (&str, fn(&Region) -> bool) = match op {
+        RdmaOp::Write { .. } => ("write", |r| r.remote_write),
+        RdmaOp::Read => ("read", |r| r.remote_read),
     };
     let remote: Region = *regions
         .remote
@@ -496,9 +483,9 @@ fn rdma(
             ),
         ));
     }
-    let (to, from) = match direction {
-        Direction::Write => (remote_addr, local_addr),
-        Direction::Read => (local_addr, remote_addr),
+    let (to, from) = match op {
+        RdmaOp::Write { .. } => (remote_addr, local_addr),
+        RdmaOp::Read => (local_addr, remote_addr),
     };
     // A link failure part-way: part of the data is placed, no immediate is counted.
     let placed = if injected.is_some() { len / 2 } else { len };
@@ -523,7 +510,7 @@ fn rdma(
     if let Some(e) = injected {
         return Err(e);
     }
-    if let Some(imm) = imm {
+    if let Some(imm) = op.imm() {
         target.deliver(Event::ImmArrival {
             imm,
             from: Some(src.addr.clone()),

@@ -1286,8 +1286,9 @@ impl RawPair {
         imm: u32,
     ) {
         let peer = self.b.address();
-        let wr = engine_core::domain::WriteRequest {
+        let wr = engine_core::domain::RdmaRequest {
             wr_id: 1,
+            op: engine_core::domain::RdmaOp::Write { imm: Some(imm) },
             peer: &peer,
             local_addr: src.as_ptr() as u64,
             local_key: src_reg.local_key,
@@ -1295,10 +1296,9 @@ impl RawPair {
             remote_key: dst_reg.remote_key,
             remote_base: dst.as_ptr() as u64,
             len: src.len() as u64,
-            imm: Some(imm),
         };
         let until = Instant::now() + WAIT;
-        while self.a.post_write(&wr).expect("posting a write")
+        while self.a.post_rdma(&wr).expect("posting a write")
             == engine_core::domain::PostStatus::Busy
         {
             assert!(Instant::now() < until, "the sender stayed busy");

@@ -275,11 +275,11 @@ typedef struct XferRegistration {
 } XferRegistration;
 
 /**
- * `WriteRequest` in C layout.
+ * An `RdmaRequest` of `RdmaOp.Write` in C layout.
  */
 typedef struct XferRawWrite {
   /**
-   * See `WriteRequest.wr_id`.
+   * See `RdmaRequest.wr_id`.
    */
   uint64_t wr_id;
   /**
@@ -359,7 +359,7 @@ typedef void (*XferEventSink)(void *sink, const struct XferRawEvent *event);
 typedef void (*XferWakeFn)(const void *ctx);
 
 /**
- * `ReadRequest` in C layout (ABI 2).
+ * An `RdmaRequest` of `RdmaOp.Read` in C layout (ABI 2).
  */
 typedef struct XferRawRead {
   /**

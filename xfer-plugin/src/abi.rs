@@ -39,7 +39,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use crate::addr::{NetAddr, MAX_ADDR_LEN};
 use crate::domain::{
     Capabilities, CheckOptionsFn, Device, Domain, DomainConfig, DomainError, DomainErrorKind,
-    Event, MemoryRegion, OpenFn, PostStatus, ReadRequest, Registration, WriteRequest,
+    Event, MemoryRegion, OpenFn, PostStatus, RdmaOp, RdmaRequest, Registration,
 };
 use crate::log::LogFn;
 pub use crate::raw::RawBytes;
@@ -236,11 +236,11 @@ impl RawCapabilities {
     }
 }
 
-/// [`WriteRequest`] in C layout.
+/// An [`RdmaRequest`] of [`RdmaOp::Write`] in C layout.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct RawWrite {
-    /// See [`WriteRequest::wr_id`].
+    /// See [`RdmaRequest::wr_id`].
     pub wr_id: u64,
     /// The peer's address bytes.
     pub peer: RawBytes,
@@ -262,7 +262,7 @@ pub struct RawWrite {
     pub imm: u32,
 }
 
-/// [`ReadRequest`] in C layout (ABI 2).
+/// An [`RdmaRequest`] of [`RdmaOp::Read`] in C layout (ABI 2).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct RawRead {
@@ -282,6 +282,96 @@ pub struct RawRead {
     pub remote_base: u64,
     /// Bytes.
     pub len: u64,
+}
+
+/// The one place an [`RdmaRequest`] meets the ABI's C structs: the C ABI keeps a write and a
+/// read apart (a table entry each, ABI 2 appended reads), the Rust side has one request.
+/// Either form borrows the peer's address bytes, which must outlive the C call.
+pub enum RawRdma {
+    /// A write, for [`PluginTable::post_write`].
+    Write(RawWrite),
+    /// A read, for [`PluginTable::post_read`].
+    Read(RawRead),
+}
+
+impl RawRdma {
+    /// The C form of `req` (engine side, before calling the plugin).
+    pub fn from_request(req: &RdmaRequest<'_>) -> Self {
+        let peer = RawBytes::new(req.peer.raw());
+        match req.op {
+            RdmaOp::Write { imm } => Self::Write(RawWrite {
+                wr_id: req.wr_id,
+                peer,
+                local_addr: req.local_addr,
+                local_key: req.local_key,
+                remote_addr: req.remote_addr,
+                remote_key: req.remote_key,
+                remote_base: req.remote_base,
+                len: req.len,
+                has_imm: imm.is_some() as u32,
+                imm: imm.unwrap_or(0),
+            }),
+            RdmaOp::Read => Self::Read(RawRead {
+                wr_id: req.wr_id,
+                peer,
+                local_addr: req.local_addr,
+                local_key: req.local_key,
+                remote_addr: req.remote_addr,
+                remote_key: req.remote_key,
+                remote_base: req.remote_base,
+                len: req.len,
+            }),
+        }
+    }
+
+    /// The request `self` carries, addressed to `peer` (the decoded [`RawWrite::peer`] or
+    /// [`RawRead::peer`]; plugin side, inside the shims).
+    pub fn request<'a>(&self, peer: &'a NetAddr) -> RdmaRequest<'a> {
+        let (wr_id, op, local_addr, local_key, remote_addr, remote_key, remote_base, len) =
+            match *self {
+                Self::Write(w) => (
+                    w.wr_id,
+                    RdmaOp::Write {
+                        imm: (w.has_imm != 0).then_some(w.imm),
+                    },
+                    w.local_addr,
+                    w.local_key,
+                    w.remote_addr,
+                    w.remote_key,
+                    w.remote_base,
+                    w.len,
+                ),
+                Self::Read(r) => (
+                    r.wr_id,
+                    RdmaOp::Read,
+                    r.local_addr,
+                    r.local_key,
+                    r.remote_addr,
+                    r.remote_key,
+                    r.remote_base,
+                    r.len,
+                ),
+            };
+        RdmaRequest {
+            wr_id,
+            op,
+            peer,
+            local_addr,
+            local_key,
+            remote_addr,
+            remote_key,
+            remote_base,
+            len,
+        }
+    }
+
+    /// The peer's address bytes as the plugin received them.
+    fn peer(&self) -> RawBytes {
+        match self {
+            Self::Write(w) => w.peer,
+            Self::Read(r) => r.peer,
+        }
+    }
 }
 
 /// [`RawEvent::kind`]: a posted request finished well.
@@ -628,24 +718,9 @@ unsafe extern "C" fn shim_post_write(
     wr: *const RawWrite,
     err: *mut RawError,
 ) -> i32 {
-    guarded(err, || {
-        // SAFETY: the engine passes a valid request for the call's duration.
-        let w = unsafe { *wr };
-        let peer = peer_addr(w.peer)?;
-        let wr = WriteRequest {
-            wr_id: w.wr_id,
-            peer: &peer,
-            local_addr: w.local_addr,
-            local_key: w.local_key,
-            remote_addr: w.remote_addr,
-            remote_key: w.remote_key,
-            remote_base: w.remote_base,
-            len: w.len,
-            imm: (w.has_imm != 0).then_some(w.imm),
-        };
-        // SAFETY: a live handle, per the ABI contract.
-        unsafe { handle(domain) }.post_write(&wr).map(post_status)
-    })
+    // SAFETY: the engine passes a valid request for the call's duration, and a live handle
+    // and error slot, per the ABI contract.
+    unsafe { shim_post_rdma(domain, RawRdma::Write(*wr), err) }
 }
 
 unsafe extern "C" fn shim_post_read(
@@ -653,29 +728,24 @@ unsafe extern "C" fn shim_post_read(
     rd: *const RawRead,
     err: *mut RawError,
 ) -> i32 {
+    // SAFETY: as in shim_post_write.
+    unsafe { shim_post_rdma(domain, RawRdma::Read(*rd), err) }
+}
+
+/// Both post shims: decode, refuse a read the Domain cannot do, post.
+///
+/// # Safety
+/// `domain` is a live handle and `err` valid for writes, per the ABI contract.
+unsafe fn shim_post_rdma(domain: *mut c_void, raw: RawRdma, err: *mut RawError) -> i32 {
     guarded(err, || {
-        // SAFETY: the engine passes a valid request for the call's duration.
-        let r = unsafe { *rd };
-        let peer = peer_addr(r.peer)?;
-        let rd = ReadRequest {
-            wr_id: r.wr_id,
-            peer: &peer,
-            local_addr: r.local_addr,
-            local_key: r.local_key,
-            remote_addr: r.remote_addr,
-            remote_key: r.remote_key,
-            remote_base: r.remote_base,
-            len: r.len,
-        };
+        let peer = peer_addr(raw.peer())?;
+        let req = raw.request(&peer);
         // SAFETY: a live handle, per the ABI contract.
         let domain = unsafe { handle(domain) };
-        if !domain.supports_read() {
-            return Err(DomainError::new(
-                DomainErrorKind::InvalidArgument,
-                "this backend does not support RDMA READ",
-            ));
+        if req.is_read() && !domain.supports_read() {
+            return Err(crate::domain::refuse_read());
         }
-        domain.post_read(&rd).map(post_status)
+        domain.post_rdma(&req).map(post_status)
     })
 }
 
@@ -902,7 +972,7 @@ mod tests {
         fn deregister(&mut self, _: u64) -> Result<(), DomainError> {
             Ok(())
         }
-        fn post_write(&mut self, _: &WriteRequest<'_>) -> Result<PostStatus, DomainError> {
+        fn post_rdma(&mut self, _: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
             Ok(PostStatus::Busy)
         }
         fn post_send(&mut self, _: u64, _: &NetAddr, _: &[u8]) -> Result<PostStatus, DomainError> {
@@ -993,5 +1063,100 @@ mod tests {
             RawCapabilities::from_capabilities(&Capabilities::default()).to_capabilities(),
             Capabilities::default()
         );
+    }
+
+    /// Opens an `Inert` Domain through the table, as the engine does.
+    fn open_through(table: &PluginTable) -> *mut c_void {
+        let mut handle = std::ptr::null_mut();
+        let mut err = RawError::empty();
+        // SAFETY: the strings and out-pointers live for the call.
+        let opened = unsafe {
+            (table.open)(
+                RawBytes::new(b"nic0"),
+                RawBytes::new(b""),
+                &mut handle,
+                &mut err,
+            )
+        };
+        assert_eq!(opened, STATUS_OK);
+        handle
+    }
+
+    /// A request turned into the C structs and back is the same request, for writes with and
+    /// without an immediate and for reads; a write's immediate never leaks into a read.
+    #[test]
+    fn rdma_requests_cross_the_abi_unchanged() {
+        let peer = NetAddr::new(b"peer-7").expect("a valid address");
+        for op in [
+            RdmaOp::Write { imm: Some(0) },
+            RdmaOp::Write {
+                imm: Some(u32::MAX),
+            },
+            RdmaOp::Write { imm: None },
+            RdmaOp::Read,
+        ] {
+            let req = RdmaRequest {
+                wr_id: 11,
+                op,
+                peer: &peer,
+                local_addr: 0x1000,
+                local_key: 3,
+                remote_addr: 0x2040,
+                remote_key: 5,
+                remote_base: 0x2000,
+                len: 64,
+            };
+            let raw = RawRdma::from_request(&req);
+            assert_eq!(matches!(raw, RawRdma::Read(_)), op == RdmaOp::Read);
+            // The raw bytes borrow `peer`, alive here.
+            let back = peer_addr(raw.peer()).expect("the peer's bytes");
+            assert_eq!(back, peer);
+            assert_eq!(raw.request(&back), RdmaRequest { peer: &back, ..req });
+        }
+    }
+
+    /// The table's two entries reach the Domain's one `post_rdma`, except a read to a Domain
+    /// that does not support reads: the shim refuses it, typed, before the Domain sees it.
+    #[test]
+    fn a_read_to_a_domain_without_reads_is_refused_by_the_shim() {
+        let table = PluginTable::new::<InertOpener>();
+        let handle = open_through(&table);
+        let peer = NetAddr::new(b"peer").expect("a valid address");
+        let write = RawWrite {
+            wr_id: 1,
+            peer: RawBytes::new(peer.raw()),
+            local_addr: 0,
+            local_key: 0,
+            remote_addr: 0,
+            remote_key: 1,
+            remote_base: 0,
+            len: 0,
+            has_imm: 1,
+            imm: 9,
+        };
+        let mut err = RawError::empty();
+        // SAFETY: a live handle; the request and error slot live for the call.
+        let status = unsafe { (table.post_write)(handle, &write, &mut err) };
+        assert_eq!(status, STATUS_BUSY, "the write reached Inert's post_rdma");
+        let read = RawRead {
+            wr_id: 2,
+            peer: RawBytes::new(peer.raw()),
+            local_addr: 0,
+            local_key: 0,
+            remote_addr: 0,
+            remote_key: 1,
+            remote_base: 0,
+            len: 8,
+        };
+        let post_read = table.post_read.expect("ABI 2 has reads");
+        let mut err = RawError::empty();
+        // SAFETY: as above.
+        let status = unsafe { post_read(handle, &read, &mut err) };
+        assert_eq!(status, STATUS_ERROR);
+        let e = err.to_error();
+        assert_eq!(e.kind, DomainErrorKind::InvalidArgument);
+        assert!(e.message.contains("RDMA READ"), "{e}");
+        // SAFETY: the handle came from open and is closed once.
+        unsafe { (table.close)(handle) };
     }
 }

@@ -48,52 +48,69 @@ pub struct Registration {
     pub remote_key: u64,
 }
 
-/// One RDMA WRITE, fully resolved for one NIC.
-#[derive(Debug, Clone, Copy)]
-pub struct WriteRequest<'a> {
-    /// Returned unchanged in the matching [`Event::Done`].
-    pub wr_id: u64,
-    /// The peer's address on this NIC's index.
-    pub peer: &'a NetAddr,
-    /// Source address (inside a region registered with this NIC).
-    pub local_addr: u64,
-    /// This NIC's local key of the source region. A zero-byte write (a barrier's signal) has
-    /// no source: `local_addr` and `local_key` are 0, while its destination and remote key are
-    /// real and must be checked.
-    pub local_key: u64,
-    /// Destination address in the peer's address space.
-    pub remote_addr: u64,
-    /// The peer NIC's remote key of the destination region.
-    pub remote_key: u64,
-    /// Start of the destination region (its `MrDesc::ptr`), for NICs that address remote
-    /// regions by offset rather than by virtual address.
-    pub remote_base: u64,
-    /// Bytes to write (may be zero).
-    pub len: u64,
-    /// Immediate delivered to the peer's ImmCounter once the data has landed.
-    pub imm: Option<u32>,
+/// What an [`RdmaRequest`] does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RdmaOp {
+    /// RDMA WRITE of the local range into the remote one. With an immediate, it is delivered
+    /// to the peer's ImmCounter once the data has landed.
+    Write {
+        /// The immediate, if any.
+        imm: Option<u32>,
+    },
+    /// RDMA READ of the remote range into the local one. No immediate: the peer learns
+    /// nothing, and its ImmCounter counts nothing.
+    Read,
 }
 
-/// One RDMA READ, fully resolved for one NIC: `len` bytes of the peer's region into ours.
-/// No immediate: the peer learns nothing, and its ImmCounter counts nothing.
-#[derive(Debug, Clone, Copy)]
-pub struct ReadRequest<'a> {
+impl RdmaOp {
+    /// The immediate a write carries (`None` for reads and writes without one).
+    pub fn imm(self) -> Option<u32> {
+        match self {
+            Self::Write { imm } => imm,
+            Self::Read => None,
+        }
+    }
+}
+
+/// One RDMA WRITE or READ, fully resolved for one NIC. The two differ only in the direction
+/// the bytes move (and a write's optional immediate), so they are one request: the local
+/// range is the write's source or the read's destination, the remote range the other end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RdmaRequest<'a> {
     /// Returned unchanged in the matching [`Event::Done`].
     pub wr_id: u64,
+    /// Write (with its immediate) or read.
+    pub op: RdmaOp,
     /// The peer's address on this NIC's index.
     pub peer: &'a NetAddr,
-    /// Destination address (inside a region registered with this NIC).
+    /// Local address (inside a region registered with this NIC).
     pub local_addr: u64,
-    /// This NIC's local key of the destination region.
+    /// This NIC's local key of the local region. A zero-byte write (a barrier's signal) has
+    /// no local range: `local_addr` and `local_key` are 0, while its remote range and key are
+    /// real and must be checked.
     pub local_key: u64,
-    /// Source address in the peer's address space.
+    /// Remote address in the peer's address space.
     pub remote_addr: u64,
-    /// The peer NIC's remote key of the source region (registered remotely readable).
+    /// The peer NIC's remote key of the remote region (registered remotely writable for a
+    /// write, readable for a read).
     pub remote_key: u64,
-    /// Start of the source region, for NICs that address remote regions by offset.
+    /// Start of the remote region (its `MrDesc::ptr`), for NICs that address remote regions
+    /// by offset rather than by virtual address.
     pub remote_base: u64,
-    /// Bytes to read.
+    /// Bytes to move (a write may move zero).
     pub len: u64,
+}
+
+impl RdmaRequest<'_> {
+    /// Whether this is an RDMA READ.
+    pub fn is_read(&self) -> bool {
+        self.op == RdmaOp::Read
+    }
+
+    /// The immediate a write carries (`None` for reads and writes without one).
+    pub fn imm(&self) -> Option<u32> {
+        self.op.imm()
+    }
 }
 
 /// Whether a post was accepted.
@@ -246,21 +263,14 @@ pub trait Domain: Send {
     /// Deregisters the region with this local key; no write touches it after this returns.
     fn deregister(&mut self, local_key: u64) -> Result<(), DomainError>;
 
-    /// Posts a write. Connecting to a new peer happens here, lazily; writes posted while it
-    /// connects are queued by the Domain, not refused.
-    fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError>;
+    /// Posts an RDMA WRITE or READ. Connecting to a new peer happens here, lazily; requests
+    /// posted while it connects are queued by the Domain, not refused. A read's `Done` means
+    /// the bytes are in local memory. Backends without reads (see
+    /// [`supports_read`](Self::supports_read)) refuse [`RdmaOp::Read`] with
+    /// [`refuse_read`](crate::domain::refuse_read)'s typed error.
+    fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError>;
 
-    /// Posts an RDMA READ. Its `Done` means the bytes are in local memory. Backends without
-    /// reads keep this default, which refuses with a typed error.
-    fn post_read(&mut self, rd: &ReadRequest<'_>) -> Result<PostStatus, DomainError> {
-        let _ = rd;
-        Err(DomainError::new(
-            DomainErrorKind::InvalidArgument,
-            "this backend does not support RDMA READ",
-        ))
-    }
-
-    /// Whether [`post_read`](Self::post_read) is implemented.
+    /// Whether [`post_rdma`](Self::post_rdma) carries out [`RdmaOp::Read`].
     fn supports_read(&self) -> bool {
         false
     }
@@ -291,6 +301,14 @@ pub trait Domain: Send {
     fn capabilities(&self) -> Capabilities {
         Capabilities::default()
     }
+}
+
+/// The error a Domain without RDMA READ answers a read with.
+pub fn refuse_read() -> DomainError {
+    DomainError::new(
+        DomainErrorKind::InvalidArgument,
+        "this backend does not support RDMA READ",
+    )
 }
 
 /// A Domain's limits and abilities, which the engine checks before posting (refusing what a

@@ -15,19 +15,6 @@ pub(super) struct DataQueue {
     pub(super) progress: Progress,
 }
 
-/// A write or a read, as `post_rdma` takes it.
-pub(super) struct Rdma<'a> {
-    pub(super) wr_id: u64,
-    pub(super) peer: &'a NetAddr,
-    /// (address, key) of the local range: the source of a write, the destination of a read.
-    pub(super) local: (u64, u64),
-    /// (address, key) of the peer's range.
-    pub(super) remote: (u64, u64),
-    pub(super) len: u64,
-    pub(super) imm: Option<u32>,
-    pub(super) read: bool,
-}
-
 /// Writes per doorbell.
 pub(super) const CHAIN: usize = 4;
 
@@ -114,43 +101,43 @@ impl VerbsDomain {
     }
 
     /// Posts a write or a read: both travel the same chains and the same in-order accounting.
-    pub(super) fn post_rdma(&mut self, wr: Rdma<'_>) -> Result<PostStatus, DomainError> {
+    pub(super) fn post_request(&mut self, wr: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
         if wr.len > u64::from(self.attr.max_msg_sz) {
             return Err(err(
                 DomainErrorKind::InvalidArgument,
                 format!(
                     "{} of {} bytes exceeds {}'s max message size {}",
-                    if wr.read { "read" } else { "write" },
+                    if wr.is_read() { "read" } else { "write" },
                     wr.len,
                     self.name,
                     self.attr.max_msg_sz
                 ),
             ));
         }
-        let remote_key = u32::try_from(wr.remote.1).map_err(|_| {
+        let remote_key = u32::try_from(wr.remote_key).map_err(|_| {
             err(
                 DomainErrorKind::InvalidArgument,
-                format!("rkey {:#x} is not a verbs rkey", wr.remote.1),
+                format!("rkey {:#x} is not a verbs rkey", wr.remote_key),
             )
         })?;
         let (laddr, lkey) = if wr.len == 0 {
             (0, 0)
         } else {
-            let mr = self.regions.source(wr.local.1, wr.local.0, wr.len)?;
-            (wr.local.0, mr.lkey)
+            let mr = self.regions.source(wr.local_key, wr.local_addr, wr.len)?;
+            (wr.local_addr, mr.lkey)
         };
         let w = Write {
             wr_id: self.wr_id(),
             user: wr.wr_id,
             laddr,
-            raddr: wr.remote.0,
+            raddr: wr.remote_addr,
             len: wr.len as u32,
             lkey,
             rkey: remote_key,
-            imm: wr.imm.unwrap_or(0),
-            has_imm: wr.imm.is_some() as i32,
+            imm: wr.imm().unwrap_or(0),
+            has_imm: wr.imm().is_some() as i32,
             signaled: 1,
-            read: i32::from(wr.read),
+            read: i32::from(wr.is_read()),
             inline_data: 0, // decided per QP when posted
             flushes: 0,
             pad: 0,

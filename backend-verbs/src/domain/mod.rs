@@ -10,8 +10,7 @@ use foldhash::{HashMap, HashSet};
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
     message_size_class, Device as MemDevice, Domain, DomainConfig, DomainError, DomainErrorKind,
-    Event, MemoryRegion, PostStatus, ReadRequest, ReceivePool, RegionTable, Registration, Waker,
-    WriteRequest,
+    Event, MemoryRegion, PostStatus, RdmaRequest, ReceivePool, RegionTable, Registration, Waker,
 };
 
 use crate::completion::{Outstanding, Progress};
@@ -32,7 +31,7 @@ mod lifecycle;
 mod memory;
 mod setup;
 
-use datapath::{next_send_id, post_message, DataQueue, Rdma, SendBuffer};
+use datapath::{next_send_id, post_message, DataQueue, SendBuffer};
 
 /// A write or send waiting for its peer's connection.
 enum Queued {
@@ -244,32 +243,12 @@ impl Domain for VerbsDomain {
         self.regions.remove(local_key).map(drop)
     }
 
-    fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError> {
-        self.post_rdma(Rdma {
-            wr_id: wr.wr_id,
-            peer: wr.peer,
-            local: (wr.local_addr, wr.local_key),
-            remote: (wr.remote_addr, wr.remote_key),
-            len: wr.len,
-            imm: wr.imm,
-            read: false,
-        })
+    fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
+        self.post_request(req)
     }
 
     fn supports_read(&self) -> bool {
         true
-    }
-
-    fn post_read(&mut self, rd: &ReadRequest<'_>) -> Result<PostStatus, DomainError> {
-        self.post_rdma(Rdma {
-            wr_id: rd.wr_id,
-            peer: rd.peer,
-            local: (rd.local_addr, rd.local_key),
-            remote: (rd.remote_addr, rd.remote_key),
-            len: rd.len,
-            imm: None,
-            read: true,
-        })
     }
 
     fn post_send(

@@ -9,14 +9,14 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::config::{Config, NicSelection};
-use crate::domain::{Device, MemoryRegion, Registration};
+use crate::domain::{Device, MemoryRegion, RdmaOp, Registration};
 use crate::error::{Error, Result};
 use crate::group::SpreadPolicy;
 use crate::imm::ResetReport;
 use crate::plan::{Chunk, TransferShape};
 use crate::plugin::find_backend;
 use crate::runtime::completion::OnDone;
-use crate::runtime::{spawn_callback_thread, spawn_worker, Command, Mirror, Shared, WriteOp};
+use crate::runtime::{spawn_callback_thread, spawn_worker, Command, Mirror, RdmaWork, Shared};
 use crate::wire::{MrDesc, NetAddr};
 
 mod immediates;

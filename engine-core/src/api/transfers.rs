@@ -3,34 +3,18 @@
 
 use super::*;
 
-/// A write (with its immediate, if any) or a read, as the shared submit paths take it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Rdma {
-    Write(Option<u32>),
-    Read,
+/// How errors name the local range: the source of a write, the destination of a read.
+fn local_side(op: RdmaOp) -> &'static str {
+    match op {
+        RdmaOp::Write { .. } => "source",
+        RdmaOp::Read => "destination",
+    }
 }
 
-impl Rdma {
-    fn imm(self) -> Option<u32> {
-        match self {
-            Self::Write(imm) => imm,
-            Self::Read => None,
-        }
-    }
-
-    /// How errors name the local range: the source of a write, the destination of a read.
-    fn local_side(self) -> &'static str {
-        match self {
-            Self::Write(_) => "source",
-            Self::Read => "destination",
-        }
-    }
-
-    fn remote_side(self) -> &'static str {
-        match self {
-            Self::Write(_) => "destination",
-            Self::Read => "source",
-        }
+fn remote_side(op: RdmaOp) -> &'static str {
+    match op {
+        RdmaOp::Write { .. } => "destination",
+        RdmaOp::Read => "source",
     }
 }
 
@@ -83,7 +67,7 @@ impl TransferEngine {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn plan_unit(
         &self,
-        ops: &mut Vec<WriteOp>,
+        ops: &mut Vec<RdmaWork>,
         chunks: &mut Vec<Chunk>,
         first: usize,
         src: &LocalRegion,
@@ -91,12 +75,11 @@ impl TransferEngine {
         dst: &MrDesc,
         dst_offset: u64,
         len: u64,
-        imm: Option<u32>,
-        read: bool,
+        op: RdmaOp,
     ) {
         chunks.clear();
         self.spread.split(len, self.nic_count(), first, chunks);
-        push_ops(ops, chunks, src, src_offset, dst, dst_offset, imm, read);
+        push_ops(ops, chunks, src, src_offset, dst, dst_offset, op);
     }
 
     /// Writes `len` bytes from `src` (handle, offset) to `dst` (descriptor, offset); large
@@ -110,7 +93,7 @@ impl TransferEngine {
         dst: (&MrDesc, u64),
         on_done: impl Into<OnDone>,
     ) -> Result<()> {
-        self.submit_single(Rdma::Write(imm), len, src, dst, on_done.into())
+        self.submit_single(RdmaOp::Write { imm }, len, src, dst, on_done.into())
     }
 
     /// Writes pages of `page_len` bytes: source page `i` of `src` to destination page `i` of
@@ -123,7 +106,7 @@ impl TransferEngine {
         dst: (&MrDesc, &Pages),
         on_done: impl Into<OnDone>,
     ) -> Result<()> {
-        self.submit_paged(Rdma::Write(imm), page_len, src, dst, on_done.into())
+        self.submit_paged(RdmaOp::Write { imm }, page_len, src, dst, on_done.into())
     }
 
     /// Reads `len` bytes of a peer's region (descriptor, offset) into `local` (handle,
@@ -139,7 +122,7 @@ impl TransferEngine {
         on_done: impl Into<OnDone>,
     ) -> Result<()> {
         self.check_reads()?;
-        self.submit_single(Rdma::Read, len, local, remote, on_done.into())
+        self.submit_single(RdmaOp::Read, len, local, remote, on_done.into())
     }
 
     /// Reads pages of `page_len` bytes: remote page `i` of `remote` into local page `i` of
@@ -152,7 +135,7 @@ impl TransferEngine {
         on_done: impl Into<OnDone>,
     ) -> Result<()> {
         self.check_reads()?;
-        self.submit_paged(Rdma::Read, page_len, local, remote, on_done.into())
+        self.submit_paged(RdmaOp::Read, page_len, local, remote, on_done.into())
     }
 
     /// Whether this engine's backend performs RDMA READ (plugins before ABI version 2, and
@@ -175,15 +158,15 @@ impl TransferEngine {
     /// One contiguous write or read between a local and a remote range.
     pub(super) fn submit_single(
         &self,
-        op: Rdma,
+        op: RdmaOp,
         len: u64,
         local: (MrHandle, u64),
         remote: (&MrDesc, u64),
         on_done: OnDone,
     ) -> Result<()> {
         let region = self.local_region(local.0)?;
-        check_range(op.local_side(), local.1, len, region.len)?;
-        check_range(op.remote_side(), remote.1, len, remote.0.len())?;
+        check_range(local_side(op), local.1, len, region.len)?;
+        check_range(remote_side(op), remote.1, len, remote.0.len())?;
         self.check_peer_nics(remote.0)?;
         let mut ops = Vec::with_capacity(1);
         let mut chunks = Vec::with_capacity(1);
@@ -196,8 +179,7 @@ impl TransferEngine {
             remote.0,
             remote.1,
             len,
-            op.imm(),
-            op == Rdma::Read,
+            op,
         );
         self.shared.submit_counted(Command::Writes {
             ops,
@@ -209,7 +191,7 @@ impl TransferEngine {
     /// Pages of `page_len` bytes: local page `i` with remote page `i`, spread over the NICs.
     pub(super) fn submit_paged(
         &self,
-        op: Rdma,
+        op: RdmaOp,
         page_len: u64,
         local: (MrHandle, &Pages),
         remote: (&MrDesc, &Pages),
@@ -220,9 +202,9 @@ impl TransferEngine {
             return Err(Error::InvalidArgument(format!(
                 "{} {} pages but {} {} pages",
                 local_pages.indices.len(),
-                op.local_side(),
+                local_side(op),
                 remote_pages.indices.len(),
-                op.remote_side()
+                remote_side(op)
             )));
         }
         let region = self.local_region(local.0)?;
@@ -247,22 +229,12 @@ impl TransferEngine {
             .collect();
         let per_page = plans.iter().map(Vec::len).max().unwrap_or(0);
         let mut ops = Vec::with_capacity(local_pages.indices.len() * per_page);
-        let (read, imm) = (op == Rdma::Read, op.imm());
         for i in 0..local_pages.indices.len() {
-            let l = page_offset(local_pages, i).ok_or_else(|| overflow(op.local_side()))?;
-            let r = page_offset(remote_pages, i).ok_or_else(|| overflow(op.remote_side()))?;
-            check_range(op.local_side(), l, page_len, region.len)?;
-            check_range(op.remote_side(), r, page_len, remote.0.len())?;
-            push_ops(
-                &mut ops,
-                &plans[i % nics],
-                &region,
-                l,
-                remote.0,
-                r,
-                imm,
-                read,
-            );
+            let l = page_offset(local_pages, i).ok_or_else(|| overflow(local_side(op)))?;
+            let r = page_offset(remote_pages, i).ok_or_else(|| overflow(remote_side(op)))?;
+            check_range(local_side(op), l, page_len, region.len)?;
+            check_range(remote_side(op), r, page_len, remote.0.len())?;
+            push_ops(&mut ops, &plans[i % nics], &region, l, remote.0, r, op);
         }
         self.shared.submit_counted(Command::Writes {
             ops,
@@ -339,8 +311,7 @@ impl TransferEngine {
                 &d.dst,
                 d.dst_offset,
                 d.len,
-                imm,
-                false,
+                RdmaOp::Write { imm },
             );
         }
         self.shared.submit_counted(Command::Writes {
@@ -367,8 +338,8 @@ impl TransferEngine {
             let (peer, remote_key) = &d.rkeys()[nic];
             // Zero-byte writes still name a valid destination and key: EFA refuses them
             // otherwise, and a NIC checks the key even for no bytes.
-            ops.push(WriteOp {
-                read: false,
+            ops.push(RdmaWork {
+                op: RdmaOp::Write { imm: Some(imm) },
                 nic,
                 peer: peer.clone(),
                 local_addr: 0,
@@ -377,7 +348,6 @@ impl TransferEngine {
                 remote_key: *remote_key,
                 remote_base: d.registration_base(),
                 len: 0,
-                imm: Some(imm),
             });
         }
         self.shared.submit_counted(Command::Writes {
@@ -392,19 +362,18 @@ impl TransferEngine {
 /// NIC-`k` address and rkey (the one place they are paired).
 #[allow(clippy::too_many_arguments)]
 fn push_ops(
-    ops: &mut Vec<WriteOp>,
+    ops: &mut Vec<RdmaWork>,
     chunks: &[Chunk],
     src: &LocalRegion,
     src_offset: u64,
     dst: &MrDesc,
     dst_offset: u64,
-    imm: Option<u32>,
-    read: bool,
+    op: RdmaOp,
 ) {
     for c in chunks {
         let (peer, remote_key) = &dst.rkeys()[c.nic];
-        ops.push(WriteOp {
-            read,
+        ops.push(RdmaWork {
+            op,
             nic: c.nic,
             peer: peer.clone(),
             local_addr: src.ptr + src_offset + c.offset,
@@ -413,7 +382,6 @@ fn push_ops(
             remote_key: *remote_key,
             remote_base: dst.registration_base(),
             len: c.len,
-            imm,
         });
     }
 }

@@ -5,15 +5,14 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use super::abi::{
-    RawBytes, RawCapabilities, RawError, RawEvent, RawRead, RawRegion, RawWrite, DEVICE_CUDA,
-    DEVICE_HOST, EVENT_DONE, EVENT_FAILED, EVENT_IMM, EVENT_MESSAGE, OPTIONS_FLAT, STATUS_BUSY,
-    STATUS_OK,
+    RawBytes, RawCapabilities, RawError, RawEvent, RawRdma, RawRegion, DEVICE_CUDA, DEVICE_HOST,
+    EVENT_DONE, EVENT_FAILED, EVENT_IMM, EVENT_MESSAGE, OPTIONS_FLAT, STATUS_BUSY, STATUS_OK,
 };
 use super::flat::flat_options;
 use super::loader::LoadedPlugin;
 use crate::domain::{
     Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion,
-    PostStatus, ReadRequest, Registration, Waker, WriteRequest,
+    PostStatus, RdmaRequest, Registration, Waker,
 };
 use crate::wire::{NetAddr, MAX_ADDR_LEN};
 
@@ -228,54 +227,33 @@ impl Domain for PluginDomain {
         Self::check(status, &err).map(|_| ())
     }
 
-    fn post_write(&mut self, wr: &WriteRequest<'_>) -> Result<PostStatus, DomainError> {
-        let raw = RawWrite {
-            wr_id: wr.wr_id,
-            peer: RawBytes::new(wr.peer.raw()),
-            local_addr: wr.local_addr,
-            local_key: wr.local_key,
-            remote_addr: wr.remote_addr,
-            remote_key: wr.remote_key,
-            remote_base: wr.remote_base,
-            len: wr.len,
-            has_imm: wr.imm.is_some() as u32,
-            imm: wr.imm.unwrap_or(0),
-        };
-        let mut err = RawError::empty();
-        // SAFETY: live handle; raw borrows wr.peer, which outlives the call.
-        let status = unsafe { (self.plugin.table.post_write)(self.handle, &raw, &mut err) };
-        Self::check(status, &err)
-    }
-
     fn supports_read(&self) -> bool {
         self.plugin.table.post_read.is_some()
     }
 
-    fn post_read(&mut self, rd: &ReadRequest<'_>) -> Result<PostStatus, DomainError> {
-        let Some(post_read) = self.plugin.table.post_read else {
-            return Err(DomainError::new(
-                DomainErrorKind::InvalidArgument,
-                format!(
-                    "plugin {} ({}, ABI version {}) has no RDMA READ",
-                    self.plugin.name,
-                    self.plugin.path.display(),
-                    self.plugin.version
-                ),
-            ));
-        };
-        let raw = RawRead {
-            wr_id: rd.wr_id,
-            peer: RawBytes::new(rd.peer.raw()),
-            local_addr: rd.local_addr,
-            local_key: rd.local_key,
-            remote_addr: rd.remote_addr,
-            remote_key: rd.remote_key,
-            remote_base: rd.remote_base,
-            len: rd.len,
-        };
+    fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
         let mut err = RawError::empty();
-        // SAFETY: live handle; raw borrows rd.peer, which outlives the call.
-        let status = unsafe { post_read(self.handle, &raw, &mut err) };
+        let status = match RawRdma::from_request(req) {
+            // SAFETY: live handle; raw borrows req.peer, which outlives the call.
+            RawRdma::Write(raw) => unsafe {
+                (self.plugin.table.post_write)(self.handle, &raw, &mut err)
+            },
+            RawRdma::Read(raw) => {
+                let Some(post_read) = self.plugin.table.post_read else {
+                    return Err(DomainError::new(
+                        DomainErrorKind::InvalidArgument,
+                        format!(
+                            "plugin {} ({}, ABI version {}) has no RDMA READ",
+                            self.plugin.name,
+                            self.plugin.path.display(),
+                            self.plugin.version
+                        ),
+                    ));
+                };
+                // SAFETY: as for the write.
+                unsafe { post_read(self.handle, &raw, &mut err) }
+            }
+        };
         Self::check(status, &err)
     }
 

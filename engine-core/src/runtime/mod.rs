@@ -26,7 +26,7 @@ use crossbeam_channel::Sender;
 use crossbeam_queue::SegQueue;
 
 use crate::config::Config;
-use crate::domain::{MemoryRegion, Registration};
+use crate::domain::{MemoryRegion, RdmaOp, RdmaRequest, Registration};
 use crate::error::{Error, Result};
 use crate::imm::ImmCounter;
 use crate::notifications::Inbox;
@@ -89,11 +89,11 @@ pub(crate) use xfer_plugin::panic_message;
 /// Handles incoming messages; see `TransferEngine::submit_recvs`.
 pub(crate) type RecvHandler = Arc<dyn Fn(&[u8]) + Send + Sync>;
 
-/// One write (or read), resolved to a NIC, its keys and the peer's address on that NIC.
+/// One write or read, resolved to a NIC, its keys and the peer's address on that NIC: an
+/// [`RdmaRequest`] that owns its peer address while it waits in the worker's queues.
 #[derive(Debug, Clone)]
-pub(crate) struct WriteOp {
-    /// An RDMA READ of the remote range into the local one (no immediate).
-    pub(crate) read: bool,
+pub(crate) struct RdmaWork {
+    pub(crate) op: RdmaOp,
     pub(crate) nic: usize,
     pub(crate) peer: NetAddr,
     pub(crate) local_addr: u64,
@@ -102,7 +102,23 @@ pub(crate) struct WriteOp {
     pub(crate) remote_key: u64,
     pub(crate) remote_base: u64,
     pub(crate) len: u64,
-    pub(crate) imm: Option<u32>,
+}
+
+impl RdmaWork {
+    /// The request a Domain is handed, with the worker's id for it.
+    pub(crate) fn request(&self, wr_id: u64) -> RdmaRequest<'_> {
+        RdmaRequest {
+            wr_id,
+            op: self.op,
+            peer: &self.peer,
+            local_addr: self.local_addr,
+            local_key: self.local_key,
+            remote_addr: self.remote_addr,
+            remote_key: self.remote_key,
+            remote_base: self.remote_base,
+            len: self.len,
+        }
+    }
 }
 
 /// What callers ask of the worker.
@@ -110,7 +126,7 @@ pub(crate) enum Command {
     /// A transfer made of writes; finishes when all have.
     /// `submitted`: when the caller submitted it (latencies are measured from there).
     Writes {
-        ops: Vec<WriteOp>,
+        ops: Vec<RdmaWork>,
         on_done: OnDone,
         submitted: std::time::Instant,
     },

@@ -31,10 +31,10 @@ use foldhash::HashMap;
 
 use super::completion::{send_batch, CallbackBatch, OnDone};
 use super::tracker::Tracker;
-use super::{panic_message, Command, Mirror, Shared, WriteOp};
+use super::{panic_message, Command, Mirror, RdmaWork, Shared};
 use crate::domain::{
-    Capabilities, Device, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus,
-    ReadRequest, Registration, Waker, WriteRequest,
+    Capabilities, Device, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus, RdmaOp,
+    Registration, Waker,
 };
 use crate::error::{Error, Result};
 use crate::group::{DomainGroup, SpreadPolicy};
@@ -46,7 +46,7 @@ use crate::wire::{Message, NetAddr, CHANNEL_NOTIFICATION, MESSAGE_HEADER_LEN};
 
 /// A work request waiting for room on its NIC.
 enum Pending {
-    Write(WriteOp),
+    Rdma(RdmaWork),
     Send { peer: NetAddr, data: Vec<u8> },
 }
 
@@ -432,7 +432,7 @@ impl Worker {
                 };
                 for op in ops {
                     let nic = op.nic;
-                    self.post(nic, id, Pending::Write(op));
+                    self.post(nic, id, Pending::Rdma(op));
                 }
             }
             Command::Send {
@@ -622,11 +622,10 @@ impl Worker {
 
     /// Counts an accepted transfer of `ops` (one lookup per run of ops to the same peer, so a
     /// paged transfer to one peer costs one); returns what its completion needs.
-    fn count_writes(&mut self, ops: &[WriteOp], submitted: Instant) -> Started {
-        let kind = if ops[0].read {
-            OpKind::Read
-        } else {
-            OpKind::Write
+    fn count_writes(&mut self, ops: &[RdmaWork], submitted: Instant) -> Started {
+        let kind = match ops[0].op {
+            RdmaOp::Read => OpKind::Read,
+            RdmaOp::Write { .. } => OpKind::Write,
         };
         let waited = self.now.saturating_duration_since(submitted);
         self.recorder.started(kind, ops.len() as u64, waited);
@@ -657,10 +656,13 @@ impl Worker {
     }
 
     /// Why the backend's declared capabilities rule out `op`, if they do.
-    fn beyond_capabilities(&self, op: &WriteOp) -> Option<String> {
+    fn beyond_capabilities(&self, op: &RdmaWork) -> Option<String> {
         let caps = &self.caps[op.nic];
         let backend = &self.shared.backend;
-        let what = if op.read { "read" } else { "write" };
+        let what = match op.op {
+            RdmaOp::Read => "read",
+            RdmaOp::Write { .. } => "write",
+        };
         if let Some(max) = caps.max_write_size.filter(|&m| op.len > m) {
             return Some(format!(
                 "a {what} of {} bytes on NIC {} is larger than backend {backend}'s limit of {max} (lower stripe.max_chunk or split the transfer)",
@@ -672,7 +674,7 @@ impl Worker {
                 "backend {backend} does not support zero-byte writes"
             ));
         }
-        if op.imm.is_some() && !caps.immediates {
+        if op.op.imm().is_some() && !caps.immediates {
             return Some(format!(
                 "backend {backend} does not support writes with an immediate"
             ));
@@ -739,29 +741,7 @@ impl Worker {
             return Ok(PostStatus::Busy);
         }
         match work {
-            Pending::Write(op) if op.read => {
-                self.group.domains_mut()[nic].post_read(&ReadRequest {
-                    wr_id: id,
-                    peer: &op.peer,
-                    local_addr: op.local_addr,
-                    local_key: op.local_key,
-                    remote_addr: op.remote_addr,
-                    remote_key: op.remote_key,
-                    remote_base: op.remote_base,
-                    len: op.len,
-                })
-            }
-            Pending::Write(op) => self.group.domains_mut()[nic].post_write(&WriteRequest {
-                wr_id: id,
-                peer: &op.peer,
-                local_addr: op.local_addr,
-                local_key: op.local_key,
-                remote_addr: op.remote_addr,
-                remote_key: op.remote_key,
-                remote_base: op.remote_base,
-                len: op.len,
-                imm: op.imm,
-            }),
+            Pending::Rdma(op) => self.group.domains_mut()[nic].post_rdma(&op.request(id)),
             Pending::Send { peer, data } => self.group.domains_mut()[nic].post_send(id, peer, data),
         }
     }
@@ -1112,7 +1092,7 @@ impl Worker {
 impl Pending {
     fn peer(&self) -> &NetAddr {
         match self {
-            Self::Write(op) => &op.peer,
+            Self::Rdma(op) => &op.peer,
             Self::Send { peer, .. } => peer,
         }
     }
