@@ -138,6 +138,8 @@ def read_plan(
     remote_tp: int,
     local_ids: Sequence[int],
     remote_ids: Sequence[int],
+    *,
+    mla: bool | None = None,
 ) -> list[Read]:
     """The reads that fill ``local_ids`` of one layer from the peer's ``remote_ids``, across
     tensor-parallel sizes.
@@ -147,7 +149,11 @@ def read_plan(
     token by token (pages of one token's head slice): a decode rank with fewer heads reads its
     slice of one prefill rank; one with more heads reads each of several prefill ranks into its
     place. MLA's latent cache is the same on every rank: rank ``r`` reads one peer rank whole.
+    ``mla``: whether the cache is MLA's (default: one plane, as vLLM lays it out; SGLang keeps
+    keys and values of standard attention in separate one-plane buffers, so it says).
     """
+    if mla is None:
+        mla = local.planes == 1
     if local.planes != remote.planes or local.dtype != remote.dtype:
         raise LayoutError(
             f"planes/dtype differ (here {local.planes} {local.dtype}, peer {remote.planes} {remote.dtype})"
@@ -156,7 +162,7 @@ def read_plan(
         raise LayoutError(
             f"tensor-parallel sizes {local_tp} (here) and {remote_tp} (peer): one must divide the other"
         )
-    if local_tp == remote_tp or local.planes == 1:
+    if local_tp == remote_tp or mla:
         if local.describe() != remote.describe():
             check_compatible(local.describe(), remote.describe(), "layer")
         rank = local_rank if local_tp == remote_tp else local_rank % remote_tp

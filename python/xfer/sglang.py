@@ -14,20 +14,36 @@ Select it (SGLang has no registry of transfer backends yet)::
 **Bootstrap**: the prefill instance's bootstrap server is xfer's rendezvous service
 (``xfer.Server`` on the bootstrap host and port; it serves loopback only unless
 ``$XFER_SECRET_FILE`` names the cluster secret). Prefill ranks publish
-``sglang.prefill.<rank>``; a decode rank publishes its KV buffers there as
-``sglang.decode.<id>.<rank>`` when it first meets that prefill. Engines use ``$XFER_CONFIG``
-(or the config given to ``register``); without either, the backend refuses to start.
+``sglang.prefill.<rank>``, with their KV layout (attention TP size, heads per rank, page
+size, buffers, MLA) in the name of the one region they publish; a decode rank publishes its KV
+buffers there as ``sglang.decode.<id>.<rank>`` when it first meets that prefill. Engines use
+``$XFER_CONFIG`` (or the config given to ``register``); without either, the backend refuses
+to start.
+
+**Tensor parallelism**: prefill and decode may run different attention TP sizes (one divides
+the other). A decode rank with fewer heads than a prefill rank receives its slice of one
+prefill rank's heads; one with more receives from each of several prefill ranks into its
+place — token by token, as ``_kvcache.read_plan`` plans reads, turned around into writes.
+MLA's latent is the same on every rank: one prefill rank writes it. Every prefill rank a decode
+rank names gets its page indices and answers done (one with nothing to write at once), so every
+prefill sender ends. Layouts that cannot exchange (page size, buffers, heads, MLA) are refused
+by name at ``init``.
+
+**Prefix reuse**: a decode instance holding a prefix sends ``decode_prefix_len``; the prefill
+sends from there (``pop_decode_prefix_len``).
 
 **Failures** — a peer gone, a refused write, no answer within ``transfer_timeout_s`` — end in
 ``KVPoll.Failed`` with ``failure_exception()`` naming the cause, on both sides; ``abort()``
-ends a transfer at once. Not yet (issue 28): different TP sizes, state (Mamba/SWA) buffers,
-decode-side prefix reuse.
+ends a transfer at once. State (Mamba/SWA/NSA) buffers are refused when the manager starts:
+not yet (issue 28).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -47,11 +63,13 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 
 import xfer
 
-from ._kvcache import pack_message, unpack_message
+from ._kvcache import Layout, LayoutError, pack_message, read_plan, unpack_message
 
 logger = logging.getLogger("xfer.sglang")
 
 NAME = "xfer"
+PROTOCOL = 2
+"""Bumped when the messages or the published layout change: peers of another refuse by name."""
 _META, _DONE, _FAIL = b"xsg-meta\n", b"xsg-done\n", b"xsg-fail\n"
 """Prefixes of the messages between the instances (a JSON header follows)."""
 
@@ -79,6 +97,89 @@ def _parse(data: bytes) -> tuple[bytes, dict[str, Any], bytes]:
     return unpack_message(data, len(_META))
 
 
+def _attn_tp(server_args: Any) -> int:
+    """The attention TP size: ranks over which KV heads are split (TP over attention-DP)."""
+    tp = int(getattr(server_args, "tp_size", 1) or 1)
+    dp = int(getattr(server_args, "dp_size", 1) or 1)
+    return tp // dp if getattr(server_args, "enable_dp_attention", False) and dp > 1 else tp
+
+
+def prefill_targets(decode_rank: int, decode_tp: int, prefill_tp: int, mla: bool) -> list[int]:
+    """The prefill ranks a decode rank sends its page indices to: the ones its data comes
+    from, and, when prefill has more ranks, every rank of its group (MLA: only the first
+    writes; the others still need the indices to end their senders)."""
+    if decode_tp >= prefill_tp:
+        k = decode_tp // prefill_tp
+        return [decode_rank // k]
+    k = prefill_tp // decode_tp
+    return [decode_rank * k + j for j in range(k)]
+
+
+def decode_sources(prefill_rank: int, decode_tp: int, prefill_tp: int, mla: bool) -> list[int]:
+    """The decode ranks that send a prefill rank their indices (the inverse of
+    :func:`prefill_targets`): how many a prefill sender waits for."""
+    return [r for r in range(decode_tp)
+            if prefill_rank in prefill_targets(r, decode_tp, prefill_tp, mla)]
+
+
+@dataclasses.dataclass(frozen=True)
+class KvShape:
+    """One rank's KV buffers as pages, what both sides check before moving any."""
+
+    tp: int
+    heads: int
+    """KV heads on this rank (MLA: 1)."""
+    page_size: int
+    item_len: int
+    """Bytes of one page of one buffer."""
+    buffers: int
+    mla: bool
+
+    def name(self) -> str:
+        """As a region name (rendezvous names allow A-Z a-z 0-9 . _ -)."""
+        return (f"sgl{PROTOCOL}-tp{self.tp}-heads{self.heads}-page{self.page_size}-"
+                f"item{self.item_len}-buffers{self.buffers}-mla{int(self.mla)}")
+
+    @classmethod
+    def parse(cls, name: str) -> "KvShape":
+        m = re.fullmatch(r"sgl(\d+)-tp(\d+)-heads(\d+)-page(\d+)-item(\d+)-buffers(\d+)-mla([01])",
+                         name)
+        if m is None or int(m[1]) != PROTOCOL:
+            raise LayoutError(f"the prefill published {name!r}: not protocol sgl{PROTOCOL}")
+        tp, heads, page, item, buffers, mla = (int(g) for g in m.groups()[1:])
+        return cls(tp, heads, page, item, buffers, bool(mla))
+
+    def layout(self, num_pages: int) -> Layout:
+        """One buffer as a one-plane layout: pages of ``page_size`` tokens of ``heads`` heads
+        (head sizes in bytes: the plan moves bytes, not elements)."""
+        head_bytes = self.item_len // (self.page_size * self.heads)
+        return Layout(planes=1, num_blocks=num_pages, block_bytes=self.item_len,
+                      plane_pages=num_pages, dtype="bytes",
+                      block_shape=(self.page_size, self.heads, head_bytes))
+
+    def check_pair(self, prefill: "KvShape") -> None:
+        """Refuses, naming the difference, a prefill this decode rank cannot receive from."""
+        for what, here, there in (("page size", self.page_size, prefill.page_size),
+                                  ("KV buffers", self.buffers, prefill.buffers),
+                                  ("MLA", self.mla, prefill.mla)):
+            if here != there:
+                raise LayoutError(f"{what} differs: decode {here}, prefill {there}")
+        if max(self.tp, prefill.tp) % min(self.tp, prefill.tp):
+            raise LayoutError(f"attention TP sizes {prefill.tp} (prefill) and {self.tp} "
+                              "(decode): one must divide the other")
+        if not self.mla and self.heads * self.tp != prefill.heads * prefill.tp:
+            raise LayoutError(f"KV heads differ: decode {self.heads} x TP {self.tp}, prefill "
+                              f"{prefill.heads} x TP {prefill.tp}")
+        if self.mla or self.tp == prefill.tp:
+            if self.item_len != prefill.item_len:
+                raise LayoutError(f"page bytes differ: decode {self.item_len}, prefill "
+                                  f"{prefill.item_len}")
+            return
+        if self.item_len // self.heads != prefill.item_len // prefill.heads:
+            raise LayoutError(f"head sizes differ: decode {self.item_len // self.heads} bytes "
+                              f"per page-head, prefill {prefill.item_len // prefill.heads}")
+
+
 class XferKVBootstrapServer(BaseKVBootstrapServer):
     """The prefill instance's bootstrap server: xfer's rendezvous service."""
 
@@ -101,7 +202,21 @@ class XferKVManager(BaseKVManager):
         self.args = args
         self.mode = disaggregation_mode
         self.server_args = server_args
-        self.rank = int(args.engine_rank)
+        state = [p for group in (getattr(args, "state_data_ptrs", None) or []) for p in group]
+        if state:
+            raise NotImplementedError(
+                f"the xfer transfer backend does not move state buffers yet ({len(state)} "
+                "Mamba/SWA/NSA state tensors registered); use another backend for this model")
+        self.tp = _attn_tp(server_args)
+        self.rank = int(args.engine_rank) % self.tp
+        self.mla = bool(is_mla_backend)
+        lens = list(args.kv_item_lens)
+        if len(set(lens)) > 1:
+            raise LayoutError(f"KV buffers of different page sizes {sorted(set(lens))}: "
+                              "the xfer transfer backend needs one")
+        heads = 1 if self.mla else int(getattr(args, "kv_head_num", 0) or 1)
+        self.shape = KvShape(tp=self.tp, heads=heads, page_size=int(args.page_size),
+                             item_len=lens[0] if lens else 0, buffers=len(lens), mla=self.mla)
         self.engine = xfer.TransferEngine(_engine_config())
         access = "local" if disaggregation_mode == DisaggregationMode.PREFILL else "write"
         self.kv = [self.engine.reg_mr_raw(p, n, access=access)
@@ -110,10 +225,13 @@ class XferKVManager(BaseKVManager):
                     for p, n in zip(args.aux_data_ptrs, args.aux_data_lens)]
         self.id = uuid.uuid4().hex[:12]
         self.lock = threading.Lock()
-        self.metadata: dict[int, tuple[dict[str, Any], np.ndarray]] = {}
-        """Prefill: each room's decode destination, as its receiver sent it."""
-        self.outcomes: dict[int, str | None] = {}
-        """Decode: each room's end (None: done; else why it failed)."""
+        self.metadata: dict[int, dict[int, tuple[dict[str, Any], np.ndarray]]] = {}
+        """Prefill: each room's decode destinations by decode rank, as their receivers sent
+        them."""
+        self.dones: dict[int, int] = {}
+        """Decode: each room's prefill ranks that answered done."""
+        self.failures: dict[int, str] = {}
+        """Decode: each room's failure, as a prefill rank named it."""
         self.rendezvous: dict[str, xfer.Rendezvous] = {}
         self.publications: list[Any] = []
         self.published_at: set[str] = set()
@@ -137,8 +255,16 @@ class XferKVManager(BaseKVManager):
     def register_to_bootstrap(self) -> None:
         host = getattr(self.server_args, "disaggregation_bootstrap_host", None) or "127.0.0.1"
         addr = f"{host}:{self.server_args.disaggregation_bootstrap_port}"
+        # The layout travels as the name of the one region published. Rendezvous records name
+        # regions, so it names a small one of its own holding the same text (readable: it is
+        # public; the KV buffers stay local, peers never address them).
+        text = self.shape.name().encode()
+        self._layout_bytes = np.frombuffer(text.ljust(64, b"\0"), dtype=np.uint8).copy()
+        self._layout_region = self.engine.reg_mr_raw(
+            self._layout_bytes.ctypes.data, self._layout_bytes.nbytes, access="read")
         self.publications.append(
-            self._bootstrap(addr).publish(f"sglang.prefill.{self.rank}", self.engine.main_address)
+            self._bootstrap(addr).publish(f"sglang.prefill.{self.rank}", self.engine.main_address,
+                                          {self.shape.name(): self._layout_region.desc})
         )
 
     def decode_record(self, addr: str) -> str:
@@ -164,11 +290,12 @@ class XferKVManager(BaseKVManager):
         room = int(header["room"])
         with self.lock:
             if prefix == _META:
-                self.metadata[room] = (header, np.frombuffer(payload, dtype="<i4").copy())
+                pages = np.frombuffer(payload, dtype="<i4").copy()
+                self.metadata.setdefault(room, {})[int(header["rank"])] = (header, pages)
             elif prefix == _DONE:
-                self.outcomes[room] = None
+                self.dones[room] = self.dones.get(room, 0) + 1
             elif prefix == _FAIL:
-                self.outcomes[room] = str(header.get("why", "the prefill failed"))
+                self.failures.setdefault(room, str(header.get("why", "the prefill failed")))
 
     def close(self) -> None:
         for p in self.publications:
@@ -177,7 +304,7 @@ class XferKVManager(BaseKVManager):
 
 
 class XferKVSender(BaseKVSender):
-    """Prefill: writes a request's pages into the decode instance's, chunk by chunk."""
+    """Prefill: writes a request's pages into each decode rank's, chunk by chunk."""
 
     def __init__(self, mgr: XferKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False, *args: Any, **kwargs: Any):
@@ -197,40 +324,78 @@ class XferKVSender(BaseKVSender):
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self.total, self.aux_index = int(num_kv_indices), aux_index
 
-    def _destination(self) -> tuple[dict[str, Any], np.ndarray] | None:
+    def _destinations(self) -> list[tuple[dict[str, Any], np.ndarray]] | None:
+        """Every decode rank's indices once all that name this rank have arrived."""
         with self.mgr.lock:
-            return self.mgr.metadata.get(self.room)
+            got = dict(self.mgr.metadata.get(self.room, {}))
+        if not got:
+            return None
+        decode_tp = int(next(iter(got.values()))[0]["tp"])
+        want = decode_sources(self.mgr.rank, decode_tp, self.mgr.tp, self.mgr.mla)
+        if any(r not in got for r in want):
+            return None
+        return [got[r] for r in want]
+
+    def pop_decode_prefix_len(self) -> int:
+        """Tokens the decode instance already holds: sending starts after them."""
+        dests = self._destinations()
+        return int(dests[0][0].get("prefix") or 0) if dests else 0
 
     def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: Any = None) -> None:
-        dest = self._destination()
-        if dest is None:
+        dests = self._destinations()
+        if dests is None:
             self._fail(f"room {self.room}: send before the decode instance sent its page indices")
             return
-        header, dst_pages = dest
         pages = np.asarray(kv_indices, dtype=np.int64)
-        if self.sent + len(pages) > len(dst_pages):
-            self._fail(f"room {self.room}: {self.sent + len(pages)} pages sent, the decode "
-                       f"instance allocated {len(dst_pages)}")
-            return
         self.started = self.started or time.monotonic()
         try:
-            peer = self._peer(header)
-            dst = dst_pages[self.sent : self.sent + len(pages)]
-            for i, (region, item) in enumerate(zip(self.mgr.kv, self.mgr.args.kv_item_lens)):
-                self._submit(lambda: self.mgr.engine.submit_paged_writes(
-                    item, region, pages, peer["regions"][f"kv{i}"], dst, on_done=self._one_done))
-                self.bytes += item * len(pages)
+            for header, dst_pages in dests:
+                if self.sent + len(pages) > len(dst_pages):
+                    raise LayoutError(f"{self.sent + len(pages)} pages sent, decode rank "
+                                      f"{header['rank']} allocated {len(dst_pages)}")
+                self._write(header, pages, dst_pages[self.sent : self.sent + len(pages)])
             self.sent += len(pages)
             if self.sent >= self.total:
-                if self.aux_index is not None and header.get("aux_index") is not None:
-                    for i, (region, item) in enumerate(zip(self.mgr.aux, self.mgr.args.aux_item_lens)):
-                        self._submit(lambda: self.mgr.engine.submit_paged_writes(
-                            item, region, [self.aux_index], peer["regions"][f"aux{i}"],
-                            [int(header["aux_index"])], on_done=self._one_done))
+                for header, _ in dests:
+                    if header.get("aux") and self.aux_index is not None \
+                            and header.get("aux_index") is not None:
+                        self._write_aux(header)
                 self.finished = True
                 self._maybe_done()
         except Exception as e:  # noqa: BLE001 - any failure ends this transfer
             self._fail(f"room {self.room}: {e}")
+
+    def _write(self, header: dict[str, Any], src: np.ndarray, dst: np.ndarray) -> None:
+        """This rank's share of one chunk for one decode rank: the decode rank's read plan,
+        turned around (its "remote" pages are ours)."""
+        peer = self._peer(header)
+        theirs = KvShape(tp=int(header["tp"]), heads=int(header["heads"]),
+                         page_size=self.mgr.shape.page_size, item_len=int(header["item"]),
+                         buffers=self.mgr.shape.buffers, mla=self.mgr.mla)
+        ours = self.mgr.shape
+        mgr = self.mgr
+        for i, region in enumerate(mgr.kv):
+            desc = peer["regions"][f"kv{i}"]
+            plan = read_plan(theirs.layout(desc.nbytes // theirs.item_len),
+                             ours.layout(mgr.args.kv_data_lens[i] // ours.item_len),
+                             int(header["rank"]), theirs.tp, ours.tp,
+                             dst.tolist(), src.tolist(), mla=ours.mla)
+            for w in plan:
+                if w.remote_rank != mgr.rank:
+                    continue
+                self._submit(lambda w=w, region=region, desc=desc: mgr.engine.submit_paged_writes(
+                    w.page_len, region, w.remote_pages, desc, w.local_pages,
+                    src_stride=w.remote_stride, dst_stride=w.local_stride,
+                    src_offset=w.remote_offset, dst_offset=w.local_offset,
+                    on_done=self._one_done))
+                self.bytes += w.page_len * len(w.local_pages)
+
+    def _write_aux(self, header: dict[str, Any]) -> None:
+        peer = self._peer(header)
+        for i, (region, item) in enumerate(zip(self.mgr.aux, self.mgr.args.aux_item_lens)):
+            self._submit(lambda i=i, region=region, item=item: self.mgr.engine.submit_paged_writes(
+                item, region, [self.aux_index], peer["regions"][f"aux{i}"],
+                [int(header["aux_index"])], on_done=self._one_done))
 
     def _peer(self, header: dict[str, Any]) -> dict[str, Any]:
         name = header["decode"]
@@ -265,9 +430,9 @@ class XferKVSender(BaseKVSender):
             if ready:
                 self.ended = time.monotonic()
         if ready:
-            header, _ = self._destination()
-            peer = self._peer(header)
-            self.mgr.engine.submit_send(peer["addr"], _message(_DONE, {"room": self.room}))
+            for header, _ in self._destinations() or []:
+                peer = self._peer(header)
+                self.mgr.engine.submit_send(peer["addr"], _message(_DONE, {"room": self.room}))
 
     def _fail(self, why: str) -> None:
         with self.mgr.lock:
@@ -276,10 +441,11 @@ class XferKVSender(BaseKVSender):
                 self.failure = why
         if first:
             logger.error("xfer.sglang: %s", why)
-            dest = self._destination()
-            if dest is not None:
+            with self.mgr.lock:
+                known = list(self.mgr.metadata.get(self.room, {}).values())
+            for header, _ in known:
                 try:
-                    peer = self._peer(dest[0])
+                    peer = self._peer(header)
                     self.mgr.engine.submit_send(peer["addr"], _message(_FAIL, {"room": self.room, "why": why}))
                 except Exception:  # noqa: BLE001 - the receiver times out instead
                     pass
@@ -289,7 +455,7 @@ class XferKVSender(BaseKVSender):
             return KVPoll.Failed
         if self.ended is not None:
             return KVPoll.Success
-        if self._destination() is None:
+        if self._destinations() is None:
             if time.monotonic() - self.created > transfer_timeout_s:
                 self._fail(f"room {self.room}: the decode instance never sent its page indices")
                 return KVPoll.Failed
@@ -314,31 +480,48 @@ class XferKVSender(BaseKVSender):
 
 
 class XferKVReceiver(BaseKVReceiver):
-    """Decode: sends its page indices to the prefill instance and waits for the data."""
+    """Decode: sends its page indices to the prefill ranks holding its heads and waits for
+    each one's data."""
 
     def __init__(self, mgr: XferKVManager, bootstrap_addr: str, bootstrap_room: int | None = None,
                  *args: Any, **kwargs: Any):
         self.mgr, self.addr, self.room = mgr, bootstrap_addr, int(bootstrap_room or 0)
-        self.prefill: dict[str, Any] | None = None
+        self.prefills: list[dict[str, Any]] | None = None
         self.failure: str | None = None
         self.deadline: float | None = None
 
     def init(self, prefill_dp_rank: int = 0, *args: Any, **kwargs: Any) -> None:
         try:
             rdv = self.mgr._bootstrap(self.addr)
-            self.prefill = rdv.lookup(f"sglang.prefill.{self.mgr.rank}", transfer_timeout_s)
+            first = rdv.lookup("sglang.prefill.0", transfer_timeout_s)
+            names = list(first["regions"])
+            if len(names) != 1:
+                raise LayoutError(f"the prefill at {self.addr} published {names}: not an xfer "
+                                  f"SGLang prefill of protocol {PROTOCOL}")
+            prefill = KvShape.parse(names[0])
+            self.mgr.shape.check_pair(prefill)
+            targets = prefill_targets(self.mgr.rank, self.mgr.tp, prefill.tp, self.mgr.mla)
+            self.prefills = [rdv.lookup(f"sglang.prefill.{t}", transfer_timeout_s)
+                             for t in targets]
             self.record = self.mgr.decode_record(self.addr)
+        except LayoutError as e:
+            self.failure = f"room {self.room}: the prefill at {self.addr} cannot send here: {e}"
         except Exception as e:  # noqa: BLE001 - reported through poll
             self.failure = f"room {self.room}: no prefill at {self.addr}: {e}"
 
     def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: Any = None,
                       decode_prefix_len: int | None = None, *args: Any, **kwargs: Any) -> None:
-        if self.failure is not None or self.prefill is None:
+        if self.failure is not None or self.prefills is None:
             return
         pages = np.asarray(kv_indices, dtype="<i4").tobytes()
-        header = {"room": self.room, "decode": self.record, "aux_index": aux_index}
+        shape = self.mgr.shape
         try:
-            self.mgr.engine.submit_send(self.prefill["addr"], _message(_META, header, pages))
+            for i, prefill in enumerate(self.prefills):
+                header = {"room": self.room, "decode": self.record, "aux_index": aux_index,
+                          "rank": self.mgr.rank, "tp": shape.tp, "heads": shape.heads,
+                          "item": shape.item_len, "prefix": int(decode_prefix_len or 0),
+                          "aux": i == 0}
+                self.mgr.engine.submit_send(prefill["addr"], _message(_META, header, pages))
             self.deadline = time.monotonic() + transfer_timeout_s
         except Exception as e:  # noqa: BLE001
             self.failure = f"room {self.room}: could not reach the prefill instance: {e}"
@@ -346,20 +529,21 @@ class XferKVReceiver(BaseKVReceiver):
     def poll(self) -> int:
         if self.failure is not None:
             return KVPoll.Failed
-        if self.prefill is None:
+        if self.prefills is None:
             return KVPoll.Bootstrapping
         if self.deadline is None:
             return KVPoll.WaitingForInput
         with self.mgr.lock:
-            done = self.room in self.mgr.outcomes
-            why = self.mgr.outcomes.get(self.room)
-        if done:
-            if why is None:
-                return KVPoll.Success
+            dones = self.mgr.dones.get(self.room, 0)
+            why = self.mgr.failures.get(self.room)
+        if why is not None:
             self.failure = why
             return KVPoll.Failed
+        if dones >= len(self.prefills):
+            return KVPoll.Success
         if time.monotonic() > self.deadline:
-            self.failure = f"room {self.room}: no data within {transfer_timeout_s} s"
+            self.failure = (f"room {self.room}: no data within {transfer_timeout_s} s "
+                            f"({dones} of {len(self.prefills)} prefill ranks done)")
             return KVPoll.Failed
         return KVPoll.Transferring
 
@@ -371,7 +555,8 @@ class XferKVReceiver(BaseKVReceiver):
 
     def clear(self) -> None:
         with self.mgr.lock:
-            self.mgr.outcomes.pop(self.room, None)
+            self.mgr.dones.pop(self.room, None)
+            self.mgr.failures.pop(self.room, None)
 
 
 def register(config: Any = None) -> None:
