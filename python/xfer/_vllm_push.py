@@ -1,0 +1,288 @@
+"""Push mode of the vLLM connector (``xfer.vllm``): the decode rank's block ids sent to the
+prefill ranks it expects data from, and the prefill rank writing each layer as it is computed.
+
+``PushSide`` is the push half of the connector's worker (``xfer.vllm._Worker`` extends it): one
+state with the pull half, so that a pushed load ends through the same accounting as a pulled
+one. What it uses of the worker: ``_lock``, ``_engine``, ``_engine_id``, ``_rank``,
+``_tp_size``, ``_model``, ``_own_url``, ``_options``, ``_layers``, ``_lookups``,
+``_load_started``, ``_peer()``, ``_remote_layout()`` and ``_finish_load()``; what it owns:
+``_pushes``, ``_step_pushes``, ``_deferred_layers`` and ``_awaiting`` (created by the worker's
+constructor, with the rest).
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import logging
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from ._kvcache import LayoutError, matched_blocks, pack_message, read_plan
+
+if TYPE_CHECKING:
+    from .vllm import Load
+
+logger = logging.getLogger("xfer.vllm")
+
+_WANT = b"xfer-vllm-want:"
+"""Push: a decode rank's block ids for a request, to each prefill rank it expects data from."""
+_PUSHED = b"xfer-vllm-push:"
+"""Push: a prefill rank wrote every layer of a request to a decode rank (or could not)."""
+
+
+@dataclasses.dataclass
+class _Want:
+    """Push, prefill side: one decode rank's blocks for a request, and what went to it."""
+
+    engine: str
+    rank: int
+    tp: int
+    blocks: list[int]
+    url: str | None = None
+    """Where the decode rank's records are (its side channel, or the shared rendezvous)."""
+    model: str = ""
+    """The model the decoder serves (checked against this instance's)."""
+    ready: bool = False
+    """Its record was found (looked up off the engine's callback thread); until then nothing
+    is written to it."""
+    layers: set[str] = dataclasses.field(default_factory=set)
+    """Layers whose writes were submitted (for the request's current blocks)."""
+    pending: int = 0
+    error: str | None = None
+    replied: bool = False
+
+
+@dataclasses.dataclass
+class _Push:
+    """Push, prefill side: a request's blocks here and the decode ranks that want them."""
+
+    created: float
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    wants: dict[tuple[str, int], _Want] = dataclasses.field(default_factory=dict)
+    finished: bool = False
+
+
+@dataclasses.dataclass
+class _Await:
+    """Push, decode side: a request this rank waits for, and from which prefill ranks."""
+
+    req_id: str
+    load: Load
+    ranks: set[int]
+    deadline: float
+    error: BaseException | None = None
+
+
+class PushSide:
+    """The push half of the connector's worker (see the module docs)."""
+
+    # ---- push: decode side ----
+
+    def _await_push(self, req_id: str, load: Load) -> None:
+        """Sends this rank's block ids to every prefill rank it expects data from."""
+        with self._lock:
+            self._load_started[req_id] = time.monotonic()
+        ranks = set()
+        for name, (_, layout) in self._layers.items():
+            for read in read_plan(layout, self._remote_layout(load, 0, name), self._rank,
+                                  self._tp_size, load.remote_tp_size, [0], [0]):
+                ranks.add(read.remote_rank)
+        header = {"req": load.remote_request_id, "engine": self._engine_id, "rank": self._rank,
+                  "tp": self._tp_size, "rendezvous": self._own_url, "model": self._model}
+        ids = array.array("i", load.local_block_ids)
+        if sys.byteorder != "little":
+            ids.byteswap()
+        message = pack_message(_WANT, header, ids.tobytes())
+        if len(message) > 65536:
+            raise LayoutError(f"{len(load.local_block_ids)} blocks do not fit one message (64 KiB)")
+        with self._lock:
+            self._awaiting[(load.remote_engine_id, load.remote_request_id)] = _Await(
+                req_id, load, ranks, time.monotonic() + self._options.push_timeout_s)
+        try:
+            for rank in sorted(ranks):
+                self._engine.submit_send(self._peer(load.remote_engine_id, rank, load.remote_rendezvous).address, message)
+        except Exception:
+            with self._lock:
+                self._awaiting.pop((load.remote_engine_id, load.remote_request_id), None)
+            raise
+
+    def _pushed(self, header: dict[str, Any]) -> None:
+        """A prefill rank finished (or failed) writing a request to this rank."""
+        key = (str(header["engine"]), str(header["req"]))
+        with self._lock:
+            waiting = self._awaiting.get(key)
+            if waiting is None:
+                return  # timed out already, or not ours
+            waiting.ranks.discard(int(header["rank"]))
+            if not header.get("ok") and waiting.error is None:
+                waiting.error = RuntimeError(
+                    f"prefill {key[0]} rank {header['rank']} could not push: {header.get('why')}")
+            if waiting.ranks:
+                return
+            del self._awaiting[key]
+        self._finish_load(waiting.req_id, waiting.load, waiting.error)
+
+    # ---- push: prefill side ----
+
+    def layer_computed(self, layer: str, kv_layer: Any) -> None:
+        """``save_kv_layer``: this step's push requests get the layer now (CPU tensors) or
+        once the step's stream is synchronised (GPU tensors, whose kernels may still run)."""
+        if not self._step_pushes:
+            return
+        if getattr(getattr(kv_layer, "device", None), "type", "cpu") != "cpu":
+            self._deferred_layers.append(layer)
+            return
+        self._push_layers(self._step_pushes, [layer])
+
+    def step_computed(self) -> None:
+        """``wait_for_save``: pushes the GPU layers held back this step."""
+        if self._deferred_layers:
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+            layers, self._deferred_layers = self._deferred_layers, []
+            self._push_layers(self._step_pushes, layers)
+
+    def _push_layers(self, req_ids: list[str], layers: list[str]) -> None:
+        for req_id in req_ids:
+            with self._lock:
+                push = self._pushes.get(req_id)
+                wants = list(push.wants.values()) if push is not None else []
+            for want in wants:
+                for layer in layers:
+                    self._push_layer(req_id, push, want, layer)
+
+    def _push_layer(self, req_id: str, push: _Push, want: _Want, layer: str) -> None:
+        """Writes one layer of ``req_id``'s blocks to one decode rank (this rank's share)."""
+        with self._lock:
+            if layer in want.layers or want.replied or want.error is not None or not want.ready:
+                return
+            if not push.finished and len(push.blocks) < len(want.blocks):
+                return  # a chunk of a longer prompt: this layer goes when all is computed
+            want.layers.add(layer)
+            blocks = list(push.blocks)
+        try:
+            region, layout = self._layers[layer]
+            peer = self._peer(want.engine, want.rank, want.url)
+            if layer not in peer.layers:
+                raise LayoutError(f"decoder {want.engine} rank {want.rank} has no layer {layer}")
+            desc, remote_layout, _ = peer.layers[layer]
+            theirs, ours = matched_blocks(want.blocks, blocks)
+            writes = [w for w in read_plan(remote_layout, layout, want.rank, want.tp,
+                                           self._tp_size, theirs, ours)
+                      if w.remote_rank == self._rank]
+        except Exception as e:  # noqa: BLE001 - this decoder's load fails, named
+            self._push_done(req_id, want, e, submitted=False)
+            return
+        with self._lock:
+            want.pending += len(writes)
+        for w in writes:
+            # The decoder's read plan, turned around: its "remote" pages are ours.
+            try:
+                self._engine.submit_paged_writes(
+                    w.page_len, region, w.remote_pages, desc, w.local_pages,
+                    src_stride=w.remote_stride, dst_stride=w.local_stride,
+                    src_offset=w.remote_offset, dst_offset=w.local_offset,
+                    on_done=lambda error, want=want: self._push_done(req_id, want, error),
+                )
+            except Exception as e:  # noqa: BLE001 - refused at submit: counted like a failure
+                self._push_done(req_id, want, e)
+
+    def _push_done(self, req_id: str, want: _Want, error: BaseException | None,
+                   submitted: bool = True) -> None:
+        with self._lock:
+            if submitted:
+                want.pending -= 1
+            if error is not None and want.error is None:
+                want.error = str(error)
+        self._maybe_reply(req_id, want)
+
+    def _maybe_reply(self, req_id: str, want: _Want) -> None:
+        """Tells a decode rank its push is complete: the request computed, every layer
+        written (or failed), nothing in flight."""
+        with self._lock:
+            push = self._pushes.get(req_id)
+            done = push is not None and push.finished and want.ready and want.pending == 0 and (
+                want.error is not None or set(self._layers) <= want.layers)
+            if not done or want.replied:
+                return
+            want.replied = True
+        self._reply(req_id, want, want.error)
+
+    def _reply(self, req_id: str, want: _Want, error: str | None) -> None:
+        header = {"req": req_id, "engine": self._engine_id, "rank": self._rank,
+                  "ok": error is None, "why": error}
+        try:
+            self._engine.submit_send(self._peer(want.engine, want.rank, want.url).address,
+                                     pack_message(_PUSHED, header))
+        except Exception as e:  # noqa: BLE001 - the decoder times out instead
+            logger.warning("XferConnector: could not tell %s rank %d about request %s: %s",
+                           want.engine, want.rank, req_id, e)
+
+    def _want(self, header: dict[str, Any], payload: bytes) -> None:
+        """A decode rank's block ids for one of this instance's requests."""
+        ids = array.array("i")
+        ids.frombytes(payload)
+        if sys.byteorder != "little":
+            ids.byteswap()
+        want = _Want(str(header["engine"]), int(header["rank"]), int(header["tp"]), list(ids),
+                     url=header.get("rendezvous"), model=str(header.get("model") or ""))
+        req_id = str(header["req"])
+        with self._lock:
+            push = self._pushes.setdefault(req_id, _Push(created=time.monotonic()))
+            push.wants[(want.engine, want.rank)] = want
+        try:
+            self._lookups.submit(self._resolve_want, req_id, want)
+        except RuntimeError:
+            pass  # closing: no more pushes
+
+    def _resolve_want(self, req_id: str, want: _Want) -> None:
+        """Finds the decode rank's record; then, if the request was computed before, pushes
+        every layer now (otherwise its layers go as they are computed, or at the end)."""
+        try:
+            self._peer(want.engine, want.rank, want.url)
+        except Exception as e:  # noqa: BLE001 - that decoder cannot be reached: it times out
+            logger.warning("XferConnector: decoder %s rank %d of request %s not found: %s",
+                           want.engine, want.rank, req_id, e)
+            with self._lock:
+                want.error, want.replied = str(e), True
+            return
+        if want.model and self._model and want.model != self._model:
+            with self._lock:
+                want.ready, want.replied = True, True
+            self._reply(req_id, want, f"the decoder serves model {want.model!r}, this prefill "
+                        f"instance {self._model!r}")
+            return
+        with self._lock:
+            want.ready = True
+            push = self._pushes.get(req_id)
+            finished = push is not None and push.finished
+        if finished:
+            self._push_layers([req_id], list(self._layers))
+            self._maybe_reply(req_id, want)
+
+    def _push_finished(self, req_id: str, blocks: list[int]) -> None:
+        """The request is computed: layers its decoders have not had yet go now (all of them
+        if its blocks changed since they were pushed)."""
+        with self._lock:
+            push = self._pushes.setdefault(req_id, _Push(created=time.monotonic()))
+            if push.blocks != blocks:
+                push.blocks = blocks
+                for want in push.wants.values():
+                    want.layers.clear()
+            push.finished = True
+            wants = list(push.wants.values())
+        self._push_layers([req_id], list(self._layers))
+        for want in wants:
+            self._maybe_reply(req_id, want)
+
+    def _push_aborted(self, req_id: str, why: str) -> None:
+        with self._lock:
+            push = self._pushes.pop(req_id, None)
+            wants = [w for w in push.wants.values() if not w.replied] if push else []
+            for want in wants:
+                want.replied = True
+        for want in wants:
+            self._reply(req_id, want, why)
