@@ -7,11 +7,16 @@
 //!
 //! - one-way 8-byte write-with-immediate: `transfer-bench --latency N --reactive` (a ping-pong
 //!   answered on the worker) on the mock with `spin_us = 0`, N = 5,000 and 10,000 trips, two
-//!   writes per trip;
+//!   writes per trip. Idle workers poll between trips, and how often moves with scheduling:
+//!   successive runs differ by up to ~20 %, so compare it only run against run;
+//! - one write-with-immediate in a burst: `page-bench --single` (1,000 single 64 B writes per
+//!   call, each counted by the receiver's ImmCounter), 10 and 20 calls: the per-write path
+//!   from submit to counted arrival with the worker busy throughout — stable to ~0.5 %, the
+//!   per-write figure to track;
 //! - one page of a paged write: `page-bench` (1,000 pages of 64 B per call, inline in-order
 //!   mock), 10 and 20 calls.
 //!
-//! Both include the mock fabric's own work.
+//! All include the mock fabric's own work.
 
 use std::process::Command;
 
@@ -71,9 +76,18 @@ pub(crate) fn report() -> Result {
     let bench = "target/release/transfer-bench";
     let trips = |n: &str| instructions(bench, &["--latency", n, "--reactive"], &env);
     let per_write = (trips("10000")? - trips("5000")?) / 10_000;
-    let pages = |calls: &str| instructions("target/release/page-bench", &["--calls", calls], &[]);
-    let per_page = (pages("20")? - pages("10")?) / 10_000;
-    println!("xtask instructions: one-way 8-byte write-with-immediate: {per_write}");
+    let pages = |calls: &str, mode: &[&str]| {
+        let args: Vec<&str> = ["--calls", calls].iter().chain(mode).copied().collect();
+        instructions("target/release/page-bench", &args, &[])
+    };
+    let per_page = (pages("20", &[])? - pages("10", &[])?) / 10_000;
+    let per_single = (pages("20", &["--single"])? - pages("10", &["--single"])?) / 10_000;
+    println!(
+        "xtask instructions: one-way 8-byte write-with-immediate (ping-pong; moves with scheduling): {per_write}"
+    );
+    println!(
+        "xtask instructions: one 64 B write-with-immediate in a burst, submit to counted arrival: {per_single}"
+    );
     println!(
         "xtask instructions: one page of a paged write (64 B pages, 1,000 per call): {per_page}"
     );

@@ -3,6 +3,29 @@
 
 use super::*;
 
+/// Where a plan's operations go: a `Vec` for many, [`Ops`] inline for a single write (each
+/// path monomorphised, so the many-page loop pushes into a plain `Vec`).
+pub(super) trait OpSink {
+    fn push(&mut self, op: RdmaWork);
+}
+
+impl OpSink for Vec<RdmaWork> {
+    fn push(&mut self, op: RdmaWork) {
+        Vec::push(self, op);
+    }
+}
+
+impl OpSink for Ops {
+    fn push(&mut self, op: RdmaWork) {
+        smallvec::SmallVec::push(self, op);
+    }
+}
+
+thread_local! {
+    /// `submit_single`'s chunks, reused (a large write's plan grows it once).
+    static SINGLE_PLAN: std::cell::RefCell<Vec<Chunk>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// How errors name the local range: the source of a write, the destination of a read.
 fn local_side(op: RdmaOp) -> &'static str {
     match op {
@@ -67,7 +90,7 @@ impl TransferEngine {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn plan_unit(
         &self,
-        ops: &mut Vec<RdmaWork>,
+        ops: &mut impl OpSink,
         chunks: &mut Vec<Chunk>,
         first: usize,
         src: &LocalRegion,
@@ -168,19 +191,21 @@ impl TransferEngine {
         check_range(local_side(op), local.1, len, region.len)?;
         check_range(remote_side(op), remote.1, len, remote.0.len())?;
         self.check_peer_nics(remote.0)?;
-        let mut ops = Vec::with_capacity(1);
-        let mut chunks = Vec::with_capacity(1);
-        self.plan_unit(
-            &mut ops,
-            &mut chunks,
-            self.first_nic(),
-            &region,
-            local.1,
-            remote.0,
-            remote.1,
-            len,
-            op,
-        );
+        let mut ops = Ops::new();
+        // The plan's scratch space is kept per thread: a single write allocates nothing.
+        SINGLE_PLAN.with_borrow_mut(|chunks| {
+            self.plan_unit(
+                &mut ops,
+                chunks,
+                self.first_nic(),
+                &region,
+                local.1,
+                remote.0,
+                remote.1,
+                len,
+                op,
+            )
+        });
         self.shared.submit_counted(Command::Writes {
             ops,
             on_done,
@@ -237,7 +262,7 @@ impl TransferEngine {
             push_ops(&mut ops, &plans[i % nics], &region, l, remote.0, r, op);
         }
         self.shared.submit_counted(Command::Writes {
-            ops,
+            ops: Ops::from_vec(ops),
             on_done,
             submitted: Instant::now(),
         })
@@ -315,7 +340,7 @@ impl TransferEngine {
             );
         }
         self.shared.submit_counted(Command::Writes {
-            ops,
+            ops: Ops::from_vec(ops),
             on_done: on_done.into(),
             submitted: Instant::now(),
         })
@@ -351,7 +376,7 @@ impl TransferEngine {
             });
         }
         self.shared.submit_counted(Command::Writes {
-            ops,
+            ops: Ops::from_vec(ops),
             on_done: on_done.into(),
             submitted: Instant::now(),
         })
@@ -362,7 +387,7 @@ impl TransferEngine {
 /// NIC-`k` address and rkey (the one place they are paired).
 #[allow(clippy::too_many_arguments)]
 fn push_ops(
-    ops: &mut Vec<RdmaWork>,
+    ops: &mut impl OpSink,
     chunks: &[Chunk],
     src: &LocalRegion,
     src_offset: u64,

@@ -91,6 +91,15 @@ fn writes_in_part(len: u64, policy: &StripePolicy) -> u64 {
 /// `nics` must be at least 1 and `first < nics`; `policy` must have passed `validate`.
 pub fn split(len: u64, nics: usize, first: usize, policy: &StripePolicy, out: &mut Vec<Chunk>) {
     debug_assert!(nics >= 1 && first < nics);
+    if len <= policy.max_chunk && (nics <= 1 || len < policy.min_stripe_len) {
+        // Rule 1 without the divisions: the commonest unit (a page, a small write) is whole.
+        out.push(Chunk {
+            nic: first,
+            offset: 0,
+            len,
+        });
+        return;
+    }
     for (i, (part_offset, part_len)) in parts(len, nics, policy).enumerate() {
         let nic = (first + i) % nics;
         let writes = writes_in_part(part_len, policy);

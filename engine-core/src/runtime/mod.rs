@@ -121,12 +121,16 @@ impl RdmaWork {
     }
 }
 
+/// A transfer's operations: one inline (a single write, the commonest command, allocates
+/// nothing), more on the heap.
+pub(crate) type Ops = smallvec::SmallVec<[RdmaWork; 1]>;
+
 /// What callers ask of the worker.
 pub(crate) enum Command {
     /// A transfer made of writes; finishes when all have.
     /// `submitted`: when the caller submitted it (latencies are measured from there).
     Writes {
-        ops: Vec<RdmaWork>,
+        ops: Ops,
         on_done: OnDone,
         submitted: std::time::Instant,
     },
@@ -168,18 +172,62 @@ pub(crate) enum Command {
     Shutdown,
 }
 
+/// Whether the worker parked, and its thread: all a waker needs. Domains' wakers own it
+/// outright (it owns nothing back), so a wake from a completion path — once per operation on
+/// an inline backend — is a load and, only when parked, an unpark: no upgrade of a weak
+/// handle to the whole engine and no reference count touched.
+#[derive(Default)]
+pub(crate) struct Parking {
+    /// Set by the worker just before it parks; wakers unpark only then.
+    parked: AtomicBool,
+    worker: OnceLock<Thread>,
+}
+
+impl Parking {
+    /// Records the worker's thread (once, when it is spawned).
+    pub(crate) fn set_worker(&self, thread: Thread) {
+        let _ = self.worker.set(thread);
+    }
+
+    /// The worker announces that it parks (`true`) or runs again (`false`).
+    pub(crate) fn announce(&self, parked: bool) {
+        self.parked.store(parked, Ordering::SeqCst);
+    }
+
+    /// Whether the worker announced that it parks.
+    pub(crate) fn is_parked(&self) -> bool {
+        self.parked.load(Ordering::SeqCst)
+    }
+
+    /// Wakes the worker if it parked. The worker announces `parked` and then checks the queue
+    /// and its Domains once more before parking (both sides use `SeqCst`), so either it sees
+    /// the new work or this sees `parked`: no wake-up is lost, and a busy worker costs
+    /// submitters one shared load instead of an atomic swap.
+    pub(crate) fn wake(&self) {
+        if self.is_parked() {
+            self.unpark();
+        }
+    }
+
+    /// Unparks the worker whatever it announced.
+    pub(crate) fn unpark(&self) {
+        if let Some(t) = self.worker.get() {
+            t.unpark();
+        }
+    }
+}
+
 /// State shared by the engine's handle, its worker and its callback thread.
 pub(crate) struct Shared {
     pub(crate) config: Config,
     pub(crate) backend: String,
     queue: SegQueue<Command>,
-    worker: OnceLock<Thread>,
+    /// The worker's parking state; Domains' wakers hold it directly (see [`Parking`]).
+    pub(crate) parking: Arc<Parking>,
     pub(crate) imm: Mutex<ImmCounter<OnDone>>,
     pub(crate) jobs: Sender<Job>,
     pub(crate) recv_handler: OnceLock<(usize, RecvHandler)>,
     closed: AtomicBool,
-    /// Set by the worker just before it parks; wakers unpark only then.
-    pub(crate) parked: AtomicBool,
     /// Mirrors of immediates' totals, and whether there are any (checked per batch).
     pub(crate) mirrors: std::sync::RwLock<std::collections::HashMap<u32, Vec<Arc<Mirror>>>>,
     pub(crate) has_mirrors: AtomicBool,
@@ -213,12 +261,11 @@ impl Shared {
             config,
             backend,
             queue: SegQueue::new(),
-            worker: OnceLock::new(),
+            parking: Arc::new(Parking::default()),
             imm: Mutex::new(ImmCounter::with_limits(max_idle_imms, per_peer)),
             jobs,
             recv_handler: OnceLock::new(),
             closed: AtomicBool::new(false),
-            parked: AtomicBool::new(false),
             mirrors: std::sync::RwLock::new(std::collections::HashMap::new()),
             has_mirrors: AtomicBool::new(false),
             outstanding: AtomicUsize::new(0),
@@ -305,9 +352,7 @@ impl Shared {
         self.wake();
         // The worker may be parked without having announced it yet (still opening); it pops
         // the queue first thing when it runs.
-        if let Some(t) = self.worker.get() {
-            t.unpark();
-        }
+        self.parking.unpark();
     }
 
     /// Refuses further submissions (the engine is being dropped).
@@ -320,16 +365,9 @@ impl Shared {
         self.closed.load(Ordering::Acquire)
     }
 
-    /// Wakes the worker if it parked. The worker announces `parked` and then checks the queue
-    /// and its Domains once more before parking (both sides use `SeqCst`), so either it sees
-    /// the new work or this sees `parked`: no wake-up is lost, and a busy worker costs
-    /// submitters one shared load instead of an atomic swap.
+    /// Wakes the worker if it parked (see [`Parking::wake`]).
     pub(crate) fn wake(&self) {
-        if self.parked.load(Ordering::SeqCst) {
-            if let Some(t) = self.worker.get() {
-                t.unpark();
-            }
-        }
+        self.parking.wake();
     }
 
     pub(crate) fn lock_imm(&self) -> std::sync::MutexGuard<'_, ImmCounter<OnDone>> {
@@ -407,7 +445,7 @@ mod tests {
         let (reply, replies) = crossbeam_channel::unbounded();
         // As if the submitter passed the `closed` check, and the worker then stopped.
         shared.queue.push(Command::Writes {
-            ops: Vec::new(),
+            ops: Ops::new(),
             on_done: OnDone::Flag(Arc::clone(&flag)),
             submitted: std::time::Instant::now(),
         });

@@ -23,7 +23,7 @@
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -171,7 +171,7 @@ pub(crate) fn spawn_worker(
             backend: shared.backend.clone(),
             message: format!("cannot spawn the worker thread: {e}"),
         })?;
-    let _ = shared.worker.set(thread.thread().clone());
+    shared.parking.set_worker(thread.thread().clone());
     let timeout =
         shared.config.timeouts.control() + Duration::from_millis(shared.config.timeouts.connect_ms);
     let (addresses, reads, caps, spread) = match ready_rx.recv_timeout(timeout) {
@@ -222,19 +222,10 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
                 backend: shared.backend.clone(),
                 message: format!("cannot open NIC {nic:?}: {}", e.message),
             })?;
-        let weak: Weak<Shared> = Arc::downgrade(shared);
-        let parking = Arc::downgrade(shared);
+        let (waking, asking) = (Arc::clone(&shared.parking), Arc::clone(&shared.parking));
         domains_wake &= domain.set_waker(Waker::with_parking(
-            move || {
-                if let Some(s) = weak.upgrade() {
-                    s.wake();
-                }
-            },
-            move || {
-                parking
-                    .upgrade()
-                    .is_some_and(|s| s.parked.load(Ordering::SeqCst))
-            },
+            move || waking.wake(),
+            move || asking.is_parked(),
         ));
         let declared = domain.capabilities();
         let address_len = domain.address().raw().len();
@@ -386,7 +377,7 @@ impl Worker {
         // seen here or its `expect_imm_count` sees `parked` and unparks us. Computing the
         // timeout before the announcement lost such wake-ups: the worker slept past the new
         // expectation's deadline (up to an hour).
-        self.shared.parked.store(true, Ordering::SeqCst);
+        self.shared.parking.announce(true);
         let deadline = [
             self.tracker.next_deadline(),
             self.shared.lock_imm().next_deadline(),
@@ -403,7 +394,7 @@ impl Worker {
         if self.shared.queue.is_empty() && !self.poll_domains() {
             std::thread::park_timeout(timeout);
         }
-        self.shared.parked.store(false, Ordering::SeqCst);
+        self.shared.parking.announce(false);
     }
 
     fn handle_command(&mut self, cmd: Command) {
@@ -430,9 +421,16 @@ impl Worker {
                 }) else {
                     return;
                 };
-                for op in ops {
-                    let nic = op.nic;
-                    self.post(nic, id, Pending::Rdma(op));
+                // A spilled list becomes its `Vec` (no copy): iterating a `Vec` costs less per
+                // page than a `SmallVec`, which checks where its elements are at every step.
+                if ops.spilled() {
+                    for op in ops.into_vec() {
+                        self.post(op.nic, id, Pending::Rdma(op));
+                    }
+                } else {
+                    for op in ops {
+                        self.post(op.nic, id, Pending::Rdma(op));
+                    }
                 }
             }
             Command::Send {
@@ -1080,11 +1078,11 @@ impl Worker {
                 self.refuse(cmd, &error);
                 self.deliver();
             }
-            self.shared.parked.store(true, Ordering::SeqCst);
+            self.shared.parking.announce(true);
             if self.shared.queue.is_empty() {
                 std::thread::park_timeout(Duration::from_millis(100));
             }
-            self.shared.parked.store(false, Ordering::SeqCst);
+            self.shared.parking.announce(false);
         }
     }
 }

@@ -1,16 +1,19 @@
 //! Paged writes: the page rate of `submit_paged_writes` and what one page costs (issue 29).
 //!
-//! `page-bench [--config FILE] [--pages N] [--page-len BYTES] [--calls C]`: C calls, each
-//! writing N pages of BYTES (a permutation, as a KV-cache request scatters its blocks) from one
-//! engine into another's region, each waited for; prints pages per second, the time to post
-//! one call (the submit returning) and to its completion. Default: the ideal in-order mock
-//! (`inline = true`), 1,000 pages of 64 B, 200 calls. For instructions per page, run it twice
-//! under callgrind with different `--calls` and divide the difference (`cargo xtask
-//! instructions` does).
+//! `page-bench [--config FILE] [--pages N] [--page-len BYTES] [--calls C] [--single]`: C calls,
+//! each writing N pages of BYTES (a permutation, as a KV-cache request scatters its blocks)
+//! from one engine into another's region, each waited for; prints pages per second, the time to
+//! post one call (the submit returning) and to its completion. Default: the ideal in-order mock
+//! (`inline = true`), 1,000 pages of 64 B, 200 calls. With `--single`, a call is a burst of N
+//! single writes, each carrying an immediate the receiver counts (a call's immediate is its
+//! number), waited for on both sides: the per-write path, submit to counted arrival. For
+//! instructions per page or per write, run it twice under callgrind with different `--calls`
+//! and divide the difference (`cargo xtask instructions` does): the worker is busy for the
+//! whole burst, so no idle polling is counted (a ping-pong's count moves with scheduling).
 
 use std::time::{Duration, Instant};
 
-use engine_core::{Config, DoneFlag, HostBuffer, Pages, TransferEngine};
+use engine_core::{Config, DoneCounter, DoneFlag, HostBuffer, Pages, TransferEngine};
 use examples::{arg, fail};
 
 fn main() {
@@ -49,26 +52,58 @@ fn main() {
         offset: 0,
     };
     let (src_pages, dst_pages) = (pages_of(indices), pages_of(shuffled));
+    let single = std::env::args().any(|a| a == "--single");
+    let wait = Duration::from_secs(60);
     let (mut posting, mut total) = (Duration::ZERO, Duration::ZERO);
-    for _ in 0..calls {
-        let done = DoneFlag::new();
+    for call in 0..calls {
         let start = Instant::now();
-        a.submit_paged_writes(
-            page_len as u64,
-            None,
-            (src.mr(), &src_pages),
-            (dst.desc(), &dst_pages),
-            done.clone(),
-        )
-        .unwrap_or_else(|e| fail(e));
-        posting += start.elapsed();
-        done.wait(Duration::from_secs(60))
+        if single {
+            let imm = call as u32;
+            let arrived = DoneFlag::new();
+            b.expect_imm_count(imm, pages as u64, arrived.clone())
+                .unwrap_or_else(|e| fail(e));
+            let done = DoneCounter::new();
+            for (&s, &d) in src_pages.indices.iter().zip(&dst_pages.indices) {
+                let (s, d) = (
+                    u64::from(s) * page_len as u64,
+                    u64::from(d) * page_len as u64,
+                );
+                a.submit_single_write(
+                    page_len as u64,
+                    Some(imm),
+                    (src.mr(), s),
+                    (dst.desc(), d),
+                    done.clone(),
+                )
+                .unwrap_or_else(|e| fail(e));
+            }
+            posting += start.elapsed();
+            done.wait_for(pages as u64, wait)
+                .unwrap_or_else(|e| fail(e));
+            arrived.wait(wait).unwrap_or_else(|e| fail(e));
+        } else {
+            let done = DoneFlag::new();
+            a.submit_paged_writes(
+                page_len as u64,
+                None,
+                (src.mr(), &src_pages),
+                (dst.desc(), &dst_pages),
+                done.clone(),
+            )
             .unwrap_or_else(|e| fail(e));
+            posting += start.elapsed();
+            done.wait(wait).unwrap_or_else(|e| fail(e));
+        }
         total += start.elapsed();
     }
     let n = (pages * calls) as f64;
+    let what = if single {
+        "single writes with an immediate"
+    } else {
+        "pages"
+    };
     println!(
-        "page-bench: {calls} calls x {pages} pages of {page_len} B: {:.2} M pages/s, post {:.3} ms/call, done {:.3} ms/call",
+        "page-bench: {calls} calls x {pages} {what} of {page_len} B: {:.2} M/s, post {:.3} ms/call, done {:.3} ms/call",
         n / total.as_secs_f64() / 1e6,
         posting.as_secs_f64() * 1e3 / calls as f64,
         total.as_secs_f64() * 1e3 / calls as f64,
