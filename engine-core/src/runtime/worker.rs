@@ -421,16 +421,10 @@ impl Worker {
                 }) else {
                     return;
                 };
-                // A spilled list becomes its `Vec` (no copy): iterating a `Vec` costs less per
-                // page than a `SmallVec`, which checks where its elements are at every step.
-                if ops.spilled() {
-                    for op in ops.into_vec() {
-                        self.post(op.nic, id, Pending::Rdma(op));
-                    }
-                } else {
-                    for op in ops {
-                        self.post(op.nic, id, Pending::Rdma(op));
-                    }
+                // Posted from where they are: an operation is copied (its peer's handle
+                // cloned) only if it has to wait in a queue.
+                for op in &ops {
+                    self.post_rdma(id, op);
                 }
             }
             Command::Send {
@@ -714,33 +708,60 @@ impl Worker {
     /// Posts now if the NIC has room and nothing for that peer is queued ahead; queues
     /// otherwise (per NIC and peer, so one stalled peer holds up only its own work).
     fn post(&mut self, nic: usize, id: u64, work: Pending) {
-        // With nothing queued at all (the usual case) the queue's key is never built.
-        let queued_ahead =
-            !self.pending.is_empty() && self.pending.contains_key(&(nic, work.peer().clone()));
-        if !queued_ahead {
-            match self.try_post(nic, id, &work) {
-                Ok(PostStatus::Posted) => return,
-                Ok(PostStatus::Busy) => {}
-                Err(e) => {
-                    self.fail_request(id, e);
-                    return;
-                }
+        if !self.queued_ahead(nic, work.peer()) {
+            let attempt = self.try_post(nic, id, work.as_ref());
+            if self.attempted(id, attempt) {
+                return;
             }
         }
+        self.queue(nic, id, work);
+    }
+
+    /// [`post`](Self::post) for an operation the caller keeps: copied only to be queued.
+    fn post_rdma(&mut self, id: u64, op: &RdmaWork) {
+        if !self.queued_ahead(op.nic, &op.peer) {
+            let attempt = self.try_post(op.nic, id, Work::Rdma(op));
+            if self.attempted(id, attempt) {
+                return;
+            }
+        }
+        self.queue(op.nic, id, Pending::Rdma(op.clone()));
+    }
+
+    /// Whether work for `peer` on `nic` waits already (then new work queues behind it).
+    fn queued_ahead(&self, nic: usize, peer: &NetAddr) -> bool {
+        // With nothing queued at all (the usual case) the queue's key is never built.
+        !self.pending.is_empty() && self.pending.contains_key(&(nic, peer.clone()))
+    }
+
+    /// Whether a post attempt settled its work: posted, or failed (and reported); `false`
+    /// when the NIC was busy.
+    fn attempted(&mut self, id: u64, attempt: Result<PostStatus, DomainError>) -> bool {
+        match attempt {
+            Ok(PostStatus::Posted) => true,
+            Ok(PostStatus::Busy) => false,
+            Err(e) => {
+                self.fail_request(id, e);
+                true
+            }
+        }
+    }
+
+    fn queue(&mut self, nic: usize, id: u64, work: Pending) {
         let key = (nic, work.peer().clone());
         self.pending.entry(key).or_default().push_back((id, work));
     }
 
     /// The one place the worker hands a Domain work.
-    fn try_post(&mut self, nic: usize, id: u64, work: &Pending) -> Result<PostStatus, DomainError> {
+    fn try_post(&mut self, nic: usize, id: u64, work: Work<'_>) -> Result<PostStatus, DomainError> {
         if self.fatal.is_some() {
             // A Domain failed for good earlier in this pass: none is used again. "Not now"
             // keeps the work queued, and it fails with everything else when the pass ends.
             return Ok(PostStatus::Busy);
         }
         match work {
-            Pending::Rdma(op) => self.group.domains_mut()[nic].post_rdma(&op.request(id)),
-            Pending::Send { peer, data } => self.group.domains_mut()[nic].post_send(id, peer, data),
+            Work::Rdma(op) => self.group.domains_mut()[nic].post_rdma(&op.request(id)),
+            Work::Send(peer, data) => self.group.domains_mut()[nic].post_send(id, peer, data),
         }
     }
 
@@ -772,7 +793,7 @@ impl Worker {
                     moved = true; // its transfer already ended (timed out); drop it
                     continue;
                 }
-                match self.try_post(nic, id, &work) {
+                match self.try_post(nic, id, work.as_ref()) {
                     Ok(PostStatus::Posted) => moved = true,
                     Ok(PostStatus::Busy) => {
                         queue.push_front((id, work));
@@ -1087,7 +1108,21 @@ impl Worker {
     }
 }
 
+/// Work as a Domain is handed it, borrowed from a queue or from the command it came in.
+#[derive(Clone, Copy)]
+enum Work<'a> {
+    Rdma(&'a RdmaWork),
+    Send(&'a NetAddr, &'a [u8]),
+}
+
 impl Pending {
+    fn as_ref(&self) -> Work<'_> {
+        match self {
+            Self::Rdma(op) => Work::Rdma(op),
+            Self::Send { peer, data } => Work::Send(peer, data),
+        }
+    }
+
     fn peer(&self) -> &NetAddr {
         match self {
             Self::Rdma(op) => &op.peer,
