@@ -292,17 +292,7 @@ impl EfaDomain {
 
     /// Posts an RDMA write or read between a local range and a peer's.
     fn post_rma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
-        let RdmaRequest {
-            wr_id,
-            op,
-            peer,
-            local_addr,
-            local_key,
-            remote_addr,
-            remote_key,
-            remote_base,
-            len,
-        } = *req;
+        let (peer, len) = (req.peer, req.len);
         if self.posts_since_poll >= self.options.max_posts_per_poll {
             return Ok(PostStatus::Busy);
         }
@@ -313,23 +303,25 @@ impl EfaDomain {
                 self.zero_source.1.desc,
             )
         } else {
-            let mr = self.regions.source(local_key, local_addr, len)?;
-            (local_addr as *mut u8, mr.desc)
+            let mr = self.regions.source(req.local_key, req.local_addr, len)?;
+            (req.local_addr as *mut u8, mr.desc)
         };
+        // Offset-addressed providers (no FI_MR_VIRT_ADDR) take the offset in the region.
         let remote_addr = if self.endpoint.attr.mr_virt_addr != 0 {
-            remote_addr
+            req.remote_addr
         } else {
-            remote_addr - remote_base
+            req.remote_addr - req.remote_base
         };
+        let remote_key = req.remote_key;
         let ctx = self.acquire(InFlight::Write {
-            wr_id,
+            wr_id: req.wr_id,
             peer: peer.clone(),
         });
         // SAFETY: the local range lies in a live registration (checked above, or the Domain's
         // own zero source, which a zero-byte operation never touches); ctx stays in
         // `in_flight` until its completion is read.
         let result = unsafe {
-            match op {
+            match req.op {
                 RdmaOp::Write { imm } => self.endpoint.write(
                     buf,
                     len as usize,

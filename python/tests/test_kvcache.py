@@ -94,3 +94,18 @@ def test_mla_reads_one_peer_rank_whole_and_odd_tp_sizes_are_refused():
     kv = layout(np.zeros((2, 4, 4, 2, 8), dtype=np.float16))
     with pytest.raises(LayoutError, match="divide"):
         read_plan(kv, kv, 0, 3, 2, [1], [1])
+
+
+def test_one_plane_buffers_of_standard_attention_are_sliced_by_heads_when_told():
+    from xfer._kvcache import read_plan
+
+    # SGLang keeps keys and values in separate one-plane buffers: one plane is not MLA there.
+    mine = layout(np.zeros((6, 4, 2, 3), dtype=np.uint16), mla=True)    # 2 heads per rank
+    theirs = layout(np.zeros((6, 4, 4, 3), dtype=np.uint16), mla=True)  # 4 heads, TP 1
+    with pytest.raises(LayoutError):
+        read_plan(mine, theirs, 1, 2, 1, [0], [2])  # as MLA: the latents would have to match
+    (sliced,) = read_plan(mine, theirs, 1, 2, 1, [0], [2], mla=False)
+    token = 2 * 3 * 2  # this rank's heads of one token, in bytes
+    assert (sliced.remote_rank, sliced.page_len) == (0, token)
+    assert sliced.remote_offset == token  # rank 1's heads start after rank 0's
+    assert sliced.local_pages == [0, 1, 2, 3] and sliced.remote_pages == [8, 9, 10, 11]

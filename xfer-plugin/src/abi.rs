@@ -1001,18 +1001,7 @@ mod tests {
     #[test]
     fn an_unknown_device_kind_is_refused_by_the_shim() {
         let table = PluginTable::new::<InertOpener>();
-        let mut handle = std::ptr::null_mut();
-        let mut err = RawError::empty();
-        // SAFETY: the strings and out-pointers live for the call.
-        let opened = unsafe {
-            (table.open)(
-                RawBytes::new(b"nic0"),
-                RawBytes::new(b""),
-                &mut handle,
-                &mut err,
-            )
-        };
-        assert_eq!(opened, STATUS_OK);
+        let handle = open_through(&table);
         let buf = [0u8; 64];
         let region = |device_kind| RawRegion {
             ptr: buf.as_ptr() as u64,

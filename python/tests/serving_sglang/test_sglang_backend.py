@@ -17,21 +17,11 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 import xfer  # noqa: E402
 import xfer.sglang as xs  # noqa: E402
 
-MOCK = {"backend": "mock", "groups": [{"nics": ["mock0"]}], "timeouts": {"transfer_ms": 2000}}
 PAGES, PAGE_BYTES, AUX_BYTES, BUFFERS = 32, 256, 64, 4  # 2 layers x (K, V)
 WAIT = 20.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def registered():
-    xs.register(config=MOCK)
-
-
-@pytest.fixture
-def bootstrap():
-    server = xs.XferKVBootstrapServer("127.0.0.1", 0)
-    yield server.url.removeprefix("xfer://")
-    server.close()
+pytestmark = pytest.mark.usefixtures("registered")  # and `bootstrap`: see conftest.py
 
 
 class Side:

@@ -15,22 +15,12 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 import xfer.sglang as xs  # noqa: E402
 
-MOCK = {"backend": "mock", "groups": [{"nics": ["mock0"]}], "timeouts": {"transfer_ms": 2000}}
 HEADS, HEAD_BYTES, PAGE, PAGES, BUFFERS, AUX_BYTES = 4, 8, 4, 16, 2, 16
 PREFILL, DECODE = DisaggregationMode.PREFILL, DisaggregationMode.DECODE
 WAIT = 20.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def registered():
-    xs.register(config=MOCK)
-
-
-@pytest.fixture
-def bootstrap():
-    server = xs.XferKVBootstrapServer("127.0.0.1", 0)
-    yield server.url.removeprefix("xfer://")
-    server.close()
+pytestmark = pytest.mark.usefixtures("registered")  # and `bootstrap`: see conftest.py
 
 
 def until(what, cond):
