@@ -231,11 +231,13 @@ impl Device {
 
     /// A new RC QP in INIT, receiving from the message SRQ (`msg`) or the immediate SRQ.
     /// Creates an RC QP with `inline` bytes of inline data asked for (the QP may get fewer,
-    /// or none: see [`Qp::max_inline`]).
+    /// or none: see [`Qp::max_inline`]), a send queue of `max_send_wr` and `reserve` CQ
+    /// entries (see [`Qp::reserved`]).
     pub(crate) fn create_rc(
         &mut self,
         msg: bool,
         max_send_wr: i32,
+        reserve: i32,
         inline: u32,
     ) -> Result<Qp, String> {
         let mut max_inline = inline;
@@ -246,6 +248,7 @@ impl Device {
                 self.raw.as_ptr(),
                 msg as i32,
                 max_send_wr,
+                reserve,
                 &mut max_inline,
                 &mut qpn,
                 &mut err,
@@ -256,6 +259,7 @@ impl Device {
                 raw,
                 qpn,
                 max_inline,
+                reserved: reserve.max(0) as usize,
             })
             .ok_or_else(|| format!("ibv_create_qp(RC): {}", errno_text(err)))
     }
@@ -519,6 +523,9 @@ pub(crate) struct Qp {
     /// Inline data the QP takes: writes up to this size are posted inline (no DMA read of
     /// the source, one fewer round trip on the PCIe bus for small writes).
     pub(crate) max_inline: u32,
+    /// CQ entries this QP holds: the most work requests it may have outstanding, since each
+    /// can complete (a QP in error flushes even its unsignalled ones).
+    reserved: usize,
 }
 
 // SAFETY: as for Device.
@@ -579,6 +586,26 @@ impl Qp {
 }
 
 impl Qp {
+    /// See the field.
+    pub(crate) fn reserved(&self) -> usize {
+        self.reserved
+    }
+
+    /// Reserves `more` CQ entries (the CQ grows if it must); false when the device's CQ
+    /// cannot hold them.
+    pub(crate) fn reserve(&mut self, more: usize) -> bool {
+        let Ok(more_entries) = i32::try_from(more) else {
+            return false;
+        };
+        // SAFETY: a live QP of this process, created by xv_create_rc (its context is the
+        // share this updates).
+        let ok = unsafe { sys::xv_qp_reserve(self.raw.as_ptr(), more_entries) } == 0;
+        if ok {
+            self.reserved += more;
+        }
+        ok
+    }
+
     /// Moves the QP to the error state: nothing more it holds executes, and every outstanding
     /// work request completes with a flush error.
     pub(crate) fn move_to_error(&mut self) -> Result<(), String> {

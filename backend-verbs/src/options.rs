@@ -35,8 +35,19 @@ pub struct VerbsOptions {
     /// from a new peer beyond that is dropped (a real requester resends it), so a flood of
     /// forged requests costs at most twice this many QPs.
     pub max_half_open: usize,
-    /// Send queue depth of each RC QP.
+    /// Send queue depth of each data QP: the most writes and reads one peer can have in
+    /// flight.
     pub send_queue: i32,
+    /// Writes and reads a data QP starts with room for on the completion queue. Every work
+    /// request outstanding can complete (a QP in error flushes even unsignalled ones), so the
+    /// CQ must hold them all; reserving each QP's whole send queue capped a soft-RoCE engine
+    /// at ~15 peers. A peer whose writes fill its window has it doubled, up to `send_queue`,
+    /// while the CQ can grow (to the device's max_cqe); until then its writes wait. (At most
+    /// `send_queue` is used.)
+    pub send_window: i32,
+    /// Send queue depth (and CQ reservation) of each message QP: messages to one peer in
+    /// flight at once; more wait for completions.
+    pub message_queue: i32,
     /// Writes of up to this many bytes are posted inline (`IBV_SEND_INLINE`: the bytes travel
     /// in the work request, so the NIC does not read the source by DMA). The device may grant
     /// less (or none; then nothing is inlined). 0 turns it off.
@@ -105,6 +116,8 @@ impl Default for VerbsOptions {
             retry_ms: 200,
             max_half_open: 256,
             send_queue: 1024,
+            send_window: 32,
+            message_queue: 16,
             inline_bytes: 64,
             imm_receives: 4096,
             ack_timeout: 14,
@@ -165,6 +178,14 @@ impl VerbsOptions {
                 format!("send_queue = {} (at least 1)", self.send_queue),
             ),
             (
+                self.send_window >= 1,
+                format!("send_window = {} (at least 1)", self.send_window),
+            ),
+            (
+                self.message_queue >= 1,
+                format!("message_queue = {} (at least 1)", self.message_queue),
+            ),
+            (
                 self.service_level <= 15,
                 format!("service_level = {} (0 to 15)", self.service_level),
             ),
@@ -210,6 +231,8 @@ mod tests {
             ("rnr_retry = 8", "rnr_retry"),
             ("imm_receives = 0", "imm_receives"),
             ("send_queue = 0", "send_queue"),
+            ("send_window = 0", "send_window"),
+            ("message_queue = 0", "message_queue"),
             ("unreachable_ms = 0", "unreachable_ms"),
             ("service_level = 16", "service_level"),
             ("global_routing = \"sometimes\"", "global_routing"),

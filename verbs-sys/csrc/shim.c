@@ -42,8 +42,9 @@ typedef struct xv_dev {
     int ud_broken;
     uint64_t ud_resets;
     /* The CQ is sized from what can be outstanding on it: the receives (both SRQs, the UD
-     * QP) at setup, plus each RC QP's send queue while it exists (grown with ibv_resize_cq,
-     * up to the device's max_cqe; a QP that would not fit is refused). */
+     * QP) at setup, plus what each RC QP reserved while it exists — the work requests its
+     * owner lets it have outstanding, not its send queue's depth (grown with ibv_resize_cq,
+     * up to the device's max_cqe; a QP or a reservation that would not fit is refused). */
     int cq_cap;
     long cq_need;
     int max_cqe;
@@ -477,20 +478,22 @@ void xv_cq_state(const xv_dev *d, int *cap, long *need) {
 }
 
 /* `max_inline`: in, the inline data size asked for; out, what the QP has (a device that
- * refuses the size gets a QP without inline data, rather than none). */
-struct ibv_qp *xv_create_rc(xv_dev *d, int msg, int max_send_wr, uint32_t *max_inline, uint32_t *qpn, int *err) {
+ * refuses the size gets a QP without inline data, rather than none). `reserve`: the CQ
+ * entries the QP holds from the start (at most `max_send_wr`); the caller keeps no more work
+ * requests outstanding on it than it reserved, and reserves more with `xv_qp_reserve`. */
+struct ibv_qp *xv_create_rc(xv_dev *d, int msg, int max_send_wr, int reserve, uint32_t *max_inline, uint32_t *qpn, int *err) {
     xv_cq_share *share = malloc(sizeof *share);
     if (!share) {
         *err = ENOMEM;
         return NULL;
     }
-    int rc = cq_reserve(d, max_send_wr);
+    int rc = cq_reserve(d, reserve);
     if (rc) {
         free(share);
         *err = rc;
         return NULL;
     }
-    *share = (xv_cq_share){.d = d, .entries = max_send_wr};
+    *share = (xv_cq_share){.d = d, .entries = reserve};
     struct ibv_qp_init_attr qa = {.qp_context = share, .send_cq = d->cq, .recv_cq = d->cq,
                                   .srq = msg ? d->srq_msg : d->srq_imm, .qp_type = IBV_QPT_RC,
                                   .cap = {.max_send_wr = max_send_wr, .max_send_sge = 1, .max_inline_data = *max_inline}};
@@ -501,7 +504,7 @@ struct ibv_qp *xv_create_rc(xv_dev *d, int msg, int max_send_wr, uint32_t *max_i
     }
     if (!qp) {
         *err = errno;
-        d->cq_need -= max_send_wr;
+        d->cq_need -= reserve;
         free(share);
         return NULL;
     }
@@ -549,6 +552,16 @@ int xv_connect_rc(xv_dev *d, struct ibv_qp *qp, uint32_t rqpn, uint32_t rpsn, ui
         return -1;
     }
     return 0;
+}
+
+/* `more` CQ entries for an RC QP (growing the CQ if needed); 0, or ENOSPC past the device's
+ * max_cqe, or the resize's error. Released with the QP. */
+int xv_qp_reserve(struct ibv_qp *qp, int more) {
+    xv_cq_share *share = qp->qp_context;
+    int rc = cq_reserve(share->d, more);
+    if (!rc)
+        share->entries += more;
+    return rc;
 }
 
 int xv_destroy_qp(struct ibv_qp *qp) {

@@ -151,6 +151,7 @@ extern "C" {
         d: *mut XvDev,
         msg: c_int,
         max_send_wr: c_int,
+        reserve: c_int,
         max_inline: *mut u32,
         qpn: *mut u32,
         err: *mut c_int,
@@ -203,6 +204,7 @@ extern "C" {
     pub fn xv_async_event(d: *mut XvDev, event_type: *mut c_int, qpn: *mut u32) -> c_int;
     pub fn xv_event_str(event_type: c_int) -> *const c_char;
     pub fn xv_cq_state(d: *const XvDev, cap: *mut c_int, need: *mut core::ffi::c_long);
+    pub fn xv_qp_reserve(qp: *mut IbvQp, more: c_int) -> c_int;
     pub fn xv_ud_resets(d: *const XvDev) -> u64;
     pub fn xv_wc_status_str(status: c_int) -> *const c_char;
 }

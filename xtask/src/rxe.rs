@@ -133,6 +133,9 @@ fn guest_script(nics: u32, command: &[String]) -> Result<String> {
         s.push_str(&format!("ip link add rxenet{i} type dummy; ip link set rxenet{i} up; rdma link add rxe{i} type rxe netdev rxenet{i}\n"));
     }
     s.push_str("ulimit -l unlimited\n");
+    // A test opens hundreds of engines in one process (a device context, its completion
+    // channel and eventfds each): the default 1,024 descriptors run out first.
+    s.push_str("ulimit -n 65536\n");
     s.push_str(&format!(
         "export PATH={}\n",
         std::env::var("PATH").unwrap_or_default()

@@ -5,19 +5,23 @@ use super::*;
 
 impl VerbsDomain {
     pub(super) fn new_qps(&mut self) -> Result<(Qp, Qp), DomainError> {
+        // Each QP holds CQ room for what it may have outstanding: the data QP its window
+        // (grown while its writes fill it), the message QP its whole (small) queue.
+        let o = &self.options;
         let data = self
             .device
-            .create_rc(false, self.options.send_queue, self.options.inline_bytes)
+            .create_rc(
+                false,
+                o.send_queue,
+                o.send_window.min(o.send_queue),
+                o.inline_bytes,
+            )
             .map_err(other)?;
         let msg = self
             .device
-            .create_rc(true, self.options.send_queue.min(256), 0)
+            .create_rc(true, o.message_queue, o.message_queue, 0)
             .map_err(other)?;
-        if let Some((notify, _)) = &self.notify {
-            // The CQ may have been resized for the new send queues, which need not keep its
-            // arming: arm again when the worker next parks.
-            notify.armed.store(false, Ordering::SeqCst);
-        }
+        cq_may_have_resized(&self.notify);
         self.unproven.insert(data.qpn);
         self.unproven.insert(msg.qpn);
         Ok((data, msg))

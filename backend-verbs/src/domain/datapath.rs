@@ -18,6 +18,34 @@ pub(super) struct DataQueue {
 /// Writes per doorbell.
 pub(super) const CHAIN: usize = 4;
 
+/// A CQ reservation may have resized the CQ, which need not keep its arming: the notifier
+/// arms it again when the worker next parks.
+pub(super) fn cq_may_have_resized(notify: &Option<(Arc<NotifyState>, Waker)>) {
+    if let Some((notify, _)) = notify {
+        notify.armed.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Whether the data QP `qp` may take one more write: fewer are outstanding (or waiting in
+/// its chain) than it holds CQ room for, or its window could be doubled (up to `limit`, its
+/// send queue) because the CQ can hold more. `grew` is set when the CQ may have been
+/// resized (its notifier must then be armed again).
+pub(super) fn has_room(qp: &mut Qp, q: &DataQueue, limit: usize, grew: &mut bool) -> bool {
+    let used = q.outstanding.len() + q.chain.len();
+    if used < qp.reserved() {
+        return true;
+    }
+    let window = qp.reserved();
+    if window >= limit {
+        return false;
+    }
+    if qp.reserve(window.clamp(1, limit - window)) {
+        *grew = true;
+        return true;
+    }
+    false
+}
+
 /// Posts `q.chain` on `qp` (the last write signalled); what does not fit stays in the chain.
 pub(super) fn post_chain(qp: &mut Qp, q: &mut DataQueue) -> Result<(), String> {
     if q.chain.is_empty() {
@@ -153,9 +181,13 @@ impl VerbsDomain {
                 ..
             }) => {
                 let q = self.data_queues.entry(data.qpn).or_default();
-                if !queued.is_empty()
-                    || q.outstanding.len() + q.chain.len() >= self.options.send_queue as usize
-                {
+                let mut grew = false;
+                let room = queued.is_empty()
+                    && has_room(data, q, self.options.send_queue as usize, &mut grew);
+                if grew {
+                    cq_may_have_resized(&self.notify);
+                }
+                if !room {
                     return Ok(PostStatus::Busy);
                 }
                 q.chain.push(w);
@@ -231,11 +263,12 @@ impl VerbsDomain {
         }) = self.peers.get_mut(peer)
         {
             let limit = self.options.send_queue as usize;
+            let mut grew = false;
             while let Some(q) = queued.pop_front() {
                 let r = match &q {
                     Queued::Write(w) => {
                         let dq = self.data_queues.entry(data.qpn).or_default();
-                        if dq.outstanding.len() + dq.chain.len() >= limit {
+                        if !has_room(data, dq, limit, &mut grew) {
                             Ok(false)
                         } else {
                             dq.chain.push(*w);
@@ -268,6 +301,9 @@ impl VerbsDomain {
                         break;
                     }
                 }
+            }
+            if grew {
+                cq_may_have_resized(&self.notify);
             }
         }
         if let Some(e) = failed {

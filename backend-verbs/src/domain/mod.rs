@@ -31,7 +31,7 @@ mod lifecycle;
 mod memory;
 mod setup;
 
-use datapath::{next_send_id, post_message, DataQueue, SendBuffer};
+use datapath::{cq_may_have_resized, next_send_id, post_message, DataQueue, SendBuffer};
 
 /// A write or send waiting for its peer's connection.
 enum Queued {
