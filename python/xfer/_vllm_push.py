@@ -62,6 +62,8 @@ class _Push:
     blocks: list[int] = dataclasses.field(default_factory=list)
     wants: dict[tuple[str, int], _Want] = dataclasses.field(default_factory=dict)
     finished: bool = False
+    computed: set[str] = dataclasses.field(default_factory=set)
+    """Layers computed for these blocks: what a decoder found late is owed at once."""
 
 
 @dataclasses.dataclass
@@ -149,6 +151,8 @@ class PushSide:
         for req_id in req_ids:
             with self._lock:
                 push = self._pushes.get(req_id)
+                if push is not None:
+                    push.computed.update(layers)
                 wants = list(push.wants.values()) if push is not None else []
             for want in wants:
                 for layer in layers:
@@ -259,9 +263,13 @@ class PushSide:
             want.ready = True
             push = self._pushes.get(req_id)
             finished = push is not None and push.finished
+            computed = sorted(push.computed) if push is not None else []
         if finished:
             self._push_layers([req_id], list(self._layers))
             self._maybe_reply(req_id, want)
+        elif computed:
+            # Layers computed while the record was being looked up go now, not at the end.
+            self._push_layers([req_id], computed)
 
     def _push_finished(self, req_id: str, blocks: list[int]) -> None:
         """The request is computed: layers its decoders have not had yet go now (all of them

@@ -552,6 +552,8 @@ class _Worker(PushSide):
                 self._keeping[req_id] = now + seconds
             for req_id, blocks in meta.push_now.items():
                 push = self._pushes.setdefault(req_id, _Push(created=now))
+                if push.blocks != blocks:
+                    push.computed.clear()  # this step computes the layers for more blocks
                 push.blocks = blocks
             self._step_pushes = list(meta.push_now)
         for req_id, blocks in meta.push_finish.items():

@@ -408,6 +408,34 @@ def wanted(p, req_id, ranks=1):
     p.wait(f"the decoders' block ids for {req_id}", arrived)
 
 
+def test_a_layer_computed_before_its_decoder_is_found_goes_once_it_is(server):
+    """The decoder's record is looked up off the engine's threads: a layer computed before
+    the lookup finished is pushed when it does — not held back until the whole request is
+    computed (the layer-by-layer overlap lost whenever the lookup was slower than a layer)."""
+    import threading
+
+    p, d = Instance("pp9", server, layers=3), Instance("pd9", server, layers=3)
+    worker = p.workers[0]._worker
+    gate, resolve = threading.Event(), worker._resolve_want
+    worker._resolve_want = lambda req_id, want: (gate.wait(WAIT), resolve(req_id, want))
+    push_decode(d, "r-d", 10, "pp9", "r", [0, 9, 2])
+    d.step()
+    r = push_prefill(p, "r", 10, [3, 5, 7])
+    wanted(p, "r")
+    names = list(p.full)
+    compute(p, names[:1])   # before the decoder's record is found
+    gate.set()
+    p.wait("the first layer at the decoder, before the request is computed",
+           lambda: torch.equal(d.caches[names[0]][:, [0, 9, 2]], p.caches[names[0]][:, [3, 5, 7]]))
+    assert not torch.equal(d.caches[names[1]][:, [0, 9, 2]], p.caches[names[1]][:, [3, 5, 7]])
+    compute(p, names[1:])
+    finish(p, r, [3, 5, 7])
+    d.wait("the pushed request", lambda: "r-d" in d.recved)
+    assert not d.failed
+    assert_copied(p, d, [3, 5, 7], [0, 9, 2])
+    p.close(), d.close()
+
+
 def test_push_writes_each_layer_as_it_is_computed(server):
     p, d = Instance("pp1", server, layers=3), Instance("pd1", server, layers=3)
     push_decode(d, "r-d", 10, "pp1", "r", [0, 9, 2])

@@ -17,8 +17,15 @@ vllm = pytest.importorskip("vllm")
 import xfer  # noqa: E402
 
 # Verbs where rxe0 exists (a soft-RoCE guest or machine; not run by cargo xtask test: importing
-# torch and vLLM under the guest's emulation takes longer than two minutes per process).
+# torch and vLLM under the guest's emulation takes minutes per process, ~21 minutes a variant).
 PROVIDERS = ["shm", "tcp;ofi_rxm", "verbs"]
+
+
+def patience(provider):
+    """Seconds a process waits for the other one: under the guest's emulation the decode
+    process starts minutes after the prefill process offered its requests (and the lease and
+    push deadlines must outlast that, or the prefill frees the blocks first)."""
+    return 1200 if provider == "verbs" else 60
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 32, 16, 4, 32
 REQUESTS = {"a": [3, 9, 4], "b": [17], "c": [20, 21, 22, 23, 24, 25, 26, 27]}  # prefill's blocks
 
@@ -61,6 +68,8 @@ def connectors(engine_id, rendezvous, provider):
             kv_connector_extra_config={
                 "rendezvous": rendezvous,
                 "xfer_config": xfer_config(provider),
+                "free_timeout_s": 2.0 * patience(provider),
+                "push_timeout_s": 2.0 * patience(provider),
             },
         )
     )
@@ -130,7 +139,8 @@ def prefill_process(rendezvous, provider, mode, conn):
     if mode == "push":
         pushes = worker._worker._pushes
         until("every decoder's block ids",
-              lambda: all(r in pushes and pushes[r].wants for r in REQUESTS), worker, done)
+              lambda: all(r in pushes and pushes[r].wants for r in REQUESTS), worker, done,
+              patience(provider))
         for name, cache in kv.items():  # the forward pass, layer by layer
             worker.save_kv_layer(name, cache, None)
         worker.wait_for_save()
@@ -138,7 +148,8 @@ def prefill_process(rendezvous, provider, mode, conn):
             requests[req_id].status = RequestStatus.FINISHED_LENGTH_CAPPED
             assert scheduler.request_finished(requests[req_id], block_ids) == (True, None)
         step(scheduler, worker, done)
-    until("every request freed", lambda: set(REQUESTS) <= done["sent"], worker, done)
+    until("every request freed", lambda: set(REQUESTS) <= done["sent"], worker, done,
+          patience(provider))
     conn.send(("freed", sorted(done["sent"])))
     worker.shutdown()
 
@@ -167,7 +178,7 @@ def decode_process(rendezvous, provider, params, conn):
         scheduler.update_state_after_alloc(r, KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),)), n)
     step(scheduler, worker, done)
     want = {r + "-d" for r in params}
-    until("every load", lambda: want <= done["recved"], worker, done)
+    until("every load", lambda: want <= done["recved"], worker, done, patience(provider))
     if done["failed"]:
         conn.send(f"failed loads: {done['failed']}, blocks {worker.get_block_ids_with_load_errors()}")
         return
