@@ -23,6 +23,9 @@ pub(crate) struct Framework {
     tests: &'static str,
     /// Their environment.
     env: &'static [(&'static str, &'static str)],
+    /// Tests to run again inside the rxe guest (pytest arguments after the tests' directory),
+    /// where soft-RoCE devices exist.
+    guest: Option<&'static str>,
 }
 
 pub(crate) const VLLM: Framework = Framework {
@@ -31,6 +34,10 @@ pub(crate) const VLLM: Framework = Framework {
     tests: "python/tests/serving_vllm",
     // The CUDA wheel cannot infer a device on a machine without a GPU.
     env: &[("VLLM_TARGET_DEVICE", "cpu")],
+    // The two processes over verbs, reading every block with RDMA READ. ~11 minutes: both
+    // import torch and vLLM under the guest's emulation (concurrently). Push over verbs is
+    // left to a manual run (another ~12 minutes).
+    guest: Some("/test_vllm_two_process.py -k 'verbs and pull'"),
 };
 
 pub(crate) const SGLANG: Framework = Framework {
@@ -38,6 +45,7 @@ pub(crate) const SGLANG: Framework = Framework {
     requirements: &["sglang==0.5.23", "pytest"],
     tests: "python/tests/serving_sglang",
     env: &[],
+    guest: None,
 };
 
 /// Where the wheels are kept between runs.
@@ -85,17 +93,51 @@ impl Framework {
     /// With `XFER_DROP_SERVING_VENVS` set (`cargo xtask fresh` sets it), the venv is removed
     /// afterwards, so a clean root never holds both frameworks' 10 GB at once.
     pub(crate) fn test(&self, totals: &mut (u64, u64)) -> Result {
-        let result = self.install().and_then(|()| {
-            counted(
-                &format!("{}/bin/python", self.venv),
-                &["-m", "pytest", "-q", "-p", "no:cacheprovider", self.tests],
-                self.env,
-                totals,
-            )
-        });
+        let result = self
+            .install()
+            .and_then(|()| {
+                counted(
+                    &format!("{}/bin/python", self.venv),
+                    &["-m", "pytest", "-q", "-p", "no:cacheprovider", self.tests],
+                    self.env,
+                    totals,
+                )
+            })
+            .and_then(|()| self.test_in_guest(totals));
         if std::env::var_os("XFER_DROP_SERVING_VENVS").is_some() {
             let _ = std::fs::remove_dir_all(self.venv);
         }
         result
+    }
+
+    /// Runs [`guest`](Self::guest) in the rxe guest, counting its results.
+    fn test_in_guest(&self, totals: &mut (u64, u64)) -> Result {
+        let Some(selection) = self.guest else {
+            return Ok(());
+        };
+        let env: Vec<String> = self.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let script = format!(
+            "{} {}/bin/python -m pytest -q -p no:cacheprovider {}{selection}",
+            env.join(" "),
+            self.venv,
+            self.tests
+        );
+        eprintln!("xtask: in the rxe guest: {script}");
+        let guest = crate::rxe::run(
+            1,
+            std::time::Duration::from_secs(2400),
+            &["bash".into(), "-c".into(), script],
+        )?;
+        guest
+            .output
+            .iter()
+            .for_each(|l| crate::checks::add_test_result(l, totals));
+        if guest.status != 0 {
+            return Err(format!(
+                "{} in the rxe guest failed with status {}",
+                self.tests, guest.status
+            ));
+        }
+        Ok(())
     }
 }

@@ -16,8 +16,8 @@ vllm = pytest.importorskip("vllm")
 
 import xfer  # noqa: E402
 
-# Verbs where rxe0 exists (a soft-RoCE guest or machine; not run by cargo xtask test: importing
-# torch and vLLM under the guest's emulation takes minutes per process, ~21 minutes a variant).
+# Verbs where rxe0 exists: `cargo xtask vllm` (and so `cargo xtask test`) runs the pull variant
+# in the rxe guest, where importing torch and vLLM under emulation takes minutes per process.
 PROVIDERS = ["shm", "tcp;ofi_rxm", "verbs"]
 
 
@@ -154,7 +154,7 @@ def prefill_process(rendezvous, provider, mode, conn):
     worker.shutdown()
 
 
-def decode_process(rendezvous, provider, params, conn):
+def decode_process(rendezvous, provider, conn):
     os.environ["FI_TCP_IFACE"] = "lo"
     import torch
     from vllm.sampling_params import SamplingParams
@@ -165,6 +165,8 @@ def decode_process(rendezvous, provider, params, conn):
     scheduler, worker = connectors("decode", rendezvous, provider)
     mine = {name: torch.zeros_like(c) for name, c in caches(seed=0).items()}
     worker.register_kv_caches(mine)
+    # Started beside the prefill process (their imports overlap): its requests come now.
+    params = conn.recv()
     done = {"sent": set(), "recved": set(), "failed": set()}
     local = {}
     free = iter(range(BLOCKS - 1, -1, -1))  # other block ids than the prefill's
@@ -207,15 +209,14 @@ def test_prefill_and_decode_processes(provider, mode):
         p_here, p_there = ctx.Pipe()
         d_here, d_there = ctx.Pipe()
         prefill = ctx.Process(target=prefill_process, args=(server.url, provider, mode, p_there))
+        decode = ctx.Process(target=decode_process, args=(server.url, provider, d_there))
         prefill.start()
-        decode = None
+        decode.start()
         try:
             # Importing torch and vLLM under the rxe guest's emulation takes minutes.
             start = 900 if provider == "verbs" else 120
             assert p_here.poll(start), "the prefill process did not start"
-            params = p_here.recv()
-            decode = ctx.Process(target=decode_process, args=(server.url, provider, params, d_there))
-            decode.start()
+            d_here.send(p_here.recv())
             assert d_here.poll(start), "the decode process did not answer"
             assert d_here.recv() == "ok"
             assert p_here.poll(60), "the prefill never freed its blocks"
