@@ -267,7 +267,7 @@ pub trait Domain: Send {
     /// posted while it connects are queued by the Domain, not refused. A read's `Done` means
     /// the bytes are in local memory. Backends without reads (see
     /// [`supports_read`](Self::supports_read)) refuse [`RdmaOp::Read`] with
-    /// [`refuse_read`](crate::domain::refuse_read)'s typed error.
+    /// [`refuse_read`]'s typed error.
     fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError>;
 
     /// Whether [`post_rdma`](Self::post_rdma) carries out [`RdmaOp::Read`].

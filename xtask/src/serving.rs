@@ -34,7 +34,7 @@ pub(crate) const VLLM: Framework = Framework {
     tests: "python/tests/serving_vllm",
     // The CUDA wheel cannot infer a device on a machine without a GPU.
     env: &[("VLLM_TARGET_DEVICE", "cpu")],
-    // The two processes over verbs, reading every block with RDMA READ. ~11 minutes: both
+    // The two processes over verbs, reading every block with RDMA READ. ~8 minutes: both
     // import torch and vLLM under the guest's emulation (concurrently). Push over verbs is
     // left to a manual run (another ~12 minutes).
     guest: Some("/test_vllm_two_process.py -k 'verbs and pull'"),
