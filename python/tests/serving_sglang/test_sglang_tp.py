@@ -20,7 +20,21 @@ PREFILL, DECODE = DisaggregationMode.PREFILL, DisaggregationMode.DECODE
 WAIT = 20.0
 
 
-pytestmark = pytest.mark.usefixtures("registered")  # and `bootstrap`: see conftest.py
+MOCK = {"backend": "mock", "groups": [{"nics": ["mock0"]}], "timeouts": {"transfer_ms": 2000}}
+
+
+# Not in a conftest.py: this directory has no package, and a second `conftest` module would
+# shadow python/tests/conftest.py for the suites that import from it.
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    xs.register(config=MOCK)
+
+
+@pytest.fixture
+def bootstrap():
+    server = xs.XferKVBootstrapServer("127.0.0.1", 0)
+    yield server.url.removeprefix("xfer://")
+    server.close()
 
 
 def until(what, cond):
