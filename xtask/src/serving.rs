@@ -116,8 +116,10 @@ impl Framework {
             return Ok(());
         };
         let env: Vec<String> = self.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        // `-s`: with pytest's output capture the guest run ended in a FileNotFoundError from
+        // the capture's own teardown after the test's body (2 runs of 2; 0 of 2 with `-s`).
         let script = format!(
-            "{} {}/bin/python -m pytest -q -p no:cacheprovider {}{selection}",
+            "{} {}/bin/python -m pytest -q -s -p no:cacheprovider {}{selection}",
             env.join(" "),
             self.venv,
             self.tests
