@@ -1,10 +1,10 @@
-"""xfer as a vLLM KV connector (vLLM's V1 connector API), for disaggregated prefill/decode.
-
-Why long: it is the module vLLM loads by path (``kv_connector_module_path``) — the connector,
+"""Why one file: it is the module vLLM loads by path (``kv_connector_module_path``) — the connector,
 its scheduler side and its worker side, whose state (the engine, the peers found, one lock,
 the stats, the blocks kept) pull and push both use. The push side's own state and methods live
 in ``_vllm_push`` (``PushSide``, which ``_Worker`` extends), the page arithmetic and message
 framing in ``_kvcache``.
+
+xfer as a vLLM KV connector (vLLM's V1 connector API), for disaggregated prefill/decode.
 
 Select it without patching vLLM::
 

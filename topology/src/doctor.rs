@@ -1,10 +1,10 @@
-//! `xfer doctor`: the set-up problems behind most "RDMA does not work" reports, each with a
-//! verdict and its fix. [`gather`] reads the machine (sysfs, /dev, /proc); [`evaluate`] is pure
-//! and tested on made-up facts.
-//!
 //! Why one file: the `Facts`, the checks `evaluate` makes of them and the `gather` that fills
 //! them are one list read in parallel (a check added without its fact, or a fact nobody
 //! judges, is the mistake to avoid); a third of the file is the checks' tests.
+//!
+//! `xfer doctor`: the set-up problems behind most "RDMA does not work" reports, each with a
+//! verdict and its fix. [`gather`] reads the machine (sysfs, /dev, /proc); [`evaluate`] is pure
+//! and tested on made-up facts.
 
 use std::path::Path;
 

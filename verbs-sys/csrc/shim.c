@@ -1,6 +1,8 @@
 /* Why one file: it is the one translation unit the crate's build script compiles, and its
- * wrappers share the device struct and static helpers below. (Issue 24 moves its policy — the UD
- * transport's slots, CQ growth — to Rust, which will shrink it.) */
+ * wrappers share the device struct and static helpers below. Two pieces of policy still live
+ * here beside the static-inline wrappers — the UD handshake transport's slots and generations,
+ * and the CQ's reservations and growth — and are the next to move to Rust, which would shrink
+ * it. */
 /* A flat C surface over libibverbs for Rust. ibv_post_send, ibv_poll_cq and friends are static
  * inline functions going through the context's ops, so they are wrapped here, compiled against
  * rdma-core's headers (every struct layout is the real one). */
