@@ -32,8 +32,10 @@ fn counted() -> (OnDone, Arc<AtomicU64>, LastResult) {
     let last = Arc::new(std::sync::Mutex::new(None));
     let (c, l) = (Arc::clone(&calls), Arc::clone(&last));
     let on_done = OnDone::callback(move |r| {
-        c.fetch_add(1, Ordering::SeqCst);
+        // The result first: `wait_calls` polls the count, and a waiter that sees the count
+        // must find the result it counts (the other order failed CI once).
         *l.lock().unwrap() = Some(r);
+        c.fetch_add(1, Ordering::SeqCst);
     });
     (on_done, calls, last)
 }
