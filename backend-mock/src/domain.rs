@@ -11,13 +11,17 @@ use xfer_plugin::domain::{
     PostStatus, RdmaRequest, Registration, Waker,
 };
 
-use crate::fabric::{self, Nic, Op, Posted, Region};
+use crate::fabric::{self, Conn, Nic, Op, Posted, Region};
 use crate::options::MockOptions;
 
 /// A mock NIC.
 pub struct MockDomain {
     nic: Arc<Nic>,
     options: MockOptions,
+    /// What the options declare, computed once (every post checks the engine keeps to it).
+    capabilities: Capabilities,
+    /// This NIC's connections, by peer.
+    conns: foldhash::HashMap<NetAddr, Arc<Conn>>,
     rng: fastrand::Rng,
     posted: u64,
     /// The post that panicked (`panic_on_post`), after which nothing may be posted.
@@ -36,7 +40,9 @@ impl MockDomain {
             fastrand::Rng::with_seed(options.seed ^ nic.id.wrapping_mul(0x2545_f491_4f6c_dd1d));
         Ok(Self {
             nic,
+            capabilities: options.capabilities(),
             options,
+            conns: Default::default(),
             rng,
             posted: 0,
             panicked_in: None,
@@ -78,7 +84,7 @@ impl MockDomain {
 
     /// The engine must never post what this Domain's declared capabilities rule out.
     fn check_declared(&self, op: &Op) -> Result<(), DomainError> {
-        let caps = self.options.capabilities();
+        let caps = &self.capabilities;
         let broken = match op {
             Op::Rdma { len, op, .. } => {
                 caps.max_write_size.is_some_and(|m| *len > m)
@@ -111,18 +117,22 @@ impl MockDomain {
         }
         self.check_alive()?;
         self.check_declared(&op)?;
-        let epoch = {
-            let mut conns = self.nic.conns.lock().unwrap_or_else(|p| p.into_inner());
-            let conn = conns.entry(op.peer().clone()).or_default();
-            if self.options.queue_depth > 0 && conn.outstanding >= self.options.queue_depth {
-                return Ok(PostStatus::Busy);
+        let conn = match self.conns.get(op.peer()) {
+            Some(conn) => Arc::clone(conn),
+            None => {
+                let conn = Arc::new(Conn::new(op.peer().clone()));
+                self.conns.insert(op.peer().clone(), Arc::clone(&conn));
+                conn
             }
-            conn.outstanding += 1;
-            conn.epoch
         };
+        if !conn.try_occupy(self.options.queue_depth) {
+            return Ok(PostStatus::Busy);
+        }
+        let epoch = conn.epoch();
         let injected = self.injected_failure();
         let posted = Posted {
             src: Arc::clone(&self.nic),
+            conn,
             op,
             epoch,
             injected,
@@ -215,7 +225,7 @@ impl Domain for MockDomain {
     }
 
     fn capabilities(&self) -> Capabilities {
-        self.options.capabilities()
+        self.capabilities
     }
 
     fn post_send(

@@ -14,7 +14,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{
     Arc, Condvar, LazyLock, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, Weak,
 };
@@ -61,7 +61,8 @@ pub(crate) struct Regions {
 pub(crate) struct WaitingSend {
     pub(crate) data: Vec<u8>,
     pub(crate) sender: Weak<Nic>,
-    pub(crate) peer: NetAddr,
+    /// The sender's connection, whose queue the message still occupies.
+    pub(crate) conn: Arc<Conn>,
     pub(crate) wr_id: u64,
 }
 
@@ -73,14 +74,65 @@ pub(crate) struct Inbox {
     pub(crate) waiting_sends: VecDeque<WaitingSend>,
 }
 
-/// One outgoing connection (this NIC → a peer).
-#[derive(Debug, Default)]
+/// One outgoing connection (this NIC → a peer). The posting Domain keeps it by peer and every
+/// operation in flight carries it, so nothing looks a connection (or its peer's NIC) up by
+/// address per operation — that cost the mock ~200 instructions a page (issue 29).
+#[derive(Debug)]
 pub(crate) struct Conn {
+    pub(crate) peer: NetAddr,
+    /// The peer's NIC once found. Addresses are never reused, so the first NIC found at the
+    /// address is the only one there will ever be; it is weak so that two NICs' connections
+    /// to each other keep neither alive.
+    target: OnceLock<Weak<Nic>>,
     /// Bumped when the connection goes to error: operations posted under an older epoch are
     /// flushed.
-    pub(crate) epoch: u64,
+    epoch: AtomicU64,
     /// Operations posted and not completed (the send queue's fill).
-    pub(crate) outstanding: usize,
+    outstanding: AtomicUsize,
+}
+
+impl Conn {
+    pub(crate) fn new(peer: NetAddr) -> Self {
+        Self {
+            peer,
+            target: OnceLock::new(),
+            epoch: AtomicU64::new(0),
+            outstanding: AtomicUsize::new(0),
+        }
+    }
+
+    /// The peer's NIC while it is on the fabric.
+    pub(crate) fn target(&self) -> Option<Arc<Nic>> {
+        if let Some(nic) = self.target.get() {
+            return nic.upgrade().filter(|n| n.alive.load(Ordering::Acquire));
+        }
+        let nic = lookup(&self.peer)?;
+        let _ = self.target.set(Arc::downgrade(&nic));
+        Some(nic)
+    }
+
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Counts a post unless `depth` (0: unlimited) operations are already outstanding.
+    /// Only the owning Domain posts, so the check and the increment cannot race each other;
+    /// completions only ever lower the count in between.
+    pub(crate) fn try_occupy(&self, depth: usize) -> bool {
+        if depth > 0 && self.outstanding.load(Ordering::Acquire) >= depth {
+            return false;
+        }
+        self.outstanding.fetch_add(1, Ordering::AcqRel);
+        true
+    }
+
+    /// RC: the connection goes to the error state (once per epoch, however many of its
+    /// operations fail); what is still queued under `epoch` is flushed.
+    fn fail(&self, epoch: u64) {
+        let _ = self
+            .epoch
+            .compare_exchange(epoch, epoch + 1, Ordering::AcqRel, Ordering::Acquire);
+    }
 }
 
 /// One mock NIC as the fabric sees it.
@@ -91,7 +143,6 @@ pub(crate) struct Nic {
     /// While set, operations aimed at this NIC neither land nor fail (a hung host).
     pub(crate) frozen: AtomicBool,
     pub(crate) regions: RwLock<Regions>,
-    pub(crate) conns: Mutex<HashMap<NetAddr, Conn>>,
     inbox: Mutex<Inbox>,
     waker: OnceLock<Waker>,
 }
@@ -134,6 +185,7 @@ impl Op {
 /// injection fails it.
 pub(crate) struct Posted {
     pub(crate) src: Arc<Nic>,
+    pub(crate) conn: Arc<Conn>,
     pub(crate) op: Op,
     pub(crate) epoch: u64,
     pub(crate) injected: Option<DomainError>,
@@ -173,10 +225,9 @@ impl Nic {
 
     /// Records an operation's completion on this (its source) NIC: the connection's queue
     /// drains by one, and the engine learns the outcome at its next poll.
-    pub(crate) fn complete(&self, peer: &NetAddr, wr_id: u64, result: Result<(), DomainError>) {
-        if let Some(conn) = locked(&self.conns).get_mut(peer) {
-            conn.outstanding = conn.outstanding.saturating_sub(1);
-        }
+    pub(crate) fn complete(&self, conn: &Conn, wr_id: u64, result: Result<(), DomainError>) {
+        // Never below zero: every completion follows its own `try_occupy`.
+        conn.outstanding.fetch_sub(1, Ordering::AcqRel);
         self.deliver(Event::Done { wr_id, result });
     }
 
@@ -188,13 +239,13 @@ impl Nic {
             while !inbox.recv_buffers.is_empty() && !inbox.waiting_sends.is_empty() {
                 let send = inbox.waiting_sends.pop_front().expect("checked non-empty");
                 let result = accept_message(&mut inbox, send.data, &self.addr);
-                completions.push((send.sender, send.peer, send.wr_id, result));
+                completions.push((send.sender, send.conn, send.wr_id, result));
             }
         }
         self.wake();
-        for (sender, peer, wr_id, result) in completions {
+        for (sender, conn, wr_id, result) in completions {
             if let Some(sender) = sender.upgrade() {
-                sender.complete(&peer, wr_id, result);
+                sender.complete(&conn, wr_id, result);
             }
         }
     }
@@ -250,7 +301,6 @@ pub(crate) fn join() -> Arc<Nic> {
         alive: AtomicBool::new(true),
         frozen: AtomicBool::new(false),
         regions: RwLock::new(Regions::default()),
-        conns: Mutex::new(HashMap::default()),
         inbox: Mutex::new(Inbox::default()),
         waker: OnceLock::new(),
     });
@@ -291,7 +341,7 @@ pub(crate) fn leave(nic: &Nic) {
     let waiting: Vec<WaitingSend> = nic.inbox().waiting_sends.drain(..).collect();
     for send in waiting {
         if let Some(sender) = send.sender.upgrade() {
-            sender.complete(&send.peer, send.wr_id, Err(unreachable(&nic.addr)));
+            sender.complete(&send.conn, send.wr_id, Err(unreachable(&nic.addr)));
         }
     }
     nic.wake();
@@ -348,15 +398,16 @@ fn flushed(peer: &NetAddr) -> DomainError {
 pub(crate) fn land(posted: Posted) {
     let Posted {
         src,
+        conn,
         op,
         epoch,
         injected,
     } = posted;
-    let peer = op.peer().clone();
+    let peer = &conn.peer;
     let wr_id = op.wr_id();
     if !src.alive.load(Ordering::Acquire) {
         src.complete(
-            &peer,
+            &conn,
             wr_id,
             Err(DomainError::new(
                 DomainErrorKind::PeerUnreachable,
@@ -365,9 +416,8 @@ pub(crate) fn land(posted: Posted) {
         );
         return;
     }
-    let current = locked(&src.conns).get(&peer).map_or(0, |c| c.epoch);
-    if current != epoch {
-        src.complete(&peer, wr_id, Err(flushed(&peer)));
+    if conn.epoch() != epoch {
+        src.complete(&conn, wr_id, Err(flushed(peer)));
         return;
     }
     let result = match op {
@@ -377,10 +427,10 @@ pub(crate) fn land(posted: Posted) {
             remote,
             len,
             ..
-        } => rdma(&src, &peer, op, local, remote, len, injected),
+        } => rdma(&src, &conn, op, local, remote, len, injected),
         Op::Send { data, .. } => match injected {
             Some(e) => Err(e),
-            None => match send(&src, &peer, data, wr_id) {
+            None => match send(&src, &conn, data, wr_id) {
                 // Completes when the receiver posts a buffer (from its side).
                 Ok(false) => return,
                 Ok(true) => Ok(()),
@@ -389,14 +439,9 @@ pub(crate) fn land(posted: Posted) {
         },
     };
     if result.is_err() {
-        // RC: the connection goes to the error state; what is still queued on it is flushed.
-        if let Some(conn) = locked(&src.conns).get_mut(&peer) {
-            if conn.epoch == epoch {
-                conn.epoch += 1;
-            }
-        }
+        conn.fail(epoch);
     }
-    src.complete(&peer, wr_id, result);
+    src.complete(&conn, wr_id, result);
 }
 
 /// One RDMA WRITE or READ between our local range and the peer's remote range, checked as a
@@ -405,14 +450,15 @@ pub(crate) fn land(posted: Posted) {
 /// that fails part-way (an injected failure) has placed half its data and counts no immediate.
 fn rdma(
     src: &Arc<Nic>,
-    peer: &NetAddr,
+    conn: &Conn,
     op: RdmaOp,
     (local_addr, local_key): (u64, u64),
     (remote_addr, remote_key, remote_base): (u64, u64, u64),
     len: u64,
     injected: Option<DomainError>,
 ) -> Result<(), DomainError> {
-    let target = lookup(peer).ok_or_else(|| unreachable(peer))?;
+    let peer = &conn.peer;
+    let target = conn.target().ok_or_else(|| unreachable(peer))?;
     let ours = src.regions();
     if !src.alive.load(Ordering::Acquire) {
         return Err(unreachable(&src.addr));
@@ -520,14 +566,15 @@ fn rdma(
 }
 
 /// Returns whether the message was delivered now (else it waits for a receive buffer).
-fn send(src: &Arc<Nic>, peer: &NetAddr, data: Vec<u8>, wr_id: u64) -> Result<bool, DomainError> {
-    let target = lookup(peer).ok_or_else(|| unreachable(peer))?;
+fn send(src: &Arc<Nic>, conn: &Arc<Conn>, data: Vec<u8>, wr_id: u64) -> Result<bool, DomainError> {
+    let peer = &conn.peer;
+    let target = conn.target().ok_or_else(|| unreachable(peer))?;
     let mut inbox = target.inbox();
     let delivered = if inbox.recv_buffers.is_empty() {
         inbox.waiting_sends.push_back(WaitingSend {
             data,
             sender: Arc::downgrade(src),
-            peer: peer.clone(),
+            conn: Arc::clone(conn),
             wr_id,
         });
         false
@@ -617,8 +664,11 @@ impl Progress {
                 }
             }
             for mut s in due.drain(..) {
-                let frozen =
-                    lookup(s.posted.op.peer()).is_some_and(|t| t.frozen.load(Ordering::Acquire));
+                let frozen = s
+                    .posted
+                    .conn
+                    .target()
+                    .is_some_and(|t| t.frozen.load(Ordering::Acquire));
                 if frozen && s.posted.src.alive.load(Ordering::Acquire) {
                     s.due = Instant::now() + FROZEN_RETRY;
                     locked(&self.queue).push(Reverse(s));
