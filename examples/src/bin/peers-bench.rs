@@ -1,0 +1,94 @@
+//! Cost per peer (issue 29): how long one engine takes to reach N peer engines for the first
+//! time, and how much memory each connected peer holds.
+//!
+//! `peers-bench [--config FILE] [--peers N]`: opens one engine and N peer engines (default
+//! 1,024, on the mock with its default options), then writes 64 bytes with an immediate to
+//! every peer, twice. The first round connects (on verbs that is a handshake per peer; on the
+//! mock, the connection objects and the engine's per-peer state); the second round reuses
+//! them. Prints both rounds' times against `[timeouts] connect_ms`, and the heap each peer
+//! holds after the first round (everything allocated minus everything freed in the process
+//! during it, divided by N: the sender's and the receivers' state together) and after the
+//! second (which should be about nothing: no per-operation growth).
+
+use std::alloc::System;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engine_core::{Config, DoneCounter, DoneFlag, HostBuffer, TransferEngine};
+use examples::{arg, fail};
+use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
+
+#[global_allocator]
+static HEAP: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+const WAIT: Duration = Duration::from_secs(120);
+
+/// Bytes the process's heap grew by over a region.
+fn grown(region: &Region<'_, System>) -> i64 {
+    let c = region.change();
+    c.bytes_allocated as i64 - c.bytes_deallocated as i64 + c.bytes_reallocated as i64
+}
+
+fn main() {
+    examples::init_logging();
+    backend_mock::link();
+    let peers: usize = arg("--peers").map_or(1024, |v| {
+        v.parse().unwrap_or_else(|e| fail(format!("--peers: {e}")))
+    });
+    let config = match arg("--config") {
+        Some(path) => Config::from_file(std::path::Path::new(&path)),
+        None => Config::from_toml(
+            "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n",
+            std::path::Path::new("<peers-bench>"),
+        ),
+    }
+    .unwrap_or_else(|e| fail(e));
+    let open = || Arc::new(TransferEngine::open(&config).unwrap_or_else(|e| fail(e)));
+    let a = open();
+    let src = HostBuffer::from_fn(&a, 64, |i| i as u8).unwrap_or_else(|e| fail(e));
+    let targets: Vec<_> = (0..peers)
+        .map(|_| {
+            let engine = open();
+            let dst = HostBuffer::new(&engine, 64).unwrap_or_else(|e| fail(e));
+            (engine, dst)
+        })
+        .collect();
+    let round = |imm: u32| {
+        let arrived: Vec<_> = targets
+            .iter()
+            .map(|(engine, _)| {
+                let flag = DoneFlag::new();
+                engine
+                    .expect_imm_count(imm, 1, flag.clone())
+                    .unwrap_or_else(|e| fail(e));
+                flag
+            })
+            .collect();
+        let region = Region::new(HEAP);
+        let start = Instant::now();
+        let sent = DoneCounter::new();
+        for (_, dst) in &targets {
+            a.submit_single_write(64, Some(imm), (src.mr(), 0), (dst.desc(), 0), sent.clone())
+                .unwrap_or_else(|e| fail(e));
+        }
+        sent.wait_for(peers as u64, WAIT)
+            .unwrap_or_else(|e| fail(e));
+        for flag in &arrived {
+            flag.wait(WAIT).unwrap_or_else(|e| fail(e));
+        }
+        let took = start.elapsed();
+        drop(arrived);
+        (took, grown(&region))
+    };
+    let (first, first_bytes) = round(1);
+    let (second, second_bytes) = round(2);
+    let per_peer = |bytes: i64| bytes as f64 / peers as f64;
+    println!(
+        "peers-bench: {peers} peers: first round (connects) {:.1} ms of connect_ms {} ms, second round {:.1} ms; heap held per peer after the first round {:.0} B, after the second {:.0} B",
+        first.as_secs_f64() * 1e3,
+        config.timeouts.connect_ms,
+        second.as_secs_f64() * 1e3,
+        per_peer(first_bytes),
+        per_peer(second_bytes),
+    );
+}
