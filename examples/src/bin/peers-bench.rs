@@ -8,7 +8,8 @@
 //! them. Prints both rounds' times against `[timeouts] connect_ms`, and the heap each peer
 //! holds after the first round (everything allocated minus everything freed in the process
 //! during it, divided by N: the sender's per-peer state, the backend's connection on both
-//! sides and what each receiver keeps per sender) and the least it grew over one of five
+//! sides and what each receiver keeps per sender; the resident set's growth beside it, which
+//! counts what a verbs provider maps from the driver) and the least it grew over one of five
 //! further rounds (which should be about nothing: no per-operation growth). A third engine writes the same round to every
 //! peer before the measured ones, so that the peers' own buffers (queues and event lists that
 //! grow on first use) are not counted as the connection's.
@@ -25,6 +26,18 @@ use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 static HEAP: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
 const WAIT: Duration = Duration::from_secs(120);
+
+/// The process's resident memory in bytes (what the heap misses: a verbs provider's queues are
+/// mapped from the driver, not allocated).
+fn resident() -> i64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: i64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    pages * 4096
+}
 
 /// Bytes the process's heap grew by over a region.
 fn grown(region: &Region<'_, System>) -> i64 {
@@ -59,6 +72,7 @@ fn main() {
     let round = |sender: &TransferEngine, src: &HostBuffer, imm: u32| {
         // From before the expectations, which the round also frees.
         let region = Region::new(HEAP);
+        let rss = resident();
         let arrived: Vec<_> = targets
             .iter()
             .map(|(engine, _)| {
@@ -83,13 +97,13 @@ fn main() {
         }
         let took = start.elapsed();
         drop(arrived);
-        (took, grown(&region))
+        (took, grown(&region), resident() - rss)
     };
     let warm = open();
     let warm_src = HostBuffer::new(&warm, 64).unwrap_or_else(|e| fail(e));
     round(&warm, &warm_src, 0);
-    let (first, first_bytes) = round(&a, &src, 1);
-    let (second, _) = round(&a, &src, 1);
+    let (first, first_bytes, first_rss) = round(&a, &src, 1);
+    let (second, _, _) = round(&a, &src, 1);
     // A per-operation leak grows the heap every round; amortised growth (a vector doubling,
     // a queue's next block) only in some.
     let steady_bytes = (0..5)
@@ -98,11 +112,12 @@ fn main() {
         .expect("five rounds");
     let per_peer = |bytes: i64| bytes as f64 / peers as f64;
     println!(
-        "peers-bench: {peers} peers: first round (connects) {:.1} ms of connect_ms {} ms, second round {:.1} ms; heap held per peer after the first round {:.0} B, least growth over a further round {:.0} B",
+        "peers-bench: {peers} peers: first round (connects) {:.1} ms of connect_ms {} ms, second round {:.1} ms; heap held per peer after the first round {:.0} B (resident {:.0} B), least growth over a further round {:.0} B",
         first.as_secs_f64() * 1e3,
         config.timeouts.connect_ms,
         second.as_secs_f64() * 1e3,
         per_peer(first_bytes),
+        per_peer(first_rss),
         per_peer(steady_bytes),
     );
 }
