@@ -48,6 +48,8 @@ fn grown(region: &Region<'_, System>) -> i64 {
 fn main() {
     examples::init_logging();
     backend_mock::link();
+    #[cfg(feature = "verbs")]
+    backend_verbs::link();
     let peers: usize = arg("--peers").map_or(1024, |v| {
         v.parse().unwrap_or_else(|e| fail(format!("--peers: {e}")))
     });
