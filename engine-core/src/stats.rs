@@ -234,13 +234,13 @@ impl Recorder {
         op.post_latency.record(waited);
     }
 
-    /// A work request of `bytes` for NIC `nic`.
-    pub(crate) fn on_nic(&mut self, nic: usize, bytes: u64) {
+    /// `requests` work requests carrying `bytes` for NIC `nic`.
+    pub(crate) fn on_nic(&mut self, nic: usize, requests: u64, bytes: u64) {
         if nic >= self.nics.len() {
             self.nics.resize_with(nic + 1, NicStats::default);
         }
         let n = &mut self.nics[nic];
-        n.requests += 1;
+        n.requests += requests;
         n.bytes += bytes;
     }
 

@@ -16,7 +16,9 @@ use crate::imm::ResetReport;
 use crate::plan::{Chunk, TransferShape};
 use crate::plugin::find_backend;
 use crate::runtime::completion::OnDone;
-use crate::runtime::{spawn_callback_thread, spawn_worker, Command, Mirror, Ops, RdmaWork, Shared};
+use crate::runtime::{
+    spawn_callback_thread, spawn_worker, Command, Mirror, Ops, PagedWork, RdmaWork, Shared,
+};
 use crate::wire::{MrDesc, NetAddr};
 
 mod immediates;

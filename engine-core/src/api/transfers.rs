@@ -243,26 +243,29 @@ impl TransferEngine {
         let first = self.first_nic();
         let nics = self.nic_count();
         // Every page has the same length, so its split depends only on the NIC it starts at:
-        // planned once per NIC (at most four), not once per page.
-        let plans: Vec<Vec<Chunk>> = (0..nics.min(local_pages.indices.len()))
+        // planned once per NIC (at most four), at offset 0 of both regions; the worker moves
+        // a plan to each page's offsets as it posts (no per-page work request is built here).
+        let mut chunks = Vec::new();
+        let plans: Vec<Ops> = (0..nics.min(local_pages.indices.len()))
             .map(|k| {
-                let mut chunks = Vec::new();
+                chunks.clear();
                 self.spread
                     .split(page_len, nics, (first + k) % nics, &mut chunks);
-                chunks
+                let mut plan = Vec::new();
+                push_ops(&mut plan, &chunks, &region, 0, remote.0, 0, op);
+                Ops::from_vec(plan)
             })
             .collect();
-        let per_page = plans.iter().map(Vec::len).max().unwrap_or(0);
-        let mut ops = Vec::with_capacity(local_pages.indices.len() * per_page);
+        let mut offsets = Vec::with_capacity(local_pages.indices.len());
         for i in 0..local_pages.indices.len() {
             let l = page_offset(local_pages, i).ok_or_else(|| overflow(local_side(op)))?;
             let r = page_offset(remote_pages, i).ok_or_else(|| overflow(remote_side(op)))?;
             check_range(local_side(op), l, page_len, region.len)?;
             check_range(remote_side(op), r, page_len, remote.0.len())?;
-            push_ops(&mut ops, &plans[i % nics], &region, l, remote.0, r, op);
+            offsets.push((l, r));
         }
-        self.shared.submit_counted(Command::Writes {
-            ops: Ops::from_vec(ops),
+        self.shared.submit_counted(Command::Pages {
+            work: Box::new(PagedWork { plans, offsets }),
             on_done,
             submitted: Instant::now(),
         })
@@ -386,6 +389,7 @@ impl TransferEngine {
 /// The work requests of one planned unit: each chunk pairs NIC `k`'s local key with the peer's
 /// NIC-`k` address and rkey (the one place they are paired).
 #[allow(clippy::too_many_arguments)]
+#[inline]
 fn push_ops(
     ops: &mut impl OpSink,
     chunks: &[Chunk],

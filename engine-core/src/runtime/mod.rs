@@ -16,6 +16,7 @@ mod callbacks;
 pub(crate) mod completion;
 pub(crate) mod control;
 mod tracker;
+mod work;
 mod worker;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -26,7 +27,7 @@ use crossbeam_channel::Sender;
 use crossbeam_queue::SegQueue;
 
 use crate::config::Config;
-use crate::domain::{MemoryRegion, RdmaOp, RdmaRequest, Registration};
+use crate::domain::{MemoryRegion, Registration};
 use crate::error::{Error, Result};
 use crate::imm::ImmCounter;
 use crate::notifications::Inbox;
@@ -34,6 +35,7 @@ use crate::wire::NetAddr;
 use completion::{Job, OnDone};
 
 pub(crate) use callbacks::spawn_callback_thread;
+pub(crate) use work::{Ops, PagedWork, RdmaWork};
 pub(crate) use worker::spawn_worker;
 
 /// Receives an immediate's running total of arrivals; see `TransferEngine::mirror_imm_count`.
@@ -89,48 +91,18 @@ pub(crate) use xfer_plugin::panic_message;
 /// Handles incoming messages; see `TransferEngine::submit_recvs`.
 pub(crate) type RecvHandler = Arc<dyn Fn(&[u8]) + Send + Sync>;
 
-/// One write or read, resolved to a NIC, its keys and the peer's address on that NIC: an
-/// [`RdmaRequest`] that owns its peer address while it waits in the worker's queues.
-#[derive(Debug, Clone)]
-pub(crate) struct RdmaWork {
-    pub(crate) op: RdmaOp,
-    pub(crate) nic: usize,
-    pub(crate) peer: NetAddr,
-    pub(crate) local_addr: u64,
-    pub(crate) local_key: u64,
-    pub(crate) remote_addr: u64,
-    pub(crate) remote_key: u64,
-    pub(crate) remote_base: u64,
-    pub(crate) len: u64,
-}
-
-impl RdmaWork {
-    /// The request a Domain is handed, with the worker's id for it.
-    pub(crate) fn request(&self, wr_id: u64) -> RdmaRequest<'_> {
-        RdmaRequest {
-            wr_id,
-            op: self.op,
-            peer: &self.peer,
-            local_addr: self.local_addr,
-            local_key: self.local_key,
-            remote_addr: self.remote_addr,
-            remote_key: self.remote_key,
-            remote_base: self.remote_base,
-            len: self.len,
-        }
-    }
-}
-
-/// A transfer's operations: one inline (a single write, the commonest command, allocates
-/// nothing), more on the heap.
-pub(crate) type Ops = smallvec::SmallVec<[RdmaWork; 1]>;
-
 /// What callers ask of the worker.
 pub(crate) enum Command {
     /// A transfer made of writes; finishes when all have.
     /// `submitted`: when the caller submitted it (latencies are measured from there).
     Writes {
         ops: Ops,
+        on_done: OnDone,
+        submitted: std::time::Instant,
+    },
+    /// A paged transfer (its own variant, boxed: a single write's command stays small).
+    Pages {
+        work: Box<PagedWork>,
         on_done: OnDone,
         submitted: std::time::Instant,
     },
@@ -410,7 +382,9 @@ impl Drop for Shared {
     fn drop(&mut self) {
         while let Some(cmd) = self.queue.pop() {
             match cmd {
-                Command::Writes { on_done, .. } | Command::Send { on_done, .. } => {
+                Command::Writes { on_done, .. }
+                | Command::Pages { on_done, .. }
+                | Command::Send { on_done, .. } => {
                     on_done.complete(Err(Error::Shutdown), &self.jobs);
                 }
                 Command::Register { reply, .. } => {

@@ -31,7 +31,8 @@ use foldhash::HashMap;
 
 use super::completion::{send_batch, CallbackBatch, OnDone};
 use super::tracker::Tracker;
-use super::{panic_message, Command, Mirror, RdmaWork, Shared};
+use super::work::{RdmaWork, Shift};
+use super::{panic_message, Command, Mirror, Shared};
 use crate::domain::{
     Capabilities, Device, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus, RdmaOp,
     Registration, Waker,
@@ -399,33 +400,28 @@ impl Worker {
 
     fn handle_command(&mut self, cmd: Command) {
         match cmd {
+            // Two monomorphised paths: a listed transfer walks its operations, a paged one its
+            // plans (for checks and statistics) and then its pages.
             Command::Writes {
                 ops,
                 on_done,
                 submitted,
             } => {
-                if ops.is_empty() {
-                    self.finished.push((on_done.into(), Ok(())));
-                    return;
-                }
-                if let Some(refused) = ops.iter().find_map(|op| self.beyond_capabilities(op)) {
-                    // Refused whole, before any part is posted: the backend said it cannot.
-                    self.finished
-                        .push((on_done.into(), Err(Error::InvalidArgument(refused))));
-                    return;
-                }
-                let requests = ops.len() as u64;
-                let deadline = self.now + self.transfer_timeout;
-                let Some(id) = self.track(requests, deadline, on_done, |w| {
-                    w.count_writes(&ops, submitted)
-                }) else {
-                    return;
-                };
-                // Posted from where they are: an operation is copied (its peer's handle
-                // cloned) only if it has to wait in a queue.
-                for op in &ops {
-                    self.post_rdma(id, op);
-                }
+                let shapes = ops.iter().map(|op| (op, 1));
+                self.start_writes(shapes, on_done, submitted, |w, id| {
+                    for op in &ops {
+                        w.post_rdma(id, op, (0, 0));
+                    }
+                });
+            }
+            Command::Pages {
+                work,
+                on_done,
+                submitted,
+            } => {
+                self.start_writes(work.shapes(), on_done, submitted, |w, id| {
+                    work.for_each(|op, shift| w.post_rdma(id, op, shift));
+                });
             }
             Command::Send {
                 peer,
@@ -455,7 +451,7 @@ impl Worker {
                 let Some(id) = self.track(1, deadline, on_done, |w| {
                     w.recorder
                         .started(kind, 1, w.now.saturating_duration_since(submitted));
-                    w.recorder.on_nic(0, bytes);
+                    w.recorder.on_nic(0, 1, bytes);
                     let index = w.recorder.posted_to(&peer, 1, bytes);
                     Started {
                         kind,
@@ -614,28 +610,73 @@ impl Worker {
 
     /// Counts an accepted transfer of `ops` (one lookup per run of ops to the same peer, so a
     /// paged transfer to one peer costs one); returns what its completion needs.
-    fn count_writes(&mut self, ops: &[RdmaWork], submitted: Instant) -> Started {
-        let kind = match ops[0].op {
+    /// Checks, tracks and posts a transfer's writes or reads; `shapes` are its distinct
+    /// requests with how many each stands for (see `PagedWork::shapes`).
+    fn start_writes<'a>(
+        &mut self,
+        shapes: impl Iterator<Item = (&'a RdmaWork, u64)> + Clone,
+        on_done: OnDone,
+        submitted: Instant,
+        post: impl FnOnce(&mut Self, u64),
+    ) {
+        let requests = shapes.clone().map(|(_, uses)| uses).sum();
+        if requests == 0 {
+            self.finished.push((on_done.into(), Ok(())));
+            return;
+        }
+        if let Some(refused) = shapes
+            .clone()
+            .find_map(|(op, _)| self.beyond_capabilities(op))
+        {
+            // Refused whole, before any part is posted: the backend said it cannot.
+            self.finished
+                .push((on_done.into(), Err(Error::InvalidArgument(refused))));
+            return;
+        }
+        let deadline = self.now + self.transfer_timeout;
+        let Some(id) = self.track(requests, deadline, on_done, |w| {
+            w.count_writes(shapes, requests, submitted)
+        }) else {
+            return;
+        };
+        // Posted from where they are: an operation is copied (its peer's handle cloned) only
+        // if it has to wait in a queue.
+        post(self, id);
+    }
+
+    fn count_writes<'a>(
+        &mut self,
+        shapes: impl Iterator<Item = (&'a RdmaWork, u64)>,
+        requests: u64,
+        submitted: Instant,
+    ) -> Started {
+        let mut shapes = shapes.peekable();
+        let first = shapes
+            .peek()
+            .expect("the caller checked that there is work")
+            .0;
+        let kind = match first.op {
             RdmaOp::Read => OpKind::Read,
             RdmaOp::Write { .. } => OpKind::Write,
         };
         let waited = self.now.saturating_duration_since(submitted);
-        self.recorder.started(kind, ops.len() as u64, waited);
+        self.recorder.started(kind, requests, waited);
         let mut bytes = 0;
         let mut nics = 0u8;
         let mut single_peer = true;
-        let mut run = (&ops[0].peer, 0u64, 0u64);
-        for op in ops {
-            bytes += op.len;
+        let mut run = (&first.peer, 0u64, 0u64);
+        for (op, uses) in shapes {
+            let op_bytes = op.len * uses;
+            bytes += op_bytes;
             nics |= 1 << op.nic;
-            self.recorder.on_nic(op.nic, op.len);
+            self.recorder.on_nic(op.nic, uses, op_bytes);
             if op.peer != *run.0 {
                 single_peer = false;
                 self.recorder.posted_to(run.0, run.1, run.2);
                 run = (&op.peer, 0, 0);
             }
-            run.1 += 1;
-            run.2 += op.len;
+            run.1 += uses;
+            run.2 += op_bytes;
         }
         let last = self.recorder.posted_to(run.0, run.1, run.2);
         Started {
@@ -647,8 +688,23 @@ impl Worker {
         }
     }
 
-    /// Why the backend's declared capabilities rule out `op`, if they do.
+    /// Why the backend's declared capabilities rule out `op`, if they do. (The check inline,
+    /// once per operation of every transfer; the message only when it fails.)
+    #[inline]
     fn beyond_capabilities(&self, op: &RdmaWork) -> Option<String> {
+        let caps = &self.caps[op.nic];
+        let fits = caps.max_write_size.is_none_or(|m| op.len <= m)
+            && (op.len > 0 || caps.zero_byte_writes)
+            && (op.op.imm().is_none() || caps.immediates);
+        if fits {
+            None
+        } else {
+            self.refusal(op)
+        }
+    }
+
+    #[cold]
+    fn refusal(&self, op: &RdmaWork) -> Option<String> {
         let caps = &self.caps[op.nic];
         let backend = &self.shared.backend;
         let what = match op.op {
@@ -718,14 +774,16 @@ impl Worker {
     }
 
     /// [`post`](Self::post) for an operation the caller keeps: copied only to be queued.
-    fn post_rdma(&mut self, id: u64, op: &RdmaWork) {
+    /// Posts `op` moved by `shift` (a page of a paged request; `(0, 0)` otherwise).
+    #[inline(always)]
+    fn post_rdma(&mut self, id: u64, op: &RdmaWork, shift: Shift) {
         if !self.queued_ahead(op.nic, &op.peer) {
-            let attempt = self.try_post(op.nic, id, Work::Rdma(op));
+            let attempt = self.try_post(op.nic, id, Work::Rdma(op, shift));
             if self.attempted(id, attempt) {
                 return;
             }
         }
-        self.queue(op.nic, id, Pending::Rdma(op.clone()));
+        self.queue(op.nic, id, Pending::Rdma(op.shifted(shift)));
     }
 
     /// Whether work for `peer` on `nic` waits already (then new work queues behind it).
@@ -760,7 +818,9 @@ impl Worker {
             return Ok(PostStatus::Busy);
         }
         match work {
-            Work::Rdma(op) => self.group.domains_mut()[nic].post_rdma(&op.request(id)),
+            Work::Rdma(op, shift) => {
+                self.group.domains_mut()[nic].post_rdma(&op.request(id, shift))
+            }
             Work::Send(peer, data) => self.group.domains_mut()[nic].post_send(id, peer, data),
         }
     }
@@ -1047,7 +1107,9 @@ impl Worker {
     /// Fails `cmd` with `error`; true if it was the shutdown.
     fn refuse(&mut self, cmd: Command, error: &Error) -> bool {
         match cmd {
-            Command::Writes { on_done, .. } | Command::Send { on_done, .. } => {
+            Command::Writes { on_done, .. }
+            | Command::Pages { on_done, .. }
+            | Command::Send { on_done, .. } => {
                 self.finished.push((on_done.into(), Err(error.clone())));
             }
             Command::Register { reply, .. } => {
@@ -1111,14 +1173,15 @@ impl Worker {
 /// Work as a Domain is handed it, borrowed from a queue or from the command it came in.
 #[derive(Clone, Copy)]
 enum Work<'a> {
-    Rdma(&'a RdmaWork),
+    /// An operation moved by a shift (a page of a paged request).
+    Rdma(&'a RdmaWork, Shift),
     Send(&'a NetAddr, &'a [u8]),
 }
 
 impl Pending {
     fn as_ref(&self) -> Work<'_> {
         match self {
-            Self::Rdma(op) => Work::Rdma(op),
+            Self::Rdma(op) => Work::Rdma(op, (0, 0)),
             Self::Send { peer, data } => Work::Send(peer, data),
         }
     }

@@ -1,0 +1,153 @@
+//! A transfer's work requests as the worker receives them: listed one by one ([`Ops`]), or —
+//! for a paged request — as one plan per starting NIC plus each page's offsets
+//! ([`PagedWork`]), expanded only as the worker posts them. A page then costs its two offsets (16 bytes) instead of a 96-byte
+//! [`RdmaWork`] that clones its peer's handle (issue 29: no per-page descriptor list).
+//! Pure data and iteration; the worker decides what to post.
+
+use smallvec::SmallVec;
+
+use crate::domain::{RdmaOp, RdmaRequest};
+use crate::wire::NetAddr;
+
+/// One write or read, resolved to a NIC, its keys and the peer's address on that NIC: an
+/// [`RdmaRequest`] that owns its peer address while it waits in the worker's queues.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct RdmaWork {
+    pub(crate) op: RdmaOp,
+    pub(crate) nic: usize,
+    pub(crate) peer: NetAddr,
+    pub(crate) local_addr: u64,
+    pub(crate) local_key: u64,
+    pub(crate) remote_addr: u64,
+    pub(crate) remote_key: u64,
+    pub(crate) remote_base: u64,
+    pub(crate) len: u64,
+}
+
+/// How far a page lies from its plan's (page 0's) addresses: (local, remote) bytes.
+pub(crate) type Shift = (u64, u64);
+
+impl RdmaWork {
+    /// The request a Domain is handed, with the worker's id for it, moved by `shift`.
+    #[inline]
+    pub(crate) fn request(&self, wr_id: u64, (local, remote): Shift) -> RdmaRequest<'_> {
+        RdmaRequest {
+            wr_id,
+            op: self.op,
+            peer: &self.peer,
+            local_addr: self.local_addr + local,
+            local_key: self.local_key,
+            remote_addr: self.remote_addr + remote,
+            remote_key: self.remote_key,
+            remote_base: self.remote_base,
+            len: self.len,
+        }
+    }
+
+    /// A copy moved by `shift`, to wait in a queue.
+    pub(crate) fn shifted(&self, (local, remote): Shift) -> Self {
+        Self {
+            local_addr: self.local_addr + local,
+            remote_addr: self.remote_addr + remote,
+            ..self.clone()
+        }
+    }
+}
+
+/// Listed operations: one inline (a single write, the commonest command, allocates nothing),
+/// more on the heap.
+pub(crate) type Ops = SmallVec<[RdmaWork; 1]>;
+
+/// A paged request: page `i` is the work of `plans[i % plans.len()]` moved by `offsets[i]`.
+/// Every page has the same length, so its split over the NICs depends only on the NIC it
+/// starts at: at most one plan per NIC.
+#[derive(Debug)]
+pub(crate) struct PagedWork {
+    /// The requests of a page starting on each NIC, at offset 0 of both regions.
+    pub(crate) plans: Vec<Ops>,
+    /// Each page's (local, remote) offset, checked against both regions at submission.
+    pub(crate) offsets: Vec<Shift>,
+}
+
+impl PagedWork {
+    /// Every plan operation with how many pages use its plan: what capability checks and
+    /// statistics need, without walking the pages.
+    pub(crate) fn shapes(&self) -> impl Iterator<Item = (&RdmaWork, u64)> + Clone {
+        let (n, pages) = (self.plans.len(), self.offsets.len());
+        self.plans.iter().enumerate().flat_map(move |(k, plan)| {
+            // Pages k, k + n, k + 2n, … use plan k.
+            let uses = pages.saturating_sub(k).div_ceil(n) as u64;
+            plan.iter().map(move |op| (op, uses))
+        })
+    }
+
+    /// Calls `post` with every work request, in posting order, and its shift. (A loop over
+    /// the pages rather than an iterator: the worker's posting loop stays two plain loops.)
+    pub(crate) fn for_each(&self, mut post: impl FnMut(&RdmaWork, Shift)) {
+        for (&shift, plan) in self.offsets.iter().zip(self.plans.iter().cycle()) {
+            for op in plan {
+                post(op, shift);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn work(nic: usize, local_addr: u64, remote_addr: u64, len: u64) -> RdmaWork {
+        RdmaWork {
+            op: RdmaOp::Write { imm: None },
+            nic,
+            peer: NetAddr::new(&[nic as u8 + 1; 4]).unwrap(),
+            local_addr,
+            local_key: 10 + nic as u64,
+            remote_addr,
+            remote_key: 20 + nic as u64,
+            remote_base: 0,
+            len,
+        }
+    }
+
+    proptest! {
+        /// A paged request yields exactly what listing every page's requests one by one would
+        /// (the form it replaced), and counts them alike.
+        #[test]
+        fn a_paged_request_expands_to_its_pages_listed_one_by_one(
+            pages in proptest::collection::vec((0u64..1 << 20, 0u64..1 << 20), 0..40),
+            chunks_per_plan in proptest::collection::vec(0usize..3, 1..5),
+        ) {
+            let plans: Vec<Ops> = chunks_per_plan
+                .iter()
+                .enumerate()
+                .map(|(k, &c)| (0..c).map(|j| work(k, 100 * j as u64, 1000 + 100 * j as u64, 100)).collect())
+                .collect();
+            let listed: Vec<RdmaWork> = pages
+                .iter()
+                .enumerate()
+                .flat_map(|(i, &shift)| plans[i % plans.len()].iter().map(move |w| w.shifted(shift)))
+                .collect();
+            let paged = PagedWork { plans: plans.clone(), offsets: pages };
+            let mut posted = Vec::new();
+            paged.for_each(|w, s| posted.push((w.clone(), s)));
+            let expanded: Vec<RdmaWork> = posted.iter().map(|(w, s)| w.shifted(*s)).collect();
+            prop_assert_eq!(&expanded, &listed);
+            prop_assert_eq!(paged.shapes().map(|(_, uses)| uses).sum::<u64>(), listed.len() as u64);
+            // The shapes stand for every request: per NIC, as many and as many bytes.
+            for nic in 0..plans.len() {
+                let (n, bytes) = paged
+                    .shapes()
+                    .filter(|(w, _)| w.nic == nic)
+                    .fold((0, 0), |(n, b), (w, uses)| (n + uses, b + uses * w.len));
+                let on_nic = listed.iter().filter(|w| w.nic == nic);
+                prop_assert_eq!((n, bytes), (on_nic.clone().count() as u64, on_nic.map(|w| w.len).sum::<u64>()));
+            }
+            // A shifted request is what the Domain sees.
+            for ((w, s), l) in posted.iter().zip(&listed) {
+                prop_assert_eq!(w.request(7, *s), l.request(7, (0, 0)));
+            }
+        }
+    }
+}
