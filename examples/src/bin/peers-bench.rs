@@ -50,6 +50,8 @@ fn main() {
     backend_mock::link();
     #[cfg(feature = "verbs")]
     backend_verbs::link();
+    #[cfg(feature = "efa")]
+    backend_efa::link();
     let peers: usize = arg("--peers").map_or(1024, |v| {
         v.parse().unwrap_or_else(|e| fail(format!("--peers: {e}")))
     });
