@@ -266,6 +266,7 @@ fn main() -> ExitCode {
         }
         Some("python") => python::install(),
         Some("instructions") => instructions::report(),
+        Some("peer-bench") => bench::peer_bench(&args[1..]),
         Some(name @ ("vllm" | "sglang")) => {
             let framework = if name == "vllm" { serving::VLLM } else { serving::SGLANG };
             let mut totals = (0, 0);
@@ -288,7 +289,7 @@ fn main() -> ExitCode {
         }
         Some("header") => header::header(args.get(1).is_some_and(|a| a == "--check")),
         Some("fixtures") => fixtures::write_all(std::path::Path::new("topology/tests/fixtures/sysfs")).map_err(|e| e.to_string()),
-        _ => Err("usage: cargo xtask test | fresh | bench [transfer-bench args] | bench-efa [transfer-bench args]".into()),
+        _ => Err("usage: cargo xtask test | fresh | bench [transfer-bench args] | bench-efa [transfer-bench args] | peer-bench [peer_bench.py args]".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

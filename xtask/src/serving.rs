@@ -48,6 +48,19 @@ pub(crate) const SGLANG: Framework = Framework {
     guest: None,
 };
 
+/// The peer engines `cargo xtask peer-bench` compares xfer with (issue 29), in a venv beside
+/// the package: the releases the issue measured. Not a framework with tests of its own.
+pub(crate) const PEERS: Framework = Framework {
+    venv: "target/peers-venv",
+    requirements: &[
+        "dlslime==0.1.23",
+        "mooncake-transfer-engine-non-cuda==0.3.13.post1",
+    ],
+    tests: "python/benches",
+    env: &[],
+    guest: None,
+};
+
 /// Where the wheels are kept between runs.
 pub(crate) fn wheel_cache() -> String {
     std::env::var("XFER_WHEEL_CACHE").unwrap_or_else(|_| "/var/cache/xfer-wheels".into())
