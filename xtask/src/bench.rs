@@ -528,6 +528,41 @@ pub(crate) fn bench(extra: &[String]) -> Result {
     cargo(&args)
 }
 
+/// `cargo xtask peer-bench [args]`: xfer against DLSlime and Mooncake Transfer Engine on the
+/// same soft-RoCE device in one guest boot (`python/benches/peer_bench.py`, which takes the
+/// args: sizes, batch, seconds, rounds, engines). The peers come from PyPI into
+/// `target/peers-venv` with the xfer package and its verbs plugin; the guest sees this
+/// machine's files. DLSlime picks an IPv4-mapped RoCE v2 GID, so the guest's netdev gets
+/// 127.0.1.1/32 (an address of the loopback range, on the guest's own dummy device).
+pub(crate) fn peer_bench(args: &[String]) -> Result {
+    crate::serving::PEERS.install()?;
+    let quoted: Vec<String> = args.iter().map(|a| format!("'{a}'")).collect();
+    let script = format!(
+        "ulimit -n 65536; ip addr add 127.0.1.1/32 dev rxenet0 && {}/bin/python python/benches/peer_bench.py {}",
+        crate::serving::PEERS.venv,
+        quoted.join(" ")
+    );
+    let run = rxe::run(
+        1,
+        std::time::Duration::from_secs(3600),
+        &["bash".into(), "-c".into(), script],
+    )?;
+    for line in run.output.iter().filter(|l| l.starts_with("peer-bench:")) {
+        println!("{line}");
+    }
+    if run.status != 0 {
+        let tail: Vec<&String> = run.output.iter().rev().take(30).collect();
+        for line in tail.into_iter().rev() {
+            eprintln!("{line}");
+        }
+        return Err(format!(
+            "peer-bench failed in the guest with status {}",
+            run.status
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -614,39 +649,4 @@ mod tests {
         );
         assert_eq!(rounds[&65536], [(None, None), (None, Some(30.0))]);
     }
-}
-
-/// `cargo xtask peer-bench [args]`: xfer against DLSlime and Mooncake Transfer Engine on the
-/// same soft-RoCE device in one guest boot (`python/benches/peer_bench.py`, which takes the
-/// args: sizes, batch, seconds, rounds, engines). The peers come from PyPI into
-/// `target/peers-venv` with the xfer package and its verbs plugin; the guest sees this
-/// machine's files. DLSlime picks an IPv4-mapped RoCE v2 GID, so the guest's netdev gets
-/// 127.0.1.1/32 (an address of the loopback range, on the guest's own dummy device).
-pub(crate) fn peer_bench(args: &[String]) -> Result {
-    crate::serving::PEERS.install()?;
-    let quoted: Vec<String> = args.iter().map(|a| format!("'{a}'")).collect();
-    let script = format!(
-        "ulimit -n 65536; ip addr add 127.0.1.1/32 dev rxenet0 && {}/bin/python python/benches/peer_bench.py {}",
-        crate::serving::PEERS.venv,
-        quoted.join(" ")
-    );
-    let run = rxe::run(
-        1,
-        std::time::Duration::from_secs(3600),
-        &["bash".into(), "-c".into(), script],
-    )?;
-    for line in run.output.iter().filter(|l| l.starts_with("peer-bench:")) {
-        println!("{line}");
-    }
-    if run.status != 0 {
-        let tail: Vec<&String> = run.output.iter().rev().take(30).collect();
-        for line in tail.into_iter().rev() {
-            eprintln!("{line}");
-        }
-        return Err(format!(
-            "peer-bench failed in the guest with status {}",
-            run.status
-        ));
-    }
-    Ok(())
 }
