@@ -118,8 +118,8 @@ class Mooncake:
             return e
 
         self.a, self.b = engine(17801), engine(17802)
-        self.target = self.b.get_rpc_port() if hasattr(self.b, "get_rpc_port") else None
-        self.target = f"127.0.0.1:{self.target or 17802}"
+        # P2PHANDSHAKE: a peer is named by its host and the RPC port its engine picked.
+        self.target = f"127.0.0.1:{self.b.get_rpc_port()}"
         n = size * batch
         self.src, self.dst, src_ptr, dst_ptr = _buffers(n)
         for e, ptr in ((self.a, src_ptr), (self.b, dst_ptr)):

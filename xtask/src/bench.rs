@@ -542,19 +542,13 @@ pub(crate) fn peer_bench(args: &[String]) -> Result {
         crate::serving::PEERS.venv,
         quoted.join(" ")
     );
+    // The guest's console (the script's figures and summary last) is printed as it runs.
     let run = rxe::run(
         1,
         std::time::Duration::from_secs(3600),
         &["bash".into(), "-c".into(), script],
     )?;
-    for line in run.output.iter().filter(|l| l.starts_with("peer-bench:")) {
-        println!("{line}");
-    }
     if run.status != 0 {
-        let tail: Vec<&String> = run.output.iter().rev().take(30).collect();
-        for line in tail.into_iter().rev() {
-            eprintln!("{line}");
-        }
         return Err(format!(
             "peer-bench failed in the guest with status {}",
             run.status

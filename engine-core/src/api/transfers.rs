@@ -251,9 +251,9 @@ impl TransferEngine {
                 chunks.clear();
                 self.spread
                     .split(page_len, nics, (first + k) % nics, &mut chunks);
-                let mut plan = Vec::new();
+                let mut plan = Ops::new();
                 push_ops(&mut plan, &chunks, &region, 0, remote.0, 0, op);
-                Ops::from_vec(plan)
+                plan
             })
             .collect();
         let mut offsets = Vec::with_capacity(local_pages.indices.len());
@@ -389,7 +389,6 @@ impl TransferEngine {
 /// The work requests of one planned unit: each chunk pairs NIC `k`'s local key with the peer's
 /// NIC-`k` address and rkey (the one place they are paired).
 #[allow(clippy::too_many_arguments)]
-#[inline]
 fn push_ops(
     ops: &mut impl OpSink,
     chunks: &[Chunk],

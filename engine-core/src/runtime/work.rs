@@ -1,7 +1,8 @@
 //! A transfer's work requests as the worker receives them: listed one by one ([`Ops`]), or —
 //! for a paged request — as one plan per starting NIC plus each page's offsets
-//! ([`PagedWork`]), expanded only as the worker posts them. A page then costs its two offsets (16 bytes) instead of a 96-byte
-//! [`RdmaWork`] that clones its peer's handle (issue 29: no per-page descriptor list).
+//! ([`PagedWork`]), expanded only as the worker posts them. A page then costs its two
+//! offsets (16 bytes) instead of a 96-byte [`RdmaWork`] that clones its peer's handle
+//! (issue 29: no per-page descriptor list).
 //! Pure data and iteration; the worker decides what to post.
 
 use smallvec::SmallVec;
