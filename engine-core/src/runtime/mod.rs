@@ -1,9 +1,9 @@
 //! Threads and queues: the worker that drives one DomainGroup, and the callback thread.
 //!
 //! ```text
-//!  caller threads ──submit──▶ SegQueue<Command> ──▶ worker ──post/poll──▶ Domains (NICs)
-//!        ▲                     (lock-free,            │
-//!        │                      unbounded)            ├─ flags/counters: set directly
+//!  caller threads ──submit──▶ SubmissionQueue ──▶ worker ──post/poll──▶ Domains (NICs)
+//!        ▲                   (unbounded, taken      │
+//!        │                    in whole batches)     ├─ flags/counters: set directly
 //!        └────── callbacks ◀── callback thread ◀──────┘  callbacks: crossbeam channel
 //! ```
 //! Neither queue blocks a producer, so a callback that submits new work can never deadlock
@@ -15,6 +15,7 @@
 mod callbacks;
 pub(crate) mod completion;
 pub(crate) mod control;
+mod queue;
 mod tracker;
 mod work;
 mod worker;
@@ -24,7 +25,6 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::Thread;
 
 use crossbeam_channel::Sender;
-use crossbeam_queue::SegQueue;
 
 use crate::config::Config;
 use crate::domain::{MemoryRegion, Registration};
@@ -193,7 +193,7 @@ impl Parking {
 pub(crate) struct Shared {
     pub(crate) config: Config,
     pub(crate) backend: String,
-    queue: SegQueue<Command>,
+    queue: queue::SubmissionQueue<Command>,
     /// The worker's parking state; Domains' wakers hold it directly (see [`Parking`]).
     pub(crate) parking: Arc<Parking>,
     pub(crate) imm: Mutex<ImmCounter<OnDone>>,
@@ -232,7 +232,7 @@ impl Shared {
             registration_cache_hits: std::sync::atomic::AtomicU64::new(0),
             config,
             backend,
-            queue: SegQueue::new(),
+            queue: queue::SubmissionQueue::new(),
             parking: Arc::new(Parking::default()),
             imm: Mutex::new(ImmCounter::with_limits(max_idle_imms, per_peer)),
             jobs,

@@ -96,6 +96,8 @@ struct Worker {
     tracker: Tracker<Tracked>,
     /// Work refused with `Busy`, per (NIC, peer), in submission order within each.
     pending: HashMap<(usize, NetAddr), VecDeque<(u64, Pending)>>,
+    /// Commands taken from the submission queue and not handled yet (see `pass`).
+    commands: VecDeque<Command>,
     events: Vec<Event>,
     finished: Vec<(Tracked, Result<()>)>,
     imm_outcomes: Vec<Outcome<OnDone>>,
@@ -268,6 +270,7 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
         needs_polling,
         tracker: Tracker::new(),
         pending: HashMap::default(),
+        commands: VecDeque::new(),
         events: Vec::new(),
         finished: Vec::new(),
         recorder: Recorder::default(),
@@ -310,23 +313,21 @@ impl Worker {
         rounds: &mut u32,
     ) -> bool {
         let mut busy = false;
-        if let Some(first) = self.shared.queue.pop() {
+        if self.commands.is_empty() {
+            self.shared.queue.take_into(&mut self.commands);
+        }
+        if !self.commands.is_empty() {
             // One clock read per batch of submissions, not one per transfer.
             self.now = Instant::now();
-            let mut next = Some(first);
-            let mut budget = 256;
-            while let Some(cmd) = next {
+            // At most 256 commands, then posting and polling; the rest wait for the next pass.
+            for _ in 0..256 {
+                let Some(cmd) = self.commands.pop_front() else {
+                    break;
+                };
                 if matches!(cmd, Command::Shutdown) {
                     return false;
                 }
                 self.handle_command(cmd);
-                budget -= 1;
-                // Leave the rest for the next pass, after posting and polling.
-                next = if budget > 0 {
-                    self.shared.queue.pop()
-                } else {
-                    None
-                };
             }
             busy = true;
         }
@@ -392,7 +393,7 @@ impl Worker {
         if !self.domains_wake {
             timeout = timeout.min(idle_poll);
         }
-        if self.shared.queue.is_empty() && !self.poll_domains() {
+        if self.commands.is_empty() && self.shared.queue.is_empty() && !self.poll_domains() {
             std::thread::park_timeout(timeout);
         }
         self.shared.parking.announce(false);
@@ -1098,6 +1099,10 @@ impl Worker {
             w.complete_batched(Err(error.clone()), &mut self.callbacks);
         }
         let mut shutdown = false;
+        // The commands taken and not yet handled first, then those still queued: in order.
+        for cmd in std::mem::take(&mut self.commands) {
+            shutdown |= self.refuse(cmd, error);
+        }
         while let Some(cmd) = self.shared.queue.pop() {
             shutdown |= self.refuse(cmd, error);
         }
