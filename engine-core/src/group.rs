@@ -16,7 +16,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::config::Config;
-use crate::plan::{expected_arrivals, split, Chunk, StripePolicy, TransferShape};
+use crate::plan::{expected_arrivals, split, stays_whole, Chunk, StripePolicy, TransferShape};
 use xfer_plugin::domain::{Domain, DomainError};
 
 /// How a group cuts one unit (a single write, a page, a scatter destination) into writes on
@@ -31,6 +31,14 @@ pub trait SpreadPolicy: Send + Sync + fmt::Debug {
     /// How many immediates a receiver counts for a transfer of `shape` sent over `nics` NICs:
     /// the number of writes `split` plans for it.
     fn expected_arrivals(&self, shape: TransferShape<'_>, nics: usize) -> u64;
+
+    /// Whether `split` plans a unit of `len` bytes over `nics` NICs as one write of the
+    /// whole unit on its first NIC. A shortcut for the commonest unit (a small single write
+    /// is then built without planning); `false`, the default, always plans.
+    fn stays_whole(&self, len: u64, nics: usize) -> bool {
+        let _ = (len, nics);
+        false
+    }
 }
 
 impl SpreadPolicy for StripePolicy {
@@ -40,6 +48,10 @@ impl SpreadPolicy for StripePolicy {
 
     fn expected_arrivals(&self, shape: TransferShape<'_>, nics: usize) -> u64 {
         expected_arrivals(shape, nics, self)
+    }
+
+    fn stays_whole(&self, len: u64, nics: usize) -> bool {
+        stays_whole(len, nics, self)
     }
 }
 
@@ -148,6 +160,10 @@ impl SpreadPolicy for WholeUnits {
     fn expected_arrivals(&self, shape: TransferShape<'_>, _nics: usize) -> u64 {
         shape.arrivals(|len| len.div_ceil(self.max_chunk).max(1))
     }
+
+    fn stays_whole(&self, len: u64, _nics: usize) -> bool {
+        len <= self.max_chunk
+    }
 }
 
 #[cfg(test)]
@@ -159,6 +175,29 @@ mod tests {
         let mut out = Vec::new();
         policy.split(len, nics, first, &mut out);
         out
+    }
+
+    #[test]
+    fn the_whole_unit_shortcut_matches_the_plan_at_its_boundaries() {
+        let stripe = StripePolicy::default();
+        let units = WholeUnits { max_chunk: 4096 };
+        for (policy, len, nics) in [
+            (&stripe as &dyn SpreadPolicy, stripe.min_stripe_len - 1, 2),
+            (&stripe, stripe.min_stripe_len, 2),
+            (&stripe, stripe.max_chunk, 1),
+            (&stripe, stripe.max_chunk + 1, 1),
+            (&units, 4096, 3),
+            (&units, 4097, 3),
+            (&units, 0, 1),
+        ] {
+            let chunks = count(policy, len, nics, nics - 1);
+            let one_whole_chunk = chunks.len() == 1 && chunks[0].len == len;
+            assert_eq!(
+                policy.stays_whole(len, nics),
+                one_whole_chunk,
+                "{policy:?} {len} {nics}"
+            );
+        }
     }
 
     proptest! {
@@ -191,6 +230,9 @@ mod tests {
             if whole {
                 prop_assert!(chunks.iter().all(|c| c.nic == first), "whole units stay on one rail");
             }
+            // The shortcut the engine takes for a single write says exactly what the plan is.
+            let one_whole_chunk = chunks.len() == 1 && chunks[0].nic == first && chunks[0].len == len;
+            prop_assert_eq!(policy.stays_whole(len, nics), one_whole_chunk);
         }
     }
 }

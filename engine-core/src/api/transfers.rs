@@ -192,20 +192,29 @@ impl TransferEngine {
         check_range(remote_side(op), remote.1, len, remote.0.len())?;
         self.check_peer_nics(remote.0)?;
         let mut ops = Ops::new();
+        let first = self.first_nic();
+        if self.spread.stays_whole(len, self.nic_count()) {
+            // The commonest case, without planning: one write of the whole range.
+            let whole = [Chunk {
+                nic: first,
+                offset: 0,
+                len,
+            }];
+            push_ops(&mut ops, &whole, &region, local.1, remote.0, remote.1, op);
+            return self.submit_ops(ops, on_done);
+        }
         // The plan's scratch space is kept per thread: a single write allocates nothing.
         SINGLE_PLAN.with_borrow_mut(|chunks| {
             self.plan_unit(
-                &mut ops,
-                chunks,
-                self.first_nic(),
-                &region,
-                local.1,
-                remote.0,
-                remote.1,
-                len,
-                op,
+                &mut ops, chunks, first, &region, local.1, remote.0, remote.1, len, op,
             )
         });
+        self.submit_ops(ops, on_done)
+    }
+
+    /// Queues a listed transfer for the worker.
+    #[inline]
+    fn submit_ops(&self, ops: Ops, on_done: OnDone) -> Result<()> {
         self.shared.submit_counted(Command::Writes {
             ops,
             on_done,
@@ -342,11 +351,7 @@ impl TransferEngine {
                 RdmaOp::Write { imm },
             );
         }
-        self.shared.submit_counted(Command::Writes {
-            ops: Ops::from_vec(ops),
-            on_done: on_done.into(),
-            submitted: Instant::now(),
-        })
+        self.submit_ops(Ops::from_vec(ops), on_done.into())
     }
 
     /// A zero-byte write carrying `imm` to each destination region's owner (one arrival each).
@@ -378,11 +383,7 @@ impl TransferEngine {
                 len: 0,
             });
         }
-        self.shared.submit_counted(Command::Writes {
-            ops: Ops::from_vec(ops),
-            on_done: on_done.into(),
-            submitted: Instant::now(),
-        })
+        self.submit_ops(Ops::from_vec(ops), on_done.into())
     }
 }
 

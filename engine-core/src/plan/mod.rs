@@ -6,4 +6,4 @@
 
 mod stripe;
 
-pub use stripe::{expected_arrivals, split, Chunk, StripePolicy, TransferShape};
+pub use stripe::{expected_arrivals, split, stays_whole, Chunk, StripePolicy, TransferShape};

@@ -86,12 +86,19 @@ fn writes_in_part(len: u64, policy: &StripePolicy) -> u64 {
     len.div_ceil(policy.max_chunk).max(1)
 }
 
+/// Whether [`split`] leaves a unit of `len` bytes whole on its first NIC (rule 1, within
+/// `max_chunk`).
+#[inline]
+pub fn stays_whole(len: u64, nics: usize, policy: &StripePolicy) -> bool {
+    len <= policy.max_chunk && (nics <= 1 || len < policy.min_stripe_len)
+}
+
 /// Plans one unit of `len` bytes over `nics` NICs starting at NIC `first`, appending to `out`.
 ///
 /// `nics` must be at least 1 and `first < nics`; `policy` must have passed `validate`.
 pub fn split(len: u64, nics: usize, first: usize, policy: &StripePolicy, out: &mut Vec<Chunk>) {
     debug_assert!(nics >= 1 && first < nics);
-    if len <= policy.max_chunk && (nics <= 1 || len < policy.min_stripe_len) {
+    if stays_whole(len, nics, policy) {
         // Rule 1 without the divisions: the commonest unit (a page, a small write) is whole.
         out.push(Chunk {
             nic: first,
@@ -250,6 +257,9 @@ mod tests {
             prop_assert_eq!(chunks.len() as u64,
                 expected_arrivals(TransferShape::Single { len }, nics, &policy));
             prop_assert_eq!(chunks[0].nic, first);
+            // The shortcut agrees with the plan: whole means one chunk covering the unit.
+            let whole = chunks.len() == 1 && chunks[0].len == len;
+            prop_assert_eq!(stays_whole(len, nics, &policy), whole);
         }
     }
 }
