@@ -267,7 +267,7 @@ impl Recorder {
     }
 
     /// An operation finished at `now`.
-    pub(crate) fn finished(&mut self, s: &Started, result: &Result<(), Error>, now: Instant) {
+    pub(crate) fn finished(&mut self, s: &Started, result: Result<(), &Error>, now: Instant) {
         let op = &mut self.ops[s.kind as usize];
         op.latency.record(now.saturating_duration_since(s.at));
         match result {
@@ -360,9 +360,9 @@ mod tests {
             at: start,
             nics: 1,
         };
-        r.finished(&s, &Ok(()), start + Duration::from_micros(10));
+        r.finished(&s, Ok(()), start + Duration::from_micros(10));
         r.started(OpKind::Write, 1, Duration::ZERO);
-        r.finished(&s, &Err(Error::Timeout(Duration::from_secs(1))), start);
+        r.finished(&s, Err(&Error::Timeout(Duration::from_secs(1))), start);
         let stats = r.snapshot(start);
         let w = stats.op(OpKind::Write);
         assert_eq!(
@@ -393,13 +393,13 @@ mod tests {
         };
         let before = r.snapshot(t0).peers[&peer].clone();
         assert!(before.healthy && before.ms_since_activity.is_none());
-        r.finished(&s, &Ok(()), at(10));
-        r.finished(&s, &Err(Error::PeerUnreachable("gone".into())), at(20));
+        r.finished(&s, Ok(()), at(10));
+        r.finished(&s, Err(&Error::PeerUnreachable("gone".into())), at(20));
         let down = r.snapshot(at(25)).peers[&peer].clone();
         assert!(!down.healthy);
         assert_eq!(down.ms_since_activity, Some(5));
         assert!(down.last_error.unwrap().contains("gone"));
-        r.finished(&s, &Ok(()), at(30));
+        r.finished(&s, Ok(()), at(30));
         assert!(r.snapshot(at(30)).peers[&peer].healthy);
     }
 }

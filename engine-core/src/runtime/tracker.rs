@@ -11,6 +11,10 @@ use std::time::Instant;
 
 use crate::error::{Error, Result};
 
+/// A finished transfer: its waiter and result, the error boxed — `Error` is 80 bytes, and
+/// this pair is moved a few times per operation on the hot path (issue 29).
+pub(crate) type Finished<W> = (W, std::result::Result<(), Box<Error>>);
+
 struct Slot<W> {
     generation: u32,
     entry: Option<InFlight<W>>,
@@ -18,7 +22,7 @@ struct Slot<W> {
 
 struct InFlight<W> {
     remaining: u64,
-    error: Option<Error>,
+    error: Option<Box<Error>>,
     waiter: W,
 }
 
@@ -95,7 +99,9 @@ impl<W> Tracker<W> {
     pub(crate) fn cancel(&mut self, wr_id: u64) -> bool {
         match self.entry(wr_id) {
             Some(entry) => {
-                entry.error.get_or_insert(Error::Cancelled);
+                entry
+                    .error
+                    .get_or_insert_with(|| Box::new(Error::Cancelled));
                 true
             }
             None => false,
@@ -107,7 +113,7 @@ impl<W> Tracker<W> {
         self.entry(wr_id).is_some()
     }
 
-    fn finish(&mut self, slot: usize) -> (W, Result<()>) {
+    fn finish(&mut self, slot: usize) -> Finished<W> {
         let s = &mut self.slots[slot];
         let done = s.entry.take().expect("finish is called on a live slot");
         s.generation = s.generation.wrapping_add(1);
@@ -118,11 +124,7 @@ impl<W> Tracker<W> {
 
     /// Records one work request's outcome; returns the transfer's waiter and result once its
     /// last request is in. Stale or unknown ids return `None`.
-    pub(crate) fn handle_done(
-        &mut self,
-        wr_id: u64,
-        result: Result<()>,
-    ) -> Option<(W, Result<()>)> {
+    pub(crate) fn handle_done(&mut self, wr_id: u64, result: Result<()>) -> Option<Finished<W>> {
         let Some(entry) = self.entry(wr_id) else {
             self.stale += 1;
             return None;
@@ -136,7 +138,7 @@ impl<W> Tracker<W> {
                 .as_ref()
                 .is_none_or(|kept| cause_rank(&e) > cause_rank(kept))
             {
-                entry.error = Some(e);
+                entry.error = Some(Box::new(e));
             }
         }
         if entry.remaining > 0 {
@@ -150,7 +152,7 @@ impl<W> Tracker<W> {
         &mut self,
         now: Instant,
         timeout: impl Fn() -> Error,
-        out: &mut Vec<(W, Result<()>)>,
+        out: &mut Vec<Finished<W>>,
     ) {
         while let Some(&(slot, generation, deadline)) = self.deadlines.front() {
             let s = &self.slots[slot as usize];
@@ -161,7 +163,7 @@ impl<W> Tracker<W> {
             self.deadlines.pop_front();
             if live {
                 let (waiter, _) = self.finish(slot as usize);
-                out.push((waiter, Err(timeout())));
+                out.push((waiter, Err(Box::new(timeout()))));
             }
         }
     }
@@ -215,7 +217,7 @@ mod tests {
             let [first, second] = order;
             assert!(t.handle_done(id, Err(first)).is_none());
             let (_, r) = t.handle_done(id, Err(second)).unwrap();
-            assert_eq!(r, Err(root.clone()));
+            assert_eq!(r, Err(Box::new(root.clone())));
         }
     }
 
@@ -231,7 +233,10 @@ mod tests {
         let (w, r) = t
             .handle_done(id, Err(Error::RemoteAccess("second".into())))
             .unwrap();
-        assert_eq!((w, r), ("w", Err(Error::RemoteAccess("first".into()))));
+        assert_eq!(
+            (w, r),
+            ("w", Err(Box::new(Error::RemoteAccess("first".into()))))
+        );
         assert_eq!(t.len(), 0);
         assert!(
             t.handle_done(id, Ok(())).is_none(),
@@ -246,7 +251,10 @@ mod tests {
         let old = t.insert(1, now, "old");
         let mut out = Vec::new();
         t.poll_expired(now, || Error::Timeout(Duration::ZERO), &mut out);
-        assert_eq!(out, vec![("old", Err(Error::Timeout(Duration::ZERO)))]);
+        assert_eq!(
+            out,
+            vec![("old", Err(Box::new(Error::Timeout(Duration::ZERO))))]
+        );
         let new = t.insert(1, now + Duration::from_secs(60), "new");
         assert_eq!(new & 0xffff_ffff, old & 0xffff_ffff, "the slot is reused");
         assert!(

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use foldhash::HashMap;
 
 use super::completion::{send_batch, CallbackBatch, OnDone};
-use super::tracker::Tracker;
+use super::tracker::{Finished, Tracker};
 use super::work::{RdmaWork, Shift};
 use super::{panic_message, Command, Mirror, Shared};
 use crate::domain::{
@@ -99,7 +99,7 @@ struct Worker {
     /// Commands taken from the submission queue and not handled yet (see `pass`).
     commands: VecDeque<Command>,
     events: Vec<Event>,
-    finished: Vec<(Tracked, Result<()>)>,
+    finished: Vec<Finished<Tracked>>,
     imm_outcomes: Vec<Outcome<OnDone>>,
     callbacks: CallbackBatch,
     transfer_timeout: Duration,
@@ -438,8 +438,10 @@ impl Worker {
                         self.shared.backend,
                         max.saturating_sub(MESSAGE_HEADER_LEN)
                     );
-                    self.finished
-                        .push((on_done.into(), Err(Error::InvalidArgument(refused))));
+                    self.finished.push((
+                        on_done.into(),
+                        Err(Box::new(Error::InvalidArgument(refused))),
+                    ));
                     return;
                 }
                 let kind = if data.first() == Some(&CHANNEL_NOTIFICATION) {
@@ -586,7 +588,7 @@ impl Worker {
             Ok(()) => control.posted_id(),
             Err(e) => {
                 let on_done = waiter.take().expect("not taken when refused");
-                self.finished.push((on_done.into(), Err(e)));
+                self.finished.push((on_done.into(), Err(Box::new(e))));
                 None
             }
         }
@@ -628,8 +630,10 @@ impl Worker {
             .find_map(|(op, _)| self.beyond_capabilities(op))
         {
             // Refused whole, before any part is posted: the backend said it cannot.
-            self.finished
-                .push((on_done.into(), Err(Error::InvalidArgument(refused))));
+            self.finished.push((
+                on_done.into(),
+                Err(Box::new(Error::InvalidArgument(refused))),
+            ));
             return;
         }
         let deadline = self.now + self.transfer_timeout;
@@ -1043,11 +1047,12 @@ impl Worker {
         };
         for (tracked, result) in self.finished.drain(..) {
             if let Some(started) = &tracked.started {
-                self.recorder.finished(started, &result, now);
+                self.recorder
+                    .finished(started, result.as_ref().map(|_| ()).map_err(|e| &**e), now);
             }
             tracked
                 .on_done
-                .complete_batched(result, &mut self.callbacks);
+                .complete_batched(result.map_err(|e| *e), &mut self.callbacks);
         }
         let timeout = self.shared.config.timeouts.expect();
         for outcome in self.imm_outcomes.drain(..) {
@@ -1092,7 +1097,7 @@ impl Worker {
     fn fail_everything(&mut self, error: &Error) -> bool {
         self.pending.clear();
         for w in self.tracker.drain() {
-            self.finished.push((w, Err(error.clone())));
+            self.finished.push((w, Err(Box::new(error.clone()))));
         }
         let waiting = self.shared.lock_imm().drain_waiting();
         for w in waiting {
@@ -1116,7 +1121,8 @@ impl Worker {
             Command::Writes { on_done, .. }
             | Command::Pages { on_done, .. }
             | Command::Send { on_done, .. } => {
-                self.finished.push((on_done.into(), Err(error.clone())));
+                self.finished
+                    .push((on_done.into(), Err(Box::new(error.clone()))));
             }
             Command::Register { reply, .. } => {
                 let _ = reply.send(Err(error.clone()));
