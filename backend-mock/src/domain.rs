@@ -130,6 +130,10 @@ impl MockDomain {
         }
         let epoch = conn.epoch();
         let injected = self.injected_failure();
+        if self.options.inline {
+            fabric::land_on(&self.nic, &conn, op, epoch, injected);
+            return Ok(PostStatus::Posted);
+        }
         let posted = Posted {
             src: Arc::clone(&self.nic),
             conn,
@@ -137,10 +141,6 @@ impl MockDomain {
             epoch,
             injected,
         };
-        if self.options.inline {
-            fabric::land(posted);
-            return Ok(PostStatus::Posted);
-        }
         let jitter = match self.options.jitter_us {
             0 => 0,
             max => self.rng.u64(0..=max),
