@@ -241,7 +241,7 @@ impl<W> ImmCounter<W> {
         // An entry is idle exactly when nothing waits on it (see `settle`): if something
         // waited before and still does (an expectation of many arrivals, the stream's usual
         // case), nothing changed and the idle bookkeeping is left alone.
-        if !(waited && !entry.waiting.is_empty()) {
+        if !waited || entry.waiting.is_empty() {
             self.settle(imm);
         }
     }

@@ -35,7 +35,7 @@ use crate::wire::NetAddr;
 use completion::{Job, OnDone};
 
 pub(crate) use callbacks::spawn_callback_thread;
-pub(crate) use work::{Ops, PagedWork, RdmaWork};
+pub(crate) use work::{Ops, PagedWork, RdmaWork, Shift};
 pub(crate) use worker::spawn_worker;
 
 /// Receives an immediate's running total of arrivals; see `TransferEngine::mirror_imm_count`.

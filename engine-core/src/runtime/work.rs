@@ -84,6 +84,7 @@ impl PagedWork {
 
     /// Calls `post` with every work request, in posting order, and its shift. (A loop over
     /// the pages rather than an iterator: the worker's posting loop stays two plain loops.)
+    #[inline(always)]
     pub(crate) fn for_each(&self, mut post: impl FnMut(&RdmaWork, Shift)) {
         for (&shift, plan) in self.offsets.iter().zip(self.plans.iter().cycle()) {
             for op in plan {
