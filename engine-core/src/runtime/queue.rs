@@ -11,6 +11,10 @@
 use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard};
 
+/// Slots an emptied batch keeps when it is swapped back in: a burst's deques (up to
+/// `worker.max_outstanding` commands, 144 bytes each) are not held for the engine's life.
+const KEPT_CAPACITY: usize = 1024;
+
 /// Unbounded multi-producer queue with one consumer that takes whole batches.
 pub(crate) struct SubmissionQueue<T> {
     incoming: Mutex<VecDeque<T>>,
@@ -40,6 +44,10 @@ impl<T> SubmissionQueue<T> {
             return false;
         }
         if batch.is_empty() {
+            // Shrinking reallocates, so only after a burst, never in steady state.
+            if batch.capacity() > KEPT_CAPACITY {
+                batch.shrink_to(KEPT_CAPACITY);
+            }
             std::mem::swap(&mut *incoming, batch);
         } else {
             batch.append(&mut incoming);
@@ -91,6 +99,24 @@ mod tests {
         queue.take_into(&mut batch);
         // The grown deque went back to the queue: the next 100 pushes allocate nothing.
         assert_eq!(queue.incoming().capacity(), grown);
+    }
+
+    #[test]
+    fn a_burst_does_not_keep_its_memory() {
+        let queue = SubmissionQueue::new();
+        let mut batch = VecDeque::new();
+        (0..20 * KEPT_CAPACITY).for_each(|i| queue.push(i));
+        queue.take_into(&mut batch);
+        batch.clear();
+        (0..3 * KEPT_CAPACITY).for_each(|i| queue.push(i));
+        queue.take_into(&mut batch);
+        // The burst's deque went back to the queue shrunk; the smaller one came out.
+        assert!(queue.incoming().capacity() <= 2 * KEPT_CAPACITY);
+        batch.clear();
+        queue.push(0);
+        queue.take_into(&mut batch);
+        assert!(queue.incoming().capacity() <= 2 * KEPT_CAPACITY);
+        assert!(batch.capacity() <= 2 * KEPT_CAPACITY);
     }
 
     #[test]
