@@ -1037,6 +1037,10 @@ impl Worker {
 
     /// Hands finished transfers and met expectations to their waiters.
     fn deliver(&mut self) {
+        // Most passes of a waiting worker finish nothing: then not even the drains run.
+        if self.finished.is_empty() && self.imm_outcomes.is_empty() && self.callbacks.is_empty() {
+            return;
+        }
         // Capacity first: whoever sees one of these done (a flag or counter is set right
         // here) may submit again at the limit at once, and must not be told Busy.
         self.shared.finished(self.finished.len());
