@@ -1051,8 +1051,8 @@ impl Worker {
         };
         for (tracked, result) in self.finished.drain(..) {
             if let Some(started) = &tracked.started {
-                self.recorder
-                    .finished(started, result.as_ref().map(|_| ()).map_err(|e| &**e), now);
+                let outcome = result.as_ref().copied().map_err(Box::as_ref);
+                self.recorder.finished(started, outcome, now);
             }
             tracked
                 .on_done
