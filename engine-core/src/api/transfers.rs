@@ -463,23 +463,31 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// Page by page, as `submit_paged` checked before the bulk check: the reference.
+    /// The reference: page by page in 128-bit arithmetic, where nothing overflows, so a
+    /// start past 64 bits is seen directly rather than through checked operations.
     fn page_by_page(
         page_len: u64,
         local: (&Pages, u64, &'static str),
         remote: (&Pages, u64, &'static str),
     ) -> Result<Vec<Shift>> {
         let one = |(pages, region_len, side): (&Pages, u64, &'static str), i: usize| {
-            let offset = u64::from(pages.indices[i])
-                .checked_mul(pages.stride)
-                .and_then(|o| o.checked_add(pages.offset))
-                .ok_or(Error::OutOfBounds {
+            let start =
+                u128::from(pages.indices[i]) * u128::from(pages.stride) + u128::from(pages.offset);
+            match u64::try_from(start) {
+                Err(_) => Err(Error::OutOfBounds {
                     side,
                     offset: u64::MAX,
                     len: page_len,
                     region_len: 0,
-                })?;
-            check_range(side, offset, page_len, region_len).map(|()| offset)
+                }),
+                Ok(offset) if start + u128::from(page_len) <= u128::from(region_len) => Ok(offset),
+                Ok(offset) => Err(Error::OutOfBounds {
+                    side,
+                    offset,
+                    len: page_len,
+                    region_len,
+                }),
+            }
         };
         (0..local.0.indices.len())
             .map(|i| Ok((one(local, i)?, one(remote, i)?)))
