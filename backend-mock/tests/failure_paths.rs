@@ -385,6 +385,40 @@ fn a_backend_panic_with_the_shutdown_queued_behind_it_does_not_hang_the_drop() {
     drop(memory);
 }
 
+/// The worker takes every queued command in one batch (issue 29): when the first of a batch
+/// panics in the backend, the commands taken behind it fail with the worker, none is lost.
+/// As above, the worker is held in a slow registration while the batch queues up.
+#[test]
+fn commands_taken_behind_a_panicking_one_fail_with_the_worker() {
+    let config = mock_config(
+        2,
+        "[timeouts]\ncontrol_ms = 50\n[backends.mock]\npanic_on_post = 1\nregister_delay_us = 500000\n",
+    );
+    let a = open(&config);
+    let b = open(&mock_config(2, ""));
+    let mut memory = vec![0u8; 64];
+    // SAFETY: `memory` outlives the engine (dropped below, before it).
+    let slow = unsafe { a.reg_mr(memory.as_mut_ptr(), memory.len(), Device::Host) };
+    assert!(matches!(slow, Err(Error::Timeout(_))), "{slow:?}");
+    let flags: Vec<_> = (0..100)
+        .map(|i| {
+            let done = DoneFlag::new();
+            a.submit_send(&b.main_address(), &[i as u8], done.clone())
+                .unwrap();
+            done
+        })
+        .collect();
+    for (i, done) in flags.iter().enumerate() {
+        let result = done.wait(WAIT);
+        assert!(
+            matches!(result, Err(Error::WorkerFailed(_))),
+            "send {i}: {result:?}"
+        );
+    }
+    drop(a);
+    drop(memory);
+}
+
 /// Issue 25 §8: a read of a write-only region striped over two NICs is refused at the
 /// peer's NIC on one and flushed on the other; the refusal is what the caller sees, whichever
 /// arrives first.
