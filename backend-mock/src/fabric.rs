@@ -11,18 +11,19 @@
 //! - a write that fails part-way has written part of its data and counts no immediate;
 //! - a NIC never touches memory whose registration is gone: every copy holds both regions'
 //!   locks, and deregistration takes them for writing.
+//!
+//! The progress thread that lands delayed and reordered operations is in `progress`.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{
-    Arc, Condvar, LazyLock, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, Weak,
-};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, Weak};
 
 use foldhash::HashMap;
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{DomainError, DomainErrorKind, Event, RdmaOp, Waker};
+
+mod progress;
+pub(crate) use progress::schedule;
 
 /// A registered region.
 #[derive(Debug, Clone, Copy)]
@@ -600,102 +601,4 @@ fn send(src: &Arc<Nic>, conn: &Arc<Conn>, data: Vec<u8>, wr_id: u64) -> Result<b
         target.wake();
     }
     Ok(delivered)
-}
-
-/// An operation waiting for its time on the progress thread.
-struct Scheduled {
-    due: Instant,
-    /// Breaks ties: posting order, or a random draw when reordering.
-    order: u64,
-    posted: Posted,
-}
-
-impl PartialEq for Scheduled {
-    fn eq(&self, other: &Self) -> bool {
-        (self.due, self.order) == (other.due, other.order)
-    }
-}
-impl Eq for Scheduled {}
-impl PartialOrd for Scheduled {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Scheduled {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        (self.due, self.order).cmp(&(other.due, other.order))
-    }
-}
-
-/// The fabric's clock: one thread that lands operations when they are due.
-struct Progress {
-    queue: Mutex<BinaryHeap<Reverse<Scheduled>>>,
-    ready: Condvar,
-}
-
-static PROGRESS: LazyLock<&'static Progress> = LazyLock::new(|| {
-    let progress: &'static Progress = Box::leak(Box::new(Progress {
-        queue: Mutex::new(BinaryHeap::new()),
-        ready: Condvar::new(),
-    }));
-    std::thread::Builder::new()
-        .name("xfer-mock-fabric".into())
-        .spawn(move || progress.run())
-        .expect("cannot start the mock fabric's progress thread");
-    progress
-});
-
-/// Operations aimed at a frozen NIC are looked at again this often.
-const FROZEN_RETRY: Duration = Duration::from_millis(1);
-
-impl Progress {
-    fn run(&self) {
-        let mut due = Vec::new();
-        loop {
-            {
-                let mut queue = locked(&self.queue);
-                loop {
-                    let now = Instant::now();
-                    match queue.peek() {
-                        Some(Reverse(next)) if next.due <= now => break,
-                        Some(Reverse(next)) => {
-                            let wait = next.due - now;
-                            queue = self
-                                .ready
-                                .wait_timeout(queue, wait)
-                                .unwrap_or_else(|p| p.into_inner())
-                                .0;
-                        }
-                        None => {
-                            queue = self.ready.wait(queue).unwrap_or_else(|p| p.into_inner());
-                        }
-                    }
-                }
-                let now = Instant::now();
-                while queue.peek().is_some_and(|Reverse(s)| s.due <= now) {
-                    due.push(queue.pop().expect("peeked").0);
-                }
-            }
-            for mut s in due.drain(..) {
-                let frozen = s
-                    .posted
-                    .conn
-                    .target()
-                    .is_some_and(|t| t.frozen.load(Ordering::Acquire));
-                if frozen && s.posted.src.alive.load(Ordering::Acquire) {
-                    s.due = Instant::now() + FROZEN_RETRY;
-                    locked(&self.queue).push(Reverse(s));
-                    continue;
-                }
-                land(s.posted);
-            }
-        }
-    }
-}
-
-/// Hands an operation to the fabric, to land at `due`.
-pub(crate) fn schedule(posted: Posted, due: Instant, order: u64) {
-    let progress = *PROGRESS;
-    locked(&progress.queue).push(Reverse(Scheduled { due, order, posted }));
-    progress.ready.notify_one();
 }

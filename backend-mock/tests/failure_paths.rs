@@ -352,13 +352,12 @@ fn an_operation_seen_done_no_longer_counts_against_the_limit() {
     again.wait(WAIT).unwrap();
 }
 
-/// Issue 25 §7: a backend that panics while the engine's shutdown is already queued behind
-/// the panicking work must not hang the engine's drop (the failed worker used to swallow that
-/// shutdown while failing everything, then wait for another that never came). The worker is
-/// held in a slow registration while a write that panics on post and the shutdown queue up
-/// behind it.
-#[test]
-fn a_backend_panic_with_the_shutdown_queued_behind_it_does_not_hang_the_drop() {
+/// An engine `a` whose mock panics on its first post, its worker held for 0.5 s inside a
+/// registration the caller gave up on (`control_ms` = 50), so that what is submitted next
+/// queues up behind it; a peer `b`; and the registration's memory, which the caller must drop
+/// only after `a`.
+fn held_in_a_slow_registration_with_a_panicking_post(
+) -> (Arc<TransferEngine>, Arc<TransferEngine>, Vec<u8>) {
     let config = mock_config(
         2,
         "[timeouts]\ncontrol_ms = 50\n[backends.mock]\npanic_on_post = 1\nregister_delay_us = 500000\n",
@@ -366,9 +365,20 @@ fn a_backend_panic_with_the_shutdown_queued_behind_it_does_not_hang_the_drop() {
     let a = open(&config);
     let b = open(&mock_config(2, ""));
     let mut memory = vec![0u8; 64];
-    // SAFETY: `memory` outlives the engine (dropped below, before it).
+    // SAFETY: the caller drops `memory` after the engine.
     let slow = unsafe { a.reg_mr(memory.as_mut_ptr(), memory.len(), Device::Host) };
     assert!(matches!(slow, Err(Error::Timeout(_))), "{slow:?}");
+    (a, b, memory)
+}
+
+/// Issue 25 §7: a backend that panics while the engine's shutdown is already queued behind
+/// the panicking work must not hang the engine's drop (the failed worker used to swallow that
+/// shutdown while failing everything, then wait for another that never came). The worker is
+/// held in a slow registration while a write that panics on post and the shutdown queue up
+/// behind it.
+#[test]
+fn a_backend_panic_with_the_shutdown_queued_behind_it_does_not_hang_the_drop() {
+    let (a, b, memory) = held_in_a_slow_registration_with_a_panicking_post();
     // The worker is still inside the registration: the send (whose post panics) and the
     // shutdown queue behind it.
     let done = DoneFlag::new();
@@ -390,16 +400,7 @@ fn a_backend_panic_with_the_shutdown_queued_behind_it_does_not_hang_the_drop() {
 /// As above, the worker is held in a slow registration while the batch queues up.
 #[test]
 fn commands_taken_behind_a_panicking_one_fail_with_the_worker() {
-    let config = mock_config(
-        2,
-        "[timeouts]\ncontrol_ms = 50\n[backends.mock]\npanic_on_post = 1\nregister_delay_us = 500000\n",
-    );
-    let a = open(&config);
-    let b = open(&mock_config(2, ""));
-    let mut memory = vec![0u8; 64];
-    // SAFETY: `memory` outlives the engine (dropped below, before it).
-    let slow = unsafe { a.reg_mr(memory.as_mut_ptr(), memory.len(), Device::Host) };
-    assert!(matches!(slow, Err(Error::Timeout(_))), "{slow:?}");
+    let (a, b, memory) = held_in_a_slow_registration_with_a_panicking_post();
     let flags: Vec<_> = (0..100)
         .map(|i| {
             let done = DoneFlag::new();

@@ -1,3 +1,7 @@
+//! Why one file: it is one type. The ImmCounter's entries, idle set, per-sender shares and
+//! spare queues are kept in step by one `settle`, and every operation goes through it; what
+//! is not that type (about 310 of the lines) is its unit and property tests.
+//!
 //! The ImmCounter: counted, order-free completion on the receiving side.
 //!
 //! Every write-with-immediate that lands adds one to the count of its 32-bit immediate. An
