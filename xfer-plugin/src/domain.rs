@@ -111,6 +111,16 @@ impl RdmaRequest<'_> {
     pub fn imm(&self) -> Option<u32> {
         self.op.imm()
     }
+
+    /// This request moved by `(local, remote)` bytes: one page of a paged request.
+    #[inline]
+    pub fn shifted(&self, (local, remote): (u64, u64)) -> Self {
+        Self {
+            local_addr: self.local_addr + local,
+            remote_addr: self.remote_addr + remote,
+            ..*self
+        }
+    }
 }
 
 /// Whether a post was accepted.
@@ -270,6 +280,25 @@ pub trait Domain: Send {
     /// [`refuse_read`]'s typed error.
     fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError>;
 
+    /// Posts `template` once per entry of `shifts`, each moved by its (local, remote) byte
+    /// offsets, in order and all with the template's `wr_id`: the pages of a paged request on
+    /// this NIC, which differ only in their addresses. Returns how many were posted and the
+    /// status of the post that ended the batch: `Ok(Posted)` when all were; otherwise
+    /// `Ok(Busy)` or the error of request number `posted`, which was not posted, and nothing
+    /// after it was tried. Each posted request gets its own `Done`, as from
+    /// [`post_rdma`](Self::post_rdma).
+    ///
+    /// The default posts them one by one. A Domain overrides it to take its locks, look its
+    /// connection up and check what the pages share once per batch rather than once per page
+    /// (issue 29: the per-page cost).
+    fn post_rdma_pages(
+        &mut self,
+        template: &RdmaRequest<'_>,
+        shifts: &[(u64, u64)],
+    ) -> (usize, Result<PostStatus, DomainError>) {
+        post_one_by_one(self, template, shifts)
+    }
+
     /// Whether [`post_rdma`](Self::post_rdma) carries out [`RdmaOp::Read`].
     fn supports_read(&self) -> bool {
         false
@@ -301,6 +330,22 @@ pub trait Domain: Send {
     fn capabilities(&self) -> Capabilities {
         Capabilities::default()
     }
+}
+
+/// [`Domain::post_rdma_pages`] as a loop of [`Domain::post_rdma`]: its default, and what an
+/// override falls back to for batches it does not handle itself.
+pub fn post_one_by_one<D: Domain + ?Sized>(
+    domain: &mut D,
+    template: &RdmaRequest<'_>,
+    shifts: &[(u64, u64)],
+) -> (usize, Result<PostStatus, DomainError>) {
+    for (posted, &shift) in shifts.iter().enumerate() {
+        match domain.post_rdma(&template.shifted(shift)) {
+            Ok(PostStatus::Posted) => {}
+            stopped => return (posted, stopped),
+        }
+    }
+    (shifts.len(), Ok(PostStatus::Posted))
 }
 
 /// The error a Domain without RDMA READ answers a read with.

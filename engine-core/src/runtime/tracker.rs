@@ -147,6 +147,23 @@ impl<W> Tracker<W> {
         Some(self.finish((wr_id & 0xffff_ffff) as usize))
     }
 
+    /// Records `n` work requests of `wr_id` that succeeded (a run of completions of one
+    /// request's pages, counted at once); as `n` calls of [`handle_done`](Self::handle_done)
+    /// with `Ok`: completions beyond what the transfer still awaits count as stale.
+    pub(crate) fn handle_ok(&mut self, wr_id: u64, n: u64) -> Option<Finished<W>> {
+        let Some(entry) = self.entry(wr_id) else {
+            self.stale += n;
+            return None;
+        };
+        let counted = n.min(entry.remaining);
+        entry.remaining -= counted;
+        if entry.remaining > 0 {
+            return None;
+        }
+        self.stale += n - counted;
+        Some(self.finish((wr_id & 0xffff_ffff) as usize))
+    }
+
     /// Ends every transfer whose deadline is at or before `now` with `timeout()`.
     pub(crate) fn poll_expired(
         &mut self,
@@ -263,6 +280,36 @@ mod tests {
         );
         assert!(t.is_live(new));
         assert_eq!(t.handle_done(new, Ok(())), Some(("new", Ok(()))));
+    }
+
+    proptest::proptest! {
+        /// Counting a run of successes at once finishes, and counts stale completions, exactly
+        /// as counting them one by one does — whatever the runs, with errors in between and
+        /// more completions than the transfer has (a backend reporting one twice).
+        #[test]
+        fn counting_successes_in_runs_equals_counting_them_one_by_one(
+            requests in 1u64..20,
+            events in proptest::collection::vec((1u64..6, proptest::bool::ANY), 0..12),
+        ) {
+            let far = Instant::now() + Duration::from_secs(60);
+            let (mut runs, mut single) = (Tracker::new(), Tracker::new());
+            let (a, b) = (runs.insert(requests, far, ()), single.insert(requests, far, ()));
+            let (mut by_runs, mut one_by_one) = (Vec::new(), Vec::new());
+            for (i, &(n, failed)) in events.iter().enumerate() {
+                if failed {
+                    let e = || Err(Error::RemoteAccess(format!("event {i}")));
+                    by_runs.extend(runs.handle_done(a, e()).map(|f| (i, f)));
+                    one_by_one.extend(single.handle_done(b, e()).map(|f| (i, f)));
+                    continue;
+                }
+                by_runs.extend(runs.handle_ok(a, n).map(|f| (i, f)));
+                for _ in 0..n {
+                    one_by_one.extend(single.handle_done(b, Ok(())).map(|f| (i, f)));
+                }
+            }
+            proptest::prop_assert_eq!(by_runs, one_by_one);
+            proptest::prop_assert_eq!((runs.stale(), runs.len()), (single.stale(), single.len()));
+        }
     }
 
     #[test]

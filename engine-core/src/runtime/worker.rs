@@ -421,7 +421,7 @@ impl Worker {
                 submitted,
             } => {
                 self.start_writes(work.shapes(), on_done, submitted, |w, id| {
-                    work.for_each(|op, shift| w.post_rdma(id, op, shift));
+                    work.for_each_batch(|op, shifts| w.post_rdma_pages(id, op, shifts));
                 });
             }
             Command::Send {
@@ -792,6 +792,32 @@ impl Worker {
         self.queue(op.nic, id, Pending::Rdma(op.shifted(shift)));
     }
 
+    /// Posts the pages of a paged request that share `op` (moved by each of `shifts`) in one
+    /// batch, as [`post_rdma`](Self::post_rdma) would one by one: a page the NIC refuses
+    /// fails its request, and what it has no room for queues, in order, with what follows.
+    fn post_rdma_pages(&mut self, id: u64, op: &RdmaWork, shifts: &[Shift]) {
+        let mut rest = shifts;
+        while !rest.is_empty() && self.fatal.is_none() && !self.queued_ahead(op.nic, &op.peer) {
+            let (posted, status) =
+                self.group.domains_mut()[op.nic].post_rdma_pages(&op.request(id, (0, 0)), rest);
+            rest = &rest[posted.min(rest.len())..];
+            match status {
+                // A Domain that said "all posted" but counted fewer is broken: what it did
+                // not count is neither posted nor lost, but queued again below.
+                Ok(PostStatus::Posted) if rest.is_empty() => return,
+                Ok(PostStatus::Posted | PostStatus::Busy) => break,
+                // The page the error belongs to fails its request; the batch goes on after it.
+                Err(e) => {
+                    self.fail_request(id, e);
+                    rest = rest.get(1..).unwrap_or_default();
+                }
+            }
+        }
+        for &shift in rest {
+            self.queue(op.nic, id, Pending::Rdma(op.shifted(shift)));
+        }
+    }
+
     /// Whether work for `peer` on `nic` waits already (then new work queues behind it).
     fn queued_ahead(&self, nic: usize, peer: &NetAddr) -> bool {
         // With nothing queued at all (the usual case) the queue's key is never built.
@@ -909,14 +935,46 @@ impl Worker {
     }
 
     fn handle_events(&mut self, events: &mut Vec<Event>) {
+        /// (A function of the two fields: the ImmCounter's guard borrows the worker.)
+        fn count_successes(
+            tracker: &mut Tracker<Tracked>,
+            finished: &mut Vec<Finished<Tracked>>,
+            wr_id: u64,
+            n: u64,
+        ) {
+            if let Some(done) = tracker.handle_ok(wr_id, n) {
+                finished.push(done);
+            }
+        }
+
         let mut imm = None;
         let mirrored = self.shared.has_mirrors.load(Ordering::Acquire);
         let mut arrived: Vec<u32> = Vec::new();
+        // Successes of one request in a row (a batch of its pages) are counted at once.
+        let mut run: Option<(u64, u64)> = None;
         for event in events.drain(..) {
             match event {
-                Event::Done { wr_id, result } => {
-                    let result = result.map_err(|e| map_domain_error(&self.shared.backend, e));
-                    if let Some(done) = self.tracker.handle_done(wr_id, result) {
+                Event::Done {
+                    wr_id,
+                    result: Ok(()),
+                } => match &mut run {
+                    Some((id, n)) if *id == wr_id => *n += 1,
+                    _ => {
+                        if let Some((id, n)) = run.replace((wr_id, 1)) {
+                            count_successes(&mut self.tracker, &mut self.finished, id, n);
+                        }
+                    }
+                },
+                Event::Done {
+                    wr_id,
+                    result: Err(e),
+                } => {
+                    // In arrival order: the successes before it count first.
+                    if let Some((id, n)) = run.take() {
+                        count_successes(&mut self.tracker, &mut self.finished, id, n);
+                    }
+                    let e = map_domain_error(&self.shared.backend, e);
+                    if let Some(done) = self.tracker.handle_done(wr_id, Err(e)) {
                         self.finished.push(done);
                     }
                 }
@@ -931,6 +989,9 @@ impl Worker {
                 }
                 Event::Message { data } => self.deliver_message(data),
             }
+        }
+        if let Some((id, n)) = run {
+            count_successes(&mut self.tracker, &mut self.finished, id, n);
         }
         let Some(counter) = imm else { return };
         if arrived.is_empty() {
