@@ -11,7 +11,7 @@ use xfer_plugin::domain::{
     PostStatus, RdmaRequest, Registration, Waker,
 };
 
-use crate::fabric::{self, Conn, Nic, Op, Posted, Region};
+use crate::fabric::{self, Conn, Nic, Op, Posted, RdmaShape, Region};
 use crate::options::MockOptions;
 
 /// A mock NIC.
@@ -86,10 +86,10 @@ impl MockDomain {
     fn check_declared(&self, op: &Op) -> Result<(), DomainError> {
         let caps = &self.capabilities;
         let broken = match op {
-            Op::Rdma { len, op, .. } => {
-                caps.max_write_size.is_some_and(|m| *len > m)
-                    || (*len == 0 && !caps.zero_byte_writes)
-                    || (op.imm().is_some() && !caps.immediates)
+            Op::Rdma { shape, .. } => {
+                caps.max_write_size.is_some_and(|m| shape.len > m)
+                    || (shape.len == 0 && !caps.zero_byte_writes)
+                    || (shape.op.imm().is_some() && !caps.immediates)
             }
             Op::Send { data, .. } => caps.max_message_size.is_some_and(|m| data.len() > m),
         };
@@ -104,7 +104,18 @@ impl MockDomain {
         Ok(())
     }
 
-    fn accept(&mut self, op: Op) -> Result<PostStatus, DomainError> {
+    /// Whether fault injection could touch any of the next `n` posts.
+    fn faults_within(&self, n: u64) -> bool {
+        let o = &self.options;
+        let next = self.posted + 1..=self.posted + n;
+        next.contains(&o.panic_on_post)
+            || next.contains(&o.fail_nth)
+            || (o.fail_every > 0 && self.posted / o.fail_every != (self.posted + n) / o.fail_every)
+    }
+
+    /// What every post checks first: the Domain is usable, the engine kept to the declared
+    /// capabilities, the connection (opened on first use) has room. `None`: it has none.
+    fn prepare(&mut self, op: &Op) -> Result<Option<Arc<Conn>>, DomainError> {
         if let Some(n) = self.panicked_in {
             // A Domain is not used again after a fatal error: make it visible if it is.
             return Err(DomainError::new(
@@ -116,7 +127,7 @@ impl MockDomain {
             ));
         }
         self.check_alive()?;
-        self.check_declared(&op)?;
+        self.check_declared(op)?;
         let conn = match self.conns.get(op.peer()) {
             Some(conn) => Arc::clone(conn),
             None => {
@@ -125,9 +136,13 @@ impl MockDomain {
                 conn
             }
         };
-        if !conn.try_occupy(self.options.queue_depth) {
+        Ok(conn.try_occupy(self.options.queue_depth).then_some(conn))
+    }
+
+    fn accept(&mut self, op: Op) -> Result<PostStatus, DomainError> {
+        let Some(conn) = self.prepare(&op)? else {
             return Ok(PostStatus::Busy);
-        }
+        };
         let epoch = conn.epoch();
         let injected = self.injected_failure();
         if self.options.inline {
@@ -153,6 +168,16 @@ impl MockDomain {
         };
         fabric::schedule(posted, due, order);
         Ok(PostStatus::Posted)
+    }
+}
+
+/// What a request names, at offset 0 of both ranges.
+fn shape_of(req: &RdmaRequest<'_>) -> RdmaShape {
+    RdmaShape {
+        op: req.op,
+        local: (req.local_addr, req.local_key),
+        remote: (req.remote_addr, req.remote_key, req.remote_base),
+        len: req.len,
     }
 }
 
@@ -213,11 +238,48 @@ impl Domain for MockDomain {
         self.accept(Op::Rdma {
             wr_id: req.wr_id,
             peer: req.peer.clone(),
-            op: req.op,
-            local: (req.local_addr, req.local_key),
-            remote: (req.remote_addr, req.remote_key, req.remote_base),
-            len: req.len,
+            shape: shape_of(req),
         })
+    }
+
+    /// An inline mock lands a batch under one hold of each lock, checking what its pages
+    /// share once; otherwise (delayed, reordered) each page is scheduled on its own. Every
+    /// page still counts as a post (for fault injection) and takes its place in the queue.
+    fn post_rdma_pages(
+        &mut self,
+        template: &RdmaRequest<'_>,
+        shifts: &[(u64, u64)],
+    ) -> (usize, Result<PostStatus, DomainError>) {
+        // Fault injection counts posts one by one: a batch it could touch is posted so.
+        if !self.options.inline || shifts.is_empty() || self.faults_within(shifts.len() as u64) {
+            return xfer_plugin::domain::post_one_by_one(self, template, shifts);
+        }
+        let conn = match self.prepare(&Op::Rdma {
+            wr_id: template.wr_id,
+            peer: template.peer.clone(),
+            shape: shape_of(template),
+        }) {
+            Ok(Some(conn)) => conn,
+            Ok(None) => return (0, Ok(PostStatus::Busy)),
+            Err(e) => return (0, Err(e)),
+        };
+        // The queue has room for `accepted` pages (an inline mock's queue empties as it
+        // lands, so only a depth below the batch's length cuts it short).
+        let accepted = 1 + conn.occupy_up_to(self.options.queue_depth, shifts.len() - 1);
+        self.posted += accepted as u64;
+        fabric::land_pages(
+            &self.nic,
+            &conn,
+            template.wr_id,
+            &shape_of(template),
+            &shifts[..accepted],
+        );
+        let status = if accepted == shifts.len() {
+            PostStatus::Posted
+        } else {
+            PostStatus::Busy
+        };
+        (accepted, Ok(status))
     }
 
     fn supports_read(&self) -> bool {
@@ -262,7 +324,7 @@ impl Domain for MockDomain {
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError> {
         let start = events.len();
-        events.append(&mut self.nic.inbox().events);
+        fabric::move_events(events, &mut self.nic.inbox().events);
         if self.options.lose_immediates {
             let mut kept = events.split_off(start);
             kept.retain(|e| !matches!(e, Event::ImmArrival { .. }));

@@ -20,10 +20,12 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGu
 
 use foldhash::HashMap;
 use xfer_plugin::addr::NetAddr;
-use xfer_plugin::domain::{DomainError, DomainErrorKind, Event, RdmaOp, Waker};
+use xfer_plugin::domain::{DomainError, DomainErrorKind, Event, Waker};
 
 mod progress;
+mod rdma;
 pub(crate) use progress::schedule;
+pub(crate) use rdma::RdmaShape;
 
 /// A registered region.
 #[derive(Debug, Clone, Copy)]
@@ -127,6 +129,19 @@ impl Conn {
         true
     }
 
+    /// Counts up to `n` more posts, as many as `depth` (0: unlimited) leaves room for;
+    /// returns how many. As [`try_occupy`](Self::try_occupy), for a batch at once.
+    pub(crate) fn occupy_up_to(&self, depth: usize, n: usize) -> usize {
+        let room = match depth {
+            0 => n,
+            _ => depth
+                .saturating_sub(self.outstanding.load(Ordering::Acquire))
+                .min(n),
+        };
+        self.outstanding.fetch_add(room, Ordering::AcqRel);
+        room
+    }
+
     /// RC: the connection goes to the error state (once per epoch, however many of its
     /// operations fail); what is still queued under `epoch` is flushed.
     fn fail(&self, epoch: u64) {
@@ -155,11 +170,7 @@ pub(crate) enum Op {
     Rdma {
         wr_id: u64,
         peer: NetAddr,
-        op: RdmaOp,
-        /// (address, key) of our range and of the peer's.
-        local: (u64, u64),
-        remote: (u64, u64, u64),
-        len: u64,
+        shape: RdmaShape,
     },
     Send {
         wr_id: u64,
@@ -192,6 +203,17 @@ pub(crate) struct Posted {
     pub(crate) injected: Option<DomainError>,
 }
 
+/// Appends `from` to `to`, leaving `from` empty: by swapping the two when `to` is empty (a
+/// batch's events are not copied again; a page's ~50-byte event copied twice more cost as
+/// much as its 64 bytes of data).
+pub(crate) fn move_events(to: &mut Vec<Event>, from: &mut Vec<Event>) {
+    if to.is_empty() {
+        std::mem::swap(to, from);
+    } else {
+        to.append(from);
+    }
+}
+
 fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every critical section here finishes its own bookkeeping; a poisoned lock holds
     // consistent data.
@@ -215,6 +237,12 @@ impl Nic {
     /// Queues an event for this NIC's next poll and wakes its worker.
     pub(crate) fn deliver(&self, event: Event) {
         self.inbox().events.push(event);
+        self.wake();
+    }
+
+    /// Queues `events` (leaving it empty) under one hold of the inbox, and wakes the worker.
+    pub(crate) fn deliver_all(&self, events: &mut Vec<Event>) {
+        move_events(&mut self.inbox().events, events);
         self.wake();
     }
 
@@ -435,13 +463,7 @@ pub(crate) fn land_on(
         return;
     }
     let result = match op {
-        Op::Rdma {
-            op,
-            local,
-            remote,
-            len,
-            ..
-        } => rdma(src, conn, op, local, remote, len, injected),
+        Op::Rdma { shape, .. } => rdma::rdma(src, conn, &shape, injected),
         Op::Send { data, .. } => match injected {
             Some(e) => Err(e),
             None => match send(src, conn, data, wr_id) {
@@ -458,125 +480,38 @@ pub(crate) fn land_on(
     src.complete(conn, wr_id, result);
 }
 
-/// One RDMA WRITE or READ between our local range and the peer's remote range, checked as a
-/// NIC checks it. Lock order: our regions, then the peer's (the same lock, read twice, for
-/// loopback); both are held across the copy, so neither side can deregister mid-copy. A write
-/// that fails part-way (an injected failure) has placed half its data and counts no immediate.
-fn rdma(
+/// Lands the pages of a batch posted inline from `src` over `conn`: `shape` moved by each of
+/// `shifts`, all with `wr_id`, the connection's queue already occupied once per page. As
+/// posting them one by one would: a page that fails puts the connection in the error state,
+/// and the pages after it land on the fresh connection (as a post after the failure would).
+/// The completions reach `src`'s inbox under one hold.
+pub(crate) fn land_pages(
     src: &Arc<Nic>,
     conn: &Conn,
-    op: RdmaOp,
-    (local_addr, local_key): (u64, u64),
-    (remote_addr, remote_key, remote_base): (u64, u64, u64),
-    len: u64,
-    injected: Option<DomainError>,
-) -> Result<(), DomainError> {
-    let peer = &conn.peer;
-    let target = conn.target().ok_or_else(|| unreachable(peer))?;
-    let ours = src.regions();
-    if !src.alive.load(Ordering::Acquire) {
-        return Err(unreachable(&src.addr));
-    }
-    // Zero-byte writes name no local range; a read always does.
-    let mut local_gpu = false;
-    if len > 0 || op == RdmaOp::Read {
-        let region = ours.local.get(&local_key).ok_or_else(|| {
-            DomainError::new(
-                DomainErrorKind::InvalidArgument,
-                format!(
-                    "local key {local_key:#x} is not registered with mock NIC {}",
-                    src.addr
-                ),
-            )
-        })?;
-        if !region.contains(local_addr, len) {
-            return Err(DomainError::new(
-                DomainErrorKind::InvalidArgument,
-                format!(
-                    "local range {local_addr:#x}+{len} is outside its region {:#x}+{}",
-                    region.ptr, region.len
-                ),
-            ));
+    wr_id: u64,
+    shape: &RdmaShape,
+    shifts: &[(u64, u64)],
+) {
+    let mut done = Vec::with_capacity(shifts.len());
+    let mut complete = |result: Result<(), DomainError>| {
+        if result.is_err() {
+            conn.fail(conn.epoch());
         }
-        local_gpu = region.gpu;
-    }
-    let theirs = if Arc::ptr_eq(&target, src) {
-        None
+        // Never below zero: the poster occupied the queue once per page.
+        conn.outstanding.fetch_sub(1, Ordering::AcqRel);
+        done.push(Event::Done { wr_id, result });
+    };
+    if src.alive.load(Ordering::Acquire) {
+        rdma::rdma_pages(src, conn, shape, shifts, &mut complete);
     } else {
-        Some(target.regions())
-    };
-    let regions = theirs.as_deref().unwrap_or(&ours);
-    if !target.alive.load(Ordering::Acquire) {
-        return Err(unreachable(peer));
+        for _ in shifts {
+            complete(Err(DomainError::new(
+                DomainErrorKind::PeerUnreachable,
+                format!("mock NIC {} was dropped from the fabric", src.addr),
+            )));
+        }
     }
-    let (access, allowed): (&str, fn(&Region) -> bool) = match op {
-        RdmaOp::Write { .. } => ("write", |r| r.remote_write),
-        RdmaOp::Read => ("read", |r| r.remote_read),
-    };
-    let remote: Region = *regions
-        .remote
-        .get(&remote_key)
-        .filter(|r| allowed(r))
-        .ok_or_else(|| {
-            DomainError::new(
-                DomainErrorKind::RemoteAccess,
-                format!("rkey {remote_key:#x} is not valid for remote {access} at mock NIC {peer}"),
-            )
-        })?;
-    // Like a provider without FI_MR_VIRT_ADDR, the mock needs the registration's start: a
-    // wrong `remote_base` (a region sharing a larger registration, issue 27) is refused.
-    if remote_base != remote.ptr {
-        return Err(DomainError::new(
-            DomainErrorKind::RemoteAccess,
-            format!(
-                "remote_base {remote_base:#x} is not the start {:#x} of rkey {remote_key:#x}'s registration at mock NIC {peer}",
-                remote.ptr
-            ),
-        ));
-    }
-    if !remote.contains(remote_addr, len) {
-        return Err(DomainError::new(
-            DomainErrorKind::RemoteAccess,
-            format!(
-                "remote range {remote_addr:#x}+{len} is outside the region {:#x}+{} of rkey {remote_key:#x} at mock NIC {peer}",
-                remote.ptr, remote.len
-            ),
-        ));
-    }
-    let (to, from) = match op {
-        RdmaOp::Write { .. } => (remote_addr, local_addr),
-        RdmaOp::Read => (local_addr, remote_addr),
-    };
-    // A link failure part-way: part of the data is placed, no immediate is counted.
-    let placed = if injected.is_some() { len / 2 } else { len };
-    if placed > 0 && (local_gpu || remote.gpu) {
-        // SAFETY: as below; the engine checked both GPU ranges with the driver when they
-        // were registered, and the driver copies between any host/device addresses.
-        unsafe { xfer_cuda::copy(to, from, placed as usize) }.map_err(|e| {
-            DomainError::new(
-                DomainErrorKind::Other,
-                format!("GPU copy at mock NIC {peer}: {e}"),
-            )
-        })?;
-    } else if placed > 0 {
-        // SAFETY: both ranges were checked against live registrations, and both regions
-        // locks are held, so neither can be deregistered during the copy. The owners
-        // promised (TransferEngine::reg_mr's contract) the memory stays allocated while
-        // registered; `copy` tolerates overlap (a loopback transfer within one region).
-        unsafe { std::ptr::copy(from as *const u8, to as *mut u8, placed as usize) };
-    }
-    drop(theirs);
-    drop(ours);
-    if let Some(e) = injected {
-        return Err(e);
-    }
-    if let Some(imm) = op.imm() {
-        target.deliver(Event::ImmArrival {
-            imm,
-            from: Some(src.addr.clone()),
-        });
-    }
-    Ok(())
+    src.deliver_all(&mut done);
 }
 
 /// Returns whether the message was delivered now (else it waits for a receive buffer).
