@@ -492,7 +492,11 @@ pub(crate) fn land_pages(
     shape: &RdmaShape,
     shifts: &[(u64, u64)],
 ) {
-    let mut done = Vec::with_capacity(shifts.len());
+    // The inbox's own buffer (what the worker handed back at its last poll), so that a large
+    // batch's events reuse its room instead of a fresh allocation the kernel must fault in
+    // every time (for 100,000 pages, ~5 MB).
+    let mut done = std::mem::take(&mut src.inbox().events);
+    done.reserve(shifts.len());
     let mut complete = |result: Result<(), DomainError>| {
         if result.is_err() {
             conn.fail(conn.epoch());

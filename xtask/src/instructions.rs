@@ -77,7 +77,11 @@ pub(crate) fn report() -> Result {
     let trips = |n: &str| instructions(bench, &["--latency", n, "--reactive"], &env);
     let per_write = (trips("10000")? - trips("5000")?) / 10_000;
     let pages = |calls: &str, mode: &[&str]| {
-        let args: Vec<&str> = ["--calls", calls].iter().chain(mode).copied().collect();
+        let args: Vec<&str> = ["--calls", calls, "--no-reference"]
+            .iter()
+            .chain(mode)
+            .copied()
+            .collect();
         instructions("target/release/page-bench", &args, &[])
     };
     let per_page = (pages("20", &[])? - pages("10", &[])?) / 10_000;

@@ -1,6 +1,6 @@
 //! Paged writes: the page rate of `submit_paged_writes` and what one page costs (issue 29).
 //!
-//! `page-bench [--config FILE] [--pages N] [--page-len BYTES] [--calls C] [--single]`: C calls,
+//! `page-bench [--config FILE] [--pages N] [--page-len BYTES] [--calls C] [--single] [--no-reference]`: C calls,
 //! each writing N pages of BYTES (a permutation, as a KV-cache request scatters its blocks)
 //! from one engine into another's region, each waited for; prints pages per second, the time to
 //! post one call (the submit returning) and to its completion. Default: the ideal in-order mock
@@ -10,6 +10,9 @@
 //! instructions per page or per write, run it twice under callgrind with different `--calls`
 //! and divide the difference (`cargo xtask instructions` does): the worker is busy for the
 //! whole burst, so no idle polling is counted (a ping-pong's count moves with scheduling).
+//! Last, the reference: the same page copies, in the same order, between two plain buffers on
+//! one thread, and the engine's rate as a fraction of it (`--no-reference` leaves it out, as
+//! the instruction counts must).
 
 use std::time::{Duration, Instant};
 
@@ -107,5 +110,28 @@ fn main() {
         n / total.as_secs_f64() / 1e6,
         posting.as_secs_f64() * 1e3 / calls as f64,
         total.as_secs_f64() * 1e3 / calls as f64,
+    );
+    if std::env::args().any(|a| a == "--no-reference") {
+        return;
+    }
+    // The reference, in the same run: copying the same pages, in the same scattered order,
+    // between two plain buffers of the same size on this thread — what the mock's inline
+    // copies cost without any engine around them.
+    let from: Vec<u8> = (0..pages * page_len).map(|i| i as u8).collect();
+    let mut to = vec![0u8; pages * page_len];
+    let start = Instant::now();
+    for _ in 0..calls {
+        for (&s, &d) in src_pages.indices.iter().zip(&dst_pages.indices) {
+            let (s, d) = (s as usize * page_len, d as usize * page_len);
+            to[d..d + page_len].copy_from_slice(&from[s..s + page_len]);
+        }
+        std::hint::black_box(&mut to);
+    }
+    let copying = start.elapsed();
+    println!(
+        "page-bench: reference, the same page copies between plain buffers: {:.2} M/s, {:.3} ms/call; engine/reference {:.2}",
+        n / copying.as_secs_f64() / 1e6,
+        copying.as_secs_f64() * 1e3 / calls as f64,
+        copying.as_secs_f64() / total.as_secs_f64(),
     );
 }
