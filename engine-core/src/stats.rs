@@ -6,7 +6,9 @@
 //! per transfer and a snapshot costs one round trip to the worker.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::runtime::clock::Stamp;
 
 use serde::Serialize;
 
@@ -59,7 +61,11 @@ pub struct Histogram {
 impl Histogram {
     /// Records one duration.
     pub fn record(&mut self, d: Duration) {
-        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        self.record_us(u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+    }
+
+    /// Records a duration of `us` microseconds.
+    pub(crate) fn record_us(&mut self, us: u64) {
         // The bounds are 4^i: the bucket is ceil(log4(us)), from the bit length of us - 1.
         let bits = 64 - us.saturating_sub(1).leading_zeros() as usize;
         let bucket = bits.div_ceil(2).min(LATENCY_BOUNDS_US.len());
@@ -194,7 +200,7 @@ pub(crate) struct Started {
     pub(crate) peer: Option<u32>,
     pub(crate) bytes: u64,
     /// When it was submitted.
-    pub(crate) at: Instant,
+    pub(crate) at: Stamp,
     /// The NICs its work requests went to (bit `i`: NIC `i`).
     pub(crate) nics: u8,
 }
@@ -219,19 +225,19 @@ pub(crate) struct Recorder {
     last_peer: Option<u32>,
     peers: Vec<(NetAddr, PeerStats)>,
     /// When an operation to each peer (same index) last succeeded and last failed.
-    peer_times: Vec<(Option<Instant>, Option<Instant>)>,
+    peer_times: Vec<(Option<Stamp>, Option<Stamp>)>,
     /// The counters kept as they are reported.
     pub(crate) rest: Stats,
 }
 
 impl Recorder {
-    /// An operation of `requests` work requests was accepted, `waited` after it was
-    /// submitted.
-    pub(crate) fn started(&mut self, kind: OpKind, requests: u64, waited: Duration) {
+    /// An operation of `requests` work requests was accepted, `waited_us` microseconds
+    /// after it was submitted.
+    pub(crate) fn started(&mut self, kind: OpKind, requests: u64, waited_us: u64) {
         let op = &mut self.ops[kind as usize];
         op.started += 1;
         op.requests += requests;
-        op.post_latency.record(waited);
+        op.post_latency.record_us(waited_us);
     }
 
     /// `requests` work requests carrying `bytes` for NIC `nic`.
@@ -267,9 +273,9 @@ impl Recorder {
     }
 
     /// An operation finished at `now`.
-    pub(crate) fn finished(&mut self, s: &Started, result: Result<(), &Error>, now: Instant) {
+    pub(crate) fn finished(&mut self, s: &Started, result: Result<(), &Error>, now: Stamp) {
         let op = &mut self.ops[s.kind as usize];
-        op.latency.record(now.saturating_duration_since(s.at));
+        op.latency.record_us(now.micros_since(s.at));
         match result {
             Ok(()) => {
                 op.completed += 1;
@@ -291,7 +297,7 @@ impl Recorder {
     }
 
     /// The counters as reported at `now`.
-    pub(crate) fn snapshot(&self, now: Instant) -> Stats {
+    pub(crate) fn snapshot(&self, now: Stamp) -> Stats {
         let mut stats = self.rest.clone();
         stats.ops = KINDS
             .iter()
@@ -311,9 +317,7 @@ impl Recorder {
                     (None, Some(_)) => false,
                     (Some(ok), Some(failed)) => ok > failed,
                 };
-                p.ms_since_activity = ok.max(failed).map(|t| {
-                    u64::try_from(now.saturating_duration_since(t).as_millis()).unwrap_or(u64::MAX)
-                });
+                p.ms_since_activity = ok.max(failed).map(|t| now.micros_since(t) / 1_000);
                 (addr.clone(), p)
             })
             .collect();
@@ -351,8 +355,8 @@ mod tests {
     fn finished_operations_count_bytes_only_on_success_and_errors_by_kind() {
         let mut r = Recorder::default();
         let peer = NetAddr::new(&[1]).unwrap();
-        let start = Instant::now();
-        r.started(OpKind::Write, 2, Duration::from_micros(3));
+        let start = Stamp::now();
+        r.started(OpKind::Write, 2, 3);
         let s = Started {
             kind: OpKind::Write,
             peer: Some(r.posted_to(&peer, 2, 100)),
@@ -360,8 +364,8 @@ mod tests {
             at: start,
             nics: 1,
         };
-        r.finished(&s, Ok(()), start + Duration::from_micros(10));
-        r.started(OpKind::Write, 1, Duration::ZERO);
+        r.finished(&s, Ok(()), start.after(Duration::from_micros(10)));
+        r.started(OpKind::Write, 1, 0);
         r.finished(&s, Err(&Error::Timeout(Duration::from_secs(1))), start);
         let stats = r.snapshot(start);
         let w = stats.op(OpKind::Write);
@@ -381,9 +385,9 @@ mod tests {
     fn a_peer_is_unhealthy_from_a_failure_until_the_next_success() {
         let mut r = Recorder::default();
         let peer = NetAddr::new(&[7]).unwrap();
-        let t0 = Instant::now();
-        let at = |ms| t0 + Duration::from_millis(ms);
-        r.started(OpKind::Write, 1, Duration::ZERO);
+        let t0 = Stamp::now();
+        let at = |ms| t0.after(Duration::from_millis(ms));
+        r.started(OpKind::Write, 1, 0);
         let s = Started {
             kind: OpKind::Write,
             peer: Some(r.posted_to(&peer, 1, 8)),

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::notifications::Notification;
+use crate::runtime::clock::Stamp;
 use crate::wire;
 
 impl TransferEngine {
@@ -24,7 +25,7 @@ impl TransferEngine {
             peer: peer.clone(),
             data: wire::encode_user_message(data),
             on_done: on_done.into(),
-            submitted: Instant::now(),
+            submitted: Stamp::now(),
         })
     }
 
@@ -114,7 +115,7 @@ impl TransferEngine {
             let queued = slot.submit(Command::Send {
                 peer,
                 data: message,
-                submitted: Instant::now(),
+                submitted: Stamp::now(),
                 on_done: OnDone::callback(move |r| {
                     if let Some(d) = take(&inner) {
                         d.complete_inline(r);

@@ -2,6 +2,7 @@
 //! and barriers over peer groups; bounds, handles and NICs checked before anything is queued.
 
 use super::*;
+use crate::runtime::clock::Stamp;
 use crate::runtime::Shift;
 
 /// Where a plan's operations go: a `Vec` for many, [`Ops`] inline for a single write (each
@@ -270,7 +271,7 @@ impl TransferEngine {
         self.shared.submit_counted(Command::Writes {
             ops,
             on_done,
-            submitted: Instant::now(),
+            submitted: Stamp::now(),
         })
     }
 
@@ -319,7 +320,7 @@ impl TransferEngine {
         self.shared.submit_counted(Command::Pages {
             work: Box::new(PagedWork { plans, offsets }),
             on_done,
-            submitted: Instant::now(),
+            submitted: Stamp::now(),
         })
     }
 

@@ -13,6 +13,7 @@
 //! limit `submit_*` returns `Error::Busy` instead of queueing.
 
 mod callbacks;
+pub(crate) mod clock;
 pub(crate) mod completion;
 pub(crate) mod control;
 mod queue;
@@ -20,6 +21,7 @@ mod tracker;
 mod work;
 mod worker;
 
+use self::clock::Stamp;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::Thread;
@@ -98,20 +100,20 @@ pub(crate) enum Command {
     Writes {
         ops: Ops,
         on_done: OnDone,
-        submitted: std::time::Instant,
+        submitted: Stamp,
     },
     /// A paged transfer (its own variant, boxed: a single write's command stays small).
     Pages {
         work: Box<PagedWork>,
         on_done: OnDone,
-        submitted: std::time::Instant,
+        submitted: Stamp,
     },
     /// A message to a peer's main address.
     Send {
         peer: NetAddr,
         data: Vec<u8>,
         on_done: OnDone,
-        submitted: std::time::Instant,
+        submitted: Stamp,
     },
     /// Register with every NIC; reply with one registration per NIC. If the caller gave up
     /// waiting (the reply cannot be sent), the worker deregisters at once: no registration
@@ -423,7 +425,7 @@ mod tests {
         shared.queue.push(Command::Writes {
             ops: Ops::new(),
             on_done: OnDone::Flag(Arc::clone(&flag)),
-            submitted: std::time::Instant::now(),
+            submitted: Stamp::now(),
         });
         shared.queue.push(Command::Register {
             region: MemoryRegion {

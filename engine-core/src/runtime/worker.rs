@@ -20,6 +20,7 @@
 //! Domain's waker, the next deadline, or (for Domains that cannot wake it) `idle_poll_us`.
 //! Idle polls while awake yield the CPU between them unless `worker.yield_when_idle` is off.
 
+use super::clock::{Anchor, Stamp};
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
@@ -105,6 +106,10 @@ struct Worker {
     transfer_timeout: Duration,
     /// The clock as of the current batch of submissions.
     now: Instant,
+    /// The same moment as `now`, as a [`Stamp`] (what statistics measure from).
+    stamp: Stamp,
+    /// Turns stamps into the `Instant`s of transfer telemetry.
+    anchor: Anchor,
     /// A Domain failed for good (a `Fatal` poll error): the worker fails after this pass.
     fatal: Option<String>,
     /// Poll errors that were not fatal, logged at a bounded rate.
@@ -277,6 +282,8 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
         imm_outcomes: Vec::new(),
         callbacks: Vec::new(),
         now: Instant::now(),
+        stamp: Stamp::now(),
+        anchor: Anchor::now(),
         transfer_timeout: config.timeouts.transfer(),
         fatal: None,
         poll_errors: 0,
@@ -318,7 +325,8 @@ impl Worker {
         }
         if !self.commands.is_empty() {
             // One clock read per batch of submissions, not one per transfer.
-            self.now = Instant::now();
+            self.stamp = Stamp::now();
+            self.now = self.anchor.instant(self.stamp);
             // At most 256 commands, then posting and polling; the rest wait for the next pass.
             for _ in 0..256 {
                 let Some(cmd) = self.commands.pop_front() else {
@@ -452,8 +460,7 @@ impl Worker {
                 let bytes = data.len() as u64;
                 let deadline = self.now + self.transfer_timeout;
                 let Some(id) = self.track(1, deadline, on_done, |w| {
-                    w.recorder
-                        .started(kind, 1, w.now.saturating_duration_since(submitted));
+                    w.recorder.started(kind, 1, w.stamp.micros_since(submitted));
                     w.recorder.on_nic(0, 1, bytes);
                     let index = w.recorder.posted_to(&peer, 1, bytes);
                     Started {
@@ -527,7 +534,7 @@ impl Worker {
                 }
             }
             Command::Stats { reply } => {
-                let mut stats = self.recorder.snapshot(Instant::now());
+                let mut stats = self.recorder.snapshot(Stamp::now());
                 stats.stale_completions = self.tracker.stale();
                 stats.outstanding = self.shared.outstanding.load(Ordering::Acquire) as u64;
                 {
@@ -571,8 +578,8 @@ impl Worker {
         let taken = control.take(|| {
             let started = count(self);
             let telemetry = super::control::Telemetry {
-                submitted: Some(started.at),
-                posted: Some(self.now.max(started.at)),
+                submitted: Some(self.anchor.instant(started.at)),
+                posted: Some(self.anchor.instant(self.stamp.max(started.at))),
                 completed: None,
                 bytes: started.bytes,
                 requests,
@@ -617,7 +624,7 @@ impl Worker {
         &mut self,
         shapes: impl Iterator<Item = (&'a RdmaWork, u64)> + Clone,
         on_done: OnDone,
-        submitted: Instant,
+        submitted: Stamp,
         post: impl FnOnce(&mut Self, u64),
     ) {
         let requests = shapes.clone().map(|(_, uses)| uses).sum();
@@ -653,7 +660,7 @@ impl Worker {
         &mut self,
         shapes: impl Iterator<Item = (&'a RdmaWork, u64)>,
         requests: u64,
-        submitted: Instant,
+        submitted: Stamp,
     ) -> Started {
         let mut shapes = shapes.peekable();
         let first = shapes
@@ -664,7 +671,7 @@ impl Worker {
             RdmaOp::Read => OpKind::Read,
             RdmaOp::Write { .. } => OpKind::Write,
         };
-        let waited = self.now.saturating_duration_since(submitted);
+        let waited = self.stamp.micros_since(submitted);
         self.recorder.started(kind, requests, waited);
         let mut bytes = 0;
         let mut nics = 0u8;
@@ -1106,9 +1113,9 @@ impl Worker {
         // here) may submit again at the limit at once, and must not be told Busy.
         self.shared.finished(self.finished.len());
         let now = if self.finished.is_empty() {
-            self.now
+            self.stamp
         } else {
-            Instant::now()
+            Stamp::now()
         };
         for (tracked, result) in self.finished.drain(..) {
             if let Some(started) = &tracked.started {
