@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
     Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion,
-    PostStatus, RdmaRequest, Registration, Waker,
+    PageShift, PostStatus, RdmaRequest, Registration, Waker,
 };
 
 use crate::fabric::{self, Conn, Nic, Op, Posted, RdmaShape, Region};
@@ -248,7 +248,7 @@ impl Domain for MockDomain {
     fn post_rdma_pages(
         &mut self,
         template: &RdmaRequest<'_>,
-        shifts: &[(u64, u64)],
+        shifts: &[PageShift],
     ) -> (usize, Result<PostStatus, DomainError>) {
         // Fault injection counts posts one by one: a batch it could touch is posted so.
         if !self.options.inline || shifts.is_empty() || self.faults_within(shifts.len() as u64) {

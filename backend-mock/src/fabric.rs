@@ -20,7 +20,7 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGu
 
 use foldhash::HashMap;
 use xfer_plugin::addr::NetAddr;
-use xfer_plugin::domain::{DomainError, DomainErrorKind, Event, Waker};
+use xfer_plugin::domain::{DomainError, DomainErrorKind, Event, PageShift, Waker};
 
 mod progress;
 mod rdma;
@@ -490,7 +490,7 @@ pub(crate) fn land_pages(
     conn: &Conn,
     wr_id: u64,
     shape: &RdmaShape,
-    shifts: &[(u64, u64)],
+    shifts: &[PageShift],
 ) {
     // The inbox's own buffer (what the worker handed back at its last poll), so that a large
     // batch's events reuse its room instead of a fresh allocation the kernel must fault in

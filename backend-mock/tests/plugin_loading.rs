@@ -342,3 +342,82 @@ fn a_mistyped_plugin_option_is_a_config_error_naming_the_key() {
         other => panic!("expected the NIC's refusal naming the key, got {other:?}"),
     }
 }
+
+/// ABI 5: a paged write reaches a current plugin as batches of pages (one call each) and a
+/// version-4 plugin page by page; either way every page lands once, with its immediate, also
+/// when the plugin's queue (3 deep) cuts every batch short, and a batch the NIC refuses (a
+/// revoked key) fails its transfer once.
+#[test]
+fn paged_writes_reach_plugins_in_batches_or_page_by_page_by_their_abi() {
+    use engine_core::{DoneFlag, Pages, TransferShape};
+    let path = common::built_library("plugin_fixture_old_abi");
+    for (backend, version) in [("checkedmock", 5), ("v4mock", 4)] {
+        let plugin = engine_core::plugin::LoadedPlugin::load(&path, backend).unwrap();
+        assert_eq!(plugin.abi_version(), version);
+        let mut config = common::mock_config(
+            1,
+            &format!("[backends.{backend}]\ninline = true\nreorder = false\njitter_us = 0\nqueue_depth = 3\n"),
+        );
+        config.backend = backend.into();
+        config.plugin = Some(path.clone());
+        let (a, b) = (
+            std::sync::Arc::new(TransferEngine::open(&config).unwrap()),
+            std::sync::Arc::new(TransferEngine::open(&config).unwrap()),
+        );
+        let (n, page) = (500u32, 64u64);
+        let len = (u64::from(n) * page) as usize;
+        let src = xfer_conformance::buffer(&a, len, xfer_conformance::pattern(3));
+        let dst = xfer_conformance::buffer(&b, len, |_| 0);
+        let pages = |indices: Vec<u32>| Pages {
+            indices,
+            stride: page,
+            offset: 0,
+        };
+        let (from, to) = (
+            pages((0..n).collect()),
+            pages((0..n).map(|i| (i * 7 + 3) % n).collect()),
+        );
+        let done = DoneFlag::new();
+        a.submit_paged_writes(
+            page,
+            Some(4),
+            (src.mr(), &from),
+            (dst.desc(), &to),
+            done.clone(),
+        )
+        .unwrap();
+        done.wait(std::time::Duration::from_secs(20)).unwrap();
+        let (s, d) = (src.to_vec(), dst.to_vec());
+        for i in 0..n as usize {
+            let (f, t) = (i * page as usize, to.indices[i] as usize * page as usize);
+            assert!(
+                d[t..t + page as usize] == s[f..f + page as usize],
+                "{backend}: page {i}"
+            );
+        }
+        let arrivals = b.expected_arrivals(TransferShape::Paged {
+            page_len: page,
+            pages: u64::from(n),
+        });
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while b.imm_count(4) < arrivals {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{backend}: immediates missing"
+            );
+            std::thread::yield_now();
+        }
+        assert_eq!(a.stats().unwrap().stale_completions, 0, "{backend}");
+        // A revoked destination: the transfer fails once, naming the key.
+        let desc = dst.desc().clone();
+        drop(dst);
+        let failed = DoneFlag::new();
+        a.submit_paged_writes(page, None, (src.mr(), &from), (&desc, &to), failed.clone())
+            .unwrap();
+        match failed.wait(std::time::Duration::from_secs(20)) {
+            Err(Error::RemoteAccess(why)) => assert!(why.contains("rkey"), "{backend}: {why}"),
+            other => panic!("{backend}: expected the NIC's refusal, got {other:?}"),
+        }
+        assert_eq!(a.stats().unwrap().stale_completions, 0, "{backend}");
+    }
+}

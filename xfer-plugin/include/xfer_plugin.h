@@ -10,7 +10,7 @@
 /**
  * The ABI this engine speaks: bumped when entries are appended to `XferPluginTable`.
  */
-#define XFER_ABI_VERSION 4
+#define XFER_ABI_VERSION 5
 
 /**
  * The oldest ABI whose plugins this engine still loads.
@@ -433,6 +433,21 @@ typedef struct XferRawCapabilities {
 typedef void (*XferLogFn)(uint32_t level, struct XferRawBytes target, struct XferRawBytes message);
 
 /**
+ * How far one page of a paged request lies from the request's own addresses, in bytes (the
+ * C ABI passes a batch's shifts as an array of these, unchanged).
+ */
+typedef struct XferPageShift {
+  /**
+   * Added to the local address.
+   */
+  uint64_t local;
+  /**
+   * Added to the remote address.
+   */
+  uint64_t remote;
+} XferPageShift;
+
+/**
  * The function table a plugin exports. Every handle is the `*mut c_void` `open` returned.
  */
 typedef struct XferPluginTable {
@@ -524,6 +539,21 @@ typedef struct XferPluginTable {
    * when a NIC opens). The engine calls it once when it opens.
    */
   int32_t (*check_options)(struct XferRawBytes options, struct XferRawError *err);
+  /**
+   * ABI 5: posts the pages of a paged write: `request` moved by each of the `count`
+   * entries of `shifts` (added to its local and remote addresses), in order, all with the
+   * request's `wr_id`, each to get its own done event. (Not named `template`: the header
+   * is C++ too.) Stores in `posted` how many were
+   * posted; returns `XFER_STATUS_OK` when all were, otherwise `XFER_STATUS_BUSY` or
+   * `XFER_STATUS_ERROR` (with `err`) for request number `*posted`, which was not posted, and
+   * nothing after it was tried (null: the engine posts each page with `post_write`).
+   */
+  int32_t (*post_write_pages)(void *domain,
+                              const struct XferRawWrite *request,
+                              const struct XferPageShift *shifts,
+                              size_t count,
+                              size_t *posted,
+                              struct XferRawError *err);
 } XferPluginTable;
 
 /**
@@ -614,7 +644,7 @@ XFER_STATIC_ASSERT(sizeof(XferRegistration) == 16, "XferRegistration size");
 XFER_STATIC_ASSERT(XFER_ALIGNOF(XferRegistration) == 8, "XferRegistration alignment");
 XFER_STATIC_ASSERT(offsetof(XferRegistration, local_key) == 0, "XferRegistration.local_key");
 XFER_STATIC_ASSERT(offsetof(XferRegistration, remote_key) == 8, "XferRegistration.remote_key");
-XFER_STATIC_ASSERT(sizeof(XferPluginTable) == 144, "XferPluginTable size");
+XFER_STATIC_ASSERT(sizeof(XferPluginTable) == 152, "XferPluginTable size");
 XFER_STATIC_ASSERT(XFER_ALIGNOF(XferPluginTable) == 8, "XferPluginTable alignment");
 XFER_STATIC_ASSERT(offsetof(XferPluginTable, header) == 0, "XferPluginTable.header");
 XFER_STATIC_ASSERT(offsetof(XferPluginTable, name) == 8, "XferPluginTable.name");

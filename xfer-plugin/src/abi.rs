@@ -28,7 +28,10 @@
 //! [`options_format`](PluginTable::options_format) (backend options as TOML text or as flat
 //! `key=value` lines a C plugin reads without a TOML parser). Version 4 appended
 //! [`check_options`](PluginTable::check_options), so an engine refuses a mistyped option when
-//! it opens, naming the key, before any NIC is opened.
+//! it opens, naming the key, before any NIC is opened. Version 5 appended
+//! [`post_write_pages`](PluginTable::post_write_pages): the pages of a paged write in one call
+//! (one request and an array of [`PageShift`]s), so a plugin checks and locks once per batch
+//! rather than once per page; without it the engine posts them one by one.
 //!
 //! Backend authors do not write any of this: [`export_plugin!`](crate::export_plugin) turns a
 //! Rust [`Domain`] opener into the table.
@@ -39,13 +42,13 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use crate::addr::{NetAddr, MAX_ADDR_LEN};
 use crate::domain::{
     Capabilities, CheckOptionsFn, Device, Domain, DomainConfig, DomainError, DomainErrorKind,
-    Event, MemoryRegion, OpenFn, PostStatus, RdmaOp, RdmaRequest, Registration,
+    Event, MemoryRegion, OpenFn, PageShift, PostStatus, RdmaOp, RdmaRequest, Registration,
 };
 use crate::log::LogFn;
 pub use crate::raw::RawBytes;
 
 /// The ABI this engine speaks: bumped when entries are appended to [`PluginTable`].
-pub const ABI_VERSION: u32 = 4;
+pub const ABI_VERSION: u32 = 5;
 /// The oldest ABI whose plugins this engine still loads.
 pub const MIN_ABI_VERSION: u32 = 1;
 /// Size of a version-1 table: everything before [`PluginTable::post_read`].
@@ -54,8 +57,10 @@ pub const V1_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, post_read) as u
 pub const V2_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, capabilities) as u32;
 /// Size of a version-3 table: everything before [`PluginTable::check_options`].
 pub const V3_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, check_options) as u32;
-/// Size of a version-4 table: the whole [`PluginTable`].
-pub const V4_TABLE_SIZE: u32 = std::mem::size_of::<PluginTable>() as u32;
+/// Size of a version-4 table: everything before [`PluginTable::post_write_pages`].
+pub const V4_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, post_write_pages) as u32;
+/// Size of a version-5 table: the whole [`PluginTable`].
+pub const V5_TABLE_SIZE: u32 = std::mem::size_of::<PluginTable>() as u32;
 
 /// The size of a table of ABI `version` (each version appends entries), or `None` for a
 /// version this crate does not know. The engine reads exactly this many bytes of a plugin's
@@ -67,6 +72,7 @@ pub const fn table_size_of(version: u32) -> Option<u32> {
         2 => Some(V2_TABLE_SIZE),
         3 => Some(V3_TABLE_SIZE),
         4 => Some(V4_TABLE_SIZE),
+        5 => Some(V5_TABLE_SIZE),
         _ => None,
     }
 }
@@ -491,6 +497,23 @@ pub struct PluginTable {
     /// without opening anything; an error names the mistake (null: the options are checked
     /// when a NIC opens). The engine calls it once when it opens.
     pub check_options: Option<unsafe extern "C" fn(options: RawBytes, err: *mut RawError) -> i32>,
+    /// ABI 5: posts the pages of a paged write: `request` moved by each of the `count`
+    /// entries of `shifts` (added to its local and remote addresses), in order, all with the
+    /// request's `wr_id`, each to get its own done event. (Not named `template`: the header
+    /// is C++ too.) Stores in `posted` how many were
+    /// posted; returns [`STATUS_OK`] when all were, otherwise [`STATUS_BUSY`] or
+    /// [`STATUS_ERROR`] (with `err`) for request number `*posted`, which was not posted, and
+    /// nothing after it was tried (null: the engine posts each page with `post_write`).
+    pub post_write_pages: Option<
+        unsafe extern "C" fn(
+            domain: *mut c_void,
+            request: *const RawWrite,
+            shifts: *const PageShift,
+            count: usize,
+            posted: *mut usize,
+            err: *mut RawError,
+        ) -> i32,
+    >,
 }
 
 // SAFETY: the table is immutable static data (function pointers and a static name).
@@ -539,6 +562,7 @@ impl PluginTable {
                 Some(_) => Some(shim_check_options::<O>),
                 None => None,
             },
+            post_write_pages: Some(shim_post_write_pages),
         }
     }
 
@@ -550,6 +574,16 @@ impl PluginTable {
         table.header = PluginHeader {
             abi_version: 1,
             table_size: V1_TABLE_SIZE,
+        };
+        table
+    }
+
+    /// The table as a version-4 plugin built it (no batches of pages), for fixtures.
+    pub const fn new_v4<O: PluginOpener>() -> Self {
+        let mut table = Self::new::<O>();
+        table.header = PluginHeader {
+            abi_version: 4,
+            table_size: V4_TABLE_SIZE,
         };
         table
     }
@@ -730,6 +764,36 @@ unsafe extern "C" fn shim_post_read(
 ) -> i32 {
     // SAFETY: as in shim_post_write.
     unsafe { shim_post_rdma(domain, RawRdma::Read(*rd), err) }
+}
+
+unsafe extern "C" fn shim_post_write_pages(
+    domain: *mut c_void,
+    template: *const RawWrite,
+    shifts: *const PageShift,
+    count: usize,
+    posted: *mut usize,
+    err: *mut RawError,
+) -> i32 {
+    // SAFETY: `posted` is valid for writes, per the ABI contract; nothing is posted yet (and
+    // a panic below reports nothing posted: the engine treats the Domain as failed for good).
+    unsafe { *posted = 0 };
+    guarded(err, || {
+        // SAFETY: the engine passes a valid template for the call's duration.
+        let raw = RawRdma::Write(unsafe { *template });
+        let peer = peer_addr(raw.peer())?;
+        let req = raw.request(&peer);
+        let shifts = if count == 0 {
+            &[][..]
+        } else {
+            // SAFETY: the engine passes `count` shifts, valid for the call's duration.
+            unsafe { std::slice::from_raw_parts(shifts, count) }
+        };
+        // SAFETY: a live handle, per the ABI contract.
+        let (n, status) = unsafe { handle(domain) }.post_rdma_pages(&req, shifts);
+        // SAFETY: as above.
+        unsafe { *posted = n.min(count) };
+        status.map(post_status)
+    })
 }
 
 /// Both post shims: decode, refuse a read the Domain cannot do, post.
@@ -948,7 +1012,9 @@ const _: () = {
     assert!(V2_TABLE_SIZE == 112);
     assert!(offset_of!(PluginTable, set_log) == 120);
     assert!(V3_TABLE_SIZE == 136);
-    assert!(size_of::<PluginTable>() == 144);
+    assert!(V4_TABLE_SIZE == 144);
+    assert!(size_of::<PageShift>() == 16);
+    assert!(size_of::<PluginTable>() == 152);
 };
 
 #[cfg(test)]
@@ -1147,5 +1213,111 @@ mod tests {
         assert!(e.message.contains("RDMA READ"), "{e}");
         // SAFETY: the handle came from open and is closed once.
         unsafe { (table.close)(handle) };
+    }
+
+    /// A Domain that records the local and remote address of every write it accepts, and
+    /// answers the write numbered `stop` (from 0) with `Busy` or an error.
+    struct Recording {
+        seen: std::sync::Arc<std::sync::Mutex<Vec<(u64, u64)>>>,
+        stop: Option<(usize, bool)>,
+    }
+
+    impl Domain for Recording {
+        fn address(&self) -> NetAddr {
+            NetAddr::new(b"recording").expect("a valid address")
+        }
+        fn register(&mut self, _: &MemoryRegion) -> Result<Registration, DomainError> {
+            Err(DomainError::new(DomainErrorKind::Other, "unused"))
+        }
+        fn deregister(&mut self, _: u64) -> Result<(), DomainError> {
+            Ok(())
+        }
+        fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
+            let mut seen = self.seen.lock().unwrap();
+            match self.stop {
+                Some((n, busy)) if seen.len() == n => {
+                    if busy {
+                        return Ok(PostStatus::Busy);
+                    }
+                    return Err(DomainError::new(DomainErrorKind::RemoteAccess, "refused"));
+                }
+                _ => seen.push((req.local_addr, req.remote_addr)),
+            }
+            Ok(PostStatus::Posted)
+        }
+        fn post_send(&mut self, _: u64, _: &NetAddr, _: &[u8]) -> Result<PostStatus, DomainError> {
+            Ok(PostStatus::Busy)
+        }
+        fn post_recvs(&mut self, _: usize, _: usize) -> Result<(), DomainError> {
+            Ok(())
+        }
+        fn poll(&mut self, _: &mut Vec<Event>) -> Result<(), DomainError> {
+            Ok(())
+        }
+    }
+
+    /// ABI 5: a batch of pages through the C entry reaches the Domain as each page's request
+    /// (the template moved by its shift), and the entry reports how many were posted and why
+    /// it stopped — all posted, the NIC full at page 2, or page 3 refused with its error.
+    #[test]
+    fn a_batch_of_pages_crosses_the_abi_and_says_where_it_stopped() {
+        let peer = NetAddr::new(b"peer-9").expect("a valid address");
+        let template = RawWrite {
+            wr_id: 5,
+            peer: RawBytes::new(peer.raw()),
+            local_addr: 0x1000,
+            local_key: 1,
+            remote_addr: 0x8000,
+            remote_key: 2,
+            remote_base: 0x8000,
+            len: 64,
+            has_imm: 1,
+            imm: 9,
+        };
+        let shifts: Vec<PageShift> = (0..5).map(|i| PageShift::new(64 * i, 128 * i)).collect();
+        for (stop, want_posted, want_status) in [
+            (None, 5, STATUS_OK),
+            (Some((2, true)), 2, STATUS_BUSY),
+            (Some((3, false)), 3, STATUS_ERROR),
+        ] {
+            let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+            let mut domain: Handle = Box::new(Recording {
+                seen: std::sync::Arc::clone(&seen),
+                stop,
+            });
+            let handle = (&mut domain as *mut Handle).cast::<c_void>();
+            let (mut posted, mut err) = (usize::MAX, RawError::empty());
+            // SAFETY: a live handle (boxed above, outliving the call), a valid template and
+            // shifts, and output slots of ours.
+            let status = unsafe {
+                shim_post_write_pages(handle, &template, shifts.as_ptr(), 5, &mut posted, &mut err)
+            };
+            assert_eq!((posted, status), (want_posted, want_status), "{stop:?}");
+            let expected: Vec<(u64, u64)> = shifts[..want_posted]
+                .iter()
+                .map(|s| (0x1000 + s.local, 0x8000 + s.remote))
+                .collect();
+            assert_eq!(*seen.lock().unwrap(), expected, "{stop:?}");
+            if status == STATUS_ERROR {
+                let e = err.to_error();
+                assert_eq!(
+                    (e.kind, e.message.as_str()),
+                    (DomainErrorKind::RemoteAccess, "refused")
+                );
+            }
+            // No shifts: nothing posted, nothing to say.
+            // SAFETY: as above; a null array with a count of 0 is never read.
+            let status = unsafe {
+                shim_post_write_pages(
+                    handle,
+                    &template,
+                    std::ptr::null(),
+                    0,
+                    &mut posted,
+                    &mut err,
+                )
+            };
+            assert_eq!((posted, status), (0, STATUS_OK));
+        }
     }
 }

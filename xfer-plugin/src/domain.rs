@@ -112,14 +112,32 @@ impl RdmaRequest<'_> {
         self.op.imm()
     }
 
-    /// This request moved by `(local, remote)` bytes: one page of a paged request.
+    /// This request moved by `shift`: one page of a paged request.
     #[inline]
-    pub fn shifted(&self, (local, remote): (u64, u64)) -> Self {
+    pub fn shifted(&self, shift: PageShift) -> Self {
         Self {
-            local_addr: self.local_addr + local,
-            remote_addr: self.remote_addr + remote,
+            local_addr: self.local_addr + shift.local,
+            remote_addr: self.remote_addr + shift.remote,
             ..*self
         }
+    }
+}
+
+/// How far one page of a paged request lies from the request's own addresses, in bytes (the
+/// C ABI passes a batch's shifts as an array of these, unchanged).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[repr(C)]
+pub struct PageShift {
+    /// Added to the local address.
+    pub local: u64,
+    /// Added to the remote address.
+    pub remote: u64,
+}
+
+impl PageShift {
+    /// `local` bytes on our side, `remote` on the peer's.
+    pub const fn new(local: u64, remote: u64) -> Self {
+        Self { local, remote }
     }
 }
 
@@ -280,8 +298,7 @@ pub trait Domain: Send {
     /// [`refuse_read`]'s typed error.
     fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError>;
 
-    /// Posts `template` once per entry of `shifts`, each moved by its (local, remote) byte
-    /// offsets, in order and all with the template's `wr_id`: the pages of a paged request on
+    /// Posts `template` once per entry of `shifts`, each moved by its byte offsets, in order and all with the template's `wr_id`: the pages of a paged request on
     /// this NIC, which differ only in their addresses. Returns how many were posted and the
     /// status of the post that ended the batch: `Ok(Posted)` when all were; otherwise
     /// `Ok(Busy)` or the error of request number `posted`, which was not posted, and nothing
@@ -294,7 +311,7 @@ pub trait Domain: Send {
     fn post_rdma_pages(
         &mut self,
         template: &RdmaRequest<'_>,
-        shifts: &[(u64, u64)],
+        shifts: &[PageShift],
     ) -> (usize, Result<PostStatus, DomainError>) {
         post_one_by_one(self, template, shifts)
     }
@@ -337,7 +354,7 @@ pub trait Domain: Send {
 pub fn post_one_by_one<D: Domain + ?Sized>(
     domain: &mut D,
     template: &RdmaRequest<'_>,
-    shifts: &[(u64, u64)],
+    shifts: &[PageShift],
 ) -> (usize, Result<PostStatus, DomainError>) {
     for (posted, &shift) in shifts.iter().enumerate() {
         match domain.post_rdma(&template.shifted(shift)) {

@@ -10,7 +10,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLockReadGuard};
 
-use xfer_plugin::domain::{DomainError, DomainErrorKind, Event, RdmaOp};
+use xfer_plugin::domain::{DomainError, DomainErrorKind, Event, PageShift, RdmaOp};
 
 use super::{unreachable, Conn, Nic, Region, Regions};
 
@@ -131,7 +131,10 @@ impl Resolved<'_> {
         &self,
         conn: &Conn,
         shape: &RdmaShape,
-        (local_shift, remote_shift): (u64, u64),
+        PageShift {
+            local: local_shift,
+            remote: remote_shift,
+        }: PageShift,
         injected: Option<DomainError>,
     ) -> Result<(), DomainError> {
         let len = shape.len;
@@ -231,7 +234,7 @@ pub(crate) fn rdma(
 ) -> Result<(), DomainError> {
     let target = conn.target().ok_or_else(|| unreachable(&conn.peer))?;
     let resolved = resolve(src, conn, &target, shape)?;
-    let moved = resolved.move_page(conn, shape, (0, 0), injected);
+    let moved = resolved.move_page(conn, shape, PageShift::default(), injected);
     resolved.release();
     moved?;
     if let Some(imm) = shape.op.imm() {
@@ -251,7 +254,7 @@ pub(crate) fn rdma_pages(
     src: &Arc<Nic>,
     conn: &Conn,
     shape: &RdmaShape,
-    shifts: &[(u64, u64)],
+    shifts: &[PageShift],
     mut outcome: impl FnMut(Result<(), DomainError>),
 ) {
     let Some(target) = conn.target() else {

@@ -94,7 +94,7 @@ fn page_offsets(
             .iter()
             .zip(&r.indices)
             .map(|(&li, &ri)| {
-                (
+                Shift::new(
                     u64::from(li) * l.stride + l.offset,
                     u64::from(ri) * r.stride + r.offset,
                 )
@@ -113,7 +113,7 @@ fn page_offsets(
     l.indices
         .iter()
         .zip(&r.indices)
-        .map(|(&li, &ri)| Ok((check(local, li)?, check(remote, ri)?)))
+        .map(|(&li, &ri)| Ok(Shift::new(check(local, li)?, check(remote, ri)?)))
         .collect()
 }
 
@@ -491,7 +491,7 @@ mod tests {
             }
         };
         (0..local.0.indices.len())
-            .map(|i| Ok((one(local, i)?, one(remote, i)?)))
+            .map(|i| Ok(Shift::new(one(local, i)?, one(remote, i)?)))
             .collect()
     }
 

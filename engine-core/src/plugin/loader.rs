@@ -7,7 +7,7 @@ use super::abi::{
     entry_symbol, EntryFn, PluginHeader, PluginTable, RawBytes, ABI_VERSION, ENTRY_SYMBOL,
     MIN_ABI_VERSION, OPTIONS_FLAT, OPTIONS_TOML, V1_TABLE_SIZE,
 };
-use super::abi::{table_size_of, V2_TABLE_SIZE, V3_TABLE_SIZE, V4_TABLE_SIZE};
+use super::abi::{table_size_of, V2_TABLE_SIZE, V3_TABLE_SIZE, V4_TABLE_SIZE, V5_TABLE_SIZE};
 use crate::domain::{BackendRegistration, Domain, DomainConfig, DomainError};
 use xfer_plugin::log::{filter_number, LOG_DEBUG, LOG_ERROR, LOG_INFO, LOG_WARN};
 
@@ -48,7 +48,7 @@ pub enum PluginError {
     },
     /// The plugin was built against another ABI version, or its table is smaller than its
     /// version's.
-    #[error("plugin {path} has ABI version {found} with a table of {table_size} bytes; this engine loads ABI versions {MIN_ABI_VERSION} to {expected}, each with at least its version's table (version 1: {V1_TABLE_SIZE} bytes, 2: {V2_TABLE_SIZE}, 3: {V3_TABLE_SIZE}, 4: {V4_TABLE_SIZE})")]
+    #[error("plugin {path} has ABI version {found} with a table of {table_size} bytes; this engine loads ABI versions {MIN_ABI_VERSION} to {expected}, each with at least its version's table (version 1: {V1_TABLE_SIZE} bytes, 2: {V2_TABLE_SIZE}, 3: {V3_TABLE_SIZE}, 4: {V4_TABLE_SIZE}, 5: {V5_TABLE_SIZE})")]
     AbiMismatch {
         /// The library.
         path: PathBuf,
@@ -310,7 +310,7 @@ impl LoadedPlugin {
                 found,
                 expected: ABI_VERSION,
                 table_size,
-                expected_size: V4_TABLE_SIZE,
+                expected_size: V5_TABLE_SIZE,
             },
             TableRefusal::Null(entry) => PluginError::Load {
                 path: path.to_owned(),
@@ -415,15 +415,26 @@ mod tests {
         let t = unsafe { checked_table(&v1_big) }.unwrap();
         assert!(t.post_read.is_none() && t.capabilities.is_none() && t.set_log.is_none());
         assert_eq!(t.options_format, 0);
-        let v3_big = with_header(3, V4_TABLE_SIZE);
+        let v3_big = with_header(3, V5_TABLE_SIZE);
         // SAFETY: as above.
         let t = unsafe { checked_table(&v3_big) }.unwrap();
         assert!(t.set_log.is_some() && t.check_options.is_none());
+        let v4_big = with_header(4, V5_TABLE_SIZE);
+        // SAFETY: as above.
+        let t = unsafe { checked_table(&v4_big) }.unwrap();
+        assert!(t.post_write_pages.is_none());
+        let v5 = with_header(5, V5_TABLE_SIZE);
+        // SAFETY: as above.
+        assert!(unsafe { checked_table(&v5) }
+            .unwrap()
+            .post_write_pages
+            .is_some());
         for (version, size) in [
             (3, V1_TABLE_SIZE),
             (2, V2_TABLE_SIZE - 4),
             (3, V3_TABLE_SIZE - 4),
             (4, V4_TABLE_SIZE - 8),
+            (5, V5_TABLE_SIZE - 8),
         ] {
             let t = with_header(version, size);
             // SAFETY: as above.
@@ -438,7 +449,7 @@ mod tests {
             );
         }
         for version in [0, ABI_VERSION + 1] {
-            let t = with_header(version, V4_TABLE_SIZE);
+            let t = with_header(version, V5_TABLE_SIZE);
             // SAFETY: as above.
             assert!(unsafe { checked_table(&t) }.is_err());
         }

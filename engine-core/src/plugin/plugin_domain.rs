@@ -12,7 +12,7 @@ use super::flat::flat_options;
 use super::loader::LoadedPlugin;
 use crate::domain::{
     Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion,
-    PostStatus, RdmaRequest, Registration, Waker,
+    PageShift, PostStatus, RdmaRequest, Registration, Waker,
 };
 use crate::wire::{NetAddr, MAX_ADDR_LEN};
 
@@ -255,6 +255,36 @@ impl Domain for PluginDomain {
             }
         };
         Self::check(status, &err)
+    }
+
+    /// A batch of writes in one call when the plugin has the ABI-5 entry; otherwise (reads,
+    /// older plugins) one call per page.
+    fn post_rdma_pages(
+        &mut self,
+        template: &RdmaRequest<'_>,
+        shifts: &[PageShift],
+    ) -> (usize, Result<PostStatus, DomainError>) {
+        let (Some(post_pages), RawRdma::Write(raw)) = (
+            self.plugin.table.post_write_pages,
+            RawRdma::from_request(template),
+        ) else {
+            return crate::domain::post_one_by_one(self, template, shifts);
+        };
+        let (mut err, mut posted) = (RawError::empty(), 0usize);
+        // SAFETY: live handle; `raw` borrows the template's peer and `shifts` is valid for
+        // `shifts.len()` entries, both outliving the call; `posted` and `err` are ours.
+        let status = unsafe {
+            post_pages(
+                self.handle,
+                &raw,
+                shifts.as_ptr(),
+                shifts.len(),
+                &mut posted,
+                &mut err,
+            )
+        };
+        // A plugin claiming more than it was given is not believed past the batch.
+        (posted.min(shifts.len()), Self::check(status, &err))
     }
 
     fn post_send(

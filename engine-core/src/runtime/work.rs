@@ -25,13 +25,13 @@ pub(crate) struct RdmaWork {
     pub(crate) len: u64,
 }
 
-/// How far a page lies from its plan's (page 0's) addresses: (local, remote) bytes.
-pub(crate) type Shift = (u64, u64);
+/// How far a page lies from its plan's (page 0's) addresses.
+pub(crate) type Shift = xfer_plugin::domain::PageShift;
 
 impl RdmaWork {
     /// The request a Domain is handed, with the worker's id for it, moved by `shift`.
     #[inline]
-    pub(crate) fn request(&self, wr_id: u64, (local, remote): Shift) -> RdmaRequest<'_> {
+    pub(crate) fn request(&self, wr_id: u64, Shift { local, remote }: Shift) -> RdmaRequest<'_> {
         RdmaRequest {
             wr_id,
             op: self.op,
@@ -46,7 +46,7 @@ impl RdmaWork {
     }
 
     /// A copy moved by `shift`, to wait in a queue.
-    pub(crate) fn shifted(&self, (local, remote): Shift) -> Self {
+    pub(crate) fn shifted(&self, Shift { local, remote }: Shift) -> Self {
         Self {
             local_addr: self.local_addr + local,
             remote_addr: self.remote_addr + remote,
@@ -96,7 +96,7 @@ impl PagedWork {
             }
             return;
         }
-        let mut batch = [(0, 0); INTERLEAVED_BATCH];
+        let mut batch = [Shift::default(); INTERLEAVED_BATCH];
         // Blocks start at multiples of `n`: page `start + k + j·n` uses plan `k`.
         for block in self.offsets.chunks(INTERLEAVED_BATCH * n) {
             for (k, plan) in self.plans.iter().enumerate() {
@@ -143,7 +143,7 @@ mod tests {
         /// (the form it replaced), and counts them alike.
         #[test]
         fn a_paged_request_expands_to_its_pages_listed_one_by_one(
-            pages in proptest::collection::vec((0u64..1 << 20, 0u64..1 << 20), 0..200),
+            pages in proptest::collection::vec((0u64..1 << 20, 0u64..1 << 20).prop_map(|(l, r)| Shift::new(l, r)), 0..200),
             chunks_per_plan in proptest::collection::vec(0usize..3, 1..5),
         ) {
             let plans: Vec<Ops> = chunks_per_plan
@@ -187,8 +187,8 @@ mod tests {
             // A shifted request is what the Domain sees.
             for (w, s) in &posted {
                 let moved = w.shifted(*s);
-                prop_assert_eq!(w.request(7, *s), moved.request(7, (0, 0)));
-                prop_assert_eq!(w.request(7, (0, 0)).shifted(*s), moved.request(7, (0, 0)));
+                prop_assert_eq!(w.request(7, *s), moved.request(7, Shift::default()));
+                prop_assert_eq!(w.request(7, Shift::default()).shifted(*s), moved.request(7, Shift::default()));
             }
         }
     }

@@ -419,7 +419,7 @@ impl Worker {
                 let shapes = ops.iter().map(|op| (op, 1));
                 self.start_writes(shapes, on_done, submitted, |w, id| {
                     for op in &ops {
-                        w.post_rdma(id, op, (0, 0));
+                        w.post_rdma(id, op, Shift::default());
                     }
                 });
             }
@@ -785,7 +785,7 @@ impl Worker {
         self.queue(nic, id, work);
     }
 
-    /// Posts `op` moved by `shift` (a page of a paged request; `(0, 0)` otherwise), which the
+    /// Posts `op` moved by `shift` (a page of a paged request; none otherwise), which the
     /// caller keeps: copied only to be queued. Always inline: the per-page loop's call cost
     /// ~40 instructions a page when the compiler chose not to.
     #[inline(always)]
@@ -805,8 +805,8 @@ impl Worker {
     fn post_rdma_pages(&mut self, id: u64, op: &RdmaWork, shifts: &[Shift]) {
         let mut rest = shifts;
         while !rest.is_empty() && self.fatal.is_none() && !self.queued_ahead(op.nic, &op.peer) {
-            let (posted, status) =
-                self.group.domains_mut()[op.nic].post_rdma_pages(&op.request(id, (0, 0)), rest);
+            let (posted, status) = self.group.domains_mut()[op.nic]
+                .post_rdma_pages(&op.request(id, Shift::default()), rest);
             rest = &rest[posted.min(rest.len())..];
             match status {
                 // A Domain that said "all posted" but counted fewer is broken: what it did
@@ -1265,7 +1265,7 @@ enum Work<'a> {
 impl Pending {
     fn as_ref(&self) -> Work<'_> {
         match self {
-            Self::Rdma(op) => Work::Rdma(op, (0, 0)),
+            Self::Rdma(op) => Work::Rdma(op, Shift::default()),
             Self::Send { peer, data } => Work::Send(peer, data),
         }
     }

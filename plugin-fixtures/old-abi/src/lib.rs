@@ -2,8 +2,9 @@
 //! `oldmock` with a version-1 table (before RDMA READ was appended) — the engine must load it,
 //! drive it, and refuse reads naming it — `v2mock` with a version-2 table (before
 //! capabilities and logging) — the engine must not read past it and assume the defaults —
-//! and `v3mock` with a version-3 table (before the options check), beside `checkedmock` with
-//! the current table and the mock's options check.
+//! `v3mock` with a version-3 table (before the options check), and `v4mock` with a version-4
+//! table (before batches of pages: the engine posts each page alone), beside `checkedmock`
+//! with the current table and the mock's options check.
 
 use engine_core::plugin::abi::{PluginOpener, PluginTable};
 
@@ -50,6 +51,21 @@ static V3_TABLE: PluginTable = PluginTable::new_v3::<V3Mock>();
 #[no_mangle]
 pub extern "C" fn xfer_plugin_entry_v3mock() -> *const PluginTable {
     &V3_TABLE
+}
+
+struct V4Mock;
+
+impl PluginOpener for V4Mock {
+    const NAME: &'static str = "v4mock";
+    const OPEN: engine_core::domain::OpenFn = backend_mock::open;
+}
+
+static V4_TABLE: PluginTable = PluginTable::new_v4::<V4Mock>();
+
+/// The plugin entry point of backend `v4mock`.
+#[no_mangle]
+pub extern "C" fn xfer_plugin_entry_v4mock() -> *const PluginTable {
+    &V4_TABLE
 }
 
 struct CheckedMock;
