@@ -2,6 +2,7 @@
 //! messages copied into pooled registered buffers, and what waits for a connection.
 
 use super::*;
+use xfer_plugin::domain::post_one_by_one;
 
 /// Writes of one data QP: a chain being built (posted with one doorbell, at most 4), and what
 /// is on the send queue (see [`Outstanding`]): only the last write of a chain is signalled,
@@ -44,6 +45,47 @@ pub(super) fn has_room(qp: &mut Qp, q: &DataQueue, limit: usize, grew: &mut bool
         return true;
     }
     false
+}
+
+/// Adds `w` to the data QP's chain if it has room (`Ok(false)`: none, nothing changed), and
+/// rings the doorbell once the chain is full. An error from that post comes after `w` was
+/// accepted: the connection's failure reports it (as it does every write of the chain).
+pub(super) fn push_write(
+    qp: &mut Qp,
+    q: &mut DataQueue,
+    w: Write,
+    limit: usize,
+    grew: &mut bool,
+) -> Result<bool, String> {
+    if !has_room(qp, q, limit, grew) {
+        return Ok(false);
+    }
+    q.chain.push(w);
+    if q.chain.len() >= CHAIN {
+        post_chain(qp, q)?;
+    }
+    Ok(true)
+}
+
+/// The work request of `wr` (send-side id `wr_id`), its source resolved to (`laddr`, `lkey`)
+/// and its rkey checked.
+fn write_of(wr_id: u64, wr: &RdmaRequest<'_>, (laddr, lkey): (u64, u32), rkey: u32) -> Write {
+    Write {
+        wr_id,
+        user: wr.wr_id,
+        laddr,
+        raddr: wr.remote_addr,
+        len: wr.len as u32,
+        lkey,
+        rkey,
+        imm: wr.imm().unwrap_or(0),
+        has_imm: wr.imm().is_some() as i32,
+        signaled: 1,
+        read: i32::from(wr.is_read()),
+        inline_data: 0, // decided per QP when posted
+        flushes: 0,
+        pad: 0,
+    }
 }
 
 /// Posts `q.chain` on `qp` (the last write signalled); what does not fit stays in the chain.
@@ -154,22 +196,7 @@ impl VerbsDomain {
             let mr = self.regions.source(wr.local_key, wr.local_addr, wr.len)?;
             (wr.local_addr, mr.lkey)
         };
-        let w = Write {
-            wr_id: self.wr_id(),
-            user: wr.wr_id,
-            laddr,
-            raddr: wr.remote_addr,
-            len: wr.len as u32,
-            lkey,
-            rkey: remote_key,
-            imm: wr.imm().unwrap_or(0),
-            has_imm: wr.imm().is_some() as i32,
-            signaled: 1,
-            read: i32::from(wr.is_read()),
-            inline_data: 0, // decided per QP when posted
-            flushes: 0,
-            pad: 0,
-        };
+        let w = write_of(self.wr_id(), wr, (laddr, lkey), remote_key);
         if self.queue_until_ready(wr.peer, || Queued::Write(w))? {
             return Ok(PostStatus::Posted);
         }
@@ -180,27 +207,27 @@ impl VerbsDomain {
                 ready: true,
                 ..
             }) => {
+                if !queued.is_empty() {
+                    return Ok(PostStatus::Busy);
+                }
                 let q = self.data_queues.entry(data.qpn).or_default();
                 let mut grew = false;
-                let room = queued.is_empty()
-                    && has_room(data, q, self.options.send_queue as usize, &mut grew);
+                let pushed = push_write(data, q, w, self.options.send_queue as usize, &mut grew);
                 if grew {
                     cq_may_have_resized(&self.notify);
                 }
-                if !room {
-                    return Ok(PostStatus::Busy);
-                }
-                q.chain.push(w);
-                if q.chain.len() >= CHAIN {
-                    if let Err(e) = post_chain(data, q) {
+                match pushed {
+                    Ok(true) => Ok(PostStatus::Posted),
+                    Ok(false) => Ok(PostStatus::Busy),
+                    Err(e) => {
                         // The write is accepted (it is in the chain): the connection's failure
                         // reports it, once, as a Done event; returning an error here too
                         // would finish it twice.
                         let peer = wr.peer.clone();
                         self.fail_peer(&peer, &format!("posting writes failed: {e}"));
+                        Ok(PostStatus::Posted)
                     }
                 }
-                Ok(PostStatus::Posted)
             }
             // Gone (its connect failed at once); connecting ones were queued above.
             _ => Err(err(
@@ -208,6 +235,95 @@ impl VerbsDomain {
                 format!("{} failed to connect", wr.peer),
             )),
         }
+    }
+
+    /// The pages of a paged write (see `Domain::post_rdma_pages`). The first goes alone,
+    /// through every check (and connects to the peer if need be); the rest, when the peer is
+    /// connected with nothing queued, share its checks and its connection lookup: each is
+    /// checked against its source region and chained, and the chain's tail is posted at once
+    /// rather than at the next poll. Reads, zero-byte writes and pages for a peer that is not
+    /// ready go one by one (they queue for the connection as single requests do).
+    pub(super) fn post_pages(
+        &mut self,
+        wr: &RdmaRequest<'_>,
+        shifts: &[PageShift],
+    ) -> (usize, Result<PostStatus, DomainError>) {
+        let Some((&first, rest)) = shifts.split_first() else {
+            return (0, Ok(PostStatus::Posted));
+        };
+        match self.post_request(&wr.shifted(first)) {
+            Ok(PostStatus::Posted) => {}
+            stopped => return (0, stopped),
+        }
+        let batchable = wr.len > 0
+            && !wr.is_read()
+            && matches!(
+                self.peers.get(wr.peer),
+                Some(Connection { ready: true, queued, .. }) if queued.is_empty()
+            );
+        if !batchable {
+            let (posted, status) = post_one_by_one(self, wr, rest);
+            return (1 + posted, status);
+        }
+        // The first page passed the rkey's conversion.
+        let rkey = wr.remote_key as u32;
+        let limit = self.options.send_queue as usize;
+        let Some(Connection { data, .. }) = self.peers.get_mut(wr.peer) else {
+            unreachable!("checked above");
+        };
+        let q = self.data_queues.entry(data.qpn).or_default();
+        let (mut grew, mut failed) = (false, None);
+        let mut outcome = (shifts.len(), Ok(PostStatus::Posted));
+        for (i, &shift) in rest.iter().enumerate() {
+            let page = wr.shifted(shift);
+            let source = self
+                .regions
+                .source(page.local_key, page.local_addr, page.len);
+            let lkey = match source {
+                Ok(mr) => mr.lkey,
+                Err(e) => {
+                    outcome = (1 + i, Err(e));
+                    break;
+                }
+            };
+            let w = write_of(
+                next_send_id(&mut self.next_wr),
+                &page,
+                (page.local_addr, lkey),
+                rkey,
+            );
+            match push_write(data, q, w, limit, &mut grew) {
+                Ok(true) => {}
+                Ok(false) => {
+                    outcome = (1 + i, Ok(PostStatus::Busy));
+                    break;
+                }
+                Err(e) => {
+                    // Page `1 + i` was accepted: the connection's failure reports it; the
+                    // rest wait for the engine to post them again (on a fresh connection).
+                    failed = Some(e);
+                    let posted = 2 + i;
+                    let status = if posted == shifts.len() {
+                        PostStatus::Posted
+                    } else {
+                        PostStatus::Busy
+                    };
+                    outcome = (posted, Ok(status));
+                    break;
+                }
+            }
+        }
+        if failed.is_none() {
+            failed = post_chain(data, q).err();
+        }
+        if grew {
+            cq_may_have_resized(&self.notify);
+        }
+        if let Some(e) = failed {
+            let peer = wr.peer.clone();
+            self.fail_peer(&peer, &format!("posting writes failed: {e}"));
+        }
+        outcome
     }
 
     /// Connects to `peer` if need be, and queues what `make` builds while the connection
@@ -268,16 +384,7 @@ impl VerbsDomain {
                 let r = match &q {
                     Queued::Write(w) => {
                         let dq = self.data_queues.entry(data.qpn).or_default();
-                        if !has_room(data, dq, limit, &mut grew) {
-                            Ok(false)
-                        } else {
-                            dq.chain.push(*w);
-                            if dq.chain.len() >= CHAIN {
-                                post_chain(data, dq).map(|()| true)
-                            } else {
-                                Ok(true)
-                            }
-                        }
+                        push_write(data, dq, *w, limit, &mut grew)
                     }
                     Queued::Send { wr_id, data: bytes } => {
                         let id = next_send_id(&mut self.next_wr);

@@ -10,7 +10,8 @@ use foldhash::{HashMap, HashSet};
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
     message_size_class, Device as MemDevice, Domain, DomainConfig, DomainError, DomainErrorKind,
-    Event, MemoryRegion, PostStatus, RdmaRequest, ReceivePool, RegionTable, Registration, Waker,
+    Event, MemoryRegion, PageShift, PostStatus, RdmaRequest, ReceivePool, RegionTable,
+    Registration, Waker,
 };
 
 use crate::completion::{Outstanding, Progress};
@@ -245,6 +246,14 @@ impl Domain for VerbsDomain {
 
     fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
         self.post_request(req)
+    }
+
+    fn post_rdma_pages(
+        &mut self,
+        template: &RdmaRequest<'_>,
+        shifts: &[PageShift],
+    ) -> (usize, Result<PostStatus, DomainError>) {
+        self.post_pages(template, shifts)
     }
 
     fn supports_read(&self) -> bool {
