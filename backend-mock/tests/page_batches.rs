@@ -9,7 +9,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use engine_core::{DoneFlag, Error, HostBuffer, Pages, TransferEngine, TransferShape};
+use engine_core::{DoneFlag, Error, HostBuffer, TransferEngine, TransferShape};
 
 const WAIT: Duration = Duration::from_secs(20);
 const PAGE: u64 = 48;
@@ -33,7 +33,7 @@ fn paged_write(
     n: u32,
     imm: u32,
 ) -> Result<(), Error> {
-    let (src_pages, dst_pages) = pages(n);
+    let (src_pages, dst_pages) = xfer_conformance::scattered_pages(n, PAGE);
     let done = DoneFlag::new();
     a.submit_paged_writes(
         PAGE,
@@ -45,34 +45,10 @@ fn paged_write(
     done.wait(WAIT)
 }
 
-/// Source pages in order, destination pages in a fixed scrambled order.
-fn pages(n: u32) -> (Pages, Pages) {
-    let of = |indices: Vec<u32>| Pages {
-        indices,
-        stride: PAGE,
-        offset: 0,
-    };
-    (
-        of((0..n).collect()),
-        of((0..n).map(|i| (i * 37 + 11) % n).collect()),
-    )
-}
-
-/// Whether destination page `(i·37 + 11) mod n` holds source page `i`, for every `i` but
-/// those in `except`.
-fn assert_landed(src: &HostBuffer, dst: &HostBuffer, n: u32, except: &[u32]) {
-    let (s, d) = (src.to_vec(), dst.to_vec());
-    for i in (0..n).filter(|i| !except.contains(i)) {
-        let (from, to) = (
-            (u64::from(i) * PAGE) as usize,
-            (u64::from((i * 37 + 11) % n) * PAGE) as usize,
-        );
-        assert_eq!(
-            &d[to..to + PAGE as usize],
-            &s[from..from + PAGE as usize],
-            "page {i}"
-        );
-    }
+/// Whether every page of `n` but those in `except` landed (see `paged_write`).
+fn assert_landed(src: &HostBuffer, dst: &HostBuffer, n: u32, except: &[usize]) {
+    let (from, to) = xfer_conformance::scattered_pages(n, PAGE);
+    xfer_conformance::assert_pages_landed(&src.to_vec(), &dst.to_vec(), (&from, &to), PAGE, except);
 }
 
 fn buffers(a: &Arc<TransferEngine>, b: &Arc<TransferEngine>, n: u32) -> (HostBuffer, HostBuffer) {
@@ -128,7 +104,7 @@ fn a_batch_to_a_revoked_key_fails_once_and_the_next_one_lands() {
     let (src, dst) = buffers(&a, &b, n);
     let desc = dst.desc().clone();
     drop(dst);
-    let (src_pages, dst_pages) = pages(n);
+    let (src_pages, dst_pages) = xfer_conformance::scattered_pages(n, PAGE);
     let done = DoneFlag::new();
     a.submit_paged_writes(
         PAGE,

@@ -349,7 +349,7 @@ fn a_mistyped_plugin_option_is_a_config_error_naming_the_key() {
 /// revoked key) fails its transfer once.
 #[test]
 fn paged_writes_reach_plugins_in_batches_or_page_by_page_by_their_abi() {
-    use engine_core::{DoneFlag, Pages, TransferShape};
+    use engine_core::{DoneFlag, TransferShape};
     let path = common::built_library("plugin_fixture_old_abi");
     for (backend, version) in [("checkedmock", 5), ("v4mock", 4)] {
         let plugin = engine_core::plugin::LoadedPlugin::load(&path, backend).unwrap();
@@ -368,15 +368,7 @@ fn paged_writes_reach_plugins_in_batches_or_page_by_page_by_their_abi() {
         let len = (u64::from(n) * page) as usize;
         let src = xfer_conformance::buffer(&a, len, xfer_conformance::pattern(3));
         let dst = xfer_conformance::buffer(&b, len, |_| 0);
-        let pages = |indices: Vec<u32>| Pages {
-            indices,
-            stride: page,
-            offset: 0,
-        };
-        let (from, to) = (
-            pages((0..n).collect()),
-            pages((0..n).map(|i| (i * 7 + 3) % n).collect()),
-        );
+        let (from, to) = xfer_conformance::scattered_pages(n, page);
         let done = DoneFlag::new();
         a.submit_paged_writes(
             page,
@@ -387,14 +379,13 @@ fn paged_writes_reach_plugins_in_batches_or_page_by_page_by_their_abi() {
         )
         .unwrap();
         done.wait(std::time::Duration::from_secs(20)).unwrap();
-        let (s, d) = (src.to_vec(), dst.to_vec());
-        for i in 0..n as usize {
-            let (f, t) = (i * page as usize, to.indices[i] as usize * page as usize);
-            assert!(
-                d[t..t + page as usize] == s[f..f + page as usize],
-                "{backend}: page {i}"
-            );
-        }
+        xfer_conformance::assert_pages_landed(
+            &src.to_vec(),
+            &dst.to_vec(),
+            (&from, &to),
+            page,
+            &[],
+        );
         let arrivals = b.expected_arrivals(TransferShape::Paged {
             page_len: page,
             pages: u64::from(n),

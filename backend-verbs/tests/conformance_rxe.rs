@@ -850,15 +850,7 @@ fn a_paged_write_larger_than_the_send_queue_lands_every_page_once() {
     let len = (u64::from(n) * page) as usize;
     let src = engine_core::HostBuffer::from_fn(&a, len, |i| (i * 13 + 5) as u8).unwrap();
     let dst = engine_core::HostBuffer::new(&b, len).unwrap();
-    let pages = |indices: Vec<u32>| engine_core::Pages {
-        indices,
-        stride: page,
-        offset: 0,
-    };
-    let (from, to) = (
-        pages((0..n).collect()),
-        pages((0..n).map(|i| (i * 7 + 3) % n).collect()),
-    );
+    let (from, to) = xfer_conformance::scattered_pages(n, page);
     for round in 0..2u32 {
         let landed = engine_core::DoneFlag::new();
         b.expect_imm_count(20 + round, u64::from(n), landed.clone())
@@ -877,14 +869,13 @@ fn a_paged_write_larger_than_the_send_queue_lands_every_page_once() {
         landed
             .wait(Duration::from_secs(60))
             .unwrap_or_else(|e| panic!("round {round}: arrivals: {e}"));
-        let (s, d) = (src.to_vec(), dst.to_vec());
-        for i in 0..n as usize {
-            let (f, t) = (i * page as usize, to.indices[i] as usize * page as usize);
-            assert!(
-                d[t..t + page as usize] == s[f..f + page as usize],
-                "round {round}: page {i}"
-            );
-        }
+        xfer_conformance::assert_pages_landed(
+            &src.to_vec(),
+            &dst.to_vec(),
+            (&from, &to),
+            page,
+            &[],
+        );
         assert_eq!(
             b.imm_count(20 + round),
             0,

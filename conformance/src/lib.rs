@@ -195,6 +195,39 @@ fn assert_copied(what: &str, dst: &[u8], src: &[u8]) {
     }
 }
 
+/// `n` pages of `page` bytes from offset 0: the source in order, the destination scattered
+/// (source page `i` to destination page `(7·i + 3) mod n`, a permutation when 7 does not
+/// divide `n`), as a KV-cache request scatters its blocks.
+pub fn scattered_pages(n: u32, page: u64) -> (Pages, Pages) {
+    assert!(n % 7 != 0, "(7·i + 3) mod {n} is not a permutation");
+    let pages = |indices: Vec<u32>| Pages {
+        indices,
+        stride: page,
+        offset: 0,
+    };
+    (
+        pages((0..n).collect()),
+        pages((0..n).map(|i| (i * 7 + 3) % n).collect()),
+    )
+}
+
+/// That every destination page of a paged write holds its source page, but the pages
+/// numbered in `except` (`from` and `to` list the pages in the same order; both offset 0).
+pub fn assert_pages_landed(
+    src: &[u8],
+    dst: &[u8],
+    (from, to): (&Pages, &Pages),
+    page: u64,
+    except: &[usize],
+) {
+    let at = |pages: &Pages, i: usize| (u64::from(pages.indices[i]) * pages.stride) as usize;
+    let len = page as usize;
+    for i in (0..from.indices.len()).filter(|i| !except.contains(i)) {
+        let (s, d) = (at(from, i), at(to, i));
+        assert_copied(&format!("page {i}"), &dst[d..d + len], &src[s..s + len]);
+    }
+}
+
 /// Single writes of several sizes land byte for byte, and the receiver counts exactly the
 /// arrivals `expected_arrivals` predicts.
 pub fn single_write(h: &dyn Harness) {

@@ -1022,8 +1022,13 @@ mod tests {
     use super::*;
     use crate::domain::{DomainConfig, PostStatus};
 
-    /// A Domain that accepts registrations and nothing else: enough to drive the shims.
-    struct Inert;
+    /// A Domain that accepts registrations and records the local and remote address of every
+    /// write it accepts, answering the write numbered `stop` (from 0) with `Busy` (`true`) or
+    /// an error: enough to drive the shims.
+    struct Inert {
+        seen: std::sync::Arc<std::sync::Mutex<Vec<(u64, u64)>>>,
+        stop: Option<(usize, bool)>,
+    }
 
     impl Domain for Inert {
         fn address(&self) -> NetAddr {
@@ -1038,8 +1043,18 @@ mod tests {
         fn deregister(&mut self, _: u64) -> Result<(), DomainError> {
             Ok(())
         }
-        fn post_rdma(&mut self, _: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
-            Ok(PostStatus::Busy)
+        fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
+            let mut seen = self.seen.lock().unwrap();
+            match self.stop {
+                Some((n, true)) if seen.len() == n => Ok(PostStatus::Busy),
+                Some((n, false)) if seen.len() == n => {
+                    Err(DomainError::new(DomainErrorKind::RemoteAccess, "refused"))
+                }
+                _ => {
+                    seen.push((req.local_addr, req.remote_addr));
+                    Ok(PostStatus::Posted)
+                }
+            }
         }
         fn post_send(&mut self, _: u64, _: &NetAddr, _: &[u8]) -> Result<PostStatus, DomainError> {
             Ok(PostStatus::Busy)
@@ -1052,8 +1067,12 @@ mod tests {
         }
     }
 
+    /// An `Inert` whose every write is busy.
     fn open_inert(_: &DomainConfig<'_>) -> Result<Box<dyn Domain>, DomainError> {
-        Ok(Box::new(Inert))
+        Ok(Box::new(Inert {
+            seen: Default::default(),
+            stop: Some((0, true)),
+        }))
     }
 
     struct InertOpener;
@@ -1215,47 +1234,6 @@ mod tests {
         unsafe { (table.close)(handle) };
     }
 
-    /// A Domain that records the local and remote address of every write it accepts, and
-    /// answers the write numbered `stop` (from 0) with `Busy` or an error.
-    struct Recording {
-        seen: std::sync::Arc<std::sync::Mutex<Vec<(u64, u64)>>>,
-        stop: Option<(usize, bool)>,
-    }
-
-    impl Domain for Recording {
-        fn address(&self) -> NetAddr {
-            NetAddr::new(b"recording").expect("a valid address")
-        }
-        fn register(&mut self, _: &MemoryRegion) -> Result<Registration, DomainError> {
-            Err(DomainError::new(DomainErrorKind::Other, "unused"))
-        }
-        fn deregister(&mut self, _: u64) -> Result<(), DomainError> {
-            Ok(())
-        }
-        fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
-            let mut seen = self.seen.lock().unwrap();
-            match self.stop {
-                Some((n, busy)) if seen.len() == n => {
-                    if busy {
-                        return Ok(PostStatus::Busy);
-                    }
-                    return Err(DomainError::new(DomainErrorKind::RemoteAccess, "refused"));
-                }
-                _ => seen.push((req.local_addr, req.remote_addr)),
-            }
-            Ok(PostStatus::Posted)
-        }
-        fn post_send(&mut self, _: u64, _: &NetAddr, _: &[u8]) -> Result<PostStatus, DomainError> {
-            Ok(PostStatus::Busy)
-        }
-        fn post_recvs(&mut self, _: usize, _: usize) -> Result<(), DomainError> {
-            Ok(())
-        }
-        fn poll(&mut self, _: &mut Vec<Event>) -> Result<(), DomainError> {
-            Ok(())
-        }
-    }
-
     /// ABI 5: a batch of pages through the C entry reaches the Domain as each page's request
     /// (the template moved by its shift), and the entry reports how many were posted and why
     /// it stopped — all posted, the NIC full at page 2, or page 3 refused with its error.
@@ -1281,7 +1259,7 @@ mod tests {
             (Some((3, false)), 3, STATUS_ERROR),
         ] {
             let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-            let mut domain: Handle = Box::new(Recording {
+            let mut domain: Handle = Box::new(Inert {
                 seen: std::sync::Arc::clone(&seen),
                 stop,
             });
