@@ -54,10 +54,7 @@ impl MockDomain {
         if self.nic.alive.load(Ordering::Acquire) {
             Ok(())
         } else {
-            Err(DomainError::new(
-                DomainErrorKind::PeerUnreachable,
-                format!("mock NIC {} was dropped from the fabric", self.nic.addr),
-            ))
+            Err(fabric::dropped(&self.nic.addr))
         }
     }
 
@@ -254,10 +251,11 @@ impl Domain for MockDomain {
         if !self.options.inline || shifts.is_empty() || self.faults_within(shifts.len() as u64) {
             return xfer_plugin::domain::post_one_by_one(self, template, shifts);
         }
+        let shape = shape_of(template);
         let conn = match self.prepare(&Op::Rdma {
             wr_id: template.wr_id,
             peer: template.peer.clone(),
-            shape: shape_of(template),
+            shape,
         }) {
             Ok(Some(conn)) => conn,
             Ok(None) => return (0, Ok(PostStatus::Busy)),
@@ -271,7 +269,7 @@ impl Domain for MockDomain {
             &self.nic,
             &conn,
             template.wr_id,
-            &shape_of(template),
+            &shape,
             &shifts[..accepted],
         );
         let status = if accepted == shifts.len() {

@@ -407,6 +407,14 @@ pub fn registrations(addr: &NetAddr) -> Option<usize> {
     lookup(addr).map(|nic| nic.regions().local.len())
 }
 
+/// What an operation of a NIC that left the fabric fails with (its own side is gone).
+pub(crate) fn dropped(addr: &NetAddr) -> DomainError {
+    DomainError::new(
+        DomainErrorKind::PeerUnreachable,
+        format!("mock NIC {addr} was dropped from the fabric"),
+    )
+}
+
 pub(crate) fn unreachable(addr: &NetAddr) -> DomainError {
     DomainError::new(
         DomainErrorKind::PeerUnreachable,
@@ -448,14 +456,7 @@ pub(crate) fn land_on(
     let peer = &conn.peer;
     let wr_id = op.wr_id();
     if !src.alive.load(Ordering::Acquire) {
-        src.complete(
-            conn,
-            wr_id,
-            Err(DomainError::new(
-                DomainErrorKind::PeerUnreachable,
-                format!("mock NIC {} was dropped from the fabric", src.addr),
-            )),
-        );
+        src.complete(conn, wr_id, Err(dropped(&src.addr)));
         return;
     }
     if conn.epoch() != epoch {
@@ -509,10 +510,7 @@ pub(crate) fn land_pages(
         rdma::rdma_pages(src, conn, shape, shifts, &mut complete);
     } else {
         for _ in shifts {
-            complete(Err(DomainError::new(
-                DomainErrorKind::PeerUnreachable,
-                format!("mock NIC {} was dropped from the fabric", src.addr),
-            )));
+            complete(Err(dropped(&src.addr)));
         }
     }
     src.deliver_all(&mut done);

@@ -419,7 +419,7 @@ impl Worker {
                 let shapes = ops.iter().map(|op| (op, 1));
                 self.start_writes(shapes, on_done, submitted, |w, id| {
                     for op in &ops {
-                        w.post_rdma(id, op, Shift::default());
+                        w.post_rdma(id, op);
                     }
                 });
             }
@@ -785,18 +785,17 @@ impl Worker {
         self.queue(nic, id, work);
     }
 
-    /// Posts `op` moved by `shift` (a page of a paged request; none otherwise), which the
-    /// caller keeps: copied only to be queued. Always inline: the per-page loop's call cost
-    /// ~40 instructions a page when the compiler chose not to.
+    /// Posts a listed operation `op`, which the caller keeps: copied only to be queued.
+    /// (A paged request's pages go through [`post_rdma_pages`](Self::post_rdma_pages).)
     #[inline(always)]
-    fn post_rdma(&mut self, id: u64, op: &RdmaWork, shift: Shift) {
+    fn post_rdma(&mut self, id: u64, op: &RdmaWork) {
         if !self.queued_ahead(op.nic, &op.peer) {
-            let attempt = self.try_post(op.nic, id, Work::Rdma(op, shift));
+            let attempt = self.try_post(op.nic, id, Work::Rdma(op));
             if self.attempted(id, attempt) {
                 return;
             }
         }
-        self.queue(op.nic, id, Pending::Rdma(op.shifted(shift)));
+        self.queue(op.nic, id, Pending::Rdma(op.clone()));
     }
 
     /// Posts the pages of a paged request that share `op` (moved by each of `shifts`) in one
@@ -857,8 +856,8 @@ impl Worker {
             return Ok(PostStatus::Busy);
         }
         match work {
-            Work::Rdma(op, shift) => {
-                self.group.domains_mut()[nic].post_rdma(&op.request(id, shift))
+            Work::Rdma(op) => {
+                self.group.domains_mut()[nic].post_rdma(&op.request(id, Shift::default()))
             }
             Work::Send(peer, data) => self.group.domains_mut()[nic].post_send(id, peer, data),
         }
@@ -1257,15 +1256,15 @@ impl Worker {
 /// Work as a Domain is handed it, borrowed from a queue or from the command it came in.
 #[derive(Clone, Copy)]
 enum Work<'a> {
-    /// An operation moved by a shift (a page of a paged request).
-    Rdma(&'a RdmaWork, Shift),
+    /// An operation (a queued page was moved to its place when it was queued).
+    Rdma(&'a RdmaWork),
     Send(&'a NetAddr, &'a [u8]),
 }
 
 impl Pending {
     fn as_ref(&self) -> Work<'_> {
         match self {
-            Self::Rdma(op) => Work::Rdma(op, Shift::default()),
+            Self::Rdma(op) => Work::Rdma(op),
             Self::Send { peer, data } => Work::Send(peer, data),
         }
     }
