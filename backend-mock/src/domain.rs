@@ -11,7 +11,7 @@ use xfer_plugin::domain::{
     PageShift, PostStatus, RdmaRequest, Registration, Waker,
 };
 
-use crate::fabric::{self, Conn, Nic, Op, Posted, RdmaShape, Region};
+use crate::fabric::{self, Conn, Listed, Nic, Op, Pages, Posted, RdmaShape, Region};
 use crate::options::MockOptions;
 
 /// A mock NIC.
@@ -136,6 +136,38 @@ impl MockDomain {
         Ok(conn.try_occupy(self.options.queue_depth).then_some(conn))
     }
 
+    /// Lands up to `n` requests shaped as `first` as one batch (`batch(accepted)` names the
+    /// first `accepted` of them), as many as the connection's queue has room for; returns how
+    /// many, with `Busy` if that was fewer than `n`.
+    fn land_run<B: fabric::rdma::Batch>(
+        &mut self,
+        first: &RdmaRequest<'_>,
+        n: usize,
+        batch: impl FnOnce(usize) -> B,
+    ) -> (usize, Result<PostStatus, DomainError>) {
+        let shape = shape_of(first);
+        let conn = match self.prepare(&Op::Rdma {
+            wr_id: first.wr_id,
+            peer: first.peer.clone(),
+            shape,
+        }) {
+            Ok(Some(conn)) => conn,
+            Ok(None) => return (0, Ok(PostStatus::Busy)),
+            Err(e) => return (0, Err(e)),
+        };
+        // The queue has room for `accepted` requests (an inline mock's queue empties as it
+        // lands, so only a depth below the batch's length cuts it short).
+        let accepted = 1 + conn.occupy_up_to(self.options.queue_depth, n - 1);
+        self.posted += accepted as u64;
+        fabric::land_batch(&self.nic, &conn, &shape, &batch(accepted));
+        let status = if accepted == n {
+            PostStatus::Posted
+        } else {
+            PostStatus::Busy
+        };
+        (accepted, Ok(status))
+    }
+
     fn accept(&mut self, op: Op) -> Result<PostStatus, DomainError> {
         let Some(conn) = self.prepare(&op)? else {
             return Ok(PostStatus::Busy);
@@ -166,6 +198,25 @@ impl MockDomain {
         fabric::schedule(posted, due, order);
         Ok(PostStatus::Posted)
     }
+}
+
+/// Whether `other` can land in one batch with `first` (see `rdma::Batch`): everything the
+/// batch checks once (`prepare`, the keys) is the same for both.
+fn same_batch(first: &RdmaRequest<'_>, other: &RdmaRequest<'_>) -> bool {
+    first.is_read() == other.is_read()
+        && first.imm().is_some() == other.imm().is_some()
+        && (
+            first.local_key,
+            first.remote_key,
+            first.remote_base,
+            first.len,
+        ) == (
+            other.local_key,
+            other.remote_key,
+            other.remote_base,
+            other.len,
+        )
+        && first.peer == other.peer
 }
 
 /// What a request names, at offset 0 of both ranges.
@@ -251,33 +302,37 @@ impl Domain for MockDomain {
         if !self.options.inline || shifts.is_empty() || self.faults_within(shifts.len() as u64) {
             return xfer_plugin::domain::post_one_by_one(self, template, shifts);
         }
-        let shape = shape_of(template);
-        let conn = match self.prepare(&Op::Rdma {
+        self.land_run(template, shifts.len(), |accepted| Pages {
             wr_id: template.wr_id,
-            peer: template.peer.clone(),
-            shape,
-        }) {
-            Ok(Some(conn)) => conn,
-            Ok(None) => return (0, Ok(PostStatus::Busy)),
-            Err(e) => return (0, Err(e)),
-        };
-        // The queue has room for `accepted` pages (an inline mock's queue empties as it
-        // lands, so only a depth below the batch's length cuts it short).
-        let accepted = 1 + conn.occupy_up_to(self.options.queue_depth, shifts.len() - 1);
-        self.posted += accepted as u64;
-        fabric::land_pages(
-            &self.nic,
-            &conn,
-            template.wr_id,
-            &shape,
-            &shifts[..accepted],
-        );
-        let status = if accepted == shifts.len() {
-            PostStatus::Posted
-        } else {
-            PostStatus::Busy
-        };
-        (accepted, Ok(status))
+            imm: template.imm(),
+            shifts: &shifts[..accepted],
+        })
+    }
+
+    /// An inline mock lands each run of requests that share a peer and a shape but for
+    /// their addresses, ids and immediates as one batch (see `post_rdma_pages`).
+    fn post_rdma_list(
+        &mut self,
+        requests: &[RdmaRequest<'_>],
+    ) -> (usize, Result<PostStatus, DomainError>) {
+        if !self.options.inline || self.faults_within(requests.len() as u64) {
+            return xfer_plugin::domain::post_each(self, requests);
+        }
+        let mut posted = 0;
+        while let Some(first) = requests.get(posted) {
+            let run = requests[posted..]
+                .iter()
+                .take_while(|r| same_batch(first, r))
+                .count();
+            let (accepted, status) = self.land_run(first, run, |accepted| {
+                Listed(&requests[posted..posted + accepted])
+            });
+            posted += accepted;
+            if accepted < run {
+                return (posted, status);
+            }
+        }
+        (posted, Ok(PostStatus::Posted))
     }
 
     fn supports_read(&self) -> bool {

@@ -20,12 +20,12 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGu
 
 use foldhash::HashMap;
 use xfer_plugin::addr::NetAddr;
-use xfer_plugin::domain::{DomainError, DomainErrorKind, Event, PageShift, Waker};
+use xfer_plugin::domain::{DomainError, DomainErrorKind, Event, Waker};
 
 mod progress;
-mod rdma;
+pub(crate) mod rdma;
 pub(crate) use progress::schedule;
-pub(crate) use rdma::RdmaShape;
+pub(crate) use rdma::{Listed, Pages, RdmaShape};
 
 /// A registered region.
 #[derive(Debug, Clone, Copy)]
@@ -481,36 +481,33 @@ pub(crate) fn land_on(
     src.complete(conn, wr_id, result);
 }
 
-/// Lands the pages of a batch posted inline from `src` over `conn`: `shape` moved by each of
-/// `shifts`, all with `wr_id`, the connection's queue already occupied once per page. As
-/// posting them one by one would: a page that fails puts the connection in the error state,
-/// and the pages after it land on the fresh connection (as a post after the failure would).
-/// The completions reach `src`'s inbox under one hold.
-pub(crate) fn land_pages(
-    src: &Arc<Nic>,
-    conn: &Conn,
-    wr_id: u64,
-    shape: &RdmaShape,
-    shifts: &[PageShift],
-) {
+/// Lands a batch posted inline from `src` over `conn` (see [`rdma::Batch`]), the
+/// connection's queue already occupied once per request. As posting them one by one would: a
+/// request that fails puts the connection in the error state, and those after it land on the
+/// fresh connection (as a post after the failure would). The completions reach `src`'s inbox
+/// under one hold.
+pub(crate) fn land_batch(src: &Arc<Nic>, conn: &Conn, shape: &RdmaShape, batch: &impl rdma::Batch) {
     // The inbox's own buffer (what the worker handed back at its last poll), so that a large
     // batch's events reuse its room instead of a fresh allocation the kernel must fault in
     // every time (for 100,000 pages, ~5 MB).
     let mut done = std::mem::take(&mut src.inbox().events);
-    done.reserve(shifts.len());
-    let mut complete = |result: Result<(), DomainError>| {
+    done.reserve(batch.len());
+    let mut complete = |i: usize, result: Result<(), DomainError>| {
         if result.is_err() {
             conn.fail(conn.epoch());
         }
-        // Never below zero: the poster occupied the queue once per page.
+        // Never below zero: the poster occupied the queue once per request.
         conn.outstanding.fetch_sub(1, Ordering::AcqRel);
-        done.push(Event::Done { wr_id, result });
+        done.push(Event::Done {
+            wr_id: batch.wr_id(i),
+            result,
+        });
     };
     if src.alive.load(Ordering::Acquire) {
-        rdma::rdma_pages(src, conn, shape, shifts, &mut complete);
+        rdma::rdma_batch(src, conn, shape, batch, &mut complete);
     } else {
-        for _ in shifts {
-            complete(Err(dropped(&src.addr)));
+        for i in 0..batch.len() {
+            complete(i, Err(dropped(&src.addr)));
         }
     }
     src.deliver_all(&mut done);

@@ -301,8 +301,9 @@ pub trait Domain: Send {
     /// [`refuse_read`]'s typed error.
     fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError>;
 
-    /// Posts `template` once per entry of `shifts`, each moved by its byte offsets, in order and all with the template's `wr_id`: the pages of a paged request on
-    /// this NIC, which differ only in their addresses. Returns how many were posted and the
+    /// Posts `template` once per entry of `shifts`, each moved by its byte offsets, in order
+    /// and all with the template's `wr_id`: the pages of a paged request on this NIC, which
+    /// differ only in their addresses. Returns how many were posted and the
     /// status of the post that ended the batch: `Ok(Posted)` when all were; otherwise
     /// `Ok(Busy)` or the error of request number `posted`, which was not posted, and nothing
     /// after it was tried. Each posted request gets its own `Done`, as from
@@ -317,6 +318,21 @@ pub trait Domain: Send {
         shifts: &[PageShift],
     ) -> (usize, Result<PostStatus, DomainError>) {
         post_one_by_one(self, template, shifts)
+    }
+
+    /// Posts `requests` in order, each with its own `wr_id` and to any peer: the single and
+    /// listed writes and reads the engine gathered in one pass over its submissions (a
+    /// burst). Returns as [`post_rdma_pages`](Self::post_rdma_pages) does: how many were
+    /// posted, and `Ok(Posted)` when all were, else `Ok(Busy)` or the error of request number
+    /// `posted`, which was not posted, with nothing after it tried.
+    ///
+    /// The default posts them one by one. A Domain overrides it to share its locks and
+    /// lookups across a run of requests to one peer (issue 29: the per-write cost).
+    fn post_rdma_list(
+        &mut self,
+        requests: &[RdmaRequest<'_>],
+    ) -> (usize, Result<PostStatus, DomainError>) {
+        post_each(self, requests)
     }
 
     /// Whether [`post_rdma`](Self::post_rdma) carries out [`RdmaOp::Read`].
@@ -366,6 +382,21 @@ pub fn post_one_by_one<D: Domain + ?Sized>(
         }
     }
     (shifts.len(), Ok(PostStatus::Posted))
+}
+
+/// [`Domain::post_rdma_list`] as a loop of [`Domain::post_rdma`]: its default, and what an
+/// override falls back to for lists it does not handle itself.
+pub fn post_each<D: Domain + ?Sized>(
+    domain: &mut D,
+    requests: &[RdmaRequest<'_>],
+) -> (usize, Result<PostStatus, DomainError>) {
+    for (posted, request) in requests.iter().enumerate() {
+        match domain.post_rdma(request) {
+            Ok(PostStatus::Posted) => {}
+            stopped => return (posted, stopped),
+        }
+    }
+    (requests.len(), Ok(PostStatus::Posted))
 }
 
 /// The error a Domain without RDMA READ answers a read with.

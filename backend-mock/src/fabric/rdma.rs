@@ -1,7 +1,9 @@
 //! RDMA WRITE and READ between our local range and a peer's remote range, checked as a NIC
-//! checks them: once per request, or once per batch of pages that share everything but their
-//! addresses (keys, length, direction, peer) — what the keys resolve to is looked up once, and
-//! each page's range is checked against it (issue 29: the mock's per-page cost).
+//! checks them: once per request, or once per batch of requests that share everything but
+//! their addresses, ids and immediates (keys, length, direction, peer) — the pages of a paged
+//! request, or a run of a burst's single writes to one peer. What the keys resolve to is
+//! looked up once, and each request's range is checked against it (issue 29: the mock's
+//! per-request cost).
 //!
 //! Lock order: our regions, then the peer's (the same lock, read twice, for loopback); both
 //! are held across the copies, so neither side can deregister mid-copy. A write that fails
@@ -10,11 +12,11 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLockReadGuard};
 
-use xfer_plugin::domain::{DomainError, DomainErrorKind, Event, PageShift, RdmaOp};
+use xfer_plugin::domain::{DomainError, DomainErrorKind, Event, PageShift, RdmaOp, RdmaRequest};
 
 use super::{unreachable, Conn, Nic, Region, Regions};
 
-/// What a request (or every page of a batch) names, at offset 0 of both ranges.
+/// What a request (or every request of a batch) names, at offset 0 of both ranges.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RdmaShape {
     pub(crate) op: RdmaOp,
@@ -28,6 +30,61 @@ pub(crate) struct RdmaShape {
 /// At most this many pages are moved under one hold of the regions' locks, so that a
 /// deregistration waits for a bounded amount of copying.
 const PAGES_PER_HOLD: usize = 256;
+
+/// The requests of a batch: request `i` is the shape moved by `shift(i)`, completes as
+/// `wr_id(i)` and carries `imm(i)` (a write's). Shifts wrap: a request below the shape's
+/// addresses is a shift past `u64::MAX`, which the room check sends through the full checks.
+pub(crate) trait Batch {
+    fn len(&self) -> usize;
+    fn shift(&self, i: usize) -> PageShift;
+    fn wr_id(&self, i: usize) -> u64;
+    fn imm(&self, i: usize) -> Option<u32>;
+}
+
+/// A paged request's pages on one NIC: one id, one immediate, their offsets.
+pub(crate) struct Pages<'a> {
+    pub(crate) wr_id: u64,
+    pub(crate) imm: Option<u32>,
+    pub(crate) shifts: &'a [PageShift],
+}
+
+impl Batch for Pages<'_> {
+    fn len(&self) -> usize {
+        self.shifts.len()
+    }
+    fn shift(&self, i: usize) -> PageShift {
+        self.shifts[i]
+    }
+    fn wr_id(&self, _: usize) -> u64 {
+        self.wr_id
+    }
+    fn imm(&self, _: usize) -> Option<u32> {
+        self.imm
+    }
+}
+
+/// A run of listed requests that share their first one's shape but for addresses, ids and
+/// immediates.
+pub(crate) struct Listed<'a, 'p>(pub(crate) &'a [RdmaRequest<'p>]);
+
+impl Batch for Listed<'_, '_> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn shift(&self, i: usize) -> PageShift {
+        let (first, this) = (&self.0[0], &self.0[i]);
+        PageShift::new(
+            this.local_addr.wrapping_sub(first.local_addr),
+            this.remote_addr.wrapping_sub(first.remote_addr),
+        )
+    }
+    fn wr_id(&self, i: usize) -> u64 {
+        self.0[i].wr_id
+    }
+    fn imm(&self, i: usize) -> Option<u32> {
+        self.0[i].imm()
+    }
+}
 
 /// Both sides' regions, locked, and what the shape's keys name in them.
 struct Resolved<'a> {
@@ -140,6 +197,7 @@ impl Resolved<'_> {
         let len = shape.len;
         if let Some((local_room, remote_room)) = self.room {
             if injected.is_none() && local_shift <= local_room && remote_shift <= remote_room {
+                // No wrap: the room was measured from these addresses up.
                 let (local, remote) = (shape.local.0 + local_shift, shape.remote.0 + remote_shift);
                 let (to, from) = match shape.op {
                     RdmaOp::Write { .. } => (remote, local),
@@ -153,9 +211,10 @@ impl Resolved<'_> {
                 return Ok(());
             }
         }
-        let local_addr = shape.local.0 + local_shift;
+        // Wrapping: a listed request may lie below the batch's first (see `Batch`).
+        let local_addr = shape.local.0.wrapping_add(local_shift);
         let (remote_addr, remote_key, _) = shape.remote;
-        let remote_addr = remote_addr + remote_shift;
+        let remote_addr = remote_addr.wrapping_add(remote_shift);
         if let Some(region) = &self.local {
             if !region.contains(local_addr, len) {
                 return Err(DomainError::new(
@@ -246,46 +305,47 @@ pub(crate) fn rdma(
     Ok(())
 }
 
-/// The pages of a batch, `shape` moved by each of `shifts`, landed in order (none
-/// fault-injected: the mock posts a batch that injection could touch page by page). Each
-/// page's outcome is passed to `outcome` in order; the peer's immediates go to its inbox a
-/// hold at a time.
-pub(crate) fn rdma_pages(
+/// The requests of a batch landed in order (none fault-injected: the mock posts a batch that
+/// injection could touch one by one). Each request's outcome is passed to `outcome` with its
+/// index, in order; the peer's immediates go to its inbox a hold at a time.
+pub(crate) fn rdma_batch(
     src: &Arc<Nic>,
     conn: &Conn,
     shape: &RdmaShape,
-    shifts: &[PageShift],
-    mut outcome: impl FnMut(Result<(), DomainError>),
+    batch: &impl Batch,
+    mut outcome: impl FnMut(usize, Result<(), DomainError>),
 ) {
     let Some(target) = conn.target() else {
-        shifts
-            .iter()
-            .for_each(|_| outcome(Err(unreachable(&conn.peer))));
+        (0..batch.len()).for_each(|i| outcome(i, Err(unreachable(&conn.peer))));
         return;
     };
-    let mut arrivals = Vec::new();
-    for chunk in shifts.chunks(PAGES_PER_HOLD) {
+    // Room for a hold's immediates at once (growing it cost a single write ~50 instructions).
+    let carried = shape
+        .op
+        .imm()
+        .map_or(0, |_| batch.len().min(PAGES_PER_HOLD));
+    let mut arrivals = Vec::with_capacity(carried);
+    for start in (0..batch.len()).step_by(PAGES_PER_HOLD) {
+        let hold = start..batch.len().min(start + PAGES_PER_HOLD);
         let resolved = match resolve(src, conn, &target, shape) {
             Ok(resolved) => resolved.with_room(shape),
             Err(e) => {
-                // What the pages share is wrong: every page fails alike, as each would alone.
-                for _ in chunk {
-                    outcome(Err(e.clone()));
-                }
+                // What the requests share is wrong: each fails alike, as it would alone.
+                hold.for_each(|i| outcome(i, Err(e.clone())));
                 continue;
             }
         };
-        for &shift in chunk {
-            let moved = resolved.move_page(conn, shape, shift, None);
+        for i in hold {
+            let moved = resolved.move_page(conn, shape, batch.shift(i), None);
             if moved.is_ok() {
-                if let Some(imm) = shape.op.imm() {
+                if let Some(imm) = batch.imm(i) {
                     arrivals.push(Event::ImmArrival {
                         imm,
                         from: Some(src.addr.clone()),
                     });
                 }
             }
-            outcome(moved);
+            outcome(i, moved);
         }
         resolved.release();
         if !arrivals.is_empty() {

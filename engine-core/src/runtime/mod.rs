@@ -251,7 +251,7 @@ impl Shared {
 
     /// Queues a transfer or send, counting it against `worker.max_outstanding`; the worker
     /// uncounts it when its `OnDone` fires.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn submit_counted(&self, cmd: Command) -> Result<()> {
         self.take_slot()?;
         self.submit(cmd).inspect_err(|_| self.finished(1))
@@ -309,7 +309,7 @@ impl Shared {
     }
 
     /// Queues a command for the worker and wakes it.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn submit(&self, cmd: Command) -> Result<()> {
         if self.closed.load(Ordering::Acquire) {
             return Err(Error::Shutdown);

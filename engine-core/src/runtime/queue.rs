@@ -32,6 +32,7 @@ impl<T> SubmissionQueue<T> {
         self.incoming.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    #[inline(always)]
     pub(crate) fn push(&self, item: T) {
         self.incoming().push_back(item);
     }

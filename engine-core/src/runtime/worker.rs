@@ -29,6 +29,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use foldhash::HashMap;
+use smallvec::SmallVec;
 
 use super::completion::{send_batch, CallbackBatch, OnDone};
 use super::tracker::{Finished, Tracker};
@@ -36,7 +37,7 @@ use super::work::{RdmaWork, Shift};
 use super::{panic_message, Command, Mirror, Shared};
 use crate::domain::{
     Capabilities, Device, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus, RdmaOp,
-    Registration, Waker,
+    RdmaRequest, Registration, Waker,
 };
 use crate::error::{Error, Result};
 use crate::group::{DomainGroup, SpreadPolicy};
@@ -99,6 +100,10 @@ struct Worker {
     pending: HashMap<(usize, NetAddr), VecDeque<(u64, Pending)>>,
     /// Commands taken from the submission queue and not handled yet (see `pass`).
     commands: VecDeque<Command>,
+    /// Listed writes and reads accepted in this pass and not yet handed to their NICs: they
+    /// go in lists (`post_burst`), before any other command is handled, so the order in
+    /// which work reaches a NIC is the order it was submitted in.
+    burst: Vec<(u64, RdmaWork)>,
     events: Vec<Event>,
     finished: Vec<Finished<Tracked>>,
     imm_outcomes: Vec<Outcome<OnDone>>,
@@ -276,6 +281,7 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
         tracker: Tracker::new(),
         pending: HashMap::default(),
         commands: VecDeque::new(),
+        burst: Vec::new(),
         events: Vec::new(),
         finished: Vec::new(),
         recorder: Recorder::default(),
@@ -333,10 +339,12 @@ impl Worker {
                     break;
                 };
                 if matches!(cmd, Command::Shutdown) {
+                    self.post_burst();
                     return false;
                 }
                 self.handle_command(cmd);
             }
+            self.post_burst();
             busy = true;
         }
         busy |= self.flush_pending();
@@ -408,29 +416,35 @@ impl Worker {
     }
 
     fn handle_command(&mut self, cmd: Command) {
-        match cmd {
-            // Two monomorphised paths: a listed transfer walks its operations, a paged one its
-            // plans (for checks and statistics) and then its pages.
-            Command::Writes {
-                ops,
-                on_done,
-                submitted,
-            } => {
-                let shapes = ops.iter().map(|op| (op, 1));
-                self.start_writes(shapes, on_done, submitted, |w, id| {
-                    for op in &ops {
-                        w.post_rdma(id, op);
-                    }
-                });
+        if let Command::Writes {
+            ops,
+            on_done,
+            submitted,
+        } = cmd
+        {
+            // A listed transfer's operations join the burst, posted in lists at the end of
+            // the pass (or before the next command of another kind).
+            if let Some(id) = self.start_writes(ops.iter().map(|op| (op, 1)), on_done, submitted) {
+                match ops.into_inner() {
+                    // A single write or read (the commonest command), without an iterator.
+                    Ok([op]) => self.burst.push((id, op)),
+                    Err(ops) => self.burst.extend(ops.into_iter().map(|op| (id, op))),
+                }
             }
+            return;
+        }
+        self.post_burst();
+        match cmd {
+            Command::Writes { .. } => unreachable!("handled above"),
+            // A paged transfer: its plans (for checks and statistics), then its pages.
             Command::Pages {
                 work,
                 on_done,
                 submitted,
             } => {
-                self.start_writes(work.shapes(), on_done, submitted, |w, id| {
-                    work.for_each_batch(|op, shifts| w.post_rdma_pages(id, op, shifts));
-                });
+                if let Some(id) = self.start_writes(work.shapes(), on_done, submitted) {
+                    work.for_each_batch(|op, shifts| self.post_rdma_pages(id, op, shifts));
+                }
             }
             Command::Send {
                 peer,
@@ -618,19 +632,20 @@ impl Worker {
         }
     }
 
-    /// Checks, tracks and posts a transfer's writes or reads; `shapes` are its distinct
-    /// requests with how many each stands for (see `PagedWork::shapes`).
+    /// Checks and tracks a transfer's writes or reads; `shapes` are its distinct requests
+    /// with how many each stands for (see `PagedWork::shapes`). Returns the id to post them
+    /// under, or `None` when the transfer already finished (nothing to do, refused,
+    /// cancelled).
     fn start_writes<'a>(
         &mut self,
         shapes: impl Iterator<Item = (&'a RdmaWork, u64)> + Clone,
         on_done: OnDone,
         submitted: Stamp,
-        post: impl FnOnce(&mut Self, u64),
-    ) {
+    ) -> Option<u64> {
         let requests = shapes.clone().map(|(_, uses)| uses).sum();
         if requests == 0 {
             self.finished.push((on_done.into(), Ok(())));
-            return;
+            return None;
         }
         if let Some(refused) = shapes
             .clone()
@@ -641,17 +656,12 @@ impl Worker {
                 on_done.into(),
                 Err(Box::new(Error::InvalidArgument(refused))),
             ));
-            return;
+            return None;
         }
         let deadline = self.now + self.transfer_timeout;
-        let Some(id) = self.track(requests, deadline, on_done, |w| {
+        self.track(requests, deadline, on_done, |w| {
             w.count_writes(shapes, requests, submitted)
-        }) else {
-            return;
-        };
-        // Posted from where they are: an operation is copied (its peer's handle cloned) only
-        // if it has to wait in a queue.
-        post(self, id);
+        })
     }
 
     /// Counts an accepted transfer from its shapes (one lookup per run of shapes to the same
@@ -785,17 +795,55 @@ impl Worker {
         self.queue(nic, id, work);
     }
 
-    /// Posts a listed operation `op`, which the caller keeps: copied only to be queued.
-    /// (A paged request's pages go through [`post_rdma_pages`](Self::post_rdma_pages).)
-    #[inline(always)]
-    fn post_rdma(&mut self, id: u64, op: &RdmaWork) {
-        if !self.queued_ahead(op.nic, &op.peer) {
-            let attempt = self.try_post(op.nic, id, Work::Rdma(op));
-            if self.attempted(id, attempt) {
-                return;
+    /// Hands the burst to its NICs: each run of operations on one NIC whose peers have
+    /// nothing queued goes as one list (at most `LIST_LEN`), as posting them one by one
+    /// would — an operation the NIC refuses fails its transfer, one it has no room for waits
+    /// in its peer's queue, and what follows for that peer queues behind it.
+    fn post_burst(&mut self) {
+        /// Requests per Domain call: a list lives on the stack.
+        const LIST_LEN: usize = 32;
+        if self.burst.is_empty() {
+            return;
+        }
+        let burst = std::mem::take(&mut self.burst);
+        let mut next = 0;
+        while next < burst.len() {
+            let nic = burst[next].1.nic;
+            let mut list: SmallVec<[RdmaRequest<'_>; LIST_LEN]> = SmallVec::new();
+            if self.fatal.is_none() {
+                list.extend(
+                    burst[next..]
+                        .iter()
+                        .take(LIST_LEN)
+                        .take_while(|(_, op)| op.nic == nic && !self.queued_ahead(nic, &op.peer))
+                        .map(|(id, op)| op.request(*id, Shift::default())),
+                );
+            }
+            let (posted, status) = match list.len() {
+                // Its peer has work queued already (or a Domain failed for good this pass:
+                // then all waits, and fails with everything else when the pass ends).
+                0 => (0, Ok(PostStatus::Busy)),
+                _ => self.group.domains_mut()[nic].post_rdma_list(&list),
+            };
+            // A Domain that counted more than it was given is broken: trust the list's length.
+            next += posted.min(list.len());
+            let Some((id, op)) = burst.get(next) else {
+                break;
+            };
+            match status {
+                Ok(PostStatus::Posted) if posted >= list.len() => {}
+                Ok(PostStatus::Posted | PostStatus::Busy) => {
+                    self.queue(nic, *id, Pending::Rdma(op.clone()));
+                    next += 1;
+                }
+                Err(e) => {
+                    self.fail_request(*id, e);
+                    next += 1;
+                }
             }
         }
-        self.queue(op.nic, id, Pending::Rdma(op.clone()));
+        self.burst = burst;
+        self.burst.clear();
     }
 
     /// Posts the pages of a paged request that share `op` (moved by each of `shifts`) in one
