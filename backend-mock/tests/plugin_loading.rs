@@ -351,7 +351,7 @@ fn a_mistyped_plugin_option_is_a_config_error_naming_the_key() {
 fn paged_writes_reach_plugins_in_batches_or_page_by_page_by_their_abi() {
     use engine_core::{DoneFlag, TransferShape};
     let path = common::built_library("plugin_fixture_old_abi");
-    for (backend, version) in [("checkedmock", 5), ("v4mock", 4)] {
+    for (backend, version) in [("checkedmock", 6), ("v4mock", 4)] {
         let plugin = engine_core::plugin::LoadedPlugin::load(&path, backend).unwrap();
         assert_eq!(plugin.abi_version(), version);
         let mut config = common::mock_config(
@@ -408,6 +408,107 @@ fn paged_writes_reach_plugins_in_batches_or_page_by_page_by_their_abi() {
         match failed.wait(std::time::Duration::from_secs(20)) {
             Err(Error::RemoteAccess(why)) => assert!(why.contains("rkey"), "{backend}: {why}"),
             other => panic!("{backend}: expected the NIC's refusal, got {other:?}"),
+        }
+        assert_eq!(a.stats().unwrap().stale_completions, 0, "{backend}");
+    }
+}
+
+/// ABI 6: a burst of single writes (to two peers, each peer's at falling offsets, with reads
+/// among them) reaches a current plugin as lists of writes (one call each, a read going
+/// alone) and a version-5 plugin write by write; either way, through queues of 3 that cut
+/// lists short, every write lands once with its immediate and every read brings its bytes.
+#[test]
+fn bursts_reach_plugins_as_lists_or_one_by_one_by_their_abi() {
+    use engine_core::{DoneCounter, HostBuffer, RemoteAccess};
+    use std::time::Duration;
+    const WAIT: Duration = Duration::from_secs(20);
+    let path = common::built_library("plugin_fixture_old_abi");
+    for (backend, version) in [("checkedmock", 6), ("v5mock", 5)] {
+        let plugin = engine_core::plugin::LoadedPlugin::load(&path, backend).unwrap();
+        assert_eq!(plugin.abi_version(), version);
+        let mut config = common::mock_config(
+            1,
+            &format!("[backends.{backend}]\ninline = true\nreorder = false\njitter_us = 0\nqueue_depth = 3\n"),
+        );
+        config.backend = backend.into();
+        config.plugin = Some(path.clone());
+        let open = || std::sync::Arc::new(TransferEngine::open(&config).unwrap());
+        let (a, peers) = (open(), [open(), open()]);
+        let (n, len) = (400u64, 16u64);
+        let size = (n * len) as usize;
+        let src = xfer_conformance::buffer(&a, size, xfer_conformance::pattern(5));
+        let back = HostBuffer::new(&a, size).unwrap();
+        let dst = peers.each_ref().map(|p| HostBuffer::new(p, size).unwrap());
+        // What the reads fetch: a readable region per peer that no write touches.
+        let readable = [0, 1].map(|p| {
+            let pattern = move |i: usize| (i * 3 + p * 101 + 1) as u8;
+            HostBuffer::with_access(&peers[p], size, pattern, RemoteAccess::READ).unwrap()
+        });
+        let is_read = |i: u64| i % 7 == 3;
+        let (wrote, read) = (DoneCounter::new(), DoneCounter::new());
+        for i in 0..n {
+            let (to, at) = ((i % 2) as usize, i * len);
+            if is_read(i) {
+                a.submit_single_read(
+                    len,
+                    (back.mr(), at),
+                    (readable[to].desc(), at),
+                    read.clone(),
+                )
+                .unwrap();
+            } else {
+                let slot = (n - 1 - i) * len;
+                a.submit_single_write(
+                    len,
+                    Some(20 + to as u32),
+                    (src.mr(), at),
+                    (dst[to].desc(), slot),
+                    wrote.clone(),
+                )
+                .unwrap();
+            }
+        }
+        let reads = (0..n).filter(|&i| is_read(i)).count() as u64;
+        wrote.wait_for(n - reads, WAIT).unwrap();
+        read.wait_for(reads, WAIT).unwrap();
+        let (from, fetched) = (src.to_vec(), back.to_vec());
+        let to = dst.each_ref().map(|d| d.to_vec());
+        let there = readable.each_ref().map(|r| r.to_vec());
+        let l = len as usize;
+        for i in 0..n as usize {
+            let (peer, at) = (i % 2, i * l);
+            if is_read(i as u64) {
+                assert_eq!(
+                    &fetched[at..at + l],
+                    &there[peer][at..at + l],
+                    "{backend}: read {i}"
+                );
+            } else {
+                let slot = (n as usize - 1 - i) * l;
+                assert_eq!(
+                    &to[peer][slot..slot + l],
+                    &from[at..at + l],
+                    "{backend}: write {i}"
+                );
+            }
+        }
+        for (p, peer) in peers.iter().enumerate() {
+            let expected = (0..n)
+                .filter(|&i| !is_read(i) && (i % 2) as usize == p)
+                .count() as u64;
+            let deadline = std::time::Instant::now() + WAIT;
+            while peer.imm_count(20 + p as u32) < expected {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{backend}: immediates missing"
+                );
+                std::thread::yield_now();
+            }
+            assert_eq!(
+                peer.imm_count(20 + p as u32),
+                expected,
+                "{backend}: counted once"
+            );
         }
         assert_eq!(a.stats().unwrap().stale_completions, 0, "{backend}");
     }

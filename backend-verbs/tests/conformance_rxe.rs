@@ -884,3 +884,72 @@ fn a_paged_write_larger_than_the_send_queue_lands_every_page_once() {
         assert_eq!(a.stats().unwrap().stale_completions, 0, "round {round}");
     }
 }
+
+/// Issue 29: a burst of single writes reaches the verbs Domain as lists; each run to one peer
+/// shares one connection lookup and is chained. Writes alternate between two peers (each
+/// peer's at falling offsets), through a send queue of 16 that cuts runs short: every write
+/// lands once with its immediate, on fresh connections (the first writes connect) and on live
+/// ones.
+#[test]
+#[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
+fn a_burst_of_single_writes_to_two_peers_lands_every_write_once() {
+    use std::time::Duration;
+    use xfer_conformance::Harness;
+    let mut config = Rxe.config(1);
+    let mut verbs = toml::Table::new();
+    verbs.insert("send_queue".into(), toml::Value::Integer(16));
+    config
+        .backends
+        .insert("verbs".into(), toml::Value::Table(verbs));
+    let open = || std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
+    let (a, peers) = (open(), [open(), open()]);
+    let (n, len) = (2000u64, 32u64);
+    let size = (n * len) as usize;
+    let src = engine_core::HostBuffer::from_fn(&a, size, |i| (i * 11 + 7) as u8).unwrap();
+    let dst = peers
+        .each_ref()
+        .map(|p| engine_core::HostBuffer::new(p, size).unwrap());
+    for round in 0..2u32 {
+        let landed = peers.each_ref().map(|p| {
+            let flag = engine_core::DoneFlag::new();
+            p.expect_imm_count(30 + round, n / 2, flag.clone()).unwrap();
+            flag
+        });
+        let sent = engine_core::DoneCounter::new();
+        for i in 0..n {
+            let (to, slot) = ((i % 2) as usize, n - 1 - i);
+            a.submit_single_write(
+                len,
+                Some(30 + round),
+                (src.mr(), i * len),
+                (dst[to].desc(), slot * len),
+                sent.clone(),
+            )
+            .unwrap();
+        }
+        sent.wait_for(n, Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+        for flag in &landed {
+            flag.wait(Duration::from_secs(60))
+                .unwrap_or_else(|e| panic!("round {round}: arrivals: {e}"));
+        }
+        let (from, to) = (src.to_vec(), dst.each_ref().map(|d| d.to_vec()));
+        let l = len as usize;
+        for i in 0..n as usize {
+            let (peer, slot) = (i % 2, n as usize - 1 - i);
+            assert_eq!(
+                &to[peer][slot * l..(slot + 1) * l],
+                &from[i * l..(i + 1) * l],
+                "round {round}: write {i}"
+            );
+        }
+        for (p, peer) in peers.iter().enumerate() {
+            assert_eq!(
+                peer.imm_count(30 + round),
+                0,
+                "round {round}: peer {p}: no extra arrival"
+            );
+        }
+        assert_eq!(a.stats().unwrap().stale_completions, 0, "round {round}");
+    }
+}

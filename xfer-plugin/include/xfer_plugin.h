@@ -10,7 +10,7 @@
 /**
  * The ABI this engine speaks: bumped when entries are appended to `XferPluginTable`.
  */
-#define XFER_ABI_VERSION 5
+#define XFER_ABI_VERSION 6
 
 /**
  * The oldest ABI whose plugins this engine still loads.
@@ -554,6 +554,19 @@ typedef struct XferPluginTable {
                               size_t count,
                               size_t *posted,
                               struct XferRawError *err);
+  /**
+   * ABI 6: posts the `count` writes of `requests`, in order, each with its own `wr_id`
+   * and peer: the writes the engine gathered in one pass over its submissions (a burst).
+   * Stores in `posted` how many were posted; returns `XFER_STATUS_OK` when all were,
+   * otherwise `XFER_STATUS_BUSY` or `XFER_STATUS_ERROR` (with `err`) for request number
+   * `*posted`, which was not posted, and nothing after it was tried (null: the engine
+   * posts each with `post_write`).
+   */
+  int32_t (*post_writes)(void *domain,
+                         const struct XferRawWrite *requests,
+                         size_t count,
+                         size_t *posted,
+                         struct XferRawError *err);
 } XferPluginTable;
 
 /**
@@ -644,7 +657,7 @@ XFER_STATIC_ASSERT(sizeof(XferRegistration) == 16, "XferRegistration size");
 XFER_STATIC_ASSERT(XFER_ALIGNOF(XferRegistration) == 8, "XferRegistration alignment");
 XFER_STATIC_ASSERT(offsetof(XferRegistration, local_key) == 0, "XferRegistration.local_key");
 XFER_STATIC_ASSERT(offsetof(XferRegistration, remote_key) == 8, "XferRegistration.remote_key");
-XFER_STATIC_ASSERT(sizeof(XferPluginTable) == 152, "XferPluginTable size");
+XFER_STATIC_ASSERT(sizeof(XferPluginTable) == 160, "XferPluginTable size");
 XFER_STATIC_ASSERT(XFER_ALIGNOF(XferPluginTable) == 8, "XferPluginTable alignment");
 XFER_STATIC_ASSERT(offsetof(XferPluginTable, header) == 0, "XferPluginTable.header");
 XFER_STATIC_ASSERT(offsetof(XferPluginTable, name) == 8, "XferPluginTable.name");

@@ -31,7 +31,9 @@
 //! it opens, naming the key, before any NIC is opened. Version 5 appended
 //! [`post_write_pages`](PluginTable::post_write_pages): the pages of a paged write in one call
 //! (one request and an array of [`PageShift`]s), so a plugin checks and locks once per batch
-//! rather than once per page; without it the engine posts them one by one.
+//! rather than once per page; without it the engine posts them one by one. Version 6 appended
+//! [`post_writes`](PluginTable::post_writes): a burst's writes, each its own request, in one
+//! call (an array of [`RawWrite`]s).
 //!
 //! Backend authors do not write any of this: [`export_plugin!`](crate::export_plugin) turns a
 //! Rust [`Domain`] opener into the table.
@@ -48,7 +50,7 @@ use crate::log::LogFn;
 pub use crate::raw::RawBytes;
 
 /// The ABI this engine speaks: bumped when entries are appended to [`PluginTable`].
-pub const ABI_VERSION: u32 = 5;
+pub const ABI_VERSION: u32 = 6;
 /// The oldest ABI whose plugins this engine still loads.
 pub const MIN_ABI_VERSION: u32 = 1;
 /// Size of a version-1 table: everything before [`PluginTable::post_read`].
@@ -59,8 +61,10 @@ pub const V2_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, capabilities) a
 pub const V3_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, check_options) as u32;
 /// Size of a version-4 table: everything before [`PluginTable::post_write_pages`].
 pub const V4_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, post_write_pages) as u32;
-/// Size of a version-5 table: the whole [`PluginTable`].
-pub const V5_TABLE_SIZE: u32 = std::mem::size_of::<PluginTable>() as u32;
+/// Size of a version-5 table: everything before [`PluginTable::post_writes`].
+pub const V5_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, post_writes) as u32;
+/// Size of a version-6 table: the whole [`PluginTable`].
+pub const V6_TABLE_SIZE: u32 = std::mem::size_of::<PluginTable>() as u32;
 
 /// The size of a table of ABI `version` (each version appends entries), or `None` for a
 /// version this crate does not know. The engine reads exactly this many bytes of a plugin's
@@ -73,6 +77,7 @@ pub const fn table_size_of(version: u32) -> Option<u32> {
         3 => Some(V3_TABLE_SIZE),
         4 => Some(V4_TABLE_SIZE),
         5 => Some(V5_TABLE_SIZE),
+        6 => Some(V6_TABLE_SIZE),
         _ => None,
     }
 }
@@ -514,6 +519,21 @@ pub struct PluginTable {
             err: *mut RawError,
         ) -> i32,
     >,
+    /// ABI 6: posts the `count` writes of `requests`, in order, each with its own `wr_id`
+    /// and peer: the writes the engine gathered in one pass over its submissions (a burst).
+    /// Stores in `posted` how many were posted; returns [`STATUS_OK`] when all were,
+    /// otherwise [`STATUS_BUSY`] or [`STATUS_ERROR`] (with `err`) for request number
+    /// `*posted`, which was not posted, and nothing after it was tried (null: the engine
+    /// posts each with `post_write`).
+    pub post_writes: Option<
+        unsafe extern "C" fn(
+            domain: *mut c_void,
+            requests: *const RawWrite,
+            count: usize,
+            posted: *mut usize,
+            err: *mut RawError,
+        ) -> i32,
+    >,
 }
 
 // SAFETY: the table is immutable static data (function pointers and a static name).
@@ -563,7 +583,18 @@ impl PluginTable {
                 None => None,
             },
             post_write_pages: Some(shim_post_write_pages),
+            post_writes: Some(shim_post_writes),
         }
+    }
+
+    /// The table as a version-5 plugin built it (no lists of writes), for fixtures.
+    pub const fn new_v5<O: PluginOpener>() -> Self {
+        let mut table = Self::new::<O>();
+        table.header = PluginHeader {
+            abi_version: 5,
+            table_size: V5_TABLE_SIZE,
+        };
+        table
     }
 
     /// The table as a version-1 plugin built it: its header declares version 1 and the
@@ -796,6 +827,58 @@ unsafe extern "C" fn shim_post_write_pages(
     })
 }
 
+unsafe extern "C" fn shim_post_writes(
+    domain: *mut c_void,
+    requests: *const RawWrite,
+    count: usize,
+    posted: *mut usize,
+    err: *mut RawError,
+) -> i32 {
+    // SAFETY: as in shim_post_write_pages.
+    unsafe { *posted = 0 };
+    guarded(err, || {
+        let raws = if count == 0 {
+            &[][..]
+        } else {
+            // SAFETY: the engine passes `count` requests, valid for the call's duration.
+            unsafe { std::slice::from_raw_parts(requests, count) }
+        };
+        // Each run of writes to one peer decodes its address once; a request whose address
+        // does not decode ends the list there (its error is the list's).
+        let mut peers: Vec<NetAddr> = Vec::new();
+        let mut peer_of = Vec::with_capacity(raws.len());
+        let mut refused = None;
+        for raw in raws {
+            // SAFETY: the engine passes borrowed, live addresses.
+            let bytes = unsafe { raw.peer.as_slice() };
+            if peers.last().is_none_or(|p| p.raw() != bytes) {
+                match peer_addr(raw.peer) {
+                    Ok(peer) => peers.push(peer),
+                    Err(e) => {
+                        refused = Some(e);
+                        break;
+                    }
+                }
+            }
+            peer_of.push(peers.len() - 1);
+        }
+        let list: Vec<RdmaRequest<'_>> = raws
+            .iter()
+            .zip(&peer_of)
+            .map(|(raw, &p)| RawRdma::Write(*raw).request(&peers[p]))
+            .collect();
+        // SAFETY: a live handle, per the ABI contract.
+        let (n, status) = unsafe { handle(domain) }.post_rdma_list(&list);
+        let n = n.min(list.len());
+        // SAFETY: as above.
+        unsafe { *posted = n };
+        match (status, refused) {
+            (Ok(PostStatus::Posted), Some(e)) if n == list.len() => Err(e),
+            (status, _) => status.map(post_status),
+        }
+    })
+}
+
 /// Both post shims: decode, refuse a read the Domain cannot do, post.
 ///
 /// # Safety
@@ -1014,7 +1097,8 @@ const _: () = {
     assert!(V3_TABLE_SIZE == 136);
     assert!(V4_TABLE_SIZE == 144);
     assert!(size_of::<PageShift>() == 16);
-    assert!(size_of::<PluginTable>() == 152);
+    assert!(V5_TABLE_SIZE == 152);
+    assert!(size_of::<PluginTable>() == 160);
 };
 
 #[cfg(test)]
@@ -1296,6 +1380,70 @@ mod tests {
                 )
             };
             assert_eq!((posted, status), (0, STATUS_OK));
+        }
+    }
+
+    /// ABI 6: a list of writes through the C entry reaches the Domain request by request,
+    /// each with its own addresses, and the entry says how many were posted and why it
+    /// stopped — all posted, the NIC full at request 2, request 3 refused, or request 4's
+    /// address not decodable (the four before it posted, the list's error names it).
+    #[test]
+    fn a_list_of_writes_crosses_the_abi_and_says_where_it_stopped() {
+        let (a, b) = (b"peer-a".as_slice(), b"peer-b".as_slice());
+        let write = |i: u64, peer: &[u8]| RawWrite {
+            wr_id: i,
+            peer: RawBytes::new(peer),
+            local_addr: 0x1000 + 8 * i,
+            local_key: 1,
+            remote_addr: 0x8000 - 16 * i,
+            remote_key: 2,
+            remote_base: 0x7000,
+            len: 8,
+            has_imm: (i % 2) as u32,
+            imm: i as u32,
+        };
+        let list = |last: &[u8]| {
+            [a, a, b, a, last]
+                .iter()
+                .zip(0..)
+                .map(|(p, i)| write(i, p))
+                .collect::<Vec<_>>()
+        };
+        let too_long = [7u8; MAX_ADDR_LEN + 1];
+        for (stop, last, want_posted, want_status) in [
+            (None, b, 5, STATUS_OK),
+            (Some((2, true)), b, 2, STATUS_BUSY),
+            (Some((3, false)), b, 3, STATUS_ERROR),
+            (None, &too_long[..], 4, STATUS_ERROR),
+        ] {
+            let writes = list(last);
+            let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+            let mut domain: Handle = Box::new(Inert {
+                seen: std::sync::Arc::clone(&seen),
+                stop,
+            });
+            let handle = (&mut domain as *mut Handle).cast::<c_void>();
+            let (mut posted, mut err) = (usize::MAX, RawError::empty());
+            // SAFETY: a live handle (boxed above, outliving the call), valid requests whose
+            // peers outlive the call, and output slots of ours.
+            let status = unsafe {
+                shim_post_writes(handle, writes.as_ptr(), writes.len(), &mut posted, &mut err)
+            };
+            assert_eq!((posted, status), (want_posted, want_status), "{stop:?}");
+            let expected: Vec<(u64, u64)> = writes[..want_posted]
+                .iter()
+                .map(|w| (w.local_addr, w.remote_addr))
+                .collect();
+            assert_eq!(*seen.lock().unwrap(), expected, "{stop:?}");
+            if status == STATUS_ERROR {
+                let e = err.to_error();
+                let want = if stop.is_some() {
+                    DomainErrorKind::RemoteAccess
+                } else {
+                    DomainErrorKind::InvalidArgument
+                };
+                assert_eq!(e.kind, want, "{e}");
+            }
         }
     }
 }

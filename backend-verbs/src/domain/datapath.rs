@@ -2,7 +2,6 @@
 //! messages copied into pooled registered buffers, and what waits for a connection.
 
 use super::*;
-use xfer_plugin::domain::post_one_by_one;
 
 /// Writes of one data QP: a chain being built (posted with one doorbell, at most 4), and what
 /// is on the send queue (see [`Outstanding`]): only the last write of a chain is signalled,
@@ -164,6 +163,27 @@ pub(super) fn post_message(
     }
 }
 
+/// What a request's fields allow before anything is looked up: its length within NIC
+/// `nic`'s message size, its remote key a verbs rkey (returned).
+fn check_write(wr: &RdmaRequest<'_>, max_msg_sz: u32, nic: &str) -> Result<u32, DomainError> {
+    if wr.len > u64::from(max_msg_sz) {
+        return Err(err(
+            DomainErrorKind::InvalidArgument,
+            format!(
+                "{} of {} bytes exceeds {nic}'s max message size {max_msg_sz}",
+                if wr.is_read() { "read" } else { "write" },
+                wr.len,
+            ),
+        ));
+    }
+    u32::try_from(wr.remote_key).map_err(|_| {
+        err(
+            DomainErrorKind::InvalidArgument,
+            format!("rkey {:#x} is not a verbs rkey", wr.remote_key),
+        )
+    })
+}
+
 impl VerbsDomain {
     /// A fresh send-side work-request id (see `next_wr`).
     pub(super) fn wr_id(&mut self) -> u64 {
@@ -172,24 +192,7 @@ impl VerbsDomain {
 
     /// Posts a write or a read: both travel the same chains and the same in-order accounting.
     pub(super) fn post_request(&mut self, wr: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
-        if wr.len > u64::from(self.attr.max_msg_sz) {
-            return Err(err(
-                DomainErrorKind::InvalidArgument,
-                format!(
-                    "{} of {} bytes exceeds {}'s max message size {}",
-                    if wr.is_read() { "read" } else { "write" },
-                    wr.len,
-                    self.name,
-                    self.attr.max_msg_sz
-                ),
-            ));
-        }
-        let remote_key = u32::try_from(wr.remote_key).map_err(|_| {
-            err(
-                DomainErrorKind::InvalidArgument,
-                format!("rkey {:#x} is not a verbs rkey", wr.remote_key),
-            )
-        })?;
+        let remote_key = check_write(wr, self.attr.max_msg_sz, &self.name)?;
         let (laddr, lkey) = if wr.len == 0 {
             (0, 0)
         } else {
@@ -237,12 +240,8 @@ impl VerbsDomain {
         }
     }
 
-    /// The pages of a paged write (see `Domain::post_rdma_pages`). The first goes alone,
-    /// through every check (and connects to the peer if need be); the rest, when the peer is
-    /// connected with nothing queued, share its checks and its connection lookup: each is
-    /// checked against its source region and chained, and the chain's tail is posted at once
-    /// rather than at the next poll. Reads, zero-byte writes and pages for a peer that is not
-    /// ready go one by one (they queue for the connection as single requests do).
+    /// The pages of a paged write (see `Domain::post_rdma_pages`): a run of writes that
+    /// differ only in their addresses (see `post_run`).
     pub(super) fn post_pages(
         &mut self,
         wr: &RdmaRequest<'_>,
@@ -251,36 +250,82 @@ impl VerbsDomain {
         let Some((&first, rest)) = shifts.split_first() else {
             return (0, Ok(PostStatus::Posted));
         };
-        match self.post_request(&wr.shifted(first)) {
+        self.post_run(&wr.shifted(first), rest.iter().map(|&s| wr.shifted(s)))
+    }
+
+    /// A burst's requests (see `Domain::post_rdma_list`): each run of writes to one peer
+    /// (see `post_run`) together; reads and zero-byte writes alone.
+    pub(super) fn post_list(
+        &mut self,
+        requests: &[RdmaRequest<'_>],
+    ) -> (usize, Result<PostStatus, DomainError>) {
+        let mut posted = 0;
+        while let Some(first) = requests.get(posted) {
+            let runs = |r: &&RdmaRequest<'_>| {
+                !first.is_read()
+                    && first.len > 0
+                    && !r.is_read()
+                    && r.len > 0
+                    && r.peer == first.peer
+            };
+            let run = requests[posted + 1..].iter().take_while(runs).count();
+            let (n, status) = self.post_run(first, requests[posted + 1..][..run].iter().copied());
+            posted += n;
+            match status {
+                Ok(PostStatus::Posted) if n == 1 + run => {}
+                stopped => return (posted, stopped),
+            }
+        }
+        (posted, Ok(PostStatus::Posted))
+    }
+
+    /// Posts `first`, then the writes of `rest` to the same peer. The first goes alone,
+    /// through every check (and connects to the peer if need be); the rest, when the peer is
+    /// connected with nothing queued, share its connection lookup: each is checked against
+    /// its message size, remote key and source region and chained, and the chain's tail is
+    /// posted at once rather than at the next poll. Reads, zero-byte writes and requests for
+    /// a peer that is not ready go one by one (they queue for the connection as single
+    /// requests do). Returns as `Domain::post_rdma_pages` does.
+    fn post_run<'p>(
+        &mut self,
+        first: &RdmaRequest<'p>,
+        rest: impl ExactSizeIterator<Item = RdmaRequest<'p>>,
+    ) -> (usize, Result<PostStatus, DomainError>) {
+        let total = 1 + rest.len();
+        match self.post_request(first) {
             Ok(PostStatus::Posted) => {}
             stopped => return (0, stopped),
         }
-        let batchable = wr.len > 0
-            && !wr.is_read()
+        let batchable = first.len > 0
+            && !first.is_read()
             && matches!(
-                self.peers.get(wr.peer),
+                self.peers.get(first.peer),
                 Some(Connection { ready: true, queued, .. }) if queued.is_empty()
             );
         if !batchable {
-            let (posted, status) = post_one_by_one(self, wr, rest);
-            return (1 + posted, status);
+            let mut posted = 1;
+            for wr in rest {
+                match self.post_request(&wr) {
+                    Ok(PostStatus::Posted) => posted += 1,
+                    stopped => return (posted, stopped),
+                }
+            }
+            return (posted, Ok(PostStatus::Posted));
         }
-        // The first page passed the rkey's conversion.
-        let rkey = wr.remote_key as u32;
-        let limit = self.options.send_queue as usize;
-        let Some(Connection { data, .. }) = self.peers.get_mut(wr.peer) else {
+        let (limit, max_msg) = (self.options.send_queue as usize, self.attr.max_msg_sz);
+        let Some(Connection { data, .. }) = self.peers.get_mut(first.peer) else {
             unreachable!("checked above");
         };
         let q = self.data_queues.entry(data.qpn).or_default();
         let (mut grew, mut failed) = (false, None);
-        let mut outcome = (shifts.len(), Ok(PostStatus::Posted));
-        for (i, &shift) in rest.iter().enumerate() {
-            let page = wr.shifted(shift);
-            let source = self
-                .regions
-                .source(page.local_key, page.local_addr, page.len);
-            let lkey = match source {
-                Ok(mr) => mr.lkey,
+        let mut outcome = (total, Ok(PostStatus::Posted));
+        for (i, wr) in rest.enumerate() {
+            let checked = check_write(&wr, max_msg, &self.name).and_then(|rkey| {
+                let mr = self.regions.source(wr.local_key, wr.local_addr, wr.len)?;
+                Ok((mr.lkey, rkey))
+            });
+            let (lkey, rkey) = match checked {
+                Ok(keys) => keys,
                 Err(e) => {
                     outcome = (1 + i, Err(e));
                     break;
@@ -288,8 +333,8 @@ impl VerbsDomain {
             };
             let w = write_of(
                 next_send_id(&mut self.next_wr),
-                &page,
-                (page.local_addr, lkey),
+                &wr,
+                (wr.local_addr, lkey),
                 rkey,
             );
             match push_write(data, q, w, limit, &mut grew) {
@@ -299,11 +344,11 @@ impl VerbsDomain {
                     break;
                 }
                 Err(e) => {
-                    // Page `1 + i` was accepted: the connection's failure reports it; the
+                    // Request `1 + i` was accepted: the connection's failure reports it; the
                     // rest wait for the engine to post them again (on a fresh connection).
                     failed = Some(e);
                     let posted = 2 + i;
-                    let status = if posted == shifts.len() {
+                    let status = if posted == total {
                         PostStatus::Posted
                     } else {
                         PostStatus::Busy
@@ -320,7 +365,7 @@ impl VerbsDomain {
             cq_may_have_resized(&self.notify);
         }
         if let Some(e) = failed {
-            let peer = wr.peer.clone();
+            let peer = first.peer.clone();
             self.fail_peer(&peer, &format!("posting writes failed: {e}"));
         }
         outcome

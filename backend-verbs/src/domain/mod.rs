@@ -256,6 +256,13 @@ impl Domain for VerbsDomain {
         self.post_pages(template, shifts)
     }
 
+    fn post_rdma_list(
+        &mut self,
+        requests: &[RdmaRequest<'_>],
+    ) -> (usize, Result<PostStatus, DomainError>) {
+        self.post_list(requests)
+    }
+
     fn supports_read(&self) -> bool {
         true
     }

@@ -7,7 +7,9 @@ use super::abi::{
     entry_symbol, EntryFn, PluginHeader, PluginTable, RawBytes, ABI_VERSION, ENTRY_SYMBOL,
     MIN_ABI_VERSION, OPTIONS_FLAT, OPTIONS_TOML, V1_TABLE_SIZE,
 };
-use super::abi::{table_size_of, V2_TABLE_SIZE, V3_TABLE_SIZE, V4_TABLE_SIZE, V5_TABLE_SIZE};
+use super::abi::{
+    table_size_of, V2_TABLE_SIZE, V3_TABLE_SIZE, V4_TABLE_SIZE, V5_TABLE_SIZE, V6_TABLE_SIZE,
+};
 use crate::domain::{BackendRegistration, Domain, DomainConfig, DomainError};
 use xfer_plugin::log::{filter_number, LOG_DEBUG, LOG_ERROR, LOG_INFO, LOG_WARN};
 
@@ -48,7 +50,7 @@ pub enum PluginError {
     },
     /// The plugin was built against another ABI version, or its table is smaller than its
     /// version's.
-    #[error("plugin {path} has ABI version {found} with a table of {table_size} bytes; this engine loads ABI versions {MIN_ABI_VERSION} to {expected}, each with at least its version's table (version 1: {V1_TABLE_SIZE} bytes, 2: {V2_TABLE_SIZE}, 3: {V3_TABLE_SIZE}, 4: {V4_TABLE_SIZE}, 5: {V5_TABLE_SIZE})")]
+    #[error("plugin {path} has ABI version {found} with a table of {table_size} bytes; this engine loads ABI versions {MIN_ABI_VERSION} to {expected}, each with at least its version's table (version 1: {V1_TABLE_SIZE} bytes, 2: {V2_TABLE_SIZE}, 3: {V3_TABLE_SIZE}, 4: {V4_TABLE_SIZE}, 5: {V5_TABLE_SIZE}, 6: {V6_TABLE_SIZE})")]
     AbiMismatch {
         /// The library.
         path: PathBuf,
@@ -310,7 +312,7 @@ impl LoadedPlugin {
                 found,
                 expected: ABI_VERSION,
                 table_size,
-                expected_size: V5_TABLE_SIZE,
+                expected_size: V6_TABLE_SIZE,
             },
             TableRefusal::Null(entry) => PluginError::Load {
                 path: path.to_owned(),
@@ -423,18 +425,20 @@ mod tests {
         // SAFETY: as above.
         let t = unsafe { checked_table(&v4_big) }.unwrap();
         assert!(t.post_write_pages.is_none());
-        let v5 = with_header(5, V5_TABLE_SIZE);
+        let v5_big = with_header(5, V6_TABLE_SIZE);
         // SAFETY: as above.
-        assert!(unsafe { checked_table(&v5) }
-            .unwrap()
-            .post_write_pages
-            .is_some());
+        let t = unsafe { checked_table(&v5_big) }.unwrap();
+        assert!(t.post_write_pages.is_some() && t.post_writes.is_none());
+        let v6 = with_header(6, V6_TABLE_SIZE);
+        // SAFETY: as above.
+        assert!(unsafe { checked_table(&v6) }.unwrap().post_writes.is_some());
         for (version, size) in [
             (3, V1_TABLE_SIZE),
             (2, V2_TABLE_SIZE - 4),
             (3, V3_TABLE_SIZE - 4),
             (4, V4_TABLE_SIZE - 8),
             (5, V5_TABLE_SIZE - 8),
+            (6, V6_TABLE_SIZE - 8),
         ] {
             let t = with_header(version, size);
             // SAFETY: as above.

@@ -5,8 +5,9 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use super::abi::{
-    RawBytes, RawCapabilities, RawError, RawEvent, RawRdma, RawRegion, DEVICE_CUDA, DEVICE_HOST,
-    EVENT_DONE, EVENT_FAILED, EVENT_IMM, EVENT_MESSAGE, OPTIONS_FLAT, STATUS_BUSY, STATUS_OK,
+    RawBytes, RawCapabilities, RawError, RawEvent, RawRdma, RawRegion, RawWrite, DEVICE_CUDA,
+    DEVICE_HOST, EVENT_DONE, EVENT_FAILED, EVENT_IMM, EVENT_MESSAGE, OPTIONS_FLAT, STATUS_BUSY,
+    STATUS_OK,
 };
 use super::flat::flat_options;
 use super::loader::LoadedPlugin;
@@ -15,6 +16,7 @@ use crate::domain::{
     PageShift, PostStatus, RdmaRequest, Registration, Waker,
 };
 use crate::wire::{NetAddr, MAX_ADDR_LEN};
+use smallvec::SmallVec;
 
 impl LoadedPlugin {
     /// The plugin's `check_options` on `options` (converted to its format), if it has one.
@@ -285,6 +287,52 @@ impl Domain for PluginDomain {
         };
         // A plugin claiming more than it was given is not believed past the batch.
         (posted.min(shifts.len()), Self::check(status, &err))
+    }
+
+    /// A burst's writes in calls of up to `LIST_LEN` when the plugin has the ABI-6 entry;
+    /// otherwise (reads, older plugins) one call per request.
+    fn post_rdma_list(
+        &mut self,
+        requests: &[RdmaRequest<'_>],
+    ) -> (usize, Result<PostStatus, DomainError>) {
+        /// Writes per call: their C forms live on the stack.
+        const LIST_LEN: usize = 32;
+        let Some(post_writes) = self.plugin.table.post_writes else {
+            return crate::domain::post_each(self, requests);
+        };
+        let mut posted = 0;
+        while let Some(rest) = requests.get(posted..).filter(|r| !r.is_empty()) {
+            // The writes up to the next read (ABI 6 carries writes; a read goes alone).
+            let writes: SmallVec<[RawWrite; LIST_LEN]> = rest
+                .iter()
+                .take(LIST_LEN)
+                .map_while(|r| match RawRdma::from_request(r) {
+                    RawRdma::Write(raw) => Some(raw),
+                    RawRdma::Read(_) => None,
+                })
+                .collect();
+            if writes.is_empty() {
+                match self.post_rdma(&rest[0]) {
+                    Ok(PostStatus::Posted) => posted += 1,
+                    stopped => return (posted, stopped),
+                }
+                continue;
+            }
+            let (mut err, mut n) = (RawError::empty(), 0usize);
+            // SAFETY: live handle; `writes` borrow their requests' peers, which outlive the
+            // call, and hold `writes.len()` entries; `n` and `err` are ours.
+            let status = unsafe {
+                post_writes(self.handle, writes.as_ptr(), writes.len(), &mut n, &mut err)
+            };
+            // A plugin claiming more than it was given is not believed past the list.
+            let n = n.min(writes.len());
+            posted += n;
+            match Self::check(status, &err) {
+                Ok(PostStatus::Posted) if n == writes.len() => {}
+                stopped => return (posted, stopped),
+            }
+        }
+        (posted, Ok(PostStatus::Posted))
     }
 
     fn post_send(

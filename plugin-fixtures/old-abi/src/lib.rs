@@ -2,9 +2,10 @@
 //! `oldmock` with a version-1 table (before RDMA READ was appended) — the engine must load it,
 //! drive it, and refuse reads naming it — `v2mock` with a version-2 table (before
 //! capabilities and logging) — the engine must not read past it and assume the defaults —
-//! `v3mock` with a version-3 table (before the options check), and `v4mock` with a version-4
-//! table (before batches of pages: the engine posts each page alone), beside `checkedmock`
-//! with the current table and the mock's options check.
+//! `v3mock` with a version-3 table (before the options check), `v4mock` with a version-4
+//! table (before batches of pages: the engine posts each page alone), and `v5mock` with a
+//! version-5 table (before lists of writes: the engine posts a burst's writes one by one),
+//! beside `checkedmock` with the current table and the mock's options check.
 
 use engine_core::plugin::abi::{PluginOpener, PluginTable};
 
@@ -86,4 +87,19 @@ static CHECKED_TABLE: PluginTable = PluginTable::new::<CheckedMock>();
 #[no_mangle]
 pub extern "C" fn xfer_plugin_entry_checkedmock() -> *const PluginTable {
     &CHECKED_TABLE
+}
+
+struct V5Mock;
+
+impl PluginOpener for V5Mock {
+    const NAME: &'static str = "v5mock";
+    const OPEN: engine_core::domain::OpenFn = backend_mock::open;
+}
+
+static V5_TABLE: PluginTable = PluginTable::new_v5::<V5Mock>();
+
+/// The plugin entry point of backend `v5mock`.
+#[no_mangle]
+pub extern "C" fn xfer_plugin_entry_v5mock() -> *const PluginTable {
+    &V5_TABLE
 }
