@@ -413,8 +413,8 @@ fn paged_writes_reach_plugins_in_batches_or_page_by_page_by_their_abi() {
     }
 }
 
-/// ABI 6: a burst of single writes (to two peers, each peer's at falling offsets, with reads
-/// among them) reaches a current plugin as lists of writes (one call each, a read going
+/// ABI 6: a burst of single writes (to two peers in turns of 8, each peer's at falling
+/// offsets, with reads among them) reaches a current plugin as lists of writes (one call each, a read going
 /// alone) and a version-5 plugin write by write; either way, through queues of 3 that cut
 /// lists short, every write lands once with its immediate and every read brings its bytes.
 #[test]
@@ -447,7 +447,7 @@ fn bursts_reach_plugins_as_lists_or_one_by_one_by_their_abi() {
         let is_read = |i: u64| i % 7 == 3;
         let (wrote, read) = (DoneCounter::new(), DoneCounter::new());
         for i in 0..n {
-            let (to, at) = ((i % 2) as usize, i * len);
+            let (to, at) = ((i / 8 % 2) as usize, i * len);
             if is_read(i) {
                 a.submit_single_read(
                     len,
@@ -476,7 +476,7 @@ fn bursts_reach_plugins_as_lists_or_one_by_one_by_their_abi() {
         let there = readable.each_ref().map(|r| r.to_vec());
         let l = len as usize;
         for i in 0..n as usize {
-            let (peer, at) = (i % 2, i * l);
+            let (peer, at) = (i / 8 % 2, i * l);
             if is_read(i as u64) {
                 assert_eq!(
                     &fetched[at..at + l],
@@ -494,7 +494,7 @@ fn bursts_reach_plugins_as_lists_or_one_by_one_by_their_abi() {
         }
         for (p, peer) in peers.iter().enumerate() {
             let expected = (0..n)
-                .filter(|&i| !is_read(i) && (i % 2) as usize == p)
+                .filter(|&i| !is_read(i) && (i / 8 % 2) as usize == p)
                 .count() as u64;
             let deadline = std::time::Instant::now() + WAIT;
             while peer.imm_count(20 + p as u32) < expected {

@@ -12,7 +12,8 @@ use engine_core::{DoneCounter, DoneFlag, Error, HostBuffer, TransferEngine};
 
 const WAIT: Duration = Duration::from_secs(20);
 const LEN: u64 = 24;
-const WRITES: u64 = 600;
+/// A multiple of 16: each peer gets half, in turns of 8.
+const WRITES: u64 = 640;
 
 fn engine(extra: &str) -> Arc<TransferEngine> {
     let config = common::mock_config(
@@ -35,8 +36,8 @@ fn wait_for_imms(engine: &TransferEngine, imm: u32, n: u64) {
     );
 }
 
-/// Writes alternating between two peers, each peer's at falling offsets (a list's later
-/// writes lie below its first), through queues of 2: lists are cut short, the rest waits per
+/// Writes to two peers in turns of 8 (runs a list lands together), each peer's at falling
+/// offsets (a run's later writes lie below its first), through queues of 2: lists are cut short, the rest waits per
 /// peer and follows in order. Every write lands once, with its immediate.
 #[test]
 fn a_burst_to_two_peers_through_small_queues_lands_every_write_once() {
@@ -47,7 +48,7 @@ fn a_burst_to_two_peers_through_small_queues_lands_every_write_once() {
     let dst = peers.each_ref().map(|p| HostBuffer::new(p, len).unwrap());
     let done = DoneCounter::new();
     for i in 0..WRITES {
-        let to = (i % 2) as usize;
+        let to = (i / 8 % 2) as usize;
         let slot = WRITES - 1 - i;
         a.submit_single_write(
             LEN,
@@ -61,7 +62,7 @@ fn a_burst_to_two_peers_through_small_queues_lands_every_write_once() {
     done.wait_for(WRITES, WAIT).unwrap();
     let (from, to) = (src.to_vec(), dst.each_ref().map(|d| d.to_vec()));
     for i in 0..WRITES {
-        let (peer, slot) = ((i % 2) as usize, (WRITES - 1 - i) as usize);
+        let (peer, slot) = ((i / 8 % 2) as usize, (WRITES - 1 - i) as usize);
         let l = LEN as usize;
         assert_eq!(
             &to[peer][slot * l..(slot + 1) * l],
@@ -92,13 +93,17 @@ fn a_burst_with_a_dead_peer_fails_its_writes_and_lands_the_others() {
     );
     let dead_desc = to_dead.desc().clone();
     assert!(backend_mock::kill(&dead.main_address()));
-    let (landed, failed) = (
-        DoneCounter::new(),
-        Vec::from_iter((0..WRITES / 2).map(|_| DoneFlag::new())),
-    );
+    // Turns of 8 writes per peer: runs of a list go to one peer, then the other.
+    let to_dead_peer = |i: u64| i / 8 % 2 == 1;
+    let (landed, mut failed) = (DoneCounter::new(), Vec::new());
     for i in 0..WRITES {
-        let at = (i / 2) * LEN;
-        if i % 2 == 0 {
+        let at = i * LEN;
+        if to_dead_peer(i) {
+            let flag = DoneFlag::new();
+            a.submit_single_write(LEN, Some(3), (src.mr(), at), (&dead_desc, at), flag.clone())
+                .unwrap();
+            failed.push(flag);
+        } else {
             a.submit_single_write(
                 LEN,
                 Some(3),
@@ -107,10 +112,6 @@ fn a_burst_with_a_dead_peer_fails_its_writes_and_lands_the_others() {
                 landed.clone(),
             )
             .unwrap();
-        } else {
-            let flag = failed[(i / 2) as usize].clone();
-            a.submit_single_write(LEN, Some(3), (src.mr(), at), (&dead_desc, at), flag)
-                .unwrap();
         }
     }
     landed.wait_for(WRITES / 2, WAIT).unwrap();
@@ -121,10 +122,11 @@ fn a_burst_with_a_dead_peer_fails_its_writes_and_lands_the_others() {
         }
     }
     wait_for_imms(&alive, 3, WRITES / 2);
-    assert_eq!(
-        to_alive.to_vec()[..(WRITES / 2 * LEN) as usize],
-        src.to_vec()[..(WRITES / 2 * LEN) as usize]
-    );
+    let (from, to) = (src.to_vec(), to_alive.to_vec());
+    for i in (0..WRITES).filter(|&i| !to_dead_peer(i)) {
+        let at = (i * LEN) as usize..((i + 1) * LEN) as usize;
+        assert_eq!(&to[at.clone()], &from[at], "write {i} landed");
+    }
 }
 
 /// Our own NIC was dropped from the fabric: every write of a burst is refused at its post
