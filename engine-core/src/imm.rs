@@ -235,6 +235,17 @@ impl<W> ImmCounter<W> {
                 *total += n;
             }
         }
+        self.count_arrivals(imm, n, source, met);
+    }
+
+    /// [`handle_arrivals_from`](Self::handle_arrivals_from) but for the running totals.
+    fn count_arrivals(
+        &mut self,
+        imm: u32,
+        n: u64,
+        source: Option<&NetAddr>,
+        met: &mut Vec<Outcome<W>>,
+    ) {
         let entry = match self.entries.get_mut(&imm) {
             Some(entry) => entry,
             None => {
@@ -252,6 +263,15 @@ impl<W> ImmCounter<W> {
         let waited = !entry.waiting.is_empty();
         entry.count += n;
         entry.drain_met(met);
+        if waited && entry.waiting.is_empty() && entry.count > 0 {
+            // Counted one by one, the arrival that met the last expectation would have left
+            // nothing, and the entry would have gone; the rest would have come as new
+            // arrivals, kept (charged to their sender's share) or dropped as such. So they
+            // are: `n` at once counts as `n` one at a time.
+            let rest = std::mem::take(&mut entry.count);
+            self.settle(imm);
+            return self.count_arrivals(imm, rest, source, met);
+        }
         // An entry is idle exactly when nothing waits on it (see `settle`): if something
         // waited before and still does (an expectation of many arrivals, the stream's usual
         // case), nothing changed and the idle bookkeeping is left alone.
@@ -745,6 +765,39 @@ mod tests {
                 // What `handle_arrivals_from` relies on to skip the bookkeeping.
                 for (imm, e) in &c.entries {
                     proptest::prop_assert_eq!(c.idle.contains(imm), e.waiting.is_empty());
+                }
+            }
+        }
+
+        /// Arrivals counted `n` at a time (the worker counts a run of one immediate from one
+        /// sender at once) meet the same expectations in the same order, keep the same counts
+        /// and drop the same arrivals as counted one at a time, within tight bounds.
+        #[test]
+        fn arrivals_counted_in_runs_are_counted_as_one_by_one(
+            ops in proptest::collection::vec((0u8..3, 0u32..5, 0usize..2, 1u64..6), 1..80)
+        ) {
+            let senders = [peer("a"), peer("b")];
+            let (mut runs, mut singles): (ImmCounter<usize>, ImmCounter<usize>) =
+                (ImmCounter::with_limits(3, 2), ImmCounter::with_limits(3, 2));
+            let t0 = Instant::now() + std::time::Duration::from_secs(60);
+            let (mut met_runs, mut met_singles) = (Vec::new(), Vec::new());
+            for (i, (kind, imm, who, n)) in ops.into_iter().enumerate() {
+                if kind == 0 {
+                    let (a, b) = (runs.expect(imm, n, t0, i), singles.expect(imm, n, t0, i));
+                    proptest::prop_assert_eq!(a, b);
+                    continue;
+                }
+                runs.handle_arrivals_from(imm, n, Some(&senders[who]), &mut met_runs);
+                for _ in 0..n {
+                    singles.handle_arrivals_from(imm, 1, Some(&senders[who]), &mut met_singles);
+                }
+                let ids = |met: &Vec<Outcome<usize>>| -> Vec<usize> {
+                    met.iter().map(|o| match o { Outcome::Met(w) => *w, _ => usize::MAX }).collect()
+                };
+                proptest::prop_assert_eq!(ids(&met_runs), ids(&met_singles));
+                proptest::prop_assert_eq!(runs.dropped(), singles.dropped());
+                for v in 0..5 {
+                    proptest::prop_assert_eq!(runs.count(v), singles.count(v));
                 }
             }
         }

@@ -1001,12 +1001,45 @@ impl Worker {
             }
         }
 
+        /// Counts `n` arrivals of `value` from `from`, taking the ImmCounter's lock once per
+        /// batch of events (kept in `imm`), not once per arrival.
+        fn count_arrivals<'a>(
+            imm: &mut Option<std::sync::MutexGuard<'a, crate::imm::ImmCounter<OnDone>>>,
+            shared: &'a Shared,
+            outcomes: &mut Vec<Outcome<OnDone>>,
+            (value, from, n): (u32, Option<NetAddr>, u64),
+        ) {
+            let counter = imm.get_or_insert_with(|| shared.lock_imm());
+            counter.handle_arrivals_from(value, n, from.as_ref(), outcomes);
+        }
+
         let mut imm = None;
         let mirrored = self.shared.has_mirrors.load(Ordering::Acquire);
         let mut arrived: Vec<u32> = Vec::new();
-        // Successes of one request in a row (a batch of its pages) are counted at once.
+        // Successes of one request in a row (a batch of its pages) are counted at once, and
+        // so are arrivals of one immediate from one sender in a row (a burst's, a batch's).
         let mut run: Option<(u64, u64)> = None;
+        let mut arrivals: Option<(u32, Option<NetAddr>, u64)> = None;
         for event in events.drain(..) {
+            if let Event::ImmArrival { imm: value, from } = event {
+                self.recorder.rest.imm_arrivals += 1;
+                match &mut arrivals {
+                    Some((v, f, n)) if *v == value && *f == from => *n += 1,
+                    _ => {
+                        if let Some(counted) = arrivals.replace((value, from, 1)) {
+                            count_arrivals(&mut imm, &self.shared, &mut self.imm_outcomes, counted);
+                        }
+                        if mirrored && !arrived.contains(&value) {
+                            arrived.push(value);
+                        }
+                    }
+                }
+                continue;
+            }
+            // In arrival order: the arrivals before this event count first.
+            if let Some(counted) = arrivals.take() {
+                count_arrivals(&mut imm, &self.shared, &mut self.imm_outcomes, counted);
+            }
             match event {
                 Event::Done {
                     wr_id,
@@ -1032,20 +1065,15 @@ impl Worker {
                         self.finished.push(done);
                     }
                 }
-                Event::ImmArrival { imm: value, from } => {
-                    self.recorder.rest.imm_arrivals += 1;
-                    // Take the ImmCounter lock once per batch, not once per arrival.
-                    let counter = imm.get_or_insert_with(|| self.shared.lock_imm());
-                    counter.handle_arrivals_from(value, 1, from.as_ref(), &mut self.imm_outcomes);
-                    if mirrored && !arrived.contains(&value) {
-                        arrived.push(value);
-                    }
-                }
+                Event::ImmArrival { .. } => unreachable!("counted above"),
                 Event::Message { data } => self.deliver_message(data),
             }
         }
         if let Some((id, n)) = run {
             count_successes(&mut self.tracker, &mut self.finished, id, n);
+        }
+        if let Some(counted) = arrivals {
+            count_arrivals(&mut imm, &self.shared, &mut self.imm_outcomes, counted);
         }
         let Some(counter) = imm else { return };
         if arrived.is_empty() {
