@@ -189,7 +189,7 @@ impl TransferEngine {
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&handle.id)
-            .ok_or(Error::UnknownHandle(handle.id))?;
+            .ok_or_else(|| Error::UnknownHandle(handle.id))?;
         if let (Some(id), Some(cache)) = (region.cache_id, &self.shared.registrations) {
             let last = lock_cache(cache).release(id).is_some();
             if !last {
@@ -225,6 +225,6 @@ impl TransferEngine {
             .unwrap_or_else(|p| p.into_inner())
             .get(&handle.id)
             .cloned()
-            .ok_or(Error::UnknownHandle(handle.id))
+            .ok_or_else(|| Error::UnknownHandle(handle.id))
     }
 }

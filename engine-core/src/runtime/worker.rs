@@ -811,6 +811,8 @@ impl Worker {
             let nic = burst[next].1.nic;
             let mut list: SmallVec<[RdmaRequest<'_>; LIST_LEN]> = SmallVec::new();
             if self.fatal.is_none() {
+                // (An iterator chain: `extend` builds each request in place, where a loop of
+                // pushes copied every one once more.)
                 list.extend(
                     burst[next..]
                         .iter()
