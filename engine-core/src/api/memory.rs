@@ -189,7 +189,7 @@ impl TransferEngine {
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&handle.id)
-            .ok_or_else(|| Error::UnknownHandle(handle.id))?;
+            .ok_or(Error::UnknownHandle(handle.id))?;
         if let (Some(id), Some(cache)) = (region.cache_id, &self.shared.registrations) {
             let last = lock_cache(cache).release(id).is_some();
             if !last {
@@ -220,11 +220,15 @@ impl TransferEngine {
 
     pub(super) fn local_region(&self, handle: MrHandle) -> Result<Arc<LocalRegion>> {
         self.check_owner("memory region", handle.engine, handle.id)?;
-        self.regions
+        // A match, not `ok_or`: that builds (and drops) the error on every submit.
+        match self
+            .regions
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .get(&handle.id)
-            .cloned()
-            .ok_or_else(|| Error::UnknownHandle(handle.id))
+        {
+            Some(region) => Ok(Arc::clone(region)),
+            None => Err(Error::UnknownHandle(handle.id)),
+        }
     }
 }

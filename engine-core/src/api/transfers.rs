@@ -102,12 +102,15 @@ fn page_offsets(
             .collect());
     }
     let check = |(pages, region_len, side): (&Pages, u64, &'static str), index| {
-        let offset = page_start(pages, index).ok_or(Error::OutOfBounds {
-            side,
-            offset: u64::MAX,
-            len: page_len,
-            region_len: 0,
-        })?;
+        // A match, not `ok_or`: that builds (and drops) an error for every page.
+        let Some(offset) = page_start(pages, index) else {
+            return Err(Error::OutOfBounds {
+                side,
+                offset: u64::MAX,
+                len: page_len,
+                region_len: 0,
+            });
+        };
         check_range(side, offset, page_len, region_len).map(|()| offset)
     };
     l.indices
