@@ -343,6 +343,24 @@ fn a_mistyped_plugin_option_is_a_config_error_naming_the_key() {
     }
 }
 
+/// Backend `backend` of the fixture library at `path` (checked to speak ABI `version`), an
+/// inline in-order mock with a queue of 3 per connection.
+fn inline_fixture_config(
+    path: &std::path::Path,
+    backend: &str,
+    version: u32,
+) -> engine_core::Config {
+    let plugin = engine_core::plugin::LoadedPlugin::load(path, backend).unwrap();
+    assert_eq!(plugin.abi_version(), version);
+    let mut config = common::mock_config(
+        1,
+        &format!("[backends.{backend}]\ninline = true\nreorder = false\njitter_us = 0\nqueue_depth = 3\n"),
+    );
+    config.backend = backend.into();
+    config.plugin = Some(path.to_owned());
+    config
+}
+
 /// ABI 5: a paged write reaches a current plugin as batches of pages (one call each) and a
 /// version-4 plugin page by page; either way every page lands once, with its immediate, also
 /// when the plugin's queue (3 deep) cuts every batch short, and a batch the NIC refuses (a
@@ -352,14 +370,7 @@ fn paged_writes_reach_plugins_in_batches_or_page_by_page_by_their_abi() {
     use engine_core::{DoneFlag, TransferShape};
     let path = common::built_library("plugin_fixture_old_abi");
     for (backend, version) in [("checkedmock", 6), ("v4mock", 4)] {
-        let plugin = engine_core::plugin::LoadedPlugin::load(&path, backend).unwrap();
-        assert_eq!(plugin.abi_version(), version);
-        let mut config = common::mock_config(
-            1,
-            &format!("[backends.{backend}]\ninline = true\nreorder = false\njitter_us = 0\nqueue_depth = 3\n"),
-        );
-        config.backend = backend.into();
-        config.plugin = Some(path.clone());
+        let config = inline_fixture_config(&path, backend, version);
         let (a, b) = (
             std::sync::Arc::new(TransferEngine::open(&config).unwrap()),
             std::sync::Arc::new(TransferEngine::open(&config).unwrap()),
@@ -424,14 +435,7 @@ fn bursts_reach_plugins_as_lists_or_one_by_one_by_their_abi() {
     const WAIT: Duration = Duration::from_secs(20);
     let path = common::built_library("plugin_fixture_old_abi");
     for (backend, version) in [("checkedmock", 6), ("v5mock", 5)] {
-        let plugin = engine_core::plugin::LoadedPlugin::load(&path, backend).unwrap();
-        assert_eq!(plugin.abi_version(), version);
-        let mut config = common::mock_config(
-            1,
-            &format!("[backends.{backend}]\ninline = true\nreorder = false\njitter_us = 0\nqueue_depth = 3\n"),
-        );
-        config.backend = backend.into();
-        config.plugin = Some(path.clone());
+        let config = inline_fixture_config(&path, backend, version);
         let open = || std::sync::Arc::new(TransferEngine::open(&config).unwrap());
         let (a, peers) = (open(), [open(), open()]);
         let (n, len) = (400u64, 16u64);

@@ -828,6 +828,18 @@ fn whole_send_queue_reservations_fail_fast_reconnect_cycles() {
     );
 }
 
+/// One NIC of `rxe0`, with a send queue of `depth` entries per connection.
+fn rxe_config_with_send_queue(depth: i64) -> engine_core::Config {
+    use xfer_conformance::Harness;
+    let mut config = Rxe.config(1);
+    let mut verbs = toml::Table::new();
+    verbs.insert("send_queue".into(), toml::Value::Integer(depth));
+    config
+        .backends
+        .insert("verbs".into(), toml::Value::Table(verbs));
+    config
+}
+
 /// Issue 29: a paged write's pages reach the verbs Domain as batches (one connection lookup,
 /// chains of 4 per doorbell, the tail posted at once). With a send queue of 16, every batch of
 /// 3,000 pages is cut short by a full queue: the rest waits in the engine and is posted as
@@ -837,13 +849,7 @@ fn whole_send_queue_reservations_fail_fast_reconnect_cycles() {
 #[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
 fn a_paged_write_larger_than_the_send_queue_lands_every_page_once() {
     use std::time::Duration;
-    use xfer_conformance::Harness;
-    let mut config = Rxe.config(1);
-    let mut verbs = toml::Table::new();
-    verbs.insert("send_queue".into(), toml::Value::Integer(16));
-    config
-        .backends
-        .insert("verbs".into(), toml::Value::Table(verbs));
+    let config = rxe_config_with_send_queue(16);
     let a = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
     let b = std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
     let (n, page) = (3000u32, 64u64);
@@ -894,13 +900,7 @@ fn a_paged_write_larger_than_the_send_queue_lands_every_page_once() {
 #[ignore = "needs soft-RoCE devices: runs in the rxe guest"]
 fn a_burst_of_single_writes_to_two_peers_lands_every_write_once() {
     use std::time::Duration;
-    use xfer_conformance::Harness;
-    let mut config = Rxe.config(1);
-    let mut verbs = toml::Table::new();
-    verbs.insert("send_queue".into(), toml::Value::Integer(16));
-    config
-        .backends
-        .insert("verbs".into(), toml::Value::Table(verbs));
+    let config = rxe_config_with_send_queue(16);
     let open = || std::sync::Arc::new(engine_core::TransferEngine::open(&config).unwrap());
     let (a, peers) = (open(), [open(), open()]);
     let (n, len) = (2000u64, 32u64);

@@ -587,55 +587,19 @@ impl PluginTable {
         }
     }
 
-    /// The table as a version-5 plugin built it (no lists of writes), for fixtures.
-    pub const fn new_v5<O: PluginOpener>() -> Self {
+    /// The table as a plugin built against ABI `version` built it: its header declares that
+    /// version and its size, so the engine reads none of the later entries. For tests and
+    /// fixtures that stand for plugins built against older ABIs (version 1: before reads;
+    /// 2: before capabilities, logging and flat options; 3: before the options check; 4:
+    /// before batches of pages; 5: before lists of writes).
+    pub const fn of_version<O: PluginOpener>(version: u32) -> Self {
         let mut table = Self::new::<O>();
-        table.header = PluginHeader {
-            abi_version: 5,
-            table_size: V5_TABLE_SIZE,
+        let Some(table_size) = table_size_of(version) else {
+            panic!("no such ABI version");
         };
-        table
-    }
-
-    /// The table as a version-1 plugin built it: its header declares version 1 and the
-    /// version-1 size, so the engine reads nothing past [`set_waker`](Self::set_waker). For
-    /// tests and fixtures that stand for plugins built before reads existed.
-    pub const fn new_v1<O: PluginOpener>() -> Self {
-        let mut table = Self::new::<O>();
         table.header = PluginHeader {
-            abi_version: 1,
-            table_size: V1_TABLE_SIZE,
-        };
-        table
-    }
-
-    /// The table as a version-4 plugin built it (no batches of pages), for fixtures.
-    pub const fn new_v4<O: PluginOpener>() -> Self {
-        let mut table = Self::new::<O>();
-        table.header = PluginHeader {
-            abi_version: 4,
-            table_size: V4_TABLE_SIZE,
-        };
-        table
-    }
-
-    /// The table as a version-3 plugin built it (no options check), for fixtures.
-    pub const fn new_v3<O: PluginOpener>() -> Self {
-        let mut table = Self::new::<O>();
-        table.header = PluginHeader {
-            abi_version: 3,
-            table_size: V3_TABLE_SIZE,
-        };
-        table
-    }
-
-    /// The table as a version-2 plugin built it (no capabilities, no logging, TOML options),
-    /// for fixtures.
-    pub const fn new_v2<O: PluginOpener>() -> Self {
-        let mut table = Self::new::<O>();
-        table.header = PluginHeader {
-            abi_version: 2,
-            table_size: V2_TABLE_SIZE,
+            abi_version: version,
+            table_size,
         };
         table
     }
@@ -797,6 +761,40 @@ unsafe extern "C" fn shim_post_read(
     unsafe { shim_post_rdma(domain, RawRdma::Read(*rd), err) }
 }
 
+/// The `count` entries at `first` (which may be null when `count` is 0).
+///
+/// # Safety
+/// With `count > 0`, `first` must point to `count` valid entries that outlive `'a`.
+unsafe fn array<'a, T>(first: *const T, count: usize) -> &'a [T] {
+    if count == 0 {
+        &[]
+    } else {
+        // SAFETY: per the function's contract.
+        unsafe { std::slice::from_raw_parts(first, count) }
+    }
+}
+
+/// A batch entry's body, `post` (how many it posted and why it stopped, or an error before
+/// posting anything), under [`guarded`], with the count stored in `posted`: a panic reports
+/// nothing posted (the engine then treats the Domain as failed for good).
+///
+/// # Safety
+/// `posted` must be valid for writes, `err` as for [`guarded`].
+unsafe fn guarded_batch(
+    posted: *mut usize,
+    err: *mut RawError,
+    post: impl FnOnce() -> Result<(usize, Result<PostStatus, DomainError>), DomainError>,
+) -> i32 {
+    // SAFETY: per the function's contract.
+    unsafe { *posted = 0 };
+    guarded(err, || {
+        let (n, status) = post()?;
+        // SAFETY: as above.
+        unsafe { *posted = n };
+        status.map(post_status)
+    })
+}
+
 unsafe extern "C" fn shim_post_write_pages(
     domain: *mut c_void,
     template: *const RawWrite,
@@ -805,26 +803,18 @@ unsafe extern "C" fn shim_post_write_pages(
     posted: *mut usize,
     err: *mut RawError,
 ) -> i32 {
-    // SAFETY: `posted` is valid for writes, per the ABI contract; nothing is posted yet (and
-    // a panic below reports nothing posted: the engine treats the Domain as failed for good).
-    unsafe { *posted = 0 };
-    guarded(err, || {
+    let post = || {
         // SAFETY: the engine passes a valid template for the call's duration.
         let raw = RawRdma::Write(unsafe { *template });
         let peer = peer_addr(raw.peer())?;
-        let req = raw.request(&peer);
-        let shifts = if count == 0 {
-            &[][..]
-        } else {
-            // SAFETY: the engine passes `count` shifts, valid for the call's duration.
-            unsafe { std::slice::from_raw_parts(shifts, count) }
-        };
+        // SAFETY: the engine passes `count` shifts, valid for the call's duration.
+        let shifts = unsafe { array(shifts, count) };
         // SAFETY: a live handle, per the ABI contract.
-        let (n, status) = unsafe { handle(domain) }.post_rdma_pages(&req, shifts);
-        // SAFETY: as above.
-        unsafe { *posted = n.min(count) };
-        status.map(post_status)
-    })
+        let (n, status) = unsafe { handle(domain) }.post_rdma_pages(&raw.request(&peer), shifts);
+        Ok((n.min(count), status))
+    };
+    // SAFETY: `posted` and `err` are valid, per the ABI contract.
+    unsafe { guarded_batch(posted, err, post) }
 }
 
 unsafe extern "C" fn shim_post_writes(
@@ -834,15 +824,9 @@ unsafe extern "C" fn shim_post_writes(
     posted: *mut usize,
     err: *mut RawError,
 ) -> i32 {
-    // SAFETY: as in shim_post_write_pages.
-    unsafe { *posted = 0 };
-    guarded(err, || {
-        let raws = if count == 0 {
-            &[][..]
-        } else {
-            // SAFETY: the engine passes `count` requests, valid for the call's duration.
-            unsafe { std::slice::from_raw_parts(requests, count) }
-        };
+    let post = || {
+        // SAFETY: the engine passes `count` requests, valid for the call's duration.
+        let raws = unsafe { array(requests, count) };
         // Each run of writes to one peer decodes its address once; a request whose address
         // does not decode ends the list there (its error is the list's).
         let mut peers: Vec<NetAddr> = Vec::new();
@@ -870,13 +854,13 @@ unsafe extern "C" fn shim_post_writes(
         // SAFETY: a live handle, per the ABI contract.
         let (n, status) = unsafe { handle(domain) }.post_rdma_list(&list);
         let n = n.min(list.len());
-        // SAFETY: as above.
-        unsafe { *posted = n };
-        match (status, refused) {
-            (Ok(PostStatus::Posted), Some(e)) if n == list.len() => Err(e),
-            (status, _) => status.map(post_status),
-        }
-    })
+        Ok(match (status, refused) {
+            (Ok(PostStatus::Posted), Some(e)) if n == list.len() => (n, Err(e)),
+            (status, _) => (n, status),
+        })
+    };
+    // SAFETY: `posted` and `err` are valid, per the ABI contract.
+    unsafe { guarded_batch(posted, err, post) }
 }
 
 /// Both post shims: decode, refuse a read the Domain cannot do, post.
@@ -1318,6 +1302,25 @@ mod tests {
         unsafe { (table.close)(handle) };
     }
 
+    /// Calls a C batch entry, `post(handle, posted, err)`, on an `Inert` that stops at
+    /// `stop`; returns the status, what the entry said it posted, its error slot, and the
+    /// (local, remote) addresses the Domain took.
+    fn post_to_inert(
+        stop: Option<(usize, bool)>,
+        post: impl FnOnce(*mut c_void, &mut usize, &mut RawError) -> i32,
+    ) -> (i32, usize, RawError, Vec<(u64, u64)>) {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut domain: Handle = Box::new(Inert {
+            seen: std::sync::Arc::clone(&seen),
+            stop,
+        });
+        let handle = (&mut domain as *mut Handle).cast::<c_void>();
+        let (mut posted, mut err) = (usize::MAX, RawError::empty());
+        let status = post(handle, &mut posted, &mut err);
+        let seen = seen.lock().unwrap().clone();
+        (status, posted, err, seen)
+    }
+
     /// ABI 5: a batch of pages through the C entry reaches the Domain as each page's request
     /// (the template moved by its shift), and the entry reports how many were posted and why
     /// it stopped — all posted, the NIC full at page 2, or page 3 refused with its error.
@@ -1342,24 +1345,17 @@ mod tests {
             (Some((2, true)), 2, STATUS_BUSY),
             (Some((3, false)), 3, STATUS_ERROR),
         ] {
-            let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-            let mut domain: Handle = Box::new(Inert {
-                seen: std::sync::Arc::clone(&seen),
-                stop,
+            // SAFETY: a live handle (boxed by post_to_inert, outliving the call), a valid
+            // template and shifts, and output slots of ours.
+            let (status, posted, err, seen) = post_to_inert(stop, |handle, posted, err| unsafe {
+                shim_post_write_pages(handle, &template, shifts.as_ptr(), 5, posted, err)
             });
-            let handle = (&mut domain as *mut Handle).cast::<c_void>();
-            let (mut posted, mut err) = (usize::MAX, RawError::empty());
-            // SAFETY: a live handle (boxed above, outliving the call), a valid template and
-            // shifts, and output slots of ours.
-            let status = unsafe {
-                shim_post_write_pages(handle, &template, shifts.as_ptr(), 5, &mut posted, &mut err)
-            };
             assert_eq!((posted, status), (want_posted, want_status), "{stop:?}");
             let expected: Vec<(u64, u64)> = shifts[..want_posted]
                 .iter()
                 .map(|s| (0x1000 + s.local, 0x8000 + s.remote))
                 .collect();
-            assert_eq!(*seen.lock().unwrap(), expected, "{stop:?}");
+            assert_eq!(seen, expected, "{stop:?}");
             if status == STATUS_ERROR {
                 let e = err.to_error();
                 assert_eq!(
@@ -1367,20 +1363,13 @@ mod tests {
                     (DomainErrorKind::RemoteAccess, "refused")
                 );
             }
-            // No shifts: nothing posted, nothing to say.
-            // SAFETY: as above; a null array with a count of 0 is never read.
-            let status = unsafe {
-                shim_post_write_pages(
-                    handle,
-                    &template,
-                    std::ptr::null(),
-                    0,
-                    &mut posted,
-                    &mut err,
-                )
-            };
-            assert_eq!((posted, status), (0, STATUS_OK));
         }
+        // No shifts: nothing posted, nothing to say.
+        // SAFETY: as above; a null array with a count of 0 is never read.
+        let (status, posted, ..) = post_to_inert(None, |handle, posted, err| unsafe {
+            shim_post_write_pages(handle, &template, std::ptr::null(), 0, posted, err)
+        });
+        assert_eq!((posted, status), (0, STATUS_OK));
     }
 
     /// ABI 6: a list of writes through the C entry reaches the Domain request by request,
@@ -1402,13 +1391,6 @@ mod tests {
             has_imm: (i % 2) as u32,
             imm: i as u32,
         };
-        let list = |last: &[u8]| {
-            [a, a, b, a, last]
-                .iter()
-                .zip(0..)
-                .map(|(p, i)| write(i, p))
-                .collect::<Vec<_>>()
-        };
         let too_long = [7u8; MAX_ADDR_LEN + 1];
         for (stop, last, want_posted, want_status) in [
             (None, b, 5, STATUS_OK),
@@ -1416,25 +1398,22 @@ mod tests {
             (Some((3, false)), b, 3, STATUS_ERROR),
             (None, &too_long[..], 4, STATUS_ERROR),
         ] {
-            let writes = list(last);
-            let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-            let mut domain: Handle = Box::new(Inert {
-                seen: std::sync::Arc::clone(&seen),
-                stop,
+            let writes: Vec<RawWrite> = [a, a, b, a, last]
+                .iter()
+                .zip(0..)
+                .map(|(p, i)| write(i, p))
+                .collect();
+            // SAFETY: a live handle (boxed by post_to_inert, outliving the call), valid
+            // requests whose peers outlive the call, and output slots of ours.
+            let (status, posted, err, seen) = post_to_inert(stop, |handle, posted, err| unsafe {
+                shim_post_writes(handle, writes.as_ptr(), writes.len(), posted, err)
             });
-            let handle = (&mut domain as *mut Handle).cast::<c_void>();
-            let (mut posted, mut err) = (usize::MAX, RawError::empty());
-            // SAFETY: a live handle (boxed above, outliving the call), valid requests whose
-            // peers outlive the call, and output slots of ours.
-            let status = unsafe {
-                shim_post_writes(handle, writes.as_ptr(), writes.len(), &mut posted, &mut err)
-            };
             assert_eq!((posted, status), (want_posted, want_status), "{stop:?}");
             let expected: Vec<(u64, u64)> = writes[..want_posted]
                 .iter()
                 .map(|w| (w.local_addr, w.remote_addr))
                 .collect();
-            assert_eq!(*seen.lock().unwrap(), expected, "{stop:?}");
+            assert_eq!(seen, expected, "{stop:?}");
             if status == STATUS_ERROR {
                 let e = err.to_error();
                 let want = if stop.is_some() {

@@ -16,7 +16,7 @@ impl PluginOpener for OldMock {
     const OPEN: engine_core::domain::OpenFn = backend_mock::open;
 }
 
-static TABLE: PluginTable = PluginTable::new_v1::<OldMock>();
+static TABLE: PluginTable = PluginTable::of_version::<OldMock>(1);
 
 /// The plugin entry point of backend `oldmock`.
 #[no_mangle]
@@ -31,7 +31,7 @@ impl PluginOpener for V2Mock {
     const OPEN: engine_core::domain::OpenFn = backend_mock::open;
 }
 
-static V2_TABLE: PluginTable = PluginTable::new_v2::<V2Mock>();
+static V2_TABLE: PluginTable = PluginTable::of_version::<V2Mock>(2);
 
 /// The plugin entry point of backend `v2mock`.
 #[no_mangle]
@@ -46,7 +46,7 @@ impl PluginOpener for V3Mock {
     const OPEN: engine_core::domain::OpenFn = backend_mock::open;
 }
 
-static V3_TABLE: PluginTable = PluginTable::new_v3::<V3Mock>();
+static V3_TABLE: PluginTable = PluginTable::of_version::<V3Mock>(3);
 
 /// The plugin entry point of backend `v3mock`.
 #[no_mangle]
@@ -61,7 +61,7 @@ impl PluginOpener for V4Mock {
     const OPEN: engine_core::domain::OpenFn = backend_mock::open;
 }
 
-static V4_TABLE: PluginTable = PluginTable::new_v4::<V4Mock>();
+static V4_TABLE: PluginTable = PluginTable::of_version::<V4Mock>(4);
 
 /// The plugin entry point of backend `v4mock`.
 #[no_mangle]
@@ -96,7 +96,7 @@ impl PluginOpener for V5Mock {
     const OPEN: engine_core::domain::OpenFn = backend_mock::open;
 }
 
-static V5_TABLE: PluginTable = PluginTable::new_v5::<V5Mock>();
+static V5_TABLE: PluginTable = PluginTable::of_version::<V5Mock>(5);
 
 /// The plugin entry point of backend `v5mock`.
 #[no_mangle]
