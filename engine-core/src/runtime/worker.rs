@@ -47,6 +47,10 @@ use crate::plugin::Backend;
 use crate::stats::{OpKind, Recorder, Started};
 use crate::wire::{Message, NetAddr, CHANNEL_NOTIFICATION, MESSAGE_HEADER_LEN};
 
+/// Requests per [`Domain::post_rdma_list`](crate::domain::Domain::post_rdma_list) call (a
+/// list lives on the worker's stack), and the burst that is posted at once.
+const LIST_LEN: usize = 32;
+
 /// A work request waiting for room on its NIC.
 enum Pending {
     Rdma(RdmaWork),
@@ -101,8 +105,9 @@ struct Worker {
     /// Commands taken from the submission queue and not handled yet (see `pass`).
     commands: VecDeque<Command>,
     /// Listed writes and reads accepted in this pass and not yet handed to their NICs: they
-    /// go in lists (`post_burst`), before any other command is handled, so the order in
-    /// which work reaches a NIC is the order it was submitted in.
+    /// go in lists (`post_burst`) once there are `LIST_LEN` of them and before any other
+    /// command is handled, so the order in which work reaches a NIC is the order it was
+    /// submitted in.
     burst: Vec<(u64, RdmaWork)>,
     events: Vec<Event>,
     finished: Vec<Finished<Tracked>>,
@@ -422,13 +427,17 @@ impl Worker {
             submitted,
         } = cmd
         {
-            // A listed transfer's operations join the burst, posted in lists at the end of
-            // the pass (or before the next command of another kind).
+            // A listed transfer's operations join the burst, posted in lists once it holds a
+            // list's worth, at the end of the pass, or before the next command of another
+            // kind (whichever comes first: a NIC is not kept waiting for a whole pass).
             if let Some(id) = self.start_writes(ops.iter().map(|op| (op, 1)), on_done, submitted) {
                 match ops.into_inner() {
                     // A single write or read (the commonest command), without an iterator.
                     Ok([op]) => self.burst.push((id, op)),
                     Err(ops) => self.burst.extend(ops.into_iter().map(|op| (id, op))),
+                }
+                if self.burst.len() >= LIST_LEN {
+                    self.post_burst();
                 }
             }
             return;
@@ -800,8 +809,6 @@ impl Worker {
     /// would — an operation the NIC refuses fails its transfer, one it has no room for waits
     /// in its peer's queue, and what follows for that peer queues behind it.
     fn post_burst(&mut self) {
-        /// Requests per Domain call: a list lives on the stack.
-        const LIST_LEN: usize = 32;
         if self.burst.is_empty() {
             return;
         }
