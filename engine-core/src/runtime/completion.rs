@@ -78,6 +78,48 @@ impl OnDone {
 /// Callbacks finished in one worker pass, handed to the callback thread as one job.
 pub(crate) type CallbackBatch = Vec<Box<dyn FnOnce() + Send>>;
 
+/// Successes of one [`DoneCounter`] in a row, added at once: one increment and one wake-up
+/// of its waiters (a lock and a futex call when one sleeps) per run, not per operation — a
+/// burst's writes usually share their counter (issue 29).
+#[derive(Default)]
+pub(crate) struct CounterRun(Option<(Arc<DoneCounter>, u64)>);
+
+impl CounterRun {
+    /// Delivers `on_done`'s outcome as [`OnDone::complete_batched`] does, but holds a
+    /// counter's success back to add it with the next ones of the same counter. Anything
+    /// else first adds what is held, so outcomes keep their order.
+    pub(crate) fn complete(
+        &mut self,
+        on_done: OnDone,
+        result: Result<()>,
+        batch: &mut CallbackBatch,
+    ) {
+        match on_done {
+            OnDone::Counter(counter) if result.is_ok() => {
+                if let Some((kept, n)) = &mut self.0 {
+                    if Arc::ptr_eq(kept, &counter) {
+                        *n += 1;
+                        return;
+                    }
+                }
+                self.flush();
+                self.0 = Some((counter, 1));
+            }
+            other => {
+                self.flush();
+                other.complete_batched(result, batch);
+            }
+        }
+    }
+
+    /// Adds what is held.
+    pub(crate) fn flush(&mut self) {
+        if let Some((counter, n)) = self.0.take() {
+            counter.add_ok(n);
+        }
+    }
+}
+
 impl OnDone {
     /// Delivers the outcome on this thread: for code already running on the callback
     /// thread (a callback that finishes another operation's `OnDone`).
@@ -318,9 +360,7 @@ impl DoneCounter {
 
     fn add(&self, result: Result<()>) {
         match result {
-            Ok(()) => {
-                self.ok.fetch_add(1, Ordering::Release);
-            }
+            Ok(()) => return self.add_ok(1),
             Err(e) => {
                 self.first_error
                     .lock()
@@ -329,6 +369,12 @@ impl DoneCounter {
                 self.failed.fetch_add(1, Ordering::Release);
             }
         }
+        self.sleepers.notify();
+    }
+
+    /// `n` operations that succeeded, with one wake-up.
+    fn add_ok(&self, n: u64) {
+        self.ok.fetch_add(n, Ordering::Release);
         self.sleepers.notify();
     }
 
@@ -372,6 +418,44 @@ impl DoneCounter {
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
+
+    /// Successes of one counter in a row are added at once, and nothing reorders around
+    /// them: an error on the same counter, another counter or a flag first adds what was
+    /// held; a waiter blocked on the counter is woken by the held successes' flush.
+    #[test]
+    fn a_counters_run_of_successes_is_added_once_in_order() {
+        let (a, b, flag) = (DoneCounter::new(), DoneCounter::new(), DoneFlag::new());
+        let mut batch = CallbackBatch::new();
+        let mut run = CounterRun::default();
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| a.wait_for(5, Duration::from_secs(60)));
+            for _ in 0..3 {
+                run.complete(OnDone::Counter(Arc::clone(&a)), Ok(()), &mut batch);
+            }
+            assert_eq!(a.ok(), 0, "held until the run ends");
+            run.complete(
+                OnDone::Counter(Arc::clone(&a)),
+                Err(Error::Cancelled),
+                &mut batch,
+            );
+            assert_eq!(
+                (a.ok(), a.failed()),
+                (3, 1),
+                "the run first, then the error"
+            );
+            run.complete(OnDone::Counter(Arc::clone(&b)), Ok(()), &mut batch);
+            run.complete(OnDone::Counter(Arc::clone(&a)), Ok(()), &mut batch);
+            assert_eq!(b.ok(), 1, "another counter ends b's run");
+            run.complete(OnDone::Flag(Arc::clone(&flag)), Ok(()), &mut batch);
+            assert_eq!(a.ok(), 4, "a flag ends a's run");
+            run.complete(OnDone::Counter(Arc::clone(&a)), Ok(()), &mut batch);
+            run.flush();
+            assert_eq!((a.ok(), a.failed(), b.ok()), (5, 1, 1));
+            assert!(flag.is_done());
+            assert!(matches!(waiter.join().unwrap(), Err(Error::Cancelled)));
+        });
+        assert!(batch.is_empty(), "no callbacks were involved");
+    }
 
     #[test]
     fn blocked_waiters_are_woken_by_the_outcome_and_time_out_without_it() {

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use foldhash::HashMap;
 use smallvec::SmallVec;
 
-use super::completion::{send_batch, CallbackBatch, OnDone};
+use super::completion::{send_batch, CallbackBatch, CounterRun, OnDone};
 use super::tracker::{Finished, Tracker};
 use super::work::{RdmaWork, Shift};
 use super::{panic_message, Command, Mirror, Shared};
@@ -1201,29 +1201,29 @@ impl Worker {
         } else {
             Stamp::now()
         };
+        let mut run = CounterRun::default();
         for (tracked, result) in self.finished.drain(..) {
             if let Some(started) = &tracked.started {
                 let outcome = result.as_ref().copied().map_err(Box::as_ref);
                 self.recorder.finished(started, outcome, now);
             }
-            tracked
-                .on_done
-                .complete_batched(result.map_err(|e| *e), &mut self.callbacks);
+            run.complete(tracked.on_done, result.map_err(|e| *e), &mut self.callbacks);
         }
         let timeout = self.shared.config.timeouts.expect();
         for outcome in self.imm_outcomes.drain(..) {
             match outcome {
-                Outcome::Met(w) => w.complete_batched(Ok(()), &mut self.callbacks),
+                Outcome::Met(w) => run.complete(w, Ok(()), &mut self.callbacks),
                 Outcome::Expired { waiter, dropped } => {
                     let error = if dropped > 0 {
                         Error::ArrivalsDropped { timeout, dropped }
                     } else {
                         Error::Timeout(timeout)
                     };
-                    waiter.complete_batched(Err(error), &mut self.callbacks)
+                    run.complete(waiter, Err(error), &mut self.callbacks)
                 }
             }
         }
+        run.flush();
         send_batch(&mut self.callbacks, &self.shared.jobs);
     }
 
