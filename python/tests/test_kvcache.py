@@ -109,3 +109,102 @@ def test_one_plane_buffers_of_standard_attention_are_sliced_by_heads_when_told()
     assert (sliced.remote_rank, sliced.page_len) == (0, token)
     assert sliced.remote_offset == token  # rank 1's heads start after rank 0's
     assert sliced.local_pages == [0, 1, 2, 3] and sliced.remote_pages == [8, 9, 10, 11]
+
+
+# ---- vLLM 0.33's layer views (xfer._kvcache.LayerView, block_runs) ----
+
+ORDERS = [  # physical order of (layer, block, head, token); content is innermost
+    "LBHN", "LBNH", "LHBN", "BLHN", "BLNH", "BHLN"]
+
+
+def rank_view(full, rank, tp, order, layers=2, layer=1):
+    """Rank ``rank``'s share of ``full`` ([blocks, heads, tokens, content], all heads) in a
+    buffer of ``layers`` layers laid out in ``order``, as vLLM's allocate_kv_cache views it."""
+    from xfer._kvcache import view_of
+
+    blocks, total, tokens, content = full.shape
+    heads = max(1, total // tp)
+    first = rank * total // tp
+    logical = {"L": layers, "B": blocks, "H": heads, "N": tokens}
+    buf = np.zeros([logical[d] for d in order] + [content], dtype=full.dtype)
+    view = buf.transpose([order.index(d) for d in "LBHN"] + [4])[layer]
+    view[...] = full[:, first:first + heads]
+    offset = view.__array_interface__["data"][0] - buf.__array_interface__["data"][0]
+    lv = view_of(view.shape, [s // full.itemsize for s in view.strides], full.itemsize,
+                 str(full.dtype), offset, total)
+    return buf, lv
+
+
+def move(runs, local_buf, local_view, remote_bufs, remote_views, local_ids, remote_ids):
+    """Moves what ``runs`` say as xfer's paged reads would: page ``b`` at offset + b * stride."""
+    dst = local_buf.reshape(-1).view(np.uint8)
+    for run in runs:
+        src = remote_bufs[run.remote_rank].reshape(-1).view(np.uint8)
+        rv = remote_views[run.remote_rank]
+        for lb, rb in zip(local_ids, remote_ids):
+            at_l = local_view.offset + lb * local_view.strides[0] + run.local
+            at_r = rv.offset + rb * rv.strides[0] + run.remote
+            dst[at_l:at_l + run.length] = src[at_r:at_r + run.length]
+
+
+def test_block_runs_move_every_head_of_every_block_once_across_orders_and_tp_sizes():
+    from xfer._kvcache import block_runs
+
+    rng = np.random.default_rng(7)
+    cases = 0
+    for _ in range(300):
+        total = int(rng.choice([1, 2, 4, 8]))
+        tp_l, tp_r = int(rng.choice([1, 2, 4, 8])), int(rng.choice([1, 2, 4, 8]))
+        if any(total % tp and tp % total for tp in (tp_l, tp_r)):
+            continue
+        tokens, content = int(rng.choice([1, 4, 16])), int(rng.choice([2, 8]))
+        dtype = rng.choice([np.float16, np.uint8])
+        full = rng.integers(1, 250, size=(6, total, tokens, content)).astype(dtype)
+        order_l, order_r = rng.choice(ORDERS), rng.choice(ORDERS)
+        remote = [rank_view(full, r, tp_r, order_r) for r in range(tp_r)]
+        remote_ids, local_ids = [5, 0, 3], [1, 4, 2]
+        for rank in range(tp_l):
+            empty = np.zeros_like(full)
+            buf, lv = rank_view(empty, rank, tp_l, order_l)
+            runs = block_runs(lv, remote[0][1], rank, tp_l, tp_r)
+            move(runs, buf, lv, [b for b, _ in remote], [v for _, v in remote], local_ids, remote_ids)
+            view = buf.transpose([order_l.index(d) for d in "LBHN"] + [4])[1]
+            first, heads = rank * total // tp_l, max(1, total // tp_l)
+            for lb, rb in zip(local_ids, remote_ids):
+                assert (view[lb] == full[rb, first:first + heads]).all(), (order_l, order_r, tp_l, tp_r)
+            untouched = [b for b in range(6) if b not in local_ids]
+            assert not view[untouched].any()
+            if order_l == order_r and tp_l == tp_r and order_l[1:3] in ("BH", "BN"):
+                assert len(runs) == 1  # a whole block is one run
+            cases += 1
+    assert cases > 200
+
+
+def test_a_head_slice_is_one_run_under_hnd_and_one_per_token_under_nhd():
+    from xfer._kvcache import block_runs
+
+    full = np.zeros((4, 8, 16, 128), dtype=np.float16)
+    for order, want in (("LBHN", 1), ("LBNH", 16)):
+        remote = rank_view(full, 0, 2, order)[1]
+        local = rank_view(full, 1, 4, order)[1]
+        runs = block_runs(local, remote, 1, 4, 2)
+        assert len(runs) == want
+        assert sum(r.length for r in runs) == 2 * 16 * 128 * 2
+
+
+def test_layer_views_that_cannot_be_moved_are_refused_by_name():
+    from xfer._kvcache import block_runs, parse_view, view_of
+
+    with pytest.raises(LayoutError, match="not \\[num_blocks, heads, tokens, content\\]"):
+        view_of((2, 4, 16, 8, 8), (1,) * 5, 2, "torch.float16", 0, 8)
+    with pytest.raises(LayoutError, match="content dimension"):
+        view_of((4, 2, 16, 8), (512, 256, 16, 2), 2, "torch.float16", 0, 2)
+    with pytest.raises(LayoutError, match="not a share"):
+        view_of((4, 3, 16, 8), (384, 128, 8, 1), 2, "torch.float16", 0, 8)
+    a = view_of((4, 2, 16, 8), (256, 128, 8, 1), 2, "torch.float16", 0, 2)
+    b = view_of((4, 2, 16, 8), (256, 128, 8, 1), 2, "torch.bfloat16", 0, 2)
+    with pytest.raises(LayoutError, match="models differ"):
+        block_runs(a, b, 0, 1, 1)
+    assert parse_view(a.name()) == a
+    with pytest.raises(LayoutError, match="is not offset-shape"):
+        parse_view("12-4x2")

@@ -11,6 +11,7 @@ Offsets come from block ids — no descriptor list is built per block.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -209,3 +210,148 @@ def unpack_message(data: bytes, prefix_len: int) -> tuple[bytes, dict[str, Any],
     prefix, rest = data[:prefix_len], data[prefix_len:]
     n = int.from_bytes(rest[:4], "little")
     return prefix, json.loads(rest[4 : 4 + n]), rest[4 + n :]
+
+
+# ---- vLLM 0.33's layer views: [num_blocks, heads, tokens, content], any stride order ----
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerView:
+    """One layer's cache as vLLM 0.33 hands it to a connector: a 4-D view
+    ``[num_blocks, heads, tokens, content]`` (keys and values packed in ``content``; MLA's latent
+    is one "head") into a buffer other layers may share, in any of vLLM's stride orders (NHD:
+    tokens outside heads; HND: heads outside tokens; layers between blocks or heads outside
+    blocks). Block ``b``'s element ``(h, n, c)`` is at byte
+    ``offset + b * strides[0] + h * strides[1] + n * strides[2] + c * strides[3]`` of the
+    registered buffer."""
+
+    offset: int
+    """Bytes from the registered buffer's start to block 0."""
+    shape: tuple[int, int, int, int]
+    strides: tuple[int, int, int, int]
+    """In bytes."""
+    itemsize: int
+    dtype: str
+    total_heads: int
+    """KV heads of the whole model: a rank's heads are its share (or, with more ranks than
+    heads, one replicated head)."""
+
+    @property
+    def num_blocks(self) -> int:
+        return self.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.shape[1]
+
+    def head_start(self, rank: int, tp: int) -> int:
+        """The first of the model's heads rank ``rank`` of ``tp`` holds."""
+        return rank * self.total_heads // tp
+
+    def name(self) -> str:
+        """The view in the characters rendezvous names allow (see :func:`parse_view`)."""
+        dtype = self.dtype.replace("torch.", "")
+        return "-".join([
+            str(self.offset), "x".join(map(str, self.shape)), ".".join(map(str, self.strides)),
+            str(self.itemsize), dtype, str(self.total_heads)])
+
+
+def parse_view(text: str) -> LayerView:
+    """The inverse of :meth:`LayerView.name`."""
+    try:
+        offset, shape, strides, itemsize, dtype, total = text.split("-")
+        dims = tuple(int(d) for d in shape.split("x"))
+        steps = tuple(int(s) for s in strides.split("."))
+        if len(dims) != 4 or len(steps) != 4:
+            raise ValueError("not 4-D")
+        return LayerView(int(offset), dims, steps, int(itemsize),  # type: ignore[arg-type]
+                         "torch." + dtype, int(total))
+    except ValueError as e:
+        raise LayoutError(f"a layer view {text!r} is not offset-shape-strides-itemsize-dtype-heads ({e})") from None
+
+
+def view_of(shape: Sequence[int], strides: Sequence[int], itemsize: int, dtype: str,
+            offset: int, total_heads: int) -> LayerView:
+    """A layer's :class:`LayerView` from its tensor's ``shape`` and element ``strides``
+    (``offset`` in bytes from the registered buffer), refusing what cannot be moved by pages
+    of whole elements: not 4-D, a content dimension that is not contiguous, heads that are not
+    a share of ``total_heads``."""
+    shape, strides = tuple(shape), tuple(strides)
+    if len(shape) != 4 or len(strides) != 4:
+        raise LayoutError(
+            f"a KV cache view of shape {shape} is not [num_blocks, heads, tokens, content] "
+            "(vLLM 0.33's layer view)")
+    if shape[3] > 1 and strides[3] != 1:
+        raise LayoutError(
+            f"the content dimension of a KV cache view (shape {shape}, strides {strides}) is not "
+            "contiguous")
+    heads = shape[1]
+    if total_heads < 1 or not (total_heads % heads == 0 or heads == 1):
+        raise LayoutError(
+            f"a KV cache view with {heads} heads is not a share of the model's {total_heads}")
+    return LayerView(offset, shape, tuple(s * itemsize for s in strides),  # type: ignore[arg-type]
+                     itemsize, dtype, total_heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Bytes of one block that move as one piece: ``length`` bytes at ``local`` and at
+    ``remote`` from their blocks' starts, with the peer rank holding them."""
+
+    remote_rank: int
+    local: int
+    remote: int
+    length: int
+
+
+@functools.lru_cache(maxsize=4096)
+def block_runs(local: LayerView, remote: LayerView, local_rank: int, local_tp: int,
+               remote_tp: int) -> tuple[Run, ...]:
+    """What of each block moves between this rank's view and the peer ranks' (one layer),
+    merged into the fewest runs: a block whose heads both sides hold whole and lay out the
+    same is one run; a head slice is one run where heads lie outside tokens (HND) and one run
+    per token where tokens lie outside heads (NHD). Never a run per element.
+
+    Each of this rank's heads comes from one peer rank holding it (replicated heads: the
+    replica ``local_rank`` picks, so ranks spread over replicas); both sides must agree on the
+    model (dtype, tokens per block, content, total heads). Pure; cached per pair of views.
+    """
+    what = (f"here {local.shape} {local.dtype} of {local.total_heads} heads at TP {local_tp}, "
+            f"peer {remote.shape} {remote.dtype} of {remote.total_heads} heads at TP {remote_tp}")
+    if (local.dtype, local.itemsize, local.total_heads) != (remote.dtype, remote.itemsize,
+                                                             remote.total_heads):
+        raise LayoutError(f"the layers' models differ: {what}")
+    if local.shape[2:] != remote.shape[2:]:
+        raise LayoutError(f"blocks differ in tokens or content: {what}")
+    for view, tp in ((local, local_tp), (remote, remote_tp)):
+        if view.heads * tp != view.total_heads and not (view.heads == 1 and tp > view.total_heads):
+            raise LayoutError(f"{view.heads} heads per rank at TP {tp} are not a share of the "
+                              f"model's {view.total_heads}: {what}")
+    tokens, content = local.shape[2], local.shape[3] * local.itemsize
+    first = local.head_start(local_rank, local_tp)
+    last = first + local.heads
+    runs: list[Run] = []
+    head = first
+    while head < last:
+        holders = [r for r in range(remote_tp)
+                   if remote.head_start(r, remote_tp) <= head
+                   < remote.head_start(r, remote_tp) + remote.heads]
+        rank = holders[local_rank % len(holders)]
+        start = remote.head_start(rank, remote_tp)
+        end = min(last, start + remote.heads)
+        units = sorted(
+            (h_local * local.strides[1] + n * local.strides[2],
+             h_remote * remote.strides[1] + n * remote.strides[2])
+            for h_local, h_remote in zip(range(head - first, end - first),
+                                         range(head - start, end - start))
+            for n in range(tokens))
+        merged: list[list[int]] = []
+        for at_local, at_remote in units:
+            if merged and merged[-1][0] + merged[-1][2] == at_local and (
+                    merged[-1][1] + merged[-1][2] == at_remote):
+                merged[-1][2] += content
+            else:
+                merged.append([at_local, at_remote, content])
+        runs.extend(Run(rank, a, b, n) for a, b, n in merged)
+        head = end
+    return tuple(runs)
