@@ -5,7 +5,8 @@ prefill ranks it expects data from, and the prefill rank writing each layer as i
 state with the pull half, so that a pushed load ends through the same accounting as a pulled
 one. What it uses of the worker: ``_lock``, ``_engine``, ``_engine_id``, ``_rank``,
 ``_tp_size``, ``_model``, ``_own_url``, ``_options``, ``_layers``, ``_lookups``,
-``_load_started``, ``_peer()``, ``_remote_layout()`` and ``_finish_load()``; what it owns:
+``_load_started``, ``_peer()``, ``_remote_view()``, ``_in_background()``, ``_tell_done()`` and
+``_finish_load()``; what it owns:
 ``_pushes``, ``_step_pushes``, ``_deferred_layers`` and ``_awaiting`` (created by the worker's
 constructor, with the rest).
 """
@@ -19,7 +20,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._kvcache import LayoutError, matched_blocks, pack_message, read_plan
+from ._kvcache import LayoutError, block_runs, matched_blocks, pack_message
 
 if TYPE_CHECKING:
     from .vllm import Load
@@ -84,13 +85,11 @@ class PushSide:
 
     def _await_push(self, req_id: str, load: Load) -> None:
         """Sends this rank's block ids to every prefill rank it expects data from."""
-        with self._lock:
-            self._load_started[req_id] = time.monotonic()
         ranks = set()
-        for name, (_, layout) in self._layers.items():
-            for read in read_plan(layout, self._remote_layout(load, 0, name), self._rank,
-                                  self._tp_size, load.remote_tp_size, [0], [0]):
-                ranks.add(read.remote_rank)
+        for name, (_, view) in self._layers.items():
+            for run in block_runs(view, self._remote_view(load, 0, name), self._rank,
+                                  self._tp_size, load.remote_tp_size):
+                ranks.add(run.remote_rank)
         header = {"req": load.remote_request_id, "engine": self._engine_id, "rank": self._rank,
                   "tp": self._tp_size, "rendezvous": self._own_url, "model": self._model}
         ids = array.array("i", load.local_block_ids)
@@ -125,6 +124,7 @@ class PushSide:
                 return
             del self._awaiting[key]
         self._finish_load(waiting.req_id, waiting.load, waiting.error)
+        self._in_background(self._tell_done, waiting.load)
 
     # ---- push: prefill side ----
 
@@ -168,27 +168,27 @@ class PushSide:
             want.layers.add(layer)
             blocks = list(push.blocks)
         try:
-            region, layout = self._layers[layer]
+            region, view = self._layers[layer]
             peer = self._peer(want.engine, want.rank, want.url)
             if layer not in peer.layers:
                 raise LayoutError(f"decoder {want.engine} rank {want.rank} has no layer {layer}")
-            desc, remote_layout, _ = peer.layers[layer]
+            desc, theirs_view = peer.layers[layer]
             theirs, ours = matched_blocks(want.blocks, blocks)
-            writes = [w for w in read_plan(remote_layout, layout, want.rank, want.tp,
-                                           self._tp_size, theirs, ours)
-                      if w.remote_rank == self._rank]
+            # The decoder's runs, turned around: its "remote" bytes are this rank's.
+            writes = [run for run in block_runs(theirs_view, view, want.rank, want.tp,
+                                                self._tp_size)
+                      if run.remote_rank == self._rank]
         except Exception as e:  # noqa: BLE001 - this decoder's load fails, named
             self._push_done(req_id, want, e, submitted=False)
             return
         with self._lock:
             want.pending += len(writes)
-        for w in writes:
-            # The decoder's read plan, turned around: its "remote" pages are ours.
+        for run in writes:
             try:
                 self._engine.submit_paged_writes(
-                    w.page_len, region, w.remote_pages, desc, w.local_pages,
-                    src_stride=w.remote_stride, dst_stride=w.local_stride,
-                    src_offset=w.remote_offset, dst_offset=w.local_offset,
+                    run.length, region, ours, desc, theirs,
+                    src_stride=view.strides[0], dst_stride=theirs_view.strides[0],
+                    src_offset=view.offset + run.remote, dst_offset=theirs_view.offset + run.local,
                     on_done=lambda error, want=want: self._push_done(req_id, want, error),
                 )
             except Exception as e:  # noqa: BLE001 - refused at submit: counted like a failure

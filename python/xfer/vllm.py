@@ -85,23 +85,27 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from ._vllm_push import _PUSHED, _WANT, PushSide, _Await, _Push
 from ._kvcache import (
-    Layout,
+    LayerView,
     LayoutError,
-    Read,
-    layout_of,
+    block_runs,
     matched_blocks,
     pack_message,
-    read_plan,
+    parse_view,
     unpack_message,
+    view_of,
 )
 
 logger = logging.getLogger("xfer.vllm")
 
-PROTOCOL = 1
-"""Changes when two versions of this connector can no longer work together."""
+PROTOCOL = 2
+"""Changes when two versions of this connector can no longer work together (2: vLLM 0.33's
+layer views, a read confirmed by the prefill before it counts)."""
 
 _DONE = b"xfer-vllm-done:"
-"""Prefix of the message a reader sends once it read a request's blocks."""
+"""Prefix of the message a reader sends once it read a request's blocks (or gave up)."""
+_HELD = b"xfer-vllm-held:"
+"""A prefill rank's answer to a reader's done: whether it still held the request's blocks
+(so every read of them saw the request's KV) or had freed them at their lease."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +304,19 @@ class XferConnector(KVConnectorBase_V1):
             self._worker: _Worker | None = None
         else:
             self._scheduler = None
-            self._worker = _Worker(self._engine_id, self._options, self._mla, tp_size, self._model)
+            self._worker = _Worker(self._engine_id, self._options, self._mla, tp_size, self._model,
+                                   _total_kv_heads(model))
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """Heads outside tokens in each block (vLLM's LBHNC, "HND"): a decode rank at another
+        tensor-parallel size then reads one head slice of a block as one run, where tokens
+        outside heads would take one run per token. MLA's latent has one head: no preference.
+        vLLM keeps its own choice (with a warning) where the attention backend cannot."""
+        model = getattr(vllm_config, "model_config", None)
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        return "LBHNC"
 
     # ---- scheduler side ----
 
@@ -444,7 +460,10 @@ class _Scheduler:
         from vllm.v1.request import RequestStatus
 
         push = bool(params.get("xfer_push"))
-        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
+        # A prompt whose first token was a stop token finishes STOPPED: its KV is as whole
+        # as a length-capped one's.
+        handed_off = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if request.status not in handed_off or not block_ids:
             # Aborted (or nothing computed): no reader will come; a waiting decoder is told.
             if push:
                 self._meta.push_abort.add(request.request_id)
@@ -472,14 +491,26 @@ class _Peer:
     """A prefill worker as its record describes it."""
 
     address: bytes
-    layers: dict[str, tuple[xfer.MrDesc, Layout, dict[str, Any]]]
+    layers: dict[str, tuple[xfer.MrDesc, LayerView]]
+
+
+@dataclasses.dataclass
+class _Confirm:
+    """Decode: a request read whole, waiting for the prefill ranks it read from to say they
+    held its blocks throughout."""
+
+    req_id: str
+    load: Load
+    ranks: set[int]
+    deadline: float
+    error: BaseException | None = None
 
 
 class _Worker(PushSide):
     """The worker side: the engine, its registered caches, loads in flight, blocks kept."""
 
     def __init__(self, engine_id: str, options: Options, mla: bool, tp_size: int,
-                 model: str = "") -> None:
+                 model: str = "", total_heads: int | None = None) -> None:
         self._engine_id = engine_id
         self._options = options
         self._mla = mla
@@ -491,7 +522,16 @@ class _Worker(PushSide):
         self._rendezvous = xfer.Rendezvous(self._own_url)
         self._services: dict[str, xfer.Rendezvous] = {self._own_url: self._rendezvous}
         """Rendezvous clients by URL: the shared one, or peers' side channels."""
-        self._layers: dict[str, tuple[xfer.MemoryRegion, Layout]] = {}
+        self._layers: dict[str, tuple[xfer.MemoryRegion, LayerView]] = {}
+        """Each layer's region (its buffer's, shared by the layers in it) and view."""
+        self._buffers: dict[tuple[str, int], xfer.MemoryRegion] = {}
+        """One registration per buffer the layers' views share, by (device, address)."""
+        self._total_heads = total_heads
+        self._confirming: dict[tuple[str, str], _Confirm] = {}
+        """Decode: (prefill engine, its request id) → a read waiting for its prefill ranks to
+        say they held the blocks throughout."""
+        self._expired: dict[str, float] = {}
+        """Prefill: requests freed at their lease (when), so a late reader is told."""
         self._publication: xfer.Publication | None = None
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._lock = threading.Lock()
@@ -523,19 +563,31 @@ class _Worker(PushSide):
     # ---- registration ----
 
     def register(self, kv_caches: dict[str, Any]) -> None:
+        """Registers the buffers behind vLLM's layer views (once each: vLLM 0.33 places every
+        layer of a cache tensor in one allocation) and publishes each layer's view of its
+        buffer."""
         regions: dict[str, xfer.MrDesc] = {}
         for name, tensor in kv_caches.items():
-            layout = layout_of(
-                tuple(tensor.shape),
-                tuple(tensor.stride()),
-                tensor.element_size(),
-                str(tensor.dtype),
-                mla=self._mla,
-            )
-            # One registration per cache tensor (never per block); peers read it.
-            region = self._engine.reg_mr(tensor, access="read_write")
-            self._layers[name] = (region, layout)
-            regions[_region_name(name, layout)] = region.desc
+            if tensor.dim() != 4:
+                raise LayoutError(
+                    f"layer {name}: a KV cache of shape {tuple(tensor.shape)} is not a "
+                    "[num_blocks, heads, tokens, content] view (state caches such as Mamba's "
+                    "are not supported by XferConnector)")
+            storage = tensor.untyped_storage()
+            key = (str(tensor.device), storage.data_ptr())
+            region = self._buffers.get(key)
+            if region is None:
+                import torch
+
+                whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+                region = self._engine.reg_mr(whole, access="read_write")
+                self._buffers[key] = region
+            heads = self._total_heads or int(tensor.shape[1]) * self._tp_size
+            view = view_of(tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size(),
+                           str(tensor.dtype), tensor.storage_offset() * tensor.element_size(),
+                           1 if self._mla else heads)
+            self._layers[name] = (region, view)
+            regions[_region_name(name, view)] = region.desc
         self._publication = self._rendezvous.publish(
             _record_name(self._engine_id, self._rank),
             self._engine.main_address,
@@ -564,34 +616,53 @@ class _Worker(PushSide):
             with self._lock:
                 self._load_started[req_id] = time.monotonic()
             self._finish_load(req_id, load, LayoutError(why))
+            self._in_background(self._tell_done, load)
         for req_id, load in meta.awaits.items():
             self._start_load(req_id, load, self._await_push, "announcing")
         for req_id, load in meta.notify_only.items():
-            self._tell_done(load)
+            self._in_background(self._tell_done, load)
         for req_id, load in meta.loads.items():
             self._start_load(req_id, load, self._load, "loading")
 
-    def _start_load(self, req_id: str, load: Load, start: Any, what: str) -> None:
-        """Starts a pulled or pushed load; any failure to start is this request's load error."""
+    def _in_background(self, work: Any, *args: Any) -> None:
+        """Runs ``work`` on the lookup threads: a rendezvous lookup may wait up to
+        ``lookup_timeout_s``, and neither vLLM's model-runner thread (``start_load_kv``) nor
+        the engine's callback thread may wait on the network."""
         try:
-            start(req_id, load)
-        except Exception as e:  # noqa: BLE001 - any failure is this request's load error
-            logger.error("XferConnector: %s request %s failed: %s", what, req_id, e)
+            self._lookups.submit(work, *args)
+        except RuntimeError:
+            pass  # closing
+
+    def _start_load(self, req_id: str, load: Load, start: Any, what: str) -> None:
+        """Starts a pulled or pushed load off this thread; any failure to start is this
+        request's load error."""
+        with self._lock:
+            self._load_started[req_id] = time.monotonic()
+
+        def run() -> None:
+            try:
+                start(req_id, load)
+            except Exception as e:  # noqa: BLE001 - any failure is this request's load error
+                logger.error("XferConnector: %s request %s failed: %s", what, req_id, e)
+                self._finish_load(req_id, load, e)
+                self._tell_done(load)
+
+        try:
+            self._lookups.submit(run)
+        except RuntimeError as e:  # closing
             self._finish_load(req_id, load, e)
 
     def _load(self, req_id: str, load: Load) -> None:
-        with self._lock:
-            self._load_started[req_id] = time.monotonic()
         local_ids, remote_ids = matched_blocks(load.local_block_ids, load.remote_block_ids)
-        # Every prefill rank is told when this rank is done, from the callback thread: look
-        # them all up now, so that never waits on the rendezvous.
+        # Every prefill rank is told when this rank is done: look them all up first.
         for rank in range(load.remote_tp_size):
             self._peer(load.remote_engine_id, rank, load.remote_rendezvous)
         # Every check before the first read: a refused load posts nothing.
         plan = []
-        for name, (region, layout) in self._layers.items():
-            for read in self._reads(load, name, layout, local_ids, remote_ids):
-                plan.append((region, read))
+        for name, (region, view) in self._layers.items():
+            for desc, remote_view, run in self._runs(load, name, view):
+                plan.append((region, view, desc, remote_view, run))
+        ranks = {run.remote_rank for *_, run in plan}
         pending = {"left": len(plan), "error": None}
 
         def one_done(error: BaseException | None) -> None:
@@ -600,39 +671,44 @@ class _Worker(PushSide):
                     pending["error"] = error
                 pending["left"] -= 1
                 last = pending["left"] == 0
-            if last:
+            if not last:
+                return
+            if pending["error"] is not None:
+                self._forget(load.remote_engine_id)
                 self._finish_load(req_id, load, pending["error"])
+                self._in_background(self._tell_done, load)
+            else:
+                self._confirm(req_id, load, ranks)
 
-        for region, (desc, read) in plan:
+        for region, view, desc, remote_view, run in plan:
             try:
                 self._engine.submit_paged_reads(
-                    read.page_len, region, read.local_pages, desc, read.remote_pages,
-                    local_stride=read.local_stride, remote_stride=read.remote_stride,
-                    local_offset=read.local_offset, remote_offset=read.remote_offset,
+                    run.length, region, local_ids, desc, remote_ids,
+                    local_stride=view.strides[0], remote_stride=remote_view.strides[0],
+                    local_offset=view.offset + run.local,
+                    remote_offset=remote_view.offset + run.remote,
                     on_done=one_done,
                 )
             except Exception as e:  # noqa: BLE001 - refused at submit: counted like a failure
                 one_done(e)
 
-    def _reads(self, load: Load, name: str, layout: Layout, local_ids: list[int],
-               remote_ids: list[int]) -> list[tuple[xfer.MrDesc, Read]]:
-        """One layer's reads, each with the peer rank's descriptor (checked first)."""
-        reads = []
-        for read in read_plan(layout, self._remote_layout(load, 0, name), self._rank,
-                              self._tp_size, load.remote_tp_size, local_ids, remote_ids):
-            peer = self._peer(load.remote_engine_id, read.remote_rank, load.remote_rendezvous)
+    def _runs(self, load: Load, name: str, view: LayerView) -> list[tuple[xfer.MrDesc, LayerView, Any]]:
+        """One layer's runs, each with the peer rank's descriptor and view (checked first)."""
+        planned = []
+        for run in block_runs(view, self._remote_view(load, 0, name), self._rank,
+                              self._tp_size, load.remote_tp_size):
+            peer = self._peer(load.remote_engine_id, run.remote_rank, load.remote_rendezvous)
             if name not in peer.layers:
                 raise LayoutError(
-                    f"peer {load.remote_engine_id} rank {read.remote_rank} has no layer {name} "
+                    f"peer {load.remote_engine_id} rank {run.remote_rank} has no layer {name} "
                     f"({len(peer.layers)} layers there, {len(self._layers)} here)"
                 )
-            desc, remote_layout, _ = peer.layers[name]
-            read_plan(layout, remote_layout, self._rank, self._tp_size, load.remote_tp_size,
-                      local_ids[:1], remote_ids[:1])  # the same checks against this rank
-            reads.append((desc, read))
-        return reads
+            desc, remote_view = peer.layers[name]
+            block_runs(view, remote_view, self._rank, self._tp_size, load.remote_tp_size)
+            planned.append((desc, remote_view, run))
+        return planned
 
-    def _remote_layout(self, load: Load, rank: int, name: str) -> Layout:
+    def _remote_view(self, load: Load, rank: int, name: str) -> LayerView:
         peer = self._peer(load.remote_engine_id, rank, load.remote_rendezvous)
         if set(peer.layers) != set(self._layers):
             raise LayoutError(
@@ -640,6 +716,34 @@ class _Worker(PushSide):
                 f"{len(self._layers)} here)"
             )
         return peer.layers[name][1]
+
+    def _confirm(self, req_id: str, load: Load, ranks: set[int]) -> None:
+        """Every read finished: the load counts once each prefill rank read from says it
+        still held the blocks (a rank that freed them at its lease may have reused them while
+        they were read — that is a load error, never wrong KV)."""
+        with self._lock:
+            self._confirming[(load.remote_engine_id, load.remote_request_id)] = _Confirm(
+                req_id, load, set(ranks),
+                time.monotonic() + max(1.0, self._options.lookup_timeout_s))
+        self._in_background(self._tell_done, load)
+
+    def _held(self, header: dict[str, Any]) -> None:
+        """A prefill rank's answer to this rank's done."""
+        key = (str(header["engine"]), str(header["req"]))
+        with self._lock:
+            waiting = self._confirming.get(key)
+            if waiting is None:
+                return
+            waiting.ranks.discard(int(header["rank"]))
+            if not header.get("held") and waiting.error is None:
+                waiting.error = LayoutError(
+                    f"prefill {key[0]} rank {header['rank']} freed request {key[1]}'s blocks at "
+                    f"their lease before the read was confirmed: what was read may be another "
+                    f"request's")
+            if waiting.ranks and waiting.error is None:
+                return
+            del self._confirming[key]
+        self._finish_load(waiting.req_id, waiting.load, waiting.error)
 
     def _finish_load(self, req_id: str, load: Load, error: BaseException | None) -> None:
         with self._lock:
@@ -657,13 +761,14 @@ class _Worker(PushSide):
                 data["blocks_loaded"] += len(load.local_block_ids)
         if error is not None:
             logger.error("XferConnector: request %s: blocks not loaded: %s", req_id, error)
-        # Either way the prefill instance may free its blocks now.
-        self._tell_done(load)
 
     def _tell_done(self, load: Load) -> None:
         """Tells every rank of the prefill instance that this rank is done with the request:
-        a prefill rank frees it once every reader rank said so."""
-        message = _DONE + f"{self._rank}:{self._tp_size}:{load.remote_request_id}".encode()
+        a prefill rank frees it once every reader rank said so, and answers whether it held
+        the blocks until then."""
+        message = pack_message(_DONE, {
+            "rank": self._rank, "tp": self._tp_size, "req": load.remote_request_id,
+            "engine": self._engine_id, "addr": bytes(self._engine.main_address).hex()})
         for rank in range(load.remote_tp_size):
             try:
                 peer = self._peer(load.remote_engine_id, rank, load.remote_rendezvous)
@@ -673,6 +778,12 @@ class _Worker(PushSide):
                     "XferConnector: could not tell %s rank %d that request %s was read (%s); "
                     "its lease frees it", load.remote_engine_id, rank, load.remote_request_id, e,
                 )
+
+    def _forget(self, engine_id: str) -> None:
+        """A peer whose reads failed is looked up afresh next time (it may have restarted)."""
+        with self._lock:
+            for key in [k for k in self._peers if k[0] == engine_id]:
+                del self._peers[key]
 
     def _service(self, url: str | None) -> xfer.Rendezvous:
         """The rendezvous holding a peer's records: its side channel, else the shared one."""
@@ -697,9 +808,9 @@ class _Worker(PushSide):
         by_tag = {_layer_tag(name): name for name in self._layers}
         layers = {}
         for key, desc in record["regions"].items():
-            tag, layout = _parse_region_name(key, engine_id)
+            tag, view = _parse_region_name(key, engine_id)
             # A layer this worker does not have keeps its tag: the layer check names it.
-            layers[by_tag.get(tag, tag)] = (desc, layout, layout.describe())
+            layers[by_tag.get(tag, tag)] = (desc, view)
         peer = _Peer(address=bytes(record["addr"]), layers=layers)
         with self._lock:
             self._peers[(engine_id, rank)] = peer
@@ -708,30 +819,44 @@ class _Worker(PushSide):
     # ---- prefill: freeing ----
 
     def _on_message(self, data: bytes) -> None:
-        if data.startswith((_WANT, _PUSHED)):
-            try:
-                kind, header, payload = unpack_message(data, len(_WANT))
-                if kind == _WANT:
-                    self._want(header, payload)
-                else:
-                    self._pushed(header)
-            except (ValueError, KeyError) as e:
-                logger.warning("XferConnector: a malformed push message was ignored (%s)", e)
-            return
-        if not data.startswith(_DONE):
+        kind = data[:len(_WANT)]
+        if kind not in (_WANT, _PUSHED, _DONE, _HELD):
             return
         try:
-            rank, size, req_id = data[len(_DONE):].decode().split(":", 2)
-            rank, size = int(rank), int(size)
-        except ValueError:
-            logger.warning("XferConnector: a malformed done message %r was ignored", data[:80])
-            return
+            kind, header, payload = unpack_message(data, len(_WANT))
+            if kind == _WANT:
+                self._want(header, payload)
+            elif kind == _PUSHED:
+                self._pushed(header)
+            elif kind == _DONE:
+                self._reader_done(header)
+            else:
+                self._held(header)
+        except (ValueError, KeyError, TypeError) as e:
+            logger.warning("XferConnector: a malformed %r message was ignored (%s)", kind, e)
+
+    def _reader_done(self, header: dict[str, Any]) -> None:
+        """A decode rank is done with a request: it counts towards freeing the blocks, and is
+        told whether they were still held (they are until every reader said so, or until
+        their lease frees them: then the reader's load fails)."""
+        rank, size, req_id = int(header["rank"]), int(header["tp"]), str(header["req"])
+        address = bytes.fromhex(str(header["addr"]))
         with self._lock:
+            # Not yet kept (the step that keeps it has not started) is held too: the blocks
+            # stay allocated until this worker reports them sent.
+            held = req_id not in self._expired
             readers = self._readers.setdefault(req_id, set())
             readers.add(rank)
             if len(readers) >= size:
                 self._readers.pop(req_id)
                 self._read_done[req_id] = time.monotonic()
+        reply = pack_message(_HELD, {"req": req_id, "engine": self._engine_id,
+                                     "rank": self._rank, "held": held})
+        try:
+            self._engine.submit_send(address, reply)
+        except Exception as e:  # noqa: BLE001 - the reader's confirmation times out instead
+            logger.warning("XferConnector: could not answer %s rank %d about request %s: %s",
+                           header.get("engine"), rank, req_id, e)
 
     # ---- both ----
 
@@ -745,10 +870,17 @@ class _Worker(PushSide):
             stale = [r for r, p in self._pushes.items()
                      if (p.finished and r not in self._keeping)
                      or (not p.finished and now - p.created > self._options.free_timeout_s)]
+            unconfirmed = [k for k, c in self._confirming.items() if now >= c.deadline]
+            unconfirmed = [(k, self._confirming.pop(k)) for k in unconfirmed]
         for key, waiting in late:
             self._finish_load(waiting.req_id, waiting.load, TimeoutError(
                 f"prefill {key[0]} did not push request {key[1]} within "
                 f"{self._options.push_timeout_s}s (ranks {sorted(waiting.ranks)} missing)"))
+            self._in_background(self._tell_done, waiting.load)
+        for key, waiting in unconfirmed:
+            self._finish_load(waiting.req_id, waiting.load, TimeoutError(
+                f"prefill {key[0]} ranks {sorted(waiting.ranks)} did not confirm that they held "
+                f"request {key[1]}'s blocks while they were read"))
         for req_id in stale:
             self._push_aborted(req_id, "the prefill instance never computed the request")
         with self._lock:
@@ -757,6 +889,7 @@ class _Worker(PushSide):
                 if r not in self._read_done:
                     logger.warning("XferConnector: request %s was never read; freed at its lease", r)
                     self._stats.data["freed_at_lease"] += 1
+                    self._expired[r] = now
                 else:
                     self._stats.data["freed_after_read"] += 1
                 self._keeping.pop(r)
@@ -766,6 +899,8 @@ class _Worker(PushSide):
                      if r not in self._keeping and now - t > self._options.free_timeout_s]
             for r in stale:
                 self._read_done.pop(r)
+            for r in [r for r, t in self._expired.items() if now - t > self._options.free_timeout_s]:
+                del self._expired[r]
             recved, self._recved = self._recved, set()
             failed, self._failed_recv = self._failed_recv, set()
         return KVConnectorTransferResults(
@@ -799,32 +934,20 @@ def _layer_tag(layer: str) -> str:
     return f"{zlib.crc32(layer.encode()):08x}"
 
 
-def _region_name(layer: str, layout: Layout) -> str:
-    """A layer's region name in the record: what a reader checks before reading, in the
-    characters rendezvous names allow."""
-    dtype = layout.dtype.replace("torch.", "")
-    shape = "x".join(str(d) for d in layout.block_shape)
-    return (
-        f"v{PROTOCOL}-{_layer_tag(layer)}-{layout.planes}-{layout.num_blocks}-"
-        f"{layout.plane_pages}-{layout.block_bytes}-{dtype}-{shape}"
-    )
+def _region_name(layer: str, view: LayerView) -> str:
+    """A layer's region name in the record: its tag and its view of the buffer (what a reader
+    checks and plans its reads from), in the characters rendezvous names allow."""
+    return f"v{PROTOCOL}-{_layer_tag(layer)}-{view.name()}"
 
 
-def _parse_region_name(name: str, engine_id: str) -> tuple[str, Layout]:
-    parts = name.split("-")
-    if len(parts) != 8 or parts[0] != f"v{PROTOCOL}":
+def _parse_region_name(name: str, engine_id: str) -> tuple[str, LayerView]:
+    version, _, rest = name.partition("-")
+    tag, _, view = rest.partition("-")
+    if version != f"v{PROTOCOL}" or not tag:
         raise LayoutError(
             f"peer {engine_id} published region {name!r}: not connector protocol {PROTOCOL}"
         )
-    _, tag, planes, blocks, plane_pages, block_bytes, dtype, shape = parts
-    return tag, Layout(
-        planes=int(planes),
-        num_blocks=int(blocks),
-        block_bytes=int(block_bytes),
-        plane_pages=int(plane_pages),
-        dtype="torch." + dtype,
-        block_shape=tuple(int(d) for d in shape.split("x")),
-    )
+    return tag, parse_view(view)
 
 
 def _own_rendezvous(options: Options) -> str:
@@ -839,6 +962,15 @@ def _record_name(engine_id: str, rank: int) -> str:
     # Rendezvous names are A-Z a-z 0-9 . _ - (vLLM's engine ids are UUIDs or such names).
     safe = "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in engine_id)
     return f"vllm.{safe}.{rank}"
+
+
+def _total_kv_heads(model: Any) -> int | None:
+    """The model's KV heads over all ranks (``None`` without a model config: then each rank's
+    share times the TP size, no replicated heads)."""
+    try:
+        return int(model.get_total_num_kv_heads())
+    except Exception:  # noqa: BLE001 - no model config (tests), or one without attention heads
+        return None
 
 
 def _tp_rank() -> int:

@@ -1,24 +1,35 @@
-"""xfer.vllm.XferConnector against vLLM's own classes (issue 28), on a CPU-only machine.
+"""xfer.vllm.XferConnector against vLLM's own classes (issues 28 and 41), on a CPU-only machine.
 
 vLLM 0.33 from PyPI (`cargo xtask vllm` installs it into target/vllm-venv); its platform is
 forced to CPU (`VLLM_TARGET_DEVICE=cpu`: the CUDA wheel cannot infer a device here). Each
 "instance" is a scheduler-side and a worker-side connector made by vLLM's
-KVConnectorFactory from a VllmConfig, with torch CPU tensors as its paged KV cache, over the
-mock backend; requests are vLLM Requests, blocks vLLM KVCacheBlocks.
+KVConnectorFactory from a VllmConfig with a config-only model; each rank's KV caches are the
+tensors vLLM itself allocates for that model and rank (`vllm_caches.allocate`: the spec, the
+layout the attention backend and the connector resolve, `get_kv_cache_configs`,
+`allocate_kv_cache`), over the mock backend; requests are vLLM Requests, blocks vLLM
+KVCacheBlocks.
 """
 
 import os
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
 vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
-from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    KVTransferConfig,
+    ParallelConfig,
+    VllmConfig,
+)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -30,9 +41,27 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 import xfer  # noqa: E402
 import xfer.vllm  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+import vllm_caches  # noqa: E402
+
 MOCK = {"backend": "mock", "groups": [{"nics": ["mock0"]}], "timeouts": {"transfer_ms": 2000}}
-BLOCK = 4  # tokens per block
+BLOCK = 16  # tokens per block (vLLM's default)
 WAIT = 20.0
+_MODELS: dict = {}
+
+
+def tiny_model(layers=2, heads=4, head=8, config=None):
+    """vLLM's ModelConfig of a config-only model; one directory per shape, so instances of
+    one shape serve "the same model" (the connector refuses another model's KV)."""
+    config = config or vllm_caches.LLAMA_TINY
+    key = (layers, heads, head, config["model_type"])
+    if key not in _MODELS:
+        overrides = {"num_hidden_layers": layers}
+        if config is vllm_caches.LLAMA_TINY:
+            overrides.update(num_key_value_heads=heads, num_attention_heads=2 * heads,
+                             hidden_size=2 * heads * head)
+        _MODELS[key] = vllm_caches.model_config(Path(tempfile.mkdtemp()), config, **overrides)
+    return _MODELS[key]
 
 
 @pytest.fixture(scope="module")
@@ -44,44 +73,47 @@ def server():
 
 class Instance:
     """One vLLM instance: its scheduler-side connector, one worker-side connector per
-    tensor-parallel rank, and each rank's KV cache (its share of the KV heads)."""
+    tensor-parallel rank, and each rank's KV caches as vLLM allocates them (its share of the KV
+    heads, one buffer for all layers); a prefill's are filled with random KV."""
 
-    def __init__(self, engine_id, server, *, layers=2, blocks=16, heads=2, head=8, tp=1, extra=None,
-                 model=None):
+    def __init__(self, engine_id, server, *, layers=2, blocks=16, heads=4, head=8, tp=1, extra=None,
+                 model=None, backend="CPU_ATTN", cache_dtype="auto"):
         extra = {"rendezvous": server.url if server else None, "xfer_config": MOCK,
                  "lookup_timeout_s": 2.0, **(extra or {})}
+        model = model or tiny_model(layers, heads, head)
 
         def config(rank):
             return VllmConfig(
-                **({"model_config": model} if model is not None else {}),
+                model_config=model,
+                cache_config=CacheConfig(block_size=BLOCK, cache_dtype=cache_dtype),
+                parallel_config=ParallelConfig(tensor_parallel_size=tp),
                 kv_transfer_config=KVTransferConfig(
                     kv_connector="XferConnector",
                     kv_connector_module_path="xfer.vllm",
                     kv_role="kv_both",
                     engine_id=engine_id,
                     kv_connector_extra_config={**extra, "tp_size": tp, "tp_rank": rank},
-                )
+                ),
             )
 
-        self.scheduler = KVConnectorFactory.create_connector(config(0), KVConnectorRole.SCHEDULER, None)
-        self.workers = [
-            KVConnectorFactory.create_connector(config(r), KVConnectorRole.WORKER, None) for r in range(tp)
-        ]
+        configs = [config(r) for r in range(tp)]
+        self.scheduler = KVConnectorFactory.create_connector(configs[0], KVConnectorRole.SCHEDULER, None)
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(model.hf_config.num_hidden_layers)]
+        self.ranks = []
+        self.workers = []
         gen = torch.Generator().manual_seed(hash(engine_id) % 2**31)
-        # The whole cache, heads split over the ranks as tensor parallelism splits them.
-        self.full = {
-            f"model.layers.{i}.self_attn.attn": torch.randn(
-                (2, blocks, BLOCK, heads, head), generator=gen
-            ).to(torch.float16)
-            for i in range(layers)
-        }
-        share = heads // tp
-        self.ranks = [
-            {name: c[:, :, :, r * share:(r + 1) * share].contiguous() for name, c in self.full.items()}
-            for r in range(tp)
-        ]
-        for worker, caches in zip(self.workers, self.ranks):
+        for c in configs:
+            kv_cache_config, caches = vllm_caches.allocate(c, names, blocks, backend)
+            for cache in caches.values():
+                raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+                raw.copy_(torch.randint(0, 100, raw.shape, generator=gen).to(raw.dtype))
+            worker = KVConnectorFactory.create_connector(c, KVConnectorRole.WORKER, kv_cache_config)
             worker.register_kv_caches(caches)
+            self.ranks.append(caches)
+            self.workers.append(worker)
+        self.layout = configs[0].cache_config.kv_cache_layout
+        self.total_heads = model.get_total_num_kv_heads() if not model.use_mla else 1
+        self.full = self.gathered()
         self.caches = self.ranks[0]
         self.worker = self.workers[0]
         self._sent = [set() for _ in self.workers]
@@ -98,8 +130,13 @@ class Instance:
         return set.intersection(*self._recved)
 
     def gathered(self):
-        """Each layer's cache with the ranks' heads put back together."""
-        return {name: torch.cat([r[name] for r in self.ranks], dim=3) for name in self.full}
+        """Each layer's [blocks, heads, tokens, content] with the ranks' heads put back together
+        (a replicated head once), as bytes."""
+        tp = len(self.ranks)
+        firsts = [r * self.total_heads // tp for r in range(tp)]
+        holders = [r for r in range(tp) if r == 0 or firsts[r] != firsts[r - 1]]
+        return {name: torch.cat([self.ranks[r][name].view(torch.uint8) for r in holders], dim=1)
+                for name in self.ranks[0]}
 
     def step(self):
         meta = self.scheduler.build_connector_meta(SchedulerOutput.make_empty())
@@ -164,10 +201,15 @@ def decode(d, req_id, tokens, params, local_ids, computed=0):
     return r
 
 
-def assert_copied(p, d, remote_ids, local_ids):
-    theirs, ours = p.gathered(), d.gathered()
+def assert_copied(p, d, remote_ids, local_ids, loaded=()):
+    """Every block of every layer the decode received is byte-equal to the prefill's, and
+    every other block here (but those in ``loaded``, other loads') is as it was."""
+    theirs, ours, before = p.gathered(), d.gathered(), d.full
+    others = [b for b in range(next(iter(ours.values())).shape[0])
+              if b not in local_ids and b not in loaded]
     for name, cache in theirs.items():
-        assert torch.equal(ours[name][:, local_ids], cache[:, remote_ids]), name
+        assert torch.equal(ours[name][local_ids], cache[remote_ids]), name
+        assert torch.equal(ours[name][others], before[name][others]), f"{name}: other blocks"
 
 
 def test_vllm_loads_the_connector_from_its_module_path(server):
@@ -197,8 +239,9 @@ def test_a_prompt_shorter_than_a_block_and_concurrent_loads(server):
         decode(d, req_id + "-d", tokens, params, local)
     d.step()
     d.wait("three loads", lambda: {"short-d", "a-d", "b-d"} <= d.recved)
+    loaded = {b for *_, local in specs for b in local}
     for _, _, remote, local in specs:
-        assert_copied(p, d, remote, local)
+        assert_copied(p, d, remote, local, loaded)
     p.wait("three frees", lambda: {"short", "a", "b"} <= p.sent)
     p.close(), d.close()
 
@@ -216,13 +259,16 @@ def test_a_full_prefix_hit_only_frees_the_prefill(server):
 
 
 def test_a_layout_mismatch_is_a_load_error_not_a_hang(server):
-    p, d = Instance("p4", server), Instance("d4", server, head=16)
+    """The same model with an fp8 KV cache on one side: refused by name before any read."""
+    p, d = Instance("p4", server), Instance("d4", server, cache_dtype="fp8")
     params = prefill(p, "r4", 8, [1, 2])
     decode(d, "r4-d", 8, params, [5, 6])
     d.step()
-    assert "r4-d" in d.recved and "r4-d" in d.failed
+    d.wait("the refused load", lambda: "r4-d" in d.recved)
+    assert "r4-d" in d.failed
     assert d.worker.get_block_ids_with_load_errors() == {5, 6}
     # Refused before any read: the blocks here are untouched.
+    assert all(torch.equal(d.gathered()[n], d.full[n]) for n in d.full)
     p.wait("the prefill to free its blocks", lambda: "r4" in p.sent)
     p.close(), d.close()
 
@@ -248,6 +294,7 @@ def test_an_unknown_peer_is_a_load_error(server):
               "remote_request_id": "x"}
     decode(d, "r6-d", 4, params, [2])
     d.step()
+    d.wait("the failed lookup", lambda: "r6-d" in d.recved)
     assert "r6-d" in d.failed and d.worker.get_block_ids_with_load_errors() == {2}
     d.close()
 
@@ -426,8 +473,8 @@ def test_a_layer_computed_before_its_decoder_is_found_goes_once_it_is(server):
     compute(p, names[:1])   # before the decoder's record is found
     gate.set()
     p.wait("the first layer at the decoder, before the request is computed",
-           lambda: torch.equal(d.caches[names[0]][:, [0, 9, 2]], p.caches[names[0]][:, [3, 5, 7]]))
-    assert not torch.equal(d.caches[names[1]][:, [0, 9, 2]], p.caches[names[1]][:, [3, 5, 7]])
+           lambda: torch.equal(d.caches[names[0]][[0, 9, 2]], p.caches[names[0]][[3, 5, 7]]))
+    assert not torch.equal(d.caches[names[1]][[0, 9, 2]], p.caches[names[1]][[3, 5, 7]])
     compute(p, names[1:])
     finish(p, r, [3, 5, 7])
     d.wait("the pushed request", lambda: "r-d" in d.recved)
@@ -446,9 +493,9 @@ def test_push_writes_each_layer_as_it_is_computed(server):
     compute(p, names[:1])
     # The first layer lands while the others are still being computed.
     def first_layer_landed():
-        return torch.equal(d.caches[names[0]][:, [0, 9, 2]], p.caches[names[0]][:, [3, 5, 7]])
+        return torch.equal(d.caches[names[0]][[0, 9, 2]], p.caches[names[0]][[3, 5, 7]])
     p.wait("the first layer at the decoder", first_layer_landed)
-    assert not torch.equal(d.caches[names[2]][:, [0, 9, 2]], p.caches[names[2]][:, [3, 5, 7]])
+    assert not torch.equal(d.caches[names[2]][[0, 9, 2]], p.caches[names[2]][[3, 5, 7]])
     assert "r-d" not in d.recved, "not complete before the last layer"
     compute(p, names[1:])
     finish(p, r, [3, 5, 7])
@@ -569,110 +616,44 @@ def test_side_channels_replace_the_shared_rendezvous():
     finish(p, r, [1, 2])
     d.wait("the pushed request", lambda: "q-d" in d.recved)
     assert not d.failed
-    assert_copied(p, d, [1, 2], [10, 11])
+    assert_copied(p, d, [1, 2], [10, 11], loaded={0, 9, 2})
     p.wait("both freed", lambda: {"r", "q"} <= p.sent)
     p.close(), d.close()
 
 
 # ---- MLA from a model's own config ----
 
-DEEPSEEK_V2_TINY = {
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 256,
-    "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 64, "q_lora_rank": None,
-    "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": 4,
-    "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
-    "moe_layer_freq": 1, "vocab_size": 1000, "max_position_embeddings": 2048,
-    "rope_theta": 10000, "torch_dtype": "bfloat16",
-}
 
-
+@pytest.mark.parametrize("backend", ["TRITON_MLA", "FLASHMLA"])
 def test_mla_is_taken_from_the_models_config_and_each_decode_rank_reads_the_latent_whole(
-        server, tmp_path):
+        server, backend):
     """A DeepSeek-V2 config (config.json only: no weights, nothing downloaded) makes vLLM's
-    ModelConfig say use_mla; the connector then treats each layer's cache as one latent plane
-    the same on every rank: both decode ranks read it whole from the one prefill rank."""
-    import json
-
-    from vllm.config import ModelConfig
-
-    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V2_TINY))
-    model = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True)
+    ModelConfig say use_mla and allocate one latent "head" per block; the latent is the same
+    on every rank: both decode ranks read it whole from the one prefill rank."""
+    model = tiny_model(config=vllm_caches.DEEPSEEK_V2_TINY)
     assert model.use_mla
-
-    def connector(engine_id, role, rank, tp):
-        config = VllmConfig(model_config=model, kv_transfer_config=KVTransferConfig(
-            kv_connector="XferConnector", kv_connector_module_path="xfer.vllm",
-            kv_role="kv_both", engine_id=engine_id,
-            kv_connector_extra_config={"rendezvous": server.url, "xfer_config": MOCK,
-                                       "lookup_timeout_s": 2.0, "tp_size": tp, "tp_rank": rank}))
-        return KVConnectorFactory.create_connector(config, role, None)
-
-    latent = 64 + 16  # kv_lora_rank + qk_rope_head_dim
-    gen = torch.Generator().manual_seed(7)
-    theirs = {f"model.layers.{i}.self_attn.attn": torch.randn((16, BLOCK, latent), generator=gen)
-              .to(torch.bfloat16) for i in range(2)}
-    p_sched = connector("mla-p", KVConnectorRole.SCHEDULER, 0, 1)
-    p_worker = connector("mla-p", KVConnectorRole.WORKER, 0, 1)
-    p_worker.register_kv_caches(theirs)
-    d_sched = connector("mla-d", KVConnectorRole.SCHEDULER, 0, 2)
-    d_workers = [connector("mla-d", KVConnectorRole.WORKER, r, 2) for r in range(2)]
-    ours = [{n: torch.zeros_like(c) for n, c in theirs.items()} for _ in range(2)]
-    for w, caches in zip(d_workers, ours):
-        w.register_kv_caches(caches)
-
-    r = request("m", 8, {"do_remote_decode": True}, RequestStatus.FINISHED_LENGTH_CAPPED)
-    delay, params = p_sched.request_finished(r, [3, 5])
-    assert delay
-    meta = p_sched.build_connector_meta(SchedulerOutput.make_empty())
-    p_worker.bind_connector_metadata(meta)
-    p_worker.start_load_kv(None)
-    rd = request("m-d", 8, dict(params))
-    n, _ = d_sched.get_num_new_matched_tokens(rd, 0)
-    d_sched.update_state_after_alloc(rd, blocks_of([9, 1]), n)
-    meta = d_sched.build_connector_meta(SchedulerOutput.make_empty())
-    done = [set(), set()]
-    for w in d_workers:
-        w.bind_connector_metadata(meta)
-        w.start_load_kv(None)
-    deadline = time.monotonic() + WAIT
-    while not all("m-d" in s for s in done):
-        assert time.monotonic() < deadline, "timed out waiting for both ranks"
-        for i, w in enumerate(d_workers):
-            res = w.get_transfer_results(set())
-            assert not res.failed_recving
-            done[i] |= res.finished_recving
-        time.sleep(0.001)
-    for caches in ours:
-        for name, cache in theirs.items():
+    p = Instance(f"mla-p-{backend}", server, model=model, backend=backend)
+    d = Instance(f"mla-d-{backend}", server, model=model, backend=backend, tp=2)
+    assert next(iter(p.caches.values())).shape[1:] == (1, BLOCK, 64 + 16)  # lora + rope
+    params = prefill(p, "m", 20, [3, 5])
+    decode(d, "m-d", 20, params, [9, 1])
+    d.step()
+    d.wait("both ranks' loads", lambda: "m-d" in d.recved)
+    assert not d.failed
+    for caches in d.ranks:
+        for name, cache in p.caches.items():
             assert torch.equal(caches[name][[9, 1]], cache[[3, 5]]), name
-    for c in [p_worker, *d_workers]:
-        c.shutdown()
+    p.wait("the prefill to free", lambda: "m" in p.sent)
+    p.close(), d.close()
 
 
 # ---- the same model on both sides ----
 
-LLAMA_TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 512,
-    "torch_dtype": "float16",
-}
-
-
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory):
     """Two models of the same shapes (config.json only: nothing downloaded)."""
-    import json
-
-    from vllm.config import ModelConfig
-
-    models = []
-    for name in ("model-a", "model-b"):
-        d = tmp_path_factory.mktemp(name)
-        (d / "config.json").write_text(json.dumps(LLAMA_TINY))
-        models.append(ModelConfig(model=str(d), skip_tokenizer_init=True))
-    return models
+    return [vllm_caches.model_config(tmp_path_factory.mktemp(name))
+            for name in ("model-a", "model-b")]
 
 
 def test_kv_of_another_model_is_refused_pulled_or_pushed(server, two_models):

@@ -1,0 +1,93 @@
+"""KV caches as vLLM 0.33 itself allocates them, for the connector tests (no hand-made cache).
+
+The path is the engine's: the model's KV cache specs (what its attention layers report — here
+built from a config-only model's ModelConfig, as `Attention.get_kv_cache_spec` builds them:
+constructing the model needs vLLM's compiled ops, which the PyPI wheel has only for CUDA),
+the layout resolved by `resolve_kv_cache_layout` from the attention backend's supported set,
+the connector's `get_required_kvcache_layout` and `VLLM_KV_CACHE_LAYOUT` (as
+`EngineCore._initialize_kv_caches` does), `get_kv_cache_configs` for the blocks, and
+`allocate_kv_cache` for the tensors the model runner hands to `register_kv_caches`: one
+backing buffer, one strided view per layer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+LLAMA_TINY = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "vocab_size": 1000, "max_position_embeddings": 512,
+    "torch_dtype": "float16",
+}
+"""Llama-shaped: 4 KV heads of 8 (hidden 64 over 8 attention heads)."""
+
+DEEPSEEK_V2_TINY = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "kv_lora_rank": 64, "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32,
+    "v_head_dim": 32, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "vocab_size": 1000,
+    "max_position_embeddings": 2048, "rope_theta": 10000, "torch_dtype": "bfloat16",
+}
+
+
+def model_config(directory, config: dict[str, Any] | None = None, **overrides: Any):
+    """vLLM's ModelConfig of a config.json-only model (nothing downloaded)."""
+    from vllm.config import ModelConfig
+
+    (directory / "config.json").write_text(json.dumps({**(config or LLAMA_TINY), **overrides}))
+    return ModelConfig(model=str(directory), skip_tokenizer_init=True, max_model_len=64)
+
+
+def backend_class(name: str):
+    """One of the attention backends vLLM ships, by the name its registry uses."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return AttentionBackendEnum[name].get_class()
+
+
+def kv_cache_specs(vllm_config, layers: list[str]) -> dict[str, Any]:
+    """What each attention layer of the model reports (`get_kv_cache_spec`)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    if cache.cache_dtype in ("auto", None):
+        dtype = model.dtype
+    else:
+        from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+        dtype = STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype]
+    if model.use_mla:
+        spec = MLAAttentionSpec(block_size=cache.block_size, num_kv_heads=1,
+                                head_size=model.get_head_size(), dtype=dtype,
+                                cache_dtype_str=cache.cache_dtype)
+    else:
+        spec = FullAttentionSpec(block_size=cache.block_size,
+                                 num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),
+                                 head_size=model.get_head_size(), dtype=dtype)
+    return {name: spec for name in layers}
+
+
+def allocate(vllm_config, layers: list[str], num_blocks: int, backend: str = "CPU_ATTN"):
+    """The KV cache config and the per-layer tensors vLLM allocates for ``layers`` with
+    ``num_blocks`` blocks, laid out as ``backend`` and the connector resolve it."""
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    specs = kv_cache_specs(vllm_config, layers)
+    supported = [layout.name for layout in get_supported_kv_cache_layouts([backend_class(backend)])]
+    layout = resolve_kv_cache_layout(vllm_config, [supported], specs.values())
+    groups = get_global_kv_cache_groups(vllm_config, [specs])
+    page = next(iter(specs.values())).page_size_bytes
+    [config] = get_kv_cache_configs(vllm_config, [specs], [page * num_blocks * len(layers)], groups)
+    config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
+    return config, allocate_kv_cache(config, torch.device("cpu"), layout)
