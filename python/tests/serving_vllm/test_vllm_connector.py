@@ -58,8 +58,9 @@ def tiny_model(layers=2, heads=4, head=8, config=None):
     if key not in _MODELS:
         overrides = {"num_hidden_layers": layers}
         if config is vllm_caches.LLAMA_TINY:
-            overrides.update(num_key_value_heads=heads, num_attention_heads=2 * heads,
-                             hidden_size=2 * heads * head)
+            attention = max(2 * heads, 8)  # TP up to 8 divides the attention heads
+            overrides.update(num_key_value_heads=heads, num_attention_heads=attention,
+                             hidden_size=attention * head)
         _MODELS[key] = vllm_caches.model_config(Path(tempfile.mkdtemp()), config, **overrides)
     return _MODELS[key]
 
@@ -77,7 +78,7 @@ class Instance:
     heads, one buffer for all layers); a prefill's are filled with random KV."""
 
     def __init__(self, engine_id, server, *, layers=2, blocks=16, heads=4, head=8, tp=1, extra=None,
-                 model=None, backend="CPU_ATTN", cache_dtype="auto"):
+                 model=None, backend="CPU_ATTN", cache_dtype="auto", layout=None):
         extra = {"rendezvous": server.url if server else None, "xfer_config": MOCK,
                  "lookup_timeout_s": 2.0, **(extra or {})}
         model = model or tiny_model(layers, heads, head)
@@ -101,18 +102,24 @@ class Instance:
         names = [f"model.layers.{i}.self_attn.attn" for i in range(model.hf_config.num_hidden_layers)]
         self.ranks = []
         self.workers = []
+        self.total_heads = model.get_total_num_kv_heads() if not model.use_mla else 1
         gen = torch.Generator().manual_seed(hash(engine_id) % 2**31)
-        for c in configs:
-            kv_cache_config, caches = vllm_caches.allocate(c, names, blocks, backend)
-            for cache in caches.values():
-                raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
-                raw.copy_(torch.randint(0, 100, raw.shape, generator=gen).to(raw.dtype))
+        model_kv = {}  # each layer's KV of every head, as the model computes it on every rank
+        for rank, c in enumerate(configs):
+            kv_cache_config, caches = vllm_caches.allocate(c, names, blocks, backend, layout)
+            first = rank * self.total_heads // tp
+            for name, cache in caches.items():
+                raw = cache.view(torch.uint8)
+                if name not in model_kv:
+                    shape = (raw.shape[0], self.total_heads, *raw.shape[2:])
+                    # Values that are finite in every dtype (bytes 0x00-0x3f).
+                    model_kv[name] = torch.randint(0, 64, shape, generator=gen, dtype=torch.uint8)
+                raw.copy_(model_kv[name][:, first:first + raw.shape[1]])
             worker = KVConnectorFactory.create_connector(c, KVConnectorRole.WORKER, kv_cache_config)
             worker.register_kv_caches(caches)
             self.ranks.append(caches)
             self.workers.append(worker)
         self.layout = configs[0].cache_config.kv_cache_layout
-        self.total_heads = model.get_total_num_kv_heads() if not model.use_mla else 1
         self.full = self.gathered()
         self.caches = self.ranks[0]
         self.worker = self.workers[0]
@@ -333,20 +340,139 @@ def test_configuration_mistakes_are_named(monkeypatch):
 
 
 @pytest.mark.parametrize("decode_tp,prefill_tp", [(1, 1), (2, 1), (4, 2), (4, 4), (1, 2), (2, 4)])
-def test_tensor_parallel_sizes_may_differ(server, decode_tp, prefill_tp):
+@pytest.mark.parametrize("layouts", [(None, None), ("LBNHC", "LBNHC"), ("BLNHC", "LBHNC")],
+                         ids=["HND-asked", "NHD", "layers-between-blocks-to-HND"])
+def test_tensor_parallel_sizes_may_differ(server, decode_tp, prefill_tp, layouts):
     """Decode TP > prefill TP reads head slices; prefill TP > decode TP reads several ranks;
-    every byte lands in place, and every prefill rank frees only after every reader rank."""
-    tag = f"{decode_tp}x{prefill_tp}"
-    p = Instance(f"tp-p{tag}", server, heads=8, tp=prefill_tp)
-    d = Instance(f"tp-d{tag}", server, heads=8, tp=decode_tp)
-    params = prefill(p, "r", 10, [3, 5, 7])
+    under every layout vLLM allocates (the connector's HND, a user's NHD, layers between
+    blocks on one side): every byte lands in place, nothing else is touched, and every
+    prefill rank frees only after every reader rank."""
+    tag = f"{decode_tp}x{prefill_tp}-{layouts[0]}-{layouts[1]}"
+    p = Instance(f"tp-p{tag}", server, heads=8, tp=prefill_tp, backend="FLASH_ATTN",
+                 layout=layouts[0])
+    d = Instance(f"tp-d{tag}", server, heads=8, tp=decode_tp, backend="FLASH_ATTN",
+                 layout=layouts[1])
+    assert (p.layout, d.layout) == tuple(name or "LBHNC" for name in layouts)
+    params = prefill(p, "r", 40, [3, 5, 7])
     assert params["remote_tp_size"] == prefill_tp
-    decode(d, "r-d", 10, params, [0, 9, 2])
+    decode(d, "r-d", 40, params, [0, 9, 2])
     d.step()
     d.wait("every rank's load", lambda: "r-d" in d.recved)
     assert not d.failed
     assert_copied(p, d, [3, 5, 7], [0, 9, 2])
     p.wait("every prefill rank to free", lambda: "r" in p.sent)
+    p.close(), d.close()
+
+
+def test_hnd_reads_a_head_slice_of_a_block_as_one_run_nhd_one_per_token(server):
+    """Decode TP 2 from prefill TP 1: under HND (what the connector asks vLLM for) each
+    layer's read is one run a block; under NHD one a token (16)."""
+    from xfer._kvcache import block_runs
+
+    for layout, runs in (("LBHNC", 1), ("LBNHC", BLOCK)):
+        p = Instance(f"runs-p-{layout}", server, heads=8, backend="FLASH_ATTN", layout=layout)
+        d = Instance(f"runs-d-{layout}", server, heads=8, tp=2, backend="FLASH_ATTN", layout=layout)
+        name = next(iter(d.caches))
+        ours, theirs = d.workers[1]._worker._layers[name][1], p.worker._worker._layers[name][1]
+        assert len(block_runs(ours, theirs, 1, 2, 1)) == runs
+        p.close(), d.close()
+
+
+@pytest.mark.parametrize("decode_tp,prefill_tp", [(4, 1), (1, 4), (4, 8)])
+def test_replicated_heads_more_ranks_than_kv_heads(server, decode_tp, prefill_tp):
+    """2 KV heads at TP 4 or 8: vLLM gives each rank one head, replicated; a decode rank reads
+    its head from one replica, a decode rank with both heads from two ranks."""
+    tag = f"{decode_tp}x{prefill_tp}"
+    p = Instance(f"rep-p{tag}", server, heads=2, tp=prefill_tp)
+    d = Instance(f"rep-d{tag}", server, heads=2, tp=decode_tp)
+    assert next(iter(p.caches.values())).shape[1] == max(1, 2 // prefill_tp)
+    params = prefill(p, "r", 20, [3, 5])
+    decode(d, "r-d", 20, params, [1, 6])
+    d.step()
+    d.wait("every rank's load", lambda: "r-d" in d.recved)
+    assert not d.failed
+    assert_copied(p, d, [3, 5], [1, 6])
+    for rank, caches in enumerate(d.ranks):  # each replica holds its head
+        first = rank * 2 // decode_tp
+        for name, cache in caches.items():
+            heads = cache.shape[1]
+            assert torch.equal(cache[[1, 6]].view(torch.uint8),
+                               p.full[name][[3, 5], first:first + heads]), (rank, name)
+    p.wait("every prefill rank to free", lambda: "r" in p.sent)
+    p.close(), d.close()
+
+
+def test_fp8_kv_caches_move_byte_for_byte(server):
+    p = Instance("fp8-p", server, cache_dtype="fp8", tp=2)
+    d = Instance("fp8-d", server, cache_dtype="fp8")
+    assert next(iter(d.caches.values())).element_size() == 1
+    decode(d, "r-d", 20, prefill(p, "r", 20, [2, 4]), [7, 8])
+    d.step()
+    d.wait("the load", lambda: "r-d" in d.recved)
+    assert not d.failed
+    assert_copied(p, d, [2, 4], [7, 8])
+    p.close(), d.close()
+
+
+def test_a_prefill_whose_first_token_is_a_stop_token_is_handed_off(server):
+    """FINISHED_STOPPED (the first sampled token ended the request) keeps the KV for the
+    decode as FINISHED_LENGTH_CAPPED does; otherwise the decode recomputes the prompt."""
+    p, d = Instance("stop-p", server), Instance("stop-d", server)
+    r = request("s", 20, {"do_remote_decode": True}, RequestStatus.FINISHED_STOPPED)
+    delay, params = p.scheduler.request_finished(r, [4, 6])
+    assert delay and params["remote_block_ids"] == [4, 6]
+    p.step()
+    decode(d, "s-d", 20, params, [1, 2])
+    d.step()
+    d.wait("the load", lambda: "s-d" in d.recved)
+    assert not d.failed
+    assert_copied(p, d, [4, 6], [1, 2])
+    p.close(), d.close()
+
+
+def test_a_read_after_the_prefill_freed_its_blocks_is_a_load_error_never_wrong_kv(server):
+    """The decode's queue backed up past the prefill's lease: the prefill freed the blocks
+    (vLLM reuses them: new KV there) before the decode read them. The decode must report a
+    load error, not another request's KV as this one's."""
+    p = Instance("late-p", server, extra={"free_timeout_s": 0.2})
+    d = Instance("late-d", server)
+    params = prefill(p, "r", 20, [3, 5])
+    p.wait("the lease to free the blocks", lambda: "r" in p.sent)
+    for cache in p.caches.values():  # reused by another request
+        cache[[3, 5]] = cache[[8, 9]]
+    decode(d, "r-d", 20, params, [1, 2])
+    d.step()
+    d.wait("the load to end", lambda: "r-d" in d.recved)
+    assert "r-d" in d.failed
+    assert d.worker.get_block_ids_with_load_errors() == {1, 2}
+    p.close(), d.close()
+
+
+def test_start_load_kv_never_waits_for_a_peer_lookup(server):
+    """vLLM calls start_load_kv on its model-runner thread, for the whole batch: a prefill
+    whose record is slow to find must not hold it. The load waits for its peer off that
+    thread and still lands."""
+    import threading
+
+    p, d = Instance("slow-p", server), Instance("slow-d", server)
+    params = prefill(p, "r", 20, [3, 5])
+    worker = d.worker._worker
+    gate, lookup, order = threading.Event(), worker._peer, []
+
+    def slow_lookup(*args, **kwargs):
+        gate.wait(WAIT)
+        order.append("looked up")
+        return lookup(*args, **kwargs)
+
+    worker._peer = slow_lookup
+    decode(d, "r-d", 20, params, [1, 2])
+    d.step()  # returns with the lookup still held at the gate
+    order.append("step returned")
+    gate.set()
+    d.wait("the load", lambda: "r-d" in d.recved)
+    assert order[0] == "step returned"
+    assert not d.failed
+    assert_copied(p, d, [3, 5], [1, 2])
     p.close(), d.close()
 
 

@@ -56,12 +56,10 @@ def kv_cache_specs(vllm_config, layers: list[str]) -> dict[str, Any]:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     model, cache = vllm_config.model_config, vllm_config.cache_config
-    if cache.cache_dtype in ("auto", None):
-        dtype = model.dtype
-    else:
-        from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 
-        dtype = STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype]
+    # As the attention layer picks it (fp8 is kept as uint8 bytes).
+    dtype = kv_cache_dtype_str_to_dtype(cache.cache_dtype, model)
     if model.use_mla:
         spec = MLAAttentionSpec(block_size=cache.block_size, num_kv_heads=1,
                                 head_size=model.get_head_size(), dtype=dtype,
@@ -73,9 +71,26 @@ def kv_cache_specs(vllm_config, layers: list[str]) -> dict[str, Any]:
     return {name: spec for name in layers}
 
 
-def allocate(vllm_config, layers: list[str], num_blocks: int, backend: str = "CPU_ATTN"):
+def allocate(vllm_config, layers: list[str], num_blocks: int, backend: str = "CPU_ATTN",
+             layout: str | None = None):
     """The KV cache config and the per-layer tensors vLLM allocates for ``layers`` with
-    ``num_blocks`` blocks, laid out as ``backend`` and the connector resolve it."""
+    ``num_blocks`` blocks, laid out as ``backend`` and the connector resolve it (or as a user's
+    ``VLLM_KV_CACHE_LAYOUT=layout`` forces it)."""
+    import os
+
+    previous = os.environ.get("VLLM_KV_CACHE_LAYOUT")
+    if layout is not None:
+        os.environ["VLLM_KV_CACHE_LAYOUT"] = layout
+    try:
+        return _allocate(vllm_config, layers, num_blocks, backend)
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
+        else:
+            os.environ["VLLM_KV_CACHE_LAYOUT"] = previous
+
+
+def _allocate(vllm_config, layers: list[str], num_blocks: int, backend: str):
     from vllm.v1.attention.backends.utils import (
         get_supported_kv_cache_layouts,
         resolve_kv_cache_layout,
