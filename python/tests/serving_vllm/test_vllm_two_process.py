@@ -9,12 +9,17 @@ import os
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import multiprocessing as mp
+import sys
+from pathlib import Path
 
 import pytest
 
 vllm = pytest.importorskip("vllm")
 
 import xfer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import vllm_caches  # noqa: E402
 
 # Verbs where rxe0 exists: `cargo xtask vllm` (and so `cargo xtask test`) runs the pull variant
 # in the rxe guest, where importing torch and vLLM under emulation takes minutes per process.
@@ -26,7 +31,10 @@ def patience(provider):
     process starts minutes after the prefill process offered its requests (and the lease and
     push deadlines must outlast that, or the prefill frees the blocks first)."""
     return 1200 if provider == "verbs" else 60
-LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 32, 16, 4, 32
+
+
+LAYERS, BLOCKS, BLOCK = 3, 32, 16
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 REQUESTS = {"a": [3, 9, 4], "b": [17], "c": [20, 21, 22, 23, 24, 25, 26, 27]}  # prefill's blocks
 
 
@@ -43,23 +51,25 @@ def xfer_config(provider):
     }
 
 
-def caches(seed):
+def model_kv(caches, seed):
+    """Each layer's bytes as the prefill's model computed them (the same in every process)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    shape = (2, BLOCKS, BLOCK, HEADS, HEAD)
-    return {
-        f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=gen).to(torch.bfloat16)
-        for i in range(LAYERS)
-    }
+    return {name: torch.randint(0, 64, caches[name].view(torch.uint8).shape, generator=gen,
+                                dtype=torch.uint8) for name in NAMES}
 
 
-def connectors(engine_id, rendezvous, provider):
-    from vllm.config import KVTransferConfig, VllmConfig
+def instance(engine_id, rendezvous, provider, model_dir):
+    """A vLLM instance's scheduler- and worker-side connectors, and the KV caches vLLM
+    allocates for the model (one buffer, a view per layer), registered."""
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     config = VllmConfig(
+        model_config=vllm_caches.load_model_config(model_dir),
+        cache_config=CacheConfig(block_size=BLOCK),
         kv_transfer_config=KVTransferConfig(
             kv_connector="XferConnector",
             kv_connector_module_path="xfer.vllm",
@@ -71,12 +81,12 @@ def connectors(engine_id, rendezvous, provider):
                 "free_timeout_s": 2.0 * patience(provider),
                 "push_timeout_s": 2.0 * patience(provider),
             },
-        )
+        ),
     )
-    return (
-        KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, None),
-        KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, None),
-    )
+    kv_cache_config, caches = vllm_caches.allocate(config, NAMES, BLOCKS)
+    scheduler = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, None)
+    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+    return scheduler, worker, caches
 
 
 def step(scheduler, worker, done):
@@ -106,15 +116,18 @@ def until(what, cond, worker, done, seconds=60):
         time.sleep(0.002)
 
 
-def prefill_process(rendezvous, provider, mode, conn):
+def prefill_process(rendezvous, provider, mode, model_dir, conn):
     os.environ["FI_TCP_IFACE"] = "lo"
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import Request, RequestStatus
 
-    scheduler, worker = connectors("prefill", rendezvous, provider)
-    kv = caches(seed=11)
+    import torch
+
+    scheduler, worker, kv = instance("prefill", rendezvous, provider, model_dir)
+    for name, computed in model_kv(kv, seed=11).items():
+        kv[name].view(torch.uint8).copy_(computed)
     worker.register_kv_caches(kv)
     done = {"sent": set(), "recved": set(), "failed": set()}
     params, requests = {}, {}
@@ -154,7 +167,7 @@ def prefill_process(rendezvous, provider, mode, conn):
     worker.shutdown()
 
 
-def decode_process(rendezvous, provider, conn):
+def decode_process(rendezvous, provider, model_dir, conn):
     os.environ["FI_TCP_IFACE"] = "lo"
     import torch
     from vllm.sampling_params import SamplingParams
@@ -162,8 +175,9 @@ def decode_process(rendezvous, provider, conn):
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import Request
 
-    scheduler, worker = connectors("decode", rendezvous, provider)
-    mine = {name: torch.zeros_like(c) for name, c in caches(seed=0).items()}
+    scheduler, worker, mine = instance("decode", rendezvous, provider, model_dir)
+    for cache in mine.values():
+        cache.zero_()
     worker.register_kv_caches(mine)
     # Started beside the prefill process (their imports overlap): its requests come now.
     params = conn.recv()
@@ -184,10 +198,11 @@ def decode_process(rendezvous, provider, conn):
     if done["failed"]:
         conn.send(f"failed loads: {done['failed']}, blocks {worker.get_block_ids_with_load_errors()}")
         return
-    expected = caches(seed=11)
+    expected = model_kv(mine, seed=11)
     for req_id, p in params.items():
-        for name, cache in expected.items():
-            if not torch.equal(mine[name][:, local[req_id]], cache[:, p["remote_block_ids"]]):
+        for name, computed in expected.items():
+            got = mine[name].view(torch.uint8)[local[req_id]]
+            if not torch.equal(got, computed[p["remote_block_ids"]]):
                 conn.send(f"{req_id} {name}: blocks differ")
                 return
     conn.send("ok")
@@ -196,7 +211,7 @@ def decode_process(rendezvous, provider, conn):
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_prefill_and_decode_processes(provider, mode):
+def test_prefill_and_decode_processes(provider, mode, tmp_path):
     backend = "verbs" if provider == "verbs" else "efa"
     if backend == "verbs" and not os.path.exists("/sys/class/infiniband/rxe0"):
         pytest.skip("no soft-RoCE device here: cargo xtask vllm runs this in the rxe guest")
@@ -204,12 +219,14 @@ def test_prefill_and_decode_processes(provider, mode):
     if not os.path.exists(plugins):
         pytest.skip(f"the {backend} plugin is not in the package (cargo xtask vllm stages it)")
     ctx = mp.get_context("spawn")
+    # Both instances serve one model (the connector refuses another model's KV).
+    vllm_caches.write_model(tmp_path, num_hidden_layers=LAYERS)
     server = xfer.Server()
     try:
         p_here, p_there = ctx.Pipe()
         d_here, d_there = ctx.Pipe()
-        prefill = ctx.Process(target=prefill_process, args=(server.url, provider, mode, p_there))
-        decode = ctx.Process(target=decode_process, args=(server.url, provider, d_there))
+        prefill = ctx.Process(target=prefill_process, args=(server.url, provider, mode, tmp_path, p_there))
+        decode = ctx.Process(target=decode_process, args=(server.url, provider, tmp_path, d_there))
         prefill.start()
         decode.start()
         try:

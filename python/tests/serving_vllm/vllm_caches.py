@@ -36,12 +36,22 @@ DEEPSEEK_V2_TINY = {
 }
 
 
-def model_config(directory, config: dict[str, Any] | None = None, **overrides: Any):
-    """vLLM's ModelConfig of a config.json-only model (nothing downloaded)."""
+def write_model(directory, config: dict[str, Any] | None = None, **overrides: Any) -> None:
+    """A config.json-only model in ``directory`` (nothing downloaded)."""
+    (directory / "config.json").write_text(json.dumps({**(config or LLAMA_TINY), **overrides}))
+
+
+def load_model_config(directory):
+    """vLLM's ModelConfig of the model in ``directory``."""
     from vllm.config import ModelConfig
 
-    (directory / "config.json").write_text(json.dumps({**(config or LLAMA_TINY), **overrides}))
     return ModelConfig(model=str(directory), skip_tokenizer_init=True, max_model_len=64)
+
+
+def model_config(directory, config: dict[str, Any] | None = None, **overrides: Any):
+    """vLLM's ModelConfig of a config.json-only model written to ``directory``."""
+    write_model(directory, config, **overrides)
+    return load_model_config(directory)
 
 
 def backend_class(name: str):
