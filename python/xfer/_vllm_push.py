@@ -30,7 +30,11 @@ logger = logging.getLogger("xfer.vllm")
 _WANT = b"xfer-vllm-want:"
 """Push: a decode rank's block ids for a request, to each prefill rank it expects data from."""
 _PUSHED = b"xfer-vllm-push:"
-"""Push: a prefill rank wrote every layer of a request to a decode rank (or could not)."""
+"""Push: a prefill rank wrote every layer of a request to a decode rank (or could not, or
+stopped at the decode rank's cancel: then nothing of it is in flight any more)."""
+_CANCEL = b"xfer-vllm-stop:"
+"""Push: a decode rank gave up waiting for a request; the prefill rank writes nothing more
+there and answers with ``_PUSHED`` once none of its writes is in flight."""
 
 
 @dataclasses.dataclass
@@ -51,8 +55,14 @@ class _Want:
     layers: set[str] = dataclasses.field(default_factory=set)
     """Layers whose writes were submitted (for the request's current blocks)."""
     pending: int = 0
+    """Writes submitted whose completion has not come."""
+    transfers: list[Any] = dataclasses.field(default_factory=list)
+    """The writes submitted, for a cancel."""
     error: str | None = None
     replied: bool = False
+    cancelled: bool = False
+    """The decode rank gave up: nothing more is written; answered once ``pending`` is 0."""
+    stop_answered: bool = False
 
 
 @dataclasses.dataclass
@@ -74,8 +84,13 @@ class _Await:
     req_id: str
     load: Load
     ranks: set[int]
+    """The prefill ranks that have not answered."""
     deadline: float
     error: BaseException | None = None
+    cancelling: TimeoutError | None = None
+    """Set at the deadline: the cancel sent to the ranks that had not answered, and the error
+    the load ends with once they say nothing of theirs is in flight (vLLM reuses the blocks
+    after a load error, so a write still coming would land in another request's KV)."""
 
 
 class PushSide:
@@ -117,7 +132,9 @@ class PushSide:
             if waiting is None:
                 return  # timed out already, or not ours
             waiting.ranks.discard(int(header["rank"]))
-            if not header.get("ok") and waiting.error is None:
+            if header.get("cancelled") and waiting.error is None:
+                waiting.error = waiting.cancelling
+            elif not header.get("ok") and waiting.error is None:
                 waiting.error = RuntimeError(
                     f"prefill {key[0]} rank {header['rank']} could not push: {header.get('why')}")
             if waiting.ranks:
@@ -126,7 +143,73 @@ class PushSide:
         self._finish_load(waiting.req_id, waiting.load, waiting.error)
         self._in_background(self._tell_done, waiting.load)
 
+    def _push_late(self, key: tuple[str, str], waiting: _Await, now: float) -> bool:
+        """A push past its deadline (called under the lock): the first time, it is kept and
+        the prefill ranks still owing it are told to stop (True: sent from the background);
+        a second time (they never answered), it ends (False)."""
+        if waiting.cancelling is not None:
+            return False
+        waiting.cancelling = TimeoutError(
+            f"prefill {key[0]} did not push request {key[1]} within "
+            f"{self._options.push_timeout_s}s (ranks {sorted(waiting.ranks)} missing)")
+        # As long again for the answers (a transfer's own timeout fails a write stuck there).
+        waiting.deadline = now + self._options.push_timeout_s
+        return True
+
+    def _cancel_push(self, key: tuple[str, str], waiting: _Await, ranks: list[int]) -> None:
+        """Tells each prefill rank that owes ``waiting`` to stop; one that cannot be reached
+        has no connection left to write with."""
+        load = waiting.load
+        message = pack_message(_CANCEL, {"req": load.remote_request_id, "engine": self._engine_id,
+                                         "rank": self._rank, "rendezvous": self._own_url})
+        for rank in ranks:
+            try:
+                self._engine.submit_send(
+                    self._peer(load.remote_engine_id, rank, load.remote_rendezvous).address,
+                    message)
+            except Exception as e:  # noqa: BLE001 - answered for it: it cannot write either
+                logger.warning("XferConnector: prefill %s rank %d of request %s unreachable "
+                               "for its cancel (%s)", load.remote_engine_id, rank, key[1], e)
+                self._pushed({"engine": key[0], "req": key[1], "rank": rank,
+                              "cancelled": True})
+
+    def _finish_unanswered(self, key: tuple[str, str], waiting: _Await) -> None:
+        """The ranks never answered the cancel either: the load ends (vLLM must not wait
+        forever); named, since one of their writes could still be in flight."""
+        error = TimeoutError(f"{waiting.cancelling}; ranks {sorted(waiting.ranks)} did not "
+                             "answer the cancel either (their writes may still land)")
+        self._finish_load(waiting.req_id, waiting.load, error)
+        self._in_background(self._tell_done, waiting.load)
+
     # ---- push: prefill side ----
+
+    def _cancelled(self, header: dict[str, Any]) -> None:
+        """A decode rank stopped waiting for a request: nothing more goes to it, what is in
+        flight is cancelled, and it is answered once nothing is (``_push_done``). Its ids
+        may come after this message (delivery is unordered): then they are dropped."""
+        key = (str(header["req"]), str(header["engine"]), int(header["rank"]))
+        with self._lock:
+            push = self._pushes.get(key[0])
+            want = push.wants.get(key[1:]) if push is not None else None
+            if want is None:
+                self._cancels[key] = time.monotonic()
+                answered = None
+            else:
+                answered = want.replied
+                want.cancelled = want.replied = True
+                transfers = list(want.transfers)
+        if want is None:
+            self._reply(key[0], _Want(key[1], key[2], 0, [], url=header.get("rendezvous")),
+                        None, cancelled=True)
+            return
+        if answered:
+            # It finished (and said so) before the cancel came: say so again.
+            self._reply(key[0], want, want.error)
+            return
+        for transfer in transfers:
+            self._in_background(transfer.cancel)
+        self._push_done(key[0], want, None, submitted=False)
+
 
     def layer_computed(self, layer: str, kv_layer: Any) -> None:
         """``save_kv_layer``: this step's push requests get the layer now (CPU tensors) or
@@ -185,7 +268,7 @@ class PushSide:
             want.pending += len(writes)
         for run in writes:
             try:
-                self._engine.submit_paged_writes(
+                transfer = self._engine.submit_paged_writes(
                     run.length, region, ours, desc, theirs,
                     src_stride=view.strides[0], dst_stride=theirs_view.strides[0],
                     src_offset=view.offset + run.remote, dst_offset=theirs_view.offset + run.local,
@@ -193,14 +276,27 @@ class PushSide:
                 )
             except Exception as e:  # noqa: BLE001 - refused at submit: counted like a failure
                 self._push_done(req_id, want, e)
+                continue
+            with self._lock:
+                want.transfers.append(transfer)
+                cancelled = want.cancelled
+            if cancelled:  # the cancel came while this layer was being submitted
+                self._in_background(transfer.cancel)
 
     def _push_done(self, req_id: str, want: _Want, error: BaseException | None,
                    submitted: bool = True) -> None:
         with self._lock:
             if submitted:
                 want.pending -= 1
-            if error is not None and want.error is None:
+            if error is not None and want.error is None and not want.cancelled:
                 want.error = str(error)
+            # A cancelled want is answered once, when its last write is no longer in flight.
+            stopped = want.cancelled and want.pending == 0 and not want.stop_answered
+            if stopped:
+                want.stop_answered = True
+        if stopped:
+            self._reply(req_id, want, None, cancelled=True)
+            return
         self._maybe_reply(req_id, want)
 
     def _maybe_reply(self, req_id: str, want: _Want) -> None:
@@ -215,9 +311,9 @@ class PushSide:
             want.replied = True
         self._reply(req_id, want, want.error)
 
-    def _reply(self, req_id: str, want: _Want, error: str | None) -> None:
+    def _reply(self, req_id: str, want: _Want, error: str | None, cancelled: bool = False) -> None:
         header = {"req": req_id, "engine": self._engine_id, "rank": self._rank,
-                  "ok": error is None, "why": error}
+                  "ok": error is None and not cancelled, "why": error, "cancelled": cancelled}
         try:
             self._engine.submit_send(self._peer(want.engine, want.rank, want.url).address,
                                      pack_message(_PUSHED, header))
@@ -235,6 +331,8 @@ class PushSide:
                      url=header.get("rendezvous"), model=str(header.get("model") or ""))
         req_id = str(header["req"])
         with self._lock:
+            if self._cancels.pop((req_id, want.engine, want.rank), None) is not None:
+                return  # its decode rank gave up before these ids arrived
             push = self._pushes.setdefault(req_id, _Push(created=time.monotonic()))
             push.wants[(want.engine, want.rank)] = want
         try:

@@ -83,7 +83,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from ._vllm_push import _PUSHED, _WANT, PushSide, _Await, _Push
+from ._vllm_push import _CANCEL, _PUSHED, _WANT, PushSide, _Await, _Push
 from ._kvcache import (
     LayerView,
     LayoutError,
@@ -552,6 +552,9 @@ class _Worker(PushSide):
         self._deferred_layers: list[str] = []
         """Prefill, push: GPU layers of this step, pushed once the stream is synchronised."""
         self._awaiting: dict[tuple[str, str], _Await] = {}
+        self._cancels: dict[tuple[str, str, int], float] = {}
+        """Push, prefill side: decode ranks' cancels that came before their ids (by request,
+        decode engine and rank), with when: their ids are dropped when they come."""
         """Decode, push: (prefill engine, its request id) → what this rank waits for."""
         self._lookups = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="xfer-vllm-lookup")
@@ -820,7 +823,7 @@ class _Worker(PushSide):
 
     def _on_message(self, data: bytes) -> None:
         kind = data[:len(_WANT)]
-        if kind not in (_WANT, _PUSHED, _DONE, _HELD):
+        if kind not in (_WANT, _PUSHED, _DONE, _HELD, _CANCEL):
             return
         try:
             kind, header, payload = unpack_message(data, len(_WANT))
@@ -830,6 +833,8 @@ class _Worker(PushSide):
                 self._pushed(header)
             elif kind == _DONE:
                 self._reader_done(header)
+            elif kind == _CANCEL:
+                self._cancelled(header)
             else:
                 self._held(header)
         except (ValueError, KeyError, TypeError) as e:
@@ -863,8 +868,16 @@ class _Worker(PushSide):
     def results(self) -> KVConnectorTransferResults:
         now = time.monotonic()
         with self._lock:
-            late = [k for k, w in self._awaiting.items() if now >= w.deadline]
-            late = [(k, self._awaiting.pop(k)) for k in late]
+            # Pushes past their deadline: cancelled at the prefill first, ended if unanswered.
+            cancel, late = [], []
+            for k, w in [(k, w) for k, w in self._awaiting.items() if now >= w.deadline]:
+                if self._push_late(k, w, now):
+                    cancel.append((k, w, sorted(w.ranks)))
+                else:
+                    late.append((k, self._awaiting.pop(k)))
+            for key in [k for k, t in self._cancels.items()
+                        if now - t > self._options.free_timeout_s]:
+                del self._cancels[key]
             # Push requests that finished and were freed, or whose decoders' ids came for a
             # request never computed here, are forgotten (the latter's decoders are told).
             stale = [r for r, p in self._pushes.items()
@@ -872,11 +885,10 @@ class _Worker(PushSide):
                      or (not p.finished and now - p.created > self._options.free_timeout_s)]
             unconfirmed = [k for k, c in self._confirming.items() if now >= c.deadline]
             unconfirmed = [(k, self._confirming.pop(k)) for k in unconfirmed]
+        for key, waiting, ranks in cancel:
+            self._in_background(self._cancel_push, key, waiting, ranks)
         for key, waiting in late:
-            self._finish_load(waiting.req_id, waiting.load, TimeoutError(
-                f"prefill {key[0]} did not push request {key[1]} within "
-                f"{self._options.push_timeout_s}s (ranks {sorted(waiting.ranks)} missing)"))
-            self._in_background(self._tell_done, waiting.load)
+            self._finish_unanswered(key, waiting)
         for key, waiting in unconfirmed:
             self._finish_load(waiting.req_id, waiting.load, TimeoutError(
                 f"prefill {key[0]} ranks {sorted(waiting.ranks)} did not confirm that they held "

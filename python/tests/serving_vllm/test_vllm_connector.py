@@ -709,6 +709,43 @@ def test_a_push_that_never_comes_is_a_load_error_at_its_deadline(server):
     p.close(), d.close()
 
 
+def test_a_timed_out_push_is_cancelled_at_the_prefill_before_the_decoder_gives_up_its_blocks(
+        server):
+    """The decoder's load times out while the prefill still owes the request: the load error
+    (after which vLLM reuses the blocks) is reported only once the prefill said it will write
+    nothing more there — its later computation must not land in another request's blocks."""
+    p = Instance("pp6", server)
+    d = Instance("pd6", server, extra={"push_timeout_s": 0.5})
+    push_decode(d, "r-d", 8, "pp6", "r", [3, 4])
+    d.step()
+    r = push_prefill(p, "r", 8, [1, 2])
+    wanted(p, "r")
+    before = {name: cache[[3, 4]].clone() for name, cache in d.caches.items()}
+    d.wait("the timed-out load", lambda: "r-d" in d.failed)
+    assert d.worker.get_block_ids_with_load_errors() == {3, 4}
+    compute(p, list(p.full))  # the prefill gets to the request after all
+    finish(p, r, [1, 2])
+    want = next(iter(p.workers[0]._worker._pushes["r"].wants.values()))
+    p.wait("the prefill to settle the push", lambda: want.replied and want.pending == 0)
+    assert want.transfers == [], "nothing was submitted after the cancel"
+    for name, cache in d.caches.items():
+        assert torch.equal(cache[[3, 4]], before[name]), f"{name}: written after the load failed"
+    p.wait("the prefill to free after the decoder", lambda: "r" in p.sent)
+    p.close(), d.close()
+
+
+def test_a_push_from_a_dead_prefill_times_out_without_its_acknowledgement(server):
+    p = Instance("pp7", server)
+    d = Instance("pd7", server, extra={"push_timeout_s": 0.5})
+    push_decode(d, "r-d", 8, "pp7", "r", [3, 4])
+    d.step()
+    wanted(p, "r")
+    p.close()
+    d.wait("the timed-out load", lambda: "r-d" in d.failed)
+    assert d.worker.get_block_ids_with_load_errors() == {3, 4}
+    d.close()
+
+
 # ---- side channel ----
 
 
