@@ -342,6 +342,15 @@ class XferConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register(kv_caches)
 
+    def unregister_kv_caches(self) -> None:
+        """Sleep mode (vLLM drained the transfers first)."""
+        if self._worker is not None:
+            self._worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.restore()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
@@ -552,10 +561,12 @@ class _Worker(PushSide):
         self._deferred_layers: list[str] = []
         """Prefill, push: GPU layers of this step, pushed once the stream is synchronised."""
         self._awaiting: dict[tuple[str, str], _Await] = {}
+        """Decode, push: (prefill engine, its request id) → what this rank waits for."""
         self._cancels: dict[tuple[str, str, int], float] = {}
         """Push, prefill side: decode ranks' cancels that came before their ids (by request,
         decode engine and rank), with when: their ids are dropped when they come."""
-        """Decode, push: (prefill engine, its request id) → what this rank waits for."""
+        self._kv_caches: dict[str, Any] = {}
+        """The layer views registered, kept for a wake-up from sleep mode."""
         self._lookups = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="xfer-vllm-lookup")
         """Push: decoders' records are looked up here, never on the engine's callback thread
@@ -570,6 +581,7 @@ class _Worker(PushSide):
         layer of a cache tensor in one allocation) and publishes each layer's view of its
         buffer."""
         regions: dict[str, xfer.MrDesc] = {}
+        self._kv_caches = dict(kv_caches)
         for name, tensor in kv_caches.items():
             if tensor.dim() != 4:
                 raise LayoutError(
@@ -597,6 +609,25 @@ class _Worker(PushSide):
             regions,
             ttl=self._options.publish_ttl_s,
         )
+
+    def unregister(self) -> None:
+        """Sleep mode, before vLLM unmaps the KV memory: the record is withdrawn and every
+        buffer deregistered, so no peer's read or write reaches memory that is about to
+        change (a peer's load fails, named, and it looks this worker up afresh later).
+        Idempotent."""
+        if self._publication is not None:
+            self._publication.unpublish()
+            self._publication = None
+        buffers, self._buffers = list(self._buffers.values()), {}
+        self._layers = {}
+        for region in buffers:
+            region.dereg()
+
+    def restore(self) -> None:
+        """Wake-up, the KV memory mapped again: the same views registered and published anew
+        (new keys). Idempotent."""
+        if self._kv_caches and not self._layers:
+            self.register(self._kv_caches)
 
     # ---- decode: reads ----
 

@@ -490,6 +490,34 @@ def test_a_decode_request_aborted_while_loading_still_reports_its_load(server):
     p.close(), d.close()
 
 
+def test_sleep_mode_drops_the_registration_and_wake_up_restores_it(server):
+    """vLLM's sleep (gpu_worker.sleep) calls unregister_kv_caches before it unmaps the KV
+    memory, wake-up restore_kv_caches after mapping it again: asleep, nothing reads the
+    memory (a reader's load fails, named); awake, requests move again."""
+    from vllm.config import KVTransferConfig
+
+    assert xfer.vllm.XferConnector.supports_sleep_mode(KVTransferConfig())
+    p, d = Instance("sp-p", server), Instance("sp-d", server)
+    asleep = prefill(p, "r", 20, [1, 2])
+    for worker in p.workers:
+        worker.unregister_kv_caches()
+        worker.unregister_kv_caches()  # idempotent, as vLLM asks
+    decode(d, "r-d", 20, asleep, [5, 6])
+    d.step()
+    d.wait("the load from a sleeping prefill", lambda: "r-d" in d.recved)
+    assert "r-d" in d.failed and d.worker.get_block_ids_with_load_errors() == {5, 6}
+    for worker in p.workers:
+        worker.restore_kv_caches()
+        worker.restore_kv_caches()
+    awake = prefill(p, "q", 20, [3, 4])
+    decode(d, "q-d", 20, awake, [7, 8])
+    d.step()
+    d.wait("the load after wake-up", lambda: "q-d" in d.recved)
+    assert "q-d" not in d.failed
+    assert_copied(p, d, [3, 4], [7, 8], loaded=[5, 6])
+    p.close(), d.close()
+
+
 def test_stats_reach_vllms_own_logging_summed_over_ranks(server):
     """get_kv_connector_stats per worker, summed as vLLM sums them, through its
     KVConnectorLogging (build_kv_connector_stats, aggregate, reduce)."""
