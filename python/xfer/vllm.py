@@ -167,6 +167,15 @@ class Options:
             )
         return Options(**extra)
 
+    def of_dp_engine(self, index: int) -> Options:
+        """The options of data-parallel engine ``index``: vLLM starts one engine (one
+        scheduler process) per DP rank from one config, so each serves its side channel on
+        the port after the previous one's (as NixlConnector offsets its own)."""
+        if not self.side_channel or not index:
+            return self
+        host, _, port = self.side_channel.rpartition(":")
+        return dataclasses.replace(self, side_channel=f"{host}:{int(port) + index}")
+
 
 @dataclasses.dataclass
 class Load:
@@ -282,14 +291,20 @@ class XferConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        self._options = Options.parse(self._kv_transfer_config.kv_connector_extra_config)
+        parallel = getattr(vllm_config, "parallel_config", None)
+        stages = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+        if stages > 1:
+            raise NotImplementedError(
+                f"XferConnector does not support pipeline parallelism (pipeline_parallel_size="
+                f"{stages}): its records and reads assume every layer on each TP rank")
+        self._options = Options.parse(self._kv_transfer_config.kv_connector_extra_config) \
+            .of_dp_engine(int(getattr(parallel, "data_parallel_index", 0) or 0))
         self._engine_id = str(self._kv_transfer_config.engine_id)
         model = getattr(vllm_config, "model_config", None)
         self._mla = bool(getattr(model, "use_mla", False))
         # What a peer must be serving too: moving one model's KV into another's cache would
         # pass every layout check (same shapes) and be wrong.
         self._model = str(getattr(model, "model", "") or "")
-        parallel = getattr(vllm_config, "parallel_config", None)
         tp_size = self._options.tp_size or int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         self._side_channel: xfer.Server | None = None
         if role == KVConnectorRole.SCHEDULER:

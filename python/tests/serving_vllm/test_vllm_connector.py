@@ -78,7 +78,8 @@ class Instance:
     heads, one buffer for all layers); a prefill's are filled with random KV."""
 
     def __init__(self, engine_id, server, *, layers=2, blocks=16, heads=4, head=8, tp=1, extra=None,
-                 model=None, backend="CPU_ATTN", cache_dtype="auto", layout=None):
+                 model=None, backend="CPU_ATTN", cache_dtype="auto", layout=None, dp=(1, 0),
+                 pp=1):
         extra = {"rendezvous": server.url if server else None, "xfer_config": MOCK,
                  "lookup_timeout_s": 2.0, **(extra or {})}
         model = model or tiny_model(layers, heads, head)
@@ -87,7 +88,9 @@ class Instance:
             return VllmConfig(
                 model_config=model,
                 cache_config=CacheConfig(block_size=BLOCK, cache_dtype=cache_dtype),
-                parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                parallel_config=ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp[0],
+                                               data_parallel_rank=dp[1],
+                                               pipeline_parallel_size=pp),
                 kv_transfer_config=KVTransferConfig(
                     kv_connector="XferConnector",
                     kv_connector_module_path="xfer.vllm",
@@ -810,6 +813,31 @@ def test_side_channels_replace_the_shared_rendezvous():
     assert_copied(p, d, [1, 2], [10, 11], loaded={0, 9, 2})
     p.wait("both freed", lambda: {"r", "q"} <= p.sent)
     p.close(), d.close()
+
+
+def test_data_parallel_engines_on_one_node_serve_side_channels_of_their_own():
+    """vLLM runs one engine per DP rank, each its own scheduler process, from one config: the
+    side channel's port is offset by the DP index (as NixlConnector offsets its own), so
+    they do not all bind one port; requests carry each engine's own."""
+    port = free_port()
+    extra = {"rendezvous": None, "side_channel": f"127.0.0.1:{port}"}
+    engines = [Instance(f"dp-p_dp{rank}", None, extra=extra, dp=(2, rank)) for rank in range(2)]
+    d = Instance("dp-d", None, extra={"rendezvous": None, "side_channel": f"127.0.0.1:{free_port()}"})
+    for rank, p in enumerate(engines):
+        params = prefill(p, f"r{rank}", 10, [3, 5])
+        assert params["remote_rendezvous"] == f"xfer://127.0.0.1:{port + rank}"
+        decode(d, f"r{rank}-d", 10, params, [rank * 2, rank * 2 + 1])
+        d.step()
+        d.wait("the load", lambda: f"r{rank}-d" in d.recved)
+        assert not d.failed
+    for p in engines:
+        p.close()
+    d.close()
+
+
+def test_pipeline_parallel_instances_are_refused_by_name(server):
+    with pytest.raises(NotImplementedError, match="pipeline"):
+        Instance("pp-refused", server, pp=2)
 
 
 # ---- MLA from a model's own config ----
