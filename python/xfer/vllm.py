@@ -13,12 +13,21 @@ Select it without patching vLLM::
                            "kv_connector_extra_config": {"rendezvous": "xfer://10.0.0.5:7300",
                                                          "xfer_config": "/etc/xfer/verbs.toml"}}'
 
-**Pull.** The prefill instance finishes a request (its proxy asked for ``do_remote_decode``)
-and keeps its blocks; ``request_finished`` hands back the parameters a decode instance needs.
-The decode instance, given them, reads the blocks with RDMA READ — one paged read per layer,
-offsets computed from block ids, never a list of per-block descriptors — and then tells the
-prefill instance by request id, which frees them. A prefill whose reader never comes frees
-them after ``free_timeout_s`` (a lease).
+**Caches** are what vLLM 0.33 allocates: one buffer per KV cache tensor, one strided view per
+layer, ``[num_blocks, kv_heads, block_size, head_size_k + head_size_v]`` (K and V packed) in
+the stride order the attention backend resolved (NHD or HND; MLA's latent; fp8 as bytes).
+Each distinct buffer is registered once; each layer's view of it is published. The connector
+asks for HND (``get_required_kvcache_layout``): a head slice of a block is then one run.
+
+**Pull.** The prefill instance finishes a request (its proxy asked for ``do_remote_decode``;
+a request that stopped at its first token is handed off too) and keeps its blocks;
+``request_finished`` hands back the parameters a decode instance needs. The decode instance,
+given them, reads the blocks with RDMA READ — per layer, one paged read per contiguous run of
+a block (``_kvcache.block_runs``), offsets computed from block ids — off vLLM's model-runner
+thread, and then tells the prefill instance by request id, which frees them and answers
+whether it still held them: the load counts only then. A prefill whose reader never comes
+frees them after ``free_timeout_s`` (a lease); a reader that comes later gets a load error,
+never another request's KV.
 
 **Peers** are found through xfer's rendezvous (``extra_config["rendezvous"]``, an ``xfer://``
 or ``etcd://`` URL), or through each instance's own side channel (``extra_config
@@ -26,7 +35,9 @@ or ``etcd://`` URL), or through each instance's own side channel (``extra_config
 every request's parameters carry the URL, so no shared service is needed). One of the two is
 required, so nothing defaults silently to localhost across machines:
 each worker publishes ``vllm.<engine_id>.<tp_rank>`` with its engine's address and one region per
-layer, the region's name carrying a tag of the layer's name and its page layout.
+layer, the region's name carrying a tag of the layer's name and its view of the buffer. vLLM
+gives each data-parallel engine its own engine id (``_dp<rank>``); its side channel is served
+at the configured port plus the DP index. Pipeline parallelism is refused at start.
 
 **Failures** — a peer that is gone, a refused read, a timeout (xfer's ``timeouts.transfer_ms``),
 a layout that does not match — end the load with the request's blocks reported by
@@ -35,8 +46,8 @@ so vLLM recomputes or fails it by its policy; never a hang.
 
 **Tensor parallelism** may differ between the instances (one size dividing the other): a decode
 rank with fewer KV heads per rank reads its head slice of one prefill rank, one with more reads
-each prefill rank holding some of its heads into place (token by token, still one paged read
-per layer and prefill rank); MLA's latent cache, the same on every rank, is read whole from one
+each prefill rank holding some of its heads into place; with more ranks than KV heads, each
+rank reads from one replica. MLA's latent cache, the same on every rank, is read whole from one
 rank. Every decode rank tells every prefill rank when it is done; a prefill rank frees the
 blocks once all have.
 
@@ -45,14 +56,18 @@ asks the decode instance first): the decode instance allocates the request's blo
 their ids to the prefill ranks it expects data from; the prefill instance writes each layer's
 blocks as soon as the layer is computed (``save_kv_layer``; for GPU tensors once the step's
 stream is synchronised, in ``wait_for_save``), and after the writes completed tells each
-decode rank; a decode rank completes when every prefill rank it expects said so, or reports
-the request's blocks as load errors at ``push_timeout_s``. Ids that arrive after the prefill
+decode rank; a decode rank completes when every prefill rank it expects said so. At ``push_timeout_s`` it
+tells the ranks still owing data to stop and reports the request's blocks as load errors once
+each answered that nothing of theirs is in flight (vLLM then reuses the blocks). Ids that arrive after the prefill
 computed the request are pushed at once; a prefill request aborted or never scheduled fails
 its decoder's load instead of letting it wait. The decode side then frees the prefill's
 blocks as in pull mode. Proxy parameters — to the decode instance:
 ``{"do_remote_prefill": true, "xfer_push": true, "remote_engine_id": <prefill engine>,
 "remote_request_id": <the prefill's request id>, "remote_tp_size": <its TP>}``; to the prefill
 instance: ``{"do_remote_decode": true, "xfer_push": true}``.
+
+**Sleep mode**: ``unregister_kv_caches`` withdraws the record and deregisters the buffers,
+``restore_kv_caches`` registers and publishes them anew.
 
 **Metrics**: ``get_kv_connector_stats`` per worker (vLLM sums and logs them) and Prometheus
 ``vllm:xfer_*`` counters and a load-time histogram through ``build_prom_metrics``.
