@@ -1,0 +1,226 @@
+"""XferConnector driven the way a vLLM engine core drives it (issue 41), on a CPU-only machine.
+
+Each instance is vLLM's own ``Scheduler`` (which makes the scheduler-side connector itself,
+from the config) over the KV cache config ``get_kv_cache_configs`` computed, and per TP rank a
+worker-side connector over the tensors ``allocate_kv_cache`` allocated. A step is what
+``EngineCore.step`` does: ``schedule()``, then on every rank the model runner's own KV
+connector hooks (``KVConnectorModelRunnerMixin._get_kv_connector_output``, inside a forward
+context; each attention layer's ``save_kv_layer``), the ranks' outputs merged by vLLM's
+``KVOutputAggregator``, and ``update_from_output``. Only the forward pass itself is left
+out (the wheel has no CPU kernels): the prefill's KV is in its blocks from the start, and each
+request samples token 7.
+"""
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer import kv_transfer_state  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.forward_context import set_forward_context  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.worker.kv_connector_model_runner_mixin import (  # noqa: E402
+    KVConnectorModelRunnerMixin,
+)
+
+import xfer  # noqa: E402
+import xfer.vllm  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import vllm_caches  # noqa: E402
+
+MOCK = {"backend": "mock", "groups": [{"nics": ["mock0"]}], "timeouts": {"transfer_ms": 2000}}
+BLOCK, BLOCKS, TOKEN = 16, 24, 7
+WAIT = 20.0
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = xfer.Server()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def model():
+    directory = Path(tempfile.mkdtemp())
+    vllm_caches.write_model(directory, num_hidden_layers=2, num_key_value_heads=4,
+                            num_attention_heads=8, hidden_size=64)
+    return vllm_caches.load_model_config(directory)
+
+
+class Engine:
+    """One vLLM instance as its engine core runs it (see the module docs)."""
+
+    def __init__(self, engine_id, server, model, tp=1, extra=None, on_load_failure="fail"):
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(model.hf_config.num_hidden_layers)]
+        extra = {"rendezvous": server.url, "xfer_config": MOCK, "lookup_timeout_s": 2.0,
+                 **(extra or {})}
+
+        def config(rank):
+            return VllmConfig(
+                model_config=model,
+                cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+                scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
+                                                 max_model_len=64, is_encoder_decoder=False),
+                parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                device_config=DeviceConfig("cpu"),
+                kv_transfer_config=KVTransferConfig(
+                    kv_connector="XferConnector", kv_connector_module_path="xfer.vllm",
+                    kv_role="kv_both", engine_id=engine_id,
+                    kv_load_failure_policy=on_load_failure,
+                    kv_connector_extra_config={**extra, "tp_size": tp, "tp_rank": rank}),
+            )
+
+        self.configs = [config(r) for r in range(tp)]
+        self.workers, self.ranks = [], []
+        gen = torch.Generator().manual_seed(hash(engine_id) % 2**31)
+        for c in self.configs:
+            kv_cache_config, caches = vllm_caches.allocate(c, names, BLOCKS)
+            for cache in caches.values():
+                raw = cache.view(torch.uint8)
+                raw.copy_(torch.randint(0, 64, raw.shape, generator=gen, dtype=torch.uint8))
+            worker = KVConnectorFactory.create_connector(c, KVConnectorRole.WORKER, kv_cache_config)
+            worker.register_kv_caches(caches)
+            self.workers.append(worker)
+            self.ranks.append(caches)
+        first = self.configs[0]
+        first.cache_config.num_gpu_blocks = BLOCKS
+        self.scheduler = Scheduler(vllm_config=first, kv_cache_config=kv_cache_config,
+                                   structured_output_manager=StructuredOutputManager(first),
+                                   block_size=BLOCK, log_stats=True)
+        self.aggregator = KVOutputAggregator.from_connector(self.workers[0], tp)
+        self.outputs = {}
+        self.blocks = {}
+        """Request id → its blocks, as the scheduler allocated them (while it ran)."""
+        """Request id → its engine core outputs (tokens, finish reason, kv_transfer_params)."""
+
+    def add(self, req_id, tokens, max_tokens, params):
+        self.scheduler.add_request(Request(
+            req_id, list(range(1, tokens + 1)),
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                           extra_args={"kv_transfer_params": params}), None))
+
+    def step(self):
+        out = self.scheduler.schedule()
+        for req_id in out.num_scheduled_tokens:
+            self.blocks[req_id] = list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+        runs = [self._run(rank, out) for rank in range(len(self.workers))]
+        merged = self.aggregator.aggregate(runs)
+        for outputs in self.scheduler.update_from_output(out, merged).values():
+            for o in outputs.outputs:
+                self.outputs.setdefault(o.request_id, []).append(o)
+
+    def _run(self, rank, out):
+        """One rank's model runner for one step: its connector through vLLM's hooks."""
+        worker, config = self.workers[rank], self.configs[rank]
+        kv_transfer_state._KV_CONNECTOR_AGENT = worker
+        try:
+            reqs = list(out.num_scheduled_tokens)
+            if not reqs:
+                return KVConnectorModelRunnerMixin.kv_connector_no_forward(out, config)
+            with set_forward_context(None, config), \
+                    KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output:
+                for name, cache in self.ranks[rank].items():  # the forward pass's layers
+                    worker.save_kv_layer(name, cache, None)
+            return ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
+                                     sampled_token_ids=[[TOKEN] for _ in reqs],
+                                     kv_connector_output=kv_output)
+        finally:
+            kv_transfer_state._KV_CONNECTOR_AGENT = None
+
+    def run_until(self, what, cond):
+        deadline = time.monotonic() + WAIT
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            self.step()
+            time.sleep(0.001)
+
+    def finished(self, req_id):
+        return any(o.finish_reason is not None for o in self.outputs.get(req_id, []))
+
+    def tokens(self, req_id):
+        return [t for o in self.outputs.get(req_id, []) for t in o.new_token_ids]
+
+    def free_blocks(self):
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def gathered(self):
+        return {name: torch.cat([caches[name].view(torch.uint8) for caches in self.ranks], dim=1)
+                for name in self.ranks[0]}
+
+    def close(self):
+        for worker in self.workers:
+            worker.shutdown()
+        self.scheduler.shutdown()
+
+
+@pytest.mark.parametrize("decode_tp,prefill_tp", [(1, 1), (2, 1), (1, 2)])
+def test_a_request_prefilled_by_one_scheduler_is_decoded_by_another(server, model, decode_tp,
+                                                                    prefill_tp):
+    tag = f"{decode_tp}x{prefill_tp}"
+    p = Engine(f"sched-p{tag}", server, model, tp=prefill_tp)
+    d = Engine(f"sched-d{tag}", server, model, tp=decode_tp)
+    free_p, free_d = p.free_blocks(), d.free_blocks()
+    # The proxy's request to the prefill instance: one token, the KV handed off.
+    p.add("r", 40, 1, {"do_remote_decode": True})
+    p.run_until("the prefill", lambda: p.finished("r"))
+    [done] = [o for o in p.outputs["r"] if o.finish_reason is not None]
+    params = done.kv_transfer_params
+    assert params["do_remote_prefill"] and len(params["remote_block_ids"]) == 3
+    assert p.free_blocks() < free_p, "the blocks are kept for the reader"
+    # The proxy's request to the decode instance, with the prefill's parameters.
+    d.add("r-d", 40, 3, params)
+    d.run_until("the decoded tokens", lambda: d.finished("r-d"))
+    assert d.tokens("r-d") == [TOKEN] * 3, "decoded from the loaded KV, not recomputed"
+    theirs, ours = p.gathered(), d.gathered()
+    blocks_d = d.blocks["r-d"][:3]  # the prompt's blocks, where the KV was loaded
+    for name in theirs:
+        assert torch.equal(ours[name][blocks_d], theirs[name][params["remote_block_ids"]]), name
+    p.run_until("the prefill to free the blocks once read", lambda: p.free_blocks() == free_p)
+    d.run_until("the decode to free its blocks", lambda: d.free_blocks() == free_d)
+    p.close(), d.close()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_failed_load_is_recomputed_or_failed_by_the_schedulers_policy(server, model, policy):
+    """A prefill that vanished after handing off: by vLLM's kv_load_failure_policy the decode
+    scheduler recomputes the prompt itself, or fails the request — never decodes garbage."""
+    p = Engine(f"sched-pf{policy}", server, model)
+    d = Engine(f"sched-df{policy}", server, model, on_load_failure=policy)
+    p.add("r", 40, 1, {"do_remote_decode": True})
+    p.run_until("the prefill", lambda: p.finished("r"))
+    [done] = [o for o in p.outputs["r"] if o.finish_reason is not None]
+    p.close()
+    d.add("r-d", 40, 3, done.kv_transfer_params)
+    d.run_until("the request to end", lambda: d.finished("r-d"))
+    [end] = [o for o in d.outputs["r-d"] if o.finish_reason is not None]
+    if policy == "recompute":
+        assert d.tokens("r-d") == [TOKEN] * 3
+    else:
+        assert d.tokens("r-d") == [] and end.finish_reason.name == "ERROR"
+    d.close()
