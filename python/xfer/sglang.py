@@ -6,10 +6,20 @@ them as it computes (``KVSender.send``) — one paged write per KV buffer per ch
 indices — then the auxiliary data, then tells the decode instance by bootstrap room. Both sides
 poll ``KVPoll`` states: Bootstrapping → WaitingForInput → Transferring → Success or Failed.
 
-Select it (SGLang has no registry of transfer backends yet)::
+Select it with ``--disaggregation-transfer-backend xfer``: the package declares an
+``sglang.srt.plugins`` entry point, which SGLang runs in every process it starts (its CLI
+before parsing the arguments, each spawned scheduler), and which adds the choice and the
+classes (SGLang has no registry of transfer backends: ``register`` patches its enum and
+``get_kv_class``). The engine config comes from ``$XFER_CONFIG`` (or an earlier
+``xfer.sglang.register(config=...)`` in the same process).
 
-    import xfer.sglang
-    xfer.sglang.register()          # then --disaggregation-transfer-backend xfer
+**Decode queues**: besides ``base/conn.py``, the manager and receiver have what SGLang's
+decode queues read (``prefill_info_table``, ``try_ensure_parallel_info``, ``kv_args``,
+``kv_mgr``, ``bootstrap_infos``, ``conclude_state``), and the deferred release of an aborted
+room: the decode rank tells its prefill ranks (``ensure_abort_notified``), each cancels what
+it has in flight, writes nothing more to the room and answers; SGLang frees the pages once
+all answered (``kv_mgr.is_abort_release_safe``). Prefill ranks register at the bootstrap
+host SGLang names (``--dist-init-addr``'s host across nodes, else ``--host``).
 
 **Bootstrap**: the prefill instance's bootstrap server is xfer's rendezvous service
 (``xfer.Server`` on the bootstrap host and port; it serves loopback only unless
@@ -72,6 +82,10 @@ PROTOCOL = 2
 """Bumped when the messages or the published layout change: peers of another refuse by name."""
 _META, _DONE, _FAIL = b"xsg-meta\n", b"xsg-done\n", b"xsg-fail\n"
 """Prefixes of the messages between the instances (a JSON header follows)."""
+_ABORT, _ABORT_ACK = b"xsg-stop\n", b"xsg-stok\n"
+"""A decode rank gave up a room (aborted, failed, timed out): each prefill rank it sent its
+pages to writes nothing more there and answers once none of its writes is in flight — SGLang
+frees the pages only then (``is_abort_release_safe``)."""
 
 _config: Any = None
 transfer_timeout_s = 60.0
@@ -95,6 +109,16 @@ def _message(prefix: bytes, header: dict[str, Any], payload: bytes = b"") -> byt
 
 def _parse(data: bytes) -> tuple[bytes, dict[str, Any], bytes]:
     return unpack_message(data, len(_META))
+
+
+def _bootstrap_host(server_args: Any) -> str:
+    """Where the prefill's bootstrap server is: the host of ``--dist-init-addr`` across nodes
+    (where SGLang's own backends register), else the serving ``--host``."""
+    addr = getattr(server_args, "dist_init_addr", None)
+    if addr:
+        return str(addr).rsplit(":", 1)[0].strip("[]")
+    host = getattr(server_args, "host", None)
+    return "127.0.0.1" if not host or host in ("0.0.0.0", "::") else str(host)
 
 
 def _attn_tp(server_args: Any) -> int:
@@ -195,11 +219,23 @@ class XferKVBootstrapServer(BaseKVBootstrapServer):
 
 
 class XferKVManager(BaseKVManager):
-    """One per rank: the engine, the registered KV and aux buffers, messages in and out."""
+    """One per rank: the engine, the registered KV and aux buffers, messages in and out.
+
+    Besides ``base/conn.py`` it has what SGLang 0.5.23's decode queues read of a manager
+    (``disaggregation/decode.py``): ``prefill_info_table`` and ``try_ensure_parallel_info``
+    (the prefill's topology, fetched once per bootstrap address, one short attempt per call
+    from the scheduler loop), the deferred release of aborted rooms' pages
+    (``is_abort_release_safe``, ``clear_deferred_abort_state``) and the flags it checks."""
+
+    supports_host_destination = False
+    """Pages are written into device (or registered) KV buffers only."""
+    enable_deferred_decode_kv_release = True
+    """An aborted room's pages are freed once its prefill ranks said nothing is in flight."""
+    defer_decode_allocation = False
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: bool | None = False):
-        self.args = args
+        self.args = self.kv_args = args  # SGLang's queues read ``kv_args``
         self.mode = disaggregation_mode
         self.server_args = server_args
         state = [p for group in (getattr(args, "state_data_ptrs", None) or []) for p in group]
@@ -238,23 +274,69 @@ class XferKVManager(BaseKVManager):
         """Decode: the bootstraps this rank's buffers were published at."""
         self.peers: dict[str, dict[str, Any]] = {}
         """Prefill: decode ranks' records, by name."""
+        self.prefill_info_table: dict[str, Any] = {}
+        """Decode: each bootstrap address's prefill topology (SGLang's ``PrefillServerInfo``)."""
+        self.prefill_shapes: dict[str, KvShape] = {}
+        self.abort_acks: dict[int, set[int]] = {}
+        """Decode: the prefill ranks that answered each aborted room (armed at the abort)."""
+        self.senders: dict[int, Any] = {}
+        """Prefill: the senders by room, for a decode rank's abort."""
+        self.aborted: dict[int, float] = {}
+        """Prefill: rooms a decode rank aborted (when), so pages that arrive after the abort
+        (delivery is unordered) are never written."""
         self.engine.submit_recvs(65536, 64, self._on_message)
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.register_to_bootstrap()
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """One attempt (the decode queue retries) to learn the prefill's topology at
+        ``bootstrap_addr``; a prefill this rank cannot receive from is refused by name."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        try:
+            first = self._bootstrap(bootstrap_addr).lookup("sglang.prefill.0", 1.0)
+        except Exception as e:  # noqa: BLE001 - not up yet: the queue tries again
+            logger.info("xfer.sglang: no prefill at %s yet (%s)", bootstrap_addr, e)
+            return False
+        names = list(first["regions"])
+        if len(names) != 1:
+            raise LayoutError(f"the prefill at {bootstrap_addr} published {names}: not an xfer "
+                              f"SGLang prefill of protocol {PROTOCOL}")
+        prefill = KvShape.parse(names[0])
+        self.shape.check_pair(prefill)
+        from sglang.srt.disaggregation.common.conn import PrefillServerInfo
+
+        self.prefill_shapes[bootstrap_addr] = prefill
+        self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
+            attn_tp_size=prefill.tp, attn_cp_size=1, dp_size=1, pp_size=1,
+            page_size=prefill.page_size, kv_cache_dtype=None, follow_bootstrap_room=True)
+        return True
+
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        return False
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """Every prefill rank the room's pages went to answered its abort."""
+        with self.lock:
+            return len(self.abort_acks.get(int(bootstrap_room), ())) >= required_acks
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        with self.lock:
+            self.abort_acks.pop(int(bootstrap_room), None)
 
     def _bootstrap(self, addr: str) -> xfer.Rendezvous:
         with self.lock:
             r = self.rendezvous.get(addr)
         if r is None:
-            r = xfer.Rendezvous(f"xfer://{addr}", connect_timeout=transfer_timeout_s,
+            # Connects briefly: the scheduler loop calls in (lookups carry their own waits).
+            r = xfer.Rendezvous(f"xfer://{addr}", connect_timeout=2.0,
                                 secret_file=os.environ.get("XFER_SECRET_FILE"))
             with self.lock:
                 self.rendezvous[addr] = r
         return r
 
     def register_to_bootstrap(self) -> None:
-        host = getattr(self.server_args, "disaggregation_bootstrap_host", None) or "127.0.0.1"
-        addr = f"{host}:{self.server_args.disaggregation_bootstrap_port}"
+        addr = f"{_bootstrap_host(self.server_args)}:{self.server_args.disaggregation_bootstrap_port}"
         # The layout travels as the name of the one region published. Rendezvous records name
         # regions, so it names a small one of its own holding the same text (readable: it is
         # public; the KV buffers stay local, peers never address them).
@@ -288,14 +370,47 @@ class XferKVManager(BaseKVManager):
             logger.warning("xfer.sglang: a malformed message was ignored")
             return
         room = int(header["room"])
+        if prefix == _ABORT:
+            self._aborted(room, header)
+            return
         with self.lock:
-            if prefix == _META:
+            if prefix == _ABORT_ACK:
+                acks = self.abort_acks.get(room)
+                if acks is not None:
+                    acks.add(int(header["rank"]))
+            elif prefix == _META:
+                if room in self.aborted:
+                    return  # its decode rank gave up before these pages came
                 pages = np.frombuffer(payload, dtype="<i4").copy()
                 self.metadata.setdefault(room, {})[int(header["rank"])] = (header, pages)
             elif prefix == _DONE:
                 self.dones[room] = self.dones.get(room, 0) + 1
             elif prefix == _FAIL:
                 self.failures.setdefault(room, str(header.get("why", "the prefill failed")))
+
+    def _aborted(self, room: int, header: dict[str, Any]) -> None:
+        """Prefill: a decode rank gave up ``room``: nothing more is written there, what is in
+        flight is cancelled, and the decode rank is answered once none of it is."""
+        now = time.monotonic()
+        with self.lock:
+            self.aborted[room] = now
+            for old in [r for r, t in self.aborted.items() if now - t > 2 * transfer_timeout_s]:
+                del self.aborted[old]
+            sender = self.senders.get(room)
+        # Off the engine's callback thread: a cancel waits until no NIC touches the memory.
+        threading.Thread(target=self._drain_and_ack, args=(room, header, sender),
+                         name="xfer-sglang-abort", daemon=True).start()
+
+    def _drain_and_ack(self, room: int, header: dict[str, Any], sender: Any) -> None:
+        if sender is not None:
+            sender.stop(f"room {room}: aborted by decode rank {header.get('rank')}")
+        try:
+            peer = self._bootstrap(str(header["bootstrap"])).lookup(str(header["decode"]),
+                                                                   transfer_timeout_s)
+            self.engine.submit_send(peer["addr"], _message(_ABORT_ACK,
+                                                           {"room": room, "rank": self.rank}))
+        except Exception as e:  # noqa: BLE001 - the decode frees at its own deadline
+            logger.warning("xfer.sglang: could not answer the abort of room %d: %s", room, e)
 
     def close(self) -> None:
         for p in self.publications:
@@ -320,6 +435,10 @@ class XferKVSender(BaseKVSender):
         self.transfers: list[xfer.Transfer] = []
         self.started: float | None = None
         self.ended: float | None = None
+        with mgr.lock:
+            mgr.senders[self.room] = self
+            if self.room in mgr.aborted:
+                self.failure = f"room {self.room}: aborted by the decode instance"
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self.total, self.aux_index = int(num_kv_indices), aux_index
@@ -336,12 +455,18 @@ class XferKVSender(BaseKVSender):
             return None
         return [got[r] for r in want]
 
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        """The last chunk goes even without pages: it is what ends the transfer."""
+        return num_pages > 0 or last_chunk
+
     def pop_decode_prefix_len(self) -> int:
         """Tokens the decode instance already holds: sending starts after them."""
         dests = self._destinations()
         return int(dests[0][0].get("prefix") or 0) if dests else 0
 
     def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: Any = None) -> None:
+        if self.failure is not None:
+            return  # aborted or failed: nothing more is written
         dests = self._destinations()
         if dests is None:
             self._fail(f"room {self.room}: send before the decode instance sent its page indices")
@@ -409,13 +534,30 @@ class XferKVSender(BaseKVSender):
 
     def _submit(self, post: Any) -> None:
         with self.mgr.lock:
+            if self.failure is not None:
+                return  # stopped while this chunk was being submitted
             self.pending += 1
         try:
-            self.transfers.append(post())
+            transfer = post()
         except Exception:
             with self.mgr.lock:
                 self.pending -= 1
             raise
+        with self.mgr.lock:
+            self.transfers.append(transfer)
+            stopped = self.failure is not None
+        if stopped:
+            transfer.cancel()
+
+    def stop(self, why: str) -> None:
+        """A decode rank aborted: fails this transfer and returns once none of its writes is
+        in flight (each cancel waits until no NIC touches the memory)."""
+        with self.mgr.lock:
+            if self.failure is None:
+                self.failure = why
+            transfers = list(self.transfers)
+        for t in transfers:
+            t.cancel()
 
     def _one_done(self, error: BaseException | None) -> None:
         if error is not None:
@@ -467,6 +609,8 @@ class XferKVSender(BaseKVSender):
         return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=self.bytes)
 
     def failure_exception(self) -> None:
+        # SGLang's prefill never clears a failed sender: this is its last call.
+        self.clear()
         raise RuntimeError(f"xfer transfer failed: {self.failure}")
 
     def abort(self) -> None:
@@ -477,6 +621,8 @@ class XferKVSender(BaseKVSender):
     def clear(self) -> None:
         with self.mgr.lock:
             self.mgr.metadata.pop(self.room, None)
+            if self.mgr.senders.get(self.room) is self:
+                del self.mgr.senders[self.room]
 
 
 class XferKVReceiver(BaseKVReceiver):
@@ -489,21 +635,33 @@ class XferKVReceiver(BaseKVReceiver):
         self.prefills: list[dict[str, Any]] | None = None
         self.failure: str | None = None
         self.deadline: float | None = None
+        self.abort_notified = False
+        """The prefill ranks were told this room is given up (SGLang then waits for their
+        answers, ``kv_mgr.is_abort_release_safe``, before it frees the pages)."""
+        self.conclude_state: int | None = None
+        self.require_staging = False
+
+    @property
+    def kv_mgr(self) -> XferKVManager:
+        """The manager, by the name SGLang's decode queues use."""
+        return self.mgr
+
+    @property
+    def bootstrap_infos(self) -> list[dict[str, Any]] | None:
+        """The prefill ranks this room's pages go to (SGLang counts their abort answers)."""
+        return self.prefills
 
     def init(self, prefill_dp_rank: int = 0, *args: Any, **kwargs: Any) -> None:
         try:
             rdv = self.mgr._bootstrap(self.addr)
-            first = rdv.lookup("sglang.prefill.0", transfer_timeout_s)
-            names = list(first["regions"])
-            if len(names) != 1:
-                raise LayoutError(f"the prefill at {self.addr} published {names}: not an xfer "
-                                  f"SGLang prefill of protocol {PROTOCOL}")
-            prefill = KvShape.parse(names[0])
-            self.mgr.shape.check_pair(prefill)
+            if self.addr not in self.mgr.prefill_shapes and \
+                    not self.mgr.try_ensure_parallel_info(self.addr):
+                raise RuntimeError("its bootstrap did not answer")
+            prefill = self.mgr.prefill_shapes[self.addr]
             targets = prefill_targets(self.mgr.rank, self.mgr.tp, prefill.tp, self.mgr.mla)
-            self.prefills = [rdv.lookup(f"sglang.prefill.{t}", transfer_timeout_s)
-                             for t in targets]
+            prefills = [rdv.lookup(f"sglang.prefill.{t}", transfer_timeout_s) for t in targets]
             self.record = self.mgr.decode_record(self.addr)
+            self.prefills = prefills
         except LayoutError as e:
             self.failure = f"room {self.room}: the prefill at {self.addr} cannot send here: {e}"
         except Exception as e:  # noqa: BLE001 - reported through poll
@@ -527,6 +685,12 @@ class XferKVReceiver(BaseKVReceiver):
             self.failure = f"room {self.room}: could not reach the prefill instance: {e}"
 
     def poll(self) -> int:
+        state = self._poll()
+        if state in (KVPoll.Success, KVPoll.Failed):
+            self.conclude_state = state
+        return state
+
+    def _poll(self) -> int:
         if self.failure is not None:
             return KVPoll.Failed
         if self.prefills is None:
@@ -548,10 +712,35 @@ class XferKVReceiver(BaseKVReceiver):
         return KVPoll.Transferring
 
     def failure_exception(self) -> None:
+        self.conclude_state = KVPoll.Failed
         raise RuntimeError(f"xfer transfer failed: {self.failure}")
 
     def abort(self) -> None:
         self.failure = self.failure or f"room {self.room}: aborted"
+        self.conclude_state = KVPoll.Failed
+        self.ensure_abort_notified()
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """Tells each prefill rank this room's pages went to that the room is given up
+        (once); their answers arm ``kv_mgr.is_abort_release_safe``. Before the prefill ranks
+        are known nothing was sent to them: nothing to tell."""
+        if self.abort_notified or self.prefills is None:
+            return
+        self.abort_notified = True
+        with self.mgr.lock:
+            self.mgr.abort_acks[self.room] = set()
+        header = {"room": self.room, "rank": self.mgr.rank, "decode": self.record,
+                  "bootstrap": self.addr}
+        for prefill in self.prefills:
+            try:
+                self.mgr.engine.submit_send(prefill["addr"], _message(_ABORT, header))
+            except Exception as e:  # noqa: BLE001 - SGLang frees at its own deadline
+                logger.warning("xfer.sglang: could not tell a prefill rank that room %d was "
+                               "aborted: %s", self.room, e)
+
+    def is_abort_release_safe(self) -> bool:
+        """Host destinations only (not supported): never reached."""
+        return not self.abort_notified
 
     def clear(self) -> None:
         with self.mgr.lock:
@@ -565,7 +754,8 @@ def register(config: Any = None) -> None:
     registry of transfer backends; this is the one call until it has). ``config``: the xfer
     engine config (else ``$XFER_CONFIG``)."""
     global _config
-    _config = config
+    if config is not None:  # SGLang's plugin loader calls this with none: $XFER_CONFIG then
+        _config = config
     import sys
 
     from sglang.srt.arg_groups import choices

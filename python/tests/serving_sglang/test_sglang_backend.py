@@ -153,6 +153,101 @@ def test_no_prefill_at_the_bootstrap_and_abort(bootstrap, monkeypatch):
     d.close()
 
 
+def test_the_decode_queues_learn_the_prefill_topology_through_the_manager(bootstrap):
+    """What DecodePreallocQueue reads of the manager before it makes a receiver
+    (decode.py: try_ensure_parallel_info, prefill_info_table, _resolve_prefill_dp_rank)."""
+    from unittest.mock import MagicMock
+
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
+    d = Side(DisaggregationMode.DECODE, bootstrap, 8)
+    assert not d.mgr.try_ensure_parallel_info(bootstrap), "no prefill there yet"
+    assert d.mgr.prefill_info_table.get(bootstrap) is None
+    p = Side(DisaggregationMode.PREFILL, bootstrap, 9)
+    assert d.mgr.try_ensure_parallel_info(bootstrap)
+    info = d.mgr.prefill_info_table[bootstrap]
+    assert (info.attn_tp_size, info.dp_size, info.page_size) == (1, 1, 16)
+    # The queue's own method, on a queue holding this manager (as SGLang's tests drive it).
+    queue = MagicMock(spec=DecodePreallocQueue)
+    queue.kv_manager = d.mgr
+    req = MagicMock(bootstrap_host=bootstrap.split(":")[0],
+                    bootstrap_port=int(bootstrap.split(":")[1]), disagg_prefill_dp_rank=None,
+                    bootstrap_room=3)
+    assert DecodePreallocQueue._resolve_prefill_dp_rank(queue, req) == 0
+    assert d.mgr.kv_args is d.mgr.args and not d.mgr.supports_host_destination
+    receiver = xs.XferKVReceiver(d.mgr, bootstrap, 11)
+    assert receiver.kv_mgr is d.mgr and receiver.bootstrap_infos is None
+    receiver.init(0)
+    assert len(receiver.bootstrap_infos) == 1 and receiver.poll() == KVPoll.WaitingForInput
+    p.close(), d.close()
+
+
+def test_an_aborted_room_keeps_its_pages_until_every_prefill_rank_stopped_writing(bootstrap):
+    """SGLang's deferred release (decode.py: ensure_abort_notified, then
+    kv_mgr.is_abort_release_safe(room, len(bootstrap_infos)) before the pages are freed): the
+    prefill rank answers only once nothing of its is in flight, and writes nothing after."""
+    p = Side(DisaggregationMode.PREFILL, bootstrap, 10)
+    d = Side(DisaggregationMode.DECODE, bootstrap, 11)
+    receiver = xs.XferKVReceiver(d.mgr, bootstrap, 21)
+    receiver.init(0)
+    sender = xs.XferKVSender(p.mgr, bootstrap, 21)
+    sender.init(2)
+    receiver.send_metadata(np.array([6, 7], dtype=np.int32))
+    until("the page indices", lambda: sender.poll() == KVPoll.WaitingForInput)
+    before = [k.copy() for k in d.kv]
+    assert d.mgr.enable_deferred_decode_kv_release
+    receiver.abort()
+    assert receiver.poll() == KVPoll.Failed and receiver.abort_notified
+    required = len(receiver.bootstrap_infos)
+    until("the prefill's answer", lambda: d.mgr.is_abort_release_safe(21, required))
+    sender.send(np.array([1, 2], dtype=np.int32))  # the prefill's forward ends after all
+    assert sender.poll() == KVPoll.Failed
+    with pytest.raises(RuntimeError, match="aborted"):
+        sender.failure_exception()
+    assert 21 not in p.mgr.metadata and 21 not in p.mgr.senders, "a failed sender is cleared"
+    for ours, was in zip(d.kv, before):
+        assert np.array_equal(ours, was), "written after the abort was answered"
+    d.mgr.clear_deferred_abort_state(21)
+    assert not d.mgr.is_abort_release_safe(21, required)
+    receiver.clear()
+    p.close(), d.close()
+
+
+def test_a_last_chunk_without_pages_still_goes():
+    sender = xs.XferKVSender.__new__(xs.XferKVSender)
+    assert sender.should_send_kv_chunk(0, True) and not sender.should_send_kv_chunk(0, False)
+
+
+def test_prefill_ranks_register_at_the_bootstrap_host_sglang_names():
+    assert xs._bootstrap_host(ServerArgs(model_path="m", device="cpu")) == "127.0.0.1"
+    assert xs._bootstrap_host(ServerArgs(model_path="m", device="cpu", host="10.1.2.3")) == "10.1.2.3"
+    across = ServerArgs(model_path="m", device="cpu", dist_init_addr="10.9.8.7:5000", nnodes=2)
+    assert xs._bootstrap_host(across) == "10.9.8.7"
+
+
+def test_sglang_processes_load_the_backend_from_its_entry_point():
+    """SGLang's spawned schedulers (and its CLI, before it parses arguments) run
+    sglang.srt.plugins.load_plugins(): a fresh interpreter that runs only that finds xfer."""
+    import subprocess
+    import sys
+
+    script = (
+        "from sglang.srt.plugins import load_plugins\n"
+        "load_plugins()\n"
+        "from sglang.srt.server_args import ServerArgs\n"
+        "from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class\n"
+        "import argparse\n"
+        "parser = argparse.ArgumentParser()\n"
+        "ServerArgs.add_cli_args(parser)\n"
+        "args = parser.parse_args(['--model-path', 'm', '--disaggregation-transfer-backend', 'xfer'])\n"
+        "assert args.disaggregation_transfer_backend == 'xfer'\n"
+        "print(get_kv_class(TransferBackend('xfer'), KVClassType.MANAGER).__qualname__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "XferKVManager"
+
+
 def test_without_a_config_the_backend_refuses_to_start(monkeypatch):
     monkeypatch.setattr(xs, "_config", None)
     monkeypatch.delenv("XFER_CONFIG", raising=False)
