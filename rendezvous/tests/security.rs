@@ -185,3 +185,68 @@ fn a_dropped_watch_frees_its_server_thread_and_connection() {
         server.connections() == baseline
     });
 }
+
+/// Issue 42 §1: a client that announces a large frame and trickles a byte at a time (each
+/// read succeeding before the service's read tick) is cut off at the greeting's deadline,
+/// not served forever: with one connection slot, a real client gets it afterwards.
+#[test]
+fn a_client_trickling_its_greeting_is_cut_off_and_frees_its_slot() {
+    let limits = Limits {
+        max_connections: 1,
+        idle: Duration::from_secs(1),
+        ..Limits::default()
+    };
+    let server = Server::start_with("127.0.0.1:0", limits, None).unwrap();
+    let mut s = std::net::TcpStream::connect(server.addr()).unwrap();
+    s.write_all(&(100u32 * 1024).to_le_bytes()).unwrap();
+    wait_for("the trickler to be served", || server.connections() == 1);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let trickle = {
+        let stop = std::sync::Arc::clone(&stop);
+        std::thread::spawn(move || {
+            // One byte every 300 ms, under the service's 500 ms read tick, for up to 30 s.
+            for _ in 0..100 {
+                if stop.load(std::sync::atomic::Ordering::Acquire) || s.write_all(&[0]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        })
+    };
+    wait_for("the trickler to be cut off", || server.connections() == 0);
+    let r =
+        Rendezvous::connect_with(&server.url(), &options(Duration::from_secs(5), None)).unwrap();
+    let _p = r.publish("after-the-trickle", &addr(3), &[], TTL).unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Release);
+    trickle.join().unwrap();
+}
+
+/// Issue 42 §2: a watch that ends (its client dropped it) gives its slot back at once, not
+/// when a key under its prefix next changes: with two slots, two quiet watches dropped, two
+/// new ones are served.
+#[test]
+fn a_dropped_watch_gives_its_slot_back() {
+    let limits = Limits {
+        max_watchers: 2,
+        ..Limits::default()
+    };
+    let server = Server::start_with("127.0.0.1:0", limits, None).unwrap();
+    let r = Rendezvous::connect(&server.url()).unwrap();
+    let _ = r.list().unwrap();
+    let baseline = server.connections();
+    for round in 0..3 {
+        let watches: Vec<_> = (0..2)
+            .map(|i| {
+                r.watch()
+                    .unwrap_or_else(|e| panic!("round {round}, watch {i}: {e}"))
+            })
+            .collect();
+        wait_for("the watches to be served", || {
+            server.connections() == baseline + 2
+        });
+        drop(watches);
+        wait_for("the watch connections to close", || {
+            server.connections() == baseline
+        });
+    }
+}

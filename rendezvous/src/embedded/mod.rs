@@ -46,6 +46,10 @@ pub const MAX_TTL: Duration = Duration::from_secs(3600);
 
 /// How often a served connection looks up from its read (for the stop flag and idleness).
 const READ_TICK: Duration = Duration::from_millis(500);
+/// The longest a connection may take over its greeting (`Hello`, and with a secret the
+/// proof), however its bytes arrive: before it proves anything, a client holds a connection
+/// slot no longer (or [`Limits::idle`], if shorter).
+const GREETING: Duration = Duration::from_secs(10);
 
 /// An idle watch stream carries a heartbeat this often.
 const HEARTBEAT: Duration = Duration::from_secs(1);

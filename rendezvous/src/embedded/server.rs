@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::state::State;
 use super::wire::{write_frame, FrameReader, Request, Response};
-use super::{Limits, HEARTBEAT, MAX_REQUEST, READ_TICK};
+use super::{Limits, GREETING, HEARTBEAT, MAX_REQUEST, READ_TICK};
 use crate::secret::{nonce, Role, Secret, SECRET_FILE_ENV};
 use crate::{Change, Error, Result};
 
@@ -183,19 +183,18 @@ fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
     state.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The next request, waiting through read ticks until the connection idles out (`None`:
-/// idle, broken, or the service is stopping).
+/// The next request, whole by `deadline` (`None`: not in time — however many bytes
+/// trickled in —, broken, or the service is stopping).
 fn next_request(
     conn: &mut TcpStream,
     reader: &mut FrameReader,
     stop: &AtomicBool,
-    idle: Duration,
+    deadline: Instant,
 ) -> Option<Request> {
-    let since = Instant::now();
     while !stop.load(Ordering::Acquire) {
-        match reader.next(conn) {
+        match reader.next(conn, deadline) {
             Ok(Some(r)) => return Some(r),
-            Ok(None) if since.elapsed() >= idle => return None,
+            Ok(None) if Instant::now() >= deadline => return None,
             Ok(None) => continue,
             Err(_) => return None,
         }
@@ -212,9 +211,12 @@ fn greet(
     limits: &Limits,
     secret: Option<&Secret>,
 ) -> bool {
+    // One deadline for the whole greeting, before any proof: an unauthenticated client
+    // holds its connection slot this long at most.
+    let deadline = Instant::now() + limits.idle.min(GREETING);
     let Some(Request::Hello {
         nonce: client_nonce,
-    }) = next_request(conn, reader, stop, limits.idle)
+    }) = next_request(conn, reader, stop, deadline)
     else {
         let _ = write_frame(
             conn,
@@ -237,7 +239,7 @@ fn greet(
     {
         return false;
     }
-    match next_request(conn, reader, stop, limits.idle) {
+    match next_request(conn, reader, stop, deadline) {
         Some(Request::Prove { proof })
             if secret.verify(Role::Client, &client_nonce, &service_nonce, &proof) =>
         {
@@ -274,7 +276,7 @@ fn serve(
     if !greet(&mut conn, &mut reader, stop, limits, secret) {
         return;
     }
-    while let Some(req) = next_request(&mut conn, &mut reader, stop, limits.idle) {
+    while let Some(req) = next_request(&mut conn, &mut reader, stop, Instant::now() + limits.idle) {
         if let Request::Watch { prefix } = req {
             return stream_watch(conn, state, stop, prefix);
         }
@@ -285,23 +287,38 @@ fn serve(
     }
 }
 
+/// A watch's slot in the state, given back when its stream ends, however it ends.
+struct WatchSlot<'a> {
+    state: &'a Mutex<State>,
+    id: u64,
+}
+
+impl Drop for WatchSlot<'_> {
+    fn drop(&mut self) {
+        lock(self.state).end_watch(self.id);
+    }
+}
+
 fn stream_watch(mut conn: TcpStream, state: &Mutex<State>, stop: &AtomicBool, prefix: String) {
-    let current = {
+    let started = {
         let mut s = lock(state);
-        if s.watchers.len() >= s.limits.max_watchers {
-            let max = s.limits.max_watchers;
-            drop(s);
+        let (tx, rx) = sync_channel(s.limits.watch_queue);
+        match s.start_watch(prefix.clone(), tx) {
+            Some(id) => Ok((id, s.handle(Request::List { prefix }), rx)),
+            None => Err(s.limits.max_watchers),
+        }
+    };
+    let (id, snapshot, rx) = match started {
+        Ok(started) => started,
+        Err(max) => {
             let _ = write_frame(
                 &mut conn,
                 &Response::Refused(format!("the service serves its maximum of {max} watches")),
             );
             return;
         }
-        let (tx, rx) = sync_channel(s.limits.watch_queue);
-        s.watchers.push((prefix.clone(), tx));
-        (s.handle(Request::List { prefix }), rx)
     };
-    let (snapshot, rx) = current;
+    let _slot = WatchSlot { state, id };
     if write_frame(&mut conn, &snapshot).is_err() {
         return;
     }

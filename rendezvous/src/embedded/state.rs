@@ -18,7 +18,9 @@ struct Lease {
 pub(super) struct State {
     entries: BTreeMap<String, (Vec<u8>, u64)>,
     leases: HashMap<u64, Lease>,
-    pub(super) watchers: Vec<(String, SyncSender<Change>)>,
+    /// Watches by id: each one's prefix and queue.
+    watchers: BTreeMap<u64, (String, SyncSender<Change>)>,
+    next_watcher: u64,
     pub(super) limits: Limits,
 }
 
@@ -48,9 +50,28 @@ impl State {
         Self {
             entries: BTreeMap::new(),
             leases: HashMap::new(),
-            watchers: Vec::new(),
+            watchers: BTreeMap::new(),
+            next_watcher: 0,
             limits,
         }
+    }
+
+    /// A new watch of `prefix` with its queue, unless the service serves its maximum; its
+    /// id gives the slot back ([`end_watch`](Self::end_watch)).
+    pub(super) fn start_watch(&mut self, prefix: String, tx: SyncSender<Change>) -> Option<u64> {
+        if self.watchers.len() >= self.limits.max_watchers {
+            return None;
+        }
+        let id = self.next_watcher;
+        self.next_watcher += 1;
+        self.watchers.insert(id, (prefix, tx));
+        Some(id)
+    }
+
+    /// The watch ended (its stream broke, its client left, or it fell behind): its slot is
+    /// free at once, whether or not a key under its prefix ever changes.
+    pub(super) fn end_watch(&mut self, id: u64) {
+        self.watchers.remove(&id);
     }
 
     fn notify(&mut self, change: &Change) {
@@ -59,7 +80,7 @@ impl State {
         };
         // A watcher whose queue is full has fallen behind: it is cut off (its stream ends),
         // not buffered for without bound.
-        self.watchers.retain(|(prefix, tx)| {
+        self.watchers.retain(|_, (prefix, tx)| {
             !key.starts_with(prefix.as_str())
                 || match tx.try_send(change.clone()) {
                     Ok(()) => true,

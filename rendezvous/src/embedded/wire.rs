@@ -86,10 +86,13 @@ impl FrameReader {
         }
     }
 
-    /// The next whole frame; `None` if the read timed out first (what arrived is kept).
+    /// The next whole frame; `None` if a read timed out first, or `deadline` passed while
+    /// bytes kept arriving (what arrived is kept either way: the caller decides whether a
+    /// frame that is not whole in time ends the connection).
     pub(super) fn next<T: for<'de> Deserialize<'de>>(
         &mut self,
         s: &mut TcpStream,
+        deadline: std::time::Instant,
     ) -> std::io::Result<Option<T>> {
         loop {
             if self.buf.len() >= 4 {
@@ -110,7 +113,12 @@ impl FrameReader {
             let mut chunk = [0u8; 4096];
             match s.read(&mut chunk) {
                 Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Ok(n) => {
+                    self.buf.extend_from_slice(&chunk[..n]);
+                    if std::time::Instant::now() >= deadline {
+                        return Ok(None);
+                    }
+                }
                 Err(e)
                     if matches!(
                         e.kind(),
