@@ -167,6 +167,14 @@ fn secure(security: &EtcdSecurity) -> Result<impl Fn(ConnectOptions) -> ConnectO
         }
     };
     let user = match (&security.user, &security.password_file) {
+        (Some(_), Some(file)) if tls.is_none() => {
+            return Err(Error::Credentials {
+                path: file.clone(),
+                why: "etcd_user's password would cross the network in cleartext: etcd's user \
+                      authentication needs TLS (etcd_ca_file)"
+                    .into(),
+            })
+        }
         (Some(user), Some(file)) => {
             let password = String::from_utf8(read(file)?).map_err(|_| Error::Credentials {
                 path: file.clone(),
@@ -422,5 +430,31 @@ impl Changes for EtcdChanges {
             Ok(None) => Err(service_error(&self.service, "the watch ended")),
             Err(_) => Ok(None),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 42 §8: a user's password is never sent where the connection is not TLS.
+    #[test]
+    fn a_password_without_tls_is_refused_by_name() {
+        let dir = std::env::temp_dir().join(format!("xfer-etcd-pw-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("password");
+        std::fs::write(&file, "hunter2\n").unwrap();
+        let security = EtcdSecurity {
+            user: Some("root".into()),
+            password_file: Some(file),
+            ..EtcdSecurity::default()
+        };
+        let err = secure(&security).err().expect("refused");
+        let text = err.to_string();
+        assert!(
+            text.contains("cleartext") && text.contains("etcd_ca_file"),
+            "{text}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
