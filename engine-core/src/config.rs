@@ -354,13 +354,44 @@ impl Config {
 
     /// Parses and checks TOML text; `source` names it in errors.
     pub fn from_toml(text: &str, source: &Path) -> Result<Self, ConfigError> {
-        let mut config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+        let parse = |e: toml::de::Error| ConfigError::Parse {
             file: source.to_owned(),
             message: e.to_string(),
-        })?;
+        };
+        let with_groups;
+        let mut text = text;
+        let table: toml::Table = toml::from_str(text).map_err(parse)?;
+        if !table.contains_key("groups") {
+            with_groups = Self::with_default_groups(table, source)?;
+            text = &with_groups;
+        }
+        let mut config: Config = toml::from_str(text).map_err(parse)?;
         config.source = source.to_owned();
         config.validate()?;
         Ok(config)
+    }
+
+    /// A config without `groups`, given what `xfer topo` would choose where that needs no
+    /// hardware to know: the mock's one NIC, libfabric's first domain (`auto`). A verbs or
+    /// plugin backend's NICs are the operator's to name: refused with what to write.
+    fn with_default_groups(mut table: toml::Table, source: &Path) -> Result<String, ConfigError> {
+        let backend = table.get("backend").and_then(|b| b.as_str()).unwrap_or("");
+        let nic = match backend {
+            "mock" => "mock0",
+            "efa" => "auto",
+            _ => {
+                return Err(ConfigError::Invalid {
+                    file: source.to_owned(),
+                    message: format!(
+                        "no `groups`: backend {backend:?} needs its NICs named, e.g. [[groups]] nics = [\"mlx5_0\"] (`xfer topo` lists this machine's NICs and the groups it would choose)"
+                    ),
+                })
+            }
+        };
+        let mut group = toml::Table::new();
+        group.insert("nics".into(), toml::Value::Array(vec![nic.into()]));
+        table.insert("groups".into(), toml::Value::Array(vec![group.into()]));
+        Ok(toml::to_string(&table).expect("a table serialises"))
     }
 
     fn invalid(&self, message: String) -> ConfigError {
@@ -551,6 +582,29 @@ mod tests {
         let err = parse("backend = \"mock\"\n[[groups]]\nnics = [\"a\"]\n[timeouts]\ntransfer = 1")
             .unwrap_err();
         assert!(err.to_string().contains("transfer"), "{err}");
+    }
+
+    /// Issue 42 §14: a config that leaves `groups` out gets what `xfer topo` would choose
+    /// where that is known without hardware (the mock's one NIC, libfabric's first domain);
+    /// elsewhere the error names the file and what to write.
+    #[test]
+    fn omitted_groups_default_where_the_choice_is_known_and_are_named_where_not() {
+        let mock = Config::from_toml(
+            "backend = \"mock\"\n[timeouts]\ntransfer_ms = 9",
+            Path::new("a.toml"),
+        )
+        .unwrap();
+        assert_eq!(mock.groups.len(), 1);
+        assert_eq!(mock.groups[0].nics, vec!["mock0"]);
+        assert_eq!(mock.timeouts.transfer_ms, 9);
+        let efa = Config::from_toml("backend = \"efa\"", Path::new("b.toml")).unwrap();
+        assert_eq!(efa.groups[0].nics, vec!["auto"]);
+        let err = Config::from_toml("backend = \"verbs\"", Path::new("c.toml")).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("c.toml") && text.contains("[[groups]]") && text.contains("xfer topo"),
+            "{text}"
+        );
     }
 
     #[test]

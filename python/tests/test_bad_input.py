@@ -139,6 +139,13 @@ def test_configs_are_checked():
         xfer.TransferEngine({"backend": "mock", "groups": [{"nics": [object()]}]})
 
 
+def test_a_config_without_groups_gets_the_mock_nic_or_says_what_to_write():
+    with xfer.TransferEngine({"backend": "mock", "timeouts": {"transfer_ms": 100}}) as e:
+        assert len(e.nic_addresses) == 1
+    with pytest.raises(xfer.ConfigError, match=r"<dict>.*\[\[groups\]\].*xfer topo"):
+        xfer.TransferEngine({"backend": "verbs"})
+
+
 def test_an_unknown_backend_names_what_was_searched():
     with pytest.raises(xfer.PluginError, match="no_such_nic"):
         xfer.TransferEngine({"backend": "no_such_nic", "groups": [{"nics": ["x"]}]})
