@@ -78,7 +78,7 @@ pub(crate) fn read_dlpack(capsule: &Bound<'_, PyCapsule>) -> PyResult<DlView> {
         // SAFETY: DLPack: non-null `strides` points to `ndim` int64s (in elements).
         Some(unsafe { std::slice::from_raw_parts(t.strides, ndim) })
     };
-    check_compact(shape, strides)?;
+    check_compact(shape, strides).map_err(|why| crate::errors::invalid(capsule.py(), why))?;
     let elements = shape.iter().try_fold(1u64, |acc, &d| {
         u64::try_from(d).ok().and_then(|d| acc.checked_mul(d))
     });
@@ -96,16 +96,16 @@ pub(crate) fn read_dlpack(capsule: &Bound<'_, PyCapsule>) -> PyResult<DlView> {
 }
 
 /// A registered region must be one contiguous range: C-contiguous strides (or none).
-fn check_compact(shape: &[i64], strides: Option<&[i64]>) -> PyResult<()> {
+fn check_compact(shape: &[i64], strides: Option<&[i64]>) -> Result<(), &'static str> {
     let Some(strides) = strides else {
         return Ok(());
     };
     let mut expected = 1i64;
     for (&dim, &stride) in shape.iter().zip(strides).rev() {
         if dim > 1 && stride != expected {
-            return Err(pyo3::exceptions::PyValueError::new_err(
+            return Err(
                 "the tensor is not contiguous: register a contiguous tensor (e.g. .contiguous())",
-            ));
+            );
         }
         expected = expected.saturating_mul(dim.max(1));
     }
