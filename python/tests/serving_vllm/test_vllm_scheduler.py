@@ -54,7 +54,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import vllm_caches  # noqa: E402
 
 MOCK = {"backend": "mock", "groups": [{"nics": ["mock0"]}], "timeouts": {"transfer_ms": 2000}}
-BLOCK, BLOCKS, TOKEN = 16, 24, 7
+BLOCK, BLOCKS, TOKEN = 32, 24, 7  # the CPU attention backend takes blocks of 32 tokens
+PROMPT = 40
+PROMPT_BLOCKS = -(-PROMPT // BLOCK)
 WAIT = 20.0
 
 
@@ -76,10 +78,18 @@ def model():
 class Engine:
     """One vLLM instance as its engine core runs it (see the module docs)."""
 
-    def __init__(self, engine_id, server, model, tp=1, extra=None, on_load_failure="fail"):
+    def __init__(self, engine_id, server, model, tp=1, extra=None, on_load_failure="fail",
+                 connector="xfer"):
         names = [f"model.layers.{i}.self_attn.attn" for i in range(model.hf_config.num_hidden_layers)]
-        extra = {"rendezvous": server.url, "xfer_config": MOCK, "lookup_timeout_s": 2.0,
-                 **(extra or {})}
+        if connector == "xfer":
+            extra = {"rendezvous": server.url, "xfer_config": MOCK, "lookup_timeout_s": 2.0,
+                     **(extra or {})}
+            kinds = {"kv_connector": "XferConnector", "kv_connector_module_path": "xfer.vllm"}
+        else:  # vLLM's own NixlConnector, on UCX over host memory: the control
+            extra = {"backends": ["UCX"]}
+            kinds = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+            # Each instance's scheduler serves its own side channel.
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
 
         def config(rank):
             return VllmConfig(
@@ -90,10 +100,10 @@ class Engine:
                 parallel_config=ParallelConfig(tensor_parallel_size=tp),
                 device_config=DeviceConfig("cpu"),
                 kv_transfer_config=KVTransferConfig(
-                    kv_connector="XferConnector", kv_connector_module_path="xfer.vllm",
-                    kv_role="kv_both", engine_id=engine_id,
+                    **kinds, kv_role="kv_both", engine_id=engine_id,
                     kv_load_failure_policy=on_load_failure,
-                    kv_connector_extra_config={**extra, "tp_size": tp, "tp_rank": rank}),
+                    kv_connector_extra_config={**extra, "tp_size": tp, "tp_rank": rank}
+                    if connector == "xfer" else extra),
             )
 
         self.configs = [config(r) for r in range(tp)]
@@ -113,6 +123,13 @@ class Engine:
         self.scheduler = Scheduler(vllm_config=first, kv_cache_config=kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(first),
                                    block_size=BLOCK, log_stats=True)
+        # As EngineCore._set_kv_connector_handshake_metadata: the workers' handshake
+        # metadata (NixlConnector's; xfer publishes in its rendezvous instead), keyed by
+        # (pp rank, tp rank), handed to the scheduler-side connector.
+        handshakes = {(0, rank): md for rank, w in enumerate(self.workers)
+                      if (md := w.get_handshake_metadata()) is not None}
+        if handshakes:
+            self.scheduler.get_kv_connector().set_xfer_handshake_metadata_pp_aware(handshakes)
         self.aggregator = KVOutputAggregator.from_connector(self.workers[0], tp)
         self.outputs = {}
         self.blocks = {}
@@ -179,44 +196,81 @@ class Engine:
         self.scheduler.shutdown()
 
 
-@pytest.mark.parametrize("decode_tp,prefill_tp", [(1, 1), (2, 1), (1, 2)])
-def test_a_request_prefilled_by_one_scheduler_is_decoded_by_another(server, model, decode_tp,
-                                                                    prefill_tp):
-    tag = f"{decode_tp}x{prefill_tp}"
-    p = Engine(f"sched-p{tag}", server, model, tp=prefill_tp)
-    d = Engine(f"sched-d{tag}", server, model, tp=decode_tp)
+def one_process_group():
+    """vLLM's distributed state for one process (NixlConnector's worker asks for its TP
+    rank through it; xfer's takes it from its config)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return
+    with set_current_vllm_config(VllmConfig()):
+        parallel_state.init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+        parallel_state.ensure_model_parallel_initialized(1, 1)
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("connector,decode_tp,prefill_tp",
+                         [("xfer", 1, 1), ("xfer", 2, 1), ("xfer", 1, 2), ("nixl", 1, 1)])
+def test_a_request_prefilled_by_one_scheduler_is_decoded_by_another(server, model, connector,
+                                                                    decode_tp, prefill_tp):
+    """``nixl``: vLLM's own NixlConnector through the same harness, the control (where it
+    passes and xfer fails, the defect is xfer's)."""
+    if connector == "nixl":
+        pytest.importorskip("nixl._api", reason="NIXL (the control) is not installed")
+        one_process_group()
+    tag = f"{connector}{decode_tp}x{prefill_tp}"
+    p = Engine(f"sched-p{tag}", server, model, tp=prefill_tp, connector=connector)
+    d = Engine(f"sched-d{tag}", server, model, tp=decode_tp, connector=connector)
     free_p, free_d = p.free_blocks(), d.free_blocks()
     # The proxy's request to the prefill instance: one token, the KV handed off.
-    p.add("r", 40, 1, {"do_remote_decode": True})
+    p.add("r", PROMPT, 1, {"do_remote_decode": True})
     p.run_until("the prefill", lambda: p.finished("r"))
     [done] = [o for o in p.outputs["r"] if o.finish_reason is not None]
     params = done.kv_transfer_params
-    assert params["do_remote_prefill"] and len(params["remote_block_ids"]) == 3
+    remote = params["remote_block_ids"]
+    remote = remote[0] if remote and isinstance(remote[0], list) else remote  # NIXL: per group
+    assert params["do_remote_prefill"] and len(remote) == PROMPT_BLOCKS
     assert p.free_blocks() < free_p, "the blocks are kept for the reader"
     # The proxy's request to the decode instance, with the prefill's parameters.
-    d.add("r-d", 40, 3, params)
+    d.add("r-d", PROMPT, 3, params)
     d.run_until("the decoded tokens", lambda: d.finished("r-d"))
     assert d.tokens("r-d") == [TOKEN] * 3, "decoded from the loaded KV, not recomputed"
     theirs, ours = p.gathered(), d.gathered()
-    blocks_d = d.blocks["r-d"][:3]  # the prompt's blocks, where the KV was loaded
+    blocks_d = d.blocks["r-d"][:PROMPT_BLOCKS]  # the prompt's blocks, where the KV was loaded
     for name in theirs:
-        assert torch.equal(ours[name][blocks_d], theirs[name][params["remote_block_ids"]]), name
+        assert torch.equal(ours[name][blocks_d], theirs[name][remote]), name
     p.run_until("the prefill to free the blocks once read", lambda: p.free_blocks() == free_p)
     d.run_until("the decode to free its blocks", lambda: d.free_blocks() == free_d)
     p.close(), d.close()
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_a_failed_load_is_recomputed_or_failed_by_the_schedulers_policy(server, model, policy):
+@pytest.mark.parametrize("connector,policy",
+                         [("xfer", "recompute"), ("xfer", "fail"), ("nixl", "fail")])
+def test_a_failed_load_is_recomputed_or_failed_by_the_schedulers_policy(server, model, connector,
+                                                                       policy):
     """A prefill that vanished after handing off: by vLLM's kv_load_failure_policy the decode
     scheduler recomputes the prompt itself, or fails the request — never decodes garbage."""
-    p = Engine(f"sched-pf{policy}", server, model)
-    d = Engine(f"sched-df{policy}", server, model, on_load_failure=policy)
-    p.add("r", 40, 1, {"do_remote_decode": True})
+    if connector == "nixl":
+        pytest.importorskip("nixl._api", reason="NIXL (the control) is not installed")
+        one_process_group()
+    p = Engine(f"sched-pf{connector}{policy}", server, model, connector=connector)
+    d = Engine(f"sched-df{connector}{policy}", server, model, on_load_failure=policy,
+               connector=connector)
+    p.add("r", PROMPT, 1, {"do_remote_decode": True})
     p.run_until("the prefill", lambda: p.finished("r"))
     [done] = [o for o in p.outputs["r"] if o.finish_reason is not None]
     p.close()
-    d.add("r-d", 40, 3, done.kv_transfer_params)
+    d.add("r-d", PROMPT, 3, done.kv_transfer_params)
     d.run_until("the request to end", lambda: d.finished("r-d"))
     [end] = [o for o in d.outputs["r-d"] if o.finish_reason is not None]
     if policy == "recompute":
