@@ -30,13 +30,18 @@ pub(crate) struct Framework {
 
 pub(crate) const VLLM: Framework = Framework {
     venv: "target/vllm-venv",
-    requirements: &["vllm==0.33.0", "pytest"],
+    // NIXL (the meta package brings its CUDA 12 and 13 builds; vLLM's torch is CUDA 13, so
+    // `import nixl` picks nixl_cu13): NixlConnector runs through the scheduler-driven harness
+    // as the control. It runs without a GPU on UCX; ~120 MB of wheels.
+    requirements: &["vllm==0.33.0", "nixl==1.5.1", "pytest"],
     tests: "python/tests/serving_vllm",
     // The CUDA wheel cannot infer a device on a machine without a GPU.
     env: &[("VLLM_TARGET_DEVICE", "cpu")],
-    // The two processes over verbs, reading every block with RDMA READ. ~8 minutes: both
-    // import torch and vLLM under the guest's emulation (concurrently). Push over verbs is
-    // left to a manual run (another ~12 minutes).
+    // The two processes over verbs, reading every block with RDMA READ. Only with
+    // `XFER_SERVING_IN_GUEST` set: both import torch and vLLM under the guest's emulation
+    // (TCG, the venv read over 9p), 7.5 minutes on 2026-12-02 and more than 15 (the start
+    // deadline) in CI's clean root on 2026-12-04. The connector's code is the same over the
+    // efa backend, which the host runs; verbs itself is tested in the guest's own suite.
     guest: Some("/test_vllm_two_process.py -k 'verbs and pull'"),
 };
 
@@ -123,11 +128,19 @@ impl Framework {
         result
     }
 
-    /// Runs [`guest`](Self::guest) in the rxe guest, counting its results.
+    /// Runs [`guest`](Self::guest) in the rxe guest, counting its results, where
+    /// `XFER_SERVING_IN_GUEST` asks for it.
     fn test_in_guest(&self, totals: &mut (u64, u64)) -> Result {
         let Some(selection) = self.guest else {
             return Ok(());
         };
+        if std::env::var_os("XFER_SERVING_IN_GUEST").is_none() {
+            eprintln!(
+                "xtask: {} in the rxe guest left out (set XFER_SERVING_IN_GUEST=1 to run it)",
+                self.tests
+            );
+            return Ok(());
+        }
         let env: Vec<String> = self.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
         // `-s`: with pytest's output capture the guest run ended in a FileNotFoundError from
         // the capture's own teardown after the test's body (2 runs of 2; 0 of 2 with `-s`).
