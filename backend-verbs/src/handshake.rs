@@ -795,6 +795,15 @@ impl Handshaker {
         matches!(self.peers.get(peer), Some(State::Established { .. }))
     }
 
+    /// Peers the machine keeps anything for: handshake state or the id of the last
+    /// established connection (tests: what a flood of forged sources leaves behind).
+    #[cfg(test)]
+    pub(crate) fn remembered(&self) -> usize {
+        let mut peers: std::collections::HashSet<&NetAddr> = self.peers.keys().collect();
+        peers.extend(self.established.keys());
+        peers.len()
+    }
+
     /// The request id of the connection with `peer`, in whatever state (tests).
     #[cfg(test)]
     pub(crate) fn request_id(&self, peer: &NetAddr) -> Option<u64> {

@@ -34,6 +34,9 @@ const SCAN: Duration = Duration::from_millis(10);
 /// Longest a schedule may run (virtual time).
 const HORIZON: Duration = Duration::from_secs(120);
 
+/// Most datagrams the replaying attacker records.
+const MAX_RECORDED: usize = 256;
+
 /// Schedules that once failed, kept as regression cases: (scenario, seed).
 /// - Forged 4: a forged request displaced the real peer's candidate, whose request then
 ///   got a second answer with other QPs; the requester confirmed it with `Ready` (once
@@ -61,12 +64,16 @@ enum Scenario {
     /// The same, but the cluster has a secret the forger does not hold: nothing it sends is
     /// even looked at.
     ForgedKeyed,
+    /// With the secret, A re-handshakes after connecting (as `Rehandshake`), while an
+    /// attacker who recorded every datagram so far replays all of them, to every endpoint,
+    /// after each delivery.
+    ReplayedKeyed,
 }
 
 /// The cluster secret of the keyed scenarios.
 const SECRET: &[u8] = b"the cluster's secret";
 
-const SCENARIOS: [Scenario; 8] = [
+const SCENARIOS: [Scenario; 9] = [
     Scenario::OneWay,
     Scenario::Simultaneous,
     Scenario::Rehandshake,
@@ -75,6 +82,7 @@ const SCENARIOS: [Scenario; 8] = [
     Scenario::LostReady,
     Scenario::Forged,
     Scenario::ForgedKeyed,
+    Scenario::ReplayedKeyed,
 ];
 
 /// A datagram in flight.
@@ -370,6 +378,8 @@ struct World {
     /// When broken connections were last looked for (every 10 ms of virtual time: a side
     /// takes 0–4 s to notice, and a scan visits every connection).
     last_scan: Option<Instant>,
+    /// The replaying attacker's recording (`ReplayedKeyed`): every datagram delivered so far.
+    recorded: Option<Vec<Vec<u8>>>,
 }
 
 impl World {
@@ -563,6 +573,18 @@ impl World {
         }
     }
 
+    /// Hands `bytes` to endpoint `x` as its UD QP would, carrying out what it asks for.
+    fn deliver(&mut self, x: usize, bytes: &[u8]) -> Result<(), String> {
+        let mut out = Vec::new();
+        self.eps[x].hs.handle_datagram(bytes, &mut out);
+        let mut ready = Vec::new();
+        self.eps[x].carry_out(self.now, out, &mut self.net, &mut ready);
+        for p in ready {
+            self.check_ready(x, &p)?;
+        }
+        Ok(())
+    }
+
     fn run(&mut self) -> Result<(), String> {
         let end = self.now + HORIZON;
         loop {
@@ -603,12 +625,20 @@ impl World {
                 let Some(x) = self.index_of(&dg.to) else {
                     continue;
                 };
-                let mut out = Vec::new();
-                self.eps[x].hs.handle_datagram(&dg.bytes, &mut out);
-                let mut ready = Vec::new();
-                self.eps[x].carry_out(now, out, &mut self.net, &mut ready);
-                for p in ready {
-                    self.check_ready(x, &p)?;
+                self.deliver(x, &dg.bytes)?;
+                // A replay round for each datagram not seen before (bytes the honest sides
+                // repeat, as answers to replays, start none: the rounds stay bounded).
+                if let Some(mut recorded) = self
+                    .recorded
+                    .take_if(|r| r.len() < MAX_RECORDED && !r.contains(&dg.bytes))
+                {
+                    recorded.push(dg.bytes);
+                    for bytes in &recorded {
+                        for y in 0..self.eps.len() {
+                            self.deliver(y, bytes)?;
+                        }
+                    }
+                    self.recorded = Some(recorded);
                 }
             }
             for x in 0..self.eps.len() {
@@ -652,7 +682,7 @@ fn schedule(scenario: Scenario, seed: u64, peers: usize) -> World {
         .map(|i| {
             let notice = Duration::from_millis(rng.u64(0..=4_000));
             let mut e = Endpoint::new(verbs_addr(i as u32, 0), rng.u64(..), notice);
-            if scenario == Scenario::ForgedKeyed {
+            if matches!(scenario, Scenario::ForgedKeyed | Scenario::ReplayedKeyed) {
                 e.hs = Handshaker::new(verbs_addr(i as u32, 0), 5, SETTINGS, rng.u64(..))
                     .with_secret(SECRET);
             }
@@ -669,6 +699,7 @@ fn schedule(scenario: Scenario, seed: u64, peers: usize) -> World {
         Scenario::Rehandshake | Scenario::RestartNewAddress | Scenario::RestartSameAddress => {
             Some((scenario, 1))
         }
+        Scenario::ReplayedKeyed => Some((Scenario::Rehandshake, 1)),
         _ => None,
     };
     let mut world = World {
@@ -680,6 +711,7 @@ fn schedule(scenario: Scenario, seed: u64, peers: usize) -> World {
         disrupt,
         seed,
         last_scan: None,
+        recorded: (scenario == Scenario::ReplayedKeyed).then(Vec::new),
     };
     world.reindex();
     if matches!(scenario, Scenario::Forged | Scenario::ForgedKeyed) {
@@ -741,7 +773,10 @@ fn run_one(scenario: Scenario, seed: u64) -> Result<(u64, usize), String> {
             let replaced: u32 = world.eps.iter().map(|e| e.replaced_live).sum();
             let disrupted = matches!(
                 scenario,
-                Scenario::Rehandshake | Scenario::RestartNewAddress | Scenario::RestartSameAddress
+                Scenario::Rehandshake
+                    | Scenario::RestartNewAddress
+                    | Scenario::RestartSameAddress
+                    | Scenario::ReplayedKeyed
             );
             if replaced > 0 && !disrupted {
                 return Err(format!(
@@ -775,12 +810,22 @@ fn run_one(scenario: Scenario, seed: u64) -> Result<(u64, usize), String> {
         })
 }
 
-/// How many schedules per scenario (`XFER_HANDSHAKE_SCHEDULES`, default 1,000: 6,000 in all).
+/// How many schedules per scenario (`XFER_HANDSHAKE_SCHEDULES`, default 1,000; a replaying
+/// scenario runs a tenth as many).
 fn schedules() -> u64 {
     std::env::var("XFER_HANDSHAKE_SCHEDULES")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(1_000)
+}
+
+/// A replaying schedule hands every recorded datagram to every endpoint after each delivery
+/// (quadratic in its length): a tenth as many.
+fn schedules_of(scenario: Scenario) -> u64 {
+    match scenario {
+        Scenario::ReplayedKeyed => schedules().div_ceil(10),
+        _ => schedules(),
+    }
 }
 
 #[test]
@@ -797,7 +842,7 @@ fn every_seeded_schedule_connects_safely() {
     let mut failed = Vec::new();
     let (mut sent, mut retried) = (0, 0);
     for scenario in SCENARIOS {
-        for seed in 0..schedules() {
+        for seed in 0..schedules_of(scenario) {
             match run_one(scenario, seed) {
                 Ok((s, f)) => {
                     sent += s;
@@ -815,7 +860,7 @@ fn every_seeded_schedule_connects_safely() {
     );
     // Every schedule exchanged at least a request, a response and a Ready, and losses made
     // some handshakes fail and start over.
-    let total = schedules() * SCENARIOS.len() as u64;
+    let total: u64 = SCENARIOS.iter().map(|&s| schedules_of(s)).sum();
     assert!(sent >= 3 * total, "{sent} datagrams in {total} schedules");
     assert!(
         retried > 0 || total < 100,
@@ -1200,6 +1245,151 @@ mod rules {
         // Without a secret nothing changes on the wire.
         let plain = Handshaker::new(verbs_addr(3, 0), 5, SETTINGS, 3);
         assert_eq!(plain.seal(&sent(&out)[0]), sent(&out)[0].encode().to_vec());
+    }
+
+    fn request_from(id: u32, request_id: u64, prev: u64) -> Handshake {
+        Handshake {
+            kind: Kind::Request,
+            request_id,
+            prev,
+            from: verbs_addr(id, 0),
+            data_qpn: 5,
+            data_psn: 1,
+            msg_qpn: 6,
+            msg_psn: 2,
+            mtu: 5,
+        }
+    }
+
+    const ENDS: Ends = Ends {
+        data_qpn: 9,
+        data_psn: 3,
+        msg_qpn: 10,
+        msg_psn: 4,
+    };
+
+    /// A connection still waiting for its `Ready` that already carried traffic (the
+    /// requester posts once connected; its `Ready` may be late) is as live as an established
+    /// one: a request that does not name it (a replayed or forged one) changes nothing.
+    #[test]
+    fn a_proven_half_open_connection_is_replaced_only_by_a_request_naming_it() {
+        let (a, mut b) = pair();
+        let now = Instant::now();
+        let request = request_from(1, 11, 0);
+        let mut out = Vec::new();
+        b.hs.handle_datagram(&request.encode(), &mut out);
+        out.clear();
+        b.hs.accepted(now, &a.addr, &request, Prior::None, Ok(ENDS), &mut out);
+        out.clear();
+        b.hs.proven(&a.addr, &mut out);
+        // The old request again, replayed: another id, naming nothing.
+        b.hs.handle_datagram(&request_from(1, 10, 0).encode(), &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        // A real re-handshake names it.
+        b.hs.handle_datagram(&request_from(1, 12, 11).encode(), &mut out);
+        assert!(
+            matches!(
+                out[..],
+                [Action::Accept {
+                    prior: Prior::Connected,
+                    ..
+                }]
+            ),
+            "{out:?}"
+        );
+    }
+
+    /// Without a secret an on-path host can see a request id; a Response to it naming other
+    /// QPs must not tear down the connection once it carried traffic (a real rebuild shows
+    /// as failing posts instead).
+    #[test]
+    fn a_forged_response_does_not_tear_down_a_proven_connection() {
+        let (mut a, b) = pair();
+        let now = Instant::now();
+        let mut out = Vec::new();
+        a.hs.connect(now, &b.addr, (1, 2), &mut out).unwrap();
+        let request = sent(&out)[0];
+        let response = Handshake {
+            kind: Kind::Response,
+            from: verbs_addr(2, 0),
+            prev: 0,
+            data_qpn: ENDS.data_qpn,
+            data_psn: ENDS.data_psn,
+            msg_qpn: ENDS.msg_qpn,
+            msg_psn: ENDS.msg_psn,
+            ..request
+        };
+        out.clear();
+        a.hs.handle_datagram(&response.encode(), &mut out);
+        let Some(Action::Complete { local, .. }) = out.first().cloned() else {
+            panic!("{out:?}");
+        };
+        out.clear();
+        a.hs.completed(&b.addr, &response, Ok(()), &mut out);
+        let _ = local;
+        out.clear();
+        a.hs.proven(&b.addr, &mut out);
+        let forged = Handshake {
+            data_qpn: 0xbad,
+            msg_qpn: 0xbae,
+            ..response
+        };
+        a.hs.handle_datagram(&forged.encode(), &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        assert!(a.hs.is_established(&b.addr));
+        // Unproven, a response naming other QPs still means the responder rebuilt its side.
+        let (mut c, _) = pair();
+        c.hs.connect(now, &b.addr, (1, 2), &mut out).unwrap();
+        let request = sent(&out)[0];
+        let response = Handshake {
+            request_id: request.request_id,
+            ..response
+        };
+        out.clear();
+        c.hs.handle_datagram(&response.encode(), &mut out);
+        out.clear();
+        c.hs.completed(&b.addr, &response, Ok(()), &mut out);
+        out.clear();
+        c.hs.handle_datagram(
+            &Handshake {
+                request_id: request.request_id,
+                ..forged
+            }
+            .encode(),
+            &mut out,
+        );
+        assert!(
+            matches!(
+                out[..],
+                [Action::Fail {
+                    why: Failure::Rebuilt,
+                    ..
+                }]
+            ),
+            "{out:?}"
+        );
+    }
+
+    /// Without a secret anyone can send requests from ever new addresses; each costs a
+    /// bounded half-open entry until its deadline, and nothing after it.
+    #[test]
+    fn forged_requests_from_fresh_addresses_leave_nothing_behind() {
+        let (_, mut b) = pair();
+        let now = Instant::now();
+        let mut out = Vec::new();
+        for id in 100..400u32 {
+            let request = request_from(id, u64::from(id), 0);
+            out.clear();
+            b.hs.handle_datagram(&request.encode(), &mut out);
+            if let [Action::Accept { peer, prior, .. }] = &out[..] {
+                let (peer, prior) = (peer.clone(), *prior);
+                b.hs.accepted(now, &peer, &request, prior, Ok(ENDS), &mut out);
+            }
+        }
+        assert!(b.hs.remembered() <= SETTINGS.max_half_open, "{}", b.hs.remembered());
+        out.clear();
+        b.hs.handle_timeout(now + SETTINGS.connect, &mut out);
+        assert_eq!(b.hs.remembered(), 0);
     }
 
     #[test]
