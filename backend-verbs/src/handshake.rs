@@ -460,7 +460,16 @@ impl Handshaker {
                     Prior::Candidate
                 }
             }
-            Some(State::AwaitingReady { .. }) => Prior::Connected,
+            // Traffic already flowed on it: as live as an established connection, so only
+            // a request naming it replaces it (a replayed or forged one changes nothing).
+            Some(State::AwaitingReady {
+                request_id, proven, ..
+            }) => {
+                if *proven && h.prev != *request_id {
+                    return;
+                }
+                Prior::Connected
+            }
         };
         if matches!(prior, Prior::None | Prior::Candidate)
             && self.half_open() >= self.settings.max_half_open
@@ -555,6 +564,7 @@ impl Handshaker {
             Some(State::Established {
                 request_id,
                 answered_by: Some(ends),
+                proven,
                 ..
             }) if *request_id == h.request_id => {
                 if *ends == ends_of(&h) {
@@ -564,6 +574,10 @@ impl Handshaker {
                         to: h.from,
                         msg: self.ready_for(&h),
                     });
+                } else if *proven {
+                    // Traffic flowed on the QPs we connected to, so they are still there: a
+                    // Response naming others is forged (an on-path host saw the request id)
+                    // or replayed. A real rebuild shows as failing posts instead.
                 } else {
                     self.peers.remove(&peer);
                     out.push(Action::Fail {
@@ -781,7 +795,12 @@ impl Handshaker {
                     continue;
                 }
                 Some(State::Requesting { .. }) => Failure::NoAnswer { connect_ms },
-                Some(State::AwaitingReady { .. }) => Failure::NeverConfirmed { connect_ms },
+                Some(State::AwaitingReady { .. }) => {
+                    // Never confirmed, it named nothing we could name back: a source that
+                    // only ever sent requests (a forger's made-up address) leaves nothing.
+                    self.established.remove(&peer);
+                    Failure::NeverConfirmed { connect_ms }
+                }
                 None => continue,
             };
             self.peers.remove(&peer);

@@ -1386,7 +1386,11 @@ mod rules {
                 b.hs.accepted(now, &peer, &request, prior, Ok(ENDS), &mut out);
             }
         }
-        assert!(b.hs.remembered() <= SETTINGS.max_half_open, "{}", b.hs.remembered());
+        assert!(
+            b.hs.remembered() <= SETTINGS.max_half_open,
+            "{}",
+            b.hs.remembered()
+        );
         out.clear();
         b.hs.handle_timeout(now + SETTINGS.connect, &mut out);
         assert_eq!(b.hs.remembered(), 0);
