@@ -307,3 +307,44 @@ def test_a_tensor_resized_after_registration_is_refused_at_its_next_use(engine):
     region.dereg()
     again = engine.reg_mr(t, access="local")
     engine.submit_single_write(again, dst.desc, 1 << 16).wait(10)
+
+
+def test_racing_deregistrations_keep_the_memory_until_the_owning_one_finishes(engine):
+    """Threads deregistering one region at once: exactly one deregisters, every other is
+    refused as not registered, and the memory's owner (the keepalive) is released by the
+    deregistration that owned it, once it finished: never by a caller that lost the race
+    (which would free memory a NIC may still write into)."""
+    import threading
+    import weakref
+
+    class Owner:
+        pass
+
+    threads = 4
+    for _ in range(200):
+        owner = Owner()
+        buf = np.zeros(4096, dtype=np.uint8)
+        region = engine.reg_mr_raw(buf.ctypes.data, buf.nbytes, keepalive=owner)
+        released_by, winner, refused = [], [], []
+        weakref.finalize(owner, lambda: released_by.append(threading.get_ident()))
+        del owner
+        start = threading.Barrier(threads)
+
+        def dereg():
+            start.wait()
+            try:
+                region.dereg()
+                winner.append(threading.get_ident())
+            except xfer.InvalidArgumentError as e:
+                refused.append(str(e))
+
+        workers = [threading.Thread(target=dereg) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        assert len(winner) == 1 and len(refused) == threads - 1, (winner, refused)
+        assert all("not registered" in r for r in refused), refused
+        assert released_by == winner
+        assert not region.registered
+        region.__exit__(None, None, None)  # gone already: a no-op
