@@ -60,16 +60,30 @@ impl Registrations {
     }
 
     pub(crate) fn dereg_handle(&self, py: Python<'_>, handle: MrHandle) -> PyResult<()> {
-        let engine = self.engine(py)?;
-        if !self.is_registered(handle.id()) {
+        self.dereg_claimed(py, handle, false)
+    }
+
+    /// [`dereg_handle`](Self::dereg_handle); `gone_ok`: a region deregistered already (by
+    /// another thread, meanwhile) is not an error (`__exit__`).
+    fn dereg_claimed(&self, py: Python<'_>, handle: MrHandle, gone_ok: bool) -> PyResult<()> {
+        // Claimed before deregistering: a second caller (another thread's `dereg`, or
+        // `__exit__` after one) finds nothing and is refused, instead of releasing the memory
+        // while this deregistration still runs and the NIC may still write into it.
+        let Some(keep) = self.keeps().remove(&handle.id()) else {
+            if gone_ok {
+                return Ok(());
+            }
+            // Closed: every registration went with the engine.
+            self.engine(py)?;
             return Err(errors::invalid(
                 py,
                 "the region is not registered (deregistered already?)",
             ));
-        }
+        };
+        // Closed meanwhile: the shut-down engine touches no memory, so `keep` may go.
+        let engine = self.engine(py)?;
         let result = py.detach(|| engine.dereg_mr(handle));
         // Whatever it returned, no NIC touches the memory any more: release the exporter.
-        let keep = self.keeps().remove(&handle.id());
         drop(keep);
         result.or_raise(py)
     }
@@ -344,9 +358,7 @@ impl MemoryRegion {
 
     #[pyo3(signature = (*_args))]
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
-        if self.owner.is_registered(self.handle.id()) {
-            self.dereg(py)?;
-        }
+        self.owner.dereg_claimed(py, self.handle, true)?;
         Ok(false)
     }
 
