@@ -24,7 +24,9 @@
 //!   repeated `Response` (the `Ready` was lost) with `Ready` again — but only if it names the
 //!   QPs we connected to: a response to our request naming others means the responder
 //!   rebuilt its side (our answer there was displaced), so our connection is dead; it fails
-//!   ([`Failure::Rebuilt`]) rather than confirm QPs we are not connected to. Likewise a
+//!   ([`Failure::Rebuilt`]) rather than confirm QPs we are not connected to — unless our
+//!   connection is proven (the QPs we connected to answered, so they exist): then such a
+//!   response is forged or replayed and ignored. Likewise a
 //!   `Ready` counts only if it echoes the response it answers (a delayed duplicate confirming
 //!   an earlier answer to the same request is ignored).
 //! - A `Request` that would replace a *proven* connection — one that carried traffic (an RC
@@ -37,20 +39,24 @@
 //!   ([`Action::DropCandidate`]). So a forged Request + Ready claiming to be X cannot lock the
 //!   real X out (X, having lost its state, can only send `prev = 0`, and its handshake
 //!   completes as a candidate), and forged or stale requests alone change nothing. A
-//!   connection still waiting for its `Ready` may be replaced outright (the requester may
-//!   have given up on it). Chosen trade-off: a peer that restarted at the very
+//!   connection still waiting for its `Ready` may be replaced outright while unproven (the
+//!   requester may have given up on it); once traffic arrived on it, only by a request naming
+//!   it. Chosen trade-off: a peer that restarted at the very
 //!   same address (QPN reuse) while its old connection is proven is answered only once this
 //!   side noticed that connection is dead (its next write fails: [`Handshaker::forget`]) —
 //!   new processes get new QPNs.
 //! - At most `max_half_open` handshakes wait for their `Ready` at once: a request from a new
 //!   peer beyond that is dropped (a real requester resends it), so a flood of forged sources
-//!   costs a bounded number of QPs. Without a cluster secret such a flood can still delay new
-//!   connections; it cannot tear down proven ones.
+//!   costs a bounded number of QPs, and a source whose answer is never confirmed leaves
+//!   nothing behind after its deadline. Without a cluster secret such a flood can still delay
+//!   new connections; it cannot tear down proven ones.
 //! - With a cluster secret ([`Handshaker::with_secret`]) every message carries a MAC
 //!   (HMAC-SHA256 over the message, truncated to [`MAC_LEN`] bytes) and a datagram whose MAC
 //!   does not verify is dropped before any state is kept: only holders of the secret can
 //!   take part. A replayed authentic datagram cannot complete a handshake (a `Ready` must echo
-//!   the responder's fresh random PSNs) and costs at most a bounded half-open entry.
+//!   the responder's fresh random PSNs) and costs at most a bounded half-open entry; it
+//!   carries no freshness, so while a peer has no proven connection an old request replayed
+//!   can still keep our own attempts to it from completing (docs/security.md).
 
 use std::time::{Duration, Instant};
 
