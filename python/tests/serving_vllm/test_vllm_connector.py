@@ -211,6 +211,14 @@ def decode(d, req_id, tokens, params, local_ids, computed=0):
     return r
 
 
+def load(d, req_id, tokens, params, local_ids):
+    """The decode's scheduler asks for the request's KV, its worker steps, and the load
+    finishes (received or failed)."""
+    decode(d, req_id, tokens, params, local_ids)
+    d.step()
+    d.wait("the load", lambda: req_id in d.recved)
+
+
 def assert_copied(p, d, remote_ids, local_ids, loaded=()):
     """Every block of every layer the decode received is byte-equal to the prefill's, and
     every other block here (but those in ``loaded``, other loads') is as it was."""
@@ -232,9 +240,7 @@ def test_vllm_loads_the_connector_from_its_module_path(server):
 def test_pull_copies_every_block_then_frees_them_at_the_prefill(server):
     p, d = Instance("p1", server), Instance("d1", server)
     params = prefill(p, "r1", 10, [3, 5, 7])
-    decode(d, "r1-d", 10, params, [0, 9, 2])
-    d.step()
-    d.wait("the load", lambda: "r1-d" in d.recved)
+    load(d, "r1-d", 10, params, [0, 9, 2])
     assert not d.failed and d.worker.get_block_ids_with_load_errors() == set()
     assert_copied(p, d, [3, 5, 7], [0, 9, 2])
     p.wait("the prefill to free its blocks", lambda: "r1" in p.sent)
@@ -409,9 +415,7 @@ def test_fp8_kv_caches_move_byte_for_byte(server):
     p = Instance("fp8-p", server, cache_dtype="fp8", tp=2)
     d = Instance("fp8-d", server, cache_dtype="fp8")
     assert next(iter(d.caches.values())).element_size() == 1
-    decode(d, "r-d", 20, prefill(p, "r", 20, [2, 4]), [7, 8])
-    d.step()
-    d.wait("the load", lambda: "r-d" in d.recved)
+    load(d, "r-d", 20, prefill(p, "r", 20, [2, 4]), [7, 8])
     assert not d.failed
     assert_copied(p, d, [2, 4], [7, 8])
     p.close(), d.close()
@@ -425,9 +429,7 @@ def test_a_prefill_whose_first_token_is_a_stop_token_is_handed_off(server):
     delay, params = p.scheduler.request_finished(r, [4, 6])
     assert delay and params["remote_block_ids"] == [4, 6]
     p.step()
-    decode(d, "s-d", 20, params, [1, 2])
-    d.step()
-    d.wait("the load", lambda: "s-d" in d.recved)
+    load(d, "s-d", 20, params, [1, 2])
     assert not d.failed
     assert_copied(p, d, [4, 6], [1, 2])
     p.close(), d.close()
@@ -528,9 +530,7 @@ def test_stats_reach_vllms_own_logging_summed_over_ranks(server):
 
     p, d = Instance("p10", server, heads=4), Instance("d10", server, heads=4, tp=2)
     params = prefill(p, "r10", 12, [1, 2, 3])
-    decode(d, "r10-d", 12, params, [4, 5, 6])
-    d.step()
-    d.wait("the load", lambda: "r10-d" in d.recved)
+    load(d, "r10-d", 12, params, [4, 5, 6])
     p.wait("the free", lambda: "r10" in p.sent)
     per_rank = [w.get_kv_connector_stats() for w in d.workers]
     total = per_rank[0].aggregate(per_rank[1]).reduce()
@@ -553,9 +553,7 @@ def test_prometheus_metrics_through_vllms_own_prom_hooks(server):
 
     p, d = Instance("p11", server), Instance("d11", server)
     params = prefill(p, "r11", 8, [1, 2])
-    decode(d, "r11-d", 8, params, [3, 4])
-    d.step()
-    d.wait("the load", lambda: "r11-d" in d.recved)
+    load(d, "r11-d", 8, params, [3, 4])
     config = VllmConfig(kv_transfer_config=KVTransferConfig(
         kv_connector="XferConnector", kv_connector_module_path="xfer.vllm", kv_role="kv_both",
         kv_connector_extra_config={"rendezvous": server.url, "xfer_config": MOCK}))
@@ -826,9 +824,7 @@ def test_data_parallel_engines_on_one_node_serve_side_channels_of_their_own():
     for rank, p in enumerate(engines):
         params = prefill(p, f"r{rank}", 10, [3, 5])
         assert params["remote_rendezvous"] == f"xfer://127.0.0.1:{port + rank}"
-        decode(d, f"r{rank}-d", 10, params, [rank * 2, rank * 2 + 1])
-        d.step()
-        d.wait("the load", lambda: f"r{rank}-d" in d.recved)
+        load(d, f"r{rank}-d", 10, params, [rank * 2, rank * 2 + 1])
         assert not d.failed
     for p in engines:
         p.close()
