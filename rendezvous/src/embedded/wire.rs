@@ -180,7 +180,7 @@ pub fn value_of_response_for_tests(body: &[u8]) -> Option<Vec<u8>> {
     }
 }
 
-pub(super) fn read_frame<T: for<'de> Deserialize<'de>>(s: &mut TcpStream) -> std::io::Result<T> {
+pub(super) fn read_frame<T: for<'de> Deserialize<'de>>(s: &mut impl Read) -> std::io::Result<T> {
     let mut len = [0u8; 4];
     s.read_exact(&mut len)?;
     let len = u32::from_le_bytes(len) as usize;
@@ -190,4 +190,37 @@ pub(super) fn read_frame<T: for<'de> Deserialize<'de>>(s: &mut TcpStream) -> std
     let mut body = vec![0u8; len];
     s.read_exact(&mut body)?;
     postcard::from_bytes(&body).map_err(std::io::Error::other)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer that announces a frame and sends only `sent` bytes of it, recording the largest
+    /// buffer it was asked to fill (what the reader allocated ahead of the bytes).
+    struct Announcer {
+        bytes: std::io::Cursor<Vec<u8>>,
+        largest_read: usize,
+    }
+
+    impl Read for Announcer {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            self.largest_read = self.largest_read.max(buf.len());
+            self.bytes.read(buf)
+        }
+    }
+
+    /// A service (or anything at its address) that announces a frame near the limit and sends
+    /// a few bytes costs the client memory for those bytes only, not for the announcement.
+    #[test]
+    fn an_announced_length_is_not_allocated_before_its_bytes_arrive() {
+        let announced = (MAX_FRAME as u32).to_le_bytes();
+        let mut peer = Announcer {
+            bytes: std::io::Cursor::new([&announced[..], &[0u8; 16]].concat()),
+            largest_read: 0,
+        };
+        let err = read_frame::<Response>(&mut peer).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof, "{err}");
+        assert!(peer.largest_read <= 1 << 20, "{} bytes", peer.largest_read);
+    }
 }
