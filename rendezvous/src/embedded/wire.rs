@@ -180,6 +180,9 @@ pub fn value_of_response_for_tests(body: &[u8]) -> Option<Vec<u8>> {
     }
 }
 
+/// What a frame's body is first read into (most frames are smaller).
+const FIRST_READ: usize = 64 << 10;
+
 pub(super) fn read_frame<T: for<'de> Deserialize<'de>>(s: &mut impl Read) -> std::io::Result<T> {
     let mut len = [0u8; 4];
     s.read_exact(&mut len)?;
@@ -187,8 +190,19 @@ pub(super) fn read_frame<T: for<'de> Deserialize<'de>>(s: &mut impl Read) -> std
     if len > MAX_FRAME {
         return Err(std::io::Error::other(format!("a frame of {len} bytes")));
     }
-    let mut body = vec![0u8; len];
-    s.read_exact(&mut body)?;
+    // Grown as the bytes arrive, not allocated from the announced length: whatever answers
+    // at the service's address costs this client only what it actually sends.
+    let mut body = Vec::with_capacity(len.min(FIRST_READ));
+    s.by_ref().take(len as u64).read_to_end(&mut body)?;
+    if body.len() < len {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!(
+                "the connection closed {} bytes into a frame of {len}",
+                body.len()
+            ),
+        ));
+    }
     postcard::from_bytes(&body).map_err(std::io::Error::other)
 }
 
