@@ -138,8 +138,8 @@ mod tests {
 
     #[test]
     fn proofs_verify_only_for_their_secret_role_and_nonces() {
-        let s = Secret::from_bytes(b"cluster").unwrap();
-        let other = Secret::from_bytes(b"other").unwrap();
+        let s = Secret::from_bytes(b"the cluster's secret").unwrap();
+        let other = Secret::from_bytes(b"another cluster's secret").unwrap();
         let (c, v) = (nonce(), nonce());
         let service = s.service_proof(&c, &v);
         let client = s.client_proof(&c, &v);
@@ -160,8 +160,23 @@ mod tests {
         let e = Secret::from_file(Path::new("/nonexistent/xfer-secret")).unwrap_err();
         assert!(e.to_string().contains("/nonexistent/xfer-secret"), "{e}");
         assert_eq!(
-            format!("{:?}", Secret::from_bytes(b"abc").unwrap()),
-            "Secret(3 bytes)"
+            format!("{:?}", Secret::from_bytes(&[7; 32]).unwrap()),
+            "Secret(32 bytes)"
         );
+    }
+
+    /// A short secret can be guessed offline from one recorded proof: refused, saying how
+    /// long it must be and how to make one.
+    #[test]
+    fn a_secret_shorter_than_16_bytes_is_refused_naming_its_length() {
+        let e = Secret::from_bytes(b"cluster secret").unwrap_err().to_string();
+        assert!(e.contains("14 bytes") && e.contains("at least 16"), "{e}");
+        assert!(e.contains("head -c 32 /dev/urandom"), "{e}");
+        let path = std::env::temp_dir().join(format!("xfer-short-secret-{}", std::process::id()));
+        std::fs::write(&path, b"s").unwrap();
+        let e = Secret::from_file(&path).unwrap_err().to_string();
+        std::fs::remove_file(&path).unwrap();
+        assert!(e.contains(&path.display().to_string()) && e.contains("1 byte"), "{e}");
+        assert!(Secret::from_bytes(&[7; 16]).is_ok());
     }
 }
