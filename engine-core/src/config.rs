@@ -233,7 +233,7 @@ pub struct MetricsConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct SecurityConfig {
-    /// A file holding the cluster secret (any bytes; 32 random ones will do:
+    /// A file holding the cluster secret (at least 16 bytes; 32 random ones will do:
     /// `head -c 32 /dev/urandom > secret`). Backends with a handshake authenticate it with
     /// the secret (verbs); peers without it cannot connect. Only the path is handed to
     /// backends, as `secret_file` in their table; never put a secret on a command line.

@@ -21,10 +21,27 @@ pub const SECRET_FILE_ENV: &str = "XFER_SECRET_FILE";
 /// Bytes of a nonce and of a proof.
 pub(crate) const PROOF_LEN: usize = 32;
 
+/// Fewest bytes a secret may have: a shorter one could be guessed offline from one recorded
+/// proof (the proofs are HMACs keyed by the secret alone).
+pub(crate) const MIN_SECRET_LEN: usize = 16;
+
+/// Why `secret` is too short to use, if it is.
+fn too_short(secret: &[u8]) -> Option<String> {
+    let n = secret.len();
+    (n < MIN_SECRET_LEN).then(|| {
+        format!(
+            "the secret is {n} byte{}; it must be at least {MIN_SECRET_LEN} (make one with \
+             `head -c 32 /dev/urandom > FILE`)",
+            if n == 1 { "" } else { "s" }
+        )
+    })
+}
+
 /// A nonce or a proof.
 pub(crate) type Proof = [u8; PROOF_LEN];
 
-/// The cluster secret: any bytes (32 random ones will do: `head -c 32 /dev/urandom`).
+/// The cluster secret: at least 16 bytes (32 random ones will do:
+/// `head -c 32 /dev/urandom`).
 /// `Debug` shows its length only.
 #[derive(Clone)]
 pub struct Secret(Vec<u8>);
@@ -46,7 +63,7 @@ impl Secret {
         if bytes.is_empty() {
             return Err(bad("the file is empty".into()));
         }
-        Ok(Self(bytes))
+        too_short(&bytes).map_or(Ok(Self(bytes)), |why| Err(bad(why)))
     }
 
     /// The secret from the file named by `$XFER_SECRET_FILE`, if it is set.
@@ -71,6 +88,12 @@ impl Secret {
             return Err(Error::Secret {
                 path: PathBuf::from("<bytes>"),
                 why: "the secret is empty".into(),
+            });
+        }
+        if let Some(why) = too_short(bytes) {
+            return Err(Error::Secret {
+                path: PathBuf::from("<bytes>"),
+                why,
             });
         }
         Ok(Self(bytes.to_vec()))
@@ -169,14 +192,19 @@ mod tests {
     /// long it must be and how to make one.
     #[test]
     fn a_secret_shorter_than_16_bytes_is_refused_naming_its_length() {
-        let e = Secret::from_bytes(b"cluster secret").unwrap_err().to_string();
+        let e = Secret::from_bytes(b"cluster secret")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("14 bytes") && e.contains("at least 16"), "{e}");
         assert!(e.contains("head -c 32 /dev/urandom"), "{e}");
         let path = std::env::temp_dir().join(format!("xfer-short-secret-{}", std::process::id()));
         std::fs::write(&path, b"s").unwrap();
         let e = Secret::from_file(&path).unwrap_err().to_string();
         std::fs::remove_file(&path).unwrap();
-        assert!(e.contains(&path.display().to_string()) && e.contains("1 byte"), "{e}");
+        assert!(
+            e.contains(&path.display().to_string()) && e.contains("1 byte"),
+            "{e}"
+        );
         assert!(Secret::from_bytes(&[7; 16]).is_ok());
     }
 }

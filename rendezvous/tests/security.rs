@@ -71,11 +71,11 @@ fn a_takeover_attempt_without_the_token_is_refused() {
 
 #[test]
 fn clients_and_service_must_share_the_secret() {
-    let server = secured(b"cluster secret");
+    let server = secured(b"the cluster secret");
     let url = server.url();
     let quick = Duration::from_millis(500);
 
-    let r = Rendezvous::connect_with(&url, &options(quick, secret(b"cluster secret"))).unwrap();
+    let r = Rendezvous::connect_with(&url, &options(quick, secret(b"the cluster secret"))).unwrap();
     let _p = r.publish("decode-1", &addr(1), &[], TTL).unwrap();
     assert_eq!(r.lookup("decode-1", WAIT).unwrap().addr, addr(1));
 
@@ -87,7 +87,7 @@ fn clients_and_service_must_share_the_secret() {
         }
         other => panic!("expected Authentication, got {:?}", other.map(|_| ())),
     }
-    match Rendezvous::connect_with(&url, &options(WAIT, secret(b"guess"))) {
+    match Rendezvous::connect_with(&url, &options(WAIT, secret(b"a guess at the secret"))) {
         Err(Error::Authentication { why, .. }) => assert!(why.contains("did not prove"), "{why}"),
         other => panic!("expected Authentication, got {:?}", other.map(|_| ())),
     }
@@ -98,7 +98,7 @@ fn clients_and_service_must_share_the_secret() {
 
     // A client with a secret does not trust a service without one (anyone could run it).
     let open = Server::start("127.0.0.1:0").unwrap();
-    match Rendezvous::connect_with(&open.url(), &options(quick, secret(b"cluster secret"))) {
+    match Rendezvous::connect_with(&open.url(), &options(quick, secret(b"the cluster secret"))) {
         Err(Error::Authentication { why, .. }) => {
             assert!(why.contains("no cluster secret"), "{why}")
         }
@@ -127,7 +127,12 @@ fn without_a_secret_the_service_listens_on_loopback_only() {
         other => panic!("expected a refusal, got {:?}", other.map(|s| s.url())),
     }
     // With a secret it may (bound here to loopback all the same, to keep test traffic local).
-    assert!(Server::start_with("127.0.0.1:0", Limits::default(), secret(b"s")).is_ok());
+    assert!(Server::start_with(
+        "127.0.0.1:0",
+        Limits::default(),
+        secret(b"sixteen or more bytes")
+    )
+    .is_ok());
 }
 
 #[test]

@@ -134,10 +134,16 @@ impl VerbsDomain {
                     format!("[security] secret_file {path}: {e}"),
                 )
             })?;
-            if secret.is_empty() {
+            // As the rendezvous requires of the same file (a shorter secret could be guessed
+            // offline from one recorded handshake MAC).
+            if secret.len() < 16 {
                 return Err(err(
                     DomainErrorKind::InvalidArgument,
-                    format!("[security] secret_file {path} is empty"),
+                    format!(
+                        "[security] secret_file {path} holds {} bytes; it must hold at least 16 \
+                         (make one with `head -c 32 /dev/urandom > FILE`)",
+                        secret.len()
+                    ),
                 ));
             }
             handshake = handshake.with_secret(&secret);
