@@ -87,3 +87,8 @@ def test_the_service_and_its_clients_share_a_secret(tmp_path):
         pub.unpublish()
     finally:
         server.close()
+    # A secret short enough to guess from one recorded proof is refused, naming the file.
+    short = tmp_path / "short"
+    short.write_bytes(b"cluster secret")
+    with pytest.raises(xfer.RendezvousError, match=r"short: the secret is 14 bytes; it must be at least 16"):
+        xfer.Server(secret_file=short)
