@@ -11,6 +11,7 @@
 use std::path::{Path, PathBuf};
 
 use hmac::{KeyInit, Mac};
+use xfer_plugin::secret::too_short;
 
 use crate::{Error, Result};
 
@@ -20,22 +21,6 @@ pub const SECRET_FILE_ENV: &str = "XFER_SECRET_FILE";
 
 /// Bytes of a nonce and of a proof.
 pub(crate) const PROOF_LEN: usize = 32;
-
-/// Fewest bytes a secret may have: a shorter one could be guessed offline from one recorded
-/// proof (the proofs are HMACs keyed by the secret alone).
-pub(crate) const MIN_SECRET_LEN: usize = 16;
-
-/// Why `secret` is too short to use, if it is.
-fn too_short(secret: &[u8]) -> Option<String> {
-    let n = secret.len();
-    (n < MIN_SECRET_LEN).then(|| {
-        format!(
-            "the secret is {n} byte{}; it must be at least {MIN_SECRET_LEN} (make one with \
-             `head -c 32 /dev/urandom > FILE`)",
-            if n == 1 { "" } else { "s" }
-        )
-    })
-}
 
 /// A nonce or a proof.
 pub(crate) type Proof = [u8; PROOF_LEN];

@@ -20,6 +20,7 @@ pub mod domain;
 pub mod log;
 mod raw;
 pub mod registry;
+pub mod secret;
 
 /// Re-exported so a backend submits its [`registry::BackendRegistration`] without naming
 /// the crate itself.

@@ -134,16 +134,11 @@ impl VerbsDomain {
                     format!("[security] secret_file {path}: {e}"),
                 )
             })?;
-            // As the rendezvous requires of the same file (a shorter secret could be guessed
-            // offline from one recorded handshake MAC).
-            if secret.len() < 16 {
+            // The rule the rendezvous applies to the same file.
+            if let Some(why) = xfer_plugin::secret::too_short(&secret) {
                 return Err(err(
                     DomainErrorKind::InvalidArgument,
-                    format!(
-                        "[security] secret_file {path} holds {} bytes; it must hold at least 16 \
-                         (make one with `head -c 32 /dev/urandom > FILE`)",
-                        secret.len()
-                    ),
+                    format!("[security] secret_file {path}: {why}"),
                 ));
             }
             handshake = handshake.with_secret(&secret);

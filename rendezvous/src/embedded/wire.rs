@@ -210,7 +210,7 @@ pub(super) fn read_frame<T: for<'de> Deserialize<'de>>(s: &mut impl Read) -> std
 mod tests {
     use super::*;
 
-    /// A peer that announces a frame and sends only `sent` bytes of it, recording the largest
+    /// A peer that announces a frame and sends only part of it, recording the largest
     /// buffer it was asked to fill (what the reader allocated ahead of the bytes).
     struct Announcer {
         bytes: std::io::Cursor<Vec<u8>>,
