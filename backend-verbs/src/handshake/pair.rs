@@ -1321,12 +1321,9 @@ mod rules {
         };
         out.clear();
         a.hs.handle_datagram(&response.encode(), &mut out);
-        let Some(Action::Complete { local, .. }) = out.first().cloned() else {
-            panic!("{out:?}");
-        };
+        assert!(matches!(out[..], [Action::Complete { .. }]), "{out:?}");
         out.clear();
         a.hs.completed(&b.addr, &response, Ok(()), &mut out);
-        let _ = local;
         out.clear();
         a.hs.proven(&b.addr, &mut out);
         let forged = Handshake {
