@@ -1,6 +1,9 @@
 //! Why one file: it is one thread and the state only that thread owns (`Worker`'s fields: the
 //! tracker, the parked posts, the events, the batch of finished operations). Every method reads
 //! or writes that state; the pure parts it drives live elsewhere (tracker, ImmCounter, planning).
+//! Not yet pure: the dispatch decisions between a command and its posts, and the four clock
+//! reads for deadlines, still sit in these methods; moving them into a core driven by time
+//! passed in (as the handshake is) is the planned split, and would shrink this file.
 //!
 //! The worker: one thread per DomainGroup that posts work, polls completions and enforces
 //! deadlines. It is a thin loop around [`Tracker`] and the [`ImmCounter`](crate::ImmCounter);
