@@ -143,6 +143,12 @@
 #define XFER_LOG_TRACE 5
 
 /**
+ * Fewest bytes a secret may have: a shorter one could be guessed offline from one recorded
+ * proof or handshake MAC (both are HMACs keyed by the secret alone).
+ */
+#define XFER_MIN_SECRET_LEN 16
+
+/**
  * The kind of a backend failure, so the engine can map it to a typed error.
  */
 enum XferDomainErrorKind
