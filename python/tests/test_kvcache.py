@@ -208,3 +208,17 @@ def test_layer_views_that_cannot_be_moved_are_refused_by_name():
     assert parse_view(a.name()) == a
     with pytest.raises(LayoutError, match="is not offset-shape"):
         parse_view("12-4x2")
+
+
+def test_sliding_window_groups_keep_only_the_blocks_their_window_reaches():
+    from xfer._kvcache import clip_to_windows
+
+    # vLLM's lists for a full-attention group and a sliding-window one whose blocks before the
+    # window became its null block (0): the window's tail is kept, nulls never moved.
+    full, sliding = [1, 2, 3, 4, 5], [0, 0, 0, 9, 10]
+    assert clip_to_windows([full, sliding], [0, 2]) == [full, [9, 10]]
+    assert clip_to_windows([full, sliding], [0, 3]) == [full, [9, 10]]
+    # A full-attention group's ids are kept as they are (a hand-made block 0 too).
+    assert clip_to_windows([[0, 1]], [0]) == [[0, 1]]
+    with pytest.raises(LayoutError, match="2 KV cache groups of block ids for 1 groups"):
+        clip_to_windows([full, sliding], [0])

@@ -115,6 +115,27 @@ def matched_blocks(local_ids: Sequence[int], remote_ids: Sequence[int]) -> tuple
     return list(local_ids), list(remote_ids[len(remote_ids) - len(local_ids) :])
 
 
+NULL_BLOCK = 0
+"""vLLM's placeholder block (its pool's first): where a sliding-window group's list holds a
+block that left the window. Never read or written."""
+
+
+def clip_to_windows(groups: Sequence[Sequence[int]], windows: Sequence[int]) -> list[list[int]]:
+    """A request's block ids per KV cache group, cut to what is moved: all of a full-attention
+    group's (window 0), the last ``window`` of a sliding-window group's (vLLM allocates the
+    whole prompt, then replaces blocks that left the window by its null block, at the head)."""
+    if len(groups) != len(windows):
+        raise LayoutError(f"{len(groups)} KV cache groups of block ids for {len(windows)} groups")
+    clipped = []
+    for ids, window in zip(groups, windows):
+        if window:
+            # The window may reach a block further back than the request holds.
+            clipped.append([b for b in ids[-window:] if b != NULL_BLOCK])
+        else:
+            clipped.append(list(ids))
+    return clipped
+
+
 @dataclasses.dataclass(frozen=True)
 class Read:
     """One paged read of a layer: from one peer rank, page ``i`` of ``remote_pages`` (at

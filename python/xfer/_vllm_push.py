@@ -107,12 +107,14 @@ class PushSide:
                 ranks.add(run.remote_rank)
         header = {"req": load.remote_request_id, "engine": self._engine_id, "rank": self._rank,
                   "tp": self._tp_size, "rendezvous": self._own_url, "model": self._model}
-        ids = array.array("i", load.local_block_ids)
+        # One KV cache group: the scheduler side refused push for the others.
+        [blocks] = load.local_block_ids
+        ids = array.array("i", blocks)
         if sys.byteorder != "little":
             ids.byteswap()
         message = pack_message(_WANT, header, ids.tobytes())
         if len(message) > 65536:
-            raise LayoutError(f"{len(load.local_block_ids)} blocks do not fit one message (64 KiB)")
+            raise LayoutError(f"{len(blocks)} blocks do not fit one message (64 KiB)")
         with self._lock:
             self._awaiting[(load.remote_engine_id, load.remote_request_id)] = _Await(
                 req_id, load, ranks, time.monotonic() + self._options.push_timeout_s)

@@ -66,6 +66,9 @@ blocks as in pull mode. Proxy parameters — to the decode instance:
 "remote_request_id": <the prefill's request id>, "remote_tp_size": <its TP>}``; to the prefill
 instance: ``{"do_remote_decode": true, "xfer_push": true}``.
 
+**Hybrid models** (``SupportsHMA``): block ids travel per KV cache group; a sliding-window
+group moves only the blocks its window still reaches (see ``_Groups``); push takes one group only.
+
 **Sleep mode**: ``unregister_kv_caches`` withdraws the record and deregisters the buffers,
 ``restore_kv_caches`` registers and publishes them anew.
 
@@ -89,6 +92,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 import xfer
@@ -103,6 +107,7 @@ from ._kvcache import (
     LayerView,
     LayoutError,
     block_runs,
+    clip_to_windows,
     matched_blocks,
     pack_message,
     parse_view,
@@ -112,9 +117,10 @@ from ._kvcache import (
 
 logger = logging.getLogger("xfer.vllm")
 
-PROTOCOL = 2
+PROTOCOL = 3
 """Changes when two versions of this connector can no longer work together (2: vLLM 0.33's
-layer views, a read confirmed by the prefill before it counts)."""
+layer views, a read confirmed by the prefill before it counts; 3: block ids per KV cache
+group)."""
 
 _DONE = b"xfer-vllm-done:"
 """Prefix of the message a reader sends once it read a request's blocks (or gave up)."""
@@ -196,9 +202,10 @@ class Options:
 class Load:
     """A request whose blocks a decode worker reads from its prefill instance."""
 
-    local_block_ids: list[int]
+    local_block_ids: list[list[int]]
+    """Per KV cache group this connector moves (one unless vLLM's hybrid allocator is on)."""
     remote_engine_id: str
-    remote_block_ids: list[int]
+    remote_block_ids: list[list[int]]
     remote_request_id: str
     remote_tp_size: int = 1
     remote_rendezvous: str | None = None
@@ -301,7 +308,7 @@ class XferPromMetrics(KVConnectorPromMetrics):
             self._load_time[engine_idx].observe(seconds)
 
 
-class XferConnector(KVConnectorBase_V1):
+class XferConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docs."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
@@ -321,6 +328,7 @@ class XferConnector(KVConnectorBase_V1):
         # pass every layout check (same shapes) and be wrong.
         self._model = str(getattr(model, "model", "") or "")
         tp_size = self._options.tp_size or int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        groups = _Groups(kv_cache_config)
         self._side_channel: xfer.Server | None = None
         if role == KVConnectorRole.SCHEDULER:
             if self._options.side_channel:
@@ -330,12 +338,12 @@ class XferConnector(KVConnectorBase_V1):
                 logger.info("XferConnector: serving this instance's records at %s",
                             self._side_channel.url)
             self._scheduler: _Scheduler | None = _Scheduler(
-                self._engine_id, self._options, tp_size, self._model)
+                self._engine_id, self._options, tp_size, self._model, groups)
             self._worker: _Worker | None = None
         else:
             self._scheduler = None
             self._worker = _Worker(self._engine_id, self._options, self._mla, tp_size, self._model,
-                                   _total_kv_heads(model))
+                                   _total_kv_heads(model), groups)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -363,6 +371,14 @@ class XferConnector(KVConnectorBase_V1):
         return self._scheduler.take_metadata()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's path with its hybrid allocator off: one KV cache group."""
+        assert self._scheduler is not None
+        return self._scheduler.finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: vLLM keeps its hybrid allocator on (sliding-window layers hold
+        only their window's blocks) and hands every group's blocks."""
         assert self._scheduler is not None
         return self._scheduler.finished(request, block_ids)
 
@@ -437,14 +453,61 @@ class XferConnector(KVConnectorBase_V1):
         return XferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
+class _Groups:
+    """The KV cache groups a request's blocks come in, as vLLM's ``KVCacheConfig`` says: one
+    per kind of layer when its hybrid allocator is on (full attention, each sliding window),
+    else one. A sliding-window group moves only the blocks its window still reaches; state
+    groups (Mamba) are refused at start, named."""
+
+    def __init__(self, kv_cache_config: Any) -> None:
+        self._config = kv_cache_config
+        self.windows: list[int] = [0]
+        """Per group this connector moves: the blocks kept at the tail (0: all of them)."""
+        self.of_layer: dict[str, int] = {}
+        """Layer name → its group's index (empty: one group holding every layer)."""
+        if kv_cache_config is None:
+            return
+        from vllm.v1.kv_cache_interface import AttentionSpec, SlidingWindowSpec
+
+        self.windows = []
+        for group in kv_cache_config.transfer_groups:
+            spec = group.kv_cache_spec
+            if not isinstance(spec, AttentionSpec):
+                raise NotImplementedError(
+                    f"XferConnector moves attention KV caches only: layers "
+                    f"{list(group.layer_names)[:3]} hold {type(spec).__name__} state")
+            if isinstance(spec, SlidingWindowSpec):
+                # The tokens below a request's next position that stay readable, and the
+                # block that next position is in.
+                self.windows.append(-(-spec.num_retained_tokens // spec.block_size) + 1)
+            else:
+                self.windows.append(0)
+        self.of_layer = dict(kv_cache_config.transfer_group_index_by_layer)
+
+    def moved(self, block_ids: Any) -> list[list[int]]:
+        """A request's block ids (vLLM's tuple, one list per KV cache group) cut to the groups
+        and blocks this connector moves."""
+        if self._config is not None:
+            block_ids = self._config.select_transfer_block_ids(block_ids)
+        return clip_to_windows(block_ids, self.windows)
+
+    def group(self, layer: str) -> int | None:
+        """The index of ``layer``'s group; None for a layer vLLM does not transfer."""
+        if not self.of_layer:
+            return 0
+        return self.of_layer.get(layer)
+
+
 class _Scheduler:
     """The scheduler side: which requests to read, which to keep for a reader."""
 
-    def __init__(self, engine_id: str, options: Options, tp_size: int, model: str) -> None:
+    def __init__(self, engine_id: str, options: Options, tp_size: int, model: str,
+                 groups: _Groups) -> None:
         self._engine_id = engine_id
         self._options = options
         self._tp_size = tp_size
         self._model = model
+        self._groups = groups
         self._meta = XferConnectorMetadata()
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -458,29 +521,48 @@ class _Scheduler:
     def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params or {}
         if params.get("do_remote_decode") and params.get("xfer_push"):
-            self._meta.push_now[request.request_id] = list(blocks.get_block_ids()[0])
+            moved = self._groups.moved(blocks.get_block_ids())
+            if len(moved) != 1:
+                # Its decoder refuses it too (the same model has the same groups).
+                logger.error("XferConnector: request %s: push with %d KV cache groups (a hybrid "
+                             "model) is not supported; use pull", request.request_id, len(moved))
+                self._meta.push_abort.add(request.request_id)
+                return
+            self._meta.push_now[request.request_id] = moved[0]
             return
         if not params.get("do_remote_prefill"):
             return
         load = Load(
             local_block_ids=[],
             remote_engine_id=str(params["remote_engine_id"]),
-            remote_block_ids=list(params.get("remote_block_ids", [])),
+            remote_block_ids=[list(ids) for ids in params.get("remote_block_ids", [])],
             remote_request_id=str(params["remote_request_id"]),
             remote_tp_size=int(params.get("remote_tp_size", 1)),
             remote_rendezvous=params.get("remote_rendezvous"),
         )
         theirs = str(params.get("remote_model") or "")
+        if num_external_tokens > 0:
+            # The blocks allocated for what the prefill computed (the prefix cache's come
+            # first and are hashed), per group, nothing the window left behind.
+            load.local_block_ids = self._groups.moved(blocks.get_unhashed_block_ids_all_groups())
         if num_external_tokens > 0 and theirs and self._model and theirs != self._model:
-            load.local_block_ids = list(blocks.get_unhashed_block_ids())
             self._meta.refused[request.request_id] = (load, (
                 f"the prefill instance serves model {theirs!r}, this one {self._model!r}"))
+        elif (num_external_tokens > 0 and not params.get("xfer_push")
+              and len(load.local_block_ids) != len(load.remote_block_ids)):
+            self._meta.refused[request.request_id] = (load, (
+                f"the prefill instance sent block ids for {len(load.remote_block_ids)} KV cache "
+                f"groups, this instance has {len(load.local_block_ids)} (vLLM's hybrid allocator "
+                f"on one side only?)"))
         elif params.get("xfer_push") and num_external_tokens > 0:
-            # The prefill instance writes them; this side sends it the block ids.
-            load.local_block_ids = list(blocks.get_unhashed_block_ids())
-            self._meta.awaits[request.request_id] = load
+            if len(load.local_block_ids) != 1:
+                self._meta.refused[request.request_id] = (load, (
+                    f"push with {len(load.local_block_ids)} KV cache groups (a hybrid model) is "
+                    f"not supported; use pull"))
+            else:
+                # The prefill instance writes them; this side sends it the block ids.
+                self._meta.awaits[request.request_id] = load
         elif num_external_tokens > 0:
-            load.local_block_ids = list(blocks.get_unhashed_block_ids())
             self._meta.loads[request.request_id] = load
         else:
             # Everything was here: the prefill instance only needs to free its blocks.
@@ -492,31 +574,34 @@ class _Scheduler:
         meta, self._meta = self._meta, XferConnectorMetadata()
         return meta
 
-    def finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: one list per KV cache group (vLLM's tuple)."""
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_decode"):
             return False, None
+        block_ids = self._groups.moved(block_ids)
         from vllm.v1.request import RequestStatus
 
         push = bool(params.get("xfer_push"))
         # A prompt whose first token was a stop token finishes STOPPED: its KV is as whole
         # as a length-capped one's.
         handed_off = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-        if request.status not in handed_off or not block_ids:
+        if request.status not in handed_off or not any(block_ids):
             # Aborted (or nothing computed): no reader will come; a waiting decoder is told.
             if push:
                 self._meta.push_abort.add(request.request_id)
             return False, None
         self._meta.sends[request.request_id] = self._options.free_timeout_s
         if push:
-            # The decoder already has what it needs; the blocks stay until it says it is done.
-            self._meta.push_finish[request.request_id] = list(block_ids)
+            # The decoder already has what it needs; the blocks stay until it says it is done
+            # (push has one group: `allocated` refused the others).
+            self._meta.push_finish[request.request_id] = block_ids[0]
             return True, None
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self._engine_id,
-            "remote_block_ids": list(block_ids),
+            "remote_block_ids": block_ids,
             "remote_request_id": request.request_id,
             "remote_tp_size": self._tp_size,
             "remote_rendezvous": _own_rendezvous(self._options),
@@ -549,8 +634,10 @@ class _Worker(PushSide):
     """The worker side: the engine, its registered caches, loads in flight, blocks kept."""
 
     def __init__(self, engine_id: str, options: Options, mla: bool, tp_size: int,
-                 model: str = "", total_heads: int | None = None) -> None:
+                 model: str = "", total_heads: int | None = None,
+                 groups: _Groups | None = None) -> None:
         self._engine_id = engine_id
+        self._groups = groups or _Groups(None)
         self._options = options
         self._mla = mla
         self._model = model
@@ -562,7 +649,8 @@ class _Worker(PushSide):
         self._services: dict[str, xfer.Rendezvous] = {self._own_url: self._rendezvous}
         """Rendezvous clients by URL: the shared one, or peers' side channels."""
         self._layers: dict[str, tuple[xfer.MemoryRegion, LayerView]] = {}
-        """Each layer's region (its buffer's, shared by the layers in it) and view."""
+        """Each layer's region (its buffer's, shared by the layers in it) and view (the layers
+        vLLM transfers: those of its transfer groups)."""
         self._buffers: dict[tuple[str, int], xfer.MemoryRegion] = {}
         """One registration per buffer the layers' views share, by (device, address)."""
         self._total_heads = total_heads
@@ -613,6 +701,8 @@ class _Worker(PushSide):
         regions: dict[str, xfer.MrDesc] = {}
         self._kv_caches = dict(kv_caches)
         for name, tensor in kv_caches.items():
+            if self._groups.group(name) is None:
+                continue  # a group vLLM does not transfer (it says which in its config)
             if tensor.dim() != 4:
                 raise LayoutError(
                     f"layer {name}: a KV cache of shape {tuple(tensor.shape)} is not a "
@@ -717,16 +807,25 @@ class _Worker(PushSide):
             self._finish_load(req_id, load, e)
 
     def _load(self, req_id: str, load: Load) -> None:
-        local_ids, remote_ids = matched_blocks(load.local_block_ids, load.remote_block_ids)
+        # Per group: the blocks to fill here and the prefill's to read them from.
+        matched = [matched_blocks(ours, theirs)
+                   for ours, theirs in zip(load.local_block_ids, load.remote_block_ids)]
         # Every prefill rank is told when this rank is done: look them all up first.
         for rank in range(load.remote_tp_size):
             self._peer(load.remote_engine_id, rank, load.remote_rendezvous)
         # Every check before the first read: a refused load posts nothing.
         plan = []
         for name, (region, view) in self._layers.items():
+            local_ids, remote_ids = matched[self._groups.group(name) or 0]
+            if not local_ids:
+                continue  # this group's blocks were all here (or outside its window)
             for desc, remote_view, run in self._runs(load, name, view):
-                plan.append((region, view, desc, remote_view, run))
-        ranks = {run.remote_rank for *_, run in plan}
+                plan.append((region, view, desc, remote_view, run, local_ids, remote_ids))
+        ranks = {p[4].remote_rank for p in plan}
+        if not plan:  # nothing to read: only the prefill's blocks to free
+            self._finish_load(req_id, load, None)
+            self._in_background(self._tell_done, load)
+            return
         pending = {"left": len(plan), "error": None}
 
         def one_done(error: BaseException | None) -> None:
@@ -744,7 +843,7 @@ class _Worker(PushSide):
             else:
                 self._confirm(req_id, load, ranks)
 
-        for region, view, desc, remote_view, run in plan:
+        for region, view, desc, remote_view, run, local_ids, remote_ids in plan:
             try:
                 self._engine.submit_paged_reads(
                     run.length, region, local_ids, desc, remote_ids,
@@ -819,10 +918,13 @@ class _Worker(PushSide):
                 data["load_seconds"].append(time.monotonic() - started)
             if error is not None:
                 self._failed_recv.add(req_id)
-                self._load_errors.update(load.local_block_ids)
+                if len(load.local_block_ids) == 1:
+                    self._load_errors.update(load.local_block_ids[0])
+                # With more groups block ids repeat across them: vLLM takes the request's
+                # failure from failed_recving alone (and refuses block ids).
                 data["load_failures"] += 1
             else:
-                data["blocks_loaded"] += len(load.local_block_ids)
+                data["blocks_loaded"] += sum(len(ids) for ids in load.local_block_ids)
         if error is not None:
             logger.error("XferConnector: request %s: blocks not loaded: %s", req_id, error)
 

@@ -196,7 +196,7 @@ def prefill(p, req_id, tokens, block_ids):
     """p computed `req_id` into `block_ids` and keeps them for a reader."""
     r = request(req_id, tokens, {"do_remote_decode": True}, RequestStatus.FINISHED_LENGTH_CAPPED)
     delay, params = p.scheduler.request_finished(r, block_ids)
-    assert delay and params["remote_block_ids"] == block_ids
+    assert delay and params["remote_block_ids"] == [block_ids]  # one KV cache group
     p.step()
     return params
 
@@ -306,7 +306,7 @@ def test_a_dead_prefill_ends_in_load_errors_within_the_deadline(server):
 
 def test_an_unknown_peer_is_a_load_error(server):
     d = Instance("d6", server)
-    params = {"do_remote_prefill": True, "remote_engine_id": "nobody", "remote_block_ids": [1],
+    params = {"do_remote_prefill": True, "remote_engine_id": "nobody", "remote_block_ids": [[1]],
               "remote_request_id": "x"}
     decode(d, "r6-d", 4, params, [2])
     d.step()
@@ -427,7 +427,7 @@ def test_a_prefill_whose_first_token_is_a_stop_token_is_handed_off(server):
     p, d = Instance("stop-p", server), Instance("stop-d", server)
     r = request("s", 20, {"do_remote_decode": True}, RequestStatus.FINISHED_STOPPED)
     delay, params = p.scheduler.request_finished(r, [4, 6])
-    assert delay and params["remote_block_ids"] == [4, 6]
+    assert delay and params["remote_block_ids"] == [[4, 6]]
     p.step()
     load(d, "s-d", 20, params, [1, 2])
     assert not d.failed

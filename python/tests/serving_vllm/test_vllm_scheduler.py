@@ -79,8 +79,10 @@ class Engine:
     """One vLLM instance as its engine core runs it (see the module docs)."""
 
     def __init__(self, engine_id, server, model, tp=1, extra=None, on_load_failure="fail",
-                 connector="xfer"):
+                 connector="xfer", sliding=None, max_model_len=64):
+        """``sliding``: layer index → the window (tokens) of a sliding-window layer."""
         names = [f"model.layers.{i}.self_attn.attn" for i in range(model.hf_config.num_hidden_layers)]
+        sliding = {names[i]: window for i, window in (sliding or {}).items()}
         if connector == "xfer":
             extra = {"rendezvous": server.url, "xfer_config": MOCK, "lookup_timeout_s": 2.0,
                      **(extra or {})}
@@ -96,7 +98,8 @@ class Engine:
                 model_config=model,
                 cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
                 scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
-                                                 max_model_len=64, is_encoder_decoder=False),
+                                                 max_model_len=max_model_len,
+                                                 is_encoder_decoder=False),
                 parallel_config=ParallelConfig(tensor_parallel_size=tp),
                 device_config=DeviceConfig("cpu"),
                 kv_transfer_config=KVTransferConfig(
@@ -110,7 +113,7 @@ class Engine:
         self.workers, self.ranks = [], []
         gen = torch.Generator().manual_seed(hash(engine_id) % 2**31)
         for c in self.configs:
-            kv_cache_config, caches = vllm_caches.allocate(c, names, BLOCKS)
+            kv_cache_config, caches = vllm_caches.allocate(c, names, BLOCKS, sliding=sliding)
             for cache in caches.values():
                 raw = cache.view(torch.uint8)
                 raw.copy_(torch.randint(0, 64, raw.shape, generator=gen, dtype=torch.uint8))
@@ -119,7 +122,8 @@ class Engine:
             self.workers.append(worker)
             self.ranks.append(caches)
         first = self.configs[0]
-        first.cache_config.num_gpu_blocks = BLOCKS
+        first.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+        self.kv_cache_config = kv_cache_config
         self.scheduler = Scheduler(vllm_config=first, kv_cache_config=kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(first),
                                    block_size=BLOCK, log_stats=True)
@@ -134,6 +138,8 @@ class Engine:
         self.outputs = {}
         self.blocks = {}
         """Request id → its blocks, as the scheduler allocated them (while it ran)."""
+        self.group_blocks = {}
+        """Request id → its blocks in each KV cache group, when it was first scheduled."""
         """Request id → its engine core outputs (tokens, finish reason, kv_transfer_params)."""
 
     def add(self, req_id, tokens, max_tokens, params):
@@ -145,7 +151,9 @@ class Engine:
     def step(self):
         out = self.scheduler.schedule()
         for req_id in out.num_scheduled_tokens:
-            self.blocks[req_id] = list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+            groups = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            self.blocks[req_id] = list(groups[0])
+            self.group_blocks.setdefault(req_id, [list(g) for g in groups])
         runs = [self._run(rank, out) for rank in range(len(self.workers))]
         merged = self.aggregator.aggregate(runs)
         for outputs in self.scheduler.update_from_output(out, merged).values():
@@ -278,3 +286,52 @@ def test_a_failed_load_is_recomputed_or_failed_by_the_schedulers_policy(server, 
     else:
         assert d.tokens("r-d") == [] and end.finish_reason.name == "ERROR"
     d.close()
+
+
+@pytest.fixture(scope="module")
+def hybrid_model():
+    directory = Path(tempfile.mkdtemp())
+    vllm_caches.write_model(directory, num_hidden_layers=4, num_key_value_heads=4,
+                            num_attention_heads=8, hidden_size=64)
+    return vllm_caches.load_model_config(directory, max_model_len=256)
+
+
+@pytest.mark.parametrize("connector", ["xfer", "nixl"])
+def test_a_hybrid_model_moves_its_full_and_sliding_window_layers(server, hybrid_model, connector):
+    """vLLM's hybrid allocator (``SupportsHMA``): layers 1 and 3 attend to a 32-token window,
+    so vLLM gives them a KV cache group of their own that holds only the window's blocks (it
+    keeps the allocator on only for a connector that declares it; without, every sliding layer
+    holds the whole prompt). The decode's full-attention layers get every block of the prompt,
+    its sliding-window layers the blocks the window still reaches, each byte-equal to the
+    prefill's; the blocks vLLM dropped from the window are not read."""
+    if connector == "nixl":
+        pytest.importorskip("nixl._api", reason="NIXL (the control) is not installed")
+        one_process_group()
+    prompt, window = 200, 32
+    blocks = -(-prompt // BLOCK)
+    args = dict(sliding={1: window, 3: window}, max_model_len=256, connector=connector)
+    p = Engine(f"sched-hp{connector}", server, hybrid_model, **args)
+    d = Engine(f"sched-hd{connector}", server, hybrid_model, **args)
+    groups = d.kv_cache_config.kv_cache_groups
+    assert len(groups) == 2, "vLLM kept its hybrid allocator on for this connector"
+    free_p, free_d = p.free_blocks(), d.free_blocks()
+    p.add("r", prompt, 1, {"do_remote_decode": True})
+    p.run_until("the prefill", lambda: p.finished("r"))
+    [done] = [o for o in p.outputs["r"] if o.finish_reason is not None]
+    params = done.kv_transfer_params
+    d.add("r-d", prompt, 3, params)
+    d.run_until("the decoded tokens", lambda: d.finished("r-d"))
+    assert d.tokens("r-d") == [TOKEN] * 3, "decoded from the loaded KV, not recomputed"
+    theirs, ours = p.gathered(), d.gathered()
+    for index, group in enumerate(groups):
+        remote = [b for b in params["remote_block_ids"][index] if b != 0]
+        local = [b for b in d.group_blocks["r-d"][index][:blocks] if b != 0]
+        sliding = group.kv_cache_spec.__class__.__name__ == "SlidingWindowSpec"
+        # The window's blocks (32 tokens from the last prompt token reach one block back).
+        want = 2 if sliding else blocks
+        assert len(local) >= want and len(remote) >= want, (index, local, remote)
+        for name in group.layer_names:
+            assert torch.equal(ours[name][local[-want:]], theirs[name][remote[-want:]]), name
+    p.run_until("the prefill to free the blocks once read", lambda: p.free_blocks() == free_p)
+    d.run_until("the decode to free its blocks", lambda: d.free_blocks() == free_d)
+    p.close(), d.close()

@@ -142,7 +142,7 @@ def prefill_process(rendezvous, provider, mode, model_dir, conn):
             scheduler.update_state_after_alloc(r, KVCacheBlocks((tuple(KVCacheBlock(i) for i in block_ids),)), 0)
             params[req_id] = {"do_remote_prefill": True, "xfer_push": True, "remote_engine_id": "prefill",
                               "remote_request_id": req_id, "remote_tp_size": 1,
-                              "remote_block_ids": block_ids}
+                              "remote_block_ids": [block_ids]}
         else:
             r.status = RequestStatus.FINISHED_LENGTH_CAPPED
             delay, params[req_id] = scheduler.request_finished(r, block_ids)
@@ -185,7 +185,8 @@ def decode_process(rendezvous, provider, model_dir, conn):
     local = {}
     free = iter(range(BLOCKS - 1, -1, -1))  # other block ids than the prefill's
     for req_id, p in params.items():
-        ids = [next(free) for _ in p["remote_block_ids"]]
+        [remote] = p["remote_block_ids"]  # one KV cache group
+        ids = [next(free) for _ in remote]
         local[req_id] = ids
         r = Request(req_id + "-d", list(range(len(ids) * BLOCK)),
                     SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": dict(p)}), None)
@@ -202,7 +203,7 @@ def decode_process(rendezvous, provider, model_dir, conn):
     for req_id, p in params.items():
         for name, computed in expected.items():
             got = mine[name].view(torch.uint8)[local[req_id]]
-            if not torch.equal(got, computed[p["remote_block_ids"]]):
+            if not torch.equal(got, computed[p["remote_block_ids"][0]]):
                 conn.send(f"{req_id} {name}: blocks differ")
                 return
     conn.send("ok")

@@ -41,11 +41,11 @@ def write_model(directory, config: dict[str, Any] | None = None, **overrides: An
     (directory / "config.json").write_text(json.dumps({**(config or LLAMA_TINY), **overrides}))
 
 
-def load_model_config(directory):
+def load_model_config(directory, max_model_len: int = 64):
     """vLLM's ModelConfig of the model in ``directory``."""
     from vllm.config import ModelConfig
 
-    return ModelConfig(model=str(directory), skip_tokenizer_init=True, max_model_len=64)
+    return ModelConfig(model=str(directory), skip_tokenizer_init=True, max_model_len=max_model_len)
 
 
 def model_config(directory, config: dict[str, Any] | None = None, **overrides: Any):
@@ -61,9 +61,12 @@ def backend_class(name: str):
     return AttentionBackendEnum[name].get_class()
 
 
-def kv_cache_specs(vllm_config, layers: list[str]) -> dict[str, Any]:
-    """What each attention layer of the model reports (`get_kv_cache_spec`)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+def kv_cache_specs(vllm_config, layers: list[str],
+                   sliding: dict[str, int] | None = None) -> dict[str, Any]:
+    """What each attention layer of the model reports (`get_kv_cache_spec`): a layer named in
+    ``sliding`` attends to a window of that many tokens, as a sliding-window layer of a hybrid
+    model (Gemma 3, gpt-oss, Mistral) reports it."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     model, cache = vllm_config.model_config, vllm_config.cache_config
     from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
@@ -78,21 +81,26 @@ def kv_cache_specs(vllm_config, layers: list[str]) -> dict[str, Any]:
         spec = FullAttentionSpec(block_size=cache.block_size,
                                  num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),
                                  head_size=model.get_head_size(), dtype=dtype)
-    return {name: spec for name in layers}
+    specs = {name: spec for name in layers}
+    for name, window in (sliding or {}).items():
+        specs[name] = SlidingWindowSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                                        head_size=spec.head_size, dtype=spec.dtype,
+                                        sliding_window=window)
+    return specs
 
 
 def allocate(vllm_config, layers: list[str], num_blocks: int, backend: str = "CPU_ATTN",
-             layout: str | None = None):
+             layout: str | None = None, sliding: dict[str, int] | None = None):
     """The KV cache config and the per-layer tensors vLLM allocates for ``layers`` with
     ``num_blocks`` blocks, laid out as ``backend`` and the connector resolve it (or as a user's
-    ``VLLM_KV_CACHE_LAYOUT=layout`` forces it)."""
+    ``VLLM_KV_CACHE_LAYOUT=layout`` forces it); ``sliding`` as in `kv_cache_specs`."""
     import os
 
     previous = os.environ.get("VLLM_KV_CACHE_LAYOUT")
     if layout is not None:
         os.environ["VLLM_KV_CACHE_LAYOUT"] = layout
     try:
-        return _allocate(vllm_config, layers, num_blocks, backend)
+        return _allocate(vllm_config, layers, num_blocks, backend, sliding)
     finally:
         if previous is None:
             os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
@@ -100,7 +108,8 @@ def allocate(vllm_config, layers: list[str], num_blocks: int, backend: str = "CP
             os.environ["VLLM_KV_CACHE_LAYOUT"] = previous
 
 
-def _allocate(vllm_config, layers: list[str], num_blocks: int, backend: str):
+def _allocate(vllm_config, layers: list[str], num_blocks: int, backend: str,
+              sliding: dict[str, int] | None):
     from vllm.v1.attention.backends.utils import (
         get_supported_kv_cache_layouts,
         resolve_kv_cache_layout,
@@ -108,7 +117,7 @@ def _allocate(vllm_config, layers: list[str], num_blocks: int, backend: str):
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    specs = kv_cache_specs(vllm_config, layers)
+    specs = kv_cache_specs(vllm_config, layers, sliding)
     supported = [layout.name for layout in get_supported_kv_cache_layouts([backend_class(backend)])]
     layout = resolve_kv_cache_layout(vllm_config, [supported], specs.values())
     groups = get_global_kv_cache_groups(vllm_config, [specs])
