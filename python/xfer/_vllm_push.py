@@ -5,7 +5,8 @@ prefill ranks it expects data from, and the prefill rank writing each layer as i
 state with the pull half, so that a pushed load ends through the same accounting as a pulled
 one. What it uses of the worker: ``_lock``, ``_engine``, ``_engine_id``, ``_rank``,
 ``_tp_size``, ``_model``, ``_own_url``, ``_options``, ``_layers``, ``_lookups``,
-``_load_started``, ``_peer()``, ``_remote_view()``, ``_in_background()``, ``_tell_done()`` and
+``_load_started``, ``_peer()``, ``_remote_view()``, ``_shared_layers()``, ``is_draft_layer()``,
+``_in_background()``, ``_tell_done()`` and
 ``_finish_load()``; what it owns:
 ``_pushes``, ``_step_pushes``, ``_deferred_layers`` and ``_awaiting`` (created by the worker's
 constructor, with the rest).
@@ -101,7 +102,8 @@ class PushSide:
     def _await_push(self, req_id: str, load: Load) -> None:
         """Sends this rank's block ids to every prefill rank it expects data from."""
         ranks = set()
-        for name, (_, view) in self._layers.items():
+        for name in self._shared_layers(load):
+            view = self._layers[name][1]
             for run in block_runs(view, self._remote_view(load, 0, name), self._rank,
                                   self._tp_size, load.remote_tp_size):
                 ranks.add(run.remote_rank)
@@ -255,16 +257,22 @@ class PushSide:
         try:
             region, view = self._layers[layer]
             peer = self._peer(want.engine, want.rank, want.url)
-            if layer not in peer.layers:
+            drafter_only = layer not in peer.layers and self.is_draft_layer(layer)
+            if layer not in peer.layers and not drafter_only:
                 raise LayoutError(f"decoder {want.engine} rank {want.rank} has no layer {layer}")
-            desc, theirs_view = peer.layers[layer]
-            theirs, ours = matched_blocks(want.blocks, blocks)
-            # The decoder's runs, turned around: its "remote" bytes are this rank's.
-            writes = [run for run in block_runs(theirs_view, view, want.rank, want.tp,
-                                                self._tp_size)
-                      if run.remote_rank == self._rank]
+            writes = []
+            if not drafter_only:  # a decoder without a drafter is owed nothing of its layers
+                desc, theirs_view = peer.layers[layer]
+                theirs, ours = matched_blocks(want.blocks, blocks)
+                # The decoder's runs, turned around: its "remote" bytes are this rank's.
+                writes = [run for run in block_runs(theirs_view, view, want.rank, want.tp,
+                                                    self._tp_size)
+                          if run.remote_rank == self._rank]
         except Exception as e:  # noqa: BLE001 - this decoder's load fails, named
             self._push_done(req_id, want, e, submitted=False)
+            return
+        if drafter_only:
+            self._maybe_reply(req_id, want)
             return
         with self._lock:
             want.pending += len(writes)

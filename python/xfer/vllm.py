@@ -82,6 +82,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import re
 import threading
 import zlib
 import time
@@ -343,7 +344,7 @@ class XferConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._scheduler = None
             self._worker = _Worker(self._engine_id, self._options, self._mla, tp_size, self._model,
-                                   _total_kv_heads(model), groups)
+                                   _total_kv_heads(model), groups, _target_layers(model))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -616,6 +617,8 @@ class _Peer:
 
     address: bytes
     layers: dict[str, tuple[xfer.MrDesc, LayerView]]
+    drafts: set[str] = dataclasses.field(default_factory=set)
+    """Its layers that are a speculative drafter's (by name, or by tag if not known here)."""
 
 
 @dataclasses.dataclass
@@ -635,8 +638,10 @@ class _Worker(PushSide):
 
     def __init__(self, engine_id: str, options: Options, mla: bool, tp_size: int,
                  model: str = "", total_heads: int | None = None,
-                 groups: _Groups | None = None) -> None:
+                 groups: _Groups | None = None, target_layers: int | None = None) -> None:
         self._engine_id = engine_id
+        self._target_layers = target_layers
+        """The model's own layer count: layers numbered past it are a drafter's."""
         self._groups = groups or _Groups(None)
         self._options = options
         self._mla = mla
@@ -654,6 +659,8 @@ class _Worker(PushSide):
         self._buffers: dict[tuple[str, int], xfer.MemoryRegion] = {}
         """One registration per buffer the layers' views share, by (device, address)."""
         self._total_heads = total_heads
+        self._warned_drafts: set[str] = set()
+        """Prefill engines already named for lacking this side's draft layers."""
         self._confirming: dict[tuple[str, str], _Confirm] = {}
         """Decode: (prefill engine, its request id) → a read waiting for its prefill ranks to
         say they held the blocks throughout."""
@@ -722,7 +729,7 @@ class _Worker(PushSide):
                            str(tensor.dtype), tensor.storage_offset() * tensor.element_size(),
                            1 if self._mla else heads)
             self._layers[name] = (region, view)
-            regions[_region_name(name, view)] = region.desc
+            regions[_region_name(name, view, self.is_draft_layer(name))] = region.desc
         self._publication = self._rendezvous.publish(
             _record_name(self._engine_id, self._rank),
             self._engine.main_address,
@@ -815,7 +822,8 @@ class _Worker(PushSide):
             self._peer(load.remote_engine_id, rank, load.remote_rendezvous)
         # Every check before the first read: a refused load posts nothing.
         plan = []
-        for name, (region, view) in self._layers.items():
+        for name in self._shared_layers(load):
+            region, view = self._layers[name]
             local_ids, remote_ids = matched[self._groups.group(name) or 0]
             if not local_ids:
                 continue  # this group's blocks were all here (or outside its window)
@@ -872,13 +880,38 @@ class _Worker(PushSide):
         return planned
 
     def _remote_view(self, load: Load, rank: int, name: str) -> LayerView:
-        peer = self._peer(load.remote_engine_id, rank, load.remote_rendezvous)
-        if set(peer.layers) != set(self._layers):
+        return self._peer(load.remote_engine_id, rank, load.remote_rendezvous).layers[name][1]
+
+    def _shared_layers(self, load: Load) -> list[str]:
+        """The layers both instances hold, which are moved. A speculative decoder's draft
+        layers (EAGLE, MTP) may be on one side only: a prefill without them leaves this
+        side's to its drafter (which proposes worse, never wrong: the model verifies), one
+        with them has them unread. Any other layer on one side only is a load error."""
+        peer = self._peer(load.remote_engine_id, 0, load.remote_rendezvous)
+        only_here = [n for n in self._layers if n not in peer.layers]
+        only_there = [n for n in peer.layers if n not in self._layers]
+        target = ([n for n in only_here if not self.is_draft_layer(n)]
+                  + [n for n in only_there if n not in peer.drafts])
+        if target:
             raise LayoutError(
                 f"peer {load.remote_engine_id} has other layers ({len(peer.layers)} there, "
-                f"{len(self._layers)} here)"
-            )
-        return peer.layers[name][1]
+                f"{len(self._layers)} here; {len(target)} of them not a drafter's, such as "
+                f"{target[0]})")
+        if only_here and load.remote_engine_id not in self._warned_drafts:
+            self._warned_drafts.add(load.remote_engine_id)
+            logger.warning("XferConnector: prefill %s has no draft layers (%d here, such as %s): "
+                           "the drafter starts without the prompt's KV", load.remote_engine_id,
+                           len(only_here), only_here[0])
+        return [n for n in self._layers if n in peer.layers]
+
+    def is_draft_layer(self, name: str) -> bool:
+        """Whether ``name`` is a speculative drafter's layer, as vLLM names them: under
+        ``draft_model.``, or numbered past the model's own layers (EAGLE, MTP)."""
+        if name.startswith("draft_model."):
+            return True
+        number = re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", name)
+        return (number is not None and self._target_layers is not None
+                and int(number[1]) >= self._target_layers)
 
     def _confirm(self, req_id: str, load: Load, ranks: set[int]) -> None:
         """Every read finished: the load counts once each prefill rank read from says it
@@ -971,13 +1004,15 @@ class _Worker(PushSide):
         record = self._service(url).lookup(
             _record_name(engine_id, rank), self._options.lookup_timeout_s
         )
-        by_tag = {_layer_tag(name): name for name in self._layers}
+        by_tag = {_layer_tag(name, self.is_draft_layer(name)): name for name in self._layers}
         layers = {}
         for key, desc in record["regions"].items():
             tag, view = _parse_region_name(key, engine_id)
             # A layer this worker does not have keeps its tag: the layer check names it.
             layers[by_tag.get(tag, tag)] = (desc, view)
-        peer = _Peer(address=bytes(record["addr"]), layers=layers)
+        drafts = {by_tag.get(tag, tag) for tag in map(lambda k: k.split("-")[1], record["regions"])
+                  if tag.endswith(_DRAFT)}
+        peer = _Peer(address=bytes(record["addr"]), layers=layers, drafts=drafts)
         with self._lock:
             self._peers[(engine_id, rank)] = peer
         return peer
@@ -1105,14 +1140,19 @@ class _Worker(PushSide):
         self._engine.close()
 
 
-def _layer_tag(layer: str) -> str:
-    return f"{zlib.crc32(layer.encode()):08x}"
+_DRAFT = "d"
+"""Ends the tag of a speculative drafter's layer: a peer without that layer still knows it
+is not the model's own (the name itself is not published)."""
 
 
-def _region_name(layer: str, view: LayerView) -> str:
+def _layer_tag(layer: str, draft: bool = False) -> str:
+    return f"{zlib.crc32(layer.encode()):08x}{_DRAFT if draft else ''}"
+
+
+def _region_name(layer: str, view: LayerView, draft: bool = False) -> str:
     """A layer's region name in the record: its tag and its view of the buffer (what a reader
     checks and plans its reads from), in the characters rendezvous names allow."""
-    return f"v{PROTOCOL}-{_layer_tag(layer)}-{view.name()}"
+    return f"v{PROTOCOL}-{_layer_tag(layer, draft)}-{view.name()}"
 
 
 def _parse_region_name(name: str, engine_id: str) -> tuple[str, LayerView]:
@@ -1145,6 +1185,14 @@ def _total_kv_heads(model: Any) -> int | None:
     try:
         return int(model.get_total_num_kv_heads())
     except Exception:  # noqa: BLE001 - no model config (tests), or one without attention heads
+        return None
+
+
+def _target_layers(model: Any) -> int | None:
+    """The model's own layer count (without a drafter's), or None if unknown."""
+    try:
+        return int(model.get_total_num_hidden_layers())
+    except Exception:  # noqa: BLE001 - no model config (a unit test's stand-in)
         return None
 
 

@@ -79,7 +79,8 @@ class Instance:
 
     def __init__(self, engine_id, server, *, layers=2, blocks=16, heads=4, head=8, tp=1, extra=None,
                  model=None, backend="CPU_ATTN", cache_dtype="auto", layout=None, dp=(1, 0),
-                 pp=1):
+                 pp=1, drafts=0):
+        """``drafts``: a speculative drafter's layers (EAGLE's, numbered past the model's)."""
         extra = {"rendezvous": server.url if server else None, "xfer_config": MOCK,
                  "lookup_timeout_s": 2.0, **(extra or {})}
         model = model or tiny_model(layers, heads, head)
@@ -101,15 +102,18 @@ class Instance:
             )
 
         configs = [config(r) for r in range(tp)]
-        self.scheduler = KVConnectorFactory.create_connector(configs[0], KVConnectorRole.SCHEDULER, None)
-        names = [f"model.layers.{i}.self_attn.attn" for i in range(model.hf_config.num_hidden_layers)]
+        own = model.hf_config.num_hidden_layers
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(own + drafts)]
         self.ranks = []
         self.workers = []
         self.total_heads = model.get_total_num_kv_heads() if not model.use_mla else 1
         gen = torch.Generator().manual_seed(hash(engine_id) % 2**31)
         model_kv = {}  # each layer's KV of every head, as the model computes it on every rank
-        for rank, c in enumerate(configs):
-            kv_cache_config, caches = vllm_caches.allocate(c, names, blocks, backend, layout)
+        allocated = [vllm_caches.allocate(c, names, blocks, backend, layout) for c in configs]
+        # As the engine: the scheduler (serving a side channel, if asked) before the workers.
+        self.scheduler = KVConnectorFactory.create_connector(configs[0], KVConnectorRole.SCHEDULER,
+                                                             allocated[0][0])
+        for rank, (c, (kv_cache_config, caches)) in enumerate(zip(configs, allocated)):
             first = rank * self.total_heads // tp
             for name, cache in caches.items():
                 raw = cache.view(torch.uint8)
@@ -244,6 +248,31 @@ def test_pull_copies_every_block_then_frees_them_at_the_prefill(server):
     assert not d.failed and d.worker.get_block_ids_with_load_errors() == set()
     assert_copied(p, d, [3, 5, 7], [0, 9, 2])
     p.wait("the prefill to free its blocks", lambda: "r1" in p.sent)
+    p.close(), d.close()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("drafter", ["decode", "prefill"])
+def test_a_drafters_layers_on_one_side_only_leave_the_models_layers_moved(server, drafter, mode):
+    """Speculative decoding (EAGLE, MTP) adds draft layers, numbered past the model's, on the
+    instances that run a drafter: with one on one side only, the model's own layers still move
+    (byte-equal, the other blocks untouched) and the drafter's are left alone."""
+    tag = f"{drafter}{mode}"
+    p = Instance(f"draft-p{tag}", server, drafts=1 if drafter == "prefill" else 0)
+    d = Instance(f"draft-d{tag}", server, drafts=1 if drafter == "decode" else 0)
+    if mode == "pull":
+        params = prefill(p, "r", 10, [3, 5, 7])
+        load(d, "r-d", 10, params, [0, 9, 2])
+    else:
+        push_pair(p, d, "r", 10, [3, 5, 7], [0, 9, 2])
+    assert not d.failed and d.worker.get_block_ids_with_load_errors() == set()
+    theirs, ours, before = p.gathered(), d.gathered(), d.full
+    own = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    for name in own:
+        assert torch.equal(ours[name][[0, 9, 2]], theirs[name][[3, 5, 7]]), name
+    for name in set(ours) - set(own):
+        assert torch.equal(ours[name], before[name]), f"{name}: the drafter's, not loaded"
+    p.wait("the prefill to free its blocks", lambda: "r" in p.sent)
     p.close(), d.close()
 
 
@@ -636,6 +665,18 @@ def test_a_layer_computed_before_its_decoder_is_found_goes_once_it_is(server):
     assert not d.failed
     assert_copied(p, d, [3, 5, 7], [0, 9, 2])
     p.close(), d.close()
+
+
+def push_pair(p, d, req_id, tokens, remote_ids, local_ids):
+    """A pushed request: the decode's ids sent, every layer computed at the prefill, the
+    request finished there, and the decoder's load ended."""
+    push_decode(d, req_id + "-d", tokens, p.scheduler._engine_id, req_id, local_ids)
+    d.step()
+    r = push_prefill(p, req_id, tokens, remote_ids)
+    wanted(p, req_id)
+    compute(p, list(p.full))
+    finish(p, r, remote_ids)
+    d.wait("the pushed request", lambda: req_id + "-d" in d.recved)
 
 
 def test_push_writes_each_layer_as_it_is_computed(server):

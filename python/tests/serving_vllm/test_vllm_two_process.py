@@ -84,7 +84,7 @@ def instance(engine_id, rendezvous, provider, model_dir):
         ),
     )
     kv_cache_config, caches = vllm_caches.allocate(config, NAMES, BLOCKS)
-    scheduler = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, None)
+    scheduler = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
     worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
     return scheduler, worker, caches
 
