@@ -164,6 +164,9 @@ def prefill_process(rendezvous, provider, mode, model_dir, conn):
     until("every request freed", lambda: set(REQUESTS) <= done["sent"], worker, done,
           patience(provider))
     conn.send(("freed", sorted(done["sent"])))
+    # Serving on until the decode instance has its answers, as a prefill instance does: its
+    # last replies (that it held the blocks) may still be in flight when the blocks are freed.
+    assert conn.recv() == "stop"
     worker.shutdown()
 
 
@@ -240,6 +243,7 @@ def test_prefill_and_decode_processes(provider, mode, tmp_path):
             assert p_here.poll(60), "the prefill never freed its blocks"
             assert p_here.recv() == ("freed", sorted(REQUESTS))
             decode.join(60)
+            p_here.send("stop")
             prefill.join(60)
             assert (decode.exitcode, prefill.exitcode) == (0, 0)
         finally:
