@@ -53,10 +53,16 @@
 //! - With a cluster secret ([`Handshaker::with_secret`]) every message carries a MAC
 //!   (HMAC-SHA256 over the message, truncated to [`MAC_LEN`] bytes) and a datagram whose MAC
 //!   does not verify is dropped before any state is kept: only holders of the secret can
-//!   take part. A replayed authentic datagram cannot complete a handshake (a `Ready` must echo
-//!   the responder's fresh random PSNs) and costs at most a bounded half-open entry; it
-//!   carries no freshness, so while a peer has no proven connection an old request replayed
-//!   can still keep our own attempts to it from completing (docs/security.md).
+//!   take part. The MAC also covers the receiver's address and the sender's freshness: its
+//!   epoch (the Domain gives the wall clock at its start, so a restarted process counts from
+//!   later) and a count of the messages it sealed in it, carried between message and MAC.
+//!   Each side keeps the newest (epoch, count) it took from each authentic sender and drops
+//!   anything not newer: a recorded datagram replayed, to us or to another host, is dropped
+//!   before any state is kept — without that, an old request replayed while our own request
+//!   to its sender was under way took our QPs and our attempts never completed. Reordered
+//!   honest datagrams drop too and are resent as lost ones are (every resend is sealed
+//!   anew). A host whose clock steps back across its restart is refused by peers that
+//!   remember its old epoch until they restart.
 
 use std::time::{Duration, Instant};
 
@@ -66,8 +72,12 @@ use xfer_plugin::addr::NetAddr;
 
 use crate::wire::{Handshake, Kind, VerbsAddr, MSG_LEN};
 
-/// Bytes of MAC a keyed handshake message carries after the message.
+/// Bytes of MAC a keyed handshake message carries after the message and its freshness.
 pub(crate) const MAC_LEN: usize = 16;
+
+/// Bytes of freshness a keyed message carries between the message and its MAC: the sender's
+/// epoch and the count of messages it sealed in it (little-endian u64s).
+pub(crate) const FRESHNESS_LEN: usize = 16;
 
 type HmacSha256 = hmac::Hmac<sha2::Sha256>;
 
@@ -277,10 +287,40 @@ pub(crate) struct Handshaker {
     /// The request id of the last connection established with each peer: what a request
     /// replacing it must name (`prev`). Kept when the connection fails.
     established: HashMap<NetAddr, u64>,
-    /// The cluster secret's MAC key, when one is configured.
-    key: Option<HmacSha256>,
+    /// The cluster secret's MAC key and the freshness it protects, when one is configured.
+    keyed: Option<Keyed>,
     /// Datagrams dropped because their MAC did not verify (or was missing).
     unauthenticated: u64,
+    /// Authentic datagrams dropped because they were not newer than one already taken from
+    /// their sender (replays, or honest ones overtaken).
+    stale: u64,
+}
+
+/// A sender's freshness: its epoch and the count of messages it sealed in it, compared in
+/// that order.
+type Freshness = (u64, u64);
+
+/// What a cluster secret adds (see the module docs).
+struct Keyed {
+    key: HmacSha256,
+    /// Ours: later after each restart.
+    epoch: u64,
+    /// Messages we sealed in `epoch`.
+    sealed: u64,
+    /// The newest (epoch, count) taken from each authentic sender. One entry per peer
+    /// process that ever reached us with the secret: only holders of it add one.
+    newest: HashMap<NetAddr, Freshness>,
+}
+
+impl Keyed {
+    /// The MAC of `msg` with its freshness, for `to`.
+    fn tag(&self, msg: &[u8], freshness: &[u8], to: &VerbsAddr) -> HmacSha256 {
+        let mut mac = self.key.clone();
+        mac.update(msg);
+        mac.update(freshness);
+        mac.update(&to.encode());
+        mac
+    }
 }
 
 impl Handshaker {
@@ -295,42 +335,64 @@ impl Handshaker {
             rng: fastrand::Rng::with_seed(seed),
             peers: HashMap::default(),
             established: HashMap::default(),
-            key: None,
+            keyed: None,
             unauthenticated: 0,
+            stale: 0,
         }
     }
 
     /// Authenticates every message with `secret` (see the module docs); peers must hold the
-    /// same secret.
-    pub(crate) fn with_secret(mut self, secret: &[u8]) -> Self {
-        self.key =
-            Some(HmacSha256::new_from_slice(secret).expect("HMAC takes a key of any length"));
+    /// same secret. `epoch`: larger than any this address used before (the Domain gives the
+    /// wall clock's nanoseconds at its start).
+    pub(crate) fn with_secret(mut self, secret: &[u8], epoch: u64) -> Self {
+        self.keyed = Some(Keyed {
+            key: HmacSha256::new_from_slice(secret).expect("HMAC takes a key of any length"),
+            epoch,
+            sealed: 0,
+            newest: HashMap::default(),
+        });
         self
     }
 
-    /// `msg` as it goes on the wire: its encoding, and with a secret its MAC after it.
-    pub(crate) fn seal(&self, msg: &Handshake) -> Vec<u8> {
+    /// `msg` as it goes on the wire to `to`: its encoding, and with a secret our freshness
+    /// and the MAC after it.
+    pub(crate) fn seal(&mut self, msg: &Handshake, to: &VerbsAddr) -> Vec<u8> {
         let mut bytes = msg.encode().to_vec();
-        if let Some(key) = &self.key {
-            let mut mac = key.clone();
-            mac.update(&bytes);
-            bytes.extend_from_slice(&mac.finalize().into_bytes()[..MAC_LEN]);
+        if let Some(keyed) = &mut self.keyed {
+            keyed.sealed += 1;
+            let mut freshness = [0u8; FRESHNESS_LEN];
+            freshness[..8].copy_from_slice(&keyed.epoch.to_le_bytes());
+            freshness[8..].copy_from_slice(&keyed.sealed.to_le_bytes());
+            let tag = keyed.tag(&bytes, &freshness, to).finalize().into_bytes();
+            bytes.extend_from_slice(&freshness);
+            bytes.extend_from_slice(&tag[..MAC_LEN]);
         }
         bytes
     }
 
-    /// The message part of `raw` if it is authentic (always, without a secret).
-    fn authentic<'a>(&self, raw: &'a [u8]) -> Option<&'a [u8]> {
-        let Some(key) = &self.key else {
-            return Some(raw);
+    /// The message part of `raw` and its freshness if it is authentic and for us (always,
+    /// and no freshness, without a secret).
+    fn authentic<'a>(&self, raw: &'a [u8]) -> Option<(&'a [u8], Option<Freshness>)> {
+        let Some(keyed) = &self.keyed else {
+            return Some((raw, None));
         };
-        if raw.len() != MSG_LEN + MAC_LEN {
+        if raw.len() != MSG_LEN + FRESHNESS_LEN + MAC_LEN {
             return None;
         }
-        let (msg, tag) = raw.split_at(MSG_LEN);
-        let mut mac = key.clone();
-        mac.update(msg);
-        mac.verify_truncated_left(tag).ok().map(|()| msg)
+        let (msg, rest) = raw.split_at(MSG_LEN);
+        let (freshness, tag) = rest.split_at(FRESHNESS_LEN);
+        keyed
+            .tag(msg, freshness, &self.me)
+            .verify_truncated_left(tag)
+            .ok()?;
+        let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
+        Some((msg, Some((word(&freshness[..8]), word(&freshness[8..])))))
+    }
+
+    /// Authentic datagrams dropped as not newer than their sender's last (replays) so far.
+    #[cfg(test)]
+    pub(crate) fn stale(&self) -> u64 {
+        self.stale
     }
 
     /// Datagrams dropped as unauthenticated so far.
@@ -402,7 +464,7 @@ impl Handshaker {
     /// A handshake datagram arrived. Malformed ones are ignored (the UD QP receives whatever
     /// anyone sends it).
     pub(crate) fn handle_datagram(&mut self, raw: &[u8], out: &mut Vec<Action>) {
-        let Some(msg) = self.authentic(raw) else {
+        let Some((msg, freshness)) = self.authentic(raw) else {
             self.unauthenticated += 1;
             return;
         };
@@ -410,6 +472,18 @@ impl Handshaker {
             return;
         };
         let peer = NetAddr::new(&h.from.encode()).expect("an encoded VerbsAddr is a NetAddr");
+        if let (Some(fresh), Some(keyed)) = (freshness, &mut self.keyed) {
+            match keyed.newest.get_mut(&peer) {
+                Some(newest) if *newest >= fresh => {
+                    self.stale += 1;
+                    return;
+                }
+                Some(newest) => *newest = fresh,
+                None => {
+                    keyed.newest.insert(peer.clone(), fresh);
+                }
+            }
+        }
         match h.kind {
             Kind::Request => self.on_request(peer, h, out),
             Kind::Response => self.on_response(peer, h, out),

@@ -31,7 +31,7 @@ impl VerbsDomain {
     /// an error), in which case requests are resent on the next check and responses on the
     /// peer's next request.
     pub(super) fn send_handshake(&mut self, to: &VerbsAddr, h: &Handshake) -> bool {
-        let bytes = self.handshake.seal(h);
+        let bytes = self.handshake.seal(h, to);
         match self.device.ud_send(&to.gid, to.lid, to.ud_qpn, &bytes) {
             Ok(()) => {
                 self.handshakes_sent += 1;

@@ -141,7 +141,12 @@ impl VerbsDomain {
                     format!("[security] secret_file {path}: {why}"),
                 ));
             }
-            handshake = handshake.with_secret(&secret);
+            // The handshake's epoch: later at each start of this process's address, so its
+            // peers take its messages over any recorded from an earlier run.
+            let epoch = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            handshake = handshake.with_secret(&secret, epoch);
         }
         Ok(Self {
             peers: HashMap::default(),

@@ -37,6 +37,10 @@ const HORIZON: Duration = Duration::from_secs(120);
 /// Most datagrams the replaying attacker records.
 const MAX_RECORDED: usize = 256;
 
+/// How often the replaying attacker also sends every recorded request again, to everyone,
+/// whatever else happens: a handshake under way always meets old requests.
+const REPLAY_REQUESTS: Duration = Duration::from_millis(5);
+
 /// Schedules that once failed, kept as regression cases: (scenario, seed).
 /// - Forged 4: a forged request displaced the real peer's candidate, whose request then
 ///   got a second answer with other QPs; the requester confirmed it with `Ready` (once
@@ -68,12 +72,18 @@ enum Scenario {
     /// attacker who recorded every datagram so far replays all of them, to every endpoint,
     /// after each delivery.
     ReplayedKeyed,
+    /// With the secret, both want each other; once connected B (the smaller address, which
+    /// answers simultaneous requests) re-handshakes, while the recording attacker replays
+    /// every datagram so far after each delivery: A's old requests reach B while B's own
+    /// request is under way (issue 42 §4: without freshness B answered them and never got
+    /// its `Ready`).
+    ReplayedKeyedResponder,
 }
 
 /// The cluster secret of the keyed scenarios.
 const SECRET: &[u8] = b"the cluster's secret";
 
-const SCENARIOS: [Scenario; 9] = [
+const SCENARIOS: [Scenario; 10] = [
     Scenario::OneWay,
     Scenario::Simultaneous,
     Scenario::Rehandshake,
@@ -83,6 +93,7 @@ const SCENARIOS: [Scenario; 9] = [
     Scenario::Forged,
     Scenario::ForgedKeyed,
     Scenario::ReplayedKeyed,
+    Scenario::ReplayedKeyedResponder,
 ];
 
 /// A datagram in flight.
@@ -261,7 +272,7 @@ impl Endpoint {
                             }
                         }
                     }
-                    let bytes = self.hs.seal(&msg);
+                    let bytes = self.hs.seal(&msg, &to);
                     net.send(now, NetAddr::new(&to.encode()).unwrap(), &msg, bytes)
                 }
                 Action::Accept {
@@ -380,6 +391,8 @@ struct World {
     last_scan: Option<Instant>,
     /// The replaying attacker's recording (`ReplayedKeyed`): every datagram delivered so far.
     recorded: Option<Vec<Vec<u8>>>,
+    /// When the attacker last replayed its recorded requests.
+    last_replay: Option<Instant>,
 }
 
 impl World {
@@ -507,6 +520,9 @@ impl World {
         let mut consider = |t: Instant| next = Some(next.map_or(t, |n| n.min(t)));
         if let Some(((t, _), _)) = self.net.in_flight.first_key_value() {
             consider(*t);
+        }
+        if self.recorded.is_some() {
+            consider(self.last_replay.map_or(self.now, |t| t + REPLAY_REQUESTS));
         }
         for &(t, _, _) in &self.starts {
             consider(t);
@@ -641,6 +657,27 @@ impl World {
                     self.recorded = Some(recorded);
                 }
             }
+            if self.recorded.is_some()
+                && self
+                    .last_replay
+                    .is_none_or(|t| now.duration_since(t) >= REPLAY_REQUESTS)
+            {
+                self.last_replay = Some(now);
+                let requests: Vec<Vec<u8>> = self
+                    .recorded
+                    .iter()
+                    .flatten()
+                    .filter(|b| {
+                        Handshake::decode(&b[..MSG_LEN]).is_ok_and(|h| h.kind == Kind::Request)
+                    })
+                    .cloned()
+                    .collect();
+                for bytes in &requests {
+                    for y in 0..self.eps.len() {
+                        self.deliver(y, bytes)?;
+                    }
+                }
+            }
             for x in 0..self.eps.len() {
                 if self.eps[x].hs.poll_timeout().is_some_and(|t| t <= now) {
                     let mut out = Vec::new();
@@ -682,9 +719,12 @@ fn schedule(scenario: Scenario, seed: u64, peers: usize) -> World {
         .map(|i| {
             let notice = Duration::from_millis(rng.u64(0..=4_000));
             let mut e = Endpoint::new(verbs_addr(i as u32, 0), rng.u64(..), notice);
-            if matches!(scenario, Scenario::ForgedKeyed | Scenario::ReplayedKeyed) {
+            if matches!(
+                scenario,
+                Scenario::ForgedKeyed | Scenario::ReplayedKeyed | Scenario::ReplayedKeyedResponder
+            ) {
                 e.hs = Handshaker::new(verbs_addr(i as u32, 0), 5, SETTINGS, rng.u64(..))
-                    .with_secret(SECRET);
+                    .with_secret(SECRET, 1);
             }
             e
         })
@@ -692,7 +732,10 @@ fn schedule(scenario: Scenario, seed: u64, peers: usize) -> World {
     let mut starts: Vec<(Instant, usize, usize)> = (1..=peers)
         .map(|i| (now + Duration::from_millis(rng.u64(0..=50)), i, 0))
         .collect();
-    if scenario == Scenario::Simultaneous {
+    if matches!(
+        scenario,
+        Scenario::Simultaneous | Scenario::ReplayedKeyedResponder
+    ) {
         starts.push((now + Duration::from_millis(rng.u64(0..=50)), 0, 1));
     }
     let disrupt = match scenario {
@@ -700,6 +743,7 @@ fn schedule(scenario: Scenario, seed: u64, peers: usize) -> World {
             Some((scenario, 1))
         }
         Scenario::ReplayedKeyed => Some((Scenario::Rehandshake, 1)),
+        Scenario::ReplayedKeyedResponder => Some((Scenario::Rehandshake, 0)),
         _ => None,
     };
     let mut world = World {
@@ -711,7 +755,12 @@ fn schedule(scenario: Scenario, seed: u64, peers: usize) -> World {
         disrupt,
         seed,
         last_scan: None,
-        recorded: (scenario == Scenario::ReplayedKeyed).then(Vec::new),
+        recorded: matches!(
+            scenario,
+            Scenario::ReplayedKeyed | Scenario::ReplayedKeyedResponder
+        )
+        .then(Vec::new),
+        last_replay: None,
     };
     world.reindex();
     if matches!(scenario, Scenario::Forged | Scenario::ForgedKeyed) {
@@ -777,11 +826,17 @@ fn run_one(scenario: Scenario, seed: u64) -> Result<(u64, usize), String> {
                     | Scenario::RestartNewAddress
                     | Scenario::RestartSameAddress
                     | Scenario::ReplayedKeyed
+                    | Scenario::ReplayedKeyedResponder
             );
             if replaced > 0 && !disrupted {
                 return Err(format!(
                     "{replaced} live connection(s) replaced without cause"
                 ));
+            }
+            // The replays reached the machines and were dropped as stale there.
+            let stale: u64 = world.eps.iter().map(|e| e.hs.stale()).sum();
+            if world.recorded.is_some() && stale == 0 {
+                return Err("no replayed datagram was dropped as stale".into());
             }
             // With the secret, every forged datagram (32) was dropped unread.
             if scenario == Scenario::ForgedKeyed && world.eps[0].hs.unauthenticated() < 32 {
@@ -823,7 +878,7 @@ fn schedules() -> u64 {
 /// (quadratic in its length): a tenth as many.
 fn schedules_of(scenario: Scenario) -> u64 {
     match scenario {
-        Scenario::ReplayedKeyed => schedules().div_ceil(10),
+        Scenario::ReplayedKeyed | Scenario::ReplayedKeyedResponder => schedules().div_ceil(10),
         _ => schedules(),
     }
 }
@@ -1215,17 +1270,17 @@ mod rules {
     #[test]
     fn with_a_secret_only_authentic_datagrams_are_read() {
         let keyed = |id, secret: &[u8]| {
-            Handshaker::new(verbs_addr(id, 0), 5, SETTINGS, u64::from(id)).with_secret(secret)
+            Handshaker::new(verbs_addr(id, 0), 5, SETTINGS, u64::from(id)).with_secret(secret, 1)
         };
         let (mut a, mut b) = (keyed(1, SECRET), keyed(2, SECRET));
         let b_addr = NetAddr::new(&verbs_addr(2, 0).encode()).unwrap();
         let now = Instant::now();
         let mut out = Vec::new();
         a.connect(now, &b_addr, (1, 2), &mut out).unwrap();
-        let request = a.seal(&sent(&out)[0]);
-        assert_eq!(request.len(), MSG_LEN + MAC_LEN);
-        // Tampered in flight: one bit of the message, or of the MAC.
-        for at in [10, MSG_LEN + 3] {
+        let request = a.seal(&sent(&out)[0], &verbs_addr(2, 0));
+        assert_eq!(request.len(), MSG_LEN + FRESHNESS_LEN + MAC_LEN);
+        // Tampered in flight: one bit of the message, of its freshness, or of the MAC.
+        for at in [10, MSG_LEN + 2, MSG_LEN + FRESHNESS_LEN + 3] {
             let mut bad = request.clone();
             bad[at] ^= 1;
             let mut got = Vec::new();
@@ -1235,16 +1290,65 @@ mod rules {
         // Unsealed, or sealed with another secret.
         let mut got = Vec::new();
         b.handle_datagram(&sent(&out)[0].encode(), &mut got);
-        let other = keyed(1, b"another secret");
-        b.handle_datagram(&other.seal(&sent(&out)[0]), &mut got);
+        let mut other = keyed(1, b"another secret");
+        b.handle_datagram(&other.seal(&sent(&out)[0], &verbs_addr(2, 0)), &mut got);
         assert!(got.is_empty(), "{got:?}");
-        assert_eq!(b.unauthenticated(), 4);
+        assert_eq!(b.unauthenticated(), 5);
         // The authentic one is read.
         b.handle_datagram(&request, &mut got);
         assert!(matches!(got[..], [Action::Accept { .. }]), "{got:?}");
         // Without a secret nothing changes on the wire.
-        let plain = Handshaker::new(verbs_addr(3, 0), 5, SETTINGS, 3);
-        assert_eq!(plain.seal(&sent(&out)[0]), sent(&out)[0].encode().to_vec());
+        let mut plain = Handshaker::new(verbs_addr(3, 0), 5, SETTINGS, 3);
+        assert_eq!(
+            plain.seal(&sent(&out)[0], &verbs_addr(2, 0)),
+            sent(&out)[0].encode().to_vec()
+        );
+    }
+
+    /// Issue 42 §4: with a secret, a datagram is read once, by the host it was sealed for,
+    /// and only if it is newer than what its sender's last one said; a restarted sender (a
+    /// later epoch) counts from anew.
+    #[test]
+    fn with_a_secret_a_replayed_or_redirected_datagram_is_dropped() {
+        let keyed = |id, epoch| {
+            Handshaker::new(verbs_addr(id, 0), 5, SETTINGS, u64::from(id))
+                .with_secret(SECRET, epoch)
+        };
+        let (mut a, mut b, mut c) = (keyed(1, 7), keyed(2, 7), keyed(3, 7));
+        let b_addr = NetAddr::new(&verbs_addr(2, 0).encode()).unwrap();
+        let now = Instant::now();
+        let mut out = Vec::new();
+        a.connect(now, &b_addr, (1, 2), &mut out).unwrap();
+        let msg = sent(&out)[0];
+        let (first, second) = (
+            a.seal(&msg, &verbs_addr(2, 0)),
+            a.seal(&msg, &verbs_addr(2, 0)),
+        );
+        // Sealed for B, delivered to C: not authentic there.
+        let mut got = Vec::new();
+        c.handle_datagram(&first, &mut got);
+        assert!(got.is_empty(), "{got:?}");
+        assert_eq!((c.unauthenticated(), c.stale()), (1, 0));
+        // B reads the second (a resend), then neither it again nor the first (overtaken).
+        b.handle_datagram(&second, &mut got);
+        assert!(matches!(got[..], [Action::Accept { .. }]), "{got:?}");
+        for replay in [&second, &first] {
+            let mut got = Vec::new();
+            b.handle_datagram(replay, &mut got);
+            assert!(got.is_empty(), "{got:?}");
+        }
+        assert_eq!((b.unauthenticated(), b.stale()), (0, 2));
+        // A restarted A (a later epoch, its count from 1 again) is read.
+        let mut a2 = keyed(1, 8);
+        let mut got = Vec::new();
+        b.handle_datagram(&a2.seal(&msg, &verbs_addr(2, 0)), &mut got);
+        assert!(!got.is_empty(), "a restarted sender's message dropped");
+        // And the old epoch's messages stay dropped, even one never seen.
+        let unseen = a.seal(&msg, &verbs_addr(2, 0));
+        let mut got = Vec::new();
+        b.handle_datagram(&unseen, &mut got);
+        assert!(got.is_empty(), "{got:?}");
+        assert_eq!(b.stale(), 3);
     }
 
     fn request_from(id: u32, request_id: u64, prev: u64) -> Handshake {
