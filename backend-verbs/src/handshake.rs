@@ -51,7 +51,8 @@
 //!   nothing behind after its deadline. Without a cluster secret such a flood can still delay
 //!   new connections; it cannot tear down proven ones.
 //! - With a cluster secret ([`Handshaker::with_secret`]) every message carries a MAC
-//!   (HMAC-SHA256 over the message, truncated to [`MAC_LEN`] bytes) and a datagram whose MAC
+//!   (HMAC-SHA256 over the message, truncated to [`MAC_LEN`] bytes, keyed by the handshake's
+//!   own key derived from the secret) and a datagram whose MAC
 //!   does not verify is dropped before any state is kept: only holders of the secret can
 //!   take part. The MAC also covers the receiver's address and the sender's freshness: its
 //!   epoch (the Domain gives the wall clock at its start, so a restarted process counts from
@@ -68,7 +69,10 @@ use std::time::{Duration, Instant};
 
 use foldhash::HashMap;
 use hmac::{KeyInit, Mac};
+use rand::rngs::StdRng;
+use rand::RngExt;
 use xfer_plugin::addr::NetAddr;
+use xfer_plugin::secret::{derive_key, KeyUse};
 
 use crate::wire::{Handshake, Kind, VerbsAddr, MSG_LEN};
 
@@ -282,7 +286,10 @@ pub(crate) struct Handshaker {
     my_addr: NetAddr,
     mtu: u8,
     settings: Settings,
-    rng: fastrand::Rng,
+    /// Request ids and first PSNs: a CSPRNG, because without a secret their being
+    /// unpredictable is what keeps an off-path host from completing a handshake in another's
+    /// name.
+    rng: StdRng,
     peers: HashMap<NetAddr, State>,
     /// The request id of the last connection established with each peer: what a request
     /// replacing it must name (`prev`). Kept when the connection fails.
@@ -324,15 +331,15 @@ impl Keyed {
 }
 
 impl Handshaker {
-    /// `me`: our handshake address; `mtu`: our port's active MTU code; `seed`: for request
+    /// `me`: our handshake address; `mtu`: our port's active MTU code; `rng`: for request
     /// ids and PSNs (the Domain seeds it from the OS, the Pair harness per schedule).
-    pub(crate) fn new(me: VerbsAddr, mtu: u8, settings: Settings, seed: u64) -> Self {
+    pub(crate) fn new(me: VerbsAddr, mtu: u8, settings: Settings, rng: StdRng) -> Self {
         Self {
             me,
             my_addr: NetAddr::new(&me.encode()).expect("an encoded VerbsAddr is a NetAddr"),
             mtu,
             settings,
-            rng: fastrand::Rng::with_seed(seed),
+            rng,
             peers: HashMap::default(),
             established: HashMap::default(),
             keyed: None,
@@ -346,7 +353,8 @@ impl Handshaker {
     /// wall clock's nanoseconds at its start).
     pub(crate) fn with_secret(mut self, secret: &[u8], epoch: u64) -> Self {
         self.keyed = Some(Keyed {
-            key: HmacSha256::new_from_slice(secret).expect("HMAC takes a key of any length"),
+            key: HmacSha256::new_from_slice(&derive_key(secret, KeyUse::Handshake))
+                .expect("HMAC takes a key of any length"),
             epoch,
             sealed: 0,
             newest: HashMap::default(),
@@ -401,7 +409,7 @@ impl Handshaker {
     }
 
     fn psn(&mut self) -> u32 {
-        self.rng.u32(..) & 0x00ff_ffff
+        self.rng.random::<u32>() & 0x00ff_ffff
     }
 
     /// A message of ours naming our QPs `ends`.
@@ -442,7 +450,7 @@ impl Handshaker {
             msg_psn: self.psn(),
         };
         // Never 0: a `prev` of 0 means "replaces nothing".
-        let request_id = self.rng.u64(1..);
+        let request_id = self.rng.random_range(1..=u64::MAX);
         let msg = self.request(peer, request_id, &ends);
         self.peers.insert(
             peer.clone(),

@@ -661,6 +661,11 @@ fn a_cluster_secret_admits_only_its_holders() {
     let (ours, theirs) = (dir.join("ours"), dir.join("theirs"));
     std::fs::write(&ours, b"32 bytes of the cluster's secret").unwrap();
     std::fs::write(&theirs, b"another cluster's secret, longer").unwrap();
+    for f in [&ours, &theirs] {
+        // Only its owner may read a secret file (others' access is refused).
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
     let with = |secret: Option<&std::path::Path>| {
         let mut c = Rxe.config(1);
         c.security.secret_file = secret.map(std::path::Path::to_path_buf);

@@ -233,8 +233,8 @@ pub struct MetricsConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct SecurityConfig {
-    /// A file holding the cluster secret (at least 16 bytes; 32 random ones will do:
-    /// `head -c 32 /dev/urandom > secret`). Backends with a handshake authenticate it with
+    /// A file holding the cluster secret, readable by its owner only (at least 16 bytes; 32
+    /// random ones will do: `(umask 077; head -c 32 /dev/urandom > secret)`). Backends with a handshake authenticate it with
     /// the secret (verbs); peers without it cannot connect. Only the path is handed to
     /// backends, as `secret_file` in their table; never put a secret on a command line.
     pub secret_file: Option<PathBuf>,

@@ -72,6 +72,8 @@ def test_the_service_and_its_clients_share_a_secret(tmp_path):
     secret, other = tmp_path / "secret", tmp_path / "other"
     secret.write_bytes(b"\x01" * 32)
     other.write_bytes(b"\x02" * 32)
+    for f in (secret, other):
+        f.chmod(0o600)
     server = xfer.Server(secret_file=secret)
     try:
         rdv = xfer.Rendezvous(server.url, secret_file=secret, connect_timeout=5)
@@ -90,5 +92,10 @@ def test_the_service_and_its_clients_share_a_secret(tmp_path):
     # A secret short enough to guess from one recorded proof is refused, naming the file.
     short = tmp_path / "short"
     short.write_bytes(b"cluster secret")
+    short.chmod(0o600)
     with pytest.raises(xfer.RendezvousError, match=r"short: the secret is 14 bytes; it must be at least 16"):
         xfer.Server(secret_file=short)
+    # Issue 42 §10: one other users may read is refused, naming its mode and the fix.
+    secret.chmod(0o644)
+    with pytest.raises(xfer.RendezvousError, match=r"mode is 644.*chmod 600"):
+        xfer.Server(secret_file=secret)

@@ -11,7 +11,7 @@
 use std::path::{Path, PathBuf};
 
 use hmac::{KeyInit, Mac};
-use xfer_plugin::secret::too_short;
+use xfer_plugin::secret::{derive_key, too_short, KeyUse};
 
 use crate::{Error, Result};
 
@@ -26,7 +26,7 @@ pub(crate) const PROOF_LEN: usize = 32;
 pub(crate) type Proof = [u8; PROOF_LEN];
 
 /// The cluster secret: at least 16 bytes (32 random ones will do:
-/// `head -c 32 /dev/urandom`).
+/// `(umask 077; head -c 32 /dev/urandom > FILE)`).
 /// `Debug` shows its length only.
 #[derive(Clone)]
 pub struct Secret(Vec<u8>);
@@ -38,17 +38,15 @@ impl std::fmt::Debug for Secret {
 }
 
 impl Secret {
-    /// Reads the secret from `path`; an empty or unreadable file is an error naming it.
+    /// Reads the secret from `path` by the shared rule ([`xfer_plugin::secret::read`]: an
+    /// unreadable, empty, short or group/world-accessible file is an error naming it).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let bad = |why: String| Error::Secret {
-            path: path.to_owned(),
-            why,
-        };
-        let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
-        if bytes.is_empty() {
-            return Err(bad("the file is empty".into()));
-        }
-        too_short(&bytes).map_or(Ok(Self(bytes)), |why| Err(bad(why)))
+        xfer_plugin::secret::read(path)
+            .map(Self)
+            .map_err(|why| Error::Secret {
+                path: path.to_owned(),
+                why,
+            })
     }
 
     /// The secret from the file named by `$XFER_SECRET_FILE`, if it is set.
@@ -85,7 +83,8 @@ impl Secret {
     }
 
     fn mac(&self, role: &[u8], first: &Proof, second: &Proof) -> hmac::Hmac<sha2::Sha256> {
-        let mut mac = <hmac::Hmac<sha2::Sha256> as KeyInit>::new_from_slice(&self.0)
+        let key = derive_key(&self.0, KeyUse::Rendezvous);
+        let mut mac = <hmac::Hmac<sha2::Sha256> as KeyInit>::new_from_slice(&key)
             .expect("HMAC takes a key of any length");
         mac.update(b"xfer-rendezvous-v1 ");
         mac.update(role);
@@ -184,6 +183,8 @@ mod tests {
         assert!(e.contains("head -c 32 /dev/urandom"), "{e}");
         let path = std::env::temp_dir().join(format!("xfer-short-secret-{}", std::process::id()));
         std::fs::write(&path, b"s").unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
         let e = Secret::from_file(&path).unwrap_err().to_string();
         std::fs::remove_file(&path).unwrap();
         assert!(

@@ -126,21 +126,21 @@ impl VerbsDomain {
             connect: Duration::from_millis(options.connect_ms),
             max_half_open: options.max_half_open,
         };
-        let mut handshake = Handshaker::new(me, attr.active_mtu as u8, settings, fastrand::u64(..));
+        let mut handshake = Handshaker::new(
+            me,
+            attr.active_mtu as u8,
+            settings,
+            // Seeded from the OS's CSPRNG (see the field's doc).
+            rand::make_rng(),
+        );
         if let Some(path) = &options.secret_file {
-            let secret = std::fs::read(path).map_err(|e| {
+            // The rule the rendezvous applies to the same file.
+            let secret = xfer_plugin::secret::read(std::path::Path::new(path)).map_err(|why| {
                 err(
                     DomainErrorKind::InvalidArgument,
-                    format!("[security] secret_file {path}: {e}"),
+                    format!("[security] secret_file {path}: {why}"),
                 )
             })?;
-            // The rule the rendezvous applies to the same file.
-            if let Some(why) = xfer_plugin::secret::too_short(&secret) {
-                return Err(err(
-                    DomainErrorKind::InvalidArgument,
-                    format!("[security] secret_file {path}: {why}"),
-                ));
-            }
             // The handshake's epoch: later at each start of this process's address, so its
             // peers take its messages over any recorded from an earlier run.
             let epoch = std::time::SystemTime::now()

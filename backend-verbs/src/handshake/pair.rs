@@ -19,6 +19,8 @@
 
 use std::collections::{BTreeMap, HashSet};
 
+use rand::SeedableRng;
+
 use super::*;
 use crate::wire::MSG_LEN;
 
@@ -27,6 +29,11 @@ const SETTINGS: Settings = Settings {
     connect: Duration::from_millis(3000),
     max_half_open: 64,
 };
+
+/// A schedule's deterministic stand-in for the OS-seeded CSPRNG the Domain gives.
+fn seeded(seed: u64) -> StdRng {
+    StdRng::seed_from_u64(seed)
+}
 
 /// How often the stand-in Domains look for connections whose peer's QPs are gone.
 const SCAN: Duration = Duration::from_millis(10);
@@ -206,7 +213,7 @@ impl Endpoint {
     fn new(me: VerbsAddr, seed: u64, notice: Duration) -> Self {
         Self {
             addr: NetAddr::new(&me.encode()).unwrap(),
-            hs: Handshaker::new(me, 5, SETTINGS, seed),
+            hs: Handshaker::new(me, 5, SETTINGS, seeded(seed)),
             conns: HashMap::default(),
             candidates: HashMap::default(),
             next_qpn: 0x1000 + (seed as u32 & 0xffff) * 16,
@@ -723,7 +730,7 @@ fn schedule(scenario: Scenario, seed: u64, peers: usize) -> World {
                 scenario,
                 Scenario::ForgedKeyed | Scenario::ReplayedKeyed | Scenario::ReplayedKeyedResponder
             ) {
-                e.hs = Handshaker::new(verbs_addr(i as u32, 0), 5, SETTINGS, rng.u64(..))
+                e.hs = Handshaker::new(verbs_addr(i as u32, 0), 5, SETTINGS, seeded(rng.u64(..)))
                     .with_secret(SECRET, 1);
             }
             e
@@ -1270,7 +1277,8 @@ mod rules {
     #[test]
     fn with_a_secret_only_authentic_datagrams_are_read() {
         let keyed = |id, secret: &[u8]| {
-            Handshaker::new(verbs_addr(id, 0), 5, SETTINGS, u64::from(id)).with_secret(secret, 1)
+            Handshaker::new(verbs_addr(id, 0), 5, SETTINGS, seeded(u64::from(id)))
+                .with_secret(secret, 1)
         };
         let (mut a, mut b) = (keyed(1, SECRET), keyed(2, SECRET));
         let b_addr = NetAddr::new(&verbs_addr(2, 0).encode()).unwrap();
@@ -1298,7 +1306,7 @@ mod rules {
         b.handle_datagram(&request, &mut got);
         assert!(matches!(got[..], [Action::Accept { .. }]), "{got:?}");
         // Without a secret nothing changes on the wire.
-        let mut plain = Handshaker::new(verbs_addr(3, 0), 5, SETTINGS, 3);
+        let mut plain = Handshaker::new(verbs_addr(3, 0), 5, SETTINGS, seeded(3));
         assert_eq!(
             plain.seal(&sent(&out)[0], &verbs_addr(2, 0)),
             sent(&out)[0].encode().to_vec()
@@ -1311,7 +1319,7 @@ mod rules {
     #[test]
     fn with_a_secret_a_replayed_or_redirected_datagram_is_dropped() {
         let keyed = |id, epoch| {
-            Handshaker::new(verbs_addr(id, 0), 5, SETTINGS, u64::from(id))
+            Handshaker::new(verbs_addr(id, 0), 5, SETTINGS, seeded(u64::from(id)))
                 .with_secret(SECRET, epoch)
         };
         let (mut a, mut b, mut c) = (keyed(1, 7), keyed(2, 7), keyed(3, 7));
