@@ -149,6 +149,12 @@ impl<W> ImmCounter<W> {
         }
     }
 
+    /// An empty counter for an engine: at most `max_idle` immediates that nobody waits for,
+    /// at most `max_idle_per_peer` of them created by any one peer engine's arrivals.
+    pub fn for_peers(max_idle: usize, max_idle_per_peer: usize) -> Self {
+        Self::with_limits(max_idle, max_idle_per_peer)
+    }
+
     /// Idle entries created by `source`'s arrivals.
     pub fn idle_from(&self, source: &NetAddr) -> usize {
         self.idle_by_source.get(source).copied().unwrap_or(0)
@@ -460,6 +466,7 @@ impl<W> Entry<W> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::MAX_NICS;
     use std::time::Duration;
 
     fn later(s: u64) -> Instant {
@@ -648,6 +655,29 @@ mod tests {
             c.handle_arrivals(imm, 1, &mut out);
         }
         assert_eq!(c.entries(), 8);
+    }
+
+    /// Issue 42 item 6: a sender is a NIC address, and one peer engine has up to
+    /// [`MAX_NICS`] of them. With the default limits, a peer spraying fresh immediates from
+    /// four NICs filled all 65,536 entries and a second peer's early arrival was dropped.
+    #[test]
+    fn a_peer_with_four_nics_holds_one_peers_share_in_all() {
+        let (max_idle, per_peer) = (DEFAULT_MAX_IDLE_IMMS, DEFAULT_MAX_IDLE_IMMS / 4);
+        let mut c: ImmCounter<&str> = ImmCounter::for_peers(max_idle, per_peer);
+        let nics: Vec<NetAddr> = (0..MAX_NICS).map(|i| peer(&format!("flood nic {i}"))).collect();
+        let mut out = Vec::new();
+        let mut imm = 0;
+        for nic in &nics {
+            for _ in 0..per_peer {
+                c.handle_arrivals_from(imm, 1, Some(nic), &mut out);
+                imm += 1;
+            }
+        }
+        let held: usize = nics.iter().map(|n| c.idle_from(n)).sum();
+        assert!(held <= per_peer, "one peer's NICs hold {held} > {per_peer}");
+        // Three more peers of four NICs each still fit, and so does an honest one's arrival.
+        c.handle_arrivals_from(u32::MAX, 1, Some(&peer("honest")), &mut out);
+        assert_eq!(c.count(u32::MAX), 1);
     }
 
     #[test]

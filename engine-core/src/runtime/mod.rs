@@ -236,7 +236,7 @@ impl Shared {
             backend,
             queue: queue::SubmissionQueue::new(),
             parking: Arc::new(Parking::default()),
-            imm: Mutex::new(ImmCounter::with_limits(max_idle_imms, per_peer)),
+            imm: Mutex::new(ImmCounter::for_peers(max_idle_imms, per_peer)),
             jobs,
             recv_handler: OnceLock::new(),
             closed: AtomicBool::new(false),
