@@ -110,12 +110,13 @@ fn unexpected_immediates_are_bounded_and_their_loss_is_loud() {
 /// Issue 25: a peer that sprays fresh immediates (zero-byte writes cost it nothing) filled
 /// the whole table, so another peer's early arrival was dropped and its receiver's
 /// expectation timed out. Each sender now has a share of the table
-/// (`worker.max_idle_imms_per_peer`), and the honest peer's arrival is kept.
+/// (`worker.max_idle_imms_per_peer`, a quarter of it per NIC: 12 here, so 3), and the honest
+/// peer's arrival is kept.
 #[test]
 fn one_peer_spraying_immediates_cannot_make_another_peers_arrivals_drop() {
     let config = mock_config(
         1,
-        "[worker]\nmax_idle_imms = 8\nmax_idle_imms_per_peer = 3\n",
+        "[worker]\nmax_idle_imms = 8\nmax_idle_imms_per_peer = 12\n",
     );
     let (flood, honest, b) = (open(&config), open(&config), open(&config));
     let dst = buffer(&b, 64, |_| 0);

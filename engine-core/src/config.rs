@@ -142,8 +142,10 @@ pub struct WorkerConfig {
     /// Most immediates that nobody waits for whose arrivals the ImmCounter keeps; arrivals
     /// beyond it are dropped and reported (see `engine_core::imm`).
     pub max_idle_imms: usize,
-    /// Most of those immediates one sender's arrivals may have created (where the backend
-    /// names senders: verbs, the mock, plugins that do), so one peer cannot fill the table.
+    /// Most of those immediates one peer engine's arrivals may have created (where the
+    /// backend names senders: verbs, the mock, plugins that do), so one peer cannot fill the
+    /// table. Backends name a sender by its NIC, and a peer has up to four: each NIC address
+    /// gets a quarter of this (rounded up).
     pub max_idle_imms_per_peer: usize,
     /// Most notifications queued and not yet taken; arrivals past it are dropped, logged and
     /// counted (`TransferEngine::notifications_dropped`).

@@ -39,7 +39,7 @@ use std::time::Instant;
 
 use foldhash::{HashMap, HashSet};
 
-use crate::wire::NetAddr;
+use crate::wire::{NetAddr, MAX_NICS};
 
 /// Counts arrivals per immediate and matches them against expectations carrying a `W` (the
 /// engine's waiter: a callback or a flag).
@@ -151,8 +151,14 @@ impl<W> ImmCounter<W> {
 
     /// An empty counter for an engine: at most `max_idle` immediates that nobody waits for,
     /// at most `max_idle_per_peer` of them created by any one peer engine's arrivals.
+    ///
+    /// Backends name an arrival's sender by the NIC it came from, and a peer engine has up to
+    /// [`MAX_NICS`] of them, none of which says which engine it belongs to; so each NIC
+    /// address gets a [`MAX_NICS`]th of a peer's share (rounded up). A peer with fewer NICs
+    /// gets less of the table than it could, which only matters for arrivals nobody expects
+    /// yet (4,096 a NIC by default).
     pub fn for_peers(max_idle: usize, max_idle_per_peer: usize) -> Self {
-        Self::with_limits(max_idle, max_idle_per_peer)
+        Self::with_limits(max_idle, max_idle_per_peer.div_ceil(MAX_NICS).max(1))
     }
 
     /// Idle entries created by `source`'s arrivals.
@@ -466,7 +472,6 @@ impl<W> Entry<W> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::MAX_NICS;
     use std::time::Duration;
 
     fn later(s: u64) -> Instant {
@@ -664,7 +669,9 @@ mod tests {
     fn a_peer_with_four_nics_holds_one_peers_share_in_all() {
         let (max_idle, per_peer) = (DEFAULT_MAX_IDLE_IMMS, DEFAULT_MAX_IDLE_IMMS / 4);
         let mut c: ImmCounter<&str> = ImmCounter::for_peers(max_idle, per_peer);
-        let nics: Vec<NetAddr> = (0..MAX_NICS).map(|i| peer(&format!("flood nic {i}"))).collect();
+        let nics: Vec<NetAddr> = (0..MAX_NICS)
+            .map(|i| peer(&format!("flood nic {i}")))
+            .collect();
         let mut out = Vec::new();
         let mut imm = 0;
         for nic in &nics {
