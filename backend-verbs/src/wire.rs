@@ -1,6 +1,67 @@
 //! The verbs backend's wire formats: its `NetAddr` layout and the connection handshake
 //! messages exchanged over the UD QP. Pure, decoded defensively (they come off the network).
 
+/// Why bytes are not a verbs address or handshake. Every variant names what was wrong, so a
+/// log line says whether a foreign, an older or a damaged datagram arrived.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WireError {
+    /// Fewer bytes than the fixed layout of `what` needs.
+    #[error("{what} of {found} bytes is short: expected {expected}")]
+    Short {
+        /// `"verbs address"` or `"handshake"`.
+        what: &'static str,
+        /// Bytes given.
+        found: usize,
+        /// Bytes the layout has.
+        expected: usize,
+    },
+    /// More bytes than the fixed layout of `what` has.
+    #[error("{what} with {extra} trailing bytes")]
+    Trailing {
+        /// `"verbs address"` or `"handshake"`.
+        what: &'static str,
+        /// Bytes past the layout.
+        extra: usize,
+    },
+    /// The tag or magic is not ours: another backend's address or a stray datagram (what
+    /// was expected, with its article).
+    #[error("not {0}")]
+    Foreign(&'static str),
+    /// A version this build does not speak.
+    #[error("{what} version {found}, expected {expected}")]
+    Version {
+        /// `"verbs address"` or `"handshake"`.
+        what: &'static str,
+        /// The version found.
+        found: u8,
+        /// The version this build speaks.
+        expected: u8,
+    },
+    /// A handshake kind byte that is none of Request, Response, Ready.
+    #[error("unknown handshake kind {0}")]
+    Kind(u8),
+    /// An MTU code outside `ibv_mtu`'s 1..=5.
+    #[error("handshake MTU code {0} is not 1..=5")]
+    Mtu(u8),
+}
+
+/// Checks that `raw` is exactly `expected` bytes long.
+fn exact(what: &'static str, raw: &[u8], expected: usize) -> Result<(), WireError> {
+    match raw.len() {
+        n if n < expected => Err(WireError::Short {
+            what,
+            found: n,
+            expected,
+        }),
+        n if n > expected => Err(WireError::Trailing {
+            what,
+            extra: n - expected,
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Tag of a verbs address, so a foreign address is refused instead of misread.
 const ADDR_TAG: u8 = b'V';
 const ADDR_VERSION: u8 = 1;
@@ -31,15 +92,18 @@ impl VerbsAddr {
     }
 
     /// Decodes [`encode`](Self::encode)'s output; anything else is an error naming why.
-    pub fn decode(raw: &[u8]) -> Result<Self, String> {
-        if raw.len() != ADDR_LEN || raw[0] != ADDR_TAG {
-            return Err(format!("not a verbs address ({} bytes)", raw.len()));
+    pub fn decode(raw: &[u8]) -> Result<Self, WireError> {
+        const WHAT: &str = "verbs address";
+        if raw.first().is_some_and(|&t| t != ADDR_TAG) {
+            return Err(WireError::Foreign("a verbs address"));
         }
+        exact(WHAT, raw, ADDR_LEN)?;
         if raw[1] != ADDR_VERSION {
-            return Err(format!(
-                "verbs address version {}, expected {ADDR_VERSION}",
-                raw[1]
-            ));
+            return Err(WireError::Version {
+                what: WHAT,
+                found: raw[1],
+                expected: ADDR_VERSION,
+            });
         }
         Ok(Self {
             gid: raw[2..18].try_into().expect("16 bytes"),
@@ -114,34 +178,32 @@ impl Handshake {
         b
     }
 
-    /// Decodes a datagram; wrong magic, version, kind, length or MTU is an error.
-    pub fn decode(raw: &[u8]) -> Result<Self, String> {
-        if raw.len() < MSG_LEN {
-            return Err(format!(
-                "handshake of {} bytes, expected {MSG_LEN}",
-                raw.len()
-            ));
+    /// Decodes a datagram (exactly [`MSG_LEN`] bytes); wrong magic, version, kind, length or
+    /// MTU is an error naming which.
+    pub fn decode(raw: &[u8]) -> Result<Self, WireError> {
+        const WHAT: &str = "handshake";
+        if raw.len() >= 4 && raw[..4] != MSG_MAGIC {
+            return Err(WireError::Foreign("an xfer handshake"));
         }
-        if raw[..4] != MSG_MAGIC {
-            return Err("not an xfer handshake".into());
-        }
+        exact(WHAT, raw, MSG_LEN)?;
         if raw[4] != MSG_VERSION {
-            return Err(format!(
-                "handshake version {}, expected {MSG_VERSION}",
-                raw[4]
-            ));
+            return Err(WireError::Version {
+                what: WHAT,
+                found: raw[4],
+                expected: MSG_VERSION,
+            });
         }
         let kind = match raw[5] {
             1 => Kind::Request,
             2 => Kind::Response,
             3 => Kind::Ready,
-            k => return Err(format!("unknown handshake kind {k}")),
+            k => return Err(WireError::Kind(k)),
         };
         let word =
             |i: usize| u32::from_le_bytes(raw[38 + 4 * i..42 + 4 * i].try_into().expect("4 bytes"));
         let mtu = raw[54];
         if !(1..=5).contains(&mtu) {
-            return Err(format!("handshake MTU code {mtu} is not 1..=5"));
+            return Err(WireError::Mtu(mtu));
         }
         Ok(Self {
             kind,
@@ -310,19 +372,70 @@ mod tests {
             prev: 0,
         }
         .encode();
-        assert!(Handshake::decode(&h[..MSG_LEN - 1]).is_err());
+        assert_eq!(
+            Handshake::decode(&h[..MSG_LEN - 1]),
+            Err(WireError::Short {
+                what: "handshake",
+                found: MSG_LEN - 1,
+                expected: MSG_LEN
+            })
+        );
+        // A keyed datagram (freshness and tag after the message) read without a secret, or
+        // anything else longer than a handshake, is refused rather than read in part.
+        let mut long = h.to_vec();
+        long.push(0);
+        assert_eq!(
+            Handshake::decode(&long),
+            Err(WireError::Trailing {
+                what: "handshake",
+                extra: 1
+            })
+        );
         let mut bad = h;
         bad[0] = b'Y';
+        assert_eq!(
+            Handshake::decode(&bad),
+            Err(WireError::Foreign("an xfer handshake"))
+        );
         assert!(Handshake::decode(&bad)
             .unwrap_err()
+            .to_string()
             .contains("not an xfer handshake"));
         let mut bad = h;
+        bad[4] = 1;
+        assert!(matches!(
+            Handshake::decode(&bad),
+            Err(WireError::Version { found: 1, .. })
+        ));
+        let mut bad = h;
         bad[5] = 9;
-        assert!(Handshake::decode(&bad).is_err());
+        assert_eq!(Handshake::decode(&bad), Err(WireError::Kind(9)));
         let mut bad = h;
         bad[54] = 6;
-        assert!(Handshake::decode(&bad).unwrap_err().contains("MTU"));
-        assert!(VerbsAddr::decode(b"mock\x01\0\0\0\0\0\0\0").is_err());
+        assert_eq!(Handshake::decode(&bad), Err(WireError::Mtu(6)));
+        let mut bad = h;
+        bad[14] = b'M'; // the sender's address tag
+        assert_eq!(
+            Handshake::decode(&bad),
+            Err(WireError::Foreign("a verbs address"))
+        );
+        assert_eq!(
+            VerbsAddr::decode(b"mock\x01\0\0\0\0\0\0\0"),
+            Err(WireError::Foreign("a verbs address"))
+        );
+        let a = addr().encode();
+        assert!(matches!(
+            VerbsAddr::decode(&a[..5]),
+            Err(WireError::Short { found: 5, .. })
+        ));
+        assert!(matches!(
+            VerbsAddr::decode(&[&a[..], b"x"].concat()),
+            Err(WireError::Trailing { extra: 1, .. })
+        ));
+        assert_eq!(
+            VerbsAddr::decode(&[]).map_err(|e| e.to_string()),
+            Err("verbs address of 0 bytes is short: expected 24".into())
+        );
     }
 
     #[test]
