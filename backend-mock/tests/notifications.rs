@@ -188,3 +188,33 @@ fn the_notification_queue_is_bounded_and_what_it_drops_is_counted() {
     assert_eq!(kept.len(), 4, "{kept:?}");
     assert_eq!(b.notifications_dropped(), 2);
 }
+
+/// Issue 42 item 13: a receiver that never listens (no `listen_notifications`, no
+/// `submit_recvs`) made every notified transfer to it fail with a bare timeout that blamed the
+/// transfer. The data lands; the error says the peer is not listening, names it, and says what
+/// the receiver calls.
+#[test]
+fn a_notification_to_a_peer_that_is_not_listening_says_so() {
+    let (a, b) = pair("[timeouts]\ntransfer_ms = 300\n");
+    let src = HostBuffer::from_fn(&a, 4096, |i| i as u8).unwrap();
+    let dst = HostBuffer::new(&b, 4096).unwrap();
+    let flag = DoneFlag::new();
+    let done = a
+        .notify_when_done(&b.main_address(), b"req-42", flag.clone())
+        .unwrap();
+    a.submit_single_write(4096, None, (src.mr(), 0), (dst.desc(), 0), done)
+        .unwrap();
+    match flag.wait(WAIT) {
+        Err(Error::NotListening { peer, waited }) => {
+            assert_eq!(peer, b.main_address());
+            assert_eq!(waited, Duration::from_millis(300));
+        }
+        other => panic!("expected NotListening, got {other:?}"),
+    }
+    let message = flag.wait(WAIT).unwrap_err().to_string();
+    assert!(
+        message.contains("listen_notifications") && message.contains("landed"),
+        "{message}"
+    );
+    assert_eq!(dst.to_vec(), src.to_vec(), "the data itself landed");
+}

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use crate::wire::DecodeError;
+use crate::wire::{DecodeError, NetAddr};
 
 /// Everything that can go wrong in xfer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -94,6 +94,16 @@ pub enum Error {
     /// The operation did not finish within its deadline.
     #[error("timed out after {0:?}")]
     Timeout(Duration),
+    /// A transfer's data landed, but its notification was not taken within the deadline:
+    /// the peer has no receive buffers posted (it never called `listen_notifications` or
+    /// `submit_recvs`, or every buffer is in use), or it stopped answering.
+    #[error("the data landed, but {peer} took no notification within {waited:?}: it is not listening (a receiver calls listen_notifications or submit_recvs before notified transfers reach it)")]
+    NotListening {
+        /// The peer the notification was for (its main address).
+        peer: NetAddr,
+        /// How long the notification's send waited.
+        waited: Duration,
+    },
     /// The backend reported a failure of its own.
     #[error("backend {backend}: {message}")]
     Backend {
@@ -134,6 +144,7 @@ impl Error {
             Error::RemoteAccess(_) => "remote_access",
             Error::PeerUnreachable(_) => "peer_unreachable",
             Error::Timeout(_) => "timeout",
+            Error::NotListening { .. } => "not_listening",
             Error::Backend { .. } => "backend",
             Error::Watcher(_) => "watcher",
             Error::NotAvailable(_) => "not_available",
