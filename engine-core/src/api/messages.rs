@@ -82,7 +82,10 @@ impl TransferEngine {
     /// delivery-complete on libfabric; the mock completes after copying). The peer takes
     /// notifications with [`poll_notifications`](Self::poll_notifications) or
     /// [`wait_notification`](Self::wait_notification), after
-    /// [`listen_notifications`](Self::listen_notifications). See ARCHITECTURE, "Notifications".
+    /// [`listen_notifications`](Self::listen_notifications): a peer that has not called it
+    /// (nor [`submit_recvs`](Self::submit_recvs)) takes no notification, and `on_done`
+    /// finishes with [`Error::NotListening`] at the transfer deadline, after the data
+    /// landed. See ARCHITECTURE, "Notifications".
     pub fn notify_when_done(
         &self,
         peer: &NetAddr,
@@ -112,11 +115,18 @@ impl TransferEngine {
             let take =
                 |w: &Mutex<Option<OnDone>>| w.lock().unwrap_or_else(|p| p.into_inner()).take();
             let inner = Arc::clone(&waiting);
+            let to = peer.clone();
             let queued = slot.submit(Command::Send {
                 peer,
                 data: message,
                 submitted: Stamp::now(),
                 on_done: OnDone::callback(move |r| {
+                    // A send to a live peer that times out found no receive buffer posted:
+                    // say that, not that the transfer (whose data landed) timed out.
+                    let r = r.map_err(|e| match e {
+                        Error::Timeout(waited) => Error::NotListening { peer: to, waited },
+                        e => e,
+                    });
                     if let Some(d) = take(&inner) {
                         d.complete_inline(r);
                     }

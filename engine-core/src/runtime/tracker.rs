@@ -209,7 +209,7 @@ fn cause_rank(e: &Error) -> u8 {
         Error::RemoteAccess(_) | Error::InvalidArgument(_) | Error::OutOfBounds { .. } => 4,
         Error::Backend { .. } => 3,
         Error::PeerUnreachable(_) => 2,
-        Error::Timeout(_) => 0,
+        Error::Timeout(_) | Error::NotListening { .. } => 0,
         // What the user asked for: whatever actually went wrong says more.
         Error::Cancelled => 0,
         _ => 1,
