@@ -94,7 +94,7 @@ pub enum Error {
         /// The key it was read from.
         key: String,
         /// What is wrong with it.
-        why: String,
+        why: record::RecordError,
     },
     /// Nothing was published under the name within the timeout.
     #[error("no peer named {name:?} was published within {timeout:?}")]

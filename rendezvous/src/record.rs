@@ -1,6 +1,7 @@
 //! What a name maps to: a peer's address and its named regions, in a versioned binary form
 //! (the engine's own `NetAddr`/`MrDesc` codecs inside). Pure: no I/O.
 
+use engine_core::wire::DecodeError;
 use engine_core::{MrDesc, NetAddr};
 use serde::{Deserialize, Serialize};
 
@@ -42,19 +43,82 @@ struct Wire {
     regions: Vec<(String, Vec<u8>)>,
 }
 
-/// Checks a peer or region name: 1 to 128 of `A-Z a-z 0-9 . _ -`.
-pub fn check_name(what: &'static str, name: &str) -> Result<(), Error> {
-    let ok = !name.is_empty()
+/// Why a stored value is not a record this build reads (inside [`Error::BadRecord`], which
+/// names the key).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RecordError {
+    /// A value of zero bytes.
+    #[error("empty value")]
+    Empty,
+    /// A version byte this build does not read.
+    #[error("record version {0}, this build reads {RECORD_VERSION}")]
+    Version(u8),
+    /// The body is not a postcard record (truncated, a bad length or tag, invalid UTF-8).
+    #[error("not a record: {0}")]
+    Malformed(postcard::Error),
+    /// Bytes after the record.
+    #[error("{0} trailing bytes")]
+    Trailing(usize),
+    /// A peer or region name outside 1 to 128 of `A-Z a-z 0-9 . _ -`.
+    #[error("invalid {what} name {name:?}")]
+    BadName {
+        /// "peer" or "region".
+        what: &'static str,
+        /// The name, cut to a little past the longest allowed.
+        name: String,
+    },
+    /// The record names another peer than its key does.
+    #[error("the record names peer {0:?}, not the one its key names")]
+    NotItsKey(String),
+    /// More regions than [`MAX_REGIONS`].
+    #[error("{0} regions (at most {MAX_REGIONS})")]
+    TooManyRegions(usize),
+    /// The peer's address does not decode.
+    #[error("address: {0}")]
+    Address(DecodeError),
+    /// A region's descriptor does not decode.
+    #[error("region {name}: {error}")]
+    Region {
+        /// The region's name.
+        name: String,
+        /// Why its descriptor does not decode.
+        error: DecodeError,
+    },
+}
+
+fn name_ok(name: &str) -> bool {
+    !name.is_empty()
         && name.len() <= MAX_NAME
         && name
             .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if ok {
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+/// A name as an error shows it: never much longer than the longest valid one.
+fn shown(name: &str) -> String {
+    name.chars().take(MAX_NAME + 8).collect()
+}
+
+/// Checks a peer or region name: 1 to 128 of `A-Z a-z 0-9 . _ -`.
+pub fn check_name(what: &'static str, name: &str) -> Result<(), Error> {
+    if name_ok(name) {
         Ok(())
     } else {
         Err(Error::InvalidName {
             what,
-            name: name.chars().take(MAX_NAME + 8).collect(),
+            name: shown(name),
+        })
+    }
+}
+
+fn check_record_name(what: &'static str, name: &str) -> Result<(), RecordError> {
+    if name_ok(name) {
+        Ok(())
+    } else {
+        Err(RecordError::BadName {
+            what,
+            name: shown(name),
         })
     }
 }
@@ -79,48 +143,45 @@ pub fn encode(record: &Record) -> Vec<u8> {
 /// Decodes the value stored under `key`; anything malformed or foreign is an error naming
 /// the key (it may have been written by another program).
 pub fn decode(key: &str, value: &[u8]) -> Result<Record, Error> {
-    let bad = |why: String| Error::BadRecord {
+    decode_value(key, value).map_err(|why| Error::BadRecord {
         key: key.to_owned(),
         why,
-    };
-    let (&version, body) = value
-        .split_first()
-        .ok_or_else(|| bad("empty value".into()))?;
+    })
+}
+
+fn decode_value(key: &str, value: &[u8]) -> Result<Record, RecordError> {
+    let (&version, body) = value.split_first().ok_or(RecordError::Empty)?;
     if version != RECORD_VERSION {
-        return Err(bad(format!(
-            "record version {version}, this build reads {RECORD_VERSION}"
-        )));
+        return Err(RecordError::Version(version));
     }
+    // Lengths inside are bounded by the bytes given: postcard reads strings and byte
+    // vectors from the input and serde preallocates at most a cautious size.
     let (wire, rest): (Wire, &[u8]) =
-        postcard::take_from_bytes(body).map_err(|e| bad(format!("not a record: {e}")))?;
+        postcard::take_from_bytes(body).map_err(RecordError::Malformed)?;
     if !rest.is_empty() {
-        return Err(bad(format!("{} trailing bytes", rest.len())));
+        return Err(RecordError::Trailing(rest.len()));
     }
-    check_name("peer", &wire.name).map_err(|e| bad(e.to_string()))?;
+    check_record_name("peer", &wire.name)?;
     // A record is published under its own name: one stored under another's key (a mistake,
     // or a peer posing as another in listings) is refused.
     if key.rsplit('/').next() != Some(wire.name.as_str()) {
-        return Err(bad(format!(
-            "the record names peer {:?}, not the one its key names",
-            wire.name
-        )));
+        return Err(RecordError::NotItsKey(wire.name));
     }
     if wire.regions.len() > MAX_REGIONS {
-        return Err(bad(format!(
-            "{} regions (at most {MAX_REGIONS})",
-            wire.regions.len()
-        )));
+        return Err(RecordError::TooManyRegions(wire.regions.len()));
     }
-    let addr = NetAddr::from_bytes(&wire.addr).map_err(|e| bad(format!("address: {e}")))?;
+    let addr = NetAddr::from_bytes(&wire.addr).map_err(RecordError::Address)?;
     let regions = wire
         .regions
         .into_iter()
-        .map(|(n, d)| {
-            check_name("region", &n).map_err(|e| bad(e.to_string()))?;
-            let desc = MrDesc::from_bytes(&d).map_err(|e| bad(format!("region {n}: {e}")))?;
-            Ok((n, desc))
+        .map(|(name, d)| {
+            check_record_name("region", &name)?;
+            match MrDesc::from_bytes(&d) {
+                Ok(desc) => Ok((name, desc)),
+                Err(error) => Err(RecordError::Region { name, error }),
+            }
         })
-        .collect::<Result<_, Error>>()?;
+        .collect::<Result<_, RecordError>>()?;
     Ok(Record {
         name: wire.name,
         incarnation: wire.incarnation,
@@ -161,14 +222,31 @@ mod tests {
             e.contains("/xfer/peers/x") && e.contains("version 9"),
             "{e}"
         );
-        assert!(decode("k", b"").is_err());
-        assert!(decode("k", b"\x01hello world").is_err());
+        let why = |value: &[u8]| match decode("/xfer/peers/prefill-3", value) {
+            Err(Error::BadRecord { why, .. }) => why,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(why(b""), RecordError::Empty);
+        assert!(matches!(why(b"\x01hello world"), RecordError::Malformed(_)));
         let mut long = encode(&record());
         long.push(0);
+        assert_eq!(why(&long), RecordError::Trailing(1));
         assert!(decode("k", &long)
             .unwrap_err()
             .to_string()
             .contains("trailing"));
+        let mut r = record();
+        r.regions[0].0 = "a/b".into();
+        assert!(matches!(
+            why(&encode(&r)),
+            RecordError::BadName { what: "region", .. }
+        ));
+        let mut r = record();
+        r.regions = vec![r.regions[0].clone(); MAX_REGIONS + 1];
+        assert_eq!(
+            why(&encode(&r)),
+            RecordError::TooManyRegions(MAX_REGIONS + 1)
+        );
     }
 
     /// Issue 25: a record named `prefill-3` stored under another name's key would list as a
@@ -177,7 +255,7 @@ mod tests {
     fn a_record_under_another_names_key_is_refused() {
         let e = decode("/xfer/peers/evil", &encode(&record())).unwrap_err();
         assert!(
-            matches!(&e, Error::BadRecord { key, why } if key == "/xfer/peers/evil" && why.contains("prefill-3")),
+            matches!(&e, Error::BadRecord { key, why: RecordError::NotItsKey(name) } if key == "/xfer/peers/evil" && name == "prefill-3"),
             "{e}"
         );
     }
