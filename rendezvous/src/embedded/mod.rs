@@ -25,6 +25,9 @@ use std::time::Duration;
 
 pub(crate) use client::Client;
 pub use server::Server;
+// The `frame` fuzz target's entry points (see `wire::fuzzing`): hidden, not an API.
+#[doc(hidden)]
+pub use wire::fuzzing;
 pub use wire::{
     hello_frame_for_tests, is_taken_for_tests, request_frame_for_tests, takeover_frame_for_tests,
     value_of_response_for_tests,

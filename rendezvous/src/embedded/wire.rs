@@ -4,6 +4,7 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::MAX_FRAME;
@@ -71,6 +72,56 @@ pub(super) fn write_frame<T: Serialize>(s: &mut TcpStream, msg: &T) -> std::io::
     s.write_all(&frame)
 }
 
+/// Why a frame was refused. The connection it came on is closed: its framing can no longer
+/// be trusted.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub(super) enum FrameError {
+    /// The announced length is past what this side reads.
+    #[error("a frame of {len} bytes (at most {limit})")]
+    TooLong { len: usize, limit: usize },
+    /// The body is not a message (truncated inside, a bad tag or length, invalid UTF-8).
+    #[error("a malformed frame: {0}")]
+    Malformed(postcard::Error),
+    /// The body holds a message and then more bytes.
+    #[error("a frame with {0} bytes after its message")]
+    Trailing(usize),
+}
+
+impl From<FrameError> for std::io::Error {
+    fn from(e: FrameError) -> Self {
+        std::io::Error::new(std::io::ErrorKind::InvalidData, e)
+    }
+}
+
+/// A frame's body as a message: exactly one, nothing after it.
+fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, FrameError> {
+    let (msg, rest) = postcard::take_from_bytes(body).map_err(FrameError::Malformed)?;
+    match rest.len() {
+        0 => Ok(msg),
+        n => Err(FrameError::Trailing(n)),
+    }
+}
+
+/// The first frame in `buf` and the bytes it took, or `None` while it is not whole. Pure:
+/// [`FrameReader`] feeds it what arrived on a socket, the `frame` fuzz target any bytes.
+pub(super) fn decode_frame<T: DeserializeOwned>(
+    buf: &[u8],
+    limit: usize,
+) -> Result<Option<(T, usize)>, FrameError> {
+    let Some(head) = buf.first_chunk::<4>() else {
+        return Ok(None);
+    };
+    let len = u32::from_le_bytes(*head) as usize;
+    if len > limit {
+        return Err(FrameError::TooLong { len, limit });
+    }
+    match buf[4..].get(..len) {
+        Some(body) => Ok(Some((decode_body(body)?, 4 + len))),
+        None => Ok(None),
+    }
+}
+
 /// Reads frames from a stream whose reads time out, keeping a partial frame across
 /// timeouts (a timeout mid-frame used to drop what was read and desynchronise the stream).
 pub(super) struct FrameReader {
@@ -89,26 +140,15 @@ impl FrameReader {
     /// The next whole frame; `None` if a read timed out first, or `deadline` passed while
     /// bytes kept arriving (what arrived is kept either way: the caller decides whether a
     /// frame that is not whole in time ends the connection).
-    pub(super) fn next<T: for<'de> Deserialize<'de>>(
+    pub(super) fn next<T: DeserializeOwned>(
         &mut self,
         s: &mut TcpStream,
         deadline: std::time::Instant,
     ) -> std::io::Result<Option<T>> {
         loop {
-            if self.buf.len() >= 4 {
-                let len = u32::from_le_bytes(self.buf[..4].try_into().expect("4 bytes")) as usize;
-                if len > self.limit {
-                    return Err(std::io::Error::other(format!(
-                        "a frame of {len} bytes (at most {})",
-                        self.limit
-                    )));
-                }
-                if self.buf.len() >= 4 + len {
-                    let msg =
-                        postcard::from_bytes(&self.buf[4..4 + len]).map_err(std::io::Error::other);
-                    self.buf.drain(..4 + len);
-                    return msg.map(Some);
-                }
+            if let Some((msg, used)) = decode_frame(&self.buf, self.limit)? {
+                self.buf.drain(..used);
+                return Ok(Some(msg));
             }
             let mut chunk = [0u8; 4096];
             match s.read(&mut chunk) {
@@ -183,12 +223,16 @@ pub fn value_of_response_for_tests(body: &[u8]) -> Option<Vec<u8>> {
 /// What a frame's body is first read into (most frames are smaller).
 const FIRST_READ: usize = 64 << 10;
 
-pub(super) fn read_frame<T: for<'de> Deserialize<'de>>(s: &mut impl Read) -> std::io::Result<T> {
+pub(super) fn read_frame<T: DeserializeOwned>(s: &mut impl Read) -> std::io::Result<T> {
     let mut len = [0u8; 4];
     s.read_exact(&mut len)?;
     let len = u32::from_le_bytes(len) as usize;
     if len > MAX_FRAME {
-        return Err(std::io::Error::other(format!("a frame of {len} bytes")));
+        return Err(FrameError::TooLong {
+            len,
+            limit: MAX_FRAME,
+        }
+        .into());
     }
     // Grown as the bytes arrive, not allocated from the announced length: whatever answers
     // at the service's address costs this client only what it actually sends.
@@ -203,7 +247,32 @@ pub(super) fn read_frame<T: for<'de> Deserialize<'de>>(s: &mut impl Read) -> std
             ),
         ));
     }
-    postcard::from_bytes(&body).map_err(std::io::Error::other)
+    Ok(decode_body(&body)?)
+}
+
+/// Entry points for the `frame` fuzz target (`fuzz/`). Public only because the fuzz crate is
+/// another crate; hidden, and not an API: the frames and messages stay private.
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::{decode_frame, frame_of, read_frame, Request, Response};
+    use crate::embedded::MAX_REQUEST;
+
+    /// Reads `data` as the service reads a connection: `Request` frames one after another
+    /// until one is not whole or is refused. Each request read comes back re-encoded as a
+    /// frame, which must read back the same.
+    pub fn service_frames(mut data: &[u8]) -> Vec<Vec<u8>> {
+        let mut frames = Vec::new();
+        while let Ok(Some((req, used))) = decode_frame::<Request>(data, MAX_REQUEST) {
+            frames.push(frame_of(&req));
+            data = &data[used..];
+        }
+        frames
+    }
+
+    /// Reads one `Response` frame from `data` as a client reads one from its socket.
+    pub fn client_frame(data: &[u8]) -> bool {
+        read_frame::<Response>(&mut std::io::Cursor::new(data)).is_ok()
+    }
 }
 
 #[cfg(test)]
@@ -222,6 +291,39 @@ mod tests {
             self.largest_read = self.largest_read.max(buf.len());
             self.bytes.read(buf)
         }
+    }
+
+    /// A frame is one message and nothing else: a body with bytes after its message, or one
+    /// announcing more than the limit, is refused (the connection is then closed); a frame
+    /// not yet whole waits for its bytes.
+    #[test]
+    fn frames_are_decoded_whole_and_exactly() {
+        let frame = request_frame_for_tests("k");
+        let (req, used) = decode_frame::<Request>(&frame, 64).unwrap().unwrap();
+        assert!(matches!(req, Request::Get { key } if key == "k"));
+        assert_eq!(used, frame.len());
+        for cut in 0..frame.len() {
+            assert!(decode_frame::<Request>(&frame[..cut], 64)
+                .unwrap()
+                .is_none());
+        }
+        let mut padded = frame.clone();
+        padded[0] += 1;
+        padded.push(0);
+        assert!(matches!(
+            decode_frame::<Request>(&padded, 64),
+            Err(FrameError::Trailing(1))
+        ));
+        assert!(matches!(
+            decode_frame::<Request>(&frame, 2),
+            Err(FrameError::TooLong { limit: 2, .. })
+        ));
+        assert!(matches!(
+            decode_frame::<Request>(&[1, 0, 0, 0, 200], 64),
+            Err(FrameError::Malformed(_))
+        ));
+        let two = [&frame[..], &frame[..]].concat();
+        assert_eq!(fuzzing::service_frames(&two), vec![frame.clone(), frame]);
     }
 
     /// A service (or anything at its address) that announces a frame near the limit and sends
