@@ -255,3 +255,40 @@ fn a_dropped_watch_gives_its_slot_back() {
         });
     }
 }
+
+/// Issue 42 §1: connections that never greet, all from one address and held open, took
+/// every slot: a client arriving after them was refused until they timed out, and a keeper
+/// that had to reconnect could not keep its lease alive. Unauthenticated connections have
+/// a share of the slots and a cap per address, and a new connection takes the place of the
+/// oldest of them, never of an authenticated one.
+#[test]
+fn a_flood_of_unauthenticated_connections_does_not_lock_clients_out() {
+    let limits = Limits {
+        max_connections: 4,
+        idle: Duration::from_secs(3600),
+        ..Limits::default()
+    };
+    let server = Server::start_with("127.0.0.1:0", limits, None).unwrap();
+    // Connected before the client, so the service takes them first; held open (the
+    // greeting's deadline, 10 s, is longer than this test takes to get to its client).
+    let mut flood: Vec<_> = (0..50)
+        .map(|_| std::net::TcpStream::connect(server.addr()).unwrap())
+        .collect();
+    // One try, no riding out: the service must serve it now.
+    let r = Rendezvous::connect_with(&server.url(), &options(Duration::ZERO, None)).unwrap();
+    let p = r.publish("through-the-flood", &addr(5), &[], TTL).unwrap();
+    // A second wave while the client and its keeper are connected.
+    flood.extend((0..50).map(|_| std::net::TcpStream::connect(server.addr()).unwrap()));
+    assert_eq!(
+        r.lookup("through-the-flood", Duration::ZERO).unwrap().addr,
+        addr(5)
+    );
+    // The keeper reaches the service through the flood: its revocation removes the name
+    // now (not at the lease's expiry).
+    drop(p);
+    match r.lookup("through-the-flood", Duration::ZERO) {
+        Err(Error::NotFound { .. }) => {}
+        other => panic!("expected the name revoked, got {other:?}"),
+    }
+    drop(flood);
+}
