@@ -24,7 +24,7 @@ impl xfer_conformance::Harness for Tcp {
             // libfabric 1.17's tcp provider checks an RMA key and range but not the region's
             // FI_REMOTE_READ access: a read of a write-only region succeeds there. A real NIC
             // (and the mock, and verbs on soft-RoCE) refuses it.
-            "read_of_an_unreadable_region" => {
+            "read_of_an_unreadable_region_by_a_forged_descriptor" => {
                 Some("tcp;ofi_rxm does not enforce a region's remote-read access")
             }
             // libfabric 2.1 (not 1.17): a receiver that inserts a peer whose messages already

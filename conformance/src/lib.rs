@@ -1091,16 +1091,68 @@ pub fn reads(h: &dyn Harness) {
     }
 }
 
-/// Reading a region its owner registered only for writes fails as a remote access error, and
-/// nothing is read; a region registered for both can be read and written.
+/// Reading a region its owner registered only for writes is refused at submit with a remote
+/// access error, on every backend (its descriptor says so: a courtesy check, since providers
+/// such as libfabric's shm and tcp do not enforce it), and nothing is read; a region
+/// registered for both can be read and written.
 pub fn read_of_an_unreadable_region(h: &dyn Harness) {
     let config = quick_config(h, 1);
     let (a, b) = (open(&config), open(&config));
     require_reads(&a);
     let write_only = buffer(&b, 4096, pattern(3));
     let local = buffer(&a, 4096, |_| 0xaa);
+    let refused = a.submit_single_read(
+        4096,
+        (local.mr(), 0),
+        (write_only.desc(), 0),
+        DoneFlag::new(),
+    );
+    assert!(
+        matches!(&refused, Err(Error::RemoteAccess(m)) if m.contains("READ")),
+        "a read of a write-only region must be refused at submit, naming RemoteAccess::READ: {refused:?}"
+    );
+    let pages = Pages {
+        indices: vec![0],
+        stride: 4096,
+        offset: 0,
+    };
+    let refused = a.submit_paged_reads(
+        4096,
+        (local.mr(), &pages),
+        (write_only.desc(), &pages),
+        DoneFlag::new(),
+    );
+    assert!(
+        matches!(refused, Err(Error::RemoteAccess(_))),
+        "paged: {refused:?}"
+    );
+    assert!(
+        local.to_vec().iter().all(|&x| x == 0xaa),
+        "nothing may be read"
+    );
+    let both = Readable::new(&b, 4096, pattern(4), RemoteAccess::READ_WRITE);
     let f = DoneFlag::new();
-    a.submit_single_read(4096, (local.mr(), 0), (write_only.desc(), 0), f.clone())
+    a.submit_single_read(4096, (local.mr(), 0), (&both.desc, 0), f.clone())
+        .or_fail("posting it");
+    f.wait(WAIT).or_fail("a read of a read-write region");
+    assert_copied("read of a read-write region", &local.to_vec(), &both.data);
+}
+
+/// A descriptor forged to say a write-only region is readable gets past the initiator's
+/// check; the provider then refuses the read (where it enforces access: not libfabric's shm
+/// or tcp) and nothing is read.
+pub fn read_of_an_unreadable_region_by_a_forged_descriptor(h: &dyn Harness) {
+    let config = quick_config(h, 1);
+    let (a, b) = (open(&config), open(&config));
+    require_reads(&a);
+    let write_only = buffer(&b, 4096, pattern(3));
+    let forged = write_only
+        .desc()
+        .clone()
+        .with_access(Some(RemoteAccess::READ_WRITE));
+    let local = buffer(&a, 4096, |_| 0xaa);
+    let f = DoneFlag::new();
+    a.submit_single_read(4096, (local.mr(), 0), (&forged, 0), f.clone())
         .or_fail("posting it");
     let r = f.wait(WAIT);
     if h.typed_remote_access() {
@@ -1112,12 +1164,6 @@ pub fn read_of_an_unreadable_region(h: &dyn Harness) {
         local.to_vec().iter().all(|&x| x == 0xaa),
         "nothing may be read"
     );
-    let both = Readable::new(&b, 4096, pattern(4), RemoteAccess::READ_WRITE);
-    let f = DoneFlag::new();
-    a.submit_single_read(4096, (local.mr(), 0), (&both.desc, 0), f.clone())
-        .or_fail("posting it");
-    f.wait(WAIT).or_fail("a read of a read-write region");
-    assert_copied("read of a read-write region", &local.to_vec(), &both.data);
 }
 
 /// A read from a peer that died fails (never hangs, never succeeds); reads from others go on.
@@ -1476,6 +1522,10 @@ pub const CHECKS: &[(&str, Check)] = &[
     ("shutdown_fails_waiting", shutdown_fails_waiting),
     ("reads", reads),
     ("read_of_an_unreadable_region", read_of_an_unreadable_region),
+    (
+        "read_of_an_unreadable_region_by_a_forged_descriptor",
+        read_of_an_unreadable_region_by_a_forged_descriptor,
+    ),
     ("read_from_a_dead_peer", read_from_a_dead_peer),
     (
         "oversized_message_keeps_the_buffer",
@@ -1552,7 +1602,8 @@ macro_rules! conformance_suite {
             single_write, write_at_offsets_without_imm, striping, paged_writes, scatter, barrier,
             send_recv, imm_counts, expectation_times_out, bad_input, remote_access_error,
             dead_peer, exactly_once, callbacks_can_submit, shutdown_fails_waiting,
-            reads, read_of_an_unreadable_region, read_from_a_dead_peer,
+            reads, read_of_an_unreadable_region,
+            read_of_an_unreadable_region_by_a_forged_descriptor, read_from_a_dead_peer,
             oversized_message_keeps_the_buffer, notifications_follow_their_data,
             zero_byte_write_with_imm, engines_in_parallel, messages_use_posted_receives,
             immediate_arrives_after_its_data, a_promised_waker_is_called);
@@ -1562,7 +1613,8 @@ macro_rules! conformance_suite {
             single_write, write_at_offsets_without_imm, striping, paged_writes, scatter, barrier,
             send_recv, imm_counts, expectation_times_out, bad_input, remote_access_error,
             dead_peer, exactly_once, callbacks_can_submit, shutdown_fails_waiting,
-            reads, read_of_an_unreadable_region, read_from_a_dead_peer,
+            reads, read_of_an_unreadable_region,
+            read_of_an_unreadable_region_by_a_forged_descriptor, read_from_a_dead_peer,
             oversized_message_keeps_the_buffer, notifications_follow_their_data,
             zero_byte_write_with_imm, engines_in_parallel, messages_use_posted_receives,
             immediate_arrives_after_its_data, a_promised_waker_is_called);

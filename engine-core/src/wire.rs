@@ -12,6 +12,8 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use xfer_plugin::addr::{check_len, from_hex, Reader};
+
+use crate::RemoteAccess;
 pub use xfer_plugin::addr::{DecodeError, NetAddr, MAX_ADDR_LEN, WIRE_VERSION};
 
 /// Most NICs a DomainGroup (and so an `MrDesc`) can hold.
@@ -31,6 +33,12 @@ pub struct MrDesc {
     // Always serialized: postcard (rendezvous records) is not self-describing.
     #[serde(default)]
     key_offset: u64,
+    /// What the owner registered the region for, where the descriptor says (every one its
+    /// engine made does): lets an initiator refuse a read of a write-only region before
+    /// posting, on providers that do not enforce it themselves. A courtesy, not a
+    /// protection: whoever holds the keys can forge this.
+    #[serde(default)]
+    access: Option<RemoteAccess>,
 }
 
 /// The unchecked shape serde sees; turned into an `MrDesc` only through [`MrDesc::new`].
@@ -41,13 +49,42 @@ struct MrDescFields {
     rkeys: Vec<(NetAddr, u64)>,
     #[serde(default)]
     key_offset: u64,
+    #[serde(default)]
+    access: Option<RemoteAccess>,
 }
 
 impl TryFrom<MrDescFields> for MrDesc {
     type Error = DecodeError;
     fn try_from(f: MrDescFields) -> Result<Self, DecodeError> {
-        Self::new(f.ptr, f.len, f.rkeys)?.within_registration_at(f.ptr.wrapping_sub(f.key_offset))
+        Ok(Self::new(f.ptr, f.len, f.rkeys)?
+            .within_registration_at(f.ptr.wrapping_sub(f.key_offset))?
+            .with_access(f.access))
     }
+}
+
+/// The access byte of the binary form: a marker bit (so the byte is never zero) and the two
+/// permissions.
+const ACCESS_MARK: u8 = 0x80;
+const ACCESS_WRITE: u8 = 0x01;
+const ACCESS_READ: u8 = 0x02;
+
+fn access_byte(a: RemoteAccess) -> u8 {
+    ACCESS_MARK | if a.write { ACCESS_WRITE } else { 0 } | if a.read { ACCESS_READ } else { 0 }
+}
+
+fn access_of(byte: u8) -> Result<RemoteAccess, DecodeError> {
+    if byte & !(ACCESS_WRITE | ACCESS_READ) != ACCESS_MARK {
+        return Err(DecodeError::Length {
+            field: "MrDesc access flags",
+            value: usize::from(byte),
+            min: usize::from(ACCESS_MARK),
+            max: usize::from(ACCESS_MARK | ACCESS_WRITE | ACCESS_READ),
+        });
+    }
+    Ok(RemoteAccess {
+        write: byte & ACCESS_WRITE != 0,
+        read: byte & ACCESS_READ != 0,
+    })
 }
 
 impl MrDesc {
@@ -63,7 +100,21 @@ impl MrDesc {
             len,
             rkeys,
             key_offset: 0,
+            access: None,
         })
+    }
+
+    /// The same region, saying what its owner registered it for (`None`: unknown, as for
+    /// descriptors from engines before descriptors carried it; the NIC alone decides).
+    pub fn with_access(mut self, access: Option<RemoteAccess>) -> Self {
+        self.access = access;
+        self
+    }
+
+    /// What the owner registered the region for, if the descriptor says. Any holder of the
+    /// keys can forge this; what a provider enforces is in docs/backends.md.
+    pub fn access(&self) -> Option<RemoteAccess> {
+        self.access
     }
 
     /// The same region, whose keys belong to a registration starting at `base` (at or before
@@ -126,6 +177,11 @@ impl MrDesc {
         if self.key_offset != 0 {
             out.extend_from_slice(&self.key_offset.to_le_bytes());
         }
+        // One byte, after the offset; absent when unknown (8 bytes left mean an offset, 1 an
+        // access byte, 9 both).
+        if let Some(a) = self.access {
+            out.push(access_byte(a));
+        }
         out
     }
 
@@ -152,8 +208,15 @@ impl MrDesc {
         } else {
             0
         };
+        let access = if r.remaining() == 1 {
+            Some(access_of(r.u8()?)?)
+        } else {
+            None
+        };
         r.finish()?;
-        Self::new(ptr, len, rkeys)?.within_registration_at(ptr.wrapping_sub(key_offset))
+        Ok(Self::new(ptr, len, rkeys)?
+            .within_registration_at(ptr.wrapping_sub(key_offset))?
+            .with_access(access))
     }
 }
 
@@ -304,9 +367,10 @@ mod tests {
 
     #[test]
     fn trailing_bytes_wrong_version_and_absurd_lengths_are_rejected() {
+        // (One byte more would be read as the access byte: a_descriptor_carries_its_access_...)
         let mut bytes = desc().to_bytes();
-        bytes.push(0);
-        assert_eq!(MrDesc::from_bytes(&bytes), Err(DecodeError::Trailing(1)));
+        bytes.extend_from_slice(&[0, 0]);
+        assert_eq!(MrDesc::from_bytes(&bytes), Err(DecodeError::Trailing(2)));
 
         let mut bytes = desc().to_bytes();
         bytes[0] = 9;
@@ -370,6 +434,32 @@ mod tests {
         assert!(MrDesc::from_bytes(&bytes).is_err());
     }
 
+    /// Issue 42 item 12: a descriptor says what its region was registered for, in every
+    /// form, with one encoding each; one that does not say (an older engine's) still decodes.
+    #[test]
+    fn a_descriptor_carries_its_access_in_every_form() {
+        let a = NetAddr::new(&[1]).unwrap();
+        let plain = MrDesc::new(0x1000, 64, vec![(a, 7)]).unwrap();
+        for access in [RemoteAccess::WRITE, RemoteAccess::READ, RemoteAccess::READ_WRITE] {
+            for d in [plain.clone(), plain.clone().within_registration_at(0x800).unwrap()] {
+                let d = d.with_access(Some(access));
+                assert_eq!(d.to_bytes().len(), d.clone().with_access(None).to_bytes().len() + 1);
+                assert_eq!(MrDesc::from_bytes(&d.to_bytes()).unwrap(), d);
+                assert_eq!(d.to_string().parse::<MrDesc>().unwrap(), d);
+                let pc = postcard::to_allocvec(&d).unwrap();
+                assert_eq!(postcard::from_bytes::<MrDesc>(&pc).unwrap(), d);
+                assert_eq!(MrDesc::from_bytes(&d.to_bytes()).unwrap().access(), Some(access));
+            }
+        }
+        assert_eq!(MrDesc::from_bytes(&plain.to_bytes()).unwrap().access(), None);
+        // An access byte without its mark, or with unknown bits, is refused.
+        for bad in [0x00, 0x03, 0x84, 0xff] {
+            let mut bytes = plain.to_bytes();
+            bytes.push(bad);
+            assert!(MrDesc::from_bytes(&bytes).is_err(), "{bad:#x}");
+        }
+    }
+
     #[test]
     fn overflowing_region_is_rejected_in_every_form() {
         let a = NetAddr::new(&[1]).unwrap();
@@ -382,6 +472,7 @@ mod tests {
             len: 2,
             rkeys: vec![(a, 1)],
             key_offset: 0,
+            access: None,
         };
         assert!(MrDesc::from_bytes(&bad.to_bytes()).is_err());
         assert!(postcard::from_bytes::<MrDesc>(&postcard::to_allocvec(&bad).unwrap()).is_err());

@@ -151,6 +151,7 @@ impl TransferEngine {
             .collect();
         let desc = MrDesc::new(local.ptr, local.len, rkeys)
             .and_then(|d| d.within_registration_at(local.base))
+            .map(|d| d.with_access(Some(access)))
             .map_err(|source| Error::Decode {
                 what: "MrDesc",
                 source,

@@ -56,7 +56,7 @@ pub struct PeerGroupHandle {
 }
 
 /// What peers may do to a registered region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct RemoteAccess {
     /// Peers may write into it (RDMA WRITE, with or without immediate).
     pub write: bool,
