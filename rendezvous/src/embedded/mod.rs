@@ -5,7 +5,8 @@
 //! connection, on which the server streams changes after the current entries.
 //!
 //! No client can exhaust it ([`Limits`]): connections are capped and idle ones closed,
-//! values, entries and watchers are bounded, a client that does not take what it is sent
+//! connections that have not greeted have a share of the slots and a cap per address, and
+//! never displace a greeted one (`admission`); values, entries and watchers are bounded, a client that does not take what it is sent
 //! is cut off, and a request split across reads keeps its framing. Lease ids come from the
 //! OS's CSPRNG, and a key belongs to the live lease that wrote it (only its holder, who
 //! alone knows the id, may write it again). With a cluster secret, the service and each
@@ -13,9 +14,11 @@
 //! one, it listens on loopback only (see `docs/security.md`). Watches carry heartbeats and
 //! resubscribe after a restart.
 //!
-//! Modules: `wire` (frames and messages), `state` (keys, leases, watchers: pure), `server`
-//! (connections and threads), `client` (the `Store` over TCP).
+//! Modules: `wire` (frames and messages), `state` (keys, leases, watchers: pure),
+//! `admission` (which connections are served: pure), `server` (connections and threads),
+//! `client` (the `Store` over TCP).
 
+mod admission;
 mod client;
 mod server;
 mod state;
@@ -66,6 +69,14 @@ const WATCH_SILENCE: Duration = Duration::from_secs(5);
 pub struct Limits {
     /// Connections served at once (request and watch connections); more are closed at once.
     pub max_connections: usize,
+    /// Of those, connections that have not finished their greeting (the `Hello` and, with a
+    /// secret, the proof) — each holds its slot for the greeting's 10 s at most. A new
+    /// connection beyond this takes the place of the oldest of them; an authenticated
+    /// connection is never given up for a new one.
+    pub max_unauthenticated: usize,
+    /// Of the unauthenticated connections, those from one address; a new one beyond this
+    /// takes the place of that address's oldest.
+    pub max_unauthenticated_per_source: usize,
     /// A request connection with no request for this long is closed (clients reopen theirs
     /// on their next call).
     pub idle: Duration,
@@ -85,6 +96,8 @@ impl Default for Limits {
     fn default() -> Self {
         Self {
             max_connections: 1024,
+            max_unauthenticated: 128,
+            max_unauthenticated_per_source: 16,
             idle: Duration::from_secs(60),
             write_timeout: Duration::from_secs(5),
             max_entries: 1024,

@@ -2,45 +2,64 @@
 //! (requests, or a watch stream), expiring leases.
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::sync_channel;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::admission::{Admission, Admit};
 use super::state::State;
 use super::wire::{write_frame, FrameReader, Request, Response};
 use super::{Limits, GREETING, HEARTBEAT, MAX_REQUEST, READ_TICK};
 use crate::secret::{nonce, Role, Secret, SECRET_FILE_ENV};
 use crate::{Change, Error, Result};
 
-/// The connections being served, by id: each serving thread removes its own when it ends,
-/// and a stopping service shuts them all down.
-#[derive(Default)]
+/// The connections being served: which ones ([`Admission`]) and their streams, by id.
+/// Each serving thread gives its own back when it ends; an evicted one is shut down here
+/// (its thread sees the end of its stream); a stopping service shuts them all down.
 struct Connections {
-    open: Mutex<HashMap<u64, TcpStream>>,
-    next: AtomicU64,
+    served: Mutex<Served>,
+}
+
+struct Served {
+    admission: Admission,
+    streams: HashMap<u64, TcpStream>,
 }
 
 impl Connections {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, TcpStream>> {
-        self.open.lock().unwrap_or_else(|p| p.into_inner())
+    fn new(limits: &Limits) -> Self {
+        Self {
+            served: Mutex::new(Served {
+                admission: Admission::new(limits),
+                streams: HashMap::new(),
+            }),
+        }
     }
 
-    /// Registers `conn` (a clone of it, to shut it down at stop) unless `max` are served.
-    fn admit(self: &Arc<Self>, conn: &TcpStream, max: usize) -> Option<Admitted> {
-        let mut open = self.lock();
-        if open.len() >= max {
-            return None;
-        }
+    fn lock(&self) -> std::sync::MutexGuard<'_, Served> {
+        self.served.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers `conn` from `source` (a clone of it, to shut it down at stop or when a
+    /// newer connection takes its place), shutting down the connection it displaces, if
+    /// any (then `.1` is `true`); `None`: refused.
+    fn admit(self: &Arc<Self>, conn: &TcpStream, source: IpAddr) -> Option<(Admitted, bool)> {
         let clone = conn.try_clone().ok()?;
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        open.insert(id, clone);
-        Some(Admitted {
+        let mut served = self.lock();
+        let Admit::Yes { id, evict } = served.admission.handle_arrival(source) else {
+            return None;
+        };
+        if let Some(victim) = evict.and_then(|v| served.streams.remove(&v)) {
+            let _ = victim.shutdown(std::net::Shutdown::Both);
+        }
+        served.streams.insert(id, clone);
+        let admitted = Admitted {
             id,
             all: Arc::clone(self),
-        })
+        };
+        Some((admitted, evict.is_some()))
     }
 }
 
@@ -51,9 +70,19 @@ struct Admitted {
     all: Arc<Connections>,
 }
 
+impl Admitted {
+    /// Its greeting is done: from now on no newcomer takes its place. `false`: one already
+    /// did (it is being shut down).
+    fn authenticated(&self) -> bool {
+        self.all.lock().admission.handle_authenticated(self.id)
+    }
+}
+
 impl Drop for Admitted {
     fn drop(&mut self) {
-        self.all.lock().remove(&self.id);
+        let mut served = self.all.lock();
+        served.admission.handle_close(self.id);
+        served.streams.remove(&self.id);
     }
 }
 
@@ -111,29 +140,35 @@ impl Server {
                 }
             })
         };
-        let conns = Arc::new(Connections::default());
+        let conns = Arc::new(Connections::new(&limits));
         let accept = {
             let stop = Arc::clone(&stop);
             let conns = Arc::clone(&conns);
             std::thread::spawn(move || {
-                let mut refused = 0u64;
+                let (mut refused, mut displaced) = (0u64, 0u64);
                 while !stop.load(Ordering::Acquire) {
                     match listener.accept() {
                         Ok((conn, peer)) => {
-                            let Some(admitted) = conns.admit(&conn, limits.max_connections) else {
-                                // Over the cap: closed at once (dropped here).
+                            let Some((admitted, evicted)) = conns.admit(&conn, peer.ip()) else {
+                                // Every slot holds an authenticated connection: closed at
+                                // once (dropped here).
                                 refused += 1;
                                 if refused.is_power_of_two() {
                                     tracing::warn!(%peer, refused, max = limits.max_connections, "xfer serve: connection refused: the service serves its maximum");
                                 }
                                 continue;
                             };
+                            if evicted {
+                                displaced += 1;
+                                if displaced.is_power_of_two() {
+                                    tracing::warn!(%peer, displaced, "xfer serve: a connection that had not greeted was closed to make room (the unauthenticated share, or this address's, is full)");
+                                }
+                            }
                             let state = Arc::clone(&state);
                             let stop = Arc::clone(&stop);
                             let secret = secret.clone();
                             std::thread::spawn(move || {
-                                let _admitted = admitted;
-                                serve(conn, &state, &stop, &limits, secret.as_ref());
+                                serve(conn, &admitted, &state, &stop, &limits, secret.as_ref());
                             });
                         }
                         // Nothing to accept, or out of descriptors for a moment: look again
@@ -163,7 +198,7 @@ impl Server {
 
     /// Connections being served now.
     pub fn connections(&self) -> usize {
-        self.conns.lock().len()
+        self.conns.lock().admission.len()
     }
 }
 
@@ -173,7 +208,7 @@ impl Drop for Server {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
-        for (_, c) in self.conns.lock().drain() {
+        for (_, c) in self.conns.lock().streams.drain() {
             let _ = c.shutdown(std::net::Shutdown::Both);
         }
     }
@@ -261,6 +296,7 @@ fn greet(
 /// watch stream.
 fn serve(
     mut conn: TcpStream,
+    admitted: &Admitted,
     state: &Mutex<State>,
     stop: &AtomicBool,
     limits: &Limits,
@@ -273,7 +309,7 @@ fn serve(
     let _ = conn.set_read_timeout(Some(READ_TICK));
     let _ = conn.set_write_timeout(Some(limits.write_timeout));
     let mut reader = FrameReader::new(MAX_REQUEST);
-    if !greet(&mut conn, &mut reader, stop, limits, secret) {
+    if !greet(&mut conn, &mut reader, stop, limits, secret) || !admitted.authenticated() {
         return;
     }
     while let Some(req) = next_request(&mut conn, &mut reader, stop, Instant::now() + limits.idle) {
