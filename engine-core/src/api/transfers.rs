@@ -43,6 +43,22 @@ fn remote_side(op: RdmaOp) -> &'static str {
     }
 }
 
+/// Refuses a read of a region whose descriptor says it was registered without
+/// [`RemoteAccess::READ`]. A courtesy to the caller, not a protection (the holder of a
+/// descriptor can change what it says): it makes the refusal the same on every backend,
+/// including providers that do not enforce read access themselves (libfabric's shm and tcp).
+fn check_readable(desc: &MrDesc) -> Result<()> {
+    match desc.access() {
+        Some(access) if !access.read => Err(Error::RemoteAccess(format!(
+            "the peer registered the region at {:#x} ({} bytes) without RemoteAccess::READ: it \
+             cannot be read (refused before posting, as its descriptor says)",
+            desc.ptr(),
+            desc.len()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 pub(super) fn check_range(
     side: &'static str,
     offset: u64,
@@ -192,7 +208,9 @@ impl TransferEngine {
     /// offset); large reads stripe over the NICs like writes. `on_done` fires when the bytes
     /// are in local memory. There is no immediate: the peer is not told, and counts nothing.
     /// The peer's region must have been registered readable ([`RemoteAccess::READ`]);
-    /// otherwise the read fails with `RemoteAccess` and nothing is read.
+    /// otherwise the read is refused with `RemoteAccess` (at submit where its descriptor says
+    /// so, as every descriptor an engine makes does; else by the peer's NIC) and nothing is
+    /// read.
     pub fn submit_single_read(
         &self,
         len: u64,
@@ -201,6 +219,7 @@ impl TransferEngine {
         on_done: impl Into<OnDone>,
     ) -> Result<()> {
         self.check_reads()?;
+        check_readable(remote.0)?;
         self.submit_single(RdmaOp::Read, len, local, remote, on_done.into())
     }
 
@@ -214,6 +233,7 @@ impl TransferEngine {
         on_done: impl Into<OnDone>,
     ) -> Result<()> {
         self.check_reads()?;
+        check_readable(remote.0)?;
         self.submit_paged(RdmaOp::Read, page_len, local, remote, on_done.into())
     }
 
