@@ -292,3 +292,106 @@ fn a_flood_of_unauthenticated_connections_does_not_lock_clients_out() {
     }
     drop(flood);
 }
+
+/// A connection to `server` that has said its `Hello` and read the welcome (no secret).
+fn greeted(server: &Server) -> std::net::TcpStream {
+    let mut s = std::net::TcpStream::connect(server.addr()).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    s.write_all(&embedded::hello_frame_for_tests()).unwrap();
+    read_body(&mut s);
+    s
+}
+
+/// Stores `count` values of `len` bytes under `prefix` by hand.
+fn put_values(server: &Server, prefix: &str, count: usize, len: usize) {
+    let mut s = greeted(server);
+    for i in 0..count {
+        s.write_all(&embedded::put_frame_for_tests(
+            &format!("{prefix}{i:04}"),
+            &vec![i as u8; len],
+        ))
+        .unwrap();
+        assert!(embedded::is_lease_for_tests(&read_body(&mut s)), "put {i}");
+    }
+}
+
+/// The length of the first frame the service sends on `s`, without taking any of it
+/// (the client does not read): the service has its answer once its first bytes arrive.
+fn peek_frame_len(s: &std::net::TcpStream) -> usize {
+    let mut head = [0u8; 4];
+    // Bounded: each peek waits up to the read timeout for bytes, and 4 arrive in 4 peeks.
+    for _ in 0..4 {
+        if s.peek(&mut head).unwrap() == 4 {
+            return u32::from_le_bytes(head) as usize;
+        }
+    }
+    panic!("no frame header within {WAIT:?}");
+}
+
+/// Issue 42 §3: a listing was cloned, copied into a frame and held while a client that
+/// does not read refused it, with no bound but the connection cap: 200 clients asking for a
+/// 16 MiB listing and never reading held 200 of them (3.2 GiB). The service holds the bytes
+/// of pending answers within `max_pending_bytes` (64 MiB here), counted by the service
+/// itself (`Server::pending_bytes`, every answer's frame from before its first byte is
+/// written until its last is taken; the process's RSS also moves with the test's own
+/// buffers and the allocator's caching, so it would not say which side held what).
+#[test]
+fn two_hundred_clients_that_never_read_their_listings_stay_within_the_budget() {
+    const BUDGET: usize = 64 << 20;
+    let limits = Limits {
+        // The clients that do not read are never cut off while the test looks.
+        write_timeout: Duration::from_secs(3600),
+        max_pending_bytes: BUDGET,
+        max_pending_bytes_per_connection: 32 << 20,
+        ..Limits::default()
+    };
+    let server = Server::start_with("127.0.0.1:0", limits, None).unwrap();
+    // A listing of 16 MiB: larger than the kernel's socket buffers on loopback take, so an
+    // answer stays with the service while its client does not read.
+    put_values(&server, "/big/", 256, 64 << 10);
+    let mut clients = Vec::new();
+    for i in 0..200 {
+        let mut c = greeted(&server);
+        c.write_all(&embedded::list_frame_for_tests("/big/"))
+            .unwrap();
+        peek_frame_len(&c);
+        let held = server.pending_bytes();
+        assert!(
+            held <= BUDGET as u64,
+            "client {i}: the service holds {held} bytes for answers (budget {BUDGET})"
+        );
+        clients.push(c);
+    }
+}
+
+/// Issue 42 §3: a watcher's queue was bounded in changes (4,096), not bytes: one that does
+/// not read held every value written under its prefix. It is cut off when its queued
+/// changes and the one being written pass its connection's budget (1 MiB here), and the
+/// service holds no more for it.
+#[test]
+fn a_watcher_that_never_reads_holds_its_connection_budget_at_most() {
+    const BUDGET: usize = 1 << 20;
+    let limits = Limits {
+        write_timeout: Duration::from_secs(3600),
+        max_pending_bytes_per_connection: BUDGET,
+        ..Limits::default()
+    };
+    let server = Server::start_with("127.0.0.1:0", limits, None).unwrap();
+    let mut watcher = greeted(&server);
+    watcher
+        .write_all(&embedded::watch_frame_for_tests("/big/"))
+        .unwrap();
+    // The watch is registered once its snapshot (empty) arrives.
+    let snapshot = peek_frame_len(&watcher);
+    read_body(&mut watcher);
+    assert!(snapshot < 16);
+    // 32 MiB of changes, more than loopback's socket buffers take: each put is answered
+    // after its change was queued.
+    put_values(&server, "/big/", 512, 64 << 10);
+    let held = server.pending_bytes();
+    assert!(
+        held <= BUDGET as u64,
+        "the service holds {held} bytes for a watcher that does not read (budget {BUDGET})"
+    );
+    drop(watcher);
+}

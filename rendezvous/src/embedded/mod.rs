@@ -19,6 +19,8 @@
 //! `client` (the `Store` over TCP).
 
 mod admission;
+mod answer;
+mod budget;
 mod client;
 mod server;
 mod state;
@@ -26,6 +28,9 @@ mod wire;
 
 use std::time::Duration;
 
+pub use answer::{
+    is_lease_for_tests, list_frame_for_tests, put_frame_for_tests, watch_frame_for_tests,
+};
 pub(crate) use client::Client;
 pub use server::Server;
 // The `frame` fuzz target's entry points (see `wire::fuzzing`): hidden, not an API.
@@ -90,6 +95,13 @@ pub struct Limits {
     /// Changes queued for one watcher; a watcher that falls this far behind is cut off (it
     /// sees its watch end) rather than grow the service without bound.
     pub watch_queue: usize,
+    /// Bytes the service holds at once for its clients: answers being written (a client
+    /// that does not read holds its answer until [`write_timeout`](Self::write_timeout)
+    /// cuts it off) and watch changes queued.
+    pub max_pending_bytes: usize,
+    /// Of those, bytes one connection holds: its answer being written, or its watch's
+    /// snapshot and queued changes.
+    pub max_pending_bytes_per_connection: usize,
 }
 
 impl Default for Limits {
@@ -103,6 +115,8 @@ impl Default for Limits {
             max_entries: 1024,
             max_watchers: 256,
             watch_queue: 4096,
+            max_pending_bytes: 256 << 20,
+            max_pending_bytes_per_connection: MAX_FRAME,
         }
     }
 }

@@ -2,6 +2,7 @@
 //! (requests, or a watch stream), expiring leases.
 
 use std::collections::HashMap;
+use std::io::Write;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::sync_channel;
@@ -10,6 +11,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::admission::{Admission, Admit};
+use super::answer;
+use super::budget::{Account, Budget};
 use super::state::State;
 use super::wire::{write_frame, FrameReader, Request, Response};
 use super::{Limits, GREETING, HEARTBEAT, MAX_REQUEST, READ_TICK};
@@ -20,10 +23,10 @@ use crate::{Change, Error, Result};
 /// Each serving thread gives its own back when it ends; an evicted one is shut down here
 /// (its thread sees the end of its stream); a stopping service shuts them all down.
 struct Connections {
-    served: Mutex<Served>,
+    served: Mutex<Open>,
 }
 
-struct Served {
+struct Open {
     admission: Admission,
     streams: HashMap<u64, TcpStream>,
 }
@@ -31,14 +34,14 @@ struct Served {
 impl Connections {
     fn new(limits: &Limits) -> Self {
         Self {
-            served: Mutex::new(Served {
+            served: Mutex::new(Open {
                 admission: Admission::new(limits),
                 streams: HashMap::new(),
             }),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Served> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Open> {
         self.served.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -94,6 +97,8 @@ pub struct Server {
     /// Every served connection, shut down when the server stops: a stopped service must
     /// not keep answering from its old state on connections opened before.
     conns: Arc<Connections>,
+    /// The bytes held for clients (answers being written, watch changes queued).
+    budget: Arc<Budget>,
 }
 
 impl Server {
@@ -130,6 +135,7 @@ impl Server {
             .set_nonblocking(true)
             .map_err(|e| service(e.to_string()))?;
         let state = Arc::new(Mutex::new(State::new(limits)));
+        let budget = Budget::new(&limits);
         let stop = Arc::new(AtomicBool::new(false));
         let expiry = {
             let (state, stop) = (Arc::clone(&state), Arc::clone(&stop));
@@ -144,6 +150,7 @@ impl Server {
         let accept = {
             let stop = Arc::clone(&stop);
             let conns = Arc::clone(&conns);
+            let budget = Arc::clone(&budget);
             std::thread::spawn(move || {
                 let (mut refused, mut displaced) = (0u64, 0u64);
                 while !stop.load(Ordering::Acquire) {
@@ -167,8 +174,16 @@ impl Server {
                             let state = Arc::clone(&state);
                             let stop = Arc::clone(&stop);
                             let secret = secret.clone();
+                            let account = budget.account();
                             std::thread::spawn(move || {
-                                serve(conn, &admitted, &state, &stop, &limits, secret.as_ref());
+                                let served = Served {
+                                    admitted: &admitted,
+                                    state: &state,
+                                    stop: &stop,
+                                    limits: &limits,
+                                    account,
+                                };
+                                served.serve(conn, secret.as_ref());
                             });
                         }
                         // Nothing to accept, or out of descriptors for a moment: look again
@@ -183,6 +198,7 @@ impl Server {
             stop,
             threads: vec![expiry, accept],
             conns,
+            budget,
         })
     }
 
@@ -199,6 +215,12 @@ impl Server {
     /// Connections being served now.
     pub fn connections(&self) -> usize {
         self.conns.lock().admission.len()
+    }
+
+    /// Bytes held now for clients: answers being written (until each client takes its
+    /// answer, or is cut off) and watch changes queued ([`Limits::max_pending_bytes`]).
+    pub fn pending_bytes(&self) -> u64 {
+        self.budget.held()
     }
 }
 
@@ -292,35 +314,14 @@ fn greet(
     }
 }
 
-/// One client connection: the greeting, then requests until it closes or idles out, or a
-/// watch stream.
-fn serve(
-    mut conn: TcpStream,
-    admitted: &Admitted,
-    state: &Mutex<State>,
-    stop: &AtomicBool,
-    limits: &Limits,
-    secret: Option<&Secret>,
-) {
-    let _ = conn.set_nonblocking(false);
-    let _ = conn.set_nodelay(true);
-    // Reads look up every tick (stop, idleness); a client that does not take its answers
-    // is cut off.
-    let _ = conn.set_read_timeout(Some(READ_TICK));
-    let _ = conn.set_write_timeout(Some(limits.write_timeout));
-    let mut reader = FrameReader::new(MAX_REQUEST);
-    if !greet(&mut conn, &mut reader, stop, limits, secret) || !admitted.authenticated() {
-        return;
-    }
-    while let Some(req) = next_request(&mut conn, &mut reader, stop, Instant::now() + limits.idle) {
-        if let Request::Watch { prefix } = req {
-            return stream_watch(conn, state, stop, prefix);
-        }
-        let resp = lock(state).handle(req);
-        if write_frame(&mut conn, &resp).is_err() {
-            return;
-        }
-    }
+/// One served connection's context: its place, the state, the stop flag, the limits and
+/// its account of bytes held.
+struct Served<'a> {
+    admitted: &'a Admitted,
+    state: &'a Mutex<State>,
+    stop: &'a AtomicBool,
+    limits: &'a Limits,
+    account: Arc<Account>,
 }
 
 /// A watch's slot in the state, given back when its stream ends, however it ends.
@@ -335,49 +336,93 @@ impl Drop for WatchSlot<'_> {
     }
 }
 
-fn stream_watch(mut conn: TcpStream, state: &Mutex<State>, stop: &AtomicBool, prefix: String) {
-    let started = {
-        let mut s = lock(state);
-        let (tx, rx) = sync_channel(s.limits.watch_queue);
-        match s.start_watch(prefix.clone(), tx) {
-            Some(id) => Ok((id, s.handle(Request::List { prefix }), rx)),
-            None => Err(s.limits.max_watchers),
-        }
-    };
-    let (id, snapshot, rx) = match started {
-        Ok(started) => started,
-        Err(max) => {
-            let _ = write_frame(
-                &mut conn,
-                &Response::Refused(format!("the service serves its maximum of {max} watches")),
-            );
+impl Served<'_> {
+    /// The greeting, then requests until the client closes or idles out, or a watch stream.
+    fn serve(&self, mut conn: TcpStream, secret: Option<&Secret>) {
+        let _ = conn.set_nonblocking(false);
+        let _ = conn.set_nodelay(true);
+        // Reads look up every tick (stop, idleness); a client that does not take its answers
+        // is cut off.
+        let _ = conn.set_read_timeout(Some(READ_TICK));
+        let _ = conn.set_write_timeout(Some(self.limits.write_timeout));
+        let mut reader = FrameReader::new(MAX_REQUEST);
+        if !greet(&mut conn, &mut reader, self.stop, self.limits, secret)
+            || !self.admitted.authenticated()
+        {
             return;
         }
-    };
-    let _slot = WatchSlot { state, id };
-    if write_frame(&mut conn, &snapshot).is_err() {
-        return;
-    }
-    // A heartbeat on an idle stream: a client that went away fails the write (and this
-    // thread, its descriptor and its watcher slot end); a client sees a service that went
-    // silent by the heartbeats stopping.
-    let mut last_write = Instant::now();
-    while !stop.load(Ordering::Acquire) {
-        let msg = match rx.recv_timeout(Duration::from_millis(200)) {
-            Ok(Change::Put(k, v)) => Response::Put(k, v),
-            Ok(Change::Delete(k)) => Response::Delete(k),
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout)
-                if last_write.elapsed() >= HEARTBEAT =>
-            {
-                Response::Heartbeat
+        while let Some(req) = next_request(
+            &mut conn,
+            &mut reader,
+            self.stop,
+            Instant::now() + self.limits.idle,
+        ) {
+            if let Request::Watch { prefix } = req {
+                return self.stream_watch(conn, prefix);
             }
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
-            // Cut off (fell behind) or the service is stopping.
-            Err(_) => return,
+            let resp = lock(self.state).handle(req);
+            if self.send(&mut conn, &resp).is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Writes `msg`, its bytes counted as held until the client has taken them.
+    fn send(&self, conn: &mut TcpStream, msg: &Response) -> std::io::Result<()> {
+        let frame = answer::frame(msg);
+        let _held = self.account.hold(frame.len() as u64);
+        conn.write_all(&frame)
+    }
+
+    fn stream_watch(&self, mut conn: TcpStream, prefix: String) {
+        let state = self.state;
+        let started = {
+            let mut s = lock(state);
+            let (tx, rx) = sync_channel(s.limits.watch_queue);
+            match s.start_watch(prefix.clone(), tx, Arc::clone(&self.account)) {
+                Some(id) => Ok((id, s.handle(Request::List { prefix }), rx)),
+                None => Err(s.limits.max_watchers),
+            }
         };
-        if write_frame(&mut conn, &msg).is_err() {
+        let (id, snapshot, rx) = match started {
+            Ok(started) => started,
+            Err(max) => {
+                let _ = write_frame(
+                    &mut conn,
+                    &Response::Refused(format!("the service serves its maximum of {max} watches")),
+                );
+                return;
+            }
+        };
+        let _slot = WatchSlot { state, id };
+        if self.send(&mut conn, &snapshot).is_err() {
             return;
         }
-        last_write = Instant::now();
+        drop(snapshot);
+        // A heartbeat on an idle stream: a client that went away fails the write (and this
+        // thread, its descriptor and its watcher slot end); a client sees a service that went
+        // silent by the heartbeats stopping.
+        let mut last_write = Instant::now();
+        while !self.stop.load(Ordering::Acquire) {
+            // A change's bytes stay counted until it is written.
+            let (msg, _held) = match rx.recv_timeout(Duration::from_millis(200)) {
+                Ok((Change::Put(k, v), held)) => (Response::Put(k, v), Some(held)),
+                Ok((Change::Delete(k), held)) => (Response::Delete(k), Some(held)),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+                    if last_write.elapsed() >= HEARTBEAT =>
+                {
+                    (Response::Heartbeat, None)
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                // Cut off (fell behind) or the service is stopping.
+                Err(_) => return,
+            };
+            let frame = answer::frame(&msg);
+            drop(msg);
+            if conn.write_all(&frame).is_err() {
+                return;
+            }
+            last_write = Instant::now();
+        }
     }
 }

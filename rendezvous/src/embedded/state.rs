@@ -3,8 +3,10 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::budget::{Account, Held};
 use super::wire::{Request, Response};
 use super::{Limits, MAX_TTL, MAX_VALUE};
 use crate::Change;
@@ -15,11 +17,31 @@ struct Lease {
     keys: BTreeSet<String>,
 }
 
+/// A change queued for a watcher, with the bytes it holds counted against the watcher's
+/// connection and the service.
+pub(super) type Queued = (Change, Held);
+
+/// A watch: its prefix, its queue, and the account its queued changes are counted in.
+struct Watcher {
+    prefix: String,
+    tx: SyncSender<Queued>,
+    account: Arc<Account>,
+}
+
+/// The bytes a queued change holds.
+fn change_bytes(change: &Change) -> u64 {
+    let (key, value) = match change {
+        Change::Put(k, v) => (k, v.len()),
+        Change::Delete(k) => (k, 0),
+    };
+    (key.len() + value + 16) as u64
+}
+
 pub(super) struct State {
     entries: BTreeMap<String, (Vec<u8>, u64)>,
     leases: HashMap<u64, Lease>,
-    /// Watches by id: each one's prefix and queue.
-    watchers: BTreeMap<u64, (String, SyncSender<Change>)>,
+    /// Watches by id.
+    watchers: BTreeMap<u64, Watcher>,
     next_watcher: u64,
     pub(super) limits: Limits,
 }
@@ -58,13 +80,25 @@ impl State {
 
     /// A new watch of `prefix` with its queue, unless the service serves its maximum; its
     /// id gives the slot back ([`end_watch`](Self::end_watch)).
-    pub(super) fn start_watch(&mut self, prefix: String, tx: SyncSender<Change>) -> Option<u64> {
+    pub(super) fn start_watch(
+        &mut self,
+        prefix: String,
+        tx: SyncSender<Queued>,
+        account: Arc<Account>,
+    ) -> Option<u64> {
         if self.watchers.len() >= self.limits.max_watchers {
             return None;
         }
         let id = self.next_watcher;
         self.next_watcher += 1;
-        self.watchers.insert(id, (prefix, tx));
+        self.watchers.insert(
+            id,
+            Watcher {
+                prefix,
+                tx,
+                account,
+            },
+        );
         Some(id)
     }
 
@@ -80,12 +114,16 @@ impl State {
         };
         // A watcher whose queue is full has fallen behind: it is cut off (its stream ends),
         // not buffered for without bound.
-        self.watchers.retain(|_, (prefix, tx)| {
-            !key.starts_with(prefix.as_str())
-                || match tx.try_send(change.clone()) {
-                    Ok(()) => true,
-                    Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => false,
-                }
+        let bytes = change_bytes(change);
+        self.watchers.retain(|_, w| {
+            if !key.starts_with(w.prefix.as_str()) {
+                return true;
+            }
+            let held = w.account.hold(bytes);
+            match w.tx.try_send((change.clone(), held)) {
+                Ok(()) => true,
+                Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => false,
+            }
         });
     }
 
