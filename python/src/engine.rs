@@ -170,12 +170,15 @@ fn completion(
     notify: Option<(&engine_core::NetAddr, &Bound<'_, PyAny>)>,
 ) -> PyResult<(Transfer, engine_core::OnDone)> {
     let (t, done) = Transfer::new(kind, nbytes, on_done);
-    let done = match notify {
+    let (t, done) = match notify {
         Some((peer, id)) => {
             let id = values::bytes_of(id)?;
-            engine.notify_when_done(peer, &id, done).or_raise(py)?
+            (
+                t.notifying(),
+                engine.notify_when_done(peer, &id, done).or_raise(py)?,
+            )
         }
-        None => done,
+        None => (t, done),
     };
     Ok(t.cancellable(engine, done))
 }

@@ -14,6 +14,7 @@ fn class_of(e: &Error) -> &'static str {
         Error::OutOfBounds { .. } => "OutOfBoundsError",
         Error::Busy { .. } => "BusyError",
         Error::ArrivalsDropped { .. } | Error::Timeout(_) => "TimeoutError",
+        Error::NotListening { .. } => "NotListeningError",
         Error::WorkerFailed(_) => "WorkerFailedError",
         Error::Decode { .. } => "DecodeError",
         Error::Config(_) => "ConfigError",

@@ -150,6 +150,8 @@ pub(crate) struct Transfer {
     posted: Instant,
     /// Status and cancel (transfers and expectations).
     handle: Option<engine_core::TransferHandle>,
+    /// Whether it finishes only once its peer took its notification (`notify=`).
+    notifies: bool,
 }
 
 impl Transfer {
@@ -207,12 +209,19 @@ impl Transfer {
                 posted_at: unix_now(),
                 posted: Instant::now(),
                 handle: None,
+                notifies: false,
             },
             OnDone::Flag(flag),
         )
     }
 
     /// The same transfer, cancellable through `engine`: returns the `OnDone` to submit.
+    /// Marks a transfer that finishes only once its peer took its notification.
+    pub(crate) fn notifying(mut self) -> Self {
+        self.notifies = true;
+        self
+    }
+
     pub(crate) fn cancellable(
         mut self,
         engine: &engine_core::TransferEngine,
@@ -328,7 +337,17 @@ impl Transfer {
             return Err(errors::raise(
                 py,
                 "TimeoutError",
-                format!("the {} did not finish within {t} s", self.kind),
+                if self.notifies {
+                    // Its data may have landed long ago: say what else it waits for.
+                    format!(
+                        "the {} did not finish within {t} s: it finishes once its peer took its \
+                         notification, and a peer takes none before it calls \
+                         listen_notifications or submit_recvs",
+                        self.kind
+                    )
+                } else {
+                    format!("the {} did not finish within {t} s", self.kind)
+                },
             ));
         }
         self.outcome(py).unwrap_or(Ok(()))

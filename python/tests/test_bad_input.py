@@ -348,3 +348,37 @@ def test_racing_deregistrations_keep_the_memory_until_the_owning_one_finishes(en
         assert released_by == winner
         assert not region.registered
         region.__exit__(None, None, None)  # gone already: a no-op
+
+
+def test_a_notification_to_a_peer_that_is_not_listening_names_what_it_lacks():
+    """Issue 42 item 13: a receiver that never listens made every notified transfer to it
+    time out with a message that blamed the write. The transfer's own wait says what it waits
+    for, and the engine's error is NotListeningError (a TimeoutError) naming the fix."""
+    config = dict(MOCK, timeouts={"transfer_ms": 300})
+    a, b = xfer.TransferEngine(config), xfer.TransferEngine(config)
+    landing = np.zeros(64, dtype=np.uint8)
+    dst = b.reg_mr(landing)
+    src = a.reg_mr(np.ones(64, dtype=np.uint8), access="local")
+    t = a.submit_single_write(src, dst.desc, notify=b"nobody-listens")
+    with pytest.raises(xfer.TimeoutError, match="listen_notifications"):
+        t.wait(0.05)
+    with pytest.raises(xfer.NotListeningError, match="the data landed.*listen_notifications"):
+        t.wait(10)
+    assert (landing == 1).all(), "the data itself landed"
+
+
+def test_the_readme_python_example_runs_as_written(tmp_path):
+    """Issue 42 item 13: the README's snippet timed out as written (it listened for
+    notifications after waiting for the notified write). Run verbatim, it finishes."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    snippet = re.search(r"```python\n(import numpy as np, xfer\n.*?)```", readme, re.S).group(1)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "XFER_CONFIG"}
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "req-42" in done.stdout, done.stdout

@@ -31,6 +31,11 @@ class TimeoutError(Error, builtins.TimeoutError):
     """An operation or expectation did not finish within its timeout."""
 
 
+class NotListeningError(TimeoutError):
+    """A transfer's data landed, but its peer took no notification (``notify=``) within the
+    deadline: it has not called ``listen_notifications`` (or ``submit_recvs``)."""
+
+
 class RemoteAccessError(Error):
     """The peer's NIC refused the access (wrong key, outside the region, not readable)."""
 
