@@ -144,6 +144,34 @@ pub enum Error {
         /// What did not match.
         why: String,
     },
+    /// The embedded service refused an answer (a listing, or a watch's current entries) of
+    /// `bytes`: more than it holds for one connection (`budget`, its
+    /// `Limits::max_pending_bytes_per_connection`). Not retried: list a narrower prefix, or
+    /// raise the service's limit.
+    #[error("rendezvous service {service}: an answer of {bytes} bytes is more than the {budget} bytes the service holds for one connection (list a narrower prefix, or raise the service's max_pending_bytes_per_connection)")]
+    AnswerTooLarge {
+        /// Which service.
+        service: String,
+        /// The answer's size (a bound, counted before it was built).
+        bytes: u64,
+        /// What the service holds for one connection.
+        budget: u64,
+    },
+    /// The embedded service holds its budget of bytes (`Limits::max_pending_bytes`) for
+    /// answers other clients have not taken yet, so it refused one of `bytes`. It frees as
+    /// they read or are cut off (within the service's write timeout): calls ride it out
+    /// like an unreachable service, for as long as they wait, and then fail with this.
+    #[error("rendezvous service {service}: busy: it holds {held} of its {budget} bytes for answers other clients have not taken, so an answer of {bytes} bytes was refused")]
+    Busy {
+        /// Which service.
+        service: String,
+        /// The answer's size (a bound, counted before it was built).
+        bytes: u64,
+        /// What the service held for others.
+        held: u64,
+        /// Its budget.
+        budget: u64,
+    },
     /// A credential file (an etcd CA, certificate, key or password) could not be used.
     #[error("rendezvous credentials {path}: {why}")]
     Credentials {

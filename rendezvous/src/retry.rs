@@ -3,8 +3,9 @@
 //! backoff, until its caller's deadline, says once in the log that it is waiting, and then
 //! fails with [`Error::Unreachable`] naming the service.
 //!
-//! Only [`Error::Unreachable`] is retried: a refusal, a malformed record or a bad name is
-//! an answer, and repeating the call would only repeat it.
+//! Only [`Error::Unreachable`] and [`Error::Busy`] (the embedded service holds its memory
+//! budget for others, which frees within its write timeout) are retried: a refusal, a
+//! malformed record or a bad name is an answer, and repeating the call would only repeat it.
 
 use std::time::{Duration, Instant};
 
@@ -20,9 +21,9 @@ pub(crate) fn backoff(attempt: u32) -> Duration {
     Duration::from_millis(20u64 << attempt.min(6)).min(Duration::from_secs(1))
 }
 
-/// Runs `call` until it returns anything but [`Error::Unreachable`], or until `wait` has
-/// passed since the first try; then the last `Unreachable`, with how long it waited.
-/// `service` names the service in the log line.
+/// Runs `call` until it returns anything but [`Error::Unreachable`] or [`Error::Busy`], or
+/// until `wait` has passed since the first try; then the last of those (an `Unreachable`
+/// with how long it waited). `service` names the service in the log line.
 pub(crate) fn until<T>(
     service: &str,
     wait: Duration,
@@ -32,23 +33,29 @@ pub(crate) fn until<T>(
     let deadline = started.checked_add(wait);
     let mut attempt = 0;
     loop {
-        let why = match call() {
-            Err(Error::Unreachable { why, .. }) => why,
+        let failed = match call() {
+            Err(e @ (Error::Unreachable { .. } | Error::Busy { .. })) => e,
             other => return other,
         };
         let now = Instant::now();
         let left = deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(now));
         if left.is_zero() {
-            return Err(Error::Unreachable {
-                service: service.to_owned(),
-                waited: now - started,
-                why,
+            return Err(match failed {
+                Error::Unreachable { why, .. } => Error::Unreachable {
+                    service: service.to_owned(),
+                    waited: now - started,
+                    why,
+                },
+                busy => busy,
             });
         }
         if attempt == 0 {
-            tracing::warn!(
-                "rendezvous service {service} is not reachable yet ({why}); retrying for up to {wait:?}"
-            );
+            match &failed {
+                Error::Unreachable { why, .. } => tracing::warn!(
+                    "rendezvous service {service} is not reachable yet ({why}); retrying for up to {wait:?}"
+                ),
+                busy => tracing::warn!("{busy}; retrying for up to {wait:?}"),
+            }
         }
         std::thread::sleep(backoff(attempt).min(left));
         attempt += 1;
@@ -94,6 +101,30 @@ mod tests {
             })
         });
         assert!(matches!(refused, Err(Error::Service { .. })) && calls == 1);
+    }
+
+    /// A busy service (its memory budget held for others) is ridden out like an
+    /// unreachable one, and after the wait the caller sees `Busy`, not `Unreachable`.
+    #[test]
+    fn busy_is_ridden_out_and_named_after_the_wait() {
+        let busy = || Error::Busy {
+            service: "xfer://x:1".into(),
+            bytes: 10,
+            held: 95,
+            budget: 100,
+        };
+        let mut calls = 0;
+        let got = until("xfer://x:1", Duration::from_secs(5), || {
+            calls += 1;
+            if calls < 3 {
+                Err(busy())
+            } else {
+                Ok(calls)
+            }
+        });
+        assert_eq!(got.unwrap(), 3);
+        let e = until::<()>("xfer://x:1", Duration::ZERO, || Err(busy())).unwrap_err();
+        assert!(matches!(e, Error::Busy { held: 95, .. }), "{e:?}");
     }
 
     #[test]

@@ -348,13 +348,17 @@ fn two_hundred_clients_that_never_read_their_listings_stay_within_the_budget() {
     let server = Server::start_with("127.0.0.1:0", limits, None).unwrap();
     // A listing of 16 MiB: larger than the kernel's socket buffers on loopback take, so an
     // answer stays with the service while its client does not read.
-    put_values(&server, "/big/", 256, 64 << 10);
+    put_values(&server, "/xfer/peers/big-", 256, 64 << 10);
     let mut clients = Vec::new();
+    let mut answered = 0;
     for i in 0..200 {
         let mut c = greeted(&server);
-        c.write_all(&embedded::list_frame_for_tests("/big/"))
+        c.write_all(&embedded::list_frame_for_tests("/xfer/peers/"))
             .unwrap();
-        peek_frame_len(&c);
+        // The listing, or a refusal of a few bytes.
+        if peek_frame_len(&c) > 16 << 20 {
+            answered += 1;
+        }
         let held = server.pending_bytes();
         assert!(
             held <= BUDGET as u64,
@@ -362,6 +366,51 @@ fn two_hundred_clients_that_never_read_their_listings_stay_within_the_budget() {
         );
         clients.push(c);
     }
+    assert!(answered >= 1, "the first listings are answered");
+    // A client asking now is told why, by name (and rides it out for its wait: none here).
+    let r = Rendezvous::connect_with(&server.url(), &options(Duration::ZERO, None)).unwrap();
+    match r.list() {
+        Err(Error::Busy {
+            bytes,
+            held,
+            budget,
+            ..
+        }) => assert!(bytes > 16 << 20 && held + bytes > budget && budget == BUDGET as u64),
+        other => panic!("expected Busy, got {other:?}"),
+    }
+    // The clients that never read are cut off (closed here): their bytes come back.
+    drop(clients);
+    wait_for("the held answers to be given back", || {
+        server.pending_bytes() == 0
+    });
+}
+
+/// Issue 42 §3: a listing (or a watch's current entries) larger than the service holds for
+/// one connection is refused, and the client sees `AnswerTooLarge` naming the sizes.
+#[test]
+fn a_listing_past_the_connection_budget_is_refused_by_name() {
+    const BUDGET: usize = 1 << 20;
+    let limits = Limits {
+        max_pending_bytes_per_connection: BUDGET,
+        ..Limits::default()
+    };
+    let server = Server::start_with("127.0.0.1:0", limits, None).unwrap();
+    put_values(&server, "/xfer/peers/big-", 32, 64 << 10);
+    let r = Rendezvous::connect_with(&server.url(), &options(WAIT, None)).unwrap();
+    match r.list() {
+        Err(Error::AnswerTooLarge { bytes, budget, .. }) => {
+            assert!(
+                bytes > 2 << 20 && budget == BUDGET as u64,
+                "{bytes} {budget}"
+            )
+        }
+        other => panic!("expected AnswerTooLarge, got {other:?}"),
+    }
+    match r.watch() {
+        Err(Error::AnswerTooLarge { .. }) => {}
+        other => panic!("expected AnswerTooLarge, got {:?}", other.map(|_| ())),
+    }
+    assert_eq!(server.pending_bytes(), 0);
 }
 
 /// Issue 42 §3: a watcher's queue was bounded in changes (4,096), not bytes: one that does
@@ -394,4 +443,31 @@ fn a_watcher_that_never_reads_holds_its_connection_budget_at_most() {
         "the service holds {held} bytes for a watcher that does not read (budget {BUDGET})"
     );
     drop(watcher);
+}
+
+/// Limits that would refuse every client are refused when the service starts, naming the
+/// field.
+#[test]
+fn unusable_limits_are_refused_by_name() {
+    for (limits, field) in [
+        (
+            Limits {
+                max_unauthenticated_per_source: 0,
+                ..Limits::default()
+            },
+            "max_unauthenticated_per_source",
+        ),
+        (
+            Limits {
+                max_pending_bytes: 100,
+                ..Limits::default()
+            },
+            "max_pending_bytes",
+        ),
+    ] {
+        match Server::start_with("127.0.0.1:0", limits, None) {
+            Err(Error::Service { why, .. }) => assert!(why.contains(field), "{why}"),
+            other => panic!("expected a refusal, got {:?}", other.map(|s| s.url())),
+        }
+    }
 }

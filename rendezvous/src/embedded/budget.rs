@@ -13,16 +13,30 @@ use std::sync::Arc;
 
 use super::Limits;
 
+/// Why bytes could not be reserved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum OverBudget {
+    /// More than one connection may hold, whatever else is held: asking again does not help.
+    Connection { bytes: u64, budget: u64 },
+    /// The service holds its budget for other connections (clients that have not taken
+    /// their answers): it frees as they read or are cut off.
+    Service { bytes: u64, held: u64, budget: u64 },
+}
+
 /// The service's bytes held, and its budget.
 #[derive(Debug)]
 pub(super) struct Budget {
     held: AtomicU64,
+    limit: u64,
+    per_connection: u64,
 }
 
 impl Budget {
-    pub(super) fn new(_limits: &Limits) -> Arc<Self> {
+    pub(super) fn new(limits: &Limits) -> Arc<Self> {
         Arc::new(Self {
             held: AtomicU64::new(0),
+            limit: limits.max_pending_bytes as u64,
+            per_connection: limits.max_pending_bytes_per_connection as u64,
         })
     }
 
@@ -40,6 +54,15 @@ impl Budget {
     }
 }
 
+/// Adds `bytes` to `counter` unless that passes `limit`; the total before, as `Err`, if so.
+fn add_within(counter: &AtomicU64, bytes: u64, limit: u64) -> Result<(), u64> {
+    counter
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+            held.checked_add(bytes).filter(|&total| total <= limit)
+        })
+        .map(drop)
+}
+
 /// One connection's bytes held (its answer being written, its watch queue).
 #[derive(Debug)]
 pub(super) struct Account {
@@ -48,6 +71,27 @@ pub(super) struct Account {
 }
 
 impl Account {
+    /// Reserves `bytes` within this connection's budget and the service's.
+    pub(super) fn reserve(self: &Arc<Self>, bytes: u64) -> Result<Held, OverBudget> {
+        let per_connection = self.budget.per_connection;
+        add_within(&self.held, bytes, per_connection).map_err(|_| OverBudget::Connection {
+            bytes,
+            budget: per_connection,
+        })?;
+        if let Err(held) = add_within(&self.budget.held, bytes, self.budget.limit) {
+            self.held.fetch_sub(bytes, Ordering::AcqRel);
+            return Err(OverBudget::Service {
+                bytes,
+                held,
+                budget: self.budget.limit,
+            });
+        }
+        Ok(Held {
+            account: Arc::clone(self),
+            bytes,
+        })
+    }
+
     /// Counts `bytes` without a limit: answers of one value at most (a lookup, a lease, a
     /// keep-alive), which the connection cap bounds, are never refused for want of memory
     /// that listings hold.
@@ -82,16 +126,59 @@ impl Drop for Held {
 mod tests {
     use super::*;
 
+    fn budget(total: usize, per_connection: usize) -> Arc<Budget> {
+        Budget::new(&Limits {
+            max_pending_bytes: total,
+            max_pending_bytes_per_connection: per_connection,
+            ..Limits::default()
+        })
+    }
+
     #[test]
-    fn holds_are_counted_until_dropped() {
-        let b = Budget::new(&Limits::default());
+    fn reservations_stay_within_both_budgets_and_come_back_when_dropped() {
+        let b = budget(100, 60);
         let (one, two) = (b.account(), b.account());
-        let h = one.hold(1000);
-        let g = two.hold(24);
-        assert_eq!(b.held(), 1024);
-        drop(h);
-        assert_eq!((b.held(), one.held.load(Ordering::Acquire)), (24, 0));
-        drop(g);
+        let a = one.reserve(50).unwrap();
+        assert_eq!(
+            one.reserve(20).unwrap_err(),
+            OverBudget::Connection {
+                bytes: 20,
+                budget: 60
+            }
+        );
+        let c = two.reserve(40).unwrap();
+        assert_eq!(
+            two.reserve(20).unwrap_err(),
+            OverBudget::Service {
+                bytes: 20,
+                held: 90,
+                budget: 100
+            }
+        );
+        // A refused reservation leaves nothing behind.
+        assert_eq!((b.held(), one.held.load(Ordering::Acquire)), (90, 50));
+        drop(a);
+        let d = two.reserve(20).unwrap();
+        assert_eq!(b.held(), 60);
+        drop((c, d));
         assert_eq!(b.held(), 0);
+        // Unlimited holds are counted all the same.
+        let h = one.hold(1000);
+        assert_eq!(b.held(), 1000);
+        assert!(one.reserve(1).is_err());
+        drop(h);
+        assert_eq!(b.held(), 0);
+    }
+
+    #[test]
+    fn an_absurd_size_is_refused_not_wrapped() {
+        let b = budget(100, 100);
+        let a = b.account();
+        let _h = a.reserve(10).unwrap();
+        assert!(matches!(
+            a.reserve(u64::MAX),
+            Err(OverBudget::Connection { .. })
+        ));
+        assert_eq!(b.held(), 10);
     }
 }

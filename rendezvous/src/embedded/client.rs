@@ -158,8 +158,7 @@ impl Client {
             }
             let s = conn.as_mut().expect("opened above");
             match write_frame(s, &req).and_then(|()| read_frame::<Response>(s)) {
-                Ok(Response::Refused(why)) => return Err(self.error(why)),
-                Ok(r) => return Ok(r),
+                Ok(r) => return self.answer(r),
                 Err(e) => {
                     *conn = None;
                     if fresh {
@@ -169,6 +168,29 @@ impl Client {
             }
         }
         unreachable!("the second pass uses a fresh connection and returns")
+    }
+
+    /// An answer, or the error its refusal names.
+    fn answer(&self, r: Response) -> Result<Response> {
+        match r {
+            Response::Refused(why) => Err(self.error(why)),
+            Response::TooLarge { bytes, budget } => Err(Error::AnswerTooLarge {
+                service: self.service.clone(),
+                bytes,
+                budget,
+            }),
+            Response::Busy {
+                bytes,
+                held,
+                budget,
+            } => Err(Error::Busy {
+                service: self.service.clone(),
+                bytes,
+                held,
+                budget,
+            }),
+            r => Ok(r),
+        }
     }
 
     fn clone_client(&self) -> Self {
@@ -206,13 +228,12 @@ impl Client {
             },
         )
         .map_err(|e| self.unreachable(e))?;
-        match read_frame::<Response>(&mut s).map_err(|e| self.unreachable(e))? {
+        match self.answer(read_frame::<Response>(&mut s).map_err(|e| self.unreachable(e))?)? {
             Response::Values(v) => {
                 // The service heartbeats an idle stream: silence this long means it is gone.
                 let _ = s.set_read_timeout(Some(WATCH_SILENCE));
                 Ok((s, v))
             }
-            Response::Refused(why) => Err(self.error(why)),
             other => Err(self.error(format!("unexpected answer {other:?}"))),
         }
     }

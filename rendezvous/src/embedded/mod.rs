@@ -4,19 +4,22 @@
 //! Frames are a 4-byte little-endian length and a postcard body. A watch has its own
 //! connection, on which the server streams changes after the current entries.
 //!
-//! No client can exhaust it ([`Limits`]): connections are capped and idle ones closed,
+//! No client can exhaust it ([`Limits`]): connections are capped and idle ones closed;
 //! connections that have not greeted have a share of the slots and a cap per address, and
-//! never displace a greeted one (`admission`); values, entries and watchers are bounded, a client that does not take what it is sent
-//! is cut off, and a request split across reads keeps its framing. Lease ids come from the
-//! OS's CSPRNG, and a key belongs to the live lease that wrote it (only its holder, who
-//! alone knows the id, may write it again). With a cluster secret, the service and each
-//! client prove it to each other when a connection opens ([`crate::Secret`]); without
-//! one, it listens on loopback only (see `docs/security.md`). Watches carry heartbeats and
-//! resubscribe after a restart.
+//! never displace a greeted one (`admission`); the bytes held for answers and watch queues
+//! have a budget per connection and for the service, past which a listing is refused by
+//! name (`budget`, `answer`); values, entries and watchers are bounded; a client that does
+//! not take what it is sent is cut off; and a request split across reads keeps its
+//! framing. Lease ids come from the OS's CSPRNG, and a key belongs to the live lease that
+//! wrote it (only its holder, who alone knows the id, may write it again). With a cluster
+//! secret, the service and each client prove it to each other when a connection opens
+//! ([`crate::Secret`]); without one, it listens on loopback only (see
+//! `docs/security.md`). Watches carry heartbeats and resubscribe after a restart.
 //!
 //! Modules: `wire` (frames and messages), `state` (keys, leases, watchers: pure),
-//! `admission` (which connections are served: pure), `server` (connections and threads),
-//! `client` (the `Store` over TCP).
+//! `admission` (which connections are served: pure), `budget` (bytes held for clients:
+//! pure), `answer` (answers as frames, within the budget), `server` (connections and
+//! threads), `client` (the `Store` over TCP).
 
 mod admission;
 mod answer;
@@ -102,6 +105,41 @@ pub struct Limits {
     /// Of those, bytes one connection holds: its answer being written, or its watch's
     /// snapshot and queued changes.
     pub max_pending_bytes_per_connection: usize,
+}
+
+/// The least byte budget the service accepts: an empty listing (a client's first call)
+/// and a refusal must fit.
+const MIN_PENDING: usize = 4096;
+
+impl Limits {
+    /// What makes these limits unusable (a cap that would refuse every client), if
+    /// anything.
+    fn unusable(&self) -> Option<String> {
+        let caps = [
+            ("max_connections", self.max_connections),
+            ("max_unauthenticated", self.max_unauthenticated),
+            (
+                "max_unauthenticated_per_source",
+                self.max_unauthenticated_per_source,
+            ),
+        ];
+        if let Some((name, _)) = caps.iter().find(|(_, n)| *n == 0) {
+            return Some(format!("Limits::{name} is 0: no client could connect"));
+        }
+        let budgets = [
+            ("max_pending_bytes", self.max_pending_bytes),
+            (
+                "max_pending_bytes_per_connection",
+                self.max_pending_bytes_per_connection,
+            ),
+        ];
+        budgets
+            .iter()
+            .find(|(_, n)| *n < MIN_PENDING)
+            .map(|(name, n)| {
+                format!("Limits::{name} is {n} bytes: at least {MIN_PENDING} (an empty listing must fit)")
+            })
+    }
 }
 
 impl Default for Limits {

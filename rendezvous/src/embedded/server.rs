@@ -116,6 +116,9 @@ impl Server {
             service: listen.to_owned(),
             why,
         };
+        if let Some(why) = limits.unusable() {
+            return Err(service(why));
+        }
         let addrs: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(listen)
             .map_err(|e| service(format!("cannot resolve: {e}")))?
             .collect();
@@ -360,42 +363,52 @@ impl Served<'_> {
             if let Request::Watch { prefix } = req {
                 return self.stream_watch(conn, prefix);
             }
-            let resp = lock(self.state).handle(req);
-            if self.send(&mut conn, &resp).is_err() {
+            let answer = match req {
+                Request::List { prefix } => {
+                    let s = lock(self.state);
+                    answer::listing(s.list(&prefix), &self.account)
+                        .unwrap_or_else(|refusal| answer::small(&refusal, &self.account))
+                }
+                req => {
+                    let resp = lock(self.state).handle(req);
+                    answer::small(&resp, &self.account)
+                }
+            };
+            // Held (and counted) until the client has taken it, or is cut off.
+            if conn.write_all(&answer.frame).is_err() {
                 return;
             }
         }
     }
 
-    /// Writes `msg`, its bytes counted as held until the client has taken them.
-    fn send(&self, conn: &mut TcpStream, msg: &Response) -> std::io::Result<()> {
-        let frame = answer::frame(msg);
-        let _held = self.account.hold(frame.len() as u64);
-        conn.write_all(&frame)
-    }
-
     fn stream_watch(&self, mut conn: TcpStream, prefix: String) {
         let state = self.state;
+        // The snapshot and the registration under one lock: no change falls between them.
         let started = {
             let mut s = lock(state);
             let (tx, rx) = sync_channel(s.limits.watch_queue);
-            match s.start_watch(prefix.clone(), tx, Arc::clone(&self.account)) {
-                Some(id) => Ok((id, s.handle(Request::List { prefix }), rx)),
-                None => Err(s.limits.max_watchers),
+            let max = s.limits.max_watchers;
+            let full =
+                || Response::Refused(format!("the service serves its maximum of {max} watches"));
+            if s.watching() >= max {
+                Err(full())
+            } else {
+                answer::listing(s.list(&prefix), &self.account).and_then(|snapshot| {
+                    s.start_watch(prefix.clone(), tx, Arc::clone(&self.account))
+                        .map(|id| (id, snapshot, rx))
+                        .ok_or_else(full)
+                })
             }
         };
         let (id, snapshot, rx) = match started {
             Ok(started) => started,
-            Err(max) => {
-                let _ = write_frame(
-                    &mut conn,
-                    &Response::Refused(format!("the service serves its maximum of {max} watches")),
-                );
+            Err(refusal) => {
+                let _ = write_frame(&mut conn, &refusal);
                 return;
             }
         };
         let _slot = WatchSlot { state, id };
-        if self.send(&mut conn, &snapshot).is_err() {
+        if conn.write_all(&snapshot.frame).is_err() {
             return;
         }
         drop(snapshot);

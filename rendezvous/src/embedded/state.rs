@@ -102,6 +102,11 @@ impl State {
         Some(id)
     }
 
+    /// Watches served now.
+    pub(super) fn watching(&self) -> usize {
+        self.watchers.len()
+    }
+
     /// The watch ended (its stream broke, its client left, or it fell behind): its slot is
     /// free at once, whether or not a key under its prefix ever changes.
     pub(super) fn end_watch(&mut self, id: u64) {
@@ -112,14 +117,17 @@ impl State {
         let key = match change {
             Change::Put(k, _) | Change::Delete(k) => k,
         };
-        // A watcher whose queue is full has fallen behind: it is cut off (its stream ends),
-        // not buffered for without bound.
+        // A watcher whose queue is full, in changes or in bytes, has fallen behind: it is
+        // cut off (its stream ends), not buffered for without bound.
         let bytes = change_bytes(change);
         self.watchers.retain(|_, w| {
             if !key.starts_with(w.prefix.as_str()) {
                 return true;
             }
-            let held = w.account.hold(bytes);
+            // Past its connection's byte budget (or the service's), it is cut off too.
+            let Ok(held) = w.account.reserve(bytes) else {
+                return false;
+            };
             match w.tx.try_send((change.clone(), held)) {
                 Ok(()) => true,
                 Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => false,
@@ -141,6 +149,21 @@ impl State {
                 self.notify(&Change::Delete(key));
             }
         }
+    }
+
+    /// The entries under `prefix`, where they lie: the server encodes a listing from these
+    /// (within its byte budget) rather than cloning every value into an answer first.
+    pub(super) fn list<'a>(
+        &'a self,
+        prefix: &'a str,
+    ) -> impl Iterator<Item = (&'a str, &'a [u8])> + Clone + 'a {
+        self.entries
+            .range::<str, _>((
+                std::ops::Bound::Included(prefix),
+                std::ops::Bound::Unbounded,
+            ))
+            .take_while(move |(k, _)| k.starts_with(prefix))
+            .map(|(k, (v, _))| (k.as_str(), v.as_slice()))
     }
 
     pub(super) fn handle(&mut self, req: Request) -> Response {
@@ -204,11 +227,11 @@ impl State {
                 Response::Ok
             }
             Request::Get { key } => Response::Value(self.entries.get(&key).map(|(v, _)| v.clone())),
+            // The server answers listings itself, from `list`, within its byte budget; this
+            // owned answer serves the tests.
             Request::List { prefix } => Response::Values(
-                self.entries
-                    .range(prefix.clone()..)
-                    .take_while(|(k, _)| k.starts_with(&prefix))
-                    .map(|(k, (v, _))| (k.clone(), v.clone()))
+                self.list(&prefix)
+                    .map(|(k, v)| (k.to_owned(), v.to_vec()))
                     .collect(),
             ),
             Request::Watch { .. } => Response::Refused("watch on a request connection".into()),
@@ -374,6 +397,31 @@ mod tests {
             }),
             Response::Value(None)
         ));
+    }
+
+    /// Issue 42 §3: a watcher that does not take its changes is cut off when its queued
+    /// bytes would pass its connection's budget, however few changes that is; what it held
+    /// is given back when its queue goes.
+    #[test]
+    fn a_watch_queue_is_bounded_in_bytes() {
+        let limits = Limits {
+            max_pending_bytes_per_connection: 100_000,
+            ..Limits::default()
+        };
+        let budget = crate::embedded::budget::Budget::new(&limits);
+        let mut s = State::new(limits);
+        let (tx, rx) = std::sync::mpsc::sync_channel(limits.watch_queue);
+        let id = s
+            .start_watch("/x/".into(), tx, budget.account())
+            .expect("a slot");
+        for i in 0..10 {
+            put(&mut s, &format!("/x/{i}"), &[0; 30_000], None);
+            assert!(budget.held() <= 100_000, "{} bytes", budget.held());
+        }
+        assert_eq!(s.watching(), 0, "cut off");
+        assert_eq!(rx.try_iter().count(), 3);
+        assert_eq!(budget.held(), 0);
+        s.end_watch(id);
     }
 
     #[test]

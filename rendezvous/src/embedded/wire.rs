@@ -63,6 +63,19 @@ pub(super) enum Response {
     Put(String, Vec<u8>),
     Delete(String),
     Refused(String),
+    /// A listing (or a watch's snapshot) of `bytes` is more than the service holds for one
+    /// connection (`budget`): asking again does not help.
+    TooLarge {
+        bytes: u64,
+        budget: u64,
+    },
+    /// The service holds `held` of its `budget` bytes for other clients' answers: a listing
+    /// of `bytes` is refused until they take theirs (or are cut off).
+    Busy {
+        bytes: u64,
+        held: u64,
+        budget: u64,
+    },
 }
 
 pub(super) fn write_frame<T: Serialize>(s: &mut TcpStream, msg: &T) -> std::io::Result<()> {
