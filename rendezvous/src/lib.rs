@@ -13,6 +13,8 @@
 //! engine's own binary codecs, versioned, so anything malformed or written by another
 //! program is a typed error naming the key, never a panic.
 
+#![forbid(unsafe_code)]
+
 pub mod embedded;
 #[cfg(feature = "etcd")]
 mod etcd;
