@@ -692,6 +692,8 @@ class _Worker(PushSide):
         decode engine and rank), with when: their ids are dropped when they come."""
         self._kv_caches: dict[str, Any] = {}
         """The layer views registered, kept for a wake-up from sleep mode."""
+        self._telling: set[concurrent.futures.Future[Any]] = set()
+        """Done messages to prefill ranks not sent yet (``_tell_done_soon``)."""
         self._lookups = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="xfer-vllm-lookup")
         """Push: decoders' records are looked up here, never on the engine's callback thread
@@ -777,22 +779,37 @@ class _Worker(PushSide):
             with self._lock:
                 self._load_started[req_id] = time.monotonic()
             self._finish_load(req_id, load, LayoutError(why))
-            self._in_background(self._tell_done, load)
+            self._tell_done_soon(load)
         for req_id, load in meta.awaits.items():
             self._start_load(req_id, load, self._await_push, "announcing")
         for req_id, load in meta.notify_only.items():
-            self._in_background(self._tell_done, load)
+            self._tell_done_soon(load)
         for req_id, load in meta.loads.items():
             self._start_load(req_id, load, self._load, "loading")
 
-    def _in_background(self, work: Any, *args: Any) -> None:
+    def _in_background(self, work: Any, *args: Any) -> concurrent.futures.Future[Any] | None:
         """Runs ``work`` on the lookup threads: a rendezvous lookup may wait up to
         ``lookup_timeout_s``, and neither vLLM's model-runner thread (``start_load_kv``) nor
         the engine's callback thread may wait on the network."""
         try:
-            self._lookups.submit(work, *args)
+            return self._lookups.submit(work, *args)
         except RuntimeError:
-            pass  # closing
+            return None  # closing
+
+    def _tell_done_soon(self, load: Load) -> None:
+        """``_tell_done`` in the background, remembered until sent: ``close`` lets the ones
+        still going out finish (a decode instance shut down right after its last load would
+        otherwise leave the prefill holding the blocks until its lease)."""
+        future = self._in_background(self._tell_done, load)
+        if future is None:
+            return
+        with self._lock:
+            self._telling.add(future)
+
+        def sent(f: concurrent.futures.Future[Any]) -> None:
+            with self._lock:
+                self._telling.discard(f)
+        future.add_done_callback(sent)
 
     def _start_load(self, req_id: str, load: Load, start: Any, what: str) -> None:
         """Starts a pulled or pushed load off this thread; any failure to start is this
@@ -832,7 +849,7 @@ class _Worker(PushSide):
         ranks = {p[4].remote_rank for p in plan}
         if not plan:  # nothing to read: only the prefill's blocks to free
             self._finish_load(req_id, load, None)
-            self._in_background(self._tell_done, load)
+            self._tell_done_soon(load)
             return
         pending = {"left": len(plan), "error": None}
 
@@ -847,7 +864,7 @@ class _Worker(PushSide):
             if pending["error"] is not None:
                 self._forget(load.remote_engine_id)
                 self._finish_load(req_id, load, pending["error"])
-                self._in_background(self._tell_done, load)
+                self._tell_done_soon(load)
             else:
                 self._confirm(req_id, load, ranks)
 
@@ -921,7 +938,7 @@ class _Worker(PushSide):
             self._confirming[(load.remote_engine_id, load.remote_request_id)] = _Confirm(
                 req_id, load, set(ranks),
                 time.monotonic() + max(1.0, self._options.lookup_timeout_s))
-        self._in_background(self._tell_done, load)
+        self._tell_done_soon(load)
 
     def _held(self, header: dict[str, Any]) -> None:
         """A prefill rank's answer to this rank's done."""
@@ -1133,12 +1150,19 @@ class _Worker(PushSide):
             return len(self._keeping)
 
     def close(self) -> None:
+        with self._lock:
+            telling = list(self._telling)
+        # Bounded: a peer's lookup can wait up to lookup_timeout_s; its lease frees the rest.
+        concurrent.futures.wait(telling, timeout=_CLOSE_FLUSH_S)
         self._lookups.shutdown(wait=False, cancel_futures=True)
         if self._publication is not None:
             self._publication.unpublish()
             self._publication = None
         self._engine.close()
 
+
+_CLOSE_FLUSH_S = 5.0
+"""How long ``close`` waits for done messages still going out to prefill ranks."""
 
 _DRAFT = "d"
 """Ends the tag of a speculative drafter's layer: a peer without that layer still knows it

@@ -935,3 +935,24 @@ def test_kv_of_another_model_is_refused_pulled_or_pushed(server, two_models):
     same.wait("the same model's load", lambda: "s-d" in same.recved)
     assert not same.failed
     p.close(), d.close(), same.close()
+
+
+def test_a_decoder_shut_down_right_after_its_push_still_frees_the_prefills_blocks(server):
+    """A pushed load ends before the decode rank has told the prefill it is done (that goes
+    from a background thread): a decode instance shut down just then still delivers it, so
+    the prefill frees the blocks at once, not at its lease minutes later (a CI failure: the
+    two-process test's prefill waited for a request its decoder had shut down over)."""
+    import threading
+
+    p = Instance("pp-bye", server, extra={"free_timeout_s": 600.0})
+    d = Instance("pd-bye", server)
+    worker = d.workers[0]._worker
+    closing, tell_done, close = threading.Event(), worker._tell_done, worker.close
+    # The done message has not gone yet when the instance is shut down.
+    worker._tell_done = lambda load: (closing.wait(WAIT), tell_done(load))
+    worker.close = lambda: (closing.set(), close())
+    push_pair(p, d, "r", 10, [3, 5, 7], [0, 9, 2])
+    assert not d.failed
+    d.close()
+    p.wait("the prefill to free its blocks", lambda: "r" in p.sent)
+    p.close()
