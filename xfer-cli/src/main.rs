@@ -71,6 +71,8 @@ enum Command {
         /// `$XFER_SECRET_FILE`; without either, only loopback addresses may be served).
         #[arg(long)]
         secret_file: Option<PathBuf>,
+        #[command(flatten)]
+        limits: ServeLimits,
     },
     /// Lists the peers published on a rendezvous (xfer://host:port or etcd://host:port).
     Peers {
@@ -103,6 +105,44 @@ enum Command {
     },
 }
 
+/// The service's bounds (docs/security.md, "Rendezvous"), each defaulting to
+/// `xfer_rendezvous::embedded::Limits::default()`.
+#[derive(clap::Args, Debug)]
+struct ServeLimits {
+    /// Connections served at once.
+    #[arg(long)]
+    max_connections: Option<usize>,
+    /// Of those, connections still in their greeting (a newer one takes the oldest's place).
+    #[arg(long)]
+    max_unauthenticated: Option<usize>,
+    /// Of those, connections from one address.
+    #[arg(long)]
+    max_unauthenticated_per_source: Option<usize>,
+    /// MiB the service holds for its clients' answers and watches at once.
+    #[arg(long)]
+    max_pending_mib: Option<usize>,
+    /// Of those, MiB one connection holds.
+    #[arg(long)]
+    max_pending_mib_per_connection: Option<usize>,
+}
+
+impl ServeLimits {
+    fn limits(&self) -> xfer_rendezvous::embedded::Limits {
+        let mut l = xfer_rendezvous::embedded::Limits::default();
+        let mib = |n: usize| n.saturating_mul(1 << 20);
+        l.max_connections = self.max_connections.unwrap_or(l.max_connections);
+        l.max_unauthenticated = self.max_unauthenticated.unwrap_or(l.max_unauthenticated);
+        l.max_unauthenticated_per_source = self
+            .max_unauthenticated_per_source
+            .unwrap_or(l.max_unauthenticated_per_source);
+        l.max_pending_bytes = self.max_pending_mib.map_or(l.max_pending_bytes, mib);
+        l.max_pending_bytes_per_connection = self
+            .max_pending_mib_per_connection
+            .map_or(l.max_pending_bytes_per_connection, mib);
+        l
+    }
+}
+
 /// Logs to stderr, filtered by `RUST_LOG` (warnings and errors when unset), for the
 /// rendezvous commands: a client waiting for its service says so.
 fn init_logging() {
@@ -120,16 +160,12 @@ fn serve_cmd(
     ready_file: Option<&std::path::Path>,
     delay_ms: u64,
     secret_file: Option<&std::path::Path>,
+    limits: xfer_rendezvous::embedded::Limits,
 ) -> ExitCode {
     init_logging();
     std::thread::sleep(std::time::Duration::from_millis(delay_ms));
-    let started = xfer_rendezvous::Secret::from_file_or_env(secret_file).and_then(|secret| {
-        xfer_rendezvous::Server::start_with(
-            listen,
-            xfer_rendezvous::embedded::Limits::default(),
-            secret,
-        )
-    });
+    let started = xfer_rendezvous::Secret::from_file_or_env(secret_file)
+        .and_then(|secret| xfer_rendezvous::Server::start_with(listen, limits, secret));
     match started {
         Ok(server) => {
             // Readiness: the URL on stdout (first line), so a script can start it with port 0
@@ -549,11 +585,13 @@ fn main() -> ExitCode {
             ready_file,
             delay_listen_ms,
             secret_file,
+            limits,
         } => serve_cmd(
             listen,
             ready_file.as_deref(),
             *delay_listen_ms,
             secret_file.as_deref(),
+            limits.limits(),
         ),
         Command::Peers {
             rendezvous,

@@ -520,3 +520,22 @@ fn a_check_that_times_out_names_its_step_and_the_rule() {
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// The service's bounds are flags of `xfer serve`; limits that would refuse every client are
+/// refused by name before it listens.
+#[test]
+fn serve_takes_its_limits_and_refuses_unusable_ones_by_name() {
+    let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(["--max-unauthenticated-per-source", "0"])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("max_unauthenticated_per_source"), "{said}");
+    let (code, out) = xfer(&["serve", "--help"]);
+    assert_eq!(code, 0, "{out}");
+    for flag in ["--max-connections", "--max-pending-mib-per-connection"] {
+        assert!(out.contains(flag), "{flag}:\n{out}");
+    }
+}
