@@ -3,7 +3,7 @@
 //! `shm` reaches a peer endpoint *of the same process* through a pointer into that endpoint's
 //! own shared region, not through a mapping of its own (libfabric 1.17 and 2.1). When the
 //! peer closes, the region is freed and the survivor's next operation towards it — or its
-//! next CQ read — takes a spin lock in freed memory and crashes the process (issue 25 §8).
+//! next CQ read — takes a spin lock in freed memory and crashes the process.
 //! And `shm` checks no remote key, so a write to a closed peer would land in whatever its
 //! deregistered memory has become.
 //!

@@ -79,7 +79,7 @@ pub(crate) struct Inbox {
 
 /// One outgoing connection (this NIC → a peer). The posting Domain keeps it by peer and every
 /// operation in flight carries it, so nothing looks a connection (or its peer's NIC) up by
-/// address per operation — that cost the mock ~200 instructions a page (issue 29).
+/// address per operation — that cost the mock ~200 instructions a page.
 #[derive(Debug)]
 pub(crate) struct Conn {
     pub(crate) peer: NetAddr,

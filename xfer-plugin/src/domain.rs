@@ -311,7 +311,7 @@ pub trait Domain: Send {
     ///
     /// The default posts them one by one. A Domain overrides it to take its locks, look its
     /// connection up and check what the pages share once per batch rather than once per page
-    /// (issue 29: the per-page cost).
+    /// (the per-page cost).
     fn post_rdma_pages(
         &mut self,
         template: &RdmaRequest<'_>,
@@ -327,7 +327,7 @@ pub trait Domain: Send {
     /// `posted`, which was not posted, with nothing after it tried.
     ///
     /// The default posts them one by one. A Domain overrides it to share its locks and
-    /// lookups across a run of requests to one peer (issue 29: the per-write cost).
+    /// lookups across a run of requests to one peer (the per-write cost).
     fn post_rdma_list(
         &mut self,
         requests: &[RdmaRequest<'_>],

@@ -165,7 +165,7 @@ pub(crate) fn rust_guide_builds(totals: &mut (u64, u64)) -> Result {
         ("xfer-conformance", "conformance"),
     ] {
         manifest = manifest.replace(
-            &format!("{krate} = {{ git = \"https://github.com/xfer-rs/xfer\" }}"),
+            &format!("{krate} = {{ path = \"../xfer/{path}\" }}"),
             &format!(
                 "{krate} = {{ path = {:?} }}",
                 root.join(path).display().to_string()

@@ -2,7 +2,7 @@
 //! checks them: once per request, or once per batch of requests that share everything but
 //! their addresses, ids and immediates (keys, length, direction, peer) — the pages of a paged
 //! request, or a run of a burst's single writes to one peer. What the keys resolve to is
-//! looked up once, and each request's range is checked against it (issue 29: the mock's
+//! looked up once, and each request's range is checked against it (the mock's
 //! per-request cost).
 //!
 //! Lock order: our regions, then the peer's (the same lock, read twice, for loopback); both
@@ -95,7 +95,7 @@ struct Resolved<'a> {
     local: Option<Region>,
     remote: Region,
     /// How far the shape's (local, remote) ranges can move and stay inside their regions, on
-    /// host memory: a page within both is copied without checking more (issue 29). `None`
+    /// host memory: a page within both is copied without checking more. `None`
     /// sends every page through the full checks (and a single request, which has one page).
     room: Option<(u64, u64)>,
 }

@@ -87,8 +87,8 @@ fn page_start(pages: &Pages, index: u32) -> Option<u64> {
 /// (`(pages, region length, side's name)`), refused at the first page out of range.
 ///
 /// A page's offset only grows with its number, so when each side's largest page number
-/// fits, every page does: then the offsets are computed without a check per page (issue 29:
-/// the checks were a quarter of the engine's cost per page). Otherwise the pages are walked
+/// fits, every page does: then the offsets are computed without a check per page (the checks
+/// were a quarter of the engine's cost per page). Otherwise the pages are walked
 /// in order to name the first that does not fit.
 fn page_offsets(
     page_len: u64,
