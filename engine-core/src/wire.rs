@@ -62,29 +62,61 @@ impl TryFrom<MrDescFields> for MrDesc {
     }
 }
 
-/// The access byte of the binary form: a marker bit (so the byte is never zero) and the two
-/// permissions.
-const ACCESS_MARK: u8 = 0x80;
-const ACCESS_WRITE: u8 = 0x01;
-const ACCESS_READ: u8 = 0x02;
+/// The binary form's NIC-count byte also says, in bits the count (1 to 4) never uses, what
+/// follows the keys and what the region was registered for: a key offset follows (marked,
+/// so that cutting it off is refused as truncation), the descriptor says its access (absent
+/// in older engines' descriptors, which still decode; older engines refuse these loudly),
+/// and the two permissions.
+const ACCESS_KNOWN: u8 = 0x80;
+const KEY_OFFSET_FOLLOWS: u8 = 0x40;
+const ACCESS_WRITE: u8 = 0x20;
+const ACCESS_READ: u8 = 0x10;
+const COUNT_BITS: u8 = 0x0f;
 
-fn access_byte(a: RemoteAccess) -> u8 {
-    ACCESS_MARK | if a.write { ACCESS_WRITE } else { 0 } | if a.read { ACCESS_READ } else { 0 }
+/// What a descriptor's count byte says.
+struct CountByte {
+    count: usize,
+    key_offset_follows: bool,
+    access: Option<RemoteAccess>,
 }
 
-fn access_of(byte: u8) -> Result<RemoteAccess, DecodeError> {
-    if byte & !(ACCESS_WRITE | ACCESS_READ) != ACCESS_MARK {
-        return Err(DecodeError::Length {
-            field: "MrDesc access flags",
-            value: usize::from(byte),
-            min: usize::from(ACCESS_MARK),
-            max: usize::from(ACCESS_MARK | ACCESS_WRITE | ACCESS_READ),
+impl CountByte {
+    fn encode(&self) -> u8 {
+        let access = self.access.map_or(0, |a| {
+            ACCESS_KNOWN
+                | if a.write { ACCESS_WRITE } else { 0 }
+                | if a.read { ACCESS_READ } else { 0 }
         });
+        let offset = if self.key_offset_follows {
+            KEY_OFFSET_FOLLOWS
+        } else {
+            0
+        };
+        // new() bounds the count by MAX_NICS.
+        self.count as u8 | access | offset
     }
-    Ok(RemoteAccess {
-        write: byte & ACCESS_WRITE != 0,
-        read: byte & ACCESS_READ != 0,
-    })
+
+    /// Permissions without the mark that says they are known are refused (no encoder writes
+    /// them); the count is checked by the caller.
+    fn decode(byte: u8) -> Result<Self, DecodeError> {
+        let known = byte & ACCESS_KNOWN != 0;
+        if !known && byte & (ACCESS_WRITE | ACCESS_READ) != 0 {
+            return Err(DecodeError::Length {
+                field: "MrDesc access bits without their mark",
+                value: usize::from(byte),
+                min: 0,
+                max: usize::from(!(ACCESS_WRITE | ACCESS_READ)),
+            });
+        }
+        Ok(Self {
+            count: usize::from(byte & COUNT_BITS),
+            key_offset_follows: byte & KEY_OFFSET_FOLLOWS != 0,
+            access: known.then_some(RemoteAccess {
+                write: byte & ACCESS_WRITE != 0,
+                read: byte & ACCESS_READ != 0,
+            }),
+        })
+    }
 }
 
 impl MrDesc {
@@ -167,20 +199,21 @@ impl MrDesc {
         out.push(WIRE_VERSION);
         out.extend_from_slice(&self.ptr.to_le_bytes());
         out.extend_from_slice(&self.len.to_le_bytes());
-        // new() bounds the count by MAX_NICS.
-        out.push(self.rkeys.len() as u8);
+        out.push(
+            CountByte {
+                count: self.rkeys.len(),
+                key_offset_follows: self.key_offset != 0,
+                access: self.access,
+            }
+            .encode(),
+        );
         for (addr, rkey) in &self.rkeys {
             addr.encode_body(&mut out);
             out.extend_from_slice(&rkey.to_le_bytes());
         }
-        // Only when non-zero, so a plain descriptor reads as it always did.
+        // Only when non-zero (and then marked in the count byte).
         if self.key_offset != 0 {
             out.extend_from_slice(&self.key_offset.to_le_bytes());
-        }
-        // One byte, after the offset; absent when unknown (8 bytes left mean an offset, 1 an
-        // access byte, 9 both).
-        if let Some(a) = self.access {
-            out.push(access_byte(a));
         }
         out
     }
@@ -191,14 +224,18 @@ impl MrDesc {
         r.version()?;
         let ptr = r.u64()?;
         let len = r.u64()?;
-        let count = usize::from(r.u8()?);
+        let CountByte {
+            count,
+            key_offset_follows,
+            access,
+        } = CountByte::decode(r.u8()?)?;
         check_len("NIC count", count, 1, MAX_NICS)?;
         let mut rkeys = Vec::with_capacity(count);
         for _ in 0..count {
             let addr = NetAddr::decode_body(&mut r)?;
             rkeys.push((addr, r.u64()?));
         }
-        let key_offset = if r.remaining() >= 8 {
+        let key_offset = if key_offset_follows {
             match r.u64()? {
                 // Written only when non-zero: an explicit zero would decode to a descriptor
                 // that encodes otherwise, so it is refused (one encoding per descriptor).
@@ -207,11 +244,6 @@ impl MrDesc {
             }
         } else {
             0
-        };
-        let access = if r.remaining() == 1 {
-            Some(access_of(r.u8()?)?)
-        } else {
-            None
         };
         r.finish()?;
         Ok(Self::new(ptr, len, rkeys)?
@@ -367,10 +399,9 @@ mod tests {
 
     #[test]
     fn trailing_bytes_wrong_version_and_absurd_lengths_are_rejected() {
-        // (One byte more would be read as the access byte: a_descriptor_carries_its_access_...)
         let mut bytes = desc().to_bytes();
-        bytes.extend_from_slice(&[0, 0]);
-        assert_eq!(MrDesc::from_bytes(&bytes), Err(DecodeError::Trailing(2)));
+        bytes.push(0);
+        assert_eq!(MrDesc::from_bytes(&bytes), Err(DecodeError::Trailing(1)));
 
         let mut bytes = desc().to_bytes();
         bytes[0] = 9;
@@ -440,22 +471,40 @@ mod tests {
     fn a_descriptor_carries_its_access_in_every_form() {
         let a = NetAddr::new(&[1]).unwrap();
         let plain = MrDesc::new(0x1000, 64, vec![(a, 7)]).unwrap();
-        for access in [RemoteAccess::WRITE, RemoteAccess::READ, RemoteAccess::READ_WRITE] {
-            for d in [plain.clone(), plain.clone().within_registration_at(0x800).unwrap()] {
+        for access in [
+            RemoteAccess::WRITE,
+            RemoteAccess::READ,
+            RemoteAccess::READ_WRITE,
+        ] {
+            for d in [
+                plain.clone(),
+                plain.clone().within_registration_at(0x800).unwrap(),
+            ] {
                 let d = d.with_access(Some(access));
-                assert_eq!(d.to_bytes().len(), d.clone().with_access(None).to_bytes().len() + 1);
+                let bytes = d.to_bytes();
+                assert_eq!(bytes.len(), d.clone().with_access(None).to_bytes().len());
+                for cut in 1..bytes.len() {
+                    assert!(MrDesc::from_bytes(&bytes[..cut]).is_err(), "cut at {cut}");
+                }
                 assert_eq!(MrDesc::from_bytes(&d.to_bytes()).unwrap(), d);
                 assert_eq!(d.to_string().parse::<MrDesc>().unwrap(), d);
                 let pc = postcard::to_allocvec(&d).unwrap();
                 assert_eq!(postcard::from_bytes::<MrDesc>(&pc).unwrap(), d);
-                assert_eq!(MrDesc::from_bytes(&d.to_bytes()).unwrap().access(), Some(access));
+                assert_eq!(
+                    MrDesc::from_bytes(&d.to_bytes()).unwrap().access(),
+                    Some(access)
+                );
             }
         }
-        assert_eq!(MrDesc::from_bytes(&plain.to_bytes()).unwrap().access(), None);
-        // An access byte without its mark, or with unknown bits, is refused.
-        for bad in [0x00, 0x03, 0x84, 0xff] {
+        assert_eq!(
+            MrDesc::from_bytes(&plain.to_bytes()).unwrap().access(),
+            None
+        );
+        // Permissions without their mark, or unknown bits, are refused.
+        let at = 1 + 8 + 8;
+        for bad in [0x11, 0x21, 0x41, 0xc1, 0x05, 0x00] {
             let mut bytes = plain.to_bytes();
-            bytes.push(bad);
+            bytes[at] = bad;
             assert!(MrDesc::from_bytes(&bytes).is_err(), "{bad:#x}");
         }
     }
