@@ -144,7 +144,7 @@
 
 /**
  * Fewest bytes a secret may have: a shorter one could be guessed offline from one recorded
- * proof or handshake MAC (both are HMACs keyed by the secret alone).
+ * proof or handshake MAC (both are HMACs keyed by the secret).
  */
 #define XFER_MIN_SECRET_LEN 16
 
