@@ -532,16 +532,16 @@ pub(crate) struct Qp {
 unsafe impl Send for Qp {}
 
 impl Qp {
-    /// Posts up to 4 writes as one chain; returns how many were queued (fewer when the send
-    /// queue is full).
+    /// Posts up to [`verbs_sys::CHAIN`] writes as one chain; returns how many were queued
+    /// (fewer when the send queue is full).
     ///
     /// # Safety
     /// Every local range must lie in a live registration with the given lkey.
     pub(crate) unsafe fn post_writes(&mut self, writes: &[Write]) -> Result<usize, String> {
         let mut posted = 0;
         // Writes small enough go inline (reads never: their bytes come back).
-        let mut chain = [Write::default(); 4];
-        let n = writes.len().min(4);
+        let mut chain = [Write::default(); sys::CHAIN];
+        let n = writes.len().min(sys::CHAIN);
         for (slot, w) in chain.iter_mut().zip(writes) {
             *slot = Write {
                 inline_data: i32::from(w.read == 0 && w.len > 0 && w.len <= self.max_inline),

@@ -622,13 +622,17 @@ typedef struct xv_write {
     int pad;
 } xv_write;
 
-/* Posts up to 4 writes as one chain (one doorbell). Returns 0 or an errno (ENOMEM: the send
- * queue is full — nothing of the chain after `*posted` was queued). */
+#ifndef XV_CHAIN
+#error "XV_CHAIN (writes per doorbell) comes from verbs-sys/build.rs"
+#endif
+
+/* Posts up to XV_CHAIN writes as one chain (one doorbell). Returns 0 or an errno (ENOMEM: the
+ * send queue is full — nothing of the chain after `*posted` was queued). */
 int xv_post_writes(struct ibv_qp *qp, const xv_write *w, int n, int *posted) {
-    struct ibv_sge sge[4];
-    struct ibv_send_wr wr[4], *bad = NULL;
-    if (n > 4)
-        n = 4;
+    struct ibv_sge sge[XV_CHAIN];
+    struct ibv_send_wr wr[XV_CHAIN], *bad = NULL;
+    if (n > XV_CHAIN)
+        n = XV_CHAIN;
     for (int i = 0; i < n; i++) {
         sge[i] = (struct ibv_sge){.addr = w[i].laddr, .length = w[i].len, .lkey = w[i].lkey};
         memset(&wr[i], 0, sizeof wr[i]);

@@ -33,6 +33,25 @@ pub struct XvAttr {
     pub max_msg_sz: u32,
 }
 
+/// Writes posted per doorbell (`xv_post_writes` takes at most this many): set in build.rs,
+/// the one place it is written, which hands it to the C shim too.
+pub const CHAIN: usize = parse_usize(env!("XFER_VERBS_CHAIN"));
+
+const fn parse_usize(digits: &str) -> usize {
+    let bytes = digits.as_bytes();
+    let mut n = 0;
+    let mut i = 0;
+    while i < bytes.len() {
+        assert!(
+            bytes[i].is_ascii_digit(),
+            "XFER_VERBS_CHAIN is not a number"
+        );
+        n = n * 10 + (bytes[i] - b'0') as usize;
+        i += 1;
+    }
+    n
+}
+
 pub const UD_MSG: usize = 256;
 pub const KIND_SEND_DONE: c_int = 0;
 pub const KIND_RECV_MSG: c_int = 1;

@@ -3,7 +3,7 @@
 
 use super::*;
 
-/// Writes of one data QP: a chain being built (posted with one doorbell, at most 4), and what
+/// Writes of one data QP: a chain being built (posted with one doorbell, at most [`CHAIN`]), and what
 /// is on the send queue (see [`Outstanding`]): only the last write of a chain is signalled,
 /// and each write still gets its own `Done` event.
 #[derive(Default)]
@@ -15,8 +15,8 @@ pub(super) struct DataQueue {
     pub(super) progress: Progress,
 }
 
-/// Writes per doorbell.
-pub(super) const CHAIN: usize = 4;
+/// Writes per doorbell (written once, in verbs-sys's build script).
+pub(super) const CHAIN: usize = verbs_sys::CHAIN;
 
 /// A CQ reservation may have resized the CQ, which need not keep its arming: the notifier
 /// arms it again when the worker next parks.
