@@ -13,6 +13,7 @@ mod memory;
 mod rendezvous;
 mod transfer;
 mod values;
+mod weights;
 
 use pyo3::prelude::*;
 
@@ -45,5 +46,6 @@ fn _xfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(values::expected_arrivals, m)?)?;
     m.add_function(wrap_pyfunction!(callback_errors, m)?)?;
     m.add_function(wrap_pyfunction!(builtin_backends, m)?)?;
+    m.add_function(wrap_pyfunction!(weights::plan_weights, m)?)?;
     Ok(())
 }

@@ -31,6 +31,16 @@ def callback_errors() -> int:
 def builtin_backends() -> list[str]:
     """Backends built into the module (plugins are found when a config selects them)."""
 
+def plan_weights(
+    tensors: Sequence[tuple[str, Sequence[int], int]],
+    shards: Sequence[tuple[int, str, tuple[Any, ...] | None]],
+    params: Sequence[tuple[int, str, Sequence[int], int, Sequence[tuple[str, tuple[Any, ...] | None, Sequence[int]]]]],
+    *,
+    sender: int | None = None,
+    receiver: int | None = None,
+) -> dict[str, Any]:
+    """The weight-sync plan (see ``xfer.weights.plan``): columns as bytes of little-endian uint64, ``sent``, ``received``."""
+
 class NetAddr:
     """A peer's address; ``bytes(addr)`` and ``NetAddr(b)``; picklable."""
     def __init__(self, raw: BytesLike) -> None: ...
