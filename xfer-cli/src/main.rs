@@ -1,6 +1,8 @@
 //! `xfer topo | info | doctor`: what the machine looks like to xfer, which backends it has,
 //! and why a set-up would fail. Every command takes `--json`.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;

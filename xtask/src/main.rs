@@ -29,6 +29,8 @@
 //! - `bench-efa [--libfabric2]`: the EFA backend on libfabric's shm provider, next to a raw libfabric write
 //!   loop, then initiator and target in two processes.
 
+#![forbid(unsafe_code)]
+
 mod bench;
 mod checks;
 mod examples;
