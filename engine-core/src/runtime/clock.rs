@@ -2,8 +2,10 @@
 //! `Instant` reads on Linux) as plain nanoseconds. Issue 29: every write measured two
 //! durations between `Instant`s — each a normalising subtraction of seconds and nanoseconds and
 //! a 128-bit division to microseconds — about 190 instructions of a write's ~2,600; between
-//! two [`Stamp`]s it is one subtraction and one division by a constant. Deadlines stay
-//! `Instant`s (they meet `park_timeout` and the public API).
+//! two [`Stamp`]s it is one subtraction and one division by a constant. The dispatch core's
+//! deadlines are stamps too (its clock is passed in, so a test's clock is virtual); the
+//! ImmCounter's stay `Instant`s (they meet the public API), and an [`Anchor`] turns one into
+//! the other.
 
 use std::time::{Duration, Instant};
 
@@ -32,10 +34,19 @@ impl Stamp {
     /// `d` after this moment.
     #[cfg(test)]
     pub(crate) fn after(self, d: Duration) -> Self {
-        Self(
-            self.0
-                .saturating_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
-        )
+        self.after_nanos(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    /// `nanos` nanoseconds after this moment (a duration converted once, not per use).
+    #[inline]
+    pub(crate) fn after_nanos(self, nanos: u64) -> Self {
+        Self(self.0.saturating_add(nanos))
+    }
+
+    /// A moment `nanos` nanoseconds from the clock's origin (a virtual clock's, in tests).
+    #[cfg(test)]
+    pub(crate) fn from_nanos(nanos: u64) -> Self {
+        Self(nanos)
     }
 
     /// From `earlier` to `self`; zero if `earlier` is not earlier.

@@ -16,6 +16,7 @@ mod callbacks;
 pub(crate) mod clock;
 pub(crate) mod completion;
 pub(crate) mod control;
+mod dispatch;
 mod queue;
 mod tracker;
 mod work;

@@ -6,8 +6,8 @@
 //! that arrives after its transfer timed out (and the slot was reused) is recognised as stale
 //! and ignored instead of completing someone else's transfer.
 
+use super::clock::Stamp;
 use std::collections::VecDeque;
-use std::time::Instant;
 
 use crate::error::{Error, Result};
 
@@ -32,7 +32,7 @@ pub(crate) struct Tracker<W> {
     free: Vec<u32>,
     /// (slot, generation, deadline) in submission order; deadlines only grow because every
     /// transfer gets the same timeout.
-    deadlines: VecDeque<(u32, u32, Instant)>,
+    deadlines: VecDeque<(u32, u32, Stamp)>,
     live: usize,
     /// Completions for ids not (or no longer) in flight.
     stale: u64,
@@ -56,7 +56,7 @@ impl<W> Tracker<W> {
 
     /// Starts tracking a transfer of `requests` work requests (at least one); returns the
     /// work-request id all of them carry.
-    pub(crate) fn insert(&mut self, requests: u64, deadline: Instant, waiter: W) -> u64 {
+    pub(crate) fn insert(&mut self, requests: u64, deadline: Stamp, waiter: W) -> u64 {
         debug_assert!(requests > 0);
         let slot = match self.free.pop() {
             Some(s) => s,
@@ -167,7 +167,7 @@ impl<W> Tracker<W> {
     /// Ends every transfer whose deadline is at or before `now` with `timeout()`.
     pub(crate) fn poll_expired(
         &mut self,
-        now: Instant,
+        now: Stamp,
         timeout: impl Fn() -> Error,
         out: &mut Vec<Finished<W>>,
     ) {
@@ -186,7 +186,7 @@ impl<W> Tracker<W> {
     }
 
     /// The earliest deadline still pending.
-    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+    pub(crate) fn next_deadline(&self) -> Option<Stamp> {
         self.deadlines.front().map(|&(_, _, d)| d)
     }
 
@@ -227,7 +227,7 @@ mod tests {
     fn the_root_cause_wins_over_the_flushes_it_caused_in_any_order() {
         let root = Error::RemoteAccess("bad key".into());
         let flush = Error::PeerUnreachable("flushed".into());
-        let far = Instant::now() + Duration::from_secs(60);
+        let far = Stamp::from_nanos(60_000_000_000);
         for order in [[flush.clone(), root.clone()], [root.clone(), flush.clone()]] {
             let mut t = Tracker::new();
             let id = t.insert(2, far, ());
@@ -241,7 +241,7 @@ mod tests {
     #[test]
     fn a_transfer_finishes_after_its_last_request_with_the_first_error() {
         let mut t = Tracker::new();
-        let far = Instant::now() + Duration::from_secs(60);
+        let far = Stamp::from_nanos(60_000_000_000);
         let id = t.insert(3, far, "w");
         assert!(t.handle_done(id, Ok(())).is_none());
         assert!(t
@@ -264,7 +264,7 @@ mod tests {
     #[test]
     fn late_completions_after_a_timeout_do_not_touch_the_reused_slot() {
         let mut t = Tracker::new();
-        let now = Instant::now();
+        let now = Stamp::from_nanos(1_000);
         let old = t.insert(1, now, "old");
         let mut out = Vec::new();
         t.poll_expired(now, || Error::Timeout(Duration::ZERO), &mut out);
@@ -272,7 +272,7 @@ mod tests {
             out,
             vec![("old", Err(Box::new(Error::Timeout(Duration::ZERO))))]
         );
-        let new = t.insert(1, now + Duration::from_secs(60), "new");
+        let new = t.insert(1, now.after(Duration::from_secs(60)), "new");
         assert_eq!(new & 0xffff_ffff, old & 0xffff_ffff, "the slot is reused");
         assert!(
             t.handle_done(old, Ok(())).is_none(),
@@ -291,7 +291,7 @@ mod tests {
             requests in 1u64..20,
             events in proptest::collection::vec((1u64..6, proptest::bool::ANY), 0..12),
         ) {
-            let far = Instant::now() + Duration::from_secs(60);
+            let far = Stamp::from_nanos(60_000_000_000);
             let (mut runs, mut single) = (Tracker::new(), Tracker::new());
             let (a, b) = (runs.insert(requests, far, ()), single.insert(requests, far, ()));
             let (mut by_runs, mut one_by_one) = (Vec::new(), Vec::new());
@@ -315,7 +315,7 @@ mod tests {
     #[test]
     fn drain_ends_everything_in_flight() {
         let mut t = Tracker::new();
-        let far = Instant::now() + Duration::from_secs(60);
+        let far = Stamp::from_nanos(60_000_000_000);
         let a = t.insert(2, far, 1);
         t.insert(1, far, 2);
         t.handle_done(a, Ok(()));

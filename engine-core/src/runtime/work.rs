@@ -82,12 +82,61 @@ impl PagedWork {
         })
     }
 
+    /// The batch at `cursor` (moved past plans with no page in its block): a plan operation
+    /// and the shifts of the pages that use it, in the order [`for_each_batch`]
+    /// (Self::for_each_batch) hands them out; `None` once every batch was handed out. With
+    /// one NIC the shifts are the request's own, else gathered into `scratch`.
+    pub(crate) fn batch<'a>(
+        &'a self,
+        cursor: &mut PageCursor,
+        scratch: &'a mut [Shift; INTERLEAVED_BATCH],
+    ) -> Option<(&'a RdmaWork, &'a [Shift])> {
+        let n = self.plans.len();
+        if n == 1 {
+            let op = self.plans[0].get(cursor.op)?;
+            return (!self.offsets.is_empty()).then_some((op, &self.offsets[..]));
+        }
+        // Blocks start at multiples of `n`: page `block + k + j·n` uses plan `k`.
+        let (op, block) = loop {
+            if cursor.block >= self.offsets.len() {
+                return None;
+            }
+            let end = (cursor.block + INTERLEAVED_BATCH * n).min(self.offsets.len());
+            if cursor.plan >= n {
+                *cursor = PageCursor {
+                    block: end,
+                    ..PageCursor::default()
+                };
+                continue;
+            }
+            match self.plans[cursor.plan].get(cursor.op) {
+                Some(op) if cursor.block + cursor.plan < end => {
+                    break (op, &self.offsets[cursor.block..end]);
+                }
+                _ => {
+                    cursor.plan += 1;
+                    cursor.op = 0;
+                    cursor.done = 0;
+                }
+            }
+        };
+        let mut len = 0;
+        for &shift in block.iter().skip(cursor.plan).step_by(n) {
+            scratch[len] = shift;
+            len += 1;
+        }
+        Some((op, &scratch[..len]))
+    }
+
     /// Calls `post` with every plan operation and the shifts of pages that use it: the
     /// batches the worker hands a Domain whole (issue 29: a Domain checks and locks once per
     /// batch, not per page). With one NIC a batch is every page of the request; when pages
     /// alternate between NICs, each NIC takes its next [`INTERLEAVED_BATCH`] pages in turn,
     /// so that no NIC waits for a whole request to be posted on another. Every request is
-    /// posted exactly once; in which order does not matter (delivery is unordered).
+    /// posted exactly once; in which order does not matter (delivery is unordered). (The
+    /// reference [`batch`](Self::batch) is tested against: the dispatch core walks the same
+    /// batches one at a time.)
+    #[cfg(test)]
     pub(crate) fn for_each_batch(&self, mut post: impl FnMut(&RdmaWork, &[Shift])) {
         let n = self.plans.len();
         if n == 1 {
@@ -113,6 +162,28 @@ impl PagedWork {
                 }
             }
         }
+    }
+}
+
+/// Where a paged request's posting stands: the batch [`PagedWork::batch`] returns next, and
+/// how many of its pages were handed out already (posted, failed or queued).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PageCursor {
+    /// First page of the current block (always 0 with one NIC).
+    block: usize,
+    /// The plan (starting NIC) within the block.
+    plan: usize,
+    /// The operation within the plan.
+    op: usize,
+    /// Pages of the current batch already handed out.
+    pub(crate) done: usize,
+}
+
+impl PageCursor {
+    /// On to the next batch.
+    pub(crate) fn advance(&mut self) {
+        self.op += 1;
+        self.done = 0;
     }
 }
 
@@ -184,6 +255,14 @@ mod tests {
                 let on_nic = listed.iter().filter(|w| w.nic == nic);
                 prop_assert_eq!((n, bytes), (on_nic.clone().count() as u64, on_nic.map(|w| w.len).sum::<u64>()));
             }
+            // The cursor walks the same batches one at a time.
+            let mut walked = Vec::new();
+            let (mut cursor, mut scratch) = (PageCursor::default(), [Shift::default(); INTERLEAVED_BATCH]);
+            while let Some((w, shifts)) = paged.batch(&mut cursor, &mut scratch) {
+                walked.extend(shifts.iter().map(|&s| (w.clone(), s)));
+                cursor.advance();
+            }
+            prop_assert_eq!(&walked, &posted);
             // A shifted request is what the Domain sees.
             for (w, s) in &posted {
                 let moved = w.shifted(*s);
