@@ -53,6 +53,8 @@ use crate::error::Error;
 use crate::stats::{OpKind, Recorder, Started, Stats};
 use crate::wire::{NetAddr, CHANNEL_NOTIFICATION, MESSAGE_HEADER_LEN};
 
+#[cfg(test)]
+mod tests;
 
 /// Requests per [`Domain::post_rdma_list`](crate::domain::Domain::post_rdma_list) call (a
 /// list lives on the worker's stack), and the burst after which the worker posts at once.
