@@ -31,28 +31,71 @@ pub(crate) fn stage_plugins() -> Result {
     Ok(())
 }
 
-/// Builds the plugins, creates the venv, installs pytest, numpy and the package.
-pub(crate) fn install() -> Result {
-    stage_plugins()?;
+fn ensure_venv() -> Result {
+    crate::ensure_packages(PACKAGES)?;
     if !std::path::Path::new(&venv_bin("python")).exists() {
         run("python3", &["-m", "venv", VENV])?;
     }
+    Ok(())
+}
+
+/// The package's wheel, with its plugins: built once per run of xtask — maturin through
+/// `pip wheel ./python`, what the README's `pip install ./python` builds — and installed into
+/// every venv (this one, vLLM's, SGLang's), so the extension is compiled in release once, not
+/// once per venv (each took minutes).
+pub(crate) fn wheel() -> Result<String> {
+    static BUILT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    if let Some(path) = BUILT.get() {
+        return Ok(path.clone());
+    }
+    stage_plugins()?;
+    ensure_venv()?;
+    let dir = std::path::Path::new("target/xfer-wheel");
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     run(
         &venv_bin("pip"),
-        &["install", "--quiet", "pytest", "numpy>=1.22"],
+        &[
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "./python",
+            "--wheel-dir",
+            "target/xfer-wheel",
+        ],
     )?;
-    // `pip install ./python`, the README's command (maturin comes from PyPI as its build
-    // backend); reinstalled every time so the tests never run a stale build.
+    let built = std::fs::read_dir(dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .ok_or("pip wheel ./python left no wheel in target/xfer-wheel")?;
+    let path = built.display().to_string();
+    Ok(BUILT.get_or_init(|| path).clone())
+}
+
+/// Installs the package's wheel into the venv whose pip is `pip`, replacing what was there
+/// (so the tests never run a stale build).
+pub(crate) fn install_wheel(pip: &str) -> Result {
     run(
-        &venv_bin("pip"),
+        pip,
         &[
             "install",
             "--quiet",
             "--force-reinstall",
             "--no-deps",
-            "./python",
+            &wheel()?,
         ],
     )
+}
+
+/// Builds the plugins, creates the venv, installs pytest, numpy and the package.
+pub(crate) fn install() -> Result {
+    ensure_venv()?;
+    run(
+        &venv_bin("pip"),
+        &["install", "--quiet", "pytest", "numpy>=1.22"],
+    )?;
+    install_wheel(&venv_bin("pip"))
 }
 
 /// The pytest suite (numbers added to `totals`), the examples and a short bench.

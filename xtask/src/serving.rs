@@ -77,10 +77,9 @@ impl Framework {
     }
 
     /// Creates the venv, installs the framework from the wheel cache (downloading into it
-    /// what is missing), and the package (built from `./python`, with its plugins).
+    /// what is missing), and the package's wheel (with its efa and verbs plugins: two-process
+    /// tests run over libfabric).
     pub(crate) fn install(&self) -> Result {
-        // The package with its efa and verbs plugins (two-process tests run over libfabric).
-        crate::python::stage_plugins()?;
         if !std::path::Path::new(&format!("{}/bin/python", self.venv)).exists() {
             run("python3", &["-m", "venv", self.venv])?;
         }
@@ -98,13 +97,7 @@ impl Framework {
             self.pip(&download)?;
             self.pip(&offline)?;
         }
-        self.pip(&[
-            "install",
-            "--quiet",
-            "--force-reinstall",
-            "--no-deps",
-            "./python",
-        ])
+        crate::python::install_wheel(&format!("{}/bin/pip", self.venv))
     }
 
     /// Installs, then runs the tests (their counts added to `totals`).
