@@ -268,6 +268,7 @@ impl State {
     }
 
     /// Whether a handshake is under way (see [`timers`](Self::timers)).
+    #[cfg(test)]
     fn under_way(&self) -> bool {
         !matches!(
             self,
@@ -821,9 +822,11 @@ impl Handshaker {
     }
 
     /// Whether any handshake is under way (resends and deadlines need [`handle_timeout`]);
-    /// false in the steady state, where the Domain reads no clock.
+    /// false in the steady state. The Domain asks [`poll_timeout`](Self::poll_timeout),
+    /// which is `None` exactly then.
     ///
     /// [`handle_timeout`]: Self::handle_timeout
+    #[cfg(test)]
     pub(crate) fn pending(&self) -> bool {
         self.peers.values().any(State::under_way)
     }

@@ -20,28 +20,65 @@
 //!   watching the fd (it stays readable until read) until the Domain has read the events,
 //!   cleared the flag and kicked the wait.
 //! - The Domain also has timer work while idle: handshakes it must resend every `retry_ms`
-//!   and deadlines it must enforce. While any is pending (`timers`), the wait has a
-//!   `retry_ms` timeout after which the worker is woken; the Domain kicks the wait when
-//!   `timers` turns true, so a wait begun without a timeout is not kept.
+//!   and deadlines it must enforce, retired QPs to free. At each poll it publishes when it
+//!   next needs one (its `poll_timeout`, as the `deadline` here); the wait lasts until then,
+//!   and the worker is woken once for each deadline reached. The Domain kicks the wait when
+//!   the deadline changes, so a wait begun for another one (or without one) is not kept.
 //!
 //! The loop is generic over its event source so that it is tested without a device.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use xfer_plugin::domain::Waker;
 
 use crate::ffi::{CqEvents, Wait};
 
 /// What the Domain and its notifier thread share.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct NotifyState {
     /// The CQ is armed: an event will come at its next completion.
     pub(crate) armed: AtomicBool,
-    /// Handshakes or deadlines need the Domain polled every `retry_ms` even when idle.
-    pub(crate) timers: AtomicBool,
     /// An asynchronous event waits to be read by the Domain.
     pub(crate) async_pending: AtomicBool,
+    /// When the Domain next needs a poll though nothing arrives: nanoseconds after `epoch`,
+    /// [`NO_DEADLINE`] for none.
+    deadline: AtomicU64,
+    epoch: Instant,
+}
+
+const NO_DEADLINE: u64 = u64::MAX;
+
+impl Default for NotifyState {
+    fn default() -> Self {
+        Self {
+            armed: AtomicBool::new(false),
+            async_pending: AtomicBool::new(false),
+            deadline: AtomicU64::new(NO_DEADLINE),
+            epoch: Instant::now(),
+        }
+    }
+}
+
+impl NotifyState {
+    /// Publishes the Domain's next deadline; true when it changed: the wait must then be
+    /// kicked, or it keeps waiting for the old one (or, woken for it already, for nothing).
+    pub(crate) fn set_deadline(&self, at: Option<Instant>) -> bool {
+        let raw = at.map_or(NO_DEADLINE, |at| {
+            // A deadline before the epoch is due: the earliest one expressible.
+            let ns = at.saturating_duration_since(self.epoch).as_nanos();
+            u64::try_from(ns).unwrap_or(NO_DEADLINE - 1)
+        });
+        raw != self.deadline.swap(raw, Ordering::SeqCst)
+    }
+
+    /// The deadline last published.
+    pub(crate) fn deadline(&self) -> Option<Instant> {
+        match self.deadline.load(Ordering::SeqCst) {
+            NO_DEADLINE => None,
+            ns => Some(self.epoch + Duration::from_nanos(ns)),
+        }
+    }
 }
 
 /// Where the loop waits: the device's completion channel, or a script in tests.
@@ -60,19 +97,22 @@ impl EventSource for CqEvents {
 }
 
 /// The notifier thread's loop; returns when the source says the device is closing.
-pub(crate) fn run(source: &impl EventSource, state: &NotifyState, retry: Duration, waker: &Waker) {
+pub(crate) fn run(source: &impl EventSource, state: &NotifyState, waker: &Waker) {
     // Whether the last wait failed: its error is logged once per run of failures.
     let mut failing = false;
+    // The deadline the worker was last woken for: once per deadline (the worker's poll
+    // publishes the next), not every millisecond until that poll.
+    let mut woken_for = None;
     loop {
         if source.stopping() {
             return;
         }
-        let timeout = state.timers.load(Ordering::SeqCst).then_some(retry);
+        let due = state.deadline().filter(|&d| Some(d) != woken_for);
+        let timeout = due.map(|d| d.saturating_duration_since(Instant::now()));
         let watch_async = !state.async_pending.load(Ordering::SeqCst);
         match source.wait(timeout, watch_async) {
             Ok(woke) => {
                 failing = false;
-                let timed_out = woke == Wait::default();
                 let mut wake = false;
                 if woke.completion {
                     state.armed.store(false, Ordering::SeqCst);
@@ -82,7 +122,10 @@ pub(crate) fn run(source: &impl EventSource, state: &NotifyState, retry: Duratio
                     state.async_pending.store(true, Ordering::SeqCst);
                     wake = true;
                 }
-                if timed_out && state.timers.load(Ordering::SeqCst) {
+                // Whatever ended the wait: a wait's timeout is rounded to milliseconds, so
+                // only a deadline actually reached wakes the worker.
+                if due.is_some_and(|d| Instant::now() >= d) {
+                    woken_for = due;
                     wake = true;
                 }
                 if wake {
@@ -145,7 +188,6 @@ mod tests {
         )
     }
 
-    const RETRY: Duration = Duration::from_millis(200);
     const COMPLETION: Wait = Wait {
         completion: true,
         kick: false,
@@ -184,7 +226,7 @@ mod tests {
                 }
             }),
         };
-        run(&script, &state, RETRY, &waker);
+        run(&script, &state, &waker);
         assert_eq!(*script.watched.borrow(), vec![true, false, false, true]);
         assert_eq!(wakes.load(Ordering::SeqCst), 1);
     }
@@ -204,7 +246,7 @@ mod tests {
             watched: RefCell::new(Vec::new()),
             before: Box::new(|_| {}),
         };
-        run(&script, &state, RETRY, &waker);
+        run(&script, &state, &waker);
         assert!(
             !armed_at_wake.load(Ordering::SeqCst),
             "woken while still marked armed"
@@ -213,33 +255,60 @@ mod tests {
     }
 
     #[test]
-    fn pending_timers_wake_the_worker_every_retry_and_a_kick_picks_them_up() {
+    fn a_deadline_reached_wakes_the_worker_once() {
         let state = Arc::new(NotifyState::default());
+        assert!(state.set_deadline(Some(Instant::now())));
         let (waker, wakes) = counting_waker();
-        let shared = state.clone();
         let script = Script {
-            // A wait without timeout is kicked when a handshake starts; then two timeouts
-            // while it is pending, and one more after it ended (no wake).
-            outcomes: RefCell::new(vec![
-                Ok(KICK),
-                Ok(Wait::default()),
-                Ok(Wait::default()),
-                Ok(Wait::default()),
-            ]),
+            // Its wait times out; a later spurious return must not wake the worker again.
+            outcomes: RefCell::new(vec![Ok(Wait::default()), Ok(Wait::default())]),
             asked: RefCell::new(Vec::new()),
             watched: RefCell::new(Vec::new()),
-            before: Box::new(move |step| match step {
-                0 => shared.timers.store(true, Ordering::SeqCst),
-                3 => shared.timers.store(false, Ordering::SeqCst),
-                _ => {}
+            before: Box::new(|_| {}),
+        };
+        run(&script, &state, &waker);
+        assert_eq!(*script.asked.borrow(), vec![Some(Duration::ZERO), None]);
+        assert_eq!(wakes.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_deadline_not_reached_wakes_nobody_and_a_changed_one_is_picked_up_after_the_kick() {
+        let state = Arc::new(NotifyState::default());
+        let hour = Duration::from_secs(3600);
+        assert!(state.set_deadline(Some(Instant::now() + hour)));
+        let (waker, wakes) = counting_waker();
+        let domain = state.clone();
+        let script = Script {
+            // Woken early (the wait rounds to milliseconds): nobody is woken. The Domain then
+            // publishes a deadline already due and kicks; the next wait is for it.
+            outcomes: RefCell::new(vec![Ok(Wait::default()), Ok(KICK), Ok(Wait::default())]),
+            asked: RefCell::new(Vec::new()),
+            watched: RefCell::new(Vec::new()),
+            before: Box::new(move |step| {
+                if step == 1 {
+                    assert!(domain.set_deadline(Some(Instant::now())), "changed: kick");
+                }
             }),
         };
-        run(&script, &state, RETRY, &waker);
-        assert_eq!(
-            *script.asked.borrow(),
-            vec![None, Some(RETRY), Some(RETRY), Some(RETRY)]
-        );
-        assert_eq!(wakes.load(Ordering::SeqCst), 2);
+        run(&script, &state, &waker);
+        let asked = script.asked.borrow();
+        assert!(asked[0].is_some_and(|t| t > hour - Duration::from_secs(60)));
+        assert!(asked[1].is_some_and(|t| t > hour - Duration::from_secs(60)));
+        assert_eq!(asked[2], Some(Duration::ZERO));
+        assert_eq!(wakes.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn publishing_the_same_deadline_asks_for_no_kick() {
+        let state = NotifyState::default();
+        let at = Instant::now() + Duration::from_secs(5);
+        assert!(!state.set_deadline(None), "none, as before");
+        assert!(state.set_deadline(Some(at)));
+        assert!(!state.set_deadline(Some(at)));
+        assert_eq!(state.deadline(), Some(at));
+        assert!(state.set_deadline(Some(at + Duration::from_secs(1))));
+        assert!(state.set_deadline(None));
+        assert_eq!(state.deadline(), None);
     }
 
     #[test]
@@ -253,7 +322,7 @@ mod tests {
             watched: RefCell::new(Vec::new()),
             before: Box::new(|_| {}),
         };
-        run(&script, &state, RETRY, &waker);
+        run(&script, &state, &waker);
         assert_eq!(wakes.load(Ordering::SeqCst), 2);
         assert!(!state.armed.load(Ordering::SeqCst));
     }

@@ -8,6 +8,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Instant;
 
 use crate::addr::NetAddr;
 
@@ -353,6 +354,19 @@ pub trait Domain: Send {
 
     /// Makes progress and appends every event that is ready.
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError>;
+
+    /// When this Domain next needs a [`poll`](Self::poll) though nothing arrives: timers of
+    /// its own (a handshake to resend or give up, retired resources to free). `None`: only
+    /// when something arrives. Read after a `poll` (which may move it): a worker about to park
+    /// should wake no later than this. A Domain with a waker (see [`set_waker`](Self::set_waker))
+    /// may also wake the worker then itself, as the verbs Domain's completion-channel thread
+    /// does, so that a worker unaware of this method still polls it in time.
+    ///
+    /// The default: `None`. The plugin ABI does not carry it (a plugin's Domain relies on its
+    /// waker for timers).
+    fn poll_timeout(&self) -> Option<Instant> {
+        None
+    }
 
     /// Asks the Domain to call `waker` whenever `poll` would return something new. Returns
     /// whether it will; a Domain that cannot (most hardware without a completion channel) is

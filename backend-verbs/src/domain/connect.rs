@@ -337,31 +337,30 @@ impl VerbsDomain {
         result
     }
 
-    pub(super) fn check_handshakes(&mut self) {
-        let forge = self.options.faults.forge_requests_every_ms;
-        // Runs at every poll: with no handshake under way (the steady state) it reads no
-        // clock (a system call where the TSC is unusable, as in the soft-RoCE guest).
-        let pending = forge > 0 || self.handshake.pending();
-        if let Some((notify, _)) = &self.notify {
-            // Resends and deadlines below need this check to run while the worker idles:
-            // the notifier wakes it every retry_ms while any is pending.
-            if notify.timers.swap(pending, Ordering::SeqCst) != pending && pending {
-                self.device.kick();
-            }
-        }
-        if !pending {
-            return;
+    /// Resends and deadlines of the handshakes under way (and the `forge_requests_every_ms`
+    /// fault); returns when they next need this, `None` with none under way. Runs at every
+    /// poll: with no handshake under way (the steady state) it reads no clock (a system call
+    /// where the TSC is unusable, as in the soft-RoCE guest).
+    pub(super) fn check_handshakes(&mut self) -> Option<Instant> {
+        let forge = Duration::from_millis(self.options.faults.forge_requests_every_ms);
+        let due = self.handshake.poll_timeout();
+        if due.is_none() && forge.is_zero() {
+            return None;
         }
         let now = Instant::now();
-        if forge > 0 && now.duration_since(self.last_forged) >= Duration::from_millis(forge) {
+        if !forge.is_zero() && now.duration_since(self.last_forged) >= forge {
             self.last_forged = now;
             self.forge_requests();
         }
-        if self.handshake.poll_timeout().is_some_and(|due| due <= now) {
+        let mut due = due;
+        if due.is_some_and(|due| due <= now) {
             let mut actions = Vec::new();
             self.handshake.handle_timeout(now, &mut actions);
             self.carry_out(now, actions);
+            due = self.handshake.poll_timeout();
         }
+        let forged = (!forge.is_zero()).then(|| self.last_forged + forge);
+        due.into_iter().chain(forged).min()
     }
 
     /// Test fault: a request for every connected peer that names no connection (as a stale

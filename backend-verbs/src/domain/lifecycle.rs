@@ -11,29 +11,46 @@ impl VerbsDomain {
         self.unproven.remove(&data.qpn);
         self.unproven.remove(&msg.qpn);
         let now = Instant::now();
-        self.graveyard.push((now, data));
-        self.graveyard.push((now, msg));
+        self.graveyard.bury(now, data);
+        self.graveyard.bury(now, msg);
     }
 
     /// Frees retired QPs whose writes are all settled and whose last flushes are long read,
     /// with everything kept about them (peer map, dead list): a long-running engine that
     /// reconnects often would otherwise grow without bound, and a QP number the device hands
-    /// out again must not be taken for the dead one.
+    /// out again must not be taken for the dead one. Reads the clock only while QPs are kept.
     pub(super) fn collect_graveyard(&mut self) {
-        const LINGER: Duration = Duration::from_secs(5);
-        let now = Instant::now();
+        if self.graveyard.is_empty() {
+            return;
+        }
         let (data_queues, dead_qps, qp_peer) =
             (&self.data_queues, &mut self.dead_qps, &mut self.qp_peer);
-        self.graveyard.retain(|(since, qp)| {
-            let settled = !data_queues.contains_key(&qp.qpn);
-            if settled && now.duration_since(*since) >= LINGER {
+        self.graveyard.collect(
+            Instant::now(),
+            |qpn| !data_queues.contains_key(&qpn),
+            |qp| {
                 dead_qps.remove(&qp.qpn);
                 qp_peer.remove(&qp.qpn);
-                false
-            } else {
-                true
+                drop(qp);
+            },
+        );
+    }
+
+    /// Sets when this Domain next needs a poll though nothing arrives (`Domain::poll_timeout`):
+    /// handshakes to resend or give up (`handshakes`, from `check_handshakes`) and retired
+    /// QPs to free. A parked worker is polled only when woken, so the completion-channel
+    /// thread wakes it then (kicked when the deadline moved earlier than the one it waits for).
+    pub(super) fn publish_deadline(&mut self, handshakes: Option<Instant>) {
+        let data_queues = &self.data_queues;
+        let freeing = self
+            .graveyard
+            .poll_timeout(|qpn| !data_queues.contains_key(&qpn));
+        self.deadline = handshakes.into_iter().chain(freeing).min();
+        if let Some((notify, _)) = &self.notify {
+            if notify.set_deadline(self.deadline) {
+                self.device.kick();
             }
-        });
+        }
     }
 
     /// Reads the device's asynchronous events: a CQ overrun, a fatal device or SRQ error fail
@@ -125,8 +142,8 @@ impl VerbsDomain {
         self.bury(data, msg);
     }
 
-    /// Retires a connection the peer replaced: its QPs go to the error state and are kept until
-    /// the device closes (their flushes settle what was posted), and the writes it never
+    /// Retires a connection the peer replaced: its QPs go to the error state and are buried
+    /// (kept until their flushes settled what was posted, then freed), and the writes it never
     /// posted are returned, to go out on the new connection.
     pub(super) fn retire_connection(
         &mut self,

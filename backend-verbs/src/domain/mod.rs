@@ -28,11 +28,13 @@ use crate::wire::{choose_gid, choose_gid_for, GidEntry, GidWanted, Handshake, Ki
 mod completions;
 mod connect;
 mod datapath;
+mod graveyard;
 mod lifecycle;
 mod memory;
 mod setup;
 
 use datapath::{cq_may_have_resized, next_send_id, post_message, DataQueue, SendBuffer};
+use graveyard::Graveyard;
 
 /// A write or send waiting for its peer's connection.
 enum Queued {
@@ -67,9 +69,9 @@ pub struct VerbsDomain {
     /// completion or arrival proves the connection to the handshake. Empty in the steady
     /// state, so the completion path pays one branch.
     unproven: HashSet<u32>,
-    /// QPs of failed connections, kept until the device closes so their flushed completions
-    /// can still be read.
-    graveyard: Vec<(Instant, Qp)>,
+    /// QPs of failed and replaced connections, kept until their flushed completions have been
+    /// read, then freed at a deadline (see `graveyard`).
+    graveyard: Graveyard<Qp>,
     regions: RegionTable<Mr>,
     /// Message buffers posted to the message SRQ.
     receives: ReceivePool<Mr>,
@@ -111,6 +113,8 @@ pub struct VerbsDomain {
     stall_once: Option<u64>,
     /// When the `forge_requests_every_ms` fault last fired.
     last_forged: Instant,
+    /// When this Domain next needs a poll though nothing arrives (see `publish_deadline`).
+    deadline: Option<Instant>,
     /// Shared with the completion-channel thread once the engine gave a waker (see `notify`),
     /// and that waker (asked whether the worker is about to park).
     notify: Option<(Arc<NotifyState>, Waker)>,
@@ -346,12 +350,11 @@ impl Domain for VerbsDomain {
         }
         let state = Arc::new(NotifyState::default());
         let shared = state.clone();
-        let retry = Duration::from_millis(self.options.retry_ms);
         let thread_waker = waker.clone();
         let started = self
             .device
             .start_notifier(format!("xfer-verbs-{}", self.name), move |events| {
-                crate::notify::run(&events, &shared, retry, &thread_waker)
+                crate::notify::run(&events, &shared, &thread_waker)
             });
         match started {
             Ok(()) => {
@@ -375,7 +378,6 @@ impl Domain for VerbsDomain {
         if self.polls_since_check >= 1024 {
             self.polls_since_check = 0;
             self.check_stalled_peers();
-            self.collect_graveyard();
             let dropped = self.handshake.unauthenticated();
             if dropped != self.unauthenticated_seen {
                 self.unauthenticated_seen = dropped;
@@ -418,7 +420,7 @@ impl Domain for VerbsDomain {
         }
         // Every receive consumed in this pass goes back in one batch.
         let refill = self.refill_imm_receives();
-        self.check_handshakes();
+        let handshakes = self.check_handshakes();
         let connected: Vec<NetAddr> = self
             .peers
             .iter()
@@ -429,8 +431,14 @@ impl Domain for VerbsDomain {
             self.flush(&p);
         }
         self.post_chains();
+        self.collect_graveyard();
+        self.publish_deadline(handshakes);
         events.append(&mut self.done);
         result.and(refill)
+    }
+
+    fn poll_timeout(&self) -> Option<Instant> {
+        self.deadline
     }
 }
 
