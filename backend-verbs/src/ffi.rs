@@ -549,7 +549,7 @@ impl Qp {
             };
         }
         let writes = &chain[..n];
-        // SAFETY: per this function's contract; writes has writes.len() entries (≤ 4 used).
+        // SAFETY: per this function's contract; writes has writes.len() entries (at most CHAIN).
         let rc = unsafe {
             sys::xv_post_writes(
                 self.raw.as_ptr(),
@@ -559,7 +559,7 @@ impl Qp {
             )
         };
         match rc {
-            0 => Ok(writes.len().min(4)),
+            0 => Ok(writes.len()),
             12 => Ok(posted.max(0) as usize), // ENOMEM: the send queue is full
             e => Err(format!("ibv_post_send: {}", errno_text(e))),
         }

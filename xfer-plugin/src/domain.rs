@@ -148,7 +148,11 @@ impl PageShift {
 /// Whether a post was accepted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PostStatus {
-    /// The work request was queued on the NIC; exactly one `Done` will follow.
+    /// The work request was accepted; exactly one `Done` will follow. It is queued on the
+    /// NIC, or — a peer whose connection is still being made (see [`Domain::post_rdma`]) —
+    /// held by the Domain until the connection can take it. Refusing such work as `Busy`
+    /// instead would stop a list at the first peer still connecting, keeping every later
+    /// peer of the list waiting for its handshake.
     Posted,
     /// The NIC's queue is full: nothing was queued, try again after `poll`.
     Busy,

@@ -5,7 +5,10 @@ use super::*;
 
 /// Writes of one data QP: a chain being built (posted with one doorbell, at most [`CHAIN`]), and what
 /// is on the send queue (see [`Outstanding`]): only the last write of a chain is signalled,
-/// and each write still gets its own `Done` event.
+/// and each write still gets its own `Done` event. The call that builds a chain also rings
+/// its tail before it returns, so the chain is empty between calls and `poll` posts nothing;
+/// writes the NIC refuses for want of room come back out (`Busy`, or back to wait for the
+/// connection's next flush).
 #[derive(Default)]
 pub(super) struct DataQueue {
     pub(super) chain: Vec<Write>,
@@ -215,12 +218,21 @@ impl VerbsDomain {
                 }
                 let q = self.data_queues.entry(data.qpn).or_default();
                 let mut grew = false;
-                let pushed = push_write(data, q, w, self.options.send_queue as usize, &mut grew);
+                let limit = self.options.send_queue as usize;
+                // Rung now, not at the next poll: `poll` posts nothing.
+                let pushed = push_write(data, q, w, limit, &mut grew)
+                    .and_then(|pushed| post_chain(data, q).map(|()| pushed));
                 if grew {
                     cq_may_have_resized(&self.notify);
                 }
                 match pushed {
-                    Ok(true) => Ok(PostStatus::Posted),
+                    Ok(true) if q.chain.is_empty() => Ok(PostStatus::Posted),
+                    Ok(true) => {
+                        // The NIC refused it for want of room (the chain held only it):
+                        // nothing was queued.
+                        q.chain.clear();
+                        Ok(PostStatus::Busy)
+                    }
                     Ok(false) => Ok(PostStatus::Busy),
                     Err(e) => {
                         // The write is accepted (it is in the chain): the connection's failure
@@ -361,6 +373,12 @@ impl VerbsDomain {
         if failed.is_none() {
             failed = post_chain(data, q).err();
         }
+        if failed.is_none() && !q.chain.is_empty() {
+            // The NIC refused the chain's tail for want of room: the last requests accepted
+            // here were not queued after all.
+            outcome = (outcome.0 - q.chain.len(), Ok(PostStatus::Busy));
+            q.chain.clear();
+        }
         if grew {
             cq_may_have_resized(&self.notify);
         }
@@ -392,24 +410,6 @@ impl VerbsDomain {
                 Ok(true)
             }
             _ => Ok(false),
-        }
-    }
-
-    /// Posts every non-empty chain of a connected peer.
-    pub(super) fn post_chains(&mut self) {
-        let mut failed = Vec::new();
-        for (addr, c) in self.peers.iter_mut() {
-            if !c.ready {
-                continue;
-            }
-            if let Some(q) = self.data_queues.get_mut(&c.data.qpn) {
-                if let Err(e) = post_chain(&mut c.data, q) {
-                    failed.push((addr.clone(), e));
-                }
-            }
-        }
-        for (addr, e) in failed {
-            self.fail_peer(&addr, &e);
         }
     }
 
@@ -452,6 +452,17 @@ impl VerbsDomain {
                         failed = Some(e);
                         break;
                     }
+                }
+            }
+            if let (None, Some(dq)) = (&failed, self.data_queues.get_mut(&data.qpn)) {
+                match post_chain(data, dq) {
+                    // What the NIC refused for want of room waits again, in its order.
+                    Ok(()) => dq
+                        .chain
+                        .drain(..)
+                        .rev()
+                        .for_each(|w| queued.push_front(Queued::Write(w))),
+                    Err(e) => failed = Some(e),
                 }
             }
             if grew {

@@ -372,8 +372,6 @@ impl Domain for VerbsDomain {
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError> {
-        // Chains still building since the last pass go out now, one doorbell each.
-        self.post_chains();
         self.polls_since_check += 1;
         if self.polls_since_check >= 1024 {
             self.polls_since_check = 0;
@@ -421,6 +419,9 @@ impl Domain for VerbsDomain {
         // Every receive consumed in this pass goes back in one batch.
         let refill = self.refill_imm_receives();
         let handshakes = self.check_handshakes();
+        // Work accepted earlier that waited for its connection (or for room on its send
+        // queue) goes out; chains are rung by the calls that build them, so nothing new is
+        // posted here.
         let connected: Vec<NetAddr> = self
             .peers
             .iter()
@@ -430,7 +431,6 @@ impl Domain for VerbsDomain {
         for p in connected {
             self.flush(&p);
         }
-        self.post_chains();
         self.collect_graveyard();
         self.publish_deadline(handshakes);
         events.append(&mut self.done);
