@@ -1,7 +1,17 @@
 //! What completes: the CQ drained and routed by work-request id and QP number only (a failed
 //! completion's other fields are undefined), writes settled in order, receives reposted.
 
-use super::*;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use xfer_plugin::addr::NetAddr;
+use xfer_plugin::domain::{DomainError, DomainErrorKind, Event};
+
+use super::{classify, err, other, VerbsDomain};
+use crate::completion::Outstanding;
+use crate::ffi::{
+    self, Wc, Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV, TAG_MASK, TAG_MSG_RECV,
+};
 
 /// A failed completion of `wc.wr_id`: the writes posted before it succeeded (RC completes in
 /// order), and it failed with the completion's status.
@@ -51,7 +61,7 @@ impl VerbsDomain {
     /// The peer of a failed completion's QP, and a message naming the status, the device
     /// and the peer.
     pub(super) fn describe_failure(&self, wc: &Wc) -> (Option<NetAddr>, String) {
-        let peer = self.qp_peer.get(&wc.qp_num).cloned();
+        let peer = self.connections.route(wc.qp_num).cloned();
         let text = format!(
             "{} (vendor error {:#x}) on {} to {}",
             ffi::status_text(wc.status),
@@ -65,12 +75,12 @@ impl VerbsDomain {
 
     /// A completion of a data QP: settles the writes it completes, in post order.
     pub(super) fn data_completion(&mut self, wc: &Wc, events: &mut Vec<Event>) {
-        if self.dead_qps.contains(&wc.qp_num) {
+        if self.connections.is_dead(wc.qp_num) {
             self.settle_flushed(wc, events);
             return;
         }
         let failure = (wc.status != 0).then(|| self.describe_failure(wc));
-        let Some(q) = self.data_queues.get_mut(&wc.qp_num) else {
+        let Some(q) = self.connections.queue_mut(wc.qp_num) else {
             return;
         };
         q.progress.moved();
@@ -104,8 +114,7 @@ impl VerbsDomain {
                 wr_id: w.user,
                 result: Err(err(classify(wc.status), text.clone())),
             }));
-            self.data_queues.remove(&wc.qp_num);
-            self.dead_qps.insert(wc.qp_num);
+            self.connections.settled(wc.qp_num);
             return;
         }
         // RC completes in order: what was posted before the failed write succeeded.
@@ -113,10 +122,7 @@ impl VerbsDomain {
         // The QP is in error now: the rest fail, and the next transfer reconnects.
         match peer {
             Some(p) => self.fail_peer(&p, &format!("the connection failed: {text}")),
-            None => {
-                self.data_queues.remove(&wc.qp_num);
-                self.dead_qps.insert(wc.qp_num);
-            }
+            None => self.connections.settled(wc.qp_num),
         }
     }
 
@@ -125,7 +131,7 @@ impl VerbsDomain {
     /// again.
     pub(super) fn settle_flushed(&mut self, wc: &Wc, events: &mut Vec<Event>) {
         let text = (wc.status != 0).then(|| self.describe_failure(wc).1);
-        let Some(q) = self.data_queues.get_mut(&wc.qp_num) else {
+        let Some(q) = self.connections.queue_mut(wc.qp_num) else {
             return;
         };
         match text {
@@ -140,9 +146,7 @@ impl VerbsDomain {
             ),
             Some(text) => settle_failure(&mut q.outstanding, wc, &text, events),
         }
-        if q.outstanding.is_empty() {
-            self.data_queues.remove(&wc.qp_num);
-        }
+        self.connections.settle_if_empty(wc.qp_num);
     }
 
     /// Reads every completion on the CQ into `events`.
@@ -154,11 +158,7 @@ impl VerbsDomain {
                 Err(e) => break Err(other(e)),
             };
             for wc in &wcs[..n] {
-                if wc.status == 0
-                    && wc.kind != KIND_UD_RECV
-                    && !self.unproven.is_empty()
-                    && self.unproven.remove(&wc.qp_num)
-                {
+                if wc.status == 0 && wc.kind != KIND_UD_RECV {
                     self.traffic_on(wc.qp_num);
                 }
                 match wc.kind {
@@ -172,7 +172,7 @@ impl VerbsDomain {
                             events.push(Event::ImmArrival {
                                 imm: wc.imm,
                                 // The QP says who wrote: RC connects one peer per QP.
-                                from: self.qp_peer.get(&wc.qp_num).cloned(),
+                                from: self.connections.route(wc.qp_num).cloned(),
                             });
                         }
                         if let Some(ms) = self.stall_once.take() {
@@ -210,9 +210,7 @@ impl VerbsDomain {
                             events.push(Event::Message { data });
                         }
                     }
-                    _ if self.data_queues.contains_key(&wc.qp_num)
-                        || self.dead_qps.contains(&wc.qp_num) =>
-                    {
+                    _ if self.connections.is_data(wc.qp_num) => {
                         self.data_completion(wc, events);
                     }
                     _ => {
@@ -227,9 +225,9 @@ impl VerbsDomain {
                             let (peer, text) = self.describe_failure(wc);
                             // A late error of a connection already replaced must not tear
                             // down its successor.
-                            let current = peer.as_ref().is_some_and(|p| {
-                                self.peers.get(p).is_some_and(|c| c.msg.qpn == wc.qp_num)
-                            });
+                            let current = peer
+                                .as_ref()
+                                .is_some_and(|p| self.connections.is_live_msg(p, wc.qp_num));
                             if let (true, Some(p)) = (current, peer) {
                                 self.fail_peer(&p, &text);
                             }

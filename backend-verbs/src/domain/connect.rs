@@ -1,7 +1,52 @@
 //! Connections being made: carrying out what the pure handshake (`crate::handshake`) asks —
 //! QPs created, connected, installed, promoted, dropped — and its timers and test faults.
 
-use super::*;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use xfer_plugin::addr::NetAddr;
+use xfer_plugin::domain::{DomainError, DomainErrorKind};
+
+use super::connections::Connection;
+use super::datapath::cq_may_have_resized;
+use super::{err, other, VerbsDomain};
+use crate::ffi::{Attr, Device, Qp};
+use crate::handshake::{Action, Ends, Prior};
+use crate::log;
+use crate::options::VerbsOptions;
+use crate::wire::{Handshake, Kind, VerbsAddr};
+
+/// Connects our `(data, msg)` QPs to the ones `h` names, with our first PSNs `psns`, on
+/// `device` with the Domain's path settings.
+fn connect_qps(
+    (device, options, attr): (&mut Device, &VerbsOptions, &Attr),
+    (data, msg): (&Qp, &Qp),
+    h: &Handshake,
+    (data_psn, msg_psn): (u32, u32),
+) -> Result<(), String> {
+    let mtu = i32::from(h.mtu.min(attr.active_mtu as u8));
+    let t = (options.ack_timeout, options.retry_cnt, options.rnr_retry);
+    device.connect(
+        data,
+        h.data_qpn,
+        h.data_psn,
+        data_psn,
+        &h.from.gid,
+        h.from.lid,
+        mtu,
+        t,
+    )?;
+    device.connect(
+        msg,
+        h.msg_qpn,
+        h.msg_psn,
+        msg_psn,
+        &h.from.gid,
+        h.from.lid,
+        mtu,
+        t,
+    )
+}
 
 impl VerbsDomain {
     pub(super) fn new_qps(&mut self) -> Result<(Qp, Qp), DomainError> {
@@ -22,8 +67,6 @@ impl VerbsDomain {
             .create_rc(true, o.message_queue, o.message_queue, 0)
             .map_err(other)?;
         cq_may_have_resized(&self.notify);
-        self.unproven.insert(data.qpn);
-        self.unproven.insert(msg.qpn);
         Ok((data, msg))
     }
 
@@ -62,75 +105,12 @@ impl VerbsDomain {
         let now = Instant::now();
         let qpns = (data.qpn, msg.qpn);
         if let Err(e) = self.handshake.connect(now, peer, qpns, &mut actions) {
-            self.bury(data, msg);
+            self.connections.retire_unused(now, (data, msg));
             return Err(err(DomainErrorKind::InvalidArgument, e));
         }
-        self.install(peer, (data, msg), VecDeque::new(), false);
+        self.connections.pending(peer, (data, msg), VecDeque::new());
         self.carry_out(now, actions);
         Ok(())
-    }
-
-    /// Routes completions on `(data, msg)` to `peer`.
-    fn route(&mut self, peer: &NetAddr, data: &Qp, msg: &Qp) {
-        self.qp_peer.insert(data.qpn, peer.clone());
-        self.qp_peer.insert(msg.qpn, peer.clone());
-    }
-
-    /// Makes `(data, msg)` the connection with `peer`, with `queued` waiting for it and
-    /// `ready` saying whether it may post; completions on its QPs are routed to `peer`.
-    pub(super) fn install(
-        &mut self,
-        peer: &NetAddr,
-        (data, msg): (Qp, Qp),
-        queued: VecDeque<Queued>,
-        ready: bool,
-    ) {
-        self.route(peer, &data, &msg);
-        self.peers.insert(
-            peer.clone(),
-            Connection {
-                data,
-                msg,
-                queued,
-                ready,
-            },
-        );
-    }
-
-    pub(super) fn connect_qps(
-        &mut self,
-        data: &Qp,
-        msg: &Qp,
-        h: &Handshake,
-        data_psn: u32,
-        msg_psn: u32,
-    ) -> Result<(), String> {
-        let mtu = i32::from(h.mtu.min(self.attr.active_mtu as u8));
-        let t = (
-            self.options.ack_timeout,
-            self.options.retry_cnt,
-            self.options.rnr_retry,
-        );
-        self.device.connect(
-            data,
-            h.data_qpn,
-            h.data_psn,
-            data_psn,
-            &h.from.gid,
-            h.from.lid,
-            mtu,
-            t,
-        )?;
-        self.device.connect(
-            msg,
-            h.msg_qpn,
-            h.msg_psn,
-            msg_psn,
-            &h.from.gid,
-            h.from.lid,
-            mtu,
-            t,
-        )
     }
 
     pub(super) fn handle_handshake(&mut self, raw: &[u8]) {
@@ -173,17 +153,11 @@ impl VerbsDomain {
                         .completed(&peer, &response, result, &mut more);
                 }
                 Action::Ready { peer } => {
-                    if let Some(c) = self.peers.get_mut(&peer) {
-                        c.ready = true;
-                    }
+                    self.connections.ready(&peer);
                     self.flush(&peer);
                 }
-                Action::Promote { peer } => self.promote(&peer),
-                Action::DropCandidate { peer } => {
-                    if let Some((data, msg)) = self.candidates.remove(&peer) {
-                        self.retire_unused(data, msg);
-                    }
-                }
+                Action::Promote { peer } => self.promote(now, &peer),
+                Action::DropCandidate { peer } => self.connections.drop_candidate(now, &peer),
                 Action::Fail { peer, why } => self.fail_peer(&peer, &why.to_string()),
             }
             actions.extend(more);
@@ -205,30 +179,30 @@ impl VerbsDomain {
             // Test fault: a responder slow to answer a new peer.
             std::thread::sleep(Duration::from_millis(self.options.faults.delay_request_ms));
         }
+        let psns = (data_psn, msg_psn);
+        let now = Instant::now();
         if prior == Prior::Candidate {
             let (data, msg) = self
                 .new_qps()
                 .map_err(|e| format!("no QPs for a candidate connection: {}", e.message))?;
-            if let Err(e) = self.connect_qps(&data, &msg, request, data_psn, msg_psn) {
-                self.retire_unused(data, msg);
+            let path = (&mut self.device, &self.options, &self.attr);
+            if let Err(e) = connect_qps(path, (&data, &msg), request, psns) {
+                self.connections.retire_unused(now, (data, msg));
                 return Err(format!("accepting {peer}: {e}"));
             }
-            self.route(peer, &data, &msg);
             let ends = Ends {
                 data_qpn: data.qpn,
                 data_psn,
                 msg_qpn: msg.qpn,
                 msg_psn,
             };
-            if let Some((old_data, old_msg)) = self.candidates.insert(peer.clone(), (data, msg)) {
-                self.retire_unused(old_data, old_msg);
-            }
+            self.connections.candidate(now, peer, (data, msg));
             return Ok(ends);
         }
-        let (data, msg, queued) = match self.peers.remove(peer) {
+        let (data, msg, queued) = match self.connections.take(peer) {
             Some(c) if prior == Prior::Requesting => (c.data, c.msg, c.queued),
             Some(c) => {
-                let queued = self.retire_connection(c.data, c.msg, c.queued);
+                let queued = self.retire_connection(c);
                 match self.new_qps() {
                     Ok((d, m)) => (d, m, queued),
                     Err(e) => {
@@ -245,10 +219,17 @@ impl VerbsDomain {
                 (d, m, VecDeque::new())
             }
         };
-        if let Err(e) = self.connect_qps(&data, &msg, request, data_psn, msg_psn) {
+        let path = (&mut self.device, &self.options, &self.attr);
+        if let Err(e) = connect_qps(path, (&data, &msg), request, psns) {
             let why = format!("accepting {peer}: {e}");
             log::line(&format!("{}: {why}", self.name));
-            self.fail_connection(peer, data, msg, queued, &why);
+            let c = Connection {
+                data,
+                msg,
+                queued,
+                ready: false,
+            };
+            self.fail_connection(peer, c, &why);
             return Err(why);
         }
         let ends = Ends {
@@ -257,53 +238,25 @@ impl VerbsDomain {
             msg_qpn: msg.qpn,
             msg_psn,
         };
-        self.install(peer, (data, msg), queued, false);
+        self.connections.pending(peer, (data, msg), queued);
         Ok(ends)
     }
 
     /// The candidate's `Ready` came: it replaces the connection it stood beside, which is
     /// retired (what it holds settles from its flushes; what it never posted moves over).
-    pub(super) fn promote(&mut self, peer: &NetAddr) {
-        let Some((data, msg)) = self.candidates.remove(peer) else {
-            return;
-        };
-        let queued = match self.peers.remove(peer) {
-            Some(old) => self.retire_connection(old.data, old.msg, old.queued),
-            None => VecDeque::new(),
-        };
-        // Its Ready came: it posts at once.
-        self.install(peer, (data, msg), queued, true);
-        self.flush(peer);
-    }
-
-    /// Destroys QPs that never carried a connection's traffic (a dropped candidate).
-    pub(super) fn retire_unused(&mut self, mut data: Qp, mut msg: Qp) {
-        let _ = data.move_to_error();
-        let _ = msg.move_to_error();
-        self.dead_qps.insert(data.qpn);
-        self.bury(data, msg);
+    pub(super) fn promote(&mut self, now: Instant, peer: &NetAddr) {
+        if let Some(lost) = self.connections.promote(now, peer) {
+            self.replaced(lost);
+            // Its Ready came: it posts at once.
+            self.flush(peer);
+        }
     }
 
     /// The first successful completion or arrival on QP `qpn`: if it belongs to its peer's
-    /// connection, that connection is proven (see `handshake`).
+    /// live connection, that connection is proven (see `handshake`). One branch in the
+    /// steady state, where nothing is unproven.
     pub(super) fn traffic_on(&mut self, qpn: u32) {
-        let Some(peer) = self.qp_peer.get(&qpn).cloned() else {
-            return;
-        };
-        if self
-            .candidates
-            .get(&peer)
-            .is_some_and(|(d, m)| d.qpn == qpn || m.qpn == qpn)
-        {
-            // A candidate's: it proves its connection once promoted, at the next completion.
-            self.unproven.insert(qpn);
-            return;
-        }
-        if self
-            .peers
-            .get(&peer)
-            .is_some_and(|c| c.data.qpn == qpn || c.msg.qpn == qpn)
-        {
+        if let Some(peer) = self.connections.first_traffic(qpn) {
             let mut actions = Vec::new();
             self.handshake.proven(&peer, &mut actions);
             self.carry_out(Instant::now(), actions);
@@ -321,20 +274,18 @@ impl VerbsDomain {
             // Test fault: a requester slow to bring its QPs up.
             std::thread::sleep(Duration::from_millis(self.options.faults.delay_response_ms));
         }
-        let Some(c) = self.peers.remove(peer) else {
+        let Some(c) = self.connections.get(peer) else {
             return Err("the connection is gone".into());
         };
         debug_assert_eq!((c.data.qpn, c.msg.qpn), (local.data_qpn, local.msg_qpn));
-        let result = self
-            .connect_qps(&c.data, &c.msg, response, local.data_psn, local.msg_psn)
-            .map_err(|e| {
-                format!(
-                    "connecting the QPs failed: {e} (local GID index {}, MTU {}; peer MTU {})",
-                    self.attr.gid_index, self.attr.active_mtu, response.mtu
-                )
-            });
-        self.peers.insert(peer.clone(), c);
-        result
+        let path = (&mut self.device, &self.options, &self.attr);
+        let psns = (local.data_psn, local.msg_psn);
+        connect_qps(path, (&c.data, &c.msg), response, psns).map_err(|e| {
+            format!(
+                "connecting the QPs failed: {e} (local GID index {}, MTU {}; peer MTU {})",
+                self.attr.gid_index, self.attr.active_mtu, response.mtu
+            )
+        })
     }
 
     /// Resends and deadlines of the handshakes under way (and the `forge_requests_every_ms`
@@ -367,7 +318,7 @@ impl VerbsDomain {
     /// or forged datagram would), with our current QPs.
     pub(super) fn forge_requests(&mut self) {
         let forged: Vec<(NetAddr, Handshake)> = self
-            .peers
+            .connections
             .iter()
             .filter(|(_, c)| c.ready)
             .map(|(peer, c)| {

@@ -1,7 +1,21 @@
 //! Posting: writes and reads built into chains (up to four per doorbell, the last signalled),
 //! messages copied into pooled registered buffers, and what waits for a connection.
 
-use super::*;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use foldhash::HashMap;
+use xfer_plugin::addr::NetAddr;
+use xfer_plugin::domain::{
+    message_size_class, DomainError, DomainErrorKind, PageShift, PostStatus, RdmaRequest,
+    ReceivePool, Waker,
+};
+
+use super::connections::{Connection, Queued};
+use super::{err, VerbsDomain};
+use crate::completion::{Outstanding, Progress};
+use crate::ffi::{Device, Mr, Qp, RemoteBits, Write, TAG_MASK, TAG_SEND};
+use crate::notify::NotifyState;
 
 /// Writes of one data QP: a chain being built (posted with one doorbell, at most [`CHAIN`]), and what
 /// is on the send queue (see [`Outstanding`]): only the last write of a chain is signalled,
@@ -206,17 +220,19 @@ impl VerbsDomain {
         if self.queue_until_ready(wr.peer, || Queued::Write(w))? {
             return Ok(PostStatus::Posted);
         }
-        match self.peers.get_mut(wr.peer) {
-            Some(Connection {
-                data,
-                queued,
-                ready: true,
-                ..
-            }) => {
+        match self.connections.sending(wr.peer) {
+            Some((
+                Connection {
+                    data,
+                    queued,
+                    ready: true,
+                    ..
+                },
+                q,
+            )) => {
                 if !queued.is_empty() {
                     return Ok(PostStatus::Busy);
                 }
-                let q = self.data_queues.entry(data.qpn).or_default();
                 let mut grew = false;
                 let limit = self.options.send_queue as usize;
                 // Rung now, not at the next poll: `poll` posts nothing.
@@ -311,7 +327,7 @@ impl VerbsDomain {
         let batchable = first.len > 0
             && !first.is_read()
             && matches!(
-                self.peers.get(first.peer),
+                self.connections.get(first.peer),
                 Some(Connection { ready: true, queued, .. }) if queued.is_empty()
             );
         if !batchable {
@@ -325,10 +341,9 @@ impl VerbsDomain {
             return (posted, Ok(PostStatus::Posted));
         }
         let (limit, max_msg) = (self.options.send_queue as usize, self.attr.max_msg_sz);
-        let Some(Connection { data, .. }) = self.peers.get_mut(first.peer) else {
+        let Some((Connection { data, .. }, q)) = self.connections.sending(first.peer) else {
             unreachable!("checked above");
         };
-        let q = self.data_queues.entry(data.qpn).or_default();
         let (mut grew, mut failed) = (false, None);
         let mut outcome = (total, Ok(PostStatus::Posted));
         for (i, wr) in rest.enumerate() {
@@ -397,10 +412,10 @@ impl VerbsDomain {
         peer: &NetAddr,
         make: impl FnOnce() -> Queued,
     ) -> Result<bool, DomainError> {
-        if !self.peers.contains_key(peer) {
+        if self.connections.get(peer).is_none() {
             self.start_connect(peer)?;
         }
-        match self.peers.get_mut(peer) {
+        match self.connections.get_mut(peer) {
             Some(Connection {
                 queued,
                 ready: false,
@@ -416,21 +431,21 @@ impl VerbsDomain {
     /// Posts what is queued for a connected peer, until its send queue is full.
     pub(super) fn flush(&mut self, peer: &NetAddr) {
         let mut failed = None;
-        if let Some(Connection {
-            data,
-            msg,
-            queued,
-            ready: true,
-        }) = self.peers.get_mut(peer)
+        if let Some((
+            Connection {
+                data,
+                msg,
+                queued,
+                ready: true,
+            },
+            dq,
+        )) = self.connections.sending(peer)
         {
             let limit = self.options.send_queue as usize;
             let mut grew = false;
             while let Some(q) = queued.pop_front() {
                 let r = match &q {
-                    Queued::Write(w) => {
-                        let dq = self.data_queues.entry(data.qpn).or_default();
-                        push_write(data, dq, *w, limit, &mut grew)
-                    }
+                    Queued::Write(w) => push_write(data, dq, *w, limit, &mut grew),
                     Queued::Send { wr_id, data: bytes } => {
                         let id = next_send_id(&mut self.next_wr);
                         post_message(
@@ -454,7 +469,7 @@ impl VerbsDomain {
                     }
                 }
             }
-            if let (None, Some(dq)) = (&failed, self.data_queues.get_mut(&data.qpn)) {
+            if failed.is_none() {
                 match post_chain(data, dq) {
                     // What the NIC refused for want of room waits again, in its order.
                     Ok(()) => dq

@@ -75,6 +75,12 @@ impl<Q: Numbered> Graveyard<Q> {
         }
     }
 
+    /// Calls `f` with every QP kept.
+    #[cfg(test)]
+    pub(super) fn each(&self, f: impl FnMut(&Q)) {
+        self.buried.iter().map(|(_, qp)| qp).for_each(f);
+    }
+
     /// How many QPs are kept.
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {

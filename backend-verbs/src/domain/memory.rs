@@ -1,7 +1,10 @@
 //! Registering GPU memory with the device: dma-buf first, then a plain registration
 //! (nvidia-peermem), with both reasons when neither works.
 
-use super::*;
+use xfer_plugin::domain::{DomainError, DomainErrorKind, MemoryRegion};
+
+use super::{err, VerbsDomain};
+use crate::ffi::{Mr, RemoteBits};
 
 impl VerbsDomain {
     /// GPU memory: dma-buf first (`cuMemGetHandleForAddressRange` → `ibv_reg_dmabuf_mr`),

@@ -1,77 +1,43 @@
 //! One RDMA device as an xfer Domain: RC QPs per peer, connected lazily through a handshake
 //! on the device's UD QP.
 
-use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use foldhash::{HashMap, HashSet};
+use foldhash::HashMap;
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
-    message_size_class, Device as MemDevice, Domain, DomainConfig, DomainError, DomainErrorKind,
-    Event, MemoryRegion, PageShift, PostStatus, RdmaRequest, ReceivePool, RegionTable,
-    Registration, Waker,
+    Device as MemDevice, Domain, DomainError, DomainErrorKind, Event, MemoryRegion, PageShift,
+    PostStatus, RdmaRequest, ReceivePool, RegionTable, Registration, Waker,
 };
 
-use crate::completion::{Outstanding, Progress};
-use crate::ffi::{
-    self, Attr, Device, Mr, Qp, RemoteBits, Wc, Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV,
-    TAG_IMM_RECV, TAG_MASK, TAG_MSG_RECV, TAG_SEND,
-};
-use crate::handshake::{self, Action, Ends, Handshaker, Prior};
+use crate::ffi::{Attr, Device, Mr, RemoteBits, Wc, Write, TAG_MSG_RECV};
+use crate::handshake::Handshaker;
 use crate::log;
 use crate::notify::NotifyState;
 use crate::options::VerbsOptions;
-use crate::wire::{choose_gid, choose_gid_for, GidEntry, GidWanted, Handshake, Kind, VerbsAddr};
+use crate::wire::VerbsAddr;
 
 mod completions;
 mod connect;
+mod connections;
 mod datapath;
 mod graveyard;
 mod lifecycle;
 mod memory;
 mod setup;
 
-use datapath::{cq_may_have_resized, next_send_id, post_message, DataQueue, SendBuffer};
-use graveyard::Graveyard;
-
-/// A write or send waiting for its peer's connection.
-enum Queued {
-    Write(Write),
-    Send { wr_id: u64, data: Vec<u8> },
-}
-
-/// One peer's connection: its two RC QPs, what waits for them, and whether it may post.
-/// The handshake's state lives in [`Handshaker`]; this is what the Domain owns.
-struct Connection {
-    data: Qp,
-    msg: Qp,
-    /// Posts waiting for the handshake, or that found the send queue full (retried after
-    /// polling).
-    queued: VecDeque<Queued>,
-    /// The handshake finished on our side: as the requester once our QPs are connected, as
-    /// the responder once the requester's `Ready` came (before it, a packet sent early is
-    /// dropped at the requester and retransmitted only after the ack timeout).
-    ready: bool,
-}
+use connections::{Connection, Connections, Queued};
+use datapath::{next_send_id, post_message, SendBuffer};
 
 /// An RDMA device.
 pub struct VerbsDomain {
     // Drop order: QPs, registrations and buffers before the device.
-    peers: HashMap<NetAddr, Connection>,
+    /// Every connection and the QPs it retired (see `connections`).
+    connections: Connections,
     /// Every peer's handshake (pure: see `handshake`).
     handshake: Handshaker,
-    /// QPs built beside an unproven connection for a request that did not name it: they
-    /// replace it when their `Ready` comes (`Action::Promote`).
-    candidates: HashMap<NetAddr, (Qp, Qp)>,
-    /// QPs of connections that have not carried traffic yet: their first successful
-    /// completion or arrival proves the connection to the handshake. Empty in the steady
-    /// state, so the completion path pays one branch.
-    unproven: HashSet<u32>,
-    /// QPs of failed and replaced connections, kept until their flushed completions have been
-    /// read, then freed at a deadline (see `graveyard`).
-    graveyard: Graveyard<Qp>,
     regions: RegionTable<Mr>,
     /// Message buffers posted to the message SRQ.
     receives: ReceivePool<Mr>,
@@ -84,13 +50,6 @@ pub struct VerbsDomain {
     address: NetAddr,
     name: String,
     options: VerbsOptions,
-    /// QP number → the peer it talks to.
-    qp_peer: HashMap<u32, NetAddr>,
-    /// Data QP number → its chain and outstanding writes.
-    data_queues: HashMap<u32, DataQueue>,
-    /// Data QPs whose writes were all accounted for when they failed; their late
-    /// completions are ignored.
-    dead_qps: HashSet<u32>,
     done: Vec<Event>,
     wcs: Vec<Wc>,
     rng: fastrand::Rng,
@@ -196,7 +155,7 @@ impl Domain for VerbsDomain {
             ))
         };
         let mut failed = Vec::new();
-        for c in self.peers.values_mut() {
+        for c in self.connections.iter_mut() {
             c.queued.retain(|q| match q {
                 Queued::Write(w) if uses(w) => {
                     failed.push(w.user);
@@ -205,7 +164,7 @@ impl Domain for VerbsDomain {
                 _ => true,
             });
         }
-        for q in self.data_queues.values_mut() {
+        for (_, q) in self.connections.queues_mut() {
             q.chain.retain(|w| {
                 let keep = !uses(w);
                 if !keep {
@@ -222,17 +181,17 @@ impl Domain for VerbsDomain {
         let deadline = Instant::now() + Duration::from_millis(self.options.unreachable_ms);
         loop {
             let busy: Vec<u32> = self
-                .data_queues
-                .iter()
+                .connections
+                .queues_mut()
                 .filter(|(_, q)| q.outstanding.any(uses))
-                .map(|(&qpn, _)| qpn)
+                .map(|(qpn, _)| qpn)
                 .collect();
             if busy.is_empty() {
                 break;
             }
             if Instant::now() >= deadline {
                 for qpn in busy {
-                    if let Some(peer) = self.qp_peer.get(&qpn).cloned() {
+                    if let Some(peer) = self.connections.route(qpn).cloned() {
                         self.fail_peer(
                             &peer,
                             "a region its writes use was deregistered while they stayed unfinished",
@@ -284,7 +243,7 @@ impl Domain for VerbsDomain {
         if queued {
             return Ok(PostStatus::Posted);
         }
-        match self.peers.get_mut(peer) {
+        match self.connections.get_mut(peer) {
             Some(Connection {
                 msg,
                 queued,
@@ -423,7 +382,7 @@ impl Domain for VerbsDomain {
         // queue) goes out; chains are rung by the calls that build them, so nothing new is
         // posted here.
         let connected: Vec<NetAddr> = self
-            .peers
+            .connections
             .iter()
             .filter(|(_, c)| c.ready && !c.queued.is_empty())
             .map(|(a, _)| a.clone())
@@ -446,9 +405,9 @@ impl Domain for VerbsDomain {
 mod tests {
     #[test]
     fn messages_share_a_few_buffer_sizes() {
-        assert_eq!(super::message_size_class(0), 256);
-        assert_eq!(super::message_size_class(256), 256);
-        assert_eq!(super::message_size_class(257), 512);
-        assert_eq!(super::message_size_class(65_536), 65_536);
+        assert_eq!(xfer_plugin::domain::message_size_class(0), 256);
+        assert_eq!(xfer_plugin::domain::message_size_class(256), 256);
+        assert_eq!(xfer_plugin::domain::message_size_class(257), 512);
+        assert_eq!(xfer_plugin::domain::message_size_class(65_536), 65_536);
     }
 }

@@ -1,7 +1,18 @@
 //! Opening a device: its port, GID and MTU, the CQ, SRQs and UD QP, the immediate receives
 //! posted up front, and the handshake machine with the cluster secret.
 
-use super::*;
+use std::time::{Duration, Instant};
+
+use foldhash::HashMap;
+use xfer_plugin::addr::NetAddr;
+use xfer_plugin::domain::{DomainConfig, DomainError, DomainErrorKind, ReceivePool, RegionTable};
+
+use super::connections::Connections;
+use super::{err, other, VerbsDomain};
+use crate::ffi::{self, Device, Wc, TAG_IMM_RECV};
+use crate::handshake::{self, Handshaker};
+use crate::options::VerbsOptions;
+use crate::wire::{choose_gid, choose_gid_for, GidEntry, GidWanted, VerbsAddr};
 
 impl VerbsDomain {
     /// Opens the device named `config.nic`.
@@ -149,11 +160,8 @@ impl VerbsDomain {
             handshake = handshake.with_secret(&secret, epoch);
         }
         Ok(Self {
-            peers: HashMap::default(),
+            connections: Connections::default(),
             handshake,
-            candidates: HashMap::default(),
-            unproven: HashSet::default(),
-            graveyard: Graveyard::default(),
             regions: RegionTable::new(),
             receives: ReceivePool::new(),
             sends: HashMap::default(),
@@ -164,9 +172,6 @@ impl VerbsDomain {
             address,
             name: config.nic.to_owned(),
             options,
-            qp_peer: HashMap::default(),
-            data_queues: HashMap::default(),
-            dead_qps: HashSet::default(),
             done: Vec::new(),
             wcs: vec![Wc::default(); 32],
             rng: fastrand::Rng::new(),
