@@ -56,6 +56,7 @@ not yet (issue 28).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -177,9 +178,15 @@ class XferKVManager(BaseKVManager):
         if len(set(lens)) > 1:
             raise LayoutError(f"KV buffers of different page sizes {sorted(set(lens))}: "
                               "the xfer transfer backend needs one")
-        heads = 1 if self.mla else int(getattr(args, "kv_head_num", 0) or 1)
+        heads = 1 if self.mla else int(getattr(args, "kv_head_num", 0) or 0)
+        self.heads_known = bool(heads)
+        """SGLang's decode queue puts no head count in its ``KVArgs`` (its own backends take
+        the decode's from the prefill's total): such a rank learns it from the first prefill
+        it meets (``try_ensure_parallel_info``)."""
         self.shape = KvShape(tp=self.tp, heads=heads, page_size=int(args.page_size),
                              item_len=lens[0] if lens else 0, buffers=len(lens), mla=self.mla)
+        if not self.heads_known and disaggregation_mode == DisaggregationMode.PREFILL:
+            self.shape = dataclasses.replace(self.shape, heads=1)
         self.engine = xfer.TransferEngine(_engine_config())
         access = "local" if disaggregation_mode == DisaggregationMode.PREFILL else "write"
         self.kv = [self.engine.reg_mr_raw(p, n, access=access)
@@ -204,6 +211,8 @@ class XferKVManager(BaseKVManager):
         self.prefill_info_table: dict[str, Any] = {}
         """Decode: each bootstrap address's prefill topology (SGLang's ``PrefillServerInfo``)."""
         self.prefill_shapes: dict[str, KvShape] = {}
+        self.refusals: dict[str, str] = {}
+        """Decode: the prefills this rank cannot receive from, and why."""
         self.abort_acks: dict[int, set[int]] = {}
         """Decode: the prefill ranks that answered each aborted room (armed at the abort)."""
         self.senders: dict[int, Any] = {}
@@ -217,7 +226,9 @@ class XferKVManager(BaseKVManager):
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """One attempt (the decode queue retries) to learn the prefill's topology at
-        ``bootstrap_addr``; a prefill this rank cannot receive from is refused by name."""
+        ``bootstrap_addr``. A prefill this rank cannot receive from is answered too (SGLang's
+        queue would raise the error in its scheduler loop, and end the decode instance): its
+        receivers fail at ``init``, naming the difference (``refusals``)."""
         if bootstrap_addr in self.prefill_info_table:
             return True
         try:
@@ -225,19 +236,40 @@ class XferKVManager(BaseKVManager):
         except Exception as e:  # noqa: BLE001 - not up yet: the queue tries again
             logger.info("xfer.sglang: no prefill at %s yet (%s)", bootstrap_addr, e)
             return False
-        names = list(first["regions"])
-        if len(names) != 1:
-            raise LayoutError(f"the prefill at {bootstrap_addr} published {names}: not an xfer "
-                              f"SGLang prefill of protocol {PROTOCOL}")
-        prefill = KvShape.parse(names[0])
-        self.shape.check_pair(prefill)
         from sglang.srt.disaggregation.common.conn import PrefillServerInfo
 
+        names = list(first["regions"])
+        try:
+            if len(names) != 1:
+                raise LayoutError(f"it published {names}: not an xfer SGLang prefill of "
+                                  f"protocol {PROTOCOL}")
+            prefill = KvShape.parse(names[0])
+            self._with_heads_of(prefill).check_pair(prefill)
+        except LayoutError as e:
+            logger.error("xfer.sglang: the prefill at %s cannot send here: %s", bootstrap_addr, e)
+            self.refusals[bootstrap_addr] = str(e)
+            self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
+                attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=1,
+                page_size=self.shape.page_size, kv_cache_dtype=None, follow_bootstrap_room=True)
+            return True
+        self.shape = self._with_heads_of(prefill)
+        self.heads_known = True
         self.prefill_shapes[bootstrap_addr] = prefill
         self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
             attn_tp_size=prefill.tp, attn_cp_size=1, dp_size=1, pp_size=1,
             page_size=prefill.page_size, kv_cache_dtype=None, follow_bootstrap_room=True)
         return True
+
+    def _with_heads_of(self, prefill: KvShape) -> KvShape:
+        """This rank's shape, its head count taken from the prefill's total where SGLang gave
+        none (as its own backends take the decode's: total heads over attention TP)."""
+        if self.heads_known or self.mla:
+            return self.shape
+        total = prefill.heads * prefill.tp
+        if total % self.tp:
+            raise LayoutError(f"the prefill's {total} KV heads do not split over decode TP "
+                              f"{self.tp} (replicated heads are not supported yet)")
+        return dataclasses.replace(self.shape, heads=total // self.tp)
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
         return False
@@ -581,9 +613,11 @@ class XferKVReceiver(BaseKVReceiver):
     def init(self, prefill_dp_rank: int = 0, *args: Any, **kwargs: Any) -> None:
         try:
             rdv = self.mgr._bootstrap(self.addr)
-            if self.addr not in self.mgr.prefill_shapes and \
+            if self.addr not in self.mgr.prefill_info_table and \
                     not self.mgr.try_ensure_parallel_info(self.addr):
                 raise RuntimeError("its bootstrap did not answer")
+            if self.addr in self.mgr.refusals:
+                raise LayoutError(self.mgr.refusals[self.addr])
             prefill = self.mgr.prefill_shapes[self.addr]
             targets = prefill_targets(self.mgr.rank, self.mgr.tp, prefill.tp, self.mgr.mla)
             prefills = [rdv.lookup(f"sglang.prefill.{t}", transfer_timeout_s) for t in targets]

@@ -23,6 +23,7 @@ request's tokens, and samples a fixed first token.
 from __future__ import annotations
 
 import argparse
+from array import array
 import os
 import socket
 import time
@@ -96,6 +97,27 @@ def _standin_parts():
                                      get_total_num_kv_heads=lambda: HEADS,
                                      hf_text_config=None, hf_config=None),
     )
+
+
+def result_processor(s):
+    """SGLang's batch result processor (the decode's transfer queue accounts the handoff
+    token through it), on this scheduler's pieces; a model without reasoning tokens."""
+    import dataclasses
+
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.scheduler_components.batch_result_processor import (
+        SchedulerBatchResultProcessor,
+    )
+
+    fields = {f.name: None for f in dataclasses.fields(SchedulerBatchResultProcessor)}
+    fields.update(
+        is_generation=True, disaggregation_mode=DisaggregationMode.DECODE, enable_overlap=False,
+        enable_overlap_mlx=False,
+        model_config=SimpleNamespace(self_opened_think_start_ids=None, think_end_ids=None),
+        token_to_kv_pool_allocator=s.token_to_kv_pool_allocator, tree_cache=s.tree_cache,
+        req_to_token_pool=s.req_to_token_pool, metrics_collector=s.metrics_collector,
+        metrics_reporter=s.metrics_reporter, output_streamer=s.output_streamer)
+    return SchedulerBatchResultProcessor(**fields)
 
 
 def server_args(mode: str, bootstrap_port: int, extra=()):
@@ -177,7 +199,7 @@ def make_req(rid: str, prompt, host: str, port: int, room: int, dp_rank=None):
 
     params = SamplingParams(max_new_tokens=4)
     params.normalize(None)
-    return Req(rid, "", list(prompt), params, bootstrap_host=host, bootstrap_port=port,
+    return Req(rid, "", array("q", prompt), params, bootstrap_host=host, bootstrap_port=port,
                bootstrap_room=room, disagg_prefill_dp_rank=dp_rank)
 
 
@@ -248,6 +270,7 @@ def decode_side(bootstrap_port: int, extra=()):
     s.tp_worker = SimpleNamespace(model_runner=SimpleNamespace(kv_cache_dtype_str="auto"),
                                   is_hybrid_swa=False)
     s.req_to_metadata_buffer_idx_allocator, s.disagg_metadata_buffers = metadata(16)
+    s.batch_result_processor = result_processor(s)
     s.disagg_decode_prealloc_queue = None
     s.disagg_decode_transfer_queue = DecodeTransferQueue(
         req_to_metadata_buffer_idx_allocator=s.req_to_metadata_buffer_idx_allocator,
@@ -275,12 +298,16 @@ def forward(s, req, upto: int, first_token: int, seed: int):
 
     n = len(req.origin_input_ids)
     if not req.kv.holds_kv:
+        # As alloc_for_extend allocates a fresh request's prompt (and the decode queue its
+        # destination): one row, then the tokens through the paged allocator.
         s.req_to_token_pool.alloc([req])
-        padded = -(-n // PAGE) * PAGE
-        locs = s.token_to_kv_pool_allocator.alloc(padded)
+        t = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+        locs = s.token_to_kv_pool_allocator.alloc_extend(
+            prefix_lens=t(0), prefix_lens_cpu=t(0), seq_lens=t(n), seq_lens_cpu=t(n),
+            last_loc=t(-1), extend_num_tokens=n)
         assert locs is not None, "the KV pool is full"
-        s.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, padded)), locs)
-        req.kv.kv_allocated_len = padded
+        s.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, n)), locs)
+        req.kv.kv_allocated_len = n
     start = req.extend_end or 0
     locs = s.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:upto].long()
     g = torch.Generator().manual_seed(seed * 1000 + start)
@@ -295,9 +322,22 @@ def forward(s, req, upto: int, first_token: int, seed: int):
 
 def request_pages(s, req, n_tokens: int):
     """Every layer's K and V bytes at ``req``'s first ``n_tokens``, in token order."""
-    locs = s.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n_tokens].long()
-    return [buf[locs].view(-1).view(dtype=__import__("torch").uint8).clone()
+    return pages_at(s, s.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n_tokens])
+
+
+def pages_at(s, locs):
+    """Every layer's K and V bytes at token slots ``locs``."""
+    import torch
+
+    locs = locs.long()
+    return [buf[locs].reshape(-1).view(torch.uint8).clone()
             for layer in range(LAYERS) for buf in (s.kv.k_buffer[layer], s.kv.v_buffer[layer])]
+
+
+def pages_free(s, locs) -> bool:
+    """Whether the KV allocator holds every page of ``locs`` as free (could hand it out)."""
+    free = set(s.token_to_kv_pool_allocator.get_all_free_pages().tolist())
+    return all(p in free for p in set((locs.long() // PAGE).tolist()))
 
 
 def config_file(provider: str, directory: str) -> str:

@@ -27,6 +27,7 @@ ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 CONFIG = os.path.join(ROOT, "configs", "efa-shm.toml")
 PROMPT = list(range(100, 122))  # 22 tokens: 6 pages of 4, the last partial
 WAIT = 120
+CACHED = 3
 
 
 def prefill_process(conn):
@@ -48,6 +49,7 @@ def prefill_process(conn):
         if cmd == "add":
             rid, room = args
             req = side.make_req(rid, PROMPT, "127.0.0.1", port, room)
+            req.cached_tokens = CACHED  # a prefix hit it reports to the decode in its aux row
             reqs[rid] = req
             s.disagg_prefill_bootstrap_queue.add(req, side.HEADS)
             conn.send("added")
@@ -101,7 +103,7 @@ def decode_process(conn):
     port = conn.recv()
     s = side.decode_side(port)
     conn.send("ready")
-    reqs = {}
+    reqs, held = {}, {}
     while True:
         cmd, *args = conn.recv()
         if cmd == "add":
@@ -114,10 +116,10 @@ def decode_process(conn):
             # The scheduler loop until the request's pages are allocated and sent.
             (rid,) = args
             req = reqs[rid]
-            side.until("the preallocation", lambda: any(
+            side.until("the preallocation", lambda: req.finished_reason is not None or any(
                 d.req is req for d in s.disagg_decode_transfer_queue.queue),
                 step=s.process_decode_queue)
-            conn.send("allocated")
+            conn.send("allocated" if req.finished_reason is None else str(req.finished_reason))
         elif cmd == "receive":
             (rid,) = args
             req = reqs[rid]
@@ -127,7 +129,40 @@ def decode_process(conn):
                 conn.send(("failed", str(req.finished_reason)))
                 continue
             pages = side.request_pages(s, req, len(PROMPT))
-            conn.send(("ok", list(req.output_ids), [p.numpy() for p in pages]))
+            conn.send(("ok", list(req.output_ids), req.cached_tokens,
+                       [p.numpy() for p in pages]))
+        elif cmd == "abort":
+            # What Scheduler.abort_request does for a request in the transfer queue (its
+            # receiver's abort: the prefill ranks are told), then scheduler-loop iterations.
+            (rid,) = args
+            req = reqs[rid]
+            (entry,) = [d for d in s.disagg_decode_transfer_queue.queue if d.req is req]
+            locs = s.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :len(PROMPT)].clone()
+            entry.kv_receiver.abort()
+            side.until("the abort to reach the client", lambda: req in s.output_streamer.streamed,
+                       step=s.process_decode_queue)
+            for _ in range(200):  # the prefill is stopped: nothing may free the pages
+                s.process_decode_queue()
+            held[rid] = (locs, None)
+            conn.send((s.disagg_decode_transfer_queue.num_pending_deferred_releases(),
+                       req.kv.holds_kv, side.pages_free(s, locs)))
+        elif cmd == "released":
+            # The scheduler loop until the held pages are freed (the release timeout is longer
+            # than this wait: only the prefill's answer frees them).
+            (rid,) = args
+            locs, _ = held[rid]
+            side.until("the held pages' release", lambda: not s.disagg_decode_transfer_queue
+                       .has_pending_deferred_releases(), step=s.process_decode_queue)
+            # What they hold now (the chunk in flight at the abort may have landed before the
+            # prefill answered): nothing may change after.
+            held[rid] = (locs, side.pages_at(s, locs))
+            conn.send(side.pages_free(s, locs))
+        elif cmd == "unchanged":
+            # The freed pages still hold what they held at the abort: nothing was written after.
+            (rid,) = args
+            locs, before = held[rid]
+            after = side.pages_at(s, locs)
+            conn.send(all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(after, before)))
         elif cmd == "stop":
             s.disagg_decode_prealloc_queue.kv_manager.close()
             conn.send("stopped")
@@ -142,6 +177,8 @@ class Pair:
         if not os.path.exists(plugin):
             pytest.skip("the efa plugin is not in the package (cargo xtask sglang stages it)")
         monkeypatch.setenv("XFER_CONFIG", CONFIG)
+        # A held page is released by the prefill's answer, never by this timeout.
+        monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", "3600")
         monkeypatch.syspath_prepend(HERE)
         ctx = mp.get_context("spawn")
         self.p, p_there = ctx.Pipe()
@@ -189,11 +226,7 @@ def pair(monkeypatch):
 
 
 def test_a_request_through_sglangs_queues_lands_byte_equal_with_its_first_token(pair):
-    room = 7001
-    assert pair.ask(pair.p, "add", "r1", room) == "added"
-    assert pair.ask(pair.d, "add", "r1", room) == "added"
-    assert pair.ask(pair.d, "allocated", "r1") == "allocated"
-    assert pair.ask(pair.p, "bootstrap", "r1") == "bootstrapped"
+    start(pair, "r1", 7001)
     # Two chunks: 12 tokens (3 whole pages go), then the rest with the first token.
     assert pair.ask(pair.p, "chunk", "r1", 12, 0, 1) == "sent"
     assert pair.ask(pair.p, "chunk", "r1", len(PROMPT), 4242, 1) == "sent"
@@ -201,8 +234,41 @@ def test_a_request_through_sglangs_queues_lands_byte_equal_with_its_first_token(
     assert reason == "FINISH_LENGTH", reason
     got = pair.ask(pair.d, "receive", "r1")
     assert got[0] == "ok", got
-    _, output_ids, received = got
+    _, output_ids, cached, received = got
     assert output_ids == [4242], "the first token comes in SGLang's metadata row"
+    assert cached == CACHED, "and the prefill's cached-token count"
     assert len(received) == len(sent) == 4
     for i, (ours, theirs) in enumerate(zip(received, sent)):
         assert np.array_equal(ours, theirs), f"buffer {i} differs"
+
+
+def start(pair, rid, room):
+    """Both sides take the request; the decode allocates and sends its pages; the prefill
+    learns them."""
+    assert pair.ask(pair.p, "add", rid, room) == "added"
+    assert pair.ask(pair.d, "add", rid, room) == "added"
+    assert pair.ask(pair.d, "allocated", rid) == "allocated"
+    assert pair.ask(pair.p, "bootstrap", rid) == "bootstrapped"
+
+
+def test_an_abort_on_the_decode_holds_its_pages_until_the_prefill_answered(pair):
+    """SGLang's deferred release (DecodeTransferQueue: the failed transfer's pages held until
+    kv_mgr.is_abort_release_safe) with xfer's answer: while the prefill process is stopped, no
+    scheduler-loop iteration frees the pages; once it runs, it cancels, answers, and the pages
+    go back; the prefill's last chunk, sent after, writes nothing and ends its request."""
+    start(pair, "r2", 7002)
+    assert pair.ask(pair.p, "chunk", "r2", 12, 0, 2) == "sent"  # in flight: a chunk landed
+    os.kill(pair.prefill.pid, signal.SIGSTOP)
+    try:
+        held, holds_kv, free = pair.ask(pair.d, "abort", "r2")
+    finally:
+        os.kill(pair.prefill.pid, signal.SIGCONT)
+    assert (held, holds_kv, free) == (1, True, False), "freed before the prefill answered"
+    assert pair.ask(pair.d, "released", "r2") is True
+    assert pair.ask(pair.p, "chunk", "r2", len(PROMPT), 4242, 2) == "sent"
+    reason, _ = pair.ask(pair.p, "finish", "r2")
+    assert reason == "FINISH_ABORT", reason
+    assert pair.ask(pair.d, "unchanged", "r2") is True, "written after the abort was answered"
+    # The pair still serves the next request.
+    test_a_request_through_sglangs_queues_lands_byte_equal_with_its_first_token(pair)
+
