@@ -54,6 +54,8 @@ use crate::stats::{OpKind, Recorder, Started, Stats};
 use crate::wire::{NetAddr, CHANNEL_NOTIFICATION, MESSAGE_HEADER_LEN};
 
 #[cfg(test)]
+mod pair;
+#[cfg(test)]
 mod tests;
 
 /// Requests per [`Domain::post_rdma_list`](crate::domain::Domain::post_rdma_list) call (a
@@ -591,6 +593,9 @@ impl<W: Waiter> Dispatch<W> {
     pub(crate) fn retry_queued(&mut self) {
         self.retry.clear();
         self.retry.extend(self.pending.keys().cloned());
+        // In a fixed order, not the map's (seeded per process): the same inputs give the
+        // same posts, so a test's schedule replays exactly.
+        self.retry.sort_unstable();
     }
 
     /// Whether queued work moved (posted, failed, or dropped because its transfer ended)
@@ -980,8 +985,19 @@ impl<W: Waiter> Dispatch<W> {
     /// Ends every transfer whose deadline is at or before `now` with `Timeout`.
     pub(crate) fn handle_timeout(&mut self, now: Stamp) {
         let timeout = self.transfer_timeout;
+        let before = self.finished.len();
         self.tracker
             .poll_expired(now, || Error::Timeout(timeout), &mut self.finished);
+        if self.finished.len() > before && self.sent < self.outbox.len() {
+            // A transfer that ended before its work was handed out: none of it is posted.
+            // (Queued work is dropped when its queue is retried.)
+            let tracker = &mut self.tracker;
+            for (id, work) in &mut self.outbox[self.sent..] {
+                if !tracker.is_live(*id) {
+                    *work = Outgoing::Gone;
+                }
+            }
+        }
     }
 
     /// Ends everything in flight or queued with `error` (the worker failed or shut down).
