@@ -145,6 +145,12 @@ impl VerbsOptions {
                 format!("[backends.verbs]: {m}"),
             )
         })?;
+        if !cfg!(feature = "faults") && options.faults != Faults::default() {
+            return Err(DomainError::new(
+                DomainErrorKind::InvalidArgument,
+                "[backends.verbs.faults]: this build injects no faults (backend-verbs' `faults` feature, for its tests)",
+            ));
+        }
         Ok(options)
     }
 

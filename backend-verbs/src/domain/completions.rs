@@ -2,7 +2,6 @@
 //! completion's other fields are undefined), writes settled in order, receives reposted.
 
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{DomainError, DomainErrorKind, Event};
@@ -175,10 +174,10 @@ impl VerbsDomain {
                                 from: self.connections.route(wc.qp_num).cloned(),
                             });
                         }
-                        if let Some(ms) = self.stall_once.take() {
+                        if let Some(stall) = self.faults.stall_on_arrival() {
                             // Test fault: a worker stalled (a long registration, say) while
                             // arrivals keep completing on the CQ.
-                            std::thread::sleep(Duration::from_millis(ms));
+                            std::thread::sleep(stall);
                         }
                         // Reposted in one batch at the end of this poll.
                         self.imm_deficit += 1;

@@ -2,7 +2,7 @@
 //! QPs created, connected, installed, promoted, dropped — and its timers and test faults.
 
 use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{DomainError, DomainErrorKind};
@@ -77,8 +77,7 @@ impl VerbsDomain {
         let bytes = self.handshake.seal(h, to);
         match self.device.ud_send(&to.gid, to.lid, to.ud_qpn, &bytes) {
             Ok(()) => {
-                self.handshakes_sent += 1;
-                if self.handshakes_sent == self.options.faults.ud_error_after_sends {
+                if self.faults.handshake_sent() {
                     if let Err(e) = self.device.ud_to_error() {
                         log::line(&format!("{}: fault injection: {e}", self.name));
                     }
@@ -175,9 +174,9 @@ impl VerbsDomain {
         (data_psn, msg_psn): (u32, u32),
         prior: Prior,
     ) -> Result<Ends, String> {
-        if self.options.faults.delay_request_ms > 0 && prior == Prior::None {
+        if let (Some(delay), Prior::None) = (self.faults.request_delay(), prior) {
             // Test fault: a responder slow to answer a new peer.
-            std::thread::sleep(Duration::from_millis(self.options.faults.delay_request_ms));
+            std::thread::sleep(delay);
         }
         let psns = (data_psn, msg_psn);
         let now = Instant::now();
@@ -270,9 +269,9 @@ impl VerbsDomain {
         response: &Handshake,
         local: Ends,
     ) -> Result<(), String> {
-        if self.options.faults.delay_response_ms > 0 {
+        if let Some(delay) = self.faults.response_delay() {
             // Test fault: a requester slow to bring its QPs up.
-            std::thread::sleep(Duration::from_millis(self.options.faults.delay_response_ms));
+            std::thread::sleep(delay);
         }
         let Some(c) = self.connections.get(peer) else {
             return Err("the connection is gone".into());
@@ -293,14 +292,12 @@ impl VerbsDomain {
     /// poll: with no handshake under way (the steady state) it reads no clock (a system call
     /// where the TSC is unusable, as in the soft-RoCE guest).
     pub(super) fn check_handshakes(&mut self) -> Option<Instant> {
-        let forge = Duration::from_millis(self.options.faults.forge_requests_every_ms);
         let due = self.handshake.poll_timeout();
-        if due.is_none() && forge.is_zero() {
+        if due.is_none() && self.faults.next_forge().is_none() {
             return None;
         }
         let now = Instant::now();
-        if !forge.is_zero() && now.duration_since(self.last_forged) >= forge {
-            self.last_forged = now;
+        if self.faults.forge_due(now) {
             self.forge_requests();
         }
         let mut due = due;
@@ -310,8 +307,7 @@ impl VerbsDomain {
             self.carry_out(now, actions);
             due = self.handshake.poll_timeout();
         }
-        let forged = (!forge.is_zero()).then(|| self.last_forged + forge);
-        due.into_iter().chain(forged).min()
+        due.into_iter().chain(self.faults.next_forge()).min()
     }
 
     /// Test fault: a request for every connected peer that names no connection (as a stale

@@ -23,6 +23,7 @@ mod completions;
 mod connect;
 mod connections;
 mod datapath;
+mod faults;
 mod graveyard;
 mod lifecycle;
 mod memory;
@@ -30,6 +31,7 @@ mod setup;
 
 use connections::{Connection, Connections, Queued};
 use datapath::{next_send_id, post_message, SendBuffer};
+use faults::Faults;
 
 /// An RDMA device.
 pub struct VerbsDomain {
@@ -62,16 +64,12 @@ pub struct VerbsDomain {
     /// kept owed (and reported) when the SRQ refuses them.
     imm_deficit: u32,
     next_imm_recv: u64,
-    /// Handshake datagrams sent (for the `ud_error_after_sends` fault).
-    handshakes_sent: u32,
     /// Handshake-QP resets already logged.
     ud_resets_seen: u64,
     /// Unauthenticated handshake datagrams already logged.
     unauthenticated_seen: u64,
-    /// The `stall_on_first_arrival_ms` fault, until it fired.
-    stall_once: Option<u64>,
-    /// When the `forge_requests_every_ms` fault last fired.
-    last_forged: Instant,
+    /// Faults the tests inject (only with the `faults` feature).
+    faults: Faults,
     /// When this Domain next needs a poll though nothing arrives (see `publish_deadline`).
     deadline: Option<Instant>,
     /// Shared with the completion-channel thread once the engine gave a waker (see `notify`),

@@ -8,6 +8,7 @@ use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{DomainConfig, DomainError, DomainErrorKind, ReceivePool, RegionTable};
 
 use super::connections::Connections;
+use super::faults::Faults;
 use super::{err, other, VerbsDomain};
 use crate::ffi::{self, Device, Wc, TAG_IMM_RECV};
 use crate::handshake::{self, Handshaker};
@@ -79,20 +80,20 @@ impl VerbsDomain {
                 }
             }
         };
-        let stall_once = Some(options.faults.stall_on_first_arrival_ms).filter(|&ms| ms > 0);
+        let faults = Faults::new(&options.faults, Instant::now());
         // The CQ holds what can complete on it: the immediate receives posted (imm_receives),
         // every message receive the message SRQ can hold, and the handshake QP's 64 receives
         // and 64 sends (plus slack); each RC QP's send queue is added when it is created (the
         // shim grows the CQ). A fixed size overran as soon as more could be outstanding.
         let srq_size = options.imm_receives.max(16) * 2;
-        let cq_size = match options.faults.cq_entries {
-            0 => options.imm_receives + srq_size + 2 * 64 + 64,
-            fixed => fixed as i32,
+        let cq_size = match faults.cq_entries() {
+            None => options.imm_receives + srq_size + 2 * 64 + 64,
+            Some(fixed) => fixed as i32,
         };
         let attr = device
             .setup(gid_index, cq_size, srq_size)
             .map_err(|e| other(format!("{}: {e}", config.nic)))?;
-        if options.faults.cq_entries > 0 {
+        if faults.cq_entries().is_some() {
             device.fix_cq_size();
         }
         if attr.state != 4 {
@@ -177,11 +178,9 @@ impl VerbsDomain {
             rng: fastrand::Rng::new(),
             next_wr: 0,
             polls_since_check: 0,
-            handshakes_sent: 0,
             ud_resets_seen: 0,
             unauthenticated_seen: 0,
-            stall_once,
-            last_forged: Instant::now(),
+            faults,
             deadline: None,
             notify: None,
             imm_deficit: 0,
