@@ -10,7 +10,7 @@ use verbs_sys as sys;
 
 pub(crate) use sys::{
     XvAttr as Attr, XvWc as Wc, XvWrite as Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV,
-    TAG_IMM_RECV, TAG_MASK, TAG_MSG_RECV, TAG_SEND,
+    TAG_MASK, TAG_MSG_RECV, TAG_SEND,
 };
 
 /// What peers may do to a registration, as the shim takes it: bit 0 write, bit 1 read.

@@ -10,7 +10,7 @@ use xfer_plugin::domain::{DomainConfig, DomainError, DomainErrorKind, ReceivePoo
 use super::connections::Connections;
 use super::faults::Faults;
 use super::{err, other, VerbsDomain};
-use crate::ffi::{self, Device, Wc, TAG_IMM_RECV};
+use crate::ffi::{self, Device, Wc};
 use crate::handshake::{self, Handshaker};
 use crate::options::VerbsOptions;
 use crate::wire::{choose_gid, choose_gid_for, GidEntry, GidWanted, VerbsAddr};
@@ -120,13 +120,13 @@ impl VerbsDomain {
             _ => 0,
         };
         device.set_path(options.traffic_class, options.service_level, global_mode);
-        for i in 0..options.imm_receives {
-            // SAFETY: zero-length receives touch no memory.
-            unsafe { device.post_srq_recv(false, TAG_IMM_RECV | i as u64, 0, 0, 0) }
-                .map_err(other)?;
+        // The zero-length receives that writes with immediate consume, in batches.
+        let count = u32::try_from(options.imm_receives).unwrap_or(0);
+        if let (_, Some(refused)) = device.post_imm_recvs(0, count) {
+            return Err(other(format!("{}: {refused}", config.nic)));
         }
         // Reposted immediate receives get ids after those posted here.
-        let next_imm_recv = u64::try_from(options.imm_receives).unwrap_or(0);
+        let next_imm_recv = u64::from(count);
         let me = VerbsAddr {
             gid: attr.gid,
             lid: attr.lid,
