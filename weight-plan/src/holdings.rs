@@ -11,6 +11,9 @@ use crate::runs::{BoxCopy, Run};
 pub(crate) struct Holding {
     pub(crate) slice: Slice,
     pub(crate) holders: Vec<(u32, usize)>,
+    /// The holder when there is one (most holdings): read inline in the hot loop, without
+    /// following `holders` to the heap.
+    pub(crate) single: Option<(u32, usize)>,
 }
 
 /// The holdings of one tensor.
@@ -117,7 +120,13 @@ impl TensorHoldings {
                 _ => t.holdings.push(Holding {
                     slice: slice.clone(),
                     holders: vec![(rank, shard)],
+                    single: None,
                 }),
+            }
+        }
+        for h in &mut t.holdings {
+            if let [one] = h.holders[..] {
+                h.single = Some(one);
             }
         }
         // Sorting by slice put flats and each dimension's slices in order of their start.

@@ -181,12 +181,12 @@ pub fn plan(layout: &Layout) -> Result<Plan, PlanError> {
             let mut found = 0u64;
             for &h in &candidates {
                 let holding = &th.holdings[h];
-                let class = class_of_holding[piece.tensor][h];
                 let mut emit = |run: Run| {
                     found += run.bytes();
-                    if let [(rank, shard)] = holding.holders[..] {
+                    if let Some((rank, shard)) = holding.single {
                         writes.push(write(rank, shard, pi, param, run));
                     } else {
+                        let class = class_of_holding[piece.tensor][h];
                         classes[class].1 += run.bytes();
                         class_fragments[class].push(Shared {
                             tensor: piece.tensor,
@@ -225,8 +225,11 @@ pub fn plan(layout: &Layout) -> Result<Plan, PlanError> {
     for bucket in &mut by_sender {
         // Parameters were visited receiver by receiver, so a bucket is a few sorted runs
         // (what its rank holds alone, then its share of each class) that a stable sort merges
-        // in linear time.
-        bucket.sort_by_key(|w| (layout.params[w.dst_param as usize].rank, w.dst_param));
+        // in linear time; a bucket of one run (a rank without replicated bytes) is left as is.
+        let key = |w: &Write| (layout.params[w.dst_param as usize].rank, w.dst_param);
+        if !bucket.is_sorted_by_key(key) {
+            bucket.sort_by_key(key);
+        }
         for w in bucket.iter() {
             received[w.dst_rank as usize] += w.bytes();
         }
