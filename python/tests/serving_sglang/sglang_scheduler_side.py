@@ -149,6 +149,17 @@ def context(args, world_rank: int, world_size: int, dist_port: int):
     from sglang.srt.runtime_context import SpawnRanks, publish
 
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank))
+    if world_size > 1:
+        # A TP group of more than one rank needs a GPU here: initialize_model_parallel builds
+        # it with a PyNcclCommunicator (torch.cuda.device: "Expected a cuda device, but got:
+        # cpu" in SGLang 0.5.23's PyPI build). Under DP attention the queues only use the
+        # attention-TP and -CP groups, one rank each: this process's own gloo world of one
+        # stands in for them, the published ranks (TP rank, attention-DP rank) are SGLang's.
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                                rank=0, world_size=1)
+        return
     init_distributed_environment(backend="gloo", world_size=world_size, rank=world_rank,
                                  local_rank=0,
                                  distributed_init_method=f"tcp://127.0.0.1:{dist_port}")
@@ -228,9 +239,14 @@ def prefill_side(bootstrap_port: int, world_rank=0, world_size=1, dist_port=None
     s.tp_worker = SimpleNamespace(model_runner=SimpleNamespace(
         effective_logical_max_total_num_tokens=POOL_TOKENS, kv_cache_dtype_str="auto"),
         is_hybrid_swa=False)
-    parallel = get_parallel()
-    s.attn_tp_cpu_group = parallel.attn_tp_group.cpu_group
-    s.attn_cp_cpu_group = parallel.attn_cp_group.cpu_group
+    if world_size > 1:  # DP attention: see context()
+        import torch.distributed as dist
+
+        s.attn_tp_cpu_group = s.attn_cp_cpu_group = dist.group.WORLD
+    else:
+        parallel = get_parallel()
+        s.attn_tp_cpu_group = parallel.attn_tp_group.cpu_group
+        s.attn_cp_cpu_group = parallel.attn_cp_group.cpu_group
     s.req_to_metadata_buffer_idx_allocator, s.disagg_metadata_buffers = metadata(16)
     s.transfer_backend = TransferBackend(get_disagg().disaggregation_transfer_backend)
     s.disagg_prefill_bootstrap_queue = PrefillBootstrapQueue(

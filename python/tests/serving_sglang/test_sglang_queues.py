@@ -30,18 +30,25 @@ WAIT = 120
 CACHED = 3
 
 
-def prefill_process(conn):
+def prefill_process(conn, rank=0, world=1, dist_port=None, extra=()):
+    """One prefill scheduler (``rank`` of ``world`` in its TP group: under DP attention, one
+    DP group each); the first starts the instance's bootstrap server."""
     import sglang_scheduler_side as side
     from sglang.srt.disaggregation import utils
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
-    # The bootstrap server SGLang's tokenizer manager starts on the prefill instance (looked
-    # up after the plugins loaded, as SGLang's own modules look it up when they call it).
-    server = utils.get_kv_class(utils.TransferBackend("xfer"),
-                                utils.KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", 0)
-    port = int(server.url.rsplit(":", 1)[1])
-    s = side.prefill_side(port)
+    server = None
+    if rank == 0:
+        # The bootstrap server SGLang's tokenizer manager starts on the prefill instance
+        # (looked up after the plugins loaded, as SGLang's own modules look it up).
+        server = utils.get_kv_class(utils.TransferBackend("xfer"),
+                                    utils.KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", 0)
+        port = int(server.url.rsplit(":", 1)[1])
+        conn.send(("port", port))
+    else:
+        port = conn.recv()
+    s = side.prefill_side(port, rank, world, dist_port, extra)
     conn.send(("ready", port))
     reqs = {}
     while True:
@@ -91,7 +98,8 @@ def prefill_process(conn):
             conn.send((type(req.finished_reason).__name__, [p.numpy() for p in pages]))
         elif cmd == "stop":
             s.disagg_prefill_bootstrap_queue.kv_manager.close()
-            server.close()
+            if server is not None:
+                server.close()
             conn.send("stopped")
             return
 
@@ -126,7 +134,7 @@ def decode_process(conn):
             side.until("the KV", lambda: req in s.waiting_queue or req.finished_reason,
                        step=s.process_decode_queue)
             if req.finished_reason is not None:
-                conn.send(("failed", str(req.finished_reason)))
+                conn.send(("failed", req.finished_reason.message))
                 continue
             pages = side.request_pages(s, req, len(PROMPT))
             conn.send(("ok", list(req.output_ids), req.cached_tokens,
@@ -170,9 +178,10 @@ def decode_process(conn):
 
 
 class Pair:
-    """The two processes, started fresh (spawn, as SGLang starts its schedulers)."""
+    """The processes, started fresh (spawn, as SGLang starts its schedulers): ``prefills``
+    prefill schedulers (more than one: DP attention, one DP group each) and a decode."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, prefills=1, extra=()):
         plugin = os.path.join(os.path.dirname(xfer.__file__), "plugins", "libbackend_efa.so")
         if not os.path.exists(plugin):
             pytest.skip("the efa plugin is not in the package (cargo xtask sglang stages it)")
@@ -181,20 +190,34 @@ class Pair:
         monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", "3600")
         monkeypatch.syspath_prepend(HERE)
         ctx = mp.get_context("spawn")
-        self.p, p_there = ctx.Pipe()
-        self.d, d_there = ctx.Pipe()
-        self.prefill = ctx.Process(target=prefill_process, args=(p_there,), name="prefill")
-        self.decode = ctx.Process(target=decode_process, args=(d_there,), name="decode")
-        self.prefill.start()
-        self.decode.start()
+        import sglang_scheduler_side as side
+
+        dist_port = side.free_port()
+        self.procs, self.conns = [], []
+        for rank in range(prefills):
+            here, there = ctx.Pipe()
+            self.conns.append(here)
+            self.procs.append(ctx.Process(target=prefill_process, name=f"prefill{rank}",
+                                          args=(there, rank, prefills, dist_port, extra)))
+        here, there = ctx.Pipe()
+        self.conns.append(here)
+        self.procs.append(ctx.Process(target=decode_process, args=(there,), name="decode"))
+        self.ps, self.d = self.conns[:-1], self.conns[-1]
+        self.p, self.prefill, self.decode = self.ps[0], self.procs[0], self.procs[-1]
+        for proc in self.procs:
+            proc.start()
         assert self.answer(self.d) == "up", "the decode process did not start"
-        ready, self.port = self.answer(self.p)
+        _, self.port = self.answer(self.p)
+        for conn in self.ps[1:]:
+            conn.send(self.port)
+        for conn in self.ps:
+            assert self.answer(conn) == ("ready", self.port)
         self.d.send(self.port)
         assert self.answer(self.d) == "ready"
 
     def answer(self, conn):
         """The process's next answer; a process that died fails the test at once."""
-        proc = self.prefill if conn is self.p else self.decode
+        proc = self.procs[self.conns.index(conn)]
         for _ in range(WAIT * 10):
             if conn.poll(0.1):
                 return conn.recv()
@@ -206,7 +229,7 @@ class Pair:
         return self.answer(conn)
 
     def close(self):
-        for conn, proc in ((self.p, self.prefill), (self.d, self.decode)):
+        for conn, proc in zip(self.conns, self.procs):
             if proc.is_alive():
                 try:
                     conn.send(("stop",))
@@ -226,29 +249,34 @@ def pair(monkeypatch):
 
 
 def test_a_request_through_sglangs_queues_lands_byte_equal_with_its_first_token(pair):
-    start(pair, "r1", 7001)
-    # Two chunks: 12 tokens (3 whole pages go), then the rest with the first token.
-    assert pair.ask(pair.p, "chunk", "r1", 12, 0, 1) == "sent"
-    assert pair.ask(pair.p, "chunk", "r1", len(PROMPT), 4242, 1) == "sent"
-    reason, sent = pair.ask(pair.p, "finish", "r1")
+    transfer(pair, "r1", 7001)
+
+def start(pair, rid, room, prefill=None):
+    """Both sides take the request; the decode allocates and sends its pages; the prefill
+    learns them."""
+    prefill = prefill or pair.p
+    assert pair.ask(prefill, "add", rid, room) == "added"
+    assert pair.ask(pair.d, "add", rid, room) == "added"
+    assert pair.ask(pair.d, "allocated", rid) == "allocated"
+    assert pair.ask(prefill, "bootstrap", rid) == "bootstrapped"
+
+
+def transfer(pair, rid, room, prefill=None, seed=1):
+    """A request through both sides' queues in two chunks: every byte and the aux row."""
+    prefill = prefill or pair.p
+    start(pair, rid, room, prefill)
+    assert pair.ask(prefill, "chunk", rid, 12, 0, seed) == "sent"
+    assert pair.ask(prefill, "chunk", rid, len(PROMPT), 4242 + seed, seed) == "sent"
+    reason, sent = pair.ask(prefill, "finish", rid)
     assert reason == "FINISH_LENGTH", reason
-    got = pair.ask(pair.d, "receive", "r1")
+    got = pair.ask(pair.d, "receive", rid)
     assert got[0] == "ok", got
     _, output_ids, cached, received = got
-    assert output_ids == [4242], "the first token comes in SGLang's metadata row"
+    assert output_ids == [4242 + seed], "the first token comes in SGLang's metadata row"
     assert cached == CACHED, "and the prefill's cached-token count"
     assert len(received) == len(sent) == 4
     for i, (ours, theirs) in enumerate(zip(received, sent)):
         assert np.array_equal(ours, theirs), f"buffer {i} differs"
-
-
-def start(pair, rid, room):
-    """Both sides take the request; the decode allocates and sends its pages; the prefill
-    learns them."""
-    assert pair.ask(pair.p, "add", rid, room) == "added"
-    assert pair.ask(pair.d, "add", rid, room) == "added"
-    assert pair.ask(pair.d, "allocated", rid) == "allocated"
-    assert pair.ask(pair.p, "bootstrap", rid) == "bootstrapped"
 
 
 def test_an_abort_on_the_decode_holds_its_pages_until_the_prefill_answered(pair):
@@ -270,5 +298,33 @@ def test_an_abort_on_the_decode_holds_its_pages_until_the_prefill_answered(pair)
     assert reason == "FINISH_ABORT", reason
     assert pair.ask(pair.d, "unchanged", "r2") is True, "written after the abort was answered"
     # The pair still serves the next request.
-    test_a_request_through_sglangs_queues_lands_byte_equal_with_its_first_token(pair)
+    transfer(pair, "r1", 7001)
 
+
+def test_a_prefill_that_dies_fails_the_decode_request(pair):
+    """The prefill process is killed after its first chunk: the decode's transfer queue gets
+    Failed for the request, naming the prefill rank that is gone (its bootstrap record, a
+    lease, lapsed: here its bootstrap server went with it), and streams it as aborted."""
+    start(pair, "r3", 7003)
+    assert pair.ask(pair.p, "chunk", "r3", 12, 0, 3) == "sent"
+    pair.prefill.kill()
+    pair.prefill.join(30)
+    got = pair.ask(pair.d, "receive", "r3")
+    assert got[0] == "failed", got
+    assert "sglang.prefill.0" in got[1] and "is gone" in got[1], got[1]
+
+
+def test_dp_attention_two_prefill_groups_each_send_the_rooms_sglang_routes_to_them(monkeypatch):
+    """A prefill instance with DP attention (``--tp-size 2 --dp-size 2
+    --enable-dp-attention``): two scheduler processes in one gloo TP group, attention TP 1
+    each, DP groups 0 and 1, one bootstrap server. The decode's DecodePreallocQueue learns
+    the DP size through ``try_ensure_parallel_info`` and picks each request's prefill DP rank
+    from its room (``follow_bootstrap_room``, SGLang's default, as its router dispatches);
+    each room's pages come from that group, byte-equal."""
+    pair = Pair(monkeypatch, prefills=2,
+                extra=("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"))
+    try:
+        transfer(pair, "even", 8000, prefill=pair.ps[0], seed=5)
+        transfer(pair, "odd", 8001, prefill=pair.ps[1], seed=6)
+    finally:
+        pair.close()
