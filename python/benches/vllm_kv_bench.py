@@ -56,8 +56,9 @@ def libfabric(provider: str) -> dict:
 
 
 XFER = {"xfer-mock": None, "xfer-tcp": libfabric("tcp;ofi_rxm"), "xfer-shm": libfabric("shm")}
-UCX_TLS = {"nixl-tcp": "tcp,self", "nixl": None}
-"""NIXL on UCX's own choice of transports (in one process: shared memory), or on tcp only."""
+UCX_TLS = {"nixl-tcp": "tcp,self", "nixl": None, "nixl-lf-tcp": None}
+"""NIXL on UCX's own choice of transports (in one process: shared memory), or on tcp only;
+``nixl-lf-tcp``: NIXL's LIBFABRIC plugin (in the wheel) on libfabric's tcp provider."""
 
 
 def _one_step_prefill(**kw):
@@ -86,6 +87,9 @@ def load_time(transport: str, shape: str, tokens: int, decode_tp: int, prefill_t
     connector = "xfer" if transport in XFER else "nixl"
     extra = ({"xfer_config": XFER[transport], "lookup_timeout_s": 20.0}
              if XFER.get(transport) else {})
+    if transport == "nixl-lf-tcp":
+        extra = {"backends": ["LIBFABRIC"]}
+        os.environ["FI_PROVIDER"] = "tcp"
     if connector == "nixl":
         harness.one_process_group()
         # Read by UCX when each NIXL agent makes its context.

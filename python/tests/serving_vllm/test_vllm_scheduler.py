@@ -88,7 +88,7 @@ class Engine:
                      **(extra or {})}
             kinds = {"kv_connector": "XferConnector", "kv_connector_module_path": "xfer.vllm"}
         else:  # vLLM's own NixlConnector, on UCX over host memory: the control
-            extra = {"backends": ["UCX"]}
+            extra = {"backends": ["UCX"], **(extra or {})}
             kinds = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
             # Each instance's scheduler serves its own side channel.
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
