@@ -94,6 +94,9 @@ frees the pages only then (``is_abort_release_safe``)."""
 _config: Any = None
 transfer_timeout_s = 60.0
 """How long a receiver waits for its data, and a sender for its peer's indices."""
+watch_interval_s = 1.0
+"""How often a decode rank checks that the prefill ranks it waits on are still there (their
+bootstrap records are leases of 5 s)."""
 
 
 def _engine_config() -> Any:
@@ -220,6 +223,11 @@ class XferKVManager(BaseKVManager):
         self.aborted: dict[int, float] = {}
         """Prefill: rooms a decode rank aborted (when), so pages that arrive after the abort
         (delivery is unordered) are never written."""
+        self.watched: dict[int, Any] = {}
+        """Decode: the receivers whose prefill ranks may still write, by room (the watch
+        thread fails their rooms if one of those ranks is gone)."""
+        self.closing = threading.Event()
+        self.watcher: threading.Thread | None = None
         self.engine.submit_recvs(65536, 64, self._on_message)
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.register_to_bootstrap()
@@ -371,7 +379,51 @@ class XferKVManager(BaseKVManager):
         except Exception as e:  # noqa: BLE001 - the decode frees at its own deadline
             logger.warning("xfer.sglang: could not answer the abort of room %d: %s", room, e)
 
+    def watch(self, receiver: Any) -> None:
+        """Decode: watches ``receiver``'s prefill ranks until it is cleared: one that is gone
+        (its bootstrap record lapsed or was replaced: the process died or restarted) fails
+        the room, naming it, instead of leaving it to ``transfer_timeout_s``. The lookups run
+        on this manager's thread, not the scheduler's."""
+        with self.lock:
+            self.watched[receiver.room] = receiver
+            start = self.watcher is None
+            if start:
+                self.watcher = threading.Thread(target=self._watch, name="xfer-sglang-watch",
+                                                daemon=True)
+        if start:
+            self.watcher.start()
+
+    def unwatch(self, room: int) -> None:
+        with self.lock:
+            self.watched.pop(room, None)
+
+    def _watch(self) -> None:
+        while not self.closing.wait(watch_interval_s):
+            with self.lock:
+                receivers = [r for r in self.watched.values()
+                             if self.dones.get(r.room, 0) < len(r.prefills or ())]
+            ranks: dict[tuple[str, str, int], list[int]] = {}
+            for r in receivers:
+                for prefill in r.prefills or []:
+                    key = (r.addr, prefill["name"], prefill["incarnation"])
+                    ranks.setdefault(key, []).append(r.room)
+            for (addr, name, incarnation), rooms in ranks.items():
+                try:
+                    now = self._bootstrap(addr).lookup(name, watch_interval_s)
+                    gone = None if now["incarnation"] == incarnation else "restarted"
+                except Exception as e:  # noqa: BLE001 - its record lapsed, or its bootstrap
+                    gone = f"gone ({e})"
+                if gone is None or self.closing.is_set():
+                    continue
+                why = f"the prefill rank {name} at {addr} is {gone}"
+                logger.error("xfer.sglang: %s: failing rooms %s", why, rooms)
+                with self.lock:
+                    for room in rooms:
+                        self.failures.setdefault(room, f"room {room}: {why}")
+                        self.watched.pop(room, None)
+
     def close(self) -> None:
+        self.closing.set()
         for p in self.publications:
             p.unpublish()
         self.engine.close()
@@ -642,6 +694,7 @@ class XferKVReceiver(BaseKVReceiver):
                           "aux": i == 0}
                 self.mgr.engine.submit_send(prefill["addr"], _message(_META, header, pages))
             self.deadline = time.monotonic() + transfer_timeout_s
+            self.mgr.watch(self)
         except Exception as e:  # noqa: BLE001
             self.failure = f"room {self.room}: could not reach the prefill instance: {e}"
 
@@ -704,6 +757,7 @@ class XferKVReceiver(BaseKVReceiver):
         return not self.abort_notified
 
     def clear(self) -> None:
+        self.mgr.unwatch(self.room)
         with self.mgr.lock:
             self.mgr.dones.pop(self.room, None)
             self.mgr.failures.pop(self.room, None)
