@@ -213,7 +213,9 @@ pub fn plan(layout: &Layout) -> Result<Plan, PlanError> {
     }
 
     let amounts = balance(&writes.sent, &classes);
-    for ((fragments, amounts), (holders, _)) in class_fragments.iter().zip(&amounts).zip(&classes) {
+    for ((fragments, amounts), (holders, _)) in
+        class_fragments.iter_mut().zip(&amounts).zip(&classes)
+    {
         assign(fragments, holders, amounts, &holdings, layout, &mut writes);
     }
     let Writes {
@@ -503,20 +505,23 @@ fn piece_runs(
     }
 }
 
-/// Hands a class's fragments to its holders, each taking its amount in turn (so each holder
-/// sends a contiguous stretch of the class's fragments: few sender–receiver pairs).
+/// Hands a class's fragments to its holders, each taking its amount in turn, in the order of
+/// their tensors: each holder sends a contiguous stretch of the tensors (to every receiver that
+/// needs them), so it reads — and stages, when it transforms — about its share of the data
+/// rather than all of it.
 fn assign(
-    fragments: &[Shared],
+    fragments: &mut [Shared],
     holders: &[u32],
     amounts: &[u64],
     holdings: &[TensorHoldings],
     layout: &Layout,
     writes: &mut Writes,
 ) {
+    fragments.sort_by_key(|f| (f.tensor, f.holding));
     let mut who = 0usize;
     let mut left = amounts.first().copied().unwrap_or(0);
     let (mut head, mut tail) = (Vec::new(), Vec::new());
-    for f in fragments {
+    for f in fragments.iter() {
         let shard_of = |i: usize| {
             let hs = &holdings[f.tensor].holdings[f.holding].holders;
             debug_assert_eq!(hs[i].0, holders[i]);
