@@ -207,7 +207,10 @@ fn a_plugin_is_not_used_again_after_a_fatal_error() {
     let mut memory = vec![0u8; 64];
     // SAFETY: `memory` outlives the engine (dropped below, before it).
     let slow = unsafe { a.reg_mr(memory.as_mut_ptr(), memory.len(), engine_core::Device::Host) };
-    assert!(matches!(slow, Err(Error::Timeout(_))), "{slow:?}");
+    // A timeout, unless this thread was descheduled past the registration itself (a loaded
+    // clean-root run once got Ok: crossbeam returns an answer that is there when its wait
+    // ends). Either way the sends below reach a worker that is busy or about to be.
+    assert!(matches!(slow, Err(Error::Timeout(_)) | Ok(_)), "{slow:?}");
     let flags: Vec<_> = (0..20)
         .map(|_| {
             let f = engine_core::DoneFlag::new();
