@@ -9,7 +9,7 @@ import re
 
 from ._kvcache import Layout, LayoutError
 
-PROTOCOL = 2
+PROTOCOL = 3
 """Bumped when the messages or the published layout change: peers of another refuse by name."""
 
 
@@ -43,20 +43,22 @@ class KvShape:
     """Bytes of one page of one buffer."""
     buffers: int
     mla: bool
+    dp: int = 1
+    """Data-parallel groups of the instance (``--dp-size``), each with its own ranks."""
 
     def name(self) -> str:
         """As a region name (rendezvous names allow A-Z a-z 0-9 . _ -)."""
         return (f"sgl{PROTOCOL}-tp{self.tp}-heads{self.heads}-page{self.page_size}-"
-                f"item{self.item_len}-buffers{self.buffers}-mla{int(self.mla)}")
+                f"item{self.item_len}-buffers{self.buffers}-mla{int(self.mla)}-dp{self.dp}")
 
     @classmethod
     def parse(cls, name: str) -> "KvShape":
-        m = re.fullmatch(r"sgl(\d+)-tp(\d+)-heads(\d+)-page(\d+)-item(\d+)-buffers(\d+)-mla([01])",
-                         name)
+        m = re.fullmatch(r"sgl(\d+)-tp(\d+)-heads(\d+)-page(\d+)-item(\d+)-buffers(\d+)"
+                         r"-mla([01])-dp(\d+)", name)
         if m is None or int(m[1]) != PROTOCOL:
             raise LayoutError(f"the prefill published {name!r}: not protocol sgl{PROTOCOL}")
-        tp, heads, page, item, buffers, mla = (int(g) for g in m.groups()[1:])
-        return cls(tp, heads, page, item, buffers, bool(mla))
+        tp, heads, page, item, buffers, mla, dp = (int(g) for g in m.groups()[1:])
+        return cls(tp, heads, page, item, buffers, bool(mla), dp)
 
     def layout(self, num_pages: int) -> Layout:
         """One buffer as a one-plane layout: pages of ``page_size`` tokens of ``heads`` heads

@@ -30,8 +30,8 @@ host SGLang names (``--dist-init-addr``'s host across nodes, else ``--host``).
 **Bootstrap**: the prefill instance's bootstrap server is xfer's rendezvous service
 (``xfer.Server`` on the bootstrap host and port; it serves loopback only unless
 ``$XFER_SECRET_FILE`` names the cluster secret). Prefill ranks publish
-``sglang.prefill.<rank>``, with their KV layout (attention TP size, heads per rank, page
-size, buffers, MLA) in the name of the one region they publish; a decode rank publishes its KV
+``sglang.prefill.<dp>.<rank>``, with their KV layout (attention TP size, heads per rank, page
+size, buffers, MLA, DP groups) in the name of the one region they publish; a decode rank publishes its KV
 buffers there as ``sglang.decode.<id>.<rank>`` when it first meets that prefill. Engines use
 ``$XFER_CONFIG`` (or the config given to ``register``); without either, the backend refuses
 to start.
@@ -45,10 +45,19 @@ rank names gets its page indices and answers done (one with nothing to write at 
 prefill sender ends. Layouts that cannot exchange (page size, buffers, heads, MLA) are refused
 by name at ``init``.
 
+**Data parallelism**: each DP group of the prefill (``--dp-size``: attention DP groups under
+``--enable-dp-attention``, else replicas) publishes its own ranks; a decode rank learns the
+group count with the layout (SGLang's ``PrefillServerInfo.dp_size``), SGLang picks a request's
+group (``follow_bootstrap_room``: its room modulo the count) and the receiver sends to that
+group's ranks. A decode rank whose ``KVArgs`` carry no head count (SGLang's decode queue sets
+none) takes it from the prefill's total.
+
 **Prefix reuse**: a decode instance holding a prefix sends ``decode_prefix_len``; the prefill
 sends from there (``pop_decode_prefix_len``).
 
-**Failures** — a peer gone, a refused write, no answer within ``transfer_timeout_s`` — end in
+**Failures** — a peer gone (a decode rank watches the bootstrap records of the prefill ranks
+it waits on, off the scheduler thread), a refused write, no answer within
+``transfer_timeout_s`` — end in
 ``KVPoll.Failed`` with ``failure_exception()`` naming the cause, on both sides; ``abort()``
 ends a transfer at once. State (Mamba/SWA/NSA) buffers are refused when the manager starts:
 not yet (issue 28).
@@ -128,11 +137,29 @@ def _bootstrap_host(server_args: Any) -> str:
     return "127.0.0.1" if not host or host in ("0.0.0.0", "::") else str(host)
 
 
+def _dp(args: KVArgs, server_args: Any, attn_tp: int) -> tuple[int, int]:
+    """This rank's data-parallel group and the number of groups: under DP attention the
+    groups split one TP group (``engine_rank`` over attention TP), else each DP replica is a
+    TP group of its own (``system_dp_rank``). As SGLang's bootstrap counts them, either way
+    ``--dp-size`` groups."""
+    size = int(getattr(server_args, "dp_size", 1) or 1)
+    if size == 1:
+        return 0, 1
+    if getattr(server_args, "enable_dp_attention", False):
+        return int(args.engine_rank) // attn_tp, size
+    return int(getattr(args, "system_dp_rank", 0) or 0), size
+
+
 def _attn_tp(server_args: Any) -> int:
     """The attention TP size: ranks over which KV heads are split (TP over attention-DP)."""
     tp = int(getattr(server_args, "tp_size", 1) or 1)
     dp = int(getattr(server_args, "dp_size", 1) or 1)
     return tp // dp if getattr(server_args, "enable_dp_attention", False) and dp > 1 else tp
+
+
+def _prefill_name(dp: int, rank: int) -> str:
+    """A prefill rank's bootstrap record: its DP group, its attention-TP rank."""
+    return f"sglang.prefill.{dp}.{rank}"
 
 
 class XferKVBootstrapServer(BaseKVBootstrapServer):
@@ -176,6 +203,7 @@ class XferKVManager(BaseKVManager):
                 "Mamba/SWA/NSA state tensors registered); use another backend for this model")
         self.tp = _attn_tp(server_args)
         self.rank = int(args.engine_rank) % self.tp
+        self.dp, self.dp_size = _dp(args, server_args, self.tp)
         self.mla = bool(is_mla_backend)
         lens = list(args.kv_item_lens)
         if len(set(lens)) > 1:
@@ -187,7 +215,8 @@ class XferKVManager(BaseKVManager):
         the decode's from the prefill's total): such a rank learns it from the first prefill
         it meets (``try_ensure_parallel_info``)."""
         self.shape = KvShape(tp=self.tp, heads=heads, page_size=int(args.page_size),
-                             item_len=lens[0] if lens else 0, buffers=len(lens), mla=self.mla)
+                             item_len=lens[0] if lens else 0, buffers=len(lens), mla=self.mla,
+                             dp=self.dp_size)
         if not self.heads_known and disaggregation_mode == DisaggregationMode.PREFILL:
             self.shape = dataclasses.replace(self.shape, heads=1)
         self.engine = xfer.TransferEngine(_engine_config())
@@ -240,7 +269,7 @@ class XferKVManager(BaseKVManager):
         if bootstrap_addr in self.prefill_info_table:
             return True
         try:
-            first = self._bootstrap(bootstrap_addr).lookup("sglang.prefill.0", 1.0)
+            first = self._bootstrap(bootstrap_addr).lookup(_prefill_name(0, 0), 1.0)
         except Exception as e:  # noqa: BLE001 - not up yet: the queue tries again
             logger.info("xfer.sglang: no prefill at %s yet (%s)", bootstrap_addr, e)
             return False
@@ -264,7 +293,7 @@ class XferKVManager(BaseKVManager):
         self.heads_known = True
         self.prefill_shapes[bootstrap_addr] = prefill
         self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
-            attn_tp_size=prefill.tp, attn_cp_size=1, dp_size=1, pp_size=1,
+            attn_tp_size=prefill.tp, attn_cp_size=1, dp_size=prefill.dp, pp_size=1,
             page_size=prefill.page_size, kv_cache_dtype=None, follow_bootstrap_room=True)
         return True
 
@@ -312,7 +341,7 @@ class XferKVManager(BaseKVManager):
         self._layout_region = self.engine.reg_mr_raw(
             self._layout_bytes.ctypes.data, self._layout_bytes.nbytes, access="read")
         self.publications.append(
-            self._bootstrap(addr).publish(f"sglang.prefill.{self.rank}", self.engine.main_address,
+            self._bootstrap(addr).publish(_prefill_name(self.dp, self.rank), self.engine.main_address,
                                           {self.shape.name(): self._layout_region.desc})
         )
 
@@ -671,8 +700,11 @@ class XferKVReceiver(BaseKVReceiver):
             if self.addr in self.mgr.refusals:
                 raise LayoutError(self.mgr.refusals[self.addr])
             prefill = self.mgr.prefill_shapes[self.addr]
+            dp = int(prefill_dp_rank or 0)
+            if not 0 <= dp < prefill.dp:
+                raise LayoutError(f"prefill DP rank {dp}: the prefill has {prefill.dp}")
             targets = prefill_targets(self.mgr.rank, self.mgr.tp, prefill.tp, self.mgr.mla)
-            prefills = [rdv.lookup(f"sglang.prefill.{t}", transfer_timeout_s) for t in targets]
+            prefills = [rdv.lookup(_prefill_name(dp, t), transfer_timeout_s) for t in targets]
             self.record = self.mgr.decode_record(self.addr)
             self.prefills = prefills
         except LayoutError as e:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 from array import array
-import os
 import socket
 import time
 from types import SimpleNamespace
@@ -355,13 +354,3 @@ def pages_free(s, locs) -> bool:
     free = set(s.token_to_kv_pool_allocator.get_all_free_pages().tolist())
     return all(p in free for p in set((locs.long() // PAGE).tolist()))
 
-
-def config_file(provider: str, directory: str) -> str:
-    """``$XFER_CONFIG``: libfabric's ``provider`` on loopback."""
-    path = os.path.join(directory, f"xfer-{provider.split(';')[0]}.toml")
-    with open(path, "w") as f:
-        f.write('backend = "efa"\n[[groups]]\nnics = ["auto"]\n'
-                f'[backends.efa]\nprovider = "{provider}"\n'
-                "[timeouts]\ntransfer_ms = 20000\nconnect_ms = 20000\n"
-                "[worker]\nidle_poll_us = 0\n")
-    return path
