@@ -118,7 +118,7 @@ pub(crate) fn test(totals: &mut (u64, u64)) -> Result {
         &[("LD_LIBRARY_PATH", &fakes), ("XFER_GPU_FAKES", &fakes)],
         totals,
     )?;
-    for example in ["kv_cache.py", "weight_sync.py"] {
+    for example in ["kv_cache.py", "weight_sync.py", "weight_sync_plan.py"] {
         run(&python, &[&format!("python/examples/{example}")])?;
     }
     run(&python, &["-m", "xfer.bench", "--duration", "0.2"])?;

@@ -19,6 +19,9 @@ pub(crate) struct Framework {
     pub(crate) venv: &'static str,
     /// What is installed (the connector targets this release).
     requirements: &'static [&'static str],
+    /// Installed after them without their dependencies (whose pins would fight the
+    /// framework's), from the same wheel cache.
+    without_deps: &'static [&'static str],
     /// Its tests.
     tests: &'static str,
     /// Their environment.
@@ -33,7 +36,20 @@ pub(crate) const VLLM: Framework = Framework {
     // NIXL (the meta package brings its CUDA 12 and 13 builds; vLLM's torch is CUDA 13, so
     // `import nixl` picks nixl_cu13): NixlConnector runs through the scheduler-driven harness
     // as the control. It runs without a GPU on UCX; ~120 MB of wheels.
-    requirements: &["vllm==0.33.0", "nixl==1.5.1", "pytest"],
+    //
+    // verl's checkpoint engine (xfer.verl's test) shares this venv: vLLM and torch are what it
+    // runs beside. verl 0.9.1 itself goes in without its dependencies (it pins transformers
+    // below 5.11; vLLM 0.33 brings 5.20), its checkpoint engine's imports with theirs.
+    requirements: &[
+        "vllm==0.33.0",
+        "nixl==1.5.1",
+        "pytest",
+        "ray==2.60.0",
+        "tensordict==0.15.3",
+        "omegaconf==2.4.0",
+        "codetiming==1.4.0",
+    ],
+    without_deps: &["verl==0.9.1"],
     tests: "python/tests/serving_vllm",
     // The CUDA wheel cannot infer a device on a machine without a GPU.
     env: &[("VLLM_TARGET_DEVICE", "cpu")],
@@ -48,6 +64,7 @@ pub(crate) const VLLM: Framework = Framework {
 pub(crate) const SGLANG: Framework = Framework {
     venv: "target/sglang-venv",
     requirements: &["sglang==0.5.23", "pytest"],
+    without_deps: &[],
     tests: "python/tests/serving_sglang",
     env: &[],
     guest: None,
@@ -61,6 +78,7 @@ pub(crate) const PEERS: Framework = Framework {
         "dlslime==0.1.23",
         "mooncake-transfer-engine-non-cuda==0.3.13.post1",
     ],
+    without_deps: &[],
     tests: "python/benches",
     env: &[],
     guest: None,
@@ -96,6 +114,17 @@ impl Framework {
             download.extend(self.requirements);
             self.pip(&download)?;
             self.pip(&offline)?;
+        }
+        if !self.without_deps.is_empty() {
+            let mut offline = vec!["install", "--quiet", "--no-deps", "--no-index"];
+            offline.extend(["--find-links", &cache]);
+            offline.extend(self.without_deps);
+            if self.pip(&offline).is_err() {
+                let mut download = vec!["download", "--quiet", "--no-deps", "--dest", &cache];
+                download.extend(self.without_deps);
+                self.pip(&download)?;
+                self.pip(&offline)?;
+            }
         }
         crate::python::install_wheel(&format!("{}/bin/pip", self.venv))
     }
