@@ -988,7 +988,10 @@ class _Worker(PushSide):
         for rank in range(load.remote_tp_size):
             try:
                 peer = self._peer(load.remote_engine_id, rank, load.remote_rendezvous)
-                self._engine.submit_send(peer.address, message)
+                # Waited for (on this background thread), so that `close` waiting for this
+                # call waits for the message itself, not only for its submission.
+                self._engine.submit_send(peer.address, message).wait(
+                    self._options.lookup_timeout_s)
             except Exception as e:  # noqa: BLE001 - its lease frees the blocks anyway
                 logger.warning(
                     "XferConnector: could not tell %s rank %d that request %s was read (%s); "
@@ -1152,17 +1155,16 @@ class _Worker(PushSide):
     def close(self) -> None:
         with self._lock:
             telling = list(self._telling)
-        # Bounded: a peer's lookup can wait up to lookup_timeout_s; its lease frees the rest.
-        concurrent.futures.wait(telling, timeout=_CLOSE_FLUSH_S)
+        # Bounded by what one message may take (its peer's lookup waits up to
+        # lookup_timeout_s; a loaded machine once needed more than 5 s): the prefill's lease
+        # frees what is still unsent after that.
+        concurrent.futures.wait(telling, timeout=self._options.lookup_timeout_s)
         self._lookups.shutdown(wait=False, cancel_futures=True)
         if self._publication is not None:
             self._publication.unpublish()
             self._publication = None
         self._engine.close()
 
-
-_CLOSE_FLUSH_S = 5.0
-"""How long ``close`` waits for done messages still going out to prefill ranks."""
 
 _DRAFT = "d"
 """Ends the tag of a speculative drafter's layer: a peer without that layer still knows it

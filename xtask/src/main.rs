@@ -123,7 +123,26 @@ fn ensure_packages(packages: &[&str]) -> Result {
     run("apt-get", &args)
 }
 
+/// Removes what libfabric's shm provider left in /dev/shm for processes that are gone (a
+/// killed test process keeps its `<pid>:<n>:<n>` regions): a later process that gets the same
+/// pid fails to open shm with EBUSY. Only entries of pids that no longer exist are touched.
+fn remove_stale_shm_regions() {
+    let Ok(entries) = std::fs::read_dir("/dev/shm") else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some((pid, _)) = name.to_str().and_then(|n| n.split_once(':')) else {
+            continue;
+        };
+        if pid.parse::<u32>().is_ok() && !std::path::Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
 fn test() -> Result {
+    remove_stale_shm_regions();
     ensure_packages(PACKAGES)?;
     ensure_packages(rxe::PACKAGES)?;
     cargo(&["fmt", "--all", "--", "--check"])?;
