@@ -6,7 +6,7 @@ state with the pull half, so that a pushed load ends through the same accounting
 one. What it uses of the worker: ``_lock``, ``_engine``, ``_engine_id``, ``_rank``,
 ``_tp_size``, ``_model``, ``_own_url``, ``_options``, ``_layers``, ``_lookups``,
 ``_load_started``, ``_peer()``, ``_remote_view()``, ``_shared_layers()``, ``is_draft_layer()``,
-``_in_background()``, ``_tell_done()`` and
+``_in_background()``, ``_tell_done_soon()`` and
 ``_finish_load()``; what it owns:
 ``_pushes``, ``_step_pushes``, ``_deferred_layers`` and ``_awaiting`` (created by the worker's
 constructor, with the rest).
@@ -144,8 +144,11 @@ class PushSide:
             if waiting.ranks:
                 return
             del self._awaiting[key]
+        # The done message is queued (and remembered for `close`) before the load is reported:
+        # a decode instance shut down as soon as vLLM sees the load finished would otherwise
+        # drop it, and the prefill would hold the blocks until its lease.
+        self._tell_done_soon(waiting.load)
         self._finish_load(waiting.req_id, waiting.load, waiting.error)
-        self._in_background(self._tell_done, waiting.load)
 
     def _push_late(self, key: tuple[str, str], waiting: _Await, now: float) -> bool:
         """A push past its deadline (called under the lock): the first time, it is kept and
@@ -182,8 +185,8 @@ class PushSide:
         forever); named, since one of their writes could still be in flight."""
         error = TimeoutError(f"{waiting.cancelling}; ranks {sorted(waiting.ranks)} did not "
                              "answer the cancel either (their writes may still land)")
+        self._tell_done_soon(waiting.load)
         self._finish_load(waiting.req_id, waiting.load, error)
-        self._in_background(self._tell_done, waiting.load)
 
     # ---- push: prefill side ----
 

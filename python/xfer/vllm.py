@@ -778,8 +778,8 @@ class _Worker(PushSide):
         for req_id, (load, why) in meta.refused.items():
             with self._lock:
                 self._load_started[req_id] = time.monotonic()
-            self._finish_load(req_id, load, LayoutError(why))
             self._tell_done_soon(load)
+            self._finish_load(req_id, load, LayoutError(why))
         for req_id, load in meta.awaits.items():
             self._start_load(req_id, load, self._await_push, "announcing")
         for req_id, load in meta.notify_only.items():
@@ -848,8 +848,8 @@ class _Worker(PushSide):
                 plan.append((region, view, desc, remote_view, run, local_ids, remote_ids))
         ranks = {p[4].remote_rank for p in plan}
         if not plan:  # nothing to read: only the prefill's blocks to free
-            self._finish_load(req_id, load, None)
             self._tell_done_soon(load)
+            self._finish_load(req_id, load, None)
             return
         pending = {"left": len(plan), "error": None}
 
@@ -863,8 +863,8 @@ class _Worker(PushSide):
                 return
             if pending["error"] is not None:
                 self._forget(load.remote_engine_id)
-                self._finish_load(req_id, load, pending["error"])
                 self._tell_done_soon(load)
+                self._finish_load(req_id, load, pending["error"])
             else:
                 self._confirm(req_id, load, ranks)
 
