@@ -1,3 +1,8 @@
+//! Why one file: it is one state machine — the tracker, the per-(NIC, peer) queues, the burst
+//! and the page cursor are kept consistent by the same `handle_*`/`poll_*` calls, and a rule
+//! split from the queues it guards would be read apart from them; its unit tests and the Pair
+//! harness live beside it in `dispatch/`.
+//!
 //! The dispatch core: everything the worker decides between a submission and its completion,
 //! with no thread, no clock and no Domain inside (the verbs handshake's way, quinn-proto's
 //! model). The worker feeds it what happened and carries out what it asks for:

@@ -1,3 +1,7 @@
+//! Why one file: it is the one loop that owns the thread, the clock and the Domains around the
+//! pure core; what is left in it (registration, message routing, parking) is the I/O the core
+//! must not do, and moves to `dispatch.rs` piece by piece as it becomes pure.
+//!
 //! The worker: one thread per DomainGroup, a loop around the [`Dispatch`] core. Each pass
 //! takes the queued commands (transfers and messages go to the core; registrations and the
 //! rest it carries out itself, after posting what the core holds), hands the Domains what

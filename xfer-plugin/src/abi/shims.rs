@@ -1,3 +1,7 @@
+//! Why one file: one shim per table entry, all built on the same guards (`guarded`,
+//! `guarded_batch`, `handle`) and filled into one `PluginTable::new`; the table's contract is
+//! the parent module. About a third of it is the shims' tests.
+//!
 //! The shims that fill a [`PluginTable`] from a Rust [`Domain`] opener
 //! ([`export_plugin!`](crate::export_plugin) uses them): each entry turns the C call back into
 //! the `Domain` method, catching panics and errors into a status and a [`RawError`]. The
