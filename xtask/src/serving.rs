@@ -103,30 +103,28 @@ impl Framework {
         }
         let cache = wheel_cache();
         std::fs::create_dir_all(&cache).map_err(|e| format!("{cache}: {e}"))?;
-        let mut offline = vec!["install", "--quiet", "--no-index", "--find-links", &cache];
-        offline.extend(self.requirements);
+        self.install_cached(&cache, self.requirements, &[])?;
+        if !self.without_deps.is_empty() {
+            self.install_cached(&cache, self.without_deps, &["--no-deps"])?;
+        }
+        crate::python::install_wheel(&format!("{}/bin/pip", self.venv))
+    }
+
+    /// Installs `packages` (pip `flags` added) from the wheel cache, downloading into it
+    /// first what it lacks.
+    fn install_cached(&self, cache: &str, packages: &[&str], flags: &[&str]) -> Result {
+        let mut offline = vec!["install", "--quiet", "--no-index", "--find-links", cache];
+        offline.extend(flags);
+        offline.extend(packages);
         if self.pip(&offline).is_err() {
-            eprintln!(
-                "xtask: downloading {:?} into {cache} (once)",
-                self.requirements
-            );
-            let mut download = vec!["download", "--quiet", "--dest", &cache];
-            download.extend(self.requirements);
+            eprintln!("xtask: downloading {packages:?} into {cache} (once)");
+            let mut download = vec!["download", "--quiet", "--dest", cache];
+            download.extend(flags);
+            download.extend(packages);
             self.pip(&download)?;
             self.pip(&offline)?;
         }
-        if !self.without_deps.is_empty() {
-            let mut offline = vec!["install", "--quiet", "--no-deps", "--no-index"];
-            offline.extend(["--find-links", &cache]);
-            offline.extend(self.without_deps);
-            if self.pip(&offline).is_err() {
-                let mut download = vec!["download", "--quiet", "--no-deps", "--dest", &cache];
-                download.extend(self.without_deps);
-                self.pip(&download)?;
-                self.pip(&offline)?;
-            }
-        }
-        crate::python::install_wheel(&format!("{}/bin/pip", self.venv))
+        Ok(())
     }
 
     /// Installs, then runs the tests (their counts added to `totals`).
