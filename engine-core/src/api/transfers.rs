@@ -218,8 +218,7 @@ impl TransferEngine {
         remote: (&MrDesc, u64),
         on_done: impl Into<OnDone>,
     ) -> Result<()> {
-        self.check_reads()?;
-        check_readable(remote.0)?;
+        self.check_reads(remote.0)?;
         self.submit_single(RdmaOp::Read, len, local, remote, on_done.into())
     }
 
@@ -232,8 +231,7 @@ impl TransferEngine {
         remote: (&MrDesc, &Pages),
         on_done: impl Into<OnDone>,
     ) -> Result<()> {
-        self.check_reads()?;
-        check_readable(remote.0)?;
+        self.check_reads(remote.0)?;
         self.submit_paged(RdmaOp::Read, page_len, local, remote, on_done.into())
     }
 
@@ -243,9 +241,11 @@ impl TransferEngine {
         self.reads
     }
 
-    pub(super) fn check_reads(&self) -> Result<()> {
+    /// Refuses a read this backend cannot do, or of a region its descriptor says is not
+    /// readable.
+    pub(super) fn check_reads(&self, remote: &MrDesc) -> Result<()> {
         if self.reads {
-            Ok(())
+            check_readable(remote)
         } else {
             Err(Error::NotAvailable(format!(
                 "backend {} does not support RDMA READ (a plugin built before ABI version 2, or a backend without reads)",
