@@ -45,6 +45,9 @@ use crate::notifications::{Notification, Refused};
 use crate::plugin::Backend;
 use crate::wire::{Message, NetAddr, MESSAGE_HEADER_LEN};
 
+#[cfg(test)]
+mod tests;
+
 /// Logs a dropped notification: the first of each kind, then at every power of two, so a
 /// flood from a refused peer cannot flood the log as well.
 fn report_dropped_notification(why: Refused, shared: &Shared) {
@@ -324,7 +327,7 @@ impl Worker {
             self.idle_pause();
             return true;
         }
-        self.park(now, idle_poll);
+        self.park(idle_poll);
         true
     }
 
@@ -339,30 +342,46 @@ impl Worker {
         }
     }
 
-    fn park(&mut self, now: Instant, idle_poll: Duration) {
+    fn park(&mut self, idle_poll: Duration) {
         // Announce the park first, then read the deadlines and look once more: an expectation
         // registered concurrently (its deadline unknown to a timeout computed earlier) is either
         // seen here or its `expect_imm_count` sees `parked` and unparks us. Computing the
         // timeout before the announcement lost such wake-ups: the worker slept past the new
         // expectation's deadline (up to an hour).
+        //
+        // A Domain's own timers (`Domain::poll_timeout`: a handshake to resend, retired queue
+        // pairs to free) are read after that last poll, which may move them: the worker
+        // wakes to poll it then even when nothing arrives and nothing else is due.
         self.shared.parking.announce(true);
-        let deadline = [
-            self.core.poll_timeout().map(|d| self.anchor.instant(d)),
-            self.shared.lock_imm().next_deadline(),
-        ]
-        .into_iter()
-        .flatten()
-        .min();
-        let mut timeout = deadline.map_or(Duration::from_secs(3600), |d| {
-            d.saturating_duration_since(now)
-        });
-        if !self.domains_wake {
-            timeout = timeout.min(idle_poll);
-        }
         if self.commands.is_empty() && self.shared.queue.is_empty() && !self.poll_domains() {
+            let deadline = [
+                self.core.poll_timeout().map(|d| self.anchor.instant(d)),
+                self.shared.lock_imm().next_deadline(),
+                self.domains_poll_timeout(),
+            ]
+            .into_iter()
+            .flatten()
+            .min();
+            // Read now, after the poll: a deadline is not overslept by the time it took.
+            let now = Instant::now();
+            let mut timeout = deadline.map_or(Duration::from_secs(3600), |d| {
+                d.saturating_duration_since(now)
+            });
+            if !self.domains_wake {
+                timeout = timeout.min(idle_poll);
+            }
             std::thread::park_timeout(timeout);
         }
         self.shared.parking.announce(false);
+    }
+
+    /// The earliest time a Domain asked to be polled at though nothing arrives.
+    fn domains_poll_timeout(&self) -> Option<Instant> {
+        self.group
+            .domains()
+            .iter()
+            .filter_map(|d| d.poll_timeout())
+            .min()
     }
 
     /// Transfers and messages go to the core; anything else is carried out here, after the
