@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use super::clock::{Anchor, Stamp};
 use super::completion::{send_batch, CallbackBatch, CounterRun, OnDone};
-use super::dispatch::{map_domain_error, Dispatch, Post, PostAnswer, PostList};
+use super::dispatch::{map_domain_error, Dispatch, Post, PostAnswer, PostList, Routed, Unrouted};
 use super::{panic_message, Command, Mirror, Shared};
 use crate::domain::{
     Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus,
@@ -41,9 +41,9 @@ use crate::domain::{
 use crate::error::{Error, Result};
 use crate::group::{DomainGroup, SpreadPolicy};
 use crate::imm::Outcome;
-use crate::notifications::{Notification, Refused};
+use crate::notifications::Refused;
 use crate::plugin::Backend;
-use crate::wire::{Message, NetAddr, MESSAGE_HEADER_LEN};
+use crate::wire::{NetAddr, MESSAGE_HEADER_LEN};
 
 #[cfg(test)]
 mod tests;
@@ -588,11 +588,56 @@ impl Worker {
             if self.core.has_arrivals() {
                 self.count_arrivals();
             }
-            for data in self.core.poll_messages() {
-                deliver_message(&self.shared, data);
+            if self.core.has_messages() {
+                self.route_messages();
             }
         }
         any
+    }
+
+    /// Carries out the core's routing of the messages that arrived: a user's to the receive
+    /// handler on the callback thread, a notification to the inbox; the buffers of those not
+    /// handed to the handler go back to the NIC here and now.
+    fn route_messages(&mut self) {
+        let handler = self.shared.recv_handler.get();
+        let payload_max = handler.map(|(max, _)| *max);
+        for routed in self.core.poll_messages(payload_max) {
+            match routed {
+                Routed::User(data) => {
+                    let (max, handler) = handler.expect("routed to the handler: one is set");
+                    hand_to_receive_handler(&self.shared, *max, Arc::clone(handler), data)
+                }
+                Routed::Notification(note) => {
+                    let offered = self
+                        .shared
+                        .notifications
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .offer(note);
+                    match offered {
+                        Ok(()) => self.shared.notified.notify_all(),
+                        Err(why) => report_dropped_notification(why, &self.shared),
+                    }
+                }
+                Routed::Dropped(Unrouted::NoHandler) => {
+                    tracing::error!("a message arrived with no receive handler; dropped")
+                }
+                Routed::Dropped(Unrouted::TooLarge { len, max }) => tracing::error!(
+                    "a message of {len} bytes arrived for receive buffers of {max}; dropped"
+                ),
+                Routed::Dropped(Unrouted::Malformed(e)) => {
+                    tracing::warn!("{e} arrived; dropped")
+                }
+            }
+        }
+        let reposts = self.core.take_reposts();
+        if let (Some(max), true) = (payload_max, reposts > 0) {
+            let buf_len = crate::wire::receive_buffer_len(max);
+            if let Err(e) = self.group.domains_mut()[0].post_recvs(buf_len, reposts) {
+                let e = map_domain_error(&self.shared.backend, e);
+                tracing::error!(error = %e, "cannot post a receive buffer again");
+            }
+        }
     }
 
     /// Counts the core's runs of arrivals into the ImmCounter, taking its lock once per
@@ -785,63 +830,26 @@ impl Worker {
         }
     }
 }
-/// Routes a message: a user's to the receive handler on the callback thread, a notification
-/// to the inbox; its buffer goes back to the NIC either way.
-fn deliver_message(shared: &Arc<Shared>, data: Vec<u8>) {
-    let Some((payload_max, handler)) = shared.recv_handler.get() else {
-        tracing::error!("a message arrived with no receive handler; dropped");
-        return;
-    };
-    let (payload_max, handler) = (*payload_max, Arc::clone(handler));
+/// Runs the receive handler on `data`'s payload on the callback thread, then gives its
+/// buffer back to the NIC — also when the handler panics, or the pool would shrink by one
+/// buffer per panic.
+fn hand_to_receive_handler(
+    shared: &Arc<Shared>,
+    payload_max: usize,
+    handler: super::RecvHandler,
+    data: Vec<u8>,
+) {
     let buf_len = crate::wire::receive_buffer_len(payload_max);
-    let repost = move |shared: &Shared| {
-        let _ = shared.submit(Command::PostRecvs {
-            buf_len,
-            count: 1,
-            reply: None,
-        });
-    };
-    match crate::wire::decode_message(&data) {
-        Ok(Message::User(payload)) if payload.len() <= payload_max => {}
-        Ok(Message::User(payload)) => {
-            // Only a backend that overran the buffer it was given gets here.
-            tracing::error!(
-                "a message of {} bytes arrived for receive buffers of {payload_max}; dropped",
-                payload.len()
-            );
-            return repost(shared);
-        }
-        Ok(Message::Notification { from, id }) => {
-            // Queued for `poll_notifications`, its buffer reposted at once (no user code
-            // runs, so no job for the callback thread).
-            let note = Notification {
-                id: id.to_vec(),
-                from,
-            };
-            let offered = shared
-                .notifications
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .offer(note);
-            match offered {
-                Ok(()) => shared.notified.notify_all(),
-                Err(why) => report_dropped_notification(why, shared),
-            }
-            return repost(shared);
-        }
-        Err(e) => {
-            tracing::warn!("{e} arrived; dropped");
-            return repost(shared);
-        }
-    }
     let weak = Arc::downgrade(shared);
     let job = Box::new(move || {
-        // The buffer goes back to the pool only after the handler returns — also when it
-        // panics, or the pool would shrink by one buffer per panic.
         let payload = &data[MESSAGE_HEADER_LEN..];
         let handled = catch_unwind(AssertUnwindSafe(|| handler(payload)));
         if let Some(shared) = weak.upgrade() {
-            repost(&shared);
+            let _ = shared.submit(Command::PostRecvs {
+                buf_len,
+                count: 1,
+                reply: None,
+            });
         }
         if let Err(panic) = handled {
             std::panic::resume_unwind(panic);

@@ -460,3 +460,63 @@ fn capabilities_refuse_a_transfer_whole_before_anything_is_posted() {
         "{got:?}"
     );
 }
+
+fn arrive(core: &mut Dispatch<u32>, messages: &[Vec<u8>]) {
+    let mut events = messages
+        .iter()
+        .map(|data| Event::Message { data: data.clone() })
+        .collect();
+    core.handle_events(&mut events);
+}
+
+/// Messages are routed in arrival order: a user's within the receive buffers to the handler
+/// (which gives its buffer back itself), a notification to the inbox; those and whatever is
+/// dropped give their buffers back at once, counted for the worker.
+#[test]
+fn messages_are_routed_in_order_and_buffers_not_handed_on_are_given_back() {
+    let mut core = core(1);
+    let user = crate::wire::encode_user_message(b"hello");
+    let too_large = crate::wire::encode_user_message(&[0; 9]);
+    let note = crate::wire::encode_notification(&peer(3), b"done-7");
+    let foreign = vec![0xee, 1, 2];
+    arrive(
+        &mut core,
+        &[user.clone(), too_large, note, foreign, Vec::new()],
+    );
+    assert!(core.has_messages());
+    let routed: Vec<Routed> = core.poll_messages(Some(8)).collect();
+    assert_eq!(
+        routed,
+        [
+            Routed::User(user),
+            Routed::Dropped(Unrouted::TooLarge { len: 9, max: 8 }),
+            Routed::Notification(Notification {
+                id: b"done-7".to_vec(),
+                from: peer(3),
+            }),
+            Routed::Dropped(Unrouted::Malformed(MessageError::UnknownChannel(0xee))),
+            Routed::Dropped(Unrouted::Malformed(MessageError::Empty)),
+        ]
+    );
+    assert!(!core.has_messages());
+    assert_eq!(core.take_reposts(), 4, "all but the handler's");
+    assert_eq!(core.take_reposts(), 0, "taken once");
+}
+
+/// With no receive handler set nothing is routed anywhere and no buffer is owed: none was
+/// posted.
+#[test]
+fn messages_without_a_receive_handler_are_dropped_and_owe_no_buffer() {
+    let mut core = core(1);
+    let note = crate::wire::encode_notification(&peer(3), b"n");
+    arrive(&mut core, &[crate::wire::encode_user_message(b"x"), note]);
+    let routed: Vec<Routed> = core.poll_messages(None).collect();
+    assert_eq!(
+        routed,
+        [
+            Routed::Dropped(Unrouted::NoHandler),
+            Routed::Dropped(Unrouted::NoHandler)
+        ]
+    );
+    assert_eq!(core.take_reposts(), 0);
+}
