@@ -52,7 +52,8 @@ use super::control::{Telemetry, TransferControl};
 use super::tracker::{Finished, Tracker};
 use super::work::{Ops, PageCursor, PagedWork, RdmaWork, Shift, INTERLEAVED_BATCH};
 use crate::domain::{
-    Capabilities, DomainError, DomainErrorKind, Event, PostStatus, RdmaOp, RdmaRequest,
+    Capabilities, Device, DomainError, DomainErrorKind, Event, MemoryRegion, PostStatus, RdmaOp,
+    RdmaRequest,
 };
 use crate::error::Error;
 use crate::notifications::Notification;
@@ -1103,9 +1104,46 @@ impl<W: Waiter> Dispatch<W> {
         stats
     }
 
-    /// Counters the worker keeps itself (registrations).
-    pub(crate) fn counters(&mut self) -> &mut Stats {
-        &mut self.recorder.rest
+    /// Whether every NIC can register `region`, by what each declared: the refusal names the
+    /// memory and the NIC. (The worker registers what passes, NIC by NIC.)
+    pub(crate) fn check_registration(&self, region: &MemoryRegion) -> Result<(), Error> {
+        let backend = &self.backend;
+        match region.device {
+            Device::Cuda(gpu) => {
+                if let Some(nic) = self.caps.iter().position(|c| !c.cuda_memory && !c.dmabuf) {
+                    return Err(Error::InvalidArgument(format!(
+                        "backend {backend} cannot register CUDA memory (GPU {gpu}) on NIC {nic}: it declares host memory only"
+                    )));
+                }
+            }
+            Device::Host => {
+                if !self.caps.iter().all(|c| c.host_memory) {
+                    return Err(Error::InvalidArgument(format!(
+                        "backend {backend} cannot register host memory"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts a registration of `bytes` that took `micros` on the NICs, or one that failed
+    /// (`None`).
+    pub(crate) fn handle_registered(&mut self, registered: Option<(u64, u64)>) {
+        let r = &mut self.recorder.rest.registrations;
+        match registered {
+            Some((bytes, micros)) => {
+                r.registered += 1;
+                r.bytes += bytes;
+                r.time_us += micros;
+            }
+            None => r.failed += 1,
+        }
+    }
+
+    /// Counts a deregistration.
+    pub(crate) fn handle_deregistered(&mut self) {
+        self.recorder.rest.registrations.deregistered += 1;
     }
 
     /// The NICs' capabilities.

@@ -35,7 +35,7 @@ use super::completion::{send_batch, CallbackBatch, CounterRun, OnDone};
 use super::dispatch::{map_domain_error, Dispatch, Post, PostAnswer, PostList, Routed, Unrouted};
 use super::{panic_message, Command, Mirror, Shared};
 use crate::domain::{
-    Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus,
+    Capabilities, Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus,
     Registration, Waker,
 };
 use crate::error::{Error, Result};
@@ -426,15 +426,9 @@ impl Worker {
             Command::Register { region, reply } => {
                 let began = Instant::now();
                 let result = self.register(&region);
-                let r = &mut self.core.counters().registrations;
-                match &result {
-                    Ok(_) => {
-                        r.registered += 1;
-                        r.bytes += region.len;
-                        r.time_us += began.elapsed().as_micros() as u64;
-                    }
-                    Err(_) => r.failed += 1,
-                }
+                let took = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX);
+                self.core
+                    .handle_registered(result.as_ref().ok().map(|_| (region.len, took)));
                 if let Err(unsent) = reply.send(result) {
                     // The caller stopped waiting and was told it failed: undo it, so no
                     // registration outlives the caller's knowledge of it.
@@ -446,7 +440,7 @@ impl Worker {
                 }
             }
             Command::Deregister { keys, reply } => {
-                self.core.counters().registrations.deregistered += 1;
+                self.core.handle_deregistered();
                 let mut result = Ok(());
                 for (domain, key) in self.group.domains_mut().iter_mut().zip(keys) {
                     if let Err(e) = domain.deregister(key) {
@@ -500,22 +494,10 @@ impl Worker {
         }
     }
 
+    /// Registers `region` with every NIC, once the core found they all can; undoes the
+    /// registrations made when one NIC refuses.
     fn register(&mut self, region: &crate::domain::MemoryRegion) -> Result<Vec<Registration>> {
-        let caps = self.core.caps();
-        if let Device::Cuda(gpu) = region.device {
-            if let Some(nic) = caps.iter().position(|c| !c.cuda_memory && !c.dmabuf) {
-                return Err(Error::InvalidArgument(format!(
-                    "backend {} cannot register CUDA memory (GPU {gpu}) on NIC {nic}: it declares host memory only",
-                    self.shared.backend
-                )));
-            }
-        }
-        if region.device == Device::Host && !caps.iter().all(|c| c.host_memory) {
-            return Err(Error::InvalidArgument(format!(
-                "backend {} cannot register host memory",
-                self.shared.backend
-            )));
-        }
+        self.core.check_registration(region)?;
         let domains = self.group.domains_mut();
         let mut done = Vec::with_capacity(domains.len());
         for i in 0..domains.len() {

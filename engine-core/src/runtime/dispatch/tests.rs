@@ -520,3 +520,73 @@ fn messages_without_a_receive_handler_are_dropped_and_owe_no_buffer() {
     );
     assert_eq!(core.take_reposts(), 0);
 }
+
+fn region(device: crate::domain::Device) -> crate::domain::MemoryRegion {
+    crate::domain::MemoryRegion {
+        ptr: 4096,
+        len: 4096,
+        device,
+        remote_write: true,
+        remote_read: false,
+    }
+}
+
+/// A registration every NIC cannot take is refused before any NIC is asked, naming the
+/// memory and the first NIC that rules it out.
+#[test]
+fn registrations_are_checked_against_every_nics_memory_kinds() {
+    use crate::domain::Device;
+    let host_only = Capabilities {
+        cuda_memory: false,
+        dmabuf: false,
+        ..Capabilities::default()
+    };
+    let no_host = Capabilities {
+        host_memory: false,
+        ..Capabilities::default()
+    };
+    let dmabuf_only = Capabilities {
+        cuda_memory: false,
+        dmabuf: true,
+        ..Capabilities::default()
+    };
+    let core = |caps: Vec<Capabilities>| -> Dispatch<u32> {
+        Dispatch::new("test".into(), caps, Duration::from_secs(1), Anchor::now())
+    };
+    let mixed = core(vec![Capabilities::default(), host_only]);
+    assert!(mixed.check_registration(&region(Device::Host)).is_ok());
+    let refused = mixed
+        .check_registration(&region(Device::Cuda(3)))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains("GPU 3") && refused.contains("NIC 1"),
+        "{refused}"
+    );
+    assert!(core(vec![dmabuf_only])
+        .check_registration(&region(Device::Cuda(0)))
+        .is_ok());
+    let refused = core(vec![Capabilities::default(), no_host])
+        .check_registration(&region(Device::Host))
+        .unwrap_err();
+    assert!(
+        matches!(&refused, Error::InvalidArgument(m) if m.contains("host memory")),
+        "{refused}"
+    );
+}
+
+/// Registrations are counted from what the worker reports: bytes and time of those that
+/// succeeded, failures, deregistrations.
+#[test]
+fn registrations_are_counted_as_reported() {
+    let mut core = core(1);
+    core.handle_registered(Some((4096, 7)));
+    core.handle_registered(Some((100, 3)));
+    core.handle_registered(None);
+    core.handle_deregistered();
+    let r = core.stats(ms(0)).registrations;
+    assert_eq!(
+        (r.registered, r.bytes, r.time_us, r.failed, r.deregistered),
+        (2, 4196, 10, 1, 1)
+    );
+}
