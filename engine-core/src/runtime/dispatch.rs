@@ -15,8 +15,14 @@
 //!   message — and [`handle_posted`](Dispatch::handle_posted) takes the NIC's answer (how many
 //!   it took, and `Posted`, `Busy` or an error);
 //! - [`handle_events`](Dispatch::handle_events) counts completions into the tracker and
-//!   gathers arrivals (runs of one immediate from one sender) and messages for the worker,
-//!   which owns the locked ImmCounter and the receive handler;
+//!   gathers arrivals (runs of one immediate from one sender) for the worker, which owns
+//!   the locked ImmCounter;
+//! - [`poll_messages`](Dispatch::poll_messages) routes the messages that arrived (to the
+//!   receive handler, to the inbox, or dropped and why) and
+//!   [`take_reposts`](Dispatch::take_reposts) says how many receive buffers go back now;
+//! - [`check_registration`](Dispatch::check_registration) says whether every NIC can
+//!   register a region, and `handle_registered`/`handle_deregistered` count what the worker
+//!   did;
 //! - [`poll_deliveries`](Dispatch::poll_deliveries) returns finished transfers, recording
 //!   their statistics; [`poll_timeout`](Dispatch::poll_timeout) says when the next deadline
 //!   falls and [`handle_timeout`](Dispatch::handle_timeout) ends what is past it.

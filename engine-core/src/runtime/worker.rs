@@ -1,16 +1,23 @@
-//! Why one file: it is the one loop that owns the thread, the clock and the Domains around the
-//! pure core; what is left in it (registration, message routing, parking) is the I/O the core
-//! must not do, and moves to `dispatch.rs` piece by piece as it becomes pure.
+//! Why one file: it is the one loop that owns the thread, the clock, the locks and the
+//! Domains around the pure core; what is left in it is the I/O the core must not do —
+//! opening the Domains, calling them, the shared ImmCounter, inbox and mirrors, parking.
 //!
 //! The worker: one thread per DomainGroup, a loop around the [`Dispatch`] core. Each pass
 //! takes the queued commands (transfers and messages go to the core; registrations and the
 //! rest it carries out itself, after posting what the core holds), hands the Domains what
 //! `Dispatch::poll_post` returns and the core their answers, retries queued work once,
 //! polls the Domains and feeds their events back, counts arrivals into the shared
-//! ImmCounter, delivers, and — idle — parks until the core's `poll_timeout`, the
-//! ImmCounter's next deadline, or a wake. The decisions (tracking, backpressure, coalescing,
-//! deadlines, cancellation) are the core's; the clock, the thread, the locks and the Domains
-//! are here.
+//! ImmCounter, carries out the core's routing of messages (handler, inbox, buffers given
+//! back), delivers, and — idle — parks until the core's `poll_timeout`, the ImmCounter's
+//! next deadline, the earliest `Domain::poll_timeout` (read after the last poll before the
+//! park), or a wake.
+//!
+//! What lives where: the core (`dispatch.rs`) decides — tracking, backpressure per (NIC,
+//! peer), coalescing, deadlines, cancellation, message routing, whether the NICs can register
+//! a region — and keeps the statistics, recorded from what it is told (posts' answers,
+//! events, registrations the worker reports). The worker reads the clock (one read per batch
+//! of submissions), takes the locks and calls the Domains; registration itself is NIC calls
+//! (with their undo when one refuses) after the core's check.
 //!
 //! Failure containment: each pass of the loop runs under `catch_unwind`. If a backend (or
 //! anything else on this thread) panics, the worker closes its Domains first — so no NIC
