@@ -593,8 +593,10 @@ impl Worker {
         for routed in self.core.poll_messages(payload_max) {
             match routed {
                 Routed::User(data) => {
-                    let (max, handler) = handler.expect("routed to the handler: one is set");
-                    hand_to_receive_handler(&self.shared, *max, Arc::clone(handler), data)
+                    // Routed to the handler only when one is set.
+                    if let Some((max, handler)) = handler {
+                        hand_to_receive_handler(&self.shared, *max, Arc::clone(handler), data)
+                    }
                 }
                 Routed::Notification(note) => {
                     let offered = self
