@@ -25,10 +25,11 @@
 //! `Error::WorkerFailed`, and from then on refuses new work until the engine is dropped.
 //! User code that runs here (mirror sinks) is caught on its own and never gets that far.
 //!
-//! Spinning policy: while any transfer is in flight (or a post is waiting for room) the worker
-//! busy-polls; after `worker.spin_us` without work it parks until woken by a submission or a
-//! Domain's waker, the next deadline, or (for Domains that cannot wake it) `idle_poll_us`.
-//! Idle polls while awake yield the CPU between them unless `worker.yield_when_idle` is off.
+//! Spinning policy (its decisions in `idle.rs`, pure): while any transfer is in flight (or a
+//! post is waiting for room) the worker busy-polls; after `worker.spin_us` without work it
+//! parks until woken by a submission or a Domain's waker, the next deadline, or (for Domains
+//! that cannot wake it) `idle_poll_us`. Idle polls while awake yield the CPU between them
+//! unless `worker.yield_when_idle` is off.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -40,6 +41,7 @@ use std::time::{Duration, Instant};
 use super::clock::{Anchor, Stamp};
 use super::completion::{send_batch, CallbackBatch, CounterRun, OnDone};
 use super::dispatch::{map_domain_error, Dispatch, Post, PostAnswer, PostList, Routed, Unrouted};
+use super::idle::{AfterPass, Idle};
 use super::{panic_message, Command, Mirror, Shared};
 use crate::domain::{
     Capabilities, Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus,
@@ -259,12 +261,12 @@ impl Worker {
     fn run(mut self) {
         let spin = Duration::from_micros(self.shared.config.worker.spin_us);
         let idle_poll = Duration::from_micros(self.shared.config.worker.idle_poll_us);
-        let mut idle_since: Option<Instant> = None;
-        let mut rounds: u32 = 0;
+        // Domains that cannot wake us and need polling to make progress (libfabric's
+        // manual-progress providers) with `idle_poll_us = 0`: never park.
+        let never_park = (!self.domains_wake && idle_poll.is_zero()) || self.needs_polling;
+        let mut idle = Idle::new(spin, never_park);
         loop {
-            let pass = catch_unwind(AssertUnwindSafe(|| {
-                self.pass(spin, idle_poll, &mut idle_since, &mut rounds)
-            }));
+            let pass = catch_unwind(AssertUnwindSafe(|| self.pass(idle_poll, &mut idle)));
             match pass {
                 Ok(true) => {}
                 Ok(false) => return self.shutdown(),
@@ -278,13 +280,7 @@ impl Worker {
     }
 
     /// One pass of the loop; returns `false` once a shutdown was seen.
-    fn pass(
-        &mut self,
-        spin: Duration,
-        idle_poll: Duration,
-        idle_since: &mut Option<Instant>,
-        rounds: &mut u32,
-    ) -> bool {
+    fn pass(&mut self, idle_poll: Duration, idle: &mut Idle) -> bool {
         let mut busy = false;
         if self.commands.is_empty() {
             self.shared.queue.take_into(&mut self.commands);
@@ -309,32 +305,21 @@ impl Worker {
         busy |= self.retry_queued();
         busy |= self.poll_domains();
         self.deliver();
-        *rounds = rounds.wrapping_add(1);
-        if busy {
-            *idle_since = None;
-            if *rounds % 64 == 0 {
-                self.expire(Stamp::now());
+        match idle.after_pass(busy) {
+            AfterPass::Go => {}
+            AfterPass::Expire => self.expire(Stamp::now()),
+            AfterPass::Pause => self.idle_pause(),
+            AfterPass::Look => {
+                let now = Stamp::now();
+                self.expire(now);
+                let in_flight = self.core.in_flight() > 0 || self.core.has_queued();
+                if idle.parks(now, in_flight) {
+                    self.park(idle_poll);
+                } else {
+                    self.idle_pause();
+                }
             }
-            return true;
         }
-        // Idle: read the clock only every 16th round; between, pause (see `idle_pause`).
-        if *rounds % 16 != 0 {
-            self.idle_pause();
-            return true;
-        }
-        let stamp = Stamp::now();
-        let now = self.anchor.instant(stamp);
-        self.expire(stamp);
-        let in_flight = self.core.in_flight() > 0 || self.core.has_queued();
-        let idle_start = *idle_since.get_or_insert(now);
-        // Domains that cannot wake us and need polling to make progress (libfabric's
-        // manual-progress providers) with `idle_poll_us = 0`: never park.
-        let never_park = (!self.domains_wake && idle_poll.is_zero()) || self.needs_polling;
-        if in_flight || never_park || now.duration_since(idle_start) < spin {
-            self.idle_pause();
-            return true;
-        }
-        self.park(idle_poll);
         true
     }
 
