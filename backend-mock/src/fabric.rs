@@ -240,10 +240,28 @@ impl Nic {
         self.wake();
     }
 
-    /// Queues `events` (leaving it empty) under one hold of the inbox, and wakes the worker.
-    pub(crate) fn deliver_all(&self, events: &mut Vec<Event>) {
-        move_events(&mut self.inbox().events, events);
-        self.wake();
+    /// Takes the events queued for this NIC's next poll, to add to them without a vector
+    /// of one's own; [`put_back_events`](Self::put_back_events) returns them.
+    pub(crate) fn take_events(&self) -> Vec<Event> {
+        std::mem::take(&mut self.inbox().events)
+    }
+
+    /// Puts back `events` taken by [`take_events`](Self::take_events), with those added
+    /// since behind the ones that were there, then any delivered meanwhile (from other
+    /// NICs); wakes the worker if there are any (it may have found the queue empty while
+    /// they were taken).
+    pub(crate) fn put_back_events(&self, mut events: Vec<Event>) {
+        let any = {
+            let mut inbox = self.inbox();
+            if !inbox.events.is_empty() {
+                events.append(&mut inbox.events);
+            }
+            inbox.events = events;
+            !inbox.events.is_empty()
+        };
+        if any {
+            self.wake();
+        }
     }
 
     pub(crate) fn wake(&self) {
@@ -490,7 +508,7 @@ pub(crate) fn land_batch(src: &Arc<Nic>, conn: &Conn, shape: &RdmaShape, batch: 
     // The inbox's own buffer (what the worker handed back at its last poll), so that a large
     // batch's events reuse its room instead of a fresh allocation the kernel must fault in
     // every time (for 100,000 pages, ~5 MB).
-    let mut done = std::mem::take(&mut src.inbox().events);
+    let mut done = src.take_events();
     done.reserve(batch.len());
     let mut complete = |i: usize, result: Result<(), DomainError>| {
         if result.is_err() {
@@ -510,7 +528,7 @@ pub(crate) fn land_batch(src: &Arc<Nic>, conn: &Conn, shape: &RdmaShape, batch: 
             complete(i, Err(dropped(&src.addr)));
         }
     }
-    src.deliver_all(&mut done);
+    src.put_back_events(done);
 }
 
 /// Returns whether the message was delivered now (else it waits for a receive buffer).
