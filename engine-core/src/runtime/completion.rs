@@ -260,8 +260,8 @@ impl Sleepers {
     }
 }
 
-/// What a flag calls right after it is set (see [`DoneFlag::with_waker`]).
-type Waker = Box<dyn Fn() + Send + Sync>;
+/// What a flag calls right after it is set, with the flag (see [`DoneFlag::with_waker`]).
+type Waker = Box<dyn Fn(&DoneFlag) + Send + Sync>;
 
 /// A one-shot completion flag.
 #[derive(Default)]
@@ -295,6 +295,14 @@ impl DoneFlag {
     /// `expect_imm_count` and submit transfers (both only queue work for the worker; see
     /// `transfer-bench --latency --reactive`). A panic in it is caught and logged.
     pub fn with_waker(waker: impl Fn() + Send + Sync + 'static) -> Arc<Self> {
+        Self::with_flag_waker(move |_| waker())
+    }
+
+    /// Like [`with_waker`](Self::with_waker), but the waker is handed the flag it wakes for,
+    /// to read its [`result`](Self::result): a waker that needs the outcome holds no
+    /// reference back to its flag (a cell filled after construction, one more allocation
+    /// and initialisation per flag).
+    pub fn with_flag_waker(waker: impl Fn(&DoneFlag) + Send + Sync + 'static) -> Arc<Self> {
         Arc::new(Self {
             waker: Some(Box::new(waker)),
             ..Self::default()
@@ -311,7 +319,7 @@ impl DoneFlag {
         }
         self.sleepers.notify();
         if let Some(waker) = &self.waker {
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(waker)).is_err() {
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| waker(self))).is_err() {
                 tracing::error!("a DoneFlag waker panicked");
             }
         }
@@ -523,5 +531,26 @@ mod tests {
         let bad = DoneFlag::with_waker(|| panic!("waker"));
         OnDone::Flag(Arc::clone(&bad)).complete_inline(Ok(()));
         assert!(bad.is_done());
+    }
+
+    #[test]
+    fn a_flag_waker_is_handed_its_own_flag_with_the_outcome_set() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let flag = {
+            let seen = Arc::clone(&seen);
+            DoneFlag::with_flag_waker(move |flag| {
+                seen.lock()
+                    .unwrap()
+                    .push((flag as *const DoneFlag as usize, flag.result()));
+            })
+        };
+        OnDone::Flag(Arc::clone(&flag)).complete_inline(Err(Error::Shutdown));
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![(Arc::as_ptr(&flag) as usize, Some(Err(Error::Shutdown)))]
+        );
+        let bad = DoneFlag::with_flag_waker(|_| panic!("waker"));
+        OnDone::Flag(Arc::clone(&bad)).complete_inline(Ok(()));
+        assert_eq!(bad.result(), Some(Ok(())));
     }
 }

@@ -38,19 +38,11 @@ pub(crate) const PONG: u32 = 0x7a12;
 impl Reactive {
     /// Expects the next arrival for `side`; its flag's waker calls [`arrived`](Self::arrived).
     fn arm(self: &Arc<Self>, side: Side) {
-        let slot: Arc<std::sync::OnceLock<std::sync::Weak<engine_core::DoneFlag>>> = Arc::default();
-        let (inner, state) = (Arc::clone(&slot), Arc::clone(self));
-        let flag = engine_core::DoneFlag::with_waker(move || {
-            let outcome = inner
-                .get()
-                .and_then(std::sync::Weak::upgrade)
-                .and_then(|f| f.result());
-            match outcome {
-                Some(Ok(())) => state.arrived(side),
-                other => state.finish(Err(format!("{side:?}'s expectation ended: {other:?}"))),
-            }
+        let state = Arc::clone(self);
+        let flag = engine_core::DoneFlag::with_flag_waker(move |flag| match flag.result() {
+            Some(Ok(())) => state.arrived(side),
+            other => state.finish(Err(format!("{side:?}'s expectation ended: {other:?}"))),
         });
-        let _ = slot.set(Arc::downgrade(&flag));
         let (engine, imm) = match side {
             Side::A => (&self.a, PONG),
             Side::B => (&self.b, PING),
