@@ -10,8 +10,9 @@ use std::ffi::c_void;
 
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
-    message_size_class, Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind,
-    Event, MemoryRegion, PostStatus, RdmaOp, RdmaRequest, ReceivePool, RegionTable, Registration,
+    message_size_class, Capabilities, Device, Domain, DomainCause, DomainConfig, DomainError,
+    DomainErrorKind, Event, MemoryRegion, PostStatus, RdmaOp, RdmaRequest, ReceivePool,
+    RegionTable, Registration,
 };
 
 use crate::ffi::{
@@ -78,7 +79,16 @@ pub struct EfaDomain {
 }
 
 fn other(e: OfiError) -> DomainError {
-    DomainError::new(DomainErrorKind::Other, e.message)
+    let cause = e.cause();
+    with_cause(DomainError::new(DomainErrorKind::Other, e.message), cause)
+}
+
+/// `error`, caused by `cause` when libfabric gave one.
+fn with_cause(error: DomainError, cause: Option<DomainCause>) -> DomainError {
+    match cause {
+        Some(cause) => error.with_cause(cause),
+        None => error,
+    }
 }
 
 /// A failed registration, with the memlock limit named when the cause is ENOMEM (the most
@@ -92,7 +102,7 @@ fn registration_error(e: OfiError, len: u64) -> DomainError {
             "; the locked-memory limit (ulimit -l) is {limit}: raise it, see `xfer doctor`"
         ));
     }
-    DomainError::new(DomainErrorKind::Other, message)
+    with_cause(DomainError::new(DomainErrorKind::Other, message), e.cause())
 }
 
 /// Maps a completion's error to the engine's kinds. EFA folds bad local keys, invalid address
@@ -580,7 +590,8 @@ impl Domain for EfaDomain {
                             "{} via {}: {message} (libfabric error {err}, provider errno {prov_errno})",
                             self.provider, self.address
                         ),
-                    );
+                    )
+                    .with_cause(DomainCause::Os(err.saturating_abs()));
                     match self.release(context) {
                         Some(
                             InFlight::Write { wr_id, peer } | InFlight::Send { wr_id, peer, .. },
@@ -649,8 +660,14 @@ mod tests {
             message: "fi_mr_regattr: whatever the text".into(),
             code: Some(-12),
         };
-        let m = registration_error(oom, 4096).message;
-        assert!(m.contains("locked-memory limit (ulimit -l)"), "{m}");
+        let e = registration_error(oom, 4096);
+        assert!(e.message.contains("locked-memory limit (ulimit -l)"), "{e}");
+        // The code, not only its words: a caller matches on the errno.
+        assert_eq!(e.cause, Some(DomainCause::Os(12)));
+        assert_eq!(
+            e.cause.and_then(|c| c.io_error()).map(|io| io.kind()),
+            Some(std::io::ErrorKind::OutOfMemory)
+        );
         let other = OfiError {
             message: "fi_mr_regattr: Cannot allocate memory, in words only".into(),
             code: Some(-22),

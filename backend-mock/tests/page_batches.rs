@@ -139,10 +139,10 @@ fn an_injected_failure_inside_a_batch_fails_its_page_and_the_rest_land() {
         .unwrap();
     warm.wait(WAIT).unwrap();
     match paged_write(&a, &src, &dst, n, 7) {
-        Err(Error::Backend { message, .. }) => {
+        Err(Error::Backend { source, .. }) => {
             assert!(
-                message.contains("injected failure of operation 152"),
-                "{message}"
+                source.message.contains("injected failure of operation 152"),
+                "{source}"
             )
         }
         other => panic!("expected the injected failure, got {other:?}"),

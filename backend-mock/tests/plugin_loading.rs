@@ -266,7 +266,7 @@ fn the_engine_refuses_what_a_plugins_capabilities_rule_out() {
     ] {
         let e = refused(len, imm);
         assert!(
-            matches!(&e, Error::InvalidArgument(m) if m.contains(says) && m.contains("mock")),
+            matches!(&e, Error::Refused { backend, source } if source.message.contains(says) && backend == "mock"),
             "{len} bytes, imm {imm:?}: {e}"
         );
     }
@@ -281,7 +281,7 @@ fn the_engine_refuses_what_a_plugins_capabilities_rule_out() {
         .unwrap();
     let e = f.wait(std::time::Duration::from_secs(20)).unwrap_err();
     assert!(
-        matches!(&e, Error::InvalidArgument(m) if m.contains("101 bytes")),
+        matches!(&e, Error::Refused { source, .. } if source.message.contains("101 bytes")),
         "{e}"
     );
 }

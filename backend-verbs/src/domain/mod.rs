@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use foldhash::HashMap;
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
-    Device as MemDevice, Domain, DomainError, DomainErrorKind, Event, MemoryRegion, PageShift,
-    PostStatus, RdmaRequest, ReceivePool, RegionTable, Registration, Waker,
+    Device as MemDevice, Domain, DomainCause, DomainError, DomainErrorKind, Event, MemoryRegion,
+    PageShift, PostStatus, RdmaRequest, ReceivePool, RegionTable, Registration, Waker,
 };
 
 use crate::ffi::{Attr, Device, Mr, RemoteBits, Wc, Write, TAG_MSG_RECV};
@@ -83,6 +83,12 @@ fn err(kind: DomainErrorKind, message: impl Into<String>) -> DomainError {
 
 fn other(message: String) -> DomainError {
     err(DomainErrorKind::Other, message)
+}
+
+/// The error of a work completion that failed with `status` (an `ibv_wc_status`), which it
+/// carries as its cause.
+fn failed_completion(status: i32, text: impl Into<String>) -> DomainError {
+    err(classify(status), text).with_cause(DomainCause::Status(status))
 }
 
 /// Maps a failed work completion to the engine's kinds.
@@ -407,5 +413,18 @@ mod tests {
         assert_eq!(xfer_plugin::domain::message_size_class(256), 256);
         assert_eq!(xfer_plugin::domain::message_size_class(257), 512);
         assert_eq!(xfer_plugin::domain::message_size_class(65_536), 65_536);
+    }
+
+    /// A failed completion keeps the NIC's status as a typed cause, beside the kind it maps
+    /// to and the status's name.
+    #[test]
+    fn a_failed_completion_carries_its_status() {
+        use xfer_plugin::domain::{DomainCause, DomainErrorKind};
+        let e = super::failed_completion(10, "REM_ACCESS_ERR");
+        assert_eq!(e.kind, DomainErrorKind::RemoteAccess);
+        assert_eq!(e.cause, Some(DomainCause::Status(10)));
+        let e = super::failed_completion(12, "RETRY_EXC_ERR");
+        assert_eq!(e.kind, DomainErrorKind::PeerUnreachable);
+        assert_eq!(e.cause, Some(DomainCause::Status(12)));
     }
 }

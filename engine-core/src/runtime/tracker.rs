@@ -206,7 +206,10 @@ impl<W> Tracker<W> {
 /// was flushed because another failed reports — which outranks running out of time.
 fn cause_rank(e: &Error) -> u8 {
     match e {
-        Error::RemoteAccess(_) | Error::InvalidArgument(_) | Error::OutOfBounds { .. } => 4,
+        Error::RemoteAccess(_)
+        | Error::InvalidArgument(_)
+        | Error::Refused { .. }
+        | Error::OutOfBounds { .. } => 4,
         Error::Backend { .. } => 3,
         Error::PeerUnreachable(_) => 2,
         Error::Timeout(_) | Error::NotListening { .. } => 0,

@@ -129,10 +129,7 @@ pub(crate) fn spawn_worker(
                 }
             }
         })
-        .map_err(|e| Error::Backend {
-            backend: shared.backend.clone(),
-            message: format!("cannot spawn the worker thread: {e}"),
-        })?;
+        .map_err(|e| Error::backend_io(&shared.backend, "cannot spawn the worker thread", &e))?;
     shared.parking.set_worker(thread.thread().clone());
     let timeout =
         shared.config.timeouts.control() + Duration::from_millis(shared.config.timeouts.connect_ms);
@@ -180,9 +177,12 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
                 nic,
                 options: &options,
             })
-            .map_err(|e| Error::Backend {
-                backend: shared.backend.clone(),
-                message: format!("cannot open NIC {nic:?}: {}", e.message),
+            .map_err(|mut e| {
+                e.message = format!("cannot open NIC {nic:?}: {}", e.message);
+                Error::Backend {
+                    backend: shared.backend.clone(),
+                    source: e,
+                }
             })?;
         let (waking, asking) = (Arc::clone(&shared.parking), Arc::clone(&shared.parking));
         domains_wake &= domain.set_waker(Waker::with_parking(
@@ -194,32 +194,35 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
         if declared.max_address_len > crate::wire::MAX_ADDR_LEN
             || address_len > declared.max_address_len
         {
-            return Err(Error::Backend {
-                backend: shared.backend.clone(),
-                message: format!(
+            return Err(Error::backend_other(
+                &shared.backend,
+                format!(
                     "NIC {nic:?}: the backend declares addresses of up to {} bytes and handed out one of {address_len}; the engine carries at most {}",
                     declared.max_address_len,
                     crate::wire::MAX_ADDR_LEN
                 ),
-            });
+            ));
         }
         domains.push(domain);
         caps.push(declared);
     }
     let needs_polling = caps.iter().any(|c| c.needs_receiver_polling);
     let nics = domains.len();
-    let group = (backend.open_group())(domains, config).map_err(|e| Error::Backend {
-        backend: shared.backend.clone(),
-        message: format!("cannot make the DomainGroup: {}", e.message),
+    let group = (backend.open_group())(domains, config).map_err(|mut e| {
+        e.message = format!("cannot make the DomainGroup: {}", e.message);
+        Error::Backend {
+            backend: shared.backend.clone(),
+            source: e,
+        }
     })?;
     if group.domains().len() != nics {
-        return Err(Error::Backend {
-            backend: shared.backend.clone(),
-            message: format!(
+        return Err(Error::backend_other(
+            &shared.backend,
+            format!(
                 "the backend's DomainGroup has {} NICs; the config names {nics}",
                 group.domains().len()
             ),
-        });
+        ));
     }
     let anchor = Anchor::now();
     let core = Dispatch::new(
@@ -481,21 +484,25 @@ impl Worker {
         }
     }
 
+    /// A registration the backend's capabilities rule out, named by `why`.
+    fn refused(&self, why: String) -> Error {
+        Error::Refused {
+            backend: self.shared.backend.clone(),
+            source: DomainError::new(DomainErrorKind::InvalidArgument, why),
+        }
+    }
+
     fn register(&mut self, region: &crate::domain::MemoryRegion) -> Result<Vec<Registration>> {
         let caps = self.core.caps();
         if let Device::Cuda(gpu) = region.device {
             if let Some(nic) = caps.iter().position(|c| !c.cuda_memory && !c.dmabuf) {
-                return Err(Error::InvalidArgument(format!(
-                    "backend {} cannot register CUDA memory (GPU {gpu}) on NIC {nic}: it declares host memory only",
-                    self.shared.backend
+                return Err(self.refused(format!(
+                    "cannot register CUDA memory (GPU {gpu}) on NIC {nic}: the backend declares host memory only"
                 )));
             }
         }
         if region.device == Device::Host && !caps.iter().all(|c| c.host_memory) {
-            return Err(Error::InvalidArgument(format!(
-                "backend {} cannot register host memory",
-                self.shared.backend
-            )));
+            return Err(self.refused("cannot register host memory".into()));
         }
         let domains = self.group.domains_mut();
         let mut done = Vec::with_capacity(domains.len());
