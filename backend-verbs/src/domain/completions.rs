@@ -187,19 +187,11 @@ impl VerbsDomain {
                         if wc.status != 0 {
                             // A failed receive (an oversized message) goes back on the SRQ:
                             // the pool must not shrink.
-                            let (addr, len, mr) = self.receives.get(index);
-                            let lkey = mr.lkey;
-                            // SAFETY: the buffer is registered and owned by the pool; it is not
-                            // reused until this receive completes.
-                            let reposted = unsafe {
-                                self.device.post_srq_recv(
-                                    true,
-                                    TAG_MSG_RECV | index as u64,
-                                    addr as u64,
-                                    len as u32,
-                                    lkey,
-                                )
-                            };
+                            let reposted = self.receives.post_recv(
+                                &mut self.device,
+                                index,
+                                TAG_MSG_RECV | index as u64,
+                            );
                             if reposted.is_err() {
                                 self.receives.release(index);
                             }

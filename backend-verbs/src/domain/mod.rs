@@ -9,10 +9,10 @@ use foldhash::HashMap;
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
     Device as MemDevice, Domain, DomainCause, DomainError, DomainErrorKind, Event, MemoryRegion,
-    PageShift, PostStatus, RdmaRequest, ReceivePool, RegionTable, Registration, Waker,
+    PageShift, PostStatus, RdmaRequest, RegionTable, Registration, Waker,
 };
 
-use crate::ffi::{Attr, Device, Mr, RemoteBits, Wc, Write, TAG_MSG_RECV};
+use crate::ffi::{Attr, Device, MessageBuffers, Mr, Wc, Write, TAG_MSG_RECV};
 use crate::handshake::Handshaker;
 use crate::log;
 use crate::notify::NotifyState;
@@ -42,10 +42,10 @@ pub struct VerbsDomain {
     handshake: Handshaker,
     regions: RegionTable<Mr>,
     /// Message buffers posted to the message SRQ.
-    receives: ReceivePool<Mr>,
+    receives: MessageBuffers,
     sends: HashMap<u64, SendBuffer>,
     /// Registered message buffers for sends (see `message_size_class`).
-    send_pool: ReceivePool<Mr>,
+    send_pool: MessageBuffers,
     device: Device,
     attr: Attr,
     me: VerbsAddr,
@@ -109,24 +109,13 @@ impl Domain for VerbsDomain {
     fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError> {
         let mr = match region.device {
             MemDevice::Cuda(index) => self.register_gpu(region, index)?,
-            _ => {
-                // SAFETY: TransferEngine::reg_mr's contract keeps the memory allocated until it
-                // is deregistered, which drops this registration.
-                unsafe {
-                    self.device.register(
-                        region.ptr,
-                        region.len as usize,
-                        RemoteBits::of(region.remote_write, region.remote_read),
-                    )
-                }
-                .map_err(|e| {
-                    let limit = xfer_topology::doctor::memlock_limit(std::path::Path::new("/proc"))
-                        .map_or("unlimited".to_owned(), |l| format!("{l} bytes"));
-                    other(format!(
-                        "{e} (locked-memory limit: {limit}; see `xfer doctor`)"
-                    ))
-                })?
-            }
+            _ => self.device.register_region(region).map_err(|e| {
+                let limit = xfer_topology::doctor::memlock_limit(std::path::Path::new("/proc"))
+                    .map_or("unlimited".to_owned(), |l| format!("{l} bytes"));
+                other(format!(
+                    "{e} (locked-memory limit: {limit}; see `xfer doctor`)"
+                ))
+            })?,
         };
         let key = self.regions.next_key();
         let remote_key = u64::from(mr.rkey);
@@ -279,30 +268,13 @@ impl Domain for VerbsDomain {
 
     fn post_recvs(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError> {
         for _ in 0..count {
-            let device = &mut self.device;
-            // SAFETY: the buffer lives in the pool for the Domain's lifetime.
             let index = self
                 .receives
-                .take(buf_len, |data| unsafe {
-                    device.register(
-                        data.as_ptr() as u64,
-                        data.len(),
-                        RemoteBits::of(false, false),
-                    )
-                })
+                .take(&mut self.device, buf_len)
                 .map_err(other)?;
-            let (addr, len, mr) = self.receives.get(index);
-            // SAFETY: the buffer is registered and not reused until its completion.
-            unsafe {
-                self.device.post_srq_recv(
-                    true,
-                    TAG_MSG_RECV | index as u64,
-                    addr as u64,
-                    len as u32,
-                    mr.lkey,
-                )
-            }
-            .map_err(other)?;
+            self.receives
+                .post_recv(&mut self.device, index, TAG_MSG_RECV | index as u64)
+                .map_err(other)?;
         }
         Ok(())
     }
