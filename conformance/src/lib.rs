@@ -27,6 +27,7 @@
 //! Every check panics with a message naming what broke. Deadlines are taken from the
 //! harness's config with the transfer and expectation timeouts capped at two seconds, so a
 //! broken backend fails fast instead of hanging.
+#![deny(unsafe_code)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
