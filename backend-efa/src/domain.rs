@@ -485,14 +485,11 @@ impl Domain for EfaDomain {
             // Without FI_HMEM the provider would take a CUDA pointer for host memory; the
             // engine refuses device memory instead, naming the backend.
             cuda_memory: self.endpoint.attr.hmem != 0,
+            // Only when the provider granted FI_READ/FI_REMOTE_READ; the engine refuses reads
+            // otherwise, naming the backend.
+            reads: self.endpoint.attr.rma_read != 0,
             ..Capabilities::default()
         }
-    }
-
-    fn supports_read(&self) -> bool {
-        // Only when the provider granted FI_READ/FI_REMOTE_READ; the engine refuses reads
-        // otherwise, naming the backend.
-        self.endpoint.attr.rma_read != 0
     }
 
     fn post_send(

@@ -302,7 +302,11 @@ fn a_version_2_plugin_loads_with_default_capabilities() {
     );
     assert_eq!(
         a.capabilities()[0],
-        engine_core::domain::Capabilities::default(),
+        engine_core::domain::Capabilities {
+            // ABI 2 appended `post_read`: its presence is the plugin's reads.
+            reads: true,
+            ..engine_core::domain::Capabilities::default()
+        },
         "a version-2 table has no capabilities entry: the engine must not read past it"
     );
     let src = xfer_conformance::buffer(&a, 64, xfer_conformance::pattern(2));

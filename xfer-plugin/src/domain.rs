@@ -357,9 +357,8 @@ pub trait Domain: Send {
 
     /// Posts an RDMA WRITE or READ. Connecting to a new peer happens here, lazily; requests
     /// posted while it connects are queued by the Domain, not refused. A read's `Done` means
-    /// the bytes are in local memory. Backends without reads (see
-    /// [`supports_read`](Self::supports_read)) refuse [`RdmaOp::Read`] with
-    /// [`refuse_read`]'s typed error.
+    /// the bytes are in local memory. Backends without reads (see [`Capabilities::reads`])
+    /// refuse [`RdmaOp::Read`] with [`refuse_read`]'s typed error.
     fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError>;
 
     /// Posts `template` once per entry of `shifts`, each moved by its byte offsets, in order
@@ -394,11 +393,6 @@ pub trait Domain: Send {
         requests: &[RdmaRequest<'_>],
     ) -> (usize, Result<PostStatus, DomainError>) {
         post_each(self, requests)
-    }
-
-    /// Whether [`post_rdma`](Self::post_rdma) carries out [`RdmaOp::Read`].
-    fn supports_read(&self) -> bool {
-        false
     }
 
     /// Posts a message to `peer` (copied before this returns).
@@ -504,12 +498,15 @@ pub struct Capabilities {
     /// The Domain makes progress only while polled, also when it only receives (libfabric's
     /// manual-progress providers such as EFA): the engine keeps polling instead of parking.
     pub needs_receiver_polling: bool,
+    /// [`Domain::post_rdma`] carries out [`RdmaOp::Read`] (RDMA READ). For a plugin it is
+    /// whether its table has the `post_read` entry (ABI 2), not a bit of the C layout.
+    pub reads: bool,
 }
 
 impl Default for Capabilities {
     /// What the engine assumes of a backend that does not say (and of plugins older than
     /// ABI 3): no limits, host and CUDA memory, immediates and zero-byte writes, no receiver
-    /// polling.
+    /// polling, no reads.
     fn default() -> Self {
         Self {
             max_write_size: None,
@@ -521,6 +518,7 @@ impl Default for Capabilities {
             immediates: true,
             zero_byte_writes: true,
             needs_receiver_polling: false,
+            reads: false,
         }
     }
 }

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use foldhash::HashMap;
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
-    Device as MemDevice, Domain, DomainCause, DomainError, DomainErrorKind, Event, MemoryRegion,
-    PageShift, PostStatus, RdmaRequest, RegionTable, Registration, Waker,
+    Capabilities, Device as MemDevice, Domain, DomainCause, DomainError, DomainErrorKind, Event,
+    MemoryRegion, PageShift, PostStatus, RdmaRequest, RegionTable, Registration, Waker,
 };
 
 use crate::ffi::{Attr, Device, MessageBuffers, Mr, Wc, Write, TAG_MSG_RECV};
@@ -219,8 +219,11 @@ impl Domain for VerbsDomain {
         self.post_list(requests)
     }
 
-    fn supports_read(&self) -> bool {
-        true
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            reads: true,
+            ..Capabilities::default()
+        }
     }
 
     fn post_send(

@@ -118,8 +118,8 @@ pub(crate) fn spawn_worker(
                 Ok(worker) => {
                     let domains = worker.group.domains();
                     let addresses = domains.iter().map(|d| d.address()).collect();
-                    let reads = domains.iter().all(|d| d.supports_read());
                     let caps = worker.core.caps().to_vec();
+                    let reads = caps.iter().all(|c| c.reads);
                     let spread = worker.group.spread();
                     let _ = ready_tx.send(Ok((addresses, reads, caps, spread)));
                     worker.run();
