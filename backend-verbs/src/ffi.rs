@@ -35,6 +35,27 @@ fn errno_text(code: i32) -> String {
     std::io::Error::from_raw_os_error(code).to_string()
 }
 
+/// A failed `ibv_reg_mr`: its words and the errno it set (callers decide by the errno, never
+/// by the text).
+#[derive(Debug)]
+pub(crate) struct RegistrationError {
+    pub(crate) message: String,
+    pub(crate) errno: i32,
+}
+
+impl RegistrationError {
+    /// Whether the kernel could not pin the pages: most often the locked-memory limit.
+    pub(crate) fn is_out_of_memory(&self) -> bool {
+        self.errno == 12
+    }
+}
+
+impl std::fmt::Display for RegistrationError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
 /// The names of the RDMA devices present.
 pub(crate) fn devices() -> Vec<String> {
     let mut buf = vec![0 as c_char; 16 * 1024];
@@ -167,7 +188,10 @@ impl Device {
 
     /// Registers the memory of a region the engine hands to `Domain::register` (host memory,
     /// or GPU memory through nvidia-peermem, which pins GPU pages itself).
-    pub(crate) fn register_region(&mut self, region: &MemoryRegion) -> Result<Mr, String> {
+    pub(crate) fn register_region(
+        &mut self,
+        region: &MemoryRegion,
+    ) -> Result<Mr, RegistrationError> {
         // SAFETY: `Domain::register`'s contract: the engine registers only memory its caller
         // keeps allocated until it is deregistered (`TransferEngine::reg_mr` is `unsafe` for
         // that), and deregistering drops this registration.
@@ -206,7 +230,12 @@ impl Device {
     ///
     /// # Safety
     /// The memory must stay allocated until the registration is dropped.
-    unsafe fn register(&mut self, addr: u64, len: usize, remote: RemoteBits) -> Result<Mr, String> {
+    unsafe fn register(
+        &mut self,
+        addr: u64,
+        len: usize,
+        remote: RemoteBits,
+    ) -> Result<Mr, RegistrationError> {
         let (mut lkey, mut rkey, mut err) = (0, 0, 0);
         // SAFETY: per this function's contract.
         let mr = unsafe {
@@ -222,7 +251,10 @@ impl Device {
         };
         NonNull::new(mr)
             .map(|raw| Mr { raw, lkey, rkey })
-            .ok_or_else(|| format!("ibv_reg_mr of {len} bytes: {}", errno_text(err)))
+            .ok_or_else(|| RegistrationError {
+                message: format!("ibv_reg_mr of {len} bytes: {}", errno_text(err)),
+                errno: err,
+            })
     }
 
     /// Registers GPU memory exported as a dma-buf (`fd` spans whole pages; the region starts
@@ -677,6 +709,7 @@ impl MessageBuffers {
                     RemoteBits::of(false, false),
                 )
             }
+            .map_err(|e| e.message)
         })
     }
 

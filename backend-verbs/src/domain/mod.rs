@@ -12,7 +12,7 @@ use xfer_plugin::domain::{
     MemoryRegion, PageShift, PostStatus, RdmaRequest, RegionTable, Registration, Waker,
 };
 
-use crate::ffi::{Attr, Device, MessageBuffers, Mr, Wc, Write, TAG_MSG_RECV};
+use crate::ffi::{Attr, Device, MessageBuffers, Mr, RegistrationError, Wc, Write, TAG_MSG_RECV};
 use crate::handshake::Handshaker;
 use crate::log;
 use crate::notify::NotifyState;
@@ -85,6 +85,21 @@ fn other(message: String) -> DomainError {
     err(DomainErrorKind::Other, message)
 }
 
+/// A failed registration of host memory, its errno as the cause, with the memlock limit named
+/// when the kernel could not pin the pages (ENOMEM: most often that limit, which `xfer doctor`
+/// checks too).
+fn registration_error(e: RegistrationError) -> DomainError {
+    let mut message = e.message.clone();
+    if e.is_out_of_memory() {
+        let limit = xfer_topology::doctor::memlock_limit(std::path::Path::new("/proc"))
+            .map_or("unlimited".to_owned(), |l| format!("{l} bytes"));
+        message.push_str(&format!(
+            " (locked-memory limit: {limit}; see `xfer doctor`)"
+        ));
+    }
+    other(message).with_cause(DomainCause::Os(e.errno))
+}
+
 /// The error of a work completion that failed with `status` (an `ibv_wc_status`), which it
 /// carries as its cause.
 fn failed_completion(status: i32, text: impl Into<String>) -> DomainError {
@@ -109,13 +124,10 @@ impl Domain for VerbsDomain {
     fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError> {
         let mr = match region.device {
             MemDevice::Cuda(index) => self.register_gpu(region, index)?,
-            _ => self.device.register_region(region).map_err(|e| {
-                let limit = xfer_topology::doctor::memlock_limit(std::path::Path::new("/proc"))
-                    .map_or("unlimited".to_owned(), |l| format!("{l} bytes"));
-                other(format!(
-                    "{e} (locked-memory limit: {limit}; see `xfer doctor`)"
-                ))
-            })?,
+            _ => self
+                .device
+                .register_region(region)
+                .map_err(registration_error)?,
         };
         let key = self.regions.next_key();
         let remote_key = u64::from(mr.rkey);
@@ -388,6 +400,25 @@ mod tests {
         assert_eq!(xfer_plugin::domain::message_size_class(256), 256);
         assert_eq!(xfer_plugin::domain::message_size_class(257), 512);
         assert_eq!(xfer_plugin::domain::message_size_class(65_536), 65_536);
+    }
+
+    /// A failed registration keeps its errno, and names the memlock limit only when the
+    /// kernel ran out of memory pinning the pages.
+    #[test]
+    fn a_failed_registration_carries_its_errno() {
+        use xfer_plugin::domain::DomainCause;
+        let oom = super::registration_error(crate::ffi::RegistrationError {
+            message: "ibv_reg_mr of 4096 bytes: Cannot allocate memory".into(),
+            errno: 12,
+        });
+        assert_eq!(oom.cause, Some(DomainCause::Os(12)));
+        assert!(oom.message.contains("locked-memory limit"), "{oom}");
+        let fault = super::registration_error(crate::ffi::RegistrationError {
+            message: "ibv_reg_mr of 4096 bytes: Bad address".into(),
+            errno: 14,
+        });
+        assert_eq!(fault.cause, Some(DomainCause::Os(14)));
+        assert!(!fault.message.contains("locked-memory"), "{fault}");
     }
 
     /// A failed completion keeps the NIC's status as a typed cause, beside the kind it maps
