@@ -187,7 +187,7 @@ fn soak_ten_thousand_transfers_under_faults() {
                 // Injected failures are the backend's words; what they flushed is unreachable.
                 assert!(
                     matches!(&r, Ok(()) | Err(Error::Backend { .. }))
-                        || matches!(&r, Err(Error::PeerUnreachable(m)) if m.contains("flushed")),
+                        || matches!(&r, Err(Error::PeerUnreachable(m)) if m.message.contains("flushed")),
                     "transfer {j}: {r:?}"
                 );
                 let s = (j % SLOTS) * SLOT;

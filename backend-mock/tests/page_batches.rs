@@ -115,7 +115,7 @@ fn a_batch_to_a_revoked_key_fails_once_and_the_next_one_lands() {
     )
     .unwrap();
     match done.wait(WAIT) {
-        Err(Error::RemoteAccess(why)) => assert!(why.contains("rkey"), "{why}"),
+        Err(Error::RemoteAccess(why)) => assert!(why.message.contains("rkey"), "{why}"),
         other => panic!("expected the NIC's refusal of the revoked key, got {other:?}"),
     }
     let dst = HostBuffer::new(&b, (u64::from(n) * PAGE) as usize).unwrap();

@@ -424,7 +424,9 @@ fn paged_writes_reach_plugins_in_batches_or_page_by_page_by_their_abi() {
         a.submit_paged_writes(page, None, (src.mr(), &from), (&desc, &to), failed.clone())
             .unwrap();
         match failed.wait(std::time::Duration::from_secs(20)) {
-            Err(Error::RemoteAccess(why)) => assert!(why.contains("rkey"), "{backend}: {why}"),
+            Err(Error::RemoteAccess(why)) => {
+                assert!(why.message.contains("rkey"), "{backend}: {why}")
+            }
             other => panic!("{backend}: expected the NIC's refusal, got {other:?}"),
         }
         assert_eq!(a.stats().unwrap().stale_completions, 0, "{backend}");

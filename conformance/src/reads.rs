@@ -131,7 +131,7 @@ pub fn read_of_an_unreadable_region(h: &dyn Harness) {
         DoneFlag::new(),
     );
     assert!(
-        matches!(&refused, Err(Error::RemoteAccess(m)) if m.contains("READ")),
+        matches!(&refused, Err(Error::RemoteAccess(m)) if m.message.contains("READ")),
         "a read of a write-only region must be refused at submit, naming RemoteAccess::READ: {refused:?}"
     );
     let pages = Pages {

@@ -95,13 +95,14 @@ pub enum Error {
     /// A backend plugin could not be found or loaded.
     #[error(transparent)]
     Plugin(#[from] crate::plugin::PluginError),
-    /// The remote NIC refused the access (bad rkey, out of bounds, missing permission).
-    #[error("remote access error: {0}")]
-    RemoteAccess(String),
-    /// The peer could not be reached, stopped answering, or went away (the backend's
-    /// message names the peer).
-    #[error("peer unreachable: {0}")]
-    PeerUnreachable(String),
+    /// The remote NIC refused the access (bad rkey, out of bounds, missing permission): the
+    /// backend's error, with its words and, where it knows, its cause (a NIC status).
+    #[error("remote access error: {}", .0.message)]
+    RemoteAccess(#[source] DomainError),
+    /// The peer could not be reached, stopped answering, or went away: the backend's error
+    /// (its message names the peer; its cause, where known, is the NIC's status or errno).
+    #[error("peer unreachable: {}", .0.message)]
+    PeerUnreachable(#[source] DomainError),
     /// The operation did not finish within its deadline: the one given (the caller's, the
     /// configured `timeouts`), or the backend's own that it reported.
     #[error("timed out after {0:?}")]
@@ -180,6 +181,11 @@ impl Error {
         }
     }
 
+    /// A remote access refused, as the engine itself names it (`message`).
+    pub(crate) fn remote_access(message: impl Into<String>) -> Self {
+        Error::RemoteAccess(DomainError::new(DomainErrorKind::RemoteAccess, message))
+    }
+
     /// A failure of backend `backend` that the engine found (the backend broke its contract),
     /// named by `message`.
     pub(crate) fn backend_other(backend: &str, message: impl Into<String>) -> Self {
@@ -225,6 +231,23 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "backend verbs: ibv_post_send: Cannot allocate"
+        );
+    }
+
+    #[test]
+    fn a_peer_failure_keeps_the_nics_status() {
+        let flushed = DomainError::new(DomainErrorKind::PeerUnreachable, "WR_FLUSH_ERR from peer")
+            .with_cause(DomainCause::Status(5));
+        let e = map_domain_error("verbs", flushed.clone());
+        assert!(
+            matches!(&e, Error::PeerUnreachable(d) if *d == flushed),
+            "{e:?}"
+        );
+        assert_eq!(e.to_string(), "peer unreachable: WR_FLUSH_ERR from peer");
+        let cause = e.source().and_then(|s| s.source());
+        assert_eq!(
+            cause.and_then(|c| c.downcast_ref::<DomainCause>()),
+            Some(&DomainCause::Status(5))
         );
     }
 

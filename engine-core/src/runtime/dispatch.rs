@@ -220,8 +220,8 @@ fn ahead(
 /// stays a [`Error::Backend`] of kind `Timeout` rather than claiming a length.
 pub(crate) fn map_domain_error(backend: &str, e: DomainError) -> Error {
     match (e.kind, e.deadline()) {
-        (DomainErrorKind::RemoteAccess, _) => Error::RemoteAccess(e.message),
-        (DomainErrorKind::PeerUnreachable, _) => Error::PeerUnreachable(e.message),
+        (DomainErrorKind::RemoteAccess, _) => Error::RemoteAccess(e),
+        (DomainErrorKind::PeerUnreachable, _) => Error::PeerUnreachable(e),
         (DomainErrorKind::InvalidArgument, _) => Error::Refused {
             backend: backend.to_owned(),
             source: e,

@@ -1128,7 +1128,9 @@ fn the_scenarios_exercise_their_faults() {
                 for e in &t.errors {
                     match e {
                         Error::RemoteAccess(_) => seen.insert("bad key"),
-                        Error::PeerUnreachable(m) if m.contains("flushed") => seen.insert("flush"),
+                        Error::PeerUnreachable(m) if m.message.contains("flushed") => {
+                            seen.insert("flush")
+                        }
                         Error::PeerUnreachable(_) => seen.insert("dead peer"),
                         Error::Refused { .. } => seen.insert("refused post"),
                         Error::Backend { .. } => seen.insert("injected"),
