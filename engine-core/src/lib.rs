@@ -21,7 +21,9 @@
 //! ## Example
 //! ```
 //! use std::time::Duration;
-//! use engine_core::{expected_arrivals, Config, DoneFlag, TransferEngine, TransferShape};
+//! use engine_core::{
+//!     expected_arrivals, Config, DoneFlag, RdmaOp, Request, TransferEngine, TransferShape,
+//! };
 //! # backend_mock::link();
 //! let config = Config::default(); // the in-process mock backend
 //! let (a, b) = (TransferEngine::open(&config)?, TransferEngine::open(&config)?);
@@ -36,7 +38,13 @@
 //! let n = expected_arrivals(TransferShape::Single { len: 4096 }, b.nic_count(), &config.stripe);
 //! b.expect_imm_count(42, n, landed.clone())?;
 //! // ... the sender writes with it.
-//! a.submit_single_write(4096, Some(42), (src_mr, 0), (&dst_desc, 0), DoneFlag::new())?;
+//! let write = Request::Single {
+//!     op: RdmaOp::Write { imm: Some(42) },
+//!     len: 4096,
+//!     local: (src_mr, 0),
+//!     remote: (&dst_desc, 0),
+//! };
+//! a.submit(write, DoneFlag::new())?;
 //! landed.wait(Duration::from_secs(5))?;
 //! assert!(dst.iter().all(|&x| x == 7));
 //! a.dereg_mr(src_mr)?;
@@ -60,10 +68,12 @@ mod runtime;
 pub mod stats;
 pub mod wire;
 
-pub use api::{MrHandle, Pages, PeerGroupHandle, RemoteAccess, ScatterDst, TransferEngine};
+pub use api::{
+    MrHandle, Pages, PeerGroupHandle, RemoteAccess, Request, ScatterDst, TransferEngine,
+};
 pub use buffer::HostBuffer;
 pub use config::{Config, NicSelection, RendezvousConfig};
-pub use domain::Device;
+pub use domain::{Device, RdmaOp};
 pub use error::{Error, Result};
 pub use imm::{ImmCounter, ResetReport};
 pub use notifications::Notification;

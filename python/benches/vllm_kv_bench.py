@@ -61,18 +61,6 @@ UCX_TLS = {"nixl-tcp": "tcp,self", "nixl": None, "nixl-lf-tcp": None}
 ``nixl-lf-tcp``: NIXL's LIBFABRIC plugin (in the wheel) on libfabric's tcp provider."""
 
 
-def _one_step_prefill(**kw):
-    """The harness's scheduler config with a whole prompt in one step: its model runner
-    samples for every scheduled request, so a prompt prefilled in chunks would finish after
-    its first chunk (max_tokens 1)."""
-    kw["max_num_batched_tokens"] = max(kw["max_num_batched_tokens"], kw["max_model_len"])
-    return _SCHEDULER_CONFIG(**kw)
-
-
-_SCHEDULER_CONFIG = harness.SchedulerConfig
-harness.SchedulerConfig = _one_step_prefill
-
-
 def load_time(transport: str, shape: str, tokens: int, decode_tp: int, prefill_tp: int,
               server: xfer.Server, tag: str) -> float:
     """Seconds from the decode's start_load_kv to the request's KV reported loaded."""

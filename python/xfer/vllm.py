@@ -1,8 +1,9 @@
 """Why one file: it is the module vLLM loads by path (``kv_connector_module_path``) — the connector,
 its scheduler side and its worker side, whose state (the engine, the peers found, one lock,
-the stats, the blocks kept) pull and push both use. The push side's own state and methods live
-in ``_vllm_push`` (``PushSide``, which ``_Worker`` extends), the page arithmetic and message
-framing in ``_kvcache``.
+the stats, the blocks kept) pull and push both use. Push is a component the worker owns
+(``_vllm_push.PushSide``), given what it uses of the worker as an explicit ``PushContext``;
+what both halves pass around (``Load``, ``Peer``) is in ``_vllm_records``, the page arithmetic
+and message framing in ``_kvcache``.
 
 xfer as a vLLM KV connector (vLLM's V1 connector API), for disaggregated prefill/decode.
 
@@ -103,7 +104,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from ._vllm_push import _CANCEL, _PUSHED, _WANT, PushSide, _Await, _Push
+from ._vllm_push import _CANCEL, _PUSHED, _WANT, MAX_MESSAGE, PushContext, PushSide
+from ._vllm_records import Load, Peer
 from ._kvcache import (
     LayerView,
     LayoutError,
@@ -197,20 +199,6 @@ class Options:
             return self
         host, _, port = self.side_channel.rpartition(":")
         return dataclasses.replace(self, side_channel=f"{host}:{int(port) + index}")
-
-
-@dataclasses.dataclass
-class Load:
-    """A request whose blocks a decode worker reads from its prefill instance."""
-
-    local_block_ids: list[list[int]]
-    """Per KV cache group this connector moves (one unless vLLM's hybrid allocator is on)."""
-    remote_engine_id: str
-    remote_block_ids: list[list[int]]
-    remote_request_id: str
-    remote_tp_size: int = 1
-    remote_rendezvous: str | None = None
-    """Where the peer's records are, when it serves them itself (its side channel)."""
 
 
 class XferConnectorMetadata(KVConnectorMetadata):
@@ -412,11 +400,11 @@ class XferConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         # Pull: the reader comes for the blocks. Push: this layer goes to the decoders now.
         assert self._worker is not None
-        self._worker.layer_computed(layer_name, kv_layer)
+        self._worker.push.layer_computed(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
-        self._worker.step_computed()
+        self._worker.push.step_computed()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
@@ -612,16 +600,6 @@ class _Scheduler:
 
 
 @dataclasses.dataclass
-class _Peer:
-    """A prefill worker as its record describes it."""
-
-    address: bytes
-    layers: dict[str, tuple[xfer.MrDesc, LayerView]]
-    drafts: set[str] = dataclasses.field(default_factory=set)
-    """Its layers that are a speculative drafter's (by name, or by tag if not known here)."""
-
-
-@dataclasses.dataclass
 class _Confirm:
     """Decode: a request read whole, waiting for the prefill ranks it read from to say they
     held its blocks throughout."""
@@ -633,7 +611,7 @@ class _Confirm:
     error: BaseException | None = None
 
 
-class _Worker(PushSide):
+class _Worker:
     """The worker side: the engine, its registered caches, loads in flight, blocks kept."""
 
     def __init__(self, engine_id: str, options: Options, mla: bool, tp_size: int,
@@ -667,7 +645,7 @@ class _Worker(PushSide):
         self._expired: dict[str, float] = {}
         """Prefill: requests freed at their lease (when), so a late reader is told."""
         self._publication: xfer.Publication | None = None
-        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._peers: dict[tuple[str, int], Peer] = {}
         self._lock = threading.Lock()
         self._recved: set[str] = set()
         self._failed_recv: set[str] = set()
@@ -679,17 +657,6 @@ class _Worker(PushSide):
         self._readers: dict[str, set[int]] = {}
         self._stats = XferConnectorStats()
         self._load_started: dict[str, float] = {}
-        self._pushes: dict[str, _Push] = {}
-        """Prefill, push: requests with decoders' block ids or blocks computed, by request id."""
-        self._step_pushes: list[str] = []
-        """Prefill, push: the requests computing in this step."""
-        self._deferred_layers: list[str] = []
-        """Prefill, push: GPU layers of this step, pushed once the stream is synchronised."""
-        self._awaiting: dict[tuple[str, str], _Await] = {}
-        """Decode, push: (prefill engine, its request id) → what this rank waits for."""
-        self._cancels: dict[tuple[str, str, int], float] = {}
-        """Push, prefill side: decode ranks' cancels that came before their ids (by request,
-        decode engine and rank), with when: their ids are dropped when they come."""
         self._kv_caches: dict[str, Any] = {}
         """The layer views registered, kept for a wake-up from sleep mode."""
         self._telling: set[concurrent.futures.Future[Any]] = set()
@@ -698,8 +665,17 @@ class _Worker(PushSide):
             max_workers=2, thread_name_prefix="xfer-vllm-lookup")
         """Push: decoders' records are looked up here, never on the engine's callback thread
         (a lookup may wait up to ``lookup_timeout_s``; other transfers' callbacks must not)."""
+        self.push = PushSide(PushContext(
+            engine=self._engine, engine_id=engine_id, rank=self._rank, tp_size=tp_size,
+            model=model, rendezvous_url=self._own_url, push_timeout_s=options.push_timeout_s,
+            forget_after_s=options.free_timeout_s,
+            # A callable: sleep mode replaces the dict.
+            layers=lambda: self._layers, peer=self._peer, shared_layers=self._shared_layers,
+            is_draft_layer=self.is_draft_layer, in_background=self._in_background,
+            tell_done_soon=self._tell_done_soon, finish_load=self._finish_load, logger=logger))
+        """Push mode: its own state, and what it uses of this worker."""
         # Block-id messages carry 4 bytes per block: 64 KiB buffers hold ~16k blocks.
-        self._engine.submit_recvs(65536, 64, self._on_message)
+        self._engine.submit_recvs(MAX_MESSAGE, 64, self._on_message)
 
     # ---- registration ----
 
@@ -765,23 +741,18 @@ class _Worker(PushSide):
         with self._lock:
             for req_id, seconds in meta.sends.items():
                 self._keeping[req_id] = now + seconds
-            for req_id, blocks in meta.push_now.items():
-                push = self._pushes.setdefault(req_id, _Push(created=now))
-                if push.blocks != blocks:
-                    push.computed.clear()  # this step computes the layers for more blocks
-                push.blocks = blocks
-            self._step_pushes = list(meta.push_now)
+        self.push.step_started(meta.push_now, now)
         for req_id, blocks in meta.push_finish.items():
-            self._push_finished(req_id, blocks)
+            self.push.request_finished(req_id, blocks)
         for req_id in meta.push_abort:
-            self._push_aborted(req_id, "the request was aborted at the prefill instance")
+            self.push.request_aborted(req_id, "the request was aborted at the prefill instance")
         for req_id, (load, why) in meta.refused.items():
             with self._lock:
                 self._load_started[req_id] = time.monotonic()
             self._tell_done_soon(load)
             self._finish_load(req_id, load, LayoutError(why))
         for req_id, load in meta.awaits.items():
-            self._start_load(req_id, load, self._await_push, "announcing")
+            self._start_load(req_id, load, self.push.await_push, "announcing")
         for req_id, load in meta.notify_only.items():
             self._tell_done_soon(load)
         for req_id, load in meta.loads.items():
@@ -1016,7 +987,7 @@ class _Worker(PushSide):
                 known = self._services.setdefault(url, known)
         return known
 
-    def _peer(self, engine_id: str, rank: int, url: str | None = None) -> _Peer:
+    def _peer(self, engine_id: str, rank: int, url: str | None = None) -> Peer:
         with self._lock:
             known = self._peers.get((engine_id, rank))
         if known is not None:
@@ -1032,7 +1003,7 @@ class _Worker(PushSide):
             layers[by_tag.get(tag, tag)] = (desc, view)
         drafts = {by_tag.get(tag, tag) for tag in map(lambda k: k.split("-")[1], record["regions"])
                   if tag.endswith(_DRAFT)}
-        peer = _Peer(address=bytes(record["addr"]), layers=layers, drafts=drafts)
+        peer = Peer(address=bytes(record["addr"]), layers=layers, drafts=drafts)
         with self._lock:
             self._peers[(engine_id, rank)] = peer
         return peer
@@ -1046,13 +1017,13 @@ class _Worker(PushSide):
         try:
             kind, header, payload = unpack_message(data, len(_WANT))
             if kind == _WANT:
-                self._want(header, payload)
+                self.push.handle_want(header, payload)
             elif kind == _PUSHED:
-                self._pushed(header)
+                self.push.handle_pushed(header)
             elif kind == _DONE:
                 self._reader_done(header)
             elif kind == _CANCEL:
-                self._cancelled(header)
+                self.push.handle_cancel(header)
             else:
                 self._held(header)
         except (ValueError, KeyError, TypeError) as e:
@@ -1086,33 +1057,15 @@ class _Worker(PushSide):
     def results(self) -> KVConnectorTransferResults:
         now = time.monotonic()
         with self._lock:
-            # Pushes past their deadline: cancelled at the prefill first, ended if unanswered.
-            cancel, late = [], []
-            for k, w in [(k, w) for k, w in self._awaiting.items() if now >= w.deadline]:
-                if self._push_late(k, w, now):
-                    cancel.append((k, w, sorted(w.ranks)))
-                else:
-                    late.append((k, self._awaiting.pop(k)))
-            for key in [k for k, t in self._cancels.items()
-                        if now - t > self._options.free_timeout_s]:
-                del self._cancels[key]
-            # Push requests that finished and were freed, or whose decoders' ids came for a
-            # request never computed here, are forgotten (the latter's decoders are told).
-            stale = [r for r, p in self._pushes.items()
-                     if (p.finished and r not in self._keeping)
-                     or (not p.finished and now - p.created > self._options.free_timeout_s)]
+            # The push requests whose blocks are still kept: the others are forgotten.
+            kept = set(self._keeping)
             unconfirmed = [k for k, c in self._confirming.items() if now >= c.deadline]
             unconfirmed = [(k, self._confirming.pop(k)) for k in unconfirmed]
-        for key, waiting, ranks in cancel:
-            self._in_background(self._cancel_push, key, waiting, ranks)
-        for key, waiting in late:
-            self._finish_unanswered(key, waiting)
+        self.push.poll(now, kept)
         for key, waiting in unconfirmed:
             self._finish_load(waiting.req_id, waiting.load, TimeoutError(
                 f"prefill {key[0]} ranks {sorted(waiting.ranks)} did not confirm that they held "
                 f"request {key[1]}'s blocks while they were read"))
-        for req_id in stale:
-            self._push_aborted(req_id, "the prefill instance never computed the request")
         with self._lock:
             sent = {r for r in self._keeping if r in self._read_done or now >= self._keeping[r]}
             for r in sent:

@@ -24,10 +24,12 @@ use crate::wire::{MrDesc, NetAddr};
 mod immediates;
 mod memory;
 mod messages;
+mod request;
 mod transfers;
 mod watchers;
 
 use memory::LocalRegion;
+pub use request::Request;
 
 /// Engine ids, so a handle from one engine is refused by another.
 static NEXT_ENGINE: AtomicU32 = AtomicU32::new(1);

@@ -180,6 +180,8 @@ impl TransferEngine {
     /// Writes `len` bytes from `src` (handle, offset) to `dst` (descriptor, offset); large
     /// writes stripe over the NICs. With `imm`, each write carries it: the receiver counts
     /// [`expected_arrivals`](crate::expected_arrivals) of them.
+    ///
+    /// Kept for one release: [`submit`](Self::submit) with [`Request::Single`] is the call.
     pub fn submit_single_write(
         &self,
         len: u64,
@@ -188,11 +190,21 @@ impl TransferEngine {
         dst: (&MrDesc, u64),
         on_done: impl Into<OnDone>,
     ) -> Result<()> {
-        self.submit_single(RdmaOp::Write { imm }, len, src, dst, on_done.into())
+        self.submit(
+            Request::Single {
+                op: RdmaOp::Write { imm },
+                len,
+                local: src,
+                remote: dst,
+            },
+            on_done,
+        )
     }
 
     /// Writes pages of `page_len` bytes: source page `i` of `src` to destination page `i` of
     /// `dst`. Pages are spread over the NICs; each write carries `imm`.
+    ///
+    /// Kept for one release: [`submit`](Self::submit) with [`Request::Paged`] is the call.
     pub fn submit_paged_writes(
         &self,
         page_len: u64,
@@ -201,7 +213,15 @@ impl TransferEngine {
         dst: (&MrDesc, &Pages),
         on_done: impl Into<OnDone>,
     ) -> Result<()> {
-        self.submit_paged(RdmaOp::Write { imm }, page_len, src, dst, on_done.into())
+        self.submit(
+            Request::Paged {
+                op: RdmaOp::Write { imm },
+                page_len,
+                local: src,
+                remote: dst,
+            },
+            on_done,
+        )
     }
 
     /// Reads `len` bytes of a peer's region (descriptor, offset) into `local` (handle,
@@ -211,6 +231,8 @@ impl TransferEngine {
     /// otherwise the read is refused with `RemoteAccess` (at submit where its descriptor says
     /// so, as every descriptor an engine makes does; else by the peer's NIC) and nothing is
     /// read.
+    ///
+    /// Kept for one release: [`submit`](Self::submit) with [`Request::Single`] is the call.
     pub fn submit_single_read(
         &self,
         len: u64,
@@ -218,12 +240,21 @@ impl TransferEngine {
         remote: (&MrDesc, u64),
         on_done: impl Into<OnDone>,
     ) -> Result<()> {
-        self.check_reads(remote.0)?;
-        self.submit_single(RdmaOp::Read, len, local, remote, on_done.into())
+        self.submit(
+            Request::Single {
+                op: RdmaOp::Read,
+                len,
+                local,
+                remote,
+            },
+            on_done,
+        )
     }
 
     /// Reads pages of `page_len` bytes: remote page `i` of `remote` into local page `i` of
     /// `local`, spread over the NICs (see [`submit_single_read`](Self::submit_single_read)).
+    ///
+    /// Kept for one release: [`submit`](Self::submit) with [`Request::Paged`] is the call.
     pub fn submit_paged_reads(
         &self,
         page_len: u64,
@@ -231,8 +262,15 @@ impl TransferEngine {
         remote: (&MrDesc, &Pages),
         on_done: impl Into<OnDone>,
     ) -> Result<()> {
-        self.check_reads(remote.0)?;
-        self.submit_paged(RdmaOp::Read, page_len, local, remote, on_done.into())
+        self.submit(
+            Request::Paged {
+                op: RdmaOp::Read,
+                page_len,
+                local,
+                remote,
+            },
+            on_done,
+        )
     }
 
     /// Whether this engine's backend performs RDMA READ (plugins before ABI version 2, and
@@ -389,6 +427,8 @@ impl TransferEngine {
     }
 
     /// Writes pieces of one source region to many destinations (any peers, any sizes).
+    ///
+    /// Kept for one release: [`submit`](Self::submit) with [`Request::Scatter`] is the call.
     pub fn submit_scatter(
         &self,
         group: Option<PeerGroupHandle>,
@@ -396,6 +436,25 @@ impl TransferEngine {
         imm: Option<u32>,
         src: MrHandle,
         dsts: &[ScatterDst],
+    ) -> Result<()> {
+        self.submit(
+            Request::Scatter {
+                imm,
+                local: src,
+                remote: dsts,
+                group,
+            },
+            on_done,
+        )
+    }
+
+    pub(super) fn submit_scattered(
+        &self,
+        imm: Option<u32>,
+        src: MrHandle,
+        dsts: &[ScatterDst],
+        group: Option<PeerGroupHandle>,
+        on_done: OnDone,
     ) -> Result<()> {
         let region = self.local_region(src)?;
         self.check_group(group, dsts.iter().map(|d| d.dst.owner()))?;
@@ -418,16 +477,35 @@ impl TransferEngine {
                 RdmaOp::Write { imm },
             );
         }
-        self.submit_ops(Ops::from_vec(ops), on_done.into())
+        self.submit_ops(Ops::from_vec(ops), on_done)
     }
 
     /// A zero-byte write carrying `imm` to each destination region's owner (one arrival each).
+    ///
+    /// Kept for one release: [`submit`](Self::submit) with [`Request::Barrier`] is the call.
     pub fn submit_barrier(
         &self,
         group: Option<PeerGroupHandle>,
         on_done: impl Into<OnDone>,
         imm: u32,
         dsts: &[MrDesc],
+    ) -> Result<()> {
+        self.submit(
+            Request::Barrier {
+                imm,
+                remote: dsts,
+                group,
+            },
+            on_done,
+        )
+    }
+
+    pub(super) fn submit_barriers(
+        &self,
+        imm: u32,
+        dsts: &[MrDesc],
+        group: Option<PeerGroupHandle>,
+        on_done: OnDone,
     ) -> Result<()> {
         self.check_group(group, dsts.iter().map(MrDesc::owner))?;
         let first = self.first_nic();
@@ -450,7 +528,7 @@ impl TransferEngine {
                 len: 0,
             });
         }
-        self.submit_ops(Ops::from_vec(ops), on_done.into())
+        self.submit_ops(Ops::from_vec(ops), on_done)
     }
 }
 

@@ -15,8 +15,14 @@
 //!   message — and [`handle_posted`](Dispatch::handle_posted) takes the NIC's answer (how many
 //!   it took, and `Posted`, `Busy` or an error);
 //! - [`handle_events`](Dispatch::handle_events) counts completions into the tracker and
-//!   gathers arrivals (runs of one immediate from one sender) and messages for the worker,
-//!   which owns the locked ImmCounter and the receive handler;
+//!   gathers arrivals (runs of one immediate from one sender) for the worker, which owns
+//!   the locked ImmCounter;
+//! - [`poll_messages`](Dispatch::poll_messages) routes the messages that arrived (to the
+//!   receive handler, to the inbox, or dropped and why) and
+//!   [`take_reposts`](Dispatch::take_reposts) says how many receive buffers go back now;
+//! - [`check_registration`](Dispatch::check_registration) says whether every NIC can
+//!   register a region, and `handle_registered`/`handle_deregistered` count what the worker
+//!   did;
 //! - [`poll_deliveries`](Dispatch::poll_deliveries) returns finished transfers, recording
 //!   their statistics; [`poll_timeout`](Dispatch::poll_timeout) says when the next deadline
 //!   falls and [`handle_timeout`](Dispatch::handle_timeout) ends what is past it.
@@ -52,11 +58,13 @@ use super::control::{Telemetry, TransferControl};
 use super::tracker::{Finished, Tracker};
 use super::work::{Ops, PageCursor, PagedWork, RdmaWork, Shift, INTERLEAVED_BATCH};
 use crate::domain::{
-    Capabilities, DomainError, DomainErrorKind, Event, PostStatus, RdmaOp, RdmaRequest,
+    Capabilities, Device, DomainError, DomainErrorKind, Event, MemoryRegion, PostStatus, RdmaOp,
+    RdmaRequest,
 };
 use crate::error::Error;
+use crate::notifications::Notification;
 use crate::stats::{OpKind, Recorder, Started, Stats};
-use crate::wire::{NetAddr, CHANNEL_NOTIFICATION, MESSAGE_HEADER_LEN};
+use crate::wire::{Message, MessageError, NetAddr, CHANNEL_NOTIFICATION, MESSAGE_HEADER_LEN};
 
 #[cfg(test)]
 mod pair;
@@ -100,6 +108,51 @@ pub(crate) enum Post<'a> {
         peer: &'a NetAddr,
         data: &'a [u8],
     },
+}
+
+/// Where a message that arrived goes (see [`Dispatch::poll_messages`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Routed {
+    /// A user's message (whole, its channel byte first) for the receive handler, on the
+    /// callback thread; its buffer goes back to the NIC once the handler returned.
+    User(Vec<u8>),
+    /// A notification, for the inbox; its buffer is given back at once (see
+    /// [`take_reposts`](Dispatch::take_reposts)).
+    Notification(Notification),
+    /// Dropped, and why; its buffer (if it had one) is given back at once.
+    Dropped(Unrouted),
+}
+
+/// Why a message that arrived was dropped.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Unrouted {
+    /// No receive handler is set: no receive buffers were posted either, so none is owed.
+    NoHandler,
+    /// A user's payload larger than the receive buffers (only a backend that overran the
+    /// buffer it was given sends one).
+    TooLarge { len: usize, max: usize },
+    /// Not a message this engine understands.
+    Malformed(MessageError),
+}
+
+/// Where `data` goes when user payloads of up to `payload_max` bytes are handled (`None`: no
+/// receive handler is set).
+fn route(data: Vec<u8>, payload_max: Option<usize>) -> Routed {
+    let Some(max) = payload_max else {
+        return Routed::Dropped(Unrouted::NoHandler);
+    };
+    match crate::wire::decode_message(&data) {
+        Ok(Message::User(payload)) if payload.len() <= max => Routed::User(data),
+        Ok(Message::User(payload)) => Routed::Dropped(Unrouted::TooLarge {
+            len: payload.len(),
+            max,
+        }),
+        Ok(Message::Notification { from, id }) => Routed::Notification(Notification {
+            id: id.to_vec(),
+            from,
+        }),
+        Err(e) => Routed::Dropped(Unrouted::Malformed(e)),
+    }
 }
 
 /// What a transfer's waiter may carry beyond being completed: the control of a cancellable
@@ -198,6 +251,9 @@ pub(crate) struct Dispatch<W> {
     /// Runs of arrivals of one immediate from one sender, in arrival order.
     arrivals: Vec<(u32, Option<NetAddr>, u64)>,
     messages: Vec<Vec<u8>>,
+    /// Receive buffers to give back to NIC 0 now: those of messages routed anywhere but to
+    /// the receive handler (which gives its own back when it returns).
+    reposts: usize,
     /// A Domain failed for good: nothing more is handed out.
     fatal: Option<String>,
     /// The engine's counters (see `crate::stats`).
@@ -261,6 +317,7 @@ impl<W: Waiter> Dispatch<W> {
             finished: Vec::new(),
             arrivals: Vec::new(),
             messages: Vec::new(),
+            reposts: 0,
             fatal: None,
             recorder: Recorder::default(),
         }
@@ -969,9 +1026,36 @@ impl<W: Waiter> Dispatch<W> {
         self.arrivals.drain(..)
     }
 
-    /// Messages that arrived, in order.
-    pub(crate) fn poll_messages(&mut self) -> std::vec::Drain<'_, Vec<u8>> {
-        self.messages.drain(..)
+    /// Whether messages wait for [`poll_messages`](Self::poll_messages).
+    #[inline]
+    pub(crate) fn has_messages(&self) -> bool {
+        !self.messages.is_empty()
+    }
+
+    /// Messages that arrived, in order, each routed (see [`Routed`]) for a receive handler
+    /// that takes user payloads of up to `payload_max` bytes (`None`: none is set). The
+    /// buffers of those not for the handler are counted for [`take_reposts`](Self::take_reposts).
+    pub(crate) fn poll_messages(
+        &mut self,
+        payload_max: Option<usize>,
+    ) -> impl Iterator<Item = Routed> + '_ {
+        let reposts = &mut self.reposts;
+        self.messages.drain(..).map(move |data| {
+            let routed = route(data, payload_max);
+            if !matches!(
+                routed,
+                Routed::User(_) | Routed::Dropped(Unrouted::NoHandler)
+            ) {
+                *reposts += 1;
+            }
+            routed
+        })
+    }
+
+    /// How many receive buffers to give back to NIC 0 now (see
+    /// [`poll_messages`](Self::poll_messages)); counted from zero again.
+    pub(crate) fn take_reposts(&mut self) -> usize {
+        std::mem::take(&mut self.reposts)
     }
 
     /// How many transfers finished and wait for [`poll_deliveries`](Self::poll_deliveries).
@@ -1040,9 +1124,43 @@ impl<W: Waiter> Dispatch<W> {
         stats
     }
 
-    /// Counters the worker keeps itself (registrations).
-    pub(crate) fn counters(&mut self) -> &mut Stats {
-        &mut self.recorder.rest
+    /// Whether every NIC can register `region`, by what each declared: the refusal names the
+    /// memory and the NIC. (The worker registers what passes, NIC by NIC.)
+    pub(crate) fn check_registration(&self, region: &MemoryRegion) -> Result<(), Error> {
+        match region.device {
+            Device::Cuda(gpu) => {
+                if let Some(nic) = self.caps.iter().position(|c| !c.cuda_memory && !c.dmabuf) {
+                    return Err(self.refused(format!(
+                        "cannot register CUDA memory (GPU {gpu}) on NIC {nic}: the backend declares host memory only"
+                    )));
+                }
+            }
+            Device::Host => {
+                if !self.caps.iter().all(|c| c.host_memory) {
+                    return Err(self.refused("cannot register host memory".into()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts a registration of `bytes` that took `micros` on the NICs, or one that failed
+    /// (`None`).
+    pub(crate) fn handle_registered(&mut self, registered: Option<(u64, u64)>) {
+        let r = &mut self.recorder.rest.registrations;
+        match registered {
+            Some((bytes, micros)) => {
+                r.registered += 1;
+                r.bytes += bytes;
+                r.time_us += micros;
+            }
+            None => r.failed += 1,
+        }
+    }
+
+    /// Counts a deregistration.
+    pub(crate) fn handle_deregistered(&mut self) {
+        self.recorder.rest.registrations.deregistered += 1;
     }
 
     /// The NICs' capabilities.

@@ -17,6 +17,7 @@ pub(crate) mod clock;
 pub(crate) mod completion;
 pub(crate) mod control;
 pub(crate) mod dispatch;
+mod idle;
 mod queue;
 mod tracker;
 mod work;

@@ -1,16 +1,23 @@
-//! Why one file: it is the one loop that owns the thread, the clock and the Domains around the
-//! pure core; what is left in it (registration, message routing, parking) is the I/O the core
-//! must not do, and moves to `dispatch.rs` piece by piece as it becomes pure.
+//! Why one file: it is the one loop that owns the thread, the clock, the locks and the
+//! Domains around the pure core; what is left in it is the I/O the core must not do —
+//! opening the Domains, calling them, the shared ImmCounter, inbox and mirrors, parking.
 //!
 //! The worker: one thread per DomainGroup, a loop around the [`Dispatch`] core. Each pass
 //! takes the queued commands (transfers and messages go to the core; registrations and the
 //! rest it carries out itself, after posting what the core holds), hands the Domains what
 //! `Dispatch::poll_post` returns and the core their answers, retries queued work once,
 //! polls the Domains and feeds their events back, counts arrivals into the shared
-//! ImmCounter, delivers, and — idle — parks until the core's `poll_timeout`, the
-//! ImmCounter's next deadline, or a wake. The decisions (tracking, backpressure, coalescing,
-//! deadlines, cancellation) are the core's; the clock, the thread, the locks and the Domains
-//! are here.
+//! ImmCounter, carries out the core's routing of messages (handler, inbox, buffers given
+//! back), delivers, and — idle — parks until the core's `poll_timeout`, the ImmCounter's
+//! next deadline, the earliest `Domain::poll_timeout` (read after the last poll before the
+//! park), or a wake.
+//!
+//! What lives where: the core (`dispatch.rs`) decides — tracking, backpressure per (NIC,
+//! peer), coalescing, deadlines, cancellation, message routing, whether the NICs can register
+//! a region — and keeps the statistics, recorded from what it is told (posts' answers,
+//! events, registrations the worker reports). The worker reads the clock (one read per batch
+//! of submissions), takes the locks and calls the Domains; registration itself is NIC calls
+//! (with their undo when one refuses) after the core's check.
 //!
 //! Failure containment: each pass of the loop runs under `catch_unwind`. If a backend (or
 //! anything else on this thread) panics, the worker closes its Domains first — so no NIC
@@ -18,10 +25,11 @@
 //! `Error::WorkerFailed`, and from then on refuses new work until the engine is dropped.
 //! User code that runs here (mirror sinks) is caught on its own and never gets that far.
 //!
-//! Spinning policy: while any transfer is in flight (or a post is waiting for room) the worker
-//! busy-polls; after `worker.spin_us` without work it parks until woken by a submission or a
-//! Domain's waker, the next deadline, or (for Domains that cannot wake it) `idle_poll_us`.
-//! Idle polls while awake yield the CPU between them unless `worker.yield_when_idle` is off.
+//! Spinning policy (its decisions in `idle.rs`, pure): while any transfer is in flight (or a
+//! post is waiting for room) the worker busy-polls; after `worker.spin_us` without work it
+//! parks until woken by a submission or a Domain's waker, the next deadline, or (for Domains
+//! that cannot wake it) `idle_poll_us`. Idle polls while awake yield the CPU between them
+//! unless `worker.yield_when_idle` is off.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -32,18 +40,22 @@ use std::time::{Duration, Instant};
 
 use super::clock::{Anchor, Stamp};
 use super::completion::{send_batch, CallbackBatch, CounterRun, OnDone};
-use super::dispatch::{map_domain_error, Dispatch, Post, PostAnswer, PostList};
+use super::dispatch::{map_domain_error, Dispatch, Post, PostAnswer, PostList, Routed, Unrouted};
+use super::idle::{AfterPass, Idle};
 use super::{panic_message, Command, Mirror, Shared};
 use crate::domain::{
-    Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus,
+    Capabilities, Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus,
     Registration, Waker,
 };
 use crate::error::{Error, Result};
 use crate::group::{DomainGroup, SpreadPolicy};
 use crate::imm::Outcome;
-use crate::notifications::{Notification, Refused};
+use crate::notifications::Refused;
 use crate::plugin::Backend;
-use crate::wire::{Message, NetAddr, MESSAGE_HEADER_LEN};
+use crate::wire::{NetAddr, MESSAGE_HEADER_LEN};
+
+#[cfg(test)]
+mod tests;
 
 /// Logs a dropped notification: the first of each kind, then at every power of two, so a
 /// flood from a refused peer cannot flood the log as well.
@@ -252,12 +264,12 @@ impl Worker {
     fn run(mut self) {
         let spin = Duration::from_micros(self.shared.config.worker.spin_us);
         let idle_poll = Duration::from_micros(self.shared.config.worker.idle_poll_us);
-        let mut idle_since: Option<Instant> = None;
-        let mut rounds: u32 = 0;
+        // Domains that cannot wake us and need polling to make progress (libfabric's
+        // manual-progress providers) with `idle_poll_us = 0`: never park.
+        let never_park = (!self.domains_wake && idle_poll.is_zero()) || self.needs_polling;
+        let mut idle = Idle::new(spin, never_park);
         loop {
-            let pass = catch_unwind(AssertUnwindSafe(|| {
-                self.pass(spin, idle_poll, &mut idle_since, &mut rounds)
-            }));
+            let pass = catch_unwind(AssertUnwindSafe(|| self.pass(idle_poll, &mut idle)));
             match pass {
                 Ok(true) => {}
                 Ok(false) => return self.shutdown(),
@@ -271,13 +283,7 @@ impl Worker {
     }
 
     /// One pass of the loop; returns `false` once a shutdown was seen.
-    fn pass(
-        &mut self,
-        spin: Duration,
-        idle_poll: Duration,
-        idle_since: &mut Option<Instant>,
-        rounds: &mut u32,
-    ) -> bool {
+    fn pass(&mut self, idle_poll: Duration, idle: &mut Idle) -> bool {
         let mut busy = false;
         if self.commands.is_empty() {
             self.shared.queue.take_into(&mut self.commands);
@@ -302,32 +308,21 @@ impl Worker {
         busy |= self.retry_queued();
         busy |= self.poll_domains();
         self.deliver();
-        *rounds = rounds.wrapping_add(1);
-        if busy {
-            *idle_since = None;
-            if *rounds % 64 == 0 {
-                self.expire(Stamp::now());
+        match idle.after_pass(busy) {
+            AfterPass::Go => {}
+            AfterPass::Expire => self.expire(Stamp::now()),
+            AfterPass::Pause => self.idle_pause(),
+            AfterPass::Look => {
+                let now = Stamp::now();
+                self.expire(now);
+                let in_flight = self.core.in_flight() > 0 || self.core.has_queued();
+                if idle.parks(now, in_flight) {
+                    self.park(idle_poll);
+                } else {
+                    self.idle_pause();
+                }
             }
-            return true;
         }
-        // Idle: read the clock only every 16th round; between, pause (see `idle_pause`).
-        if *rounds % 16 != 0 {
-            self.idle_pause();
-            return true;
-        }
-        let stamp = Stamp::now();
-        let now = self.anchor.instant(stamp);
-        self.expire(stamp);
-        let in_flight = self.core.in_flight() > 0 || self.core.has_queued();
-        let idle_start = *idle_since.get_or_insert(now);
-        // Domains that cannot wake us and need polling to make progress (libfabric's
-        // manual-progress providers) with `idle_poll_us = 0`: never park.
-        let never_park = (!self.domains_wake && idle_poll.is_zero()) || self.needs_polling;
-        if in_flight || never_park || now.duration_since(idle_start) < spin {
-            self.idle_pause();
-            return true;
-        }
-        self.park(now, idle_poll);
         true
     }
 
@@ -342,30 +337,46 @@ impl Worker {
         }
     }
 
-    fn park(&mut self, now: Instant, idle_poll: Duration) {
+    fn park(&mut self, idle_poll: Duration) {
         // Announce the park first, then read the deadlines and look once more: an expectation
         // registered concurrently (its deadline unknown to a timeout computed earlier) is either
         // seen here or its `expect_imm_count` sees `parked` and unparks us. Computing the
         // timeout before the announcement lost such wake-ups: the worker slept past the new
         // expectation's deadline (up to an hour).
+        //
+        // A Domain's own timers (`Domain::poll_timeout`: a handshake to resend, retired queue
+        // pairs to free) are read after that last poll, which may move them: the worker
+        // wakes to poll it then even when nothing arrives and nothing else is due.
         self.shared.parking.announce(true);
-        let deadline = [
-            self.core.poll_timeout().map(|d| self.anchor.instant(d)),
-            self.shared.lock_imm().next_deadline(),
-        ]
-        .into_iter()
-        .flatten()
-        .min();
-        let mut timeout = deadline.map_or(Duration::from_secs(3600), |d| {
-            d.saturating_duration_since(now)
-        });
-        if !self.domains_wake {
-            timeout = timeout.min(idle_poll);
-        }
         if self.commands.is_empty() && self.shared.queue.is_empty() && !self.poll_domains() {
+            let deadline = [
+                self.core.poll_timeout().map(|d| self.anchor.instant(d)),
+                self.shared.lock_imm().next_deadline(),
+                self.domains_poll_timeout(),
+            ]
+            .into_iter()
+            .flatten()
+            .min();
+            // Read now, after the poll: a deadline is not overslept by the time it took.
+            let now = Instant::now();
+            let mut timeout = deadline.map_or(Duration::from_secs(3600), |d| {
+                d.saturating_duration_since(now)
+            });
+            if !self.domains_wake {
+                timeout = timeout.min(idle_poll);
+            }
             std::thread::park_timeout(timeout);
         }
         self.shared.parking.announce(false);
+    }
+
+    /// The earliest time a Domain asked to be polled at though nothing arrives.
+    fn domains_poll_timeout(&self) -> Option<Instant> {
+        self.group
+            .domains()
+            .iter()
+            .filter_map(|d| d.poll_timeout())
+            .min()
     }
 
     /// Transfers and messages go to the core; anything else is carried out here, after the
@@ -410,15 +421,9 @@ impl Worker {
             Command::Register { region, reply } => {
                 let began = Instant::now();
                 let result = self.register(&region);
-                let r = &mut self.core.counters().registrations;
-                match &result {
-                    Ok(_) => {
-                        r.registered += 1;
-                        r.bytes += region.len;
-                        r.time_us += began.elapsed().as_micros() as u64;
-                    }
-                    Err(_) => r.failed += 1,
-                }
+                let took = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX);
+                self.core
+                    .handle_registered(result.as_ref().ok().map(|_| (region.len, took)));
                 if let Err(unsent) = reply.send(result) {
                     // The caller stopped waiting and was told it failed: undo it, so no
                     // registration outlives the caller's knowledge of it.
@@ -430,7 +435,7 @@ impl Worker {
                 }
             }
             Command::Deregister { keys, reply } => {
-                self.core.counters().registrations.deregistered += 1;
+                self.core.handle_deregistered();
                 let mut result = Ok(());
                 for (domain, key) in self.group.domains_mut().iter_mut().zip(keys) {
                     if let Err(e) = domain.deregister(key) {
@@ -484,26 +489,10 @@ impl Worker {
         }
     }
 
-    /// A registration the backend's capabilities rule out, named by `why`.
-    fn refused(&self, why: String) -> Error {
-        Error::Refused {
-            backend: self.shared.backend.clone(),
-            source: DomainError::new(DomainErrorKind::InvalidArgument, why),
-        }
-    }
-
+    /// Registers `region` with every NIC, once the core found they all can; undoes the
+    /// registrations made when one NIC refuses.
     fn register(&mut self, region: &crate::domain::MemoryRegion) -> Result<Vec<Registration>> {
-        let caps = self.core.caps();
-        if let Device::Cuda(gpu) = region.device {
-            if let Some(nic) = caps.iter().position(|c| !c.cuda_memory && !c.dmabuf) {
-                return Err(self.refused(format!(
-                    "cannot register CUDA memory (GPU {gpu}) on NIC {nic}: the backend declares host memory only"
-                )));
-            }
-        }
-        if region.device == Device::Host && !caps.iter().all(|c| c.host_memory) {
-            return Err(self.refused("cannot register host memory".into()));
-        }
+        self.core.check_registration(region)?;
         let domains = self.group.domains_mut();
         let mut done = Vec::with_capacity(domains.len());
         for i in 0..domains.len() {
@@ -576,11 +565,58 @@ impl Worker {
             if self.core.has_arrivals() {
                 self.count_arrivals();
             }
-            for data in self.core.poll_messages() {
-                deliver_message(&self.shared, data);
+            if self.core.has_messages() {
+                self.route_messages();
             }
         }
         any
+    }
+
+    /// Carries out the core's routing of the messages that arrived: a user's to the receive
+    /// handler on the callback thread, a notification to the inbox; the buffers of those not
+    /// handed to the handler go back to the NIC here and now.
+    fn route_messages(&mut self) {
+        let handler = self.shared.recv_handler.get();
+        let payload_max = handler.map(|(max, _)| *max);
+        for routed in self.core.poll_messages(payload_max) {
+            match routed {
+                Routed::User(data) => {
+                    // Routed to the handler only when one is set.
+                    if let Some((max, handler)) = handler {
+                        hand_to_receive_handler(&self.shared, *max, Arc::clone(handler), data)
+                    }
+                }
+                Routed::Notification(note) => {
+                    let offered = self
+                        .shared
+                        .notifications
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .offer(note);
+                    match offered {
+                        Ok(()) => self.shared.notified.notify_all(),
+                        Err(why) => report_dropped_notification(why, &self.shared),
+                    }
+                }
+                Routed::Dropped(Unrouted::NoHandler) => {
+                    tracing::error!("a message arrived with no receive handler; dropped")
+                }
+                Routed::Dropped(Unrouted::TooLarge { len, max }) => tracing::error!(
+                    "a message of {len} bytes arrived for receive buffers of {max}; dropped"
+                ),
+                Routed::Dropped(Unrouted::Malformed(e)) => {
+                    tracing::warn!("{e} arrived; dropped")
+                }
+            }
+        }
+        let reposts = self.core.take_reposts();
+        if let (Some(max), true) = (payload_max, reposts > 0) {
+            let buf_len = crate::wire::receive_buffer_len(max);
+            if let Err(e) = self.group.domains_mut()[0].post_recvs(buf_len, reposts) {
+                let e = map_domain_error(&self.shared.backend, e);
+                tracing::error!(error = %e, "cannot post a receive buffer again");
+            }
+        }
     }
 
     /// Counts the core's runs of arrivals into the ImmCounter, taking its lock once per
@@ -773,63 +809,26 @@ impl Worker {
         }
     }
 }
-/// Routes a message: a user's to the receive handler on the callback thread, a notification
-/// to the inbox; its buffer goes back to the NIC either way.
-fn deliver_message(shared: &Arc<Shared>, data: Vec<u8>) {
-    let Some((payload_max, handler)) = shared.recv_handler.get() else {
-        tracing::error!("a message arrived with no receive handler; dropped");
-        return;
-    };
-    let (payload_max, handler) = (*payload_max, Arc::clone(handler));
+/// Runs the receive handler on `data`'s payload on the callback thread, then gives its
+/// buffer back to the NIC — also when the handler panics, or the pool would shrink by one
+/// buffer per panic.
+fn hand_to_receive_handler(
+    shared: &Arc<Shared>,
+    payload_max: usize,
+    handler: super::RecvHandler,
+    data: Vec<u8>,
+) {
     let buf_len = crate::wire::receive_buffer_len(payload_max);
-    let repost = move |shared: &Shared| {
-        let _ = shared.submit(Command::PostRecvs {
-            buf_len,
-            count: 1,
-            reply: None,
-        });
-    };
-    match crate::wire::decode_message(&data) {
-        Ok(Message::User(payload)) if payload.len() <= payload_max => {}
-        Ok(Message::User(payload)) => {
-            // Only a backend that overran the buffer it was given gets here.
-            tracing::error!(
-                "a message of {} bytes arrived for receive buffers of {payload_max}; dropped",
-                payload.len()
-            );
-            return repost(shared);
-        }
-        Ok(Message::Notification { from, id }) => {
-            // Queued for `poll_notifications`, its buffer reposted at once (no user code
-            // runs, so no job for the callback thread).
-            let note = Notification {
-                id: id.to_vec(),
-                from,
-            };
-            let offered = shared
-                .notifications
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .offer(note);
-            match offered {
-                Ok(()) => shared.notified.notify_all(),
-                Err(why) => report_dropped_notification(why, shared),
-            }
-            return repost(shared);
-        }
-        Err(e) => {
-            tracing::warn!("{e} arrived; dropped");
-            return repost(shared);
-        }
-    }
     let weak = Arc::downgrade(shared);
     let job = Box::new(move || {
-        // The buffer goes back to the pool only after the handler returns — also when it
-        // panics, or the pool would shrink by one buffer per panic.
         let payload = &data[MESSAGE_HEADER_LEN..];
         let handled = catch_unwind(AssertUnwindSafe(|| handler(payload)));
         if let Some(shared) = weak.upgrade() {
-            repost(&shared);
+            let _ = shared.submit(Command::PostRecvs {
+                buf_len,
+                count: 1,
+                reply: None,
+            });
         }
         if let Err(panic) = handled {
             std::panic::resume_unwind(panic);

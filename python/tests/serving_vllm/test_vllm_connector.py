@@ -632,10 +632,7 @@ def finish(p, r, block_ids):
 def wanted(p, req_id, ranks=1):
     """Waits until `ranks` decode ranks' block ids reached each of p's ranks that gets them."""
     def arrived():
-        return all(
-            len(w._worker._pushes.get(req_id).wants) >= ranks if req_id in w._worker._pushes else False
-            for w in p.workers
-        )
+        return all(len(w._worker.push.wants(req_id)) >= ranks for w in p.workers)
     p.wait(f"the decoders' block ids for {req_id}", arrived)
 
 
@@ -646,9 +643,9 @@ def test_a_layer_computed_before_its_decoder_is_found_goes_once_it_is(server):
     import threading
 
     p, d = Instance("pp9", server, layers=3), Instance("pd9", server, layers=3)
-    worker = p.workers[0]._worker
-    gate, resolve = threading.Event(), worker._resolve_want
-    worker._resolve_want = lambda req_id, want: (gate.wait(WAIT), resolve(req_id, want))
+    push = p.workers[0]._worker.push
+    gate, resolve = threading.Event(), push._resolve_want
+    push._resolve_want = lambda req_id, want: (gate.wait(WAIT), resolve(req_id, want))
     push_decode(d, "r-d", 10, "pp9", "r", [0, 9, 2])
     d.step()
     r = push_prefill(p, "r", 10, [3, 5, 7])
@@ -795,7 +792,7 @@ def test_a_timed_out_push_is_cancelled_at_the_prefill_before_the_decoder_gives_u
     assert d.worker.get_block_ids_with_load_errors() == {3, 4}
     compute(p, list(p.full))  # the prefill gets to the request after all
     finish(p, r, [1, 2])
-    want = next(iter(p.workers[0]._worker._pushes["r"].wants.values()))
+    [want] = p.workers[0]._worker.push.wants("r")
     p.wait("the prefill to settle the push", lambda: want.replied and want.pending == 0)
     assert want.transfers == [], "nothing was submitted after the cancel"
     for name, cache in d.caches.items():

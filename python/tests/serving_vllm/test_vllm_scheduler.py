@@ -8,7 +8,8 @@ connector hooks (``KVConnectorModelRunnerMixin._get_kv_connector_output``, insid
 context; each attention layer's ``save_kv_layer``), the ranks' outputs merged by vLLM's
 ``KVOutputAggregator``, and ``update_from_output``. Only the forward pass itself is left
 out (the wheel has no CPU kernels): the prefill's KV is in its blocks from the start, and each
-request samples token 7.
+request samples token 7 once its prompt is computed (a chunk of a longer prompt samples
+nothing, as in vLLM's model runner).
 """
 
 import os
@@ -154,14 +155,20 @@ class Engine:
             groups = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             self.blocks[req_id] = list(groups[0])
             self.group_blocks.setdefault(req_id, [list(g) for g in groups])
-        runs = [self._run(rank, out) for rank in range(len(self.workers))]
+        # As vLLM's model runner: a request whose prompt is not computed yet (a chunk of it was)
+        # samples nothing. The scheduler counted this step's tokens as computed already.
+        requests = self.scheduler.requests
+        sampling = {r for r in out.num_scheduled_tokens
+                    if requests[r].num_computed_tokens >= requests[r].num_prompt_tokens}
+        runs = [self._run(rank, out, sampling) for rank in range(len(self.workers))]
         merged = self.aggregator.aggregate(runs)
         for outputs in self.scheduler.update_from_output(out, merged).values():
             for o in outputs.outputs:
                 self.outputs.setdefault(o.request_id, []).append(o)
 
-    def _run(self, rank, out):
-        """One rank's model runner for one step: its connector through vLLM's hooks."""
+    def _run(self, rank, out, sampling):
+        """One rank's model runner for one step: its connector through vLLM's hooks; a token
+        sampled for each request in ``sampling``."""
         worker, config = self.workers[rank], self.configs[rank]
         kv_transfer_state._KV_CONNECTOR_AGENT = worker
         try:
@@ -173,7 +180,8 @@ class Engine:
                 for name, cache in self.ranks[rank].items():  # the forward pass's layers
                     worker.save_kv_layer(name, cache, None)
             return ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
-                                     sampled_token_ids=[[TOKEN] for _ in reqs],
+                                     sampled_token_ids=[[TOKEN] if r in sampling else []
+                                                        for r in reqs],
                                      kv_connector_output=kv_output)
         finally:
             kv_transfer_state._KV_CONNECTOR_AGENT = None
@@ -257,6 +265,36 @@ def test_a_request_prefilled_by_one_scheduler_is_decoded_by_another(server, mode
     blocks_d = d.blocks["r-d"][:PROMPT_BLOCKS]  # the prompt's blocks, where the KV was loaded
     for name in theirs:
         assert torch.equal(ours[name][blocks_d], theirs[name][remote]), name
+    p.run_until("the prefill to free the blocks once read", lambda: p.free_blocks() == free_p)
+    d.run_until("the decode to free its blocks", lambda: d.free_blocks() == free_d)
+    p.close(), d.close()
+
+
+def test_a_prompt_prefilled_in_chunks_is_handed_off_whole(server):
+    """A prompt longer than one step's token budget (256) is prefilled in chunks: the request
+    is handed off once its last chunk is computed, with every prompt block, and decoded from
+    them."""
+    prompt = 300
+    blocks = -(-prompt // BLOCK)
+    directory = Path(tempfile.mkdtemp())
+    vllm_caches.write_model(directory, num_hidden_layers=2, num_key_value_heads=4,
+                            num_attention_heads=8, hidden_size=64)
+    model = vllm_caches.load_model_config(directory, max_model_len=prompt + 64)
+    p = Engine("sched-p-chunks", server, model, max_model_len=prompt + 64)
+    d = Engine("sched-d-chunks", server, model, max_model_len=prompt + 64)
+    free_p, free_d = p.free_blocks(), d.free_blocks()
+    p.add("r", prompt, 1, {"do_remote_decode": True})
+    p.run_until("the prefill", lambda: p.finished("r"))
+    [done] = [o for o in p.outputs["r"] if o.finish_reason is not None]
+    params = done.kv_transfer_params
+    [remote] = params["remote_block_ids"]
+    assert len(remote) == blocks, "every prompt block, not the first chunk's"
+    d.add("r-d", prompt, 2, params)
+    d.run_until("the decoded tokens", lambda: d.finished("r-d"))
+    assert d.tokens("r-d") == [TOKEN] * 2, "decoded from the loaded KV, not recomputed"
+    theirs, ours = p.gathered(), d.gathered()
+    for name in theirs:
+        assert torch.equal(ours[name][d.blocks["r-d"][:blocks]], theirs[name][remote]), name
     p.run_until("the prefill to free the blocks once read", lambda: p.free_blocks() == free_p)
     d.run_until("the decode to free its blocks", lambda: d.free_blocks() == free_d)
     p.close(), d.close()

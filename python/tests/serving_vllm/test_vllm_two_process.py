@@ -150,9 +150,9 @@ def prefill_process(rendezvous, provider, mode, model_dir, conn):
     step(scheduler, worker, done)
     conn.send(params)
     if mode == "push":
-        pushes = worker._worker._pushes
+        push = worker._worker.push
         until("every decoder's block ids",
-              lambda: all(r in pushes and pushes[r].wants for r in REQUESTS), worker, done,
+              lambda: all(push.wants(r) for r in REQUESTS), worker, done,
               patience(provider))
         for name, cache in kv.items():  # the forward pass, layer by layer
             worker.save_kv_layer(name, cache, None)

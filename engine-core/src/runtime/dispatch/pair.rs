@@ -847,7 +847,7 @@ impl World {
             for outcome in outcomes {
                 self.expectation_ended(outcome)?;
             }
-            let messages = self.engines[e].core.poll_messages().count();
+            let messages = self.engines[e].core.poll_messages(Some(1024)).count();
             self.record(("messages", e, messages));
         }
         self.deliver(e)?;

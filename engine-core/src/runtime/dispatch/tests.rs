@@ -461,3 +461,134 @@ fn capabilities_refuse_a_transfer_whole_before_anything_is_posted() {
         "{got:?}"
     );
 }
+
+fn arrive(core: &mut Dispatch<u32>, messages: &[Vec<u8>]) {
+    let mut events = messages
+        .iter()
+        .map(|data| Event::Message { data: data.clone() })
+        .collect();
+    core.handle_events(&mut events);
+}
+
+/// Messages are routed in arrival order: a user's within the receive buffers to the handler
+/// (which gives its buffer back itself), a notification to the inbox; those and whatever is
+/// dropped give their buffers back at once, counted for the worker.
+#[test]
+fn messages_are_routed_in_order_and_buffers_not_handed_on_are_given_back() {
+    let mut core = core(1);
+    let user = crate::wire::encode_user_message(b"hello");
+    let too_large = crate::wire::encode_user_message(&[0; 9]);
+    let note = crate::wire::encode_notification(&peer(3), b"done-7");
+    let foreign = vec![0xee, 1, 2];
+    arrive(
+        &mut core,
+        &[user.clone(), too_large, note, foreign, Vec::new()],
+    );
+    assert!(core.has_messages());
+    let routed: Vec<Routed> = core.poll_messages(Some(8)).collect();
+    assert_eq!(
+        routed,
+        [
+            Routed::User(user),
+            Routed::Dropped(Unrouted::TooLarge { len: 9, max: 8 }),
+            Routed::Notification(Notification {
+                id: b"done-7".to_vec(),
+                from: peer(3),
+            }),
+            Routed::Dropped(Unrouted::Malformed(MessageError::UnknownChannel(0xee))),
+            Routed::Dropped(Unrouted::Malformed(MessageError::Empty)),
+        ]
+    );
+    assert!(!core.has_messages());
+    assert_eq!(core.take_reposts(), 4, "all but the handler's");
+    assert_eq!(core.take_reposts(), 0, "taken once");
+}
+
+/// With no receive handler set nothing is routed anywhere and no buffer is owed: none was
+/// posted.
+#[test]
+fn messages_without_a_receive_handler_are_dropped_and_owe_no_buffer() {
+    let mut core = core(1);
+    let note = crate::wire::encode_notification(&peer(3), b"n");
+    arrive(&mut core, &[crate::wire::encode_user_message(b"x"), note]);
+    let routed: Vec<Routed> = core.poll_messages(None).collect();
+    assert_eq!(
+        routed,
+        [
+            Routed::Dropped(Unrouted::NoHandler),
+            Routed::Dropped(Unrouted::NoHandler)
+        ]
+    );
+    assert_eq!(core.take_reposts(), 0);
+}
+
+fn region(device: crate::domain::Device) -> crate::domain::MemoryRegion {
+    crate::domain::MemoryRegion {
+        ptr: 4096,
+        len: 4096,
+        device,
+        remote_write: true,
+        remote_read: false,
+    }
+}
+
+/// A registration every NIC cannot take is refused before any NIC is asked, naming the
+/// memory and the first NIC that rules it out.
+#[test]
+fn registrations_are_checked_against_every_nics_memory_kinds() {
+    use crate::domain::Device;
+    let host_only = Capabilities {
+        cuda_memory: false,
+        dmabuf: false,
+        ..Capabilities::default()
+    };
+    let no_host = Capabilities {
+        host_memory: false,
+        ..Capabilities::default()
+    };
+    let dmabuf_only = Capabilities {
+        cuda_memory: false,
+        dmabuf: true,
+        ..Capabilities::default()
+    };
+    let core = |caps: Vec<Capabilities>| -> Dispatch<u32> {
+        Dispatch::new("test".into(), caps, Duration::from_secs(1), Anchor::now())
+    };
+    let mixed = core(vec![Capabilities::default(), host_only]);
+    assert!(mixed.check_registration(&region(Device::Host)).is_ok());
+    let refused = mixed
+        .check_registration(&region(Device::Cuda(3)))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains("GPU 3") && refused.contains("NIC 1"),
+        "{refused}"
+    );
+    assert!(core(vec![dmabuf_only])
+        .check_registration(&region(Device::Cuda(0)))
+        .is_ok());
+    let refused = core(vec![Capabilities::default(), no_host])
+        .check_registration(&region(Device::Host))
+        .unwrap_err();
+    assert!(
+        matches!(&refused, Error::Refused { backend, source }
+            if backend == "test" && source.message.contains("host memory")),
+        "{refused}"
+    );
+}
+
+/// Registrations are counted from what the worker reports: bytes and time of those that
+/// succeeded, failures, deregistrations.
+#[test]
+fn registrations_are_counted_as_reported() {
+    let mut core = core(1);
+    core.handle_registered(Some((4096, 7)));
+    core.handle_registered(Some((100, 3)));
+    core.handle_registered(None);
+    core.handle_deregistered();
+    let r = core.stats(ms(0)).registrations;
+    assert_eq!(
+        (r.registered, r.bytes, r.time_us, r.failed, r.deregistered),
+        (2, 4196, 10, 1, 1)
+    );
+}

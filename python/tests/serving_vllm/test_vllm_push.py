@@ -1,0 +1,338 @@
+"""xfer._vllm_push's PushSide against a stand-in of the worker's context: the push protocol's
+decisions — which prefill ranks a decode rank asks, when a load ends and with what error, when
+a prefill rank writes a layer, answers, cancels — with no engine, rendezvous or vLLM. Work the
+component sends to the background runs at once; time is passed in. The connector's own tests
+(``test_vllm_connector.py``) drive the same component through vLLM's classes and a real engine.
+"""
+
+import logging
+import struct
+
+import pytest
+
+from xfer._kvcache import pack_message, unpack_message, view_of
+from xfer._vllm_push import (
+    _CANCEL,
+    _PUSHED,
+    _WANT,
+    PushContext,
+    PushSide,
+    _Await,
+    block_ids_of,
+    block_ids_payload,
+)
+from xfer._vllm_records import Load, Peer
+
+TIMEOUT = 60.0
+FORGET = 120.0
+LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
+
+
+def hnd(heads, total_heads=2, blocks=16, tokens=16, content=8):
+    """A layer view with heads outside tokens, as the connector asks vLLM for."""
+    return view_of((blocks, heads, tokens, content),
+                   (heads * tokens * content, tokens * content, content, 1), 2,
+                   "torch.float16", 0, total_heads)
+
+
+class Transfer:
+    def __init__(self, on_done):
+        self.on_done = on_done
+        self.cancelled = False
+
+    def cancel(self):
+        self.cancelled = True
+        return "cancelled"
+
+    def wait(self, timeout=None):
+        return None
+
+
+class Worker:
+    """What a PushSide is given: a recording engine, this rank's layers, a peer table, and the
+    worker's load accounting as a list of events."""
+
+    def __init__(self, engine_id, *, rank=0, tp=1, heads=2, model="m", peers=()):
+        self.sent = []
+        """(address, kind, header, block ids) of every message sent."""
+        self.writes = []
+        """(kwargs, Transfer) of every paged write submitted."""
+        self.events = []
+        """("done", load) for each done message queued, ("finish", req_id, error) per load."""
+        self.layers = {name: (f"region-{engine_id}", hnd(heads)) for name in LAYERS}
+        self.peers = dict(peers)
+        self.push = PushSide(PushContext(
+            engine=self, engine_id=engine_id, rank=rank, tp_size=tp, model=model,
+            rendezvous_url=f"xfer://{engine_id}", push_timeout_s=TIMEOUT, forget_after_s=FORGET,
+            layers=lambda: self.layers, peer=self.peer, shared_layers=self.shared_layers,
+            is_draft_layer=lambda name: False, in_background=self.now,
+            tell_done_soon=lambda load: self.events.append(("done", load)),
+            finish_load=lambda req_id, load, error: self.events.append(("finish", req_id, error)),
+            logger=logging.getLogger("test_vllm_push")))
+
+    # ---- the engine ----
+
+    def submit_send(self, address, data):
+        kind, header, payload = unpack_message(bytes(data), len(_WANT))
+        self.sent.append((address, kind, header, block_ids_of(payload)))
+        return Transfer(None)
+
+    def submit_paged_writes(self, page_len, src, src_pages, dst, dst_pages, **kwargs):
+        transfer = Transfer(kwargs.pop("on_done"))
+        self.writes.append((dict(kwargs, page_len=page_len, src=src, src_pages=list(src_pages),
+                                 dst=dst, dst_pages=list(dst_pages)), transfer))
+        return transfer
+
+    # ---- the rest of the worker ----
+
+    def peer(self, engine_id, rank, url=None):
+        try:
+            return self.peers[(engine_id, rank)]
+        except KeyError:
+            raise LookupError(f"no record of {engine_id} rank {rank}") from None
+
+    def shared_layers(self, load):
+        there = self.peer(load.remote_engine_id, 0, load.remote_rendezvous).layers
+        return [name for name in self.layers if name in there]
+
+    @staticmethod
+    def now(work, *args):
+        work(*args)
+        return None
+
+    def sent_of(self, kind):
+        return [(address, header, ids) for address, k, header, ids in self.sent if k == kind]
+
+
+def peer(engine_id, rank, heads=2):
+    return Peer(address=f"{engine_id}/{rank}".encode(),
+                layers={name: (f"desc-{engine_id}-{rank}", hnd(heads)) for name in LAYERS})
+
+
+def decoder_of_two_prefill_ranks():
+    """A decode rank (TP 1, both heads) whose prefill instance runs at TP 2 (a head each)."""
+    d = Worker("d", peers={("p", r): peer("p", r, heads=1) for r in (0, 1)})
+    load = Load(local_block_ids=[[4, 5]], remote_engine_id="p", remote_block_ids=[],
+                remote_request_id="r", remote_tp_size=2)
+    d.push.await_push("r-d", load)
+    return d, load
+
+
+def pushed(rank, **header):
+    return {"engine": "p", "req": "r", "rank": rank, **header}
+
+
+# ---- the wire ----
+
+
+def test_block_ids_travel_as_little_endian_int32_and_back():
+    ids = [0, 1, 256, 70000, 2**31 - 1]
+    assert block_ids_payload(ids) == struct.pack("<5i", *ids)
+    assert block_ids_of(block_ids_payload(ids)) == ids
+
+
+def test_a_payload_that_is_not_whole_block_ids_is_refused():
+    # The worker drops a message that raises ValueError as malformed, by name.
+    with pytest.raises(ValueError):
+        block_ids_of(b"\x01\x00\x00\x00\x02")
+
+
+# ---- decode side ----
+
+
+def test_the_block_ids_go_to_every_prefill_rank_holding_some_of_this_ranks_heads():
+    d, _ = decoder_of_two_prefill_ranks()
+    wants = d.sent_of(_WANT)
+    assert [address for address, _, _ in wants] == [b"p/0", b"p/1"]
+    for _, header, ids in wants:
+        assert ids == [4, 5]
+        assert header == {"req": "r", "engine": "d", "rank": 0, "tp": 1,
+                          "rendezvous": "xfer://d", "model": "m"}
+
+
+def test_a_push_ends_once_every_prefill_rank_answered_its_done_message_queued_first():
+    d, load = decoder_of_two_prefill_ranks()
+    d.push.handle_pushed(pushed(0, ok=True))
+    assert d.events == [], "rank 1 has not answered"
+    d.push.handle_pushed(pushed(1, ok=True))
+    # Queued before the load is reported: a decoder shut down as soon as vLLM sees the load
+    # finished would otherwise leave the prefill holding the blocks until its lease.
+    assert d.events == [("done", load), ("finish", "r-d", None)]
+    d.push.handle_pushed(pushed(1, ok=True))
+    assert len(d.events) == 2, "a repeated answer ends nothing twice"
+
+
+def test_a_prefill_rank_that_could_not_push_fails_the_load_naming_it():
+    d, _ = decoder_of_two_prefill_ranks()
+    d.push.handle_pushed(pushed(1, ok=False, why="no layer x"))
+    d.push.handle_pushed(pushed(0, ok=True))
+    [(_, _, error)] = [e for e in d.events if e[0] == "finish"]
+    assert isinstance(error, RuntimeError)
+    assert "prefill p rank 1" in str(error) and "no layer x" in str(error)
+
+
+def test_a_late_push_is_cancelled_first_and_ends_after_as_long_again_if_unanswered():
+    d, load = decoder_of_two_prefill_ranks()
+    d.push.poll(0.0, kept=())
+    assert not d.sent_of(_CANCEL), "not due yet"
+    due = d.push._awaiting[("p", "r")].deadline
+    d.push.poll(due, kept=())
+    assert [address for address, _, _ in d.sent_of(_CANCEL)] == [b"p/0", b"p/1"]
+    assert d.events == [], "the blocks stay until the prefill ranks say nothing is in flight"
+    d.push.handle_pushed(pushed(0, cancelled=True))
+    d.push.poll(due + TIMEOUT - 1, kept=())
+    assert d.events == []
+    d.push.poll(due + TIMEOUT, kept=())
+    [done, (_, req_id, error)] = d.events
+    assert done == ("done", load) and req_id == "r-d"
+    assert isinstance(error, TimeoutError)
+    assert "ranks [1] did not answer the cancel" in str(error)
+
+
+def test_a_cancelled_push_ends_with_its_timeout_once_every_rank_answered():
+    d, _ = decoder_of_two_prefill_ranks()
+    d.push.poll(d.push._awaiting[("p", "r")].deadline, kept=())
+    d.push.handle_pushed(pushed(0, cancelled=True))
+    d.push.handle_pushed(pushed(1, cancelled=True))
+    [(_, _, error)] = [e for e in d.events if e[0] == "finish"]
+    assert isinstance(error, TimeoutError)
+    assert "did not push request r within 60.0s" in str(error)
+
+
+def test_a_deadline_first_cancels_then_ends():
+    load = Load([[1]], "p", [], "r")
+    waiting = _Await("r-d", load, {0, 1}, deadline=10.0)
+    assert waiting.handle_deadline(10.0, TIMEOUT) is True
+    assert waiting.deadline == 10.0 + TIMEOUT
+    assert "ranks [0, 1] missing" in str(waiting.cancelling)
+    assert waiting.handle_deadline(waiting.deadline, TIMEOUT) is False
+
+
+def test_a_prefill_rank_that_cannot_be_reached_for_the_cancel_is_answered_for():
+    d, _ = decoder_of_two_prefill_ranks()
+    due = d.push._awaiting[("p", "r")].deadline
+    del d.peers[("p", 1)]  # it went away
+    d.push.poll(due, kept=())
+    d.push.handle_pushed(pushed(0, cancelled=True))
+    [(_, _, error)] = [e for e in d.events if e[0] == "finish"]
+    assert "did not push request r" in str(error)
+
+
+# ---- prefill side ----
+
+
+def prefill_with_a_decoder(model="m"):
+    """A prefill rank (TP 1) and the block ids of one decode rank (TP 1, same model)."""
+    p = Worker("p", peers={("d", 0): peer("d", 0)})
+    header = {"req": "r", "engine": "d", "rank": 0, "tp": 1, "rendezvous": "xfer://d",
+              "model": model}
+    _, header, payload = unpack_message(
+        pack_message(_WANT, header, block_ids_payload([0, 9, 2])), len(_WANT))
+    return p, header, payload
+
+
+def complete(worker, error=None):
+    for _, transfer in worker.writes:
+        if transfer.on_done is not None:
+            on_done, transfer.on_done = transfer.on_done, None
+            on_done(error)
+
+
+def test_each_layer_goes_as_it_is_computed_and_the_decoder_is_told_once_all_landed():
+    p, header, payload = prefill_with_a_decoder()
+    p.push.handle_want(header, payload)
+    p.push.step_started({"r": [3, 5, 7]}, now=0.0)
+    p.push.layer_computed(LAYERS[0], None)
+    [(write, _)] = p.writes
+    assert (write["src"], write["src_pages"]) == ("region-p", [3, 5, 7])
+    assert (write["dst"], write["dst_pages"]) == ("desc-d-0", [0, 9, 2])
+    p.push.request_finished("r", [3, 5, 7])
+    assert len(p.writes) == 2, "the second layer at the end"
+    complete(p)
+    [(address, reply, _)] = p.sent_of(_PUSHED)
+    assert address == b"d/0"
+    assert reply == {"req": "r", "engine": "p", "rank": 0, "ok": True, "why": None,
+                     "cancelled": False}
+
+
+def test_ids_that_come_after_the_request_was_computed_are_pushed_at_once():
+    p, header, payload = prefill_with_a_decoder()
+    p.push.step_started({"r": [3, 5, 7]}, now=0.0)
+    p.push.layer_computed(LAYERS[0], None)
+    p.push.request_finished("r", [3, 5, 7])
+    assert p.writes == []
+    p.push.handle_want(header, payload)
+    assert len(p.writes) == len(LAYERS)
+
+
+def test_a_decoder_serving_another_model_is_refused_by_name():
+    p, header, payload = prefill_with_a_decoder(model="other")
+    p.push.handle_want(header, payload)
+    p.push.request_finished("r", [3, 5, 7])
+    assert p.writes == []
+    [(_, reply, _)] = p.sent_of(_PUSHED)
+    assert reply["ok"] is False and "'other'" in reply["why"] and "'m'" in reply["why"]
+
+
+def test_a_cancel_stops_the_writes_in_flight_and_is_answered_once_none_is():
+    p, header, payload = prefill_with_a_decoder()
+    p.push.handle_want(header, payload)
+    p.push.step_started({"r": [3, 5, 7]}, now=0.0)
+    p.push.layer_computed(LAYERS[0], None)
+    p.push.handle_cancel({"req": "r", "engine": "d", "rank": 0})
+    assert all(transfer.cancelled for _, transfer in p.writes)
+    assert p.sent_of(_PUSHED) == [], "a write is still in flight"
+    p.push.request_finished("r", [3, 5, 7])
+    assert len(p.writes) == 1, "nothing more is written after the cancel"
+    complete(p, error=RuntimeError("cancelled"))
+    [(_, reply, _)] = p.sent_of(_PUSHED)
+    assert reply["cancelled"] is True and reply["ok"] is False
+
+
+def test_a_cancel_before_the_ids_is_answered_and_drops_them_until_forgotten():
+    p, header, payload = prefill_with_a_decoder()
+    p.push.handle_cancel({"req": "r", "engine": "d", "rank": 0, "rendezvous": "xfer://d"})
+    [(address, reply, _)] = p.sent_of(_PUSHED)
+    assert address == b"d/0" and reply["cancelled"] is True
+    p.push.handle_want(header, payload)
+    assert p.push.wants("r") == [], "its ids came after its cancel"
+    p.push.poll(float("inf"), kept=())  # the cancel is forgotten once stale
+    p.push.handle_want(header, payload)
+    assert len(p.push.wants("r")) == 1
+
+
+def test_a_request_aborted_or_never_computed_fails_its_decoders_at_once():
+    p, header, payload = prefill_with_a_decoder()
+    p.push.handle_want(header, payload)
+    p.push.request_aborted("r", "aborted here")
+    [(_, reply, _)] = p.sent_of(_PUSHED)
+    assert reply["ok"] is False and reply["why"] == "aborted here"
+
+    p, header, payload = prefill_with_a_decoder()
+    p.push.handle_want(header, payload)
+    p.push.poll(float("inf"), kept=())
+    [(_, reply, _)] = p.sent_of(_PUSHED)
+    assert reply["why"] == "the prefill instance never computed the request"
+
+
+def test_a_computed_push_is_forgotten_once_its_blocks_are_no_longer_kept():
+    p, header, payload = prefill_with_a_decoder()
+    p.push.handle_want(header, payload)
+    p.push.step_started({"r": [3, 5, 7]}, now=0.0)
+    p.push.request_finished("r", [3, 5, 7])
+    complete(p)
+    p.push.poll(0.0, kept={"r"})
+    assert len(p.push.wants("r")) == 1
+    p.push.poll(0.0, kept=())
+    assert p.push.wants("r") == []
+    assert len(p.sent_of(_PUSHED)) == 1, "its decoder was answered once, when it landed"
+
+
+def test_a_chunk_of_a_longer_prompt_waits_for_the_whole_request():
+    p, header, payload = prefill_with_a_decoder()
+    p.push.handle_want(header, payload)
+    p.push.step_started({"r": [3, 5]}, now=0.0)  # two of the decoder's three blocks
+    p.push.layer_computed(LAYERS[0], None)
+    assert p.writes == []
+    p.push.request_finished("r", [3, 5, 7])
+    assert sorted(w["src_pages"] == [3, 5, 7] for w, _ in p.writes) == [True, True]
