@@ -10,13 +10,14 @@ use std::ffi::c_void;
 
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
-    message_size_class, Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind,
-    Event, MemoryRegion, PostStatus, RdmaOp, RdmaRequest, ReceivePool, RegionTable, Registration,
+    message_size_class, Capabilities, Device, Domain, DomainCause, DomainConfig, DomainError,
+    DomainErrorKind, Event, MemoryRegion, PostStatus, RdmaOp, RdmaRequest, RegionTable,
+    Registration,
 };
 
 use crate::ffi::{
-    Completion, CqError, Endpoint, MemoryRegistration, OfiError, Posted, KIND_RECV,
-    KIND_REMOTE_DATA,
+    Completion, CqError, Endpoint, MemoryRegistration, MessageBuffers, OfiError, Posted,
+    ZeroSource, KIND_RECV, KIND_REMOTE_DATA,
 };
 use crate::options::EfaOptions;
 use crate::shm_lifetime::{self, EndpointSlot};
@@ -56,10 +57,10 @@ pub struct EfaDomain {
     // (the endpoint itself is closed first, in Drop).
     regions: RegionTable<MemoryRegistration>,
     /// Message buffers, with a registration where the provider needs local descriptors.
-    receives: ReceivePool<Option<MemoryRegistration>>,
+    receives: MessageBuffers,
     /// Message buffers for sends, registered once per buffer (by `message_size_class`) where
     /// the provider needs local descriptors, instead of a registration per message.
-    send_pool: ReceivePool<Option<MemoryRegistration>>,
+    send_pool: MessageBuffers,
     in_flight: HashMap<usize, (Box<OpContext>, InFlight)>,
     /// Receive buffers the provider refused to take back (EAGAIN), posted after the next poll.
     unposted_receives: Vec<usize>,
@@ -67,7 +68,7 @@ pub struct EfaDomain {
     #[allow(clippy::vec_box)]
     spare_contexts: Vec<Box<OpContext>>,
     /// Source of zero-byte writes: EFA wants a valid descriptor even for no bytes.
-    zero_source: (Box<[u8]>, MemoryRegistration),
+    zero_source: ZeroSource,
     endpoint: EndpointSlot,
     address: NetAddr,
     provider: String,
@@ -78,7 +79,16 @@ pub struct EfaDomain {
 }
 
 fn other(e: OfiError) -> DomainError {
-    DomainError::new(DomainErrorKind::Other, e.message)
+    let cause = e.cause();
+    with_cause(DomainError::new(DomainErrorKind::Other, e.message), cause)
+}
+
+/// `error`, caused by `cause` when libfabric gave one.
+fn with_cause(error: DomainError, cause: Option<DomainCause>) -> DomainError {
+    match cause {
+        Some(cause) => error.with_cause(cause),
+        None => error,
+    }
 }
 
 /// A failed registration, with the memlock limit named when the cause is ENOMEM (the most
@@ -92,7 +102,7 @@ fn registration_error(e: OfiError, len: u64) -> DomainError {
             "; the locked-memory limit (ulimit -l) is {limit}: raise it, see `xfer doctor`"
         ));
     }
-    DomainError::new(DomainErrorKind::Other, message)
+    with_cause(DomainError::new(DomainErrorKind::Other, message), e.cause())
 }
 
 /// Maps a completion's error to the engine's kinds. EFA folds bad local keys, invalid address
@@ -191,22 +201,17 @@ impl EfaDomain {
                 ),
             )
         })?;
-        let zero = vec![0u8; 64].into_boxed_slice();
         let mut regions = RegionTable::new();
-        let zero_key = regions.next_key();
-        // SAFETY: `zero` is owned by the Domain next to its registration, and dropped after it.
-        let zero_mr =
-            unsafe { endpoint.register(zero.as_ptr(), zero.len(), None, zero_key, (false, false)) }
-                .map_err(other)?;
+        let zero_source = endpoint.zero_source(regions.next_key()).map_err(other)?;
         shm_lifetime::opened(&options.provider);
         Ok(Self {
             regions,
-            receives: ReceivePool::new(),
-            send_pool: ReceivePool::new(),
+            receives: MessageBuffers::default(),
+            send_pool: MessageBuffers::default(),
             in_flight: HashMap::new(),
             unposted_receives: Vec::new(),
             spare_contexts: Vec::new(),
-            zero_source: (zero, zero_mr),
+            zero_source,
             provider: options.provider.clone(),
             endpoint: EndpointSlot::new(endpoint),
             address,
@@ -298,10 +303,7 @@ impl EfaDomain {
         }
         let dest = self.peer(peer)?;
         let (buf, desc) = if len == 0 {
-            (
-                self.zero_source.0.as_ptr().cast_mut(),
-                self.zero_source.1.desc,
-            )
+            (self.zero_source.ptr(), self.zero_source.desc())
         } else {
             let mr = self.regions.source(req.local_key, req.local_addr, len)?;
             (req.local_addr as *mut u8, mr.desc)
@@ -401,8 +403,7 @@ impl EfaDomain {
     /// Posts pool buffer `buffer` as a receive; one the provider refuses for now (EAGAIN) is
     /// kept for after the next poll — not an error.
     fn post_receive(&mut self, buffer: usize) -> Result<(), DomainError> {
-        let (ptr, len, mr) = self.receives.get(buffer);
-        let desc = mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc);
+        let (ptr, len, desc) = self.receives.get(buffer);
         let ctx = self.acquire(InFlight::Recv { buffer });
         // SAFETY: the buffer is owned by the Domain and not reused until its completion.
         let result = unsafe { self.endpoint.recv(ptr, len, desc, ctx) };
@@ -446,19 +447,15 @@ impl Domain for EfaDomain {
 
     fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError> {
         let key = self.regions.next_key();
+        let registered = self.endpoint.register_region(region, key);
         let mr = match region.device {
-            // SAFETY: the engine checked the range is live device memory of this GPU, kept
-            // allocated until deregistration drops this registration.
-            Device::Cuda(index) => unsafe { self.endpoint.register(region.ptr as *const u8, region.len as usize, Some(index as i32), key, (region.remote_write, region.remote_read)) }.map_err(|e| {
+            Device::Cuda(index) => registered.map_err(|e| {
                 DomainError::new(
                     DomainErrorKind::InvalidArgument,
                     format!("{} cannot register GPU memory of CUDA device {index}: {} (does the provider support FI_HMEM?)", self.provider, e.message),
                 )
             })?,
-            // SAFETY: TransferEngine::reg_mr's contract keeps the memory allocated until it is
-            // deregistered, which drops this registration.
-            _ => unsafe { self.endpoint.register(region.ptr as *const u8, region.len as usize, None, key, (region.remote_write, region.remote_read)) }
-                .map_err(|e| registration_error(e, region.len))?,
+            _ => registered.map_err(|e| registration_error(e, region.len))?,
         };
         let remote_key = mr.key;
         Ok(self.regions.insert(key, region, mr, remote_key))
@@ -488,14 +485,11 @@ impl Domain for EfaDomain {
             // Without FI_HMEM the provider would take a CUDA pointer for host memory; the
             // engine refuses device memory instead, naming the backend.
             cuda_memory: self.endpoint.attr.hmem != 0,
+            // Only when the provider granted FI_READ/FI_REMOTE_READ; the engine refuses reads
+            // otherwise, naming the backend.
+            reads: self.endpoint.attr.rma_read != 0,
             ..Capabilities::default()
         }
-    }
-
-    fn supports_read(&self) -> bool {
-        // Only when the provider granted FI_READ/FI_REMOTE_READ; the engine refuses reads
-        // otherwise, naming the backend.
-        self.endpoint.attr.rma_read != 0
     }
 
     fn post_send(
@@ -508,25 +502,16 @@ impl Domain for EfaDomain {
             return Ok(PostStatus::Busy);
         }
         let dest = self.peer(peer)?;
-        let (endpoint, regions) = (&mut self.endpoint, &mut self.regions);
-        let mr_local = endpoint.attr.mr_local != 0;
+        let regions = &mut self.regions;
         let buffer = self
             .send_pool
-            .take(message_size_class(data.len()), |buf| {
-                if !mr_local {
-                    return Ok(None);
-                }
-                let key = regions.next_key();
-                // SAFETY: the pool keeps the buffer at this address, next to its registration,
-                // for the Domain's lifetime.
-                unsafe { endpoint.register(buf.as_ptr(), buf.len(), None, key, (false, false)) }
-                    .map(Some)
+            .take(&mut self.endpoint, message_size_class(data.len()), || {
+                regions.next_key()
             })
             .map_err(other)?;
         let filled = self.send_pool.fill(buffer, data);
         debug_assert!(filled, "a size-class buffer holds its message");
-        let (ptr, _, mr) = self.send_pool.get(buffer);
-        let desc = mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc);
+        let (ptr, _, desc) = self.send_pool.get(buffer);
         let ctx = self.acquire(InFlight::Send {
             wr_id,
             peer: peer.clone(),
@@ -542,17 +527,11 @@ impl Domain for EfaDomain {
         // shm's and tcp's delivery to this endpoint (see EfaOptions::max_message).
         let buf_len = buf_len.max(self.options.max_message);
         for _ in 0..count {
-            let (endpoint, regions) = (&mut self.endpoint, &mut self.regions);
-            let buffer = self.receives.take(buf_len, |data| {
-                if endpoint.attr.mr_local == 0 {
-                    return Ok(None);
-                }
-                let key = regions.next_key();
-                // SAFETY: the buffer lives in the pool for the Domain's lifetime.
-                unsafe { endpoint.register(data.as_ptr(), data.len(), None, key, (false, false)) }
-                    .map(Some)
-                    .map_err(other)
-            })?;
+            let regions = &mut self.regions;
+            let buffer = self
+                .receives
+                .take(&mut self.endpoint, buf_len, || regions.next_key())
+                .map_err(other)?;
             self.post_receive(buffer)?;
         }
         Ok(())
@@ -580,7 +559,8 @@ impl Domain for EfaDomain {
                             "{} via {}: {message} (libfabric error {err}, provider errno {prov_errno})",
                             self.provider, self.address
                         ),
-                    );
+                    )
+                    .with_cause(DomainCause::Os(err.saturating_abs()));
                     match self.release(context) {
                         Some(
                             InFlight::Write { wr_id, peer } | InFlight::Send { wr_id, peer, .. },
@@ -649,8 +629,14 @@ mod tests {
             message: "fi_mr_regattr: whatever the text".into(),
             code: Some(-12),
         };
-        let m = registration_error(oom, 4096).message;
-        assert!(m.contains("locked-memory limit (ulimit -l)"), "{m}");
+        let e = registration_error(oom, 4096);
+        assert!(e.message.contains("locked-memory limit (ulimit -l)"), "{e}");
+        // The code, not only its words: a caller matches on the errno.
+        assert_eq!(e.cause, Some(DomainCause::Os(12)));
+        assert_eq!(
+            e.cause.and_then(|c| c.io_error()).map(|io| io.kind()),
+            Some(std::io::ErrorKind::OutOfMemory)
+        );
         let other = OfiError {
             message: "fi_mr_regattr: Cannot allocate memory, in words only".into(),
             code: Some(-22),

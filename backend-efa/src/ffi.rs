@@ -4,6 +4,7 @@ use std::ffi::{c_char, c_void, CStr, CString};
 use std::ptr::NonNull;
 
 use ofi_sys as sys;
+use xfer_plugin::domain::{Device, MemoryRegion, ReceivePool};
 
 /// A failed libfabric call: its (negative) return code and text.
 #[derive(Debug, Clone)]
@@ -17,6 +18,12 @@ pub(crate) struct OfiError {
 impl OfiError {
     /// Whether libfabric ran out of memory (`-FI_ENOMEM`): for registrations, most often the
     /// locked-memory limit.
+    /// libfabric's code as the errno it is, for a `DomainError`'s cause.
+    pub(crate) fn cause(&self) -> Option<xfer_plugin::domain::DomainCause> {
+        self.code
+            .map(|c| xfer_plugin::domain::DomainCause::Os(c.saturating_abs()))
+    }
+
     pub(crate) fn is_out_of_memory(&self) -> bool {
         self.code == Some(-12)
     }
@@ -191,6 +198,46 @@ impl Endpoint {
     pub(crate) fn remove_peer(&mut self, fi_addr: u64) {
         // SAFETY: the endpoint is open; removing an address is valid for any inserted one.
         unsafe { sys::xfer_ofi_av_remove(self.raw.as_ptr(), fi_addr) };
+    }
+
+    /// Registers a region the engine hands to `Domain::register` under `key`: host memory,
+    /// or the memory of a CUDA device (`FI_HMEM_CUDA`).
+    pub(crate) fn register_region(
+        &mut self,
+        region: &MemoryRegion,
+        key: u64,
+    ) -> Result<MemoryRegistration, OfiError> {
+        let cuda_device = match region.device {
+            Device::Cuda(index) => Some(index as i32),
+            _ => None,
+        };
+        // SAFETY: `Domain::register`'s contract: the engine registers only memory its caller
+        // keeps allocated until it is deregistered (`TransferEngine::reg_mr` is `unsafe` for
+        // that; device memory it checked is this GPU's), and deregistering drops this
+        // registration.
+        unsafe {
+            self.register(
+                region.ptr as *const u8,
+                region.len as usize,
+                cuda_device,
+                key,
+                (region.remote_write, region.remote_read),
+            )
+        }
+    }
+
+    /// The source of zero-byte writes, registered under `key` (EFA wants a valid descriptor
+    /// even for no bytes).
+    pub(crate) fn zero_source(&mut self, key: u64) -> Result<ZeroSource, OfiError> {
+        let bytes = vec![0u8; 64].into_boxed_slice();
+        // SAFETY: `ZeroSource` keeps the bytes at this address and drops the registration
+        // first.
+        let registration =
+            unsafe { self.register(bytes.as_ptr(), bytes.len(), None, key, (false, false)) }?;
+        Ok(ZeroSource {
+            registration,
+            bytes,
+        })
     }
 
     /// Registers `len` bytes at `ptr` for local use and remote writes: host memory, or with
@@ -430,4 +477,76 @@ impl Drop for MemoryRegistration {
 pub(crate) fn api_version() -> u32 {
     // SAFETY: a pure function of the loaded library's version.
     unsafe { sys::xfer_ofi_api_version() }
+}
+
+/// The Domain's source of zero-byte writes: bytes that stay at their address while
+/// registered (the registration drops first).
+pub(crate) struct ZeroSource {
+    registration: MemoryRegistration,
+    bytes: Box<[u8]>,
+}
+
+impl ZeroSource {
+    /// The bytes' address, for a post.
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.bytes.as_ptr().cast_mut()
+    }
+
+    /// The registration's local descriptor.
+    pub(crate) fn desc(&self) -> *mut c_void {
+        self.registration.desc
+    }
+}
+
+/// Message buffers the Domain owns (its receive pool and its send pool), registered where
+/// the provider needs local descriptors: each stays at its address and registered until the
+/// pool drops, which deregisters before it frees (see `ReceivePool`).
+#[derive(Default)]
+pub(crate) struct MessageBuffers(ReceivePool<Option<MemoryRegistration>>);
+
+impl MessageBuffers {
+    /// A free buffer of exactly `len` bytes, or a new one, registered on `endpoint` under the
+    /// key `key` gives when the provider needs local descriptors.
+    pub(crate) fn take(
+        &mut self,
+        endpoint: &mut Endpoint,
+        len: usize,
+        key: impl FnOnce() -> u64,
+    ) -> Result<usize, OfiError> {
+        self.0.take(len, |data| {
+            if endpoint.attr.mr_local == 0 {
+                return Ok(None);
+            }
+            // SAFETY: the pool keeps `data` at this address until it drops, and drops this
+            // registration before the buffer.
+            unsafe { endpoint.register(data.as_ptr(), data.len(), None, key(), (false, false)) }
+                .map(Some)
+        })
+    }
+
+    /// Buffer `index`: its bytes' address and length, and its local descriptor (null where
+    /// the provider needs none).
+    pub(crate) fn get(&mut self, index: usize) -> (*mut u8, usize, *mut c_void) {
+        let (ptr, len, mr) = self.0.get(index);
+        (
+            ptr,
+            len,
+            mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc),
+        )
+    }
+
+    /// Copies `data` to the start of buffer `index`; false if it does not fit.
+    pub(crate) fn fill(&mut self, index: usize, data: &[u8]) -> bool {
+        self.0.fill(index, data)
+    }
+
+    /// A copy of the first `len` bytes of buffer `index`, which is then free for reuse.
+    pub(crate) fn take_message(&mut self, index: usize, len: usize) -> Option<Vec<u8>> {
+        self.0.take_message(index, len)
+    }
+
+    /// Puts buffer `index` back unused.
+    pub(crate) fn release(&mut self, index: usize) {
+        self.0.release(index)
+    }
 }

@@ -27,8 +27,8 @@ fn device_memory_on_shm_is_registered_with_fi_hmem_or_refused_by_name() {
     let registered = unsafe { b.reg_mr(gpu.ptr() as *mut u8, LEN, Device::Cuda(0)) };
     if !fi_hmem {
         match registered {
-            Err(Error::InvalidArgument(m))
-                if m.contains("backend efa cannot register CUDA memory") => {}
+            Err(Error::Refused { backend, source })
+                if backend == "efa" && source.message.contains("cannot register CUDA memory") => {}
             other => panic!("expected the engine's refusal naming the backend, got {other:?}"),
         }
         return;
@@ -37,10 +37,12 @@ fn device_memory_on_shm_is_registered_with_fi_hmem_or_refused_by_name() {
     // fails (-ENOSYS), and that is a typed error naming the provider's reason.
     let (mr, desc) = match registered {
         Ok(registered) => registered,
-        Err(Error::InvalidArgument(m))
-            if m.contains("shm cannot register GPU memory of CUDA device 0: fi_mr_regattr") =>
+        Err(Error::Refused { source, .. })
+            if source
+                .message
+                .contains("shm cannot register GPU memory of CUDA device 0: fi_mr_regattr") =>
         {
-            eprintln!("shm refused FI_HMEM_CUDA: {m}");
+            eprintln!("shm refused FI_HMEM_CUDA: {source}");
             return;
         }
         Err(e) => panic!("FI_HMEM granted, yet an untyped failure: {e:?}"),

@@ -182,10 +182,10 @@ fn no_receive_is_ever_truncated() {
         )
         .unwrap();
         match too_long.wait(Duration::from_secs(20)) {
-            Err(engine_core::Error::InvalidArgument(m)) => {
-                assert!(m.contains("65536"), "{provider}: {m}")
+            Err(engine_core::Error::Refused { source, .. }) => {
+                assert!(source.message.contains("65536"), "{provider}: {source}")
             }
-            other => panic!("{provider}: expected InvalidArgument, got {other:?}"),
+            other => panic!("{provider}: expected Refused, got {other:?}"),
         }
         // Longer than b's pool, within max_message: dropped at b, its buffer reposted.
         for data in [vec![2u8; 4096], vec![3u8; 4096], b"after".to_vec()] {

@@ -335,10 +335,6 @@ impl Domain for MockDomain {
         (posted, Ok(PostStatus::Posted))
     }
 
-    fn supports_read(&self) -> bool {
-        true
-    }
-
     fn capabilities(&self) -> Capabilities {
         self.capabilities
     }

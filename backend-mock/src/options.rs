@@ -109,6 +109,7 @@ impl MockOptions {
             immediates: !self.no_immediates,
             zero_byte_writes: !self.no_zero_byte_writes,
             needs_receiver_polling: self.needs_receiver_polling,
+            reads: true,
             ..Capabilities::default()
         }
     }

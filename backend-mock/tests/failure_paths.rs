@@ -673,7 +673,7 @@ fn a_failure_flushes_its_connection_and_the_next_transfer_reconnects() {
         // The ones flushed with it say so in their kind (issue 25 §8), as verbs does.
         if i > 0 {
             assert!(
-                matches!(&r, Err(Error::PeerUnreachable(m)) if m.contains("flushed")),
+                matches!(&r, Err(Error::PeerUnreachable(m)) if m.message.contains("flushed")),
                 "operation {i}: {r:?}"
             );
         }

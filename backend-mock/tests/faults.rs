@@ -36,7 +36,7 @@ fn the_nth_operation_fails_with_the_backends_message_and_later_ones_succeed() {
     for (i, r) in results.iter().enumerate() {
         if i == 2 {
             assert!(
-                matches!(r, Err(Error::Backend { backend, message }) if backend == "mock" && message.contains("operation 3")),
+                matches!(r, Err(Error::Backend { backend, source }) if backend == "mock" && source.message.contains("operation 3")),
                 "{r:?}"
             );
         } else {
@@ -187,7 +187,7 @@ fn soak_ten_thousand_transfers_under_faults() {
                 // Injected failures are the backend's words; what they flushed is unreachable.
                 assert!(
                     matches!(&r, Ok(()) | Err(Error::Backend { .. }))
-                        || matches!(&r, Err(Error::PeerUnreachable(m)) if m.contains("flushed")),
+                        || matches!(&r, Err(Error::PeerUnreachable(m)) if m.message.contains("flushed")),
                     "transfer {j}: {r:?}"
                 );
                 let s = (j % SLOTS) * SLOT;

@@ -115,7 +115,7 @@ fn a_batch_to_a_revoked_key_fails_once_and_the_next_one_lands() {
     )
     .unwrap();
     match done.wait(WAIT) {
-        Err(Error::RemoteAccess(why)) => assert!(why.contains("rkey"), "{why}"),
+        Err(Error::RemoteAccess(why)) => assert!(why.message.contains("rkey"), "{why}"),
         other => panic!("expected the NIC's refusal of the revoked key, got {other:?}"),
     }
     let dst = HostBuffer::new(&b, (u64::from(n) * PAGE) as usize).unwrap();
@@ -139,10 +139,10 @@ fn an_injected_failure_inside_a_batch_fails_its_page_and_the_rest_land() {
         .unwrap();
     warm.wait(WAIT).unwrap();
     match paged_write(&a, &src, &dst, n, 7) {
-        Err(Error::Backend { message, .. }) => {
+        Err(Error::Backend { source, .. }) => {
             assert!(
-                message.contains("injected failure of operation 152"),
-                "{message}"
+                source.message.contains("injected failure of operation 152"),
+                "{source}"
             )
         }
         other => panic!("expected the injected failure, got {other:?}"),

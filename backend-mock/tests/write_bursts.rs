@@ -117,7 +117,7 @@ fn a_burst_with_a_dead_peer_fails_its_writes_and_lands_the_others() {
     landed.wait_for(WRITES / 2, WAIT).unwrap();
     for flag in &failed {
         match flag.wait(WAIT) {
-            Err(Error::PeerUnreachable(why)) => assert!(why.contains("mock"), "{why}"),
+            Err(Error::PeerUnreachable(why)) => assert!(why.message.contains("mock"), "{why}"),
             other => panic!("expected the dead peer to be unreachable, got {other:?}"),
         }
     }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use verbs_sys as sys;
+use xfer_plugin::domain::{MemoryRegion, ReceivePool};
 
 pub(crate) use sys::{
     XvAttr as Attr, XvWc as Wc, XvWrite as Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV,
@@ -32,6 +33,27 @@ fn text(buf: &[c_char]) -> String {
 
 fn errno_text(code: i32) -> String {
     std::io::Error::from_raw_os_error(code).to_string()
+}
+
+/// A failed `ibv_reg_mr`: its words and the errno it set (callers decide by the errno, never
+/// by the text).
+#[derive(Debug)]
+pub(crate) struct RegistrationError {
+    pub(crate) message: String,
+    pub(crate) errno: i32,
+}
+
+impl RegistrationError {
+    /// Whether the kernel could not pin the pages: most often the locked-memory limit.
+    pub(crate) fn is_out_of_memory(&self) -> bool {
+        self.errno == 12
+    }
+}
+
+impl std::fmt::Display for RegistrationError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
 }
 
 /// The names of the RDMA devices present.
@@ -164,16 +186,56 @@ impl Device {
         Ok(attr)
     }
 
+    /// Registers the memory of a region the engine hands to `Domain::register` (host memory,
+    /// or GPU memory through nvidia-peermem, which pins GPU pages itself).
+    pub(crate) fn register_region(
+        &mut self,
+        region: &MemoryRegion,
+    ) -> Result<Mr, RegistrationError> {
+        // SAFETY: `Domain::register`'s contract: the engine registers only memory its caller
+        // keeps allocated until it is deregistered (`TransferEngine::reg_mr` is `unsafe` for
+        // that), and deregistering drops this registration.
+        unsafe {
+            self.register(
+                region.ptr,
+                region.len as usize,
+                RemoteBits::of(region.remote_write, region.remote_read),
+            )
+        }
+    }
+
+    /// Registers the GPU memory of a region the engine hands to `Domain::register` through a
+    /// dma-buf exported for it (`cuMemGetHandleForAddressRange` → `ibv_reg_dmabuf_mr`).
+    pub(crate) fn register_region_dmabuf(
+        &mut self,
+        region: &MemoryRegion,
+        gpu: u32,
+    ) -> Result<Mr, String> {
+        let (fd, offset) = xfer_cuda::dmabuf(region.ptr, region.len, gpu)?;
+        // SAFETY: as for `register_region`, the engine checked the range is live device
+        // memory of this GPU, kept allocated until deregistration; the fd was just exported
+        // for it and is ours to hand over.
+        unsafe {
+            self.register_dmabuf(
+                offset,
+                region.len as usize,
+                region.ptr,
+                fd,
+                RemoteBits::of(region.remote_write, region.remote_read),
+            )
+        }
+    }
+
     /// Registers memory.
     ///
     /// # Safety
     /// The memory must stay allocated until the registration is dropped.
-    pub(crate) unsafe fn register(
+    unsafe fn register(
         &mut self,
         addr: u64,
         len: usize,
         remote: RemoteBits,
-    ) -> Result<Mr, String> {
+    ) -> Result<Mr, RegistrationError> {
         let (mut lkey, mut rkey, mut err) = (0, 0, 0);
         // SAFETY: per this function's contract.
         let mr = unsafe {
@@ -189,7 +251,10 @@ impl Device {
         };
         NonNull::new(mr)
             .map(|raw| Mr { raw, lkey, rkey })
-            .ok_or_else(|| format!("ibv_reg_mr of {len} bytes: {}", errno_text(err)))
+            .ok_or_else(|| RegistrationError {
+                message: format!("ibv_reg_mr of {len} bytes: {}", errno_text(err)),
+                errno: err,
+            })
     }
 
     /// Registers GPU memory exported as a dma-buf (`fd` spans whole pages; the region starts
@@ -198,7 +263,7 @@ impl Device {
     /// # Safety
     /// The GPU memory must stay allocated until the registration is dropped; `fd` must be an
     /// open dma-buf descriptor this call may close.
-    pub(crate) unsafe fn register_dmabuf(
+    unsafe fn register_dmabuf(
         &mut self,
         offset: u64,
         len: usize,
@@ -306,7 +371,7 @@ impl Device {
     ///
     /// # Safety
     /// A non-empty buffer must stay registered and allocated until its completion.
-    pub(crate) unsafe fn post_srq_recv(
+    unsafe fn post_srq_recv(
         &mut self,
         msg: bool,
         wr_id: u64,
@@ -534,10 +599,7 @@ unsafe impl Send for Qp {}
 impl Qp {
     /// Posts up to [`verbs_sys::CHAIN`] writes as one chain; returns how many were queued
     /// (fewer when the send queue is full).
-    ///
-    /// # Safety
-    /// Every local range must lie in a live registration with the given lkey.
-    pub(crate) unsafe fn post_writes(&mut self, writes: &[Write]) -> Result<usize, String> {
+    pub(crate) fn post_writes(&mut self, writes: &[Write]) -> Result<usize, String> {
         let mut posted = 0;
         // Writes small enough go inline (reads never: their bytes come back).
         let mut chain = [Write::default(); sys::CHAIN];
@@ -549,7 +611,11 @@ impl Qp {
             };
         }
         let writes = &chain[..n];
-        // SAFETY: per this function's contract; writes has writes.len() entries (at most CHAIN).
+        // SAFETY: `writes` has writes.len() entries (at most CHAIN). A write reaches memory
+        // only through its lkey and rkey, which the NICs check against live registrations: a
+        // range outside its key's region, or a key deregistered since, ends in an error
+        // completion, never an access (and a registration's memory stays allocated until it
+        // is deregistered: `Domain::register`'s contract).
         let rc = unsafe {
             sys::xv_post_writes(
                 self.raw.as_ptr(),
@@ -569,7 +635,7 @@ impl Qp {
     ///
     /// # Safety
     /// The buffer must lie in a live registration with `lkey` until its completion.
-    pub(crate) unsafe fn post_send(
+    unsafe fn post_send(
         &mut self,
         wr_id: u64,
         addr: u64,
@@ -621,5 +687,72 @@ impl Drop for Qp {
     fn drop(&mut self) {
         // SAFETY: created once, destroyed once.
         unsafe { sys::xv_destroy_qp(self.raw.as_ptr()) };
+    }
+}
+
+/// Message buffers the Domain owns and registers itself (its receive pool and its send pool):
+/// each stays at its address and registered until the pool drops, which deregisters before
+/// it frees (see `ReceivePool`), so registering and posting them asks nothing of a caller.
+#[derive(Default)]
+pub(crate) struct MessageBuffers(ReceivePool<Mr>);
+
+impl MessageBuffers {
+    /// A free buffer of exactly `len` bytes, or a new one registered on `device`.
+    pub(crate) fn take(&mut self, device: &mut Device, len: usize) -> Result<usize, String> {
+        self.0.take(len, |data| {
+            // SAFETY: the pool keeps `data` at this address until it drops, and drops this
+            // registration before the buffer.
+            unsafe {
+                device.register(
+                    data.as_ptr() as u64,
+                    data.len(),
+                    RemoteBits::of(false, false),
+                )
+            }
+            .map_err(|e| e.message)
+        })
+    }
+
+    /// Posts buffer `index` on `device`'s message SRQ as the receive `wr_id`.
+    pub(crate) fn post_recv(
+        &mut self,
+        device: &mut Device,
+        index: usize,
+        wr_id: u64,
+    ) -> Result<(), String> {
+        let (addr, len, mr) = self.0.get(index);
+        // SAFETY: the buffer lies in its registration, and both live until the pool drops.
+        unsafe { device.post_srq_recv(true, wr_id, addr as u64, len as u32, mr.lkey) }
+    }
+
+    /// Copies `bytes` into buffer `index` and posts them on `qp` as the send `wr_id`;
+    /// `Ok(false)` when the send queue is full.
+    pub(crate) fn post_send(
+        &mut self,
+        qp: &mut Qp,
+        index: usize,
+        wr_id: u64,
+        bytes: &[u8],
+    ) -> Result<bool, String> {
+        if !self.0.fill(index, bytes) {
+            return Err(format!(
+                "a message of {} bytes does not fit its buffer",
+                bytes.len()
+            ));
+        }
+        let (addr, _, mr) = self.0.get(index);
+        // SAFETY: the message's bytes lie in the buffer's registration, and both live until
+        // the pool drops.
+        unsafe { qp.post_send(wr_id, addr as u64, bytes.len() as u32, mr.lkey) }
+    }
+
+    /// A copy of the first `len` bytes of buffer `index`, which is then free for reuse.
+    pub(crate) fn take_message(&mut self, index: usize, len: usize) -> Option<Vec<u8>> {
+        self.0.take_message(index, len)
+    }
+
+    /// Puts buffer `index` back unused.
+    pub(crate) fn release(&mut self, index: usize) {
+        self.0.release(index)
     }
 }

@@ -486,7 +486,7 @@ fn deregistering_a_region_fails_its_queued_writes_and_spares_the_others() {
     drop(r1); // deregisters while both writes wait for the handshake
     let e = f1.wait(Duration::from_secs(30)).unwrap_err();
     assert!(
-        matches!(&e, engine_core::Error::Backend { message, .. } | engine_core::Error::InvalidArgument(message) if message.contains("deregistered")),
+        matches!(&e, engine_core::Error::Backend { source, .. } | engine_core::Error::Refused { source, .. } if source.message.contains("deregistered")),
         "{e:?}"
     );
     f2.wait(Duration::from_secs(30))

@@ -26,12 +26,12 @@ fn gpu_memory_on_soft_roce_is_refused_with_both_reasons() {
         )
     };
     match refused {
-        Err(engine_core::Error::InvalidArgument(m))
-            if m.contains("cannot be registered with rxe0")
-                && m.contains("dma-buf:")
-                && m.contains("nvidia-peermem:") =>
+        Err(engine_core::Error::Refused { source, .. })
+            if source.message.contains("cannot be registered with rxe0")
+                && source.message.contains("dma-buf:")
+                && source.message.contains("nvidia-peermem:") =>
         {
-            eprintln!("{m}")
+            eprintln!("{source}")
         }
         other => panic!("expected the typed refusal with both reasons, got {other:?}"),
     }

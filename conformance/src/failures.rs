@@ -92,6 +92,7 @@ pub fn bad_input(h: &dyn Harness) {
         Err(Error::InvalidArgument(_))
     ));
     // SAFETY: a null pointer is refused before anything is registered.
+    #[allow(unsafe_code)]
     let null = unsafe { a.reg_mr(std::ptr::null_mut(), 8, Device::Host) };
     assert!(matches!(null, Err(Error::InvalidArgument(_))));
 }
@@ -148,6 +149,7 @@ pub fn dead_peer(h: &dyn Harness) {
     // B's memory is gone with B; only its descriptor remains.
     let mut gone = vec![0u8; 4096];
     // SAFETY: deregistered (by dropping B) before `gone` is freed; no write ever succeeds.
+    #[allow(unsafe_code)]
     let (_, desc_b) = unsafe { b.reg_mr(gone.as_mut_ptr(), gone.len(), Device::Host) }.unwrap();
     drop(b);
     let start = Instant::now();

@@ -27,6 +27,7 @@
 //! Every check panics with a message naming what broke. Deadlines are taken from the
 //! harness's config with the transfer and expectation timeouts capped at two seconds, so a
 //! broken backend fails fast instead of hanging.
+#![deny(unsafe_code)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -167,6 +168,7 @@ pub fn failed_step(step: &str, error: &engine_core::Error) -> String {
         E::PeerUnreachable(_) => "the plugin could not reach an engine that is open: do peers post to the address `address()` returns, and is a live peer found by it?",
         E::RemoteAccess(_) => "the plugin refused a key, range or permission the engine registered: is each remote key checked against its own region (rule 5)?",
         E::Backend { .. } => "the plugin reported this failure",
+        E::Refused { .. } => "the request was refused as something the backend cannot do, by its declared capabilities or by the plugin: is it one the plugin should carry out?",
         E::InvalidArgument(_) | E::OutOfBounds { .. } | E::NotAvailable(_) => "the engine refused the request before the plugin saw it: do the plugin's capabilities say what it supports?",
         _ => "",
     };

@@ -20,6 +20,7 @@ impl Readable {
         let mut data: Vec<u8> = (0..len).map(fill).collect();
         // SAFETY: `data` lives in the returned value and is deregistered in its Drop before
         // it is freed.
+        #[allow(unsafe_code)]
         let (mr, desc) =
             unsafe { engine.reg_mr_with(data.as_mut_ptr(), len, Device::Host, access) }
                 .unwrap_or_else(|e| panic!("registering {len} readable bytes failed: {e}"));
@@ -130,7 +131,7 @@ pub fn read_of_an_unreadable_region(h: &dyn Harness) {
         DoneFlag::new(),
     );
     assert!(
-        matches!(&refused, Err(Error::RemoteAccess(m)) if m.contains("READ")),
+        matches!(&refused, Err(Error::RemoteAccess(m)) if m.message.contains("READ")),
         "a read of a write-only region must be refused at submit, naming RemoteAccess::READ: {refused:?}"
     );
     let pages = Pages {

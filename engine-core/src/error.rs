@@ -6,6 +6,7 @@
 
 use std::time::Duration;
 
+use crate::domain::{DomainError, DomainErrorKind};
 use crate::wire::{DecodeError, NetAddr};
 
 /// Everything that can go wrong in xfer.
@@ -15,6 +16,16 @@ pub enum Error {
     /// The caller passed something that can never work (checked locally, nothing was posted).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The backend cannot do what the caller asked (a request its declared capabilities rule
+    /// out, or one its NIC refused as malformed): a caller mistake, not a failure of the
+    /// peer or the NIC; that request was not carried out.
+    #[error("backend {backend} refused the request: {}", source.message)]
+    Refused {
+        /// Backend name.
+        backend: String,
+        /// The refusal, in the backend's words (kind [`DomainErrorKind::InvalidArgument`]).
+        source: DomainError,
+    },
     /// An offset/length pair reaches past the end of a registered region (nothing was posted).
     #[error("{side} range {offset}+{len} is past the end of a region of {region_len} bytes")]
     OutOfBounds {
@@ -84,14 +95,16 @@ pub enum Error {
     /// A backend plugin could not be found or loaded.
     #[error(transparent)]
     Plugin(#[from] crate::plugin::PluginError),
-    /// The remote NIC refused the access (bad rkey, out of bounds, missing permission).
-    #[error("remote access error: {0}")]
-    RemoteAccess(String),
-    /// The peer could not be reached, stopped answering, or went away (the backend's
-    /// message names the peer).
-    #[error("peer unreachable: {0}")]
-    PeerUnreachable(String),
-    /// The operation did not finish within its deadline.
+    /// The remote NIC refused the access (bad rkey, out of bounds, missing permission): the
+    /// backend's error, with its words and, where it knows, its cause (a NIC status).
+    #[error("remote access error: {}", .0.message)]
+    RemoteAccess(#[source] DomainError),
+    /// The peer could not be reached, stopped answering, or went away: the backend's error
+    /// (its message names the peer; its cause, where known, is the NIC's status or errno).
+    #[error("peer unreachable: {}", .0.message)]
+    PeerUnreachable(#[source] DomainError),
+    /// The operation did not finish within its deadline: the one given (the caller's, the
+    /// configured `timeouts`), or the backend's own that it reported.
     #[error("timed out after {0:?}")]
     Timeout(Duration),
     /// A transfer's data landed, but its notification was not taken within the deadline:
@@ -104,13 +117,14 @@ pub enum Error {
         /// How long the notification's send waited.
         waited: Duration,
     },
-    /// The backend reported a failure of its own.
-    #[error("backend {backend}: {message}")]
+    /// The backend reported a failure of its own (its `source` says which kind, in its own
+    /// words, and what it came from where it knows: an errno, a NIC status).
+    #[error("backend {backend}: {}", source.message)]
     Backend {
         /// Backend name.
         backend: String,
-        /// The backend's own message (status names, provider text).
-        message: String,
+        /// The backend's failure.
+        source: DomainError,
     },
     /// A watcher slot could not be allocated.
     #[error(transparent)]
@@ -131,6 +145,7 @@ impl Error {
     pub fn kind(&self) -> &'static str {
         match self {
             Error::InvalidArgument(_) => "invalid_argument",
+            Error::Refused { .. } => "refused",
             Error::OutOfBounds { .. } => "out_of_bounds",
             Error::UnknownHandle(_) => "unknown_handle",
             Error::UnknownPeerGroup(_) => "unknown_peer_group",
@@ -152,7 +167,137 @@ impl Error {
             Error::Cancelled => "cancelled",
         }
     }
+
+    /// A failure of backend `backend` that is the engine's own doing around it (a thread it
+    /// could not start), caused by the operating system's `e`.
+    pub(crate) fn backend_io(backend: &str, what: &str, e: &std::io::Error) -> Self {
+        let mut source = DomainError::new(DomainErrorKind::Other, format!("{what}: {e}"));
+        if let Some(errno) = e.raw_os_error() {
+            source = source.with_cause(crate::domain::DomainCause::Os(errno));
+        }
+        Error::Backend {
+            backend: backend.to_owned(),
+            source,
+        }
+    }
+
+    /// A remote access refused, as the engine itself names it (`message`).
+    pub(crate) fn remote_access(message: impl Into<String>) -> Self {
+        Error::RemoteAccess(DomainError::new(DomainErrorKind::RemoteAccess, message))
+    }
+
+    /// A failure of backend `backend` that the engine found (the backend broke its contract),
+    /// named by `message`.
+    pub(crate) fn backend_other(backend: &str, message: impl Into<String>) -> Self {
+        Error::Backend {
+            backend: backend.to_owned(),
+            source: DomainError::new(DomainErrorKind::Other, message),
+        }
+    }
 }
 
 /// Shorthand for results in this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+    use crate::domain::DomainCause;
+    use crate::runtime::dispatch::map_domain_error;
+
+    #[test]
+    fn a_backend_failure_keeps_its_kind_and_cause_as_its_source() {
+        let failed = DomainError::new(DomainErrorKind::Other, "ibv_post_send: Cannot allocate")
+            .with_cause(DomainCause::Os(12));
+        let e = map_domain_error("verbs", failed.clone());
+        assert!(
+            matches!(&e, Error::Backend { backend, source } if backend == "verbs" && *source == failed),
+            "{e:?}"
+        );
+        let source = e.source().expect("the Domain's error is the source");
+        let domain = source.downcast_ref::<DomainError>().expect("a DomainError");
+        assert_eq!(domain.kind, DomainErrorKind::Other);
+        let cause = source.source().expect("the errno is the source's source");
+        assert_eq!(
+            cause.downcast_ref::<DomainCause>(),
+            Some(&DomainCause::Os(12))
+        );
+        assert_eq!(
+            domain.cause.and_then(|c| c.io_error()).map(|io| io.kind()),
+            Some(std::io::ErrorKind::OutOfMemory)
+        );
+        assert_eq!(
+            e.to_string(),
+            "backend verbs: ibv_post_send: Cannot allocate"
+        );
+    }
+
+    #[test]
+    fn a_peer_failure_keeps_the_nics_status() {
+        let flushed = DomainError::new(DomainErrorKind::PeerUnreachable, "WR_FLUSH_ERR from peer")
+            .with_cause(DomainCause::Status(5));
+        let e = map_domain_error("verbs", flushed.clone());
+        assert!(
+            matches!(&e, Error::PeerUnreachable(d) if *d == flushed),
+            "{e:?}"
+        );
+        assert_eq!(e.to_string(), "peer unreachable: WR_FLUSH_ERR from peer");
+        let cause = e.source().and_then(|s| s.source());
+        assert_eq!(
+            cause.and_then(|c| c.downcast_ref::<DomainCause>()),
+            Some(&DomainCause::Status(5))
+        );
+    }
+
+    #[test]
+    fn a_backend_timeout_carries_the_deadline_it_reported() {
+        let after = Duration::from_millis(1500);
+        let e = map_domain_error(
+            "efa",
+            DomainError::timed_out(after, "no reply to the connect"),
+        );
+        assert_eq!(e, Error::Timeout(after));
+        // One that does not say how long it waited claims no length: it stays the backend's.
+        let silent = DomainError::new(DomainErrorKind::Timeout, "gave up");
+        let e = map_domain_error("plugin", silent);
+        assert!(
+            matches!(&e, Error::Backend { source, .. } if source.kind == DomainErrorKind::Timeout),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn a_backend_refusing_the_request_is_the_callers_mistake_not_a_failure() {
+        let e = map_domain_error("mock", crate::domain::refuse_read());
+        assert!(
+            matches!(&e, Error::Refused { backend, source }
+                if backend == "mock" && source.kind == DomainErrorKind::InvalidArgument),
+            "{e:?}"
+        );
+        assert_eq!(e.kind(), "refused");
+        assert!(e.source().is_some());
+        for (kind, name) in [
+            (DomainErrorKind::RemoteAccess, "remote_access"),
+            (DomainErrorKind::PeerUnreachable, "peer_unreachable"),
+            (DomainErrorKind::Other, "backend"),
+            (DomainErrorKind::Fatal, "backend"),
+        ] {
+            assert_eq!(
+                map_domain_error("mock", DomainError::new(kind, "x")).kind(),
+                name
+            );
+        }
+    }
+
+    #[test]
+    fn an_os_failure_around_a_backend_keeps_its_errno() {
+        let io = std::io::Error::from_raw_os_error(11);
+        let e = Error::backend_io("mock", "cannot spawn the worker thread", &io);
+        assert!(
+            matches!(&e, Error::Backend { source, .. } if source.cause == Some(DomainCause::Os(11))),
+            "{e:?}"
+        );
+    }
+}

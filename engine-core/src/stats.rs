@@ -398,7 +398,14 @@ mod tests {
         let before = r.snapshot(t0).peers[&peer].clone();
         assert!(before.healthy && before.ms_since_activity.is_none());
         r.finished(&s, Ok(()), at(10));
-        r.finished(&s, Err(&Error::PeerUnreachable("gone".into())), at(20));
+        r.finished(
+            &s,
+            Err(&Error::PeerUnreachable(crate::domain::DomainError::new(
+                crate::domain::DomainErrorKind::PeerUnreachable,
+                "gone",
+            ))),
+            at(20),
+        );
         let down = r.snapshot(at(25)).peers[&peer].clone();
         assert!(!down.healthy);
         assert_eq!(down.ms_since_activity, Some(5));

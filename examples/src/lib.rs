@@ -1,5 +1,6 @@
 //! Shared set-up for the example workloads: engines on the configured backend (the in-process
 //! mock by default) with a chosen NIC count.
+#![forbid(unsafe_code)]
 
 use std::sync::Arc;
 

@@ -1,6 +1,7 @@
 //! Engine errors as the exception hierarchy of `xfer/_errors.py` (defined in Python, so the
 //! classes can inherit from builtins such as `TimeoutError` and `ValueError`).
 
+use engine_core::domain::DomainErrorKind;
 use engine_core::Error;
 use pyo3::prelude::*;
 
@@ -10,7 +11,8 @@ fn class_of(e: &Error) -> &'static str {
         Error::InvalidArgument(_) | Error::UnknownHandle(_) | Error::UnknownPeerGroup(_) => {
             "InvalidArgumentError"
         }
-        Error::ForeignHandle { .. } => "InvalidArgumentError",
+        // The backend refusing what the caller asked is the caller's mistake, as in Rust.
+        Error::ForeignHandle { .. } | Error::Refused { .. } => "InvalidArgumentError",
         Error::OutOfBounds { .. } => "OutOfBoundsError",
         Error::Busy { .. } => "BusyError",
         Error::ArrivalsDropped { .. } | Error::Timeout(_) => "TimeoutError",
@@ -21,6 +23,8 @@ fn class_of(e: &Error) -> &'static str {
         Error::Plugin(_) => "PluginError",
         Error::RemoteAccess(_) => "RemoteAccessError",
         Error::PeerUnreachable(_) => "PeerUnreachableError",
+        // A backend that timed out without saying after how long is still a timeout.
+        Error::Backend { source, .. } if source.kind == DomainErrorKind::Timeout => "TimeoutError",
         Error::Backend { .. } => "BackendError",
         Error::Watcher(_) => "WatcherError",
         Error::NotAvailable(_) => "NotAvailableError",

@@ -244,6 +244,8 @@ impl RawCapabilities {
             immediates: has(self.flags, CAP_IMMEDIATES),
             zero_byte_writes: has(self.flags, CAP_ZERO_BYTE_WRITES),
             needs_receiver_polling: has(self.flags, CAP_NEEDS_RECEIVER_POLLING),
+            // Not in the C layout: the table's `post_read` entry says it (see `PluginDomain`).
+            reads: false,
         }
     }
 }

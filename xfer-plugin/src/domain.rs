@@ -8,7 +8,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::addr::NetAddr;
 
@@ -218,14 +218,49 @@ impl DomainErrorKind {
     }
 }
 
-/// A failure reported by a Domain, with the backend's own words.
+/// What a backend's failure came from, in the terms of the library or NIC that reported it,
+/// so a caller can match on it instead of parsing the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+#[non_exhaustive]
+pub enum DomainCause {
+    /// An operating-system error number (`errno`; libibverbs returns it, libfabric returns
+    /// it negated, and it is stored positive here).
+    #[error("{}", std::io::Error::from_raw_os_error(*.0))]
+    Os(i32),
+    /// A status code of the NIC or its provider, in the backend's own numbering (verbs: an
+    /// `ibv_wc_status`; libfabric: a completion's provider error).
+    #[error("status code {0}")]
+    Status(i32),
+    /// The backend's own deadline, of this length, passed (with
+    /// [`DomainErrorKind::Timeout`]).
+    #[error("the backend's deadline of {0:?} passed")]
+    Deadline(Duration),
+}
+
+impl DomainCause {
+    /// The operating-system error, for [`Os`](Self::Os).
+    pub fn io_error(&self) -> Option<std::io::Error> {
+        match *self {
+            Self::Os(errno) => Some(std::io::Error::from_raw_os_error(errno)),
+            _ => None,
+        }
+    }
+}
+
+/// A failure reported by a Domain: its kind, the backend's own words and, where the backend
+/// knows it, the typed cause (reachable as [`std::error::Error::source`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{kind:?}: {message}")]
+#[non_exhaustive]
 pub struct DomainError {
     /// What kind of failure.
     pub kind: DomainErrorKind,
     /// The backend's message (status names, provider text).
     pub message: String,
+    /// What it came from, when the backend knows (an errno, a NIC status, a deadline). Not
+    /// carried across the C ABI, whose error has room for a kind and a message only.
+    #[source]
+    pub cause: Option<DomainCause>,
 }
 
 impl DomainError {
@@ -234,6 +269,27 @@ impl DomainError {
         Self {
             kind,
             message: message.into(),
+            cause: None,
+        }
+    }
+
+    /// The same failure, caused by `cause`.
+    pub fn with_cause(mut self, cause: DomainCause) -> Self {
+        self.cause = Some(cause);
+        self
+    }
+
+    /// The backend's own deadline of `after` passed: a [`DomainErrorKind::Timeout`] that says
+    /// how long it waited.
+    pub fn timed_out(after: Duration, message: impl Into<String>) -> Self {
+        Self::new(DomainErrorKind::Timeout, message).with_cause(DomainCause::Deadline(after))
+    }
+
+    /// The deadline that passed, for a timeout whose backend said.
+    pub fn deadline(&self) -> Option<Duration> {
+        match self.cause {
+            Some(DomainCause::Deadline(d)) => Some(d),
+            _ => None,
         }
     }
 }
@@ -301,9 +357,8 @@ pub trait Domain: Send {
 
     /// Posts an RDMA WRITE or READ. Connecting to a new peer happens here, lazily; requests
     /// posted while it connects are queued by the Domain, not refused. A read's `Done` means
-    /// the bytes are in local memory. Backends without reads (see
-    /// [`supports_read`](Self::supports_read)) refuse [`RdmaOp::Read`] with
-    /// [`refuse_read`]'s typed error.
+    /// the bytes are in local memory. Backends without reads (see [`Capabilities::reads`])
+    /// refuse [`RdmaOp::Read`] with [`refuse_read`]'s typed error.
     fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError>;
 
     /// Posts `template` once per entry of `shifts`, each moved by its byte offsets, in order
@@ -338,11 +393,6 @@ pub trait Domain: Send {
         requests: &[RdmaRequest<'_>],
     ) -> (usize, Result<PostStatus, DomainError>) {
         post_each(self, requests)
-    }
-
-    /// Whether [`post_rdma`](Self::post_rdma) carries out [`RdmaOp::Read`].
-    fn supports_read(&self) -> bool {
-        false
     }
 
     /// Posts a message to `peer` (copied before this returns).
@@ -448,12 +498,15 @@ pub struct Capabilities {
     /// The Domain makes progress only while polled, also when it only receives (libfabric's
     /// manual-progress providers such as EFA): the engine keeps polling instead of parking.
     pub needs_receiver_polling: bool,
+    /// [`Domain::post_rdma`] carries out [`RdmaOp::Read`] (RDMA READ). For a plugin it is
+    /// whether its table has the `post_read` entry (ABI 2), not a bit of the C layout.
+    pub reads: bool,
 }
 
 impl Default for Capabilities {
     /// What the engine assumes of a backend that does not say (and of plugins older than
     /// ABI 3): no limits, host and CUDA memory, immediates and zero-byte writes, no receiver
-    /// polling.
+    /// polling, no reads.
     fn default() -> Self {
         Self {
             max_write_size: None,
@@ -465,6 +518,7 @@ impl Default for Capabilities {
             immediates: true,
             zero_byte_writes: true,
             needs_receiver_polling: false,
+            reads: false,
         }
     }
 }

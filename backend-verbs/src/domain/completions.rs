@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{DomainError, DomainErrorKind, Event};
 
-use super::{classify, err, other, VerbsDomain};
+use super::{err, failed_completion, other, VerbsDomain};
 use crate::completion::Outstanding;
 use crate::ffi::{
     self, Wc, Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV, TAG_MASK, TAG_MSG_RECV,
@@ -28,7 +28,7 @@ pub(super) fn settle_failure(
     if let Some(wr_id) = failed {
         events.push(Event::Done {
             wr_id,
-            result: Err(err(classify(wc.status), text.to_owned())),
+            result: Err(failed_completion(wc.status, text.to_owned())),
         });
     }
 }
@@ -111,7 +111,7 @@ impl VerbsDomain {
             }
             events.extend(rest.into_iter().map(|w| Event::Done {
                 wr_id: w.user,
-                result: Err(err(classify(wc.status), text.clone())),
+                result: Err(failed_completion(wc.status, text.clone())),
             }));
             self.connections.settled(wc.qp_num);
             return;
@@ -187,19 +187,11 @@ impl VerbsDomain {
                         if wc.status != 0 {
                             // A failed receive (an oversized message) goes back on the SRQ:
                             // the pool must not shrink.
-                            let (addr, len, mr) = self.receives.get(index);
-                            let lkey = mr.lkey;
-                            // SAFETY: the buffer is registered and owned by the pool; it is not
-                            // reused until this receive completes.
-                            let reposted = unsafe {
-                                self.device.post_srq_recv(
-                                    true,
-                                    TAG_MSG_RECV | index as u64,
-                                    addr as u64,
-                                    len as u32,
-                                    lkey,
-                                )
-                            };
+                            let reposted = self.receives.post_recv(
+                                &mut self.device,
+                                index,
+                                TAG_MSG_RECV | index as u64,
+                            );
                             if reposted.is_err() {
                                 self.receives.release(index);
                             }
@@ -230,7 +222,7 @@ impl VerbsDomain {
                             if let (true, Some(p)) = (current, peer) {
                                 self.fail_peer(&p, &text);
                             }
-                            Err(err(classify(wc.status), text))
+                            Err(failed_completion(wc.status, text))
                         };
                         events.push(Event::Done {
                             wr_id: send.user,

@@ -7,14 +7,13 @@ use std::sync::Arc;
 use foldhash::HashMap;
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
-    message_size_class, DomainError, DomainErrorKind, PageShift, PostStatus, RdmaRequest,
-    ReceivePool, Waker,
+    message_size_class, DomainError, DomainErrorKind, PageShift, PostStatus, RdmaRequest, Waker,
 };
 
 use super::connections::{Connection, Queued};
 use super::{err, VerbsDomain};
 use crate::completion::{Outstanding, Progress};
-use crate::ffi::{Device, Mr, Qp, RemoteBits, Write, TAG_MASK, TAG_SEND};
+use crate::ffi::{Device, MessageBuffers, Qp, Write, TAG_MASK, TAG_SEND};
 use crate::notify::NotifyState;
 
 /// Writes of one data QP: a chain being built (posted with one doorbell, at most [`CHAIN`]), and what
@@ -113,9 +112,7 @@ pub(super) fn post_chain(qp: &mut Qp, q: &mut DataQueue) -> Result<(), String> {
     for (i, w) in q.chain.iter_mut().enumerate() {
         w.signaled = (i == last) as i32;
     }
-    // SAFETY: every write was checked against a live registration when accepted; a region
-    // deregistered since has its lkey refused by the NIC (an error completion), never read.
-    let posted = unsafe { qp.post_writes(&q.chain) }?;
+    let posted = qp.post_writes(&q.chain)?;
     if q.outstanding.is_empty() && posted > 0 {
         q.progress.moved();
     }
@@ -145,30 +142,12 @@ pub(super) struct SendBuffer {
 pub(super) fn post_message(
     device: &mut Device,
     qp: &mut Qp,
-    (sends, pool): (&mut HashMap<u64, SendBuffer>, &mut ReceivePool<Mr>),
+    (sends, pool): (&mut HashMap<u64, SendBuffer>, &mut MessageBuffers),
     (wr_id, user): (u64, u64),
     bytes: &[u8],
 ) -> Result<bool, String> {
-    let buffer = pool.take(message_size_class(bytes.len()), |data| {
-        // SAFETY: the pool keeps the buffer at this address for the Domain's lifetime, and
-        // the registration with it.
-        unsafe {
-            device.register(
-                data.as_ptr() as u64,
-                data.len(),
-                RemoteBits::of(false, false),
-            )
-        }
-    })?;
-    let (ptr, _, mr) = pool.get(buffer);
-    let lkey = mr.lkey;
-    // SAFETY: the class holds at least `bytes.len()` bytes, and the buffer is ours (taken
-    // from the pool, not posted) until it is released.
-    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len()) };
-    // SAFETY: the buffer lies in its registration and stays out of the pool until its
-    // completion.
-    let posted = unsafe { qp.post_send(wr_id, ptr as u64, bytes.len() as u32, lkey) };
-    match posted {
+    let buffer = pool.take(device, message_size_class(bytes.len()))?;
+    match pool.post_send(qp, buffer, wr_id, bytes) {
         Ok(true) => {
             sends.insert(wr_id, SendBuffer { user, buffer });
             Ok(true)

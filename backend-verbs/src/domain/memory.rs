@@ -4,7 +4,7 @@
 use xfer_plugin::domain::{DomainError, DomainErrorKind, MemoryRegion};
 
 use super::{err, VerbsDomain};
-use crate::ffi::{Mr, RemoteBits};
+use crate::ffi::Mr;
 
 impl VerbsDomain {
     /// GPU memory: dma-buf first (`cuMemGetHandleForAddressRange` → `ibv_reg_dmabuf_mr`),
@@ -14,26 +14,12 @@ impl VerbsDomain {
         region: &MemoryRegion,
         index: u32,
     ) -> Result<Mr, DomainError> {
-        let dmabuf = xfer_cuda::dmabuf(region.ptr, region.len, index).and_then(|(fd, offset)| {
-            // SAFETY: the engine checked the range is live device memory of this GPU; the fd
-            // was just exported for it and is handed over.
-            unsafe {
-                self.device.register_dmabuf(
-                    offset,
-                    region.len as usize,
-                    region.ptr,
-                    fd,
-                    RemoteBits::of(region.remote_write, region.remote_read),
-                )
-            }
-        });
+        let dmabuf = self.device.register_region_dmabuf(region, index);
         let dmabuf_error = match dmabuf {
             Ok(mr) => return Ok(mr),
             Err(e) => e,
         };
-        let remote = RemoteBits::of(region.remote_write, region.remote_read);
-        // SAFETY: as for host memory; with nvidia-peermem the NIC pins GPU pages itself.
-        match unsafe { self.device.register(region.ptr, region.len as usize, remote) } {
+        match self.device.register_region(region) {
             Ok(mr) => Ok(mr),
             Err(peermem_error) => Err(err(
                 DomainErrorKind::InvalidArgument,

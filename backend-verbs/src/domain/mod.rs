@@ -8,11 +8,11 @@ use std::time::{Duration, Instant};
 use foldhash::HashMap;
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
-    Device as MemDevice, Domain, DomainError, DomainErrorKind, Event, MemoryRegion, PageShift,
-    PostStatus, RdmaRequest, ReceivePool, RegionTable, Registration, Waker,
+    Capabilities, Device as MemDevice, Domain, DomainCause, DomainError, DomainErrorKind, Event,
+    MemoryRegion, PageShift, PostStatus, RdmaRequest, RegionTable, Registration, Waker,
 };
 
-use crate::ffi::{Attr, Device, Mr, RemoteBits, Wc, Write, TAG_MSG_RECV};
+use crate::ffi::{Attr, Device, MessageBuffers, Mr, RegistrationError, Wc, Write, TAG_MSG_RECV};
 use crate::handshake::Handshaker;
 use crate::log;
 use crate::notify::NotifyState;
@@ -42,10 +42,10 @@ pub struct VerbsDomain {
     handshake: Handshaker,
     regions: RegionTable<Mr>,
     /// Message buffers posted to the message SRQ.
-    receives: ReceivePool<Mr>,
+    receives: MessageBuffers,
     sends: HashMap<u64, SendBuffer>,
     /// Registered message buffers for sends (see `message_size_class`).
-    send_pool: ReceivePool<Mr>,
+    send_pool: MessageBuffers,
     device: Device,
     attr: Attr,
     me: VerbsAddr,
@@ -85,6 +85,27 @@ fn other(message: String) -> DomainError {
     err(DomainErrorKind::Other, message)
 }
 
+/// A failed registration of host memory, its errno as the cause, with the memlock limit named
+/// when the kernel could not pin the pages (ENOMEM: most often that limit, which `xfer doctor`
+/// checks too).
+fn registration_error(e: RegistrationError) -> DomainError {
+    let mut message = e.message.clone();
+    if e.is_out_of_memory() {
+        let limit = xfer_topology::doctor::memlock_limit(std::path::Path::new("/proc"))
+            .map_or("unlimited".to_owned(), |l| format!("{l} bytes"));
+        message.push_str(&format!(
+            " (locked-memory limit: {limit}; see `xfer doctor`)"
+        ));
+    }
+    other(message).with_cause(DomainCause::Os(e.errno))
+}
+
+/// The error of a work completion that failed with `status` (an `ibv_wc_status`), which it
+/// carries as its cause.
+fn failed_completion(status: i32, text: impl Into<String>) -> DomainError {
+    err(classify(status), text).with_cause(DomainCause::Status(status))
+}
+
 /// Maps a failed work completion to the engine's kinds.
 fn classify(status: i32) -> DomainErrorKind {
     match status {
@@ -103,24 +124,10 @@ impl Domain for VerbsDomain {
     fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError> {
         let mr = match region.device {
             MemDevice::Cuda(index) => self.register_gpu(region, index)?,
-            _ => {
-                // SAFETY: TransferEngine::reg_mr's contract keeps the memory allocated until it
-                // is deregistered, which drops this registration.
-                unsafe {
-                    self.device.register(
-                        region.ptr,
-                        region.len as usize,
-                        RemoteBits::of(region.remote_write, region.remote_read),
-                    )
-                }
-                .map_err(|e| {
-                    let limit = xfer_topology::doctor::memlock_limit(std::path::Path::new("/proc"))
-                        .map_or("unlimited".to_owned(), |l| format!("{l} bytes"));
-                    other(format!(
-                        "{e} (locked-memory limit: {limit}; see `xfer doctor`)"
-                    ))
-                })?
-            }
+            _ => self
+                .device
+                .register_region(region)
+                .map_err(registration_error)?,
         };
         let key = self.regions.next_key();
         let remote_key = u64::from(mr.rkey);
@@ -224,8 +231,11 @@ impl Domain for VerbsDomain {
         self.post_list(requests)
     }
 
-    fn supports_read(&self) -> bool {
-        true
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            reads: true,
+            ..Capabilities::default()
+        }
     }
 
     fn post_send(
@@ -273,30 +283,13 @@ impl Domain for VerbsDomain {
 
     fn post_recvs(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError> {
         for _ in 0..count {
-            let device = &mut self.device;
-            // SAFETY: the buffer lives in the pool for the Domain's lifetime.
             let index = self
                 .receives
-                .take(buf_len, |data| unsafe {
-                    device.register(
-                        data.as_ptr() as u64,
-                        data.len(),
-                        RemoteBits::of(false, false),
-                    )
-                })
+                .take(&mut self.device, buf_len)
                 .map_err(other)?;
-            let (addr, len, mr) = self.receives.get(index);
-            // SAFETY: the buffer is registered and not reused until its completion.
-            unsafe {
-                self.device.post_srq_recv(
-                    true,
-                    TAG_MSG_RECV | index as u64,
-                    addr as u64,
-                    len as u32,
-                    mr.lkey,
-                )
-            }
-            .map_err(other)?;
+            self.receives
+                .post_recv(&mut self.device, index, TAG_MSG_RECV | index as u64)
+                .map_err(other)?;
         }
         Ok(())
     }
@@ -407,5 +400,37 @@ mod tests {
         assert_eq!(xfer_plugin::domain::message_size_class(256), 256);
         assert_eq!(xfer_plugin::domain::message_size_class(257), 512);
         assert_eq!(xfer_plugin::domain::message_size_class(65_536), 65_536);
+    }
+
+    /// A failed registration keeps its errno, and names the memlock limit only when the
+    /// kernel ran out of memory pinning the pages.
+    #[test]
+    fn a_failed_registration_carries_its_errno() {
+        use xfer_plugin::domain::DomainCause;
+        let oom = super::registration_error(crate::ffi::RegistrationError {
+            message: "ibv_reg_mr of 4096 bytes: Cannot allocate memory".into(),
+            errno: 12,
+        });
+        assert_eq!(oom.cause, Some(DomainCause::Os(12)));
+        assert!(oom.message.contains("locked-memory limit"), "{oom}");
+        let fault = super::registration_error(crate::ffi::RegistrationError {
+            message: "ibv_reg_mr of 4096 bytes: Bad address".into(),
+            errno: 14,
+        });
+        assert_eq!(fault.cause, Some(DomainCause::Os(14)));
+        assert!(!fault.message.contains("locked-memory"), "{fault}");
+    }
+
+    /// A failed completion keeps the NIC's status as a typed cause, beside the kind it maps
+    /// to and the status's name.
+    #[test]
+    fn a_failed_completion_carries_its_status() {
+        use xfer_plugin::domain::{DomainCause, DomainErrorKind};
+        let e = super::failed_completion(10, "REM_ACCESS_ERR");
+        assert_eq!(e.kind, DomainErrorKind::RemoteAccess);
+        assert_eq!(e.cause, Some(DomainCause::Status(10)));
+        let e = super::failed_completion(12, "RETRY_EXC_ERR");
+        assert_eq!(e.kind, DomainErrorKind::PeerUnreachable);
+        assert_eq!(e.cause, Some(DomainCause::Status(12)));
     }
 }

@@ -5,12 +5,12 @@ use std::time::{Duration, Instant};
 
 use foldhash::HashMap;
 use xfer_plugin::addr::NetAddr;
-use xfer_plugin::domain::{DomainConfig, DomainError, DomainErrorKind, ReceivePool, RegionTable};
+use xfer_plugin::domain::{DomainConfig, DomainError, DomainErrorKind, RegionTable};
 
 use super::connections::Connections;
 use super::faults::Faults;
 use super::{err, other, VerbsDomain};
-use crate::ffi::{self, Device, Wc};
+use crate::ffi::{self, Device, MessageBuffers, Wc};
 use crate::handshake::{self, Handshaker};
 use crate::options::VerbsOptions;
 use crate::wire::{choose_gid, choose_gid_for, GidEntry, GidWanted, VerbsAddr};
@@ -164,9 +164,9 @@ impl VerbsDomain {
             connections: Connections::default(),
             handshake,
             regions: RegionTable::new(),
-            receives: ReceivePool::new(),
+            receives: MessageBuffers::default(),
             sends: HashMap::default(),
-            send_pool: ReceivePool::new(),
+            send_pool: MessageBuffers::default(),
             device,
             attr,
             me,

@@ -176,9 +176,8 @@ impl TransferEngine {
                     message: format!("[backends.{}] {why}", config.backend),
                 })
             })?;
-        let thread_error = |e: std::io::Error| Error::Backend {
-            backend: config.backend.clone(),
-            message: format!("cannot spawn the callback thread: {e}"),
+        let thread_error = |e: std::io::Error| {
+            Error::backend_io(&config.backend, "cannot spawn the callback thread", &e)
         };
         let (jobs, callbacks) =
             spawn_callback_thread(format!("xfer-callbacks-{group}")).map_err(thread_error)?;

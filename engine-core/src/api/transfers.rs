@@ -49,7 +49,7 @@ fn remote_side(op: RdmaOp) -> &'static str {
 /// including providers that do not enforce read access themselves (libfabric's shm and tcp).
 fn check_readable(desc: &MrDesc) -> Result<()> {
     match desc.access() {
-        Some(access) if !access.read => Err(Error::RemoteAccess(format!(
+        Some(access) if !access.read => Err(Error::remote_access(format!(
             "the peer registered the region at {:#x} ({} bytes) without RemoteAccess::READ: it \
              cannot be read (refused before posting, as its descriptor says)",
             desc.ptr(),

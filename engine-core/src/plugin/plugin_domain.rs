@@ -229,10 +229,6 @@ impl Domain for PluginDomain {
         Self::check(status, &err).map(|_| ())
     }
 
-    fn supports_read(&self) -> bool {
-        self.plugin.table.post_read.is_some()
-    }
-
     fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
         let mut err = RawError::empty();
         let status = match RawRdma::from_request(req) {
@@ -388,16 +384,27 @@ impl Domain for PluginDomain {
     }
 
     fn capabilities(&self) -> Capabilities {
+        // Reads are the table's `post_read` entry (ABI 2), whatever else the plugin declares.
+        let reads = self.plugin.table.post_read.is_some();
         let Some(query) = self.plugin.table.capabilities else {
-            return Capabilities::default();
+            return Capabilities {
+                reads,
+                ..Capabilities::default()
+            };
         };
         let mut raw = RawCapabilities::from_capabilities(&Capabilities::default());
         // SAFETY: live handle; raw is valid for writes during the call.
         if unsafe { query(self.handle, &mut raw) } != STATUS_OK {
             tracing::warn!(plugin = %self.plugin.name, "the plugin's capabilities query failed; assuming the defaults");
-            return Capabilities::default();
+            return Capabilities {
+                reads,
+                ..Capabilities::default()
+            };
         }
-        raw.to_capabilities()
+        Capabilities {
+            reads,
+            ..raw.to_capabilities()
+        }
     }
 
     fn set_waker(&mut self, waker: Waker) -> bool {

@@ -271,16 +271,21 @@ fn ahead(
     !pending.is_empty() && pending.contains_key(&(nic, peer.clone()))
 }
 
-/// Turns a Domain's error into the engine's typed error.
+/// Turns a Domain's error into the engine's typed error. A timeout becomes
+/// [`Error::Timeout`] only with the deadline the backend said passed; one that did not say
+/// stays a [`Error::Backend`] of kind `Timeout` rather than claiming a length.
 pub(crate) fn map_domain_error(backend: &str, e: DomainError) -> Error {
-    match e.kind {
-        DomainErrorKind::RemoteAccess => Error::RemoteAccess(e.message),
-        DomainErrorKind::PeerUnreachable => Error::PeerUnreachable(e.message),
-        DomainErrorKind::InvalidArgument => Error::InvalidArgument(e.message),
-        DomainErrorKind::Timeout => Error::Timeout(Duration::ZERO),
+    match (e.kind, e.deadline()) {
+        (DomainErrorKind::RemoteAccess, _) => Error::RemoteAccess(e),
+        (DomainErrorKind::PeerUnreachable, _) => Error::PeerUnreachable(e),
+        (DomainErrorKind::InvalidArgument, _) => Error::Refused {
+            backend: backend.to_owned(),
+            source: e,
+        },
+        (DomainErrorKind::Timeout, Some(after)) => Error::Timeout(after),
         _ => Error::Backend {
             backend: backend.to_owned(),
-            message: e.message,
+            source: e,
         },
     }
 }
@@ -390,7 +395,7 @@ impl<W: Waiter> Dispatch<W> {
                 self.backend,
                 max.saturating_sub(MESSAGE_HEADER_LEN)
             );
-            self.finish_now(waiter, Err(Error::InvalidArgument(refused)));
+            self.finish_now(waiter, Err(self.refused(refused)));
             return None;
         }
         let kind = if data.first() == Some(&CHANNEL_NOTIFICATION) {
@@ -482,7 +487,7 @@ impl<W: Waiter> Dispatch<W> {
             .find_map(|(op, _)| self.beyond_capabilities(op))
         {
             // Refused whole, before any part is posted: the backend said it cannot.
-            self.finish_now(waiter, Err(Error::InvalidArgument(refused)));
+            self.finish_now(waiter, Err(self.refused(refused)));
             return None;
         }
         self.track(now, requests, waiter, |core| {
@@ -595,6 +600,15 @@ impl<W: Waiter> Dispatch<W> {
             None
         } else {
             self.refusal(op)
+        }
+    }
+
+    /// The error of a request the backend's capabilities rule out, named by `why`.
+    #[cold]
+    fn refused(&self, why: String) -> Error {
+        Error::Refused {
+            backend: self.backend.clone(),
+            source: DomainError::new(DomainErrorKind::InvalidArgument, why),
         }
     }
 
@@ -1113,20 +1127,17 @@ impl<W: Waiter> Dispatch<W> {
     /// Whether every NIC can register `region`, by what each declared: the refusal names the
     /// memory and the NIC. (The worker registers what passes, NIC by NIC.)
     pub(crate) fn check_registration(&self, region: &MemoryRegion) -> Result<(), Error> {
-        let backend = &self.backend;
         match region.device {
             Device::Cuda(gpu) => {
                 if let Some(nic) = self.caps.iter().position(|c| !c.cuda_memory && !c.dmabuf) {
-                    return Err(Error::InvalidArgument(format!(
-                        "backend {backend} cannot register CUDA memory (GPU {gpu}) on NIC {nic}: it declares host memory only"
+                    return Err(self.refused(format!(
+                        "cannot register CUDA memory (GPU {gpu}) on NIC {nic}: the backend declares host memory only"
                     )));
                 }
             }
             Device::Host => {
                 if !self.caps.iter().all(|c| c.host_memory) {
-                    return Err(Error::InvalidArgument(format!(
-                        "backend {backend} cannot register host memory"
-                    )));
+                    return Err(self.refused("cannot register host memory".into()));
                 }
             }
         }

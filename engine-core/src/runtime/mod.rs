@@ -16,7 +16,7 @@ mod callbacks;
 pub(crate) mod clock;
 pub(crate) mod completion;
 pub(crate) mod control;
-mod dispatch;
+pub(crate) mod dispatch;
 mod idle;
 mod queue;
 mod tracker;

@@ -206,7 +206,10 @@ impl<W> Tracker<W> {
 /// was flushed because another failed reports — which outranks running out of time.
 fn cause_rank(e: &Error) -> u8 {
     match e {
-        Error::RemoteAccess(_) | Error::InvalidArgument(_) | Error::OutOfBounds { .. } => 4,
+        Error::RemoteAccess(_)
+        | Error::InvalidArgument(_)
+        | Error::Refused { .. }
+        | Error::OutOfBounds { .. } => 4,
         Error::Backend { .. } => 3,
         Error::PeerUnreachable(_) => 2,
         Error::Timeout(_) | Error::NotListening { .. } => 0,
@@ -219,14 +222,18 @@ fn cause_rank(e: &Error) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::{DomainError, DomainErrorKind};
     use std::time::Duration;
 
     /// Issue 25 §8: a read of a write-only region striped over two NICs failed as "flushed"
     /// (or unreachable) when the other NIC's flush arrived before the refusal that caused it.
     #[test]
     fn the_root_cause_wins_over_the_flushes_it_caused_in_any_order() {
-        let root = Error::RemoteAccess("bad key".into());
-        let flush = Error::PeerUnreachable("flushed".into());
+        let root = Error::remote_access("bad key");
+        let flush = Error::PeerUnreachable(DomainError::new(
+            DomainErrorKind::PeerUnreachable,
+            "flushed",
+        ));
         let far = Stamp::from_nanos(60_000_000_000);
         for order in [[flush.clone(), root.clone()], [root.clone(), flush.clone()]] {
             let mut t = Tracker::new();
@@ -245,15 +252,12 @@ mod tests {
         let id = t.insert(3, far, "w");
         assert!(t.handle_done(id, Ok(())).is_none());
         assert!(t
-            .handle_done(id, Err(Error::RemoteAccess("first".into())))
+            .handle_done(id, Err(Error::remote_access("first")))
             .is_none());
         let (w, r) = t
-            .handle_done(id, Err(Error::RemoteAccess("second".into())))
+            .handle_done(id, Err(Error::remote_access("second")))
             .unwrap();
-        assert_eq!(
-            (w, r),
-            ("w", Err(Box::new(Error::RemoteAccess("first".into()))))
-        );
+        assert_eq!((w, r), ("w", Err(Box::new(Error::remote_access("first")))));
         assert_eq!(t.len(), 0);
         assert!(
             t.handle_done(id, Ok(())).is_none(),
@@ -297,7 +301,7 @@ mod tests {
             let (mut by_runs, mut one_by_one) = (Vec::new(), Vec::new());
             for (i, &(n, failed)) in events.iter().enumerate() {
                 if failed {
-                    let e = || Err(Error::RemoteAccess(format!("event {i}")));
+                    let e = || Err(Error::remote_access(format!("event {i}")));
                     by_runs.extend(runs.handle_done(a, e()).map(|f| (i, f)));
                     one_by_one.extend(single.handle_done(b, e()).map(|f| (i, f)));
                     continue;

@@ -130,8 +130,8 @@ pub(crate) fn spawn_worker(
                 Ok(worker) => {
                     let domains = worker.group.domains();
                     let addresses = domains.iter().map(|d| d.address()).collect();
-                    let reads = domains.iter().all(|d| d.supports_read());
                     let caps = worker.core.caps().to_vec();
+                    let reads = caps.iter().all(|c| c.reads);
                     let spread = worker.group.spread();
                     let _ = ready_tx.send(Ok((addresses, reads, caps, spread)));
                     worker.run();
@@ -141,10 +141,7 @@ pub(crate) fn spawn_worker(
                 }
             }
         })
-        .map_err(|e| Error::Backend {
-            backend: shared.backend.clone(),
-            message: format!("cannot spawn the worker thread: {e}"),
-        })?;
+        .map_err(|e| Error::backend_io(&shared.backend, "cannot spawn the worker thread", &e))?;
     shared.parking.set_worker(thread.thread().clone());
     let timeout =
         shared.config.timeouts.control() + Duration::from_millis(shared.config.timeouts.connect_ms);
@@ -192,9 +189,12 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
                 nic,
                 options: &options,
             })
-            .map_err(|e| Error::Backend {
-                backend: shared.backend.clone(),
-                message: format!("cannot open NIC {nic:?}: {}", e.message),
+            .map_err(|mut e| {
+                e.message = format!("cannot open NIC {nic:?}: {}", e.message);
+                Error::Backend {
+                    backend: shared.backend.clone(),
+                    source: e,
+                }
             })?;
         let (waking, asking) = (Arc::clone(&shared.parking), Arc::clone(&shared.parking));
         domains_wake &= domain.set_waker(Waker::with_parking(
@@ -206,32 +206,35 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
         if declared.max_address_len > crate::wire::MAX_ADDR_LEN
             || address_len > declared.max_address_len
         {
-            return Err(Error::Backend {
-                backend: shared.backend.clone(),
-                message: format!(
+            return Err(Error::backend_other(
+                &shared.backend,
+                format!(
                     "NIC {nic:?}: the backend declares addresses of up to {} bytes and handed out one of {address_len}; the engine carries at most {}",
                     declared.max_address_len,
                     crate::wire::MAX_ADDR_LEN
                 ),
-            });
+            ));
         }
         domains.push(domain);
         caps.push(declared);
     }
     let needs_polling = caps.iter().any(|c| c.needs_receiver_polling);
     let nics = domains.len();
-    let group = (backend.open_group())(domains, config).map_err(|e| Error::Backend {
-        backend: shared.backend.clone(),
-        message: format!("cannot make the DomainGroup: {}", e.message),
+    let group = (backend.open_group())(domains, config).map_err(|mut e| {
+        e.message = format!("cannot make the DomainGroup: {}", e.message);
+        Error::Backend {
+            backend: shared.backend.clone(),
+            source: e,
+        }
     })?;
     if group.domains().len() != nics {
-        return Err(Error::Backend {
-            backend: shared.backend.clone(),
-            message: format!(
+        return Err(Error::backend_other(
+            &shared.backend,
+            format!(
                 "the backend's DomainGroup has {} NICs; the config names {nics}",
                 group.domains().len()
             ),
-        });
+        ));
     }
     let anchor = Anchor::now();
     let core = Dispatch::new(

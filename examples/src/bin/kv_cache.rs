@@ -17,6 +17,7 @@
 //! `--pull`: the decoder pulls instead (NIXL's and DLSlime's way): the prefill cache is
 //! registered readable, and as each layer is ready the decoder reads its pages into its own
 //! scattered pages with one paged RDMA READ; the read's completion says the bytes are there.
+#![deny(unsafe_code)]
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -53,6 +54,7 @@ impl Cache {
         }
         let memory = DeviceBuffer::new(0, len).unwrap_or_else(|e| fail(e));
         // SAFETY: `memory` stays allocated until the Cache drops, after deregistration.
+        #[allow(unsafe_code)]
         let (mr, desc) =
             unsafe { engine.reg_mr_with(memory.ptr() as *mut u8, len, Device::Cuda(0), access) }
                 .unwrap_or_else(|e| fail(e));

@@ -12,6 +12,7 @@
 //! publishing `moe-N` with its inbox and results regions and finding the others through the
 //! rendezvous; the count messages then also carry each token's index, since no rank knows
 //! another's routing.
+#![forbid(unsafe_code)]
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

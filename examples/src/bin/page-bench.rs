@@ -13,6 +13,7 @@
 //! Last, the reference: the same page copies, in the same order, between two plain buffers on
 //! one thread, and the engine's rate as a fraction of it (`--no-reference` leaves it out, as
 //! the instruction counts must).
+#![forbid(unsafe_code)]
 
 use std::time::{Duration, Instant};
 

@@ -13,6 +13,7 @@
 //! further rounds (which should be about nothing: no per-operation growth). A third engine writes the same round to every
 //! peer before the measured ones, so that the peers' own buffers (queues and event lists that
 //! grow on first use) are not counted as the connection's.
+#![forbid(unsafe_code)]
 
 use std::alloc::System;
 use std::sync::Arc;

@@ -14,6 +14,7 @@
 //!
 //! Prints one line per phase: milliseconds off, on, their ratio, and registrations off/on.
 //! Timings on a shared machine are noisy; the registration counts are not.
+#![deny(unsafe_code)]
 
 use std::time::Instant;
 
@@ -77,6 +78,7 @@ fn main() {
         let register_all = |handles: &mut Vec<MrHandle>| {
             for (&off, &len) in offsets.iter().zip(&sizes) {
                 // SAFETY: `memory` outlives the engine's registrations (all deregistered below).
+                #[allow(unsafe_code)]
                 let (h, _) = unsafe { engine.reg_mr(base_ptr.add(off), len, Device::Host) }
                     .unwrap_or_else(|e| fail(e));
                 handles.push(h);
@@ -92,6 +94,7 @@ fn main() {
         phase("dereg", &mut handles, &dereg_all);
         phase("views", &mut handles, &|handles: &mut Vec<MrHandle>| {
             // SAFETY: as above.
+            #[allow(unsafe_code)]
             let (whole, _) =
                 unsafe { engine.reg_mr(base_ptr, total, Device::Host) }.unwrap_or_else(|e| fail(e));
             handles.push(whole);

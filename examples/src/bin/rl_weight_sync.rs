@@ -9,6 +9,7 @@
 //! (rank 0 the trainer, the others inference engines), meeting through the rendezvous; each
 //! inference engine acknowledges a verified step with a message, and the trainer starts the
 //! next step only then (it overwrites the replicas).
+#![forbid(unsafe_code)]
 
 use std::time::Duration;
 

@@ -1,6 +1,7 @@
 //! Producer-write to callback latency of uvm-watcher slots (host-memory fallback: a CPU
 //! thread is the producer). One event in flight at a time, so every event is timed alone.
 //! Prints p50/p99 (and `--json`).
+#![forbid(unsafe_code)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

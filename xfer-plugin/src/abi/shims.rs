@@ -331,7 +331,7 @@ unsafe fn shim_post_rdma(domain: *mut c_void, raw: RawRdma, err: *mut RawError) 
         let req = raw.request(&peer);
         // SAFETY: a live handle, per the ABI contract.
         let domain = unsafe { handle(domain) };
-        if req.is_read() && !domain.supports_read() {
+        if req.is_read() && !domain.capabilities().reads {
             return Err(crate::domain::refuse_read());
         }
         domain.post_rdma(&req).map(post_status)
@@ -631,6 +631,7 @@ mod tests {
             immediates: false,
             zero_byte_writes: true,
             needs_receiver_polling: true,
+            reads: false,
         };
         assert_eq!(
             RawCapabilities::from_capabilities(&caps).to_capabilities(),

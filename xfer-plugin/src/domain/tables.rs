@@ -114,6 +114,17 @@ impl<M> Default for ReceivePool<M> {
     }
 }
 
+impl<M> Drop for ReceivePool<M> {
+    /// Each buffer's registration goes before its bytes: a NIC never holds a registration of
+    /// memory already freed.
+    fn drop(&mut self) {
+        for (bytes, registration) in self.buffers.drain(..) {
+            drop(registration);
+            drop(bytes);
+        }
+    }
+}
+
 impl<M> ReceivePool<M> {
     /// An empty pool.
     pub fn new() -> Self {

@@ -223,7 +223,7 @@ fn addr(engine: usize, nic: usize) -> NetAddr {
 
 fn rank(e: &Error) -> u8 {
     match e {
-        Error::RemoteAccess(_) | Error::InvalidArgument(_) => 4,
+        Error::RemoteAccess(_) | Error::Refused { .. } => 4,
         Error::Backend { .. } => 3,
         Error::PeerUnreachable(_) => 2,
         _ => 0,
@@ -1128,9 +1128,11 @@ fn the_scenarios_exercise_their_faults() {
                 for e in &t.errors {
                     match e {
                         Error::RemoteAccess(_) => seen.insert("bad key"),
-                        Error::PeerUnreachable(m) if m.contains("flushed") => seen.insert("flush"),
+                        Error::PeerUnreachable(m) if m.message.contains("flushed") => {
+                            seen.insert("flush")
+                        }
                         Error::PeerUnreachable(_) => seen.insert("dead peer"),
-                        Error::InvalidArgument(_) => seen.insert("refused post"),
+                        Error::Refused { .. } => seen.insert("refused post"),
                         Error::Backend { .. } => seen.insert("injected"),
                         _ => false,
                     };

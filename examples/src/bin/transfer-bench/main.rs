@@ -5,6 +5,7 @@
 //! Each *trip* is `--batch-size` writes of `--block-size` bytes, waited for together.
 //! `--mode loopback` runs initiator and target engines in one process; `initiator` and
 //! `target` run them in two processes that exchange addresses over TCP on `--addr`.
+#![forbid(unsafe_code)]
 
 use std::hint::black_box;
 use std::io::{BufRead, BufReader, Write};
