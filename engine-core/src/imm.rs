@@ -34,6 +34,7 @@
 //! This type is pure bookkeeping: no clock, no threads. The engine wraps it in a mutex, feeds it
 //! arrivals from the worker and passes `now` in for deadlines.
 
+use std::collections::hash_map::Entry as Slot;
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -258,24 +259,36 @@ impl<W> ImmCounter<W> {
         source: Option<&NetAddr>,
         met: &mut Vec<Outcome<W>>,
     ) {
-        let entry = match self.entries.get_mut(&imm) {
-            Some(entry) => entry,
-            None => {
-                let share_full =
-                    source.is_some_and(|s| self.idle_from(s) >= self.max_idle_per_source);
+        // One lookup for the common cases (an arrival that meets the only expectation, or
+        // that finds nobody waiting): `settle`'s own lookups only where the idle
+        // bookkeeping may change.
+        let mut slot = match self.entries.entry(imm) {
+            Slot::Occupied(slot) => slot,
+            Slot::Vacant(slot) => {
+                let share_full = source.is_some_and(|s| {
+                    self.idle_by_source.get(s).copied().unwrap_or(0) >= self.max_idle_per_source
+                });
                 if self.idle.len() >= self.max_idle || share_full {
                     self.dropped += n;
                     return;
                 }
                 let mut entry = Entry::new(self.spare_queues.pop());
                 entry.source = source.cloned();
-                self.entries.entry(imm).or_insert(entry)
+                slot.insert_entry(entry)
             }
         };
+        let entry = slot.get_mut();
         let waited = !entry.waiting.is_empty();
         entry.count += n;
         entry.drain_met(met);
-        if waited && entry.waiting.is_empty() && entry.count > 0 {
+        if waited && entry.waiting.is_empty() {
+            if entry.count == 0 {
+                // Spent: removed as `settle` would, with nothing else to do: it was not idle
+                // (something waited), so neither the idle set nor a sender's share counted it.
+                let spent = slot.remove();
+                self.recycle(spent.waiting);
+                return;
+            }
             // Counted one by one, the arrival that met the last expectation would have left
             // nothing, and the entry would have gone; the rest would have come as new
             // arrivals, kept (charged to their sender's share) or dropped as such. So they
@@ -287,7 +300,7 @@ impl<W> ImmCounter<W> {
         // An entry is idle exactly when nothing waits on it (see `settle`): if something
         // waited before and still does (an expectation of many arrivals, the stream's usual
         // case), nothing changed and the idle bookkeeping is left alone.
-        if !waited || entry.waiting.is_empty() {
+        if !waited {
             self.settle(imm);
         }
     }
@@ -305,12 +318,18 @@ impl<W> ImmCounter<W> {
             self.settle(imm);
             return Some(waiter);
         }
+        // Idle exactly when nothing waited and something was counted (an entry with neither
+        // is removed by `settle`, so one is only ever fresh, and not idle): only then does
+        // the waiter added below change the idle bookkeeping.
+        let was_idle = entry.waiting.is_empty() && entry.count > 0;
         entry.waiting.push_back(Expectation {
             need,
             deadline,
             waiter: Some(waiter),
         });
-        self.settle(imm);
+        if was_idle {
+            self.settle(imm);
+        }
         None
     }
 
@@ -423,10 +442,7 @@ impl<W> ImmCounter<W> {
             None
         };
         if let Some(entry) = removed {
-            let queue = entry.waiting;
-            if self.spare_queues.len() < SPARE_QUEUES && queue.capacity() <= SPARE_QUEUE_CAPACITY {
-                self.spare_queues.push(queue);
-            }
+            self.recycle(entry.waiting);
         }
         let Some(source) = source else {
             return;
@@ -438,6 +454,16 @@ impl<W> ImmCounter<W> {
             if *share == 0 {
                 self.idle_by_source.remove(&source);
             }
+        }
+    }
+}
+
+impl<W> ImmCounter<W> {
+    /// Keeps a removed entry's (empty) queue for a new entry, unless enough are kept or it
+    /// grew large.
+    fn recycle(&mut self, queue: VecDeque<Expectation<W>>) {
+        if self.spare_queues.len() < SPARE_QUEUES && queue.capacity() <= SPARE_QUEUE_CAPACITY {
+            self.spare_queues.push(queue);
         }
     }
 }
