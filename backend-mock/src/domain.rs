@@ -28,6 +28,8 @@ pub struct MockDomain {
     panicked_in: Option<u64>,
     /// Sends whose `Done` is withheld (`lose_send_completions`).
     lost_sends: std::collections::HashSet<u64>,
+    /// Vectors for an inline batch's events, kept between batches.
+    batch_events: fabric::BatchEvents,
 }
 
 impl MockDomain {
@@ -47,6 +49,7 @@ impl MockDomain {
             posted: 0,
             panicked_in: None,
             lost_sends: Default::default(),
+            batch_events: Default::default(),
         })
     }
 
@@ -159,7 +162,13 @@ impl MockDomain {
         // lands, so only a depth below the batch's length cuts it short).
         let accepted = 1 + conn.occupy_up_to(self.options.queue_depth, n - 1);
         self.posted += accepted as u64;
-        fabric::land_batch(&self.nic, &conn, &shape, &batch(accepted));
+        fabric::land_batch(
+            &self.nic,
+            &conn,
+            &shape,
+            &batch(accepted),
+            &mut self.batch_events,
+        );
         let status = if accepted == n {
             PostStatus::Posted
         } else {

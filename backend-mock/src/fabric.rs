@@ -240,28 +240,16 @@ impl Nic {
         self.wake();
     }
 
-    /// Takes the events queued for this NIC's next poll, to add to them without a vector
-    /// of one's own; [`put_back_events`](Self::put_back_events) returns them.
-    pub(crate) fn take_events(&self) -> Vec<Event> {
-        std::mem::take(&mut self.inbox().events)
-    }
-
-    /// Puts back `events` taken by [`take_events`](Self::take_events), with those added
-    /// since behind the ones that were there, then any delivered meanwhile (from other
-    /// NICs); wakes the worker if there are any (it may have found the queue empty while
-    /// they were taken).
-    pub(crate) fn put_back_events(&self, mut events: Vec<Event>) {
-        let any = {
-            let mut inbox = self.inbox();
-            if !inbox.events.is_empty() {
-                events.append(&mut inbox.events);
-            }
-            inbox.events = events;
-            !inbox.events.is_empty()
-        };
-        if any {
-            self.wake();
+    /// Queues `events` under one hold of the inbox and wakes the worker; leaves `events`
+    /// empty, with the room of the queue's own vector when that was empty (the one the
+    /// worker handed back at its last poll), so that vectors go round between the poster,
+    /// the inbox and the worker and a batch allocates nothing once they have grown.
+    pub(crate) fn deliver_all(&self, events: &mut Vec<Event>) {
+        if events.is_empty() {
+            return;
         }
+        move_events(&mut self.inbox().events, events);
+        self.wake();
     }
 
     pub(crate) fn wake(&self) {
@@ -499,16 +487,33 @@ pub(crate) fn land_on(
     src.complete(conn, wr_id, result);
 }
 
+/// A posting Domain's vectors for a batch's completions and immediates, empty between
+/// batches (see [`Nic::deliver_all`]): a fresh vector per batch cost a single write ~150
+/// instructions of allocating and freeing.
+#[derive(Debug, Default)]
+pub(crate) struct BatchEvents {
+    done: Vec<Event>,
+    arrivals: Vec<Event>,
+}
+
 /// Lands a batch posted inline from `src` over `conn` (see [`rdma::Batch`]), the
 /// connection's queue already occupied once per request. As posting them one by one would: a
 /// request that fails puts the connection in the error state, and those after it land on the
 /// fresh connection (as a post after the failure would). The completions reach `src`'s inbox
 /// under one hold.
-pub(crate) fn land_batch(src: &Arc<Nic>, conn: &Conn, shape: &RdmaShape, batch: &impl rdma::Batch) {
-    // The inbox's own buffer (what the worker handed back at its last poll), so that a large
-    // batch's events reuse its room instead of a fresh allocation the kernel must fault in
-    // every time (for 100,000 pages, ~5 MB).
-    let mut done = src.take_events();
+pub(crate) fn land_batch(
+    src: &Arc<Nic>,
+    conn: &Conn,
+    shape: &RdmaShape,
+    batch: &impl rdma::Batch,
+    events: &mut BatchEvents,
+) {
+    let BatchEvents { done, arrivals } = events;
+    // Nothing left by a batch that panicked part-way is delivered with this one.
+    done.clear();
+    arrivals.clear();
+    // With room for all at once: for 100,000 pages (~5 MB), growing it was most of the
+    // batch, and a vector that has grown goes round (see `Nic::deliver_all`).
     done.reserve(batch.len());
     let mut complete = |i: usize, result: Result<(), DomainError>| {
         if result.is_err() {
@@ -522,13 +527,13 @@ pub(crate) fn land_batch(src: &Arc<Nic>, conn: &Conn, shape: &RdmaShape, batch: 
         });
     };
     if src.alive.load(Ordering::Acquire) {
-        rdma::rdma_batch(src, conn, shape, batch, &mut complete);
+        rdma::rdma_batch(src, conn, shape, batch, arrivals, &mut complete);
     } else {
         for i in 0..batch.len() {
             complete(i, Err(dropped(&src.addr)));
         }
     }
-    src.put_back_events(done);
+    src.deliver_all(done);
 }
 
 /// Returns whether the message was delivered now (else it waits for a receive buffer).

@@ -307,37 +307,30 @@ pub(crate) fn rdma(
 
 /// The requests of a batch landed in order (none fault-injected: the mock posts a batch that
 /// injection could touch one by one). Each request's outcome is passed to `outcome` with its
-/// index, in order; the peer's immediates go to its inbox a hold at a time.
+/// index, in order; the peer's immediates go to its inbox a hold at a time, gathered in
+/// `arrivals` (the posting Domain's own vector, empty, kept between batches).
 pub(crate) fn rdma_batch(
     src: &Arc<Nic>,
     conn: &Conn,
     shape: &RdmaShape,
     batch: &impl Batch,
+    arrivals: &mut Vec<Event>,
     mut outcome: impl FnMut(usize, Result<(), DomainError>),
 ) {
     let Some(target) = conn.target() else {
         (0..batch.len()).for_each(|i| outcome(i, Err(unreachable(&conn.peer))));
         return;
     };
-    let carries_imm = shape.op.imm().is_some();
+    if shape.op.imm().is_some() {
+        // Room for a hold's immediates at once (growing it cost a single write ~50
+        // instructions).
+        arrivals.reserve(batch.len().min(PAGES_PER_HOLD));
+    }
     for start in (0..batch.len()).step_by(PAGES_PER_HOLD) {
         let hold = start..batch.len().min(start + PAGES_PER_HOLD);
-        // The immediates join the peer's own queue, taken here and put back after the hold
-        // (not a fresh vector per batch: its allocation and freeing cost a single write ~150
-        // instructions), with room for the hold's at once.
-        let mut arrivals = if carries_imm {
-            let mut events = target.take_events();
-            events.reserve(hold.len());
-            events
-        } else {
-            Vec::new()
-        };
         let resolved = match resolve(src, conn, &target, shape) {
             Ok(resolved) => resolved.with_room(shape),
             Err(e) => {
-                if carries_imm {
-                    target.put_back_events(arrivals);
-                }
                 // What the requests share is wrong: each fails alike, as it would alone.
                 hold.for_each(|i| outcome(i, Err(e.clone())));
                 continue;
@@ -356,8 +349,6 @@ pub(crate) fn rdma_batch(
             outcome(i, moved);
         }
         resolved.release();
-        if carries_imm {
-            target.put_back_events(arrivals);
-        }
+        target.deliver_all(arrivals);
     }
 }
