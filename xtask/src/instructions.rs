@@ -23,13 +23,15 @@
 //! All include the mock fabric's own work.
 //!
 //! Where a ping-pong one-way goes (callgrind_annotate of `--latency 10000 --reactive`, 22,000
-//! one-ways, 2026-12-06; ~6,400 each before the division above): the mock NIC ~1,470 (its
-//! post and landing ~1,250, polls ~220); the benchmark's own flag, waker and their freeing
-//! ~650; the engine ~4,300 — submission through the API ~570, arming the next expectation
-//! ~370, acceptance, tracking and statistics ~320, posting ~380, handling events ~350,
-//! counting the arrival into the ImmCounter ~330, delivery ~630, and the worker's passes
-//! around them (about three a one-way, one of them idle) the rest. No single step dominates:
-//! a one-way near 3,000 needs most of them cut, the mock's and the benchmark's included.
+//! one-ways, 2026-12-06, after the mock's batch vectors, the bench's flag waker, the
+//! ImmCounter's single lookup and the in-place single write; ~5,600 each before the division
+//! above, which adds the idle passes' share): the mock NIC ~1,220 (post and landing ~1,000,
+//! polls ~220); the benchmark's own flag, waker, clock reads and their freeing ~640; the
+//! engine ~3,700 — submission through the API ~540, arming the next expectation ~280,
+//! acceptance, tracking and statistics ~370, handling events ~350, counting the arrival into
+//! the ImmCounter ~190, delivery (tracker, statistics, the flag and counter) ~390, and the
+//! worker's passes around them (about three a one-way, one of them idle) the rest.
+//! No single step dominates: 3,000 needs the engine's path roughly halved, not trimmed.
 
 use std::process::Command;
 
