@@ -9,8 +9,9 @@ use std::time::Duration;
 use verbs_sys as sys;
 use xfer_plugin::domain::{MemoryRegion, ReceivePool};
 
+// `XvWrite` is the shim's name for any RDMA work request (its `read` flag makes it a read).
 pub(crate) use sys::{
-    XvAttr as Attr, XvWc as Wc, XvWrite as Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV,
+    XvAttr as Attr, XvWc as Wc, XvWrite as WorkRequest, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV,
     TAG_MASK, TAG_MSG_RECV, TAG_SEND,
 };
 
@@ -597,15 +598,15 @@ pub(crate) struct Qp {
 unsafe impl Send for Qp {}
 
 impl Qp {
-    /// Posts up to [`verbs_sys::CHAIN`] writes as one chain; returns how many were queued
-    /// (fewer when the send queue is full).
-    pub(crate) fn post_writes(&mut self, writes: &[Write]) -> Result<usize, String> {
+    /// Posts up to [`verbs_sys::CHAIN`] work requests (writes and reads) as one chain; returns
+    /// how many were queued (fewer when the send queue is full).
+    pub(crate) fn post_chain(&mut self, writes: &[WorkRequest]) -> Result<usize, String> {
         let mut posted = 0;
         // Writes small enough go inline (reads never: their bytes come back).
-        let mut chain = [Write::default(); sys::CHAIN];
+        let mut chain = [WorkRequest::default(); sys::CHAIN];
         let n = writes.len().min(sys::CHAIN);
         for (slot, w) in chain.iter_mut().zip(writes) {
-            *slot = Write {
+            *slot = WorkRequest {
                 inline_data: i32::from(w.read == 0 && w.len > 0 && w.len <= self.max_inline),
                 ..*w
             };

@@ -9,13 +9,13 @@ use xfer_plugin::domain::{DomainError, DomainErrorKind, Event};
 use super::{err, failed_completion, other, VerbsDomain};
 use crate::completion::Outstanding;
 use crate::ffi::{
-    self, Wc, Write, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV, TAG_MASK, TAG_MSG_RECV,
+    self, Wc, WorkRequest, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV, TAG_MASK, TAG_MSG_RECV,
 };
 
 /// A failed completion of `wc.wr_id`: the writes posted before it succeeded (RC completes in
 /// order), and it failed with the completion's status.
 pub(super) fn settle_failure(
-    outstanding: &mut Outstanding<Write>,
+    outstanding: &mut Outstanding<WorkRequest>,
     wc: &Wc,
     text: &str,
     events: &mut Vec<Event>,

@@ -31,19 +31,19 @@ use xfer_plugin::addr::NetAddr;
 
 use super::datapath::DataQueue;
 use super::graveyard::{Graveyard, Numbered};
-use crate::ffi::{Qp, Write};
+use crate::ffi::{Qp, WorkRequest};
 
-/// A write or send waiting for its peer's connection.
+/// A work request (an RDMA write or read) or a send waiting for its peer's connection.
 pub(super) enum Queued {
-    Write(Write),
+    Rdma(WorkRequest),
     Send { wr_id: u64, data: Vec<u8> },
 }
 
 impl Queued {
-    /// The engine's id of the write or send.
+    /// The engine's id of the request or send.
     pub(super) fn wr_id(&self) -> u64 {
         match self {
-            Self::Write(w) => w.user,
+            Self::Rdma(w) => w.user,
             Self::Send { wr_id, .. } => *wr_id,
         }
     }
@@ -207,7 +207,7 @@ impl<Q: QueuePair> Connections<Q> {
         let mut lost = Vec::new();
         if let Some(q) = self.queues.get_mut(&data.qpn()) {
             for w in q.chain.drain(..).rev() {
-                queued.push_front(Queued::Write(w));
+                queued.push_front(Queued::Rdma(w));
             }
             if !flushing || q.outstanding.is_empty() {
                 lost = q.outstanding.drain();
@@ -437,12 +437,12 @@ mod tests {
         NetAddr::new(&[n; 24]).unwrap()
     }
 
-    fn write(user: u64) -> Write {
-        Write {
+    fn write(user: u64) -> WorkRequest {
+        WorkRequest {
             wr_id: 1000 + user,
             user,
             len: 8,
-            ..Write::default()
+            ..WorkRequest::default()
         }
     }
 
@@ -597,7 +597,7 @@ mod tests {
         let t0 = Instant::now();
         let mut c = Connections::default();
         let p = peer(1);
-        c.pending(&p, qps(10), VecDeque::from([Queued::Write(write(7))]));
+        c.pending(&p, qps(10), VecDeque::from([Queued::Rdma(write(7))]));
         c.candidate(t0, &p, qps(20));
         check(&c);
         assert_eq!(c.route(20), Some(&p));

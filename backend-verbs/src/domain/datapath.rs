@@ -13,7 +13,7 @@ use xfer_plugin::domain::{
 use super::connections::{Connection, Queued};
 use super::{err, VerbsDomain};
 use crate::completion::{Outstanding, Progress};
-use crate::ffi::{Device, MessageBuffers, Qp, Write, TAG_MASK, TAG_SEND};
+use crate::ffi::{Device, MessageBuffers, Qp, WorkRequest, TAG_MASK, TAG_SEND};
 use crate::notify::NotifyState;
 
 /// Writes of one data QP: a chain being built (posted with one doorbell, at most [`CHAIN`]), and what
@@ -24,8 +24,8 @@ use crate::notify::NotifyState;
 /// connection's next flush).
 #[derive(Default)]
 pub(super) struct DataQueue {
-    pub(super) chain: Vec<Write>,
-    pub(super) outstanding: Outstanding<Write>,
+    pub(super) chain: Vec<WorkRequest>,
+    pub(super) outstanding: Outstanding<WorkRequest>,
     /// Whether the send queue moves (a completion, or its first write after being empty):
     /// a peer whose queue does not move for `unreachable_ms` is declared unreachable.
     pub(super) progress: Progress,
@@ -65,10 +65,10 @@ pub(super) fn has_room(qp: &mut Qp, q: &DataQueue, limit: usize, grew: &mut bool
 /// Adds `w` to the data QP's chain if it has room (`Ok(false)`: none, nothing changed), and
 /// rings the doorbell once the chain is full. An error from that post comes after `w` was
 /// accepted: the connection's failure reports it (as it does every write of the chain).
-pub(super) fn push_write(
+pub(super) fn push_request(
     qp: &mut Qp,
     q: &mut DataQueue,
-    w: Write,
+    w: WorkRequest,
     limit: usize,
     grew: &mut bool,
 ) -> Result<bool, String> {
@@ -84,8 +84,13 @@ pub(super) fn push_write(
 
 /// The work request of `wr` (send-side id `wr_id`), its source resolved to (`laddr`, `lkey`)
 /// and its rkey checked.
-fn write_of(wr_id: u64, wr: &RdmaRequest<'_>, (laddr, lkey): (u64, u32), rkey: u32) -> Write {
-    Write {
+fn work_request_of(
+    wr_id: u64,
+    wr: &RdmaRequest<'_>,
+    (laddr, lkey): (u64, u32),
+    rkey: u32,
+) -> WorkRequest {
+    WorkRequest {
         wr_id,
         user: wr.wr_id,
         laddr,
@@ -112,7 +117,7 @@ pub(super) fn post_chain(qp: &mut Qp, q: &mut DataQueue) -> Result<(), String> {
     for (i, w) in q.chain.iter_mut().enumerate() {
         w.signaled = (i == last) as i32;
     }
-    let posted = qp.post_writes(&q.chain)?;
+    let posted = qp.post_chain(&q.chain)?;
     if q.outstanding.is_empty() && posted > 0 {
         q.progress.moved();
     }
@@ -161,7 +166,7 @@ pub(super) fn post_message(
 
 /// What a request's fields allow before anything is looked up: its length within NIC
 /// `nic`'s message size, its remote key a verbs rkey (returned).
-fn check_write(wr: &RdmaRequest<'_>, max_msg_sz: u32, nic: &str) -> Result<u32, DomainError> {
+fn check_request(wr: &RdmaRequest<'_>, max_msg_sz: u32, nic: &str) -> Result<u32, DomainError> {
     if wr.len > u64::from(max_msg_sz) {
         return Err(err(
             DomainErrorKind::InvalidArgument,
@@ -188,15 +193,15 @@ impl VerbsDomain {
 
     /// Posts a write or a read: both travel the same chains and the same in-order accounting.
     pub(super) fn post_request(&mut self, wr: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
-        let remote_key = check_write(wr, self.attr.max_msg_sz, &self.name)?;
+        let remote_key = check_request(wr, self.attr.max_msg_sz, &self.name)?;
         let (laddr, lkey) = if wr.len == 0 {
             (0, 0)
         } else {
             let mr = self.regions.source(wr.local_key, wr.local_addr, wr.len)?;
             (wr.local_addr, mr.lkey)
         };
-        let w = write_of(self.wr_id(), wr, (laddr, lkey), remote_key);
-        if self.queue_until_ready(wr.peer, || Queued::Write(w))? {
+        let w = work_request_of(self.wr_id(), wr, (laddr, lkey), remote_key);
+        if self.queue_until_ready(wr.peer, || Queued::Rdma(w))? {
             return Ok(PostStatus::Posted);
         }
         match self.connections.sending(wr.peer) {
@@ -215,7 +220,7 @@ impl VerbsDomain {
                 let mut grew = false;
                 let limit = self.options.send_queue as usize;
                 // Rung now, not at the next poll: `poll` posts nothing.
-                let pushed = push_write(data, q, w, limit, &mut grew)
+                let pushed = push_request(data, q, w, limit, &mut grew)
                     .and_then(|pushed| post_chain(data, q).map(|()| pushed));
                 if grew {
                     cq_may_have_resized(&self.notify);
@@ -326,7 +331,7 @@ impl VerbsDomain {
         let (mut grew, mut failed) = (false, None);
         let mut outcome = (total, Ok(PostStatus::Posted));
         for (i, wr) in rest.enumerate() {
-            let checked = check_write(&wr, max_msg, &self.name).and_then(|rkey| {
+            let checked = check_request(&wr, max_msg, &self.name).and_then(|rkey| {
                 let mr = self.regions.source(wr.local_key, wr.local_addr, wr.len)?;
                 Ok((mr.lkey, rkey))
             });
@@ -337,13 +342,13 @@ impl VerbsDomain {
                     break;
                 }
             };
-            let w = write_of(
+            let w = work_request_of(
                 next_send_id(&mut self.next_wr),
                 &wr,
                 (wr.local_addr, lkey),
                 rkey,
             );
-            match push_write(data, q, w, limit, &mut grew) {
+            match push_request(data, q, w, limit, &mut grew) {
                 Ok(true) => {}
                 Ok(false) => {
                     outcome = (1 + i, Ok(PostStatus::Busy));
@@ -424,7 +429,7 @@ impl VerbsDomain {
             let mut grew = false;
             while let Some(q) = queued.pop_front() {
                 let r = match &q {
-                    Queued::Write(w) => push_write(data, dq, *w, limit, &mut grew),
+                    Queued::Rdma(w) => push_request(data, dq, *w, limit, &mut grew),
                     Queued::Send { wr_id, data: bytes } => {
                         let id = next_send_id(&mut self.next_wr);
                         post_message(
@@ -455,7 +460,7 @@ impl VerbsDomain {
                         .chain
                         .drain(..)
                         .rev()
-                        .for_each(|w| queued.push_front(Queued::Write(w))),
+                        .for_each(|w| queued.push_front(Queued::Rdma(w))),
                     Err(e) => failed = Some(e),
                 }
             }

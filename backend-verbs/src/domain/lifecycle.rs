@@ -10,7 +10,7 @@ use xfer_plugin::domain::{DomainError, DomainErrorKind, Event};
 
 use super::connections::{Connection, Ended, Queued};
 use super::{err, other, VerbsDomain};
-use crate::ffi::Write;
+use crate::ffi::WorkRequest;
 use crate::log;
 
 impl VerbsDomain {
@@ -121,7 +121,7 @@ impl VerbsDomain {
 
     /// Replaces `peer`'s connection, which its peer broke, with a new one, and queues on it the
     /// writes that were flushed unexecuted (each at most once more; one flushed again fails).
-    pub(super) fn reconnect_with(&mut self, peer: &NetAddr, flushed: Vec<Write>, why: &str) {
+    pub(super) fn reconnect_with(&mut self, peer: &NetAddr, flushed: Vec<WorkRequest>, why: &str) {
         let mut queued = VecDeque::new();
         if let Some(c) = self.connections.take(peer) {
             queued = self.retire_connection(c);
@@ -139,7 +139,7 @@ impl VerbsDomain {
                 });
             } else {
                 w.flushes += 1;
-                again.push_back(Queued::Write(w));
+                again.push_back(Queued::Rdma(w));
             }
         }
         again.extend(queued);

@@ -12,7 +12,9 @@ use xfer_plugin::domain::{
     MemoryRegion, PageShift, PostStatus, RdmaRequest, RegionTable, Registration, Waker,
 };
 
-use crate::ffi::{Attr, Device, MessageBuffers, Mr, RegistrationError, Wc, Write, TAG_MSG_RECV};
+use crate::ffi::{
+    Attr, Device, MessageBuffers, Mr, RegistrationError, Wc, WorkRequest, TAG_MSG_RECV,
+};
 use crate::handshake::Handshaker;
 use crate::log;
 use crate::notify::NotifyState;
@@ -152,7 +154,7 @@ impl Domain for VerbsDomain {
                 )
             })?
             .lkey;
-        let uses = |w: &Write| w.len > 0 && w.lkey == lkey;
+        let uses = |w: &WorkRequest| w.len > 0 && w.lkey == lkey;
         let gone = || {
             Err(err(
                 DomainErrorKind::InvalidArgument,
@@ -162,7 +164,7 @@ impl Domain for VerbsDomain {
         let mut failed = Vec::new();
         for c in self.connections.iter_mut() {
             c.queued.retain(|q| match q {
-                Queued::Write(w) if uses(w) => {
+                Queued::Rdma(w) if uses(w) => {
                     failed.push(w.user);
                     false
                 }
