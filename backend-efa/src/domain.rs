@@ -36,7 +36,8 @@ enum InFlight {
     Abandoned {
         send_buffer: Option<usize>,
     },
-    Write {
+    /// An RDMA write or read.
+    Rdma {
         wr_id: u64,
         peer: NetAddr,
     },
@@ -315,7 +316,7 @@ impl EfaDomain {
             req.remote_addr - req.remote_base
         };
         let remote_key = req.remote_key;
-        let ctx = self.acquire(InFlight::Write {
+        let ctx = self.acquire(InFlight::Rdma {
             wr_id: req.wr_id,
             peer: peer.clone(),
         });
@@ -359,7 +360,7 @@ impl EfaDomain {
             return;
         }
         match self.release(c.context) {
-            Some(InFlight::Write { wr_id, .. } | InFlight::Send { wr_id, .. }) => {
+            Some(InFlight::Rdma { wr_id, .. } | InFlight::Send { wr_id, .. }) => {
                 events.push(Event::Done {
                     wr_id,
                     result: Ok(()),
@@ -421,13 +422,13 @@ impl EfaDomain {
         };
         self.endpoint.remove_peer(fi_addr);
         for (_, state) in self.in_flight.values_mut() {
-            let to_peer = matches!(state, InFlight::Write { peer: p, .. } | InFlight::Send { peer: p, .. } if p == peer);
+            let to_peer = matches!(state, InFlight::Rdma { peer: p, .. } | InFlight::Send { peer: p, .. } if p == peer);
             if to_peer {
                 let send_buffer = match state {
                     InFlight::Send { buffer, .. } => Some(*buffer),
                     _ => None,
                 };
-                if let InFlight::Write { wr_id, .. } | InFlight::Send { wr_id, .. } =
+                if let InFlight::Rdma { wr_id, .. } | InFlight::Send { wr_id, .. } =
                     std::mem::replace(state, InFlight::Abandoned { send_buffer })
                 {
                     events.push(Event::Done {
@@ -563,7 +564,7 @@ impl Domain for EfaDomain {
                     .with_cause(DomainCause::Os(err.saturating_abs()));
                     match self.release(context) {
                         Some(
-                            InFlight::Write { wr_id, peer } | InFlight::Send { wr_id, peer, .. },
+                            InFlight::Rdma { wr_id, peer } | InFlight::Send { wr_id, peer, .. },
                         ) => {
                             // A connection-level failure (tcp;ofi_rxm tears the connection down
                             // on a refused key and reports it as cancelled): forget the address,

@@ -330,7 +330,7 @@ impl TransferEngine {
     /// Queues a listed transfer for the worker.
     #[inline]
     fn submit_ops(&self, ops: Ops, on_done: OnDone) -> Result<()> {
-        self.shared.submit_counted(Command::Writes {
+        self.shared.submit_counted(Command::Listed {
             ops,
             on_done,
             submitted: Stamp::now(),

@@ -97,9 +97,10 @@ pub(crate) type RecvHandler = Arc<dyn Fn(&[u8]) + Send + Sync>;
 
 /// What callers ask of the worker.
 pub(crate) enum Command {
-    /// A transfer made of writes; finishes when all have.
-    /// `submitted`: when the caller submitted it (latencies are measured from there).
-    Writes {
+    /// A transfer made of listed RDMA requests (writes or reads: single, scatter, barrier);
+    /// finishes when all have. `submitted`: when the caller submitted it (latencies are
+    /// measured from there).
+    Listed {
         ops: Ops,
         on_done: OnDone,
         submitted: Stamp,
@@ -388,7 +389,7 @@ impl Drop for Shared {
     fn drop(&mut self) {
         while let Some(cmd) = self.queue.pop() {
             match cmd {
-                Command::Writes { on_done, .. }
+                Command::Listed { on_done, .. }
                 | Command::Pages { on_done, .. }
                 | Command::Send { on_done, .. } => {
                     on_done.complete(Err(Error::Shutdown), &self.jobs);
@@ -424,7 +425,7 @@ mod tests {
         let flag = DoneFlag::new();
         let (reply, replies) = crossbeam_channel::unbounded();
         // As if the submitter passed the `closed` check, and the worker then stopped.
-        shared.queue.push(Command::Writes {
+        shared.queue.push(Command::Listed {
             ops: Ops::new(),
             on_done: OnDone::Flag(Arc::clone(&flag)),
             submitted: Stamp::now(),

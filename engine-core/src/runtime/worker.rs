@@ -387,7 +387,7 @@ impl Worker {
         // list's worth, at the end of the pass, or before the next command of another kind
         // (whichever comes first: a NIC is not kept waiting for a whole pass).
         match cmd {
-            Command::Writes {
+            Command::Listed {
                 ops,
                 on_done,
                 submitted,
@@ -415,7 +415,7 @@ impl Worker {
 
     fn handle_control(&mut self, cmd: Command) {
         match cmd {
-            Command::Writes { .. } | Command::Pages { .. } | Command::Send { .. } => {
+            Command::Listed { .. } | Command::Pages { .. } | Command::Send { .. } => {
                 unreachable!("the core's")
             }
             Command::Register { region, reply } => {
@@ -749,7 +749,7 @@ impl Worker {
     /// Fails `cmd` with `error`; true if it was the shutdown.
     fn refuse(&mut self, cmd: Command, error: &Error) -> bool {
         match cmd {
-            Command::Writes { on_done, .. }
+            Command::Listed { on_done, .. }
             | Command::Pages { on_done, .. }
             | Command::Send { on_done, .. } => self.core.finish_now(on_done, Err(error.clone())),
             Command::Register { reply, .. } => {
