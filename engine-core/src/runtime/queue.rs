@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// Slots an emptied batch keeps when it is swapped back in: a burst's deques (up to
-/// `worker.max_outstanding` commands, 144 bytes each) are not held for the engine's life.
+/// `worker.max_outstanding` commands, 128 bytes each) are not held for the engine's life.
 const KEPT_CAPACITY: usize = 1024;
 
 /// Unbounded multi-producer queue with one consumer that takes whole batches.
