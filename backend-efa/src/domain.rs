@@ -106,6 +106,31 @@ fn registration_error(e: OfiError, len: u64) -> DomainError {
     with_cause(DomainError::new(DomainErrorKind::Other, message), e.cause())
 }
 
+/// Whether a failed completion of this kind ends the connection to its peer: a
+/// connection-level failure does (tcp;ofi_rxm tears the connection down on a refused key and
+/// reports it as cancelled), so the address is forgotten and the next transfer reconnects. A
+/// refused access or a request refused as this side's mistake does not: removing an address
+/// fails everything else in flight to that peer (on EFA it drops their completions), and
+/// those transfers did nothing wrong.
+fn forgets_peer(kind: DomainErrorKind) -> bool {
+    !matches!(
+        kind,
+        DomainErrorKind::RemoteAccess | DomainErrorKind::InvalidArgument
+    )
+}
+
+/// A failed completion's cause: the provider's own status where it gave one (what
+/// [`classify`] decides by on EFA), else libfabric's error — as an errno when it is one, as a
+/// status when it is one of libfabric's own codes (256 and up, e.g. `FI_ETRUNC`).
+fn completion_cause(err: i32, prov_errno: i32) -> DomainCause {
+    let err = err.saturating_abs();
+    match (prov_errno, err) {
+        (0, 0..256) => DomainCause::Os(err),
+        (0, _) => DomainCause::Status(err),
+        _ => DomainCause::Status(prov_errno),
+    }
+}
+
 /// Maps a completion's error to the engine's kinds. EFA folds bad local keys, invalid address
 /// handles and unsupported operations into `EINVAL` together with a bad remote key, so for the
 /// `efa` provider its own status (`prov_errno`, from the provider's efa_errno.h) decides; other
@@ -451,9 +476,18 @@ impl Domain for EfaDomain {
         let registered = self.endpoint.register_region(region, key);
         let mr = match region.device {
             Device::Cuda(index) => registered.map_err(|e| {
-                DomainError::new(
-                    DomainErrorKind::InvalidArgument,
-                    format!("{} cannot register GPU memory of CUDA device {index}: {} (does the provider support FI_HMEM?)", self.provider, e.message),
+                // The provider refusing the memory itself (no FI_HMEM, a range it cannot
+                // take) is the request refused; anything else is the backend failing.
+                let kind = match e.code {
+                    Some(-22 | -38 | -95) => DomainErrorKind::InvalidArgument, // EINVAL, ENOSYS, EOPNOTSUPP
+                    _ => DomainErrorKind::Other,
+                };
+                with_cause(
+                    DomainError::new(
+                        kind,
+                        format!("{} cannot register GPU memory of CUDA device {index}: {} (does the provider support FI_HMEM?)", self.provider, e.message),
+                    ),
+                    e.cause(),
                 )
             })?,
             _ => registered.map_err(|e| registration_error(e, region.len))?,
@@ -561,17 +595,12 @@ impl Domain for EfaDomain {
                             self.provider, self.address
                         ),
                     )
-                    .with_cause(DomainCause::Os(err.saturating_abs()));
+                    .with_cause(completion_cause(err, prov_errno));
                     match self.release(context) {
                         Some(
                             InFlight::Rdma { wr_id, peer } | InFlight::Send { wr_id, peer, .. },
                         ) => {
-                            // A connection-level failure (tcp;ofi_rxm tears the connection down
-                            // on a refused key and reports it as cancelled): forget the address,
-                            // so the next transfer reconnects. Not for a refused access: on EFA
-                            // removing an address drops the completions of everything else in
-                            // flight to that peer.
-                            if error.kind != DomainErrorKind::RemoteAccess {
+                            if forgets_peer(error.kind) {
                                 self.forget_peer(&peer, &error, events);
                             }
                             events.push(Event::Done {
@@ -643,6 +672,27 @@ mod tests {
             code: Some(-22),
         };
         assert!(!registration_error(other, 4096).message.contains("ulimit"));
+    }
+
+    /// A request refused as this side's mistake (an invalid local key on EFA) fails alone:
+    /// forgetting the peer would fail everything else in flight to it with that error.
+    #[test]
+    fn only_connection_failures_forget_the_peer() {
+        let bad_local_key = classify("efa", -22, 5);
+        assert!(!forgets_peer(bad_local_key));
+        assert!(!forgets_peer(classify("efa", -22, 7)));
+        assert!(forgets_peer(classify("efa", -103, 4124)));
+        assert!(forgets_peer(DomainErrorKind::Other));
+    }
+
+    /// The provider's status is the cause where it gave one; libfabric's error only when it
+    /// is an errno.
+    #[test]
+    fn a_failed_completion_keeps_the_code_that_explains_it() {
+        assert_eq!(completion_cause(-22, 5), DomainCause::Status(5));
+        assert_eq!(completion_cause(-111, 0), DomainCause::Os(111));
+        // FI_ETRUNC (265) is libfabric's own code, not an errno.
+        assert_eq!(completion_cause(-265, 0), DomainCause::Status(265));
     }
 
     /// EFA reports a bad remote key and a bad local key alike as EINVAL; its own status tells

@@ -16,14 +16,14 @@ pub(crate) struct OfiError {
 }
 
 impl OfiError {
-    /// Whether libfabric ran out of memory (`-FI_ENOMEM`): for registrations, most often the
-    /// locked-memory limit.
     /// libfabric's code as the errno it is, for a `DomainError`'s cause.
     pub(crate) fn cause(&self) -> Option<xfer_plugin::domain::DomainCause> {
         self.code
             .map(|c| xfer_plugin::domain::DomainCause::Os(c.saturating_abs()))
     }
 
+    /// Whether libfabric ran out of memory (`-FI_ENOMEM`): for registrations, most often the
+    /// locked-memory limit.
     pub(crate) fn is_out_of_memory(&self) -> bool {
         self.code == Some(-12)
     }

@@ -612,11 +612,15 @@ impl Qp {
             };
         }
         let writes = &chain[..n];
-        // SAFETY: `writes` has writes.len() entries (at most CHAIN). A write reaches memory
-        // only through its lkey and rkey, which the NICs check against live registrations: a
-        // range outside its key's region, or a key deregistered since, ends in an error
-        // completion, never an access (and a registration's memory stays allocated until it
-        // is deregistered: `Domain::register`'s contract).
+        // SAFETY: `writes` has writes.len() entries (at most CHAIN). A non-inline request
+        // reaches memory only through its lkey and rkey, which the NICs check against live
+        // registrations: a range outside its key's region, or a key deregistered since, ends
+        // in an error completion, never an access. An inline write is different: the CPU
+        // copies its local range here, with no key checked. That range is sound because the
+        // Domain made it: `RegionTable::source` checked it lies inside a live registration
+        // when the request was queued, `deregister` drops every queued and chained request of
+        // the region it removes before returning, and a registration's memory stays
+        // allocated until it is deregistered (`Domain::register`'s contract).
         let rc = unsafe {
             sys::xv_post_writes(
                 self.raw.as_ptr(),

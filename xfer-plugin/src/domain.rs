@@ -350,6 +350,13 @@ pub trait Domain: Send {
     fn address(&self) -> NetAddr;
 
     /// Registers memory; must be usable in writes posted after it returns.
+    ///
+    /// The contract a Domain relies on (the engine's `reg_mr`, an `unsafe fn`, passes it on
+    /// to its caller): the region's memory stays allocated, and is not handed to anyone else,
+    /// until [`deregister`](Self::deregister) of its key has returned. Domains copy from
+    /// registered memory on the CPU (inline writes, the mock's copies) trusting it; a caller
+    /// outside the engine that registers memory it then frees breaks memory safety, as with
+    /// any NIC.
     fn register(&mut self, region: &MemoryRegion) -> Result<Registration, DomainError>;
 
     /// Deregisters the region with this local key; no write touches it after this returns.

@@ -1,7 +1,7 @@
 //! Registering GPU memory with the device: dma-buf first, then a plain registration
 //! (nvidia-peermem), with both reasons when neither works.
 
-use xfer_plugin::domain::{DomainError, DomainErrorKind, MemoryRegion};
+use xfer_plugin::domain::{DomainCause, DomainError, DomainErrorKind, MemoryRegion};
 
 use super::{err, VerbsDomain};
 use crate::ffi::Mr;
@@ -22,9 +22,36 @@ impl VerbsDomain {
         match self.device.register_region(region) {
             Ok(mr) => Ok(mr),
             Err(peermem_error) => Err(err(
-                DomainErrorKind::InvalidArgument,
+                gpu_registration_kind(peermem_error.errno),
                 format!("GPU memory of CUDA device {index} cannot be registered with {}: dma-buf: {dmabuf_error}; nvidia-peermem: {peermem_error} (see `xfer doctor`)", self.name),
-            )),
+            )
+            .with_cause(DomainCause::Os(peermem_error.errno))),
         }
+    }
+}
+
+/// What a failed GPU registration was, by the errno of its last try: the device refusing the
+/// range itself (`EINVAL`, `EOPNOTSUPP`: memory this NIC cannot take) is the caller's request
+/// refused; anything else (`ENOMEM` pinning, a driver failing) is the backend's failure.
+pub(super) fn gpu_registration_kind(errno: i32) -> DomainErrorKind {
+    const EINVAL: i32 = 22;
+    const EOPNOTSUPP: i32 = 95;
+    match errno {
+        EINVAL | EOPNOTSUPP => DomainErrorKind::InvalidArgument,
+        _ => DomainErrorKind::Other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gpu_registration_is_refused_only_for_memory_the_device_cannot_take() {
+        assert_eq!(gpu_registration_kind(22), DomainErrorKind::InvalidArgument);
+        assert_eq!(gpu_registration_kind(95), DomainErrorKind::InvalidArgument);
+        // Pinning that ran out of memory, or a driver's I/O error: the backend failed.
+        assert_eq!(gpu_registration_kind(12), DomainErrorKind::Other);
+        assert_eq!(gpu_registration_kind(5), DomainErrorKind::Other);
     }
 }

@@ -33,6 +33,7 @@ use super::*;
 /// # Ok::<(), engine_core::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub enum Request<'a> {
     /// `len` bytes between one local range (handle, offset) and one remote range
     /// (descriptor, offset): a write sends the local bytes there, a read brings the remote
@@ -98,7 +99,8 @@ impl TransferEngine {
     /// Submits one transfer; `on_done` fires exactly once, when every byte has landed (on
     /// the peer for a write, here for a read) or with the first error. Everything that can
     /// be checked here (handles, bounds, NIC counts, peer groups, a read this backend cannot
-    /// do or of a region registered write-only) is refused before anything is queued.
+    /// do or of a region registered write-only) is refused before anything is queued: when
+    /// `submit` returns an error, nothing was queued and `on_done` never fires.
     pub fn submit(&self, request: Request<'_>, on_done: impl Into<OnDone>) -> Result<()> {
         let on_done = on_done.into();
         match request {
