@@ -14,18 +14,20 @@ rank) runs one version at a time:
    layout changed, computes how many immediates the version's writes bring
    (``expected_arrivals``), waits for them on the version's own immediate, and tells every
    sender it is ready (with its region's descriptor).
-2. Each sender stages its shards (optionally transformed, e.g. a dtype cast) into registered
-   buckets — all at once, or two buckets of half a memory budget each, filled while the other's
-   writes are in flight — and writes its runs to each ready receiver.
+2. Each sender writes its runs to each ready receiver: from the shards' own memory
+   (registered once while the same memory comes back each version), or, with a ``transform``
+   (e.g. a dtype cast), staged into registered buckets — all at once, or two buckets of half a
+   memory budget each, one filled while the other's writes are in flight.
 3. Every rank reports to the coordinator (done, or failed and why); the coordinator sends the
    verdict. ``send``/``receive`` return only with a positive verdict: a receiver never reports
    a version complete before every byte of it landed and every other rank succeeded too. A
    dead rank or a timeout fails the version everywhere by ``timeout`` plus a grace period; the
    next version uses fresh immediates, so late arrivals of a failed one cannot count for it.
 
-Receivers write in place: the caller pauses readers of the parameters during ``receive``
-(a failed version leaves them partly overwritten; the next successful one rewrites every
-byte). Control messages travel as xfer messages; peers find each other through an
+Receivers write in place — the caller pauses readers of the parameters during ``receive`` (a
+failed version leaves them partly overwritten; the next successful one rewrites every byte)
+— or double-buffer (``double_buffer=True``): readers see a version only once it is complete
+everywhere. Control messages travel as xfer messages; peers find each other through an
 ``xfer.Rendezvous`` (``<group>.s<rank>`` and ``<group>.r<rank>``).
 """
 
