@@ -9,8 +9,8 @@ least loaded of their holders, resharding along any dimension as strided runs.
 The executor (``WeightSender`` on each trainer rank, ``WeightReceiver`` on each inference
 rank) runs one version at a time:
 
-1. The coordinator (trainer rank 0) sends the layout (its digest, and the layout itself when it
-   changed) to every receiver. A receiver (re)allocates and registers its parameters when the
+1. The coordinator (trainer rank 0) sends the layout to every receiver, every version (chunked
+   JSON; a receiver compares its digest with the last one's). A receiver (re)allocates and registers its parameters when the
    layout changed, computes how many immediates the version's writes bring
    (``expected_arrivals``), waits for them on the version's own immediate, and tells every
    sender it is ready (with its region's descriptor).
