@@ -92,7 +92,7 @@ def test_plan_refusal_names_the_parameter():
 class Cluster:
     """m senders and n receivers on the mock, meeting through an in-process rendezvous."""
 
-    def __init__(self, layout, senders, receivers, *, timeout=5.0, budget=None, group="w"):
+    def __init__(self, layout, senders, receivers, *, timeout=5.0, budget=None, group="w", double_buffer=False):
         self.server = xfer.Server()
         self.rdv = xfer.Rendezvous(self.server.url)
         self.engines = [xfer.TransferEngine(MOCK) for _ in range(senders + receivers)]
@@ -102,7 +102,9 @@ class Cluster:
             for s in range(senders)
         ]
         self.receivers = [
-            W.WeightReceiver(self.engines[senders + r], self.rdv, group, r, senders, receivers, timeout=timeout, grace=2.0)
+            W.WeightReceiver(
+                self.engines[senders + r], self.rdv, group, r, senders, receivers, timeout=timeout, grace=2.0, double_buffer=double_buffer
+            )
             for r in range(receivers)
         ]
 
@@ -132,6 +134,12 @@ class Cluster:
             assert not t.is_alive(), "a rank did not return within its deadline"
         return results
 
+    def timeout(self, seconds):
+        """Every rank's deadline per version from now on (short for a version meant to fail,
+        long for the others: nothing is timed, a busy machine only makes them slower)."""
+        for m in self.senders + self.receivers:
+            m.timeout = seconds
+
     def close(self):
         for m in self.senders + self.receivers:
             m.close()
@@ -140,12 +148,13 @@ class Cluster:
         self.server.close()
 
 
-def check_received(cluster, full):
+def check_received(cluster, full, params=None):
     for r, rc in enumerate(cluster.receivers):
         want = expected_params(cluster.layout, full, r)
-        assert set(rc.params) == set(want)
+        got = rc.params if params is None else params[r]
+        assert set(got) == set(want)
         for name, a in want.items():
-            assert np.array_equal(rc.params[name].view(a.dtype).reshape(a.shape), a), f"receiver {r}: {name}"
+            assert np.array_equal(got[name].view(a.dtype).reshape(a.shape), a), f"receiver {r}: {name}"
 
 
 def test_versions_in_a_row_reshard_and_fuse():
@@ -229,5 +238,71 @@ def test_a_sender_missing_a_shard_fails_fast_with_its_reason():
         results = c.version(0, full, data=data)
         assert all(isinstance(e, W.VersionFailed) for e in results.values()), results
         assert "was not given" in str(results[("r", 0)])
+    finally:
+        c.close()
+
+
+def test_shards_updated_in_place_are_sent_from_their_own_memory_with_each_versions_values():
+    # The same arrays every version (a model's own parameters), new values written into them:
+    # each is registered once, and each version carries the values it holds when sent.
+    c = Cluster(tp2_fused_layout(), 2, 2)
+    try:
+        data = {s: shard_data(c.layout, full_tensors(c.layout, 60), s) for s in range(2)}
+        regions = []
+        for v in range(3):
+            full = full_tensors(c.layout, 60 + v)
+            for s in range(2):
+                for i, a in shard_data(c.layout, full, s).items():
+                    data[s][i][...] = a
+            results = c.version(v, full, data=lambda s: data[s])
+            assert all(e is None for e in results.values()), results
+            check_received(c, full)
+            regions.append({k: id(r) for k, (_, r) in c.senders[0]._registered.items()})
+        assert regions[0] == regions[1] == regions[2] and len(regions[0]) == len(data[0])
+        # Other arrays in their place: registered anew, the old ones let go.
+        full = full_tensors(c.layout, 70)
+        assert all(e is None for e in c.version(3, full).values())
+        check_received(c, full)
+        assert not set(c.senders[0]._registered) & set(regions[0])
+    finally:
+        c.close()
+
+
+def test_a_double_buffered_receiver_shows_a_version_only_once_it_is_complete():
+    c = Cluster(tp2_fused_layout(), 2, 2, timeout=30.0, double_buffer=True)
+    try:
+        first = full_tensors(c.layout, 80)
+        assert all(e is None for e in c.version(0, first).values())
+        check_received(c, first)
+        seen = [rc.params for rc in c.receivers]  # what readers hold while version 1 arrives
+        second = full_tensors(c.layout, 81)
+        assert all(e is None for e in c.version(1, second).values())
+        check_received(c, second)
+        check_received(c, first, seen)  # version 1 went into the other buffer
+        # Version 2 fails (trainer rank 1 never sends; rank 0's bytes land): readers still see
+        # version 1, whole.
+        c.timeout(1.5)
+        results = c.version(2, full_tensors(c.layout, 82), skip_sender=1)
+        assert all(isinstance(e, W.VersionFailed) for e in results.values()), results
+        check_received(c, second)
+        c.timeout(30.0)
+        third = full_tensors(c.layout, 83)
+        assert all(e is None for e in c.version(3, third).values())
+        check_received(c, third)
+    finally:
+        c.close()
+
+
+def test_an_in_place_receiver_is_partly_overwritten_by_a_failed_version():
+    # What double buffering is for: in place, the failed version's landed bytes are visible.
+    c = Cluster(tp2_fused_layout(), 2, 2, timeout=30.0)
+    try:
+        first = full_tensors(c.layout, 90)
+        assert all(e is None for e in c.version(0, first).values())
+        c.timeout(1.5)
+        results = c.version(1, full_tensors(c.layout, 91), skip_sender=1)
+        assert all(isinstance(e, W.VersionFailed) for e in results.values()), results
+        with pytest.raises(AssertionError):
+            check_received(c, first)
     finally:
         c.close()

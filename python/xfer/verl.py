@@ -151,7 +151,12 @@ class XferCheckpointEngine(CheckpointEngine):
         layout = W.Layout(tuple(tensors), tuple(shards), W.Layout.whole_params(tensors, self._receivers))
         largest = max((layout.shard_nbytes(i) for i in local), default=0)
         sender.budget_bytes = 2 * max(self.bucket_size, W._aligned(largest))
-        await asyncio.to_thread(sender.send, self._version, layout, local)
+        try:
+            await asyncio.to_thread(sender.send, self._version, layout, local)
+        finally:
+            # verl's tensors may be this step's own copies (gathered, or off a GPU): let them
+            # go rather than keep them registered until the next step.
+            sender.release()
         return {}
 
     def _shards_of(self, name: str, t: Any) -> tuple[W.TensorSpec, list[tuple[int, Any]], Any]:

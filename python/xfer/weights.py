@@ -9,23 +9,25 @@ least loaded of their holders, resharding along any dimension as strided runs.
 The executor (``WeightSender`` on each trainer rank, ``WeightReceiver`` on each inference
 rank) runs one version at a time:
 
-1. The coordinator (trainer rank 0) sends the layout (its digest, and the layout itself when it
-   changed) to every receiver. A receiver (re)allocates and registers its parameters when the
+1. The coordinator (trainer rank 0) sends the layout to every receiver, every version (chunked
+   JSON; a receiver compares its digest with the last one's). A receiver (re)allocates and registers its parameters when the
    layout changed, computes how many immediates the version's writes bring
    (``expected_arrivals``), waits for them on the version's own immediate, and tells every
    sender it is ready (with its region's descriptor).
-2. Each sender stages its shards (optionally transformed, e.g. a dtype cast) into registered
-   buckets — all at once, or two buckets of half a memory budget each, filled while the other's
-   writes are in flight — and writes its runs to each ready receiver.
+2. Each sender writes its runs to each ready receiver: from the shards' own memory
+   (registered once while the same memory comes back each version), or, with a ``transform``
+   (e.g. a dtype cast), staged into registered buckets — all at once, or two buckets of half a
+   memory budget each, one filled while the other's writes are in flight.
 3. Every rank reports to the coordinator (done, or failed and why); the coordinator sends the
    verdict. ``send``/``receive`` return only with a positive verdict: a receiver never reports
    a version complete before every byte of it landed and every other rank succeeded too. A
    dead rank or a timeout fails the version everywhere by ``timeout`` plus a grace period; the
    next version uses fresh immediates, so late arrivals of a failed one cannot count for it.
 
-Receivers write in place: the caller pauses readers of the parameters during ``receive``
-(a failed version leaves them partly overwritten; the next successful one rewrites every
-byte). Control messages travel as xfer messages; peers find each other through an
+Receivers write in place — the caller pauses readers of the parameters during ``receive`` (a
+failed version leaves them partly overwritten; the next successful one rewrites every byte)
+— or double-buffer (``double_buffer=True``): readers see a version only once it is complete
+everywhere. Control messages travel as xfer messages; peers find each other through an
 ``xfer.Rendezvous`` (``<group>.s<rank>`` and ``<group>.r<rank>``).
 """
 
@@ -384,8 +386,13 @@ class _Member:
 class WeightSender(_Member):
     """A trainer rank's side. Rank 0 also coordinates: it sends the layout and the verdicts.
 
-    ``budget_bytes``: staging memory; ``None`` stages all of this rank's shards at once, else
-    two buckets of half of it are filled alternately (a shard must fit in one)."""
+    Without a ``transform``, shards in host memory are written from where they are (no copy):
+    each is registered once and stays registered, and referenced, while later versions give
+    the same memory (the model's own parameters); a shard not given again is released at the
+    next version, or by ``release()``. With a ``transform`` (a cast), or ``zero_copy=False``,
+    shards are copied into registered staging: ``budget_bytes=None`` stages all of this rank's
+    shards at once, else two buckets of half of it are filled alternately, one while the
+    other's writes are in flight (a shard must fit in one)."""
 
     def __init__(
         self,
@@ -400,21 +407,48 @@ class WeightSender(_Member):
         grace: float | None = None,
         budget_bytes: int | None = None,
         imm_base: int = 1 << 30,
+        zero_copy: bool = True,
     ) -> None:
         super().__init__(engine, rendezvous, group, "s", rank, senders, receivers, timeout=timeout, grace=grace, imm_base=imm_base)
         self.budget_bytes = budget_bytes
+        self.zero_copy = zero_copy
         self._layout: Layout | None = None
         self._writes: Writes | None = None
+        self._staged_for: tuple[bytes, int | None] | None = None
         self._buckets: list[tuple[np.ndarray, Any]] = []
         self._bucket_of: dict[int, tuple[int, int]] = {}
         self._rounds: list[list[int]] = []
-        self._shard_base = np.zeros(0, dtype=np.uint64)
+        # Per shard of this rank: [(receiver, src offsets in the shard, dst offsets in the
+        # receiver's buffer, lengths)], the plan's rows grouped once per layout.
+        self._rows_of: dict[int, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = {}
+        self._targets: list[int] = []
+        # Shards written from their own memory: (address, bytes) -> (the data, its region).
+        self._registered: dict[tuple[int, int], tuple[Any, Any]] = {}
 
     def _prepare(self, layout: Layout) -> None:
         if self._layout is not None and self._layout.digest() == layout.digest():
             return
         writes = plan(layout, sender=self.rank)
-        mine = sorted({int(s) for s in writes.src_shard})
+        src_shard, src_off, dst_param, dst_off, lens = writes.rows()
+        param = dst_param.astype(np.int64)
+        dst_rank = _param_ranks(layout)[param]
+        dst_abs = dst_off + _param_offsets(layout)[param]
+        # Group the rows by (shard, receiver) once: a version then submits one list per group.
+        order = np.lexsort((dst_rank, src_shard))
+        key_s, key_r = src_shard[order], dst_rank[order]
+        cuts = np.flatnonzero((np.diff(key_s) != 0) | (np.diff(key_r) != 0)) + 1
+        self._rows_of = {}
+        for idx in np.split(order, cuts) if len(order) else []:
+            s, r = int(src_shard[idx[0]]), int(dst_rank[idx[0]])
+            self._rows_of.setdefault(s, []).append((r, src_off[idx], dst_abs[idx], lens[idx]))
+        self._targets = sorted({int(r) for r in dst_rank})
+        self._layout, self._writes, self._staged_for = layout, writes, None
+
+    def _prepare_staging(self, layout: Layout) -> None:
+        """Buckets and rounds for the staged path (once per layout and budget)."""
+        if self._staged_for == (layout.digest(), self.budget_bytes):
+            return
+        mine = sorted(self._rows_of)
         for buf, region in self._buckets:
             region.dereg()
         self._buckets, self._bucket_of, self._rounds = [], {}, []
@@ -443,13 +477,10 @@ class WeightSender(_Member):
             at += n
         if current:
             self._rounds.append(current)
-        self._shard_base = np.zeros(len(layout.shards), dtype=np.uint64)
-        for s, (_, at) in self._bucket_of.items():
-            self._shard_base[s] = at
         for _ in range(min(nbuckets, max(1, len(self._rounds)))):
             buf = np.zeros(cap, dtype=np.uint8)
             self._buckets.append((buf, self.engine.reg_mr(buf, access="local")))
-        self._layout, self._writes = layout, writes
+        self._staged_for = (layout.digest(), self.budget_bytes)
 
     def send(
         self,
@@ -490,50 +521,97 @@ class WeightSender(_Member):
             self._decide(version, layout.digest(), deadline + self.grace)
         self.verdict(version, deadline + 2 * self.grace)
 
+    def _shard_bytes(self, layout: Layout, shards: Mapping[int, Any], s: int, transform: Any) -> tuple[Any, np.ndarray]:
+        if s not in shards:
+            raise KeyError(f"shard {s} ({layout.shards[s][1]!r}) has writes in the plan but was not given")
+        data = shards[s] if transform is None else transform(layout.shards[s][1], shards[s])
+        raw = _bytes_of(data)
+        if raw.nbytes != layout.shard_nbytes(s):
+            raise ValueError(
+                f"shard {s} ({layout.shards[s][1]!r}): {raw.nbytes} bytes given, the layout says {layout.shard_nbytes(s)}"
+            )
+        return data, raw
+
     def _write(self, version: int, layout: Layout, shards: Mapping[int, Any], transform: Any, deadline: float) -> None:
-        w = self._writes
-        assert w is not None
-        targets = sorted({int(r) for r in w.dst_rank})
+        targets = self._targets
         ready = self.control.collect(_READY, version, lambda g: {s - self.senders for s, _ in g} >= set(targets), deadline)
         descs = {s - self.senders: _xfer.MrDesc(p) for s, p in ready}
         missing = [r for r in targets if r not in descs]
         if missing:
             raise TimeoutError(f"receivers {missing} were not ready before the deadline")
-        src_shard, src_off, dst_param, dst_off, lens = w.rows()
-        param = dst_param.astype(np.int64)
-        dst_rank = _param_ranks(layout)[param]
-        dst_abs = dst_off + _param_offsets(layout)[param]
-        src_abs = src_off + self._shard_base[src_shard.astype(np.int64)]
+        if transform is None and self.zero_copy:
+            self._write_in_place(version, layout, shards, descs, deadline)
+        else:
+            self._write_staged(version, layout, shards, transform, descs, deadline)
+
+    def _write_in_place(self, version: int, layout: Layout, shards: Mapping[int, Any], descs: dict[int, Any], deadline: float) -> None:
+        """Each shard written from its own memory, registered once while it stays the same."""
+        imm = self.data_imm(version)
+        used: dict[tuple[int, int], tuple[Any, Any]] = {}
+        transfers: list[Any] = []
+        try:
+            for s, groups in self._rows_of.items():
+                data, raw = self._shard_bytes(layout, shards, s, None)
+                key = (int(raw.ctypes.data), int(raw.nbytes))
+                entry = used.get(key) or self._registered.get(key)
+                if entry is None:
+                    # The region holds ``raw`` (and through it ``data``): the memory cannot be
+                    # freed, and its address reused by other data, while it is registered.
+                    entry = (data, self.engine.reg_mr(raw, access="local"))
+                used[key] = entry
+                for r, src, dst, lens in groups:
+                    transfers.append(self.engine.submit_writes(entry[1], descs[r], src, dst, lens, imm=imm))
+            _wait_all(transfers, deadline)
+        except BaseException:
+            _wait_all(transfers, deadline, quietly=True)
+            raise
+        finally:
+            for key, (_, region) in self._registered.items():
+                if key not in used:
+                    region.dereg()
+            self._registered = used
+
+    def _write_staged(
+        self, version: int, layout: Layout, shards: Mapping[int, Any], transform: Any, descs: dict[int, Any], deadline: float
+    ) -> None:
+        """Shards (transformed) copied into two buckets, one filled while the other's writes fly."""
+        self._prepare_staging(layout)
+        imm = self.data_imm(version)
         in_flight: dict[int, list[Any]] = {}
-        for k, round_shards in enumerate(self._rounds):
-            b = k % len(self._buckets)
-            for t in in_flight.pop(b, []):  # the bucket's previous writes must be done before it is refilled
-                t.wait(max(0.0, deadline - time.monotonic()))
-            buf, region = self._buckets[b]
-            for s in round_shards:
-                if s not in shards:
-                    raise KeyError(f"shard {s} ({layout.shards[s][1]!r}) has writes in the plan but was not given")
-                data = shards[s] if transform is None else transform(layout.shards[s][1], shards[s])
-                raw = _bytes_of(data)
-                if raw.nbytes != layout.shard_nbytes(s):
-                    raise ValueError(
-                        f"shard {s} ({layout.shards[s][1]!r}): {raw.nbytes} bytes given, the layout says {layout.shard_nbytes(s)}"
-                    )
-                _, at = self._bucket_of[s]
-                buf[at : at + raw.nbytes] = raw
-            sel = np.isin(src_shard, np.array(round_shards, dtype=np.uint64))
-            transfers = in_flight.setdefault(b, [])
-            for r in targets:
-                rows = sel & (dst_rank == r)
-                if rows.any():
-                    transfers.append(
-                        self.engine.submit_writes(
-                            region, descs[r], src_abs[rows], dst_abs[rows], lens[rows], imm=self.data_imm(version)
-                        )
-                    )
-        for ts in in_flight.values():
-            for t in ts:
-                t.wait(max(0.0, deadline - time.monotonic()))
+        try:
+            for k, round_shards in enumerate(self._rounds):
+                b = k % len(self._buckets)
+                # The bucket's previous writes must be done before it is refilled.
+                _wait_all(in_flight.pop(b, []), deadline)
+                buf, region = self._buckets[b]
+                per_target: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+                for s in round_shards:
+                    _, raw = self._shard_bytes(layout, shards, s, transform)
+                    _, at = self._bucket_of[s]
+                    buf[at : at + raw.nbytes] = raw
+                    for r, src, dst, lens in self._rows_of[s]:
+                        per_target.setdefault(r, []).append((src + np.uint64(at), dst, lens))
+                transfers = in_flight.setdefault(b, [])
+                for r, parts in per_target.items():
+                    src, dst, lens = (np.concatenate(c) for c in zip(*parts))
+                    transfers.append(self.engine.submit_writes(region, descs[r], src, dst, lens, imm=imm))
+            _wait_all([t for ts in in_flight.values() for t in ts], deadline)
+        except BaseException:
+            _wait_all([t for ts in in_flight.values() for t in ts], deadline, quietly=True)
+            raise
+
+    def release(self) -> None:
+        """Deregisters (and lets go of) the shards the last version was written from."""
+        for _, region in self._registered.values():
+            region.dereg()
+        self._registered = {}
+
+    def close(self) -> None:
+        self.release()
+        for _, region in self._buckets:
+            region.dereg()
+        self._buckets = []
+        super().close()
 
     def _decide(self, version: int, digest: bytes, deadline: float) -> None:
         everyone = self.senders + self.receivers
@@ -563,6 +641,19 @@ class WeightSender(_Member):
                 self.control.send(addr, _VERDICT, version, payload)
 
 
+def _wait_all(transfers: Iterable[Any], deadline: float, *, quietly: bool = False) -> None:
+    """Waits for every transfer (a failed one does not stop the waits for the others: the
+    memory they read stays in use until they end); raises the first failure unless quietly."""
+    first: BaseException | None = None
+    for t in transfers:
+        try:
+            t.wait(max(0.0, deadline - time.monotonic()))
+        except Exception as e:  # noqa: BLE001 - the first one is raised below
+            first = first or e
+    if first is not None and not quietly:
+        raise first
+
+
 def _aligned(n: int) -> int:
     return (n + 63) // 64 * 64
 
@@ -583,7 +674,15 @@ def _param_offsets(layout: Layout) -> np.ndarray:
 
 class WeightReceiver(_Member):
     """An inference rank's side: its parameters live in one registered buffer (``buffer``),
-    each a view (``params``: name → uint8 view of its bytes, row-major)."""
+    each a view (``params``: name → uint8 view of its bytes, row-major).
+
+    In place (default), the caller pauses readers of ``params`` during ``receive`` (a failed
+    version leaves them partly overwritten; the next successful one rewrites every byte).
+    With ``double_buffer=True`` there are two buffers: each version is written into the one
+    readers do not see, and ``buffer``/``params`` switch to it only once the version is
+    complete on every rank. Readers keep reading the previous version during ``receive``, and
+    a failed version leaves ``params`` as they were; views taken before a ``receive`` that
+    succeeded must be dropped before the next ``receive`` starts (it writes into them)."""
 
     def __init__(
         self,
@@ -597,33 +696,41 @@ class WeightReceiver(_Member):
         timeout: float = 60.0,
         grace: float | None = None,
         imm_base: int = 1 << 30,
+        double_buffer: bool = False,
     ) -> None:
         super().__init__(engine, rendezvous, group, "r", rank, senders, receivers, timeout=timeout, grace=grace, imm_base=imm_base)
+        self.double_buffer = double_buffer
         self.layout: Layout | None = None
         self.buffer: np.ndarray | None = None
         self.params: dict[str, np.ndarray] = {}
         self.specs: dict[str, tuple[tuple[int, ...], str]] = {}
         self._region: Any = None
+        # Per buffer (one, or two when double-buffered): the array, its region, its views.
+        self._buffers: list[tuple[np.ndarray, Any, dict[str, np.ndarray]]] = []
+        self._front = 0
         self._arrivals = 0
 
     def _prepare(self, layout: Layout) -> None:
         if self.layout is not None and self.layout.digest() == layout.digest():
             return
-        if self._region is not None:
-            self._region.dereg()
+        for _, region, _ in self._buffers:
+            region.dereg()
+        self._buffers, self._front, self._region = [], 0, None
+        self.layout = None
         offsets = _param_offsets(layout)
         mine = [i for i, p in enumerate(layout.params) if p[0] == self.rank]
         total = max([int(offsets[i]) + _aligned(layout.param_nbytes(i)) for i in mine], default=64)
-        self.buffer = np.zeros(total, dtype=np.uint8)
-        self._region = self.engine.reg_mr(self.buffer)
-        self.params, self.specs = {}, {}
+        self.specs = {}
         for i in mine:
             _, name, shape, pieces = layout.params[i]
-            if name in self.params:
+            if name in self.specs:
                 raise ValueError(f"receiver {self.rank} has two parameters named {name!r}")
-            o = int(offsets[i])
-            self.params[name] = self.buffer[o : o + layout.param_nbytes(i)]
             self.specs[name] = (tuple(shape), layout.tensor(pieces[0][0]).dtype)
+        for _ in range(2 if self.double_buffer else 1):
+            buf = np.zeros(total, dtype=np.uint8)
+            views = {layout.params[i][1]: buf[int(offsets[i]) : int(offsets[i]) + layout.param_nbytes(i)] for i in mine}
+            self._buffers.append((buf, self.engine.reg_mr(buf), views))
+        self._show(0)
         # Immediates the version brings: each row is one write, striped as the sender's engine
         # stripes it (same config on both sides).
         w = plan(layout, receiver=self.rank)
@@ -633,6 +740,11 @@ class WeightReceiver(_Member):
             arrivals += int(counts[lens == n].sum()) * self.engine.expected_arrivals(int(n))
         self._arrivals = arrivals
         self.layout = layout
+
+    def _show(self, k: int) -> None:
+        """Makes buffer ``k`` the one readers see."""
+        self._front = k
+        self.buffer, self._region, self.params = self._buffers[k]
 
     def receive(self, version: int) -> dict[str, np.ndarray]:
         """Receives ``version`` into ``params`` (returned); returns only when every byte of it
@@ -644,6 +756,7 @@ class WeightReceiver(_Member):
             _MANIFEST, version, lambda g: bool(g) and len(g) >= struct.unpack_from("<HH", g[0][1])[1], deadline
         )
         expectation = None
+        target = self._front
         if not got:
             failure = f"receiver {self.rank}: no layout from trainer rank 0 in time"
         else:
@@ -652,9 +765,10 @@ class WeightReceiver(_Member):
                 layout = Layout.from_json(b"".join(c for _, c in chunks))
                 digest = layout.digest()
                 self._prepare(layout)
+                target = (self._front + 1) % len(self._buffers)
                 if self._arrivals:
                     expectation = self.engine.expect_imm_count(self.data_imm(version), self._arrivals)
-                desc = bytes(self._region.desc)
+                desc = bytes(self._buffers[target][1].desc)
                 for s in range(self.senders):
                     addr = self.addr(s, deadline)
                     if addr is not None:
@@ -672,6 +786,7 @@ class WeightReceiver(_Member):
                     pass
         self.report(version, not failure, digest, failure, deadline)
         self.verdict(version, deadline + 2 * self.grace)
+        self._show(target)
         return self.params
 
     def tensors(self) -> Iterable[tuple[str, Any]]:
@@ -683,7 +798,7 @@ class WeightReceiver(_Member):
             yield name, torch.from_numpy(raw).view(getattr(torch, dtype)).view(shape)
 
     def close(self) -> None:
-        if self._region is not None:
-            self._region.dereg()
-            self._region = None
+        for _, region, _ in self._buffers:
+            region.dereg()
+        self._buffers, self._region = [], None
         super().close()

@@ -40,6 +40,8 @@ pub(crate) const VLLM: Framework = Framework {
     // verl's checkpoint engine (xfer.verl's test) shares this venv: vLLM and torch are what it
     // runs beside. verl 0.9.1 itself goes in without its dependencies (it pins transformers
     // below 5.11; vLLM 0.33 brings 5.20), its checkpoint engine's imports with theirs.
+    // CuPy: verl's own `nixl` engine (the weight-sync test's control) imports it at load; the
+    // CUDA 12 wheel imports without a GPU (~137 MB).
     requirements: &[
         "vllm==0.33.0",
         "nixl==1.5.1",
@@ -48,6 +50,7 @@ pub(crate) const VLLM: Framework = Framework {
         "tensordict==0.15.3",
         "omegaconf==2.4.0",
         "codetiming==1.4.0",
+        "cupy-cuda12x==14.2.0",
     ],
     without_deps: &["verl==0.9.1"],
     tests: "python/tests/serving_vllm",

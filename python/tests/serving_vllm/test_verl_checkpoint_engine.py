@@ -6,7 +6,16 @@ a trainer group and a rollout group, each rank its own process, over libfabric's
 providers. The model is Qwen2's architecture at a small config (its real parameter names and
 shapes, random bf16 values). Trainer ranks with TP 2 yield DTensors sharded as Megatron shards
 them (columns for q/k/v/gate/up and the embeddings, rows for o/down, norms replicated); every
-rollout worker checks each received tensor against the trainer's full tensor."""
+rollout worker checks each received tensor against the trainer's full tensor.
+
+The control: verl's own ``nixl`` engine (NIXL 1.5.1 on UCX, ``device="cpu"``) through the same
+harness, its trainers yielding full tensors as verl's other engines expect. On a machine
+without a GPU it needs three things of its process (``nixl_on_cpu``): ``cupy`` importable (it
+imports it at load; ``cupy-cuda12x`` imports without a GPU), ``torch.zeros(pin_memory=True)``
+unpinned (its ``prepare`` pins its buckets, which needs a CUDA driver) and
+``torch.cuda.synchronize`` a no-op (it orders its bucket copies with it; CPU copies are
+synchronous); and ray's node address pinned to 127.0.0.1 (its ZeroMQ side channel binds
+there)."""
 
 import os
 
@@ -67,7 +76,27 @@ def tp_dim(name, shape):
     return None  # norms: replicated
 
 
-def member(kind, rank, trainers, conn, shapes, provider, pg_port):
+def nixl_on_cpu(ucx_tls):
+    """What verl's nixl engine needs of a process without a GPU (see the module's docstring)."""
+    import ray.util
+    import torch
+
+    os.environ["UCX_NET_DEVICES"] = "lo"
+    if ucx_tls:
+        os.environ["UCX_TLS"] = ucx_tls
+    if not torch.cuda.is_available():
+        zeros = torch.zeros
+
+        def unpinned_zeros(*args, pin_memory=False, **kwargs):
+            return zeros(*args, **kwargs)
+
+        torch.zeros = unpinned_zeros
+        torch.cuda.synchronize = lambda *args, **kwargs: None
+    ray.util.get_node_ip_address = lambda *args, **kwargs: "127.0.0.1"
+    import verl.checkpoint_engine.nixl_checkpoint_engine  # noqa: F401 - registers "nixl"
+
+
+def member(kind, rank, trainers, conn, shapes, provider, pg_port, backend="xfer"):
     """One process: a trainer rank or a rollout worker, answering the driver's commands."""
     import asyncio
 
@@ -75,13 +104,19 @@ def member(kind, rank, trainers, conn, shapes, provider, pg_port):
     from verl.checkpoint_engine import CheckpointEngineRegistry
     from verl.utils.import_utils import import_external_libs
 
-    import_external_libs("xfer.verl")  # what rollout.checkpoint_engine.custom_backend_module does
-    engine = CheckpointEngineRegistry.new(
-        "xfer", bucket_size=64 << 10, is_master=(kind == "trainer" and rank == 0),
-        config=xfer_config(provider), timeout=TIMEOUT,
-    )
+    if backend == "nixl":
+        nixl_on_cpu(provider)
+        engine = CheckpointEngineRegistry.new(
+            "nixl", bucket_size=64 << 10, device="cpu", is_master=(kind == "trainer" and rank == 0)
+        )
+    else:
+        import_external_libs("xfer.verl")  # what rollout.checkpoint_engine.custom_backend_module does
+        engine = CheckpointEngineRegistry.new(
+            "xfer", bucket_size=64 << 10, is_master=(kind == "trainer" and rank == 0),
+            config=xfer_config(provider), timeout=TIMEOUT,
+        )
     mesh = None
-    if kind == "trainer" and trainers > 1:
+    if kind == "trainer" and trainers > 1 and backend == "xfer":
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -133,6 +168,8 @@ def member(kind, rank, trainers, conn, shapes, provider, pg_port):
                 engine.finalize()
                 conn.send("ok")
             elif cmd == "exit":
+                if backend == "nixl":
+                    os._exit(0)  # NIXL 1.5.1's bundled libnl faults in its destructor at exit (conftest)
                 return
         except Exception as e:  # noqa: BLE001 - the driver asserts on it
             conn.send(("failed", f"{type(e).__name__}: {e}"))
@@ -163,8 +200,9 @@ def dies_in_the_middle(engine):
 class Group:
     """The driver's side: the processes, and verl's CheckpointEngineManager call sequence."""
 
-    def __init__(self, trainers, rollouts, provider):
+    def __init__(self, trainers, rollouts, provider, backend="xfer"):
         self.ctx = mp.get_context("spawn")
+        self.backend = backend
         self.shapes = model_shapes()
         self.provider = provider
         self.trainers = trainers
@@ -177,7 +215,7 @@ class Group:
 
     def spawn(self, kind, rank):
         here, there = self.ctx.Pipe()
-        p = self.ctx.Process(target=member, args=(kind, rank, self.trainers, there, self.shapes, self.provider, self.pg_port))
+        p = self.ctx.Process(target=member, args=(kind, rank, self.trainers, there, self.shapes, self.provider, self.pg_port, self.backend))
         p.start()
         return [p, here]
 
@@ -202,11 +240,13 @@ class Group:
         from verl.utils.import_utils import import_external_libs
 
         import_external_libs("xfer.verl")  # as CheckpointEngineManager does with custom_backend_module
+        if self.backend == "nixl":
+            nixl_on_cpu(self.provider)
         n = len(self.procs)
         for i in range(n):
             self.ask(i, "prepare")
         metadata = [self.answer(i) for i in range(n)]
-        actor, rollout = CheckpointEngineRegistry.get("xfer").build_topology(self.trainers, n - self.trainers, metadata)
+        actor, rollout = CheckpointEngineRegistry.get(self.backend).build_topology(self.trainers, n - self.trainers, metadata)
         for i in range(n):
             kw = actor if i < self.trainers else rollout
             j = i if i < self.trainers else i - self.trainers
@@ -301,6 +341,22 @@ def test_one_trainer_to_four_rollouts(provider):
     g = Group(1, 4, provider)
     try:
         for seed in (5, 6, 7):
+            sent, received = g.step(seed)
+            assert_complete(g, sent, received, seed)
+    finally:
+        g.close()
+
+
+# verl's build_topology for nixl gives a single rollout worker itself as its next agent
+# (``metadata[-rollout_world_size + 1:]`` is the whole list when that size is 1): the control
+# runs with two rollout workers or more.
+@pytest.mark.parametrize("trainers,rollouts", [(2, 2), (1, 3)])
+def test_control_verls_nixl_engine_through_the_same_harness(trainers, rollouts):
+    pytest.importorskip("cupy")
+    pytest.importorskip("nixl")
+    g = Group(trainers, rollouts, "tcp,self", backend="nixl")
+    try:
+        for seed in (1, 2):
             sent, received = g.step(seed)
             assert_complete(g, sent, received, seed)
     finally:
