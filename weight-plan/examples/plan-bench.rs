@@ -8,11 +8,15 @@
 //! parallel replicas, `gate_up_proj` and `fused_qkv_a_proj` fused). Prints how long planning
 //! took and the transfer time the plan predicts at 400 Gb/s per rank.
 //!
-//! `cargo run --release -p xfer-weight-plan --example plan-bench`
+//! `cargo run --release -p xfer-weight-plan --example plan-bench [THREADS]`: on THREADS
+//! threads, or as many as the machine has cores without it.
 
+use std::num::NonZeroUsize;
 use std::time::Instant;
 
-use xfer_weight_plan::{plan, Layout, Param, Piece, Select, Shard, Slice, Tensor};
+use xfer_weight_plan::{
+    plan, plan_with_threads, Layout, Param, Piece, Select, Shard, Slice, Tensor,
+};
 
 const HIDDEN: u64 = 7168;
 const VOCAB: u64 = 163_840;
@@ -283,6 +287,10 @@ fn kimi() -> Layout {
 }
 
 fn main() {
+    let threads: Option<NonZeroUsize> = std::env::args().nth(1).map(|a| {
+        a.parse()
+            .unwrap_or_else(|_| panic!("THREADS is a positive count, not {a:?}"))
+    });
     let built = Instant::now();
     let layout = kimi();
     let params: u64 = layout
@@ -299,7 +307,11 @@ fn main() {
         built.elapsed().as_secs_f64()
     );
     let (start, cpu) = (Instant::now(), cpu_seconds());
-    let p = plan(&layout).unwrap_or_else(|e| panic!("{e}"));
+    let p = match threads {
+        Some(n) => plan_with_threads(&layout, n),
+        None => plan(&layout),
+    }
+    .unwrap_or_else(|e| panic!("{e}"));
     let took = start.elapsed().as_secs_f64();
     let cpu = cpu_seconds().zip(cpu).map(|(b, a)| b - a);
     let rows: u64 = p.writes().map(|w| w.count).sum();
@@ -307,7 +319,8 @@ fn main() {
     let max_sent = p.sent.iter().copied().max().unwrap_or(0);
     let max_received = p.received.iter().copied().max().unwrap_or(0);
     println!(
-        "plan: {took:.3} s ({}); {} strided writes ({rows} rows), {:.1} GB in all",
+        "plan on {}: {took:.3} s ({}); {} strided writes ({rows} rows), {:.1} GB in all",
+        threads.map_or("the machine's cores".into(), |n| format!("{n} thread(s)")),
         cpu.map_or("CPU time unknown".into(), |c| format!("{c:.2} s of CPU")),
         p.writes().count(),
         total as f64 / 1e9

@@ -20,7 +20,9 @@
 //!   (see `balance.rs`) — in particular at most the ideal `max(largest forced load, total /
 //!   ranks)` plus one byte when every byte is held by every rank.
 //!
-//! Pure: no threads, no clock, no I/O; every rank computes the same plan from the same layout.
+//! Pure: no clock, no I/O; every rank computes the same plan from the same layout. A large
+//! layout is planned on several threads, each making its own senders' writes; the plan is the
+//! same, write for write, on any number of them ([`plan_with_threads`]).
 //!
 //! ```
 //! use xfer_weight_plan::{plan, Layout, Param, Select, Shard, Slice, Tensor};
@@ -50,4 +52,4 @@ mod runs;
 
 pub use error::PlanError;
 pub use layout::{Layout, Param, Piece, Select, Shard, Slice, Tensor};
-pub use plan::{plan, Plan, Write};
+pub use plan::{plan, plan_with_threads, Plan, Write};

@@ -3,10 +3,12 @@
 //! neighbouring runs merged.
 
 use std::collections::HashMap;
+use std::num::NonZeroUsize;
+use std::ops::Range;
 
 use crate::balance::balance;
 use crate::error::PlanError;
-use crate::holdings::{Geometry, TensorHoldings};
+use crate::holdings::{Geometry, Holding, TensorHoldings};
 use crate::layout::{Layout, Param, Select, Slice};
 use crate::runs::{BoxCopy, Run, MAX_DIMS};
 
@@ -99,8 +101,54 @@ struct Shared {
     run: Run,
 }
 
-/// Computes the plan, or says what in the layout is wrong.
+/// Computes the plan, or says what in the layout is wrong. A large layout's parameters are
+/// planned on as many threads as the machine has cores, each making the writes of its own
+/// range of senders; the plan is the same, write for write, as on one thread
+/// ([`plan_with_threads`]).
 pub fn plan(layout: &Layout) -> Result<Plan, PlanError> {
+    plan_on(layout, Threads::Auto)
+}
+
+/// [`plan`] on at most `threads` threads (one per sender at most), however small the layout:
+/// the plan does not depend on the number.
+pub fn plan_with_threads(layout: &Layout, threads: NonZeroUsize) -> Result<Plan, PlanError> {
+    plan_on(layout, Threads::Exactly(threads.get()))
+}
+
+enum Threads {
+    /// The machine's cores for a layout of at least [`PARALLEL_WRITES`] writes, else one.
+    Auto,
+    Exactly(usize),
+}
+
+/// The fewest expected writes worth planning on several threads: below it, starting them
+/// costs more than they save.
+const PARALLEL_WRITES: usize = 1 << 16;
+
+/// What every thread reads: the layout, resolved and indexed.
+struct Context<'a> {
+    layout: &'a Layout,
+    names: Names<'a>,
+    geometry: Vec<Geometry<'a>>,
+    holdings: Vec<TensorHoldings>,
+    /// Each holding's class of replicated bytes (`usize::MAX` for a single holder's).
+    class_of_holding: Vec<Vec<usize>>,
+    /// Whether a tensor's holdings cover all of it (they are disjoint: their bytes add up to
+    /// the tensor's), so that no piece of it can miss bytes and a thread may skip the holdings
+    /// of other threads' senders without counting their bytes.
+    fully_held: Vec<bool>,
+    classes: usize,
+}
+
+/// One thread's share of the parameters' writes: those of its senders, and (on the first
+/// thread) the fragments of replicated bytes and each class's total.
+struct Part {
+    writes: Writes,
+    class_bytes: Vec<u64>,
+    class_fragments: Vec<Vec<Shared>>,
+}
+
+fn plan_on(layout: &Layout, threads: Threads) -> Result<Plan, PlanError> {
     let tensors = &layout.tensors;
     let mut by_name: HashMap<&str, usize> = HashMap::with_capacity(tensors.len());
     let mut geometry = Vec::with_capacity(tensors.len());
@@ -161,33 +209,202 @@ pub fn plan(layout: &Layout) -> Result<Plan, PlanError> {
                 .collect()
         })
         .collect();
-    let mut class_fragments: Vec<Vec<Shared>> = (0..classes.len()).map(|_| Vec::new()).collect();
-    let mut writes = Writes::new(&expected_writes(layout, &names, &holdings));
+    let fully_held = holdings
+        .iter()
+        .zip(&geometry)
+        .map(|(th, g)| {
+            let held: u64 = th.holdings.iter().map(|h| slice_bytes(&h.slice, g)).sum();
+            held == g.bytes
+        })
+        .collect();
+    let expected = expected_writes(layout, &names, &holdings);
+    let context = Context {
+        layout,
+        names,
+        geometry,
+        holdings,
+        class_of_holding,
+        fully_held,
+        classes: classes.len(),
+    };
+
+    let threads = match threads {
+        Threads::Exactly(n) => n,
+        Threads::Auto if expected.iter().sum::<usize>() < PARALLEL_WRITES => 1,
+        Threads::Auto => std::thread::available_parallelism().map_or(1, NonZeroUsize::get),
+    };
+    let ranges = sender_ranges(&expected, threads);
+    let context = &context;
+    let expected = &expected;
+    let parts: Vec<Result<Part, PlanError>> = std::thread::scope(|scope| {
+        let spawned: Vec<_> = ranges
+            .iter()
+            .skip(1)
+            .map(|r| {
+                let r = r.clone();
+                scope.spawn(move || visit(context, expected, r, false))
+            })
+            .collect();
+        let first = visit(context, expected, ranges[0].clone(), true);
+        std::iter::once(first)
+            .chain(spawned.into_iter().map(|h| {
+                h.join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            }))
+            .collect()
+    });
+    // Every thread visits every parameter and meets the same first refusal: the first
+    // thread's is the one a single thread returns.
+    let mut parts = parts.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let (holdings, layout) = (&context.holdings, context.layout);
+
+    let mut writes = Writes {
+        by_sender: vec![Vec::new(); expected.len()],
+        sent: vec![0; expected.len()],
+    };
+    for (part, range) in parts.iter_mut().zip(&ranges) {
+        for s in range.clone() {
+            writes.by_sender[s] = std::mem::take(&mut part.writes.by_sender[s]);
+            writes.sent[s] = part.writes.sent[s];
+        }
+    }
+    let Part {
+        class_bytes,
+        mut class_fragments,
+        ..
+    } = parts.swap_remove(0);
+    for (class, bytes) in classes.iter_mut().zip(class_bytes) {
+        class.1 = bytes;
+    }
+    let amounts = balance(&writes.sent, &classes);
+    for ((fragments, amounts), (holders, _)) in
+        class_fragments.iter_mut().zip(&amounts).zip(&classes)
+    {
+        assign(fragments, holders, amounts, holdings, layout, &mut writes);
+    }
+    let Writes {
+        mut by_sender,
+        sent,
+    } = writes;
+    let receivers = layout
+        .params
+        .iter()
+        .map(|p| p.rank as usize + 1)
+        .max()
+        .unwrap_or(0);
+    // Each thread orders its senders' lists and counts what they send to each receiver.
+    let mut lists: Vec<&mut [Vec<Write>]> = Vec::with_capacity(ranges.len());
+    let mut rest = by_sender.as_mut_slice();
+    for range in &ranges {
+        let (mine, others) = rest.split_at_mut(range.len());
+        lists.push(mine);
+        rest = others;
+    }
+    let counts: Vec<Vec<u64>> = std::thread::scope(|scope| {
+        let mut lists = lists.into_iter();
+        let first = lists.next().unwrap_or_default();
+        let spawned: Vec<_> = lists
+            .map(|l| scope.spawn(move || order_and_count(l, receivers)))
+            .collect();
+        std::iter::once(order_and_count(first, receivers))
+            .chain(spawned.into_iter().map(|h| {
+                h.join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            }))
+            .collect()
+    });
+    let mut received = vec![0u64; receivers];
+    for count in counts {
+        for (r, c) in received.iter_mut().zip(count) {
+            *r += c;
+        }
+    }
+    Ok(Plan {
+        by_sender,
+        sent,
+        received,
+    })
+}
+
+/// Senders cut into `threads` ranges (fewer where there are fewer senders) of about equal
+/// expected writes; always at least one range, however empty.
+fn sender_ranges(expected: &[usize], threads: usize) -> Vec<Range<usize>> {
+    let threads = threads.clamp(1, expected.len().max(1));
+    let total: usize = expected.iter().sum();
+    let mut ranges = Vec::with_capacity(threads);
+    let (mut start, mut so_far) = (0usize, 0usize);
+    for (s, &n) in expected.iter().enumerate() {
+        so_far += n;
+        let k = ranges.len() + 1;
+        // Close the range once it holds its share, leaving a sender for each range after it.
+        let share = total / threads * k;
+        if k < threads && so_far >= share && expected.len() - (s + 1) >= threads - k {
+            ranges.push(start..s + 1);
+            start = s + 1;
+        }
+    }
+    ranges.push(start..expected.len());
+    ranges
+}
+
+/// The parameters' writes from the senders in `senders`, in the order of their receivers;
+/// with `shared`, also the fragments of replicated bytes.
+fn visit(
+    context: &Context<'_>,
+    expected: &[usize],
+    senders: Range<usize>,
+    shared: bool,
+) -> Result<Part, PlanError> {
+    let Context {
+        layout,
+        names,
+        geometry,
+        holdings,
+        class_of_holding,
+        fully_held,
+        classes,
+    } = context;
+    let tensors = &layout.tensors;
+    let mut writes = Writes::new(expected, senders.clone());
+    let mut class_bytes = vec![0u64; if shared { *classes } else { 0 }];
+    let mut class_fragments: Vec<Vec<Shared>> = class_bytes.iter().map(|_| Vec::new()).collect();
     let mut candidates = Vec::new();
+    let mine = |holding: &Holding| match holding.single {
+        Some((rank, _)) => senders.contains(&(rank as usize)),
+        None => shared,
+    };
 
     // Parameters by receiver, so that each sender's writes come out grouped by receiver.
     let mut order: Vec<usize> = (0..layout.params.len()).collect();
     order.sort_by_key(|&i| layout.params[i].rank);
     for &pi in &order {
         let param = &layout.params[pi];
-        let pieces = resolve(pi, param, &names, tensors)?;
+        let pieces = resolve(pi, param, names, tensors)?;
         for piece in &pieces {
             if piece.extent.contains(&0) {
                 continue;
             }
             let g = &geometry[piece.tensor];
             let th = &holdings[piece.tensor];
+            let whole = fully_held[piece.tensor];
             th.candidates(g, &piece.at, &piece.extent, &mut candidates);
             let mut found = 0u64;
             for &h in &candidates {
                 let holding = &th.holdings[h];
+                let keep = mine(holding);
+                if whole && !keep {
+                    continue;
+                }
                 let mut emit = |run: Run| {
                     found += run.bytes();
+                    if !keep {
+                        return;
+                    }
                     if let Some((rank, shard)) = holding.single {
                         writes.push(write(rank, shard, pi, param, run));
                     } else {
                         let class = class_of_holding[piece.tensor][h];
-                        classes[class].1 += run.bytes();
+                        class_bytes[class] += run.bytes();
                         class_fragments[class].push(Shared {
                             tensor: piece.tensor,
                             holding: h,
@@ -199,7 +416,7 @@ pub fn plan(layout: &Layout) -> Result<Plan, PlanError> {
                 piece_runs(param, piece, g, &holding.slice, &mut emit);
             }
             let want = piece.extent.iter().product::<u64>() * g.elem_size;
-            if found != want {
+            if !whole && found != want {
                 debug_assert!(found < want, "holdings are disjoint");
                 return Err(PlanError::NotHeld {
                     param: pi,
@@ -211,20 +428,17 @@ pub fn plan(layout: &Layout) -> Result<Plan, PlanError> {
             }
         }
     }
+    Ok(Part {
+        writes,
+        class_bytes,
+        class_fragments,
+    })
+}
 
-    let amounts = balance(&writes.sent, &classes);
-    for ((fragments, amounts), (holders, _)) in
-        class_fragments.iter_mut().zip(&amounts).zip(&classes)
-    {
-        assign(fragments, holders, amounts, &holdings, layout, &mut writes);
-    }
-    let Writes {
-        mut by_sender,
-        sent,
-    } = writes;
-    let receivers = layout.params.iter().map(|p| p.rank as usize + 1).max();
-    let mut received = vec![0u64; receivers.unwrap_or(0)];
-    for bucket in &mut by_sender {
+/// Orders each list by receiver, then parameter, and adds up what each receiver gets.
+fn order_and_count(lists: &mut [Vec<Write>], receivers: usize) -> Vec<u64> {
+    let mut received = vec![0u64; receivers];
+    for bucket in lists {
         // Parameters were visited receiver by receiver, so a bucket is a few sorted runs
         // (what its rank holds alone, then its share of each class) that a stable sort merges
         // in linear time; a bucket of one run (a rank without replicated bytes) is left as is.
@@ -238,11 +452,16 @@ pub fn plan(layout: &Layout) -> Result<Plan, PlanError> {
             received[w.dst_rank as usize] += w.bytes();
         }
     }
-    Ok(Plan {
-        by_sender,
-        sent,
-        received,
-    })
+    received
+}
+
+/// Bytes of the tensor a (fitting, non-empty) slice holds.
+fn slice_bytes(slice: &Slice, g: &Geometry<'_>) -> u64 {
+    match *slice {
+        Slice::Whole => g.bytes,
+        Slice::Flat { start, end } => end - start,
+        Slice::Dim { dim, start, end } => g.bytes / g.shape[dim] * (end - start),
+    }
 }
 
 /// The plan's writes as they are made, per sender, each joined to the one before it where it
@@ -253,14 +472,19 @@ struct Writes {
 }
 
 impl Writes {
-    /// Lists with room for about `expected[rank]` writes each: grown one doubling at a time
-    /// from empty, a real model's millions of writes were a third of the plan's time
-    /// (reallocation copies and their page faults).
-    fn new(expected: &[usize]) -> Writes {
+    /// Lists with room for about `expected[rank]` writes each for the ranks in `senders`
+    /// (empty for the others): grown one doubling at a time from empty, a real model's
+    /// millions of writes were a third of the plan's time (reallocation copies and their page
+    /// faults).
+    fn new(expected: &[usize], senders: Range<usize>) -> Writes {
         Writes {
             by_sender: expected
                 .iter()
-                .map(|&n| Vec::with_capacity(n.min(MAX_RESERVED)))
+                .enumerate()
+                .map(|(s, &n)| {
+                    let n = if senders.contains(&s) { n } else { 0 };
+                    Vec::with_capacity(n.min(MAX_RESERVED))
+                })
                 .collect(),
             sent: vec![0; expected.len()],
         }

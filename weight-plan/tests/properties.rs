@@ -7,7 +7,11 @@
 //! sender must carry exactly the least load any assignment could.
 
 use proptest::prelude::*;
-use xfer_weight_plan::{plan, Layout, Param, Piece, Plan, Select, Shard, Slice, Tensor};
+use std::num::NonZeroUsize;
+
+use xfer_weight_plan::{
+    plan, plan_with_threads, Layout, Param, Piece, Plan, Select, Shard, Slice, Tensor,
+};
 
 /// splitmix64: the test's own seeded generator (proptest picks the seed and reports it).
 struct Rng(u64);
@@ -420,6 +424,34 @@ proptest! {
     #[test]
     fn every_parameter_byte_is_written_once_from_a_holder_with_the_least_busiest_sender(seed: u64) {
         check(seed);
+    }
+}
+
+/// The plan on several threads is the plan on one, write for write, and so is the refusal of
+/// a layout with bytes no rank holds (a shard dropped: every thread then counts every
+/// holding's bytes, not only its own senders').
+fn same_on_threads(seed: u64, drop: Option<u64>) {
+    let mut l = layout(seed);
+    if let Some(d) = drop.filter(|_| !l.shards.is_empty()) {
+        l.shards.remove(d as usize % l.shards.len());
+    }
+    let one = plan_with_threads(&l, NonZeroUsize::MIN);
+    for threads in [2, 3, 8] {
+        let many = plan_with_threads(&l, NonZeroUsize::new(threads).unwrap());
+        assert_eq!(
+            many, one,
+            "seed {seed}, {threads} threads, shard {drop:?} dropped"
+        );
+    }
+    assert_eq!(plan(&l), one, "seed {seed}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn several_threads_plan_what_one_does(seed: u64, drop: Option<u64>) {
+        same_on_threads(seed, drop);
     }
 }
 
