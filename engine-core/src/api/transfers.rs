@@ -2,7 +2,6 @@
 //! and barriers over peer groups; bounds, handles and NICs checked before anything is queued.
 
 use super::*;
-use crate::runtime::clock::Stamp;
 use crate::runtime::Shift;
 
 /// Where a plan's operations go: a `Vec` for many, [`Ops`] inline for a single write (each
@@ -330,10 +329,10 @@ impl TransferEngine {
     /// Queues a listed transfer for the worker.
     #[inline]
     fn submit_ops(&self, ops: Ops, on_done: OnDone) -> Result<()> {
-        self.shared.submit_counted(Command::Listed {
+        self.shared.submit_stamped(|submitted| Command::Listed {
             ops,
             on_done,
-            submitted: Stamp::now(),
+            submitted,
         })
     }
 
@@ -379,10 +378,11 @@ impl TransferEngine {
             (local_pages, region.len, local_side(op)),
             (remote_pages, remote.0.len(), remote_side(op)),
         )?;
-        self.shared.submit_counted(Command::Pages {
-            work: Box::new(PagedWork { plans, offsets }),
+        let work = Box::new(PagedWork { plans, offsets });
+        self.shared.submit_stamped(|submitted| Command::Pages {
+            work,
             on_done,
-            submitted: Stamp::now(),
+            submitted,
         })
     }
 

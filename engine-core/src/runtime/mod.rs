@@ -18,6 +18,7 @@ pub(crate) mod completion;
 pub(crate) mod control;
 pub(crate) mod dispatch;
 mod idle;
+mod local;
 mod queue;
 mod tracker;
 mod work;
@@ -149,6 +150,18 @@ pub(crate) enum Command {
     Shutdown,
 }
 
+impl Command {
+    /// Sets when a transfer or send was submitted (see `local`); other commands have no time.
+    pub(crate) fn stamp(&mut self, now: Stamp) {
+        match self {
+            Command::Listed { submitted, .. }
+            | Command::Pages { submitted, .. }
+            | Command::Send { submitted, .. } => *submitted = now,
+            _ => {}
+        }
+    }
+}
+
 /// Whether the worker parked, and its thread: all a waker needs. Domains' wakers own it
 /// outright (it owns nothing back), so a wake from a completion path — once per operation on
 /// an inline backend — is a load and, only when parked, an unpark: no upgrade of a weak
@@ -256,8 +269,21 @@ impl Shared {
     /// uncounts it when its `OnDone` fires.
     #[inline(always)]
     pub(crate) fn submit_counted(&self, cmd: Command) -> Result<()> {
+        self.submit_stamped(|_| cmd)
+    }
+
+    /// [`submit_counted`](Self::submit_counted) for a command made with the time it was
+    /// submitted: the clock is read here, unless the command is submitted on this engine's
+    /// worker, which stamps it with the clock read of the batch it joins.
+    #[inline(always)]
+    pub(crate) fn submit_stamped(&self, make: impl FnOnce(Stamp) -> Command) -> Result<()> {
         self.take_slot()?;
-        self.submit(cmd).inspect_err(|_| self.finished(1))
+        self.check_open().inspect_err(|_| self.finished(1))?;
+        if let Err(make) = local::push(self, make) {
+            self.queue.push(make(Stamp::now()));
+            self.wake();
+        }
+        Ok(())
     }
 
     /// Takes one slot of `worker.max_outstanding` now for a command queued later (a
@@ -314,14 +340,21 @@ impl Shared {
     /// Queues a command for the worker and wakes it.
     #[inline(always)]
     pub(crate) fn submit(&self, cmd: Command) -> Result<()> {
+        self.check_open()?;
+        self.queue.push(cmd);
+        self.wake();
+        Ok(())
+    }
+
+    /// Refuses work once the engine is closed or its worker failed.
+    #[inline(always)]
+    fn check_open(&self) -> Result<()> {
         if self.closed.load(Ordering::Acquire) {
             return Err(Error::Shutdown);
         }
         if let Some(why) = self.failed.get() {
             return Err(Error::WorkerFailed(why.clone()));
         }
-        self.queue.push(cmd);
-        self.wake();
         Ok(())
     }
 

@@ -8,7 +8,8 @@
 //! `Dispatch::poll_post` returns and the core their answers, retries queued work once,
 //! polls the Domains and feeds their events back, counts arrivals into the shared
 //! ImmCounter, carries out the core's routing of messages (handler, inbox, buffers given
-//! back), delivers, and — idle — parks until the core's `poll_timeout`, the ImmCounter's
+//! back), delivers — then, once more, posts what its own callbacks submitted during that
+//! delivery (kept on this thread, see `local`) — and — idle — parks until the core's `poll_timeout`, the ImmCounter's
 //! next deadline, the earliest `Domain::poll_timeout` (read after the last poll before the
 //! park), or a wake.
 //!
@@ -42,6 +43,7 @@ use super::clock::{Anchor, Stamp};
 use super::completion::{send_batch, CallbackBatch, CounterRun, OnDone};
 use super::dispatch::{map_domain_error, Dispatch, Post, PostAnswer, PostList, Routed, Unrouted};
 use super::idle::{AfterPass, Idle};
+use super::local;
 use super::{panic_message, Command, Mirror, Shared};
 use crate::domain::{
     Capabilities, Domain, DomainConfig, DomainError, DomainErrorKind, Event, PostStatus,
@@ -268,16 +270,17 @@ impl Worker {
         // manual-progress providers) with `idle_poll_us = 0`: never park.
         let never_park = (!self.domains_wake && idle_poll.is_zero()) || self.needs_polling;
         let mut idle = Idle::new(spin, never_park);
+        local::enter(&self.shared);
         loop {
             let pass = catch_unwind(AssertUnwindSafe(|| self.pass(idle_poll, &mut idle)));
             match pass {
                 Ok(true) => {}
-                Ok(false) => return self.shutdown(),
-                Err(panic) => return self.fail(panic_message(&*panic)),
+                Ok(false) => break self.shutdown(),
+                Err(panic) => break self.fail(panic_message(&*panic)),
             }
             if let Some(why) = self.core.fatal() {
                 let why = why.clone();
-                return self.fail(why);
+                break self.fail(why);
             }
         }
     }
@@ -285,29 +288,54 @@ impl Worker {
     /// One pass of the loop; returns `false` once a shutdown was seen.
     fn pass(&mut self, idle_poll: Duration, idle: &mut Idle) -> bool {
         let mut busy = false;
+        // Kept from the last pass (its second round, below, was spent) first: this thread
+        // may have submitted to the shared queue after them (a cancel, say).
+        let mut now = None;
+        let mut stamped = local::take_into(&mut self.commands, || *now.insert(Stamp::now()));
+        if let Some(now) = now {
+            self.stamp = now;
+        }
         if self.commands.is_empty() {
             self.shared.queue.take_into(&mut self.commands);
         }
-        if !self.commands.is_empty() {
-            // One clock read per batch of submissions, not one per transfer.
-            self.stamp = Stamp::now();
-            // At most 256 commands, then posting and polling; the rest wait for the next pass.
-            for _ in 0..256 {
-                let Some(cmd) = self.commands.pop_front() else {
-                    break;
-                };
-                if matches!(cmd, Command::Shutdown) {
-                    self.carry_out_posts();
-                    return false;
+        // Two rounds at most: what this thread's callbacks submitted during the first
+        // round's delivery is posted in the second, not a pass later; what they submit in
+        // the second waits for the next pass, so a callback that always submits again
+        // cannot keep the worker from the shared queue, deadlines or parking decisions.
+        for round in 0..2 {
+            if !self.commands.is_empty() {
+                // One clock read per batch of submissions, not one per transfer (the kept
+                // commands were stamped with it).
+                if !stamped {
+                    self.stamp = Stamp::now();
                 }
-                self.handle_command(cmd);
+                // At most 256 commands, then posting and polling; the rest wait.
+                for _ in 0..256 {
+                    let Some(cmd) = self.commands.pop_front() else {
+                        break;
+                    };
+                    if matches!(cmd, Command::Shutdown) {
+                        self.carry_out_posts();
+                        return false;
+                    }
+                    self.handle_command(cmd);
+                }
+                self.carry_out_posts();
+                busy = true;
             }
-            self.carry_out_posts();
-            busy = true;
+            busy |= self.retry_queued();
+            busy |= self.poll_domains();
+            self.deliver();
+            if round == 1 {
+                break;
+            }
+            let mut now = None;
+            stamped = local::take_into(&mut self.commands, || *now.insert(Stamp::now()));
+            match now {
+                Some(now) => self.stamp = now,
+                None => break,
+            }
         }
-        busy |= self.retry_queued();
-        busy |= self.poll_domains();
-        self.deliver();
         match idle.after_pass(busy) {
             AfterPass::Go => {}
             AfterPass::Expire => self.expire(Stamp::now()),
@@ -348,7 +376,11 @@ impl Worker {
         // pairs to free) are read after that last poll, which may move them: the worker
         // wakes to poll it then even when nothing arrives and nothing else is due.
         self.shared.parking.announce(true);
-        if self.commands.is_empty() && self.shared.queue.is_empty() && !self.poll_domains() {
+        if self.commands.is_empty()
+            && local::is_empty()
+            && self.shared.queue.is_empty()
+            && !self.poll_domains()
+        {
             let deadline = [
                 self.core.poll_timeout().map(|d| self.anchor.instant(d)),
                 self.shared.lock_imm().next_deadline(),
@@ -735,8 +767,14 @@ impl Worker {
             w.complete_batched(Err(error.clone()), &mut self.callbacks);
         }
         let mut shutdown = false;
-        // The commands taken and not yet handled first, then those still queued: in order.
+        // The commands taken and not yet handled first, then those kept on this thread,
+        // then those still queued: in order.
         for cmd in std::mem::take(&mut self.commands) {
+            shutdown |= self.refuse(cmd, error);
+        }
+        // From here on what this thread submits goes to the shared queue, as before the
+        // worker ran: refused there (the engine is closed or failed), or by `fail`'s loop.
+        for cmd in local::leave() {
             shutdown |= self.refuse(cmd, error);
         }
         while let Some(cmd) = self.shared.queue.pop() {

@@ -129,3 +129,95 @@ fn a_parked_worker_polls_a_domain_by_its_poll_timeout() {
     );
     drop(engine);
 }
+
+/// An engine on the inline mock whose worker parks as soon as it is idle.
+fn parking_mock_engine() -> std::sync::Arc<TransferEngine> {
+    backend_mock::link();
+    let text = "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n[worker]\nspin_us = 0\n";
+    let config = Config::from_toml(text, std::path::Path::new("<worker test>")).unwrap();
+    std::sync::Arc::new(TransferEngine::open(&config).unwrap())
+}
+
+/// Writes `left` more links of a chain into the engine's own buffer, each submitted by the
+/// previous one's waker (on the worker: kept there, posted in the same pass or the next);
+/// the last reports on `end`.
+fn chain(
+    engine: &std::sync::Weak<TransferEngine>,
+    mr: crate::MrHandle,
+    desc: &crate::MrDesc,
+    left: u64,
+    end: Sender<crate::Result<()>>,
+) {
+    let Some(me) = engine.upgrade() else {
+        let _ = end.send(Err(crate::Error::Shutdown));
+        return;
+    };
+    let (next_engine, next_desc, next_end) = (engine.clone(), desc.clone(), end.clone());
+    let flag = crate::DoneFlag::with_flag_waker(move |flag| match flag.result() {
+        Some(Ok(())) if left > 1 => chain(&next_engine, mr, &next_desc, left - 1, next_end.clone()),
+        other => {
+            let _ = next_end.send(other.unwrap_or(Err(crate::Error::Shutdown)));
+        }
+    });
+    if let Err(e) = me.submit_single_write(8, Some(7), (mr, 0), (desc, 8), flag) {
+        let _ = end.send(Err(e));
+    }
+}
+
+/// A waker that always submits again (a chain of writes on its own engine, every link
+/// submitted on the worker) neither loses a link nor starves other threads: a write from
+/// this thread, queued while the chain runs, completes before the chain ends.
+#[test]
+fn a_chain_submitted_by_wakers_on_the_worker_completes_and_others_still_get_through() {
+    let engine = parking_mock_engine();
+    let buf = crate::HostBuffer::new(&engine, 64).unwrap();
+    let (end_tx, end) = crossbeam_channel::unbounded();
+    const LINKS: u64 = 5_000;
+    chain(
+        &std::sync::Arc::downgrade(&engine),
+        buf.mr(),
+        buf.desc(),
+        LINKS,
+        end_tx,
+    );
+    let outside = crate::DoneFlag::new();
+    engine
+        .submit_single_write(8, None, (buf.mr(), 16), (buf.desc(), 24), outside.clone())
+        .unwrap();
+    // The bounds only keep a broken worker from hanging the suite; no measure of anything.
+    outside.wait(Duration::from_secs(60)).unwrap();
+    assert_eq!(end.recv_timeout(Duration::from_secs(60)).unwrap(), Ok(()));
+    let stats = engine.stats().unwrap();
+    assert_eq!(stats.outstanding, 0);
+    drop(buf);
+}
+
+/// A waker that submits a write and then shuts its engine down, both on the worker: the
+/// write kept on the worker's thread still completes, once (it was accepted before the
+/// shutdown, so it runs or fails with `Shutdown`), and nothing hangs.
+#[test]
+fn a_write_kept_on_the_worker_completes_when_the_worker_shuts_down() {
+    let engine = parking_mock_engine();
+    let buf = crate::HostBuffer::new(&engine, 64).unwrap();
+    let (mr, desc) = (buf.mr(), buf.desc().clone());
+    let kept = crate::DoneFlag::new();
+    let weak = std::sync::Arc::downgrade(&engine);
+    let kept_in_waker = kept.clone();
+    let trigger = crate::DoneFlag::with_waker(move || {
+        if let Some(me) = weak.upgrade() {
+            me.submit_single_write(8, None, (mr, 0), (&desc, 8), kept_in_waker.clone())
+                .unwrap();
+            me.shutdown();
+        }
+    });
+    engine
+        .submit_single_write(8, None, (buf.mr(), 16), (buf.desc(), 24), trigger.clone())
+        .unwrap();
+    trigger.wait(Duration::from_secs(60)).unwrap();
+    let outcome = kept.wait(Duration::from_secs(60));
+    assert!(
+        matches!(outcome, Ok(()) | Err(crate::Error::Shutdown)),
+        "{outcome:?}"
+    );
+    drop(buf);
+}
