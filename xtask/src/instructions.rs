@@ -23,14 +23,14 @@
 //! All include the mock fabric's own work.
 //!
 //! Where a ping-pong one-way goes (callgrind_annotate of `--latency 10000 --reactive`, 22,000
-//! one-ways, 2026-12-06, after the mock's batch vectors, the bench's flag waker, the
-//! ImmCounter's single lookup and the in-place single write; ~5,600 each before the division
-//! above, which adds the idle passes' share): the mock NIC ~1,220 (post and landing ~1,000,
-//! polls ~220); the benchmark's own flag, waker, clock reads and their freeing ~640; the
-//! engine ~3,700 — submission through the API ~540, arming the next expectation ~280,
-//! acceptance, tracking and statistics ~370, handling events ~350, counting the arrival into
-//! the ImmCounter ~190, delivery (tracker, statistics, the flag and counter) ~390, and the
-//! worker's passes around them (about three a one-way, one of them idle) the rest.
+//! one-ways, 2026-12-06, after the 128-byte command and the worker-local path for what the
+//! worker's own wakers submit; ~5,470 each before the division above, which adds the idle
+//! passes' share): the mock NIC ~1,220 (post and landing ~1,000, polls ~220); the
+//! benchmark's own flag, waker, clock reads and their freeing ~450; the engine ~3,800 —
+//! submission through the API ~430, arming the next expectation ~280, acceptance, tracking
+//! and statistics ~320, taking the post to the NIC ~370, handling events ~350, counting the
+//! arrival into the ImmCounter ~190, delivery around the waker (tracker, statistics, the
+//! flag and counter, drained vectors) ~830, and the worker's passes around them the rest.
 //! No single step dominates: 3,000 needs the engine's path roughly halved, not trimmed.
 
 use std::process::Command;
