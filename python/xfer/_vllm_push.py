@@ -113,7 +113,12 @@ class _Want:
     replied: bool = False
     cancelled: bool = False
     """The decode rank gave up: nothing more is written; answered once ``pending`` is 0."""
+    aborted: str | None = None
+    """Why the request will not reach this decode rank (aborted here, or its blocks freed):
+    nothing more is written; answered (failed, with this) once ``pending`` is 0 — the decoder
+    frees its blocks when told, and a write still in flight would land in another request's."""
     stop_answered: bool = False
+    """A cancelled or aborted want was answered (once, whichever came first)."""
 
 
 @dataclasses.dataclass
@@ -126,6 +131,9 @@ class _Push:
     finished: bool = False
     computed: set[str] = dataclasses.field(default_factory=set)
     """Layers computed for these blocks: what a decoder found late is owed at once."""
+    aborted: str | None = None
+    """Why it will not be computed or pushed (``request_aborted``): kept until none of its
+    writes is in flight, so a decoder's cancel or late ids are answered right meanwhile."""
 
 
 @dataclasses.dataclass
@@ -289,16 +297,17 @@ class PushSide:
                 self._cancels[key] = time.monotonic()
                 answered = None
             else:
-                answered = want.replied
-                want.cancelled = want.replied = True
+                answered = want.replied or want.stop_answered
+                if not answered:
+                    want.cancelled = want.replied = True
                 transfers = list(want.transfers)
         if want is None:
             self._reply(key[0], _Want(key[1], key[2], 0, [], url=header.get("rendezvous")),
                         None, cancelled=True)
             return
         if answered:
-            # It finished (and said so) before the cancel came: say so again.
-            self._reply(key[0], want, want.error)
+            # It finished, or was aborted, (and said so) before the cancel came: say so again.
+            self._reply(key[0], want, want.aborted or want.error, cancelled=want.cancelled)
             return
         for transfer in transfers:
             self._ctx.in_background(transfer.cancel)
@@ -349,7 +358,8 @@ class PushSide:
         """Writes one layer of ``req_id``'s blocks to one decode rank (this rank's share)."""
         ctx = self._ctx
         with self._lock:
-            if layer in want.layers or want.replied or want.error is not None or not want.ready:
+            if (layer in want.layers or want.replied or want.error is not None or not want.ready
+                    or want.aborted is not None):
                 return
             if not push.finished and len(push.blocks) < len(want.blocks):
                 return  # a chunk of a longer prompt: this layer goes when all is computed
@@ -390,8 +400,8 @@ class PushSide:
                 continue
             with self._lock:
                 want.transfers.append(transfer)
-                cancelled = want.cancelled
-            if cancelled:  # the cancel came while this layer was being submitted
+                cancelled = want.cancelled or want.aborted is not None
+            if cancelled:  # the cancel or abort came while this layer was being submitted
                 ctx.in_background(transfer.cancel)
 
     def _push_done(self, req_id: str, want: _Want, error: BaseException | None,
@@ -399,14 +409,17 @@ class PushSide:
         with self._lock:
             if submitted:
                 want.pending -= 1
-            if error is not None and want.error is None and not want.cancelled:
+            stopping = want.cancelled or want.aborted is not None
+            if error is not None and want.error is None and not stopping:
                 want.error = str(error)
-            # A cancelled want is answered once, when its last write is no longer in flight.
-            stopped = want.cancelled and want.pending == 0 and not want.stop_answered
+            # A cancelled or aborted want is answered once, when its last write is no longer in
+            # flight (the decoder's cancel is answered as such: it fails the load itself).
+            stopped = stopping and want.pending == 0 and not want.stop_answered
             if stopped:
                 want.stop_answered = True
         if stopped:
-            self._reply(req_id, want, None, cancelled=True)
+            self._reply(req_id, want, None if want.cancelled else want.aborted,
+                        cancelled=want.cancelled)
             return
         self._maybe_reply(req_id, want)
 
@@ -418,7 +431,7 @@ class PushSide:
             push = self._pushes.get(req_id)
             done = push is not None and push.finished and want.ready and want.pending == 0 and (
                 want.error is not None or layers <= want.layers)
-            if not done or want.replied:
+            if not done or want.replied or want.aborted is not None:
                 return
             want.replied = True
         self._reply(req_id, want, want.error)
@@ -444,7 +457,12 @@ class PushSide:
             if self._cancels.pop((req_id, want.engine, want.rank), None) is not None:
                 return  # its decode rank gave up before these ids arrived
             push = self._pushes.setdefault(req_id, _Push(created=time.monotonic()))
-            push.wants[(want.engine, want.rank)] = want
+            aborted = push.aborted
+            if aborted is None:
+                push.wants[(want.engine, want.rank)] = want
+        if aborted is not None:  # its writes to other decoders are still being stopped
+            self._ctx.in_background(self._reply, req_id, want, aborted)
+            return
         # Closing (None): no more pushes.
         self._ctx.in_background(self._resolve_want, req_id, want)
 
@@ -494,23 +512,36 @@ class PushSide:
             self._maybe_reply(req_id, want)
 
     def request_aborted(self, req_id: str, why: str) -> None:
-        """The request will not be computed here: its decoders' loads fail now, with ``why``."""
+        """The request will not be computed or pushed here: nothing more is written, the
+        writes in flight are cancelled, and each decoder not yet answered is told ``why`` once
+        none of its writes is (``_push_done``). The request is forgotten at the first ``poll``
+        with nothing of it in flight."""
         with self._lock:
-            push = self._pushes.pop(req_id, None)
-            wants = [w for w in push.wants.values() if not w.replied] if push else []
-            for want in wants:
-                want.replied = True
-        for want in wants:
-            self._reply(req_id, want, why)
+            push = self._pushes.get(req_id)
+            if push is None or push.aborted is not None:
+                return
+            push.aborted = why
+            stopping = []
+            for want in push.wants.values():
+                if want.replied:
+                    continue  # answered already, or answered once its cancel's writes stop
+                want.aborted = why
+                stopping.append((want, list(want.transfers)))
+        for want, transfers in stopping:
+            for transfer in transfers:
+                self._ctx.in_background(transfer.cancel)
+            self._push_done(req_id, want, None, submitted=False)
 
     # ---- both ----
 
     def poll(self, now: float, kept: Collection[str]) -> None:
         """Between steps (``get_finished``). Decode: a push past its deadline is cancelled at
         its prefill ranks, and ends if they have not answered by the next. Prefill: early
-        cancels are forgotten once stale, and so are push requests — computed and no longer
-        in ``kept`` (the requests whose blocks still wait for their decoders), or never
-        computed here since their decoders' ids came (those decoders are told)."""
+        cancels are forgotten once stale; push requests computed and no longer in ``kept``
+        (the requests whose blocks still wait for their decoders: these were freed), or never
+        computed here since their decoders' ids came, are aborted (``request_aborted``: the
+        decoders not yet answered are told which, once nothing is in flight to them); aborted
+        ones are forgotten once nothing is."""
         ctx = self._ctx
         with self._lock:
             cancel, late = [], []
@@ -521,15 +552,24 @@ class PushSide:
                     late.append(self._awaiting.pop(key))
             for key in [k for k, t in self._cancels.items() if now - t > ctx.forget_after_s]:
                 del self._cancels[key]
-            stale = [r for r, p in self._pushes.items()
-                     if (p.finished and r not in kept)
-                     or (not p.finished and now - p.created > ctx.forget_after_s)]
+            freed = [r for r, p in self._pushes.items()
+                     if p.aborted is None and p.finished and r not in kept]
+            never = [r for r, p in self._pushes.items() if p.aborted is None
+                     and not p.finished and now - p.created > ctx.forget_after_s]
         for key, waiting, ranks in cancel:
             ctx.in_background(self._cancel_push, key, waiting, ranks)
         for waiting in late:
             self._finish_unanswered(waiting)
-        for req_id in stale:
-            self.request_aborted(req_id, "the prefill instance never computed the request")
+        for req_id in freed:
+            self.request_aborted(req_id, "the prefill instance freed the request's blocks "
+                                 "before they were written to this decoder")
+        for req_id in never:
+            self.request_aborted(req_id, "the prefill instance never computed the request "
+                                 f"(within {ctx.forget_after_s}s of the decoders' block ids)")
+        with self._lock:  # the aborted ones, once none of their writes is in flight
+            for req_id in [r for r, p in self._pushes.items() if p.aborted is not None
+                           and all(w.pending == 0 for w in p.wants.values())]:
+                del self._pushes[req_id]
 
     def wants(self, req_id: str) -> list[_Want]:
         """The decode ranks whose block ids for ``req_id`` came (for tests and diagnostics)."""

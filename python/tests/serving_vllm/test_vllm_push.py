@@ -312,7 +312,7 @@ def test_a_request_aborted_or_never_computed_fails_its_decoders_at_once():
     p.push.handle_want(header, payload)
     p.push.poll(float("inf"), kept=())
     [(_, reply, _)] = p.sent_of(_PUSHED)
-    assert reply["why"] == "the prefill instance never computed the request"
+    assert reply["why"].startswith("the prefill instance never computed the request")
 
 
 def test_a_computed_push_is_forgotten_once_its_blocks_are_no_longer_kept():
@@ -336,3 +336,73 @@ def test_a_chunk_of_a_longer_prompt_waits_for_the_whole_request():
     assert p.writes == []
     p.push.request_finished("r", [3, 5, 7])
     assert sorted(w["src_pages"] == [3, 5, 7] for w, _ in p.writes) == [True, True]
+
+
+def test_an_abort_with_writes_in_flight_cancels_them_and_answers_once_none_is():
+    # The decoder frees its blocks when it hears the load failed, and vLLM hands them to another
+    # request: a write still landing there would overwrite that request's KV.
+    p, header, payload = prefill_with_a_decoder()
+    p.push.handle_want(header, payload)
+    p.push.step_started({"r": [3, 5, 7]}, now=0.0)
+    p.push.layer_computed(LAYERS[0], None)
+    p.push.request_aborted("r", "aborted here")
+    assert all(transfer.cancelled for _, transfer in p.writes)
+    assert p.sent_of(_PUSHED) == [], "a write is still in flight"
+    p.push.request_finished("r", [3, 5, 7])
+    assert len(p.writes) == 1, "nothing more is written after the abort"
+    # The decoder's cancel, if it times out meanwhile, is not answered early either.
+    p.push.handle_cancel({"req": "r", "engine": "d", "rank": 0})
+    assert p.sent_of(_PUSHED) == []
+    complete(p, error=RuntimeError("cancelled"))
+    [(_, reply, _)] = p.sent_of(_PUSHED)
+    assert reply["ok"] is False
+    p.push.poll(0.0, kept=())
+    assert p.push.wants("r") == [], "forgotten once nothing of it is in flight"
+
+
+def test_an_abort_with_writes_in_flight_fails_the_load_with_its_reason():
+    p, header, payload = prefill_with_a_decoder()
+    p.push.handle_want(header, payload)
+    p.push.step_started({"r": [3, 5, 7]}, now=0.0)
+    p.push.layer_computed(LAYERS[0], None)
+    p.push.request_aborted("r", "aborted here")
+    complete(p, error=RuntimeError("cancelled"))
+    [(_, reply, _)] = p.sent_of(_PUSHED)
+    assert reply == {"req": "r", "engine": "p", "rank": 0, "ok": False, "why": "aborted here",
+                     "cancelled": False}
+
+
+def test_ids_that_come_after_an_abort_with_writes_in_flight_are_answered_with_it():
+    p, header, payload = prefill_with_a_decoder()
+    p.push.handle_want(header, payload)
+    p.push.step_started({"r": [3, 5, 7]}, now=0.0)
+    p.push.layer_computed(LAYERS[0], None)
+    p.push.request_aborted("r", "aborted here")
+    other = dict(header, rank=1)
+    p.peers[("d", 1)] = peer("d", 1)
+    p.push.handle_want(other, payload)
+    [(address, reply, _)] = p.sent_of(_PUSHED)
+    assert address == b"d/1" and reply["why"] == "aborted here"
+    assert len(p.writes) == 1
+
+
+def test_a_computed_push_freed_before_it_landed_tells_its_decoder_so_once_nothing_is_in_flight():
+    p, header, payload = prefill_with_a_decoder()
+    p.push.handle_want(header, payload)
+    p.push.step_started({"r": [3, 5, 7]}, now=0.0)
+    p.push.request_finished("r", [3, 5, 7])
+    p.push.poll(0.0, kept=())  # its lease freed the blocks with the writes still in flight
+    assert all(transfer.cancelled for _, transfer in p.writes)
+    assert p.sent_of(_PUSHED) == []
+    complete(p, error=RuntimeError("cancelled"))
+    [(_, reply, _)] = p.sent_of(_PUSHED)
+    assert reply["ok"] is False and "freed" in reply["why"], reply["why"]
+    assert "never computed" not in reply["why"]
+
+
+def test_a_cancel_that_crosses_an_abort_answer_is_answered_again():
+    p, header, payload = prefill_with_a_decoder()
+    p.push.handle_want(header, payload)
+    p.push.request_aborted("r", "aborted here")
+    p.push.handle_cancel({"req": "r", "engine": "d", "rank": 0})
+    assert [reply["why"] for _, reply, _ in p.sent_of(_PUSHED)] == ["aborted here"] * 2
