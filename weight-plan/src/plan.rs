@@ -87,10 +87,43 @@ impl Plan {
 /// A piece of a parameter, resolved: its tensor, and the selected box in tensor coordinates.
 struct Resolved<'a> {
     tensor: usize,
-    at: Vec<u64>,
-    extent: Vec<u64>,
+    at: Dims,
+    extent: Dims,
     /// Where the box lands in the parameter (padded to its rank).
     dst_at: &'a [u64],
+}
+
+/// A coordinate or extent of at most [`MAX_DIMS`] dimensions, inline: a parameter's pieces are
+/// resolved on every thread, and two vectors per piece were a tenth of a large plan's
+/// instructions (allocating and freeing them).
+#[derive(Clone, Copy)]
+struct Dims {
+    values: [u64; MAX_DIMS],
+    len: usize,
+}
+
+impl Dims {
+    fn of(v: &[u64]) -> Dims {
+        let mut values = [0; MAX_DIMS];
+        values[..v.len()].copy_from_slice(v);
+        Dims {
+            values,
+            len: v.len(),
+        }
+    }
+}
+
+impl std::ops::Deref for Dims {
+    type Target = [u64];
+    fn deref(&self) -> &[u64] {
+        &self.values[..self.len]
+    }
+}
+
+impl std::ops::DerefMut for Dims {
+    fn deref_mut(&mut self) -> &mut [u64] {
+        &mut self.values[..self.len]
+    }
 }
 
 /// A fragment whose bytes several ranks hold: which holding, which parameter, what.
@@ -369,6 +402,7 @@ fn visit(
     let mut class_bytes = vec![0u64; if shared { *classes } else { 0 }];
     let mut class_fragments: Vec<Vec<Shared>> = class_bytes.iter().map(|_| Vec::new()).collect();
     let mut candidates = Vec::new();
+    let mut pieces = Vec::new();
     let mine = |holding: &Holding| match holding.single {
         Some((rank, _)) => senders.contains(&(rank as usize)),
         None => shared,
@@ -379,7 +413,7 @@ fn visit(
     order.sort_by_key(|&i| layout.params[i].rank);
     for &pi in &order {
         let param = &layout.params[pi];
-        let pieces = resolve(pi, param, names, tensors)?;
+        resolve(pi, param, names, tensors, &mut pieces)?;
         for piece in &pieces {
             if piece.extent.contains(&0) {
                 continue;
@@ -574,7 +608,9 @@ fn resolve<'a>(
     param: &'a Param,
     names: &Names<'_>,
     tensors: &[crate::layout::Tensor],
-) -> Result<Vec<Resolved<'a>>, PlanError> {
+    out: &mut Vec<Resolved<'a>>,
+) -> Result<(), PlanError> {
+    out.clear();
     let bad = |piece: usize, reason: String| PlanError::BadPiece {
         param: pi,
         name: param.name.clone(),
@@ -589,7 +625,6 @@ fn resolve<'a>(
             format!("{rank} dimensions, more than the {MAX_DIMS} supported"),
         ));
     }
-    let mut out: Vec<Resolved<'a>> = Vec::with_capacity(param.pieces.len());
     let mut covered = 0u64;
     for (k, piece) in param.pieces.iter().enumerate() {
         let t = names.find(&piece.tensor, || {
@@ -619,12 +654,12 @@ fn resolve<'a>(
             ));
         }
         let (at, extent) = match piece.select {
-            Select::Whole => (vec![0; n], tensor.shape.clone()),
+            Select::Whole => (Dims::of(&[0; MAX_DIMS][..n]), Dims::of(&tensor.shape)),
             Select::Dim { dim, start, end }
                 if dim < n && start <= end && end <= tensor.shape[dim] =>
             {
-                let mut at = vec![0; n];
-                let mut extent = tensor.shape.clone();
+                let mut at = Dims::of(&[0; MAX_DIMS][..n]);
+                let mut extent = Dims::of(&tensor.shape);
                 at[dim] = start;
                 extent[dim] = end - start;
                 (at, extent)
@@ -691,7 +726,7 @@ fn resolve<'a>(
             size: size * param.elem_size,
         });
     }
-    Ok(out)
+    Ok(())
 }
 
 /// `v` with `fill` prepended up to `rank` entries (the first `rank` of the array count).
