@@ -12,8 +12,8 @@ while holding its lock: the worker's own methods take the worker's lock.
 
 The worker feeds it vLLM's events (``step_started``, ``layer_computed``, ``step_computed``,
 ``request_finished``, ``request_aborted``, ``await_push``), the peers' messages
-(``handle_want``, ``handle_pushed``, ``handle_cancel``) and, between steps, the clock
-(``poll``).
+(``handle_want``, ``handle_pushed``, ``handle_cancel``) and, between steps, ``poll``. It reads
+no clock: the worker passes its own (``now``, monotonic seconds) to each method that needs it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import sys
 import threading
-import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -203,7 +202,7 @@ class PushSide:
 
     # ---- decode side ----
 
-    def await_push(self, req_id: str, load: Load) -> None:
+    def await_push(self, req_id: str, load: Load, now: float) -> None:
         """Sends this rank's block ids to every prefill rank it expects data from (off vLLM's
         model-runner thread: the peers may have to be looked up)."""
         ctx = self._ctx
@@ -223,8 +222,7 @@ class PushSide:
             raise LayoutError(f"{len(blocks)} blocks do not fit one message (64 KiB)")
         key = (load.remote_engine_id, load.remote_request_id)
         with self._lock:
-            self._awaiting[key] = _Await(req_id, load, ranks,
-                                         time.monotonic() + ctx.push_timeout_s)
+            self._awaiting[key] = _Await(req_id, load, ranks, now + ctx.push_timeout_s)
         try:
             for rank in sorted(ranks):
                 ctx.engine.submit_send(
@@ -285,7 +283,7 @@ class PushSide:
 
     # ---- prefill side ----
 
-    def handle_cancel(self, header: dict[str, Any]) -> None:
+    def handle_cancel(self, header: dict[str, Any], now: float) -> None:
         """A decode rank stopped waiting for a request: nothing more goes to it, what is in
         flight is cancelled, and it is answered once nothing is (``_push_done``). Its ids
         may come after this message (delivery is unordered): then they are dropped."""
@@ -294,7 +292,7 @@ class PushSide:
             push = self._pushes.get(key[0])
             want = push.wants.get(key[1:]) if push is not None else None
             if want is None:
-                self._cancels[key] = time.monotonic()
+                self._cancels[key] = now
                 answered = None
             else:
                 answered = want.replied or want.stop_answered
@@ -447,7 +445,7 @@ class PushSide:
             ctx.logger.warning("XferConnector: could not tell %s rank %d about request %s: %s",
                                want.engine, want.rank, req_id, e)
 
-    def handle_want(self, header: dict[str, Any], payload: bytes) -> None:
+    def handle_want(self, header: dict[str, Any], payload: bytes, now: float) -> None:
         """A decode rank's block ids for one of this instance's requests."""
         want = _Want(str(header["engine"]), int(header["rank"]), int(header["tp"]),
                      block_ids_of(payload), url=header.get("rendezvous"),
@@ -456,7 +454,7 @@ class PushSide:
         with self._lock:
             if self._cancels.pop((req_id, want.engine, want.rank), None) is not None:
                 return  # its decode rank gave up before these ids arrived
-            push = self._pushes.setdefault(req_id, _Push(created=time.monotonic()))
+            push = self._pushes.setdefault(req_id, _Push(created=now))
             aborted = push.aborted
             if aborted is None:
                 push.wants[(want.engine, want.rank)] = want
@@ -496,11 +494,11 @@ class PushSide:
             # Layers computed while the record was being looked up go now, not at the end.
             self._push_layers([req_id], computed)
 
-    def request_finished(self, req_id: str, blocks: list[int]) -> None:
+    def request_finished(self, req_id: str, blocks: list[int], now: float) -> None:
         """The request is computed: layers its decoders have not had yet go now (all of them
         if its blocks changed since they were pushed)."""
         with self._lock:
-            push = self._pushes.setdefault(req_id, _Push(created=time.monotonic()))
+            push = self._pushes.setdefault(req_id, _Push(created=now))
             if push.blocks != blocks:
                 push.blocks = blocks
                 for want in push.wants.values():

@@ -743,7 +743,7 @@ class _Worker:
                 self._keeping[req_id] = now + seconds
         self.push.step_started(meta.push_now, now)
         for req_id, blocks in meta.push_finish.items():
-            self.push.request_finished(req_id, blocks)
+            self.push.request_finished(req_id, blocks, now)
         for req_id in meta.push_abort:
             self.push.request_aborted(req_id, "the request was aborted at the prefill instance")
         for req_id, (load, why) in meta.refused.items():
@@ -752,11 +752,15 @@ class _Worker:
             self._tell_done_soon(load)
             self._finish_load(req_id, load, LayoutError(why))
         for req_id, load in meta.awaits.items():
-            self._start_load(req_id, load, self.push.await_push, "announcing")
+            self._start_load(req_id, load, self._await_push, "announcing")
         for req_id, load in meta.notify_only.items():
             self._tell_done_soon(load)
         for req_id, load in meta.loads.items():
             self._start_load(req_id, load, self._load, "loading")
+
+    def _await_push(self, req_id: str, load: Load) -> None:
+        """Push, decode side: this rank's block ids sent, its deadline from now."""
+        self.push.await_push(req_id, load, time.monotonic())
 
     def _in_background(self, work: Any, *args: Any) -> concurrent.futures.Future[Any] | None:
         """Runs ``work`` on the lookup threads: a rendezvous lookup may wait up to
@@ -1017,13 +1021,13 @@ class _Worker:
         try:
             kind, header, payload = unpack_message(data, len(_WANT))
             if kind == _WANT:
-                self.push.handle_want(header, payload)
+                self.push.handle_want(header, payload, time.monotonic())
             elif kind == _PUSHED:
                 self.push.handle_pushed(header)
             elif kind == _DONE:
                 self._reader_done(header)
             elif kind == _CANCEL:
-                self.push.handle_cancel(header)
+                self.push.handle_cancel(header, time.monotonic())
             else:
                 self._held(header)
         except (ValueError, KeyError, TypeError) as e:

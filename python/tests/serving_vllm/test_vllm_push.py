@@ -1,8 +1,10 @@
 """xfer._vllm_push's PushSide against a stand-in of the worker's context: the push protocol's
 decisions — which prefill ranks a decode rank asks, when a load ends and with what error, when
 a prefill rank writes a layer, answers, cancels — with no engine, rendezvous or vLLM. Work the
-component sends to the background runs at once; time is passed in. The connector's own tests
-(``test_vllm_connector.py``) drive the same component through vLLM's classes and a real engine.
+component sends to the background runs at once; time is passed in (far from
+``time.monotonic``'s, so a method reading the clock itself fails them). The connector's own
+tests (``test_vllm_connector.py``) drive the same component through vLLM's classes and a
+real engine.
 """
 
 import logging
@@ -25,6 +27,8 @@ from xfer._vllm_records import Load, Peer
 
 TIMEOUT = 60.0
 FORGET = 120.0
+START = 1000.0
+"""When a test's decode rank asks for its push (a clock far from ``time.monotonic``'s)."""
 LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
 
 
@@ -114,7 +118,7 @@ def decoder_of_two_prefill_ranks():
     d = Worker("d", peers={("p", r): peer("p", r, heads=1) for r in (0, 1)})
     load = Load(local_block_ids=[[4, 5]], remote_engine_id="p", remote_block_ids=[],
                 remote_request_id="r", remote_tp_size=2)
-    d.push.await_push("r-d", load)
+    d.push.await_push("r-d", load, now=START)
     return d, load
 
 
@@ -173,9 +177,9 @@ def test_a_prefill_rank_that_could_not_push_fails_the_load_naming_it():
 
 def test_a_late_push_is_cancelled_first_and_ends_after_as_long_again_if_unanswered():
     d, load = decoder_of_two_prefill_ranks()
-    d.push.poll(0.0, kept=())
+    due = START + TIMEOUT
+    d.push.poll(due - 1, kept=())
     assert not d.sent_of(_CANCEL), "not due yet"
-    due = d.push._awaiting[("p", "r")].deadline
     d.push.poll(due, kept=())
     assert [address for address, _, _ in d.sent_of(_CANCEL)] == [b"p/0", b"p/1"]
     assert d.events == [], "the blocks stay until the prefill ranks say nothing is in flight"
@@ -191,7 +195,7 @@ def test_a_late_push_is_cancelled_first_and_ends_after_as_long_again_if_unanswer
 
 def test_a_cancelled_push_ends_with_its_timeout_once_every_rank_answered():
     d, _ = decoder_of_two_prefill_ranks()
-    d.push.poll(d.push._awaiting[("p", "r")].deadline, kept=())
+    d.push.poll(START + TIMEOUT, kept=())
     d.push.handle_pushed(pushed(0, cancelled=True))
     d.push.handle_pushed(pushed(1, cancelled=True))
     [(_, _, error)] = [e for e in d.events if e[0] == "finish"]
@@ -210,7 +214,7 @@ def test_a_deadline_first_cancels_then_ends():
 
 def test_a_prefill_rank_that_cannot_be_reached_for_the_cancel_is_answered_for():
     d, _ = decoder_of_two_prefill_ranks()
-    due = d.push._awaiting[("p", "r")].deadline
+    due = START + TIMEOUT
     del d.peers[("p", 1)]  # it went away
     d.push.poll(due, kept=())
     d.push.handle_pushed(pushed(0, cancelled=True))
@@ -240,13 +244,13 @@ def complete(worker, error=None):
 
 def test_each_layer_goes_as_it_is_computed_and_the_decoder_is_told_once_all_landed():
     p, header, payload = prefill_with_a_decoder()
-    p.push.handle_want(header, payload)
-    p.push.step_started({"r": [3, 5, 7]}, now=0.0)
+    p.push.handle_want(header, payload, now=START)
+    p.push.step_started({"r": [3, 5, 7]}, now=START)
     p.push.layer_computed(LAYERS[0], None)
     [(write, _)] = p.writes
     assert (write["src"], write["src_pages"]) == ("region-p", [3, 5, 7])
     assert (write["dst"], write["dst_pages"]) == ("desc-d-0", [0, 9, 2])
-    p.push.request_finished("r", [3, 5, 7])
+    p.push.request_finished("r", [3, 5, 7], now=START)
     assert len(p.writes) == 2, "the second layer at the end"
     complete(p)
     [(address, reply, _)] = p.sent_of(_PUSHED)
@@ -257,18 +261,18 @@ def test_each_layer_goes_as_it_is_computed_and_the_decoder_is_told_once_all_land
 
 def test_ids_that_come_after_the_request_was_computed_are_pushed_at_once():
     p, header, payload = prefill_with_a_decoder()
-    p.push.step_started({"r": [3, 5, 7]}, now=0.0)
+    p.push.step_started({"r": [3, 5, 7]}, now=START)
     p.push.layer_computed(LAYERS[0], None)
-    p.push.request_finished("r", [3, 5, 7])
+    p.push.request_finished("r", [3, 5, 7], now=START)
     assert p.writes == []
-    p.push.handle_want(header, payload)
+    p.push.handle_want(header, payload, now=START)
     assert len(p.writes) == len(LAYERS)
 
 
 def test_a_decoder_serving_another_model_is_refused_by_name():
     p, header, payload = prefill_with_a_decoder(model="other")
-    p.push.handle_want(header, payload)
-    p.push.request_finished("r", [3, 5, 7])
+    p.push.handle_want(header, payload, now=START)
+    p.push.request_finished("r", [3, 5, 7], now=START)
     assert p.writes == []
     [(_, reply, _)] = p.sent_of(_PUSHED)
     assert reply["ok"] is False and "'other'" in reply["why"] and "'m'" in reply["why"]
@@ -276,13 +280,13 @@ def test_a_decoder_serving_another_model_is_refused_by_name():
 
 def test_a_cancel_stops_the_writes_in_flight_and_is_answered_once_none_is():
     p, header, payload = prefill_with_a_decoder()
-    p.push.handle_want(header, payload)
-    p.push.step_started({"r": [3, 5, 7]}, now=0.0)
+    p.push.handle_want(header, payload, now=START)
+    p.push.step_started({"r": [3, 5, 7]}, now=START)
     p.push.layer_computed(LAYERS[0], None)
-    p.push.handle_cancel({"req": "r", "engine": "d", "rank": 0})
+    p.push.handle_cancel({"req": "r", "engine": "d", "rank": 0}, now=START)
     assert all(transfer.cancelled for _, transfer in p.writes)
     assert p.sent_of(_PUSHED) == [], "a write is still in flight"
-    p.push.request_finished("r", [3, 5, 7])
+    p.push.request_finished("r", [3, 5, 7], now=START)
     assert len(p.writes) == 1, "nothing more is written after the cancel"
     complete(p, error=RuntimeError("cancelled"))
     [(_, reply, _)] = p.sent_of(_PUSHED)
@@ -290,51 +294,58 @@ def test_a_cancel_stops_the_writes_in_flight_and_is_answered_once_none_is():
 
 
 def test_a_cancel_before_the_ids_is_answered_and_drops_them_until_forgotten():
+    cancel = {"req": "r", "engine": "d", "rank": 0, "rendezvous": "xfer://d"}
     p, header, payload = prefill_with_a_decoder()
-    p.push.handle_cancel({"req": "r", "engine": "d", "rank": 0, "rendezvous": "xfer://d"})
+    p.push.handle_cancel(cancel, now=START)
     [(address, reply, _)] = p.sent_of(_PUSHED)
     assert address == b"d/0" and reply["cancelled"] is True
-    p.push.handle_want(header, payload)
+    p.push.poll(START + FORGET, kept=())  # kept for forget_after_s
+    p.push.handle_want(header, payload, now=START + FORGET)
     assert p.push.wants("r") == [], "its ids came after its cancel"
-    p.push.poll(float("inf"), kept=())  # the cancel is forgotten once stale
-    p.push.handle_want(header, payload)
+
+    p, header, payload = prefill_with_a_decoder()
+    p.push.handle_cancel(cancel, now=START)
+    p.push.poll(START + FORGET + 1, kept=())  # the cancel is forgotten once stale
+    p.push.handle_want(header, payload, now=START + FORGET + 1)
     assert len(p.push.wants("r")) == 1
 
 
 def test_a_request_aborted_or_never_computed_fails_its_decoders_at_once():
     p, header, payload = prefill_with_a_decoder()
-    p.push.handle_want(header, payload)
+    p.push.handle_want(header, payload, now=START)
     p.push.request_aborted("r", "aborted here")
     [(_, reply, _)] = p.sent_of(_PUSHED)
     assert reply["ok"] is False and reply["why"] == "aborted here"
 
     p, header, payload = prefill_with_a_decoder()
-    p.push.handle_want(header, payload)
-    p.push.poll(float("inf"), kept=())
+    p.push.handle_want(header, payload, now=START)
+    p.push.poll(START + FORGET, kept=())
+    assert p.sent_of(_PUSHED) == [], "its ids are kept for forget_after_s"
+    p.push.poll(START + FORGET + 1, kept=())
     [(_, reply, _)] = p.sent_of(_PUSHED)
     assert reply["why"].startswith("the prefill instance never computed the request")
 
 
 def test_a_computed_push_is_forgotten_once_its_blocks_are_no_longer_kept():
     p, header, payload = prefill_with_a_decoder()
-    p.push.handle_want(header, payload)
-    p.push.step_started({"r": [3, 5, 7]}, now=0.0)
-    p.push.request_finished("r", [3, 5, 7])
+    p.push.handle_want(header, payload, now=START)
+    p.push.step_started({"r": [3, 5, 7]}, now=START)
+    p.push.request_finished("r", [3, 5, 7], now=START)
     complete(p)
-    p.push.poll(0.0, kept={"r"})
+    p.push.poll(START, kept={"r"})
     assert len(p.push.wants("r")) == 1
-    p.push.poll(0.0, kept=())
+    p.push.poll(START, kept=())
     assert p.push.wants("r") == []
     assert len(p.sent_of(_PUSHED)) == 1, "its decoder was answered once, when it landed"
 
 
 def test_a_chunk_of_a_longer_prompt_waits_for_the_whole_request():
     p, header, payload = prefill_with_a_decoder()
-    p.push.handle_want(header, payload)
-    p.push.step_started({"r": [3, 5]}, now=0.0)  # two of the decoder's three blocks
+    p.push.handle_want(header, payload, now=START)
+    p.push.step_started({"r": [3, 5]}, now=START)  # two of the decoder's three blocks
     p.push.layer_computed(LAYERS[0], None)
     assert p.writes == []
-    p.push.request_finished("r", [3, 5, 7])
+    p.push.request_finished("r", [3, 5, 7], now=START)
     assert sorted(w["src_pages"] == [3, 5, 7] for w, _ in p.writes) == [True, True]
 
 
@@ -342,28 +353,28 @@ def test_an_abort_with_writes_in_flight_cancels_them_and_answers_once_none_is():
     # The decoder frees its blocks when it hears the load failed, and vLLM hands them to another
     # request: a write still landing there would overwrite that request's KV.
     p, header, payload = prefill_with_a_decoder()
-    p.push.handle_want(header, payload)
-    p.push.step_started({"r": [3, 5, 7]}, now=0.0)
+    p.push.handle_want(header, payload, now=START)
+    p.push.step_started({"r": [3, 5, 7]}, now=START)
     p.push.layer_computed(LAYERS[0], None)
     p.push.request_aborted("r", "aborted here")
     assert all(transfer.cancelled for _, transfer in p.writes)
     assert p.sent_of(_PUSHED) == [], "a write is still in flight"
-    p.push.request_finished("r", [3, 5, 7])
+    p.push.request_finished("r", [3, 5, 7], now=START)
     assert len(p.writes) == 1, "nothing more is written after the abort"
     # The decoder's cancel, if it times out meanwhile, is not answered early either.
-    p.push.handle_cancel({"req": "r", "engine": "d", "rank": 0})
+    p.push.handle_cancel({"req": "r", "engine": "d", "rank": 0}, now=START)
     assert p.sent_of(_PUSHED) == []
     complete(p, error=RuntimeError("cancelled"))
     [(_, reply, _)] = p.sent_of(_PUSHED)
     assert reply["ok"] is False
-    p.push.poll(0.0, kept=())
+    p.push.poll(START, kept=())
     assert p.push.wants("r") == [], "forgotten once nothing of it is in flight"
 
 
 def test_an_abort_with_writes_in_flight_fails_the_load_with_its_reason():
     p, header, payload = prefill_with_a_decoder()
-    p.push.handle_want(header, payload)
-    p.push.step_started({"r": [3, 5, 7]}, now=0.0)
+    p.push.handle_want(header, payload, now=START)
+    p.push.step_started({"r": [3, 5, 7]}, now=START)
     p.push.layer_computed(LAYERS[0], None)
     p.push.request_aborted("r", "aborted here")
     complete(p, error=RuntimeError("cancelled"))
@@ -374,13 +385,13 @@ def test_an_abort_with_writes_in_flight_fails_the_load_with_its_reason():
 
 def test_ids_that_come_after_an_abort_with_writes_in_flight_are_answered_with_it():
     p, header, payload = prefill_with_a_decoder()
-    p.push.handle_want(header, payload)
-    p.push.step_started({"r": [3, 5, 7]}, now=0.0)
+    p.push.handle_want(header, payload, now=START)
+    p.push.step_started({"r": [3, 5, 7]}, now=START)
     p.push.layer_computed(LAYERS[0], None)
     p.push.request_aborted("r", "aborted here")
     other = dict(header, rank=1)
     p.peers[("d", 1)] = peer("d", 1)
-    p.push.handle_want(other, payload)
+    p.push.handle_want(other, payload, now=START)
     [(address, reply, _)] = p.sent_of(_PUSHED)
     assert address == b"d/1" and reply["why"] == "aborted here"
     assert len(p.writes) == 1
@@ -388,10 +399,10 @@ def test_ids_that_come_after_an_abort_with_writes_in_flight_are_answered_with_it
 
 def test_a_computed_push_freed_before_it_landed_tells_its_decoder_so_once_nothing_is_in_flight():
     p, header, payload = prefill_with_a_decoder()
-    p.push.handle_want(header, payload)
-    p.push.step_started({"r": [3, 5, 7]}, now=0.0)
-    p.push.request_finished("r", [3, 5, 7])
-    p.push.poll(0.0, kept=())  # its lease freed the blocks with the writes still in flight
+    p.push.handle_want(header, payload, now=START)
+    p.push.step_started({"r": [3, 5, 7]}, now=START)
+    p.push.request_finished("r", [3, 5, 7], now=START)
+    p.push.poll(START, kept=())  # its lease freed the blocks with the writes still in flight
     assert all(transfer.cancelled for _, transfer in p.writes)
     assert p.sent_of(_PUSHED) == []
     complete(p, error=RuntimeError("cancelled"))
@@ -402,7 +413,7 @@ def test_a_computed_push_freed_before_it_landed_tells_its_decoder_so_once_nothin
 
 def test_a_cancel_that_crosses_an_abort_answer_is_answered_again():
     p, header, payload = prefill_with_a_decoder()
-    p.push.handle_want(header, payload)
+    p.push.handle_want(header, payload, now=START)
     p.push.request_aborted("r", "aborted here")
-    p.push.handle_cancel({"req": "r", "engine": "d", "rank": 0})
+    p.push.handle_cancel({"req": "r", "engine": "d", "rank": 0}, now=START)
     assert [reply["why"] for _, reply, _ in p.sent_of(_PUSHED)] == ["aborted here"] * 2
