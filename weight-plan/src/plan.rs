@@ -8,7 +8,7 @@ use std::ops::Range;
 
 use crate::balance::balance;
 use crate::error::PlanError;
-use crate::holdings::{Geometry, Holding, TensorHoldings};
+use crate::holdings::{Geometry, TensorHoldings};
 use crate::layout::{Layout, Param, Select, Slice};
 use crate::runs::{BoxCopy, Run, MAX_DIMS};
 
@@ -170,8 +170,15 @@ struct Context<'a> {
     /// the tensor's), so that no piece of it can miss bytes and a thread may skip the holdings
     /// of other threads' senders without counting their bytes.
     fully_held: Vec<bool>,
+    /// Each holding's single holder, [`REPLICATED`] where it has several: what a thread reads
+    /// to skip other threads' holdings, 4 bytes each in a row instead of a holding each (the
+    /// 256 row chunks of a matrix are every column slice's candidates).
+    sender_of_holding: Vec<Vec<u32>>,
     classes: usize,
 }
+
+/// [`Context::sender_of_holding`] of bytes several ranks hold.
+const REPLICATED: u32 = u32::MAX;
 
 /// One thread's share of the parameters' writes: those of its senders, and (on the first
 /// thread) the fragments of replicated bytes and each class's total.
@@ -250,6 +257,15 @@ fn plan_on(layout: &Layout, threads: Threads) -> Result<Plan, PlanError> {
             held == g.bytes
         })
         .collect();
+    let sender_of_holding = holdings
+        .iter()
+        .map(|th| {
+            th.holdings
+                .iter()
+                .map(|h| h.single.map_or(REPLICATED, |(rank, _)| rank))
+                .collect()
+        })
+        .collect();
     let expected = expected_writes(layout, &names, &holdings);
     let context = Context {
         layout,
@@ -258,6 +274,7 @@ fn plan_on(layout: &Layout, threads: Threads) -> Result<Plan, PlanError> {
         holdings,
         class_of_holding,
         fully_held,
+        sender_of_holding,
         classes: classes.len(),
     };
 
@@ -395,6 +412,7 @@ fn visit(
         holdings,
         class_of_holding,
         fully_held,
+        sender_of_holding,
         classes,
     } = context;
     let tensors = &layout.tensors;
@@ -403,9 +421,9 @@ fn visit(
     let mut class_fragments: Vec<Vec<Shared>> = class_bytes.iter().map(|_| Vec::new()).collect();
     let mut candidates = Vec::new();
     let mut pieces = Vec::new();
-    let mine = |holding: &Holding| match holding.single {
-        Some((rank, _)) => senders.contains(&(rank as usize)),
-        None => shared,
+    let mine = |sender: u32| match sender {
+        REPLICATED => shared,
+        rank => senders.contains(&(rank as usize)),
     };
 
     // Parameters by receiver, so that each sender's writes come out grouped by receiver.
@@ -423,12 +441,13 @@ fn visit(
             let whole = fully_held[piece.tensor];
             th.candidates(g, &piece.at, &piece.extent, &mut candidates);
             let mut found = 0u64;
+            let senders = &sender_of_holding[piece.tensor];
             for &h in &candidates {
-                let holding = &th.holdings[h];
-                let keep = mine(holding);
+                let keep = mine(senders[h]);
                 if whole && !keep {
                     continue;
                 }
+                let holding = &th.holdings[h];
                 let mut emit = |run: Run| {
                     found += run.bytes();
                     if !keep {
