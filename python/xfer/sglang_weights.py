@@ -16,8 +16,13 @@ again when the request names another group), receives the version whole into reg
 staging (``xfer.engine_weights``) and only then loads it through the model's own
 ``load_weights`` (fused ``qkv_proj`` / ``gate_up_proj``, this rank's tensor-parallel slice).
 
-A rank's receiver rank is ``rank_base + pp_rank * tp_size + tp_rank`` (SGLang's world rank
-within the instance); ``receivers`` counts every rank of every instance.
+A rank's receiver rank is ``rank_base`` + its place in the instance as SGLang's own parallel
+state says (``receiver_rank``): its WORLD rank (``ep_join_rank_offset + pp_rank * tp_size +
+tp_rank``: an elastic-EP scale joiner follows the ranks it joined), and with data-parallel
+replicas (``dp_size`` > 1: one request reaches them all), ``dp_rank * tp_size * pp_size`` more.
+``receivers`` counts every rank of every replica of every instance. A rank SGLang cannot place
+is refused (``ReceiverRankError``, recorded as the version's outcome), never given a guess:
+two receivers claiming one rank fail the whole version.
 
 A version that fails is not loaded: the model keeps its previous weights. The loader does not
 raise then — an exception in a custom loader ends SGLang's scheduler process — but logs it and
@@ -34,7 +39,8 @@ from typing import Any
 
 from xfer.engine_weights import StagedReceiver
 
-__all__ = ["LOADER", "request", "load_version", "last_outcome", "close"]
+__all__ = ["LOADER", "ReceiverRankError", "request", "load_version", "receiver_rank", "last_outcome",
+           "close"]
 
 LOADER = "xfer.sglang_weights.load_version"
 REQUEST_NAME = "xfer.weights.request"
@@ -91,15 +97,39 @@ def _parse(named_tensors: Any) -> dict[str, Any]:
     return req
 
 
-def _rank(rank_base: int) -> int:
-    """This process's receiver rank: ``rank_base`` + its world rank in the instance."""
+class ReceiverRankError(RuntimeError):
+    """SGLang's parallel state does not say where this process is, so its receiver rank is
+    unknown (a guess would give two receivers one rank)."""
+
+
+def receiver_rank(rank_base: int) -> int:
+    """This process's receiver rank (see the module's documentation), from SGLang's parallel
+    state; ``ReceiverRankError`` names what it lacks."""
     try:
         from sglang.srt.runtime_context import get_parallel
-
-        p = get_parallel()
-        return rank_base + int(p.pp_rank) * int(p.tp_size) + int(p.tp_rank)
-    except ImportError:
-        return rank_base
+    except ImportError as e:
+        raise ReceiverRankError(
+            f"{LOADER} cannot tell this rank's receiver rank: this SGLang has no parallel state "
+            f"(sglang.srt.runtime_context, SGLang 0.5.23 has it): {e}") from e
+    p = get_parallel()
+    try:
+        tp_size, tp_rank = int(p.tp_size), int(p.tp_rank)
+        pp_size, pp_rank = int(p.pp_size), int(p.pp_rank)
+        offset, dp_size = int(p.ep_join_rank_offset), int(p.dp_size)
+        dp_rank = p.dp_rank if dp_size > 1 else 0
+    except (RuntimeError, ValueError, AttributeError) as e:
+        raise ReceiverRankError(f"{LOADER} cannot tell this rank's receiver rank from SGLang's "
+                                f"parallel state: {e}") from e
+    if dp_rank is None:
+        raise ReceiverRankError(
+            f"{LOADER} cannot tell this rank's receiver rank: SGLang runs {dp_size} data-parallel "
+            "replicas, and this process has no data-parallel rank (no controller numbered it)")
+    if dp_size > 1 and offset:
+        raise ReceiverRankError(
+            f"{LOADER} cannot tell this rank's receiver rank: an elastic-EP scale joiner "
+            f"(ep_join_rank_offset {offset}) among {dp_size} data-parallel replicas has no "
+            "single numbering")
+    return rank_base + int(dp_rank) * tp_size * pp_size + offset + pp_rank * tp_size + tp_rank
 
 
 def load_version(model: Any, named_tensors: Any) -> None:
@@ -114,7 +144,7 @@ def load_version(model: Any, named_tensors: Any) -> None:
         if membership != _membership:
             close()
             _receiver = StagedReceiver(
-                rendezvous=req["rendezvous"], group=req["group"], rank=_rank(req["rank_base"]),
+                rendezvous=req["rendezvous"], group=req["group"], rank=receiver_rank(req["rank_base"]),
                 receivers=req["receivers"], senders=req["senders"], config=req["config"],
                 timeout=req["timeout"], grace=req["grace"],
             )

@@ -21,6 +21,7 @@ not constructed: they need a GPU or the CPU kernels."""
 import multiprocessing as mp
 import os
 import socket
+import sys
 import zlib
 
 import pytest
@@ -353,3 +354,63 @@ def test_a_trainer_killed_mid_version_leaves_the_model_untouched_and_the_next_ve
         assert_loaded(run, run.version(3, 43), 3, 43)
     finally:
         run.close()
+
+
+# ---- a rank's receiver rank, from SGLang's own parallel state ----
+
+
+def parallel(**ranks):
+    """SGLang's parallel state as its launcher would have stamped it, for this block."""
+    from sglang.srt.runtime_context import get_parallel
+
+    placement = dict(tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, dp_size=1, ep_join_rank_offset=0)
+    return get_parallel().override(**dict(placement, **ranks))
+
+
+def test_a_ranks_receiver_rank_is_its_sglang_world_rank_past_rank_base():
+    from xfer import sglang_weights
+
+    with parallel(tp_size=2, tp_rank=1, pp_size=2, pp_rank=1):
+        assert sglang_weights.receiver_rank(10) == 10 + 1 * 2 + 1
+
+
+def test_an_elastic_ep_joiners_receiver_ranks_follow_the_ranks_it_joined():
+    # SGLang numbers a scale joiner's WORLD ranks from ep_join_rank_offset: without it, the
+    # joiner's ranks would be the first group's, and two receivers would claim each rank.
+    from xfer import sglang_weights
+
+    with parallel(tp_size=2, tp_rank=1, ep_join_rank_offset=4):
+        assert sglang_weights.receiver_rank(10) == 10 + 4 + 1
+
+
+def test_each_data_parallel_replica_gets_its_own_receiver_ranks():
+    # One update_weights_from_tensor reaches every replica with the same request.
+    from xfer import sglang_weights
+
+    with parallel(tp_size=2, tp_rank=1, pp_size=2, pp_rank=0, dp_size=3, dp_rank=2):
+        assert sglang_weights.receiver_rank(10) == 10 + 2 * 4 + 1
+    with parallel(tp_size=2, dp_size=3, dp_rank=None):
+        with pytest.raises(sglang_weights.ReceiverRankError, match="data-parallel"):
+            sglang_weights.receiver_rank(0)
+
+
+def test_a_rank_sglang_has_not_placed_is_refused_by_name_and_nothing_is_loaded(monkeypatch):
+    from xfer import sglang_weights
+
+    # Nothing stamped in this process: SGLang cannot say where this rank is.
+    with pytest.raises(sglang_weights.ReceiverRankError, match="parallel state.*not published"):
+        sglang_weights.receiver_rank(0)
+    # An SGLang without its parallel state (runtime_context): refused, not rank_base for all.
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", None)
+    with pytest.raises(sglang_weights.ReceiverRankError, match="runtime_context"):
+        sglang_weights.receiver_rank(0)
+
+    class Untouchable:
+        def load_weights(self, weights):
+            raise AssertionError("nothing is loaded")
+
+    sglang_weights.load_version(Untouchable(), sglang_weights.request(
+        7, rendezvous="xfer://127.0.0.1:1", group="g", receivers=1))
+    outcome = sglang_weights.last_outcome()
+    assert outcome["version"] == 7 and not outcome["loaded"], outcome
+    assert "receiver rank" in outcome["reason"] and "runtime_context" in outcome["reason"], outcome
