@@ -52,4 +52,4 @@ mod runs;
 
 pub use error::PlanError;
 pub use layout::{Layout, Param, Piece, Select, Shard, Slice, Tensor};
-pub use plan::{plan, plan_with_threads, Plan, Write};
+pub use plan::{plan, plan_with_threads, Plan, Write, MAX_THREADS};

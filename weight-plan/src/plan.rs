@@ -135,8 +135,8 @@ struct Shared {
 }
 
 /// Computes the plan, or says what in the layout is wrong. A large layout's parameters are
-/// planned on as many threads as the machine has cores, each making the writes of its own
-/// range of senders; the plan is the same, write for write, as on one thread
+/// planned on as many threads as the machine has cores, up to [`MAX_THREADS`], each making the
+/// writes of its own range of senders; the plan is the same, write for write, as on one thread
 /// ([`plan_with_threads`]).
 pub fn plan(layout: &Layout) -> Result<Plan, PlanError> {
     plan_on(layout, Threads::Auto)
@@ -148,8 +148,14 @@ pub fn plan_with_threads(layout: &Layout, threads: NonZeroUsize) -> Result<Plan,
     plan_on(layout, Threads::Exactly(threads.get()))
 }
 
+/// The most threads [`plan`] starts: each resolves every parameter and searches every piece's
+/// holdings (about 8 % of one thread's instructions for the Kimi-K2-shaped example), so past a
+/// few threads that repeated work, not the writes, is what a thread spends its time on.
+pub const MAX_THREADS: usize = 8;
+
 enum Threads {
-    /// The machine's cores for a layout of at least [`PARALLEL_WRITES`] writes, else one.
+    /// The machine's cores, up to [`MAX_THREADS`], for a layout of at least
+    /// [`PARALLEL_WRITES`] writes; else one.
     Auto,
     Exactly(usize),
 }
@@ -281,7 +287,9 @@ fn plan_on(layout: &Layout, threads: Threads) -> Result<Plan, PlanError> {
     let threads = match threads {
         Threads::Exactly(n) => n,
         Threads::Auto if expected.iter().sum::<usize>() < PARALLEL_WRITES => 1,
-        Threads::Auto => std::thread::available_parallelism().map_or(1, NonZeroUsize::get),
+        Threads::Auto => std::thread::available_parallelism()
+            .map_or(1, NonZeroUsize::get)
+            .min(MAX_THREADS),
     };
     let ranges = sender_ranges(&expected, threads);
     let context = &context;
