@@ -24,11 +24,19 @@ replicas (``dp_size`` > 1: one request reaches them all), ``dp_rank * tp_size * 
 is refused (``ReceiverRankError``, recorded as the version's outcome), never given a guess:
 two receivers claiming one rank fail the whole version.
 
-A version that fails is not loaded: the model keeps its previous weights. The loader does not
-raise then — an exception in a custom loader ends SGLang's scheduler process — but logs it and
-records it (``last_outcome()`` in that process); the framework learns the verdict from its
-trainer side, where ``FullTensorSender.send`` raises ``VersionFailed`` on every rank when
-any rank failed (the verdict is one for the whole group).
+A version that fails to arrive is not loaded: the model keeps its previous weights. The
+loader never raises — an exception in a custom loader ends SGLang's scheduler process — but
+logs the failure and records it (``last_outcome()`` in that process); the framework learns the
+verdict from its trainer side, where ``FullTensorSender.send`` raises ``VersionFailed`` on
+every rank when any rank failed (the verdict is one for the whole group).
+
+A version that arrived whole but that the model's own ``load_weights`` refuses part-way (a
+tensor of a shape or name the model does not take) is different: the parameters loaded before
+the refused tensor hold the new version, the rest the previous one. The outcome says so
+(``loaded: False, model_changed: True``) and the trainer's ``send`` succeeded (the transfer
+did): the model is a mix until a version loads whole, so the framework must check
+``last_outcome()`` on each rank (SGLang reports the update itself a success) and send a
+complete version before serving from it.
 """
 
 from __future__ import annotations
@@ -153,15 +161,25 @@ def load_version(model: Any, named_tensors: Any) -> None:
         tensors = _receiver.receive(version)
     except Exception as e:  # noqa: BLE001 - raising here would end SGLang's scheduler process
         # Nothing was loaded: the model keeps the previous version.
-        _outcome = {"version": version, "loaded": False, "reason": str(e)}
+        _outcome = {"version": version, "loaded": False, "model_changed": False, "reason": str(e)}
         _log.error("xfer: weight version %s not loaded (the model keeps its previous weights): %s", version, e)
         return
-    model.load_weights(iter(tensors))
+    try:
+        model.load_weights(iter(tensors))
+    except Exception as e:  # noqa: BLE001 - raising here would end SGLang's scheduler process
+        # The tensors before the refused one are in the model: it is a mix of two versions.
+        _outcome = {"version": version, "loaded": False, "model_changed": True,
+                    "reason": f"the model's load_weights failed part-way: {type(e).__name__}: {e}"}
+        _log.error("xfer: weight version %s only partly loaded (the model's load_weights failed part-way; "
+                   "it holds a mix of versions until one loads whole): %s: %s", version, type(e).__name__, e)
+        return
     _outcome = {"version": version, "loaded": True, "tensors": len(tensors)}
 
 
 def last_outcome() -> dict[str, Any] | None:
-    """This process's last request: ``{"version", "loaded", "tensors" | "reason"}``."""
+    """This process's last request: ``{"version", "loaded": True, "tensors"}``, or
+    ``{"version", "loaded": False, "model_changed", "reason"}`` (``model_changed``: the model's
+    ``load_weights`` failed part-way, see the module's documentation)."""
     return _outcome
 
 

@@ -181,7 +181,8 @@ def rollout(conn, model_dir, dist_port):
 
 def trainer(conn, url, group, shapes, provider):
     """A trainer rank: sends every checkpoint tensor of a version (seeded), optionally dying
-    once the first ones are on their way."""
+    once the first ones are on their way, or with its last tensor in a shape the model does not
+    take (transposed)."""
     from xfer.engine_weights import FullTensorSender
 
     largest = max(full_tensor(n, s, 0).numel() * 2 for n, s in shapes)
@@ -202,10 +203,13 @@ def trainer(conn, url, group, shapes, provider):
         if cmd == "exit":
             sender.close()
             return
-        version, seed, die = arg
+        version, seed, die, misshapen = arg
+        named = [(n, full_tensor(n, s, seed)) for n, s in shapes]
+        if misshapen:
+            name, t = named[-1]
+            named[-1] = (name, t.t().contiguous())
         try:
-            sender.send(version, [(n, full_tensor(n, s, seed)) for n, s in shapes],
-                        transform=dies_at_the_last_tensor if die else None)
+            sender.send(version, named, transform=dies_at_the_last_tensor if die else None)
             conn.send(("ok", None))
         except Exception as e:  # noqa: BLE001
             conn.send(("failed", f"{type(e).__name__}: {e}"))
@@ -279,7 +283,7 @@ class Run:
         assert status == "ok", result
         return result
 
-    def version(self, v, seed, *, die=False):
+    def version(self, v, seed, *, die=False, misshapen=False):
         """One version: SGLang's update_weights_from_tensor and the trainer's send, concurrently.
         The request is serialized here, as ``Engine.update_weights_from_tensor`` serializes it in
         the framework's process (``_serialize_tensors_per_rank``)."""
@@ -288,7 +292,7 @@ class Run:
         from xfer import sglang_weights
 
         self.rank.conn.send(("update", MultiprocessingSerializer.serialize(sglang_weights.request(v, **self.membership))))
-        self.trainer.conn.send(("send", (v, seed, die)))
+        self.trainer.conn.send(("send", (v, seed, die, misshapen)))
         if die:
             self.trainer.proc.join(WAIT)
             assert self.trainer.proc.exitcode == 17, "the trainer meant to die did not"
@@ -352,6 +356,30 @@ def test_a_trainer_killed_mid_version_leaves_the_model_untouched_and_the_next_ve
         # A new trainer in its place: the next version is complete and loaded.
         run.trainer = run.start_trainer()
         assert_loaded(run, run.version(3, 43), 3, 43)
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("provider", ["shm"])
+def test_a_version_the_models_load_weights_refuses_is_recorded_and_the_rank_keeps_serving(sglang_rank, provider):
+    run = Run(sglang_rank, "misshapen", provider)
+    try:
+        assert_loaded(run, run.version(1, 51), 1, 51)
+        assert run.rank.ask("snapshot")[0] == "ok"
+        name, shape = run.shapes[-1]
+        assert len(shape) == 2 and shape[0] != shape[1], (name, shape)
+        # The version arrives whole; the model's own load_weights refuses its last tensor after
+        # loading the others. The loader does not raise (that would end SGLang's scheduler):
+        # the outcome says the version was not loaded and that the model changed.
+        sent, (ok, message, outcome) = run.version(2, 52, misshapen=True)
+        assert sent == ("ok", None), sent
+        assert ok, message
+        assert outcome["version"] == 2 and not outcome["loaded"] and outcome["model_changed"], outcome
+        assert "load_weights" in outcome["reason"], outcome
+        status, changed = run.rank.ask("changed_since_snapshot")
+        assert status == "ok" and changed, "the tensors before the refused one were loaded"
+        # The next complete version lands whole.
+        assert_loaded(run, run.version(3, 53), 3, 53)
     finally:
         run.close()
 
