@@ -164,6 +164,11 @@ enum Threads {
 /// costs more than they save.
 const PARALLEL_WRITES: usize = 1 << 16;
 
+/// The most runs a piece's box of a whole tensor may make for them to be clipped to each of
+/// its byte-range holdings (one or two for a slice of a matrix); past it, each holding makes
+/// its own, fewer.
+const CLIPPED_RUNS: usize = 4;
+
 /// What every thread reads: the layout, resolved and indexed.
 struct Context<'a> {
     layout: &'a Layout,
@@ -429,6 +434,7 @@ fn visit(
     let mut class_fragments: Vec<Vec<Shared>> = class_bytes.iter().map(|_| Vec::new()).collect();
     let mut candidates = Vec::new();
     let mut pieces = Vec::new();
+    let mut whole_runs: Vec<Run> = Vec::new();
     let mine = |sender: u32| match sender {
         REPLICATED => shared,
         rank => senders.contains(&(rank as usize)),
@@ -449,6 +455,7 @@ fn visit(
             let whole = fully_held[piece.tensor];
             th.candidates(g, &piece.at, &piece.extent, &mut candidates);
             let mut found = 0u64;
+            let mut whole_runs_made = false;
             let senders = &sender_of_holding[piece.tensor];
             for &h in &candidates {
                 let keep = mine(senders[h]);
@@ -474,6 +481,30 @@ fn visit(
                         });
                     }
                 };
+                // A byte range of the tensor (a flat shard, or rows of its first dimension):
+                // the piece's runs from the whole tensor, made once per piece, clipped to it —
+                // where they are few; else each holding's own runs.
+                let range = match holding.slice {
+                    Slice::Flat { start, end } => Some((start, end)),
+                    Slice::Dim { dim: 0, start, end } => {
+                        let row = g.bytes / g.shape[0];
+                        Some((start * row, end * row))
+                    }
+                    _ => None,
+                };
+                if let Some((start, end)) = range {
+                    if !whole_runs_made {
+                        whole_runs.clear();
+                        piece_runs(param, piece, g, &Slice::Whole, &mut |r| whole_runs.push(r));
+                        whole_runs_made = true;
+                    }
+                    if whole_runs.len() <= CLIPPED_RUNS {
+                        for r in &whole_runs {
+                            r.clip(start, end, &mut emit);
+                        }
+                        continue;
+                    }
+                }
                 piece_runs(param, piece, g, &holding.slice, &mut emit);
             }
             let want = piece.extent.iter().product::<u64>() * g.elem_size;
