@@ -325,6 +325,25 @@ fn main() {
         p.writes().count(),
         total as f64 / 1e9
     );
+    // Every field of every write, in order, folded (FNV-1a over the words): two builds print
+    // the same digest only if they make the same plan.
+    let digest = p.writes().fold(0xcbf2_9ce4_8422_2325u64, |h, w| {
+        [
+            w.src_rank.into(),
+            w.src_shard.into(),
+            w.src_offset,
+            w.dst_rank.into(),
+            w.dst_param.into(),
+            w.dst_offset,
+            w.len,
+            w.count,
+            w.src_stride,
+            w.dst_stride,
+        ]
+        .iter()
+        .fold(h, |h, &x: &u64| (h ^ x).wrapping_mul(0x100_0000_01b3))
+    });
+    println!("digest of the writes: {digest:016x}");
     println!(
         "per rank: sent ≤ {:.2} GB (mean {:.2}), received ≤ {:.2} GB (mean {:.2})",
         max_sent as f64 / 1e9,
