@@ -41,12 +41,16 @@ class _Member:
     def __init__(self, rendezvous: str, config: str | dict[str, Any] | None) -> None:
         self.engine = xfer.TransferEngine(config)
         try:
-            self.rendezvous = xfer.Rendezvous(rendezvous)
+            self.rendezvous: xfer.Rendezvous | None = xfer.Rendezvous(rendezvous)
         except BaseException:
             self.engine.close()
             raise
 
     def _close_engine(self) -> None:
+        """Closes the engine and lets the rendezvous client go: its connection closes with
+        the last reference (the client has no ``close``), so a member closed but still
+        referenced — a worker's attribute, a module's global — holds none."""
+        self.rendezvous = None
         if not self.engine.closed:
             self.engine.close()
 
@@ -74,7 +78,7 @@ class FullTensorSender(_Member):
     ) -> None:
         super().__init__(rendezvous, config)
         try:
-            self.sender = W.WeightSender(
+            self.sender: W.WeightSender | None = W.WeightSender(
                 self.engine, self.rendezvous, group, rank, senders, receivers,
                 timeout=timeout, grace=grace, budget_bytes=budget_bytes,
             )
@@ -98,6 +102,8 @@ class FullTensorSender(_Member):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"tensor names given more than once: {dup}")
         s = self.sender
+        if s is None:
+            raise RuntimeError("FullTensorSender.send after close")
         layout = W.Layout.replicated(full_tensor_specs(named), s.senders, s.receivers)
         # Layout.replicated numbers the shards rank-major: this rank's tensor i is shard
         # rank * len(tensors) + i.
@@ -106,8 +112,14 @@ class FullTensorSender(_Member):
         return layout
 
     def close(self) -> None:
-        self.sender.close()
-        self._close_engine()
+        """Leaves the group and closes the engine, even if leaving fails (idempotent)."""
+        sender, self.sender = self.sender, None
+        try:
+            if sender is not None:
+                sender.close()
+        finally:
+            del sender  # its rendezvous reference, which a raised error's frame would keep
+            self._close_engine()
 
 
 class StagedReceiver(_Member):
@@ -129,7 +141,7 @@ class StagedReceiver(_Member):
     ) -> None:
         super().__init__(rendezvous, config)
         try:
-            self.receiver = W.WeightReceiver(
+            self.receiver: W.WeightReceiver | None = W.WeightReceiver(
                 self.engine, self.rendezvous, group, rank, senders, receivers, timeout=timeout, grace=grace
             )
         except BaseException:
@@ -139,9 +151,19 @@ class StagedReceiver(_Member):
     def receive(self, version: int) -> list[tuple[str, Any]]:
         """Receives ``version``; returns ``[(name, tensor)]`` once it is complete on every
         rank, raises ``xfer.weights.VersionFailed`` (and leaves nothing to load) otherwise."""
-        self.receiver.receive(version)
-        return list(self.receiver.tensors())
+        r = self.receiver
+        if r is None:
+            raise RuntimeError("StagedReceiver.receive after close")
+        r.receive(version)
+        return list(r.tensors())
 
     def close(self) -> None:
-        self.receiver.close()
-        self._close_engine()
+        """Leaves the group, frees the staging and closes the engine, even if leaving fails
+        (idempotent)."""
+        receiver, self.receiver = self.receiver, None
+        try:
+            if receiver is not None:
+                receiver.close()
+        finally:
+            del receiver  # its rendezvous reference, which a raised error's frame would keep
+            self._close_engine()

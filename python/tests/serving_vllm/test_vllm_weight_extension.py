@@ -336,3 +336,55 @@ def test_a_trainer_killed_mid_version_leaves_the_model_untouched_and_the_next_ve
         assert_loaded(run, run.version(3, 23), 23)
     finally:
         run.close()
+
+
+# ---- the receiver's own resources ----
+
+
+def rendezvous_connections(server):
+    """This process's open connections to ``server`` (the rendezvous clients it holds)."""
+    import psutil
+
+    port = int(server.url.rsplit(":", 1)[1])
+    return [c for c in psutil.Process().net_connections("tcp")
+            if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED]
+
+
+@pytest.fixture
+def rendezvous_server():
+    if not plugin_available("efa"):
+        pytest.skip("the efa plugin is not in the package (cargo xtask python builds it)")
+    server = xfer.Server("127.0.0.1:0")
+    yield server
+    server.close()
+
+
+def test_a_closed_receiver_holds_no_rendezvous_connection(rendezvous_server):
+    from xfer.engine_weights import StagedReceiver
+
+    receiver = StagedReceiver(rendezvous=rendezvous_server.url, group="closing", rank=0, receivers=1,
+                              config=xfer_config("shm"))
+    assert len(rendezvous_connections(rendezvous_server)) == 1
+    receiver.close()
+    # Closed, though still referenced (a worker's attribute, a module global): re-joining a
+    # group many times must not pile up connections.
+    assert rendezvous_connections(rendezvous_server) == []
+    receiver.close()  # idempotent
+
+
+def test_a_receiver_whose_leaving_fails_still_closes_its_engine(rendezvous_server):
+    from xfer.engine_weights import StagedReceiver
+
+    receiver = StagedReceiver(rendezvous=rendezvous_server.url, group="failing", rank=0, receivers=1,
+                              config=xfer_config("shm"))
+    engine = receiver.engine
+
+    def fails():
+        raise OSError("stand-in: leaving the group failed")
+
+    receiver.receiver.close = fails
+    with pytest.raises(OSError, match="leaving the group failed"):
+        receiver.close()
+    assert engine.closed
+    assert rendezvous_connections(rendezvous_server) == []
+
