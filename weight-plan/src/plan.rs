@@ -149,7 +149,7 @@ pub fn plan_with_threads(layout: &Layout, threads: NonZeroUsize) -> Result<Plan,
 }
 
 /// The most threads [`plan`] starts: each resolves every parameter and searches every piece's
-/// holdings (about 8 % of one thread's instructions for the Kimi-K2-shaped example), so past a
+/// holdings (about 11 % of one thread's instructions for the Kimi-K2-shaped example), so past a
 /// few threads that repeated work, not the writes, is what a thread spends its time on.
 pub const MAX_THREADS: usize = 8;
 
