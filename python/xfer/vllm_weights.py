@@ -11,8 +11,9 @@ through ``collective_rpc``::
     llm.collective_rpc("xfer_weights_receive", args=(v,))
 
 A worker's receiver rank is ``rank_base`` plus its rank in the engine (tensor × pipeline
-parallel); an RL job with several vLLM instances gives each its own ``rank_base``, and
-``receivers`` counts every worker of every instance.
+parallel; an object without one is refused, ``WorkerRankError``); an RL job with several vLLM
+instances gives each its own ``rank_base``, and ``receivers`` counts every worker of every
+instance.
 
 ``xfer_weights_receive`` receives the version whole into registered staging (see
 ``xfer.engine_weights``) and only then loads it through the worker's ``reload_weights``
@@ -33,7 +34,12 @@ from typing import Any
 
 from xfer.engine_weights import StagedReceiver
 
-__all__ = ["XferWeightsExtension"]
+__all__ = ["WorkerRankError", "XferWeightsExtension"]
+
+
+class WorkerRankError(RuntimeError):
+    """The object the extension runs on has no integer ``rank`` (vLLM's workers have one), so
+    its receiver rank is unknown (a guess would give two receivers one rank)."""
 
 
 class XferWeightsExtension:
@@ -53,8 +59,14 @@ class XferWeightsExtension:
     ) -> int:
         """Joins ``group`` as receiver ``rank_base + <this worker's rank>`` (returned); a
         second call replaces the previous membership."""
+        worker_rank = getattr(self, "rank", None)
+        if not isinstance(worker_rank, int) or isinstance(worker_rank, bool):
+            raise WorkerRankError(
+                f"xfer_weights_init: the worker ({type(self).__name__}) has no rank "
+                f"(rank={worker_rank!r}); the extension runs on vLLM's workers, which number "
+                "themselves in the engine")
         XferWeightsExtension.xfer_weights_close(self)
-        rank = rank_base + int(getattr(self, "rank", 0))
+        rank = rank_base + worker_rank
         self._xfer_weights = StagedReceiver(
             rendezvous=rendezvous, group=group, rank=rank, receivers=receivers, senders=senders,
             config=config, timeout=timeout, grace=grace,

@@ -388,3 +388,18 @@ def test_a_receiver_whose_leaving_fails_still_closes_its_engine(rendezvous_serve
     assert engine.closed
     assert rendezvous_connections(rendezvous_server) == []
 
+
+def test_a_worker_without_a_rank_is_refused_by_name(rendezvous_server):
+    # vLLM's workers have one (the running tests get it back from xfer_weights_init); an object
+    # without one would otherwise join as rank 0 — a second receiver 0 fails the whole version.
+    from xfer.vllm_weights import WorkerRankError, XferWeightsExtension
+
+    class RanklessWorker:
+        pass
+
+    worker = RanklessWorker()
+    with pytest.raises(WorkerRankError, match="has no rank"):
+        XferWeightsExtension.xfer_weights_init(worker, rendezvous=rendezvous_server.url, group="rankless",
+                                               receivers=2, config=xfer_config("shm"))
+    assert getattr(worker, "_xfer_weights", None) is None, "nothing joined"
+    assert rendezvous_connections(rendezvous_server) == []
