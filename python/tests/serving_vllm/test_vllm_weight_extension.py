@@ -19,7 +19,6 @@ import os
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import multiprocessing as mp
-import zlib
 
 import pytest
 
@@ -27,60 +26,22 @@ pytest.importorskip("vllm")
 
 import xfer  # noqa: E402
 from conftest import plugin_available  # noqa: E402
+from weight_sync_checkpoint import (  # noqa: E402
+    FUSED,
+    GRACE,
+    STARTUP,
+    TIMEOUT,
+    WAIT,
+    Process,
+    checkpoint_shapes,
+    expected_parameter,
+    full_tensor,
+    qwen2_config,
+    trainer,
+    xfer_config,
+)
 
 EXTENSION = "xfer.vllm_weights.XferWeightsExtension"
-TIMEOUT = 15.0  # seconds a version may take; a failed one fails everywhere within ~TIMEOUT + 2 * GRACE
-GRACE = 2.0
-WAIT = 120.0  # the test's own bound on any process's answer
-STARTUP = 900.0  # … and on a process importing torch and vLLM and building the model (minutes on a busy machine)
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def xfer_config(provider):
-    return {
-        "backend": "efa",
-        "groups": [{"nics": ["auto"]}],
-        "backends": {"efa": {"provider": provider}},
-        "timeouts": {"transfer_ms": 20000, "connect_ms": 20000, "expect_ms": 60000},
-        "worker": {"idle_poll_us": 0},
-    }
-
-
-def qwen2_config():
-    from transformers import Qwen2Config
-
-    return Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False, max_position_embeddings=256,
-                       torch_dtype="bfloat16", architectures=["Qwen2ForCausalLM"])
-
-
-def checkpoint_shapes():
-    """The checkpoint's tensors: transformers' own Qwen2 (on the meta device), names and shapes."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(qwen2_config())
-    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-
-
-def full_tensor(name, shape, seed):
-    import torch
-
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-    return torch.randn(shape, generator=gen).to(torch.bfloat16)
-
-
-def expected_parameter(name, checkpoint):
-    """What vLLM's parameter ``name`` holds after loading ``checkpoint`` (HF name → tensor)."""
-    import torch
-
-    for fused, parts in FUSED.items():
-        if f".{fused}." in name:
-            return torch.cat([checkpoint[name.replace(fused, p)] for p in parts])
-    return checkpoint[name]
-
-
 # Run on vLLM's worker (its own process), each a callable through ``collective_rpc``, which
 # passes vLLM's ``WorkerWrapperBase`` (it forwards attributes to the worker).
 
@@ -154,65 +115,6 @@ def rollout(conn, model_dir, plugin_dir):
             conn.send(("ok", result))
         except Exception as e:  # noqa: BLE001 - the driver asserts on it
             conn.send(("failed", f"{type(e).__name__}: {e}"))
-
-
-def trainer(conn, url, group, shapes, provider):
-    """A trainer rank: sends every checkpoint tensor of a version (seeded), optionally dying
-    once the first ones are on their way."""
-    from xfer.engine_weights import FullTensorSender
-
-    largest = max(full_tensor(n, s, 0).numel() * 2 for n, s in shapes)
-    # Two staging buckets of the largest tensor: the version goes out in several rounds, and
-    # a round's bucket is refilled only after its previous writes completed.
-    sender = FullTensorSender(rendezvous=url, group=group, receivers=1, config=xfer_config(provider),
-                              timeout=TIMEOUT, grace=GRACE, budget_bytes=4 * largest)
-    conn.send("up")
-    last = shapes[-1][0]
-
-    def dies_at_the_last_tensor(name, t):
-        if name == last:
-            os._exit(17)
-        return t
-
-    while True:
-        cmd, arg = conn.recv()
-        if cmd == "exit":
-            sender.close()
-            return
-        version, seed, die = arg
-        try:
-            sender.send(version, [(n, full_tensor(n, s, seed)) for n, s in shapes],
-                        transform=dies_at_the_last_tensor if die else None)
-            conn.send(("ok", None))
-        except Exception as e:  # noqa: BLE001
-            conn.send(("failed", f"{type(e).__name__}: {e}"))
-
-
-class Process:
-    def __init__(self, ctx, target, *args):
-        self.conn, there = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(there, *args))
-        self.proc.start()
-
-    def answer(self, patience=WAIT):
-        if not self.conn.poll(patience):
-            raise AssertionError(f"{self.proc.name} did not answer in {patience} s")
-        return self.conn.recv()
-
-    def ask(self, cmd, arg=None):
-        self.conn.send((cmd, arg))
-        return self.answer()
-
-    def close(self):
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("exit", None))
-                self.answer()
-            except (OSError, EOFError, AssertionError):
-                pass
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
 
 
 @pytest.fixture(scope="module")
