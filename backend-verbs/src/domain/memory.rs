@@ -30,14 +30,16 @@ impl VerbsDomain {
     }
 }
 
-/// What a failed GPU registration was, by the errno of its last try: the device refusing the
-/// range itself (`EINVAL`, `EOPNOTSUPP`: memory this NIC cannot take) is the caller's request
-/// refused; anything else (`ENOMEM` pinning, a driver failing) is the backend's failure.
+/// What a failed GPU registration was, by the errno of its last try (the plain registration):
+/// memory this NIC cannot take — `EFAULT` (the kernel cannot pin device pages: no
+/// nvidia-peermem), `EINVAL`, `EOPNOTSUPP` — is the caller's request refused; anything else
+/// (`ENOMEM` pinning, a driver failing) is the backend's failure.
 pub(super) fn gpu_registration_kind(errno: i32) -> DomainErrorKind {
+    const EFAULT: i32 = 14;
     const EINVAL: i32 = 22;
     const EOPNOTSUPP: i32 = 95;
     match errno {
-        EINVAL | EOPNOTSUPP => DomainErrorKind::InvalidArgument,
+        EFAULT | EINVAL | EOPNOTSUPP => DomainErrorKind::InvalidArgument,
         _ => DomainErrorKind::Other,
     }
 }
@@ -48,6 +50,8 @@ mod tests {
 
     #[test]
     fn a_gpu_registration_is_refused_only_for_memory_the_device_cannot_take() {
+        // Device pages the kernel cannot pin (soft-RoCE, or no nvidia-peermem).
+        assert_eq!(gpu_registration_kind(14), DomainErrorKind::InvalidArgument);
         assert_eq!(gpu_registration_kind(22), DomainErrorKind::InvalidArgument);
         assert_eq!(gpu_registration_kind(95), DomainErrorKind::InvalidArgument);
         // Pinning that ran out of memory, or a driver's I/O error: the backend failed.
