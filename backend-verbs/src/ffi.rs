@@ -1,4 +1,12 @@
 //! Safe wrappers over `verbs-sys`. All of this backend's `unsafe` is in this file.
+//!
+//! Why one file: it is the backend's one unsafe boundary, audited as a whole — every wrapper
+//! here (the device with its PD, CQs and SRQs; registrations; QPs and their chains; message
+//! buffers) rests on the same raw device, and their soundness is an ordering between them
+//! (a `Mr` or `Qp` never outlives its `Device`, a buffer is deregistered before it is freed,
+//! an inline write's range was checked against a live registration). Split over files, those
+//! orderings would be argued in several places; the safe logic above them already lives in
+//! `domain/`, `completion.rs` and `notify.rs`.
 
 use std::ffi::{c_char, CStr, CString};
 use std::ptr::NonNull;

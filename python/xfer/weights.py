@@ -1,4 +1,10 @@
-"""RL weight sync: trainer ranks write a new version of the weights straight into the inference
+"""Why one file: the sender, the receiver and the coordinator are the two ends of one
+versioned protocol — the message kinds, the layout and its digest, the version's immediate and
+the verdict are read and written by both sides, and a change to one side is a change to the
+other; the plan itself is in Rust (``xfer-weight-plan``), the engines' integrations in
+``engine_weights``, ``vllm_weights``, ``sglang_weights`` and ``verl``.
+
+RL weight sync: trainer ranks write a new version of the weights straight into the inference
 ranks' registered parameter memory, on a plan computed once from both sides' metadata.
 
 The plan (``plan``, computed in Rust by the ``xfer-weight-plan`` crate) says which trainer

@@ -1,3 +1,9 @@
+//! Why one file: it is one pass — resolving each parameter's pieces, walking the holdings of
+//! their tensors, assigning replicated bytes, merging runs, sizing and splitting the senders'
+//! write lists over threads — whose steps share the per-parameter state (`Resolved`,
+//! `Context`) and the write lists they fill; what needs none of that already lives apart
+//! (`layout`, `holdings`, `runs`, `balance`); its property tests are in `tests/`.
+//!
 //! From a [`Layout`] to its [`Plan`]: each parameter's pieces cut along the holdings of their
 //! tensors, bytes with one holder sent by it, replicated bytes split by [`balance`], and
 //! neighbouring runs merged.
