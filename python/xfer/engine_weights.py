@@ -54,6 +54,18 @@ class _Member:
         if not self.engine.closed:
             self.engine.close()
 
+    def _leave_and_close(self, attr: str) -> None:
+        """Leaves the group through the executor member in attribute ``attr`` (if any), then
+        closes the engine even if leaving fails; idempotent."""
+        member = getattr(self, attr)
+        setattr(self, attr, None)
+        try:
+            if member is not None:
+                member.close()
+        finally:
+            del member  # its rendezvous reference, which a raised error's frame would keep
+            self._close_engine()
+
 
 class FullTensorSender(_Member):
     """A trainer rank's side: sends full, checkpoint-named tensors to every inference worker.
@@ -113,13 +125,7 @@ class FullTensorSender(_Member):
 
     def close(self) -> None:
         """Leaves the group and closes the engine, even if leaving fails (idempotent)."""
-        sender, self.sender = self.sender, None
-        try:
-            if sender is not None:
-                sender.close()
-        finally:
-            del sender  # its rendezvous reference, which a raised error's frame would keep
-            self._close_engine()
+        self._leave_and_close("sender")
 
 
 class StagedReceiver(_Member):
@@ -160,10 +166,4 @@ class StagedReceiver(_Member):
     def close(self) -> None:
         """Leaves the group, frees the staging and closes the engine, even if leaving fails
         (idempotent)."""
-        receiver, self.receiver = self.receiver, None
-        try:
-            if receiver is not None:
-                receiver.close()
-        finally:
-            del receiver  # its rendezvous reference, which a raised error's frame would keep
-            self._close_engine()
+        self._leave_and_close("receiver")

@@ -31,21 +31,12 @@ pytest.importorskip("verl.checkpoint_engine.base")
 
 import xfer  # noqa: E402
 from conftest import plugin_available  # noqa: E402
+from weight_sync_checkpoint import xfer_config  # noqa: E402
 
 PROVIDERS = ["shm", "tcp;ofi_rxm"]
 TIMEOUT = 12.0  # seconds a version may take; a failed one fails everywhere within ~2x this
 WAIT = 120.0  # the test's own bound on any rank's answer
 STARTUP = 900.0  # … and on a process importing torch, transformers and verl (minutes on a busy two-core machine)
-
-
-def xfer_config(provider):
-    return {
-        "backend": "efa",
-        "groups": [{"nics": ["auto"]}],
-        "backends": {"efa": {"provider": provider}},
-        "timeouts": {"transfer_ms": 20000, "connect_ms": 20000, "expect_ms": 60000},
-        "worker": {"idle_poll_us": 0},
-    }
 
 
 def model_shapes():
