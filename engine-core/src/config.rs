@@ -134,6 +134,17 @@ pub struct WorkerConfig {
     /// under emulation); on a machine with fewer cores than busy threads it takes CPU from
     /// the threads the worker waits for (submitters, callbacks, a software NIC).
     pub yield_when_idle: bool,
+    /// Threads that submit (or wait in [`TransferEngine::wait`](crate::TransferEngine::wait))
+    /// while the worker is parked carry out its pass themselves — post, poll, deliver —
+    /// instead of waking it: no wake-up and no hop between threads on the way to the NIC.
+    /// `false` keeps every NIC call on the worker's thread (a worker pinned near its NIC,
+    /// submitters elsewhere), at the cost of a wake-up per submission to a parked worker.
+    pub drive_when_parked: bool,
+    /// How long [`TransferEngine::wait`](crate::TransferEngine::wait) keeps the waiting
+    /// thread busy before it sleeps: polling the NICs itself while the worker is parked (no
+    /// wake-up of the worker, none of the waiter: what a one-way's latency is mostly made of
+    /// on a small machine), spinning while the worker is awake. 0 sleeps at once.
+    pub wait_poll_us: u64,
     /// Largest message `submit_send` accepts.
     pub max_message: usize,
     /// Most operations (transfers, sends) accepted and not yet finished; past it `submit_*`
@@ -158,6 +169,8 @@ impl Default for WorkerConfig {
             spin_us: 50,
             idle_poll_us: 1_000,
             yield_when_idle: true,
+            drive_when_parked: true,
+            wait_poll_us: 100,
             max_message: 64 << 10,
             max_outstanding: 1 << 16,
             max_idle_imms: crate::imm::DEFAULT_MAX_IDLE_IMMS,

@@ -1,5 +1,7 @@
-//! The Domain trait: what one NIC must do for the engine. Backends implement it; the worker
-//! thread is its only caller, so every method takes `&mut self` and none needs a lock.
+//! The Domain trait: what one NIC must do for the engine. Backends implement it; one thread
+//! at a time calls it (the engine's worker, or a thread making the parked worker's pass in
+//! its place, under the worker's lock), so every method takes `&mut self` and none needs a
+//! lock.
 //!
 //! The shape fits both libibverbs RC (a QP per peer, connected lazily, an SRQ for arrivals)
 //! and libfabric RDM (one endpoint, peers in an address vector): the engine hands over

@@ -25,7 +25,7 @@ impl TransferEngine {
         match ready {
             Some(w) => w.complete(Ok(()), &self.shared.jobs),
             // The worker may be parked with a later deadline in mind.
-            None => self.shared.wake(),
+            None => self.shared.parking.wake_unless_due_by(deadline),
         }
         Ok(())
     }

@@ -15,7 +15,7 @@ use crate::group::SpreadPolicy;
 use crate::imm::ResetReport;
 use crate::plan::{Chunk, TransferShape};
 use crate::plugin::find_backend;
-use crate::runtime::completion::OnDone;
+use crate::runtime::completion::{DoneCounter, DoneFlag, OnDone};
 use crate::runtime::{
     spawn_callback_thread, spawn_worker, Command, Mirror, Ops, PagedWork, RdmaWork, Shared,
 };
@@ -125,7 +125,7 @@ pub struct TransferEngine {
     caps: Vec<crate::domain::Capabilities>,
     /// How this engine's DomainGroup spreads transfers over its NICs.
     spread: Arc<dyn SpreadPolicy>,
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
     addresses: Vec<NetAddr>,
     regions: RwLock<foldhash::HashMap<u64, Arc<LocalRegion>>>,
     peer_groups: Mutex<HashMap<u64, HashSet<NetAddr>>>,
@@ -358,6 +358,29 @@ impl TransferEngine {
             .and_then(|m| m.addr())
     }
 
+    /// Waits for `flag` to be set (at most `timeout`) and returns its outcome, as
+    /// [`DoneFlag::wait`] does — but busy at first, for up to `worker.wait_poll_us`: while
+    /// this engine's worker is parked, this thread polls the NICs and delivers itself, so an
+    /// arrival or completion is seen here with no wake-up of the worker or of this thread
+    /// (most of a one-way's latency on a small machine, as `cargo xtask rxe-bench lat`
+    /// shows); while the worker is awake it spins. Then it sleeps on the flag.
+    ///
+    /// Wakers of flags and mirror sinks may run on this thread then, as they may on a thread
+    /// that submits while the worker is parked (see [`DoneFlag::with_waker`]).
+    pub fn wait(&self, flag: &DoneFlag, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        self.shared.poll_until(timeout, || flag.is_done());
+        flag.wait(timeout.saturating_sub(start.elapsed()))
+    }
+
+    /// [`wait`](Self::wait) for `counter` to count `n` outcomes (as
+    /// [`DoneCounter::wait_for`]).
+    pub fn wait_for(&self, counter: &DoneCounter, n: u64, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        self.shared.poll_until(timeout, || counter.finished() >= n);
+        counter.wait_for(n, timeout.saturating_sub(start.elapsed()))
+    }
+
     /// Waits until fewer than `worker.max_outstanding` operations are outstanding, or
     /// `timeout` passes (`Err(Timeout)`). A submit may still get `Busy` if other threads
     /// submit in between.
@@ -395,8 +418,9 @@ impl TransferEngine {
         let me = std::thread::current().id();
         let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(w) = worker {
-            // Called on the worker itself (a flag's waker): it ends when this returns.
-            if w.thread().id() != me {
+            // Called on the worker itself, or on a thread driving it (a flag's waker): it
+            // ends when this returns.
+            if w.thread().id() != me && !self.shared.runs_worker_here() {
                 let _ = w.join();
             }
         }

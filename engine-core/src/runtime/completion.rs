@@ -287,8 +287,11 @@ impl DoneFlag {
         Arc::new(Self::default())
     }
 
-    /// A flag that calls `waker` right after it is set, **on the engine's worker thread**:
-    /// it must be quick and must not block (wake a waiter, hand work to another thread). It
+    /// A flag that calls `waker` right after it is set, **on the thread that makes the
+    /// engine's pass**: its worker, or — while the worker is parked — a thread that submits
+    /// or waits in `TransferEngine::wait` (`[worker] drive_when_parked`). It must be quick
+    /// and must not block (wake a waiter, hand work to another thread), nor wait for a lock
+    /// a submitting thread may hold while it submits. It
     /// saves the hop through the callback thread that an [`OnDone::Callback`] takes — for
     /// bindings whose waiters spin on the flag and only sometimes need a callback (Python's
     /// `Transfer`), and for answering an arrival at once: the waker may call

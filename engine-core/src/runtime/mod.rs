@@ -25,9 +25,10 @@ mod work;
 mod worker;
 
 use self::clock::Stamp;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::Thread;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 
@@ -151,6 +152,18 @@ pub(crate) enum Command {
 }
 
 impl Command {
+    /// Whether only the worker's own thread carries it out (not a thread driving it while
+    /// it is parked): everything but transfers, sends and cancellations.
+    pub(crate) fn is_for_the_worker(&self) -> bool {
+        !matches!(
+            self,
+            Command::Listed { .. }
+                | Command::Pages { .. }
+                | Command::Send { .. }
+                | Command::Cancel { .. }
+        )
+    }
+
     /// Sets when a transfer or send was submitted (see `local`); other commands have no time.
     pub(crate) fn stamp(&mut self, now: Stamp) {
         match self {
@@ -166,11 +179,37 @@ impl Command {
 /// outright (it owns nothing back), so a wake from a completion path — once per operation on
 /// an inline backend — is a load and, only when parked, an unpark: no upgrade of a weak
 /// handle to the whole engine and no reference count touched.
-#[derive(Default)]
+///
+/// While the worker is parked, another thread may drive its loop instead (see
+/// `worker::drive_parked`): it marks the worker `driven`, and for as long as it does, the
+/// worker counts as awake to wakers — it polls the Domains itself, so a wake would only
+/// take the CPU from it, and a Domain need not arm its completion channel (the driver
+/// re-arms it, as a parking worker does, when it stops).
 pub(crate) struct Parking {
     /// Set by the worker just before it parks; wakers unpark only then.
     parked: AtomicBool,
+    /// Another thread drives the parked worker's loop now.
+    driven: AtomicBool,
+    /// When the parked worker wakes by itself: nanoseconds after `epoch`, 0 while unknown
+    /// (it is deciding). Work due no earlier needs no wake.
+    wakes_at: AtomicU64,
+    epoch: Instant,
+    /// Unparks, counted for statistics and tests (a driven ping-pong should need none).
+    unparks: AtomicU64,
     worker: OnceLock<Thread>,
+}
+
+impl Default for Parking {
+    fn default() -> Self {
+        Self {
+            parked: AtomicBool::new(false),
+            driven: AtomicBool::new(false),
+            wakes_at: AtomicU64::new(0),
+            epoch: Instant::now(),
+            unparks: AtomicU64::new(0),
+            worker: OnceLock::new(),
+        }
+    }
 }
 
 impl Parking {
@@ -179,14 +218,35 @@ impl Parking {
         let _ = self.worker.set(thread);
     }
 
-    /// The worker announces that it parks (`true`) or runs again (`false`).
+    /// The worker announces that it parks (`true`) or runs again (`false`). Its wake-up time
+    /// is unknown until [`wakes_at`](Self::set_wakes_at) is set again.
     pub(crate) fn announce(&self, parked: bool) {
+        self.wakes_at.store(0, Ordering::SeqCst);
         self.parked.store(parked, Ordering::SeqCst);
     }
 
-    /// Whether the worker announced that it parks.
+    /// The parked worker will wake by itself at `at`.
+    pub(crate) fn set_wakes_at(&self, at: Instant) {
+        let nanos = at.saturating_duration_since(self.epoch).as_nanos();
+        self.wakes_at.store(
+            u64::try_from(nanos).unwrap_or(u64::MAX).max(1),
+            Ordering::SeqCst,
+        );
+    }
+
+    /// Whether the worker parked and no other thread drives it: what a Domain's waker asks.
     pub(crate) fn is_parked(&self) -> bool {
+        self.parked.load(Ordering::SeqCst) && !self.driven.load(Ordering::SeqCst)
+    }
+
+    /// Whether the worker announced that it parks, driven or not.
+    pub(crate) fn announced_parked(&self) -> bool {
         self.parked.load(Ordering::SeqCst)
+    }
+
+    /// Marks the parked worker driven by another thread, or no longer.
+    pub(crate) fn set_driven(&self, driven: bool) {
+        self.driven.store(driven, Ordering::SeqCst);
     }
 
     /// Wakes the worker if it parked. The worker announces `parked` and then checks the queue
@@ -199,8 +259,37 @@ impl Parking {
         }
     }
 
+    /// Wakes the parked worker unless it wakes by itself no later than `due`: new work due
+    /// then (an expectation's deadline) needs no wake-up of its own. The worker publishes
+    /// its wake-up time after it read every deadline it parks for, and clears it first, so a
+    /// time read here either counts `due` or is no later than it.
+    pub(crate) fn wake_unless_due_by(&self, due: Instant) {
+        if !self.is_parked() {
+            return;
+        }
+        let at = self.wakes_at.load(Ordering::SeqCst);
+        let due =
+            u64::try_from(due.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX);
+        if at == 0 || at > due {
+            self.unpark();
+        }
+    }
+
+    /// Whether the worker parked and published when it wakes by itself.
+    #[cfg(test)]
+    pub(crate) fn settled(&self) -> bool {
+        self.announced_parked() && self.wakes_at.load(Ordering::SeqCst) != 0
+    }
+
+    /// How many times the worker was unparked.
+    #[cfg(test)]
+    pub(crate) fn unparks(&self) -> u64 {
+        self.unparks.load(Ordering::Relaxed)
+    }
+
     /// Unparks the worker whatever it announced.
     pub(crate) fn unpark(&self) {
+        self.unparks.fetch_add(1, Ordering::Relaxed);
         if let Some(t) = self.worker.get() {
             t.unpark();
         }
@@ -214,6 +303,10 @@ pub(crate) struct Shared {
     queue: queue::SubmissionQueue<Command>,
     /// The worker's parking state; Domains' wakers hold it directly (see [`Parking`]).
     pub(crate) parking: Arc<Parking>,
+    /// The worker's state: locked by its thread while awake, and by a thread that drives it
+    /// while it is parked (see `worker::drive_parked`). Empty before the worker runs and
+    /// after it stopped (it takes its state out, which also ends the cycle through `Shared`).
+    pub(crate) driver: Mutex<Option<worker::Worker>>,
     pub(crate) imm: Mutex<ImmCounter<OnDone>>,
     pub(crate) jobs: Sender<Job>,
     pub(crate) recv_handler: OnceLock<(usize, RecvHandler)>,
@@ -252,6 +345,7 @@ impl Shared {
             backend,
             queue: queue::SubmissionQueue::new(),
             parking: Arc::new(Parking::default()),
+            driver: Mutex::new(None),
             imm: Mutex::new(ImmCounter::for_peers(max_idle_imms, per_peer)),
             jobs,
             recv_handler: OnceLock::new(),
@@ -281,7 +375,10 @@ impl Shared {
         self.check_open().inspect_err(|_| self.finished(1))?;
         if let Err(make) = local::push(self, make) {
             self.queue.push(make(Stamp::now()));
-            self.wake();
+            // A parked worker's pass runs here rather than after a wake-up.
+            if !worker::drive_parked(self) {
+                self.wake();
+            }
         }
         Ok(())
     }
@@ -375,6 +472,36 @@ impl Shared {
     /// Whether the engine was shut down.
     pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
+    }
+
+    /// Keeps this thread busy until `done()` or for at most `worker.wait_poll_us` (and
+    /// `limit`): driving the parked worker's passes here (see `worker::drive_parked_while`),
+    /// or, while it is awake, spinning. Returns `done()`'s last answer.
+    pub(crate) fn poll_until(&self, limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+        let start = Instant::now();
+        let limit = limit.min(Duration::from_micros(self.config.worker.wait_poll_us));
+        loop {
+            if done() {
+                return true;
+            }
+            if start.elapsed() >= limit {
+                return false;
+            }
+            let drove = worker::drive_parked_while(self, || !done() && start.elapsed() < limit);
+            if !drove {
+                if self.config.worker.yield_when_idle {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+    }
+
+    /// Whether this thread runs the worker's loop now: the worker's own thread, or one that
+    /// drives it while it is parked (then the worker waits for this thread to let go).
+    pub(crate) fn runs_worker_here(&self) -> bool {
+        local::is_worker_of(self)
     }
 
     /// Wakes the worker if it parked (see [`Parking::wake`]).

@@ -26,6 +26,18 @@
 //! `Error::WorkerFailed`, and from then on refuses new work until the engine is dropped.
 //! User code that runs here (mirror sinks) is caught on its own and never gets that far.
 //!
+//! Driven while parked: the worker's state lives in `Shared::driver`, a lock its thread holds
+//! while awake and lets go only to park. A thread that submits (or waits in
+//! `TransferEngine::wait`) while the worker is parked takes the lock and makes the pass
+//! itself (`drive_parked`): on a small machine the wake-up of the worker and, for a waiter,
+//! its own wake-up by the worker are most of a one-way's latency. While it drives, Domains'
+//! wakers leave the worker parked; when it stops it polls once more as a parking worker does
+//! (the Domains arm their wake-ups) and wakes the worker for whatever is left — commands only
+//! the worker carries out (registrations, statistics, the shutdown), queued work, a deadline
+//! before the one the worker parked for, a panic. The worker parks no longer than a new
+//! transfer's or expectation's timeout, so what a driver submits is due no earlier than the
+//! worker wakes by itself.
+//!
 //! Spinning policy (its decisions in `idle.rs`, pure): while any transfer is in flight (or a
 //! post is waiting for room) the worker busy-polls; after `worker.spin_us` without work it
 //! parks until woken by a submission or a Domain's waker, the next deadline, or (for Domains
@@ -76,7 +88,7 @@ fn report_dropped_notification(why: Refused, shared: &Shared) {
     }
 }
 
-struct Worker {
+pub(crate) struct Worker {
     shared: Arc<Shared>,
     /// The NICs, driven as one; which group it is (built-in striping or a backend's own)
     /// does not matter here.
@@ -100,6 +112,24 @@ struct Worker {
     anchor: Anchor,
     /// Poll errors that were not fatal, logged at a bounded rate.
     poll_errors: u64,
+    /// Whether another thread may drive this worker's loop while it is parked: not when a
+    /// Domain moves only while polled (the worker never parks then).
+    drivable: bool,
+    /// When the parked worker wakes by itself; `None` while it is awake.
+    wakes_at: Option<Instant>,
+    /// A panic on a thread that drove this worker (see [`drive_parked`]): the worker fails
+    /// with it when it runs next, as if it had panicked itself.
+    driven_panic: Option<String>,
+}
+
+/// What the worker's thread does after a pass.
+enum Next {
+    /// The next pass.
+    Go,
+    /// Park (the lock released) for at most this long, then the next pass.
+    Park(Duration),
+    /// The engine is being dropped: shut down.
+    Stop,
 }
 
 /// What the engine keeps of its worker.
@@ -136,7 +166,8 @@ pub(crate) fn spawn_worker(
                     let reads = caps.iter().all(|c| c.reads);
                     let spread = worker.group.spread();
                     let _ = ready_tx.send(Ok((addresses, reads, caps, spread)));
-                    worker.run();
+                    *lock_driver(&shared) = Some(worker);
+                    run(&shared);
                 }
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
@@ -259,34 +290,176 @@ fn open_domains(shared: &Arc<Shared>, backend: &Backend, group: usize) -> Result
         stamp: Stamp::now(),
         anchor,
         poll_errors: 0,
+        drivable: false,
+        wakes_at: None,
+        driven_panic: None,
     })
 }
 
-impl Worker {
-    fn run(mut self) {
-        let spin = Duration::from_micros(self.shared.config.worker.spin_us);
-        let idle_poll = Duration::from_micros(self.shared.config.worker.idle_poll_us);
-        // Domains that cannot wake us and need polling to make progress (libfabric's
-        // manual-progress providers) with `idle_poll_us = 0`: never park.
-        let never_park = (!self.domains_wake && idle_poll.is_zero()) || self.needs_polling;
-        let mut idle = Idle::new(spin, never_park);
-        local::enter(&self.shared);
-        loop {
-            let pass = catch_unwind(AssertUnwindSafe(|| self.pass(idle_poll, &mut idle)));
-            match pass {
-                Ok(true) => {}
-                Ok(false) => break self.shutdown(),
-                Err(panic) => break self.fail(panic_message(&*panic)),
+/// The worker's state, locked: held by its thread while awake, by a driver while parked.
+fn lock_driver(shared: &Shared) -> std::sync::MutexGuard<'_, Option<Worker>> {
+    // A pass that panics is caught inside the guard's scope, so the lock is never poisoned
+    // by one; should it be, the state is as consistent as a caught panic leaves it.
+    shared.driver.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The worker's thread: passes under the lock, which it lets go only to park.
+fn run(shared: &Arc<Shared>) {
+    let config = &shared.config.worker;
+    let spin = Duration::from_micros(config.spin_us);
+    let idle_poll = Duration::from_micros(config.idle_poll_us);
+    let mut guard = lock_driver(shared);
+    let Some(worker) = guard.as_mut() else {
+        return;
+    };
+    // Domains that cannot wake us and need polling to make progress (libfabric's
+    // manual-progress providers) with `idle_poll_us = 0`: never park.
+    let never_park = (!worker.domains_wake && idle_poll.is_zero()) || worker.needs_polling;
+    worker.drivable = !never_park && config.drive_when_parked;
+    let mut idle = Idle::new(spin, never_park);
+    local::enter(shared);
+    let failure = loop {
+        let Some(worker) = guard.as_mut() else {
+            return;
+        };
+        if let Some(why) = worker.driven_panic.take() {
+            break Some(why);
+        }
+        match catch_unwind(AssertUnwindSafe(|| worker.pass(idle_poll, &mut idle))) {
+            Ok(Next::Go) => {}
+            Ok(Next::Park(timeout)) => {
+                drop(guard);
+                std::thread::park_timeout(timeout);
+                guard = lock_driver(shared);
+                shared.parking.announce(false);
+                if let Some(worker) = guard.as_mut() {
+                    worker.wakes_at = None;
+                }
+                continue;
             }
-            if let Some(why) = self.core.fatal() {
-                let why = why.clone();
-                break self.fail(why);
+            Ok(Next::Stop) => break None,
+            Err(panic) => break Some(panic_message(&*panic)),
+        }
+        if let Some(why) = worker.core.fatal() {
+            break Some(why.clone());
+        }
+    };
+    // Out of the lock (and out of `Shared`, which it holds): from here on nobody drives it.
+    let Some(worker) = guard.take() else {
+        return;
+    };
+    drop(guard);
+    match failure {
+        None => worker.shutdown(),
+        Some(why) => worker.fail(why),
+    }
+}
+
+/// Drives the parked worker's loop on this thread: one pass of its work (the queue, posts,
+/// the Domains' events, deliveries), so that a submission is posted, or an arrival counted,
+/// without waking the worker — the wake-up and the hop between threads are most of a
+/// one-way's latency on a small machine. Returns `false` when it did not (the worker is
+/// awake, another thread drives it, this thread is a worker itself, or the Domains need the
+/// worker polling): then the caller wakes the worker as before.
+///
+/// While it drives, wakers leave the worker parked (see `Parking`); when it stops, it polls
+/// the Domains once more as the worker does before it parks (they arm their wake-ups), and
+/// wakes the worker if anything is left for it: commands it did not take, queued work,
+/// something due before the worker's own wake-up, a shutdown, or a panic here.
+pub(crate) fn drive_parked(shared: &Shared) -> bool {
+    drive_parked_while(shared, || false)
+}
+
+/// [`drive_parked`], pass after pass for as long as `more()` says (asked after each pass),
+/// unless the worker must wake for what is left.
+pub(crate) fn drive_parked_while(shared: &Shared, mut more: impl FnMut() -> bool) -> bool {
+    if !shared.parking.announced_parked() || local::is_worker_thread() {
+        return false;
+    }
+    let Ok(mut guard) = shared.driver.try_lock() else {
+        return false;
+    };
+    let Some(worker) = guard.as_mut() else {
+        return false;
+    };
+    // Holding the lock, the worker is not in a pass: it is parked, or woke and waits for
+    // the lock (then it announced nothing yet, and runs a pass after this one).
+    if !worker.drivable || !shared.parking.announced_parked() || worker.driven_panic.is_some() {
+        return false;
+    }
+    shared.parking.set_driven(true);
+    local::enter(shared);
+    let driven = catch_unwind(AssertUnwindSafe(|| loop {
+        if worker.driven_pass() {
+            break true;
+        }
+        if !more() {
+            break false;
+        }
+    }));
+    let kept = local::leave();
+    shared.parking.set_driven(false);
+    let wake = match driven {
+        Ok(wake) => {
+            let now = Stamp::now();
+            let left = !kept.is_empty();
+            for mut cmd in kept {
+                cmd.stamp(now);
+                shared.queue.push(cmd);
+            }
+            wake || left
+                || catch_unwind(AssertUnwindSafe(|| worker.stop_driving())).unwrap_or_else(
+                    |panic| {
+                        worker.driven_failed(panic_message(&*panic));
+                        true
+                    },
+                )
+        }
+        Err(panic) => {
+            worker.driven_failed(panic_message(&*panic));
+            true
+        }
+    };
+    drop(guard);
+    if wake {
+        shared.parking.unpark();
+    }
+    true
+}
+
+impl Worker {
+    /// One pass of the worker's loop, and what its thread does next.
+    fn pass(&mut self, idle_poll: Duration, idle: &mut Idle) -> Next {
+        let Some(busy) = self.rounds(false) else {
+            return Next::Stop;
+        };
+        match idle.after_pass(busy) {
+            AfterPass::Go => {}
+            AfterPass::Expire => self.expire(Stamp::now()),
+            AfterPass::Pause => self.idle_pause(),
+            AfterPass::Look => {
+                let now = Stamp::now();
+                self.expire(now);
+                let in_flight = self.core.in_flight() > 0 || self.core.has_queued();
+                if idle.parks(now, in_flight) {
+                    if let Some(timeout) = self.prepare_park(idle_poll) {
+                        return Next::Park(timeout);
+                    }
+                } else {
+                    self.idle_pause();
+                }
             }
         }
+        Next::Go
     }
 
-    /// One pass of the loop; returns `false` once a shutdown was seen.
-    fn pass(&mut self, idle_poll: Duration, idle: &mut Idle) -> bool {
+    /// The work of a pass: commands, posts, queued work, the Domains' events, deliveries.
+    /// Returns whether there was any, or `None` once the shutdown was taken (it stays first
+    /// among the commands, for the worker's thread to carry out) — or, in a pass another
+    /// thread drives, a command for the worker alone: registering memory (which can take
+    /// long: the thread that submitted a small write must not wait for another's `reg_mr`),
+    /// receive buffers, statistics.
+    fn rounds(&mut self, driven: bool) -> Option<bool> {
         let mut busy = false;
         // Kept from the last pass (its second round, below, was spent) first: this thread
         // may have submitted to the shared queue after them (a cancel, say).
@@ -314,9 +487,10 @@ impl Worker {
                     let Some(cmd) = self.commands.pop_front() else {
                         break;
                     };
-                    if matches!(cmd, Command::Shutdown) {
+                    if matches!(cmd, Command::Shutdown) || (driven && cmd.is_for_the_worker()) {
+                        self.commands.push_front(cmd);
                         self.carry_out_posts();
-                        return false;
+                        return None;
                     }
                     self.handle_command(cmd);
                 }
@@ -336,22 +510,51 @@ impl Worker {
                 None => break,
             }
         }
-        match idle.after_pass(busy) {
-            AfterPass::Go => {}
-            AfterPass::Expire => self.expire(Stamp::now()),
-            AfterPass::Pause => self.idle_pause(),
-            AfterPass::Look => {
-                let now = Stamp::now();
-                self.expire(now);
-                let in_flight = self.core.in_flight() > 0 || self.core.has_queued();
-                if idle.parks(now, in_flight) {
-                    self.park(idle_poll);
-                } else {
-                    self.idle_pause();
-                }
-            }
+        Some(busy)
+    }
+
+    /// A pass driven by another thread while this worker is parked (see [`drive_parked`]);
+    /// returns whether the worker must wake for what is left.
+    fn driven_pass(&mut self) -> bool {
+        self.rounds(true).is_none() || !self.commands.is_empty() || self.core.has_queued()
+    }
+
+    /// A driver stops: the Domains are polled once more with the worker counted as parked
+    /// again, so that they arm their wake-ups (and what came in before that is seen); returns
+    /// whether the worker must wake — for work left, or for a deadline earlier than the one
+    /// it parked for.
+    fn stop_driving(&mut self) -> bool {
+        if self.poll_domains() {
+            self.deliver();
         }
-        true
+        if !self.commands.is_empty()
+            || self.core.has_queued()
+            || self.core.fatal().is_some()
+            || !local::is_empty()
+            || !self.shared.queue.is_empty()
+        {
+            return true;
+        }
+        let Some(wakes_at) = self.wakes_at else {
+            return true;
+        };
+        let due = [
+            self.core.poll_timeout().map(|d| self.anchor.instant(d)),
+            self.shared.lock_imm().next_deadline(),
+            self.domains_poll_timeout(),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        due.is_some_and(|due| due < wakes_at)
+    }
+
+    /// A driver panicked in this worker's pass: new work is refused now, and the worker
+    /// fails (closing its Domains, failing what is in flight) when it runs next.
+    fn driven_failed(&mut self, why: String) {
+        tracing::error!(reason = %why, "a thread driving the xfer worker panicked");
+        let _ = self.shared.failed.set(why.clone());
+        self.driven_panic = Some(why);
     }
 
     /// Between idle polls: by default yield, so that on a small machine the threads we wait
@@ -365,7 +568,9 @@ impl Worker {
         }
     }
 
-    fn park(&mut self, idle_poll: Duration) {
+    /// Decides to park: `Some(timeout)` with the park announced, or `None` (not announced)
+    /// when work came in meanwhile.
+    fn prepare_park(&mut self, idle_poll: Duration) -> Option<Duration> {
         // Announce the park first, then read the deadlines and look once more: an expectation
         // registered concurrently (its deadline unknown to a timeout computed earlier) is either
         // seen here or its `expect_imm_count` sees `parked` and unparks us. Computing the
@@ -376,30 +581,37 @@ impl Worker {
         // pairs to free) are read after that last poll, which may move them: the worker
         // wakes to poll it then even when nothing arrives and nothing else is due.
         self.shared.parking.announce(true);
-        if self.commands.is_empty()
+        if !(self.commands.is_empty()
             && local::is_empty()
             && self.shared.queue.is_empty()
-            && !self.poll_domains()
+            && !self.poll_domains())
         {
-            let deadline = [
-                self.core.poll_timeout().map(|d| self.anchor.instant(d)),
-                self.shared.lock_imm().next_deadline(),
-                self.domains_poll_timeout(),
-            ]
-            .into_iter()
-            .flatten()
-            .min();
-            // Read now, after the poll: a deadline is not overslept by the time it took.
-            let now = Instant::now();
-            let mut timeout = deadline.map_or(Duration::from_secs(3600), |d| {
-                d.saturating_duration_since(now)
-            });
-            if !self.domains_wake {
-                timeout = timeout.min(idle_poll);
-            }
-            std::thread::park_timeout(timeout);
+            self.shared.parking.announce(false);
+            return None;
         }
-        self.shared.parking.announce(false);
+        let deadline = [
+            self.core.poll_timeout().map(|d| self.anchor.instant(d)),
+            self.shared.lock_imm().next_deadline(),
+            self.domains_poll_timeout(),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        // Read now, after the poll: a deadline is not overslept by the time it took.
+        let now = Instant::now();
+        // Never longer than a new transfer's or expectation's timeout: what is submitted
+        // while the worker is parked is then due no earlier than it wakes, and needs no
+        // wake-up of its own (see `Parking::wake_unless_due_by`, `drive_parked`).
+        let timeouts = &self.shared.config.timeouts;
+        let mut timeout = deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(now));
+        timeout = timeout.min(timeouts.transfer()).min(timeouts.expect());
+        if !self.domains_wake {
+            timeout = timeout.min(idle_poll);
+        }
+        let wakes_at = now + timeout;
+        self.wakes_at = Some(wakes_at);
+        self.shared.parking.set_wakes_at(wakes_at);
+        Some(timeout)
     }
 
     /// The earliest time a Domain asked to be polled at though nothing arrives.

@@ -130,11 +130,18 @@ fn a_parked_worker_polls_a_domain_by_its_poll_timeout() {
     drop(engine);
 }
 
-/// An engine on the inline mock whose worker parks as soon as it is idle.
+/// An engine on the mock whose worker parks as soon as it is idle.
 fn parking_mock_engine() -> std::sync::Arc<TransferEngine> {
+    mock_engine("")
+}
+
+/// [`parking_mock_engine`] with more of the config (the mock's options, say).
+fn mock_engine(more: &str) -> std::sync::Arc<TransferEngine> {
     backend_mock::link();
-    let text = "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n[worker]\nspin_us = 0\n";
-    let config = Config::from_toml(text, std::path::Path::new("<worker test>")).unwrap();
+    let text = format!(
+        "backend = \"mock\"\n[[groups]]\nnics = [\"mock0\"]\n[worker]\nspin_us = 0\n{more}"
+    );
+    let config = Config::from_toml(&text, std::path::Path::new("<worker test>")).unwrap();
     std::sync::Arc::new(TransferEngine::open(&config).unwrap())
 }
 
@@ -218,6 +225,199 @@ fn a_write_kept_on_the_worker_completes_when_the_worker_shuts_down() {
     assert!(
         matches!(outcome, Ok(()) | Err(crate::Error::Shutdown)),
         "{outcome:?}"
+    );
+    drop(buf);
+}
+
+/// Waits (bounded, on what the worker publishes) until the worker has parked: announced,
+/// its wake-up time published and its state let go.
+fn until_parked(engine: &TransferEngine) {
+    let start = Instant::now();
+    while !(engine.shared.parking.settled() && engine.shared.driver.try_lock().is_ok()) {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the idle worker never parked"
+        );
+        std::thread::yield_now();
+    }
+}
+
+/// Submissions and waits on other threads while the worker is parked are carried out on
+/// those threads (posted, polled, delivered, expectations met) and, on a NIC where a post
+/// lands at once (the inline mock), wake the worker not once: a wake-up and a hop between
+/// threads are most of a one-way's latency on a small machine.
+#[test]
+fn a_parked_worker_is_driven_by_the_threads_that_submit_and_wait_without_waking_it() {
+    let engine = mock_engine("[backends.mock]\ninline = true\n");
+    let buf = crate::HostBuffer::new(&engine, 64).unwrap();
+    until_parked(&engine);
+    let unparks = engine.shared.parking.unparks();
+    for round in 0..200u64 {
+        let arrived = crate::DoneFlag::new();
+        engine.expect_imm_count(9, 1, arrived.clone()).unwrap();
+        let written = crate::DoneFlag::new();
+        engine
+            .submit_single_write(8, Some(9), (buf.mr(), 0), (buf.desc(), 8), written.clone())
+            .unwrap();
+        // The bounds only keep a broken engine from hanging the suite.
+        engine.wait(&written, Duration::from_secs(60)).unwrap();
+        engine.wait(&arrived, Duration::from_secs(60)).unwrap();
+        assert!(
+            engine.shared.parking.announced_parked(),
+            "round {round}: the worker woke"
+        );
+    }
+    assert_eq!(
+        engine.shared.parking.unparks(),
+        unparks,
+        "the parked worker was woken for work its submitters carried out"
+    );
+    drop(buf);
+}
+
+/// On the unkind mock (operations land later, on the fabric's thread, shuffled), waits that
+/// drive the parked worker and the worker woken between them share the work: every write
+/// completes once and every arrival meets its expectation, from several threads at once.
+#[test]
+fn threads_driving_a_parked_worker_and_the_worker_lose_nothing_between_them() {
+    let engine = mock_engine("[backends.mock]\nreorder = true\njitter_us = 20\n");
+    let buf = crate::HostBuffer::new(&engine, 4096).unwrap();
+    std::thread::scope(|scope| {
+        for thread in 0..4u32 {
+            let (engine, buf) = (&engine, &buf);
+            scope.spawn(move || {
+                let imm = 100 + thread;
+                let sent = crate::DoneCounter::new();
+                for round in 0..300u64 {
+                    let arrived = crate::DoneFlag::new();
+                    engine.expect_imm_count(imm, 1, arrived.clone()).unwrap();
+                    let at = u64::from(thread) * 64;
+                    engine
+                        .submit_single_write(
+                            8,
+                            Some(imm),
+                            (buf.mr(), at),
+                            (buf.desc(), at + 8),
+                            sent.clone(),
+                        )
+                        .unwrap();
+                    // The bounds only keep a broken engine from hanging the suite.
+                    engine.wait(&arrived, Duration::from_secs(60)).unwrap();
+                    engine
+                        .wait_for(&sent, round + 1, Duration::from_secs(60))
+                        .unwrap();
+                }
+                assert_eq!(sent.finished(), 300);
+                assert!(sent.first_error().is_none());
+            });
+        }
+    });
+    assert_eq!(engine.stats().unwrap().outstanding, 0);
+    drop(buf);
+}
+
+const BLACK_HOLE_BACKEND: &str = "worker-test-black-hole";
+
+/// A Domain that takes every request and never completes one.
+struct BlackHoleDomain;
+
+impl Domain for BlackHoleDomain {
+    fn address(&self) -> NetAddr {
+        NetAddr::new(b"black hole").expect("a valid address")
+    }
+    fn register(&mut self, _: &MemoryRegion) -> Result<Registration, DomainError> {
+        Ok(Registration {
+            local_key: 1,
+            remote_key: 1,
+        })
+    }
+    fn deregister(&mut self, _: u64) -> Result<(), DomainError> {
+        Ok(())
+    }
+    fn post_rdma(&mut self, _: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
+        Ok(PostStatus::Posted)
+    }
+    fn post_send(&mut self, _: u64, _: &NetAddr, _: &[u8]) -> Result<PostStatus, DomainError> {
+        Ok(PostStatus::Posted)
+    }
+    fn post_recvs(&mut self, _: usize, _: usize) -> Result<(), DomainError> {
+        Ok(())
+    }
+    fn poll(&mut self, _: &mut Vec<Event>) -> Result<(), DomainError> {
+        Ok(())
+    }
+    fn set_waker(&mut self, _: Waker) -> bool {
+        true
+    }
+}
+
+inventory::submit! {
+    BackendRegistration {
+        name: BLACK_HOLE_BACKEND,
+        open: |_| Ok(Box::new(BlackHoleDomain)),
+        check_options: |_| Ok(()),
+    }
+}
+
+/// A write posted by a submitting thread while the worker is parked, whose completion never
+/// comes, still times out at its deadline: the worker parks no longer than a new transfer's
+/// timeout, so it is awake by then though nothing woke it.
+#[test]
+fn a_write_posted_while_the_worker_is_parked_still_times_out() {
+    let text = format!(
+        "backend = \"{BLACK_HOLE_BACKEND}\"\n[[groups]]\nnics = [\"b0\"]\n[worker]\nspin_us = 0\n[timeouts]\ntransfer_ms = 300\n"
+    );
+    let config = Config::from_toml(&text, std::path::Path::new("<worker test>")).unwrap();
+    let engine = std::sync::Arc::new(TransferEngine::open(&config).unwrap());
+    let buf = crate::HostBuffer::new(&engine, 64).unwrap();
+    until_parked(&engine);
+    let unparks = engine.shared.parking.unparks();
+    let written = crate::DoneFlag::new();
+    engine
+        .submit_single_write(8, None, (buf.mr(), 0), (buf.desc(), 8), written.clone())
+        .unwrap();
+    assert_eq!(
+        engine.shared.parking.unparks(),
+        unparks,
+        "posting woke the worker"
+    );
+    // The bound only keeps a broken worker from hanging the suite (it parked for an hour).
+    let outcome = written.wait(Duration::from_secs(60));
+    assert!(
+        matches!(outcome, Err(crate::Error::Timeout(t)) if t == Duration::from_millis(300)),
+        "{outcome:?}"
+    );
+    drop(buf);
+}
+
+/// A waker that shuts its engine down while running on a thread that drives the parked
+/// worker does not wait for the worker (which waits for that thread): nothing hangs, and
+/// the engine refuses new work at once.
+#[test]
+fn a_waker_on_a_driving_thread_can_shut_the_engine_down() {
+    let engine = parking_mock_engine();
+    let buf = crate::HostBuffer::new(&engine, 64).unwrap();
+    until_parked(&engine);
+    let weak = std::sync::Arc::downgrade(&engine);
+    let trigger = crate::DoneFlag::with_waker(move || {
+        if let Some(me) = weak.upgrade() {
+            me.shutdown();
+        }
+    });
+    engine
+        .submit_single_write(8, None, (buf.mr(), 16), (buf.desc(), 24), trigger.clone())
+        .unwrap();
+    trigger.wait(Duration::from_secs(60)).unwrap();
+    let refused = engine.submit_single_write(
+        8,
+        None,
+        (buf.mr(), 16),
+        (buf.desc(), 24),
+        crate::DoneFlag::new(),
+    );
+    assert!(
+        matches!(refused, Err(crate::Error::Shutdown)),
+        "{refused:?}"
     );
     drop(buf);
 }

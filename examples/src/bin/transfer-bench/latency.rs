@@ -183,17 +183,18 @@ pub(crate) fn latency(config: &Config, iterations: u64) -> Result<Latency, BoxEr
     let warmup = (iterations / 10).max(10);
     let total = warmup + iterations;
     let stop = std::sync::atomic::AtomicBool::new(false);
-    // Each side waits for the next arrival with an expectation (it consumes one arrival),
-    // blocking rather than spinning: the spinning is the workers' job (`--busy-poll`), and on
-    // a small machine more spinning threads only take CPU from the NIC (soft-RoCE runs in
-    // the kernel here).
+    // Each side waits for the next arrival with an expectation (it consumes one arrival)
+    // through `TransferEngine::wait`: it polls the NICs on this thread while the worker is
+    // parked, for up to `worker.wait_poll_us`, and then sleeps.
     let wait_one = |engine: &TransferEngine, imm: u32| -> Result<(), BoxError> {
         if stop.load(std::sync::atomic::Ordering::Relaxed) {
             return Err("the other side stopped".into());
         }
         let arrived = engine_core::DoneFlag::new();
         engine.expect_imm_count(imm, 1, arrived.clone())?;
-        arrived.wait(Duration::from_secs(10))?;
+        // Busy for `worker.wait_poll_us` first, polling the NICs here while the worker is
+        // parked, then asleep on the flag.
+        engine.wait(&arrived, Duration::from_secs(10))?;
         Ok(())
     };
     let (a_sent, b_sent) = (DoneCounter::new(), DoneCounter::new());

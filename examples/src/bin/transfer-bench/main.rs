@@ -124,6 +124,11 @@ struct Args {
     /// (`[worker] yield_when_idle = false`), as perftest does; best when each worker has a core.
     #[arg(long, requires = "busy_poll")]
     spin: bool,
+    /// With `--latency`: how long an application thread's wait stays busy (polling the NICs
+    /// itself while the worker is parked) before it sleeps (`[worker] wait_poll_us`; the
+    /// config's value when not given). perftest's latency tools spin without end.
+    #[arg(long)]
+    wait_poll_us: Option<u64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -209,6 +214,9 @@ fn load_config(args: &Args) -> Result<Config, BoxError> {
         // `idle_poll_us` says: spin for an hour instead.
         config.worker.spin_us = 3_600_000_000;
         config.worker.yield_when_idle = !args.spin;
+    }
+    if let Some(us) = args.wait_poll_us {
+        config.worker.wait_poll_us = us;
     }
     if let Some(n) = args.nics {
         config.groups[0].nics = (0..n).map(|i| format!("{}{i}", config.backend)).collect();
