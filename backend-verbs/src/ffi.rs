@@ -601,7 +601,10 @@ impl Device {
 
     /// Test fault: puts the handshake QP into the error state.
     pub(crate) fn ud_to_error(&mut self) -> Result<(), String> {
-        // SAFETY: the device is open; the shim only modifies its own UD QP.
+        if self.ud.is_none() {
+            return Err("UD QP to ERR: the device is not set up".into());
+        }
+        // SAFETY: the device is set up (it has its UD QP); the shim only modifies that QP.
         let rc = unsafe { sys::xv_ud_to_error(self.raw.as_ptr()) };
         if rc != 0 {
             return Err(format!("UD QP to ERR: {}", errno_text(rc)));
