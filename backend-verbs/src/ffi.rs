@@ -6,22 +6,27 @@
 //! (a `Mr` or `Qp` never outlives its `Device`, a buffer is deregistered before it is freed,
 //! an inline write's range was checked against a live registration). Split over files, those
 //! orderings would be argued in several places; the safe logic above them already lives in
-//! `domain/`, `completion.rs` and `notify.rs`.
+//! `domain/`, `completion.rs`, `notify.rs`, and — for what the handshake QP's slots and the
+//! CQ's size decide — `ud.rs` and `cq.rs`.
 
 use std::ffi::{c_char, CStr, CString};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use verbs_sys as sys;
 use xfer_plugin::domain::{MemoryRegion, ReceivePool};
 
+use crate::cq::CqBudget;
+use crate::ud::{self, UdCompletion, UdSlots};
+
+pub(crate) use crate::cq::{Wc, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV};
 // `XvWrite` is the shim's name for any RDMA work request (its `read` flag makes it a read).
-pub(crate) use sys::{
-    XvAttr as Attr, XvWc as Wc, XvWrite as WorkRequest, KIND_RECV_IMM, KIND_RECV_MSG, KIND_UD_RECV,
-    TAG_MASK, TAG_MSG_RECV, TAG_SEND,
-};
+pub(crate) use sys::{XvAttr as Attr, XvWrite as WorkRequest, TAG_MASK, TAG_MSG_RECV, TAG_SEND};
+
+const EINVAL: i32 = 22;
+const EAGAIN: i32 = 11;
 
 /// What peers may do to a registration, as the shim takes it: bit 0 write, bit 1 read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,6 +87,89 @@ pub(crate) struct Device {
     /// The thread waiting on the CQ's completion channel, if started: stopped and joined
     /// before the device closes.
     notifier: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+    /// What is reserved of the CQ; each RC QP holds a share (see [`CqShare`]).
+    cq: Arc<Mutex<CqBudget>>,
+    /// The handshake QP's buffers and slots, once set up.
+    ud: Option<HandshakeQp>,
+    /// Completions as the shim polled them, before they are routed.
+    polled: [sys::XvCqe; 32],
+}
+
+/// The handshake QP's registered buffer and its slots (see `crate::ud`).
+struct HandshakeQp {
+    slots: UdSlots<Ah>,
+    /// Declared ahead of `buffer`: deregistered before it is freed.
+    mr: Mr,
+    /// [`ud::BUFFER_LEN`] bytes: the send slots, then the receive slots. Stays at its address
+    /// while registered; the NIC reads and writes it only between a post and its completion.
+    buffer: Box<[u8]>,
+}
+
+impl HandshakeQp {
+    /// Posts receive slot `slot` in the slots' current generation.
+    fn post_recv(&mut self, device: NonNull<sys::XvDev>, slot: usize) -> i32 {
+        let at = ud::recv_offset(slot);
+        let addr = self.buffer[at..at + ud::RECV_SLOT].as_mut_ptr() as u64;
+        // SAFETY: the range lies in `buffer`, registered as `mr`; both live until after the
+        // UD QP is destroyed (`Device::drop`), so the NIC never writes freed memory.
+        unsafe {
+            sys::xv_ud_post_recv(
+                device.as_ptr(),
+                self.slots.recv_wr_id(slot),
+                addr,
+                ud::RECV_SLOT as u32,
+                self.mr.lkey,
+            )
+        }
+    }
+
+    /// Posts every receive slot: 0, or the first errno.
+    fn post_every_recv(&mut self, device: NonNull<sys::XvDev>) -> i32 {
+        (0..ud::UD_SLOTS)
+            .map(|slot| self.post_recv(device, slot))
+            .find(|&rc| rc != 0)
+            .unwrap_or(0)
+    }
+}
+
+/// An address handle a handshake send goes through, destroyed when its send completed.
+struct Ah(NonNull<sys::IbvAh>);
+
+impl Drop for Ah {
+    fn drop(&mut self) {
+        // SAFETY: created once by xv_ud_create_ah, destroyed once, after the send that used it
+        // completed or its QP was reset or destroyed.
+        unsafe { sys::xv_destroy_ah(self.0.as_ptr()) };
+    }
+}
+
+/// An RC QP's share of its device's CQ: released when the QP is destroyed.
+struct CqShare {
+    /// The QP's device (a QP never outlives it: the Domain drops QPs first).
+    device: NonNull<sys::XvDev>,
+    budget: Arc<Mutex<CqBudget>>,
+    entries: usize,
+}
+
+fn budget(cq: &Mutex<CqBudget>) -> MutexGuard<'_, CqBudget> {
+    // The budget's updates cannot panic midway.
+    cq.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Reserves `entries` of `device`'s CQ in `cq`, resizing the CQ if the budget says so: 0, or
+/// an errno.
+fn reserve_cq(device: NonNull<sys::XvDev>, cq: &Mutex<CqBudget>, entries: usize) -> i32 {
+    let entries = i64::try_from(entries).unwrap_or(i64::MAX / 2);
+    let result = budget(cq).reserve(entries, |size| {
+        let mut cqe = 0;
+        // SAFETY: a live device (see `CqShare::device`); `cqe` is a valid out-pointer. The
+        // wake thread's wait on the channel may run meanwhile: libibverbs allows it.
+        match unsafe { sys::xv_resize_cq(device.as_ptr(), size, &mut cqe) } {
+            0 => Ok(cqe),
+            e => Err(e),
+        }
+    });
+    result.err().unwrap_or(0)
 }
 
 /// What a wait on the completion channel ended with (all false: the timeout).
@@ -151,6 +239,12 @@ impl Device {
             Some(raw) if rc == 0 => Ok(Self {
                 raw,
                 notifier: None,
+                // SAFETY: the device is open.
+                cq: Arc::new(Mutex::new(CqBudget::new(unsafe {
+                    sys::xv_max_cqe(raw.as_ptr())
+                }))),
+                ud: None,
+                polled: [sys::XvCqe::default(); 32],
             }),
             _ => Err(text(&err)),
         }
@@ -169,6 +263,8 @@ impl Device {
         }
     }
 
+    /// Creates the PD, the CQ (room for `cq_size` completions, or the device's largest), the
+    /// SRQs (`srq_size` deep) and the handshake QP with every receive slot posted.
     pub(crate) fn setup(
         &mut self,
         gid_index: i32,
@@ -177,6 +273,7 @@ impl Device {
     ) -> Result<Attr, String> {
         let mut attr = Attr::default();
         let mut err = [0 as c_char; 512];
+        let cq_size = budget(&self.cq).initial_size(cq_size);
         // SAFETY: the device is open; out-pointers valid.
         let rc = unsafe {
             sys::xv_setup(
@@ -184,6 +281,7 @@ impl Device {
                 gid_index,
                 cq_size,
                 srq_size,
+                ud::UD_SLOTS as i32,
                 &mut attr,
                 err.as_mut_ptr(),
                 err.len(),
@@ -191,6 +289,29 @@ impl Device {
         };
         if rc != 0 {
             return Err(text(&err));
+        }
+        budget(&self.cq).created(cq_size, attr.cq_entries);
+        let mut buffer = vec![0u8; ud::BUFFER_LEN].into_boxed_slice();
+        // SAFETY: `HandshakeQp` keeps the buffer at this address and drops the registration
+        // before it.
+        let mr = unsafe {
+            self.register(
+                buffer.as_mut_ptr() as u64,
+                buffer.len(),
+                RemoteBits::of(false, false),
+            )
+        }
+        .map_err(|e| format!("ibv_reg_mr(handshake buffers): {e}"))?;
+        let mut qp = HandshakeQp {
+            slots: UdSlots::default(),
+            mr,
+            buffer,
+        };
+        let rc = qp.post_every_recv(self.raw);
+        // Kept even when a post failed: receives already posted use the buffer.
+        self.ud = Some(qp);
+        if rc != 0 {
+            return Err(format!("ibv_post_recv(UD): {}", errno_text(rc)));
         }
         Ok(attr)
     }
@@ -314,6 +435,16 @@ impl Device {
         reserve: i32,
         inline: u32,
     ) -> Result<Qp, String> {
+        let reserve = reserve.max(0) as usize;
+        let refused = reserve_cq(self.raw, &self.cq, reserve);
+        if refused != 0 {
+            return Err(format!("ibv_create_qp(RC): {}", errno_text(refused)));
+        }
+        let share = CqShare {
+            device: self.raw,
+            budget: self.cq.clone(),
+            entries: reserve,
+        };
         let mut max_inline = inline;
         let (mut qpn, mut err) = (0, 0);
         // SAFETY: the device is open; out-pointers valid.
@@ -322,18 +453,18 @@ impl Device {
                 self.raw.as_ptr(),
                 msg as i32,
                 max_send_wr,
-                reserve,
                 &mut max_inline,
                 &mut qpn,
                 &mut err,
             )
         };
+        // Without a QP, dropping the share gives its entries back.
         NonNull::new(qp)
             .map(|raw| Qp {
                 raw,
                 qpn,
                 max_inline,
-                reserved: reserve.max(0) as usize,
+                cq: share,
             })
             .ok_or_else(|| format!("ibv_create_qp(RC): {}", errno_text(err)))
     }
@@ -422,6 +553,9 @@ impl Device {
         };
     }
 
+    /// Sends a handshake datagram to the UD QP `(gid, lid, qpn)` from a free send slot. The
+    /// error is the errno itself: every slot still being sent (`EAGAIN`) is routine, anything
+    /// else is not.
     pub(crate) fn ud_send(
         &mut self,
         gid: &[u8; 16],
@@ -429,27 +563,48 @@ impl Device {
         qpn: u32,
         msg: &[u8],
     ) -> Result<(), std::io::Error> {
-        // SAFETY: the shim copies msg (bounded by its slot size) before returning.
+        let fail = std::io::Error::from_raw_os_error;
+        let Some(ud) = self.ud.as_mut() else {
+            return Err(fail(EINVAL));
+        };
+        if msg.len() > ud::UD_MSG {
+            return Err(fail(EINVAL));
+        }
+        let slot = ud.slots.free_send_slot().ok_or_else(|| fail(EAGAIN))?;
+        let mut err = 0;
+        // SAFETY: the device is open; gid has 16 bytes; `err` is a valid out-pointer.
+        let ah = unsafe { sys::xv_ud_create_ah(self.raw.as_ptr(), gid.as_ptr(), lid, &mut err) };
+        let ah = Ah(NonNull::new(ah).ok_or_else(|| fail(err))?);
+        let at = ud::send_offset(slot);
+        let bytes = &mut ud.buffer[at..at + msg.len()];
+        bytes.copy_from_slice(msg);
+        // SAFETY: the slot is free (no send of it outstanding, so the NIC does not read it)
+        // and lies in the registered buffer, which outlives the UD QP; the AH stays alive in
+        // the slot until the send completes or the QP is reset.
         let rc = unsafe {
-            sys::xv_ud_send(
+            sys::xv_ud_post_send(
                 self.raw.as_ptr(),
-                gid.as_ptr(),
-                lid,
+                ah.0.as_ptr(),
                 qpn,
-                msg.as_ptr().cast(),
+                ud.slots.send_wr_id(slot),
+                bytes.as_mut_ptr() as u64,
                 msg.len() as u32,
+                ud.mr.lkey,
             )
         };
         if rc != 0 {
-            // The errno itself: a full send queue (EAGAIN) is routine, anything else is not.
-            return Err(std::io::Error::from_raw_os_error(rc));
+            return Err(fail(rc));
         }
+        ud.slots.sent(slot, ah);
         Ok(())
     }
 
     /// Test fault: puts the handshake QP into the error state.
     pub(crate) fn ud_to_error(&mut self) -> Result<(), String> {
-        // SAFETY: the device is open; the shim only modifies its own UD QP.
+        if self.ud.is_none() {
+            return Err("UD QP to ERR: the device is not set up".into());
+        }
+        // SAFETY: the device is set up (it has its UD QP); the shim only modifies that QP.
         let rc = unsafe { sys::xv_ud_to_error(self.raw.as_ptr()) };
         if rc != 0 {
             return Err(format!("UD QP to ERR: {}", errno_text(rc)));
@@ -478,16 +633,12 @@ impl Device {
 
     /// The completion queue's capacity and how much of it is reserved.
     pub(crate) fn cq_state(&self) -> (i32, i64) {
-        let (mut cap, mut need) = (0, 0);
-        // SAFETY: the device is open; out-pointers valid.
-        unsafe { sys::xv_cq_state(self.raw.as_ptr(), &mut cap, &mut need) };
-        (cap, need)
+        budget(&self.cq).state()
     }
 
-    /// How many times the shim reset the handshake QP after an error.
+    /// How many times the handshake QP was reset after an error.
     pub(crate) fn ud_resets(&self) -> u64 {
-        // SAFETY: the device is open; this reads one counter.
-        unsafe { sys::xv_ud_resets(self.raw.as_ptr()) }
+        self.ud.as_ref().map_or(0, |ud| ud.slots.resets())
     }
 
     /// Starts `run` on a thread of its own with the device's completion channel (at most
@@ -525,8 +676,7 @@ impl Device {
 
     /// Test fault: the CQ keeps its present size, so enough unread completions overrun it.
     pub(crate) fn fix_cq_size(&mut self) {
-        // SAFETY: the device is open; this sets a flag of the shim's.
-        unsafe { sys::xv_fix_cq(self.raw.as_ptr()) };
+        budget(&self.cq).fix();
     }
 
     /// Ends the current wait of the notifier thread (it recomputes its timeout).
@@ -535,20 +685,83 @@ impl Device {
         unsafe { sys::xv_kick(self.raw.as_ptr()) };
     }
 
-    /// Polls up to `out.len()` (at most 32) completions.
+    /// Polls up to `out.len()` (at most 32) completions of the CQ and returns how many of
+    /// `out` it filled: the handshake QP's own are handled here (a datagram received is
+    /// copied out and its slot reposted; a send's slot is freed), and only its datagrams are
+    /// reported. After a handshake QP failure, once the poll's completions are read, the QP
+    /// is reset and brought up again (tried again at the next poll if that fails).
     pub(crate) fn poll(&mut self, out: &mut [Wc]) -> Result<usize, String> {
-        // SAFETY: out has out.len() writable entries.
-        let n = unsafe {
-            sys::xv_poll(
-                self.raw.as_ptr(),
-                out.as_mut_ptr(),
-                out.len().min(32) as i32,
-            )
-        };
-        if n < 0 {
-            return Err(format!("ibv_poll_cq failed ({n})"));
+        let asked = out.len().min(self.polled.len());
+        // SAFETY: `polled` has room for `asked` completions.
+        let got =
+            unsafe { sys::xv_poll(self.raw.as_ptr(), self.polled.as_mut_ptr(), asked as i32) };
+        if got < 0 {
+            return Err(format!("ibv_poll_cq failed ({got})"));
         }
-        Ok(n as usize)
+        let mut filled = 0;
+        for c in &self.polled[..got as usize] {
+            let Some(ud) = self.ud.as_mut().filter(|_| ud::is_ud(c.wr_id)) else {
+                out[filled] =
+                    Wc::routed(c.wr_id, c.status, c.byte_len, c.imm, c.qp_num, c.vendor_err);
+                filled += 1;
+                continue;
+            };
+            match ud.slots.completed(c.wr_id, c.status == 0, c.byte_len) {
+                UdCompletion::Stale => {}
+                // Dropping the AH destroys it: its send is done.
+                UdCompletion::Sent(ah) => drop(ah),
+                UdCompletion::Received {
+                    slot,
+                    payload,
+                    repost,
+                } => {
+                    if let Some(payload) = payload {
+                        let len = payload.len();
+                        let wc = &mut out[filled];
+                        // Every field but the bytes past the datagram's end.
+                        *wc = Wc {
+                            wr_id: c.wr_id,
+                            status: c.status,
+                            kind: KIND_UD_RECV,
+                            byte_len: len as u32,
+                            imm: 0,
+                            qp_num: c.qp_num,
+                            vendor_err: c.vendor_err,
+                            data: wc.data,
+                        };
+                        wc.data[..len].copy_from_slice(&ud.buffer[payload]);
+                        filled += 1;
+                    }
+                    if repost {
+                        // A slot the QP refuses now comes back with its next reset.
+                        ud.post_recv(self.raw, slot);
+                    }
+                }
+            }
+        }
+        self.reset_handshake_qp_if_broken();
+        Ok(filled)
+    }
+
+    /// Resets a failed handshake QP (its QPN stays: peers know it) and brings it up again in
+    /// a new generation, every receive slot posted; what fails is tried again at the next poll.
+    fn reset_handshake_qp_if_broken(&mut self) {
+        let Some(ud) = self.ud.as_mut().filter(|ud| ud.slots.needs_reset()) else {
+            return;
+        };
+        // SAFETY: the device and its UD QP are set up.
+        if unsafe { sys::xv_ud_reset(self.raw.as_ptr()) } != 0 {
+            return;
+        }
+        // In RESET the QP holds nothing more: the lost sends' AHs go.
+        drop(ud.slots.reset_started());
+        // SAFETY: as above; a null error buffer is allowed (nothing to report: retried).
+        if unsafe { sys::xv_ud_bring_up(self.raw.as_ptr(), std::ptr::null_mut(), 0) } != 0 {
+            return;
+        }
+        if ud.post_every_recv(self.raw) == 0 {
+            ud.slots.reset_done();
+        }
     }
 }
 
@@ -559,8 +772,16 @@ impl Drop for Device {
             self.kick();
             let _ = handle.join();
         }
-        // SAFETY: opened once, closed once, after the notifier thread ended; QPs and MRs are
-        // dropped before (the Domain owns them in fields declared ahead of the device).
+        if let Some(mut ud) = self.ud.take() {
+            // SAFETY: the device is open. The QP goes first: no work request of it uses the
+            // AHs or the buffer any more.
+            unsafe { sys::xv_ud_destroy(self.raw.as_ptr()) };
+            drop(ud.slots.take_all());
+            drop(ud);
+        }
+        // SAFETY: opened once, closed once, after the notifier thread ended and the handshake
+        // QP's AHs and registration are gone; QPs and MRs are dropped before (the Domain owns
+        // them in fields declared ahead of the device).
         unsafe { sys::xv_close(self.raw.as_ptr()) };
     }
 }
@@ -599,7 +820,7 @@ pub(crate) struct Qp {
     pub(crate) max_inline: u32,
     /// CQ entries this QP holds: the most work requests it may have outstanding, since each
     /// can complete (a QP in error flushes even its unsignalled ones).
-    reserved: usize,
+    cq: CqShare,
 }
 
 // SAFETY: as for Device.
@@ -665,22 +886,21 @@ impl Qp {
 }
 
 impl Qp {
-    /// See the field.
+    /// CQ entries this QP holds: the most work requests it may have outstanding, since each
+    /// can complete (a QP in error flushes even its unsignalled ones).
     pub(crate) fn reserved(&self) -> usize {
-        self.reserved
+        self.cq.entries
     }
 
     /// Reserves `more` CQ entries (the CQ grows if it must); false when the device's CQ
     /// cannot hold them.
     pub(crate) fn reserve(&mut self, more: usize) -> bool {
-        let Ok(more_entries) = i32::try_from(more) else {
+        if i32::try_from(more).is_err() {
             return false;
-        };
-        // SAFETY: a live QP of this process, created by xv_create_rc (its context is the
-        // share this updates).
-        let ok = unsafe { sys::xv_qp_reserve(self.raw.as_ptr(), more_entries) } == 0;
+        }
+        let ok = reserve_cq(self.cq.device, &self.cq.budget, more) == 0;
         if ok {
-            self.reserved += more;
+            self.cq.entries += more;
         }
         ok
     }
@@ -698,8 +918,14 @@ impl Qp {
 
 impl Drop for Qp {
     fn drop(&mut self) {
-        // SAFETY: created once, destroyed once.
+        // SAFETY: created once, destroyed once. Its CQ share goes after it (a field).
         unsafe { sys::xv_destroy_qp(self.raw.as_ptr()) };
+    }
+}
+
+impl Drop for CqShare {
+    fn drop(&mut self) {
+        budget(&self.budget).release(self.entries as i64);
     }
 }
 

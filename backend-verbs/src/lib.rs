@@ -12,12 +12,14 @@
 //! (`wire.rs`).
 
 pub mod completion;
+mod cq;
 mod domain;
 mod ffi;
 mod handshake;
 mod log;
 mod notify;
 mod options;
+mod ud;
 pub mod wire;
 
 pub use domain::VerbsDomain;

@@ -1,11 +1,10 @@
 /* Why one file: it is the one translation unit the crate's build script compiles, and its
- * wrappers share the device struct and static helpers below. Two pieces of policy still live
- * here beside the static-inline wrappers — the UD handshake transport's slots and generations,
- * and the CQ's reservations and growth — and are the next to move to Rust, which would shrink
- * it. */
+ * wrappers share the device struct and static helpers below. */
 /* A flat C surface over libibverbs for Rust. ibv_post_send, ibv_poll_cq and friends are static
  * inline functions going through the context's ops, so they are wrapped here, compiled against
- * rdma-core's headers (every struct layout is the real one). */
+ * rdma-core's headers (every struct layout is the real one). Policy lives in Rust, where it is
+ * unit tested: the handshake QP's slots, generations and resets (backend-verbs/src/ud.rs) and
+ * the CQ's reservations and growth (backend-verbs/src/cq.rs); these are the calls they make. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -18,9 +17,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define UD_SLOTS 64
-#define UD_MSG 256
-#define GRH 40
 #define UD_QKEY 0x58464552u /* "XFER" */
 
 typedef struct xv_dev {
@@ -29,27 +25,7 @@ typedef struct xv_dev {
     struct ibv_cq *cq;
     struct ibv_srq *srq_imm;
     struct ibv_srq *srq_msg;
-    struct ibv_qp *ud;
-    struct ibv_mr *ud_mr;
-    uint8_t *ud_buf; /* UD_SLOTS send slots, then UD_SLOTS recv slots of GRH + UD_MSG */
-    /* Handshake send slots in use (bit i: slot i), each with its AH until its completion. A
-     * slot is reused only once its send completed: never overwritten while the NIC reads it. */
-    uint64_t ud_busy;
-    struct ibv_ah *ud_ah[UD_SLOTS];
-    /* The UD QP's incarnation: a UD error completion puts the QP in the error state (soft-RoCE
-     * does so under load), so it is reset (same QPN: peers know it) and brought up again.
-     * Work request ids carry the generation, so completions of the old incarnation are
-     * recognised and dropped, never freeing a slot or reposting into the new one. */
-    uint32_t ud_gen;
-    int ud_broken;
-    uint64_t ud_resets;
-    /* The CQ is sized from what can be outstanding on it: the receives (both SRQs, the UD
-     * QP) at setup, plus what each RC QP reserved while it exists — the work requests its
-     * owner lets it have outstanding, not its send queue's depth (grown with ibv_resize_cq,
-     * up to the device's max_cqe; a QP or a reservation that would not fit is refused). */
-    int cq_cap;
-    long cq_need;
-    int max_cqe;
+    struct ibv_qp *ud; /* the handshake QP; its buffers and slots are Rust's */
     int port;
     int gid_index;
     union ibv_gid gid;
@@ -68,8 +44,6 @@ typedef struct xv_dev {
      * an eventfd that interrupts a wait (a new timer to keep, or the device closing). */
     struct ibv_comp_channel *chan;
     int kick_fd;
-    /* Test fault: the CQ keeps its size whatever is reserved of it, so it can overrun. */
-    int cq_fixed;
 } xv_dev;
 
 /* Whether a path to `dlid` carries a GRH: RoCE always does; InfiniBand only when asked, or
@@ -112,37 +86,35 @@ typedef struct xv_attr {
     int ethernet;
     int state; /* enum ibv_port_state: 4 = ACTIVE */
     uint32_t max_msg_sz;
+    int cq_entries; /* the CQ's capacity as created (the device may round the size up) */
 } xv_attr;
-
-/* Completion kinds, normalised for Rust. */
-enum { XV_SEND_DONE = 0, XV_RECV_MSG = 1, XV_RECV_IMM = 2, XV_UD_RECV = 3, XV_UD_SEND_DONE = 4 };
 
 /* Every work request's id carries what it is in its top four bits, because a failed work
  * completion defines only wr_id, status, vendor_err and qp_num (ibv_poll_cq(3)): its opcode,
- * byte_len and immediate are undefined (mlx5 does not write them). Completions are routed by
- * these tags, never by opcode. The Rust side uses the same values (verbs-sys/src/lib.rs). */
+ * byte_len and immediate are undefined (mlx5 does not write them). Rust routes completions by
+ * these tags, never by opcode; all of them are listed in verbs-sys/src/lib.rs. The shim makes
+ * only the immediate receives' ids itself (xv_post_imm_recvs). */
 #define XV_TAG_SHIFT 60
 #define XV_TAG_MASK (0xfull << XV_TAG_SHIFT)
-#define XV_TAG_SEND (0x1ull << XV_TAG_SHIFT)     /* RC write or message send */
 #define XV_TAG_IMM_RECV (0x2ull << XV_TAG_SHIFT) /* zero-length receive of the immediate SRQ */
-#define XV_TAG_MSG_RECV (0x4ull << XV_TAG_SHIFT) /* message buffer of the message SRQ */
-#define XV_TAG_UD_RECV (0x8ull << XV_TAG_SHIFT)  /* handshake receive */
-#define XV_TAG_UD_SEND (0x9ull << XV_TAG_SHIFT)  /* handshake send; low bits: its send slot */
 
 /* What a failed completion's undefined fields are overwritten with, so code that reads them
  * fails on soft-RoCE too (rxe happens to fill them in). */
 #define XV_POISON 0xdeadbeefu
 
-typedef struct xv_wc {
+/* One completion as polled: the fields a failed completion leaves undefined are XV_POISON. */
+typedef struct xv_cqe {
     uint64_t wr_id;
     int status;
-    int kind;
     uint32_t byte_len;
     uint32_t imm; /* host order */
     uint32_t qp_num;
     uint32_t vendor_err;
-    uint8_t data[UD_MSG]; /* UD payloads, copied out (the buffer is reposted at once) */
-} xv_wc;
+    int pad;
+} xv_cqe;
+/* verbs-sys/src/lib.rs mirrors these layouts and checks the same sizes. */
+_Static_assert(sizeof(xv_cqe) == 32, "xv_cqe's layout is mirrored by verbs_sys::XvCqe");
+_Static_assert(sizeof(xv_attr) == 48, "xv_attr's layout is mirrored by verbs_sys::XvAttr");
 
 static void set_err(char *err, size_t cap, const char *what, int rc) {
     if (err && cap)
@@ -218,69 +190,77 @@ int xv_query_gid(xv_dev *d, int index, uint8_t gid[16], int *type) {
     return 0;
 }
 
-/* UD work request ids: tag | generation << 16 | slot. */
-static uint64_t ud_wr_id(const xv_dev *d, uint64_t tag, unsigned slot) {
-    return tag | ((uint64_t)d->ud_gen << 16) | slot;
-}
-
-static uint32_t ud_gen_of(uint64_t wr_id) { return (uint32_t)((wr_id & ~XV_TAG_MASK) >> 16); }
-
-static int ud_post_recv(xv_dev *d, unsigned slot) {
-    struct ibv_sge sge = {.addr = (uintptr_t)(d->ud_buf + (UD_SLOTS + slot) * (GRH + UD_MSG)),
-                          .length = GRH + UD_MSG, .lkey = d->ud_mr->lkey};
-    struct ibv_recv_wr wr = {.wr_id = ud_wr_id(d, XV_TAG_UD_RECV, slot), .sg_list = &sge, .num_sge = 1}, *bad;
-    return ibv_post_recv(d->ud, &wr, &bad);
-}
-
-/* INIT → RTR → RTS and every receive slot posted: a new UD QP, or one just reset. */
-static int ud_bring_up(xv_dev *d, const char **what) {
+/* INIT → RTR → RTS: a new UD QP, or one just reset. Its receives are Rust's to post. 0, or the
+ * failed step's errno (described in err). */
+int xv_ud_bring_up(xv_dev *d, char *err, size_t cap) {
     int rc;
     struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = d->port, .qkey = UD_QKEY};
     if ((rc = ibv_modify_qp(d->ud, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY))) {
-        *what = "UD QP to INIT";
+        set_err(err, cap, "UD QP to INIT", rc);
         return rc;
     }
     a.qp_state = IBV_QPS_RTR;
     if ((rc = ibv_modify_qp(d->ud, &a, IBV_QP_STATE))) {
-        *what = "UD QP to RTR";
+        set_err(err, cap, "UD QP to RTR", rc);
         return rc;
     }
     a.qp_state = IBV_QPS_RTS;
     a.sq_psn = 0;
     if ((rc = ibv_modify_qp(d->ud, &a, IBV_QP_STATE | IBV_QP_SQ_PSN))) {
-        *what = "UD QP to RTS";
+        set_err(err, cap, "UD QP to RTS", rc);
         return rc;
     }
-    for (unsigned i = 0; i < UD_SLOTS; i++)
-        if ((rc = ud_post_recv(d, i))) {
-            *what = "ibv_post_recv(UD)";
-            return rc;
-        }
     return 0;
 }
 
-/* Resets a failed UD QP (RESET keeps its QPN) and brings it up again; sends in flight are
- * lost (the handshake resends requests, and answers repeated requests). */
-static int ud_reset(xv_dev *d) {
+/* Moves the UD QP to RESET (it keeps its QPN; everything it held is discarded): 0 or an errno. */
+int xv_ud_reset(xv_dev *d) {
     struct ibv_qp_attr a;
     memset(&a, 0, sizeof a);
     a.qp_state = IBV_QPS_RESET;
-    int rc = ibv_modify_qp(d->ud, &a, IBV_QP_STATE);
-    if (rc)
-        return rc;
-    for (unsigned i = 0; i < UD_SLOTS; i++)
-        if (d->ud_busy & (1ull << i)) {
-            ibv_destroy_ah(d->ud_ah[i]);
-            d->ud_ah[i] = NULL;
-        }
-    d->ud_busy = 0;
-    d->ud_gen = (d->ud_gen + 1) & 0xffffffffu;
-    const char *what;
-    if ((rc = ud_bring_up(d, &what)))
-        return rc;
-    d->ud_broken = 0;
-    d->ud_resets++;
-    return 0;
+    return ibv_modify_qp(d->ud, &a, IBV_QP_STATE);
+}
+
+/* Posts one receive of the UD QP into [addr, addr + len): 0 or an errno. */
+int xv_ud_post_recv(xv_dev *d, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey) {
+    struct ibv_sge sge = {.addr = addr, .length = len, .lkey = lkey};
+    struct ibv_recv_wr wr = {.wr_id = wr_id, .sg_list = &sge, .num_sge = 1}, *bad;
+    return ibv_post_recv(d->ud, &wr, &bad);
+}
+
+/* An address handle towards (dgid, dlid) with the device's path settings, or NULL (errno in
+ * *err). */
+struct ibv_ah *xv_ud_create_ah(xv_dev *d, const uint8_t dgid[16], uint16_t dlid, int *err) {
+    struct ibv_ah_attr aa;
+    memset(&aa, 0, sizeof aa);
+    fill_ah(d, &aa, dgid, dlid);
+    struct ibv_ah *ah = ibv_create_ah(d->pd, &aa);
+    if (!ah)
+        *err = errno ? errno : EINVAL;
+    return ah;
+}
+
+int xv_destroy_ah(struct ibv_ah *ah) { return ibv_destroy_ah(ah); }
+
+/* Posts a signalled datagram of [addr, addr + len) through `ah` to UD QP `dqpn`: 0 or an errno. */
+int xv_ud_post_send(xv_dev *d, struct ibv_ah *ah, uint32_t dqpn, uint64_t wr_id, uint64_t addr, uint32_t len,
+                    uint32_t lkey) {
+    struct ibv_sge sge = {.addr = addr, .length = len, .lkey = lkey};
+    struct ibv_send_wr wr = {.wr_id = wr_id, .sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_SEND,
+                             .send_flags = IBV_SEND_SIGNALED}, *bad;
+    wr.wr.ud.ah = ah;
+    wr.wr.ud.remote_qpn = dqpn;
+    wr.wr.ud.remote_qkey = UD_QKEY;
+    return ibv_post_send(d->ud, &wr, &bad);
+}
+
+/* Destroys the UD QP ahead of the rest of the device, so the buffers and address handles its
+ * work requests used can go before xv_close: 0 or an errno. */
+int xv_ud_destroy(xv_dev *d) {
+    int rc = d->ud ? ibv_destroy_qp(d->ud) : 0;
+    if (!rc)
+        d->ud = NULL;
+    return rc;
 }
 
 /* Test hook: puts the UD QP into the error state, as a failed datagram does. */
@@ -291,26 +271,28 @@ int xv_ud_to_error(xv_dev *d) {
     return ibv_modify_qp(d->ud, &a, IBV_QP_STATE);
 }
 
-/* How many times the UD QP was reset after an error. */
-uint64_t xv_ud_resets(const xv_dev *d) { return d->ud_resets; }
-
 /* Sets O_NONBLOCK on `fd`: 0, or -1 with errno set. */
 static int set_nonblocking(int fd) {
     int flags = fcntl(fd, F_GETFL);
     return flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0 ? -1 : 0;
 }
 
-/* Creates PD, CQ, the two SRQs and the UD handshake QP, using GID `gid_index`. */
-int xv_setup(xv_dev *d, int gid_index, int cq_size, int srq_size, xv_attr *attr, char *err, size_t cap) {
+/* The device's largest CQ, or 0 if it does not say. */
+int xv_max_cqe(xv_dev *d) {
+    struct ibv_device_attr da;
+    return ibv_query_device(d->ctx, &da) ? 0 : da.max_cqe;
+}
+
+/* Creates PD, CQ (of `cq_size` entries: at most xv_max_cqe), the two SRQs and the UD handshake
+ * QP (`ud_slots` sends and receives deep; in RTS, no receive posted), using GID `gid_index`. */
+int xv_setup(xv_dev *d, int gid_index, int cq_size, int srq_size, int ud_slots, xv_attr *attr, char *err,
+             size_t cap) {
     int rc;
     d->gid_index = gid_index;
-    d->max_cqe = 1 << 22;
     {
         struct ibv_device_attr da;
         d->max_rd_atomic = d->max_dest_rd_atomic = 1;
         if (!ibv_query_device(d->ctx, &da)) {
-            if (da.max_cqe > 0)
-                d->max_cqe = da.max_cqe;
             d->max_rd_atomic = da.max_qp_init_rd_atom > 0 ? (da.max_qp_init_rd_atom < 16 ? da.max_qp_init_rd_atom : 16) : 1;
             d->max_dest_rd_atomic = da.max_qp_rd_atom > 0 ? (da.max_qp_rd_atom < 16 ? da.max_qp_rd_atom : 16) : 1;
         }
@@ -319,8 +301,6 @@ int xv_setup(xv_dev *d, int gid_index, int cq_size, int srq_size, xv_attr *attr,
         set_err(err, cap, "ibv_query_gid", rc);
         return -1;
     }
-    if (cq_size > d->max_cqe)
-        cq_size = d->max_cqe;
     /* The channel costs nothing until the CQ is armed; a worker that parks arms it. */
     if (!(d->chan = ibv_create_comp_channel(d->ctx))) {
         set_err(err, cap, "ibv_create_comp_channel", errno);
@@ -338,8 +318,6 @@ int xv_setup(xv_dev *d, int gid_index, int cq_size, int srq_size, xv_attr *attr,
         set_err(err, cap, d->pd ? "ibv_create_cq" : "ibv_alloc_pd", errno);
         return -1;
     }
-    d->cq_cap = d->cq->cqe;
-    d->cq_need = cq_size;
     /* Async events (QP and port errors, CQ overrun) are read without blocking, from poll. */
     if (set_nonblocking(d->ctx->async_fd)) {
         set_err(err, cap, "making the async event fd non-blocking", errno);
@@ -350,23 +328,14 @@ int xv_setup(xv_dev *d, int gid_index, int cq_size, int srq_size, xv_attr *attr,
         set_err(err, cap, "ibv_create_srq", errno);
         return -1;
     }
-    size_t ud_len = (size_t)UD_SLOTS * UD_MSG + (size_t)UD_SLOTS * (GRH + UD_MSG);
-    d->ud_buf = calloc(1, ud_len);
-    if (!(d->ud_mr = ibv_reg_mr(d->pd, d->ud_buf, ud_len, IBV_ACCESS_LOCAL_WRITE))) {
-        set_err(err, cap, "ibv_reg_mr(handshake buffers)", errno);
-        return -1;
-    }
     struct ibv_qp_init_attr qa = {.send_cq = d->cq, .recv_cq = d->cq, .qp_type = IBV_QPT_UD,
-                                  .cap = {.max_send_wr = UD_SLOTS, .max_recv_wr = UD_SLOTS, .max_send_sge = 1, .max_recv_sge = 1}};
+                                  .cap = {.max_send_wr = ud_slots, .max_recv_wr = ud_slots, .max_send_sge = 1, .max_recv_sge = 1}};
     if (!(d->ud = ibv_create_qp(d->pd, &qa))) {
         set_err(err, cap, "ibv_create_qp(UD)", errno);
         return -1;
     }
-    const char *what;
-    if ((rc = ud_bring_up(d, &what))) {
-        set_err(err, cap, what, rc);
+    if (xv_ud_bring_up(d, err, cap))
         return -1;
-    }
     memcpy(attr->gid, d->gid.raw, 16);
     attr->gid_index = gid_index;
     attr->ud_qpn = d->ud->qp_num;
@@ -375,6 +344,7 @@ int xv_setup(xv_dev *d, int gid_index, int cq_size, int srq_size, xv_attr *attr,
     attr->ethernet = d->port_attr.link_layer == IBV_LINK_LAYER_ETHERNET;
     attr->state = d->port_attr.state;
     attr->max_msg_sz = d->max_msg_sz;
+    attr->cq_entries = d->cq->cqe;
     return 0;
 }
 
@@ -383,9 +353,6 @@ void xv_close(xv_dev *d) {
         return;
     if (d->ud)
         ibv_destroy_qp(d->ud);
-    if (d->ud_mr)
-        ibv_dereg_mr(d->ud_mr);
-    free(d->ud_buf);
     if (d->srq_imm)
         ibv_destroy_srq(d->srq_imm);
     if (d->srq_msg)
@@ -443,60 +410,22 @@ struct ibv_mr *xv_reg_dmabuf_mr(xv_dev *d, uint64_t offset, size_t len, uint64_t
 
 int xv_dereg_mr(struct ibv_mr *mr) { return ibv_dereg_mr(mr); }
 
-/* An RC QP in INIT, receiving from the imm or the message SRQ. */
 int xv_destroy_qp(struct ibv_qp *qp);
 
-/* What an RC QP holds of its device's CQ, released when it is destroyed. */
-typedef struct xv_cq_share {
-    xv_dev *d;
-    int entries;
-} xv_cq_share;
-
-/* Makes room on the CQ for `entries` more completions (growing it if needed). */
-static int cq_reserve(xv_dev *d, int entries) {
-    long need = d->cq_need + entries;
-    if (d->cq_fixed) {
-        d->cq_need = need;
-        return 0;
-    }
-    if (need > d->max_cqe)
-        return ENOSPC;
-    if (need > d->cq_cap) {
-        long grow = (long)d->cq_cap * 2;
-        int size = (int)(need > grow ? need : (grow > d->max_cqe ? d->max_cqe : grow));
-        int rc = ibv_resize_cq(d->cq, size);
-        if (rc)
-            return rc;
-        d->cq_cap = d->cq->cqe;
-    }
-    d->cq_need = need;
-    return 0;
+/* Resizes the CQ to at least `size` entries: 0 and its capacity now in *cqe, or an errno. */
+int xv_resize_cq(xv_dev *d, int size, int *cqe) {
+    int rc = ibv_resize_cq(d->cq, size);
+    if (!rc)
+        *cqe = d->cq->cqe;
+    return rc;
 }
 
-/* CQ capacity now and what is reserved of it (for `xfer doctor` and tests). */
-void xv_cq_state(const xv_dev *d, int *cap, long *need) {
-    *cap = d->cq_cap;
-    *need = d->cq_need;
-}
-
-/* `max_inline`: in, the inline data size asked for; out, what the QP has (a device that
- * refuses the size gets a QP without inline data, rather than none). `reserve`: the CQ
- * entries the QP holds from the start (at most `max_send_wr`); the caller keeps no more work
- * requests outstanding on it than it reserved, and reserves more with `xv_qp_reserve`. */
-struct ibv_qp *xv_create_rc(xv_dev *d, int msg, int max_send_wr, int reserve, uint32_t *max_inline, uint32_t *qpn, int *err) {
-    xv_cq_share *share = malloc(sizeof *share);
-    if (!share) {
-        *err = ENOMEM;
-        return NULL;
-    }
-    int rc = cq_reserve(d, reserve);
-    if (rc) {
-        free(share);
-        *err = rc;
-        return NULL;
-    }
-    *share = (xv_cq_share){.d = d, .entries = reserve};
-    struct ibv_qp_init_attr qa = {.qp_context = share, .send_cq = d->cq, .recv_cq = d->cq,
+/* An RC QP in INIT, receiving from the imm or the message SRQ (`msg`). `max_inline`: in, the
+ * inline data size asked for; out, what the QP has (a device that refuses the size gets a QP
+ * without inline data, rather than none). The caller reserved the CQ entries for what it lets
+ * the QP have outstanding. */
+struct ibv_qp *xv_create_rc(xv_dev *d, int msg, int max_send_wr, uint32_t *max_inline, uint32_t *qpn, int *err) {
+    struct ibv_qp_init_attr qa = {.send_cq = d->cq, .recv_cq = d->cq,
                                   .srq = msg ? d->srq_msg : d->srq_imm, .qp_type = IBV_QPT_RC,
                                   .cap = {.max_send_wr = max_send_wr, .max_send_sge = 1, .max_inline_data = *max_inline}};
     struct ibv_qp *qp = ibv_create_qp(d->pd, &qa);
@@ -506,13 +435,11 @@ struct ibv_qp *xv_create_rc(xv_dev *d, int msg, int max_send_wr, int reserve, ui
     }
     if (!qp) {
         *err = errno;
-        d->cq_need -= reserve;
-        free(share);
         return NULL;
     }
     struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = d->port,
                             .qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_LOCAL_WRITE};
-    rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
+    int rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
     if (rc) {
         xv_destroy_qp(qp);
         *err = rc;
@@ -556,25 +483,7 @@ int xv_connect_rc(xv_dev *d, struct ibv_qp *qp, uint32_t rqpn, uint32_t rpsn, ui
     return 0;
 }
 
-/* `more` CQ entries for an RC QP (growing the CQ if needed); 0, or ENOSPC past the device's
- * max_cqe, or the resize's error. Released with the QP. */
-int xv_qp_reserve(struct ibv_qp *qp, int more) {
-    xv_cq_share *share = qp->qp_context;
-    int rc = cq_reserve(share->d, more);
-    if (!rc)
-        share->entries += more;
-    return rc;
-}
-
-int xv_destroy_qp(struct ibv_qp *qp) {
-    xv_cq_share *share = qp->qp_context;
-    int rc = ibv_destroy_qp(qp);
-    if (share) {
-        share->d->cq_need -= share->entries;
-        free(share);
-    }
-    return rc;
-}
+int xv_destroy_qp(struct ibv_qp *qp) { return ibv_destroy_qp(qp); }
 
 /* One pending async event, without blocking: 1 (and its type, the QP number for QP events,
  * 0 otherwise), 0 if none, -1 on error. The event is acknowledged. */
@@ -696,43 +605,9 @@ int xv_post_imm_recvs(xv_dev *d, uint64_t first, int n, int *posted) {
     return 0;
 }
 
-/* Sends a handshake datagram to (gid, lid, qpn). */
-int xv_ud_send(xv_dev *d, const uint8_t dgid[16], uint16_t dlid, uint32_t dqpn, const void *msg, uint32_t len) {
-    if (len > UD_MSG)
-        return EINVAL;
-    struct ibv_ah_attr aa;
-    memset(&aa, 0, sizeof aa);
-    fill_ah(d, &aa, dgid, dlid);
-    if (d->ud_busy == ~0ull)
-        return EAGAIN; /* every slot is still being sent: try again after polling */
-    unsigned slot = (unsigned)__builtin_ctzll(~d->ud_busy);
-    struct ibv_ah *ah = ibv_create_ah(d->pd, &aa);
-    if (!ah)
-        return errno ? errno : EINVAL;
-    uint8_t *buf = d->ud_buf + slot * UD_MSG;
-    memcpy(buf, msg, len);
-    struct ibv_sge sge = {.addr = (uintptr_t)buf, .length = len, .lkey = d->ud_mr->lkey};
-    struct ibv_send_wr wr = {.wr_id = ud_wr_id(d, XV_TAG_UD_SEND, slot), .sg_list = &sge, .num_sge = 1,
-                             .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED}, *bad;
-    wr.wr.ud.ah = ah;
-    wr.wr.ud.remote_qpn = dqpn;
-    wr.wr.ud.remote_qkey = UD_QKEY;
-    int rc = ibv_post_send(d->ud, &wr, &bad);
-    if (rc) {
-        ibv_destroy_ah(ah);
-        return rc;
-    }
-    d->ud_busy |= 1ull << slot;
-    d->ud_ah[slot] = ah;
-    return 0;
-}
-
 /* Asks for one completion event at the CQ's next completion (0, or an errno). Completions
  * already on the CQ raise none: the caller polls once more after arming. */
 int xv_arm_cq(xv_dev *d) { return ibv_req_notify_cq(d->cq, 0); }
-
-/* Test fault: the CQ never grows again (see cq_fixed). */
-void xv_fix_cq(xv_dev *d) { d->cq_fixed = 1; }
 
 /* Waits up to `timeout_ms` (-1: without limit) for a completion event, a kick or (when
  * `watch_async`) an asynchronous event waiting to be read. Returns a mask — 1 a completion
@@ -777,15 +652,12 @@ int xv_kick(xv_dev *d) {
     return write(d->kick_fd, &one, sizeof one) < 0 ? errno : 0;
 }
 
-/* Polls the CQ; UD receives are copied out and reposted, UD send completions free their AH. */
-int xv_poll(xv_dev *d, xv_wc *out, int n) {
+/* Polls up to `n` (at most 32) completions into `out`: how many, or a negative error. */
+int xv_poll(xv_dev *d, xv_cqe *out, int n) {
     struct ibv_wc wc[32];
     if (n > 32)
         n = 32;
     int got = ibv_poll_cq(d->cq, n, wc);
-    if (got < 0)
-        return got;
-    int k = 0;
     for (int i = 0; i < got; i++) {
         if (wc[i].status != IBV_WC_SUCCESS) {
             wc[i].opcode = (enum ibv_wc_opcode)XV_POISON;
@@ -794,60 +666,11 @@ int xv_poll(xv_dev *d, xv_wc *out, int n) {
             wc[i].src_qp = XV_POISON;
             wc[i].wc_flags = XV_POISON;
         }
-        xv_wc *o = &out[k];
-        memset(o, 0, offsetof(xv_wc, data));
-        o->wr_id = wc[i].wr_id;
-        o->status = wc[i].status;
-        o->byte_len = wc[i].byte_len;
-        o->qp_num = wc[i].qp_num;
-        o->vendor_err = wc[i].vendor_err;
-        uint64_t tag = wc[i].wr_id & XV_TAG_MASK;
-        if ((tag == XV_TAG_UD_SEND || tag == XV_TAG_UD_RECV) && ud_gen_of(wc[i].wr_id) != d->ud_gen)
-            continue; /* the QP's previous incarnation: its slots were reclaimed at the reset */
-        if ((tag == XV_TAG_UD_SEND || tag == XV_TAG_UD_RECV) && wc[i].status != IBV_WC_SUCCESS)
-            d->ud_broken = 1; /* an error moves a UD QP to the error state: reset below */
-        if (tag == XV_TAG_UD_SEND) {
-            unsigned slot = (unsigned)(wc[i].wr_id & 0xffff) % UD_SLOTS;
-            if (d->ud_busy & (1ull << slot)) {
-                ibv_destroy_ah(d->ud_ah[slot]);
-                d->ud_ah[slot] = NULL;
-                d->ud_busy &= ~(1ull << slot);
-            }
-            continue; /* handshake sends need no report */
-        }
-        if (tag == XV_TAG_UD_RECV) {
-            unsigned slot = (unsigned)(wc[i].wr_id & 0xffff) % UD_SLOTS;
-            if (wc[i].status == IBV_WC_SUCCESS && wc[i].byte_len > GRH) {
-                uint32_t len = wc[i].byte_len - GRH;
-                if (len > UD_MSG)
-                    len = UD_MSG;
-                memcpy(o->data, d->ud_buf + (UD_SLOTS + slot) * (GRH + UD_MSG) + GRH, len);
-                o->byte_len = len;
-                o->kind = XV_UD_RECV;
-                k++;
-            }
-            /* After an error the QP is reset (every slot reposted then), never reposted into. */
-            if (!d->ud_broken)
-                ud_post_recv(d, slot);
-            continue;
-        }
-        if (tag == XV_TAG_IMM_RECV) {
-            o->kind = XV_RECV_IMM;
-            o->imm = wc[i].status == IBV_WC_SUCCESS ? ntohl(wc[i].imm_data) : XV_POISON;
-        } else if (tag == XV_TAG_MSG_RECV) {
-            o->kind = XV_RECV_MSG;
-        } else {
-            o->kind = XV_SEND_DONE;
-        }
-        if (wc[i].status != IBV_WC_SUCCESS)
-            o->byte_len = XV_POISON;
-        k++;
+        out[i] = (xv_cqe){.wr_id = wc[i].wr_id, .status = wc[i].status, .byte_len = wc[i].byte_len,
+                          .imm = wc[i].status == IBV_WC_SUCCESS ? ntohl(wc[i].imm_data) : XV_POISON,
+                          .qp_num = wc[i].qp_num, .vendor_err = wc[i].vendor_err};
     }
-    /* Once its completions are read: the reset discards what the failed QP still held. A
-     * failed reset is retried on the next poll. */
-    if (d->ud_broken)
-        ud_reset(d);
-    return k;
+    return got;
 }
 
 const char *xv_wc_status_str(int status) { return ibv_wc_status_str((enum ibv_wc_status)status); }

@@ -10,13 +10,17 @@ pub struct XvDev {
     _opaque: [u8; 0],
 }
 
-/// `struct ibv_qp` / `struct ibv_mr`, opaque here.
+/// `struct ibv_qp` / `struct ibv_mr` / `struct ibv_ah`, opaque here.
 #[repr(C)]
 pub struct IbvQp {
     _opaque: [u8; 0],
 }
 #[repr(C)]
 pub struct IbvMr {
+    _opaque: [u8; 0],
+}
+#[repr(C)]
+pub struct IbvAh {
     _opaque: [u8; 0],
 }
 
@@ -31,6 +35,8 @@ pub struct XvAttr {
     pub ethernet: c_int,
     pub state: c_int,
     pub max_msg_sz: u32,
+    /// The CQ's capacity as created (the device may round the size asked up).
+    pub cq_entries: c_int,
 }
 
 /// Writes posted per doorbell (`xv_post_writes` takes at most this many): set in build.rs,
@@ -52,14 +58,9 @@ const fn parse_usize(digits: &str) -> usize {
     n
 }
 
-pub const UD_MSG: usize = 256;
-pub const KIND_SEND_DONE: c_int = 0;
-pub const KIND_RECV_MSG: c_int = 1;
-pub const KIND_RECV_IMM: c_int = 2;
-pub const KIND_UD_RECV: c_int = 3;
-
-/// Work-request id tags (top four bits), as in `shim.c`: a failed completion defines only
-/// `wr_id`, `status`, `vendor_err` and `qp_num`, so completions are routed by these.
+/// Work-request id tags (top four bits): a failed completion defines only `wr_id`, `status`,
+/// `vendor_err` and `qp_num`, so completions are routed by these. `shim.c` writes the ones it
+/// uses itself (`TAG_SHIFT`, `TAG_MASK`, `TAG_IMM_RECV`) with the same values.
 pub const TAG_SHIFT: u32 = 60;
 /// The tag bits.
 pub const TAG_MASK: u64 = 0xf << TAG_SHIFT;
@@ -69,33 +70,24 @@ pub const TAG_SEND: u64 = 0x1 << TAG_SHIFT;
 pub const TAG_IMM_RECV: u64 = 0x2 << TAG_SHIFT;
 /// A message buffer of the message SRQ.
 pub const TAG_MSG_RECV: u64 = 0x4 << TAG_SHIFT;
+/// A receive of the handshake (UD) QP.
+pub const TAG_UD_RECV: u64 = 0x8 << TAG_SHIFT;
+/// A send of the handshake (UD) QP.
+pub const TAG_UD_SEND: u64 = 0x9 << TAG_SHIFT;
 
+/// One completion as `xv_poll` read it: the fields a failed completion leaves undefined
+/// (`byte_len`, `imm`) read `0xdeadbeef`.
 #[repr(C)]
-#[derive(Clone, Copy)]
-pub struct XvWc {
+#[derive(Debug, Clone, Copy, Default)]
+pub struct XvCqe {
     pub wr_id: u64,
     pub status: c_int,
-    pub kind: c_int,
     pub byte_len: u32,
+    /// The immediate, host order.
     pub imm: u32,
     pub qp_num: u32,
     pub vendor_err: u32,
-    pub data: [u8; UD_MSG],
-}
-
-impl Default for XvWc {
-    fn default() -> Self {
-        Self {
-            wr_id: 0,
-            status: 0,
-            kind: 0,
-            byte_len: 0,
-            imm: 0,
-            qp_num: 0,
-            vendor_err: 0,
-            data: [0; UD_MSG],
-        }
-    }
+    pub pad: c_int,
 }
 
 #[repr(C)]
@@ -121,11 +113,14 @@ pub struct XvWrite {
     pub pad: c_int,
 }
 
+// shim.c checks the same sizes of its structs.
+const _: () = assert!(std::mem::size_of::<XvCqe>() == 32);
+const _: () = assert!(std::mem::size_of::<XvAttr>() == 48);
+
 extern "C" {
     pub fn xv_list(buf: *mut c_char, cap: usize) -> c_int;
     pub fn xv_arm_cq(d: *mut XvDev) -> c_int;
     pub fn xv_wait_cq(d: *mut XvDev, timeout_ms: c_int, watch_async: c_int) -> c_int;
-    pub fn xv_fix_cq(d: *mut XvDev);
     pub fn xv_kick(d: *mut XvDev) -> c_int;
     pub fn xv_open(
         name: *const c_char,
@@ -135,11 +130,13 @@ extern "C" {
         cap: usize,
     ) -> c_int;
     pub fn xv_query_gid(d: *mut XvDev, index: c_int, gid: *mut u8, kind: *mut c_int) -> c_int;
+    pub fn xv_max_cqe(d: *mut XvDev) -> c_int;
     pub fn xv_setup(
         d: *mut XvDev,
         gid_index: c_int,
         cq_size: c_int,
         srq_size: c_int,
+        ud_slots: c_int,
         attr: *mut XvAttr,
         err: *mut c_char,
         cap: usize,
@@ -170,7 +167,6 @@ extern "C" {
         d: *mut XvDev,
         msg: c_int,
         max_send_wr: c_int,
-        reserve: c_int,
         max_inline: *mut u32,
         qpn: *mut u32,
         err: *mut c_int,
@@ -210,20 +206,30 @@ extern "C" {
         len: u32,
         lkey: u32,
     ) -> c_int;
-    pub fn xv_ud_send(
+    pub fn xv_ud_bring_up(d: *mut XvDev, err: *mut c_char, cap: usize) -> c_int;
+    pub fn xv_ud_reset(d: *mut XvDev) -> c_int;
+    pub fn xv_ud_post_recv(d: *mut XvDev, wr_id: u64, addr: u64, len: u32, lkey: u32) -> c_int;
+    pub fn xv_ud_create_ah(
         d: *mut XvDev,
         dgid: *const u8,
         dlid: u16,
+        err: *mut c_int,
+    ) -> *mut IbvAh;
+    pub fn xv_destroy_ah(ah: *mut IbvAh) -> c_int;
+    pub fn xv_ud_post_send(
+        d: *mut XvDev,
+        ah: *mut IbvAh,
         dqpn: u32,
-        msg: *const c_void,
+        wr_id: u64,
+        addr: u64,
         len: u32,
+        lkey: u32,
     ) -> c_int;
-    pub fn xv_poll(d: *mut XvDev, out: *mut XvWc, n: c_int) -> c_int;
+    pub fn xv_ud_destroy(d: *mut XvDev) -> c_int;
+    pub fn xv_poll(d: *mut XvDev, out: *mut XvCqe, n: c_int) -> c_int;
     pub fn xv_ud_to_error(d: *mut XvDev) -> c_int;
     pub fn xv_async_event(d: *mut XvDev, event_type: *mut c_int, qpn: *mut u32) -> c_int;
     pub fn xv_event_str(event_type: c_int) -> *const c_char;
-    pub fn xv_cq_state(d: *const XvDev, cap: *mut c_int, need: *mut core::ffi::c_long);
-    pub fn xv_qp_reserve(qp: *mut IbvQp, more: c_int) -> c_int;
-    pub fn xv_ud_resets(d: *const XvDev) -> u64;
+    pub fn xv_resize_cq(d: *mut XvDev, size: c_int, cqe: *mut c_int) -> c_int;
     pub fn xv_wc_status_str(status: c_int) -> *const c_char;
 }

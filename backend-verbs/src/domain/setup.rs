@@ -82,12 +82,13 @@ impl VerbsDomain {
         };
         let faults = Faults::new(&options.faults, Instant::now());
         // The CQ holds what can complete on it: the immediate receives posted (imm_receives),
-        // every message receive the message SRQ can hold, and the handshake QP's 64 receives
-        // and 64 sends (plus slack); each RC QP's send queue is added when it is created (the
-        // shim grows the CQ). A fixed size overran as soon as more could be outstanding.
+        // every message receive the message SRQ can hold, and the handshake QP's receives and
+        // sends (`UD_SLOTS` each, plus slack); what each RC QP reserves is added when it is
+        // created (the CQ grows: `crate::cq::CqBudget`). A fixed size overran as soon as more
+        // could be outstanding.
         let srq_size = options.imm_receives.max(16) * 2;
         let cq_size = match faults.cq_entries() {
-            None => options.imm_receives + srq_size + 2 * 64 + 64,
+            None => options.imm_receives + srq_size + 2 * crate::ud::UD_SLOTS as i32 + 64,
             Some(fixed) => fixed as i32,
         };
         let attr = device
