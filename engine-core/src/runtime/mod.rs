@@ -190,6 +190,14 @@ pub(crate) struct Parking {
     parked: AtomicBool,
     /// Another thread drives the parked worker's loop now.
     driven: AtomicBool,
+    /// The worker dozes rather than parks: application threads waiting in
+    /// `TransferEngine::wait` drive it, so it arms no wake-up of the Domains (an armed
+    /// completion channel wakes a thread per completion, and on a small machine that thread
+    /// takes the CPU from the waiters) and looks again after a short timeout instead.
+    dozing: AtomicBool,
+    /// When a thread last stopped driving the worker from `TransferEngine::wait`:
+    /// nanoseconds after `epoch`, 0 for never.
+    waited_at: AtomicU64,
     /// When the parked worker wakes by itself: nanoseconds after `epoch`, 0 while unknown
     /// (it is deciding). Work due no earlier needs no wake.
     wakes_at: AtomicU64,
@@ -204,6 +212,8 @@ impl Default for Parking {
         Self {
             parked: AtomicBool::new(false),
             driven: AtomicBool::new(false),
+            dozing: AtomicBool::new(false),
+            waited_at: AtomicU64::new(0),
             wakes_at: AtomicU64::new(0),
             epoch: Instant::now(),
             unparks: AtomicU64::new(0),
@@ -222,7 +232,40 @@ impl Parking {
     /// is unknown until [`wakes_at`](Self::set_wakes_at) is set again.
     pub(crate) fn announce(&self, parked: bool) {
         self.wakes_at.store(0, Ordering::SeqCst);
+        if !parked {
+            self.dozing.store(false, Ordering::SeqCst);
+        }
         self.parked.store(parked, Ordering::SeqCst);
+    }
+
+    /// The worker announces that it dozes (see `dozing`) rather than parks.
+    pub(crate) fn announce_doze(&self) {
+        self.dozing.store(true, Ordering::SeqCst);
+        self.announce(true);
+    }
+
+    /// Threads no longer wait on the worker: it stops dozing (its next park arms the
+    /// Domains' wake-ups), and a driver's last poll arms them now.
+    pub(crate) fn stop_dozing(&self) {
+        self.waited_at.store(0, Ordering::Relaxed);
+        self.dozing.store(false, Ordering::SeqCst);
+    }
+
+    /// Whether the parked worker dozes.
+    pub(crate) fn is_dozing(&self) -> bool {
+        self.dozing.load(Ordering::SeqCst)
+    }
+
+    /// A thread stops driving the worker from `TransferEngine::wait`, now.
+    pub(crate) fn waited_now(&self) {
+        let nanos = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.waited_at.store(nanos.max(1), Ordering::Relaxed);
+    }
+
+    /// Whether a thread drove the worker from `TransferEngine::wait` within `within`.
+    pub(crate) fn waited_within(&self, within: Duration) -> bool {
+        let at = self.waited_at.load(Ordering::Relaxed);
+        at != 0 && Duration::from_nanos(at) + within >= self.epoch.elapsed()
     }
 
     /// The parked worker will wake by itself at `at`.
@@ -234,9 +277,12 @@ impl Parking {
         );
     }
 
-    /// Whether the worker parked and no other thread drives it: what a Domain's waker asks.
+    /// Whether the worker parked — not dozing — and no other thread drives it: what a
+    /// Domain's waker asks (to wake it, and whether to arm its own wake-up).
     pub(crate) fn is_parked(&self) -> bool {
-        self.parked.load(Ordering::SeqCst) && !self.driven.load(Ordering::SeqCst)
+        self.parked.load(Ordering::SeqCst)
+            && !self.driven.load(Ordering::SeqCst)
+            && !self.dozing.load(Ordering::SeqCst)
     }
 
     /// Whether the worker announced that it parks, driven or not.
@@ -485,9 +531,21 @@ impl Shared {
                 return true;
             }
             if start.elapsed() >= limit {
-                return false;
+                // This thread sleeps next: what it waits for must wake the worker.
+                if !worker::drive_parked_while(self, || Some(worker::Leaving::Sleeps)) {
+                    self.parking.stop_dozing();
+                }
+                return done();
             }
-            let drove = worker::drive_parked_while(self, || !done() && start.elapsed() < limit);
+            let drove = worker::drive_parked_while(self, || {
+                if done() {
+                    Some(worker::Leaving::Answered)
+                } else if start.elapsed() >= limit {
+                    Some(worker::Leaving::Sleeps)
+                } else {
+                    None
+                }
+            });
             if !drove {
                 if self.config.worker.yield_when_idle {
                     std::thread::yield_now();

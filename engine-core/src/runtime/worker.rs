@@ -122,6 +122,9 @@ pub(crate) struct Worker {
     driven_panic: Option<String>,
 }
 
+/// The shortest doze (see `Parking`): `idle_poll_us` when longer.
+const DOZE: Duration = Duration::from_micros(500);
+
 /// What the worker's thread does after a pass.
 enum Next {
     /// The next pass.
@@ -362,17 +365,36 @@ fn run(shared: &Arc<Shared>) {
 /// awake, another thread drives it, this thread is a worker itself, or the Domains need the
 /// worker polling): then the caller wakes the worker as before.
 ///
-/// While it drives, wakers leave the worker parked (see `Parking`); when it stops, it polls
-/// the Domains once more as the worker does before it parks (they arm their wake-ups), and
-/// wakes the worker if anything is left for it: commands it did not take, queued work,
-/// something due before the worker's own wake-up, a shutdown, or a panic here.
+/// While it drives, wakers leave the worker parked (see `Parking`); when it stops (see
+/// [`Leaving`]) it wakes the worker if anything is left for it: commands it did not take,
+/// queued work, something due before the worker's own wake-up, a shutdown, or a panic here.
 pub(crate) fn drive_parked(shared: &Shared) -> bool {
-    drive_parked_while(shared, || false)
+    drive_parked_while(shared, || Some(Leaving::Submitted))
 }
 
-/// [`drive_parked`], pass after pass for as long as `more()` says (asked after each pass),
-/// unless the worker must wake for what is left.
-pub(crate) fn drive_parked_while(shared: &Shared, mut more: impl FnMut() -> bool) -> bool {
+/// Why a thread stops driving the parked worker, which decides what the worker is left
+/// doing: parked with the Domains' wake-ups armed, or dozing (see `Parking`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Leaving {
+    /// It submitted. A parked worker stays parked: the Domains are polled once more as by a
+    /// parking worker (they arm their wake-ups, and what came before is seen). A dozing one
+    /// keeps dozing: threads wait on it.
+    Submitted,
+    /// Its wait ended: it will likely submit and wait again soon. The worker dozes — a
+    /// parked one is woken once to doze instead — so that no armed wake-up sends a thread
+    /// running for each completion while waiters poll for them.
+    Answered,
+    /// Its wait goes to sleep on the flag: the worker must be woken by what arrives. It parks
+    /// with the wake-ups armed, dozing no more.
+    Sleeps,
+}
+
+/// [`drive_parked`], pass after pass until `more()` (asked after each pass) says why it
+/// stops, unless the worker must wake for what is left.
+pub(crate) fn drive_parked_while(
+    shared: &Shared,
+    mut more: impl FnMut() -> Option<Leaving>,
+) -> bool {
     if !shared.parking.announced_parked() || local::is_worker_thread() {
         return false;
     }
@@ -391,29 +413,43 @@ pub(crate) fn drive_parked_while(shared: &Shared, mut more: impl FnMut() -> bool
     local::enter(shared);
     let driven = catch_unwind(AssertUnwindSafe(|| loop {
         if worker.driven_pass() {
-            break true;
+            break None;
         }
-        if !more() {
-            break false;
+        if let Some(leaving) = more() {
+            break Some(leaving);
         }
     }));
     let kept = local::leave();
     shared.parking.set_driven(false);
     let wake = match driven {
-        Ok(wake) => {
+        Ok(leaving) => {
             let now = Stamp::now();
             let left = !kept.is_empty();
             for mut cmd in kept {
                 cmd.stamp(now);
                 shared.queue.push(cmd);
             }
-            wake || left
-                || catch_unwind(AssertUnwindSafe(|| worker.stop_driving())).unwrap_or_else(
+            let arm = match leaving {
+                None => None,
+                Some(Leaving::Submitted) => Some(!shared.parking.is_dozing()),
+                Some(Leaving::Answered) => {
+                    shared.parking.waited_now();
+                    // A parked worker is woken to doze; a dozing one needs nothing armed.
+                    shared.parking.is_dozing().then_some(false)
+                }
+                Some(Leaving::Sleeps) => {
+                    shared.parking.stop_dozing();
+                    Some(true)
+                }
+            };
+            left || arm.is_none_or(|arm| {
+                catch_unwind(AssertUnwindSafe(|| worker.stop_driving(arm))).unwrap_or_else(
                     |panic| {
                         worker.driven_failed(panic_message(&*panic));
                         true
                     },
                 )
+            })
         }
         Err(panic) => {
             worker.driven_failed(panic_message(&*panic));
@@ -441,7 +477,10 @@ impl Worker {
                 let now = Stamp::now();
                 self.expire(now);
                 let in_flight = self.core.in_flight() > 0 || self.core.has_queued();
-                if idle.parks(now, in_flight) {
+                // Waiting threads poll for what is in flight: the worker need not.
+                let waiters =
+                    self.drivable && self.shared.parking.waited_within(DOZE.max(idle_poll));
+                if idle.parks(now, in_flight && !waiters) {
                     if let Some(timeout) = self.prepare_park(idle_poll) {
                         return Next::Park(timeout);
                     }
@@ -519,12 +558,13 @@ impl Worker {
         self.rounds(true).is_none() || !self.commands.is_empty() || self.core.has_queued()
     }
 
-    /// A driver stops: the Domains are polled once more with the worker counted as parked
-    /// again, so that they arm their wake-ups (and what came in before that is seen); returns
+    /// A driver stops: when the worker is parked (`arm`), the Domains are polled once more
+    /// with the worker counted as parked again, so that they arm their wake-ups (and what
+    /// came in before that is seen); a dozing worker looks again soon by itself. Returns
     /// whether the worker must wake — for work left, or for a deadline earlier than the one
     /// it parked for.
-    fn stop_driving(&mut self) -> bool {
-        if self.poll_domains() {
+    fn stop_driving(&mut self, arm: bool) -> bool {
+        if arm && self.poll_domains() {
             self.deliver();
         }
         if !self.commands.is_empty()
@@ -580,7 +620,15 @@ impl Worker {
         // A Domain's own timers (`Domain::poll_timeout`: a handshake to resend, retired queue
         // pairs to free) are read after that last poll, which may move them: the worker
         // wakes to poll it then even when nothing arrives and nothing else is due.
-        self.shared.parking.announce(true);
+        // Threads waiting in `TransferEngine::wait` drove this worker lately: doze, with no
+        // wake-up armed (the final poll below arms nothing then), and look again within
+        // `idle_poll_us` — the longest an arrival nobody waits for is left unseen.
+        let doze = self.drivable && self.shared.parking.waited_within(DOZE.max(idle_poll));
+        if doze {
+            self.shared.parking.announce_doze();
+        } else {
+            self.shared.parking.announce(true);
+        }
         if !(self.commands.is_empty()
             && local::is_empty()
             && self.shared.queue.is_empty()
@@ -607,6 +655,9 @@ impl Worker {
         timeout = timeout.min(timeouts.transfer()).min(timeouts.expect());
         if !self.domains_wake {
             timeout = timeout.min(idle_poll);
+        }
+        if doze {
+            timeout = timeout.min(DOZE.max(idle_poll));
         }
         let wakes_at = now + timeout;
         self.wakes_at = Some(wakes_at);
