@@ -10,9 +10,9 @@ use std::ffi::c_void;
 
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
-    message_size_class, Capabilities, Device, Domain, DomainCause, DomainConfig, DomainError,
-    DomainErrorKind, Event, MemoryRegion, PostStatus, RdmaOp, RdmaRequest, RegionTable,
-    Registration,
+    message_size_class, post_one_by_one, Capabilities, Device, Domain, DomainCause, DomainConfig,
+    DomainError, DomainErrorKind, Event, MemoryRegion, PostStatus, RdmaOp, RdmaPost, RdmaRequest,
+    RegionTable, Registration,
 };
 
 use crate::ffi::{
@@ -500,8 +500,9 @@ impl Domain for EfaDomain {
         self.regions.remove(local_key).map(drop)
     }
 
-    fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
-        self.post_rma(req)
+    /// Request by request: libfabric has no call that shares its checks across several.
+    fn post_rdma(&mut self, post: RdmaPost<'_>) -> (usize, Result<PostStatus, DomainError>) {
+        post_one_by_one(post, |r| self.post_rma(r))
     }
 
     fn capabilities(&self) -> Capabilities {

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
-    Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion,
-    PageShift, PostStatus, RdmaRequest, Registration, Waker,
+    post_one_by_one, Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind,
+    Event, MemoryRegion, PostStatus, RdmaPost, RdmaRequest, Registration, Waker,
 };
 
 use crate::fabric::{self, Conn, Listed, Nic, Op, Pages, Posted, RdmaShape, Region};
@@ -207,6 +207,37 @@ impl MockDomain {
         fabric::schedule(posted, due, order);
         Ok(PostStatus::Posted)
     }
+
+    /// One write or read, scheduled (or landed, inline) on its own.
+    fn post_one(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
+        self.accept(Op::Rdma {
+            wr_id: req.wr_id,
+            peer: req.peer.clone(),
+            shape: shape_of(req),
+        })
+    }
+
+    /// Lands each run of `requests` that [`same_batch`] groups as one batch (inline only).
+    fn land_list(
+        &mut self,
+        requests: &[RdmaRequest<'_>],
+    ) -> (usize, Result<PostStatus, DomainError>) {
+        let mut posted = 0;
+        while let Some(first) = requests.get(posted) {
+            let run = requests[posted..]
+                .iter()
+                .take_while(|r| same_batch(first, r))
+                .count();
+            let (accepted, status) = self.land_run(first, run, |accepted| {
+                Listed(&requests[posted..posted + accepted])
+            });
+            posted += accepted;
+            if accepted < run {
+                return (posted, status);
+            }
+        }
+        (posted, Ok(PostStatus::Posted))
+    }
 }
 
 /// Whether `other` can land in one batch with `first` (see `rdma::Batch`): everything the
@@ -291,57 +322,27 @@ impl Domain for MockDomain {
         Ok(())
     }
 
-    fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
-        self.accept(Op::Rdma {
-            wr_id: req.wr_id,
-            peer: req.peer.clone(),
-            shape: shape_of(req),
-        })
-    }
-
-    /// An inline mock lands a batch under one hold of each lock, checking what its pages
-    /// share once; otherwise (delayed, reordered) each page is scheduled on its own. Every
-    /// page still counts as a post (for fault injection) and takes its place in the queue.
-    fn post_rdma_pages(
-        &mut self,
-        template: &RdmaRequest<'_>,
-        shifts: &[PageShift],
-    ) -> (usize, Result<PostStatus, DomainError>) {
-        // Fault injection counts posts one by one: a batch it could touch is posted so.
-        if !self.options.inline || shifts.is_empty() || self.faults_within(shifts.len() as u64) {
-            return xfer_plugin::domain::post_one_by_one(self, template, shifts);
+    /// An inline mock lands the pages of a batch, and each run of a list's requests that
+    /// share a peer and a shape but for their addresses, ids and immediates, as one batch:
+    /// under one hold of each lock, checking what they share once. Otherwise (delayed,
+    /// reordered) each request is scheduled on its own. Every request still counts as a post
+    /// (for fault injection) and takes its place in the queue.
+    fn post_rdma(&mut self, post: RdmaPost<'_>) -> (usize, Result<PostStatus, DomainError>) {
+        // Fault injection counts posts one by one: a post it could touch is posted so.
+        if !self.options.inline || self.faults_within(post.len() as u64) {
+            return post_one_by_one(post, |r| self.post_one(r));
         }
-        self.land_run(template, shifts.len(), |accepted| Pages {
-            wr_id: template.wr_id,
-            imm: template.imm(),
-            shifts: &shifts[..accepted],
-        })
-    }
-
-    /// An inline mock lands each run of requests that share a peer and a shape but for
-    /// their addresses, ids and immediates as one batch (see `post_rdma_pages`).
-    fn post_rdma_list(
-        &mut self,
-        requests: &[RdmaRequest<'_>],
-    ) -> (usize, Result<PostStatus, DomainError>) {
-        if !self.options.inline || self.faults_within(requests.len() as u64) {
-            return xfer_plugin::domain::post_each(self, requests);
-        }
-        let mut posted = 0;
-        while let Some(first) = requests.get(posted) {
-            let run = requests[posted..]
-                .iter()
-                .take_while(|r| same_batch(first, r))
-                .count();
-            let (accepted, status) = self.land_run(first, run, |accepted| {
-                Listed(&requests[posted..posted + accepted])
-            });
-            posted += accepted;
-            if accepted < run {
-                return (posted, status);
+        match post {
+            RdmaPost::Pages { template, shifts } if !shifts.is_empty() => {
+                self.land_run(&template, shifts.len(), |accepted| Pages {
+                    wr_id: template.wr_id,
+                    imm: template.imm(),
+                    shifts: &shifts[..accepted],
+                })
             }
+            RdmaPost::List(requests) => self.land_list(requests),
+            one_or_newer => post_one_by_one(one_or_newer, |r| self.post_one(r)),
         }
-        (posted, Ok(PostStatus::Posted))
     }
 
     fn capabilities(&self) -> Capabilities {

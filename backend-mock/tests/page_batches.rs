@@ -1,6 +1,6 @@
-//! Paged writes posted as batches (issue 29: `Domain::post_rdma_pages`): an inline mock lands
-//! a batch under one hold of each lock, checking what its pages share once. Whatever cuts a
-//! batch short — a full queue, a revoked key, an injected failure inside it — every page is
+//! Paged writes posted as batches (`Domain::post_rdma` of `RdmaPost::Pages`): an inline mock
+//! lands a batch under one hold of each lock, checking what its pages share once. Whatever cuts
+//! a batch short — a full queue, a revoked key, an injected failure inside it — every page is
 //! still posted or failed exactly once, its data lands where it should, and the transfer
 //! completes once.
 

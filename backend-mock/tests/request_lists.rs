@@ -1,5 +1,5 @@
-//! `Domain::post_rdma_list` on the inline mock (issue 29: a burst of single writes and reads
-//! as one Domain call) against the same requests posted one by one (`post_each`): random lists
+//! `Domain::post_rdma` of a list on the inline mock (a burst of single writes and reads as
+//! one Domain call) against the same requests posted one by one (`post_one_by_one`): random lists
 //! to two peers — writes with and without immediates, reads, requests below the run's first
 //! (wrapping offsets), ranges outside their regions, revoked remote keys, queues too small for
 //! a run — must give the same completions in the same order, the same immediates at each
@@ -10,8 +10,8 @@
 use proptest::prelude::*;
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
-    Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion, PostStatus,
-    RdmaOp, RdmaRequest,
+    post_one_by_one, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event,
+    MemoryRegion, PostStatus, RdmaOp, RdmaPost, RdmaRequest,
 };
 
 use backend_mock::MockDomain;
@@ -114,7 +114,7 @@ struct Outcome {
     bytes: Vec<Vec<u8>>,
 }
 
-/// `Domain::post_rdma_list` or `post_each`.
+/// `Domain::post_rdma` of a list, or each request of it posted alone.
 type PostList = fn(&mut MockDomain, &[RdmaRequest<'_>]) -> (usize, Result<PostStatus, DomainError>);
 
 /// Posts `reqs` through `post` until every one is posted or refused, as the worker does:
@@ -196,8 +196,10 @@ proptest! {
         reqs in prop::collection::vec(req(), 1..40),
         queue_depth in prop_oneof![Just(0usize), 1usize..5],
     ) {
-        let listed = drive(&mut setup(queue_depth), &reqs, |d, r| d.post_rdma_list(r));
-        let each = drive(&mut setup(queue_depth), &reqs, xfer_plugin::domain::post_each);
+        let listed = drive(&mut setup(queue_depth), &reqs, |d, r| d.post_rdma(RdmaPost::List(r)));
+        let each = drive(&mut setup(queue_depth), &reqs, |d, r| {
+            post_one_by_one(RdmaPost::List(r), |one| d.post_rdma(RdmaPost::One(*one)).1)
+        });
         prop_assert_eq!(&listed, &each);
         // Every request completed exactly once, in order (none was refused at post time:
         // what a NIC checks per request arrives as a failed completion).
@@ -220,7 +222,7 @@ fn a_request_outside_its_region_inside_a_run_fails_alone() {
         revoked: false,
     };
     let reqs = [w(64), w(REGION), w(8)];
-    let out = drive(&mut s, &reqs, |d, r| d.post_rdma_list(r));
+    let out = drive(&mut s, &reqs, |d, r| d.post_rdma(RdmaPost::List(r)));
     assert_eq!(
         out.done,
         [

@@ -1,5 +1,5 @@
-//! Bursts of single writes (issue 29): the worker hands the writes it accepted in one pass to
-//! each NIC as lists (`Domain::post_rdma_list`). Whatever cuts a list short — a queue too
+//! Bursts of single writes: the worker hands the writes it accepted in one pass to each NIC
+//! as lists (`Domain::post_rdma` of `RdmaPost::List`). Whatever cuts a list short — a queue too
 //! small for it, a peer that died, our own NIC dropped — every write is posted or failed
 //! exactly once, lands where it should, and its immediate is counted once.
 

@@ -107,7 +107,11 @@ impl RawPair {
             len: src.len() as u64,
         };
         let until = Instant::now() + WAIT;
-        while self.a.post_rdma(&wr).expect("posting a write")
+        while self
+            .a
+            .post_rdma(engine_core::domain::RdmaPost::One(wr))
+            .1
+            .expect("posting a write")
             == engine_core::domain::PostStatus::Busy
         {
             assert!(Instant::now() < until, "the sender stayed busy");

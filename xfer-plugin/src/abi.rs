@@ -45,7 +45,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use crate::addr::{NetAddr, MAX_ADDR_LEN};
 use crate::domain::{
     Capabilities, CheckOptionsFn, Device, Domain, DomainConfig, DomainError, DomainErrorKind,
-    Event, MemoryRegion, OpenFn, PageShift, PostStatus, RdmaOp, RdmaRequest, Registration,
+    Event, MemoryRegion, OpenFn, PageShift, PostStatus, RdmaOp, RdmaPost, RdmaRequest,
+    Registration,
 };
 use crate::log::LogFn;
 pub use crate::raw::RawBytes;

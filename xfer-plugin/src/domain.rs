@@ -147,6 +147,64 @@ impl PageShift {
     }
 }
 
+/// What one [`Domain::post_rdma`] call posts on one NIC, in order.
+///
+/// `#[non_exhaustive]`: a Domain matches the kinds it posts better than one by one and hands
+/// the rest to [`post_one_by_one`], so a kind added later reaches an existing Domain as
+/// requests posted one by one instead of breaking its build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RdmaPost<'a> {
+    /// One request (a single write or read that waited in the engine's queue for its peer).
+    One(RdmaRequest<'a>),
+    /// The pages of a paged request on this NIC: `template` once per entry of `shifts`, each
+    /// moved by its byte offsets (see [`RdmaRequest::shifted`]), all with the template's
+    /// `wr_id`. They differ only in their addresses, so a Domain can check what they share
+    /// once per batch rather than once per page.
+    Pages {
+        /// The request every page is a shifted copy of.
+        template: RdmaRequest<'a>,
+        /// How far each page lies from the template.
+        shifts: &'a [PageShift],
+    },
+    /// Requests each with its own `wr_id` and to any peer: the single and listed writes and
+    /// reads the engine gathered in one pass over its submissions (a burst). A Domain can
+    /// share its locks and lookups across a run of requests to one peer.
+    List(&'a [RdmaRequest<'a>]),
+}
+
+impl<'a> RdmaPost<'a> {
+    /// How many requests this is.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::One(_) => 1,
+            Self::Pages { shifts, .. } => shifts.len(),
+            Self::List(requests) => requests.len(),
+        }
+    }
+
+    /// Whether there is nothing to post (a batch or list of none).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Request number `index` (from 0), as the Domain must post it.
+    pub fn request(&self, index: usize) -> Option<RdmaRequest<'a>> {
+        match *self {
+            Self::One(request) => (index == 0).then_some(request),
+            Self::Pages { template, shifts } => {
+                shifts.get(index).map(|&shift| template.shifted(shift))
+            }
+            Self::List(requests) => requests.get(index).copied(),
+        }
+    }
+
+    /// The requests, in the order they must be posted.
+    pub fn requests(self) -> impl Iterator<Item = RdmaRequest<'a>> {
+        (0..self.len()).map_while(move |index| self.request(index))
+    }
+}
+
 /// Whether a post was accepted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PostStatus {
@@ -364,45 +422,22 @@ pub trait Domain: Send {
     /// Deregisters the region with this local key; no write touches it after this returns.
     fn deregister(&mut self, local_key: u64) -> Result<(), DomainError>;
 
-    /// Posts an RDMA WRITE or READ. Connecting to a new peer happens here, lazily; requests
-    /// posted while it connects are queued by the Domain, not refused. A read's `Done` means
-    /// the bytes are in local memory. Backends without reads (see [`Capabilities::reads`])
-    /// refuse [`RdmaOp::Read`] with [`refuse_read`]'s typed error.
-    fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError>;
-
-    /// Posts `template` once per entry of `shifts`, each moved by its byte offsets, in order
-    /// and all with the template's `wr_id`: the pages of a paged request on this NIC, which
-    /// differ only in their addresses. Returns how many were posted and the
-    /// status of the post that ended the batch: `Ok(Posted)` when all were; otherwise
-    /// `Ok(Busy)` or the error of request number `posted`, which was not posted, and nothing
-    /// after it was tried. Each posted request gets its own `Done`, as from
-    /// [`post_rdma`](Self::post_rdma).
+    /// Posts RDMA WRITEs and READs: one request, the pages of a paged request or a list (see
+    /// [`RdmaPost`]), in order. Returns how many requests were posted and the status of the
+    /// post that ended the call: `Ok(Posted)` when all were; otherwise `Ok(Busy)` (the NIC's
+    /// queue is full) or the error of request number `posted`, which was not posted, with
+    /// nothing after it tried. Each posted request gets its own [`Event::Done`].
     ///
-    /// The default posts them one by one. A Domain overrides it to take its locks, look its
-    /// connection up and check what the pages share once per batch rather than once per page
-    /// (the per-page cost).
-    fn post_rdma_pages(
-        &mut self,
-        template: &RdmaRequest<'_>,
-        shifts: &[PageShift],
-    ) -> (usize, Result<PostStatus, DomainError>) {
-        post_one_by_one(self, template, shifts)
-    }
-
-    /// Posts `requests` in order, each with its own `wr_id` and to any peer: the single and
-    /// listed writes and reads the engine gathered in one pass over its submissions (a
-    /// burst). Returns as [`post_rdma_pages`](Self::post_rdma_pages) does: how many were
-    /// posted, and `Ok(Posted)` when all were, else `Ok(Busy)` or the error of request number
-    /// `posted`, which was not posted, with nothing after it tried.
+    /// Connecting to a new peer happens here, lazily; requests posted while it connects are
+    /// queued by the Domain, not refused. A read's `Done` means the bytes are in local memory.
+    /// Backends without reads (see [`Capabilities::reads`]) refuse [`RdmaOp::Read`] with
+    /// [`refuse_read`]'s typed error.
     ///
-    /// The default posts them one by one. A Domain overrides it to share its locks and
-    /// lookups across a run of requests to one peer (the per-write cost).
-    fn post_rdma_list(
-        &mut self,
-        requests: &[RdmaRequest<'_>],
-    ) -> (usize, Result<PostStatus, DomainError>) {
-        post_each(self, requests)
-    }
+    /// A Domain that only knows how to post one request hands every kind of post to
+    /// [`post_one_by_one`] with that; one that can do better for a kind (take its locks, look
+    /// its connection up and check what the requests share once per batch or per run to one
+    /// peer) matches that kind and hands the rest on.
+    fn post_rdma(&mut self, post: RdmaPost<'_>) -> (usize, Result<PostStatus, DomainError>);
 
     /// Posts a message to `peer` (copied before this returns).
     fn post_send(
@@ -445,35 +480,21 @@ pub trait Domain: Send {
     }
 }
 
-/// [`Domain::post_rdma_pages`] as a loop of [`Domain::post_rdma`]: its default, and what an
-/// override falls back to for batches it does not handle itself.
-pub fn post_one_by_one<D: Domain + ?Sized>(
-    domain: &mut D,
-    template: &RdmaRequest<'_>,
-    shifts: &[PageShift],
+/// Posts `post` request by request with `post_one` (which posts one request, as
+/// [`Domain::post_rdma`] does), stopping at the first it does not take, and answers as
+/// [`Domain::post_rdma`] does. What a Domain that handles one request at a time answers with,
+/// and what one that batches some kinds of post falls back to for the others.
+pub fn post_one_by_one(
+    post: RdmaPost<'_>,
+    mut post_one: impl FnMut(&RdmaRequest<'_>) -> Result<PostStatus, DomainError>,
 ) -> (usize, Result<PostStatus, DomainError>) {
-    for (posted, &shift) in shifts.iter().enumerate() {
-        match domain.post_rdma(&template.shifted(shift)) {
+    for (posted, request) in post.requests().enumerate() {
+        match post_one(&request) {
             Ok(PostStatus::Posted) => {}
             stopped => return (posted, stopped),
         }
     }
-    (shifts.len(), Ok(PostStatus::Posted))
-}
-
-/// [`Domain::post_rdma_list`] as a loop of [`Domain::post_rdma`]: its default, and what an
-/// override falls back to for lists it does not handle itself.
-pub fn post_each<D: Domain + ?Sized>(
-    domain: &mut D,
-    requests: &[RdmaRequest<'_>],
-) -> (usize, Result<PostStatus, DomainError>) {
-    for (posted, request) in requests.iter().enumerate() {
-        match domain.post_rdma(request) {
-            Ok(PostStatus::Posted) => {}
-            stopped => return (posted, stopped),
-        }
-    }
-    (requests.len(), Ok(PostStatus::Posted))
+    (post.len(), Ok(PostStatus::Posted))
 }
 
 /// The error a Domain without RDMA READ answers a read with.
@@ -551,6 +572,89 @@ pub type CheckOptionsFn = fn(&str) -> Result<(), String>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A one-request poster that takes `takes` requests and answers the next with `stop`,
+    /// recording each request it was offered.
+    fn poster<'r>(
+        takes: usize,
+        stop: Result<PostStatus, DomainError>,
+        offered: &'r mut Vec<(u64, u64, u64)>,
+    ) -> impl FnMut(&RdmaRequest<'_>) -> Result<PostStatus, DomainError> + 'r {
+        move |r| {
+            offered.push((r.wr_id, r.local_addr, r.remote_addr));
+            if offered.len() > takes {
+                stop.clone()
+            } else {
+                Ok(PostStatus::Posted)
+            }
+        }
+    }
+
+    /// Posting one by one answers how many were taken and why it stopped — `Busy`, or the
+    /// error of the first request not taken — offers nothing after that one, and offers the
+    /// pages of a batch moved by their shifts; one request alone answers 1 or 0.
+    #[test]
+    fn posting_one_by_one_stops_at_the_first_request_not_taken() {
+        let peer = NetAddr::new(b"peer").expect("a valid address");
+        let request = |wr_id, at| RdmaRequest {
+            wr_id,
+            op: RdmaOp::Write { imm: Some(3) },
+            peer: &peer,
+            local_addr: at,
+            local_key: 1,
+            remote_addr: 0x1000 + at,
+            remote_key: 2,
+            remote_base: 0x1000,
+            len: 8,
+        };
+        let list = [request(1, 0), request(2, 8), request(3, 16), request(4, 24)];
+        let shifts = [0, 8, 16, 24].map(|b| PageShift::new(b, 2 * b));
+        let refused = DomainError::new(DomainErrorKind::RemoteAccess, "refused");
+        let posts = [
+            RdmaPost::List(&list),
+            RdmaPost::Pages {
+                template: request(9, 0),
+                shifts: &shifts,
+            },
+        ];
+        for post in posts {
+            let all: Vec<_> = post
+                .requests()
+                .map(|r| (r.wr_id, r.local_addr, r.remote_addr))
+                .collect();
+            assert_eq!(all.len(), 4);
+            if let RdmaPost::Pages { .. } = post {
+                assert_eq!(all[3], (9, 24, 0x1000 + 48), "a page moved by its shift");
+            }
+            for takes in 0..=4 {
+                for stop in [Ok(PostStatus::Busy), Err(refused.clone())] {
+                    let mut offered = Vec::new();
+                    let answer = post_one_by_one(post, poster(takes, stop.clone(), &mut offered));
+                    if takes == 4 {
+                        assert_eq!(answer, (4, Ok(PostStatus::Posted)));
+                        assert_eq!(offered, all);
+                    } else {
+                        assert_eq!(answer, (takes, stop), "{post:?}");
+                        assert_eq!(offered, all[..=takes], "nothing after the stop is tried");
+                    }
+                }
+            }
+        }
+        let one = RdmaPost::One(request(5, 0));
+        for (takes, want) in [
+            (1, (1, Ok(PostStatus::Posted))),
+            (0, (0, Ok(PostStatus::Busy))),
+        ] {
+            let mut offered = Vec::new();
+            let answer = post_one_by_one(one, poster(takes, Ok(PostStatus::Busy), &mut offered));
+            assert_eq!((answer, offered.len()), (want, 1));
+        }
+        let nothing = RdmaPost::List(&[]);
+        let mut offered = Vec::new();
+        let answer = post_one_by_one(nothing, poster(0, Err(refused), &mut offered));
+        assert_eq!((answer, offered.len()), ((0, Ok(PostStatus::Posted)), 0));
+        assert!(nothing.is_empty() && nothing.request(0).is_none());
+    }
 
     #[test]
     fn a_waker_says_whether_the_worker_parks_and_assumes_it_does_when_unknown() {

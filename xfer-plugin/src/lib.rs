@@ -13,6 +13,21 @@
 //! The conformance suite needs a running engine, so it lives in `xfer-conformance` (a
 //! dev-dependency) and in the `xfer conformance --plugin` command, which needs no Rust at all. `docs/plugins.md` is the guide; its Rust snippets are compiled as
 //! this crate's doc tests (see [`guide`]).
+//!
+//! ## Changes
+//!
+//! The C ABI ([`abi::PluginTable`]) only grows, and its version says what a plugin has. The
+//! Rust [`Domain`](domain::Domain) trait is versioned with this crate: a change that breaks a
+//! Rust plugin's build raises the minor version.
+//!
+//! - **0.2**: the three RDMA post methods (`post_rdma` of one request, `post_rdma_pages`,
+//!   `post_rdma_list`) are one, [`Domain::post_rdma`](domain::Domain::post_rdma), taking an
+//!   [`RdmaPost`](domain::RdmaPost) (`One`, `Pages` or `List`) and answering as the batch
+//!   methods did: how many were posted, and why it stopped. The defaults `post_one_by_one`
+//!   and `post_each` are one helper, [`post_one_by_one`](domain::post_one_by_one), which takes
+//!   the post and the Domain's one-request post: a Domain that posts one request at a time
+//!   passes every post to it; one that batches some kinds matches those and passes on the
+//!   rest. The C ABI is unchanged.
 
 pub mod abi;
 pub mod addr;

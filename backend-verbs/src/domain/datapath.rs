@@ -252,8 +252,8 @@ impl VerbsDomain {
         }
     }
 
-    /// The pages of a paged write (see `Domain::post_rdma_pages`): a run of writes that
-    /// differ only in their addresses (see `post_run`).
+    /// The pages of a paged write (`RdmaPost::Pages`): a run of writes that differ only in
+    /// their addresses (see `post_run`).
     pub(super) fn post_pages(
         &mut self,
         wr: &RdmaRequest<'_>,
@@ -265,8 +265,8 @@ impl VerbsDomain {
         self.post_run(&wr.shifted(first), rest.iter().map(|&s| wr.shifted(s)))
     }
 
-    /// A burst's requests (see `Domain::post_rdma_list`): each run of writes to one peer
-    /// (see `post_run`) together; reads and zero-byte writes alone.
+    /// A burst's requests (`RdmaPost::List`): each run of writes to one peer (see `post_run`)
+    /// together; reads and zero-byte writes alone.
     pub(super) fn post_list(
         &mut self,
         requests: &[RdmaRequest<'_>],
@@ -297,7 +297,7 @@ impl VerbsDomain {
     /// its message size, remote key and source region and chained, and the chain's tail is
     /// posted at once rather than at the next poll. Reads, zero-byte writes and requests for
     /// a peer that is not ready go one by one (they queue for the connection as single
-    /// requests do). Returns as `Domain::post_rdma_pages` does.
+    /// requests do). Returns as `Domain::post_rdma` does.
     fn post_run<'p>(
         &mut self,
         first: &RdmaRequest<'p>,

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use foldhash::HashMap;
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
-    Capabilities, Device as MemDevice, Domain, DomainCause, DomainError, DomainErrorKind, Event,
-    MemoryRegion, PageShift, PostStatus, RdmaRequest, RegionTable, Registration, Waker,
+    post_one_by_one, Capabilities, Device as MemDevice, Domain, DomainCause, DomainError,
+    DomainErrorKind, Event, MemoryRegion, PostStatus, RdmaPost, RegionTable, Registration, Waker,
 };
 
 use crate::ffi::{
@@ -214,23 +214,14 @@ impl Domain for VerbsDomain {
         self.regions.remove(local_key).map(drop)
     }
 
-    fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
-        self.post_request(req)
-    }
-
-    fn post_rdma_pages(
-        &mut self,
-        template: &RdmaRequest<'_>,
-        shifts: &[PageShift],
-    ) -> (usize, Result<PostStatus, DomainError>) {
-        self.post_pages(template, shifts)
-    }
-
-    fn post_rdma_list(
-        &mut self,
-        requests: &[RdmaRequest<'_>],
-    ) -> (usize, Result<PostStatus, DomainError>) {
-        self.post_list(requests)
+    /// A batch of pages and each run of a list's writes to one peer share one connection
+    /// lookup and one doorbell (see `post_run`); one request goes alone.
+    fn post_rdma(&mut self, post: RdmaPost<'_>) -> (usize, Result<PostStatus, DomainError>) {
+        match post {
+            RdmaPost::Pages { template, shifts } => self.post_pages(&template, shifts),
+            RdmaPost::List(requests) => self.post_list(requests),
+            one_or_newer => post_one_by_one(one_or_newer, |r| self.post_request(r)),
+        }
     }
 
     fn capabilities(&self) -> Capabilities {

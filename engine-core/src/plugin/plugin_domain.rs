@@ -12,8 +12,8 @@ use super::abi::{
 use super::flat::flat_options;
 use super::loader::LoadedPlugin;
 use crate::domain::{
-    Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind, Event, MemoryRegion,
-    PageShift, PostStatus, RdmaRequest, Registration, Waker,
+    post_one_by_one, Capabilities, Device, Domain, DomainConfig, DomainError, DomainErrorKind,
+    Event, MemoryRegion, PageShift, PostStatus, RdmaPost, RdmaRequest, Registration, Waker,
 };
 use crate::wire::{NetAddr, MAX_ADDR_LEN};
 use smallvec::SmallVec;
@@ -189,6 +189,113 @@ unsafe extern "C" fn wake_trampoline(ctx: *const c_void) {
     }
 }
 
+/// Writes and reads through the table's entries for them (see `post_rdma` below).
+impl PluginDomain {
+    /// One write or read through `post_write` or `post_read` (ABI 2).
+    fn post_one(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
+        let mut err = RawError::empty();
+        let status = match RawRdma::from_request(req) {
+            // SAFETY: live handle; raw borrows req.peer, which outlives the call.
+            RawRdma::Write(raw) => unsafe {
+                (self.plugin.table.post_write)(self.handle, &raw, &mut err)
+            },
+            RawRdma::Read(raw) => {
+                let Some(post_read) = self.plugin.table.post_read else {
+                    return Err(DomainError::new(
+                        DomainErrorKind::InvalidArgument,
+                        format!(
+                            "plugin {} ({}, ABI version {}) has no RDMA READ",
+                            self.plugin.name,
+                            self.plugin.path.display(),
+                            self.plugin.version
+                        ),
+                    ));
+                };
+                // SAFETY: as for the write.
+                unsafe { post_read(self.handle, &raw, &mut err) }
+            }
+        };
+        Self::check(status, &err)
+    }
+
+    /// A batch of writes in one call when the plugin has the ABI-5 entry; otherwise (reads,
+    /// older plugins) one call per page.
+    fn post_pages(
+        &mut self,
+        template: RdmaRequest<'_>,
+        shifts: &[PageShift],
+    ) -> (usize, Result<PostStatus, DomainError>) {
+        let (Some(post_pages), RawRdma::Write(raw)) = (
+            self.plugin.table.post_write_pages,
+            RawRdma::from_request(&template),
+        ) else {
+            let pages = RdmaPost::Pages { template, shifts };
+            return post_one_by_one(pages, |r| self.post_one(r));
+        };
+        let (mut err, mut posted) = (RawError::empty(), 0usize);
+        // SAFETY: live handle; `raw` borrows the template's peer and `shifts` is valid for
+        // `shifts.len()` entries, both outliving the call; `posted` and `err` are ours.
+        let status = unsafe {
+            post_pages(
+                self.handle,
+                &raw,
+                shifts.as_ptr(),
+                shifts.len(),
+                &mut posted,
+                &mut err,
+            )
+        };
+        // A plugin claiming more than it was given is not believed past the batch.
+        (posted.min(shifts.len()), Self::check(status, &err))
+    }
+
+    /// A burst's writes in calls of up to `LIST_LEN` when the plugin has the ABI-6 entry;
+    /// otherwise (reads, older plugins) one call per request.
+    fn post_list(
+        &mut self,
+        requests: &[RdmaRequest<'_>],
+    ) -> (usize, Result<PostStatus, DomainError>) {
+        /// Writes per call: their C forms live on the stack.
+        const LIST_LEN: usize = 32;
+        let Some(post_writes) = self.plugin.table.post_writes else {
+            return post_one_by_one(RdmaPost::List(requests), |r| self.post_one(r));
+        };
+        let mut posted = 0;
+        while let Some(rest) = requests.get(posted..).filter(|r| !r.is_empty()) {
+            // The writes up to the next read (ABI 6 carries writes; a read goes alone).
+            let writes: SmallVec<[RawWrite; LIST_LEN]> = rest
+                .iter()
+                .take(LIST_LEN)
+                .map_while(|r| match RawRdma::from_request(r) {
+                    RawRdma::Write(raw) => Some(raw),
+                    RawRdma::Read(_) => None,
+                })
+                .collect();
+            if writes.is_empty() {
+                match self.post_one(&rest[0]) {
+                    Ok(PostStatus::Posted) => posted += 1,
+                    stopped => return (posted, stopped),
+                }
+                continue;
+            }
+            let (mut err, mut n) = (RawError::empty(), 0usize);
+            // SAFETY: live handle; `writes` borrow their requests' peers, which outlive the
+            // call, and hold `writes.len()` entries; `n` and `err` are ours.
+            let status = unsafe {
+                post_writes(self.handle, writes.as_ptr(), writes.len(), &mut n, &mut err)
+            };
+            // A plugin claiming more than it was given is not believed past the list.
+            let n = n.min(writes.len());
+            posted += n;
+            match Self::check(status, &err) {
+                Ok(PostStatus::Posted) if n == writes.len() => {}
+                stopped => return (posted, stopped),
+            }
+        }
+        (posted, Ok(PostStatus::Posted))
+    }
+}
+
 impl Domain for PluginDomain {
     fn address(&self) -> NetAddr {
         let mut buf = [0u8; MAX_ADDR_LEN];
@@ -229,106 +336,15 @@ impl Domain for PluginDomain {
         Self::check(status, &err).map(|_| ())
     }
 
-    fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
-        let mut err = RawError::empty();
-        let status = match RawRdma::from_request(req) {
-            // SAFETY: live handle; raw borrows req.peer, which outlives the call.
-            RawRdma::Write(raw) => unsafe {
-                (self.plugin.table.post_write)(self.handle, &raw, &mut err)
-            },
-            RawRdma::Read(raw) => {
-                let Some(post_read) = self.plugin.table.post_read else {
-                    return Err(DomainError::new(
-                        DomainErrorKind::InvalidArgument,
-                        format!(
-                            "plugin {} ({}, ABI version {}) has no RDMA READ",
-                            self.plugin.name,
-                            self.plugin.path.display(),
-                            self.plugin.version
-                        ),
-                    ));
-                };
-                // SAFETY: as for the write.
-                unsafe { post_read(self.handle, &raw, &mut err) }
-            }
-        };
-        Self::check(status, &err)
-    }
-
-    /// A batch of writes in one call when the plugin has the ABI-5 entry; otherwise (reads,
-    /// older plugins) one call per page.
-    fn post_rdma_pages(
-        &mut self,
-        template: &RdmaRequest<'_>,
-        shifts: &[PageShift],
-    ) -> (usize, Result<PostStatus, DomainError>) {
-        let (Some(post_pages), RawRdma::Write(raw)) = (
-            self.plugin.table.post_write_pages,
-            RawRdma::from_request(template),
-        ) else {
-            return crate::domain::post_one_by_one(self, template, shifts);
-        };
-        let (mut err, mut posted) = (RawError::empty(), 0usize);
-        // SAFETY: live handle; `raw` borrows the template's peer and `shifts` is valid for
-        // `shifts.len()` entries, both outliving the call; `posted` and `err` are ours.
-        let status = unsafe {
-            post_pages(
-                self.handle,
-                &raw,
-                shifts.as_ptr(),
-                shifts.len(),
-                &mut posted,
-                &mut err,
-            )
-        };
-        // A plugin claiming more than it was given is not believed past the batch.
-        (posted.min(shifts.len()), Self::check(status, &err))
-    }
-
-    /// A burst's writes in calls of up to `LIST_LEN` when the plugin has the ABI-6 entry;
-    /// otherwise (reads, older plugins) one call per request.
-    fn post_rdma_list(
-        &mut self,
-        requests: &[RdmaRequest<'_>],
-    ) -> (usize, Result<PostStatus, DomainError>) {
-        /// Writes per call: their C forms live on the stack.
-        const LIST_LEN: usize = 32;
-        let Some(post_writes) = self.plugin.table.post_writes else {
-            return crate::domain::post_each(self, requests);
-        };
-        let mut posted = 0;
-        while let Some(rest) = requests.get(posted..).filter(|r| !r.is_empty()) {
-            // The writes up to the next read (ABI 6 carries writes; a read goes alone).
-            let writes: SmallVec<[RawWrite; LIST_LEN]> = rest
-                .iter()
-                .take(LIST_LEN)
-                .map_while(|r| match RawRdma::from_request(r) {
-                    RawRdma::Write(raw) => Some(raw),
-                    RawRdma::Read(_) => None,
-                })
-                .collect();
-            if writes.is_empty() {
-                match self.post_rdma(&rest[0]) {
-                    Ok(PostStatus::Posted) => posted += 1,
-                    stopped => return (posted, stopped),
-                }
-                continue;
-            }
-            let (mut err, mut n) = (RawError::empty(), 0usize);
-            // SAFETY: live handle; `writes` borrow their requests' peers, which outlive the
-            // call, and hold `writes.len()` entries; `n` and `err` are ours.
-            let status = unsafe {
-                post_writes(self.handle, writes.as_ptr(), writes.len(), &mut n, &mut err)
-            };
-            // A plugin claiming more than it was given is not believed past the list.
-            let n = n.min(writes.len());
-            posted += n;
-            match Self::check(status, &err) {
-                Ok(PostStatus::Posted) if n == writes.len() => {}
-                stopped => return (posted, stopped),
-            }
+    /// Each kind of post onto the table's entries for it: a batch of pages onto
+    /// `post_write_pages` (ABI 5), a list onto `post_writes` (ABI 6), one request onto
+    /// `post_write` or `post_read`; what the plugin's version has no entry for goes one by one.
+    fn post_rdma(&mut self, post: RdmaPost<'_>) -> (usize, Result<PostStatus, DomainError>) {
+        match post {
+            RdmaPost::Pages { template, shifts } => self.post_pages(template, shifts),
+            RdmaPost::List(requests) => self.post_list(requests),
+            one_or_newer => post_one_by_one(one_or_newer, |r| self.post_one(r)),
         }
-        (posted, Ok(PostStatus::Posted))
     }
 
     fn post_send(

@@ -59,7 +59,7 @@ use super::tracker::{Finished, Tracker};
 use super::work::{Ops, PageCursor, PagedWork, RdmaWork, Shift, INTERLEAVED_BATCH};
 use crate::domain::{
     Capabilities, Device, DomainError, DomainErrorKind, Event, MemoryRegion, PostStatus, RdmaOp,
-    RdmaRequest,
+    RdmaPost, RdmaRequest,
 };
 use crate::error::Error;
 use crate::notifications::Notification;
@@ -71,8 +71,7 @@ mod pair;
 #[cfg(test)]
 mod tests;
 
-/// Requests per [`Domain::post_rdma_list`](crate::domain::Domain::post_rdma_list) call (a
-/// list lives on the worker's stack), and the burst after which the worker posts at once.
+/// Requests per [`RdmaPost::List`] (a list lives on the worker's stack), and the burst after which the worker posts at once.
 pub(crate) const LIST_LEN: usize = 32;
 
 /// Where [`Dispatch::poll_post`] builds a list of requests: on the caller's stack.
@@ -85,22 +84,9 @@ pub(crate) type PostAnswer = (usize, Result<PostStatus, DomainError>);
 /// One post for one NIC, borrowed from the core until [`Dispatch::handle_posted`].
 #[derive(Debug)]
 pub(crate) enum Post<'a> {
-    /// Listed requests, in order ([`Domain::post_rdma_list`](crate::domain::Domain::post_rdma_list)).
-    List {
-        nic: usize,
-        requests: &'a [RdmaRequest<'a>],
-    },
-    /// Pages of a paged request ([`Domain::post_rdma_pages`](crate::domain::Domain::post_rdma_pages)).
-    Pages {
-        nic: usize,
-        template: RdmaRequest<'a>,
-        shifts: &'a [Shift],
-    },
-    /// One request that waited in its queue ([`Domain::post_rdma`](crate::domain::Domain::post_rdma)).
-    Rdma {
-        nic: usize,
-        request: RdmaRequest<'a>,
-    },
+    /// Writes and reads ([`Domain::post_rdma`](crate::domain::Domain::post_rdma)): listed
+    /// requests, a batch of a paged request's pages, or one request that waited in its queue.
+    Rdma { nic: usize, rdma: RdmaPost<'a> },
     /// A message ([`Domain::post_send`](crate::domain::Domain::post_send)).
     Send {
         nic: usize,
@@ -708,9 +694,9 @@ impl<W: Waiter> Dispatch<W> {
                     Outgoing::Rdma(op) => op.request(*id, Shift::default()),
                     _ => unreachable!("a list holds listed requests only"),
                 }));
-                Post::List {
+                Post::Rdma {
                     nic,
-                    requests: list,
+                    rdma: RdmaPost::List(list),
                 }
             }
             InHand::Pages => {
@@ -719,10 +705,12 @@ impl<W: Waiter> Dispatch<W> {
                 };
                 let mut c = *cursor;
                 let (op, shifts) = work.batch(&mut c, scratch).expect("in hand");
-                Post::Pages {
+                Post::Rdma {
                     nic: op.nic,
-                    template: op.request(*id, Shift::default()),
-                    shifts: &shifts[c.done..],
+                    rdma: RdmaPost::Pages {
+                        template: op.request(*id, Shift::default()),
+                        shifts: &shifts[c.done..],
+                    },
                 }
             }
             InHand::Send => {
@@ -742,7 +730,7 @@ impl<W: Waiter> Dispatch<W> {
                 match work {
                     Pending::Rdma(op) => Post::Rdma {
                         nic: key.0,
-                        request: op.request(*id, Shift::default()),
+                        rdma: RdmaPost::One(op.request(*id, Shift::default())),
                     },
                     Pending::Send { peer, data } => Post::Send {
                         nic: key.0,

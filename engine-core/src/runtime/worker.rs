@@ -1144,13 +1144,7 @@ fn carry_out(domains: &mut [Box<dyn Domain>], post: Post<'_>) -> PostAnswer {
         (usize::from(status == Ok(PostStatus::Posted)), status)
     }
     match post {
-        Post::List { nic, requests } => domains[nic].post_rdma_list(requests),
-        Post::Pages {
-            nic,
-            template,
-            shifts,
-        } => domains[nic].post_rdma_pages(&template, shifts),
-        Post::Rdma { nic, request } => single(domains[nic].post_rdma(&request)),
+        Post::Rdma { nic, rdma } => domains[nic].post_rdma(rdma),
         Post::Send {
             nic,
             wr_id,

@@ -267,8 +267,12 @@ unsafe extern "C" fn shim_post_write_pages(
         let peer = peer_addr(raw.peer())?;
         // SAFETY: the engine passes `count` shifts, valid for the call's duration.
         let shifts = unsafe { array(shifts, count) };
+        let pages = RdmaPost::Pages {
+            template: raw.request(&peer),
+            shifts,
+        };
         // SAFETY: a live handle, per the ABI contract.
-        let (n, status) = unsafe { handle(domain) }.post_rdma_pages(&raw.request(&peer), shifts);
+        let (n, status) = unsafe { handle(domain) }.post_rdma(pages);
         Ok((n.min(count), status))
     };
     // SAFETY: `posted` and `err` are valid, per the ABI contract.
@@ -310,7 +314,7 @@ unsafe extern "C" fn shim_post_writes(
             .map(|(raw, &p)| RawRdma::Write(*raw).request(&peers[p]))
             .collect();
         // SAFETY: a live handle, per the ABI contract.
-        let (n, status) = unsafe { handle(domain) }.post_rdma_list(&list);
+        let (n, status) = unsafe { handle(domain) }.post_rdma(RdmaPost::List(&list));
         let n = n.min(list.len());
         Ok(match (status, refused) {
             (Ok(PostStatus::Posted), Some(e)) if n == list.len() => (n, Err(e)),
@@ -334,7 +338,9 @@ unsafe fn shim_post_rdma(domain: *mut c_void, raw: RawRdma, err: *mut RawError) 
         if req.is_read() && !domain.capabilities().reads {
             return Err(crate::domain::refuse_read());
         }
-        domain.post_rdma(&req).map(post_status)
+        // A Domain's answer for one request: its status says whether it was posted.
+        let (_, status) = domain.post_rdma(RdmaPost::One(req));
+        status.map(post_status)
     })
 }
 
@@ -523,7 +529,7 @@ macro_rules! export_plugin {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::{DomainConfig, PostStatus};
+    use crate::domain::{post_one_by_one, DomainConfig, PostStatus};
 
     /// A Domain that accepts registrations and records the local and remote address of every
     /// write it accepts, answering the write numbered `stop` (from 0) with `Busy` (`true`) or
@@ -546,9 +552,9 @@ mod tests {
         fn deregister(&mut self, _: u64) -> Result<(), DomainError> {
             Ok(())
         }
-        fn post_rdma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
+        fn post_rdma(&mut self, post: RdmaPost<'_>) -> (usize, Result<PostStatus, DomainError>) {
             let mut seen = self.seen.lock().unwrap();
-            match self.stop {
+            post_one_by_one(post, |req| match self.stop {
                 Some((n, true)) if seen.len() == n => Ok(PostStatus::Busy),
                 Some((n, false)) if seen.len() == n => {
                     Err(DomainError::new(DomainErrorKind::RemoteAccess, "refused"))
@@ -557,7 +563,7 @@ mod tests {
                     seen.push((req.local_addr, req.remote_addr));
                     Ok(PostStatus::Posted)
                 }
-            }
+            })
         }
         fn post_send(&mut self, _: u64, _: &NetAddr, _: &[u8]) -> Result<PostStatus, DomainError> {
             Ok(PostStatus::Busy)

@@ -749,22 +749,9 @@ impl World {
                     (w, r.wr_id)
                 };
                 match post {
-                    Post::List { nic, requests } => {
-                        (nic, requests.iter().map(owned).collect(), None)
+                    Post::Rdma { nic, rdma } => {
+                        (nic, rdma.requests().map(|r| owned(&r)).collect(), None)
                     }
-                    Post::Pages {
-                        nic,
-                        template,
-                        shifts,
-                    } => (
-                        nic,
-                        shifts
-                            .iter()
-                            .map(|&s| owned(&template.shifted(s)))
-                            .collect(),
-                        None,
-                    ),
-                    Post::Rdma { nic, request } => (nic, vec![owned(&request)], None),
                     Post::Send {
                         nic,
                         wr_id,

@@ -43,19 +43,15 @@ fn flatten(post: &Post<'_>) -> (&'static str, Vec<Req>) {
         local: r.local_addr,
     };
     match post {
-        Post::List { nic, requests } => ("list", requests.iter().map(|r| req(*nic, r)).collect()),
-        Post::Pages {
-            nic,
-            template,
-            shifts,
-        } => (
-            "pages",
-            shifts
-                .iter()
-                .map(|&s| req(*nic, &template.shifted(s)))
-                .collect(),
-        ),
-        Post::Rdma { nic, request } => ("one", vec![req(*nic, request)]),
+        Post::Rdma { nic, rdma } => {
+            let kind = match rdma {
+                RdmaPost::List(_) => "list",
+                RdmaPost::Pages { .. } => "pages",
+                RdmaPost::One(_) => "one",
+                _ => unreachable!("the core makes lists, batches of pages and single posts"),
+            };
+            (kind, rdma.requests().map(|r| req(*nic, &r)).collect())
+        }
         Post::Send {
             nic, wr_id, peer, ..
         } => (

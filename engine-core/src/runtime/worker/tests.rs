@@ -8,7 +8,7 @@ use crossbeam_channel::{Receiver, Sender};
 use crate::config::Config;
 use crate::domain::{
     BackendRegistration, Domain, DomainConfig, DomainError, Event, MemoryRegion, PostStatus,
-    RdmaRequest, Registration, Waker,
+    RdmaPost, Registration, Waker,
 };
 use crate::wire::NetAddr;
 use crate::TransferEngine;
@@ -45,8 +45,8 @@ impl Domain for TimerDomain {
     fn deregister(&mut self, _: u64) -> Result<(), DomainError> {
         Ok(())
     }
-    fn post_rdma(&mut self, _: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
-        Ok(PostStatus::Busy)
+    fn post_rdma(&mut self, _: RdmaPost<'_>) -> (usize, Result<PostStatus, DomainError>) {
+        (0, Ok(PostStatus::Busy))
     }
     fn post_send(&mut self, _: u64, _: &NetAddr, _: &[u8]) -> Result<PostStatus, DomainError> {
         Ok(PostStatus::Busy)
