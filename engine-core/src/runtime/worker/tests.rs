@@ -354,8 +354,8 @@ impl Domain for BlackHoleDomain {
     fn deregister(&mut self, _: u64) -> Result<(), DomainError> {
         Ok(())
     }
-    fn post_rdma(&mut self, _: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
-        Ok(PostStatus::Posted)
+    fn post_rdma(&mut self, post: RdmaPost<'_>) -> (usize, Result<PostStatus, DomainError>) {
+        (post.len(), Ok(PostStatus::Posted))
     }
     fn post_send(&mut self, _: u64, _: &NetAddr, _: &[u8]) -> Result<PostStatus, DomainError> {
         Ok(PostStatus::Posted)
@@ -457,7 +457,13 @@ fn a_wait_that_sleeps_leaves_the_worker_armed_and_one_that_answered_leaves_it_do
         let arrived = crate::DoneFlag::new();
         engine.expect_imm_count(imm, 1, arrived.clone()).unwrap();
         engine
-            .submit_single_write(8, Some(imm), (buf.mr(), 0), (buf.desc(), 8), crate::DoneFlag::new())
+            .submit_single_write(
+                8,
+                Some(imm),
+                (buf.mr(), 0),
+                (buf.desc(), 8),
+                crate::DoneFlag::new(),
+            )
             .unwrap();
         arrived
     };
@@ -479,7 +485,10 @@ fn a_wait_that_sleeps_leaves_the_worker_armed_and_one_that_answered_leaves_it_do
     // Polled for no time at all: the wait sleeps on the flag, and the worker must wake for it.
     let slept = write(2);
     assert!(!engine.shared.poll_until(Duration::ZERO, || slept.is_done()));
-    assert!(!engine.shared.parking.is_dozing(), "a sleeper needs the wake-ups armed");
+    assert!(
+        !engine.shared.parking.is_dozing(),
+        "a sleeper needs the wake-ups armed"
+    );
     slept.wait(Duration::from_secs(60)).unwrap();
     drop(buf);
 }
