@@ -164,7 +164,7 @@ impl Drop for TransferEngine {
 /// The completion of a transfer, with its notification (`notify=`) to `peer` attached.
 fn completion(
     py: Python<'_>,
-    engine: &engine_core::TransferEngine,
+    engine: &Engine,
     (kind, nbytes): (&'static str, u64),
     on_done: Option<Py<PyAny>>,
     notify: Option<(&engine_core::NetAddr, &Bound<'_, PyAny>)>,

@@ -152,6 +152,9 @@ pub(crate) struct Transfer {
     handle: Option<engine_core::TransferHandle>,
     /// Whether it finishes only once its peer took its notification (`notify=`).
     notifies: bool,
+    /// The engine it was submitted to: `wait()` makes its parked worker's passes while it
+    /// spins (weak: a pending transfer does not keep a closed engine alive).
+    engine: std::sync::Weak<engine_core::TransferEngine>,
 }
 
 impl Transfer {
@@ -210,6 +213,7 @@ impl Transfer {
                 posted: Instant::now(),
                 handle: None,
                 notifies: false,
+                engine: std::sync::Weak::new(),
             },
             OnDone::Flag(flag),
         )
@@ -224,11 +228,12 @@ impl Transfer {
 
     pub(crate) fn cancellable(
         mut self,
-        engine: &engine_core::TransferEngine,
+        engine: &Arc<engine_core::TransferEngine>,
         done: OnDone,
     ) -> (Self, OnDone) {
         let (handle, done) = engine.cancellable(done);
         self.handle = Some(handle);
+        self.engine = Arc::downgrade(engine);
         (self, done)
     }
 
@@ -292,12 +297,19 @@ impl Transfer {
             .map(|t| errors::timeout_of(py, "timeout", t))
             .transpose()?;
         let (shared, flag) = (Arc::clone(&self.shared), Arc::clone(&self.flag));
+        let engine = self.engine.clone();
         let finished = py.detach(move || {
             let start = Instant::now();
             // Spin (yielding) first, as the engine's own waits do: a sleep and a wake-up
-            // cost more than a short transfer. Then sleep on the condition variable the
-            // flag's waker notifies.
+            // cost more than a short transfer — first making the parked worker's passes
+            // here, as `TransferEngine::wait` does (`worker.wait_poll_us`). Then sleep on
+            // the condition variable the flag's waker notifies.
             let spin = limit.map_or(SPIN, |l| l.min(SPIN));
+            if let Some(engine) = engine.upgrade() {
+                if engine.drive_until(spin, || flag.is_done()) {
+                    return true;
+                }
+            }
             while start.elapsed() < spin {
                 if flag.is_done() {
                     return true;

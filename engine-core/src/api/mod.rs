@@ -373,6 +373,15 @@ impl TransferEngine {
         flag.wait(timeout.saturating_sub(start.elapsed()))
     }
 
+    /// What [`wait`](Self::wait) does before it sleeps, for callers with a sleep of their
+    /// own (a binding's, which must also look for signals): makes the parked worker's passes
+    /// on this thread, or spins while it is awake, until `done()` or for `limit` (at most
+    /// `worker.wait_poll_us`). Returns `done()`'s last answer; when it is `false`, the
+    /// worker is left to wake the caller's sleep.
+    pub fn drive_until(&self, limit: Duration, done: impl FnMut() -> bool) -> bool {
+        self.shared.poll_until(limit, done)
+    }
+
     /// [`wait`](Self::wait) for `counter` to count `n` outcomes (as
     /// [`DoneCounter::wait_for`]).
     pub fn wait_for(&self, counter: &DoneCounter, n: u64, timeout: Duration) -> Result<()> {
