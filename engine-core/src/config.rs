@@ -125,7 +125,8 @@ pub struct WorkerConfig {
     /// (yielding the CPU between polls) instead of parking, for providers whose transfers only
     /// progress while the *receiver* polls (libfabric shm, tcp). Timed parks are coarse (the
     /// kernel's timer slack is about 50 µs), so small non-zero values are not much better
-    /// than 1000.
+    /// than 1000. Also how long a worker dozes — looks again without arming the NICs'
+    /// wake-ups — right after threads waited in `TransferEngine::wait` (0.5–100 ms).
     pub idle_poll_us: u64,
     /// Between polls of an awake, idle worker (within `spin_us`, or never parking): `true`
     /// gives the CPU to other threads (`sched_yield`), `false` spins on it with no system

@@ -122,8 +122,12 @@ pub(crate) struct Worker {
     driven_panic: Option<String>,
 }
 
-/// The shortest doze (see `Parking`): `idle_poll_us` when longer.
-const DOZE: Duration = Duration::from_micros(500);
+/// How long a doze lasts (see `Parking`), and how long after a wait the worker dozes rather
+/// than parks: `idle_poll_us`, within these bounds — the longest an arrival that nobody waits
+/// for may go unseen right after threads waited.
+fn doze(idle_poll: Duration) -> Duration {
+    idle_poll.clamp(Duration::from_micros(500), Duration::from_millis(100))
+}
 
 /// What the worker's thread does after a pass.
 enum Next {
@@ -478,8 +482,7 @@ impl Worker {
                 self.expire(now);
                 let in_flight = self.core.in_flight() > 0 || self.core.has_queued();
                 // Waiting threads poll for what is in flight: the worker need not.
-                let waiters =
-                    self.drivable && self.shared.parking.waited_within(DOZE.max(idle_poll));
+                let waiters = self.drivable && self.shared.parking.waited_within(doze(idle_poll));
                 if idle.parks(now, in_flight && !waiters) {
                     if let Some(timeout) = self.prepare_park(idle_poll) {
                         return Next::Park(timeout);
@@ -622,9 +625,9 @@ impl Worker {
         // wakes to poll it then even when nothing arrives and nothing else is due.
         // Threads waiting in `TransferEngine::wait` drove this worker lately: doze, with no
         // wake-up armed (the final poll below arms nothing then), and look again within
-        // `idle_poll_us` — the longest an arrival nobody waits for is left unseen.
-        let doze = self.drivable && self.shared.parking.waited_within(DOZE.max(idle_poll));
-        if doze {
+        // `idle_poll_us` (see `doze`) — the longest an arrival nobody waits for is left unseen.
+        let dozes = self.drivable && self.shared.parking.waited_within(doze(idle_poll));
+        if dozes {
             self.shared.parking.announce_doze();
         } else {
             self.shared.parking.announce(true);
@@ -656,8 +659,8 @@ impl Worker {
         if !self.domains_wake {
             timeout = timeout.min(idle_poll);
         }
-        if doze {
-            timeout = timeout.min(DOZE.max(idle_poll));
+        if dozes {
+            timeout = timeout.min(doze(idle_poll));
         }
         let wakes_at = now + timeout;
         self.wakes_at = Some(wakes_at);
