@@ -73,14 +73,6 @@ impl Histogram {
         self.sum_us = self.sum_us.saturating_add(us);
     }
 
-    /// Adds `other`'s durations.
-    fn add(&mut self, other: &Histogram) {
-        for (count, more) in self.counts.iter_mut().zip(other.counts) {
-            *count += more;
-        }
-        self.sum_us = self.sum_us.saturating_add(other.sum_us);
-    }
-
     /// Durations recorded.
     pub fn count(&self) -> u64 {
         self.counts.iter().sum()
@@ -234,7 +226,9 @@ struct Counters {
 /// Operations accepted in a row with one shape: one kind, all of their work requests on
 /// one NIC to one peer (a burst's writes, a ping-pong's). An operation that extends the run
 /// costs a comparison and a few additions; the run reaches the counters when an operation
-/// of another shape starts one of its own, or a snapshot is taken.
+/// of another shape starts one of its own, or a snapshot is taken. (Latencies go to their
+/// histograms at once: a run holds only sums, so that ending one costs a few additions
+/// too, and work whose shape changes at every operation pays no more than before.)
 #[derive(Clone, Debug)]
 struct AcceptedRun {
     kind: OpKind,
@@ -243,7 +237,6 @@ struct AcceptedRun {
     ops: u64,
     requests: u64,
     bytes: u64,
-    post_latency: Histogram,
 }
 
 impl AcceptedRun {
@@ -251,7 +244,6 @@ impl AcceptedRun {
         let op = &mut c.ops[self.kind as usize];
         op.started += self.ops;
         op.requests += self.requests;
-        op.post_latency.add(&self.post_latency);
         // The run's start made room for its NIC and its peer.
         let nic = &mut c.nics[self.nic];
         nic.requests += self.requests;
@@ -270,7 +262,6 @@ struct CompletedRun {
     peer: Option<u32>,
     ops: u64,
     bytes: u64,
-    latency: Histogram,
     /// When the last of them finished.
     last: Stamp,
 }
@@ -280,10 +271,10 @@ impl CompletedRun {
         let op = &mut c.ops[self.kind as usize];
         op.completed += self.ops;
         op.bytes += self.bytes;
-        op.latency.add(&self.latency);
         if let Some(i) = self.peer {
-            // Runs end in the order they finished: the last one's time is the latest.
-            c.peer_times[i as usize].0 = Some(self.last);
+            // A success counted directly while the run was open may be the later one.
+            let ok = &mut c.peer_times[i as usize].0;
+            *ok = (*ok).max(Some(self.last));
         }
     }
 }
@@ -294,6 +285,11 @@ impl CompletedRun {
 /// adds the open runs to what it reports, so it reads exactly what per-operation counting
 /// would. Everything is a sum, a maximum of stamps or a histogram: the order in which runs
 /// and operations counted directly reach the counters does not change them.
+///
+/// An operation of another shape than the open run's is counted directly, as it would be
+/// without runs; the second of a new shape in a row takes the run over. So work that
+/// changes shape at every operation (writes to peers in turn) costs what direct counting
+/// does, not a run ended and begun per operation.
 #[derive(Debug, Default)]
 pub(crate) struct Recorder {
     counters: Counters,
@@ -302,7 +298,11 @@ pub(crate) struct Recorder {
     /// burst, a request's pages), which then costs a comparison instead of a map lookup.
     last_peer: Option<u32>,
     accepted: Option<AcceptedRun>,
+    /// The shape of the operation accepted last, when it was not the run's.
+    accepted_aside: Option<(OpKind, usize, u32)>,
     completed: Option<CompletedRun>,
+    /// The shape of the success counted last, when it was not the run's.
+    completed_aside: Option<(OpKind, Option<u32>)>,
     /// The counters kept as they are reported.
     pub(crate) rest: Stats,
 }
@@ -328,7 +328,9 @@ impl Recorder {
         n.bytes += bytes;
     }
 
-    /// Work requests to `peer` carrying `bytes`; returns the peer's index.
+    /// Work requests to `peer` carrying `bytes`; returns the peer's index. (Inline: an
+    /// operation outside the run then costs one call, as it did before runs.)
+    #[inline(always)]
     pub(crate) fn posted_to(&mut self, peer: &NetAddr, requests: u64, bytes: u64) -> u32 {
         let c = &mut self.counters;
         let last = self.last_peer.filter(|&i| c.peers[i as usize].0 == *peer);
@@ -371,17 +373,21 @@ impl Recorder {
                 run.ops += 1;
                 run.requests += requests;
                 run.bytes += bytes;
-                run.post_latency.record_us(waited_us);
+                // Operations of another shape in turn with the run's never take it over.
+                self.accepted_aside = None;
+                self.counters.ops[kind as usize]
+                    .post_latency
+                    .record_us(waited_us);
                 return run.peer;
             }
         }
-        self.accept_another(kind, nic, peer, requests, bytes, waited_us)
+        self.accepted_aside(kind, nic, peer, requests, bytes, waited_us)
     }
 
-    /// An operation of another shape than the open run's: the run is counted and this one
-    /// opens the next.
+    /// An operation of another shape than the open run's: counted directly, and when the
+    /// one before was of its shape too, its shape takes the run over.
     #[inline(never)]
-    fn accept_another(
+    fn accepted_aside(
         &mut self,
         kind: OpKind,
         nic: usize,
@@ -390,74 +396,86 @@ impl Recorder {
         bytes: u64,
         waited_us: u64,
     ) -> u32 {
-        if let Some(run) = self.accepted.take() {
-            run.add_to(&mut self.counters);
+        self.started(kind, requests, waited_us);
+        self.on_nic(nic, requests, bytes);
+        let index = self.posted_to(peer, requests, bytes);
+        let shape = (kind, nic, index);
+        if self.accepted_aside.replace(shape) == Some(shape) {
+            if let Some(run) = self.accepted.take() {
+                run.add_to(&mut self.counters);
+            }
+            self.accepted = Some(AcceptedRun {
+                kind,
+                nic,
+                peer: index,
+                ops: 0,
+                requests: 0,
+                bytes: 0,
+            });
+            self.accepted_aside = None;
         }
-        // Room for its NIC and peer (a snapshot lists them as soon as they are used).
-        self.on_nic(nic, 0, 0);
-        let index = self.posted_to(peer, 0, 0);
-        let mut post_latency = Histogram::default();
-        post_latency.record_us(waited_us);
-        self.accepted = Some(AcceptedRun {
-            kind,
-            nic,
-            peer: index,
-            ops: 1,
-            requests,
-            bytes,
-            post_latency,
-        });
         index
     }
 
     /// An operation finished at `now`.
     #[inline]
     pub(crate) fn finished(&mut self, s: &Started, result: Result<(), &Error>, now: Stamp) {
-        if let (Ok(()), Some(run)) = (result, &mut self.completed) {
+        if let Err(e) = result {
+            return self.failed(s, e, now);
+        }
+        let op = &mut self.counters.ops[s.kind as usize];
+        op.latency.record_us(now.micros_since(s.at));
+        if let Some(run) = &mut self.completed {
             if run.kind == s.kind && run.peer == s.peer {
                 run.ops += 1;
                 run.bytes += s.bytes;
-                run.latency.record_us(now.micros_since(s.at));
                 run.last = now;
+                self.completed_aside = None;
                 return;
             }
         }
-        self.finished_otherwise(s, result, now);
+        // Another shape: counted directly, as without runs.
+        op.completed += 1;
+        op.bytes += s.bytes;
+        if let Some(i) = s.peer {
+            self.counters.peer_times[i as usize].0 = Some(now);
+        }
+        let shape = (s.kind, s.peer);
+        if self.completed_aside.replace(shape) == Some(shape) {
+            self.completed_run(shape, now);
+        }
     }
 
-    /// A success of another shape than the open run's (which is counted, and this one
-    /// opens the next), or a failure (counted at once).
+    /// The second success in a row of `shape`, not the open run's: the run ends, and the
+    /// next one has `shape`.
     #[inline(never)]
-    fn finished_otherwise(&mut self, s: &Started, result: Result<(), &Error>, now: Stamp) {
-        let waited_us = now.micros_since(s.at);
-        match result {
-            Ok(()) => {
-                if let Some(run) = self.completed.take() {
-                    run.add_to(&mut self.counters);
-                }
-                let mut latency = Histogram::default();
-                latency.record_us(waited_us);
-                self.completed = Some(CompletedRun {
-                    kind: s.kind,
-                    peer: s.peer,
-                    ops: 1,
-                    bytes: s.bytes,
-                    latency,
-                    last: now,
-                });
-            }
-            Err(e) => {
-                let c = &mut self.counters;
-                let op = &mut c.ops[s.kind as usize];
-                op.latency.record_us(waited_us);
-                *op.failed.entry(e.kind()).or_default() += 1;
-                if let Some(i) = s.peer {
-                    let p = &mut c.peers[i as usize].1;
-                    p.failed += 1;
-                    p.last_error = Some(e.to_string());
-                    c.peer_times[i as usize].1 = Some(now);
-                }
-            }
+    fn completed_run(&mut self, (kind, peer): (OpKind, Option<u32>), now: Stamp) {
+        if let Some(run) = self.completed.take() {
+            run.add_to(&mut self.counters);
+        }
+        self.completed = Some(CompletedRun {
+            kind,
+            peer,
+            ops: 0,
+            bytes: 0,
+            last: now,
+        });
+        self.completed_aside = None;
+    }
+
+    /// An operation that failed with `e` at `now`.
+    #[cold]
+    #[inline(never)]
+    fn failed(&mut self, s: &Started, e: &Error, now: Stamp) {
+        let c = &mut self.counters;
+        let op = &mut c.ops[s.kind as usize];
+        op.latency.record_us(now.micros_since(s.at));
+        *op.failed.entry(e.kind()).or_default() += 1;
+        if let Some(i) = s.peer {
+            let p = &mut c.peers[i as usize].1;
+            p.failed += 1;
+            p.last_error = Some(e.to_string());
+            c.peer_times[i as usize].1 = Some(now);
         }
     }
 
