@@ -73,6 +73,14 @@ impl Histogram {
         self.sum_us = self.sum_us.saturating_add(us);
     }
 
+    /// Adds `other`'s durations.
+    fn add(&mut self, other: &Histogram) {
+        for (count, more) in self.counts.iter_mut().zip(other.counts) {
+            *count += more;
+        }
+        self.sum_us = self.sum_us.saturating_add(other.sum_us);
+    }
+
     /// Durations recorded.
     pub fn count(&self) -> u64 {
         self.counts.iter().sum()
@@ -226,9 +234,7 @@ struct Counters {
 /// Operations accepted in a row with one shape: one kind, all of their work requests on
 /// one NIC to one peer (a burst's writes, a ping-pong's). An operation that extends the run
 /// costs a comparison and a few additions; the run reaches the counters when an operation
-/// of another shape starts one of its own, or a snapshot is taken. (Latencies go to their
-/// histograms at once: a run holds only sums, so that ending one costs a few additions
-/// too, and work whose shape changes at every operation pays no more than before.)
+/// of another shape takes the run over, or a snapshot is taken.
 #[derive(Clone, Debug)]
 struct AcceptedRun {
     kind: OpKind,
@@ -237,6 +243,7 @@ struct AcceptedRun {
     ops: u64,
     requests: u64,
     bytes: u64,
+    post_latency: Histogram,
 }
 
 impl AcceptedRun {
@@ -244,6 +251,7 @@ impl AcceptedRun {
         let op = &mut c.ops[self.kind as usize];
         op.started += self.ops;
         op.requests += self.requests;
+        op.post_latency.add(&self.post_latency);
         // The run's start made room for its NIC and its peer.
         let nic = &mut c.nics[self.nic];
         nic.requests += self.requests;
@@ -262,6 +270,7 @@ struct CompletedRun {
     peer: Option<u32>,
     ops: u64,
     bytes: u64,
+    latency: Histogram,
     /// When the last of them finished.
     last: Stamp,
 }
@@ -271,6 +280,7 @@ impl CompletedRun {
         let op = &mut c.ops[self.kind as usize];
         op.completed += self.ops;
         op.bytes += self.bytes;
+        op.latency.add(&self.latency);
         if let Some(i) = self.peer {
             // A success counted directly while the run was open may be the later one.
             let ok = &mut c.peer_times[i as usize].0;
@@ -355,7 +365,7 @@ impl Recorder {
     /// `peer`, was accepted `waited_us` microseconds after it was submitted: `started`,
     /// `on_nic` and `posted_to` in one, counted in the open run when it has the run's
     /// shape. Returns the peer's index.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn accepted(
         &mut self,
         kind: OpKind,
@@ -374,10 +384,8 @@ impl Recorder {
                 run.requests += requests;
                 run.bytes += bytes;
                 // Operations of another shape in turn with the run's never take it over.
+                run.post_latency.record_us(waited_us);
                 self.accepted_aside = None;
-                self.counters.ops[kind as usize]
-                    .post_latency
-                    .record_us(waited_us);
                 return run.peer;
             }
         }
@@ -411,6 +419,7 @@ impl Recorder {
                 ops: 0,
                 requests: 0,
                 bytes: 0,
+                post_latency: Histogram::default(),
             });
             self.accepted_aside = None;
         }
@@ -418,23 +427,25 @@ impl Recorder {
     }
 
     /// An operation finished at `now`.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn finished(&mut self, s: &Started, result: Result<(), &Error>, now: Stamp) {
         if let Err(e) = result {
             return self.failed(s, e, now);
         }
-        let op = &mut self.counters.ops[s.kind as usize];
-        op.latency.record_us(now.micros_since(s.at));
+        let took_us = now.micros_since(s.at);
         if let Some(run) = &mut self.completed {
             if run.kind == s.kind && run.peer == s.peer {
                 run.ops += 1;
                 run.bytes += s.bytes;
+                run.latency.record_us(took_us);
                 run.last = now;
                 self.completed_aside = None;
                 return;
             }
         }
         // Another shape: counted directly, as without runs.
+        let op = &mut self.counters.ops[s.kind as usize];
+        op.latency.record_us(took_us);
         op.completed += 1;
         op.bytes += s.bytes;
         if let Some(i) = s.peer {
@@ -458,6 +469,7 @@ impl Recorder {
             peer,
             ops: 0,
             bytes: 0,
+            latency: Histogram::default(),
             last: now,
         });
         self.completed_aside = None;
