@@ -233,8 +233,9 @@ struct Counters {
 
 /// Operations accepted in a row with one shape: one kind, all of their work requests on
 /// one NIC to one peer (a burst's writes, a ping-pong's). An operation that extends the run
-/// costs a comparison and a few additions; the run reaches the counters when an operation
-/// of another shape takes the run over, or a snapshot is taken.
+/// costs a comparison and a few additions; the run reaches the counters when two operations
+/// of another shape in a row take the run over (see [`Recorder`]), and a snapshot adds it
+/// to what it reports.
 #[derive(Clone, Debug)]
 struct AcceptedRun {
     kind: OpKind,

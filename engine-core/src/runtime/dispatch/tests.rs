@@ -611,7 +611,7 @@ fn a_snapshot_mid_pass_counts_what_the_pass_accepted_and_delivered() {
     events.push(done(send, Ok(())));
     core.handle_events(&mut events);
     assert_eq!(deliveries(&mut core, ms(3)).len(), 4);
-    // Another shape (a write on NIC 1) ends the runs of the first ones.
+    // Another shape (a write on NIC 1), counted beside the open runs.
     submit(&mut core, ms(4), 5, &[write(1, 1, 0)]);
     let after = core.stats(ms(4));
     let w = after.op(OpKind::Write);
