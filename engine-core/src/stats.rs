@@ -73,6 +73,14 @@ impl Histogram {
         self.sum_us = self.sum_us.saturating_add(us);
     }
 
+    /// Adds `other`'s durations.
+    fn add(&mut self, other: &Histogram) {
+        for (count, more) in self.counts.iter_mut().zip(other.counts) {
+            *count += more;
+        }
+        self.sum_us = self.sum_us.saturating_add(other.sum_us);
+    }
+
     /// Durations recorded.
     pub fn count(&self) -> u64 {
         self.counts.iter().sum()
@@ -212,20 +220,100 @@ const KINDS: [OpKind; 4] = [
     OpKind::Notification,
 ];
 
-/// The worker's live counters, laid out for the data path: operation kinds in an array,
-/// peers in a vector found through a fast hash (a transfer remembers its peer's index, not
-/// its address), everything else as in [`Stats`].
-#[derive(Debug, Default)]
-pub(crate) struct Recorder {
+/// The counters the recorder adds to as runs end (see [`Recorder`]), laid out for the data
+/// path: operation kinds in an array, peers in a vector by index.
+#[derive(Clone, Debug, Default)]
+struct Counters {
     ops: [OpStats; KINDS.len()],
     nics: Vec<NicStats>,
+    peers: Vec<(NetAddr, PeerStats)>,
+    /// When an operation to each peer (same index) last succeeded and last failed.
+    peer_times: Vec<(Option<Stamp>, Option<Stamp>)>,
+}
+
+/// Operations accepted in a row with one shape: one kind, all of their work requests on
+/// one NIC to one peer (a burst's writes, a ping-pong's). An operation that extends the run
+/// costs a comparison and a few additions; the run reaches the counters when two operations
+/// of another shape in a row take the run over (see [`Recorder`]), and a snapshot adds it
+/// to what it reports.
+#[derive(Clone, Debug)]
+struct AcceptedRun {
+    kind: OpKind,
+    nic: usize,
+    peer: u32,
+    ops: u64,
+    requests: u64,
+    bytes: u64,
+    post_latency: Histogram,
+}
+
+impl AcceptedRun {
+    fn add_to(&self, c: &mut Counters) {
+        let op = &mut c.ops[self.kind as usize];
+        op.started += self.ops;
+        op.requests += self.requests;
+        op.post_latency.add(&self.post_latency);
+        // The run's start made room for its NIC and its peer.
+        let nic = &mut c.nics[self.nic];
+        nic.requests += self.requests;
+        nic.bytes += self.bytes;
+        let peer = &mut c.peers[self.peer as usize].1;
+        peer.requests += self.requests;
+        peer.bytes += self.bytes;
+    }
+}
+
+/// Operations of one kind that succeeded in a row, to one peer (or each to several): the
+/// counterpart of [`AcceptedRun`] for completions.
+#[derive(Clone, Debug)]
+struct CompletedRun {
+    kind: OpKind,
+    peer: Option<u32>,
+    ops: u64,
+    bytes: u64,
+    latency: Histogram,
+    /// When the last of them finished.
+    last: Stamp,
+}
+
+impl CompletedRun {
+    fn add_to(&self, c: &mut Counters) {
+        let op = &mut c.ops[self.kind as usize];
+        op.completed += self.ops;
+        op.bytes += self.bytes;
+        op.latency.add(&self.latency);
+        if let Some(i) = self.peer {
+            // A success counted directly while the run was open may be the later one.
+            let ok = &mut c.peer_times[i as usize].0;
+            *ok = (*ok).max(Some(self.last));
+        }
+    }
+}
+
+/// The worker's live counters. The commonest operations come in runs of one shape (one
+/// kind, NIC and peer), so those are tallied in a run first and added to the counters
+/// once per run, not looked up by kind, NIC and peer one operation at a time; a snapshot
+/// adds the open runs to what it reports, so it reads exactly what per-operation counting
+/// would. Everything is a sum, a maximum of stamps or a histogram: the order in which runs
+/// and operations counted directly reach the counters does not change them.
+///
+/// An operation of another shape than the open run's is counted directly, as it would be
+/// without runs; the second of a new shape in a row takes the run over. So work that
+/// changes shape at every operation (writes to peers in turn) costs what direct counting
+/// does, not a run ended and begun per operation.
+#[derive(Debug, Default)]
+pub(crate) struct Recorder {
+    counters: Counters,
     peer_index: foldhash::HashMap<NetAddr, u32>,
     /// The index `posted_to` returned last: consecutive operations mostly go to one peer (a
     /// burst, a request's pages), which then costs a comparison instead of a map lookup.
     last_peer: Option<u32>,
-    peers: Vec<(NetAddr, PeerStats)>,
-    /// When an operation to each peer (same index) last succeeded and last failed.
-    peer_times: Vec<(Option<Stamp>, Option<Stamp>)>,
+    accepted: Option<AcceptedRun>,
+    /// The shape of the operation accepted last, when it was not the run's.
+    accepted_aside: Option<(OpKind, usize, u32)>,
+    completed: Option<CompletedRun>,
+    /// The shape of the success counted last, when it was not the run's.
+    completed_aside: Option<(OpKind, Option<u32>)>,
     /// The counters kept as they are reported.
     pub(crate) rest: Stats,
 }
@@ -234,7 +322,7 @@ impl Recorder {
     /// An operation of `requests` work requests was accepted, `waited_us` microseconds
     /// after it was submitted.
     pub(crate) fn started(&mut self, kind: OpKind, requests: u64, waited_us: u64) {
-        let op = &mut self.ops[kind as usize];
+        let op = &mut self.counters.ops[kind as usize];
         op.started += 1;
         op.requests += requests;
         op.post_latency.record_us(waited_us);
@@ -242,83 +330,208 @@ impl Recorder {
 
     /// `requests` work requests carrying `bytes` for NIC `nic`.
     pub(crate) fn on_nic(&mut self, nic: usize, requests: u64, bytes: u64) {
-        if nic >= self.nics.len() {
-            self.nics.resize_with(nic + 1, NicStats::default);
+        let nics = &mut self.counters.nics;
+        if nic >= nics.len() {
+            nics.resize_with(nic + 1, NicStats::default);
         }
-        let n = &mut self.nics[nic];
+        let n = &mut nics[nic];
         n.requests += requests;
         n.bytes += bytes;
     }
 
-    /// Work requests to `peer` carrying `bytes`; returns the peer's index.
+    /// Work requests to `peer` carrying `bytes`; returns the peer's index. (Inline: an
+    /// operation outside the run then costs one call, as it did before runs.)
+    #[inline(always)]
     pub(crate) fn posted_to(&mut self, peer: &NetAddr, requests: u64, bytes: u64) -> u32 {
-        let last = self
-            .last_peer
-            .filter(|&i| self.peers[i as usize].0 == *peer);
+        let c = &mut self.counters;
+        let last = self.last_peer.filter(|&i| c.peers[i as usize].0 == *peer);
         let index = match last.or_else(|| self.peer_index.get(peer).copied()) {
             Some(i) => i,
             None => {
-                let i = self.peers.len() as u32;
-                self.peers.push((peer.clone(), PeerStats::default()));
-                self.peer_times.push((None, None));
+                let i = c.peers.len() as u32;
+                c.peers.push((peer.clone(), PeerStats::default()));
+                c.peer_times.push((None, None));
                 self.peer_index.insert(peer.clone(), i);
                 i
             }
         };
         self.last_peer = Some(index);
-        let p = &mut self.peers[index as usize].1;
+        let p = &mut c.peers[index as usize].1;
         p.requests += requests;
         p.bytes += bytes;
         index
     }
 
+    /// An operation of `requests` work requests carrying `bytes`, all on NIC `nic` to
+    /// `peer`, was accepted `waited_us` microseconds after it was submitted: `started`,
+    /// `on_nic` and `posted_to` in one, counted in the open run when it has the run's
+    /// shape. Returns the peer's index.
+    #[inline(always)]
+    pub(crate) fn accepted(
+        &mut self,
+        kind: OpKind,
+        nic: usize,
+        peer: &NetAddr,
+        requests: u64,
+        bytes: u64,
+        waited_us: u64,
+    ) -> u32 {
+        if let Some(run) = &mut self.accepted {
+            if run.kind == kind
+                && run.nic == nic
+                && self.counters.peers[run.peer as usize].0 == *peer
+            {
+                run.ops += 1;
+                run.requests += requests;
+                run.bytes += bytes;
+                // Operations of another shape in turn with the run's never take it over.
+                run.post_latency.record_us(waited_us);
+                self.accepted_aside = None;
+                return run.peer;
+            }
+        }
+        self.accepted_aside(kind, nic, peer, requests, bytes, waited_us)
+    }
+
+    /// An operation of another shape than the open run's: counted directly, and when the
+    /// one before was of its shape too, its shape takes the run over.
+    #[inline(never)]
+    fn accepted_aside(
+        &mut self,
+        kind: OpKind,
+        nic: usize,
+        peer: &NetAddr,
+        requests: u64,
+        bytes: u64,
+        waited_us: u64,
+    ) -> u32 {
+        self.started(kind, requests, waited_us);
+        self.on_nic(nic, requests, bytes);
+        let index = self.posted_to(peer, requests, bytes);
+        let shape = (kind, nic, index);
+        if self.accepted_aside.replace(shape) == Some(shape) {
+            if let Some(run) = self.accepted.take() {
+                run.add_to(&mut self.counters);
+            }
+            self.accepted = Some(AcceptedRun {
+                kind,
+                nic,
+                peer: index,
+                ops: 0,
+                requests: 0,
+                bytes: 0,
+                post_latency: Histogram::default(),
+            });
+            self.accepted_aside = None;
+        }
+        index
+    }
+
     /// An operation finished at `now`.
+    #[inline(always)]
     pub(crate) fn finished(&mut self, s: &Started, result: Result<(), &Error>, now: Stamp) {
-        let op = &mut self.ops[s.kind as usize];
-        op.latency.record_us(now.micros_since(s.at));
-        match result {
-            Ok(()) => {
-                op.completed += 1;
-                op.bytes += s.bytes;
-                if let Some(i) = s.peer {
-                    self.peer_times[i as usize].0 = Some(now);
-                }
+        if let Err(e) = result {
+            return self.failed(s, e, now);
+        }
+        let took_us = now.micros_since(s.at);
+        if let Some(run) = &mut self.completed {
+            if run.kind == s.kind && run.peer == s.peer {
+                run.ops += 1;
+                run.bytes += s.bytes;
+                run.latency.record_us(took_us);
+                run.last = now;
+                self.completed_aside = None;
+                return;
             }
-            Err(e) => {
-                *op.failed.entry(e.kind()).or_default() += 1;
-                if let Some(i) = s.peer {
-                    let p = &mut self.peers[i as usize].1;
-                    p.failed += 1;
-                    p.last_error = Some(e.to_string());
-                    self.peer_times[i as usize].1 = Some(now);
-                }
-            }
+        }
+        // Another shape: counted directly, as without runs.
+        let op = &mut self.counters.ops[s.kind as usize];
+        op.latency.record_us(took_us);
+        op.completed += 1;
+        op.bytes += s.bytes;
+        if let Some(i) = s.peer {
+            self.counters.peer_times[i as usize].0 = Some(now);
+        }
+        let shape = (s.kind, s.peer);
+        if self.completed_aside.replace(shape) == Some(shape) {
+            self.completed_run(shape, now);
         }
     }
 
-    /// The counters as reported at `now`.
+    /// The second success in a row of `shape`, not the open run's: the run ends, and the
+    /// next one has `shape`.
+    #[inline(never)]
+    fn completed_run(&mut self, (kind, peer): (OpKind, Option<u32>), now: Stamp) {
+        if let Some(run) = self.completed.take() {
+            run.add_to(&mut self.counters);
+        }
+        self.completed = Some(CompletedRun {
+            kind,
+            peer,
+            ops: 0,
+            bytes: 0,
+            latency: Histogram::default(),
+            last: now,
+        });
+        self.completed_aside = None;
+    }
+
+    /// An operation that failed with `e` at `now`.
+    #[cold]
+    #[inline(never)]
+    fn failed(&mut self, s: &Started, e: &Error, now: Stamp) {
+        let c = &mut self.counters;
+        let op = &mut c.ops[s.kind as usize];
+        op.latency.record_us(now.micros_since(s.at));
+        *op.failed.entry(e.kind()).or_default() += 1;
+        if let Some(i) = s.peer {
+            let p = &mut c.peers[i as usize].1;
+            p.failed += 1;
+            p.last_error = Some(e.to_string());
+            c.peer_times[i as usize].1 = Some(now);
+        }
+    }
+
+    /// Ends the open runs: their counts join the counters.
+    #[cfg(test)]
+    fn close_runs(&mut self) {
+        if let Some(run) = self.accepted.take() {
+            run.add_to(&mut self.counters);
+        }
+        if let Some(run) = self.completed.take() {
+            run.add_to(&mut self.counters);
+        }
+    }
+
+    /// The counters as reported at `now`, the open runs included.
     pub(crate) fn snapshot(&self, now: Stamp) -> Stats {
+        let mut c = self.counters.clone();
+        if let Some(run) = &self.accepted {
+            run.add_to(&mut c);
+        }
+        if let Some(run) = &self.completed {
+            run.add_to(&mut c);
+        }
         let mut stats = self.rest.clone();
         stats.ops = KINDS
             .iter()
-            .zip(&self.ops)
+            .zip(c.ops)
             .filter(|(_, o)| o.started > 0)
-            .map(|(k, o)| (*k, o.clone()))
+            .map(|(k, o)| (*k, o))
             .collect();
-        stats.nics = self.nics.clone();
-        stats.peers = self
+        stats.nics = c.nics;
+        stats.peers = c
             .peers
-            .iter()
-            .zip(&self.peer_times)
-            .map(|((addr, p), &(ok, failed))| {
-                let mut p = p.clone();
+            .into_iter()
+            .zip(c.peer_times)
+            .map(|((addr, mut p), (ok, failed))| {
                 p.healthy = match (ok, failed) {
                     (_, None) => true,
                     (None, Some(_)) => false,
                     (Some(ok), Some(failed)) => ok > failed,
                 };
                 p.ms_since_activity = ok.max(failed).map(|t| now.micros_since(t) / 1_000);
-                (addr.clone(), p)
+                (addr, p)
             })
             .collect();
         stats
@@ -377,6 +590,81 @@ mod tests {
         let p = &stats.peers[&peer];
         assert_eq!((p.requests, p.bytes, p.failed), (2, 100, 1));
         assert!(p.last_error.as_deref().unwrap().contains("timed out"));
+    }
+
+    /// Operations counted in open runs show in a snapshot exactly as if each had been added
+    /// to the counters on its own: mid-run, after the runs closed, and against a recorder
+    /// that closes its runs after every operation.
+    #[test]
+    fn a_snapshot_counts_the_open_runs() {
+        let (a, b) = (NetAddr::new(&[1]).unwrap(), NetAddr::new(&[2]).unwrap());
+        let t0 = Stamp::now();
+        let at = |us| t0.after(Duration::from_micros(us));
+        let timeout = Error::Timeout(Duration::from_secs(1));
+        // (kind, NIC, peer, requests, bytes, submitted at µs), accepted at 100 µs; then
+        // each finishes (the third fails) at 200 + 300·i µs.
+        let ops = [
+            (OpKind::Write, 0, &a, 1, 64, 90),
+            (OpKind::Write, 0, &a, 1, 64, 30),
+            (OpKind::Write, 0, &a, 4, 256, 99),
+            (OpKind::Read, 0, &a, 1, 8, 100),
+            (OpKind::Write, 1, &a, 1, 64, 0),
+            (OpKind::Write, 1, &b, 1, 64, 0),
+            (OpKind::Write, 1, &b, 1, 64, 70),
+        ];
+        let (mut runs, mut each) = (Recorder::default(), Recorder::default());
+        let mut started = Vec::new();
+        for (i, &(kind, nic, peer, requests, bytes, submitted)) in ops.iter().enumerate() {
+            let waited = 100 - submitted;
+            let index = runs.accepted(kind, nic, peer, requests, bytes, waited);
+            assert_eq!(
+                each.accepted(kind, nic, peer, requests, bytes, waited),
+                index
+            );
+            each.close_runs();
+            started.push(Started {
+                kind,
+                peer: Some(index),
+                bytes,
+                at: at(submitted),
+                nics: 1 << nic,
+            });
+            if i == 2 {
+                // Mid-run: the three writes so far are in the open run.
+                let mid = runs.snapshot(at(100));
+                assert_eq!(mid, each.snapshot(at(100)));
+                let w = mid.op(OpKind::Write);
+                assert_eq!((w.started, w.requests, w.post_latency.count()), (3, 6, 3));
+                assert_eq!(w.post_latency.sum_us, 10 + 70 + 1);
+                assert_eq!((mid.nics[0].requests, mid.nics[0].bytes), (6, 384));
+                assert_eq!(mid.peers[&a].requests, 6);
+            }
+        }
+        for (i, s) in started.iter().enumerate() {
+            let now = at(200 + 300 * i as u64);
+            let result = if i == 2 { Err(&timeout) } else { Ok(()) };
+            runs.finished(s, result, now);
+            each.finished(s, result, now);
+            each.close_runs();
+            assert_eq!(runs.snapshot(now), each.snapshot(now), "after {i}");
+        }
+        let end = at(5_000);
+        let open = runs.snapshot(end);
+        runs.close_runs();
+        assert_eq!(open, runs.snapshot(end));
+        assert_eq!(open, each.snapshot(end));
+        let w = open.op(OpKind::Write);
+        assert_eq!((w.started, w.completed, w.bytes), (6, 5, 64 * 5));
+        assert_eq!((w.latency.count(), w.failed.get("timeout")), (6, Some(&1)));
+        assert_eq!(open.op(OpKind::Read).completed, 1);
+        assert_eq!((open.nics[1].requests, open.nics[1].bytes), (3, 192));
+        let (pa, pb) = (&open.peers[&a], &open.peers[&b]);
+        assert_eq!((pa.requests, pa.failed, pb.requests), (8, 1, 2));
+        // Peer b's last success was the last operation: 2,000 µs before the snapshot.
+        assert_eq!(
+            (pb.ms_since_activity, pa.ms_since_activity),
+            (Some(3), Some(3))
+        );
     }
 
     /// `engine.peers()` health: a peer whose last finished operation failed is unhealthy,

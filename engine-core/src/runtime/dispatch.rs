@@ -391,9 +391,8 @@ impl<W: Waiter> Dispatch<W> {
         };
         let bytes = data.len() as u64;
         let id = self.track(now, 1, waiter, |core| {
-            core.recorder.started(kind, 1, now.micros_since(submitted));
-            core.recorder.on_nic(0, 1, bytes);
-            let index = core.recorder.posted_to(&peer, 1, bytes);
+            let waited_us = now.micros_since(submitted);
+            let index = core.recorder.accepted(kind, 0, &peer, 1, bytes, waited_us);
             Started {
                 kind,
                 peer: Some(index),
@@ -537,21 +536,35 @@ impl<W: Waiter> Dispatch<W> {
         submitted: Stamp,
     ) -> Started {
         let mut shapes = shapes.peekable();
-        let first = shapes
-            .peek()
-            .expect("the caller checked that there is work")
-            .0;
+        let (first, first_uses) = shapes
+            .next()
+            .expect("the caller checked that there is work");
         let kind = match first.op {
             RdmaOp::Read => OpKind::Read,
             RdmaOp::Write { .. } => OpKind::Write,
         };
-        self.recorder
-            .started(kind, requests, now.micros_since(submitted));
+        let waited_us = now.micros_since(submitted);
+        if shapes.peek().is_none() {
+            // One shape (a single write or read, or pages of one plan operation): one NIC,
+            // one peer, counted in the recorder's run of such operations.
+            let bytes = first.len * first_uses;
+            let peer =
+                self.recorder
+                    .accepted(kind, first.nic, &first.peer, first_uses, bytes, waited_us);
+            return Started {
+                kind,
+                peer: Some(peer),
+                bytes,
+                at: submitted,
+                nics: 1 << first.nic,
+            };
+        }
+        self.recorder.started(kind, requests, waited_us);
         let mut bytes = 0;
         let mut nics = 0u8;
         let mut single_peer = true;
         let mut run = (&first.peer, 0u64, 0u64);
-        for (op, uses) in shapes {
+        for (op, uses) in std::iter::once((first, first_uses)).chain(shapes) {
             let op_bytes = op.len * uses;
             bytes += op_bytes;
             nics |= 1 << op.nic;
@@ -954,10 +967,11 @@ impl<W: Waiter> Dispatch<W> {
     /// [`poll_messages`](Self::poll_messages)). Drains `events`.
     pub(crate) fn handle_events(&mut self, events: &mut Vec<Event>) {
         let mut run: Option<(u64, u64)> = None;
+        let mut arrived = 0;
         for event in events.drain(..) {
             match event {
                 Event::ImmArrival { imm, from } => {
-                    self.recorder.rest.imm_arrivals += 1;
+                    arrived += 1;
                     match self.arrivals.last_mut() {
                         Some((v, f, n)) if *v == imm && *f == from => *n += 1,
                         _ => self.arrivals.push((imm, from, 1)),
@@ -993,6 +1007,7 @@ impl<W: Waiter> Dispatch<W> {
         if let Some((id, n)) = run {
             self.count_successes(id, n);
         }
+        self.recorder.rest.imm_arrivals += arrived;
     }
 
     #[inline]

@@ -588,3 +588,39 @@ fn registrations_are_counted_as_reported() {
         (2, 4196, 10, 1, 1)
     );
 }
+
+/// Statistics of a burst counted per run of one shape show in a snapshot taken in the
+/// middle of a pass (accepted, not yet delivered) and after it, exactly.
+#[test]
+fn a_snapshot_mid_pass_counts_what_the_pass_accepted_and_delivered() {
+    let mut core = core(2);
+    let ids: Vec<u64> = (0..3)
+        .map(|n| submit(&mut core, ms(1), n, &[write(0, 1, 64 * n as u64)]))
+        .collect();
+    let send = core
+        .handle_send(ms(2), peer(2), vec![0, 1, 2], 9, ms(2))
+        .unwrap();
+    let mid = core.stats(ms(2));
+    let w = mid.op(OpKind::Write);
+    assert_eq!((w.started, w.requests, w.completed), (3, 3, 0));
+    assert_eq!((mid.nics[0].requests, mid.nics[0].bytes), (4, 3 * 64 + 3));
+    assert_eq!(mid.peers[&peer(1)].bytes, 3 * 64);
+    assert_eq!(mid.op(OpKind::Send).started, 1);
+    drive(&mut core, take_all);
+    let mut events: Vec<Event> = ids.iter().map(|&id| done(id, Ok(()))).collect();
+    events.push(done(send, Ok(())));
+    core.handle_events(&mut events);
+    assert_eq!(deliveries(&mut core, ms(3)).len(), 4);
+    // Another shape (a write on NIC 1), counted beside the open runs.
+    submit(&mut core, ms(4), 5, &[write(1, 1, 0)]);
+    let after = core.stats(ms(4));
+    let w = after.op(OpKind::Write);
+    assert_eq!((w.started, w.completed, w.bytes), (4, 3, 3 * 64));
+    assert_eq!((w.latency.count(), w.latency.sum_us), (3, 3 * 2_000));
+    assert_eq!(after.op(OpKind::Send).completed, 1);
+    assert_eq!(
+        (after.nics[1].requests, after.peers[&peer(1)].requests),
+        (1, 4)
+    );
+    assert_eq!(after.peers[&peer(2)].ms_since_activity, Some(1));
+}
