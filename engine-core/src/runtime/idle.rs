@@ -71,10 +71,12 @@ impl Idle {
     }
 
     /// After a [`Look`](AfterPass::Look) at `now`: whether to park (else pause), with work
-    /// `in_flight` (transfers tracked, or requests waiting for room) or not.
-    pub(crate) fn parks(&mut self, now: Stamp, in_flight: bool) -> bool {
+    /// `in_flight` (transfers tracked, or requests waiting for room) or not. `waiters`:
+    /// threads waiting on the engine poll the NICs themselves (see `drive_parked`), so the
+    /// worker parks at once rather than spin for its `spin`.
+    pub(crate) fn parks(&mut self, now: Stamp, in_flight: bool, waiters: bool) -> bool {
         let since = *self.since.get_or_insert(now);
-        !(in_flight || self.never_park || now.since(since) < self.spin)
+        !(in_flight || self.never_park || (!waiters && now.since(since) < self.spin))
     }
 }
 
@@ -107,10 +109,10 @@ mod tests {
         let mut idle = Idle::new(Duration::ZERO, false);
         idle_until_look(&mut idle);
         assert!(
-            !idle.parks(ms(1), true),
+            !idle.parks(ms(1), true, false),
             "a transfer in flight: it keeps polling"
         );
-        assert!(idle.parks(ms(1), false));
+        assert!(idle.parks(ms(1), false, false));
     }
 
     #[test]
@@ -118,23 +120,39 @@ mod tests {
         let mut idle = Idle::new(Duration::from_millis(5), false);
         idle_until_look(&mut idle);
         assert!(
-            !idle.parks(ms(10), false),
+            !idle.parks(ms(10), false, false),
             "the spell begins at its first look"
         );
         idle_until_look(&mut idle);
-        assert!(!idle.parks(ms(14), false));
+        assert!(!idle.parks(ms(14), false, false));
         idle_until_look(&mut idle);
-        assert!(idle.parks(ms(15), false));
+        assert!(idle.parks(ms(15), false, false));
         assert_ne!(idle.after_pass(true), AfterPass::Pause);
         idle_until_look(&mut idle);
-        assert!(!idle.parks(ms(16), false), "busy in between: a new spell");
+        assert!(
+            !idle.parks(ms(16), false, false),
+            "busy in between: a new spell"
+        );
+    }
+
+    #[test]
+    fn with_threads_waiting_on_the_engine_it_parks_at_its_first_look() {
+        let mut idle = Idle::new(Duration::from_millis(5), false);
+        idle_until_look(&mut idle);
+        assert!(idle.parks(ms(10), false, true), "the waiters poll: no spin");
+        let mut never = Idle::new(Duration::ZERO, true);
+        idle_until_look(&mut never);
+        assert!(
+            !never.parks(ms(10), false, true),
+            "still never, for Domains that need it"
+        );
     }
 
     #[test]
     fn domains_that_move_only_while_polled_keep_it_from_ever_parking() {
         let mut idle = Idle::new(Duration::ZERO, true);
         idle_until_look(&mut idle);
-        assert!(!idle.parks(ms(1_000_000), false));
+        assert!(!idle.parks(ms(1_000_000), false, false));
     }
 
     #[test]

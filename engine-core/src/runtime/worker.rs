@@ -133,8 +133,9 @@ fn doze(idle_poll: Duration) -> Duration {
 enum Next {
     /// The next pass.
     Go,
-    /// Park (the lock released) for at most this long, then the next pass.
-    Park(Duration),
+    /// Park (the lock released) for at most this long, then the next pass. `doze`: a doze
+    /// (see `Parking`), with when the worker's own work is next due (see `run`).
+    Park(Duration, Option<Instant>),
     /// The engine is being dropped: shut down.
     Stop,
 }
@@ -334,10 +335,13 @@ fn run(shared: &Arc<Shared>) {
         }
         match catch_unwind(AssertUnwindSafe(|| worker.pass(idle_poll, &mut idle))) {
             Ok(Next::Go) => {}
-            Ok(Next::Park(timeout)) => {
+            Ok(Next::Park(timeout, doze)) => {
                 drop(guard);
                 std::thread::park_timeout(timeout);
-                guard = lock_driver(shared);
+                guard = match doze {
+                    Some(due) => relock_after_doze(shared, due, timeout),
+                    None => lock_driver(shared),
+                };
                 shared.parking.announce(false);
                 if let Some(worker) = guard.as_mut() {
                     worker.wakes_at = None;
@@ -359,6 +363,33 @@ fn run(shared: &Arc<Shared>) {
     match failure {
         None => worker.shutdown(),
         Some(why) => worker.fail(why),
+    }
+}
+
+/// The worker's state again after a doze: while a waiting thread drives it (holds the
+/// lock), the worker dozes on rather than queue for the lock — taking it when that thread
+/// lets go would cost the thread a wake-up of the worker at every unlock, and hand the
+/// worker passes the waiters make better themselves — until its own work is `due`, or it is
+/// woken (then the thread that woke it has let the lock go, or another driver holds it and
+/// will wake it again for what it leaves).
+fn relock_after_doze(
+    shared: &Shared,
+    due: Instant,
+    doze: Duration,
+) -> std::sync::MutexGuard<'_, Option<Worker>> {
+    loop {
+        match shared.driver.try_lock() {
+            Ok(guard) => return guard,
+            Err(std::sync::TryLockError::Poisoned(p)) => return p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {}
+        }
+        let now = Instant::now();
+        if now >= due {
+            return lock_driver(shared);
+        }
+        let timeout = doze.min(due - now);
+        shared.parking.set_wakes_at(now + timeout);
+        std::thread::park_timeout(timeout);
     }
 }
 
@@ -483,9 +514,9 @@ impl Worker {
                 let in_flight = self.core.in_flight() > 0 || self.core.has_queued();
                 // Waiting threads poll for what is in flight: the worker need not.
                 let waiters = self.drivable && self.shared.parking.waited_within(doze(idle_poll));
-                if idle.parks(now, in_flight && !waiters) {
-                    if let Some(timeout) = self.prepare_park(idle_poll) {
-                        return Next::Park(timeout);
+                if idle.parks(now, in_flight && !waiters, waiters) {
+                    if let Some((timeout, doze)) = self.prepare_park(idle_poll) {
+                        return Next::Park(timeout, doze);
                     }
                 } else {
                     self.idle_pause();
@@ -613,7 +644,7 @@ impl Worker {
 
     /// Decides to park: `Some(timeout)` with the park announced, or `None` (not announced)
     /// when work came in meanwhile.
-    fn prepare_park(&mut self, idle_poll: Duration) -> Option<Duration> {
+    fn prepare_park(&mut self, idle_poll: Duration) -> Option<(Duration, Option<Instant>)> {
         // Announce the park first, then read the deadlines and look once more: an expectation
         // registered concurrently (its deadline unknown to a timeout computed earlier) is either
         // seen here or its `expect_imm_count` sees `parked` and unparks us. Computing the
@@ -659,13 +690,14 @@ impl Worker {
         if !self.domains_wake {
             timeout = timeout.min(idle_poll);
         }
+        let due = now + timeout;
         if dozes {
             timeout = timeout.min(doze(idle_poll));
         }
         let wakes_at = now + timeout;
         self.wakes_at = Some(wakes_at);
         self.shared.parking.set_wakes_at(wakes_at);
-        Some(timeout)
+        Some((timeout, dozes.then_some(due)))
     }
 
     /// The earliest time a Domain asked to be polled at though nothing arrives.
