@@ -25,7 +25,7 @@ mod work;
 mod worker;
 
 use self::clock::Stamp;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
@@ -186,15 +186,13 @@ impl Command {
 /// take the CPU from it, and a Domain need not arm its completion channel (the driver
 /// re-arms it, as a parking worker does, when it stops).
 pub(crate) struct Parking {
-    /// Set by the worker just before it parks; wakers unpark only then.
-    parked: AtomicBool,
-    /// Another thread drives the parked worker's loop now.
-    driven: AtomicBool,
-    /// The worker dozes rather than parks: application threads waiting in
-    /// `TransferEngine::wait` drive it, so it arms no wake-up of the Domains (an armed
-    /// completion channel wakes a thread per completion, and on a small machine that thread
-    /// takes the CPU from the waiters) and looks again after a short timeout instead.
-    dozing: AtomicBool,
+    /// What the worker announced, in one word so that a waker's question is one load:
+    /// [`PARKED`], with [`DRIVEN`] (another thread drives its loop now) and [`DOZING`] (it
+    /// dozes rather than parks: threads waiting in `TransferEngine::wait` drive it, so it
+    /// arms no wake-up of the Domains — an armed completion channel wakes a thread per
+    /// completion, and on a small machine that thread takes the CPU from the waiters — and
+    /// looks again after a short timeout instead).
+    state: AtomicU8,
     /// When a thread last stopped driving the worker from `TransferEngine::wait`:
     /// nanoseconds after `epoch`, 0 for never.
     waited_at: AtomicU64,
@@ -202,20 +200,27 @@ pub(crate) struct Parking {
     /// (it is deciding). Work due no earlier needs no wake.
     wakes_at: AtomicU64,
     epoch: Instant,
-    /// Unparks, counted for statistics and tests (a driven ping-pong should need none).
+    /// Unparks, counted for tests (a driven ping-pong should need none).
+    #[cfg(test)]
     unparks: AtomicU64,
     worker: OnceLock<Thread>,
 }
 
+/// The worker announced that it parks (set by the worker, which holds its state's lock).
+const PARKED: u8 = 1;
+/// A thread drives the parked worker (set and cleared by that thread, holding the lock).
+const DRIVEN: u8 = 2;
+/// The parked worker dozes (set by the worker; cleared by it, or by a waiter about to sleep).
+const DOZING: u8 = 4;
+
 impl Default for Parking {
     fn default() -> Self {
         Self {
-            parked: AtomicBool::new(false),
-            driven: AtomicBool::new(false),
-            dozing: AtomicBool::new(false),
+            state: AtomicU8::new(0),
             waited_at: AtomicU64::new(0),
             wakes_at: AtomicU64::new(0),
             epoch: Instant::now(),
+            #[cfg(test)]
             unparks: AtomicU64::new(0),
             worker: OnceLock::new(),
         }
@@ -229,31 +234,30 @@ impl Parking {
     }
 
     /// The worker announces that it parks (`true`) or runs again (`false`). Its wake-up time
-    /// is unknown until [`wakes_at`](Self::set_wakes_at) is set again.
+    /// is unknown until [`wakes_at`](Self::set_wakes_at) is set again. Only the worker,
+    /// holding its state's lock, announces: no driver's mark can be overwritten.
     pub(crate) fn announce(&self, parked: bool) {
         self.wakes_at.store(0, Ordering::SeqCst);
-        if !parked {
-            self.dozing.store(false, Ordering::SeqCst);
-        }
-        self.parked.store(parked, Ordering::SeqCst);
+        self.state
+            .store(if parked { PARKED } else { 0 }, Ordering::SeqCst);
     }
 
-    /// The worker announces that it dozes (see `dozing`) rather than parks.
+    /// The worker announces that it dozes (see `DOZING`) rather than parks.
     pub(crate) fn announce_doze(&self) {
-        self.dozing.store(true, Ordering::SeqCst);
-        self.announce(true);
+        self.wakes_at.store(0, Ordering::SeqCst);
+        self.state.store(PARKED | DOZING, Ordering::SeqCst);
     }
 
     /// Threads no longer wait on the worker: it stops dozing (its next park arms the
     /// Domains' wake-ups), and a driver's last poll arms them now.
     pub(crate) fn stop_dozing(&self) {
         self.waited_at.store(0, Ordering::Relaxed);
-        self.dozing.store(false, Ordering::SeqCst);
+        self.state.fetch_and(!DOZING, Ordering::SeqCst);
     }
 
     /// Whether the parked worker dozes.
     pub(crate) fn is_dozing(&self) -> bool {
-        self.dozing.load(Ordering::SeqCst)
+        self.state.load(Ordering::SeqCst) & DOZING != 0
     }
 
     /// A thread stops driving the worker from `TransferEngine::wait`, now.
@@ -280,19 +284,21 @@ impl Parking {
     /// Whether the worker parked — not dozing — and no other thread drives it: what a
     /// Domain's waker asks (to wake it, and whether to arm its own wake-up).
     pub(crate) fn is_parked(&self) -> bool {
-        self.parked.load(Ordering::SeqCst)
-            && !self.driven.load(Ordering::SeqCst)
-            && !self.dozing.load(Ordering::SeqCst)
+        self.state.load(Ordering::SeqCst) == PARKED
     }
 
-    /// Whether the worker announced that it parks, driven or not.
+    /// Whether the worker announced that it parks, driven or dozing or not.
     pub(crate) fn announced_parked(&self) -> bool {
-        self.parked.load(Ordering::SeqCst)
+        self.state.load(Ordering::SeqCst) & PARKED != 0
     }
 
     /// Marks the parked worker driven by another thread, or no longer.
     pub(crate) fn set_driven(&self, driven: bool) {
-        self.driven.store(driven, Ordering::SeqCst);
+        if driven {
+            self.state.fetch_or(DRIVEN, Ordering::SeqCst);
+        } else {
+            self.state.fetch_and(!DRIVEN, Ordering::SeqCst);
+        }
     }
 
     /// Wakes the worker if it parked. The worker announces `parked` and then checks the queue
@@ -335,6 +341,7 @@ impl Parking {
 
     /// Unparks the worker whatever it announced.
     pub(crate) fn unpark(&self) {
+        #[cfg(test)]
         self.unparks.fetch_add(1, Ordering::Relaxed);
         if let Some(t) = self.worker.get() {
             t.unpark();
