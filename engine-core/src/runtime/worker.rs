@@ -612,15 +612,20 @@ impl Worker {
         let Some(wakes_at) = self.wakes_at else {
             return true;
         };
-        let due = [
+        self.next_due().is_some_and(|due| due < wakes_at)
+    }
+
+    /// When something of the worker's is next due though nothing arrives: a transfer's or
+    /// an expectation's deadline, or a Domain's own timer.
+    fn next_due(&self) -> Option<Instant> {
+        [
             self.core.poll_timeout().map(|d| self.anchor.instant(d)),
             self.shared.lock_imm().next_deadline(),
             self.domains_poll_timeout(),
         ]
         .into_iter()
         .flatten()
-        .min();
-        due.is_some_and(|due| due < wakes_at)
+        .min()
     }
 
     /// A driver panicked in this worker's pass: new work is refused now, and the worker
@@ -671,14 +676,7 @@ impl Worker {
             self.shared.parking.announce(false);
             return None;
         }
-        let deadline = [
-            self.core.poll_timeout().map(|d| self.anchor.instant(d)),
-            self.shared.lock_imm().next_deadline(),
-            self.domains_poll_timeout(),
-        ]
-        .into_iter()
-        .flatten()
-        .min();
+        let deadline = self.next_due();
         // Read now, after the poll: a deadline is not overslept by the time it took.
         let now = Instant::now();
         // Never longer than a new transfer's or expectation's timeout: what is submitted
