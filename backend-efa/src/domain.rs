@@ -1,3 +1,8 @@
+//! Why one file: it is the `Domain` impl of one libfabric domain — its endpoint, the table of
+//! in-flight contexts the three `unsafe` posts point into, and the completions that settle them
+//! share one state; options and the shm lifetime rules live beside it (`options.rs`,
+//! `shm_lifetime.rs`).
+//!
 //! One libfabric domain as an xfer Domain.
 //!
 //! Why one file: it is one type and the state only it owns (the endpoint, its registrations,

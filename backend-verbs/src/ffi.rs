@@ -1,3 +1,8 @@
+//! Why one file: it is the crate's one `unsafe` boundary — every raw libibverbs object (device,
+//! CQ, QPs, regions, the UD buffer) with the safe type that owns it, so the ownership and
+//! drop order the `// SAFETY:` comments rely on can be read in one place; the policies are pure
+//! modules (`ud.rs`, `cq.rs`, `completion.rs`).
+//!
 //! Safe wrappers over `verbs-sys`. All of this backend's `unsafe` is in this file.
 //!
 //! Why one file: it is the backend's one unsafe boundary, audited as a whole — every wrapper

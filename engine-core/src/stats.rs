@@ -1,3 +1,6 @@
+//! Why one file: the counters, the runs the core tallies into them and the snapshot that folds
+//! the runs in are one piece of state; a snapshot is correct only if all three agree.
+//!
 //! The engine's counters, as pure data: what the worker records as transfers finish, and the
 //! snapshot [`TransferEngine::stats`](crate::TransferEngine::stats) returns.
 //!

@@ -1,4 +1,8 @@
-"""xfer as an SGLang disaggregation transfer backend (SGLang 0.5's ``disaggregation/base``).
+"""Why one file: it is the module SGLang imports as its transfer backend — the manager,
+sender, receiver and bootstrap classes its scheduler instantiates share one set of records
+and one engine per process.
+
+xfer as an SGLang disaggregation transfer backend (SGLang 0.5's ``disaggregation/base``).
 
 Why one file: it is the module SGLang's entry point loads, holding the four classes SGLang
 instantiates (bootstrap server, manager, sender, receiver); the sender and receiver read and
