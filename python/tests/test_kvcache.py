@@ -1,4 +1,5 @@
-"""The page arithmetic the serving connectors share (xfer._kvcache), without a serving system."""
+"""The page arithmetic the serving connectors share (xfer.kv.pages, also importable as
+xfer._kvcache), without a serving system."""
 
 import numpy as np
 import pytest
@@ -222,3 +223,14 @@ def test_sliding_window_groups_keep_only_the_blocks_their_window_reaches():
     assert clip_to_windows([[0, 1]], [0]) == [[0, 1]]
     with pytest.raises(LayoutError, match="2 KV cache groups of block ids for 1 groups"):
         clip_to_windows([full, sliding], [0])
+
+
+def test_the_old_flat_paths_are_the_kv_rooms_modules():
+    """Issue 54: the KV modules moved into ``xfer.kv``; every path users and docs name still
+    imports, as the same module object (a patch through one name reaches the other)."""
+    import importlib
+
+    for old, new in [("xfer._kvcache", "xfer.kv.pages"),
+                     ("xfer._sglang_layout", "xfer.kv.sglang_layout"),
+                     ("xfer._vllm_records", "xfer.kv.vllm_records")]:
+        assert importlib.import_module(old) is importlib.import_module(new), old

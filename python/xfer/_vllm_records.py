@@ -1,39 +1,8 @@
-"""What both halves of the vLLM connector pass around — the pull half and the connector itself
-in ``xfer.vllm``, the push half in ``xfer._vllm_push``: a load (a request's blocks a decode rank
-receives, and where from) and a peer worker as its record describes it. Kept apart so that
-neither of those modules imports the other's types."""
+"""The old path of xfer.kv.vllm_records: the same module object, so imports and patches through either
+name reach one module."""
 
-from __future__ import annotations
+import sys as _sys
 
-import dataclasses
+from .kv import vllm_records as _module
 
-import xfer
-
-from ._kvcache import LayerView
-
-
-@dataclasses.dataclass
-class Load:
-    """A request whose blocks a decode worker reads from its prefill instance (pull), or
-    that the prefill instance writes to it (push)."""
-
-    local_block_ids: list[list[int]]
-    """Per KV cache group this connector moves (one unless vLLM's hybrid allocator is on)."""
-    remote_engine_id: str
-    remote_block_ids: list[list[int]]
-    remote_request_id: str
-    remote_tp_size: int = 1
-    remote_rendezvous: str | None = None
-    """Where the peer's records are, when it serves them itself (its side channel)."""
-
-
-@dataclasses.dataclass
-class Peer:
-    """Another instance's worker as its record describes it."""
-
-    address: bytes
-    layers: dict[str, tuple[xfer.MrDesc, LayerView]]
-    """Its layers by name (by tag for a layer this worker does not have), each with its
-    region's descriptor and its view of that region."""
-    drafts: set[str] = dataclasses.field(default_factory=set)
-    """Its layers that are a speculative drafter's (by name, or by tag if not known here)."""
+_sys.modules[__name__] = _module

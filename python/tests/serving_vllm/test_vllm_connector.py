@@ -238,6 +238,10 @@ def test_vllm_loads_the_connector_from_its_module_path(server):
     p = Instance("load-check", server)
     assert isinstance(p.worker, xfer.vllm.XferConnector)
     assert isinstance(p.scheduler, xfer.vllm.XferConnector)
+    import xfer.kv.vllm
+
+    # Issue 54: the module moved into xfer.kv; the path vLLM is given is the same module.
+    assert xfer.vllm is xfer.kv.vllm and type(p.worker) is xfer.kv.vllm.XferConnector
     p.close()
 
 

@@ -1,0 +1,20 @@
+"""KV-cache transfer between serving instances (prefill -> decode): the pure core and one thin
+adapter per framework.
+
+Pure (no framework import, unit-tested on their own):
+
+- ``pages``: paged KV caches as xfer addresses them (layouts, vLLM's layer views, the runs of a
+  block between tensor-parallel sizes, message framing).
+- ``sglang_layout``: SGLang's rank pairing between TP sizes and the published KV shape.
+
+Adapters (each imports its framework):
+
+- ``vllm`` (with ``vllm_push`` and ``vllm_records``): vLLM 0.33's KV connector. vLLM loads it
+  by ``kv_connector_module_path``: ``xfer.vllm`` stays that path (an alias of this module).
+- ``sglang``: SGLang 0.5.23's disaggregation transfer backend; its entry point stays
+  ``xfer.sglang:register``.
+
+The old flat paths (``xfer.vllm``, ``xfer.sglang``, ``xfer._kvcache``, ``xfer._vllm_push``,
+``xfer._vllm_records``, ``xfer._sglang_layout``) are the same module objects as these, so a
+patch through either name reaches both.
+"""

@@ -1,0 +1,844 @@
+"""Why one file: it is the module SGLang imports as its transfer backend — the manager,
+sender, receiver and bootstrap classes its scheduler instantiates share one set of records
+and one engine per process.
+
+xfer as an SGLang disaggregation transfer backend (SGLang 0.5's ``disaggregation/base``).
+
+Why one file: it is the module SGLang's entry point loads, holding the four classes SGLang
+instantiates (bootstrap server, manager, sender, receiver); the sender and receiver read and
+write their manager's state (peers, rooms, aborts, one lock), so they stay beside it. What
+needs no SGLang — the rank mapping between TP sizes and the published KV shape — is
+``sglang_layout``; page arithmetic and message framing are ``pages``.
+
+SGLang pushes: the decode instance allocates pages for a request and sends their indices to
+the prefill instance (``KVReceiver.send_metadata``), which writes each chunk of KV pages into
+them as it computes (``KVSender.send``) — one paged write per KV buffer per chunk, pages from
+indices — then the auxiliary data, then tells the decode instance by bootstrap room. Both sides
+poll ``KVPoll`` states: Bootstrapping → WaitingForInput → Transferring → Success or Failed.
+
+Select it with ``--disaggregation-transfer-backend xfer``: the package declares an
+``sglang.srt.plugins`` entry point, which SGLang runs in every process it starts (its CLI
+before parsing the arguments, each spawned scheduler), and which adds the choice and the
+classes (SGLang has no registry of transfer backends: ``register`` patches its enum and
+``get_kv_class``). The engine config comes from ``$XFER_CONFIG`` (or an earlier
+``xfer.sglang.register(config=...)`` in the same process).
+
+**Decode queues**: besides ``base/conn.py``, the manager and receiver have what SGLang's
+decode queues read (``prefill_info_table``, ``try_ensure_parallel_info``, ``kv_args``,
+``kv_mgr``, ``bootstrap_infos``, ``conclude_state``), and the deferred release of an aborted
+room: the decode rank tells its prefill ranks (``ensure_abort_notified``), each cancels what
+it has in flight, writes nothing more to the room and answers; SGLang frees the pages once
+all answered (``kv_mgr.is_abort_release_safe``). Prefill ranks register at the bootstrap
+host SGLang names (``--dist-init-addr``'s host across nodes, else ``--host``).
+
+**Bootstrap**: the prefill instance's bootstrap server is xfer's rendezvous service
+(``xfer.Server`` on the bootstrap host and port; it serves loopback only unless
+``$XFER_SECRET_FILE`` names the cluster secret). Prefill ranks publish
+``sglang.prefill.<dp>.<rank>``, with their KV layout (attention TP size, heads per rank, page
+size, buffers, MLA, DP groups) in the name of the one region they publish; a decode rank publishes its KV
+buffers there as ``sglang.decode.<id>.<rank>`` when it first meets that prefill. Engines use
+``$XFER_CONFIG`` (or the config given to ``register``); without either, the backend refuses
+to start.
+
+**Tensor parallelism**: prefill and decode may run different attention TP sizes (one divides
+the other). A decode rank with fewer heads than a prefill rank receives its slice of one
+prefill rank's heads; one with more receives from each of several prefill ranks into its
+place — token by token, as ``pages.read_plan`` plans reads, turned around into writes.
+MLA's latent is the same on every rank: one prefill rank writes it. Every prefill rank a decode
+rank names gets its page indices and answers done (one with nothing to write at once), so every
+prefill sender ends. Layouts that cannot exchange (page size, buffers, heads, MLA) are refused
+by name at ``init``.
+
+**Data parallelism**: each DP group of the prefill (``--dp-size``: attention DP groups under
+``--enable-dp-attention``, else replicas) publishes its own ranks; a decode rank learns the
+group count with the layout (SGLang's ``PrefillServerInfo.dp_size``), SGLang picks a request's
+group (``follow_bootstrap_room``: its room modulo the count) and the receiver sends to that
+group's ranks. A decode rank whose ``KVArgs`` carry no head count (SGLang's decode queue sets
+none) takes it from the prefill's total.
+
+**Prefix reuse**: a decode instance holding a prefix sends ``decode_prefix_len``; the prefill
+sends from there (``pop_decode_prefix_len``).
+
+**Failures** — a peer gone (a decode rank watches the bootstrap records of the prefill ranks
+it waits on, off the scheduler thread), a refused write, no answer within
+``transfer_timeout_s`` — end in
+``KVPoll.Failed`` with ``failure_exception()`` naming the cause, on both sides; ``abort()``
+ends a transfer at once. State (Mamba/SWA/NSA) buffers are refused when the manager starts:
+not yet (issue 28).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVBootstrapServer,
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVArgs,
+    KVPoll,
+    KVTransferMetric,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+import xfer
+
+from .pages import LayoutError, pack_message, read_plan, unpack_message
+from .sglang_layout import PROTOCOL, KvShape, decode_sources, prefill_targets
+
+logger = logging.getLogger("xfer.sglang")
+
+NAME = "xfer"
+_META, _DONE, _FAIL = b"xsg-meta\n", b"xsg-done\n", b"xsg-fail\n"
+"""Prefixes of the messages between the instances (a JSON header follows)."""
+_ABORT, _ABORT_ACK = b"xsg-stop\n", b"xsg-stok\n"
+"""A decode rank gave up a room (aborted, failed, timed out): each prefill rank it sent its
+pages to writes nothing more there and answers once none of its writes is in flight — SGLang
+frees the pages only then (``is_abort_release_safe``)."""
+
+_config: Any = None
+transfer_timeout_s = 60.0
+"""How long a receiver waits for its data, and a sender for its peer's indices."""
+watch_interval_s = 1.0
+"""How often a decode rank checks that the prefill ranks it waits on are still there (their
+bootstrap records are leases of 5 s)."""
+
+
+def _engine_config() -> Any:
+    if _config is not None:
+        return _config
+    if os.environ.get("XFER_CONFIG"):
+        return None  # the engine reads it
+    raise ValueError(
+        "the xfer transfer backend needs an engine config: xfer.sglang.register(config=...) "
+        "or $XFER_CONFIG"
+    )
+
+
+def _message(prefix: bytes, header: dict[str, Any], payload: bytes = b"") -> bytes:
+    return pack_message(prefix, header, payload)
+
+
+def _parse(data: bytes) -> tuple[bytes, dict[str, Any], bytes]:
+    return unpack_message(data, len(_META))
+
+
+def _bootstrap_host(server_args: Any) -> str:
+    """Where the prefill's bootstrap server is: the host of ``--dist-init-addr`` across nodes
+    (where SGLang's own backends register), else the serving ``--host``."""
+    addr = getattr(server_args, "dist_init_addr", None)
+    if addr:
+        return str(addr).rsplit(":", 1)[0].strip("[]")
+    host = getattr(server_args, "host", None)
+    return "127.0.0.1" if not host or host in ("0.0.0.0", "::") else str(host)
+
+
+def _dp(args: KVArgs, server_args: Any, attn_tp: int) -> tuple[int, int]:
+    """This rank's data-parallel group and the number of groups: under DP attention the
+    groups split one TP group (``engine_rank`` over attention TP), else each DP replica is a
+    TP group of its own (``system_dp_rank``). As SGLang's bootstrap counts them, either way
+    ``--dp-size`` groups."""
+    size = int(getattr(server_args, "dp_size", 1) or 1)
+    if size == 1:
+        return 0, 1
+    if getattr(server_args, "enable_dp_attention", False):
+        return int(args.engine_rank) // attn_tp, size
+    return int(getattr(args, "system_dp_rank", 0) or 0), size
+
+
+def _attn_tp(server_args: Any) -> int:
+    """The attention TP size: ranks over which KV heads are split (TP over attention-DP)."""
+    tp = int(getattr(server_args, "tp_size", 1) or 1)
+    dp = int(getattr(server_args, "dp_size", 1) or 1)
+    return tp // dp if getattr(server_args, "enable_dp_attention", False) and dp > 1 else tp
+
+
+def _prefill_name(dp: int, rank: int) -> str:
+    """A prefill rank's bootstrap record: its DP group, its attention-TP rank."""
+    return f"sglang.prefill.{dp}.{rank}"
+
+
+class XferKVBootstrapServer(BaseKVBootstrapServer):
+    """The prefill instance's bootstrap server: xfer's rendezvous service."""
+
+    def __init__(self, host: str, port: int):
+        self.server = xfer.Server(f"{host}:{port}", secret_file=os.environ.get("XFER_SECRET_FILE"))
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class XferKVManager(BaseKVManager):
+    """One per rank: the engine, the registered KV and aux buffers, messages in and out.
+
+    Besides ``base/conn.py`` it has what SGLang 0.5.23's decode queues read of a manager
+    (``disaggregation/decode.py``): ``prefill_info_table`` and ``try_ensure_parallel_info``
+    (the prefill's topology, fetched once per bootstrap address, one short attempt per call
+    from the scheduler loop), the deferred release of aborted rooms' pages
+    (``is_abort_release_safe``, ``clear_deferred_abort_state``) and the flags it checks."""
+
+    supports_host_destination = False
+    """Pages are written into device (or registered) KV buffers only."""
+    enable_deferred_decode_kv_release = True
+    """An aborted room's pages are freed once its prefill ranks said nothing is in flight."""
+    defer_decode_allocation = False
+
+    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
+                 is_mla_backend: bool | None = False):
+        self.args = self.kv_args = args  # SGLang's queues read ``kv_args``
+        self.mode = disaggregation_mode
+        self.server_args = server_args
+        state = [p for group in (getattr(args, "state_data_ptrs", None) or []) for p in group]
+        if state:
+            raise NotImplementedError(
+                f"the xfer transfer backend does not move state buffers yet ({len(state)} "
+                "Mamba/SWA/NSA state tensors registered); use another backend for this model")
+        self.tp = _attn_tp(server_args)
+        self.rank = int(args.engine_rank) % self.tp
+        self.dp, self.dp_size = _dp(args, server_args, self.tp)
+        self.mla = bool(is_mla_backend)
+        lens = list(args.kv_item_lens)
+        if len(set(lens)) > 1:
+            raise LayoutError(f"KV buffers of different page sizes {sorted(set(lens))}: "
+                              "the xfer transfer backend needs one")
+        heads = 1 if self.mla else int(getattr(args, "kv_head_num", 0) or 0)
+        self.heads_known = bool(heads)
+        """SGLang's decode queue puts no head count in its ``KVArgs`` (its own backends take
+        the decode's from the prefill's total): such a rank learns it from the first prefill
+        it meets (``try_ensure_parallel_info``)."""
+        self.shape = KvShape(tp=self.tp, heads=heads, page_size=int(args.page_size),
+                             item_len=lens[0] if lens else 0, buffers=len(lens), mla=self.mla,
+                             dp=self.dp_size)
+        if not self.heads_known and disaggregation_mode == DisaggregationMode.PREFILL:
+            self.shape = dataclasses.replace(self.shape, heads=1)
+        self.engine = xfer.TransferEngine(_engine_config())
+        access = "local" if disaggregation_mode == DisaggregationMode.PREFILL else "write"
+        self.kv = [self.engine.reg_mr_raw(p, n, access=access)
+                   for p, n in zip(args.kv_data_ptrs, args.kv_data_lens)]
+        self.aux = [self.engine.reg_mr_raw(p, n, access=access)
+                    for p, n in zip(args.aux_data_ptrs, args.aux_data_lens)]
+        self.id = uuid.uuid4().hex[:12]
+        self.lock = threading.Lock()
+        self.metadata: dict[int, dict[int, tuple[dict[str, Any], np.ndarray]]] = {}
+        """Prefill: each room's decode destinations by decode rank, as their receivers sent
+        them."""
+        self.dones: dict[int, int] = {}
+        """Decode: each room's prefill ranks that answered done."""
+        self.failures: dict[int, str] = {}
+        """Decode: each room's failure, as a prefill rank named it."""
+        self.rendezvous: dict[str, xfer.Rendezvous] = {}
+        self.publications: list[Any] = []
+        self.published_at: set[str] = set()
+        """Decode: the bootstraps this rank's buffers were published at."""
+        self.peers: dict[str, dict[str, Any]] = {}
+        """Prefill: decode ranks' records, by name."""
+        self.prefill_info_table: dict[str, Any] = {}
+        """Decode: each bootstrap address's prefill topology (SGLang's ``PrefillServerInfo``)."""
+        self.prefill_shapes: dict[str, KvShape] = {}
+        self.refusals: dict[str, str] = {}
+        """Decode: the prefills this rank cannot receive from, and why."""
+        self.abort_acks: dict[int, set[int]] = {}
+        """Decode: the prefill ranks that answered each aborted room (armed at the abort)."""
+        self.senders: dict[int, Any] = {}
+        """Prefill: the senders by room, for a decode rank's abort."""
+        self.aborted: dict[int, float] = {}
+        """Prefill: rooms a decode rank aborted (when), so pages that arrive after the abort
+        (delivery is unordered) are never written."""
+        self.watched: dict[int, Any] = {}
+        """Decode: the receivers whose prefill ranks may still write, by room (the watch
+        thread fails their rooms if one of those ranks is gone)."""
+        self.closing = threading.Event()
+        self.watcher: threading.Thread | None = None
+        self.engine.submit_recvs(65536, 64, self._on_message)
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            self.register_to_bootstrap()
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """One attempt (the decode queue retries) to learn the prefill's topology at
+        ``bootstrap_addr``. A prefill this rank cannot receive from is answered too (SGLang's
+        queue would raise the error in its scheduler loop, and end the decode instance): its
+        receivers fail at ``init``, naming the difference (``refusals``)."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        try:
+            first = self._bootstrap(bootstrap_addr).lookup(_prefill_name(0, 0), 1.0)
+        except Exception as e:  # noqa: BLE001 - not up yet: the queue tries again
+            logger.info("xfer.sglang: no prefill at %s yet (%s)", bootstrap_addr, e)
+            return False
+        from sglang.srt.disaggregation.common.conn import PrefillServerInfo
+
+        names = list(first["regions"])
+        try:
+            if len(names) != 1:
+                raise LayoutError(f"it published {names}: not an xfer SGLang prefill of "
+                                  f"protocol {PROTOCOL}")
+            prefill = KvShape.parse(names[0])
+            self._with_heads_of(prefill).check_pair(prefill)
+        except LayoutError as e:
+            logger.error("xfer.sglang: the prefill at %s cannot send here: %s", bootstrap_addr, e)
+            self.refusals[bootstrap_addr] = str(e)
+            self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
+                attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=1,
+                page_size=self.shape.page_size, kv_cache_dtype=None, follow_bootstrap_room=True)
+            return True
+        self.shape = self._with_heads_of(prefill)
+        self.heads_known = True
+        self.prefill_shapes[bootstrap_addr] = prefill
+        self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
+            attn_tp_size=prefill.tp, attn_cp_size=1, dp_size=prefill.dp, pp_size=1,
+            page_size=prefill.page_size, kv_cache_dtype=None, follow_bootstrap_room=True)
+        return True
+
+    def _with_heads_of(self, prefill: KvShape) -> KvShape:
+        """This rank's shape, its head count taken from the prefill's total where SGLang gave
+        none (as its own backends take the decode's: total heads over attention TP)."""
+        if self.heads_known or self.mla:
+            return self.shape
+        total = prefill.heads * prefill.tp
+        if total % self.tp:
+            raise LayoutError(f"the prefill's {total} KV heads do not split over decode TP "
+                              f"{self.tp} (replicated heads are not supported yet)")
+        return dataclasses.replace(self.shape, heads=total // self.tp)
+
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        return False
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """Every prefill rank the room's pages went to answered its abort."""
+        with self.lock:
+            return len(self.abort_acks.get(int(bootstrap_room), ())) >= required_acks
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        with self.lock:
+            self.abort_acks.pop(int(bootstrap_room), None)
+
+    def _bootstrap(self, addr: str) -> xfer.Rendezvous:
+        with self.lock:
+            r = self.rendezvous.get(addr)
+        if r is None:
+            # Connects briefly: the scheduler loop calls in (lookups carry their own waits).
+            r = xfer.Rendezvous(f"xfer://{addr}", connect_timeout=2.0,
+                                secret_file=os.environ.get("XFER_SECRET_FILE"))
+            with self.lock:
+                self.rendezvous[addr] = r
+        return r
+
+    def register_to_bootstrap(self) -> None:
+        addr = f"{_bootstrap_host(self.server_args)}:{self.server_args.disaggregation_bootstrap_port}"
+        # The layout travels as the name of the one region published. Rendezvous records name
+        # regions, so it names a small one of its own holding the same text (readable: it is
+        # public; the KV buffers stay local, peers never address them).
+        text = self.shape.name().encode()
+        self._layout_bytes = np.frombuffer(text.ljust(64, b"\0"), dtype=np.uint8).copy()
+        self._layout_region = self.engine.reg_mr_raw(
+            self._layout_bytes.ctypes.data, self._layout_bytes.nbytes, access="read")
+        self.publications.append(
+            self._bootstrap(addr).publish(_prefill_name(self.dp, self.rank), self.engine.main_address,
+                                          {self.shape.name(): self._layout_region.desc})
+        )
+
+    def decode_record(self, addr: str) -> str:
+        """Publishes this decode rank's buffers at the prefill's bootstrap (once)."""
+        name = f"sglang.decode.{self.id}.{self.rank}"
+        with self.lock:
+            done = addr in self.published_at
+            self.published_at.add(addr)
+        if not done:
+            regions = {f"kv{i}": r.desc for i, r in enumerate(self.kv)}
+            regions.update({f"aux{i}": r.desc for i, r in enumerate(self.aux)})
+            self.publications.append(
+                self._bootstrap(addr).publish(name, self.engine.main_address, regions)
+            )
+        return name
+
+    def _on_message(self, data: bytes) -> None:
+        try:
+            prefix, header, payload = _parse(data)
+        except ValueError:
+            logger.warning("xfer.sglang: a malformed message was ignored")
+            return
+        room = int(header["room"])
+        if prefix == _ABORT:
+            self._aborted(room, header)
+            return
+        with self.lock:
+            if prefix == _ABORT_ACK:
+                acks = self.abort_acks.get(room)
+                if acks is not None:
+                    acks.add(int(header["rank"]))
+            elif prefix == _META:
+                if room in self.aborted:
+                    return  # its decode rank gave up before these pages came
+                pages = np.frombuffer(payload, dtype="<i4").copy()
+                self.metadata.setdefault(room, {})[int(header["rank"])] = (header, pages)
+            elif prefix == _DONE:
+                self.dones[room] = self.dones.get(room, 0) + 1
+            elif prefix == _FAIL:
+                self.failures.setdefault(room, str(header.get("why", "the prefill failed")))
+
+    def _aborted(self, room: int, header: dict[str, Any]) -> None:
+        """Prefill: a decode rank gave up ``room``: nothing more is written there, what is in
+        flight is cancelled, and the decode rank is answered once none of it is."""
+        now = time.monotonic()
+        with self.lock:
+            self.aborted[room] = now
+            for old in [r for r, t in self.aborted.items() if now - t > 2 * transfer_timeout_s]:
+                del self.aborted[old]
+            sender = self.senders.get(room)
+        # Off the engine's callback thread: a cancel waits until no NIC touches the memory.
+        threading.Thread(target=self._drain_and_ack, args=(room, header, sender),
+                         name="xfer-sglang-abort", daemon=True).start()
+
+    def _drain_and_ack(self, room: int, header: dict[str, Any], sender: Any) -> None:
+        if sender is not None:
+            sender.stop(f"room {room}: aborted by decode rank {header.get('rank')}")
+        try:
+            peer = self._bootstrap(str(header["bootstrap"])).lookup(str(header["decode"]),
+                                                                   transfer_timeout_s)
+            self.engine.submit_send(peer["addr"], _message(_ABORT_ACK,
+                                                           {"room": room, "rank": self.rank}))
+        except Exception as e:  # noqa: BLE001 - the decode frees at its own deadline
+            logger.warning("xfer.sglang: could not answer the abort of room %d: %s", room, e)
+
+    def watch(self, receiver: Any) -> None:
+        """Decode: watches ``receiver``'s prefill ranks until it is cleared: one that is gone
+        (its bootstrap record lapsed or was replaced: the process died or restarted) fails
+        the room, naming it, instead of leaving it to ``transfer_timeout_s``. The lookups run
+        on this manager's thread, not the scheduler's."""
+        with self.lock:
+            self.watched[receiver.room] = receiver
+            start = self.watcher is None
+            if start:
+                self.watcher = threading.Thread(target=self._watch, name="xfer-sglang-watch",
+                                                daemon=True)
+        if start:
+            self.watcher.start()
+
+    def unwatch(self, room: int) -> None:
+        with self.lock:
+            self.watched.pop(room, None)
+
+    def _watch(self) -> None:
+        while not self.closing.wait(watch_interval_s):
+            with self.lock:
+                receivers = [r for r in self.watched.values()
+                             if self.dones.get(r.room, 0) < len(r.prefills or ())]
+            ranks: dict[tuple[str, str, int], list[int]] = {}
+            for r in receivers:
+                for prefill in r.prefills or []:
+                    key = (r.addr, prefill["name"], prefill["incarnation"])
+                    ranks.setdefault(key, []).append(r.room)
+            for (addr, name, incarnation), rooms in ranks.items():
+                try:
+                    now = self._bootstrap(addr).lookup(name, watch_interval_s)
+                    gone = None if now["incarnation"] == incarnation else "restarted"
+                except Exception as e:  # noqa: BLE001 - its record lapsed, or its bootstrap
+                    gone = f"gone ({e})"
+                if gone is None or self.closing.is_set():
+                    continue
+                why = f"the prefill rank {name} at {addr} is {gone}"
+                logger.error("xfer.sglang: %s: failing rooms %s", why, rooms)
+                with self.lock:
+                    for room in rooms:
+                        self.failures.setdefault(room, f"room {room}: {why}")
+                        self.watched.pop(room, None)
+
+    def close(self) -> None:
+        self.closing.set()
+        for p in self.publications:
+            p.unpublish()
+        self.engine.close()
+
+
+class XferKVSender(BaseKVSender):
+    """Prefill: writes a request's pages into each decode rank's, chunk by chunk."""
+
+    def __init__(self, mgr: XferKVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False, *args: Any, **kwargs: Any):
+        self.mgr, self.addr, self.room = mgr, bootstrap_addr, int(bootstrap_room)
+        self.created = time.monotonic()
+        self.total = 0
+        self.aux_index: int | None = None
+        self.sent = 0
+        self.pending = 0
+        self.bytes = 0
+        self.failure: str | None = None
+        self.finished = False
+        self.transfers: list[xfer.Transfer] = []
+        self.started: float | None = None
+        self.ended: float | None = None
+        with mgr.lock:
+            mgr.senders[self.room] = self
+            if self.room in mgr.aborted:
+                self.failure = f"room {self.room}: aborted by the decode instance"
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        self.total, self.aux_index = int(num_kv_indices), aux_index
+
+    def _destinations(self) -> list[tuple[dict[str, Any], np.ndarray]] | None:
+        """Every decode rank's indices once all that name this rank have arrived."""
+        with self.mgr.lock:
+            got = dict(self.mgr.metadata.get(self.room, {}))
+        if not got:
+            return None
+        decode_tp = int(next(iter(got.values()))[0]["tp"])
+        want = decode_sources(self.mgr.rank, decode_tp, self.mgr.tp, self.mgr.mla)
+        if any(r not in got for r in want):
+            return None
+        return [got[r] for r in want]
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        """The last chunk goes even without pages: it is what ends the transfer."""
+        return num_pages > 0 or last_chunk
+
+    def pop_decode_prefix_len(self) -> int:
+        """Tokens the decode instance already holds: sending starts after them."""
+        dests = self._destinations()
+        return int(dests[0][0].get("prefix") or 0) if dests else 0
+
+    def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: Any = None) -> None:
+        if self.failure is not None:
+            return  # aborted or failed: nothing more is written
+        dests = self._destinations()
+        if dests is None:
+            self._fail(f"room {self.room}: send before the decode instance sent its page indices")
+            return
+        pages = np.asarray(kv_indices, dtype=np.int64)
+        self.started = self.started or time.monotonic()
+        try:
+            for header, dst_pages in dests:
+                if self.sent + len(pages) > len(dst_pages):
+                    raise LayoutError(f"{self.sent + len(pages)} pages sent, decode rank "
+                                      f"{header['rank']} allocated {len(dst_pages)}")
+                self._write(header, pages, dst_pages[self.sent : self.sent + len(pages)])
+            self.sent += len(pages)
+            if self.sent >= self.total:
+                for header, _ in dests:
+                    if header.get("aux") and self.aux_index is not None \
+                            and header.get("aux_index") is not None:
+                        self._write_aux(header)
+                self.finished = True
+                self._maybe_done()
+        except Exception as e:  # noqa: BLE001 - any failure ends this transfer
+            self._fail(f"room {self.room}: {e}")
+
+    def _write(self, header: dict[str, Any], src: np.ndarray, dst: np.ndarray) -> None:
+        """This rank's share of one chunk for one decode rank: the decode rank's read plan,
+        turned around (its "remote" pages are ours)."""
+        peer = self._peer(header)
+        theirs = KvShape(tp=int(header["tp"]), heads=int(header["heads"]),
+                         page_size=self.mgr.shape.page_size, item_len=int(header["item"]),
+                         buffers=self.mgr.shape.buffers, mla=self.mgr.mla)
+        ours = self.mgr.shape
+        mgr = self.mgr
+        for i, region in enumerate(mgr.kv):
+            desc = peer["regions"][f"kv{i}"]
+            plan = read_plan(theirs.layout(desc.nbytes // theirs.item_len),
+                             ours.layout(mgr.args.kv_data_lens[i] // ours.item_len),
+                             int(header["rank"]), theirs.tp, ours.tp,
+                             dst.tolist(), src.tolist(), mla=ours.mla)
+            for w in plan:
+                if w.remote_rank != mgr.rank:
+                    continue
+                self._submit(lambda w=w, region=region, desc=desc: mgr.engine.submit_paged_writes(
+                    w.page_len, region, w.remote_pages, desc, w.local_pages,
+                    src_stride=w.remote_stride, dst_stride=w.local_stride,
+                    src_offset=w.remote_offset, dst_offset=w.local_offset,
+                    on_done=self._one_done))
+                self.bytes += w.page_len * len(w.local_pages)
+
+    def _write_aux(self, header: dict[str, Any]) -> None:
+        peer = self._peer(header)
+        for i, (region, item) in enumerate(zip(self.mgr.aux, self.mgr.args.aux_item_lens)):
+            self._submit(lambda i=i, region=region, item=item: self.mgr.engine.submit_paged_writes(
+                item, region, [self.aux_index], peer["regions"][f"aux{i}"],
+                [int(header["aux_index"])], on_done=self._one_done))
+
+    def _peer(self, header: dict[str, Any]) -> dict[str, Any]:
+        name = header["decode"]
+        with self.mgr.lock:
+            known = self.mgr.peers.get(name)
+        if known is None:
+            known = self.mgr._bootstrap(self.addr).lookup(name, transfer_timeout_s)
+            with self.mgr.lock:
+                self.mgr.peers[name] = known
+        return known
+
+    def _submit(self, post: Any) -> None:
+        with self.mgr.lock:
+            if self.failure is not None:
+                return  # stopped while this chunk was being submitted
+            self.pending += 1
+        try:
+            transfer = post()
+        except Exception:
+            with self.mgr.lock:
+                self.pending -= 1
+            raise
+        with self.mgr.lock:
+            self.transfers.append(transfer)
+            stopped = self.failure is not None
+        if stopped:
+            transfer.cancel()
+
+    def stop(self, why: str) -> None:
+        """A decode rank aborted: fails this transfer and returns once none of its writes is
+        in flight (each cancel waits until no NIC touches the memory)."""
+        with self.mgr.lock:
+            if self.failure is None:
+                self.failure = why
+            transfers = list(self.transfers)
+        for t in transfers:
+            t.cancel()
+
+    def _one_done(self, error: BaseException | None) -> None:
+        if error is not None:
+            self._fail(f"room {self.room}: a write failed: {error}")
+        with self.mgr.lock:
+            self.pending -= 1
+        self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        with self.mgr.lock:
+            ready = self.finished and self.pending == 0 and self.failure is None and self.ended is None
+            if ready:
+                self.ended = time.monotonic()
+        if ready:
+            for header, _ in self._destinations() or []:
+                peer = self._peer(header)
+                self.mgr.engine.submit_send(peer["addr"], _message(_DONE, {"room": self.room}))
+
+    def _fail(self, why: str) -> None:
+        with self.mgr.lock:
+            first = self.failure is None
+            if first:
+                self.failure = why
+        if first:
+            logger.error("xfer.sglang: %s", why)
+            with self.mgr.lock:
+                known = list(self.mgr.metadata.get(self.room, {}).values())
+            for header, _ in known:
+                try:
+                    peer = self._peer(header)
+                    self.mgr.engine.submit_send(peer["addr"], _message(_FAIL, {"room": self.room, "why": why}))
+                except Exception:  # noqa: BLE001 - the receiver times out instead
+                    pass
+
+    def poll(self) -> int:
+        if self.failure is not None:
+            return KVPoll.Failed
+        if self.ended is not None:
+            return KVPoll.Success
+        if self._destinations() is None:
+            if time.monotonic() - self.created > transfer_timeout_s:
+                self._fail(f"room {self.room}: the decode instance never sent its page indices")
+                return KVPoll.Failed
+            return KVPoll.Bootstrapping
+        return KVPoll.Transferring if self.sent else KVPoll.WaitingForInput
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        latency = None if self.started is None or self.ended is None else self.ended - self.started
+        return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=self.bytes)
+
+    def failure_exception(self) -> None:
+        # SGLang's prefill never clears a failed sender: this is its last call.
+        self.clear()
+        raise RuntimeError(f"xfer transfer failed: {self.failure}")
+
+    def abort(self) -> None:
+        for t in self.transfers:
+            t.cancel()
+        self._fail(f"room {self.room}: aborted")
+
+    def clear(self) -> None:
+        with self.mgr.lock:
+            self.mgr.metadata.pop(self.room, None)
+            if self.mgr.senders.get(self.room) is self:
+                del self.mgr.senders[self.room]
+
+
+class XferKVReceiver(BaseKVReceiver):
+    """Decode: sends its page indices to the prefill ranks holding its heads and waits for
+    each one's data."""
+
+    def __init__(self, mgr: XferKVManager, bootstrap_addr: str, bootstrap_room: int | None = None,
+                 *args: Any, **kwargs: Any):
+        self.mgr, self.addr, self.room = mgr, bootstrap_addr, int(bootstrap_room or 0)
+        self.prefills: list[dict[str, Any]] | None = None
+        self.failure: str | None = None
+        self.deadline: float | None = None
+        self.abort_notified = False
+        """The prefill ranks were told this room is given up (SGLang then waits for their
+        answers, ``kv_mgr.is_abort_release_safe``, before it frees the pages)."""
+        self.conclude_state: int | None = None
+        self.require_staging = False
+
+    @property
+    def kv_mgr(self) -> XferKVManager:
+        """The manager, by the name SGLang's decode queues use."""
+        return self.mgr
+
+    @property
+    def bootstrap_infos(self) -> list[dict[str, Any]] | None:
+        """The prefill ranks this room's pages go to (SGLang counts their abort answers)."""
+        return self.prefills
+
+    def init(self, prefill_dp_rank: int = 0, *args: Any, **kwargs: Any) -> None:
+        try:
+            rdv = self.mgr._bootstrap(self.addr)
+            if self.addr not in self.mgr.prefill_info_table and \
+                    not self.mgr.try_ensure_parallel_info(self.addr):
+                raise RuntimeError("its bootstrap did not answer")
+            if self.addr in self.mgr.refusals:
+                raise LayoutError(self.mgr.refusals[self.addr])
+            prefill = self.mgr.prefill_shapes[self.addr]
+            dp = int(prefill_dp_rank or 0)
+            if not 0 <= dp < prefill.dp:
+                raise LayoutError(f"prefill DP rank {dp}: the prefill has {prefill.dp}")
+            targets = prefill_targets(self.mgr.rank, self.mgr.tp, prefill.tp, self.mgr.mla)
+            prefills = [rdv.lookup(_prefill_name(dp, t), transfer_timeout_s) for t in targets]
+            self.record = self.mgr.decode_record(self.addr)
+            self.prefills = prefills
+        except LayoutError as e:
+            self.failure = f"room {self.room}: the prefill at {self.addr} cannot send here: {e}"
+        except Exception as e:  # noqa: BLE001 - reported through poll
+            self.failure = f"room {self.room}: no prefill at {self.addr}: {e}"
+
+    def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: Any = None,
+                      decode_prefix_len: int | None = None, *args: Any, **kwargs: Any) -> None:
+        if self.failure is not None or self.prefills is None:
+            return
+        pages = np.asarray(kv_indices, dtype="<i4").tobytes()
+        shape = self.mgr.shape
+        try:
+            for i, prefill in enumerate(self.prefills):
+                header = {"room": self.room, "decode": self.record, "aux_index": aux_index,
+                          "rank": self.mgr.rank, "tp": shape.tp, "heads": shape.heads,
+                          "item": shape.item_len, "prefix": int(decode_prefix_len or 0),
+                          "aux": i == 0}
+                self.mgr.engine.submit_send(prefill["addr"], _message(_META, header, pages))
+            self.deadline = time.monotonic() + transfer_timeout_s
+            self.mgr.watch(self)
+        except Exception as e:  # noqa: BLE001
+            self.failure = f"room {self.room}: could not reach the prefill instance: {e}"
+
+    def poll(self) -> int:
+        state = self._poll()
+        if state in (KVPoll.Success, KVPoll.Failed):
+            self.conclude_state = state
+        return state
+
+    def _poll(self) -> int:
+        if self.failure is not None:
+            return KVPoll.Failed
+        if self.prefills is None:
+            return KVPoll.Bootstrapping
+        if self.deadline is None:
+            return KVPoll.WaitingForInput
+        with self.mgr.lock:
+            dones = self.mgr.dones.get(self.room, 0)
+            why = self.mgr.failures.get(self.room)
+        if why is not None:
+            self.failure = why
+            return KVPoll.Failed
+        if dones >= len(self.prefills):
+            return KVPoll.Success
+        if time.monotonic() > self.deadline:
+            self.failure = (f"room {self.room}: no data within {transfer_timeout_s} s "
+                            f"({dones} of {len(self.prefills)} prefill ranks done)")
+            return KVPoll.Failed
+        return KVPoll.Transferring
+
+    def failure_exception(self) -> None:
+        self.conclude_state = KVPoll.Failed
+        raise RuntimeError(f"xfer transfer failed: {self.failure}")
+
+    def abort(self) -> None:
+        self.failure = self.failure or f"room {self.room}: aborted"
+        self.conclude_state = KVPoll.Failed
+        self.ensure_abort_notified()
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """Tells each prefill rank this room's pages went to that the room is given up
+        (once); their answers arm ``kv_mgr.is_abort_release_safe``. Before the prefill ranks
+        are known nothing was sent to them: nothing to tell."""
+        if self.abort_notified or self.prefills is None:
+            return
+        self.abort_notified = True
+        with self.mgr.lock:
+            self.mgr.abort_acks[self.room] = set()
+        header = {"room": self.room, "rank": self.mgr.rank, "decode": self.record,
+                  "bootstrap": self.addr}
+        for prefill in self.prefills:
+            try:
+                self.mgr.engine.submit_send(prefill["addr"], _message(_ABORT, header))
+            except Exception as e:  # noqa: BLE001 - SGLang frees at its own deadline
+                logger.warning("xfer.sglang: could not tell a prefill rank that room %d was "
+                               "aborted: %s", self.room, e)
+
+    def is_abort_release_safe(self) -> bool:
+        """Host destinations only (not supported): never reached."""
+        return not self.abort_notified
+
+    def clear(self) -> None:
+        self.mgr.unwatch(self.room)
+        with self.mgr.lock:
+            self.mgr.dones.pop(self.room, None)
+            self.mgr.failures.pop(self.room, None)
+
+
+def register(config: Any = None) -> None:
+    """Makes ``--disaggregation-transfer-backend xfer`` select this backend: adds the choice,
+    the ``TransferBackend`` member and the classes ``get_kv_class`` returns (SGLang has no
+    registry of transfer backends; this is the one call until it has). ``config``: the xfer
+    engine config (else ``$XFER_CONFIG``)."""
+    global _config
+    if config is not None:  # SGLang's plugin loader calls this with none: $XFER_CONFIG then
+        _config = config
+    import sys
+
+    from sglang.srt.arg_groups import choices
+    from sglang.srt.disaggregation import utils
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend
+
+    if NAME not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
+        choices.add_disagg_transfer_backend_choices([NAME])
+    if NAME not in TransferBackend._value2member_map_:
+        member = object.__new__(TransferBackend)
+        member._name_, member._value_ = "XFER", NAME
+        TransferBackend._member_map_["XFER"] = member
+        TransferBackend._value2member_map_[NAME] = member
+        TransferBackend._member_names_.append("XFER")
+    original = utils.get_kv_class
+    if getattr(original, "_xfer", False):
+        return
+    classes = {
+        KVClassType.KVARGS: KVArgs,
+        KVClassType.MANAGER: XferKVManager,
+        KVClassType.SENDER: XferKVSender,
+        KVClassType.RECEIVER: XferKVReceiver,
+        KVClassType.BOOTSTRAP_SERVER: XferKVBootstrapServer,
+    }
+
+    def get_kv_class(transfer_backend: Any, class_type: Any) -> Any:
+        if transfer_backend == TransferBackend._value2member_map_[NAME]:
+            return classes.get(class_type)
+        return original(transfer_backend, class_type)
+
+    get_kv_class._xfer = True  # type: ignore[attr-defined]
+    # Every module that imported the function by name.
+    for name, module in list(sys.modules.items()):
+        if name.startswith("sglang.") and getattr(module, "get_kv_class", None) is original:
+            module.get_kv_class = get_kv_class

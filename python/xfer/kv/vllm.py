@@ -1,0 +1,1188 @@
+"""Why one file: it is the module vLLM loads by path (``kv_connector_module_path``) — the connector,
+its scheduler side and its worker side, whose state (the engine, the peers found, one lock,
+the stats, the blocks kept) pull and push both use. Push is a component the worker owns
+(``vllm_push.PushSide``), given what it uses of the worker as an explicit ``PushContext``;
+what both halves pass around (``Load``, ``Peer``) is in ``vllm_records``, the page arithmetic
+and message framing in ``pages``.
+
+xfer as a vLLM KV connector (vLLM's V1 connector API), for disaggregated prefill/decode.
+
+Select it without patching vLLM::
+
+    --kv-transfer-config '{"kv_connector": "XferConnector", "kv_connector_module_path": "xfer.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"rendezvous": "xfer://10.0.0.5:7300",
+                                                         "xfer_config": "/etc/xfer/verbs.toml"}}'
+
+**Caches** are what vLLM 0.33 allocates: one buffer per KV cache tensor, one strided view per
+layer, ``[num_blocks, kv_heads, block_size, head_size_k + head_size_v]`` (K and V packed) in
+the stride order the attention backend resolved (NHD or HND; MLA's latent; fp8 as bytes).
+Each distinct buffer is registered once; each layer's view of it is published. The connector
+asks for HND (``get_required_kvcache_layout``): a head slice of a block is then one run.
+
+**Pull.** The prefill instance finishes a request (its proxy asked for ``do_remote_decode``;
+a request that stopped at its first token is handed off too) and keeps its blocks;
+``request_finished`` hands back the parameters a decode instance needs. The decode instance,
+given them, reads the blocks with RDMA READ — per layer, one paged read per contiguous run of
+a block (``pages.block_runs``), offsets computed from block ids — off vLLM's model-runner
+thread, and then tells the prefill instance by request id, which frees them and answers
+whether it still held them: the load counts only then. A prefill whose reader never comes
+frees them after ``free_timeout_s`` (a lease); a reader that comes later gets a load error,
+never another request's KV.
+
+**Peers** are found through xfer's rendezvous (``extra_config["rendezvous"]``, an ``xfer://``
+or ``etcd://`` URL), or through each instance's own side channel (``extra_config
+["side_channel"] = "host:port"``: the instance's scheduler process serves its records there and
+every request's parameters carry the URL, so no shared service is needed). One of the two is
+required, so nothing defaults silently to localhost across machines:
+each worker publishes ``vllm.<engine_id>.<tp_rank>`` with its engine's address and one region per
+layer, the region's name carrying a tag of the layer's name and its view of the buffer. vLLM
+gives each data-parallel engine its own engine id (``_dp<rank>``); its side channel is served
+at the configured port plus the DP index. Pipeline parallelism is refused at start.
+
+**Failures** — a peer that is gone, a refused read, a timeout (xfer's ``timeouts.transfer_ms``),
+a layout that does not match — end the load with the request's blocks reported by
+``get_block_ids_with_load_errors`` and the request reported as finished (and failed) receiving,
+so vLLM recomputes or fails it by its policy; never a hang.
+
+**Tensor parallelism** may differ between the instances (one size dividing the other): a decode
+rank with fewer KV heads per rank reads its head slice of one prefill rank, one with more reads
+each prefill rank holding some of its heads into place; with more ranks than KV heads, each
+rank reads from one replica. MLA's latent cache, the same on every rank, is read whole from one
+rank. Every decode rank tells every prefill rank when it is done; a prefill rank frees the
+blocks once all have.
+
+**Push** (``kv_transfer_params["xfer_push"]``, chosen per request by the proxy, which then
+asks the decode instance first): the decode instance allocates the request's blocks and sends
+their ids to the prefill ranks it expects data from; the prefill instance writes each layer's
+blocks as soon as the layer is computed (``save_kv_layer``; for GPU tensors once the step's
+stream is synchronised, in ``wait_for_save``), and after the writes completed tells each
+decode rank; a decode rank completes when every prefill rank it expects said so. At ``push_timeout_s`` it
+tells the ranks still owing data to stop and reports the request's blocks as load errors once
+each answered that nothing of theirs is in flight (vLLM then reuses the blocks). Ids that arrive after the prefill
+computed the request are pushed at once; a prefill request aborted or never scheduled fails
+its decoder's load instead of letting it wait. The decode side then frees the prefill's
+blocks as in pull mode. Proxy parameters — to the decode instance:
+``{"do_remote_prefill": true, "xfer_push": true, "remote_engine_id": <prefill engine>,
+"remote_request_id": <the prefill's request id>, "remote_tp_size": <its TP>}``; to the prefill
+instance: ``{"do_remote_decode": true, "xfer_push": true}``.
+
+**Hybrid models** (``SupportsHMA``): block ids travel per KV cache group; a sliding-window
+group moves only the blocks its window still reaches (see ``_Groups``); push takes one group only.
+
+**Sleep mode**: ``unregister_kv_caches`` withdraws the record and deregisters the buffers,
+``restore_kv_caches`` registers and publishes them anew.
+
+**Metrics**: ``get_kv_connector_stats`` per worker (vLLM sums and logs them) and Prometheus
+``vllm:xfer_*`` counters and a load-time histogram through ``build_prom_metrics``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import re
+import threading
+import zlib
+import time
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+import xfer
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from .vllm_push import _CANCEL, _PUSHED, _WANT, MAX_MESSAGE, PushContext, PushSide
+from .vllm_records import Load, Peer
+from .pages import (
+    LayerView,
+    LayoutError,
+    block_runs,
+    clip_to_windows,
+    matched_blocks,
+    pack_message,
+    parse_view,
+    unpack_message,
+    view_of,
+)
+
+logger = logging.getLogger("xfer.vllm")
+
+PROTOCOL = 3
+"""Changes when two versions of this connector can no longer work together (2: vLLM 0.33's
+layer views, a read confirmed by the prefill before it counts; 3: block ids per KV cache
+group)."""
+
+_DONE = b"xfer-vllm-done:"
+"""Prefix of the message a reader sends once it read a request's blocks (or gave up)."""
+_HELD = b"xfer-vllm-held:"
+"""A prefill rank's answer to a reader's done: whether it still held the request's blocks
+(so every read of them saw the request's KV) or had freed them at their lease."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """``kv_connector_extra_config``."""
+
+    rendezvous: str | None
+    """URL of the rendezvous both instances use (``xfer://host:port`` or ``etcd://…``)."""
+    xfer_config: Any
+    """The xfer engine's config: a path, a dict, or ``None`` for ``$XFER_CONFIG``."""
+    free_timeout_s: float = 120.0
+    """How long a prefill instance keeps a finished request's blocks for its reader."""
+    lookup_timeout_s: float = 30.0
+    """How long a reader waits for its peer to appear in the rendezvous."""
+    publish_ttl_s: float = 10.0
+    tp_rank: int | None = None
+    """This worker's tensor-parallel rank (default: vLLM's, or 0 outside a TP group)."""
+    tp_size: int | None = None
+    """This instance's tensor-parallel size (default: vLLM's ``tensor_parallel_size``)."""
+    push_timeout_s: float = 60.0
+    """Push: how long a decode rank waits for its prefill ranks' data."""
+    side_channel: str | None = None
+    """``host:port`` this instance serves its workers' records at (its scheduler process runs
+    the rendezvous service there): peers learn it from the request's parameters, so no shared
+    service is needed. ``host`` is what peers dial — never a default."""
+
+    @staticmethod
+    def parse(extra: dict[str, Any] | None) -> Options:
+        extra = dict(extra or {})
+        known = {f.name for f in dataclasses.fields(Options)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"XferConnector: unknown kv_connector_extra_config keys {unknown} (known: {sorted(known)})"
+            )
+        if not extra.get("rendezvous") and not extra.get("side_channel"):
+            raise ValueError(
+                "XferConnector needs kv_connector_extra_config['rendezvous'] (xfer://host:port or "
+                "etcd://host:port/prefix), where the instances find each other, or "
+                "['side_channel'] (host:port this instance serves its records at, which peers "
+                "learn from each request's parameters)"
+            )
+        side = extra.get("side_channel")
+        if side is not None:
+            host, _, port = str(side).rpartition(":")
+            if not host or not port.isdigit() or host in ("0.0.0.0", "::", "[::]"):
+                raise ValueError(
+                    f"XferConnector: side_channel {side!r} must be host:port with the host peers "
+                    "dial (not a wildcard address)"
+                )
+        extra.setdefault("rendezvous", None)
+        extra.setdefault("xfer_config", None)
+        if extra["xfer_config"] is None and not os.environ.get("XFER_CONFIG"):
+            # The engine would otherwise open its default (the mock): a production pair that
+            # "works" without moving a byte across machines.
+            raise ValueError(
+                "XferConnector needs an engine config: kv_connector_extra_config['xfer_config'] "
+                "(a TOML path or a dict) or $XFER_CONFIG"
+            )
+        return Options(**extra)
+
+    def of_dp_engine(self, index: int) -> Options:
+        """The options of data-parallel engine ``index``: vLLM starts one engine (one
+        scheduler process) per DP rank from one config, so each serves its side channel on
+        the port after the previous one's (as NixlConnector offsets its own)."""
+        if not self.side_channel or not index:
+            return self
+        host, _, port = self.side_channel.rpartition(":")
+        return dataclasses.replace(self, side_channel=f"{host}:{int(port) + index}")
+
+
+class XferConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler side tells the workers each step."""
+
+    def __init__(self) -> None:
+        self.loads: dict[str, Load] = {}
+        """Decode: requests to read now."""
+        self.notify_only: dict[str, Load] = {}
+        """Decode: requests whose prefix was all here already; only free them at the peer."""
+        self.sends: dict[str, float] = {}
+        """Prefill: finished requests whose blocks wait for their reader, with the seconds
+        they may wait."""
+        self.awaits: dict[str, Load] = {}
+        """Decode, push: requests whose blocks the prefill instance writes (ids to send)."""
+        self.push_now: dict[str, list[int]] = {}
+        """Prefill, push: requests computed in this step, with their blocks."""
+        self.push_finish: dict[str, list[int]] = {}
+        """Prefill, push: requests computed to the end, with all their blocks."""
+        self.push_abort: set[str] = set()
+        """Prefill, push: requests aborted (their decoders are told)."""
+        self.refused: dict[str, tuple[Load, str]] = {}
+        """Decode: requests refused before any transfer (another model), with why."""
+
+
+_COUNTERS = ("loads", "load_failures", "blocks_loaded", "freed_after_read", "freed_at_lease")
+
+
+@dataclasses.dataclass
+class XferConnectorStats(KVConnectorStats):
+    """What a worker did in one interval, summed over workers (vLLM aggregates them): loads
+    and their failures, blocks loaded, requests freed after their reader or at their lease,
+    and each load's seconds."""
+
+    def __post_init__(self) -> None:
+        for key in _COUNTERS:
+            self.data.setdefault(key, 0)
+        self.data.setdefault("load_seconds", [])
+
+    def reset(self) -> None:
+        self.data = {}
+        self.__post_init__()
+
+    def aggregate(self, other: KVConnectorStats) -> XferConnectorStats:
+        for key in _COUNTERS:
+            self.data[key] += other.data.get(key, 0)
+        self.data["load_seconds"] = self.data["load_seconds"] + list(other.data.get("load_seconds", []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {key: self.data[key] for key in _COUNTERS}
+        seconds = sorted(self.data["load_seconds"])
+        if seconds:
+            out["load_ms_avg"] = 1e3 * sum(seconds) / len(seconds)
+            out["load_ms_p50"] = 1e3 * seconds[len(seconds) // 2]
+            out["load_ms_max"] = 1e3 * seconds[-1]
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data[key] for key in _COUNTERS)
+
+
+class XferPromMetrics(KVConnectorPromMetrics):
+    """The connector's Prometheus metrics, through vLLM's own (``build_prom_metrics``): the
+    counters of :class:`XferConnectorStats` as ``vllm:xfer_*`` counters and each load's time
+    as a histogram, per engine label."""
+
+    _BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        self._counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(name=f"vllm:xfer_{key}",
+                                  documentation=f"xfer KV connector: {key.replace('_', ' ')}",
+                                  labelnames=labelnames),
+                per_engine_labelvalues)
+            for key in _COUNTERS
+        }
+        self._load_time = create_metric_per_engine(
+            self._histogram_cls(name="vllm:xfer_load_time_seconds",
+                                documentation="xfer KV connector: seconds from a load's start "
+                                "to its last byte (pulled or pushed)",
+                                buckets=list(self._BUCKETS), labelnames=labelnames),
+            per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, counter in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value:
+                counter[engine_idx].inc(value)
+        for seconds in transfer_stats_data.get("load_seconds", []):
+            self._load_time[engine_idx].observe(seconds)
+
+
+class XferConnector(KVConnectorBase_V1, SupportsHMA):
+    """See the module docs."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        parallel = getattr(vllm_config, "parallel_config", None)
+        stages = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+        if stages > 1:
+            raise NotImplementedError(
+                f"XferConnector does not support pipeline parallelism (pipeline_parallel_size="
+                f"{stages}): its records and reads assume every layer on each TP rank")
+        self._options = Options.parse(self._kv_transfer_config.kv_connector_extra_config) \
+            .of_dp_engine(int(getattr(parallel, "data_parallel_index", 0) or 0))
+        self._engine_id = str(self._kv_transfer_config.engine_id)
+        model = getattr(vllm_config, "model_config", None)
+        self._mla = bool(getattr(model, "use_mla", False))
+        # What a peer must be serving too: moving one model's KV into another's cache would
+        # pass every layout check (same shapes) and be wrong.
+        self._model = str(getattr(model, "model", "") or "")
+        tp_size = self._options.tp_size or int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        groups = _Groups(kv_cache_config)
+        self._side_channel: xfer.Server | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if self._options.side_channel:
+                # One service per instance, in its scheduler process; its workers publish there.
+                self._side_channel = xfer.Server(
+                    self._options.side_channel, secret_file=os.environ.get("XFER_SECRET_FILE"))
+                logger.info("XferConnector: serving this instance's records at %s",
+                            self._side_channel.url)
+            self._scheduler: _Scheduler | None = _Scheduler(
+                self._engine_id, self._options, tp_size, self._model, groups)
+            self._worker: _Worker | None = None
+        else:
+            self._scheduler = None
+            self._worker = _Worker(self._engine_id, self._options, self._mla, tp_size, self._model,
+                                   _total_kv_heads(model), groups, _target_layers(model))
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """Heads outside tokens in each block (vLLM's LBHNC, "HND"): a decode rank at another
+        tensor-parallel size then reads one head slice of a block as one run, where tokens
+        outside heads would take one run per token. MLA's latent has one head: no preference.
+        vLLM keeps its own choice (with a warning) where the attention backend cannot."""
+        model = getattr(vllm_config, "model_config", None)
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        return "LBHNC"
+
+    # ---- scheduler side ----
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.allocated(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.take_metadata()
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's path with its hybrid allocator off: one KV cache group."""
+        assert self._scheduler is not None
+        return self._scheduler.finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: vLLM keeps its hybrid allocator on (sliding-window layers hold
+        only their window's blocks) and hands every group's blocks."""
+        assert self._scheduler is not None
+        return self._scheduler.finished(request, block_ids)
+
+    # ---- worker side ----
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        """Sleep mode (vLLM drained the transfers first)."""
+        if self._worker is not None:
+            self._worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.restore()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, XferConnectorMetadata)
+        self._worker.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads (pulled or pushed) finish between steps (the request waits for its blocks):
+        # nothing to wait for inside a forward pass.
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        # Pull: the reader comes for the blocks. Push: this layer goes to the decoders now.
+        assert self._worker is not None
+        self._worker.push.layer_computed(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.push.step_computed()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        return self._worker.results()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._side_channel is not None:
+            self._side_channel.close()
+            self._side_channel = None
+
+    def get_kv_connector_stats(self) -> XferConnectorStats | None:
+        """This worker's counters since the last call (vLLM sums the workers')."""
+        if self._worker is None:
+            return None
+        return self._worker.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> XferConnectorStats:
+        return XferConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> XferPromMetrics:
+        return XferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+class _Groups:
+    """The KV cache groups a request's blocks come in, as vLLM's ``KVCacheConfig`` says: one
+    per kind of layer when its hybrid allocator is on (full attention, each sliding window),
+    else one. A sliding-window group moves only the blocks its window still reaches; state
+    groups (Mamba) are refused at start, named."""
+
+    def __init__(self, kv_cache_config: Any) -> None:
+        self._config = kv_cache_config
+        self.windows: list[int] = [0]
+        """Per group this connector moves: the blocks kept at the tail (0: all of them)."""
+        self.of_layer: dict[str, int] = {}
+        """Layer name → its group's index (empty: one group holding every layer)."""
+        if kv_cache_config is None:
+            return
+        from vllm.v1.kv_cache_interface import AttentionSpec, SlidingWindowSpec
+
+        self.windows = []
+        for group in kv_cache_config.transfer_groups:
+            spec = group.kv_cache_spec
+            if not isinstance(spec, AttentionSpec):
+                raise NotImplementedError(
+                    f"XferConnector moves attention KV caches only: layers "
+                    f"{list(group.layer_names)[:3]} hold {type(spec).__name__} state")
+            if isinstance(spec, SlidingWindowSpec):
+                # The tokens below a request's next position that stay readable, and the
+                # block that next position is in.
+                self.windows.append(-(-spec.num_retained_tokens // spec.block_size) + 1)
+            else:
+                self.windows.append(0)
+        self.of_layer = dict(kv_cache_config.transfer_group_index_by_layer)
+
+    def moved(self, block_ids: Any) -> list[list[int]]:
+        """A request's block ids (vLLM's tuple, one list per KV cache group) cut to the groups
+        and blocks this connector moves."""
+        if self._config is not None:
+            block_ids = self._config.select_transfer_block_ids(block_ids)
+        return clip_to_windows(block_ids, self.windows)
+
+    def group(self, layer: str) -> int | None:
+        """The index of ``layer``'s group; None for a layer vLLM does not transfer."""
+        if not self.of_layer:
+            return 0
+        return self.of_layer.get(layer)
+
+
+class _Scheduler:
+    """The scheduler side: which requests to read, which to keep for a reader."""
+
+    def __init__(self, engine_id: str, options: Options, tp_size: int, model: str,
+                 groups: _Groups) -> None:
+        self._engine_id = engine_id
+        self._options = options
+        self._tp_size = tp_size
+        self._model = model
+        self._groups = groups
+        self._meta = XferConnectorMetadata()
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill"):
+            return 0, False
+        # Every prompt token the prefill instance computed, beyond what is here already.
+        missing = len(request.prompt_token_ids) - num_computed_tokens
+        return (missing, True) if missing > 0 else (0, False)
+
+    def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode") and params.get("xfer_push"):
+            moved = self._groups.moved(blocks.get_block_ids())
+            if len(moved) != 1:
+                # Its decoder refuses it too (the same model has the same groups).
+                logger.error("XferConnector: request %s: push with %d KV cache groups (a hybrid "
+                             "model) is not supported; use pull", request.request_id, len(moved))
+                self._meta.push_abort.add(request.request_id)
+                return
+            self._meta.push_now[request.request_id] = moved[0]
+            return
+        if not params.get("do_remote_prefill"):
+            return
+        load = Load(
+            local_block_ids=[],
+            remote_engine_id=str(params["remote_engine_id"]),
+            remote_block_ids=[list(ids) for ids in params.get("remote_block_ids", [])],
+            remote_request_id=str(params["remote_request_id"]),
+            remote_tp_size=int(params.get("remote_tp_size", 1)),
+            remote_rendezvous=params.get("remote_rendezvous"),
+        )
+        theirs = str(params.get("remote_model") or "")
+        if num_external_tokens > 0:
+            # The blocks allocated for what the prefill computed (the prefix cache's come
+            # first and are hashed), per group, nothing the window left behind.
+            load.local_block_ids = self._groups.moved(blocks.get_unhashed_block_ids_all_groups())
+        if num_external_tokens > 0 and theirs and self._model and theirs != self._model:
+            self._meta.refused[request.request_id] = (load, (
+                f"the prefill instance serves model {theirs!r}, this one {self._model!r}"))
+        elif (num_external_tokens > 0 and not params.get("xfer_push")
+              and len(load.local_block_ids) != len(load.remote_block_ids)):
+            self._meta.refused[request.request_id] = (load, (
+                f"the prefill instance sent block ids for {len(load.remote_block_ids)} KV cache "
+                f"groups, this instance has {len(load.local_block_ids)} (vLLM's hybrid allocator "
+                f"on one side only?)"))
+        elif params.get("xfer_push") and num_external_tokens > 0:
+            if len(load.local_block_ids) != 1:
+                self._meta.refused[request.request_id] = (load, (
+                    f"push with {len(load.local_block_ids)} KV cache groups (a hybrid model) is "
+                    f"not supported; use pull"))
+            else:
+                # The prefill instance writes them; this side sends it the block ids.
+                self._meta.awaits[request.request_id] = load
+        elif num_external_tokens > 0:
+            self._meta.loads[request.request_id] = load
+        else:
+            # Everything was here: the prefill instance only needs to free its blocks.
+            self._meta.notify_only[request.request_id] = load
+        # Once: a second allocation for this request (after the load) loads nothing.
+        params["do_remote_prefill"] = False
+
+    def take_metadata(self) -> XferConnectorMetadata:
+        meta, self._meta = self._meta, XferConnectorMetadata()
+        return meta
+
+    def finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: one list per KV cache group (vLLM's tuple)."""
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_decode"):
+            return False, None
+        block_ids = self._groups.moved(block_ids)
+        from vllm.v1.request import RequestStatus
+
+        push = bool(params.get("xfer_push"))
+        # A prompt whose first token was a stop token finishes STOPPED: its KV is as whole
+        # as a length-capped one's.
+        handed_off = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if request.status not in handed_off or not any(block_ids):
+            # Aborted (or nothing computed): no reader will come; a waiting decoder is told.
+            if push:
+                self._meta.push_abort.add(request.request_id)
+            return False, None
+        self._meta.sends[request.request_id] = self._options.free_timeout_s
+        if push:
+            # The decoder already has what it needs; the blocks stay until it says it is done
+            # (push has one group: `allocated` refused the others).
+            self._meta.push_finish[request.request_id] = block_ids[0]
+            return True, None
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self._engine_id,
+            "remote_block_ids": block_ids,
+            "remote_request_id": request.request_id,
+            "remote_tp_size": self._tp_size,
+            "remote_rendezvous": _own_rendezvous(self._options),
+            "remote_model": self._model,
+            "xfer_protocol": PROTOCOL,
+        }
+
+
+@dataclasses.dataclass
+class _Confirm:
+    """Decode: a request read whole, waiting for the prefill ranks it read from to say they
+    held its blocks throughout."""
+
+    req_id: str
+    load: Load
+    ranks: set[int]
+    deadline: float
+    error: BaseException | None = None
+
+
+class _Worker:
+    """The worker side: the engine, its registered caches, loads in flight, blocks kept."""
+
+    def __init__(self, engine_id: str, options: Options, mla: bool, tp_size: int,
+                 model: str = "", total_heads: int | None = None,
+                 groups: _Groups | None = None, target_layers: int | None = None) -> None:
+        self._engine_id = engine_id
+        self._target_layers = target_layers
+        """The model's own layer count: layers numbered past it are a drafter's."""
+        self._groups = groups or _Groups(None)
+        self._options = options
+        self._mla = mla
+        self._model = model
+        self._tp_size = tp_size
+        self._rank = options.tp_rank if options.tp_rank is not None else _tp_rank()
+        self._engine = xfer.TransferEngine(options.xfer_config)
+        self._own_url = _own_rendezvous(options)
+        self._rendezvous = xfer.Rendezvous(self._own_url)
+        self._services: dict[str, xfer.Rendezvous] = {self._own_url: self._rendezvous}
+        """Rendezvous clients by URL: the shared one, or peers' side channels."""
+        self._layers: dict[str, tuple[xfer.MemoryRegion, LayerView]] = {}
+        """Each layer's region (its buffer's, shared by the layers in it) and view (the layers
+        vLLM transfers: those of its transfer groups)."""
+        self._buffers: dict[tuple[str, int], xfer.MemoryRegion] = {}
+        """One registration per buffer the layers' views share, by (device, address)."""
+        self._total_heads = total_heads
+        self._warned_drafts: set[str] = set()
+        """Prefill engines already named for lacking this side's draft layers."""
+        self._confirming: dict[tuple[str, str], _Confirm] = {}
+        """Decode: (prefill engine, its request id) → a read waiting for its prefill ranks to
+        say they held the blocks throughout."""
+        self._expired: dict[str, float] = {}
+        """Prefill: requests freed at their lease (when), so a late reader is told."""
+        self._publication: xfer.Publication | None = None
+        self._peers: dict[tuple[str, int], Peer] = {}
+        self._lock = threading.Lock()
+        self._recved: set[str] = set()
+        self._failed_recv: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._keeping: dict[str, float] = {}
+        """Prefill: request → monotonic deadline for its reader."""
+        self._read_done: dict[str, float] = {}
+        """Prefill: requests every reader finished, when the last said so (it may come first)."""
+        self._readers: dict[str, set[int]] = {}
+        self._stats = XferConnectorStats()
+        self._load_started: dict[str, float] = {}
+        self._kv_caches: dict[str, Any] = {}
+        """The layer views registered, kept for a wake-up from sleep mode."""
+        self._telling: set[concurrent.futures.Future[Any]] = set()
+        """Done messages to prefill ranks not sent yet (``_tell_done_soon``)."""
+        self._lookups = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="xfer-vllm-lookup")
+        """Push: decoders' records are looked up here, never on the engine's callback thread
+        (a lookup may wait up to ``lookup_timeout_s``; other transfers' callbacks must not)."""
+        self.push = PushSide(PushContext(
+            engine=self._engine, engine_id=engine_id, rank=self._rank, tp_size=tp_size,
+            model=model, rendezvous_url=self._own_url, push_timeout_s=options.push_timeout_s,
+            forget_after_s=options.free_timeout_s,
+            # A callable: sleep mode replaces the dict.
+            layers=lambda: self._layers, peer=self._peer, shared_layers=self._shared_layers,
+            is_draft_layer=self.is_draft_layer, in_background=self._in_background,
+            tell_done_soon=self._tell_done_soon, finish_load=self._finish_load, logger=logger))
+        """Push mode: its own state, and what it uses of this worker."""
+        # Block-id messages carry 4 bytes per block: 64 KiB buffers hold ~16k blocks.
+        self._engine.submit_recvs(MAX_MESSAGE, 64, self._on_message)
+
+    # ---- registration ----
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        """Registers the buffers behind vLLM's layer views (once each: vLLM 0.33 places every
+        layer of a cache tensor in one allocation) and publishes each layer's view of its
+        buffer."""
+        regions: dict[str, xfer.MrDesc] = {}
+        self._kv_caches = dict(kv_caches)
+        for name, tensor in kv_caches.items():
+            if self._groups.group(name) is None:
+                continue  # a group vLLM does not transfer (it says which in its config)
+            if tensor.dim() != 4:
+                raise LayoutError(
+                    f"layer {name}: a KV cache of shape {tuple(tensor.shape)} is not a "
+                    "[num_blocks, heads, tokens, content] view (state caches such as Mamba's "
+                    "are not supported by XferConnector)")
+            storage = tensor.untyped_storage()
+            key = (str(tensor.device), storage.data_ptr())
+            region = self._buffers.get(key)
+            if region is None:
+                import torch
+
+                whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+                region = self._engine.reg_mr(whole, access="read_write")
+                self._buffers[key] = region
+            heads = self._total_heads or int(tensor.shape[1]) * self._tp_size
+            view = view_of(tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size(),
+                           str(tensor.dtype), tensor.storage_offset() * tensor.element_size(),
+                           1 if self._mla else heads)
+            self._layers[name] = (region, view)
+            regions[_region_name(name, view, self.is_draft_layer(name))] = region.desc
+        self._publication = self._rendezvous.publish(
+            _record_name(self._engine_id, self._rank),
+            self._engine.main_address,
+            regions,
+            ttl=self._options.publish_ttl_s,
+        )
+
+    def unregister(self) -> None:
+        """Sleep mode, before vLLM unmaps the KV memory: the record is withdrawn and every
+        buffer deregistered, so no peer's read or write reaches memory that is about to
+        change (a peer's load fails, named, and it looks this worker up afresh later).
+        Idempotent."""
+        if self._publication is not None:
+            self._publication.unpublish()
+            self._publication = None
+        buffers, self._buffers = list(self._buffers.values()), {}
+        self._layers = {}
+        for region in buffers:
+            region.dereg()
+
+    def restore(self) -> None:
+        """Wake-up, the KV memory mapped again: the same views registered and published anew
+        (new keys). Idempotent."""
+        if self._kv_caches and not self._layers:
+            self.register(self._kv_caches)
+
+    # ---- decode: reads ----
+
+    def start(self, meta: XferConnectorMetadata) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for req_id, seconds in meta.sends.items():
+                self._keeping[req_id] = now + seconds
+        self.push.step_started(meta.push_now, now)
+        for req_id, blocks in meta.push_finish.items():
+            self.push.request_finished(req_id, blocks, now)
+        for req_id in meta.push_abort:
+            self.push.request_aborted(req_id, "the request was aborted at the prefill instance")
+        for req_id, (load, why) in meta.refused.items():
+            with self._lock:
+                self._load_started[req_id] = time.monotonic()
+            self._tell_done_soon(load)
+            self._finish_load(req_id, load, LayoutError(why))
+        for req_id, load in meta.awaits.items():
+            self._start_load(req_id, load, self._await_push, "announcing")
+        for req_id, load in meta.notify_only.items():
+            self._tell_done_soon(load)
+        for req_id, load in meta.loads.items():
+            self._start_load(req_id, load, self._load, "loading")
+
+    def _await_push(self, req_id: str, load: Load) -> None:
+        """Push, decode side: this rank's block ids sent, its deadline from now."""
+        self.push.await_push(req_id, load, time.monotonic())
+
+    def _in_background(self, work: Any, *args: Any) -> concurrent.futures.Future[Any] | None:
+        """Runs ``work`` on the lookup threads: a rendezvous lookup may wait up to
+        ``lookup_timeout_s``, and neither vLLM's model-runner thread (``start_load_kv``) nor
+        the engine's callback thread may wait on the network."""
+        try:
+            return self._lookups.submit(work, *args)
+        except RuntimeError:
+            return None  # closing
+
+    def _tell_done_soon(self, load: Load) -> None:
+        """``_tell_done`` in the background, remembered until sent: ``close`` lets the ones
+        still going out finish (a decode instance shut down right after its last load would
+        otherwise leave the prefill holding the blocks until its lease)."""
+        future = self._in_background(self._tell_done, load)
+        if future is None:
+            return
+        with self._lock:
+            self._telling.add(future)
+
+        def sent(f: concurrent.futures.Future[Any]) -> None:
+            with self._lock:
+                self._telling.discard(f)
+        future.add_done_callback(sent)
+
+    def _start_load(self, req_id: str, load: Load, start: Any, what: str) -> None:
+        """Starts a pulled or pushed load off this thread; any failure to start is this
+        request's load error."""
+        with self._lock:
+            self._load_started[req_id] = time.monotonic()
+
+        def run() -> None:
+            try:
+                start(req_id, load)
+            except Exception as e:  # noqa: BLE001 - any failure is this request's load error
+                logger.error("XferConnector: %s request %s failed: %s", what, req_id, e)
+                self._finish_load(req_id, load, e)
+                self._tell_done(load)
+
+        try:
+            self._lookups.submit(run)
+        except RuntimeError as e:  # closing
+            self._finish_load(req_id, load, e)
+
+    def _load(self, req_id: str, load: Load) -> None:
+        # Per group: the blocks to fill here and the prefill's to read them from.
+        matched = [matched_blocks(ours, theirs)
+                   for ours, theirs in zip(load.local_block_ids, load.remote_block_ids)]
+        # Every prefill rank is told when this rank is done: look them all up first.
+        for rank in range(load.remote_tp_size):
+            self._peer(load.remote_engine_id, rank, load.remote_rendezvous)
+        # Every check before the first read: a refused load posts nothing.
+        plan = []
+        for name in self._shared_layers(load):
+            region, view = self._layers[name]
+            local_ids, remote_ids = matched[self._groups.group(name) or 0]
+            if not local_ids:
+                continue  # this group's blocks were all here (or outside its window)
+            for desc, remote_view, run in self._runs(load, name, view):
+                plan.append((region, view, desc, remote_view, run, local_ids, remote_ids))
+        ranks = {p[4].remote_rank for p in plan}
+        if not plan:  # nothing to read: only the prefill's blocks to free
+            self._tell_done_soon(load)
+            self._finish_load(req_id, load, None)
+            return
+        pending = {"left": len(plan), "error": None}
+
+        def one_done(error: BaseException | None) -> None:
+            with self._lock:
+                if error is not None and pending["error"] is None:
+                    pending["error"] = error
+                pending["left"] -= 1
+                last = pending["left"] == 0
+            if not last:
+                return
+            if pending["error"] is not None:
+                self._forget(load.remote_engine_id)
+                self._tell_done_soon(load)
+                self._finish_load(req_id, load, pending["error"])
+            else:
+                self._confirm(req_id, load, ranks)
+
+        for region, view, desc, remote_view, run, local_ids, remote_ids in plan:
+            try:
+                self._engine.submit_paged_reads(
+                    run.length, region, local_ids, desc, remote_ids,
+                    local_stride=view.strides[0], remote_stride=remote_view.strides[0],
+                    local_offset=view.offset + run.local,
+                    remote_offset=remote_view.offset + run.remote,
+                    on_done=one_done,
+                )
+            except Exception as e:  # noqa: BLE001 - refused at submit: counted like a failure
+                one_done(e)
+
+    def _runs(self, load: Load, name: str, view: LayerView) -> list[tuple[xfer.MrDesc, LayerView, Any]]:
+        """One layer's runs, each with the peer rank's descriptor and view (checked first)."""
+        planned = []
+        for run in block_runs(view, self._remote_view(load, 0, name), self._rank,
+                              self._tp_size, load.remote_tp_size):
+            peer = self._peer(load.remote_engine_id, run.remote_rank, load.remote_rendezvous)
+            if name not in peer.layers:
+                raise LayoutError(
+                    f"peer {load.remote_engine_id} rank {run.remote_rank} has no layer {name} "
+                    f"({len(peer.layers)} layers there, {len(self._layers)} here)"
+                )
+            desc, remote_view = peer.layers[name]
+            block_runs(view, remote_view, self._rank, self._tp_size, load.remote_tp_size)
+            planned.append((desc, remote_view, run))
+        return planned
+
+    def _remote_view(self, load: Load, rank: int, name: str) -> LayerView:
+        return self._peer(load.remote_engine_id, rank, load.remote_rendezvous).layers[name][1]
+
+    def _shared_layers(self, load: Load) -> list[str]:
+        """The layers both instances hold, which are moved. A speculative decoder's draft
+        layers (EAGLE, MTP) may be on one side only: a prefill without them leaves this
+        side's to its drafter (which proposes worse, never wrong: the model verifies), one
+        with them has them unread. Any other layer on one side only is a load error."""
+        peer = self._peer(load.remote_engine_id, 0, load.remote_rendezvous)
+        only_here = [n for n in self._layers if n not in peer.layers]
+        only_there = [n for n in peer.layers if n not in self._layers]
+        target = ([n for n in only_here if not self.is_draft_layer(n)]
+                  + [n for n in only_there if n not in peer.drafts])
+        if target:
+            raise LayoutError(
+                f"peer {load.remote_engine_id} has other layers ({len(peer.layers)} there, "
+                f"{len(self._layers)} here; {len(target)} of them not a drafter's, such as "
+                f"{target[0]})")
+        if only_here and load.remote_engine_id not in self._warned_drafts:
+            self._warned_drafts.add(load.remote_engine_id)
+            logger.warning("XferConnector: prefill %s has no draft layers (%d here, such as %s): "
+                           "the drafter starts without the prompt's KV", load.remote_engine_id,
+                           len(only_here), only_here[0])
+        return [n for n in self._layers if n in peer.layers]
+
+    def is_draft_layer(self, name: str) -> bool:
+        """Whether ``name`` is a speculative drafter's layer, as vLLM names them: under
+        ``draft_model.``, or numbered past the model's own layers (EAGLE, MTP)."""
+        if name.startswith("draft_model."):
+            return True
+        number = re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", name)
+        return (number is not None and self._target_layers is not None
+                and int(number[1]) >= self._target_layers)
+
+    def _confirm(self, req_id: str, load: Load, ranks: set[int]) -> None:
+        """Every read finished: the load counts once each prefill rank read from says it
+        still held the blocks (a rank that freed them at its lease may have reused them while
+        they were read — that is a load error, never wrong KV)."""
+        with self._lock:
+            self._confirming[(load.remote_engine_id, load.remote_request_id)] = _Confirm(
+                req_id, load, set(ranks),
+                time.monotonic() + max(1.0, self._options.lookup_timeout_s))
+        self._tell_done_soon(load)
+
+    def _held(self, header: dict[str, Any]) -> None:
+        """A prefill rank's answer to this rank's done."""
+        key = (str(header["engine"]), str(header["req"]))
+        with self._lock:
+            waiting = self._confirming.get(key)
+            if waiting is None:
+                return
+            waiting.ranks.discard(int(header["rank"]))
+            if not header.get("held") and waiting.error is None:
+                waiting.error = LayoutError(
+                    f"prefill {key[0]} rank {header['rank']} freed request {key[1]}'s blocks at "
+                    f"their lease before the read was confirmed: what was read may be another "
+                    f"request's")
+            if waiting.ranks and waiting.error is None:
+                return
+            del self._confirming[key]
+        self._finish_load(waiting.req_id, waiting.load, waiting.error)
+
+    def _finish_load(self, req_id: str, load: Load, error: BaseException | None) -> None:
+        with self._lock:
+            self._recved.add(req_id)
+            started = self._load_started.pop(req_id, None)
+            data = self._stats.data
+            data["loads"] += 1
+            if started is not None:
+                data["load_seconds"].append(time.monotonic() - started)
+            if error is not None:
+                self._failed_recv.add(req_id)
+                if len(load.local_block_ids) == 1:
+                    self._load_errors.update(load.local_block_ids[0])
+                # With more groups block ids repeat across them: vLLM takes the request's
+                # failure from failed_recving alone (and refuses block ids).
+                data["load_failures"] += 1
+            else:
+                data["blocks_loaded"] += sum(len(ids) for ids in load.local_block_ids)
+        if error is not None:
+            logger.error("XferConnector: request %s: blocks not loaded: %s", req_id, error)
+
+    def _tell_done(self, load: Load) -> None:
+        """Tells every rank of the prefill instance that this rank is done with the request:
+        a prefill rank frees it once every reader rank said so, and answers whether it held
+        the blocks until then."""
+        message = pack_message(_DONE, {
+            "rank": self._rank, "tp": self._tp_size, "req": load.remote_request_id,
+            "engine": self._engine_id, "addr": bytes(self._engine.main_address).hex()})
+        for rank in range(load.remote_tp_size):
+            try:
+                peer = self._peer(load.remote_engine_id, rank, load.remote_rendezvous)
+                # Waited for (on this background thread), so that `close` waiting for this
+                # call waits for the message itself, not only for its submission.
+                self._engine.submit_send(peer.address, message).wait(
+                    self._options.lookup_timeout_s)
+            except Exception as e:  # noqa: BLE001 - its lease frees the blocks anyway
+                logger.warning(
+                    "XferConnector: could not tell %s rank %d that request %s was read (%s); "
+                    "its lease frees it", load.remote_engine_id, rank, load.remote_request_id, e,
+                )
+
+    def _forget(self, engine_id: str) -> None:
+        """A peer whose reads failed is looked up afresh next time (it may have restarted)."""
+        with self._lock:
+            for key in [k for k in self._peers if k[0] == engine_id]:
+                del self._peers[key]
+
+    def _service(self, url: str | None) -> xfer.Rendezvous:
+        """The rendezvous holding a peer's records: its side channel, else the shared one."""
+        url = url or self._options.rendezvous or self._own_url
+        with self._lock:
+            known = self._services.get(url)
+        if known is None:
+            known = xfer.Rendezvous(url, connect_timeout=self._options.lookup_timeout_s,
+                                    secret_file=os.environ.get("XFER_SECRET_FILE"))
+            with self._lock:
+                known = self._services.setdefault(url, known)
+        return known
+
+    def _peer(self, engine_id: str, rank: int, url: str | None = None) -> Peer:
+        with self._lock:
+            known = self._peers.get((engine_id, rank))
+        if known is not None:
+            return known
+        record = self._service(url).lookup(
+            _record_name(engine_id, rank), self._options.lookup_timeout_s
+        )
+        by_tag = {_layer_tag(name, self.is_draft_layer(name)): name for name in self._layers}
+        layers = {}
+        for key, desc in record["regions"].items():
+            tag, view = _parse_region_name(key, engine_id)
+            # A layer this worker does not have keeps its tag: the layer check names it.
+            layers[by_tag.get(tag, tag)] = (desc, view)
+        drafts = {by_tag.get(tag, tag) for tag in map(lambda k: k.split("-")[1], record["regions"])
+                  if tag.endswith(_DRAFT)}
+        peer = Peer(address=bytes(record["addr"]), layers=layers, drafts=drafts)
+        with self._lock:
+            self._peers[(engine_id, rank)] = peer
+        return peer
+
+    # ---- prefill: freeing ----
+
+    def _on_message(self, data: bytes) -> None:
+        kind = data[:len(_WANT)]
+        if kind not in (_WANT, _PUSHED, _DONE, _HELD, _CANCEL):
+            return
+        try:
+            kind, header, payload = unpack_message(data, len(_WANT))
+            if kind == _WANT:
+                self.push.handle_want(header, payload, time.monotonic())
+            elif kind == _PUSHED:
+                self.push.handle_pushed(header)
+            elif kind == _DONE:
+                self._reader_done(header)
+            elif kind == _CANCEL:
+                self.push.handle_cancel(header, time.monotonic())
+            else:
+                self._held(header)
+        except (ValueError, KeyError, TypeError) as e:
+            logger.warning("XferConnector: a malformed %r message was ignored (%s)", kind, e)
+
+    def _reader_done(self, header: dict[str, Any]) -> None:
+        """A decode rank is done with a request: it counts towards freeing the blocks, and is
+        told whether they were still held (they are until every reader said so, or until
+        their lease frees them: then the reader's load fails)."""
+        rank, size, req_id = int(header["rank"]), int(header["tp"]), str(header["req"])
+        address = bytes.fromhex(str(header["addr"]))
+        with self._lock:
+            # Not yet kept (the step that keeps it has not started) is held too: the blocks
+            # stay allocated until this worker reports them sent.
+            held = req_id not in self._expired
+            readers = self._readers.setdefault(req_id, set())
+            readers.add(rank)
+            if len(readers) >= size:
+                self._readers.pop(req_id)
+                self._read_done[req_id] = time.monotonic()
+        reply = pack_message(_HELD, {"req": req_id, "engine": self._engine_id,
+                                     "rank": self._rank, "held": held})
+        try:
+            self._engine.submit_send(address, reply)
+        except Exception as e:  # noqa: BLE001 - the reader's confirmation times out instead
+            logger.warning("XferConnector: could not answer %s rank %d about request %s: %s",
+                           header.get("engine"), rank, req_id, e)
+
+    # ---- both ----
+
+    def results(self) -> KVConnectorTransferResults:
+        now = time.monotonic()
+        with self._lock:
+            # The push requests whose blocks are still kept: the others are forgotten.
+            kept = set(self._keeping)
+            unconfirmed = [k for k, c in self._confirming.items() if now >= c.deadline]
+            unconfirmed = [(k, self._confirming.pop(k)) for k in unconfirmed]
+        self.push.poll(now, kept)
+        for key, waiting in unconfirmed:
+            self._finish_load(waiting.req_id, waiting.load, TimeoutError(
+                f"prefill {key[0]} ranks {sorted(waiting.ranks)} did not confirm that they held "
+                f"request {key[1]}'s blocks while they were read"))
+        with self._lock:
+            sent = {r for r in self._keeping if r in self._read_done or now >= self._keeping[r]}
+            for r in sent:
+                if r not in self._read_done:
+                    logger.warning("XferConnector: request %s was never read; freed at its lease", r)
+                    self._stats.data["freed_at_lease"] += 1
+                    self._expired[r] = now
+                else:
+                    self._stats.data["freed_after_read"] += 1
+                self._keeping.pop(r)
+                self._read_done.pop(r, None)
+            # Messages for requests this worker does not keep (yet): dropped once stale.
+            stale = [r for r, t in self._read_done.items()
+                     if r not in self._keeping and now - t > self._options.free_timeout_s]
+            for r in stale:
+                self._read_done.pop(r)
+            for r in [r for r, t in self._expired.items() if now - t > self._options.free_timeout_s]:
+                del self._expired[r]
+            recved, self._recved = self._recved, set()
+            failed, self._failed_recv = self._failed_recv, set()
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=recved, failed_recving=failed
+        )
+
+    def take_stats(self) -> XferConnectorStats:
+        with self._lock:
+            stats, self._stats = self._stats, XferConnectorStats()
+        return stats
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def keeping(self) -> int:
+        """Requests whose blocks wait for a reader."""
+        with self._lock:
+            return len(self._keeping)
+
+    def close(self) -> None:
+        with self._lock:
+            telling = list(self._telling)
+        # Bounded by what one message may take (its peer's lookup waits up to
+        # lookup_timeout_s; a loaded machine once needed more than 5 s): the prefill's lease
+        # frees what is still unsent after that.
+        concurrent.futures.wait(telling, timeout=self._options.lookup_timeout_s)
+        self._lookups.shutdown(wait=False, cancel_futures=True)
+        if self._publication is not None:
+            self._publication.unpublish()
+            self._publication = None
+        self._engine.close()
+
+
+_DRAFT = "d"
+"""Ends the tag of a speculative drafter's layer: a peer without that layer still knows it
+is not the model's own (the name itself is not published)."""
+
+
+def _layer_tag(layer: str, draft: bool = False) -> str:
+    return f"{zlib.crc32(layer.encode()):08x}{_DRAFT if draft else ''}"
+
+
+def _region_name(layer: str, view: LayerView, draft: bool = False) -> str:
+    """A layer's region name in the record: its tag and its view of the buffer (what a reader
+    checks and plans its reads from), in the characters rendezvous names allow."""
+    return f"v{PROTOCOL}-{_layer_tag(layer, draft)}-{view.name()}"
+
+
+def _parse_region_name(name: str, engine_id: str) -> tuple[str, LayerView]:
+    version, _, rest = name.partition("-")
+    tag, _, view = rest.partition("-")
+    if version != f"v{PROTOCOL}" or not tag:
+        raise LayoutError(
+            f"peer {engine_id} published region {name!r}: not connector protocol {PROTOCOL}"
+        )
+    return tag, parse_view(view)
+
+
+def _own_rendezvous(options: Options) -> str:
+    """Where this instance's workers publish: its side channel, else the shared rendezvous."""
+    if options.side_channel:
+        return f"xfer://{options.side_channel}"
+    assert options.rendezvous is not None
+    return options.rendezvous
+
+
+def _record_name(engine_id: str, rank: int) -> str:
+    # Rendezvous names are A-Z a-z 0-9 . _ - (vLLM's engine ids are UUIDs or such names).
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in engine_id)
+    return f"vllm.{safe}.{rank}"
+
+
+def _total_kv_heads(model: Any) -> int | None:
+    """The model's KV heads over all ranks (``None`` without a model config: then each rank's
+    share times the TP size, no replicated heads)."""
+    try:
+        return int(model.get_total_num_kv_heads())
+    except Exception:  # noqa: BLE001 - no model config (tests), or one without attention heads
+        return None
+
+
+def _target_layers(model: Any) -> int | None:
+    """The model's own layer count (without a drafter's), or None if unknown."""
+    try:
+        return int(model.get_total_num_hidden_layers())
+    except Exception:  # noqa: BLE001 - no model config (a unit test's stand-in)
+        return None
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - no TP group: one worker
+        return 0

@@ -1,0 +1,576 @@
+"""Push mode of the vLLM connector (``xfer.kv.vllm``): the decode rank's block ids sent to the
+prefill ranks it expects data from, and the prefill rank writing each layer as it is computed.
+
+``PushSide`` is a component the connector's worker owns (``_Worker.push``). It keeps push's own
+state — the requests a prefill rank writes and the decode ranks that want them, the requests a
+decode rank waits for, cancels that came before their ids — under its own lock, and reaches
+the rest of the worker only through the :class:`PushContext` it is given: the engine, this
+rank's identity, its registered layers, the peer table, the background threads, and the
+worker's accounting of loads (a pushed load ends through ``finish_load``, as a pulled one does,
+after its done message was queued through ``tell_done_soon``). It never calls into the context
+while holding its lock: the worker's own methods take the worker's lock.
+
+The worker feeds it vLLM's events (``step_started``, ``layer_computed``, ``step_computed``,
+``request_finished``, ``request_aborted``, ``await_push``), the peers' messages
+(``handle_want``, ``handle_pushed``, ``handle_cancel``) and, between steps, ``poll``. It reads
+no clock: the worker passes its own (``now``, monotonic seconds) to each method that needs it.
+"""
+
+from __future__ import annotations
+
+import array
+import concurrent.futures
+import dataclasses
+import logging
+import sys
+import threading
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+import xfer
+
+from .pages import LayerView, LayoutError, block_runs, matched_blocks, pack_message
+from .vllm_records import Load, Peer
+
+_WANT = b"xfer-vllm-want:"
+"""Push: a decode rank's block ids for a request, to each prefill rank it expects data from."""
+_PUSHED = b"xfer-vllm-push:"
+"""Push: a prefill rank wrote every layer of a request to a decode rank (or could not, or
+stopped at the decode rank's cancel: then nothing of it is in flight any more)."""
+_CANCEL = b"xfer-vllm-stop:"
+"""Push: a decode rank gave up waiting for a request; the prefill rank writes nothing more
+there and answers with ``_PUSHED`` once none of its writes is in flight."""
+
+MAX_MESSAGE = 65536
+"""The largest message the worker receives (its receive buffers): about 16k block ids."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PushContext:
+    """What the push component uses of the connector's worker, given once at construction."""
+
+    engine: xfer.TransferEngine
+    """Sends the block-id, pushed and cancel messages and submits the layers' writes."""
+    engine_id: str
+    """This instance's engine id (the key its peers know its requests and records by)."""
+    rank: int
+    """This worker's tensor-parallel rank."""
+    tp_size: int
+    """This instance's tensor-parallel size."""
+    model: str
+    """The model this instance serves; a decoder serving another is refused."""
+    rendezvous_url: str
+    """Where this worker's record is: sent with its block ids, so the prefill finds it."""
+    push_timeout_s: float
+    """How long a decode rank waits for its prefill ranks' data (and then, as long again, for
+    their answer to its cancel)."""
+    forget_after_s: float
+    """How long a prefill rank keeps a cancel that came before its ids, and the decoders' ids
+    of a request it never computes."""
+    layers: Callable[[], Mapping[str, tuple[xfer.MemoryRegion, LayerView]]]
+    """This worker's registered layers, each with its buffer's region and its view of it
+    (empty while vLLM sleeps)."""
+    peer: Callable[[str, int, str | None], Peer]
+    """The peer table: a worker's record by (engine id, rank, where its records are), looked
+    up in the rendezvous the first time (which may wait: never on the engine's threads)."""
+    shared_layers: Callable[[Load], list[str]]
+    """The layers both this worker and a load's prefill hold (raises on other layers)."""
+    is_draft_layer: Callable[[str], bool]
+    """Whether a layer is a speculative drafter's (a decoder without it is owed nothing)."""
+    in_background: Callable[..., concurrent.futures.Future[Any] | None]
+    """Runs ``work(*args)`` on the worker's lookup threads (``None``: the worker is closing)."""
+    tell_done_soon: Callable[[Load], None]
+    """Queues the message telling a load's prefill ranks this rank is done with it (the
+    worker's ``close`` waits for the ones queued)."""
+    finish_load: Callable[[str, Load, BaseException | None], None]
+    """Reports a load finished (with its error, if any) to vLLM, and counts it."""
+    logger: logging.Logger
+
+
+@dataclasses.dataclass
+class _Want:
+    """Push, prefill side: one decode rank's blocks for a request, and what went to it."""
+
+    engine: str
+    rank: int
+    tp: int
+    blocks: list[int]
+    url: str | None = None
+    """Where the decode rank's records are (its side channel, or the shared rendezvous)."""
+    model: str = ""
+    """The model the decoder serves (checked against this instance's)."""
+    ready: bool = False
+    """Its record was found (looked up off the engine's callback thread); until then nothing
+    is written to it."""
+    layers: set[str] = dataclasses.field(default_factory=set)
+    """Layers whose writes were submitted (for the request's current blocks)."""
+    pending: int = 0
+    """Writes submitted whose completion has not come."""
+    transfers: list[xfer.Transfer] = dataclasses.field(default_factory=list)
+    """The writes submitted, for a cancel."""
+    error: str | None = None
+    replied: bool = False
+    cancelled: bool = False
+    """The decode rank gave up: nothing more is written; answered once ``pending`` is 0."""
+    aborted: str | None = None
+    """Why the request will not reach this decode rank (aborted here, or its blocks freed):
+    nothing more is written; answered (failed, with this) once ``pending`` is 0 — the decoder
+    frees its blocks when told, and a write still in flight would land in another request's."""
+    stop_answered: bool = False
+    """A cancelled or aborted want was answered (once, whichever came first)."""
+
+
+@dataclasses.dataclass
+class _Push:
+    """Push, prefill side: a request's blocks here and the decode ranks that want them."""
+
+    created: float
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    wants: dict[tuple[str, int], _Want] = dataclasses.field(default_factory=dict)
+    finished: bool = False
+    computed: set[str] = dataclasses.field(default_factory=set)
+    """Layers computed for these blocks: what a decoder found late is owed at once."""
+    aborted: str | None = None
+    """Why it will not be computed or pushed (``request_aborted``): kept until none of its
+    writes is in flight, so a decoder's cancel or late ids are answered right meanwhile."""
+
+
+@dataclasses.dataclass
+class _Await:
+    """Push, decode side: a request this rank waits for, and from which prefill ranks."""
+
+    req_id: str
+    load: Load
+    ranks: set[int]
+    """The prefill ranks that have not answered."""
+    deadline: float
+    error: BaseException | None = None
+    cancelling: TimeoutError | None = None
+    """Set at the deadline: the cancel sent to the ranks that had not answered, and the error
+    the load ends with once they say nothing of theirs is in flight (vLLM reuses the blocks
+    after a load error, so a write still coming would land in another request's KV)."""
+
+    def handle_deadline(self, now: float, timeout_s: float) -> bool:
+        """The deadline passed: the first time, the wait is kept as long again and the
+        prefill ranks still owing it are to be told to stop (True); a second time (they never
+        answered), it ends (False)."""
+        if self.cancelling is not None:
+            return False
+        self.cancelling = TimeoutError(
+            f"prefill {self.load.remote_engine_id} did not push request "
+            f"{self.load.remote_request_id} within {timeout_s}s "
+            f"(ranks {sorted(self.ranks)} missing)")
+        # As long again for the answers (a transfer's own timeout fails a write stuck there).
+        self.deadline = now + timeout_s
+        return True
+
+
+def block_ids_payload(blocks: list[int]) -> bytes:
+    """A decode rank's block ids as they travel: 4 bytes each, little-endian."""
+    ids = array.array("i", blocks)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids.tobytes()
+
+
+def block_ids_of(payload: bytes) -> list[int]:
+    """The block ids of ``block_ids_payload`` (a length not a multiple of 4 is refused)."""
+    ids = array.array("i")
+    ids.frombytes(payload)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return list(ids)
+
+
+class PushSide:
+    """The push half of the connector's worker (see the module docs)."""
+
+    def __init__(self, context: PushContext) -> None:
+        self._ctx = context
+        self._lock = threading.Lock()
+        self._pushes: dict[str, _Push] = {}
+        """Prefill: requests with decoders' block ids or blocks computed, by request id."""
+        self._step_pushes: list[str] = []
+        """Prefill: the requests computing in this step."""
+        self._deferred_layers: list[str] = []
+        """Prefill: GPU layers of this step, pushed once the stream is synchronised."""
+        self._awaiting: dict[tuple[str, str], _Await] = {}
+        """Decode: (prefill engine, its request id) → what this rank waits for."""
+        self._cancels: dict[tuple[str, str, int], float] = {}
+        """Prefill: decode ranks' cancels that came before their ids (by request, decode
+        engine and rank), with when: their ids are dropped when they come."""
+
+    # ---- decode side ----
+
+    def await_push(self, req_id: str, load: Load, now: float) -> None:
+        """Sends this rank's block ids to every prefill rank it expects data from (off vLLM's
+        model-runner thread: the peers may have to be looked up)."""
+        ctx = self._ctx
+        ranks = set()
+        layers = ctx.layers()
+        for name in ctx.shared_layers(load):
+            view = layers[name][1]
+            remote = ctx.peer(load.remote_engine_id, 0, load.remote_rendezvous).layers[name][1]
+            for run in block_runs(view, remote, ctx.rank, ctx.tp_size, load.remote_tp_size):
+                ranks.add(run.remote_rank)
+        header = {"req": load.remote_request_id, "engine": ctx.engine_id, "rank": ctx.rank,
+                  "tp": ctx.tp_size, "rendezvous": ctx.rendezvous_url, "model": ctx.model}
+        # One KV cache group: the scheduler side refused push for the others.
+        [blocks] = load.local_block_ids
+        message = pack_message(_WANT, header, block_ids_payload(blocks))
+        if len(message) > MAX_MESSAGE:
+            raise LayoutError(f"{len(blocks)} blocks do not fit one message (64 KiB)")
+        key = (load.remote_engine_id, load.remote_request_id)
+        with self._lock:
+            self._awaiting[key] = _Await(req_id, load, ranks, now + ctx.push_timeout_s)
+        try:
+            for rank in sorted(ranks):
+                ctx.engine.submit_send(
+                    ctx.peer(load.remote_engine_id, rank, load.remote_rendezvous).address,
+                    message)
+        except Exception:
+            with self._lock:
+                self._awaiting.pop(key, None)
+            raise
+
+    def handle_pushed(self, header: dict[str, Any]) -> None:
+        """A prefill rank finished (or failed) writing a request to this rank."""
+        key = (str(header["engine"]), str(header["req"]))
+        with self._lock:
+            waiting = self._awaiting.get(key)
+            if waiting is None:
+                return  # timed out already, or not ours
+            waiting.ranks.discard(int(header["rank"]))
+            if header.get("cancelled") and waiting.error is None:
+                waiting.error = waiting.cancelling
+            elif not header.get("ok") and waiting.error is None:
+                waiting.error = RuntimeError(
+                    f"prefill {key[0]} rank {header['rank']} could not push: {header.get('why')}")
+            if waiting.ranks:
+                return
+            del self._awaiting[key]
+        # The done message is queued (and remembered for `close`) before the load is reported:
+        # a decode instance shut down as soon as vLLM sees the load finished would otherwise
+        # drop it, and the prefill would hold the blocks until its lease.
+        self._ctx.tell_done_soon(waiting.load)
+        self._ctx.finish_load(waiting.req_id, waiting.load, waiting.error)
+
+    def _cancel_push(self, key: tuple[str, str], waiting: _Await, ranks: list[int]) -> None:
+        """Tells each prefill rank that owes ``waiting`` to stop; one that cannot be reached
+        has no connection left to write with."""
+        ctx = self._ctx
+        load = waiting.load
+        message = pack_message(_CANCEL, {"req": load.remote_request_id, "engine": ctx.engine_id,
+                                         "rank": ctx.rank, "rendezvous": ctx.rendezvous_url})
+        for rank in ranks:
+            try:
+                ctx.engine.submit_send(
+                    ctx.peer(load.remote_engine_id, rank, load.remote_rendezvous).address,
+                    message)
+            except Exception as e:  # noqa: BLE001 - answered for it: it cannot write either
+                ctx.logger.warning("XferConnector: prefill %s rank %d of request %s unreachable "
+                                   "for its cancel (%s)", load.remote_engine_id, rank, key[1], e)
+                self.handle_pushed({"engine": key[0], "req": key[1], "rank": rank,
+                                    "cancelled": True})
+
+    def _finish_unanswered(self, waiting: _Await) -> None:
+        """The ranks never answered the cancel either: the load ends (vLLM must not wait
+        forever); named, since one of their writes could still be in flight."""
+        error = TimeoutError(f"{waiting.cancelling}; ranks {sorted(waiting.ranks)} did not "
+                             "answer the cancel either (their writes may still land)")
+        self._ctx.tell_done_soon(waiting.load)
+        self._ctx.finish_load(waiting.req_id, waiting.load, error)
+
+    # ---- prefill side ----
+
+    def handle_cancel(self, header: dict[str, Any], now: float) -> None:
+        """A decode rank stopped waiting for a request: nothing more goes to it, what is in
+        flight is cancelled, and it is answered once nothing is (``_push_done``). Its ids
+        may come after this message (delivery is unordered): then they are dropped."""
+        key = (str(header["req"]), str(header["engine"]), int(header["rank"]))
+        with self._lock:
+            push = self._pushes.get(key[0])
+            want = push.wants.get(key[1:]) if push is not None else None
+            if want is None:
+                self._cancels[key] = now
+                answered = None
+            else:
+                answered = want.replied or want.stop_answered
+                if not answered:
+                    want.cancelled = want.replied = True
+                transfers = list(want.transfers)
+        if want is None:
+            self._reply(key[0], _Want(key[1], key[2], 0, [], url=header.get("rendezvous")),
+                        None, cancelled=True)
+            return
+        if answered:
+            # It finished, or was aborted, (and said so) before the cancel came: say so again.
+            self._reply(key[0], want, want.aborted or want.error, cancelled=want.cancelled)
+            return
+        for transfer in transfers:
+            self._ctx.in_background(transfer.cancel)
+        self._push_done(key[0], want, None, submitted=False)
+
+    def step_started(self, computing: dict[str, list[int]], now: float) -> None:
+        """``start_load_kv``: the push requests this step computes, with their blocks."""
+        with self._lock:
+            for req_id, blocks in computing.items():
+                push = self._pushes.setdefault(req_id, _Push(created=now))
+                if push.blocks != blocks:
+                    push.computed.clear()  # this step computes the layers for more blocks
+                push.blocks = blocks
+            self._step_pushes = list(computing)
+
+    def layer_computed(self, layer: str, kv_layer: Any) -> None:
+        """``save_kv_layer``: this step's push requests get the layer now (CPU tensors) or
+        once the step's stream is synchronised (GPU tensors, whose kernels may still run)."""
+        if not self._step_pushes:
+            return
+        if getattr(getattr(kv_layer, "device", None), "type", "cpu") != "cpu":
+            self._deferred_layers.append(layer)
+            return
+        self._push_layers(self._step_pushes, [layer])
+
+    def step_computed(self) -> None:
+        """``wait_for_save``: pushes the GPU layers held back this step."""
+        if self._deferred_layers:
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+            layers, self._deferred_layers = self._deferred_layers, []
+            self._push_layers(self._step_pushes, layers)
+
+    def _push_layers(self, req_ids: list[str], layers: list[str]) -> None:
+        for req_id in req_ids:
+            with self._lock:
+                push = self._pushes.get(req_id)
+                if push is None:
+                    continue
+                push.computed.update(layers)
+                wants = list(push.wants.values())
+            for want in wants:
+                for layer in layers:
+                    self._push_layer(req_id, push, want, layer)
+
+    def _push_layer(self, req_id: str, push: _Push, want: _Want, layer: str) -> None:
+        """Writes one layer of ``req_id``'s blocks to one decode rank (this rank's share)."""
+        ctx = self._ctx
+        with self._lock:
+            if (layer in want.layers or want.replied or want.error is not None or not want.ready
+                    or want.aborted is not None):
+                return
+            if not push.finished and len(push.blocks) < len(want.blocks):
+                return  # a chunk of a longer prompt: this layer goes when all is computed
+            want.layers.add(layer)
+            blocks = list(push.blocks)
+        try:
+            region, view = ctx.layers()[layer]
+            peer = ctx.peer(want.engine, want.rank, want.url)
+            drafter_only = layer not in peer.layers and ctx.is_draft_layer(layer)
+            if layer not in peer.layers and not drafter_only:
+                raise LayoutError(f"decoder {want.engine} rank {want.rank} has no layer {layer}")
+            writes = []
+            if not drafter_only:  # a decoder without a drafter is owed nothing of its layers
+                desc, theirs_view = peer.layers[layer]
+                theirs, ours = matched_blocks(want.blocks, blocks)
+                # The decoder's runs, turned around: its "remote" bytes are this rank's.
+                writes = [run for run in block_runs(theirs_view, view, want.rank, want.tp,
+                                                    ctx.tp_size)
+                          if run.remote_rank == ctx.rank]
+        except Exception as e:  # noqa: BLE001 - this decoder's load fails, named
+            self._push_done(req_id, want, e, submitted=False)
+            return
+        if drafter_only:
+            self._maybe_reply(req_id, want)
+            return
+        with self._lock:
+            want.pending += len(writes)
+        for run in writes:
+            try:
+                transfer = ctx.engine.submit_paged_writes(
+                    run.length, region, ours, desc, theirs,
+                    src_stride=view.strides[0], dst_stride=theirs_view.strides[0],
+                    src_offset=view.offset + run.remote, dst_offset=theirs_view.offset + run.local,
+                    on_done=lambda error, want=want: self._push_done(req_id, want, error),
+                )
+            except Exception as e:  # noqa: BLE001 - refused at submit: counted like a failure
+                self._push_done(req_id, want, e)
+                continue
+            with self._lock:
+                want.transfers.append(transfer)
+                cancelled = want.cancelled or want.aborted is not None
+            if cancelled:  # the cancel or abort came while this layer was being submitted
+                ctx.in_background(transfer.cancel)
+
+    def _push_done(self, req_id: str, want: _Want, error: BaseException | None,
+                   submitted: bool = True) -> None:
+        with self._lock:
+            if submitted:
+                want.pending -= 1
+            stopping = want.cancelled or want.aborted is not None
+            if error is not None and want.error is None and not stopping:
+                want.error = str(error)
+            # A cancelled or aborted want is answered once, when its last write is no longer in
+            # flight (the decoder's cancel is answered as such: it fails the load itself).
+            stopped = stopping and want.pending == 0 and not want.stop_answered
+            if stopped:
+                want.stop_answered = True
+        if stopped:
+            self._reply(req_id, want, None if want.cancelled else want.aborted,
+                        cancelled=want.cancelled)
+            return
+        self._maybe_reply(req_id, want)
+
+    def _maybe_reply(self, req_id: str, want: _Want) -> None:
+        """Tells a decode rank its push is complete: the request computed, every layer
+        written (or failed), nothing in flight."""
+        layers = set(self._ctx.layers())
+        with self._lock:
+            push = self._pushes.get(req_id)
+            done = push is not None and push.finished and want.ready and want.pending == 0 and (
+                want.error is not None or layers <= want.layers)
+            if not done or want.replied or want.aborted is not None:
+                return
+            want.replied = True
+        self._reply(req_id, want, want.error)
+
+    def _reply(self, req_id: str, want: _Want, error: str | None, cancelled: bool = False) -> None:
+        ctx = self._ctx
+        header = {"req": req_id, "engine": ctx.engine_id, "rank": ctx.rank,
+                  "ok": error is None and not cancelled, "why": error, "cancelled": cancelled}
+        try:
+            ctx.engine.submit_send(ctx.peer(want.engine, want.rank, want.url).address,
+                                   pack_message(_PUSHED, header))
+        except Exception as e:  # noqa: BLE001 - the decoder times out instead
+            ctx.logger.warning("XferConnector: could not tell %s rank %d about request %s: %s",
+                               want.engine, want.rank, req_id, e)
+
+    def handle_want(self, header: dict[str, Any], payload: bytes, now: float) -> None:
+        """A decode rank's block ids for one of this instance's requests."""
+        want = _Want(str(header["engine"]), int(header["rank"]), int(header["tp"]),
+                     block_ids_of(payload), url=header.get("rendezvous"),
+                     model=str(header.get("model") or ""))
+        req_id = str(header["req"])
+        with self._lock:
+            if self._cancels.pop((req_id, want.engine, want.rank), None) is not None:
+                return  # its decode rank gave up before these ids arrived
+            push = self._pushes.setdefault(req_id, _Push(created=now))
+            aborted = push.aborted
+            if aborted is None:
+                push.wants[(want.engine, want.rank)] = want
+        if aborted is not None:  # its writes to other decoders are still being stopped
+            self._ctx.in_background(self._reply, req_id, want, aborted)
+            return
+        # Closing (None): no more pushes.
+        self._ctx.in_background(self._resolve_want, req_id, want)
+
+    def _resolve_want(self, req_id: str, want: _Want) -> None:
+        """Finds the decode rank's record; then, if the request was computed before, pushes
+        every layer now (otherwise its layers go as they are computed, or at the end)."""
+        ctx = self._ctx
+        try:
+            ctx.peer(want.engine, want.rank, want.url)
+        except Exception as e:  # noqa: BLE001 - that decoder cannot be reached: it times out
+            ctx.logger.warning("XferConnector: decoder %s rank %d of request %s not found: %s",
+                               want.engine, want.rank, req_id, e)
+            with self._lock:
+                want.error, want.replied = str(e), True
+            return
+        if want.model and ctx.model and want.model != ctx.model:
+            with self._lock:
+                want.ready, want.replied = True, True
+            self._reply(req_id, want, f"the decoder serves model {want.model!r}, this prefill "
+                        f"instance {ctx.model!r}")
+            return
+        with self._lock:
+            want.ready = True
+            push = self._pushes.get(req_id)
+            finished = push is not None and push.finished
+            computed = sorted(push.computed) if push is not None else []
+        if finished:
+            self._push_layers([req_id], list(ctx.layers()))
+            self._maybe_reply(req_id, want)
+        elif computed:
+            # Layers computed while the record was being looked up go now, not at the end.
+            self._push_layers([req_id], computed)
+
+    def request_finished(self, req_id: str, blocks: list[int], now: float) -> None:
+        """The request is computed: layers its decoders have not had yet go now (all of them
+        if its blocks changed since they were pushed)."""
+        with self._lock:
+            push = self._pushes.setdefault(req_id, _Push(created=now))
+            if push.blocks != blocks:
+                push.blocks = blocks
+                for want in push.wants.values():
+                    want.layers.clear()
+            push.finished = True
+            wants = list(push.wants.values())
+        self._push_layers([req_id], list(self._ctx.layers()))
+        for want in wants:
+            self._maybe_reply(req_id, want)
+
+    def request_aborted(self, req_id: str, why: str) -> None:
+        """The request will not be computed or pushed here: nothing more is written, the
+        writes in flight are cancelled, and each decoder not yet answered is told ``why`` once
+        none of its writes is (``_push_done``). The request is forgotten at the first ``poll``
+        with nothing of it in flight."""
+        with self._lock:
+            push = self._pushes.get(req_id)
+            if push is None or push.aborted is not None:
+                return
+            push.aborted = why
+            stopping = []
+            for want in push.wants.values():
+                if want.replied:
+                    continue  # answered already, or answered once its cancel's writes stop
+                want.aborted = why
+                stopping.append((want, list(want.transfers)))
+        for want, transfers in stopping:
+            for transfer in transfers:
+                self._ctx.in_background(transfer.cancel)
+            self._push_done(req_id, want, None, submitted=False)
+
+    # ---- both ----
+
+    def poll(self, now: float, kept: Collection[str]) -> None:
+        """Between steps (``get_finished``). Decode: a push past its deadline is cancelled at
+        its prefill ranks, and ends if they have not answered by the next. Prefill: early
+        cancels are forgotten once stale; push requests computed and no longer in ``kept``
+        (the requests whose blocks still wait for their decoders: these were freed), or never
+        computed here since their decoders' ids came, are aborted (``request_aborted``: the
+        decoders not yet answered are told which, once nothing is in flight to them); aborted
+        ones are forgotten once nothing is."""
+        ctx = self._ctx
+        with self._lock:
+            cancel, late = [], []
+            for key, waiting in [(k, w) for k, w in self._awaiting.items() if now >= w.deadline]:
+                if waiting.handle_deadline(now, ctx.push_timeout_s):
+                    cancel.append((key, waiting, sorted(waiting.ranks)))
+                else:
+                    late.append(self._awaiting.pop(key))
+            for key in [k for k, t in self._cancels.items() if now - t > ctx.forget_after_s]:
+                del self._cancels[key]
+            freed = [r for r, p in self._pushes.items()
+                     if p.aborted is None and p.finished and r not in kept]
+            never = [r for r, p in self._pushes.items() if p.aborted is None
+                     and not p.finished and now - p.created > ctx.forget_after_s]
+        for key, waiting, ranks in cancel:
+            ctx.in_background(self._cancel_push, key, waiting, ranks)
+        for waiting in late:
+            self._finish_unanswered(waiting)
+        for req_id in freed:
+            self.request_aborted(req_id, "the prefill instance freed the request's blocks "
+                                 "before they were written to this decoder")
+        for req_id in never:
+            self.request_aborted(req_id, "the prefill instance never computed the request "
+                                 f"(within {ctx.forget_after_s}s of the decoders' block ids)")
+        with self._lock:  # the aborted ones, once none of their writes is in flight
+            for req_id in [r for r, p in self._pushes.items() if p.aborted is not None
+                           and all(w.pending == 0 for w in p.wants.values())]:
+                del self._pushes[req_id]
+
+    def wants(self, req_id: str) -> list[_Want]:
+        """The decode ranks whose block ids for ``req_id`` came (for tests and diagnostics)."""
+        with self._lock:
+            push = self._pushes.get(req_id)
+            return list(push.wants.values()) if push is not None else []
