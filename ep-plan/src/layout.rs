@@ -1,0 +1,137 @@
+use crate::PlanError;
+
+/// The fixed shape of a deployment: what every rank allocates once and every step reuses.
+///
+/// Regions are addressed in bytes from the start of one *buffer set*; set `s` of a region of
+/// `n` bytes per set starts at `s × n` (two sets).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// Ranks of the expert-parallel group.
+    pub ranks: u32,
+    /// Physical experts on each rank (EPLB replicas included).
+    pub experts_per_rank: u32,
+    /// Slots per token (`top_k`).
+    pub top_k: u32,
+    /// Most tokens one rank dispatches in a step.
+    pub max_tokens: u32,
+    /// Bytes of one row (a token's hidden state, scales included).
+    pub row_bytes: u64,
+    /// Rows each source may write into its own slot at each receiver before the counts land.
+    pub private_rows: u32,
+    /// Rows each receiver shares among its sources beyond their private slots.
+    pub overflow_rows: u32,
+}
+
+/// Header bytes are rounded up to this, so the rows after them stay aligned.
+pub(crate) const HEADER_ALIGN: u64 = 64;
+/// The header's fixed words: magic, epoch, source, ranks, experts per rank, padding, and the
+/// membership digest.
+pub(crate) const HEADER_FIXED: u64 = 32;
+/// Buffer sets, alternating by step.
+pub const SETS: u32 = 2;
+
+impl Layout {
+    /// A layout with room for any routing: every row a source can send to a receiver fits its
+    /// private slot (`max_tokens × top_k`), no overflow.
+    pub fn worst_case(
+        ranks: u32,
+        experts_per_rank: u32,
+        top_k: u32,
+        max_tokens: u32,
+        row_bytes: u64,
+    ) -> Self {
+        Self {
+            ranks,
+            experts_per_rank,
+            top_k,
+            max_tokens,
+            row_bytes,
+            private_rows: max_tokens * top_k,
+            overflow_rows: 0,
+        }
+    }
+
+    /// Checks that every size is positive and every region's byte count fits `u64`.
+    pub fn validate(&self) -> Result<(), PlanError> {
+        let bad = |m: &str| Err(PlanError::Layout(m.into()));
+        if self.ranks == 0 || self.ranks > crate::imm::MAX_RANKS {
+            return bad("ranks must be in 1..=16384");
+        }
+        if self.experts_per_rank == 0 || self.top_k == 0 || self.row_bytes == 0 {
+            return bad("experts_per_rank, top_k and row_bytes must be positive");
+        }
+        let total = u128::from(self.ranks) * self.slot_bytes_wide()
+            + u128::from(self.overflow_rows) * u128::from(self.row_bytes)
+            + u128::from(self.max_tokens) * u128::from(self.top_k) * u128::from(self.row_bytes) * 2
+            + u128::from(self.ranks) * u128::from(self.header_bytes());
+        if total * u128::from(SETS) > u128::from(u64::MAX / 4) {
+            return bad("regions too large");
+        }
+        Ok(())
+    }
+
+    fn slot_bytes_wide(&self) -> u128 {
+        u128::from(self.header_bytes()) + u128::from(self.private_rows) * u128::from(self.row_bytes)
+    }
+
+    /// Bytes of a count header: fixed words, then `ranks × experts_per_rank` `u32` counts,
+    /// rounded up to 64 bytes.
+    pub fn header_bytes(&self) -> u64 {
+        let raw = HEADER_FIXED + 4 * u64::from(self.ranks) * u64::from(self.experts_per_rank);
+        raw.div_ceil(HEADER_ALIGN) * HEADER_ALIGN
+    }
+
+    /// Bytes of one source's slot at a receiver: its header, then its private rows.
+    pub fn slot_bytes(&self) -> u64 {
+        self.header_bytes() + u64::from(self.private_rows) * self.row_bytes
+    }
+
+    /// Byte offset of source `src`'s slot in a dispatch region (one set).
+    pub fn slot_offset(&self, src: u32) -> u64 {
+        u64::from(src) * self.slot_bytes()
+    }
+
+    /// Byte offset of the overflow in a dispatch region (one set).
+    pub fn overflow_offset(&self) -> u64 {
+        u64::from(self.ranks) * self.slot_bytes()
+    }
+
+    /// Bytes of one set of the dispatch region (slots and overflow).
+    pub fn dispatch_region_bytes(&self) -> u64 {
+        self.overflow_offset() + u64::from(self.overflow_rows) * self.row_bytes
+    }
+
+    /// Rows a receiver holds in all: every private slot and the overflow.
+    pub fn receive_capacity(&self) -> u64 {
+        u64::from(self.ranks) * u64::from(self.private_rows) + u64::from(self.overflow_rows)
+    }
+
+    /// Most rows one rank sends in a step (`max_tokens × top_k`).
+    pub fn max_send_rows(&self) -> u64 {
+        u64::from(self.max_tokens) * u64::from(self.top_k)
+    }
+
+    /// Bytes of one set of the dispatch send buffer: a header per peer and every row.
+    pub fn send_buffer_bytes(&self) -> u64 {
+        u64::from(self.ranks) * self.header_bytes() + self.max_send_rows() * self.row_bytes
+    }
+
+    /// Bytes of one set of the combine region (the rows this rank sent, coming back, behind a
+    /// header per peer).
+    pub fn combine_region_bytes(&self) -> u64 {
+        u64::from(self.ranks) * crate::plan::COMBINE_HEADER_BYTES
+            + self.max_send_rows() * self.row_bytes
+    }
+
+    /// Bytes of one set of the combine send buffer (every row this rank can receive, behind a
+    /// header per source).
+    pub fn combine_send_bytes(&self) -> u64 {
+        u64::from(self.ranks) * crate::plan::COMBINE_HEADER_BYTES
+            + self.receive_capacity() * self.row_bytes
+    }
+
+    /// Logical experts of the identity map (`ranks × experts_per_rank`).
+    pub fn physical_experts(&self) -> u32 {
+        self.ranks * self.experts_per_rank
+    }
+}

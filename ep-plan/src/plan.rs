@@ -1,0 +1,550 @@
+//! The writes of one step: what a rank sends ([`SendPlan`]), what every rank can derive from
+//! the headers ([`CountMatrix`]), and what a rank receives and returns ([`Receive`]).
+//!
+//! Offsets are bytes from the start of a whole region (both buffer sets): set `s` starts at
+//! `s ×` the region's bytes per set.
+
+use crate::header::Header;
+use crate::imm::{Imm, Phase};
+use crate::layout::SETS;
+use crate::{ExpertMap, Layout, PlanError};
+
+/// Bytes of the header in front of each block of combine rows: magic, epoch, the block's
+/// sender, how many of its rows carry data (the rest were never received), padding.
+pub const COMBINE_HEADER_BYTES: u64 = 64;
+const COMBINE_MAGIC: u32 = 0x5845_5043; // "XEPC"
+
+/// One RDMA write with an immediate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Write {
+    /// The rank written to.
+    pub peer: u32,
+    /// Which write of the step.
+    pub phase: Phase,
+    /// The immediate it carries.
+    pub imm: u32,
+    /// Offset in the sender's region (dispatch send buffer, or combine send buffer).
+    pub src_offset: u64,
+    /// Offset in the peer's region (dispatch region, or combine region).
+    pub dst_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// One row this rank sends: a token's copy for one of its top-k slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendRow {
+    /// The token.
+    pub token: u32,
+    /// Its top-k slot.
+    pub slot: u32,
+    /// The rank it goes to.
+    pub peer: u32,
+    /// The local expert there.
+    pub expert: u32,
+}
+
+/// What one rank sends in a step, from its routing alone (before any header arrives).
+#[derive(Debug, Clone)]
+pub struct SendPlan {
+    layout: Layout,
+    /// This rank.
+    pub rank: u32,
+    /// The step.
+    pub epoch: u32,
+    /// Four bits for the immediates.
+    pub tag: u8,
+    /// Ranks this rank still talks to (`false`: masked).
+    pub active: Vec<bool>,
+    /// Rows in send order: by peer, then local expert, token, slot.
+    pub rows: Vec<SendRow>,
+    /// `rows[peer_start[p]..peer_start[p + 1]]` go to peer `p`.
+    pub peer_start: Vec<usize>,
+    /// For each `token × top_k + slot`: its index in `rows`, or `-1` (a `-1` slot, or routed
+    /// to a masked rank).
+    pub slot_row: Vec<i64>,
+    /// Slots routed to a masked rank (their combine contribution is zero), as
+    /// `token × top_k + slot`.
+    pub masked_slots: Vec<u64>,
+    /// This rank's header for the step.
+    pub header: Header,
+}
+
+impl SendPlan {
+    /// Plans rank `rank`'s sends for step `epoch` from its `topk_idx` (`tokens × top_k`
+    /// logical expert ids, `-1` for none), skipping ranks masked in `active`.
+    pub fn new(
+        layout: &Layout,
+        map: &ExpertMap,
+        rank: u32,
+        epoch: u32,
+        tag: u8,
+        topk_idx: &[i64],
+        active: &[bool],
+    ) -> Result<Self, PlanError> {
+        layout.validate()?;
+        let k = layout.top_k as usize;
+        let ranks = layout.ranks as usize;
+        if rank >= layout.ranks || active.len() != ranks {
+            return Err(PlanError::Shape(format!(
+                "rank {rank} of {ranks}, active mask of {}",
+                active.len()
+            )));
+        }
+        if topk_idx.len() % k != 0 || topk_idx.len() / k > layout.max_tokens as usize {
+            return Err(PlanError::Shape(format!(
+                "{} ids is not tokens × {k} with at most {} tokens",
+                topk_idx.len(),
+                layout.max_tokens
+            )));
+        }
+        let experts = map.logical_experts();
+        let mut rows = Vec::with_capacity(topk_idx.len());
+        let mut masked_slots = Vec::new();
+        for (i, &e) in topk_idx.iter().enumerate() {
+            let (token, slot) = (i / k, i % k);
+            if e == -1 {
+                continue;
+            }
+            if e < 0 || e as usize >= experts {
+                return Err(PlanError::Expert {
+                    token,
+                    slot,
+                    expert: e,
+                    experts,
+                });
+            }
+            let p = map.physical(e as usize, token, slot, k);
+            let (peer, expert) = (p / layout.experts_per_rank, p % layout.experts_per_rank);
+            if peer >= layout.ranks {
+                return Err(PlanError::Map(format!(
+                    "physical expert {p} is past rank {}",
+                    layout.ranks
+                )));
+            }
+            if !active[peer as usize] {
+                masked_slots.push(i as u64);
+                continue;
+            }
+            rows.push(SendRow {
+                token: token as u32,
+                slot: slot as u32,
+                peer,
+                expert,
+            });
+        }
+        rows.sort_unstable_by_key(|r| (r.peer, r.expert, r.token, r.slot));
+        let mut peer_start = vec![0usize; ranks + 1];
+        let mut counts = vec![0u32; ranks * layout.experts_per_rank as usize];
+        for r in &rows {
+            peer_start[r.peer as usize + 1] += 1;
+            counts[(r.peer * layout.experts_per_rank + r.expert) as usize] += 1;
+        }
+        for p in 0..ranks {
+            peer_start[p + 1] += peer_start[p];
+        }
+        let mut slot_row = vec![-1i64; topk_idx.len()];
+        for (i, r) in rows.iter().enumerate() {
+            slot_row[r.token as usize * k + r.slot as usize] = i as i64;
+        }
+        Ok(Self {
+            layout: layout.clone(),
+            rank,
+            epoch,
+            tag,
+            active: active.to_vec(),
+            rows,
+            peer_start,
+            slot_row,
+            masked_slots,
+            header: Header {
+                epoch,
+                source: rank,
+                membership: crate::header::membership_digest(active),
+                counts,
+            },
+        })
+    }
+
+    /// The buffer set of this step.
+    pub fn set(&self) -> u32 {
+        self.epoch % SETS
+    }
+
+    fn imm(&self, phase: Phase) -> u32 {
+        Imm {
+            tag: self.tag,
+            epoch: self.epoch,
+            phase,
+            source: self.rank,
+        }
+        .encode()
+    }
+
+    /// Rows to `peer`.
+    pub fn rows_to(&self, peer: u32) -> u64 {
+        (self.peer_start[peer as usize + 1] - self.peer_start[peer as usize]) as u64
+    }
+
+    /// Offset of `peer`'s block (its header copy, then its rows) in the send buffer.
+    pub fn block_offset(&self, peer: u32) -> u64 {
+        let l = &self.layout;
+        u64::from(self.set()) * l.send_buffer_bytes()
+            + u64::from(peer) * l.header_bytes()
+            + self.peer_start[peer as usize] as u64 * l.row_bytes
+    }
+
+    /// Offset of row `i` (of [`rows`](Self::rows)) in the send buffer.
+    pub fn row_offset(&self, i: usize) -> u64 {
+        let peer = self.rows[i].peer;
+        self.block_offset(peer)
+            + self.layout.header_bytes()
+            + (i - self.peer_start[peer as usize]) as u64 * self.layout.row_bytes
+    }
+
+    /// The dispatch A writes: to every active peer (itself included), its header copy and
+    /// the rows that fit the private slot.
+    pub fn writes_a(&self) -> Vec<Write> {
+        let l = &self.layout;
+        (0..l.ranks)
+            .filter(|&p| self.active[p as usize])
+            .map(|p| Write {
+                peer: p,
+                phase: Phase::DispatchA,
+                imm: self.imm(Phase::DispatchA),
+                src_offset: self.block_offset(p),
+                dst_offset: u64::from(self.set()) * l.dispatch_region_bytes()
+                    + l.slot_offset(self.rank),
+                len: l.header_bytes()
+                    + self.rows_to(p).min(u64::from(l.private_rows)) * l.row_bytes,
+            })
+            .collect()
+    }
+
+    /// The dispatch B writes to the peers in `to`, once every active rank's header is here:
+    /// the rows past each peer's private slot, at this rank's place in the peer's overflow
+    /// (masked ranks count as sending none). Fails alike on every rank with the same headers
+    /// when any receiver would overflow.
+    pub fn writes_b(&self, matrix: &CountMatrix, to: &[bool]) -> Result<Vec<Write>, PlanError> {
+        let l = &self.layout;
+        matrix.check_capacity()?;
+        let mut out = Vec::new();
+        for p in (0..l.ranks).filter(|&p| self.active[p as usize] && to[p as usize]) {
+            let n = self.rows_to(p);
+            let private = u64::from(l.private_rows);
+            if n <= private {
+                continue;
+            }
+            let start = matrix.overflow_start(self.rank, p);
+            out.push(Write {
+                peer: p,
+                phase: Phase::DispatchB,
+                imm: self.imm(Phase::DispatchB),
+                src_offset: self.block_offset(p) + l.header_bytes() + private * l.row_bytes,
+                dst_offset: u64::from(self.set()) * l.dispatch_region_bytes()
+                    + l.overflow_offset()
+                    + start * l.row_bytes,
+                len: (n - private) * l.row_bytes,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Offset of `peer`'s block (a combine header, then the rows) in this rank's combine
+    /// region: the peers' blocks in rank order, each as long as what was sent to it.
+    pub fn combine_block_offset(&self, peer: u32) -> u64 {
+        combine_block(
+            &self.layout,
+            self.set(),
+            peer,
+            self.peer_start[peer as usize] as u64,
+        )
+    }
+
+    /// Offset of row `i`'s expert output in the combine region.
+    pub fn combine_row_offset(&self, i: usize) -> u64 {
+        let peer = self.rows[i].peer;
+        self.combine_block_offset(peer)
+            + COMBINE_HEADER_BYTES
+            + (i - self.peer_start[peer as usize]) as u64 * self.layout.row_bytes
+    }
+
+    /// The combine writes this rank expects: one from every active peer it sent rows to.
+    pub fn combine_sources(&self) -> Vec<u32> {
+        (0..self.layout.ranks)
+            .filter(|&p| self.active[p as usize] && self.rows_to(p) > 0)
+            .collect()
+    }
+}
+
+fn combine_block(layout: &Layout, set: u32, peer: u32, rows_before: u64) -> u64 {
+    u64::from(set) * layout.combine_region_bytes()
+        + u64::from(peer) * COMBINE_HEADER_BYTES
+        + rows_before * layout.row_bytes
+}
+
+/// The header in front of a block of combine rows.
+pub fn encode_combine_header(
+    epoch: u32,
+    sender: u32,
+    valid_rows: u64,
+) -> [u8; COMBINE_HEADER_BYTES as usize] {
+    let mut out = [0u8; COMBINE_HEADER_BYTES as usize];
+    let valid = u32::try_from(valid_rows).unwrap_or(u32::MAX);
+    for (i, w) in [COMBINE_MAGIC, epoch, sender, valid]
+        .into_iter()
+        .enumerate()
+    {
+        out[4 * i..4 * i + 4].copy_from_slice(&w.to_le_bytes());
+    }
+    out
+}
+
+/// Reads a combine header from `sender` for step `epoch`: how many of the block's `rows`
+/// rows carry data; `None` when it is not that step's header from that sender or claims
+/// more rows than the block has (untrusted bytes).
+pub fn decode_combine_header(bytes: &[u8], epoch: u32, sender: u32, rows: u64) -> Option<u64> {
+    if bytes.len() < 16 {
+        return None;
+    }
+    let w = |i: usize| {
+        u32::from_le_bytes([
+            bytes[4 * i],
+            bytes[4 * i + 1],
+            bytes[4 * i + 2],
+            bytes[4 * i + 3],
+        ])
+    };
+    (w(0) == COMBINE_MAGIC && w(1) == epoch && w(2) == sender && u64::from(w(3)) <= rows)
+        .then(|| u64::from(w(3)))
+}
+
+/// The headers a rank holds for a step: the count matrix, complete when every rank's arrived.
+#[derive(Debug, Clone)]
+pub struct CountMatrix {
+    layout: Layout,
+    /// Each source's header, `None` while it has not arrived (or the source is masked).
+    pub headers: Vec<Option<Header>>,
+}
+
+impl CountMatrix {
+    /// A matrix with no header yet.
+    pub fn new(layout: &Layout) -> Self {
+        Self {
+            layout: layout.clone(),
+            headers: vec![None; layout.ranks as usize],
+        }
+    }
+
+    /// Whether every rank's header is here.
+    pub fn complete(&self) -> bool {
+        self.headers.iter().all(Option::is_some)
+    }
+
+    /// Rows `src` sends `dst`, if its header is here.
+    pub fn rows(&self, src: u32, dst: u32) -> Option<u64> {
+        self.headers[src as usize]
+            .as_ref()
+            .map(|h| h.rows_to(&self.layout, dst))
+    }
+
+    /// Where `src`'s overflow rows start in `dst`'s overflow: the overflow of every source
+    /// before it whose header is here, in rank order (a rank agrees with its peers only when
+    /// they hold the same headers: see [`Header::membership`]).
+    pub fn overflow_start(&self, src: u32, dst: u32) -> u64 {
+        let private = u64::from(self.layout.private_rows);
+        (0..src)
+            .filter_map(|s| self.rows(s, dst))
+            .map(|n| n.saturating_sub(private))
+            .sum()
+    }
+
+    /// Fails when some receiver gets more rows than its private slots and overflow hold (from
+    /// the headers here: every rank with the complete matrix decides alike).
+    pub fn check_capacity(&self) -> Result<(), PlanError> {
+        let private = u64::from(self.layout.private_rows);
+        for d in 0..self.layout.ranks {
+            let over: u64 = (0..self.layout.ranks)
+                .filter_map(|s| self.rows(s, d))
+                .map(|n| n.saturating_sub(private))
+                .sum();
+            if over > u64::from(self.layout.overflow_rows) {
+                let rows = (0..self.layout.ranks).filter_map(|s| self.rows(s, d)).sum();
+                return Err(PlanError::Capacity {
+                    receiver: d,
+                    rows,
+                    capacity: self.layout.receive_capacity(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One row a rank received: where it is and what it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvRow {
+    /// The rank that sent it.
+    pub source: u32,
+    /// The local expert it is for.
+    pub expert: u32,
+    /// Its index in the source's block for this rank (the source's send order).
+    pub index: u32,
+    /// Its offset in the dispatch region.
+    pub offset: u64,
+}
+
+/// What one rank receives in a step and sends back in combine, from the headers it holds.
+#[derive(Debug, Clone)]
+pub struct Receive {
+    layout: Layout,
+    /// This rank.
+    pub rank: u32,
+    /// The step.
+    pub epoch: u32,
+    /// Four bits for the immediates.
+    pub tag: u8,
+    /// Rows that are here, by source, then the source's order (local expert, token).
+    pub rows: Vec<RecvRow>,
+    /// Rows each source sent (from its header; 0 for a masked source).
+    pub sent: Vec<u64>,
+    /// Rows of each source that are here (its private rows, and its overflow when taken).
+    pub valid: Vec<u64>,
+    /// Sources whose overflow write (dispatch B) this rank waits for.
+    pub expect_b: Vec<u32>,
+    /// `recv_count` per local expert.
+    pub expert_counts: Vec<u64>,
+}
+
+impl Receive {
+    /// What rank `rank` receives from the sources whose header it holds and that `include`
+    /// keeps. `overflow[s]` says whether it takes `s`'s overflow rows this step (only with the
+    /// complete matrix and nobody masked, so that its offsets match every sender's).
+    pub fn new(
+        layout: &Layout,
+        rank: u32,
+        epoch: u32,
+        tag: u8,
+        matrix: &CountMatrix,
+        include: &[bool],
+        overflow: &[bool],
+    ) -> Self {
+        let l = layout;
+        let set_base = u64::from(epoch % SETS) * l.dispatch_region_bytes();
+        let private = u64::from(l.private_rows);
+        let mut rows = Vec::new();
+        let mut sent = vec![0; l.ranks as usize];
+        let mut valid = vec![0; l.ranks as usize];
+        let mut expect_b = Vec::new();
+        let mut expert_counts = vec![0u64; l.experts_per_rank as usize];
+        for s in 0..l.ranks {
+            let Some(h) = matrix.headers[s as usize]
+                .as_ref()
+                .filter(|_| include[s as usize])
+            else {
+                continue;
+            };
+            let n = h.rows_to(l, rank);
+            sent[s as usize] = n;
+            let start =
+                (overflow[s as usize] && n > private).then(|| matrix.overflow_start(s, rank));
+            if start.is_some() {
+                expect_b.push(s);
+            }
+            let here = if start.is_some() { n } else { n.min(private) };
+            valid[s as usize] = here;
+            let mut index = 0u64;
+            for e in 0..l.experts_per_rank {
+                for _ in 0..h.count(l, rank, e) {
+                    if index < here {
+                        let offset = if index < private {
+                            set_base + l.slot_offset(s) + l.header_bytes() + index * l.row_bytes
+                        } else {
+                            set_base
+                                + l.overflow_offset()
+                                + (start.unwrap_or(0) + index - private) * l.row_bytes
+                        };
+                        rows.push(RecvRow {
+                            source: s,
+                            expert: e,
+                            index: index as u32,
+                            offset,
+                        });
+                        expert_counts[e as usize] += 1;
+                    }
+                    index += 1;
+                }
+            }
+        }
+        Self {
+            layout: l.clone(),
+            rank,
+            epoch,
+            tag,
+            rows,
+            sent,
+            valid,
+            expect_b,
+            expert_counts,
+        }
+    }
+
+    /// The rows in expert-major, source-major order (DeepEP's low-latency layout and the
+    /// flat one): for each local expert, each source's rows in its order. Indices into
+    /// [`rows`](Self::rows).
+    pub fn expert_order(&self) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.rows.len()).collect();
+        order.sort_by_key(|&i| (self.rows[i].expert, self.rows[i].source, self.rows[i].index));
+        order
+    }
+
+    /// Offset of source `s`'s block (combine header, then its rows) in this rank's combine
+    /// send buffer: the sources' blocks in rank order.
+    pub fn combine_send_offset(&self, s: u32) -> u64 {
+        let before: u64 = self.valid[..s as usize].iter().sum();
+        u64::from(self.epoch % SETS) * self.layout.combine_send_bytes()
+            + u64::from(s) * COMBINE_HEADER_BYTES
+            + before * self.layout.row_bytes
+    }
+
+    /// Offset of received row `i`'s expert output in the combine send buffer.
+    pub fn combine_send_row_offset(&self, i: usize) -> u64 {
+        let r = self.rows[i];
+        self.combine_send_offset(r.source)
+            + COMBINE_HEADER_BYTES
+            + u64::from(r.index) * self.layout.row_bytes
+    }
+
+    /// The combine writes: to each source that sent rows, its block (a header saying how many
+    /// of its rows were received, then their outputs, in its order), at its combine region's
+    /// block for this rank. `matrix` gives where that block sits.
+    pub fn writes_combine(&self, matrix: &CountMatrix) -> Vec<Write> {
+        let l = &self.layout;
+        let mut out = Vec::new();
+        for s in 0..l.ranks {
+            let n = self.sent[s as usize];
+            if n == 0 {
+                continue;
+            }
+            let Some(h) = &matrix.headers[s as usize] else {
+                continue;
+            };
+            let before: u64 = (0..self.rank).map(|d| h.rows_to(l, d)).sum();
+            out.push(Write {
+                peer: s,
+                phase: Phase::Combine,
+                imm: Imm {
+                    tag: self.tag,
+                    epoch: self.epoch,
+                    phase: Phase::Combine,
+                    source: self.rank,
+                }
+                .encode(),
+                src_offset: self.combine_send_offset(s),
+                dst_offset: combine_block(l, self.epoch % SETS, self.rank, before),
+                len: COMBINE_HEADER_BYTES + self.valid[s as usize] * l.row_bytes,
+            });
+        }
+        out
+    }
+}
