@@ -7,6 +7,7 @@
 //! a thread that waits for the GIL.
 
 mod engine;
+mod ep;
 mod errors;
 mod ffi;
 mod memory;
@@ -47,5 +48,7 @@ fn _xfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(callback_errors, m)?)?;
     m.add_function(wrap_pyfunction!(builtin_backends, m)?)?;
     m.add_function(wrap_pyfunction!(weights::plan_weights, m)?)?;
+    m.add_class::<ep::EpStep>()?;
+    m.add_function(wrap_pyfunction!(ep::ep_region_bytes, m)?)?;
     Ok(())
 }

@@ -1,0 +1,297 @@
+"""``EpGroup``: one rank of an expert-parallel group over a ``TransferEngine``. It owns four
+registered regions (two buffer sets each) and carries out the protocol of
+``xfer._xfer.EpStep`` (crate ``xfer-ep-plan``): writes with immediates, one expectation per
+(step, phase, source), every wait with a deadline; a source that misses one is masked until
+``clean()``.
+
+The data path is numpy on host memory; ``xfer.ep.tensors`` puts torch tensors on it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import _errors
+from .._xfer import EpStep, MrDesc
+from .layout import EpConfig, RecvRuns, columns, gather_deepep, gather_flat, reduce_combined, rows_at, scatter_back
+
+LAYOUTS = ("deepep", "flat")
+_REGIONS = ("send", "dispatch", "combine_send", "combine")
+
+
+class EpError(_errors.Error):
+    """A step that cannot go on (the same on every rank): e.g. a routing past capacity."""
+
+
+@dataclass
+class Handle:
+    """One step in flight: what ``dispatch_recv``, ``combine_send`` and ``combine_recv`` need.
+
+    After ``combine_recv``: ``lost_slots`` lists ``token × top_k + slot`` whose output did not
+    come back (routed to a masked rank or a rank that missed a deadline); the rest are exact."""
+
+    step: EpStep
+    epoch: int
+    num_tokens: int
+    layout: str = "deepep"
+    token: np.ndarray = field(default=None)
+    slot: np.ndarray = field(default=None)
+    runs: RecvRuns | None = None
+    expects: dict = field(default_factory=dict)
+    sends: list = field(default_factory=list)
+    lost_slots: np.ndarray | None = None
+    stats: dict = field(default_factory=dict)
+
+
+class EpGroup:
+    """One rank's side of dispatch and combine.
+
+    ``engine``: an open ``xfer.TransferEngine`` whose ``timeouts.expect_ms`` exceeds seven
+    ``cfg.timeout`` (the group's own deadlines decide; the engine's must not come first).
+    Exchange ``local_info()`` among the ranks by any channel, then ``connect(infos)``."""
+
+    def __init__(self, engine, rank: int, cfg: EpConfig, *, eplb=None):
+        if not 0 <= rank < cfg.ranks:
+            raise ValueError(f"rank {rank} is not in 0..{cfg.ranks}")
+        self.engine, self.rank, self.cfg = engine, rank, cfg
+        self.eplb = [list(map(int, row)) for row in eplb] if eplb is not None else None
+        sizes = cfg.region_bytes()
+        self._set_bytes = {name: int(sizes[name]) for name in _REGIONS}
+        self._header_bytes = int(sizes["header"])
+        self._combine_header_bytes = int(sizes["combine_header"])
+        # Poisoned, not zeroed: a row read before it was written is visibly wrong.
+        self.regions = {name: np.full(2 * self._set_bytes[name], 0xA5, dtype=np.uint8) for name in _REGIONS}
+        self._mrs = {
+            name: engine.reg_mr(self.regions[name], access="local" if name in ("send", "combine_send") else "write")
+            for name in _REGIONS
+        }
+        self.active = [True] * cfg.ranks
+        self._owed: list[int] = []
+        self.epoch = 0
+        self.peers = None
+        self._out = {}
+
+    # -- membership -------------------------------------------------------------------------
+    def local_info(self) -> dict:
+        """What peers need: this engine's address and the two written regions."""
+        return {
+            "rank": self.rank,
+            "address": bytes(self.engine.main_address),
+            "dispatch": bytes(self._mrs["dispatch"].desc),
+            "combine": bytes(self._mrs["combine"].desc),
+        }
+
+    def connect(self, infos) -> None:
+        """Every rank's ``local_info()``, in rank order."""
+        if len(infos) != self.cfg.ranks or [i["rank"] for i in infos] != list(range(self.cfg.ranks)):
+            raise ValueError("connect wants every rank's local_info, in rank order")
+        self.peers = [{"dispatch": MrDesc(i["dispatch"]), "combine": MrDesc(i["combine"])} for i in infos]
+
+    def query_active_mask(self) -> np.ndarray:
+        """1 for each rank this one still talks to, 0 for a masked one (DeepEP's mask API)."""
+        return np.array([1 if a else 0 for a in self.active], dtype=np.int32)
+
+    def clean(self) -> None:
+        """Every rank active again. Call it on every rank together, once nothing is in flight
+        (after a barrier of the caller's): what masked steps left owed to the ImmCounter is
+        cleared."""
+        for imm in sorted(set(self._owed)):
+            self.engine.reset_imm(imm)
+        self._owed.clear()
+        self.active = [True] * self.cfg.ranks
+
+    def buffer_hint(self) -> dict:
+        """Bytes this rank registers (both buffer sets of each region)."""
+        return {name: 2 * n for name, n in self._set_bytes.items()}
+
+    # -- the protocol -----------------------------------------------------------------------
+    def _now(self) -> int:
+        return time.monotonic_ns()
+
+    def _carry(self, h: Handle) -> None:
+        for a in h.step.poll_actions():
+            if a[0] == "post":
+                _, peer, phase, imm, src_off, dst_off, length = a
+                src = self._mrs["combine_send" if phase == "combine" else "send"]
+                dst = self.peers[peer]["combine" if phase == "combine" else "dispatch"]
+                t = self.engine.submit_single_write(src, dst, length, src_offset=src_off, dst_offset=dst_off, imm=imm)
+                h.sends.append((peer, t))
+                h.stats["writes"] = h.stats.get("writes", 0) + 1
+                h.stats["bytes"] = h.stats.get("bytes", 0) + length
+            else:
+                _, imm, source, phase = a
+                h.expects[(source, phase)] = (imm, self.engine.expect_imm_count(imm, 1))
+
+    def _header_for(self, h: Handle, source: int, phase: str) -> bytes:
+        if phase == "dispatch_a":
+            at = h.step.header_offset(source)
+            return self.regions["dispatch"][at:at + self._header_bytes].tobytes()
+        if phase == "combine":
+            at = h.step.combine_header_offset(source)
+            return self.regions["combine"][at:at + self._combine_header_bytes].tobytes()
+        return b""
+
+    def _drive(self, h: Handle, until: tuple) -> None:
+        """Carries out the step until its stage is in ``until`` (or failed); every wait ends by
+        its deadline."""
+        while True:
+            self._carry(h)
+            for peer, t in h.sends:
+                if t.done() and t.exception() is not None:
+                    h.step.handle_send_failed(self._now(), peer)
+            h.sends = [(p, t) for p, t in h.sends if not (t.done() and t.exception() is not None)]
+            stage = h.step.stage
+            if stage in until or stage.startswith("failed"):
+                return
+            active = h.step.active()
+            for key in [k for k in h.expects if not active[k[0]]]:
+                del h.expects[key]
+            # Everything that landed is taken before any deadline is looked at.
+            landed = [(k, v) for k, v in h.expects.items() if v[1].done()]
+            for (source, phase), (imm, t) in landed:
+                del h.expects[(source, phase)]
+                if t.exception() is None:
+                    h.step.handle_arrival(self._now(), imm, self._header_for(h, source, phase))
+            if landed:
+                continue
+            deadline = h.step.poll_timeout()
+            if deadline is None:
+                raise EpError(f"step {h.epoch} is stuck in stage {stage} with nothing to wait for")
+            now = self._now()
+            if now >= deadline:
+                h.step.handle_timeout(now)
+                continue
+            if not h.expects:
+                # The engine gave up on them first (its expect_ms): wait out the step's deadline.
+                time.sleep((deadline - now) / 1e9)
+                continue
+            _key, (_imm, t) = next(iter(h.expects.items()))
+            try:
+                t.wait((deadline - now) / 1e9)
+            except (TimeoutError, _errors.Error):
+                pass
+
+    def _finish(self, h: Handle) -> None:
+        for r in h.step.newly_masked():
+            self.active[r] = False
+        self._owed.extend(h.step.abandoned_imms())
+
+    def dispatch_send(self, x: np.ndarray, topk_idx: np.ndarray) -> Handle:
+        """Starts a step: packs ``x`` (``[tokens, hidden]`` of the storage dtype) for the
+        ranks ``topk_idx`` (``[tokens, top_k]``, ``-1`` for none) routes it to, and posts the
+        first write to every active peer. Returns the step's handle."""
+        cfg = self.cfg
+        if self.peers is None:
+            raise RuntimeError("connect() first")
+        topk_idx = np.ascontiguousarray(topk_idx, dtype="<i8")
+        num_tokens = topk_idx.shape[0] if topk_idx.ndim == 2 else 0
+        if topk_idx.ndim != 2 or topk_idx.shape[1] != cfg.top_k or num_tokens > cfg.max_tokens:
+            raise ValueError(f"topk_idx must be [tokens <= {cfg.max_tokens}, {cfg.top_k}], not {topk_idx.shape}")
+        if x.shape != (num_tokens, cfg.hidden) or x.dtype != cfg.storage:
+            raise ValueError(f"x must be [{num_tokens}, {cfg.hidden}] of {cfg.storage}, not {x.shape} {x.dtype}")
+        t0 = time.perf_counter_ns()
+        step = EpStep(
+            cfg.layout_args(), self.rank, self.epoch, topk_idx.tobytes(), list(self.active), self._now(),
+            int(cfg.timeout * 1e9), tag=cfg.tag, eplb=self.eplb,
+        )
+        h = Handle(step=step, epoch=self.epoch, num_tokens=num_tokens)
+        self.epoch += 1
+        token, slot, _peer, _expert = columns(step.send_rows())
+        h.token, h.slot = token, slot
+        send = self.regions["send"]
+        header = np.frombuffer(step.header(), dtype=np.uint8)
+        first = 0
+        for peer, block, count in step.send_blocks():
+            send[block:block + len(header)] = header
+            if count:
+                rows_at(send, block + len(header), count, cfg)[:] = x[token[first:first + count]]
+            first += count
+        h.stats["plan_ns"] = time.perf_counter_ns() - t0
+        self._carry(h)
+        return h
+
+    def dispatch_recv(self, h: Handle, *, layout: str = "deepep", out: np.ndarray | None = None):
+        """Waits for the step's rows (every wait by its deadline) and returns them in
+        ``layout``: ``"deepep"``: ``(recv_x [experts_per_rank, ranks × max_tokens, hidden],
+        recv_count [experts_per_rank])``; ``"flat"``: ``(recv_x [rows, hidden], expert_starts
+        [experts_per_rank + 1])``. Both: for each local expert, the sources in rank order, each
+        source's tokens in its order. The returned array is the group's own, valid until the
+        step two later (``out`` to give one)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}")
+        cfg = self.cfg
+        h.layout = layout
+        self._drive(h, ("dispatched",))
+        if h.step.stage.startswith("failed"):
+            self._finish(h)
+            raise EpError(f"step {h.epoch}: {h.step.stage}")
+        h.runs = RecvRuns.of(h.step.recv_runs())
+        region = self.regions["dispatch"]
+        if layout == "deepep":
+            shape = (cfg.experts_per_rank, cfg.ranks * cfg.max_tokens, cfg.hidden)
+            if out is None:
+                out = self._out.setdefault((h.epoch % 2, layout), np.zeros(shape, dtype=cfg.storage))
+            if int(h.runs.expert_counts.max(initial=0)) > shape[1]:
+                raise EpError("an expert got more than ranks × max_tokens rows (duplicate experts in a token?)")
+            gather_deepep(region, h.runs, cfg, out)
+            return out, h.runs.expert_counts.copy()
+        total = int(h.runs.expert_counts.sum())
+        if out is None:
+            out = np.empty((total, cfg.hidden), dtype=cfg.storage)
+        gather_flat(region, h.runs, cfg, out)
+        return out, h.runs.expert_starts
+
+    def combine_send(self, h: Handle, expert_out: np.ndarray) -> None:
+        """Sends each received row's expert output (``expert_out`` in the layout the rows were
+        received in) back to its source."""
+        cfg = self.cfg
+        if h.runs is None:
+            raise RuntimeError("combine_send before dispatch_recv")
+        csend = self.regions["combine_send"]
+        scatter_back(np.asarray(expert_out), h.runs, cfg, h.layout, csend)
+        for offset, header in h.step.combine_headers():
+            csend[offset:offset + len(header)] = np.frombuffer(header, dtype=np.uint8)
+        h.step.start_combine(self._now())
+        self._carry(h)
+
+    def combine_recv(self, h: Handle, topk_weights: np.ndarray) -> np.ndarray:
+        """Waits for the outputs and returns ``[tokens, hidden]`` fp32: each token's outputs
+        weighted by ``topk_weights`` and summed in fp32, slots in order. Slots whose output did
+        not come back count zero; they are in ``h.lost_slots``."""
+        cfg = self.cfg
+        self._drive(h, ("done",))
+        # The step's own writes are done before its buffers are reused two steps on.
+        deadline = time.monotonic() + cfg.timeout
+        for peer, t in h.sends:
+            try:
+                t.wait(max(0.0, deadline - time.monotonic()))
+            except (TimeoutError, _errors.Error):
+                h.step.handle_send_failed(self._now(), peer)
+        h.sends.clear()
+        self._finish(h)
+        blocks, valid = h.step.combine_blocks()
+        valid = np.asarray(valid, dtype=bool)
+        weights = np.asarray(topk_weights, dtype=np.float32)
+        y = reduce_combined(self.regions["combine"], blocks, valid, h.token, h.slot, weights, h.num_tokens, cfg)
+        lost = set((h.token[~valid] * cfg.top_k + h.slot[~valid]).tolist()) | set(h.step.masked_slots())
+        h.lost_slots = np.array(sorted(lost), dtype=np.int64)
+        return y
+
+    # -- whole phases -----------------------------------------------------------------------
+    def dispatch(self, x, topk_idx, *, layout: str = "deepep"):
+        """``dispatch_send`` then ``dispatch_recv``: ``(recv_x, counts_or_starts, handle)``."""
+        h = self.dispatch_send(x, topk_idx)
+        recv_x, counts = self.dispatch_recv(h, layout=layout)
+        return recv_x, counts, h
+
+    def combine(self, expert_out, h: Handle, topk_weights) -> np.ndarray:
+        """``combine_send`` then ``combine_recv``."""
+        self.combine_send(h, expert_out)
+        return self.combine_recv(h, topk_weights)
+
+    def close(self) -> None:
+        for mr in self._mrs.values():
+            self.engine.dereg_mr(mr)
+        self._mrs = {}
