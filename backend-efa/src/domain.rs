@@ -398,7 +398,8 @@ impl EfaDomain {
             }
             Some(InFlight::Recv { buffer }) if c.kind == KIND_RECV => {
                 if let Some(data) = self.receives.take_message(buffer, c.len) {
-                    events.push(Event::Message { data });
+                    // The sender is not named yet: see docs/security.md, "Who sent a message".
+                    events.push(Event::Message { data, from: None });
                 }
             }
             Some(InFlight::Recv { buffer }) => self.repost(buffer),

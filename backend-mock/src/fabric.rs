@@ -63,6 +63,9 @@ pub(crate) struct Regions {
 /// A message waiting for the receiver to post a buffer.
 pub(crate) struct WaitingSend {
     pub(crate) data: Vec<u8>,
+    /// The sending NIC's address: the sender the receiver is told (the fabric knows it, as
+    /// a NIC knows the connection a message came on).
+    pub(crate) from: NetAddr,
     pub(crate) sender: Weak<Nic>,
     /// The sender's connection, whose queue the message still occupies.
     pub(crate) conn: Arc<Conn>,
@@ -273,7 +276,7 @@ impl Nic {
             let mut inbox = self.inbox();
             while !inbox.recv_buffers.is_empty() && !inbox.waiting_sends.is_empty() {
                 let send = inbox.waiting_sends.pop_front().expect("checked non-empty");
-                let result = accept_message(&mut inbox, send.data, &self.addr);
+                let result = accept_message(&mut inbox, send.data, send.from, &self.addr);
                 completions.push((send.sender, send.conn, send.wr_id, result));
             }
         }
@@ -291,6 +294,7 @@ impl Nic {
 pub(crate) fn accept_message(
     inbox: &mut Inbox,
     data: Vec<u8>,
+    from: NetAddr,
     at: &NetAddr,
 ) -> Result<(), DomainError> {
     let buf_len = *inbox.recv_buffers.front().expect("the caller checked");
@@ -301,7 +305,10 @@ pub(crate) fn accept_message(
         ));
     }
     inbox.recv_buffers.pop_front();
-    inbox.events.push(Event::Message { data });
+    inbox.events.push(Event::Message {
+        data,
+        from: Some(from),
+    });
     Ok(())
 }
 
@@ -544,13 +551,14 @@ fn send(src: &Arc<Nic>, conn: &Arc<Conn>, data: Vec<u8>, wr_id: u64) -> Result<b
     let delivered = if inbox.recv_buffers.is_empty() {
         inbox.waiting_sends.push_back(WaitingSend {
             data,
+            from: src.addr.clone(),
             sender: Arc::downgrade(src),
             conn: Arc::clone(conn),
             wr_id,
         });
         false
     } else {
-        accept_message(&mut inbox, data, peer)?;
+        accept_message(&mut inbox, data, src.addr.clone(), peer)?;
         true
     };
     drop(inbox);

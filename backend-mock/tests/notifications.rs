@@ -8,6 +8,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use engine_core::domain::Domain;
 use engine_core::{DoneCounter, DoneFlag, Error, HostBuffer, TransferEngine, NOTIFICATION_ID_MAX};
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -217,4 +218,130 @@ fn a_notification_to_a_peer_that_is_not_listening_says_so() {
         "{message}"
     );
     assert_eq!(dst.to_vec(), src.to_vec(), "the data itself landed");
+}
+
+/// A Domain of the mock fabric driven by hand: an endpoint that can address the engines and
+/// send them any bytes, engine messages included (what a hostile host on the network is).
+fn forger() -> backend_mock::MockDomain {
+    backend_mock::link();
+    backend_mock::MockDomain::open(&engine_core::domain::DomainConfig {
+        nic: "forger",
+        options: "",
+    })
+    .unwrap()
+}
+
+/// Sends `data` as one message from `domain` to `to`, and waits for its completion.
+fn send_raw(domain: &mut backend_mock::MockDomain, to: &engine_core::NetAddr, data: &[u8]) {
+    use engine_core::domain::{Event, PostStatus};
+    assert_eq!(domain.post_send(7, to, data).unwrap(), PostStatus::Posted);
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut events = Vec::new();
+    loop {
+        domain.poll(&mut events).unwrap();
+        if let Some(Event::Done { result, .. }) = events
+            .iter()
+            .find(|e| matches!(e, Event::Done { wr_id: 7, .. }))
+        {
+            result.clone().unwrap();
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the forged send never completed"
+        );
+        std::thread::yield_now();
+    }
+}
+
+fn wait_until(what: &str, done: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + WAIT;
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "waited 10 s for {what}"
+        );
+        std::thread::yield_now();
+    }
+}
+
+/// Issue 56: a notification's `from` is a claim in its bytes; the transport knows who sent
+/// it. One claiming an allowed peer, sent by another endpoint, is not what the receiver is
+/// told: it is dropped and counted, and the real peer's notification carries its proven
+/// sender.
+#[test]
+fn a_forged_sender_in_a_notification_is_not_what_the_receiver_is_told() {
+    let (a, b) = pair("");
+    b.listen_notifications(8).unwrap();
+    b.restrict_notifications(Some(vec![a.main_address()]));
+    let mut f = forger();
+    let forged = engine_core::wire::encode_notification(&a.main_address(), b"forged");
+    send_raw(&mut f, &b.main_address(), &forged);
+    wait_until("the forged notification to be dropped", || {
+        b.notifications_dropped() == 1
+    });
+    // Unrestricted, a claim that is not the sender's is dropped all the same.
+    b.restrict_notifications(None);
+    send_raw(&mut f, &b.main_address(), &forged);
+    wait_until("the second forged notification to be dropped", || {
+        b.notifications_dropped() == 2
+    });
+    write_with_notification(&a, &b, b"real");
+    let note = b.wait_notification(WAIT).unwrap();
+    assert_eq!(note.id, b"real");
+    assert_eq!(note.from, a.main_address());
+    assert_eq!(note.sender, Some(a.main_address()), "the proven sender");
+    assert!(
+        b.poll_notifications().is_empty(),
+        "nothing forged was queued"
+    );
+    // A notification that names its real sender (the forger's own address) is queued, with
+    // that sender proven: the engine tells who sent it, the application decides what to trust.
+    let honest = engine_core::wire::encode_notification(&f.address(), b"self");
+    send_raw(&mut f, &b.main_address(), &honest);
+    let note = b.wait_notification(WAIT).unwrap();
+    assert_eq!(
+        (note.id.as_slice(), note.sender),
+        (&b"self"[..], Some(f.address()))
+    );
+}
+
+/// Issue 56: a receive handler is told who sent each message, as the fabric saw it: the
+/// sending engine's main address (with several NICs too), or the hand-driven endpoint's.
+#[test]
+fn a_message_handler_is_told_the_real_sender() {
+    let config = common::mock_config(2, "");
+    let (a, b) = (
+        TransferEngine::open(&config).unwrap(),
+        TransferEngine::open(&config).unwrap(),
+    );
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&got);
+    b.submit_recvs_with_sender(
+        64,
+        4,
+        move |m: &[u8], from: Option<&engine_core::NetAddr>| {
+            sink.lock().unwrap().push((m.to_vec(), from.cloned()))
+        },
+    )
+    .unwrap();
+    let sent = DoneFlag::new();
+    a.submit_send(&b.main_address(), b"hello", sent.clone())
+        .unwrap();
+    sent.wait(WAIT).unwrap();
+    wait_until("the message", || got.lock().unwrap().len() == 1);
+    let mut f = forger();
+    send_raw(
+        &mut f,
+        &b.main_address(),
+        &engine_core::wire::encode_user_message(b"from f"),
+    );
+    wait_until("the forger's message", || got.lock().unwrap().len() == 2);
+    assert_eq!(
+        *got.lock().unwrap(),
+        vec![
+            (b"hello".to_vec(), Some(a.main_address())),
+            (b"from f".to_vec(), Some(f.address())),
+        ]
+    );
 }

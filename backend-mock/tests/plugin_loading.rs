@@ -376,7 +376,10 @@ fn inline_fixture_config(
 fn paged_writes_reach_plugins_in_batches_or_page_by_page_by_their_abi() {
     use engine_core::{DoneFlag, TransferShape};
     let path = common::built_library("plugin_fixture_old_abi");
-    for (backend, version) in [("checkedmock", 6), ("v4mock", 4)] {
+    for (backend, version) in [
+        ("checkedmock", engine_core::plugin::abi::ABI_VERSION),
+        ("v4mock", 4),
+    ] {
         let config = inline_fixture_config(&path, backend, version);
         let (a, b) = (
             std::sync::Arc::new(TransferEngine::open(&config).unwrap()),
@@ -443,7 +446,10 @@ fn bursts_reach_plugins_as_lists_or_one_by_one_by_their_abi() {
     use std::time::Duration;
     const WAIT: Duration = Duration::from_secs(20);
     let path = common::built_library("plugin_fixture_old_abi");
-    for (backend, version) in [("checkedmock", 6), ("v5mock", 5)] {
+    for (backend, version) in [
+        ("checkedmock", engine_core::plugin::abi::ABI_VERSION),
+        ("v5mock", 5),
+    ] {
         let config = inline_fixture_config(&path, backend, version);
         let open = || std::sync::Arc::new(TransferEngine::open(&config).unwrap());
         let (a, peers) = (open(), [open(), open()]);
@@ -524,5 +530,39 @@ fn bursts_reach_plugins_as_lists_or_one_by_one_by_their_abi() {
             );
         }
         assert_eq!(a.stats().unwrap().stale_completions, 0, "{backend}");
+    }
+}
+
+/// ABI 7: a plugin names a message's sender, and the receive handler is told it; a plugin
+/// built against ABI 6 cannot, and the handler is told nothing (never a guess).
+#[test]
+fn a_message_names_its_sender_through_plugins_of_abi_7_and_none_before() {
+    let path = common::built_library("plugin_fixture_old_abi");
+    for (backend, version, names) in [
+        ("checkedmock", engine_core::plugin::abi::ABI_VERSION, true),
+        ("v5mock", 5, false),
+    ] {
+        let config = inline_fixture_config(&path, backend, version);
+        let (a, b) = (
+            TransferEngine::open(&config).unwrap(),
+            TransferEngine::open(&config).unwrap(),
+        );
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tx = std::sync::Mutex::new(tx);
+        b.submit_recvs_with_sender(
+            16,
+            2,
+            move |m: &[u8], from: Option<&engine_core::NetAddr>| {
+                let _ = tx.lock().unwrap().send((m.to_vec(), from.cloned()));
+            },
+        )
+        .unwrap();
+        let sent = engine_core::DoneFlag::new();
+        a.submit_send(&b.main_address(), b"hi", sent.clone())
+            .unwrap();
+        sent.wait(std::time::Duration::from_secs(10)).unwrap();
+        let (data, from) = rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
+        assert_eq!(data, b"hi");
+        assert_eq!(from, names.then(|| a.main_address()), "{backend}");
     }
 }

@@ -63,7 +63,7 @@ impl RawPair {
         self.b_events
             .iter()
             .filter_map(|e| match e {
-                engine_core::domain::Event::Message { data } => Some(data.clone()),
+                engine_core::domain::Event::Message { data, .. } => Some(data.clone()),
                 _ => None,
             })
             .collect()

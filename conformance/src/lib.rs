@@ -247,7 +247,8 @@ pub use failures::{
     remote_access_error, shutdown_fails_waiting,
 };
 pub use messages::{
-    notifications_follow_their_data, oversized_message_keeps_the_buffer, send_recv,
+    messages_name_their_sender, notifications_follow_their_data,
+    oversized_message_keeps_the_buffer, send_recv,
 };
 pub use reads::{
     read_from_a_dead_peer, read_of_an_unreadable_region,
@@ -302,6 +303,7 @@ pub const CHECKS: &[(&str, Check)] = &[
         immediate_arrives_after_its_data,
     ),
     ("a_promised_waker_is_called", a_promised_waker_is_called),
+    ("messages_name_their_sender", messages_name_their_sender),
 ];
 
 /// How one check ended.
@@ -365,7 +367,8 @@ macro_rules! conformance_suite {
             read_of_an_unreadable_region_by_a_forged_descriptor, read_from_a_dead_peer,
             oversized_message_keeps_the_buffer, notifications_follow_their_data,
             zero_byte_write_with_imm, engines_in_parallel, messages_use_posted_receives,
-            immediate_arrives_after_its_data, a_promised_waker_is_called);
+            immediate_arrives_after_its_data, a_promised_waker_is_called,
+            messages_name_their_sender);
     };
     ($harness:expr) => {
         $crate::conformance_suite!(@tests [cfg_attr(any(), ignore)] $harness;
@@ -376,7 +379,8 @@ macro_rules! conformance_suite {
             read_of_an_unreadable_region_by_a_forged_descriptor, read_from_a_dead_peer,
             oversized_message_keeps_the_buffer, notifications_follow_their_data,
             zero_byte_write_with_imm, engines_in_parallel, messages_use_posted_receives,
-            immediate_arrives_after_its_data, a_promised_waker_is_called);
+            immediate_arrives_after_its_data, a_promised_waker_is_called,
+            messages_name_their_sender);
     };
     (@tests [$attr:meta] $harness:expr; $($name:ident),* $(,)?) => {
         /// The tests above are the whole suite: the same checks as `CHECKS`, in order.

@@ -52,6 +52,67 @@ pub fn send_recv(h: &dyn Harness) {
     ));
 }
 
+/// The sender a receive handler and a notification are told is the one that sent it, as the
+/// transport proved it (the sending engine's main address), told apart between two senders;
+/// a backend that names no sender (`EVENT_MESSAGE` rather than ABI 7's
+/// `EVENT_MESSAGE_FROM`) is skipped, as naming it is optional in the ABI.
+pub fn messages_name_their_sender(h: &dyn Harness) {
+    let config = quick_config(h, 1);
+    let (a, b, c) = (open(&config), open(&config), open(&config));
+    let got = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = Arc::clone(&got);
+    b.submit_recvs_with_sender(64, 8, move |m, from| {
+        sink.lock().unwrap().push((m.to_vec(), from.cloned()))
+    })
+    .unwrap();
+    let sent = DoneCounter::new();
+    for (sender, name) in [(&a, "a"), (&c, "c")] {
+        for i in 0..3 {
+            sender
+                .submit_send(
+                    &b.main_address(),
+                    format!("{name}{i}").as_bytes(),
+                    sent.clone(),
+                )
+                .or_fail("posting it");
+        }
+    }
+    sent.wait_for(6, WAIT).or_fail("the 6 sends' completions");
+    let deadline = Instant::now() + WAIT;
+    while got.lock().unwrap().len() < 6 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let got = got.lock().unwrap().clone();
+    assert_eq!(got.len(), 6, "every message arrives");
+    if got.iter().all(|(_, from)| from.is_none()) {
+        skip_check("the backend does not name a message's sender (ABI 7's EVENT_MESSAGE_FROM)");
+    }
+    for (data, from) in &got {
+        let want = if data[0] == b'a' { &a } else { &c };
+        assert_eq!(
+            from.as_ref(),
+            Some(&want.main_address()),
+            "message {:?} names its sender",
+            String::from_utf8_lossy(data)
+        );
+    }
+    let src = buffer(&a, 64, pattern(1));
+    let dst = buffer(&b, 64, |_| 0);
+    let flag = DoneFlag::new();
+    let done = a
+        .notify_when_done(&b.main_address(), b"note", flag.clone())
+        .or_fail("attaching a notification");
+    a.submit_single_write(64, None, (src.mr(), 0), (dst.desc(), 0), done)
+        .or_fail("posting the write");
+    flag.wait(WAIT).or_fail("the write and its notification");
+    let note = b.wait_notification(WAIT).or_fail("the notification");
+    assert_eq!(
+        note.sender,
+        Some(a.main_address()),
+        "the notification's proven sender"
+    );
+}
+
 /// A notification attached to a transfer reaches the peer only after every byte of that
 /// transfer is in the peer's memory: many writes in flight at once, notifications taken in
 /// whatever order they come, each one's data checked the moment it is seen.

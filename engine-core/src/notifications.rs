@@ -8,16 +8,21 @@ use std::collections::{HashSet, VecDeque};
 use crate::wire::NetAddr;
 
 /// A notification: the id a peer attached to a transfer (see
-/// [`TransferEngine::notify_when_done`](crate::TransferEngine::notify_when_done)) and the
-/// peer's main address. The address is the sender's own claim, carried in the message: a
-/// receiver that restricts notifications trusts peers not to lie about it (see
-/// docs/security.md for what each transport proves).
+/// [`TransferEngine::notify_when_done`](crate::TransferEngine::notify_when_done)), the
+/// peer's main address as the message claims it, and the sender as the transport proved it.
+/// Where the transport proves a sender (verbs, the mock) a notification whose claim differs
+/// is dropped as forged before it is queued, so `from` is then the proven sender; where it
+/// cannot (EFA/libfabric today, plugins that do not say) `sender` is `None` and `from` is
+/// only the sender's word (see docs/security.md).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Notification {
     /// The id, at most [`NOTIFICATION_ID_MAX`](crate::wire::NOTIFICATION_ID_MAX) bytes.
     pub id: Vec<u8>,
-    /// The sender's main address.
+    /// The sender's main address, as the message claims it.
     pub from: NetAddr,
+    /// The sender as the transport proved it (the sending engine's main address), or
+    /// `None` when the backend cannot tell.
+    pub sender: Option<NetAddr>,
 }
 
 /// Why an arrived notification was not queued.
@@ -27,6 +32,8 @@ pub(crate) enum Refused {
     Sender,
     /// The queue holds `worker.max_notifications` already.
     Full,
+    /// It claims a sender other than the one the transport proved.
+    Forged,
 }
 
 /// Notifications waiting to be taken, bounded by `worker.max_notifications`.
@@ -48,10 +55,14 @@ impl Inbox {
         }
     }
 
-    /// Queues `note`, or drops and counts it (a refused sender, or a full queue: the newest
-    /// arrival is the one dropped, so what was queued keeps its order).
+    /// Queues `note`, or drops and counts it (a forged claim, a refused sender, or a full
+    /// queue: the newest arrival is the one dropped, so what was queued keeps its order).
+    /// Once a forged claim is refused, `from` is the proven sender wherever there is one, so
+    /// the allowed peers are checked against it.
     pub(crate) fn offer(&mut self, note: Notification) -> Result<(), Refused> {
-        let refused = if self
+        let refused = if note.sender.as_ref().is_some_and(|s| *s != note.from) {
+            Refused::Forged
+        } else if self
             .allowed
             .as_ref()
             .is_some_and(|a| !a.contains(&note.from))
@@ -81,7 +92,7 @@ impl Inbox {
         self.queue.drain(..).collect()
     }
 
-    /// Notifications dropped so far (refused senders and a full queue).
+    /// Notifications dropped so far (forged claims, refused senders and a full queue).
     pub(crate) fn dropped(&self) -> u64 {
         self.dropped
     }
@@ -95,7 +106,29 @@ mod tests {
         Notification {
             id: vec![id],
             from: NetAddr::new(&[from]).unwrap(),
+            sender: None,
         }
+    }
+
+    fn proven(from: u8, sender: u8, id: u8) -> Notification {
+        Notification {
+            sender: Some(NetAddr::new(&[sender]).unwrap()),
+            ..note(from, id)
+        }
+    }
+
+    /// A claim the transport contradicts is dropped and counted, even from an allowed peer
+    /// and into an open inbox; a claim it confirms is queued like an unproven one.
+    #[test]
+    fn a_notification_claiming_another_sender_than_the_proven_one_is_dropped() {
+        let mut inbox = Inbox::new(8);
+        assert_eq!(inbox.offer(proven(2, 1, 0)), Err(Refused::Forged));
+        inbox.restrict(Some(vec![NetAddr::new(&[2]).unwrap()]));
+        assert_eq!(inbox.offer(proven(2, 1, 1)), Err(Refused::Forged));
+        assert_eq!(inbox.offer(proven(1, 1, 2)), Err(Refused::Sender));
+        assert_eq!(inbox.offer(proven(2, 2, 3)), Ok(()));
+        assert_eq!(inbox.dropped(), 3);
+        assert_eq!(inbox.take_all(), vec![proven(2, 2, 3)]);
     }
 
     #[test]

@@ -672,19 +672,36 @@ impl TransferEngine {
 
     /// Posts `count` receive buffers of `nbytes`; `handler(message: bytes)` is called on the
     /// callback thread for each message (an exception it raises is reported, and the buffer
-    /// is reposted regardless). One receive pool per engine.
+    /// is reposted regardless). One receive pool per engine. With `with_sender=True` it is
+    /// called `handler(message, sender)`: `sender` is the sender as the transport proved it
+    /// (its engine's `main_address` bytes; never read from the message), or `b""` where the
+    /// backend cannot tell (EFA/libfabric today).
+    #[pyo3(signature = (nbytes, count, handler, *, with_sender=false))]
     fn submit_recvs(
         &self,
         py: Python<'_>,
         nbytes: usize,
         count: usize,
         handler: Py<PyAny>,
+        with_sender: bool,
     ) -> PyResult<()> {
         let engine = self.engine(py)?;
         engine
-            .submit_recvs(nbytes, count, move |msg: &[u8]| {
-                Python::attach(|py| call_reporting(py, &handler, msg.to_vec()));
-            })
+            .submit_recvs_with_sender(
+                nbytes,
+                count,
+                move |msg: &[u8], from: Option<&engine_core::NetAddr>| {
+                    Python::attach(|py| {
+                        if with_sender {
+                            let sender =
+                                from.map(engine_core::NetAddr::to_bytes).unwrap_or_default();
+                            call_reporting(py, &handler, (msg.to_vec(), sender))
+                        } else {
+                            call_reporting(py, &handler, msg.to_vec())
+                        }
+                    });
+                },
+            )
             .or_raise(py)
     }
 
@@ -733,9 +750,10 @@ impl TransferEngine {
     }
 
     /// Every notification that arrived so far, in arrival order: their ids as bytes, or with
-    /// `with_sender=True` `(id, sender)` pairs (`sender` is the peer's `main_address`, as it
-    /// claims it). A notification is seen only after every byte of the transfer it was
-    /// attached to (`notify=` on a write or read) has landed here.
+    /// `with_sender=True` `(id, sender)` pairs (`sender` is the peer's `main_address` bytes as
+    /// the transport proved it, never the message's claim; `b""` where the backend cannot
+    /// tell). A notification is seen only after every byte of the transfer it was attached to
+    /// (`notify=` on a write or read) has landed here.
     #[pyo3(signature = (*, with_sender=false))]
     fn poll_notifications<'py>(
         &self,
@@ -789,8 +807,8 @@ impl TransferEngine {
         Ok(())
     }
 
-    /// Notifications dropped so far: refused senders, or past `worker.max_notifications`
-    /// queued and not taken.
+    /// Notifications dropped so far: claiming a sender other than the proven one, refused
+    /// senders, or past `worker.max_notifications` queued and not taken.
     #[getter]
     fn notifications_dropped(&self, py: Python<'_>) -> PyResult<u64> {
         Ok(self.engine(py)?.notifications_dropped())
@@ -994,7 +1012,8 @@ impl PeerGroup {
     }
 }
 
-/// A notification as Python sees it: its id, or `(id, sender)`.
+/// A notification as Python sees it: its id, or `(id, sender)` with the sender the transport
+/// proved (`b""` when it cannot tell), never the message's claim.
 fn notification_value<'py>(
     py: Python<'py>,
     note: &engine_core::Notification,
@@ -1002,7 +1021,12 @@ fn notification_value<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let id = PyBytes::new(py, &note.id);
     if with_sender {
-        let from = PyBytes::new(py, &note.from.to_bytes());
+        let sender = note
+            .sender
+            .as_ref()
+            .map(engine_core::NetAddr::to_bytes)
+            .unwrap_or_default();
+        let from = PyBytes::new(py, &sender);
         Ok((id, from).into_pyobject(py)?.into_any())
     } else {
         Ok(id.into_any())

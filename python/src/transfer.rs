@@ -132,6 +132,15 @@ impl IntoPyObjectTuple for Vec<u8> {
     }
 }
 
+/// A message and its sender's address bytes (empty when unproven).
+impl IntoPyObjectTuple for (Vec<u8>, Vec<u8>) {
+    fn call(self, py: Python<'_>, cb: &Py<PyAny>) -> PyResult<()> {
+        let data = pyo3::types::PyBytes::new(py, &self.0);
+        let sender = pyo3::types::PyBytes::new(py, &self.1);
+        cb.call1(py, (data, sender)).map(drop)
+    }
+}
+
 /// The outcome of one operation (`submit_*` and `expect_imm_count` return it).
 ///
 /// Wait for it with `wait(timeout)` (releases the GIL), poll it with `done()`, `await` it

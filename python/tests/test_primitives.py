@@ -385,6 +385,42 @@ def test_notifications_name_their_sender_and_can_be_restricted():
             a.submit_single_write(sa, d.desc, 64, notify=b"x" * 257)
 
 
+def test_a_message_handler_is_told_the_proven_sender():
+    """Issue 56: `with_sender=True` hands the handler the sender the transport proved (its
+    engine's main_address bytes), two senders told apart; without it, the message alone."""
+    with xfer.TransferEngine(MOCK) as a, xfer.TransferEngine(MOCK) as b, \
+            xfer.TransferEngine(MOCK) as c:
+        got, lock = [], threading.Condition()
+
+        def handler(msg, sender):
+            with lock:
+                got.append((msg, sender))
+                lock.notify_all()
+
+        b.submit_recvs(64, 8, handler, with_sender=True)
+        for sender, name in ((a, b"a"), (c, b"c")):
+            for i in range(3):
+                sender.submit_send(b.main_address, name + b"%d" % i).wait(10)
+        with lock:
+            assert lock.wait_for(lambda: len(got) == 6, timeout=10)
+        for msg, sender in got:
+            assert isinstance(sender, bytes)
+            assert sender == (a if msg.startswith(b"a") else c).main_address, msg
+        # A notification with its proven sender, and a plain handler is unchanged.
+        plain = []
+        a.submit_recvs(64, 2, plain.append)
+        b.submit_send(a.main_address, b"plain").wait(10)
+        deadline = time.monotonic() + 10
+        while not plain and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert plain == [b"plain"]
+        dst = np.zeros(64, dtype=np.uint8)
+        d = b.reg_mr(dst)
+        s = c.reg_mr(pattern(64), access="local")
+        c.submit_single_write(s, d.desc, 64, notify=b"from-c").wait(10)
+        assert b.wait_notification(10, with_sender=True) == (b"from-c", c.main_address)
+
+
 def test_stats_count_operations_bytes_and_latency():
     """Issue 27: engine.stats() as a dict, for a connector's stats hooks."""
     with xfer.TransferEngine(MOCK) as a, xfer.TransferEngine(MOCK) as b:

@@ -8,9 +8,10 @@
 #include <stdint.h>
 
 /**
- * The ABI this engine speaks: bumped when entries are appended to `XferPluginTable`.
+ * The ABI this engine speaks: bumped when entries are appended to `XferPluginTable` or an
+ * event kind is added.
  */
-#define XFER_ABI_VERSION 6
+#define XFER_ABI_VERSION 7
 
 /**
  * The oldest ABI whose plugins this engine still loads.
@@ -88,9 +89,18 @@
 #define XFER_EVENT_IMM 2
 
 /**
- * A message (`data`) arrived in a posted receive buffer.
+ * A message (`data`) arrived in a posted receive buffer; its sender is not known.
  */
 #define XFER_EVENT_MESSAGE 3
+
+/**
+ * ABI 7: a message arrived in a posted receive buffer, with the sender the transport proved
+ * (never a claim read from the message): `data` is one byte `n` (1 to `XFER_MAX_ADDR_LEN`),
+ * then the `n` bytes of the sender's address (as its Domain's `address` returns it), then
+ * the message. See `encode_message_from` and `decode_message_from`. A plugin that
+ * cannot tell the sender sends `XFER_EVENT_MESSAGE`.
+ */
+#define XFER_EVENT_MESSAGE_FROM 4
 
 /**
  * Status codes of the table's functions.
@@ -347,7 +357,8 @@ typedef struct XferRawEvent {
    */
   uint32_t imm;
   /**
-   * Message bytes (kind 3), error text (kind 1), or for kind 2 the sender's address (as
+   * Message bytes (kind 3), the sender's address and the message (kind 4, see
+   * `XFER_EVENT_MESSAGE_FROM`), error text (kind 1), or for kind 2 the sender's address (as
    * its `address` returns it; empty if the NIC does not tell), which lets the engine bound
    * per sender the immediates nobody waits for.
    */

@@ -34,7 +34,10 @@
 //! (one request and an array of [`PageShift`]s), so a plugin checks and locks once per batch
 //! rather than once per page; without it the engine posts them one by one. Version 6 appended
 //! [`post_writes`](PluginTable::post_writes): a burst's writes, each its own request, in one
-//! call (an array of [`RawWrite`]s).
+//! call (an array of [`RawWrite`]s). Version 7 appended no entry: it added the event kind
+//! [`EVENT_MESSAGE_FROM`], a message with the sender the transport proved, which an engine of
+//! an earlier version would take for an unknown kind (so a version-7 plugin is refused there,
+//! as every plugin newer than its engine is).
 //!
 //! Backend authors do not write any of this: [`export_plugin!`](crate::export_plugin) turns a
 //! Rust [`Domain`] opener into the table.
@@ -51,8 +54,9 @@ use crate::domain::{
 use crate::log::LogFn;
 pub use crate::raw::RawBytes;
 
-/// The ABI this engine speaks: bumped when entries are appended to [`PluginTable`].
-pub const ABI_VERSION: u32 = 6;
+/// The ABI this engine speaks: bumped when entries are appended to [`PluginTable`] or an
+/// event kind is added.
+pub const ABI_VERSION: u32 = 7;
 /// The oldest ABI whose plugins this engine still loads.
 pub const MIN_ABI_VERSION: u32 = 1;
 /// Size of a version-1 table: everything before [`PluginTable::post_read`].
@@ -65,8 +69,11 @@ pub const V3_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, check_options) 
 pub const V4_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, post_write_pages) as u32;
 /// Size of a version-5 table: everything before [`PluginTable::post_writes`].
 pub const V5_TABLE_SIZE: u32 = std::mem::offset_of!(PluginTable, post_writes) as u32;
-/// Size of a version-6 table: the whole [`PluginTable`].
+/// Size of a version-6 table: the whole [`PluginTable`] (version 7 added none).
 pub const V6_TABLE_SIZE: u32 = std::mem::size_of::<PluginTable>() as u32;
+/// Size of a version-7 table: version 7 added an event kind ([`EVENT_MESSAGE_FROM`]), no
+/// entry, so its table is version 6's.
+pub const V7_TABLE_SIZE: u32 = std::mem::size_of::<PluginTable>() as u32;
 
 /// The size of a table of ABI `version` (each version appends entries), or `None` for a
 /// version this crate does not know. The engine reads exactly this many bytes of a plugin's
@@ -80,6 +87,7 @@ pub const fn table_size_of(version: u32) -> Option<u32> {
         4 => Some(V4_TABLE_SIZE),
         5 => Some(V5_TABLE_SIZE),
         6 => Some(V6_TABLE_SIZE),
+        7 => Some(V7_TABLE_SIZE),
         _ => None,
     }
 }
@@ -395,8 +403,39 @@ pub const EVENT_DONE: u32 = 0;
 pub const EVENT_FAILED: u32 = 1;
 /// A peer's write with immediate `imm` landed.
 pub const EVENT_IMM: u32 = 2;
-/// A message (`data`) arrived in a posted receive buffer.
+/// A message (`data`) arrived in a posted receive buffer; its sender is not known.
 pub const EVENT_MESSAGE: u32 = 3;
+/// ABI 7: a message arrived in a posted receive buffer, with the sender the transport proved
+/// (never a claim read from the message): `data` is one byte `n` (1 to [`MAX_ADDR_LEN`]),
+/// then the `n` bytes of the sender's address (as its Domain's `address` returns it), then
+/// the message. See [`encode_message_from`] and [`decode_message_from`]. A plugin that
+/// cannot tell the sender sends [`EVENT_MESSAGE`].
+pub const EVENT_MESSAGE_FROM: u32 = 4;
+
+/// The `data` of an [`EVENT_MESSAGE_FROM`] event: the sender's address, length-prefixed,
+/// then the message.
+pub fn encode_message_from(from: &NetAddr, message: &[u8]) -> Vec<u8> {
+    let addr = from.raw();
+    let mut data = Vec::with_capacity(1 + addr.len() + message.len());
+    // A NetAddr is 1 to MAX_ADDR_LEN (64) bytes: its length fits the byte.
+    data.push(addr.len() as u8);
+    data.extend_from_slice(addr);
+    data.extend_from_slice(message);
+    data
+}
+
+/// Splits the `data` of an [`EVENT_MESSAGE_FROM`] event into the sender's address and the
+/// message; `None` when the prefix is not an address (a zero or too long length, or bytes
+/// missing), which the engine treats as a broken plugin.
+pub fn decode_message_from(data: &[u8]) -> Option<(NetAddr, &[u8])> {
+    let (&n, rest) = data.split_first()?;
+    let n = usize::from(n);
+    if n == 0 || n > MAX_ADDR_LEN || rest.len() < n {
+        return None;
+    }
+    let (addr, message) = rest.split_at(n);
+    Some((NetAddr::new(addr).ok()?, message))
+}
 
 /// One event in C layout; its byte strings are valid only during the sink call.
 #[repr(C)]
@@ -410,7 +449,8 @@ pub struct RawEvent {
     pub wr_id: u64,
     /// For kind 2.
     pub imm: u32,
-    /// Message bytes (kind 3), error text (kind 1), or for kind 2 the sender's address (as
+    /// Message bytes (kind 3), the sender's address and the message (kind 4, see
+    /// [`EVENT_MESSAGE_FROM`]), error text (kind 1), or for kind 2 the sender's address (as
     /// its `address` returns it; empty if the NIC does not tell), which lets the engine bound
     /// per sender the immediates nobody waits for.
     pub data: RawBytes,

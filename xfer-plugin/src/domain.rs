@@ -241,6 +241,13 @@ pub enum Event {
     Message {
         /// Its bytes.
         data: Vec<u8>,
+        /// Who sent it, as the transport proved it: the sending Domain's address (what its
+        /// `address` returns), never a claim read from the message's bytes. verbs: the peer
+        /// of the RC connection the message came on (with a cluster secret, a peer that
+        /// proved it in the handshake); the mock: the sending NIC; EFA/libfabric: the source
+        /// address the provider reports (`FI_SOURCE`). `None` when the backend cannot tell:
+        /// the engine then tells the application the sender is unknown.
+        from: Option<NetAddr>,
     },
 }
 

@@ -198,7 +198,12 @@ impl VerbsDomain {
                         } else if let Some(data) =
                             self.receives.take_message(index, wc.byte_len as usize)
                         {
-                            events.push(Event::Message { data });
+                            events.push(Event::Message {
+                                data,
+                                // The QP says who sent it: RC connects one peer per QP,
+                                // through a handshake that peer answered (see the ImmArrival).
+                                from: self.connections.route(wc.qp_num).cloned(),
+                            });
                         }
                     }
                     _ if self.connections.is_data(wc.qp_num) => {

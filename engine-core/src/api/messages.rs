@@ -34,12 +34,29 @@ impl TransferEngine {
     /// One pool per engine; notifications share it, so `len` is raised to at least
     /// [`wire::NOTIFICATION_WIRE_MAX`] − 1 (321) bytes: the longest notification always fits.
     /// A message longer than the buffers fails at its sender (truncation is the transport's
-    /// error), and the receiver keeps its buffer.
+    /// error), and the receiver keeps its buffer. To learn who sent each message, use
+    /// [`submit_recvs_with_sender`](Self::submit_recvs_with_sender).
     pub fn submit_recvs(
         &self,
         len: usize,
         count: usize,
         handler: impl Fn(&[u8]) + Send + Sync + 'static,
+    ) -> Result<()> {
+        self.submit_recvs_with_sender(len, count, move |data: &[u8], _: Option<&NetAddr>| {
+            handler(data)
+        })
+    }
+
+    /// [`submit_recvs`](Self::submit_recvs) whose `handler` is also told who sent each
+    /// message, as the transport proved it: the sending engine's main address (what its
+    /// [`main_address`](Self::main_address) returns), never a claim read from the message.
+    /// `None` where the backend cannot tell (EFA/libfabric today; plugins that do not say):
+    /// see docs/security.md, "Who sent a message".
+    pub fn submit_recvs_with_sender(
+        &self,
+        len: usize,
+        count: usize,
+        handler: impl Fn(&[u8], Option<&NetAddr>) + Send + Sync + 'static,
     ) -> Result<()> {
         if len == 0 || count == 0 {
             return Err(Error::InvalidArgument(
@@ -159,13 +176,16 @@ impl TransferEngine {
 
     /// Only notifications from `peers` (main addresses) are queued from now on; others are
     /// dropped and counted in [`notifications_dropped`](Self::notifications_dropped). `None`
-    /// accepts every peer again. What is already queued stays. A sender's address is its
-    /// own claim: see docs/security.md for what each transport proves about it.
+    /// accepts every peer again. What is already queued stays. Where the transport proves
+    /// the sender (verbs, the mock) that is the address checked (a notification claiming
+    /// another is dropped as forged); elsewhere it is the sender's own claim: see
+    /// docs/security.md for what each transport proves.
     pub fn restrict_notifications(&self, peers: Option<Vec<NetAddr>>) {
         self.inbox().restrict(peers);
     }
 
-    /// Notifications dropped so far: from senders [`restrict_notifications`](Self::restrict_notifications)
+    /// Notifications dropped so far: claiming a sender other than the one the transport
+    /// proved, from senders [`restrict_notifications`](Self::restrict_notifications)
     /// refused, or past `worker.max_notifications` queued (malformed messages are logged).
     pub fn notifications_dropped(&self) -> u64 {
         self.inbox().dropped()

@@ -9,6 +9,7 @@ use super::abi::{
 };
 use super::abi::{
     table_size_of, V2_TABLE_SIZE, V3_TABLE_SIZE, V4_TABLE_SIZE, V5_TABLE_SIZE, V6_TABLE_SIZE,
+    V7_TABLE_SIZE,
 };
 use crate::domain::{BackendRegistration, Domain, DomainConfig, DomainError};
 use xfer_plugin::log::{filter_number, LOG_DEBUG, LOG_ERROR, LOG_INFO, LOG_WARN};
@@ -50,7 +51,7 @@ pub enum PluginError {
     },
     /// The plugin was built against another ABI version, or its table is smaller than its
     /// version's.
-    #[error("plugin {path} has ABI version {found} with a table of {table_size} bytes; this engine loads ABI versions {MIN_ABI_VERSION} to {expected}, each with at least its version's table (version 1: {V1_TABLE_SIZE} bytes, 2: {V2_TABLE_SIZE}, 3: {V3_TABLE_SIZE}, 4: {V4_TABLE_SIZE}, 5: {V5_TABLE_SIZE}, 6: {V6_TABLE_SIZE})")]
+    #[error("plugin {path} has ABI version {found} with a table of {table_size} bytes; this engine loads ABI versions {MIN_ABI_VERSION} to {expected}, each with at least its version's table (version 1: {V1_TABLE_SIZE} bytes, 2: {V2_TABLE_SIZE}, 3: {V3_TABLE_SIZE}, 4: {V4_TABLE_SIZE}, 5: {V5_TABLE_SIZE}, 6 and 7: {V6_TABLE_SIZE})")]
     AbiMismatch {
         /// The library.
         path: PathBuf,
@@ -312,7 +313,7 @@ impl LoadedPlugin {
                 found,
                 expected: ABI_VERSION,
                 table_size,
-                expected_size: V6_TABLE_SIZE,
+                expected_size: V7_TABLE_SIZE,
             },
             TableRefusal::Null(entry) => PluginError::Load {
                 path: path.to_owned(),
@@ -432,6 +433,9 @@ mod tests {
         let v6 = with_header(6, V6_TABLE_SIZE);
         // SAFETY: as above.
         assert!(unsafe { checked_table(&v6) }.unwrap().post_writes.is_some());
+        let v7 = with_header(7, V7_TABLE_SIZE);
+        // SAFETY: as above.
+        assert!(unsafe { checked_table(&v7) }.unwrap().post_writes.is_some());
         for (version, size) in [
             (3, V1_TABLE_SIZE),
             (2, V2_TABLE_SIZE - 4),

@@ -5,9 +5,9 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use super::abi::{
-    RawBytes, RawCapabilities, RawError, RawEvent, RawRdma, RawRegion, RawWrite, DEVICE_CUDA,
-    DEVICE_HOST, EVENT_DONE, EVENT_FAILED, EVENT_IMM, EVENT_MESSAGE, OPTIONS_FLAT, STATUS_BUSY,
-    STATUS_OK,
+    decode_message_from, RawBytes, RawCapabilities, RawError, RawEvent, RawRdma, RawRegion,
+    RawWrite, DEVICE_CUDA, DEVICE_HOST, EVENT_DONE, EVENT_FAILED, EVENT_IMM, EVENT_MESSAGE,
+    EVENT_MESSAGE_FROM, OPTIONS_FLAT, STATUS_BUSY, STATUS_OK,
 };
 use super::flat::flat_options;
 use super::loader::LoadedPlugin;
@@ -115,10 +115,12 @@ impl Drop for PluginDomain {
     }
 }
 
-/// What a poll collects: the events, and the first event kind the engine does not know.
+/// What a poll collects: the events, the first event kind the engine does not know, and the
+/// length of the first message whose sender was framed wrongly.
 struct Collected<'a> {
     events: &'a mut Vec<Event>,
     unknown_kind: Option<u32>,
+    bad_sender: Option<usize>,
     /// The last sender an arrival named: a stream of arrivals from one peer shares one
     /// address instead of allocating one each.
     last_source: Option<NetAddr>,
@@ -166,6 +168,18 @@ unsafe extern "C" fn collect_event(sink: *mut c_void, event: *const RawEvent) {
         },
         EVENT_MESSAGE => Event::Message {
             data: data.to_vec(),
+            from: None,
+        },
+        EVENT_MESSAGE_FROM => match decode_message_from(data) {
+            Some((from, message)) => Event::Message {
+                data: message.to_vec(),
+                from: Some(from),
+            },
+            // Never delivered without its sender: a plugin that frames it wrongly is broken.
+            None => {
+                collected.bad_sender.get_or_insert(data.len());
+                return;
+            }
         },
         // Never guessed at: taken for a message, an immediate would vanish.
         other => {
@@ -380,6 +394,7 @@ impl Domain for PluginDomain {
         let mut collected = Collected {
             events,
             unknown_kind: None,
+            bad_sender: None,
             last_source: None,
         };
         let sink = &mut collected as *mut Collected<'_> as *mut c_void;
@@ -392,6 +407,15 @@ impl Domain for PluginDomain {
                 DomainErrorKind::Fatal,
                 format!(
                     "plugin {} handed the engine an event of unknown kind {kind} (ABI version {})",
+                    self.plugin.name, self.plugin.version
+                ),
+            ));
+        }
+        if let Some(len) = collected.bad_sender {
+            return Err(DomainError::new(
+                DomainErrorKind::Fatal,
+                format!(
+                    "plugin {} handed the engine a message of {len} bytes whose sender is not framed as an address (ABI version {})",
                     self.plugin.name, self.plugin.version
                 ),
             ));
@@ -451,6 +475,7 @@ mod tests {
         let mut collected = Collected {
             events: &mut events,
             unknown_kind: None,
+            bad_sender: None,
             last_source: None,
         };
         let sink = &mut collected as *mut Collected<'_> as *mut c_void;
@@ -475,9 +500,45 @@ mod tests {
                     from: Some(NetAddr::new(b"m").unwrap())
                 },
                 Event::Message {
-                    data: b"m".to_vec()
+                    data: b"m".to_vec(),
+                    from: None
                 }
             ]
+        );
+    }
+
+    /// A message with its sender (ABI 7) is split into the two; a prefix that is not an
+    /// address is recorded, never delivered as a message without a sender or with one.
+    #[test]
+    fn a_message_with_its_sender_is_split_and_a_bad_prefix_is_recorded() {
+        let mut events = Vec::new();
+        let mut collected = Collected {
+            events: &mut events,
+            unknown_kind: None,
+            bad_sender: None,
+            last_source: None,
+        };
+        let sink = &mut collected as *mut Collected<'_> as *mut c_void;
+        let sender = NetAddr::new(b"peer-0").unwrap();
+        let good = super::super::abi::encode_message_from(&sender, b"hello");
+        for data in [&good[..], &[0, b'x'][..], &[9, b'x'][..], &[][..]] {
+            let event = RawEvent {
+                kind: EVENT_MESSAGE_FROM,
+                error_kind: 0,
+                wr_id: 0,
+                imm: 0,
+                data: RawBytes::new(data),
+            };
+            // SAFETY: sink points at a live Collected; the event and its bytes are live.
+            unsafe { collect_event(sink, &event) };
+        }
+        assert_eq!(collected.bad_sender, Some(2));
+        assert_eq!(
+            events,
+            vec![Event::Message {
+                data: b"hello".to_vec(),
+                from: Some(sender)
+            }]
         );
     }
 }

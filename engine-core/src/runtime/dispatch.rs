@@ -100,8 +100,12 @@ pub(crate) enum Post<'a> {
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Routed {
     /// A user's message (whole, its channel byte first) for the receive handler, on the
-    /// callback thread; its buffer goes back to the NIC once the handler returned.
-    User(Vec<u8>),
+    /// callback thread, with the sender the transport proved; its buffer goes back to the
+    /// NIC once the handler returned.
+    User {
+        data: Vec<u8>,
+        sender: Option<NetAddr>,
+    },
     /// A notification, for the inbox; its buffer is given back at once (see
     /// [`take_reposts`](Dispatch::take_reposts)).
     Notification(Notification),
@@ -123,12 +127,13 @@ pub(crate) enum Unrouted {
 
 /// Where `data` goes when user payloads of up to `payload_max` bytes are handled (`None`: no
 /// receive handler is set).
-fn route(data: Vec<u8>, payload_max: Option<usize>) -> Routed {
+/// `sender` is who the transport says sent it, never read from `data`.
+fn route(data: Vec<u8>, sender: Option<NetAddr>, payload_max: Option<usize>) -> Routed {
     let Some(max) = payload_max else {
         return Routed::Dropped(Unrouted::NoHandler);
     };
     match crate::wire::decode_message(&data) {
-        Ok(Message::User(payload)) if payload.len() <= max => Routed::User(data),
+        Ok(Message::User(payload)) if payload.len() <= max => Routed::User { data, sender },
         Ok(Message::User(payload)) => Routed::Dropped(Unrouted::TooLarge {
             len: payload.len(),
             max,
@@ -136,6 +141,7 @@ fn route(data: Vec<u8>, payload_max: Option<usize>) -> Routed {
         Ok(Message::Notification { from, id }) => Routed::Notification(Notification {
             id: id.to_vec(),
             from,
+            sender,
         }),
         Err(e) => Routed::Dropped(Unrouted::Malformed(e)),
     }
@@ -236,7 +242,8 @@ pub(crate) struct Dispatch<W> {
     finished: Vec<Finished<Tracked<W>>>,
     /// Runs of arrivals of one immediate from one sender, in arrival order.
     arrivals: Vec<(u32, Option<NetAddr>, u64)>,
-    messages: Vec<Vec<u8>>,
+    /// Messages that arrived, each with the sender the transport proved.
+    messages: Vec<(Vec<u8>, Option<NetAddr>)>,
     /// Receive buffers to give back to NIC 0 now: those of messages routed anywhere but to
     /// the receive handler (which gives its own back when it returns).
     reposts: usize,
@@ -1001,7 +1008,7 @@ impl<W: Waiter> Dispatch<W> {
                         self.finished.push(done);
                     }
                 }
-                Event::Message { data } => self.messages.push(data),
+                Event::Message { data, from } => self.messages.push((data, from)),
             }
         }
         if let Some((id, n)) = run {
@@ -1043,11 +1050,11 @@ impl<W: Waiter> Dispatch<W> {
         payload_max: Option<usize>,
     ) -> impl Iterator<Item = Routed> + '_ {
         let reposts = &mut self.reposts;
-        self.messages.drain(..).map(move |data| {
-            let routed = route(data, payload_max);
+        self.messages.drain(..).map(move |(data, sender)| {
+            let routed = route(data, sender, payload_max);
             if !matches!(
                 routed,
-                Routed::User(_) | Routed::Dropped(Unrouted::NoHandler)
+                Routed::User { .. } | Routed::Dropped(Unrouted::NoHandler)
             ) {
                 *reposts += 1;
             }

@@ -94,8 +94,9 @@ impl Mirror {
 
 pub(crate) use xfer_plugin::panic_message;
 
-/// Handles incoming messages; see `TransferEngine::submit_recvs`.
-pub(crate) type RecvHandler = Arc<dyn Fn(&[u8]) + Send + Sync>;
+/// Handles incoming messages with the sender the transport proved; see
+/// `TransferEngine::submit_recvs_with_sender`.
+pub(crate) type RecvHandler = Arc<dyn Fn(&[u8], Option<&NetAddr>) + Send + Sync>;
 
 /// What callers ask of the worker.
 pub(crate) enum Command {

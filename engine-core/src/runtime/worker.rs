@@ -83,6 +83,7 @@ fn report_dropped_notification(why: Refused, shared: &Shared) {
         let reason = match why {
             Refused::Sender => "its sender is not among the peers allowed to notify",
             Refused::Full => "worker.max_notifications are queued and not taken",
+            Refused::Forged => "it claims a sender other than the one the transport proved",
         };
         tracing::error!("a notification was dropped: {reason} ({dropped} dropped so far)");
     }
@@ -908,10 +909,16 @@ impl Worker {
         let payload_max = handler.map(|(max, _)| *max);
         for routed in self.core.poll_messages(payload_max) {
             match routed {
-                Routed::User(data) => {
+                Routed::User { data, sender } => {
                     // Routed to the handler only when one is set.
                     if let Some((max, handler)) = handler {
-                        hand_to_receive_handler(&self.shared, *max, Arc::clone(handler), data)
+                        hand_to_receive_handler(
+                            &self.shared,
+                            *max,
+                            Arc::clone(handler),
+                            data,
+                            sender,
+                        )
                     }
                 }
                 Routed::Notification(note) => {
@@ -1151,12 +1158,13 @@ fn hand_to_receive_handler(
     payload_max: usize,
     handler: super::RecvHandler,
     data: Vec<u8>,
+    sender: Option<NetAddr>,
 ) {
     let buf_len = crate::wire::receive_buffer_len(payload_max);
     let weak = Arc::downgrade(shared);
     let job = Box::new(move || {
         let payload = &data[MESSAGE_HEADER_LEN..];
-        let handled = catch_unwind(AssertUnwindSafe(|| handler(payload)));
+        let handled = catch_unwind(AssertUnwindSafe(|| handler(payload, sender.as_ref())));
         if let Some(shared) = weak.upgrade() {
             let _ = shared.submit(Command::PostRecvs {
                 buf_len,

@@ -29,7 +29,7 @@ impl PluginTable {
             post_write: shim_post_write,
             post_send: shim_post_send,
             post_recvs: shim_post_recvs,
-            poll: shim_poll,
+            poll: shim_poll::<true>,
             set_waker: shim_set_waker,
             post_read: Some(shim_post_read),
             capabilities: Some(shim_capabilities),
@@ -49,7 +49,8 @@ impl PluginTable {
     /// version and its size, so the engine reads none of the later entries. For tests and
     /// fixtures that stand for plugins built against older ABIs (version 1: before reads;
     /// 2: before capabilities, logging and flat options; 3: before the options check; 4:
-    /// before batches of pages; 5: before lists of writes).
+    /// before batches of pages; 5: before lists of writes; 6: before messages with their
+    /// senders).
     pub const fn of_version<O: PluginOpener>(version: u32) -> Self {
         let mut table = Self::new::<O>();
         let Some(table_size) = table_size_of(version) else {
@@ -59,6 +60,10 @@ impl PluginTable {
             abi_version: version,
             table_size,
         };
+        if version < 7 {
+            // Before ABI 7 a plugin could not name a message's sender.
+            table.poll = shim_poll::<false>;
+        }
         table
     }
 }
@@ -375,7 +380,9 @@ unsafe extern "C" fn shim_post_recvs(
     })
 }
 
-unsafe extern "C" fn shim_poll(
+/// `NAMES_SENDERS`: whether messages go out with their sender (`EVENT_MESSAGE_FROM`, ABI 7)
+/// when the Domain names one; a table of an older version sends `EVENT_MESSAGE` only.
+unsafe extern "C" fn shim_poll<const NAMES_SENDERS: bool>(
     domain: *mut c_void,
     sink: *mut c_void,
     sink_fn: EventSink,
@@ -386,6 +393,8 @@ unsafe extern "C" fn shim_poll(
         // SAFETY: a live handle, per the ABI contract.
         unsafe { handle(domain) }.poll(&mut events)?;
         for event in &events {
+            // The framed bytes of a message with its sender, alive until the sink returned.
+            let framed;
             let raw = match event {
                 Event::Done {
                     wr_id,
@@ -414,7 +423,20 @@ unsafe extern "C" fn shim_poll(
                     imm: *imm,
                     data: RawBytes::new(from.as_ref().map_or(&[], NetAddr::raw)),
                 },
-                Event::Message { data } => RawEvent {
+                Event::Message {
+                    data,
+                    from: Some(from),
+                } if NAMES_SENDERS => {
+                    framed = encode_message_from(from, data);
+                    RawEvent {
+                        kind: EVENT_MESSAGE_FROM,
+                        error_kind: 0,
+                        wr_id: 0,
+                        imm: 0,
+                        data: RawBytes::new(&framed),
+                    }
+                }
+                Event::Message { data, .. } => RawEvent {
                     kind: EVENT_MESSAGE,
                     error_kind: 0,
                     wr_id: 0,

@@ -584,7 +584,10 @@ impl World {
         self.record(("land", op.from, op.wr_id, failure.is_some()));
         let Some(failure) = failure else {
             if let Some(data) = op.message {
-                self.engines[op.to].inbox[0].push(Event::Message { data });
+                self.engines[op.to].inbox[0].push(Event::Message {
+                    data,
+                    from: Some(addr(op.from, op.nic)),
+                });
             } else if let Some(imm) = op.imm {
                 let from = Some(addr(op.from, op.nic));
                 self.engines[op.to].inbox[op.nic].push(Event::ImmArrival { imm, from });

@@ -458,17 +458,22 @@ fn capabilities_refuse_a_transfer_whole_before_anything_is_posted() {
     );
 }
 
+/// `messages` arrive, sent by `peer(5)` as the transport tells.
 fn arrive(core: &mut Dispatch<u32>, messages: &[Vec<u8>]) {
     let mut events = messages
         .iter()
-        .map(|data| Event::Message { data: data.clone() })
+        .map(|data| Event::Message {
+            data: data.clone(),
+            from: Some(peer(5)),
+        })
         .collect();
     core.handle_events(&mut events);
 }
 
 /// Messages are routed in arrival order: a user's within the receive buffers to the handler
-/// (which gives its buffer back itself), a notification to the inbox; those and whatever is
-/// dropped give their buffers back at once, counted for the worker.
+/// (which gives its buffer back itself), a notification to the inbox, each with the sender the
+/// transport named (not the notification's claim); those and whatever is dropped give their
+/// buffers back at once, counted for the worker.
 #[test]
 fn messages_are_routed_in_order_and_buffers_not_handed_on_are_given_back() {
     let mut core = core(1);
@@ -485,11 +490,15 @@ fn messages_are_routed_in_order_and_buffers_not_handed_on_are_given_back() {
     assert_eq!(
         routed,
         [
-            Routed::User(user),
+            Routed::User {
+                data: user,
+                sender: Some(peer(5))
+            },
             Routed::Dropped(Unrouted::TooLarge { len: 9, max: 8 }),
             Routed::Notification(Notification {
                 id: b"done-7".to_vec(),
                 from: peer(3),
+                sender: Some(peer(5)),
             }),
             Routed::Dropped(Unrouted::Malformed(MessageError::UnknownChannel(0xee))),
             Routed::Dropped(Unrouted::Malformed(MessageError::Empty)),
