@@ -269,10 +269,11 @@ impl SendPlan {
             + (i - self.peer_start[peer as usize]) as u64 * self.layout.row_bytes
     }
 
-    /// The combine writes this rank expects: one from every active peer it sent rows to.
+    /// The combine writes this rank expects: one from every active peer, rows or not (so
+    /// that every rank waits on the same peers and a dead one delays all alike).
     pub fn combine_sources(&self) -> Vec<u32> {
         (0..self.layout.ranks)
-            .filter(|&p| self.active[p as usize] && self.rows_to(p) > 0)
+            .filter(|&p| self.active[p as usize])
             .collect()
     }
 }
@@ -406,6 +407,8 @@ pub struct Receive {
     pub tag: u8,
     /// Rows that are here, by source, then the source's order (local expert, token).
     pub rows: Vec<RecvRow>,
+    /// The sources whose header is here and that are taken (active).
+    pub sources: Vec<bool>,
     /// Rows each source sent (from its header; 0 for a masked source).
     pub sent: Vec<u64>,
     /// Rows of each source that are here (its private rows, and its overflow when taken).
@@ -434,6 +437,7 @@ impl Receive {
         let private = u64::from(l.private_rows);
         let mut rows = Vec::new();
         let mut sent = vec![0; l.ranks as usize];
+        let mut sources = vec![false; l.ranks as usize];
         let mut valid = vec![0; l.ranks as usize];
         let mut expect_b = Vec::new();
         let mut expert_counts = vec![0u64; l.experts_per_rank as usize];
@@ -446,6 +450,7 @@ impl Receive {
             };
             let n = h.rows_to(l, rank);
             sent[s as usize] = n;
+            sources[s as usize] = true;
             let start =
                 (overflow[s as usize] && n > private).then(|| matrix.overflow_start(s, rank));
             if start.is_some() {
@@ -482,6 +487,7 @@ impl Receive {
             epoch,
             tag,
             rows,
+            sources,
             sent,
             valid,
             expect_b,
@@ -515,15 +521,14 @@ impl Receive {
             + u64::from(r.index) * self.layout.row_bytes
     }
 
-    /// The combine writes: to each source that sent rows, its block (a header saying how many
-    /// of its rows were received, then their outputs, in its order), at its combine region's
-    /// block for this rank. `matrix` gives where that block sits.
+    /// The combine writes: to every source taken (rows or not), its block (a header saying
+    /// how many of its rows were received, then their outputs, in its order), at its combine
+    /// region's block for this rank. `matrix` gives where that block sits.
     pub fn writes_combine(&self, matrix: &CountMatrix) -> Vec<Write> {
         let l = &self.layout;
         let mut out = Vec::new();
         for s in 0..l.ranks {
-            let n = self.sent[s as usize];
-            if n == 0 {
+            if !self.sources[s as usize] {
                 continue;
             }
             let Some(h) = &matrix.headers[s as usize] else {

@@ -3,10 +3,13 @@
 //! the clock ([`StepMachine::handle_timeout`], due at [`StepMachine::poll_timeout`]); no
 //! thread, no clock read, no engine.
 //!
-//! Every wait has a deadline: `timeout` after it was armed for a header, two for an overflow
-//! write, four for a combine write (a peer may be waiting out deadlines this rank was spared),
-//! so a step takes at most seven timeouts beyond the caller's own compute. A source that
-//! misses one, or whose header does not decode, is masked for the rest of the step and reported in
+//! Every wait has a deadline: two `timeout`s after it was armed for a header, three for an
+//! overflow write, five for a combine write (a live peer may enter the step up to one timeout
+//! later, or be waiting out deadlines this rank was spared), so a step takes at most ten
+//! timeouts beyond the caller's own compute. Every rank waits on every active peer in each
+//! phase (combine writes go to every source, rows or not), so a rank dead between phases
+//! delays all survivors alike and none falls behind another. A source that misses a
+//! deadline, or whose header does not decode, is masked for the rest of the step and reported in
 //! [`StepMachine::newly_masked`] for the caller's [`Membership`].
 
 use std::collections::VecDeque;
@@ -161,13 +164,14 @@ impl StepMachine {
     }
 
     fn arm(&mut self, source: u32, phase: Phase, now: u64) {
-        // A peer may still be waiting out deadlines this rank did not have to: its headers
-        // can complete up to one timeout after ours (so its overflow comes up to then), and
-        // its combine can follow its own dispatch waits (one for headers, two for overflow).
+        // Budgets in timeouts. A live peer may enter the step up to one timeout after this
+        // rank (its previous step ended later); its headers may complete up to a header
+        // budget after ours, so its overflow comes up to then; and its combine can follow its
+        // own dispatch waits (headers and overflow) this rank was spared.
         let budget = match phase {
-            Phase::DispatchA => 1,
-            Phase::DispatchB => 2,
-            Phase::Combine => 4,
+            Phase::DispatchA => 2,
+            Phase::DispatchB => 3,
+            Phase::Combine => 5,
         };
         self.waits.push(Wait {
             source,

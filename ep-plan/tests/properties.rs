@@ -323,7 +323,7 @@ fn check(c: Case) -> Result<(), TestCaseError> {
             csend[d][at..at + 16].copy_from_slice(&row(d as u32, got[1], got[2], 77));
         }
         for s in 0..c.ranks {
-            if recv.sent[s as usize] > 0 {
+            if recv.sources[s as usize] {
                 let at = recv.combine_send_offset(s) as usize;
                 csend[d][at..at + 64].copy_from_slice(&encode_combine_header(
                     c.epoch,

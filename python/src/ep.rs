@@ -286,7 +286,7 @@ impl EpStep {
             ));
         };
         Ok((0..self.layout.ranks)
-            .filter(|&s| r.sent[s as usize] > 0)
+            .filter(|&s| r.sources[s as usize])
             .map(|s| {
                 let h =
                     xfer_ep_plan::plan::encode_combine_header(r.epoch, r.rank, r.valid[s as usize]);

@@ -249,7 +249,7 @@ def survivors_run(cfg, g, r, dead, first_step, steps, seed):
                 # Each source's rows that arrived are its first ones, in order.
                 assert cnt[le] <= len(expected[le])
             else:
-                assert np.array_equal(recv[le, : cnt[le]], expected[le]), f"step {step} expert {le}"
+                assert np.array_equal(recv[le, : cnt[le]], expected[le]), f"step {step} expert {le}: {cnt} vs {[len(e) for e in expected]}, received {h.step.received()} masked {h.step.newly_masked()}"
         y = g.combine(oracle.run_experts_deepep(recv, cnt, r, cfg), h, w)
         # No timed assertion (the machine is shared): the bound is the protocol's, checked in
         # the Rust schedules; here the step only has to end, far inside the test's own limit.
@@ -296,6 +296,21 @@ def test_a_silent_rank_is_masked_and_the_rest_stay_exact(ranks, seed):
         rs.close()
 
 
+def outlive_death_after_dispatch(cfg, g, r, dead, ins):
+    """A step whose rank ``dead`` dies after its dispatch: everything it sent arrives, its
+    combine never does; the step ends by its deadlines with ``dead`` masked and every token
+    that avoided it exact."""
+    x, idx, w = ins[r]
+    recv, cnt, h = g.dispatch(x, idx)
+    expected = oracle.expected_recv(ins, r, cfg)
+    for le in range(cfg.experts_per_rank):
+        assert np.array_equal(recv[le, : cnt[le]], expected[le])
+    y = g.combine(oracle.run_experts_deepep(recv, cnt, r, cfg), h, w)
+    active = [s != dead for s in range(cfg.ranks)]
+    assert np.array_equal(y, oracle.expected_combine(x, idx, w, cfg, active=active))
+    assert list(g.query_active_mask()) == [0 if s == dead else 1 for s in range(cfg.ranks)]
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_a_rank_dying_between_dispatch_and_combine(ranks):
     cfg = failure_cfg(ranks)
@@ -305,14 +320,11 @@ def test_a_rank_dying_between_dispatch_and_combine(ranks):
         def body(r, g):
             ins = [oracle.inputs(4, 0, s, cfg) for s in range(ranks)]
             x, idx, w = ins[r]
-            recv, cnt, h = g.dispatch(x, idx)
             if r == dead:
+                g.dispatch(x, idx)
                 rs.engines[r].close()  # gone, as a process killed after its dispatch
                 return
-            y = g.combine(oracle.run_experts_deepep(recv, cnt, r, cfg), h, w)
-            active = [s != dead for s in range(ranks)]
-            assert np.array_equal(y, oracle.expected_combine(x, idx, w, cfg, active=active))
-            assert list(g.query_active_mask()) == [0 if s == dead else 1 for s in range(ranks)]
+            outlive_death_after_dispatch(cfg, g, r, dead, ins)
             survivors_run(cfg, g, r, dead, 1, 2, 4)
 
         rs.run(body)
@@ -321,15 +333,18 @@ def test_a_rank_dying_between_dispatch_and_combine(ranks):
 
 
 def test_a_hung_rank_whose_writes_land_steps_later_never_corrupts_them():
-    """Rank 2's NIC holds every write 2.5 deadlines: its step-0 writes land while the others
+    """Rank 2's NIC holds every write past the header deadline: its step-0 writes land while the others
     run later steps (the same buffer sets again), carrying step 0's epoch; the survivors go on
     until they did land (the hung rank's header shows up in its slot of set 0, which nobody
     else writes)."""
     cfg = failure_cfg(3)
     hung = 2
-    delay = 2.5 * TIMEOUT
+    delay = 2.2 * TIMEOUT  # the header wait is two timeouts
     rs = Ranks(cfg, engine_configs={hung: mock(delay_us=int(delay * 1e6))})
     slot = hung * (cfg.region_bytes()["header"] + cfg.private * cfg.row_bytes)
+
+    seen = {}
+    decided = threading.Barrier(2)
 
     def landed(g):
         return g.regions["dispatch"][slot:slot + 4].tobytes() == (0x58455031).to_bytes(4, "little")
@@ -340,9 +355,16 @@ def test_a_hung_rank_whose_writes_land_steps_later_never_corrupts_them():
                 g.dispatch(x, idx)  # masks everyone: its own writes are late too
                 return
             step = 0
-            while step < 4 or not landed(g) and step < 400:
+            while True:
                 survivors_run(cfg, g, r, hung, step, 1, 8)
                 step += 1
+                # Both survivors decide alike whether to go on.
+                seen[r] = landed(g)
+                decided.wait()
+                go_on = step < 4 or not all(seen.values()) and step < 3000
+                decided.wait()
+                if not go_on:
+                    break
             assert landed(g), "the hung rank's late write landed during the steps"
             # And the steps after it landed are exact too.
             survivors_run(cfg, g, r, hung, step, 2, 8)
@@ -350,3 +372,104 @@ def test_a_hung_rank_whose_writes_land_steps_later_never_corrupts_them():
         rs.run(body)
     finally:
         rs.close()
+
+
+# -- processes over libfabric shm -------------------------------------------------------------
+
+
+def never_wrong_step(cfg, g, r, dead, ins):
+    """A step after a rank died, where the survivors may not agree (see the shm case): it ends,
+    the dead rank is masked, and every token not reported lost is exact."""
+    x, idx, w = ins[r]
+    recv, cnt, h = g.dispatch(x, idx)
+    y = g.combine(oracle.run_experts_deepep(recv, cnt, r, cfg), h, w)
+    mask = list(g.query_active_mask())
+    assert mask[dead] == 0
+    ref = oracle.expected_combine(x, idx, w, cfg, active=[m == 1 for m in mask])
+    lost = {int(i) // cfg.top_k for i in h.lost_slots}
+    kept = [t for t in range(idx.shape[0]) if t not in lost]
+    assert np.array_equal(y[kept], ref[kept]), "a token not reported lost differs"
+
+
+def shm_config():
+    return {
+        "backend": "efa",
+        "groups": [{"nics": ["auto"]}],
+        "backends": {"efa": {"provider": "shm"}},
+        "timeouts": {"expect_ms": 120000, "transfer_ms": 120000, "connect_ms": 20000},
+        "worker": {"idle_poll_us": 0},
+    }
+
+
+def shm_rank(rank, cfg_kwargs, conn, steps, die_after_dispatch):
+    """One rank in its own process: exchanges local_info through the parent, runs ``steps``
+    steps against the oracle; the dying rank exits (as if killed) after step 1's dispatch."""
+    import os
+
+    cfg = EpConfig(**cfg_kwargs)
+    try:
+        with xfer.TransferEngine(shm_config()) as e:
+            g = EpGroup(e, rank, cfg)
+            conn.send(g.local_info())
+            g.connect(conn.recv())
+            for step in range(steps):
+                ins = [oracle.inputs(17, step, s, cfg, routing=("uniform", "zipf", "incast")[step % 3]) for s in range(cfg.ranks)]
+                if die_after_dispatch == rank and step == 1:
+                    _recv, _cnt, h = g.dispatch(*ins[rank][:2])
+                    for _peer, t in h.sends:  # its dispatch delivered, then killed
+                        t.wait(30)
+                    conn.send("dying")
+                    os._exit(0)
+                dead = die_after_dispatch
+                if dead is None or step == 0:
+                    check_step(g, rank, cfg, ins)
+                else:
+                    never_wrong_step(cfg, g, rank, dead, ins)
+            conn.send("ok")
+            conn.recv()  # every rank done before any engine closes
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        conn.send(f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
+
+
+@pytest.mark.parametrize("ranks,die", [(2, None), (3, None), (3, 2)])
+def test_processes_over_shm(ranks, die):
+    """EP 2 and 3 as processes over libfabric shm, exact against the oracle; and a process
+    killed after its dispatch: every survivor's steps end, mask it, and hand over nothing
+    wrong. Exact masks are not asserted there: over shm a write to the dead process holds up
+    the writes posted with it (a survivor's combine to a live peer stalls past its deadline,
+    and the survivors then mask each other) - found here, left to the efa backend (docs/moe.md)."""
+    from conftest import plugin_available
+
+    if not plugin_available("efa"):
+        pytest.skip("the efa plugin is not in the package (cargo xtask python builds it)")
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    cfg = dict(ranks=ranks, experts_per_rank=2, top_k=2, max_tokens=6, hidden=64, private_rows=2, timeout=TIMEOUT)
+    pipes = [ctx.Pipe() for _ in range(ranks)]
+    procs = [ctx.Process(target=shm_rank, args=(r, cfg, pipes[r][1], 4, die)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    try:
+        infos = []
+        for r in range(ranks):
+            assert pipes[r][0].poll(60), f"rank {r} did not start"
+            info = pipes[r][0].recv()
+            assert isinstance(info, dict), info
+            infos.append(info)
+        for r in range(ranks):
+            pipes[r][0].send(infos)
+        for r in range(ranks):
+            assert pipes[r][0].poll(120), f"rank {r} did not finish"
+            reply = pipes[r][0].recv()
+            assert reply == ("dying" if r == die else "ok"), reply
+        for r in range(ranks):
+            if r != die:
+                pipes[r][0].send("close")
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()

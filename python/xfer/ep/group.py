@@ -48,7 +48,7 @@ class Handle:
 class EpGroup:
     """One rank's side of dispatch and combine.
 
-    ``engine``: an open ``xfer.TransferEngine`` whose ``timeouts.expect_ms`` exceeds seven
+    ``engine``: an open ``xfer.TransferEngine`` whose ``timeouts.expect_ms`` exceeds ten
     ``cfg.timeout`` (the group's own deadlines decide; the engine's must not come first).
     Exchange ``local_info()`` among the ranks by any channel, then ``connect(infos)``."""
 
@@ -262,9 +262,14 @@ class EpGroup:
         not come back count zero; they are in ``h.lost_slots``."""
         cfg = self.cfg
         self._drive(h, ("done",))
-        # The step's own writes are done before its buffers are reused two steps on.
+        # The step's own writes to live peers are done before its buffers are reused two
+        # steps on. Those to a masked peer may hang (a dead process over shm never answers):
+        # not waited for, as what they carry is never read.
         deadline = time.monotonic() + cfg.timeout
+        active = h.step.active()
         for peer, t in h.sends:
+            if not active[peer]:
+                continue
             try:
                 t.wait(max(0.0, deadline - time.monotonic()))
             except (TimeoutError, _errors.Error):

@@ -45,7 +45,7 @@ class EpConfig:
     ``max_tokens``); ``overflow_rows``: rows each receiver shares among its sources past their
     private slots (default: enough for any routing, ``ranks × max_tokens × top_k`` less the
     private slots). ``timeout``: seconds each wait of a step may take before its source is
-    masked (a step takes at most seven of them beyond the caller's compute)."""
+    masked (a step takes at most ten of them beyond the caller's compute)."""
 
     ranks: int
     experts_per_rank: int
