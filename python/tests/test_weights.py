@@ -92,24 +92,26 @@ def test_plan_refusal_names_the_parameter():
 class Cluster:
     """m senders and n receivers on the mock, meeting through an in-process rendezvous."""
 
-    def __init__(self, layout, senders, receivers, *, timeout=5.0, budget=None, group="w", double_buffer=False):
+    def __init__(self, layout, senders, receivers, *, timeout=5.0, budget=None, group="w", double_buffer=False, config=MOCK, grace=2.0):
         self.server = xfer.Server()
         self.rdv = xfer.Rendezvous(self.server.url)
-        self.engines = [xfer.TransferEngine(MOCK) for _ in range(senders + receivers)]
+        self.engines = [xfer.TransferEngine(config) for _ in range(senders + receivers)]
         self.layout = layout
         self.senders = [
-            W.WeightSender(self.engines[s], self.rdv, group, s, senders, receivers, timeout=timeout, grace=2.0, budget_bytes=budget)
+            W.WeightSender(self.engines[s], self.rdv, group, s, senders, receivers, timeout=timeout, grace=grace, budget_bytes=budget)
             for s in range(senders)
         ]
         self.receivers = [
             W.WeightReceiver(
-                self.engines[senders + r], self.rdv, group, r, senders, receivers, timeout=timeout, grace=2.0, double_buffer=double_buffer
+                self.engines[senders + r], self.rdv, group, r, senders, receivers, timeout=timeout, grace=grace, double_buffer=double_buffer
             )
             for r in range(receivers)
         ]
 
-    def version(self, v, full, *, skip_sender=None, transform=None, data=None):
-        """Runs version v on every rank (threads); returns each rank's exception or None."""
+    def version(self, v, full, *, skip_sender=None, skip_receiver=None, transform=None, data=None, first=None, then=None):
+        """Runs version v on every rank (threads); returns each rank's exception or None.
+        ``first`` (a key such as ``("r", 0)``) starts alone; ``then()`` returns when the
+        others may start (a staggered start)."""
         results = {}
 
         def run(key, fn):
@@ -119,18 +121,24 @@ class Cluster:
             except Exception as e:  # noqa: BLE001
                 results[key] = e
 
-        threads = []
+        threads = {}
         for s, sender in enumerate(self.senders):
             if s == skip_sender:
                 continue
             shards = data(s) if data else shard_data(self.layout, full, s)
-            threads.append(threading.Thread(target=run, args=(("s", s), lambda sd=sender, sh=shards: sd.send(v, self.layout, sh, transform=transform))))
+            threads[("s", s)] = threading.Thread(target=run, args=(("s", s), lambda sd=sender, sh=shards: sd.send(v, self.layout, sh, transform=transform)))
         for r, receiver in enumerate(self.receivers):
-            threads.append(threading.Thread(target=run, args=(("r", r), lambda rc=receiver: rc.receive(v))))
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+            if r == skip_receiver:
+                continue
+            threads[("r", r)] = threading.Thread(target=run, args=(("r", r), lambda rc=receiver: rc.receive(v)))
+        if first is not None:
+            threads[first].start()
+            then()
+        for key, t in threads.items():
+            if key != first:
+                t.start()
+        for t in threads.values():
+            t.join(120)
             assert not t.is_alive(), "a rank did not return within its deadline"
         return results
 

@@ -88,12 +88,13 @@ pub(crate) fn install_wheel(pip: &str) -> Result {
     )
 }
 
-/// Builds the plugins, creates the venv, installs pytest, numpy and the package.
+/// Builds the plugins, creates the venv, installs pytest, numpy, hypothesis (the fuzz tests of
+/// the Python decoders) and the package.
 pub(crate) fn install() -> Result {
     ensure_venv()?;
     run(
         &venv_bin("pip"),
-        &["install", "--quiet", "pytest", "numpy>=1.22"],
+        &["install", "--quiet", "pytest", "numpy>=1.22", "hypothesis"],
     )?;
     install_wheel(&venv_bin("pip"))
 }
