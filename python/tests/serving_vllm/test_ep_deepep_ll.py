@@ -1,0 +1,166 @@
+"""vLLM's own low-latency DeepEP path over xfer's ``deep_ep`` (``xfer.ep.deep_ep``), in two
+processes on CPU tensors over libfabric shm, checked against the communication-free oracle.
+
+What runs is vLLM's: ``DeepEPLLAll2AllManager.get_handle`` makes the ``Buffer`` (its kwargs,
+its handle cache), and ``DeepEPLLPrepareAndFinalize`` dispatches (``prepare``, and
+``prepare_async`` + hook as DBO does) and combines (``finalize`` / ``finalize_async``) in
+vLLM's call order. ``deep_ep`` is xfer's because its directory is first on PYTHONPATH (the
+opt-in a user makes). Stand-ins: the manager is built without vLLM's engine around it (its
+``__init__`` reads a running VllmConfig; we set the attributes ``get_handle`` uses), and its
+``query_active_mask`` allocates on ``cuda``: the mask is read through the same Buffer call it
+makes (``low_latency_query_mask_buffer``) on a CPU tensor."""
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from xfer.ep import oracle  # noqa: E402
+from xfer.ep.deep_ep import shim_path  # noqa: E402
+from xfer.ep.layout import EpConfig, from_f32  # noqa: E402
+
+SHM = {
+    "backend": "efa",
+    "groups": [{"nics": ["auto"]}],
+    "backends": {"efa": {"provider": "shm"}},
+    "timeouts": {"expect_ms": 120000, "transfer_ms": 120000, "connect_ms": 20000},
+    "worker": {"idle_poll_us": 0},
+}
+HIDDEN = 2048  # the smallest hidden size vLLM's DeepEPLLPrepareAndFinalize accepts
+RANKS = 2
+
+
+def rank_main(rank, port, conn, shapes, max_tokens, steps):
+    try:
+        import json
+        import sys
+
+        # The opt-in as the process sees it: PYTHONPATH's entries lead sys.path (multiprocessing's
+        # spawn hands the child the parent's sys.path, so it is put there as the interpreter would).
+        sys.path.insert(0, shim_path())
+
+        import torch.distributed as dist
+        from types import SimpleNamespace
+
+        import deep_ep
+        from vllm.distributed.device_communicators.all2all import DeepEPLLAll2AllManager
+        from vllm.distributed.device_communicators.base_device_communicator import Cache
+
+        assert getattr(deep_ep, "__xfer__", False), f"deep_ep is not xfer's: {deep_ep.__file__}"
+        os.environ["XFER_EP_CONFIG"] = json.dumps(SHM)
+        os.environ["XFER_EP_TIMEOUT"] = "10"
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
+        group = dist.new_group(list(range(RANKS)), backend="gloo")
+
+        manager = DeepEPLLAll2AllManager.__new__(DeepEPLLAll2AllManager)
+        manager.cpu_group, manager.support_fault_tolerance, manager.handle_cache = group, True, Cache()
+        manager.world_size = RANKS
+        for num_experts, top_k in shapes:
+            run_shape(rank, manager, group, num_experts, top_k, max_tokens, steps)
+        dist.barrier(group)
+        manager.destroy()
+        conn.send("ok")
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
+
+
+def run_shape(rank, manager, group, num_experts, top_k, max_tokens, steps):
+    """Steps of one model shape, through vLLM's manager and prepare/finalize."""
+    import deep_ep
+    import torch.distributed as dist
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll import DeepEPLLPrepareAndFinalize
+    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
+
+    from xfer.ep.tensors import storage_of, tensor_of
+
+    buffer = manager.get_handle(dict(
+        max_num_tokens_per_dp_rank=max_tokens, token_hidden_size=HIDDEN, num_ep_ranks=RANKS,
+        num_global_experts=num_experts, num_local_experts=num_experts // RANKS,
+    ))
+    assert isinstance(buffer, deep_ep.Buffer) and buffer.low_latency_mode
+    pf = DeepEPLLPrepareAndFinalize(buffer, max_tokens_per_rank=max_tokens, num_dispatchers=RANKS)
+    quant = FusedMoEQuantConfig.make()
+    cfg = EpConfig(ranks=RANKS, experts_per_rank=num_experts // RANKS, top_k=top_k, max_tokens=max_tokens, hidden=HIDDEN)
+    for step in range(steps):
+        ins = [oracle.inputs(31, step, s, cfg, routing=("uniform", "zipf", "incast")[step % 3], tokens=max_tokens - s)
+               for s in range(RANKS)]
+        x, idx, w = ins[rank]
+        a1 = tensor_of(x.copy(), "bfloat16")
+        topk_ids, topk_weights = torch.from_numpy(idx), torch.from_numpy(w)
+        if step % 2 == 0:
+            expert_x, scale, meta, _, _ = pf.prepare(a1, topk_weights, topk_ids, num_experts, None, False, quant)
+        else:
+            hook, receiver = pf.prepare_async(a1, topk_weights, topk_ids, num_experts, None, False, quant)
+            hook()
+            expert_x, scale, meta, _, _ = receiver()
+        assert scale is None
+        counts = meta.expert_num_tokens.numpy()
+        got = storage_of(expert_x)
+        expected = oracle.expected_recv(ins, rank, cfg)
+        for le in range(cfg.experts_per_rank):
+            assert counts[le] == len(expected[le]), f"step {step} expert {le}"
+            assert np.array_equal(got[le, : counts[le]], expected[le]), f"step {step} expert {le}: rows differ"
+        fused_out = tensor_of(oracle.run_experts_deepep(got, counts, rank, cfg), "bfloat16")
+        output = torch.empty((x.shape[0], HIDDEN), dtype=torch.bfloat16)
+        if step % 2 == 0:
+            pf.finalize(output, fused_out, topk_weights, topk_ids, False, TopKWeightAndReduceDelegate())
+        else:
+            recv_hook, done = pf.finalize_async(output, fused_out, topk_weights, topk_ids, False, TopKWeightAndReduceDelegate())
+            recv_hook()
+            done()
+        ref = from_f32(oracle.expected_combine(x, idx, w, cfg), "bfloat16")
+        assert np.array_equal(storage_of(output), ref), f"step {step}: combine differs"
+    mask = torch.ones(RANKS, dtype=torch.int32)
+    buffer.low_latency_query_mask_buffer(mask)
+    assert mask.tolist() == [0] * RANKS, mask
+    buffer.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True).zero_()
+    buffer.low_latency_clean_mask_buffer()
+    dist.barrier(group)
+
+
+def efa_plugin():
+    import xfer  # noqa: F401 - puts the package's plugins on XFER_PLUGIN_PATH
+
+    dirs = [d for d in os.environ.get("XFER_PLUGIN_PATH", "").split(os.pathsep) if d]
+    return any(os.path.exists(os.path.join(d, "libbackend_efa.so")) for d in dirs)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_vllm_deepep_ll_prepare_finalize_over_xfer(monkeypatch):
+    """Two shapes (4 experts top-2, 8 experts top-8; one Buffer each, as vLLM's handle cache
+    keys them), three steps each, sync and async forms alternating."""
+    if not efa_plugin():
+        pytest.skip("the efa plugin (libfabric shm) is not in the package")
+    # The opt-in, as a user makes it: xfer's deep_ep first on the path of the processes.
+    monkeypatch.setenv("PYTHONPATH", shim_path() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    import importlib.util
+
+    assert importlib.util.find_spec("deep_ep") is None or "deep_ep_shim" not in str(importlib.util.find_spec("deep_ep").origin), (
+        "without the opt-in, xfer's deep_ep is not found"
+    )
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    pipes = [ctx.Pipe() for _ in range(RANKS)]
+    procs = [ctx.Process(target=rank_main, args=(r, port, pipes[r][1], [(4, 2), (8, 8)], 6, 3)) for r in range(RANKS)]
+    for p in procs:
+        p.start()
+    try:
+        for r in range(RANKS):
+            assert pipes[r][0].poll(240), f"rank {r} did not finish"
+            assert pipes[r][0].recv() == "ok"
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
