@@ -238,10 +238,10 @@ def test_vllm_loads_the_connector_from_its_module_path(server):
     p = Instance("load-check", server)
     assert isinstance(p.worker, xfer.vllm.XferConnector)
     assert isinstance(p.scheduler, xfer.vllm.XferConnector)
-    import xfer.kv.vllm
+    from xfer.kv import vllm as kv_vllm
 
     # Issue 54: the module moved into xfer.kv; the path vLLM is given is the same module.
-    assert xfer.vllm is xfer.kv.vllm and type(p.worker) is xfer.kv.vllm.XferConnector
+    assert xfer.vllm is kv_vllm and type(p.worker) is kv_vllm.XferConnector
     p.close()
 
 
@@ -340,7 +340,7 @@ def test_a_dead_prefill_ends_in_load_errors_within_the_deadline(server):
 def test_an_unknown_peer_is_a_load_error(server):
     d = Instance("d6", server)
     params = {"do_remote_prefill": True, "remote_engine_id": "nobody", "remote_block_ids": [[1]],
-              "remote_request_id": "x"}
+              "remote_request_id": "x", "xfer_token": "0" * 32}
     decode(d, "r6-d", 4, params, [2])
     d.step()
     d.wait("the failed lookup", lambda: "r6-d" in d.recved)
@@ -604,16 +604,25 @@ def test_prometheus_metrics_through_vllms_own_prom_hooks(server):
 # ---- push mode ----
 
 
+def proxy_token(prefill_req):
+    """The random token a proxy makes for a pushed request and gives both instances."""
+    import hashlib
+
+    return hashlib.md5(prefill_req.encode()).hexdigest()
+
+
 def push_decode(d, req_id, tokens, prefill_engine, prefill_req, local_ids, prefill_tp=1):
     """d (asked first) allocates `local_ids` for a request prefill_engine computes and pushes."""
     params = {"do_remote_prefill": True, "xfer_push": True, "remote_engine_id": prefill_engine,
-              "remote_request_id": prefill_req, "remote_tp_size": prefill_tp}
+              "remote_request_id": prefill_req, "remote_tp_size": prefill_tp,
+              "xfer_token": proxy_token(prefill_req)}
     return decode(d, req_id, tokens, params, local_ids)
 
 
 def push_prefill(p, req_id, tokens, block_ids):
     """p schedules `req_id` into `block_ids` (it will push them as it computes)."""
-    r = request(req_id, tokens, {"do_remote_decode": True, "xfer_push": True})
+    r = request(req_id, tokens, {"do_remote_decode": True, "xfer_push": True,
+                                 "xfer_token": proxy_token(req_id)})
     p.scheduler.update_state_after_alloc(r, blocks_of(block_ids), 0)
     p.step()
     return r
@@ -832,6 +841,9 @@ def test_side_channels_replace_the_shared_rendezvous():
     """Each instance serves its own records; a request's parameters say where, for pull and
     for push (where the decoder's ids say where its own records are)."""
     side = {n: {"rendezvous": None, "side_channel": f"127.0.0.1:{free_port()}"} for n in "pd"}
+    # Each may dial the other's side channel (no other: parameters come from API clients).
+    side["p"]["peer_side_channels"] = [side["d"]["side_channel"]]
+    side["d"]["peer_side_channels"] = [side["p"]["side_channel"]]
     p, d = Instance("sp", None, extra=side["p"]), Instance("sd", None, extra=side["d"])
     params = prefill(p, "r", 10, [3, 5, 7])
     assert params["remote_rendezvous"] == "xfer://" + side["p"]["side_channel"]
@@ -841,7 +853,8 @@ def test_side_channels_replace_the_shared_rendezvous():
     assert not d.failed
     assert_copied(p, d, [3, 5, 7], [0, 9, 2])
     pushed = {"do_remote_prefill": True, "xfer_push": True, "remote_engine_id": "sp",
-              "remote_request_id": "q", "remote_rendezvous": params["remote_rendezvous"]}
+              "remote_request_id": "q", "remote_rendezvous": params["remote_rendezvous"],
+              "xfer_token": proxy_token("q")}
     decode(d, "q-d", 8, pushed, [10, 11])
     d.step()
     r = push_prefill(p, "q", 8, [1, 2])
@@ -862,7 +875,8 @@ def test_data_parallel_engines_on_one_node_serve_side_channels_of_their_own():
     port = free_port()
     extra = {"rendezvous": None, "side_channel": f"127.0.0.1:{port}"}
     engines = [Instance(f"dp-p_dp{rank}", None, extra=extra, dp=(2, rank)) for rank in range(2)]
-    d = Instance("dp-d", None, extra={"rendezvous": None, "side_channel": f"127.0.0.1:{free_port()}"})
+    d = Instance("dp-d", None, extra={"rendezvous": None, "side_channel": f"127.0.0.1:{free_port()}",
+                                      "peer_side_channels": [f"127.0.0.1:{port + i}" for i in (0, 1)]})
     for rank, p in enumerate(engines):
         params = prefill(p, f"r{rank}", 10, [3, 5])
         assert params["remote_rendezvous"] == f"xfer://127.0.0.1:{port + rank}"
@@ -928,6 +942,9 @@ def test_kv_of_another_model_is_refused_pulled_or_pushed(server, two_models):
     push_decode(d, "q-d", 8, "mm-p", "q", [5, 6])
     d.step()
     started = time.monotonic()
+    # The proxy's request reaches the prefill too: only then can it tell the decoder's ids
+    # (with the request's token) from a forger's, and answer them.
+    push_prefill(p, "q", 8, [3, 4])
     d.wait("the refused push", lambda: "q-d" in d.failed)
     assert time.monotonic() - started < 30, "told by the prefill, not timed out"
     same = Instance("mm-d2", server, model=a)

@@ -13,6 +13,7 @@ import struct
 import pytest
 
 from xfer._kvcache import pack_message, unpack_message, view_of
+from xfer.kv.control import ControlError, Header
 from xfer._vllm_push import (
     _CANCEL,
     _PUSHED,
@@ -30,6 +31,9 @@ FORGET = 120.0
 START = 1000.0
 """When a test's decode rank asks for its push (a clock far from ``time.monotonic``'s)."""
 LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
+TOKEN = "5" * 32
+"""The request's token (the proxy's, in both instances' parameters)."""
+FORGED = "f" * 32
 
 
 def hnd(heads, total_heads=2, blocks=16, tokens=16, content=8):
@@ -72,7 +76,8 @@ class Worker:
             is_draft_layer=lambda name: False, in_background=self.now,
             tell_done_soon=lambda load: self.events.append(("done", load)),
             finish_load=lambda req_id, load, error: self.events.append(("finish", req_id, error)),
-            logger=logging.getLogger("test_vllm_push")))
+            logger=logging.getLogger("test_vllm_push"),
+            dialable=(frozenset({"xfer://d", "xfer://p"}), False)))
 
     # ---- the engine ----
 
@@ -117,13 +122,13 @@ def decoder_of_two_prefill_ranks():
     """A decode rank (TP 1, both heads) whose prefill instance runs at TP 2 (a head each)."""
     d = Worker("d", peers={("p", r): peer("p", r, heads=1) for r in (0, 1)})
     load = Load(local_block_ids=[[4, 5]], remote_engine_id="p", remote_block_ids=[],
-                remote_request_id="r", remote_tp_size=2)
+                remote_request_id="r", remote_tp_size=2, token=TOKEN)
     d.push.await_push("r-d", load, now=START)
     return d, load
 
 
 def pushed(rank, **header):
-    return {"engine": "p", "req": "r", "rank": rank, **header}
+    return Header({"engine": "p", "req": "r", "rank": rank, "token": TOKEN, **header})
 
 
 # ---- the wire ----
@@ -139,6 +144,8 @@ def test_a_payload_that_is_not_whole_block_ids_is_refused():
     # The worker drops a message that raises ValueError as malformed, by name.
     with pytest.raises(ValueError):
         block_ids_of(b"\x01\x00\x00\x00\x02")
+    with pytest.raises(ControlError):
+        block_ids_of(block_ids_payload([1, -2]))
 
 
 # ---- decode side ----
@@ -151,7 +158,7 @@ def test_the_block_ids_go_to_every_prefill_rank_holding_some_of_this_ranks_heads
     for _, header, ids in wants:
         assert ids == [4, 5]
         assert header == {"req": "r", "engine": "d", "rank": 0, "tp": 1,
-                          "rendezvous": "xfer://d", "model": "m"}
+                          "rendezvous": "xfer://d", "model": "m", "token": TOKEN}
 
 
 def test_a_push_ends_once_every_prefill_rank_answered_its_done_message_queued_first():
@@ -204,7 +211,7 @@ def test_a_cancelled_push_ends_with_its_timeout_once_every_rank_answered():
 
 
 def test_a_deadline_first_cancels_then_ends():
-    load = Load([[1]], "p", [], "r")
+    load = Load([[1]], "p", [], "r", token=TOKEN)
     waiting = _Await("r-d", load, {0, 1}, deadline=10.0)
     assert waiting.handle_deadline(10.0, TIMEOUT) is True
     assert waiting.deadline == 10.0 + TIMEOUT
@@ -225,14 +232,17 @@ def test_a_prefill_rank_that_cannot_be_reached_for_the_cancel_is_answered_for():
 # ---- prefill side ----
 
 
-def prefill_with_a_decoder(model="m"):
-    """A prefill rank (TP 1) and the block ids of one decode rank (TP 1, same model)."""
+def prefill_with_a_decoder(model="m", token=TOKEN, scheduled=True):
+    """A prefill rank (TP 1) and the block ids of one decode rank (TP 1, same model);
+    ``scheduled``: the prefill's scheduler has the request (and so its token) already."""
     p = Worker("p", peers={("d", 0): peer("d", 0)})
+    if scheduled:
+        p.push.tokens_known({"r": TOKEN}, START)
     header = {"req": "r", "engine": "d", "rank": 0, "tp": 1, "rendezvous": "xfer://d",
-              "model": model}
+              "model": model, "token": token}
     _, header, payload = unpack_message(
         pack_message(_WANT, header, block_ids_payload([0, 9, 2])), len(_WANT))
-    return p, header, payload
+    return p, Header(header), payload
 
 
 def complete(worker, error=None):
@@ -256,7 +266,7 @@ def test_each_layer_goes_as_it_is_computed_and_the_decoder_is_told_once_all_land
     [(address, reply, _)] = p.sent_of(_PUSHED)
     assert address == b"d/0"
     assert reply == {"req": "r", "engine": "p", "rank": 0, "ok": True, "why": None,
-                     "cancelled": False}
+                     "cancelled": False, "token": TOKEN}
 
 
 def test_ids_that_come_after_the_request_was_computed_are_pushed_at_once():
@@ -283,7 +293,8 @@ def test_a_cancel_stops_the_writes_in_flight_and_is_answered_once_none_is():
     p.push.handle_want(header, payload, now=START)
     p.push.step_started({"r": [3, 5, 7]}, now=START)
     p.push.layer_computed(LAYERS[0], None)
-    p.push.handle_cancel({"req": "r", "engine": "d", "rank": 0}, now=START)
+    p.push.handle_cancel(Header({"req": "r", "engine": "d", "rank": 0, "token": TOKEN}),
+                        now=START)
     assert all(transfer.cancelled for _, transfer in p.writes)
     assert p.sent_of(_PUSHED) == [], "a write is still in flight"
     p.push.request_finished("r", [3, 5, 7], now=START)
@@ -294,7 +305,8 @@ def test_a_cancel_stops_the_writes_in_flight_and_is_answered_once_none_is():
 
 
 def test_a_cancel_before_the_ids_is_answered_and_drops_them_until_forgotten():
-    cancel = {"req": "r", "engine": "d", "rank": 0, "rendezvous": "xfer://d"}
+    cancel = Header({"req": "r", "engine": "d", "rank": 0, "rendezvous": "xfer://d",
+                     "token": TOKEN})
     p, header, payload = prefill_with_a_decoder()
     p.push.handle_cancel(cancel, now=START)
     [(address, reply, _)] = p.sent_of(_PUSHED)
@@ -362,7 +374,8 @@ def test_an_abort_with_writes_in_flight_cancels_them_and_answers_once_none_is():
     p.push.request_finished("r", [3, 5, 7], now=START)
     assert len(p.writes) == 1, "nothing more is written after the abort"
     # The decoder's cancel, if it times out meanwhile, is not answered early either.
-    p.push.handle_cancel({"req": "r", "engine": "d", "rank": 0}, now=START)
+    p.push.handle_cancel(Header({"req": "r", "engine": "d", "rank": 0, "token": TOKEN}),
+                        now=START)
     assert p.sent_of(_PUSHED) == []
     complete(p, error=RuntimeError("cancelled"))
     [(_, reply, _)] = p.sent_of(_PUSHED)
@@ -380,7 +393,7 @@ def test_an_abort_with_writes_in_flight_fails_the_load_with_its_reason():
     complete(p, error=RuntimeError("cancelled"))
     [(_, reply, _)] = p.sent_of(_PUSHED)
     assert reply == {"req": "r", "engine": "p", "rank": 0, "ok": False, "why": "aborted here",
-                     "cancelled": False}
+                     "cancelled": False, "token": TOKEN}
 
 
 def test_ids_that_come_after_an_abort_with_writes_in_flight_are_answered_with_it():
@@ -389,7 +402,7 @@ def test_ids_that_come_after_an_abort_with_writes_in_flight_are_answered_with_it
     p.push.step_started({"r": [3, 5, 7]}, now=START)
     p.push.layer_computed(LAYERS[0], None)
     p.push.request_aborted("r", "aborted here")
-    other = dict(header, rank=1)
+    other = Header(dict(header.fields, rank=1))
     p.peers[("d", 1)] = peer("d", 1)
     p.push.handle_want(other, payload, now=START)
     [(address, reply, _)] = p.sent_of(_PUSHED)
@@ -415,5 +428,71 @@ def test_a_cancel_that_crosses_an_abort_answer_is_answered_again():
     p, header, payload = prefill_with_a_decoder()
     p.push.handle_want(header, payload, now=START)
     p.push.request_aborted("r", "aborted here")
-    p.push.handle_cancel({"req": "r", "engine": "d", "rank": 0}, now=START)
+    p.push.handle_cancel(Header({"req": "r", "engine": "d", "rank": 0, "token": TOKEN}),
+                        now=START)
     assert [reply["why"] for _, reply, _ in p.sent_of(_PUSHED)] == ["aborted here"] * 2
+
+
+# ---- forged messages (issue 56): acted on only with the request's token ----
+
+
+def test_a_forged_pushed_ok_does_not_complete_a_load():
+    """A "pushed ok" from anyone completed a load whose blocks were never written."""
+    d, _ = decoder_of_two_prefill_ranks()
+    for rank in (0, 1):
+        d.push.handle_pushed(Header({"engine": "p", "req": "r", "rank": rank, "ok": True,
+                                     "token": FORGED}))
+    d.push.handle_pushed(pushed(7, ok=True))  # a rank it does not wait for
+    assert d.events == []
+    d.push.handle_pushed(pushed(0, ok=True)), d.push.handle_pushed(pushed(1, ok=True))
+    assert [e[0] for e in d.events] == ["done", "finish"] and d.events[1][2] is None
+
+
+def test_forged_ids_write_nothing_look_nothing_up_and_get_no_answer():
+    """A forged want made a prefill write a request's KV into chosen blocks of any decoder
+    (or, with its rendezvous, into the forger's memory)."""
+    p, header, payload = prefill_with_a_decoder(token=FORGED)
+    p.push.handle_want(header, payload, now=START)
+    p.push.step_started({"r": [3, 5, 7]}, now=START)
+    p.push.request_finished("r", [3, 5, 7], now=START)
+    assert p.writes == [] and p.sent == [] and p.push.wants("r") == []
+    # Its real decoder still gets every layer.
+    _, real, payload = prefill_with_a_decoder()
+    p.push.handle_want(real, payload, now=START)
+    assert len(p.writes) == len(LAYERS)
+
+
+def test_ids_before_the_prefill_knows_the_request_wait_for_its_token():
+    p, header, payload = prefill_with_a_decoder(scheduled=False)
+    _, forged, _ = prefill_with_a_decoder(token=FORGED)
+    p.push.handle_want(forged, payload, now=START)
+    p.push.handle_want(header, payload, now=START)
+    p.push.step_started({"r": [3, 5, 7]}, now=START)
+    p.push.layer_computed(LAYERS[0], None)
+    assert p.writes == [], "no token known yet: nothing written"
+    p.push.tokens_known({"r": TOKEN}, START)
+    p.push.request_finished("r", [3, 5, 7], now=START)
+    assert [w["dst"] for w, _ in p.writes] == ["desc-d-0"] * len(LAYERS)
+    assert [want.token for want in p.push.wants("r")] == [TOKEN]
+
+
+def test_a_forged_cancel_stops_nothing_and_a_rendezvous_not_configured_is_refused():
+    p, header, payload = prefill_with_a_decoder()
+    p.push.handle_want(header, payload, now=START)
+    p.push.step_started({"r": [3, 5, 7]}, now=START)
+    p.push.layer_computed(LAYERS[0], None)
+    p.push.handle_cancel(Header({"req": "r", "engine": "d", "rank": 0, "token": FORGED}),
+                         now=START)
+    assert not any(t.cancelled for _, t in p.writes)
+    with pytest.raises(ControlError, match="remote_rendezvous"):
+        p.push.handle_want(Header(dict(header.fields, rendezvous="etcd://attacker:2379/x")),
+                           payload, now=START)
+
+
+def test_unverified_ids_are_bounded():
+    from xfer.kv.vllm_push import MAX_PENDING
+
+    p, header, payload = prefill_with_a_decoder(scheduled=False)
+    for i in range(MAX_PENDING + 50):
+        p.push.handle_want(Header(dict(header.fields, req=f"x{i}")), payload, now=START)
+    assert len(p.push._pushes) <= MAX_PENDING

@@ -59,6 +59,8 @@ BLOCK, BLOCKS, TOKEN = 32, 24, 7  # the CPU attention backend takes blocks of 32
 PROMPT = 40
 PROMPT_BLOCKS = -(-PROMPT // BLOCK)
 WAIT = 20.0
+LIVE: set = set()
+"""The engines of the running test (each steps while it has work: `Engine.run_until`)."""
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +82,11 @@ class Engine:
     """One vLLM instance as its engine core runs it (see the module docs)."""
 
     def __init__(self, engine_id, server, model, tp=1, extra=None, on_load_failure="fail",
-                 connector="xfer", sliding=None, max_model_len=64):
-        """``sliding``: layer index → the window (tokens) of a sliding-window layer."""
+                 connector="xfer", sliding=None, max_model_len=64, block=BLOCK,
+                 backend="CPU_ATTN"):
+        """``sliding``: layer index → the window (tokens) of a sliding-window layer;
+        ``block``: ``--block-size``; ``backend``: the attention backend whose class decides the
+        kernel block size (and the layout)."""
         names = [f"model.layers.{i}.self_attn.attn" for i in range(model.hf_config.num_hidden_layers)]
         sliding = {names[i]: window for i, window in (sliding or {}).items()}
         if connector == "xfer":
@@ -97,7 +102,7 @@ class Engine:
         def config(rank):
             return VllmConfig(
                 model_config=model,
-                cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+                cache_config=CacheConfig(block_size=block, enable_prefix_caching=False),
                 scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
                                                  max_model_len=max_model_len,
                                                  is_encoder_decoder=False),
@@ -114,7 +119,8 @@ class Engine:
         self.workers, self.ranks = [], []
         gen = torch.Generator().manual_seed(hash(engine_id) % 2**31)
         for c in self.configs:
-            kv_cache_config, caches = vllm_caches.allocate(c, names, BLOCKS, sliding=sliding)
+            kv_cache_config, caches = vllm_caches.allocate(c, names, BLOCKS, backend,
+                                                           sliding=sliding)
             for cache in caches.values():
                 raw = cache.view(torch.uint8)
                 raw.copy_(torch.randint(0, 64, raw.shape, generator=gen, dtype=torch.uint8))
@@ -127,7 +133,7 @@ class Engine:
         self.kv_cache_config = kv_cache_config
         self.scheduler = Scheduler(vllm_config=first, kv_cache_config=kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(first),
-                                   block_size=BLOCK, log_stats=True)
+                                   block_size=block, log_stats=True)
         # As EngineCore._set_kv_connector_handshake_metadata: the workers' handshake
         # metadata (NixlConnector's; xfer publishes in its rendezvous instead), keyed by
         # (pp rank, tp rank), handed to the scheduler-side connector.
@@ -137,6 +143,7 @@ class Engine:
             self.scheduler.get_kv_connector().set_xfer_handshake_metadata_pp_aware(handshakes)
         self.aggregator = KVOutputAggregator.from_connector(self.workers[0], tp)
         self.outputs = {}
+        LIVE.add(self)
         self.blocks = {}
         """Request id → its blocks, as the scheduler allocated them (while it ran)."""
         self.group_blocks = {}
@@ -187,10 +194,16 @@ class Engine:
             kv_transfer_state._KV_CONNECTOR_AGENT = None
 
     def run_until(self, what, cond):
+        """Steps this engine until ``cond``; every other live engine steps meanwhile while it
+        has work, as each engine core's busy loop does (``Scheduler.has_requests``: a finished
+        request whose blocks wait for their reader keeps its engine stepping)."""
         deadline = time.monotonic() + WAIT
         while not cond():
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
             self.step()
+            for other in list(LIVE):
+                if other is not self and other.scheduler.has_requests():
+                    other.step()
             time.sleep(0.001)
 
     def finished(self, req_id):
@@ -207,6 +220,7 @@ class Engine:
                 for name in self.ranks[0]}
 
     def close(self):
+        LIVE.discard(self)
         for worker in self.workers:
             worker.shutdown()
         self.scheduler.shutdown()
@@ -372,4 +386,56 @@ def test_a_hybrid_model_moves_its_full_and_sliding_window_layers(server, hybrid_
             assert torch.equal(ours[name][local[-want:]], theirs[name][remote[-want:]]), name
     p.run_until("the prefill to free the blocks once read", lambda: p.free_blocks() == free_p)
     d.run_until("the decode to free its blocks", lambda: d.free_blocks() == free_d)
+    p.close(), d.close()
+
+
+@pytest.mark.parametrize("connector", ["xfer", "nixl"])
+@pytest.mark.parametrize("block,backend", [(128, "FLASHINFER"), (16, "FLASHINFER"),
+                                           (128, "FLASH_ATTN")])
+def test_kernel_block_views_move_the_managers_blocks(server, connector, block, backend):
+    """Issue 54: at ``--block-size 128`` FlashInfer's kernels take blocks of at most 64 tokens,
+    so vLLM's model runner allocates the caches in kernel blocks (``prepare_kernel_block_sizes``
+    with the backend's class, ``allocate_kv_cache``) and hands the connector views of
+    ``[num_blocks * 2, heads, 64, content]``; the scheduler's block ids count blocks of 128.
+    Every manager block the decode was given holds the prefill's bytes (the connector read
+    rows ``b`` instead of ``2b, 2b + 1`` and reported zeros as loaded). FLASH_ATTN takes
+    multiples of 16: one row per block, the control of the control."""
+    from vllm.v1.kv_cache_interface import group_kernel_blocks
+
+    if connector == "nixl":
+        pytest.importorskip("nixl._api", reason="NIXL (the control) is not installed")
+        if backend == "FLASHINFER":
+            # Its worker takes the kernel block size from the platform's attention backends
+            # (`_sync_block_size_with_kernel`: CPU_ATTN on this machine), not from the caches
+            # it is handed: on a CPU it cannot be told that FlashInfer split them.
+            pytest.skip("NixlConnector reads the kernel block size from the platform's "
+                        "backend (CPU here): the control cannot run FlashInfer's split")
+        one_process_group()
+    prompt = 300
+    directory = Path(tempfile.mkdtemp())
+    vllm_caches.write_model(directory, num_hidden_layers=2, num_key_value_heads=4,
+                            num_attention_heads=8, hidden_size=64)
+    model = vllm_caches.load_model_config(directory, max_model_len=prompt + 64)
+    args = dict(max_model_len=prompt + 64, block=block, backend=backend, connector=connector)
+    tag = f"{connector}{block}{backend}"
+    p = Engine(f"kb-p{tag}", server, model, **args)
+    d = Engine(f"kb-d{tag}", server, model, **args)
+    rows = next(iter(p.ranks[0].values())).shape[0] // BLOCKS
+    assert rows == (2 if (block, backend) == (128, "FLASHINFER") else 1), "vLLM's own split"
+    p.add("r", prompt, 1, {"do_remote_decode": True})
+    p.run_until("the prefill", lambda: p.finished("r"))
+    [done] = [o for o in p.outputs["r"] if o.finish_reason is not None]
+    params = done.kv_transfer_params
+    remote = params["remote_block_ids"]
+    remote = remote[0] if remote and isinstance(remote[0], list) else remote
+    d.add("r-d", prompt, 2, params)
+    d.run_until("the decoded tokens", lambda: d.finished("r-d"))
+    assert d.tokens("r-d") == [TOKEN] * 2, "decoded from the loaded KV, not recomputed"
+    blocks = -(-prompt // block)
+    local = d.blocks["r-d"][:blocks]
+    for name in p.ranks[0]:
+        theirs = group_kernel_blocks(p.ranks[0][name], BLOCKS)
+        ours = group_kernel_blocks(d.ranks[0][name], BLOCKS)
+        assert torch.equal(ours[local], theirs[remote[:blocks]]), name
+        assert ours[local].any(), "not the zeros of a fresh cache"
     p.close(), d.close()

@@ -51,6 +51,12 @@ def xfer_config(provider):
     }
 
 
+def zlib_crc(text):
+    import zlib
+
+    return zlib.crc32(text.encode())
+
+
 def model_kv(caches, seed):
     """Each layer's bytes as the prefill's model computed them (the same in every process)."""
     import torch
@@ -133,8 +139,11 @@ def prefill_process(rendezvous, provider, mode, model_dir, conn):
     params, requests = {}, {}
     push = {"do_remote_decode": True, "xfer_push": True} if mode == "push" else {"do_remote_decode": True}
     for req_id, block_ids in REQUESTS.items():
+        # A pushed request's token: the proxy's, given to both instances.
+        token = {"xfer_token": f"{zlib_crc(req_id):08x}" * 4} if mode == "push" else {}
         r = Request(req_id, list(range(len(block_ids) * BLOCK)),
-                    SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(push)}),
+                    SamplingParams(max_tokens=1,
+                                   extra_args={"kv_transfer_params": dict(push, **token)}),
                     None)
         requests[req_id] = r
         if mode == "push":
@@ -142,7 +151,7 @@ def prefill_process(rendezvous, provider, mode, model_dir, conn):
             scheduler.update_state_after_alloc(r, KVCacheBlocks((tuple(KVCacheBlock(i) for i in block_ids),)), 0)
             params[req_id] = {"do_remote_prefill": True, "xfer_push": True, "remote_engine_id": "prefill",
                               "remote_request_id": req_id, "remote_tp_size": 1,
-                              "remote_block_ids": [block_ids]}
+                              "remote_block_ids": [block_ids], **token}
         else:
             r.status = RequestStatus.FINISHED_LENGTH_CAPPED
             delay, params[req_id] = scheduler.request_finished(r, block_ids)

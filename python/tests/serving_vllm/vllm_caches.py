@@ -93,7 +93,10 @@ def allocate(vllm_config, layers: list[str], num_blocks: int, backend: str = "CP
              layout: str | None = None, sliding: dict[str, int] | None = None):
     """The KV cache config and the per-layer tensors vLLM allocates for ``layers`` with
     ``num_blocks`` blocks, laid out as ``backend`` and the connector resolve it (or as a user's
-    ``VLLM_KV_CACHE_LAYOUT=layout`` forces it); ``sliding`` as in `kv_cache_specs`."""
+    ``VLLM_KV_CACHE_LAYOUT=layout`` forces it); ``sliding`` as in `kv_cache_specs`. The views
+    are in the kernel blocks ``backend``'s class takes (``prepare_kernel_block_sizes`` over an
+    attention group of it, as the GPU model runner computes them): FlashInfer's kernels take
+    16/32/64 tokens, so at ``--block-size 128`` each manager block is two rows of 64."""
     import os
 
     previous = os.environ.get("VLLM_KV_CACHE_LAYOUT")
@@ -115,7 +118,7 @@ def _allocate(vllm_config, layers: list[str], num_blocks: int, backend: str,
         resolve_kv_cache_layout,
     )
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-    from vllm.v1.worker.utils import allocate_kv_cache
+    from vllm.v1.worker.utils import AttentionGroup, allocate_kv_cache, prepare_kernel_block_sizes
 
     specs = kv_cache_specs(vllm_config, layers, sliding)
     supported = [layout.name for layout in get_supported_kv_cache_layouts([backend_class(backend)])]
@@ -124,4 +127,13 @@ def _allocate(vllm_config, layers: list[str], num_blocks: int, backend: str,
     page = next(iter(specs.values())).page_size_bytes
     [config] = get_kv_cache_configs(vllm_config, [specs], [page * num_blocks * len(layers)], groups)
     config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
-    return config, allocate_kv_cache(config, torch.device("cpu"), layout)
+    attn_groups = [[AttentionGroup(backend_class(backend), list(group.layer_names),
+                                   group.kv_cache_spec, index)]
+                   for index, group in enumerate(config.kv_cache_groups)]
+    try:
+        kernel_block_sizes = prepare_kernel_block_sizes(config, attn_groups)
+    except ValueError:
+        # The CPU backend takes multiples of 32 and the connector tests run blocks of 16: the
+        # views are then manager blocks, as FLASH_ATTN (multiples of 16) gives them.
+        kernel_block_sizes = None
+    return config, allocate_kv_cache(config, torch.device("cpu"), layout, kernel_block_sizes)

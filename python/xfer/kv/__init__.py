@@ -6,6 +6,11 @@ Pure (no framework import, unit-tested on their own):
 - ``pages``: paged KV caches as xfer addresses them (layouts, vLLM's layer views, the runs of a
   block between tensor-parallel sizes, message framing).
 - ``sglang_layout``: SGLang's rank pairing between TP sizes and the published KV shape.
+- ``control``: the one decoder of the connectors' control messages (bounded, typed fields)
+  and the per-request tokens every message carries.
+- ``params``: a request's ``kv_transfer_params`` (from API clients) parsed and bounded.
+- ``lease``: what a prefill rank keeps for its readers and answers them, from positive
+  knowledge (claims before reads, "held" only for the reader it kept the blocks for).
 
 Adapters (each imports its framework):
 

@@ -256,6 +256,16 @@ class LayerView:
     total_heads: int
     """KV heads of the whole model: a rank's heads are its share (or, with more ranks than
     heads, one replicated head)."""
+    kernel_blocks: int = 1
+    """Rows of the view per block of vLLM's KV cache manager: an attention backend whose
+    kernels take smaller blocks than ``--block-size`` (FlashInfer: 16/32/64 under 128) gets a
+    view of kernel blocks, ``[num_blocks * kernel_blocks, heads, block_size / kernel_blocks,
+    content]``, and manager block ``b`` is rows ``b * kernel_blocks`` to ``(b + 1) *
+    kernel_blocks - 1`` (vLLM's block table maps them so)."""
+
+    def rows(self, block_ids: Sequence[int]) -> list[int]:
+        """The view's rows (kernel blocks) holding the manager's ``block_ids``, in order."""
+        return kernel_rows(block_ids, self.kernel_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -274,29 +284,41 @@ class LayerView:
         dtype = self.dtype.replace("torch.", "")
         return "-".join([
             str(self.offset), "x".join(map(str, self.shape)), ".".join(map(str, self.strides)),
-            str(self.itemsize), dtype, str(self.total_heads)])
+            str(self.itemsize), dtype, str(self.total_heads), str(self.kernel_blocks)])
 
 
 def parse_view(text: str) -> LayerView:
     """The inverse of :meth:`LayerView.name`."""
     try:
-        offset, shape, strides, itemsize, dtype, total = text.split("-")
+        offset, shape, strides, itemsize, dtype, total, kernel = text.split("-")
         dims = tuple(int(d) for d in shape.split("x"))
         steps = tuple(int(s) for s in strides.split("."))
         if len(dims) != 4 or len(steps) != 4:
             raise ValueError("not 4-D")
+        if int(kernel) < 1 or int(total) < 1 or min(dims) < 1 or int(offset) < 0:
+            raise ValueError("a count below 1 or a negative offset")
         return LayerView(int(offset), dims, steps, int(itemsize),  # type: ignore[arg-type]
-                         "torch." + dtype, int(total))
+                         "torch." + dtype, int(total), int(kernel))
     except ValueError as e:
-        raise LayoutError(f"a layer view {text!r} is not offset-shape-strides-itemsize-dtype-heads ({e})") from None
+        raise LayoutError(f"a layer view {text!r} is not "
+                          f"offset-shape-strides-itemsize-dtype-heads-kernelblocks ({e})") from None
+
+
+def kernel_rows(block_ids: Sequence[int], kernel_blocks: int) -> list[int]:
+    """The rows of a kernel-block view holding manager blocks ``block_ids`` (see
+    :attr:`LayerView.kernel_blocks`)."""
+    if kernel_blocks == 1:
+        return list(block_ids)
+    return [b * kernel_blocks + j for b in block_ids for j in range(kernel_blocks)]
 
 
 def view_of(shape: Sequence[int], strides: Sequence[int], itemsize: int, dtype: str,
-            offset: int, total_heads: int) -> LayerView:
+            offset: int, total_heads: int, block_size: int | None = None) -> LayerView:
     """A layer's :class:`LayerView` from its tensor's ``shape`` and element ``strides``
     (``offset`` in bytes from the registered buffer), refusing what cannot be moved by pages
     of whole elements: not 4-D, a content dimension that is not contiguous, heads that are not
-    a share of ``total_heads``."""
+    a share of ``total_heads``. ``block_size``: tokens per block of vLLM's KV cache manager
+    (default: the view's own); a view of smaller kernel blocks must divide it."""
     shape, strides = tuple(shape), tuple(strides)
     if len(shape) != 4 or len(strides) != 4:
         raise LayoutError(
@@ -310,8 +332,15 @@ def view_of(shape: Sequence[int], strides: Sequence[int], itemsize: int, dtype: 
     if total_heads < 1 or not (total_heads % heads == 0 or heads == 1):
         raise LayoutError(
             f"a KV cache view with {heads} heads is not a share of the model's {total_heads}")
+    kernel_blocks = 1
+    if block_size is not None and block_size != shape[2]:
+        if block_size % shape[2] or shape[0] % (block_size // shape[2]):
+            raise LayoutError(
+                f"a KV cache view of {shape[2]}-token blocks does not split the manager's "
+                f"{block_size}-token blocks (shape {shape})")
+        kernel_blocks = block_size // shape[2]
     return LayerView(offset, shape, tuple(s * itemsize for s in strides),  # type: ignore[arg-type]
-                     itemsize, dtype, total_heads)
+                     itemsize, dtype, total_heads, kernel_blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,6 +373,11 @@ def block_runs(local: LayerView, remote: LayerView, local_rank: int, local_tp: i
         raise LayoutError(f"the layers' models differ: {what}")
     if local.shape[2:] != remote.shape[2:]:
         raise LayoutError(f"blocks differ in tokens or content: {what}")
+    if local.kernel_blocks != remote.kernel_blocks:
+        # Heterogeneous block sizes (NIXL's block_size_ratio) are not supported.
+        raise LayoutError(
+            f"the block sizes differ: {local.kernel_blocks} (here) and {remote.kernel_blocks} "
+            f"(peer) kernel blocks of {local.shape[2]} tokens per block: {what}")
     for view, tp in ((local, local_tp), (remote, remote_tp)):
         if view.heads * tp != view.total_heads and not (view.heads == 1 and tp > view.total_heads):
             raise LayoutError(f"{view.heads} heads per rank at TP {tp} are not a share of the "

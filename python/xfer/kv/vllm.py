@@ -104,6 +104,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from .control import ControlError, Header, block_ids_of, block_ids_payload, is_token, new_token
+from .control import decode as decode_message
+from .control import encode as encode_message
+from .lease import Answer, Message, Offers, Reader
+from .params import MAX_ID, MAX_TP, ParamsError, RemotePrefill, parse_remote_prefill
 from .vllm_push import _CANCEL, _PUSHED, _WANT, MAX_MESSAGE, PushContext, PushSide
 from .vllm_records import Load, Peer
 from .pages import (
@@ -112,24 +117,32 @@ from .pages import (
     block_runs,
     clip_to_windows,
     matched_blocks,
-    pack_message,
     parse_view,
-    unpack_message,
     view_of,
 )
 
 logger = logging.getLogger("xfer.vllm")
 
-PROTOCOL = 3
+PROTOCOL = 4
 """Changes when two versions of this connector can no longer work together (2: vLLM 0.33's
 layer views, a read confirmed by the prefill before it counts; 3: block ids per KV cache
-group)."""
+group; 4: kernel-block views, the cache dtype's fp8 variant, per-request tokens)."""
 
+_CLAIM = b"xfer-vllm-read:"
+"""A reader rank's claim, before it reads: the request's blocks it will read, with the
+request's token (``xfer.kv.lease``)."""
+_GRANT = b"xfer-vllm-okay:"
+"""A prefill rank's answer to a claim: granted, or refused with why (another token: no
+answer at all)."""
 _DONE = b"xfer-vllm-done:"
 """Prefix of the message a reader sends once it read a request's blocks (or gave up)."""
 _HELD = b"xfer-vllm-held:"
-"""A prefill rank's answer to a reader's done: whether it still held the request's blocks
-(so every read of them saw the request's KV) or had freed them at their lease."""
+"""A prefill rank's answer to a reader's done: whether it held the request's blocks for that
+reader throughout (positive knowledge: its offer with that token still exists), or not."""
+_RENEW = b"xfer-vllm-renw:"
+"""A decode instance's request still waits to be scheduled: its prefill ranks keep the
+blocks a lease longer (up to ``max_lease_s``)."""
+_KINDS = (_WANT, _PUSHED, _DONE, _HELD, _CANCEL, _CLAIM, _GRANT, _RENEW)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +168,13 @@ class Options:
     """``host:port`` this instance serves its workers' records at (its scheduler process runs
     the rendezvous service there): peers learn it from the request's parameters, so no shared
     service is needed. ``host`` is what peers dial — never a default."""
+    peer_side_channels: Any = None
+    """The side channels (``host:port`` each) of the prefill instances this one may read from:
+    a request whose parameters name another is computed here (parameters come from API
+    clients: the instance dials nothing a request names on its own). ``"*"``: any
+    ``xfer://host:port``."""
+    max_lease_s: float | None = None
+    """How long a waiting decode may keep renewing a prefill's lease (default 10 leases)."""
 
     @staticmethod
     def parse(extra: dict[str, Any] | None) -> Options:
@@ -189,7 +209,22 @@ class Options:
                 "XferConnector needs an engine config: kv_connector_extra_config['xfer_config'] "
                 "(a TOML path or a dict) or $XFER_CONFIG"
             )
+        peers = extra.get("peer_side_channels")
+        if peers is not None and peers != "*" and (
+                not isinstance(peers, (list, tuple)) or not all(isinstance(x, str) for x in peers)):
+            raise ValueError("XferConnector: peer_side_channels must be a list of host:port "
+                             "strings, or \"*\"")
         return Options(**extra)
+
+    def dialable(self) -> tuple[frozenset[str], bool]:
+        """The rendezvous URLs a request's parameters may name, and whether any side channel
+        may be."""
+        urls = {u for u in (self.rendezvous, self.side_channel and f"xfer://{self.side_channel}")
+                if u}
+        if self.peer_side_channels == "*":
+            return frozenset(urls), True
+        urls |= {f"xfer://{x}" for x in self.peer_side_channels or ()}
+        return frozenset(urls), False
 
     def of_dp_engine(self, index: int) -> Options:
         """The options of data-parallel engine ``index``: vLLM starts one engine (one
@@ -201,6 +236,18 @@ class Options:
         return dataclasses.replace(self, side_channel=f"{host}:{int(port) + index}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Offered:
+    """Prefill: a finished request's blocks kept for its reader."""
+
+    seconds: float
+    """The lease."""
+    token: str
+    """The request's random token, handed to the reader in its parameters."""
+    blocks: list[list[int]]
+    """Per KV cache group, what a reader may claim."""
+
+
 class XferConnectorMetadata(KVConnectorMetadata):
     """What the scheduler side tells the workers each step."""
 
@@ -209,9 +256,10 @@ class XferConnectorMetadata(KVConnectorMetadata):
         """Decode: requests to read now."""
         self.notify_only: dict[str, Load] = {}
         """Decode: requests whose prefix was all here already; only free them at the peer."""
-        self.sends: dict[str, float] = {}
-        """Prefill: finished requests whose blocks wait for their reader, with the seconds
-        they may wait."""
+        self.sends: dict[str, Offered] = {}
+        """Prefill: finished requests whose blocks wait for their reader."""
+        self.renew: dict[str, Load] = {}
+        """Decode: requests still waiting to be scheduled whose prefill's lease is renewed."""
         self.awaits: dict[str, Load] = {}
         """Decode, push: requests whose blocks the prefill instance writes (ids to send)."""
         self.push_now: dict[str, list[int]] = {}
@@ -219,6 +267,8 @@ class XferConnectorMetadata(KVConnectorMetadata):
         self.push_finish: dict[str, list[int]] = {}
         """Prefill, push: requests computed to the end, with all their blocks."""
         self.push_abort: set[str] = set()
+        self.push_tokens: dict[str, str] = {}
+        """Prefill, push: the tokens of requests scheduled (their parameters')."""
         """Prefill, push: requests aborted (their decoders are told)."""
         self.refused: dict[str, tuple[Load, str]] = {}
         """Decode: requests refused before any transfer (another model), with why."""
@@ -327,12 +377,15 @@ class XferConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.info("XferConnector: serving this instance's records at %s",
                             self._side_channel.url)
             self._scheduler: _Scheduler | None = _Scheduler(
-                self._engine_id, self._options, tp_size, self._model, groups)
+                self._engine_id, self._options, tp_size, self._model, groups,
+                int(getattr(model, "max_model_len", 0) or 0))
             self._worker: _Worker | None = None
         else:
             self._scheduler = None
+            cache = getattr(vllm_config, "cache_config", None)
             self._worker = _Worker(self._engine_id, self._options, self._mla, tp_size, self._model,
-                                   _total_kv_heads(model), groups, _target_layers(model))
+                                   _total_kv_heads(model), groups, _target_layers(model),
+                                   str(getattr(cache, "cache_dtype", "auto") or "auto"))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -454,13 +507,18 @@ class _Groups:
         """Per group this connector moves: the blocks kept at the tail (0: all of them)."""
         self.of_layer: dict[str, int] = {}
         """Layer name → its group's index (empty: one group holding every layer)."""
+        self.block_sizes: list[int | None] = [None]
+        """Per group this connector moves: tokens per block of vLLM's KV cache manager (what
+        block ids count; a kernel-block view's rows are smaller). None: the view's own."""
         if kv_cache_config is None:
             return
         from vllm.v1.kv_cache_interface import AttentionSpec, SlidingWindowSpec
 
         self.windows = []
+        self.block_sizes = []
         for group in kv_cache_config.transfer_groups:
             spec = group.kv_cache_spec
+            self.block_sizes.append(int(spec.block_size))
             if not isinstance(spec, AttentionSpec):
                 raise NotImplementedError(
                     f"XferConnector moves attention KV caches only: layers "
@@ -480,6 +538,12 @@ class _Groups:
             block_ids = self._config.select_transfer_block_ids(block_ids)
         return clip_to_windows(block_ids, self.windows)
 
+    def block_size(self, layer: str) -> int | None:
+        """Tokens per manager block of ``layer``'s group (None: unknown, the view's own)."""
+        group = self.group(layer)
+        return self.block_sizes[group] if group is not None and group < len(self.block_sizes) \
+            else None
+
     def group(self, layer: str) -> int | None:
         """The index of ``layer``'s group; None for a layer vLLM does not transfer."""
         if not self.of_layer:
@@ -491,26 +555,89 @@ class _Scheduler:
     """The scheduler side: which requests to read, which to keep for a reader."""
 
     def __init__(self, engine_id: str, options: Options, tp_size: int, model: str,
-                 groups: _Groups) -> None:
+                 groups: _Groups, max_model_len: int = 0) -> None:
         self._engine_id = engine_id
         self._options = options
         self._tp_size = tp_size
         self._model = model
         self._groups = groups
         self._meta = XferConnectorMetadata()
+        self._remote: dict[str, tuple[RemotePrefill, float]] = {}
+        """Decode: requests whose parameters were accepted and that wait for their blocks,
+        with when their prefill's lease was last renewed. Left at allocation or finish."""
+        self._dialable = options.dialable()
+        sizes = [b for b in groups.block_sizes if b]
+        self._block_size = min(sizes) if sizes else 1
+        self._max_model_len = max_model_len
+        """Bounds the blocks a request's parameters may name (no request has more)."""
+        self.params_refused = 0
+        """Requests whose parameters were refused (computed here instead)."""
+
+    def _parsed(self, request: Any, params: Any) -> RemotePrefill | None:
+        """The request's prefill, parsed once (its parameters come from the API client);
+        None, and the request is computed here, if they are refused."""
+        known = self._remote.get(request.request_id)
+        if known is not None:
+            return known[0]
+        try:
+            remote = parse_remote_prefill(
+                params, prompt_tokens=max(len(request.prompt_token_ids), self._max_model_len),
+                block_size=self._block_size,
+                local_tp=self._tp_size, groups=len(self._groups.windows),
+                allowed=self._dialable[0], any_side_channel=self._dialable[1],
+                protocol=PROTOCOL)
+        except ParamsError as e:
+            # This request alone: computed here, as without parameters; nothing looked up,
+            # dialled or read on their word.
+            self.params_refused += 1
+            logger.warning("XferConnector: request %s: kv_transfer_params refused (%s); "
+                           "computed here", request.request_id, e)
+            params["do_remote_prefill"] = False
+            return None
+        self._remote[request.request_id] = (remote, time.monotonic())
+        return remote
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params or {}
-        if not params.get("do_remote_prefill"):
+        params = request.kv_transfer_params
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return 0, False
+        remote = self._parsed(request, params)
+        if remote is None:
+            return 0, False
+        # Asked again each step it waits for room: the prefill keeps its blocks meanwhile.
+        _, renewed = self._remote[request.request_id]
+        now = time.monotonic()
+        if now - renewed > self._options.free_timeout_s / 3:
+            self._remote[request.request_id] = (remote, now)
+            self._meta.renew[request.request_id] = self._load_of(request, remote)
         # Every prompt token the prefill instance computed, beyond what is here already.
         missing = len(request.prompt_token_ids) - num_computed_tokens
         return (missing, True) if missing > 0 else (0, False)
 
+    @staticmethod
+    def _load_of(request: Any, remote: RemotePrefill) -> Load:
+        return Load(local_block_ids=[], remote_engine_id=remote.engine_id,
+                    remote_block_ids=[list(ids) for ids in remote.block_ids],
+                    remote_request_id=remote.request_id, remote_tp_size=remote.tp_size,
+                    remote_rendezvous=remote.rendezvous, token=remote.token,
+                    local_request_id=request.request_id)
+
     def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        params = request.kv_transfer_params or {}
+        params = request.kv_transfer_params
+        if not isinstance(params, dict):
+            return
         if params.get("do_remote_decode") and params.get("xfer_push"):
             moved = self._groups.moved(blocks.get_block_ids())
+            token = params.get("xfer_token")
+            if not is_token(token):
+                # The proxy gives both instances the request's token; without it no decoder's
+                # ids could be told from a forger's.
+                logger.error("XferConnector: request %s: push without xfer_token (the proxy's "
+                             "random token for the request, 32 hex digits); not pushed",
+                             request.request_id)
+                self._meta.push_abort.add(request.request_id)
+                return
+            self._meta.push_tokens[request.request_id] = token
             if len(moved) != 1:
                 # Its decoder refuses it too (the same model has the same groups).
                 logger.error("XferConnector: request %s: push with %d KV cache groups (a hybrid "
@@ -521,15 +648,12 @@ class _Scheduler:
             return
         if not params.get("do_remote_prefill"):
             return
-        load = Load(
-            local_block_ids=[],
-            remote_engine_id=str(params["remote_engine_id"]),
-            remote_block_ids=[list(ids) for ids in params.get("remote_block_ids", [])],
-            remote_request_id=str(params["remote_request_id"]),
-            remote_tp_size=int(params.get("remote_tp_size", 1)),
-            remote_rendezvous=params.get("remote_rendezvous"),
-        )
-        theirs = str(params.get("remote_model") or "")
+        parsed = self._remote.pop(request.request_id, None)
+        if parsed is None:  # vLLM asks get_num_new_matched_tokens first; refused there
+            return
+        remote, _ = parsed
+        load = self._load_of(request, remote)
+        theirs = remote.model
         if num_external_tokens > 0:
             # The blocks allocated for what the prefill computed (the prefix cache's come
             # first and are hashed), per group, nothing the window left behind.
@@ -565,7 +689,15 @@ class _Scheduler:
 
     def finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """``block_ids``: one list per KV cache group (vLLM's tuple)."""
-        params = request.kv_transfer_params or {}
+        params = request.kv_transfer_params
+        if not isinstance(params, dict):
+            return False, None
+        waiting = self._remote.pop(request.request_id, None)
+        if waiting is not None:
+            # A decode request that ends before its load started (aborted, refused
+            # admission): its prefill is told at once, not left holding the blocks for a lease.
+            self._meta.notify_only[request.request_id] = self._load_of(request, waiting[0])
+            return False, None
         if not params.get("do_remote_decode"):
             return False, None
         block_ids = self._groups.moved(block_ids)
@@ -580,7 +712,14 @@ class _Scheduler:
             if push:
                 self._meta.push_abort.add(request.request_id)
             return False, None
-        self._meta.sends[request.request_id] = self._options.free_timeout_s
+        # Push: the proxy's token, which the decoder has too; pull: a fresh one, handed to the
+        # reader in the parameters below.
+        token = params.get("xfer_token") if push else new_token()
+        if not is_token(token):
+            self._meta.push_abort.add(request.request_id)
+            return False, None
+        self._meta.sends[request.request_id] = Offered(self._options.free_timeout_s, token,
+                                                       [list(ids) for ids in block_ids])
         if push:
             # The decoder already has what it needs; the blocks stay until it says it is done
             # (push has one group: `allocated` refused the others).
@@ -596,7 +735,20 @@ class _Scheduler:
             "remote_rendezvous": _own_rendezvous(self._options),
             "remote_model": self._model,
             "xfer_protocol": PROTOCOL,
+            "xfer_token": token,
         }
+
+
+@dataclasses.dataclass
+class _Claim:
+    """Decode: a load planned, waiting for the prefill ranks it reads from to grant its claim
+    (nothing is read before)."""
+
+    req_id: str
+    load: Load
+    ranks: set[int]
+    plan: list[Any]
+    deadline: float
 
 
 @dataclasses.dataclass
@@ -616,8 +768,10 @@ class _Worker:
 
     def __init__(self, engine_id: str, options: Options, mla: bool, tp_size: int,
                  model: str = "", total_heads: int | None = None,
-                 groups: _Groups | None = None, target_layers: int | None = None) -> None:
+                 groups: _Groups | None = None, target_layers: int | None = None,
+                 cache_dtype: str = "auto") -> None:
         self._engine_id = engine_id
+        self._cache_dtype = cache_dtype
         self._target_layers = target_layers
         """The model's own layer count: layers numbered past it are a drafter's."""
         self._groups = groups or _Groups(None)
@@ -639,22 +793,21 @@ class _Worker:
         self._total_heads = total_heads
         self._warned_drafts: set[str] = set()
         """Prefill engines already named for lacking this side's draft layers."""
-        self._confirming: dict[tuple[str, str], _Confirm] = {}
-        """Decode: (prefill engine, its request id) → a read waiting for its prefill ranks to
-        say they held the blocks throughout."""
-        self._expired: dict[str, float] = {}
-        """Prefill: requests freed at their lease (when), so a late reader is told."""
+        self._confirming: dict[tuple[str, str, str], _Confirm] = {}
+        """Decode: (prefill engine, its request id, this instance's request id) → a read
+        waiting for its prefill ranks to say they held the blocks throughout."""
+        self._claims: dict[tuple[str, str, str], _Claim] = {}
+        """Decode: the same keys → a load waiting for its claim to be granted."""
+        self._offers = Offers(options.free_timeout_s,
+                              options.max_lease_s or 10 * options.free_timeout_s,
+                              early_s=max(1.0, options.lookup_timeout_s))
+        """Prefill: the requests kept for their readers, and what they are answered."""
         self._publication: xfer.Publication | None = None
         self._peers: dict[tuple[str, int], Peer] = {}
         self._lock = threading.Lock()
         self._recved: set[str] = set()
         self._failed_recv: set[str] = set()
         self._load_errors: set[int] = set()
-        self._keeping: dict[str, float] = {}
-        """Prefill: request → monotonic deadline for its reader."""
-        self._read_done: dict[str, float] = {}
-        """Prefill: requests every reader finished, when the last said so (it may come first)."""
-        self._readers: dict[str, set[int]] = {}
         self._stats = XferConnectorStats()
         self._load_started: dict[str, float] = {}
         self._kv_caches: dict[str, Any] = {}
@@ -672,7 +825,8 @@ class _Worker:
             # A callable: sleep mode replaces the dict.
             layers=lambda: self._layers, peer=self._peer, shared_layers=self._shared_layers,
             is_draft_layer=self.is_draft_layer, in_background=self._in_background,
-            tell_done_soon=self._tell_done_soon, finish_load=self._finish_load, logger=logger))
+            tell_done_soon=self._tell_done_soon, finish_load=self._finish_load, logger=logger,
+            dialable=options.dialable()))
         """Push mode: its own state, and what it uses of this worker."""
         # Block-id messages carry 4 bytes per block: 64 KiB buffers hold ~16k blocks.
         self._engine.submit_recvs(MAX_MESSAGE, 64, self._on_message)
@@ -703,9 +857,11 @@ class _Worker:
                 region = self._engine.reg_mr(whole, access="read_write")
                 self._buffers[key] = region
             heads = self._total_heads or int(tensor.shape[1]) * self._tp_size
+            # A kernel-block view (the backend's kernels take smaller blocks than the
+            # manager's) is addressed by rows: the manager's block ids are mapped to them.
             view = view_of(tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size(),
-                           str(tensor.dtype), tensor.storage_offset() * tensor.element_size(),
-                           1 if self._mla else heads)
+                           self._dtype_name(tensor), tensor.storage_offset() * tensor.element_size(),
+                           1 if self._mla else heads, self._groups.block_size(name))
             self._layers[name] = (region, view)
             regions[_region_name(name, view, self.is_draft_layer(name))] = region.desc
         self._publication = self._rendezvous.publish(
@@ -738,9 +894,16 @@ class _Worker:
 
     def start(self, meta: XferConnectorMetadata) -> None:
         now = time.monotonic()
+        answers: list[Answer] = []
         with self._lock:
-            for req_id, seconds in meta.sends.items():
-                self._keeping[req_id] = now + seconds
+            for req_id, offered in meta.sends.items():
+                answers += self._offers.offer(req_id, offered.token, offered.blocks, now,
+                                              offered.seconds)
+        for answer in answers:  # readers that came before this step kept the request
+            self._answer(answer)
+        for load in meta.renew.values():
+            self._in_background(self._renew, load)
+        self.push.tokens_known(meta.push_tokens, now)
         self.push.step_started(meta.push_now, now)
         for req_id, blocks in meta.push_finish.items():
             self.push.request_finished(req_id, blocks, now)
@@ -826,6 +989,53 @@ class _Worker:
             self._tell_done_soon(load)
             self._finish_load(req_id, load, None)
             return
+        # Claimed first: each prefill rank read from checks the token and that these blocks
+        # were offered for this request to this reader, before anything is read.
+        key = (load.remote_engine_id, load.remote_request_id, load.local_request_id)
+        with self._lock:
+            self._claims[key] = _Claim(req_id, load, set(ranks), plan,
+                                       time.monotonic() + max(1.0, self._options.lookup_timeout_s))
+        claimed = [remote_ids for _, remote_ids in matched]
+        message = encode_message(_CLAIM, {
+            **self._reader_header(load), "groups": [len(ids) for ids in claimed]},
+            block_ids_payload([b for ids in claimed for b in ids]))
+        for rank in sorted(ranks):
+            peer = self._peer(load.remote_engine_id, rank, load.remote_rendezvous)
+            self._engine.submit_send(peer.address, message)
+
+    def _reader_header(self, load: Load) -> dict[str, Any]:
+        """What every message of this reader rank about ``load`` carries."""
+        return {"req": load.remote_request_id, "token": load.token, "engine": self._engine_id,
+                "reader": load.local_request_id, "rank": self._rank, "tp": self._tp_size,
+                "addr": bytes(self._engine.main_address).hex()}
+
+    def _granted(self, header: Header) -> None:
+        """A prefill rank's answer to this rank's claim: once every rank read from granted
+        it, the reads go."""
+        key = (header.text("engine", MAX_ID), header.text("req", MAX_ID),
+               header.text("reader", MAX_ID))
+        rank = header.integer("rank", 0, MAX_TP - 1)
+        with self._lock:
+            claim = self._claims.get(key)
+            if claim is None or rank not in claim.ranks or header.token() != claim.load.token:
+                return  # not a claim of this rank's (forged, or it timed out)
+            ok = header.flag("ok")
+            claim.ranks.discard(rank)
+            if ok and claim.ranks:
+                return
+            del self._claims[key]
+        if not ok:
+            self._tell_done_soon(claim.load)
+            self._finish_load(claim.req_id, claim.load, LayoutError(
+                f"prefill {key[0]} rank {rank} refused to hand over request {key[1]}'s blocks: "
+                f"{header.optional_text('why', 512)}"))
+            return
+        self._read(claim)
+
+    def _read(self, claim: _Claim) -> None:
+        """The claimed reads, submitted; the load counts once the prefill ranks confirm."""
+        req_id, load, plan = claim.req_id, claim.load, claim.plan
+        ranks = {p[4].remote_rank for p in plan}
         pending = {"left": len(plan), "error": None}
 
         def one_done(error: BaseException | None) -> None:
@@ -846,7 +1056,7 @@ class _Worker:
         for region, view, desc, remote_view, run, local_ids, remote_ids in plan:
             try:
                 self._engine.submit_paged_reads(
-                    run.length, region, local_ids, desc, remote_ids,
+                    run.length, region, view.rows(local_ids), desc, remote_view.rows(remote_ids),
                     local_stride=view.strides[0], remote_stride=remote_view.strides[0],
                     local_offset=view.offset + run.local,
                     remote_offset=remote_view.offset + run.remote,
@@ -896,6 +1106,16 @@ class _Worker:
                            len(only_here), only_here[0])
         return [n for n in self._layers if n in peer.layers]
 
+    def _dtype_name(self, tensor: Any) -> str:
+        """The cache's element type as peers compare it: the tensor's, and the cache dtype
+        vLLM was given where it is not the model's (every fp8 variant is stored as uint8:
+        e4m3 and e5m2 bytes would pass a check of the tensor's type alone). vLLM's "fp8" is
+        e4m3."""
+        variant = {"fp8": "fp8_e4m3"}.get(self._cache_dtype, self._cache_dtype)
+        if variant in ("auto", ""):
+            return str(tensor.dtype)
+        return f"{tensor.dtype}.{re.sub(r'[^A-Za-z0-9_]', '_', variant)}"
+
     def is_draft_layer(self, name: str) -> bool:
         """Whether ``name`` is a speculative drafter's layer, as vLLM names them: under
         ``draft_model.``, or numbered past the model's own layers (EAGLE, MTP)."""
@@ -907,27 +1127,30 @@ class _Worker:
 
     def _confirm(self, req_id: str, load: Load, ranks: set[int]) -> None:
         """Every read finished: the load counts once each prefill rank read from says it
-        still held the blocks (a rank that freed them at its lease may have reused them while
-        they were read — that is a load error, never wrong KV)."""
+        held the blocks for this reader throughout (a rank that freed them at its lease may
+        have reused them while they were read — that is a load error, never wrong KV)."""
         with self._lock:
-            self._confirming[(load.remote_engine_id, load.remote_request_id)] = _Confirm(
+            self._confirming[(load.remote_engine_id, load.remote_request_id,
+                              load.local_request_id)] = _Confirm(
                 req_id, load, set(ranks),
                 time.monotonic() + max(1.0, self._options.lookup_timeout_s))
         self._tell_done_soon(load)
 
-    def _held(self, header: dict[str, Any]) -> None:
+    def _held(self, header: Header) -> None:
         """A prefill rank's answer to this rank's done."""
-        key = (str(header["engine"]), str(header["req"]))
+        key = (header.text("engine", MAX_ID), header.text("req", MAX_ID),
+               header.text("reader", MAX_ID))
+        rank = header.integer("rank", 0, MAX_TP - 1)
         with self._lock:
             waiting = self._confirming.get(key)
-            if waiting is None:
-                return
-            waiting.ranks.discard(int(header["rank"]))
-            if not header.get("held") and waiting.error is None:
+            if waiting is None or rank not in waiting.ranks or header.token() != waiting.load.token:
+                return  # not a confirmation this rank waits for (forged, or timed out)
+            waiting.ranks.discard(rank)
+            if not header.flag("ok") and waiting.error is None:
                 waiting.error = LayoutError(
-                    f"prefill {key[0]} rank {header['rank']} freed request {key[1]}'s blocks at "
-                    f"their lease before the read was confirmed: what was read may be another "
-                    f"request's")
+                    f"prefill {key[0]} rank {rank} did not hold request {key[1]}'s blocks for "
+                    f"this reader throughout ({header.optional_text('why', 512)}): what was "
+                    f"read may be another request's")
             if waiting.ranks and waiting.error is None:
                 return
             del self._confirming[key]
@@ -957,9 +1180,7 @@ class _Worker:
         """Tells every rank of the prefill instance that this rank is done with the request:
         a prefill rank frees it once every reader rank said so, and answers whether it held
         the blocks until then."""
-        message = pack_message(_DONE, {
-            "rank": self._rank, "tp": self._tp_size, "req": load.remote_request_id,
-            "engine": self._engine_id, "addr": bytes(self._engine.main_address).hex()})
+        message = encode_message(_DONE, self._reader_header(load))
         for rank in range(load.remote_tp_size):
             try:
                 peer = self._peer(load.remote_engine_id, rank, load.remote_rendezvous)
@@ -1015,46 +1236,79 @@ class _Worker:
     # ---- prefill: freeing ----
 
     def _on_message(self, data: bytes) -> None:
-        kind = data[:len(_WANT)]
-        if kind not in (_WANT, _PUSHED, _DONE, _HELD, _CANCEL):
+        """Every message to this worker, decoded once (bounded, typed): a malformed one, or
+        one whose token or ids are not what this worker offered or waits for, is dropped
+        and changes nothing."""
+        if bytes(data[:len(_WANT)]) not in _KINDS:
             return
         try:
-            kind, header, payload = unpack_message(data, len(_WANT))
+            kind, header, payload = decode_message(data, _KINDS)
             if kind == _WANT:
                 self.push.handle_want(header, payload, time.monotonic())
             elif kind == _PUSHED:
                 self.push.handle_pushed(header)
-            elif kind == _DONE:
-                self._reader_done(header)
             elif kind == _CANCEL:
                 self.push.handle_cancel(header, time.monotonic())
+            elif kind in (_CLAIM, _DONE, _RENEW):
+                self._from_reader(kind, header, payload)
+            elif kind == _GRANT:
+                self._granted(header)
             else:
                 self._held(header)
-        except (ValueError, KeyError, TypeError) as e:
-            logger.warning("XferConnector: a malformed %r message was ignored (%s)", kind, e)
+        except ControlError as e:
+            logger.debug("XferConnector: a control message was dropped (%s)", e)
 
-    def _reader_done(self, header: dict[str, Any]) -> None:
-        """A decode rank is done with a request: it counts towards freeing the blocks, and is
-        told whether they were still held (they are until every reader said so, or until
-        their lease frees them: then the reader's load fails)."""
-        rank, size, req_id = int(header["rank"]), int(header["tp"]), str(header["req"])
-        address = bytes.fromhex(str(header["addr"]))
+    def _from_reader(self, kind: bytes, header: Header, payload: bytes) -> None:
+        """A reader rank's claim, done or renewal (``xfer.kv.lease``): answered from what this
+        rank kept for that request and reader, never from the message's word."""
+        blocks: tuple[tuple[int, ...], ...] = ()
+        if kind == _CLAIM:
+            sizes = header.fields.get("groups")
+            if not isinstance(sizes, list) or len(sizes) > 16 or not all(
+                    isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
+                raise ControlError("a claim's 'groups' is not a list of block counts")
+            ids = block_ids_of(payload, max_count=MAX_MESSAGE // 4)
+            if sum(sizes) != len(ids):
+                raise ControlError("a claim's block counts do not add up to its block ids")
+            at = 0
+            for n in sizes:
+                blocks += (tuple(ids[at:at + n]),)
+                at += n
+        message = Message(
+            {_CLAIM: "claim", _DONE: "done", _RENEW: "renew"}[kind],
+            header.text("req", MAX_ID), header.token(),
+            Reader(header.text("engine", MAX_ID), header.text("reader", MAX_ID),
+                   header.integer("tp", 1, MAX_TP)),
+            header.integer("rank", 0, MAX_TP - 1), header.hex_bytes("addr"), blocks)
         with self._lock:
-            # Not yet kept (the step that keeps it has not started) is held too: the blocks
-            # stay allocated until this worker reports them sent.
-            held = req_id not in self._expired
-            readers = self._readers.setdefault(req_id, set())
-            readers.add(rank)
-            if len(readers) >= size:
-                self._readers.pop(req_id)
-                self._read_done[req_id] = time.monotonic()
-        reply = pack_message(_HELD, {"req": req_id, "engine": self._engine_id,
-                                     "rank": self._rank, "held": held})
+            answer = self._offers.handle(message, time.monotonic())
+        if answer is not None:
+            self._answer(answer)
+
+    def _answer(self, answer: Answer) -> None:
+        """Answers a reader rank's claim or done (its token checked: the address it gave is
+        that of a party that knows the request's token)."""
+        message = answer.message
+        reply = encode_message(_GRANT if message.kind == "claim" else _HELD, {
+            "req": message.request, "token": message.token, "engine": self._engine_id,
+            "reader": message.reader.request, "rank": self._rank, "ok": answer.ok,
+            "why": answer.why})
         try:
-            self._engine.submit_send(address, reply)
-        except Exception as e:  # noqa: BLE001 - the reader's confirmation times out instead
+            self._engine.submit_send(message.reply_to, reply)
+        except Exception as e:  # noqa: BLE001 - the reader's own deadline fails its load
             logger.warning("XferConnector: could not answer %s rank %d about request %s: %s",
-                           header.get("engine"), rank, req_id, e)
+                           message.reader.engine, message.rank, message.request, e)
+
+    def _renew(self, load: Load) -> None:
+        """Tells the prefill ranks that a decode request still waits for their blocks."""
+        message = encode_message(_RENEW, self._reader_header(load))
+        for rank in range(load.remote_tp_size):
+            try:
+                peer = self._peer(load.remote_engine_id, rank, load.remote_rendezvous)
+                self._engine.submit_send(peer.address, message)
+            except Exception as e:  # noqa: BLE001 - the lease runs out as it would have
+                logger.debug("XferConnector: renewal to %s rank %d failed: %s",
+                             load.remote_engine_id, rank, e)
 
     # ---- both ----
 
@@ -1062,36 +1316,31 @@ class _Worker:
         now = time.monotonic()
         with self._lock:
             # The push requests whose blocks are still kept: the others are forgotten.
-            kept = set(self._keeping)
+            kept = self._offers.kept()
             unconfirmed = [k for k, c in self._confirming.items() if now >= c.deadline]
             unconfirmed = [(k, self._confirming.pop(k)) for k in unconfirmed]
+            unclaimed = [k for k, c in self._claims.items() if now >= c.deadline]
+            unclaimed = [(k, self._claims.pop(k)) for k in unclaimed]
         self.push.poll(now, kept)
         for key, waiting in unconfirmed:
             self._finish_load(waiting.req_id, waiting.load, TimeoutError(
                 f"prefill {key[0]} ranks {sorted(waiting.ranks)} did not confirm that they held "
                 f"request {key[1]}'s blocks while they were read"))
+        for key, claim in unclaimed:
+            self._tell_done_soon(claim.load)
+            self._finish_load(claim.req_id, claim.load, TimeoutError(
+                f"prefill {key[0]} ranks {sorted(claim.ranks)} did not answer the claim of "
+                f"request {key[1]}'s blocks (nothing was read)"))
         with self._lock:
-            sent = {r for r in self._keeping if r in self._read_done or now >= self._keeping[r]}
-            for r in sent:
-                if r not in self._read_done:
-                    logger.warning("XferConnector: request %s was never read; freed at its lease", r)
-                    self._stats.data["freed_at_lease"] += 1
-                    self._expired[r] = now
-                else:
-                    self._stats.data["freed_after_read"] += 1
-                self._keeping.pop(r)
-                self._read_done.pop(r, None)
-            # Messages for requests this worker does not keep (yet): dropped once stale.
-            stale = [r for r, t in self._read_done.items()
-                     if r not in self._keeping and now - t > self._options.free_timeout_s]
-            for r in stale:
-                self._read_done.pop(r)
-            for r in [r for r, t in self._expired.items() if now - t > self._options.free_timeout_s]:
-                del self._expired[r]
+            read, expired = self._offers.poll(now)
+            for r in expired:
+                logger.warning("XferConnector: request %s was never read; freed at its lease", r)
+            self._stats.data["freed_at_lease"] += len(expired)
+            self._stats.data["freed_after_read"] += len(read)
             recved, self._recved = self._recved, set()
             failed, self._failed_recv = self._failed_recv, set()
         return KVConnectorTransferResults(
-            finished_sending=sent, finished_recving=recved, failed_recving=failed
+            finished_sending=read | expired, finished_recving=recved, failed_recving=failed
         )
 
     def take_stats(self) -> XferConnectorStats:
@@ -1107,7 +1356,7 @@ class _Worker:
     def keeping(self) -> int:
         """Requests whose blocks wait for a reader."""
         with self._lock:
-            return len(self._keeping)
+            return len(self._offers)
 
     def close(self) -> None:
         with self._lock:

@@ -18,18 +18,19 @@ no clock: the worker passes its own (``now``, monotonic seconds) to each method 
 
 from __future__ import annotations
 
-import array
 import concurrent.futures
 import dataclasses
 import logging
-import sys
 import threading
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import xfer
 
-from .pages import LayerView, LayoutError, block_runs, matched_blocks, pack_message
+from .control import ControlError, Header, block_ids_of, block_ids_payload, same_token
+from .control import encode as pack_message
+from .pages import LayerView, LayoutError, block_runs, matched_blocks
+from .params import MAX_ID, MAX_TP, ParamsError, allowed_rendezvous
 from .vllm_records import Load, Peer
 
 _WANT = b"xfer-vllm-want:"
@@ -43,6 +44,9 @@ there and answers with ``_PUSHED`` once none of its writes is in flight."""
 
 MAX_MESSAGE = 65536
 """The largest message the worker receives (its receive buffers): about 16k block ids."""
+MAX_PENDING = 4096
+"""Push requests and early cancels kept before their token is known (decoders' ids for a
+request this prefill has not scheduled yet): past it the oldest are dropped unanswered."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +89,9 @@ class PushContext:
     finish_load: Callable[[str, Load, BaseException | None], None]
     """Reports a load finished (with its error, if any) to vLLM, and counts it."""
     logger: logging.Logger
+    dialable: tuple[frozenset[str], bool] = (frozenset(), True)
+    """The rendezvous URLs a decoder's message may name, and whether any side channel may
+    be (``Options.dialable``)."""
 
 
 @dataclasses.dataclass
@@ -99,6 +106,10 @@ class _Want:
     """Where the decode rank's records are (its side channel, or the shared rendezvous)."""
     model: str = ""
     """The model the decoder serves (checked against this instance's)."""
+    token: str = ""
+    """The request's token as the decoder sent it: nothing is looked up, written or answered
+    for it until it is the request's own (``_Push.token``)."""
+    verified: bool = False
     ready: bool = False
     """Its record was found (looked up off the engine's callback thread); until then nothing
     is written to it."""
@@ -133,6 +144,9 @@ class _Push:
     aborted: str | None = None
     """Why it will not be computed or pushed (``request_aborted``): kept until none of its
     writes is in flight, so a decoder's cancel or late ids are answered right meanwhile."""
+    token: str | None = None
+    """The request's token (from its parameters, through the scheduler); None until this
+    prefill schedules it."""
 
 
 @dataclasses.dataclass
@@ -165,23 +179,6 @@ class _Await:
         return True
 
 
-def block_ids_payload(blocks: list[int]) -> bytes:
-    """A decode rank's block ids as they travel: 4 bytes each, little-endian."""
-    ids = array.array("i", blocks)
-    if sys.byteorder != "little":
-        ids.byteswap()
-    return ids.tobytes()
-
-
-def block_ids_of(payload: bytes) -> list[int]:
-    """The block ids of ``block_ids_payload`` (a length not a multiple of 4 is refused)."""
-    ids = array.array("i")
-    ids.frombytes(payload)
-    if sys.byteorder != "little":
-        ids.byteswap()
-    return list(ids)
-
-
 class PushSide:
     """The push half of the connector's worker (see the module docs)."""
 
@@ -196,9 +193,10 @@ class PushSide:
         """Prefill: GPU layers of this step, pushed once the stream is synchronised."""
         self._awaiting: dict[tuple[str, str], _Await] = {}
         """Decode: (prefill engine, its request id) → what this rank waits for."""
-        self._cancels: dict[tuple[str, str, int], float] = {}
+        self._cancels: dict[tuple[str, str, int], tuple[float, str, str | None]] = {}
         """Prefill: decode ranks' cancels that came before their ids (by request, decode
-        engine and rank), with when: their ids are dropped when they come."""
+        engine and rank), with when, their token and where the decoder's records are: their
+        ids (with that token) are dropped when they come."""
 
     # ---- decode side ----
 
@@ -214,7 +212,8 @@ class PushSide:
             for run in block_runs(view, remote, ctx.rank, ctx.tp_size, load.remote_tp_size):
                 ranks.add(run.remote_rank)
         header = {"req": load.remote_request_id, "engine": ctx.engine_id, "rank": ctx.rank,
-                  "tp": ctx.tp_size, "rendezvous": ctx.rendezvous_url, "model": ctx.model}
+                  "tp": ctx.tp_size, "rendezvous": ctx.rendezvous_url, "model": ctx.model,
+                  "token": load.token}
         # One KV cache group: the scheduler side refused push for the others.
         [blocks] = load.local_block_ids
         message = pack_message(_WANT, header, block_ids_payload(blocks))
@@ -233,19 +232,23 @@ class PushSide:
                 self._awaiting.pop(key, None)
             raise
 
-    def handle_pushed(self, header: dict[str, Any]) -> None:
-        """A prefill rank finished (or failed) writing a request to this rank."""
-        key = (str(header["engine"]), str(header["req"]))
+    def handle_pushed(self, header: Header) -> None:
+        """A prefill rank finished (or failed) writing a request to this rank: acted on only
+        with the request's token, from a rank it waits for."""
+        key = (header.text("engine", MAX_ID), header.text("req", MAX_ID))
+        rank = header.integer("rank", 0, MAX_TP - 1)
         with self._lock:
             waiting = self._awaiting.get(key)
-            if waiting is None:
-                return  # timed out already, or not ours
-            waiting.ranks.discard(int(header["rank"]))
-            if header.get("cancelled") and waiting.error is None:
+            if (waiting is None or rank not in waiting.ranks
+                    or not same_token(waiting.load.token, header.token())):
+                return  # timed out already, or not ours (forged: a "pushed ok" proves nothing)
+            waiting.ranks.discard(rank)
+            if header.flag("cancelled") and waiting.error is None:
                 waiting.error = waiting.cancelling
-            elif not header.get("ok") and waiting.error is None:
+            elif not header.flag("ok") and waiting.error is None:
                 waiting.error = RuntimeError(
-                    f"prefill {key[0]} rank {header['rank']} could not push: {header.get('why')}")
+                    f"prefill {key[0]} rank {rank} could not push: "
+                    f"{header.optional_text('why', 512)}")
             if waiting.ranks:
                 return
             del self._awaiting[key]
@@ -261,7 +264,8 @@ class PushSide:
         ctx = self._ctx
         load = waiting.load
         message = pack_message(_CANCEL, {"req": load.remote_request_id, "engine": ctx.engine_id,
-                                         "rank": ctx.rank, "rendezvous": ctx.rendezvous_url})
+                                         "rank": ctx.rank, "rendezvous": ctx.rendezvous_url,
+                                         "token": load.token})
         for rank in ranks:
             try:
                 ctx.engine.submit_send(
@@ -270,8 +274,8 @@ class PushSide:
             except Exception as e:  # noqa: BLE001 - answered for it: it cannot write either
                 ctx.logger.warning("XferConnector: prefill %s rank %d of request %s unreachable "
                                    "for its cancel (%s)", load.remote_engine_id, rank, key[1], e)
-                self.handle_pushed({"engine": key[0], "req": key[1], "rank": rank,
-                                    "cancelled": True})
+                self.handle_pushed(Header({"engine": key[0], "req": key[1], "rank": rank,
+                                           "cancelled": True, "token": load.token}))
 
     def _finish_unanswered(self, waiting: _Await) -> None:
         """The ranks never answered the cancel either: the load ends (vLLM must not wait
@@ -283,25 +287,44 @@ class PushSide:
 
     # ---- prefill side ----
 
-    def handle_cancel(self, header: dict[str, Any], now: float) -> None:
+    def _url(self, header: Header) -> str | None:
+        """Where a decoder's records are, as its message says: only a rendezvous this
+        instance was configured to dial (``Options.peer_side_channels``)."""
+        try:
+            return allowed_rendezvous(header.optional_text("rendezvous", 300),
+                                      *self._ctx.dialable)
+        except ParamsError as e:
+            raise ControlError(str(e)) from None
+
+    def handle_cancel(self, header: Header, now: float) -> None:
         """A decode rank stopped waiting for a request: nothing more goes to it, what is in
         flight is cancelled, and it is answered once nothing is (``_push_done``). Its ids
-        may come after this message (delivery is unordered): then they are dropped."""
-        key = (str(header["req"]), str(header["engine"]), int(header["rank"]))
+        may come after this message (delivery is unordered): then they are dropped. Acted on
+        only with the request's token (never looked up here: answers go out in the
+        background)."""
+        key = (header.text("req", MAX_ID), header.text("engine", MAX_ID),
+               header.integer("rank", 0, MAX_TP - 1))
+        token, url = header.token(), self._url(header)
         with self._lock:
             push = self._pushes.get(key[0])
+            if push is not None and push.token is not None and not same_token(push.token, token):
+                return  # forged, or another incarnation's
             want = push.wants.get(key[1:]) if push is not None else None
+            if want is not None and not same_token(want.token, token):
+                return
             if want is None:
-                self._cancels[key] = now
+                self._remember_cancel(key, (now, token, url))
                 answered = None
             else:
                 answered = want.replied or want.stop_answered
                 if not answered:
                     want.cancelled = want.replied = True
                 transfers = list(want.transfers)
+            verified = push is not None and push.token is not None
         if want is None:
-            self._reply(key[0], _Want(key[1], key[2], 0, [], url=header.get("rendezvous")),
-                        None, cancelled=True)
+            if verified:  # a request this prefill knows: answered that nothing is in flight
+                self._reply(key[0], _Want(key[1], key[2], 0, [], url=url, token=token,
+                                          verified=True), None, cancelled=True)
             return
         if answered:
             # It finished, or was aborted, (and said so) before the cancel came: say so again.
@@ -310,6 +333,40 @@ class PushSide:
         for transfer in transfers:
             self._ctx.in_background(transfer.cancel)
         self._push_done(key[0], want, None, submitted=False)
+
+    def _remember_cancel(self, key: tuple[str, str, int], value: tuple[float, str, str | None]
+                         ) -> None:
+        while len(self._cancels) >= MAX_PENDING:
+            del self._cancels[next(iter(self._cancels))]
+        self._cancels[key] = value
+
+    def tokens_known(self, tokens: Mapping[str, str], now: float) -> None:
+        """The tokens of push requests this prefill scheduled (their parameters'): decoders'
+        ids that came with another token are dropped, those with it are acted on now, and
+        early cancels with it are answered."""
+        resolve, answer = [], []
+        with self._lock:
+            for req_id, token in tokens.items():
+                push = self._pushes.setdefault(req_id, _Push(created=now))
+                if push.token is not None:
+                    continue
+                push.token = token
+                for key, want in list(push.wants.items()):
+                    if not same_token(token, want.token):
+                        del push.wants[key]
+                    elif not want.verified:
+                        want.verified = True
+                        resolve.append((req_id, want))
+                for key in [k for k in self._cancels if k[0] == req_id]:
+                    _, cancel_token, url = self._cancels[key]
+                    if same_token(token, cancel_token):
+                        answer.append((req_id, _Want(key[1], key[2], 0, [], url=url,
+                                                     token=cancel_token, verified=True)))
+                        self._cancels[key] = (now, cancel_token, url)  # still drops its ids
+        for req_id, want in resolve:
+            self._ctx.in_background(self._resolve_want, req_id, want)
+        for req_id, want in answer:
+            self._reply(req_id, want, None, cancelled=True)
 
     def step_started(self, computing: dict[str, list[int]], now: float) -> None:
         """``start_load_kv``: the push requests this step computes, with their blocks."""
@@ -357,8 +414,9 @@ class PushSide:
         ctx = self._ctx
         with self._lock:
             if (layer in want.layers or want.replied or want.error is not None or not want.ready
-                    or want.aborted is not None):
-                return
+                    or want.aborted is not None or not want.verified
+                    or not same_token(push.token, want.token)):
+                return  # written only to a decoder that sent this request's token
             if not push.finished and len(push.blocks) < len(want.blocks):
                 return  # a chunk of a longer prompt: this layer goes when all is computed
             want.layers.add(layer)
@@ -388,7 +446,7 @@ class PushSide:
         for run in writes:
             try:
                 transfer = ctx.engine.submit_paged_writes(
-                    run.length, region, ours, desc, theirs,
+                    run.length, region, view.rows(ours), desc, theirs_view.rows(theirs),
                     src_stride=view.strides[0], dst_stride=theirs_view.strides[0],
                     src_offset=view.offset + run.remote, dst_offset=theirs_view.offset + run.local,
                     on_done=lambda error, want=want: self._push_done(req_id, want, error),
@@ -435,9 +493,17 @@ class PushSide:
         self._reply(req_id, want, want.error)
 
     def _reply(self, req_id: str, want: _Want, error: str | None, cancelled: bool = False) -> None:
+        """Tells a decode rank how its push ended, in the background (its record may have to
+        be looked up: never on the engine's callback thread or vLLM's model-runner thread).
+        Only to a decoder that sent the request's token."""
+        if want.verified:
+            self._ctx.in_background(self._send_reply, req_id, want, error, cancelled)
+
+    def _send_reply(self, req_id: str, want: _Want, error: str | None, cancelled: bool) -> None:
         ctx = self._ctx
         header = {"req": req_id, "engine": ctx.engine_id, "rank": ctx.rank,
-                  "ok": error is None and not cancelled, "why": error, "cancelled": cancelled}
+                  "ok": error is None and not cancelled, "why": error, "cancelled": cancelled,
+                  "token": want.token}
         try:
             ctx.engine.submit_send(ctx.peer(want.engine, want.rank, want.url).address,
                                    pack_message(_PUSHED, header))
@@ -445,21 +511,36 @@ class PushSide:
             ctx.logger.warning("XferConnector: could not tell %s rank %d about request %s: %s",
                                want.engine, want.rank, req_id, e)
 
-    def handle_want(self, header: dict[str, Any], payload: bytes, now: float) -> None:
-        """A decode rank's block ids for one of this instance's requests."""
-        want = _Want(str(header["engine"]), int(header["rank"]), int(header["tp"]),
-                     block_ids_of(payload), url=header.get("rendezvous"),
-                     model=str(header.get("model") or ""))
-        req_id = str(header["req"])
+    def handle_want(self, header: Header, payload: bytes, now: float) -> None:
+        """A decode rank's block ids for one of this instance's requests: acted on (its
+        record looked up, layers written to it) only once its token is the request's own;
+        until this prefill schedules the request, kept (bounded) unanswered."""
+        want = _Want(header.text("engine", MAX_ID), header.integer("rank", 0, MAX_TP - 1),
+                     header.integer("tp", 1, MAX_TP), block_ids_of(payload, MAX_MESSAGE // 4),
+                     url=self._url(header), model=header.text("model", 1024, default=""),
+                     token=header.token())
+        req_id = header.text("req", MAX_ID)
         with self._lock:
-            if self._cancels.pop((req_id, want.engine, want.rank), None) is not None:
+            cancel = self._cancels.get((req_id, want.engine, want.rank))
+            if cancel is not None and same_token(cancel[1], want.token):
+                del self._cancels[(req_id, want.engine, want.rank)]
                 return  # its decode rank gave up before these ids arrived
-            push = self._pushes.setdefault(req_id, _Push(created=now))
+            push = self._pushes.get(req_id)
+            if push is None:
+                unverified = [r for r, p in self._pushes.items() if p.token is None]
+                if len(unverified) >= MAX_PENDING:
+                    del self._pushes[unverified[0]]
+                push = self._pushes[req_id] = _Push(created=now)
+            if push.token is not None and not same_token(push.token, want.token):
+                return  # forged, or for another incarnation of this instance
+            want.verified = push.token is not None
             aborted = push.aborted
             if aborted is None:
                 push.wants[(want.engine, want.rank)] = want
+        if not want.verified:
+            return  # acted on when the request's token is known (tokens_known)
         if aborted is not None:  # its writes to other decoders are still being stopped
-            self._ctx.in_background(self._reply, req_id, want, aborted)
+            self._reply(req_id, want, aborted)
             return
         # Closing (None): no more pushes.
         self._ctx.in_background(self._resolve_want, req_id, want)
@@ -548,7 +629,7 @@ class PushSide:
                     cancel.append((key, waiting, sorted(waiting.ranks)))
                 else:
                     late.append(self._awaiting.pop(key))
-            for key in [k for k, t in self._cancels.items() if now - t > ctx.forget_after_s]:
+            for key in [k for k, v in self._cancels.items() if now - v[0] > ctx.forget_after_s]:
                 del self._cancels[key]
             freed = [r for r, p in self._pushes.items()
                      if p.aborted is None and p.finished and r not in kept]

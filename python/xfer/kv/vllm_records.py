@@ -25,6 +25,12 @@ class Load:
     remote_tp_size: int = 1
     remote_rendezvous: str | None = None
     """Where the peer's records are, when it serves them itself (its side channel)."""
+    token: str = ""
+    """The prefill's random token for the request (its parameters'): every control message
+    about it carries it, and the prefill acts on none without it."""
+    local_request_id: str = ""
+    """This decode instance's request id: with its engine id, who reads (a second reader of
+    the same prefill request is refused)."""
 
 
 @dataclasses.dataclass
