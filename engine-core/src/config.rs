@@ -125,8 +125,7 @@ pub struct WorkerConfig {
     /// (yielding the CPU between polls) instead of parking, for providers whose transfers only
     /// progress while the *receiver* polls (libfabric shm, tcp). Timed parks are coarse (the
     /// kernel's timer slack is about 50 µs), so small non-zero values are not much better
-    /// than 1000. Also how long a worker dozes — looks again without arming the NICs'
-    /// wake-ups — right after threads waited in `TransferEngine::wait` (0.5–100 ms).
+    /// than 1000.
     pub idle_poll_us: u64,
     /// Between polls of an awake, idle worker (within `spin_us`, or never parking): `true`
     /// gives the CPU to other threads (`sched_yield`), `false` spins on it with no system
@@ -135,18 +134,14 @@ pub struct WorkerConfig {
     /// under emulation); on a machine with fewer cores than busy threads it takes CPU from
     /// the threads the worker waits for (submitters, callbacks, a software NIC).
     pub yield_when_idle: bool,
-    /// Threads that submit (or wait in [`TransferEngine::wait`](crate::TransferEngine::wait))
-    /// while the worker is parked carry out its pass themselves — post, poll, deliver —
-    /// instead of waking it: no wake-up and no hop between threads on the way to the NIC.
-    /// `false` keeps every NIC call on the worker's thread (a worker pinned near its NIC,
-    /// submitters elsewhere), at the cost of a wake-up per submission to a parked worker.
+    /// Ignored since 2026-12-07 (issue 53): only the worker makes passes. Accepted so that
+    /// configs that set it still load.
     pub drive_when_parked: bool,
-    /// How long [`TransferEngine::wait`](crate::TransferEngine::wait) keeps the waiting
-    /// thread busy before it sleeps: polling the NICs itself while the worker is parked (no
-    /// wake-up of the worker, none of the waiter: what a one-way's latency is mostly made of
-    /// on a small machine), spinning while the worker is awake. 0 sleeps at once. The
-    /// default, 1 ms, covers a small transfer's round trip even on soft-RoCE under
-    /// emulation (~50 µs); a wait that is not answered by then costs at most that much CPU.
+    /// How long [`TransferEngine::wait`](crate::TransferEngine::wait) looks at what it waits
+    /// for without sleeping (yielding between looks) before it sleeps: an outcome the worker
+    /// delivers within it costs the waiter no wake-up. 0 sleeps at once. The default, 1 ms,
+    /// covers a small transfer's round trip even on soft-RoCE under emulation (~50 µs); a
+    /// wait that is not answered by then costs at most that much CPU.
     pub wait_poll_us: u64,
     /// Largest message `submit_send` accepts.
     pub max_message: usize,
@@ -172,7 +167,7 @@ impl Default for WorkerConfig {
             spin_us: 50,
             idle_poll_us: 1_000,
             yield_when_idle: true,
-            drive_when_parked: true,
+            drive_when_parked: false,
             wait_poll_us: 1_000,
             max_message: 64 << 10,
             max_outstanding: 1 << 16,

@@ -138,6 +138,11 @@ pub enum Error {
     /// The operation was cancelled (`TransferHandle::cancel`) before it completed.
     #[error("cancelled")]
     Cancelled,
+    /// A call that waits for the engine's worker (registration, statistics, a wait) was made
+    /// on the worker's own thread — inside a flag's waker or a mirror sink — where it would
+    /// wait for itself: make it from another thread (see docs/api.md, "Where your code runs").
+    #[error("{0} was called on the engine's worker thread (from a flag's waker or a mirror sink), where it would wait for itself")]
+    OnWorkerThread(&'static str),
 }
 
 impl Error {
@@ -165,6 +170,7 @@ impl Error {
             Error::NotAvailable(_) => "not_available",
             Error::Shutdown => "shutdown",
             Error::Cancelled => "cancelled",
+            Error::OnWorkerThread(_) => "on_worker_thread",
         }
     }
 

@@ -13,6 +13,8 @@ fn class_of(e: &Error) -> &'static str {
         }
         // The backend refusing what the caller asked is the caller's mistake, as in Rust.
         Error::ForeignHandle { .. } | Error::Refused { .. } => "InvalidArgumentError",
+        // A blocking call from inside the engine's own pass: the caller's mistake.
+        Error::OnWorkerThread(_) => "InvalidArgumentError",
         Error::OutOfBounds { .. } => "OutOfBoundsError",
         Error::Busy { .. } => "BusyError",
         Error::ArrivalsDropped { .. } | Error::Timeout(_) => "TimeoutError",

@@ -22,10 +22,11 @@ impl TransferEngine {
         }
         let ready = counter.expect(imm, count, deadline, on_done.into());
         drop(counter);
-        match ready {
-            Some(w) => w.complete(Ok(()), &self.shared.jobs),
-            // The worker may be parked with a later deadline in mind.
-            None => self.shared.parking.wake_unless_due_by(deadline),
+        // A parked worker needs no wake-up for this deadline: it parks no longer than
+        // `timeouts.expect_ms` after it read the deadlines (see `runtime/schedule.rs`), so it
+        // wakes by itself before this is due.
+        if let Some(w) = ready {
+            w.complete(Ok(()), &self.shared.jobs);
         }
         Ok(())
     }

@@ -67,7 +67,7 @@ impl TransferEngine {
                 }
             }
             None => {
-                let keys = self.control(|reply| Command::Register { region, reply })?;
+                let keys = self.control("reg_mr", |reply| Command::Register { region, reply })?;
                 let cache_id = cache.map(|c| {
                     lock_cache(c)
                         .insert(kind, region.ptr, region.len, keys.clone())
@@ -200,8 +200,14 @@ impl TransferEngine {
         }
         let keys = region.keys.iter().map(|k| k.local_key).collect();
         match self.control_until_done("dereg_mr", |reply| Command::Deregister { keys, reply }) {
-            // Closed Domains hold no registrations: the guarantee holds.
-            Err(Error::Shutdown | Error::WorkerFailed(_)) => Ok(()),
+            // The engine is closing or failed: the worker closes its Domains (it always does
+            // once it takes the shutdown or fails); closed Domains hold no registrations, so
+            // the guarantee holds from then on — and not before (issue 53: a write in flight
+            // landed after an early `Ok`).
+            Err(Error::Shutdown | Error::WorkerFailed(_)) => {
+                self.shared.wait_domains_closed();
+                Ok(())
+            }
             other => other,
         }
     }

@@ -76,7 +76,7 @@ impl TransferEngine {
             ));
         }
         // Nothing is registered by the caller here, so a plain timeout is safe.
-        self.control(|reply| Command::PostRecvs {
+        self.control("submit_recvs", |reply| Command::PostRecvs {
             buf_len,
             count,
             reply: Some(reply),

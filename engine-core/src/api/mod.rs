@@ -267,8 +267,10 @@ impl TransferEngine {
     /// requests the worker undoes when nobody waits for the reply any more.
     pub(super) fn control<T>(
         &self,
+        what: &'static str,
         make: impl FnOnce(crossbeam_channel::Sender<Result<T>>) -> Command,
     ) -> Result<T> {
+        self.shared.check_not_on_worker(what)?;
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.shared.submit(make(tx))?;
         let timeout = self.shared.config.timeouts.control();
@@ -286,9 +288,10 @@ impl TransferEngine {
     /// every `control_ms`.
     pub(super) fn control_until_done<T>(
         &self,
-        what: &str,
+        what: &'static str,
         make: impl FnOnce(crossbeam_channel::Sender<Result<T>>) -> Command,
     ) -> Result<T> {
+        self.shared.check_not_on_worker(what)?;
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.shared.submit(make(tx))?;
         let step = self.shared.config.timeouts.control();
@@ -359,25 +362,25 @@ impl TransferEngine {
     }
 
     /// Waits for `flag` to be set (at most `timeout`) and returns its outcome, as
-    /// [`DoneFlag::wait`] does — but busy at first, for up to `worker.wait_poll_us`: while
-    /// this engine's worker is parked, this thread polls the NICs and delivers itself, so an
-    /// arrival or completion is seen here with no wake-up of the worker or of this thread
-    /// (most of a one-way's latency on a small machine, as `cargo xtask rxe-bench lat`
-    /// shows); while the worker is awake it spins. Then it sleeps on the flag.
-    ///
-    /// Wakers of flags and mirror sinks may run on this thread then, as they may on a thread
-    /// that submits while the worker is parked (see [`DoneFlag::with_waker`]).
+    /// [`DoneFlag::wait`] does — but looking without sleeping at first, for up to
+    /// `worker.wait_poll_us` (yielding between looks), so that an outcome the worker delivers
+    /// soon costs this thread no wake-up. The worker makes every pass; nothing runs on this
+    /// thread but the looks. On the worker's own thread (inside a waker) it fails with
+    /// [`Error::OnWorkerThread`] unless the flag is set already.
     pub fn wait(&self, flag: &DoneFlag, timeout: Duration) -> Result<()> {
+        if !flag.is_done() {
+            self.shared.check_not_on_worker("TransferEngine::wait")?;
+        }
         let start = Instant::now();
         self.shared.poll_until(timeout, || flag.is_done());
         flag.wait(timeout.saturating_sub(start.elapsed()))
     }
 
     /// What [`wait`](Self::wait) does before it sleeps, for callers with a sleep of their
-    /// own (a binding's, which must also look for signals): makes the parked worker's passes
-    /// on this thread, or spins while it is awake, until `done()` or for `limit` (at most
-    /// `worker.wait_poll_us`). Returns `done()`'s last answer; when it is `false`, the
-    /// worker is left to wake the caller's sleep.
+    /// own (a binding's, which must also look for signals): looks at `done()` without
+    /// sleeping until it says yes or for `limit` (at most `worker.wait_poll_us`). Returns
+    /// `done()`'s last answer; when it is `false`, the worker is left to wake the caller's
+    /// sleep. A `done` that panics unwinds into the caller, never into the engine.
     pub fn drive_until(&self, limit: Duration, done: impl FnMut() -> bool) -> bool {
         self.shared.poll_until(limit, done)
     }
@@ -385,6 +388,10 @@ impl TransferEngine {
     /// [`wait`](Self::wait) for `counter` to count `n` outcomes (as
     /// [`DoneCounter::wait_for`]).
     pub fn wait_for(&self, counter: &DoneCounter, n: u64, timeout: Duration) -> Result<()> {
+        if counter.finished() < n {
+            self.shared
+                .check_not_on_worker("TransferEngine::wait_for")?;
+        }
         let start = Instant::now();
         self.shared.poll_until(timeout, || counter.finished() >= n);
         counter.wait_for(n, timeout.saturating_sub(start.elapsed()))
@@ -427,9 +434,9 @@ impl TransferEngine {
         let me = std::thread::current().id();
         let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(w) = worker {
-            // Called on the worker itself, or on a thread driving it (a flag's waker): it
-            // ends when this returns.
-            if w.thread().id() != me && !self.shared.runs_worker_here() {
+            // Called on the worker itself (a flag's waker, a mirror sink): it ends when the
+            // pass it is in returns, closing the Domains then.
+            if w.thread().id() != me {
                 let _ = w.join();
             }
         }

@@ -72,6 +72,18 @@ impl Anchor {
         }
     }
 
+    /// The `Stamp` of `instant` (see [`instant`](Self::instant)).
+    pub(crate) fn stamp(&self, instant: Instant) -> Stamp {
+        match instant.checked_duration_since(self.instant) {
+            Some(after) => self
+                .stamp
+                .after_nanos(u64::try_from(after.as_nanos()).unwrap_or(u64::MAX)),
+            None => Stamp(self.stamp.0.saturating_sub(
+                u64::try_from((self.instant - instant).as_nanos()).unwrap_or(u64::MAX),
+            )),
+        }
+    }
+
     /// The `Instant` of `stamp` (both clocks are `CLOCK_MONOTONIC`: only the read between
     /// them, well under a microsecond, separates them).
     pub(crate) fn instant(&self, stamp: Stamp) -> Instant {

@@ -287,11 +287,13 @@ impl DoneFlag {
         Arc::new(Self::default())
     }
 
-    /// A flag that calls `waker` right after it is set, **on the thread that makes the
-    /// engine's pass**: its worker, or — while the worker is parked — a thread that submits
-    /// or waits in `TransferEngine::wait` (`[worker] drive_when_parked`). It must be quick
-    /// and must not block (wake a waiter, hand work to another thread), nor wait for a lock
-    /// a submitting thread may hold while it submits. It
+    /// A flag that calls `waker` right after it is set, **on the thread that sets it**: the
+    /// engine's worker for every outcome a pass delivers, or the calling thread for an
+    /// outcome known when the call is made (an expectation its arrivals already met). Never
+    /// on a thread that only submits or waits. It must be quick and must not block (wake a
+    /// waiter, hand work to another thread); engine calls that wait for the worker fail
+    /// there with `Error::OnWorkerThread` rather than wait for themselves, and
+    /// `TransferEngine::shutdown` returns at once (the Domains close when the pass ends). It
     /// saves the hop through the callback thread that an [`OnDone::Callback`] takes — for
     /// bindings whose waiters spin on the flag and only sometimes need a callback (Python's
     /// `Transfer`), and for answering an arrival at once: the waker may call

@@ -52,16 +52,10 @@ pub(super) fn push<F: FnOnce(Stamp) -> Command>(shared: &Shared, make: F) -> Res
     Ok(())
 }
 
-/// Whether this thread is `shared`'s worker, or drives it now.
+/// Whether this thread is `shared`'s worker.
 #[inline]
 pub(super) fn is_worker_of(shared: &Shared) -> bool {
     OWNER.get() == std::ptr::from_ref(shared) as usize
-}
-
-/// Whether this thread is an engine's worker, or drives one now.
-#[inline]
-pub(super) fn is_worker_thread() -> bool {
-    OWNER.get() != 0
 }
 
 /// Whether this thread's worker kept commands.

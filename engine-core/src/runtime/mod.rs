@@ -17,15 +17,15 @@ pub(crate) mod clock;
 pub(crate) mod completion;
 pub(crate) mod control;
 pub(crate) mod dispatch;
-mod idle;
 mod local;
 mod queue;
+mod schedule;
 mod tracker;
 mod work;
 mod worker;
 
 use self::clock::Stamp;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
@@ -153,18 +153,6 @@ pub(crate) enum Command {
 }
 
 impl Command {
-    /// Whether only the worker's own thread carries it out (not a thread driving it while
-    /// it is parked): everything but transfers, sends and cancellations.
-    pub(crate) fn is_for_the_worker(&self) -> bool {
-        !matches!(
-            self,
-            Command::Listed { .. }
-                | Command::Pages { .. }
-                | Command::Send { .. }
-                | Command::Cancel { .. }
-        )
-    }
-
     /// Sets when a transfer or send was submitted (see `local`); other commands have no time.
     pub(crate) fn stamp(&mut self, now: Stamp) {
         match self {
@@ -180,49 +168,21 @@ impl Command {
 /// outright (it owns nothing back), so a wake from a completion path — once per operation on
 /// an inline backend — is a load and, only when parked, an unpark: no upgrade of a weak
 /// handle to the whole engine and no reference count touched.
-///
-/// While the worker is parked, another thread may drive its loop instead (see
-/// `worker::drive_parked`): it marks the worker `driven`, and for as long as it does, the
-/// worker counts as awake to wakers — it polls the Domains itself, so a wake would only
-/// take the CPU from it, and a Domain need not arm its completion channel (the driver
-/// re-arms it, as a parking worker does, when it stops).
 pub(crate) struct Parking {
-    /// What the worker announced, in one word so that a waker's question is one load:
-    /// [`PARKED`], with [`DRIVEN`] (another thread drives its loop now) and [`DOZING`] (it
-    /// dozes rather than parks: threads waiting in `TransferEngine::wait` drive it, so it
-    /// arms no wake-up of the Domains — an armed completion channel wakes a thread per
-    /// completion, and on a small machine that thread takes the CPU from the waiters — and
-    /// looks again after a short timeout instead).
-    state: AtomicU8,
-    /// When a thread last stopped driving the worker from `TransferEngine::wait`:
-    /// nanoseconds after `epoch`, 0 for never.
-    waited_at: AtomicU64,
-    /// When the parked worker wakes by itself: nanoseconds after `epoch`, 0 while unknown
-    /// (it is deciding). Work due no earlier needs no wake.
-    wakes_at: AtomicU64,
-    epoch: Instant,
-    /// Unparks, counted for tests (a driven ping-pong should need none).
+    /// Set by the worker before its last look ahead of a park, cleared when it runs again.
+    parked: AtomicBool,
+    /// Unparks, counted for tests.
     #[cfg(test)]
-    unparks: AtomicU64,
+    unparks: std::sync::atomic::AtomicU64,
     worker: OnceLock<Thread>,
 }
-
-/// The worker announced that it parks (set by the worker, which holds its state's lock).
-const PARKED: u8 = 1;
-/// A thread drives the parked worker (set and cleared by that thread, holding the lock).
-const DRIVEN: u8 = 2;
-/// The parked worker dozes (set by the worker; cleared by it, or by a waiter about to sleep).
-const DOZING: u8 = 4;
 
 impl Default for Parking {
     fn default() -> Self {
         Self {
-            state: AtomicU8::new(0),
-            waited_at: AtomicU64::new(0),
-            wakes_at: AtomicU64::new(0),
-            epoch: Instant::now(),
+            parked: AtomicBool::new(false),
             #[cfg(test)]
-            unparks: AtomicU64::new(0),
+            unparks: std::sync::atomic::AtomicU64::new(0),
             worker: OnceLock::new(),
         }
     }
@@ -234,72 +194,15 @@ impl Parking {
         let _ = self.worker.set(thread);
     }
 
-    /// The worker announces that it parks (`true`) or runs again (`false`). Its wake-up time
-    /// is unknown until [`wakes_at`](Self::set_wakes_at) is set again. Only the worker,
-    /// holding its state's lock, announces: no driver's mark can be overwritten.
+    /// The worker announces that it parks (`true`) or runs again (`false`).
     pub(crate) fn announce(&self, parked: bool) {
-        self.wakes_at.store(0, Ordering::SeqCst);
-        self.state
-            .store(if parked { PARKED } else { 0 }, Ordering::SeqCst);
+        self.parked.store(parked, Ordering::SeqCst);
     }
 
-    /// The worker announces that it dozes (see `DOZING`) rather than parks.
-    pub(crate) fn announce_doze(&self) {
-        self.wakes_at.store(0, Ordering::SeqCst);
-        self.state.store(PARKED | DOZING, Ordering::SeqCst);
-    }
-
-    /// Threads no longer wait on the worker: it stops dozing (its next park arms the
-    /// Domains' wake-ups), and a driver's last poll arms them now.
-    pub(crate) fn stop_dozing(&self) {
-        self.waited_at.store(0, Ordering::Relaxed);
-        self.state.fetch_and(!DOZING, Ordering::SeqCst);
-    }
-
-    /// Whether the parked worker dozes.
-    pub(crate) fn is_dozing(&self) -> bool {
-        self.state.load(Ordering::SeqCst) & DOZING != 0
-    }
-
-    /// A thread stops driving the worker from `TransferEngine::wait`, now.
-    pub(crate) fn waited_now(&self) {
-        let nanos = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.waited_at.store(nanos.max(1), Ordering::Relaxed);
-    }
-
-    /// Whether a thread drove the worker from `TransferEngine::wait` within `within`.
-    pub(crate) fn waited_within(&self, within: Duration) -> bool {
-        let at = self.waited_at.load(Ordering::Relaxed);
-        at != 0 && Duration::from_nanos(at) + within >= self.epoch.elapsed()
-    }
-
-    /// The parked worker will wake by itself at `at`.
-    pub(crate) fn set_wakes_at(&self, at: Instant) {
-        let nanos = at.saturating_duration_since(self.epoch).as_nanos();
-        self.wakes_at.store(
-            u64::try_from(nanos).unwrap_or(u64::MAX).max(1),
-            Ordering::SeqCst,
-        );
-    }
-
-    /// Whether the worker parked — not dozing — and no other thread drives it: what a
-    /// Domain's waker asks (to wake it, and whether to arm its own wake-up).
+    /// Whether the worker announced that it parks: what a Domain's waker asks (to wake it,
+    /// and whether to arm its own wake-up).
     pub(crate) fn is_parked(&self) -> bool {
-        self.state.load(Ordering::SeqCst) == PARKED
-    }
-
-    /// Whether the worker announced that it parks, driven or dozing or not.
-    pub(crate) fn announced_parked(&self) -> bool {
-        self.state.load(Ordering::SeqCst) & PARKED != 0
-    }
-
-    /// Marks the parked worker driven by another thread, or no longer.
-    pub(crate) fn set_driven(&self, driven: bool) {
-        if driven {
-            self.state.fetch_or(DRIVEN, Ordering::SeqCst);
-        } else {
-            self.state.fetch_and(!DRIVEN, Ordering::SeqCst);
-        }
+        self.parked.load(Ordering::SeqCst)
     }
 
     /// Wakes the worker if it parked. The worker announces `parked` and then checks the queue
@@ -310,28 +213,6 @@ impl Parking {
         if self.is_parked() {
             self.unpark();
         }
-    }
-
-    /// Wakes the parked worker unless it wakes by itself no later than `due`: new work due
-    /// then (an expectation's deadline) needs no wake-up of its own. The worker publishes
-    /// its wake-up time after it read every deadline it parks for, and clears it first, so a
-    /// time read here either counts `due` or is no later than it.
-    pub(crate) fn wake_unless_due_by(&self, due: Instant) {
-        if !self.is_parked() {
-            return;
-        }
-        let at = self.wakes_at.load(Ordering::SeqCst);
-        let due =
-            u64::try_from(due.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX);
-        if at == 0 || at > due {
-            self.unpark();
-        }
-    }
-
-    /// Whether the worker parked and published when it wakes by itself.
-    #[cfg(test)]
-    pub(crate) fn settled(&self) -> bool {
-        self.announced_parked() && self.wakes_at.load(Ordering::SeqCst) != 0
     }
 
     /// How many times the worker was unparked.
@@ -357,10 +238,10 @@ pub(crate) struct Shared {
     queue: queue::SubmissionQueue<Command>,
     /// The worker's parking state; Domains' wakers hold it directly (see [`Parking`]).
     pub(crate) parking: Arc<Parking>,
-    /// The worker's state: locked by its thread while awake, and by a thread that drives it
-    /// while it is parked (see `worker::drive_parked`). Empty before the worker runs and
-    /// after it stopped (it takes its state out, which also ends the cycle through `Shared`).
-    pub(crate) driver: Mutex<Option<worker::Worker>>,
+    /// Set once the worker closed its Domains (it stopped or failed): from then on no NIC
+    /// touches registered memory (see `wait_domains_closed`).
+    domains_closed: Mutex<bool>,
+    domains_closed_cv: std::sync::Condvar,
     pub(crate) imm: Mutex<ImmCounter<OnDone>>,
     pub(crate) jobs: Sender<Job>,
     pub(crate) recv_handler: OnceLock<(usize, RecvHandler)>,
@@ -399,7 +280,8 @@ impl Shared {
             backend,
             queue: queue::SubmissionQueue::new(),
             parking: Arc::new(Parking::default()),
-            driver: Mutex::new(None),
+            domains_closed: Mutex::new(false),
+            domains_closed_cv: std::sync::Condvar::new(),
             imm: Mutex::new(ImmCounter::for_peers(max_idle_imms, per_peer)),
             jobs,
             recv_handler: OnceLock::new(),
@@ -429,10 +311,7 @@ impl Shared {
         self.check_open().inspect_err(|_| self.finished(1))?;
         if let Err(make) = local::push(self, make) {
             self.queue.push(make(Stamp::now()));
-            // A parked worker's pass runs here rather than after a wake-up.
-            if !worker::drive_parked(self) {
-                self.wake();
-            }
+            self.wake();
         }
         Ok(())
     }
@@ -462,6 +341,7 @@ impl Shared {
 
     /// A snapshot of the worker's counters: one round trip, within `[timeouts] control_ms`.
     pub(crate) fn stats(&self) -> Result<crate::stats::Stats> {
+        self.check_not_on_worker("stats")?;
         let (reply, answer) = crossbeam_channel::bounded(1);
         self.submit(Command::Stats { reply })?;
         let timeout = self.config.timeouts.control();
@@ -529,8 +409,8 @@ impl Shared {
     }
 
     /// Keeps this thread busy until `done()` or for at most `worker.wait_poll_us` (and
-    /// `limit`): driving the parked worker's passes here (see `worker::drive_parked_while`),
-    /// or, while it is awake, spinning. Returns `done()`'s last answer.
+    /// `limit`), yielding between looks (or spinning, with `worker.yield_when_idle` off):
+    /// the worker makes every pass, this thread only looks. Returns `done()`'s last answer.
     pub(crate) fn poll_until(&self, limit: Duration, mut done: impl FnMut() -> bool) -> bool {
         let start = Instant::now();
         let limit = limit.min(Duration::from_micros(self.config.worker.wait_poll_us));
@@ -539,35 +419,52 @@ impl Shared {
                 return true;
             }
             if start.elapsed() >= limit {
-                // This thread sleeps next: what it waits for must wake the worker.
-                if !worker::drive_parked_while(self, || Some(worker::Leaving::Sleeps)) {
-                    self.parking.stop_dozing();
-                }
                 return done();
             }
-            let drove = worker::drive_parked_while(self, || {
-                if done() {
-                    Some(worker::Leaving::Answered)
-                } else if start.elapsed() >= limit {
-                    Some(worker::Leaving::Sleeps)
-                } else {
-                    None
-                }
-            });
-            if !drove {
-                if self.config.worker.yield_when_idle {
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
+            if self.config.worker.yield_when_idle {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
             }
         }
     }
 
-    /// Whether this thread runs the worker's loop now: the worker's own thread, or one that
-    /// drives it while it is parked (then the worker waits for this thread to let go).
-    pub(crate) fn runs_worker_here(&self) -> bool {
+    /// Whether this thread is the worker's: a call that waits for the worker must not be
+    /// made here (it would wait for itself), see `Error::OnWorkerThread`.
+    pub(crate) fn on_worker_thread(&self) -> bool {
         local::is_worker_of(self)
+    }
+
+    /// Refuses a call that waits for the worker when made on the worker's own thread.
+    pub(crate) fn check_not_on_worker(&self, call: &'static str) -> Result<()> {
+        if self.on_worker_thread() {
+            return Err(Error::OnWorkerThread(call));
+        }
+        Ok(())
+    }
+
+    /// The worker closed its Domains: no NIC touches registered memory from here on.
+    pub(crate) fn set_domains_closed(&self) {
+        *self
+            .domains_closed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = true;
+        self.domains_closed_cv.notify_all();
+    }
+
+    /// Waits until the worker closed its Domains (it does once the shutdown or a failure is
+    /// taken, so this ends: the engine is closed or failed when it is called).
+    pub(crate) fn wait_domains_closed(&self) {
+        let mut closed = self
+            .domains_closed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        while !*closed {
+            closed = self
+                .domains_closed_cv
+                .wait(closed)
+                .unwrap_or_else(|p| p.into_inner());
+        }
     }
 
     /// Wakes the worker if it parked (see [`Parking::wake`]).
