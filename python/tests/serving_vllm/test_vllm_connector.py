@@ -974,3 +974,141 @@ def test_a_decoder_shut_down_right_after_its_push_still_frees_the_prefills_block
     d.close()
     p.wait("the prefill to free its blocks", lambda: "r" in p.sent)
     p.close()
+
+
+# ---- leases from positive knowledge, hostile parameters and forged messages (issues 54, 56) ----
+
+
+def test_a_reader_past_two_leases_with_the_blocks_rewritten_is_a_load_error():
+    """Issue 54's measurement: "held" was "not among the requests freed at their lease", a
+    record purged a lease later; a reader after two leases (a backed-up decode queue) was told
+    "held" and the load finished with the other request's bytes."""
+    server = xfer.Server()
+    p = Instance("late2-p", server, extra={"free_timeout_s": 0.3})
+    d = Instance("late2-d", server)
+    params = prefill(p, "r", 20, [3, 5])
+    p.wait("the lease to free the blocks", lambda: "r" in p.sent)
+    for cache in p.caches.values():  # another request's forward rewrites them
+        cache[[3, 5]] = cache[[8, 9]]
+    deadline = time.monotonic() + 1.2  # past two leases, the prefill stepping meanwhile
+    while time.monotonic() < deadline:
+        p.step()
+        time.sleep(0.05)
+    before = {name: cache[[1, 2]].clone() for name, cache in d.caches.items()}
+    decode(d, "r-d", 20, params, [1, 2])
+    d.step()
+    d.wait("the load to end", lambda: "r-d" in d.recved)
+    assert "r-d" in d.failed, "another request's KV reported as loaded"
+    assert d.worker.get_block_ids_with_load_errors() == {1, 2}
+    for name, cache in d.caches.items():
+        assert torch.equal(cache[[1, 2]], before[name]), "nothing is read once the lease ended"
+    p.close(), d.close(), server.close()
+
+
+def test_a_second_reader_of_a_request_is_refused_before_it_reads(server):
+    """A proxy's retry reads the same parameters on another decode instance: it was told
+    "held" and decoded whatever the blocks held by then."""
+    p, d, again = Instance("sr-p", server), Instance("sr-d", server), Instance("sr-d2", server)
+    params = prefill(p, "r", 20, [3, 5])
+    load(d, "r-d", 20, params, [1, 2])
+    assert not d.failed
+    before = {name: cache[[6, 7]].clone() for name, cache in again.caches.items()}
+    load(again, "r-d2", 20, params, [6, 7])  # after the first, or while it reads: refused
+    assert "r-d2" in again.failed
+    for name, cache in again.caches.items():
+        assert torch.equal(cache[[6, 7]], before[name]), "nothing read"
+    assert_copied(p, d, [3, 5], [1, 2])
+    p.close(), d.close(), again.close()
+
+
+def forge(to, prefix, header, payload=b""):
+    """A third engine (anyone who can reach the prefill's engine) sends a message."""
+    import json
+
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    with xfer.TransferEngine(MOCK) as engine:
+        engine.submit_send(to, prefix + len(text).to_bytes(4, "little") + text + payload).wait(5)
+
+
+def test_forged_done_and_claims_from_a_third_engine_free_nothing(server):
+    """Issue 56: a forged done with tp 1 counted as every reader and freed the request's
+    blocks; the real reader was then told "held" and decoded another request's KV."""
+    p, d = Instance("fg-p", server), Instance("fg-d", server)
+    params = prefill(p, "r", 20, [3, 5])
+    address = bytes(p.worker._worker._engine.main_address)
+    forged = {"req": "r", "engine": "x", "reader": "x", "rank": 0, "tp": 1,
+              "addr": "00", "token": "0" * 32}
+    forge(address, b"xfer-vllm-done:", {"req": "r", "engine": "x", "rank": 0, "tp": 1,
+                                        "addr": "00"})  # the old format, no token
+    forge(address, b"xfer-vllm-done:", forged)
+    forge(address, b"xfer-vllm-read:", {**forged, "groups": [1]}, (3).to_bytes(4, "little"))
+    forge(address, b"xfer-vllm-done:", b"{" * 3000)  # garbage: dropped, nothing raised
+    time.sleep(0.5)  # the messages are handled on the prefill's callback thread
+    p.step()
+    assert "r" not in p.sent and p.worker._worker.keeping() == 1, "still kept for its reader"
+    load(d, "r-d", 20, params, [1, 2])
+    assert not d.failed
+    assert_copied(p, d, [3, 5], [1, 2])
+    p.close(), d.close()
+
+
+@pytest.mark.parametrize("bad", [
+    {"do_remote_prefill": True},  # no ids at all (NixlConnector asserts here)
+    {"remote_engine_id": "p", "remote_request_id": "r", "remote_block_ids": [[1]],
+     "remote_tp_size": 10**9},
+    {"remote_engine_id": "p", "remote_request_id": "r", "remote_block_ids": [[1]],
+     "remote_tp_size": 0},
+    {"remote_engine_id": "p", "remote_request_id": "r", "remote_block_ids": [list(range(10**4))]},
+    {"remote_engine_id": "p", "remote_request_id": "r", "remote_block_ids": [["1"]]},
+    {"remote_engine_id": "p", "remote_request_id": "r", "remote_block_ids": [[1]],
+     "remote_rendezvous": "etcd://attacker:2379/x"},
+    {"remote_engine_id": ["p"], "remote_request_id": "r", "remote_block_ids": [[1]]},
+    {"remote_engine_id": "p", "remote_request_id": "r", "remote_block_ids": [[1]],
+     "xfer_token": "not a token"},
+    {"remote_engine_id": "p", "remote_request_id": "r", "remote_block_ids": [[1], [2]]},
+])
+def test_malformed_parameters_from_the_request_body_fail_that_request_only(server, bad):
+    """``kv_transfer_params`` come from the API client: a bad set never raises inside vLLM's
+    scheduler (a KeyError there took the decode instance down), dials and looks up nothing,
+    and the request is computed here; the next request loads as usual."""
+    tag = abs(hash(repr(bad))) % 10**6
+    d = Instance(f"bad-d{tag}", server)
+    params = {"do_remote_prefill": True, "xfer_token": "1" * 32, **bad}
+    r = request("bad", 20, params)
+    assert d.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+    d.scheduler.update_state_after_alloc(r, blocks_of([1, 2]), 0)
+    r.status = RequestStatus.FINISHED_ABORTED
+    assert d.scheduler.request_finished(r, [1, 2]) == (False, None)
+    d.step()
+    assert d.worker._worker._services.keys() == {server.url}, "nothing dialled"
+    p = Instance(f"bad-p{tag}", server)
+    load(d, "good-d", 20, prefill(p, "good", 20, [3, 5]), [1, 2])
+    assert not d.failed
+    p.close(), d.close()
+
+
+def test_block_ids_the_prefill_never_offered_for_the_request_are_refused_unread(server):
+    """Issue 56: a decode's API client named other users' (prefix-cached) blocks in
+    ``remote_block_ids`` and read their KV: the prefill grants only the request's own."""
+    p, d = Instance("nb-p", server), Instance("nb-d", server)
+    params = prefill(p, "r", 20, [3, 5])
+    before = {name: cache[[1, 2]].clone() for name, cache in d.caches.items()}
+    load(d, "r-d", 20, {**params, "remote_block_ids": [[3, 9]]}, [1, 2])
+    assert "r-d" in d.failed
+    for name, cache in d.caches.items():
+        assert torch.equal(cache[[1, 2]], before[name]), "nothing read"
+    p.close(), d.close()
+
+
+def test_a_decode_request_aborted_before_its_load_tells_the_prefill(server):
+    """Client gone or admission refused before the load started: the prefill was left holding
+    the blocks for its whole lease (NixlConnector frees them at once)."""
+    p, d = Instance("ab-p", server, extra={"free_timeout_s": 600}), Instance("ab-d", server)
+    params = prefill(p, "r", 20, [3, 5])
+    r = request("r-d", 20, dict(params))
+    assert d.scheduler.get_num_new_matched_tokens(r, 0) == (20, True)
+    r.status = RequestStatus.FINISHED_ABORTED  # never allocated
+    assert d.scheduler.request_finished(r, []) == (False, None)
+    d.step()
+    p.wait("the prefill to free the blocks long before its lease", lambda: "r" in p.sent)
+    p.close(), d.close()
