@@ -137,6 +137,22 @@ def free_port():
         return s.getsockname()[1]
 
 
+def wait_all(pipes, limit=240):
+    """Every rank's verdict; the first failure fails at once (its peers may wait forever)."""
+    import time
+    from multiprocessing.connection import wait
+
+    pending = set(range(len(pipes)))
+    deadline = time.monotonic() + limit
+    while pending:
+        ready = wait([pipes[r][0] for r in pending], timeout=max(0.0, deadline - time.monotonic()))
+        assert ready, f"ranks {sorted(pending)} did not finish"
+        for r in [r for r in pending if pipes[r][0] in ready]:
+            reply = pipes[r][0].recv()
+            assert reply == "ok", reply
+            pending.discard(r)
+
+
 def test_vllm_deepep_ll_prepare_finalize_over_xfer(monkeypatch):
     """Two shapes (4 experts top-2, 8 experts top-8; one Buffer each, as vLLM's handle cache
     keys them), three steps each, sync and async forms alternating."""
@@ -156,9 +172,7 @@ def test_vllm_deepep_ll_prepare_finalize_over_xfer(monkeypatch):
     for p in procs:
         p.start()
     try:
-        for r in range(RANKS):
-            assert pipes[r][0].poll(240), f"rank {r} did not finish"
-            assert pipes[r][0].recv() == "ok"
+        wait_all(pipes)
     finally:
         for p in procs:
             p.join(30)
