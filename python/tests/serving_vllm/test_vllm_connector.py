@@ -79,7 +79,7 @@ class Instance:
 
     def __init__(self, engine_id, server, *, layers=2, blocks=16, heads=4, head=8, tp=1, extra=None,
                  model=None, backend="CPU_ATTN", cache_dtype="auto", layout=None, dp=(1, 0),
-                 pp=1, drafts=0):
+                 pp=1, drafts=0, parallel=None):
         """``drafts``: a speculative drafter's layers (EAGLE's, numbered past the model's)."""
         extra = {"rendezvous": server.url if server else None, "xfer_config": MOCK,
                  "lookup_timeout_s": 2.0, **(extra or {})}
@@ -91,7 +91,8 @@ class Instance:
                 cache_config=CacheConfig(block_size=BLOCK, cache_dtype=cache_dtype),
                 parallel_config=ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp[0],
                                                data_parallel_rank=dp[1],
-                                               pipeline_parallel_size=pp),
+                                               pipeline_parallel_size=pp,
+                                               **(parallel or {})),
                 kv_transfer_config=KVTransferConfig(
                     kv_connector="XferConnector",
                     kv_connector_module_path="xfer.vllm",
@@ -890,6 +891,25 @@ def test_data_parallel_engines_on_one_node_serve_side_channels_of_their_own():
 def test_pipeline_parallel_instances_are_refused_by_name(server):
     with pytest.raises(NotImplementedError, match="pipeline"):
         Instance("pp-refused", server, pp=2)
+
+
+def test_decode_context_parallelism_is_refused_by_name(server):
+    """Issue 54: with DCP a manager block spans block_size x DCP tokens spread over the ranks;
+    the reads took the last blocks of the prefill's list (wrong KV for MLA). Refused, named,
+    when the connector is made (vLLM checks DCP for NixlConnector only)."""
+    mla = tiny_model(config=vllm_caches.DEEPSEEK_V2_TINY)
+    with pytest.raises(NotImplementedError, match="decode_context_parallel_size=2"):
+        Instance("dcp-refused", server, model=mla, tp=2,
+                 parallel={"decode_context_parallel_size": 2})
+
+
+def test_every_transfer_group_counts_as_loaded(server):
+    """``get_loaded_kv_cache_group_ids``: the connector moves a request's own blocks of every
+    transfer group (vLLM's default names the prefix-cacheable ones only)."""
+    d = Instance("groups-d", server)
+    config = d.scheduler._kv_cache_config
+    assert d.scheduler.get_loaded_kv_cache_group_ids(None) == tuple(config.transfer_group_ids)
+    d.close()
 
 
 # ---- MLA from a model's own config ----

@@ -358,6 +358,14 @@ class XferConnector(KVConnectorBase_V1, SupportsHMA):
             raise NotImplementedError(
                 f"XferConnector does not support pipeline parallelism (pipeline_parallel_size="
                 f"{stages}): its records and reads assume every layer on each TP rank")
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            size = int(getattr(parallel, name, 1) or 1)
+            if size > 1:
+                # A manager block then spans block_size x size tokens spread over the ranks:
+                # reads planned per rank from block ids would move the wrong tokens (MLA).
+                raise NotImplementedError(
+                    f"XferConnector does not support context parallelism ({name}={size}): "
+                    f"a block's tokens are spread over the ranks, which its reads do not map")
         self._options = Options.parse(self._kv_transfer_config.kv_connector_extra_config) \
             .of_dp_engine(int(getattr(parallel, "data_parallel_index", 0) or 0))
         self._engine_id = str(self._kv_transfer_config.engine_id)
@@ -399,6 +407,12 @@ class XferConnector(KVConnectorBase_V1, SupportsHMA):
         return "LBHNC"
 
     # ---- scheduler side ----
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        """Every transfer group: the load moves the request's own blocks of each (vLLM's
+        default, the prefix-cacheable groups, would leave the others to be zeroed while the
+        reads land)."""
+        return tuple(self._kv_cache_config.transfer_group_ids)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
