@@ -32,6 +32,9 @@ struct NicState {
     polls_after_fatal: AtomicU64,
     /// Told when the NIC starts closing; the close waits for the receiver's message.
     closing: Mutex<Option<(Sender<()>, Receiver<()>)>>,
+    /// Arms a timer of the NIC's own (`poll_timeout`) in a poll made while the worker is
+    /// about to park, and is told at the first poll at or after it.
+    timer: Option<Sender<()>>,
 }
 
 impl NicState {
@@ -60,6 +63,9 @@ struct TestNic {
     waker: Option<Waker>,
     posted: Vec<u64>,
     failed: bool,
+    /// When the NIC's own timer is due, and whether it was reported.
+    due: Option<Instant>,
+    timer_reported: bool,
 }
 
 impl Domain for TestNic {
@@ -109,12 +115,27 @@ impl Domain for TestNic {
             wr_id,
             result: Ok(()),
         }));
-        if self.waker.as_ref().is_some_and(|w| w.worker_parking()) {
+        let parking = self.waker.as_ref().is_some_and(|w| w.worker_parking());
+        if parking {
             if let Some(tx) = self.state.parked.lock().unwrap().take() {
                 let _ = tx.send(());
             }
         }
+        if let (Some(tx), false) = (&self.state.timer, self.timer_reported) {
+            match self.due {
+                Some(due) if Instant::now() >= due => {
+                    self.timer_reported = true;
+                    let _ = tx.send(());
+                }
+                Some(_) => {}
+                None if parking => self.due = Some(Instant::now() + Duration::from_millis(5)),
+                None => {}
+            }
+        }
         Ok(())
+    }
+    fn poll_timeout(&self) -> Option<Instant> {
+        self.due.filter(|_| !self.timer_reported)
     }
     fn set_waker(&mut self, waker: Waker) -> bool {
         self.waker = Some(waker);
@@ -137,6 +158,8 @@ fn open_test_nic(config: &DomainConfig<'_>) -> Result<Box<dyn Domain>, DomainErr
         waker: None,
         posted: Vec::new(),
         failed: false,
+        due: None,
+        timer_reported: false,
     }))
 }
 
@@ -466,4 +489,25 @@ fn calls_that_wait_for_the_worker_fail_by_name_inside_a_waker() {
     }
     assert_eq!(engine.stats().unwrap().outstanding, 0);
     drop(buf);
+}
+
+/// A parked worker wakes by the time a Domain's `poll_timeout` names, though nothing arrives
+/// and nothing of the engine's is due: the verbs Domain frees retired queue pairs and resends
+/// handshakes then. The NIC never wakes the worker (though it says it will), so only the
+/// timer it arms in the last poll before the park can bring the worker back to it.
+#[test]
+fn a_parked_worker_polls_a_domain_by_its_poll_timeout() {
+    let (tx, due_polls) = crossbeam_channel::bounded(1);
+    let (_engine, _buf, _) = parked_engine(
+        "timer",
+        || NicState {
+            timer: Some(tx),
+            ..NicState::default()
+        },
+        "",
+    );
+    assert!(
+        due_polls.recv_timeout(LONG).is_ok(),
+        "the worker never polled the Domain at its poll_timeout"
+    );
 }
