@@ -314,3 +314,38 @@ def test_an_in_place_receiver_is_partly_overwritten_by_a_failed_version():
             check_received(c, first)
     finally:
         c.close()
+
+
+def test_a_stream_of_shards_is_pulled_one_at_a_time_through_two_buckets():
+    # Shards given as a generator of (index, data): each made only when its turn comes,
+    # staged, written and let go; the generator is read to its end.
+    import weakref
+
+    tensors = tuple(W.TensorSpec(f"t{i}", (64, 16), "float32") for i in range(12))
+    layout = W.Layout.replicated(tensors, 1, 2)
+    c = Cluster(layout, 1, 2, budget=2 * 64 * 16 * 4)
+    alive, most, done = [0], [0], []
+
+    def gone():
+        alive[0] -= 1
+
+    def stream(full):
+        for i, t in enumerate(tensors):
+            a = full[t.name].copy()
+            alive[0] += 1
+            most[0] = max(most[0], alive[0])
+            weakref.finalize(a, gone)
+            yield i, a
+            del a
+        done.append(True)
+
+    try:
+        for v in range(2):
+            full = full_tensors(layout, 300 + v)
+            results = c.version(v, full, data=lambda s: stream(full))
+            assert all(e is None for e in results.values()), results
+            check_received(c, full)
+        assert most[0] <= 2, most[0]
+        assert done == [True, True]
+    finally:
+        c.close()

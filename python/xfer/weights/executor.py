@@ -347,6 +347,51 @@ class _Member:
         self._nonce_region.dereg()
 
 
+class _Stream(Mapping[int, Any]):
+    """Shards pulled from an iterable of ``(index, data)`` in increasing index order, as the
+    staged writer asks for them: only the shard asked for is held, those skipped (no writes
+    from this rank) are let go as they come."""
+
+    def __init__(self, items: Iterable[tuple[int, Any]]) -> None:
+        self._items = iter(items)
+        self._current: tuple[int, Any] | None = None
+        self._last = -1
+
+    def _seek(self, index: int) -> bool:
+        while self._current is None or self._current[0] < index:
+            self._current = None
+            item = next(self._items, None)
+            if item is None:
+                return False
+            if int(item[0]) <= self._last:
+                raise ValueError(f"a stream of shards must come in increasing index order ({item[0]} after {self._last})")
+            self._last = int(item[0])
+            self._current = (int(item[0]), item[1])
+        return self._current[0] == index
+
+    def __contains__(self, index: object) -> bool:
+        return isinstance(index, int) and self._seek(index)
+
+    def __getitem__(self, index: int) -> Any:
+        if not self._seek(index):
+            raise KeyError(index)
+        assert self._current is not None
+        data = self._current[1]
+        self._current = None  # handed over: not held here any more
+        return data
+
+    def __iter__(self) -> Any:
+        raise TypeError("a stream of shards is read in order, by index")
+
+    def __len__(self) -> int:
+        raise TypeError("a stream of shards has no length")
+
+    def drain(self) -> None:
+        self._current = None
+        for _ in self._items:
+            pass
+
+
 class _Ended(Exception):
     """The coordinator decided the version while this rank was still at it (an abort)."""
 
@@ -511,7 +556,7 @@ class WeightSender(_Member):
         self,
         version: int,
         layout: Layout,
-        shards: Mapping[int, Any],
+        shards: Mapping[int, Any] | Iterable[tuple[int, Any]],
         *,
         transform: Callable[[str, Any], Any] | None = None,
     ) -> None:
@@ -519,7 +564,22 @@ class WeightSender(_Member):
         ``layout.shards``) to its data (numpy array or CPU torch tensor, the slice's bytes in
         row-major order), ``transform(tensor name, data)`` (optional) turns it into the wire
         dtype the layout declares. Returns once the coordinator committed the version; raises
-        ``VersionFailed`` otherwise."""
+        ``VersionFailed`` otherwise.
+
+        ``shards`` may instead be an iterable of ``(index, data)`` in increasing index order (a
+        stream: each shard is pulled only when its turn comes, staged into a bucket, written,
+        and let go — at most the two buckets and the shard being pulled are held). A stream is
+        always consumed to its end, even when the version fails (its producer may be a
+        collective every trainer rank must finish)."""
+        if not isinstance(shards, Mapping):
+            shards = _Stream(shards)
+        try:
+            self._send(version, layout, shards, transform)
+        finally:
+            if isinstance(shards, _Stream):
+                shards.drain()
+
+    def _send(self, version: int, layout: Layout, shards: Mapping[int, Any], transform: Any) -> None:
         deadline = time.monotonic() + self.timeout
         self._records = {}
         failure = ""
@@ -624,10 +684,14 @@ class WeightSender(_Member):
 
     def _write(self, version: int, layout: Layout, shards: Mapping[int, Any], transform: Any, deadline: float) -> None:
         descs = self.ready(version, layout, deadline)
-        if transform is None and self.zero_copy:
+        if transform is None and self.zero_copy and not isinstance(shards, _Stream):
             self._write_in_place(version, layout, shards, descs, deadline)
         else:
             self._write_staged(version, layout, shards, transform, descs, deadline)
+        if isinstance(shards, _Stream):
+            # Read to its end before reporting: whatever the producer finds wrong after this
+            # rank's last shard (more tensors than the layout has) fails the version.
+            shards.drain()
 
     def _write_in_place(self, version: int, layout: Layout, shards: Mapping[int, Any], descs: dict[int, Any], deadline: float) -> None:
         """Each shard written from its own memory, registered once while it stays the same."""
@@ -659,7 +723,8 @@ class WeightSender(_Member):
     def _write_staged(
         self, version: int, layout: Layout, shards: Mapping[int, Any], transform: Any, descs: dict[int, Any], deadline: float
     ) -> None:
-        """Shards (transformed) copied into two buckets, one filled while the other's writes fly."""
+        """Shards (transformed) copied into two buckets, each written as soon as it is staged
+        (while the next is gathered); a bucket is refilled once its writes are done."""
         self._prepare_staging(layout)
         imm = self.data_imm(version)
         in_flight: dict[int, list[Any]] = {}
@@ -669,17 +734,14 @@ class WeightSender(_Member):
                 # The bucket's previous writes must be done before it is refilled.
                 _wait_all(in_flight.pop(b, []), deadline)
                 buf, region = self._buckets[b]
-                per_target: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-                for s in round_shards:
-                    _, raw = self._shard_bytes(layout, shards, s, transform)
-                    _, at = self._bucket_of[s]
-                    buf[at : at + raw.nbytes] = raw
-                    for r, src, dst, lens in self._rows_of[s]:
-                        per_target.setdefault(r, []).append((src + np.uint64(at), dst, lens))
                 transfers = in_flight.setdefault(b, [])
-                for r, parts in per_target.items():
-                    src, dst, lens = (np.concatenate(c) for c in zip(*parts))
-                    transfers.append(self.engine.submit_writes(region, descs[r], src, dst, lens, imm=imm))
+                for s in round_shards:
+                    raw = self._shard_bytes(layout, shards, s, transform)[1]
+                    at = self._bucket_of[s][1]
+                    buf[at : at + raw.nbytes] = raw
+                    del raw  # the shard (a streamed tensor) may go: its bytes are staged
+                    for r, src, dst, lens in self._rows_of[s]:
+                        transfers.append(self.engine.submit_writes(region, descs[r], src + np.uint64(at), dst, lens, imm=imm))
             _wait_all([t for ts in in_flight.values() for t in ts], deadline)
         except BaseException:
             _wait_all([t for ts in in_flight.values() for t in ts], deadline, quietly=True)

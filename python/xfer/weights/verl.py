@@ -7,36 +7,65 @@ asks the registry for the backend. So::
 
     rollout.checkpoint_engine.backend=xfer
     rollout.checkpoint_engine.custom_backend_module=xfer.verl
-    +rollout.checkpoint_engine.engine_kwargs.xfer.config=/path/to/xfer.toml   # optional
+    +rollout.checkpoint_engine.engine_kwargs.xfer.config=/path/to/xfer.toml   # or $XFER_CONFIG
 
 Every trainer rank with data writes (not only rank 0): the weights each rank's generator yields
 become its shards of the plan (``xfer.weights``) — a plain tensor is held whole by every
 trainer rank (verl's contract: each rank yields the full tensor), so the plan splits the
 sending evenly over the ranks; a ``DTensor`` sharded on a one-dimensional mesh is sent from its
-local shards without gathering. Every rollout worker receives every full tensor directly into
-its registered buffer and yields views of it to the server adapter (which loads them through
-its engine's own ``load_weights``). Tensors on a GPU are staged through host memory.
+local shards without gathering. Every rollout worker receives every full tensor into its
+registered buffer and, once the version is committed on every rank, yields views of it to the
+server adapter (which loads them through its engine's own ``load_weights``).
+
+``send_weights`` streams: each tensor the generator yields is copied into one of two staging
+buckets of ``bucket_size`` (enlarged to the largest tensor), written at once, and let go
+before the next is pulled — never more than the two buckets and the tensor being gathered.
+The layout (names, shapes, dtypes, who holds what) is learned from the tensors' metadata on
+the first step and kept: it is sent to a receiver only when it changed or the receiver is new.
+The first step (and the step after the tensors changed) cannot stream — the receivers need
+the layout before the first byte — so it copies each tensor to host memory as it comes (the
+yielded tensors still go one by one) and sends from there; a step whose tensors differ from
+the learned layout fails everywhere, and the next one learns the new layout.
 
 Per verl step: ``prepare`` (trainer rank 0 starts the rendezvous service the first time unless
 ``rendezvous`` is given, and numbers the step), ``build_topology`` (everyone learns the service,
-the group and the step), ``init_process_group`` (members are made once and reused: buffers stay
-registered across steps), then ``send_weights`` / ``receive_weights`` (one version of
-``xfer.weights``: complete on every rank or ``VersionFailed`` on every rank), ``finalize``.
+the group and the step), ``init_process_group`` (members are made when the membership changes
+and reused otherwise, on the same engine: rollout workers may come and go between steps),
+then ``send_weights`` / ``receive_weights`` (one version of ``xfer.weights``: committed on
+every rank or ``VersionFailed`` on every rank), ``finalize``.
+
+Across machines: the service listens on ``listen`` (default ``$XFER_WEIGHTS_LISTEN``, else this
+host's address on its default route, port chosen), and a service reachable from other hosts
+needs the cluster secret (``secret_file``, default ``$XFER_SECRET_FILE``): without one it is
+refused by name. ``config`` is the xfer engine config (default ``$XFER_CONFIG``); there is no
+silent default — the mock is ``{"backend": "mock"}``, said explicitly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import os
+import socket
+import threading
 import uuid
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Iterable, Iterator
 from typing import Any
 
+import numpy as np
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 import xfer
 from xfer import weights as W
 
-__all__ = ["XferCheckpointEngine"]
+from .executor import _aligned, _bytes_of
+
+__all__ = ["XferCheckpointEngine", "LayoutChanged", "default_listen"]
+
+
+class LayoutChanged(ValueError):
+    """The tensors a step yields are not those of the learned layout (another name, shape,
+    dtype or placement at the same place): this step fails, the next one learns anew."""
 
 
 def _dtype_name(t: Any) -> str:
@@ -49,6 +78,29 @@ def _chunks(n: int, k: int) -> list[tuple[int, int]]:
     return [(min(n, i * size), min(n, (i + 1) * size)) for i in range(k)]
 
 
+def default_listen() -> str:
+    """Where the master's rendezvous service listens by default: ``$XFER_WEIGHTS_LISTEN``, else
+    this host's address on its default route (what other hosts reach it by), port chosen."""
+    env = os.environ.get("XFER_WEIGHTS_LISTEN")
+    if env:
+        return env
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("198.51.100.1", 9))  # TEST-NET-2; no packet is sent, it only picks the route
+            host = s.getsockname()[0]
+    except OSError:
+        host = "127.0.0.1"
+    return f"{host}:0"
+
+
+def _loopback(listen: str) -> bool:
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 @CheckpointEngineRegistry.register("xfer")
 class XferCheckpointEngine(CheckpointEngine):
     """verl checkpoint engine over xfer (see the module's documentation).
@@ -57,10 +109,13 @@ class XferCheckpointEngine(CheckpointEngine):
         bucket_size: verl's ``update_weights_bucket_megabytes`` in bytes: each of the two
             staging buckets a trainer rank fills alternately (enlarged to its largest shard).
         is_master: trainer rank 0 (verl passes it): coordinates versions, runs the rendezvous.
-        config: the xfer engine config (path or dict; default ``$XFER_CONFIG`` or the mock).
+        config: the xfer engine config (path or dict); ``None``: ``$XFER_CONFIG`` (refused if unset).
         rendezvous: ``xfer://host:port`` of a running service instead of the master's own.
         timeout: seconds a version may take before it fails everywhere.
         device: where received tensors are yielded (``"cpu"``; a GPU device gets copies).
+        listen: where the master's service listens (default: ``default_listen()``).
+        secret_file: the cluster secret (default ``$XFER_SECRET_FILE``): the service admits
+            only clients that prove it; required when it listens beyond loopback.
     """
 
     def __init__(
@@ -71,15 +126,28 @@ class XferCheckpointEngine(CheckpointEngine):
         rendezvous: str | None = None,
         timeout: float = 300.0,
         device: str = "cpu",
-        listen: str = "127.0.0.1:0",
+        listen: str | None = None,
+        secret_file: str | None = None,
     ) -> None:
+        if config is None:
+            config = os.environ.get("XFER_CONFIG")
+            if not config:
+                raise ValueError(
+                    "XferCheckpointEngine: no xfer config (engine_kwargs.xfer.config or $XFER_CONFIG): "
+                    "say which backend; the mock is {'backend': 'mock'}, given explicitly")
         self.bucket_size = bucket_size
         self.is_master = is_master
         self.config = config
         self.rendezvous_url = rendezvous
         self.timeout = timeout
         self.device = device
-        self.listen = listen
+        self.listen = listen or default_listen()
+        self.secret_file = secret_file or os.environ.get("XFER_SECRET_FILE") or None
+        if is_master and rendezvous is None and self.secret_file is None and not _loopback(self.listen):
+            raise ValueError(
+                f"XferCheckpointEngine: the rendezvous service would listen on {self.listen}, reachable "
+                "from other hosts, without the cluster secret: set $XFER_SECRET_FILE (or secret_file), "
+                "or listen on 127.0.0.1 for one machine")
         self.engine: xfer.TransferEngine | None = None
         self._server: xfer.Server | None = None
         self._group = f"verl-{uuid.uuid4().hex[:12]}"
@@ -91,6 +159,12 @@ class XferCheckpointEngine(CheckpointEngine):
         self._senders = 0
         self._receivers = 0
         self._rank = 0
+        # The learned layout: per tensor (spec, holders), and the sender count it is for.
+        self._learned: list[tuple[W.TensorSpec, list[tuple[int, Any]]]] | None = None
+        self._learned_senders = 0
+        # What the last send_weights held at most at once (tensors the generator yielded and
+        # this engine had not let go), for the curious and the tests.
+        self.stats: dict[str, Any] = {}
 
     def prepare(self) -> dict[str, Any]:
         if self.engine is None:
@@ -98,7 +172,7 @@ class XferCheckpointEngine(CheckpointEngine):
         if not self.is_master:
             return {"url": None}
         if self.rendezvous_url is None and self._server is None:
-            self._server = xfer.Server(self.listen)
+            self._server = xfer.Server(self.listen, secret_file=self.secret_file)
         self._steps += 1
         return {"url": self.rendezvous_url or self._server.url, "group": self._group, "version": self._steps}
 
@@ -123,41 +197,90 @@ class XferCheckpointEngine(CheckpointEngine):
             self.engine = xfer.TransferEngine(self.config)
         key = (role, rank, senders, receivers, url, group)
         if key != self._member_key:
+            # A membership change (rollout workers added or removed): a new member on the same
+            # engine, the old one closed first (one receive pool per engine serves both).
             if self._member is not None:
                 self._member.close()
-            self._rdv = xfer.Rendezvous(url)
+                self._member = None
+            if self._rdv is None or self._member_key is None or self._member_key[4] != url:
+                self._rdv = xfer.Rendezvous(url, secret_file=self.secret_file)
             cls = W.WeightSender if role == "sender" else W.WeightReceiver
             self._member = cls(self.engine, self._rdv, group, rank, senders, receivers, timeout=self.timeout)
             self._member_key = key
         self._version, self._senders, self._receivers, self._rank = version, senders, receivers, rank
 
     def finalize(self) -> None:
-        """Nothing to undo per step: registrations and peers are reused by the next one."""
+        """Nothing to undo per step: registrations, buckets and peers are reused by the next one."""
 
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, Any]:
         sender = self._member
         if not isinstance(sender, W.WeightSender):
             raise RuntimeError("send_weights on an engine that init_process_group made a receiver (or not at all)")
-        tensors: list[W.TensorSpec] = []
-        shards: list[tuple[int, str, Any]] = []
-        local: dict[int, Any] = {}
-        async for name, t in _aiter(weights):
-            spec, holders, data = self._shards_of(name, t)
+        loop = asyncio.get_running_loop()
+        source = _Pull(_aiter(weights), loop)
+        sender.zero_copy = False
+        learned = self._learned if self._learned_senders == self._senders else None
+        try:
+            if learned is not None:
+                layout, mine = self._layout_of(learned)
+                sender.budget_bytes = 2 * max(self.bucket_size, _aligned(max((layout.shard_nbytes(i) for i in mine), default=0)))
+                stream = self._stream(source, learned, mine)
+                await asyncio.to_thread(sender.send, self._version, layout, stream)
+            else:
+                # Learning: every tensor's metadata before the first byte moves; each tensor
+                # copied to host memory as it comes and let go.
+                found, local = await asyncio.to_thread(self._learn, source)
+                layout, mine = self._layout_of(found)
+                self._learned, self._learned_senders = found, self._senders
+                sender.budget_bytes = 2 * max(self.bucket_size, _aligned(max((layout.shard_nbytes(i) for i in mine), default=0)))
+                await asyncio.to_thread(sender.send, self._version, layout, {mine[i]: a for i, a in local.items()})
+        finally:
+            await asyncio.to_thread(source.drain)
+            self.stats = {"most_tensors_held": source.most_alive}
+        return {}
+
+    def _layout_of(self, entries: list[tuple[W.TensorSpec, list[tuple[int, Any]]]]) -> tuple[W.Layout, dict[int, int]]:
+        """The layout of the learned tensors for this membership; ``mine``: tensor position ->
+        this rank's shard index."""
+        tensors, shards, mine = [], [], {}
+        for pos, (spec, holders) in enumerate(entries):
             tensors.append(spec)
             for rank, sl in holders:
                 if rank == self._rank:
-                    local[len(shards)] = data
-                shards.append((rank, name, sl))
-        layout = W.Layout(tuple(tensors), tuple(shards), W.Layout.whole_params(tensors, self._receivers))
-        largest = max((layout.shard_nbytes(i) for i in local), default=0)
-        sender.budget_bytes = 2 * max(self.bucket_size, W._aligned(largest))
-        try:
-            await asyncio.to_thread(sender.send, self._version, layout, local)
-        finally:
-            # verl's tensors may be this step's own copies (gathered, or off a GPU): let them
-            # go rather than keep them registered until the next step.
-            sender.release()
-        return {}
+                    mine[pos] = len(shards)
+                shards.append((rank, spec.name, sl))
+        return W.Layout(tuple(tensors), tuple(shards), W.Layout.whole_params(tensors, self._receivers)), mine
+
+    def _learn(self, source: _Pull) -> tuple[list[tuple[W.TensorSpec, list[tuple[int, Any]]]], dict[int, np.ndarray]]:
+        found, local = [], {}
+        for pos, (name, t) in enumerate(source):
+            spec, holders, data = self._shards_of(name, t)
+            found.append((spec, holders))
+            if any(r == self._rank for r, _ in holders):
+                local[pos] = _bytes_of(data).copy()
+            del t, data
+            source.let_go()
+        return found, local
+
+    def _stream(self, source: _Pull, learned: list[tuple[W.TensorSpec, list[tuple[int, Any]]]], mine: dict[int, int]) -> Iterator[tuple[int, Any]]:
+        """This rank's shards as the generator yields them, checked against the learned layout."""
+        pos = 0
+        for name, t in source:
+            spec, holders, data = self._shards_of(name, t)
+            if pos >= len(learned) or (spec, holders) != learned[pos]:
+                self._learned = None
+                raise LayoutChanged(
+                    f"tensor {pos} ({name!r}, {spec.shape}, {spec.dtype}) is not the learned layout's "
+                    f"{learned[pos][0] if pos < len(learned) else 'end'}; the next step learns the new layout")
+            del t
+            if pos in mine:
+                yield mine[pos], data
+            del data
+            source.let_go()
+            pos += 1
+        if pos != len(learned):
+            self._learned = None
+            raise LayoutChanged(f"the generator ended after {pos} tensors, the learned layout has {len(learned)}")
 
     def _shards_of(self, name: str, t: Any) -> tuple[W.TensorSpec, list[tuple[int, Any]], Any]:
         """The tensor's spec, its holders (trainer rank, slice) and this rank's data."""
@@ -185,6 +308,43 @@ class XferCheckpointEngine(CheckpointEngine):
         await asyncio.to_thread(receiver.receive, self._version)
         for name, t in receiver.tensors():
             yield name, (t if self.device == "cpu" else t.to(self.device))
+
+
+class _Pull:
+    """The trainer's weights, pulled one at a time from a worker thread (the generator, sync
+    or async, runs on the event loop): counts the items pulled and not yet let go."""
+
+    def __init__(self, items: AsyncGenerator[tuple[str, Any], None], loop: asyncio.AbstractEventLoop) -> None:
+        self._items = items
+        self._loop = loop
+        self._lock = threading.Lock()
+        self.alive = 0
+        self.most_alive = 0
+
+    async def _next(self) -> tuple[str, Any]:
+        return await self._items.__anext__()
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        while True:
+            try:
+                item = asyncio.run_coroutine_threadsafe(self._next(), self._loop).result()
+            except StopAsyncIteration:
+                return
+            with self._lock:
+                self.alive += 1
+                self.most_alive = max(self.most_alive, self.alive)
+            yield item
+            del item  # the consumer is done with it: not held here while the next is pulled
+
+    def let_go(self) -> None:
+        with self._lock:
+            self.alive -= 1
+
+    def drain(self) -> None:
+        """Pulls what is left (every trainer rank must run its generator to the end: it may
+        gather with collectives)."""
+        for _ in self:
+            self.let_go()
 
 
 async def _aiter(weights: Any) -> AsyncGenerator[tuple[str, Any], None]:
