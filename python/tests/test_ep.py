@@ -224,7 +224,7 @@ def test_bad_routing_is_refused_before_anything_is_sent():
 # -- failures -----------------------------------------------------------------------------------
 
 # Long enough that a loaded 2-core CI machine does not miss a deadline of a live rank.
-TIMEOUT = 1.0
+TIMEOUT = 2.0
 
 
 def failure_cfg(ranks):

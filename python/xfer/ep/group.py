@@ -120,6 +120,9 @@ class EpGroup:
                 h.sends.append((peer, t))
                 h.stats["writes"] = h.stats.get("writes", 0) + 1
                 h.stats["bytes"] = h.stats.get("bytes", 0) + length
+                if peer != self.rank:
+                    h.stats["remote_writes"] = h.stats.get("remote_writes", 0) + 1
+                    h.stats["remote_bytes"] = h.stats.get("remote_bytes", 0) + length
             else:
                 _, imm, source, phase = a
                 h.expects[(source, phase)] = (imm, self.engine.expect_imm_count(imm, 1))
@@ -196,6 +199,7 @@ class EpGroup:
             cfg.layout_args(), self.rank, self.epoch, topk_idx.tobytes(), list(self.active), self._now(),
             int(cfg.timeout * 1e9), tag=cfg.tag, eplb=self.eplb,
         )
+        planned = time.perf_counter_ns()
         h = Handle(step=step, epoch=self.epoch, num_tokens=num_tokens)
         self.epoch += 1
         token, slot, _peer, _expert = columns(step.send_rows())
@@ -208,7 +212,8 @@ class EpGroup:
             if count:
                 rows_at(send, block + len(header), count, cfg)[:] = x[token[first:first + count]]
             first += count
-        h.stats["plan_ns"] = time.perf_counter_ns() - t0
+        h.stats["plan_ns"] = planned - t0
+        h.stats["pack_ns"] = time.perf_counter_ns() - planned
         self._carry(h)
         return h
 

@@ -18,7 +18,7 @@ STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "fl
 
 
 def to_f32(rows: np.ndarray, dtype: str) -> np.ndarray:
-    """Rows of a storage dtype as fp32 (exact for every dtype here)."""
+    """Rows of a storage dtype as fp32 (exact for every dtype here); a new array."""
     if dtype == "bfloat16":
         return (rows.astype(np.uint32) << 16).view(np.float32)
     return rows.astype(np.float32)
@@ -175,16 +175,21 @@ def reduce_combined(
 ) -> np.ndarray:
     """``y[t] = Σ_slot weight[t, slot] · output(t, slot)`` in fp32, slots summed in order; a slot
     whose output did not come back (masked rank, lost row) contributes zero."""
-    per_slot = np.zeros((num_tokens, cfg.top_k, cfg.hidden), dtype=np.float32)
+    k = cfg.top_k
+    per_slot = np.zeros((num_tokens * k, cfg.hidden), dtype=np.float32)
     first = 0
-    w = np.asarray(weights, dtype=np.float32).reshape(num_tokens, cfg.top_k) if num_tokens else np.zeros((0, cfg.top_k), np.float32)
+    w = np.asarray(weights, dtype=np.float32).reshape(num_tokens, k) if num_tokens else np.zeros((0, k), np.float32)
     for _peer, offset, count in blocks:
         if count == 0:
             continue
-        rows = to_f32(rows_at(region, int(offset), int(count), cfg), cfg.dtype)
         sl = slice(first, first + count)
-        ok = valid[sl]
-        t, s = token[sl][ok], slot[sl][ok]
-        per_slot[t, s] = rows[ok] * w[t, s][:, None]
         first += count
-    return per_slot.sum(axis=1, dtype=np.float32) if cfg.top_k > 1 else per_slot[:, 0]
+        ok = valid[sl]
+        rows = rows_at(region, int(offset), int(count), cfg)
+        if not ok.all():
+            rows = rows[ok]
+        t, s = token[sl][ok], slot[sl][ok]
+        contrib = to_f32(rows, cfg.dtype)
+        contrib *= w[t, s][:, None]
+        per_slot[t * k + s] = contrib
+    return per_slot.reshape(num_tokens, k, cfg.hidden).sum(axis=1, dtype=np.float32)
