@@ -61,6 +61,37 @@ def vllm_rope_standin():
     sys.modules.setdefault("vllm._custom_ops", ops)
 
 
+def scheduler_weight_updater(updater):
+    """SGLang's scheduler-side ``SchedulerWeightUpdaterManager`` (the session check, the TP
+    barrier, the cache flush, the weight-version record), over the model runner's own
+    ``WeightUpdater``. Stand-ins: the TP worker (a ``TpModelWorker`` needs a ``ModelRunner``:
+    KV pools, attention backends, a GPU) carries ``TpModelWorker``'s own two methods the
+    manager calls; the scheduler records weight versions; the cache flush and idleness checks
+    say yes (no requests run here)."""
+    import types
+
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+    from sglang.srt.managers.tp_worker import TpModelWorker
+
+    class TpWorker:
+        deserialize_own_rank = TpModelWorker.deserialize_own_rank
+        weight_update_runners = TpModelWorker.weight_update_runners
+
+        def __init__(self):
+            self._model_runner = types.SimpleNamespace(weight_updater=updater)
+
+    class Scheduler:
+        def __init__(self):
+            self.versions = []
+
+        def record_weight_version_change(self, new_version):
+            self.versions.append(new_version)
+
+    return SchedulerWeightUpdaterManager(
+        tp_worker=TpWorker(), draft_worker=None, memory_saver_adapter=None,
+        flush_cache=lambda **kwargs: True, is_fully_idle=lambda **kwargs: True, scheduler=Scheduler())
+
+
 def rollout(conn, model_dir, dist_port):
     """One SGLang rank: its model, and the model runner's weight updater."""
     vllm_rope_standin()
@@ -74,7 +105,11 @@ def rollout(conn, model_dir, dist_port):
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.runtime_context import get_model as model_settings
     from sglang.srt.server_args import ServerArgs
-    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.managers.io_struct import (
+        BeginWeightUpdateReqInput,
+        EndWeightUpdateReqInput,
+        UpdateWeightsFromTensorReqInput,
+    )
 
     from xfer import sglang_weights
 
@@ -96,17 +131,28 @@ def rollout(conn, model_dir, dist_port):
         custom_weight_loaders=model_settings().custom_weight_loader,  # what ModelRunner passes
         get_model=lambda: model, update_model_fields=unused, recapture_cuda_graph=unused, get_model_runner=unused,
     )
+    manager = scheduler_weight_updater(updater)
     conn.send(("up", type(model).__module__ + "." + type(model).__qualname__))
     snapshot = {}
     while True:
         cmd, arg = conn.recv()
         try:
             if cmd == "update":
-                # The scheduler's side of Engine.update_weights_from_tensor: its rank's payload
-                # deserialized (SGLang's safe unpickler), handed to the model runner's updater.
-                ok, message = updater.update_weights_from_tensor(
-                    named_tensors=MultiprocessingSerializer.deserialize(arg), load_format=LOADER)
-                conn.send(("ok", (ok, message, sglang_weights.last_outcome())))
+                # The scheduler's side of xfer.sglang_weights.update: the session's three
+                # requests, as Engine.begin_weight_update / update_weights_from_tensor /
+                # end_weight_update hand them to the scheduler (the payload one per TP rank).
+                began = manager.begin_weight_update(BeginWeightUpdateReqInput())
+                try:
+                    out = manager.update_weights_from_tensor(
+                        UpdateWeightsFromTensorReqInput(serialized_named_tensors=[arg], load_format=LOADER))
+                finally:
+                    ended = manager.end_weight_update(EndWeightUpdateReqInput())
+                ok = began.success and out.success and ended.success
+                conn.send(("ok", (ok, out.message, sglang_weights.last_outcome())))
+            elif cmd == "update_without_session":
+                out = manager.update_weights_from_tensor(
+                    UpdateWeightsFromTensorReqInput(serialized_named_tensors=[arg], load_format=LOADER))
+                conn.send(("ok", (out.success, out.message, sglang_weights.last_outcome())))
             elif cmd == "check":
                 checkpoint = {n: full_tensor(n, s, arg[1]) for n, s in arg[0]}
                 wrong, checked = [], 0
@@ -180,7 +226,7 @@ class Run:
         assert status == "ok", result
         return result
 
-    def version(self, v, seed, *, die=False, misshapen=False):
+    def version(self, v, seed, *, die=False, misshapen=False, session=True):
         """One version: SGLang's update_weights_from_tensor and the trainer's send, concurrently.
         The request is serialized here, as ``Engine.update_weights_from_tensor`` serializes it in
         the framework's process (``_serialize_tensors_per_rank``)."""
@@ -188,7 +234,12 @@ class Run:
 
         from xfer import sglang_weights
 
-        self.rank.conn.send(("update", MultiprocessingSerializer.serialize(sglang_weights.request(v, **self.membership))))
+        payload = MultiprocessingSerializer.serialize(sglang_weights.request(v, **self.membership))
+        self.rank.conn.send(("update" if session else "update_without_session", payload))
+        if not session:
+            status, result = self.rank.answer()
+            assert status == "ok", result
+            return None, result
         self.trainer.conn.send(("send", (v, seed, die, misshapen)))
         if die:
             self.trainer.proc.join(WAIT)
@@ -226,6 +277,20 @@ def test_two_versions_land_in_the_parameters_of_sglangs_model(sglang_rank, provi
         assert len(fused) == 2 * 3, fused  # qkv_proj's weight and bias, gate_up_proj's weight; 2 layers
         for v, seed in ((1, 31), (2, 32)):
             assert assert_loaded(run, run.version(v, seed), v, seed) == checked
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("provider", ["shm"])
+def test_update_weights_from_tensor_outside_a_session_is_refused_by_sglangs_scheduler(sglang_rank, provider):
+    # What xfer.sglang_weights documented before SGLang 0.5.23's session: the scheduler refuses
+    # it before any loader runs (the trainer's version then fails by its timeout) — hence
+    # xfer.sglang_weights.update, which opens and closes the session.
+    run = Run(sglang_rank, "no-session", provider)
+    try:
+        _, (ok, message, outcome) = run.version(1, 61, session=False)
+        assert not ok and "begin_weight_update" in message, message
+        assert outcome is None or outcome["version"] != 1, outcome
     finally:
         run.close()
 

@@ -1,14 +1,19 @@
 """xfer weight sync inside SGLang, for RL frameworks that drive SGLang themselves: a custom
 weight loader (SGLang's ``--custom-weight-loader``) reached through SGLang's own
-``update_weights_from_tensor``::
+``update_weights_from_tensor``, inside a weight-update session (SGLang 0.5.23's scheduler
+refuses ``update_weights_from_tensor`` outside ``begin_weight_update()`` /
+``end_weight_update()``); ``update`` makes the three calls::
 
     # launch: --custom-weight-loader xfer.sglang_weights.load_version
     #   (Engine(..., custom_weight_loader=["xfer.sglang_weights.load_version"]))
-    engine.update_weights_from_tensor(
-        named_tensors=xfer.sglang_weights.request(
-            version, rendezvous="xfer://10.0.0.1:7000", group="rl-run-7", senders=8,
-            receivers=16, rank_base=0, config="/etc/xfer/verbs.toml"),
-        load_format="xfer.sglang_weights.load_version")
+    ok, message = xfer.sglang_weights.update(
+        engine, version, rendezvous="xfer://10.0.0.1:7000", group="rl-run-7", senders=8,
+        receivers=16, rank_base=0, config="/etc/xfer/verbs.toml")
+    # which is:
+    #   engine.begin_weight_update()
+    #   engine.update_weights_from_tensor(named_tensors=xfer.sglang_weights.request(version, ...),
+    #                                     load_format=xfer.sglang_weights.LOADER)
+    #   engine.end_weight_update()        # always, also after a failure
 
 SGLang hands the request (one small uint8 tensor of JSON) to ``load_version`` on every
 tensor-parallel rank, with the model. The loader joins the group the first time (and
@@ -19,7 +24,8 @@ staging (``xfer.engine_weights``) and only then loads it through the model's own
 A rank's receiver rank is ``rank_base`` + its place in the instance as SGLang's own parallel
 state says (``receiver_rank``): its WORLD rank (``ep_join_rank_offset + pp_rank * tp_size +
 tp_rank``: an elastic-EP scale joiner follows the ranks it joined), and with data-parallel
-replicas (``dp_size`` > 1: one request reaches them all), ``dp_rank * tp_size * pp_size`` more.
+replicas (``dp_size`` > 1), ``dp_rank * tp_size * pp_size`` more (SGLang 0.5.23's tokenizer
+manager itself refuses ``update_weights_from_tensor`` with ``dp_size`` > 1: an assertion).
 ``receivers`` counts every rank of every replica of every instance. A rank SGLang cannot place
 is refused (``ReceiverRankError``, recorded as the version's outcome), never given a guess:
 two receivers claiming one rank fail the whole version.
@@ -47,7 +53,7 @@ from typing import Any
 
 from .engines import StagedReceiver
 
-__all__ = ["LOADER", "ReceiverRankError", "request", "load_version", "receiver_rank", "last_outcome",
+__all__ = ["LOADER", "ReceiverRankError", "request", "update", "load_version", "receiver_rank", "last_outcome",
            "close"]
 
 LOADER = "xfer.sglang_weights.load_version"
@@ -88,6 +94,25 @@ def request(
         "grace": grace,
     }).encode()
     return [(REQUEST_NAME, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device))]
+
+
+def update(engine: Any, version: int, *, flush_cache: bool = True, **membership: Any) -> tuple[bool, str]:
+    """Receives ``version`` into SGLang ``engine`` (an ``sglang.Engine``) through its
+    weight-update session: ``begin_weight_update``, ``update_weights_from_tensor`` with this
+    loader and ``request(version, **membership)``, then ``end_weight_update`` — always, so a
+    failed update leaves no session open. Returns SGLang's ``(success, message)`` of the
+    update; whether the version itself was loaded is the trainer's verdict (and
+    ``last_outcome()`` on each rank)."""
+    began = engine.begin_weight_update()
+    ok, message = (began[0], began[1]) if isinstance(began, tuple) else (True, "")
+    if not ok:
+        raise RuntimeError(f"SGLang refused to open a weight-update session: {message}")
+    try:
+        result = engine.update_weights_from_tensor(
+            named_tensors=request(version, **membership), load_format=LOADER, flush_cache=flush_cache)
+    finally:
+        engine.end_weight_update()
+    return result
 
 
 _FIELDS = ("version", "rendezvous", "group", "receivers", "senders", "rank_base", "config", "timeout", "grace")
