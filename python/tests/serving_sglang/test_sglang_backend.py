@@ -253,3 +253,107 @@ def test_without_a_config_the_backend_refuses_to_start(monkeypatch):
     monkeypatch.delenv("XFER_CONFIG", raising=False)
     with pytest.raises(ValueError, match="XFER_CONFIG"):
         xs._engine_config()
+
+
+class LateForward:
+    """Stands in for the CUDA event SGLang records on its forward stream before an early send
+    under overlap scheduling (``prefill.py``: ``req.disagg_kv_sender._early_send_wait_event``):
+    the previous step's forward is still writing the cached prefix pages, and finishes them
+    when the event is waited on. A CPU has no CUDA events; what it hides: a real event's
+    ``synchronize`` blocks this thread until the GPU's stream reaches it."""
+
+    def __init__(self, side, pages, value):
+        self.side, self.pages, self.value, self.waited = side, pages, value, False
+
+    def synchronize(self):
+        for buffer in self.side.kv:
+            for page in self.pages:
+                buffer[page * PAGE_BYTES:(page + 1) * PAGE_BYTES] = self.value
+        self.waited = True
+
+
+def test_an_early_send_waits_for_the_forward_still_writing_its_prefix(bootstrap):
+    """Issue 54: SGLang sends a cached prefix early, before the previous step's forward has
+    finished writing it, and records an event for the sender to wait on; xfer posted at once
+    and the decode got the pages' old bytes (SGLang had this bug in its Mooncake and NIXL
+    backends)."""
+    p = Side(DisaggregationMode.PREFILL, bootstrap, 30)
+    d = Side(DisaggregationMode.DECODE, bootstrap, 31)
+    receiver = xs.XferKVReceiver(d.mgr, bootstrap, 41)
+    receiver.init(0)
+    sender = xs.XferKVSender(p.mgr, bootstrap, 41)
+    sender.init(3)
+    receiver.send_metadata(np.array([10, 11, 12], dtype=np.int32))
+    until("the page indices", lambda: sender.poll() == KVPoll.WaitingForInput)
+    event = LateForward(p, [3, 4], 0xAB)
+    sender._early_send_wait_event = event  # as maybe_send_cached_prefix_chunk sets it
+    sender.send(np.array([3, 4], dtype=np.int32))  # the early send of the cached prefix
+    assert event.waited and sender._early_send_wait_event is None, "one chunk's event"
+    sender.send(np.array([5], dtype=np.int32))
+    until("the receiver", lambda: receiver.poll() == KVPoll.Success)
+    for buffer in d.kv:
+        assert (buffer[10 * PAGE_BYTES:12 * PAGE_BYTES] == 0xAB).all(), "the forward's bytes"
+    p.close(), d.close()
+
+
+class HeldWrites:
+    """The prefill's engine, its paged writes still on the NIC until released: a transfer's
+    ``cancel`` returns only once no NIC touches the memory (xfer's contract), so it waits for
+    the release; the first write's completion reports a failure."""
+
+    def __init__(self, engine):
+        import threading
+
+        self.engine, self.first, self.count = engine, True, 0
+        self.released = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def submit_paged_writes(self, *args, on_done, **kwargs):
+        failed, self.first = self.first, False
+        self.count += 1
+        transfer = self.engine.submit_paged_writes(
+            *args, on_done=lambda e: on_done(RuntimeError("poisoned") if failed else e), **kwargs)
+        held = self
+
+        class Held:
+            def cancel(self):
+                held.released.wait(WAIT)
+                return transfer.cancel()
+
+            def wait(self, timeout=None):
+                return transfer.wait(timeout)
+
+        return Held()
+
+
+def test_an_abort_is_answered_only_after_the_writes_of_a_failed_sender_drained(bootstrap):
+    """Issue 54: after one write failed, SGLang's ``failure_exception`` dropped the sender and
+    a decode rank's abort was answered at once, with the other writes still in flight; the
+    decode reuses the pages once answered."""
+    p = Side(DisaggregationMode.PREFILL, bootstrap, 32)
+    d = Side(DisaggregationMode.DECODE, bootstrap, 33)
+    held = p.mgr.engine = HeldWrites(p.mgr.engine)
+    receiver = xs.XferKVReceiver(d.mgr, bootstrap, 42)
+    receiver.init(0)
+    sender = xs.XferKVSender(p.mgr, bootstrap, 42)
+    sender.init(2)
+    receiver.send_metadata(np.array([6, 7], dtype=np.int32))
+    until("the page indices", lambda: sender.poll() == KVPoll.WaitingForInput)
+    with p.mgr.lock:
+        sender.pending += 1  # one write's completion still to come (the NIC is on it)
+    sender.send(np.array([1, 2], dtype=np.int32))
+    assert held.count == BUFFERS
+    until("the failed write", lambda: sender.poll() == KVPoll.Failed)
+    with pytest.raises(RuntimeError):
+        sender.failure_exception()  # SGLang's last call on a failed sender
+    receiver.abort()
+    required = len(receiver.bootstrap_infos)
+    time.sleep(0.5)  # the abort reached the prefill, whose drain waits for the NIC
+    assert not d.mgr.is_abort_release_safe(42, required), "answered with writes in flight"
+    held.released.set()
+    until("the answer once drained", lambda: d.mgr.is_abort_release_safe(42, required))
+    sender._one_done(None)  # the last completion
+    assert 42 not in p.mgr.senders, "forgotten once drained"
+    p.close(), d.close()

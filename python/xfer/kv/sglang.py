@@ -69,6 +69,7 @@ not yet (issue 28).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -105,8 +106,24 @@ pages to writes nothing more there and answers once none of its writes is in fli
 frees the pages only then (``is_abort_release_safe``)."""
 
 _config: Any = None
-transfer_timeout_s = 60.0
-"""How long a receiver waits for its data, and a sender for its peer's indices."""
+
+
+def _env_seconds(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name, default))
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+transfer_timeout_s = _env_seconds("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0)
+"""How long a receiver waits for its data, and a sender for its peer's indices: SGLang's own
+``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` (300 s unless set), as its backends wait."""
+lookup_timeout_s = 5.0
+"""How long a lookup of a peer's record may wait where SGLang's scheduler thread waits on it
+(a decode rank publishes its record before it sends its indices: it is there or gone)."""
+MAX_ABORTED = 4096
+"""Aborted rooms a prefill rank remembers (the oldest are forgotten first)."""
 watch_interval_s = 1.0
 """How often a decode rank checks that the prefill ranks it waits on are still there (their
 bootstrap records are leases of 5 s)."""
@@ -261,6 +278,12 @@ class XferKVManager(BaseKVManager):
         thread fails their rooms if one of those ranks is gone)."""
         self.closing = threading.Event()
         self.watcher: threading.Thread | None = None
+        self.own_bootstrap: str | None = None
+        """Prefill: the bootstrap this rank registered at, where its decode ranks publish."""
+        self.draining = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="xfer-sglang-abort")
+        """Prefill: aborts are drained and answered here (a cancel waits until no NIC
+        touches the memory): two threads, not one per message."""
         self.engine.submit_recvs(65536, 64, self._on_message)
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.register_to_bootstrap()
@@ -337,6 +360,7 @@ class XferKVManager(BaseKVManager):
 
     def register_to_bootstrap(self) -> None:
         addr = f"{_bootstrap_host(self.server_args)}:{self.server_args.disaggregation_bootstrap_port}"
+        self.own_bootstrap = addr
         # The layout travels as the name of the one region published. Rendezvous records name
         # regions, so it names a small one of its own holding the same text (readable: it is
         # public; the KV buffers stay local, peers never address them).
@@ -392,21 +416,32 @@ class XferKVManager(BaseKVManager):
         """Prefill: a decode rank gave up ``room``: nothing more is written there, what is in
         flight is cancelled, and the decode rank is answered once none of it is."""
         now = time.monotonic()
+        decode = str(header["decode"])
+        if len(decode) > 256:
+            raise ValueError("a decode name past 256 characters")
         with self.lock:
             self.aborted[room] = now
             for old in [r for r, t in self.aborted.items() if now - t > 2 * transfer_timeout_s]:
                 del self.aborted[old]
+            while len(self.aborted) > MAX_ABORTED:
+                del self.aborted[next(iter(self.aborted))]
             sender = self.senders.get(room)
         # Off the engine's callback thread: a cancel waits until no NIC touches the memory.
-        threading.Thread(target=self._drain_and_ack, args=(room, header, sender),
-                         name="xfer-sglang-abort", daemon=True).start()
+        try:
+            self.draining.submit(self._drain_and_ack, room, header, sender)
+        except RuntimeError:
+            pass  # closing
 
     def _drain_and_ack(self, room: int, header: dict[str, Any], sender: Any) -> None:
         if sender is not None:
             sender.stop(f"room {room}: aborted by decode rank {header.get('rank')}")
         try:
-            peer = self._bootstrap(str(header["bootstrap"])).lookup(str(header["decode"]),
-                                                                   transfer_timeout_s)
+            # Its record is at this rank's own bootstrap (decode ranks publish there): an
+            # address a message names is never dialled.
+            if self.own_bootstrap is None:
+                raise LookupError("this rank registered at no bootstrap")
+            peer = self._bootstrap(self.own_bootstrap).lookup(str(header["decode"]),
+                                                              lookup_timeout_s)
             self.engine.submit_send(peer["addr"], _message(_ABORT_ACK,
                                                            {"room": room, "rank": self.rank}))
         except Exception as e:  # noqa: BLE001 - the decode frees at its own deadline
@@ -457,6 +492,7 @@ class XferKVManager(BaseKVManager):
 
     def close(self) -> None:
         self.closing.set()
+        self.draining.shutdown(wait=False, cancel_futures=True)
         for p in self.publications:
             p.unpublish()
         self.engine.close()
@@ -479,6 +515,13 @@ class XferKVSender(BaseKVSender):
         self.transfers: list[xfer.Transfer] = []
         self.started: float | None = None
         self.ended: float | None = None
+        self.cleared = False
+        """SGLang is done with it; it stays findable (for a decode rank's abort) until none of
+        its writes is in flight."""
+        self._early_send_wait_event: Any = None
+        """Set by SGLang's prefill (``maybe_send_cached_prefix_chunk``, overlap scheduling) on
+        the sender before an early send of the cached prefix: the previous step's forward may
+        still be writing those pages. The chunk's writes wait for it."""
         with mgr.lock:
             mgr.senders[self.room] = self
             if self.room in mgr.aborted:
@@ -517,7 +560,11 @@ class XferKVSender(BaseKVSender):
             return
         pages = np.asarray(kv_indices, dtype=np.int64)
         self.started = self.started or time.monotonic()
+        # The event belongs to this chunk alone (as SGLang's own senders take it).
+        wait_event, self._early_send_wait_event = self._early_send_wait_event, None
         try:
+            if wait_event is not None:
+                wait_event.synchronize()
             for header, dst_pages in dests:
                 if self.sent + len(pages) > len(dst_pages):
                     raise LayoutError(f"{self.sent + len(pages)} pages sent, decode rank "
@@ -571,7 +618,7 @@ class XferKVSender(BaseKVSender):
         with self.mgr.lock:
             known = self.mgr.peers.get(name)
         if known is None:
-            known = self.mgr._bootstrap(self.addr).lookup(name, transfer_timeout_s)
+            known = self.mgr._bootstrap(self.addr).lookup(name, lookup_timeout_s)
             with self.mgr.lock:
                 self.mgr.peers[name] = known
         return known
@@ -608,6 +655,8 @@ class XferKVSender(BaseKVSender):
             self._fail(f"room {self.room}: a write failed: {error}")
         with self.mgr.lock:
             self.pending -= 1
+            if self.cleared and self.pending == 0 and self.mgr.senders.get(self.room) is self:
+                del self.mgr.senders[self.room]
         self._maybe_done()
 
     def _maybe_done(self) -> None:
@@ -663,9 +712,14 @@ class XferKVSender(BaseKVSender):
         self._fail(f"room {self.room}: aborted")
 
     def clear(self) -> None:
+        """SGLang is done with the room. A sender with writes still in flight stays findable
+        until they are not (``_one_done``): a decode rank's abort is answered only after the
+        drain — the decode reuses the pages once answered, and a write landing later would
+        overwrite another request's KV."""
         with self.mgr.lock:
             self.mgr.metadata.pop(self.room, None)
-            if self.mgr.senders.get(self.room) is self:
+            self.cleared = True
+            if self.mgr.senders.get(self.room) is self and self.pending == 0:
                 del self.mgr.senders[self.room]
 
 
@@ -708,7 +762,7 @@ class XferKVReceiver(BaseKVReceiver):
             if not 0 <= dp < prefill.dp:
                 raise LayoutError(f"prefill DP rank {dp}: the prefill has {prefill.dp}")
             targets = prefill_targets(self.mgr.rank, self.mgr.tp, prefill.tp, self.mgr.mla)
-            prefills = [rdv.lookup(_prefill_name(dp, t), transfer_timeout_s) for t in targets]
+            prefills = [rdv.lookup(_prefill_name(dp, t), lookup_timeout_s) for t in targets]
             self.record = self.mgr.decode_record(self.addr)
             self.prefills = prefills
         except LayoutError as e:
