@@ -30,7 +30,7 @@ SHM = {
     "backend": "efa",
     "groups": [{"nics": ["auto"]}],
     "backends": {"efa": {"provider": "shm"}},
-    "timeouts": {"expect_ms": 120000, "transfer_ms": 120000, "connect_ms": 20000},
+    "timeouts": {"expect_ms": 700000, "transfer_ms": 120000, "connect_ms": 20000},
     "worker": {"idle_poll_us": 0},
 }
 HIDDEN, RANKS, MAX_TOKENS, EXPERTS, TOP_K = 2048, 2, 8, 8, 4
@@ -46,6 +46,7 @@ def rank_main(rank, port, conn, steps):
         sys.path.insert(0, shim_path())  # PYTHONPATH's entries lead sys.path (spawn copies the parent's)
         os.environ["SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"] = str(MAX_TOKENS)
         os.environ["XFER_EP_CONFIG"] = json.dumps(SHM)
+        os.environ["XFER_EP_TIMEOUT"] = "60"  # no failure is tested here: no live rank may be masked under load
         import torch.distributed as dist
         from sglang.srt.runtime_context import SpawnRanks, publish
         from sglang.srt.server_args import ServerArgs
