@@ -391,24 +391,24 @@ def never_wrong_step(cfg, g, r, dead, ins):
     assert np.array_equal(y[kept], ref[kept]), "a token not reported lost differs"
 
 
-def shm_config():
+def shm_config(provider="shm"):
     return {
         "backend": "efa",
         "groups": [{"nics": ["auto"]}],
-        "backends": {"efa": {"provider": "shm"}},
+        "backends": {"efa": {"provider": provider}},
         "timeouts": {"expect_ms": 120000, "transfer_ms": 120000, "connect_ms": 20000},
         "worker": {"idle_poll_us": 0},
     }
 
 
-def shm_rank(rank, cfg_kwargs, conn, steps, die_after_dispatch):
+def shm_rank(rank, cfg_kwargs, conn, steps, die_after_dispatch, provider="shm"):
     """One rank in its own process: exchanges local_info through the parent, runs ``steps``
     steps against the oracle; the dying rank exits (as if killed) after step 1's dispatch."""
     import os
 
     cfg = EpConfig(**cfg_kwargs)
     try:
-        with xfer.TransferEngine(shm_config()) as e:
+        with xfer.TransferEngine(shm_config(provider)) as e:
             g = EpGroup(e, rank, cfg)
             conn.send(g.local_info())
             g.connect(conn.recv())
@@ -433,9 +433,9 @@ def shm_rank(rank, cfg_kwargs, conn, steps, die_after_dispatch):
         conn.send(f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
 
 
-@pytest.mark.parametrize("ranks,die", [(2, None), (3, None), (3, 2)])
-def test_processes_over_shm(ranks, die):
-    """EP 2 and 3 as processes over libfabric shm, exact against the oracle; and a process
+@pytest.mark.parametrize("ranks,die,provider", [(2, None, "shm"), (3, None, "shm"), (3, 2, "shm"), (2, None, "tcp;ofi_rxm")])
+def test_processes_over_libfabric(ranks, die, provider):
+    """EP 2 and 3 as processes over libfabric shm (and EP 2 over tcp), exact against the oracle; and a process
     killed after its dispatch: every survivor's steps end, mask it, and hand over nothing
     wrong. Exact masks are not asserted there: over shm a write to the dead process holds up
     the writes posted with it (a survivor's combine to a live peer stalls past its deadline,
@@ -449,7 +449,7 @@ def test_processes_over_shm(ranks, die):
     ctx = mp.get_context("spawn")
     cfg = dict(ranks=ranks, experts_per_rank=2, top_k=2, max_tokens=6, hidden=64, private_rows=2, timeout=TIMEOUT)
     pipes = [ctx.Pipe() for _ in range(ranks)]
-    procs = [ctx.Process(target=shm_rank, args=(r, cfg, pipes[r][1], 4, die)) for r in range(ranks)]
+    procs = [ctx.Process(target=shm_rank, args=(r, cfg, pipes[r][1], 4, die, provider)) for r in range(ranks)]
     for p in procs:
         p.start()
     try:
