@@ -1132,3 +1132,59 @@ def test_a_decode_request_aborted_before_its_load_tells_the_prefill(server):
     d.step()
     p.wait("the prefill to free the blocks long before its lease", lambda: "r" in p.sent)
     p.close(), d.close()
+
+
+def test_a_forged_pushed_ok_with_the_requests_token_from_a_third_engine_completes_nothing(server):
+    """Issue 56, with the engine's sender identity: a third engine that learnt the request's
+    token (the proxy's parameters) says "pushed ok" in the prefill's name; the decoder knows
+    the prefill's engine from its record and the transport names the sender: the load waits
+    for the real push, and gets the prefill's bytes."""
+    p, d = Instance("fp-p", server), Instance("fp-d", server)
+    push_decode(d, "r-d", 10, "fp-p", "r", [0, 9, 2])
+    d.step()
+    address = bytes(d.worker._worker._engine.main_address)
+    forge(address, b"xfer-vllm-push:", {"engine": "fp-p", "req": "r", "rank": 0, "ok": True,
+                                        "why": None, "cancelled": False,
+                                        "token": proxy_token("r")})
+    time.sleep(0.5)
+    d.collect()
+    assert "r-d" not in d.recved, "completed by a forged message"
+    r = push_prefill(p, "r", 10, [3, 5, 7])
+    wanted(p, "r")
+    compute(p, list(p.full))
+    finish(p, r, [3, 5, 7])
+    d.wait("the pushed request", lambda: "r-d" in d.recved)
+    assert not d.failed
+    assert_copied(p, d, [3, 5, 7], [0, 9, 2])
+    p.close(), d.close()
+
+
+def test_a_failed_lookup_is_remembered_and_backed_off(server):
+    """Issue 54: the two lookup threads stalled behind a dead prefill (failed lookups neither
+    remembered nor backed off: one wait of up to lookup_timeout_s per rank, per load and per
+    message)."""
+    d = Instance("lk-d", server, extra={"lookup_timeout_s": 0.3})
+    worker = d.worker._worker
+    service, lookups = worker._service, []
+
+    def counting(url):
+        rendezvous = service(url)
+
+        class Counted:
+            def lookup(self, name, timeout):
+                lookups.append((name, timeout))
+                return rendezvous.lookup(name, timeout)
+        return Counted()
+
+    worker._service = counting
+    params = {"do_remote_prefill": True, "remote_engine_id": "gone", "remote_block_ids": [[1]],
+              "remote_request_id": "x", "xfer_token": "0" * 32}
+    for i in range(3):
+        decode(d, f"lk{i}-d", 4, params, [2 + i])
+        d.step()
+        d.wait("the failed load", lambda i=i: f"lk{i}-d" in d.failed)
+    # One wait for the record; then, within the backoff, only checks (a peer that came back
+    # is found, a dead one holds no thread).
+    assert [t for _, t in lookups][:1] == [0.3] and all(t == 0 for _, t in lookups[1:]), lookups
+    assert len(lookups) >= 3
+    d.close()

@@ -25,10 +25,14 @@ a request that stopped at its first token is handed off too) and keeps its block
 ``request_finished`` hands back the parameters a decode instance needs. The decode instance,
 given them, reads the blocks with RDMA READ — per layer, one paged read per contiguous run of
 a block (``pages.block_runs``), offsets computed from block ids — off vLLM's model-runner
-thread, and then tells the prefill instance by request id, which frees them and answers
-whether it still held them: the load counts only then. A prefill whose reader never comes
-frees them after ``free_timeout_s`` (a lease); a reader that comes later gets a load error,
-never another request's KV.
+thread, after each prefill rank it reads from granted its claim of those blocks, and then
+tells the prefill instance, which frees them and answers whether it held them for this reader
+throughout: the load counts only then. Every message carries the request's random token
+(``xfer_token`` in the parameters); what a prefill keeps and answers is ``xfer.kv.lease``'s,
+from positive knowledge. A prefill whose reader never comes frees them after
+``free_timeout_s`` (a lease, renewed while the decode request waits); a reader that comes
+later, or a second reader, gets a load error, never another request's KV. Parameters are
+untrusted input (``xfer.kv.params``): a set that does not parse is computed locally.
 
 **Peers** are found through xfer's rendezvous (``extra_config["rendezvous"]``, an ``xfer://``
 or ``etcd://`` URL), or through each instance's own side channel (``extra_config
@@ -818,6 +822,9 @@ class _Worker:
         """Prefill: the requests kept for their readers, and what they are answered."""
         self._publication: xfer.Publication | None = None
         self._peers: dict[tuple[str, int], Peer] = {}
+        self._failed_lookups: dict[tuple[str, int, str | None], tuple[float, Any, float, float]] = {}
+        """Peers not found: (engine, rank, where) → (not before, why, when, backoff), the
+        backoff doubling from ``lookup_timeout_s`` up to 60 s, at most 1,024 remembered."""
         self._lock = threading.Lock()
         self._recved: set[str] = set()
         self._failed_recv: set[str] = set()
@@ -843,7 +850,11 @@ class _Worker:
             dialable=options.dialable()))
         """Push mode: its own state, and what it uses of this worker."""
         # Block-id messages carry 4 bytes per block: 64 KiB buffers hold ~16k blocks.
-        self._engine.submit_recvs(MAX_MESSAGE, 64, self._on_message)
+        try:
+            # Each message with the sender the transport proved (b"" where it cannot tell).
+            self._engine.submit_recvs(MAX_MESSAGE, 64, self._on_message, with_sender=True)
+        except TypeError:  # a binding without sender identity
+            self._engine.submit_recvs(MAX_MESSAGE, 64, self._on_message)
 
     # ---- registration ----
 
@@ -1231,9 +1242,26 @@ class _Worker:
             known = self._peers.get((engine_id, rank))
         if known is not None:
             return known
-        record = self._service(url).lookup(
-            _record_name(engine_id, rank), self._options.lookup_timeout_s
-        )
+        key = (engine_id, rank, url)
+        now = time.monotonic()
+        with self._lock:
+            failed = self._failed_lookups.get(key)
+        # Remembered: within the backoff a peer that was not found is only checked (no wait
+        # for it to appear), so a dead prefill holds the two lookup threads once per backoff,
+        # not once per load and per message, and one that came back (a wake-up) is found.
+        wait = 0.0 if failed is not None and now < failed[0] else self._options.lookup_timeout_s
+        try:
+            record = self._service(url).lookup(_record_name(engine_id, rank), wait)
+        except Exception as e:
+            with self._lock:
+                backoff = failed[3] if failed and wait == 0.0 else min(
+                    60.0, 2 * (failed[3] if failed else self._options.lookup_timeout_s / 2))
+                self._failed_lookups[key] = (time.monotonic() + backoff, e, time.monotonic(), backoff)
+                while len(self._failed_lookups) > 1024:
+                    del self._failed_lookups[next(iter(self._failed_lookups))]
+            raise
+        with self._lock:
+            self._failed_lookups.pop(key, None)
         by_tag = {_layer_tag(name, self.is_draft_layer(name)): name for name in self._layers}
         layers = {}
         for key, desc in record["regions"].items():
@@ -1249,7 +1277,17 @@ class _Worker:
 
     # ---- prefill: freeing ----
 
-    def _on_message(self, data: bytes) -> None:
+    def _proven(self, engine_id: str, rank: int, sender: bytes) -> bool:
+        """Whether a message that says it is from ``engine_id`` rank ``rank`` came from that
+        worker's engine, as far as the transport proves it (where it names no sender, only the
+        token vouches for the message)."""
+        if not sender:
+            return True
+        with self._lock:
+            peer = self._peers.get((engine_id, rank))
+        return peer is not None and peer.address == bytes(sender)
+
+    def _on_message(self, data: bytes, sender: bytes = b"") -> None:
         """Every message to this worker, decoded once (bounded, typed): a malformed one, or
         one whose token or ids are not what this worker offered or waits for, is dropped
         and changes nothing."""
@@ -1258,13 +1296,18 @@ class _Worker:
         try:
             kind, header, payload = decode_message(data, _KINDS)
             if kind == _WANT:
-                self.push.handle_want(header, payload, time.monotonic())
+                self.push.handle_want(header, payload, time.monotonic(), bytes(sender))
             elif kind == _PUSHED:
-                self.push.handle_pushed(header)
+                if self._proven(header.text("engine", MAX_ID),
+                                header.integer("rank", 0, MAX_TP - 1), sender):
+                    self.push.handle_pushed(header)
             elif kind == _CANCEL:
-                self.push.handle_cancel(header, time.monotonic())
+                self.push.handle_cancel(header, time.monotonic(), bytes(sender))
             elif kind in (_CLAIM, _DONE, _RENEW):
-                self._from_reader(kind, header, payload)
+                self._from_reader(kind, header, payload, bytes(sender))
+            elif not self._proven(header.text("engine", MAX_ID),
+                                  header.integer("rank", 0, MAX_TP - 1), sender):
+                return  # a prefill rank's answer from another engine: forged
             elif kind == _GRANT:
                 self._granted(header)
             else:
@@ -1272,9 +1315,12 @@ class _Worker:
         except ControlError as e:
             logger.debug("XferConnector: a control message was dropped (%s)", e)
 
-    def _from_reader(self, kind: bytes, header: Header, payload: bytes) -> None:
+    def _from_reader(self, kind: bytes, header: Header, payload: bytes, sender: bytes = b"") -> None:
         """A reader rank's claim, done or renewal (``xfer.kv.lease``): answered from what this
-        rank kept for that request and reader, never from the message's word."""
+        rank kept for that request and reader, never from the message's word; the answer goes
+        to the engine the transport proved sent it (never to another address it names)."""
+        if sender and header.hex_bytes("addr") != sender:
+            raise ControlError("a reader's message names another engine's address than its own")
         blocks: tuple[tuple[int, ...], ...] = ()
         if kind == _CLAIM:
             sizes = header.fields.get("groups")

@@ -110,6 +110,9 @@ class _Want:
     """The request's token as the decoder sent it: nothing is looked up, written or answered
     for it until it is the request's own (``_Push.token``)."""
     verified: bool = False
+    sender: bytes = b""
+    """The engine the transport proved sent the ids (b"": not proven): the decoder's record
+    must name it before anything is written there."""
     ready: bool = False
     """Its record was found (looked up off the engine's callback thread); until then nothing
     is written to it."""
@@ -296,7 +299,7 @@ class PushSide:
         except ParamsError as e:
             raise ControlError(str(e)) from None
 
-    def handle_cancel(self, header: Header, now: float) -> None:
+    def handle_cancel(self, header: Header, now: float, sender: bytes = b"") -> None:
         """A decode rank stopped waiting for a request: nothing more goes to it, what is in
         flight is cancelled, and it is answered once nothing is (``_push_done``). Its ids
         may come after this message (delivery is unordered): then they are dropped. Acted on
@@ -310,7 +313,8 @@ class PushSide:
             if push is not None and push.token is not None and not same_token(push.token, token):
                 return  # forged, or another incarnation's
             want = push.wants.get(key[1:]) if push is not None else None
-            if want is not None and not same_token(want.token, token):
+            if want is not None and (not same_token(want.token, token)
+                                     or (sender and want.sender and sender != want.sender)):
                 return
             if want is None:
                 self._remember_cancel(key, (now, token, url))
@@ -511,14 +515,14 @@ class PushSide:
             ctx.logger.warning("XferConnector: could not tell %s rank %d about request %s: %s",
                                want.engine, want.rank, req_id, e)
 
-    def handle_want(self, header: Header, payload: bytes, now: float) -> None:
+    def handle_want(self, header: Header, payload: bytes, now: float, sender: bytes = b"") -> None:
         """A decode rank's block ids for one of this instance's requests: acted on (its
         record looked up, layers written to it) only once its token is the request's own;
         until this prefill schedules the request, kept (bounded) unanswered."""
         want = _Want(header.text("engine", MAX_ID), header.integer("rank", 0, MAX_TP - 1),
                      header.integer("tp", 1, MAX_TP), block_ids_of(payload, MAX_MESSAGE // 4),
                      url=self._url(header), model=header.text("model", 1024, default=""),
-                     token=header.token())
+                     token=header.token(), sender=sender)
         req_id = header.text("req", MAX_ID)
         with self._lock:
             cancel = self._cancels.get((req_id, want.engine, want.rank))
@@ -550,7 +554,18 @@ class PushSide:
         every layer now (otherwise its layers go as they are computed, or at the end)."""
         ctx = self._ctx
         try:
-            ctx.peer(want.engine, want.rank, want.url)
+            found = ctx.peer(want.engine, want.rank, want.url)
+            if want.sender and found.address != want.sender:
+                # Ids in a decoder's name from another engine (with the request's token):
+                # nothing is written for them, and the decoder's own ids still count.
+                ctx.logger.warning("XferConnector: ids for request %s in the name of %s rank %d "
+                                   "came from another engine; dropped", req_id, want.engine,
+                                   want.rank)
+                with self._lock:
+                    push = self._pushes.get(req_id)
+                    if push is not None and push.wants.get((want.engine, want.rank)) is want:
+                        del push.wants[(want.engine, want.rank)]
+                return
         except Exception as e:  # noqa: BLE001 - that decoder cannot be reached: it times out
             ctx.logger.warning("XferConnector: decoder %s rank %d of request %s not found: %s",
                                want.engine, want.rank, req_id, e)
