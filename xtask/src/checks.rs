@@ -394,7 +394,7 @@ pub(crate) const FUZZ_SECONDS: u32 = 15;
 
 /// The fuzz targets in `fuzz/`, one per decoder of untrusted input (a test checks that
 /// every target in `fuzz/Cargo.toml` is here, so none is built and never run).
-pub(crate) const FUZZ_TARGETS: [&str; 7] = [
+pub(crate) const FUZZ_TARGETS: [&str; 8] = [
     "netaddr",   // engine-core: NetAddr (binary and hex)
     "mrdesc",    // engine-core: MrDesc (binary and hex)
     "message",   // engine-core: messages between engines (user payload, notification)
@@ -402,6 +402,7 @@ pub(crate) const FUZZ_TARGETS: [&str; 7] = [
     "config",    // engine-core: config files
     "record",    // rendezvous: records in the store
     "frame",     // rendezvous: the embedded service's frames, both directions
+    "ep_header", // ep-plan: MoE dispatch and combine headers, immediates
 ];
 
 /// The fuzz targets (`fuzz/`: every decoder of untrusted input) built with libFuzzer and
