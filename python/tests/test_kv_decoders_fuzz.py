@@ -90,7 +90,8 @@ def test_block_ids_of_any_payload(payload):
 @FUZZ
 @given(st.dictionaries(st.sampled_from(
     ["do_remote_prefill", "xfer_push", "remote_engine_id", "remote_request_id", "remote_tp_size",
-     "remote_block_ids", "remote_rendezvous", "xfer_token", "remote_model", "xfer_protocol"]),
+     "remote_block_ids", "remote_rendezvous", "xfer_token", "remote_model", "xfer_protocol",
+     "xfer_lease_s"]),
     json_values, max_size=10))
 def test_kv_transfer_params_parse_or_refuse_within_bounds(raw):
     try:

@@ -1188,3 +1188,26 @@ def test_a_failed_lookup_is_remembered_and_backed_off(server):
     assert [t for _, t in lookups][:1] == [0.3] and all(t == 0 for _, t in lookups[1:]), lookups
     assert len(lookups) >= 3
     d.close()
+
+
+def test_a_decode_request_waiting_for_room_renews_the_prefills_lease(server):
+    """Issue 54: no lease renewal while a decode waited (NIXL renews by heartbeat): a decode
+    backlog past the lease became recompute or error. vLLM asks ``get_num_new_matched_tokens``
+    each step a request waits for room; the prefill keeps the blocks meanwhile (up to
+    ``max_lease_s``) and the late load succeeds."""
+    p = Instance("rn-p", server, extra={"free_timeout_s": 0.6})
+    d = Instance("rn-d", server)
+    params = prefill(p, "r", 20, [3, 5])
+    r = request("r-d", 20, dict(params))
+    deadline = time.monotonic() + 2.0  # three leases, both engines stepping
+    while time.monotonic() < deadline:
+        assert d.scheduler.get_num_new_matched_tokens(r, 0) == (20, True)
+        d.step(), p.step()
+        time.sleep(0.05)
+    assert "r" not in p.sent, "the lease was renewed"
+    d.scheduler.update_state_after_alloc(r, blocks_of([1, 2]), 20)
+    d.step()
+    d.wait("the late load", lambda: "r-d" in d.recved)
+    assert not d.failed
+    assert_copied(p, d, [3, 5], [1, 2])
+    p.close(), d.close()

@@ -47,6 +47,9 @@ class RemotePrefill:
     """The prefill's random token for this request: every control message carries it."""
     push: bool
     model: str
+    lease_s: float | None = None
+    """The prefill's lease on the blocks (``xfer_lease_s``): a waiting decode renews it more
+    often than that."""
 
 
 def _text(params: Mapping[str, Any], name: str, limit: int = MAX_ID) -> str:
@@ -131,4 +134,9 @@ def parse_remote_prefill(params: Mapping[str, Any], *, prompt_tokens: int, block
             if len(set(ids)) != len(ids):
                 raise ParamsError("remote_block_ids: a block named twice")
             block_ids.append(list(ids))
-    return RemotePrefill(engine_id, request_id, tp, block_ids, rendezvous, token, push, model)
+    lease = params.get("xfer_lease_s")
+    if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
+                              or not 0.01 <= lease <= 86400):
+        raise ParamsError("xfer_lease_s must be a number of seconds in [0.01, 86400]")
+    return RemotePrefill(engine_id, request_id, tp, block_ids, rendezvous, token, push, model,
+                         None if lease is None else float(lease))

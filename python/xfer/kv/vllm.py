@@ -625,7 +625,8 @@ class _Scheduler:
         # Asked again each step it waits for room: the prefill keeps its blocks meanwhile.
         _, renewed = self._remote[request.request_id]
         now = time.monotonic()
-        if now - renewed > self._options.free_timeout_s / 3:
+        lease = min(self._options.free_timeout_s, remote.lease_s or self._options.free_timeout_s)
+        if now - renewed > lease / 3:
             self._remote[request.request_id] = (remote, now)
             self._meta.renew[request.request_id] = self._load_of(request, remote)
         # Every prompt token the prefill instance computed, beyond what is here already.
@@ -754,6 +755,7 @@ class _Scheduler:
             "remote_model": self._model,
             "xfer_protocol": PROTOCOL,
             "xfer_token": token,
+            "xfer_lease_s": self._options.free_timeout_s,
         }
 
 
