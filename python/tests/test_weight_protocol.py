@@ -36,6 +36,7 @@ def test_messages_from_the_member_the_protocol_names_are_accepted():
     assert SENDER1.decode(msg(P.READY, 3, b"d" * 16 + b"\x00" + b"desc")).sender == 3
     assert COORD.decode(msg(P.DONE, 3, b"\x01" + b"d" * 16)).kind == P.DONE
     assert COORD.decode(msg(P.QUERY, 2)).kind == P.QUERY
+    assert RECV.decode(msg(P.COUNT, 1, b"\x05" + b"\x00" * 7)).kind == P.COUNT
 
 
 @pytest.mark.parametrize(
@@ -51,6 +52,9 @@ def test_messages_from_the_member_the_protocol_names_are_accepted():
         (RECV, msg(P.VERDICT, 0, b"\x01", tag=P.group_tag("h")), "another group"),
         (RECV, msg(P.VERDICT, 9, b"\x01"), "not another member"),
         (RECV, msg(P.VERDICT, 2, b"\x01"), "not another member"),  # itself
+        (RECV, msg(P.COUNT, 3, b"\x00" * 8), "only senders send it"),  # COUNT from a receiver
+        (SENDER1, msg(P.COUNT, 0, b"\x00" * 8), "only senders send it"),  # COUNT to a sender
+        (RECV, msg(P.COUNT, 1, b"\x00" * 9), "outside"),
         (RECV, msg(9, 0), "unknown kind"),
         (RECV, msg(P.VERDICT, 0, b""), "outside"),
         (COORD, msg(P.DONE, 3, b"\x01" + b"d" * 16 + b"r" * 2000), "outside"),

@@ -130,6 +130,27 @@ def test_a_version_longer_than_the_engines_stock_expect_ms_completes():
         c.close()
 
 
+def test_receivers_count_the_immediates_as_their_senders_stripe():
+    # The senders' [stripe] config is not the receivers' (each side configured on its own): a
+    # 128 KiB write is one immediate from a sender that stripes nothing under 1 MiB, where the
+    # receiver's own config would say two. The senders tell each receiver what they send.
+    unstriped = {**MOCK, "stripe": {"min_stripe_len": 1 << 20}}
+    tensors = (W.TensorSpec("a", (32768,), "float32"), W.TensorSpec("b", (64, 1024), "float32"))
+    layout = W.Layout.replicated(tensors, 2, 2)
+    c = Cluster(layout, 2, 2, timeout=10.0, config=unstriped, receiver_config=MOCK)
+    try:
+        assert c.engines[0].expected_arrivals(1 << 17) == 1 and c.engines[2].expected_arrivals(1 << 17) == 2
+        for v in range(2):
+            full = {t.name: np.random.default_rng(v).standard_normal(t.shape).astype(np.float32) for t in tensors}
+            results = c.version(v, full, data=lambda s, f=full: {s * 2 + i: f[t.name] for i, t in enumerate(tensors)})
+            assert all_or_none(results), results
+            for rc in c.receivers:
+                for t in tensors:
+                    assert np.array_equal(rc.params[t.name].view(np.float32).reshape(t.shape), full[t.name])
+    finally:
+        c.close()
+
+
 def test_a_membership_change_on_the_same_engines():
     # 1 -> 2 -> 1 receivers: each membership a new group member on the same engines (one
     # receive pool per engine, shared by the members it has been).

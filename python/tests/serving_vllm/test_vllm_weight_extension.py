@@ -305,3 +305,26 @@ def test_a_worker_without_a_rank_is_refused_by_name(rendezvous_server):
                                                receivers=2, config=xfer_config("shm"))
     assert getattr(worker, "_xfer_weights", None) is None, "nothing joined"
     assert rendezvous_connections(rendezvous_server) == []
+
+
+def test_data_parallel_replicas_workers_get_distinct_receiver_ranks(rendezvous_server):
+    # vLLM numbers each DP engine's workers from 0 (Worker.rank), with the DP index in its
+    # ParallelConfig: DP 2 x TP 2 is four receivers, not two claimed twice each.
+    from vllm.config import ParallelConfig
+
+    from xfer.vllm_weights import XferWeightsExtension
+
+    class Worker:  # what the extension reads of vLLM's worker: its rank and parallel config
+        def __init__(self, rank, dp):
+            self.rank = rank
+            self.parallel_config = ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, data_parallel_rank=dp)
+
+    workers = [Worker(r, dp) for dp in range(2) for r in range(2)]
+    try:
+        ranks = [XferWeightsExtension.xfer_weights_init(w, rendezvous=rendezvous_server.url, group="dp",
+                                                        receivers=14, rank_base=10, config=xfer_config("shm"))
+                 for w in workers]
+        assert ranks == [10, 11, 12, 13]
+    finally:
+        for w in workers:
+            XferWeightsExtension.xfer_weights_close(w)

@@ -6,9 +6,11 @@ messages, registrations, immediates and the rendezvous; what it decides is decid
 1. The coordinator (trainer rank 0) sends each receiver the MANIFEST: the layout's digest and
    the version's remaining time, and the layout itself (chunked JSON) only to a receiver that
    has not reported success with it (a new receiver, or one published anew). A receiver
-   (re)allocates and registers its parameters when the layout changed (up to ``max_bytes``),
-   arms the count of the version's immediate and tells every sender it is READY (its
-   buffer's descriptor, which the sender checks against the receiver's rendezvous record).
+   (re)allocates and registers its parameters when the layout changed (up to ``max_bytes``)
+   and tells every sender it is READY (its buffer's descriptor, which the sender checks
+   against the receiver's rendezvous record); each sender answers COUNT, the immediates its
+   writes bring that receiver as its own engine stripes them, and the receiver arms the count
+   of the version's immediate with their sum (the two sides' stripe configs may differ).
 2. Each sender writes its runs to each ready receiver: from the shards' own memory
    (registered once while the same memory comes back each version), or, with a ``transform``
    (e.g. a dtype cast), staged into registered buckets — all at once, or two buckets of half a
@@ -449,6 +451,7 @@ class WeightSender(_Member):
         # receiver's buffer, lengths)], the plan's rows grouped once per layout.
         self._rows_of: dict[int, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = {}
         self._targets: list[int] = []
+        self._arrivals_to: dict[int, int] = {}
         # Shards written from their own memory: (address, bytes) -> (the data, its region).
         self._registered: dict[tuple[int, int], tuple[Any, Any]] = {}
         # The coordinator's: decisions of recent versions (answers to QUERY), and which
@@ -512,6 +515,13 @@ class WeightSender(_Member):
             s, r = int(src_shard[idx[0]]), int(dst_rank[idx[0]])
             self._rows_of.setdefault(s, []).append((r, src_off[idx], dst_abs[idx], lens[idx]))
         self._targets = sorted({int(r) for r in dst_rank})
+        # The immediates this rank's writes bring each receiver, as this engine stripes them
+        # (each row one write): told to the receiver, which cannot know this engine's NICs.
+        self._arrivals_to = {r: 0 for r in range(self.receivers)}
+        for groups in self._rows_of.values():
+            for r, _, _, lens in groups:
+                values, counts = np.unique(lens, return_counts=True)
+                self._arrivals_to[r] += sum(int(c) * self.engine.expected_arrivals(int(n)) for n, c in zip(values, counts))
         self._layout, self._writes, self._staged_for = layout, writes, None
 
     def _prepare_staging(self, layout: Layout) -> None:
@@ -684,6 +694,10 @@ class WeightSender(_Member):
 
     def _write(self, version: int, layout: Layout, shards: Mapping[int, Any], transform: Any, deadline: float) -> None:
         descs = self.ready(version, layout, deadline)
+        for r in range(self.receivers):
+            why = self.tell(self.senders + r, P.COUNT, version, struct.pack("<Q", self._arrivals_to.get(r, 0)), deadline)
+            if why:
+                raise RuntimeError(f"could not tell receiver {r} what this rank sends it: {why}")
         if transform is None and self.zero_copy and not isinstance(shards, _Stream):
             self._write_in_place(version, layout, shards, descs, deadline)
         else:
@@ -865,7 +879,6 @@ class WeightReceiver(_Member):
         # Per buffer (one, or two when double-buffered): the array, its region, its views.
         self._buffers: list[tuple[np.ndarray, Any, dict[str, np.ndarray]]] = []
         self._front = 0
-        self._arrivals = 0
 
     def _prepare(self, layout: Layout) -> None:
         if self.layout is not None and self.layout.digest() == layout.digest():
@@ -898,15 +911,21 @@ class WeightReceiver(_Member):
         # lookup waits for it).
         self.publication.unpublish()
         self.publication = self._publish()
-        # Immediates the version brings: each row is one write, striped as the sender's engine
-        # stripes it (same config on both sides).
-        w = plan(layout, receiver=self.rank)
-        lens, counts = w.len, w.count
-        arrivals = 0
-        for n in np.unique(lens):
-            arrivals += int(counts[lens == n].sum()) * self.engine.expected_arrivals(int(n))
-        self._arrivals = arrivals
         self.layout = layout
+
+    def _counts(self, version: int, deadline: float) -> int:
+        """The sum of every sender's COUNT for ``version``."""
+        def settled(box: P.Inbox) -> bool:
+            return len(box.get(P.COUNT, version)) >= self.senders or bool(box.get(P.VERDICT, version))
+
+        self.control.wait_for(settled, deadline)
+        got = self.control.collect(P.COUNT, version, bool, 0.0)
+        if len(got) < self.senders:
+            if self.control.collect(P.VERDICT, version, bool, 0.0):
+                raise _Ended(_ENDED)
+            missing = sorted(set(range(self.senders)) - {m.sender for m in got})
+            raise TimeoutError(f"trainer ranks {missing} never said what they send here")
+        return sum(struct.unpack("<Q", m.payload)[0] for m in got)
 
     def _await_arrivals(self, version: int, expectation: Any, deadline: float) -> str:
         """Waits for every write of ``version`` to land, until the deadline or an abort from
@@ -976,17 +995,20 @@ class WeightReceiver(_Member):
                 digest = layout.digest()
                 self._prepare(layout)
                 target = (self._front + 1) % len(self._buffers)
-                if self._arrivals:
-                    expectation = self.engine.expect_imm_count(
-                        self.data_imm(version), self._arrivals, on_done=self.control.poke)
                 payload = digest + bytes([target]) + bytes(self._buffers[target][1].desc)
                 for s in range(self.senders):
                     why = self.tell(s, P.READY, version, payload, deadline)
                     if why:
                         raise RuntimeError(f"could not tell trainer rank {s} it is ready: {why}")
+                # The immediates the version brings, as each sender's engine stripes its writes.
+                arrivals = self._counts(version, deadline)
+                if arrivals:
+                    expectation = self.engine.expect_imm_count(self.data_imm(version), arrivals, on_done=self.control.poke)
+            except _Ended:
+                failure = f"receiver {self.rank}: {_ENDED}"
             except Exception as e:  # noqa: BLE001
                 failure = f"receiver {self.rank}: {e}"
-        cause = failure
+        cause = "" if failure.endswith(_ENDED) else failure
         if expectation is not None:
             if failure:
                 expectation.cancel()

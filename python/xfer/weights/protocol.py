@@ -16,7 +16,8 @@ after a COMMIT only.
 Every message carries the group's tag and session nonce (random per coordinator, published
 in its rendezvous record, so only those who can read the group's records can forge one) and
 the claimed member id; the decoder refuses MANIFEST and VERDICT from anyone but the
-coordinator, READY from anyone but a receiver, DONE and QUERY sent anywhere but to the
+coordinator, READY from anyone but a receiver, COUNT (the immediates a sender's writes bring a
+receiver, as the sender's engine stripes them) from anyone but a sender, DONE and QUERY sent anywhere but to the
 coordinator, and any payload past its bound.
 """
 
@@ -27,13 +28,13 @@ import hashlib
 import struct
 
 __all__ = [
-    "MANIFEST", "READY", "DONE", "VERDICT", "QUERY",
+    "MANIFEST", "READY", "DONE", "VERDICT", "QUERY", "COUNT",
     "MSG_BYTES", "CHUNK", "ProtocolError", "Message", "Rules", "Inbox", "decide",
     "group_tag", "encode", "manifest_payload", "parse_manifest",
 ]
 
-MANIFEST, READY, DONE, VERDICT, QUERY = 1, 2, 3, 4, 5
-_KINDS = {MANIFEST: "MANIFEST", READY: "READY", DONE: "DONE", VERDICT: "VERDICT", QUERY: "QUERY"}
+MANIFEST, READY, DONE, VERDICT, QUERY, COUNT = 1, 2, 3, 4, 5, 6
+_KINDS = {MANIFEST: "MANIFEST", READY: "READY", DONE: "DONE", VERDICT: "VERDICT", QUERY: "QUERY", COUNT: "COUNT"}
 
 _MAGIC = b"XW"
 _PROTO = 2
@@ -123,6 +124,8 @@ class Rules:
             raise ProtocolError("MANIFEST to a sender")
         if kind == READY and (sender < self.senders or self.me >= self.senders):
             raise ProtocolError(f"READY from member {sender} to member {self.me}: only receivers send it, to senders")
+        if kind == COUNT and (sender >= self.senders or self.me < self.senders):
+            raise ProtocolError(f"COUNT from member {sender} to member {self.me}: only senders send it, to receivers")
         if kind in (DONE, QUERY) and self.me != 0:
             raise ProtocolError(f"{name} to member {self.me}: only the coordinator takes it")
         payload = bytes(raw[_HEADER.size :])
@@ -132,8 +135,9 @@ class Rules:
             DONE: 1 + 16 + _MAX_REASON,
             VERDICT: 1 + _MAX_REASON,
             QUERY: 0,
+            COUNT: 8,
         }[kind]
-        least = {MANIFEST: _MANIFEST.size, READY: 16 + 1, DONE: 17, VERDICT: 1, QUERY: 0}[kind]
+        least = {MANIFEST: _MANIFEST.size, READY: 16 + 1, DONE: 17, VERDICT: 1, QUERY: 0, COUNT: 8}[kind]
         if not least <= len(payload) <= bound:
             raise ProtocolError(f"{name} payload of {len(payload)} bytes outside {least}..{bound}")
         if kind == MANIFEST:

@@ -10,10 +10,13 @@ through ``collective_rpc``::
     # each step, while the trainer ranks send version v (xfer.engine_weights.FullTensorSender):
     llm.collective_rpc("xfer_weights_receive", args=(v,))
 
-A worker's receiver rank is ``rank_base`` plus its rank in the engine (tensor × pipeline
-parallel; an object without one is refused, ``WorkerRankError``); an RL job with several vLLM
-instances gives each its own ``rank_base``, and ``receivers`` counts every worker of every
-instance.
+A worker's receiver rank is ``rank_base`` plus its place in the instance
+(``receiver_rank``): its rank in its engine (tensor × pipeline parallel; an object without one
+is refused, ``WorkerRankError``) plus, with data parallelism, ``data_parallel_index ×
+world_size`` — vLLM numbers each DP engine's workers from 0 again, so without it the DP
+replicas' workers would claim the same receiver ranks (with ``external_launcher`` the worker's
+rank is already the global one). An RL job with several vLLM instances gives each its own
+``rank_base``, and ``receivers`` counts every worker of every replica of every instance.
 
 ``xfer_weights_receive`` receives the version whole into registered staging (see
 ``xfer.engine_weights``) and only then loads it through the worker's ``reload_weights``
@@ -34,12 +37,22 @@ from typing import Any
 
 from .engines import StagedReceiver
 
-__all__ = ["WorkerRankError", "XferWeightsExtension"]
+__all__ = ["WorkerRankError", "XferWeightsExtension", "receiver_rank"]
 
 
 class WorkerRankError(RuntimeError):
     """The object the extension runs on has no integer ``rank`` (vLLM's workers have one), so
     its receiver rank is unknown (a guess would give two receivers one rank)."""
+
+
+def receiver_rank(rank_base: int, worker_rank: int, parallel_config: Any | None) -> int:
+    """A worker's receiver rank from vLLM's ``ParallelConfig`` (see the module's documentation)."""
+    if parallel_config is None or getattr(parallel_config, "distributed_executor_backend", None) == "external_launcher":
+        return rank_base + worker_rank
+    dp_index = getattr(parallel_config, "data_parallel_index", None)
+    if dp_index is None:
+        dp_index = getattr(parallel_config, "data_parallel_rank", 0)
+    return rank_base + int(dp_index) * int(parallel_config.world_size) + worker_rank
 
 
 class XferWeightsExtension:
@@ -66,7 +79,7 @@ class XferWeightsExtension:
                 f"(rank={worker_rank!r}); the extension runs on vLLM's workers, which number "
                 "themselves in the engine")
         XferWeightsExtension.xfer_weights_close(self)
-        rank = rank_base + worker_rank
+        rank = receiver_rank(rank_base, worker_rank, getattr(self, "parallel_config", None))
         self._xfer_weights = StagedReceiver(
             rendezvous=rendezvous, group=group, rank=rank, receivers=receivers, senders=senders,
             config=config, timeout=timeout, grace=grace,
