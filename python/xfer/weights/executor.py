@@ -328,11 +328,14 @@ class _Member:
             self.tell(0, P.DONE, version, payload, deadline)
 
     def decision(self, version: int, deadline: float) -> bytes:
-        """The coordinator's decision on ``version`` (the VERDICT payload): waited for until
-        ``deadline`` plus the grace period, then asked for (QUERY) until as long again past
-        it; ``VersionInDoubt`` if it never came. Never a decision of this rank's own."""
+        """The coordinator's decision on ``version`` (the VERDICT payload): waited for a grace
+        period, then asked for (QUERY) until the deadline plus twice the grace and as long
+        again as the version's timeout; ``VersionInDoubt`` if it never came. Never a decision
+        of this rank's own."""
         wait_until = deadline + 2 * self.grace
-        got = self.control.collect(P.VERDICT, version, bool, wait_until)
+        # Asked for after a grace period already (a lost commit costs that, not the rest of
+        # the deadline); the coordinator answers only once it decided.
+        got = self.control.collect(P.VERDICT, version, bool, min(wait_until, time.monotonic() + self.grace))
         give_up = wait_until + max(self.timeout, 4 * self.grace)
         ask_every = max(0.1, min(1.0, self.grace / 2))
         while not got and self.me != 0 and time.monotonic() < give_up:
