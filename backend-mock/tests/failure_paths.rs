@@ -806,3 +806,61 @@ fn notifications_never_overtake_their_data_and_failed_transfers_send_none() {
     );
     assert!(seen.iter().all(|i| !failed.contains(i)));
 }
+
+/// Issue 56: a deregistration racing the engine's shutdown returned at once when it found the
+/// engine closed, while the worker (busy in a flag's waker here) had not closed the Domains:
+/// the region was still registered, so a NIC could still write into memory the caller then
+/// frees. Now `dereg_mr` returns only once the Domains are closed.
+#[test]
+fn a_deregistration_racing_shutdown_returns_only_once_no_nic_holds_the_region() {
+    let config = mock_config(1, "");
+    let a = open(&config);
+    let mut memory = vec![0u8; 4096];
+    // SAFETY: `memory` outlives every use: `dereg_mr` below returns only once no NIC holds it,
+    // and the engine is shut down before `memory` is dropped.
+    let (handle, _) = unsafe { a.reg_mr(memory.as_mut_ptr(), memory.len(), Device::Host) }.unwrap();
+    let src = buffer(&a, 64, pattern(1));
+    let dst = buffer(&a, 64, |_| 0);
+    // The worker stops in this waker until the test releases it.
+    let (release, hold) = std::sync::mpsc::channel::<()>();
+    let hold = std::sync::Mutex::new(hold);
+    let (entered, in_waker) = std::sync::mpsc::channel::<()>();
+    let entered = std::sync::Mutex::new(entered);
+    let flag = DoneFlag::with_waker(move || {
+        let _ = entered.lock().unwrap().send(());
+        let _ = hold.lock().unwrap().recv();
+    });
+    a.submit_single_write(64, None, (src.mr(), 0), (dst.desc(), 0), flag.clone())
+        .unwrap();
+    in_waker.recv().unwrap();
+    let addr = a.main_address();
+    std::thread::scope(|s| {
+        let closing = s.spawn(|| a.shutdown());
+        wait_until("the engine to be closed", || {
+            matches!(
+                a.submit_single_write(1, None, (src.mr(), 0), (dst.desc(), 0), DoneFlag::new()),
+                Err(Error::Shutdown)
+            )
+        });
+        let dereg = s.spawn(|| {
+            let r = a.dereg_mr(handle);
+            (r, backend_mock::registrations(&addr).unwrap_or(0))
+        });
+        // Before the fix it returned at once; now it waits for the worker, which goes on
+        // once released. (A bounded look for what must not happen, not a timed assertion.)
+        let until = Instant::now() + Duration::from_millis(500);
+        while !dereg.is_finished() && Instant::now() < until {
+            std::thread::yield_now();
+        }
+        release.send(()).unwrap();
+        let (result, registered) = dereg.join().unwrap();
+        assert!(result.is_ok(), "{result:?}");
+        assert_eq!(
+            registered, 0,
+            "dereg_mr returned while a NIC still held the region"
+        );
+        closing.join().unwrap();
+    });
+    drop((src, dst));
+    drop(memory);
+}

@@ -345,3 +345,26 @@ fn a_message_handler_is_told_the_real_sender() {
         ]
     );
 }
+
+/// Issue 56: one peer holds at most `worker.max_notifications_per_peer` of the queue: its
+/// notifications past that are dropped and counted, another peer's still get in.
+#[test]
+fn one_peer_cannot_fill_the_notification_queue() {
+    let (a, b) = pair("[worker]\nmax_notifications_per_peer = 2\n");
+    let c = Arc::new(TransferEngine::open(&common::mock_config(1, "")).unwrap());
+    b.listen_notifications(8).unwrap();
+    for id in [&b"a0"[..], b"a1", b"a2"] {
+        write_with_notification(&a, &b, id);
+    }
+    wait_until("a's third notification to be dropped", || {
+        b.notifications_dropped() == 1
+    });
+    write_with_notification(&c, &b, b"c0");
+    let mut got = Vec::new();
+    while got.len() < 3 {
+        got.push(b.wait_notification(WAIT).unwrap().id);
+    }
+    got.sort();
+    assert_eq!(got, vec![b"a0".to_vec(), b"a1".to_vec(), b"c0".to_vec()]);
+    assert_eq!(b.notifications_dropped(), 1);
+}

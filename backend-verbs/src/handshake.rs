@@ -8,7 +8,10 @@
 //! Pair harness (`handshake/pair.rs`) does the same against a lossy, duplicating, reordering
 //! network on a virtual clock, for thousands of seeds without a device.
 //!
-//! Three steps over the device's UD QP, each resent every `retry` until `connect` passes:
+//! Three steps over the device's UD QP, each resent until `connect` passes — a request every
+//! `retry`, a response with a doubling interval from `retry` (a lost response is recovered
+//! by the requester's resends, each answered at once; the timer covers a lost `Ready`, and
+//! without a secret a forged request's address gets 5 datagrams, not 15):
 //!
 //! 1. The requester creates its two RC QPs and sends `Request` (their numbers and first
 //!    PSNs; `prev`: the id of the connection with that peer it replaces, 0 for none).
@@ -39,9 +42,11 @@
 //!   ([`Action::DropCandidate`]). So a forged Request + Ready claiming to be X cannot lock the
 //!   real X out (X, having lost its state, can only send `prev = 0`, and its handshake
 //!   completes as a candidate), and forged or stale requests alone change nothing. A
-//!   connection still waiting for its `Ready` may be replaced outright while unproven (the
-//!   requester may have given up on it); once traffic arrived on it, only by a request naming
-//!   it. Chosen trade-off: a peer that restarted at the very
+//!   connection still waiting for its `Ready` is replaced only by a request naming it: a
+//!   requester that gave up on it resends its new request, answered once the half-open entry's
+//!   deadline passed (which comes first: it began before the new attempt), so a flood of
+//!   forged requests in its name neither costs QPs nor keeps its own `Ready` from matching
+//!   (issue 56). Chosen trade-off: a peer that restarted at the very
 //!   same address (QPN reuse) while its old connection is proven is answered only once this
 //!   side noticed that connection is dead (its next write fails: [`Handshaker::forget`]) —
 //!   new processes get new QPNs.
@@ -63,7 +68,9 @@
 //!   to its sender was under way took our QPs and our attempts never completed. Reordered
 //!   honest datagrams drop too and are resent as lost ones are (every resend is sealed
 //!   anew). A host whose clock steps back across its restart is refused by peers that
-//!   remember its old epoch until they restart.
+//!   remember its old epoch until they restart. An epoch more than [`MAX_EPOCH_AHEAD`] past
+//!   the wall clock the Domain gives ([`Handshaker::handle_wall_clock`]) is refused: one
+//!   datagram with a far-future epoch would make its sender's later ones stale for good.
 
 use std::time::{Duration, Instant};
 
@@ -94,6 +101,10 @@ pub(crate) struct Settings {
     pub connect: Duration,
     /// Most handshakes waiting for their `Ready` at once.
     pub max_half_open: usize,
+    /// Most handshakes this side started and not yet answered at once: each holds a pair of
+    /// QPs, and a component that answers whatever address a message names would otherwise
+    /// build them for any address it is sent (issue 56).
+    pub max_requesting: usize,
 }
 
 /// Our end of a connection: the numbers of its two QPs and their first PSNs.
@@ -236,6 +247,28 @@ struct Candidate {
 struct Timers<'a> {
     deadline: Instant,
     last_sent: &'a mut Instant,
+    /// A response (ours to a request), resent with a doubling interval: a lost one is
+    /// recovered by the requester's own resends, answered at once, so the timer is only for
+    /// a lost `Ready` — and without a secret the request's address may be a forged one this
+    /// side would otherwise send 15 datagrams (issue 56).
+    backs_off: bool,
+}
+
+impl Timers<'_> {
+    /// When the next resend is due: `retry` after the last, or for a response as long after
+    /// it as it came after the handshake began (200, 400, 800, 1,600 ms with the defaults).
+    fn next_send(&self, retry: Duration, connect: Duration) -> Instant {
+        let interval = if self.backs_off {
+            let began = self
+                .deadline
+                .checked_sub(connect)
+                .unwrap_or(*self.last_sent);
+            retry.max(self.last_sent.saturating_duration_since(began))
+        } else {
+            retry
+        };
+        *self.last_sent + interval
+    }
 }
 
 impl State {
@@ -245,8 +278,12 @@ impl State {
                 deadline,
                 last_sent,
                 ..
-            }
-            | State::AwaitingReady {
+            } => Some(Timers {
+                deadline: *deadline,
+                last_sent,
+                backs_off: false,
+            }),
+            State::AwaitingReady {
                 deadline,
                 last_sent,
                 ..
@@ -262,6 +299,7 @@ impl State {
             } => Some(Timers {
                 deadline: *deadline,
                 last_sent,
+                backs_off: true,
             }),
             State::Established { .. } => None,
         }
@@ -318,7 +356,15 @@ struct Keyed {
     /// The newest (epoch, count) taken from each authentic sender. One entry per peer
     /// process that ever reached us with the secret: only holders of it add one.
     newest: HashMap<NetAddr, Freshness>,
+    /// The latest epoch taken (the wall clock the Domain last gave, plus
+    /// [`MAX_EPOCH_AHEAD`]); `None` until it gives one (the Pair harness's virtual epochs).
+    latest_epoch: Option<u64>,
 }
+
+/// How far ahead of our wall clock a sender's epoch may be (clock skew between hosts): one
+/// datagram with a far-future epoch would otherwise make every later one of its sender stale
+/// here until we restart (issue 56).
+pub(crate) const MAX_EPOCH_AHEAD: Duration = Duration::from_secs(3600);
 
 impl Keyed {
     /// The MAC of `msg` with its freshness, for `to`.
@@ -359,8 +405,18 @@ impl Handshaker {
             epoch,
             sealed: 0,
             newest: HashMap::default(),
+            latest_epoch: None,
         });
         self
+    }
+
+    /// The wall clock now (nanoseconds since the Unix epoch), which the Domain gives before
+    /// each datagram: a sender's epoch past it by more than [`MAX_EPOCH_AHEAD`] is refused
+    /// (counted as stale) before it could become that sender's newest.
+    pub(crate) fn handle_wall_clock(&mut self, now_ns: u64) {
+        if let Some(keyed) = &mut self.keyed {
+            keyed.latest_epoch = Some(now_ns.saturating_add(MAX_EPOCH_AHEAD.as_nanos() as u64));
+        }
     }
 
     /// `msg` as it goes on the wire to `to`: its encoding, and with a secret our freshness
@@ -444,6 +500,9 @@ impl Handshaker {
         out: &mut Vec<Action>,
     ) -> Result<(), String> {
         let to = VerbsAddr::decode(peer.raw()).map_err(|e| format!("{peer}: {e}"))?;
+        if self.requesting_full() {
+            return Err(self.requesting_refusal(peer));
+        }
         let ends = Ends {
             data_qpn,
             data_psn: self.psn(),
@@ -482,6 +541,10 @@ impl Handshaker {
         };
         let peer = NetAddr::new(&h.from.encode()).expect("an encoded VerbsAddr is a NetAddr");
         if let (Some(fresh), Some(keyed)) = (freshness, &mut self.keyed) {
+            if keyed.latest_epoch.is_some_and(|latest| fresh.0 > latest) {
+                self.stale += 1;
+                return;
+            }
             match keyed.newest.get_mut(&peer) {
                 Some(newest) if *newest >= fresh => {
                     self.stale += 1;
@@ -549,12 +612,15 @@ impl Handshaker {
                     Prior::Candidate
                 }
             }
-            // Traffic already flowed on it: as live as an established connection, so only
-            // a request naming it replaces it (a replayed or forged one changes nothing).
-            Some(State::AwaitingReady {
-                request_id, proven, ..
-            }) => {
-                if *proven && h.prev != *request_id {
+            // Only a request naming it replaces a handshake waiting for its `Ready`. Once
+            // traffic flowed on it, it is as live as an established connection; before, a
+            // request that does not name it is a forged or replayed one — replacing cost QPs
+            // outside the `max_half_open` cap, and a flood in the peer's name kept its `Ready`
+            // from ever matching — or a requester that gave up on it, which resends and is
+            // answered once this entry's deadline passed (it began before the requester's
+            // new attempt did, so it ends first).
+            Some(State::AwaitingReady { request_id, .. }) => {
+                if h.prev != *request_id {
                     return;
                 }
                 Prior::Connected
@@ -798,6 +864,24 @@ impl Handshaker {
     }
 
     /// Handshakes waiting for their `Ready` (candidates included).
+    /// Whether `max_requesting` handshakes of ours wait for their answer: a new one is
+    /// refused ([`connect`](Self::connect) fails) until one ends.
+    pub(crate) fn requesting_full(&self) -> bool {
+        self.peers
+            .values()
+            .filter(|s| matches!(s, State::Requesting { .. }))
+            .count()
+            >= self.settings.max_requesting
+    }
+
+    /// Why a connection to `peer` is refused while [`requesting_full`](Self::requesting_full).
+    pub(crate) fn requesting_refusal(&self, peer: &NetAddr) -> String {
+        format!(
+            "cannot connect to {peer}: {} handshakes to other peers are unanswered (max_requesting)",
+            self.settings.max_requesting
+        )
+    }
+
     fn half_open(&self) -> usize {
         self.peers
             .values()
@@ -833,28 +917,28 @@ impl Handshaker {
 
     /// When [`handle_timeout`](Self::handle_timeout) next has something to do.
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
-        let retry = self.settings.retry;
+        let (retry, connect) = (self.settings.retry, self.settings.connect);
         self.peers
             .values()
             .filter_map(|s| {
                 // A copy, to read its timers (plain data: no allocation).
                 let mut s = *s;
                 let t = s.timers()?;
-                Some(t.deadline.min(*t.last_sent + retry))
+                Some(t.deadline.min(t.next_send(retry, connect)))
             })
             .min()
     }
 
     /// Resends what is due and fails what passed its deadline.
     pub(crate) fn handle_timeout(&mut self, now: Instant, out: &mut Vec<Action>) {
-        let retry = self.settings.retry;
+        let (retry, connect) = (self.settings.retry, self.settings.connect);
         let mut expired = Vec::new();
         let mut resend = Vec::new();
         for (peer, state) in &mut self.peers {
             let Some(t) = state.timers() else { continue };
             if now >= t.deadline {
                 expired.push(peer.clone());
-            } else if now.duration_since(*t.last_sent) >= retry {
+            } else if now >= t.next_send(retry, connect) {
                 *t.last_sent = now;
                 resend.push(peer.clone());
             }

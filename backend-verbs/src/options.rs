@@ -35,6 +35,10 @@ pub struct VerbsOptions {
     /// from a new peer beyond that is dropped (a real requester resends it), so a flood of
     /// forged requests costs at most twice this many QPs.
     pub max_half_open: usize,
+    /// Most handshakes this side started and that are not answered yet at once (each holds a
+    /// pair of QPs); a connection to another peer beyond it fails at once, naming it. Bounds
+    /// what a component that sends to addresses taken from messages can be made to build.
+    pub max_requesting: usize,
     /// Send queue depth of each data QP: the most writes and reads one peer can have in
     /// flight.
     pub send_queue: i32,
@@ -115,6 +119,7 @@ impl Default for VerbsOptions {
             secret_file: None,
             retry_ms: 200,
             max_half_open: 256,
+            max_requesting: 4096,
             send_queue: 1024,
             send_window: 32,
             message_queue: 16,
@@ -178,6 +183,13 @@ impl VerbsOptions {
             (
                 self.imm_receives >= 1,
                 format!("imm_receives = {} (at least 1)", self.imm_receives),
+            ),
+            (
+                self.max_requesting >= 1,
+                format!(
+                    "max_requesting = {} (at least 1: no connection could start)",
+                    self.max_requesting
+                ),
             ),
             (
                 self.send_queue >= 1,

@@ -184,8 +184,10 @@ impl HostBuffer {
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
-        // Whatever this returns, no NIC touches the memory afterwards (see dereg_mr).
-        if let Err(e) = self.engine.dereg_mr(self.mr) {
+        // The memory goes with the deregistration: freed once no NIC touches it (at once,
+        // or — dropped inside a waker, on the worker — after the worker's next pass).
+        let data = std::mem::take(&mut self.data);
+        if let Err(e) = self.engine.dereg_mr_keeping(self.mr, Box::new(data)) {
             tracing::warn!(error = %e, "deregistering a HostBuffer failed");
         }
     }

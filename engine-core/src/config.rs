@@ -14,6 +14,11 @@ use crate::wire::MAX_NICS;
 /// Environment variable naming a config file.
 pub const CONFIG_ENV: &str = "XFER_CONFIG";
 
+/// Environment variable naming the cluster secret's file, for a config without
+/// `[security] secret_file`: the same variable the rendezvous reads, so one setting secures
+/// the control plane (rendezvous) and the data plane (the verbs handshake) alike.
+pub const SECRET_FILE_ENV: &str = "XFER_SECRET_FILE";
+
 /// The config used when none is given: one group of one mock NIC.
 pub const DEFAULT_CONFIG: &str = r#"
 backend = "mock"
@@ -159,6 +164,10 @@ pub struct WorkerConfig {
     /// Most notifications queued and not yet taken; arrivals past it are dropped, logged and
     /// counted (`TransferEngine::notifications_dropped`).
     pub max_notifications: usize,
+    /// Most of those from one sender (its proven address where the transport proves one,
+    /// else its claim), so one peer cannot fill the queue for all; past it its arrivals are
+    /// dropped, logged and counted too.
+    pub max_notifications_per_peer: usize,
 }
 
 impl Default for WorkerConfig {
@@ -174,6 +183,7 @@ impl Default for WorkerConfig {
             max_idle_imms: crate::imm::DEFAULT_MAX_IDLE_IMMS,
             max_idle_imms_per_peer: crate::imm::DEFAULT_MAX_IDLE_IMMS / 4,
             max_notifications: 1 << 14,
+            max_notifications_per_peer: 1 << 12,
         }
     }
 }
@@ -250,7 +260,31 @@ pub struct SecurityConfig {
     /// random ones will do: `(umask 077; head -c 32 /dev/urandom > secret)`). Backends with a handshake authenticate it with
     /// the secret (verbs); peers without it cannot connect. Only the path is handed to
     /// backends, as `secret_file` in their table; never put a secret on a command line.
+    /// Unset, `$XFER_SECRET_FILE` is used (see [`Config::secret_file`]).
     pub secret_file: Option<PathBuf>,
+}
+
+impl SecurityConfig {
+    /// The cluster secret's file, given the value of `$XFER_SECRET_FILE` (`env`; empty counts
+    /// as unset): the config's, else the variable's. Both set and naming different files
+    /// (`same_file` says whether two paths are one file) is refused, naming both: the control
+    /// and the data plane would prove different secrets and fail in ways that name neither.
+    pub fn resolve(
+        &self,
+        env: Option<&std::ffi::OsStr>,
+        same_file: impl Fn(&Path, &Path) -> bool,
+    ) -> Result<Option<PathBuf>, String> {
+        let env = env.filter(|v| !v.is_empty()).map(PathBuf::from);
+        match (&self.secret_file, env) {
+            (Some(own), Some(env)) if !same_file(own, &env) => Err(format!(
+                "[security] secret_file names {} but ${SECRET_FILE_ENV} names {}: one cluster secret keys both the rendezvous and the backend's handshake; make them the same file (or unset one)",
+                own.display(),
+                env.display()
+            )),
+            (Some(own), _) => Ok(Some(own.clone())),
+            (None, env) => Ok(env),
+        }
+    }
 }
 
 /// Where peers find each other by name (the `xfer-rendezvous` crate reads it; the engine
@@ -473,12 +507,29 @@ impl Config {
             || w.max_idle_imms == 0
             || w.max_idle_imms_per_peer == 0
             || w.max_notifications == 0
+            || w.max_notifications_per_peer == 0
         {
             return Err(self.invalid(
-                "worker.max_message, worker.max_outstanding, worker.max_idle_imms, worker.max_idle_imms_per_peer and worker.max_notifications must be at least 1".into(),
+                "worker.max_message, worker.max_outstanding, worker.max_idle_imms, worker.max_idle_imms_per_peer worker.max_notifications and worker.max_notifications_per_peer must be at least 1".into(),
             ));
         }
+        self.secret_file().map_err(|m| self.invalid(m))?;
         self.check_backend_options()
+    }
+
+    /// The cluster secret's file this process uses: `[security] secret_file`, else
+    /// `$XFER_SECRET_FILE` (what docs/serving.md tells operators to set for the rendezvous),
+    /// so the rendezvous and the backend's handshake are keyed by one file. Refused when the
+    /// two name different files (see [`SecurityConfig::resolve`]).
+    pub fn secret_file(&self) -> Result<Option<PathBuf>, String> {
+        self.security
+            .resolve(std::env::var_os(SECRET_FILE_ENV).as_deref(), |a, b| {
+                a == b
+                    || matches!(
+                        (std::fs::canonicalize(a), std::fs::canonicalize(b)),
+                        (Ok(x), Ok(y)) if x == y
+                    )
+            })
     }
 
     /// Checks the selected backend's own table with the backend's parser, when the backend is
@@ -492,8 +543,18 @@ impl Config {
     }
 
     /// The selected backend's own table as TOML text, with the engine-wide settings every
-    /// backend receives (`connect_ms`) added.
+    /// backend receives (`connect_ms`, and `secret_file`: the config's or
+    /// `$XFER_SECRET_FILE`'s, see [`secret_file`](Self::secret_file)) added.
     pub fn backend_options(&self) -> String {
+        // `validate` refused two different files; were it skipped, the config's is used.
+        let secret = self
+            .secret_file()
+            .unwrap_or_else(|_| self.security.secret_file.clone());
+        self.backend_options_with(secret.as_deref())
+    }
+
+    /// [`backend_options`](Self::backend_options) with the secret's file given.
+    fn backend_options_with(&self, secret_file: Option<&Path>) -> String {
         let mut table = match self.backends.get(&self.backend) {
             Some(toml::Value::Table(t)) => t.clone(),
             _ => toml::Table::new(),
@@ -503,7 +564,7 @@ impl Config {
             toml::Value::Integer(i64::try_from(self.timeouts.connect_ms).unwrap_or(i64::MAX)),
         );
         // The path only, never the secret: this text may be shown (`xfer info`).
-        if let Some(path) = &self.security.secret_file {
+        if let Some(path) = secret_file {
             table.insert(
                 "secret_file".into(),
                 toml::Value::String(path.display().to_string()),
@@ -580,6 +641,38 @@ mod tests {
         assert_eq!(
             c.backend_options().trim(),
             "connect_ms = 3000\ngid_index = 3"
+        );
+    }
+
+    /// Issue 56: `$XFER_SECRET_FILE` keys the backend's handshake too, when the config names
+    /// no secret; two different files are refused naming both; the same file twice is fine.
+    #[test]
+    fn the_secret_file_variable_reaches_the_backend_and_a_different_one_is_refused() {
+        let same = |a: &Path, b: &Path| a == b;
+        let env = std::ffi::OsStr::new("/run/env-secret");
+        let mut c = parse("backend = \"mock\"\n[[groups]]\nnics = [\"a\"]").unwrap();
+        assert_eq!(c.security.resolve(None, same), Ok(None));
+        assert_eq!(c.security.resolve(Some("".as_ref()), same), Ok(None));
+        let resolved = c.security.resolve(Some(env), same).unwrap();
+        assert_eq!(resolved.as_deref(), Some(Path::new("/run/env-secret")));
+        assert!(c
+            .backend_options_with(resolved.as_deref())
+            .contains("secret_file = \"/run/env-secret\""));
+        c.security.secret_file = Some("/etc/xfer/secret".into());
+        let err = c.security.resolve(Some(env), same).unwrap_err();
+        assert!(
+            err.contains("/etc/xfer/secret")
+                && err.contains("/run/env-secret")
+                && err.contains("XFER_SECRET_FILE"),
+            "{err}"
+        );
+        assert_eq!(
+            c.security.resolve(Some("/etc/xfer/secret".as_ref()), same),
+            Ok(Some("/etc/xfer/secret".into()))
+        );
+        assert_eq!(
+            c.security.resolve(None, same),
+            Ok(Some("/etc/xfer/secret".into()))
         );
     }
 

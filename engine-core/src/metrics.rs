@@ -261,62 +261,163 @@ impl Collector for Snapshot {
     }
 }
 
+/// How many connections the endpoint serves at once (one thread each), and how many accepted
+/// ones may wait for a thread; a connection beyond both is closed at once. A scrape is one
+/// short request: two threads serve any number of Prometheus servers.
+const SERVING_THREADS: usize = 2;
+const WAITING_CONNECTIONS: usize = 8;
+/// The whole request (its line and headers) must arrive within this, and the answer be
+/// taken within it: an idle or trickling connection holds a thread no longer.
+const REQUEST_DEADLINE: std::time::Duration = std::time::Duration::from_secs(1);
+/// The longest request read; a longer one is refused (a scrape's is a few hundred bytes).
+const MAX_REQUEST: usize = 8 << 10;
+
 /// The `[metrics] listen` endpoint: `GET /metrics` answers with [`encode`] of a fresh
 /// snapshot; anything else is 404. Stops with the engine.
+///
+/// Bounded against careless or hostile clients (issue 56): one accepting thread and
+/// [`SERVING_THREADS`] serving ones, whatever the number of connections (tiny_http, used
+/// before, started a thread per connection and kept an idle one forever); each connection
+/// gets [`REQUEST_DEADLINE`] for its request and is closed after its answer; connections that
+/// find every thread busy and [`WAITING_CONNECTIONS`] waiting are closed unanswered. A flood
+/// of idle connections can delay scrapes; it cannot exhaust threads or memory.
 pub(crate) struct Endpoint {
-    server: Arc<tiny_http::Server>,
-    thread: Option<JoinHandle<()>>,
+    addr: std::net::SocketAddr,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
 }
 
 impl Endpoint {
     pub(crate) fn start(listen: &str, shared: Weak<Shared>) -> Result<Self> {
-        let server = tiny_http::Server::http(listen)
-            .map(Arc::new)
-            .map_err(|e| Error::InvalidArgument(format!("[metrics] listen = {listen:?}: {e}")))?;
-        tracing::info!(listen, "serving metrics at /metrics");
-        let serving = Arc::clone(&server);
-        let thread = std::thread::Builder::new()
-            .name("xfer-metrics".into())
-            .spawn(move || {
-                for request in serving.incoming_requests() {
-                    let response = match (request.method(), request.url()) {
-                        (tiny_http::Method::Get, "/metrics") => {
-                            match shared.upgrade().map(|s| s.stats()) {
-                                Some(Ok(stats)) => tiny_http::Response::from_string(encode(&stats))
-                                    .with_header(
-                                        "Content-Type: application/openmetrics-text; version=1.0.0; charset=utf-8"
-                                            .parse::<tiny_http::Header>()
-                                            .expect("a valid header"),
-                                    ),
-                                Some(Err(e)) => tiny_http::Response::from_string(e.to_string())
-                                    .with_status_code(503),
-                                None => tiny_http::Response::from_string("the engine is closed")
-                                    .with_status_code(503),
-                            }
+        let refused = |e: std::io::Error| {
+            Error::InvalidArgument(format!("[metrics] listen = {listen:?}: {e}"))
+        };
+        let listener = std::net::TcpListener::bind(listen).map_err(refused)?;
+        let addr = listener.local_addr().map_err(refused)?;
+        tracing::info!(listen, %addr, "serving metrics at /metrics");
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (queue, waiting) =
+            crossbeam_channel::bounded::<std::net::TcpStream>(WAITING_CONNECTIONS);
+        let spawn_error = |e: std::io::Error| {
+            Error::InvalidArgument(format!("cannot start the metrics thread: {e}"))
+        };
+        let mut threads = Vec::new();
+        for i in 0..SERVING_THREADS {
+            let (waiting, shared) = (waiting.clone(), shared.clone());
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("xfer-metrics-{i}"))
+                    .spawn(move || {
+                        for stream in waiting {
+                            serve(stream, &shared);
                         }
-                        _ => tiny_http::Response::from_string("not found: try /metrics")
-                            .with_status_code(404),
-                    };
-                    let _ = request.respond(response);
-                }
-            })
-            .map_err(|e| Error::InvalidArgument(format!("cannot start the metrics thread: {e}")))?;
+                    })
+                    .map_err(spawn_error)?,
+            );
+        }
+        let stopping = Arc::clone(&stop);
+        threads.push(
+            std::thread::Builder::new()
+                .name("xfer-metrics".into())
+                .spawn(move || {
+                    for stream in listener.incoming() {
+                        if stopping.load(std::sync::atomic::Ordering::Acquire) {
+                            break;
+                        }
+                        // Full: closed unanswered (dropped), never queued without bound.
+                        if let Ok(stream) = stream {
+                            let _ = queue.try_send(stream);
+                        }
+                    }
+                    // Dropping `queue` ends the serving threads once they are done.
+                })
+                .map_err(spawn_error)?,
+        );
         Ok(Self {
-            server,
-            thread: Some(thread),
+            addr,
+            stop,
+            threads,
         })
     }
 
     /// Where it listens (for a `:0` port).
     pub(crate) fn addr(&self) -> Option<std::net::SocketAddr> {
-        self.server.server_addr().to_ip()
+        Some(self.addr)
     }
+}
+
+/// Reads one request from `stream` (within [`REQUEST_DEADLINE`]) and answers it.
+fn serve(mut stream: std::net::TcpStream, shared: &Weak<Shared>) {
+    use std::io::{Read, Write};
+    let deadline = std::time::Instant::now() + REQUEST_DEADLINE;
+    let mut request = Vec::with_capacity(512);
+    let mut chunk = [0u8; 1024];
+    let head_end = loop {
+        if let Some(end) = request.windows(4).position(|w| w == b"\r\n\r\n") {
+            break end;
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() || request.len() > MAX_REQUEST {
+            return;
+        }
+        // The deadline is for the whole request: each read waits only what is left of it.
+        if stream.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        match stream.read(&mut chunk) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => request.extend_from_slice(&chunk[..n]),
+        }
+    };
+    let line = request[..head_end]
+        .split(|&b| b == b'\r')
+        .next()
+        .unwrap_or(&[]);
+    let mut words = line.split(|&b| b == b' ');
+    let (status, content_type, body) = match (words.next(), words.next()) {
+        (Some(b"GET"), Some(b"/metrics")) => match shared.upgrade().map(|s| s.stats()) {
+            Some(Ok(stats)) => (
+                "200 OK",
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                encode(&stats),
+            ),
+            Some(Err(e)) => ("503 Service Unavailable", "text/plain", e.to_string()),
+            None => (
+                "503 Service Unavailable",
+                "text/plain",
+                "the engine is closed".into(),
+            ),
+        },
+        _ => (
+            "404 Not Found",
+            "text/plain",
+            "not found: try /metrics".into(),
+        ),
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let _ = stream.set_write_timeout(Some(REQUEST_DEADLINE));
+    let _ = stream
+        .write_all(head.as_bytes())
+        .and_then(|()| stream.write_all(body.as_bytes()));
 }
 
 impl Drop for Endpoint {
     fn drop(&mut self) {
-        self.server.unblock();
-        if let Some(t) = self.thread.take() {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        // Wakes the accepting thread, which then sees `stop` (a wildcard address is reached
+        // through loopback).
+        let mut wake = self.addr;
+        if wake.ip().is_unspecified() {
+            wake.set_ip(match wake {
+                std::net::SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+                std::net::SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+            });
+        }
+        let _ = std::net::TcpStream::connect_timeout(&wake, REQUEST_DEADLINE);
+        for t in self.threads.drain(..).rev() {
             let _ = t.join();
         }
     }

@@ -3,7 +3,7 @@
 //! dropped. The worker offers what arrives; `TransferEngine::poll_notifications` and
 //! `wait_notification` take from it.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use crate::wire::NetAddr;
 
@@ -34,6 +34,8 @@ pub(crate) enum Refused {
     Full,
     /// It claims a sender other than the one the transport proved.
     Forged,
+    /// Its sender has `worker.max_notifications_per_peer` queued already.
+    Share,
 }
 
 /// Notifications waiting to be taken, bounded by `worker.max_notifications`.
@@ -42,7 +44,16 @@ pub(crate) struct Inbox {
     queue: VecDeque<Notification>,
     allowed: Option<HashSet<NetAddr>>,
     max: usize,
+    /// Most queued from one sender (`usize::MAX` until [`share`](Self::share) sets it).
+    per_sender: usize,
+    /// How many each sender has queued (its proven address, else its claim).
+    held: HashMap<NetAddr, usize>,
     dropped: u64,
+}
+
+/// Whose share of the queue a notification takes: the proven sender where there is one.
+fn holder(note: &Notification) -> &NetAddr {
+    note.sender.as_ref().unwrap_or(&note.from)
 }
 
 impl Inbox {
@@ -51,7 +62,24 @@ impl Inbox {
             queue: VecDeque::new(),
             allowed: None,
             max,
+            per_sender: usize::MAX,
+            held: HashMap::new(),
             dropped: 0,
+        }
+    }
+
+    /// At most `per_sender` notifications of one sender are queued at once, so one peer
+    /// cannot fill the queue for all (issue 56).
+    pub(crate) fn share(&mut self, per_sender: usize) {
+        self.per_sender = per_sender;
+    }
+
+    fn taken(&mut self, note: &Notification) {
+        if let Some(n) = self.held.get_mut(holder(note)) {
+            *n -= 1;
+            if *n == 0 {
+                self.held.remove(holder(note));
+            }
         }
     }
 
@@ -70,7 +98,10 @@ impl Inbox {
             Refused::Sender
         } else if self.queue.len() >= self.max {
             Refused::Full
+        } else if self.held.get(holder(&note)).copied().unwrap_or(0) >= self.per_sender {
+            Refused::Share
         } else {
+            *self.held.entry(holder(&note).clone()).or_insert(0) += 1;
             self.queue.push_back(note);
             return Ok(());
         };
@@ -85,14 +116,18 @@ impl Inbox {
     }
 
     pub(crate) fn pop(&mut self) -> Option<Notification> {
-        self.queue.pop_front()
+        let note = self.queue.pop_front()?;
+        self.taken(&note);
+        Some(note)
     }
 
     pub(crate) fn take_all(&mut self) -> Vec<Notification> {
+        self.held.clear();
         self.queue.drain(..).collect()
     }
 
-    /// Notifications dropped so far (forged claims, refused senders and a full queue).
+    /// Notifications dropped so far (forged claims, refused senders, a sender past its share
+    /// and a full queue).
     pub(crate) fn dropped(&self) -> u64 {
         self.dropped
     }
@@ -115,6 +150,24 @@ mod tests {
             sender: Some(NetAddr::new(&[sender]).unwrap()),
             ..note(from, id)
         }
+    }
+
+    /// Issue 56: one sender holds at most its share of the queue; others still get in, and
+    /// its share comes back as its notifications are taken.
+    #[test]
+    fn one_sender_holds_at_most_its_share_of_the_queue() {
+        let mut inbox = Inbox::new(8);
+        inbox.share(2);
+        assert_eq!(inbox.offer(proven(1, 1, 0)), Ok(()));
+        assert_eq!(inbox.offer(proven(1, 1, 1)), Ok(()));
+        assert_eq!(inbox.offer(proven(1, 1, 2)), Err(Refused::Share));
+        assert_eq!(inbox.offer(proven(2, 2, 3)), Ok(()));
+        assert_eq!(inbox.pop(), Some(proven(1, 1, 0)));
+        assert_eq!(inbox.offer(proven(1, 1, 4)), Ok(()));
+        assert_eq!(inbox.dropped(), 1);
+        assert_eq!(inbox.take_all().len(), 3);
+        assert_eq!(inbox.offer(proven(1, 1, 5)), Ok(()));
+        assert_eq!(inbox.offer(proven(1, 1, 6)), Ok(()));
     }
 
     /// A claim the transport contradicts is dropped and counted, even from an allowed peer

@@ -32,6 +32,8 @@ struct NicState {
     polls_after_fatal: AtomicU64,
     /// Told when the NIC starts closing; the close waits for the receiver's message.
     closing: Mutex<Option<(Sender<()>, Receiver<()>)>>,
+    /// Deregistrations the NIC carried out.
+    deregistered: AtomicU64,
     /// Arms a timer of the NIC's own (`poll_timeout`) in a poll made while the worker is
     /// about to park, and is told at the first poll at or after it.
     timer: Option<Sender<()>>,
@@ -79,6 +81,7 @@ impl Domain for TestNic {
         })
     }
     fn deregister(&mut self, _: u64) -> Result<(), DomainError> {
+        self.state.deregistered.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
     fn post_rdma(&mut self, post: RdmaPost<'_>) -> (usize, Result<PostStatus, DomainError>) {
@@ -510,4 +513,56 @@ fn a_parked_worker_polls_a_domain_by_its_poll_timeout() {
         due_polls.recv_timeout(LONG).is_ok(),
         "the worker never polled the Domain at its poll_timeout"
     );
+}
+
+/// A `HostBuffer` dropped inside a waker (on the worker) is deregistered by the worker
+/// before its memory is freed (the deregistration is queued behind the pass; the memory goes
+/// with it). Before: `dereg_mr` refused there and the buffer was freed while still
+/// registered.
+#[test]
+fn a_host_buffer_dropped_inside_a_waker_is_deregistered_before_it_is_freed() {
+    let (engine, buf, state) = parked_engine("buffer-in-waker", loopback, "");
+    let inner = HostBuffer::new(&engine, 64).unwrap();
+    let before = state.deregistered.load(Ordering::Relaxed);
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let held = Mutex::new(Some(inner));
+    let flag = DoneFlag::with_waker(move || {
+        drop(held.lock().unwrap().take());
+        let _ = tx.send(());
+    });
+    write(&engine, &buf, flag);
+    rx.recv_timeout(LONG).expect("the waker ran");
+    // The queued deregistration is served by the worker's next pass; a stats round trip
+    // comes after it in the queue.
+    engine.stats().unwrap();
+    assert_eq!(state.deregistered.load(Ordering::Relaxed), before + 1);
+    drop(buf);
+}
+
+/// `shutdown()` inside a waker while a callback deregisters memory: the callback's
+/// `dereg_mr` waits for the Domains to close, which they do once the waker's pass ends —
+/// nothing joins the callback thread from the worker (that deadlocked).
+#[test]
+fn a_waker_shutting_down_while_a_callback_deregisters_does_not_deadlock() {
+    let (engine, buf, _) = parked_engine("shutdown-and-callback", loopback, "");
+    let other = HostBuffer::new(&engine, 64).unwrap();
+    let (go, go_rx) = crossbeam_channel::bounded::<()>(1);
+    let (done_tx, done) = crossbeam_channel::bounded(1);
+    let callback = engine_core::OnDone::callback(move |_| {
+        let _ = go_rx.recv_timeout(LONG);
+        drop(other);
+        let _ = done_tx.send(());
+    });
+    write(&engine, &buf, callback);
+    let weak = Arc::downgrade(&engine);
+    let stopper = DoneFlag::with_waker(move || {
+        if let Some(me) = weak.upgrade() {
+            me.shutdown();
+        }
+        let _ = go.send(());
+    });
+    write(&engine, &buf, stopper);
+    done.recv_timeout(LONG)
+        .expect("the callback's deregistration returned");
+    drop(buf);
 }

@@ -122,6 +122,25 @@ impl TransferEngine {
     }
 
     fn close_now(&self, py: Python<'_>) {
+        // Shut down before the engine is taken out: a `dereg()` on another thread that finds
+        // no engine releases its memory at once, so "no engine" must mean "no NIC holds
+        // anything" (issue 56: taken first, a dereg racing close released memory the NIC
+        // could still write). One that finds it still there waits in `dereg_mr` for the
+        // Domains to close.
+        let running = self
+            .reg
+            .engine
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(engine) = running {
+            // Other threads may be inside calls that hold the engine (a clone of it): stop
+            // it outright — worker and callback threads joined (they may be waiting for the
+            // GIL, so it is released), Domains closed, pending work failed with Shutdown,
+            // waiters woken — so that no NIC touches any registered memory before the
+            // keep-alives below are released.
+            py.detach(|| engine.shutdown());
+        }
         let engine = self
             .reg
             .engine
@@ -129,12 +148,6 @@ impl TransferEngine {
             .unwrap_or_else(|p| p.into_inner())
             .take();
         if let Some(engine) = engine {
-            // Other threads may be inside calls that hold the engine (a clone of it): stop
-            // it outright — worker and callback threads joined (they may be waiting for the
-            // GIL, so it is released), Domains closed, pending work failed with Shutdown,
-            // waiters woken — so that no NIC touches any registered memory before the
-            // keep-alives below are released.
-            py.detach(|| engine.shutdown());
             py.detach(move || drop(engine));
             // What the close failed has had its callbacks run when close() returns.
             crate::transfer::drain_callbacks(py);
@@ -147,6 +160,19 @@ impl TransferEngine {
 
 impl Drop for TransferEngine {
     fn drop(&mut self) {
+        // As in `close`: shut down before the engine is taken out (a region's `dereg()` that
+        // finds none releases its memory at once).
+        let running = self
+            .reg
+            .engine
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(engine) = running {
+            // Collected without close(): the engine's threads may want the GIL to finish
+            // their callbacks, so it is released while they are joined.
+            Python::attach(|py| py.detach(move || engine.shutdown()));
+        }
         let engine = self
             .reg
             .engine
@@ -154,8 +180,6 @@ impl Drop for TransferEngine {
             .unwrap_or_else(|p| p.into_inner())
             .take();
         if let Some(engine) = engine {
-            // Collected without close(): the engine's threads may want the GIL to finish
-            // their callbacks, so it is released while they are joined.
             Python::attach(|py| py.detach(move || drop(engine)));
         }
     }
@@ -288,6 +312,17 @@ impl TransferEngine {
             py,
             &self.engine(py)?.main_address().to_bytes(),
         ))
+    }
+
+    /// The file of the cluster secret the backend was given (`[security] secret_file`, else
+    /// `$XFER_SECRET_FILE` when the engine opened), or `None`. A component whose rendezvous
+    /// uses a secret compares it with its own, so a half-secured set-up is refused by name.
+    #[getter]
+    fn secret_file(&self, py: Python<'_>) -> PyResult<Option<std::path::PathBuf>> {
+        Ok(self
+            .engine(py)?
+            .secret_file()
+            .map(std::path::Path::to_path_buf))
     }
 
     /// Every NIC's address, in NIC order.

@@ -80,7 +80,8 @@ impl Registrations {
                 "the region is not registered (deregistered already?)",
             ));
         };
-        // Closed meanwhile: the shut-down engine touches no memory, so `keep` may go.
+        // Closed meanwhile: the engine is taken out only after its shutdown, so it touches
+        // no memory and `keep` may go.
         let engine = self.engine(py)?;
         let result = py.detach(|| engine.dereg_mr(handle));
         // Whatever it returned, no NIC touches the memory any more: release the exporter.

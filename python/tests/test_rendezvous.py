@@ -99,3 +99,39 @@ def test_the_service_and_its_clients_share_a_secret(tmp_path):
     secret.chmod(0o644)
     with pytest.raises(xfer.RendezvousError, match=r"mode is 644.*chmod 600"):
         xfer.Server(secret_file=secret)
+
+
+def test_the_secret_file_variable_keys_the_engine_too(tmp_path, monkeypatch):
+    """Issue 56: `$XFER_SECRET_FILE`, which keys the rendezvous, is the engine's secret too
+    (the backend's handshake gets it), and a config naming another file is refused naming
+    both."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"\x03" * 32)
+    secret.chmod(0o600)
+    monkeypatch.setenv("XFER_SECRET_FILE", str(secret))
+    with xfer.TransferEngine(MOCK) as engine:
+        assert str(engine.secret_file) == str(secret)
+    other = dict(MOCK, security={"secret_file": str(tmp_path / "other")})
+    with pytest.raises(xfer.ConfigError, match=r"other.*XFER_SECRET_FILE"):
+        xfer.TransferEngine(other)
+    monkeypatch.delenv("XFER_SECRET_FILE")
+    with xfer.TransferEngine(MOCK) as engine:
+        assert engine.secret_file is None
+
+
+def test_etcd_security_keywords_reach_the_etcd_client(tmp_path):
+    """Issue 56: the etcd TLS/auth keywords reach the client (here: a password without TLS
+    is refused before anything is sent, naming why). Needs the package's `etcd` feature."""
+    password = tmp_path / "password"
+    password.write_text("pw\n")
+    password.chmod(0o600)
+    try:
+        xfer.Rendezvous("etcd://127.0.0.1:9/x", connect_timeout=0.2, etcd_user="xfer",
+                        etcd_password_file=password)
+    except xfer.Error as e:
+        if isinstance(e, xfer.NotAvailableError) and "no etcd client" in str(e):
+            pytest.skip("this build has no etcd client (the package's `etcd` feature)")
+        assert isinstance(e, xfer.RendezvousError), repr(e)
+        assert "cleartext" in str(e) and "etcd_ca_file" in str(e), str(e)
+    else:
+        pytest.fail("a password without TLS was accepted")

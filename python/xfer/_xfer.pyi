@@ -2,6 +2,7 @@
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Sequence
 from os import PathLike
+from pathlib import Path
 from typing import Any, Literal, overload
 
 __version__: str
@@ -118,6 +119,8 @@ class TransferEngine:
     def __init__(self, config: str | PathLike[str] | dict[str, Any] | None = None) -> None: ...
     @property
     def main_address(self) -> bytes: ...
+    @property
+    def secret_file(self) -> Path | None: ...
     @property
     def nic_addresses(self) -> list[bytes]: ...
     @property

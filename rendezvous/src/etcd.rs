@@ -132,6 +132,32 @@ fn secure(security: &EtcdSecurity) -> Result<impl Fn(ConnectOptions) -> ConnectO
             why: e.to_string(),
         })
     };
+    // The client's private key and the password: refused while other users may read them,
+    // as the cluster secret is (issue 56), before they are read.
+    let read_private = |path: &std::path::Path| {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(path)
+                .map_err(|e| Error::Credentials {
+                    path: path.to_owned(),
+                    why: e.to_string(),
+                })?
+                .permissions()
+                .mode();
+            if mode & 0o077 != 0 {
+                return Err(Error::Credentials {
+                    path: path.to_owned(),
+                    why: format!(
+                        "the file's mode is {:o}: other users may read it (`chmod 600` it, or \
+                         `defaultMode: 0400` on a Kubernetes secret volume)",
+                        mode & 0o777
+                    ),
+                });
+            }
+        }
+        read(path)
+    };
     let tls_asked = security.ca_file.is_some()
         || security.cert_file.is_some()
         || security.key_file.is_some()
@@ -149,7 +175,7 @@ fn secure(security: &EtcdSecurity) -> Result<impl Fn(ConnectOptions) -> ConnectO
             let mut tls = TlsOptions::new().ca_certificate(Certificate::from_pem(read(ca)?));
             match (&security.cert_file, &security.key_file) {
                 (Some(cert), Some(key)) => {
-                    tls = tls.identity(Identity::from_pem(read(cert)?, read(key)?));
+                    tls = tls.identity(Identity::from_pem(read(cert)?, read_private(key)?));
                 }
                 (None, None) => {}
                 (Some(p), None) | (None, Some(p)) => {
@@ -176,10 +202,11 @@ fn secure(security: &EtcdSecurity) -> Result<impl Fn(ConnectOptions) -> ConnectO
             })
         }
         (Some(user), Some(file)) => {
-            let password = String::from_utf8(read(file)?).map_err(|_| Error::Credentials {
-                path: file.clone(),
-                why: "the password is not UTF-8".into(),
-            })?;
+            let password =
+                String::from_utf8(read_private(file)?).map_err(|_| Error::Credentials {
+                    path: file.clone(),
+                    why: "the password is not UTF-8".into(),
+                })?;
             // A trailing newline (echo pw > file) is not part of the password.
             Some((
                 user.clone(),
@@ -436,6 +463,41 @@ impl Changes for EtcdChanges {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 56: a client key or a password file other users may read is refused, naming
+    /// its mode, before it is read.
+    #[test]
+    fn a_key_or_password_file_open_to_others_is_refused_by_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("xfer-etcd-modes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = |name: &str, mode: u32| {
+            let path = dir.join(name);
+            std::fs::write(&path, "x\n").unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            path
+        };
+        let open_key = EtcdSecurity {
+            ca_file: Some(file("ca.pem", 0o644)),
+            cert_file: Some(file("client.pem", 0o644)),
+            key_file: Some(file("client-key.pem", 0o644)),
+            ..EtcdSecurity::default()
+        };
+        let text = secure(&open_key).err().expect("refused").to_string();
+        assert!(
+            text.contains("client-key.pem") && text.contains("644"),
+            "{text}"
+        );
+        let open_password = EtcdSecurity {
+            ca_file: Some(file("ca.pem", 0o644)),
+            user: Some("root".into()),
+            password_file: Some(file("password", 0o640)),
+            ..EtcdSecurity::default()
+        };
+        let text = secure(&open_password).err().expect("refused").to_string();
+        assert!(text.contains("password") && text.contains("640"), "{text}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     /// Issue 42 §8: a user's password is never sent where the connection is not TLS.
     #[test]

@@ -385,6 +385,44 @@ fn two_hundred_clients_that_never_read_their_listings_stay_within_the_budget() {
     });
 }
 
+/// Issue 56: the write cut-off was `SO_SNDTIMEO`, which bounds each `send()`, not the
+/// answer: a client that reads a little now and then (16 KiB every 50 ms here) made every
+/// send progress and held a 16 MiB listing, and its budget, for minutes. The whole answer
+/// must be taken within `write_timeout` (1 s here); then the client is cut off and the bytes
+/// come back, long before it could have read them all.
+#[test]
+fn a_client_that_reads_slowly_is_cut_off_at_the_write_deadline() {
+    let limits = Limits {
+        write_timeout: Duration::from_secs(1),
+        ..Limits::default()
+    };
+    let server = Server::start_with("127.0.0.1:0", limits, None).unwrap();
+    put_values(&server, "/xfer/peers/big-", 256, 64 << 10);
+    let mut c = greeted(&server);
+    c.write_all(&embedded::list_frame_for_tests("/xfer/peers/"))
+        .unwrap();
+    let total = peek_frame_len(&c);
+    assert!(total > 16 << 20);
+    let mut taken = 0;
+    let mut chunk = vec![0u8; 16 << 10];
+    loop {
+        if server.pending_bytes() == 0 {
+            break;
+        }
+        match c.read(&mut chunk) {
+            Ok(0) | Err(_) => {}
+            Ok(n) => taken += n,
+        }
+        assert!(
+            taken < total,
+            "the slow reader took the whole answer ({taken} bytes): never cut off"
+        );
+        // The slow reader's pace (what is under test), not a wait for something.
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(taken < total / 2, "cut off after {taken} of {total} bytes");
+}
+
 /// Issue 42 §3: a listing (or a watch's current entries) larger than the service holds for
 /// one connection is refused, and the client sees `AnswerTooLarge` naming the sizes.
 #[test]

@@ -747,6 +747,8 @@ fn make_certs(dir: &std::path::Path) {
             ]
             .concat(),
         );
+        // As an operator keeps a private key (the client refuses one others may read).
+        private(&dir.join(&key));
         openssl(&[
             "x509",
             "-req",
@@ -765,6 +767,13 @@ fn make_certs(dir: &std::path::Path) {
             "san.ext",
         ]);
     }
+}
+
+/// `chmod 600`: how an operator keeps a key or password file.
+#[cfg(feature = "etcd")]
+fn private(path: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
 }
 
 /// Issue 25 §2: etcd as a cluster operator runs it — TLS with client certificates and user
@@ -811,6 +820,7 @@ fn etcd_with_tls_and_authentication() {
     let password = |text: &str| {
         let path = certs.join(format!("password-{}", fastrand_u64()));
         std::fs::write(&path, format!("{text}\n")).unwrap();
+        private(&path);
         path
     };
     etcd.security.user = Some("root".into());

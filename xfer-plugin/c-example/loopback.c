@@ -132,9 +132,12 @@ static void push_failed(struct domain *d, uint64_t wr_id, XferDomainErrorKind ki
     push(d, XFER_EVENT_FAILED, kind, wr_id, 0, text, strlen(text));
 }
 
-/* Delivers a message into the receiver's oldest posted buffer and completes it at the
- * sender. A message larger than the buffer fails, and the buffer stays posted. */
-static void deliver(struct domain *to, struct domain *from, uint64_t wr_id, const uint8_t *data, size_t len) {
+/* Delivers a message from Domain `sender_id` into the receiver's oldest posted buffer and
+ * completes it at the sender. A message larger than the buffer fails, and the buffer stays
+ * posted. The fabric knows who sent it, so the event names the sender (ABI 7's
+ * XFER_EVENT_MESSAGE_FROM: the address's length, the address, then the message). */
+static void deliver(struct domain *to, struct domain *from, uint64_t sender_id, uint64_t wr_id,
+                    const uint8_t *data, size_t len) {
     size_t buf_len = to->recv_lens[to->recv_head];
     if (len > buf_len) {
         if (from) push_failed(from, wr_id, XferDomainErrorKind_RemoteAccess, "message larger than the receive buffer");
@@ -142,7 +145,13 @@ static void deliver(struct domain *to, struct domain *from, uint64_t wr_id, cons
     }
     to->recv_head = (to->recv_head + 1) % to->recv_cap;
     to->recv_count--;
-    push(to, XFER_EVENT_MESSAGE, 0, 0, 0, data, len);
+    uint8_t *framed = malloc(1 + ADDR_LEN + len);
+    if (!framed) abort();
+    framed[0] = ADDR_LEN;
+    address_of(sender_id, framed + 1);
+    if (len) memcpy(framed + 1 + ADDR_LEN, data, len);
+    push(to, XFER_EVENT_MESSAGE_FROM, 0, 0, 0, framed, 1 + ADDR_LEN + len);
+    free(framed);
     if (from) push(from, XFER_EVENT_DONE, 0, wr_id, 0, NULL, 0);
 }
 
@@ -328,7 +337,7 @@ static int32_t lb_post_send(void *handle, uint64_t wr_id, XferRawBytes peer, Xfe
     if (!target) {
         push_failed(d, wr_id, XferDomainErrorKind_PeerUnreachable, "no loopback NIC has that address");
     } else if (target->recv_count > 0) {
-        deliver(target, d, wr_id, data.ptr, data.len);
+        deliver(target, d, d->id, wr_id, data.ptr, data.len);
     } else {
         /* No receive buffer posted: the message waits, as on a NIC that retries. */
         struct waiting_send *w = calloc(1, sizeof *w);
@@ -374,7 +383,7 @@ static int32_t lb_post_recvs(void *handle, size_t buf_len, size_t count, XferRaw
         struct waiting_send *w = d->waiting;
         d->waiting = w->next;
         if (!d->waiting) d->waiting_tail = NULL;
-        deliver(d, by_id(w->sender), w->wr_id, w->data, w->len);
+        deliver(d, by_id(w->sender), w->sender, w->wr_id, w->data, w->len);
         free(w->data);
         free(w);
     }

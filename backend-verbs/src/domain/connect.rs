@@ -99,6 +99,13 @@ impl VerbsDomain {
     pub(super) fn start_connect(&mut self, peer: &NetAddr) -> Result<(), DomainError> {
         VerbsAddr::decode(peer.raw())
             .map_err(|e| err(DomainErrorKind::InvalidArgument, format!("{peer}: {e}")))?;
+        if self.handshake.requesting_full() {
+            // Refused before any QP is built.
+            return Err(err(
+                DomainErrorKind::Other,
+                self.handshake.requesting_refusal(peer),
+            ));
+        }
         let (data, msg) = self.new_qps()?;
         let mut actions = Vec::new();
         let now = Instant::now();
@@ -114,6 +121,11 @@ impl VerbsDomain {
 
     pub(super) fn handle_handshake(&mut self, raw: &[u8]) {
         let mut actions = Vec::new();
+        // Senders' epochs are checked against it (a far-future one is refused).
+        let wall = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        self.handshake.handle_wall_clock(wall);
         self.handshake.handle_datagram(raw, &mut actions);
         if !actions.is_empty() {
             self.carry_out(Instant::now(), actions);

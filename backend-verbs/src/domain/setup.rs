@@ -138,6 +138,7 @@ impl VerbsDomain {
             retry: Duration::from_millis(options.retry_ms),
             connect: Duration::from_millis(options.connect_ms),
             max_half_open: options.max_half_open,
+            max_requesting: options.max_requesting,
         };
         let mut handshake = Handshaker::new(
             me,

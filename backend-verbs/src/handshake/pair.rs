@@ -28,6 +28,7 @@ const SETTINGS: Settings = Settings {
     retry: Duration::from_millis(200),
     connect: Duration::from_millis(3000),
     max_half_open: 64,
+    max_requesting: 2048,
 };
 
 /// A schedule's deterministic stand-in for the OS-seeded CSPRNG the Domain gives.
@@ -85,12 +86,19 @@ enum Scenario {
     /// request is under way (issue 42 §4: without freshness B answered them and never got
     /// its `Ready`).
     ReplayedKeyedResponder,
+    /// Without a secret, while A connects to B, a forger floods B with requests in A's name
+    /// (a new id every 5 ms for 4 s, naming nothing): A connects, and B builds at most one
+    /// pair of QPs per half-open deadline for A's name besides one per attempt of A's — before
+    /// issue 56 each forged request replaced the half-open handshake with new QPs (800 here).
+    /// Not promised: that A connects while the flood lasts (a forged request that reaches B
+    /// first holds A's half-open slot until its deadline; only the cluster secret stops it).
+    Flood,
 }
 
 /// The cluster secret of the keyed scenarios.
 const SECRET: &[u8] = b"the cluster's secret";
 
-const SCENARIOS: [Scenario; 10] = [
+const SCENARIOS: [Scenario; 11] = [
     Scenario::OneWay,
     Scenario::Simultaneous,
     Scenario::Rehandshake,
@@ -101,6 +109,7 @@ const SCENARIOS: [Scenario; 10] = [
     Scenario::ForgedKeyed,
     Scenario::ReplayedKeyed,
     Scenario::ReplayedKeyedResponder,
+    Scenario::Flood,
 ];
 
 /// A datagram in flight.
@@ -197,6 +206,8 @@ struct Endpoint {
     replaced_live: u32,
     /// Connections that carried traffic (reported to the handshake as proven).
     proven: HashSet<NetAddr>,
+    /// Pairs of QPs built (for connections, answers and candidates).
+    built: u32,
 }
 
 fn verbs_addr(id: u32, incarnation: u32) -> VerbsAddr {
@@ -221,11 +232,13 @@ impl Endpoint {
             notice,
             failures: Vec::new(),
             replaced_live: 0,
+            built: 0,
             proven: HashSet::new(),
         }
     }
 
     fn new_qps(&mut self) -> (u32, u32) {
+        self.built += 1;
         self.next_qpn += 2;
         (self.next_qpn, self.next_qpn + 1)
     }
@@ -773,7 +786,42 @@ fn schedule(scenario: Scenario, seed: u64, peers: usize) -> World {
     if matches!(scenario, Scenario::Forged | Scenario::ForgedKeyed) {
         forge(&mut world, &mut rng);
     }
+    if scenario == Scenario::Flood {
+        flood(&mut world, &mut rng);
+    }
     world
+}
+
+/// How long the `Flood` scenario's forger sends.
+const FLOOD_FOR: Duration = Duration::from_secs(4);
+
+/// A forger at B (endpoint 0) in A's (endpoint 1's) name, without the Ready: a request with a
+/// new id every 5 ms for [`FLOOD_FOR`] (longer than a handshake's deadline), none naming a
+/// connection.
+fn flood(world: &mut World, rng: &mut fastrand::Rng) {
+    let b = world.eps[0].addr.clone();
+    let victim = VerbsAddr::decode(world.eps[1].addr.raw()).unwrap();
+    for k in 0..(FLOOD_FOR.as_millis() / 5) as u32 {
+        let msg = Handshake {
+            kind: Kind::Request,
+            request_id: rng.u64(1..),
+            prev: 0,
+            from: victim,
+            data_qpn: 0xdead,
+            data_psn: 1,
+            msg_qpn: 0xdeae,
+            msg_psn: 2,
+            mtu: 5,
+        };
+        world.net.seq += 1;
+        world.net.in_flight.insert(
+            (world.now + Duration::from_millis(5) * k, world.net.seq),
+            Datagram {
+                to: b.clone(),
+                bytes: msg.encode().to_vec(),
+            },
+        );
+    }
 }
 
 /// A forger at B (endpoint 0) in A's (endpoint 1's) name: a Request + Ready before A starts,
@@ -845,6 +893,18 @@ fn run_one(scenario: Scenario, seed: u64) -> Result<(u64, usize), String> {
             if world.recorded.is_some() && stale == 0 {
                 return Err("no replayed datagram was dropped as stale".into());
             }
+            // A connected (`run` checked), and B built one pair of QPs per attempt of A's,
+            // and at most one per half-open deadline (and one more) for the forged requests.
+            if scenario == Scenario::Flood {
+                let attempts = 1 + world.eps[1].failures.len() as u32;
+                let flood = FLOOD_FOR.as_millis() / SETTINGS.connect.as_millis() + 2;
+                if world.eps[0].built > attempts + flood as u32 {
+                    return Err(format!(
+                        "B built {} QP pairs for {attempts} attempt(s) of A's",
+                        world.eps[0].built
+                    ));
+                }
+            }
             // With the secret, every forged datagram (32) was dropped unread.
             if scenario == Scenario::ForgedKeyed && world.eps[0].hs.unauthenticated() < 32 {
                 return Err(format!(
@@ -885,7 +945,9 @@ fn schedules() -> u64 {
 /// (quadratic in its length): a tenth as many.
 fn schedules_of(scenario: Scenario) -> u64 {
     match scenario {
-        Scenario::ReplayedKeyed | Scenario::ReplayedKeyedResponder => schedules().div_ceil(10),
+        Scenario::ReplayedKeyed | Scenario::ReplayedKeyedResponder | Scenario::Flood => {
+            schedules().div_ceil(10)
+        }
         _ => schedules(),
     }
 }
@@ -1316,6 +1378,43 @@ mod rules {
     /// Issue 42 §4: with a secret, a datagram is read once, by the host it was sealed for,
     /// and only if it is newer than what its sender's last one said; a restarted sender (a
     /// later epoch) counts from anew.
+    /// Issue 56: one authentic datagram with a far-future epoch (a secret holder's, in A's
+    /// name) made every later datagram of A stale at B until B restarted. An epoch past B's
+    /// wall clock by more than `MAX_EPOCH_AHEAD` is refused, and A's own are read after it.
+    #[test]
+    fn with_a_secret_a_far_future_epoch_is_refused() {
+        let now_ns = 1_700_000_000_000_000_000u64;
+        let keyed = |id, epoch| {
+            Handshaker::new(verbs_addr(id, 0), 5, SETTINGS, seeded(u64::from(id)))
+                .with_secret(SECRET, epoch)
+        };
+        let (mut forger, mut a, mut b) = (keyed(1, u64::MAX), keyed(1, now_ns), keyed(2, now_ns));
+        let b_addr = NetAddr::new(&verbs_addr(2, 0).encode()).unwrap();
+        let now = Instant::now();
+        let mut out = Vec::new();
+        a.connect(now, &b_addr, (1, 2), &mut out).unwrap();
+        let msg = sent(&out)[0];
+        b.handle_wall_clock(now_ns + 1_000);
+        let mut got = Vec::new();
+        b.handle_datagram(&forger.seal(&msg, &verbs_addr(2, 0)), &mut got);
+        assert!(got.is_empty(), "{got:?}");
+        assert_eq!(b.stale(), 1);
+        b.handle_datagram(&a.seal(&msg, &verbs_addr(2, 0)), &mut got);
+        assert!(
+            matches!(got[..], [Action::Accept { .. }]),
+            "A's own was read: {got:?}"
+        );
+        // An epoch within the skew allowance is read.
+        let mut ahead = keyed(3, now_ns + MAX_EPOCH_AHEAD.as_nanos() as u64);
+        let mut got = Vec::new();
+        let c_request = Handshake {
+            from: verbs_addr(3, 0),
+            ..msg
+        };
+        b.handle_datagram(&ahead.seal(&c_request, &verbs_addr(2, 0)), &mut got);
+        assert!(!got.is_empty());
+    }
+
     #[test]
     fn with_a_secret_a_replayed_or_redirected_datagram_is_dropped() {
         let keyed = |id, epoch| {
@@ -1404,6 +1503,142 @@ mod rules {
                 out[..],
                 [Action::Accept {
                     prior: Prior::Connected,
+                    ..
+                }]
+            ),
+            "{out:?}"
+        );
+    }
+
+    /// Issue 56: without a secret, a forged request naming another host's address made this
+    /// side send that host its Response every `retry` until the deadline (15 datagrams per
+    /// forged request). Responses are resent with a doubling interval (a lost one is
+    /// recovered sooner by the requester's own resends, answered at once): 4 resends.
+    #[test]
+    fn a_response_is_resent_with_a_doubling_interval() {
+        let (_, mut b) = pair();
+        let start = Instant::now();
+        let request = request_from(7, 11, 0);
+        let mut out = Vec::new();
+        b.hs.handle_datagram(&request.encode(), &mut out);
+        let Some(Action::Accept { peer, prior, .. }) = out.first().cloned() else {
+            panic!("{out:?}")
+        };
+        out.clear();
+        b.hs.accepted(start, &peer, &request, prior, Ok(ENDS), &mut out);
+        let mut sends = sent(&out).len();
+        let mut now = start;
+        while now < start + SETTINGS.connect {
+            now += Duration::from_millis(10);
+            out.clear();
+            b.hs.handle_timeout(now, &mut out);
+            sends += sent(&out).len();
+            if let Some(due) = b.hs.poll_timeout() {
+                assert!(due > now, "poll_timeout {due:?} not after now");
+            }
+        }
+        assert_eq!(
+            sends,
+            1 + 4,
+            "the response and its resends to the request's address"
+        );
+        // A repeated request is still answered at once.
+        let (_, mut c) = pair();
+        out.clear();
+        c.hs.handle_datagram(&request.encode(), &mut out);
+        out.clear();
+        c.hs.accepted(start, &peer, &request, prior, Ok(ENDS), &mut out);
+        out.clear();
+        c.hs.handle_datagram(&request.encode(), &mut out);
+        assert_eq!(sent(&out).len(), 1);
+    }
+
+    /// Issue 56: a component that answers whatever address a message names made this side
+    /// start a handshake (a pair of QPs each) to any address; at most `max_requesting` wait
+    /// for their answer, and a refused connect names the cap. One ends, room comes back.
+    #[test]
+    fn handshakes_we_start_are_capped() {
+        let (mut a, _) = pair();
+        let now = Instant::now();
+        let mut out = Vec::new();
+        for id in 0..SETTINGS.max_requesting as u32 {
+            let peer = NetAddr::new(&verbs_addr(100 + id, 0).encode()).unwrap();
+            a.hs.connect(now, &peer, (1, 2), &mut out).unwrap();
+        }
+        let one_more = NetAddr::new(&verbs_addr(99, 0).encode()).unwrap();
+        let refused = a.hs.connect(now, &one_more, (1, 2), &mut out).unwrap_err();
+        assert!(refused.contains("max_requesting"), "{refused}");
+        assert!(a.hs.requesting_full());
+        // Their deadline passes: they fail, and connecting works again.
+        out.clear();
+        a.hs.handle_timeout(now + SETTINGS.connect, &mut out);
+        assert!(!a.hs.requesting_full());
+        a.hs.connect(now + SETTINGS.connect, &one_more, (1, 2), &mut out)
+            .unwrap();
+    }
+
+    /// Issue 56: without a secret, forged requests in X's name (new ids, naming nothing) must
+    /// not replace X's half-open handshake: each replacement cost QPs outside the
+    /// `max_half_open` cap, and a steady flood kept X's `Ready` from ever matching. X's real
+    /// handshake completes through the flood, and the flood creates no QPs.
+    #[test]
+    fn forged_requests_in_a_peers_name_do_not_replace_its_half_open_handshake() {
+        let (a, mut b) = pair();
+        let now = Instant::now();
+        let request = request_from(1, 11, 0);
+        let mut out = Vec::new();
+        b.hs.handle_datagram(&request.encode(), &mut out);
+        out.clear();
+        b.hs.accepted(now, &a.addr, &request, Prior::None, Ok(ENDS), &mut out);
+        let response = sent(&out)[0];
+        let mut accepts = 0;
+        for id in 1000..2000u64 {
+            out.clear();
+            b.hs.handle_datagram(&request_from(1, id, 0).encode(), &mut out);
+            for action in &out {
+                if let Action::Accept { prior, request, .. } = action {
+                    accepts += 1;
+                    let (prior, request) = (*prior, *request);
+                    let mut more = Vec::new();
+                    b.hs.accepted(now, &a.addr, &request, prior, Ok(ENDS), &mut more);
+                }
+            }
+        }
+        assert_eq!(accepts, 0, "forged requests built QPs");
+        // X's own request, resent, is answered with the same response; its Ready completes.
+        out.clear();
+        b.hs.handle_datagram(&request.encode(), &mut out);
+        assert_eq!(sent(&out), vec![response]);
+        out.clear();
+        b.hs.handle_datagram(&ready_for(&response, &request).encode(), &mut out);
+        assert!(matches!(out[..], [Action::Ready { .. }]), "{out:?}");
+        assert!(b.hs.is_established(&a.addr));
+    }
+
+    /// A requester that gave up on a handshake we answered (its deadline passed first) and
+    /// asks again with a new id is answered once our half-open entry's deadline passed.
+    #[test]
+    fn a_requester_that_gave_up_is_answered_after_the_half_open_deadline() {
+        let (a, mut b) = pair();
+        let now = Instant::now();
+        let first = request_from(1, 11, 0);
+        let mut out = Vec::new();
+        b.hs.handle_datagram(&first.encode(), &mut out);
+        out.clear();
+        b.hs.accepted(now, &a.addr, &first, Prior::None, Ok(ENDS), &mut out);
+        let again = request_from(1, 12, 0);
+        out.clear();
+        b.hs.handle_datagram(&again.encode(), &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        out.clear();
+        b.hs.handle_timeout(now + SETTINGS.connect, &mut out);
+        out.clear();
+        b.hs.handle_datagram(&again.encode(), &mut out);
+        assert!(
+            matches!(
+                out[..],
+                [Action::Accept {
+                    prior: Prior::None,
                     ..
                 }]
             ),

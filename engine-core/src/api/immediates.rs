@@ -14,8 +14,10 @@ impl TransferEngine {
     /// sender's transfer failed), later expectations on that immediate time out too; once the
     /// peers agree that nothing more is in flight, [`reset_imm`](Self::reset_imm) clears it.
     pub fn expect_imm_count(&self, imm: u32, count: u64, on_done: impl Into<OnDone>) -> Result<()> {
-        let deadline = Instant::now() + self.shared.config.timeouts.expect();
         let mut counter = self.shared.lock_imm();
+        // Read under the lock: a worker reading the deadlines to park sees this one or parks
+        // no longer than the timeout from a moment before it (see below).
+        let deadline = Instant::now() + self.shared.config.timeouts.expect();
         // Checked under the counter's lock: the worker sets it before draining expectations.
         if let Some(why) = self.shared.failed.get() {
             return Err(Error::WorkerFailed(why.clone()));

@@ -184,6 +184,36 @@ impl TransferEngine {
     /// registration covers share it ([`crate::regcache`]): the keys are revoked, and the
     /// guarantee above applies, when the last of them is deregistered.
     pub fn dereg_mr(&self, handle: MrHandle) -> Result<()> {
+        // Before the handle is forgotten: on the worker's own thread the caller must keep
+        // its memory (see `dereg_mr_keeping`).
+        self.shared.check_not_on_worker("dereg_mr")?;
+        self.forget_region(handle, None)
+    }
+
+    /// [`dereg_mr`](Self::dereg_mr) for an owner of the memory that may be dropped on the
+    /// worker's own thread (a `HostBuffer` inside a flag's waker): there the deregistration
+    /// is queued for the worker's next pass and `keep` — what owns the memory — is dropped
+    /// only after it; anywhere else this is `dereg_mr`, and `keep` is dropped on return.
+    pub(crate) fn dereg_mr_keeping(
+        &self,
+        handle: MrHandle,
+        keep: Box<dyn std::any::Any + Send>,
+    ) -> Result<()> {
+        if self.shared.on_worker_thread() {
+            return self.forget_region(handle, Some(keep));
+        }
+        let result = self.dereg_mr(handle);
+        drop(keep);
+        result
+    }
+
+    /// Forgets `handle` and deregisters it: waiting for the worker, or — with `keep`, on the
+    /// worker's thread — queued behind the pass it is in, `keep` freed after it.
+    fn forget_region(
+        &self,
+        handle: MrHandle,
+        keep: Option<Box<dyn std::any::Any + Send>>,
+    ) -> Result<()> {
         self.check_owner("memory region", handle.engine, handle.id)?;
         let region = self
             .regions
@@ -199,7 +229,23 @@ impl TransferEngine {
             }
         }
         let keys = region.keys.iter().map(|k| k.local_key).collect();
-        match self.control_until_done("dereg_mr", |reply| Command::Deregister { keys, reply }) {
+        if let Some(keep) = keep {
+            // Queued whatever state the engine is in: served next pass, or refused after the
+            // Domains closed (the shutdown and failure paths close them before draining), or
+            // dropped with the engine's last handle, after the worker ended.
+            let (reply, _) = crossbeam_channel::bounded(1);
+            self.shared.push_for_worker(Command::Deregister {
+                keys,
+                reply,
+                keep: Some(keep),
+            });
+            return Ok(());
+        }
+        match self.control_until_done("dereg_mr", |reply| Command::Deregister {
+            keys,
+            reply,
+            keep: None,
+        }) {
             // The engine is closing or failed: the worker closes its Domains (it always does
             // once it takes the shutdown or fails); closed Domains hold no registrations, so
             // the guarantee holds from then on — and not before (issue 53: a write in flight

@@ -208,6 +208,8 @@ impl TransferEngine {
             if self.shared.is_closed() {
                 return Err(Error::Shutdown);
             }
+            // Only the worker fills the inbox.
+            self.shared.check_not_on_worker("wait_notification")?;
             let left = deadline.map_or(Duration::MAX, |d| {
                 d.saturating_duration_since(Instant::now())
             });

@@ -165,6 +165,16 @@ impl TransferEngine {
                 config.groups.len()
             )));
         }
+        // The cluster secret is resolved once (the config's, else $XFER_SECRET_FILE's: one file
+        // keys the rendezvous and the handshake), and this engine keeps to it.
+        let mut resolved = config.clone();
+        resolved.security.secret_file = config.secret_file().map_err(|m| {
+            Error::Config(crate::config::ConfigError::Invalid {
+                file: config.source.clone(),
+                message: m,
+            })
+        })?;
+        let config = &resolved;
         let backend = find_backend(&config.backend, config.plugin.as_deref())?;
         // A plugin's options are checked here, as a linked backend's were by `validate`: a
         // mistyped key is refused by name before any NIC opens.
@@ -182,6 +192,11 @@ impl TransferEngine {
         let (jobs, callbacks) =
             spawn_callback_thread(format!("xfer-callbacks-{group}")).map_err(thread_error)?;
         let shared = Arc::new(Shared::new(config.clone(), backend.name().to_owned(), jobs));
+        shared
+            .notifications
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .share(config.worker.max_notifications_per_peer);
         let worker = match spawn_worker(Arc::clone(&shared), backend, group) {
             Ok(w) => w,
             Err(e) => {
@@ -227,6 +242,14 @@ impl TransferEngine {
     /// This engine's address (its first NIC's), for peers' `submit_send` and peer groups.
     pub fn main_address(&self) -> NetAddr {
         self.addresses[0].clone()
+    }
+
+    /// The file of the cluster secret this engine's backend was given (`[security]
+    /// secret_file`, else `$XFER_SECRET_FILE` as it was when the engine opened), or `None`:
+    /// the verbs handshake is then unauthenticated. Components that secure their rendezvous
+    /// with a secret compare it with theirs, so a half-secured set-up is refused by name.
+    pub fn secret_file(&self) -> Option<&std::path::Path> {
+        self.shared.config.security.secret_file.as_deref()
     }
 
     /// The addresses of all NICs of the group, in NIC order.
@@ -299,6 +322,13 @@ impl TransferEngine {
         loop {
             match rx.recv_timeout(step) {
                 Ok(result) => return result,
+                // Queued after the worker's last drain (it raced a shutdown): nobody will
+                // answer, and the Domains are closed.
+                Err(crossbeam_channel::RecvTimeoutError::Timeout)
+                    if self.shared.domains_are_closed() =>
+                {
+                    return Err(self.gone())
+                }
                 Err(crossbeam_channel::RecvTimeoutError::Timeout) => tracing::warn!(
                     waited_ms = start.elapsed().as_millis() as u64,
                     "{what} is still waiting for the worker"
@@ -403,6 +433,10 @@ impl TransferEngine {
     pub fn wait_for_capacity(&self, timeout: Duration) -> Result<()> {
         let limit = self.shared.config.worker.max_outstanding;
         let start = Instant::now();
+        if self.outstanding() >= limit {
+            // Only the worker frees capacity.
+            self.shared.check_not_on_worker("wait_for_capacity")?;
+        }
         while self.outstanding() >= limit {
             if let Some(why) = self.shared.failed.get() {
                 return Err(Error::WorkerFailed(why.clone()));
@@ -431,7 +465,11 @@ impl TransferEngine {
         );
         self.shared.close();
         self.shared.push_shutdown();
+        // Notification waiters first: one may be what the worker waits for (its waker's
+        // lock), and they need nothing more from the worker to learn of the shutdown.
+        self.wake_notification_waiters();
         let me = std::thread::current().id();
+        let on_worker = self.shared.on_worker_thread();
         let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(w) = worker {
             // Called on the worker itself (a flag's waker, a mirror sink): it ends when the
@@ -440,28 +478,39 @@ impl TransferEngine {
                 let _ = w.join();
             }
         }
-        {
-            // Under the queue's lock: a waiter checks `closed` under it before it sleeps, so
-            // this cannot fall between its check and its wait.
-            let _queue = self
-                .shared
-                .notifications
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            self.shared.notified.notify_all();
+        self.wake_notification_waiters();
+        // On the worker, the pass this waker runs in may still hand the callback thread a
+        // batch (the callbacks of this very delivery): no end marker before it. The thread
+        // ends once the engine's last holder lets go (its channel disconnects).
+        if !on_worker {
+            let _ = self.shared.jobs.send(None);
         }
-        let _ = self.shared.jobs.send(None);
         let callbacks = self
             .callbacks
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take();
         if let Some(c) = callbacks {
-            // Called from inside a callback: that thread ends on its own after this job.
-            if c.thread().id() != me {
+            // Called from inside a callback: that thread ends on its own after this job. On
+            // the worker: not joined either — a callback may be waiting for the worker (a
+            // `dereg_mr` during the shutdown waits for its Domains to close), and the thread
+            // ends once the engine's last holder lets go.
+            if c.thread().id() != me && !on_worker {
                 let _ = c.join();
             }
         }
+    }
+
+    /// Wakes threads waiting for notifications (they see the engine closed).
+    fn wake_notification_waiters(&self) {
+        // Under the queue's lock: a waiter checks `closed` under it before it sleeps, so
+        // this cannot fall between its check and its wait.
+        let _queue = self
+            .shared
+            .notifications
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        self.shared.notified.notify_all();
     }
 }
 

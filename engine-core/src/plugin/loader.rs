@@ -148,7 +148,7 @@ pub fn find_backend(name: &str, plugin_path: Option<&Path>) -> Result<Backend, P
         return Ok(Backend::Builtin(reg));
     }
     let searched: Vec<PathBuf> = std::env::var_os(PLUGIN_PATH_ENV)
-        .map(|v| std::env::split_paths(&v).collect())
+        .map(|v| plugin_dirs(&v))
         .unwrap_or_default();
     for dir in &searched {
         for file in [
@@ -167,6 +167,15 @@ pub fn find_backend(name: &str, plugin_path: Option<&Path>) -> Result<Backend, P
         builtin: Backend::builtin_names(),
         searched,
     })
+}
+
+/// The directories `$XFER_PLUGIN_PATH` names, in order. An empty element (`a::b`, a leading
+/// or trailing `:`) is skipped: in `$PATH` it means the working directory, and loading a
+/// library from wherever a process happens to run is running its code (issue 56).
+fn plugin_dirs(value: &std::ffi::OsStr) -> Vec<PathBuf> {
+    std::env::split_paths(value)
+        .filter(|dir| !dir.as_os_str().is_empty())
+        .collect()
 }
 
 fn load_checked(path: &Path, name: &str) -> Result<Backend, PluginError> {
@@ -381,6 +390,17 @@ unsafe extern "C" fn host_log(level: u32, target: RawBytes, message: RawBytes) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 56: an empty element of `$XFER_PLUGIN_PATH` searched the working directory.
+    #[test]
+    fn empty_plugin_path_elements_are_not_the_working_directory() {
+        let dirs = plugin_dirs(std::ffi::OsStr::new(":/opt/xfer::plugins:"));
+        assert_eq!(
+            dirs,
+            vec![PathBuf::from("/opt/xfer"), PathBuf::from("plugins")]
+        );
+        assert!(plugin_dirs(std::ffi::OsStr::new("")).is_empty());
+    }
     use crate::domain::DomainErrorKind;
 
     struct MockOpener;

@@ -188,6 +188,15 @@ impl TransferHandle {
         }
         let deadline = Instant::now() + self.bound;
         let mut s = self.control.lock();
+        // On the worker's own thread (inside a waker) the worker carries the cancel out after
+        // this pass: the status as it is now, not a wait for itself.
+        if self
+            .shared
+            .upgrade()
+            .is_some_and(|shared| shared.on_worker_thread())
+        {
+            return Ok(s.status.clone());
+        }
         while !s.status.is_final() {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {

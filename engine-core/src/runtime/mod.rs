@@ -128,10 +128,13 @@ pub(crate) enum Command {
         region: MemoryRegion,
         reply: Sender<Result<Vec<Registration>>>,
     },
-    /// Deregister one local key per NIC.
+    /// Deregister one local key per NIC; then drop `keep` (what owns the memory, for a
+    /// deregistration queued from the worker's own thread: freed only once no NIC can
+    /// touch it).
     Deregister {
         keys: Vec<u64>,
         reply: Sender<Result<()>>,
+        keep: Option<Box<dyn std::any::Any + Send>>,
     },
     /// Add receive buffers on the main NIC (reply: whether the NIC took them; `None` for the
     /// reposts after a message was handled, whose failure is logged).
@@ -389,6 +392,12 @@ impl Shared {
         Ok(())
     }
 
+    /// Queues `cmd` whatever state the engine is in, without waking the worker: for what the
+    /// worker's own thread leaves for its next pass (see `TransferEngine::dereg_mr_keeping`).
+    pub(crate) fn push_for_worker(&self, cmd: Command) {
+        self.queue.push(cmd);
+    }
+
     /// Queues the shutdown, whatever state the engine is in (closed, failed).
     pub(crate) fn push_shutdown(&self) {
         self.queue.push(Command::Shutdown);
@@ -450,6 +459,14 @@ impl Shared {
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = true;
         self.domains_closed_cv.notify_all();
+    }
+
+    /// Whether the worker closed its Domains.
+    pub(crate) fn domains_are_closed(&self) -> bool {
+        *self
+            .domains_closed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     /// Waits until the worker closed its Domains (it does once the shutdown or a failure is

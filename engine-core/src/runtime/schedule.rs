@@ -113,9 +113,11 @@ impl Scheduler {
         next_due.map_or(longest, |due| due.min(longest))
     }
 
-    /// The worker woke from a park: a new idle spell begins when it is idle again.
+    /// The worker woke from a park: a new idle spell begins when it is idle again, and its
+    /// first idle pass looks at the clock (a timed park ends at a deadline, due now).
     pub(crate) fn woke(&mut self) {
         self.since = None;
+        self.passes |= LOOK_EVERY - 1;
     }
 }
 
@@ -175,6 +177,10 @@ pub(crate) fn step(schedule: &mut Scheduler, io: &mut impl Passes) -> Result<(),
                 AfterLook::Pause => io.pause(),
                 AfterLook::Park => {
                     if io.announce_park() {
+                        // That last look may have found a Domain failed for good.
+                        if let Some(why) = io.fatal() {
+                            return Err(Stop::Fatal(why));
+                        }
                         // Read after the last look, which may have moved a Domain's timer.
                         let until = schedule.park_until(io.now(), io.next_due());
                         io.park(until);

@@ -210,9 +210,9 @@ impl Worker {
         if let Some(now) = now {
             self.stamp = now;
         }
-        if self.commands.is_empty() {
-            self.shared.queue.take_into(&mut self.commands);
-        }
+        // Always, behind what was kept: a chain of wakers that submit again must not keep
+        // other threads' commands waiting.
+        self.shared.queue.take_into(&mut self.commands);
         // Two rounds at most: what this thread's callbacks submitted during the first
         // round's delivery is posted in the second, not a pass later; what they submit in
         // the second waits for the next pass, so a callback that always submits again

@@ -88,7 +88,9 @@ pub struct Limits {
     /// A request connection with no request for this long is closed (clients reopen theirs
     /// on their next call).
     pub idle: Duration,
-    /// A client that does not take an answer or a watch event within this is cut off.
+    /// A client that does not take a whole answer or watch event within this is cut off (a
+    /// deadline for the frame, not for each `send()`: a client reading a little at a time
+    /// cannot stretch it).
     pub write_timeout: Duration,
     /// Keys stored at once; a put of a new key beyond it is refused. The default keeps a
     /// full listing within what a client reads in one frame (for more peers, use etcd).

@@ -340,6 +340,28 @@ impl Drop for WatchSlot<'_> {
 }
 
 impl Served<'_> {
+    /// Writes all of `frame`, which the client must take within `write_timeout`, whole:
+    /// `SO_SNDTIMEO` alone bounds each `send()`, so a client that reads a little now and then
+    /// kept an answer (and its share of the byte budget) for as long as it liked.
+    fn write_whole(&self, conn: &mut TcpStream, frame: &[u8]) -> std::io::Result<()> {
+        let deadline = Instant::now() + self.limits.write_timeout;
+        let mut rest = frame;
+        while !rest.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
+            conn.set_write_timeout(Some(left))?;
+            match conn.write(rest) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => rest = &rest[n..],
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
     /// The greeting, then requests until the client closes or idles out, or a watch stream.
     fn serve(&self, mut conn: TcpStream, secret: Option<&Secret>) {
         let _ = conn.set_nonblocking(false);
@@ -375,7 +397,7 @@ impl Served<'_> {
                 }
             };
             // Held (and counted) until the client has taken it, or is cut off.
-            if conn.write_all(&answer.frame).is_err() {
+            if self.write_whole(&mut conn, &answer.frame).is_err() {
                 return;
             }
         }
@@ -408,7 +430,7 @@ impl Served<'_> {
             }
         };
         let _slot = WatchSlot { state, id };
-        if conn.write_all(&snapshot.frame).is_err() {
+        if self.write_whole(&mut conn, &snapshot.frame).is_err() {
             return;
         }
         drop(snapshot);
@@ -432,7 +454,7 @@ impl Served<'_> {
             };
             let frame = answer::frame(&msg);
             drop(msg);
-            if conn.write_all(&frame).is_err() {
+            if self.write_whole(&mut conn, &frame).is_err() {
                 return;
             }
             last_write = Instant::now();

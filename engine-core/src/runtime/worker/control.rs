@@ -67,7 +67,7 @@ impl Worker {
                     }
                 }
             }
-            Command::Deregister { keys, reply } => {
+            Command::Deregister { keys, reply, keep } => {
                 self.core.handle_deregistered();
                 let mut result = Ok(());
                 for (domain, key) in self.group.domains_mut().iter_mut().zip(keys) {
@@ -75,6 +75,7 @@ impl Worker {
                         result = result.and(Err(map_domain_error(&self.shared.backend, e)));
                     }
                 }
+                drop(keep);
                 let _ = reply.send(result);
             }
             Command::PostRecvs {

@@ -29,6 +29,9 @@ fn report_dropped_notification(why: Refused, shared: &Shared) {
             Refused::Sender => "its sender is not among the peers allowed to notify",
             Refused::Full => "worker.max_notifications are queued and not taken",
             Refused::Forged => "it claims a sender other than the one the transport proved",
+            Refused::Share => {
+                "its sender has worker.max_notifications_per_peer queued and not taken"
+            }
         };
         tracing::error!("a notification was dropped: {reason} ({dropped} dropped so far)");
     }
@@ -91,8 +94,10 @@ impl Worker {
     /// Counts the core's runs of arrivals into the ImmCounter, taking its lock once per
     /// batch of events, then reports mirrored totals.
     pub(super) fn count_arrivals(&mut self) {
-        let mirrored = self.shared.has_mirrors.load(Ordering::Acquire);
         let mut counter = self.shared.lock_imm();
+        // Read under the lock `mirror_imm_count` registers under: a mirror registered before
+        // this batch was counted is reported it.
+        let mirrored = self.shared.has_mirrors.load(Ordering::Acquire);
         for (value, from, n) in self.core.poll_arrivals() {
             counter.handle_arrivals_from(value, n, from.as_ref(), &mut self.imm_outcomes);
             if mirrored && !self.arrived.contains(&value) {
