@@ -16,8 +16,8 @@ messages, registrations, immediates and the rendezvous; what it decides is decid
    (e.g. a dtype cast), staged into registered buckets — all at once, or two buckets of half a
    memory budget each, one filled while the other's writes are in flight.
 3. Every rank reports to the coordinator; the coordinator commits or aborts, to every rank. A
-   rank that has not heard by its deadline asks the coordinator, and goes on asking until a
-   bound past the deadline (``VersionInDoubt`` then: the version is not applied here, and the
+   rank that has not heard a grace period after reporting asks the coordinator, and goes on
+   asking until a bound past the deadline (``VersionInDoubt`` then: the version is not applied here, and the
    caller learns that the coordinator was unreachable, not that the version failed).
 
 Deadlines: every receiver takes the coordinator's (the MANIFEST carries the time left), so a

@@ -9,7 +9,7 @@ receiver that lacks it); each receiver answers every sender READY (its buffer's 
 the senders write, and every rank reports DONE: senders once their writes completed,
 receivers once every byte landed in their staging. Only the coordinator decides: COMMIT when
 every rank reported success with the same layout, ABORT otherwise, sent to every rank. A rank
-that has not heard the decision by its deadline asks (QUERY) and waits for the answer; it
+that has not heard the decision a grace period after reporting asks (QUERY) and waits for the answer; it
 never decides alone. Applying the version (swapping buffers, loading into the model) happens
 after a COMMIT only.
 
