@@ -1211,3 +1211,44 @@ def test_a_decode_request_waiting_for_room_renews_the_prefills_lease(server):
     assert not d.failed
     assert_copied(p, d, [3, 5], [1, 2])
     p.close(), d.close()
+
+
+def test_push_goes_layer_by_layer_in_vllms_own_order_with_async_loads(server):
+    """Issue 54: with async loads vLLM's model runner calls ``start_load_kv`` after the forward
+    (``KVConnectorModelRunnerMixin._get_kv_connector_output``: ``has_sync_kv_loads`` false),
+    so ``save_kv_layer`` ran before the step's push requests were known and nothing went layer
+    by layer. Driven through the mixin itself: the first layer lands at the decoder while the
+    forward is still inside the step."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+    p, d = Instance("mo-p", server, layers=3), Instance("mo-d", server, layers=3)
+    push_decode(d, "r-d", 10, "mo-p", "r", [0, 9, 2])
+    d.step()
+    r = request("r", 10, {"do_remote_decode": True, "xfer_push": True,
+                          "xfer_token": proxy_token("r")})
+    p.scheduler.update_state_after_alloc(r, blocks_of([3, 5, 7]), 0)
+    wanted(p, "r")
+    names = list(p.full)
+    out = SchedulerOutput.make_empty()
+    out.kv_connector_metadata = p.scheduler.build_connector_meta(out)
+    assert not out.has_sync_kv_loads, "vLLM starts the loads after the forward"
+    worker = p.worker
+    kv_transfer_state._KV_CONNECTOR_AGENT = worker
+    try:
+        with set_forward_context(None, worker._vllm_config), \
+                KVConnectorModelRunnerMixin._get_kv_connector_output(out):
+            worker.save_kv_layer(names[0], p.caches[names[0]], None)
+            p.wait("the first layer at the decoder, inside the forward",
+                   lambda: torch.equal(d.caches[names[0]][[0, 9, 2]],
+                                       p.caches[names[0]][[3, 5, 7]]))
+            for name in names[1:]:
+                worker.save_kv_layer(name, p.caches[name], None)
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = None
+    finish(p, r, [3, 5, 7])
+    d.wait("the pushed request", lambda: "r-d" in d.recved)
+    assert not d.failed
+    assert_copied(p, d, [3, 5, 7], [0, 9, 2])
+    p.close(), d.close()

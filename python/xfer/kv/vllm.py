@@ -273,6 +273,7 @@ class XferConnectorMetadata(KVConnectorMetadata):
         self.push_abort: set[str] = set()
         self.push_tokens: dict[str, str] = {}
         """Prefill, push: the tokens of requests scheduled (their parameters')."""
+
         """Prefill, push: requests aborted (their decoders are told)."""
         self.refused: dict[str, tuple[Load, str]] = {}
         """Decode: requests refused before any transfer (another model), with why."""
@@ -471,6 +472,12 @@ class XferConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         # Pull: the reader comes for the blocks. Push: this layer goes to the decoders now.
         assert self._worker is not None
+        # With async loads vLLM calls start_load_kv after the forward: this step's push
+        # requests are taken from the metadata bound before it, at its first layer.
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, XferConnectorMetadata)
+            self._worker.push_step(meta)
         self._worker.push.layer_computed(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
@@ -824,6 +831,8 @@ class _Worker:
         """Prefill: the requests kept for their readers, and what they are answered."""
         self._publication: xfer.Publication | None = None
         self._peers: dict[tuple[str, int], Peer] = {}
+        self._push_meta: XferConnectorMetadata | None = None
+        """The step whose push requests were taken (``push_step``)."""
         self._failed_lookups: dict[tuple[str, int, str | None], tuple[float, Any, float, float]] = {}
         """Peers not found: (engine, rank, where) → (not before, why, when, backoff), the
         backoff doubling from ``lookup_timeout_s`` up to 60 s, at most 1,024 remembered."""
@@ -930,8 +939,7 @@ class _Worker:
             self._answer(answer)
         for load in meta.renew.values():
             self._in_background(self._renew, load)
-        self.push.tokens_known(meta.push_tokens, now)
-        self.push.step_started(meta.push_now, now)
+        self.push_step(meta, now)
         for req_id, blocks in meta.push_finish.items():
             self.push.request_finished(req_id, blocks, now)
         for req_id in meta.push_abort:
@@ -947,6 +955,16 @@ class _Worker:
             self._tell_done_soon(load)
         for req_id, load in meta.loads.items():
             self._start_load(req_id, load, self._load, "loading")
+
+    def push_step(self, meta: XferConnectorMetadata, now: float | None = None) -> None:
+        """This step's push requests, once per step: at its first computed layer (vLLM's
+        order under async loads: the forward, then ``start_load_kv``) or at ``start``."""
+        if self._push_meta is meta:
+            return
+        self._push_meta = meta
+        now = time.monotonic() if now is None else now
+        self.push.tokens_known(meta.push_tokens, now)
+        self.push.step_started(meta.push_now, now)
 
     def _await_push(self, req_id: str, load: Load) -> None:
         """Push, decode side: this rank's block ids sent, its deadline from now."""
