@@ -102,10 +102,7 @@ fn a_transfer_parked_behind_a_full_queue_is_cancelled_without_reaching_the_nic()
 #[test]
 fn a_transfer_still_queued_is_cancelled_before_it_is_posted() {
     // The worker is busy registering (300 ms): a write submitted meanwhile stays queued.
-    // (Not carried out by this thread before the registration reaches the worker, while it
-    // is still parked: this is about what waits in the queue.)
-    let (a, b) =
-        pair("[worker]\ndrive_when_parked = false\n[backends.mock]\nregister_delay_us = 300000\n");
+    let (a, b) = pair("[backends.mock]\nregister_delay_us = 300000\n");
     let src = HostBuffer::from_fn(&a, 4096, |_| 9).unwrap();
     let dst = HostBuffer::new(&b, 4096).unwrap();
     for _attempt in 0..5 {

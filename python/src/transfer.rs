@@ -161,8 +161,8 @@ pub(crate) struct Transfer {
     handle: Option<engine_core::TransferHandle>,
     /// Whether it finishes only once its peer took its notification (`notify=`).
     notifies: bool,
-    /// The engine it was submitted to: `wait()` makes its parked worker's passes while it
-    /// spins (weak: a pending transfer does not keep a closed engine alive).
+    /// The engine it was submitted to: `wait()` looks through it without sleeping first
+    /// (weak: a pending transfer does not keep a closed engine alive).
     engine: std::sync::Weak<engine_core::TransferEngine>,
 }
 
@@ -309,10 +309,9 @@ impl Transfer {
         let engine = self.engine.clone();
         let finished = py.detach(move || {
             let start = Instant::now();
-            // Spin (yielding) first, as the engine's own waits do: a sleep and a wake-up
-            // cost more than a short transfer — first making the parked worker's passes
-            // here, as `TransferEngine::wait` does (`worker.wait_poll_us`). Then sleep on
-            // the condition variable the flag's waker notifies.
+            // Look without sleeping (yielding) first, as `TransferEngine::wait` does
+            // (`worker.wait_poll_us`): a sleep and a wake-up cost more than a short
+            // transfer. Then sleep on the condition variable the flag's waker notifies.
             let spin = limit.map_or(SPIN, |l| l.min(SPIN));
             if let Some(engine) = engine.upgrade() {
                 if engine.drive_until(spin, || flag.is_done()) {

@@ -204,7 +204,7 @@ pub(crate) fn rxe_latency() -> Result {
            done; echo \"${out:-SENDLAT failed}\"; wait; \
            echo MODE parked; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --json; \
            echo MODE busy; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --busy-poll --json; \
-           echo MODE driven; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --wait-poll-us 1000000 --json; \
+           echo MODE looking; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --wait-poll-us 1000000 --json; \
            echo MODE reactive; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --reactive --json; \
            echo MODE reactive-busy; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --reactive --busy-poll --json; \
            echo MODE reactive-spin; target/release/transfer-bench --config configs/verbs-rxe0.toml --latency 2000 --reactive --busy-poll --spin --json; \
@@ -234,7 +234,7 @@ pub(crate) fn rxe_latency() -> Result {
     for wanted in [
         "parked",
         "busy",
-        "driven",
+        "looking",
         "reactive",
         "reactive-busy",
         "reactive-spin",

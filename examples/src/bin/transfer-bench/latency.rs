@@ -184,16 +184,15 @@ pub(crate) fn latency(config: &Config, iterations: u64) -> Result<Latency, BoxEr
     let total = warmup + iterations;
     let stop = std::sync::atomic::AtomicBool::new(false);
     // Each side waits for the next arrival with an expectation (it consumes one arrival)
-    // through `TransferEngine::wait`: it polls the NICs on this thread while the worker is
-    // parked, for up to `worker.wait_poll_us`, and then sleeps.
+    // through `TransferEngine::wait`: it looks without sleeping for up to
+    // `worker.wait_poll_us`, and then sleeps.
     let wait_one = |engine: &TransferEngine, imm: u32| -> Result<(), BoxError> {
         if stop.load(std::sync::atomic::Ordering::Relaxed) {
             return Err("the other side stopped".into());
         }
         let arrived = engine_core::DoneFlag::new();
         engine.expect_imm_count(imm, 1, arrived.clone())?;
-        // Busy for `worker.wait_poll_us` first, polling the NICs here while the worker is
-        // parked, then asleep on the flag.
+        // Looking for `worker.wait_poll_us` first, then asleep on the flag.
         engine.wait(&arrived, Duration::from_secs(10))?;
         Ok(())
     };

@@ -124,8 +124,8 @@ struct Args {
     /// (`[worker] yield_when_idle = false`), as perftest does; best when each worker has a core.
     #[arg(long, requires = "busy_poll")]
     spin: bool,
-    /// With `--latency`: how long an application thread's wait stays busy (polling the NICs
-    /// itself while the worker is parked) before it sleeps (`[worker] wait_poll_us`; the
+    /// With `--latency`: how long an application thread's wait looks without sleeping before
+    /// it sleeps (`[worker] wait_poll_us`; the
     /// config's value when not given). perftest's latency tools spin without end.
     #[arg(long)]
     wait_poll_us: Option<u64>,
