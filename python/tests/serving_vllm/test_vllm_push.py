@@ -496,3 +496,26 @@ def test_unverified_ids_are_bounded():
     for i in range(MAX_PENDING + 50):
         p.push.handle_want(Header(dict(header.fields, req=f"x{i}")), payload, now=START)
     assert len(p.push._pushes) <= MAX_PENDING
+
+
+def test_a_cancel_while_a_layer_is_planned_is_answered_only_after_its_writes():
+    """Issue 54: ``_push_layer`` checked the want under the lock, then planned and posted
+    after dropping it; a cancel in between was answered "nothing in flight" and the writes
+    went out after — into blocks the decoder then gave to another request."""
+    p, header, payload = prefill_with_a_decoder()
+    p.push.handle_want(header, payload, now=START)
+    p.push.step_started({"r": [3, 5, 7]}, now=START)
+    class CancelWhilePlanned(dict):
+        """The layers, read as the layer is planned: the decoder's cancel comes then."""
+
+        def __getitem__(self, name):
+            p.layers = dict(self)
+            p.push.handle_cancel(Header({"req": "r", "engine": "d", "rank": 0,
+                                         "token": TOKEN}), now=START)
+            return dict.__getitem__(self, name)
+
+    p.layers = CancelWhilePlanned(p.layers)
+    p.push.layer_computed(LAYERS[0], None)
+    [(_, reply, _)] = p.sent_of(_PUSHED)  # answered once the planned layer wrote nothing
+    assert reply["cancelled"] is True
+    assert p.writes == [], "nothing written after the cancel"

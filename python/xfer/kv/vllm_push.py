@@ -425,6 +425,9 @@ class PushSide:
                 return  # a chunk of a longer prompt: this layer goes when all is computed
             want.layers.add(layer)
             blocks = list(push.blocks)
+            # The layer counts as in flight from here: a cancel or abort that comes while it
+            # is planned and submitted is answered only once its writes are (released below).
+            want.pending += 1
         try:
             region, view = ctx.layers()[layer]
             peer = ctx.peer(want.engine, want.rank, want.url)
@@ -440,12 +443,11 @@ class PushSide:
                                                     ctx.tp_size)
                           if run.remote_rank == ctx.rank]
         except Exception as e:  # noqa: BLE001 - this decoder's load fails, named
-            self._push_done(req_id, want, e, submitted=False)
-            return
-        if drafter_only:
-            self._maybe_reply(req_id, want)
+            self._push_done(req_id, want, e)
             return
         with self._lock:
+            if want.cancelled or want.aborted is not None:
+                writes = []  # stopped while planned: nothing goes
             want.pending += len(writes)
         for run in writes:
             try:
@@ -463,6 +465,7 @@ class PushSide:
                 cancelled = want.cancelled or want.aborted is not None
             if cancelled:  # the cancel or abort came while this layer was being submitted
                 ctx.in_background(transfer.cancel)
+        self._push_done(req_id, want, None)  # the layer's planning is over
 
     def _push_done(self, req_id: str, want: _Want, error: BaseException | None,
                    submitted: bool = True) -> None:
