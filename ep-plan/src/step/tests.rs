@@ -1,3 +1,8 @@
+//! Why one file: it is one harness — the fabric model, the ranks, the fault schedules and the
+//! checks made at every step share one virtual clock and one world state; its parts are not
+//! separable concerns but the pieces of a single simulation (the unit tests of the planner and
+//! the decoders live beside their code).
+//!
 //! Seeded schedules: two to four ranks running [`StepMachine`]s step after step on one virtual
 //! clock over a model of the fabric (every write lands after its own jitter, in any order;
 //! bytes copied as they land), with a rank that dies before a step, one that dies half-way

@@ -1,4 +1,10 @@
-"""The executor: ``WeightSender`` on each trainer rank, ``WeightReceiver`` on each inference
+"""Why one file: the sender and the receiver are the two ends of one exchange over the same
+glue — the hub of engine messages, the control channel, the member record and its nonce
+(``_Hub``, ``_Control``, ``_Member``) — and each step of one end is answered by a step of the
+other; read together they are the protocol carried out. (A split into ``sender.py`` and
+``receiver.py`` over a shared base module is the next step if either grows.)
+
+The executor: ``WeightSender`` on each trainer rank, ``WeightReceiver`` on each inference
 rank, one version at a time over the protocol of ``protocol`` (read its documentation first:
 two phases, the coordinator alone decides). This module is the glue to the engine — its
 messages, registrations, immediates and the rendezvous; what it decides is decided there.
