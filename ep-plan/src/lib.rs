@@ -44,6 +44,7 @@ mod experts;
 mod header;
 mod imm;
 mod layout;
+pub mod moves;
 pub mod plan;
 pub mod step;
 

@@ -420,6 +420,10 @@ pub struct Receive {
 }
 
 impl Receive {
+    pub(crate) fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
     /// What rank `rank` receives from the sources whose header it holds and that `include`
     /// keeps. `overflow[s]` says whether it takes `s`'s overflow rows this step (only with the
     /// complete matrix and nobody masked, so that its offsets match every sender's).

@@ -195,6 +195,11 @@ impl StepMachine {
         &self.stage
     }
 
+    /// The layout the step runs on.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
     /// The plan of this rank's sends.
     pub fn plan(&self) -> &SendPlan {
         &self.plan

@@ -10,7 +10,10 @@
 //! slot that sent it; a step past capacity fails on every rank.
 
 use proptest::prelude::*;
-use xfer_ep_plan::plan::{decode_combine_header, encode_combine_header};
+use std::cell::Cell;
+
+use xfer_ep_plan::moves::write_combine_headers;
+use xfer_ep_plan::plan::decode_combine_header;
 use xfer_ep_plan::{
     membership_digest, CountMatrix, ExpertMap, Header, Layout, Phase, PlanError, Receive, SendPlan,
     Write,
@@ -92,6 +95,10 @@ fn case() -> impl Strategy<Value = Case> {
                     })
             },
         )
+}
+
+fn cells(bytes: &mut [u8]) -> &[Cell<u8>] {
+    Cell::from_mut(bytes).as_slice_of_cells()
 }
 
 fn row(a: u32, b: u32, c: u32, d: u32) -> [u8; 16] {
@@ -194,6 +201,21 @@ fn check(c: Case) -> Result<(), TestCaseError> {
         for (i, sr) in p.rows.iter().enumerate() {
             let at = p.row_offset(i) as usize;
             send[r][at..at + 16].copy_from_slice(&row(r as u32, sr.token, sr.slot, sr.expert));
+        }
+        // `pack` lays out the same blocks from a token tensor: the header, then each row's
+        // token.
+        let tokens = c.routing[r].len() / c.top_k as usize;
+        let x: Vec<u8> = (0..tokens as u32)
+            .flat_map(|t| row(r as u32, t, 0, 0))
+            .collect();
+        let mut packed = vec![0u8; 2 * layout.send_buffer_bytes() as usize];
+        p.pack(&layout, cells(&mut x.clone()), cells(&mut packed));
+        for peer in 0..c.ranks {
+            let at = p.block_offset(peer) as usize;
+            prop_assert_eq!(&packed[at..at + h.len()], &h[..]);
+        }
+        for (i, sr) in p.rows.iter().enumerate() {
+            prop_assert_eq!(read(&packed, p.row_offset(i)), [r as u32, sr.token, 0, 0]);
         }
         // Every routed slot is a row exactly once, at the expert the map names.
         let k = c.top_k as usize;
@@ -307,6 +329,25 @@ fn check(c: Case) -> Result<(), TestCaseError> {
             let (x, y) = (recv.rows[w[0]], recv.rows[w[1]]);
             prop_assert!((x.expert, x.source, x.index) < (y.expert, y.source, y.index));
         }
+        // The runs cover every row once, expert-major, each at its place in both buffers.
+        let mut covered = vec![0u64; layout.experts_per_rank as usize];
+        let mut n = 0;
+        for run in recv.runs() {
+            prop_assert_eq!(run.position, covered[run.expert as usize]);
+            covered[run.expert as usize] += run.rows;
+            for j in 0..run.rows {
+                let i = order[n];
+                n += 1;
+                prop_assert_eq!(recv.rows[i].expert, run.expert);
+                prop_assert_eq!(recv.rows[i].offset, run.recv_offset + j * ROW);
+                prop_assert_eq!(
+                    recv.combine_send_row_offset(i),
+                    run.combine_offset + j * ROW
+                );
+            }
+        }
+        prop_assert_eq!(n, recv.rows.len());
+        prop_assert_eq!(&covered, &recv.expert_counts);
         receives.push(recv);
     }
 
@@ -322,16 +363,7 @@ fn check(c: Case) -> Result<(), TestCaseError> {
             let at = recv.combine_send_row_offset(i) as usize;
             csend[d][at..at + 16].copy_from_slice(&row(d as u32, got[1], got[2], 77));
         }
-        for s in 0..c.ranks {
-            if recv.sources[s as usize] {
-                let at = recv.combine_send_offset(s) as usize;
-                csend[d][at..at + 64].copy_from_slice(&encode_combine_header(
-                    c.epoch,
-                    d as u32,
-                    recv.valid[s as usize],
-                ));
-            }
-        }
+        write_combine_headers(recv, cells(&mut csend[d]));
         let writes = recv.writes_combine(&matrix);
         for s in 0..c.ranks {
             prop_assert!(writes.iter().filter(|w| w.peer == s).count() <= 1);

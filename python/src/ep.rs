@@ -3,8 +3,12 @@
 //! per-row data comes back as columns (`bytes` of little-endian `int64`, viewed with
 //! `numpy.frombuffer`), its actions as tuples.
 
+use std::cell::Cell;
+
+use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
+use xfer_ep_plan::moves::{self, Dtype, ExpertLayout, RecvRun};
 use xfer_ep_plan::step::{Action, Stage};
 use xfer_ep_plan::{ExpertMap, Layout, Phase, SendPlan, StepMachine};
 
@@ -75,6 +79,61 @@ pub(crate) fn ep_region_bytes<'py>(
 pub(crate) struct EpStep {
     layout: Layout,
     machine: StepMachine,
+    /// The received rows as runs, once dispatched.
+    runs: Option<Vec<RecvRun>>,
+}
+
+/// A writable, C-contiguous buffer of exactly `len` elements (numpy arrays, torch tensors'
+/// numpy views), as cells: Python may hold other views of it, so no `&mut`.
+fn writable<'a, T: pyo3::buffer::Element>(
+    py: Python<'_>,
+    buf: &'a PyBuffer<T>,
+    what: &str,
+    len: usize,
+) -> PyResult<&'a [Cell<T>]> {
+    let cells = crate::ffi::buffer_cells(buf).ok_or_else(|| {
+        errors::invalid(py, format!("{what} must be a writable, C-contiguous array"))
+    })?;
+    if cells.len() != len {
+        return Err(errors::invalid(
+            py,
+            format!("{what} has {} elements, not {len}", cells.len()),
+        ));
+    }
+    Ok(cells)
+}
+
+/// A buffer read as values (copied when Python holds it read-only).
+fn readable<T: pyo3::buffer::Element + Copy>(
+    py: Python<'_>,
+    buf: &PyBuffer<T>,
+    what: &str,
+    len: usize,
+) -> PyResult<Vec<T>> {
+    if buf.item_count() != len {
+        return Err(errors::invalid(
+            py,
+            format!("{what} has {} elements, not {len}", buf.item_count()),
+        ));
+    }
+    buf.to_vec(py)
+}
+
+fn expert_layout(py: Python<'_>, name: &str) -> PyResult<ExpertLayout> {
+    match name {
+        "deepep" => Ok(ExpertLayout::DeepEp),
+        "flat" => Ok(ExpertLayout::Flat),
+        other => Err(errors::invalid(py, format!("no layout {other:?}"))),
+    }
+}
+
+fn dtype_of(py: Python<'_>, name: &str) -> PyResult<Dtype> {
+    match name {
+        "bfloat16" => Ok(Dtype::Bf16),
+        "float16" => Ok(Dtype::F16),
+        "float32" => Ok(Dtype::F32),
+        other => Err(errors::invalid(py, format!("no dtype {other:?}"))),
+    }
 }
 
 fn stage_name(s: &Stage) -> String {
@@ -85,6 +144,30 @@ fn stage_name(s: &Stage) -> String {
         Stage::Done => "done".into(),
         Stage::Failed(e) => format!("failed: {e}"),
     }
+}
+
+impl EpStep {
+    /// The received rows as runs (computed once per step).
+    fn runs(&mut self, py: Python<'_>) -> PyResult<&[RecvRun]> {
+        if self.runs.is_none() {
+            let Some(r) = self.machine.receive() else {
+                return Err(errors::invalid(py, "the step is not dispatched"));
+            };
+            self.runs = Some(r.runs());
+        }
+        Ok(self.runs.as_deref().unwrap_or_default())
+    }
+}
+
+fn starts_of(counts: &[u64]) -> Vec<u64> {
+    counts
+        .iter()
+        .scan(0u64, |acc, &c| {
+            let s = *acc;
+            *acc += c;
+            Some(s)
+        })
+        .collect()
 }
 
 #[pymethods]
@@ -124,7 +207,11 @@ impl EpStep {
         let plan = SendPlan::new(&layout, &map, rank, epoch, tag, &ids, &active)
             .map_err(|e| errors::invalid(py, e.to_string()))?;
         let machine = StepMachine::new(&layout, plan, now, timeout);
-        Ok(Self { layout, machine })
+        Ok(Self {
+            layout,
+            machine,
+            runs: None,
+        })
     }
 
     /// The step's buffer set (0 or 1).
@@ -233,66 +320,144 @@ impl EpStep {
         self.machine.combine_header_offset(peer)
     }
 
-    /// Once dispatched: the received rows as runs, columns `recv_offset` (dispatch region),
-    /// `combine_offset` (combine send buffer), `count`, `expert`, `position` (in the expert's
-    /// rows: sources in rank order, each in its order), and the rows per local expert.
-    fn recv_runs<'py>(&self, py: Python<'py>) -> PyResult<(Vec<Bound<'py, PyBytes>>, Vec<u64>)> {
-        let Some(r) = self.machine.receive() else {
-            return Err(errors::invalid(
-                py,
-                "recv_runs before the step is dispatched",
-            ));
+    /// Packs the send buffer (`send`: the whole region, both sets, `uint8`) from `x`
+    /// (`[tokens, hidden]` as bytes): every peer's block gets this rank's header, then its
+    /// rows in send order.
+    fn pack(&self, py: Python<'_>, x: PyBuffer<u8>, send: PyBuffer<u8>) -> PyResult<()> {
+        let l = &self.layout;
+        let tokens = self.machine.plan().slot_row.len() / l.top_k as usize;
+        let row = l.row_bytes as usize;
+        let send = writable(
+            py,
+            &send,
+            "the send buffer",
+            2 * l.send_buffer_bytes() as usize,
+        )?;
+        let mut owned;
+        let x = match crate::ffi::buffer_cells(&x) {
+            Some(c) if c.len() == tokens * row => c,
+            _ => {
+                owned = readable(py, &x, "x", tokens * row)?;
+                Cell::from_mut(owned.as_mut_slice()).as_slice_of_cells()
+            }
         };
-        let row = self.layout.row_bytes;
-        let mut cols: [Vec<i64>; 5] = Default::default();
-        let mut position = vec![0u64; self.layout.experts_per_rank as usize];
-        for i in r.expert_order() {
-            let rr = r.rows[i];
-            let (recv, comb) = (rr.offset, r.combine_send_row_offset(i));
-            let pos = position[rr.expert as usize];
-            position[rr.expert as usize] += 1;
-            let n = cols[2].len();
-            // Extend the last run when this row follows it in both buffers and the expert.
-            if n > 0 {
-                let c = cols[2][n - 1] as u64;
-                if cols[3][n - 1] == i64::from(rr.expert)
-                    && cols[0][n - 1] as u64 + c * row == recv
-                    && cols[1][n - 1] as u64 + c * row == comb
-                {
-                    cols[2][n - 1] += 1;
-                    continue;
-                }
-            }
-            for (col, v) in cols.iter_mut().zip([
-                recv as i64,
-                comb as i64,
-                1,
-                i64::from(rr.expert),
-                pos as i64,
-            ]) {
-                col.push(v);
-            }
-        }
-        Ok((columns(py, &cols), r.expert_counts.clone()))
+        self.machine.plan().pack(l, x, send);
+        Ok(())
     }
 
-    /// Once dispatched: the combine headers to write into the combine send buffer, as
-    /// `(offset, bytes)`.
-    fn combine_headers<'py>(&self, py: Python<'py>) -> PyResult<Vec<(u64, Bound<'py, PyBytes>)>> {
-        let Some(r) = self.machine.receive() else {
+    /// Once dispatched: the rows per local expert (`recv_count`).
+    fn expert_counts(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        self.machine
+            .receive()
+            .map(|r| r.expert_counts.clone())
+            .ok_or_else(|| errors::invalid(py, "the step is not dispatched"))
+    }
+
+    /// Once dispatched: copies the received rows from `region` (the dispatch region, both
+    /// sets, `uint8`) into `out` (bytes of `[experts_per_rank, ranks × max_tokens, hidden]`
+    /// for `"deepep"`, `[rows, hidden]` for `"flat"`): for each local expert, the sources in
+    /// rank order, each source's rows in its order. Rows past an expert's count are left.
+    fn unpack(
+        &mut self,
+        py: Python<'_>,
+        region: PyBuffer<u8>,
+        out: PyBuffer<u8>,
+        layout: &str,
+    ) -> PyResult<()> {
+        let shape = expert_layout(py, layout)?;
+        let l = self.layout.clone();
+        let counts = self.expert_counts(py)?;
+        let starts = starts_of(&counts);
+        let region = writable(
+            py,
+            &region,
+            "the dispatch region",
+            2 * l.dispatch_region_bytes() as usize,
+        )?;
+        let need = moves::expert_layout_bytes(&l, shape, counts.iter().sum());
+        let out = writable(py, &out, "out", need as usize)?;
+        let row = l.row_bytes as usize;
+        for run in self.runs(py)? {
+            let (src, len) = (run.recv_offset as usize, run.rows as usize * row);
+            let dst = moves::expert_offset(&l, shape, &starts, run) as usize;
+            moves::copy_cells(&out[dst..dst + len], &region[src..src + len]);
+        }
+        Ok(())
+    }
+
+    /// Once dispatched: copies the experts' outputs (`expert_out`, bytes in the layout the
+    /// rows were unpacked to) back into `csend` (the combine send buffer, both sets) in each
+    /// source's order, with the combine headers.
+    fn repack(
+        &mut self,
+        py: Python<'_>,
+        expert_out: PyBuffer<u8>,
+        csend: PyBuffer<u8>,
+        layout: &str,
+    ) -> PyResult<()> {
+        let shape = expert_layout(py, layout)?;
+        let l = self.layout.clone();
+        let counts = self.expert_counts(py)?;
+        let starts = starts_of(&counts);
+        let csend = writable(
+            py,
+            &csend,
+            "the combine send buffer",
+            2 * l.combine_send_bytes() as usize,
+        )?;
+        let need = moves::expert_layout_bytes(&l, shape, counts.iter().sum()) as usize;
+        let mut owned;
+        let src = match crate::ffi::buffer_cells(&expert_out) {
+            Some(c) if c.len() == need => c,
+            _ => {
+                owned = readable(py, &expert_out, "expert_out", need)?;
+                Cell::from_mut(owned.as_mut_slice()).as_slice_of_cells()
+            }
+        };
+        let row = l.row_bytes as usize;
+        for run in self.runs(py)? {
+            let (dst, len) = (run.combine_offset as usize, run.rows as usize * row);
+            let at = moves::expert_offset(&l, shape, &starts, run) as usize;
+            moves::copy_cells(&csend[dst..dst + len], &src[at..at + len]);
+        }
+        if let Some(r) = self.machine.receive() {
+            moves::write_combine_headers(r, csend);
+        }
+        Ok(())
+    }
+
+    /// Once done: `y` (`[tokens, hidden]` float32) gets each token's outputs from `combine`
+    /// (the combine region, both sets) weighted by `weights` (`[tokens, top_k]` float32) and
+    /// summed in fp32, slots in order; slots whose output did not come back count zero.
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        combine: PyBuffer<u8>,
+        weights: PyBuffer<f32>,
+        y: PyBuffer<f32>,
+        dtype: &str,
+    ) -> PyResult<()> {
+        let dtype = dtype_of(py, dtype)?;
+        let l = &self.layout;
+        if l.row_bytes % dtype.size() as u64 != 0 {
             return Err(errors::invalid(
                 py,
-                "combine_headers before the step is dispatched",
+                "rows are not whole elements of the dtype",
             ));
-        };
-        Ok((0..self.layout.ranks)
-            .filter(|&s| r.sources[s as usize])
-            .map(|s| {
-                let h =
-                    xfer_ep_plan::plan::encode_combine_header(r.epoch, r.rank, r.valid[s as usize]);
-                (r.combine_send_offset(s), PyBytes::new(py, &h))
-            })
-            .collect())
+        }
+        let slots = self.machine.plan().slot_row.len();
+        let hidden = (l.row_bytes / dtype.size() as u64) as usize;
+        let tokens = slots / l.top_k as usize;
+        let combine = writable(
+            py,
+            &combine,
+            "the combine region",
+            2 * l.combine_region_bytes() as usize,
+        )?;
+        let weights = readable(py, &weights, "topk_weights", slots)?;
+        let y = writable(py, &y, "y", tokens * hidden)?;
+        self.machine.reduce(dtype, combine, &weights, y);
+        Ok(())
     }
 
     /// Starts combine at `now` (ns), once the expert outputs and the combine headers are in

@@ -135,3 +135,27 @@ pub(crate) unsafe fn register(
         Some(a) => unsafe { engine.reg_mr_with(ptr, len, device, a) }.map(|(h, d)| (h, Some(d))),
     }
 }
+
+/// The elements of a writable, C-contiguous buffer (a numpy array, the numpy view of a host
+/// torch tensor) as cells, for the MoE copies of `ep.rs`; `None` for a read-only or strided one.
+/// Cells, not `&mut`: Python holds other views of the same memory, and the engine writes into a
+/// registered region while the bindings read other rows of it.
+pub(crate) fn buffer_cells<T: pyo3::buffer::Element>(
+    buf: &pyo3::buffer::PyBuffer<T>,
+) -> Option<&[std::cell::Cell<T>]> {
+    if buf.readonly() || !buf.is_c_contiguous() {
+        return None;
+    }
+    let ptr = buf.buf_ptr() as *const std::cell::Cell<T>;
+    if buf.item_count() == 0 {
+        return Some(&[]);
+    }
+    // SAFETY: `PyBuffer::get` checked that the buffer holds `item_count` aligned elements of
+    // `T`'s format; it is C-contiguous and writable (checked above) and stays exported, so
+    // allocated at this address, while `buf` lives, which the returned borrow cannot outlive.
+    // `Cell<T>` has `T`'s layout and claims no exclusivity. The bindings run these copies
+    // holding the GIL, so no Python thread touches the array meanwhile; the rows they read were
+    // completed by the engine (counted arrivals) and are not written again before the step
+    // two later, which waits for this one.
+    Some(unsafe { std::slice::from_raw_parts(ptr, buf.item_count()) })
+}

@@ -27,6 +27,10 @@ from .group import EpGroup
 from .layout import EpConfig
 
 
+#: Where a step's time goes at a rank (``Handle.stats``): the host's copies and the waits.
+_HOST = ("pack", "dispatch_wait", "unpack", "repack", "combine_wait", "reduce")
+
+
 def pct(xs, q):
     return float(np.percentile(np.asarray(xs) * 1e6, q)) if xs else float("nan")
 
@@ -42,6 +46,7 @@ def xfer_rank(g: EpGroup, cfg: EpConfig, iters: int, warmup: int, barrier):
     """Steps at one rank; returns timings and the hardware-independent figures."""
     d, c, s = [], [], []
     writes, remote, minimum, plan_ns, pack_ns, tokens = [], [], [], [], [], 0
+    host = {}
     for i in range(warmup + iters):
         x, idx, w = oracle.inputs(7, i % 4, g.rank, cfg, drop=0.0)
         barrier()
@@ -64,6 +69,8 @@ def xfer_rank(g: EpGroup, cfg: EpConfig, iters: int, warmup: int, barrier):
         minimum.append(2 * sum(1 for _t, r in pairs if r != g.rank) * cfg.row_bytes)
         plan_ns.append(h.stats["plan_ns"])
         pack_ns.append(h.stats["pack_ns"])
+        for key in _HOST:
+            host.setdefault(key, []).append(h.stats.get(key + "_ns", 0))
         tokens += x.shape[0]
     figures = {
         "writes_per_rank_per_step": float(np.mean(writes)),
@@ -72,6 +79,7 @@ def xfer_rank(g: EpGroup, cfg: EpConfig, iters: int, warmup: int, barrier):
         "wire_bytes_per_step": float(np.mean(remote)),
         "plan_ns_per_token": float(np.sum(plan_ns) / max(1, tokens)),
         "pack_ns_per_token": float(np.sum(pack_ns) / max(1, tokens)),
+        "host_p50_us": {k: float(np.percentile(v, 50)) / 1e3 for k, v in host.items()},
     }
     return d, c, s, figures
 
@@ -249,6 +257,7 @@ def main(argv=None):
                   f"(<= 2 per peer per phase), {r['wire_bytes_per_step'] / 1e6:.1f} MB on the wire per step, "
                   f"{r['bytes_over_minimum']:.2f}x the minimum (one copy per token and rank), "
                   f"planning {r['plan_ns_per_token']:.0f} ns per token, packing {r['pack_ns_per_token']:.0f} ns per token")
+            print("  p50 µs: " + ", ".join(f"{k} {v:.0f}" for k, v in r["host_p50_us"].items()))
 
 
 if __name__ == "__main__":

@@ -15,10 +15,15 @@ import numpy as np
 
 from .. import _errors
 from .._xfer import EpStep, MrDesc
-from .layout import EpConfig, RecvRuns, columns, gather_deepep, gather_flat, reduce_combined, rows_at, scatter_back
+from .layout import EpConfig, columns
 
 LAYOUTS = ("deepep", "flat")
 _REGIONS = ("send", "dispatch", "combine_send", "combine")
+
+
+def _bytes_of(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous array's bytes, as a flat uint8 view (what the binding's copies take)."""
+    return a.reshape(-1).view(np.uint8)
 
 
 class EpError(_errors.Error):
@@ -35,10 +40,9 @@ class Handle:
     step: EpStep
     epoch: int
     num_tokens: int
-    layout: str = "deepep"
+    layout: str | None = None
     token: np.ndarray = field(default=None)
     slot: np.ndarray = field(default=None)
-    runs: RecvRuns | None = None
     expects: dict = field(default_factory=dict)
     sends: list = field(default_factory=list)
     lost_slots: np.ndarray | None = None
@@ -204,14 +208,7 @@ class EpGroup:
         self.epoch += 1
         token, slot, _peer, _expert = columns(step.send_rows())
         h.token, h.slot = token, slot
-        send = self.regions["send"]
-        header = np.frombuffer(step.header(), dtype=np.uint8)
-        first = 0
-        for peer, block, count in step.send_blocks():
-            send[block:block + len(header)] = header
-            if count:
-                rows_at(send, block + len(header), count, cfg)[:] = x[token[first:first + count]]
-            first += count
+        step.pack(_bytes_of(x), self.regions["send"])
         h.stats["plan_ns"] = planned - t0
         h.stats["pack_ns"] = time.perf_counter_ns() - planned
         self._carry(h)
@@ -228,36 +225,44 @@ class EpGroup:
             raise ValueError(f"layout must be one of {LAYOUTS}")
         cfg = self.cfg
         h.layout = layout
+        t0 = time.perf_counter_ns()
         self._drive(h, ("dispatched",))
+        h.stats["dispatch_wait_ns"] = time.perf_counter_ns() - t0
         if h.step.stage.startswith("failed"):
             self._finish(h)
             raise EpError(f"step {h.epoch}: {h.step.stage}")
-        h.runs = RecvRuns.of(h.step.recv_runs())
+        counts = np.asarray(h.step.expert_counts(), dtype=np.int64)
         region = self.regions["dispatch"]
         if layout == "deepep":
             shape = (cfg.experts_per_rank, cfg.ranks * cfg.max_tokens, cfg.hidden)
             if out is None:
-                out = self._out.setdefault((h.epoch % 2, layout), np.zeros(shape, dtype=cfg.storage))
-            if int(h.runs.expert_counts.max(initial=0)) > shape[1]:
+                out = self._out.get((h.epoch % 2, layout))
+                if out is None:
+                    out = self._out.setdefault((h.epoch % 2, layout), np.zeros(shape, dtype=cfg.storage))
+            if out.shape != shape or out.dtype != cfg.storage:
+                raise ValueError(f"out must be {shape} of {cfg.storage}, not {out.shape} {out.dtype}")
+            if int(counts.max(initial=0)) > shape[1]:
                 raise EpError("an expert got more than ranks × max_tokens rows (duplicate experts in a token?)")
-            gather_deepep(region, h.runs, cfg, out)
-            return out, h.runs.expert_counts.copy()
-        total = int(h.runs.expert_counts.sum())
+            t0 = time.perf_counter_ns()
+            h.step.unpack(region, _bytes_of(out), layout)
+            h.stats["unpack_ns"] = time.perf_counter_ns() - t0
+            return out, counts
+        total = int(counts.sum())
         if out is None:
             out = np.empty((total, cfg.hidden), dtype=cfg.storage)
-        gather_flat(region, h.runs, cfg, out)
-        return out, h.runs.expert_starts
+        t0 = time.perf_counter_ns()
+        h.step.unpack(region, _bytes_of(out), layout)
+        h.stats["unpack_ns"] = time.perf_counter_ns() - t0
+        return out, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
     def combine_send(self, h: Handle, expert_out: np.ndarray) -> None:
         """Sends each received row's expert output (``expert_out`` in the layout the rows were
         received in) back to its source."""
-        cfg = self.cfg
-        if h.runs is None:
+        if h.layout is None:
             raise RuntimeError("combine_send before dispatch_recv")
-        csend = self.regions["combine_send"]
-        scatter_back(np.asarray(expert_out), h.runs, cfg, h.layout, csend)
-        for offset, header in h.step.combine_headers():
-            csend[offset:offset + len(header)] = np.frombuffer(header, dtype=np.uint8)
+        t0 = time.perf_counter_ns()
+        h.step.repack(_bytes_of(np.ascontiguousarray(expert_out, dtype=self.cfg.storage)), self.regions["combine_send"], h.layout)
+        h.stats["repack_ns"] = time.perf_counter_ns() - t0
         h.step.start_combine(self._now())
         self._carry(h)
 
@@ -266,7 +271,9 @@ class EpGroup:
         weighted by ``topk_weights`` and summed in fp32, slots in order. Slots whose output did
         not come back count zero; they are in ``h.lost_slots``."""
         cfg = self.cfg
+        t0 = time.perf_counter_ns()
         self._drive(h, ("done",))
+        h.stats["combine_wait_ns"] = time.perf_counter_ns() - t0
         # The step's own writes to live peers are done before its buffers are reused two
         # steps on. Those to a masked peer may hang (a dead process over shm never answers):
         # not waited for, as what they carry is never read.
@@ -281,10 +288,13 @@ class EpGroup:
                 h.step.handle_send_failed(self._now(), peer)
         h.sends.clear()
         self._finish(h)
-        blocks, valid = h.step.combine_blocks()
+        _blocks, valid = h.step.combine_blocks()
         valid = np.asarray(valid, dtype=bool)
-        weights = np.asarray(topk_weights, dtype=np.float32)
-        y = reduce_combined(self.regions["combine"], blocks, valid, h.token, h.slot, weights, h.num_tokens, cfg)
+        weights = np.ascontiguousarray(topk_weights, dtype=np.float32)
+        y = np.empty((h.num_tokens, cfg.hidden), dtype=np.float32)
+        t0 = time.perf_counter_ns()
+        h.step.reduce(self.regions["combine"], weights.reshape(-1), y.reshape(-1), cfg.dtype)
+        h.stats["reduce_ns"] = time.perf_counter_ns() - t0
         lost = set((h.token[~valid] * cfg.top_k + h.slot[~valid]).tolist()) | set(h.step.masked_slots())
         h.lost_slots = np.array(sorted(lost), dtype=np.int64)
         return y

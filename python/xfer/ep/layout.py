@@ -1,6 +1,6 @@
-"""The pure part of ``xfer.ep``: the configuration, dtypes as bytes, and moving rows between
-the wire buffers and the layouts experts read (DeepEP's low-latency one and a flat one), and
-the weighted fp32 reduction of combine. numpy only: no engine, no torch.
+"""The pure part of ``xfer.ep``: the configuration and dtypes as bytes. numpy only: no engine,
+no torch. Rows move between the tensors and the wire buffers in the binding
+(``EpStep.pack``/``unpack``/``repack``/``reduce``: crate ``xfer-ep-plan``'s ``moves``).
 
 Rows travel as raw bytes of the storage dtype. bfloat16 has no numpy dtype: it is carried as
 ``uint16`` bit patterns and widened to fp32 exactly (``bits << 16``)."""
@@ -41,10 +41,12 @@ class EpConfig:
     """The fixed shape of an expert-parallel group, the same on every rank.
 
     ``private_rows``: rows each source may write into its own slot at each receiver before the
-    counts land (default: ``max_tokens × top_k`` split evenly over the experts' ranks, at least
+    counts land (default: ``max_tokens × top_k``, any routing, when ``overflow_rows`` is not
+    given either; else ``max_tokens × top_k`` split evenly over the ranks, at least
     ``max_tokens``); ``overflow_rows``: rows each receiver shares among its sources past their
     private slots (default: enough for any routing, ``ranks × max_tokens × top_k`` less the
-    private slots). ``timeout``: seconds each wait of a step may take before its source is
+    private slots). Both defaults together hold the same rows as even shares plus a full
+    overflow. ``timeout``: seconds each wait of a step may take before its source is
     masked (a step takes at most ten of them beyond the caller's compute)."""
 
     ranks: int
@@ -71,6 +73,10 @@ class EpConfig:
     def private(self) -> int:
         if self.private_rows is not None:
             return self.private_rows
+        if self.overflow_rows is None:
+            # Room for any routing in the private slots: the same memory as even shares plus
+            # the overflow any routing may need, and dispatch is always one one-way trip.
+            return self.max_tokens * self.top_k
         even = -(-self.max_tokens * self.top_k // self.ranks)
         return max(even, self.max_tokens)
 
@@ -104,92 +110,3 @@ class EpConfig:
 def columns(raw: list[bytes]) -> list[np.ndarray]:
     """The binding's columns (little-endian int64 bytes) as numpy arrays."""
     return [np.frombuffer(c, dtype="<i8") for c in raw]
-
-
-def rows_at(region: np.ndarray, offset: int, count: int, cfg: EpConfig) -> np.ndarray:
-    """A view of ``count`` rows at byte ``offset`` of a uint8 region."""
-    return region[offset:offset + count * cfg.row_bytes].view(cfg.storage).reshape(count, cfg.hidden)
-
-
-@dataclass
-class RecvRuns:
-    """The received rows as runs: each run is ``count`` rows contiguous in the dispatch region
-    (from ``recv_offset``) and in the combine send buffer (from ``combine_offset``), for local
-    expert ``expert`` at ``position`` in its rows."""
-
-    recv_offset: np.ndarray
-    combine_offset: np.ndarray
-    count: np.ndarray
-    expert: np.ndarray
-    position: np.ndarray
-    expert_counts: np.ndarray
-
-    @classmethod
-    def of(cls, raw) -> "RecvRuns":
-        cols, counts = raw
-        return cls(*columns(cols), np.asarray(counts, dtype=np.int64))
-
-    @property
-    def expert_starts(self) -> np.ndarray:
-        """Where each expert's rows start in the flat layout (``experts + 1`` entries)."""
-        return np.concatenate([[0], np.cumsum(self.expert_counts)]).astype(np.int64)
-
-
-def gather_deepep(region: np.ndarray, runs: RecvRuns, cfg: EpConfig, out: np.ndarray) -> None:
-    """DeepEP's low-latency layout: ``out[expert, position]`` (``[experts_per_rank, ranks ×
-    max_tokens, hidden]``); rows past ``recv_count`` are left as they are."""
-    for off, n, e, pos in zip(runs.recv_offset, runs.count, runs.expert, runs.position):
-        out[e, pos:pos + n] = rows_at(region, int(off), int(n), cfg)
-
-
-def gather_flat(region: np.ndarray, runs: RecvRuns, cfg: EpConfig, out: np.ndarray) -> None:
-    """The flat expert-major layout: expert 0's rows, then expert 1's, … (``[rows, hidden]``)."""
-    starts = runs.expert_starts
-    for off, n, e, pos in zip(runs.recv_offset, runs.count, runs.expert, runs.position):
-        at = int(starts[e] + pos)
-        out[at:at + n] = rows_at(region, int(off), int(n), cfg)
-
-
-def scatter_back(expert_out: np.ndarray, runs: RecvRuns, cfg: EpConfig, layout: str, csend: np.ndarray) -> None:
-    """The experts' outputs (in ``layout``) into the combine send buffer, in each source's
-    order."""
-    starts = runs.expert_starts
-    for coff, n, e, pos in zip(runs.combine_offset, runs.count, runs.expert, runs.position):
-        if layout == "deepep":
-            src = expert_out[e, pos:pos + n]
-        else:
-            at = int(starts[e] + pos)
-            src = expert_out[at:at + n]
-        rows_at(csend, int(coff), int(n), cfg)[:] = src
-
-
-def reduce_combined(
-    region: np.ndarray,
-    blocks,
-    valid: np.ndarray,
-    token: np.ndarray,
-    slot: np.ndarray,
-    weights: np.ndarray,
-    num_tokens: int,
-    cfg: EpConfig,
-) -> np.ndarray:
-    """``y[t] = Σ_slot weight[t, slot] · output(t, slot)`` in fp32, slots summed in order; a slot
-    whose output did not come back (masked rank, lost row) contributes zero."""
-    k = cfg.top_k
-    per_slot = np.zeros((num_tokens * k, cfg.hidden), dtype=np.float32)
-    first = 0
-    w = np.asarray(weights, dtype=np.float32).reshape(num_tokens, k) if num_tokens else np.zeros((0, k), np.float32)
-    for _peer, offset, count in blocks:
-        if count == 0:
-            continue
-        sl = slice(first, first + count)
-        first += count
-        ok = valid[sl]
-        rows = rows_at(region, int(offset), int(count), cfg)
-        if not ok.all():
-            rows = rows[ok]
-        t, s = token[sl][ok], slot[sl][ok]
-        contrib = to_f32(rows, cfg.dtype)
-        contrib *= w[t, s][:, None]
-        per_slot[t * k + s] = contrib
-    return per_slot.reshape(num_tokens, k, cfg.hidden).sum(axis=1, dtype=np.float32)

@@ -1,0 +1,287 @@
+//! Where each row's bytes move between the caller's tensors and the registered buffers, and
+//! the fp32 weighted reduction of combine: offsets from the plan, no I/O. The byte loops run
+//! over `Cell` slices, so the bindings can hand in buffers Python also sees (numpy, torch)
+//! without `unsafe`.
+
+use std::cell::Cell;
+
+use crate::plan::{Receive, SendPlan};
+use crate::step::StepMachine;
+use crate::{Layout, COMBINE_HEADER_BYTES};
+
+/// Element types of a row as stored on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Dtype {
+    /// bfloat16 (widened exactly: `bits << 16`).
+    Bf16,
+    /// IEEE half.
+    F16,
+    /// IEEE single.
+    F32,
+}
+
+impl Dtype {
+    /// Bytes of one element.
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::Bf16 | Dtype::F16 => 2,
+            Dtype::F32 => 4,
+        }
+    }
+}
+
+/// IEEE half to single, exactly (subnormals, infinities and NaNs included).
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h & 0x8000) << 16;
+    let exp = u32::from((h >> 10) & 0x1f);
+    let man = u32::from(h & 0x3ff);
+    let bits = match (exp, man) {
+        (0, 0) => sign,
+        // Subnormal: value man × 2^-24, exact in f32.
+        (0, m) => {
+            // Subnormal: m × 2^-24, exact in f32.
+            let v = m as f32 * f32::from_bits(0x3380_0000);
+            return if sign == 0 { v } else { -v };
+        }
+        (0x1f, m) => sign | 0x7f80_0000 | (m << 13),
+        (e, m) => sign | ((e + 127 - 15) << 23) | (m << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// `acc[i] += weight × row[i]` in fp32, for a row of `acc.len()` elements of `dtype`
+/// (little-endian bytes).
+pub fn accumulate(dtype: Dtype, acc: &mut [f32], weight: f32, row: &[Cell<u8>]) {
+    let size = dtype.size();
+    debug_assert_eq!(row.len(), acc.len() * size);
+    match dtype {
+        Dtype::Bf16 => {
+            for (a, b) in acc.iter_mut().zip(row.chunks_exact(2)) {
+                let bits = u32::from(u16::from_le_bytes([b[0].get(), b[1].get()])) << 16;
+                *a += weight * f32::from_bits(bits);
+            }
+        }
+        Dtype::F16 => {
+            for (a, b) in acc.iter_mut().zip(row.chunks_exact(2)) {
+                *a += weight * f16_to_f32(u16::from_le_bytes([b[0].get(), b[1].get()]));
+            }
+        }
+        Dtype::F32 => {
+            for (a, b) in acc.iter_mut().zip(row.chunks_exact(4)) {
+                *a += weight * f32::from_le_bytes([b[0].get(), b[1].get(), b[2].get(), b[3].get()]);
+            }
+        }
+    }
+}
+
+/// Copies `src` into `dst` (same length).
+pub fn copy_cells(dst: &[Cell<u8>], src: &[Cell<u8>]) {
+    debug_assert_eq!(dst.len(), src.len());
+    for (d, s) in dst.iter().zip(src) {
+        d.set(s.get());
+    }
+}
+
+/// A run of received rows for one local expert: contiguous in the dispatch region (from
+/// `recv_offset`) and in the combine send buffer (from `combine_offset`), at `position` in the
+/// expert's rows (sources in rank order, each in its own order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvRun {
+    /// Byte offset in the dispatch region (both sets).
+    pub recv_offset: u64,
+    /// Byte offset in the combine send buffer (both sets).
+    pub combine_offset: u64,
+    /// Rows.
+    pub rows: u64,
+    /// The local expert.
+    pub expert: u32,
+    /// Index of the first row among the expert's rows.
+    pub position: u64,
+}
+
+impl Receive {
+    /// The received rows as runs, expert-major (DeepEP's low-latency order).
+    pub fn runs(&self) -> Vec<RecvRun> {
+        let row = self.layout().row_bytes;
+        let mut out: Vec<RecvRun> = Vec::new();
+        let mut position = vec![0u64; self.expert_counts.len()];
+        for i in self.expert_order() {
+            let r = self.rows[i];
+            let (recv, comb) = (r.offset, self.combine_send_row_offset(i));
+            let pos = position[r.expert as usize];
+            position[r.expert as usize] += 1;
+            if let Some(last) = out.last_mut() {
+                if last.expert == r.expert
+                    && last.recv_offset + last.rows * row == recv
+                    && last.combine_offset + last.rows * row == comb
+                {
+                    last.rows += 1;
+                    continue;
+                }
+            }
+            out.push(RecvRun {
+                recv_offset: recv,
+                combine_offset: comb,
+                rows: 1,
+                expert: r.expert,
+                position: pos,
+            });
+        }
+        out
+    }
+}
+
+/// How the experts see the received rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertLayout {
+    /// `[experts_per_rank, ranks × max_tokens, row]` (DeepEP's low-latency layout).
+    DeepEp,
+    /// `[rows, row]`, expert-major.
+    Flat,
+}
+
+/// Byte offset of `run`'s first row in the experts' layout.
+pub fn expert_offset(layout: &Layout, shape: ExpertLayout, starts: &[u64], run: &RecvRun) -> u64 {
+    let first = match shape {
+        ExpertLayout::DeepEp => {
+            u64::from(run.expert) * u64::from(layout.ranks) * u64::from(layout.max_tokens)
+                + run.position
+        }
+        ExpertLayout::Flat => starts[run.expert as usize] + run.position,
+    };
+    first * layout.row_bytes
+}
+
+/// Bytes the experts' layout needs.
+pub fn expert_layout_bytes(layout: &Layout, shape: ExpertLayout, received_rows: u64) -> u64 {
+    match shape {
+        ExpertLayout::DeepEp => {
+            u64::from(layout.experts_per_rank)
+                * u64::from(layout.ranks)
+                * u64::from(layout.max_tokens)
+                * layout.row_bytes
+        }
+        ExpertLayout::Flat => received_rows * layout.row_bytes,
+    }
+}
+
+impl SendPlan {
+    /// Packs the send buffer: every active peer's block gets this rank's header and, behind
+    /// it, its rows copied from `x` (`[tokens, row]` bytes).
+    pub fn pack(&self, layout: &Layout, x: &[Cell<u8>], send: &[Cell<u8>]) {
+        let header = self.header.encode(layout);
+        let row = layout.row_bytes as usize;
+        for peer in 0..layout.ranks {
+            let block = self.block_offset(peer) as usize;
+            for (d, &b) in send[block..block + header.len()].iter().zip(&header) {
+                d.set(b);
+            }
+            let first = self.peer_start[peer as usize];
+            let rows_at = block + layout.header_bytes() as usize;
+            for (j, r) in self.rows[first..self.peer_start[peer as usize + 1]]
+                .iter()
+                .enumerate()
+            {
+                let t = r.token as usize * row;
+                copy_cells(
+                    &send[rows_at + j * row..rows_at + (j + 1) * row],
+                    &x[t..t + row],
+                );
+            }
+        }
+    }
+}
+
+impl StepMachine {
+    /// `y[t] = Σ_slot weight[t × top_k + slot] · output(t, slot)` in fp32, slots in order, for
+    /// `y` of `[tokens, hidden]`; a slot whose output did not come back (masked rank, row not
+    /// received) contributes zero. `combine` is the combine region.
+    pub fn reduce(&self, dtype: Dtype, combine: &[Cell<u8>], weights: &[f32], y: &[Cell<f32>]) {
+        let plan = self.plan();
+        let layout = self.layout();
+        let top_k = layout.top_k as usize;
+        let row = layout.row_bytes as usize;
+        let hidden = row / dtype.size();
+        let tokens = plan.slot_row.len() / top_k;
+        let mut acc = vec![0f32; hidden];
+        for (t, out) in y.chunks_exact(hidden).take(tokens).enumerate() {
+            acc.iter_mut().for_each(|v| *v = 0.0);
+            for s in 0..top_k {
+                let i = plan.slot_row[t * top_k + s];
+                if i < 0 || !self.row_combined(i as usize) {
+                    continue;
+                }
+                let at = plan.combine_row_offset(i as usize) as usize;
+                accumulate(
+                    dtype,
+                    &mut acc,
+                    weights[t * top_k + s],
+                    &combine[at..at + row],
+                );
+            }
+            for (o, &a) in out.iter().zip(&acc) {
+                o.set(a);
+            }
+        }
+    }
+}
+
+/// Writes the combine headers a receive owes into the combine send buffer.
+pub fn write_combine_headers(r: &Receive, csend: &[Cell<u8>]) {
+    for s in 0..r.sources.len() as u32 {
+        if !r.sources[s as usize] {
+            continue;
+        }
+        let h = crate::plan::encode_combine_header(r.epoch, r.rank, r.valid[s as usize]);
+        let at = r.combine_send_offset(s) as usize;
+        for (d, &b) in csend[at..at + COMBINE_HEADER_BYTES as usize].iter().zip(&h) {
+            d.set(b);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cells(bytes: &mut [u8]) -> &[Cell<u8>] {
+        Cell::from_mut(bytes).as_slice_of_cells()
+    }
+
+    #[test]
+    fn half_widens_exactly() {
+        for (h, f) in [
+            (0x3c00u16, 1.0f32),
+            (0xc000, -2.0),
+            (0x7bff, 65504.0),
+            (0x0001, 2f32.powi(-24)),
+            (0x8001, -(2f32.powi(-24))),
+            (0x03ff, 1023.0 * 2f32.powi(-24)),
+            (0x0400, 2f32.powi(-14)),
+            (0x7c00, f32::INFINITY),
+            (0xfc00, f32::NEG_INFINITY),
+        ] {
+            assert_eq!(f16_to_f32(h).to_bits(), f.to_bits(), "{h:#x}");
+        }
+        assert!(f16_to_f32(0x7e00).is_nan());
+        assert_eq!(f16_to_f32(0x8000).to_bits(), (-0.0f32).to_bits());
+    }
+
+    #[test]
+    fn accumulate_weights_each_dtype() {
+        let mut acc = vec![1.0f32, 2.0];
+        let mut bf = [0x80u8, 0x3f, 0x00, 0xc0]; // bf16 1.0, -2.0
+        accumulate(Dtype::Bf16, &mut acc, 0.5, cells(&mut bf));
+        assert_eq!(acc, [1.5, 1.0]);
+        let mut h = [0x00u8, 0x3c, 0x00, 0x44]; // f16 1.0, 4.0
+        accumulate(Dtype::F16, &mut acc, 2.0, cells(&mut h));
+        assert_eq!(acc, [3.5, 9.0]);
+        let mut f: Vec<u8> = [3.0f32, -1.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        accumulate(Dtype::F32, &mut acc, 1.0, cells(&mut f));
+        assert_eq!(acc, [6.5, 8.0]);
+    }
+}
