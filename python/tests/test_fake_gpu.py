@@ -137,3 +137,41 @@ def test_a_cuda_tensor_over_host_memory_is_refused_by_name(driver):
         with pytest.raises(xfer.InvalidArgumentError, match="belongs to CUDA device 0, not 1"):
             e.reg_mr(wrong)
         driver.free(wrong.ptr)
+
+
+class TorchLikeCudaTensor(CudaTensor):
+    """The fake device tensor with the two attributes of a torch CUDA tensor the weight
+    sender keys its registrations by (``data_ptr()``, ``nbytes``)."""
+
+    def data_ptr(self):
+        return self.ptr
+
+    @property
+    def nbytes(self):
+        return self.n
+
+
+def test_a_weight_senders_gpu_shard_is_written_gpu_direct_and_registered_once_across_versions(driver):
+    # A trainer's parameter in device memory, new values each version in the same memory (an
+    # optimizer step): written from the device, registered at the first version only.
+    from test_weights import Cluster
+
+    from xfer import weights as W
+
+    n = 1 << 14
+    layout = W.Layout((W.TensorSpec("w", (n,), "uint8"),), ((0, "w", None),), W.Layout.whole_params((W.TensorSpec("w", (n,), "uint8"),), 1))
+    gpu = TorchLikeCudaTensor(driver.alloc(n), n)
+    c = Cluster(layout, 1, 1)
+    try:
+        for v in range(3):
+            values = ((np.arange(n) * (v + 3)) % 251).astype(np.uint8)
+            driver.upload(gpu.ptr, values.tobytes())
+            results = c.version(v, None, data=lambda s: {0: gpu})
+            assert all(e is None for e in results.values()), results
+            assert np.array_equal(c.receivers[0].params["w"], values), f"version {v}"
+            assert c.senders[0].registrations == 1
+        (region,) = [r for _, r in c.senders[0]._registered.values()]
+        assert region.device == "cuda:0"
+    finally:
+        c.close()
+    driver.free(gpu.ptr)

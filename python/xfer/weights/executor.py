@@ -220,6 +220,28 @@ class _Control:
         self.hub.detach(self.rules.tag, self)
 
 
+_DL_CUDA, _DL_CUDA_MANAGED = 2, 13
+
+
+def _device_shard(x: Any) -> tuple[Any, int, int] | None:
+    """A shard in GPU memory as what registers it (a flat byte view for torch), its address
+    and its bytes; None for host memory and for a GPU tensor that is not contiguous (copied
+    to the host then). Beside torch, any DLPack CUDA object with torch's ``data_ptr()`` and
+    ``nbytes``."""
+    dlpack_device = getattr(x, "__dlpack_device__", None)
+    if dlpack_device is None or dlpack_device()[0] not in (_DL_CUDA, _DL_CUDA_MANAGED):
+        return None
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        t = x.detach()
+        if not t.is_contiguous():
+            return None
+        flat = t.view(-1).view(torch.uint8)
+        return flat, int(flat.data_ptr()), int(flat.numel())
+    return x, int(x.data_ptr()), int(x.nbytes)
+
+
 def _bytes_of(x: Any) -> np.ndarray:
     """A tensor's or array's bytes as a flat uint8 array (torch tensors: from CPU memory)."""
     if type(x).__module__.startswith("torch"):
@@ -424,8 +446,8 @@ def _verdict(version: int, payload: bytes, failure: str) -> None:
 class WeightSender(_Member):
     """A trainer rank's side. Rank 0 also coordinates: it sends the layout and decides.
 
-    Without a ``transform``, shards in host memory are written from where they are (no copy):
-    each is registered once and stays registered, and referenced, while later versions give
+    Without a ``transform``, shards are written from where they are (no copy; GPU memory
+    GPU-direct, contiguous torch CUDA tensors and DLPack CUDA objects): each is registered once and stays registered, and referenced, while later versions give
     the same memory (the model's own parameters); a shard not given again is released at the
     next version, or by ``release()``. With a ``transform`` (a cast), or ``zero_copy=False``,
     shards are copied into registered staging: ``budget_bytes=None`` stages all of this rank's
@@ -463,6 +485,9 @@ class WeightSender(_Member):
         self._arrivals_to: dict[int, int] = {}
         # Shards written from their own memory: (address, bytes) -> (the data, its region).
         self._registered: dict[tuple[int, int], tuple[Any, Any]] = {}
+        # Regions this rank registered for shards written in place, over its life (a shard
+        # given again in the same memory is not registered again).
+        self.registrations = 0
         # The coordinator's: decisions of recent versions (answers to QUERY), and which
         # layout each receiver reported success with, under which incarnation of its record.
         self._decided: collections.OrderedDict[int, bytes] = collections.OrderedDict()
@@ -723,13 +748,27 @@ class WeightSender(_Member):
         transfers: list[Any] = []
         try:
             for s, groups in self._rows_of.items():
-                data, raw = self._shard_bytes(layout, shards, s, None)
-                key = (int(raw.ctypes.data), int(raw.nbytes))
+                if s not in shards:
+                    raise KeyError(f"shard {s} ({layout.shards[s][1]!r}) has writes in the plan but was not given")
+                device = _device_shard(shards[s])
+                if device is None:
+                    data, raw = self._shard_bytes(layout, shards, s, None)
+                    key = (int(raw.ctypes.data), int(raw.nbytes))
+                else:
+                    # GPU memory is written from where it is (GPU-direct), never copied to
+                    # the host: the fabric reads it.
+                    data = shards[s]
+                    raw, ptr, nbytes = device
+                    if nbytes != layout.shard_nbytes(s):
+                        raise ValueError(f"shard {s} ({layout.shards[s][1]!r}): {nbytes} bytes given, "
+                                         f"the layout says {layout.shard_nbytes(s)}")
+                    key = (ptr, nbytes)
                 entry = used.get(key) or self._registered.get(key)
                 if entry is None:
                     # The region holds ``raw`` (and through it ``data``): the memory cannot be
                     # freed, and its address reused by other data, while it is registered.
                     entry = (data, self.engine.reg_mr(raw, access="local"))
+                    self.registrations += 1
                 used[key] = entry
                 for r, src, dst, lens in groups:
                     transfers.append(self.engine.submit_writes(entry[1], descs[r], src, dst, lens, imm=imm))
