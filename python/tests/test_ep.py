@@ -473,3 +473,89 @@ def test_processes_over_libfabric(ranks, die, provider):
             p.join(30)
             if p.is_alive():
                 p.kill()
+
+
+def killed_rank(rank, cfg_kwargs, conn, dead, provider):
+    """One rank in its own process; rank ``dead`` reports its step-1 dispatch delivered and
+    waits to be SIGKILLed by the parent (between its dispatch and its combine)."""
+    cfg = EpConfig(**cfg_kwargs)
+    try:
+        with xfer.TransferEngine(shm_config(provider)) as e:
+            g = EpGroup(e, rank, cfg)
+            conn.send(g.local_info())
+            g.connect(conn.recv())
+            check_step(g, rank, cfg, [oracle.inputs(23, 0, s, cfg) for s in range(cfg.ranks)])
+            ins = [oracle.inputs(23, 1, s, cfg) for s in range(cfg.ranks)]
+            if rank == dead:
+                _recv, _cnt, h = g.dispatch(*ins[rank][:2])
+                for _peer, t in h.sends:
+                    t.wait(30)
+                conn.send("dispatched")
+                conn.recv()  # never answered: killed here
+                return
+            outlive_death_after_dispatch(cfg, g, rank, dead, ins)
+            survivors_run(cfg, g, rank, dead, 2, 2, 23)
+            conn.send("ok")
+            conn.recv()  # every rank done before any engine closes
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        conn.send(f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
+
+
+# libfabric shm reports an endpoint's send completions in order (its response queue is walked
+# from the head and stops at the first entry its receiver has not answered): once a write to a
+# dead process is posted, no later write of that endpoint completes, to a live peer either,
+# although its data and immediate land. xfer.ep waits for its own writes to live peers (their
+# buffers are reused two steps on), so the survivors mask each other. docs/moe.md, "Found".
+SHM_STALL = pytest.mark.xfail(strict=True, reason="libfabric shm completes sends in order; one to a dead peer holds back the rest")
+
+
+@pytest.mark.parametrize("provider", ["tcp;ofi_rxm", pytest.param("shm", marks=SHM_STALL)])
+def test_a_process_sigkilled_between_dispatch_and_combine(provider):
+    """EP 3 as processes; rank 1 is SIGKILLed after its step-1 dispatch landed. The survivors'
+    step 1 ends by its deadlines with exactly rank 1 masked, every token that avoided it exact
+    (the dead rank's slots count zero); the next steps are exact with it masked. Over shm this
+    fails, for the reason of SHM_STALL (the test shows it, and will say when it is mended)."""
+    from conftest import plugin_available
+
+    if not plugin_available("efa"):
+        pytest.skip("the efa plugin is not in the package (cargo xtask python builds it)")
+    import multiprocessing as mp
+    import os
+    import signal
+
+    ranks, dead = 3, 1
+    ctx = mp.get_context("spawn")
+    cfg = dict(ranks=ranks, experts_per_rank=2, top_k=2, max_tokens=6, hidden=64, private_rows=2, timeout=TIMEOUT)
+    pipes = [ctx.Pipe() for _ in range(ranks)]
+    procs = [ctx.Process(target=killed_rank, args=(r, cfg, pipes[r][1], dead, provider)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    try:
+        infos = []
+        for r in range(ranks):
+            assert pipes[r][0].poll(60), f"rank {r} did not start"
+            info = pipes[r][0].recv()
+            assert isinstance(info, dict), info
+            infos.append(info)
+        for r in range(ranks):
+            pipes[r][0].send(infos)
+        assert pipes[dead][0].poll(120), "the doomed rank did not dispatch"
+        assert pipes[dead][0].recv() == "dispatched"
+        os.kill(procs[dead].pid, signal.SIGKILL)
+        procs[dead].join(30)
+        for r in range(ranks):
+            if r == dead:
+                continue
+            assert pipes[r][0].poll(120), f"rank {r} did not finish"
+            reply = pipes[r][0].recv()
+            assert reply == "ok", reply
+        for r in range(ranks):
+            if r != dead:
+                pipes[r][0].send("close")
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
