@@ -25,7 +25,13 @@ use crate::ffi::{
     ZeroSource, KIND_RECV, KIND_REMOTE_DATA,
 };
 use crate::options::EfaOptions;
+use crate::sender::{Refusal, Senders, Source, Verdict, MAX_TRAILER};
 use crate::shm_lifetime::{self, EndpointSlot};
+
+/// Most addresses a Domain inserts in its address vector because a message claimed them
+/// (so that the provider names their later messages); beyond it, senders it never addressed
+/// stay unnamed without a secret.
+const MAX_LEARNED: usize = 4_096;
 
 /// Scratch the provider may use (FI_CONTEXT2 is eight pointers) at a stable address.
 #[repr(C)]
@@ -79,9 +85,30 @@ pub struct EfaDomain {
     address: NetAddr,
     provider: String,
     peers: HashMap<NetAddr, u64>,
+    /// `peers` the other way round: the sender a completion's source entry names.
+    names: HashMap<u64, NetAddr>,
+    /// This Domain's own address-vector entry, inserted first: libfabric 1.17's shm reports a
+    /// sender missing from the address vector as entry 0, so entry 0 must name nobody.
+    own_entry: u64,
+    /// Who sent a message: the trailer sent messages carry, and the judgement of received ones.
+    senders: Senders,
+    /// Where a message and its trailer are put together before it is copied to a send buffer.
+    sealing: Vec<u8>,
+    /// How many addresses `learn` inserted.
+    learned: usize,
+    /// Received messages dropped, by why (see `Refusal`).
+    refused: [u64; 5],
     options: EfaOptions,
     posts_since_poll: usize,
     completions: Vec<Completion>,
+}
+
+/// The wall clock in nanoseconds since the Unix epoch: a sealing Domain's epoch, and the
+/// receiver's bound on how far ahead one may be.
+fn wall_clock_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
 fn other(e: OfiError) -> DomainError {
@@ -232,6 +259,20 @@ impl EfaDomain {
                 ),
             )
         })?;
+        let senders = match &options.secret_file {
+            None => Senders::new(address.clone()),
+            Some(path) => {
+                let secret =
+                    xfer_plugin::secret::read(std::path::Path::new(path)).map_err(|why| {
+                        DomainError::new(
+                            DomainErrorKind::InvalidArgument,
+                            format!("the cluster secret {path}: {why}"),
+                        )
+                    })?;
+                Senders::with_secret(address.clone(), &secret, wall_clock_ns())
+            }
+        };
+        let own_entry = endpoint.insert_peer(address.raw()).map_err(other)?;
         let mut regions = RegionTable::new();
         let zero_source = endpoint.zero_source(regions.next_key()).map_err(other)?;
         shm_lifetime::opened(&options.provider);
@@ -245,8 +286,14 @@ impl EfaDomain {
             zero_source,
             provider: options.provider.clone(),
             endpoint: EndpointSlot::new(endpoint),
+            peers: HashMap::from([(address.clone(), own_entry)]),
+            names: HashMap::new(),
+            own_entry,
+            senders,
+            sealing: Vec::new(),
+            learned: 0,
+            refused: [0; 5],
             address,
-            peers: HashMap::new(),
             options,
             posts_since_poll: 0,
             completions: Vec::with_capacity(64),
@@ -276,7 +323,46 @@ impl EfaDomain {
             )
         })?;
         self.peers.insert(addr.clone(), a);
+        self.names.insert(a, addr.clone());
         Ok(a)
+    }
+
+    /// The sender a completion's source entry names, if it names one of ours.
+    fn source(&self, src: Option<u64>) -> Source {
+        match src {
+            Some(e) if e != self.own_entry => self
+                .names
+                .get(&e)
+                .map_or(Source::Unknown, |a| Source::Known(a.clone())),
+            _ => Source::Unknown,
+        }
+    }
+
+    /// Inserts an address a message claimed, so the provider names that endpoint's later
+    /// messages (bounded: a sender can claim any address).
+    fn learn(&mut self, addr: &NetAddr) {
+        if self.learned >= MAX_LEARNED || self.peers.contains_key(addr) {
+            return;
+        }
+        self.learned += 1;
+        if let Err(e) = self.peer(addr) {
+            tracing::debug!(address = %self.address, claim = %addr, error = %e.message, "a message's claimed sender cannot be inserted");
+        }
+    }
+
+    /// Received messages dropped so far: without a valid MAC, replayed, or from a source other
+    /// than the one the MAC proves (only with a cluster secret), or with no trailer.
+    pub fn messages_refused(&self) -> u64 {
+        self.refused.iter().sum()
+    }
+
+    fn refuse(&mut self, why: Refusal, source: &Source) {
+        let n = &mut self.refused[why as usize];
+        *n += 1;
+        // Logged at the first and then every power of two: a flood must not flood the log.
+        if n.is_power_of_two() {
+            tracing::warn!(address = %self.address, ?why, ?source, count = *n, "a received message was dropped");
+        }
     }
 
     fn acquire(&mut self, state: InFlight) -> *mut c_void {
@@ -381,11 +467,15 @@ impl EfaDomain {
 
     fn handle_completion(&mut self, c: &Completion, events: &mut Vec<Event>) {
         if c.kind == KIND_REMOTE_DATA {
-            // Immediates are 32 bits; providers carry 4 or 8 bytes of CQ data. The sender is
-            // not named: that needs FI_SOURCE and fi_cq_readfrom (see docs/security.md).
+            // Immediates are 32 bits; providers carry 4 or 8 bytes of CQ data. The sender is the
+            // provider's source where it names a known one (no MAC: a write carries none).
+            let from = match self.source(c.src) {
+                Source::Known(a) => Some(a),
+                Source::Unknown => None,
+            };
             events.push(Event::ImmArrival {
                 imm: c.data as u32,
-                from: None,
+                from,
             });
             return;
         }
@@ -397,9 +487,27 @@ impl EfaDomain {
                 })
             }
             Some(InFlight::Recv { buffer }) if c.kind == KIND_RECV => {
-                if let Some(data) = self.receives.take_message(buffer, c.len) {
-                    // The sender is not named yet: see docs/security.md, "Who sent a message".
-                    events.push(Event::Message { data, from: None });
+                let (_, buf_len, _) = self.receives.get(buffer);
+                let Some(mut data) = self.receives.take_message(buffer, c.len) else {
+                    return;
+                };
+                let source = self.source(c.src);
+                match self.senders.open(&data, &source, wall_clock_ns()) {
+                    Verdict::Deliver { len, from, learn } => {
+                        data.truncate(len);
+                        if let Some(claim) = learn {
+                            self.learn(&claim);
+                        }
+                        events.push(Event::Message { data, from });
+                    }
+                    Verdict::Drop(why) => {
+                        self.refuse(why, &source);
+                        // The engine reposts a buffer per message it is handed: this one it
+                        // never sees, so the Domain puts one back itself.
+                        if let Err(e) = self.post_recvs_of(buf_len, 1) {
+                            tracing::error!(address = %self.address, error = %e.message, "a receive buffer could not be posted again");
+                        }
+                    }
                 }
             }
             Some(InFlight::Recv { buffer }) => self.repost(buffer),
@@ -432,6 +540,19 @@ impl EfaDomain {
         }
     }
 
+    /// Posts `count` receive buffers of exactly `buf_len` bytes.
+    fn post_recvs_of(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError> {
+        for _ in 0..count {
+            let regions = &mut self.regions;
+            let buffer = self
+                .receives
+                .take(&mut self.endpoint, buf_len, || regions.next_key())
+                .map_err(other)?;
+            self.post_receive(buffer)?;
+        }
+        Ok(())
+    }
+
     /// Posts pool buffer `buffer` as a receive; one the provider refuses for now (EAGAIN) is
     /// kept for after the next poll — not an error.
     fn post_receive(&mut self, buffer: usize) -> Result<(), DomainError> {
@@ -448,9 +569,14 @@ impl EfaDomain {
     /// Removes a peer's address after a connection-level failure, and fails everything still
     /// in flight to it now: once the address is gone, the provider may never complete them.
     fn forget_peer(&mut self, peer: &NetAddr, error: &DomainError, events: &mut Vec<Event>) {
+        if *peer == self.address {
+            // Entry 0 stays this Domain's own, never reused for another peer (see `own_entry`).
+            return;
+        }
         let Some(fi_addr) = self.peers.remove(peer) else {
             return;
         };
+        self.names.remove(&fi_addr);
         self.endpoint.remove_peer(fi_addr);
         for (_, state) in self.in_flight.values_mut() {
             let to_peer = matches!(state, InFlight::Rdma { peer: p, .. } | InFlight::Send { peer: p, .. } if p == peer);
@@ -517,8 +643,9 @@ impl Domain for EfaDomain {
         Capabilities {
             max_write_size: max.map(|m| m as u64),
             // What every peer's receive buffers hold (the option), within the provider's.
+            // Each message carries a trailer naming its sender (src/sender.rs).
             max_message_size: Some(max.map_or(self.options.max_message, |m| {
-                m.min(self.options.max_message)
+                m.saturating_sub(MAX_TRAILER).min(self.options.max_message)
             })),
             // EFA moves RMA, immediates and its handshake only while the receiver polls
             // (manual progress): the engine keeps polling an EFA Domain instead of parking.
@@ -544,15 +671,26 @@ impl Domain for EfaDomain {
             return Ok(PostStatus::Busy);
         }
         let dest = self.peer(peer)?;
+        let mut sealed = std::mem::take(&mut self.sealing);
+        self.senders.seal(peer, data, &mut sealed);
         let regions = &mut self.regions;
-        let buffer = self
+        let taken = self
             .send_pool
-            .take(&mut self.endpoint, message_size_class(data.len()), || {
+            .take(&mut self.endpoint, message_size_class(sealed.len()), || {
                 regions.next_key()
             })
-            .map_err(other)?;
-        let filled = self.send_pool.fill(buffer, data);
+            .map_err(other);
+        let buffer = match taken {
+            Ok(buffer) => buffer,
+            Err(e) => {
+                self.sealing = sealed;
+                return Err(e);
+            }
+        };
+        let filled = self.send_pool.fill(buffer, &sealed);
         debug_assert!(filled, "a size-class buffer holds its message");
+        let len = sealed.len();
+        self.sealing = sealed;
         let (ptr, _, desc) = self.send_pool.get(buffer);
         let ctx = self.acquire(InFlight::Send {
             wr_id,
@@ -560,23 +698,15 @@ impl Domain for EfaDomain {
             buffer,
         });
         // SAFETY: the buffer (and its registration) stay out of the pool until completion.
-        let result = unsafe { self.endpoint.send(ptr, data.len(), desc, dest, ctx) };
+        let result = unsafe { self.endpoint.send(ptr, len, desc, dest, ctx) };
         self.finish_post(ctx, result)
     }
 
     fn post_recvs(&mut self, buf_len: usize, count: usize) -> Result<(), DomainError> {
-        // Never shorter than the longest message a peer may send: a truncated receive stops
-        // shm's and tcp's delivery to this endpoint (see EfaOptions::max_message).
-        let buf_len = buf_len.max(self.options.max_message);
-        for _ in 0..count {
-            let regions = &mut self.regions;
-            let buffer = self
-                .receives
-                .take(&mut self.endpoint, buf_len, || regions.next_key())
-                .map_err(other)?;
-            self.post_receive(buffer)?;
-        }
-        Ok(())
+        // Never shorter than the longest message a peer may send, with its trailer: a
+        // truncated receive stops shm's and tcp's delivery to this endpoint (see
+        // EfaOptions::max_message).
+        self.post_recvs_of(buf_len.max(self.options.max_message) + MAX_TRAILER, count)
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), DomainError> {

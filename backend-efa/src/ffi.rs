@@ -85,6 +85,9 @@ pub(crate) struct Completion {
     pub(crate) kind: i32,
     pub(crate) len: usize,
     pub(crate) data: u64,
+    /// The sender's address-vector entry (received messages and remote CQ data), where the
+    /// provider named one.
+    pub(crate) src: Option<u64>,
 }
 
 /// What a post did.
@@ -394,6 +397,7 @@ impl Endpoint {
                 kind: e.kind,
                 len: e.len,
                 data: e.data,
+                src: (e.src != sys::ADDR_NOTAVAIL).then_some(e.src),
             }));
             return Ok(n as usize);
         }

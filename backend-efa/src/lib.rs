@@ -15,6 +15,7 @@ mod domain;
 mod ffi;
 mod options;
 pub mod raw;
+mod sender;
 mod shm_lifetime;
 
 pub use domain::EfaDomain;

@@ -148,3 +148,105 @@ fn initiator_trips(
     }
     Ok((trips, start.elapsed()))
 }
+
+/// An endpoint that sends and receives bytes exactly as given — no trailer, no sealing — for
+/// tests that play a forger or relay what another endpoint sent.
+pub struct RawEndpoint {
+    endpoint: Endpoint,
+    // Boxed so each stays at its address while the provider holds it.
+    #[allow(clippy::vec_box)]
+    buffers: Vec<Box<([u8; 4096], [usize; 8])>>,
+    received: Vec<Vec<u8>>,
+    receive_at: Vec<usize>,
+}
+
+impl RawEndpoint {
+    /// Opens an endpoint of `provider` with a few receive buffers posted.
+    pub fn open(provider: &str) -> Result<Self, String> {
+        let endpoint = Endpoint::open(provider, None, None, None).map_err(|e| e.message)?;
+        if endpoint.attr.mr_local != 0 {
+            return Err(format!(
+                "{provider} needs local descriptors; RawEndpoint has none"
+            ));
+        }
+        let mut raw = Self {
+            endpoint,
+            buffers: Vec::new(),
+            received: Vec::new(),
+            receive_at: Vec::new(),
+        };
+        for i in 0..4 {
+            raw.buffers.push(Box::new(([0; 4096], [0; 8])));
+            raw.receive_at.push(i);
+            raw.post_receive(i)?;
+        }
+        Ok(raw)
+    }
+
+    fn post_receive(&mut self, i: usize) -> Result<(), String> {
+        let (buf, ctx) = &mut *self.buffers[i];
+        // SAFETY: the buffer and its context are boxed, kept until `self` drops (after the
+        // endpoint closes) and not reused before this receive completes.
+        unsafe {
+            self.endpoint.recv(
+                buf.as_mut_ptr(),
+                buf.len(),
+                std::ptr::null_mut(),
+                ctx.as_mut_ptr().cast(),
+            )
+        }
+        .map(drop)
+        .map_err(|e| e.message)
+    }
+
+    /// Its address.
+    pub fn address(&self) -> Vec<u8> {
+        self.endpoint.name().unwrap_or_default()
+    }
+
+    /// Posts `bytes` (at most 4 KiB) to the endpoint at `to`; `progress` completes it.
+    /// `Ok(false)`: the provider asks to retry once both sides progressed (a first contact).
+    pub fn send(&mut self, to: &[u8], bytes: &[u8]) -> Result<bool, String> {
+        let dest = self.endpoint.insert_peer(to).map_err(|e| e.message)?;
+        let i = self.buffers.len();
+        self.buffers.push(Box::new(([0; 4096], [0; 8])));
+        let (buf, ctx) = &mut *self.buffers[i];
+        buf[..bytes.len()].copy_from_slice(bytes);
+        // SAFETY: the buffer and context stay boxed in `self` until it drops.
+        let posted = unsafe {
+            self.endpoint.send(
+                buf.as_ptr(),
+                bytes.len(),
+                std::ptr::null_mut(),
+                dest,
+                ctx.as_mut_ptr().cast(),
+            )
+        }
+        .map_err(|e| e.message)?;
+        match posted {
+            Posted::Queued => Ok(true),
+            Posted::Again => {
+                self.buffers.pop();
+                Ok(false)
+            }
+        }
+    }
+
+    /// Reads its completions once; returns the messages received since the last call.
+    pub fn progress(&mut self) -> Vec<Vec<u8>> {
+        let mut completions = Vec::new();
+        let _ = self.endpoint.read(&mut completions);
+        for c in completions {
+            let at = self
+                .receive_at
+                .iter()
+                .position(|&i| self.buffers[i].1.as_ptr() as usize == c.context);
+            if let (Some(at), crate::ffi::KIND_RECV) = (at, c.kind) {
+                let i = self.receive_at[at];
+                self.received.push(self.buffers[i].0[..c.len].to_vec());
+                let _ = self.post_receive(i);
+            }
+        }
+        std::mem::take(&mut self.received)
+    }
+}

@@ -13,6 +13,12 @@ impl xfer_conformance::Harness for Shm {
         2
     }
 
+    /// The source address libfabric reports (`FI_SOURCE`), checked against each message's
+    /// claim (see src/sender.rs).
+    fn names_senders(&self) -> bool {
+        true
+    }
+
     fn skip(&self, check: &str) -> Option<&'static str> {
         // Set to see whether a newer libfabric lifts these limits (checked on 1.17 and 2.1:
         // neither does; 2.1's shm segfaults on a forged key too). A closed peer in this

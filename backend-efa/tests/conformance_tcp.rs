@@ -13,6 +13,12 @@ impl xfer_conformance::Harness for Tcp {
         2
     }
 
+    /// The source address libfabric reports (`FI_SOURCE`), checked against each message's
+    /// claim (see src/sender.rs).
+    fn names_senders(&self) -> bool {
+        true
+    }
+
     // tcp;ofi_rxm refuses a bad key at the target and cancels the operation (FI_ECANCELED),
     // so the sender sees an error but cannot tell it was the key.
     fn typed_remote_access(&self) -> bool {

@@ -60,6 +60,12 @@ pub trait Harness: Sync {
     fn typed_remote_access(&self) -> bool {
         true
     }
+
+    /// Whether the backend names a message's sender (ABI 7's `EVENT_MESSAGE_FROM`): then
+    /// `messages_name_their_sender` fails, rather than skips, where no message names one.
+    fn names_senders(&self) -> bool {
+        false
+    }
 }
 
 /// Long enough for any engine deadline to fire first.

@@ -69,6 +69,12 @@ typedef struct xfer_ofi_attr {
     /* FI_OPT_EFA_EMULATED_WRITE read back: 1 = RDMA write (and immediates) emulated with
      * send/recv, 0 = native; -1 = unknown (not EFA, or the library cannot say). */
     int emulated_write;
+    /* FI_SOURCE was granted: completions of received messages and remote CQ data name the
+     * sender's address-vector entry (or FI_ADDR_NOTAVAIL). */
+    int source;
+    /* The most local and remote iovec entries one fi_readmsg / fi_writemsg takes. */
+    size_t iov_limit;
+    size_t rma_iov_limit;
 } xfer_ofi_attr;
 
 /* One completion, classified. */
@@ -77,6 +83,7 @@ typedef struct xfer_ofi_completion {
     int kind; /* 0: our operation finished; 1: a peer's write carried remote CQ data; 2: a message arrived */
     size_t len;
     uint64_t data;
+    uint64_t src; /* the sender's fi_addr for kinds 1 and 2 (FI_ADDR_NOTAVAIL if unknown or no FI_SOURCE) */
 } xfer_ofi_completion;
 
 static void set_err(char *err, size_t cap, const char *what, int rc) {
@@ -84,13 +91,15 @@ static void set_err(char *err, size_t cap, const char *what, int rc) {
         snprintf(err, cap, "%s: %s (%d)", what, fi_strerror(rc < 0 ? -rc : rc), rc);
 }
 
-static struct fi_info *make_hints(const char *prov, const char *fabric, int with_read, int with_hmem) {
+static struct fi_info *make_hints(const char *prov, const char *fabric, int with_read, int with_hmem,
+                                  int with_source) {
     struct fi_info *hints = fi_allocinfo();
     if (!hints)
         return NULL;
     hints->ep_attr->type = FI_EP_RDM;
     hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV |
-                  (with_read ? FI_READ | FI_REMOTE_READ : 0) | (with_hmem ? FI_HMEM : 0);
+                  (with_read ? FI_READ | FI_REMOTE_READ : 0) | (with_hmem ? FI_HMEM : 0) |
+                  (with_source ? FI_SOURCE : 0);
     /* Every operation's context points at 64 bytes of scratch the provider may use. */
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
     /* Everything the Rust side can honour; the provider keeps what it needs. */
@@ -112,7 +121,7 @@ static struct fi_info *make_hints(const char *prov, const char *fabric, int with
 
 /* Lists "provider domain" lines of every RDM+RMA endpoint libfabric offers (prov may be NULL). */
 int xfer_ofi_list(const char *prov, char *buf, size_t cap) {
-    struct fi_info *hints = make_hints(prov, NULL, 0, 0), *info = NULL;
+    struct fi_info *hints = make_hints(prov, NULL, 0, 0, 0), *info = NULL;
     if (!hints)
         return -FI_ENOMEM;
     int rc = fi_getinfo(XFER_FI_API, NULL, NULL, 0, hints, &info);
@@ -174,9 +183,11 @@ int xfer_ofi_open(const char *prov, const char *fabric, const char *domain_name,
     /* The most the provider grants, tried in order: reads and device memory (FI_HMEM), then
      * without one, then without both. A provider without reads still serves writes (the
      * engine refuses reads, naming the backend); one without FI_HMEM registers host memory
-     * only (the engine refuses device memory rather than let it be treated as host memory). */
-    static const int tries[4][2] = {{1, 1}, {1, 0}, {0, 1}, {0, 0}};
-    int with_read = 0, with_hmem = 0;
+     * only (the engine refuses device memory rather than let it be treated as host memory). Each
+     * first with FI_SOURCE (senders named by the CQ), then without (senders never named). */
+    static const int tries[8][3] = {{1, 1, 1}, {1, 0, 1}, {0, 1, 1}, {0, 0, 1},
+                                    {1, 1, 0}, {1, 0, 0}, {0, 1, 0}, {0, 0, 0}};
+    int with_read = 0, with_hmem = 0, with_source = 0;
     struct fi_info *hints = NULL, *info = NULL, *chosen = NULL;
     xfer_ofi_ep *e = calloc(1, sizeof *e);
     int rc = -FI_ENODATA;
@@ -184,10 +195,11 @@ int xfer_ofi_open(const char *prov, const char *fabric, const char *domain_name,
         set_err(err, errcap, "allocation", -FI_ENOMEM);
         return -FI_ENOMEM;
     }
-    for (int t = 0; t < 4 && rc == -FI_ENODATA; t++) {
+    for (int t = 0; t < 8 && rc == -FI_ENODATA; t++) {
         with_read = tries[t][0];
         with_hmem = tries[t][1];
-        if (!(hints = make_hints(prov, fabric, with_read, with_hmem))) {
+        with_source = tries[t][2];
+        if (!(hints = make_hints(prov, fabric, with_read, with_hmem, with_source))) {
             free(e);
             set_err(err, errcap, "allocation", -FI_ENOMEM);
             return -FI_ENOMEM;
@@ -287,6 +299,9 @@ int xfer_ofi_open(const char *prov, const char *fabric, const char *domain_name,
             attr->emulated_write = emulated ? 1 : 0;
     }
 #endif
+    attr->source = with_source && (e->info->caps & FI_SOURCE);
+    attr->iov_limit = e->info->tx_attr->iov_limit;
+    attr->rma_iov_limit = e->info->tx_attr->rma_iov_limit;
     attr->mr_local = !!(mode & FI_MR_LOCAL);
     attr->mr_virt_addr = !!(mode & FI_MR_VIRT_ADDR);
     attr->mr_prov_key = !!(mode & FI_MR_PROV_KEY);
@@ -397,9 +412,11 @@ int xfer_ofi_recv(xfer_ofi_ep *e, void *buf, size_t len, void *desc, void *conte
  * waiting (read it with xfer_ofi_cq_readerr), or another negative libfabric error. */
 long xfer_ofi_cq_read(xfer_ofi_ep *e, xfer_ofi_completion *out, size_t count) {
     struct fi_cq_data_entry entries[64];
+    fi_addr_t src[64];
     if (count > 64)
         count = 64;
-    ssize_t n = fi_cq_read(e->cq, entries, count);
+    int with_source = (e->info->caps & FI_SOURCE) != 0;
+    ssize_t n = with_source ? fi_cq_readfrom(e->cq, entries, count, src) : fi_cq_read(e->cq, entries, count);
     if (n == -FI_EAGAIN)
         return 0;
     if (n == -FI_EAVAIL)
@@ -411,6 +428,7 @@ long xfer_ofi_cq_read(xfer_ofi_ep *e, xfer_ofi_completion *out, size_t count) {
         out[i].context = entries[i].op_context;
         out[i].len = entries[i].len;
         out[i].data = entries[i].data;
+        out[i].src = with_source ? src[i] : FI_ADDR_NOTAVAIL;
         /* A peer's write with remote CQ data: FI_REMOTE_CQ_DATA on a completion that is not a
          * receive. Providers differ in the other flags: 1.17's shm and tcp add
          * FI_RMA | FI_REMOTE_WRITE, 2.1's shm sets FI_REMOTE_CQ_DATA alone (with a context

@@ -37,6 +37,13 @@ pub struct XferOfiAttr {
     pub shared_memory: c_int,
     /// `FI_OPT_EFA_EMULATED_WRITE`: 1 emulated, 0 native, -1 unknown.
     pub emulated_write: c_int,
+    /// Whether `FI_SOURCE` was granted: received messages and remote CQ data name their
+    /// sender's address-vector entry.
+    pub source: c_int,
+    /// The most local iovec entries one post takes.
+    pub iov_limit: usize,
+    /// The most remote iovec entries one RMA post takes.
+    pub rma_iov_limit: usize,
 }
 
 /// A classified completion.
@@ -48,6 +55,8 @@ pub struct XferOfiCompletion {
     pub kind: c_int,
     pub len: usize,
     pub data: u64,
+    /// The sender's `fi_addr_t` (kinds 1 and 2), or [`ADDR_NOTAVAIL`].
+    pub src: u64,
 }
 
 impl Default for XferOfiCompletion {
@@ -57,9 +66,13 @@ impl Default for XferOfiCompletion {
             kind: 0,
             len: 0,
             data: 0,
+            src: ADDR_NOTAVAIL,
         }
     }
 }
+
+/// libfabric's `FI_ADDR_NOTAVAIL`: no address-vector entry.
+pub const ADDR_NOTAVAIL: u64 = u64::MAX;
 
 /// Completion kinds.
 pub const KIND_DONE: c_int = 0;

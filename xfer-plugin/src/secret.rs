@@ -13,6 +13,8 @@ pub enum KeyUse {
     Rendezvous,
     /// A backend's connection handshake datagrams (verbs).
     Handshake,
+    /// A backend's messages where no handshake binds them to a connection (libfabric).
+    Messages,
 }
 
 impl KeyUse {
@@ -20,6 +22,7 @@ impl KeyUse {
         match self {
             Self::Rendezvous => b"xfer key: rendezvous proofs v1",
             Self::Handshake => b"xfer key: handshake datagrams v1",
+            Self::Messages => b"xfer key: backend messages v1",
         }
     }
 }
@@ -92,6 +95,8 @@ mod tests {
             derive_key(secret, KeyUse::Handshake),
         );
         assert_ne!(r, h);
+        let m = derive_key(secret, KeyUse::Messages);
+        assert!(m != r && m != h);
         assert_ne!(&r[..], &secret[..]);
         assert_eq!(r, derive_key(secret, KeyUse::Rendezvous));
         assert_ne!(
