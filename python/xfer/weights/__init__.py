@@ -11,7 +11,9 @@ The package's rooms — a pure core under thin adapters, one per framework:
 - ``executor``: ``WeightSender`` / ``WeightReceiver``, the protocol over an engine.
 - ``engines``: full-tensor sender and staged receiver for frameworks that load through their
   engine's own ``load_weights`` (``xfer.engine_weights``).
-- adapters: ``vllm`` (``xfer.vllm_weights``), ``sglang`` (``xfer.sglang_weights``),
+- ``slices``: which boxes of the checkpoint a rank's own loader takes (pure).
+- adapters: ``vllm_engine`` (vLLM's weight-transfer API backend ``xfer``, each worker
+  receiving only its slices), ``vllm`` (``xfer.vllm_weights``), ``sglang`` (``xfer.sglang_weights``),
   ``verl`` (``xfer.verl``: verl's checkpoint engine). Importing ``xfer.weights`` imports none
   of them, nor any framework.
 """

@@ -1,0 +1,310 @@
+"""xfer as a backend of vLLM 0.33's own weight-transfer API, driven the way vLLM's RL users
+drive it: the rollout process builds vLLM's executor from an engine config with
+``weight_transfer_config={"backend": "xfer"}`` and tensor parallelism 2 (two CPU workers in
+processes of their own, gloo); each worker's ``load_model`` asks vLLM's
+``WeightTransferEngineFactory`` for the engine, which knows ``"xfer"`` only through xfer's
+``vllm.general_plugins`` entry point (vLLM loads general plugins in each worker process).
+The trainer is vLLM's ``WeightTransferTrainerFactory.trainer_init`` over vLLM's own
+``ModuleSource`` of a transformers Qwen2, with a client whose four methods are the
+``collective_rpc`` calls vLLM's ``RLOfflineMixin`` / ``AsyncLLM`` issue for the RL routes
+(``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
+``finish_weight_update``); the worker's methods of those names are vLLM's.
+
+The oracle is vLLM's own loader: after a version, each worker's parameters are compared with
+what ``model.load_weights`` makes of the full checkpoint on that worker (its TP slice, the
+fused ``qkv_proj`` / ``gate_up_proj``). vLLM's ``nccl_m2n`` destination planner runs on the
+same workers as the control of the slicing (its data path needs NCCL and a GPU).
+
+Where vLLM stops on this machine: as in test_vllm_weight_extension.py (no compiled ops; the
+CPU worker's one call is stood in; the model is never executed)."""
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import multiprocessing as mp
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import xfer  # noqa: E402
+from xfer.weights import VersionFailed  # noqa: E402
+from conftest import plugin_available  # noqa: E402
+from weight_sync_checkpoint import GRACE, STARTUP, TIMEOUT, Process, full_tensor, qwen2_config, xfer_config  # noqa: E402
+
+TP = 2
+
+
+def worker_state(wrapper, shapes, seed):
+    """One worker after a version: its engine, what it staged, and the parameters that differ
+    from what vLLM's own ``load_weights`` makes of version ``seed``'s full checkpoint here
+    (run after the snapshot; it leaves the model at that version)."""
+    import torch
+
+    worker = wrapper.worker
+    model = worker.get_model()
+    engine = worker.weight_transfer_engine
+    got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.load_weights((n, full_tensor(n, s, seed)) for n, s in shapes)
+    wrong = [n for n, p in model.named_parameters() if not torch.equal(p.data, got[n])]
+    receiver = getattr(engine, "receiver", None)
+    return {
+        "rank": worker.rank,
+        "engine": f"{type(engine).__module__}.{type(engine).__qualname__}",
+        "staged": None if receiver is None or receiver.buffer is None else int(receiver.buffer.nbytes),
+        "boxes": sorted({b.piece[0] for b in engine.slices.boxes}) if getattr(engine, "slices", None) else [],
+        "whole": list(engine.slices.whole) if getattr(engine, "slices", None) else [],
+        "trace_failure": getattr(engine, "trace_failure", ""),
+        "wrong": wrong,
+        "params": len(got),
+        "outcome": getattr(engine, "last_outcome", None),
+    }
+
+
+def worker_m2n_direct(wrapper, shapes):
+    """vLLM's ``nccl_m2n`` destination plan on this worker: the checkpoint tensors it would
+    reshard straight into the model (each rank's slice), by name."""
+    import torch
+    from vllm.distributed.weight_transfer.m2n_layout import resolve_parameter_destinations
+
+    model = wrapper.worker.get_model()
+    dests = resolve_parameter_destinations(model, [n for n, _ in shapes], [torch.bfloat16] * len(shapes),
+                                           [s for _, s in shapes], num_workers=TP, shard_axis_size=TP, allow_direct=True)
+    return sorted(d.name for d in dests if d.direct)
+
+
+def worker_snapshot(wrapper):
+    wrapper.worker.test_snapshot = {n: p.detach().clone() for n, p in wrapper.worker.get_model().named_parameters()}
+
+
+def worker_changed(wrapper):
+    import torch
+
+    changed = [n for n, p in wrapper.worker.get_model().named_parameters()
+               if not torch.equal(p.data, wrapper.worker.test_snapshot[n])]
+    return changed, wrapper.worker.weight_transfer_engine.last_outcome
+
+
+def rollout(conn, model_dir, plugin_dir):
+    """The vLLM instance: vLLM's executor with the xfer backend, TP 2, driven by pipe."""
+    import sys
+
+    sys.path.insert(0, plugin_dir)
+    os.environ["VLLM_HOST_IP"] = "127.0.0.1"
+    # vLLM binds each CPU worker's threads to a NUMA node of its own by default; this machine
+    # has one node for two workers ("nobind": vLLM's setting for binding by hand).
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.executor.abstract import Executor
+
+    vllm_config = EngineArgs(
+        model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+        max_model_len=256, tensor_parallel_size=TP, distributed_executor_backend="mp",
+        weight_transfer_config={"backend": "xfer"},
+    ).create_engine_config()
+    executor = Executor.get_class(vllm_config)(vllm_config)
+    conn.send(("up", type(executor).__name__))
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "exit":
+            executor.shutdown()
+            conn.send(("ok", None))
+            return
+        method, args, kwargs = arg
+        try:
+            conn.send(("ok", executor.collective_rpc(method, args=args, kwargs=kwargs)))
+        except Exception as e:  # noqa: BLE001 - the driver asserts on it
+            conn.send(("failed", f"{type(e).__name__}: {e}"))
+
+
+class ExecutorClient:
+    """vLLM's ``VLLMWeightSyncClient`` over the rollout process: each method the
+    ``collective_rpc`` vLLM's ``RLOfflineMixin`` issues for it."""
+
+    def __init__(self, instance):
+        self.instance = instance
+        self.calls = []
+
+    def _rpc(self, method, **kwargs):
+        self.calls.append(method)
+        status, result = self.instance.ask("rpc", (method, (), kwargs))
+        if status != "ok":
+            raise RuntimeError(result)
+        return result
+
+    def init_weight_transfer_engine(self, init_info):
+        self._rpc("init_weight_transfer_engine", init_info=init_info)
+
+    def start_weight_update(self):
+        self._rpc("start_weight_update")
+
+    def update_weights(self, update_info):
+        self._rpc("update_weights", update_info=update_info)
+
+    def finish_weight_update(self, weight_version=None):
+        self._rpc("finish_weight_update")
+
+
+@pytest.fixture(scope="module")
+def vllm_tp2(tmp_path_factory):
+    if not plugin_available("efa"):
+        pytest.skip("the efa plugin is not in the package (cargo xtask python builds it)")
+    from importlib.metadata import entry_points
+
+    ours = [e for e in entry_points(group="vllm.general_plugins") if e.value.startswith("xfer.")]
+    assert ours, "xfer's wheel names no vllm.general_plugins entry point (rebuild: cargo xtask python)"
+    model_dir = str(tmp_path_factory.mktemp("qwen2-config-only"))
+    qwen2_config().save_pretrained(model_dir)
+    plugin_dir = tmp_path_factory.mktemp("plugin")
+    dist = plugin_dir / "xfer_test_vllm_cpu_standin-0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: xfer-test-vllm-cpu-standin\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text("[vllm.general_plugins]\ncpu_standin = vllm_cpu_standin:register\n")
+    ctx = mp.get_context("spawn")
+    server = xfer.Server("127.0.0.1:0")
+    instance = Process(ctx, rollout, model_dir, str(plugin_dir))
+    try:
+        up = instance.answer(STARTUP)
+        assert up[0] == "up", up
+        yield instance, server.url
+    finally:
+        instance.close()
+        server.close()
+
+
+class Trainer:
+    """One trainer rank: transformers' Qwen2 (bf16, CPU) as vLLM's ``ModuleSource``; a
+    version's values are written into its parameters in place (as an optimizer step does)."""
+
+    def __init__(self, url, group, **kw):
+        import torch
+        from transformers import AutoModelForCausalLM
+        from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+        from xfer.weights.vllm_engine import XferTrainerInitInfo, register
+
+        register()  # the trainer process is not vLLM's: it runs the plugin itself
+        self.model = AutoModelForCausalLM.from_config(qwen2_config(), torch_dtype=torch.bfloat16)
+        self.shapes = [(n, tuple(p.shape)) for n, p in self.model.named_parameters()]
+        self.source = ModuleSource(self.model)
+        self.init = XferTrainerInitInfo(rank=0, rendezvous=url, group=group, receivers=TP, config=xfer_config("shm"),
+                                        timeout=TIMEOUT, grace=GRACE, **kw)
+        self.factory = WeightTransferTrainerFactory
+
+    def join(self, client):
+        self.client = client
+        self.engine = self.factory.trainer_init(self.init, client=client, source=self.source)
+        return self.engine
+
+    def step(self, seed):
+        import torch
+
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(full_tensor(n, tuple(p.shape), seed))
+
+    @property
+    def full_bytes(self):
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def states(instance, shapes, seed):
+    status, result = instance.ask("rpc", (worker_state, (shapes, seed), {}))
+    assert status == "ok", result
+    return result
+
+
+def test_each_tp_rank_receives_only_its_slice_through_vllms_weight_transfer_api(vllm_tp2):
+    instance, url = vllm_tp2
+    trainer = Trainer(url, "api-tp2")
+    engine = trainer.join(ExecutorClient(instance))
+    try:
+        # vLLM's dummy weights are not version 99's: the oracle can fail.
+        before = states(instance, trainer.shapes, 99)
+        assert all(len(s["wrong"]) == s["params"] > 0 for s in before), before
+        assert {s["engine"] for s in before} == {"xfer.weights.vllm_engine.XferWeightTransferEngine"}
+        assert all(s["trace_failure"] == "" for s in before), before
+        # Every checkpoint tensor lands as boxes (fused q/k/v and gate/up included): none whole.
+        assert all(s["whole"] == [] and len(s["boxes"]) == len(trainer.shapes) for s in before), before
+        # vLLM's nccl_m2n planner, the control: what it reshards directly, xfer does too; the
+        # fused parts it must send whole to every rank, xfer slices.
+        status, m2n = instance.ask("rpc", (worker_m2n_direct, (trainer.shapes,), {}))
+        assert status == "ok", m2n
+        for direct, state in zip(m2n, before):
+            assert set(direct) <= set(state["boxes"])
+            assert any(".q_proj." in n for n in set(state["boxes"]) - set(direct)), "fused parts"
+        registered = None
+        for seed in (11, 12):
+            trainer.step(seed)
+            engine.send_weights()
+            after = states(instance, trainer.shapes, seed)
+            assert [s["wrong"] for s in after] == [[]] * TP, after
+            # Each rank staged its slices only: half the sharded bytes plus the replicated norms.
+            assert all(s["staged"] < 0.6 * trainer.full_bytes for s in after), (after, trainer.full_bytes)
+            # The trainer's tensors are the model's own memory, the same each version: registered once.
+            now = {k: id(region) for k, (_, region) in engine.sender._registered.items()}
+            assert len(now) == len(trainer.shapes)
+            assert registered is None or now == registered
+            registered = now
+        calls = engine.client.calls
+        assert calls[:1] == ["init_weight_transfer_engine"]
+        assert calls[1:] == ["start_weight_update", "update_weights", "finish_weight_update"] * 2
+    finally:
+        engine.shutdown()
+
+
+def test_a_version_that_fails_on_the_trainer_changes_no_tp_rank_and_the_next_one_lands(vllm_tp2):
+    instance, url = vllm_tp2
+    trainer = Trainer(url, "api-tp2-fail", budget_bytes=1 << 20)
+    engine = trainer.join(ExecutorClient(instance))
+    try:
+        trainer.step(21)
+        engine.send_weights()
+        assert [s["wrong"] for s in states(instance, trainer.shapes, 21)] == [[]] * TP
+        assert instance.ask("rpc", (worker_snapshot, (), {}))[0] == "ok"
+        # The trainer's source fails after the first tensors were written (streamed: staged
+        # in two buckets of 512 KiB).
+        iter_full = trainer.source.iter_full
+
+        def fails_late():
+            for i, item in enumerate(iter_full()):
+                if i == len(trainer.shapes) - 2:
+                    raise RuntimeError("stand-in: the trainer's gather failed")
+                yield item
+
+        trainer.source.iter_full = fails_late
+        trainer.step(22)
+        with pytest.raises(VersionFailed, match="weight version 2 failed: trainer rank 0: stand-in"):
+            engine.send_weights()
+        # Not applied on either rank; each worker's update_weights returned (vLLM's executor
+        # would otherwise keep the second worker's failure queued for the next call).
+        status, after = instance.ask("rpc", (worker_changed, (), {}))
+        assert status == "ok", after
+        for changed, outcome in after:
+            assert changed == [] and outcome["version"] == 2 and not outcome["applied"], after
+            assert "stand-in: the trainer's gather failed" in outcome["reason"]
+        assert engine.client.calls[-3:] == ["start_weight_update", "update_weights", "finish_weight_update"]
+        trainer.source.iter_full = iter_full
+        trainer.step(23)
+        engine.send_weights()
+        assert [s["wrong"] for s in states(instance, trainer.shapes, 23)] == [[]] * TP
+    finally:
+        engine.shutdown()
+
+
+def test_tensors_received_whole_go_through_vllms_load_weights_inside_its_layerwise_reload(vllm_tp2):
+    # direct=False: what a quantised model gets (every tensor whole, loaded by vLLM's own
+    # load_weights between initialize_ and finalize_layerwise_reload).
+    instance, url = vllm_tp2
+    trainer = Trainer(url, "api-tp2-whole", direct=False)
+    engine = trainer.join(ExecutorClient(instance))
+    try:
+        trainer.step(31)
+        engine.send_weights()
+        after = states(instance, trainer.shapes, 31)
+        assert [s["wrong"] for s in after] == [[]] * TP, after
+        assert all(s["boxes"] == [] and len(s["whole"]) == len(trainer.shapes) for s in after), after
+        assert all(s["staged"] >= trainer.full_bytes for s in after), after
+    finally:
+        engine.shutdown()
