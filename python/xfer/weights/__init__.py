@@ -8,7 +8,8 @@ The package's rooms — a pure core under thin adapters, one per framework:
   layout from the wire; ``plan``: the plan (Rust, ``xfer-weight-plan``) as numpy columns;
   ``protocol``: the control messages, their one decoder (sender, session, bounds), the inbox
   and the coordinator's decision — all pure, no engine, no framework.
-- ``executor``: ``WeightSender`` / ``WeightReceiver``, the protocol over an engine.
+- ``executor``: the protocol over an engine, its two ends in ``sender`` (``WeightSender``) and
+  ``receiver`` (``WeightReceiver``).
 - ``engines``: full-tensor sender and staged receiver for frameworks that load through their
   engine's own ``load_weights`` (``xfer.engine_weights``).
 - ``slices``: which boxes of the checkpoint a rank's own loader takes (pure).
