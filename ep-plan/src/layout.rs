@@ -14,8 +14,11 @@ pub struct Layout {
     pub top_k: u32,
     /// Most tokens one rank dispatches in a step.
     pub max_tokens: u32,
-    /// Bytes of one row (a token's hidden state, scales included).
+    /// Bytes of one dispatched row (a token's hidden state, scales included).
     pub row_bytes: u64,
+    /// Bytes of one combined row (an expert's output; differs from `row_bytes` when dispatch
+    /// is quantized, e.g. fp8 rows with scales out, bf16 back).
+    pub combine_row_bytes: u64,
     /// Rows each source may write into its own slot at each receiver before the counts land.
     pub private_rows: u32,
     /// Rows each receiver shares among its sources beyond their private slots.
@@ -46,6 +49,7 @@ impl Layout {
             top_k,
             max_tokens,
             row_bytes,
+            combine_row_bytes: row_bytes,
             private_rows: max_tokens * top_k,
             overflow_rows: 0,
         }
@@ -57,17 +61,31 @@ impl Layout {
         if self.ranks == 0 || self.ranks > crate::imm::MAX_RANKS {
             return bad("ranks must be in 1..=16384");
         }
-        if self.experts_per_rank == 0 || self.top_k == 0 || self.row_bytes == 0 {
-            return bad("experts_per_rank, top_k and row_bytes must be positive");
+        if self.experts_per_rank == 0
+            || self.top_k == 0
+            || self.row_bytes == 0
+            || self.combine_row_bytes == 0
+        {
+            return bad(
+                "experts_per_rank, top_k, row_bytes and combine_row_bytes must be positive",
+            );
         }
         let total = u128::from(self.ranks) * self.slot_bytes_wide()
             + u128::from(self.overflow_rows) * u128::from(self.row_bytes)
-            + u128::from(self.max_tokens) * u128::from(self.top_k) * u128::from(self.row_bytes) * 2
+            + u128::from(self.max_tokens)
+                * u128::from(self.top_k)
+                * u128::from(self.row_bytes.max(self.combine_row_bytes))
+                * 2
+            + self.receive_capacity_wide() * u128::from(self.combine_row_bytes)
             + u128::from(self.ranks) * u128::from(self.header_bytes());
         if total * u128::from(SETS) > u128::from(u64::MAX / 4) {
             return bad("regions too large");
         }
         Ok(())
+    }
+
+    fn receive_capacity_wide(&self) -> u128 {
+        u128::from(self.ranks) * u128::from(self.private_rows) + u128::from(self.overflow_rows)
     }
 
     fn slot_bytes_wide(&self) -> u128 {
@@ -120,14 +138,14 @@ impl Layout {
     /// header per peer).
     pub fn combine_region_bytes(&self) -> u64 {
         u64::from(self.ranks) * crate::plan::COMBINE_HEADER_BYTES
-            + self.max_send_rows() * self.row_bytes
+            + self.max_send_rows() * self.combine_row_bytes
     }
 
     /// Bytes of one set of the combine send buffer (every row this rank can receive, behind a
     /// header per source).
     pub fn combine_send_bytes(&self) -> u64 {
         u64::from(self.ranks) * crate::plan::COMBINE_HEADER_BYTES
-            + self.receive_capacity() * self.row_bytes
+            + self.receive_capacity() * self.combine_row_bytes
     }
 
     /// Logical experts of the identity map (`ranks × experts_per_rank`).

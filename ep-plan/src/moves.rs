@@ -50,6 +50,94 @@ pub fn f16_to_f32(h: u16) -> f32 {
     f32::from_bits(bits)
 }
 
+/// Largest finite float8 e4m3fn value.
+pub const E4M3_MAX: f32 = 448.0;
+/// Channels per fp8 scale (DeepEP's low-latency blocks).
+pub const FP8_BLOCK: usize = 128;
+
+/// float8 e4m3fn (no infinities; 0x7f/0xff NaN) to f32, exactly.
+pub fn e4m3_to_f32(c: u8) -> f32 {
+    let sign = if c & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (exp, man) = (i32::from((c >> 3) & 0xf), f32::from(c & 7));
+    if exp == 0xf && c & 7 == 7 {
+        return f32::NAN;
+    }
+    if exp == 0 {
+        return sign * man * 2f32.powi(-9);
+    }
+    sign * (1.0 + man / 8.0) * 2f32.powi(exp - 7)
+}
+
+/// f32 to float8 e4m3fn, rounded to nearest even, saturating at ±448 (as CUDA's
+/// `__NV_SATFINITE` conversion DeepEP uses); NaN stays NaN.
+pub fn f32_to_e4m3(v: f32) -> u8 {
+    let sign = if v.is_sign_negative() { 0x80u8 } else { 0 };
+    if v.is_nan() {
+        return 0x7f;
+    }
+    let a = v.abs();
+    if a >= E4M3_MAX {
+        return sign | 0x7e;
+    }
+    // Below the smallest normal (2^-6) the step is 2^-9: m × 2^-9, m in 0..=8 (8 is 2^-6).
+    if a < 2f32.powi(-6) {
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    let exp = ((a.to_bits() >> 23) as i32) - 127;
+    let mut m = ((a / 2f32.powi(exp) - 1.0) * 8.0).round_ties_even() as i32;
+    let mut e = exp + 7;
+    if m == 8 {
+        m = 0;
+        e += 1;
+    }
+    let code = ((e as u8) << 3) | m as u8;
+    sign | code.min(0x7e)
+}
+
+/// The bytes of an fp8 row for `hidden` channels: the e4m3 values, then one f32 scale per
+/// block of 128 channels.
+pub fn fp8_row_bytes(hidden: usize) -> usize {
+    hidden + 4 * hidden.div_ceil(FP8_BLOCK)
+}
+
+/// Quantizes bf16 rows (`[tokens, hidden]`, little-endian bytes) to fp8 rows (see
+/// [`fp8_row_bytes`]) as DeepEP's low-latency dispatch does: per token and block of 128
+/// channels, `scale = amax / 448` (amax at least 1e-4), values `x × (448 / amax)`; with
+/// `round_scale`, the scale is rounded up to a power of two (then `value × scale` is exactly
+/// the bf16 input whenever the scaled value is an e4m3 value).
+pub fn quantize_fp8(x: &[Cell<u8>], hidden: usize, round_scale: bool) -> Vec<u8> {
+    let row_in = 2 * hidden;
+    let row_out = fp8_row_bytes(hidden);
+    let tokens = x.len() / row_in.max(1);
+    let mut out = vec![0u8; tokens * row_out];
+    let mut vals = vec![0f32; hidden];
+    for (t, dst) in out.chunks_exact_mut(row_out).enumerate() {
+        let src = &x[t * row_in..(t + 1) * row_in];
+        for (v, b) in vals.iter_mut().zip(src.chunks_exact(2)) {
+            *v = f32::from_bits(u32::from(u16::from_le_bytes([b[0].get(), b[1].get()])) << 16);
+        }
+        let (q, scales) = dst.split_at_mut(hidden);
+        for (blk, (chunk, scale_out)) in vals
+            .chunks(FP8_BLOCK)
+            .zip(scales.chunks_exact_mut(4))
+            .enumerate()
+        {
+            let amax = chunk.iter().fold(1e-4f32, |m, v| m.max(v.abs()));
+            let (scale, inv) = if round_scale {
+                let e = (amax / E4M3_MAX).log2().ceil() as i32;
+                (2f32.powi(e), 2f32.powi(-e))
+            } else {
+                (amax / E4M3_MAX, E4M3_MAX / amax)
+            };
+            for (i, v) in chunk.iter().enumerate() {
+                q[blk * FP8_BLOCK + i] = f32_to_e4m3(v * inv);
+            }
+            scale_out.copy_from_slice(&scale.to_le_bytes());
+        }
+    }
+    out
+}
+
 /// `acc[i] += weight × row[i]` in fp32, for a row of `acc.len()` elements of `dtype`
 /// (little-endian bytes).
 pub fn accumulate(dtype: Dtype, acc: &mut [f32], weight: f32, row: &[Cell<u8>]) {
@@ -103,7 +191,7 @@ pub struct RecvRun {
 impl Receive {
     /// The received rows as runs, expert-major (DeepEP's low-latency order).
     pub fn runs(&self) -> Vec<RecvRun> {
-        let row = self.layout().row_bytes;
+        let (row, back) = (self.layout().row_bytes, self.layout().combine_row_bytes);
         let mut out: Vec<RecvRun> = Vec::new();
         let mut position = vec![0u64; self.expert_counts.len()];
         for i in self.expert_order() {
@@ -114,7 +202,7 @@ impl Receive {
             if let Some(last) = out.last_mut() {
                 if last.expert == r.expert
                     && last.recv_offset + last.rows * row == recv
-                    && last.combine_offset + last.rows * row == comb
+                    && last.combine_offset + last.rows * back == comb
                 {
                     last.rows += 1;
                     continue;
@@ -141,8 +229,14 @@ pub enum ExpertLayout {
     Flat,
 }
 
-/// Byte offset of `run`'s first row in the experts' layout.
-pub fn expert_offset(layout: &Layout, shape: ExpertLayout, starts: &[u64], run: &RecvRun) -> u64 {
+/// Byte offset of `run`'s first row in the experts' layout of rows of `row` bytes.
+pub fn expert_offset(
+    layout: &Layout,
+    shape: ExpertLayout,
+    starts: &[u64],
+    run: &RecvRun,
+    row: u64,
+) -> u64 {
     let first = match shape {
         ExpertLayout::DeepEp => {
             u64::from(run.expert) * u64::from(layout.ranks) * u64::from(layout.max_tokens)
@@ -150,19 +244,24 @@ pub fn expert_offset(layout: &Layout, shape: ExpertLayout, starts: &[u64], run: 
         }
         ExpertLayout::Flat => starts[run.expert as usize] + run.position,
     };
-    first * layout.row_bytes
+    first * row
 }
 
-/// Bytes the experts' layout needs.
-pub fn expert_layout_bytes(layout: &Layout, shape: ExpertLayout, received_rows: u64) -> u64 {
+/// Bytes the experts' layout of rows of `row` bytes needs.
+pub fn expert_layout_bytes(
+    layout: &Layout,
+    shape: ExpertLayout,
+    received_rows: u64,
+    row: u64,
+) -> u64 {
     match shape {
         ExpertLayout::DeepEp => {
             u64::from(layout.experts_per_rank)
                 * u64::from(layout.ranks)
                 * u64::from(layout.max_tokens)
-                * layout.row_bytes
+                * row
         }
-        ExpertLayout::Flat => received_rows * layout.row_bytes,
+        ExpertLayout::Flat => received_rows * row,
     }
 }
 
@@ -201,7 +300,7 @@ impl StepMachine {
         let plan = self.plan();
         let layout = self.layout();
         let top_k = layout.top_k as usize;
-        let row = layout.row_bytes as usize;
+        let row = layout.combine_row_bytes as usize;
         let hidden = row / dtype.size();
         let tokens = plan.slot_row.len() / top_k;
         let mut acc = vec![0f32; hidden];
@@ -266,6 +365,57 @@ mod tests {
         }
         assert!(f16_to_f32(0x7e00).is_nan());
         assert_eq!(f16_to_f32(0x8000).to_bits(), (-0.0f32).to_bits());
+    }
+
+    #[test]
+    fn every_e4m3_value_round_trips_and_others_round_to_nearest_even() {
+        for c in 0..=255u8 {
+            let v = e4m3_to_f32(c);
+            if v.is_nan() {
+                assert_eq!(f32_to_e4m3(v) & 0x7f, 0x7f);
+                continue;
+            }
+            // -0 encodes as 0x80, +0 as 0x00: both round trip.
+            assert_eq!(f32_to_e4m3(v), c, "{c:#x} = {v}");
+        }
+        let finite: Vec<f32> = (0..=0x7eu8).map(e4m3_to_f32).collect();
+        for (i, w) in finite.windows(2).enumerate() {
+            let mid = (w[0] + w[1]) / 2.0;
+            // A tie goes to the even code; just off it, to the nearer value.
+            let even = if i % 2 == 0 { i as u8 } else { i as u8 + 1 };
+            assert_eq!(f32_to_e4m3(mid), even, "tie between {} and {}", w[0], w[1]);
+            assert_eq!(f32_to_e4m3(mid * (1.0 - 1e-6)), i as u8);
+            assert_eq!(f32_to_e4m3(mid * (1.0 + 1e-6)), i as u8 + 1);
+        }
+        assert_eq!(f32_to_e4m3(1e9), 0x7e);
+        assert_eq!(f32_to_e4m3(-1e9), 0xfe);
+    }
+
+    #[test]
+    fn quantized_rows_hold_values_and_scales() {
+        // One token, 130 channels (two blocks: 128 and 2), integer values.
+        let hidden = 130;
+        let mut x: Vec<u8> = (0..hidden)
+            .flat_map(|i| {
+                let v = ((i % 17) as f32) - 8.0;
+                ((v.to_bits() >> 16) as u16).to_le_bytes()
+            })
+            .collect();
+        let q = quantize_fp8(cells(&mut x), hidden, true);
+        assert_eq!(q.len(), fp8_row_bytes(hidden));
+        let scale = |b: usize| {
+            f32::from_le_bytes(q[hidden + 4 * b..hidden + 4 * b + 4].try_into().unwrap())
+        };
+        assert_eq!(scale(0), 1.0 / 32.0); // amax 8: 8 / 448 rounded up to 2^-5
+        for (i, &c) in q[..hidden].iter().enumerate() {
+            let v = ((i % 17) as f32) - 8.0;
+            assert_eq!(e4m3_to_f32(c) * scale(i / FP8_BLOCK), v, "channel {i}");
+        }
+        let plain = quantize_fp8(cells(&mut x), hidden, false);
+        assert_eq!(
+            f32::from_le_bytes(plain[hidden..hidden + 4].try_into().unwrap()),
+            8.0 / 448.0
+        );
     }
 
     #[test]

@@ -266,7 +266,7 @@ impl SendPlan {
         let peer = self.rows[i].peer;
         self.combine_block_offset(peer)
             + COMBINE_HEADER_BYTES
-            + (i - self.peer_start[peer as usize]) as u64 * self.layout.row_bytes
+            + (i - self.peer_start[peer as usize]) as u64 * self.layout.combine_row_bytes
     }
 
     /// The combine writes this rank expects: one from every active peer, rows or not (so
@@ -281,7 +281,7 @@ impl SendPlan {
 fn combine_block(layout: &Layout, set: u32, peer: u32, rows_before: u64) -> u64 {
     u64::from(set) * layout.combine_region_bytes()
         + u64::from(peer) * COMBINE_HEADER_BYTES
-        + rows_before * layout.row_bytes
+        + rows_before * layout.combine_row_bytes
 }
 
 /// The header in front of a block of combine rows.
@@ -514,7 +514,7 @@ impl Receive {
         let before: u64 = self.valid[..s as usize].iter().sum();
         u64::from(self.epoch % SETS) * self.layout.combine_send_bytes()
             + u64::from(s) * COMBINE_HEADER_BYTES
-            + before * self.layout.row_bytes
+            + before * self.layout.combine_row_bytes
     }
 
     /// Offset of received row `i`'s expert output in the combine send buffer.
@@ -522,7 +522,7 @@ impl Receive {
         let r = self.rows[i];
         self.combine_send_offset(r.source)
             + COMBINE_HEADER_BYTES
-            + u64::from(r.index) * self.layout.row_bytes
+            + u64::from(r.index) * self.layout.combine_row_bytes
     }
 
     /// The combine writes: to every source taken (rows or not), its block (a header saying
@@ -551,7 +551,7 @@ impl Receive {
                 .encode(),
                 src_offset: self.combine_send_offset(s),
                 dst_offset: combine_block(l, self.epoch % SETS, self.rank, before),
-                len: COMBINE_HEADER_BYTES + self.valid[s as usize] * l.row_bytes,
+                len: COMBINE_HEADER_BYTES + self.valid[s as usize] * l.combine_row_bytes,
             });
         }
         out

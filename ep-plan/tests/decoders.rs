@@ -16,6 +16,7 @@ fn check(data: &[u8]) {
         top_k: u32::from(shape[2] % 8) + 1,
         max_tokens: u32::from(shape[3]),
         row_bytes: 16,
+        combine_row_bytes: 16,
         private_rows: 4,
         overflow_rows: 4,
     };
@@ -58,6 +59,7 @@ fn random_and_mutated_headers_never_panic_and_round_trip() {
             top_k: u32::from(shape[2] % 8) + 1,
             max_tokens: u32::from(shape[3]),
             row_bytes: 16,
+            combine_row_bytes: 16,
             private_rows: 4,
             overflow_rows: 4,
         };

@@ -148,6 +148,8 @@ fn check(c: Case) -> Result<(), TestCaseError> {
         top_k: c.top_k,
         max_tokens: c.max_tokens,
         row_bytes: ROW,
+        // Combine rows differ from dispatch rows (as fp8 out, bf16 back).
+        combine_row_bytes: ROW + 8,
         private_rows: c.private_rows,
         overflow_rows: 0,
     };
@@ -342,7 +344,7 @@ fn check(c: Case) -> Result<(), TestCaseError> {
                 prop_assert_eq!(recv.rows[i].offset, run.recv_offset + j * ROW);
                 prop_assert_eq!(
                     recv.combine_send_row_offset(i),
-                    run.combine_offset + j * ROW
+                    run.combine_offset + j * layout.combine_row_bytes
                 );
             }
         }
@@ -424,6 +426,7 @@ fn exactly_at_capacity_fits_and_one_more_row_fails() {
         top_k: 2,
         max_tokens: 3,
         row_bytes: ROW,
+        combine_row_bytes: ROW,
         private_rows: 2,
         overflow_rows: 0,
     };

@@ -22,6 +22,7 @@ fuzz_target!(|data: &[u8]| {
         top_k: u32::from(shape[2] % 8) + 1,
         max_tokens: u32::from(shape[3]),
         row_bytes: 16,
+        combine_row_bytes: 16,
         private_rows: 4,
         overflow_rows: 4,
     };

@@ -37,8 +37,8 @@ fn columns<'py>(py: Python<'py>, cols: &[Vec<i64>]) -> Vec<Bound<'py, PyBytes>> 
 }
 
 /// The layout from its Python description: `(ranks, experts_per_rank, top_k, max_tokens,
-/// row_bytes, private_rows, overflow_rows)`.
-type LayoutArgs = (u32, u32, u32, u32, u64, u32, u32);
+/// row_bytes, private_rows, overflow_rows, combine_row_bytes)`.
+type LayoutArgs = (u32, u32, u32, u32, u64, u32, u32, u64);
 
 fn layout_of(py: Python<'_>, a: LayoutArgs) -> PyResult<Layout> {
     let l = Layout {
@@ -47,6 +47,7 @@ fn layout_of(py: Python<'_>, a: LayoutArgs) -> PyResult<Layout> {
         top_k: a.2,
         max_tokens: a.3,
         row_bytes: a.4,
+        combine_row_bytes: a.7,
         private_rows: a.5,
         overflow_rows: a.6,
     };
@@ -322,8 +323,17 @@ impl EpStep {
 
     /// Packs the send buffer (`send`: the whole region, both sets, `uint8`) from `x`
     /// (`[tokens, hidden]` as bytes): every peer's block gets this rank's header, then its
-    /// rows in send order.
-    fn pack(&self, py: Python<'_>, x: PyBuffer<u8>, send: PyBuffer<u8>) -> PyResult<()> {
+    /// rows in send order. `fp8`: `x` is bf16 and each row is quantized once, as DeepEP's
+    /// low-latency dispatch does (`"e4m3"`; `"e4m3_pow2"` rounds each scale up to a power of
+    /// two), into the layout's fp8 rows (values, then a float32 scale per 128 channels).
+    #[pyo3(signature = (x, send, *, fp8 = None))]
+    fn pack(
+        &self,
+        py: Python<'_>,
+        x: PyBuffer<u8>,
+        send: PyBuffer<u8>,
+        fp8: Option<&str>,
+    ) -> PyResult<()> {
         let l = &self.layout;
         let tokens = self.machine.plan().slot_row.len() / l.top_k as usize;
         let row = l.row_bytes as usize;
@@ -333,12 +343,39 @@ impl EpStep {
             "the send buffer",
             2 * l.send_buffer_bytes() as usize,
         )?;
+        let round_scale = match fp8 {
+            None => None,
+            Some("e4m3") => Some(false),
+            Some("e4m3_pow2") => Some(true),
+            Some(other) => return Err(errors::invalid(py, format!("no fp8 format {other:?}"))),
+        };
+        let x_row = match round_scale {
+            None => row,
+            Some(_) => {
+                let hidden = l.combine_row_bytes as usize / 2;
+                if moves::fp8_row_bytes(hidden) != row {
+                    return Err(errors::invalid(
+                        py,
+                        "fp8 rows need row_bytes = hidden + 4 x ceil(hidden / 128), combine_row_bytes = 2 x hidden",
+                    ));
+                }
+                2 * hidden
+            }
+        };
         let mut owned;
         let x = match crate::ffi::buffer_cells(&x) {
-            Some(c) if c.len() == tokens * row => c,
+            Some(c) if c.len() == tokens * x_row => c,
             _ => {
-                owned = readable(py, &x, "x", tokens * row)?;
+                owned = readable(py, &x, "x", tokens * x_row)?;
                 Cell::from_mut(owned.as_mut_slice()).as_slice_of_cells()
+            }
+        };
+        let mut quantized;
+        let x = match round_scale {
+            None => x,
+            Some(round) => {
+                quantized = moves::quantize_fp8(x, x_row / 2, round);
+                Cell::from_mut(quantized.as_mut_slice()).as_slice_of_cells()
             }
         };
         self.machine.plan().pack(l, x, send);
@@ -354,33 +391,66 @@ impl EpStep {
     }
 
     /// Once dispatched: copies the received rows from `region` (the dispatch region, both
-    /// sets, `uint8`) into `out` (bytes of `[experts_per_rank, ranks × max_tokens, hidden]`
-    /// for `"deepep"`, `[rows, hidden]` for `"flat"`): for each local expert, the sources in
+    /// sets, `uint8`) into `out` (bytes of `[experts_per_rank, ranks × max_tokens, row]`
+    /// for `"deepep"`, `[rows, row]` for `"flat"`): for each local expert, the sources in
     /// rank order, each source's rows in its order. Rows past an expert's count are left.
+    /// With `scales` (fp8 rows), each row is split at `hidden`: its e4m3 values into `out`
+    /// (rows of `hidden` bytes), its scales into `scales` (rows of the rest), both contiguous
+    /// as DeepEP returns them.
+    #[pyo3(signature = (region, out, layout, *, scales = None, hidden = 0))]
     fn unpack(
         &mut self,
         py: Python<'_>,
         region: PyBuffer<u8>,
         out: PyBuffer<u8>,
         layout: &str,
+        scales: Option<PyBuffer<u8>>,
+        hidden: usize,
     ) -> PyResult<()> {
         let shape = expert_layout(py, layout)?;
         let l = self.layout.clone();
         let counts = self.expert_counts(py)?;
         let starts = starts_of(&counts);
+        let rows: u64 = counts.iter().sum();
         let region = writable(
             py,
             &region,
             "the dispatch region",
             2 * l.dispatch_region_bytes() as usize,
         )?;
-        let need = moves::expert_layout_bytes(&l, shape, counts.iter().sum());
-        let out = writable(py, &out, "out", need as usize)?;
         let row = l.row_bytes as usize;
+        let Some(scales) = scales else {
+            let need = moves::expert_layout_bytes(&l, shape, rows, l.row_bytes);
+            let out = writable(py, &out, "out", need as usize)?;
+            for run in self.runs(py)? {
+                let (src, len) = (run.recv_offset as usize, run.rows as usize * row);
+                let dst = moves::expert_offset(&l, shape, &starts, run, l.row_bytes) as usize;
+                moves::copy_cells(&out[dst..dst + len], &region[src..src + len]);
+            }
+            return Ok(());
+        };
+        if hidden == 0 || hidden >= row {
+            return Err(errors::invalid(py, "hidden must split a row in two"));
+        }
+        let rest = row - hidden;
+        let need =
+            |width: usize| moves::expert_layout_bytes(&l, shape, rows, width as u64) as usize;
+        let out = writable(py, &out, "out", need(hidden))?;
+        let scales = writable(py, &scales, "scales", need(rest))?;
         for run in self.runs(py)? {
-            let (src, len) = (run.recv_offset as usize, run.rows as usize * row);
-            let dst = moves::expert_offset(&l, shape, &starts, run) as usize;
-            moves::copy_cells(&out[dst..dst + len], &region[src..src + len]);
+            let a = moves::expert_offset(&l, shape, &starts, run, hidden as u64) as usize;
+            let b = moves::expert_offset(&l, shape, &starts, run, rest as u64) as usize;
+            for j in 0..run.rows as usize {
+                let src = run.recv_offset as usize + j * row;
+                moves::copy_cells(
+                    &out[a + j * hidden..a + (j + 1) * hidden],
+                    &region[src..src + hidden],
+                );
+                moves::copy_cells(
+                    &scales[b + j * rest..b + (j + 1) * rest],
+                    &region[src + hidden..src + row],
+                );
+            }
         }
         Ok(())
     }
@@ -405,7 +475,8 @@ impl EpStep {
             "the combine send buffer",
             2 * l.combine_send_bytes() as usize,
         )?;
-        let need = moves::expert_layout_bytes(&l, shape, counts.iter().sum()) as usize;
+        let need = moves::expert_layout_bytes(&l, shape, counts.iter().sum(), l.combine_row_bytes)
+            as usize;
         let mut owned;
         let src = match crate::ffi::buffer_cells(&expert_out) {
             Some(c) if c.len() == need => c,
@@ -414,10 +485,10 @@ impl EpStep {
                 Cell::from_mut(owned.as_mut_slice()).as_slice_of_cells()
             }
         };
-        let row = l.row_bytes as usize;
+        let row = l.combine_row_bytes as usize;
         for run in self.runs(py)? {
             let (dst, len) = (run.combine_offset as usize, run.rows as usize * row);
-            let at = moves::expert_offset(&l, shape, &starts, run) as usize;
+            let at = moves::expert_offset(&l, shape, &starts, run, l.combine_row_bytes) as usize;
             moves::copy_cells(&csend[dst..dst + len], &src[at..at + len]);
         }
         if let Some(r) = self.machine.receive() {
@@ -439,14 +510,14 @@ impl EpStep {
     ) -> PyResult<()> {
         let dtype = dtype_of(py, dtype)?;
         let l = &self.layout;
-        if l.row_bytes % dtype.size() as u64 != 0 {
+        if l.combine_row_bytes % dtype.size() as u64 != 0 {
             return Err(errors::invalid(
                 py,
                 "rows are not whole elements of the dtype",
             ));
         }
         let slots = self.machine.plan().slot_row.len();
-        let hidden = (l.row_bytes / dtype.size() as u64) as usize;
+        let hidden = (l.combine_row_bytes / dtype.size() as u64) as usize;
         let tokens = slots / l.top_k as usize;
         let combine = writable(
             py,

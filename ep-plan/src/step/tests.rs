@@ -532,6 +532,7 @@ fn run(seed: u64, fault: Fault, overflow: bool) -> u64 {
         top_k,
         max_tokens,
         row_bytes: ROW,
+        combine_row_bytes: ROW,
         private_rows: private,
         overflow_rows,
     };
@@ -708,6 +709,7 @@ fn an_overflowing_step_fails_alike_everywhere() {
         top_k: 1,
         max_tokens: 3,
         row_bytes: ROW,
+        combine_row_bytes: ROW,
         private_rows: 1,
         overflow_rows: 1,
     };

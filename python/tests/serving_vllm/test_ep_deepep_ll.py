@@ -60,8 +60,8 @@ def rank_main(rank, port, conn, shapes, max_tokens, steps):
         manager = DeepEPLLAll2AllManager.__new__(DeepEPLLAll2AllManager)
         manager.cpu_group, manager.support_fault_tolerance, manager.handle_cache = group, True, Cache()
         manager.world_size = RANKS
-        for num_experts, top_k in shapes:
-            run_shape(rank, manager, group, num_experts, top_k, max_tokens, steps)
+        for num_experts, top_k, fp8 in shapes:
+            run_shape(rank, manager, group, num_experts, top_k, max_tokens, steps, fp8)
         dist.barrier(group)
         manager.destroy()
         conn.send("ok")
@@ -69,8 +69,12 @@ def rank_main(rank, port, conn, shapes, max_tokens, steps):
         conn.send(f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
 
 
-def run_shape(rank, manager, group, num_experts, top_k, max_tokens, steps):
-    """Steps of one model shape, through vLLM's manager and prepare/finalize."""
+def run_shape(rank, manager, group, num_experts, top_k, max_tokens, steps, fp8=False):
+    """Steps of one model shape, through vLLM's manager and prepare/finalize. ``fp8``: vLLM's
+    fp8 dispatch (``use_fp8_dispatch`` with a 128-block fp8 quant config, so the experts get
+    DeepEP's e4m3 values and float32 scales as they are): the rows are checked byte for byte
+    against the oracle's own quantizer, and combine against the oracle run on the
+    dequantized tokens."""
     import deep_ep
     import torch.distributed as dist
     from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
@@ -84,9 +88,13 @@ def run_shape(rank, manager, group, num_experts, top_k, max_tokens, steps):
         num_global_experts=num_experts, num_local_experts=num_experts // RANKS,
     ))
     assert isinstance(buffer, deep_ep.Buffer) and buffer.low_latency_mode
-    pf = DeepEPLLPrepareAndFinalize(buffer, max_tokens_per_rank=max_tokens, num_dispatchers=RANKS)
-    quant = FusedMoEQuantConfig.make()
-    cfg = EpConfig(ranks=RANKS, experts_per_rank=num_experts // RANKS, top_k=top_k, max_tokens=max_tokens, hidden=HIDDEN)
+    pf = DeepEPLLPrepareAndFinalize(buffer, max_tokens_per_rank=max_tokens, num_dispatchers=RANKS, use_fp8_dispatch=fp8)
+    if fp8:
+        quant = FusedMoEQuantConfig.make(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128])
+    else:
+        quant = FusedMoEQuantConfig.make()
+    cfg = EpConfig(ranks=RANKS, experts_per_rank=num_experts // RANKS, top_k=top_k, max_tokens=max_tokens, hidden=HIDDEN,
+                   fp8="e4m3" if fp8 else None)
     for step in range(steps):
         ins = [oracle.inputs(31, step, s, cfg, routing=("uniform", "zipf", "incast")[step % 3], tokens=max_tokens - s)
                for s in range(RANKS)]
@@ -99,14 +107,32 @@ def run_shape(rank, manager, group, num_experts, top_k, max_tokens, steps):
             hook, receiver = pf.prepare_async(a1, topk_weights, topk_ids, num_experts, None, False, quant)
             hook()
             expert_x, scale, meta, _, _ = receiver()
-        assert scale is None
         counts = meta.expert_num_tokens.numpy()
-        got = storage_of(expert_x)
         expected = oracle.expected_recv(ins, rank, cfg)
-        for le in range(cfg.experts_per_rank):
-            assert counts[le] == len(expected[le]), f"step {step} expert {le}"
-            assert np.array_equal(got[le, : counts[le]], expected[le]), f"step {step} expert {le}: rows differ"
-        fused_out = tensor_of(oracle.run_experts_deepep(got, counts, rank, cfg), "bfloat16")
+        if fp8:
+            # vLLM hands DeepEP's pair on as it is: values [experts, ranks × max_tokens, hidden]
+            # float8_e4m3fn, scales [..., hidden / 128] float32.
+            assert expert_x.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+            codes, scales = expert_x.view(torch.uint8).numpy(), scale.numpy()
+            got = np.zeros(codes.shape, dtype=np.uint16)
+            for le in range(cfg.experts_per_rank):
+                n = int(counts[le])
+                assert n == len(expected[le]), f"step {step} expert {le}"
+                ref_codes, ref_scales = oracle.quantize_fp8(expected[le], cfg)
+                assert np.array_equal(codes[le, :n], ref_codes), f"step {step} expert {le}: e4m3 values differ"
+                assert np.array_equal(scales[le, :n], ref_scales), f"step {step} expert {le}: scales differ"
+                got[le, :n] = from_f32(oracle.dequantize_fp8(codes[le, :n], scales[le, :n], HIDDEN), "bfloat16")
+            # Each token is quantized once, so every expert sees the same dequantized token.
+            x_seen = from_f32(oracle.dequantize_fp8(*oracle.quantize_fp8(x, cfg), HIDDEN), "bfloat16")
+        else:
+            assert scale is None
+            got = storage_of(expert_x)
+            x_seen = x
+            for le in range(cfg.experts_per_rank):
+                assert counts[le] == len(expected[le]), f"step {step} expert {le}"
+                assert np.array_equal(got[le, : counts[le]], expected[le]), f"step {step} expert {le}: rows differ"
+        bf16_cfg = EpConfig(ranks=RANKS, experts_per_rank=cfg.experts_per_rank, top_k=top_k, max_tokens=max_tokens, hidden=HIDDEN)
+        fused_out = tensor_of(oracle.run_experts_deepep(got, counts, rank, bf16_cfg), "bfloat16")
         output = torch.empty((x.shape[0], HIDDEN), dtype=torch.bfloat16)
         if step % 2 == 0:
             pf.finalize(output, fused_out, topk_weights, topk_ids, False, TopKWeightAndReduceDelegate())
@@ -114,7 +140,7 @@ def run_shape(rank, manager, group, num_experts, top_k, max_tokens, steps):
             recv_hook, done = pf.finalize_async(output, fused_out, topk_weights, topk_ids, False, TopKWeightAndReduceDelegate())
             recv_hook()
             done()
-        ref = from_f32(oracle.expected_combine(x, idx, w, cfg), "bfloat16")
+        ref = from_f32(oracle.expected_combine(x_seen, idx, w, bf16_cfg), "bfloat16")
         assert np.array_equal(storage_of(output), ref), f"step {step}: combine differs"
     mask = torch.ones(RANKS, dtype=torch.int32)
     buffer.low_latency_query_mask_buffer(mask)
@@ -154,8 +180,9 @@ def wait_all(pipes, limit=240):
 
 
 def test_vllm_deepep_ll_prepare_finalize_over_xfer(monkeypatch):
-    """Two shapes (4 experts top-2, 8 experts top-8; one Buffer each, as vLLM's handle cache
-    keys them), three steps each, sync and async forms alternating."""
+    """Three shapes (4 experts top-2, 8 experts top-8, and 8 experts top-8 with fp8 dispatch;
+    one Buffer per shape as vLLM's handle cache keys them), three steps each, sync and async
+    forms alternating."""
     if not efa_plugin():
         pytest.skip("the efa plugin (libfabric shm) is not in the package")
     # The opt-in, as a user makes it: xfer's deep_ep first on the path of the processes.
@@ -168,7 +195,7 @@ def test_vllm_deepep_ll_prepare_finalize_over_xfer(monkeypatch):
     ctx = mp.get_context("spawn")
     port = free_port()
     pipes = [ctx.Pipe() for _ in range(RANKS)]
-    procs = [ctx.Process(target=rank_main, args=(r, port, pipes[r][1], [(4, 2), (8, 8)], 6, 3)) for r in range(RANKS)]
+    procs = [ctx.Process(target=rank_main, args=(r, port, pipes[r][1], [(4, 2, False), (8, 8, False), (8, 8, True)], 6, 3)) for r in range(RANKS)]
     for p in procs:
         p.start()
     try:

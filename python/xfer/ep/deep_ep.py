@@ -10,10 +10,11 @@ opt-in a real ``deep_ep`` (if installed) is untouched. Then run vLLM with
 
 The engine comes from ``$XFER_EP_CONFIG`` (a config file, or a JSON object), else
 ``$XFER_CONFIG``; each wait of a step may take ``$XFER_EP_TIMEOUT`` seconds (default 10)
-before its rank is masked. Provided: bf16 dispatch (``use_fp8=False``), the hook and
-synchronous forms, ``out=``, the receive statistics, the mask buffer. Not provided (raise
-``NotImplementedError``): fp8/nvfp4 dispatch, ``zero_copy`` combine, overlap signals, normal
-(high-throughput) mode. Tensors live on the host: a CUDA input is staged through it."""
+before its rank is masked. Provided: bf16 dispatch, fp8 dispatch (``use_fp8=True``: e4m3
+values and a float32 scale per 128 channels, ``round_scale`` for power-of-two scales), the hook
+and synchronous forms, ``out=``, the receive statistics, the mask buffer. Not provided (raise
+``NotImplementedError``): ue8m0-packed scales, nvfp4/mxfp dispatch, ``zero_copy`` combine,
+overlap signals, normal (high-throughput) mode. Tensors live on the host: a CUDA input is staged through it."""
 
 from __future__ import annotations
 
@@ -133,15 +134,15 @@ class Buffer:
         raise NotImplementedError("xfer's deep_ep provides the low-latency mode only")
 
     # -- the group per shape ----------------------------------------------------------------
-    def _ep(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts) -> TorchEpGroup:
-        key = (int(x.shape[1]), x.dtype, int(topk_idx.shape[1]), int(num_max_dispatch_tokens_per_rank), int(num_experts))
+    def _ep(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, fp8=None) -> TorchEpGroup:
+        key = (int(x.shape[1]), x.dtype, int(topk_idx.shape[1]), int(num_max_dispatch_tokens_per_rank), int(num_experts), fp8)
         with self._lock:
             ep = self._groups.get(key)
             if ep is None:
                 import torch.distributed as dist
 
                 cfg = config_for(x, topk_idx, self.group_size, num_experts, num_max_dispatch_tokens_per_rank,
-                                 timeout=self.timeout)
+                                 timeout=self.timeout, fp8=fp8)
                 g = EpGroup(self.engine, self.rank, cfg)
                 infos = [None] * self.group_size
                 dist.all_gather_object(infos, g.local_info(), group=self.group)
@@ -158,14 +159,21 @@ class Buffer:
         """``(recv_x [local_experts, ranks × max_tokens, hidden], recv_count [local_experts]
         int32, handle, event, hook)``; with ``return_recv_hook`` the tensors are filled when
         ``hook()`` returns."""
-        if use_fp8 or any(unsupported.get(k) for k in ("use_nvfp4", "use_mxfp4", "use_mxfp8")):
-            raise NotImplementedError("xfer's deep_ep dispatches bf16 only (use_fp8=False)")
-        ep = self._ep(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts)
+        if use_ue8m0 or any(unsupported.get(k) for k in ("use_nvfp4", "use_mxfp4", "use_mxfp8")):
+            raise NotImplementedError("xfer's deep_ep dispatches bf16 or fp8 with float32 scales (no ue8m0, nvfp4, mxfp)")
+        if use_fp8 and x.dtype != torch.bfloat16:
+            raise ValueError("fp8 dispatch quantizes bf16 tokens")
+        fp8 = ("e4m3_pow2" if round_scale else "e4m3") if use_fp8 else None
+        ep = self._ep(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, fp8)
         cfg = ep.cfg
         h = ep.dispatch_send(x, topk_idx)
-        shape = (cfg.experts_per_rank, cfg.ranks * cfg.max_tokens, cfg.hidden)
-        recv_np = ep.group._out.setdefault((h.epoch % 2, "deepep"), np.zeros(shape, dtype=cfg.storage))
-        recv_x = tensor_of(recv_np, cfg.dtype)
+        recv_np = ep.group.recv_buffer(h.epoch)
+        if fp8 is None:
+            recv_x = tensor_of(recv_np, cfg.dtype)
+        else:
+            # DeepEP's pair: e4m3 values [experts, ranks × max_tokens, hidden] and float32
+            # scales [..., hidden / 128], both contiguous here.
+            recv_x = (torch.from_numpy(recv_np[0]).view(torch.float8_e4m3fn), torch.from_numpy(recv_np[1]))
         recv_count = torch.zeros(cfg.experts_per_rank, dtype=torch.int32)
         device = x.device
 
@@ -176,10 +184,11 @@ class Buffer:
                 cumulative_local_expert_recv_stats.add_(recv_count.to(cumulative_local_expert_recv_stats.device))
 
         handle = _Handle(ep, h, int(x.shape[0]))
+        recv_x = tuple(t.to(device) for t in recv_x) if fp8 is not None else recv_x.to(device)
         if return_recv_hook:
-            return recv_x.to(device), recv_count.to(device), handle, EventOverlap(), receive
+            return recv_x, recv_count.to(device), handle, EventOverlap(), receive
         receive()
-        return recv_x.to(device), recv_count.to(device), handle, EventOverlap(), None
+        return recv_x, recv_count.to(device), handle, EventOverlap(), None
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: _Handle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,

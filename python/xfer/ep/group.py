@@ -186,9 +186,10 @@ class EpGroup:
         self._owed.extend(h.step.abandoned_imms())
 
     def dispatch_send(self, x: np.ndarray, topk_idx: np.ndarray) -> Handle:
-        """Starts a step: packs ``x`` (``[tokens, hidden]`` of the storage dtype) for the
-        ranks ``topk_idx`` (``[tokens, top_k]``, ``-1`` for none) routes it to, and posts the
-        first write to every active peer. Returns the step's handle."""
+        """Starts a step: packs ``x`` (``[tokens, hidden]`` of the storage dtype; quantized to
+        fp8 rows with ``cfg.fp8``) for the ranks ``topk_idx`` (``[tokens, top_k]``, ``-1`` for
+        none) routes it to, and posts the first write to every active peer. Returns the step's
+        handle."""
         cfg = self.cfg
         if self.peers is None:
             raise RuntimeError("connect() first")
@@ -208,7 +209,7 @@ class EpGroup:
         self.epoch += 1
         token, slot, _peer, _expert = columns(step.send_rows())
         h.token, h.slot = token, slot
-        step.pack(_bytes_of(x), self.regions["send"])
+        step.pack(_bytes_of(x), self.regions["send"], fp8=cfg.fp8)
         h.stats["plan_ns"] = planned - t0
         h.stats["pack_ns"] = time.perf_counter_ns() - planned
         self._carry(h)
@@ -218,7 +219,9 @@ class EpGroup:
         """Waits for the step's rows (every wait by its deadline) and returns them in
         ``layout``: ``"deepep"``: ``(recv_x [experts_per_rank, ranks × max_tokens, hidden],
         recv_count [experts_per_rank])``; ``"flat"``: ``(recv_x [rows, hidden], expert_starts
-        [experts_per_rank + 1])``. Both: for each local expert, the sources in rank order, each
+        [experts_per_rank + 1])``; with ``cfg.fp8`` ``recv_x`` is ``(values, scales)``: the e4m3
+        values as ``uint8`` (``[..., hidden]``) and a float32 scale per 128 channels, each
+        contiguous, as DeepEP's low-latency dispatch returns them. Both: for each local expert, the sources in rank order, each
         source's tokens in its order. The returned array is the group's own, valid until the
         step two later (``out`` to give one)."""
         if layout not in LAYOUTS:
@@ -233,27 +236,48 @@ class EpGroup:
             raise EpError(f"step {h.epoch}: {h.step.stage}")
         counts = np.asarray(h.step.expert_counts(), dtype=np.int64)
         region = self.regions["dispatch"]
-        if layout == "deepep":
-            shape = (cfg.experts_per_rank, cfg.ranks * cfg.max_tokens, cfg.hidden)
-            if out is None:
-                out = self._out.get((h.epoch % 2, layout))
-                if out is None:
-                    out = self._out.setdefault((h.epoch % 2, layout), np.zeros(shape, dtype=cfg.storage))
-            if out.shape != shape or out.dtype != cfg.storage:
-                raise ValueError(f"out must be {shape} of {cfg.storage}, not {out.shape} {out.dtype}")
-            if int(counts.max(initial=0)) > shape[1]:
-                raise EpError("an expert got more than ranks × max_tokens rows (duplicate experts in a token?)")
-            t0 = time.perf_counter_ns()
-            h.step.unpack(region, _bytes_of(out), layout)
-            h.stats["unpack_ns"] = time.perf_counter_ns() - t0
-            return out, counts
-        total = int(counts.sum())
+        rows = cfg.ranks * cfg.max_tokens if layout == "deepep" else int(counts.sum())
+        if int(counts.max(initial=0)) > cfg.ranks * cfg.max_tokens:
+            raise EpError("an expert got more than ranks × max_tokens rows (duplicate experts in a token?)")
+        lead = (cfg.experts_per_rank, rows) if layout == "deepep" else (rows,)
         if out is None:
-            out = np.empty((total, cfg.hidden), dtype=cfg.storage)
+            out = self.recv_buffer(h.epoch) if layout == "deepep" else None
+            if out is None:
+                out = self._recv_arrays(lead)
+        values, scales = out if cfg.fp8 is not None else (out, None)
+        want = self._recv_arrays(lead, shapes_only=True)
+        got = [(a.shape, a.dtype) for a in (values, scales) if a is not None]
+        if got != want:
+            raise ValueError(f"out must be {want}, not {got}")
         t0 = time.perf_counter_ns()
-        h.step.unpack(region, _bytes_of(out), layout)
+        if scales is None:
+            h.step.unpack(region, _bytes_of(values), layout)
+        else:
+            h.step.unpack(region, _bytes_of(values), layout, scales=_bytes_of(scales), hidden=cfg.hidden)
         h.stats["unpack_ns"] = time.perf_counter_ns() - t0
-        return out, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        meta = counts if layout == "deepep" else np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return out, meta
+
+    def _recv_arrays(self, lead: tuple, *, shapes_only: bool = False):
+        """The arrays dispatched rows are unpacked to: one of the storage dtype, or with fp8
+        ``(values uint8 [..., hidden], scales float32 [..., blocks])``."""
+        cfg = self.cfg
+        if cfg.fp8 is None:
+            specs = [(lead + (cfg.hidden,), cfg.storage)]
+        else:
+            specs = [(lead + (cfg.hidden,), np.dtype(np.uint8)), (lead + (cfg.scale_blocks,), np.dtype(np.float32))]
+        if shapes_only:
+            return specs
+        arrays = [np.zeros(shape, dtype=dt) for shape, dt in specs]
+        return arrays[0] if cfg.fp8 is None else tuple(arrays)
+
+    def recv_buffer(self, epoch: int):
+        """The group's own ``deepep`` output of step ``epoch`` (one per buffer set)."""
+        cfg = self.cfg
+        key = (epoch % 2, "deepep")
+        if key not in self._out:
+            self._out[key] = self._recv_arrays((cfg.experts_per_rank, cfg.ranks * cfg.max_tokens))
+        return self._out[key]
 
     def combine_send(self, h: Handle, expert_out: np.ndarray) -> None:
         """Sends each received row's expert output (``expert_out`` in the layout the rows were

@@ -13,6 +13,11 @@ import numpy as np
 
 from .._xfer import ep_region_bytes
 
+#: fp8 dispatch formats: e4m3 values with a float32 scale per 128 channels, ``amax / 448`` (DeepEP's
+#: default) or rounded up to a power of two (DeepEP's ``round_scale``).
+FP8 = ("e4m3", "e4m3_pow2")
+FP8_BLOCK = 128
+
 #: Storage dtypes by name: the numpy dtype of one element as stored (bf16 as its bits).
 STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 
@@ -59,10 +64,13 @@ class EpConfig:
     overflow_rows: int | None = None
     timeout: float = 5.0
     tag: int = 0xE
+    fp8: str | None = None
 
     def __post_init__(self):
         if self.dtype not in STORAGE:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(STORAGE)}")
+        if self.fp8 is not None and (self.fp8 not in FP8 or self.dtype != "bfloat16"):
+            raise ValueError(f"fp8 must be one of {FP8} (with dtype bfloat16), not {self.fp8!r}")
         for name in ("ranks", "experts_per_rank", "top_k", "hidden"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -91,8 +99,22 @@ class EpConfig:
         return STORAGE[self.dtype]
 
     @property
-    def row_bytes(self) -> int:
+    def combine_row_bytes(self) -> int:
+        """Bytes of a row in combine (and of the tokens given to dispatch): the dtype's."""
         return self.hidden * self.storage.itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of a dispatched row: the dtype's, or with ``fp8`` the e4m3 values and a
+        float32 scale per 128 channels."""
+        if self.fp8 is not None:
+            return self.hidden + 4 * self.scale_blocks
+        return self.combine_row_bytes
+
+    @property
+    def scale_blocks(self) -> int:
+        """fp8 scales per row (one per 128 channels)."""
+        return -(-self.hidden // FP8_BLOCK)
 
     @property
     def num_experts(self) -> int:
@@ -100,7 +122,8 @@ class EpConfig:
 
     def layout_args(self) -> tuple:
         """What ``xfer._xfer.EpStep`` takes."""
-        return (self.ranks, self.experts_per_rank, self.top_k, self.max_tokens, self.row_bytes, self.private, self.overflow)
+        return (self.ranks, self.experts_per_rank, self.top_k, self.max_tokens, self.row_bytes, self.private, self.overflow,
+                self.combine_row_bytes)
 
     def region_bytes(self) -> dict:
         """Bytes per buffer set of each region (and the header sizes)."""
@@ -110,3 +133,4 @@ class EpConfig:
 def columns(raw: list[bytes]) -> list[np.ndarray]:
     """The binding's columns (little-endian int64 bytes) as numpy arrays."""
     return [np.frombuffer(c, dtype="<i8") for c in raw]
+

@@ -129,3 +129,54 @@ def expected_combine(x: np.ndarray, idx: np.ndarray, w: np.ndarray, cfg: EpConfi
                 continue
             y[t] += np.float32(w[t, j]) * to_f32(expert_fn(x[t:t + 1], e, cfg), cfg.dtype)[0]
     return y
+
+
+# -- fp8 dispatch: an independent reference of the quantization (numpy, no Rust) -------------
+
+
+def e4m3_values() -> np.ndarray:
+    """The float32 value of each of the 256 float8 e4m3fn codes (0x7f, 0xff: NaN)."""
+    c = np.arange(256)
+    exp, man = (c >> 3) & 0xF, (c & 7).astype(np.float64)
+    mag = np.where(exp == 0, man * 2.0**-9, (1 + man / 8) * 2.0 ** (exp - 7))
+    mag[(exp == 0xF) & ((c & 7) == 7)] = np.nan
+    return (np.where(c & 0x80, -mag, mag)).astype(np.float32)
+
+
+def encode_e4m3(y: np.ndarray) -> np.ndarray:
+    """Nearest e4m3fn code of each float32 (ties to the even code), saturating at ±448."""
+    pos = e4m3_values()[:0x7F]  # 0 .. 448, increasing
+    a = np.minimum(np.abs(y), pos[-1])
+    hi = np.clip(np.searchsorted(pos, a), 1, len(pos) - 1)
+    lo = hi - 1
+    dlo, dhi = a - pos[lo], pos[hi] - a
+    code = np.where(dlo < dhi, lo, np.where(dhi < dlo, hi, np.where(lo % 2 == 0, lo, hi)))
+    code = np.where(a == pos[lo], lo, code)
+    return (code | np.where(np.signbit(y), 0x80, 0)).astype(np.uint8)
+
+
+def quantize_fp8(rows: np.ndarray, cfg: EpConfig) -> tuple[np.ndarray, np.ndarray]:
+    """bf16 rows (as bits) quantized as ``cfg.fp8`` says: ``(codes [n, hidden] uint8,
+    scales [n, blocks] float32)``."""
+    block = 128
+    x = to_f32(rows, "bfloat16")
+    n, hidden = x.shape
+    blocks = -(-hidden // block)
+    codes = np.zeros((n, hidden), dtype=np.uint8)
+    scales = np.zeros((n, blocks), dtype=np.float32)
+    for b in range(blocks):
+        part = x[:, b * block:(b + 1) * block]
+        amax = np.maximum(np.abs(part).max(axis=1, initial=0), np.float32(1e-4)).astype(np.float32)
+        if cfg.fp8 == "e4m3_pow2":
+            e = np.ceil(np.log2(amax / np.float32(448))).astype(np.int32)
+            scale, inv = np.ldexp(np.float32(1), e).astype(np.float32), np.ldexp(np.float32(1), -e).astype(np.float32)
+        else:
+            scale, inv = (amax / np.float32(448)).astype(np.float32), (np.float32(448) / amax).astype(np.float32)
+        codes[:, b * block:(b + 1) * block] = encode_e4m3((part * inv[:, None]).astype(np.float32))
+        scales[:, b] = scale
+    return codes, scales
+
+
+def dequantize_fp8(codes: np.ndarray, scales: np.ndarray, hidden: int) -> np.ndarray:
+    """``value × scale`` per channel, float32."""
+    return e4m3_values()[codes] * np.repeat(scales, 128, axis=-1)[..., :hidden]

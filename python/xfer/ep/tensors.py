@@ -55,10 +55,14 @@ class TorchEpGroup:
         return self.group.dispatch_send(storage_of(x), storage_of(topk_idx.to(torch.int64)))
 
     def dispatch_recv(self, h: Handle, *, layout: str = "deepep", out: torch.Tensor | None = None):
-        """``(recv_x, recv_count or expert_starts)`` as tensors (``recv_count`` int32)."""
-        np_out = storage_of(out) if out is not None and layout == "deepep" else None
+        """``(recv_x, recv_count or expert_starts)`` as tensors (``recv_count`` int32); with
+        fp8, ``recv_x`` is ``(values float8_e4m3fn, scales float32)``."""
+        np_out = storage_of(out) if out is not None and layout == "deepep" and self.cfg.fp8 is None else None
         recv, meta = self.group.dispatch_recv(h, layout=layout, out=np_out)
-        return tensor_of(recv, self.cfg.dtype), torch.from_numpy(np.asarray(meta, dtype=np.int32 if layout == "deepep" else np.int64))
+        meta = torch.from_numpy(np.asarray(meta, dtype=np.int32 if layout == "deepep" else np.int64))
+        if self.cfg.fp8 is not None:
+            return (torch.from_numpy(recv[0]).view(torch.float8_e4m3fn), torch.from_numpy(recv[1])), meta
+        return tensor_of(recv, self.cfg.dtype), meta
 
     def combine_send(self, h: Handle, expert_out: torch.Tensor) -> None:
         self.group.combine_send(h, storage_of(expert_out))
