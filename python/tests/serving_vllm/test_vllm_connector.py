@@ -79,16 +79,19 @@ class Instance:
 
     def __init__(self, engine_id, server, *, layers=2, blocks=16, heads=4, head=8, tp=1, extra=None,
                  model=None, backend="CPU_ATTN", cache_dtype="auto", layout=None, dp=(1, 0),
-                 pp=1, drafts=0, parallel=None):
-        """``drafts``: a speculative drafter's layers (EAGLE's, numbered past the model's)."""
+                 pp=1, drafts=0, parallel=None, block=BLOCK, sliding=None):
+        """``drafts``: a speculative drafter's layers (EAGLE's, numbered past the model's);
+        ``block``: ``--block-size``; ``sliding``: layer index → the window of a sliding-window
+        layer (vLLM's hybrid allocator gives those a KV cache group of their own)."""
         extra = {"rendezvous": server.url if server else None, "xfer_config": MOCK,
                  "lookup_timeout_s": 2.0, **(extra or {})}
         model = model or tiny_model(layers, heads, head)
+        self.block = block
 
         def config(rank):
             return VllmConfig(
                 model_config=model,
-                cache_config=CacheConfig(block_size=BLOCK, cache_dtype=cache_dtype),
+                cache_config=CacheConfig(block_size=block, cache_dtype=cache_dtype),
                 parallel_config=ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp[0],
                                                data_parallel_rank=dp[1],
                                                pipeline_parallel_size=pp,
@@ -110,7 +113,9 @@ class Instance:
         self.total_heads = model.get_total_num_kv_heads() if not model.use_mla else 1
         gen = torch.Generator().manual_seed(hash(engine_id) % 2**31)
         model_kv = {}  # each layer's KV of every head, as the model computes it on every rank
-        allocated = [vllm_caches.allocate(c, names, blocks, backend, layout) for c in configs]
+        windows = {names[i]: w for i, w in (sliding or {}).items()}
+        allocated = [vllm_caches.allocate(c, names, blocks, backend, layout, windows)
+                     for c in configs]
         # As the engine: the scheduler (serving a side channel, if asked) before the workers.
         self.scheduler = KVConnectorFactory.create_connector(configs[0], KVConnectorRole.SCHEDULER,
                                                              allocated[0][0])
@@ -153,8 +158,12 @@ class Instance:
         return {name: torch.cat([self.ranks[r][name].view(torch.uint8) for r in holders], dim=1)
                 for name in self.ranks[0]}
 
-    def step(self):
-        meta = self.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+    def step(self, scheduled=None):
+        """``scheduled``: request id → the tokens the step computes (vLLM's
+        ``num_scheduled_tokens``; none: a step that computes nothing)."""
+        out = SchedulerOutput.make_empty()
+        out.num_scheduled_tokens = dict(scheduled or {})
+        meta = self.scheduler.build_connector_meta(out)
         for worker in self.workers:
             worker.bind_connector_metadata(meta)
             worker.start_load_kv(None)
@@ -199,6 +208,9 @@ def blocks_of(ids):
 
 def prefill(p, req_id, tokens, block_ids):
     """p computed `req_id` into `block_ids` and keeps them for a reader."""
+    # A prompt that fills the blocks it was given (vLLM allocates no more; the prefill hands
+    # off its prompt's blocks).
+    tokens = max(tokens, p.block * (len(block_ids) - 1) + 1)
     r = request(req_id, tokens, {"do_remote_decode": True}, RequestStatus.FINISHED_LENGTH_CAPPED)
     delay, params = p.scheduler.request_finished(r, block_ids)
     assert delay and params["remote_block_ids"] == [block_ids]  # one KV cache group
@@ -320,6 +332,68 @@ def test_a_layout_mismatch_is_a_load_error_not_a_hang(server):
     # Refused before any read: the blocks here are untouched.
     assert all(torch.equal(d.gathered()[n], d.full[n]) for n in d.full)
     p.wait("the prefill to free its blocks", lambda: "r4" in p.sent)
+    p.close(), d.close()
+
+
+@pytest.mark.parametrize("factor,prefill_side,decode_side", [
+    ("the KV cache dtype", dict(cache_dtype="fp8_e4m3"), dict(cache_dtype="fp8_e5m2")),
+    ("the block size", dict(block=16), dict(block=32)),
+    ("the attention kernels' block size", dict(block=128, backend="FLASHINFER"),
+     dict(block=128, backend="FLASH_ATTN")),
+    ("the attention backend", dict(backend="FLASH_ATTN"), dict(backend="FLASHINFER")),
+    ("the vLLM version", {}, dict(version="0.32.1")),
+])
+@pytest.mark.parametrize("mode", ["pull", "push", "push-unchecked"])
+def test_an_incompatible_prefill_is_refused_by_name_before_anything_moves(
+        server, monkeypatch, caplog, factor, prefill_side, decode_side, mode):
+    """Issue 54's handshake check, on vLLM's own config objects: caches of the same shapes
+    and element type (fp8 e4m3 and e5m2 are both bytes; FLASH_ATTN and FlashInfer lay out the
+    same blocks of 16; 16-token blocks of another size are rows of the same width) that hold
+    different things. The decode's load fails naming the factor, its blocks untouched (they
+    were read or written as if they matched)."""
+    if mode == "push-unchecked" and factor not in ("the attention backend", "the vLLM version"):
+        pytest.skip("the decoder's own layer check refuses these views first")
+    decode_side = dict(decode_side)
+    version = decode_side.pop("version", None)
+    tag = mode + "".join(word[0] for word in factor.split())
+    p = Instance(f"cf-p-{tag}", server, **prefill_side)
+    if version is not None:  # another release's decode instance, in this process
+        monkeypatch.setattr(vllm, "__version__", version)
+    d = Instance(f"cf-d-{tag}", server, **decode_side)
+    monkeypatch.undo()
+    if mode == "pull":
+        params = prefill(p, "r", 8, [1])
+        decode(d, "r-d", 8, params, [5])
+        d.step()
+    else:
+        if mode == "push-unchecked":
+            # A decoder that does not check (or lies): the prefill refuses to write to it.
+            for w in d.workers:
+                monkeypatch.setattr(w._worker, "incompatible", lambda peer: None)
+        push_decode(d, "r-d", 8, p.scheduler._engine_id, "r", [5])
+        d.step()
+        if mode == "push-unchecked":
+            r = push_prefill(p, "r", 8, [1])
+            wanted(p, "r")
+            compute(p, list(p.full))
+    d.wait("the refused load", lambda: "r-d" in d.recved)
+    assert "r-d" in d.failed
+    assert d.worker.get_block_ids_with_load_errors() == {5}
+    assert all(torch.equal(d.gathered()[n], d.full[n]) for n in d.full), "nothing moved"
+    assert any(factor in r.getMessage() and " differs: here " in r.getMessage()
+               for r in caplog.records), factor
+    p.close(), d.close()
+
+
+@pytest.mark.parametrize("decode_dtype", ["fp8", "fp8_e4m3"])
+def test_fp8_is_fp8_e4m3(server, decode_dtype):
+    """vLLM's ``--kv-cache-dtype fp8`` is e4m3: the two spellings exchange KV."""
+    p = Instance(f"fp8-same-p{decode_dtype}", server, cache_dtype="fp8")
+    d = Instance(f"fp8-same-d{decode_dtype}", server, cache_dtype=decode_dtype)
+    params = prefill(p, "r", 8, [1, 2])
+    load(d, "r-d", 8, params, [5, 6])
+    assert not d.failed
+    assert_copied(p, d, [1, 2], [5, 6])
     p.close(), d.close()
 
 
@@ -620,12 +694,15 @@ def push_decode(d, req_id, tokens, prefill_engine, prefill_req, local_ids, prefi
     return decode(d, req_id, tokens, params, local_ids)
 
 
-def push_prefill(p, req_id, tokens, block_ids):
-    """p schedules `req_id` into `block_ids` (it will push them as it computes)."""
+def push_prefill(p, req_id, tokens, block_ids, scheduled=None):
+    """p schedules `req_id` into `block_ids` (it will push them as it computes) and computes
+    ``scheduled`` tokens of it in this step (default: its whole prompt); the prompt fills the
+    blocks it is given (a prefill pushes its prompt's blocks)."""
+    tokens = max(tokens, p.block * (len(block_ids) - 1) + 1)
     r = request(req_id, tokens, {"do_remote_decode": True, "xfer_push": True,
                                  "xfer_token": proxy_token(req_id)})
     p.scheduler.update_state_after_alloc(r, blocks_of(block_ids), 0)
-    p.step()
+    p.step({req_id: tokens if scheduled is None else scheduled})
     return r
 
 
@@ -746,13 +823,14 @@ def test_push_across_tensor_parallel_sizes(server, decode_tp, prefill_tp):
     p.close(), d.close()
 
 
-def test_push_blocks_that_grew_after_the_first_layers_are_pushed_again(server):
-    """Chunked prefill: the blocks at the end are not those the first layers were pushed
-    with (matched from the end); every layer goes again, and the bytes are right."""
+def test_a_prompt_prefilled_in_chunks_is_pushed_whole_once_finished(server):
+    """Chunked prefill: the first step computes 20 of 40 tokens into the blocks allocated so
+    far (two of three); a chunk's layers are not the prompt's KV, so nothing goes until the
+    request finished with all its blocks, and then every layer does, the bytes right."""
     p, d = Instance("pp3", server), Instance("pd3", server)
-    push_decode(d, "r-d", 12, "pp3", "r", [4, 5, 6])
+    push_decode(d, "r-d", 40, "pp3", "r", [4, 5, 6])
     d.step()
-    r = push_prefill(p, "r", 12, [1, 2])
+    r = push_prefill(p, "r", 40, [1, 2], scheduled=20)
     wanted(p, "r")
     compute(p, list(p.full))
     finish(p, r, [1, 2, 3])
@@ -1226,12 +1304,13 @@ def test_push_goes_layer_by_layer_in_vllms_own_order_with_async_loads(server):
     p, d = Instance("mo-p", server, layers=3), Instance("mo-d", server, layers=3)
     push_decode(d, "r-d", 10, "mo-p", "r", [0, 9, 2])
     d.step()
-    r = request("r", 10, {"do_remote_decode": True, "xfer_push": True,
+    r = request("r", 40, {"do_remote_decode": True, "xfer_push": True,
                           "xfer_token": proxy_token("r")})
     p.scheduler.update_state_after_alloc(r, blocks_of([3, 5, 7]), 0)
     wanted(p, "r")
     names = list(p.full)
     out = SchedulerOutput.make_empty()
+    out.num_scheduled_tokens = {"r": 40}
     out.kv_connector_metadata = p.scheduler.build_connector_meta(out)
     assert not out.has_sync_kv_loads, "vLLM starts the loads after the forward"
     worker = p.worker

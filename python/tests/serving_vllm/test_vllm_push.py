@@ -519,3 +519,32 @@ def test_a_cancel_while_a_layer_is_planned_is_answered_only_after_its_writes():
     [(_, reply, _)] = p.sent_of(_PUSHED)  # answered once the planned layer wrote nothing
     assert reply["cancelled"] is True
     assert p.writes == [], "nothing written after the cancel"
+
+
+def test_blocks_that_change_after_a_layer_was_written_fail_the_load_instead_of_a_rewrite():
+    """Issue 54: a block written twice (the first planning's blocks, then the finished
+    request's) can end with either write's bytes — SRD and striping do not order writes. The
+    decoder is told its load failed, named, once the first write is no longer in flight, and
+    nothing is rewritten."""
+    p, header, payload = prefill_with_a_decoder()
+    p.push.handle_want(header, payload, now=START)
+    p.push.step_started({"r": [3, 5, 7]}, now=START)
+    p.push.layer_computed(LAYERS[0], None)
+    assert len(p.writes) == 1
+    p.push.request_finished("r", [4, 5, 7], now=START)
+    assert len(p.writes) == 1, "nothing rewritten"
+    assert all(transfer.cancelled for _, transfer in p.writes)
+    assert p.sent_of(_PUSHED) == [], "its write is still in flight"
+    complete(p, error=RuntimeError("cancelled"))
+    [(_, reply, _)] = p.sent_of(_PUSHED)
+    assert reply["ok"] is False and "either order" in reply["why"]
+
+
+def test_blocks_that_change_before_anything_was_written_are_pushed_as_finished():
+    p, header, payload = prefill_with_a_decoder()
+    p.push.handle_want(header, payload, now=START)
+    p.push.request_finished("r", [4, 5, 7], now=START)
+    assert sorted(w["src_pages"] == [4, 5, 7] for w, _ in p.writes) == [True, True]
+    complete(p)
+    [(_, reply, _)] = p.sent_of(_PUSHED)
+    assert reply["ok"] is True

@@ -146,6 +146,9 @@ class Engine:
         LIVE.add(self)
         self.blocks = {}
         """Request id → its blocks, as the scheduler allocated them (while it ran)."""
+        self.layer_done = None
+        """Called on each rank's model runner after each layer of the forward (a test's
+        stand-in for the time a GPU forward takes to reach the next)."""
         self.group_blocks = {}
         """Request id → its blocks in each KV cache group, when it was first scheduled."""
         """Request id → its engine core outputs (tokens, finish reason, kv_transfer_params)."""
@@ -186,6 +189,8 @@ class Engine:
                     KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output:
                 for name, cache in self.ranks[rank].items():  # the forward pass's layers
                     worker.save_kv_layer(name, cache, None)
+                    if self.layer_done is not None:
+                        self.layer_done(rank, name)
             return ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
                                      sampled_token_ids=[[TOKEN] if r in sampling else []
                                                         for r in reqs],
@@ -439,3 +444,108 @@ def test_kernel_block_views_move_the_managers_blocks(server, connector, block, b
         assert torch.equal(ours[local], theirs[remote[:blocks]]), name
         assert ours[local].any(), "not the zeros of a fresh cache"
     p.close(), d.close()
+
+
+def test_other_kv_cache_groups_are_refused_by_name(server, hybrid_model, caplog):
+    """Issue 54's handshake check, HMA: the same hybrid model with a sliding window of 32
+    tokens at the prefill and of 64 at the decode (vLLM's hybrid allocator gives the window
+    layers a group of their own on both: the same shapes, other blocks kept). The decode's
+    request is failed by vLLM's policy, the groups named, its blocks never read into."""
+    prompt = 200
+    p = Engine("sched-gp", server, hybrid_model, sliding={1: 32, 3: 32}, max_model_len=256)
+    d = Engine("sched-gd", server, hybrid_model, sliding={1: 64, 3: 64}, max_model_len=256)
+    assert len(d.kv_cache_config.kv_cache_groups) == 2
+    p.add("r", prompt, 1, {"do_remote_decode": True})
+    p.run_until("the prefill", lambda: p.finished("r"))
+    [done] = [o for o in p.outputs["r"] if o.finish_reason is not None]
+    before = d.gathered()
+    d.add("r-d", prompt, 3, done.kv_transfer_params)
+    d.run_until("the request to end", lambda: d.finished("r-d"))
+    [end] = [o for o in d.outputs["r-d"] if o.finish_reason is not None]
+    assert d.tokens("r-d") == [] and end.finish_reason.name == "ERROR"
+    assert any("the KV cache groups (vLLM's hybrid allocator: kinds and windows) differs"
+               in r.getMessage() for r in caplog.records)
+    after = d.gathered()
+    assert all(torch.equal(after[n], before[n]) for n in before), "nothing read"
+    p.close(), d.close()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("lookahead", [0, 4])
+def test_a_speculating_prefill_hands_off_its_prompts_blocks_not_its_lookahead(server, lookahead,
+                                                                            mode):
+    """Issue 54: a prefill that runs a drafter is allocated ``num_lookahead_tokens`` slots past
+    the prompt (vLLM's scheduler, ``allocate_slots``): a 64-token prompt of 32-token blocks holds
+    three blocks, the decoder's (allocated without lookahead for an async load) two. The
+    push matched the decoder's two to the last two of the three — shifted by a block — and
+    wrote them, then wrote them again from the blocks vLLM finished the request with (clipped to
+    its computed tokens): the bytes are right only if the second writes land last, which SRD
+    and striping do not promise. Every write posted now pairs a prompt block with the decoder's
+    block of the same tokens, each once; pull (vLLM hands off the computed tokens' blocks) is
+    the control."""
+    import dataclasses
+    prompt = 64
+    directory = Path(tempfile.mkdtemp())
+    vllm_caches.write_model(directory, num_hidden_layers=2, num_key_value_heads=4,
+                            num_attention_heads=8, hidden_size=64)
+    model = vllm_caches.load_model_config(directory, max_model_len=160)
+    tag = f"{mode}{lookahead}"
+    p = Engine(f"la-p{tag}", server, model, max_model_len=160)
+    d = Engine(f"la-d{tag}", server, model, max_model_len=160)
+    # Stand-in for a speculative config (a drafter needs its weights to be built): the
+    # lookahead vLLM's scheduler reserves for it.
+    p.scheduler.num_lookahead_tokens = lookahead
+    if mode == "push":
+        token = "7" * 32
+        d.add("r-d", prompt, 2, {"do_remote_prefill": True, "xfer_push": True,
+                                 "remote_engine_id": f"la-p{tag}", "remote_request_id": "r",
+                                 "remote_tp_size": 1, "xfer_token": token})
+        d.step()
+        p.add("r", prompt, 1, {"do_remote_decode": True, "xfer_push": True, "xfer_token": token})
+        push = p.workers[0]._worker.push
+        writes = Writes(push._ctx.engine)
+        push._ctx = dataclasses.replace(push._ctx, engine=writes)
+
+        def decoder_found(rank, name):
+            # The layers go to the decoder as they are computed once its record is found (off
+            # the model-runner thread, from the first layer on); a GPU layer takes that long.
+            if any(w.verified for w in push.wants("r")):
+                deadline = time.monotonic() + WAIT
+                while not all(w.ready for w in push.wants("r")):
+                    assert time.monotonic() < deadline, "the decoder's record was not found"
+                    time.sleep(0.001)
+        p.layer_done = decoder_found
+    else:
+        p.add("r", prompt, 1, {"do_remote_decode": True})
+        p.run_until("the prefill", lambda: p.finished("r"))
+        [done] = [o for o in p.outputs["r"] if o.finish_reason is not None]
+        d.add("r-d", prompt, 2, done.kv_transfer_params)
+    d.run_until("the decoded tokens", lambda: d.finished("r-d"))
+    assert d.tokens("r-d") == [TOKEN] * 2, "decoded from the loaded KV, not recomputed"
+    blocks = prompt // BLOCK
+    assert len(p.blocks["r"]) == blocks + (1 if lookahead else 0), "vLLM's lookahead block"
+    theirs, ours = p.gathered(), d.gathered()
+    for name in theirs:
+        assert torch.equal(ours[name][d.blocks["r-d"][:blocks]],
+                           theirs[name][p.blocks["r"][:blocks]]), name
+    if mode == "push":
+        pairs = set(zip(p.blocks["r"][:blocks], d.blocks["r-d"][:blocks]))
+        assert writes.posted and all(set(w) <= pairs for w in writes.posted), writes.posted
+        assert len(writes.posted) == len(theirs), "each layer written once"
+    p.close(), d.close()
+
+
+class Writes:
+    """The prefill's engine, recording the (source, destination) block pairs of each paged
+    write it posts (kernel rows: one per block at these sizes)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.posted = []
+
+    def submit_paged_writes(self, length, src, src_pages, dst, dst_pages, **kwargs):
+        self.posted.append(list(zip(list(src_pages), list(dst_pages))))
+        return self._engine.submit_paged_writes(length, src, src_pages, dst, dst_pages, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)

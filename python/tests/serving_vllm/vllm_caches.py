@@ -121,6 +121,7 @@ def _allocate(vllm_config, layers: list[str], num_blocks: int, backend: str,
     from vllm.v1.worker.utils import AttentionGroup, allocate_kv_cache, prepare_kernel_block_sizes
 
     specs = kv_cache_specs(vllm_config, layers, sliding)
+    attention_layers(vllm_config, specs, backend)
     supported = [layout.name for layout in get_supported_kv_cache_layouts([backend_class(backend)])]
     layout = resolve_kv_cache_layout(vllm_config, [supported], specs.values())
     groups = get_global_kv_cache_groups(vllm_config, [specs])
@@ -137,3 +138,28 @@ def _allocate(vllm_config, layers: list[str], num_blocks: int, backend: str,
         # views are then manager blocks, as FLASH_ATTN (multiples of 16) gives them.
         kernel_block_sizes = None
     return config, allocate_kv_cache(config, torch.device("cpu"), layout, kernel_block_sizes)
+
+
+def attention_layers(vllm_config, specs: dict[str, Any], backend: str) -> None:
+    """The model's attention layers where vLLM keeps them (the config's
+    ``static_forward_context``, which connectors read: NixlConnector's and xfer's compatibility
+    factors name their backends), each a stand-in for the model's ``Attention`` that reports
+    ``backend``'s class and its spec (building the real layers needs the model's weights and
+    vLLM's compiled ops; their backend is the platform's choice, CPU_ATTN on this machine)."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    cls = backend_class(backend)
+
+    class Layer(AttentionLayerBase):
+        def __init__(self, spec):
+            self.spec = spec
+
+        def get_attn_backend(self):
+            return cls
+
+        def get_kv_cache_spec(self, vllm_config):
+            return self.spec
+
+    context = vllm_config.compilation_config.static_forward_context
+    for name, spec in specs.items():
+        context[name] = Layer(spec)

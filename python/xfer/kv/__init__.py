@@ -9,6 +9,9 @@ Pure (no framework import, unit-tested on their own):
 - ``control``: the one decoder of the connectors' control messages (bounded, typed fields)
   and the per-request tokens every message carries.
 - ``params``: a request's ``kv_transfer_params`` (from API clients) parsed and bounded.
+- ``compat``: the compatibility factors two instances compare before KV moves between them
+  (vLLM version, cache dtype, block sizes, attention backend, KV cache groups, drafter), each
+  refused by name.
 - ``lease``: what a prefill rank keeps for its readers and answers them, from positive
   knowledge (claims before reads, "held" only for the reader it kept the blocks for).
 

@@ -108,6 +108,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from . import compat
 from .control import ControlError, Header, block_ids_of, block_ids_payload, is_token, new_token
 from .control import decode as decode_message
 from .control import encode as encode_message
@@ -127,10 +128,11 @@ from .pages import (
 
 logger = logging.getLogger("xfer.vllm")
 
-PROTOCOL = 4
+PROTOCOL = 5
 """Changes when two versions of this connector can no longer work together (2: vLLM 0.33's
 layer views, a read confirmed by the prefill before it counts; 3: block ids per KV cache
-group; 4: kernel-block views, the cache dtype's fp8 variant, per-request tokens)."""
+group; 4: kernel-block views, the cache dtype's fp8 variant, per-request tokens; 5: the
+compatibility factors in the record, ``xfer.kv.compat``)."""
 
 _CLAIM = b"xfer-vllm-read:"
 """A reader rank's claim, before it reads: the request's blocks it will read, with the
@@ -398,7 +400,8 @@ class XferConnector(KVConnectorBase_V1, SupportsHMA):
             cache = getattr(vllm_config, "cache_config", None)
             self._worker = _Worker(self._engine_id, self._options, self._mla, tp_size, self._model,
                                    _total_kv_heads(model), groups, _target_layers(model),
-                                   str(getattr(cache, "cache_dtype", "auto") or "auto"))
+                                   str(getattr(cache, "cache_dtype", "auto") or "auto"),
+                                   _compat_factors(vllm_config, groups))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -429,7 +432,7 @@ class XferConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.take_metadata()
+        return self._scheduler.take_metadata(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's path with its hybrid allocator off: one KV cache group."""
@@ -535,15 +538,23 @@ class _Groups:
         self.block_sizes: list[int | None] = [None]
         """Per group this connector moves: tokens per block of vLLM's KV cache manager (what
         block ids count; a kernel-block view's rows are smaller). None: the view's own."""
+        self.kinds: list[str] = ["unknown"]
+        """Per group this connector moves: its kind of attention, as peers compare it (full,
+        mla, sw<window>)."""
         if kv_cache_config is None:
             return
         from vllm.v1.kv_cache_interface import AttentionSpec, SlidingWindowSpec
 
         self.windows = []
         self.block_sizes = []
+        self.kinds = []
         for group in kv_cache_config.transfer_groups:
             spec = group.kv_cache_spec
             self.block_sizes.append(int(spec.block_size))
+            window = getattr(spec, "sliding_window", None)
+            self.kinds.append(f"sw{window}" if isinstance(spec, SlidingWindowSpec) else
+                              {"FullAttentionSpec": "full", "MLAAttentionSpec": "mla"}.get(
+                                  type(spec).__name__, type(spec).__name__))
             if not isinstance(spec, AttentionSpec):
                 raise NotImplementedError(
                     f"XferConnector moves attention KV caches only: layers "
@@ -556,11 +567,17 @@ class _Groups:
                 self.windows.append(0)
         self.of_layer = dict(kv_cache_config.transfer_group_index_by_layer)
 
-    def moved(self, block_ids: Any) -> list[list[int]]:
+    def moved(self, block_ids: Any, prompt_tokens: int | None = None) -> list[list[int]]:
         """A request's block ids (vLLM's tuple, one list per KV cache group) cut to the groups
-        and blocks this connector moves."""
+        and blocks this connector moves; with ``prompt_tokens``, to the blocks holding the
+        prompt (a speculating prefill is allocated lookahead blocks past it: vLLM's
+        ``num_lookahead_tokens``, which no decoder's blocks match — its own are allocated
+        without, for an async load)."""
         if self._config is not None:
             block_ids = self._config.select_transfer_block_ids(block_ids)
+        if prompt_tokens:
+            block_ids = [list(ids[:-(-prompt_tokens // size)]) if size else list(ids)
+                         for ids, size in zip(block_ids, self.block_sizes)]
         return clip_to_windows(block_ids, self.windows)
 
     def block_size(self, layer: str) -> int | None:
@@ -595,6 +612,8 @@ class _Scheduler:
         self._block_size = min(sizes) if sizes else 1
         self._max_model_len = max_model_len
         """Bounds the blocks a request's parameters may name (no request has more)."""
+        self._push_allocated: dict[str, tuple[Any, list[int]]] = {}
+        """Prefill, push: requests allocated this step, with their blocks (lookahead included)."""
         self.params_refused = 0
         """Requests whose parameters were refused (computed here instead)."""
 
@@ -653,7 +672,7 @@ class _Scheduler:
         if not isinstance(params, dict):
             return
         if params.get("do_remote_decode") and params.get("xfer_push"):
-            moved = self._groups.moved(blocks.get_block_ids())
+            moved = self._groups.moved(blocks.get_block_ids(), _prompt_tokens(request))
             token = params.get("xfer_token")
             if not is_token(token):
                 # The proxy gives both instances the request's token; without it no decoder's
@@ -670,7 +689,9 @@ class _Scheduler:
                              "model) is not supported; use pull", request.request_id, len(moved))
                 self._meta.push_abort.add(request.request_id)
                 return
-            self._meta.push_now[request.request_id] = moved[0]
+            # Which blocks go, and whether this step computes the prompt, once the step's
+            # scheduled tokens are known (``take_metadata``).
+            self._push_allocated[request.request_id] = (request, moved[0])
             return
         if not params.get("do_remote_prefill"):
             return
@@ -709,7 +730,15 @@ class _Scheduler:
         # Once: a second allocation for this request (after the load) loads nothing.
         params["do_remote_prefill"] = False
 
-    def take_metadata(self) -> XferConnectorMetadata:
+    def take_metadata(self, scheduler_output: Any = None) -> XferConnectorMetadata:
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        for req_id, (request, blocks) in self._push_allocated.items():
+            # Layer by layer only in the step that computes the prompt's last token: a chunk's
+            # layers are not the prompt's KV yet (its blocks, lookahead included, may already
+            # number the decoder's); a chunked prompt goes whole once it is finished.
+            if request.num_computed_tokens + scheduled.get(req_id, 0) >= request.num_prompt_tokens:
+                self._meta.push_now[req_id] = blocks
+        self._push_allocated = {}
         meta, self._meta = self._meta, XferConnectorMetadata()
         return meta
 
@@ -726,7 +755,7 @@ class _Scheduler:
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
-        block_ids = self._groups.moved(block_ids)
+        block_ids = self._groups.moved(block_ids, _prompt_tokens(request))
         from vllm.v1.request import RequestStatus
 
         push = bool(params.get("xfer_push"))
@@ -796,9 +825,14 @@ class _Worker:
     def __init__(self, engine_id: str, options: Options, mla: bool, tp_size: int,
                  model: str = "", total_heads: int | None = None,
                  groups: _Groups | None = None, target_layers: int | None = None,
-                 cache_dtype: str = "auto") -> None:
+                 cache_dtype: str = "auto", factors: dict[str, str] | None = None) -> None:
         self._engine_id = engine_id
         self._cache_dtype = cache_dtype
+        self._factors = dict(factors or {})
+        """This instance's compatibility factors (``xfer.kv.compat``) but the kernel block
+        size, which the views registered say."""
+        self._compat: dict[str, str] = {}
+        """This worker's factors as published (tag → value), once its caches are registered."""
         self._target_layers = target_layers
         """The model's own layer count: layers numbered past it are a drafter's."""
         self._groups = groups or _Groups(None)
@@ -858,7 +892,7 @@ class _Worker:
             layers=lambda: self._layers, peer=self._peer, shared_layers=self._shared_layers,
             is_draft_layer=self.is_draft_layer, in_background=self._in_background,
             tell_done_soon=self._tell_done_soon, finish_load=self._finish_load, logger=logger,
-            dialable=options.dialable()))
+            dialable=options.dialable(), incompatible=self.incompatible))
         """Push mode: its own state, and what it uses of this worker."""
         # Block-id messages carry 4 bytes per block: 64 KiB buffers hold ~16k blocks.
         try:
@@ -875,6 +909,7 @@ class _Worker:
         buffer."""
         regions: dict[str, xfer.MrDesc] = {}
         self._kv_caches = dict(kv_caches)
+        kernel_blocks: dict[int, set[int]] = {}
         for name, tensor in kv_caches.items():
             if self._groups.group(name) is None:
                 continue  # a group vLLM does not transfer (it says which in its config)
@@ -900,6 +935,16 @@ class _Worker:
                            1 if self._mla else heads, self._groups.block_size(name))
             self._layers[name] = (region, view)
             regions[_region_name(name, view, self.is_draft_layer(name))] = region.desc
+            kernel_blocks.setdefault(self._groups.group(name) or 0, set()).add(int(tensor.shape[2]))
+        self._compat = compat.tags({**self._factors, "kernel_block_size": "_".join(
+            ".".join(map(str, sorted(kernel_blocks.get(g, ()))))
+            for g in range(len(self._groups.block_sizes)))})
+        if regions:
+            # The factors ride in the record as names (their descriptor is a layer's, already
+            # published): every peer compares them before it reads or writes here.
+            desc = next(iter(regions.values()))
+            for tag, value in self._compat.items():
+                regions[f"v{PROTOCOL}-{tag}-{value}"] = desc
         self._publication = self._rendezvous.publish(
             _record_name(self._engine_id, self._rank),
             self._engine.main_address,
@@ -1014,6 +1059,9 @@ class _Worker:
             self._finish_load(req_id, load, e)
 
     def _load(self, req_id: str, load: Load) -> None:
+        # Nothing is planned from a peer whose KV is another thing (named, before the block
+        # counts of other windows or block sizes could fail the load less clearly).
+        self._shared_layers(load)
         # Per group: the blocks to fill here and the prefill's to read them from.
         matched = [matched_blocks(ours, theirs)
                    for ours, theirs in zip(load.local_block_ids, load.remote_block_ids)]
@@ -1135,6 +1183,10 @@ class _Worker:
         side's to its drafter (which proposes worse, never wrong: the model verifies), one
         with them has them unread. Any other layer on one side only is a load error."""
         peer = self._peer(load.remote_engine_id, 0, load.remote_rendezvous)
+        why = self.incompatible(peer)
+        if why is not None:
+            raise LayoutError(f"peer {load.remote_engine_id} cannot exchange KV with this "
+                              f"instance: {why}")
         only_here = [n for n in self._layers if n not in peer.layers]
         only_there = [n for n in peer.layers if n not in self._layers]
         target = ([n for n in only_here if not self.is_draft_layer(n)]
@@ -1150,6 +1202,11 @@ class _Worker:
                            "the drafter starts without the prompt's KV", load.remote_engine_id,
                            len(only_here), only_here[0])
         return [n for n in self._layers if n in peer.layers]
+
+    def incompatible(self, peer: Peer) -> str | None:
+        """Why this worker's KV cannot move to or from ``peer`` (the first compatibility
+        factor that differs, named), or None."""
+        return compat.difference(compat.from_tags(self._compat.items()), peer.factors)
 
     def _dtype_name(self, tensor: Any) -> str:
         """The cache's element type as peers compare it: the tensor's, and the cache dtype
@@ -1284,13 +1341,20 @@ class _Worker:
             self._failed_lookups.pop(key, None)
         by_tag = {_layer_tag(name, self.is_draft_layer(name)): name for name in self._layers}
         layers = {}
+        drafts = set()
+        factors = []
         for key, desc in record["regions"].items():
+            version, _, rest = key.partition("-")
+            if version == f"v{PROTOCOL}" and rest.startswith(compat.PREFIX):
+                factors.append(tuple(rest.split("-", 1)) if "-" in rest else (rest, ""))
+                continue
             tag, view = _parse_region_name(key, engine_id)
             # A layer this worker does not have keeps its tag: the layer check names it.
             layers[by_tag.get(tag, tag)] = (desc, view)
-        drafts = {by_tag.get(tag, tag) for tag in map(lambda k: k.split("-")[1], record["regions"])
-                  if tag.endswith(_DRAFT)}
-        peer = Peer(address=bytes(record["addr"]), layers=layers, drafts=drafts)
+            if tag.endswith(_DRAFT):
+                drafts.add(by_tag.get(tag, tag))
+        peer = Peer(address=bytes(record["addr"]), layers=layers, drafts=drafts,
+                    factors=compat.from_tags(factors))
         with self._lock:
             self._peers[(engine_id, rank)] = peer
         return peer
@@ -1475,6 +1539,46 @@ def _parse_region_name(name: str, engine_id: str) -> tuple[str, LayerView]:
             f"peer {engine_id} published region {name!r}: not connector protocol {PROTOCOL}"
         )
     return tag, parse_view(view)
+
+
+def _compat_factors(vllm_config: Any, groups: _Groups) -> dict[str, str]:
+    """This instance's compatibility factors (``xfer.kv.compat``) from vLLM's own config
+    objects, as NixlConnector hashes them (``compute_nixl_compatibility_hash``), but each kept
+    apart so that a mismatch is named; the kernel block size comes from the views registered."""
+    import vllm
+
+    model = getattr(vllm_config, "model_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    dtype = str(getattr(cache, "cache_dtype", "auto") or "auto")
+    dtype = {"fp8": "fp8_e4m3"}.get(dtype, dtype)  # vLLM's "fp8" is e4m3
+    if dtype == "auto":
+        dtype = str(getattr(model, "dtype", "auto")).replace("torch.", "")
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        # The model's attention layers' own backends (the platform's choice where there are
+        # none, as NixlConnector does).
+        backends = ".".join(sorted({b.get_name() for b in get_current_attn_backends(vllm_config)}))
+    except Exception as e:  # noqa: BLE001 - no backend for this config on this platform
+        backends = f"unknown.{type(e).__name__}"
+    speculative = compat.NO_DRAFTER
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    if spec is not None and draft is not None:
+        draft_dtype = getattr(spec, "kv_cache_dtype", None) or dtype
+        speculative = f"{spec.method}.{draft.model}.{draft_dtype}"
+    return {
+        "vllm": str(vllm.__version__),
+        "cache_dtype": dtype,
+        "block_size": "_".join(str(b) for b in groups.block_sizes),
+        "attention_backend": backends,
+        "kv_cache_groups": "_".join(groups.kinds),
+        "speculative": speculative,
+    }
+
+
+def _prompt_tokens(request: Any) -> int:
+    return int(getattr(request, "num_prompt_tokens", 0) or len(request.prompt_token_ids))
 
 
 def _own_rendezvous(options: Options) -> str:

@@ -92,6 +92,8 @@ class PushContext:
     dialable: tuple[frozenset[str], bool] = (frozenset(), True)
     """The rendezvous URLs a decoder's message may name, and whether any side channel may
     be (``Options.dialable``)."""
+    incompatible: Callable[[Peer], str | None] = lambda peer: None
+    """Why this worker's KV cannot go to a peer (its compatibility factors), or None."""
 
 
 @dataclasses.dataclass
@@ -581,6 +583,12 @@ class PushSide:
             self._reply(req_id, want, f"the decoder serves model {want.model!r}, this prefill "
                         f"instance {ctx.model!r}")
             return
+        why = ctx.incompatible(found)
+        if why is not None:
+            with self._lock:
+                want.ready, want.replied = True, True
+            self._reply(req_id, want, f"the decoder cannot take this instance's KV: {why}")
+            return
         with self._lock:
             want.ready = True
             push = self._pushes.get(req_id)
@@ -596,14 +604,23 @@ class PushSide:
     def request_finished(self, req_id: str, blocks: list[int], now: float) -> None:
         """The request is computed: layers its decoders have not had yet go now (all of them
         if its blocks changed since they were pushed)."""
+        moved = []
         with self._lock:
             push = self._pushes.setdefault(req_id, _Push(created=now))
             if push.blocks != blocks:
                 push.blocks = blocks
                 for want in push.wants.values():
-                    want.layers.clear()
+                    if want.layers and not want.replied and want.aborted is None:
+                        moved.append((want, list(want.transfers)))
+                        want.aborted = ("the prefill's blocks changed after layers were written "
+                                        "to this decoder: rewriting them could land in either "
+                                        "order (SRD, striping), so the load fails")
             push.finished = True
             wants = list(push.wants.values())
+        for want, transfers in moved:
+            for transfer in transfers:
+                self._ctx.in_background(transfer.cancel)
+            self._push_done(req_id, want, None, submitted=False)
         self._push_layers([req_id], list(self._ctx.layers()))
         for want in wants:
             self._maybe_reply(req_id, want)

@@ -43,3 +43,5 @@ class Peer:
     region's descriptor and its view of that region."""
     drafts: set[str] = dataclasses.field(default_factory=set)
     """Its layers that are a speculative drafter's (by name, or by tag if not known here)."""
+    factors: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Its compatibility factors (``xfer.kv.compat``), compared before anything moves."""
