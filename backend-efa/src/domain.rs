@@ -16,14 +16,15 @@ use std::ffi::c_void;
 use xfer_plugin::addr::NetAddr;
 use xfer_plugin::domain::{
     message_size_class, post_one_by_one, Capabilities, Device, Domain, DomainCause, DomainConfig,
-    DomainError, DomainErrorKind, Event, MemoryRegion, PostStatus, RdmaOp, RdmaPost, RdmaRequest,
-    RegionTable, Registration,
+    DomainError, DomainErrorKind, Event, MemoryRegion, PageShift, PostStatus, RdmaOp, RdmaPost,
+    RdmaRequest, RegionTable, Registration,
 };
 
 use crate::ffi::{
     Completion, CqError, Endpoint, MemoryRegistration, MessageBuffers, OfiError, Posted,
     ZeroSource, KIND_RECV, KIND_REMOTE_DATA,
 };
+use crate::gather;
 use crate::options::EfaOptions;
 use crate::sender::{Refusal, Senders, Source, Verdict, MAX_TRAILER};
 use crate::shm_lifetime::{self, EndpointSlot};
@@ -47,10 +48,12 @@ enum InFlight {
     Abandoned {
         send_buffer: Option<usize>,
     },
-    /// An RDMA write or read.
+    /// An RDMA write or read: `pages` requests of the engine's (a paged read's pages
+    /// gathered into one call, else 1), each answered with its own `Done`.
     Rdma {
         wr_id: u64,
         peer: NetAddr,
+        pages: usize,
     },
     Send {
         wr_id: u64,
@@ -98,6 +101,8 @@ pub struct EfaDomain {
     learned: usize,
     /// Received messages dropped, by why (see `Refusal`).
     refused: [u64; 5],
+    /// RDMA calls (`fi_writemsg`, `fi_readmsg`) the provider took.
+    rma_calls: u64,
     options: EfaOptions,
     posts_since_poll: usize,
     completions: Vec<Completion>,
@@ -293,6 +298,7 @@ impl EfaDomain {
             sealing: Vec::new(),
             learned: 0,
             refused: [0; 5],
+            rma_calls: 0,
             address,
             options,
             posts_since_poll: 0,
@@ -348,6 +354,11 @@ impl EfaDomain {
         if let Err(e) = self.peer(addr) {
             tracing::debug!(address = %self.address, claim = %addr, error = %e.message, "a message's claimed sender cannot be inserted");
         }
+    }
+
+    /// RDMA calls the provider took so far: a paged read's pages share calls (see `gather`).
+    pub fn rma_calls(&self) -> u64 {
+        self.rma_calls
     }
 
     /// Received messages dropped so far: without a valid MAC, replayed, or from a source other
@@ -412,6 +423,82 @@ impl EfaDomain {
         }
     }
 
+    /// Posts a paged read's pages (`template` moved by each of `shifts`), several a call:
+    /// how many were posted, and why it stopped there.
+    fn post_read_pages(
+        &mut self,
+        template: &RdmaRequest<'_>,
+        shifts: &[PageShift],
+    ) -> (usize, Result<PostStatus, DomainError>) {
+        let attr = self.endpoint.attr;
+        let limit = attr.iov_limit.min(attr.rma_iov_limit);
+        let mut posted = 0;
+        while posted < shifts.len() {
+            if self.posts_since_poll >= self.options.max_posts_per_poll {
+                return (posted, Ok(PostStatus::Busy));
+            }
+            let call = gather::next_call(
+                &shifts[posted..],
+                template.len,
+                limit,
+                attr.max_msg_size as u64,
+            );
+            match self.post_gathered_read(template, &call) {
+                Ok(PostStatus::Posted) => posted += call.pages,
+                stopped => return (posted, stopped),
+            }
+        }
+        (posted, Ok(PostStatus::Posted))
+    }
+
+    /// Posts one call of a paged read: its segments, each checked inside the local
+    /// registration; one completion settles its pages.
+    fn post_gathered_read(
+        &mut self,
+        template: &RdmaRequest<'_>,
+        call: &gather::Gathered,
+    ) -> Result<PostStatus, DomainError> {
+        let dest = self.peer(template.peer)?;
+        let virt = self.endpoint.attr.mr_virt_addr != 0;
+        let mut segments =
+            [(std::ptr::null_mut(), 0, std::ptr::null_mut(), 0); gather::MAX_SEGMENTS];
+        for (slot, s) in segments.iter_mut().zip(call.segments()) {
+            let local = template.local_addr + s.local;
+            let mr = self.regions.source(template.local_key, local, s.len)?;
+            let remote = template.remote_addr + s.remote;
+            // Offset-addressed providers (no FI_MR_VIRT_ADDR) take the offset in the region.
+            let remote = if virt {
+                remote
+            } else {
+                remote - template.remote_base
+            };
+            *slot = (local as *mut u8, s.len as usize, mr.desc, remote);
+        }
+        let ctx = self.acquire(InFlight::Rdma {
+            wr_id: template.wr_id,
+            peer: template.peer.clone(),
+            pages: call.pages,
+        });
+        // SAFETY: every local segment lies in a live registration (checked above); ctx stays
+        // in `in_flight` until its completion is read.
+        let result = unsafe {
+            self.endpoint
+                .rdma_readv(&segments[..call.count], dest, template.remote_key, ctx)
+        };
+        self.finish_rma(ctx, result)
+    }
+
+    /// [`finish_post`](Self::finish_post) for an RDMA call, counting it.
+    fn finish_rma(
+        &mut self,
+        ctx: *mut c_void,
+        result: Result<Posted, OfiError>,
+    ) -> Result<PostStatus, DomainError> {
+        let status = self.finish_post(ctx, result)?;
+        self.rma_calls += u64::from(status == PostStatus::Posted);
+        Ok(status)
+    }
+
     /// Posts an RDMA write or read between a local range and a peer's.
     fn post_rma(&mut self, req: &RdmaRequest<'_>) -> Result<PostStatus, DomainError> {
         let (peer, len) = (req.peer, req.len);
@@ -435,6 +522,7 @@ impl EfaDomain {
         let ctx = self.acquire(InFlight::Rdma {
             wr_id: req.wr_id,
             peer: peer.clone(),
+            pages: 1,
         });
         // SAFETY: the local range lies in a live registration (checked above, or the Domain's
         // own zero source, which a zero-byte operation never touches); ctx stays in
@@ -462,7 +550,7 @@ impl EfaDomain {
                 ),
             }
         };
-        self.finish_post(ctx, result)
+        self.finish_rma(ctx, result)
     }
 
     fn handle_completion(&mut self, c: &Completion, events: &mut Vec<Event>) {
@@ -480,12 +568,16 @@ impl EfaDomain {
             return;
         }
         match self.release(c.context) {
-            Some(InFlight::Rdma { wr_id, .. } | InFlight::Send { wr_id, .. }) => {
-                events.push(Event::Done {
+            Some(InFlight::Rdma { wr_id, pages, .. }) => {
+                events.extend((0..pages).map(|_| Event::Done {
                     wr_id,
                     result: Ok(()),
-                })
+                }))
             }
+            Some(InFlight::Send { wr_id, .. }) => events.push(Event::Done {
+                wr_id,
+                result: Ok(()),
+            }),
             Some(InFlight::Recv { buffer }) if c.kind == KIND_RECV => {
                 let (_, buf_len, _) = self.receives.get(buffer);
                 let Some(mut data) = self.receives.take_message(buffer, c.len) else {
@@ -566,6 +658,25 @@ impl EfaDomain {
         Ok(())
     }
 
+    /// Fails `requests` requests of `wr_id` to `peer` with `error` (and, for a
+    /// connection-level failure, everything else in flight to that peer).
+    fn fail(
+        &mut self,
+        wr_id: u64,
+        peer: &NetAddr,
+        requests: usize,
+        error: DomainError,
+        events: &mut Vec<Event>,
+    ) {
+        if forgets_peer(error.kind) {
+            self.forget_peer(peer, &error, events);
+        }
+        events.extend((0..requests).map(|_| Event::Done {
+            wr_id,
+            result: Err(error.clone()),
+        }));
+    }
+
     /// Removes a peer's address after a connection-level failure, and fails everything still
     /// in flight to it now: once the address is gone, the provider may never complete them.
     fn forget_peer(&mut self, peer: &NetAddr, error: &DomainError, events: &mut Vec<Event>) {
@@ -585,14 +696,16 @@ impl EfaDomain {
                     InFlight::Send { buffer, .. } => Some(*buffer),
                     _ => None,
                 };
-                if let InFlight::Rdma { wr_id, .. } | InFlight::Send { wr_id, .. } =
-                    std::mem::replace(state, InFlight::Abandoned { send_buffer })
-                {
-                    events.push(Event::Done {
-                        wr_id,
-                        result: Err(error.clone()),
-                    });
-                }
+                let (wr_id, requests) =
+                    match std::mem::replace(state, InFlight::Abandoned { send_buffer }) {
+                        InFlight::Rdma { wr_id, pages, .. } => (wr_id, pages),
+                        InFlight::Send { wr_id, .. } => (wr_id, 1),
+                        _ => continue,
+                    };
+                events.extend((0..requests).map(|_| Event::Done {
+                    wr_id,
+                    result: Err(error.clone()),
+                }));
             }
         }
     }
@@ -632,9 +745,15 @@ impl Domain for EfaDomain {
         self.regions.remove(local_key).map(drop)
     }
 
-    /// Request by request: libfabric has no call that shares its checks across several.
+    /// A paged read's pages gathered into as few calls as the provider takes (`gather`);
+    /// everything else request by request.
     fn post_rdma(&mut self, post: RdmaPost<'_>) -> (usize, Result<PostStatus, DomainError>) {
-        post_one_by_one(post, |r| self.post_rma(r))
+        match post {
+            RdmaPost::Pages { template, shifts } if template.is_read() && template.len > 0 => {
+                self.post_read_pages(&template, shifts)
+            }
+            post => post_one_by_one(post, |r| self.post_rma(r)),
+        }
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -734,16 +853,11 @@ impl Domain for EfaDomain {
                     )
                     .with_cause(completion_cause(err, prov_errno));
                     match self.release(context) {
-                        Some(
-                            InFlight::Rdma { wr_id, peer } | InFlight::Send { wr_id, peer, .. },
-                        ) => {
-                            if forgets_peer(error.kind) {
-                                self.forget_peer(&peer, &error, events);
-                            }
-                            events.push(Event::Done {
-                                wr_id,
-                                result: Err(error),
-                            });
+                        Some(InFlight::Rdma { wr_id, peer, pages }) => {
+                            self.fail(wr_id, &peer, pages, error, events)
+                        }
+                        Some(InFlight::Send { wr_id, peer, .. }) => {
+                            self.fail(wr_id, &peer, 1, error, events)
                         }
                         // A failed receive goes back on the queue: the pool must not shrink.
                         Some(InFlight::Recv { buffer }) => self.repost(buffer),

@@ -346,6 +346,48 @@ impl Endpoint {
         posted("fi_readmsg", rc)
     }
 
+    /// Posts one RDMA read of several segments of the peer's region (`remote_key`), each
+    /// `(local buffer, len, local descriptor, remote address)`; one completion for all.
+    ///
+    /// # Safety
+    /// As for [`rdma_read`](Self::rdma_read), for every segment.
+    pub(crate) unsafe fn rdma_readv(
+        &mut self,
+        segments: &[(*mut u8, usize, *mut c_void, u64)],
+        dest: u64,
+        remote_key: u64,
+        context: *mut c_void,
+    ) -> Result<Posted, OfiError> {
+        const MOST: usize = crate::gather::MAX_SEGMENTS;
+        let n = segments.len().min(MOST);
+        let mut bufs = [std::ptr::null_mut::<c_void>(); MOST];
+        let mut lens = [0usize; MOST];
+        let mut descs = [std::ptr::null_mut::<c_void>(); MOST];
+        let mut raddrs = [0u64; MOST];
+        for (i, &(buf, len, desc, raddr)) in segments[..n].iter().enumerate() {
+            bufs[i] = buf.cast();
+            lens[i] = len;
+            descs[i] = desc;
+            raddrs[i] = raddr;
+        }
+        // SAFETY: per this function's contract; the arrays hold `n` entries and outlive the
+        // call (libfabric copies what it keeps).
+        let rc = unsafe {
+            sys::xfer_ofi_readv(
+                self.raw.as_ptr(),
+                n,
+                bufs.as_ptr(),
+                lens.as_ptr(),
+                descs.as_mut_ptr(),
+                dest,
+                raddrs.as_ptr(),
+                remote_key,
+                context,
+            )
+        };
+        posted("fi_readmsg", rc)
+    }
+
     /// Posts a message send.
     ///
     /// # Safety

@@ -13,6 +13,7 @@
 
 mod domain;
 mod ffi;
+mod gather;
 mod options;
 pub mod raw;
 mod sender;

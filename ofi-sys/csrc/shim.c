@@ -391,6 +391,28 @@ int xfer_ofi_read(xfer_ofi_ep *e, void *buf, size_t len, void *desc, uint64_t de
     return post_status(fi_readmsg(e->ep, &msg, FI_COMPLETION));
 }
 
+/* One RDMA read of `count` (at most 16) segments: the peer's (raddrs[i], lens[i]) under one key
+ * into bufs[i]; its one completion means every segment is here. */
+int xfer_ofi_readv(xfer_ofi_ep *e, size_t count, void *const *bufs, const size_t *lens, void **descs,
+                   uint64_t dest, const uint64_t *raddrs, uint64_t rkey, void *context) {
+    struct iovec iov[16];
+    struct fi_rma_iov rma[16];
+    if (count == 0 || count > 16)
+        return -FI_EINVAL;
+    for (size_t i = 0; i < count; i++) {
+        iov[i].iov_base = bufs[i];
+        iov[i].iov_len = lens[i];
+        rma[i].addr = raddrs[i];
+        rma[i].len = lens[i];
+        rma[i].key = rkey;
+    }
+    struct fi_msg_rma msg = {
+        .msg_iov = iov, .desc = descs, .iov_count = count, .addr = dest,
+        .rma_iov = rma, .rma_iov_count = count, .context = context,
+    };
+    return post_status(fi_readmsg(e->ep, &msg, FI_COMPLETION));
+}
+
 /* A message's completion means it is in the peer's receive buffer (delivery-complete, as an
  * RC send's ack), except for a zero-byte one: shm never completes a zero-byte
  * delivery-complete send, and every later send to that peer stalls behind it (seen on 1.17);

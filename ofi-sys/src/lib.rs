@@ -138,6 +138,17 @@ extern "C" {
         rkey: u64,
         context: *mut c_void,
     ) -> c_int;
+    pub fn xfer_ofi_readv(
+        e: *mut XferOfiEp,
+        count: usize,
+        bufs: *const *mut c_void,
+        lens: *const usize,
+        descs: *mut *mut c_void,
+        dest: u64,
+        raddrs: *const u64,
+        rkey: u64,
+        context: *mut c_void,
+    ) -> c_int;
     pub fn xfer_ofi_send(
         e: *mut XferOfiEp,
         buf: *const c_void,
