@@ -1331,3 +1331,33 @@ def test_push_goes_layer_by_layer_in_vllms_own_order_with_async_loads(server):
     assert not d.failed
     assert_copied(p, d, [3, 5, 7], [0, 9, 2])
     p.close(), d.close()
+
+
+def test_the_drafters_factor_names_method_model_and_cache_dtype():
+    """The speculative factor as ``_compat_factors`` reads vLLM's ``SpeculativeConfig`` (a
+    drafter needs its weights to be built, so its config is a stand-in with vLLM's field
+    names): method, draft model and its cache dtype (the target's where it sets none); a
+    drafter without KV of its own (n-gram: no draft model config) is no drafter."""
+    import types
+
+    from xfer.kv import compat
+    from xfer.kv.vllm import _compat_factors, _Groups
+
+    def config(spec):
+        return types.SimpleNamespace(
+            model_config=types.SimpleNamespace(dtype="torch.bfloat16"),
+            cache_config=types.SimpleNamespace(cache_dtype="fp8"), speculative_config=spec)
+
+    eagle = types.SimpleNamespace(method="eagle3", kv_cache_dtype=None,
+                                  draft_model_config=types.SimpleNamespace(model="org/drafter"))
+    ngram = types.SimpleNamespace(method="ngram", kv_cache_dtype=None, draft_model_config=None)
+    factors = _compat_factors(config(eagle), _Groups(None))
+    assert factors["speculative"] == "eagle3.org/drafter.fp8_e4m3"
+    assert factors["cache_dtype"] == "fp8_e4m3"
+    assert _compat_factors(config(ngram), _Groups(None))["speculative"] == compat.NO_DRAFTER
+    assert _compat_factors(config(None), _Groups(None))["speculative"] == compat.NO_DRAFTER
+    other = types.SimpleNamespace(method="eagle3", kv_cache_dtype=None,
+                                  draft_model_config=types.SimpleNamespace(model="org/other"))
+    ours = compat.from_tags(compat.tags(factors).items())
+    theirs = compat.from_tags(compat.tags(_compat_factors(config(other), _Groups(None))).items())
+    assert "speculative drafter" in compat.difference(ours, theirs)
