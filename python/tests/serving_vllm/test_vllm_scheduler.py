@@ -470,7 +470,7 @@ def test_other_kv_cache_groups_are_refused_by_name(server, hybrid_model, caplog)
     p.close(), d.close()
 
 
-@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("mode", ["pull", "push", "nixl"])
 @pytest.mark.parametrize("lookahead", [0, 4])
 def test_a_speculating_prefill_hands_off_its_prompts_blocks_not_its_lookahead(server, lookahead,
                                                                             mode):
@@ -481,17 +481,22 @@ def test_a_speculating_prefill_hands_off_its_prompts_blocks_not_its_lookahead(se
     wrote them, then wrote them again from the blocks vLLM finished the request with (clipped to
     its computed tokens): the bytes are right only if the second writes land last, which SRD
     and striping do not promise. Every write posted now pairs a prompt block with the decoder's
-    block of the same tokens, each once; pull (vLLM hands off the computed tokens' blocks) is
-    the control."""
+    block of the same tokens, each once; pull (vLLM hands off the computed tokens' blocks) and
+    NixlConnector's pull are the controls."""
     import dataclasses
+
+    if mode == "nixl":
+        pytest.importorskip("nixl._api", reason="NIXL (the control) is not installed")
+        one_process_group()
     prompt = 64
     directory = Path(tempfile.mkdtemp())
     vllm_caches.write_model(directory, num_hidden_layers=2, num_key_value_heads=4,
                             num_attention_heads=8, hidden_size=64)
     model = vllm_caches.load_model_config(directory, max_model_len=160)
     tag = f"{mode}{lookahead}"
-    p = Engine(f"la-p{tag}", server, model, max_model_len=160)
-    d = Engine(f"la-d{tag}", server, model, max_model_len=160)
+    connector = "nixl" if mode == "nixl" else "xfer"
+    p = Engine(f"la-p{tag}", server, model, max_model_len=160, connector=connector)
+    d = Engine(f"la-d{tag}", server, model, max_model_len=160, connector=connector)
     # Stand-in for a speculative config (a drafter needs its weights to be built): the
     # lookahead vLLM's scheduler reserves for it.
     p.scheduler.num_lookahead_tokens = lookahead
