@@ -2,7 +2,7 @@
 //! MLA row: 18 KiB pages, 512 a layer).
 //!
 //! `paged-reads [--provider shm] [--pages 512] [--page-len 18432] [--calls 200] [--scattered]
-//! [--no-reference]`: C calls, each reading N pages of BYTES from one engine's region into
+//! [--idle-poll-us 1000] [--no-reference]`: C calls, each reading N pages of BYTES from one engine's region into
 //! another's, each waited for; prints pages per second and the time per call. Pages are
 //! consecutive on both sides (a fresh cache's blocks), or with `--scattered` the remote pages a
 //! fixed permutation (no two pages adjacent on both sides). Last, the reference in the same
@@ -36,10 +36,13 @@ fn main() {
         number("--page-len", 18 << 10),
         number("--calls", 200),
     );
+    // The engine's default; 0 keeps an idle worker polling (the owner's side of an shm read
+    // progresses only while it polls).
+    let idle_poll_us = number("--idle-poll-us", 1_000);
     let config = Config::from_toml(
         &format!(
             "backend = \"efa\"\n[[groups]]\nnics = [\"auto\"]\n[worker]\nmax_outstanding = 1048576\n\
-             [backends.efa]\nprovider = \"{provider}\"\n"
+             idle_poll_us = {idle_poll_us}\n[backends.efa]\nprovider = \"{provider}\"\n"
         ),
         Path::new("<paged-reads>"),
     )
