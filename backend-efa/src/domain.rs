@@ -31,8 +31,9 @@ use crate::shm_lifetime::{self, EndpointSlot};
 
 /// Most addresses a Domain inserts in its address vector because a message claimed them
 /// (so that the provider names their later messages); beyond it, senders it never addressed
-/// stay unnamed without a secret.
-const MAX_LEARNED: usize = 4_096;
+/// stay unnamed without a secret. Each costs an address-vector entry (on EFA an address
+/// handle), and any sender can claim any address: kept small.
+const MAX_LEARNED: usize = 1_024;
 
 /// Scratch the provider may use (FI_CONTEXT2 is eight pointers) at a stable address.
 #[repr(C)]

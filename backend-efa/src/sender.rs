@@ -48,9 +48,9 @@ pub(crate) const MAX_TRAILER: usize = MAX_ADDR_LEN + 1 + FRESHNESS_LEN + TAG_LEN
 /// sends in flight (65,536 by default); RDM messages overtake each other only in flight.
 pub(crate) const REPLAY_WINDOW: u64 = 1 << 16;
 
-/// Most senders whose freshness a receiver remembers (only holders of the secret add one);
-/// a sender beyond it is refused, counted and logged.
-pub(crate) const MAX_REMEMBERED_SENDERS: usize = 16_384;
+/// Most senders whose freshness a receiver remembers (only holders of the secret add one, 8
+/// KiB each: 32 MiB at most); a sender beyond it is refused, counted and logged.
+pub(crate) const MAX_REMEMBERED_SENDERS: usize = 4_096;
 
 /// An epoch further ahead of the receiver's wall clock than this is refused: one authentic
 /// message with a far-future epoch would otherwise make a sender's every later message stale.
