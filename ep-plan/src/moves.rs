@@ -80,17 +80,14 @@ pub fn f32_to_e4m3(v: f32) -> u8 {
         return sign | 0x7e;
     }
     // Below the smallest normal (2^-6) the step is 2^-9: m × 2^-9, m in 0..=8 (8 is 2^-6).
-    if a < 2f32.powi(-6) {
+    if a < 0.015_625 {
         return sign | (a * 512.0).round_ties_even() as u8;
     }
-    let exp = ((a.to_bits() >> 23) as i32) - 127;
-    let mut m = ((a / 2f32.powi(exp) - 1.0) * 8.0).round_ties_even() as i32;
-    let mut e = exp + 7;
-    if m == 8 {
-        m = 0;
-        e += 1;
-    }
-    let code = ((e as u8) << 3) | m as u8;
+    // Normal: keep 3 of f32's 23 mantissa bits, rounding to nearest even on the bits (a carry
+    // moves into the exponent, as it should); rebias the exponent from 127 to 7.
+    let bits = a.to_bits();
+    let rounded = (bits + 0x7_ffff + ((bits >> 20) & 1)) >> 20;
+    let code = u8::try_from(rounded - ((127 - 7) << 3)).unwrap_or(0x7e);
     sign | code.min(0x7e)
 }
 

@@ -5,6 +5,8 @@ depend on the machine: writes per rank per step, bytes on the wire over the mini
 time per token.
 
     python -m xfer.ep.bench --ranks 2 --tokens 128 --hidden 7168 --top-k 8 --experts-per-rank 32
+    python -m xfer.ep.bench --ranks 8 --layout flat --private-rows 256 --overflow-rows 1024   # oversubscribed here
+    python -m xfer.ep.bench --fp8 e4m3
 
 Ranks are threads over the mock (one process: the mock's fabric is in-process) and processes
 over libfabric shm and gloo. Expert compute is left out (the outputs are the inputs): this
@@ -42,7 +44,7 @@ def summary(name, d, c, s, extra=None):
     return out
 
 
-def xfer_rank(g: EpGroup, cfg: EpConfig, iters: int, warmup: int, barrier):
+def xfer_rank(g: EpGroup, cfg: EpConfig, iters: int, warmup: int, barrier, layout: str = "deepep"):
     """Steps at one rank; returns timings and the hardware-independent figures."""
     d, c, s = [], [], []
     writes, remote, minimum, plan_ns, pack_ns, tokens = [], [], [], [], [], 0
@@ -51,9 +53,11 @@ def xfer_rank(g: EpGroup, cfg: EpConfig, iters: int, warmup: int, barrier):
         x, idx, w = oracle.inputs(7, i % 4, g.rank, cfg, drop=0.0)
         barrier()
         t0 = time.perf_counter()
-        recv, cnt, h = g.dispatch(x, idx)
+        recv, cnt, h = g.dispatch(x, idx, layout=layout)
         t1 = time.perf_counter()
-        g.combine(recv, h, w)
+        # Expert compute left out: the outputs are the inputs (dequantized-free bf16 for fp8:
+        # the combine rows are the tokens' own dtype).
+        g.combine(recv if cfg.fp8 is None else _bf16_like(recv, cfg, layout), h, w)
         t2 = time.perf_counter()
         if i < warmup:
             continue
@@ -66,7 +70,7 @@ def xfer_rank(g: EpGroup, cfg: EpConfig, iters: int, warmup: int, barrier):
         # and one partial sum back from each (combine), against the one row per (token,
         # expert) both ways that DeepEP's low-latency layout (and this protocol) moves.
         pairs = {(t, int(e) // cfg.experts_per_rank) for t in range(idx.shape[0]) for e in idx[t] if e >= 0}
-        minimum.append(2 * sum(1 for _t, r in pairs if r != g.rank) * cfg.row_bytes)
+        minimum.append(sum(1 for _t, r in pairs if r != g.rank) * (cfg.row_bytes + cfg.combine_row_bytes))
         plan_ns.append(h.stats["plan_ns"])
         pack_ns.append(h.stats["pack_ns"])
         for key in _HOST:
@@ -84,7 +88,14 @@ def xfer_rank(g: EpGroup, cfg: EpConfig, iters: int, warmup: int, barrier):
     return d, c, s, figures
 
 
-def run_mock(cfg: EpConfig, iters: int, warmup: int):
+def _bf16_like(recv, cfg: EpConfig, layout: str) -> np.ndarray:
+    """Expert outputs in combine's dtype for fp8 rows (their values as they are: the bench
+    moves bytes, it does not compute)."""
+    values = recv[0]
+    return np.zeros(values.shape, dtype=cfg.storage)
+
+
+def run_mock(cfg: EpConfig, iters: int, warmup: int, layout: str = "deepep"):
     import xfer
 
     conf = {"backend": "mock", "groups": [{"nics": ["mock0"]}], "backends": {"mock": {"inline": True}},
@@ -98,7 +109,7 @@ def run_mock(cfg: EpConfig, iters: int, warmup: int):
     results = {}
 
     def body(r):
-        results[r] = xfer_rank(groups[r], cfg, iters, warmup, b.wait)
+        results[r] = xfer_rank(groups[r], cfg, iters, warmup, b.wait, layout)
 
     ts = [threading.Thread(target=body, args=(r,)) for r in range(cfg.ranks)]
     for t in ts:
@@ -117,7 +128,7 @@ def _free_port():
         return so.getsockname()[1]
 
 
-def _proc(kind, rank, cfg_kw, iters, warmup, port, conn):
+def _proc(kind, rank, cfg_kw, iters, warmup, port, conn, layout="deepep"):
     try:
         import torch.distributed as dist
 
@@ -134,7 +145,7 @@ def _proc(kind, rank, cfg_kw, iters, warmup, port, conn):
                 infos = [None] * cfg.ranks
                 dist.all_gather_object(infos, g.local_info())
                 g.connect(infos)
-                d, c, s, fig = xfer_rank(g, cfg, iters, warmup, dist.barrier)
+                d, c, s, fig = xfer_rank(g, cfg, iters, warmup, dist.barrier, layout)
                 dist.barrier()
                 g.close()
             res = summary("xfer libfabric shm (processes)", d, c, s, fig)
@@ -208,12 +219,13 @@ def gloo_rank(kind, rank, cfg, iters, warmup):
     return summary(name, d, c, s)
 
 
-def run_processes(kind, cfg, iters, warmup):
+def run_processes(kind, cfg, iters, warmup, layout="deepep"):
     ctx = mp.get_context("spawn")
     port = _free_port()
     pipes = [ctx.Pipe() for _ in range(cfg.ranks)]
-    kw = {k: getattr(cfg, k) for k in ("ranks", "experts_per_rank", "top_k", "max_tokens", "hidden", "dtype", "timeout")}
-    procs = [ctx.Process(target=_proc, args=(kind, r, kw, iters, warmup, port, pipes[r][1])) for r in range(cfg.ranks)]
+    kw = {k: getattr(cfg, k) for k in ("ranks", "experts_per_rank", "top_k", "max_tokens", "hidden", "dtype", "timeout",
+                                       "private_rows", "overflow_rows", "fp8")}
+    procs = [ctx.Process(target=_proc, args=(kind, r, kw, iters, warmup, port, pipes[r][1], layout)) for r in range(cfg.ranks)]
     for p in procs:
         p.start()
     replies = [pipes[r][0].recv() for r in range(cfg.ranks)]
@@ -235,18 +247,29 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--transports", default="mock,shm,gloo_a2a,gloo_ag")
+    ap.add_argument("--layout", choices=("deepep", "flat"), default="deepep",
+                    help="flat: rows only (DeepEP's layout at EP 8 is 470 MB per buffer set and rank)")
+    ap.add_argument("--private-rows", type=int, default=None)
+    ap.add_argument("--overflow-rows", type=int, default=None)
+    ap.add_argument("--fp8", choices=("e4m3", "e4m3_pow2"), default=None, help="fp8 dispatch (bf16 back)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     cfg = EpConfig(ranks=a.ranks, experts_per_rank=a.experts_per_rank, top_k=a.top_k, max_tokens=a.tokens,
-                   hidden=a.hidden, timeout=30.0)
+                   hidden=a.hidden, timeout=30.0, private_rows=a.private_rows, overflow_rows=a.overflow_rows, fp8=a.fp8)
     rows = []
     for t in a.transports.split(","):
-        rows.append(run_mock(cfg, a.iters, a.warmup) if t == "mock" else run_processes(t, cfg, a.iters, a.warmup))
+        if t == "mock":
+            rows.append(run_mock(cfg, a.iters, a.warmup, a.layout))
+        else:
+            rows.append(run_processes(t, cfg, a.iters, a.warmup, a.layout))
     if a.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"EP {a.ranks}, {a.tokens} tokens, hidden {a.hidden}, top-{a.top_k}, bf16, {a.experts_per_rank} experts/rank, "
-          f"{a.iters} iterations (µs, rank 0)")
+    cores = os.cpu_count() or 1
+    crowded = f" (oversubscribed: {a.ranks} ranks on {cores} cores)" if a.ranks > cores else ""
+    print(f"EP {a.ranks}{crowded}, {a.tokens} tokens, hidden {a.hidden}, top-{a.top_k}, "
+          f"{'fp8 ' + a.fp8 + ' out, bf16 back' if a.fp8 else 'bf16'}, {a.experts_per_rank} experts/rank, "
+          f"layout {a.layout}, {a.iters} iterations (µs, rank 0)")
     print(f"{'transport':46} {'dispatch p50/p99':>18} {'combine p50/p99':>18} {'step p50/p99':>18}")
     for r in rows:
         print(f"{r['transport']:46} {r['dispatch_p50_us']:8.0f}/{r['dispatch_p99_us']:<8.0f} "
