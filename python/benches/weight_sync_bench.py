@@ -28,8 +28,17 @@ receiver needs / that time / a reference rate measured in the same run:
   link's figure; here, where shm and tcp move bytes with the same two cores every rank and
   the other sessions share, this one is.
 
-    target/vllm-venv/bin/python python/benches/weight_sync_bench.py [--engine xfer|nixl] \\
+    target/vllm-venv/bin/python python/benches/weight_sync_bench.py [--engine xfer|nixl|verl] \\
         [--provider shm|tcp] [--trainers 2] [--receivers 2] [--versions 4] [--double-buffer]
+
+``--engine verl`` is the like-for-like comparison: verl's two checkpoint engines, ``xfer``
+(``xfer.verl.XferCheckpointEngine``, loaded as ``custom_backend_module=xfer.verl`` does) and
+``nixl``, one after the other in one run, each through verl's registry and the call sequence of
+verl's ``CheckpointEngineManager`` (per step ``prepare``, ``build_topology``,
+``init_process_group``; ``send_weights`` with the trainer rank's generator over the same
+mapped tensors, ``receive_weights`` with each yielded tensor copied into the receiver's
+parameters; ``finalize``), the same process count, the same bucket size, memcpy measured right
+after each engine's versions.
 
 ``--provider``: libfabric's ``shm`` or ``tcp;ofi_rxm`` for xfer; for nixl, UCX's own choice of
 transports (``shm``) or ``UCX_TLS=tcp,self`` (``tcp``), UCX kept on the loopback device.
@@ -218,17 +227,30 @@ def nixl_on_cpu(ucx_tls: str | None) -> None:
     import verl.checkpoint_engine.nixl_checkpoint_engine  # noqa: F401 - registers "nixl"
 
 
-def nixl_rank(role: str, rank: int, args: argparse.Namespace, url: str, path: str, conn) -> None:
-    nixl_on_cpu(args.ucx_tls)
+def verl_rank(role: str, rank: int, args: argparse.Namespace, url: str, path: str, conn) -> None:
+    """A rank of one of verl's checkpoint engines (``args.verl_engine``: ``nixl``, or ``xfer``
+    through verl's registry as ``custom_backend_module=xfer.verl`` loads it), driven in the
+    call sequence of verl's ``CheckpointEngineManager``."""
+    if args.verl_engine == "nixl":
+        nixl_on_cpu(args.ucx_tls)
     import torch
     from verl.checkpoint_engine import CheckpointEngineRegistry
 
     shapes = MODELS[args.model]()
     offs, _ = offsets(shapes)
     data = np.memmap(path, dtype=np.uint8, mode="c")
-    engine = CheckpointEngineRegistry.new(
-        "nixl", bucket_size=args.bucket_mib << 20, device="cpu", is_master=(role == "s" and rank == 0)
-    )
+    if args.verl_engine == "nixl":
+        engine = CheckpointEngineRegistry.new(
+            "nixl", bucket_size=args.bucket_mib << 20, device="cpu", is_master=(role == "s" and rank == 0)
+        )
+    else:
+        from verl.utils.import_utils import import_external_libs
+
+        import_external_libs("xfer.verl")  # what rollout.checkpoint_engine.custom_backend_module does
+        engine = CheckpointEngineRegistry.new(
+            "xfer", bucket_size=args.bucket_mib << 20, is_master=(role == "s" and rank == 0),
+            config=xfer_config(args.xfer_provider), timeout=300.0, listen="127.0.0.1:0",
+        )
     params = {}
     if role == "s":
         weights = [(n, torch.from_numpy(data[o : o + int(np.prod(s)) * 2]).view(torch.bfloat16).view(s)) for (n, s), o in zip(shapes, offs)]
@@ -263,38 +285,19 @@ def nixl_rank(role: str, rank: int, args: argparse.Namespace, url: str, path: st
             conn.send(wrong)
         elif cmd == "exit":
             conn.send("bye")
-            os._exit(0)  # NIXL 1.5.1's bundled libnl faults in its destructor at exit
+            os._exit(0)  # NIXL 1.5.1's bundled libnl faults in its destructor at exit (xfer: the same exit)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", choices=["xfer", "nixl"], default="xfer")
-    p.add_argument("--provider", choices=["shm", "tcp"], default="shm")
-    p.add_argument("--model", choices=sorted(MODELS), default="tinyllama-1.1b")
-    p.add_argument("--trainers", type=int, default=2)
-    p.add_argument("--receivers", type=int, default=2)
-    p.add_argument("--versions", type=int, default=4)
-    p.add_argument("--double-buffer", action="store_true", help="xfer receivers double-buffer")
-    p.add_argument("--staged", type=int, default=0, metavar="MIB",
-                   help="xfer senders copy into two staging buckets of half this budget (default: written in place)")
-    p.add_argument("--bucket-mib", type=int, default=256, help="nixl's bucket (it keeps two per rank)")
-    args = p.parse_args()
-    args.xfer_provider = {"shm": "shm", "tcp": "tcp;ofi_rxm"}[args.provider]
-    args.ucx_tls = {"shm": None, "tcp": "tcp,self"}[args.provider]
-    shapes = MODELS[args.model]()
+def run_engine(engine: str, args: argparse.Namespace, shapes, path: str) -> dict:
+    """One engine's versions (its own processes: the same count for every engine); returns
+    the figures of the versions after the first, with memcpy measured right after."""
     total = sum(int(np.prod(s)) * 2 for _, s in shapes)
-    _, size = offsets(shapes)
-    fd, path = tempfile.mkstemp(prefix="xfer-weights-", dir="/dev/shm")
     server = None
+    url = ""
+    verl = engine.startswith("verl:")
+    args.verl_engine = engine.removeprefix("verl:")
     try:
-        with os.fdopen(fd, "wb") as f:
-            rng = np.random.default_rng(0)
-            for at in range(0, size, 64 << 20):
-                f.write(rng.integers(0, 256, min(64 << 20, size - at), dtype=np.uint8).tobytes())
-        print(f"update: {args.model}, {len(shapes)} tensors, {total / 1e9:.3f} GB; {args.engine} over {args.provider}, "
-              f"{args.trainers} -> {args.receivers}" + (", double-buffered" if args.double_buffer else ""), flush=True)
-        url = ""
-        if args.engine == "xfer":
+        if engine == "xfer":
             import xfer
             from xfer import weights as W
 
@@ -306,7 +309,7 @@ def main() -> None:
             server = xfer.Server()
             url = server.url
         ctx = mp.get_context("spawn")
-        target = xfer_rank if args.engine == "xfer" else nixl_rank
+        target = verl_rank if verl else xfer_rank
         ranks = [("s", r) for r in range(args.trainers)] + [("r", r) for r in range(args.receivers)]
         pipes, procs = [], []
         for role, r in ranks:
@@ -319,13 +322,18 @@ def main() -> None:
             assert a.recv()[0] == "up"
         times = []
         for v in range(args.versions):
-            if args.engine == "nixl":  # verl's CheckpointEngineManager, per step
+            if verl:  # verl's CheckpointEngineManager, per step
                 from verl.checkpoint_engine import CheckpointEngineRegistry
 
+                if args.verl_engine == "xfer":
+                    from verl.utils.import_utils import import_external_libs
+
+                    import_external_libs("xfer.verl")
                 for a in pipes:
                     a.send(("prepare", None))
                 metadata = [a.recv() for a in pipes]
-                actor, rollout = CheckpointEngineRegistry.get("nixl").build_topology(args.trainers, args.receivers, metadata)
+                actor, rollout = CheckpointEngineRegistry.get(args.verl_engine).build_topology(
+                    args.trainers, args.receivers, metadata)
                 for i, a in enumerate(pipes):
                     kw, j = (actor, i) if i < args.trainers else (rollout, i - args.trainers)
                     a.send(("init", {k: x[j] for k, x in kw.items() if k != "method"}))
@@ -337,21 +345,18 @@ def main() -> None:
                 a.send(("go", None))
             ends = [a.recv()[1] for a in pipes]
             times.append(max(ends) - start)
-            print(f"version {v}: {times[-1]:.3f} s, {total / times[-1] / 1e9:.2f} GB/s into each receiver", flush=True)
-            if args.engine == "nixl":
+            print(f"{engine} version {v}: {times[-1]:.3f} s, {total / times[-1] / 1e9:.2f} GB/s into each receiver", flush=True)
+            if verl:
                 for a in pipes:
                     a.send(("finalize", None))
                 assert all(a.recv() == "ok" for a in pipes)
         for a in pipes[args.trainers :]:
             a.send(("check", None))
         wrong = [a.recv() for a in pipes[args.trainers :]]
-        assert all(not w for w in wrong), f"received tensors differ from the trainer's: {wrong}"
+        assert all(not w for w in wrong), f"{engine}: received tensors differ from the trainer's: {wrong}"
         later = times[1:] or times
-        best, median = min(later), float(np.median(later))
-        copy = memcpy_rate()
-        line = (f"versions after the first: best {best:.3f} s, median {median:.3f} s; memcpy {copy / 1e9:.2f} GB/s: "
-                f"fraction {total / best / copy:.2f} (best), {total / median / copy:.2f} (median)")
-        if args.engine == "xfer":
+        out = {"engine": engine, "first": times[0], "best": min(later), "median": float(np.median(later))}
+        if engine == "xfer":
             descs = []
             for a in pipes[args.trainers :]:
                 a.send(("desc", None))
@@ -364,23 +369,68 @@ def main() -> None:
                 for a in pipes[: args.trainers]:
                     a.send(("go", None))
                 raw.append(max(a.recv()[1] for a in pipes[: args.trainers]) - start)
-            line += (f"; the same bytes as one write per (trainer, receiver), no executor: best {min(raw):.3f} s: "
-                     f"fraction {min(raw) / best:.2f} (best), {min(raw) / median:.2f} (median)")
+            out["no_executor"] = min(raw)
             pipes[args.trainers].send(("desc", None))
             pipes[0].send(("write", pipes[args.trainers].recv()))
-            rate = pipes[0].recv()
-            line += (f"; one 256 MiB write over {args.provider}: {rate / 1e9:.2f} GB/s: "
-                     f"fraction {total / best / rate:.2f} (best), {total / median / rate:.2f} (median)")
-        print(line, flush=True)
+            out["write"] = pipes[0].recv()
         for a in pipes:
             a.send(("exit", None))
             a.recv()
         for proc in procs:
             proc.join(60)
+        out["memcpy"] = memcpy_rate()
+        out["load"] = os.getloadavg()[0]
+        return out
     finally:
-        os.unlink(path)
         if server is not None:
             server.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", choices=["xfer", "nixl", "verl"], default="xfer",
+                   help="xfer: the executor alone; nixl: verl's nixl engine; verl: verl's xfer and nixl engines, one after the other")
+    p.add_argument("--provider", choices=["shm", "tcp"], default="shm")
+    p.add_argument("--model", choices=sorted(MODELS), default="tinyllama-1.1b")
+    p.add_argument("--trainers", type=int, default=2)
+    p.add_argument("--receivers", type=int, default=2)
+    p.add_argument("--versions", type=int, default=4)
+    p.add_argument("--double-buffer", action="store_true", help="xfer receivers double-buffer")
+    p.add_argument("--staged", type=int, default=0, metavar="MIB",
+                   help="xfer senders copy into two staging buckets of half this budget (default: written in place)")
+    p.add_argument("--bucket-mib", type=int, default=256, help="verl's bucket (each engine keeps two per rank)")
+    args = p.parse_args()
+    args.xfer_provider = {"shm": "shm", "tcp": "tcp;ofi_rxm"}[args.provider]
+    args.ucx_tls = {"shm": None, "tcp": "tcp,self"}[args.provider]
+    engines = {"xfer": ["xfer"], "nixl": ["verl:nixl"], "verl": ["verl:xfer", "verl:nixl"]}[args.engine]
+    shapes = MODELS[args.model]()
+    total = sum(int(np.prod(s)) * 2 for _, s in shapes)
+    _, size = offsets(shapes)
+    fd, path = tempfile.mkstemp(prefix="xfer-weights-", dir="/dev/shm")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            rng = np.random.default_rng(0)
+            for at in range(0, size, 64 << 20):
+                f.write(rng.integers(0, 256, min(64 << 20, size - at), dtype=np.uint8).tobytes())
+        print(f"update: {args.model}, {len(shapes)} tensors, {total / 1e9:.3f} GB; {engines} over {args.provider}, "
+              f"{args.trainers} -> {args.receivers}" + (", double-buffered" if args.double_buffer else ""), flush=True)
+        results = [run_engine(e, args, shapes, path) for e in engines]
+        for r in results:
+            line = (f"{r['engine']}: first {r['first']:.3f} s; after it best {r['best']:.3f} s, median {r['median']:.3f} s; "
+                    f"memcpy right after {r['memcpy'] / 1e9:.2f} GB/s: fraction {total / r['best'] / r['memcpy']:.3f} (best), "
+                    f"{total / r['median'] / r['memcpy']:.3f} (median); load {r['load']:.1f}")
+            if "no_executor" in r:
+                line += (f"; the same bytes as one write per (trainer, receiver), no executor: {r['no_executor']:.3f} s: "
+                         f"fraction {r['no_executor'] / r['best']:.2f}; one 256 MiB write: {r['write'] / 1e9:.2f} GB/s: "
+                         f"fraction {total / r['best'] / r['write']:.2f}")
+            print(line, flush=True)
+        if len(results) == 2:
+            a, b = results
+            print(f"{b['engine']} / {a['engine']} seconds per version: {b['best'] / a['best']:.2f} (best), "
+                  f"{b['median'] / a['median']:.2f} (median); normalised by each run's memcpy: "
+                  f"{(b['median'] * b['memcpy']) / (a['median'] * a['memcpy']):.2f} (median)", flush=True)
+    finally:
+        os.unlink(path)
 
 
 if __name__ == "__main__":
