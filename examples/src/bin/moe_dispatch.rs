@@ -1,4 +1,8 @@
-//! MoE dispatch and combine between ranks whose routing is only known at run time.
+//! MoE dispatch and combine between ranks whose routing is only known at run time, on the
+//! engine's primitives alone (messages, scatter, barriers). MoE as a component — fixed
+//! capacity, at most two writes per peer per phase, deadlines and masking, DeepEP's layout —
+//! is `xfer-ep-plan` and `xfer.ep` (docs/moe.md); this example stays as the multi-process
+//! rendezvous check `cargo xtask test` runs.
 //!
 //! 1. Each rank routes its tokens to experts (random here), and tells every rank how many
 //!    tokens it will get with a small message (`submit_send` / `submit_recvs`).
