@@ -231,6 +231,9 @@ def _device_shard(x: Any) -> tuple[Any, int, int] | None:
         if not t.is_contiguous():
             return None
         flat = t.view(-1).view(torch.uint8)
+        # The fabric reads the memory, outside any CUDA stream: what the trainer's kernels
+        # queued on it (the optimizer step) must have finished.
+        torch.cuda.current_stream(t.device).synchronize()
         return flat, int(flat.data_ptr()), int(flat.numel())
     return x, int(x.data_ptr()), int(x.nbytes)
 
