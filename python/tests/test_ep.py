@@ -5,10 +5,12 @@ and what combine returns are compared bit for bit.
 
 The matrix: EP 2, 3, 4; top-k 1, 2, 8; 1 and 4 experts per rank; uniform, k-hot incast and
 Zipf routing; -1 slots, empty ranks, overflow past the private slots, exactly at capacity and
-one row past it; EPLB replicas; both layouts; two steps in flight (two-batch overlap). Then
-failures on the mock: a silent rank, a rank whose engine dies between dispatch and combine,
-a hung rank whose writes land steps later: each step ends by its deadlines, the mask names
-exactly the failed rank, the tokens that avoided it are exact, the next steps are exact."""
+one row past it; EPLB replicas; both layouts; two steps in flight (two-batch overlap); fp8
+dispatch (byte-exact against the oracle's own quantizer). Then failures on the mock: a silent
+rank, a rank whose engine dies between dispatch and combine, a hung rank whose writes land
+steps later: each step ends by its deadlines, the mask names exactly the failed rank, the
+tokens that avoided it are exact, the next steps are exact. As processes over libfabric shm
+and tcp: exact steps, and a process SIGKILLed between dispatch and combine."""
 
 import threading
 import time
