@@ -109,3 +109,22 @@ def test_a_published_part_is_decoded_only_as_the_ranks_own():
         decode_receiver_layout(bad, 1, TENSORS)
     with pytest.raises(LayoutError):
         decode_receiver_layout(b"{" * 100_000, 1, TENSORS)
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_VALID = Layout(TENSORS, (), receiver_params(1, tp_rank(1), TENSORS).params).to_json()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=512), st.integers(0, len(_VALID)).flatmap(
+    lambda cut: st.binary(max_size=8).map(lambda junk: _VALID[:cut] + junk + _VALID[cut + len(junk):]))))
+def test_whatever_a_receiver_publishes_is_a_layout_error_or_its_own_part(raw):
+    # A receiver's published part is read by every trainer rank: untrusted bytes.
+    try:
+        layout = decode_receiver_layout(raw, 1, TENSORS)
+    except LayoutError:
+        return
+    assert layout.tensors == TENSORS and all(p[0] == 1 for p in layout.params)
