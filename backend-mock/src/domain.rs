@@ -36,6 +36,9 @@ impl MockDomain {
     /// Opens a NIC on the process's fabric (the name in the config is only a label).
     pub fn open(config: &DomainConfig<'_>) -> Result<Self, DomainError> {
         let options = MockOptions::parse(config.options)?;
+        if options.panic_on_open {
+            panic!("mock NIC: injected panic while opening (panic_on_open)");
+        }
         let nic = fabric::join();
         tracing::debug!(nic = %nic.addr, "mock NIC opened");
         let rng =
@@ -426,5 +429,11 @@ impl Domain for MockDomain {
 impl Drop for MockDomain {
     fn drop(&mut self) {
         fabric::leave(&self.nic);
+        if self.options.panic_on_close {
+            panic!(
+                "mock NIC {}: injected panic while closing (panic_on_close)",
+                self.nic.addr
+            );
+        }
     }
 }

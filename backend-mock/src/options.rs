@@ -33,6 +33,11 @@ pub struct MockOptions {
     /// Panic inside the Nth post on each NIC (1-based; 0 = never): a backend bug, for testing
     /// that the engine contains it.
     pub panic_on_post: u64,
+    /// Panic while closing (after leaving the fabric): a backend bug, for testing that the
+    /// engine then never tells a caller that registered memory may be freed.
+    pub panic_on_close: bool,
+    /// Panic while opening: a backend bug, for testing that the engine reports it as such.
+    pub panic_on_open: bool,
     /// Take this long to register memory (a slow `ibv_reg_mr`), on the worker thread.
     pub register_delay_us: u64,
     /// The engine's `[timeouts] connect_ms`, passed to every backend. The mock has no
@@ -81,6 +86,8 @@ impl Default for MockOptions {
             fail_every: 0,
             queue_depth: 0,
             panic_on_post: 0,
+            panic_on_close: false,
+            panic_on_open: false,
             register_delay_us: 0,
             connect_ms: 0,
             secret_file: None,

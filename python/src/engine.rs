@@ -133,6 +133,7 @@ impl TransferEngine {
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
+        let mut abandoned = false;
         if let Some(engine) = running {
             // Other threads may be inside calls that hold the engine (a clone of it): stop
             // it outright — worker and callback threads joined (they may be waiting for the
@@ -140,6 +141,7 @@ impl TransferEngine {
             // waiters woken — so that no NIC touches any registered memory before the
             // keep-alives below are released.
             py.detach(|| engine.shutdown());
+            abandoned = engine.domains_abandoned();
         }
         let engine = self
             .reg
@@ -152,9 +154,14 @@ impl TransferEngine {
             // What the close failed has had its callbacks run when close() returns.
             crate::transfer::drain_callbacks(py);
         }
-        // Only now: nothing can write into these buffers any more.
+        // Only now: nothing can write into these buffers any more — unless a Domain
+        // panicked while closing and was abandoned with its registrations: then they stay.
         let keeps: Vec<Keep> = self.reg.take_all();
-        drop(keeps);
+        if abandoned {
+            std::mem::forget(keeps);
+        } else {
+            drop(keeps);
+        }
     }
 }
 

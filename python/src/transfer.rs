@@ -14,8 +14,9 @@ use crate::errors;
 /// `xfer.callback_errors()`).
 pub(crate) static CALLBACK_ERRORS: AtomicU64 = AtomicU64::new(0);
 
-/// How long `wait()` spins (yielding) before sleeping.
-const SPIN: Duration = Duration::from_millis(2);
+/// The longest `wait()` looks without sleeping (the engine's `worker.wait_poll_us` bounds it
+/// further).
+const LOOK: Duration = Duration::from_millis(2);
 
 fn unix_now() -> f64 {
     SystemTime::now()
@@ -309,20 +310,15 @@ impl Transfer {
         let engine = self.engine.clone();
         let finished = py.detach(move || {
             let start = Instant::now();
-            // Look without sleeping (yielding) first, as `TransferEngine::wait` does
-            // (`worker.wait_poll_us`): a sleep and a wake-up cost more than a short
-            // transfer. Then sleep on the condition variable the flag's waker notifies.
-            let spin = limit.map_or(SPIN, |l| l.min(SPIN));
+            // Look without sleeping first, as `TransferEngine::wait` does, for as long as
+            // the engine's `worker.wait_poll_us` says (0 on a machine with few CPUs, where
+            // the look would take the CPU from the worker). Then sleep on the condition
+            // variable the flag's waker notifies.
+            let look = limit.map_or(LOOK, |l| l.min(LOOK));
             if let Some(engine) = engine.upgrade() {
-                if engine.drive_until(spin, || flag.is_done()) {
+                if engine.drive_until(look, || flag.is_done()) {
                     return true;
                 }
-            }
-            while start.elapsed() < spin {
-                if flag.is_done() {
-                    return true;
-                }
-                std::thread::yield_now();
             }
             let mut s = shared.lock();
             while !flag.is_done() {

@@ -194,6 +194,8 @@ impl TransferEngine {
     /// worker's own thread (a `HostBuffer` inside a flag's waker): there the deregistration
     /// is queued for the worker's next pass and `keep` — what owns the memory — is dropped
     /// only after it; anywhere else this is `dereg_mr`, and `keep` is dropped on return.
+    /// Either way a deregistration that failed keeps (leaks) `keep`: the registration may
+    /// still be live.
     pub(crate) fn dereg_mr_keeping(
         &self,
         handle: MrHandle,
@@ -203,7 +205,12 @@ impl TransferEngine {
             return self.forget_region(handle, Some(keep));
         }
         let result = self.dereg_mr(handle);
-        drop(keep);
+        match &result {
+            Ok(()) | Err(Error::UnknownHandle(_) | Error::ForeignHandle { .. }) => drop(keep),
+            // A deregistration that failed (a Domain refused it, or one was abandoned while
+            // closing) may have left the registration live: the memory is kept (leaked).
+            Err(_) => std::mem::forget(keep),
+        }
         result
     }
 
@@ -230,6 +237,12 @@ impl TransferEngine {
         }
         let keys = region.keys.iter().map(|k| k.local_key).collect();
         if let Some(keep) = keep {
+            if self.shared.domains_abandoned() {
+                // Pushed now, it could outlive the worker's last drain and be freed with the
+                // queue; an abandoned Domain may still hold the registration.
+                std::mem::forget(keep);
+                return Err(crate::runtime::Shared::abandoned_error());
+            }
             // Queued whatever state the engine is in: served next pass, or refused after the
             // Domains closed (the shutdown and failure paths close them before draining), or
             // dropped with the engine's last handle, after the worker ended.
@@ -252,6 +265,9 @@ impl TransferEngine {
             // landed after an early `Ok`).
             Err(Error::Shutdown | Error::WorkerFailed(_)) => {
                 self.shared.wait_domains_closed();
+                if self.shared.domains_abandoned() {
+                    return Err(crate::runtime::Shared::abandoned_error());
+                }
                 Ok(())
             }
             other => other,

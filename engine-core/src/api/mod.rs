@@ -451,6 +451,14 @@ impl TransferEngine {
 }
 
 impl TransferEngine {
+    /// Whether a Domain panicked while the engine closed it and was abandoned: its NIC may
+    /// then still hold registrations, and memory registered with this engine must never be
+    /// freed (deregistrations from then on keep it and fail). Bindings that free memory after
+    /// a close ask this first.
+    pub fn domains_abandoned(&self) -> bool {
+        self.shared.domains_abandoned()
+    }
+
     /// Stops the engine now, whoever else still holds it (a binding's `close()` while other
     /// threads are inside calls): the worker stops, the Domains close — so no NIC touches any
     /// registered memory once this returns — everything pending fails with

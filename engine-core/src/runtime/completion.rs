@@ -120,6 +120,16 @@ impl CounterRun {
     }
 }
 
+/// A pass that unwinds between `complete` and `flush` (an engine-internal panic, caught by the
+/// worker's loop) still adds the successes it held: the operations finished, and a waiter on
+/// the counter must see them rather than wait out its timeout. Adding wakes sleepers only
+/// (a counter runs no user code), so this cannot panic again while unwinding.
+impl Drop for CounterRun {
+    fn drop(&mut self) {
+        self.flush();
+    }
+}
+
 impl OnDone {
     /// Delivers the outcome on this thread: for code already running on the callback
     /// thread (a callback that finishes another operation's `OnDone`).
@@ -195,11 +205,13 @@ const PENDING: u8 = 0;
 const OK: u8 = 1;
 const FAILED: u8 = 2;
 
-/// The threads blocked in a flag's or counter's wait. A waiter spins briefly, yields a while,
-/// then blocks on a condition variable that the setter signals: it wakes when the outcome is
-/// there, not at the next slice of a sleep loop (the 50 µs sleeps used before added their
-/// slice and the timer slack to every wait that outlasted the spin — most of a round trip's
-/// latency on a small machine).
+/// The threads blocked in a flag's or counter's wait. A waiter spins briefly (a few hundred
+/// nanoseconds), then blocks on a condition variable that the setter signals: it wakes when
+/// the outcome is there, not at the next slice of a sleep loop (the 50 µs sleeps used before
+/// added their slice and the timer slack to every wait that outlasted the spin). It does not
+/// loop on `sched_yield` first: a look without sleeping is `TransferEngine::wait`'s, bounded
+/// by `worker.wait_poll_us`; past it, more yields only take the CPU from the worker the
+/// waiter waits for (under CFS a yielding thread that slept before keeps the CPU).
 #[derive(Debug, Default)]
 struct Sleepers {
     /// Waiters that may be blocked; the setter takes the lock only when there are any.
@@ -212,18 +224,14 @@ impl Sleepers {
     /// Waits until `done()` or the deadline; returns `done()`'s last answer.
     fn wait_until(&self, timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
         let start = Instant::now();
-        for round in 0..256 {
+        for _ in 0..64 {
             if done() {
                 return true;
             }
-            if start.elapsed() >= timeout {
-                return done();
-            }
-            if round < 64 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            std::hint::spin_loop();
+        }
+        if start.elapsed() >= timeout {
+            return done();
         }
         self.count.fetch_add(1, Ordering::SeqCst);
         // Pairs with the fence in `notify`: either the setter sees this waiter counted, or
@@ -430,7 +438,22 @@ impl DoneCounter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::panic::AssertUnwindSafe;
     use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn successes_held_by_a_run_are_added_when_the_pass_unwinds() {
+        let counter = DoneCounter::new();
+        let unwound = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            let mut batch = CallbackBatch::new();
+            let mut run = CounterRun::default();
+            run.complete(OnDone::Counter(Arc::clone(&counter)), Ok(()), &mut batch);
+            run.complete(OnDone::Counter(Arc::clone(&counter)), Ok(()), &mut batch);
+            panic!("an engine-internal panic before the flush");
+        }));
+        assert!(unwound.is_err());
+        assert_eq!(counter.ok(), 2, "both successes reach the counter");
+    }
 
     /// Successes of one counter in a row are added at once, and nothing reorders around
     /// them: an error on the same counter, another counter or a flag first adds what was

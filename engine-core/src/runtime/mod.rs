@@ -245,6 +245,9 @@ pub(crate) struct Shared {
     /// touches registered memory (see `wait_domains_closed`).
     domains_closed: Mutex<bool>,
     domains_closed_cv: std::sync::Condvar,
+    /// Set (before `domains_closed`) when a Domain panicked while closing and was abandoned:
+    /// its registrations may still be live, so no registered memory is ever said free.
+    domains_abandoned: AtomicBool,
     pub(crate) imm: Mutex<ImmCounter<OnDone>>,
     pub(crate) jobs: Sender<Job>,
     pub(crate) recv_handler: OnceLock<(usize, RecvHandler)>,
@@ -285,6 +288,7 @@ impl Shared {
             parking: Arc::new(Parking::default()),
             domains_closed: Mutex::new(false),
             domains_closed_cv: std::sync::Condvar::new(),
+            domains_abandoned: AtomicBool::new(false),
             imm: Mutex::new(ImmCounter::for_peers(max_idle_imms, per_peer)),
             jobs,
             recv_handler: OnceLock::new(),
@@ -459,6 +463,27 @@ impl Shared {
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = true;
         self.domains_closed_cv.notify_all();
+    }
+
+    /// A Domain panicked while closing and was abandoned (called before
+    /// [`set_domains_closed`](Self::set_domains_closed)).
+    pub(crate) fn abandon_domains(&self) {
+        self.domains_abandoned.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether a Domain was abandoned while closing: registered memory may then still be in
+    /// a NIC's hands, whatever the latch says.
+    pub(crate) fn domains_abandoned(&self) -> bool {
+        self.domains_abandoned.load(Ordering::SeqCst)
+    }
+
+    /// The error a deregistration gets once a Domain was abandoned.
+    pub(crate) fn abandoned_error() -> Error {
+        Error::WorkerFailed(
+            "a Domain panicked while closing: its registrations may still be live, so the \
+             memory is kept (leaked) rather than freed"
+                .to_owned(),
+        )
     }
 
     /// Whether the worker closed its Domains.

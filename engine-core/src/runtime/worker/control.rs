@@ -75,7 +75,12 @@ impl Worker {
                         result = result.and(Err(map_domain_error(&self.shared.backend, e)));
                     }
                 }
-                drop(keep);
+                if result.is_ok() {
+                    drop(keep);
+                } else {
+                    // A NIC refused to let go of the registration: the memory stays (leaked).
+                    std::mem::forget(keep);
+                }
                 let _ = reply.send(result);
             }
             Command::PostRecvs {

@@ -6,15 +6,18 @@ use std::time::Duration;
 
 use super::Worker;
 use crate::error::Error;
-use crate::runtime::{local, panic_message, Command};
+use crate::runtime::{local, panic_message, Command, Shared};
 
 impl Worker {
     /// Closes every Domain, so no NIC touches registered memory from here on. A Domain that
-    /// panics while closing is abandoned (leaked) rather than half-dropped twice.
+    /// panics while closing is abandoned (leaked) rather than half-dropped twice — and then
+    /// that promise cannot be kept: the engine says so, and deregistrations from then on keep
+    /// (leak) the memory they were to free and fail (see `Shared::domains_abandoned`).
     pub(super) fn close_domains(&mut self) {
         for domain in self.group.domains_mut().drain(..) {
             if let Err(panic) = catch_unwind(AssertUnwindSafe(|| drop(domain))) {
                 tracing::error!(panic = %panic_message(&*panic), "a Domain panicked while closing");
+                self.shared.abandon_domains();
             }
         }
         self.shared.set_domains_closed();
@@ -56,8 +59,15 @@ impl Worker {
             Command::Register { reply, .. } => {
                 let _ = reply.send(Err(error.clone()));
             }
-            Command::Deregister { reply, .. } => {
-                let _ = reply.send(Ok(()));
+            Command::Deregister { reply, keep, .. } => {
+                if self.shared.domains_abandoned() {
+                    // An abandoned Domain may still hold the registration: the memory is
+                    // never freed.
+                    std::mem::forget(keep);
+                    let _ = reply.send(Err(Shared::abandoned_error()));
+                } else {
+                    let _ = reply.send(Ok(()));
+                }
             }
             Command::PostRecvs { reply, .. } => {
                 if let Some(reply) = reply {

@@ -66,7 +66,17 @@ pub(crate) fn spawn_worker(
             let _ = thread.join();
             return Err(e);
         }
-        Err(_) => {
+        Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+            // The thread ended without an answer: opening a Domain panicked (a backend bug).
+            // Say so, rather than report a timeout that never elapsed.
+            let why = match thread.join() {
+                Err(panic) => crate::runtime::panic_message(&*panic),
+                Ok(()) => "the worker ended while opening its NICs".to_owned(),
+            };
+            shared.close();
+            return Err(Error::WorkerFailed(format!("opening the NICs: {why}")));
+        }
+        Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
             // Still opening: tell it to stop as soon as it starts, so no orphan lives on.
             shared.push_shutdown();
             shared.close();
