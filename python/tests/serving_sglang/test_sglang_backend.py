@@ -41,7 +41,7 @@ def bootstrap():
 class Side:
     """One rank of one instance: its buffers and its XferKVManager."""
 
-    def __init__(self, mode, addr, seed):
+    def __init__(self, mode, addr, seed, **server):
         rng = np.random.default_rng(seed)
         self.kv = [rng.integers(0, 255, PAGES * PAGE_BYTES, dtype=np.uint8) for _ in range(BUFFERS)]
         self.aux = [rng.integers(0, 255, 8 * AUX_BYTES, dtype=np.uint8)]
@@ -56,7 +56,7 @@ class Side:
         args.page_size = 16
         host, port = addr.split(":")
         server_args = ServerArgs(model_path="dummy", device="cpu", disaggregation_mode=mode.value,
-                                 disaggregation_bootstrap_port=int(port))
+                                 disaggregation_bootstrap_port=int(port), **server)
         self.mgr = xs.XferKVManager(args, mode, server_args)
 
     def close(self):

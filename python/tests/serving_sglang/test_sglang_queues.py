@@ -14,6 +14,7 @@ checks before it commits)."""
 import multiprocessing as mp
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -96,6 +97,13 @@ def prefill_process(conn, rank=0, world=1, dist_port=None, extra=()):
             side.until("the transfer's end", lambda: req in done,
                        step=lambda: done.extend(s.process_disagg_prefill_inflight_queue()))
             conn.send((type(req.finished_reason).__name__, [p.numpy() for p in pages]))
+        elif cmd == "dropped":
+            conn.send(getattr(s.disagg_prefill_bootstrap_queue.kv_manager, "dropped", 0))
+        elif cmd in ("release", "resume"):
+            # What SchedulerWeightUpdater.release/resume_memory_occupation do with the KV tag
+            # on a prefill instance (the memory saver itself: a no-op on a CPU).
+            getattr(s.disagg_prefill_bootstrap_queue, f"{cmd}_memory_occupation")()
+            conn.send(cmd)
         elif cmd == "stop":
             s.disagg_prefill_bootstrap_queue.kv_manager.close()
             if server is not None:
@@ -171,6 +179,29 @@ def decode_process(conn):
             locs, before = held[rid]
             after = side.pages_at(s, locs)
             conn.send(all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(after, before)))
+        elif cmd == "dropped":
+            conn.send(getattr(s.disagg_decode_prealloc_queue.kv_manager, "dropped", 0))
+        elif cmd in ("release", "resume"):
+            # SchedulerWeightUpdater's order on a decode instance: the transfer queue, then
+            # the prealloc queue.
+            for queue in (s.disagg_decode_transfer_queue, s.disagg_decode_prealloc_queue):
+                getattr(queue, f"{cmd}_memory_occupation")()
+            conn.send(cmd)
+        elif cmd == "state":
+            # The request's transfer state as the transfer queue polls it.
+            (rid,) = args
+            (entry,) = [d for d in s.disagg_decode_transfer_queue.queue if d.req is reqs[rid]]
+            conn.send(int(entry.kv_receiver.poll()))
+        elif cmd == "snapshot":
+            # Every slot of the KV pool but the request's: nothing may write there.
+            (rid,) = args
+            import torch
+
+            mine = set(s.req_to_token_pool.req_to_token[reqs[rid].kv.req_pool_idx,
+                                                        :len(PROMPT)].tolist())
+            others = torch.tensor([t for t in range(side.POOL_TOKENS) if t not in mine])
+            held[rid] = (others, side.pages_at(s, others))
+            conn.send(len(others))
         elif cmd == "stop":
             s.disagg_decode_prealloc_queue.kv_manager.close()
             conn.send("stopped")
@@ -299,6 +330,71 @@ def test_an_abort_on_the_decode_holds_its_pages_until_the_prefill_answered(pair)
     assert pair.ask(pair.d, "unchanged", "r2") is True, "written after the abort was answered"
     # The pair still serves the next request.
     transfer(pair, "r1", 7001)
+
+
+def test_forged_control_messages_from_a_third_engine_change_nothing(pair):
+    """Issue 56's probe on SGLang's own queues over libfabric shm, which proves no sender:
+    a third engine that knows every address and the room (both are in the bootstrap and the
+    request) but not the decode rank's key or the room's token sends a ``meta`` pointing at
+    other pages, an abort, ``done``, ``fail`` and an abort answer. All are refused (counted);
+    the request then lands byte-equal, nothing outside its pages changes."""
+    from xfer.kv import sglang_control as sc
+
+    start(pair, "r4", 7004)
+    assert pair.ask(pair.d, "snapshot", "r4") > 0
+    evil = xfer.TransferEngine(CONFIG)
+    try:
+        rdv = xfer.Rendezvous(f"xfer://127.0.0.1:{pair.port}")
+        records = {r["name"]: r for r in rdv.list()}
+        prefill = records["sglang.prefill.0.0"]
+        (decode_name,) = [n for n in records if n.startswith("sglang.decode.")]
+        decode = records[decode_name]
+        import sglang_scheduler_side as side
+
+        guess = sc.new_token()
+        forged = sc.Meta(room=7004, token=guess, decode=decode_name, to=0, rank=0, tp=1,
+                         heads=side.HEADS, item=side.PAGE * side.HEADS * side.HEAD_DIM * 2,
+                         prefix=0, aux_index=0, aux=True, pages=np.arange(8, 14))
+        evil.submit_send(bytes(prefill["addr"]), forged.encode(sc.new_key())).wait(10)
+        evil.submit_send(bytes(prefill["addr"]),
+                         sc.Abort(7004, guess, decode_name, 0).encode(sc.new_key())).wait(10)
+        for kind in (sc.DONE, sc.FAIL, sc.ABORT_ACK):
+            evil.submit_send(bytes(decode["addr"]),
+                             sc.Answer(kind, 7004, guess, 0, "forged").encode()).wait(10)
+        deadline = time.monotonic() + WAIT
+        while pair.ask(pair.p, "dropped") < 2 or pair.ask(pair.d, "dropped") < 3:
+            assert pair.ask(pair.d, "state", "r4") == 3, "the room ended on a forged message"
+            assert time.monotonic() < deadline, "forged messages neither refused nor taken"
+            time.sleep(0.01)
+    finally:
+        evil.close()
+    assert pair.ask(pair.d, "state", "r4") == 3  # KVPoll.Transferring: still waiting for its KV
+    assert pair.ask(pair.p, "chunk", "r4", 12, 0, 4) == "sent"
+    assert pair.ask(pair.p, "chunk", "r4", len(PROMPT), 4246, 4) == "sent"
+    reason, sent = pair.ask(pair.p, "finish", "r4")
+    assert reason == "FINISH_LENGTH", reason
+    got = pair.ask(pair.d, "receive", "r4")
+    assert got[0] == "ok", got
+    for i, (ours, theirs) in enumerate(zip(got[3], sent)):
+        assert np.array_equal(ours, theirs), f"buffer {i} differs"
+    assert pair.ask(pair.d, "unchanged", "r4") is True, "written outside the request's pages"
+
+
+def test_kv_memory_released_and_resumed_between_requests(pair):
+    """A weight update's ``release_memory_occupation`` / ``resume_memory_occupation`` through
+    SGLang's own queues on both instances (idle, as SGLang asserts): the decode rank's record
+    of the released memory is withdrawn from the bootstrap, and after the resume the next
+    request lands byte-equal through registrations made again."""
+    transfer(pair, "r1", 7001)
+    rdv = xfer.Rendezvous(f"xfer://127.0.0.1:{pair.port}")
+    before = {r["name"] for r in rdv.list() if r["name"].startswith("sglang.decode.")}
+    assert before
+    assert pair.ask(pair.d, "release") == "release"
+    assert pair.ask(pair.p, "release") == "release"
+    assert not {r["name"] for r in rdv.list()} & before, "released memory stays published"
+    assert pair.ask(pair.d, "resume") == "resume"
+    assert pair.ask(pair.p, "resume") == "resume"
+    transfer(pair, "r5", 7005, seed=5)
 
 
 def test_a_prefill_that_dies_fails_the_decode_request(pair):

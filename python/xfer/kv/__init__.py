@@ -6,6 +6,8 @@ Pure (no framework import, unit-tested on their own):
 - ``pages``: paged KV caches as xfer addresses them (layouts, vLLM's layer views, the runs of a
   block between tensor-parallel sizes, message framing).
 - ``sglang_layout``: SGLang's rank pairing between TP sizes and the published KV shape.
+- ``sglang_control``: the SGLang backend's messages, their per-room tokens and key proofs, and
+  the checks against a rank's own records.
 - ``control``: the one decoder of the connectors' control messages (bounded, typed fields)
   and the per-request tokens every message carries.
 - ``params``: a request's ``kv_transfer_params`` (from API clients) parsed and bounded.

@@ -59,6 +59,19 @@ none) takes it from the prefill's total.
 **Prefix reuse**: a decode instance holding a prefix sends ``decode_prefix_len``; the prefill
 sends from there (``pop_decode_prefix_len``).
 
+**Control messages** are untrusted input (``sglang_control``): a decode rank's indices and
+aborts carry its room's token and a proof under the key it published at the bootstrap, and
+name only pages it published; answers carry the room's token; each is taken only from the
+engine its record names where the transport proves senders. Refused ones are counted
+(``dropped``).
+
+**Memory release** (``deregister_buffer_to_engine`` / ``register_buffer_to_engine``, from
+SGLang's ``release/resume_memory_occupation``) drops and remakes the registrations; a decode
+rank republishes under a new name. **Rebootstrap** of a retracted decode request
+(``submit_prefill_recompute``) posts SGLang's payload to the prefill's ``/generate``.
+Pipeline parallelism, DP routing other than by bootstrap room, and replicated KV heads
+between TP sizes are refused by name.
+
 **Failures** — a peer gone (a decode rank watches the bootstrap records of the prefill ranks
 it waits on, off the scheduler thread), a refused write, no answer within
 ``transfer_timeout_s`` — end in
@@ -92,18 +105,14 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 
 import xfer
 
-from .pages import LayoutError, pack_message, read_plan, unpack_message
+from . import sglang_control as sc
+from .control import ControlError, new_token
+from .pages import LayoutError, read_plan
 from .sglang_layout import PROTOCOL, KvShape, decode_sources, prefill_targets
 
 logger = logging.getLogger("xfer.sglang")
 
 NAME = "xfer"
-_META, _DONE, _FAIL = b"xsg-meta\n", b"xsg-done\n", b"xsg-fail\n"
-"""Prefixes of the messages between the instances (a JSON header follows)."""
-_ABORT, _ABORT_ACK = b"xsg-stop\n", b"xsg-stok\n"
-"""A decode rank gave up a room (aborted, failed, timed out): each prefill rank it sent its
-pages to writes nothing more there and answers once none of its writes is in flight — SGLang
-frees the pages only then (``is_abort_release_safe``)."""
 
 _config: Any = None
 
@@ -124,6 +133,14 @@ lookup_timeout_s = 5.0
 (a decode rank publishes its record before it sends its indices: it is there or gone)."""
 MAX_ABORTED = 4096
 """Aborted rooms a prefill rank remembers (the oldest are forgotten first)."""
+MAX_ROOMS = 4096
+"""Rooms a prefill rank holds decode indices for at once (a meta past it is dropped)."""
+MAX_CHECKS = 64
+"""Messages a prefill rank holds while it looks up the decode rank they name (off the
+engine's callback thread); more are dropped."""
+record_wait_s = 0.25
+"""How long a prefill rank waits for the record of a decode rank a message names: a decode
+rank publishes it before it sends anything, so one that is not there is forged or gone."""
 watch_interval_s = 1.0
 """How often a decode rank checks that the prefill ranks it waits on are still there (their
 bootstrap records are leases of 5 s)."""
@@ -138,14 +155,6 @@ def _engine_config() -> Any:
         "the xfer transfer backend needs an engine config: xfer.sglang.register(config=...) "
         "or $XFER_CONFIG"
     )
-
-
-def _message(prefix: bytes, header: dict[str, Any], payload: bytes = b"") -> bytes:
-    return pack_message(prefix, header, payload)
-
-
-def _parse(data: bytes) -> tuple[bytes, dict[str, Any], bytes]:
-    return unpack_message(data, len(_META))
 
 
 def _bootstrap_host(server_args: Any) -> str:
@@ -176,6 +185,32 @@ def _attn_tp(server_args: Any) -> int:
     tp = int(getattr(server_args, "tp_size", 1) or 1)
     dp = int(getattr(server_args, "dp_size", 1) or 1)
     return tp // dp if getattr(server_args, "enable_dp_attention", False) and dp > 1 else tp
+
+
+def _refuse_unsupported(server_args: Any, mode: DisaggregationMode) -> None:
+    """Refuses by name, when the manager starts, the set-ups this backend cannot serve
+    (SGLang would otherwise run them and move the wrong pages, or none)."""
+    pp = int(getattr(server_args, "pp_size", 1) or 1)
+    if pp > 1:
+        raise NotImplementedError(
+            f"the xfer transfer backend does not support pipeline parallelism (--pp-size {pp}): "
+            "each stage holds other layers under the same rank names; use another backend")
+    dp = int(getattr(server_args, "dp_size", 1) or 1)
+    method = getattr(server_args, "load_balance_method", None) or "auto"
+    if mode == DisaggregationMode.PREFILL and dp > 1 and method not in (
+            "auto", "follow_bootstrap_room"):
+        # "auto" is follow_bootstrap_room on a prefill instance (SGLang's serving_hook).
+        raise NotImplementedError(
+            f"the xfer transfer backend finds a request's prefill DP group from its bootstrap "
+            f"room: --load-balance-method {method} with --dp-size {dp} is not supported (use "
+            "follow_bootstrap_room)")
+    from sglang.srt.environ import envs
+
+    if mode == DisaggregationMode.DECODE and envs.SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK.get():
+        raise NotImplementedError(
+            "the xfer transfer backend does not answer prefill DP rank queries: "
+            "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK is not supported (the prefill "
+            "routes by bootstrap room)")
 
 
 def _prefill_name(dp: int, rank: int) -> str:
@@ -222,6 +257,7 @@ class XferKVManager(BaseKVManager):
             raise NotImplementedError(
                 f"the xfer transfer backend does not move state buffers yet ({len(state)} "
                 "Mamba/SWA/NSA state tensors registered); use another backend for this model")
+        _refuse_unsupported(server_args, disaggregation_mode)
         self.tp = _attn_tp(server_args)
         self.rank = int(args.engine_rank) % self.tp
         self.dp, self.dp_size = _dp(args, server_args, self.tp)
@@ -237,26 +273,40 @@ class XferKVManager(BaseKVManager):
         it meets (``try_ensure_parallel_info``)."""
         self.shape = KvShape(tp=self.tp, heads=heads, page_size=int(args.page_size),
                              item_len=lens[0] if lens else 0, buffers=len(lens), mla=self.mla,
-                             dp=self.dp_size)
+                             dp=self.dp_size,
+                             total=0 if self.mla else int(getattr(args, "total_kv_head_num", 0) or 0))
         if not self.heads_known and disaggregation_mode == DisaggregationMode.PREFILL:
             self.shape = dataclasses.replace(self.shape, heads=1)
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            self.shape = dataclasses.replace(
+                self.shape, http=int(getattr(server_args, "port", 0) or 0) % 65536)
         self.engine = xfer.TransferEngine(_engine_config())
-        access = "local" if disaggregation_mode == DisaggregationMode.PREFILL else "write"
-        self.kv = [self.engine.reg_mr_raw(p, n, access=access)
-                   for p, n in zip(args.kv_data_ptrs, args.kv_data_lens)]
-        self.aux = [self.engine.reg_mr_raw(p, n, access=access)
-                    for p, n in zip(args.aux_data_ptrs, args.aux_data_lens)]
+        self._register()
         self.id = uuid.uuid4().hex[:12]
         self.lock = threading.Lock()
-        self.metadata: dict[int, dict[int, tuple[dict[str, Any], np.ndarray]]] = {}
+        self.metadata: dict[int, dict[int, sc.Meta]] = {}
         """Prefill: each room's decode destinations by decode rank, as their receivers sent
-        them."""
-        self.dones: dict[int, int] = {}
-        """Decode: each room's prefill ranks that answered done."""
-        self.failures: dict[int, str] = {}
-        """Decode: each room's failure, as a prefill rank named it."""
+        them (each checked against the decode rank's record: ``sglang_control``)."""
+        self.rooms = sc.DecodeRooms()
+        """Decode: the rooms this rank's receivers sent indices for, their tokens and the
+        prefill ranks' answers."""
+        self.key = sc.new_key()
+        """Decode: the key this rank's metas and aborts are proven under, published in its
+        bootstrap records (``sglang_control``)."""
+        self.dropped = 0
+        """Messages refused (malformed, forged, stale or past a bound): counted, never acted
+        on."""
+        self.checks = 0
+        """Prefill: messages waiting for the lookup of the decode rank they name."""
         self.rendezvous: dict[str, xfer.Rendezvous] = {}
         self.publications: list[Any] = []
+        self.decode_publications: list[Any] = []
+        """Decode: its records at the prefills' bootstraps (withdrawn when SGLang releases the
+        KV memory)."""
+        self.released = False
+        """SGLang released the KV memory (``release_memory_occupation``): nothing registered."""
+        self.recompute: concurrent.futures.ThreadPoolExecutor | None = None
+        """Decode: rebootstrap calls (``_ensure_prefill_recompute_executor``)."""
         self.published_at: set[str] = set()
         """Decode: the bootstraps this rank's buffers were published at."""
         self.peers: dict[str, dict[str, Any]] = {}
@@ -266,8 +316,6 @@ class XferKVManager(BaseKVManager):
         self.prefill_shapes: dict[str, KvShape] = {}
         self.refusals: dict[str, str] = {}
         """Decode: the prefills this rank cannot receive from, and why."""
-        self.abort_acks: dict[int, set[int]] = {}
-        """Decode: the prefill ranks that answered each aborted room (armed at the abort)."""
         self.senders: dict[int, Any] = {}
         """Prefill: the senders by room, for a decode rank's abort."""
         self.aborted: dict[int, float] = {}
@@ -284,7 +332,11 @@ class XferKVManager(BaseKVManager):
             max_workers=2, thread_name_prefix="xfer-sglang-abort")
         """Prefill: aborts are drained and answered here (a cancel waits until no NIC
         touches the memory): two threads, not one per message."""
-        self.engine.submit_recvs(65536, 64, self._on_message)
+        try:
+            # Each message with the sender the transport proved (b"" where it cannot tell).
+            self.engine.submit_recvs(65536, 64, self._on_message, with_sender=True)
+        except TypeError:  # a binding without sender identity: the token and proof alone
+            self.engine.submit_recvs(65536, 64, self._on_message)
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.register_to_bootstrap()
 
@@ -321,7 +373,8 @@ class XferKVManager(BaseKVManager):
         self.prefill_shapes[bootstrap_addr] = prefill
         self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
             attn_tp_size=prefill.tp, attn_cp_size=1, dp_size=prefill.dp, pp_size=1,
-            page_size=prefill.page_size, kv_cache_dtype=None, follow_bootstrap_room=True)
+            page_size=prefill.page_size, kv_cache_dtype=None, follow_bootstrap_room=True,
+            prefill_http_port=prefill.http or None)
         return True
 
     def _with_heads_of(self, prefill: KvShape) -> KvShape:
@@ -329,11 +382,60 @@ class XferKVManager(BaseKVManager):
         none (as its own backends take the decode's: total heads over attention TP)."""
         if self.heads_known or self.mla:
             return self.shape
-        total = prefill.heads * prefill.tp
+        total = prefill.total or prefill.heads * prefill.tp
+        if total < self.tp:
+            # As SGLang's pools size a rank: at least one head, copies of it past the total.
+            return dataclasses.replace(self.shape, heads=1, total=total)
         if total % self.tp:
             raise LayoutError(f"the prefill's {total} KV heads do not split over decode TP "
-                              f"{self.tp} (replicated heads are not supported yet)")
-        return dataclasses.replace(self.shape, heads=total // self.tp)
+                              f"{self.tp}")
+        return dataclasses.replace(self.shape, heads=total // self.tp, total=total)
+
+    def _ensure_prefill_recompute_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Where SGLang's decode queue runs a retracted request's rebootstrap ``/generate``
+        (``submit_prefill_recompute``) and its prefill DP-rank queries: one pool per manager
+        (``SGLANG_DISAGGREGATION_THREAD_POOL_SIZE`` threads, else 4)."""
+        with self.lock:
+            if self.recompute is None:
+                from sglang.srt.environ import envs
+
+                workers = envs.SGLANG_DISAGGREGATION_THREAD_POOL_SIZE.get() or 4
+                self.recompute = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=max(1, int(workers)), thread_name_prefix="xfer-sglang-rebootstrap")
+            return self.recompute
+
+    def submit_prefill_recompute(self, kv_receiver: Any, payload: dict[str, Any]) -> None:
+        """A retracted decode request rebootstraps (SGLang's decode queue calls this after
+        the receiver sent its new indices): the prefill instance is asked to compute it again
+        (``POST /generate`` with SGLang's payload, the same bootstrap room) at the HTTP port
+        it published with its layout, on its bootstrap's host, off the scheduler thread.
+        Every decode rank of the request gets here; one asks (attention TP rank 0, as
+        SGLang's own backends elect it): the prefill instance sends every rank its share.
+        A prefill without a known port, or a failed call, fails the request, naming it."""
+        if self.rank != 0:
+            return
+        info = self.prefill_info_table.get(kv_receiver.addr)
+        port = getattr(info, "prefill_http_port", None)
+        if not port:
+            kv_receiver.fail(f"room {kv_receiver.room}: the prefill at {kv_receiver.addr} "
+                             "published no HTTP port to rebootstrap a retracted request at")
+            return
+        url = f"http://{kv_receiver.addr.rsplit(':', 1)[0]}:{port}/generate"
+        self._ensure_prefill_recompute_executor().submit(self._recompute, kv_receiver, url,
+                                                         payload)
+
+    def _recompute(self, receiver: Any, url: str, payload: dict[str, Any]) -> None:
+        import json
+        import urllib.request
+
+        try:
+            request = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=transfer_timeout_s) as answer:
+                answer.read()
+        except Exception as e:  # noqa: BLE001 - HTTP errors, refused connections: that request
+            receiver.fail(f"room {receiver.room}: the rebootstrap /generate at {url} "
+                          f"failed: {e}")
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
         return False
@@ -341,11 +443,14 @@ class XferKVManager(BaseKVManager):
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         """Every prefill rank the room's pages went to answered its abort."""
         with self.lock:
-            return len(self.abort_acks.get(int(bootstrap_room), ())) >= required_acks
+            room = self.rooms.rooms.get(int(bootstrap_room))
+            return room is not None and len(room.acks or ()) >= required_acks
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
         with self.lock:
-            self.abort_acks.pop(int(bootstrap_room), None)
+            room = self.rooms.rooms.get(int(bootstrap_room))
+            if room is not None:
+                room.acks = None
 
     def _bootstrap(self, addr: str) -> xfer.Rendezvous:
         with self.lock:
@@ -382,44 +487,150 @@ class XferKVManager(BaseKVManager):
         if not done:
             regions = {f"kv{i}": r.desc for i, r in enumerate(self.kv)}
             regions.update({f"aux{i}": r.desc for i, r in enumerate(self.aux)})
-            self.publications.append(
+            # The key travels as the name of a one-byte region of zeros (records name regions):
+            # the bootstrap's readers are the ones trusted with it.
+            if getattr(self, "_key_region", None) is None:
+                self._key_bytes = np.zeros(1, dtype=np.uint8)
+                self._key_region = self.engine.reg_mr_raw(self._key_bytes.ctypes.data, 1,
+                                                          access="read")
+            regions[sc.key_region(self.key)] = self._key_region.desc
+            self.decode_publications.append(
                 self._bootstrap(addr).publish(name, self.engine.main_address, regions)
             )
         return name
 
-    def _on_message(self, data: bytes) -> None:
-        try:
-            prefix, header, payload = _parse(data)
-        except ValueError:
-            logger.warning("xfer.sglang: a malformed message was ignored")
-            return
-        room = int(header["room"])
-        if prefix == _ABORT:
-            self._aborted(room, header)
-            return
-        with self.lock:
-            if prefix == _ABORT_ACK:
-                acks = self.abort_acks.get(room)
-                if acks is not None:
-                    acks.add(int(header["rank"]))
-            elif prefix == _META:
-                if room in self.aborted:
-                    return  # its decode rank gave up before these pages came
-                pages = np.frombuffer(payload, dtype="<i4").copy()
-                self.metadata.setdefault(room, {})[int(header["rank"])] = (header, pages)
-            elif prefix == _DONE:
-                self.dones[room] = self.dones.get(room, 0) + 1
-            elif prefix == _FAIL:
-                self.failures.setdefault(room, str(header.get("why", "the prefill failed")))
+    def _register(self) -> None:
+        access = "local" if self.mode == DisaggregationMode.PREFILL else "write"
+        args = self.args
+        self.kv = [self.engine.reg_mr_raw(p, n, access=access)
+                   for p, n in zip(args.kv_data_ptrs, args.kv_data_lens)]
+        self.aux = [self.engine.reg_mr_raw(p, n, access=access)
+                    for p, n in zip(args.aux_data_ptrs, args.aux_data_lens)]
 
-    def _aborted(self, room: int, header: dict[str, Any]) -> None:
-        """Prefill: a decode rank gave up ``room``: nothing more is written there, what is in
-        flight is cancelled, and the decode rank is answered once none of it is."""
-        now = time.monotonic()
-        decode = str(header["decode"])
-        if len(decode) > 256:
-            raise ValueError("a decode name past 256 characters")
+    def deregister_buffer_to_engine(self) -> None:
+        """SGLang releases the KV memory (``release_memory_occupation``, called on an idle
+        server, by each decode queue: once is enough): the registrations are dropped, so the
+        NIC holds none of the memory SGLang hands back, and a decode rank withdraws the
+        records that named them."""
         with self.lock:
+            if self.released:
+                return
+            self.released = True
+            regions, self.kv, self.aux = self.kv + self.aux, [], []
+            publications, self.decode_publications = self.decode_publications, []
+            self.published_at.clear()
+        for p in publications:
+            p.unpublish()
+        for r in regions:
+            r.dereg()
+
+    def register_buffer_to_engine(self) -> None:
+        """SGLang resumed the KV memory (``resume_memory_occupation``: the same addresses):
+        registered again. A decode rank publishes its new registrations under a new name and
+        key when it next meets each prefill, so no prefill rank writes through a record it
+        cached before the release."""
+        with self.lock:
+            if not self.released:
+                return
+            self.released = False
+            if self.mode != DisaggregationMode.PREFILL:
+                self.id, self.key = uuid.uuid4().hex[:12], sc.new_key()
+        self._register()
+
+    def _on_message(self, data: bytes, sender: bytes = b"") -> None:
+        """Every message to this rank, decoded once and checked before it is acted on
+        (``sglang_control``); a refused one is counted and changes nothing. No lookup here:
+        this is the engine's callback thread."""
+        if bytes(data[:len(sc.META)]) not in sc.KINDS:
+            self._drop("not a message of this backend")
+            return
+        try:
+            msg, proof = sc.parse(data)
+            if isinstance(msg, sc.Answer):
+                if self.mode == DisaggregationMode.PREFILL:
+                    raise ControlError("a prefill rank's answer sent to a prefill rank")
+                with self.lock:
+                    self.rooms.handle(msg, bytes(sender))
+                return
+            if self.mode != DisaggregationMode.PREFILL:
+                raise ControlError("a decode rank's message sent to a decode rank")
+            with self.lock:
+                record = self.peers.get(msg.decode)
+                later = record is None and self.checks < MAX_CHECKS
+                if later:
+                    self.checks += 1
+            if record is not None:
+                self._take(msg, proof, record, bytes(sender))
+            elif not later:
+                raise ControlError(f"{MAX_CHECKS} messages already wait for their lookups")
+            else:
+                try:
+                    self.draining.submit(self._look_up_then_take, msg, proof, bytes(sender))
+                except RuntimeError:  # closing
+                    with self.lock:
+                        self.checks -= 1
+        except ControlError as e:
+            self._drop(str(e))
+
+    def _drop(self, why: str) -> None:
+        with self.lock:
+            self.dropped += 1
+        logger.debug("xfer.sglang: a control message was dropped (%s)", why)
+
+    def _look_up_then_take(self, msg: Any, proof: str | None, sender: bytes) -> None:
+        """Prefill, off the callback thread: finds the decode rank ``msg`` names at this
+        rank's own bootstrap (decode ranks publish there before they send; an address a
+        message names is never dialled), then checks and takes ``msg``."""
+        try:
+            if self.own_bootstrap is None:
+                raise ControlError("this rank registered at no bootstrap")
+            try:
+                record = self._bootstrap(self.own_bootstrap).lookup(msg.decode, record_wait_s)
+            except Exception as e:  # noqa: BLE001 - no such decode rank: forged or gone
+                raise ControlError(f"no record {msg.decode} at this bootstrap ({e})") from None
+            with self.lock:
+                record = self.peers.setdefault(msg.decode, record)
+            self._take(msg, proof, record, sender)
+        except ControlError as e:
+            self._drop(str(e))
+        finally:
+            with self.lock:
+                self.checks -= 1
+
+    def _take(self, msg: Any, proof: str | None, record: dict[str, Any], sender: bytes) -> None:
+        """Prefill: acts on a decode rank's meta or abort once it is proven that rank's own
+        and names only what it published (raises :class:`ControlError` otherwise)."""
+        if isinstance(msg, sc.Abort):
+            sc.check_abort(msg, proof, record, sender)
+            self._aborted(msg)
+            return
+        sc.check_meta(msg, proof, record, sender, self.shape.buffers,
+                      [int(n) for n in self.args.aux_item_lens])
+        if msg.to != self.rank:
+            raise ControlError(f"a meta for prefill rank {msg.to} sent to rank {self.rank}")
+        with self.lock:
+            if msg.room in self.aborted:
+                return  # its decode rank gave up before these pages came
+            known = self.metadata.get(msg.room)
+            if known is None and len(self.metadata) >= MAX_ROOMS:
+                raise ControlError(f"{MAX_ROOMS} rooms already hold indices")
+            first = (known or {}).get(msg.rank)
+            if first is not None:
+                # The destinations of a room never change once taken (a replay is a no-op).
+                if first.token != msg.token or first.decode != msg.decode:
+                    raise ControlError(f"room {msg.room} rank {msg.rank} already has its indices")
+                return
+            self.metadata.setdefault(msg.room, {})[msg.rank] = msg
+
+    def _aborted(self, abort: Any) -> None:
+        """Prefill: a decode rank gave up ``abort.room``: nothing more is written there, what
+        is in flight is cancelled, and the decode rank is answered once none of it is."""
+        now = time.monotonic()
+        room = abort.room
+        with self.lock:
+            first = self.metadata.get(room, {}).get(abort.rank)
+            if first is not None and first.token != abort.token:
+                raise ControlError(f"an abort of room {room} with another token than its indices")
             self.aborted[room] = now
             for old in [r for r, t in self.aborted.items() if now - t > 2 * transfer_timeout_s]:
                 del self.aborted[old]
@@ -428,24 +639,25 @@ class XferKVManager(BaseKVManager):
             sender = self.senders.get(room)
         # Off the engine's callback thread: a cancel waits until no NIC touches the memory.
         try:
-            self.draining.submit(self._drain_and_ack, room, header, sender)
+            self.draining.submit(self._drain_and_ack, abort, sender)
         except RuntimeError:
             pass  # closing
 
-    def _drain_and_ack(self, room: int, header: dict[str, Any], sender: Any) -> None:
+    def _drain_and_ack(self, abort: Any, sender: Any) -> None:
         if sender is not None:
-            sender.stop(f"room {room}: aborted by decode rank {header.get('rank')}")
+            sender.stop(f"room {abort.room}: aborted by decode rank {abort.rank}")
         try:
-            # Its record is at this rank's own bootstrap (decode ranks publish there): an
-            # address a message names is never dialled.
-            if self.own_bootstrap is None:
-                raise LookupError("this rank registered at no bootstrap")
-            peer = self._bootstrap(self.own_bootstrap).lookup(str(header["decode"]),
-                                                              lookup_timeout_s)
-            self.engine.submit_send(peer["addr"], _message(_ABORT_ACK,
-                                                           {"room": room, "rank": self.rank}))
+            with self.lock:
+                peer = self.peers[abort.decode]  # proven before the abort was taken
+            self.engine.submit_send(peer["addr"], sc.Answer(sc.ABORT_ACK, abort.room, abort.token,
+                                                            self.rank).encode())
         except Exception as e:  # noqa: BLE001 - the decode frees at its own deadline
-            logger.warning("xfer.sglang: could not answer the abort of room %d: %s", room, e)
+            logger.warning("xfer.sglang: could not answer the abort of room %d: %s", abort.room, e)
+
+    def _all_done(self, receiver: Any) -> bool:
+        """Every prefill rank ``receiver``'s indices went to said done (under the lock)."""
+        room = self.rooms.rooms.get(receiver.room)
+        return room is not None and len(room.done) >= len(receiver.prefills or ())
 
     def watch(self, receiver: Any) -> None:
         """Decode: watches ``receiver``'s prefill ranks until it is cleared: one that is gone
@@ -468,8 +680,7 @@ class XferKVManager(BaseKVManager):
     def _watch(self) -> None:
         while not self.closing.wait(watch_interval_s):
             with self.lock:
-                receivers = [r for r in self.watched.values()
-                             if self.dones.get(r.room, 0) < len(r.prefills or ())]
+                receivers = [r for r in self.watched.values() if not self._all_done(r)]
             ranks: dict[tuple[str, str, int], list[int]] = {}
             for r in receivers:
                 for prefill in r.prefills or []:
@@ -487,13 +698,17 @@ class XferKVManager(BaseKVManager):
                 logger.error("xfer.sglang: %s: failing rooms %s", why, rooms)
                 with self.lock:
                     for room in rooms:
-                        self.failures.setdefault(room, f"room {room}: {why}")
+                        state = self.rooms.rooms.get(room)
+                        if state is not None and state.failure is None:
+                            state.failure = f"room {room}: {why}"
                         self.watched.pop(room, None)
 
     def close(self) -> None:
         self.closing.set()
         self.draining.shutdown(wait=False, cancel_futures=True)
-        for p in self.publications:
+        if self.recompute is not None:
+            self.recompute.shutdown(wait=False, cancel_futures=True)
+        for p in self.publications + self.decode_publications:
             p.unpublish()
         self.engine.close()
 
@@ -530,13 +745,17 @@ class XferKVSender(BaseKVSender):
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self.total, self.aux_index = int(num_kv_indices), aux_index
 
-    def _destinations(self) -> list[tuple[dict[str, Any], np.ndarray]] | None:
-        """Every decode rank's indices once all that name this rank have arrived."""
+    def _destinations(self) -> list[sc.Meta] | None:
+        """Every decode rank's indices once all that name this rank have arrived (each
+        proven that rank's own when it came: ``XferKVManager._take``)."""
         with self.mgr.lock:
             got = dict(self.mgr.metadata.get(self.room, {}))
         if not got:
             return None
-        decode_tp = int(next(iter(got.values()))[0]["tp"])
+        decode_tp = next(iter(got.values())).tp
+        if any(m.tp != decode_tp for m in got.values()):
+            raise LayoutError(f"room {self.room}: decode ranks of different TP sizes "
+                              f"{sorted({m.tp for m in got.values()})}")
         want = decode_sources(self.mgr.rank, decode_tp, self.mgr.tp, self.mgr.mla)
         if any(r not in got for r in want):
             return None
@@ -548,13 +767,23 @@ class XferKVSender(BaseKVSender):
 
     def pop_decode_prefix_len(self) -> int:
         """Tokens the decode instance already holds: sending starts after them."""
-        dests = self._destinations()
-        return int(dests[0][0].get("prefix") or 0) if dests else 0
+        try:
+            dests = self._destinations()
+        except LayoutError:
+            return 0
+        return dests[0].prefix if dests else 0
 
     def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: Any = None) -> None:
         if self.failure is not None:
             return  # aborted or failed: nothing more is written
-        dests = self._destinations()
+        if self.mgr.released:
+            self._fail(f"room {self.room}: SGLang released the KV memory")
+            return
+        try:
+            dests = self._destinations()
+        except LayoutError as e:
+            self._fail(str(e))
+            return
         if dests is None:
             self._fail(f"room {self.room}: send before the decode instance sent its page indices")
             return
@@ -565,36 +794,34 @@ class XferKVSender(BaseKVSender):
         try:
             if wait_event is not None:
                 wait_event.synchronize()
-            for header, dst_pages in dests:
-                if self.sent + len(pages) > len(dst_pages):
+            for meta in dests:
+                if self.sent + len(pages) > len(meta.pages):
                     raise LayoutError(f"{self.sent + len(pages)} pages sent, decode rank "
-                                      f"{header['rank']} allocated {len(dst_pages)}")
-                self._write(header, pages, dst_pages[self.sent : self.sent + len(pages)])
+                                      f"{meta.rank} allocated {len(meta.pages)}")
+                self._write(meta, pages, meta.pages[self.sent : self.sent + len(pages)])
             self.sent += len(pages)
             if self.sent >= self.total:
-                for header, _ in dests:
-                    if header.get("aux") and self.aux_index is not None \
-                            and header.get("aux_index") is not None:
-                        self._write_aux(header)
+                for meta in dests:
+                    if meta.aux and self.aux_index is not None and meta.aux_index is not None:
+                        self._write_aux(meta)
                 self.finished = True
                 self._maybe_done()
         except Exception as e:  # noqa: BLE001 - any failure ends this transfer
             self._fail(f"room {self.room}: {e}")
 
-    def _write(self, header: dict[str, Any], src: np.ndarray, dst: np.ndarray) -> None:
+    def _write(self, meta: sc.Meta, src: np.ndarray, dst: np.ndarray) -> None:
         """This rank's share of one chunk for one decode rank: the decode rank's read plan,
         turned around (its "remote" pages are ours)."""
-        peer = self._peer(header)
-        theirs = KvShape(tp=int(header["tp"]), heads=int(header["heads"]),
-                         page_size=self.mgr.shape.page_size, item_len=int(header["item"]),
-                         buffers=self.mgr.shape.buffers, mla=self.mgr.mla)
+        peer = self._peer(meta)
+        theirs = KvShape(tp=meta.tp, heads=meta.heads, page_size=self.mgr.shape.page_size,
+                         item_len=meta.item, buffers=self.mgr.shape.buffers, mla=self.mgr.mla)
         ours = self.mgr.shape
         mgr = self.mgr
         for i, region in enumerate(mgr.kv):
             desc = peer["regions"][f"kv{i}"]
             plan = read_plan(theirs.layout(desc.nbytes // theirs.item_len),
                              ours.layout(mgr.args.kv_data_lens[i] // ours.item_len),
-                             int(header["rank"]), theirs.tp, ours.tp,
+                             meta.rank, theirs.tp, ours.tp,
                              dst.tolist(), src.tolist(), mla=ours.mla)
             for w in plan:
                 if w.remote_rank != mgr.rank:
@@ -606,22 +833,18 @@ class XferKVSender(BaseKVSender):
                     on_done=self._one_done))
                 self.bytes += w.page_len * len(w.local_pages)
 
-    def _write_aux(self, header: dict[str, Any]) -> None:
-        peer = self._peer(header)
+    def _write_aux(self, meta: sc.Meta) -> None:
+        peer = self._peer(meta)
         for i, (region, item) in enumerate(zip(self.mgr.aux, self.mgr.args.aux_item_lens)):
             self._submit(lambda i=i, region=region, item=item: self.mgr.engine.submit_paged_writes(
                 item, region, [self.aux_index], peer["regions"][f"aux{i}"],
-                [int(header["aux_index"])], on_done=self._one_done))
+                [meta.aux_index], on_done=self._one_done))
 
-    def _peer(self, header: dict[str, Any]) -> dict[str, Any]:
-        name = header["decode"]
+    def _peer(self, meta: sc.Meta) -> dict[str, Any]:
+        """The record of the decode rank ``meta`` came from (found and checked when it came:
+        never looked up here, on SGLang's scheduler thread)."""
         with self.mgr.lock:
-            known = self.mgr.peers.get(name)
-        if known is None:
-            known = self.mgr._bootstrap(self.addr).lookup(name, lookup_timeout_s)
-            with self.mgr.lock:
-                self.mgr.peers[name] = known
-        return known
+            return self.mgr.peers[meta.decode]
 
     def _submit(self, post: Any) -> None:
         with self.mgr.lock:
@@ -665,9 +888,9 @@ class XferKVSender(BaseKVSender):
             if ready:
                 self.ended = time.monotonic()
         if ready:
-            for header, _ in self._destinations() or []:
-                peer = self._peer(header)
-                self.mgr.engine.submit_send(peer["addr"], _message(_DONE, {"room": self.room}))
+            for meta in self._destinations() or []:
+                self.mgr.engine.submit_send(self._peer(meta)["addr"], sc.Answer(
+                    sc.DONE, self.room, meta.token, self.mgr.rank).encode())
 
     def _fail(self, why: str) -> None:
         with self.mgr.lock:
@@ -678,10 +901,10 @@ class XferKVSender(BaseKVSender):
             logger.error("xfer.sglang: %s", why)
             with self.mgr.lock:
                 known = list(self.mgr.metadata.get(self.room, {}).values())
-            for header, _ in known:
+            for meta in known:
                 try:
-                    peer = self._peer(header)
-                    self.mgr.engine.submit_send(peer["addr"], _message(_FAIL, {"room": self.room, "why": why}))
+                    self.mgr.engine.submit_send(self._peer(meta)["addr"], sc.Answer(
+                        sc.FAIL, self.room, meta.token, self.mgr.rank, why).encode())
                 except Exception:  # noqa: BLE001 - the receiver times out instead
                     pass
 
@@ -751,6 +974,8 @@ class XferKVReceiver(BaseKVReceiver):
 
     def init(self, prefill_dp_rank: int = 0, *args: Any, **kwargs: Any) -> None:
         try:
+            if self.mgr.released:
+                raise RuntimeError("SGLang released the KV memory")
             rdv = self.mgr._bootstrap(self.addr)
             if self.addr not in self.mgr.prefill_info_table and \
                     not self.mgr.try_ensure_parallel_info(self.addr):
@@ -764,6 +989,13 @@ class XferKVReceiver(BaseKVReceiver):
             targets = prefill_targets(self.mgr.rank, self.mgr.tp, prefill.tp, self.mgr.mla)
             prefills = [rdv.lookup(_prefill_name(dp, t), lookup_timeout_s) for t in targets]
             self.record = self.mgr.decode_record(self.addr)
+            self.targets = targets
+            # The room's token: only the prefill ranks its indices go to learn it, and only
+            # their answers carrying it count (sglang_control.DecodeRooms).
+            self.token = new_token()
+            with self.mgr.lock:
+                self.mgr.rooms.enter(self.room, self.token,
+                                     {t: bytes(p["addr"]) for t, p in zip(targets, prefills)})
             self.prefills = prefills
         except LayoutError as e:
             self.failure = f"room {self.room}: the prefill at {self.addr} cannot send here: {e}"
@@ -774,15 +1006,16 @@ class XferKVReceiver(BaseKVReceiver):
                       decode_prefix_len: int | None = None, *args: Any, **kwargs: Any) -> None:
         if self.failure is not None or self.prefills is None:
             return
-        pages = np.asarray(kv_indices, dtype="<i4").tobytes()
+        pages = np.asarray(kv_indices, dtype=np.int64)
         shape = self.mgr.shape
         try:
-            for i, prefill in enumerate(self.prefills):
-                header = {"room": self.room, "decode": self.record, "aux_index": aux_index,
-                          "rank": self.mgr.rank, "tp": shape.tp, "heads": shape.heads,
-                          "item": shape.item_len, "prefix": int(decode_prefix_len or 0),
-                          "aux": i == 0}
-                self.mgr.engine.submit_send(prefill["addr"], _message(_META, header, pages))
+            for i, (to, prefill) in enumerate(zip(self.targets, self.prefills)):
+                meta = sc.Meta(room=self.room, token=self.token, decode=self.record, to=to,
+                               rank=self.mgr.rank, tp=shape.tp, heads=shape.heads,
+                               item=shape.item_len, prefix=int(decode_prefix_len or 0),
+                               aux_index=None if aux_index is None else int(aux_index),
+                               aux=i == 0, pages=pages)
+                self.mgr.engine.submit_send(prefill["addr"], meta.encode(self.mgr.key))
             self.deadline = time.monotonic() + transfer_timeout_s
             self.mgr.watch(self)
         except Exception as e:  # noqa: BLE001
@@ -802,8 +1035,9 @@ class XferKVReceiver(BaseKVReceiver):
         if self.deadline is None:
             return KVPoll.WaitingForInput
         with self.mgr.lock:
-            dones = self.mgr.dones.get(self.room, 0)
-            why = self.mgr.failures.get(self.room)
+            room = self.mgr.rooms.rooms.get(self.room)
+            dones = 0 if room is None else len(room.done)
+            why = None if room is None else room.failure
         if why is not None:
             self.failure = why
             return KVPoll.Failed
@@ -820,7 +1054,11 @@ class XferKVReceiver(BaseKVReceiver):
         raise RuntimeError(f"xfer transfer failed: {self.failure}")
 
     def abort(self) -> None:
-        self.failure = self.failure or f"room {self.room}: aborted"
+        self.fail(f"room {self.room}: aborted")
+
+    def fail(self, why: str) -> None:
+        """Fails this room (the first reason stands) and tells its prefill ranks."""
+        self.failure = self.failure or why
         self.conclude_state = KVPoll.Failed
         self.ensure_abort_notified()
 
@@ -832,12 +1070,13 @@ class XferKVReceiver(BaseKVReceiver):
             return
         self.abort_notified = True
         with self.mgr.lock:
-            self.mgr.abort_acks[self.room] = set()
-        header = {"room": self.room, "rank": self.mgr.rank, "decode": self.record,
-                  "bootstrap": self.addr}
+            room = self.mgr.rooms.rooms.get(self.room)
+            if room is not None:
+                room.acks = set()
+        message = sc.Abort(self.room, self.token, self.record, self.mgr.rank).encode(self.mgr.key)
         for prefill in self.prefills:
             try:
-                self.mgr.engine.submit_send(prefill["addr"], _message(_ABORT, header))
+                self.mgr.engine.submit_send(prefill["addr"], message)
             except Exception as e:  # noqa: BLE001 - SGLang frees at its own deadline
                 logger.warning("xfer.sglang: could not tell a prefill rank that room %d was "
                                "aborted: %s", self.room, e)
@@ -849,8 +1088,9 @@ class XferKVReceiver(BaseKVReceiver):
     def clear(self) -> None:
         self.mgr.unwatch(self.room)
         with self.mgr.lock:
-            self.mgr.dones.pop(self.room, None)
-            self.mgr.failures.pop(self.room, None)
+            room = self.mgr.rooms.rooms.get(self.room)
+            if room is not None and room.token == getattr(self, "token", None):
+                self.mgr.rooms.leave(self.room)
 
 
 def register(config: Any = None) -> None:

@@ -9,7 +9,7 @@ import re
 
 from .pages import Layout, LayoutError
 
-PROTOCOL = 3
+PROTOCOL = 4
 """Bumped when the messages or the published layout change: peers of another refuse by name."""
 
 
@@ -45,20 +45,31 @@ class KvShape:
     mla: bool
     dp: int = 1
     """Data-parallel groups of the instance (``--dp-size``), each with its own ranks."""
+    total: int = 0
+    """The model's KV heads (SGLang's ``total_kv_head_num``; 0: unknown, then ``heads x
+    tp``). Fewer than ``heads x tp``: heads are replicated over ranks."""
+    http: int = 0
+    """A prefill instance's HTTP port (``--port``; 0: unknown), where a decode rank asks for
+    a retracted request's KV again (SGLang's rebootstrap ``/generate``)."""
 
     def name(self) -> str:
         """As a region name (rendezvous names allow A-Z a-z 0-9 . _ -)."""
         return (f"sgl{PROTOCOL}-tp{self.tp}-heads{self.heads}-page{self.page_size}-"
-                f"item{self.item_len}-buffers{self.buffers}-mla{int(self.mla)}-dp{self.dp}")
+                f"item{self.item_len}-buffers{self.buffers}-mla{int(self.mla)}-dp{self.dp}-"
+                f"total{self.total}-http{self.http}")
 
     @classmethod
     def parse(cls, name: str) -> "KvShape":
         m = re.fullmatch(r"sgl(\d+)-tp(\d+)-heads(\d+)-page(\d+)-item(\d+)-buffers(\d+)"
-                         r"-mla([01])-dp(\d+)", name)
+                         r"-mla([01])-dp(\d+)-total(\d+)-http(\d{1,5})", name)
         if m is None or int(m[1]) != PROTOCOL:
             raise LayoutError(f"the prefill published {name!r}: not protocol sgl{PROTOCOL}")
-        tp, heads, page, item, buffers, mla, dp = (int(g) for g in m.groups()[1:])
-        return cls(tp, heads, page, item, buffers, bool(mla), dp)
+        tp, heads, page, item, buffers, mla, dp, total, http = (int(g) for g in m.groups()[1:])
+        return cls(tp, heads, page, item, buffers, bool(mla), dp, total, http)
+
+    def replicated(self) -> bool:
+        """Whether ranks hold copies of the same heads (more ranks than KV heads)."""
+        return not self.mla and 0 < self.total < self.heads * self.tp
 
     def layout(self, num_pages: int) -> Layout:
         """One buffer as a one-plane layout: pages of ``page_size`` tokens of ``heads`` heads
@@ -78,6 +89,12 @@ class KvShape:
         if max(self.tp, prefill.tp) % min(self.tp, prefill.tp):
             raise LayoutError(f"attention TP sizes {prefill.tp} (prefill) and {self.tp} "
                               "(decode): one must divide the other")
+        for side, shape in (("prefill", prefill), ("decode", self)):
+            if shape.replicated() and self.tp != prefill.tp:
+                raise LayoutError(
+                    f"replicated KV heads ({side}: {shape.total} KV heads over attention TP "
+                    f"{shape.tp}) between TP sizes {prefill.tp} (prefill) and {self.tp} "
+                    "(decode) are not supported: run both at one TP size")
         if not self.mla and self.heads * self.tp != prefill.heads * prefill.tp:
             raise LayoutError(f"KV heads differ: decode {self.heads} x TP {self.tp}, prefill "
                               f"{prefill.heads} x TP {prefill.tp}")

@@ -1,0 +1,173 @@
+"""Forged control messages against a real prefill / decode pair of xfer's SGLang backend
+(issue 56): a third engine sends ``meta``, ``stop`` (abort), ``done``, ``fail`` and abort
+answers for a live room. Over the mock backend the transport proves who sent a message, so
+this third engine knows everything a wire sniffer or a bootstrap reader could — the decode
+rank's key from its record, the room's token — and is still refused: its engine is not the
+one the records name. (The same pair over libfabric shm, where no sender is proven and the
+token alone vouches, is ``test_sglang_queues.py``'s forged-messages test.)
+
+Each probe waits for the refusal to be counted (``mgr.dropped``) or for its effect, then
+checks there was none: the transfer succeeds with the right bytes in the right pages, nothing
+else in the decode's buffers changes, the room is not ended early."""
+
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sglang")
+
+from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
+from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
+from test_sglang_backend import MOCK, PAGE_BYTES, Side, bootstrap, registered, until  # noqa: E402,F401
+
+import xfer  # noqa: E402
+import xfer.sglang as xs  # noqa: E402
+from xfer.kv import sglang_control as sc  # noqa: E402
+
+ROOM = 91
+SRC, DST = [3, 9, 4, 20], [30, 2, 17, 5]
+FORGED_PAGES = [7, 8, 9, 10]
+
+
+def pair(bootstrap):
+    p = Side(DisaggregationMode.PREFILL, bootstrap, 11)
+    d = Side(DisaggregationMode.DECODE, bootstrap, 12)
+    receiver = xs.XferKVReceiver(d.mgr, bootstrap, ROOM)
+    receiver.init(0)
+    sender = xs.XferKVSender(p.mgr, bootstrap, ROOM)
+    sender.init(len(SRC), aux_index=2)
+    receiver.send_metadata(np.array(DST, dtype=np.int32), aux_index=5)
+    until("the page indices", lambda: sender.poll() == KVPoll.WaitingForInput)
+    return p, d, receiver, sender
+
+
+class Attacker:
+    """A third engine that read the bootstrap: every address, the decode rank's key."""
+
+    def __init__(self, bootstrap, d):
+        self.engine = xfer.TransferEngine(MOCK)
+        rdv = xfer.Rendezvous(f"xfer://{bootstrap}")
+        self.prefill = rdv.lookup("sglang.prefill.0.0", 5.0)
+        self.decode_name = f"sglang.decode.{d.mgr.id}.0"
+        self.decode = rdv.lookup(self.decode_name, 5.0)
+        self.key = sc.key_of(self.decode) or sc.new_key()
+
+    def send(self, to, data):
+        self.engine.submit_send(bytes(to["addr"]), data).wait(5.0)
+
+    def close(self):
+        self.engine.close()
+
+
+def token(receiver):
+    """The room's token, as a wire sniffer would have it."""
+    return getattr(receiver, "token", None) or sc.new_token()
+
+
+def dropped(mgr):
+    return getattr(mgr, "dropped", 0)
+
+
+def test_forged_meta_and_abort_with_the_key_and_token_from_another_engine_change_nothing(bootstrap):
+    p, d, receiver, sender = pair(bootstrap)
+    evil = Attacker(bootstrap, d)
+    try:
+        before = [k.copy() for k in d.kv]
+        taken = dict(p.mgr.metadata[ROOM])
+        # The decode rank's own meta, pointed at other pages, proven with its key.
+        forged = sc.Meta(room=ROOM, token=token(receiver), decode=evil.decode_name, to=0, rank=0,
+                         tp=1, heads=d.mgr.shape.heads, item=PAGE_BYTES, prefix=0,
+                         aux_index=1, aux=True, pages=np.array(FORGED_PAGES))
+        evil.send(evil.prefill, forged.encode(evil.key))
+        evil.send(evil.prefill, sc.Abort(ROOM, token(receiver), evil.decode_name, 0).encode(evil.key))
+        until("the forgeries refused or taken",
+              lambda: dropped(p.mgr) >= 2 or p.mgr.metadata.get(ROOM) != taken
+              or sender.poll() == KVPoll.Failed)
+        assert sender.poll() == KVPoll.WaitingForInput, "a forged abort stopped the sender"
+        assert p.mgr.metadata[ROOM] == taken, "a forged meta replaced the decode's pages"
+
+        sender.send(np.array(SRC[:2], dtype=np.int32))
+        sender.send(np.array(SRC[2:], dtype=np.int32))
+        until("the sender", lambda: sender.poll() == KVPoll.Success)
+        until("the receiver", lambda: receiver.poll() == KVPoll.Success)
+        for ours, theirs, old in zip(d.kv, p.kv, before):
+            for s, t in zip(SRC, DST):
+                assert np.array_equal(ours[t * PAGE_BYTES:(t + 1) * PAGE_BYTES],
+                                      theirs[s * PAGE_BYTES:(s + 1) * PAGE_BYTES])
+            rest = np.ones(len(ours), dtype=bool)
+            for t in DST:
+                rest[t * PAGE_BYTES:(t + 1) * PAGE_BYTES] = False
+            assert np.array_equal(ours[rest], old[rest]), "written outside the room's pages"
+    finally:
+        evil.close(), p.close(), d.close()
+
+
+def test_forged_done_fail_and_abort_answers_do_not_end_a_room(bootstrap):
+    p, d, receiver, sender = pair(bootstrap)
+    evil = Attacker(bootstrap, d)
+    try:
+        # Sniffed token, the prefill rank's number, another engine.
+        for kind in (sc.DONE, sc.FAIL, sc.ABORT_ACK):
+            evil.send(evil.decode, sc.Answer(kind, ROOM, token(receiver), 0, "forged").encode())
+        # No token: what anyone who can address the engine can send.
+        for kind in (sc.DONE, sc.FAIL):
+            evil.send(evil.decode, sc.Answer(kind, ROOM, "00" * 16, 0, "forged").encode())
+        until("the forgeries refused or taken",
+              lambda: dropped(d.mgr) >= 5 or receiver.poll() != KVPoll.Transferring)
+        assert receiver.poll() == KVPoll.Transferring, receiver.failure
+        sender.send(np.array(SRC, dtype=np.int32))
+        until("the receiver", lambda: receiver.poll() == KVPoll.Success)
+    finally:
+        evil.close(), p.close(), d.close()
+
+
+def test_a_forged_abort_answer_does_not_release_held_pages_early(bootstrap):
+    """The decode aborts a room while the prefill rank cannot answer yet (its two drain
+    threads busy): a forged answer, with the room's token, from another engine, does not make
+    ``is_abort_release_safe`` true; the prefill rank's own answer then does."""
+    p, d, receiver, sender = pair(bootstrap)
+    evil = Attacker(bootstrap, d)
+    gate = threading.Event()
+    busy = [p.mgr.draining.submit(gate.wait, 30) for _ in range(2)]
+    try:
+        receiver.abort()
+        assert not d.mgr.is_abort_release_safe(ROOM, 1)
+        evil.send(evil.decode, sc.Answer(sc.ABORT_ACK, ROOM, token(receiver), 0).encode())
+        until("the forged answer refused or taken",
+              lambda: dropped(d.mgr) >= 1 or d.mgr.is_abort_release_safe(ROOM, 1))
+        assert not d.mgr.is_abort_release_safe(ROOM, 1), "released on a forged answer"
+        gate.set()
+        until("the prefill rank's answer", lambda: d.mgr.is_abort_release_safe(ROOM, 1))
+        assert sender.poll() == KVPoll.Failed
+    finally:
+        gate.set()
+        for f in busy:
+            f.result(30)
+        evil.close(), p.close(), d.close()
+
+
+def test_a_meta_naming_no_decode_at_this_bootstrap_is_dropped_without_a_lookup_on_the_callback_thread(
+        bootstrap, monkeypatch):
+    """Messages naming decode ranks the prefill has not met wait for their lookups off the
+    engine's callback thread, at most ``MAX_CHECKS`` of them; the rest are dropped at once."""
+    monkeypatch.setattr(xs, "MAX_CHECKS", 8)
+    p, d, receiver, sender = pair(bootstrap)
+    evil = Attacker(bootstrap, d)
+    try:
+        start = dropped(p.mgr)
+        n = 3 * xs.MAX_CHECKS
+        for i in range(n):
+            ghost = sc.Meta(room=ROOM + 1 + i, token="ee" * 16,
+                            decode=f"sglang.decode.{i:012x}.0", to=0, rank=0, tp=1, heads=2,
+                            item=PAGE_BYTES, prefix=0, aux_index=None, aux=False,
+                            pages=np.array([1]))
+            evil.send(evil.prefill, ghost.encode("ee" * 16))
+        # A real request still goes through meanwhile.
+        sender.send(np.array(SRC, dtype=np.int32))
+        until("the receiver", lambda: receiver.poll() == KVPoll.Success)
+        until("every ghost dropped", lambda: dropped(p.mgr) - start >= n)
+        assert p.mgr.checks == 0
+        assert set(p.mgr.metadata) <= {ROOM}, "a ghost's room holds state"
+    finally:
+        evil.close(), p.close(), d.close()
