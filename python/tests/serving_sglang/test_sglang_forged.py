@@ -171,3 +171,24 @@ def test_a_meta_naming_no_decode_at_this_bootstrap_is_dropped_without_a_lookup_o
         assert set(p.mgr.metadata) <= {ROOM}, "a ghost's room holds state"
     finally:
         evil.close(), p.close(), d.close()
+
+
+def test_rooms_no_sender_took_make_way_for_new_ones_past_the_bound(bootstrap, monkeypatch):
+    """A prefill rank holds indices for at most ``MAX_ROOMS`` rooms; past it the oldest room
+    no sender of its took is forgotten (its request never came to this rank), never a room a
+    sender is serving, so orphans cannot shut out new rooms."""
+    monkeypatch.setattr(xs, "MAX_ROOMS", 3)
+    p, d, receiver, sender = pair(bootstrap)  # ROOM: taken by a live sender
+    try:
+        orphans = []
+        for room in (201, 202, 203):
+            rx = xs.XferKVReceiver(d.mgr, bootstrap, room)
+            rx.init(0)
+            rx.send_metadata(np.array([1], dtype=np.int32))
+            orphans.append(rx)
+            until(f"room {room}'s indices", lambda room=room: room in p.mgr.metadata)
+        assert set(p.mgr.metadata) == {ROOM, 202, 203}
+        sender.send(np.array(SRC, dtype=np.int32))
+        until("the receiver", lambda: receiver.poll() == KVPoll.Success)
+    finally:
+        p.close(), d.close()

@@ -613,7 +613,12 @@ class XferKVManager(BaseKVManager):
                 return  # its decode rank gave up before these pages came
             known = self.metadata.get(msg.room)
             if known is None and len(self.metadata) >= MAX_ROOMS:
-                raise ControlError(f"{MAX_ROOMS} rooms already hold indices")
+                # Rooms no sender of this rank took (their requests never came here, or went
+                # before SGLang made one) go first, oldest first.
+                orphan = next((r for r in self.metadata if r not in self.senders), None)
+                if orphan is None:
+                    raise ControlError(f"{MAX_ROOMS} rooms already hold indices")
+                del self.metadata[orphan]
             first = (known or {}).get(msg.rank)
             if first is not None:
                 # The destinations of a room never change once taken (a replay is a no-op).
