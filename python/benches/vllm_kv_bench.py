@@ -17,12 +17,18 @@ and its shm provider), ``nixl-tcp`` (NIXL 1.5.1 on UCX with ``UCX_TLS=tcp,self``
 ``nixl`` (UCX's own choice: shared memory between two agents of one process). NIXL runs TP
 1×1 only: its worker takes its TP rank from vLLM's process group, and this process holds one. Shapes: ``llama3-8b`` (32
 layers, 8 KV heads of 128, fp16) and ``deepseek-v3`` (MLA: 61 layers, a 576-wide latent,
-bf16). Blocks are 32 tokens: vLLM's CPU attention backend takes no other size.
+bf16). Blocks (``--blocks``): ``32/CPU_ATTN`` (vLLM's CPU attention takes multiples of 32),
+``128/CPU_ATTN`` (blocks of 128, one kernel block each) and ``128/FLASHINFER`` (vLLM's model
+runner allocates FlashInfer's caches in kernel blocks of 64: each manager block is two rows of
+the views the connector gets). For MLA they are CPU_MLA (which takes blocks of 16: vLLM sets
+them) and FLASHMLA (kernel blocks of 64). NixlConnector runs only with the CPU backends: its
+worker takes the kernel block size from the platform's attention backend, not from the caches.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -62,7 +68,7 @@ UCX_TLS = {"nixl-tcp": "tcp,self", "nixl": None, "nixl-lf-tcp": None}
 
 
 def load_time(transport: str, shape: str, tokens: int, decode_tp: int, prefill_tp: int,
-              server: xfer.Server, tag: str) -> float:
+              server: xfer.Server, tag: str, block: int = 32, backend: str = "CPU_ATTN") -> float:
     """Seconds from the decode's start_load_kv to the request's KV reported loaded."""
     directory = Path(tempfile.mkdtemp())
     max_len = tokens + 64
@@ -70,7 +76,7 @@ def load_time(transport: str, shape: str, tokens: int, decode_tp: int, prefill_t
     model = vllm_caches.load_model_config(directory, max_model_len=max_len)
     # vLLM's planner wants room for a whole max_model_len request beside its own reserve;
     # for MLA its estimate comes out twice the latent's size.
-    harness.BLOCKS = (2 if model.use_mla else 1) * (-(-max_len // harness.BLOCK)) + 4
+    harness.BLOCKS = (2 if model.use_mla else 1) * (-(-max_len // block)) + 4
     harness.WAIT = 600.0
     connector = "xfer" if transport in XFER else "nixl"
     extra = ({"xfer_config": XFER[transport], "lookup_timeout_s": 20.0}
@@ -84,7 +90,8 @@ def load_time(transport: str, shape: str, tokens: int, decode_tp: int, prefill_t
         os.environ.pop("UCX_TLS", None)
         if UCX_TLS[transport]:
             os.environ["UCX_TLS"] = UCX_TLS[transport]
-    args = dict(connector=connector, extra=extra, max_model_len=max_len)
+    args = dict(connector=connector, extra=extra, max_model_len=max_len, block=block,
+                backend=backend)
     p = harness.Engine(f"bench-p{tag}", server, model, tp=prefill_tp, **args)
     d = harness.Engine(f"bench-d{tag}", server, model, tp=decode_tp, **args)
     try:
@@ -99,6 +106,10 @@ def load_time(transport: str, shape: str, tokens: int, decode_tp: int, prefill_t
         return took
     finally:
         p.close(), d.close()
+        # The instances' caches (GiBs) sit in reference cycles (vLLM's and the connectors'):
+        # collected now, not when the collector next counts enough small objects (three
+        # 8,192-token Llama rows grew the process past the machine's memory).
+        gc.collect()
 
 
 def main() -> None:
@@ -110,33 +121,41 @@ def main() -> None:
     parser.add_argument("--tp", nargs="+", default=["1x1", "2x1"],
                         help="decode x prefill tensor-parallel sizes")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--blocks", nargs="+", default=["32/CPU_ATTN"],
+                        help="block size / attention backend (its class sets the kernel block)")
     args = parser.parse_args()
     server = xfer.Server()
-    print("| shape | tokens | TP d×p | " + " | ".join(f"{t} (ms)" for t in args.transports)
+    print("| shape | tokens | TP d×p | block | " + " | ".join(f"{t} (ms)" for t in args.transports)
           + " | tcp: nixl ÷ xfer | sm: nixl ÷ xfer |")
-    print("|---|---:|---|" + "---:|" * (len(args.transports) + 2))
+    print("|---|---:|---|---|" + "---:|" * (len(args.transports) + 2))
     n = 0
-    for shape in args.shapes:
-        for tokens in args.tokens:
-            for tp in args.tp:
-                decode_tp, prefill_tp = (int(x) for x in tp.split("x"))
-                if shape == "deepseek-v3" and decode_tp != prefill_tp and prefill_tp > 1:
+    for shape, tokens, tp, blocks in ((s, t, p, b) for s in args.shapes for t in args.tokens
+                                       for p in args.tp for b in args.blocks):
+        block_text, backend = blocks.split("/")
+        block = int(block_text)
+        if shape == "deepseek-v3":
+            # MLA's backends: the CPU's (blocks of 16) and FlashMLA (64-token kernel blocks).
+            backend = {"CPU_ATTN": "CPU_MLA", "FLASHINFER": "FLASHMLA"}.get(backend, backend)
+        decode_tp, prefill_tp = (int(x) for x in tp.split("x"))
+        if shape == "deepseek-v3" and decode_tp != prefill_tp and prefill_tp > 1:
+            continue
+        times: dict[str, list[float]] = {t: [] for t in args.transports}
+        for _ in range(args.rounds):  # rounds alternate the transports
+            for transport in args.transports:
+                if transport in UCX_TLS and (tp != "1x1" or not backend.startswith("CPU_")):
+                    # One process holds one TP rank of vLLM's groups; NIXL's kernel block is
+                    # the platform's.
                     continue
-                times: dict[str, list[float]] = {t: [] for t in args.transports}
-                for _ in range(args.rounds):  # rounds alternate the transports
-                    for transport in args.transports:
-                        if transport in UCX_TLS and tp != "1x1":
-                            continue  # one process holds one TP rank of vLLM's groups
-                        n += 1
-                        times[transport].append(load_time(
-                            transport, shape, tokens, decode_tp, prefill_tp, server, f"{n}"))
-                med = {t: statistics.median(v) * 1e3 for t, v in times.items() if v}
-                cells = [f"{med[t]:.1f} ({min(times[t]) * 1e3:.1f}–{max(times[t]) * 1e3:.1f})"
-                         if times[t] else "–" for t in args.transports]
-                ratios = [f"{med[n] / med[x]:.2f}×" if n in med and x in med else "–"
-                          for n, x in (("nixl-tcp", "xfer-tcp"), ("nixl", "xfer-shm"))]
-                print(f"| {shape} | {tokens} | {tp} | " + " | ".join(cells + ratios) + " |",
-                      flush=True)
+                n += 1
+                times[transport].append(load_time(transport, shape, tokens, decode_tp,
+                                                  prefill_tp, server, f"{n}", block, backend))
+        med = {t: statistics.median(v) * 1e3 for t, v in times.items() if v}
+        cells = [f"{med[t]:.1f} ({min(times[t]) * 1e3:.1f}–{max(times[t]) * 1e3:.1f})"
+                 if times[t] else "–" for t in args.transports]
+        ratios = [f"{med[n] / med[x]:.2f}×" if n in med and x in med else "–"
+                  for n, x in (("nixl-tcp", "xfer-tcp"), ("nixl", "xfer-shm"))]
+        print(f"| {shape} | {tokens} | {tp} | {blocks} | " + " | ".join(cells + ratios) + " |",
+              flush=True)
     server.close()
 
 
