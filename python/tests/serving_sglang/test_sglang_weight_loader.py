@@ -3,12 +3,14 @@ framework reaches it: SGLang's ``update_weights_from_tensor`` with ``load_format
 loader that ``--custom-weight-loader`` declared. The rollout process publishes SGLang's
 server args (``custom_weight_loader=[...]``, ``load_format="dummy"``), initialises SGLang's
 distributed state (gloo, one rank) and builds a Qwen2 model with SGLang's own loader from a
-config-only small checkpoint (fused ``qkv_proj`` and ``gate_up_proj``). Each update goes
-through what SGLang's engine and scheduler do with the request: the payload serialized per
-rank (``MultiprocessingSerializer``, as ``Engine.update_weights_from_tensor`` does),
-deserialized, and handed to the model runner's ``WeightUpdater.update_weights_from_tensor``,
-which dispatches to the custom loader. A trainer process sends the checkpoint-named tensors;
-every parameter of SGLang's model is compared with what they imply.
+config-only small checkpoint (fused ``qkv_proj`` and ``gate_up_proj``). Each update is
+``xfer.sglang_weights.update`` in the driver over a stand-in for ``sglang.Engine``'s session
+calls: the payload serialized per rank (``MultiprocessingSerializer``, as
+``Engine.update_weights_from_tensor`` does) and each request handed to SGLang's
+``SchedulerWeightUpdaterManager`` in the rank's process, over the model runner's own
+``WeightUpdater``, which dispatches to the custom loader. A trainer process sends the
+checkpoint-named tensors; every parameter of SGLang's model is compared with what they imply, and
+what SGLang answered, recorded (weight versions) and flushed is checked for each version.
 
 Where SGLang stops on this machine: its CPU engine (``SGLANG_USE_CPU_ENGINE=1``) needs the
 CPU build of ``sgl_kernel`` (PyPI's is CUDA's: it fails to load without ``libcuda``), so the
@@ -66,8 +68,8 @@ def scheduler_weight_updater(updater):
     barrier, the cache flush, the weight-version record), over the model runner's own
     ``WeightUpdater``. Stand-ins: the TP worker (a ``TpModelWorker`` needs a ``ModelRunner``:
     KV pools, attention backends, a GPU) carries ``TpModelWorker``'s own two methods the
-    manager calls; the scheduler records weight versions; the cache flush and idleness checks
-    say yes (no requests run here)."""
+    manager calls; the scheduler records weight versions (ignoring ``None``, as SGLang's does)
+    and counts cache flushes; the flush and the idleness check say yes (no requests run here)."""
     import types
 
     from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
@@ -83,13 +85,20 @@ def scheduler_weight_updater(updater):
     class Scheduler:
         def __init__(self):
             self.versions = []
+            self.flushes = 0
 
         def record_weight_version_change(self, new_version):
-            self.versions.append(new_version)
+            if new_version is not None:  # as Scheduler.record_weight_version_change ignores None
+                self.versions.append(new_version)
 
+        def flush_cache(self, **kwargs):
+            self.flushes += 1
+            return True
+
+    scheduler = Scheduler()
     return SchedulerWeightUpdaterManager(
         tp_worker=TpWorker(), draft_worker=None, memory_saver_adapter=None,
-        flush_cache=lambda **kwargs: True, is_fully_idle=lambda **kwargs: True, scheduler=Scheduler())
+        flush_cache=scheduler.flush_cache, is_fully_idle=lambda **kwargs: True, scheduler=scheduler)
 
 
 def rollout(conn, model_dir, dist_port):
@@ -132,23 +141,22 @@ def rollout(conn, model_dir, dist_port):
         get_model=lambda: model, update_model_fields=unused, recapture_cuda_graph=unused, get_model_runner=unused,
     )
     manager = scheduler_weight_updater(updater)
+    REQUESTS = {"begin_weight_update": BeginWeightUpdateReqInput, "end_weight_update": EndWeightUpdateReqInput,
+                "update_weights_from_tensor": UpdateWeightsFromTensorReqInput}
     conn.send(("up", type(model).__module__ + "." + type(model).__qualname__))
     snapshot = {}
     while True:
         cmd, arg = conn.recv()
         try:
-            if cmd == "update":
-                # The scheduler's side of xfer.sglang_weights.update: the session's three
-                # requests, as Engine.begin_weight_update / update_weights_from_tensor /
-                # end_weight_update hand them to the scheduler (the payload one per TP rank).
-                began = manager.begin_weight_update(BeginWeightUpdateReqInput())
-                try:
-                    out = manager.update_weights_from_tensor(
-                        UpdateWeightsFromTensorReqInput(serialized_named_tensors=[arg], load_format=LOADER))
-                finally:
-                    ended = manager.end_weight_update(EndWeightUpdateReqInput())
-                ok = began.success and out.success and ended.success
-                conn.send(("ok", (ok, out.message, sglang_weights.last_outcome())))
+            if cmd == "request":
+                # One of the requests sglang.Engine's session calls hand the scheduler.
+                kind, fields = arg
+                out = getattr(manager, kind)(REQUESTS[kind](**fields))
+                conn.send(("ok", (out.success, out.message)))
+            elif cmd == "recorded":
+                scheduler = manager.scheduler
+                conn.send(("ok", (list(scheduler.versions), scheduler.flushes, manager._session is not None,
+                                  sglang_weights.last_outcome())))
             elif cmd == "update_without_session":
                 out = manager.update_weights_from_tensor(
                     UpdateWeightsFromTensorReqInput(serialized_named_tensors=[arg], load_format=LOADER))
@@ -206,6 +214,35 @@ def sglang_rank(tmp_path_factory):
         server.close()
 
 
+class Engine:
+    """``sglang.Engine``'s three session calls in the framework's process, each request handed to
+    the SGLang rank's scheduler manager: the named tensors serialized one payload per TP rank (as
+    ``Engine._serialize_tensors_per_rank``), ``(success, message)`` returned as the tokenizer
+    manager returns it. ``weight_version``: what SGLang's HTTP route ``/update_weights_from_tensor``
+    adds to the same request (the scheduler records it on success)."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def ask(self, kind, **fields):
+        status, result = self.rank.ask("request", (kind, fields))
+        assert status == "ok", result
+        return result
+
+    def begin_weight_update(self):
+        return self.ask("begin_weight_update")
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True, weight_version=None):
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        return self.ask("update_weights_from_tensor",
+                        serialized_named_tensors=[MultiprocessingSerializer.serialize(named_tensors)],
+                        load_format=load_format, flush_cache=flush_cache, weight_version=weight_version)
+
+    def end_weight_update(self):
+        return self.ask("end_weight_update")
+
+
 class Run:
     """The driver: a trainer process, and the SGLang rank in the same group."""
 
@@ -227,29 +264,41 @@ class Run:
         return result
 
     def version(self, v, seed, *, die=False, misshapen=False, session=True):
-        """One version: SGLang's update_weights_from_tensor and the trainer's send, concurrently.
-        The request is serialized here, as ``Engine.update_weights_from_tensor`` serializes it in
-        the framework's process (``_serialize_tensors_per_rank``)."""
+        """One version: ``xfer.sglang_weights.update`` over the Engine stand-in and the trainer's
+        send, concurrently; SGLang's answer, the loader's outcome and what the scheduler recorded
+        (new weight versions, cache flushes). ``session=False``: the bare
+        ``update_weights_from_tensor`` request, serialized here as ``Engine`` serializes it."""
         from sglang.srt.utils import MultiprocessingSerializer
 
         from xfer import sglang_weights
 
-        payload = MultiprocessingSerializer.serialize(sglang_weights.request(v, **self.membership))
-        self.rank.conn.send(("update" if session else "update_without_session", payload))
         if not session:
+            payload = MultiprocessingSerializer.serialize(sglang_weights.request(v, **self.membership))
+            self.rank.conn.send(("update_without_session", payload))
             status, result = self.rank.answer()
             assert status == "ok", result
             return None, result
+        # xfer.sglang_weights.update in the framework's process, the trainer sending meanwhile.
         self.trainer.conn.send(("send", (v, seed, die, misshapen)))
+        versions, flushes, _, _ = self.recorded()
+        ok, message = sglang_weights.update(Engine(self.rank), v, weight_version=f"v{v}", **self.membership)
         if die:
             self.trainer.proc.join(WAIT)
             assert self.trainer.proc.exitcode == 17, "the trainer meant to die did not"
             sent = None
         else:
             sent = self.trainer.answer()
-        status, result = self.rank.answer()
+        now_versions, now_flushes, session_open, outcome = self.recorded()
+        assert not session_open, "the weight-update session was left open"
+        recorded = (now_versions[len(versions):], now_flushes - flushes)
+        return sent, (ok, message, outcome, recorded)
+
+    def recorded(self):
+        """What SGLang's scheduler recorded: weight versions, cache flushes, an open session,
+        and the loader's last outcome on the rank."""
+        status, result = self.rank.ask("recorded")
         assert status == "ok", result
-        return sent, result
+        return result
 
     def close(self):
         self.rank.ask("close")
@@ -257,9 +306,10 @@ class Run:
 
 
 def assert_loaded(run, got, v, seed):
-    sent, (ok, message, outcome) = got
+    sent, (ok, message, outcome, recorded) = got
     assert sent == ("ok", None), sent
     assert ok, message
+    assert recorded == ([f"v{v}"], 1), recorded  # SGLang recorded the version and flushed its cache once
     assert outcome == {"version": v, "loaded": True, "tensors": len(run.shapes)}, outcome
     checked, wrong = run.check(seed)
     assert wrong == [], (seed, wrong)
@@ -304,10 +354,12 @@ def test_a_trainer_killed_mid_version_leaves_the_model_untouched_and_the_next_ve
         assert_loaded(run, run.version(1, 41), 1, 41)
         assert run.rank.ask("snapshot")[0] == "ok"
         # The trainer dies staging its last tensor: earlier rounds' writes have landed in the
-        # rank's staging. The loader does not raise (that would end SGLang's scheduler): SGLang
-        # reports success, the loader's outcome says the version was not loaded.
-        _, (ok, message, outcome) = run.version(2, 42, die=True)
-        assert ok, message
+        # rank's staging. SGLang answers the update a failure with xfer's reason, records no
+        # version and keeps its cache (the loader does not raise: that would end SGLang's
+        # scheduler process).
+        _, (ok, message, outcome, recorded) = run.version(2, 42, die=True)
+        assert not ok and "weight version 2" in message and "previous weights" in message, message
+        assert recorded == ([], 0), recorded
         assert outcome["version"] == 2 and not outcome["loaded"], outcome
         assert "weight version 2 failed" in outcome["reason"], outcome
         status, staged = run.rank.ask("staged", (run.shapes, 42))
@@ -331,11 +383,12 @@ def test_a_version_the_models_load_weights_refuses_is_recorded_and_the_rank_keep
         name, shape = run.shapes[-1]
         assert len(shape) == 2 and shape[0] != shape[1], (name, shape)
         # The version arrives whole; the model's own load_weights refuses its last tensor after
-        # loading the others. The loader does not raise (that would end SGLang's scheduler):
-        # the outcome says the version was not loaded and that the model changed.
-        sent, (ok, message, outcome) = run.version(2, 52, misshapen=True)
+        # loading the others. SGLang answers a failure that says the model is a mix, records no
+        # version and keeps its cache; the outcome says the same.
+        sent, (ok, message, outcome, recorded) = run.version(2, 52, misshapen=True)
         assert sent == ("ok", None), sent
-        assert ok, message
+        assert not ok and "load_weights" in message and "mix" in message, message
+        assert recorded == ([], 0), recorded
         assert outcome["version"] == 2 and not outcome["loaded"] and outcome["model_changed"], outcome
         assert "load_weights" in outcome["reason"], outcome
         status, changed = run.rank.ask("changed_since_snapshot")
