@@ -277,7 +277,7 @@ def _load(model: Any, req: dict[str, Any]) -> None:
         # Nothing was loaded: the model keeps the previous version.
         reason = f"xfer weight version {version} not loaded (the model keeps its previous weights): {e}"
         _outcome = {"version": version, "loaded": False, "model_changed": False, "reason": reason}
-        _log.error("xfer: %s", reason)
+        _log.error("%s", reason)
         return
     try:
         model.load_weights(iter(tensors))
@@ -286,7 +286,7 @@ def _load(model: Any, req: dict[str, Any]) -> None:
         reason = (f"xfer weight version {version} only partly loaded: the model's load_weights failed part-way "
                   f"({type(e).__name__}: {e}); the model holds a mix of versions until one loads whole")
         _outcome = {"version": version, "loaded": False, "model_changed": True, "reason": reason}
-        _log.error("xfer: %s", reason)
+        _log.error("%s", reason)
         return
     _outcome = {"version": version, "loaded": True, "tensors": len(tensors)}
 
