@@ -100,6 +100,9 @@ pub struct EfaDomain {
     sealing: Vec<u8>,
     /// How many addresses `learn` inserted.
     learned: usize,
+    /// The addresses `learn` inserted: a provider may not name their messages by source, so
+    /// a claim of one from an unnamed source is not suspect (one inserted to send to is).
+    learned_addresses: std::collections::HashSet<NetAddr>,
     /// Received messages dropped, by why (see `Refusal`).
     refused: [u64; 5],
     /// RDMA calls (`fi_writemsg`, `fi_readmsg`) the provider took.
@@ -298,6 +301,7 @@ impl EfaDomain {
             senders,
             sealing: Vec::new(),
             learned: 0,
+            learned_addresses: std::collections::HashSet::new(),
             refused: [0; 5],
             rma_calls: 0,
             address,
@@ -352,6 +356,7 @@ impl EfaDomain {
             return;
         }
         self.learned += 1;
+        self.learned_addresses.insert(addr.clone());
         if let Err(e) = self.peer(addr) {
             tracing::debug!(address = %self.address, claim = %addr, error = %e.message, "a message's claimed sender cannot be inserted");
         }
@@ -585,7 +590,12 @@ impl EfaDomain {
                     return;
                 };
                 let source = self.source(c.src);
-                match self.senders.open(&data, &source, wall_clock_ns()) {
+                let (peers, learned, own) = (&self.peers, &self.learned_addresses, &self.address);
+                let known = |a: &NetAddr| a != own && peers.contains_key(a) && !learned.contains(a);
+                match self
+                    .senders
+                    .open_checked(&data, &source, wall_clock_ns(), &known)
+                {
                     Verdict::Deliver { len, from, learn } => {
                         data.truncate(len);
                         if let Some(claim) = learn {

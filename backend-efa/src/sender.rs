@@ -227,8 +227,24 @@ impl Senders {
     }
 
     /// Judges a received message (`message`: its bytes as they arrived) whose CQ entry
-    /// reported `source`; `now_ns`: the wall clock.
+    /// reported `source`; `now_ns`: the wall clock. No address counts as known (see
+    /// [`open_checked`](Self::open_checked)).
+    #[cfg(test)]
     pub(crate) fn open(&mut self, message: &[u8], source: &Source, now_ns: u64) -> Verdict {
+        self.open_checked(message, source, now_ns, &|_| false)
+    }
+
+    /// [`open`](Self::open), where `known` says whether the provider names an address's
+    /// messages by their source (one this Domain inserted to send to, not one it learned):
+    /// with a secret, a claim of such an address from a source the provider could not name is
+    /// not from it, and is dropped before its freshness is taken.
+    pub(crate) fn open_checked(
+        &mut self,
+        message: &[u8],
+        source: &Source,
+        now_ns: u64,
+        known: &dyn Fn(&NetAddr) -> bool,
+    ) -> Verdict {
         let Some(parsed) = Trailer::parse(message) else {
             return Verdict::Drop(Refusal::Malformed);
         };
@@ -264,7 +280,11 @@ impl Senders {
         if mac.verify_truncated_left(tag).is_err() {
             return Verdict::Drop(Refusal::BadTag);
         }
-        if matches!(source, Source::Known(s) if *s != claim) {
+        let spoofed = match source {
+            Source::Known(s) => *s != claim,
+            Source::Unknown => known(&claim),
+        };
+        if spoofed {
             return Verdict::Drop(Refusal::SpoofedSource);
         }
         if epoch > now_ns.saturating_add(MAX_EPOCH_AHEAD_NS) {

@@ -247,3 +247,30 @@ fn a_trailer_fits_the_room_receive_buffers_keep_for_it() {
     s.seal(&long, b"abc", &mut out);
     assert_eq!(out.len() - 3, MAX_TRAILER);
 }
+
+/// Review M7: a secret holder's sealed message from a source the provider cannot name, claiming
+/// an address this receiver knows (whose messages the provider would name), is not from that
+/// endpoint: dropped before its freshness is taken, so a far-ahead epoch in that member's name
+/// cannot make the member's own messages stale.
+#[test]
+fn with_a_secret_a_known_address_claimed_from_an_unknown_source_is_refused() {
+    let mut b = Senders::with_secret(addr("b"), SECRET, NOW);
+    let known = |a: &NetAddr| *a == addr("a");
+    let (_, ahead) = sealed("a", "b", b"x", NOW + 3_000_000_000_000);
+    assert_eq!(
+        b.open_checked(&ahead, &Source::Unknown, NOW, &known),
+        Verdict::Drop(Refusal::SpoofedSource)
+    );
+    // The member's own messages, from its known source, still get through.
+    let (_, own) = sealed("a", "b", b"y", NOW);
+    assert_eq!(
+        b.open_checked(&own, &Source::Known(addr("a")), NOW, &known),
+        delivered(Some("a"), None, 1)
+    );
+    // An address it does not know yet is the secret holder's word, as before.
+    let (_, stranger) = sealed("c", "b", b"z", NOW);
+    assert_eq!(
+        b.open_checked(&stranger, &Source::Unknown, NOW, &known),
+        delivered(Some("c"), Some("c"), 1)
+    );
+}
