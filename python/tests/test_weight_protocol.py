@@ -86,6 +86,24 @@ def test_the_inbox_keeps_the_current_and_next_version_once_per_sender():
     assert box.dropped == 4
 
 
+def test_the_inbox_window_is_anchored_at_the_ranks_own_version_not_at_what_arrives():
+    # Two far versions sent first (by anyone holding the nonce) must not close the window
+    # to the real ones: once the rank begins or finishes a version, only it and the next
+    # are kept, and what lies outside is dropped.
+    done = lambda v, s: P.Message(P.DONE, v, s, b"\x01" + b"d" * 16)  # noqa: E731
+    box = P.Inbox()
+    assert box.handle(done(1 << 40, 1)) and box.handle(done((1 << 40) + 1, 1))
+    box.begin(3)
+    assert box.get(P.DONE, 1 << 40) == [] and box.handle(done(3, 1)) and box.handle(done(4, 1))
+    assert not box.handle(done(1 << 40, 2)) and not box.handle(done(5, 1)) and not box.handle(done(2, 1))
+    box.finish(3)
+    assert box.get(P.DONE, 4) and box.handle(done(5, 1)) and not box.handle(done(6, 1))
+    # A rank that finished a version without having begun one here (a fresh inbox) too.
+    box = P.Inbox()
+    box.finish(0)
+    assert not box.handle(done(1 << 40, 1)) and box.handle(done(1, 1)) and box.handle(done(2, 1))
+
+
 def test_the_coordinator_commits_only_on_every_members_success_with_its_layout():
     ok = b"\x01" + b"d" * 16
     everyone = {m: ok for m in range(4)}

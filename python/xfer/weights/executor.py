@@ -135,6 +135,12 @@ class _Control:
         # Members' addresses as their records name them: a message whose proven sender is
         # another address is refused (where the engine proves senders).
         self.addresses: dict[int, bytes] = {}
+        # Messages (with a proven sender) claiming a member whose record this rank has not
+        # looked up yet: held aside, neither acted on nor taking the inbox's place of the
+        # real one, until ``learn`` checks them. One per (claimed member, proven sender,
+        # kind, version, chunk or sender), at most ``_HELD`` (more are dropped and counted).
+        self.held: dict[tuple[int, bytes, int, int, int], tuple[P.Message, bytes]] = {}
+        self.held_dropped = 0
         self._cond = threading.Condition()
         self.hub = _Hub.of(engine)
         self.hub.attach(rules.tag, self)
@@ -145,15 +151,49 @@ class _Control:
         except P.ProtocolError:
             self.refused += 1
             return
-        known = self.addresses.get(m.sender)
-        if sender and known is not None and known != sender:
-            self.refused += 1
-            return
         if m.kind == P.QUERY:
-            if self.on_query is not None:
+            # Answered to the address in the asker's record, whoever sent it.
+            known = self.addresses.get(m.sender)
+            if sender and known is not None and known != sender:
+                self.refused += 1
+            elif self.on_query is not None:
                 self.on_query(m)
             return
-        self.deliver(m)
+        with self._cond:
+            known = self.addresses.get(m.sender)
+            if sender and known is None:
+                key = (m.sender, sender, m.kind, m.version, P.parse_manifest(m.payload)[0] if m.kind == P.MANIFEST else m.sender)
+                if key in self.held or not self.inbox.admits(m.version):
+                    self.inbox.dropped += 1
+                elif len(self.held) >= _HELD:
+                    self.held_dropped += 1
+                else:
+                    self.held[key] = (m, sender)
+                return
+            if sender and known != sender:
+                self.refused += 1
+                return
+            if self.inbox.handle(m):
+                self._cond.notify_all()
+
+    def learn(self, member: int, address: bytes) -> None:
+        """``member``'s record names ``address``: what was held aside in its name is kept if
+        that address sent it, refused otherwise."""
+        with self._cond:
+            self.addresses[member] = address
+            delivered = False
+            for key in [k for k in self.held if k[0] == member]:
+                m, sender = self.held.pop(key)
+                if sender != address:
+                    self.refused += 1
+                elif self.inbox.handle(m):
+                    delivered = True
+            if delivered:
+                self._cond.notify_all()
+
+    def begin(self, version: int) -> None:
+        with self._cond:
+            self.inbox.begin(version)
 
     def deliver(self, m: P.Message) -> None:
         with self._cond:
@@ -212,6 +252,8 @@ class _Control:
     def close(self) -> None:
         self.hub.detach(self.rules.tag, self)
 
+
+_HELD = 1024
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
 
@@ -302,6 +344,18 @@ class _Member:
         except BaseException:
             self.control.close()
             raise
+        # Group formation: every other member's record looked up now, off the engine's
+        # callback thread and before any version, so that a message in a member's name is
+        # checked against its record from the first one on (until then it is held aside).
+        self._closed = threading.Event()
+        threading.Thread(target=self._form, name="xfer-weights-records", daemon=True).start()
+
+    def _form(self) -> None:
+        unknown = [m for m in range(self.senders + self.receivers) if m != self.me]
+        while unknown and not self._closed.is_set():
+            member = unknown.pop(0)
+            if member not in self._known and self._lookup(member, 1.0) is None:
+                unknown.append(member)
 
     def _publish(self) -> Any:
         role = "s" if self.me < self.senders else "r"
@@ -316,9 +370,17 @@ class _Member:
         appeared by the deadline (or has no nonce: not a member of this protocol)."""
         if member in self._records and not fresh:
             return self._records[member]
+        entry = self._lookup(member, max(0.0, deadline - time.monotonic()))
+        if entry is not None:
+            self._records[member] = entry
+        return entry
+
+    def _lookup(self, member: int, timeout: float) -> tuple[bytes, bytes, dict[str, Any], int] | None:
+        """A member's record from the rendezvous (None: absent by ``timeout``, or no nonce);
+        remembered as the last one seen and its address checked against from then on."""
         name = f"{self.group}.s{member}" if member < self.senders else f"{self.group}.r{member - self.senders}"
         try:
-            rec = self.rendezvous.lookup(name, max(0.0, deadline - time.monotonic()))
+            rec = self.rendezvous.lookup(name, timeout)
         except Exception:  # noqa: BLE001 - a rank that never appeared fails the version
             return None
         regions = dict(rec["regions"])
@@ -330,9 +392,8 @@ class _Member:
         except ValueError:
             return None
         entry = (bytes(rec["addr"]), nonce, regions, int(rec["incarnation"]))
-        self._records[member] = entry
         self._known[member] = entry
-        self.control.addresses[member] = entry[0]
+        self.control.learn(member, entry[0])
         return entry
 
     def tell(self, member: int, kind: int, version: int, payload: bytes, deadline: float) -> str:
@@ -371,6 +432,7 @@ class _Member:
         return got[0].payload
 
     def close(self) -> None:
+        self._closed.set()
         self.control.close()
         self.publication.unpublish()
         self._nonce_region.dereg()

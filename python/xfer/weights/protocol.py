@@ -1,6 +1,7 @@
 """The control protocol of a weight-sync group, pure (no engine, no thread, no clock): the
 messages, the one decoder every received message goes through (bounds, then who may send
-what), the inbox (bounded to the version a rank is on and the next one) and the
+what), the inbox (bounded to the version a rank is on and the next one, anchored at the
+rank's own progress) and the
 coordinator's decision.
 
 A version is all-or-nothing, in two phases. The coordinator (trainer rank 0) sends the
@@ -149,25 +150,36 @@ class Rules:
 
 class Inbox:
     """Messages kept per (kind, version): at most one per sender and kind (a MANIFEST: one per
-    chunk index), only for versions above ``floor`` (the last one this rank finished), and for
-    at most ``open`` distinct versions — the current one and the next."""
+    chunk index), only for the version this rank is on and the next one. The window is
+    anchored at this rank's own progress, never at what arrives: the version it began
+    (``begin``), else the one after the last it finished (``finish``). Before a rank began
+    or finished any version it cannot know where its group's numbering starts (a member made
+    at a membership change joins at the group's version); it keeps messages of at most two
+    versions then, and ``begin`` drops what lies outside the window it anchors."""
 
     def __init__(self, open: int = 2) -> None:
         self.floor = -1
         self.open = open
+        # The version this rank is on (None: none begun or finished yet).
+        self.current: int | None = None
         self.dropped = 0
         self._by: dict[tuple[int, int], dict[int, Message]] = {}
 
     def _versions(self) -> set[int]:
         return {v for _, v in self._by}
 
+    def admits(self, version: int) -> bool:
+        """Whether a message for ``version`` may be kept now (before any repeat check)."""
+        if version <= self.floor:
+            return False
+        if self.current is not None:
+            return self.current <= version < self.current + self.open
+        versions = self._versions()
+        return version in versions or len(versions) < self.open
+
     def handle(self, m: Message) -> bool:
         """Keeps ``m``; False when it is dropped (stale, a version past the window, a repeat)."""
-        if m.version <= self.floor:
-            self.dropped += 1
-            return False
-        versions = self._versions()
-        if m.version not in versions and len(versions) >= self.open:
+        if not self.admits(m.version):
             self.dropped += 1
             return False
         slot = self._by.setdefault((m.kind, m.version), {})
@@ -181,10 +193,20 @@ class Inbox:
     def get(self, kind: int, version: int) -> list[Message]:
         return list(self._by.get((kind, version), {}).values())
 
+    def begin(self, version: int) -> None:
+        """This rank starts ``version``: the window is it and the next; the rest is dropped."""
+        self.current = version
+        self._trim()
+
     def finish(self, version: int) -> None:
-        """This rank is done with ``version``: it and everything older are dropped, now and later."""
+        """This rank is done with ``version``: it and everything older are dropped, now and
+        later; the window moves to the next one."""
         self.floor = max(self.floor, version)
-        for key in [k for k in self._by if k[1] <= self.floor]:
+        self.current = self.floor + 1
+        self._trim()
+
+    def _trim(self) -> None:
+        for key in [k for k in self._by if not self.admits(k[1])]:
             del self._by[key]
 
 

@@ -165,6 +165,7 @@ class WeightReceiver(_Member):
         ``VersionFailed`` otherwise (``VersionInDoubt`` when the decision never came)."""
         deadline = time.monotonic() + self.timeout
         self._records = {}
+        self.control.begin(version)
         failure, digest = "", b"\x00" * 16
 
         def complete(g: list[P.Message]) -> bool:

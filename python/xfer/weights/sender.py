@@ -217,6 +217,7 @@ class WeightSender(_Member):
     def _send(self, version: int, layout: Layout, shards: Mapping[int, Any], transform: Any) -> None:
         deadline = time.monotonic() + self.timeout
         self._records = {}
+        self.control.begin(version)
         failure = ""
         try:
             self._prepare(layout)
