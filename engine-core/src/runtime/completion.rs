@@ -205,13 +205,11 @@ const PENDING: u8 = 0;
 const OK: u8 = 1;
 const FAILED: u8 = 2;
 
-/// The threads blocked in a flag's or counter's wait. A waiter spins briefly (a few hundred
-/// nanoseconds), then blocks on a condition variable that the setter signals: it wakes when
-/// the outcome is there, not at the next slice of a sleep loop (the 50 µs sleeps used before
-/// added their slice and the timer slack to every wait that outlasted the spin). It does not
-/// loop on `sched_yield` first: a look without sleeping is `TransferEngine::wait`'s, bounded
-/// by `worker.wait_poll_us`; past it, more yields only take the CPU from the worker the
-/// waiter waits for (under CFS a yielding thread that slept before keeps the CPU).
+/// The threads blocked in a flag's or counter's wait. A waiter spins briefly, yields a while,
+/// then blocks on a condition variable that the setter signals: it wakes when the outcome is
+/// there, not at the next slice of a sleep loop (the 50 µs sleeps used before added their
+/// slice and the timer slack to every wait that outlasted the spin — most of a round trip's
+/// latency on a small machine).
 #[derive(Debug, Default)]
 struct Sleepers {
     /// Waiters that may be blocked; the setter takes the lock only when there are any.
@@ -224,14 +222,18 @@ impl Sleepers {
     /// Waits until `done()` or the deadline; returns `done()`'s last answer.
     fn wait_until(&self, timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
         let start = Instant::now();
-        for _ in 0..64 {
+        for round in 0..256 {
             if done() {
                 return true;
             }
-            std::hint::spin_loop();
-        }
-        if start.elapsed() >= timeout {
-            return done();
+            if start.elapsed() >= timeout {
+                return done();
+            }
+            if round < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         }
         self.count.fetch_add(1, Ordering::SeqCst);
         // Pairs with the fence in `notify`: either the setter sees this waiter counted, or
