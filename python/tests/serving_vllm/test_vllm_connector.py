@@ -1361,3 +1361,68 @@ def test_the_drafters_factor_names_method_model_and_cache_dtype():
     ours = compat.from_tags(compat.tags(factors).items())
     theirs = compat.from_tags(compat.tags(_compat_factors(config(other), _Groups(None))).items())
     assert "speculative drafter" in compat.difference(ours, theirs)
+
+
+def squatted_prefill():
+    """Issue 56: prefill ``sq-p`` serves side channel A; another instance, serving side channel
+    B, calls itself ``sq-p`` too (its record is ``vllm.sq-p.0`` on B, with its own engine's
+    address, and its KV other bytes); the decode may dial both (``peer_side_channels``), and has
+    read one request that named ``sq-p`` via B: the squatter's own, served as it named."""
+    a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    p = Instance("sq-p", None, extra={"rendezvous": None, "side_channel": a})
+    squatter = Instance("sq-p", None, extra={"rendezvous": None, "side_channel": b})
+    for rank in squatter.ranks:
+        for cache in rank.values():
+            cache.view(torch.uint8).fill_(0x2A)
+    d = Instance("sq-d", None, extra={"rendezvous": None, "side_channel": f"127.0.0.1:{free_port()}",
+                                      "peer_side_channels": [a, b]})
+    bait = prefill(squatter, "bait", 20, [3, 5])
+    assert bait["remote_rendezvous"] == f"xfer://{b}"
+    load(d, "bait-d", 20, bait, [1, 2])
+    assert not d.failed
+    return p, squatter, d
+
+
+def test_a_prefills_record_squatted_on_another_side_channel_never_stands_in_for_it():
+    """Issue 56: the decode cached a prefill's record by (engine, rank), whatever rendezvous
+    the request named: after one request named ``sq-p`` via B, every later load from the real
+    ``sq-p`` (via A) went to B's engine — its claims (with the victims' tokens and block ids)
+    granted there, its done answered "held", and the decode read B's bytes."""
+    p, squatter, d = squatted_prefill()
+    params = prefill(p, "r", 20, [3, 5])
+    # B's engine grants whatever claim reaches it with the token the claim carries (a stand-in
+    # for a hostile engine: here its own offer of the victim's request, that token, those ids).
+    worker = squatter.worker._worker
+    with worker._lock:
+        worker._offers.offer("r", params["xfer_token"], [[3, 5]], time.monotonic())
+    load(d, "r-d", 20, params, [6, 7])
+    assert not d.failed
+    assert_copied(p, d, [3, 5], [6, 7], loaded={1, 2})
+    p.close(), squatter.close(), d.close()
+
+
+def test_a_grant_from_the_engine_another_side_channels_record_names_is_not_the_prefills():
+    """Issue 56: a prefill rank's answer counted as proven if its sender matched the record
+    cached for that engine and rank from any rendezvous: B's engine (with the token, which the
+    decode's API client has) granted a claim of blocks the real prefill never offered for the
+    request, before the prefill refused it, and the decode read them."""
+    p, squatter, d = squatted_prefill()
+    params = prefill(p, "r", 20, [3, 5])
+    p.worker._worker._from_reader = lambda *args, **kwargs: None  # slow to answer: never
+    before = {name: cache[[6, 7]].clone() for name, cache in d.caches.items()}
+    decode(d, "r-d", 20, {**params, "remote_block_ids": [[3, 9]]}, [6, 7])
+    d.step()
+    worker = d.worker._worker
+    d.wait("the claim", lambda: bool(worker._claims))
+    [(engine, req, reader)] = worker._claims
+    from xfer.kv.control import encode as encode_message
+
+    grant = encode_message(b"xfer-vllm-okay:", {
+        "req": req, "token": params["xfer_token"], "engine": engine, "reader": reader,
+        "rank": 0, "ok": True, "why": None})
+    squatter.worker._worker._engine.submit_send(bytes(worker._engine.main_address), grant).wait(5)
+    d.wait("the load to end", lambda: "r-d" in d.recved)
+    assert "r-d" in d.failed
+    for name, cache in d.caches.items():
+        assert torch.equal(cache[[6, 7]], before[name]), "nothing read"
+    p.close(), squatter.close(), d.close()

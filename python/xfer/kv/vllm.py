@@ -109,7 +109,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from . import compat
-from .control import ControlError, Header, block_ids_of, block_ids_payload, is_token, new_token
+from .control import (ControlError, Header, block_ids_of, block_ids_payload, is_token, new_token,
+                      same_token)
 from .control import decode as decode_message
 from .control import encode as encode_message
 from .lease import Answer, Message, Offers, Reader
@@ -864,11 +865,14 @@ class _Worker:
                               early_s=max(1.0, options.lookup_timeout_s))
         """Prefill: the requests kept for their readers, and what they are answered."""
         self._publication: xfer.Publication | None = None
-        self._peers: dict[tuple[str, int], Peer] = {}
+        self._peers: dict[tuple[str, str, int], Peer] = {}
+        """Peers' records by (the rendezvous they were found in, engine, rank): a record is
+        only ever the answer for the rendezvous it came from (another dialable one may hold a
+        record under the same name, published by anyone who can publish there)."""
         self._push_meta: XferConnectorMetadata | None = None
         """The step whose push requests were taken (``push_step``)."""
-        self._failed_lookups: dict[tuple[str, int, str | None], tuple[float, Any, float, float]] = {}
-        """Peers not found: (engine, rank, where) → (not before, why, when, backoff), the
+        self._failed_lookups: dict[tuple[str, str, int], tuple[float, Any, float, float]] = {}
+        """Peers not found: (where, engine, rank) → (not before, why, when, backoff), the
         backoff doubling from ``lookup_timeout_s`` up to 60 s, at most 1,024 remembered."""
         self._lock = threading.Lock()
         self._recved: set[str] = set()
@@ -889,7 +893,8 @@ class _Worker:
             model=model, rendezvous_url=self._own_url, push_timeout_s=options.push_timeout_s,
             forget_after_s=options.free_timeout_s,
             # A callable: sleep mode replaces the dict.
-            layers=lambda: self._layers, peer=self._peer, shared_layers=self._shared_layers,
+            layers=lambda: self._layers, peer=self._peer, proven=self._proven,
+            shared_layers=self._shared_layers,
             is_draft_layer=self.is_draft_layer, in_background=self._in_background,
             tell_done_soon=self._tell_done_soon, finish_load=self._finish_load, logger=logger,
             dialable=options.dialable(), incompatible=self.incompatible))
@@ -1102,15 +1107,18 @@ class _Worker:
                 "reader": load.local_request_id, "rank": self._rank, "tp": self._tp_size,
                 "addr": bytes(self._engine.main_address).hex()}
 
-    def _granted(self, header: Header) -> None:
+    def _granted(self, header: Header, sender: bytes = b"") -> None:
         """A prefill rank's answer to this rank's claim: once every rank read from granted
-        it, the reads go."""
+        it, the reads go. Only from the engine of the record its load was planned with."""
         key = (header.text("engine", MAX_ID), header.text("req", MAX_ID),
                header.text("reader", MAX_ID))
         rank = header.integer("rank", 0, MAX_TP - 1)
+        token = header.token()
         with self._lock:
             claim = self._claims.get(key)
-            if claim is None or rank not in claim.ranks or header.token() != claim.load.token:
+            if (claim is None or rank not in claim.ranks
+                    or not same_token(claim.load.token, token)
+                    or not self._proven_locked(key[0], rank, claim.load.remote_rendezvous, sender)):
                 return  # not a claim of this rank's (forged, or it timed out)
             ok = header.flag("ok")
             claim.ranks.discard(rank)
@@ -1140,7 +1148,7 @@ class _Worker:
             if not last:
                 return
             if pending["error"] is not None:
-                self._forget(load.remote_engine_id)
+                self._forget(load.remote_engine_id, load.remote_rendezvous)
                 self._tell_done_soon(load)
                 self._finish_load(req_id, load, pending["error"])
             else:
@@ -1238,14 +1246,19 @@ class _Worker:
                 time.monotonic() + max(1.0, self._options.lookup_timeout_s))
         self._tell_done_soon(load)
 
-    def _held(self, header: Header) -> None:
-        """A prefill rank's answer to this rank's done."""
+    def _held(self, header: Header, sender: bytes = b"") -> None:
+        """A prefill rank's answer to this rank's done (from the engine of the record its load
+        was read with)."""
         key = (header.text("engine", MAX_ID), header.text("req", MAX_ID),
                header.text("reader", MAX_ID))
         rank = header.integer("rank", 0, MAX_TP - 1)
+        token = header.token()
         with self._lock:
             waiting = self._confirming.get(key)
-            if waiting is None or rank not in waiting.ranks or header.token() != waiting.load.token:
+            if (waiting is None or rank not in waiting.ranks
+                    or not same_token(waiting.load.token, token)
+                    or not self._proven_locked(key[0], rank, waiting.load.remote_rendezvous,
+                                               sender)):
                 return  # not a confirmation this rank waits for (forged, or timed out)
             waiting.ranks.discard(rank)
             if not header.flag("ok") and waiting.error is None:
@@ -1296,15 +1309,22 @@ class _Worker:
                     "its lease frees it", load.remote_engine_id, rank, load.remote_request_id, e,
                 )
 
-    def _forget(self, engine_id: str) -> None:
-        """A peer whose reads failed is looked up afresh next time (it may have restarted)."""
+    def _forget(self, engine_id: str, url: str | None = None) -> None:
+        """A peer whose reads failed is looked up afresh next time (it may have restarted):
+        its records from the rendezvous ``url`` names (another's are not this load's)."""
+        where = self._where(url)
         with self._lock:
-            for key in [k for k in self._peers if k[0] == engine_id]:
+            for key in [k for k in self._peers if k[:2] == (where, engine_id)]:
                 del self._peers[key]
+
+    def _where(self, url: str | None) -> str:
+        """The rendezvous a peer's records are looked up in: ``url`` (its side channel, as a
+        request or message names it), else the shared one (or this instance's own)."""
+        return url or self._options.rendezvous or self._own_url
 
     def _service(self, url: str | None) -> xfer.Rendezvous:
         """The rendezvous holding a peer's records: its side channel, else the shared one."""
-        url = url or self._options.rendezvous or self._own_url
+        url = self._where(url)
         with self._lock:
             known = self._services.get(url)
         if known is None:
@@ -1315,11 +1335,14 @@ class _Worker:
         return known
 
     def _peer(self, engine_id: str, rank: int, url: str | None = None) -> Peer:
+        """``engine_id`` rank ``rank``'s record in the rendezvous ``url`` names (cached per
+        rendezvous: one named by another request is never this one's answer)."""
+        where = self._where(url)
         with self._lock:
-            known = self._peers.get((engine_id, rank))
+            known = self._peers.get((where, engine_id, rank))
         if known is not None:
             return known
-        key = (engine_id, rank, url)
+        key = (where, engine_id, rank)
         now = time.monotonic()
         with self._lock:
             failed = self._failed_lookups.get(key)
@@ -1356,19 +1379,25 @@ class _Worker:
         peer = Peer(address=bytes(record["addr"]), layers=layers, drafts=drafts,
                     factors=compat.from_tags(factors))
         with self._lock:
-            self._peers[(engine_id, rank)] = peer
+            self._peers[(where, engine_id, rank)] = peer
         return peer
 
     # ---- prefill: freeing ----
 
-    def _proven(self, engine_id: str, rank: int, sender: bytes) -> bool:
+    def _proven(self, engine_id: str, rank: int, url: str | None, sender: bytes) -> bool:
         """Whether a message that says it is from ``engine_id`` rank ``rank`` came from that
-        worker's engine, as far as the transport proves it (where it names no sender, only the
-        token vouches for the message)."""
+        worker's engine as its record in the rendezvous ``url`` names it (the one the
+        message's request named: a record of that name in another rendezvous proves nothing),
+        as far as the transport proves it (where it names no sender, only the token vouches
+        for the message)."""
+        with self._lock:
+            return self._proven_locked(engine_id, rank, url, sender)
+
+    def _proven_locked(self, engine_id: str, rank: int, url: str | None, sender: bytes) -> bool:
+        """``_proven``, with ``self._lock`` held."""
         if not sender:
             return True
-        with self._lock:
-            peer = self._peers.get((engine_id, rank))
+        peer = self._peers.get((self._where(url), engine_id, rank))
         return peer is not None and peer.address == bytes(sender)
 
     def _on_message(self, data: bytes, sender: bytes = b"") -> None:
@@ -1382,20 +1411,16 @@ class _Worker:
             if kind == _WANT:
                 self.push.handle_want(header, payload, time.monotonic(), bytes(sender))
             elif kind == _PUSHED:
-                if self._proven(header.text("engine", MAX_ID),
-                                header.integer("rank", 0, MAX_TP - 1), sender):
-                    self.push.handle_pushed(header)
+                # Its sender is checked against the record the load was planned with.
+                self.push.handle_pushed(header, bytes(sender))
             elif kind == _CANCEL:
                 self.push.handle_cancel(header, time.monotonic(), bytes(sender))
             elif kind in (_CLAIM, _DONE, _RENEW):
                 self._from_reader(kind, header, payload, bytes(sender))
-            elif not self._proven(header.text("engine", MAX_ID),
-                                  header.integer("rank", 0, MAX_TP - 1), sender):
-                return  # a prefill rank's answer from another engine: forged
-            elif kind == _GRANT:
-                self._granted(header)
+            elif kind == _GRANT:  # a prefill rank's answers: checked against the load's record
+                self._granted(header, bytes(sender))
             else:
-                self._held(header)
+                self._held(header, bytes(sender))
         except ControlError as e:
             logger.debug("XferConnector: a control message was dropped (%s)", e)
 

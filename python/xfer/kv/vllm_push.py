@@ -76,7 +76,8 @@ class PushContext:
     (empty while vLLM sleeps)."""
     peer: Callable[[str, int, str | None], Peer]
     """The peer table: a worker's record by (engine id, rank, where its records are), looked
-    up in the rendezvous the first time (which may wait: never on the engine's threads)."""
+    up in the rendezvous the first time (which may wait: never on the engine's threads);
+    cached per rendezvous (a record of that name elsewhere is another party's)."""
     shared_layers: Callable[[Load], list[str]]
     """The layers both this worker and a load's prefill hold (raises on other layers)."""
     is_draft_layer: Callable[[str], bool]
@@ -94,6 +95,10 @@ class PushContext:
     be (``Options.dialable``)."""
     incompatible: Callable[[Peer], str | None] = lambda peer: None
     """Why this worker's KV cannot go to a peer (its compatibility factors), or None."""
+    proven: Callable[[str, int, str | None, bytes], bool] = lambda engine, rank, url, sender: False
+    """Whether ``sender`` (the engine the transport proved sent a message; b"": not proven) is
+    that of (engine id, rank)'s record in that rendezvous, as already looked up (never waits).
+    The default proves no sender."""
 
 
 @dataclasses.dataclass
@@ -237,15 +242,24 @@ class PushSide:
                 self._awaiting.pop(key, None)
             raise
 
-    def handle_pushed(self, header: Header) -> None:
+    def handle_pushed(self, header: Header, sender: bytes = b"") -> None:
         """A prefill rank finished (or failed) writing a request to this rank: acted on only
-        with the request's token, from a rank it waits for."""
+        with the request's token, from a rank it waits for, sent (where the transport names
+        the sender) by the engine of that rank's record in the rendezvous the load names."""
         key = (header.text("engine", MAX_ID), header.text("req", MAX_ID))
         rank = header.integer("rank", 0, MAX_TP - 1)
+        token = header.token()
+        proven_for = None
+        if sender:  # checked outside this lock: the peer table has its own
+            with self._lock:
+                proven_for = self._awaiting.get(key)
+            if proven_for is None or not self._ctx.proven(
+                    key[0], rank, proven_for.load.remote_rendezvous, sender):
+                return  # not from the prefill rank this load was planned with (or not ours)
         with self._lock:
             waiting = self._awaiting.get(key)
-            if (waiting is None or rank not in waiting.ranks
-                    or not same_token(waiting.load.token, header.token())):
+            if (waiting is None or (sender and waiting is not proven_for) or rank not in waiting.ranks
+                    or not same_token(waiting.load.token, token)):
                 return  # timed out already, or not ours (forged: a "pushed ok" proves nothing)
             waiting.ranks.discard(rank)
             if header.flag("cancelled") and waiting.error is None:
