@@ -1426,3 +1426,45 @@ def test_a_grant_from_the_engine_another_side_channels_record_names_is_not_the_p
     for name, cache in d.caches.items():
         assert torch.equal(cache[[6, 7]], before[name]), "nothing read"
     p.close(), squatter.close(), d.close()
+
+
+def test_a_decoders_record_squatted_on_another_side_channel_never_stands_in_for_it():
+    """Issue 56, push: the prefill cached a decoder's record by (engine, rank), whatever
+    rendezvous its ids named: once an instance serving side channel B pushed one request of its
+    own in the name of decoder ``sqp-d`` (whose own side channel is A), the prefill took B's
+    record for every later push to ``sqp-d`` — with the engine's sender identity it dropped the
+    real decoder's ids (their sender is not B's engine) and the load failed; without it, it
+    wrote the request's KV into B's memory."""
+    a, b, own = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    p = Instance("sqp-p", None, extra={"rendezvous": None, "side_channel": own,
+                                       "peer_side_channels": [a, b]})
+    decoder = {"rendezvous": None, "peer_side_channels": [own], "push_timeout_s": 3.0}
+    d = Instance("sqp-d", None, extra={**decoder, "side_channel": a})
+    squatter = Instance("sqp-d", None, extra={**decoder, "side_channel": b})
+
+    def pushed(req):
+        return {"do_remote_prefill": True, "xfer_push": True, "remote_engine_id": "sqp-p",
+                "remote_request_id": req, "remote_rendezvous": f"xfer://{own}",
+                "xfer_token": proxy_token(req)}
+
+    def push(req, ids):
+        r = push_prefill(p, req, 8, ids)
+        wanted(p, req)
+        compute(p, list(p.full))
+        finish(p, r, ids)
+
+    decode(squatter, "bait-d", 8, pushed("bait"), [10, 11])  # B's own request: pushed to B
+    squatter.step()
+    push("bait", [1, 2])
+    squatter.wait("the bait", lambda: "bait-d" in squatter.recved)
+    assert not squatter.failed
+    before = {name: cache[[12, 13]].clone() for name, cache in squatter.caches.items()}
+    decode(d, "q-d", 8, pushed("q"), [12, 13])
+    d.step()
+    push("q", [3, 4])
+    d.wait("the pushed request", lambda: "q-d" in d.recved)
+    assert not d.failed
+    assert_copied(p, d, [3, 4], [12, 13])
+    for name, cache in squatter.caches.items():
+        assert torch.equal(cache[[12, 13]], before[name]), "nothing written to B"
+    p.close(), d.close(), squatter.close()

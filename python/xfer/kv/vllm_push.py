@@ -258,8 +258,8 @@ class PushSide:
                 return  # not from the prefill rank this load was planned with (or not ours)
         with self._lock:
             waiting = self._awaiting.get(key)
-            if (waiting is None or (sender and waiting is not proven_for) or rank not in waiting.ranks
-                    or not same_token(waiting.load.token, token)):
+            if (waiting is None or (sender and waiting is not proven_for)
+                    or rank not in waiting.ranks or not same_token(waiting.load.token, token)):
                 return  # timed out already, or not ours (forged: a "pushed ok" proves nothing)
             waiting.ranks.discard(rank)
             if header.flag("cancelled") and waiting.error is None:
