@@ -192,3 +192,102 @@ def test_rooms_no_sender_took_make_way_for_new_ones_past_the_bound(bootstrap, mo
         until("the receiver", lambda: receiver.poll() == KVPoll.Success)
     finally:
         p.close(), d.close()
+
+
+def test_a_decode_publishes_nothing_at_a_bootstrap_a_request_names_that_it_was_not_told_of(
+        bootstrap, monkeypatch):
+    """Review H1 (issue 56): SGLang takes a request's bootstrap address from its API client.
+    An attacker serving its own rendezvous with a valid prefill record, on an address the
+    operator did not list (``$XFER_SGLANG_PREFILL_BOOTSTRAPS``), gets neither the decode
+    rank's key nor its writable KV descriptors; that request fails, naming why; a request to
+    the listed prefill still succeeds."""
+    monkeypatch.setenv("XFER_SGLANG_PREFILL_BOOTSTRAPS", bootstrap)
+    p = Side(DisaggregationMode.PREFILL, bootstrap, 11)
+    d = Side(DisaggregationMode.DECODE, bootstrap, 12)
+    evil_server = xfer.Server("127.0.0.1:0")
+    evil_addr = evil_server.url.removeprefix("xfer://")
+    evil = xfer.TransferEngine(MOCK)
+    layout = np.zeros(64, dtype=np.uint8)
+    region = evil.reg_mr_raw(layout.ctypes.data, layout.nbytes, access="read")
+    real = xfer.Rendezvous(f"xfer://{bootstrap}").lookup("sglang.prefill.0.0", 5.0)
+    rdv = xfer.Rendezvous(evil_server.url)
+    record = rdv.publish("sglang.prefill.0.0", evil.main_address,
+                         {next(iter(real["regions"])): region.desc})
+    try:
+        assert d.mgr.try_ensure_parallel_info(evil_addr)  # answered: the request fails at init
+        rx = xs.XferKVReceiver(d.mgr, evil_addr, 55)
+        rx.init(0)
+        assert rx.poll() == KVPoll.Failed
+        with pytest.raises(RuntimeError, match="XFER_SGLANG_PREFILL_BOOTSTRAPS"):
+            rx.failure_exception()
+        with pytest.raises(Exception):
+            rdv.lookup(f"sglang.decode.{d.mgr.id}.0", 0.5)
+        assert evil_addr not in d.mgr.rendezvous, "the decode dialled the attacker's bootstrap"
+        # The listed prefill still serves.
+        receiver = xs.XferKVReceiver(d.mgr, bootstrap, ROOM)
+        receiver.init(0)
+        sender = xs.XferKVSender(p.mgr, bootstrap, ROOM)
+        sender.init(len(SRC), aux_index=2)
+        receiver.send_metadata(np.array(DST, dtype=np.int32), aux_index=5)
+        until("the page indices", lambda: sender.poll() == KVPoll.WaitingForInput)
+        sender.send(np.array(SRC, dtype=np.int32))
+        until("the receiver", lambda: receiver.poll() == KVPoll.Success)
+    finally:
+        record.unpublish()
+        evil.close(), evil_server.close(), p.close(), d.close()
+
+
+def test_bootstraps_a_decode_may_dial():
+    """Unset: loopback only (a request cannot send a decode's key off its host); a list: only
+    those; ``*``: any (the operator's choice, stated)."""
+    allowed = xs.dialable_bootstraps
+    assert allowed("127.0.0.1:8998", None) and allowed("[::1]:1", None)
+    assert allowed("localhost:5", None)
+    assert not allowed("10.0.0.5:8998", None) and not allowed("evil.example:8998", None)
+    assert allowed("10.0.0.5:8998", "10.0.0.5:8998, 10.0.0.6:8998")
+    assert not allowed("127.0.0.1:8998", "10.0.0.5:8998")
+    assert not allowed("10.0.0.7:8998", "10.0.0.5:8998,10.0.0.6:8998")
+    assert allowed("203.0.113.9:1", "*")
+
+
+def test_an_abort_from_another_decode_with_its_own_key_neither_stops_a_room_nor_pre_aborts_one(
+        bootstrap):
+    """Review M3 (issue 56): decode X, with a record and key of its own at the bootstrap,
+    sends proven aborts for a room whose indices came from decode Y: naming a decode rank the
+    room holds no indices for, and naming Y's rank with the room's (sniffed) token. Neither
+    stops Y's room. X's abort of a room id before its decode sent anything does not keep the
+    real decode's room from being served."""
+    p, d, receiver, sender = pair(bootstrap)
+    x = Side(DisaggregationMode.DECODE, bootstrap, 13)
+    try:
+        own = xs.XferKVReceiver(x.mgr, bootstrap, 300)  # publishes X's record and key
+        own.init(0)
+        addr = bytes(own.prefills[0]["addr"])
+        start = dropped(p.mgr)
+        unbound = sc.new_token()
+        for rank, tok in ((1, unbound), (0, token(receiver))):
+            abort = sc.Abort(ROOM, tok, own.record, rank).encode(x.mgr.key)
+            x.mgr.engine.submit_send(addr, abort).wait(5.0)
+        # The first is held bound to X's own (absent) indices, the second refused.
+        until("the aborts refused or taken",
+              lambda: (dropped(p.mgr) - start >= 1
+                       and (ROOM, own.record, unbound) in getattr(p.mgr, "pre_aborted", {}))
+              or sender.poll() == KVPoll.Failed)
+        assert sender.poll() == KVPoll.WaitingForInput, "another decode's abort stopped the room"
+        # A room id X never sent indices for, aborted ahead of its real decode.
+        x.mgr.engine.submit_send(addr, sc.Abort(ROOM + 1, sc.new_token(), own.record, 0)
+                                 .encode(x.mgr.key)).wait(5.0)
+        sender.send(np.array(SRC, dtype=np.int32))
+        until("the receiver", lambda: receiver.poll() == KVPoll.Success)
+
+        later = xs.XferKVReceiver(d.mgr, bootstrap, ROOM + 1)
+        later.init(0)
+        s2 = xs.XferKVSender(p.mgr, bootstrap, ROOM + 1)
+        s2.init(len(SRC), aux_index=2)
+        later.send_metadata(np.array(DST, dtype=np.int32), aux_index=5)
+        until("the page indices", lambda: s2.poll() != KVPoll.Bootstrapping)
+        assert s2.poll() == KVPoll.WaitingForInput, s2.failure
+        s2.send(np.array(SRC, dtype=np.int32))
+        until("the pre-aborted room's receiver", lambda: later.poll() == KVPoll.Success)
+    finally:
+        x.close(), p.close(), d.close()

@@ -36,7 +36,10 @@ host SGLang names (``--dist-init-addr``'s host across nodes, else ``--host``).
 ``$XFER_SECRET_FILE`` names the cluster secret). Prefill ranks publish
 ``sglang.prefill.<dp>.<rank>``, with their KV layout (attention TP size, heads per rank, page
 size, buffers, MLA, DP groups) in the name of the one region they publish; a decode rank publishes its KV
-buffers there as ``sglang.decode.<id>.<rank>`` when it first meets that prefill. Engines use
+buffers there as ``sglang.decode.<id>.<rank>`` when it first meets that prefill — only at
+the bootstraps ``$XFER_SGLANG_PREFILL_BOOTSTRAPS`` lists (``host:port,...``; ``*``: any;
+unset: loopback ones only): SGLang takes the address from the request, that is from its API
+client, and a request naming another fails, naming why. Engines use
 ``$XFER_CONFIG`` (or the config given to ``register``); without either, the backend refuses
 to start.
 
@@ -144,6 +147,44 @@ rank publishes it before it sends anything, so one that is not there is forged o
 watch_interval_s = 1.0
 """How often a decode rank checks that the prefill ranks it waits on are still there (their
 bootstrap records are leases of 5 s)."""
+
+
+PREFILL_BOOTSTRAPS_ENV = "XFER_SGLANG_PREFILL_BOOTSTRAPS"
+"""The bootstrap addresses (``host:port``, comma-separated) of the prefill instances a decode
+instance may receive from; ``*``: any. Unset: loopback ones only. SGLang takes a request's
+bootstrap address from its API client (``bootstrap_host`` / ``bootstrap_port``), and a decode
+rank publishes its key and writable KV descriptors at the bootstrap it dials: only the ones
+the operator listed (or, by default, its own host's) are dialled."""
+MAX_REFUSED = 1024
+"""Bootstrap addresses a decode rank remembers refusing (the oldest are forgotten first)."""
+
+_LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
+
+
+def dialable_bootstraps(addr: str, allowed: str | None) -> bool:
+    """Whether a decode rank may dial the bootstrap at ``addr`` (``host:port`` as SGLang
+    writes it, IPv6 hosts in brackets), ``allowed`` being ``$XFER_SGLANG_PREFILL_BOOTSTRAPS``:
+    a comma-separated list of ``host:port`` (compared as written), ``*`` for any; unset or
+    empty, loopback addresses only."""
+    import ipaddress
+
+    if allowed is not None and allowed.strip():
+        listed = {a.strip() for a in allowed.split(",") if a.strip()}
+        return "*" in listed or addr in listed
+    host, _, port = addr.rpartition(":")
+    if not port.isdigit():
+        return False
+    host = host.strip("[]")
+    if host.lower() in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class BootstrapRefused(RuntimeError):
+    """A request named a bootstrap this decode instance was not configured to dial."""
 
 
 def _engine_config() -> Any:
@@ -316,11 +357,19 @@ class XferKVManager(BaseKVManager):
         self.prefill_shapes: dict[str, KvShape] = {}
         self.refusals: dict[str, str] = {}
         """Decode: the prefills this rank cannot receive from, and why."""
+        self.refused: dict[str, str] = {}
+        """Decode: bootstraps requests named that this rank may not dial, and why (at most
+        ``MAX_REFUSED``)."""
         self.senders: dict[int, Any] = {}
         """Prefill: the senders by room, for a decode rank's abort."""
         self.aborted: dict[int, float] = {}
-        """Prefill: rooms a decode rank aborted (when), so pages that arrive after the abort
-        (delivery is unordered) are never written."""
+        """Prefill: rooms a decode rank whose indices they hold aborted (when): nothing more
+        is written there."""
+        self.pre_aborted: dict[tuple[int, str, str], float] = {}
+        """Prefill: aborts that came before their decode rank's indices (delivery is
+        unordered), by room, decode rank and token (when): bound to them, so indices that
+        arrive later with that decode rank and token are never written to, and an abort in
+        another decode rank's name (or with another token) never touches the room."""
         self.watched: dict[int, Any] = {}
         """Decode: the receivers whose prefill ranks may still write, by room (the watch
         thread fails their rooms if one of those ranks is gone)."""
@@ -347,13 +396,28 @@ class XferKVManager(BaseKVManager):
         receivers fail at ``init``, naming the difference (``refusals``)."""
         if bootstrap_addr in self.prefill_info_table:
             return True
+        from sglang.srt.disaggregation.common.conn import PrefillServerInfo
+
         try:
             first = self._bootstrap(bootstrap_addr).lookup(_prefill_name(0, 0), 1.0)
+        except BootstrapRefused as e:
+            # Answered, so SGLang's queue neither retries nor asks the address for DP ranks
+            # over HTTP: the request fails at ``init``, naming why. At most MAX_REFUSED kept
+            # (each request names its own address: the table must not grow with them).
+            logger.warning("xfer.sglang: %s", e)
+            with self.lock:
+                while len(self.refused) >= MAX_REFUSED:
+                    old = next(iter(self.refused))
+                    del self.refused[old]
+                    self.prefill_info_table.pop(old, None)
+                self.refused[bootstrap_addr] = str(e)
+            self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
+                attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=1,
+                page_size=self.shape.page_size, kv_cache_dtype=None, follow_bootstrap_room=True)
+            return True
         except Exception as e:  # noqa: BLE001 - not up yet: the queue tries again
             logger.info("xfer.sglang: no prefill at %s yet (%s)", bootstrap_addr, e)
             return False
-        from sglang.srt.disaggregation.common.conn import PrefillServerInfo
-
         names = list(first["regions"])
         try:
             if len(names) != 1:
@@ -453,8 +517,19 @@ class XferKVManager(BaseKVManager):
                 room.acks = None
 
     def _bootstrap(self, addr: str) -> xfer.Rendezvous:
+        """The rendezvous client of the bootstrap at ``addr``. A decode rank dials only the
+        bootstraps ``$XFER_SGLANG_PREFILL_BOOTSTRAPS`` allows (``dialable_bootstraps``): it
+        publishes its key and writable KV descriptors at what it dials, and SGLang takes
+        the address from the request (raises :class:`BootstrapRefused`)."""
         with self.lock:
             r = self.rendezvous.get(addr)
+        if r is None and self.mode != DisaggregationMode.PREFILL:
+            allowed = os.environ.get(PREFILL_BOOTSTRAPS_ENV)
+            if not dialable_bootstraps(addr, allowed):
+                raise BootstrapRefused(
+                    f"the bootstrap {addr[:80]!r} a request named is not one this decode "
+                    f"instance may dial (${PREFILL_BOOTSTRAPS_ENV}: "
+                    f"{'unset: loopback only' if not (allowed or '').strip() else allowed[:200]})")
         if r is None:
             # Connects briefly: the scheduler loop calls in (lookups carry their own waits).
             r = xfer.Rendezvous(f"xfer://{addr}", connect_timeout=2.0,
@@ -611,6 +686,17 @@ class XferKVManager(BaseKVManager):
         with self.lock:
             if msg.room in self.aborted:
                 return  # its decode rank gave up before these pages came
+            if self.pre_aborted.pop((msg.room, msg.decode, msg.token), None) is not None:
+                # Its own abort came first: the room is given up, as if it came after.
+                self.aborted[msg.room] = time.monotonic()
+                sender = self.senders.get(msg.room)
+                if sender is not None:
+                    try:
+                        self.draining.submit(sender.stop, f"room {msg.room}: aborted by decode "
+                                             f"rank {msg.rank}")
+                    except RuntimeError:
+                        pass  # closing
+                return
             known = self.metadata.get(msg.room)
             if known is None and len(self.metadata) >= MAX_ROOMS:
                 # Rooms no sender of this rank took (their requests never came here, or went
@@ -633,15 +719,31 @@ class XferKVManager(BaseKVManager):
         now = time.monotonic()
         room = abort.room
         with self.lock:
-            first = self.metadata.get(room, {}).get(abort.rank)
-            if first is not None and first.token != abort.token:
-                raise ControlError(f"an abort of room {room} with another token than its indices")
-            self.aborted[room] = now
-            for old in [r for r, t in self.aborted.items() if now - t > 2 * transfer_timeout_s]:
-                del self.aborted[old]
-            while len(self.aborted) > MAX_ABORTED:
-                del self.aborted[next(iter(self.aborted))]
-            sender = self.senders.get(room)
+            held = self.metadata.get(room)
+            if held is None:  # SGLang cleared the room; its sender may still drain writes
+                held = getattr(self.senders.get(room), "taken", None) or {}
+            first = held.get(abort.rank)
+            sender = None
+            if first is None:
+                # No indices of that decode rank here yet: the abort is bound to it and its
+                # token (``pre_aborted``), and touches nothing of the room until they come.
+                self.pre_aborted[(room, abort.decode, abort.token)] = now
+                for old in [k for k, t in self.pre_aborted.items()
+                            if now - t > 2 * transfer_timeout_s]:
+                    del self.pre_aborted[old]
+                while len(self.pre_aborted) > MAX_ABORTED:
+                    del self.pre_aborted[next(iter(self.pre_aborted))]
+            elif first.decode != abort.decode or not sc.same_token(first.token, abort.token):
+                raise ControlError(f"an abort of room {room} from another decode rank or with "
+                                   "another token than its indices")
+            else:
+                self.aborted[room] = now
+                for old in [r for r, t in self.aborted.items()
+                            if now - t > 2 * transfer_timeout_s]:
+                    del self.aborted[old]
+                while len(self.aborted) > MAX_ABORTED:
+                    del self.aborted[next(iter(self.aborted))]
+                sender = self.senders.get(room)
         # Off the engine's callback thread: a cancel waits until no NIC touches the memory.
         try:
             self.draining.submit(self._drain_and_ack, abort, sender)
@@ -945,7 +1047,9 @@ class XferKVSender(BaseKVSender):
         drain — the decode reuses the pages once answered, and a write landing later would
         overwrite another request's KV."""
         with self.mgr.lock:
-            self.mgr.metadata.pop(self.room, None)
+            # Kept with the sender while it stays findable: a late abort is checked against
+            # the indices it ends (``XferKVManager._aborted``).
+            self.taken = self.mgr.metadata.pop(self.room, None) or {}
             self.cleared = True
             if self.mgr.senders.get(self.room) is self and self.pending == 0:
                 del self.mgr.senders[self.room]
@@ -1004,6 +1108,8 @@ class XferKVReceiver(BaseKVReceiver):
             self.prefills = prefills
         except LayoutError as e:
             self.failure = f"room {self.room}: the prefill at {self.addr} cannot send here: {e}"
+        except BootstrapRefused as e:
+            self.failure = f"room {self.room}: refused: {e}"
         except Exception as e:  # noqa: BLE001 - reported through poll
             self.failure = f"room {self.room}: no prefill at {self.addr}: {e}"
 

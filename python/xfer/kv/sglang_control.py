@@ -15,7 +15,11 @@ Anything that can address an engine can send it a message, so a message is acted
   bootstrap know the key, so a third party cannot make a meta or an abort the prefill takes,
   and cannot learn the token but by watching the wire;
 - it comes from the engine its record names, where the transport proves a sender (mock,
-  verbs); where it cannot (``b""``: EFA/libfabric), the token and proof alone vouch for it;
+  verbs; EFA/libfabric with the cluster secret, and without one from a sender's second
+  message on); where it cannot (``b""``: a stranger's first message over EFA/libfabric
+  without a secret), the token and proof alone vouch for it;
+- an abort ends a room only from the decode rank whose indices the room holds, with their
+  token (the prefill manager binds it: ``XferKVManager._aborted``);
 - what it names was offered: pages inside the decode rank's published KV regions, an aux slot
   inside its aux regions, a decode rank inside its TP size, a prefill rank this room was sent
   to.
