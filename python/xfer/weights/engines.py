@@ -63,7 +63,11 @@ class _Member:
             if member is not None:
                 member.close()
         finally:
-            del member  # its rendezvous reference, which a raised error's frame would keep
+            # Its lookups end even when leaving failed: their thread holds the member.
+            stop = getattr(member, "stop_forming", None)
+            if stop is not None:
+                stop()
+            del member, stop  # its rendezvous reference, which a raised error's frame would keep
             self._close_engine()
 
 

@@ -348,7 +348,17 @@ class _Member:
         # callback thread and before any version, so that a message in a member's name is
         # checked against its record from the first one on (until then it is held aside).
         self._closed = threading.Event()
-        threading.Thread(target=self._form, name="xfer-weights-records", daemon=True).start()
+        self._forming = threading.Thread(target=self._form, name="xfer-weights-records", daemon=True)
+        self._forming.start()
+
+    def stop_forming(self) -> None:
+        """Ends the group-formation lookups, waiting for the one in flight (at most its 1 s):
+        the thread holds this member and so the rendezvous client, whose connection closes
+        only with its last reference. Called by ``close`` and by an owner whose ``close``
+        failed (idempotent)."""
+        self._closed.set()
+        if self._forming is not threading.current_thread():
+            self._forming.join(timeout=5.0)
 
     def _form(self) -> None:
         unknown = [m for m in range(self.senders + self.receivers) if m != self.me]
@@ -432,7 +442,7 @@ class _Member:
         return got[0].payload
 
     def close(self) -> None:
-        self._closed.set()
+        self.stop_forming()
         self.control.close()
         self.publication.unpublish()
         self._nonce_region.dereg()
