@@ -1,4 +1,9 @@
-"""Push mode of the vLLM connector (``xfer.kv.vllm``): the decode rank's block ids sent to the
+"""Why one file: it is one component, ``PushSide``, and one lock — both ends of push (the
+prefill rank that writes and the decode rank that waits) share its tables of requests, wants and
+early cancels, and every method moves entries between them under that lock; the pure parts it
+uses are elsewhere (``control`` decodes, ``pages`` plans, ``vllm_records`` holds the records).
+
+Push mode of the vLLM connector (``xfer.kv.vllm``): the decode rank's block ids sent to the
 prefill ranks it expects data from, and the prefill rank writing each layer as it is computed.
 
 ``PushSide`` is a component the connector's worker owns (``_Worker.push``). It keeps push's own
