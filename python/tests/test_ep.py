@@ -316,15 +316,21 @@ def outlive_death_after_dispatch(cfg, g, r, dead, ins):
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_a_rank_dying_between_dispatch_and_combine(ranks):
     cfg = failure_cfg(ranks)
-    rs = Ranks(cfg)
     dead = 0
+    # The dying rank's NIC is slow: its writes are still in flight when its dispatch returns.
+    rs = Ranks(cfg, engine_configs={dead: mock(delay_us=int(TIMEOUT * 0.2e6))})
     try:
         def body(r, g):
             ins = [oracle.inputs(4, 0, s, cfg) for s in range(ranks)]
             x, idx, w = ins[r]
             if r == dead:
-                g.dispatch(x, idx)
-                rs.engines[r].close()  # gone, as a process killed after its dispatch
+                _recv, _cnt, h = g.dispatch(x, idx)
+                # Its dispatch delivered (dispatch returns once it received; its own overflow
+                # writes may still be in flight, and closing drops them), then gone, as a
+                # process killed after its dispatch.
+                for _peer, t in h.sends:
+                    t.wait(30)
+                rs.engines[r].close()
                 return
             outlive_death_after_dispatch(cfg, g, r, dead, ins)
             survivors_run(cfg, g, r, dead, 1, 2, 4)
