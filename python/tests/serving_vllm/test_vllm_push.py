@@ -498,6 +498,34 @@ def test_unverified_ids_are_bounded():
     assert len(p.push._pushes) <= MAX_PENDING
 
 
+def test_ids_under_ever_new_decoder_names_are_bounded_and_counted():
+    """Issue 56, review M2: ids were kept per decoder name with no bound — a stranger sending
+    ids for a request this prefill has not scheduled yet, under a new decoder name each time,
+    grew its wants (up to 64 KiB of block ids each) for as long as it liked. A request keeps
+    the ids of at most two decode instances' worth of ranks; the ids of requests not yet
+    scheduled are bounded in all (the oldest request's dropped first); what is dropped is
+    counted. The real decoder of a request scheduled since is still served."""
+    from xfer.kv.params import MAX_TP
+    from xfer.kv.vllm_push import MAX_PENDING
+
+    p, header, payload = prefill_with_a_decoder(scheduled=False)
+    flood = MAX_PENDING + 50
+    for i in range(flood):
+        p.push.handle_want(Header(dict(header.fields, engine=f"x{i}")), payload, now=START)
+    assert len(p.push.wants("r")) <= 2 * MAX_TP
+    for i in range(flood):  # spread over requests: each under its bound, not all of them
+        p.push.handle_want(Header(dict(header.fields, req=f"q{i // 100}", engine=f"x{i}")),
+                           payload, now=START)
+    assert sum(len(push.wants) for push in p.push._pushes.values()) <= MAX_PENDING
+    assert p.push.dropped_wants >= 2 * flood - MAX_PENDING
+    _, real, payload = prefill_with_a_decoder()
+    p.push.tokens_known({"s": TOKEN}, START)
+    p.push.handle_want(Header(dict(real.fields, req="s")), payload, now=START)
+    p.push.step_started({"s": [3, 5, 7]}, now=START)
+    p.push.request_finished("s", [3, 5, 7], now=START)
+    assert [w["dst"] for w, _ in p.writes] == ["desc-d-0"] * len(LAYERS)
+
+
 def test_a_cancel_while_a_layer_is_planned_is_answered_only_after_its_writes():
     """Issue 54: ``_push_layer`` checked the want under the lock, then planned and posted
     after dropping it; a cancel in between was answered "nothing in flight" and the writes

@@ -50,8 +50,11 @@ there and answers with ``_PUSHED`` once none of its writes is in flight."""
 MAX_MESSAGE = 65536
 """The largest message the worker receives (its receive buffers): about 16k block ids."""
 MAX_PENDING = 4096
-"""Push requests and early cancels kept before their token is known (decoders' ids for a
-request this prefill has not scheduled yet): past it the oldest are dropped unanswered."""
+"""Push requests, decoders' ids and early cancels kept before their token is known (for a
+request this prefill has not scheduled yet), each: past it the oldest are dropped unanswered."""
+MAX_WANTS = 2 * MAX_TP
+"""Decode ranks whose ids one request keeps (two decode instances' worth: a proxy's retry):
+more are dropped unanswered — decoder names cost a stranger nothing."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +215,8 @@ class PushSide:
         """Prefill: decode ranks' cancels that came before their ids (by request, decode
         engine and rank), with when, their token and where the decoder's records are: their
         ids (with that token) are dropped when they come."""
+        self.dropped_wants = 0
+        """Decoders' ids dropped for a bound (``MAX_WANTS``, ``MAX_PENDING``)."""
 
     # ---- decode side ----
 
@@ -557,14 +562,19 @@ class PushSide:
             if push is None:
                 unverified = [r for r, p in self._pushes.items() if p.token is None]
                 if len(unverified) >= MAX_PENDING:
-                    del self._pushes[unverified[0]]
+                    self.dropped_wants += len(self._pushes.pop(unverified[0]).wants)
                 push = self._pushes[req_id] = _Push(created=now)
             if push.token is not None and not same_token(push.token, want.token):
                 return  # forged, or for another incarnation of this instance
             want.verified = push.token is not None
             aborted = push.aborted
             if aborted is None:
+                if (want.engine, want.rank) not in push.wants and len(push.wants) >= MAX_WANTS:
+                    self.dropped_wants += 1
+                    return
                 push.wants[(want.engine, want.rank)] = want
+                if not want.verified:
+                    self._bound_unverified_wants()
         if not want.verified:
             return  # acted on when the request's token is known (tokens_known)
         if aborted is not None:  # its writes to other decoders are still being stopped
@@ -572,6 +582,18 @@ class PushSide:
             return
         # Closing (None): no more pushes.
         self._ctx.in_background(self._resolve_want, req_id, want)
+
+    def _bound_unverified_wants(self) -> None:
+        """Keeps at most ``MAX_PENDING`` decoders' ids for requests not scheduled here yet,
+        dropping the oldest such requests first (with ``self._lock`` held)."""
+        unverified = [(r, p) for r, p in self._pushes.items() if p.token is None]
+        kept = sum(len(p.wants) for _, p in unverified)
+        for req_id, push in unverified:
+            if kept <= MAX_PENDING:
+                break
+            kept -= len(push.wants)
+            self.dropped_wants += len(push.wants)
+            del self._pushes[req_id]
 
     def _resolve_want(self, req_id: str, want: _Want) -> None:
         """Finds the decode rank's record; then, if the request was computed before, pushes
