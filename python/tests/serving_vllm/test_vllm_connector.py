@@ -1243,6 +1243,11 @@ def test_a_failed_lookup_is_remembered_and_backed_off(server):
     message)."""
     d = Instance("lk-d", server, extra={"lookup_timeout_s": 0.3})
     worker = d.worker._worker
+    # A prefill this decode found once, now dead (a record never found is only checked).
+    gone = Instance("gone", server)
+    worker._peer("gone", 0)
+    gone.close()
+    worker._forget("gone")  # as a failed read does
     service, lookups = worker._service, []
 
     def counting(url):
@@ -1266,6 +1271,60 @@ def test_a_failed_lookup_is_remembered_and_backed_off(server):
     assert [t for _, t in lookups][:1] == [0.3] and all(t == 0 for _, t in lookups[1:]), lookups
     assert len(lookups) >= 3
     d.close()
+
+
+def test_requests_naming_engines_no_record_names_fail_alone_and_hold_up_no_other_load(server):
+    """Issue 56, review M4: ``remote_engine_id`` comes from the API client, and the lookup of a
+    name no record answers waited ``lookup_timeout_s`` on the connector's two lookup threads:
+    a client sending a fresh name with each request held up every other request's load. A
+    name never found is only checked: those requests fail through vLLM's failure path, and
+    another request's load lands while their lookups would still be waiting (the lookup
+    timeout is longer than the harness waits for anything)."""
+    p = Instance("st-p", server)
+    d = Instance("st-d", server, extra={"lookup_timeout_s": 3 * WAIT})
+    params = prefill(p, "r", 20, [3, 5])
+    bogus = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_request_id": "x",
+             "xfer_token": "0" * 32}
+    for i in range(4):
+        decode(d, f"b{i}-d", 4, {**bogus, "remote_engine_id": f"nobody-{os.urandom(8).hex()}"},
+               [6 + i])
+    d.step()
+    load(d, "r-d", 20, params, [1, 2])
+    assert "r-d" not in d.failed
+    assert_copied(p, d, [3, 5], [1, 2], loaded=[6, 7, 8, 9])
+    d.wait("the bogus requests' loads", lambda: all(f"b{i}-d" in d.recved for i in range(4)))
+    assert {f"b{i}-d" for i in range(4)} <= d.failed
+    assert d.worker.get_block_ids_with_load_errors() == {6, 7, 8, 9}
+    p.close(), d.close()
+
+
+def test_one_lookup_at_a_time_waits_for_a_known_peer_to_come_back_the_rest_go_on(server):
+    """Issue 56, review M4: a record found before may be waited for (its prefill restarts, or
+    sleeps and wakes) — by one lookup at a time. Requests naming two known prefills that are
+    both gone hold one lookup thread at most: the other one's request fails at once, a third
+    prefill's load lands meanwhile, and the lookup that waited finds its prefill when it comes
+    back."""
+    g1, g2, p = Instance("kg1", server), Instance("kg2", server), Instance("kg-p", server)
+    d = Instance("kg-d", server, extra={"lookup_timeout_s": 3 * WAIT})
+    worker = d.worker._worker
+    gone = {"kg1": prefill(g1, "r1", 20, [3, 5]), "kg2": prefill(g2, "r2", 20, [3, 5])}
+    for g in (g1, g2):
+        worker._peer(g.scheduler._engine_id, 0)  # found once
+        for w in g.workers:
+            w.unregister_kv_caches()  # asleep: the record is withdrawn
+        worker._forget(g.scheduler._engine_id)  # as a failed read does
+    decode(d, "a-d", 20, gone["kg1"], [1, 2])
+    decode(d, "b-d", 20, gone["kg2"], [3, 4])
+    d.step()
+    d.wait("one of them to fail without waiting", lambda: {"a-d", "b-d"} & d.failed)
+    load(d, "r-d", 20, prefill(p, "r", 20, [3, 5]), [5, 6])
+    assert "r-d" not in d.failed
+    assert_copied(p, d, [3, 5], [5, 6], loaded=[1, 2, 3, 4])
+    for g in (g1, g2):
+        for w in g.workers:
+            w.restore_kv_caches()
+    d.wait("the waiting lookup to find its prefill back", lambda: {"a-d", "b-d"} <= d.recved)
+    p.close(), d.close(), g1.close(), g2.close()
 
 
 def test_a_decode_request_waiting_for_room_renews_the_prefills_lease(server):

@@ -114,6 +114,7 @@ from .control import (ControlError, Header, block_ids_of, block_ids_payload, is_
 from .control import decode as decode_message
 from .control import encode as encode_message
 from .lease import Answer, Message, Offers, Reader
+from .lookups import LookupGate
 from .params import MAX_ID, MAX_TP, ParamsError, RemotePrefill, parse_remote_prefill
 from .vllm_push import _CANCEL, _PUSHED, _WANT, MAX_MESSAGE, PushContext, PushSide
 from .vllm_records import Load, Peer
@@ -163,7 +164,8 @@ class Options:
     free_timeout_s: float = 120.0
     """How long a prefill instance keeps a finished request's blocks for its reader."""
     lookup_timeout_s: float = 30.0
-    """How long a reader waits for its peer to appear in the rendezvous."""
+    """How long a lookup waits for a peer found before to reappear in the rendezvous (one
+    lookup at a time; a record never found is only checked: ``xfer.kv.lookups``)."""
     publish_ttl_s: float = 10.0
     tp_rank: int | None = None
     """This worker's tensor-parallel rank (default: vLLM's, or 0 outside a TP group)."""
@@ -871,9 +873,11 @@ class _Worker:
         record under the same name, published by anyone who can publish there)."""
         self._push_meta: XferConnectorMetadata | None = None
         """The step whose push requests were taken (``push_step``)."""
-        self._failed_lookups: dict[tuple[str, str, int], tuple[float, Any, float, float]] = {}
-        """Peers not found: (where, engine, rank) → (not before, why, when, backoff), the
-        backoff doubling from ``lookup_timeout_s`` up to 60 s, at most 1,024 remembered."""
+        self._lookup_gate = LookupGate(options.lookup_timeout_s)
+        """How long each lookup of a peer's record may wait (by (where, engine, rank)): a
+        record never found is only checked — a request's parameters name any engine id —,
+        one found before is waited for by one lookup at a time, with a backoff after a
+        failed wait (``xfer.kv.lookups``)."""
         self._lock = threading.Lock()
         self._recved: set[str] = set()
         self._failed_recv: set[str] = set()
@@ -1343,25 +1347,24 @@ class _Worker:
         if known is not None:
             return known
         key = (where, engine_id, rank)
-        now = time.monotonic()
         with self._lock:
-            failed = self._failed_lookups.get(key)
-        # Remembered: within the backoff a peer that was not found is only checked (no wait
-        # for it to appear), so a dead prefill holds the two lookup threads once per backoff,
-        # not once per load and per message, and one that came back (a wake-up) is found.
-        wait = 0.0 if failed is not None and now < failed[0] else self._options.lookup_timeout_s
+            wait = self._lookup_gate.begin(key, time.monotonic())
+        found = False
         try:
             record = self._service(url).lookup(_record_name(engine_id, rank), wait)
+            found = True
         except Exception as e:
+            if wait:
+                raise
+            raise LookupError(
+                f"{engine_id} rank {rank}: no record found in {where} ({e}); not waited for: "
+                + ("the lookup of a record never found here only checks"
+                   if not self._lookup_gate.found_before(key) else
+                   "its lookups only check during a backoff after a failed wait, and while "
+                   "another lookup waits")) from e
+        finally:
             with self._lock:
-                backoff = failed[3] if failed and wait == 0.0 else min(
-                    60.0, 2 * (failed[3] if failed else self._options.lookup_timeout_s / 2))
-                self._failed_lookups[key] = (time.monotonic() + backoff, e, time.monotonic(), backoff)
-                while len(self._failed_lookups) > 1024:
-                    del self._failed_lookups[next(iter(self._failed_lookups))]
-            raise
-        with self._lock:
-            self._failed_lookups.pop(key, None)
+                self._lookup_gate.end(key, wait, found, time.monotonic())
         by_tag = {_layer_tag(name, self.is_draft_layer(name)): name for name in self._layers}
         layers = {}
         drafts = set()
