@@ -16,6 +16,8 @@ Pure (no framework import, unit-tested on their own):
   refused by name.
 - ``lease``: what a prefill rank keeps for its readers and answers them, from positive
   knowledge (claims before reads, "held" only for the reader it kept the blocks for).
+- ``lookups``: how long the vLLM connector's lookup of a peer's record may wait (a record never
+  found is only checked: a request's parameters may name any engine id).
 
 Adapters (each imports its framework):
 
