@@ -1327,6 +1327,31 @@ def test_one_lookup_at_a_time_waits_for_a_known_peer_to_come_back_the_rest_go_on
     p.close(), d.close(), g1.close(), g2.close()
 
 
+def test_requests_naming_a_side_channel_that_is_down_fail_alone(server):
+    """Issue 56, review M4: a request may name any side channel the instance may dial
+    (``peer_side_channels``); the first connection to one waited ``lookup_timeout_s`` for its
+    service to come up, on a lookup thread, and a failed one was not kept — so requests naming
+    a listed side channel that is down held both lookup threads, each of them for the whole
+    wait. A first connection is tried once: those requests fail at once, another prefill's
+    load lands meanwhile."""
+    down = f"127.0.0.1:{free_port()}"  # listed, nothing serves it
+    p = Instance("dc-p", server)
+    d = Instance("dc-d", server, extra={"lookup_timeout_s": 3 * WAIT,
+                                        "peer_side_channels": [down]})
+    bogus = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_request_id": "x",
+             "xfer_token": "0" * 32, "remote_engine_id": "dc-p",
+             "remote_rendezvous": f"xfer://{down}"}
+    for i in range(4):
+        decode(d, f"b{i}-d", 4, bogus, [6 + i])
+    d.step()
+    load(d, "r-d", 20, prefill(p, "r", 20, [3, 5]), [1, 2])
+    assert "r-d" not in d.failed
+    assert_copied(p, d, [3, 5], [1, 2], loaded=[6, 7, 8, 9])
+    d.wait("the requests naming it", lambda: all(f"b{i}-d" in d.recved for i in range(4)))
+    assert {f"b{i}-d" for i in range(4)} <= d.failed
+    p.close(), d.close()
+
+
 def test_a_decode_request_waiting_for_room_renews_the_prefills_lease(server):
     """Issue 54: no lease renewal while a decode waited (NIXL renews by heartbeat): a decode
     backlog past the lease became recompute or error. vLLM asks ``get_num_new_matched_tokens``

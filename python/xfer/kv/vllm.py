@@ -1332,7 +1332,10 @@ class _Worker:
         with self._lock:
             known = self._services.get(url)
         if known is None:
-            known = xfer.Rendezvous(url, connect_timeout=self._options.lookup_timeout_s,
+            # Tried once, never waited for: a request names the side channel, and one that is
+            # down must fail that request only, not hold a lookup thread (its lookups still
+            # ride out a restart of a service once connected, for their own wait).
+            known = xfer.Rendezvous(url, connect_timeout=0.0,
                                     secret_file=os.environ.get("XFER_SECRET_FILE"))
             with self._lock:
                 known = self._services.setdefault(url, known)
