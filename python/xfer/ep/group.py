@@ -4,6 +4,12 @@ registered regions (two buffer sets each) and carries out the protocol of
 (step, phase, source), every wait with a deadline; a source that misses one is masked until
 ``clean()``.
 
+A rank reuses a step's buffers two steps on, once its writes of that step are delivered. A
+peer's own later writes prove delivery (its combine of the step, its header two steps on);
+the local completion decides only where no such proof exists, so a provider that withholds
+completions (libfabric shm behind a dead peer) does not mask live peers. docs/moe.md,
+"Failure".
+
 The data path is numpy on host memory; ``xfer.ep.tensors`` puts torch tensors on it."""
 
 from __future__ import annotations
@@ -41,6 +47,17 @@ class _Landed:
 _LANDED = _Landed()
 
 
+def _failure(t):
+    """A finished write's error that counts as its peer's failure. The engine's own timeout
+    (``timeouts.transfer_ms``) does not: it says only that no completion came, which a provider
+    that holds completions back also says of a write that was delivered (the peer's later
+    writes may still prove it)."""
+    if not t.done():
+        return None
+    e = t.exception()
+    return None if e is None or isinstance(e, _errors.TimeoutError) else e
+
+
 class EpError(_errors.Error):
     """A step that cannot go on (the same on every rank): e.g. a routing past capacity."""
 
@@ -58,8 +75,14 @@ class Handle:
     layout: str | None = None
     token: np.ndarray = field(default=None)
     slot: np.ndarray = field(default=None)
+    peer: np.ndarray = field(default=None)
     expects: dict = field(default_factory=dict)
+    # This step's dispatch writes to other ranks, ``(peer, transfer)``, until proven delivered
+    # or completed; ``overflow``: its dispatch B write to each peer (at most one).
     sends: list = field(default_factory=list)
+    overflow: dict = field(default_factory=dict)
+    # Its combine writes, likewise, until combine_recv hands them to the group.
+    combine_sends: list = field(default_factory=list)
     lost_slots: np.ndarray | None = None
     stats: dict = field(default_factory=dict)
 
@@ -88,6 +111,9 @@ class EpGroup:
         }
         self.active = [True] * cfg.ranks
         self._owed: list[int] = []
+        # Combine writes of earlier steps not yet known delivered: ``(epoch, peer, transfer)``
+        # (at most the last two steps': a peer's header two steps on proves them).
+        self._unproven: list = []
         self.epoch = 0
         self.peers = None
         self._out = {}
@@ -145,7 +171,12 @@ class EpGroup:
                     continue
                 t = self.engine.submit_single_write(
                     self._mrs[src_name], self.peers[peer][dst_name], length, src_offset=src_off, dst_offset=dst_off, imm=imm)
-                h.sends.append((peer, t))
+                if phase == "combine":
+                    h.combine_sends.append((peer, t))
+                else:
+                    h.sends.append((peer, t))
+                    if phase == "dispatch_b":
+                        h.overflow[peer] = t
                 h.stats["remote_writes"] = h.stats.get("remote_writes", 0) + 1
                 h.stats["remote_bytes"] = h.stats.get("remote_bytes", 0) + length
             else:
@@ -161,15 +192,36 @@ class EpGroup:
             return self.regions["combine"][at:at + self._combine_header_bytes].tobytes()
         return b""
 
+    def _settle_sends(self, h: Handle) -> None:
+        """Forgets the writes that completed. One whose completion failed masks its peer in step
+        ``h``; one the engine timed out stays, as one still pending does, for its proof."""
+        failed = set()
+
+        def pending(writes):
+            kept = []
+            for w in writes:
+                peer, t = w[-2], w[-1]
+                if t.done():
+                    if _failure(t) is not None:
+                        failed.add(peer)
+                        continue
+                    if t.exception() is None:
+                        continue
+                kept.append(w)
+            return kept
+
+        h.sends = pending(h.sends)
+        h.combine_sends = pending(h.combine_sends)
+        self._unproven = pending(self._unproven)
+        for peer in sorted(failed):
+            h.step.handle_send_failed(self._now(), peer)
+
     def _drive(self, h: Handle, until: tuple) -> None:
         """Carries out the step until its stage is in ``until`` (or failed); every wait ends by
         its deadline."""
         while True:
             self._carry(h)
-            for peer, t in h.sends:
-                if t.done() and t.exception() is not None:
-                    h.step.handle_send_failed(self._now(), peer)
-            h.sends = [(p, t) for p, t in h.sends if not (t.done() and t.exception() is not None)]
+            self._settle_sends(h)
             stage = h.step.stage
             if stage in until or stage.startswith("failed"):
                 return
@@ -201,6 +253,37 @@ class EpGroup:
             except (TimeoutError, _errors.Error):
                 pass
 
+    def _prove_sent(self, h: Handle) -> None:
+        """Once the step is done: its dispatch writes are delivered before the send buffer is
+        reused two steps on, and its combine writes are handed to the group (``combine_send``
+        of the step two on proves them).
+
+        A peer still active sent its combine write of this step, which it does only once it
+        holds this rank's dispatch A write (or masked this rank, and then it sends nothing):
+        that write is delivered. So is the dispatch B write when the peer took it — every row
+        sent to it came back, as it counts only the overflow it waited for. A B write it did
+        not take has no such proof: it must complete by one timeout, or the peer is masked.
+        Writes to a masked peer are not waited for (what they carry is never read)."""
+        self._settle_sends(h)
+        active = h.step.active()
+        _blocks, valid = h.step.combine_blocks()
+        valid = np.asarray(valid, dtype=bool)
+        unproven = []
+        for peer, t in h.sends:
+            if active[peer] and h.overflow.get(peer) is t and not valid[h.peer == peer].all():
+                unproven.append((peer, t))
+        deadline = time.monotonic() + self.cfg.timeout
+        for peer, t in unproven:
+            try:
+                t.wait(max(0.0, deadline - time.monotonic()))
+            except _errors.Error:
+                h.step.handle_send_failed(self._now(), peer)
+        h.sends.clear()
+        h.overflow.clear()
+        active = h.step.active()
+        self._unproven.extend((h.epoch, peer, t) for peer, t in h.combine_sends if active[peer])
+        h.combine_sends.clear()
+
     def _finish(self, h: Handle) -> None:
         for r in h.step.newly_masked():
             self.active[r] = False
@@ -228,8 +311,8 @@ class EpGroup:
         planned = time.perf_counter_ns()
         h = Handle(step=step, epoch=self.epoch, num_tokens=num_tokens)
         self.epoch += 1
-        token, slot, _peer, _expert = columns(step.send_rows())
-        h.token, h.slot = token, slot
+        token, slot, peer, _expert = columns(step.send_rows())
+        h.token, h.slot, h.peer = token, slot, peer
         step.pack(_bytes_of(x), self.regions["send"], fp8=cfg.fp8)
         h.stats["plan_ns"] = planned - t0
         h.stats["pack_ns"] = time.perf_counter_ns() - planned
@@ -305,6 +388,12 @@ class EpGroup:
         received in) back to its source."""
         if h.layout is None:
             raise RuntimeError("combine_send before dispatch_recv")
+        # The buffer set is reused: the combine writes of two steps back are delivered. Every
+        # peer still active in this step sent its header of it, which it does only after the
+        # combine of every step two or more back (at most two steps are in flight), and only
+        # to a rank it had not masked: it received this rank's combine writes of those steps.
+        # A masked peer's are not waited for (what they carry is never read).
+        self._unproven = [w for w in self._unproven if w[0] > h.epoch - 2]
         t0 = time.perf_counter_ns()
         h.step.repack(_bytes_of(np.ascontiguousarray(expert_out, dtype=self.cfg.storage)), self.regions["combine_send"], h.layout)
         h.stats["repack_ns"] = time.perf_counter_ns() - t0
@@ -319,19 +408,7 @@ class EpGroup:
         t0 = time.perf_counter_ns()
         self._drive(h, ("done",))
         h.stats["combine_wait_ns"] = time.perf_counter_ns() - t0
-        # The step's own writes to live peers are done before its buffers are reused two
-        # steps on. Those to a masked peer may hang (a dead process over shm never answers):
-        # not waited for, as what they carry is never read.
-        deadline = time.monotonic() + cfg.timeout
-        active = h.step.active()
-        for peer, t in h.sends:
-            if not active[peer]:
-                continue
-            try:
-                t.wait(max(0.0, deadline - time.monotonic()))
-            except (TimeoutError, _errors.Error):
-                h.step.handle_send_failed(self._now(), peer)
-        h.sends.clear()
+        self._prove_sent(h)
         self._finish(h)
         _blocks, valid = h.step.combine_blocks()
         valid = np.asarray(valid, dtype=bool)
@@ -357,6 +434,15 @@ class EpGroup:
         return self.combine_recv(h, topk_weights)
 
     def close(self) -> None:
+        """Deregisters the regions, once the last steps' combine writes completed (by one
+        timeout: no later step of a peer will prove them)."""
+        deadline = time.monotonic() + self.cfg.timeout
+        for _epoch, _peer, t in self._unproven:
+            try:
+                t.wait(max(0.0, deadline - time.monotonic()))
+            except _errors.Error:
+                pass
+        self._unproven.clear()
         for mr in self._mrs.values():
             self.engine.dereg_mr(mr)
         self._mrs = {}
