@@ -393,7 +393,8 @@ class EpGroup:
         # combine of every step two or more back (at most two steps are in flight), and only
         # to a rank it had not masked: it received this rank's combine writes of those steps.
         # A masked peer's are not waited for (what they carry is never read).
-        self._unproven = [w for w in self._unproven if w[0] > h.epoch - 2]
+        if h.step.stage == "dispatched":
+            self._unproven = [w for w in self._unproven if w[0] > h.epoch - 2]
         t0 = time.perf_counter_ns()
         h.step.repack(_bytes_of(np.ascontiguousarray(expert_out, dtype=self.cfg.storage)), self.regions["combine_send"], h.layout)
         h.stats["repack_ns"] = time.perf_counter_ns() - t0
