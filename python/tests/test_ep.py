@@ -3,15 +3,16 @@ against the communication-free oracle (xfer/ep/oracle.py): each rank regenerates
 inputs from the seed, so what it receives (per expert, sources in rank order, tokens in order)
 and what combine returns are compared bit for bit.
 
-The matrix: EP 2, 3, 4; top-k 1, 2, 8; 1 and 4 experts per rank; uniform, k-hot incast and
-Zipf routing; -1 slots, empty ranks, overflow past the private slots, exactly at capacity and
-one row past it; EPLB replicas; both layouts; two steps in flight (two-batch overlap); fp8
-dispatch (byte-exact against the oracle's own quantizer). Then failures on the mock: a silent
-rank, a rank whose engine dies between dispatch and combine, a hung rank whose writes land
-steps later, writes whose completions never come (alone, and behind a dead peer as libfabric
-shm holds them: peers' later writes prove delivery): each step ends by its deadlines, the mask
-names exactly the failed rank, the tokens that avoided it are exact, the next steps are exact. As processes over libfabric shm
-and tcp: exact steps, and a process SIGKILLed between dispatch and combine."""
+The matrix: EP 2, 3, 4; top-k 1, 2, 8; 1 and 4 experts per rank; uniform, k-hot incast and Zipf
+routing; -1 slots, empty ranks, overflow past the private slots, exactly at capacity and one
+row past it; EPLB replicas; both layouts; two steps in flight (two-batch overlap); fp8 dispatch
+(byte-exact against the oracle's own quantizer). Then failures on the mock: a silent rank, a
+rank whose engine dies between dispatch and combine, a hung rank whose writes land steps later,
+writes whose completions never come (alone, and behind a dead peer as libfabric shm holds them:
+peers' later writes prove delivery; an overflow write no arrival proves): each step ends by its
+deadlines, the mask names exactly the failed rank, the tokens that avoided it are exact, the
+next steps are exact. As processes over libfabric shm and tcp: exact steps, and a process
+SIGKILLed between dispatch and combine."""
 
 import threading
 import time
@@ -507,6 +508,51 @@ def test_a_dead_peer_holding_back_later_completions_masks_only_itself():
         rs.run(body)
     finally:
         rs.close()
+
+
+class DroppedTo(HeldCompletions):
+    """An engine whose writes to the region ``doomed`` are lost (never land, never complete)."""
+
+    def submit_single_write(self, src, dst, *args, **kwargs):
+        if bytes(dst) == self.doomed:
+            return _Held(None)
+        return self._engine.submit_single_write(src, dst, *args, **kwargs)
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_an_overflow_write_its_peer_did_not_take_needs_its_completion(held):
+    """The one write no later arrival proves: rank 2's header to rank 1 is lost, so rank 1 masks
+    rank 2 and takes no overflow in that step, while rank 0 (which got every header) sends rank 1
+    its overflow. Rank 1's combine then proves only rank 0's first write: rank 0 keeps rank 1 when
+    its overflow write completes, and masks it when no completion comes within a timeout (with
+    rank 0's completions held)."""
+    cfg = EpConfig(ranks=3, experts_per_rank=2, top_k=2, max_tokens=4, hidden=8, private_rows=1, timeout=TIMEOUT)
+    losing = {}
+
+    def wrap(r, e):
+        if r == 2:
+            losing[r] = DroppedTo(e, doomed=b"")
+            return losing[r]
+        return HeldCompletions(e) if r == 0 and held else e
+
+    rs = Ranks(cfg, wrap=wrap)
+    losing[2].doomed = rs.groups[1].local_info()["dispatch"]
+    # Rank 0 sends rank 1 four rows (one private, three overflow); rank 1 sends rank 0 none.
+    experts = {0: [2, 3], 1: [4, 5], 2: [0, 2]}
+    masks = {}
+    try:
+        def body(r, g):
+            idx = np.array([experts[r]] * 4, dtype=np.int64)
+            x = from_f32(np.full((4, cfg.hidden), r + 1, dtype=np.float32), cfg.dtype)
+            recv, cnt, h = g.dispatch(x, idx)
+            g.combine(oracle.run_experts_deepep(recv, cnt, r, cfg), h, np.ones((4, 2), dtype=np.float32))
+            masks[r] = list(g.query_active_mask())
+
+        rs.run(body)
+    finally:
+        rs.close()
+    assert masks[1] == [1, 1, 0], masks
+    assert masks[0] == ([1, 0, 1] if held else [1, 1, 1]), masks
 
 
 # -- processes over libfabric shm -------------------------------------------------------------
