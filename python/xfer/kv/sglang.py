@@ -107,6 +107,7 @@ from sglang.srt.disaggregation.base.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 import xfer
+from xfer.rendezvous_security import RendezvousSecurity
 
 from . import sglang_control as sc
 from .control import ControlError, new_token
@@ -263,7 +264,10 @@ class XferKVBootstrapServer(BaseKVBootstrapServer):
     """The prefill instance's bootstrap server: xfer's rendezvous service."""
 
     def __init__(self, host: str, port: int):
-        self.server = xfer.Server(f"{host}:{port}", secret_file=os.environ.get("XFER_SECRET_FILE"))
+        # The cluster secret: the engine config's (register's, else $XFER_CONFIG's), else
+        # $XFER_SECRET_FILE (xfer.rendezvous_security).
+        security = RendezvousSecurity.of(_config, who="XferKVBootstrapServer")
+        self.server = xfer.Server(f"{host}:{port}", secret_file=security.secret_file)
 
     @property
     def url(self) -> str:
@@ -321,6 +325,9 @@ class XferKVManager(BaseKVManager):
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.shape = dataclasses.replace(
                 self.shape, http=int(getattr(server_args, "port", 0) or 0) % 65536)
+        self.rendezvous_security = RendezvousSecurity.of(_engine_config(), who="XferKVManager")
+        """What this rank's bootstrap clients connect with (the cluster secret), refused at
+        start if it cannot work."""
         self.engine = xfer.TransferEngine(_engine_config())
         self._register()
         self.id = uuid.uuid4().hex[:12]
@@ -532,8 +539,7 @@ class XferKVManager(BaseKVManager):
                     f"{'unset: loopback only' if not (allowed or '').strip() else allowed[:200]})")
         if r is None:
             # Connects briefly: the scheduler loop calls in (lookups carry their own waits).
-            r = xfer.Rendezvous(f"xfer://{addr}", connect_timeout=2.0,
-                                secret_file=os.environ.get("XFER_SECRET_FILE"))
+            r = self.rendezvous_security.connect(f"xfer://{addr}", connect_timeout=2.0)
             with self.lock:
                 self.rendezvous[addr] = r
         return r

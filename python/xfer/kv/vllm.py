@@ -102,6 +102,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import xfer
+from xfer.rendezvous_security import RendezvousSecurity
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -386,12 +387,16 @@ class XferConnector(KVConnectorBase_V1, SupportsHMA):
         self._model = str(getattr(model, "model", "") or "")
         tp_size = self._options.tp_size or int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         groups = _Groups(kv_cache_config)
+        # The operator's rendezvous settings (the cluster secret, etcd's TLS and user: the
+        # engine config's, else the environment's), refused on both roles at start if they
+        # cannot work.
+        self._security = RendezvousSecurity.of(self._options.xfer_config, who="XferConnector")
         self._side_channel: xfer.Server | None = None
         if role == KVConnectorRole.SCHEDULER:
             if self._options.side_channel:
                 # One service per instance, in its scheduler process; its workers publish there.
                 self._side_channel = xfer.Server(
-                    self._options.side_channel, secret_file=os.environ.get("XFER_SECRET_FILE"))
+                    self._options.side_channel, secret_file=self._security.secret_file)
                 logger.info("XferConnector: serving this instance's records at %s",
                             self._side_channel.url)
             self._scheduler: _Scheduler | None = _Scheduler(
@@ -844,9 +849,11 @@ class _Worker:
         self._model = model
         self._tp_size = tp_size
         self._rank = options.tp_rank if options.tp_rank is not None else _tp_rank()
+        self._security = RendezvousSecurity.of(options.xfer_config, who="XferConnector")
+        """What every rendezvous client of this worker connects with."""
         self._engine = xfer.TransferEngine(options.xfer_config)
         self._own_url = _own_rendezvous(options)
-        self._rendezvous = xfer.Rendezvous(self._own_url)
+        self._rendezvous = self._security.connect(self._own_url)
         self._services: dict[str, xfer.Rendezvous] = {self._own_url: self._rendezvous}
         """Rendezvous clients by URL: the shared one, or peers' side channels."""
         self._layers: dict[str, tuple[xfer.MemoryRegion, LayerView]] = {}
@@ -1335,8 +1342,7 @@ class _Worker:
             # Tried once, never waited for: a request names the side channel, and one that is
             # down must fail that request only, not hold a lookup thread (its lookups still
             # ride out a restart of a service once connected, for their own wait).
-            known = xfer.Rendezvous(url, connect_timeout=0.0,
-                                    secret_file=os.environ.get("XFER_SECRET_FILE"))
+            known = self._security.connect(url, connect_timeout=0.0)
             with self._lock:
                 known = self._services.setdefault(url, known)
         return known

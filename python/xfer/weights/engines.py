@@ -23,6 +23,7 @@ from typing import Any
 
 import xfer
 from xfer import weights as W
+from xfer.rendezvous_security import RendezvousSecurity
 
 __all__ = ["FullTensorSender", "StagedReceiver", "full_tensor_specs"]
 
@@ -39,9 +40,12 @@ class _Member:
     """An xfer engine and a rendezvous client, closed together."""
 
     def __init__(self, rendezvous: str, config: str | dict[str, Any] | None) -> None:
+        # The operator's settings (the secret, etcd's TLS and user) from the engine config or
+        # the environment, refused before anything opens if they cannot work.
+        security = RendezvousSecurity.of(config, who="xfer weight sync")
         self.engine = xfer.TransferEngine(config)
         try:
-            self.rendezvous: xfer.Rendezvous | None = xfer.Rendezvous(rendezvous)
+            self.rendezvous: xfer.Rendezvous | None = security.connect(rendezvous)
         except BaseException:
             self.engine.close()
             raise

@@ -57,6 +57,7 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 
 import xfer
 from xfer import weights as W
+from xfer.rendezvous_security import RendezvousSecurity
 
 from .executor import _aligned, _bytes_of
 
@@ -114,8 +115,11 @@ class XferCheckpointEngine(CheckpointEngine):
         timeout: seconds a version may take before it fails everywhere.
         device: where received tensors are yielded (``"cpu"``; a GPU device gets copies).
         listen: where the master's service listens (default: ``default_listen()``).
-        secret_file: the cluster secret (default ``$XFER_SECRET_FILE``): the service admits
-            only clients that prove it; required when it listens beyond loopback.
+        secret_file: the cluster secret (default: the engine config's ``[security]
+            secret_file``, else ``$XFER_SECRET_FILE``; naming different files is refused):
+            the service admits only clients that prove it; required when it listens beyond
+            loopback. etcd's TLS and user come from the engine config's ``[rendezvous]`` or
+            ``$XFER_ETCD_*`` (``xfer.rendezvous_security``).
     """
 
     def __init__(
@@ -142,7 +146,10 @@ class XferCheckpointEngine(CheckpointEngine):
         self.timeout = timeout
         self.device = device
         self.listen = listen or default_listen()
-        self.secret_file = secret_file or os.environ.get("XFER_SECRET_FILE") or None
+        # The operator's rendezvous settings (this secret_file, else the engine config's or
+        # $XFER_SECRET_FILE; etcd's TLS and user), refused now if they cannot work.
+        self.security = RendezvousSecurity.of(config, secret_file=secret_file, who="XferCheckpointEngine")
+        self.secret_file = self.security.secret_file
         if is_master and rendezvous is None and self.secret_file is None and not _loopback(self.listen):
             raise ValueError(
                 f"XferCheckpointEngine: the rendezvous service would listen on {self.listen}, reachable "
@@ -172,7 +179,7 @@ class XferCheckpointEngine(CheckpointEngine):
         if not self.is_master:
             return {"url": None}
         if self.rendezvous_url is None and self._server is None:
-            self._server = xfer.Server(self.listen, secret_file=self.secret_file)
+            self._server = xfer.Server(self.listen, secret_file=self.security.secret_file)
         self._steps += 1
         return {"url": self.rendezvous_url or self._server.url, "group": self._group, "version": self._steps}
 
@@ -203,7 +210,7 @@ class XferCheckpointEngine(CheckpointEngine):
                 self._member.close()
                 self._member = None
             if self._rdv is None or self._member_key is None or self._member_key[4] != url:
-                self._rdv = xfer.Rendezvous(url, secret_file=self.secret_file)
+                self._rdv = self.security.connect(url)
             cls = W.WeightSender if role == "sender" else W.WeightReceiver
             self._member = cls(self.engine, self._rdv, group, rank, senders, receivers, timeout=self.timeout)
             self._member_key = key
