@@ -194,3 +194,58 @@ def test_defaults_refuse_a_silent_mock_and_an_open_service_without_the_secret(mo
     finally:
         engine.engine.close()
         engine._server.close()
+
+
+def test_the_service_and_every_member_take_the_secret_and_etcd_settings_of_the_engine_config(
+        monkeypatch, tmp_path):
+    """Issue 56 M5: the cluster secret and etcd's TLS named only in the engine config (no
+    ``$XFER_SECRET_FILE``): the master's service admits only holders of the secret, every
+    member's rendezvous client is made with all the settings, and a step lands."""
+    import xfer
+
+    for name in ("XFER_SECRET_FILE", "XFER_ETCD_CA_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
+    settings = {"etcd_ca_file": str(tmp_path / "ca.pem")}
+    config = {**MOCK, "security": {"secret_file": str(secret)}, "rendezvous": settings}
+    dialled = []
+    real = xfer.Rendezvous
+
+    def recording(url, **options):  # what each client is made with; the real one then dials
+        dialled.append((url, options))
+        return real(url, **options)
+
+    monkeypatch.setattr(xfer, "Rendezvous", recording)
+    trainers, rollouts = [new_engine(True, config=config)], [new_engine(False, config=config)]
+    try:
+        _, results = step(trainers, rollouts, 1)
+        check(results, 1, 1)
+        assert len(dialled) == 2, dialled
+        for _, options in dialled:
+            assert options.get("secret_file") == str(secret) and options.get("etcd_ca_file") == settings["etcd_ca_file"]
+        with pytest.raises(xfer.RendezvousError, match="authentication failed"):
+            real(trainers[0]._server.url, connect_timeout=2)
+    finally:
+        for e in trainers + rollouts:
+            if e._member is not None:
+                e._member.close()
+            e.engine.close()
+        trainers[0]._server.close()
+
+
+def test_a_password_without_tls_is_refused_by_name_when_the_engine_is_made(monkeypatch, tmp_path):
+    """Issue 56 M5: etcd's user and password without TLS are refused when verl makes the
+    checkpoint engine, naming the settings."""
+    import xfer
+
+    password = tmp_path / "password"
+    password.write_text("pw\n")
+    password.chmod(0o600)
+    monkeypatch.delenv("XFER_ETCD_CA_FILE", raising=False)
+    monkeypatch.setenv("XFER_ETCD_USER", "xfer")
+    monkeypatch.setenv("XFER_ETCD_PASSWORD_FILE", str(password))
+    with pytest.raises(xfer.ConfigError,
+                       match=r"XferCheckpointEngine: .*etcd_password_file \(\$XFER_ETCD_PASSWORD_FILE\).*cleartext"):
+        new_engine(False)

@@ -1552,3 +1552,66 @@ def test_a_decoders_record_squatted_on_another_side_channel_never_stands_in_for_
     for name, cache in squatter.caches.items():
         assert torch.equal(cache[[12, 13]], before[name]), "nothing written to B"
     p.close(), d.close(), squatter.close()
+
+
+# ---- the operator's rendezvous settings (issue 56 M5) ----
+
+
+def private(path, text):
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
+def test_side_channels_and_their_clients_take_the_secret_and_etcd_settings_of_the_engine_config(
+        tmp_path, monkeypatch):
+    """Issue 56 M5: the cluster secret and etcd's TLS and user, named only in the engine config
+    (``xfer_config``'s ``[security]`` and ``[rendezvous]``; no ``$XFER_SECRET_FILE``): each
+    instance's side channel admits only holders of the secret, every rendezvous client of the
+    connector (a worker's own, the prefill's it dials) is made with all of them, and a pull
+    moves the blocks."""
+    for name in ("XFER_SECRET_FILE", "XFER_ETCD_CA_FILE", "XFER_ETCD_USER", "XFER_ETCD_PASSWORD_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    secret = private(tmp_path / "secret", "s" * 32)
+    settings = {"etcd_ca_file": str(tmp_path / "ca.pem"), "etcd_user": "xfer",
+                "etcd_password_file": str(tmp_path / "password")}
+    config = {**MOCK, "security": {"secret_file": str(secret)}, "rendezvous": settings}
+    dialled = []
+    real = xfer.Rendezvous
+
+    def recording(url, **options):  # what each client is made with; the real one then dials
+        dialled.append((url, options))
+        return real(url, **options)
+
+    monkeypatch.setattr(xfer, "Rendezvous", recording)
+    side = {n: f"127.0.0.1:{free_port()}" for n in "pd"}
+    p = Instance("m5-p", None, extra={"rendezvous": None, "side_channel": side["p"], "xfer_config": config,
+                                      "peer_side_channels": [side["d"]]})
+    d = Instance("m5-d", None, extra={"rendezvous": None, "side_channel": side["d"], "xfer_config": config,
+                                      "peer_side_channels": [side["p"]]})
+    try:
+        load(d, "r-d", 10, prefill(p, "r", 10, [3, 5, 7]), [0, 9, 2])
+        assert not d.failed
+        assert_copied(p, d, [3, 5, 7], [0, 9, 2])
+        expected = {"secret_file": str(secret), **settings}
+        assert {url for url, _ in dialled} == {f"xfer://{side['p']}", f"xfer://{side['d']}"}
+        for url, options in dialled:
+            assert {k: options.get(k) for k in expected} == expected, url
+        for url in side.values():
+            with pytest.raises(xfer.RendezvousError, match="authentication failed"):
+                real(f"xfer://{url}", connect_timeout=2)
+    finally:
+        p.close(), d.close()
+
+
+def test_a_password_without_tls_is_refused_by_name_when_the_connector_starts(server, tmp_path, monkeypatch):
+    """Issue 56 M5: etcd's user and password without TLS would send the password in cleartext;
+    the connector refuses it when vLLM makes it (scheduler and worker alike), naming the
+    settings and where they came from — not at the first lookup, and not only in a build with
+    the etcd client."""
+    monkeypatch.delenv("XFER_ETCD_CA_FILE", raising=False)
+    monkeypatch.setenv("XFER_ETCD_USER", "xfer")
+    monkeypatch.setenv("XFER_ETCD_PASSWORD_FILE", str(private(tmp_path / "password", "pw\n")))
+    with pytest.raises(xfer.ConfigError,
+                       match=r"XferConnector: .*etcd_password_file \(\$XFER_ETCD_PASSWORD_FILE\).*cleartext"):
+        Instance("m5-refused", server)
