@@ -357,3 +357,67 @@ def test_an_abort_is_answered_only_after_the_writes_of_a_failed_sender_drained(b
     sender._one_done(None)  # the last completion
     assert 42 not in p.mgr.senders, "forgotten once drained"
     p.close(), d.close()
+
+
+# ---- the operator's rendezvous settings (issue 56 M5) ----
+
+
+def private(path, text):
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
+def test_the_bootstrap_and_its_clients_take_the_secret_the_engine_config_names(tmp_path, monkeypatch):
+    """Issue 56 M5: the cluster secret named only in the engine config given to ``register``
+    (no ``$XFER_SECRET_FILE``): the prefill's bootstrap server admits only holders of it,
+    every bootstrap client of both managers is made with it (and the config's etcd
+    settings), and a request's pages move."""
+    for name in ("XFER_SECRET_FILE", "XFER_CONFIG", "XFER_ETCD_CA_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    secret = private(tmp_path / "secret", "s" * 32)
+    settings = {"etcd_ca_file": str(tmp_path / "ca.pem")}
+    monkeypatch.setattr(xs, "_config", {**MOCK, "security": {"secret_file": str(secret)}, "rendezvous": settings})
+    dialled = []
+    real = xfer.Rendezvous
+
+    def recording(url, **options):  # what each client is made with; the real one then dials
+        dialled.append((url, options))
+        return real(url, **options)
+
+    monkeypatch.setattr(xfer, "Rendezvous", recording)
+    server = xs.XferKVBootstrapServer("127.0.0.1", 0)
+    addr = server.url.removeprefix("xfer://")
+    try:
+        p = Side(DisaggregationMode.PREFILL, addr, 11)
+        d = Side(DisaggregationMode.DECODE, addr, 12)
+        receiver = xs.XferKVReceiver(d.mgr, addr, 78)
+        receiver.init(0)
+        sender = xs.XferKVSender(p.mgr, addr, 78)
+        sender.init(2, aux_index=0)
+        receiver.send_metadata(np.array([4, 6], dtype=np.int32), aux_index=1)
+        until("the page indices", lambda: sender.poll() == KVPoll.WaitingForInput)
+        sender.send(np.array([1, 2], dtype=np.int32))
+        until("the sender", lambda: sender.poll() == KVPoll.Success)
+        until("the receiver", lambda: receiver.poll() == KVPoll.Success)
+        for ours, theirs in zip(d.kv, p.kv):
+            assert np.array_equal(ours[4 * PAGE_BYTES:5 * PAGE_BYTES], theirs[PAGE_BYTES:2 * PAGE_BYTES])
+        assert dialled and {url for url, _ in dialled} == {server.url}
+        for _, options in dialled:
+            assert options.get("secret_file") == str(secret) and options.get("etcd_ca_file") == settings["etcd_ca_file"]
+        with pytest.raises(xfer.RendezvousError, match="authentication failed"):
+            real(server.url, connect_timeout=2)
+        p.close(), d.close()
+    finally:
+        server.close()
+
+
+def test_a_password_without_tls_is_refused_by_name_when_the_manager_starts(bootstrap, tmp_path, monkeypatch):
+    """Issue 56 M5: etcd's user and password without TLS are refused when SGLang makes the
+    manager, naming the settings."""
+    monkeypatch.delenv("XFER_ETCD_CA_FILE", raising=False)
+    monkeypatch.setenv("XFER_ETCD_USER", "xfer")
+    monkeypatch.setenv("XFER_ETCD_PASSWORD_FILE", str(private(tmp_path / "password", "pw\n")))
+    with pytest.raises(xfer.ConfigError,
+                       match=r"XferKVManager: .*etcd_password_file \(\$XFER_ETCD_PASSWORD_FILE\).*cleartext"):
+        Side(DisaggregationMode.DECODE, bootstrap, 13)
