@@ -457,3 +457,23 @@ def test_a_rank_sglang_has_not_placed_is_refused_by_name_and_nothing_is_loaded(m
     outcome = sglang_weights.last_outcome()
     assert outcome["version"] == 7 and not outcome["loaded"], outcome
     assert "receiver rank" in outcome["reason"] and "runtime_context" in outcome["reason"], outcome
+
+
+def test_a_request_without_a_config_is_refused_by_name_not_served_by_the_mock(monkeypatch):
+    # xfer.TransferEngine(None) is the in-process mock: a loader that took it would "receive"
+    # nothing from another host and say so only by timing out. Refused, as verl's engine is.
+    from xfer import sglang_weights
+
+    monkeypatch.delenv("XFER_CONFIG", raising=False)
+
+    class Untouchable:
+        def load_weights(self, weights):
+            raise AssertionError("nothing is loaded")
+
+    with parallel(tp_size=1, tp_rank=0):
+        sglang_weights.load_version(Untouchable(), sglang_weights.request(
+            8, rendezvous="xfer://127.0.0.1:1", group="g", receivers=1, timeout=2.0))
+    outcome = sglang_weights.last_outcome()
+    assert outcome["version"] == 8 and not outcome["loaded"] and not outcome["model_changed"], outcome
+    assert "no xfer config" in outcome["reason"] and "XFER_CONFIG" in outcome["reason"], outcome
+    assert sglang_weights.LOADER in outcome["reason"], outcome

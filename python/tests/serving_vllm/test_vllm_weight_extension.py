@@ -328,3 +328,23 @@ def test_data_parallel_replicas_workers_get_distinct_receiver_ranks(rendezvous_s
     finally:
         for w in workers:
             XferWeightsExtension.xfer_weights_close(w)
+
+
+def test_without_a_config_the_extension_refuses_to_join(rendezvous_server, monkeypatch):
+    # No config and no $XFER_CONFIG: refused by name (verl's engine does the same), never the
+    # in-process mock, which would join the group and then receive nothing from another host.
+    from vllm.config import ParallelConfig
+
+    from xfer.vllm_weights import XferWeightsExtension
+
+    class Worker:  # what the extension reads of vLLM's worker: its rank and parallel config
+        rank = 0
+        parallel_config = ParallelConfig(tensor_parallel_size=1)
+
+    monkeypatch.delenv("XFER_CONFIG", raising=False)
+    worker = Worker()
+    with pytest.raises(ValueError, match="xfer_weights_init: no xfer config.*XFER_CONFIG"):
+        XferWeightsExtension.xfer_weights_init(worker, rendezvous=rendezvous_server.url, group="no-config",
+                                               receivers=1)
+    assert getattr(worker, "_xfer_weights", None) is None, "nothing joined"
+    assert rendezvous_connections(rendezvous_server) == []

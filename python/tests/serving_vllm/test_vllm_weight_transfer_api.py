@@ -308,3 +308,39 @@ def test_tensors_received_whole_go_through_vllms_load_weights_inside_its_layerwi
         assert all(s["staged"] >= trainer.full_bytes for s in after), after
     finally:
         engine.shutdown()
+
+
+def worker_init_without_config(wrapper, init_info):
+    """vLLM's ``Worker.init_weight_transfer_engine`` with ``init_info`` and no ``$XFER_CONFIG``
+    in the worker, as the API route would call it; returns what it raised (caught here: a
+    failure raised through the executor leaves the other worker's answer queued)."""
+    saved = os.environ.pop("XFER_CONFIG", None)
+    try:
+        wrapper.worker.init_weight_transfer_engine(init_info)
+        return None, getattr(wrapper.worker.weight_transfer_engine, "receiver", None) is not None
+    except Exception as e:  # noqa: BLE001 - the driver asserts on it
+        return f"{type(e).__name__}: {e}", getattr(wrapper.worker.weight_transfer_engine, "receiver", None) is not None
+    finally:
+        if saved is not None:
+            os.environ["XFER_CONFIG"] = saved
+
+
+def test_without_a_config_neither_the_trainer_nor_a_worker_builds_the_mock(vllm_tp2, monkeypatch):
+    # No config and no $XFER_CONFIG: refused by name on both sides (as verl's engine does),
+    # never xfer.TransferEngine(None), the in-process mock that moves nothing between hosts.
+    instance, url = vllm_tp2
+    monkeypatch.delenv("XFER_CONFIG", raising=False)
+    trainer = Trainer(url, "api-no-config")
+    trainer.init.config = None
+    client = ExecutorClient(instance)
+    with pytest.raises(ValueError, match="XferTrainerInitInfo: no xfer config.*XFER_CONFIG"):
+        trainer.join(client)
+    assert client.calls == [], "refused before any worker was asked"
+    # A worker asked directly (over vLLM's RL route) without a config refuses too.
+    init = {"rendezvous": url, "group": "api-no-config", "receivers": TP,
+            "tensors": [[n, list(s), "bfloat16"] for n, s in trainer.shapes]}
+    status, answers = instance.ask("rpc", (worker_init_without_config, (init,), {}))
+    assert status == "ok", answers
+    for error, joined in answers:
+        assert error is not None and "XferInitInfo: no xfer config" in error and "XFER_CONFIG" in error, answers
+        assert not joined, answers

@@ -21,11 +21,28 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import os
+
 import xfer
 from xfer import weights as W
 from xfer.rendezvous_security import RendezvousSecurity
 
-__all__ = ["FullTensorSender", "StagedReceiver", "full_tensor_specs"]
+__all__ = ["FullTensorSender", "StagedReceiver", "engine_config", "full_tensor_specs"]
+
+
+def engine_config(config: str | dict[str, Any] | None, who: str) -> str | dict[str, Any]:
+    """The xfer engine config ``who`` builds its engine from: ``config`` (a TOML path or a
+    dict), else ``$XFER_CONFIG``; with neither, refused by name. ``xfer.TransferEngine(None)``
+    would quietly build the in-process mock backend, which "works" on one machine and moves
+    nothing between hosts; the mock is ``{"backend": "mock"}``, given explicitly."""
+    if config is not None:
+        return config
+    env = os.environ.get("XFER_CONFIG")
+    if env:
+        return env
+    raise ValueError(
+        f"{who}: no xfer config (pass config=, a TOML path or a dict, or set $XFER_CONFIG): say which "
+        "backend; the mock is {'backend': 'mock'}, given explicitly")
 
 
 def full_tensor_specs(named_tensors: Iterable[tuple[str, Any]]) -> list[W.TensorSpec]:
@@ -39,7 +56,8 @@ def full_tensor_specs(named_tensors: Iterable[tuple[str, Any]]) -> list[W.Tensor
 class _Member:
     """An xfer engine and a rendezvous client, closed together."""
 
-    def __init__(self, rendezvous: str, config: str | dict[str, Any] | None) -> None:
+    def __init__(self, rendezvous: str, config: str | dict[str, Any] | None, who: str) -> None:
+        config = engine_config(config, who)
         # The operator's settings (the secret, etcd's TLS and user) from the engine config or
         # the environment, refused before anything opens if they cannot work.
         security = RendezvousSecurity.of(config, who="xfer weight sync")
@@ -96,7 +114,7 @@ class FullTensorSender(_Member):
         grace: float | None = None,
         budget_bytes: int | None = None,
     ) -> None:
-        super().__init__(rendezvous, config)
+        super().__init__(rendezvous, config, "FullTensorSender")
         try:
             self.sender: W.WeightSender | None = W.WeightSender(
                 self.engine, self.rendezvous, group, rank, senders, receivers,
@@ -152,8 +170,9 @@ class StagedReceiver(_Member):
         config: str | dict[str, Any] | None = None,
         timeout: float = 300.0,
         grace: float | None = None,
+        who: str = "StagedReceiver",
     ) -> None:
-        super().__init__(rendezvous, config)
+        super().__init__(rendezvous, config, who)
         try:
             self.receiver: W.WeightReceiver | None = W.WeightReceiver(
                 self.engine, self.rendezvous, group, rank, senders, receivers, timeout=timeout, grace=grace

@@ -106,6 +106,10 @@ def request(
     ``verdict_follows``: the caller sends ``verdict(version)`` next in the same session, and a
     failure of this version is SGLang's answer to that call (see the module's documentation).
 
+    ``config``: the xfer engine config each SGLang rank builds its engine from (a TOML path
+    or a dict); ``None``: the rank's ``$XFER_CONFIG``, and with neither the rank refuses the
+    version (its outcome names the missing config), never the in-process mock.
+
     ``device``: where the tensor is made. A process that applied SGLang's patched tensor
     pickling (``monkey_patch_torch_reductions``, which SGLang's own
     ``weight_sync.utils.update_weights`` applies) can pickle only CUDA tensors: pass
@@ -268,7 +272,7 @@ def _load(model: Any, req: dict[str, Any]) -> None:
             _receiver = StagedReceiver(
                 rendezvous=req["rendezvous"], group=req["group"], rank=receiver_rank(req["rank_base"]),
                 receivers=req["receivers"], senders=req["senders"], config=req["config"],
-                timeout=req["timeout"], grace=req["grace"],
+                timeout=req["timeout"], grace=req["grace"], who=LOADER,
             )
             _membership = membership
         assert _receiver is not None

@@ -71,7 +71,8 @@ class XferWeightsExtension:
         grace: float | None = None,
     ) -> int:
         """Joins ``group`` as receiver ``rank_base + <this worker's rank>`` (returned); a
-        second call replaces the previous membership."""
+        second call replaces the previous membership. ``config``: the xfer engine config (a
+        TOML path or a dict), else ``$XFER_CONFIG``; with neither, refused (``ValueError``)."""
         worker_rank = getattr(self, "rank", None)
         if not isinstance(worker_rank, int) or isinstance(worker_rank, bool):
             raise WorkerRankError(
@@ -82,7 +83,7 @@ class XferWeightsExtension:
         rank = receiver_rank(rank_base, worker_rank, getattr(self, "parallel_config", None))
         self._xfer_weights = StagedReceiver(
             rendezvous=rendezvous, group=group, rank=rank, receivers=receivers, senders=senders,
-            config=config, timeout=timeout, grace=grace,
+            config=config, timeout=timeout, grace=grace, who="xfer_weights_init",
         )
         return rank
 

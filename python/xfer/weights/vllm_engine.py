@@ -29,7 +29,7 @@ Trainer side::
 
     init = XferTrainerInitInfo(rank=trainer_rank, rendezvous="xfer://10.0.0.1:7000",
                                group="rl-run-7", receivers=tp * dp, senders=trainer_ranks,
-                               config="/etc/xfer/verbs.toml")
+                               config="/etc/xfer/verbs.toml")  # or $XFER_CONFIG; None without it is refused
     engine = WeightTransferTrainerFactory.trainer_init(init, client=client, source=ModuleSource(model))
     engine.send_weights()  # each step, on every trainer rank
 """
@@ -219,7 +219,7 @@ class XferWeightTransferEngine(WeightTransferEngine):
         self.slices = receiver_params(rank, traced, tensors, direct=direct)
         self._storage = {n: p.data for n, p in self.model.named_parameters()}
         raw = Layout(tensors, (), self.slices.params).to_json()
-        member = _EngineMember(init_info.rendezvous, init_info.config)
+        member = _EngineMember(init_info.rendezvous, init_info.config, "XferInitInfo")
         try:
             self.receiver = WeightReceiver(
                 member.engine, member.rendezvous, init_info.group, rank, init_info.senders, init_info.receivers,
@@ -354,7 +354,7 @@ class XferTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             raise ValueError("XferTrainerInitInfo: rendezvous (xfer://host:port) and group are required")
         tensors = tuple(TensorSpec(m.name, tuple(int(d) for d in m.shape), _dtype_name(m.dtype)) for m in source.metadata)
         is_sender = init_info.rank == 0
-        member = _EngineMember(init_info.rendezvous, init_info.config)
+        member = _EngineMember(init_info.rendezvous, init_info.config, "XferTrainerInitInfo")
         try:
             sender = WeightSender(
                 member.engine, member.rendezvous, init_info.group, init_info.rank, init_info.senders,
