@@ -96,6 +96,17 @@ def test_a_tensor_that_lands_in_no_parameter_and_a_dtype_mismatch_are_received_w
     assert receiver_params(0, traced, TENSORS, direct=False).boxes == ()
 
 
+def test_parameters_the_host_processes_apart_are_received_whole_with_their_module():
+    # vLLM processes an attention layer's parameters only when its reload is finished, not
+    # when the layer's boxes are in: the adapter names them, and they (with their module and
+    # their tensors) go through load_weights like a transformed parameter.
+    traced = tp_rank(0)
+    traced["l.o.bias"] = (ids(NORM), "bfloat16")
+    part = receiver_params(0, traced, TENSORS, whole_params={"l.o.weight"})
+    assert part.whole == ("l.o.weight", "l.norm.weight")
+    assert {b.param for b in part.boxes} == {"l.qk.weight"}
+
+
 def test_a_published_part_is_decoded_only_as_the_ranks_own():
     part = receiver_params(1, tp_rank(1), TENSORS)
     raw = Layout(TENSORS, (), part.params).to_json()

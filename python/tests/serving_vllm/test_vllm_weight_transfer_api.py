@@ -146,21 +146,23 @@ class ExecutorClient:
         self._rpc("finish_weight_update")
 
 
-@pytest.fixture(scope="module")
-def vllm_tp2(tmp_path_factory):
+def vllm_instance(tmp_path_factory, hf_config, standins=("cpu_standin = vllm_cpu_standin:register",)):
+    """vLLM's executor (TP 2, the xfer backend) over a config-only checkpoint of ``hf_config``
+    in a process of its own, and a rendezvous service; ``standins``: the general-plugin entry
+    points that stand in for the compiled ops the wheel lacks."""
     if not plugin_available("efa"):
         pytest.skip("the efa plugin is not in the package (cargo xtask python builds it)")
     from importlib.metadata import entry_points
 
     ours = [e for e in entry_points(group="vllm.general_plugins") if e.value.startswith("xfer.")]
     assert ours, "xfer's wheel names no vllm.general_plugins entry point (rebuild: cargo xtask python)"
-    model_dir = str(tmp_path_factory.mktemp("qwen2-config-only"))
-    qwen2_config().save_pretrained(model_dir)
+    model_dir = str(tmp_path_factory.mktemp(f"{hf_config.model_type}-config-only"))
+    hf_config.save_pretrained(model_dir)
     plugin_dir = tmp_path_factory.mktemp("plugin")
     dist = plugin_dir / "xfer_test_vllm_cpu_standin-0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: xfer-test-vllm-cpu-standin\nVersion: 0\n")
-    (dist / "entry_points.txt").write_text("[vllm.general_plugins]\ncpu_standin = vllm_cpu_standin:register\n")
+    (dist / "entry_points.txt").write_text("[vllm.general_plugins]\n" + "".join(f"{e}\n" for e in standins))
     ctx = mp.get_context("spawn")
     server = xfer.Server("127.0.0.1:0")
     instance = Process(ctx, rollout, model_dir, str(plugin_dir))
@@ -173,11 +175,16 @@ def vllm_tp2(tmp_path_factory):
         server.close()
 
 
+@pytest.fixture(scope="module")
+def vllm_tp2(tmp_path_factory):
+    yield from vllm_instance(tmp_path_factory, qwen2_config())
+
+
 class Trainer:
     """One trainer rank: transformers' Qwen2 (bf16, CPU) as vLLM's ``ModuleSource``; a
     version's values are written into its parameters in place (as an optimizer step does)."""
 
-    def __init__(self, url, group, **kw):
+    def __init__(self, url, group, hf_config=None, **kw):
         import torch
         from transformers import AutoModelForCausalLM
         from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
@@ -185,7 +192,7 @@ class Trainer:
         from xfer.weights.vllm_engine import XferTrainerInitInfo, register
 
         register()  # the trainer process is not vLLM's: it runs the plugin itself
-        self.model = AutoModelForCausalLM.from_config(qwen2_config(), torch_dtype=torch.bfloat16)
+        self.model = AutoModelForCausalLM.from_config(hf_config or qwen2_config(), torch_dtype=torch.bfloat16)
         self.shapes = [(n, tuple(p.shape)) for n, p in self.model.named_parameters()]
         self.source = ModuleSource(self.model)
         self.init = XferTrainerInitInfo(rank=0, rendezvous=url, group=group, receivers=TP, config=xfer_config("shm"),
@@ -344,3 +351,114 @@ def test_without_a_config_neither_the_trainer_nor_a_worker_builds_the_mock(vllm_
     for error, joined in answers:
         assert error is not None and "XferInitInfo: no xfer config" in error and "XFER_CONFIG" in error, answers
         assert not joined, answers
+
+
+def worker_fail_next_load(wrapper, rank, after):
+    """Stand-in for a load that fails on one worker after the commit (a tensor its loader
+    refuses, memory running out while vLLM materialises a layer): worker ``rank``'s next
+    ``load_weights`` takes ``after`` tensors, then raises. Once."""
+    if wrapper.worker.rank != rank:
+        return False
+    model = wrapper.worker.get_model()
+    load = model.load_weights
+
+    def fails_part_way(weights):
+        del model.load_weights  # once: the next version loads with the model's own
+        taken = []
+        for i, item in enumerate(weights):
+            if i == after:
+                load(iter(taken))
+                raise RuntimeError(f"stand-in: worker {rank}'s loader failed at its tensor {i}")
+            taken.append(item)
+        return load(iter(taken))
+
+    model.load_weights = fails_part_way
+    return True
+
+
+def worker_versions_held(wrapper, rank, shapes, seeds):
+    """On worker ``rank``: which of versions ``seeds`` each parameter holds (as vLLM's own
+    ``load_weights`` places it; None: none of them). The model is left as it was."""
+    import torch
+
+    if wrapper.worker.rank != rank:
+        return None
+    model = wrapper.worker.get_model()
+    now = {n: p.detach().clone() for n, p in model.named_parameters()}
+    held = {n: None for n in now}
+    with torch.no_grad():
+        for seed in seeds:
+            model.load_weights((n, full_tensor(n, s, seed)) for n, s in shapes)
+            for n, p in model.named_parameters():
+                if held[n] is None and torch.equal(p.data, now[n]):
+                    held[n] = seed
+        for n, p in model.named_parameters():
+            p.data.copy_(now[n])
+    return held
+
+
+def worker_outcome(wrapper):
+    engine = wrapper.worker.weight_transfer_engine
+    return engine.last_outcome, wrapper.worker._weight_update_active
+
+
+def test_a_version_one_worker_cannot_apply_after_the_commit_is_reported_and_the_next_one_lands(vllm_tp2):
+    # The commit is the last point every rank agrees on; one worker's apply can still fail
+    # after it. That worker's failure must not travel through vLLM's executor (which answers
+    # with the first failure and leaves the other worker's answer queued) nor leave the other
+    # worker in its session (every later start_weight_update would be refused): the trainer
+    # is told by name, the session is closed everywhere, and the next version lands.
+    instance, url = vllm_tp2
+    trainer = Trainer(url, "api-tp2-apply-fails", direct=False)
+    engine = trainer.join(ExecutorClient(instance))
+    try:
+        trainer.step(41)
+        engine.send_weights()
+        assert [s["wrong"] for s in states(instance, trainer.shapes, 41)] == [[]] * TP
+        status, armed = instance.ask("rpc", (worker_fail_next_load, (1, len(trainer.shapes) // 2), {}))
+        assert status == "ok" and armed == [False, True], armed
+        trainer.step(42)
+        with pytest.raises(Exception) as failed:
+            engine.send_weights()
+        assert type(failed.value).__name__ == "VersionNotApplied", repr(failed.value)
+        assert failed.match(r"weight version 2 was committed but not applied on 1 worker"
+                            r".*receiver 1: .*stand-in: worker 1's loader failed")
+        assert failed.value.version == 2 and set(failed.value.failed) == {1}
+        assert engine.client.calls[-3:] == ["start_weight_update", "update_weights", "finish_weight_update"]
+        status, outcomes = instance.ask("rpc", (worker_outcome, (), {}))
+        assert status == "ok", outcomes
+        (ok, ok_active), (bad, bad_active) = outcomes
+        assert ok["version"] == 2 and ok["applied"] and not ok_active, outcomes
+        assert bad["version"] == 2 and not bad["applied"] and bad["committed"] and not bad_active, outcomes
+        # Rank 0 holds version 2; rank 1 a mix of versions 1 and 2, layer by layer: the layers
+        # processed before the failure hold version 2, the rest version 1 — never a layer
+        # half-loaded or left uninitialised.
+        status, held = instance.ask("rpc", (worker_versions_held, (0, trainer.shapes, (42,)), {}))
+        assert status == "ok" and set(held[0].values()) == {42}, held
+        status, held = instance.ask("rpc", (worker_versions_held, (1, trainer.shapes, (41, 42)), {}))
+        assert status == "ok" and set(held[1].values()) == {41, 42}, held
+        # The next version starts a session on every worker and applies whole on both.
+        trainer.step(43)
+        engine.send_weights()
+        assert [s["wrong"] for s in states(instance, trainer.shapes, 43)] == [[]] * TP
+    finally:
+        engine.shutdown()
+
+
+def test_a_workers_outcome_is_decoded_strictly():
+    # What the trainer reads from a worker's outcome region is a peer's bytes: bounded, typed.
+    from xfer.weights.layout import LayoutError
+    from xfer.weights.vllm_engine import OUTCOME_BYTES, decode_outcome, encode_outcome
+
+    def region(raw):
+        return (raw + bytes(OUTCOME_BYTES))[:OUTCOME_BYTES]
+
+    raw = encode_outcome({"version": 3, "applied": False, "reason": "x" * 10_000, "committed": True})
+    assert len(raw) <= OUTCOME_BYTES
+    version, applied, reason = decode_outcome(region(raw))
+    assert (version, applied) == (3, False) and 0 < len(reason) < 10_000
+    for bad in (b"", (5000).to_bytes(4, "little") + b"{}", (0).to_bytes(4, "little"),
+                (3).to_bytes(4, "little") + b"abc", (2).to_bytes(4, "little") + b"[]",
+                encode_outcome({"version": 1, "applied": True})[:4] + b'{"version": true, "applied": 1, "reason": ""}'):
+        with pytest.raises(LayoutError):
+            decode_outcome(region(bad) if bad else bad)

@@ -24,7 +24,7 @@ A layout parameter's name says which kind it is: ``p:<parameter>#<box>`` or ``t:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 import numpy as np
 
 from .layout import Layout, LayoutError, PieceSpec, TensorSpec
@@ -119,9 +119,12 @@ def receiver_params(
     tensors: Sequence[TensorSpec],
     *,
     direct: bool = True,
+    whole_params: Collection[str] = (),
 ) -> ReceiverSlices:
     """Rank ``rank``'s part of the layout from its traced parameters (name → (ids, dtype
-    name)); ``direct=False`` receives every tensor whole."""
+    name)); ``direct=False`` receives every tensor whole; the parameters in ``whole_params``
+    are received whole whatever their trace says (the adapter knows its host processes them
+    another way)."""
     bases = id_bases(tensors)
     index = {t.name: i for i, t in enumerate(tensors)}
     boxes_of: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], PieceSpec]]] = {}
@@ -137,7 +140,7 @@ def receiver_params(
             feeds[pname] = set()
             continue
         feeds[pname] = {int(t) for t in np.unique(np.searchsorted(bases, got, side="right") - 1)}
-        boxes = pieces_of(ids, tensors, bases) if direct else None
+        boxes = pieces_of(ids, tensors, bases) if direct and pname not in whole_params else None
         if boxes is None or any(tensors[index[b[2][0]]].dtype != dtype for b in boxes):
             failed.add(pname)
         else:

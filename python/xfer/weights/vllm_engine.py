@@ -9,21 +9,35 @@ point, which vLLM runs in every process it starts (the engine core and each work
 the worker builds its weight-transfer engine); it registers ``"xfer"`` with both factories.
 
 Each worker receives only what its own loader takes (``xfer.weights.slices``): at
-``init_weight_transfer_engine`` the worker runs ``model.load_weights`` once on ids and
-learns, per checkpoint tensor, which box of it lands where in which of its parameters. A
+``init_weight_transfer_engine`` the worker runs ``model.load_weights`` once on ids, into
+integer stand-ins of the checkpoint-format parameters vLLM restores for its layerwise reload,
+and learns, per checkpoint tensor, which box of it lands where in which of its parameters. A
 parameter copied from boxes (a tensor-parallel slice, the parts of a fused ``qkv_proj`` /
 ``gate_up_proj``) is received as those boxes only; anything the loader transforms (a
-quantised model, a cast, a parameter mixing both) is received whole and loaded through
-``load_weights`` inside vLLM's layerwise reload, as vLLM's own ``nccl_m2n`` does. The worker
-publishes its part of the layout as a registered region; each trainer rank reads every
-worker's part once, at ``trainer_init``, and plans its writes (``xfer.weights.plan``: the
-trainer ranks share the sending).
+quantised model, a cast, a parameter mixing both) and every parameter of an attention layer
+is received whole and loaded through ``load_weights``. The worker publishes its part of the
+layout as a registered region; each trainer rank reads every worker's part once, at
+``trainer_init``, and plans its writes (``xfer.weights.plan``: the trainer ranks share the
+sending).
+
+Every version runs inside vLLM's layerwise reload, as vLLM's own engines run theirs: the
+boxes of a layer land in its freshly materialised checkpoint-format parameters, then the
+layer's ``process_weights_after_loading`` runs and its result is copied into the tensors the
+kernels read; ``finish_weight_update`` processes the attention layers again from what is
+now loaded (MLA's ``W_UK`` / ``W_UV`` are derived from ``kv_b_proj``). A parameter the model
+post-processes (an MLA attention's absorbed weights, a MoE kernel's reordered ``w13``, a
+CPU-packed linear) therefore ends each version exactly as vLLM's own reload leaves it.
 
 A version is all-or-nothing across every worker (``xfer.weights`` executor): the bytes land
 in each worker's registered staging, the coordinator (trainer rank 0) commits, and only then
-does each worker copy its boxes into the parameters and run ``load_weights`` on the whole
-tensors. A version that fails is applied nowhere; ``send_weights`` raises ``VersionFailed`` on
-the trainer (the workers' ``update_weights`` return: see ``receive_weights``).
+does each worker apply it. A version that fails is applied nowhere; ``send_weights`` raises
+``VersionFailed`` on the trainer. Applying can still fail on a worker after the commit (its
+``load_weights`` refuses a tensor, vLLM's processing runs out of memory): the worker records
+it (``last_outcome`` and an outcome region the trainer reads) instead of raising through
+vLLM's executor, its layers not yet processed keep the previous version, the trainer always
+finishes the workers' session, and rank 0's ``send_weights`` raises ``VersionNotApplied``
+naming the version and each such worker. The instance takes the next version, which, applied
+whole, repairs the mix.
 
 Trainer side::
 
@@ -37,6 +51,7 @@ Trainer side::
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -54,6 +69,8 @@ from .vllm import receiver_rank
 
 __all__ = [
     "BACKEND",
+    "OUTCOME_BYTES",
+    "VersionNotApplied",
     "XferInitInfo",
     "XferTrainerInitInfo",
     "XferTrainerWeightTransferEngine",
@@ -88,6 +105,54 @@ def register() -> None:
 
 def _slices_record(group: str, rank: int) -> str:
     return f"{group}.m{rank}"
+
+
+# A worker's outcome of its last version, in a region the trainer reads after each version:
+# a 4-byte little-endian length, then that many bytes of JSON.
+OUTCOME_BYTES = 4096
+_REASON_CHARS = 1500
+
+
+class VersionNotApplied(RuntimeError):
+    """A version every rank received and the coordinator committed, that some worker could
+    not apply (its ``load_weights`` or vLLM's processing raised): ``failed`` maps each such
+    receiver rank to its reason. Those workers' layers are a mix of this version and the
+    previous one; the other workers hold this version. The next version that applies whole
+    repairs it (every version carries every tensor)."""
+
+    def __init__(self, version: int, failed: dict[int, str]) -> None:
+        listed = "; ".join(f"receiver {r}: {why}" for r, why in sorted(failed.items()))
+        super().__init__(f"weight version {version} was committed but not applied on {len(failed)} "
+                         f"worker(s) (their layers are a mix of versions until one applies whole): {listed}")
+        self.version = version
+        self.failed = failed
+
+
+def encode_outcome(outcome: dict[str, Any]) -> bytes:
+    """A worker's outcome as its outcome region holds it (the reason cut to fit)."""
+    fields = {"version": int(outcome["version"]), "applied": bool(outcome["applied"]),
+              "reason": str(outcome.get("reason", ""))[:_REASON_CHARS]}
+    raw = json.dumps(fields).encode()
+    return len(raw).to_bytes(4, "little") + raw
+
+
+def decode_outcome(raw: bytes) -> tuple[int, bool, str]:
+    """``(version, applied, reason)`` from a worker's outcome region; what is not one (a
+    length past the region, not JSON, fields of other types) raises ``LayoutError``."""
+    if len(raw) < 4:
+        raise LayoutError("an outcome shorter than its length")
+    n = int.from_bytes(raw[:4], "little")
+    if not 0 < n <= min(len(raw) - 4, OUTCOME_BYTES - 4):
+        raise LayoutError(f"an outcome of {n} bytes (bound {OUTCOME_BYTES - 4})")
+    try:
+        fields = json.loads(bytes(raw[4:4 + n]))
+    except ValueError as e:
+        raise LayoutError(f"an outcome that is not JSON: {e}") from None
+    if not (isinstance(fields, dict) and set(fields) == {"version", "applied", "reason"}
+            and type(fields["version"]) is int and type(fields["applied"]) is bool
+            and isinstance(fields["reason"], str)):
+        raise LayoutError("an outcome without exactly version (int), applied (bool) and reason (str)")
+    return fields["version"], fields["applied"], fields["reason"][:_REASON_CHARS]
 
 
 @dataclasses.dataclass
@@ -134,28 +199,80 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def trace_model(model: Any, tensors: tuple[TensorSpec, ...], device: Any) -> dict[str, tuple[np.ndarray, str]]:
-    """Runs ``model.load_weights`` on ids (see ``xfer.weights.slices``) into integer stand-ins
-    of the model's parameters; returns each parameter's ids and dtype name. The model's
-    parameters and buffers are as before afterwards, whatever the loader raised."""
-    import torch
+def _end_layer_reload(layer: Any, info: Any) -> None:
+    """Ends vLLM's layerwise reload of ``layer`` without loading or processing it: its kernel
+    tensors back in place, nothing pending, and their weight loaders unwrapped. (vLLM wraps
+    the loaders of the tensors it keeps live — a ``bias`` — for the reload; left wrapped, a
+    later ``load_weights`` outside a reload is dropped as "excessive loading".)"""
+    from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader, _place_kernel_tensors
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
-    params = dict(model.named_parameters())
-    dtypes = {n: _dtype_name(p.dtype) for n, p in params.items()}
-    saved = {n: p.data for n, p in params.items()}
-    # torch refuses integer data under a parameter that requires gradients.
-    grads = {n: p.requires_grad for n, p in params.items()}
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    if info.kernel_tensors is not None:
+        _place_kernel_tensors(layer, info)
+    info.reset()
+    for t in get_layer_tensors(layer).values():
+        loader = getattr(t, "weight_loader", None)
+        if getattr(loader, "__name__", "") == "online_process_loader":
+            t.weight_loader = _get_original_loader(t)
+
+
+def trace_model(model: Any, tensors: tuple[TensorSpec, ...], device: Any) -> tuple[dict[str, tuple[np.ndarray, str]], set[str]]:
+    """Runs ``model.load_weights`` on ids (see ``xfer.weights.slices``) into integer stand-ins
+    of the parameters its loaders write: the checkpoint-format parameters vLLM recorded when it
+    built the model and restores for its layerwise reload (``initialize_layerwise_reload``),
+    not the processed ones the kernels read — a box is copied into the former, and the layer's
+    ``process_weights_after_loading`` makes the latter from it, as in vLLM's own reload (its
+    ``sharded_rdt`` engine bakes its plan the same way). Returns each parameter's ids and dtype
+    name, and the parameters of attention layers (vLLM processes those only when the reload is
+    finished: they are received whole). The stand-ins are made where vLLM materialises the
+    layers, the ids on ``device``; the model's parameters and buffers are as before
+    afterwards, whatever the loader raised."""
+    import torch
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        LAYERWISE_INFO,
+        _get_original_loader,
+        initialize_layerwise_reload,
+    )
+
     bases = id_bases(tensors)
+    dtypes: dict[str, str] = {}
+    attention: set[str] = set()
+    live_buffers: list[tuple[Any, Any]] = []
 
     def ids() -> Iterator[tuple[str, Any]]:
         for i, t in enumerate(tensors):
             yield t.name, torch.from_numpy(trace_tensor(i, tensors, bases)).to(device)
 
+    initialize_layerwise_reload(model)
     try:
-        for n, p in params.items():
-            p.requires_grad_(False)
-            p.data = torch.full(tuple(p.shape), -1, dtype=torch.int64, device=p.device)
+        for prefix, layer in model.named_modules():
+            info = LAYERWISE_INFO.get(layer)
+            at = info.restore_device if info is not None else None
+            for name, t in list(layer._parameters.items()):
+                if t is None:
+                    continue
+                full = f"{prefix}.{name}" if prefix else name
+                dtypes[full] = _dtype_name(t.dtype)
+                if is_deferred_attention_layer(layer):
+                    attention.add(full)
+                # As vLLM materialises a meta parameter (class and loader attributes kept), in
+                # int64 ids; the loader is the original, not reload's deferring wrapper.
+                ids_of = torch.full(tuple(t.shape), -1, dtype=torch.int64, device=t.device if not t.is_meta else at)
+                ids_of.__class__ = t.__class__
+                ids_of.__dict__ = t.__dict__.copy()
+                try:
+                    ids_of.weight_loader = _get_original_loader(t)
+                except (AttributeError, ValueError):  # a parameter whose loader vLLM deleted
+                    pass
+                setattr(layer, name, ids_of)
+            for name, b in list(layer._buffers.items()):
+                if b is None:
+                    continue
+                if b.is_meta:
+                    setattr(layer, name, torch.zeros(tuple(b.shape), dtype=b.dtype, device=at))
+                else:  # live (never on meta): a loader writing it must not change the model
+                    live_buffers.append((b, b.detach().clone()))
         try:
             from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
         except ImportError:  # pragma: no cover - older vLLM
@@ -164,15 +281,19 @@ def trace_model(model: Any, tensors: tuple[TensorSpec, ...], device: Any) -> dic
             disable_mtp_completeness_check = contextlib.nullcontext
         with torch.no_grad(), disable_mtp_completeness_check():
             model.load_weights(ids())
-        return {n: (p.data.cpu().numpy().copy(), dtypes[n]) for n, p in params.items()}
+        traced = {n: (p.data.cpu().numpy().copy(), dtypes[n]) for n, p in model.named_parameters() if n in dtypes}
+        return traced, attention
     finally:
-        for n, p in params.items():
-            p.data = saved[n]
-            p.requires_grad_(grads[n])
+        # What vLLM's sharded_rdt does after its dry run: the kernel tensors back, nothing loaded.
+        for layer in model.modules():
+            info = LAYERWISE_INFO.get(layer)
+            if info is not None and info.can_load():
+                _end_layer_reload(layer, info)
+        if hasattr(model, "_original_do_torchao_reload"):
+            model._do_torchao_reload = model._original_do_torchao_reload
         with torch.no_grad():
-            for n, b in model.named_buffers():
-                if n in buffers:
-                    b.copy_(buffers[n])
+            for b, saved in live_buffers:
+                b.copy_(saved)
 
 
 class XferWeightTransferEngine(WeightTransferEngine):
@@ -192,32 +313,31 @@ class XferWeightTransferEngine(WeightTransferEngine):
         self._published: Any = None
         self._slices_buf: np.ndarray | None = None
         self._slices_region: Any = None
+        self._outcome_buf: np.ndarray | None = None
+        self._outcome_region: Any = None
         self._reloading = False
-        # The parameters' storage as it was at init: boxes are copied into it. During vLLM's
-        # layerwise reload the live parameters are on the meta device, and finishing the
-        # reload puts these tensors back where nothing was loaded through load_weights.
-        self._storage: dict[str, Any] = {}
         self.last_outcome: dict[str, Any] | None = None
 
     def init_transfer_engine(self, init_info: XferInitInfo) -> None:
         """Joins the group as receiver ``rank_base`` + this worker's place (see
         ``xfer.weights.vllm.receiver_rank``), learns its slices from its own loader and
-        publishes them for the trainer ranks. A second call replaces the first."""
+        publishes them, with its outcome region, for the trainer ranks. A second call replaces
+        the first."""
         self.shutdown()
         tensors = init_info.specs()
         rank = receiver_rank(init_info.rank_base, int(self.parallel_config.rank), self.parallel_config)
         direct = bool(init_info.direct) and getattr(self.model_config, "quantization", None) is None
         traced: dict[str, tuple[np.ndarray, str]] = {}
+        attention: set[str] = set()
         if direct:
             try:
-                traced = trace_model(self.model, tensors, self.device)
+                traced, attention = trace_model(self.model, tensors, self.device)
             except Exception as e:  # noqa: BLE001 - every tensor then goes through load_weights
                 self.trace_failure = f"{type(e).__name__}: {e}"
                 _log.warning("xfer weight transfer: the loader could not be traced (%s); every tensor is received whole",
                              self.trace_failure)
                 direct = False
-        self.slices = receiver_params(rank, traced, tensors, direct=direct)
-        self._storage = {n: p.data for n, p in self.model.named_parameters()}
+        self.slices = receiver_params(rank, traced, tensors, direct=direct, whole_params=attention)
         raw = Layout(tensors, (), self.slices.params).to_json()
         member = _EngineMember(init_info.rendezvous, init_info.config, "XferInitInfo")
         try:
@@ -227,22 +347,28 @@ class XferWeightTransferEngine(WeightTransferEngine):
             )
             self._slices_buf = np.frombuffer(bytearray(raw), dtype=np.uint8)
             self._slices_region = member.engine.reg_mr(self._slices_buf, access="read")
+            self._outcome_buf = np.zeros(OUTCOME_BYTES, dtype=np.uint8)
+            self._outcome_region = member.engine.reg_mr(self._outcome_buf, access="read")
+            self._record({"version": -1, "applied": False, "reason": "no version received yet"})
             self._published = member.rendezvous.publish(
                 _slices_record(init_info.group, rank), member.engine.main_address,
-                {"slices": self._slices_region.desc}, ttl=max(2.0, init_info.timeout))
+                {"slices": self._slices_region.desc, "outcome": self._outcome_region.desc},
+                ttl=max(2.0, init_info.timeout))
         except BaseException:
             self._member = member
             self.shutdown()
             raise
         self._member, self.rank = member, rank
+        self.last_outcome = None
 
     def start_weight_update(self) -> None:
-        """vLLM's layerwise reload, when some tensor goes through ``load_weights``."""
-        self._reloading = bool(self.slices and self.slices.whole)
-        if self._reloading:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        """vLLM's layerwise reload, for every version (as vLLM's own engines run it): the
+        layers' parameters go back to the checkpoint format they are loaded in, and each
+        layer's processing runs again once its weights are in (see ``receive_weights``)."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-            initialize_layerwise_reload(self.model)
+        initialize_layerwise_reload(self.model)
+        self._reloading = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -253,55 +379,148 @@ class XferWeightTransferEngine(WeightTransferEngine):
 
     def receive_weights(self, update_info: XferUpdateInfo) -> None:
         """Receives the version (waits until the coordinator decided it for every rank), then
-        applies it only if it was committed: each box copied into its parameter's storage,
-        the whole tensors through ``load_weights``. A version that failed is not applied and
-        does not raise (``last_outcome`` says why): vLLM's multiprocess executor answers a
+        applies it only if it was committed: each layer with boxes is materialised in its
+        checkpoint format, its boxes copied in, and processed into the kernel's tensors (what
+        vLLM's reload does once a layer's weights are in); the whole tensors go through
+        ``load_weights``, which vLLM's reload defers and processes the same way.
+
+        Never raises for a version (``last_outcome`` says what happened, and the trainer
+        reads it from this worker's outcome region): vLLM's multiprocess executor answers a
         call with the first worker's failure and leaves the other workers' answers queued
-        (without ``enable_fault_tolerance``), so every later call would read a stale failure.
-        The trainer has the group's one verdict (``send_weights`` raises ``VersionFailed``)."""
-        r, slices = self.receiver, self.slices
-        if r is None or slices is None:
-            raise RuntimeError("xfer weight transfer: update_weights before init_weight_transfer_engine")
+        (without ``enable_fault_tolerance``), and a worker whose ``update_weights`` raised
+        ends its session while the others stay in theirs, so every later call would fail. A
+        version that failed is not applied; one whose apply failed after the commit leaves
+        the layers processed before the failure at the new version and the rest at the
+        previous one (``finish_weight_update`` then re-derives the attention layers from what
+        is there); the next version that applies whole repairs it."""
         version = update_info.version
+        committed = False
+        try:
+            committed = self._receive(version)
+            if committed:
+                self._apply(version)
+        except Exception as e:  # noqa: BLE001 - see the docstring: recorded, never raised through vLLM
+            if not committed:
+                self._record({"version": version, "applied": False, "committed": False,
+                              "reason": f"{type(e).__name__}: {e}"})
+                _log.error("xfer weight transfer: weight version %s not received (%s: %s); the model keeps "
+                           "its weights", version, type(e).__name__, e)
+                return
+            self._record({"version": version, "applied": False, "committed": True,
+                          "reason": f"applying the committed version failed: {type(e).__name__}: {e}"})
+            _log.error("xfer weight transfer: weight version %s was committed but not applied on this worker "
+                       "(%s: %s); its layers are a mix of this version and the previous one until a version "
+                       "applies whole", version, type(e).__name__, e)
+            self._abort_reload(attention=False)
+
+    def _receive(self, version: Any) -> bool:
+        """Receives ``version``; True once the coordinator committed it, False (recorded) if
+        it failed."""
+        r = self.receiver
+        if r is None or self.slices is None:
+            raise RuntimeError("xfer weight transfer: update_weights before init_weight_transfer_engine")
         if type(version) is not int or version < 0:
             raise ValueError(f"xfer weight transfer: version must be a non-negative integer, got {version!r}")
+        if not self._reloading:
+            raise RuntimeError("xfer weight transfer: update_weights outside start_weight_update / finish_weight_update")
         try:
             r.receive(version)
         except VersionFailed as e:
-            self.last_outcome = {"version": version, "applied": False, "reason": str(e)}
+            self._record({"version": version, "applied": False, "committed": False, "reason": str(e)})
             _log.warning("xfer weight transfer: %s; the model keeps its weights", e)
-            return
-        import torch
+            return False
+        return True
 
+    def _apply(self, version: int) -> None:
+        import torch
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, _layerwise_process
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
+        r, slices = self.receiver, self.slices
+        assert r is not None and slices is not None
         staged = dict(r.tensors())
+        by_layer: dict[str, list[Any]] = {}
+        for box in slices.boxes:
+            by_layer.setdefault(box.param.rpartition(".")[0], []).append(box)
         with torch.no_grad():
-            for box in slices.boxes:
-                window = tuple(slice(a, a + n) for a, n in zip(box.at, box.shape))
-                self._storage[box.param][window].copy_(staged[box.name])
-        if slices.whole:
-            self.model.load_weights((name[2:], t) for name, t in staged.items() if name.startswith("t:"))
-        self.last_outcome = {"version": version, "applied": True, "reason": ""}
+            # A layer with boxes takes no tensor whole (``receiver_params``): once its boxes
+            # are in, it is complete, and processing it at once holds one layer's
+            # checkpoint-format copy at a time, as vLLM's reload does.
+            for prefix, boxes in by_layer.items():
+                layer = self.model.get_submodule(prefix)
+                info = LAYERWISE_INFO.get(layer)
+                if info is None or not info.can_load():
+                    raise RuntimeError(f"layer {prefix!r} is not being reloaded (start_weight_update did not prepare it)")
+                materialize_layer(layer, info)
+                for box in boxes:
+                    window = tuple(slice(a, a + n) for a, n in zip(box.at, box.shape))
+                    getattr(layer, box.param.rpartition(".")[2]).data[window].copy_(staged[box.name])
+                if info.can_load():
+                    _layerwise_process(layer, info)
+            if slices.whole:
+                self.model.load_weights((name[2:], t) for name, t in staged.items() if name.startswith("t:"))
+        self._record({"version": version, "applied": True, "committed": True, "reason": ""})
 
     def finish_weight_update(self) -> None:
-        if self._reloading:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            finalize_layerwise_reload(self.model, self.model_config)
+        """Finishes vLLM's layerwise reload: attention layers are processed again from the
+        layers they read (MLA's ``W_UK`` / ``W_UV`` from ``kv_b_proj``), a layer that took
+        nothing gets its previous tensors back. A failure here is recorded as the version's
+        outcome, as in ``receive_weights``, never raised."""
+        if not self._reloading:
+            return
         self._reloading = False
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        except Exception as e:  # noqa: BLE001 - see receive_weights
+            version = (self.last_outcome or {}).get("version", -1)
+            self._record({"version": version, "applied": False, "committed": True,
+                          "reason": f"finishing vLLM's layerwise reload failed: {type(e).__name__}: {e}"})
+            _log.error("xfer weight transfer: finishing the reload of weight version %s failed (%s: %s); the "
+                       "model is a mix of versions until a version applies whole", version, type(e).__name__, e)
+            self._abort_reload(attention=True)
+
+    def _abort_reload(self, *, attention: bool) -> None:
+        """Ends vLLM's layerwise reload where it stands: every layer not yet processed gets its
+        kernel tensors back (the previous version; never a half-loaded, uninitialised layer),
+        and is no longer being reloaded, so the next ``start_weight_update`` prepares it
+        again. Attention layers are left to ``finalize_layerwise_reload`` (which re-derives
+        them from the layers now in place) unless ``attention``."""
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        for layer in self.model.modules():
+            info = LAYERWISE_INFO.get(layer)
+            if info is None or not info.can_load() or (not attention and is_deferred_attention_layer(layer)):
+                continue
+            _end_layer_reload(layer, info)
+        if attention and hasattr(self.model, "_original_do_torchao_reload"):
+            self.model._do_torchao_reload = self.model._original_do_torchao_reload
+
+    def _record(self, outcome: dict[str, Any]) -> None:
+        """This worker's outcome of a version, kept and written to its outcome region."""
+        self.last_outcome = outcome
+        if self._outcome_buf is not None:
+            raw = encode_outcome(outcome)
+            self._outcome_buf[:] = 0
+            self._outcome_buf[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
 
     def shutdown(self) -> None:
         """Leaves the group, frees the staging and closes the engine (idempotent)."""
-        receiver, member, published, region = self.receiver, self._member, self._published, self._slices_region
-        self.receiver = self._member = self._published = self._slices_region = None
+        receiver, member, published = self.receiver, self._member, self._published
+        regions = (self._slices_region, self._outcome_region)
+        self.receiver = self._member = self._published = self._slices_region = self._outcome_region = None
         try:
             if published is not None:
                 published.unpublish()
             if receiver is not None:
                 receiver.close()
-            if region is not None:
-                region.dereg()
+            for region in regions:
+                if region is not None:
+                    region.dereg()
         finally:
-            self._slices_buf = None
+            self._slices_buf = self._outcome_buf = None
             if member is not None:
                 member._close_engine()
 
@@ -332,12 +551,13 @@ class XferTrainerInitInfo(TrainerInitInfo):
 
 class XferTrainerWeightTransferEngine(TrainerWeightTransferEngine):
     """The trainer side: every trainer rank sends its share of each version; rank 0 (vLLM's
-    sender) also drives the workers through ``client`` and coordinates the version."""
+    sender) also drives the workers through ``client``, coordinates the version and reads each
+    worker's outcome once the session is finished."""
 
     init_info_cls = XferTrainerInitInfo
 
     def __init__(self, *, client: Any, source: Any, is_sender: bool, rank: int, info: XferTrainerInitInfo,
-                 member: _EngineMember, sender: WeightSender, layout: Layout) -> None:
+                 member: _EngineMember, sender: WeightSender, layout: Layout, outcomes: tuple[Any, ...] = ()) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender, rank=rank)
         self.info = info
         self._member: _EngineMember | None = member
@@ -345,6 +565,10 @@ class XferTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         self.layout = layout
         self.version = 0
         self._index = {t.name: i for i, t in enumerate(layout.tensors)}
+        # Each worker's outcome region, read into one local buffer after each version.
+        self._outcomes = outcomes
+        self._outcome_buf = np.zeros(max(1, len(outcomes)) * OUTCOME_BYTES, dtype=np.uint8)
+        self._outcome_region = member.engine.reg_mr(self._outcome_buf, access="local") if outcomes else None
 
     @classmethod
     def trainer_init(cls, init_info: XferTrainerInitInfo, *, client: Any, source: Any = None) -> XferTrainerWeightTransferEngine:
@@ -369,24 +593,31 @@ class XferTrainerWeightTransferEngine(TrainerWeightTransferEngine):
                     "direct": init_info.direct, "max_bytes": init_info.max_bytes,
                 })
             params = []
+            outcomes = []
             deadline = time.monotonic() + init_info.timeout
             for r in range(init_info.receivers):
-                params.extend(read_receiver_slices(member.engine, member.rendezvous, init_info.group, r, tensors, deadline).params)
+                part, outcome = _read_receiver(member.engine, member.rendezvous, init_info.group, r, tensors, deadline)
+                params.extend(part.params)
+                outcomes.append(outcome)
             shards = tuple((s, t.name, None) for s in range(init_info.senders) for t in tensors)
             layout = Layout(tensors, shards, tuple(params))
+            engine = cls(client=client, source=source, is_sender=is_sender, rank=init_info.rank, info=init_info,
+                         member=member, sender=sender, layout=layout, outcomes=tuple(outcomes) if is_sender else ())
         except BaseException:
             if "sender" in locals():
                 sender.close()
             member._close_engine()
             raise
-        return cls(client=client, source=source, is_sender=is_sender, rank=init_info.rank, info=init_info,
-                   member=member, sender=sender, layout=layout)
+        return engine
 
     def send_weights(self) -> None:
         """One version: rank 0 starts the workers' update and calls their ``update_weights``
-        while every trainer rank writes its share, then finishes it; returns once the version
-        is committed and applied on every worker; raises ``VersionFailed`` (after finishing
-        the workers' session, nothing applied) otherwise."""
+        while every trainer rank writes its share, then finishes the session — always, also
+        after a failure — and reads every worker's outcome. Returns once the version is
+        committed and applied on every worker; raises ``VersionFailed`` when it was applied
+        nowhere, and on rank 0 ``VersionNotApplied`` (naming the version and each worker that
+        could not apply it, with its reason) when it was committed but some worker's apply
+        failed. Either way the session is closed and the next version can be sent."""
         s = self.sender
         if s is None:
             raise RuntimeError("send_weights after shutdown")
@@ -414,30 +645,64 @@ class XferTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             rpc.start()
         failed: VersionFailed | None = None
         try:
-            if self.info.budget_bytes is None:
-                s.send(version, self.layout, dict(shards()))
-            else:
-                s.send(version, self.layout, shards())
-        except VersionFailed as e:
-            failed = e
+            try:
+                if self.info.budget_bytes is None:
+                    s.send(version, self.layout, dict(shards()))
+                else:
+                    s.send(version, self.layout, shards())
+            except VersionFailed as e:
+                failed = e
+            finally:
+                if rpc is not None:
+                    rpc.join()
         finally:
-            if rpc is not None:
-                rpc.join()
+            if self.is_sender:
+                # Always: a worker left in its session refuses every later start_weight_update.
+                # The workers' update_weights never raise for a version (see
+                # XferWeightTransferEngine.receive_weights), so their answers are in step.
+                self.client.finish_weight_update()
         if rpc_error:
             raise rpc_error[0]
-        if self.is_sender:
-            # Also after a failed version: the workers applied nothing and end the session
-            # (their update_weights did not raise, see XferWeightTransferEngine).
-            self.client.finish_weight_update()
         if failed is not None:
             raise failed
+        if self.is_sender:
+            not_applied = self._not_applied(version)
+            if not_applied:
+                raise VersionNotApplied(version, not_applied)
+
+    def _not_applied(self, version: int) -> dict[int, str]:
+        """Each worker's outcome of ``version`` read from its outcome region: the receiver
+        ranks that did not apply it, with their reasons."""
+        region = self._outcome_region
+        member = self._member
+        if region is None or member is None:
+            return {}
+        deadline = time.monotonic() + self.info.timeout
+        for r, desc in enumerate(self._outcomes):
+            member.engine.submit_single_read(region, desc, OUTCOME_BYTES, local_offset=r * OUTCOME_BYTES).wait(
+                max(0.0, deadline - time.monotonic()))
+        failed: dict[int, str] = {}
+        for r in range(len(self._outcomes)):
+            raw = self._outcome_buf[r * OUTCOME_BYTES:(r + 1) * OUTCOME_BYTES].tobytes()
+            try:
+                got, applied, reason = decode_outcome(raw)
+            except LayoutError as e:
+                failed[r] = f"an unreadable outcome ({e})"
+                continue
+            if got != version:
+                failed[r] = f"its last outcome is of version {got}, not {version}"
+            elif not applied:
+                failed[r] = reason
+        return failed
 
     def shutdown(self) -> None:
-        sender, member = self.sender, self._member
-        self.sender = self._member = None
+        sender, member, region = self.sender, self._member, self._outcome_region
+        self.sender = self._member = self._outcome_region = None
         try:
             if sender is not None:
                 sender.close()
+            if region is not None:
+                region.dereg()
         finally:
             if member is not None:
                 member._close_engine()
@@ -448,14 +713,24 @@ def read_receiver_slices(engine: _xfer.TransferEngine, rendezvous: Any, group: s
     """Receiver ``rank``'s part of the layout, read from the region its slices record names
     (published by the same engine as its member record), bounded and decoded by
     ``decode_receiver_layout``."""
+    return _read_receiver(engine, rendezvous, group, rank, tensors, deadline)[0]
+
+
+def _read_receiver(engine: _xfer.TransferEngine, rendezvous: Any, group: str, rank: int,
+                   tensors: tuple[TensorSpec, ...], deadline: float) -> tuple[Layout, Any]:
+    """``read_receiver_slices``, and the descriptor of the receiver's outcome region."""
     left = max(0.0, deadline - time.monotonic())
     rec = rendezvous.lookup(_slices_record(group, rank), left)
     member = rendezvous.lookup(f"{group}.r{rank}", max(0.0, deadline - time.monotonic()))
     if bytes(rec["addr"]) != bytes(member["addr"]):
         raise LayoutError(f"receiver {rank}'s slices are published by another engine than its membership")
-    desc = dict(rec["regions"]).get("slices")
+    regions = dict(rec["regions"])
+    desc = regions.get("slices")
     if desc is None:
         raise LayoutError(f"receiver {rank}'s slices record names no region")
+    outcome = regions.get("outcome")
+    if outcome is None or int(outcome.nbytes) != OUTCOME_BYTES:
+        raise LayoutError(f"receiver {rank}'s slices record names no outcome region of {OUTCOME_BYTES} bytes")
     n = int(desc.nbytes)
     if not 0 < n <= MAX_LAYOUT_BYTES:
         raise LayoutError(f"receiver {rank}'s slices are {n} bytes (bound {MAX_LAYOUT_BYTES})")
@@ -465,4 +740,4 @@ def read_receiver_slices(engine: _xfer.TransferEngine, rendezvous: Any, group: s
         engine.submit_single_read(region, desc, n).wait(max(0.0, deadline - time.monotonic()))
     finally:
         region.dereg()
-    return decode_receiver_layout(buf.tobytes(), rank, tensors)
+    return decode_receiver_layout(buf.tobytes(), rank, tensors), outcome
