@@ -210,6 +210,31 @@ def test_a_cancelled_push_ends_with_its_timeout_once_every_rank_answered():
     assert "did not push request r within 60.0s" in str(error)
 
 
+def test_a_cancel_this_rank_never_asked_for_fails_the_load():
+    """Review 56 H-A: a prefill rank answers "cancelled" to a cancel sent in this decoder's name
+    (by anyone holding the request's token); this rank never cancelled, so nothing says its
+    blocks were written: the load fails, it is not reported loaded."""
+    d, load = decoder_of_two_prefill_ranks()
+    d.push.handle_pushed(pushed(0, cancelled=True))
+    d.push.handle_pushed(pushed(1, ok=True))
+    [(_, _, error)] = [e for e in d.events if e[0] == "finish"]
+    assert isinstance(error, RuntimeError)
+    assert "prefill p rank 0 cancelled" in str(error)
+
+
+def test_a_second_wait_for_the_same_prefill_request_fails_alone_and_the_first_goes_on():
+    """Review 56 M-A: a second decode request naming the same prefill request replaced the
+    first one's wait, which then never ended (holding its blocks)."""
+    d, load = decoder_of_two_prefill_ranks()
+    again = Load(local_block_ids=[[6]], remote_engine_id="p", remote_block_ids=[],
+                 remote_request_id="r", remote_tp_size=2, token=TOKEN)
+    with pytest.raises(ControlError, match="already waits for prefill p's request r"):
+        d.push.await_push("r-d2", again, now=START)
+    d.push.handle_pushed(pushed(0, ok=True))
+    d.push.handle_pushed(pushed(1, ok=True))
+    assert d.events == [("done", load), ("finish", "r-d", None)]
+
+
 def test_a_deadline_first_cancels_then_ends():
     load = Load([[1]], "p", [], "r", token=TOKEN)
     waiting = _Await("r-d", load, {0, 1}, deadline=10.0)

@@ -241,6 +241,12 @@ class PushSide:
             raise LayoutError(f"{len(blocks)} blocks do not fit one message (64 KiB)")
         key = (load.remote_engine_id, load.remote_request_id)
         with self._lock:
+            # One wait per prefill request: a second one (a retry, or a request naming another
+            # one's prefill request) would take the first one's answers and leave it waiting
+            # forever with its blocks held; it fails alone.
+            if key in self._awaiting:
+                raise ControlError(f"this rank already waits for prefill {key[0]}'s request "
+                                   f"{key[1]} (for request {self._awaiting[key].req_id})")
             self._awaiting[key] = _Await(req_id, load, ranks, now + ctx.push_timeout_s)
         try:
             for rank in sorted(ranks):
@@ -273,7 +279,11 @@ class PushSide:
                 return  # timed out already, or not ours (forged: a "pushed ok" proves nothing)
             waiting.ranks.discard(rank)
             if header.flag("cancelled") and waiting.error is None:
-                waiting.error = waiting.cancelling
+                # A cancel this rank never sent (one in its name, by anyone holding the token)
+                # leaves nothing saying the blocks were written: a failure, never a load.
+                waiting.error = waiting.cancelling or RuntimeError(
+                    f"prefill {key[0]} rank {rank} cancelled the push of request {key[1]}, "
+                    "which this rank never asked for: its blocks were not written")
             elif not header.flag("ok") and waiting.error is None:
                 waiting.error = RuntimeError(
                     f"prefill {key[0]} rank {rank} could not push: "
