@@ -10,6 +10,26 @@ def engine():
         yield e
 
 
+class _Dials(list):
+    real = None
+
+
+@pytest.fixture
+def rendezvous_dials(monkeypatch):
+    """``(url, options)`` of every ``xfer.Rendezvous`` made during the test: a recording
+    wrapper, the real client then dials (what each component's clients are made with); its
+    ``real`` makes a client unrecorded."""
+    dialled = _Dials()
+    real = dialled.real = xfer.Rendezvous
+
+    def recording(url, **options):
+        dialled.append((url, options))
+        return real(url, **options)
+
+    monkeypatch.setattr(xfer, "Rendezvous", recording)
+    return dialled
+
+
 # The mock with SRD-like reordering and two NICs: completions in any order, writes striped.
 MOCK = {
     "backend": "mock",

@@ -368,7 +368,7 @@ def private(path, text):
     return path
 
 
-def test_the_bootstrap_and_its_clients_take_the_secret_the_engine_config_names(tmp_path, monkeypatch):
+def test_the_bootstrap_and_its_clients_take_the_secret_the_engine_config_names(tmp_path, monkeypatch, rendezvous_dials):
     """Issue 56 M5: the cluster secret named only in the engine config given to ``register``
     (no ``$XFER_SECRET_FILE``): the prefill's bootstrap server admits only holders of it,
     every bootstrap client of both managers is made with it (and the config's etcd
@@ -378,14 +378,7 @@ def test_the_bootstrap_and_its_clients_take_the_secret_the_engine_config_names(t
     secret = private(tmp_path / "secret", "s" * 32)
     settings = {"etcd_ca_file": str(tmp_path / "ca.pem")}
     monkeypatch.setattr(xs, "_config", {**MOCK, "security": {"secret_file": str(secret)}, "rendezvous": settings})
-    dialled = []
-    real = xfer.Rendezvous
-
-    def recording(url, **options):  # what each client is made with; the real one then dials
-        dialled.append((url, options))
-        return real(url, **options)
-
-    monkeypatch.setattr(xfer, "Rendezvous", recording)
+    dialled = rendezvous_dials
     server = xs.XferKVBootstrapServer("127.0.0.1", 0)
     addr = server.url.removeprefix("xfer://")
     try:
@@ -406,7 +399,7 @@ def test_the_bootstrap_and_its_clients_take_the_secret_the_engine_config_names(t
         for _, options in dialled:
             assert options.get("secret_file") == str(secret) and options.get("etcd_ca_file") == settings["etcd_ca_file"]
         with pytest.raises(xfer.RendezvousError, match="authentication failed"):
-            real(server.url, connect_timeout=2)
+            dialled.real(server.url, connect_timeout=2)
         p.close(), d.close()
     finally:
         server.close()

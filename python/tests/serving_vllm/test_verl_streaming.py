@@ -197,7 +197,7 @@ def test_defaults_refuse_a_silent_mock_and_an_open_service_without_the_secret(mo
 
 
 def test_the_service_and_every_member_take_the_secret_and_etcd_settings_of_the_engine_config(
-        monkeypatch, tmp_path):
+        monkeypatch, tmp_path, rendezvous_dials):
     """Issue 56 M5: the cluster secret and etcd's TLS named only in the engine config (no
     ``$XFER_SECRET_FILE``): the master's service admits only holders of the secret, every
     member's rendezvous client is made with all the settings, and a step lands."""
@@ -210,14 +210,7 @@ def test_the_service_and_every_member_take_the_secret_and_etcd_settings_of_the_e
     secret.chmod(0o600)
     settings = {"etcd_ca_file": str(tmp_path / "ca.pem")}
     config = {**MOCK, "security": {"secret_file": str(secret)}, "rendezvous": settings}
-    dialled = []
-    real = xfer.Rendezvous
-
-    def recording(url, **options):  # what each client is made with; the real one then dials
-        dialled.append((url, options))
-        return real(url, **options)
-
-    monkeypatch.setattr(xfer, "Rendezvous", recording)
+    dialled = rendezvous_dials
     trainers, rollouts = [new_engine(True, config=config)], [new_engine(False, config=config)]
     try:
         _, results = step(trainers, rollouts, 1)
@@ -226,7 +219,7 @@ def test_the_service_and_every_member_take_the_secret_and_etcd_settings_of_the_e
         for _, options in dialled:
             assert options.get("secret_file") == str(secret) and options.get("etcd_ca_file") == settings["etcd_ca_file"]
         with pytest.raises(xfer.RendezvousError, match="authentication failed"):
-            real(trainers[0]._server.url, connect_timeout=2)
+            dialled.real(trainers[0]._server.url, connect_timeout=2)
     finally:
         for e in trainers + rollouts:
             if e._member is not None:

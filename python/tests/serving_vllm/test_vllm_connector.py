@@ -1564,7 +1564,7 @@ def private(path, text):
 
 
 def test_side_channels_and_their_clients_take_the_secret_and_etcd_settings_of_the_engine_config(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, rendezvous_dials):
     """Issue 56 M5: the cluster secret and etcd's TLS and user, named only in the engine config
     (``xfer_config``'s ``[security]`` and ``[rendezvous]``; no ``$XFER_SECRET_FILE``): each
     instance's side channel admits only holders of the secret, every rendezvous client of the
@@ -1576,14 +1576,7 @@ def test_side_channels_and_their_clients_take_the_secret_and_etcd_settings_of_th
     settings = {"etcd_ca_file": str(tmp_path / "ca.pem"), "etcd_user": "xfer",
                 "etcd_password_file": str(tmp_path / "password")}
     config = {**MOCK, "security": {"secret_file": str(secret)}, "rendezvous": settings}
-    dialled = []
-    real = xfer.Rendezvous
-
-    def recording(url, **options):  # what each client is made with; the real one then dials
-        dialled.append((url, options))
-        return real(url, **options)
-
-    monkeypatch.setattr(xfer, "Rendezvous", recording)
+    dialled = rendezvous_dials
     side = {n: f"127.0.0.1:{free_port()}" for n in "pd"}
     p = Instance("m5-p", None, extra={"rendezvous": None, "side_channel": side["p"], "xfer_config": config,
                                       "peer_side_channels": [side["d"]]})
@@ -1599,7 +1592,7 @@ def test_side_channels_and_their_clients_take_the_secret_and_etcd_settings_of_th
             assert {k: options.get(k) for k in expected} == expected, url
         for url in side.values():
             with pytest.raises(xfer.RendezvousError, match="authentication failed"):
-                real(f"xfer://{url}", connect_timeout=2)
+                dialled.real(f"xfer://{url}", connect_timeout=2)
     finally:
         p.close(), d.close()
 
