@@ -100,6 +100,21 @@ def check_step(g, r, cfg, ins, *, layout="deepep", eplb=None, active=None):
     return h
 
 
+def two_steps_in_flight(g, r, cfg, ins):
+    """Two steps' dispatches sent before either is received, both combines sent before either
+    is received (two-batch overlap); ``ins[i]`` is step i's inputs of every rank."""
+    ha = g.dispatch_send(*ins[0][r][:2])
+    hb = g.dispatch_send(*ins[1][r][:2])
+    ra, ca = g.dispatch_recv(ha)
+    ra = ra.copy()
+    rb, cb = g.dispatch_recv(hb)
+    g.combine_send(ha, oracle.run_experts_deepep(ra, ca, r, cfg))
+    g.combine_send(hb, oracle.run_experts_deepep(rb, cb, r, cfg))
+    for h, step in ((ha, 0), (hb, 1)):
+        x, idx, w = ins[step][r]
+        assert np.array_equal(g.combine_recv(h, w), oracle.expected_combine(x, idx, w, cfg))
+
+
 MATRIX = [
     # ranks, experts/rank, top-k, routing, private rows (None: default), empty ranks
     (2, 1, 1, "uniform", None, ()),
@@ -196,17 +211,7 @@ def test_two_steps_in_flight():
     rs = Ranks(cfg)
     try:
         def body(r, g):
-            ins = [[oracle.inputs(21, step, s, cfg) for s in range(3)] for step in range(2)]
-            ha = g.dispatch_send(*ins[0][r][:2])
-            hb = g.dispatch_send(*ins[1][r][:2])
-            ra, ca = g.dispatch_recv(ha)
-            ra = ra.copy()
-            rb, cb = g.dispatch_recv(hb)
-            g.combine_send(ha, oracle.run_experts_deepep(ra, ca, r, cfg))
-            g.combine_send(hb, oracle.run_experts_deepep(rb, cb, r, cfg))
-            for h, step in ((ha, 0), (hb, 1)):
-                x, idx, w = ins[step][r]
-                assert np.array_equal(g.combine_recv(h, w), oracle.expected_combine(x, idx, w, cfg))
+            two_steps_in_flight(g, r, cfg, [[oracle.inputs(21, step, s, cfg) for s in range(3)] for step in range(2)])
 
         rs.run(body)
     finally:
@@ -457,17 +462,7 @@ def test_a_peers_later_writes_prove_delivery_when_no_write_completes():
                 assert len(h.lost_slots) == 0
                 assert len(held[r].held) <= 2 * (cfg.ranks - 1), "a proven write is still referenced"
             for first in (4, 6):
-                ins = [[oracle.inputs(41, step, s, cfg) for s in range(3)] for step in (first, first + 1)]
-                ha = g.dispatch_send(*ins[0][r][:2])
-                hb = g.dispatch_send(*ins[1][r][:2])
-                ra, ca = g.dispatch_recv(ha)
-                ra = ra.copy()
-                rb, cb = g.dispatch_recv(hb)
-                g.combine_send(ha, oracle.run_experts_deepep(ra, ca, r, cfg))
-                g.combine_send(hb, oracle.run_experts_deepep(rb, cb, r, cfg))
-                for h, i in ((ha, 0), (hb, 1)):
-                    x, idx, w = ins[i][r]
-                    assert np.array_equal(g.combine_recv(h, w), oracle.expected_combine(x, idx, w, cfg))
+                two_steps_in_flight(g, r, cfg, [[oracle.inputs(41, step, s, cfg) for s in range(3)] for step in (first, first + 1)])
                 assert len(held[r].held) <= 2 * (cfg.ranks - 1), "a proven write is still referenced"
             assert list(g.query_active_mask()) == [1] * cfg.ranks
 
