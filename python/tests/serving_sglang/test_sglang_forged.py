@@ -291,3 +291,42 @@ def test_an_abort_from_another_decode_with_its_own_key_neither_stops_a_room_nor_
         until("the pre-aborted room's receiver", lambda: later.poll() == KVPoll.Success)
     finally:
         x.close(), p.close(), d.close()
+
+
+def test_a_bootstrap_a_request_names_is_tried_once_per_scheduler_attempt(bootstrap):
+    """Review M-D (issue 56): SGLang's decode queue calls ``try_ensure_parallel_info`` on its
+    scheduler thread, once a second up to 15 times an address a request names. A listener that
+    answers nothing a rendezvous client can use (here: it closes each connection at once) was
+    dialled again and again for 2 s on every attempt, stalling the scheduler for everyone;
+    an attempt now connects once (SGLang's own retry is the retry)."""
+    import socket
+
+    d = Side(DisaggregationMode.DECODE, bootstrap, 12)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    addr = "127.0.0.1:%d" % listener.getsockname()[1]
+    accepted = []
+
+    def serve():
+        while True:
+            try:
+                conn, peer = listener.accept()
+            except OSError:
+                return
+            accepted.append(peer)
+            conn.close()
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        assert not d.mgr.try_ensure_parallel_info(addr), "nothing serves there"
+        # Connections are accepted in order: once this one is, every dial before it was.
+        with socket.create_connection(listener.getsockname()) as sentinel:
+            mine = sentinel.getsockname()
+            until("the sentinel connection", lambda: mine in accepted)
+        dials = accepted.index(mine)
+        assert dials == 1, f"one attempt dialled {dials} times"
+    finally:
+        listener.close()
+        d.close()

@@ -538,8 +538,11 @@ class XferKVManager(BaseKVManager):
                     f"instance may dial (${PREFILL_BOOTSTRAPS_ENV}: "
                     f"{'unset: loopback only' if not (allowed or '').strip() else allowed[:200]})")
         if r is None:
-            # Connects briefly: the scheduler loop calls in (lookups carry their own waits).
-            r = self.rendezvous_security.connect(f"xfer://{addr}", connect_timeout=2.0)
+            # One connection try: SGLang's scheduler thread calls in, and its decode queue
+            # retries each address once a second (up to 15 times) — a retry loop here stalled
+            # that thread 2 s an attempt for every request naming a dead address (review M-D).
+            # Lookups carry their own waits.
+            r = self.rendezvous_security.connect(f"xfer://{addr}", connect_timeout=0.0)
             with self.lock:
                 self.rendezvous[addr] = r
         return r
