@@ -1327,6 +1327,27 @@ def test_one_lookup_at_a_time_waits_for_a_known_peer_to_come_back_the_rest_go_on
     p.close(), d.close(), g1.close(), g2.close()
 
 
+def test_a_prefill_restarted_under_its_engine_id_is_found_at_its_new_address(server):
+    """Review M-B (issue 56): a prefill's record, once found, was kept whatever came after — a
+    claim it never answered, a "done" that could not be sent — so a prefill restarted under the
+    same engine id (at another address) was never looked up again: every later load from it
+    failed at the claim deadline until the decode restarted. A claim unanswered by its deadline
+    now forgets the record: the request after it finds the prefill where it is now."""
+    p = Instance("rs-p", server)
+    d = Instance("rs-d", server, extra={"lookup_timeout_s": 1.0})
+    load(d, "a-d", 20, prefill(p, "a", 20, [3, 5]), [1, 2])  # the decode keeps p's record
+    assert "a-d" not in d.failed
+    p.close()
+    p2 = Instance("rs-p", server)  # restarted: the same engine id, another engine and address
+    try:
+        load(d, "b-d", 20, prefill(p2, "b", 20, [3, 5]), [3, 4])  # may fail: the old record
+        load(d, "c-d", 20, prefill(p2, "c", 20, [6, 7]), [5, 6])
+        assert "c-d" not in d.failed, "the restarted prefill was not looked up again"
+        assert_copied(p2, d, [6, 7], [5, 6], loaded=[1, 2, 3, 4])
+    finally:
+        p2.close(), d.close()
+
+
 def test_requests_naming_a_side_channel_that_is_down_fail_alone(server):
     """Issue 56, review M4: a request may name any side channel the instance may dial
     (``peer_side_channels``); the first connection to one waited ``lookup_timeout_s`` for its

@@ -1307,18 +1307,35 @@ class _Worker:
         a prefill rank frees it once every reader rank said so, and answers whether it held
         the blocks until then."""
         message = encode_message(_DONE, self._reader_header(load))
+        sent = []
+        failed = False
+
+        def could_not(rank: int, e: BaseException) -> None:
+            logger.warning(
+                "XferConnector: could not tell %s rank %d that request %s was read (%s); "
+                "its lease frees it", load.remote_engine_id, rank, load.remote_request_id, e,
+            )
+
         for rank in range(load.remote_tp_size):
             try:
                 peer = self._peer(load.remote_engine_id, rank, load.remote_rendezvous)
-                # Waited for (on this background thread), so that `close` waiting for this
-                # call waits for the message itself, not only for its submission.
-                self._engine.submit_send(peer.address, message).wait(
-                    self._options.lookup_timeout_s)
+                sent.append((rank, self._engine.submit_send(peer.address, message)))
             except Exception as e:  # noqa: BLE001 - its lease frees the blocks anyway
-                logger.warning(
-                    "XferConnector: could not tell %s rank %d that request %s was read (%s); "
-                    "its lease frees it", load.remote_engine_id, rank, load.remote_request_id, e,
-                )
+                failed = True
+                could_not(rank, e)
+        # Waited for (on this background thread), so that `close` waiting for this call waits
+        # for the messages themselves, not only their submission — all of them within one
+        # wait, not one per rank: a gone prefill's sends fail only at the engine's timeouts,
+        # and this thread is one of the two lookups run on (review M-B).
+        deadline = time.monotonic() + self._options.lookup_timeout_s
+        for rank, transfer in sent:
+            try:
+                transfer.wait(max(0.0, deadline - time.monotonic()))
+            except Exception as e:  # noqa: BLE001 - as above
+                failed = True
+                could_not(rank, e)
+        if failed:  # gone, or restarted elsewhere: looked up afresh next time
+            self._forget(load.remote_engine_id, load.remote_rendezvous)
 
     def _forget(self, engine_id: str, url: str | None = None) -> None:
         """A peer whose reads failed is looked up afresh next time (it may have restarted):
@@ -1508,6 +1525,9 @@ class _Worker:
                 f"prefill {key[0]} ranks {sorted(waiting.ranks)} did not confirm that they held "
                 f"request {key[1]}'s blocks while they were read"))
         for key, claim in unclaimed:
+            # Unanswered: the prefill may be gone or restarted at another address under the
+            # same id; its record is looked up afresh next time (review M-B).
+            self._forget(key[0], claim.load.remote_rendezvous)
             self._tell_done_soon(claim.load)
             self._finish_load(claim.req_id, claim.load, TimeoutError(
                 f"prefill {key[0]} ranks {sorted(claim.ranks)} did not answer the claim of "
