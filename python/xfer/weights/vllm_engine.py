@@ -1,4 +1,11 @@
-"""xfer as a backend of vLLM's own weight-transfer API (vLLM ≥ 0.33):
+"""Why one file (743 lines): both ends of one wire contract — the worker engine publishes its
+slices record and outcome region, the trainer engine reads them (``_slices_record``,
+``encode_outcome`` / ``decode_outcome``, ``_read_receiver`` beside the two classes that use
+them), and ``register`` names both to vLLM's factories under one backend name. If it grows,
+the split is along that contract: the worker engine (with the trace and the reload), the
+trainer engine, and the contract they share.
+
+xfer as a backend of vLLM's own weight-transfer API (vLLM ≥ 0.33):
 ``weight_transfer_config={"backend": "xfer"}`` (``--weight-transfer-config '{"backend":
 "xfer"}'``), driven through vLLM's RL routes (``/init_weight_transfer_engine``,
 ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``) or their offline
