@@ -348,7 +348,7 @@ impl Endpoint {
 
 /// Reads one request from `stream` (within [`REQUEST_DEADLINE`]) and answers it.
 fn serve(mut stream: std::net::TcpStream, shared: &Weak<Shared>) {
-    use std::io::{Read, Write};
+    use std::io::Read;
     let deadline = std::time::Instant::now() + REQUEST_DEADLINE;
     let mut request = Vec::with_capacity(512);
     let mut chunk = [0u8; 1024];
@@ -398,10 +398,46 @@ fn serve(mut stream: std::net::TcpStream, shared: &Weak<Shared>) {
         "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
-    let _ = stream.set_write_timeout(Some(REQUEST_DEADLINE));
-    let _ = stream
-        .write_all(head.as_bytes())
-        .and_then(|()| stream.write_all(body.as_bytes()));
+    let answer_deadline = std::time::Instant::now() + REQUEST_DEADLINE;
+    let _ = write_before(
+        &mut stream,
+        &[head.as_bytes(), body.as_bytes()],
+        answer_deadline,
+    );
+}
+
+/// Writes `parts` in order, all of it by `deadline`. A socket write timeout bounds each
+/// `write()`, and a client that takes a few bytes now and then lets every one succeed: so each
+/// write waits only what is left of the deadline (review 56 M-E), and a client that has not
+/// taken the answer by then is cut off.
+fn write_before(
+    stream: &mut std::net::TcpStream,
+    parts: &[&[u8]],
+    deadline: std::time::Instant,
+) -> std::io::Result<()> {
+    use std::io::{ErrorKind, Write};
+    for part in parts {
+        let mut rest = *part;
+        while !rest.is_empty() {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(ErrorKind::TimedOut.into());
+            }
+            stream.set_write_timeout(Some(left))?;
+            match stream.write(rest) {
+                Ok(0) => return Err(ErrorKind::WriteZero.into()),
+                Ok(n) => rest = &rest[n..],
+                // The timeout ran out (EAGAIN on Linux): the loop's check says so.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::Interrupted | ErrorKind::WouldBlock | ErrorKind::TimedOut
+                    ) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Drop for Endpoint {
@@ -420,5 +456,53 @@ impl Drop for Endpoint {
         for t in self.threads.drain(..).rev() {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+    use std::time::{Duration, Instant};
+
+    /// Review 56 M-E: a client that reads a few bytes at a time took an answer as long as it
+    /// liked (each `write()` had its own timeout, and each one made progress). The answer now
+    /// has one deadline: the writer gives up with the client still reading.
+    #[test]
+    fn a_trickling_reader_cannot_hold_an_answer_past_its_deadline() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut server, _) = listener.accept().unwrap();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reading = Arc::clone(&stop);
+        let reader = std::thread::spawn(move || {
+            let mut taken = 0usize;
+            let mut chunk = vec![0u8; 16 << 10];
+            while !reading.load(std::sync::atomic::Ordering::Acquire) {
+                match client.read(&mut chunk) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => taken += n,
+                }
+                // A client that paces itself (about 800 KB/s: every write makes progress well
+                // within a second); this pace is the attack, not a synchronisation.
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            taken
+        });
+        // Far more than loopback's socket buffers hold, so the writer depends on the reader.
+        let body = vec![b'x'; 256 << 20];
+        let (done, finished) = crossbeam_channel::bounded(1);
+        let writer = std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_millis(300);
+            let _ = done.send(write_before(&mut server, &[b"head", &body], deadline));
+        });
+        // Not a timing assertion: a hang detector, two orders of magnitude past the deadline.
+        let outcome = finished
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the answer outlived its deadline while the client kept reading");
+        assert_eq!(outcome.unwrap_err().kind(), std::io::ErrorKind::TimedOut);
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        writer.join().unwrap();
+        assert!(reader.join().unwrap() > 0, "the client read nothing");
     }
 }
