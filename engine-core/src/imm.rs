@@ -31,6 +31,15 @@
 //! table and make the early arrivals of every other peer drop. Totals (for mirrors) are kept
 //! only for immediates someone mirrors.
 //!
+//! **Immediates only their senders may send.** A zero-byte write-with-immediate costs its
+//! sender nothing, and an arrival counted early tells the waiter that data landed which did
+//! not (an EP rank reading a peer's slot before the peer wrote it). A caller that knows who
+//! sends a family of immediates (those whose bits under a mask equal a value) restricts it to
+//! those senders: an arrival of it from a sender the backend names and that is not one of
+//! them is refused (counted, never counted as an arrival). Arrivals whose sender the backend
+//! does not name are counted as before: a backend that cannot tell senders apart protects
+//! nothing here (docs/security.md says which do).
+//!
 //! This type is pure bookkeeping: no clock, no threads. The engine wraps it in a mutex, feeds it
 //! arrivals from the worker and passes `now` in for deadlines.
 
@@ -60,11 +69,19 @@ pub struct ImmCounter<W> {
     idle_by_source: HashMap<NetAddr, usize>,
     /// Arrivals dropped because the table, or their sender's share of it, was full.
     dropped: u64,
+    /// Families of immediates only some senders may send: per mask, the allowed senders by
+    /// value (see the module docs). Empty unless someone restricts.
+    restricted: Vec<(u32, SendersByValue)>,
+    /// Arrivals refused because their sender may not send that immediate.
+    refused: u64,
     /// Emptied expectation queues of removed entries, reused by new ones: an expectation on
     /// a fresh immediate (one per KV-cache layer or request) otherwise allocated its queue
     /// and freed it when met (~300 instructions of a ~6,700-instruction ping-pong write).
     spare_queues: Vec<VecDeque<Expectation<W>>>,
 }
+
+/// Under one mask: the senders allowed for each value of an immediate's masked bits.
+type SendersByValue = HashMap<u32, Box<[NetAddr]>>;
 
 /// Emptied queues kept for reuse, and the largest capacity kept (a queue that once held a
 /// burst of expectations is freed).
@@ -146,6 +163,8 @@ impl<W> ImmCounter<W> {
             max_idle_per_source,
             idle_by_source: HashMap::default(),
             dropped: 0,
+            restricted: Vec::new(),
+            refused: 0,
             spare_queues: Vec::new(),
         }
     }
@@ -188,6 +207,48 @@ impl<W> ImmCounter<W> {
     /// it, was full.
     pub fn dropped(&self) -> u64 {
         self.dropped
+    }
+
+    /// From now on, an arrival of an immediate `imm` with `imm & mask == value` counts only
+    /// if the backend names no sender or names one of `senders`; others are refused (see
+    /// [`refused`](Self::refused)). `None` lifts the restriction. Arrivals already counted
+    /// stay counted.
+    pub fn restrict_senders(&mut self, mask: u32, value: u32, senders: Option<Vec<NetAddr>>) {
+        let value = value & mask;
+        let at = self.restricted.iter().position(|(m, _)| *m == mask);
+        match (senders, at) {
+            (Some(senders), Some(at)) => {
+                self.restricted[at].1.insert(value, senders.into());
+            }
+            (Some(senders), None) => {
+                let by_value = HashMap::from_iter([(value, senders.into_boxed_slice())]);
+                self.restricted.push((mask, by_value));
+            }
+            (None, Some(at)) => {
+                self.restricted[at].1.remove(&value);
+                if self.restricted[at].1.is_empty() {
+                    self.restricted.swap_remove(at);
+                }
+            }
+            (None, None) => {}
+        }
+    }
+
+    /// Arrivals refused because a restriction did not allow their sender.
+    pub fn refused(&self) -> u64 {
+        self.refused
+    }
+
+    /// Whether a restriction refuses `imm` from `source`.
+    fn refuses(&self, imm: u32, source: Option<&NetAddr>) -> bool {
+        let Some(source) = source else {
+            return false;
+        };
+        self.restricted.iter().any(|(mask, by_value)| {
+            by_value
+                .get(&(imm & mask))
+                .is_some_and(|allowed| !allowed.contains(source))
+        })
     }
 
     /// Immediates with arrivals counted and nobody waiting for them.
@@ -243,6 +304,11 @@ impl<W> ImmCounter<W> {
         source: Option<&NetAddr>,
         met: &mut Vec<Outcome<W>>,
     ) {
+        // One length check on the usual path (nothing restricted).
+        if !self.restricted.is_empty() && self.refuses(imm, source) {
+            self.refused += n;
+            return;
+        }
         if !self.totals.is_empty() {
             if let Some(total) = self.totals.get_mut(&imm) {
                 *total += n;
@@ -688,6 +754,37 @@ mod tests {
         assert_eq!(c.entries(), 8);
     }
 
+    /// Review 56 M6: a zero-byte write-with-immediate from anyone counted as the arrival an
+    /// EP rank waits for from one peer, which then read that peer's slot before it was
+    /// written. A restricted family counts only its senders' arrivals.
+    #[test]
+    fn a_restricted_immediate_counts_only_its_senders() {
+        let mut c: ImmCounter<&str> = ImmCounter::new();
+        let (b0, b1, stranger) = (peer("b-nic0"), peer("b-nic1"), peer("stranger"));
+        let mut out = Vec::new();
+        // The family "source B" of an EP group: tag 3 in the top bits, source 7 in the low.
+        let (mask, value) = (0xF000_3FFF, (3 << 28) | 7);
+        c.restrict_senders(mask, value, Some(vec![b0.clone(), b1.clone()]));
+        let imm = value | (5 << 16); // epoch 5, phase 0
+        assert_eq!(c.expect(imm, 2, later(1), "slot"), None);
+        c.handle_arrivals_from(imm, 1, Some(&stranger), &mut out);
+        assert_eq!((c.count(imm), c.refused()), (0, 1));
+        assert!(out.is_empty(), "a stranger's immediate met the wait");
+        // Early or waited for, from any of B's NICs: counted.
+        c.handle_arrivals_from(imm, 1, Some(&b1), &mut out);
+        c.handle_arrivals_from(imm, 1, Some(&b0), &mut out);
+        assert_eq!(out, vec![Outcome::Met("slot")]);
+        // Another family is not restricted; a sender the backend does not name is counted.
+        c.handle_arrivals_from(imm + 1, 1, Some(&stranger), &mut out);
+        c.handle_arrivals(imm, 1, &mut out);
+        assert_eq!((c.count(imm + 1), c.count(imm), c.refused()), (1, 1, 1));
+        // Lifted: the stranger counts again.
+        c.restrict_senders(mask, value, None);
+        c.handle_arrivals_from(imm, 1, Some(&stranger), &mut out);
+        assert_eq!((c.count(imm), c.refused()), (2, 1));
+        assert!(c.restricted.is_empty());
+    }
+
     /// Issue 42 item 6: a sender is a NIC address, and one peer engine has up to
     /// [`MAX_NICS`] of them. With the default limits, a peer spraying fresh immediates from
     /// four NICs filled all 65,536 entries and a second peer's early arrival was dropped.
@@ -862,6 +959,42 @@ mod tests {
                 for v in 0..5 {
                     proptest::prop_assert_eq!(runs.count(v), singles.count(v));
                 }
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// Restrictions change only which arrivals count: for any arrivals from any senders,
+        /// the restricted counter counts exactly the arrivals an unrestricted one counts from
+        /// allowed or unnamed senders, and refuses the rest.
+        #[test]
+        fn restricting_refuses_exactly_the_other_named_senders(
+            ops in proptest::collection::vec((0u32..4, 0usize..4, 1u64..4), 1..80)
+        ) {
+            let senders = [Some(peer("a")), Some(peer("b")), Some(peer("c")), None];
+            let mut restricted: ImmCounter<&str> = ImmCounter::new();
+            let mut plain: ImmCounter<&str> = ImmCounter::new();
+            // Immediates 0 and 2 (low bit clear) only from "a"; 1 and 3 from "a" or "b".
+            restricted.restrict_senders(1, 0, Some(vec![peer("a")]));
+            restricted.restrict_senders(1, 1, Some(vec![peer("a"), peer("b")]));
+            let (mut out, mut refused) = (Vec::new(), 0);
+            for (imm, who, n) in ops {
+                let from = senders[who].as_ref();
+                restricted.handle_arrivals_from(imm, n, from, &mut out);
+                let allowed = match from {
+                    None => true,
+                    Some(s) if imm % 2 == 0 => *s == peer("a"),
+                    Some(s) => *s == peer("a") || *s == peer("b"),
+                };
+                if allowed {
+                    plain.handle_arrivals_from(imm, n, from, &mut out);
+                } else {
+                    refused += n;
+                }
+            }
+            proptest::prop_assert_eq!(restricted.refused(), refused);
+            for imm in 0..4 {
+                proptest::prop_assert_eq!(restricted.count(imm), plain.count(imm));
             }
         }
     }

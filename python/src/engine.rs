@@ -765,6 +765,37 @@ impl TransferEngine {
         Ok(t)
     }
 
+    /// From now on an arrival of an immediate `imm` with `imm & mask == value` counts only
+    /// from `senders` (NIC addresses as bytes or `NetAddr`, e.g. a peer's `MrDesc.nics`) or
+    /// from a sender the transport does not name; others are refused (`imm_refused`). `None`
+    /// lifts it.
+    #[pyo3(signature = (mask, value, senders))]
+    fn restrict_imm_senders(
+        &self,
+        py: Python<'_>,
+        mask: u32,
+        value: u32,
+        senders: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let engine = self.engine(py)?;
+        let allowed = match senders {
+            None => None,
+            Some(list) => Some(
+                list.try_iter()?
+                    .map(|p| addr_of(&p?))
+                    .collect::<PyResult<Vec<_>>>()?,
+            ),
+        };
+        engine.restrict_imm_senders(mask, value, allowed);
+        Ok(())
+    }
+
+    /// Arrivals refused by `restrict_imm_senders` so far.
+    #[getter]
+    fn imm_refused(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.engine(py)?.imm_refused())
+    }
+
     /// Calls `sink(total)` with the running total of `imm`'s arrivals (every arrival, never
     /// consumed), on the worker's side; an exception it raises is reported.
     fn mirror_imm_count(&self, py: Python<'_>, imm: u32, sink: Py<PyAny>) -> PyResult<()> {

@@ -88,6 +88,17 @@ impl MrDesc {
         NetAddr(self.0.owner().clone())
     }
 
+    /// The owner's NIC addresses that hold keys for the region (the senders of its owner's
+    /// writes, for `restrict_imm_senders`).
+    #[getter]
+    fn nics(&self) -> Vec<NetAddr> {
+        self.0
+            .rkeys()
+            .iter()
+            .map(|(nic, _)| NetAddr(nic.clone()))
+            .collect()
+    }
+
     fn __len__(&self) -> usize {
         self.0.len() as usize
     }

@@ -308,6 +308,40 @@ def test_a_silent_rank_is_masked_and_the_rest_stay_exact(ranks, seed):
         rs.close()
 
 
+def test_immediates_forged_by_an_engine_outside_the_group_are_refused():
+    """Review 56 M6: a zero-byte write carrying rank 1's immediates, from an engine outside the
+    group, landed at rank 0 before rank 1 wrote: rank 0 read rank 1's slot (poisoned) and
+    masked it, so rank 1's tokens came back as zero contribution. Rank 0 now counts rank 1's
+    immediates only from rank 1's NICs: the forged ones are refused, the steps are exact."""
+    cfg = failure_cfg(2)
+    rs = Ranks(cfg)
+    stranger = xfer.TransferEngine(MOCK)
+    try:
+        victim = rs.groups[0]
+        nothing = stranger.reg_mr(np.zeros(8, dtype=np.uint8), access="local")
+        # Every phase (dispatch A, dispatch B, combine) of the first steps, source rank 1.
+        forged = [(cfg.tag << 28) | (epoch << 16) | (phase << 14) | 1 for epoch in range(3) for phase in range(3)]
+        for imm in forged:
+            for region in ("dispatch", "combine"):
+                stranger.submit_single_write(nothing, victim._mrs[region].desc, 0, imm=imm).wait(10)
+        # Landed (refused or counted) before any rank starts: wait until rank 0 took them all.
+        engine, deadline = rs.engines[0], time.monotonic() + 30
+        while engine.imm_refused + sum(engine.imm_count(i) for i in forged) < 2 * len(forged):
+            assert time.monotonic() < deadline, "the forged writes never landed"
+            time.sleep(0.001)
+        assert engine.imm_refused == 2 * len(forged)
+
+        def body(r, g):
+            for step in range(3):
+                check_step(g, r, cfg, [oracle.inputs(5, step, s, cfg) for s in range(2)])
+                assert list(g.query_active_mask()) == [1, 1]
+
+        rs.run(body)
+    finally:
+        stranger.close()
+        rs.close()
+
+
 def outlive_death_after_dispatch(cfg, g, r, dead, ins):
     """A step whose rank ``dead`` dies after its dispatch: everything it sent arrives, its
     combine never does; the step ends by its deadlines with ``dead`` masked and every token

@@ -79,6 +79,24 @@ impl TransferEngine {
         self.shared.lock_imm().dropped()
     }
 
+    /// From now on, an arrival of an immediate `imm` with `imm & mask == value` is counted
+    /// only from `senders` (NIC addresses, as in a peer's region descriptors) or from a sender
+    /// the transport does not name; arrivals from others are refused and counted in
+    /// [`imm_refused`](Self::imm_refused). `None` lifts it. For immediates that only known
+    /// peers send (an EP group's, one family per source rank): a zero-byte write carrying one
+    /// costs its sender nothing, and would tell the waiter that data landed which did not.
+    /// Which transports name senders: docs/security.md ("Immediates nobody waits for").
+    pub fn restrict_imm_senders(&self, mask: u32, value: u32, senders: Option<Vec<NetAddr>>) {
+        self.shared
+            .lock_imm()
+            .restrict_senders(mask, value, senders)
+    }
+
+    /// Arrivals refused by [`restrict_imm_senders`](Self::restrict_imm_senders).
+    pub fn imm_refused(&self) -> u64 {
+        self.shared.lock_imm().refused()
+    }
+
     /// Forgets `imm`'s unconsumed arrivals and what timed-out expectations still owe. Call it
     /// only once the peers agree that no write carrying `imm` is in flight (e.g. after a
     /// barrier on another immediate, or after the sender's transfers all finished): an

@@ -25,6 +25,9 @@ from .layout import EpConfig, columns
 
 LAYOUTS = ("deepep", "flat")
 _REGIONS = ("send", "dispatch", "combine_send", "combine")
+# The bits of an immediate (``xfer-ep-plan``'s ``Imm``) that name the group's tag (top 4) and
+# the posting rank (low 14), whatever the step and phase.
+_SOURCE_FAMILY = 0xF000_3FFF
 
 
 def _bytes_of(a: np.ndarray) -> np.ndarray:
@@ -133,6 +136,19 @@ class EpGroup:
         if len(infos) != self.cfg.ranks or [i["rank"] for i in infos] != list(range(self.cfg.ranks)):
             raise ValueError("connect wants every rank's local_info, in rank order")
         self.peers = [{"dispatch": MrDesc(i["dispatch"]), "combine": MrDesc(i["combine"])} for i in infos]
+        # Each rank's immediates (this group's tag, that rank as source, any step and phase)
+        # count only from that rank's NICs: a zero-byte write carrying one from anyone else
+        # made this rank read the rank's slot before it was written, and mask it (review 56
+        # M6). Where the transport names no sender the arrival still counts
+        # (docs/security.md).
+        for source, peer in enumerate(self.peers):
+            nics = {bytes(n): n for d in peer.values() for n in d.nics}
+            self.engine.restrict_imm_senders(_SOURCE_FAMILY, self._family(source), list(nics.values()))
+
+    def _family(self, source: int) -> int:
+        """The bits every immediate rank ``source`` posts in this group has under
+        ``_SOURCE_FAMILY`` (``xfer-ep-plan``'s immediate: tag, epoch, phase, source)."""
+        return ((self.cfg.tag & 0xF) << 28) | (source & 0x3FFF)
 
     def query_active_mask(self) -> np.ndarray:
         """1 for each rank this one still talks to, 0 for a masked one (DeepEP's mask API)."""
@@ -444,6 +460,9 @@ class EpGroup:
             except _errors.Error:
                 pass
         self._unproven.clear()
+        if self.peers is not None:
+            for source in range(self.cfg.ranks):
+                self.engine.restrict_imm_senders(_SOURCE_FAMILY, self._family(source), None)
         for mr in self._mrs.values():
             self.engine.dereg_mr(mr)
         self._mrs = {}
