@@ -21,6 +21,16 @@
 //! 3. The requester connects its QPs to the response's and sends `Ready`; it may post now,
 //!    and so may the responder once the `Ready` arrives.
 //!
+//! Without a cluster secret a request's `from` is its sender's word, so before step 2 the
+//! responder checks **return routability**: a request that does not carry the cookie for its
+//! `from` and id is answered with a `Cookie` (a MAC under a key this side drew at start and
+//! never sends, over that address and request id) and nothing is kept; the requester repeats
+//! its request with the cookie (and every resend carries it). Only a host that receives at
+//! `from` learns the cookie, so a forged request in X's name costs the responder one datagram
+//! of the request's size back to X and holds no slot and no QPs, and cannot make X's own
+//! request wait (review 2026-12-07). One more round trip per connection; with the secret the
+//! MAC proves the sender and no cookie is asked.
+//!
 //! Rules a datagram cannot break:
 //! - Simultaneous connects: the smaller address answers, the larger keeps waiting.
 //! - A repeated `Request` (the response was lost) is answered with the same response; a
@@ -105,10 +115,14 @@ pub(crate) struct Settings {
     /// QPs, and a component that answers whatever address a message names would otherwise
     /// build them for any address it is sent (issue 56).
     pub max_requesting: usize,
+    /// Without a cluster secret, answer a request that carries no valid cookie with a
+    /// `Cookie` and keep nothing (see the module docs). The Domain always sets it; rule tests
+    /// of what comes after the cookie leave it off.
+    pub cookies: bool,
 }
 
 /// Our end of a connection: the numbers of its two QPs and their first PSNs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct Ends {
     pub data_qpn: u32,
     pub data_psn: u32,
@@ -210,6 +224,8 @@ enum State {
         ends: Ends,
         deadline: Instant,
         last_sent: Instant,
+        /// The responder's cookie for this request, once it sent one (0: none yet).
+        cookie: u64,
     },
     /// We answered a request; waiting for the requester's `Ready`.
     AwaitingReady {
@@ -335,6 +351,10 @@ pub(crate) struct Handshaker {
     established: HashMap<NetAddr, u64>,
     /// The cluster secret's MAC key and the freshness it protects, when one is configured.
     keyed: Option<Keyed>,
+    /// Keys the cookies this side hands out (drawn at start, never sent).
+    cookie_key: HmacSha256,
+    /// Requests answered with a cookie instead of state (no secret, no valid cookie).
+    cookies_sent: u64,
     /// Datagrams dropped because their MAC did not verify (or was missing).
     unauthenticated: u64,
     /// Authentic datagrams dropped because they were not newer than one already taken from
@@ -380,7 +400,9 @@ impl Keyed {
 impl Handshaker {
     /// `me`: our handshake address; `mtu`: our port's active MTU code; `rng`: for request
     /// ids and PSNs (the Domain seeds it from the OS, the Pair harness per schedule).
-    pub(crate) fn new(me: VerbsAddr, mtu: u8, settings: Settings, rng: StdRng) -> Self {
+    pub(crate) fn new(me: VerbsAddr, mtu: u8, settings: Settings, mut rng: StdRng) -> Self {
+        let cookie_key = HmacSha256::new_from_slice(&rng.random::<[u8; 32]>())
+            .expect("HMAC takes a key of any length");
         Self {
             me,
             my_addr: NetAddr::new(&me.encode()).expect("an encoded VerbsAddr is a NetAddr"),
@@ -390,6 +412,8 @@ impl Handshaker {
             peers: HashMap::default(),
             established: HashMap::default(),
             keyed: None,
+            cookie_key,
+            cookies_sent: 0,
             unauthenticated: 0,
             stale: 0,
         }
@@ -472,6 +496,7 @@ impl Handshaker {
     /// A message of ours naming our QPs `ends`.
     fn message(&self, kind: Kind, request_id: u64, prev: u64, ends: &Ends) -> Handshake {
         Handshake {
+            cookie: 0,
             kind,
             request_id,
             prev,
@@ -484,9 +509,29 @@ impl Handshaker {
         }
     }
 
-    fn request(&self, peer: &NetAddr, request_id: u64, ends: &Ends) -> Handshake {
+    fn request(&self, peer: &NetAddr, request_id: u64, ends: &Ends, cookie: u64) -> Handshake {
         let prev = self.established.get(peer).copied().unwrap_or(0);
-        self.message(Kind::Request, request_id, prev, ends)
+        Handshake {
+            cookie,
+            ..self.message(Kind::Request, request_id, prev, ends)
+        }
+    }
+
+    /// The cookie this side hands the requester at `from` for `request_id`: a MAC under a
+    /// key only this side knows, so only a host that receives at `from` can present it (never
+    /// 0, which means "none").
+    fn cookie_for(&self, from: &VerbsAddr, request_id: u64) -> u64 {
+        let mut mac = self.cookie_key.clone();
+        mac.update(&from.encode());
+        mac.update(&request_id.to_le_bytes());
+        let tag = mac.finalize().into_bytes();
+        u64::from_le_bytes(tag[..8].try_into().expect("8 bytes")).max(1)
+    }
+
+    /// Requests answered with a cookie so far (tests).
+    #[cfg(test)]
+    pub(crate) fn cookies_sent(&self) -> u64 {
+        self.cookies_sent
     }
 
     /// Starts connecting to `peer` with the QPs `(data_qpn, msg_qpn)` just created for it,
@@ -511,7 +556,7 @@ impl Handshaker {
         };
         // Never 0: a `prev` of 0 means "replaces nothing".
         let request_id = self.rng.random_range(1..=u64::MAX);
-        let msg = self.request(peer, request_id, &ends);
+        let msg = self.request(peer, request_id, &ends, 0);
         self.peers.insert(
             peer.clone(),
             State::Requesting {
@@ -519,6 +564,7 @@ impl Handshaker {
                 ends,
                 deadline: now + self.settings.connect,
                 last_sent: now,
+                cookie: 0,
             },
         );
         out.push(Action::Send {
@@ -560,6 +606,7 @@ impl Handshaker {
             Kind::Request => self.on_request(peer, h, out),
             Kind::Response => self.on_response(peer, h, out),
             Kind::Ready => self.on_ready(peer, &h, out),
+            Kind::Cookie => self.on_cookie(peer, &h, out),
         }
     }
 
@@ -626,6 +673,24 @@ impl Handshaker {
                 Prior::Connected
             }
         };
+        // Return routability: without a secret a request's `from` is its sender's word, so
+        // state (a half-open slot, QPs) is kept only for a request that echoes the cookie
+        // sent to that address. A forged one costs one datagram back and holds nothing.
+        if self.settings.cookies && self.keyed.is_none() {
+            let cookie = self.cookie_for(&h.from, h.request_id);
+            if h.cookie != cookie {
+                self.cookies_sent += 1;
+                out.push(Action::Send {
+                    peer,
+                    to: h.from,
+                    msg: Handshake {
+                        cookie,
+                        ..self.message(Kind::Cookie, h.request_id, 0, &Ends::default())
+                    },
+                });
+                return;
+            }
+        }
         if matches!(prior, Prior::None | Prior::Candidate)
             && self.half_open() >= self.settings.max_half_open
         {
@@ -789,6 +854,31 @@ impl Handshaker {
         }
     }
 
+    /// The responder asks us to repeat our request with its cookie: at once, and in every
+    /// resend after (a cookie for a request of ours that is not under way is ignored).
+    fn on_cookie(&mut self, peer: NetAddr, h: &Handshake, out: &mut Vec<Action>) {
+        let Some(State::Requesting {
+            request_id,
+            ends,
+            cookie,
+            ..
+        }) = self.peers.get_mut(&peer)
+        else {
+            return;
+        };
+        if *request_id != h.request_id || h.cookie == 0 || *cookie == h.cookie {
+            return;
+        }
+        *cookie = h.cookie;
+        let (request_id, ends) = (*request_id, *ends);
+        let msg = self.request(&peer, request_id, &ends, h.cookie);
+        out.push(Action::Send {
+            peer,
+            to: h.from,
+            msg,
+        });
+    }
+
     fn on_ready(&mut self, peer: NetAddr, h: &Handshake, out: &mut Vec<Action>) {
         if let Some(State::Established {
             candidate: Some(c), ..
@@ -946,8 +1036,11 @@ impl Handshaker {
         for peer in resend {
             let msg = match &self.peers[&peer] {
                 State::Requesting {
-                    request_id, ends, ..
-                } => self.request(&peer, *request_id, ends),
+                    request_id,
+                    ends,
+                    cookie,
+                    ..
+                } => self.request(&peer, *request_id, ends, *cookie),
                 State::AwaitingReady { response, .. } => *response,
                 State::Established {
                     candidate: Some(c), ..

@@ -114,9 +114,9 @@ impl VerbsAddr {
 }
 
 const MSG_MAGIC: [u8; 4] = *b"XFRH";
-const MSG_VERSION: u8 = 2;
+const MSG_VERSION: u8 = 3;
 /// Encoded handshake length.
-pub const MSG_LEN: usize = 4 + 1 + 1 + 8 + ADDR_LEN + 4 * 4 + 1 + 8;
+pub const MSG_LEN: usize = 4 + 1 + 1 + 8 + ADDR_LEN + 4 * 4 + 1 + 8 + 8;
 
 /// The three steps of a connection: no side sends a packet before the other can receive it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,6 +127,9 @@ pub enum Kind {
     Response,
     /// "Mine are connected too: send." (requester, once its QPs are ready to receive)
     Ready,
+    /// "Ask again with this cookie." (responder, without a cluster secret, to a request that
+    /// carries none: only a host that receives at the request's `from` learns it)
+    Cookie,
 }
 
 /// One handshake message.
@@ -152,6 +155,8 @@ pub struct Handshake {
     /// replaces (0 for none). A request that replaces a connection busy with work must name
     /// it — proof that it comes from the peer that has it, not a stale or forged datagram.
     pub prev: u64,
+    /// In a `Cookie`, the cookie; in a request, the one its responder sent back (0: none).
+    pub cookie: u64,
 }
 
 impl Handshake {
@@ -164,6 +169,7 @@ impl Handshake {
             Kind::Request => 1,
             Kind::Response => 2,
             Kind::Ready => 3,
+            Kind::Cookie => 4,
         };
         b[6..14].copy_from_slice(&self.request_id.to_le_bytes());
         b[14..38].copy_from_slice(&self.from.encode());
@@ -175,6 +181,7 @@ impl Handshake {
         }
         b[54] = self.mtu;
         b[55..63].copy_from_slice(&self.prev.to_le_bytes());
+        b[63..71].copy_from_slice(&self.cookie.to_le_bytes());
         b
     }
 
@@ -197,6 +204,7 @@ impl Handshake {
             1 => Kind::Request,
             2 => Kind::Response,
             3 => Kind::Ready,
+            4 => Kind::Cookie,
             k => return Err(WireError::Kind(k)),
         };
         let word =
@@ -215,6 +223,7 @@ impl Handshake {
             msg_psn: word(3),
             mtu,
             prev: u64::from_le_bytes(raw[55..63].try_into().expect("8 bytes")),
+            cookie: u64::from_le_bytes(raw[63..71].try_into().expect("8 bytes")),
         })
     }
 }
@@ -345,6 +354,7 @@ mod tests {
     fn addresses_and_handshakes_round_trip() {
         assert_eq!(VerbsAddr::decode(&addr().encode()).unwrap(), addr());
         let h = Handshake {
+            cookie: 0,
             kind: Kind::Response,
             request_id: u64::MAX - 3,
             from: addr(),
@@ -356,11 +366,18 @@ mod tests {
             prev: 0x1122_3344_5566_7788,
         };
         assert_eq!(Handshake::decode(&h.encode()).unwrap(), h);
+        let c = Handshake {
+            kind: Kind::Cookie,
+            cookie: 0x99aa_bbcc_ddee_ff01,
+            ..h
+        };
+        assert_eq!(Handshake::decode(&c.encode()).unwrap(), c);
     }
 
     #[test]
     fn malformed_handshakes_are_refused() {
         let h = Handshake {
+            cookie: 0,
             kind: Kind::Request,
             request_id: 1,
             from: addr(),

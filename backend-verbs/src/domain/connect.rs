@@ -335,6 +335,7 @@ impl VerbsDomain {
                     Handshake {
                         kind: Kind::Request,
                         request_id: self.rng.u64(..),
+                        cookie: 0,
                         prev: 0,
                         from: self.me,
                         data_qpn: c.data.qpn,

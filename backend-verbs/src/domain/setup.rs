@@ -139,6 +139,7 @@ impl VerbsDomain {
             connect: Duration::from_millis(options.connect_ms),
             max_half_open: options.max_half_open,
             max_requesting: options.max_requesting,
+            cookies: true,
         };
         let mut handshake = Handshaker::new(
             me,
