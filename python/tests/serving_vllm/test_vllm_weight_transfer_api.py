@@ -445,6 +445,93 @@ def test_a_version_one_worker_cannot_apply_after_the_commit_is_reported_and_the_
         engine.shutdown()
 
 
+def worker_fail_next_trace(wrapper, tensor):
+    """Stand-in for a loader the trace cannot run (an op on ids it refuses): this worker's next
+    ``load_weights`` raises when it is given checkpoint tensor ``tensor``. Once."""
+    model = wrapper.worker.get_model()
+    load = model.load_weights
+
+    def fails_at(weights):
+        del model.load_weights
+        for name, _ in weights:
+            if name == tensor:
+                raise RuntimeError(f"stand-in: this loader refuses {name}")
+        raise AssertionError("the trace never loaded " + tensor)
+
+    model.load_weights = fails_at
+    return load is not None
+
+
+def worker_joined(wrapper):
+    engine = wrapper.worker.weight_transfer_engine
+    return engine.trace_failure, engine.receiver is not None, engine.slices is not None
+
+
+def test_a_loader_the_trace_cannot_run_is_refused_by_name_never_received_whole_silently(vllm_tp2):
+    # Falling back to whole tensors stages the whole model on every worker; it is the user's
+    # choice (direct=False), not something done behind a log line.
+    instance, url = vllm_tp2
+    tensor = "model.layers.1.mlp.down_proj.weight"
+    status, armed = instance.ask("rpc", (worker_fail_next_trace, (tensor,), {}))
+    assert status == "ok" and armed == [True, True], armed
+    trainer = Trainer(url, "api-tp2-trace-fails")
+    client = ExecutorClient(instance)
+    with pytest.raises(Exception) as failed:
+        trainer.join(client)
+    assert type(failed.value).__name__ == "TraceFailed", repr(failed.value)
+    assert failed.match(r"receiver 0 could not learn its slices.*'model\.layers\.1\.mlp\.down_proj\.weight'"
+                        r".*stand-in: this loader refuses.*direct=False")
+    status, joined = instance.ask("rpc", (worker_joined, (), {}))
+    assert status == "ok", joined
+    for trace_failure, receiving, sliced in joined:
+        assert tensor in trace_failure and "stand-in" in trace_failure, joined
+        assert not receiving and not sliced, joined
+    # Asked for, whole tensors are received (and the next init traces again).
+    trainer = Trainer(url, "api-tp2-trace-fails-whole", direct=False)
+    engine = trainer.join(ExecutorClient(instance))
+    try:
+        trainer.step(91)
+        engine.send_weights()
+        assert [s["wrong"] for s in states(instance, trainer.shapes, 91)] == [[]] * TP
+    finally:
+        engine.shutdown()
+
+
+def worker_device(wrapper, device):
+    """Stand-in for a device with no memory to spare: the worker engine's device becomes
+    ``device`` (``meta``: whatever is made there holds no data); returns the previous one."""
+    import torch
+
+    engine = wrapper.worker.weight_transfer_engine
+    before = str(engine.device)
+    engine.device = torch.device(device)
+    return before
+
+
+def test_the_trace_allocates_nothing_on_the_workers_device(vllm_tp2):
+    # The trace runs after vLLM gave the device's spare memory to the KV cache: its int64
+    # stand-ins (four times a bf16 model) and ids must be host memory. On a device where
+    # nothing made holds data (meta), a trace that used it could not learn a slice.
+    instance, url = vllm_tp2
+    status, before = instance.ask("rpc", (worker_device, ("meta",), {}))
+    assert status == "ok", before
+    try:
+        trainer = Trainer(url, "api-tp2-trace-on-host")
+        engine = trainer.join(ExecutorClient(instance))
+        try:
+            status, joined = instance.ask("rpc", (worker_joined, (), {}))
+            assert status == "ok" and joined == [("", True, True)] * TP, joined
+            trainer.step(95)
+            engine.send_weights()
+            after = states(instance, trainer.shapes, 95)
+            assert all(s["whole"] == [] and len(s["boxes"]) == len(trainer.shapes) for s in after), after
+            assert [s["wrong"] for s in after] == [[]] * TP, after
+        finally:
+            engine.shutdown()
+    finally:
+        assert instance.ask("rpc", (worker_device, (before[0],), {}))[0] == "ok"
+
+
 def test_a_workers_outcome_is_decoded_strictly():
     # What the trainer reads from a worker's outcome region is a peer's bytes: bounded, typed.
     from xfer.weights.layout import LayoutError

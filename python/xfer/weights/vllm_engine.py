@@ -1,4 +1,4 @@
-"""Why one file (743 lines): both ends of one wire contract — the worker engine publishes its
+"""Why one file (801 lines): both ends of one wire contract — the worker engine publishes its
 slices record and outcome region, the trainer engine reads them (``_slices_record``,
 ``encode_outcome`` / ``decode_outcome``, ``_read_receiver`` beside the two classes that use
 them), and ``register`` names both to vLLM's factories under one backend name. If it grows,
@@ -77,6 +77,7 @@ from .vllm import receiver_rank
 __all__ = [
     "BACKEND",
     "OUTCOME_BYTES",
+    "TraceFailed",
     "VersionNotApplied",
     "XferInitInfo",
     "XferTrainerInitInfo",
@@ -223,7 +224,14 @@ def _end_layer_reload(layer: Any, info: Any) -> None:
             t.weight_loader = _get_original_loader(t)
 
 
-def trace_model(model: Any, tensors: tuple[TensorSpec, ...], device: Any) -> tuple[dict[str, tuple[np.ndarray, str]], set[str]]:
+class TraceFailed(RuntimeError):
+    """A worker's loader could not be traced (``trace_model``): the message names the
+    checkpoint tensor the loader was given when it failed. The worker publishes it instead of
+    its slices; the trainer's ``trainer_init`` raises it, naming the worker. Nothing falls
+    back to receiving whole tensors behind the user's back: ``direct=False`` asks for that."""
+
+
+def trace_model(model: Any, tensors: tuple[TensorSpec, ...]) -> tuple[dict[str, tuple[np.ndarray, str]], set[str]]:
     """Runs ``model.load_weights`` on ids (see ``xfer.weights.slices``) into integer stand-ins
     of the parameters its loaders write: the checkpoint-format parameters vLLM recorded when it
     built the model and restores for its layerwise reload (``initialize_layerwise_reload``),
@@ -231,9 +239,12 @@ def trace_model(model: Any, tensors: tuple[TensorSpec, ...], device: Any) -> tup
     ``process_weights_after_loading`` makes the latter from it, as in vLLM's own reload (its
     ``sharded_rdt`` engine bakes its plan the same way). Returns each parameter's ids and dtype
     name, and the parameters of attention layers (vLLM processes those only when the reload is
-    finished: they are received whole). The stand-ins are made where vLLM materialises the
-    layers, the ids on ``device``; the model's parameters and buffers are as before
-    afterwards, whatever the loader raised."""
+    finished: they are received whole). The stand-ins, the ids and the buffers the loaders
+    need are host memory, never the device's: the trace runs after vLLM sized its KV cache to
+    the device's spare memory, and int64 stand-ins are four times a bf16 model (vLLM's
+    ``sharded_rdt`` runs its dry run on meta tensors for the same reason). The model's
+    parameters and buffers are as before afterwards, whatever the loader raised. A failure
+    raises ``TraceFailed`` naming the checkpoint tensor being loaded."""
     import torch
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.model_loader.reload.layerwise import (
@@ -247,15 +258,18 @@ def trace_model(model: Any, tensors: tuple[TensorSpec, ...], device: Any) -> tup
     attention: set[str] = set()
     live_buffers: list[tuple[Any, Any]] = []
 
+    host = torch.device("cpu")
+    loading: list[str] = []
+
     def ids() -> Iterator[tuple[str, Any]]:
         for i, t in enumerate(tensors):
-            yield t.name, torch.from_numpy(trace_tensor(i, tensors, bases)).to(device)
+            loading[:] = [t.name]
+            yield t.name, torch.from_numpy(trace_tensor(i, tensors, bases))
+        loading[:] = []
 
     initialize_layerwise_reload(model)
     try:
         for prefix, layer in model.named_modules():
-            info = LAYERWISE_INFO.get(layer)
-            at = info.restore_device if info is not None else None
             for name, t in list(layer._parameters.items()):
                 if t is None:
                     continue
@@ -265,7 +279,7 @@ def trace_model(model: Any, tensors: tuple[TensorSpec, ...], device: Any) -> tup
                     attention.add(full)
                 # As vLLM materialises a meta parameter (class and loader attributes kept), in
                 # int64 ids; the loader is the original, not reload's deferring wrapper.
-                ids_of = torch.full(tuple(t.shape), -1, dtype=torch.int64, device=t.device if not t.is_meta else at)
+                ids_of = torch.full(tuple(t.shape), -1, dtype=torch.int64, device=host)
                 ids_of.__class__ = t.__class__
                 ids_of.__dict__ = t.__dict__.copy()
                 try:
@@ -277,7 +291,7 @@ def trace_model(model: Any, tensors: tuple[TensorSpec, ...], device: Any) -> tup
                 if b is None:
                     continue
                 if b.is_meta:
-                    setattr(layer, name, torch.zeros(tuple(b.shape), dtype=b.dtype, device=at))
+                    setattr(layer, name, torch.zeros(tuple(b.shape), dtype=b.dtype, device=host))
                 else:  # live (never on meta): a loader writing it must not change the model
                     live_buffers.append((b, b.detach().clone()))
         try:
@@ -286,9 +300,13 @@ def trace_model(model: Any, tensors: tuple[TensorSpec, ...], device: Any) -> tup
             import contextlib
 
             disable_mtp_completeness_check = contextlib.nullcontext
-        with torch.no_grad(), disable_mtp_completeness_check():
-            model.load_weights(ids())
-        traced = {n: (p.data.cpu().numpy().copy(), dtypes[n]) for n, p in model.named_parameters() if n in dtypes}
+        try:
+            with torch.no_grad(), disable_mtp_completeness_check():
+                model.load_weights(ids())
+            traced = {n: (p.data.cpu().numpy().copy(), dtypes[n]) for n, p in model.named_parameters() if n in dtypes}
+        except Exception as e:
+            where = f"loading checkpoint tensor {loading[0]!r}" if loading else "after the last checkpoint tensor"
+            raise TraceFailed(f"the loader failed {where}: {type(e).__name__}: {e}") from e
         return traced, attention
     finally:
         # What vLLM's sharded_rdt does after its dry run: the kernel tensors back, nothing loaded.
@@ -336,17 +354,36 @@ class XferWeightTransferEngine(WeightTransferEngine):
         direct = bool(init_info.direct) and getattr(self.model_config, "quantization", None) is None
         traced: dict[str, tuple[np.ndarray, str]] = {}
         attention: set[str] = set()
+        self.trace_failure = ""
         if direct:
             try:
-                traced, attention = trace_model(self.model, tensors, self.device)
-            except Exception as e:  # noqa: BLE001 - every tensor then goes through load_weights
-                self.trace_failure = f"{type(e).__name__}: {e}"
-                _log.warning("xfer weight transfer: the loader could not be traced (%s); every tensor is received whole",
-                             self.trace_failure)
-                direct = False
+                traced, attention = trace_model(self.model, tensors)
+            except Exception as e:  # noqa: BLE001 - published for the trainer, which raises it by name
+                self.trace_failure = str(e) if isinstance(e, TraceFailed) else f"{type(e).__name__}: {e}"
+                _log.error("xfer weight transfer: receiver %s could not trace its loader (%s); it does not join "
+                           "the group (init with direct=False to receive every tensor whole)", rank, self.trace_failure)
+        self.slices = None
+        member = _EngineMember(init_info.rendezvous, init_info.config, "XferInitInfo")
+        if self.trace_failure:
+            # Never a silent fallback to whole tensors (a whole model staged on every rank):
+            # the failure is published in place of the slices, and every trainer rank's
+            # trainer_init raises it by name. Not raised here: vLLM's executor would answer
+            # with the first worker's failure and keep the others' answers queued.
+            try:
+                text = self.trace_failure.encode()[:OUTCOME_BYTES]
+                self._slices_buf = np.frombuffer(bytearray(text), dtype=np.uint8)
+                self._slices_region = member.engine.reg_mr(self._slices_buf, access="read")
+                self._published = member.rendezvous.publish(
+                    _slices_record(init_info.group, rank), member.engine.main_address,
+                    {"trace_failure": self._slices_region.desc}, ttl=max(2.0, init_info.timeout))
+            except BaseException:
+                self._member = member
+                self.shutdown()
+                raise
+            self._member, self.rank = member, rank
+            return
         self.slices = receiver_params(rank, traced, tensors, direct=direct, whole_params=attention)
         raw = Layout(tensors, (), self.slices.params).to_json()
-        member = _EngineMember(init_info.rendezvous, init_info.config, "XferInitInfo")
         try:
             self.receiver = WeightReceiver(
                 member.engine, member.rendezvous, init_info.group, rank, init_info.senders, init_info.receivers,
@@ -728,6 +765,20 @@ def _read_receiver(engine: _xfer.TransferEngine, rendezvous: Any, group: str, ra
     """``read_receiver_slices``, and the descriptor of the receiver's outcome region."""
     left = max(0.0, deadline - time.monotonic())
     rec = rendezvous.lookup(_slices_record(group, rank), left)
+    failure = dict(rec["regions"]).get("trace_failure")
+    if failure is not None:
+        n = int(failure.nbytes)
+        if not 0 < n <= OUTCOME_BYTES:
+            raise LayoutError(f"receiver {rank}'s trace failure is {n} bytes (bound {OUTCOME_BYTES})")
+        buf = np.zeros(n, dtype=np.uint8)
+        region = engine.reg_mr(buf)
+        try:
+            engine.submit_single_read(region, failure, n).wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            region.dereg()
+        raise TraceFailed(f"receiver {rank} could not learn its slices from its loader: "
+                          f"{buf.tobytes().decode(errors='replace')} (init with direct=False to receive every "
+                          "tensor whole through load_weights)")
     member = rendezvous.lookup(f"{group}.r{rank}", max(0.0, deadline - time.monotonic()))
     if bytes(rec["addr"]) != bytes(member["addr"]):
         raise LayoutError(f"receiver {rank}'s slices are published by another engine than its membership")
