@@ -23,6 +23,8 @@ import os
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import multiprocessing as mp
+import threading
+import weakref
 
 import pytest
 
@@ -184,7 +186,7 @@ class Trainer:
     """One trainer rank: transformers' Qwen2 (bf16, CPU) as vLLM's ``ModuleSource``; a
     version's values are written into its parameters in place (as an optimizer step does)."""
 
-    def __init__(self, url, group, hf_config=None, **kw):
+    def __init__(self, url, group, hf_config=None, rank=0, **kw):
         import torch
         from transformers import AutoModelForCausalLM
         from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
@@ -195,7 +197,7 @@ class Trainer:
         self.model = AutoModelForCausalLM.from_config(hf_config or qwen2_config(), torch_dtype=torch.bfloat16)
         self.shapes = [(n, tuple(p.shape)) for n, p in self.model.named_parameters()]
         self.source = ModuleSource(self.model)
-        self.init = XferTrainerInitInfo(rank=0, rendezvous=url, group=group, receivers=TP, config=xfer_config("shm"),
+        self.init = XferTrainerInitInfo(rank=rank, rendezvous=url, group=group, receivers=TP, config=xfer_config("shm"),
                                         timeout=TIMEOUT, grace=GRACE, **kw)
         self.factory = WeightTransferTrainerFactory
 
@@ -224,7 +226,9 @@ def states(instance, shapes, seed):
 
 def test_each_tp_rank_receives_only_its_slice_through_vllms_weight_transfer_api(vllm_tp2):
     instance, url = vllm_tp2
-    trainer = Trainer(url, "api-tp2")
+    # budget_bytes=None: written from the source's own memory (vLLM's ModuleSource over a
+    # plain module yields its parameters), registered once; the default streams (below).
+    trainer = Trainer(url, "api-tp2", budget_bytes=None)
     engine = trainer.join(ExecutorClient(instance))
     try:
         # vLLM's dummy weights are not version 99's: the oracle can fail.
@@ -445,6 +449,139 @@ def test_a_version_one_worker_cannot_apply_after_the_commit_is_reported_and_the_
         engine.shutdown()
 
 
+class Liveness:
+    """How many of the tensors a source yielded are alive at once (weak references: a tensor
+    counts until its last reference goes)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.alive = self.most = self.yielded = 0
+
+    def track(self, t):
+        with self.lock:
+            self.alive += 1
+            self.yielded += 1
+            self.most = max(self.most, self.alive)
+        weakref.finalize(t, self._gone)
+        return t
+
+    def _gone(self):
+        with self.lock:
+            self.alive -= 1
+
+
+def gathering_source(model, rank=0, owners=None, liveness=None):
+    """vLLM's ``WeightSource`` as a sharded trainer implements it: ``metadata`` read from the
+    module without gathering (every trainer rank the same, ``owners(name)`` its
+    ``ParamMeta.owners``), and ``iter_full`` yielding each parameter this rank owns, in
+    metadata order, as a fresh full tensor (what an FSDP ``full_tensor()`` all-gather
+    returns), held nowhere by the source."""
+    from functools import cached_property
+
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class GatheringSource(WeightSource):
+        def __init__(self):
+            self.yielded = []
+
+        @cached_property
+        def metadata(self):
+            return [ParamMeta(n, p.dtype, tuple(p.shape), owners=None if owners is None else owners(n))
+                    for n, p in model.named_parameters()]
+
+        def iter_full(self):
+            params = dict(model.named_parameters())
+            for name in self.owned_names(rank):
+                self.yielded.append(name)
+                full = params[name].detach().clone()
+                yield name, (liveness.track(full) if liveness is not None else full)
+                del full
+
+    return GatheringSource()
+
+
+class NoClient:
+    """A trainer rank other than 0 holds vLLM's client but never calls it."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"trainer rank > 0 called the client's {name}")
+
+
+def on_every_rank(*calls):
+    """Runs each trainer rank's call at once (each in a thread, as each rank is a process of
+    its own); returns each one's result or the exception it raised."""
+    out = [None] * len(calls)
+
+    def run(i, call):
+        try:
+            out[i] = ("ok", call())
+        except BaseException as e:  # noqa: BLE001 - returned to the test
+            out[i] = ("raised", e)
+
+    threads = [threading.Thread(target=run, args=(i, c), daemon=True) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=TIMEOUT * 4 + 60)
+    assert not any(t.is_alive() for t in threads), "a trainer rank did not return"
+    return out
+
+
+def test_by_default_the_trainer_streams_a_gathering_source_holding_at_most_two_tensors(vllm_tp2):
+    # A source that gathers each tensor fresh (FSDP's full_tensor()): by default each is staged
+    # into one of two buckets and let go while the next is gathered, never the whole model.
+    instance, url = vllm_tp2
+    trainer = Trainer(url, "api-tp2-stream")
+    liveness = Liveness()
+    trainer.source = gathering_source(trainer.model, liveness=liveness)
+    engine = trainer.join(ExecutorClient(instance))
+    try:
+        for seed in (61, 62):
+            trainer.step(seed)
+            engine.send_weights()
+            assert [s["wrong"] for s in states(instance, trainer.shapes, seed)] == [[]] * TP
+        assert liveness.yielded == 2 * len(trainer.shapes) > 4
+        assert liveness.most <= 2, f"{liveness.most} of {len(trainer.shapes)} yielded tensors alive at once"
+    finally:
+        engine.shutdown()
+
+
+def test_trainer_ranks_with_split_owners_each_send_only_theirs_and_the_version_lands(vllm_tp2):
+    # ParamMeta.owners splits the model (pipeline stages, a partitioned source): each trainer
+    # rank yields only the tensors it owns, and the version still lands whole on both workers.
+    instance, url = vllm_tp2
+    ranks = [Trainer(url, "api-tp2-owners", rank=r, senders=2) for r in range(2)]
+    names = [n for n, _ in ranks[0].shapes]
+    half = set(names[: len(names) // 2])
+
+    def owners(name):
+        return (0,) if name in half else (1,)
+
+    for r, t in enumerate(ranks):
+        t.source = gathering_source(t.model, rank=r, owners=owners)
+    joined = on_every_rank(lambda: ranks[0].join(ExecutorClient(instance)), lambda: ranks[1].join(NoClient()))
+    assert [j[0] for j in joined] == ["ok", "ok"], joined
+    engines = [j[1] for j in joined]
+    try:
+        from xfer.weights.plan import plan
+
+        for r, engine in enumerate(engines):
+            mine = {engine.layout.shards[int(s)][1] for s in plan(engine.layout, sender=r).src_shard}
+            assert mine and all(owners(n) == (r,) for n in mine), (r, mine)
+        for seed in (71, 72):
+            for t in ranks:
+                t.step(seed)
+                t.source.yielded.clear()
+            sent = on_every_rank(engines[0].send_weights, engines[1].send_weights)
+            assert sent == [("ok", None)] * 2, sent
+            assert ranks[0].source.yielded == [n for n in names if n in half]
+            assert ranks[1].source.yielded == [n for n in names if n not in half]
+            assert [s["wrong"] for s in states(instance, ranks[0].shapes, seed)] == [[]] * TP
+    finally:
+        for engine in engines:
+            engine.shutdown()
+
+
 def worker_fail_next_trace(wrapper, tensor):
     """Stand-in for a loader the trace cannot run (an op on ids it refuses): this worker's next
     ``load_weights`` raises when it is given checkpoint tensor ``tensor``. Once."""
@@ -549,3 +686,4 @@ def test_a_workers_outcome_is_decoded_strictly():
                 encode_outcome({"version": 1, "applied": True})[:4] + b'{"version": true, "applied": 1, "reason": ""}'):
         with pytest.raises(LayoutError):
             decode_outcome(region(bad) if bad else bad)
+

@@ -1,4 +1,4 @@
-"""Why one file (801 lines): both ends of one wire contract — the worker engine publishes its
+"""Why one file (849 lines): both ends of one wire contract — the worker engine publishes its
 slices record and outcome region, the trainer engine reads them (``_slices_record``,
 ``encode_outcome`` / ``decode_outcome``, ``_read_receiver`` beside the two classes that use
 them), and ``register`` names both to vLLM's factories under one backend name. If it grows,
@@ -22,10 +22,14 @@ and learns, per checkpoint tensor, which box of it lands where in which of its p
 parameter copied from boxes (a tensor-parallel slice, the parts of a fused ``qkv_proj`` /
 ``gate_up_proj``) is received as those boxes only; anything the loader transforms (a
 quantised model, a cast, a parameter mixing both) and every parameter of an attention layer
-is received whole and loaded through ``load_weights``. The worker publishes its part of the
-layout as a registered region; each trainer rank reads every worker's part once, at
-``trainer_init``, and plans its writes (``xfer.weights.plan``: the trainer ranks share the
-sending).
+is received whole and loaded through ``load_weights``. The trace runs in host memory, never on
+the device (whose spare memory vLLM gave its KV cache). A loader that cannot be traced is not
+papered over: the worker publishes the failure (naming the checkpoint tensor) instead of its
+slices and every trainer rank's ``trainer_init`` raises ``TraceFailed``; ``direct=False``
+receives every tensor whole. The worker publishes its part of the layout as a registered
+region; each trainer rank reads every worker's part once, at ``trainer_init``, and plans its
+writes (``xfer.weights.plan``: the trainer ranks share the sending, each from the tensors
+its source's ``ParamMeta.owners`` give it, streamed through two staging buckets).
 
 Every version runs inside vLLM's layerwise reload, as vLLM's own engines run theirs: the
 boxes of a layer land in its freshly materialised checkpoint-format parameters, then the
@@ -569,14 +573,26 @@ class XferWeightTransferEngine(WeightTransferEngine):
                 member._close_engine()
 
 
+# The trainer's staging by default: two buckets of 2 GiB, verl's default bucket
+# (``update_weights_bucket_megabytes: 2048``), each made as large as the largest tensor the
+# rank sends when one is larger and as small as all of them when they fit.
+DEFAULT_BUCKET_BYTES = 2048 << 20
+DEFAULT_BUDGET_BYTES = 2 * DEFAULT_BUCKET_BYTES
+
+
 @dataclasses.dataclass
 class XferTrainerInitInfo(TrainerInitInfo):
     """The trainer side's init info (every trainer rank; ``rank`` is its trainer rank).
     ``receivers``: every vLLM worker joined to ``group`` (TP × PP × DP of each instance);
-    ``senders``: the trainer ranks (each writes its share of the plan); ``budget_bytes``: a
-    trainer rank's staging (two buckets of half of it, filled while the other's writes are in
-    flight; ``None``: the tensors are written from their own memory, each registered once
-    while the source gives the same memory back)."""
+    ``senders``: the trainer ranks (each writes its share of the plan, from the tensors its
+    source's ``ParamMeta.owners`` give it); ``budget_bytes``: a trainer rank's staging, two
+    buckets of half of it (default ``DEFAULT_BUDGET_BYTES``): each tensor the source yields is
+    copied into one and let go while the other's writes are in flight, so at most the two
+    buckets and the tensor being gathered are held, whatever the model's size; a bucket grows
+    to the largest tensor this rank sends (it must hold one). ``None``: the tensors are written
+    from their own memory, each registered once while the source gives the same memory back —
+    every tensor of a version is held until it is written, so only for a source whose tensors
+    are memory it keeps anyway (a plain module's own parameters), never a gathering one."""
 
     backend = BACKEND
 
@@ -588,15 +604,33 @@ class XferTrainerInitInfo(TrainerInitInfo):
     config: Any = None
     timeout: float = 300.0
     grace: float | None = None
-    budget_bytes: int | None = None
+    budget_bytes: int | None = DEFAULT_BUDGET_BYTES
     direct: bool = True
     max_bytes: int | None = None
 
 
+def _owned(source: Any, senders: int) -> dict[str, tuple[int, ...]]:
+    """Each tensor's owners from the source's ``ParamMeta.owners`` (``None``: every trainer
+    rank), checked to be trainer ranks of this group."""
+    out: dict[str, tuple[int, ...]] = {}
+    for m in source.metadata:
+        owners = getattr(m, "owners", None)
+        if owners is None:
+            out[m.name] = tuple(range(senders))
+            continue
+        owners = tuple(int(o) for o in owners)
+        bad = [o for o in owners if not 0 <= o < senders]
+        if bad or not owners:
+            raise ValueError(f"parameter {m.name!r}: owners {owners} are not all trainer ranks of the "
+                             f"{senders} senders (XferTrainerInitInfo.senders)")
+        out[m.name] = owners
+    return out
+
+
 class XferTrainerWeightTransferEngine(TrainerWeightTransferEngine):
-    """The trainer side: every trainer rank sends its share of each version; rank 0 (vLLM's
-    sender) also drives the workers through ``client``, coordinates the version and reads each
-    worker's outcome once the session is finished."""
+    """The trainer side: every trainer rank sends its share of each version (of the tensors it
+    owns); rank 0 (vLLM's sender) also drives the workers through ``client``, coordinates the
+    version and reads each worker's outcome once the session is finished."""
 
     init_info_cls = XferTrainerInitInfo
 
@@ -608,7 +642,8 @@ class XferTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         self.sender: WeightSender | None = sender
         self.layout = layout
         self.version = 0
-        self._index = {t.name: i for i, t in enumerate(layout.tensors)}
+        # This rank's shard of each tensor it owns (in the source's metadata order).
+        self._shard_of = {name: i for i, (r, name, _) in enumerate(layout.shards) if r == rank}
         # Each worker's outcome region, read into one local buffer after each version.
         self._outcomes = outcomes
         self._outcome_buf = np.zeros(max(1, len(outcomes)) * OUTCOME_BYTES, dtype=np.uint8)
@@ -621,12 +656,18 @@ class XferTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         if not init_info.rendezvous or not init_info.group:
             raise ValueError("XferTrainerInitInfo: rendezvous (xfer://host:port) and group are required")
         tensors = tuple(TensorSpec(m.name, tuple(int(d) for d in m.shape), _dtype_name(m.dtype)) for m in source.metadata)
+        owners = _owned(source, init_info.senders)
+        budget = init_info.budget_bytes
+        if budget is not None:
+            mine = [t.nbytes for t in tensors if init_info.rank in owners[t.name]]
+            bucket = max(max(mine, default=1), min(budget // 2, sum(-(-n // 64) * 64 for n in mine)))
+            budget = 2 * bucket
         is_sender = init_info.rank == 0
         member = _EngineMember(init_info.rendezvous, init_info.config, "XferTrainerInitInfo")
         try:
             sender = WeightSender(
                 member.engine, member.rendezvous, init_info.group, init_info.rank, init_info.senders,
-                init_info.receivers, timeout=init_info.timeout, grace=init_info.grace, budget_bytes=init_info.budget_bytes,
+                init_info.receivers, timeout=init_info.timeout, grace=init_info.grace, budget_bytes=budget,
             )
             if is_sender:
                 client.init_weight_transfer_engine({
@@ -643,7 +684,8 @@ class XferTrainerWeightTransferEngine(TrainerWeightTransferEngine):
                 part, outcome = _read_receiver(member.engine, member.rendezvous, init_info.group, r, tensors, deadline)
                 params.extend(part.params)
                 outcomes.append(outcome)
-            shards = tuple((s, t.name, None) for s in range(init_info.senders) for t in tensors)
+            # Each tensor held whole by each of its owners: the plan shares its bytes among them.
+            shards = tuple((s, t.name, None) for s in range(init_info.senders) for t in tensors if s in owners[t.name])
             layout = Layout(tensors, shards, tuple(params))
             engine = cls(client=client, source=source, is_sender=is_sender, rank=init_info.rank, info=init_info,
                          member=member, sender=sender, layout=layout, outcomes=tuple(outcomes) if is_sender else ())
@@ -657,22 +699,28 @@ class XferTrainerWeightTransferEngine(TrainerWeightTransferEngine):
     def send_weights(self) -> None:
         """One version: rank 0 starts the workers' update and calls their ``update_weights``
         while every trainer rank writes its share, then finishes the session — always, also
-        after a failure — and reads every worker's outcome. Returns once the version is
-        committed and applied on every worker; raises ``VersionFailed`` when it was applied
-        nowhere, and on rank 0 ``VersionNotApplied`` (naming the version and each worker that
-        could not apply it, with its reason) when it was committed but some worker's apply
-        failed. Either way the session is closed and the next version can be sent."""
+        after a failure — and reads every worker's outcome. Each rank's tensors are streamed
+        (``budget_bytes``): the source's next tensor is gathered while the last one's writes
+        are in flight. Returns once the version is committed and applied on every worker;
+        raises ``VersionFailed`` when it was applied nowhere, and on rank 0
+        ``VersionNotApplied`` (naming the version and each worker that could not apply it, with
+        its reason) when it was committed but some worker's apply failed. Either way the
+        session is closed and the next version can be sent."""
         s = self.sender
         if s is None:
             raise RuntimeError("send_weights after shutdown")
         self.version += 1
         version = self.version
-        first = self.rank * len(self.layout.tensors)
-        index = self._index
+        shard_of = self._shard_of
 
         def shards() -> Iterator[tuple[int, Any]]:
             for name, t in self.source.iter_full():
-                yield first + index[name], t
+                index = shard_of.get(name)
+                if index is None:
+                    raise ValueError(f"the source yielded {name!r}, which trainer rank {self.rank} does not own "
+                                     "(its ParamMeta.owners) or the source's metadata does not declare")
+                yield index, t
+                del t  # not held here while the next one is gathered
 
         rpc_error: list[BaseException] = []
         rpc: threading.Thread | None = None
