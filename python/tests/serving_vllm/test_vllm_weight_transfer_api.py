@@ -582,6 +582,35 @@ def test_trainer_ranks_with_split_owners_each_send_only_theirs_and_the_version_l
             engine.shutdown()
 
 
+def test_every_trainer_rank_learns_a_version_one_worker_could_not_apply(vllm_tp2):
+    # Only rank 0 drives the workers' session and reads their outcomes; a version committed
+    # but not applied on one worker must not look applied to the other trainer ranks.
+    instance, url = vllm_tp2
+    ranks = [Trainer(url, "api-tp2-not-applied-everywhere", rank=r, senders=2, direct=False) for r in range(2)]
+    joined = on_every_rank(lambda: ranks[0].join(ExecutorClient(instance)), lambda: ranks[1].join(NoClient()))
+    assert [j[0] for j in joined] == ["ok", "ok"], joined
+    engines = [j[1] for j in joined]
+    try:
+        for t in ranks:
+            t.step(81)
+        assert on_every_rank(engines[0].send_weights, engines[1].send_weights) == [("ok", None)] * 2
+        status, armed = instance.ask("rpc", (worker_fail_next_load, (1, len(ranks[0].shapes) // 2), {}))
+        assert status == "ok" and armed == [False, True], armed
+        for t in ranks:
+            t.step(82)
+        sent = on_every_rank(engines[0].send_weights, engines[1].send_weights)
+        for r, (how, e) in enumerate(sent):
+            assert how == "raised" and type(e).__name__ == "VersionNotApplied", (r, sent)
+            assert e.version == 2 and set(e.failed) == {1} and "stand-in: worker 1's loader failed" in e.failed[1], (r, e)
+        for t in ranks:
+            t.step(83)
+        assert on_every_rank(engines[0].send_weights, engines[1].send_weights) == [("ok", None)] * 2
+        assert [s["wrong"] for s in states(instance, ranks[0].shapes, 83)] == [[]] * TP
+    finally:
+        for engine in engines:
+            engine.shutdown()
+
+
 def worker_fail_next_trace(wrapper, tensor):
     """Stand-in for a loader the trace cannot run (an op on ids it refuses): this worker's next
     ``load_weights`` raises when it is given checkpoint tensor ``tensor``. Once."""
@@ -686,4 +715,31 @@ def test_a_workers_outcome_is_decoded_strictly():
                 encode_outcome({"version": 1, "applied": True})[:4] + b'{"version": true, "applied": 1, "reason": ""}'):
         with pytest.raises(LayoutError):
             decode_outcome(region(bad) if bad else bad)
+
+
+def test_rank_zeros_summary_is_decoded_strictly():
+    # What a trainer rank reads from rank 0's summary region is a peer's bytes: bounded, typed,
+    # receivers in range; reasons cut to fit rather than the summary refused.
+    from xfer.weights.layout import LayoutError
+    from xfer.weights.vllm_engine import decode_summary, encode_summary
+
+    bound = 4096 * 3
+    raw = encode_summary(7, "", {1: "x" * 100_000, 0: "y"}, bound)
+    assert len(raw) <= bound
+    version, error, failed = decode_summary(raw, 2, bound)
+    assert (version, error, set(failed)) == (7, "", {0, 1}) and failed[0] == "y" and len(failed[1]) < 100_000
+
+    def framed(text):
+        return len(text).to_bytes(4, "little") + text
+
+    for bad in (b"", framed(b"{}"), (bound).to_bytes(4, "little") + bytes(bound), framed(b"not json"),
+                framed(b'{"version": 1, "error": "", "failed": {"2": "x"}}'),
+                framed(b'{"version": 1, "error": "", "failed": {"-1": "x"}}'),
+                framed('{"version": 1, "error": "", "failed": {"\u00b2": "x"}}'.encode()),
+                framed(b'{"version": true, "error": "", "failed": {}}'),
+                framed(b'{"version": 1, "error": 0, "failed": {}}'),
+                framed(b'{"version": 1, "error": "", "failed": {"0": 1}}'),
+                framed(b'{"version": 1, "error": "", "failed": {}, "more": 1}')):
+        with pytest.raises(LayoutError):
+            decode_summary(bad, 2, bound)
 

@@ -1,4 +1,4 @@
-"""Why one file (849 lines): both ends of one wire contract — the worker engine publishes its
+"""Why one file (976 lines): both ends of one wire contract — the worker engine publishes its
 slices record and outcome region, the trainer engine reads them (``_slices_record``,
 ``encode_outcome`` / ``decode_outcome``, ``_read_receiver`` beside the two classes that use
 them), and ``register`` names both to vLLM's factories under one backend name. If it grows,
@@ -46,8 +46,9 @@ does each worker apply it. A version that fails is applied nowhere; ``send_weigh
 ``load_weights`` refuses a tensor, vLLM's processing runs out of memory): the worker records
 it (``last_outcome`` and an outcome region the trainer reads) instead of raising through
 vLLM's executor, its layers not yet processed keep the previous version, the trainer always
-finishes the workers' session, and rank 0's ``send_weights`` raises ``VersionNotApplied``
-naming the version and each such worker. The instance takes the next version, which, applied
+finishes the workers' session, and every trainer rank's ``send_weights`` raises
+``VersionNotApplied`` naming the version and each such worker (rank 0 reads the workers'
+outcomes and publishes what it read; the other ranks wait for it). The instance takes the next version, which, applied
 whole, repairs the mix.
 
 Trainer side::
@@ -627,10 +628,50 @@ def _owned(source: Any, senders: int) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _summary_record(group: str, version: int) -> str:
+    return f"{group}.s0.v{version}"
+
+
+def encode_summary(version: int, error: str, failed: dict[int, str], bound: int) -> bytes:
+    """What trainer rank 0 tells the other trainer ranks of a committed version once the
+    workers' session is finished: the error driving it raised on rank 0 (``""``: none) and
+    each worker that did not apply it, with its reason — the reasons cut until it fits
+    ``bound`` bytes."""
+    cap = _REASON_CHARS
+    while True:
+        raw = json.dumps({"version": int(version), "error": error[:cap],
+                          "failed": {str(r): why[:cap] for r, why in sorted(failed.items())}}).encode()
+        if len(raw) + 4 <= bound or cap == 0:
+            return len(raw).to_bytes(4, "little") + raw
+        cap //= 2
+
+
+def decode_summary(raw: bytes, receivers: int, bound: int) -> tuple[int, str, dict[int, str]]:
+    """``(version, error, failed)`` from rank 0's summary; what is not one raises
+    ``LayoutError``."""
+    if len(raw) < 4:
+        raise LayoutError("a summary shorter than its length")
+    n = int.from_bytes(raw[:4], "little")
+    if not 0 < n <= min(len(raw) - 4, bound - 4):
+        raise LayoutError(f"a summary of {n} bytes (bound {bound - 4})")
+    try:
+        fields = json.loads(bytes(raw[4:4 + n]))
+    except ValueError as e:
+        raise LayoutError(f"a summary that is not JSON: {e}") from None
+    if not (isinstance(fields, dict) and set(fields) == {"version", "error", "failed"}
+            and type(fields["version"]) is int and isinstance(fields["error"], str)
+            and isinstance(fields["failed"], dict)
+            and all(k.isascii() and k.isdigit() and int(k) < receivers and isinstance(v, str) for k, v in fields["failed"].items())):
+        raise LayoutError("a summary without exactly version (int), error (str) and failed ({receiver: str})")
+    return fields["version"], fields["error"][:_REASON_CHARS], {int(k): v[:_REASON_CHARS] for k, v in fields["failed"].items()}
+
+
 class XferTrainerWeightTransferEngine(TrainerWeightTransferEngine):
     """The trainer side: every trainer rank sends its share of each version (of the tensors it
     owns); rank 0 (vLLM's sender) also drives the workers through ``client``, coordinates the
-    version and reads each worker's outcome once the session is finished."""
+    version, reads each worker's outcome once the session is finished and publishes what it
+    read, which every other trainer rank reads: every rank raises the same
+    ``VersionNotApplied``."""
 
     init_info_cls = XferTrainerInitInfo
 
@@ -648,6 +689,9 @@ class XferTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         self._outcomes = outcomes
         self._outcome_buf = np.zeros(max(1, len(outcomes)) * OUTCOME_BYTES, dtype=np.uint8)
         self._outcome_region = member.engine.reg_mr(self._outcome_buf, access="local") if outcomes else None
+        # Rank 0's summaries of the last versions, published for the other trainer ranks.
+        self._summaries: list[tuple[Any, Any]] = []
+        self._summary_bound = OUTCOME_BYTES * (1 + info.receivers)
 
     @classmethod
     def trainer_init(cls, init_info: XferTrainerInitInfo, *, client: Any, source: Any = None) -> XferTrainerWeightTransferEngine:
@@ -702,10 +746,11 @@ class XferTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         after a failure — and reads every worker's outcome. Each rank's tensors are streamed
         (``budget_bytes``): the source's next tensor is gathered while the last one's writes
         are in flight. Returns once the version is committed and applied on every worker;
-        raises ``VersionFailed`` when it was applied nowhere, and on rank 0
-        ``VersionNotApplied`` (naming the version and each worker that could not apply it, with
-        its reason) when it was committed but some worker's apply failed. Either way the
-        session is closed and the next version can be sent."""
+        raises ``VersionFailed`` when it was applied nowhere, and ``VersionNotApplied``
+        (naming the version and each worker that could not apply it, with its reason) when it
+        was committed but some worker's apply failed — on every trainer rank: rank 0 publishes
+        what it read, the others wait for it (up to ``timeout``). Either way the session is
+        closed and the next version can be sent."""
         s = self.sender
         if s is None:
             raise RuntimeError("send_weights after shutdown")
@@ -736,6 +781,7 @@ class XferTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             rpc = threading.Thread(target=update, name=f"xfer-vllm-update-{version}", daemon=True)
             rpc.start()
         failed: VersionFailed | None = None
+        concluded: list[dict[int, str]] = []
         try:
             try:
                 if self.info.budget_bytes is None:
@@ -747,20 +793,97 @@ class XferTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             finally:
                 if rpc is not None:
                     rpc.join()
+        except BaseException as e:
+            rpc_error.append(e)
+            raise
         finally:
             if self.is_sender:
-                # Always: a worker left in its session refuses every later start_weight_update.
-                # The workers' update_weights never raise for a version (see
-                # XferWeightTransferEngine.receive_weights), so their answers are in step.
-                self.client.finish_weight_update()
+                try:
+                    # Always: a worker left in its session refuses every later
+                    # start_weight_update. The workers' update_weights never raise for a
+                    # version (see XferWeightTransferEngine.receive_weights), so their answers
+                    # are in step.
+                    self.client.finish_weight_update()
+                except BaseException as e:
+                    rpc_error.append(e)
+                    raise
+                finally:
+                    if failed is None:
+                        concluded.append(self._conclude(version, rpc_error))
         if rpc_error:
             raise rpc_error[0]
         if failed is not None:
             raise failed
-        if self.is_sender:
-            not_applied = self._not_applied(version)
-            if not_applied:
-                raise VersionNotApplied(version, not_applied)
+        not_applied = concluded[0] if self.is_sender else self._hear_summary(version)
+        if not_applied:
+            raise VersionNotApplied(version, not_applied)
+
+    def _conclude(self, version: int, rpc_error: list[BaseException]) -> dict[int, str]:
+        """Rank 0, once the workers' session of a committed ``version`` is finished: the
+        workers that did not apply it (their outcomes read now), and that — or the error that
+        stopped rank 0 driving the session — published under ``_summary_record`` for the
+        other trainer ranks. The last 16 versions' stay published (a rank reads its version's
+        once it committed it, and rank 0 cannot run far ahead of it: a version commits only
+        with every rank's report)."""
+        error = f"{type(rpc_error[0]).__name__}: {rpc_error[0]}" if rpc_error else ""
+        failed: dict[int, str] = {}
+        if not rpc_error:
+            try:
+                failed = self._not_applied(version)
+            except Exception as e:
+                error = f"reading the workers' outcomes failed: {type(e).__name__}: {e}"
+                rpc_error.append(e)
+        member = self._member
+        if member is None or self.info.senders == 1:
+            return failed
+        raw = encode_summary(version, error, failed, self._summary_bound)
+        buf = np.frombuffer(bytearray(raw), dtype=np.uint8)
+        region = member.engine.reg_mr(buf, access="read")
+        try:
+            published = member.rendezvous.publish(_summary_record(self.info.group, version), member.engine.main_address,
+                                                  {"summary": region.desc}, ttl=max(2.0, self.info.timeout))
+        except BaseException:
+            region.dereg()
+            raise
+        self._summaries.append((published, region, buf))
+        while len(self._summaries) > 16:
+            old, old_region, _ = self._summaries.pop(0)
+            old.unpublish()
+            old_region.dereg()
+        return failed
+
+    def _hear_summary(self, version: int) -> dict[int, str]:
+        """A trainer rank other than 0: rank 0's summary of committed ``version``, waited for
+        (up to ``timeout``), checked to come from rank 0's engine, bounded and decoded. Raises
+        what stopped rank 0 driving the workers; returns the workers that did not apply it."""
+        s, member = self.sender, self._member
+        assert s is not None and member is not None
+        deadline = time.monotonic() + self.info.timeout
+        try:
+            rec = member.rendezvous.lookup(_summary_record(self.info.group, version), self.info.timeout)
+        except Exception as e:  # noqa: BLE001 - the same failure, named
+            raise RuntimeError(f"weight version {version} was committed, but trainer rank 0 did not say whether the "
+                               f"workers applied it within {self.info.timeout:.0f} s: {type(e).__name__}: {e}") from e
+        coordinator = s.record(0, deadline)
+        if coordinator is None or bytes(rec["addr"]) != coordinator[0]:
+            raise LayoutError(f"the summary of weight version {version} is not published by trainer rank 0's engine")
+        desc = dict(rec["regions"]).get("summary")
+        n = int(desc.nbytes) if desc is not None else 0
+        if not 0 < n <= self._summary_bound:
+            raise LayoutError(f"the summary of weight version {version} is {n} bytes (bound {self._summary_bound})")
+        buf = np.zeros(n, dtype=np.uint8)
+        region = member.engine.reg_mr(buf)
+        try:
+            member.engine.submit_single_read(region, desc, n).wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            region.dereg()
+        got, error, failed = decode_summary(buf.tobytes(), self.info.receivers, self._summary_bound)
+        if got != version:
+            raise LayoutError(f"the summary of weight version {version} is of version {got}")
+        if error:
+            raise RuntimeError(f"weight version {version} was committed, but trainer rank 0 could not finish the "
+                               f"workers' session: {error}")
+        return failed
 
     def _not_applied(self, version: int) -> dict[int, str]:
         """Each worker's outcome of ``version`` read from its outcome region: the receiver
@@ -789,8 +912,12 @@ class XferTrainerWeightTransferEngine(TrainerWeightTransferEngine):
 
     def shutdown(self) -> None:
         sender, member, region = self.sender, self._member, self._outcome_region
+        summaries, self._summaries = self._summaries, []
         self.sender = self._member = self._outcome_region = None
         try:
+            for published, summary, _ in summaries:
+                published.unpublish()
+                summary.dereg()
             if sender is not None:
                 sender.close()
             if region is not None:
