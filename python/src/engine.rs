@@ -778,15 +778,7 @@ impl TransferEngine {
         senders: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let engine = self.engine(py)?;
-        let allowed = match senders {
-            None => None,
-            Some(list) => Some(
-                list.try_iter()?
-                    .map(|p| addr_of(&p?))
-                    .collect::<PyResult<Vec<_>>>()?,
-            ),
-        };
-        engine.restrict_imm_senders(mask, value, allowed);
+        engine.restrict_imm_senders(mask, value, values::addrs_of(senders)?);
         Ok(())
     }
 
@@ -868,15 +860,7 @@ impl TransferEngine {
         peers: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let engine = self.engine(py)?;
-        let allowed = match peers {
-            None => None,
-            Some(list) => Some(
-                list.try_iter()?
-                    .map(|p| addr_of(&p?))
-                    .collect::<PyResult<Vec<_>>>()?,
-            ),
-        };
-        engine.restrict_notifications(allowed);
+        engine.restrict_notifications(values::addrs_of(peers)?);
         Ok(())
     }
 

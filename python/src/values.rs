@@ -353,6 +353,14 @@ pub(crate) fn arrivals(
 }
 
 /// A `NetAddr` from a `NetAddr` or bytes.
+/// An iterable of addresses (see [`addr_of`]), or `None` for "no restriction".
+pub(crate) fn addrs_of(
+    list: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<Vec<engine_core::NetAddr>>> {
+    list.map(|list| list.try_iter()?.map(|p| addr_of(&p?)).collect())
+        .transpose()
+}
+
 pub(crate) fn addr_of(obj: &Bound<'_, PyAny>) -> PyResult<engine_core::NetAddr> {
     if let Ok(a) = obj.cast::<NetAddr>() {
         return Ok(a.get().0.clone());
