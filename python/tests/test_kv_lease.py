@@ -4,8 +4,11 @@ against its token; issue 56: forged or second readers get nothing). Pure: no eng
 framework, the clock passed in."""
 
 import random
+import sys
+import tracemalloc
 
-from xfer.kv.control import new_token
+import xfer.kv.lease
+from xfer.kv.control import block_id_array, new_token
 from xfer.kv.lease import Message, Offers, Reader
 
 READER = Reader("decode-a", "r-d", 2)
@@ -120,3 +123,95 @@ def test_random_schedules_never_answer_held_after_a_free():
                 assert not freed, seed
             read, expired = offers.poll(now)
             freed = freed or bool(read or expired)
+
+
+def test_early_block_ids_are_bounded_in_all_oldest_dropped_first():
+    offers, token = Offers(lease_s=10, max_early_ids=5), new_token()
+    for i in range(3):  # 2 ids each: the third pushes out the first
+        offers.handle(msg("claim", token, request=f"x{i}", blocks=[(1, 2)]), 0)
+    assert offers.dropped == 1
+    assert offers.offer("x0", token, [[1, 2]], now=1) == []
+    assert [a.ok for a in offers.offer("x2", token, [[1, 2]], now=1)] == [True]
+    offers.handle(msg("claim", token, request="big", blocks=[range(6)]), 1)
+    assert offers.dropped == 2, "more ids than all early messages may hold: dropped alone"
+    assert [a.ok for a in offers.offer("x1", token, [[1, 2]], now=1)] == [True]
+
+def lines_run_in(module, call):
+    """How many lines of ``module`` ``call()`` executes (a loop's line counts once per pass):
+    the work done, counted — never timed."""
+    lines = 0
+
+    def local(frame, event, arg):
+        nonlocal lines
+        lines += event == "line"
+        return local
+
+    def calls(frame, event, arg):
+        return local if frame.f_code.co_filename == module.__file__ else None
+
+    sys.settrace(calls)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+    return lines
+
+
+MIB = 1 << 20
+
+
+def random_ids(rng, n):
+    """``n`` random non-negative block ids as they travel (made as bytes: no Python int per
+    id, which tracemalloc would trace one by one)."""
+    payload = bytearray(rng.randbytes(4 * n))
+    payload[3::4] = payload[3::4].translate(bytes(b & 0x7F for b in range(256)))
+    return bytes(payload)
+
+
+def test_a_strangers_early_claims_are_bounded_in_bytes():
+    """Review 56 M-C: the early reader messages were bounded in count only (4,096), each
+    claim's block ids held as Python ints — about 640 KiB a claim, 2.5 GiB from anyone who
+    can reach the engine with a token-shaped string. 4,096 claims, each of a random request
+    id and token from an engine nobody knows, with 16,380 random ids (what one 64 KiB
+    message carries), decoded as the worker decodes them: what is held stays under 64 MiB,
+    and the drops are counted. A real reader's early claim after the flood is still
+    answered when its request is offered."""
+    rng = random.Random(56)
+    offers = Offers(lease_s=10, early_s=30)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(4096):
+            ids = block_id_array(random_ids(rng, 16380))
+            stranger = Reader(f"unknown-{rng.getrandbits(64):x}", f"{rng.getrandbits(64):x}", 1)
+            offers.handle(Message("claim", f"{rng.getrandbits(64):x}", new_token(), stranger, 0,
+                                  b"addr", (ids,)), 0.0)
+            if i % 64 == 63:  # a bound held all along, not only at the end
+                held = tracemalloc.get_traced_memory()[0] - before
+                assert held < 64 * MIB, f"{held / MIB:.0f} MiB held after {i + 1} claims"
+    finally:
+        tracemalloc.stop()
+    assert offers.dropped > 0
+    token = new_token()
+    assert offers.handle(msg("claim", token), 1.0) is None
+    assert [a.ok for a in offers.offer("r", token, [[3, 5]], now=1.0)] == [True]
+
+
+def test_offering_a_request_does_not_go_through_every_early_message():
+    """Review 56 M-C: ``offer`` (on vLLM's worker thread, for every request a step keeps)
+    compared each of the 4,096 early messages' request ids with it. The lines it runs with
+    4,096 early messages held are as many as with one (counted, not timed)."""
+    rng = random.Random(4096)
+
+    def early(offers, n):
+        for _ in range(n):
+            stranger = Reader(f"unknown-{rng.getrandbits(64):x}", "x", 1)
+            offers.handle(Message("claim", f"{rng.getrandbits(64):x}", new_token(), stranger, 0,
+                                  b"addr", ((rng.randrange(1 << 20),),)), 0.0)
+        assert offers.dropped == 0, "every early message is held"
+
+    one, many = Offers(lease_s=10), Offers(lease_s=10)
+    early(one, 1), early(many, 4096)
+    work = [lines_run_in(xfer.kv.lease, lambda o=o: o.offer("r", new_token(), [[3]], 1.0))
+            for o in (one, many)]
+    assert work[1] <= work[0] + 8, f"lines run offering one request: {work}"

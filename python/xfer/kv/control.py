@@ -151,7 +151,7 @@ class Header:
             raise ControlError(f"{name!r} is not hex") from None
 
 
-def block_ids_payload(blocks: list[int]) -> bytes:
+def block_ids_payload(blocks: Iterable[int]) -> bytes:
     """Block ids as they travel: 4 bytes each, little-endian."""
     ids = array.array("i", blocks)
     if sys.byteorder != "little":
@@ -159,18 +159,28 @@ def block_ids_payload(blocks: list[int]) -> bytes:
     return ids.tobytes()
 
 
-def block_ids_of(payload: bytes, max_count: int = 1 << 20) -> list[int]:
-    """The block ids of :func:`block_ids_payload`: refuses a length that is not a multiple of
-    4, more than ``max_count`` ids, and negative ids."""
+_BELOW_0X80 = bytes(range(0x80))
+
+
+def block_id_array(payload: bytes, max_count: int = 1 << 20) -> array.array[int]:
+    """The block ids of :func:`block_ids_payload`, 4 bytes each (as Python ints a message's
+    16k ids would take 40 times the room: a receiver keeps some of them for a while): refuses
+    a length that is not a multiple of 4, more than ``max_count`` ids, and negative ids."""
     if len(payload) % 4:
         raise ControlError(f"{len(payload)} bytes are not whole block ids")
     if len(payload) // 4 > max_count:
         raise ControlError(f"{len(payload) // 4} block ids (at most {max_count})")
+    # Negative: the high byte of a little-endian id has its top bit set (looked at as bytes:
+    # no Python int is made per id).
+    if bytes(payload[3::4]).translate(None, _BELOW_0X80):
+        raise ControlError("a negative block id")
     ids = array.array("i")
     ids.frombytes(payload)
     if sys.byteorder != "little":
         ids.byteswap()
-    out = list(ids)
-    if out and min(out) < 0:
-        raise ControlError("a negative block id")
-    return out
+    return ids
+
+
+def block_ids_of(payload: bytes, max_count: int = 1 << 20) -> list[int]:
+    """:func:`block_id_array` as a list."""
+    return block_id_array(payload, max_count).tolist()

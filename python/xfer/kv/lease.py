@@ -19,12 +19,16 @@ parameters), the blocks offered per KV cache group, its deadline. A reader
    ``max_lease_s`` from the offer.
 
 Messages for a request whose offer has not come yet (the reader can be faster than the step
-that keeps it) wait, bounded, and are answered when it comes (:meth:`Offers.offer`). Messages
-with another token are dropped: they are forged, or for another incarnation of this instance.
+that keeps it) wait, bounded, and are answered when it comes (:meth:`Offers.offer`). Anyone
+who can reach the engine can send them (only the token's form is checked before the offer), so
+they are bounded in count, in block ids held (4 bytes each) and in time, oldest dropped first,
+and found by request (offering a request never goes through the others'). Messages with
+another token are dropped: they are forged, or for another incarnation of this instance.
 """
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import hmac
@@ -54,8 +58,8 @@ class Message:
     """The reader's rank (below ``reader.tp``)."""
     reply_to: bytes = b""
     """Where the answer goes (the reader's engine address)."""
-    blocks: tuple[tuple[int, ...], ...] = ()
-    """A claim's blocks per KV cache group."""
+    blocks: tuple[Sequence[int], ...] = ()
+    """A claim's blocks per KV cache group (as decoded: ``array('i')``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,18 +91,33 @@ def _same(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
 
 
+def _compact(blocks: Sequence[int]) -> array.array[int]:
+    """Block ids as 4 bytes each (as Python ints they take about 40)."""
+    if isinstance(blocks, array.array) and blocks.typecode == "i":
+        return blocks
+    return array.array("i", blocks)
+
+
 class Offers:
     """A prefill rank's kept requests (see the module docs)."""
 
     def __init__(self, lease_s: float, max_lease_s: float | None = None, early_s: float = 30.0,
-                 max_early: int = 4096, max_gone: int = 16384) -> None:
+                 max_early: int = 4096, max_early_ids: int = 1 << 20,
+                 max_gone: int = 16384) -> None:
         self._lease_s = lease_s
         self._max_lease_s = max(lease_s, max_lease_s or 0.0)
         self._early_s = early_s
         self._max_early = max_early
+        self._max_early_ids = max_early_ids
+        """Block ids the early messages hold in all (4 MiB at the default)."""
         self._max_gone = max_gone
         self._offers: dict[str, Offer] = {}
         self._early: collections.OrderedDict[int, tuple[float, Message]] = collections.OrderedDict()
+        """Messages waiting for their request's offer, by arrival (oldest first), with when."""
+        self._early_by_request: dict[str, dict[int, None]] = {}
+        """The same messages' arrival numbers, by request (in arrival order)."""
+        self._early_ids = 0
+        """Block ids the early messages hold."""
         self._early_seq = 0
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
         """Requests freed here, with their tokens (bounded): their readers are told at once."""
@@ -121,10 +140,10 @@ class Offers:
         lease = self._lease_s if lease_s is None else lease_s
         self._offers[request] = Offer(token, now + lease, now + max(lease, self._max_lease_s),
                                       [frozenset(g) for g in blocks])
-        waiting = [(k, m) for k, (_, m) in self._early.items() if m.request == request]
         answers = []
-        for key, message in waiting:
-            del self._early[key]
+        for key in self._early_by_request.pop(request, {}):
+            _, message = self._early.pop(key)
+            self._early_ids -= _held_ids(message)
             answer = self.handle(message, now)
             if answer is not None:
                 answers.append(answer)
@@ -180,11 +199,31 @@ class Offers:
     def _wait(self, message: Message, now: float) -> None:
         if message.kind == "renew":
             return
-        while len(self._early) >= self._max_early:
-            self._early.popitem(last=False)
+        try:
+            message = dataclasses.replace(message, blocks=tuple(map(_compact, message.blocks)))
+        except OverflowError:  # an id no block has: a claim of it could not be granted
             self.dropped += 1
+            return
+        ids = _held_ids(message)
+        if ids > self._max_early_ids:
+            self.dropped += 1
+            return
+        while self._early and (len(self._early) >= self._max_early
+                               or self._early_ids + ids > self._max_early_ids):
+            self._drop_oldest_early()
         self._early_seq += 1
         self._early[self._early_seq] = (now, message)
+        self._early_by_request.setdefault(message.request, {})[self._early_seq] = None
+        self._early_ids += ids
+
+    def _drop_oldest_early(self) -> None:
+        key, (_, message) = self._early.popitem(last=False)
+        same_request = self._early_by_request[message.request]
+        del same_request[key]
+        if not same_request:
+            del self._early_by_request[message.request]
+        self._early_ids -= _held_ids(message)
+        self.dropped += 1
 
     def poll(self, now: float) -> tuple[set[str], set[str]]:
         """The requests whose blocks may be freed now: (read by every rank of their reader,
@@ -196,9 +235,9 @@ class Offers:
             self._gone.move_to_end(request)
         while len(self._gone) > self._max_gone:
             self._gone.popitem(last=False)
-        for key in [k for k, (t, _) in self._early.items() if now - t > self._early_s]:
-            del self._early[key]
-            self.dropped += 1
+        # Oldest first: the stale ones are at the front.
+        while self._early and now - next(iter(self._early.values()))[0] > self._early_s:
+            self._drop_oldest_early()
         return read, expired
 
     def forget(self, request: str) -> None:
@@ -206,3 +245,7 @@ class Offers:
         offer = self._offers.pop(request, None)
         if offer is not None:
             self._gone[request] = offer.token
+
+
+def _held_ids(message: Message) -> int:
+    return sum(len(g) for g in message.blocks)

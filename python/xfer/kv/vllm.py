@@ -91,6 +91,7 @@ import re
 import threading
 import zlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -110,8 +111,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from . import compat
-from .control import (ControlError, Header, block_ids_of, block_ids_payload, is_token, new_token,
-                      same_token)
+from .control import (ControlError, Header, block_id_array, block_ids_payload, is_token,
+                      new_token, same_token)
 from .control import decode as decode_message
 from .control import encode as encode_message
 from .lease import Answer, Message, Offers, Reader
@@ -1459,18 +1460,19 @@ class _Worker:
         to the engine the transport proved sent it (never to another address it names)."""
         if sender and header.hex_bytes("addr") != sender:
             raise ControlError("a reader's message names another engine's address than its own")
-        blocks: tuple[tuple[int, ...], ...] = ()
+        blocks: tuple[Sequence[int], ...] = ()
         if kind == _CLAIM:
             sizes = header.fields.get("groups")
             if not isinstance(sizes, list) or len(sizes) > 16 or not all(
                     isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
                 raise ControlError("a claim's 'groups' is not a list of block counts")
-            ids = block_ids_of(payload, max_count=MAX_MESSAGE // 4)
+            # 4 bytes an id: a claim may wait here for its request's offer (xfer.kv.lease).
+            ids = block_id_array(payload, max_count=MAX_MESSAGE // 4)
             if sum(sizes) != len(ids):
                 raise ControlError("a claim's block counts do not add up to its block ids")
             at = 0
             for n in sizes:
-                blocks += (tuple(ids[at:at + n]),)
+                blocks += (ids[at:at + n],)
                 at += n
         message = Message(
             {_CLAIM: "claim", _DONE: "done", _RENEW: "renew"}[kind],
