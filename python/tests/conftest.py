@@ -1,4 +1,6 @@
 import os
+import sys
+
 import pytest
 import xfer
 
@@ -28,6 +30,49 @@ def rendezvous_dials(monkeypatch):
 
     monkeypatch.setattr(xfer, "Rendezvous", recording)
     return dialled
+
+
+def _lines_run(module, call):
+    """How many lines of ``module`` ``call()`` executes (a loop's line counts once per pass):
+    the work done, counted — never timed."""
+    lines = 0
+
+    def local(frame, event, arg):
+        nonlocal lines
+        lines += event == "line"
+        return local
+
+    def calls(frame, event, arg):
+        return local if frame.f_code.co_filename == module.__file__ else None
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        call()
+    finally:
+        sys.settrace(previous)
+    return lines
+
+
+@pytest.fixture
+def lines_run():
+    """``lines_run(module, call)``: the lines of ``module`` that ``call()`` runs, for tests
+    that bound the work a message costs (how it grows with what is held) without a clock."""
+    return _lines_run
+
+
+def _random_block_ids(rng, n):
+    """``n`` random non-negative block ids as they travel (little-endian int32), made as
+    bytes: no Python int per id, which tracemalloc would trace one by one."""
+    payload = bytearray(rng.randbytes(4 * n))
+    payload[3::4] = payload[3::4].translate(bytes(b & 0x7F for b in range(256)))
+    return bytes(payload)
+
+
+@pytest.fixture
+def random_block_ids():
+    """``random_block_ids(rng, n)``: a block-id payload of ``n`` random ids (a stranger's)."""
+    return _random_block_ids
 
 
 # The mock with SRD-like reordering and two NICs: completions in any order, writes striped.

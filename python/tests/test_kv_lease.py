@@ -4,7 +4,6 @@ against its token; issue 56: forged or second readers get nothing). Pure: no eng
 framework, the clock passed in."""
 
 import random
-import sys
 import tracemalloc
 
 import xfer.kv.lease
@@ -136,39 +135,10 @@ def test_early_block_ids_are_bounded_in_all_oldest_dropped_first():
     assert offers.dropped == 2, "more ids than all early messages may hold: dropped alone"
     assert [a.ok for a in offers.offer("x1", token, [[1, 2]], now=1)] == [True]
 
-def lines_run_in(module, call):
-    """How many lines of ``module`` ``call()`` executes (a loop's line counts once per pass):
-    the work done, counted — never timed."""
-    lines = 0
-
-    def local(frame, event, arg):
-        nonlocal lines
-        lines += event == "line"
-        return local
-
-    def calls(frame, event, arg):
-        return local if frame.f_code.co_filename == module.__file__ else None
-
-    sys.settrace(calls)
-    try:
-        call()
-    finally:
-        sys.settrace(None)
-    return lines
-
-
 MIB = 1 << 20
 
 
-def random_ids(rng, n):
-    """``n`` random non-negative block ids as they travel (made as bytes: no Python int per
-    id, which tracemalloc would trace one by one)."""
-    payload = bytearray(rng.randbytes(4 * n))
-    payload[3::4] = payload[3::4].translate(bytes(b & 0x7F for b in range(256)))
-    return bytes(payload)
-
-
-def test_a_strangers_early_claims_are_bounded_in_bytes():
+def test_a_strangers_early_claims_are_bounded_in_bytes(random_block_ids):
     """Review 56 M-C: the early reader messages were bounded in count only (4,096), each
     claim's block ids held as Python ints — about 640 KiB a claim, 2.5 GiB from anyone who
     can reach the engine with a token-shaped string. 4,096 claims, each of a random request
@@ -182,7 +152,7 @@ def test_a_strangers_early_claims_are_bounded_in_bytes():
     try:
         before = tracemalloc.get_traced_memory()[0]
         for i in range(4096):
-            ids = block_id_array(random_ids(rng, 16380))
+            ids = block_id_array(random_block_ids(rng, 16380))
             stranger = Reader(f"unknown-{rng.getrandbits(64):x}", f"{rng.getrandbits(64):x}", 1)
             offers.handle(Message("claim", f"{rng.getrandbits(64):x}", new_token(), stranger, 0,
                                   b"addr", (ids,)), 0.0)
@@ -197,7 +167,7 @@ def test_a_strangers_early_claims_are_bounded_in_bytes():
     assert [a.ok for a in offers.offer("r", token, [[3, 5]], now=1.0)] == [True]
 
 
-def test_offering_a_request_does_not_go_through_every_early_message():
+def test_offering_a_request_does_not_go_through_every_early_message(lines_run):
     """Review 56 M-C: ``offer`` (on vLLM's worker thread, for every request a step keeps)
     compared each of the 4,096 early messages' request ids with it. The lines it runs with
     4,096 early messages held are as many as with one (counted, not timed)."""
@@ -212,6 +182,6 @@ def test_offering_a_request_does_not_go_through_every_early_message():
 
     one, many = Offers(lease_s=10), Offers(lease_s=10)
     early(one, 1), early(many, 4096)
-    work = [lines_run_in(xfer.kv.lease, lambda o=o: o.offer("r", new_token(), [[3]], 1.0))
+    work = [lines_run(xfer.kv.lease, lambda o=o: o.offer("r", new_token(), [[3]], 1.0))
             for o in (one, many)]
     assert work[1] <= work[0] + 8, f"lines run offering one request: {work}"

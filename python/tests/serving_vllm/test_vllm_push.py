@@ -8,20 +8,24 @@ real engine.
 """
 
 import logging
+import random
 import struct
+import tracemalloc
 
 import pytest
 
+import xfer.kv.vllm_push
+
 from xfer._kvcache import pack_message, unpack_message, view_of
-from xfer.kv.control import ControlError, Header
+from xfer.kv.control import ControlError, Header, block_ids_of
 from xfer._vllm_push import (
     _CANCEL,
     _PUSHED,
     _WANT,
+    MAX_PENDING,
     PushContext,
     PushSide,
     _Await,
-    block_ids_of,
     block_ids_payload,
 )
 from xfer._vllm_records import Load, Peer
@@ -34,6 +38,7 @@ LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
 TOKEN = "5" * 32
 """The request's token (the proxy's, in both instances' parameters)."""
 FORGED = "f" * 32
+MIB = 1 << 20
 
 
 def hnd(heads, total_heads=2, blocks=16, tokens=16, content=8):
@@ -549,6 +554,102 @@ def test_ids_under_ever_new_decoder_names_are_bounded_and_counted():
     p.push.step_started({"s": [3, 5, 7]}, now=START)
     p.push.request_finished("s", [3, 5, 7], now=START)
     assert [w["dst"] for w, _ in p.writes] == ["desc-d-0"] * len(LAYERS)
+
+
+def stranger_wants(rng, n, ids):
+    """``n`` decoders' block ids, each for a random request id with a random token from an
+    engine nobody knows, ``ids`` random ids each: (header, payload) as the worker decodes them."""
+    for _ in range(n):
+        header = {"req": f"{rng.getrandbits(64):x}", "engine": f"unknown-{rng.getrandbits(64):x}",
+                  "rank": 0, "tp": 1, "rendezvous": "xfer://d", "model": "m",
+                  "token": f"{rng.getrandbits(128):032x}"}
+        _, header, payload = unpack_message(pack_message(_WANT, header, ids(rng)), len(_WANT))
+        yield Header(header), payload
+
+
+def test_a_strangers_ids_for_requests_not_scheduled_are_bounded_in_bytes(random_block_ids):
+    """Review 56 M-C: the decoders' ids kept for requests this prefill has not scheduled were
+    bounded in count only (4,096), each want's ids as Python ints — about 640 KiB a want, 2.4
+    GiB from anyone who can reach the engine, for ``free_timeout_s``. 4,096 wants of 16,380
+    random ids each: what is held stays under 64 MiB, and the drops are counted. A real
+    decoder's ids after the flood are still served."""
+    rng = random.Random(56)
+    p, _, _ = prefill_with_a_decoder(scheduled=False)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        wants = stranger_wants(rng, 4096, lambda rng: random_block_ids(rng, 16380))
+        for i, (header, payload) in enumerate(wants):
+            p.push.handle_want(header, payload, now=START)
+            if i % 64 == 63:  # a bound held all along, not only at the end
+                held = tracemalloc.get_traced_memory()[0] - before
+                assert held < 64 * MIB, f"{held / MIB:.0f} MiB held after {i + 1} wants"
+    finally:
+        tracemalloc.stop()
+    assert p.push.dropped_wants > 0
+    _, real, payload = prefill_with_a_decoder()
+    p.push.handle_want(real, payload, now=START)
+    p.push.tokens_known({"r": TOKEN}, START)
+    p.push.request_finished("r", [3, 5, 7], now=START)
+    assert [w["dst"] for w, _ in p.writes] == ["desc-d-0"] * len(LAYERS)
+
+
+def test_a_want_costs_the_same_work_however_many_requests_wait_for_their_token(lines_run):
+    """Review 56 M-C: each decoder's ids went through every request kept before its token
+    (twice: to count them, and to bound their wants), on the engine's callback thread, which
+    also serves other requests' transfers. 256 more wants run no more than twice the lines
+    with 4,096 requests waiting as with none (the oldest request dropped per want, once:
+    amortised O(1); counted, not timed)."""
+    rng = random.Random(4096)
+
+    def one_id(rng):
+        return block_ids_payload([rng.randrange(1 << 20)])
+
+    def lines_for_256_wants(waiting):
+        p, _, _ = prefill_with_a_decoder(scheduled=False)
+        for header, payload in stranger_wants(rng, waiting, one_id):
+            p.push.handle_want(header, payload, now=START)
+        more = list(stranger_wants(rng, 256, one_id))
+        return lines_run(xfer.kv.vllm_push, lambda: [
+            p.push.handle_want(header, payload, now=START) for header, payload in more])
+
+    few, many = lines_for_256_wants(0), lines_for_256_wants(MAX_PENDING)
+    assert many <= 2 * few, f"lines run for 256 wants: {few} with none waiting, {many} with many"
+
+
+def test_random_schedules_keep_the_ids_held_before_their_token_within_the_bounds(monkeypatch):
+    """Property: whatever the order of decoders' ids (with the token or a forged one),
+    tokens becoming known, aborts and time, the ids held for requests whose token is not known
+    yet stay within both bounds, and the counts the bounds are kept with (updated per want,
+    not recounted) are what is held."""
+    monkeypatch.setattr(xfer.kv.vllm_push, "MAX_PENDING", 6)
+    monkeypatch.setattr(xfer.kv.vllm_push, "MAX_PENDING_IDS", 20)
+    monkeypatch.setattr(xfer.kv.vllm_push, "MAX_WANTS", 2)
+    monkeypatch.setattr(logging.getLogger("test_vllm_push"), "disabled", True)  # lookups fail
+    for seed in range(200):
+        rng = random.Random(seed)
+        p, _, _ = prefill_with_a_decoder(scheduled=False)
+        now = START
+        for _ in range(60):
+            op, req = rng.random(), f"q{rng.randrange(8)}"
+            if op < 0.6:
+                header = {"req": req, "engine": f"e{rng.randrange(3)}", "rank": 0, "tp": 1,
+                          "rendezvous": "xfer://d", "model": "m",
+                          "token": TOKEN if rng.random() < 0.7 else FORGED}
+                ids = [rng.randrange(50) for _ in range(rng.randrange(1, 8))]
+                p.push.handle_want(Header(header), block_ids_payload(ids), now)
+            elif op < 0.75:
+                p.push.tokens_known({req: TOKEN}, now)
+            elif op < 0.85:
+                now += rng.choice([1, FORGET + 1])
+                p.push.poll(now, kept=())
+            else:
+                p.push.request_aborted(req, "aborted")
+            waiting = [push for push in p.push._pushes.values() if push.token is None]
+            wants = sum(len(push.wants) for push in waiting)
+            ids = sum(len(w.blocks) for push in waiting for w in push.wants.values())
+            assert wants <= 6 and ids <= 20, seed
+            assert (p.push._unverified_wants, p.push._unverified_ids) == (wants, ids), seed
 
 
 def test_a_cancel_while_a_layer_is_planned_is_answered_only_after_its_writes():

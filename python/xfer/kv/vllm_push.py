@@ -23,16 +23,17 @@ no clock: the worker passes its own (``now``, monotonic seconds) to each method 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import xfer
 
-from .control import ControlError, Header, block_ids_of, block_ids_payload, same_token
+from .control import ControlError, Header, block_id_array, block_ids_payload, same_token
 from .control import encode as pack_message
 from .pages import LayerView, LayoutError, block_runs, matched_blocks
 from .params import MAX_ID, MAX_TP, ParamsError, allowed_rendezvous
@@ -52,6 +53,9 @@ MAX_MESSAGE = 65536
 MAX_PENDING = 4096
 """Push requests, decoders' ids and early cancels kept before their token is known (for a
 request this prefill has not scheduled yet), each: past it the oldest are dropped unanswered."""
+MAX_PENDING_IDS = 1 << 20
+"""Block ids the decoders' ids kept before their request's token is known hold in all (4 bytes
+each: 4 MiB): past it the oldest requests' are dropped unanswered."""
 MAX_WANTS = 2 * MAX_TP
 """Decode ranks whose ids one request keeps (two decode instances' worth: a proxy's retry):
 more are dropped unanswered — decoder names cost a stranger nothing."""
@@ -116,7 +120,8 @@ class _Want:
     engine: str
     rank: int
     tp: int
-    blocks: list[int]
+    blocks: Sequence[int]
+    """As decoded: ``array('i')`` (kept, maybe long before the request is scheduled)."""
     url: str | None = None
     """Where the decode rank's records are (its side channel, or the shared rendezvous)."""
     model: str = ""
@@ -205,6 +210,13 @@ class PushSide:
         self._lock = threading.Lock()
         self._pushes: dict[str, _Push] = {}
         """Prefill: requests with decoders' block ids or blocks computed, by request id."""
+        self._unverified: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """Prefill: the requests in ``_pushes`` holding decoders' ids before their token is
+        known, oldest first (what is dropped first past the bounds)."""
+        self._unverified_wants = 0
+        """Prefill: the decoders' ids those requests hold ..."""
+        self._unverified_ids = 0
+        """... and their block ids."""
         self._step_pushes: list[str] = []
         """Prefill: the requests computing in this step."""
         self._deferred_layers: list[str] = []
@@ -391,6 +403,7 @@ class PushSide:
                 if push.token is not None:
                     continue
                 push.token = token
+                self._leave_unverified(req_id, push)
                 for key, want in list(push.wants.items()):
                     if not same_token(token, want.token):
                         del push.wants[key]
@@ -559,7 +572,7 @@ class PushSide:
         record looked up, layers written to it) only once its token is the request's own;
         until this prefill schedules the request, kept (bounded) unanswered."""
         want = _Want(header.text("engine", MAX_ID), header.integer("rank", 0, MAX_TP - 1),
-                     header.integer("tp", 1, MAX_TP), block_ids_of(payload, MAX_MESSAGE // 4),
+                     header.integer("tp", 1, MAX_TP), block_id_array(payload, MAX_MESSAGE // 4),
                      url=self._url(header), model=header.text("model", 1024, default=""),
                      token=header.token(), sender=sender)
         req_id = header.text("req", MAX_ID)
@@ -570,20 +583,24 @@ class PushSide:
                 return  # its decode rank gave up before these ids arrived
             push = self._pushes.get(req_id)
             if push is None:
-                unverified = [r for r, p in self._pushes.items() if p.token is None]
-                if len(unverified) >= MAX_PENDING:
-                    self.dropped_wants += len(self._pushes.pop(unverified[0]).wants)
+                if len(self._unverified) >= MAX_PENDING:
+                    self._drop_unverified(next(iter(self._unverified)))
                 push = self._pushes[req_id] = _Push(created=now)
             if push.token is not None and not same_token(push.token, want.token):
                 return  # forged, or for another incarnation of this instance
             want.verified = push.token is not None
             aborted = push.aborted
             if aborted is None:
-                if (want.engine, want.rank) not in push.wants and len(push.wants) >= MAX_WANTS:
+                replaced = push.wants.get((want.engine, want.rank))
+                if replaced is None and len(push.wants) >= MAX_WANTS:
                     self.dropped_wants += 1
                     return
                 push.wants[(want.engine, want.rank)] = want
                 if not want.verified:
+                    self._unverified[req_id] = None
+                    self._unverified_wants += replaced is None
+                    self._unverified_ids += len(want.blocks) - (
+                        len(replaced.blocks) if replaced is not None else 0)
                     self._bound_unverified_wants()
         if not want.verified:
             return  # acted on when the request's token is known (tokens_known)
@@ -594,16 +611,26 @@ class PushSide:
         self._ctx.in_background(self._resolve_want, req_id, want)
 
     def _bound_unverified_wants(self) -> None:
-        """Keeps at most ``MAX_PENDING`` decoders' ids for requests not scheduled here yet,
-        dropping the oldest such requests first (with ``self._lock`` held)."""
-        unverified = [(r, p) for r, p in self._pushes.items() if p.token is None]
-        kept = sum(len(p.wants) for _, p in unverified)
-        for req_id, push in unverified:
-            if kept <= MAX_PENDING:
-                break
-            kept -= len(push.wants)
-            self.dropped_wants += len(push.wants)
-            del self._pushes[req_id]
+        """Keeps at most ``MAX_PENDING`` decoders' ids, ``MAX_PENDING_IDS`` block ids in all,
+        for requests not scheduled here yet, dropping the oldest such requests first (with
+        ``self._lock`` held). Each want is dropped at most once: O(1) amortised a want."""
+        while self._unverified and (self._unverified_wants > MAX_PENDING
+                                    or self._unverified_ids > MAX_PENDING_IDS):
+            self._drop_unverified(next(iter(self._unverified)))
+
+    def _drop_unverified(self, req_id: str) -> None:
+        """Forgets a request kept only for decoders' ids before its token (a bound's victim;
+        nothing was written or answered for them), counting its wants as dropped."""
+        push = self._pushes.pop(req_id)
+        self._leave_unverified(req_id, push)
+        self.dropped_wants += len(push.wants)
+
+    def _leave_unverified(self, req_id: str, push: _Push) -> None:
+        """``req_id`` no longer holds ids before its token (known now, or forgotten): its
+        wants leave the bounds' count (with ``self._lock`` held)."""
+        if self._unverified.pop(req_id, False) is None:
+            self._unverified_wants -= len(push.wants)
+            self._unverified_ids -= sum(len(w.blocks) for w in push.wants.values())
 
     def _resolve_want(self, req_id: str, want: _Want) -> None:
         """Finds the decode rank's record; then, if the request was computed before, pushes
@@ -734,7 +761,7 @@ class PushSide:
         with self._lock:  # the aborted ones, once none of their writes is in flight
             for req_id in [r for r, p in self._pushes.items() if p.aborted is not None
                            and all(w.pending == 0 for w in p.wants.values())]:
-                del self._pushes[req_id]
+                self._leave_unverified(req_id, self._pushes.pop(req_id))
 
     def wants(self, req_id: str) -> list[_Want]:
         """The decode ranks whose block ids for ``req_id`` came (for tests and diagnostics)."""
