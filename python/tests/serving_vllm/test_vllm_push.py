@@ -617,11 +617,34 @@ def test_a_want_costs_the_same_work_however_many_requests_wait_for_their_token(l
     assert many <= 2 * few, f"lines run for 256 wants: {few} with none waiting, {many} with many"
 
 
+def test_a_request_scheduled_costs_the_same_work_however_many_early_cancels_wait(lines_run):
+    """Review 56 M-C (the same shape): each push request a step schedules went through every
+    cancel kept before its ids (up to 4,096, anyone's with a token-shaped string) on vLLM's
+    worker thread. Its token becoming known runs as many lines with 4,096 strangers' cancels
+    held as with none (counted, not timed); an early cancel of its own is still answered."""
+    rng = random.Random(7)
+
+    def lines_to_schedule(cancels):
+        p, _, _ = prefill_with_a_decoder(scheduled=False)
+        for header, _ in stranger_wants(rng, cancels, lambda rng: b""):
+            p.push.handle_cancel(header, now=START)
+        p.push.handle_cancel(Header({"req": "r", "engine": "d", "rank": 0, "token": TOKEN,
+                                     "rendezvous": "xfer://d"}), now=START)
+        work = lines_run(xfer.kv.vllm_push, lambda: p.push.tokens_known({"r": TOKEN}, START))
+        [(address, reply, _)] = p.sent_of(_PUSHED)
+        assert address == b"d/0" and reply["cancelled"] is True
+        return work
+
+    few, many = lines_to_schedule(0), lines_to_schedule(MAX_PENDING - 1)
+    assert many <= few + 8, f"lines run scheduling one request: {few} vs {many}"
+
+
 def test_random_schedules_keep_the_ids_held_before_their_token_within_the_bounds(monkeypatch):
-    """Property: whatever the order of decoders' ids (with the token or a forged one),
-    tokens becoming known, aborts and time, the ids held for requests whose token is not known
-    yet stay within both bounds, and the counts the bounds are kept with (updated per want,
-    not recounted) are what is held."""
+    """Property: whatever the order of decoders' ids (with the token or a forged one), early
+    cancels, tokens becoming known, aborts and time, the ids held for requests whose token is
+    not known yet stay within both bounds, and the counts the bounds are kept with (updated
+    per want, not recounted) are what is held; the early cancels stay within theirs, each
+    found by its request."""
     monkeypatch.setattr(xfer.kv.vllm_push, "MAX_PENDING", 6)
     monkeypatch.setattr(xfer.kv.vllm_push, "MAX_PENDING_IDS", 20)
     monkeypatch.setattr(xfer.kv.vllm_push, "MAX_WANTS", 2)
@@ -638,6 +661,9 @@ def test_random_schedules_keep_the_ids_held_before_their_token_within_the_bounds
                           "token": TOKEN if rng.random() < 0.7 else FORGED}
                 ids = [rng.randrange(50) for _ in range(rng.randrange(1, 8))]
                 p.push.handle_want(Header(header), block_ids_payload(ids), now)
+            elif op < 0.7:
+                p.push.handle_cancel(Header({"req": req, "engine": f"e{rng.randrange(3)}",
+                                             "rank": 0, "token": TOKEN}), now)
             elif op < 0.75:
                 p.push.tokens_known({req: TOKEN}, now)
             elif op < 0.85:
@@ -650,6 +676,9 @@ def test_random_schedules_keep_the_ids_held_before_their_token_within_the_bounds
             ids = sum(len(w.blocks) for push in waiting for w in push.wants.values())
             assert wants <= 6 and ids <= 20, seed
             assert (p.push._unverified_wants, p.push._unverified_ids) == (wants, ids), seed
+            assert len(p.push._cancels) <= 6, seed
+            assert set(p.push._cancels) == {(r, *decoder) for r, ranks in
+                                            p.push._cancelled_ranks.items() for decoder in ranks}
 
 
 def test_a_cancel_while_a_layer_is_planned_is_answered_only_after_its_writes():

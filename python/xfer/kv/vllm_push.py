@@ -227,6 +227,9 @@ class PushSide:
         """Prefill: decode ranks' cancels that came before their ids (by request, decode
         engine and rank), with when, their token and where the decoder's records are: their
         ids (with that token) are dropped when they come."""
+        self._cancelled_ranks: dict[str, dict[tuple[str, int], None]] = {}
+        """Prefill: the same cancels' (decode engine, rank), by request: a request scheduled
+        finds its own without going through anyone else's."""
         self.dropped_wants = 0
         """Decoders' ids dropped for a bound (``MAX_WANTS``, ``MAX_PENDING``)."""
 
@@ -388,9 +391,18 @@ class PushSide:
 
     def _remember_cancel(self, key: tuple[str, str, int], value: tuple[float, str, str | None]
                          ) -> None:
-        while len(self._cancels) >= MAX_PENDING:
-            del self._cancels[next(iter(self._cancels))]
+        if key not in self._cancels:
+            while len(self._cancels) >= MAX_PENDING:
+                self._forget_cancel(next(iter(self._cancels)))
+            self._cancelled_ranks.setdefault(key[0], {})[key[1:]] = None
         self._cancels[key] = value
+
+    def _forget_cancel(self, key: tuple[str, str, int]) -> None:
+        del self._cancels[key]
+        ranks = self._cancelled_ranks[key[0]]
+        del ranks[key[1:]]
+        if not ranks:
+            del self._cancelled_ranks[key[0]]
 
     def tokens_known(self, tokens: Mapping[str, str], now: float) -> None:
         """The tokens of push requests this prefill scheduled (their parameters'): decoders'
@@ -410,7 +422,8 @@ class PushSide:
                     elif not want.verified:
                         want.verified = True
                         resolve.append((req_id, want))
-                for key in [k for k in self._cancels if k[0] == req_id]:
+                for decoder in self._cancelled_ranks.get(req_id, ()):
+                    key = (req_id, *decoder)
                     _, cancel_token, url = self._cancels[key]
                     if same_token(token, cancel_token):
                         answer.append((req_id, _Want(key[1], key[2], 0, [], url=url,
@@ -579,7 +592,7 @@ class PushSide:
         with self._lock:
             cancel = self._cancels.get((req_id, want.engine, want.rank))
             if cancel is not None and same_token(cancel[1], want.token):
-                del self._cancels[(req_id, want.engine, want.rank)]
+                self._forget_cancel((req_id, want.engine, want.rank))
                 return  # its decode rank gave up before these ids arrived
             push = self._pushes.get(req_id)
             if push is None:
@@ -743,7 +756,7 @@ class PushSide:
                 else:
                     late.append(self._awaiting.pop(key))
             for key in [k for k, v in self._cancels.items() if now - v[0] > ctx.forget_after_s]:
-                del self._cancels[key]
+                self._forget_cancel(key)
             freed = [r for r, p in self._pushes.items()
                      if p.aborted is None and p.finished and r not in kept]
             never = [r for r, p in self._pushes.items() if p.aborted is None
