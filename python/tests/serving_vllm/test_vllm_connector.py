@@ -16,6 +16,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -1346,6 +1347,92 @@ def test_a_prefill_restarted_under_its_engine_id_is_found_at_its_new_address(ser
         assert_copied(p2, d, [6, 7], [5, 6], loaded=[1, 2, 3, 4])
     finally:
         p2.close(), d.close()
+
+
+class Unanswered:
+    """A send to a host that is gone, as its sender sees it until the engine's own timeouts
+    (RDMA: ``connect_ms``/``transfer_ms``; the mock fails a send to a closed engine at once):
+    pending until the test ends it with ``fail``."""
+
+    def __init__(self):
+        self._ended = threading.Event()
+        self._callbacks = []
+        self._error = None
+
+    def add_done_callback(self, callback):
+        self._callbacks.append(callback)
+
+    def done(self):
+        return self._ended.is_set()
+
+    def wait(self, timeout=None):
+        if not self._ended.wait(timeout):
+            raise TimeoutError("the send is still pending")
+        raise self._error
+
+    def fail(self, error):
+        self._error = error
+        self._ended.set()
+        for callback in self._callbacks:
+            callback(error)
+
+
+class GoneHost:
+    """A worker's engine through which sends to ``address`` never complete (``Unanswered``);
+    everything else is the engine's own. Stand-in for a host that died: it hides how the engine
+    times such a send out (the transfer's own deadline)."""
+
+    def __init__(self, engine, address):
+        self._engine, self._address = engine, bytes(address)
+        self.pending = []
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def submit_send(self, peer, data, *, on_done=None):
+        if bytes(peer) != self._address:
+            return self._engine.submit_send(peer, data, on_done=on_done)
+        send = Unanswered()
+        if on_done is not None:
+            send.add_done_callback(on_done)
+        self.pending.append(send)
+        return send
+
+    def fail_pending(self):
+        for send in list(self.pending):
+            if not send.done():
+                send.fail(ConnectionError("the peer is gone (its transfer timed out)"))
+
+
+def test_done_messages_to_a_known_prefill_that_is_gone_hold_no_lookup_thread(server):
+    """Review M-B (issue 56): a request's "done" messages were waited for on one of the two
+    lookup threads (up to ``lookup_timeout_s``), outside the lookup gate: requests naming a
+    prefill the decode had found once, now gone (its engine id is in every pull request's
+    parameters), held both threads until the sends failed, and every other load queued behind
+    them. Here four requests name such a prefill, each a full prefix hit (only the "done" goes
+    there); its sends stay pending for longer than the harness waits. A load from a live
+    prefill lands meanwhile, and every request's "done" was sent."""
+    gone, p = Instance("dg-a", server), Instance("dg-b", server)
+    d = Instance("dg-d", server, extra={"lookup_timeout_s": 3 * WAIT})
+    worker = d.worker._worker
+    named = prefill(gone, "a", 20, [3, 5])
+    host = GoneHost(worker._engine, worker._peer("dg-a", 0).address)  # found once
+    gone.close()
+    worker._engine = host
+    try:
+        for i in range(4):
+            r = request(f"g{i}-d", 20, dict(named))
+            assert d.scheduler.get_num_new_matched_tokens(r, 20) == (0, False)
+            d.scheduler.update_state_after_alloc(r, blocks_of([]), 0)
+        d.step()
+        d.wait("both lookup threads to send a done message", lambda: len(host.pending) >= 2)
+        load(d, "b-d", 20, prefill(p, "b", 20, [3, 5]), [1, 2])
+        assert "b-d" not in d.failed
+        assert_copied(p, d, [3, 5], [1, 2])
+        d.wait("every request's done message", lambda: len(host.pending) == 4)
+    finally:
+        host.fail_pending()
+    p.close(), d.close()
 
 
 def test_requests_naming_a_side_channel_that_is_down_fail_alone(server):

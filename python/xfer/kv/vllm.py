@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -895,7 +896,8 @@ class _Worker:
         self._kv_caches: dict[str, Any] = {}
         """The layer views registered, kept for a wake-up from sleep mode."""
         self._telling: set[concurrent.futures.Future[Any]] = set()
-        """Done messages to prefill ranks not sent yet (``_tell_done_soon``)."""
+        """Done messages to prefill ranks not sent yet: each ``_tell_done`` queued
+        (``_tell_done_soon``), then until its sends complete (``close`` waits for both)."""
         self._lookups = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="xfer-vllm-lookup")
         """Push: decoders' records are looked up here, never on the engine's callback thread
@@ -1046,8 +1048,11 @@ class _Worker:
         still going out finish (a decode instance shut down right after its last load would
         otherwise leave the prefill holding the blocks until its lease)."""
         future = self._in_background(self._tell_done, load)
-        if future is None:
-            return
+        if future is not None:
+            self._remember_telling(future)
+
+    def _remember_telling(self, future: concurrent.futures.Future[Any]) -> None:
+        """``future`` (done messages going out) is waited for by ``close`` until it is done."""
         with self._lock:
             self._telling.add(future)
 
@@ -1308,35 +1313,42 @@ class _Worker:
         a prefill rank frees it once every reader rank said so, and answers whether it held
         the blocks until then."""
         message = encode_message(_DONE, self._reader_header(load))
-        sent = []
+        # Never waited for here: a gone prefill's sends fail only at the engine's timeouts,
+        # and this thread is one of the two lookups run on (review M-B: requests naming a
+        # known prefill that died held both, outside the lookup gate). Their outcomes come
+        # to `settled`; `close` waits for `sent`.
+        sent: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._remember_telling(sent)
+        unsettled = set(range(load.remote_tp_size))
         failed = False
 
-        def could_not(rank: int, e: BaseException) -> None:
-            logger.warning(
-                "XferConnector: could not tell %s rank %d that request %s was read (%s); "
-                "its lease frees it", load.remote_engine_id, rank, load.remote_request_id, e,
-            )
+        def settled(rank: int, error: BaseException | None) -> None:
+            nonlocal failed
+            with self._lock:
+                if rank not in unsettled:
+                    return  # an outcome counts once (a refused submit may report it too)
+                unsettled.discard(rank)
+                failed = failed or error is not None
+                last = not unsettled
+            if error is not None:
+                logger.warning(
+                    "XferConnector: could not tell %s rank %d that request %s was read (%s); "
+                    "its lease frees it", load.remote_engine_id, rank, load.remote_request_id,
+                    error)
+            if last:
+                if failed:  # gone, or restarted elsewhere: looked up afresh next time
+                    self._forget(load.remote_engine_id, load.remote_rendezvous)
+                sent.set_result(None)
 
+        if not unsettled:
+            sent.set_result(None)
         for rank in range(load.remote_tp_size):
             try:
                 peer = self._peer(load.remote_engine_id, rank, load.remote_rendezvous)
-                sent.append((rank, self._engine.submit_send(peer.address, message)))
+                self._engine.submit_send(peer.address, message,
+                                         on_done=functools.partial(settled, rank))
             except Exception as e:  # noqa: BLE001 - its lease frees the blocks anyway
-                failed = True
-                could_not(rank, e)
-        # Waited for (on this background thread), so that `close` waiting for this call waits
-        # for the messages themselves, not only their submission — all of them within one
-        # wait, not one per rank: a gone prefill's sends fail only at the engine's timeouts,
-        # and this thread is one of the two lookups run on (review M-B).
-        deadline = time.monotonic() + self._options.lookup_timeout_s
-        for rank, transfer in sent:
-            try:
-                transfer.wait(max(0.0, deadline - time.monotonic()))
-            except Exception as e:  # noqa: BLE001 - as above
-                failed = True
-                could_not(rank, e)
-        if failed:  # gone, or restarted elsewhere: looked up afresh next time
-            self._forget(load.remote_engine_id, load.remote_rendezvous)
+                settled(rank, e)
 
     def _forget(self, engine_id: str, url: str | None = None) -> None:
         """A peer whose reads failed is looked up afresh next time (it may have restarted):
@@ -1562,12 +1574,18 @@ class _Worker:
             return len(self._offers)
 
     def close(self) -> None:
-        with self._lock:
-            telling = list(self._telling)
         # Bounded by what one message may take (its peer's lookup waits up to
         # lookup_timeout_s; a loaded machine once needed more than 5 s): the prefill's lease
-        # frees what is still unsent after that.
-        concurrent.futures.wait(telling, timeout=self._options.lookup_timeout_s)
+        # frees what is still unsent after that. Looked at again until none is left: a
+        # queued `_tell_done` adds its sends when it runs.
+        deadline = time.monotonic() + self._options.lookup_timeout_s
+        while True:
+            with self._lock:
+                telling = [f for f in self._telling if not f.done()]
+            left = deadline - time.monotonic()
+            if not telling or left <= 0:
+                break
+            concurrent.futures.wait(telling, timeout=left)
         self._lookups.shutdown(wait=False, cancel_futures=True)
         if self._publication is not None:
             self._publication.unpublish()
