@@ -164,7 +164,7 @@ _BELOW_0X80 = bytes(range(0x80))
 
 def block_id_array(payload: bytes, max_count: int = 1 << 20) -> array.array[int]:
     """The block ids of :func:`block_ids_payload`, 4 bytes each (as Python ints a message's
-    16k ids would take 40 times the room: a receiver keeps some of them for a while): refuses
+    16k ids take ten times the room, and a receiver keeps some of them for a while): refuses
     a length that is not a multiple of 4, more than ``max_count`` ids, and negative ids."""
     if len(payload) % 4:
         raise ControlError(f"{len(payload)} bytes are not whole block ids")
