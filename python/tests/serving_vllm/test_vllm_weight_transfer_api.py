@@ -234,7 +234,7 @@ def test_each_tp_rank_receives_only_its_slice_through_vllms_weight_transfer_api(
         # vLLM's dummy weights are not version 99's: the oracle can fail.
         before = states(instance, trainer.shapes, 99)
         assert all(len(s["wrong"]) == s["params"] > 0 for s in before), before
-        assert {s["engine"] for s in before} == {"xfer.weights.vllm_engine.XferWeightTransferEngine"}
+        assert {s["engine"] for s in before} == {"xfer.weights.vllm_worker.XferWeightTransferEngine"}
         assert all(s["trace_failure"] == "" for s in before), before
         # Every checkpoint tensor lands as boxes (fused q/k/v and gate/up included): none whole.
         assert all(s["whole"] == [] and len(s["boxes"]) == len(trainer.shapes) for s in before), before

@@ -14,7 +14,8 @@ The package's rooms — a pure core under thin adapters, one per framework:
   engine's own ``load_weights`` (``xfer.engine_weights``).
 - ``slices``: which boxes of the checkpoint a rank's own loader takes (pure).
 - adapters: ``vllm_engine`` (vLLM's weight-transfer API backend ``xfer``, each worker
-  receiving only its slices), ``vllm`` (``xfer.vllm_weights``), ``sglang`` (``xfer.sglang_weights``),
+  receiving only its slices; its worker engine in ``vllm_worker``, trainer engine in
+  ``vllm_trainer``, shared wire contract in ``vllm_contract``), ``vllm`` (``xfer.vllm_weights``), ``sglang`` (``xfer.sglang_weights``),
   ``verl`` (``xfer.verl``: verl's checkpoint engine). Importing ``xfer.weights`` imports none
   of them, nor any framework.
 """

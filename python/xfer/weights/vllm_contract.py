@@ -1,0 +1,165 @@
+"""The wire contract of xfer's vLLM weight-transfer backend: what a worker engine
+(``vllm_worker``) publishes and the trainer engine (``vllm_trainer``) reads, with the one
+encoder and decoder of each, kept apart from both engines so that each end is written against
+the same definitions and the decoders are testable without vLLM (nothing here imports it).
+
+- the slices record (``_slices_record``): a worker's part of the layout (its ``slices``
+  region) and its outcome region, or in their place its trace failure; read, bounded and
+  decoded by ``read_receiver_slices`` / ``_read_receiver`` (``TraceFailed`` when it holds a
+  failure);
+- the outcome region (``OUTCOME_BYTES``): a worker's outcome of its last version,
+  ``encode_outcome`` / ``decode_outcome``;
+- the summary record (``_summary_record``): trainer rank 0's word to the other trainer ranks
+  on a committed version, ``encode_summary`` / ``decode_summary``;
+- ``BACKEND``, the name both factories know the backend by, and ``_dtype_name``, the dtype
+  names the tensors are listed with.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from .. import _xfer
+from .layout import MAX_LAYOUT_BYTES, Layout, LayoutError, TensorSpec
+from .slices import decode_receiver_layout
+
+BACKEND = "xfer"
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _slices_record(group: str, rank: int) -> str:
+    return f"{group}.m{rank}"
+
+
+class TraceFailed(RuntimeError):
+    """A worker's loader could not be traced (``trace_model``): the message names the
+    checkpoint tensor the loader was given when it failed. The worker publishes it instead of
+    its slices; the trainer's ``trainer_init`` raises it, naming the worker. Nothing falls
+    back to receiving whole tensors behind the user's back: ``direct=False`` asks for that."""
+
+
+def read_receiver_slices(engine: _xfer.TransferEngine, rendezvous: Any, group: str, rank: int,
+                         tensors: tuple[TensorSpec, ...], deadline: float) -> Layout:
+    """Receiver ``rank``'s part of the layout, read from the region its slices record names
+    (published by the same engine as its member record), bounded and decoded by
+    ``decode_receiver_layout``."""
+    return _read_receiver(engine, rendezvous, group, rank, tensors, deadline)[0]
+
+
+def _read_receiver(engine: _xfer.TransferEngine, rendezvous: Any, group: str, rank: int,
+                   tensors: tuple[TensorSpec, ...], deadline: float) -> tuple[Layout, Any]:
+    """``read_receiver_slices``, and the descriptor of the receiver's outcome region."""
+    left = max(0.0, deadline - time.monotonic())
+    rec = rendezvous.lookup(_slices_record(group, rank), left)
+    failure = dict(rec["regions"]).get("trace_failure")
+    if failure is not None:
+        n = int(failure.nbytes)
+        if not 0 < n <= OUTCOME_BYTES:
+            raise LayoutError(f"receiver {rank}'s trace failure is {n} bytes (bound {OUTCOME_BYTES})")
+        buf = np.zeros(n, dtype=np.uint8)
+        region = engine.reg_mr(buf)
+        try:
+            engine.submit_single_read(region, failure, n).wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            region.dereg()
+        raise TraceFailed(f"receiver {rank} could not learn its slices from its loader: "
+                          f"{buf.tobytes().decode(errors='replace')} (init with direct=False to receive every "
+                          "tensor whole through load_weights)")
+    member = rendezvous.lookup(f"{group}.r{rank}", max(0.0, deadline - time.monotonic()))
+    if bytes(rec["addr"]) != bytes(member["addr"]):
+        raise LayoutError(f"receiver {rank}'s slices are published by another engine than its membership")
+    regions = dict(rec["regions"])
+    desc = regions.get("slices")
+    if desc is None:
+        raise LayoutError(f"receiver {rank}'s slices record names no region")
+    outcome = regions.get("outcome")
+    if outcome is None or int(outcome.nbytes) != OUTCOME_BYTES:
+        raise LayoutError(f"receiver {rank}'s slices record names no outcome region of {OUTCOME_BYTES} bytes")
+    n = int(desc.nbytes)
+    if not 0 < n <= MAX_LAYOUT_BYTES:
+        raise LayoutError(f"receiver {rank}'s slices are {n} bytes (bound {MAX_LAYOUT_BYTES})")
+    buf = np.zeros(n, dtype=np.uint8)
+    region = engine.reg_mr(buf)
+    try:
+        engine.submit_single_read(region, desc, n).wait(max(0.0, deadline - time.monotonic()))
+    finally:
+        region.dereg()
+    return decode_receiver_layout(buf.tobytes(), rank, tensors), outcome
+
+
+# A worker's outcome of its last version, in a region the trainer reads after each version:
+# a 4-byte little-endian length, then that many bytes of JSON.
+OUTCOME_BYTES = 4096
+_REASON_CHARS = 1500
+
+
+def encode_outcome(outcome: dict[str, Any]) -> bytes:
+    """A worker's outcome as its outcome region holds it (the reason cut to fit)."""
+    fields = {"version": int(outcome["version"]), "applied": bool(outcome["applied"]),
+              "reason": str(outcome.get("reason", ""))[:_REASON_CHARS]}
+    raw = json.dumps(fields).encode()
+    return len(raw).to_bytes(4, "little") + raw
+
+
+def decode_outcome(raw: bytes) -> tuple[int, bool, str]:
+    """``(version, applied, reason)`` from a worker's outcome region; what is not one (a
+    length past the region, not JSON, fields of other types) raises ``LayoutError``."""
+    if len(raw) < 4:
+        raise LayoutError("an outcome shorter than its length")
+    n = int.from_bytes(raw[:4], "little")
+    if not 0 < n <= min(len(raw) - 4, OUTCOME_BYTES - 4):
+        raise LayoutError(f"an outcome of {n} bytes (bound {OUTCOME_BYTES - 4})")
+    try:
+        fields = json.loads(bytes(raw[4:4 + n]))
+    except ValueError as e:
+        raise LayoutError(f"an outcome that is not JSON: {e}") from None
+    if not (isinstance(fields, dict) and set(fields) == {"version", "applied", "reason"}
+            and type(fields["version"]) is int and type(fields["applied"]) is bool
+            and isinstance(fields["reason"], str)):
+        raise LayoutError("an outcome without exactly version (int), applied (bool) and reason (str)")
+    return fields["version"], fields["applied"], fields["reason"][:_REASON_CHARS]
+
+
+def _summary_record(group: str, version: int) -> str:
+    return f"{group}.s0.v{version}"
+
+
+def encode_summary(version: int, error: str, failed: dict[int, str], bound: int) -> bytes:
+    """What trainer rank 0 tells the other trainer ranks of a committed version once the
+    workers' session is finished: the error driving it raised on rank 0 (``""``: none) and
+    each worker that did not apply it, with its reason — the reasons cut until it fits
+    ``bound`` bytes."""
+    cap = _REASON_CHARS
+    while True:
+        raw = json.dumps({"version": int(version), "error": error[:cap],
+                          "failed": {str(r): why[:cap] for r, why in sorted(failed.items())}}).encode()
+        if len(raw) + 4 <= bound or cap == 0:
+            return len(raw).to_bytes(4, "little") + raw
+        cap //= 2
+
+
+def decode_summary(raw: bytes, receivers: int, bound: int) -> tuple[int, str, dict[int, str]]:
+    """``(version, error, failed)`` from rank 0's summary; what is not one raises
+    ``LayoutError``."""
+    if len(raw) < 4:
+        raise LayoutError("a summary shorter than its length")
+    n = int.from_bytes(raw[:4], "little")
+    if not 0 < n <= min(len(raw) - 4, bound - 4):
+        raise LayoutError(f"a summary of {n} bytes (bound {bound - 4})")
+    try:
+        fields = json.loads(bytes(raw[4:4 + n]))
+    except ValueError as e:
+        raise LayoutError(f"a summary that is not JSON: {e}") from None
+    if not (isinstance(fields, dict) and set(fields) == {"version", "error", "failed"}
+            and type(fields["version"]) is int and isinstance(fields["error"], str)
+            and isinstance(fields["failed"], dict)
+            and all(k.isascii() and k.isdigit() and int(k) < receivers and isinstance(v, str) for k, v in fields["failed"].items())):
+        raise LayoutError("a summary without exactly version (int), error (str) and failed ({receiver: str})")
+    return fields["version"], fields["error"][:_REASON_CHARS], {int(k): v[:_REASON_CHARS] for k, v in fields["failed"].items()}
