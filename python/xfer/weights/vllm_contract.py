@@ -63,12 +63,7 @@ def _read_receiver(engine: _xfer.TransferEngine, rendezvous: Any, group: str, ra
         n = int(failure.nbytes)
         if not 0 < n <= OUTCOME_BYTES:
             raise LayoutError(f"receiver {rank}'s trace failure is {n} bytes (bound {OUTCOME_BYTES})")
-        buf = np.zeros(n, dtype=np.uint8)
-        region = engine.reg_mr(buf)
-        try:
-            engine.submit_single_read(region, failure, n).wait(max(0.0, deadline - time.monotonic()))
-        finally:
-            region.dereg()
+        buf = _read_region(engine, failure, n, deadline)
         raise TraceFailed(f"receiver {rank} could not learn its slices from its loader: "
                           f"{buf.tobytes().decode(errors='replace')} (init with direct=False to receive every "
                           "tensor whole through load_weights)")
@@ -85,13 +80,20 @@ def _read_receiver(engine: _xfer.TransferEngine, rendezvous: Any, group: str, ra
     n = int(desc.nbytes)
     if not 0 < n <= MAX_LAYOUT_BYTES:
         raise LayoutError(f"receiver {rank}'s slices are {n} bytes (bound {MAX_LAYOUT_BYTES})")
+    buf = _read_region(engine, desc, n, deadline)
+    return decode_receiver_layout(buf.tobytes(), rank, tensors), outcome
+
+
+def _read_region(engine: _xfer.TransferEngine, desc: Any, n: int, deadline: float) -> np.ndarray:
+    """The first ``n`` bytes of the peer region ``desc`` (the caller bounded ``n``), read by
+    ``deadline``."""
     buf = np.zeros(n, dtype=np.uint8)
     region = engine.reg_mr(buf)
     try:
         engine.submit_single_read(region, desc, n).wait(max(0.0, deadline - time.monotonic()))
     finally:
         region.dereg()
-    return decode_receiver_layout(buf.tobytes(), rank, tensors), outcome
+    return buf
 
 
 # A worker's outcome of its last version, in a region the trainer reads after each version:
@@ -108,18 +110,24 @@ def encode_outcome(outcome: dict[str, Any]) -> bytes:
     return len(raw).to_bytes(4, "little") + raw
 
 
+def _framed_json(raw: bytes, bound: int, what: str):
+    """The JSON value of a region written as a 4-byte little-endian length and that many bytes
+    (at most ``bound`` in all); what is not one raises ``LayoutError`` naming ``what``."""
+    if len(raw) < 4:
+        raise LayoutError(f"{what} shorter than its length")
+    n = int.from_bytes(raw[:4], "little")
+    if not 0 < n <= min(len(raw) - 4, bound - 4):
+        raise LayoutError(f"{what} of {n} bytes (bound {bound - 4})")
+    try:
+        return json.loads(bytes(raw[4:4 + n]))
+    except (ValueError, RecursionError) as e:  # deeply nested arrays end in RecursionError
+        raise LayoutError(f"{what} that is not JSON: {e}") from None
+
+
 def decode_outcome(raw: bytes) -> tuple[int, bool, str]:
     """``(version, applied, reason)`` from a worker's outcome region; what is not one (a
     length past the region, not JSON, fields of other types) raises ``LayoutError``."""
-    if len(raw) < 4:
-        raise LayoutError("an outcome shorter than its length")
-    n = int.from_bytes(raw[:4], "little")
-    if not 0 < n <= min(len(raw) - 4, OUTCOME_BYTES - 4):
-        raise LayoutError(f"an outcome of {n} bytes (bound {OUTCOME_BYTES - 4})")
-    try:
-        fields = json.loads(bytes(raw[4:4 + n]))
-    except ValueError as e:
-        raise LayoutError(f"an outcome that is not JSON: {e}") from None
+    fields = _framed_json(raw, OUTCOME_BYTES, "an outcome")
     if not (isinstance(fields, dict) and set(fields) == {"version", "applied", "reason"}
             and type(fields["version"]) is int and type(fields["applied"]) is bool
             and isinstance(fields["reason"], str)):
@@ -148,15 +156,7 @@ def encode_summary(version: int, error: str, failed: dict[int, str], bound: int)
 def decode_summary(raw: bytes, receivers: int, bound: int) -> tuple[int, str, dict[int, str]]:
     """``(version, error, failed)`` from rank 0's summary; what is not one raises
     ``LayoutError``."""
-    if len(raw) < 4:
-        raise LayoutError("a summary shorter than its length")
-    n = int.from_bytes(raw[:4], "little")
-    if not 0 < n <= min(len(raw) - 4, bound - 4):
-        raise LayoutError(f"a summary of {n} bytes (bound {bound - 4})")
-    try:
-        fields = json.loads(bytes(raw[4:4 + n]))
-    except ValueError as e:
-        raise LayoutError(f"a summary that is not JSON: {e}") from None
+    fields = _framed_json(raw, bound, "a summary")
     if not (isinstance(fields, dict) and set(fields) == {"version", "error", "failed"}
             and type(fields["version"]) is int and isinstance(fields["error"], str)
             and isinstance(fields["failed"], dict)
