@@ -60,16 +60,16 @@ def expected_parameter(name, checkpoint):
     return checkpoint[name]
 
 
-def trainer(conn, url, group, shapes, provider):
-    """A trainer rank: sends every checkpoint tensor of a version (seeded), optionally dying
-    once the first ones are on their way, or with its last tensor in a shape the model does not
-    take (transposed)."""
+def trainer(conn, url, group, shapes, provider, receivers=1):
+    """A trainer rank: sends every checkpoint tensor of a version (seeded) to ``receivers``
+    workers, optionally dying once the first ones are on their way, or with its last tensor in a
+    shape the model does not take (transposed)."""
     from xfer.engine_weights import FullTensorSender
 
     largest = max(full_tensor(n, s, 0).numel() * 2 for n, s in shapes)
     # Two staging buckets of the largest tensor: the version goes out in several rounds, and
     # a round's bucket is refilled only after its previous writes completed.
-    sender = FullTensorSender(rendezvous=url, group=group, receivers=1, config=xfer_config(provider),
+    sender = FullTensorSender(rendezvous=url, group=group, receivers=receivers, config=xfer_config(provider),
                               timeout=TIMEOUT, grace=GRACE, budget_bytes=4 * largest)
     conn.send("up")
     last = shapes[-1][0]

@@ -2,10 +2,11 @@
 framework drives it: vLLM builds its executor from an engine config naming the extension
 (``worker_extension_cls``), its ``WorkerWrapperBase`` mixes the extension into vLLM's own
 ``CPUWorker``, the worker loads a Qwen2 model vLLM constructs itself (a config-only small
-checkpoint, ``load_format="dummy"``: fused ``qkv_proj`` and ``gate_up_proj``), and every call
-goes through the executor's ``collective_rpc``. A trainer process sends the checkpoint-named
-(Hugging Face) tensors; every parameter of vLLM's model is then compared with what those
-tensors imply (q/k/v and gate/up concatenated, the rest as sent).
+checkpoint, ``load_format="dummy"``: fused ``qkv_proj`` and ``gate_up_proj``) with tensor
+parallelism 2 (two CPU workers in processes of their own, gloo), and every call goes through
+the executor's ``collective_rpc``. A trainer process sends the checkpoint-named (Hugging Face)
+tensors; every parameter of each worker's model is then compared with what vLLM's own
+``load_weights`` makes of those tensors on that worker (its TP slice, q/k/v and gate/up fused).
 
 Where vLLM stops on this machine: its PyPI wheel has no compiled ops (``vllm._C``), and the
 CPU worker's constructor calls one, ``init_cpu_memory_env`` (NUMA memory binding); the rollout
@@ -34,7 +35,6 @@ from weight_sync_checkpoint import (  # noqa: E402
     WAIT,
     Process,
     checkpoint_shapes,
-    expected_parameter,
     full_tensor,
     qwen2_config,
     trainer,
@@ -42,22 +42,24 @@ from weight_sync_checkpoint import (  # noqa: E402
 )
 
 EXTENSION = "xfer.vllm_weights.XferWeightsExtension"
+TP = 2
 # Run on vLLM's worker (its own process), each a callable through ``collective_rpc``, which
 # passes vLLM's ``WorkerWrapperBase`` (it forwards attributes to the worker).
 
 
 def worker_model_check(worker, shapes, seed):
-    """(parameters checked, names not equal to what version ``seed``'s checkpoint implies)."""
+    """(parameters checked, names not equal to what vLLM's own ``load_weights`` makes of
+    version ``seed``'s checkpoint on this worker). The model is left as it was."""
     import torch
 
-    checkpoint = {n: full_tensor(n, s, seed) for n, s in shapes}
-    wrong, checked = [], 0
-    for name, p in worker.get_model().named_parameters():
-        want = expected_parameter(name, checkpoint)
-        checked += 1
-        if p.dtype != want.dtype or tuple(p.shape) != tuple(want.shape) or not torch.equal(p.data, want):
-            wrong.append(name)
-    return checked, wrong
+    model = worker.get_model()
+    now = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        model.load_weights((n, full_tensor(n, s, seed)) for n, s in shapes)
+        wrong = [n for n, p in model.named_parameters() if not torch.equal(p.data, now[n])]
+        for n, p in model.named_parameters():
+            p.data.copy_(now[n])
+    return len(now), wrong
 
 
 def worker_snapshot(worker):
@@ -94,12 +96,15 @@ def rollout(conn, model_dir, plugin_dir):
 
     sys.path.insert(0, plugin_dir)  # the stand-in's entry point; the worker inherits sys.path
     os.environ["VLLM_HOST_IP"] = "127.0.0.1"  # vLLM's own sockets on loopback
+    # vLLM binds each CPU worker's threads to a NUMA node of its own by default; this machine
+    # has one node for two workers ("nobind": vLLM's setting for binding by hand).
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.executor.abstract import Executor
 
     vllm_config = EngineArgs(
         model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-        max_model_len=256, worker_extension_cls=EXTENSION,
+        max_model_len=256, worker_extension_cls=EXTENSION, tensor_parallel_size=TP, distributed_executor_backend="mp",
     ).create_engine_config()
     executor = Executor.get_class(vllm_config)(vllm_config)  # what vLLM's engine core does
     conn.send(("up", type(executor).__name__))
@@ -111,8 +116,7 @@ def rollout(conn, model_dir, plugin_dir):
             return
         method, args, kwargs = arg
         try:
-            (result,) = executor.collective_rpc(method, args=args, kwargs=kwargs)
-            conn.send(("ok", result))
+            conn.send(("ok", executor.collective_rpc(method, args=args, kwargs=kwargs)))
         except Exception as e:  # noqa: BLE001 - the driver asserts on it
             conn.send(("failed", f"{type(e).__name__}: {e}"))
 
@@ -148,13 +152,13 @@ class Run:
         self.instance, self.ctx, self.url, self.shapes = vllm_instance
         self.group, self.provider = group, provider
         self.trainer = self.start_trainer()
-        rank = self.rpc("xfer_weights_init", kwargs=dict(
-            rendezvous=self.url, group=group, receivers=1, senders=1, config=xfer_config(provider),
+        ranks = self.rpc("xfer_weights_init", kwargs=dict(
+            rendezvous=self.url, group=group, receivers=TP, senders=1, config=xfer_config(provider),
             timeout=TIMEOUT, grace=GRACE))
-        assert rank == ("ok", 0), rank
+        assert ranks == ("ok", list(range(TP))), ranks
 
     def start_trainer(self):
-        t = Process(self.ctx, trainer, self.url, self.group, self.shapes, self.provider)
+        t = Process(self.ctx, trainer, self.url, self.group, self.shapes, self.provider, TP)
         assert t.answer(STARTUP) == "up"
         return t
 
@@ -162,14 +166,17 @@ class Run:
         return self.instance.ask("rpc", (method, args, kwargs or {}))
 
     def check(self, seed):
+        """(parameters checked per worker, names on any worker not at version ``seed``)."""
         status, result = self.rpc(worker_model_check, (self.shapes, seed))
         assert status == "ok", result
-        return result
+        checked = {c for c, _ in result}
+        assert len(checked) == 1, result
+        return checked.pop(), sorted({n for _, wrong in result for n in wrong})
 
-    def version(self, v, seed, *, die=False):
+    def version(self, v, seed, *, die=False, misshapen=False):
         """One version: the instance's ``collective_rpc`` and the trainer's send, concurrently."""
         self.instance.conn.send(("rpc", ("xfer_weights_receive", (v,), {})))
-        self.trainer.conn.send(("send", (v, seed, die)))
+        self.trainer.conn.send(("send", (v, seed, die, misshapen)))
         if die:
             self.trainer.proc.join(WAIT)
             assert self.trainer.proc.exitcode == 17, "the trainer meant to die did not"
@@ -184,10 +191,13 @@ class Run:
 
 
 def assert_loaded(run, got, seed):
+    from xfer.vllm_weights import applied_everywhere
+
     sent, received = got
     assert sent == ("ok", None), sent
     assert received[0] == "ok", received
-    assert received[1]["tensors"] == len(run.shapes), received
+    assert [o["rank"] for o in received[1]] == list(range(TP)), received
+    assert applied_everywhere(received[1])["tensors"] == len(run.shapes), received
     checked, wrong = run.check(seed)
     assert wrong == [], (seed, wrong)
     return checked
@@ -195,9 +205,11 @@ def assert_loaded(run, got, seed):
 
 def test_vllm_composes_the_extension_into_its_own_worker(vllm_instance):
     instance, _, _, _ = vllm_instance
-    status, (name, mixed_in, pid) = instance.ask("rpc", (worker_class, (), {}))
-    assert status == "ok" and name == "vllm.v1.worker.cpu_worker.CPUWorker" and mixed_in
-    assert pid != instance.proc.pid  # vLLM's worker process, not the rollout process itself
+    status, workers = instance.ask("rpc", (worker_class, (), {}))
+    assert status == "ok" and len(workers) == TP, workers
+    for name, mixed_in, pid in workers:
+        assert name == "vllm.v1.worker.cpu_worker.CPUWorker" and mixed_in
+        assert pid != instance.proc.pid  # vLLM's worker processes, not the rollout process itself
 
 
 @pytest.mark.parametrize("provider", ["shm"])
@@ -226,16 +238,55 @@ def test_a_trainer_killed_mid_version_leaves_the_model_untouched_and_the_next_ve
         # The trainer dies staging its last tensor: earlier rounds' writes have landed in the
         # worker's staging (the trainer waited for them before reusing their bucket).
         _, received = run.version(2, 22, die=True)
-        # vLLM's executor re-raises a worker's exception as a RuntimeError with its message.
-        assert received[0] == "failed" and "weight version 2 failed" in received[1], received
+        # Every worker answers the version's outcome (none raises through vLLM's executor),
+        # and the answers say it by name.
+        from xfer.vllm_weights import applied_everywhere
+        from xfer.weights import VersionFailed
+
+        assert received[0] == "ok", received
+        assert [(o["version"], o["applied"], o["committed"]) for o in received[1]] == [(2, False, False)] * TP, received
+        with pytest.raises(VersionFailed, match="weight version 2 failed"):
+            applied_everywhere(received[1])
         status, staged = run.rpc(worker_staged, (run.shapes, 22))
-        assert status == "ok" and 0 < len(staged) < len(run.shapes), staged
+        assert status == "ok" and all(0 < len(s) < len(run.shapes) for s in staged), staged
         # … and none of it reached the model.
-        assert run.rpc(worker_changed_since_snapshot) == ("ok", [])
+        assert run.rpc(worker_changed_since_snapshot) == ("ok", [[]] * TP)
         assert run.check(21)[1] == []
         # A new trainer in its place: the next version is complete and loaded.
         run.trainer = run.start_trainer()
         assert_loaded(run, run.version(3, 23), 23)
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("provider", ["shm"])
+def test_a_committed_version_the_workers_cannot_load_is_answered_not_raised_and_the_next_lands(vllm_instance, provider):
+    # The trainer's last tensor goes transposed: every rank receives it and the coordinator
+    # commits, then vLLM's loader refuses it on both workers. Raised, vLLM's executor would
+    # answer with worker 0's failure and leave worker 1's queued, to be read as the answer to
+    # the next call; the outcome is answered instead, and the instance takes the next version.
+    from xfer.vllm_weights import applied_everywhere
+    from xfer.weights.vllm_engine import VersionNotApplied
+
+    run = Run(vllm_instance, "misshapen", provider)
+    try:
+        assert_loaded(run, run.version(1, 31), 31)
+        sent, received = run.version(2, 32, misshapen=True)
+        assert sent == ("ok", None), sent
+        assert received[0] == "ok", received
+        assert [(o["version"], o["rank"], o["applied"], o["committed"]) for o in received[1]] == \
+            [(2, r, False, True) for r in range(TP)], received
+        assert all("loading the committed version failed" in o["reason"] for o in received[1]), received
+        with pytest.raises(VersionNotApplied, match=r"weight version 2 was committed but not applied on 2 worker"):
+            applied_everywhere(received[1])
+        # The next call answers for itself (nothing queued): every worker's model holds the new
+        # version in the layers processed before the refused tensor, and its previous value
+        # there (vLLM's reload ended where it stood: nothing left on the meta device) …
+        status, workers = run.rpc(worker_class)
+        assert status == "ok" and len(workers) == TP, workers
+        assert run.check(32)[1] == ["lm_head.weight"]
+        # … and the next version lands whole.
+        assert_loaded(run, run.version(3, 33), 33)
     finally:
         run.close()
 

@@ -23,8 +23,22 @@ rank is already the global one). An RL job with several vLLM instances gives eac
 (vLLM's in-place reload: the model's own ``load_weights`` mapping — fused ``qkv_proj`` and
 ``gate_up_proj``, this worker's tensor-parallel slice — inside its layerwise reload, which
 re-runs quantized layers' post-processing), or ``model.load_weights`` where the worker has
-no ``reload_weights``. A version that fails raises ``xfer.weights.VersionFailed`` from
-``collective_rpc`` before anything is loaded: the model keeps its previous weights.
+no ``reload_weights``.
+
+It never raises for a version: it returns the worker's outcome (``version``, ``rank``,
+``applied``, ``committed``, ``reason``, ``tensors``, ``bytes``; also kept as
+``_xfer_weights_outcome``), and ``applied_everywhere(outcomes)`` turns the list
+``collective_rpc`` answers into the error by name. A worker that raised would poison the instance: vLLM's multiprocess executor
+answers a call with the first worker's failure and leaves the other workers' answers queued
+(without ``enable_fault_tolerance``), so every later ``collective_rpc`` reads the previous
+call's answer. A version that failed (``committed`` false) is loaded nowhere: the model keeps
+its previous weights. One whose load failed after the commit (``committed`` true) leaves
+that worker's layers processed before the failure at the new version and the rest at the
+previous one (vLLM's reload is ended where it stood) until a version applies whole (every
+version carries every tensor). vLLM's weight-transfer API backend (``xfer.weights.vllm_engine``) does the
+same with its ``last_outcome``; this extension stays for frameworks that drive workers by
+``collective_rpc`` with their own trainer (``FullTensorSender``), which the API's trainer
+engine (vLLM's ``WeightSource``) does not serve.
 
 The methods run on vLLM's worker, so ``self`` is the worker; vLLM refuses an extension whose
 attribute names the worker class already has, hence the ``xfer_weights_`` prefix, and the
@@ -33,16 +47,43 @@ state is one attribute, ``_xfer_weights``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .engines import StagedReceiver
+from .executor import VersionFailed
 
-__all__ = ["WorkerRankError", "XferWeightsExtension", "receiver_rank"]
+__all__ = ["WorkerRankError", "XferWeightsExtension", "applied_everywhere", "receiver_rank"]
+
+
+_log = logging.getLogger(__name__)
 
 
 class WorkerRankError(RuntimeError):
     """The object the extension runs on has no integer ``rank`` (vLLM's workers have one), so
     its receiver rank is unknown (a guess would give two receivers one rank)."""
+
+
+def applied_everywhere(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The answer of ``collective_rpc("xfer_weights_receive", args=(v,))`` (one outcome per
+    worker) checked: returns the first worker's outcome when every worker applied the
+    version; raises ``VersionFailed`` when the version failed (loaded nowhere), and
+    ``xfer.weights.vllm_engine.VersionNotApplied`` naming each receiver rank that could not
+    load a committed one (as vLLM's weight-transfer API backend does)."""
+    if not outcomes:
+        raise ValueError("applied_everywhere: no outcome (collective_rpc reached no worker)")
+    versions = {o["version"] for o in outcomes}
+    if len(versions) != 1:
+        raise RuntimeError(f"applied_everywhere: the workers answered for different versions {sorted(versions)}")
+    (version,) = versions
+    failed = [o for o in outcomes if not o["applied"]]
+    if not failed:
+        return outcomes[0]
+    if not any(o["committed"] for o in outcomes):
+        raise VersionFailed(version, failed[0]["reason"].removeprefix(f"weight version {version} failed: "))
+    from .vllm_engine import VersionNotApplied
+
+    raise VersionNotApplied(version, {o["rank"]: o["reason"] for o in failed})
 
 
 def receiver_rank(rank_base: int, worker_rank: int, parallel_config: Any | None) -> int:
@@ -87,24 +128,65 @@ class XferWeightsExtension:
         )
         return rank
 
-    def xfer_weights_receive(self, version: int) -> dict[str, int]:
-        """Receives ``version`` and loads it into the model; returns what was loaded
-        (``version``, ``tensors``, ``bytes``). Raises ``VersionFailed`` with the model
-        untouched when the version did not complete on every rank."""
+    def xfer_weights_receive(self, version: int) -> dict[str, Any]:
+        """Receives ``version`` and loads it into the model; returns this worker's outcome:
+        ``version``, ``rank`` (this worker's receiver rank), ``applied``, ``committed`` (the
+        coordinator committed it on every rank), ``reason`` (empty when applied), ``tensors``
+        and ``bytes`` loaded. Never raises for a version (see the module's documentation;
+        ``applied_everywhere`` checks the answers)."""
         receiver: StagedReceiver | None = getattr(self, "_xfer_weights", None)
         if receiver is None:
+            # A caller's mistake, the same on every worker (each answers it, none is left queued).
             raise RuntimeError("xfer_weights_receive before xfer_weights_init on this worker")
-        tensors = receiver.receive(version)
-        reload = getattr(self, "reload_weights", None)
-        if callable(reload):
-            reload(weights_iterator=iter(tensors))
-        else:
-            self.model_runner.model.load_weights(iter(tensors))
-        return {
-            "version": version,
-            "tensors": len(tensors),
-            "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
-        }
+        try:
+            tensors = receiver.receive(version)
+        except VersionFailed as e:
+            return XferWeightsExtension._xfer_weights_record(self, version, committed=False, reason=str(e))
+        try:
+            reload = getattr(self, "reload_weights", None)
+            if callable(reload):
+                reload(weights_iterator=iter(tensors))
+            else:
+                self.model_runner.model.load_weights(iter(tensors))
+        except Exception as e:  # noqa: BLE001 - answered as the outcome, never raised through vLLM's executor
+            reason = f"loading the committed version failed: {type(e).__name__}: {e}"
+            if callable(reload):
+                try:
+                    XferWeightsExtension._xfer_weights_end_reload(self)
+                except Exception as end:  # noqa: BLE001 - said in the outcome
+                    reason += f"; ending vLLM's reload failed too: {type(end).__name__}: {end}"
+            return XferWeightsExtension._xfer_weights_record(self, version, committed=True, reason=reason)
+        return XferWeightsExtension._xfer_weights_record(
+            self, version, committed=True, reason="", tensors=len(tensors),
+            nbytes=sum(t.numel() * t.element_size() for _, t in tensors))
+
+    def _xfer_weights_record(self, version: int, *, committed: bool, reason: str, tensors: int = 0,
+                             nbytes: int = 0) -> dict[str, Any]:
+        outcome = {"version": version, "rank": self._xfer_weights.receiver.rank, "applied": not reason,
+                   "committed": committed, "reason": reason, "tensors": tensors, "bytes": nbytes}
+        self._xfer_weights_outcome = outcome
+        if reason:
+            _log.error("xfer_weights_receive: %s", reason if committed else f"{reason}; the model keeps its weights")
+        return outcome
+
+    def _xfer_weights_end_reload(self) -> None:
+        """After a load that raised inside vLLM's in-place reload (``reload_weights`` does not
+        end it then): every layer still being reloaded gets its kernel tensors back (the
+        previous version) instead of staying on the meta device with wrapped loaders, so the
+        next version's reload starts every layer afresh. Layers processed before the failure
+        keep the new version."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, LOADING_LAYERS
+
+        from .vllm_engine import _end_layer_reload
+
+        model = self.get_model() if callable(getattr(self, "get_model", None)) else self.model_runner.model
+        for layer in model.modules():
+            info = LAYERWISE_INFO.get(layer)
+            if info is not None and info.can_load():
+                _end_layer_reload(layer, info)
+        if hasattr(model, "_original_do_torchao_reload"):
+            model._do_torchao_reload = model._original_do_torchao_reload
+        LOADING_LAYERS.clear()
 
     def xfer_weights_close(self) -> None:
         """Leaves the group and frees the staging memory (idempotent)."""
