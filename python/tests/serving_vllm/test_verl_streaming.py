@@ -8,7 +8,13 @@ membership changing between steps on the same engine objects (1 -> 2 -> 1 worker
 
 What is counted: how many tensors the generator yielded are alive at once (weak references,
 not the engine's own account) — the engine must stream through its two buckets, not gather
-the model; and every rollout worker's tensors against the trainer's."""
+the model; and every rollout worker's tensors against the trainer's.
+
+Then verl's vLLM rollout around ``receive_weights``: verl's ``CheckpointEngineWorker.update_weights``,
+its vLLM ``ServerAdapter`` (ZeroMQ buckets) and, in a thread standing for the vLLM worker
+process, verl's ``vLLMColocateWorkerExtension.update_weights_from_ipc`` loading into a stand-in
+model: a failed version and a tensor larger than the bucket must end that exchange on both
+ends (stand-ins listed at each)."""
 
 import asyncio
 import os
@@ -242,3 +248,300 @@ def test_a_password_without_tls_is_refused_by_name_when_the_engine_is_made(monke
     with pytest.raises(xfer.ConfigError,
                        match=r"XferCheckpointEngine: .*etcd_password_file \(\$XFER_ETCD_PASSWORD_FILE\).*cleartext"):
         new_engine(False)
+
+
+# ---- verl's vLLM rollout: its server adapter and its vLLM-side receiver around receive_weights ----
+#
+# On a rollout worker verl calls ``CheckpointEngineWorker.update_weights``: it takes
+# ``receive_weights()`` and hands it to its vLLM ``ServerAdapter.update_weights``, which starts
+# ``update_weights_from_ipc`` on the vLLM worker (``collective_rpc``, not waited for), then
+# streams the tensors to it through ZeroMQ buckets (``BucketedWeightSender``); the vLLM worker
+# (verl's ``vLLMColocateWorkerExtension``) receives them (``BucketedWeightReceiver``, a blocking
+# ``recv_pyobj`` until ``is_last``) and loads each bucket through ``model.load_weights``. All of
+# it is verl's code here; the stand-ins are listed where they are made.
+
+
+class CpuPlatform:
+    """verl's accelerator platform on this machine (no GPU): verl would fall back to its CUDA
+    platform and fail in ``torch.cuda.synchronize``. Device "cpu", nothing to synchronise, no
+    CUDA IPC — verl's adapter then uses its shared-memory buckets (``use_shm``), as it does on
+    platforms without IPC. Installed through verl's own platform singleton."""
+
+    device_name = "cpu"
+
+    class device_module:  # what verl's transfer calls on the device module
+        synchronize = ipc_collect = empty_cache = staticmethod(lambda *args, **kwargs: None)
+        is_available = staticmethod(lambda: False)
+
+    def current_device(self):
+        return 0
+
+    def synchronize(self, device_index=None):
+        pass
+
+    def empty_cache(self):
+        pass
+
+    def is_ipc_supported(self):
+        return False
+
+
+class StandinModel(torch.nn.Module):
+    """vLLM's model as verl's receiver uses it: ``load_weights`` by checkpoint name, refusing
+    an unknown name or another shape as vLLM's default loader does."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.model = torch.nn.Module()  # vLLM's models keep their layers here (verl's MoE patch looks)
+        self.held = {name: torch.zeros(shape) for name, shape in shapes}
+
+    def load_weights(self, weights):
+        loaded = set()
+        for name, t in weights:
+            param = self.held[name]
+            assert param.shape == t.shape, (name, param.shape, t.shape)
+            param.copy_(t)
+            loaded.add(name)
+        return loaded
+
+
+def vllm_worker(shapes):
+    """vLLM's worker with verl's extension mixed in (as vLLM's ``worker_extension_cls`` makes
+    it). Stand-ins: the worker's attributes verl's extension reads (device, local rank, a model
+    runner holding the model and an unquantised config) and the model; verl's ``__new__`` is
+    skipped (it patches vLLM process-wide for LoRA and sets a parent-death signal) and its two
+    QAT flags set as it sets them for an unquantised model."""
+    from types import SimpleNamespace
+
+    from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+
+    class Worker(vLLMColocateWorkerExtension):
+        def __new__(cls):
+            return object.__new__(cls)
+
+    worker = Worker()
+    worker._is_qat_model = worker._is_modelopt_qat = False
+    worker.device, worker.local_rank = None, 0
+    model_config = SimpleNamespace(word_embeddings_untied_by_checkpoint=False, dtype=torch.float32, quantization=None)
+    worker.model_runner = SimpleNamespace(model=StandinModel(shapes), vllm_config=SimpleNamespace(
+        speculative_config=None, parallel_config=None, quant_config=None, model_config=model_config))
+    return worker
+
+
+class ServerHandle:
+    """The vLLM server actor's handle as verl's adapter calls it (``.remote`` returning an
+    awaitable): ``collective_rpc`` runs the method on the one worker in a thread of its own (a
+    vLLM worker process), ``clear_kv_cache`` and ``set_global_steps`` are recorded."""
+
+    class _Method:
+        def __init__(self, fn):
+            self.remote = fn
+
+    def __init__(self, worker):
+        self.worker, self.calls, self.threads = worker, [], []
+        self.collective_rpc = self._Method(self._collective_rpc)
+        self.clear_kv_cache = self._Method(lambda: self._record("clear_kv_cache"))
+        self.set_global_steps = self._Method(lambda steps: self._record(("set_global_steps", steps)))
+
+    def _collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        import concurrent.futures
+
+        self.calls.append(method)
+        answer = concurrent.futures.Future()
+
+        def run():
+            try:
+                answer.set_result(getattr(self.worker, method)(*args, **(kwargs or {})))
+            except BaseException as e:  # noqa: BLE001 - the answer the adapter awaits
+                answer.set_exception(e)
+
+        t = threading.Thread(target=run, name=f"vllm-worker-{method}", daemon=True)
+        t.start()
+        self.threads.append(t)
+        return asyncio.wrap_future(answer)
+
+    def _record(self, what):
+        self.calls.append(what)
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    def unblock(self, zmq_handle):
+        """Ends a vLLM worker left in ``recv_pyobj`` (the hang the test detects) with the
+        ``is_last`` its sender never sent, so that the test ends."""
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(zmq_handle)
+        try:
+            sock.send_pyobj({"bucket_meta": {}, "is_last": True})
+            for t in self.threads:
+                t.join(30)
+        finally:
+            sock.close()
+
+
+def rollout_worker(engine, worker, bucket):
+    """verl's rollout worker as ``CheckpointEngineWorker.update_weights`` sees it: the
+    checkpoint engine and verl's vLLM ``ServerAdapter``. Stand-ins: the adapter is made without
+    its ``__init__`` (which reads Ray's runtime context and ``RANK`` to name its socket and find
+    the server actor): its socket is the one the vLLM worker computes, its server handle the
+    stand-in above, its bucket verl's ``update_weights_bucket_megabytes`` (the engine's
+    ``bucket_size``)."""
+    from types import SimpleNamespace
+
+    from verl.utils.device import is_support_ipc
+    from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
+
+    adapter = object.__new__(ServerAdapter)
+    adapter.config = SimpleNamespace(checkpoint_engine=SimpleNamespace(update_weights_bucket_megabytes=bucket >> 20))
+    adapter.server_handle = ServerHandle(worker)
+    adapter._has_server = True
+    adapter.replica_rank = adapter.rollout_rank = 0
+    adapter.zmq_handle = worker._get_zmq_handle()
+    adapter.use_shm = not is_support_ipc()
+    return SimpleNamespace(checkpoint_engine=engine, server_adapter=adapter)
+
+
+@pytest.fixture
+def verl_vllm_side(monkeypatch):
+    """verl's platform on this machine (``CpuPlatform``) and a socket name of this test's own."""
+    import verl.plugin.platform.platform_manager as platforms
+
+    monkeypatch.setattr(platforms, "_current_platform", CpuPlatform())
+    monkeypatch.setenv("VERL_RAY_JOB_ID", f"xfer-test-{os.getpid()}")
+
+
+async def failing_stream(seed, live, at):
+    """A trainer rank whose gather fails at tensor ``at`` (the version fails everywhere)."""
+    async for i, (name, t) in _enumerate(stream(seed, live)):
+        if i == at:
+            raise RuntimeError("stand-in: the trainer rank's gather failed")
+        yield name, t
+
+
+async def _enumerate(items):
+    i = 0
+    async for item in items:
+        yield i, item
+        i += 1
+
+
+def rollout_step(trainers, rollouts, seed, weights=None):
+    """CheckpointEngineManager.update_weights' sequence with verl's own rollout worker method
+    (``CheckpointEngineWorker.update_weights``) on each rollout; returns the trainers' and
+    rollouts' outcomes (None or the exception) and the vLLM worker threads left running."""
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+    from verl.checkpoint_engine.base import CheckpointEngineWorker
+
+    everyone = trainers + [r.checkpoint_engine for r in rollouts]
+    metadata = [e.prepare() for e in everyone]
+    actor_kw, rollout_kw = CheckpointEngineRegistry.get("xfer").build_topology(len(trainers), len(rollouts), metadata)
+    for group, kw in ((trainers, actor_kw), ([r.checkpoint_engine for r in rollouts], rollout_kw)):
+        for i, e in enumerate(group):
+            e.init_process_group(**{k: v[i] for k, v in kw.items()})
+    results = {}
+
+    def send(i):
+        try:
+            asyncio.run(trainers[i].send_weights((weights or stream)(seed, Liveness())))
+            results[("t", i)] = None
+        except Exception as e:  # noqa: BLE001
+            results[("t", i)] = e
+
+    def update(i):
+        try:
+            asyncio.run(CheckpointEngineWorker.update_weights(rollouts[i], global_steps=seed))
+            results[("r", i)] = None
+        except Exception as e:  # noqa: BLE001
+            results[("r", i)] = e
+
+    threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(trainers))]
+    threads += [threading.Thread(target=update, args=(i,), daemon=True) for i in range(len(rollouts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive(), "a trainer rank or verl's rollout worker did not return"
+    # The hang detector: every exchange verl's adapter started on a vLLM worker has ended.
+    blocked = []
+    for r in rollouts:
+        handle = r.server_adapter.server_handle
+        for t in handle.threads:
+            t.join(60)
+        if any(t.is_alive() for t in handle.threads):
+            blocked.append(r.server_adapter.zmq_handle)
+            handle.unblock(r.server_adapter.zmq_handle)
+    return results, blocked
+
+
+def held(rollout):
+    return rollout.server_adapter.server_handle.worker.model_runner.model.held
+
+
+def test_a_failed_version_ends_verls_vllm_exchange_on_both_ends_and_the_next_lands(verl_vllm_side):
+    # Before: receive_weights raised from the iterator verl's adapter was streaming, after the
+    # adapter had started the vLLM worker's receive; the adapter closed its socket without
+    # is_last and the vLLM worker stayed in recv_pyobj for good (the replica wedged).
+    from xfer.weights import VersionFailed
+
+    trainers = [new_engine(True), new_engine(False)]
+    rollouts = [rollout_worker(new_engine(False), vllm_worker(TENSORS), BUCKET)]
+    try:
+        results, blocked = rollout_step(trainers, rollouts, 1)
+        assert results == {("t", 0): None, ("t", 1): None, ("r", 0): None}, results
+        assert all(torch.equal(held(rollouts[0])[n], full(n, s, 1)) for n, s in TENSORS)
+        calls = rollouts[0].server_adapter.server_handle.calls
+        assert calls == ["update_weights_from_ipc", "clear_kv_cache", ("set_global_steps", 1)], calls
+        before = {n: t.clone() for n, t in held(rollouts[0]).items()}
+
+        calls.clear()
+        results, blocked = rollout_step(trainers, rollouts, 2, weights=lambda seed, live: failing_stream(seed, live, 12))
+        assert blocked == [], "verl's vLLM worker was left blocked in recv_pyobj"
+        # verl's rollout worker ends with the version's failure by name; nothing was started
+        # on the vLLM worker, whose model keeps the previous version; the trainers fail too.
+        assert isinstance(results[("r", 0)], VersionFailed), results
+        assert "weight version 2 failed" in str(results[("r", 0)]), results
+        assert calls == [], calls
+        assert all(torch.equal(held(rollouts[0])[n], before[n]) for n, _ in TENSORS)
+        assert all(isinstance(results[("t", i)], Exception) for i in range(2)), results
+
+        results, blocked = rollout_step(trainers, rollouts, 3)
+        assert results == {("t", 0): None, ("t", 1): None, ("r", 0): None} and blocked == [], results
+        assert all(torch.equal(held(rollouts[0])[n], full(n, s, 3)) for n, s in TENSORS)
+    finally:
+        close(trainers + [r.checkpoint_engine for r in rollouts])
+
+
+def test_a_tensor_larger_than_verls_bucket_is_refused_before_verls_exchange_starts(verl_vllm_side):
+    # verl's adapter sends a tensor larger than its bucket alone through reduce_tensor (device
+    # IPC); with shared-memory buckets (this platform) it asserts instead, and the vLLM worker
+    # waited in recv_pyobj for good. Here the engine refuses the version by name before the
+    # adapter starts; with IPC it hands such a tensor over as a copy on verl's device (a GPU:
+    # not run here).
+    big = ("embed.weight", (3 << 20 >> 2,))  # 3 MiB of float32 > the 2 MiB bucket
+    TENSORS.append(big)
+    trainers = [new_engine(True)]
+    rollouts = [rollout_worker(new_engine(False), vllm_worker(TENSORS), BUCKET)]
+    try:
+        results, blocked = rollout_step(trainers, rollouts, 1)
+        assert blocked == [], "verl's vLLM worker was left blocked in recv_pyobj"
+        assert results[("t", 0)] is None, results  # the version itself went through
+        assert isinstance(results[("r", 0)], ValueError), results
+        assert "larger than the bucket" in str(results[("r", 0)]) and "'embed.weight'" in str(results[("r", 0)])
+        assert rollouts[0].server_adapter.server_handle.calls == []
+        assert not any(t.any() for t in held(rollouts[0]).values()), "the model was changed"
+    finally:
+        TENSORS.pop()
+        close(trainers + [r.checkpoint_engine for r in rollouts])
+
+
+def close(engines):
+    for e in engines:
+        if e._member is not None:
+            e._member.close()
+        if e.engine is not None:
+            e.engine.close()
+        if e._server is not None:
+            e._server.close()

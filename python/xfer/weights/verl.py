@@ -32,7 +32,10 @@ Per verl step: ``prepare`` (trainer rank 0 starts the rendezvous service the fir
 the group and the step), ``init_process_group`` (members are made when the membership changes
 and reused otherwise, on the same engine: rollout workers may come and go between steps),
 then ``send_weights`` / ``receive_weights`` (one version of ``xfer.weights``: committed on
-every rank or ``VersionFailed`` on every rank), ``finalize``.
+every rank or ``VersionFailed`` on every rank), ``finalize``. ``receive_weights`` receives the
+whole version before it returns its iterator and raises a failed one there: verl's vLLM
+server adapter cannot end its ZeroMQ hand-off to the vLLM worker on an error (see
+``receive_weights``).
 
 Across machines: the service listens on ``listen`` (default ``$XFER_WEIGHTS_LISTEN``, else this
 host's address on its default route, port chosen), and a service reachable from other hosts
@@ -49,7 +52,7 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import AsyncGenerator, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -308,13 +311,60 @@ class XferCheckpointEngine(CheckpointEngine):
         # Another layout (a 2-D mesh, partial sums): gathered, as verl's own engines do.
         return spec, everyone, t.full_tensor()
 
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, Any], None]:
+    def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, Any]]:
+        """Receives the version, then returns the async iterator of its tensors (views of the
+        registered staging, or copies on ``device``) for verl's server adapter.
+
+        The version is received before this returns — blocking the caller (verl's rollout
+        worker calls it on its event loop, then hands the iterator to its adapter) for the
+        version — and a failed one raises ``VersionFailed`` here, not from the iterator:
+        verl's vLLM adapter starts the vLLM worker's ZMQ receive (``update_weights_from_ipc``)
+        and hands it its bucket before it pulls the first tensor, and cannot end that exchange
+        on an error — an iterator that raised would close the sender's socket without
+        ``is_last`` and leave the vLLM worker blocked in ``recv_pyobj()`` for good. Raised
+        here, the adapter is never called: nothing is started on the vLLM side and its model
+        keeps the previous version.
+
+        A tensor larger than ``bucket_size`` (verl's ``update_weights_bucket_megabytes``, the
+        adapter's bucket too): verl's adapter sends it alone by device IPC (``reduce_tensor``),
+        which a host tensor cannot go through (its handle is not a device one: the vLLM
+        worker's ``rebuild_ipc`` fails on it and then never answers the adapter), and with
+        shared-memory buckets (verl's platform without IPC) it refuses it. So, as verl's
+        adapter will send it: with shared-memory buckets the version is refused by name here
+        (``ValueError``, before the adapter starts: the model is not changed); with IPC, such a
+        tensor is yielded as a copy on verl's current device (where the adapter's bucket is);
+        with no device in this process (where verl's adapter cannot run: its bucket is a device
+        tensor), as it is."""
         receiver = self._member
         if not isinstance(receiver, W.WeightReceiver):
             raise RuntimeError("receive_weights on an engine that init_process_group made a sender (or not at all)")
-        await asyncio.to_thread(receiver.receive, self._version)
-        for name, t in receiver.tensors():
-            yield name, (t if self.device == "cpu" else t.to(self.device))
+        receiver.receive(self._version)
+        tensors = list(receiver.tensors())
+        oversized = [(n, int(t.nbytes)) for n, t in tensors if int(t.nbytes) > self.bucket_size]
+        device = None
+        if oversized and self.device == "cpu":
+            from verl.utils.device import get_device_id, get_device_name, get_torch_device, is_support_ipc
+
+            if not is_support_ipc():
+                name, nbytes = oversized[0]
+                raise ValueError(
+                    f"XferCheckpointEngine: weight version {self._version}: {len(oversized)} tensor(s) larger than "
+                    f"the bucket ({self.bucket_size} bytes), first {name!r} of {nbytes} bytes; verl's server adapter "
+                    "refuses such a tensor with shared-memory buckets (this platform has no IPC): raise "
+                    "update_weights_bucket_megabytes above the largest tensor (the model is not changed)")
+            if get_torch_device().is_available():
+                device = f"{get_device_name()}:{get_device_id()}"
+        return self._yield(tensors, {n for n, _ in oversized}, device)
+
+    async def _yield(self, tensors: list[tuple[str, Any]], oversized: set[str], device: Any) -> AsyncGenerator[tuple[str, Any], None]:
+        for i in range(len(tensors)):
+            (name, t), tensors[i] = tensors[i], None
+            if self.device != "cpu":
+                t = t.to(self.device)
+            elif device is not None and name in oversized:
+                t = t.to(device)  # what verl's adapter sends alone by device IPC
+            yield name, t
+            del t  # not held while the adapter asks for the next one
 
 
 class _Pull:
