@@ -291,6 +291,30 @@ def test_a_committed_version_the_workers_cannot_load_is_answered_not_raised_and_
         run.close()
 
 
+def test_a_receive_that_raises_anything_is_answered_as_the_version_failing():
+    # Not only VersionFailed: whatever the receive raises on one worker (a peer's message it
+    # cannot decode, a closed receiver) would go through vLLM's executor and leave the other
+    # workers' answers queued. Stand-in: the worker's receiver, raising as such a message would
+    # make it; no vLLM instance (the outcome is the extension's own).
+    from types import SimpleNamespace
+
+    from xfer.vllm_weights import XferWeightsExtension, applied_everywhere
+    from xfer.weights import LayoutError, VersionFailed
+
+    class Receiving:
+        receiver = SimpleNamespace(rank=3)
+
+        def receive(self, version):
+            raise LayoutError("stand-in: a manifest that does not decode")
+
+    worker = SimpleNamespace(rank=0, _xfer_weights=Receiving())
+    outcome = XferWeightsExtension.xfer_weights_receive(worker, 5)
+    assert (outcome["version"], outcome["rank"], outcome["applied"], outcome["committed"]) == (5, 3, False, False)
+    assert outcome["reason"] == "LayoutError: stand-in: a manifest that does not decode", outcome
+    with pytest.raises(VersionFailed, match="weight version 5 failed: LayoutError: stand-in"):
+        applied_everywhere([outcome])
+
+
 # ---- the receiver's own resources ----
 
 

@@ -140,8 +140,9 @@ class XferWeightsExtension:
             raise RuntimeError("xfer_weights_receive before xfer_weights_init on this worker")
         try:
             tensors = receiver.receive(version)
-        except VersionFailed as e:
-            return XferWeightsExtension._xfer_weights_record(self, version, committed=False, reason=str(e))
+        except Exception as e:  # noqa: BLE001 - answered as the outcome (a peer's bad message, a closed receiver)
+            reason = str(e) if isinstance(e, VersionFailed) else f"{type(e).__name__}: {e}"
+            return XferWeightsExtension._xfer_weights_record(self, version, committed=False, reason=reason)
         try:
             reload = getattr(self, "reload_weights", None)
             if callable(reload):
@@ -162,7 +163,8 @@ class XferWeightsExtension:
 
     def _xfer_weights_record(self, version: int, *, committed: bool, reason: str, tensors: int = 0,
                              nbytes: int = 0) -> dict[str, Any]:
-        outcome = {"version": version, "rank": self._xfer_weights.receiver.rank, "applied": not reason,
+        rank = getattr(getattr(self._xfer_weights, "receiver", None), "rank", None)
+        outcome = {"version": version, "rank": rank, "applied": not reason,
                    "committed": committed, "reason": reason, "tensors": tensors, "bytes": nbytes}
         self._xfer_weights_outcome = outcome
         if reason:
