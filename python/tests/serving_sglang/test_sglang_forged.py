@@ -30,16 +30,29 @@ SRC, DST = [3, 9, 4, 20], [30, 2, 17, 5]
 FORGED_PAGES = [7, 8, 9, 10]
 
 
+def open_room(p, d, bootstrap, room=ROOM):
+    """A room between prefill ``p`` and decode ``d``: the decode's receiver sent its page
+    indices (``DST``), the prefill's sender has them."""
+    receiver = xs.XferKVReceiver(d.mgr, bootstrap, room)
+    receiver.init(0)
+    sender = xs.XferKVSender(p.mgr, bootstrap, room)
+    sender.init(len(SRC), aux_index=2)
+    receiver.send_metadata(np.array(DST, dtype=np.int32), aux_index=5)
+    until("the page indices", lambda: sender.poll() != KVPoll.Bootstrapping)
+    assert sender.poll() == KVPoll.WaitingForInput, sender.failure
+    return receiver, sender
+
+
+def finish_room(sender, receiver, what="the receiver"):
+    """The prefill sends the room's pages (``SRC``); the decode's receiver succeeds."""
+    sender.send(np.array(SRC, dtype=np.int32))
+    until(what, lambda: receiver.poll() == KVPoll.Success)
+
+
 def pair(bootstrap):
     p = Side(DisaggregationMode.PREFILL, bootstrap, 11)
     d = Side(DisaggregationMode.DECODE, bootstrap, 12)
-    receiver = xs.XferKVReceiver(d.mgr, bootstrap, ROOM)
-    receiver.init(0)
-    sender = xs.XferKVSender(p.mgr, bootstrap, ROOM)
-    sender.init(len(SRC), aux_index=2)
-    receiver.send_metadata(np.array(DST, dtype=np.int32), aux_index=5)
-    until("the page indices", lambda: sender.poll() == KVPoll.WaitingForInput)
-    return p, d, receiver, sender
+    return (p, d, *open_room(p, d, bootstrap))
 
 
 class Attacker:
@@ -116,8 +129,7 @@ def test_forged_done_fail_and_abort_answers_do_not_end_a_room(bootstrap):
         until("the forgeries refused or taken",
               lambda: dropped(d.mgr) >= 5 or receiver.poll() != KVPoll.Transferring)
         assert receiver.poll() == KVPoll.Transferring, receiver.failure
-        sender.send(np.array(SRC, dtype=np.int32))
-        until("the receiver", lambda: receiver.poll() == KVPoll.Success)
+        finish_room(sender, receiver)
     finally:
         evil.close(), p.close(), d.close()
 
@@ -164,8 +176,7 @@ def test_a_meta_naming_no_decode_at_this_bootstrap_is_dropped_without_a_lookup_o
                             pages=np.array([1]))
             evil.send(evil.prefill, ghost.encode("ee" * 16))
         # A real request still goes through meanwhile.
-        sender.send(np.array(SRC, dtype=np.int32))
-        until("the receiver", lambda: receiver.poll() == KVPoll.Success)
+        finish_room(sender, receiver)
         until("every ghost dropped", lambda: dropped(p.mgr) - start >= n)
         assert p.mgr.checks == 0
         assert set(p.mgr.metadata) <= {ROOM}, "a ghost's room holds state"
@@ -188,8 +199,7 @@ def test_rooms_no_sender_took_make_way_for_new_ones_past_the_bound(bootstrap, mo
             orphans.append(rx)
             until(f"room {room}'s indices", lambda room=room: room in p.mgr.metadata)
         assert set(p.mgr.metadata) == {ROOM, 202, 203}
-        sender.send(np.array(SRC, dtype=np.int32))
-        until("the receiver", lambda: receiver.poll() == KVPoll.Success)
+        finish_room(sender, receiver)
     finally:
         p.close(), d.close()
 
@@ -224,14 +234,8 @@ def test_a_decode_publishes_nothing_at_a_bootstrap_a_request_names_that_it_was_n
             rdv.lookup(f"sglang.decode.{d.mgr.id}.0", 0.5)
         assert evil_addr not in d.mgr.rendezvous, "the decode dialled the attacker's bootstrap"
         # The listed prefill still serves.
-        receiver = xs.XferKVReceiver(d.mgr, bootstrap, ROOM)
-        receiver.init(0)
-        sender = xs.XferKVSender(p.mgr, bootstrap, ROOM)
-        sender.init(len(SRC), aux_index=2)
-        receiver.send_metadata(np.array(DST, dtype=np.int32), aux_index=5)
-        until("the page indices", lambda: sender.poll() == KVPoll.WaitingForInput)
-        sender.send(np.array(SRC, dtype=np.int32))
-        until("the receiver", lambda: receiver.poll() == KVPoll.Success)
+        receiver, sender = open_room(p, d, bootstrap)
+        finish_room(sender, receiver)
     finally:
         record.unpublish()
         evil.close(), evil_server.close(), p.close(), d.close()
@@ -277,18 +281,10 @@ def test_an_abort_from_another_decode_with_its_own_key_neither_stops_a_room_nor_
         # A room id X never sent indices for, aborted ahead of its real decode.
         x.mgr.engine.submit_send(addr, sc.Abort(ROOM + 1, sc.new_token(), own.record, 0)
                                  .encode(x.mgr.key)).wait(5.0)
-        sender.send(np.array(SRC, dtype=np.int32))
-        until("the receiver", lambda: receiver.poll() == KVPoll.Success)
+        finish_room(sender, receiver)
 
-        later = xs.XferKVReceiver(d.mgr, bootstrap, ROOM + 1)
-        later.init(0)
-        s2 = xs.XferKVSender(p.mgr, bootstrap, ROOM + 1)
-        s2.init(len(SRC), aux_index=2)
-        later.send_metadata(np.array(DST, dtype=np.int32), aux_index=5)
-        until("the page indices", lambda: s2.poll() != KVPoll.Bootstrapping)
-        assert s2.poll() == KVPoll.WaitingForInput, s2.failure
-        s2.send(np.array(SRC, dtype=np.int32))
-        until("the pre-aborted room's receiver", lambda: later.poll() == KVPoll.Success)
+        later, s2 = open_room(p, d, bootstrap, ROOM + 1)
+        finish_room(s2, later, "the pre-aborted room's receiver")
     finally:
         x.close(), p.close(), d.close()
 
