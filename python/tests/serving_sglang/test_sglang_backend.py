@@ -164,7 +164,9 @@ def test_the_decode_queues_learn_the_prefill_topology_through_the_manager(bootst
     assert not d.mgr.try_ensure_parallel_info(bootstrap), "no prefill there yet"
     assert d.mgr.prefill_info_table.get(bootstrap) is None
     p = Side(DisaggregationMode.PREFILL, bootstrap, 9)
-    assert d.mgr.try_ensure_parallel_info(bootstrap)
+    # As the queue asks, each scheduler pass: "not yet" until the first contact (off the
+    # scheduler thread) found the prefill.
+    until("the prefill's topology", lambda: d.mgr.try_ensure_parallel_info(bootstrap))
     info = d.mgr.prefill_info_table[bootstrap]
     assert (info.attn_tp_size, info.dp_size, info.page_size) == (1, 1, 16)
     # The queue's own method, on a queue holding this manager (as SGLang's tests drive it).

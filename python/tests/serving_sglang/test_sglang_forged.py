@@ -10,7 +10,10 @@ Each probe waits for the refusal to be counted (``mgr.dropped``) or for its effe
 checks there was none: the transfer succeeds with the right bytes in the right pages, nothing
 else in the decode's buffers changes, the room is not ended early."""
 
+import socket
 import threading
+from types import SimpleNamespace
+from unittest.mock import MagicMock
 
 import numpy as np
 import pytest
@@ -28,6 +31,7 @@ from xfer.kv import sglang_control as sc  # noqa: E402
 ROOM = 91
 SRC, DST = [3, 9, 4, 20], [30, 2, 17, 5]
 FORGED_PAGES = [7, 8, 9, 10]
+WAIT_S = 20.0
 
 
 def open_room(p, d, bootstrap, room=ROOM):
@@ -289,40 +293,201 @@ def test_an_abort_from_another_decode_with_its_own_key_neither_stops_a_room_nor_
         x.close(), p.close(), d.close()
 
 
-def test_a_bootstrap_a_request_names_is_tried_once_per_scheduler_attempt(bootstrap):
-    """Review M-D (issue 56): SGLang's decode queue calls ``try_ensure_parallel_info`` on its
-    scheduler thread, once a second up to 15 times an address a request names. A listener that
-    answers nothing a rendezvous client can use (here: it closes each connection at once) was
-    dialled again and again for 2 s on every attempt, stalling the scheduler for everyone;
-    an attempt now connects once (SGLang's own retry is the retry)."""
-    import socket
+class Listener:
+    """A TCP listener at an address a request may name (loopback: dialable by default) that
+    accepts and never writes a byte. ``close_at_once``: it closes each connection as it
+    accepts it; else it holds them open (a silent bootstrap) until :meth:`close`."""
 
-    d = Side(DisaggregationMode.DECODE, bootstrap, 12)
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    addr = "127.0.0.1:%d" % listener.getsockname()[1]
-    accepted = []
+    def __init__(self, close_at_once=False):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.peers, self.conns = [], []
+        self.accepted = threading.Event()
+        self.close_at_once = close_at_once
+        threading.Thread(target=self._serve, daemon=True).start()
 
-    def serve():
+    def _serve(self):
         while True:
             try:
-                conn, peer = listener.accept()
+                conn, peer = self.sock.accept()
             except OSError:
                 return
-            accepted.append(peer)
-            conn.close()
+            if self.close_at_once:
+                conn.close()
+            else:
+                self.conns.append(conn)
+            self.peers.append(peer)
+            self.accepted.set()
 
-    server = threading.Thread(target=serve, daemon=True)
-    server.start()
-    try:
-        assert not d.mgr.try_ensure_parallel_info(addr), "nothing serves there"
-        # Connections are accepted in order: once this one is, every dial before it was.
-        with socket.create_connection(listener.getsockname()) as sentinel:
+    def dials_before_a_sentinel(self):
+        """How many connections were accepted before one made now (accepts come in order:
+        once the sentinel is, every dial before it was)."""
+        with socket.create_connection(self.sock.getsockname()) as sentinel:
             mine = sentinel.getsockname()
-            until("the sentinel connection", lambda: mine in accepted)
-        dials = accepted.index(mine)
-        assert dials == 1, f"one attempt dialled {dials} times"
+            until("the sentinel connection", lambda: mine in self.peers)
+        return self.peers.index(mine)
+
+    @staticmethod
+    def hung_up(conn):
+        """Whether the dialling side closed ``conn`` (what it wrote, its hello, is dropped)."""
+        conn.setblocking(False)
+        try:
+            while conn.recv(4096):
+                pass
+            return True
+        except BlockingIOError:
+            return False
+
+    def close(self):
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept (Linux)
+        except OSError:
+            pass
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def decode_queue(mgr):
+    """SGLang 0.5.23's ``DecodePreallocQueue`` as its ``_ensure_prefill_info`` reads it: the
+    manager, each address's last attempt and count, 15 attempts an address. Stand-in: the
+    queue object (its spec), with the once-a-second pacing between attempts at 0, so each
+    call is SGLang's next attempt; what that hides is only the second between them."""
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
+    queue = MagicMock(spec=DecodePreallocQueue)
+    queue.kv_manager = mgr
+    queue._ensure_last_attempt_time, queue._ensure_retry_count = {}, {}
+    queue._ensure_retry_interval, queue._max_ensure_retries = 0.0, 15
+    return queue
+
+
+def pending(mgr, addr, room):
+    """A request naming the bootstrap ``addr``, as SGLang's queue holds it while it waits for
+    that prefill's topology: its ``DecodeRequest`` and the receiver the queue made at ``add``.
+    Stand-in: the ``Req`` (only its id and room are read on this path)."""
+    from sglang.srt.disaggregation.decode import DecodeRequest
+
+    return DecodeRequest(req=SimpleNamespace(rid=f"r{room}", bootstrap_room=room),
+                         kv_receiver=xs.XferKVReceiver(mgr, addr, room))
+
+
+def attempt(queue, by_addr):
+    """One scheduler pass of SGLang's own ``_ensure_prefill_info`` over the pending requests
+    (``{addr: [DecodeRequest]}``), on the calling (scheduler) thread: the addresses ready, the
+    requests left for the next pass."""
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
+    return DecodePreallocQueue._ensure_prefill_info(queue, by_addr)
+
+
+def contacts_in_flight(mgr):
+    return getattr(mgr, "contacts", {})
+
+
+def test_a_silent_bootstrap_does_not_hold_the_scheduler_thread(bootstrap):
+    """Review M-D (issue 56): SGLang's decode queue asks ``try_ensure_parallel_info`` on its
+    scheduler thread, once a second up to 15 times, for each bootstrap address a request
+    names (its API client's ``bootstrap_host``/``port``). A listener that accepts and never
+    speaks held that thread for the rendezvous client's greeting read (5 s) on every attempt,
+    stalling every request of the decode instance. Now the attempt answers "not yet" while the
+    dial still waits for the greeting, off that thread, and the next attempts neither wait
+    nor dial again while it does; the request keeps waiting (SGLang ends it after its tries)."""
+    d = Side(DisaggregationMode.DECODE, bootstrap, 12)
+    silent = Listener()
+    queue = decode_queue(d.mgr)
+    request = pending(d.mgr, silent.addr, 60)
+    try:
+        ready, left = attempt(queue, {silent.addr: [request]})
+        assert not ready and left == [request], "answered while the bootstrap said nothing"
+        assert silent.accepted.wait(WAIT_S), "never dialled"
+        conn = silent.conns[0]
+        # The dial waits for the greeting for 5 s; this follows the accept at once.
+        assert not Listener.hung_up(conn), (
+            "the attempt returned only after the dial gave up on the greeting: it waited on "
+            "the scheduler thread")
+        for _ in range(3):  # SGLang's next attempts while that dial waits
+            ready, left = attempt(queue, {silent.addr: [request]})
+            assert not ready and left == [request]
+        assert d.mgr.contacts_made == 1, "dialled again while the first dial waited"
+        assert request.kv_receiver.poll() == KVPoll.Bootstrapping
     finally:
-        listener.close()
+        silent.close()
         d.close()
+
+
+def test_a_bootstrap_whose_dial_failed_is_not_dialled_again_within_its_backoff(
+        bootstrap, monkeypatch):
+    """Review M-D (issue 56): each of SGLang's attempts dialled a request's bootstrap again
+    (before b6b0686, 8 times an attempt in a 2 s retry loop; then once an attempt), 15
+    attempts an address. A dial connects once, and its failure is remembered: within its
+    backoff SGLang's next attempts answer "not yet" without a dial; after its 15 attempts
+    SGLang ends the request (its receiver aborted)."""
+    # Every attempt here falls within the backoff (raising=False: failing first, before it was).
+    monkeypatch.setattr(xs, "CONTACT_BACKOFF_S", 3600.0, raising=False)
+    d = Side(DisaggregationMode.DECODE, bootstrap, 12)
+    closing = Listener(close_at_once=True)
+    queue = decode_queue(d.mgr)
+    request = pending(d.mgr, closing.addr, 61)
+    try:
+        ready, left = attempt(queue, {closing.addr: [request]})
+        assert not ready and left == [request]
+        until("the first dial over", lambda: closing.peers and not contacts_in_flight(d.mgr))
+        for _ in range(14):  # SGLang's other 14 attempts
+            ready, left = attempt(queue, {closing.addr: [request]})
+            assert not ready
+        assert left == [], "SGLang did not end the request after its 15 attempts"
+        assert request.kv_receiver.poll() == KVPoll.Failed
+        until("no contact in flight", lambda: not contacts_in_flight(d.mgr))
+        dials = closing.dials_before_a_sentinel()
+        assert dials == 1, f"dialled {dials} times in 15 attempts within its backoff"
+        assert d.mgr.unreachable.failures == 1
+    finally:
+        closing.close()
+        d.close()
+
+
+def test_past_the_bound_on_first_contacts_a_request_naming_another_bootstrap_fails_by_name(
+        bootstrap, monkeypatch):
+    """First contacts in flight are bounded (``MAX_CONTACTS``, each on a thread of its own):
+    with the bound taken by a silent bootstrap, a request naming another new one fails when
+    SGLang next polls it (its queue polls every request it holds), naming the bound, without
+    a dial; the first request still waits. Stand-in besides the queue's: SGLang's
+    ``poll_and_all_reduce`` over one rank (each receiver's ``poll``, called here)."""
+    monkeypatch.setattr(xs, "MAX_CONTACTS", 1, raising=False)
+    d = Side(DisaggregationMode.DECODE, bootstrap, 12)
+    silent, other = Listener(), Listener()
+    queue = decode_queue(d.mgr)
+    first, second = pending(d.mgr, silent.addr, 62), pending(d.mgr, other.addr, 63)
+    try:
+        ready, left = attempt(queue, {silent.addr: [first], other.addr: [second]})
+        assert not ready and left == [first, second]
+        # What SGLang's _update_handshake_waiters does next: poll each receiver.
+        assert second.kv_receiver.poll() == KVPoll.Failed
+        with pytest.raises(RuntimeError, match=r"MAX_CONTACTS"):
+            second.kv_receiver.failure_exception()
+        assert first.kv_receiver.poll() == KVPoll.Bootstrapping
+        assert silent.accepted.wait(WAIT_S)
+        assert other.dials_before_a_sentinel() == 0, "dialled past the bound"
+    finally:
+        silent.close(), other.close()
+        d.close()
+
+
+def test_a_failed_dials_backoff_doubles_and_ends():
+    """``DialBackoff``, the pure table behind the above: doubling from the first backoff up to
+    the cap, ended by a dial that gets through, the oldest failure forgotten past the bound."""
+    b = xs.DialBackoff(1.0, 4.0, limit=2)
+    assert b.waiting("a", 0.0) is None
+    assert b.failed("a", 0.0, "refused") == 1.0
+    assert "1 time " in b.waiting("a", 0.5) and "refused" in b.waiting("a", 0.5)
+    assert b.waiting("a", 1.0) is None
+    assert [b.failed("a", t, "x") for t in (1.0, 3.0, 7.0, 11.0)] == [2.0, 4.0, 4.0, 4.0]
+    assert "5 times" in b.waiting("a", 11.0)
+    b.succeeded("a")
+    assert b.waiting("a", 11.0) is None and b.failed("a", 11.0, "x") == 1.0
+    b.failed("b", 11.0, "x"), b.failed("c", 11.0, "x")
+    assert b.waiting("a", 11.0) is None, "past the bound the oldest is forgotten"
+    assert b.waiting("c", 11.0) is not None and b.failures == 8

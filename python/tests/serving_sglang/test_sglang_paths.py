@@ -162,7 +162,8 @@ def test_a_retracted_request_rebootstraps_through_the_prefills_generate(bootstra
     p = Side(PREFILL, bootstrap, 23, port=server.port)  # the prefill's --port
     d = Side(DECODE, bootstrap, 24)
     try:
-        assert d.mgr.try_ensure_parallel_info(bootstrap)
+        # "Not yet" until the first contact, off the scheduler thread, found the prefill.
+        until("the prefill's topology", lambda: d.mgr.try_ensure_parallel_info(bootstrap))
         assert d.mgr.prefill_info_table[bootstrap].prefill_http_port == server.port
         req = rebootstrap_req(bootstrap, 61)
         rx = xs.XferKVReceiver(d.mgr, bootstrap, 61)

@@ -39,7 +39,9 @@ size, buffers, MLA, DP groups) in the name of the one region they publish; a dec
 buffers there as ``sglang.decode.<id>.<rank>`` when it first meets that prefill — only at
 the bootstraps ``$XFER_SGLANG_PREFILL_BOOTSTRAPS`` lists (``host:port,...``; ``*``: any;
 unset: loopback ones only): SGLang takes the address from the request, that is from its API
-client, and a request naming another fails, naming why. Engines use
+client, and a request naming another fails, naming why. Its first contact with a bootstrap (the
+dial, the greeting, the prefill's record) runs off SGLang's scheduler thread, at most
+``MAX_CONTACTS`` at once; a failed dial is not tried again within its backoff. Engines use
 ``$XFER_CONFIG`` (or the config given to ``register``); without either, the backend refuses
 to start.
 
@@ -158,6 +160,17 @@ rank publishes its key and writable KV descriptors at the bootstrap it dials: on
 the operator listed (or, by default, its own host's) are dialled."""
 MAX_REFUSED = 1024
 """Bootstrap addresses a decode rank remembers refusing (the oldest are forgotten first)."""
+MAX_CONTACTS = 8
+"""First contacts with bootstraps (the dial, the greeting, the prefill's record) a decode rank
+has in flight at once, each on a thread of its own, off SGLang's scheduler thread. A request
+naming yet another new bootstrap while they are all in flight fails, naming this bound."""
+CONTACT_BACKOFF_S = 1.0
+"""How long a bootstrap whose dial failed is not dialled again: this after its first failure
+(SGLang's decode queue asks once a second), doubling with each failure after, at most
+``MAX_CONTACT_BACKOFF_S``."""
+MAX_CONTACT_BACKOFF_S = 60.0
+MAX_UNREACHABLE = 1024
+"""Bootstraps whose dial failed a decode rank remembers (the oldest failure forgotten first)."""
 
 _LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
 
@@ -186,6 +199,45 @@ def dialable_bootstraps(addr: str, allowed: str | None) -> bool:
 
 class BootstrapRefused(RuntimeError):
     """A request named a bootstrap this decode instance was not configured to dial."""
+
+
+class DialBackoff:
+    """The bootstrap addresses whose dial failed, each not dialled again until its backoff
+    ends: ``first_s`` after its first failure, doubling with each failure after, at most
+    ``max_s``; a dial that gets through forgets the address. At most ``limit`` addresses (the
+    oldest failure forgotten first): a request names its own address, the table must not grow
+    with them. Pure: ``now`` is passed in, the caller holds its lock."""
+
+    def __init__(self, first_s: float, max_s: float, limit: int) -> None:
+        self._first_s, self._max_s, self._limit = first_s, max(max_s, first_s), limit
+        self._failed: dict[str, tuple[float, float, int, str]] = {}
+        """By address: (not dialled until, backoff, failures in a row, the last one's why),
+        oldest failure first."""
+        self.failures = 0
+        """Dials that failed, in all."""
+
+    def failed(self, addr: str, now: float, why: str) -> float:
+        """The dial of ``addr`` failed at ``now``: its backoff (also returned)."""
+        previous = self._failed.pop(addr, None)
+        backoff = self._first_s if previous is None else min(self._max_s, 2 * previous[1])
+        self._failed[addr] = (now + backoff, backoff, 1 if previous is None else previous[2] + 1,
+                              why)
+        self.failures += 1
+        while len(self._failed) > self._limit:
+            del self._failed[next(iter(self._failed))]
+        return backoff
+
+    def succeeded(self, addr: str) -> None:
+        self._failed.pop(addr, None)
+
+    def waiting(self, addr: str, now: float) -> str | None:
+        """Why ``addr`` is not dialled at ``now`` (its backoff has not ended), else None."""
+        entry = self._failed.get(addr)
+        if entry is None or now >= entry[0]:
+            return None
+        until, _, count, why = entry
+        return (f"its dial failed {count} time{'s' if count > 1 else ''} in a row (last: "
+                f"{why[:200]}); not dialled again for {until - now:.1f} s")
 
 
 def _engine_config() -> Any:
@@ -282,8 +334,8 @@ class XferKVManager(BaseKVManager):
 
     Besides ``base/conn.py`` it has what SGLang 0.5.23's decode queues read of a manager
     (``disaggregation/decode.py``): ``prefill_info_table`` and ``try_ensure_parallel_info``
-    (the prefill's topology, fetched once per bootstrap address, one short attempt per call
-    from the scheduler loop), the deferred release of aborted rooms' pages
+    (the prefill's topology, learnt once per bootstrap address off the scheduler thread: each
+    call answers at once), the deferred release of aborted rooms' pages
     (``is_abort_release_safe``, ``clear_deferred_abort_state``) and the flags it checks."""
 
     supports_host_destination = False
@@ -367,6 +419,19 @@ class XferKVManager(BaseKVManager):
         self.refused: dict[str, str] = {}
         """Decode: bootstraps requests named that this rank may not dial, and why (at most
         ``MAX_REFUSED``)."""
+        self.contacts: dict[str, concurrent.futures.Future] = {}
+        """Decode: the first contacts with bootstraps in flight, by address (at most
+        ``MAX_CONTACTS``), on ``contact_pool``."""
+        self.contact_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.contacts_made = 0
+        """Decode: first contacts started (each dials its bootstrap unless a client of it is
+        already open)."""
+        self.unreachable = DialBackoff(CONTACT_BACKOFF_S, MAX_CONTACT_BACKOFF_S, MAX_UNREACHABLE)
+        """Decode: bootstraps whose dial failed, not dialled again within their backoff."""
+        self.crowded: dict[str, str] = {}
+        """Decode: bootstraps whose first contact could not start (``MAX_CONTACTS`` others in
+        flight), and why: the receivers waiting on them fail (at most ``MAX_REFUSED``; an
+        entry goes when a contact with its address starts)."""
         self.senders: dict[int, Any] = {}
         """Prefill: the senders by room, for a decode rank's abort."""
         self.aborted: dict[int, float] = {}
@@ -397,16 +462,24 @@ class XferKVManager(BaseKVManager):
             self.register_to_bootstrap()
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """One attempt (the decode queue retries) to learn the prefill's topology at
-        ``bootstrap_addr``. A prefill this rank cannot receive from is answered too (SGLang's
-        queue would raise the error in its scheduler loop, and end the decode instance): its
-        receivers fail at ``init``, naming the difference (``refusals``)."""
+        """Whether the prefill's topology at ``bootstrap_addr`` is known; if not, its first
+        contact is started (or left running) and the answer is "not yet": SGLang's decode
+        queue calls this on its scheduler thread and asks again a second later, 15 times an
+        address, so nothing here waits on the network (review M-D: a listener that accepted
+        and stayed silent held the scheduler 5 s an attempt, the rendezvous client's greeting
+        read). A bootstrap whose dial failed is not dialled again within its backoff
+        (``unreachable``); past ``MAX_CONTACTS`` in flight, the requests naming a new one fail,
+        naming the bound (``crowded``, read by their receivers' ``poll``).
+
+        A prefill this rank cannot receive from is answered too (SGLang's queue would raise
+        the error in its scheduler loop, and end the decode instance): its receivers fail at
+        ``init``, naming the difference (``refusals``)."""
         if bootstrap_addr in self.prefill_info_table:
             return True
         from sglang.srt.disaggregation.common.conn import PrefillServerInfo
 
         try:
-            first = self._bootstrap(bootstrap_addr).lookup(_prefill_name(0, 0), 1.0)
+            self._may_dial(bootstrap_addr)
         except BootstrapRefused as e:
             # Answered, so SGLang's queue neither retries nor asks the address for DP ranks
             # over HTTP: the request fails at ``init``, naming why. At most MAX_REFUSED kept
@@ -422,31 +495,115 @@ class XferKVManager(BaseKVManager):
                 attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=1,
                 page_size=self.shape.page_size, kv_cache_dtype=None, follow_bootstrap_room=True)
             return True
-        except Exception as e:  # noqa: BLE001 - not up yet: the queue tries again
-            logger.info("xfer.sglang: no prefill at %s yet (%s)", bootstrap_addr, e)
-            return False
-        names = list(first["regions"])
+        self._contact(bootstrap_addr)
+        return bootstrap_addr in self.prefill_info_table
+
+    def _contact(self, addr: str) -> concurrent.futures.Future | None:
+        """The first contact with the bootstrap at ``addr`` in flight, started here unless
+        its dial failed within its backoff or ``MAX_CONTACTS`` others are in flight (then
+        ``crowded`` says so, and None)."""
+        with self.lock:
+            job = self.contacts.get(addr)
+            if job is not None:
+                return job
+            if self.unreachable.waiting(addr, time.monotonic()) is not None:
+                return None
+            if len(self.contacts) >= MAX_CONTACTS:
+                if addr not in self.crowded:
+                    while len(self.crowded) >= MAX_REFUSED:
+                        del self.crowded[next(iter(self.crowded))]
+                    self.crowded[addr] = (
+                        f"the bootstrap {addr[:80]!r} a request named was not contacted: "
+                        f"{MAX_CONTACTS} first contacts with other bootstraps are in flight "
+                        "(xfer.sglang.MAX_CONTACTS)")
+                    logger.warning("xfer.sglang: %s", self.crowded[addr])
+                return None
+            if self.contact_pool is None:
+                self.contact_pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=MAX_CONTACTS, thread_name_prefix="xfer-sglang-contact")
+            try:
+                # Under the lock: the job removes itself from ``contacts`` under it, so only
+                # after it is there.
+                job = self.contact_pool.submit(self._first_contact, addr)
+            except RuntimeError:  # closing
+                return None
+            self.crowded.pop(addr, None)
+            self.contacts[addr] = job
+            self.contacts_made += 1
+            return job
+
+    def _first_contact(self, addr: str) -> None:
+        """Off the scheduler thread: dials the bootstrap at ``addr`` (one try; a failed dial
+        starts or doubles its backoff), looks up the prefill's first rank there and records
+        its topology (``prefill_info_table``, where SGLang's queue finds it next time it
+        asks). No record yet is not a failed dial: the next attempt looks again."""
         try:
-            if len(names) != 1:
-                raise LayoutError(f"it published {names}: not an xfer SGLang prefill of "
-                                  f"protocol {PROTOCOL}")
-            prefill = KvShape.parse(names[0])
-            self._with_heads_of(prefill).check_pair(prefill)
-        except LayoutError as e:
-            logger.error("xfer.sglang: the prefill at %s cannot send here: %s", bootstrap_addr, e)
-            self.refusals[bootstrap_addr] = str(e)
-            self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
-                attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=1,
-                page_size=self.shape.page_size, kv_cache_dtype=None, follow_bootstrap_room=True)
-            return True
-        self.shape = self._with_heads_of(prefill)
-        self.heads_known = True
-        self.prefill_shapes[bootstrap_addr] = prefill
-        self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
-            attn_tp_size=prefill.tp, attn_cp_size=1, dp_size=prefill.dp, pp_size=1,
-            page_size=prefill.page_size, kv_cache_dtype=None, follow_bootstrap_room=True,
-            prefill_http_port=prefill.http or None)
-        return True
+            try:
+                rdv = self._bootstrap(addr)
+            except Exception as e:  # noqa: BLE001 - refused, closed, silent, not a rendezvous
+                with self.lock:
+                    backoff = self.unreachable.failed(addr, time.monotonic(), str(e))
+                logger.info("xfer.sglang: the bootstrap at %s did not answer (%s); not dialled "
+                            "again for %.1f s", addr, e, backoff)
+                raise
+            with self.lock:
+                self.unreachable.succeeded(addr)
+            try:
+                first = rdv.lookup(_prefill_name(0, 0), 1.0)
+            except Exception as e:  # noqa: BLE001 - not up yet: the queue tries again
+                logger.info("xfer.sglang: no prefill at %s yet (%s)", addr, e)
+                raise
+            self._learn(addr, first)
+        finally:
+            with self.lock:
+                self.contacts.pop(addr, None)
+
+    def _learn(self, addr: str, first: dict[str, Any]) -> None:
+        """Records the topology of the prefill whose first rank's record is ``first``; the
+        table entry SGLang's queue looks for is written last, once the rest is there."""
+        from sglang.srt.disaggregation.common.conn import PrefillServerInfo
+
+        names = list(first["regions"])
+        with self.lock:
+            try:
+                if len(names) != 1:
+                    raise LayoutError(f"it published {names}: not an xfer SGLang prefill of "
+                                      f"protocol {PROTOCOL}")
+                prefill = KvShape.parse(names[0])
+                self._with_heads_of(prefill).check_pair(prefill)
+            except LayoutError as e:
+                logger.error("xfer.sglang: the prefill at %s cannot send here: %s", addr, e)
+                self.refusals[addr] = str(e)
+                self.prefill_info_table[addr] = PrefillServerInfo(
+                    attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=1,
+                    page_size=self.shape.page_size, kv_cache_dtype=None,
+                    follow_bootstrap_room=True)
+                return
+            self.shape = self._with_heads_of(prefill)
+            self.heads_known = True
+            self.prefill_shapes[addr] = prefill
+            self.prefill_info_table[addr] = PrefillServerInfo(
+                attn_tp_size=prefill.tp, attn_cp_size=1, dp_size=prefill.dp, pp_size=1,
+                page_size=prefill.page_size, kv_cache_dtype=None, follow_bootstrap_room=True,
+                prefill_http_port=prefill.http or None)
+
+    def learn_prefill_now(self, addr: str) -> None:
+        """For a receiver ``init`` called before ``try_ensure_parallel_info`` answered (SGLang's
+        queue never does; direct callers may): waits for the first contact with ``addr``
+        (raises, naming why, where there is no prefill to receive from)."""
+        if self.try_ensure_parallel_info(addr):
+            return
+        with self.lock:
+            job = self.contacts.get(addr)
+        if job is not None:
+            try:
+                job.result()
+            except Exception as e:  # noqa: BLE001 - named below
+                raise RuntimeError(f"its bootstrap did not answer ({e})") from None
+        if addr not in self.prefill_info_table:
+            with self.lock:
+                why = self.crowded.get(addr) or self.unreachable.waiting(addr, time.monotonic())
+            raise RuntimeError(why or "its bootstrap did not answer")
 
     def _with_heads_of(self, prefill: KvShape) -> KvShape:
         """This rank's shape, its head count taken from the prefill's total where SGLang gave
@@ -530,22 +687,28 @@ class XferKVManager(BaseKVManager):
         the address from the request (raises :class:`BootstrapRefused`)."""
         with self.lock:
             r = self.rendezvous.get(addr)
-        if r is None and self.mode != DisaggregationMode.PREFILL:
-            allowed = os.environ.get(PREFILL_BOOTSTRAPS_ENV)
-            if not dialable_bootstraps(addr, allowed):
-                raise BootstrapRefused(
-                    f"the bootstrap {addr[:80]!r} a request named is not one this decode "
-                    f"instance may dial (${PREFILL_BOOTSTRAPS_ENV}: "
-                    f"{'unset: loopback only' if not (allowed or '').strip() else allowed[:200]})")
         if r is None:
-            # One connection try: SGLang's scheduler thread calls in, and its decode queue
-            # retries each address once a second (up to 15 times) — a retry loop here stalled
-            # that thread 2 s an attempt for every request naming a dead address (review M-D).
-            # Lookups carry their own waits.
+            self._may_dial(addr)
+            # One connection try: SGLang's decode queue retries each address once a second
+            # (up to 15 times), and a failed dial is not tried again within its backoff — a
+            # retry loop here held a contact 2 s an attempt for every request naming a dead
+            # address (review M-D). Lookups carry their own waits.
             r = self.rendezvous_security.connect(f"xfer://{addr}", connect_timeout=0.0)
             with self.lock:
                 self.rendezvous[addr] = r
         return r
+
+    def _may_dial(self, addr: str) -> None:
+        """Raises :class:`BootstrapRefused` where this decode rank may not dial ``addr``
+        (``$XFER_SGLANG_PREFILL_BOOTSTRAPS``; no network)."""
+        if self.mode == DisaggregationMode.PREFILL or addr in self.rendezvous:
+            return
+        allowed = os.environ.get(PREFILL_BOOTSTRAPS_ENV)
+        if not dialable_bootstraps(addr, allowed):
+            raise BootstrapRefused(
+                f"the bootstrap {addr[:80]!r} a request named is not one this decode "
+                f"instance may dial (${PREFILL_BOOTSTRAPS_ENV}: "
+                f"{'unset: loopback only' if not (allowed or '').strip() else allowed[:200]})")
 
     def register_to_bootstrap(self) -> None:
         addr = f"{_bootstrap_host(self.server_args)}:{self.server_args.disaggregation_bootstrap_port}"
@@ -822,6 +985,10 @@ class XferKVManager(BaseKVManager):
     def close(self) -> None:
         self.closing.set()
         self.draining.shutdown(wait=False, cancel_futures=True)
+        with self.lock:
+            contacts = self.contact_pool
+        if contacts is not None:
+            contacts.shutdown(wait=False, cancel_futures=True)
         if self.recompute is not None:
             self.recompute.shutdown(wait=False, cancel_futures=True)
         for p in self.publications + self.decode_publications:
@@ -1094,10 +1261,9 @@ class XferKVReceiver(BaseKVReceiver):
         try:
             if self.mgr.released:
                 raise RuntimeError("SGLang released the KV memory")
-            rdv = self.mgr._bootstrap(self.addr)
-            if self.addr not in self.mgr.prefill_info_table and \
-                    not self.mgr.try_ensure_parallel_info(self.addr):
-                raise RuntimeError("its bootstrap did not answer")
+            if self.addr not in self.mgr.prefill_info_table:
+                self.mgr.learn_prefill_now(self.addr)
+            rdv = self.mgr._bootstrap(self.addr)  # open (or refused) since the first contact
             if self.addr in self.mgr.refusals:
                 raise LayoutError(self.mgr.refusals[self.addr])
             prefill = self.mgr.prefill_shapes[self.addr]
@@ -1151,6 +1317,13 @@ class XferKVReceiver(BaseKVReceiver):
         if self.failure is not None:
             return KVPoll.Failed
         if self.prefills is None:
+            # SGLang polls every request in its queue, those still waiting for their
+            # prefill's topology too: one whose bootstrap could not be contacted (too many
+            # others in flight) fails here, naming why.
+            crowded = self.mgr.crowded.get(self.addr)
+            if crowded is not None:
+                self.failure = f"room {self.room}: {crowded}"
+                return KVPoll.Failed
             return KVPoll.Bootstrapping
         if self.deadline is None:
             return KVPoll.WaitingForInput
