@@ -211,10 +211,33 @@ impl<W> ImmCounter<W> {
 
     /// From now on, an arrival of an immediate `imm` with `imm & mask == value` counts only
     /// if the backend names no sender or names one of `senders`; others are refused (see
-    /// [`refused`](Self::refused)). `None` lifts the restriction. Arrivals already counted
-    /// stay counted.
+    /// [`refused`](Self::refused)). `None` lifts the restriction. Arrivals that came before,
+    /// that nobody waits for yet and that a sender outside `senders` created, are refused now
+    /// too (review 56 N-1: a forged arrival counted before the restriction met the first
+    /// expectation after it). Only an entry's creator is known: later arrivals of other
+    /// senders into an entry stay counted.
     pub fn restrict_senders(&mut self, mask: u32, value: u32, senders: Option<Vec<NetAddr>>) {
         let value = value & mask;
+        if let Some(allowed) = &senders {
+            let foreign: Vec<u32> = self
+                .idle
+                .iter()
+                .copied()
+                .filter(|imm| imm & mask == value)
+                .filter(|imm| {
+                    self.entries[imm]
+                        .source
+                        .as_ref()
+                        .is_some_and(|s| !allowed.contains(s))
+                })
+                .collect();
+            for imm in foreign {
+                if let Some(entry) = self.entries.get_mut(&imm) {
+                    self.refused += std::mem::take(&mut entry.count);
+                }
+                self.settle(imm);
+            }
+        }
         let at = self.restricted.iter().position(|(m, _)| *m == mask);
         match (senders, at) {
             (Some(senders), Some(at)) => {
@@ -783,6 +806,27 @@ mod tests {
         c.handle_arrivals_from(imm, 1, Some(&stranger), &mut out);
         assert_eq!((c.count(imm), c.refused()), (2, 1));
         assert!(c.restricted.is_empty());
+    }
+
+    /// Review 56 N-1: an arrival a stranger sent before the restriction existed stayed
+    /// counted and met the first expectation after it. Restricting refuses the idle arrivals
+    /// of the family that a sender outside the set created; the allowed sender's are kept.
+    #[test]
+    fn restricting_refuses_what_outsiders_sent_before() {
+        let mut c: ImmCounter<&str> = ImmCounter::new();
+        let (b, stranger) = (peer("b"), peer("stranger"));
+        let mut out = Vec::new();
+        c.handle_arrivals_from(0x17, 1, Some(&stranger), &mut out);
+        c.handle_arrivals_from(0x27, 1, Some(&b), &mut out);
+        c.handle_arrivals(0x37, 1, &mut out);
+        c.handle_arrivals_from(0x18, 1, Some(&stranger), &mut out); // another family
+        c.restrict_senders(0xF, 7, Some(vec![b.clone()]));
+        assert_eq!(c.refused(), 1);
+        assert_eq!((c.count(0x17), c.entries()), (0, 3), "the stranger's entry stayed");
+        assert_eq!(c.idle_from(&stranger), 1, "its share was not given back");
+        assert_eq!(c.expect(0x17, 1, later(1), "first"), None, "met by a forged arrival");
+        assert_eq!(c.expect(0x27, 1, later(1), "b"), Some("b"));
+        assert_eq!(c.expect(0x37, 1, later(1), "unnamed"), Some("unnamed"));
     }
 
     /// Issue 42 item 6: a sender is a NIC address, and one peer engine has up to

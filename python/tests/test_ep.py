@@ -41,14 +41,19 @@ def mock(**extra):
 
 
 class Ranks:
-    """``cfg.ranks`` groups on their own engines, connected; ``wrap(rank, engine)`` gives the
-    engine a group uses (the engine itself when left out)."""
+    """``cfg.ranks`` groups on their own engines, connected (unless ``connect=False``: then
+    ``connect()`` does it); ``wrap(rank, engine)`` gives the engine a group uses (the engine
+    itself when left out)."""
 
-    def __init__(self, cfg, *, eplb=None, engine_configs=None, wrap=None):
+    def __init__(self, cfg, *, eplb=None, engine_configs=None, wrap=None, connect=True):
         self.cfg = cfg
         self.engines = [xfer.TransferEngine((engine_configs or {}).get(r, MOCK)) for r in range(cfg.ranks)]
         used = [wrap(r, e) if wrap else e for r, e in enumerate(self.engines)]
         self.groups = [EpGroup(e, r, cfg, eplb=eplb) for r, e in enumerate(used)]
+        if connect:
+            self.connect()
+
+    def connect(self):
         infos = [g.local_info() for g in self.groups]
         for g in self.groups:
             g.connect(infos)
@@ -308,13 +313,16 @@ def test_a_silent_rank_is_masked_and_the_rest_stay_exact(ranks, seed):
         rs.close()
 
 
-def test_immediates_forged_by_an_engine_outside_the_group_are_refused():
+@pytest.mark.parametrize("before_connect", [False, True])
+def test_immediates_forged_by_an_engine_outside_the_group_are_refused(before_connect):
     """Review 56 M6: a zero-byte write carrying rank 1's immediates, from an engine outside the
     group, landed at rank 0 before rank 1 wrote: rank 0 read rank 1's slot (poisoned) and
     masked it, so rank 1's tokens came back as zero contribution. Rank 0 now counts rank 1's
-    immediates only from rank 1's NICs: the forged ones are refused, the steps are exact."""
+    immediates only from rank 1's NICs: the forged ones are refused, the steps are exact —
+    also those that landed before rank 0 connected, when no restriction existed yet (review
+    56 N-1: they stayed counted and masked rank 1)."""
     cfg = failure_cfg(2)
-    rs = Ranks(cfg)
+    rs = Ranks(cfg, connect=not before_connect)
     stranger = xfer.TransferEngine(MOCK)
     try:
         victim = rs.groups[0]
@@ -329,6 +337,8 @@ def test_immediates_forged_by_an_engine_outside_the_group_are_refused():
         while engine.imm_refused + sum(engine.imm_count(i) for i in forged) < 2 * len(forged):
             assert time.monotonic() < deadline, "the forged writes never landed"
             time.sleep(0.001)
+        if before_connect:
+            rs.connect()
         assert engine.imm_refused == 2 * len(forged)
 
         def body(r, g):
