@@ -223,6 +223,21 @@ def test_two_steps_in_flight():
         rs.close()
 
 
+def test_one_engine_takes_one_group_per_tag():
+    """Two groups with one tag on one engine counted each other's arrivals (the same
+    immediates) and shared one sender restriction per rank (review 56b L-9): refused by name;
+    another tag is fine, and a closed group frees its tag."""
+    cfg = EpConfig(ranks=1, experts_per_rank=1, top_k=1, max_tokens=2, hidden=4, timeout=1)
+    with xfer.TransferEngine(MOCK) as e:
+        first = EpGroup(e, 0, cfg)
+        with pytest.raises(ValueError, match="tag"):
+            EpGroup(e, 0, cfg)
+        other = EpGroup(e, 0, EpConfig(ranks=1, experts_per_rank=1, top_k=1, max_tokens=2, hidden=4, timeout=1, tag=3))
+        first.close()
+        EpGroup(e, 0, cfg).close()
+        other.close()
+
+
 def test_bad_routing_is_refused_before_anything_is_sent():
     cfg = EpConfig(ranks=2, experts_per_rank=1, top_k=1, max_tokens=2, hidden=4, timeout=1)
     rs = Ranks(cfg)

@@ -141,8 +141,13 @@ class Buffer:
             if ep is None:
                 import torch.distributed as dist
 
+                # A tag of its own per shape: groups on one engine must not share immediates.
+                # Every rank creates its groups in the same order (the all-gather below is
+                # collective), so the tags agree.
+                if len(self._groups) >= 16:
+                    raise ValueError("xfer's deep_ep keeps at most 16 shapes per Buffer (one immediate tag each)")
                 cfg = config_for(x, topk_idx, self.group_size, num_experts, num_max_dispatch_tokens_per_rank,
-                                 timeout=self.timeout, fp8=fp8)
+                                 timeout=self.timeout, fp8=fp8, tag=(0xE - len(self._groups)) % 16)
                 g = EpGroup(self.engine, self.rank, cfg)
                 infos = [None] * self.group_size
                 dist.all_gather_object(infos, g.local_info(), group=self.group)

@@ -28,6 +28,8 @@ _REGIONS = ("send", "dispatch", "combine_send", "combine")
 # The bits of an immediate (``xfer-ep-plan``'s ``Imm``) that name the group's tag (top 4) and
 # the posting rank (low 14), whatever the step and phase.
 _SOURCE_FAMILY = 0xF000_3FFF
+# (engine id, engine address, tag) of every group not closed: one group per tag per engine.
+_TAGS_IN_USE: set = set()
 
 
 def _bytes_of(a: np.ndarray) -> np.ndarray:
@@ -101,6 +103,12 @@ class EpGroup:
         if not 0 <= rank < cfg.ranks:
             raise ValueError(f"rank {rank} is not in 0..{cfg.ranks}")
         self.engine, self.rank, self.cfg = engine, rank, cfg
+        # Two groups with one tag on one engine would count each other's arrivals (the same
+        # immediates) and share one sender restriction per rank (review 56b L-9).
+        self._tag_key = (id(engine), bytes(engine.main_address), cfg.tag)
+        if self._tag_key in _TAGS_IN_USE:
+            raise ValueError(f"this engine already has an EpGroup with tag {cfg.tag}: give each group on one engine its own EpConfig.tag")
+        _TAGS_IN_USE.add(self._tag_key)
         self.eplb = [list(map(int, row)) for row in eplb] if eplb is not None else None
         sizes = cfg.region_bytes()
         self._set_bytes = {name: int(sizes[name]) for name in _REGIONS}
@@ -466,3 +474,4 @@ class EpGroup:
         for mr in self._mrs.values():
             self.engine.dereg_mr(mr)
         self._mrs = {}
+        _TAGS_IN_USE.discard(self._tag_key)
