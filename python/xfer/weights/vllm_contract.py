@@ -155,11 +155,12 @@ def encode_summary(version: int, error: str, failed: dict[int, str], bound: int)
 
 def decode_summary(raw: bytes, receivers: int, bound: int) -> tuple[int, str, dict[int, str]]:
     """``(version, error, failed)`` from rank 0's summary; what is not one raises
-    ``LayoutError``."""
+    ``LayoutError``. A receiver key is at most 10 digits before ``int`` reads it: past
+    Python's digit limit ``int`` raises ``ValueError``."""
     fields = _framed_json(raw, bound, "a summary")
     if not (isinstance(fields, dict) and set(fields) == {"version", "error", "failed"}
             and type(fields["version"]) is int and isinstance(fields["error"], str)
             and isinstance(fields["failed"], dict)
-            and all(k.isascii() and k.isdigit() and int(k) < receivers and isinstance(v, str) for k, v in fields["failed"].items())):
+            and all(k.isascii() and k.isdigit() and len(k) <= 10 and int(k) < receivers and isinstance(v, str) for k, v in fields["failed"].items())):
         raise LayoutError("a summary without exactly version (int), error (str) and failed ({receiver: str})")
     return fields["version"], fields["error"][:_REASON_CHARS], {int(k): v[:_REASON_CHARS] for k, v in fields["failed"].items()}
