@@ -5,14 +5,24 @@ engines on the mock through an in-process rendezvous — a record whose regions 
 member's engine's is refused by name before anything in it is read."""
 
 import json
+import time
+
+import numpy as np
 import pytest
-from xfer.weights import LayoutError
+import xfer
+from conftest import MOCK
+from xfer.weights import Layout, LayoutError, TensorSpec
 from xfer.weights.vllm_contract import (
     OUTCOME_BYTES,
+    TraceFailed,
+    _read_receiver,
+    _slices_record,
+    _summary_record,
     decode_outcome,
     decode_summary,
     encode_outcome,
     encode_summary,
+    read_summary,
 )
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -80,3 +90,86 @@ def test_fuzz_the_outcome_decoder_refuses_by_type(raw):
     except LayoutError:
         return
     assert decode_outcome(encode_outcome({"version": version, "applied": applied, "reason": reason})) == (version, applied, reason)
+
+
+# --- the direct path's records, read from real engines on the mock -------------------------
+
+TENSORS = (TensorSpec("w", (4,), "int8"),)
+
+
+@pytest.fixture
+def fabric():
+    """An in-process rendezvous and three engines: the member, the reader, a squatter."""
+    server = xfer.Server()
+    rdv = xfer.Rendezvous(server.url)
+    engines = [xfer.TransferEngine(MOCK) for _ in range(3)]
+    held = []
+    try:
+        yield rdv, engines, held
+    finally:
+        for h in held:  # publications first, then the regions (with their buffers)
+            if not isinstance(h, tuple):
+                h.unpublish()
+        for h in held:
+            if isinstance(h, tuple):
+                h[0].dereg()
+        for e in engines:
+            e.close()
+
+
+def region_of(engine, raw, held):
+    buf = np.frombuffer(bytearray(raw), dtype=np.uint8)
+    region = engine.reg_mr(buf, access="read")
+    held.append((region, buf))
+    return region
+
+
+def test_a_receivers_trace_failure_published_by_another_engine_is_refused_before_it_is_read(fabric):
+    rdv, (member, reader, squatter), held = fabric
+    held.append(rdv.publish("g.r0", member.main_address, {}, ttl=30.0))
+    bait = region_of(squatter, b"attacker's words", held)
+    # The squatter names the member's address and a region of its own.
+    held.append(rdv.publish(_slices_record("g", 0), member.main_address, {"trace_failure": bait.desc}, ttl=30.0))
+    with pytest.raises(LayoutError, match="another engine") as got:
+        _read_receiver(reader, rdv, "g", 0, TENSORS, time.monotonic() + 5.0)
+    assert "attacker" not in str(got.value)
+
+
+def test_a_receivers_slices_published_by_another_engine_under_its_address_are_refused(fabric):
+    rdv, (member, reader, squatter), held = fabric
+    held.append(rdv.publish("g.r0", member.main_address, {}, ttl=30.0))
+    # Slices that decode (no parameters), so that only the owner check can refuse them.
+    slices = region_of(squatter, Layout(TENSORS, (), ()).to_json(), held)
+    outcome = region_of(squatter, bytes(OUTCOME_BYTES), held)
+    held.append(rdv.publish(_slices_record("g", 0), member.main_address, {"slices": slices.desc, "outcome": outcome.desc}, ttl=30.0))
+    with pytest.raises(LayoutError, match="another engine"):
+        _read_receiver(reader, rdv, "g", 0, TENSORS, time.monotonic() + 5.0)
+
+
+def test_a_trace_failure_without_a_membership_is_read_only_from_the_engine_that_owns_it(fabric):
+    # A worker whose loader cannot be traced publishes no membership: a record under its
+    # address naming another engine's region is refused, its own is raised by name.
+    rdv, (member, reader, squatter), held = fabric
+    bait = region_of(squatter, b"attacker's words", held)
+    squat = rdv.publish(_slices_record("g", 0), member.main_address, {"trace_failure": bait.desc}, ttl=30.0)
+    with pytest.raises(LayoutError, match="another engine") as got:
+        _read_receiver(reader, rdv, "g", 0, TENSORS, time.monotonic() + 5.0)
+    assert "attacker" not in str(got.value)
+    squat.unpublish()
+    failure = region_of(member, b"tensor w", held)
+    held.append(rdv.publish(_slices_record("g", 0), member.main_address, {"trace_failure": failure.desc}, ttl=30.0))
+    with pytest.raises(TraceFailed, match="tensor w"):
+        _read_receiver(reader, rdv, "g", 0, TENSORS, time.monotonic() + 5.0)
+
+
+def test_a_summary_squatted_under_rank_zeros_address_is_refused_and_rank_zeros_own_is_read(fabric):
+    rdv, (rank0, reader, squatter), held = fabric
+    # A squatter pre-publishes version 1's summary ("every worker applied it") under rank 0's address.
+    forged = region_of(squatter, encode_summary(1, "", {}, BOUND), held)
+    squat = rdv.publish(_summary_record("g", 1), rank0.main_address, {"summary": forged.desc}, ttl=30.0)
+    with pytest.raises(LayoutError, match="not published by trainer rank 0's engine"):
+        read_summary(reader, rdv, "g", 1, bytes(rank0.main_address), RECEIVERS, BOUND, time.monotonic() + 5.0)
+    squat.unpublish()
+    real = region_of(rank0, encode_summary(1, "", {2: "no room"}, BOUND), held)
+    held.append(rdv.publish(_summary_record("g", 1), rank0.main_address, {"summary": real.desc}, ttl=30.0))
+    assert read_summary(reader, rdv, "g", 1, bytes(rank0.main_address), RECEIVERS, BOUND, time.monotonic() + 5.0) == {2: "no room"}

@@ -10,7 +10,7 @@ the same definitions and the decoders are testable without vLLM (nothing here im
 - the outcome region (``OUTCOME_BYTES``): a worker's outcome of its last version,
   ``encode_outcome`` / ``decode_outcome``;
 - the summary record (``_summary_record``): trainer rank 0's word to the other trainer ranks
-  on a committed version, ``encode_summary`` / ``decode_summary``;
+  on a committed version, ``encode_summary`` / ``decode_summary``, read by ``read_summary``;
 - ``BACKEND``, the name both factories know the backend by, and ``_dtype_name``, the dtype
   names the tensors are listed with.
 """
@@ -38,6 +38,11 @@ def _slices_record(group: str, rank: int) -> str:
     return f"{group}.m{rank}"
 
 
+def _member_record(group: str, rank: int) -> str:
+    """Receiver ``rank``'s membership record (published by its ``WeightReceiver``)."""
+    return f"{group}.r{rank}"
+
+
 class TraceFailed(RuntimeError):
     """A worker's loader could not be traced (``trace_model``): the message names the
     checkpoint tensor the loader was given when it failed. The worker publishes it instead of
@@ -58,8 +63,21 @@ def _read_receiver(engine: _xfer.TransferEngine, rendezvous: Any, group: str, ra
     """``read_receiver_slices``, and the descriptor of the receiver's outcome region."""
     left = max(0.0, deadline - time.monotonic())
     rec = rendezvous.lookup(_slices_record(group, rank), left)
-    failure = dict(rec["regions"]).get("trace_failure")
+    regions = dict(rec["regions"])
+    # Anyone who may publish on the rendezvous may publish this name under the member's
+    # address: nothing a record names is read unless each of its regions is owned by the engine
+    # at the member's address (``_owned_by``).
+    failure = regions.get("trace_failure")
     if failure is not None:
+        # A worker whose loader could not be traced does not join (it publishes no membership
+        # record): its failure is tied to the engine that owns its region, and refused where a
+        # membership of another engine exists.
+        try:
+            addr = bytes(rendezvous.lookup(_member_record(group, rank), 0.0)["addr"])
+        except TimeoutError:  # xfer's is one: absent now
+            addr = bytes(rec["addr"])
+        if not _owned_by(rec, addr):
+            raise LayoutError(f"receiver {rank}'s trace failure is published by another engine than its membership")
         n = int(failure.nbytes)
         if not 0 < n <= OUTCOME_BYTES:
             raise LayoutError(f"receiver {rank}'s trace failure is {n} bytes (bound {OUTCOME_BYTES})")
@@ -67,10 +85,9 @@ def _read_receiver(engine: _xfer.TransferEngine, rendezvous: Any, group: str, ra
         raise TraceFailed(f"receiver {rank} could not learn its slices from its loader: "
                           f"{buf.tobytes().decode(errors='replace')} (init with direct=False to receive every "
                           "tensor whole through load_weights)")
-    member = rendezvous.lookup(f"{group}.r{rank}", max(0.0, deadline - time.monotonic()))
-    if bytes(rec["addr"]) != bytes(member["addr"]):
+    member = rendezvous.lookup(_member_record(group, rank), max(0.0, deadline - time.monotonic()))
+    if not _owned_by(rec, bytes(member["addr"])):
         raise LayoutError(f"receiver {rank}'s slices are published by another engine than its membership")
-    regions = dict(rec["regions"])
     desc = regions.get("slices")
     if desc is None:
         raise LayoutError(f"receiver {rank}'s slices record names no region")
@@ -82,6 +99,14 @@ def _read_receiver(engine: _xfer.TransferEngine, rendezvous: Any, group: str, ra
         raise LayoutError(f"receiver {rank}'s slices are {n} bytes (bound {MAX_LAYOUT_BYTES})")
     buf = _read_region(engine, desc, n, deadline)
     return decode_receiver_layout(buf.tobytes(), rank, tensors), outcome
+
+
+def _owned_by(rec: dict[str, Any], addr: bytes) -> bool:
+    """Whether record ``rec`` is published under ``addr`` and each region it names is owned by
+    the engine at ``addr`` (``MrDesc.owner``: the first NIC its keys are for, its engine's main
+    address). The rendezvous takes the address a publisher writes on its word; a descriptor's
+    owner is where a read of it goes."""
+    return bytes(rec["addr"]) == addr and all(bytes(d.owner) == addr for d in dict(rec["regions"]).values())
 
 
 def _read_region(engine: _xfer.TransferEngine, desc: Any, n: int, deadline: float) -> np.ndarray:
@@ -164,3 +189,30 @@ def decode_summary(raw: bytes, receivers: int, bound: int) -> tuple[int, str, di
             and all(k.isascii() and k.isdigit() and len(k) <= 10 and int(k) < receivers and isinstance(v, str) for k, v in fields["failed"].items())):
         raise LayoutError("a summary without exactly version (int), error (str) and failed ({receiver: str})")
     return fields["version"], fields["error"][:_REASON_CHARS], {int(k): v[:_REASON_CHARS] for k, v in fields["failed"].items()}
+
+
+def read_summary(engine: _xfer.TransferEngine, rendezvous: Any, group: str, version: int, coordinator: bytes | None,
+                 receivers: int, bound: int, deadline: float) -> dict[int, str]:
+    """A trainer rank other than 0: rank 0's summary of committed ``version``, waited for (by
+    ``deadline``), checked to come from rank 0's engine (``coordinator``: its member record's
+    address; ``None``: never seen), bounded and decoded. Raises what stopped rank 0 driving
+    the workers; returns the workers that did not apply it."""
+    try:
+        rec = rendezvous.lookup(_summary_record(group, version), max(0.0, deadline - time.monotonic()))
+    except Exception as e:  # noqa: BLE001 - the same failure, named
+        raise RuntimeError(f"weight version {version} was committed, but trainer rank 0 did not say whether the "
+                           f"workers applied it in time: {type(e).__name__}: {e}") from e
+    if coordinator is None or not _owned_by(rec, coordinator):
+        raise LayoutError(f"the summary of weight version {version} is not published by trainer rank 0's engine")
+    desc = dict(rec["regions"]).get("summary")
+    n = int(desc.nbytes) if desc is not None else 0
+    if not 0 < n <= bound:
+        raise LayoutError(f"the summary of weight version {version} is {n} bytes (bound {bound})")
+    buf = _read_region(engine, desc, n, deadline)
+    got, error, failed = decode_summary(buf.tobytes(), receivers, bound)
+    if got != version:
+        raise LayoutError(f"the summary of weight version {version} is of version {got}")
+    if error:
+        raise RuntimeError(f"weight version {version} was committed, but trainer rank 0 could not finish the "
+                           f"workers' session: {error}")
+    return failed

@@ -28,8 +28,8 @@ from .vllm_contract import (
     _read_receiver,
     _summary_record,
     decode_outcome,
-    decode_summary,
     encode_summary,
+    read_summary,
 )
 
 
@@ -295,31 +295,10 @@ class XferTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         s, member = self.sender, self._member
         assert s is not None and member is not None
         deadline = time.monotonic() + self.info.timeout
-        try:
-            rec = member.rendezvous.lookup(_summary_record(self.info.group, version), self.info.timeout)
-        except Exception as e:  # noqa: BLE001 - the same failure, named
-            raise RuntimeError(f"weight version {version} was committed, but trainer rank 0 did not say whether the "
-                               f"workers applied it within {self.info.timeout:.0f} s: {type(e).__name__}: {e}") from e
         coordinator = s.record(0, deadline)
-        if coordinator is None or bytes(rec["addr"]) != coordinator[0]:
-            raise LayoutError(f"the summary of weight version {version} is not published by trainer rank 0's engine")
-        desc = dict(rec["regions"]).get("summary")
-        n = int(desc.nbytes) if desc is not None else 0
-        if not 0 < n <= self._summary_bound:
-            raise LayoutError(f"the summary of weight version {version} is {n} bytes (bound {self._summary_bound})")
-        buf = np.zeros(n, dtype=np.uint8)
-        region = member.engine.reg_mr(buf)
-        try:
-            member.engine.submit_single_read(region, desc, n).wait(max(0.0, deadline - time.monotonic()))
-        finally:
-            region.dereg()
-        got, error, failed = decode_summary(buf.tobytes(), self.info.receivers, self._summary_bound)
-        if got != version:
-            raise LayoutError(f"the summary of weight version {version} is of version {got}")
-        if error:
-            raise RuntimeError(f"weight version {version} was committed, but trainer rank 0 could not finish the "
-                               f"workers' session: {error}")
-        return failed
+        return read_summary(member.engine, member.rendezvous, self.info.group, version,
+                            coordinator[0] if coordinator is not None else None, self.info.receivers,
+                            self._summary_bound, deadline)
 
     def _not_applied(self, version: int) -> dict[int, str]:
         """Each worker's outcome of ``version`` read from its outcome region: the receiver
