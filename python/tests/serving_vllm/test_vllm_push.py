@@ -492,6 +492,26 @@ def test_forged_ids_write_nothing_look_nothing_up_and_get_no_answer():
     assert len(p.writes) == len(LAYERS)
 
 
+@pytest.mark.parametrize("forged_first", [False, True])
+def test_ids_in_a_decoders_name_from_another_engine_leave_the_decoders_own(forged_first):
+    """Review 56b L-3: ids with the request's token in a decoder's name from another engine
+    replaced the decoder's own before their sender was checked, and were then dropped — the
+    decoder's ids went with them and its load failed at its deadline. In either order, every
+    layer goes to the decoder's blocks and nothing to the forged ones."""
+    p, header, payload = prefill_with_a_decoder()
+    forged = block_ids_payload([1, 1, 1])
+    wants = [(header, payload, b"d/0"), (header, forged, b"elsewhere/0")]
+    for fields, ids, sender in reversed(wants) if forged_first else wants:
+        p.push.handle_want(fields, ids, now=START, sender=sender)
+    p.push.step_started({"r": [3, 5, 7]}, now=START)
+    p.push.request_finished("r", [3, 5, 7], now=START)
+    assert [(w["dst"], w["dst_pages"]) for w, _ in p.writes] == [
+        ("desc-d-0", [0, 9, 2])] * len(LAYERS)
+    complete(p)
+    [(address, reply, _)] = p.sent_of(_PUSHED)
+    assert address == b"d/0" and reply["ok"] is True
+
+
 def test_ids_before_the_prefill_knows_the_request_wait_for_its_token():
     p, header, payload = prefill_with_a_decoder(scheduled=False)
     _, forged, _ = prefill_with_a_decoder(token=FORGED)

@@ -160,7 +160,10 @@ class _Push:
 
     created: float
     blocks: list[int] = dataclasses.field(default_factory=list)
-    wants: dict[tuple[str, int], _Want] = dataclasses.field(default_factory=dict)
+    wants: dict[tuple[str, int, bytes], _Want] = dataclasses.field(default_factory=dict)
+    """By (decode engine, rank, the engine the transport proved sent them): ids in a decoder's
+    name from another engine never take the place of its own (they are dropped once its
+    record is found, ``_resolve_want``)."""
     finished: bool = False
     computed: set[str] = dataclasses.field(default_factory=set)
     """Layers computed for these blocks: what a decoder found late is owed at once."""
@@ -363,9 +366,11 @@ class PushSide:
             push = self._pushes.get(key[0])
             if push is not None and push.token is not None and not same_token(push.token, token):
                 return  # forged, or another incarnation's
-            want = push.wants.get(key[1:]) if push is not None else None
-            if want is not None and (not same_token(want.token, token)
-                                     or (sender and want.sender and sender != want.sender)):
+            named = ([w for k, w in push.wants.items() if k[:2] == key[1:]]
+                     if push is not None else [])
+            want = next((w for w in named if not sender or not w.sender or w.sender == sender),
+                        None)
+            if named and (want is None or not same_token(want.token, token)):
                 return
             if want is None:
                 self._remember_cancel(key, (now, token, url))
@@ -604,11 +609,14 @@ class PushSide:
             want.verified = push.token is not None
             aborted = push.aborted
             if aborted is None:
-                replaced = push.wants.get((want.engine, want.rank))
+                # A resend from the decoder replaces its ids; ids in its name from another
+                # engine are kept beside them until its record says whose they are.
+                key = (want.engine, want.rank, want.sender)
+                replaced = push.wants.get(key)
                 if replaced is None and len(push.wants) >= MAX_WANTS:
                     self.dropped_wants += 1
                     return
-                push.wants[(want.engine, want.rank)] = want
+                push.wants[key] = want
                 if not want.verified:
                     self._unverified[req_id] = None
                     self._unverified_wants += replaced is None
@@ -659,8 +667,9 @@ class PushSide:
                                    want.rank)
                 with self._lock:
                     push = self._pushes.get(req_id)
-                    if push is not None and push.wants.get((want.engine, want.rank)) is want:
-                        del push.wants[(want.engine, want.rank)]
+                    key = (want.engine, want.rank, want.sender)
+                    if push is not None and push.wants.get(key) is want:
+                        del push.wants[key]
                 return
         except Exception as e:  # noqa: BLE001 - that decoder cannot be reached: it times out
             ctx.logger.warning("XferConnector: decoder %s rank %d of request %s not found: %s",
