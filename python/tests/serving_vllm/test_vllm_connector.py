@@ -858,6 +858,38 @@ def test_a_push_aborted_at_the_prefill_fails_the_decoders_load_at_once(server):
     p.close(), d.close()
 
 
+def test_a_retry_naming_the_same_prefill_request_fails_alone_and_the_first_load_lands(server):
+    """Review 56b L-3: a second decode request naming the same prefill request with its token
+    (a proxy's retry) is refused its wait (review 56 M-A), but its failed load still told the
+    prefill it was done: the prefill freed the request's blocks and aborted the first
+    request's push where it had not landed yet (here: the decoder's record is found only
+    after the request finished). The retry fails alone; the first request's KV lands,
+    byte-exact."""
+    import threading
+
+    p = Instance("pp10", server)
+    d = Instance("pd10", server, extra={"push_timeout_s": 60.0})
+    push = p.workers[0]._worker.push
+    gate, resolve = threading.Event(), push._resolve_want
+    push._resolve_want = lambda req_id, want: (gate.wait(WAIT), resolve(req_id, want))
+    push_decode(d, "r-d", 8, "pp10", "r", [3, 4])
+    d.step()
+    wanted(p, "r")  # the first request waits (its ids are sent once it does)
+    push_decode(d, "r-d2", 8, "pp10", "r", [5, 6])  # the same token: the proxy's retry
+    d.step()
+    d.wait("the retry's failed load", lambda: "r-d2" in d.failed)
+    r = push_prefill(p, "r", 8, [1, 2])
+    compute(p, list(p.full))
+    finish(p, r, [1, 2])
+    p.step()
+    gate.set()
+    d.wait("the first request's load", lambda: "r-d" in d.recved)
+    assert d.failed == {"r-d2"}
+    assert d.worker.get_block_ids_with_load_errors() == {5, 6}
+    assert_copied(p, d, [1, 2], [3, 4])
+    p.close(), d.close()
+
+
 def test_a_push_that_never_comes_is_a_load_error_at_its_deadline(server):
     p = Instance("pp5", server)
     d = Instance("pd5", server, extra={"push_timeout_s": 0.5})

@@ -25,6 +25,7 @@ from xfer._vllm_push import (
     MAX_PENDING,
     PushContext,
     PushSide,
+    WaitTaken,
     _Await,
     block_ids_payload,
 )
@@ -233,7 +234,7 @@ def test_a_second_wait_for_the_same_prefill_request_fails_alone_and_the_first_go
     d, load = decoder_of_two_prefill_ranks()
     again = Load(local_block_ids=[[6]], remote_engine_id="p", remote_block_ids=[],
                  remote_request_id="r", remote_tp_size=2, token=TOKEN)
-    with pytest.raises(ControlError, match="already waits for prefill p's request r"):
+    with pytest.raises(WaitTaken, match="already waits for prefill p's request r"):
         d.push.await_push("r-d2", again, now=START)
     d.push.handle_pushed(pushed(0, ok=True))
     d.push.handle_pushed(pushed(1, ok=True))

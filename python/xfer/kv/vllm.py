@@ -119,7 +119,7 @@ from .control import encode as encode_message
 from .lease import Answer, Message, Offers, Reader
 from .lookups import LookupGate
 from .params import MAX_ID, MAX_TP, ParamsError, RemotePrefill, parse_remote_prefill
-from .vllm_push import _CANCEL, _PUSHED, _WANT, MAX_MESSAGE, PushContext, PushSide
+from .vllm_push import _CANCEL, _PUSHED, _WANT, MAX_MESSAGE, PushContext, PushSide, WaitTaken
 from .vllm_records import Load, Peer
 from .pages import (
     LayerView,
@@ -1073,7 +1073,8 @@ class _Worker:
             except Exception as e:  # noqa: BLE001 - any failure is this request's load error
                 logger.error("XferConnector: %s request %s failed: %s", what, req_id, e)
                 self._finish_load(req_id, load, e)
-                self._tell_done(load)
+                if not isinstance(e, WaitTaken):  # the prefill's blocks are another load's
+                    self._tell_done(load)
 
         try:
             self._lookups.submit(run)

@@ -61,6 +61,13 @@ MAX_WANTS = 2 * MAX_TP
 more are dropped unanswered — decoder names cost a stranger nothing."""
 
 
+class WaitTaken(ControlError):
+    """A decode request names a prefill request this rank already waits for (for another
+    decode request: a proxy's retry, or a request naming another one's): its load fails alone,
+    and the prefill is told nothing for it — a done message with the request's token would
+    free the prefill's blocks under the first request's push."""
+
+
 @dataclasses.dataclass(frozen=True)
 class PushContext:
     """What the push component uses of the connector's worker, given once at construction."""
@@ -263,7 +270,7 @@ class PushSide:
             # one's prefill request) would take the first one's answers and leave it waiting
             # forever with its blocks held; it fails alone.
             if key in self._awaiting:
-                raise ControlError(f"this rank already waits for prefill {key[0]}'s request "
+                raise WaitTaken(f"this rank already waits for prefill {key[0]}'s request "
                                    f"{key[1]} (for request {self._awaiting[key].req_id})")
             self._awaiting[key] = _Await(req_id, load, ranks, now + ctx.push_timeout_s)
         try:
