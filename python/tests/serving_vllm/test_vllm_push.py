@@ -660,6 +660,35 @@ def test_a_request_scheduled_costs_the_same_work_however_many_early_cancels_wait
     assert many <= few + 8, f"lines run scheduling one request: {few} vs {many}"
 
 
+def test_a_step_costs_the_same_work_however_many_strangers_entries_are_held(lines_run):
+    """Review 56b L-7: ``poll`` went through every early cancel and every push request held
+    (up to 4,096 each, anyone's with a token-shaped string) on vLLM's worker thread at each
+    step. A step runs as many lines with 4,095 strangers' cancels and ids held as with none
+    (counted, not timed), and once they are stale they are all forgotten."""
+    rng = random.Random(757)
+
+    def one_id(rng):
+        return block_ids_payload([rng.randrange(1 << 20)])
+
+    def prefill_holding(strangers):
+        p, header, payload = prefill_with_a_decoder()
+        p.push.handle_want(header, payload, now=START)
+        p.push.step_started({"r": [3, 5, 7]}, now=START)
+        for cancel, _ in stranger_wants(rng, strangers, lambda rng: b""):
+            p.push.handle_cancel(cancel, now=START)
+        for want, ids in stranger_wants(rng, strangers, one_id):
+            p.push.handle_want(want, ids, now=START)
+        return p
+
+    few, many = prefill_holding(0), prefill_holding(MAX_PENDING - 1)
+    work = [lines_run(xfer.kv.vllm_push, lambda: p.push.poll(START + 1, {"r"}))
+            for p in (few, many)]
+    assert work[1] <= work[0] + 8, f"lines run by a step: {work[0]} vs {work[1]}"
+    many.push.poll(START + FORGET + 1, {"r"})
+    assert list(many.push._pushes) == [] and not many.push._cancels
+    assert many.push._unverified_wants == 0 and many.push._unverified_ids == 0
+
+
 def test_random_schedules_keep_the_ids_held_before_their_token_within_the_bounds(monkeypatch):
     """Property: whatever the order of decoders' ids (with the token or a forged one), early
     cancels, tokens becoming known, aborts and time, the ids held for requests whose token is
@@ -689,7 +718,9 @@ def test_random_schedules_keep_the_ids_held_before_their_token_within_the_bounds
                 p.push.tokens_known({req: TOKEN}, now)
             elif op < 0.85:
                 now += rng.choice([1, FORGET + 1])
-                p.push.poll(now, kept=())
+                p.push.poll(now, kept={f"q{i}" for i in range(8) if rng.random() < 0.5})
+            elif op < 0.92:
+                p.push.request_finished(req, [1, 2], now)
             else:
                 p.push.request_aborted(req, "aborted")
             waiting = [push for push in p.push._pushes.values() if push.token is None]
@@ -700,6 +731,19 @@ def test_random_schedules_keep_the_ids_held_before_their_token_within_the_bounds
             assert len(p.push._cancels) <= 6, seed
             assert set(p.push._cancels) == {(r, *decoder) for r, ranks in
                                             p.push._cancelled_ranks.items() for decoder in ranks}
+            # poll's indices (review 56b L-7): what it goes through is what it should, oldest
+            # first, and nothing stale is left after it.
+            pushes = p.push._pushes.items()
+            assert list(p.push._uncomputed) == [
+                r for r, push in pushes if not push.finished and push.aborted is None], seed
+            assert set(p.push._computed) == {
+                r for r, push in pushes if push.finished and push.aborted is None}, seed
+            assert set(p.push._aborted) == {r for r, push in pushes if push.aborted}, seed
+            cancelled = [when for when, _, _ in p.push._cancels.values()]
+            came = list(p.push._uncomputed.values())
+            assert cancelled == sorted(cancelled) and came == sorted(came), seed
+            if 0.75 <= op < 0.85:
+                assert all(now - when <= FORGET for when in cancelled + came), seed
 
 
 def test_a_cancel_while_a_layer_is_planned_is_answered_only_after_its_writes():

@@ -165,7 +165,6 @@ class _Want:
 class _Push:
     """Push, prefill side: a request's blocks here and the decode ranks that want them."""
 
-    created: float
     blocks: list[int] = dataclasses.field(default_factory=list)
     wants: dict[tuple[str, int, bytes], _Want] = dataclasses.field(default_factory=dict)
     """By (decode engine, rank, the engine the transport proved sent them): ids in a decoder's
@@ -220,6 +219,16 @@ class PushSide:
         self._lock = threading.Lock()
         self._pushes: dict[str, _Push] = {}
         """Prefill: requests with decoders' block ids or blocks computed, by request id."""
+        self._uncomputed: collections.OrderedDict[str, float] = collections.OrderedDict()
+        """Prefill: the requests in ``_pushes`` neither computed nor aborted, with when they
+        came, oldest first: ``poll`` aborts the stale ones from the front (never through anyone
+        else's)."""
+        self._computed: dict[str, None] = {}
+        """Prefill: the requests in ``_pushes`` computed here and not aborted (this instance's
+        own: ``poll`` finds the ones whose blocks were freed among these)."""
+        self._aborted: dict[str, None] = {}
+        """Prefill: the requests in ``_pushes`` aborted, forgotten once nothing of theirs is in
+        flight."""
         self._unverified: collections.OrderedDict[str, None] = collections.OrderedDict()
         """Prefill: the requests in ``_pushes`` holding decoders' ids before their token is
         known, oldest first (what is dropped first past the bounds)."""
@@ -233,10 +242,13 @@ class PushSide:
         """Prefill: GPU layers of this step, pushed once the stream is synchronised."""
         self._awaiting: dict[tuple[str, str], _Await] = {}
         """Decode: (prefill engine, its request id) → what this rank waits for."""
-        self._cancels: dict[tuple[str, str, int], tuple[float, str, str | None]] = {}
+        self._cancels: collections.OrderedDict[tuple[str, str, int],
+                                               tuple[float, str, str | None]] = (
+            collections.OrderedDict())
         """Prefill: decode ranks' cancels that came before their ids (by request, decode
         engine and rank), with when, their token and where the decoder's records are: their
-        ids (with that token) are dropped when they come."""
+        ids (with that token) are dropped when they come. Oldest first (one renewed moves to
+        the end): ``poll`` forgets the stale ones from the front."""
         self._cancelled_ranks: dict[str, dict[tuple[str, int], None]] = {}
         """Prefill: the same cancels' (decode engine, rank), by request: a request scheduled
         finds its own without going through anyone else's."""
@@ -408,6 +420,7 @@ class PushSide:
                 self._forget_cancel(next(iter(self._cancels)))
             self._cancelled_ranks.setdefault(key[0], {})[key[1:]] = None
         self._cancels[key] = value
+        self._cancels.move_to_end(key)
 
     def _forget_cancel(self, key: tuple[str, str, int]) -> None:
         del self._cancels[key]
@@ -423,7 +436,7 @@ class PushSide:
         resolve, answer = [], []
         with self._lock:
             for req_id, token in tokens.items():
-                push = self._pushes.setdefault(req_id, _Push(created=now))
+                push = self._push_of(req_id, now)
                 if push.token is not None:
                     continue
                 push.token = token
@@ -441,6 +454,7 @@ class PushSide:
                         answer.append((req_id, _Want(key[1], key[2], 0, [], url=url,
                                                      token=cancel_token, verified=True)))
                         self._cancels[key] = (now, cancel_token, url)  # still drops its ids
+                        self._cancels.move_to_end(key)
         for req_id, want in resolve:
             self._ctx.in_background(self._resolve_want, req_id, want)
         for req_id, want in answer:
@@ -450,7 +464,7 @@ class PushSide:
         """``start_load_kv``: the push requests this step computes, with their blocks."""
         with self._lock:
             for req_id, blocks in computing.items():
-                push = self._pushes.setdefault(req_id, _Push(created=now))
+                push = self._push_of(req_id, now)
                 if push.blocks != blocks:
                     push.computed.clear()  # this step computes the layers for more blocks
                 push.blocks = blocks
@@ -610,7 +624,7 @@ class PushSide:
             if push is None:
                 if len(self._unverified) >= MAX_PENDING:
                     self._drop_unverified(next(iter(self._unverified)))
-                push = self._pushes[req_id] = _Push(created=now)
+                push = self._push_of(req_id, now)
             if push.token is not None and not same_token(push.token, want.token):
                 return  # forged, or for another incarnation of this instance
             want.verified = push.token is not None
@@ -649,9 +663,25 @@ class PushSide:
     def _drop_unverified(self, req_id: str) -> None:
         """Forgets a request kept only for decoders' ids before its token (a bound's victim;
         nothing was written or answered for them), counting its wants as dropped."""
+        self.dropped_wants += len(self._forget_push(req_id).wants)
+
+    def _push_of(self, req_id: str, now: float) -> _Push:
+        """``req_id``'s push request, made (as uncomputed, from ``now``) if there is none
+        (with ``self._lock`` held)."""
+        push = self._pushes.get(req_id)
+        if push is None:
+            push = self._pushes[req_id] = _Push()
+            self._uncomputed[req_id] = now
+        return push
+
+    def _forget_push(self, req_id: str) -> _Push:
+        """Forgets a push request, wherever it is counted (with ``self._lock`` held)."""
         push = self._pushes.pop(req_id)
         self._leave_unverified(req_id, push)
-        self.dropped_wants += len(push.wants)
+        self._uncomputed.pop(req_id, None)
+        self._computed.pop(req_id, None)
+        self._aborted.pop(req_id, None)
+        return push
 
     def _leave_unverified(self, req_id: str, push: _Push) -> None:
         """``req_id`` no longer holds ids before its token (known now, or forgotten): its
@@ -713,7 +743,7 @@ class PushSide:
         if its blocks changed since they were pushed)."""
         moved = []
         with self._lock:
-            push = self._pushes.setdefault(req_id, _Push(created=now))
+            push = self._push_of(req_id, now)
             if push.blocks != blocks:
                 push.blocks = blocks
                 for want in push.wants.values():
@@ -723,6 +753,9 @@ class PushSide:
                                         "to this decoder: rewriting them could land in either "
                                         "order (SRD, striping), so the load fails")
             push.finished = True
+            self._uncomputed.pop(req_id, None)
+            if push.aborted is None:
+                self._computed[req_id] = None
             wants = list(push.wants.values())
         for want, transfers in moved:
             for transfer in transfers:
@@ -742,6 +775,9 @@ class PushSide:
             if push is None or push.aborted is not None:
                 return
             push.aborted = why
+            self._uncomputed.pop(req_id, None)
+            self._computed.pop(req_id, None)
+            self._aborted[req_id] = None
             stopping = []
             for want in push.wants.values():
                 if want.replied:
@@ -771,12 +807,22 @@ class PushSide:
                     cancel.append((key, waiting, sorted(waiting.ranks)))
                 else:
                     late.append(self._awaiting.pop(key))
-            for key in [k for k, v in self._cancels.items() if now - v[0] > ctx.forget_after_s]:
+            # Oldest first: the stale ones are at the front, and a step goes through no other
+            # (the worker's clock is monotonic; one read on another thread just before a later
+            # one taken the lock first is forgotten at most that much late).
+            while self._cancels:
+                key, (when, _, _) = next(iter(self._cancels.items()))
+                if now - when <= ctx.forget_after_s:
+                    break
                 self._forget_cancel(key)
-            freed = [r for r, p in self._pushes.items()
-                     if p.aborted is None and p.finished and r not in kept]
-            never = [r for r, p in self._pushes.items() if p.aborted is None
-                     and not p.finished and now - p.created > ctx.forget_after_s]
+            freed = [r for r in self._computed if r not in kept]
+            never = []
+            while self._uncomputed:
+                req_id, created = next(iter(self._uncomputed.items()))
+                if now - created <= ctx.forget_after_s:
+                    break
+                del self._uncomputed[req_id]
+                never.append(req_id)
         for key, waiting, ranks in cancel:
             ctx.in_background(self._cancel_push, key, waiting, ranks)
         for waiting in late:
@@ -788,9 +834,9 @@ class PushSide:
             self.request_aborted(req_id, "the prefill instance never computed the request "
                                  f"(within {ctx.forget_after_s}s of the decoders' block ids)")
         with self._lock:  # the aborted ones, once none of their writes is in flight
-            for req_id in [r for r, p in self._pushes.items() if p.aborted is not None
-                           and all(w.pending == 0 for w in p.wants.values())]:
-                self._leave_unverified(req_id, self._pushes.pop(req_id))
+            for req_id in [r for r in self._aborted
+                           if all(w.pending == 0 for w in self._pushes[r].wants.values())]:
+                self._forget_push(req_id)
 
     def wants(self, req_id: str) -> list[_Want]:
         """The decode ranks whose block ids for ``req_id`` came (for tests and diagnostics)."""
