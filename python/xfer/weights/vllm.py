@@ -177,17 +177,11 @@ class XferWeightsExtension:
         previous version) instead of staying on the meta device with wrapped loaders, so the
         next version's reload starts every layer afresh. Layers processed before the failure
         keep the new version."""
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, LOADING_LAYERS
+        from vllm.model_executor.model_loader.reload.layerwise import LOADING_LAYERS
 
-        from .vllm_engine import _end_layer_reload
+        from .vllm_worker import end_reloads
 
-        model = self.get_model() if callable(getattr(self, "get_model", None)) else self.model_runner.model
-        for layer in model.modules():
-            info = LAYERWISE_INFO.get(layer)
-            if info is not None and info.can_load():
-                _end_layer_reload(layer, info)
-        if hasattr(model, "_original_do_torchao_reload"):
-            model._do_torchao_reload = model._original_do_torchao_reload
+        end_reloads(self.get_model() if callable(getattr(self, "get_model", None)) else self.model_runner.model)
         LOADING_LAYERS.clear()
 
     def xfer_weights_close(self) -> None:

@@ -90,6 +90,20 @@ def _end_layer_reload(layer: Any, info: Any) -> None:
             t.weight_loader = _get_original_loader(t)
 
 
+def end_reloads(model: Any) -> None:
+    """Ends vLLM's layerwise reload on every layer of ``model`` still being reloaded
+    (``_end_layer_reload``), and restores vLLM's torchao hook: the model as it was, where a
+    reload stood."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is not None and info.can_load():
+            _end_layer_reload(layer, info)
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+
+
 def trace_model(model: Any, tensors: tuple[TensorSpec, ...]) -> tuple[dict[str, tuple[np.ndarray, str]], set[str]]:
     """Runs ``model.load_weights`` on ids (see ``xfer.weights.slices``) into integer stand-ins
     of the parameters its loaders write: the checkpoint-format parameters vLLM recorded when it
@@ -106,11 +120,7 @@ def trace_model(model: Any, tensors: tuple[TensorSpec, ...]) -> tuple[dict[str, 
     raises ``TraceFailed`` naming the checkpoint tensor being loaded."""
     import torch
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    from vllm.model_executor.model_loader.reload.layerwise import (
-        LAYERWISE_INFO,
-        _get_original_loader,
-        initialize_layerwise_reload,
-    )
+    from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader, initialize_layerwise_reload
 
     bases = id_bases(tensors)
     dtypes: dict[str, str] = {}
@@ -169,12 +179,7 @@ def trace_model(model: Any, tensors: tuple[TensorSpec, ...]) -> tuple[dict[str, 
         return traced, attention
     finally:
         # What vLLM's sharded_rdt does after its dry run: the kernel tensors back, nothing loaded.
-        for layer in model.modules():
-            info = LAYERWISE_INFO.get(layer)
-            if info is not None and info.can_load():
-                _end_layer_reload(layer, info)
-        if hasattr(model, "_original_do_torchao_reload"):
-            model._do_torchao_reload = model._original_do_torchao_reload
+        end_reloads(model)
         with torch.no_grad():
             for b, saved in live_buffers:
                 b.copy_(saved)
