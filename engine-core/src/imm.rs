@@ -822,9 +822,17 @@ mod tests {
         c.handle_arrivals_from(0x18, 1, Some(&stranger), &mut out); // another family
         c.restrict_senders(0xF, 7, Some(vec![b.clone()]));
         assert_eq!(c.refused(), 1);
-        assert_eq!((c.count(0x17), c.entries()), (0, 3), "the stranger's entry stayed");
+        assert_eq!(
+            (c.count(0x17), c.entries()),
+            (0, 3),
+            "the stranger's entry stayed"
+        );
         assert_eq!(c.idle_from(&stranger), 1, "its share was not given back");
-        assert_eq!(c.expect(0x17, 1, later(1), "first"), None, "met by a forged arrival");
+        assert_eq!(
+            c.expect(0x17, 1, later(1), "first"),
+            None,
+            "met by a forged arrival"
+        );
         assert_eq!(c.expect(0x27, 1, later(1), "b"), Some("b"));
         assert_eq!(c.expect(0x37, 1, later(1), "unnamed"), Some("unnamed"));
     }
