@@ -14,6 +14,7 @@ deadlines, the mask names exactly the failed rank, the tokens that avoided it ar
 next steps are exact. As processes over libfabric shm and tcp: exact steps, and a process
 SIGKILLed between dispatch and combine."""
 
+import dataclasses
 import threading
 import time
 import weakref
@@ -414,9 +415,12 @@ def test_a_hung_rank_whose_writes_land_steps_later_never_corrupts_them():
     run later steps (the same buffer sets again), carrying step 0's epoch; the survivors go on
     until they did land (the hung rank's header shows up in its slot of set 0, which nobody
     else writes)."""
-    cfg = failure_cfg(3)
+    # Deadlines of 5 s, not the 2 s of the other failure tests: this one runs a few hundred
+    # steps, and a survivor that misses one 2 s wait on a loaded machine masks the other (it
+    # failed so with two busy loops beside it: a step not masking lost rows).
+    cfg = dataclasses.replace(failure_cfg(3), timeout=5.0)
     hung = 2
-    delay = 2.2 * TIMEOUT  # the header wait is two timeouts
+    delay = 2.2 * cfg.timeout  # the header wait is two timeouts
     rs = Ranks(cfg, engine_configs={hung: mock(delay_us=int(delay * 1e6))})
     slot = hung * (cfg.region_bytes()["header"] + cfg.private * cfg.row_bytes)
 
