@@ -454,3 +454,177 @@ CUresult cuCtxSynchronize(void) {
     pthread_mutex_unlock(&lock);
     return CUDA_SUCCESS;
 }
+
+/* ---- streams ----------------------------------------------------------------------------- */
+
+/* A stream runs its operations one after another on a thread of its own, later than the call
+ * that queued them (as a GPU does): memory operations (write-value, wait-value: the GPU path
+ * of xfer.ep signals its host proxy and waits for it with these), host functions (what the
+ * tests use as kernels) and copies. A wait-value spins until the word reaches its value; a
+ * host that never sets it leaves the stream stuck, as a real GPU would be. */
+enum { OP_WRITE64, OP_WAIT64, OP_HOST_FUNC, OP_COPY };
+enum { WAIT_VALUE_GEQ = 0, WAIT_VALUE_EQ = 1 };
+#define MAX_OPS 4096
+
+typedef void (*host_fn)(void *);
+
+struct op {
+    int kind;
+    CUdeviceptr ptr, src;
+    uint64_t value;
+    unsigned flags;
+    host_fn fn;
+    void *arg;
+};
+
+struct fake_stream {
+    pthread_mutex_t lock;
+    pthread_cond_t changed;
+    struct op ops[MAX_OPS];
+    int head, count, running, closing;
+    CUcontext context;
+    pthread_t thread;
+};
+typedef struct fake_stream *CUstream;
+
+static void *stream_thread(void *arg) {
+    struct fake_stream *s = arg;
+    current = s->context;
+    pthread_mutex_lock(&s->lock);
+    for (;;) {
+        while (s->count == 0 && !s->closing) pthread_cond_wait(&s->changed, &s->lock);
+        if (s->count == 0) break;
+        struct op op = s->ops[s->head];
+        s->running = 1;
+        pthread_mutex_unlock(&s->lock);
+        struct timespec spin = {0, 20 * 1000};
+        switch (op.kind) {
+        case OP_WRITE64: {
+            pthread_mutex_lock(&lock);
+            unsigned char *to = reach(op.ptr, 8);
+            if (to) __atomic_store_n((uint64_t *)to, op.value, __ATOMIC_RELEASE);
+            pthread_mutex_unlock(&lock);
+            break;
+        }
+        case OP_WAIT64:
+            for (;;) {
+                pthread_mutex_lock(&lock);
+                unsigned char *at = reach(op.ptr, 8);
+                uint64_t v = at ? __atomic_load_n((uint64_t *)at, __ATOMIC_ACQUIRE) : op.value;
+                pthread_mutex_unlock(&lock);
+                if (op.flags == WAIT_VALUE_EQ ? v == op.value : v >= op.value) break;
+                nanosleep(&spin, NULL);
+            }
+            break;
+        case OP_HOST_FUNC:
+            op.fn(op.arg);
+            break;
+        case OP_COPY:
+            pthread_mutex_lock(&lock);
+            copy(op.ptr, op.src, (size_t)op.value);
+            pthread_mutex_unlock(&lock);
+            break;
+        }
+        pthread_mutex_lock(&s->lock);
+        s->head = (s->head + 1) % MAX_OPS;
+        s->count--;
+        s->running = 0;
+        pthread_cond_broadcast(&s->changed);
+    }
+    pthread_mutex_unlock(&s->lock);
+    return NULL;
+}
+
+static CUresult enqueue(CUstream s, struct op op) {
+    if (!s) return CUDA_ERROR_INVALID_VALUE; /* the legacy default stream is not faked */
+    pthread_mutex_lock(&s->lock);
+    CUresult r = CUDA_SUCCESS;
+    if (s->count == MAX_OPS || s->closing) r = CUDA_ERROR_INVALID_VALUE;
+    else {
+        s->ops[(s->head + s->count) % MAX_OPS] = op;
+        s->count++;
+        pthread_cond_broadcast(&s->changed);
+    }
+    pthread_mutex_unlock(&s->lock);
+    return r;
+}
+
+CUresult cuStreamCreate(CUstream *out, unsigned flags) {
+    (void)flags;
+    ENTER("cuStreamCreate");
+    if (!current) { _r = CUDA_ERROR_INVALID_CONTEXT; goto out; }
+    struct fake_stream *s = calloc(1, sizeof *s);
+    if (!s) { _r = CUDA_ERROR_OUT_OF_MEMORY; goto out; }
+    pthread_mutex_init(&s->lock, NULL);
+    pthread_cond_init(&s->changed, NULL);
+    s->context = current;
+    if (pthread_create(&s->thread, NULL, stream_thread, s) != 0) {
+        free(s);
+        _r = CUDA_ERROR_OUT_OF_MEMORY;
+        goto out;
+    }
+    *out = s;
+    LEAVE
+}
+
+CUresult cuStreamSynchronize(CUstream s) {
+    if (!s) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&s->lock);
+    while (s->count > 0) pthread_cond_wait(&s->changed, &s->lock);
+    pthread_mutex_unlock(&s->lock);
+    return CUDA_SUCCESS;
+}
+
+/* 0: idle; CUDA_ERROR_NOT_READY (600) while operations are queued. */
+CUresult cuStreamQuery(CUstream s) {
+    if (!s) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&s->lock);
+    int busy = s->count > 0;
+    pthread_mutex_unlock(&s->lock);
+    return busy ? 600 : CUDA_SUCCESS;
+}
+
+/* Waits for what is queued (as the real one lets it finish), then frees the stream. */
+CUresult cuStreamDestroy_v2(CUstream s) {
+    if (!s) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&s->lock);
+    s->closing = 1;
+    pthread_cond_broadcast(&s->changed);
+    pthread_mutex_unlock(&s->lock);
+    pthread_join(s->thread, NULL);
+    pthread_mutex_destroy(&s->lock);
+    pthread_cond_destroy(&s->changed);
+    free(s);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamWriteValue64_v2(CUstream s, CUdeviceptr ptr, uint64_t value, unsigned flags) {
+    ENTER("cuStreamWriteValue64_v2");
+    if (!find(ptr, 8, 0) || ptr % 8 != 0) { _r = CUDA_ERROR_INVALID_VALUE; goto out; }
+    _r = enqueue(s, (struct op){.kind = OP_WRITE64, .ptr = ptr, .value = value, .flags = flags});
+    LEAVE
+}
+
+CUresult cuStreamWaitValue64_v2(CUstream s, CUdeviceptr ptr, uint64_t value, unsigned flags) {
+    ENTER("cuStreamWaitValue64_v2");
+    if (!find(ptr, 8, 0) || ptr % 8 != 0 || (flags != WAIT_VALUE_GEQ && flags != WAIT_VALUE_EQ)) {
+        _r = CUDA_ERROR_INVALID_VALUE;
+        goto out;
+    }
+    _r = enqueue(s, (struct op){.kind = OP_WAIT64, .ptr = ptr, .value = value, .flags = flags});
+    LEAVE
+}
+
+CUresult cuLaunchHostFunc(CUstream s, host_fn fn, void *arg) {
+    ENTER("cuLaunchHostFunc");
+    if (!fn) { _r = CUDA_ERROR_INVALID_VALUE; goto out; }
+    _r = enqueue(s, (struct op){.kind = OP_HOST_FUNC, .fn = fn, .arg = arg});
+    LEAVE
+}
+
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t len, CUstream s) {
+    ENTER("cuMemcpyAsync");
+    if (!reach(dst, len) || !reach(src, len)) { _r = CUDA_ERROR_INVALID_VALUE; goto out; }
+    _r = enqueue(s, (struct op){.kind = OP_COPY, .ptr = dst, .src = src, .value = len});
+    LEAVE
+}

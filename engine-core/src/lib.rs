@@ -81,6 +81,6 @@ pub use plan::{expected_arrivals, StripePolicy, TransferShape};
 pub use runtime::completion::{DoneCounter, DoneFlag, OnDone};
 pub use runtime::control::{Telemetry, TransferHandle, TransferStatus};
 pub use stats::{OpKind, Stats};
-pub use uvm_watcher::{Control as WatchControl, GpuCounter, Watcher};
+pub use uvm_watcher::{Control as WatchControl, CounterMemory, GpuCounter, Watcher};
 pub use wire::{MrDesc, NetAddr, NOTIFICATION_ID_MAX};
 pub use xfer_plugin::export_plugin;

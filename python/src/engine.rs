@@ -790,8 +790,16 @@ impl TransferEngine {
 
     /// Calls `sink(total)` with the running total of `imm`'s arrivals (every arrival, never
     /// consumed), on the worker's side; an exception it raises is reported.
+    /// A `GpuCounter` sink is set on the worker itself (a store, no GIL): the GPU path's
+    /// stream waits on it.
     fn mirror_imm_count(&self, py: Python<'_>, imm: u32, sink: Py<PyAny>) -> PyResult<()> {
         let engine = self.engine(py)?;
+        if let Ok(counter) = sink.bind(py).cast::<GpuCounter>() {
+            let counter = Arc::clone(&counter.get().0);
+            return engine
+                .mirror_imm_count(imm, move |total| counter.set(total))
+                .or_raise(py);
+        }
         // The engine calls the mirror on its worker, which must never wait for the GIL: the
         // Python sink runs on the bindings' callback thread, in arrival order.
         let sink = Arc::new(sink);
@@ -1016,6 +1024,54 @@ impl TransferEngine {
             ),
             None => "<xfer.TransferEngine (closed)>".into(),
         }
+    }
+}
+
+/// A u64 the host sets and a GPU reads in its own memory (GDRCopy-mapped device memory, else
+/// device-mapped host memory, else host memory): the opposite direction of a watcher slot.
+/// `xfer.ep.gpu`'s stream waits on one; `mirror_imm_count(imm, counter)` keeps one equal to
+/// an immediate's arrivals.
+#[pyclass(frozen, module = "xfer._xfer")]
+pub(crate) struct GpuCounter(Arc<engine_core::GpuCounter>);
+
+#[pymethods]
+impl GpuCounter {
+    /// A counter for CUDA device `device`, in the best memory available.
+    #[new]
+    #[pyo3(signature = (device=0))]
+    fn new(py: Python<'_>, device: u32) -> Self {
+        Self(py.detach(|| engine_core::GpuCounter::new(device)))
+    }
+
+    /// The address a GPU polls, or `None` in host memory.
+    #[getter]
+    fn device_ptr(&self) -> Option<u64> {
+        self.0.device_ptr()
+    }
+
+    /// Where it lives: `"gdr"`, `"device_mapped"` or `"host"`.
+    #[getter]
+    fn memory(&self) -> &'static str {
+        match self.0.memory() {
+            engine_core::CounterMemory::Gdr => "gdr",
+            engine_core::CounterMemory::DeviceMapped => "device_mapped",
+            engine_core::CounterMemory::Host => "host",
+        }
+    }
+
+    /// The value last set.
+    #[getter]
+    fn value(&self) -> u64 {
+        self.0.value()
+    }
+
+    /// Sets the value (ordered after the caller's earlier stores).
+    fn set(&self, value: u64) {
+        self.0.set(value)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<xfer.GpuCounter {} = {}>", self.memory(), self.0.value())
     }
 }
 

@@ -37,6 +37,7 @@ fn _xfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::TransferEngine>()?;
     m.add_class::<engine::PeerGroup>()?;
     m.add_class::<engine::Watcher>()?;
+    m.add_class::<engine::GpuCounter>()?;
     m.add_class::<memory::MemoryRegion>()?;
     m.add_class::<values::MrDesc>()?;
     m.add_class::<values::NetAddr>()?;

@@ -26,6 +26,7 @@ if _os.path.isdir(_PLUGINS):
 from ._errors import *  # noqa: E402,F401,F403
 from ._errors import __all__ as _error_names  # noqa: E402
 from ._xfer import (  # noqa: E402
+    GpuCounter,
     MemoryRegion,
     MrDesc,
     NetAddr,
@@ -53,6 +54,7 @@ __all__ = [
     "Server",
     "Transfer",
     "Watcher",
+    "GpuCounter",
     "expected_arrivals",
     "callback_errors",
     "builtin_backends",

@@ -112,13 +112,19 @@ pub(crate) fn test(totals: &mut (u64, u64)) -> Result {
         )
     };
     pytest("python/tests", &[], totals)?;
-    // The "CUDA" DLPack tensor end to end, against the GPU fakes (skipped in the run above).
+    // The "CUDA" DLPack tensor end to end, against the GPU fakes (skipped in the run above);
     let fakes = crate::gpu_fakes::build()?.display().to_string();
-    pytest(
+    // xfer.ep's GPU path (streams, watcher slot, GPU counter) likewise.
+    for file in [
         "python/tests/test_fake_gpu.py",
-        &[("LD_LIBRARY_PATH", &fakes), ("XFER_GPU_FAKES", &fakes)],
-        totals,
-    )?;
+        "python/tests/test_ep_gpu.py",
+    ] {
+        pytest(
+            file,
+            &[("LD_LIBRARY_PATH", &fakes), ("XFER_GPU_FAKES", &fakes)],
+            totals,
+        )?;
+    }
     for example in ["kv_cache.py", "weight_sync.py", "weight_sync_plan.py"] {
         run(&python, &[&format!("python/examples/{example}")])?;
     }
