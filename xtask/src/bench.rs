@@ -131,6 +131,23 @@ pub(crate) fn gpu_check() -> Result {
         std::fs::copy(format!("target/release/{bin}"), dir.join(bin))
             .map_err(|e| format!("{bin}: {e}"))?;
     }
+    // xfer.ep's GPU path (python -m xfer.ep.gpu_check): the package's wheel and numpy's, for a
+    // python3.11 there (the machine has no index to install from).
+    let wheel = crate::python::wheel()?;
+    let name = std::path::Path::new(&wheel).file_name().unwrap_or_default();
+    std::fs::copy(&wheel, dir.join(name)).map_err(|e| format!("{wheel}: {e}"))?;
+    let cache = crate::serving::wheel_cache();
+    let numpy = std::fs::read_dir(&cache)
+        .map_err(|e| format!("{cache}: {e}"))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("numpy-") && n.contains("cp311"))
+        })
+        .ok_or_else(|| format!("no numpy cp311 wheel in {cache} (cargo xtask python fills it)"))?;
+    std::fs::copy(&numpy, dir.join(numpy.file_name().unwrap_or_default()))
+        .map_err(|e| format!("{}: {e}", numpy.display()))?;
     let script = "#!/usr/bin/env bash\n\
         # uvm-watcher on a GPU: device-mapped slots bumped by a kernel, then by a CPU producer.\n\
         set -u\n\
@@ -142,8 +159,14 @@ pub(crate) fn gpu_check() -> Result {
         timeout 60 ./gpu-check --memory gpu_gdrcopy --pass-cost --cpu 2; s6=$?\n\
         timeout 60 ./watcher-latency --cpu 2 --producer-cpu 3; s2=$?\n\
         timeout 60 ./kv_cache --gpu; s3=$?\n\
-        echo \"gpu-check exit $s1 (device_mapped) $s4 (gpu_gdrcopy; fails where GDRCopy is not installed), pass cost exit $s5 $s6, watcher-latency exit $s2, kv_cache --gpu exit $s3\"\n\
-        exit $(( s1 | s2 | s3 | s5 ))\n";
+        # xfer.ep's GPU path: streams, watcher slot, GPU counter on the real driver (2 ranks as\n\
+        # threads on the mock backend; steps checked against the oracle).\n\
+        if python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then\n\
+          python3 -m pip install --quiet --no-index --find-links . --target py xfer numpy \\\n\
+            && PYTHONPATH=py timeout 180 python3 -m xfer.ep.gpu_check --steps 50; s7=$?\n\
+        else echo 'EP case skipped: it needs python3.11'; s7=0; fi\n\
+        echo \"gpu-check exit $s1 (device_mapped) $s4 (gpu_gdrcopy; fails where GDRCopy is not installed), pass cost exit $s5 $s6, watcher-latency exit $s2, kv_cache --gpu exit $s3, EP exit $s7\"\n\
+        exit $(( s1 | s2 | s3 | s5 | s7 ))\n";
     std::fs::write(dir.join("run.sh"), script).map_err(|e| e.to_string())?;
     println!(
         "prepared {}: run `bash .gpu-check/run.sh` on the GPU machine (carry `.gpu-check`)",
