@@ -28,20 +28,25 @@ def driver():
     return CudaDriver(0)
 
 
-def make(driver, cfg):
+def make(driver, cfg, **kw):
     from xfer.ep.gpu_check import make_ranks
 
-    return make_ranks(driver, cfg)
+    return make_ranks(driver, cfg, **kw)
 
 
 CFG = EpConfig(ranks=2, experts_per_rank=2, top_k=2, max_tokens=8, hidden=64, timeout=5.0)
 
 
-def test_a_stream_carries_steps_exactly_and_the_compute_thread_only_queues(driver):
+@pytest.mark.parametrize("device_regions", [True, False])
+def test_a_stream_carries_steps_exactly_and_the_compute_thread_only_queues(driver, device_regions):
     from xfer.ep.gpu_check import check_steps
 
-    ranks = make(driver, CFG)
+    ranks = make(driver, CFG, device_regions=device_regions)
     try:
+        # Device regions: peers write into this rank's device memory (the CPU cannot reach it
+        # but through the driver: a stage that skipped fetch/publish reads poison).
+        want = "cuda:0" if device_regions else "cpu"
+        assert {mr.device for r in ranks for mr in r.group._mrs.values()} == {want}
         times = check_steps(driver, ranks, steps=3)
         assert all(len(t) == 3 for t in times)
     finally:

@@ -14,14 +14,15 @@ The proxy (a thread of this object, never the compute thread) carries the reques
 ``EpGroup`` — the same protocol, deadlines and masks as the host path — and sets the counter,
 whatever the outcome: a step that fails or masks a rank still releases the stream (a failed
 request's outputs are zeros; ``check()`` raises its error on the compute thread later, outside
-any graph). Only stream memory operations are queued, so a dispatch + combine can be captured
-in a CUDA graph. The active mask is mirrored into device memory after every request
+any graph). Only stream memory operations are queued; a captured graph could not be replayed
+yet (each request's number is fixed when queued: docs/moe.md). The active mask is mirrored into device memory after every request
 (``mask_ptr``, int32 per rank, 1 active), where a kernel reads it as DeepEP's mask buffer.
 
-What is staged: the group's regions are host memory, so the proxy copies a request's inputs
-from the device and its outputs back (driver copies). The writes go GPU-direct once the group's
-regions are device memory and the pack/unpack are kernels — not built: see docs/moe.md, "The
-GPU path". ``CudaDriver`` calls the CUDA driver API through ctypes (``libcuda.so.1``), so the
+What is staged: with ``EpGroup(..., memory=DeviceMemory(driver))`` the regions are device
+memory and the writes go GPU-direct, but the packing and unpacking are still the host's (the
+proxy copies a request's inputs from the device, packs in a host shadow of the regions and
+copies it over; likewise back): kernels that pack on the stream are not built (docs/moe.md,
+"The GPU path"). ``CudaDriver`` calls the CUDA driver API through ctypes (``libcuda.so.1``), so the
 same code runs against the project's fake driver (gpu-fakes/cuda.c, whose streams run their
 operations later, on a thread of their own) and on a GPU.
 """
@@ -90,10 +91,18 @@ class CudaDriver:
         self._check(self.lib.cuMemcpyHtoD_v2(ptr, a.ctypes.data, a.nbytes), "cuMemcpyHtoD_v2")
 
     def download(self, ptr: int, shape, dtype) -> np.ndarray:
-        out = np.empty(shape, dtype=dtype)
+        return self.download_into(ptr, np.empty(shape, dtype=dtype))
+
+    def download_into(self, ptr: int, out: np.ndarray) -> np.ndarray:
+        if not out.flags.c_contiguous:
+            raise ValueError("download_into wants a contiguous array")
         self.bind()
         self._check(self.lib.cuMemcpyDtoH_v2(out.ctypes.data, ptr, out.nbytes), "cuMemcpyDtoH_v2")
         return out
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        self.bind()
+        self._check(self.lib.cuMemcpy(ctypes.c_uint64(dst), ctypes.c_uint64(src), ctypes.c_size_t(nbytes)), "cuMemcpy")
 
     def stream(self) -> "Stream":
         self.bind()
@@ -147,6 +156,42 @@ class Stream:
         if self._owned and self.handle:
             self.driver.lib.cuStreamDestroy_v2(ctypes.c_void_p(self.handle))
             self.handle = 0
+
+
+class DeviceMemory:
+    """An ``EpGroup``'s regions in device memory (``EpGroup(..., memory=DeviceMemory(driver))``):
+    registered as CUDA memory, so peers' writes land there and this rank's are read from there
+    (GPU-direct where the backend is). The host stages reach them through a host shadow and the
+    driver's copies — the stand-in for the pack/unpack kernels (docs/moe.md, "The GPU path")."""
+
+    def __init__(self, driver: CudaDriver):
+        self.driver = driver
+        self.ptrs: dict[str, int] = {}
+
+    def register(self, engine, name: str, nbytes: int, access: str):
+        shadow = np.full(nbytes, 0xA5, dtype=np.uint8)
+        ptr = self.driver.alloc(nbytes)
+        try:
+            self.driver.upload(ptr, shadow)  # poisoned, as host regions are
+            mr = engine.reg_mr_raw(ptr, nbytes, device=f"cuda:{self.driver.device}", access=access)
+        except BaseException:
+            self.driver.free(ptr)
+            raise
+        self.ptrs[name] = ptr
+        return shadow, mr
+
+    def fetch(self, regions: dict, name: str, lo: int, hi: int) -> None:
+        self.driver.download_into(self.ptrs[name] + lo, regions[name][lo:hi])
+
+    def publish(self, regions: dict, name: str, lo: int, hi: int) -> None:
+        self.driver.upload(self.ptrs[name] + lo, regions[name][lo:hi])
+
+    def copy(self, regions: dict, dst: str, dst_off: int, src: str, src_off: int, n: int) -> None:
+        self.driver.copy(self.ptrs[dst] + dst_off, self.ptrs[src] + src_off, n)
+
+    def release(self, engine, name: str, mr) -> None:
+        engine.dereg_mr(mr)
+        self.driver.free(self.ptrs.pop(name))
 
 
 @dataclass
@@ -225,7 +270,8 @@ class GpuEp:
         self._queue(lambda: self._run_combine(h, expert_out, topk_weights, y))
 
     def check(self) -> None:
-        """Raises the first error of a request that ran (outside a graph, when convenient)."""
+        """Raises the first error of a request that ran (call it where the compute thread may
+        block, e.g. once per iteration)."""
         with self._cv:
             if self.errors:
                 request, error = self.errors.pop(0)

@@ -1,8 +1,8 @@
 """``python -m xfer.ep.gpu_check``: xfer.ep's GPU path end to end on whatever CUDA driver
 ``libcuda.so.1`` is — a GPU (``cargo xtask gpu-check`` runs it) or the project's fake driver
 (python/tests/test_ep_gpu.py uses the same ranks). Ranks are threads of this process, each with
-its own engine (the in-process mock backend), group, stream and proxy; inputs and outputs live
-in device memory; the expert is a host function queued on the stream (no kernels here), and
+its own engine (the in-process mock backend), group (its regions in device memory), stream and
+proxy; inputs and outputs live in device memory; the expert is a host function queued on the stream (no kernels here), and
 every result is checked against the oracle. Prints per-step times (queue to stream done) and
 exits non-zero on a wrong byte."""
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from . import EpConfig, oracle
 from .group import EpGroup
-from .gpu import CudaDriver, GpuEp
+from .gpu import CudaDriver, DeviceMemory, GpuEp
 
 MOCK = {
     "backend": "mock",
@@ -30,12 +30,13 @@ MOCK = {
 class Rank:
     """One rank: its engine, group, stream and GPU path, and device memory it allocated."""
 
-    def __init__(self, driver: CudaDriver, rank: int, cfg: EpConfig, engine_config=None):
+    def __init__(self, driver: CudaDriver, rank: int, cfg: EpConfig, *, device_regions: bool = True):
         import xfer
 
         self.driver, self.rank, self.cfg = driver, rank, cfg
-        self.engine = xfer.TransferEngine(engine_config or MOCK)
-        self.group = EpGroup(self.engine, rank, cfg)
+        self.engine = xfer.TransferEngine(MOCK)
+        memory = DeviceMemory(driver) if device_regions else None
+        self.group = EpGroup(self.engine, rank, cfg, memory=memory)
         self.stream = driver.stream()
         self.gep: GpuEp | None = None
         self.allocs: list[int] = []
@@ -83,9 +84,10 @@ class Rank:
         self.allocs.clear()
 
 
-def make_ranks(driver: CudaDriver, cfg: EpConfig) -> list[Rank]:
-    """``cfg.ranks`` connected ranks with their GPU paths started."""
-    ranks = [Rank(driver, r, cfg) for r in range(cfg.ranks)]
+def make_ranks(driver: CudaDriver, cfg: EpConfig, *, device_regions: bool = True) -> list[Rank]:
+    """``cfg.ranks`` connected ranks with their GPU paths started (regions in device memory
+    unless ``device_regions=False``)."""
+    ranks = [Rank(driver, r, cfg, device_regions=device_regions) for r in range(cfg.ranks)]
     infos = [r.group.local_info() for r in ranks]
     for r in ranks:
         r.group.connect(infos)
@@ -183,7 +185,7 @@ def main(argv=None) -> int:
     per_step = np.diff([0.0] + times[0]) * 1e6
     print(f"EP GPU check passed: {a.ranks} ranks, {a.steps} steps exact; rank 0 per step (stream): "
           f"p50 {np.percentile(per_step, 50):.0f} µs, p99 {np.percentile(per_step, 99):.0f} µs "
-          f"(the proxy stages through host memory; ranks are threads on the mock)")
+          f"(regions in device memory, packed by the host proxy; ranks are threads on the mock)")
     return 0
 
 

@@ -92,14 +92,39 @@ class Handle:
     stats: dict = field(default_factory=dict)
 
 
+class HostMemory:
+    """Where a group's regions live: host memory, registered as it is (the default).
+    ``xfer.ep.gpu.DeviceMemory`` puts them in device memory, the NIC reading and writing there,
+    with a host shadow the host stages go through: ``fetch`` before the host reads a range of a
+    region, ``publish`` after it wrote one, ``copy`` for a rank's write to itself."""
+
+    def register(self, engine, name: str, nbytes: int, access: str):
+        # Poisoned, not zeroed: a row read before it was written is visibly wrong.
+        region = np.full(nbytes, 0xA5, dtype=np.uint8)
+        return region, engine.reg_mr(region, access=access)
+
+    def fetch(self, regions: dict, name: str, lo: int, hi: int) -> None:
+        pass
+
+    def publish(self, regions: dict, name: str, lo: int, hi: int) -> None:
+        pass
+
+    def copy(self, regions: dict, dst: str, dst_off: int, src: str, src_off: int, n: int) -> None:
+        regions[dst][dst_off:dst_off + n] = regions[src][src_off:src_off + n]
+
+    def release(self, engine, name: str, mr) -> None:
+        engine.dereg_mr(mr)
+
+
 class EpGroup:
     """One rank's side of dispatch and combine.
 
     ``engine``: an open ``xfer.TransferEngine`` whose ``timeouts.expect_ms`` exceeds ten
     ``cfg.timeout`` (the group's own deadlines decide; the engine's must not come first).
+    ``memory``: where the regions live (``HostMemory()``, or ``xfer.ep.gpu.DeviceMemory``).
     Exchange ``local_info()`` among the ranks by any channel, then ``connect(infos)``."""
 
-    def __init__(self, engine, rank: int, cfg: EpConfig, *, eplb=None):
+    def __init__(self, engine, rank: int, cfg: EpConfig, *, eplb=None, memory=None):
         if not 0 <= rank < cfg.ranks:
             raise ValueError(f"rank {rank} is not in 0..{cfg.ranks}")
         self.engine, self.rank, self.cfg = engine, rank, cfg
@@ -114,12 +139,11 @@ class EpGroup:
         self._set_bytes = {name: int(sizes[name]) for name in _REGIONS}
         self._header_bytes = int(sizes["header"])
         self._combine_header_bytes = int(sizes["combine_header"])
-        # Poisoned, not zeroed: a row read before it was written is visibly wrong.
-        self.regions = {name: np.full(2 * self._set_bytes[name], 0xA5, dtype=np.uint8) for name in _REGIONS}
-        self._mrs = {
-            name: engine.reg_mr(self.regions[name], access="local" if name in ("send", "combine_send") else "write")
-            for name in _REGIONS
-        }
+        self._memory = memory if memory is not None else HostMemory()
+        self.regions, self._mrs = {}, {}
+        for name in _REGIONS:
+            access = "local" if name in ("send", "combine_send") else "write"
+            self.regions[name], self._mrs[name] = self._memory.register(engine, name, 2 * self._set_bytes[name], access)
         self.active = [True] * cfg.ranks
         self._owed: list[int] = []
         # Combine writes of earlier steps not yet known delivered: ``(epoch, peer, transfer)``
@@ -176,6 +200,11 @@ class EpGroup:
         return {name: 2 * n for name, n in self._set_bytes.items()}
 
     # -- the protocol -----------------------------------------------------------------------
+    def _set_range(self, name: str, epoch: int) -> tuple[int, int]:
+        """The bytes of ``name`` in the buffer set step ``epoch`` uses (sets alternate)."""
+        n = self._set_bytes[name]
+        return (epoch % 2) * n, (epoch % 2 + 1) * n
+
     def _now(self) -> int:
         return time.monotonic_ns()
 
@@ -191,7 +220,7 @@ class EpGroup:
                     # To itself: a copy, not a write through the engine (the NIC's loopback
                     # would move the same bytes twice as far); it lands before its expectation
                     # is looked at, as both come from the same poll.
-                    self.regions[dst_name][dst_off:dst_off + length] = self.regions[src_name][src_off:src_off + length]
+                    self._memory.copy(self.regions, dst_name, dst_off, src_name, src_off, length)
                     continue
                 t = self.engine.submit_single_write(
                     self._mrs[src_name], self.peers[peer][dst_name], length, src_offset=src_off, dst_offset=dst_off, imm=imm)
@@ -210,9 +239,11 @@ class EpGroup:
     def _header_for(self, h: Handle, source: int, phase: str) -> bytes:
         if phase == "dispatch_a":
             at = h.step.header_offset(source)
+            self._memory.fetch(self.regions, "dispatch", at, at + self._header_bytes)
             return self.regions["dispatch"][at:at + self._header_bytes].tobytes()
         if phase == "combine":
             at = h.step.combine_header_offset(source)
+            self._memory.fetch(self.regions, "combine", at, at + self._combine_header_bytes)
             return self.regions["combine"][at:at + self._combine_header_bytes].tobytes()
         return b""
 
@@ -338,6 +369,7 @@ class EpGroup:
         token, slot, peer, _expert = columns(step.send_rows())
         h.token, h.slot, h.peer = token, slot, peer
         step.pack(_bytes_of(x), self.regions["send"], fp8=cfg.fp8)
+        self._memory.publish(self.regions, "send", *self._set_range("send", h.epoch))
         h.stats["plan_ns"] = planned - t0
         h.stats["pack_ns"] = time.perf_counter_ns() - planned
         self._carry(h)
@@ -363,6 +395,7 @@ class EpGroup:
             self._finish(h)
             raise EpError(f"step {h.epoch}: {h.step.stage}")
         counts = np.asarray(h.step.expert_counts(), dtype=np.int64)
+        self._memory.fetch(self.regions, "dispatch", *self._set_range("dispatch", h.epoch))
         region = self.regions["dispatch"]
         rows = cfg.ranks * cfg.max_tokens if layout == "deepep" else int(counts.sum())
         if int(counts.max(initial=0)) > cfg.ranks * cfg.max_tokens:
@@ -421,6 +454,7 @@ class EpGroup:
             self._unproven = [w for w in self._unproven if w[0] > h.epoch - 2]
         t0 = time.perf_counter_ns()
         h.step.repack(_bytes_of(np.ascontiguousarray(expert_out, dtype=self.cfg.storage)), self.regions["combine_send"], h.layout)
+        self._memory.publish(self.regions, "combine_send", *self._set_range("combine_send", h.epoch))
         h.stats["repack_ns"] = time.perf_counter_ns() - t0
         h.step.start_combine(self._now())
         self._carry(h)
@@ -440,6 +474,7 @@ class EpGroup:
         weights = np.ascontiguousarray(topk_weights, dtype=np.float32)
         y = np.empty((h.num_tokens, cfg.hidden), dtype=np.float32)
         t0 = time.perf_counter_ns()
+        self._memory.fetch(self.regions, "combine", *self._set_range("combine", h.epoch))
         h.step.reduce(self.regions["combine"], weights.reshape(-1), y.reshape(-1), cfg.dtype)
         h.stats["reduce_ns"] = time.perf_counter_ns() - t0
         lost = set((h.token[~valid] * cfg.top_k + h.slot[~valid]).tolist()) | set(h.step.masked_slots())
@@ -471,7 +506,7 @@ class EpGroup:
         if self.peers is not None:
             for source in range(self.cfg.ranks):
                 self.engine.restrict_imm_senders(_SOURCE_FAMILY, self._family(source), None)
-        for mr in self._mrs.values():
-            self.engine.dereg_mr(mr)
+        for name, mr in self._mrs.items():
+            self._memory.release(self.engine, name, mr)
         self._mrs = {}
         _TAGS_IN_USE.discard(self._tag_key)
