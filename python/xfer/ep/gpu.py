@@ -224,7 +224,7 @@ class GpuEp:
         self._queued: list = []  # (request, action) in stream order
         self._reached = 0  # the highest request the stream has signalled
         self._next = 1
-        self._dispatches = group.epoch
+        self._dispatches = 0
         self._closing = False
         self.errors: list[tuple[int, BaseException]] = []
         self.slot = group.engine.alloc_uvm_watcher(self._on_signal)
@@ -256,8 +256,9 @@ class GpuEp:
         if not 0 <= num_tokens <= cfg.max_tokens:
             raise ValueError(f"num_tokens must be in 0..{cfg.max_tokens}")
         h = GpuHandle(request=0, recv_x=0, recv_count=0, num_tokens=num_tokens)
-        # The buffer set is the parity of the step's epoch; requests run in queue order, so
-        # it is the parity of the dispatches queued before this one.
+        # Queued dispatches alternate between two output sets, so two in flight (two-batch
+        # overlap) never share one; on one stream, a dispatch's outputs are written only after
+        # everything queued before it ran, so the set two dispatches back is free again.
         with self._cv:
             parity = self._dispatches % 2
             self._dispatches += 1
