@@ -54,45 +54,45 @@ def test_a_stream_carries_steps_exactly_and_the_compute_thread_only_queues(drive
             r.close()
 
 
-def test_a_silent_rank_is_masked_and_the_stream_is_released(driver):
-    cfg = EpConfig(ranks=2, experts_per_rank=2, top_k=2, max_tokens=8, hidden=64, timeout=0.5)
-    ranks = make(driver, cfg)
-    try:
-        rank = ranks[0]
-        x, idx, w = oracle.inputs(3, 0, 0, cfg)
-        _h, y_ptr = rank.queue_step(x, idx, w)
-        rank.stream.synchronize()  # rank 1 never queues: its deadlines end rank 0's waits
+SHORT = EpConfig(ranks=2, experts_per_rank=2, top_k=2, max_tokens=8, hidden=64, timeout=0.5)
+
+
+@pytest.fixture
+def short_ranks(driver):
+    """Two ranks with half-second deadlines, of which the tests drive rank 0 only."""
+    ranks = make(driver, SHORT)
+    yield ranks
+    for r in ranks:
+        r.close()
+
+
+def test_a_silent_rank_is_masked_and_the_stream_is_released(driver, short_ranks):
+    cfg, rank = SHORT, short_ranks[0]
+    x, idx, w = oracle.inputs(3, 0, 0, cfg)
+    _h, y_ptr = rank.queue_step(x, idx, w)
+    rank.stream.synchronize()  # rank 1 never queues: its deadlines end rank 0's waits
+    rank.gep.check()
+    y = driver.download(y_ptr, (x.shape[0], cfg.hidden), np.float32)
+    assert np.array_equal(y, oracle.expected_combine(x, idx, w, cfg, active=[True, False]))
+    assert list(driver.download(rank.gep.mask_ptr, (2,), np.int32)) == [1, 0]
+
+
+def test_a_failed_request_releases_the_stream_and_raises_on_the_compute_thread(driver, short_ranks):
+    cfg, rank = SHORT, short_ranks[0]
+    x, idx, w = oracle.inputs(3, 0, 0, cfg)
+    idx = idx.copy()
+    idx[0, 0] = cfg.ranks * cfg.experts_per_rank  # no such expert: refused before sending
+    h, y_ptr = rank.queue_step(x, idx, w)
+    rank.stream.synchronize()
+    assert h.error is not None
+    counts = driver.download(h.recv_count, (cfg.experts_per_rank,), np.int64)
+    assert not counts.any(), "a failed dispatch hands its expert no rows"
+    assert not driver.download(y_ptr, (x.shape[0], cfg.hidden), np.float32).any()
+    with pytest.raises(EpError, match="GPU request 1"):
         rank.gep.check()
-        y = driver.download(y_ptr, (x.shape[0], cfg.hidden), np.float32)
-        assert np.array_equal(y, oracle.expected_combine(x, idx, w, cfg, active=[True, False]))
-        assert list(driver.download(rank.gep.mask_ptr, (2,), np.int32)) == [1, 0]
-    finally:
-        for r in ranks:
-            r.close()
-
-
-def test_a_failed_request_releases_the_stream_and_raises_on_the_compute_thread(driver):
-    cfg = EpConfig(ranks=2, experts_per_rank=2, top_k=2, max_tokens=8, hidden=64, timeout=0.5)
-    ranks = make(driver, cfg)
-    try:
-        rank = ranks[0]
-        x, idx, w = oracle.inputs(3, 0, 0, cfg)
-        idx = idx.copy()
-        idx[0, 0] = cfg.ranks * cfg.experts_per_rank  # no such expert: refused before sending
-        h, y_ptr = rank.queue_step(x, idx, w)
-        rank.stream.synchronize()
-        assert h.error is not None
-        counts = driver.download(h.recv_count, (cfg.experts_per_rank,), np.int64)
-        assert not counts.any(), "a failed dispatch hands its expert no rows"
-        assert not driver.download(y_ptr, (x.shape[0], cfg.hidden), np.float32).any()
-        with pytest.raises(EpError, match="GPU request 1"):
-            rank.gep.check()
-        with pytest.raises(EpError, match="GPU request 2"):
-            rank.gep.check()
-        rank.gep.check()  # nothing more
-    finally:
-        for r in ranks:
-            r.close()
+    with pytest.raises(EpError, match="GPU request 2"):
+        rank.gep.check()
+    rank.gep.check()  # nothing more
 
 
 def test_a_gpu_counter_mirrors_arrivals_in_device_memory_and_a_stream_waits_on_it(driver):
