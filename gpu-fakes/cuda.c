@@ -48,6 +48,7 @@ enum {
     CUDA_ERROR_NOT_INITIALIZED = 3,
     CUDA_ERROR_INVALID_DEVICE = 101,
     CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_NOT_PERMITTED = 800,
     CUDA_ERROR_NOT_SUPPORTED = 801,
 };
 
@@ -82,6 +83,8 @@ static struct allocation allocations[MAX_ALLOCATIONS];
 static struct fake_context contexts[MAX_DEVICES];
 static int initialised;
 static __thread CUcontext current;
+/* Set while a stream runs a host function: CUDA forbids API calls there (they fail). */
+static __thread int in_host_function;
 
 /* ---- faults ------------------------------------------------------------------------------ */
 
@@ -197,6 +200,7 @@ int xfer_fake_cuda_device_range(CUdeviceptr ptr, size_t len, int *fd, size_t *of
     pthread_mutex_lock(&lock);                                        \
     CUresult _r = CUDA_SUCCESS;                                       \
     if (!initialised) { _r = CUDA_ERROR_NOT_INITIALIZED; goto out; }  \
+    if (in_host_function) { _r = CUDA_ERROR_NOT_PERMITTED; goto out; } \
     if (failing(name)) { _r = fault_result(name); goto out; }
 #define LEAVE out: pthread_mutex_unlock(&lock); return _r;
 
@@ -337,7 +341,10 @@ static CUresult copy(CUdeviceptr dst, CUdeviceptr src, size_t len) {
     return CUDA_SUCCESS;
 }
 
+static void legacy_sync(void);
+
 CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t len) {
+    legacy_sync();
     ENTER("cuMemcpy");
     if (!current) { _r = CUDA_ERROR_INVALID_CONTEXT; goto out; }
     _r = copy(dst, src, len);
@@ -345,6 +352,7 @@ CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t len) {
 }
 
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t len) {
+    legacy_sync();
     ENTER("cuMemcpyHtoD_v2");
     if (!current || !find(dst, len, 0)) { _r = current ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_INVALID_CONTEXT; goto out; }
     _r = copy(dst, (CUdeviceptr)(uintptr_t)src, len);
@@ -352,6 +360,7 @@ CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t len) {
 }
 
 CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t len) {
+    legacy_sync();
     ENTER("cuMemcpyDtoH_v2");
     if (!current || !find(src, len, 0)) { _r = current ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_INVALID_CONTEXT; goto out; }
     _r = copy((CUdeviceptr)(uintptr_t)dst, src, len);
@@ -482,10 +491,31 @@ struct fake_stream {
     pthread_cond_t changed;
     struct op ops[MAX_OPS];
     int head, count, running, closing;
+    unsigned flags; /* CU_STREAM_NON_BLOCKING (1) or not */
     CUcontext context;
     pthread_t thread;
+    struct fake_stream *next;
 };
 typedef struct fake_stream *CUstream;
+enum { STREAM_NON_BLOCKING = 1 };
+
+/* Every stream, for the legacy default stream's implicit synchronisation. */
+static pthread_mutex_t streams_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct fake_stream *streams;
+
+/* A synchronous copy runs on the legacy default stream, which first waits for the work of
+ * every blocking stream (one created without CU_STREAM_NON_BLOCKING): a host that copies
+ * while such a stream waits on that host deadlocks, as on a GPU. */
+static void legacy_sync(void) {
+    pthread_mutex_lock(&streams_lock);
+    for (struct fake_stream *s = streams; s; s = s->next) {
+        if (s->flags & STREAM_NON_BLOCKING) continue;
+        pthread_mutex_lock(&s->lock);
+        while (s->count > 0) pthread_cond_wait(&s->changed, &s->lock);
+        pthread_mutex_unlock(&s->lock);
+    }
+    pthread_mutex_unlock(&streams_lock);
+}
 
 static void *stream_thread(void *arg) {
     struct fake_stream *s = arg;
@@ -507,7 +537,9 @@ static void *stream_thread(void *arg) {
             break;
         }
         case OP_WAIT64:
-            for (;;) {
+            /* A stream being destroyed gives its waits up (the test that forgot to release
+             * it fails instead of hanging). */
+            while (!__atomic_load_n(&s->closing, __ATOMIC_ACQUIRE)) {
                 pthread_mutex_lock(&lock);
                 unsigned char *at = reach(op.ptr, 8);
                 uint64_t v = at ? __atomic_load_n((uint64_t *)at, __ATOMIC_ACQUIRE) : op.value;
@@ -517,7 +549,9 @@ static void *stream_thread(void *arg) {
             }
             break;
         case OP_HOST_FUNC:
+            in_host_function = 1;
             op.fn(op.arg);
+            in_host_function = 0;
             break;
         case OP_COPY:
             pthread_mutex_lock(&lock);
@@ -558,17 +592,25 @@ CUresult cuStreamCreate(CUstream *out, unsigned flags) {
     pthread_mutex_init(&s->lock, NULL);
     pthread_cond_init(&s->changed, NULL);
     s->context = current;
+    s->flags = flags;
     if (pthread_create(&s->thread, NULL, stream_thread, s) != 0) {
+        pthread_mutex_destroy(&s->lock);
+        pthread_cond_destroy(&s->changed);
         free(s);
         _r = CUDA_ERROR_OUT_OF_MEMORY;
         goto out;
     }
+    pthread_mutex_lock(&streams_lock);
+    s->next = streams;
+    streams = s;
+    pthread_mutex_unlock(&streams_lock);
     *out = s;
     LEAVE
 }
 
 CUresult cuStreamSynchronize(CUstream s) {
     if (!s) return CUDA_ERROR_INVALID_VALUE;
+    if (in_host_function) return CUDA_ERROR_NOT_PERMITTED;
     pthread_mutex_lock(&s->lock);
     while (s->count > 0) pthread_cond_wait(&s->changed, &s->lock);
     pthread_mutex_unlock(&s->lock);
@@ -587,8 +629,16 @@ CUresult cuStreamQuery(CUstream s) {
 /* Waits for what is queued (as the real one lets it finish), then frees the stream. */
 CUresult cuStreamDestroy_v2(CUstream s) {
     if (!s) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&streams_lock);
+    for (struct fake_stream **at = &streams; *at; at = &(*at)->next) {
+        if (*at == s) {
+            *at = s->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&streams_lock);
     pthread_mutex_lock(&s->lock);
-    s->closing = 1;
+    __atomic_store_n(&s->closing, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&s->changed);
     pthread_mutex_unlock(&s->lock);
     pthread_join(s->thread, NULL);
@@ -627,4 +677,12 @@ CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t len, CUstream s)
     if (!reach(dst, len) || !reach(src, len)) { _r = CUDA_ERROR_INVALID_VALUE; goto out; }
     _r = enqueue(s, (struct op){.kind = OP_COPY, .ptr = dst, .src = src, .value = len});
     LEAVE
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t len, CUstream s) {
+    return cuMemcpyAsync(dst, (CUdeviceptr)(uintptr_t)src, len, s);
+}
+
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t len, CUstream s) {
+    return cuMemcpyAsync((CUdeviceptr)(uintptr_t)dst, src, len, s);
 }

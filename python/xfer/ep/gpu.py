@@ -10,13 +10,20 @@ operations on its stream and return at once. At run time the stream
 2. waits (a stream wait-value) until a **GPU counter** (``xfer.GpuCounter``: device memory the
    host sets through GDRCopy, else device-mapped host memory) reaches that number.
 
-The proxy (a thread of this object, never the compute thread) carries the request out on the
+The proxy (``StreamProxy``: a thread, never the compute thread) carries the request out on the
 ``EpGroup`` — the same protocol, deadlines and masks as the host path — and sets the counter,
 whatever the outcome: a step that fails or masks a rank still releases the stream (a failed
-request's outputs are zeros; ``check()`` raises its error on the compute thread later, outside
-any graph). Only stream memory operations are queued; a captured graph could not be replayed
-yet (each request's number is fixed when queued: docs/moe.md). The active mask is mirrored into device memory after every request
-(``mask_ptr``, int32 per rank, 1 active), where a kernel reads it as DeepEP's mask buffer.
+dispatch hands the experts no rows and its combine zeros; ``check()`` raises the error on the
+compute thread later). Only stream memory operations are queued; a captured graph could not be
+replayed yet (each request's number is fixed when queued: docs/moe.md). The active mask is
+mirrored into device memory after every request (``mask_ptr``, int32 per rank, 1 active),
+where a kernel reads it as DeepEP's mask buffer.
+
+The proxy's copies go on a non-blocking stream of the driver's own and are waited for there
+(never the legacy default stream, which would wait for the compute stream that waits for the
+proxy; and a copy from pageable memory is done only when its stream says so), so the
+compute stream must be non-blocking too, or a created stream: the legacy default stream is
+refused.
 
 What is staged: with ``EpGroup(..., memory=DeviceMemory(driver))`` the regions are device
 memory and the writes go GPU-direct, but the packing and unpacking are still the host's (the
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,7 +46,9 @@ import numpy as np
 from .. import _xfer
 from .group import EpError, EpGroup
 
-_WAIT_VALUE_GEQ = 0
+_WAIT_VALUE_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ
+_STREAM_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING
+_LEGACY_STREAM, _PER_THREAD_STREAM = 0, 2  # CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
 
 
 class CudaError(RuntimeError):
@@ -47,7 +57,8 @@ class CudaError(RuntimeError):
 
 class CudaDriver:
     """The few driver calls the GPU path makes, on device ``device``'s primary context (made
-    current on every thread that calls in)."""
+    current on every thread that calls in). Its copies run on a non-blocking stream of its own
+    and return when they are done."""
 
     def __init__(self, device: int = 0, library: str = "libcuda.so.1"):
         self.lib = ctypes.CDLL(library)
@@ -62,9 +73,12 @@ class CudaDriver:
         self._wait64 = getattr(self.lib, "cuStreamWaitValue64_v2", None) or self.lib.cuStreamWaitValue64
         for f in (self._write64, self._wait64):
             f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-        self.lib.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
-        self.lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+        self.lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        self.lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        self.lib.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
         self.lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+        self._copies = self.stream()
+        self._copy_lock = threading.Lock()
 
     @staticmethod
     def _check(result: int, call: str) -> None:
@@ -85,10 +99,15 @@ class CudaDriver:
         self.bind()
         self._check(self.lib.cuMemFree_v2(ptr), "cuMemFree_v2")
 
+    def _copy(self, call: str, *args) -> None:
+        with self._copy_lock:
+            self.bind()
+            self._check(getattr(self.lib, call)(*args, self._copies.handle), call)
+            self._copies.synchronize()
+
     def upload(self, ptr: int, array: np.ndarray) -> None:
         a = np.ascontiguousarray(array)
-        self.bind()
-        self._check(self.lib.cuMemcpyHtoD_v2(ptr, a.ctypes.data, a.nbytes), "cuMemcpyHtoD_v2")
+        self._copy("cuMemcpyHtoDAsync_v2", ptr, a.ctypes.data, a.nbytes)
 
     def download(self, ptr: int, shape, dtype) -> np.ndarray:
         return self.download_into(ptr, np.empty(shape, dtype=dtype))
@@ -96,31 +115,35 @@ class CudaDriver:
     def download_into(self, ptr: int, out: np.ndarray) -> np.ndarray:
         if not out.flags.c_contiguous:
             raise ValueError("download_into wants a contiguous array")
-        self.bind()
-        self._check(self.lib.cuMemcpyDtoH_v2(out.ctypes.data, ptr, out.nbytes), "cuMemcpyDtoH_v2")
+        self._copy("cuMemcpyDtoHAsync_v2", out.ctypes.data, ptr, out.nbytes)
         return out
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
-        self.bind()
-        self._check(self.lib.cuMemcpy(ctypes.c_uint64(dst), ctypes.c_uint64(src), ctypes.c_size_t(nbytes)), "cuMemcpy")
+        self._copy("cuMemcpyAsync", dst, src, nbytes)
 
     def stream(self) -> "Stream":
+        """A new non-blocking stream."""
         self.bind()
         handle = ctypes.c_void_p()
-        self._check(self.lib.cuStreamCreate(ctypes.byref(handle), 0), "cuStreamCreate")
+        self._check(self.lib.cuStreamCreate(ctypes.byref(handle), _STREAM_NON_BLOCKING), "cuStreamCreate")
         return Stream(self, handle.value, owned=True)
 
 
 class Stream:
-    """A CUDA stream (``Stream(driver, torch.cuda.current_stream().cuda_stream)`` wraps one of
-    torch's)."""
+    """A CUDA stream: one of this driver's, or ``Stream(driver, torch.cuda.Stream().cuda_stream)``
+    (a created stream; the legacy default stream is refused: module docs)."""
 
     _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
     def __init__(self, driver: CudaDriver, handle: int, *, owned: bool = False):
+        if handle in (_LEGACY_STREAM, _PER_THREAD_STREAM):
+            raise ValueError("the GPU path needs a created stream, not a default stream (use torch.cuda.Stream())")
         self.driver, self.handle, self._owned = driver, handle, owned
-        self._host_fns: dict[int, object] = {}
-        self._host_fn_ids = 0
+        # Host functions queued and not yet known to have returned (their ctypes thunks must
+        # outlive their run), and what they raised.
+        self._thunks: list = []
+        self._ran = 0
+        self.errors: list[BaseException] = []
         self._host_lock = threading.Lock()
 
     def write_value(self, ptr: int, value: int) -> None:
@@ -132,22 +155,42 @@ class Stream:
         self.driver._check(self.driver._wait64(self.handle, ptr, value, _WAIT_VALUE_GEQ), "cuStreamWaitValue64")
 
     def host_func(self, fn) -> None:
-        """Queues ``fn()`` (a host function in stream order; kept alive until it ran)."""
-        with self._host_lock:
-            key = self._host_fn_ids
-            self._host_fn_ids += 1
+        """Queues ``fn()``, a host function in stream order. CUDA forbids it any CUDA call;
+        what it raises is kept in ``errors``."""
 
         def run(_arg):
             try:
                 fn()
-            finally:
-                with self._host_lock:
-                    self._host_fns.pop(key, None)
+            except BaseException as e:  # noqa: BLE001 - kept: nothing above a host function sees it
+                self.errors.append(e)
+            with self._host_lock:
+                self._ran += 1
 
         thunk = self._HOST_FN(run)
         with self._host_lock:
-            self._host_fns[key] = thunk
+            # Thunks run in order; those that returned are dropped here, never from inside
+            # their own run — except the last one counted, which may still be returning.
+            finished = max(0, self._ran - 1)
+            del self._thunks[:finished]
+            self._ran -= finished
+            self._thunks.append(thunk)
         self.driver._check(self.driver.lib.cuLaunchHostFunc(ctypes.c_void_p(self.handle), thunk, None), "cuLaunchHostFunc")
+
+    def upload(self, ptr: int, array: np.ndarray) -> None:
+        """Queues a copy of ``array`` (kept alive until the stream passed it) to ``ptr``."""
+        a = np.ascontiguousarray(array)
+        self.driver._check(
+            self.driver.lib.cuMemcpyHtoDAsync_v2(ptr, a.ctypes.data, a.nbytes, ctypes.c_void_p(self.handle)),
+            "cuMemcpyHtoDAsync_v2",
+        )
+        self.host_func(lambda: a)  # holds `a` until the copy ran
+
+    def reached(self, timeout: float) -> bool:
+        """Queues a marker and waits up to ``timeout`` for the stream to reach it (everything
+        queued before it done)."""
+        marker = threading.Event()
+        self.host_func(marker.set)
+        return marker.wait(timeout)
 
     def synchronize(self) -> None:
         self.driver._check(self.driver.lib.cuStreamSynchronize(ctypes.c_void_p(self.handle)), "cuStreamSynchronize")
@@ -156,6 +199,100 @@ class Stream:
         if self._owned and self.handle:
             self.driver.lib.cuStreamDestroy_v2(ctypes.c_void_p(self.handle))
             self.handle = 0
+
+
+class StreamProxy:
+    """Host work in a stream's order, without the stream's host functions (which may not call
+    CUDA): ``queue(action)`` puts a write-value of the request's number into a watcher slot
+    and a wait-value on a ``GpuCounter`` on the stream; a thread of this object runs
+    ``action()`` when the stream reaches the write, then sets the counter to that number —
+    whatever ``action`` did, so the stream always goes on. What an action raises is kept for
+    ``check()``."""
+
+    def __init__(self, engine, driver: CudaDriver, stream: Stream, *, name: str = "xfer-stream-proxy", after=None):
+        self.driver, self.stream, self._after = driver, stream, after
+        self._cv = threading.Condition()
+        self._queued: list = []  # (request, action) in stream order
+        self._reached = 0  # the highest request the stream has signalled
+        self._next = 1
+        self._closing = False
+        self._drained = False
+        self.errors: list[tuple[int, BaseException]] = []
+        self.done = _xfer.GpuCounter(driver.device)
+        self.slot = engine.alloc_uvm_watcher(self._on_signal)
+        if self.slot.device_ptr is None or self.done.device_ptr is None:
+            self.slot.close()
+            raise CudaError("no GPU-visible memory for the watcher slot or the counter (no CUDA driver?)")
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def queue(self, action) -> int:
+        """Queues ``action``; returns its request number."""
+        with self._cv:
+            if self._closing:
+                raise RuntimeError("the proxy is closed")
+            request = self._next
+            # Both operations under the lock: the stream sees the requests in number order.
+            self.stream.write_value(self.slot.device_ptr, request)
+            self.stream.wait_value(self.done.device_ptr, request)
+            self._next += 1
+            self._queued.append((request, action))
+        return request
+
+    def check(self) -> None:
+        """Raises the first error of a request that ran."""
+        with self._cv:
+            if self.errors:
+                request, error = self.errors.pop(0)
+                raise EpError(f"GPU request {request}: {error}") from error
+
+    def _on_signal(self, _old: int, new: int):
+        with self._cv:
+            self._reached = max(self._reached, new)
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        self.driver.bind()
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._closing or (self._queued and self._queued[0][0] <= self._reached))
+                if not (self._queued and self._queued[0][0] <= self._reached):
+                    return
+                request, action = self._queued.pop(0)
+            try:
+                for work in (action, self._after):
+                    try:
+                        if work is not None:
+                            work()
+                    except BaseException as e:  # noqa: BLE001 — reported by check()
+                        with self._cv:
+                            self.errors.append((request, e))
+            finally:
+                self.done.set(request)  # whatever happened: the stream must go on
+
+    def close(self, timeout: float) -> bool:
+        """Runs what the stream reaches within ``timeout``, fails the rest (the stream is
+        released all the same: the counter is set past every request), and frees the slot once
+        the stream is past its last use. Returns whether it got there in time (else the slot
+        is kept: the stream may still write it). Idempotent."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            if self._closing:
+                return self._drained
+            self._cv.wait_for(lambda: not self._queued, timeout=max(0.0, deadline - time.monotonic()))
+            self._closing = True
+            for request, _action in self._queued:
+                self.errors.append((request, RuntimeError("closed before the stream reached it")))
+            self._queued.clear()
+            self._cv.notify_all()
+        self._thread.join()
+        self.done.set(self._next - 1)
+        # The stream may still write the slot: it goes back to the engine's pool only once the
+        # stream is past it.
+        self._drained = self.stream.reached(max(0.0, deadline - time.monotonic()))
+        if self._drained:
+            self.slot.close()
+        return self._drained
 
 
 class DeviceMemory:
@@ -213,43 +350,42 @@ class GpuEp:
     the group's dtypes (``x``: ``[tokens, hidden]`` storage dtype; ``topk_idx``: int64
     ``[tokens, top_k]``; ``topk_weights``: float32; ``y``: float32 ``[tokens, hidden]``). The
     DeepEP layout: ``recv_x`` ``[experts_per_rank, ranks × max_tokens, hidden]``, ``recv_count``
-    int64 ``[experts_per_rank]``, one pair per buffer set (valid until the step two later)."""
+    int64 ``[experts_per_rank]``, one pair per buffer set (valid until the dispatch two later)."""
 
     def __init__(self, group: EpGroup, driver: CudaDriver, stream: Stream):
         cfg = group.cfg
         if cfg.fp8 is not None:
             raise NotImplementedError("the GPU path carries the storage dtype; fp8 dispatch is host-only")
         self.group, self.driver, self.stream = group, driver, stream
-        self._cv = threading.Condition()
-        self._queued: list = []  # (request, action) in stream order
-        self._reached = 0  # the highest request the stream has signalled
-        self._next = 1
-        self._dispatches = 0
-        self._closing = False
-        self.errors: list[tuple[int, BaseException]] = []
-        self.slot = group.engine.alloc_uvm_watcher(self._on_signal)
-        self.done = _xfer.GpuCounter(driver.device)
-        if self.slot.device_ptr is None or self.done.device_ptr is None:
-            raise CudaError("no GPU-visible memory for the watcher slot or the counter (no CUDA driver?)")
         rows = cfg.ranks * cfg.max_tokens
         self._recv_shape = (cfg.experts_per_rank, rows, cfg.hidden)
         recv_bytes = int(np.prod(self._recv_shape)) * cfg.storage.itemsize
-        self._recv = [(driver.alloc(recv_bytes), driver.alloc(8 * cfg.experts_per_rank)) for _ in range(2)]
-        self.mask_ptr = driver.alloc(4 * cfg.ranks)
-        driver.upload(self.mask_ptr, group.query_active_mask())
-        self._thread = threading.Thread(target=self._proxy, name=f"xfer-ep-gpu-{group.rank}", daemon=True)
-        self._thread.start()
+        self._allocs: list[int] = []
+        try:
+            self._recv = [(self._alloc(recv_bytes), self._alloc(8 * cfg.experts_per_rank)) for _ in range(2)]
+            self.mask_ptr = self._alloc(4 * cfg.ranks)
+            driver.upload(self.mask_ptr, group.query_active_mask())
+            self.proxy = StreamProxy(group.engine, driver, stream, name=f"xfer-ep-gpu-{group.rank}", after=self._mirror_mask)
+        except BaseException:
+            for p in self._allocs:
+                driver.free(p)
+            raise
+        self._dispatches = 0
+
+    def _alloc(self, nbytes: int) -> int:
+        ptr = self.driver.alloc(nbytes)
+        self._allocs.append(ptr)
+        return ptr
+
+    @property
+    def done(self):
+        """The counter the stream waits on (the last request the proxy finished)."""
+        return self.proxy.done
+
+    def _mirror_mask(self) -> None:
+        self.driver.upload(self.mask_ptr, self.group.query_active_mask())
 
     # -- the compute thread: queue only ---------------------------------------------------------
-    def _queue(self, action) -> int:
-        with self._cv:
-            request = self._next
-            self._next += 1
-            self._queued.append((request, action))
-        self.stream.write_value(self.slot.device_ptr, request)
-        self.stream.wait_value(self.done.device_ptr, request)
-        return request
-
     def dispatch(self, x: int, topk_idx: int, num_tokens: int) -> GpuHandle:
         """Queues a dispatch of ``num_tokens`` tokens; returns at once."""
         cfg = self.group.cfg
@@ -259,49 +395,21 @@ class GpuEp:
         # Queued dispatches alternate between two output sets, so two in flight (two-batch
         # overlap) never share one; on one stream, a dispatch's outputs are written only after
         # everything queued before it ran, so the set two dispatches back is free again.
-        with self._cv:
-            parity = self._dispatches % 2
-            self._dispatches += 1
-        h.recv_x, h.recv_count = self._recv[parity]
-        h.request = self._queue(lambda: self._run_dispatch(h, x, topk_idx))
+        h.recv_x, h.recv_count = self._recv[self._dispatches % 2]
+        self._dispatches += 1
+        h.request = self.proxy.queue(lambda: self._run_dispatch(h, x, topk_idx))
         return h
 
     def combine(self, h: GpuHandle, expert_out: int, topk_weights: int, y: int) -> None:
         """Queues the combine of ``h``'s step: ``y`` gets each token's weighted sum (fp32)."""
-        self._queue(lambda: self._run_combine(h, expert_out, topk_weights, y))
+        self.proxy.queue(lambda: self._run_combine(h, expert_out, topk_weights, y))
 
     def check(self) -> None:
         """Raises the first error of a request that ran (call it where the compute thread may
         block, e.g. once per iteration)."""
-        with self._cv:
-            if self.errors:
-                request, error = self.errors.pop(0)
-                raise EpError(f"GPU request {request}: {error}") from error
+        self.proxy.check()
 
-    # -- the proxy -------------------------------------------------------------------------------
-    def _on_signal(self, _old: int, new: int):
-        with self._cv:
-            self._reached = max(self._reached, new)
-            self._cv.notify_all()
-        return not self._closing
-
-    def _proxy(self) -> None:
-        self.driver.bind()
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._closing or (self._queued and self._queued[0][0] <= self._reached))
-                if not (self._queued and self._queued[0][0] <= self._reached):
-                    return
-                request, action = self._queued.pop(0)
-            try:
-                action()
-            except BaseException as e:  # noqa: BLE001 — reported by check(); the stream must go on
-                with self._cv:
-                    self.errors.append((request, e))
-            finally:
-                self.driver.upload(self.mask_ptr, self.group.query_active_mask())
-                self.done.set(request)
-
+    # -- the proxy's work ------------------------------------------------------------------------
     def _run_dispatch(self, h: GpuHandle, x: int, topk_idx: int) -> None:
         cfg = self.group.cfg
         try:
@@ -318,28 +426,25 @@ class GpuEp:
 
     def _run_combine(self, h: GpuHandle, expert_out: int, topk_weights: int, y: int) -> None:
         cfg = self.group.cfg
+        zeros = np.zeros((h.num_tokens, cfg.hidden), dtype=np.float32)
         if h.step is None or h.error is not None:
-            self.driver.upload(y, np.zeros((h.num_tokens, cfg.hidden), dtype=np.float32))
+            self.driver.upload(y, zeros)
             raise EpError(f"combine of a dispatch that failed: {h.error}")
-        out = self.driver.download(expert_out, self._recv_shape, cfg.storage)
-        weights = self.driver.download(topk_weights, (h.num_tokens, cfg.top_k), np.float32)
         try:
+            out = self.driver.download(expert_out, self._recv_shape, cfg.storage)
+            weights = self.driver.download(topk_weights, (h.num_tokens, cfg.top_k), np.float32)
             self.group.combine_send(h.step, out)
             result = self.group.combine_recv(h.step, weights)
         except BaseException:
-            self.driver.upload(y, np.zeros((h.num_tokens, cfg.hidden), dtype=np.float32))
+            self.driver.upload(y, zeros)
             raise
         self.driver.upload(y, result)
 
-    def close(self) -> None:
-        """Stops the proxy once the queued requests ran (synchronize the stream first), frees
-        the device buffers. The group stays open (the caller closes it)."""
-        with self._cv:
-            self._closing = True
-            self._cv.notify_all()
-        self._thread.join()
-        self.slot.close()
-        for recv_x, recv_count in self._recv:
-            self.driver.free(recv_x)
-            self.driver.free(recv_count)
-        self.driver.free(self.mask_ptr)
+    def close(self, timeout: float = 10.0) -> None:
+        """Runs what the stream reaches within ``timeout`` and releases the rest (module docs),
+        then frees the device buffers once the stream is idle. The group stays open (the caller
+        closes it). Idempotent."""
+        if self.proxy.close(timeout):
+            for p in self._allocs:
+                self.driver.free(p)
+            self._allocs.clear()

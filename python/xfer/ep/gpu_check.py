@@ -17,7 +17,7 @@ import numpy as np
 
 from . import EpConfig, oracle
 from .group import EpGroup
-from .gpu import CudaDriver, DeviceMemory, GpuEp
+from .gpu import CudaDriver, DeviceMemory, GpuEp, StreamProxy
 
 MOCK = {
     "backend": "mock",
@@ -39,25 +39,32 @@ class Rank:
         self.group = EpGroup(self.engine, rank, cfg, memory=memory)
         self.stream = driver.stream()
         self.gep: GpuEp | None = None
+        self.experts: StreamProxy | None = None
         self.allocs: list[int] = []
 
     def start(self) -> None:
         self.gep = GpuEp(self.group, self.driver, self.stream)
+        # The experts: host work in the stream's order (a host function may not call CUDA).
+        self.experts = StreamProxy(self.engine, self.driver, self.stream, name=f"experts-{self.rank}")
 
     def device(self, array: np.ndarray) -> int:
+        """Device memory that holds ``array`` once the stream got there (poison before: a
+        proxy that ran before the stream reached its request would read that)."""
         ptr = self.empty(array.nbytes)
-        self.driver.upload(ptr, array)
+        self.stream.upload(ptr, array)
         return ptr
 
     def empty(self, nbytes: int) -> int:
+        """Device memory, poisoned (0xA5) now."""
         ptr = self.driver.alloc(nbytes)
         self.allocs.append(ptr)
+        self.driver.upload(ptr, np.full(nbytes, 0xA5, dtype=np.uint8))
         return ptr
 
     def queue_step(self, x: np.ndarray, idx: np.ndarray, w: np.ndarray):
-        """Queues a dispatch, the oracle's experts as a host function on the stream (reading
-        the dispatched rows from device memory, writing the outputs back) and a combine;
-        returns ``(handle, y_ptr)``."""
+        """Queues the inputs' copies, a dispatch, the oracle's experts (reading the dispatched
+        rows from device memory, writing the outputs back, in the stream's order) and a
+        combine; returns ``(handle, y_ptr)``."""
         cfg, d = self.cfg, self.driver
         h = self.gep.dispatch(self.device(x), self.device(idx.astype(np.int64)), x.shape[0])
         shape = (cfg.experts_per_rank, cfg.ranks * cfg.max_tokens, cfg.hidden)
@@ -68,7 +75,7 @@ class Rank:
             count = d.download(h.recv_count, (cfg.experts_per_rank,), np.int64)
             d.upload(out_ptr, oracle.run_experts_deepep(recv, count, self.rank, cfg))
 
-        self.stream.host_func(expert)
+        self.experts.queue(expert)
         y_ptr = self.empty(x.shape[0] * cfg.hidden * 4)
         self.gep.combine(h, out_ptr, self.device(w.astype(np.float32)), y_ptr)
         return h, y_ptr
@@ -76,6 +83,9 @@ class Rank:
     def close(self) -> None:
         if self.gep is not None:
             self.gep.close()
+        if self.experts is not None:
+            self.experts.close(10.0)
+            self.experts.check()
         self.stream.close()
         self.group.close()
         self.engine.close()
@@ -128,6 +138,12 @@ def check_steps(driver: CudaDriver, ranks: list[Rank], steps: int, seed: int = 7
     def body(rank: Rank):
         gate = threading.Event()
         rank.stream.host_func(gate.wait)
+        try:
+            run(rank, gate)
+        finally:
+            gate.set()  # never leave a stream held by the gate
+
+    def run(rank: Rank, gate: threading.Event):
         ins = [[oracle.inputs(seed, s, r, cfg) for r in range(cfg.ranks)] for s in range(steps)]
         marks: list[float] = []
         queued = []
@@ -140,6 +156,9 @@ def check_steps(driver: CudaDriver, ranks: list[Rank], steps: int, seed: int = 7
         gate.set()
         rank.stream.synchronize()
         rank.gep.check()
+        rank.experts.check()
+        if rank.stream.errors:
+            raise AssertionError(f"a host function raised: {rank.stream.errors[0]!r}")
         for s, (h, y_ptr) in enumerate(queued):
             x, idx, w = ins[s][rank.rank]
             y = driver.download(y_ptr, (x.shape[0], cfg.hidden), np.float32)
