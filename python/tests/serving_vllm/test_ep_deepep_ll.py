@@ -8,7 +8,36 @@ vLLM's call order. ``deep_ep`` is xfer's because its directory is first on PYTHO
 opt-in a user makes). Stand-ins: the manager is built without vLLM's engine around it (its
 ``__init__`` reads a running VllmConfig; we set the attributes ``get_handle`` uses), and its
 ``query_active_mask`` allocates on ``cuda``: the mask is read through the same Buffer call it
-makes (``low_latency_query_mask_buffer``) on a CPU tensor."""
+makes (``low_latency_query_mask_buffer``) on a CPU tensor.
+
+A second control beside the oracle: vLLM's own single-process batched reference,
+``BatchedPrepareAndFinalize`` (``fused_moe/prepare_finalize/batched.py``), run in each rank on
+every rank's tokens concatenated in rank order with every expert local (``rank=0``,
+``num_local_experts`` = all experts, one dispatcher), the oracle's experts between its
+``prepare`` and ``finalize``. At each rank and step, xfer's rows through vLLM's
+``DeepEPLLPrepareAndFinalize`` must equal the reference's rows of the same global experts:
+same counts, same rows, in the same ORDER. The reference fills each expert's batch in token
+order of the concatenated batch (a cumsum over its hit mask), i.e. sources in rank order, each
+source's tokens in its order, which is the order xfer documents. (The reference keeps one row
+per (token, expert), DeepEP one per (token, slot); they agree because a router names distinct
+experts per token, as the oracle's does.) Combine: the reference's ``finalize`` (its default
+``TopKWeightAndReduceNaiveBatched``) on the same expert outputs, run in float32 and rounded to
+bf16 once, must equal vLLM's ``finalize`` over xfer bit for bit (on the oracle's inputs every
+product and sum is exact in float32, so its expert-major summation order, not xfer's slot
+order, cannot matter). Run in bf16, as in a bf16 model, the reference rounds each weighted
+output and each partial sum to bf16 where DeepEP (and xfer) sum in float32 and round once: it
+is then compared within ``(top_k + 2) · 2⁻⁸ · Σ|w·y|`` per element (2⁻⁸ is bf16's unit
+roundoff; a product and up to top_k - 1 additions rounded in the reference bound its error by
+top_k · 2⁻⁸ · Σ|w·y| to first order, xfer's one rounding adds 2⁻⁸, and 2⁻⁸ more covers the
+second-order terms). In these runs it differs by one bf16 ulp on some elements of the
+8-expert top-8 shapes.
+
+fp8: the reference's quantized ``prepare`` calls ``per_token_group_quant_fp8``, whose CPU path
+is a Triton kernel (no Triton on CPU), so it cannot run here. For the fp8 shape, vLLM's
+torch-native twin of that quantizer (``QuantFP8(group_shape=(1, 128)).forward_native``, the
+same ``amax / 448`` scale) quantizes every rank's tokens; xfer's e4m3 values and scales must
+equal it byte for byte, and the reference then runs unquantized on the dequantized tokens
+(routing, order, combine as above)."""
 
 import multiprocessing as mp
 import os
@@ -22,7 +51,7 @@ torch = pytest.importorskip("torch")
 
 from xfer.ep import oracle  # noqa: E402
 from xfer.ep.deep_ep import shim_path  # noqa: E402
-from xfer.ep.layout import EpConfig, from_f32  # noqa: E402
+from xfer.ep.layout import EpConfig, from_f32, to_f32  # noqa: E402
 
 SHM = {
     "backend": "efa",
@@ -69,6 +98,60 @@ def rank_main(rank, port, conn, shapes, max_tokens, steps):
         conn.send(f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
 
 
+def batched_reference(ins, num_experts, top_k, quantize=None):
+    """vLLM's single-process batched reference on every rank's inputs ``ins``:
+    ``BatchedPrepareAndFinalize.prepare`` on the concatenation of the ranks' tokens, ``topk_ids``
+    and ``topk_weights`` (rank order), every expert local; the oracle's experts; its ``finalize``
+    in float32 (on the bf16 expert outputs) and in bf16. ``quantize`` (fp8): applied to each
+    expert's rows after ``prepare``, as the reference's quantized ``prepare`` does (rows
+    selected, then quantized), returning ``(e4m3 codes, float32 scales)``; the experts then run
+    on the dequantized rows. Returns a dict: ``rows`` ``[experts, all tokens, hidden]`` (bf16
+    bits; dequantized for fp8), ``counts``, ``codes`` / ``scales`` (per expert, fp8 only),
+    ``y`` (expert outputs, bf16 bits) and ``combine``: per rank, the float32 combine, the bf16
+    combine (bits) and ``Σ|w·y|`` (float32)."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.batched import BatchedPrepareAndFinalize
+    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
+
+    from xfer.ep.tensors import storage_of, tensor_of
+
+    # One intra-op thread: the reference is small, and the two ranks already share the cores
+    # (its index_add_ took ~0.1 s with two threads on a loaded 2-core machine, ~1 ms with one).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = np.concatenate([t for t, _, _ in ins])
+        topk_ids = torch.from_numpy(np.concatenate([i for _, i, _ in ins]))
+        topk_weights = torch.from_numpy(np.concatenate([w for _, _, w in ins]))
+        n = x.shape[0]
+        pf = BatchedPrepareAndFinalize(max_num_tokens=n, num_local_experts=num_experts, num_dispatchers=1, rank=0)
+        rows, scale, meta, _, _ = pf.prepare(tensor_of(x.copy(), "bfloat16"), topk_weights, topk_ids, num_experts, None, False,
+                                             FusedMoEQuantConfig.make())
+        assert scale is None
+        ref = {"rows": storage_of(rows).copy(), "counts": meta.expert_num_tokens.numpy().copy()}
+        if quantize is not None:
+            ref["codes"], ref["scales"] = [], []
+            for e in range(num_experts):
+                k = int(ref["counts"][e])
+                codes, scales = quantize(ref["rows"][e, :k])
+                ref["codes"].append(codes)
+                ref["scales"].append(scales)
+                ref["rows"][e, :k] = from_f32(oracle.dequantize_fp8(codes, scales, HIDDEN), "bfloat16")
+        every_expert_local = EpConfig(ranks=1, experts_per_rank=num_experts, top_k=top_k, max_tokens=n, hidden=HIDDEN)
+        ref["y"] = oracle.run_experts_deepep(ref["rows"], ref["counts"], 0, every_expert_local)
+        y32 = torch.from_numpy(to_f32(ref["y"], "bfloat16"))
+        combine32, combine16, magnitude = (torch.empty((n, HIDDEN), dtype=d) for d in (torch.float32, torch.bfloat16, torch.float32))
+        pf.finalize(combine32, y32, topk_weights, topk_ids, False, TopKWeightAndReduceDelegate())
+        pf.finalize(combine16, tensor_of(ref["y"], "bfloat16"), topk_weights, topk_ids, False, TopKWeightAndReduceDelegate())
+        pf.finalize(magnitude, y32.abs(), topk_weights.abs(), topk_ids, False, TopKWeightAndReduceDelegate())
+        bounds = np.cumsum([0] + [len(t) for t, _, _ in ins])
+        ref["combine"] = [(combine32.numpy()[a:b], storage_of(combine16)[a:b], magnitude.numpy()[a:b])
+                          for a, b in zip(bounds[:-1], bounds[1:])]
+    finally:
+        torch.set_num_threads(threads)
+    return ref
+
+
 def run_shape(rank, manager, group, num_experts, top_k, max_tokens, steps, fp8=False):
     """Steps of one model shape, through vLLM's manager and prepare/finalize. ``fp8``: vLLM's
     fp8 dispatch (``use_fp8_dispatch`` with a 128-block fp8 quant config, so the experts get
@@ -95,6 +178,22 @@ def run_shape(rank, manager, group, num_experts, top_k, max_tokens, steps, fp8=F
         quant = FusedMoEQuantConfig.make()
     cfg = EpConfig(ranks=RANKS, experts_per_rank=num_experts // RANKS, top_k=top_k, max_tokens=max_tokens, hidden=HIDDEN,
                    fp8="e4m3" if fp8 else None)
+    vllm_quantize = None
+    if fp8:
+        # The batched reference's quantizer (per_token_group_quant_fp8) is a Triton kernel off
+        # GPU; its torch-native twin is vLLM's QuantFP8 with 128-channel groups.
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+        from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+        with set_current_vllm_config(VllmConfig()):
+            quant_fp8 = QuantFP8(static=False, group_shape=GroupShape(1, 128), use_ue8m0=False)
+
+        def vllm_quantize(rows):
+            if len(rows) == 0:
+                return np.zeros((0, HIDDEN), dtype=np.uint8), np.zeros((0, HIDDEN // 128), dtype=np.float32)
+            values, scales = quant_fp8.forward_native(tensor_of(rows.copy(), "bfloat16"))
+            return values.view(torch.uint8).numpy(), scales.numpy()
     for step in range(steps):
         ins = [oracle.inputs(31, step, s, cfg, routing=("uniform", "zipf", "incast")[step % 3], tokens=max_tokens - s)
                for s in range(RANKS)]
@@ -131,8 +230,21 @@ def run_shape(rank, manager, group, num_experts, top_k, max_tokens, steps, fp8=F
             for le in range(cfg.experts_per_rank):
                 assert counts[le] == len(expected[le]), f"step {step} expert {le}"
                 assert np.array_equal(got[le, : counts[le]], expected[le]), f"step {step} expert {le}: rows differ"
+        # vLLM's batched reference on every rank's inputs: this rank's experts' rows, in order.
+        ref = batched_reference(ins, num_experts, top_k, vllm_quantize)
+        for le in range(cfg.experts_per_rank):
+            g, n = rank * cfg.experts_per_rank + le, int(counts[le])
+            assert n == ref["counts"][g], f"step {step} expert {g}: {n} rows, the batched reference {ref['counts'][g]}"
+            if fp8:
+                assert np.array_equal(codes[le, :n], ref["codes"][g]), f"step {step} expert {g}: e4m3 values differ from vLLM's"
+                assert np.array_equal(scales[le, :n], ref["scales"][g]), f"step {step} expert {g}: scales differ from vLLM's"
+            assert np.array_equal(got[le, :n], ref["rows"][g, :n]), f"step {step} expert {g}: rows or their order differ from the batched reference"
         bf16_cfg = EpConfig(ranks=RANKS, experts_per_rank=cfg.experts_per_rank, top_k=top_k, max_tokens=max_tokens, hidden=HIDDEN)
-        fused_out = tensor_of(oracle.run_experts_deepep(got, counts, rank, bf16_cfg), "bfloat16")
+        y = oracle.run_experts_deepep(got, counts, rank, bf16_cfg)
+        for le in range(cfg.experts_per_rank):
+            g, n = rank * cfg.experts_per_rank + le, int(counts[le])
+            assert np.array_equal(y[le, :n], ref["y"][g, :n]), f"step {step} expert {g}: expert outputs differ"
+        fused_out = tensor_of(y, "bfloat16")
         output = torch.empty((x.shape[0], HIDDEN), dtype=torch.bfloat16)
         if step % 2 == 0:
             pf.finalize(output, fused_out, topk_weights, topk_ids, False, TopKWeightAndReduceDelegate())
@@ -140,8 +252,15 @@ def run_shape(rank, manager, group, num_experts, top_k, max_tokens, steps, fp8=F
             recv_hook, done = pf.finalize_async(output, fused_out, topk_weights, topk_ids, False, TopKWeightAndReduceDelegate())
             recv_hook()
             done()
-        ref = from_f32(oracle.expected_combine(x_seen, idx, w, bf16_cfg), "bfloat16")
-        assert np.array_equal(storage_of(output), ref), f"step {step}: combine differs"
+        expected_out = from_f32(oracle.expected_combine(x_seen, idx, w, bf16_cfg), "bfloat16")
+        assert np.array_equal(storage_of(output), expected_out), f"step {step}: combine differs"
+        # The batched reference's finalize on the same expert outputs: in float32, rounded once,
+        # exactly; in bf16 (a rounding per product and per partial sum), within its error bound.
+        ref32, ref16, magnitude = ref["combine"][rank]
+        assert np.array_equal(storage_of(output), from_f32(ref32, "bfloat16")), f"step {step}: combine differs from the batched reference's"
+        gap = np.abs(to_f32(storage_of(output), "bfloat16") - to_f32(ref16, "bfloat16"))
+        bound = np.float32((top_k + 2) * 2.0**-8) * magnitude
+        assert (gap <= bound).all(), f"step {step}: combine is {gap.max()} from the batched reference's in bf16"
     mask = torch.ones(RANKS, dtype=torch.int32)
     buffer.low_latency_query_mask_buffer(mask)
     assert mask.tolist() == [0] * RANKS, mask
