@@ -35,9 +35,9 @@ second-order terms). In these runs it differs by one bf16 ulp on some elements o
 fp8: the reference's quantized ``prepare`` calls ``per_token_group_quant_fp8``, whose CPU path
 is a Triton kernel (no Triton on CPU), so it cannot run here. For the fp8 shape, vLLM's
 torch-native twin of that quantizer (``QuantFP8(group_shape=(1, 128)).forward_native``, the
-same ``amax / 448`` scale) quantizes every rank's tokens; xfer's e4m3 values and scales must
-equal it byte for byte, and the reference then runs unquantized on the dequantized tokens
-(routing, order, combine as above)."""
+same ``amax / 448`` scale) quantizes each expert's rows after the reference's ``prepare``, as
+its quantized ``prepare`` does; xfer's e4m3 values and scales must equal it byte for byte, and
+the experts and ``finalize`` then run on the dequantized rows (order, combine as above)."""
 
 import multiprocessing as mp
 import os
