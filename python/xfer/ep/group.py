@@ -7,7 +7,9 @@ registered regions (two buffer sets each) and carries out the protocol of
 A rank reuses a step's buffers two steps on, once its writes of that step are delivered. A
 peer's own later writes prove delivery (its combine of the step, its header two steps on);
 the local completion decides only where no such proof exists, so a provider that withholds
-completions (libfabric shm behind a dead peer) does not mask live peers. docs/moe.md,
+completions (libfabric shm behind a dead peer) does not mask live peers. A clean re-forms
+the group: new registrations of the written regions (the membership before cannot write into
+a later step), one agreed epoch, a restarted rank's new engine taken in. docs/moe.md,
 "Failure".
 
 The data path is numpy on host memory; ``xfer.ep.tensors`` puts torch tensors on it."""
@@ -30,6 +32,30 @@ _REGIONS = ("send", "dispatch", "combine_send", "combine")
 _SOURCE_FAMILY = 0xF000_3FFF
 # (engine id, engine address, tag) of every group not closed: one group per tag per engine.
 _TAGS_IN_USE: set = set()
+# Epochs the immediate tells apart (``xfer-ep-plan``'s ``IMM_EPOCHS``: 12 bits).
+IMM_EPOCHS = 1 << 12
+# The planner's epochs are u32; a record may name one up to here, so that a group agreeing on
+# the largest still has 2**20 steps before the counter would overflow.
+MAX_EPOCH = (1 << 32) - (1 << 20)
+# Bounds on what one rank's record may carry (a descriptor names one key per NIC).
+_MAX_ADDRESS_BYTES = 1 << 10
+_MAX_DESC_BYTES = 1 << 14
+
+
+def agreed_epoch(epochs) -> int:
+    """The epoch every rank takes at a clean: the largest any rank reached (no rank used it or
+    any later one, so no late arrival of an earlier step carries it), rounded up to even, so
+    that the first step of a membership uses buffer set 0, as after ``connect``."""
+    epochs = list(epochs)
+    if not epochs or any(type(e) is not int or not 0 <= e <= MAX_EPOCH for e in epochs):
+        raise ValueError(f"epochs must be integers in 0..{MAX_EPOCH}, not {epochs[:8]}")
+    top = max(epochs)
+    return top + (top & 1)
+
+
+def step_imm(tag: int, epoch: int, phase: int, source: int) -> int:
+    """``xfer-ep-plan``'s immediate: ``tag:4 | epoch:12 | phase:2 | source:14``."""
+    return ((tag & 0xF) << 28) | ((epoch % IMM_EPOCHS) << 16) | ((phase & 3) << 14) | (source & 0x3FFF)
 
 
 def _bytes_of(a: np.ndarray) -> np.ndarray:
@@ -122,7 +148,10 @@ class EpGroup:
     ``engine``: an open ``xfer.TransferEngine`` whose ``timeouts.expect_ms`` exceeds ten
     ``cfg.timeout`` (the group's own deadlines decide; the engine's must not come first).
     ``memory``: where the regions live (``HostMemory()``, or ``xfer.ep.gpu.DeviceMemory``).
-    Exchange ``local_info()`` among the ranks by any channel, then ``connect(infos)``."""
+    Exchange ``local_info()`` among the ranks by any channel, then ``connect(infos)``; after
+    a failure, ``begin_clean()`` / ``clean(infos)`` on every rank re-forms the group (a
+    restarted rank ``connect``s with the same records); ``xfer.ep.rendezvous`` does either
+    through xfer's rendezvous."""
 
     def __init__(self, engine, rank: int, cfg: EpConfig, *, eplb=None, memory=None):
         if not 0 <= rank < cfg.ranks:
@@ -146,6 +175,11 @@ class EpGroup:
             self.regions[name], self._mrs[name] = self._memory.register(engine, name, 2 * self._set_bytes[name], access)
         self.active = [True] * cfg.ranks
         self._owed: list[int] = []
+        # Epochs whose immediates may have arrived with nobody to count them (a step that
+        # masked a rank, ran without one, or the two after it: see ``_stray_imms``).
+        self._suspect: set[int] = set()
+        # Between ``begin_clean`` and ``clean``: the written regions are new, the peers not yet.
+        self._fenced = False
         # Combine writes of earlier steps not yet known delivered: ``(epoch, peer, transfer)``
         # (at most the last two steps': a peer's header two steps on proves them).
         self._unproven: list = []
@@ -155,27 +189,77 @@ class EpGroup:
 
     # -- membership -------------------------------------------------------------------------
     def local_info(self) -> dict:
-        """What peers need: this engine's address and the two written regions."""
+        """What peers need: this engine's address, the two written regions and the epoch this
+        rank would start its next step with (the ranks agree on one at ``connect`` and
+        ``clean``)."""
         return {
             "rank": self.rank,
             "address": bytes(self.engine.main_address),
             "dispatch": bytes(self._mrs["dispatch"].desc),
             "combine": bytes(self._mrs["combine"].desc),
+            "epoch": self.epoch,
         }
 
-    def connect(self, infos) -> None:
-        """Every rank's ``local_info()``, in rank order."""
-        if len(infos) != self.cfg.ranks or [i["rank"] for i in infos] != list(range(self.cfg.ranks)):
-            raise ValueError("connect wants every rank's local_info, in rank order")
-        self.peers = [{"dispatch": MrDesc(i["dispatch"]), "combine": MrDesc(i["combine"])} for i in infos]
+    def _checked(self, infos) -> list:
+        """Every rank's record, as a peer sent it (untrusted): one per rank in rank order, each
+        descriptor decodes, names the record's address as its owner and has the size this
+        config registers, the epoch is an integer in range. Returns ``[(peer, epoch)]``."""
+        cfg = self.cfg
+        infos = list(infos)
+        if len(infos) != cfg.ranks:
+            raise ValueError(f"connect wants every rank's local_info, in rank order: {len(infos)} records for {cfg.ranks} ranks")
+        checked = []
+        for r, info in enumerate(infos):
+            if not isinstance(info, dict) or info.get("rank") != r or type(info.get("rank")) is not int:
+                raise ValueError(f"record {r}: not rank {r}'s local_info (connect wants them in rank order)")
+            address = info.get("address")
+            if not isinstance(address, bytes) or not 0 < len(address) <= _MAX_ADDRESS_BYTES:
+                raise ValueError(f"rank {r}: address must be 1..{_MAX_ADDRESS_BYTES} bytes")
+            peer = {}
+            for name in ("dispatch", "combine"):
+                raw = info.get(name)
+                if not isinstance(raw, bytes) or not 0 < len(raw) <= _MAX_DESC_BYTES:
+                    raise ValueError(f"rank {r}: the {name} descriptor must be 1..{_MAX_DESC_BYTES} bytes")
+                try:
+                    desc = MrDesc(raw)
+                except (ValueError, _errors.Error) as e:
+                    raise ValueError(f"rank {r}: the {name} descriptor does not decode: {e}") from None
+                if desc.nbytes != 2 * self._set_bytes[name]:
+                    raise ValueError(
+                        f"rank {r}: its {name} region is {desc.nbytes} bytes, this config registers "
+                        f"{2 * self._set_bytes[name]} (the ranks' EpConfig differ)")
+                if bytes(desc.owner) != address or not desc.nics:
+                    raise ValueError(f"rank {r}: its {name} descriptor belongs to another engine than its address")
+                peer[name] = desc
+            epoch = info.get("epoch", 0)
+            if type(epoch) is not int or not 0 <= epoch <= MAX_EPOCH:
+                raise ValueError(f"rank {r}: epoch must be an integer in 0..{MAX_EPOCH}")
+            checked.append((peer, epoch))
+        if bytes(checked[self.rank][0]["dispatch"]) != bytes(self._mrs["dispatch"].desc) or \
+                bytes(checked[self.rank][0]["combine"]) != bytes(self._mrs["combine"].desc):
+            raise ValueError(f"record {self.rank} is not this rank's own local_info (regions of another group)")
+        return checked
+
+    def _install(self, checked) -> None:
+        """Takes the ranks' regions and restricts each rank's immediates to its NICs."""
+        self.peers = [peer for peer, _epoch in checked]
         # Each rank's immediates (this group's tag, that rank as source, any step and phase)
         # count only from that rank's NICs: a zero-byte write carrying one from anyone else
         # made this rank read the rank's slot before it was written, and mask it (review 56
         # M6). Where the transport names no sender the arrival still counts
-        # (docs/security.md).
+        # (docs/security.md). At a rejoin this also refuses the earlier incarnation's.
         for source, peer in enumerate(self.peers):
             nics = {bytes(n): n for d in peer.values() for n in d.nics}
             self.engine.restrict_imm_senders(_SOURCE_FAMILY, self._family(source), list(nics.values()))
+        self.epoch = agreed_epoch(epoch for _peer, epoch in checked)
+
+    def connect(self, infos) -> None:
+        """Every rank's ``local_info()``, in rank order, exchanged by any channel (records a
+        peer sent are checked: ``_checked``). Every rank starts at the same epoch: the largest
+        any record carries (a rank rejoining a running group takes the others')."""
+        if self.peers is not None or self._fenced:
+            raise RuntimeError("this group is connected: clean(infos) re-forms it")
+        self._install(self._checked(infos))
 
     def _family(self, source: int) -> int:
         """The bits every immediate rank ``source`` posts in this group has under
@@ -186,14 +270,78 @@ class EpGroup:
         """1 for each rank this one still talks to, 0 for a masked one (DeepEP's mask API)."""
         return np.array([1 if a else 0 for a in self.active], dtype=np.int32)
 
-    def clean(self) -> None:
-        """Every rank active again. Call it on every rank together, once nothing is in flight
-        (after a barrier of the caller's): what masked steps left owed to the ImmCounter is
-        cleared."""
-        for imm in sorted(set(self._owed)):
+    def _stray_imms(self) -> list:
+        """What masked steps left in the ImmCounter: the immediates their waits gave up
+        (``abandoned_imms``), and every immediate of the steps that masked a rank or ran
+        without one and of the two after each (a masked rank may be two steps ahead, and an
+        overflow write a rank did not wait for is counted by nobody). Left there, one would
+        meet the expectation of the step that reuses its 12-bit epoch, 4,096 steps on."""
+        imms = set(self._owed)
+        for epoch in self._suspect:
+            for source in range(self.cfg.ranks):
+                if source != self.rank:
+                    imms.update(step_imm(self.cfg.tag, epoch, phase, source) for phase in range(3))
+        return sorted(imms)
+
+    def _forget_masked_steps(self) -> None:
+        for imm in self._stray_imms():
             self.engine.reset_imm(imm)
         self._owed.clear()
+        self._suspect.clear()
         self.active = [True] * self.cfg.ranks
+
+    def begin_clean(self) -> dict:
+        """The first half of a clean, on every rank once nothing is in flight (after a barrier
+        of the caller's): replaces this rank's two written regions with new registrations, so
+        that no write of the membership before — a masked rank's late writes, a dead
+        incarnation's — can land in a step after the clean (the old descriptors are refused
+        from now on). Returns this rank's record; exchange them as for ``connect``, then
+        ``clean(infos)`` on every rank (a restarted rank ``connect``s with the same records).
+        No step runs between the two."""
+        if self.peers is None and not self._fenced:
+            raise RuntimeError("connect() first: a group that never connected joins with connect(infos)")
+        for name in ("dispatch", "combine"):
+            # The old one first (a device memory frees its range by name), then the new one,
+            # poisoned as at the start.
+            self._memory.release(self.engine, name, self._mrs[name])
+            self.regions[name], self._mrs[name] = self._memory.register(self.engine, name, 2 * self._set_bytes[name], "write")
+        self.peers = None
+        self._fenced = True
+        return self.local_info()
+
+    def clean(self, infos=None) -> None:
+        """Every rank active again, on every rank together once nothing is in flight.
+
+        ``clean(infos)``, after ``begin_clean()`` on every rank, with every rank's record from
+        it (a restarted rank's ``local_info()`` in its place): takes every rank's new regions
+        (a rejoined rank's engine, regions and NICs, to which its immediates are now
+        restricted), clears what the masked steps left in the ImmCounter and sets one epoch on
+        every rank (the largest any record carries: ``agreed_epoch``). Writes of the
+        membership before cannot land in a later step (their regions are gone) nor be counted
+        for one (their immediates are cleared, or refused from a rejoined rank's old NICs).
+
+        ``clean()`` alone is the local half, for hosts whose clean is a local call (DeepEP's
+        ``low_latency_clean_mask_buffer``): the masks and the ImmCounter are cleared, the
+        regions, peers and epochs stay — the ranks must have run the same steps (no fence
+        against a masked rank's late writes; docs/moe.md)."""
+        if infos is None:
+            if self._fenced:
+                raise RuntimeError("begin_clean() was called: finish with clean(infos)")
+            self._forget_masked_steps()
+            return
+        if not self._fenced:
+            raise RuntimeError("begin_clean() first, on every rank, and exchange what it returns")
+        checked = self._checked(infos)
+        # Writes of the last steps still unconfirmed went to the regions just replaced: what
+        # they carry is never read again.
+        self._unproven.clear()
+        # The steps the others ran and this rank did not (it was silent): their writes to this
+        # rank were counted by nobody here.
+        skipped = agreed_epoch(epoch for _peer, epoch in checked) - self.epoch
+        self._suspect.update((self.epoch + i) % IMM_EPOCHS for i in range(min(max(skipped, 0), IMM_EPOCHS)))
+        self._forget_masked_steps()
+        self._install(checked)
+        self._fenced = False
 
     def buffer_hint(self) -> dict:
         """Bytes this rank registers (both buffer sets of each region)."""
@@ -282,7 +430,12 @@ class EpGroup:
                 return
             active = h.step.active()
             for key in [k for k in h.expects if not active[k[0]]]:
-                del h.expects[key]
+                _imm, t = h.expects.pop(key)
+                if t is not _LANDED:
+                    # The engine forgets the wait too: left there until its own expect_ms, it
+                    # took the arrival of the step 4,096 on (the same immediate) after a
+                    # clean. Its own arrival, should it come, is owed (cleared by clean()).
+                    t.cancel()
             # Everything that landed is taken before any deadline is looked at.
             landed = [(k, v) for k, v in h.expects.items() if v[1].done()]
             for (source, phase), (imm, t) in landed:
@@ -343,6 +496,8 @@ class EpGroup:
         for r in h.step.newly_masked():
             self.active[r] = False
         self._owed.extend(h.step.abandoned_imms())
+        if not all(h.step.active()):
+            self._suspect.update(e % IMM_EPOCHS for e in (h.epoch, h.epoch + 1, h.epoch + 2))
 
     def dispatch_send(self, x: np.ndarray, topk_idx: np.ndarray) -> Handle:
         """Starts a step: packs ``x`` (``[tokens, hidden]`` of the storage dtype; quantized to
@@ -503,7 +658,7 @@ class EpGroup:
             except _errors.Error:
                 pass
         self._unproven.clear()
-        if self.peers is not None:
+        if self.peers is not None or self._fenced:
             for source in range(self.cfg.ranks):
                 self.engine.restrict_imm_senders(_SOURCE_FAMILY, self._family(source), None)
         for name, mr in self._mrs.items():

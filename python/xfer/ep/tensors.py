@@ -88,5 +88,8 @@ class TorchEpGroup:
     def query_active_mask(self) -> torch.Tensor:
         return torch.from_numpy(self.group.query_active_mask())
 
-    def clean(self) -> None:
-        self.group.clean()
+    def begin_clean(self) -> dict:
+        return self.group.begin_clean()
+
+    def clean(self, infos=None) -> None:
+        self.group.clean(infos)
