@@ -10,10 +10,13 @@ The plan and the protocol are the Rust crate ``xfer-ep-plan`` (through
 - ``xfer.ep.tensors``: the same on torch tensors;
 - ``xfer.ep.deep_ep``: DeepEP's low-latency ``Buffer``, for vLLM and SGLang (see
   ``docs/moe.md`` for how to select it);
+- ``xfer.ep.rendezvous``: ``EpRendezvous``, forming a group through xfer's rendezvous, and
+  re-forming it at a clean with a restarted rank;
 - ``xfer.ep.oracle``: the communication-free oracle the tests and the benchmark use.
 """
 
 from .group import EpError, EpGroup, Handle
 from .layout import EpConfig
+from .rendezvous import EpRendezvous
 
-__all__ = ["EpConfig", "EpGroup", "EpError", "Handle"]
+__all__ = ["EpConfig", "EpGroup", "EpError", "EpRendezvous", "Handle"]
