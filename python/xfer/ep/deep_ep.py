@@ -233,13 +233,35 @@ class Buffer:
         mask_status.copy_(torch.from_numpy(self._mask()).to(mask_status.dtype))
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Every rank active again (call it on every rank once nothing is in flight)."""
+        """Every rank active again — a local call, as DeepEP's (it clears the mask; vLLM's
+        ``clean_buffers`` makes it on every rank with no barrier of its own, while the
+        process group may hold a dead rank): the masks and what the masked steps left in the
+        ImmCounter are cleared (``EpGroup.clean()``). The regions and epochs stay, so the
+        ranks must have run the same steps (vLLM's data-parallel ranks do: each runs every
+        step, a dummy batch when idle); for a clean that agrees the epoch and refuses a masked
+        rank's late writes, ``clean_low_latency_buffer``."""
         for ep in self._groups.values():
             ep.clean()
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int = 0, hidden: int = 0,
                                  num_experts: int = 0) -> None:
-        """Nothing to clear: every count header carries its step, so stale bytes are never read."""
+        """Collective, as DeepEP's (a barrier on every rank around clearing the buffer): every
+        rank's groups re-form — new regions (the writes of before can land in no later step),
+        their records all-gathered through ``group``, every mask cleared and one epoch agreed
+        (``EpGroup.begin_clean`` / ``clean``). Call it on every rank once nothing is in flight.
+        Nothing needs zeroing: every count header carries its step, so stale bytes are never
+        read. The shape arguments are DeepEP's; every shape's group is re-formed."""
+        import torch.distributed as dist
+
+        with self._lock:
+            mine = [(repr(key), ep.group.begin_clean()) for key, ep in self._groups.items()]
+            every = [None] * self.group_size
+            dist.all_gather_object(every, mine, group=self.group)
+            for r, theirs in enumerate(every):
+                if not isinstance(theirs, list) or [k for k, _i in theirs] != [k for k, _i in mine]:
+                    raise ValueError(f"rank {r} has other shapes than rank {self.rank}: every rank creates its shapes alike")
+            for i, ep in enumerate(self._groups.values()):
+                ep.group.clean([theirs[i][1] for theirs in every])
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
