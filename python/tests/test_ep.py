@@ -688,9 +688,9 @@ def shm_rank(rank, cfg_kwargs, conn, steps, die_after_dispatch, provider="shm"):
         conn.send(f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
 
 
-@pytest.mark.parametrize("ranks,die,provider", [(2, None, "shm"), (3, None, "shm"), (3, 2, "shm"), (2, None, "tcp;ofi_rxm")])
+@pytest.mark.parametrize("ranks,die,provider", [(2, None, "shm"), (3, None, "shm"), (4, None, "shm"), (3, 2, "shm"), (2, None, "tcp;ofi_rxm")])
 def test_processes_over_libfabric(ranks, die, provider):
-    """EP 2 and 3 as processes over libfabric shm (and EP 2 over tcp), exact against the oracle; and a process
+    """EP 2, 3 and 4 as processes over libfabric shm (and EP 2 over tcp), exact against the oracle; and a process
     killed after its dispatch: every survivor's steps end, mask it, and hand over nothing
     wrong. Exact masks are not asserted there: over shm a survivor that wrote to the dead
     process stops delivering its later writes, and the survivors then mask each other - found
