@@ -7,6 +7,9 @@ checked against the oracle."""
 
 import dataclasses
 import threading
+import time
+
+import numpy as np
 
 import pytest
 
@@ -105,6 +108,54 @@ def test_arrivals_from_before_a_clean_never_meet_a_step_4096_on():
             for step in (4096, 4097):
                 check_step(g, r, cfg, [oracle.inputs(53, step, s, cfg) for s in range(2)])
                 assert list(g.query_active_mask()) == [1, 1]
+
+        rs.run(after)
+    finally:
+        rs.close()
+
+
+def test_a_rank_stepping_before_a_peer_finished_its_clean_is_not_lost():
+    """EP 2: rank 1 is silent in step 1, which rank 0 runs (masking it). At the clean rank 1
+    finishes first and posts its header of the first step after it (epoch 2) before rank 0
+    calls clean(infos) — as a rank may that returns from the exchange first. Rank 0's clean
+    used to clear the immediates of the steps around the one that masked rank 1, epoch 2
+    among them: it wiped rank 1's header arrival, and rank 0 masked rank 1 in that step. The
+    ImmCounter is now cleared before the new regions are published (at begin_clean) and, at
+    clean, never for the epochs the first two steps after it use."""
+    cfg = failure_cfg(2)
+    rs = Ranks(cfg)
+    try:
+        def body(r, g):
+            check_step(g, r, cfg, [oracle.inputs(57, 0, s, cfg) for s in range(2)])
+            if r == 0:
+                survivors_run(cfg, g, r, 1, 1, 1, 57)
+
+        rs.run(body)
+        infos = [g.begin_clean() for g in rs.groups]
+        rs.groups[1].clean(infos)
+        assert [g.epoch for g in rs.groups] == [2, 2]
+        ins = [oracle.inputs(57, 2, s, cfg) for s in range(2)]
+        early = rs.groups[1].dispatch_send(*ins[1][:2])
+        header = step_imm(cfg.tag, 2, 0, 1)
+        deadline = time.monotonic() + 30
+        while rs.engines[0].imm_count(header) < 1:
+            assert time.monotonic() < deadline, "rank 1's header never came"
+            time.sleep(0.001)
+        rs.groups[0].clean(infos)
+
+        def after(r, g):
+            if r == 1:  # its step 2 already started
+                recv, cnt = g.dispatch_recv(early)
+                expected = oracle.expected_recv(ins, r, cfg)
+                for le in range(cfg.experts_per_rank):
+                    assert np.array_equal(recv[le, : cnt[le]], expected[le]), f"expert {le}"
+                x, idx, w = ins[r]
+                y = g.combine(oracle.run_experts_deepep(recv, cnt, r, cfg), early, w)
+                assert np.array_equal(y, oracle.expected_combine(x, idx, w, cfg))
+            else:
+                check_step(g, r, cfg, ins)
+            assert list(g.query_active_mask()) == [1, 1]
+            check_step(g, r, cfg, [oracle.inputs(57, 3, s, cfg) for s in range(2)])
 
         rs.run(after)
     finally:

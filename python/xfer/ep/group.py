@@ -270,21 +270,23 @@ class EpGroup:
         """1 for each rank this one still talks to, 0 for a masked one (DeepEP's mask API)."""
         return np.array([1 if a else 0 for a in self.active], dtype=np.int32)
 
-    def _stray_imms(self) -> list:
+    def _stray_imms(self, spare=()) -> list:
         """What masked steps left in the ImmCounter: the immediates their waits gave up
         (``abandoned_imms``), and every immediate of the steps that masked a rank or ran
         without one and of the two after each (a masked rank may be two steps ahead, and an
         overflow write a rank did not wait for is counted by nobody). Left there, one would
-        meet the expectation of the step that reuses its 12-bit epoch, 4,096 steps on."""
-        imms = set(self._owed)
-        for epoch in self._suspect:
+        meet the expectation of the step that reuses its 12-bit epoch, 4,096 steps on. Not
+        those of the epochs in ``spare``."""
+        spare = {e % IMM_EPOCHS for e in spare}
+        imms = {imm for imm in self._owed if (imm >> 16) & (IMM_EPOCHS - 1) not in spare}
+        for epoch in self._suspect - spare:
             for source in range(self.cfg.ranks):
                 if source != self.rank:
                     imms.update(step_imm(self.cfg.tag, epoch, phase, source) for phase in range(3))
         return sorted(imms)
 
-    def _forget_masked_steps(self) -> None:
-        for imm in self._stray_imms():
+    def _forget_masked_steps(self, spare=()) -> None:
+        for imm in self._stray_imms(spare):
             self.engine.reset_imm(imm)
         self._owed.clear()
         self._suspect.clear()
@@ -295,9 +297,9 @@ class EpGroup:
         of the caller's): replaces this rank's two written regions with new registrations, so
         that no write of the membership before — a masked rank's late writes, a dead
         incarnation's — can land in a step after the clean (the old descriptors are refused
-        from now on). Returns this rank's record; exchange them as for ``connect``, then
-        ``clean(infos)`` on every rank (a restarted rank ``connect``s with the same records).
-        No step runs between the two."""
+        from now on), and clears what the masked steps left in the ImmCounter. Returns this
+        rank's record; exchange them as for ``connect``, then ``clean(infos)`` on every rank (a
+        restarted rank ``connect``s with the same records). No step runs between the two."""
         if self.peers is None and not self._fenced:
             raise RuntimeError("connect() first: a group that never connected joins with connect(infos)")
         for name in ("dispatch", "combine"):
@@ -305,6 +307,13 @@ class EpGroup:
             # poisoned as at the start.
             self._memory.release(self.engine, name, self._mrs[name])
             self.regions[name], self._mrs[name] = self._memory.register(self.engine, name, 2 * self._set_bytes[name], "write")
+        # Cleared here, before any peer holds the new regions (so before any write of a step
+        # after the clean): nothing of before can land from now on. The steps this rank did
+        # not run are cleared too (its peers masked it in the first of them, writing to it at
+        # most two steps on): they count for nobody here.
+        self._suspect.update(e % IMM_EPOCHS for e in range(self.epoch, self.epoch + 3))
+        for imm in self._stray_imms():
+            self.engine.reset_imm(imm)
         self.peers = None
         self._fenced = True
         return self.local_info()
@@ -315,10 +324,11 @@ class EpGroup:
         ``clean(infos)``, after ``begin_clean()`` on every rank, with every rank's record from
         it (a restarted rank's ``local_info()`` in its place): takes every rank's new regions
         (a rejoined rank's engine, regions and NICs, to which its immediates are now
-        restricted), clears what the masked steps left in the ImmCounter and sets one epoch on
-        every rank (the largest any record carries: ``agreed_epoch``). Writes of the
-        membership before cannot land in a later step (their regions are gone) nor be counted
-        for one (their immediates are cleared, or refused from a rejoined rank's old NICs).
+        restricted) and sets one epoch on every rank (the largest any record carries:
+        ``agreed_epoch``). Writes of the membership before cannot land in a later step (their
+        regions are gone) nor be counted for one (their immediates are cleared, or refused from
+        a rejoined rank's old NICs). A peer may start its next step before this rank called
+        ``clean``: its writes land in the new regions and are counted.
 
         ``clean()`` alone is the local half, for hosts whose clean is a local call (DeepEP's
         ``low_latency_clean_mask_buffer``): the masks and the ImmCounter are cleared, the
@@ -335,11 +345,13 @@ class EpGroup:
         # Writes of the last steps still unconfirmed went to the regions just replaced: what
         # they carry is never read again.
         self._unproven.clear()
-        # The steps the others ran and this rank did not (it was silent): their writes to this
-        # rank were counted by nobody here.
-        skipped = agreed_epoch(epoch for _peer, epoch in checked) - self.epoch
-        self._suspect.update((self.epoch + i) % IMM_EPOCHS for i in range(min(max(skipped, 0), IMM_EPOCHS)))
-        self._forget_masked_steps()
+        # Once more, for arrivals of before the engine had not yet counted at begin_clean —
+        # but never the immediates of the first two steps after the clean: a peer that
+        # finished its clean first may have sent them already.
+        agreed = agreed_epoch(epoch for _peer, epoch in checked)
+        skipped = min(max(agreed - self.epoch, 0), IMM_EPOCHS)
+        self._suspect.update((self.epoch + i) % IMM_EPOCHS for i in range(skipped))
+        self._forget_masked_steps(spare=(agreed, agreed + 1))
         self._install(checked)
         self._fenced = False
 
