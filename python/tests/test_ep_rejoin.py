@@ -203,7 +203,9 @@ def test_a_hung_incarnations_writes_landing_after_the_clean_never_reach_a_later_
     clean is exact on every rank, also those run after the old writes came."""
     cfg = failure_cfg(3)
     hung = 2
-    delay = 2.5 * cfg.timeout  # past the header wait (two timeouts), short of the next steps
+    # Past the header wait (two timeouts), with room for the survivors to end the step and clean
+    # on a loaded machine before the writes land.
+    delay = 3.5 * cfg.timeout
     rs = Ranks(cfg, engine_configs={hung: mock(delay_us=int(delay * 1e6))})
     old = {}
     try:
