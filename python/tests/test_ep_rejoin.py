@@ -19,7 +19,7 @@ from xfer.ep import oracle
 from xfer.ep.group import MAX_EPOCH, agreed_epoch, step_imm
 from xfer.ep.rendezvous import EpRendezvous
 
-from test_ep import MOCK, TIMEOUT, Ranks, check_step, failure_cfg, mock, shm_config, survivors_run, two_steps_in_flight
+from test_ep import MOCK, TIMEOUT, DroppedTo, Ranks, check_step, failure_cfg, mock, shm_config, survivors_run, two_steps_in_flight
 
 
 def test_the_agreed_epoch_and_the_immediates_it_names():
@@ -156,6 +156,65 @@ def test_a_rank_stepping_before_a_peer_finished_its_clean_is_not_lost():
                 check_step(g, r, cfg, ins)
             assert list(g.query_active_mask()) == [1, 1]
             check_step(g, r, cfg, [oracle.inputs(57, 3, s, cfg) for s in range(2)])
+
+        rs.run(after)
+    finally:
+        rs.close()
+
+
+def test_a_rank_stepping_before_a_peer_finished_a_local_clean_is_not_lost():
+    """The local clean (``clean()``, DeepEP's ``low_latency_clean_mask_buffer``, which vLLM's
+    ranks call with no barrier after it): rank 1's step-1 header to rank 0 is lost and rank 1
+    stops after its dispatch, so rank 0 masks it in step 1; both are then at epoch 2. Rank 1
+    cleans first and posts its step-2 header before rank 0 cleans. Rank 0's clean used to clear
+    the immediates of the two steps after the one that masked rank 1 — step 2's among them — so
+    it wiped that arrival and masked rank 1 again; it now spares the next two steps'."""
+    cfg = failure_cfg(2)
+    dropping = {}
+
+    def wrap(r, e):
+        if r == 1:
+            dropping[r] = DroppedTo(e, doomed=b"")
+            return dropping[r]
+        return e
+
+    rs = Ranks(cfg, wrap=wrap)
+    try:
+        rs.run(lambda r, g: check_step(g, r, cfg, [oracle.inputs(59, 0, s, cfg) for s in range(2)]))
+        dropping[1].doomed = rs.groups[0].local_info()["dispatch"]
+
+        def masking(r, g):
+            if r == 0:
+                survivors_run(cfg, g, r, 1, 1, 1, 59)
+            else:
+                g.dispatch_send(*oracle.inputs(59, 1, r, cfg)[:2])
+
+        rs.run(masking)
+        dropping[1].doomed = b""
+        assert [g.epoch for g in rs.groups] == [2, 2]
+        ins = [oracle.inputs(59, 2, s, cfg) for s in range(2)]
+        rs.groups[1].clean()
+        early = rs.groups[1].dispatch_send(*ins[1][:2])
+        header = step_imm(cfg.tag, 2, 0, 1)
+        deadline = time.monotonic() + 30
+        while rs.engines[0].imm_count(header) < 1:
+            assert time.monotonic() < deadline, "rank 1's header never came"
+            time.sleep(0.001)
+        rs.groups[0].clean()
+
+        def after(r, g):
+            if r == 1:  # its step 2 already started
+                recv, cnt = g.dispatch_recv(early)
+                expected = oracle.expected_recv(ins, r, cfg)
+                for le in range(cfg.experts_per_rank):
+                    assert np.array_equal(recv[le, : cnt[le]], expected[le]), f"expert {le}"
+                x, idx, w = ins[r]
+                y = g.combine(oracle.run_experts_deepep(recv, cnt, r, cfg), early, w)
+                assert np.array_equal(y, oracle.expected_combine(x, idx, w, cfg))
+            else:
+                check_step(g, r, cfg, ins)
+            assert list(g.query_active_mask()) == [1, 1]
+            check_step(g, r, cfg, [oracle.inputs(59, 3, s, cfg) for s in range(2)])
 
         rs.run(after)
     finally:

@@ -331,13 +331,16 @@ class EpGroup:
         ``clean``: its writes land in the new regions and are counted.
 
         ``clean()`` alone is the local half, for hosts whose clean is a local call (DeepEP's
-        ``low_latency_clean_mask_buffer``): the masks and the ImmCounter are cleared, the
-        regions, peers and epochs stay — the ranks must have run the same steps (no fence
-        against a masked rank's late writes; docs/moe.md)."""
+        ``low_latency_clean_mask_buffer``): the masks and the ImmCounter are cleared (but for
+        the next two steps' immediates), the regions, peers and epochs stay — the ranks must
+        have run the same steps (no fence against a masked rank's late writes;
+        docs/moe.md)."""
         if infos is None:
             if self._fenced:
                 raise RuntimeError("begin_clean() was called: finish with clean(infos)")
-            self._forget_masked_steps()
+            # Not the next two steps' immediates: a peer whose clean came first may have sent
+            # them (no rank ran those steps before, so nothing of before carries them).
+            self._forget_masked_steps(spare=(self.epoch, self.epoch + 1))
             return
         if not self._fenced:
             raise RuntimeError("begin_clean() first, on every rank, and exchange what it returns")

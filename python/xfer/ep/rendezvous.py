@@ -45,8 +45,9 @@ MAX_GENERATION = 10**9
 
 class EpRendezvous:
     """One rank's side of forming its group through ``rdv`` (an ``xfer.Rendezvous``) under
-    ``name`` (1-64 of ``A-Z a-z 0-9 . _ -``, the same on every rank); records live for
-    ``ttl`` seconds after their process dies."""
+    ``name`` (1-64 of ``A-Z a-z 0-9 . _ -``, the same on every rank, one group's: records of
+    an earlier run under it, alive until their lease ends, would lead a rank to a later
+    generation than its peers); records live for ``ttl`` seconds after their process dies."""
 
     def __init__(self, rdv, name: str, *, ttl: float = 5.0):
         if not isinstance(name, str) or not _NAME.fullmatch(name):
