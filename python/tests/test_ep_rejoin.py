@@ -495,3 +495,64 @@ def test_a_sigkilled_process_restarts_and_rejoins_through_the_rendezvous(provide
             if p.is_alive():
                 p.kill()
         server.close()
+
+
+class ShadowedMemory:
+    """A host stand-in for ``xfer.ep.gpu.DeviceMemory``'s seam: the registered region is one
+    array (the "device"), the group's stages see a host shadow reached only through ``fetch`` /
+    ``publish`` / ``copy``, and ``release`` frees a region by name. A stage or a clean that went
+    around the seam reads poison or stale bytes."""
+
+    def __init__(self):
+        self.device = {}
+
+    def register(self, engine, name, nbytes, access):
+        self.device[name] = np.full(nbytes, 0xA5, dtype=np.uint8)
+        return np.full(nbytes, 0xA5, dtype=np.uint8), engine.reg_mr(self.device[name], access=access)
+
+    def fetch(self, regions, name, lo, hi):
+        regions[name][lo:hi] = self.device[name][lo:hi]
+
+    def publish(self, regions, name, lo, hi):
+        self.device[name][lo:hi] = regions[name][lo:hi]
+
+    def copy(self, regions, dst, dst_off, src, src_off, n):
+        self.device[dst][dst_off:dst_off + n] = self.device[src][src_off:src_off + n]
+
+    def release(self, engine, name, mr):
+        engine.dereg_mr(mr)
+        del self.device[name]
+
+
+def test_a_rank_rejoins_survivors_whose_regions_live_behind_a_memory_seam():
+    """The survivors' regions in "device" memory (``ShadowedMemory``, as ``DeviceMemory``
+    keeps them): the clean registers their new regions through the seam, so the newcomer's
+    writes land where the stages fetch from; the steps after the rejoin are exact."""
+    cfg = dataclasses.replace(failure_cfg(3), tag=3)
+    dead = 2
+    rs = Ranks(cfg, connect=False)
+    try:
+        for r in range(3):
+            rs.groups[r].close()
+            rs.groups[r] = EpGroup(rs.engines[r], r, cfg, memory=ShadowedMemory())
+        rs.connect()
+
+        def body(r, g):
+            check_step(g, r, cfg, [oracle.inputs(67, 0, s, cfg) for s in range(3)])
+            if r == dead:
+                rs.engines[r].close()
+                return
+            survivors_run(cfg, g, r, dead, 1, 1, 67)
+
+        rs.run(body)
+        rs.clean(rejoin=(dead,))
+        assert set(rs.groups[0]._memory.device) == {"send", "dispatch", "combine_send", "combine"}
+
+        def after(r, g):
+            for step in (2, 3):
+                check_step(g, r, cfg, [oracle.inputs(67, step, s, cfg) for s in range(3)])
+            assert list(g.query_active_mask()) == [1, 1, 1]
+
+        rs.run(after)
+    finally:
+        rs.close()
