@@ -341,7 +341,12 @@ def test_a_group_forms_and_a_dead_rank_rejoins_through_the_rendezvous():
         rs.replaced.append(rs.engines[dead])
         rs.engines[dead] = xfer.TransferEngine(MOCK)
         rs.groups[dead] = EpGroup(rs.engines[dead], dead, cfg)
+        # The dead incarnation's records stay published (held here, as a killed process's
+        # are until their lease ends): the newcomer's own rank's commit is not taken for the
+        # group's generation.
+        rdvs.append(rdvs[dead])
         rdvs[dead] = EpRendezvous(xfer.Rendezvous(server.url), "moe-a", ttl=3)
+        assert "moe-a.g0.c2" in [rec["name"] for rec in xfer.Rendezvous(server.url).list()]
         form(1)
 
         def after(r, g):
