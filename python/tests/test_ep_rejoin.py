@@ -22,6 +22,14 @@ from xfer.ep.rendezvous import EpRendezvous
 from test_ep import MOCK, TIMEOUT, DroppedTo, Ranks, check_step, failure_cfg, mock, shm_config, survivors_run, two_steps_in_flight
 
 
+def die(rs, r, g):
+    """Rank ``r`` dies after a step it finished: its combine writes of the step are delivered
+    first (``close`` waits for them; an engine closed at once drops those still in flight, and
+    its peers then mask it in that step), then its engine closes."""
+    g.close()
+    rs.engines[r].close()
+
+
 def test_the_agreed_epoch_and_the_immediates_it_names():
     """Pure helpers: the epoch a clean agrees on is the largest any rank reached, rounded up to
     even (its first step uses buffer set 0); records out of range are refused; the immediate
@@ -234,7 +242,7 @@ def test_a_dead_rank_rejoins_with_a_new_engine_at_a_clean():
         def body(r, g):
             check_step(g, r, cfg, [oracle.inputs(51, 0, s, cfg) for s in range(3)])
             if r == dead:
-                rs.engines[r].close()
+                die(rs, r, g)
                 return
             survivors_run(cfg, g, r, dead, 1, 2, 51)
 
@@ -333,7 +341,7 @@ def test_a_group_forms_and_a_dead_rank_rejoins_through_the_rendezvous():
         def steps(r, g):
             check_step(g, r, cfg, [oracle.inputs(71, 0, s, cfg) for s in range(3)])
             if r == dead:
-                rs.engines[r].close()
+                die(rs, r, g)
                 return
             survivors_run(cfg, g, r, dead, 1, 1, 71)
 
@@ -545,7 +553,7 @@ def test_a_rank_rejoins_survivors_whose_regions_live_behind_a_memory_seam():
         def body(r, g):
             check_step(g, r, cfg, [oracle.inputs(67, 0, s, cfg) for s in range(3)])
             if r == dead:
-                rs.engines[r].close()
+                die(rs, r, g)
                 return
             survivors_run(cfg, g, r, dead, 1, 1, 67)
 
