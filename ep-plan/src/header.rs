@@ -1,11 +1,14 @@
 use crate::layout::HEADER_FIXED;
 use crate::{HeaderError, Layout};
 
-const MAGIC: u32 = 0x5845_5031; // "XEP1"
+/// "XEP2": rows per (token, rank), each with its route record (`XEP1` sent one row per
+/// (token, expert) and counted them per local expert).
+pub const HEADER_MAGIC: u32 = 0x5845_5032;
 
-/// A source's count header: how many rows it sends each rank, per local expert, this step.
-/// It travels in front of the private rows of every dispatch A write, so every rank that holds
-/// every header knows the step's whole count matrix.
+/// A source's count header: how many rows it sends each rank this step (one per token routed
+/// there) and how many routed slots they carry. It travels in front of the private rows of
+/// every dispatch A write, so every rank that holds every header knows the step's whole count
+/// matrix.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Header {
     /// The step (full epoch, not truncated).
@@ -15,8 +18,10 @@ pub struct Header {
     /// A digest of the ranks the source talked to when the step began
     /// ([`membership_digest`]): overflow is exchanged only between ranks that agree on it.
     pub membership: u64,
-    /// `counts[rank × experts_per_rank + local_expert]`.
-    pub counts: Vec<u32>,
+    /// `rows[rank]`: rows (tokens) sent to `rank`.
+    pub rows: Vec<u32>,
+    /// `slots[rank]`: routed slots those rows carry (each comes back as one combine row).
+    pub slots: Vec<u32>,
 }
 
 /// A digest (FNV-1a) of a membership: which ranks are active.
@@ -30,19 +35,14 @@ pub fn membership_digest(active: &[bool]) -> u64 {
 }
 
 impl Header {
-    /// Rows for `rank` (all its local experts).
-    pub fn rows_to(&self, layout: &Layout, rank: u32) -> u64 {
-        let e = layout.experts_per_rank as usize;
-        let r = rank as usize;
-        self.counts[r * e..(r + 1) * e]
-            .iter()
-            .map(|&c| u64::from(c))
-            .sum()
+    /// Rows (tokens) for `rank`.
+    pub fn rows_to(&self, rank: u32) -> u64 {
+        u64::from(self.rows[rank as usize])
     }
 
-    /// Rows for `rank`'s local expert `expert`.
-    pub fn count(&self, layout: &Layout, rank: u32, expert: u32) -> u32 {
-        self.counts[(rank * layout.experts_per_rank + expert) as usize]
+    /// Routed slots for `rank` (what its combine write sends back, at most).
+    pub fn slots_to(&self, rank: u32) -> u64 {
+        u64::from(self.slots[rank as usize])
     }
 
     /// The header's bytes (`layout.header_bytes()` of them, little-endian words, zero padded).
@@ -50,28 +50,30 @@ impl Header {
         let mut out = Vec::with_capacity(layout.header_bytes() as usize);
         let (lo, hi) = (self.membership as u32, (self.membership >> 32) as u32);
         for w in [
-            MAGIC,
+            HEADER_MAGIC,
             self.epoch,
             self.source,
             layout.ranks,
             layout.experts_per_rank,
-            0,
+            layout.top_k,
             lo,
             hi,
         ] {
             out.extend_from_slice(&w.to_le_bytes());
         }
         debug_assert_eq!(out.len() as u64, HEADER_FIXED);
-        for c in &self.counts {
-            out.extend_from_slice(&c.to_le_bytes());
+        for (r, s) in self.rows.iter().zip(&self.slots) {
+            out.extend_from_slice(&r.to_le_bytes());
+            out.extend_from_slice(&s.to_le_bytes());
         }
         out.resize(layout.header_bytes() as usize, 0);
         out
     }
 
     /// Decodes the header found in `source`'s slot during step `epoch`, checking everything a
-    /// peer could get wrong: magic, shape, epoch and source, and bounds on every count (no
-    /// more rows than `max_tokens × top_k` in all).
+    /// peer could get wrong: magic, shape, epoch and source, and bounds on every count (at
+    /// most `max_tokens` rows to a rank, each carrying 1 to `top_k` slots, at most
+    /// `max_tokens × min(ranks, top_k)` rows and `max_tokens × top_k` slots in all).
     pub fn decode(
         layout: &Layout,
         epoch: u32,
@@ -90,10 +92,11 @@ impl Header {
                 bytes[4 * i + 3],
             ])
         };
-        if word(0) != MAGIC {
+        if word(0) != HEADER_MAGIC {
             return Err(HeaderError::Magic(word(0)));
         }
-        if word(3) != layout.ranks || word(4) != layout.experts_per_rank {
+        if word(3) != layout.ranks || word(4) != layout.experts_per_rank || word(5) != layout.top_k
+        {
             return Err(HeaderError::Shape {
                 ranks: word(3),
                 experts_per_rank: word(4),
@@ -108,13 +111,27 @@ impl Header {
             });
         }
         let fixed = (HEADER_FIXED / 4) as usize;
-        let n = (layout.ranks * layout.experts_per_rank) as usize;
-        let counts: Vec<u32> = (0..n).map(|i| word(fixed + i)).collect();
-        let total: u64 = counts.iter().map(|&c| u64::from(c)).sum();
-        if total > layout.max_send_rows() {
+        let n = layout.ranks as usize;
+        let rows: Vec<u32> = (0..n).map(|i| word(fixed + 2 * i)).collect();
+        let slots: Vec<u32> = (0..n).map(|i| word(fixed + 2 * i + 1)).collect();
+        let k = u64::from(layout.top_k);
+        for (r, (&n, &s)) in rows.iter().zip(&slots).enumerate() {
+            let (n, s) = (u64::from(n), u64::from(s));
+            if n > u64::from(layout.max_tokens) || s < n || s > n * k {
+                return Err(HeaderError::Bounds(format!(
+                    "{n} rows with {s} slots to rank {r} (at most {} rows, each 1 to {k} slots)",
+                    layout.max_tokens
+                )));
+            }
+        }
+        let total = |c: &[u32]| c.iter().map(|&c| u64::from(c)).sum::<u64>();
+        if total(&rows) > layout.max_send_rows() || total(&slots) > layout.max_send_slots() {
             return Err(HeaderError::Bounds(format!(
-                "{total} rows in all, at most {} can be sent",
-                layout.max_send_rows()
+                "{} rows and {} slots in all, at most {} and {} can be sent",
+                total(&rows),
+                total(&slots),
+                layout.max_send_rows(),
+                layout.max_send_slots()
             )));
         }
         let membership = u64::from(word(6)) | (u64::from(word(7)) << 32);
@@ -122,7 +139,8 @@ impl Header {
             epoch,
             source,
             membership,
-            counts,
+            rows,
+            slots,
         })
     }
 }
@@ -142,7 +160,8 @@ mod tests {
             epoch: 7,
             source: 1,
             membership: 5,
-            counts: vec![1, 0, 2, 1, 0, 3],
+            rows: vec![1, 0, 2],
+            slots: vec![2, 0, 3],
         };
         let b = h.encode(&l);
         assert_eq!(b.len() as u64, l.header_bytes());
@@ -165,7 +184,7 @@ mod tests {
             Header::decode(&l, 7, 1, &bad),
             Err(HeaderError::Magic(_))
         ));
-        let other = Layout::worst_case(2, 3, 2, 4, 16);
+        let other = Layout::worst_case(3, 3, 2, 4, 16);
         assert!(matches!(
             Header::decode(
                 &other,
@@ -175,22 +194,37 @@ mod tests {
                     epoch: 7,
                     source: 1,
                     membership: 5,
-                    counts: vec![0; 6]
+                    rows: vec![0; 3],
+                    slots: vec![0; 3],
                 }
                 .encode(&layout())
             ),
             Err(HeaderError::Shape { .. })
         ));
-        let huge = Header {
-            epoch: 7,
-            source: 1,
-            membership: 5,
-            counts: vec![u32::MAX, 0, 0, 0, 0, 1],
-        };
-        assert!(matches!(
-            Header::decode(&l, 7, 1, &huge.encode(&l)),
-            Err(HeaderError::Bounds(_))
-        ));
+        // More rows than tokens, rows without slots, more slots than top-k per row, more in
+        // all than a rank can send: each a bound a peer's bytes must meet.
+        for (rows, slots) in [
+            (vec![u32::MAX, 0, 0], vec![u32::MAX, 0, 0]),
+            (vec![5, 0, 0], vec![5, 0, 0]),
+            (vec![1, 0, 0], vec![0, 0, 0]),
+            (vec![1, 0, 0], vec![3, 0, 0]),
+            (vec![4, 4, 1], vec![8, 8, 1]),
+        ] {
+            let bad = Header {
+                epoch: 7,
+                source: 1,
+                membership: 5,
+                rows,
+                slots,
+            };
+            assert!(
+                matches!(
+                    Header::decode(&l, 7, 1, &bad.encode(&l)),
+                    Err(HeaderError::Bounds(_))
+                ),
+                "{bad:?}"
+            );
+        }
         // Zeroed memory (a slot nobody wrote) is not a header.
         assert!(matches!(
             Header::decode(&l, 0, 0, &vec![0; b.len()]),

@@ -14,12 +14,14 @@ pub struct Layout {
     pub top_k: u32,
     /// Most tokens one rank dispatches in a step.
     pub max_tokens: u32,
-    /// Bytes of one dispatched row (a token's hidden state, scales included).
+    /// Bytes of one dispatched row (a token's hidden state, scales included). On the wire each
+    /// row is followed by its route record ([`route_bytes`](Self::route_bytes)).
     pub row_bytes: u64,
     /// Bytes of one combined row (an expert's output; differs from `row_bytes` when dispatch
     /// is quantized, e.g. fp8 rows with scales out, bf16 back).
     pub combine_row_bytes: u64,
-    /// Rows each source may write into its own slot at each receiver before the counts land.
+    /// Rows (one per token) each source may write into its own slot at each receiver before
+    /// the counts land (`max_tokens` holds any routing).
     pub private_rows: u32,
     /// Rows each receiver shares among its sources beyond their private slots.
     pub overflow_rows: u32,
@@ -27,15 +29,19 @@ pub struct Layout {
 
 /// Header bytes are rounded up to this, so the rows after them stay aligned.
 pub(crate) const HEADER_ALIGN: u64 = 64;
-/// The header's fixed words: magic, epoch, source, ranks, experts per rank, padding, and the
+/// The header's fixed words: magic, epoch, source, ranks, experts per rank, top-k, and the
 /// membership digest.
 pub(crate) const HEADER_FIXED: u64 = 32;
+/// Route records are rounded up to this, so the rows after them stay aligned.
+pub(crate) const ROUTE_ALIGN: u64 = 16;
+/// A route record's entry for a slot routed elsewhere.
+pub const ROUTE_NONE: u16 = u16::MAX;
 /// Buffer sets, alternating by step.
 pub const SETS: u32 = 2;
 
 impl Layout {
     /// A layout with room for any routing: every row a source can send to a receiver fits its
-    /// private slot (`max_tokens × top_k`), no overflow.
+    /// private slot (`max_tokens`: one row per token), no overflow.
     pub fn worst_case(
         ranks: u32,
         experts_per_rank: u32,
@@ -50,7 +56,7 @@ impl Layout {
             max_tokens,
             row_bytes,
             combine_row_bytes: row_bytes,
-            private_rows: max_tokens * top_k,
+            private_rows: max_tokens,
             overflow_rows: 0,
         }
     }
@@ -62,21 +68,25 @@ impl Layout {
             return bad("ranks must be in 1..=16384");
         }
         if self.experts_per_rank == 0
+            || self.experts_per_rank >= u32::from(ROUTE_NONE)
             || self.top_k == 0
             || self.row_bytes == 0
             || self.combine_row_bytes == 0
         {
             return bad(
-                "experts_per_rank, top_k, row_bytes and combine_row_bytes must be positive",
+                "experts_per_rank (below 65535), top_k, row_bytes and combine_row_bytes must be positive",
             );
         }
+        let wire = u128::from(self.row_bytes) + u128::from(self.route_bytes());
         let total = u128::from(self.ranks) * self.slot_bytes_wide()
-            + u128::from(self.overflow_rows) * u128::from(self.row_bytes)
+            + u128::from(self.overflow_rows) * wire
+            + u128::from(self.max_tokens) * u128::from(self.ranks) * wire
             + u128::from(self.max_tokens)
                 * u128::from(self.top_k)
-                * u128::from(self.row_bytes.max(self.combine_row_bytes))
-                * 2
-            + self.receive_capacity_wide() * u128::from(self.combine_row_bytes)
+                * u128::from(self.combine_row_bytes)
+            + self.receive_capacity_wide()
+                * u128::from(self.top_k)
+                * u128::from(self.combine_row_bytes)
             + u128::from(self.ranks) * u128::from(self.header_bytes());
         if total * u128::from(SETS) > u128::from(u64::MAX / 4) {
             return bad("regions too large");
@@ -89,19 +99,32 @@ impl Layout {
     }
 
     fn slot_bytes_wide(&self) -> u128 {
-        u128::from(self.header_bytes()) + u128::from(self.private_rows) * u128::from(self.row_bytes)
+        u128::from(self.header_bytes())
+            + u128::from(self.private_rows)
+                * (u128::from(self.row_bytes) + u128::from(self.route_bytes()))
     }
 
-    /// Bytes of a count header: fixed words, then `ranks × experts_per_rank` `u32` counts,
+    /// Bytes of a count header: fixed words, then per rank two `u32`s (rows, routed slots),
     /// rounded up to 64 bytes.
     pub fn header_bytes(&self) -> u64 {
-        let raw = HEADER_FIXED + 4 * u64::from(self.ranks) * u64::from(self.experts_per_rank);
+        let raw = HEADER_FIXED + 8 * u64::from(self.ranks);
         raw.div_ceil(HEADER_ALIGN) * HEADER_ALIGN
+    }
+
+    /// Bytes of a row's route record: for each of its `top_k` slots a little-endian `u16`,
+    /// the local expert at the receiver or [`ROUTE_NONE`], rounded up to 16 bytes.
+    pub fn route_bytes(&self) -> u64 {
+        (2 * u64::from(self.top_k)).div_ceil(ROUTE_ALIGN) * ROUTE_ALIGN
+    }
+
+    /// Bytes of a row on the wire: the row, then its route record.
+    pub fn wire_row_bytes(&self) -> u64 {
+        self.row_bytes + self.route_bytes()
     }
 
     /// Bytes of one source's slot at a receiver: its header, then its private rows.
     pub fn slot_bytes(&self) -> u64 {
-        self.header_bytes() + u64::from(self.private_rows) * self.row_bytes
+        self.header_bytes() + u64::from(self.private_rows) * self.wire_row_bytes()
     }
 
     /// Byte offset of source `src`'s slot in a dispatch region (one set).
@@ -116,7 +139,7 @@ impl Layout {
 
     /// Bytes of one set of the dispatch region (slots and overflow).
     pub fn dispatch_region_bytes(&self) -> u64 {
-        self.overflow_offset() + u64::from(self.overflow_rows) * self.row_bytes
+        self.overflow_offset() + u64::from(self.overflow_rows) * self.wire_row_bytes()
     }
 
     /// Rows a receiver holds in all: every private slot and the overflow.
@@ -124,28 +147,43 @@ impl Layout {
         u64::from(self.ranks) * u64::from(self.private_rows) + u64::from(self.overflow_rows)
     }
 
-    /// Most rows one rank sends in a step (`max_tokens × top_k`).
+    /// Most rows one rank sends in a step: one per token and rank it routes to,
+    /// `max_tokens × min(ranks, top_k)`.
     pub fn max_send_rows(&self) -> u64 {
+        u64::from(self.max_tokens) * u64::from(self.ranks.min(self.top_k))
+    }
+
+    /// Most routed slots one rank sends in a step (`max_tokens × top_k`): each comes back as
+    /// one combine row.
+    pub fn max_send_slots(&self) -> u64 {
         u64::from(self.max_tokens) * u64::from(self.top_k)
+    }
+
+    /// Most routed slots a receiver holds: `top_k` per row it can hold, and no source sends
+    /// more than `max_tokens` rows.
+    pub fn receive_slot_capacity(&self) -> u64 {
+        self.receive_capacity()
+            .min(u64::from(self.ranks) * u64::from(self.max_tokens))
+            * u64::from(self.top_k)
     }
 
     /// Bytes of one set of the dispatch send buffer: a header per peer and every row.
     pub fn send_buffer_bytes(&self) -> u64 {
-        u64::from(self.ranks) * self.header_bytes() + self.max_send_rows() * self.row_bytes
+        u64::from(self.ranks) * self.header_bytes() + self.max_send_rows() * self.wire_row_bytes()
     }
 
-    /// Bytes of one set of the combine region (the rows this rank sent, coming back, behind a
-    /// header per peer).
+    /// Bytes of one set of the combine region (an output per slot this rank sent, coming
+    /// back, behind a header per peer).
     pub fn combine_region_bytes(&self) -> u64 {
         u64::from(self.ranks) * crate::plan::COMBINE_HEADER_BYTES
-            + self.max_send_rows() * self.combine_row_bytes
+            + self.max_send_slots() * self.combine_row_bytes
     }
 
-    /// Bytes of one set of the combine send buffer (every row this rank can receive, behind a
-    /// header per source).
+    /// Bytes of one set of the combine send buffer (an output per slot this rank can receive,
+    /// behind a header per source).
     pub fn combine_send_bytes(&self) -> u64 {
         u64::from(self.ranks) * crate::plan::COMBINE_HEADER_BYTES
-            + self.receive_capacity() * self.combine_row_bytes
+            + self.receive_slot_capacity() * self.combine_row_bytes
     }
 
     /// Logical experts of the identity map (`ranks × experts_per_rank`).

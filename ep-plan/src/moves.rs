@@ -168,52 +168,41 @@ pub fn copy_cells(dst: &[Cell<u8>], src: &[Cell<u8>]) {
     }
 }
 
-/// A run of received rows for one local expert: contiguous in the dispatch region (from
-/// `recv_offset`) and in the combine send buffer (from `combine_offset`), at `position` in the
-/// expert's rows (sources in rank order, each in its own order).
+/// Where one received slot's bytes are: its row in the dispatch region, its expert output's
+/// place in the combine send buffer, and its `position` among its expert's slots (sources in
+/// rank order, each in its own order: token, then slot).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RecvRun {
-    /// Byte offset in the dispatch region (both sets).
+pub struct RecvPlace {
+    /// Byte offset of the row in the dispatch region (both sets).
     pub recv_offset: u64,
-    /// Byte offset in the combine send buffer (both sets).
+    /// Byte offset of the output in the combine send buffer (both sets).
     pub combine_offset: u64,
-    /// Rows.
-    pub rows: u64,
     /// The local expert.
     pub expert: u32,
-    /// Index of the first row among the expert's rows.
+    /// Index among the expert's slots.
     pub position: u64,
 }
 
 impl Receive {
-    /// The received rows as runs, expert-major (DeepEP's low-latency order).
-    pub fn runs(&self) -> Vec<RecvRun> {
-        let (row, back) = (self.layout().row_bytes, self.layout().combine_row_bytes);
-        let mut out: Vec<RecvRun> = Vec::new();
+    /// Every received slot's place, expert-major (DeepEP's low-latency order); a row routed
+    /// to several local experts is in each of their places. Empty before the route records
+    /// are read.
+    pub fn places(&self) -> Vec<RecvPlace> {
         let mut position = vec![0u64; self.expert_counts.len()];
-        for i in self.expert_order() {
-            let r = self.rows[i];
-            let (recv, comb) = (r.offset, self.combine_send_row_offset(i));
-            let pos = position[r.expert as usize];
-            position[r.expert as usize] += 1;
-            if let Some(last) = out.last_mut() {
-                if last.expert == r.expert
-                    && last.recv_offset + last.rows * row == recv
-                    && last.combine_offset + last.rows * back == comb
-                {
-                    last.rows += 1;
-                    continue;
+        self.expert_order()
+            .into_iter()
+            .map(|j| {
+                let sl = self.slots[j];
+                let pos = position[sl.expert as usize];
+                position[sl.expert as usize] += 1;
+                RecvPlace {
+                    recv_offset: self.rows[sl.row as usize].offset,
+                    combine_offset: self.combine_send_slot_offset(j),
+                    expert: sl.expert,
+                    position: pos,
                 }
-            }
-            out.push(RecvRun {
-                recv_offset: recv,
-                combine_offset: comb,
-                rows: 1,
-                expert: r.expert,
-                position: pos,
-            });
-        }
-        out
+            })
+            .collect()
     }
 }
 
@@ -226,20 +215,20 @@ pub enum ExpertLayout {
     Flat,
 }
 
-/// Byte offset of `run`'s first row in the experts' layout of rows of `row` bytes.
+/// Byte offset of `place` in the experts' layout of rows of `row` bytes.
 pub fn expert_offset(
     layout: &Layout,
     shape: ExpertLayout,
     starts: &[u64],
-    run: &RecvRun,
+    place: &RecvPlace,
     row: u64,
 ) -> u64 {
     let first = match shape {
         ExpertLayout::DeepEp => {
-            u64::from(run.expert) * u64::from(layout.ranks) * u64::from(layout.max_tokens)
-                + run.position
+            u64::from(place.expert) * u64::from(layout.ranks) * u64::from(layout.max_tokens)
+                + place.position
         }
-        ExpertLayout::Flat => starts[run.expert as usize] + run.position,
+        ExpertLayout::Flat => starts[place.expert as usize] + place.position,
     };
     first * row
 }
@@ -264,26 +253,26 @@ pub fn expert_layout_bytes(
 
 impl SendPlan {
     /// Packs the send buffer: every active peer's block gets this rank's header and, behind
-    /// it, its rows copied from `x` (`[tokens, row]` bytes).
+    /// it, its rows copied from `x` (`[tokens, row]` bytes), each followed by its route record.
     pub fn pack(&self, layout: &Layout, x: &[Cell<u8>], send: &[Cell<u8>]) {
         let header = self.header.encode(layout);
         let row = layout.row_bytes as usize;
+        let route = layout.route_bytes() as usize;
         for peer in 0..layout.ranks {
             let block = self.block_offset(peer) as usize;
             for (d, &b) in send[block..block + header.len()].iter().zip(&header) {
                 d.set(b);
             }
-            let first = self.peer_start[peer as usize];
-            let rows_at = block + layout.header_bytes() as usize;
-            for (j, r) in self.rows[first..self.peer_start[peer as usize + 1]]
+        }
+        for (i, r) in self.rows.iter().enumerate() {
+            let at = self.row_offset(i) as usize;
+            let t = r.token as usize * row;
+            copy_cells(&send[at..at + row], &x[t..t + row]);
+            for (d, b) in send[at + row..at + row + route]
                 .iter()
-                .enumerate()
+                .zip(self.route_record(i))
             {
-                let t = r.token as usize * row;
-                copy_cells(
-                    &send[rows_at + j * row..rows_at + (j + 1) * row],
-                    &x[t..t + row],
-                );
+                d.set(b);
             }
         }
     }
@@ -299,16 +288,16 @@ impl StepMachine {
         let top_k = layout.top_k as usize;
         let row = layout.combine_row_bytes as usize;
         let hidden = row / dtype.size();
-        let tokens = plan.slot_row.len() / top_k;
+        let tokens = plan.slot_index.len() / top_k;
         let mut acc = vec![0f32; hidden];
         for (t, out) in y.chunks_exact(hidden).take(tokens).enumerate() {
             acc.iter_mut().for_each(|v| *v = 0.0);
             for s in 0..top_k {
-                let i = plan.slot_row[t * top_k + s];
-                if i < 0 || !self.row_combined(i as usize) {
+                let j = plan.slot_index[t * top_k + s];
+                if j < 0 || !self.slot_combined(j as usize) {
                     continue;
                 }
-                let at = plan.combine_row_offset(i as usize) as usize;
+                let at = plan.combine_slot_offset(j as usize) as usize;
                 accumulate(
                     dtype,
                     &mut acc,
@@ -329,7 +318,7 @@ pub fn write_combine_headers(r: &Receive, csend: &[Cell<u8>]) {
         if !r.sources[s as usize] {
             continue;
         }
-        let h = crate::plan::encode_combine_header(r.epoch, r.rank, r.valid[s as usize]);
+        let h = crate::plan::encode_combine_header(r.epoch, r.rank, r.slots_valid[s as usize]);
         let at = r.combine_send_offset(s) as usize;
         for (d, &b) in csend[at..at + COMBINE_HEADER_BYTES as usize].iter().zip(&h) {
             d.set(b);

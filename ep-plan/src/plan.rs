@@ -4,9 +4,11 @@
 //! Offsets are bytes from the start of a whole region (both buffer sets): set `s` starts at
 //! `s ×` the region's bytes per set.
 
+use std::cell::Cell;
+
 use crate::header::Header;
 use crate::imm::{Imm, Phase};
-use crate::layout::SETS;
+use crate::layout::{ROUTE_NONE, SETS};
 use crate::{ExpertMap, Layout, PlanError};
 
 /// Bytes of the header in front of each block of combine rows: magic, epoch, the block's
@@ -31,9 +33,20 @@ pub struct Write {
     pub len: u64,
 }
 
-/// One row this rank sends: a token's copy for one of its top-k slots.
+/// One row this rank sends: a token's copy for one rank it routes to, followed on the wire by
+/// its route record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SendRow {
+    /// The token.
+    pub token: u32,
+    /// The rank it goes to.
+    pub peer: u32,
+}
+
+/// One routed slot this rank sends: a token's top-k slot, carried by the token's row to `peer`;
+/// its expert output comes back as one combine row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendSlot {
     /// The token.
     pub token: u32,
     /// Its top-k slot.
@@ -56,13 +69,20 @@ pub struct SendPlan {
     pub tag: u8,
     /// Ranks this rank still talks to (`false`: masked).
     pub active: Vec<bool>,
-    /// Rows in send order: by peer, then local expert, token, slot.
+    /// Rows in send order: by peer, then token.
     pub rows: Vec<SendRow>,
     /// `rows[peer_start[p]..peer_start[p + 1]]` go to peer `p`.
     pub peer_start: Vec<usize>,
-    /// For each `token × top_k + slot`: its index in `rows`, or `-1` (a `-1` slot, or routed
+    /// Slots in combine order: by peer, then token, then slot (so the slots of a peer's first
+    /// `n` rows are its first slots).
+    pub slots: Vec<SendSlot>,
+    /// `slots[slot_start[p]..slot_start[p + 1]]` go to peer `p`.
+    pub slot_start: Vec<usize>,
+    /// `slots[row_slots[i]..row_slots[i + 1]]` travel in row `i`.
+    pub row_slots: Vec<usize>,
+    /// For each `token × top_k + slot`: its index in `slots`, or `-1` (a `-1` slot, or routed
     /// to a masked rank).
-    pub slot_row: Vec<i64>,
+    pub slot_index: Vec<i64>,
     /// Slots routed to a masked rank (their combine contribution is zero), as
     /// `token × top_k + slot`.
     pub masked_slots: Vec<u64>,
@@ -99,7 +119,7 @@ impl SendPlan {
             )));
         }
         let experts = map.logical_experts();
-        let mut rows = Vec::with_capacity(topk_idx.len());
+        let mut slots = Vec::with_capacity(topk_idx.len());
         let mut masked_slots = Vec::new();
         for (i, &e) in topk_idx.iter().enumerate() {
             let (token, slot) = (i / k, i % k);
@@ -126,27 +146,56 @@ impl SendPlan {
                 masked_slots.push(i as u64);
                 continue;
             }
-            rows.push(SendRow {
+            slots.push(SendSlot {
                 token: token as u32,
                 slot: slot as u32,
                 peer,
                 expert,
             });
         }
-        rows.sort_unstable_by_key(|r| (r.peer, r.expert, r.token, r.slot));
-        let mut peer_start = vec![0usize; ranks + 1];
-        let mut counts = vec![0u32; ranks * layout.experts_per_rank as usize];
-        for r in &rows {
-            peer_start[r.peer as usize + 1] += 1;
-            counts[(r.peer * layout.experts_per_rank + r.expert) as usize] += 1;
+        slots.sort_unstable_by_key(|s| (s.peer, s.token, s.slot));
+        // One row per (peer, token) run of slots.
+        let mut rows: Vec<SendRow> = Vec::new();
+        let mut row_slots = Vec::new();
+        for (j, s) in slots.iter().enumerate() {
+            if rows
+                .last()
+                .is_none_or(|r| (r.peer, r.token) != (s.peer, s.token))
+            {
+                rows.push(SendRow {
+                    token: s.token,
+                    peer: s.peer,
+                });
+                row_slots.push(j);
+            }
         }
-        for p in 0..ranks {
-            peer_start[p + 1] += peer_start[p];
+        row_slots.push(slots.len());
+        let starts = |peers: &mut dyn Iterator<Item = u32>| {
+            let mut start = vec![0usize; ranks + 1];
+            for p in peers {
+                start[p as usize + 1] += 1;
+            }
+            for p in 0..ranks {
+                start[p + 1] += start[p];
+            }
+            start
+        };
+        let peer_start = starts(&mut rows.iter().map(|r| r.peer));
+        let slot_start = starts(&mut slots.iter().map(|s| s.peer));
+        let mut slot_index = vec![-1i64; topk_idx.len()];
+        for (j, s) in slots.iter().enumerate() {
+            slot_index[s.token as usize * k + s.slot as usize] = j as i64;
         }
-        let mut slot_row = vec![-1i64; topk_idx.len()];
-        for (i, r) in rows.iter().enumerate() {
-            slot_row[r.token as usize * k + r.slot as usize] = i as i64;
-        }
+        let count = |start: &[usize]| -> Vec<u32> {
+            start.windows(2).map(|w| (w[1] - w[0]) as u32).collect()
+        };
+        let header = Header {
+            epoch,
+            source: rank,
+            membership: crate::header::membership_digest(active),
+            rows: count(&peer_start),
+            slots: count(&slot_start),
+        };
         Ok(Self {
             layout: layout.clone(),
             rank,
@@ -155,14 +204,12 @@ impl SendPlan {
             active: active.to_vec(),
             rows,
             peer_start,
-            slot_row,
+            slots,
+            slot_start,
+            row_slots,
+            slot_index,
             masked_slots,
-            header: Header {
-                epoch,
-                source: rank,
-                membership: crate::header::membership_digest(active),
-                counts,
-            },
+            header,
         })
     }
 
@@ -181,9 +228,26 @@ impl SendPlan {
         .encode()
     }
 
-    /// Rows to `peer`.
+    /// Rows to `peer` (one per token routed there).
     pub fn rows_to(&self, peer: u32) -> u64 {
         (self.peer_start[peer as usize + 1] - self.peer_start[peer as usize]) as u64
+    }
+
+    /// Routed slots to `peer` (its combine rows).
+    pub fn slots_to(&self, peer: u32) -> u64 {
+        (self.slot_start[peer as usize + 1] - self.slot_start[peer as usize]) as u64
+    }
+
+    /// Row `i`'s route record: for each top-k slot, the local expert at the row's peer it goes
+    /// to, or [`ROUTE_NONE`] (`layout.route_bytes()` bytes, little-endian `u16`s, zero padded).
+    pub fn route_record(&self, i: usize) -> Vec<u8> {
+        let mut entries = vec![ROUTE_NONE; self.layout.top_k as usize];
+        for s in &self.slots[self.row_slots[i]..self.row_slots[i + 1]] {
+            entries[s.slot as usize] = s.expert as u16;
+        }
+        let mut out: Vec<u8> = entries.iter().flat_map(|e| e.to_le_bytes()).collect();
+        out.resize(self.layout.route_bytes() as usize, 0);
+        out
     }
 
     /// Offset of `peer`'s block (its header copy, then its rows) in the send buffer.
@@ -191,15 +255,16 @@ impl SendPlan {
         let l = &self.layout;
         u64::from(self.set()) * l.send_buffer_bytes()
             + u64::from(peer) * l.header_bytes()
-            + self.peer_start[peer as usize] as u64 * l.row_bytes
+            + self.peer_start[peer as usize] as u64 * l.wire_row_bytes()
     }
 
-    /// Offset of row `i` (of [`rows`](Self::rows)) in the send buffer.
+    /// Offset of row `i` (of [`rows`](Self::rows)) in the send buffer; its route record
+    /// follows its `row_bytes`.
     pub fn row_offset(&self, i: usize) -> u64 {
         let peer = self.rows[i].peer;
         self.block_offset(peer)
             + self.layout.header_bytes()
-            + (i - self.peer_start[peer as usize]) as u64 * self.layout.row_bytes
+            + (i - self.peer_start[peer as usize]) as u64 * self.layout.wire_row_bytes()
     }
 
     /// The dispatch A writes: to every active peer (itself included), its header copy and
@@ -216,7 +281,7 @@ impl SendPlan {
                 dst_offset: u64::from(self.set()) * l.dispatch_region_bytes()
                     + l.slot_offset(self.rank),
                 len: l.header_bytes()
-                    + self.rows_to(p).min(u64::from(l.private_rows)) * l.row_bytes,
+                    + self.rows_to(p).min(u64::from(l.private_rows)) * l.wire_row_bytes(),
             })
             .collect()
     }
@@ -240,33 +305,33 @@ impl SendPlan {
                 peer: p,
                 phase: Phase::DispatchB,
                 imm: self.imm(Phase::DispatchB),
-                src_offset: self.block_offset(p) + l.header_bytes() + private * l.row_bytes,
+                src_offset: self.block_offset(p) + l.header_bytes() + private * l.wire_row_bytes(),
                 dst_offset: u64::from(self.set()) * l.dispatch_region_bytes()
                     + l.overflow_offset()
-                    + start * l.row_bytes,
-                len: (n - private) * l.row_bytes,
+                    + start * l.wire_row_bytes(),
+                len: (n - private) * l.wire_row_bytes(),
             });
         }
         Ok(out)
     }
 
-    /// Offset of `peer`'s block (a combine header, then the rows) in this rank's combine
-    /// region: the peers' blocks in rank order, each as long as what was sent to it.
+    /// Offset of `peer`'s block (a combine header, then an output per slot) in this rank's
+    /// combine region: the peers' blocks in rank order, each as long as the slots sent to it.
     pub fn combine_block_offset(&self, peer: u32) -> u64 {
         combine_block(
             &self.layout,
             self.set(),
             peer,
-            self.peer_start[peer as usize] as u64,
+            self.slot_start[peer as usize] as u64,
         )
     }
 
-    /// Offset of row `i`'s expert output in the combine region.
-    pub fn combine_row_offset(&self, i: usize) -> u64 {
-        let peer = self.rows[i].peer;
+    /// Offset of slot `j`'s expert output in the combine region.
+    pub fn combine_slot_offset(&self, j: usize) -> u64 {
+        let peer = self.slots[j].peer;
         self.combine_block_offset(peer)
             + COMBINE_HEADER_BYTES
-            + (i - self.peer_start[peer as usize]) as u64 * self.layout.combine_row_bytes
+            + (j - self.slot_start[peer as usize]) as u64 * self.layout.combine_row_bytes
     }
 
     /// The combine writes this rank expects: one from every active peer, rows or not (so
@@ -344,9 +409,7 @@ impl CountMatrix {
 
     /// Rows `src` sends `dst`, if its header is here.
     pub fn rows(&self, src: u32, dst: u32) -> Option<u64> {
-        self.headers[src as usize]
-            .as_ref()
-            .map(|h| h.rows_to(&self.layout, dst))
+        self.headers[src as usize].as_ref().map(|h| h.rows_to(dst))
     }
 
     /// Where `src`'s overflow rows start in `dst`'s overflow: the overflow of every source
@@ -387,15 +450,27 @@ impl CountMatrix {
 pub struct RecvRow {
     /// The rank that sent it.
     pub source: u32,
-    /// The local expert it is for.
-    pub expert: u32,
-    /// Its index in the source's block for this rank (the source's send order).
+    /// Its index in the source's block for this rank (the source's send order: by token).
     pub index: u32,
-    /// Its offset in the dispatch region.
+    /// Its offset in the dispatch region (its route record follows its `row_bytes`).
     pub offset: u64,
 }
 
-/// What one rank receives in a step and sends back in combine, from the headers it holds.
+/// One routed slot a rank received, from a row's route record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvSlot {
+    /// The row that carried it (index into [`Receive::rows`]).
+    pub row: u32,
+    /// The top-k slot at its source.
+    pub slot: u32,
+    /// The local expert it is for.
+    pub expert: u32,
+    /// Its index among the slots its source sent this rank (the source's combine order).
+    pub index: u32,
+}
+
+/// What one rank receives in a step and sends back in combine: the rows from the headers it
+/// holds, the slots once their route records are read ([`Receive::read_routes`]).
 #[derive(Debug, Clone)]
 pub struct Receive {
     layout: Layout,
@@ -405,7 +480,7 @@ pub struct Receive {
     pub epoch: u32,
     /// Four bits for the immediates.
     pub tag: u8,
-    /// Rows that are here, by source, then the source's order (local expert, token).
+    /// Rows that are here, by source, then the source's order (token).
     pub rows: Vec<RecvRow>,
     /// The sources whose header is here and that are taken (active).
     pub sources: Vec<bool>,
@@ -413,17 +488,21 @@ pub struct Receive {
     pub sent: Vec<u64>,
     /// Rows of each source that are here (its private rows, and its overflow when taken).
     pub valid: Vec<u64>,
+    /// Slots each source's rows carry to this rank (from its header).
+    pub slots_sent: Vec<u64>,
     /// Sources whose overflow write (dispatch B) this rank waits for.
     pub expect_b: Vec<u32>,
+    /// Whether the route records were read (`slots`, `slots_valid`, `expert_counts` are set).
+    pub routed: bool,
+    /// The slots the rows here carry, by source, row, slot.
+    pub slots: Vec<RecvSlot>,
+    /// Slots of each source that are here: the combine rows this rank sends it.
+    pub slots_valid: Vec<u64>,
     /// `recv_count` per local expert.
     pub expert_counts: Vec<u64>,
 }
 
 impl Receive {
-    pub(crate) fn layout(&self) -> &Layout {
-        &self.layout
-    }
-
     /// What rank `rank` receives from the sources whose header it holds and that `include`
     /// keeps. `overflow[s]` says whether it takes `s`'s overflow rows this step (only with the
     /// complete matrix and nobody masked, so that its offsets match every sender's).
@@ -439,12 +518,13 @@ impl Receive {
         let l = layout;
         let set_base = u64::from(epoch % SETS) * l.dispatch_region_bytes();
         let private = u64::from(l.private_rows);
+        let wire = l.wire_row_bytes();
         let mut rows = Vec::new();
         let mut sent = vec![0; l.ranks as usize];
         let mut sources = vec![false; l.ranks as usize];
         let mut valid = vec![0; l.ranks as usize];
+        let mut slots_sent = vec![0; l.ranks as usize];
         let mut expect_b = Vec::new();
-        let mut expert_counts = vec![0u64; l.experts_per_rank as usize];
         for s in 0..l.ranks {
             let Some(h) = matrix.headers[s as usize]
                 .as_ref()
@@ -452,8 +532,9 @@ impl Receive {
             else {
                 continue;
             };
-            let n = h.rows_to(l, rank);
+            let n = h.rows_to(rank);
             sent[s as usize] = n;
+            slots_sent[s as usize] = h.slots_to(rank);
             sources[s as usize] = true;
             let start =
                 (overflow[s as usize] && n > private).then(|| matrix.overflow_start(s, rank));
@@ -462,27 +543,17 @@ impl Receive {
             }
             let here = if start.is_some() { n } else { n.min(private) };
             valid[s as usize] = here;
-            let mut index = 0u64;
-            for e in 0..l.experts_per_rank {
-                for _ in 0..h.count(l, rank, e) {
-                    if index < here {
-                        let offset = if index < private {
-                            set_base + l.slot_offset(s) + l.header_bytes() + index * l.row_bytes
-                        } else {
-                            set_base
-                                + l.overflow_offset()
-                                + (start.unwrap_or(0) + index - private) * l.row_bytes
-                        };
-                        rows.push(RecvRow {
-                            source: s,
-                            expert: e,
-                            index: index as u32,
-                            offset,
-                        });
-                        expert_counts[e as usize] += 1;
-                    }
-                    index += 1;
-                }
+            for index in 0..here {
+                let offset = if index < private {
+                    set_base + l.slot_offset(s) + l.header_bytes() + index * wire
+                } else {
+                    set_base + l.overflow_offset() + (start.unwrap_or(0) + index - private) * wire
+                };
+                rows.push(RecvRow {
+                    source: s,
+                    index: index as u32,
+                    offset,
+                });
             }
         }
         Self {
@@ -494,39 +565,118 @@ impl Receive {
             sources,
             sent,
             valid,
+            slots_sent,
             expect_b,
-            expert_counts,
+            routed: false,
+            slots: Vec::new(),
+            slots_valid: vec![0; l.ranks as usize],
+            expert_counts: vec![0; l.experts_per_rank as usize],
         }
     }
 
-    /// The rows in expert-major, source-major order (DeepEP's low-latency layout and the
-    /// flat one): for each local expert, each source's rows in its order. Indices into
-    /// [`rows`](Self::rows).
+    /// Reads the route record behind every row here (`region`: the dispatch region, both
+    /// sets) into [`slots`](Self::slots), [`slots_valid`](Self::slots_valid) and
+    /// [`expert_counts`](Self::expert_counts). The records are a peer's bytes: a source
+    /// whose records do not decode — an entry neither a local expert nor [`ROUTE_NONE`], a
+    /// row with no slot, more slots than its header announced (all of them when every row is
+    /// here) — is returned, and its slots are left out.
+    pub fn read_routes(&mut self, region: &[Cell<u8>]) -> Vec<u32> {
+        let l = &self.layout;
+        let (k, e) = (l.top_k as usize, l.experts_per_rank);
+        let mut bad = Vec::new();
+        let mut slots = Vec::with_capacity(self.rows.len());
+        let mut slots_valid = vec![0u64; l.ranks as usize];
+        let mut first = 0;
+        while first < self.rows.len() {
+            let s = self.rows[first].source;
+            let end = first
+                + self.rows[first..]
+                    .iter()
+                    .take_while(|r| r.source == s)
+                    .count();
+            let keep = slots.len();
+            let mut ok = true;
+            'rows: for (i, r) in self.rows.iter().enumerate().take(end).skip(first) {
+                let at = (r.offset + l.row_bytes) as usize;
+                let record = region.get(at..at + 2 * k).unwrap_or_default();
+                if record.len() != 2 * k {
+                    ok = false;
+                    break;
+                }
+                let before = slots.len();
+                for (slot, b) in record.chunks_exact(2).enumerate() {
+                    let entry = u16::from_le_bytes([b[0].get(), b[1].get()]);
+                    if entry == ROUTE_NONE {
+                        continue;
+                    }
+                    if u32::from(entry) >= e {
+                        ok = false;
+                        break 'rows;
+                    }
+                    slots.push(RecvSlot {
+                        row: i as u32,
+                        slot: slot as u32,
+                        expert: u32::from(entry),
+                        index: (slots.len() - keep) as u32,
+                    });
+                }
+                if slots.len() == before {
+                    ok = false;
+                    break;
+                }
+            }
+            let got = (slots.len() - keep) as u64;
+            let announced = self.slots_sent[s as usize];
+            let all_here = self.valid[s as usize] == self.sent[s as usize];
+            if !ok || got > announced || (all_here && got != announced) {
+                slots.truncate(keep);
+                bad.push(s);
+            } else {
+                slots_valid[s as usize] = got;
+            }
+            first = end;
+        }
+        let mut expert_counts = vec![0u64; e as usize];
+        for sl in &slots {
+            expert_counts[sl.expert as usize] += 1;
+        }
+        self.slots = slots;
+        self.slots_valid = slots_valid;
+        self.expert_counts = expert_counts;
+        self.routed = true;
+        bad
+    }
+
+    /// The slots in expert-major, source-major order (DeepEP's low-latency layout and the
+    /// flat one): for each local expert, each source's in its order (token, then slot).
+    /// Indices into [`slots`](Self::slots).
     pub fn expert_order(&self) -> Vec<usize> {
-        let mut order: Vec<usize> = (0..self.rows.len()).collect();
-        order.sort_by_key(|&i| (self.rows[i].expert, self.rows[i].source, self.rows[i].index));
+        let mut order: Vec<usize> = (0..self.slots.len()).collect();
+        // Stable: `slots` is by source, row, slot already.
+        order.sort_by_key(|&j| self.slots[j].expert);
         order
     }
 
-    /// Offset of source `s`'s block (combine header, then its rows) in this rank's combine
-    /// send buffer: the sources' blocks in rank order.
+    /// Offset of source `s`'s block (combine header, then its slots' outputs) in this rank's
+    /// combine send buffer: the sources' blocks in rank order.
     pub fn combine_send_offset(&self, s: u32) -> u64 {
-        let before: u64 = self.valid[..s as usize].iter().sum();
+        let before: u64 = self.slots_valid[..s as usize].iter().sum();
         u64::from(self.epoch % SETS) * self.layout.combine_send_bytes()
             + u64::from(s) * COMBINE_HEADER_BYTES
             + before * self.layout.combine_row_bytes
     }
 
-    /// Offset of received row `i`'s expert output in the combine send buffer.
-    pub fn combine_send_row_offset(&self, i: usize) -> u64 {
-        let r = self.rows[i];
-        self.combine_send_offset(r.source)
+    /// Offset of received slot `j`'s expert output in the combine send buffer.
+    pub fn combine_send_slot_offset(&self, j: usize) -> u64 {
+        let sl = self.slots[j];
+        let source = self.rows[sl.row as usize].source;
+        self.combine_send_offset(source)
             + COMBINE_HEADER_BYTES
-            + u64::from(r.index) * self.layout.combine_row_bytes
+            + u64::from(sl.index) * self.layout.combine_row_bytes
     }
 
     /// The combine writes: to every source taken (rows or not), its block (a header saying
-    /// how many of its rows were received, then their outputs, in its order), at its combine
+    /// how many of its slots were received, then their outputs, in its order), at its combine
     /// region's block for this rank. `matrix` gives where that block sits.
     pub fn writes_combine(&self, matrix: &CountMatrix) -> Vec<Write> {
         let l = &self.layout;
@@ -538,7 +688,7 @@ impl Receive {
             let Some(h) = &matrix.headers[s as usize] else {
                 continue;
             };
-            let before: u64 = (0..self.rank).map(|d| h.rows_to(l, d)).sum();
+            let before: u64 = (0..self.rank).map(|d| h.slots_to(d)).sum();
             out.push(Write {
                 peer: s,
                 phase: Phase::Combine,
@@ -551,7 +701,7 @@ impl Receive {
                 .encode(),
                 src_offset: self.combine_send_offset(s),
                 dst_offset: combine_block(l, self.epoch % SETS, self.rank, before),
-                len: COMBINE_HEADER_BYTES + self.valid[s as usize] * l.combine_row_bytes,
+                len: COMBINE_HEADER_BYTES + self.slots_valid[s as usize] * l.combine_row_bytes,
             });
         }
         out

@@ -12,6 +12,7 @@
 //! deadline, or whose header does not decode, is masked for the rest of the step and reported in
 //! [`StepMachine::newly_masked`] for the caller's [`Membership`].
 
+use std::cell::Cell;
 use std::collections::VecDeque;
 
 use crate::header::Header;
@@ -276,8 +277,8 @@ impl StepMachine {
             }
             Phase::DispatchB => {}
             Phase::Combine => {
-                let rows = self.plan.rows_to(i.source);
-                match decode_combine_header(bytes, self.plan.epoch, i.source, rows) {
+                let slots = self.plan.slots_to(i.source);
+                match decode_combine_header(bytes, self.plan.epoch, i.source, slots) {
                     Some(valid) => self.combined[i.source as usize] = Some(valid),
                     None => self.mask(i.source),
                 }
@@ -420,13 +421,39 @@ impl StepMachine {
         ));
     }
 
-    /// Starts combine at `now` (after [`Stage::Dispatched`], once the expert outputs are in
-    /// the combine send buffer with their headers): posts the combine writes and waits for
-    /// every active peer this rank sent rows to.
-    pub fn start_combine(&mut self, now: u64) -> Result<(), PlanError> {
+    /// Once [`Stage::Dispatched`]: reads the route record of every row here (`region`: the
+    /// dispatch region, both sets), so that [`receive`](Self::receive) has its slots and
+    /// expert counts. A source whose records do not decode is masked, as one whose header
+    /// does not: its rows count as none.
+    pub fn read_routes(&mut self, region: &[Cell<u8>]) -> Result<(), PlanError> {
         if self.stage != Stage::Dispatched {
             return Err(PlanError::Shape(format!(
-                "combine started in stage {:?}",
+                "routes read in stage {:?}",
+                self.stage
+            )));
+        }
+        loop {
+            let Some(r) = self.receive.as_mut() else {
+                return Ok(());
+            };
+            let bad = r.read_routes(region);
+            if bad.is_empty() {
+                return Ok(());
+            }
+            for s in bad {
+                self.mask(s);
+            }
+            self.rebuild_receive();
+        }
+    }
+
+    /// Starts combine at `now` (after [`Stage::Dispatched`] and
+    /// [`read_routes`](Self::read_routes), once the expert outputs are in the combine send
+    /// buffer with their headers): posts the combine writes and waits for every active peer.
+    pub fn start_combine(&mut self, now: u64) -> Result<(), PlanError> {
+        if self.stage != Stage::Dispatched || !self.receive.as_ref().is_some_and(|r| r.routed) {
+            return Err(PlanError::Shape(format!(
+                "combine started in stage {:?} (routes read first)",
                 self.stage
             )));
         }
@@ -448,13 +475,13 @@ impl StepMachine {
         Ok(())
     }
 
-    /// Whether row `i` of the plan came back with its expert's output (its peer is active and
-    /// its combine header counted it).
-    pub fn row_combined(&self, i: usize) -> bool {
-        let r = self.plan.rows[i];
-        let first = self.plan.peer_start[r.peer as usize];
-        self.active[r.peer as usize]
-            && self.combined[r.peer as usize].is_some_and(|valid| ((i - first) as u64) < valid)
+    /// Whether slot `j` of the plan came back with its expert's output (its peer is active
+    /// and its combine header counted it).
+    pub fn slot_combined(&self, j: usize) -> bool {
+        let peer = self.plan.slots[j].peer;
+        let first = self.plan.slot_start[peer as usize];
+        self.active[peer as usize]
+            && self.combined[peer as usize].is_some_and(|valid| ((j - first) as u64) < valid)
     }
 }
 

@@ -23,12 +23,18 @@ fn check(data: &[u8]) {
     let epoch = u32::from(shape[4]) | (u32::from(shape[5]) << 8);
     let source = u32::from(shape[6]) % layout.ranks;
     if let Ok(h) = Header::decode(&layout, epoch, source, rest) {
-        let total: u64 = h.counts.iter().map(|&c| u64::from(c)).sum();
-        assert!(total <= layout.max_send_rows());
-        assert_eq!(
-            h.counts.len() as u32,
-            layout.ranks * layout.experts_per_rank
-        );
+        let total = |c: &[u32]| c.iter().map(|&c| u64::from(c)).sum::<u64>();
+        assert!(total(&h.rows) <= layout.max_send_rows());
+        assert!(total(&h.slots) <= layout.max_send_slots());
+        assert_eq!(h.rows.len() as u32, layout.ranks);
+        assert_eq!(h.slots.len() as u32, layout.ranks);
+        for (&n, &s) in h.rows.iter().zip(&h.slots) {
+            assert!(
+                n <= layout.max_tokens
+                    && n <= s
+                    && u64::from(s) <= u64::from(n) * u64::from(layout.top_k)
+            );
+        }
         assert_eq!(
             Header::decode(&layout, epoch, source, &h.encode(&layout)).unwrap(),
             h
@@ -65,16 +71,20 @@ fn random_and_mutated_headers_never_panic_and_round_trip() {
         };
         let epoch = u32::from(shape[4]) | (u32::from(shape[5]) << 8);
         let source = u32::from(shape[6]) % layout.ranks;
-        let n = (layout.ranks * layout.experts_per_rank) as usize;
-        let budget = layout.max_send_rows();
-        let counts: Vec<u32> = (0..n)
-            .map(|_| rng.u32(0..=(budget / n as u64).min(u64::from(u32::MAX)) as u32))
+        // Rows within a fair share of the tokens per rank, each with 1 to top-k slots.
+        let rows: Vec<u32> = (0..layout.ranks)
+            .map(|_| rng.u32(0..=layout.max_tokens / layout.ranks))
+            .collect();
+        let slots: Vec<u32> = rows
+            .iter()
+            .map(|&n| n * rng.u32(1..=layout.top_k))
             .collect();
         let h = Header {
             epoch,
             source,
             membership: membership_digest(&vec![true; layout.ranks as usize]),
-            counts,
+            rows,
+            slots,
         };
         let mut data = shape.to_vec();
         let mut bytes = if rng.bool() {
@@ -100,5 +110,84 @@ fn random_and_mutated_headers_never_panic_and_round_trip() {
     assert!(
         decoded > 1_000,
         "the inputs reach the decoders' success path ({decoded})"
+    );
+}
+
+/// Route records are a peer's bytes too: over random and mutated records, reading them never
+/// panics, a source whose records do not decode is left out, and what is kept names only local
+/// experts, at least one slot per row, and no more slots than the header announced.
+#[test]
+fn random_and_mutated_route_records_are_bounded() {
+    use std::cell::Cell;
+    use xfer_ep_plan::{CountMatrix, ExpertMap, Receive, SendPlan};
+    let mut rng = fastrand::Rng::with_seed(9);
+    let (mut kept, mut refused) = (0, 0);
+    for _ in 0..2_000 {
+        let ranks = rng.u32(1..=3);
+        let layout = Layout {
+            ranks,
+            experts_per_rank: rng.u32(1..=4),
+            top_k: rng.u32(1..=4),
+            max_tokens: rng.u32(0..=4),
+            row_bytes: 16,
+            combine_row_bytes: 16,
+            private_rows: rng.u32(0..=4),
+            overflow_rows: 64,
+        };
+        let map = ExpertMap::identity(&layout);
+        let experts = i64::from(ranks * layout.experts_per_rank);
+        let plans: Vec<SendPlan> = (0..ranks)
+            .map(|r| {
+                let tokens = rng.u32(0..=layout.max_tokens);
+                let ids: Vec<i64> = (0..tokens * layout.top_k)
+                    .map(|_| rng.i64(-1..experts))
+                    .collect();
+                SendPlan::new(&layout, &map, r, 0, 0xE, &ids, &vec![true; ranks as usize]).unwrap()
+            })
+            .collect();
+        let mut matrix = CountMatrix::new(&layout);
+        for p in &plans {
+            matrix.headers[p.rank as usize] = Some(p.header.clone());
+        }
+        let everyone = vec![true; ranks as usize];
+        let mut region = vec![0u8; 2 * layout.dispatch_region_bytes() as usize];
+        let mut recv = Receive::new(&layout, 0, 0, 0xE, &matrix, &everyone, &everyone);
+        // The records as their sources wrote them, then a few bytes flipped.
+        for rr in &recv.rows {
+            let p = &plans[rr.source as usize];
+            let route = p.route_record(p.peer_start[0] + rr.index as usize);
+            let at = (rr.offset + layout.row_bytes) as usize;
+            region[at..at + route.len()].copy_from_slice(&route);
+            if rng.u8(..) < 40 {
+                let i = rng.usize(..route.len());
+                region[at + i] = rng.u8(..);
+            }
+        }
+        let bad = recv.read_routes(Cell::from_mut(region.as_mut_slice()).as_slice_of_cells());
+        refused += bad.len();
+        for s in 0..ranks {
+            if bad.contains(&s) {
+                assert_eq!(recv.slots_valid[s as usize], 0);
+                continue;
+            }
+            kept += 1;
+            assert!(recv.slots_valid[s as usize] <= recv.slots_sent[s as usize]);
+        }
+        for (i, _) in recv.rows.iter().enumerate() {
+            let carried = recv.slots.iter().filter(|sl| sl.row as usize == i).count();
+            let source = recv.rows[i].source;
+            assert!(carried >= 1 || bad.contains(&source));
+        }
+        assert!(recv
+            .slots
+            .iter()
+            .all(|sl| sl.expert < layout.experts_per_rank));
+        let total: u64 = recv.slots_valid.iter().sum();
+        assert_eq!(total, recv.slots.len() as u64);
+        assert_eq!(recv.expert_counts.iter().sum::<u64>(), total);
+    }
+    assert!(
+        kept > 1_000 && refused > 100,
+        "kept {kept}, refused {refused}"
     );
 }

@@ -3,17 +3,20 @@
 //! capacity): every rank plans its step, the headers are exchanged, the overflow and combine
 //! writes computed; then every write is applied to simulated memory.
 //!
-//! Checked: no two writes to a rank overlap and all stay inside their region's set; each rank
-//! expects exactly the writes posted to it (one A from every rank, a B from exactly the ranks
-//! that post one); at most two writes per peer per phase; every routed slot lands exactly once,
-//! at the expert the map names, in source-major order; combine brings every row back to the
-//! slot that sent it; a step past capacity fails on every rank.
+//! Checked: dispatch posts exactly one row per (token, rank it routes to) and a header per
+//! (source, receiver), no more bytes; no two writes to a rank overlap and all stay inside
+//! their region's set; each rank expects exactly the writes posted to it (one A from every
+//! rank, a B from exactly the ranks that post one); at most two writes per peer per phase;
+//! every routed slot lands exactly once, at the expert the map names, in source-major order
+//! (for each expert, sources in rank order, each source's tokens and slots in order); combine
+//! brings every slot back to the slot that sent it; a step past capacity fails on every rank.
 
 use proptest::prelude::*;
 use std::cell::Cell;
 
 use xfer_ep_plan::moves::write_combine_headers;
 use xfer_ep_plan::plan::decode_combine_header;
+use xfer_ep_plan::ROUTE_NONE;
 use xfer_ep_plan::{
     membership_digest, CountMatrix, ExpertMap, Header, Layout, Phase, PlanError, Receive, SendPlan,
     Write,
@@ -190,50 +193,63 @@ fn check(c: Case) -> Result<(), TestCaseError> {
     let plans = plan_all(&layout);
     let set = c.epoch % 2;
 
-    // Send buffers: each row says (source, token, slot, expert); each peer block starts with
-    // the header.
+    // Send buffers, as `pack` lays them out from a token tensor whose rows say (source,
+    // token): each peer block starts with the header, then its rows, each followed by its
+    // route record.
+    let k = c.top_k as usize;
+    let route = layout.route_bytes() as usize;
     let mut send: Vec<Vec<u8>> =
         vec![vec![0; 2 * layout.send_buffer_bytes() as usize]; c.ranks as usize];
     for (r, p) in plans.iter().enumerate() {
         let h = p.header.encode(&layout);
-        for peer in 0..c.ranks {
-            let at = p.block_offset(peer) as usize;
-            send[r][at..at + h.len()].copy_from_slice(&h);
-        }
-        for (i, sr) in p.rows.iter().enumerate() {
-            let at = p.row_offset(i) as usize;
-            send[r][at..at + 16].copy_from_slice(&row(r as u32, sr.token, sr.slot, sr.expert));
-        }
-        // `pack` lays out the same blocks from a token tensor: the header, then each row's
-        // token.
-        let tokens = c.routing[r].len() / c.top_k as usize;
+        let tokens = c.routing[r].len() / k;
         let x: Vec<u8> = (0..tokens as u32)
             .flat_map(|t| row(r as u32, t, 0, 0))
             .collect();
-        let mut packed = vec![0u8; 2 * layout.send_buffer_bytes() as usize];
-        p.pack(&layout, cells(&mut x.clone()), cells(&mut packed));
+        p.pack(&layout, cells(&mut x.clone()), cells(&mut send[r]));
         for peer in 0..c.ranks {
             let at = p.block_offset(peer) as usize;
-            prop_assert_eq!(&packed[at..at + h.len()], &h[..]);
+            prop_assert_eq!(&send[r][at..at + h.len()], &h[..]);
         }
         for (i, sr) in p.rows.iter().enumerate() {
-            prop_assert_eq!(read(&packed, p.row_offset(i)), [r as u32, sr.token, 0, 0]);
+            let at = p.row_offset(i);
+            prop_assert_eq!(read(&send[r], at), [r as u32, sr.token, 0, 0]);
+            let at = (at + ROW) as usize;
+            prop_assert_eq!(&send[r][at..at + route], &p.route_record(i)[..]);
         }
-        // Every routed slot is a row exactly once, at the expert the map names.
-        let k = c.top_k as usize;
+        // Every routed slot is planned exactly once, at the expert the map names, and travels
+        // in the one row of its (token, peer); every row carries a slot.
         for (i, &e) in c.routing[r].iter().enumerate() {
-            let idx = p.slot_row[i];
+            let idx = p.slot_index[i];
             prop_assert_eq!(idx >= 0, e >= 0);
             if e >= 0 {
-                let sr = p.rows[idx as usize];
+                let sl = p.slots[idx as usize];
                 let phys = map.physical(e as usize, i / k, i % k, k);
                 prop_assert_eq!(
-                    (sr.peer, sr.expert),
+                    (sl.peer, sl.expert),
                     (phys / c.experts_per_rank, phys % c.experts_per_rank)
                 );
-                prop_assert_eq!((sr.token as usize, sr.slot as usize), (i / k, i % k));
+                prop_assert_eq!((sl.token as usize, sl.slot as usize), (i / k, i % k));
             }
         }
+        for (i, sr) in p.rows.iter().enumerate() {
+            let carried = &p.slots[p.row_slots[i]..p.row_slots[i + 1]];
+            prop_assert!(!carried.is_empty(), "a row without a slot");
+            prop_assert!(carried
+                .iter()
+                .all(|sl| (sl.token, sl.peer) == (sr.token, sr.peer)));
+            let record = p.route_record(i);
+            for slot in 0..k {
+                let entry = u16::from_le_bytes([record[2 * slot], record[2 * slot + 1]]);
+                let here = carried.iter().find(|sl| sl.slot as usize == slot);
+                prop_assert_eq!(entry, here.map_or(ROUTE_NONE, |sl| sl.expert as u16));
+            }
+        }
+        prop_assert!(p
+            .rows
+            .windows(2)
+            .all(|w| (w[0].peer, w[0].token) < (w[1].peer, w[1].token)));
+        prop_assert_eq!(p.row_slots.last().copied(), Some(p.slots.len()));
     }
 
     // Headers: every rank decodes every rank's, alike.
@@ -279,6 +295,35 @@ fn check(c: Case) -> Result<(), TestCaseError> {
             );
         }
     }
+    // The minimum on the wire: one row per (token, rank it routes to), behind one header per
+    // (source, receiver).
+    let k = c.top_k as usize;
+    let pairs: u64 = (0..c.ranks as usize)
+        .map(|r| {
+            let mut pairs: Vec<(usize, u32)> = c.routing[r]
+                .iter()
+                .enumerate()
+                .filter(|&(_, &e)| e >= 0)
+                .map(|(i, &e)| {
+                    let phys = map.physical(e as usize, i / k, i % k, k);
+                    (i / k, phys / c.experts_per_rank)
+                })
+                .collect();
+            pairs.sort_unstable();
+            pairs.dedup();
+            pairs.len() as u64
+        })
+        .sum();
+    let posted: u64 = plans
+        .iter()
+        .flat_map(|p| p.writes_a().into_iter().chain(b[p.rank as usize].clone()))
+        .map(|w| w.len)
+        .sum();
+    prop_assert_eq!(
+        posted,
+        u64::from(c.ranks * c.ranks) * layout.header_bytes() + pairs * layout.wire_row_bytes(),
+        "dispatch moves one row per (token, rank), no more"
+    );
     let mut receives = Vec::new();
     for d in 0..c.ranks {
         apply(
@@ -313,57 +358,85 @@ fn check(c: Case) -> Result<(), TestCaseError> {
         posted.sort();
         expected.sort();
         prop_assert_eq!(posted, expected);
-        // Every row here is the one its source sent, in source-major order, all of them.
+        // Every row here is the one its source sent, in source order, all of them.
         for rr in &recv.rows {
             let got = read(&disp[d as usize], rr.offset);
             let p = &plans[rr.source as usize];
             let sr = p.rows[p.peer_start[d as usize] + rr.index as usize];
-            prop_assert_eq!(got, [rr.source, sr.token, sr.slot, sr.expert]);
-            prop_assert_eq!(sr.expert, rr.expert);
+            prop_assert_eq!(got, [rr.source, sr.token, 0, 0]);
         }
         prop_assert_eq!(
             recv.rows.len() as u64,
             plans.iter().map(|p| p.rows_to(d)).sum::<u64>()
         );
         prop_assert!(recv.rows.len() as u64 <= layout.receive_capacity());
+        // The route records expand them into every slot the sources routed here, each at the
+        // expert the map names, in each source's combine order.
+        let mut recv = recv;
+        prop_assert!(recv.read_routes(cells(&mut disp[d as usize])).is_empty());
+        let mut next = vec![0usize; c.ranks as usize];
+        for sl in &recv.slots {
+            let rr = recv.rows[sl.row as usize];
+            let p = &plans[rr.source as usize];
+            let want = p.slots[p.slot_start[d as usize] + next[rr.source as usize]];
+            next[rr.source as usize] += 1;
+            prop_assert_eq!(sl.index as usize + 1, next[rr.source as usize]);
+            prop_assert_eq!(
+                (want.token, want.slot, want.expert),
+                (
+                    p.rows[p.peer_start[d as usize] + rr.index as usize].token,
+                    sl.slot,
+                    sl.expert
+                )
+            );
+        }
+        for p in &plans {
+            prop_assert_eq!(next[p.rank as usize] as u64, p.slots_to(d));
+            prop_assert_eq!(recv.slots_valid[p.rank as usize], p.slots_to(d));
+        }
+        prop_assert!(recv.slots.len() as u64 <= layout.receive_slot_capacity());
+        // Expert-major, then source, token and slot: DeepEP's order, as per-(token, expert)
+        // rows had it.
         let order = recv.expert_order();
+        let key = |j: usize| {
+            let sl = recv.slots[j];
+            let rr = recv.rows[sl.row as usize];
+            let token = plans[rr.source as usize].rows
+                [plans[rr.source as usize].peer_start[d as usize] + rr.index as usize]
+                .token;
+            (sl.expert, rr.source, token, sl.slot)
+        };
         for w in order.windows(2) {
-            let (x, y) = (recv.rows[w[0]], recv.rows[w[1]]);
-            prop_assert!((x.expert, x.source, x.index) < (y.expert, y.source, y.index));
+            prop_assert!(key(w[0]) < key(w[1]));
         }
-        // The runs cover every row once, expert-major, each at its place in both buffers.
+        // The places cover every slot once, expert-major, each at its row and at its output's
+        // place in the combine send buffer.
         let mut covered = vec![0u64; layout.experts_per_rank as usize];
-        let mut n = 0;
-        for run in recv.runs() {
-            prop_assert_eq!(run.position, covered[run.expert as usize]);
-            covered[run.expert as usize] += run.rows;
-            for j in 0..run.rows {
-                let i = order[n];
-                n += 1;
-                prop_assert_eq!(recv.rows[i].expert, run.expert);
-                prop_assert_eq!(recv.rows[i].offset, run.recv_offset + j * ROW);
-                prop_assert_eq!(
-                    recv.combine_send_row_offset(i),
-                    run.combine_offset + j * layout.combine_row_bytes
-                );
-            }
+        let places = recv.places();
+        prop_assert_eq!(places.len(), order.len());
+        for (place, &j) in places.iter().zip(&order) {
+            prop_assert_eq!(place.position, covered[place.expert as usize]);
+            covered[place.expert as usize] += 1;
+            let sl = recv.slots[j];
+            prop_assert_eq!(sl.expert, place.expert);
+            prop_assert_eq!(recv.rows[sl.row as usize].offset, place.recv_offset);
+            prop_assert_eq!(recv.combine_send_slot_offset(j), place.combine_offset);
         }
-        prop_assert_eq!(n, recv.rows.len());
         prop_assert_eq!(&covered, &recv.expert_counts);
         receives.push(recv);
     }
 
-    // Combine: each receiver answers every row with (receiver, token, slot, marker).
+    // Combine: each receiver answers every slot with (receiver, token, slot, marker).
     let mut csend: Vec<Vec<u8>> =
         vec![vec![0; 2 * layout.combine_send_bytes() as usize]; c.ranks as usize];
     let mut comb: Vec<Vec<u8>> =
         vec![vec![0xAA; 2 * layout.combine_region_bytes() as usize]; c.ranks as usize];
     let mut back: Vec<Vec<(Write, Vec<u8>)>> = vec![Vec::new(); c.ranks as usize];
     for (d, recv) in receives.iter().enumerate() {
-        for (i, rr) in recv.rows.iter().enumerate() {
-            let got = read(&disp[d], rr.offset);
-            let at = recv.combine_send_row_offset(i) as usize;
-            csend[d][at..at + 16].copy_from_slice(&row(d as u32, got[1], got[2], 77));
+        for (j, sl) in recv.slots.iter().enumerate() {
+            let got = read(&disp[d], recv.rows[sl.row as usize].offset);
+            let at = recv.combine_send_slot_offset(j) as usize;
+            csend[d][at..at + 16].copy_from_slice(&row(d as u32, got[1], sl.slot, 77));
         }
         write_combine_headers(recv, cells(&mut csend[d]));
         let writes = recv.writes_combine(&matrix);
@@ -396,14 +469,14 @@ fn check(c: Case) -> Result<(), TestCaseError> {
         for peer in p.combine_sources() {
             let at = p.combine_block_offset(peer) as usize;
             prop_assert_eq!(
-                decode_combine_header(&comb[s][at..at + 64], c.epoch, peer, p.rows_to(peer)),
-                Some(p.rows_to(peer))
+                decode_combine_header(&comb[s][at..at + 64], c.epoch, peer, p.slots_to(peer)),
+                Some(p.slots_to(peer))
             );
         }
-        for (i, sr) in p.rows.iter().enumerate() {
+        for (j, sl) in p.slots.iter().enumerate() {
             prop_assert_eq!(
-                read(&comb[s], p.combine_row_offset(i)),
-                [sr.peer, sr.token, sr.slot, 77]
+                read(&comb[s], p.combine_slot_offset(j)),
+                [sl.peer, sl.token, sl.slot, 77]
             );
         }
     }
@@ -424,20 +497,24 @@ fn exactly_at_capacity_fits_and_one_more_row_fails() {
         ranks: 2,
         experts_per_rank: 2,
         top_k: 2,
-        max_tokens: 3,
+        max_tokens: 6,
         row_bytes: ROW,
         combine_row_bytes: ROW,
         private_rows: 2,
         overflow_rows: 0,
     };
-    // Rank 0 sends 6 rows to rank 1 (4 past its private slot), rank 1 sends 3 (1 past).
-    let routing = [vec![2, 3, 2, 3, 3, 2], vec![2, -1, 3, -1, 2, -1]];
+    // Rank 0 sends 6 rows to rank 1 (4 past its private slot; each row carries two slots),
+    // rank 1 sends 3 (1 past).
+    let routing = [
+        vec![2, 3, 2, 3, 3, 2, 2, 3, 3, 2, 2, 3],
+        vec![2, -1, 3, -1, 2, -1],
+    ];
     for (overflow_rows, fits) in [(5, true), (4, false)] {
         check(Case {
             ranks: 2,
             experts_per_rank: 2,
             top_k: 2,
-            max_tokens: 3,
+            max_tokens: 6,
             private_rows: 2,
             slack: overflow_rows - 5,
             eplb: None,

@@ -29,10 +29,22 @@ fuzz_target!(|data: &[u8]| {
     let epoch = u32::from(shape[4]) | (u32::from(shape[5]) << 8);
     let source = u32::from(shape[6]) % layout.ranks;
     if let Ok(h) = Header::decode(&layout, epoch, source, rest) {
-        let total: u64 = h.counts.iter().map(|&c| u64::from(c)).sum();
-        assert!(total <= layout.max_send_rows());
-        assert_eq!(h.counts.len() as u32, layout.ranks * layout.experts_per_rank);
-        assert_eq!(Header::decode(&layout, epoch, source, &h.encode(&layout)).unwrap(), h);
+        let total = |c: &[u32]| c.iter().map(|&c| u64::from(c)).sum::<u64>();
+        assert!(total(&h.rows) <= layout.max_send_rows());
+        assert!(total(&h.slots) <= layout.max_send_slots());
+        assert_eq!(h.rows.len() as u32, layout.ranks);
+        assert_eq!(h.slots.len() as u32, layout.ranks);
+        for (&n, &s) in h.rows.iter().zip(&h.slots) {
+            assert!(
+                n <= layout.max_tokens
+                    && n <= s
+                    && u64::from(s) <= u64::from(n) * u64::from(layout.top_k)
+            );
+        }
+        assert_eq!(
+            Header::decode(&layout, epoch, source, &h.encode(&layout)).unwrap(),
+            h
+        );
     }
     let rows = u64::from(shape[7]);
     if let Some(valid) = decode_combine_header(rest, epoch, source, rows) {

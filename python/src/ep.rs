@@ -8,7 +8,7 @@ use std::cell::Cell;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use xfer_ep_plan::moves::{self, Dtype, ExpertLayout, RecvRun};
+use xfer_ep_plan::moves::{self, Dtype, ExpertLayout, RecvPlace};
 use xfer_ep_plan::step::{Action, Stage};
 use xfer_ep_plan::{ExpertMap, Layout, Phase, SendPlan, StepMachine};
 
@@ -56,8 +56,9 @@ fn layout_of(py: Python<'_>, a: LayoutArgs) -> PyResult<Layout> {
     Ok(l)
 }
 
-/// Bytes per set of each region of a layout: `send`, `dispatch`, `combine_send`, `combine`,
-/// and the header sizes.
+/// Bytes per set of each region of a layout: `send`, `dispatch`, `combine_send`, `combine`;
+/// the header sizes; a source's `slot` in the dispatch region and a row on the wire
+/// (`wire_row`: the row, then its `route` record).
 #[pyfunction]
 pub(crate) fn ep_region_bytes<'py>(
     py: Python<'py>,
@@ -72,6 +73,9 @@ pub(crate) fn ep_region_bytes<'py>(
     d.set_item("header", l.header_bytes())?;
     d.set_item("combine_header", xfer_ep_plan::COMBINE_HEADER_BYTES)?;
     d.set_item("capacity_rows", l.receive_capacity())?;
+    d.set_item("slot", l.slot_bytes())?;
+    d.set_item("wire_row", l.wire_row_bytes())?;
+    d.set_item("route", l.route_bytes())?;
     Ok(d)
 }
 
@@ -80,8 +84,8 @@ pub(crate) fn ep_region_bytes<'py>(
 pub(crate) struct EpStep {
     layout: Layout,
     machine: StepMachine,
-    /// The received rows as runs, once dispatched.
-    runs: Option<Vec<RecvRun>>,
+    /// The received slots' places, once their routes are read.
+    places: Option<Vec<RecvPlace>>,
 }
 
 /// A writable, C-contiguous buffer of exactly `len` elements (numpy arrays, torch tensors'
@@ -148,15 +152,15 @@ fn stage_name(s: &Stage) -> String {
 }
 
 impl EpStep {
-    /// The received rows as runs (computed once per step).
-    fn runs(&mut self, py: Python<'_>) -> PyResult<&[RecvRun]> {
-        if self.runs.is_none() {
-            let Some(r) = self.machine.receive() else {
-                return Err(errors::invalid(py, "the step is not dispatched"));
+    /// The received slots' places (computed once per step, after `read_routes`).
+    fn places(&mut self, py: Python<'_>) -> PyResult<&[RecvPlace]> {
+        if self.places.is_none() {
+            let Some(r) = self.machine.receive().filter(|r| r.routed) else {
+                return Err(errors::invalid(py, "the routes are not read (read_routes)"));
             };
-            self.runs = Some(r.runs());
+            self.places = Some(r.places());
         }
-        Ok(self.runs.as_deref().unwrap_or_default())
+        Ok(self.places.as_deref().unwrap_or_default())
     }
 }
 
@@ -211,7 +215,7 @@ impl EpStep {
         Ok(Self {
             layout,
             machine,
-            runs: None,
+            places: None,
         })
     }
 
@@ -241,10 +245,10 @@ impl EpStep {
             .collect()
     }
 
-    /// Columns of the rows this rank sends, in send order: `token`, `slot`, `peer`, `expert`
-    /// (local at the peer).
+    /// Columns of the routed slots this rank sends (one row per token and peer carries them),
+    /// in combine order: `token`, `slot`, `peer`, `expert` (local at the peer).
     fn send_rows<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
-        let rows = &self.machine.plan().rows;
+        let rows = &self.machine.plan().slots;
         columns(
             py,
             &[
@@ -323,7 +327,7 @@ impl EpStep {
 
     /// Packs the send buffer (`send`: the whole region, both sets, `uint8`) from `x`
     /// (`[tokens, hidden]` as bytes): every peer's block gets this rank's header, then its
-    /// rows in send order. `fp8`: `x` is bf16 and each row is quantized once, as DeepEP's
+    /// rows in send order (one per token routed there), each with its route record. `fp8`: `x` is bf16 and each row is quantized once, as DeepEP's
     /// low-latency dispatch does (`"e4m3"`; `"e4m3_pow2"` rounds each scale up to a power of
     /// two), into the layout's fp8 rows (values, then a float32 scale per 128 channels).
     #[pyo3(signature = (x, send, *, fp8 = None))]
@@ -335,7 +339,7 @@ impl EpStep {
         fp8: Option<&str>,
     ) -> PyResult<()> {
         let l = &self.layout;
-        let tokens = self.machine.plan().slot_row.len() / l.top_k as usize;
+        let tokens = self.machine.plan().slot_index.len() / l.top_k as usize;
         let row = l.row_bytes as usize;
         let send = writable(
             py,
@@ -382,18 +386,37 @@ impl EpStep {
         Ok(())
     }
 
-    /// Once dispatched: the rows per local expert (`recv_count`).
+    /// Once dispatched: reads the route record of every row here from `region` (the dispatch
+    /// region, both sets, `uint8`) — a source whose records do not decode is masked — and
+    /// returns the rows per local expert (`recv_count`).
+    fn read_routes(&mut self, py: Python<'_>, region: PyBuffer<u8>) -> PyResult<Vec<u64>> {
+        let region = writable(
+            py,
+            &region,
+            "the dispatch region",
+            2 * self.layout.dispatch_region_bytes() as usize,
+        )?;
+        self.machine
+            .read_routes(region)
+            .map_err(|e| errors::invalid(py, e.to_string()))?;
+        self.places = None;
+        self.expert_counts(py)
+    }
+
+    /// Once the routes are read: the rows per local expert (`recv_count`).
     fn expert_counts(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
         self.machine
             .receive()
+            .filter(|r| r.routed)
             .map(|r| r.expert_counts.clone())
-            .ok_or_else(|| errors::invalid(py, "the step is not dispatched"))
+            .ok_or_else(|| errors::invalid(py, "the routes are not read (read_routes)"))
     }
 
-    /// Once dispatched: copies the received rows from `region` (the dispatch region, both
-    /// sets, `uint8`) into `out` (bytes of `[experts_per_rank, ranks × max_tokens, row]`
-    /// for `"deepep"`, `[rows, row]` for `"flat"`): for each local expert, the sources in
-    /// rank order, each source's rows in its order. Rows past an expert's count are left.
+    /// Once the routes are read: copies the received rows from `region` (the dispatch region,
+    /// both sets, `uint8`) into `out` (bytes of `[experts_per_rank, ranks × max_tokens, row]`
+    /// for `"deepep"`, `[rows, row]` for `"flat"`), each into the place of every local expert
+    /// its route names: for each local expert, the sources in rank order, each source's
+    /// tokens in its order. Rows past an expert's count are left.
     /// With `scales` (fp8 rows), each row is split at `hidden`: its e4m3 values into `out`
     /// (rows of `hidden` bytes), its scales into `scales` (rows of the rest), both contiguous
     /// as DeepEP returns them.
@@ -422,10 +445,10 @@ impl EpStep {
         let Some(scales) = scales else {
             let need = moves::expert_layout_bytes(&l, shape, rows, l.row_bytes);
             let out = writable(py, &out, "out", need as usize)?;
-            for run in self.runs(py)? {
-                let (src, len) = (run.recv_offset as usize, run.rows as usize * row);
-                let dst = moves::expert_offset(&l, shape, &starts, run, l.row_bytes) as usize;
-                moves::copy_cells(&out[dst..dst + len], &region[src..src + len]);
+            for place in self.places(py)? {
+                let src = place.recv_offset as usize;
+                let dst = moves::expert_offset(&l, shape, &starts, place, l.row_bytes) as usize;
+                moves::copy_cells(&out[dst..dst + row], &region[src..src + row]);
             }
             return Ok(());
         };
@@ -437,27 +460,19 @@ impl EpStep {
             |width: usize| moves::expert_layout_bytes(&l, shape, rows, width as u64) as usize;
         let out = writable(py, &out, "out", need(hidden))?;
         let scales = writable(py, &scales, "scales", need(rest))?;
-        for run in self.runs(py)? {
-            let a = moves::expert_offset(&l, shape, &starts, run, hidden as u64) as usize;
-            let b = moves::expert_offset(&l, shape, &starts, run, rest as u64) as usize;
-            for j in 0..run.rows as usize {
-                let src = run.recv_offset as usize + j * row;
-                moves::copy_cells(
-                    &out[a + j * hidden..a + (j + 1) * hidden],
-                    &region[src..src + hidden],
-                );
-                moves::copy_cells(
-                    &scales[b + j * rest..b + (j + 1) * rest],
-                    &region[src + hidden..src + row],
-                );
-            }
+        for place in self.places(py)? {
+            let a = moves::expert_offset(&l, shape, &starts, place, hidden as u64) as usize;
+            let b = moves::expert_offset(&l, shape, &starts, place, rest as u64) as usize;
+            let src = place.recv_offset as usize;
+            moves::copy_cells(&out[a..a + hidden], &region[src..src + hidden]);
+            moves::copy_cells(&scales[b..b + rest], &region[src + hidden..src + row]);
         }
         Ok(())
     }
 
-    /// Once dispatched: copies the experts' outputs (`expert_out`, bytes in the layout the
-    /// rows were unpacked to) back into `csend` (the combine send buffer, both sets) in each
-    /// source's order, with the combine headers.
+    /// Once the routes are read: copies the experts' outputs (`expert_out`, bytes in the
+    /// layout the rows were unpacked to) back into `csend` (the combine send buffer, both
+    /// sets) in each source's order (token, then slot), with the combine headers.
     fn repack(
         &mut self,
         py: Python<'_>,
@@ -486,10 +501,10 @@ impl EpStep {
             }
         };
         let row = l.combine_row_bytes as usize;
-        for run in self.runs(py)? {
-            let (dst, len) = (run.combine_offset as usize, run.rows as usize * row);
-            let at = moves::expert_offset(&l, shape, &starts, run, l.combine_row_bytes) as usize;
-            moves::copy_cells(&csend[dst..dst + len], &src[at..at + len]);
+        for place in self.places(py)? {
+            let dst = place.combine_offset as usize;
+            let at = moves::expert_offset(&l, shape, &starts, place, l.combine_row_bytes) as usize;
+            moves::copy_cells(&csend[dst..dst + row], &src[at..at + row]);
         }
         if let Some(r) = self.machine.receive() {
             moves::write_combine_headers(r, csend);
@@ -516,7 +531,7 @@ impl EpStep {
                 "rows are not whole elements of the dtype",
             ));
         }
-        let slots = self.machine.plan().slot_row.len();
+        let slots = self.machine.plan().slot_index.len();
         let hidden = (l.combine_row_bytes / dtype.size() as u64) as usize;
         let tokens = slots / l.top_k as usize;
         let combine = writable(
@@ -540,7 +555,7 @@ impl EpStep {
     }
 
     /// Once done: each peer's block of combine rows, `(peer, rows_offset, rows)`, and for every
-    /// row in send order whether its expert's output came back.
+    /// slot of `send_rows` whether its expert's output came back.
     fn combine_blocks(&self) -> (Vec<(u32, u64, u64)>, Vec<bool>) {
         let p = self.machine.plan();
         let blocks = (0..self.layout.ranks)
@@ -548,12 +563,12 @@ impl EpStep {
                 (
                     peer,
                     p.combine_block_offset(peer) + xfer_ep_plan::COMBINE_HEADER_BYTES,
-                    p.rows_to(peer),
+                    p.slots_to(peer),
                 )
             })
             .collect();
-        let valid = (0..p.rows.len())
-            .map(|i| self.machine.row_combined(i))
+        let valid = (0..p.slots.len())
+            .map(|j| self.machine.slot_combined(j))
             .collect();
         (blocks, valid)
     }

@@ -115,6 +115,12 @@ def check_step(g, r, cfg, ins, *, layout="deepep", eplb=None, active=None):
         assert np.array_equal(np.diff(meta), [len(e) for e in expected])
         assert np.array_equal(recv, np.concatenate(expected) if expected else recv)
         out = oracle.run_experts_flat(recv, meta, r, cfg, eplb)
+    if eplb is None and active is None:
+        # One row per (token, rank it routes to), each with its route record, behind a header
+        # per peer: the least dispatch can move (one per (token, expert) before).
+        pairs = {(t, int(e) // cfg.experts_per_rank) for t in range(idx.shape[0]) for e in idx[t] if e >= 0}
+        sizes = cfg.region_bytes()
+        assert h.stats["dispatch_bytes"] == cfg.ranks * sizes["header"] + len(pairs) * sizes["wire_row"]
     y = g.combine(out, h, w)
     assert y.dtype == np.float32 and y.shape == (x.shape[0], cfg.hidden)
     ref = oracle.expected_combine(x, idx, w, cfg, eplb=eplb, active=active)
@@ -438,13 +444,13 @@ def test_a_hung_rank_whose_writes_land_steps_later_never_corrupts_them():
     hung = 2
     delay = 2.2 * cfg.timeout  # the header wait is two timeouts
     rs = Ranks(cfg, engine_configs={hung: mock(delay_us=int(delay * 1e6))})
-    slot = hung * (cfg.region_bytes()["header"] + cfg.private * cfg.row_bytes)
+    slot = hung * cfg.region_bytes()["slot"]
 
     seen = {}
     decided = threading.Barrier(2)
 
     def landed(g):
-        return g.regions["dispatch"][slot:slot + 4].tobytes() == (0x58455031).to_bytes(4, "little")
+        return g.regions["dispatch"][slot:slot + 4].tobytes() == (0x58455032).to_bytes(4, "little")
     try:
         def body(r, g):
             if r == hung:

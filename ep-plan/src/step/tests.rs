@@ -15,6 +15,7 @@
 use super::*;
 use crate::plan::encode_combine_header;
 use crate::{ExpertMap, SendPlan};
+use std::cell::Cell;
 use std::collections::BTreeMap;
 
 const ROW: u64 = 16;
@@ -279,11 +280,16 @@ impl World {
                 return;
             }
         }
+        m.read_routes(Cell::from_mut(rk.disp.as_mut_slice()).as_slice_of_cells())
+            .unwrap();
         let recv = m.receive().unwrap().clone();
-        // What landed is exactly this step's row from the source the plan names; the expert
-        // "computes" its answer (the row with the expert's rank and a marker) into the
-        // combine send buffer.
-        for (i, rr) in recv.rows.iter().enumerate() {
+        // What landed is exactly this step's row from the source the plan names, and each slot
+        // its route record names goes to the expert the routing chose; the expert "computes"
+        // its answer (the token and slot with the expert's rank and a marker) into the combine
+        // send buffer.
+        let k = self.layout.top_k as usize;
+        for (j, sl) in recv.slots.iter().enumerate() {
+            let rr = recv.rows[sl.row as usize];
             let got = read_row(&rk.disp, rr.offset);
             if checked {
                 assert_eq!(
@@ -296,9 +302,20 @@ impl World {
                     "rank {r}: row {rr:?} came from {}",
                     got[1]
                 );
+                let (token, slot) = (got[2] as usize, sl.slot as usize);
+                let e = self.routings[epoch as usize][rr.source as usize][token * k + slot];
+                let p = self.map.physical(e as usize, token, slot, k);
+                assert_eq!(
+                    (
+                        p / self.layout.experts_per_rank,
+                        p % self.layout.experts_per_rank
+                    ),
+                    (r, sl.expert),
+                    "rank {r}: slot {sl:?} of row {rr:?}"
+                );
             }
-            let out = row(epoch + 1_000_000, r, got[2], got[3]);
-            let at = recv.combine_send_row_offset(i) as usize;
+            let out = row(epoch + 1_000_000, r, got[2], sl.slot);
+            let at = recv.combine_send_slot_offset(j) as usize;
             rk.csend[at..at + 16].copy_from_slice(&out);
         }
         for s in 0..self.layout.ranks {
@@ -307,7 +324,7 @@ impl World {
                 rk.csend[at..at + 64].copy_from_slice(&encode_combine_header(
                     epoch,
                     r,
-                    recv.valid[s as usize],
+                    recv.slots_valid[s as usize],
                 ));
             }
         }
@@ -365,10 +382,12 @@ impl World {
             rk.membership.active(),
         )
         .unwrap();
-        // Each row says which step, source, token and slot it is.
+        // Each row says which step, source and token it is; its route record follows.
         for (i, sr) in plan.rows.iter().enumerate() {
             let at = plan.row_offset(i) as usize;
-            rk.send[at..at + 16].copy_from_slice(&row(step, r, sr.token, sr.slot));
+            rk.send[at..at + 16].copy_from_slice(&row(step, r, sr.token, 0));
+            let route = plan.route_record(i);
+            rk.send[at + 16..at + 16 + route.len()].copy_from_slice(&route);
         }
         let hb = plan.header.encode(&self.layout);
         for p in 0..self.layout.ranks {
@@ -461,7 +480,7 @@ impl World {
         panic!("the schedule did not end");
     }
 
-    /// Every row rank `r` sent a healthy rank in `step` came back with its expert's exact
+    /// Every slot rank `r` sent a healthy rank in `step` came back with its expert's exact
     /// output when `exact`; what came back is never wrong.
     fn check_combine(&self, r: u32, step: u32, exact: bool) {
         let rk = &self.ranks[r as usize];
@@ -470,10 +489,10 @@ impl World {
             return;
         }
         let plan = m.plan();
-        for (i, sr) in plan.rows.iter().enumerate() {
+        for (i, sr) in plan.slots.iter().enumerate() {
             let healthy = !self.failed(sr.peer, step);
-            if m.row_combined(i) {
-                let got = read_row(&rk.comb, plan.combine_row_offset(i));
+            if m.slot_combined(i) {
+                let got = read_row(&rk.comb, plan.combine_slot_offset(i));
                 assert_eq!(
                     got,
                     [step + 1_000_000, sr.peer, sr.token, sr.slot],
@@ -481,7 +500,7 @@ impl World {
                 );
             } else if exact && healthy {
                 panic!(
-                    "rank {r}: row {i} ({sr:?}) to a healthy rank did not come back in step {step} ({:?}, masks {:?})",
+                    "rank {r}: slot {i} ({sr:?}) to a healthy rank did not come back in step {step} ({:?}, masks {:?})",
                     self.fault,
                     self.masks()
                 );
@@ -501,9 +520,9 @@ fn run(seed: u64, fault: Fault, overflow: bool) -> u64 {
     let top_k = [1, 2, 8][rng.usize(..3)].min(ranks * experts_per_rank);
     let max_tokens = rng.u32(1..=6);
     let (private, overflow_rows) = if overflow {
-        (rng.u32(0..=3), ranks * max_tokens * top_k)
+        (rng.u32(0..=3), ranks * max_tokens)
     } else {
-        (max_tokens * top_k, 0)
+        (max_tokens, 0)
     };
     let fault = match fault {
         Fault::Dead { step, .. } => Fault::Dead {
@@ -689,7 +708,8 @@ fn a_header_that_does_not_decode_masks_its_source() {
         epoch: 3,
         source: 0,
         membership: crate::membership_digest(&[true, true]),
-        counts: vec![1, 1],
+        rows: vec![1, 1],
+        slots: vec![1, 1],
     }
     .encode(&layout);
     assert!(m.handle_arrival(3, imm(0), &own));
@@ -745,5 +765,54 @@ fn an_overflowing_step_fails_alike_everywhere() {
             "{:?}",
             m.stage()
         );
+    }
+}
+
+#[test]
+fn a_route_record_that_does_not_decode_masks_its_source() {
+    // Two ranks, two experts each, top-2: rank 1 sends rank 0 one row carrying two slots.
+    let layout = Layout::worst_case(2, 2, 2, 1, ROW);
+    let map = ExpertMap::identity(&layout);
+    let plans: Vec<SendPlan> = [[2, 3], [0, 1]]
+        .iter()
+        .enumerate()
+        .map(|(r, ids)| SendPlan::new(&layout, &map, r as u32, 0, 0xE, ids, &[true, true]).unwrap())
+        .collect();
+    let route_at =
+        |m: &StepMachine| (m.header_offset(1) + layout.header_bytes() + layout.row_bytes) as usize;
+    for (record, masked) in [
+        (vec![0u8, 0, 1, 0], false),
+        // Local expert 2 of 2, a row with no slot, one slot fewer than announced.
+        (vec![2, 0, 1, 0], true),
+        (vec![0xff, 0xff, 0xff, 0xff], true),
+        (vec![0, 0, 0xff, 0xff], true),
+    ] {
+        let mut m = StepMachine::new(&layout, plans[0].clone(), 0, TIMEOUT);
+        let mut disp = vec![0u8; 2 * layout.dispatch_region_bytes() as usize];
+        for p in &plans {
+            let imm = Imm {
+                tag: 0xE,
+                epoch: 0,
+                phase: Phase::DispatchA,
+                source: p.rank,
+            }
+            .encode();
+            assert!(m.handle_arrival(1, imm, &p.header.encode(&layout)));
+        }
+        assert_eq!(*m.stage(), Stage::Dispatched);
+        let at = route_at(&m);
+        disp[at..at + 4].copy_from_slice(&record);
+        m.read_routes(Cell::from_mut(disp.as_mut_slice()).as_slice_of_cells())
+            .unwrap();
+        let r = m.receive().unwrap();
+        if masked {
+            assert_eq!(m.newly_masked(), [1], "{record:?}");
+            assert_eq!((r.sent[1], r.slots.len()), (0, 0));
+        } else {
+            assert!(m.newly_masked().is_empty());
+            assert_eq!(r.expert_counts, [1, 1]);
+            assert_eq!(r.slots_valid, [0, 2]);
+        }
+        assert!(m.start_combine(2).is_ok());
     }
 }

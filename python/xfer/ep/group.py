@@ -379,6 +379,8 @@ class EpGroup:
                 dst_name = "combine" if phase == "combine" else "dispatch"
                 h.stats["writes"] = h.stats.get("writes", 0) + 1
                 h.stats["bytes"] = h.stats.get("bytes", 0) + length
+                kind = "combine" if phase == "combine" else "dispatch"
+                h.stats[f"{kind}_bytes"] = h.stats.get(f"{kind}_bytes", 0) + length
                 if peer == self.rank:
                     # To itself: a copy, not a write through the engine (the NIC's loopback
                     # would move the same bytes twice as far); it lands before its expectation
@@ -395,6 +397,7 @@ class EpGroup:
                         h.overflow[peer] = t
                 h.stats["remote_writes"] = h.stats.get("remote_writes", 0) + 1
                 h.stats["remote_bytes"] = h.stats.get("remote_bytes", 0) + length
+                h.stats[f"remote_{kind}_bytes"] = h.stats.get(f"remote_{kind}_bytes", 0) + length
             else:
                 _, imm, source, phase = a
                 h.expects[(source, phase)] = (imm, _LANDED if source == self.rank else self.engine.expect_imm_count(imm, 1))
@@ -564,9 +567,12 @@ class EpGroup:
         if h.step.stage.startswith("failed"):
             self._finish(h)
             raise EpError(f"step {h.epoch}: {h.step.stage}")
-        counts = np.asarray(h.step.expert_counts(), dtype=np.int64)
+        # The host reads the rows and their route records: fetch this step's set first.
         self._memory.fetch(self.regions, "dispatch", *self._set_range("dispatch", h.epoch))
         region = self.regions["dispatch"]
+        # Each row came once per (token, rank), with its route record: the slots it carries
+        # and their local experts here (a source whose records do not decode is masked).
+        counts = np.asarray(h.step.read_routes(region), dtype=np.int64)
         rows = cfg.ranks * cfg.max_tokens if layout == "deepep" else int(counts.sum())
         if int(counts.max(initial=0)) > cfg.ranks * cfg.max_tokens:
             raise EpError("an expert got more than ranks × max_tokens rows (duplicate experts in a token?)")

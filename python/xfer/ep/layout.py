@@ -45,14 +45,14 @@ def from_f32(values: np.ndarray, dtype: str) -> np.ndarray:
 class EpConfig:
     """The fixed shape of an expert-parallel group, the same on every rank.
 
+    A token travels once to each rank it routes to (one row per (token, rank), whatever its
+    top-k slots there), so a source sends a receiver at most ``max_tokens`` rows.
     ``private_rows``: rows each source may write into its own slot at each receiver before the
-    counts land (default: ``max_tokens × top_k``, any routing, when ``overflow_rows`` is not
-    given either; else ``max_tokens × top_k`` split evenly over the ranks, at least
-    ``max_tokens``); ``overflow_rows``: rows each receiver shares among its sources past their
-    private slots (default: enough for any routing, ``ranks × max_tokens × top_k`` less the
-    private slots). Both defaults together hold the same rows as even shares plus a full
-    overflow. ``timeout``: seconds each wait of a step may take before its source is
-    masked (a step takes at most ten of them beyond the caller's compute)."""
+    counts land (default: ``max_tokens``, any routing); ``overflow_rows``: rows each receiver
+    shares among its sources past their private slots (default: enough for any routing,
+    ``ranks × max_tokens`` less the private slots: none with the default private slots).
+    ``timeout``: seconds each wait of a step may take before its source is masked (a step
+    takes at most ten of them beyond the caller's compute)."""
 
     ranks: int
     experts_per_rank: int
@@ -81,18 +81,15 @@ class EpConfig:
     def private(self) -> int:
         if self.private_rows is not None:
             return self.private_rows
-        if self.overflow_rows is None:
-            # Room for any routing in the private slots: the same memory as even shares plus
-            # the overflow any routing may need, and dispatch is always one one-way trip.
-            return self.max_tokens * self.top_k
-        even = -(-self.max_tokens * self.top_k // self.ranks)
-        return max(even, self.max_tokens)
+        # Room for any routing in the private slots (a source sends a receiver one row per
+        # token at most): dispatch is always one one-way trip.
+        return self.max_tokens
 
     @property
     def overflow(self) -> int:
         if self.overflow_rows is not None:
             return self.overflow_rows
-        return max(0, self.ranks * self.max_tokens * self.top_k - self.ranks * self.private)
+        return max(0, self.ranks * self.max_tokens - self.ranks * self.private)
 
     @property
     def storage(self) -> np.dtype:
@@ -126,7 +123,8 @@ class EpConfig:
                 self.combine_row_bytes)
 
     def region_bytes(self) -> dict:
-        """Bytes per buffer set of each region (and the header sizes)."""
+        """Bytes per buffer set of each region (and the header, slot, wire row and route
+        record sizes)."""
         return dict(ep_region_bytes(self.layout_args()))
 
 
