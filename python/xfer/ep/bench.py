@@ -48,6 +48,8 @@ def xfer_rank(g: EpGroup, cfg: EpConfig, iters: int, warmup: int, barrier, layou
     """Steps at one rank; returns timings and the hardware-independent figures."""
     d, c, s = [], [], []
     writes, remote, minimum, plan_ns, pack_ns, tokens = [], [], [], [], [], 0
+    remote_phase = {"dispatch": [], "combine": []}
+    minimum_phase = {"dispatch": [], "combine": []}
     host = {}
     for i in range(warmup + iters):
         x, idx, w = oracle.inputs(7, i % 4, g.rank, cfg, drop=0.0)
@@ -66,11 +68,16 @@ def xfer_rank(g: EpGroup, cfg: EpConfig, iters: int, warmup: int, barrier, layou
         s.append(t2 - t0)
         writes.append(h.stats["writes"])
         remote.append(h.stats.get("remote_bytes", 0))
-        # The least any scheme moves: each token once to each other rank it needs (dispatch)
-        # and one partial sum back from each (combine), against the one row per (token,
-        # expert) both ways that DeepEP's low-latency layout (and this protocol) moves.
+        # The least any scheme moves: each token once to each other rank it needs (dispatch:
+        # what this protocol sends, plus headers and route records) and one partial sum back
+        # from each (combine; this protocol returns one row per (token, expert), as DeepEP's
+        # low-latency layout does).
         pairs = {(t, int(e) // cfg.experts_per_rank) for t in range(idx.shape[0]) for e in idx[t] if e >= 0}
-        minimum.append(sum(1 for _t, r in pairs if r != g.rank) * (cfg.row_bytes + cfg.combine_row_bytes))
+        remote_pairs = sum(1 for _t, r in pairs if r != g.rank)
+        minimum.append(remote_pairs * (cfg.row_bytes + cfg.combine_row_bytes))
+        for phase, row in (("dispatch", cfg.row_bytes), ("combine", cfg.combine_row_bytes)):
+            remote_phase[phase].append(h.stats.get(f"remote_{phase}_bytes", 0))
+            minimum_phase[phase].append(remote_pairs * row)
         plan_ns.append(h.stats["plan_ns"])
         pack_ns.append(h.stats["pack_ns"])
         for key in _HOST:
@@ -80,6 +87,8 @@ def xfer_rank(g: EpGroup, cfg: EpConfig, iters: int, warmup: int, barrier, layou
         "writes_per_rank_per_step": float(np.mean(writes)),
         "writes_per_peer_per_phase_max": 2,
         "bytes_over_minimum": float(np.sum(remote) / max(1, np.sum(minimum))),
+        "dispatch_bytes_over_minimum": float(np.sum(remote_phase["dispatch"]) / max(1, np.sum(minimum_phase["dispatch"]))),
+        "combine_bytes_over_minimum": float(np.sum(remote_phase["combine"]) / max(1, np.sum(minimum_phase["combine"]))),
         "wire_bytes_per_step": float(np.mean(remote)),
         "plan_ns_per_token": float(np.sum(plan_ns) / max(1, tokens)),
         "pack_ns_per_token": float(np.sum(pack_ns) / max(1, tokens)),
@@ -278,7 +287,8 @@ def main(argv=None):
         if "writes_per_rank_per_step" in r:
             print(f"{r['transport']}: {r['writes_per_rank_per_step']:.1f} writes per rank per step "
                   f"(<= 2 per peer per phase), {r['wire_bytes_per_step'] / 1e6:.1f} MB on the wire per step, "
-                  f"{r['bytes_over_minimum']:.2f}x the minimum (one copy per token and rank), "
+                  f"{r['bytes_over_minimum']:.2f}x the minimum (one copy per token and rank; dispatch "
+                  f"{r['dispatch_bytes_over_minimum']:.2f}x, combine {r['combine_bytes_over_minimum']:.2f}x), "
                   f"planning {r['plan_ns_per_token']:.0f} ns per token, packing {r['pack_ns_per_token']:.0f} ns per token")
             print("  p50 µs: " + ", ".join(f"{k} {v:.0f}" for k, v in r["host_p50_us"].items()))
 
