@@ -22,7 +22,13 @@ pub struct Header {
     pub rows: Vec<u32>,
     /// `slots[rank]`: routed slots those rows carry (each comes back as one combine row).
     pub slots: Vec<u32>,
+    /// The source gave its weights at dispatch: its rows carry them, and combine returns one
+    /// partial sum per row instead of one output per slot.
+    pub weighted: bool,
 }
+
+/// The header flag for [`Header::weighted`].
+const WEIGHTED: u32 = 1;
 
 /// A digest (FNV-1a) of a membership: which ranks are active.
 pub fn membership_digest(active: &[bool]) -> u64 {
@@ -58,6 +64,8 @@ impl Header {
             layout.top_k,
             lo,
             hi,
+            if self.weighted { WEIGHTED } else { 0 },
+            0,
         ] {
             out.extend_from_slice(&w.to_le_bytes());
         }
@@ -134,6 +142,20 @@ impl Header {
                 layout.max_send_slots()
             )));
         }
+        let weighted = match word(8) {
+            0 => false,
+            WEIGHTED if layout.partial_row_bytes > 0 => true,
+            flags => {
+                return Err(HeaderError::Bounds(format!(
+                    "flags {flags:#x} (partial sums {})",
+                    if layout.partial_row_bytes > 0 {
+                        "enabled"
+                    } else {
+                        "disabled"
+                    }
+                )))
+            }
+        };
         let membership = u64::from(word(6)) | (u64::from(word(7)) << 32);
         Ok(Self {
             epoch,
@@ -141,6 +163,7 @@ impl Header {
             membership,
             rows,
             slots,
+            weighted,
         })
     }
 }
@@ -162,6 +185,7 @@ mod tests {
             membership: 5,
             rows: vec![1, 0, 2],
             slots: vec![2, 0, 3],
+            weighted: false,
         };
         let b = h.encode(&l);
         assert_eq!(b.len() as u64, l.header_bytes());
@@ -196,6 +220,7 @@ mod tests {
                     membership: 5,
                     rows: vec![0; 3],
                     slots: vec![0; 3],
+                    weighted: false,
                 }
                 .encode(&layout())
             ),
@@ -216,6 +241,7 @@ mod tests {
                 membership: 5,
                 rows,
                 slots,
+                weighted: false,
             };
             assert!(
                 matches!(
@@ -225,6 +251,23 @@ mod tests {
                 "{bad:?}"
             );
         }
+        // Weights only where the layout has room for partial sums.
+        let weighted = Header {
+            weighted: true,
+            ..h.clone()
+        };
+        assert!(matches!(
+            Header::decode(&l, 7, 1, &weighted.encode(&l)),
+            Err(HeaderError::Bounds(_))
+        ));
+        let partial = Layout {
+            partial_row_bytes: 32,
+            ..l.clone()
+        };
+        assert_eq!(
+            Header::decode(&partial, 7, 1, &weighted.encode(&partial)),
+            Ok(weighted)
+        );
         // Zeroed memory (a slot nobody wrote) is not a header.
         assert!(matches!(
             Header::decode(&l, 0, 0, &vec![0; b.len()]),

@@ -20,6 +20,10 @@ pub struct Layout {
     /// Bytes of one combined row (an expert's output; differs from `row_bytes` when dispatch
     /// is quantized, e.g. fp8 rows with scales out, bf16 back).
     pub combine_row_bytes: u64,
+    /// Bytes of one per-(token, rank) partial sum, which combine returns instead of one row
+    /// per (token, expert) when the source gave its weights at dispatch (fp32 values:
+    /// `4 × hidden`); 0: combine is per (token, expert) only and no weights travel.
+    pub partial_row_bytes: u64,
     /// Rows (one per token) each source may write into its own slot at each receiver before
     /// the counts land (`max_tokens` holds any routing).
     pub private_rows: u32,
@@ -29,9 +33,9 @@ pub struct Layout {
 
 /// Header bytes are rounded up to this, so the rows after them stay aligned.
 pub(crate) const HEADER_ALIGN: u64 = 64;
-/// The header's fixed words: magic, epoch, source, ranks, experts per rank, top-k, and the
-/// membership digest.
-pub(crate) const HEADER_FIXED: u64 = 32;
+/// The header's fixed words: magic, epoch, source, ranks, experts per rank, top-k, the
+/// membership digest, flags and padding.
+pub(crate) const HEADER_FIXED: u64 = 40;
 /// Route records are rounded up to this, so the rows after them stay aligned.
 pub(crate) const ROUTE_ALIGN: u64 = 16;
 /// A route record's entry for a slot routed elsewhere.
@@ -56,6 +60,7 @@ impl Layout {
             max_tokens,
             row_bytes,
             combine_row_bytes: row_bytes,
+            partial_row_bytes: 0,
             private_rows: max_tokens,
             overflow_rows: 0,
         }
@@ -78,15 +83,12 @@ impl Layout {
             );
         }
         let wire = u128::from(self.row_bytes) + u128::from(self.route_bytes());
+        let back = u128::from(self.combine_row_bytes.max(self.partial_row_bytes));
         let total = u128::from(self.ranks) * self.slot_bytes_wide()
             + u128::from(self.overflow_rows) * wire
             + u128::from(self.max_tokens) * u128::from(self.ranks) * wire
-            + u128::from(self.max_tokens)
-                * u128::from(self.top_k)
-                * u128::from(self.combine_row_bytes)
-            + self.receive_capacity_wide()
-                * u128::from(self.top_k)
-                * u128::from(self.combine_row_bytes)
+            + u128::from(self.max_tokens) * u128::from(self.top_k) * back
+            + self.receive_capacity_wide() * u128::from(self.top_k) * back
             + u128::from(self.ranks) * u128::from(self.header_bytes());
         if total * u128::from(SETS) > u128::from(u64::MAX / 4) {
             return bad("regions too large");
@@ -112,9 +114,12 @@ impl Layout {
     }
 
     /// Bytes of a row's route record: for each of its `top_k` slots a little-endian `u16`,
-    /// the local expert at the receiver or [`ROUTE_NONE`], rounded up to 16 bytes.
+    /// the local expert at the receiver or [`ROUTE_NONE`]; then, when partial sums are
+    /// enabled (`partial_row_bytes > 0`), each slot's weight as a little-endian `f32` (zero
+    /// when the source gave none); rounded up to 16 bytes.
     pub fn route_bytes(&self) -> u64 {
-        (2 * u64::from(self.top_k)).div_ceil(ROUTE_ALIGN) * ROUTE_ALIGN
+        let weights = if self.partial_row_bytes > 0 { 4 } else { 0 };
+        ((2 + weights) * u64::from(self.top_k)).div_ceil(ROUTE_ALIGN) * ROUTE_ALIGN
     }
 
     /// Bytes of a row on the wire: the row, then its route record.
@@ -172,18 +177,23 @@ impl Layout {
         u64::from(self.ranks) * self.header_bytes() + self.max_send_rows() * self.wire_row_bytes()
     }
 
-    /// Bytes of one set of the combine region (an output per slot this rank sent, coming
-    /// back, behind a header per peer).
+    /// Bytes of one set of the combine region (an output per slot this rank sent, or a
+    /// partial sum per row, coming back, behind a header per peer).
     pub fn combine_region_bytes(&self) -> u64 {
         u64::from(self.ranks) * crate::plan::COMBINE_HEADER_BYTES
-            + self.max_send_slots() * self.combine_row_bytes
+            + (self.max_send_slots() * self.combine_row_bytes)
+                .max(self.max_send_rows() * self.partial_row_bytes)
     }
 
     /// Bytes of one set of the combine send buffer (an output per slot this rank can receive,
-    /// behind a header per source).
+    /// or a partial sum per row, behind a header per source).
     pub fn combine_send_bytes(&self) -> u64 {
+        let rows = self
+            .receive_capacity()
+            .min(u64::from(self.ranks) * u64::from(self.max_tokens));
         u64::from(self.ranks) * crate::plan::COMBINE_HEADER_BYTES
-            + self.receive_slot_capacity() * self.combine_row_bytes
+            + (self.receive_slot_capacity() * self.combine_row_bytes)
+                .max(rows * self.partial_row_bytes)
     }
 
     /// Logical experts of the identity map (`ranks × experts_per_rank`).

@@ -28,10 +28,14 @@
 //! 4. **Combine** (one write per source): one expert output per slot received, in the
 //!    source's order (token, then slot), into the source's combine region at the offset of
 //!    its own slots for this rank; immediate `(epoch, C, r)`. The source reduces each token's
-//!    slots in fp32 with its weights.
+//!    slots in fp32 with its weights. A source that gave its weights at dispatch
+//!    ([`SendPlan::with_weights`]: they travel in the route records, its header says so) gets
+//!    one fp32 partial sum per row instead (the row's slots weighted and summed, slots in
+//!    order), and adds a token's partial sums in rank order.
 //!
 //! So each rank posts at most two writes per peer per phase, moves one row per (token, rank)
-//! (plus headers and route records), and expects exactly the writes that were posted to it
+//! (plus headers and route records) out and one per (token, expert) or per (token, rank) back,
+//! and expects exactly the writes that were posted to it
 //! ([`plan`], property-tested over random routings in `tests/properties.rs`).
 //!
 //! # Failure

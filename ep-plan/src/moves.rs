@@ -175,8 +175,10 @@ pub fn copy_cells(dst: &[Cell<u8>], src: &[Cell<u8>]) {
 pub struct RecvPlace {
     /// Byte offset of the row in the dispatch region (both sets).
     pub recv_offset: u64,
-    /// Byte offset of the output in the combine send buffer (both sets).
-    pub combine_offset: u64,
+    /// Byte offset of the output in the combine send buffer (both sets); `None` when its
+    /// source is weighted (the output goes into its row's partial sum:
+    /// [`Receive::repack_partials`]).
+    pub combine_offset: Option<u64>,
     /// The local expert.
     pub expert: u32,
     /// Index among the expert's slots.
@@ -188,21 +190,68 @@ impl Receive {
     /// to several local experts is in each of their places. Empty before the route records
     /// are read.
     pub fn places(&self) -> Vec<RecvPlace> {
-        let mut position = vec![0u64; self.expert_counts.len()];
         self.expert_order()
             .into_iter()
             .map(|j| {
                 let sl = self.slots[j];
-                let pos = position[sl.expert as usize];
-                position[sl.expert as usize] += 1;
+                let row = self.rows[sl.row as usize];
                 RecvPlace {
-                    recv_offset: self.rows[sl.row as usize].offset,
-                    combine_offset: self.combine_send_slot_offset(j),
+                    recv_offset: row.offset,
+                    combine_offset: (!self.weighted[row.source as usize])
+                        .then(|| self.combine_send_slot_offset(j)),
                     expert: sl.expert,
-                    position: pos,
+                    position: sl.position,
                 }
             })
             .collect()
+    }
+
+    /// For every row here from a weighted source, its partial sum into `csend` (the combine
+    /// send buffer, both sets) as little-endian `f32`s: its slots' expert outputs (`out`, in
+    /// the experts' layout `shape` of rows of `dtype`) weighted and summed in fp32, slots in
+    /// order.
+    pub fn repack_partials(
+        &self,
+        dtype: Dtype,
+        shape: ExpertLayout,
+        out: &[Cell<u8>],
+        csend: &[Cell<u8>],
+    ) {
+        let l = self.layout();
+        let row = l.combine_row_bytes;
+        let hidden = row as usize / dtype.size();
+        let starts: Vec<u64> = self
+            .expert_counts
+            .iter()
+            .scan(0u64, |acc, &c| {
+                let s = *acc;
+                *acc += c;
+                Some(s)
+            })
+            .collect();
+        let mut acc = vec![0f32; hidden];
+        for (i, r) in self.rows.iter().enumerate() {
+            if !self.weighted[r.source as usize] {
+                continue;
+            }
+            acc.iter_mut().for_each(|v| *v = 0.0);
+            for sl in &self.slots[self.row_slots[i]..self.row_slots[i + 1]] {
+                let place = RecvPlace {
+                    recv_offset: r.offset,
+                    combine_offset: None,
+                    expert: sl.expert,
+                    position: sl.position,
+                };
+                let at = expert_offset(l, shape, &starts, &place, row) as usize;
+                accumulate(dtype, &mut acc, sl.weight, &out[at..at + row as usize]);
+            }
+            let at = self.combine_send_partial_offset(i) as usize;
+            for (d, v) in csend[at..at + 4 * hidden].chunks_exact(4).zip(&acc) {
+                for (c, b) in d.iter().zip(v.to_le_bytes()) {
+                    c.set(b);
+                }
+            }
+        }
     }
 }
 
@@ -281,7 +330,9 @@ impl SendPlan {
 impl StepMachine {
     /// `y[t] = Σ_slot weight[t × top_k + slot] · output(t, slot)` in fp32, slots in order, for
     /// `y` of `[tokens, hidden]`; a slot whose output did not come back (masked rank, row not
-    /// received) contributes zero. `combine` is the combine region.
+    /// received) contributes zero. `combine` is the combine region. A weighted step (weights
+    /// given at dispatch, `weights` unused) adds each row's partial sum instead, ranks in
+    /// order; a row whose partial sum did not come back contributes zero.
     pub fn reduce(&self, dtype: Dtype, combine: &[Cell<u8>], weights: &[f32], y: &[Cell<f32>]) {
         let plan = self.plan();
         let layout = self.layout();
@@ -289,6 +340,26 @@ impl StepMachine {
         let row = layout.combine_row_bytes as usize;
         let hidden = row / dtype.size();
         let tokens = plan.slot_index.len() / top_k;
+        if plan.weighted() {
+            for v in y.iter().take(tokens * hidden) {
+                v.set(0.0);
+            }
+            // Rows are by peer, then token: each token's partial sums are added in rank order.
+            for (i, r) in plan.rows.iter().enumerate() {
+                if !self.row_combined(i) {
+                    continue;
+                }
+                let at = plan.combine_partial_offset(i) as usize;
+                let out = &y[r.token as usize * hidden..(r.token as usize + 1) * hidden];
+                for (o, b) in out.iter().zip(combine[at..at + 4 * hidden].chunks_exact(4)) {
+                    o.set(
+                        o.get()
+                            + f32::from_le_bytes([b[0].get(), b[1].get(), b[2].get(), b[3].get()]),
+                    );
+                }
+            }
+            return;
+        }
         let mut acc = vec![0f32; hidden];
         for (t, out) in y.chunks_exact(hidden).take(tokens).enumerate() {
             acc.iter_mut().for_each(|v| *v = 0.0);
@@ -318,7 +389,7 @@ pub fn write_combine_headers(r: &Receive, csend: &[Cell<u8>]) {
         if !r.sources[s as usize] {
             continue;
         }
-        let h = crate::plan::encode_combine_header(r.epoch, r.rank, r.slots_valid[s as usize]);
+        let h = crate::plan::encode_combine_header(r.epoch, r.rank, r.combine_valid(s));
         let at = r.combine_send_offset(s) as usize;
         for (d, &b) in csend[at..at + COMBINE_HEADER_BYTES as usize].iter().zip(&h) {
             d.set(b);

@@ -80,6 +80,11 @@ pub struct SendPlan {
     pub slot_start: Vec<usize>,
     /// `slots[row_slots[i]..row_slots[i + 1]]` travel in row `i`.
     pub row_slots: Vec<usize>,
+    /// `slot_rows[j]`: the row slot `j` travels in.
+    pub slot_rows: Vec<usize>,
+    /// The weights given at dispatch (`tokens × top_k`, [`with_weights`](Self::with_weights)):
+    /// they travel in the route records, and combine returns one partial sum per row.
+    pub weights: Option<Vec<f32>>,
     /// For each `token × top_k + slot`: its index in `slots`, or `-1` (a `-1` slot, or routed
     /// to a masked rank).
     pub slot_index: Vec<i64>,
@@ -170,6 +175,10 @@ impl SendPlan {
             }
         }
         row_slots.push(slots.len());
+        let mut slot_rows = vec![0usize; slots.len()];
+        for (i, w) in row_slots.windows(2).enumerate() {
+            slot_rows[w[0]..w[1]].iter_mut().for_each(|r| *r = i);
+        }
         let starts = |peers: &mut dyn Iterator<Item = u32>| {
             let mut start = vec![0usize; ranks + 1];
             for p in peers {
@@ -195,6 +204,7 @@ impl SendPlan {
             membership: crate::header::membership_digest(active),
             rows: count(&peer_start),
             slots: count(&slot_start),
+            weighted: false,
         };
         Ok(Self {
             layout: layout.clone(),
@@ -207,10 +217,39 @@ impl SendPlan {
             slots,
             slot_start,
             row_slots,
+            slot_rows,
+            weights: None,
             slot_index,
             masked_slots,
             header,
         })
+    }
+
+    /// The weights of every slot (`tokens × top_k`, as `topk_weights`), given at dispatch:
+    /// they travel in the route records, each receiver sums its slots' outputs of a token
+    /// with them (fp32, slots in order) and combine returns one partial sum per row, which
+    /// the source adds in rank order. Needs `layout.partial_row_bytes > 0`.
+    pub fn with_weights(mut self, weights: &[f32]) -> Result<Self, PlanError> {
+        if self.layout.partial_row_bytes == 0 {
+            return Err(PlanError::Layout(
+                "weights at dispatch need partial_row_bytes > 0".into(),
+            ));
+        }
+        if weights.len() != self.slot_index.len() {
+            return Err(PlanError::Shape(format!(
+                "{} weights for {} slots",
+                weights.len(),
+                self.slot_index.len()
+            )));
+        }
+        self.weights = Some(weights.to_vec());
+        self.header.weighted = true;
+        Ok(self)
+    }
+
+    /// Whether combine returns one partial sum per row (weights given at dispatch).
+    pub fn weighted(&self) -> bool {
+        self.weights.is_some()
     }
 
     /// The buffer set of this step.
@@ -233,19 +272,35 @@ impl SendPlan {
         (self.peer_start[peer as usize + 1] - self.peer_start[peer as usize]) as u64
     }
 
-    /// Routed slots to `peer` (its combine rows).
+    /// Routed slots to `peer`.
     pub fn slots_to(&self, peer: u32) -> u64 {
         (self.slot_start[peer as usize + 1] - self.slot_start[peer as usize]) as u64
     }
 
+    /// Combine rows `peer` sends back: a partial sum per row when weighted, else an output
+    /// per slot.
+    pub fn combine_rows_from(&self, peer: u32) -> u64 {
+        combine_rows(&self.header, peer)
+    }
+
     /// Row `i`'s route record: for each top-k slot, the local expert at the row's peer it goes
-    /// to, or [`ROUTE_NONE`] (`layout.route_bytes()` bytes, little-endian `u16`s, zero padded).
+    /// to, or [`ROUTE_NONE`] (little-endian `u16`s); with partial sums enabled, then each
+    /// slot's weight there (little-endian `f32`, zero for a slot routed elsewhere or without
+    /// weights); zero padded to `layout.route_bytes()`.
     pub fn route_record(&self, i: usize) -> Vec<u8> {
-        let mut entries = vec![ROUTE_NONE; self.layout.top_k as usize];
+        let k = self.layout.top_k as usize;
+        let mut entries = vec![ROUTE_NONE; k];
+        let mut weights = vec![0f32; k];
         for s in &self.slots[self.row_slots[i]..self.row_slots[i + 1]] {
             entries[s.slot as usize] = s.expert as u16;
+            if let Some(w) = &self.weights {
+                weights[s.slot as usize] = w[s.token as usize * k + s.slot as usize];
+            }
         }
         let mut out: Vec<u8> = entries.iter().flat_map(|e| e.to_le_bytes()).collect();
+        if self.layout.partial_row_bytes > 0 {
+            out.extend(weights.iter().flat_map(|w| w.to_le_bytes()));
+        }
         out.resize(self.layout.route_bytes() as usize, 0);
         out
     }
@@ -315,23 +370,30 @@ impl SendPlan {
         Ok(out)
     }
 
-    /// Offset of `peer`'s block (a combine header, then an output per slot) in this rank's
-    /// combine region: the peers' blocks in rank order, each as long as the slots sent to it.
+    /// Offset of `peer`'s block (a combine header, then an output per slot or a partial sum
+    /// per row) in this rank's combine region: the peers' blocks in rank order, each as long
+    /// as what comes back from it.
     pub fn combine_block_offset(&self, peer: u32) -> u64 {
-        combine_block(
-            &self.layout,
-            self.set(),
-            peer,
-            self.slot_start[peer as usize] as u64,
-        )
+        let before = (0..peer)
+            .map(|p| self.combine_rows_from(p) * combine_row(&self.layout, &self.header))
+            .sum();
+        combine_block(&self.layout, self.set(), peer, before)
     }
 
-    /// Offset of slot `j`'s expert output in the combine region.
+    /// Offset of slot `j`'s expert output in the combine region (not weighted).
     pub fn combine_slot_offset(&self, j: usize) -> u64 {
         let peer = self.slots[j].peer;
         self.combine_block_offset(peer)
             + COMBINE_HEADER_BYTES
             + (j - self.slot_start[peer as usize]) as u64 * self.layout.combine_row_bytes
+    }
+
+    /// Offset of row `i`'s partial sum in the combine region (weighted).
+    pub fn combine_partial_offset(&self, i: usize) -> u64 {
+        let peer = self.rows[i].peer;
+        self.combine_block_offset(peer)
+            + COMBINE_HEADER_BYTES
+            + (i - self.peer_start[peer as usize]) as u64 * self.layout.partial_row_bytes
     }
 
     /// The combine writes this rank expects: one from every active peer, rows or not (so
@@ -343,10 +405,29 @@ impl SendPlan {
     }
 }
 
-fn combine_block(layout: &Layout, set: u32, peer: u32, rows_before: u64) -> u64 {
+fn combine_block(layout: &Layout, set: u32, peer: u32, bytes_before: u64) -> u64 {
     u64::from(set) * layout.combine_region_bytes()
         + u64::from(peer) * COMBINE_HEADER_BYTES
-        + rows_before * layout.combine_row_bytes
+        + bytes_before
+}
+
+/// Combine rows `peer` returns to the source of `header`: a partial sum per row when it is
+/// weighted, else an output per slot.
+fn combine_rows(header: &Header, peer: u32) -> u64 {
+    if header.weighted {
+        header.rows_to(peer)
+    } else {
+        header.slots_to(peer)
+    }
+}
+
+/// Bytes of a combine row returned to the source of `header`.
+fn combine_row(layout: &Layout, header: &Header) -> u64 {
+    if header.weighted {
+        layout.partial_row_bytes
+    } else {
+        layout.combine_row_bytes
+    }
 }
 
 /// The header in front of a block of combine rows.
@@ -457,7 +538,7 @@ pub struct RecvRow {
 }
 
 /// One routed slot a rank received, from a row's route record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RecvSlot {
     /// The row that carried it (index into [`Receive::rows`]).
     pub row: u32,
@@ -467,6 +548,10 @@ pub struct RecvSlot {
     pub expert: u32,
     /// Its index among the slots its source sent this rank (the source's combine order).
     pub index: u32,
+    /// Its index among its expert's slots (sources in rank order, each in its order).
+    pub position: u64,
+    /// Its weight, when its source gave weights at dispatch (else 0).
+    pub weight: f32,
 }
 
 /// What one rank receives in a step and sends back in combine: the rows from the headers it
@@ -490,12 +575,17 @@ pub struct Receive {
     pub valid: Vec<u64>,
     /// Slots each source's rows carry to this rank (from its header).
     pub slots_sent: Vec<u64>,
+    /// Sources that gave weights at dispatch (from their headers): combine returns them one
+    /// partial sum per row.
+    pub weighted: Vec<bool>,
     /// Sources whose overflow write (dispatch B) this rank waits for.
     pub expect_b: Vec<u32>,
     /// Whether the route records were read (`slots`, `slots_valid`, `expert_counts` are set).
     pub routed: bool,
     /// The slots the rows here carry, by source, row, slot.
     pub slots: Vec<RecvSlot>,
+    /// `slots[row_slots[i]..row_slots[i + 1]]` came in row `i`.
+    pub row_slots: Vec<usize>,
     /// Slots of each source that are here: the combine rows this rank sends it.
     pub slots_valid: Vec<u64>,
     /// `recv_count` per local expert.
@@ -503,6 +593,10 @@ pub struct Receive {
 }
 
 impl Receive {
+    pub(crate) fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
     /// What rank `rank` receives from the sources whose header it holds and that `include`
     /// keeps. `overflow[s]` says whether it takes `s`'s overflow rows this step (only with the
     /// complete matrix and nobody masked, so that its offsets match every sender's).
@@ -524,6 +618,7 @@ impl Receive {
         let mut sources = vec![false; l.ranks as usize];
         let mut valid = vec![0; l.ranks as usize];
         let mut slots_sent = vec![0; l.ranks as usize];
+        let mut weighted = vec![false; l.ranks as usize];
         let mut expect_b = Vec::new();
         for s in 0..l.ranks {
             let Some(h) = matrix.headers[s as usize]
@@ -535,6 +630,7 @@ impl Receive {
             let n = h.rows_to(rank);
             sent[s as usize] = n;
             slots_sent[s as usize] = h.slots_to(rank);
+            weighted[s as usize] = h.weighted;
             sources[s as usize] = true;
             let start =
                 (overflow[s as usize] && n > private).then(|| matrix.overflow_start(s, rank));
@@ -566,9 +662,11 @@ impl Receive {
             sent,
             valid,
             slots_sent,
+            weighted,
             expect_b,
             routed: false,
             slots: Vec::new(),
+            row_slots: Vec::new(),
             slots_valid: vec![0; l.ranks as usize],
             expert_counts: vec![0; l.experts_per_rank as usize],
         }
@@ -584,7 +682,9 @@ impl Receive {
         let l = &self.layout;
         let (k, e) = (l.top_k as usize, l.experts_per_rank);
         let mut bad = Vec::new();
-        let mut slots = Vec::with_capacity(self.rows.len());
+        let mut slots: Vec<RecvSlot> = Vec::with_capacity(self.rows.len());
+        let weights_at = 2 * k;
+        let with_weights = l.partial_row_bytes > 0;
         let mut slots_valid = vec![0u64; l.ranks as usize];
         let mut first = 0;
         while first < self.rows.len() {
@@ -598,13 +698,22 @@ impl Receive {
             let mut ok = true;
             'rows: for (i, r) in self.rows.iter().enumerate().take(end).skip(first) {
                 let at = (r.offset + l.row_bytes) as usize;
-                let record = region.get(at..at + 2 * k).unwrap_or_default();
-                if record.len() != 2 * k {
+                let record = region
+                    .get(at..at + l.route_bytes() as usize)
+                    .unwrap_or_default();
+                if record.len() != l.route_bytes() as usize {
                     ok = false;
                     break;
                 }
+                let weight = |slot: usize| {
+                    if !with_weights || !self.weighted[s as usize] {
+                        return 0.0;
+                    }
+                    let w = &record[weights_at + 4 * slot..weights_at + 4 * slot + 4];
+                    f32::from_le_bytes([w[0].get(), w[1].get(), w[2].get(), w[3].get()])
+                };
                 let before = slots.len();
-                for (slot, b) in record.chunks_exact(2).enumerate() {
+                for (slot, b) in record[..2 * k].chunks_exact(2).enumerate() {
                     let entry = u16::from_le_bytes([b[0].get(), b[1].get()]);
                     if entry == ROUTE_NONE {
                         continue;
@@ -618,6 +727,8 @@ impl Receive {
                         slot: slot as u32,
                         expert: u32::from(entry),
                         index: (slots.len() - keep) as u32,
+                        position: 0,
+                        weight: weight(slot),
                     });
                 }
                 if slots.len() == before {
@@ -636,10 +747,21 @@ impl Receive {
             }
             first = end;
         }
+        // Positions: `slots` is by source, row, slot, so each expert's slots come in the order
+        // its place lists them.
         let mut expert_counts = vec![0u64; e as usize];
-        for sl in &slots {
+        for sl in &mut slots {
+            sl.position = expert_counts[sl.expert as usize];
             expert_counts[sl.expert as usize] += 1;
         }
+        let mut row_slots = vec![0usize; self.rows.len() + 1];
+        for sl in &slots {
+            row_slots[sl.row as usize + 1] += 1;
+        }
+        for i in 0..self.rows.len() {
+            row_slots[i + 1] += row_slots[i];
+        }
+        self.row_slots = row_slots;
         self.slots = slots;
         self.slots_valid = slots_valid;
         self.expert_counts = expert_counts;
@@ -657,16 +779,45 @@ impl Receive {
         order
     }
 
-    /// Offset of source `s`'s block (combine header, then its slots' outputs) in this rank's
-    /// combine send buffer: the sources' blocks in rank order.
-    pub fn combine_send_offset(&self, s: u32) -> u64 {
-        let before: u64 = self.slots_valid[..s as usize].iter().sum();
-        u64::from(self.epoch % SETS) * self.layout.combine_send_bytes()
-            + u64::from(s) * COMBINE_HEADER_BYTES
-            + before * self.layout.combine_row_bytes
+    /// Combine rows this rank returns to source `s`: a partial sum per row here when `s` is
+    /// weighted, else an output per slot here.
+    pub fn combine_valid(&self, s: u32) -> u64 {
+        if self.weighted[s as usize] {
+            self.valid[s as usize]
+        } else {
+            self.slots_valid[s as usize]
+        }
     }
 
-    /// Offset of received slot `j`'s expert output in the combine send buffer.
+    fn combine_len(&self, s: u32) -> u64 {
+        let row = if self.weighted[s as usize] {
+            self.layout.partial_row_bytes
+        } else {
+            self.layout.combine_row_bytes
+        };
+        self.combine_valid(s) * row
+    }
+
+    /// Offset of source `s`'s block (combine header, then its slots' outputs or its rows'
+    /// partial sums) in this rank's combine send buffer: the sources' blocks in rank order.
+    pub fn combine_send_offset(&self, s: u32) -> u64 {
+        let before: u64 = (0..s).map(|q| self.combine_len(q)).sum();
+        u64::from(self.epoch % SETS) * self.layout.combine_send_bytes()
+            + u64::from(s) * COMBINE_HEADER_BYTES
+            + before
+    }
+
+    /// Offset of received row `i`'s partial sum in the combine send buffer (its source is
+    /// weighted).
+    pub fn combine_send_partial_offset(&self, i: usize) -> u64 {
+        let r = self.rows[i];
+        self.combine_send_offset(r.source)
+            + COMBINE_HEADER_BYTES
+            + u64::from(r.index) * self.layout.partial_row_bytes
+    }
+
+    /// Offset of received slot `j`'s expert output in the combine send buffer (its source is
+    /// not weighted).
     pub fn combine_send_slot_offset(&self, j: usize) -> u64 {
         let sl = self.slots[j];
         let source = self.rows[sl.row as usize].source;
@@ -676,8 +827,9 @@ impl Receive {
     }
 
     /// The combine writes: to every source taken (rows or not), its block (a header saying
-    /// how many of its slots were received, then their outputs, in its order), at its combine
-    /// region's block for this rank. `matrix` gives where that block sits.
+    /// how many of its slots, or rows when it is weighted, were received, then their outputs
+    /// or partial sums, in its order), at its combine region's block for this rank. `matrix`
+    /// gives where that block sits.
     pub fn writes_combine(&self, matrix: &CountMatrix) -> Vec<Write> {
         let l = &self.layout;
         let mut out = Vec::new();
@@ -688,7 +840,9 @@ impl Receive {
             let Some(h) = &matrix.headers[s as usize] else {
                 continue;
             };
-            let before: u64 = (0..self.rank).map(|d| h.slots_to(d)).sum();
+            let before: u64 = (0..self.rank)
+                .map(|d| combine_rows(h, d) * combine_row(l, h))
+                .sum();
             out.push(Write {
                 peer: s,
                 phase: Phase::Combine,
@@ -701,7 +855,7 @@ impl Receive {
                 .encode(),
                 src_offset: self.combine_send_offset(s),
                 dst_offset: combine_block(l, self.epoch % SETS, self.rank, before),
-                len: COMBINE_HEADER_BYTES + self.slots_valid[s as usize] * l.combine_row_bytes,
+                len: COMBINE_HEADER_BYTES + self.combine_len(s),
             });
         }
         out

@@ -277,8 +277,8 @@ impl StepMachine {
             }
             Phase::DispatchB => {}
             Phase::Combine => {
-                let slots = self.plan.slots_to(i.source);
-                match decode_combine_header(bytes, self.plan.epoch, i.source, slots) {
+                let rows = self.plan.combine_rows_from(i.source);
+                match decode_combine_header(bytes, self.plan.epoch, i.source, rows) {
                     Some(valid) => self.combined[i.source as usize] = Some(valid),
                     None => self.mask(i.source),
                 }
@@ -476,12 +476,24 @@ impl StepMachine {
     }
 
     /// Whether slot `j` of the plan came back with its expert's output (its peer is active
-    /// and its combine header counted it).
+    /// and its combine header counted it, or counted its row's partial sum when weighted).
     pub fn slot_combined(&self, j: usize) -> bool {
+        if self.plan.weighted() {
+            return self.row_combined(self.plan.slot_rows[j]);
+        }
         let peer = self.plan.slots[j].peer;
         let first = self.plan.slot_start[peer as usize];
         self.active[peer as usize]
             && self.combined[peer as usize].is_some_and(|valid| ((j - first) as u64) < valid)
+    }
+
+    /// Whether row `i`'s partial sum came back (weighted steps).
+    pub fn row_combined(&self, i: usize) -> bool {
+        let peer = self.plan.rows[i].peer;
+        let first = self.plan.peer_start[peer as usize];
+        self.plan.weighted()
+            && self.active[peer as usize]
+            && self.combined[peer as usize].is_some_and(|valid| ((i - first) as u64) < valid)
     }
 }
 

@@ -17,6 +17,7 @@ fn check(data: &[u8]) {
         max_tokens: u32::from(shape[3]),
         row_bytes: 16,
         combine_row_bytes: 16,
+        partial_row_bytes: u64::from(shape[1] & 8) * 4,
         private_rows: 4,
         overflow_rows: 4,
     };
@@ -66,6 +67,7 @@ fn random_and_mutated_headers_never_panic_and_round_trip() {
             max_tokens: u32::from(shape[3]),
             row_bytes: 16,
             combine_row_bytes: 16,
+            partial_row_bytes: u64::from(shape[1] & 8) * 4,
             private_rows: 4,
             overflow_rows: 4,
         };
@@ -85,6 +87,7 @@ fn random_and_mutated_headers_never_panic_and_round_trip() {
             membership: membership_digest(&vec![true; layout.ranks as usize]),
             rows,
             slots,
+            weighted: layout.partial_row_bytes > 0 && rng.bool(),
         };
         let mut data = shape.to_vec();
         let mut bytes = if rng.bool() {
@@ -131,6 +134,7 @@ fn random_and_mutated_route_records_are_bounded() {
             max_tokens: rng.u32(0..=4),
             row_bytes: 16,
             combine_row_bytes: 16,
+            partial_row_bytes: 0,
             private_rows: rng.u32(0..=4),
             overflow_rows: 64,
         };

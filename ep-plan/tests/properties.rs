@@ -38,6 +38,23 @@ struct Case {
     /// Per rank: token count and `tokens × top_k` ids.
     routing: Vec<Vec<i64>>,
     epoch: u32,
+    /// Whether the layout has room for partial sums, and which ranks give their weights at
+    /// dispatch (bit `r`): combine returns them one partial sum per (token, rank).
+    partial: bool,
+    weighted: u8,
+}
+
+impl Case {
+    fn weighted(&self, r: u32) -> bool {
+        self.partial && self.weighted & (1 << r) != 0
+    }
+
+    /// Rank `r`'s weights: small integers, zero and negative ones included.
+    fn weights(&self, r: u32) -> Vec<f32> {
+        (0..self.routing[r as usize].len())
+            .map(|i| ((r as usize * 97 + i) % 13) as f32 - 6.0)
+            .collect()
+    }
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -50,9 +67,11 @@ fn case() -> impl Strategy<Value = Case> {
         -2i64..=2,
         any::<bool>(),
         0u32..4,
+        any::<bool>(),
+        any::<u8>(),
     )
         .prop_flat_map(
-            |(ranks, epr, top_k, max_tokens, private, slack, eplb, epoch)| {
+            |(ranks, epr, top_k, max_tokens, private, slack, eplb, epoch, partial, weighted)| {
                 let physical = (ranks * epr) as i64;
                 let logical = if eplb {
                     (physical / 2).max(1)
@@ -95,6 +114,8 @@ fn case() -> impl Strategy<Value = Case> {
                         eplb,
                         routing,
                         epoch,
+                        partial,
+                        weighted,
                     })
             },
         )
@@ -153,6 +174,8 @@ fn check(c: Case) -> Result<(), TestCaseError> {
         row_bytes: ROW,
         // Combine rows differ from dispatch rows (as fp8 out, bf16 back).
         combine_row_bytes: ROW + 8,
+        // Partial sums (fp32) wider than either.
+        partial_row_bytes: if c.partial { 2 * ROW } else { 0 },
         private_rows: c.private_rows,
         overflow_rows: 0,
     };
@@ -164,7 +187,7 @@ fn check(c: Case) -> Result<(), TestCaseError> {
     let plan_all = |layout: &Layout| -> Vec<SendPlan> {
         (0..c.ranks)
             .map(|r| {
-                SendPlan::new(
+                let p = SendPlan::new(
                     layout,
                     &map,
                     r,
@@ -173,7 +196,12 @@ fn check(c: Case) -> Result<(), TestCaseError> {
                     &c.routing[r as usize],
                     &active,
                 )
-                .unwrap()
+                .unwrap();
+                if c.weighted(r) {
+                    p.with_weights(&c.weights(r)).unwrap()
+                } else {
+                    p
+                }
             })
             .collect()
     };
@@ -239,10 +267,23 @@ fn check(c: Case) -> Result<(), TestCaseError> {
                 .iter()
                 .all(|sl| (sl.token, sl.peer) == (sr.token, sr.peer)));
             let record = p.route_record(i);
+            let weights = c.weights(r as u32);
             for slot in 0..k {
                 let entry = u16::from_le_bytes([record[2 * slot], record[2 * slot + 1]]);
                 let here = carried.iter().find(|sl| sl.slot as usize == slot);
                 prop_assert_eq!(entry, here.map_or(ROUTE_NONE, |sl| sl.expert as u16));
+                if c.partial {
+                    let w = f32::from_le_bytes(
+                        record[2 * k + 4 * slot..2 * k + 4 * slot + 4]
+                            .try_into()
+                            .unwrap(),
+                    );
+                    let want = match here {
+                        Some(sl) if c.weighted(r as u32) => weights[sl.token as usize * k + slot],
+                        _ => 0.0,
+                    };
+                    prop_assert_eq!(w, want);
+                }
             }
         }
         prop_assert!(p
@@ -378,6 +419,13 @@ fn check(c: Case) -> Result<(), TestCaseError> {
         for sl in &recv.slots {
             let rr = recv.rows[sl.row as usize];
             let p = &plans[rr.source as usize];
+            let token = p.rows[p.peer_start[d as usize] + rr.index as usize].token as usize;
+            let weight = if c.weighted(rr.source) {
+                c.weights(rr.source)[token * k + sl.slot as usize]
+            } else {
+                0.0
+            };
+            prop_assert_eq!(sl.weight, weight, "the weight travelled with its slot");
             let want = p.slots[p.slot_start[d as usize] + next[rr.source as usize]];
             next[rr.source as usize] += 1;
             prop_assert_eq!(sl.index as usize + 1, next[rr.source as usize]);
@@ -420,13 +468,19 @@ fn check(c: Case) -> Result<(), TestCaseError> {
             let sl = recv.slots[j];
             prop_assert_eq!(sl.expert, place.expert);
             prop_assert_eq!(recv.rows[sl.row as usize].offset, place.recv_offset);
-            prop_assert_eq!(recv.combine_send_slot_offset(j), place.combine_offset);
+            let source = recv.rows[sl.row as usize].source;
+            prop_assert_eq!(
+                (!recv.weighted[source as usize]).then(|| recv.combine_send_slot_offset(j)),
+                place.combine_offset
+            );
+            prop_assert_eq!(sl.position, place.position);
         }
         prop_assert_eq!(&covered, &recv.expert_counts);
         receives.push(recv);
     }
 
-    // Combine: each receiver answers every slot with (receiver, token, slot, marker).
+    // Combine: each receiver answers every slot with (receiver, token, slot, marker), or a
+    // weighted source's every row with one partial sum (receiver, token, MAX, marker).
     let mut csend: Vec<Vec<u8>> =
         vec![vec![0; 2 * layout.combine_send_bytes() as usize]; c.ranks as usize];
     let mut comb: Vec<Vec<u8>> =
@@ -434,9 +488,16 @@ fn check(c: Case) -> Result<(), TestCaseError> {
     let mut back: Vec<Vec<(Write, Vec<u8>)>> = vec![Vec::new(); c.ranks as usize];
     for (d, recv) in receives.iter().enumerate() {
         for (j, sl) in recv.slots.iter().enumerate() {
-            let got = read(&disp[d], recv.rows[sl.row as usize].offset);
-            let at = recv.combine_send_slot_offset(j) as usize;
-            csend[d][at..at + 16].copy_from_slice(&row(d as u32, got[1], sl.slot, 77));
+            let rr = recv.rows[sl.row as usize];
+            let got = read(&disp[d], rr.offset);
+            let (at, out) = if recv.weighted[rr.source as usize] {
+                let at = recv.combine_send_partial_offset(sl.row as usize);
+                (at as usize, row(d as u32, got[1], u32::MAX, 78))
+            } else {
+                let at = recv.combine_send_slot_offset(j);
+                (at as usize, row(d as u32, got[1], sl.slot, 77))
+            };
+            csend[d][at..at + 16].copy_from_slice(&out);
         }
         write_combine_headers(recv, cells(&mut csend[d]));
         let writes = recv.writes_combine(&matrix);
@@ -468,16 +529,36 @@ fn check(c: Case) -> Result<(), TestCaseError> {
         );
         for peer in p.combine_sources() {
             let at = p.combine_block_offset(peer) as usize;
+            let rows = p.combine_rows_from(peer);
             prop_assert_eq!(
-                decode_combine_header(&comb[s][at..at + 64], c.epoch, peer, p.slots_to(peer)),
-                Some(p.slots_to(peer))
+                decode_combine_header(&comb[s][at..at + 64], c.epoch, peer, rows),
+                Some(rows)
             );
         }
-        for (j, sl) in p.slots.iter().enumerate() {
-            prop_assert_eq!(
-                read(&comb[s], p.combine_slot_offset(j)),
-                [sl.peer, sl.token, sl.slot, 77]
-            );
+        // What came back: one output per slot, or one partial sum per (token, rank), no more.
+        let (back_rows, back_row) = if p.weighted() {
+            (p.rows.len() as u64, layout.partial_row_bytes)
+        } else {
+            (p.slots.len() as u64, layout.combine_row_bytes)
+        };
+        prop_assert_eq!(
+            back[s].iter().map(|(w, _)| w.len).sum::<u64>(),
+            u64::from(c.ranks) * 64 + back_rows * back_row
+        );
+        if p.weighted() {
+            for (i, sr) in p.rows.iter().enumerate() {
+                prop_assert_eq!(
+                    read(&comb[s], p.combine_partial_offset(i)),
+                    [sr.peer, sr.token, u32::MAX, 78]
+                );
+            }
+        } else {
+            for (j, sl) in p.slots.iter().enumerate() {
+                prop_assert_eq!(
+                    read(&comb[s], p.combine_slot_offset(j)),
+                    [sl.peer, sl.token, sl.slot, 77]
+                );
+            }
         }
     }
     Ok(())
@@ -500,6 +581,7 @@ fn exactly_at_capacity_fits_and_one_more_row_fails() {
         max_tokens: 6,
         row_bytes: ROW,
         combine_row_bytes: ROW,
+        partial_row_bytes: 0,
         private_rows: 2,
         overflow_rows: 0,
     };
@@ -520,6 +602,8 @@ fn exactly_at_capacity_fits_and_one_more_row_fails() {
             eplb: None,
             routing: routing.to_vec(),
             epoch: 1,
+            partial: true,
+            weighted: 1,
         })
         .unwrap();
         let l = Layout {

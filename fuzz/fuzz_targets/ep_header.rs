@@ -23,6 +23,7 @@ fuzz_target!(|data: &[u8]| {
         max_tokens: u32::from(shape[3]),
         row_bytes: 16,
         combine_row_bytes: 16,
+        partial_row_bytes: u64::from(shape[1] & 8) * 4,
         private_rows: 4,
         overflow_rows: 4,
     };

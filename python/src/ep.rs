@@ -37,8 +37,8 @@ fn columns<'py>(py: Python<'py>, cols: &[Vec<i64>]) -> Vec<Bound<'py, PyBytes>> 
 }
 
 /// The layout from its Python description: `(ranks, experts_per_rank, top_k, max_tokens,
-/// row_bytes, private_rows, overflow_rows, combine_row_bytes)`.
-type LayoutArgs = (u32, u32, u32, u32, u64, u32, u32, u64);
+/// row_bytes, private_rows, overflow_rows, combine_row_bytes, partial_row_bytes)`.
+type LayoutArgs = (u32, u32, u32, u32, u64, u32, u32, u64, u64);
 
 fn layout_of(py: Python<'_>, a: LayoutArgs) -> PyResult<Layout> {
     let l = Layout {
@@ -48,6 +48,7 @@ fn layout_of(py: Python<'_>, a: LayoutArgs) -> PyResult<Layout> {
         max_tokens: a.3,
         row_bytes: a.4,
         combine_row_bytes: a.7,
+        partial_row_bytes: a.8,
         private_rows: a.5,
         overflow_rows: a.6,
     };
@@ -179,9 +180,11 @@ fn starts_of(counts: &[u64]) -> Vec<u64> {
 impl EpStep {
     /// Plans rank `rank`'s step `epoch` from `topk_idx` (little-endian `int64` bytes,
     /// `tokens × top_k`, `-1` for none) and starts its protocol at `now` (ns): the first
-    /// actions are the dispatch A writes and the waits for every active source.
+    /// actions are the dispatch A writes and the waits for every active source. `weights`
+    /// (little-endian `float32` bytes, `tokens × top_k`): the weights travel with the rows
+    /// and combine returns one partial sum per (token, rank).
     #[new]
-    #[pyo3(signature = (layout, rank, epoch, topk_idx, active, now, timeout, *, tag = 0xE, eplb = None))]
+    #[pyo3(signature = (layout, rank, epoch, topk_idx, active, now, timeout, *, tag = 0xE, eplb = None, weights = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -194,6 +197,7 @@ impl EpStep {
         timeout: u64,
         tag: u8,
         eplb: Option<Vec<Vec<i64>>>,
+        weights: Option<&[u8]>,
     ) -> PyResult<Self> {
         let layout = layout_of(py, layout)?;
         if topk_idx.len() % 8 != 0 {
@@ -209,14 +213,32 @@ impl EpStep {
             }
             None => ExpertMap::identity(&layout),
         };
-        let plan = SendPlan::new(&layout, &map, rank, epoch, tag, &ids, &active)
+        let mut plan = SendPlan::new(&layout, &map, rank, epoch, tag, &ids, &active)
             .map_err(|e| errors::invalid(py, e.to_string()))?;
+        if let Some(w) = weights {
+            if w.len() % 4 != 0 {
+                return Err(errors::invalid(py, "weights must be float32 bytes"));
+            }
+            let w: Vec<f32> = w
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("chunks of 4")))
+                .collect();
+            plan = plan
+                .with_weights(&w)
+                .map_err(|e| errors::invalid(py, e.to_string()))?;
+        }
         let machine = StepMachine::new(&layout, plan, now, timeout);
         Ok(Self {
             layout,
             machine,
             places: None,
         })
+    }
+
+    /// Whether the weights were given at dispatch (combine returns partial sums).
+    #[getter]
+    fn weighted(&self) -> bool {
+        self.machine.plan().weighted()
     }
 
     /// The step's buffer set (0 or 1).
@@ -471,15 +493,20 @@ impl EpStep {
     }
 
     /// Once the routes are read: copies the experts' outputs (`expert_out`, bytes in the
-    /// layout the rows were unpacked to) back into `csend` (the combine send buffer, both
-    /// sets) in each source's order (token, then slot), with the combine headers.
+    /// layout the rows were unpacked to, elements of `dtype`) back into `csend` (the combine
+    /// send buffer, both sets) in each source's order (token, then slot), with the combine
+    /// headers; for a source that gave its weights at dispatch, each row's slots weighted and
+    /// summed in fp32 (slots in order) instead, one partial sum per row.
+    #[pyo3(signature = (expert_out, csend, layout, *, dtype = "bfloat16"))]
     fn repack(
         &mut self,
         py: Python<'_>,
         expert_out: PyBuffer<u8>,
         csend: PyBuffer<u8>,
         layout: &str,
+        dtype: &str,
     ) -> PyResult<()> {
+        let dtype = dtype_of(py, dtype)?;
         let shape = expert_layout(py, layout)?;
         let l = self.layout.clone();
         let counts = self.expert_counts(py)?;
@@ -502,11 +529,23 @@ impl EpStep {
         };
         let row = l.combine_row_bytes as usize;
         for place in self.places(py)? {
-            let dst = place.combine_offset as usize;
+            let Some(dst) = place.combine_offset else {
+                continue;
+            };
+            let dst = dst as usize;
             let at = moves::expert_offset(&l, shape, &starts, place, l.combine_row_bytes) as usize;
             moves::copy_cells(&csend[dst..dst + row], &src[at..at + row]);
         }
         if let Some(r) = self.machine.receive() {
+            if r.weighted.iter().any(|&w| w) {
+                if l.partial_row_bytes != 4 * (l.combine_row_bytes / dtype.size() as u64) {
+                    return Err(errors::invalid(
+                        py,
+                        "partial sums need partial_row_bytes = 4 x hidden",
+                    ));
+                }
+                r.repack_partials(dtype, shape, src, csend);
+            }
             moves::write_combine_headers(r, csend);
         }
         Ok(())
@@ -514,12 +553,14 @@ impl EpStep {
 
     /// Once done: `y` (`[tokens, hidden]` float32) gets each token's outputs from `combine`
     /// (the combine region, both sets) weighted by `weights` (`[tokens, top_k]` float32) and
-    /// summed in fp32, slots in order; slots whose output did not come back count zero.
+    /// summed in fp32, slots in order; slots whose output did not come back count zero. When
+    /// the weights were given at dispatch (`weights` is then not needed), the partial sums
+    /// of each token's ranks are added in rank order.
     fn reduce(
         &self,
         py: Python<'_>,
         combine: PyBuffer<u8>,
-        weights: PyBuffer<f32>,
+        weights: Option<PyBuffer<f32>>,
         y: PyBuffer<f32>,
         dtype: &str,
     ) -> PyResult<()> {
@@ -540,7 +581,16 @@ impl EpStep {
             "the combine region",
             2 * l.combine_region_bytes() as usize,
         )?;
-        let weights = readable(py, &weights, "topk_weights", slots)?;
+        let weights = match weights {
+            Some(w) => readable(py, &w, "topk_weights", slots)?,
+            None if self.machine.plan().weighted() => Vec::new(),
+            None => {
+                return Err(errors::invalid(
+                    py,
+                    "topk_weights are needed (none given at dispatch)",
+                ))
+            }
+        };
         let y = writable(py, &y, "y", tokens * hidden)?;
         self.machine.reduce(dtype, combine, &weights, y);
         Ok(())
@@ -563,7 +613,7 @@ impl EpStep {
                 (
                     peer,
                     p.combine_block_offset(peer) + xfer_ep_plan::COMBINE_HEADER_BYTES,
-                    p.slots_to(peer),
+                    p.combine_rows_from(peer),
                 )
             })
             .collect();

@@ -101,10 +101,18 @@ class Ranks:
                 e.close()
 
 
-def check_step(g, r, cfg, ins, *, layout="deepep", eplb=None, active=None):
-    """One dispatch and combine at rank ``r`` against the oracle; returns the handle."""
+def rows_to(ins, r, cfg):
+    """Rows each source sends rank ``r`` (identity map): its tokens routed there."""
+    return [sum(1 for t in range(idx.shape[0]) if any(e >= 0 and e // cfg.experts_per_rank == r for e in idx[t]))
+            for _x, idx, _w in ins]
+
+
+def check_step(g, r, cfg, ins, *, layout="deepep", eplb=None, active=None, weighted=()):
+    """One dispatch and combine at rank ``r`` against the oracle; returns the handle. The
+    ranks in ``weighted`` give their weights at dispatch (one partial sum per (token, rank)
+    comes back)."""
     x, idx, w = ins[r]
-    recv, meta, h = g.dispatch(x, idx, layout=layout)
+    recv, meta, h = g.dispatch(x, idx, layout=layout, weights=w if r in weighted else None)
     expected = oracle.expected_recv(ins, r, cfg, eplb=eplb, active=active)
     if layout == "deepep":
         for le in range(cfg.experts_per_rank):
@@ -121,7 +129,16 @@ def check_step(g, r, cfg, ins, *, layout="deepep", eplb=None, active=None):
         pairs = {(t, int(e) // cfg.experts_per_rank) for t in range(idx.shape[0]) for e in idx[t] if e >= 0}
         sizes = cfg.region_bytes()
         assert h.stats["dispatch_bytes"] == cfg.ranks * sizes["header"] + len(pairs) * sizes["wire_row"]
-    y = g.combine(out, h, w)
+    if eplb is None and active is None and weighted:
+        # What this rank sends back: a partial sum per row from a weighted source, an output
+        # per slot from the others.
+        sizes, rows = cfg.region_bytes(), rows_to(ins, r, cfg)
+        slots = [int(((idx >= 0) & (idx // cfg.experts_per_rank == r)).sum()) for _x, idx, _w in ins]
+        want = sum(sizes["combine_header"] + (rows[s] * 4 * cfg.hidden if s in weighted else slots[s] * cfg.combine_row_bytes)
+                   for s in range(cfg.ranks))
+    y = g.combine(out, h, None if r in weighted else w)
+    if eplb is None and active is None and weighted:
+        assert h.stats["combine_bytes"] == want
     assert y.dtype == np.float32 and y.shape == (x.shape[0], cfg.hidden)
     ref = oracle.expected_combine(x, idx, w, cfg, eplb=eplb, active=active)
     assert np.array_equal(y, ref), f"combine differs at rank {r}: {np.argwhere(y != ref)[:4]}"
@@ -177,12 +194,45 @@ def test_dispatch_and_combine_match_the_oracle(ranks, epr, top_k, routing, priva
         rs.close()
 
 
+WEIGHTED = [
+    # ranks, experts/rank, top-k, routing, private rows (None: default), empty ranks
+    (2, 4, 8, "zipf", 3, ()),
+    (3, 4, 8, "incast", 2, (0,)),
+    (4, 4, 2, "uniform", 1, (2,)),
+    (3, 1, 2, "zipf", None, ()),
+]
+
+
+@pytest.mark.parametrize("ranks,epr,top_k,routing,private,empty", WEIGHTED)
+def test_weights_at_dispatch_bring_one_partial_sum_per_token_and_rank(ranks, epr, top_k, routing, private, empty):
+    """With the weights given at dispatch, each rank weighs and sums a token's outputs there
+    and combine returns one fp32 partial sum per (token, rank), added in rank order: exact
+    against the oracle, every rank weighted, none, and only rank 0 (each source picks)."""
+    cfg = EpConfig(ranks=ranks, experts_per_rank=epr, top_k=top_k, max_tokens=6, hidden=16, private_rows=private, timeout=10)
+    rs = Ranks(cfg)
+    try:
+        def body(r, g):
+            for step, weighted in enumerate([range(ranks), (), (0,), range(ranks)]):
+                ins = [oracle.inputs(6, step, s, cfg, routing=routing, empty_ranks=empty) for s in range(ranks)]
+                h = check_step(g, r, cfg, ins, layout=("deepep", "flat")[step % 2], weighted=tuple(weighted))
+                assert len(h.lost_slots) == 0
+            assert list(g.query_active_mask()) == [1] * ranks
+
+        rs.run(body)
+    finally:
+        rs.close()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_other_dtypes(dtype):
     cfg = EpConfig(ranks=2, experts_per_rank=2, top_k=2, max_tokens=4, hidden=8, dtype=dtype, private_rows=1, timeout=10)
     rs = Ranks(cfg)
     try:
-        rs.run(lambda r, g: check_step(g, r, cfg, [oracle.inputs(9, 0, s, cfg) for s in range(2)]))
+        def body(r, g):
+            check_step(g, r, cfg, [oracle.inputs(9, 0, s, cfg) for s in range(2)])
+            check_step(g, r, cfg, [oracle.inputs(9, 1, s, cfg) for s in range(2)], weighted=(0, 1))
+
+        rs.run(body)
     finally:
         rs.close()
 
@@ -286,7 +336,7 @@ def failure_cfg(ranks):
     return EpConfig(ranks=ranks, experts_per_rank=2, top_k=2, max_tokens=5, hidden=8, private_rows=2, timeout=TIMEOUT)
 
 
-def survivors_run(cfg, g, r, dead, first_step, steps, seed):
+def survivors_run(cfg, g, r, dead, first_step, steps, seed, weighted=False):
     """Steps ``first_step..`` at a survivor. The first may be the one that masks ``dead``: it
     ends by its deadlines, its results are exact for every token not reported lost, and the
     tokens routed to ``dead`` are among those reported (in the step that masks a rank, rows past
@@ -297,7 +347,7 @@ def survivors_run(cfg, g, r, dead, first_step, steps, seed):
         start = time.monotonic()
         x, idx, w = ins[r]
         masking = list(g.query_active_mask())[dead] == 1
-        recv, cnt, h = g.dispatch(x, idx)
+        recv, cnt, h = g.dispatch(x, idx, weights=w if weighted else None)
         expected = oracle.expected_recv(ins, r, cfg, active=active)
         for le in range(cfg.experts_per_rank):
             if masking:
@@ -305,7 +355,7 @@ def survivors_run(cfg, g, r, dead, first_step, steps, seed):
                 assert cnt[le] <= len(expected[le])
             else:
                 assert np.array_equal(recv[le, : cnt[le]], expected[le]), f"step {step} expert {le}: {cnt} vs {[len(e) for e in expected]}, received {h.step.received()} masked {h.step.newly_masked()}"
-        y = g.combine(oracle.run_experts_deepep(recv, cnt, r, cfg), h, w)
+        y = g.combine(oracle.run_experts_deepep(recv, cnt, r, cfg), h, None if weighted else w)
         # No timed assertion (the machine is shared): the bound is the protocol's, checked in
         # the Rust schedules; here the step only has to end, far inside the test's own limit.
         assert time.monotonic() - start < 60
@@ -322,8 +372,8 @@ def survivors_run(cfg, g, r, dead, first_step, steps, seed):
         assert mask == [0 if s == dead else 1 for s in range(cfg.ranks)], f"step {step}: mask {mask}"
 
 
-@pytest.mark.parametrize("ranks,seed", [(2, 1), (3, 2), (4, 3)])
-def test_a_silent_rank_is_masked_and_the_rest_stay_exact(ranks, seed):
+@pytest.mark.parametrize("ranks,seed,weighted", [(2, 1, False), (3, 2, False), (4, 3, False), (3, 5, True)])
+def test_a_silent_rank_is_masked_and_the_rest_stay_exact(ranks, seed, weighted):
     cfg = failure_cfg(ranks)
     rs = Ranks(cfg)
     dead = ranks - 1
@@ -333,7 +383,7 @@ def test_a_silent_rank_is_masked_and_the_rest_stay_exact(ranks, seed):
             check_step(g, r, cfg, ins)
             if r == dead:
                 return  # silent from step 1 on: its engine lives, it posts nothing
-            survivors_run(cfg, g, r, dead, 1, 3, seed)
+            survivors_run(cfg, g, r, dead, 1, 3, seed, weighted)
 
         rs.run(body)
         # A clean, every rank together: the silent rank ran one step, the survivors four. They
@@ -390,23 +440,26 @@ def test_immediates_forged_by_an_engine_outside_the_group_are_refused(before_con
         rs.close()
 
 
-def outlive_death_after_dispatch(cfg, g, r, dead, ins):
+def outlive_death_after_dispatch(cfg, g, r, dead, ins, weighted=False):
     """A step whose rank ``dead`` dies after its dispatch: everything it sent arrives, its
     combine never does; the step ends by its deadlines with ``dead`` masked and every token
     that avoided it exact."""
     x, idx, w = ins[r]
-    recv, cnt, h = g.dispatch(x, idx)
+    recv, cnt, h = g.dispatch(x, idx, weights=w if weighted else None)
     expected = oracle.expected_recv(ins, r, cfg)
     for le in range(cfg.experts_per_rank):
         assert np.array_equal(recv[le, : cnt[le]], expected[le])
-    y = g.combine(oracle.run_experts_deepep(recv, cnt, r, cfg), h, w)
+    y = g.combine(oracle.run_experts_deepep(recv, cnt, r, cfg), h, None if weighted else w)
     active = [s != dead for s in range(cfg.ranks)]
     assert np.array_equal(y, oracle.expected_combine(x, idx, w, cfg, active=active))
+    touching = {t * cfg.top_k + j for t in range(idx.shape[0]) for j in range(cfg.top_k)
+                if idx[t, j] >= 0 and idx[t, j] // cfg.experts_per_rank == dead}
+    assert set(h.lost_slots.tolist()) == touching, "exactly the slots routed to the dead rank are lost"
     assert list(g.query_active_mask()) == [0 if s == dead else 1 for s in range(cfg.ranks)]
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_a_rank_dying_between_dispatch_and_combine(ranks):
+@pytest.mark.parametrize("ranks,weighted", [(2, False), (3, False), (3, True)])
+def test_a_rank_dying_between_dispatch_and_combine(ranks, weighted):
     cfg = failure_cfg(ranks)
     dead = 0
     # The dying rank's NIC is slow: its writes are still in flight when its dispatch returns.
@@ -424,8 +477,8 @@ def test_a_rank_dying_between_dispatch_and_combine(ranks):
                     t.wait(30)
                 rs.engines[r].close()
                 return
-            outlive_death_after_dispatch(cfg, g, r, dead, ins)
-            survivors_run(cfg, g, r, dead, 1, 2, 4)
+            outlive_death_after_dispatch(cfg, g, r, dead, ins, weighted)
+            survivors_run(cfg, g, r, dead, 1, 2, 4, weighted)
 
         rs.run(body)
     finally:
@@ -844,7 +897,8 @@ def test_fp8_dispatch(fp8):
             for step in range(3):
                 ins = [oracle.inputs(31, step, s, cfg, routing=("uniform", "incast", "zipf")[step]) for s in range(cfg.ranks)]
                 x, idx, w = ins[r]
-                (codes, scales), cnt, h = g.dispatch(x, idx)
+                weighted = step == 2  # the weights at dispatch: partial sums come back
+                (codes, scales), cnt, h = g.dispatch(x, idx, weights=w if weighted else None)
                 assert codes.flags.c_contiguous and scales.flags.c_contiguous and scales.shape[-1] == 2
                 expected = oracle.expected_recv(ins, r, cfg)
                 back = np.zeros(codes.shape, dtype=np.uint16)
@@ -858,7 +912,7 @@ def test_fp8_dispatch(fp8):
                     if fp8 == "e4m3_pow2":
                         assert np.array_equal(values, to_f32(expected[le], "bfloat16")), "dequantized rows differ from the inputs"
                     back[le, :n] = from_f32(values, "bfloat16")
-                y = g.combine(oracle.run_experts_deepep(back, cnt, r, cfg), h, w)
+                y = g.combine(oracle.run_experts_deepep(back, cnt, r, cfg), h, None if weighted else w)
                 if fp8 == "e4m3_pow2":
                     assert np.array_equal(y, oracle.expected_combine(x, idx, w, cfg)), f"step {step}: combine differs"
 

@@ -99,6 +99,8 @@ struct World {
     stale_landings: u64,
     /// `routings[step][rank]`.
     routings: Vec<Vec<Vec<i64>>>,
+    /// `weighted[step][rank]`: the rank gives its weights at dispatch (partial sums back).
+    weighted: Vec<Vec<bool>>,
 }
 
 impl World {
@@ -133,6 +135,7 @@ impl World {
             fault,
             stale_landings: 0,
             routings: Vec::new(),
+            weighted: Vec::new(),
         }
     }
 
@@ -290,6 +293,7 @@ impl World {
         let k = self.layout.top_k as usize;
         for (j, sl) in recv.slots.iter().enumerate() {
             let rr = recv.rows[sl.row as usize];
+            let weighted = recv.weighted[rr.source as usize];
             let got = read_row(&rk.disp, rr.offset);
             if checked {
                 assert_eq!(
@@ -314,8 +318,14 @@ impl World {
                     "rank {r}: slot {sl:?} of row {rr:?}"
                 );
             }
-            let out = row(epoch + 1_000_000, r, got[2], sl.slot);
-            let at = recv.combine_send_slot_offset(j) as usize;
+            // A weighted source gets one partial sum per row (marked as slot u32::MAX).
+            let (out, at) = if weighted {
+                let at = recv.combine_send_partial_offset(sl.row as usize);
+                (row(epoch + 1_000_000, r, got[2], u32::MAX), at as usize)
+            } else {
+                let at = recv.combine_send_slot_offset(j);
+                (row(epoch + 1_000_000, r, got[2], sl.slot), at as usize)
+            };
             rk.csend[at..at + 16].copy_from_slice(&out);
         }
         for s in 0..self.layout.ranks {
@@ -324,7 +334,7 @@ impl World {
                 rk.csend[at..at + 64].copy_from_slice(&encode_combine_header(
                     epoch,
                     r,
-                    recv.slots_valid[s as usize],
+                    recv.combine_valid(s),
                 ));
             }
         }
@@ -369,10 +379,11 @@ impl World {
             }
         }
         let ids = self.routings[step as usize][r as usize].clone();
+        let weighted = self.weighted[step as usize][r as usize];
         let rk = &mut self.ranks[r as usize];
         rk.combining = false;
         rk.started_at = self.now;
-        let plan = SendPlan::new(
+        let mut plan = SendPlan::new(
             &self.layout,
             &self.map,
             r,
@@ -382,6 +393,9 @@ impl World {
             rk.membership.active(),
         )
         .unwrap();
+        if weighted {
+            plan = plan.with_weights(&vec![1.0; ids.len()]).unwrap();
+        }
         // Each row says which step, source and token it is; its route record follows.
         for (i, sr) in plan.rows.iter().enumerate() {
             let at = plan.row_offset(i) as usize;
@@ -410,6 +424,11 @@ impl World {
         self.routings = tokens
             .iter()
             .map(|t| t.iter().map(|&n| self.routing(n)).collect())
+            .collect();
+        let partial = self.layout.partial_row_bytes > 0;
+        self.weighted = tokens
+            .iter()
+            .map(|t| t.iter().map(|_| partial && self.rng.bool()).collect())
             .collect();
         for r in 0..self.layout.ranks {
             self.start_step(r);
@@ -489,6 +508,26 @@ impl World {
             return;
         }
         let plan = m.plan();
+        if plan.weighted() {
+            for (i, sr) in plan.rows.iter().enumerate() {
+                let healthy = !self.failed(sr.peer, step);
+                if m.row_combined(i) {
+                    let got = read_row(&rk.comb, plan.combine_partial_offset(i));
+                    assert_eq!(
+                        got,
+                        [step + 1_000_000, sr.peer, sr.token, u32::MAX],
+                        "rank {r} row {i} of step {step}"
+                    );
+                } else if exact && healthy {
+                    panic!(
+                        "rank {r}: row {i} ({sr:?}) to a healthy rank did not come back in step {step} ({:?}, masks {:?})",
+                        self.fault,
+                        self.masks()
+                    );
+                }
+            }
+            return;
+        }
         for (i, sr) in plan.slots.iter().enumerate() {
             let healthy = !self.failed(sr.peer, step);
             if m.slot_combined(i) {
@@ -552,6 +591,7 @@ fn run(seed: u64, fault: Fault, overflow: bool) -> u64 {
         max_tokens,
         row_bytes: ROW,
         combine_row_bytes: ROW,
+        partial_row_bytes: ROW,
         private_rows: private,
         overflow_rows,
     };
@@ -710,6 +750,7 @@ fn a_header_that_does_not_decode_masks_its_source() {
         membership: crate::membership_digest(&[true, true]),
         rows: vec![1, 1],
         slots: vec![1, 1],
+        weighted: false,
     }
     .encode(&layout);
     assert!(m.handle_arrival(3, imm(0), &own));
@@ -730,6 +771,7 @@ fn an_overflowing_step_fails_alike_everywhere() {
         max_tokens: 3,
         row_bytes: ROW,
         combine_row_bytes: ROW,
+        partial_row_bytes: 0,
         private_rows: 1,
         overflow_rows: 1,
     };

@@ -122,7 +122,7 @@ class Buffer:
                                        num_experts: int) -> int:
         """Bytes xfer registers per rank for this shape (bf16, up to top-8)."""
         cfg = EpConfig(ranks=num_ranks, experts_per_rank=max(1, num_experts // num_ranks), top_k=8,
-                       max_tokens=num_max_dispatch_tokens_per_rank, hidden=hidden)
+                       max_tokens=num_max_dispatch_tokens_per_rank, hidden=hidden, partial_sums=False)
         return int(sum(2 * v for k, v in cfg.region_bytes().items() if k in ("send", "dispatch", "combine_send", "combine")))
 
     @staticmethod
@@ -147,7 +147,8 @@ class Buffer:
                 if len(self._groups) >= 16:
                     raise ValueError("xfer's deep_ep keeps at most 16 shapes per Buffer (one immediate tag each)")
                 cfg = config_for(x, topk_idx, self.group_size, num_experts, num_max_dispatch_tokens_per_rank,
-                                 timeout=self.timeout, fp8=fp8, tag=(0xE - len(self._groups)) % 16)
+                                 timeout=self.timeout, fp8=fp8, tag=(0xE - len(self._groups)) % 16,
+                                 partial_sums=False)  # DeepEP gives the weights at combine
                 g = EpGroup(self.engine, self.rank, cfg)
                 infos = [None] * self.group_size
                 dist.all_gather_object(infos, g.local_info(), group=self.group)

@@ -104,6 +104,8 @@ class Handle:
     epoch: int
     num_tokens: int
     layout: str | None = None
+    # The weights were given at dispatch: combine returns one partial sum per (token, rank).
+    weighted: bool = False
     token: np.ndarray = field(default=None)
     slot: np.ndarray = field(default=None)
     peer: np.ndarray = field(default=None)
@@ -517,11 +519,14 @@ class EpGroup:
         if not all(h.step.active()):
             self._suspect.update(e % IMM_EPOCHS for e in (h.epoch, h.epoch + 1, h.epoch + 2))
 
-    def dispatch_send(self, x: np.ndarray, topk_idx: np.ndarray) -> Handle:
+    def dispatch_send(self, x: np.ndarray, topk_idx: np.ndarray, *, weights: np.ndarray | None = None) -> Handle:
         """Starts a step: packs ``x`` (``[tokens, hidden]`` of the storage dtype; quantized to
-        fp8 rows with ``cfg.fp8``) for the ranks ``topk_idx`` (``[tokens, top_k]``, ``-1`` for
-        none) routes it to, and posts the first write to every active peer. Returns the step's
-        handle."""
+        fp8 rows with ``cfg.fp8``) once for each rank ``topk_idx`` (``[tokens, top_k]``, ``-1``
+        for none) routes it to, and posts the first write to every active peer. Returns the
+        step's handle. ``weights`` (``[tokens, top_k]`` float32, needs ``cfg.partial_sums``):
+        they travel with the rows, each rank weighs and sums a token's outputs there, and
+        combine returns one fp32 partial sum per (token, rank) (``combine_recv`` needs no
+        weights then)."""
         cfg = self.cfg
         if self.peers is None:
             raise RuntimeError("connect() first")
@@ -531,13 +536,20 @@ class EpGroup:
             raise ValueError(f"topk_idx must be [tokens <= {cfg.max_tokens}, {cfg.top_k}], not {topk_idx.shape}")
         if x.shape != (num_tokens, cfg.hidden) or x.dtype != cfg.storage:
             raise ValueError(f"x must be [{num_tokens}, {cfg.hidden}] of {cfg.storage}, not {x.shape} {x.dtype}")
+        if weights is not None:
+            if not cfg.partial_sums:
+                raise ValueError("weights at dispatch need EpConfig(partial_sums=True)")
+            weights = np.ascontiguousarray(weights, dtype="<f4")
+            if weights.shape != topk_idx.shape:
+                raise ValueError(f"weights must be {topk_idx.shape}, not {weights.shape}")
         t0 = time.perf_counter_ns()
         step = EpStep(
             cfg.layout_args(), self.rank, self.epoch, topk_idx.tobytes(), list(self.active), self._now(),
             int(cfg.timeout * 1e9), tag=cfg.tag, eplb=self.eplb,
+            weights=None if weights is None else weights.tobytes(),
         )
         planned = time.perf_counter_ns()
-        h = Handle(step=step, epoch=self.epoch, num_tokens=num_tokens)
+        h = Handle(step=step, epoch=self.epoch, num_tokens=num_tokens, weighted=weights is not None)
         self.epoch += 1
         token, slot, peer, _expert = columns(step.send_rows())
         h.token, h.slot, h.peer = token, slot, peer
@@ -629,17 +641,21 @@ class EpGroup:
         if h.step.stage == "dispatched":
             self._unproven = [w for w in self._unproven if w[0] > h.epoch - 2]
         t0 = time.perf_counter_ns()
-        h.step.repack(_bytes_of(np.ascontiguousarray(expert_out, dtype=self.cfg.storage)), self.regions["combine_send"], h.layout)
+        h.step.repack(_bytes_of(np.ascontiguousarray(expert_out, dtype=self.cfg.storage)), self.regions["combine_send"], h.layout,
+                      dtype=self.cfg.dtype)
         self._memory.publish(self.regions, "combine_send", *self._set_range("combine_send", h.epoch))
         h.stats["repack_ns"] = time.perf_counter_ns() - t0
         h.step.start_combine(self._now())
         self._carry(h)
 
-    def combine_recv(self, h: Handle, topk_weights: np.ndarray) -> np.ndarray:
+    def combine_recv(self, h: Handle, topk_weights: np.ndarray | None = None) -> np.ndarray:
         """Waits for the outputs and returns ``[tokens, hidden]`` fp32: each token's outputs
-        weighted by ``topk_weights`` and summed in fp32, slots in order. Slots whose output did
-        not come back count zero; they are in ``h.lost_slots``."""
+        weighted by ``topk_weights`` and summed in fp32, slots in order — or, with the weights
+        given at dispatch (``topk_weights`` then unused), each rank's partial sum added in rank
+        order. Slots whose output did not come back count zero; they are in ``h.lost_slots``."""
         cfg = self.cfg
+        if topk_weights is None and not h.weighted:
+            raise ValueError("topk_weights are needed: none were given at dispatch")
         t0 = time.perf_counter_ns()
         self._drive(h, ("done",))
         h.stats["combine_wait_ns"] = time.perf_counter_ns() - t0
@@ -647,24 +663,24 @@ class EpGroup:
         self._finish(h)
         _blocks, valid = h.step.combine_blocks()
         valid = np.asarray(valid, dtype=bool)
-        weights = np.ascontiguousarray(topk_weights, dtype=np.float32)
+        weights = None if h.weighted else np.ascontiguousarray(topk_weights, dtype=np.float32).reshape(-1)
         y = np.empty((h.num_tokens, cfg.hidden), dtype=np.float32)
         t0 = time.perf_counter_ns()
         self._memory.fetch(self.regions, "combine", *self._set_range("combine", h.epoch))
-        h.step.reduce(self.regions["combine"], weights.reshape(-1), y.reshape(-1), cfg.dtype)
+        h.step.reduce(self.regions["combine"], weights, y.reshape(-1), cfg.dtype)
         h.stats["reduce_ns"] = time.perf_counter_ns() - t0
         lost = set((h.token[~valid] * cfg.top_k + h.slot[~valid]).tolist()) | set(h.step.masked_slots())
         h.lost_slots = np.array(sorted(lost), dtype=np.int64)
         return y
 
     # -- whole phases -----------------------------------------------------------------------
-    def dispatch(self, x, topk_idx, *, layout: str = "deepep"):
+    def dispatch(self, x, topk_idx, *, layout: str = "deepep", weights=None):
         """``dispatch_send`` then ``dispatch_recv``: ``(recv_x, counts_or_starts, handle)``."""
-        h = self.dispatch_send(x, topk_idx)
+        h = self.dispatch_send(x, topk_idx, weights=weights)
         recv_x, counts = self.dispatch_recv(h, layout=layout)
         return recv_x, counts, h
 
-    def combine(self, expert_out, h: Handle, topk_weights) -> np.ndarray:
+    def combine(self, expert_out, h: Handle, topk_weights=None) -> np.ndarray:
         """``combine_send`` then ``combine_recv``."""
         self.combine_send(h, expert_out)
         return self.combine_recv(h, topk_weights)

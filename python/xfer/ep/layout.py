@@ -52,7 +52,11 @@ class EpConfig:
     shares among its sources past their private slots (default: enough for any routing,
     ``ranks × max_tokens`` less the private slots: none with the default private slots).
     ``timeout``: seconds each wait of a step may take before its source is masked (a step
-    takes at most ten of them beyond the caller's compute)."""
+    takes at most ten of them beyond the caller's compute). ``partial_sums``: room for the
+    weights at dispatch (``EpGroup.dispatch_send(x, idx, weights=w)``), with which combine
+    returns one fp32 partial sum per (token, rank) instead of one row per (token, expert): 4
+    bytes per slot in each row's route record, and combine regions that hold either; off,
+    the weights are given at combine only (DeepEP's API)."""
 
     ranks: int
     experts_per_rank: int
@@ -65,6 +69,7 @@ class EpConfig:
     timeout: float = 5.0
     tag: int = 0xE
     fp8: str | None = None
+    partial_sums: bool = True
 
     def __post_init__(self):
         if self.dtype not in STORAGE:
@@ -120,7 +125,7 @@ class EpConfig:
     def layout_args(self) -> tuple:
         """What ``xfer._xfer.EpStep`` takes."""
         return (self.ranks, self.experts_per_rank, self.top_k, self.max_tokens, self.row_bytes, self.private, self.overflow,
-                self.combine_row_bytes)
+                self.combine_row_bytes, 4 * self.hidden if self.partial_sums else 0)
 
     def region_bytes(self) -> dict:
         """Bytes per buffer set of each region (and the header, slot, wire row and route

@@ -51,8 +51,10 @@ class TorchEpGroup:
         self.group = group
         self.cfg = group.cfg
 
-    def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor) -> Handle:
-        return self.group.dispatch_send(storage_of(x), storage_of(topk_idx.to(torch.int64)))
+    def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor, *, weights: torch.Tensor | None = None) -> Handle:
+        """``weights``: given at dispatch, combine returns one partial sum per (token, rank)."""
+        w = None if weights is None else storage_of(weights.to(torch.float32))
+        return self.group.dispatch_send(storage_of(x), storage_of(topk_idx.to(torch.int64)), weights=w)
 
     def dispatch_recv(self, h: Handle, *, layout: str = "deepep", out: torch.Tensor | None = None):
         """``(recv_x, recv_count or expert_starts)`` as tensors (``recv_count`` int32); with
@@ -67,21 +69,23 @@ class TorchEpGroup:
     def combine_send(self, h: Handle, expert_out: torch.Tensor) -> None:
         self.group.combine_send(h, storage_of(expert_out))
 
-    def combine_recv(self, h: Handle, topk_weights: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The fp32 reduction, cast to the rows' dtype (into ``out`` if given)."""
-        y = self.group.combine_recv(h, storage_of(topk_weights.to(torch.float32)))
+    def combine_recv(self, h: Handle, topk_weights: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 reduction, cast to the rows' dtype (into ``out`` if given); no weights
+        when they were given at dispatch."""
+        w = None if topk_weights is None else storage_of(topk_weights.to(torch.float32))
+        y = self.group.combine_recv(h, w)
         result = tensor_of(from_f32(y, self.cfg.dtype), self.cfg.dtype)
         if out is None:
             return result
         out.copy_(result)
         return out
 
-    def dispatch(self, x, topk_idx, *, layout="deepep"):
-        h = self.dispatch_send(x, topk_idx)
+    def dispatch(self, x, topk_idx, *, layout="deepep", weights=None):
+        h = self.dispatch_send(x, topk_idx, weights=weights)
         recv, meta = self.dispatch_recv(h, layout=layout)
         return recv, meta, h
 
-    def combine(self, expert_out, h, topk_weights, *, out=None):
+    def combine(self, expert_out, h, topk_weights=None, *, out=None):
         self.combine_send(h, expert_out)
         return self.combine_recv(h, topk_weights, out=out)
 
