@@ -44,8 +44,10 @@ def summary(name, d, c, s, extra=None):
     return out
 
 
-def xfer_rank(g: EpGroup, cfg: EpConfig, iters: int, warmup: int, barrier, layout: str = "deepep"):
-    """Steps at one rank; returns timings and the hardware-independent figures."""
+def xfer_rank(g: EpGroup, cfg: EpConfig, iters: int, warmup: int, barrier, layout: str = "deepep",
+              weights_at_dispatch: bool = False):
+    """Steps at one rank; returns timings and the hardware-independent figures. With
+    ``weights_at_dispatch`` combine returns one partial sum per (token, rank)."""
     d, c, s = [], [], []
     writes, remote, minimum, plan_ns, pack_ns, tokens = [], [], [], [], [], 0
     remote_phase = {"dispatch": [], "combine": []}
@@ -55,11 +57,11 @@ def xfer_rank(g: EpGroup, cfg: EpConfig, iters: int, warmup: int, barrier, layou
         x, idx, w = oracle.inputs(7, i % 4, g.rank, cfg, drop=0.0)
         barrier()
         t0 = time.perf_counter()
-        recv, cnt, h = g.dispatch(x, idx, layout=layout)
+        recv, cnt, h = g.dispatch(x, idx, layout=layout, weights=w if weights_at_dispatch else None)
         t1 = time.perf_counter()
         # Expert compute left out: the outputs are the inputs (dequantized-free bf16 for fp8:
         # the combine rows are the tokens' own dtype).
-        g.combine(recv if cfg.fp8 is None else _bf16_like(recv, cfg, layout), h, w)
+        g.combine(recv if cfg.fp8 is None else _bf16_like(recv, cfg, layout), h, None if weights_at_dispatch else w)
         t2 = time.perf_counter()
         if i < warmup:
             continue
@@ -70,8 +72,9 @@ def xfer_rank(g: EpGroup, cfg: EpConfig, iters: int, warmup: int, barrier, layou
         remote.append(h.stats.get("remote_bytes", 0))
         # The least any scheme moves: each token once to each other rank it needs (dispatch:
         # what this protocol sends, plus headers and route records) and one partial sum back
-        # from each (combine; this protocol returns one row per (token, expert), as DeepEP's
-        # low-latency layout does).
+        # from each, in the tokens' dtype (combine: this protocol returns one row per (token,
+        # expert), as DeepEP's low-latency layout does, or with the weights at dispatch one
+        # fp32 partial sum per (token, rank): twice the minimum in bf16).
         pairs = {(t, int(e) // cfg.experts_per_rank) for t in range(idx.shape[0]) for e in idx[t] if e >= 0}
         remote_pairs = sum(1 for _t, r in pairs if r != g.rank)
         minimum.append(remote_pairs * (cfg.row_bytes + cfg.combine_row_bytes))
@@ -104,7 +107,7 @@ def _bf16_like(recv, cfg: EpConfig, layout: str) -> np.ndarray:
     return np.zeros(values.shape, dtype=cfg.storage)
 
 
-def run_mock(cfg: EpConfig, iters: int, warmup: int, layout: str = "deepep"):
+def run_mock(cfg: EpConfig, iters: int, warmup: int, layout: str = "deepep", weights_at_dispatch: bool = False):
     import xfer
 
     conf = {"backend": "mock", "groups": [{"nics": ["mock0"]}], "backends": {"mock": {"inline": True}},
@@ -118,7 +121,7 @@ def run_mock(cfg: EpConfig, iters: int, warmup: int, layout: str = "deepep"):
     results = {}
 
     def body(r):
-        results[r] = xfer_rank(groups[r], cfg, iters, warmup, b.wait, layout)
+        results[r] = xfer_rank(groups[r], cfg, iters, warmup, b.wait, layout, weights_at_dispatch)
 
     ts = [threading.Thread(target=body, args=(r,)) for r in range(cfg.ranks)]
     for t in ts:
@@ -137,7 +140,7 @@ def _free_port():
         return so.getsockname()[1]
 
 
-def _proc(kind, rank, cfg_kw, iters, warmup, port, conn, layout="deepep"):
+def _proc(kind, rank, cfg_kw, iters, warmup, port, conn, layout="deepep", weights_at_dispatch=False):
     try:
         import torch.distributed as dist
 
@@ -154,7 +157,7 @@ def _proc(kind, rank, cfg_kw, iters, warmup, port, conn, layout="deepep"):
                 infos = [None] * cfg.ranks
                 dist.all_gather_object(infos, g.local_info())
                 g.connect(infos)
-                d, c, s, fig = xfer_rank(g, cfg, iters, warmup, dist.barrier, layout)
+                d, c, s, fig = xfer_rank(g, cfg, iters, warmup, dist.barrier, layout, weights_at_dispatch)
                 dist.barrier()
                 g.close()
             res = summary("xfer libfabric shm (processes)", d, c, s, fig)
@@ -228,13 +231,14 @@ def gloo_rank(kind, rank, cfg, iters, warmup):
     return summary(name, d, c, s)
 
 
-def run_processes(kind, cfg, iters, warmup, layout="deepep"):
+def run_processes(kind, cfg, iters, warmup, layout="deepep", weights_at_dispatch=False):
     ctx = mp.get_context("spawn")
     port = _free_port()
     pipes = [ctx.Pipe() for _ in range(cfg.ranks)]
     kw = {k: getattr(cfg, k) for k in ("ranks", "experts_per_rank", "top_k", "max_tokens", "hidden", "dtype", "timeout",
                                        "private_rows", "overflow_rows", "fp8")}
-    procs = [ctx.Process(target=_proc, args=(kind, r, kw, iters, warmup, port, pipes[r][1], layout)) for r in range(cfg.ranks)]
+    procs = [ctx.Process(target=_proc, args=(kind, r, kw, iters, warmup, port, pipes[r][1], layout, weights_at_dispatch))
+             for r in range(cfg.ranks)]
     for p in procs:
         p.start()
     replies = [pipes[r][0].recv() for r in range(cfg.ranks)]
@@ -261,6 +265,8 @@ def main(argv=None):
     ap.add_argument("--private-rows", type=int, default=None)
     ap.add_argument("--overflow-rows", type=int, default=None)
     ap.add_argument("--fp8", choices=("e4m3", "e4m3_pow2"), default=None, help="fp8 dispatch (bf16 back)")
+    ap.add_argument("--weights-at-dispatch", action="store_true",
+                    help="give the weights at dispatch: combine returns one fp32 partial sum per (token, rank)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     cfg = EpConfig(ranks=a.ranks, experts_per_rank=a.experts_per_rank, top_k=a.top_k, max_tokens=a.tokens,
@@ -268,9 +274,9 @@ def main(argv=None):
     rows = []
     for t in a.transports.split(","):
         if t == "mock":
-            rows.append(run_mock(cfg, a.iters, a.warmup, a.layout))
+            rows.append(run_mock(cfg, a.iters, a.warmup, a.layout, a.weights_at_dispatch))
         else:
-            rows.append(run_processes(t, cfg, a.iters, a.warmup, a.layout))
+            rows.append(run_processes(t, cfg, a.iters, a.warmup, a.layout, a.weights_at_dispatch))
     if a.json:
         print(json.dumps(rows, indent=1))
         return
@@ -278,7 +284,8 @@ def main(argv=None):
     crowded = f" (oversubscribed: {a.ranks} ranks on {cores} cores)" if a.ranks > cores else ""
     print(f"EP {a.ranks}{crowded}, {a.tokens} tokens, hidden {a.hidden}, top-{a.top_k}, "
           f"{'fp8 ' + a.fp8 + ' out, bf16 back' if a.fp8 else 'bf16'}, {a.experts_per_rank} experts/rank, "
-          f"layout {a.layout}, {a.iters} iterations (µs, rank 0)")
+          f"layout {a.layout}, {a.iters} iterations (µs, rank 0)"
+          + (", weights at dispatch (partial sums back)" if a.weights_at_dispatch else ""))
     print(f"{'transport':46} {'dispatch p50/p99':>18} {'combine p50/p99':>18} {'step p50/p99':>18}")
     for r in rows:
         print(f"{r['transport']:46} {r['dispatch_p50_us']:8.0f}/{r['dispatch_p99_us']:<8.0f} "
