@@ -491,4 +491,97 @@ mod tests {
         accumulate(Dtype::F32, &mut acc, 1.0, cells(&mut f));
         assert_eq!(acc, [6.5, 8.0]);
     }
+
+    #[test]
+    fn weights_at_dispatch_come_back_as_one_partial_sum_per_token_and_rank() {
+        use crate::step::{Action, Stage};
+        use crate::{ExpertMap, Phase, SendPlan};
+        // One rank (its writes are copies), two experts, top-2, two bf16 channels: token 0
+        // goes to experts 0 and 1 (weights 0.5, 2), token 1 to expert 1 (weight 4; its other
+        // slot is -1). Expert e returns x · (e + 1).
+        let bf16 = |v: f32| ((v.to_bits() >> 16) as u16).to_le_bytes();
+        let layout = Layout {
+            partial_row_bytes: 8,
+            ..Layout::worst_case(1, 2, 2, 2, 4)
+        };
+        let map = ExpertMap::identity(&layout);
+        let plan = SendPlan::new(&layout, &map, 0, 0, 0xE, &[0, 1, 1, -1], &[true])
+            .unwrap()
+            .with_weights(&[0.5, 2.0, 4.0, 9.0])
+            .unwrap();
+        let two = |n: u64| vec![0u8; 2 * n as usize];
+        let (mut send, mut disp) = (
+            two(layout.send_buffer_bytes()),
+            two(layout.dispatch_region_bytes()),
+        );
+        let (mut csend, mut comb) = (
+            two(layout.combine_send_bytes()),
+            two(layout.combine_region_bytes()),
+        );
+        let mut x: Vec<u8> = [1.0f32, -2.0, 3.0, 0.5]
+            .iter()
+            .flat_map(|&v| bf16(v))
+            .collect();
+        plan.pack(&layout, cells(&mut x), cells(&mut send));
+        let mut m = StepMachine::new(&layout, plan, 0, 1_000);
+        let carry = |m: &mut StepMachine, from: &[u8], to: &mut [u8], header: u64| {
+            while let Some(a) = m.poll_action() {
+                match a {
+                    Action::Post(w) => {
+                        let (s, d) = (w.src_offset as usize, w.dst_offset as usize);
+                        to[d..d + w.len as usize].copy_from_slice(&from[s..s + w.len as usize]);
+                    }
+                    Action::Expect { imm, source, phase } => {
+                        let at = if phase == Phase::Combine {
+                            m.combine_header_offset(source)
+                        } else {
+                            m.header_offset(source)
+                        } as usize;
+                        let bytes = to[at..at + header as usize].to_vec();
+                        assert!(m.handle_arrival(1, imm, &bytes));
+                    }
+                }
+            }
+        };
+        carry(&mut m, &send, &mut disp, layout.header_bytes());
+        assert_eq!(*m.stage(), Stage::Dispatched);
+        m.read_routes(cells(&mut disp)).unwrap();
+        let r = m.receive().unwrap().clone();
+        assert_eq!(r.expert_counts, [1, 2]);
+        // The experts' outputs in DeepEP's layout, from the rows as they arrived.
+        let mut out = vec![0u8; expert_layout_bytes(&layout, ExpertLayout::DeepEp, 3, 4) as usize];
+        for place in r.places() {
+            assert_eq!(
+                place.combine_offset, None,
+                "a weighted source's slots are summed"
+            );
+            let at = expert_offset(&layout, ExpertLayout::DeepEp, &[], &place, 4) as usize;
+            for c in 0..2 {
+                let b = &disp[place.recv_offset as usize + 2 * c..][..2];
+                let v = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+                out[at + 2 * c..at + 2 * c + 2]
+                    .copy_from_slice(&bf16(v * (place.expert + 1) as f32));
+            }
+        }
+        r.repack_partials(
+            Dtype::Bf16,
+            ExpertLayout::DeepEp,
+            cells(&mut out),
+            cells(&mut csend),
+        );
+        write_combine_headers(&r, cells(&mut csend));
+        m.start_combine(2).unwrap();
+        carry(&mut m, &csend, &mut comb, 64);
+        assert_eq!(*m.stage(), Stage::Done);
+        let mut y = [f32::NAN; 4];
+        m.reduce(
+            Dtype::Bf16,
+            cells(&mut comb),
+            &[],
+            Cell::from_mut(&mut y[..]).as_slice_of_cells(),
+        );
+        // Token 0: x · (0.5 · 1 + 2 · 2); token 1: x · 4 · 2.
+        assert_eq!(y, [4.5, -9.0, 24.0, 4.0]);
+        assert!((0..3).all(|j| m.slot_combined(j)));
+    }
 }
