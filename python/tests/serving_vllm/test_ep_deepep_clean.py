@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from xfer.ep import oracle  # noqa: E402
+from xfer.ep import EpError, oracle  # noqa: E402
 from xfer.ep.deep_ep import shim_path  # noqa: E402
 from xfer.ep.layout import EpConfig, from_f32  # noqa: E402
 
@@ -34,7 +34,7 @@ RANKS, EXPERTS, TOP_K, MAX_TOKENS, HIDDEN = 2, 4, 2, 4, 128
 SILENT = 1
 
 
-def rank_main(rank, port, conn):
+def rank_main(rank, port, conn, shrink):
     try:
         import json
         import sys
@@ -52,14 +52,20 @@ def rank_main(rank, port, conn):
         assert getattr(deep_ep, "__xfer__", False), f"deep_ep is not xfer's: {deep_ep.__file__}"
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
         group = dist.new_group(list(range(RANKS)), backend="gloo")
-        buffer = deep_ep.Buffer(group, 0, 1 << 20, low_latency_mode=True, explicitly_destroy=True)
+        # Outputs staged as on a device: separate tensors the receive fills (in the hook).
+        import xfer.ep.deep_ep
+
+        xfer.ep.deep_ep.STAGE_CPU_TENSORS = True  # the shim re-exports; the flag is the module's
+        buffer = deep_ep.Buffer(group, 0, 1 << 20, low_latency_mode=True, explicitly_destroy=True, enable_shrink=shrink)
         cfg = EpConfig(ranks=RANKS, experts_per_rank=EXPERTS // RANKS, top_k=TOP_K, max_tokens=MAX_TOKENS, hidden=HIDDEN)
 
         def step(n, active=None):
             ins = [oracle.inputs(37, n, s, cfg) for s in range(RANKS)]
             x, idx, w = ins[rank]
-            recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(
-                tensor_of(x.copy(), "bfloat16"), torch.from_numpy(idx), MAX_TOKENS, EXPERTS, use_fp8=False)
+            recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
+                tensor_of(x.copy(), "bfloat16"), torch.from_numpy(idx), MAX_TOKENS, EXPERTS, use_fp8=False,
+                return_recv_hook=True)
+            hook()  # fills the tensors it returned (they were copied before it, and stale, once)
             got, counts = storage_of(recv_x), recv_count.numpy()
             expected = oracle.expected_recv(ins, rank, cfg, active=active)
             for le in range(cfg.experts_per_rank):
@@ -76,6 +82,15 @@ def rank_main(rank, port, conn):
             return mask.tolist()
 
         step(0)
+        if not shrink:
+            # No shrink mode: a silent rank is an error, not zeros (DeepEP's meaning).
+            if rank != SILENT:
+                with pytest.raises(EpError, match=rf"rank\(s\) \[{SILENT}\] missed their deadlines.*enable_shrink"):
+                    step(1, active=[r != SILENT for r in range(RANKS)])
+            dist.barrier(group)
+            buffer.destroy()
+            conn.send("ok")
+            return
         if rank != SILENT:
             # The silent rank runs no step 1: this one masks it (its tokens count zero).
             step(1, active=[r != SILENT for r in range(RANKS)])
@@ -106,17 +121,21 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_clean_low_latency_buffer_agrees_the_epoch_after_a_silent_rank():
-    """Rank 1 runs no step 1; rank 0 does, masking it. Then both call
-    ``clean_low_latency_buffer``: the masks are clear and the ranks, one step apart before,
-    agree on the epoch — steps 2 and 3 are exact on both (before, the call did nothing and the
-    ranks stayed a step apart)."""
+@pytest.mark.parametrize("shrink", [True, False])
+def test_clean_low_latency_buffer_agrees_the_epoch_after_a_silent_rank(shrink):
+    """Rank 1 runs no step 1; rank 0 does, masking it. With ``enable_shrink`` (vLLM's
+    --enable-fault-tolerance) both then call ``clean_low_latency_buffer``: the masks are clear
+    and the ranks, one step apart before, agree on the epoch — steps 2 and 3 are exact on both
+    (before, the call did nothing and the ranks stayed a step apart). Without it, rank 0's
+    step 1 raises, naming rank 1 (before, its tokens silently counted zero). Every dispatch
+    goes through the receive hook with outputs staged as on a device (before, they were
+    copied before the hook ran: an older step's rows)."""
     if not efa_plugin():
         pytest.skip("the efa plugin (libfabric shm) is not in the package")
     ctx = mp.get_context("spawn")
     port = free_port()
     pipes = [ctx.Pipe() for _ in range(RANKS)]
-    procs = [ctx.Process(target=rank_main, args=(r, port, pipes[r][1])) for r in range(RANKS)]
+    procs = [ctx.Process(target=rank_main, args=(r, port, pipes[r][1], shrink)) for r in range(RANKS)]
     for p in procs:
         p.start()
     try:

@@ -25,7 +25,7 @@ import threading
 import numpy as np
 import torch
 
-from .group import EpGroup
+from .group import EpError, EpGroup
 from .layout import EpConfig
 from .tensors import TorchEpGroup, config_for, storage_of, tensor_of
 
@@ -68,6 +68,19 @@ class Config:
         return 0
 
 
+#: Stage CPU tensors as device tensors are (separate output tensors filled when the receive
+#: runs): the tests' stand-in for device memory, which the CPU machines here do not have.
+STAGE_CPU_TENSORS = False
+
+
+def _staged(device: torch.device) -> bool:
+    return device.type != "cpu" or STAGE_CPU_TENSORS
+
+
+def _parts(t):
+    return t if isinstance(t, tuple) else (t,)
+
+
 def _engine_config():
     raw = os.environ.get("XFER_EP_CONFIG")
     if not raw:
@@ -102,6 +115,9 @@ class Buffer:
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
+        # DeepEP masks a rank that misses its deadline only in shrink mode (vLLM sets it with
+        # --enable-fault-tolerance); without it a silent rank is an error, never zeros.
+        self.enable_shrink = enable_shrink
         self.timeout = float(os.environ.get("XFER_EP_TIMEOUT", "10"))
         self.engine = xfer.TransferEngine(_engine_config())
         self._groups: dict[tuple, TorchEpGroup] = {}
@@ -182,19 +198,29 @@ class Buffer:
             recv_x = (torch.from_numpy(recv_np[0]).view(torch.float8_e4m3fn), torch.from_numpy(recv_np[1]))
         recv_count = torch.zeros(cfg.experts_per_rank, dtype=torch.int32)
         device = x.device
+        # On a device, the caller's tensors are filled when the receive runs (at once, or in
+        # the hook), never copied before it: they would hold an older step's rows.
+        stage = _staged(device)
+        out_x = tuple(torch.empty_like(t, device=device) for t in _parts(recv_x)) if stage else _parts(recv_x)
+        out_count = torch.zeros_like(recv_count, device=device) if stage else recv_count
 
         def receive():
             _, counts = ep.group.dispatch_recv(h, layout="deepep", out=recv_np)
             recv_count.copy_(torch.from_numpy(np.asarray(counts, dtype=np.int32)))
+            if stage:
+                for dst, src in zip(out_x, _parts(recv_x)):
+                    dst.copy_(src)
+                out_count.copy_(recv_count)
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(recv_count.to(cumulative_local_expert_recv_stats.device))
+            self._refuse_masked(ep)
 
         handle = _Handle(ep, h, int(x.shape[0]))
-        recv_x = tuple(t.to(device) for t in recv_x) if fp8 is not None else recv_x.to(device)
+        result_x = out_x if fp8 is not None else out_x[0]
         if return_recv_hook:
-            return recv_x, recv_count.to(device), handle, EventOverlap(), receive
+            return result_x, out_count, handle, EventOverlap(), receive
         receive()
-        return recv_x, recv_count.to(device), handle, EventOverlap(), None
+        return result_x, out_count, handle, EventOverlap(), None
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: _Handle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -212,6 +238,7 @@ class Buffer:
         def receive():
             y = ep.combine_recv(h, topk_weights)
             result.copy_(y)
+            self._refuse_masked(ep)
 
         if return_recv_hook:
             return result, EventOverlap(), receive
@@ -222,6 +249,19 @@ class Buffer:
         raise NotImplementedError("xfer's deep_ep has no zero-copy combine buffer")
 
     # -- masks and cleaning -----------------------------------------------------------------
+    def _refuse_masked(self, ep: TorchEpGroup) -> None:
+        """Without ``enable_shrink`` a masked rank is an error (its tokens would silently count
+        zero; DeepEP without shrink mode stops too, by its timeout). Raised on every call
+        until a clean."""
+        if self.enable_shrink:
+            return
+        masked = [r for r, a in enumerate(ep.group.query_active_mask()) if not a]
+        if masked:
+            raise EpError(
+                f"rank(s) {masked} missed their deadlines ({self.timeout:g} s each, $XFER_EP_TIMEOUT): their "
+                "tokens would count as zero. This Buffer was made without enable_shrink (vLLM sets it with "
+                "--enable-fault-tolerance), so that is an error, as in DeepEP")
+
     def _mask(self) -> np.ndarray:
         masked = np.zeros(self.group_size, dtype=np.int32)
         for ep in self._groups.values():
