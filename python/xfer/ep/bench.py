@@ -9,7 +9,7 @@ time per token.
     python -m xfer.ep.bench --fp8 e4m3
 
 Ranks are threads over the mock (one process: the mock's fabric is in-process) and processes
-over libfabric shm and gloo. Expert compute is left out (the outputs are the inputs): this
+over libfabric shm and tcp (``tcp;ofi_rxm`` on 127.0.0.1) and gloo. Expert compute is left out (the outputs are the inputs): this
 measures communication and the host's packing. Numbers are rank 0's."""
 
 from __future__ import annotations
@@ -140,16 +140,20 @@ def _free_port():
         return so.getsockname()[1]
 
 
+# Transports of xfer over processes: libfabric providers by name.
+_PROVIDERS = {"shm": "shm", "tcp": "tcp;ofi_rxm"}
+
+
 def _proc(kind, rank, cfg_kw, iters, warmup, port, conn, layout="deepep", weights_at_dispatch=False):
     try:
         import torch.distributed as dist
 
         cfg = EpConfig(**cfg_kw)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.ranks)
-        if kind == "shm":
+        if kind in _PROVIDERS:
             import xfer
 
-            conf = {"backend": "efa", "groups": [{"nics": ["auto"]}], "backends": {"efa": {"provider": "shm"}},
+            conf = {"backend": "efa", "groups": [{"nics": ["auto"]}], "backends": {"efa": {"provider": _PROVIDERS[kind]}},
                     "timeouts": {"expect_ms": 120000, "transfer_ms": 120000, "connect_ms": 20000},
                     "worker": {"idle_poll_us": 0}}
             with xfer.TransferEngine(conf) as e:
@@ -160,7 +164,7 @@ def _proc(kind, rank, cfg_kw, iters, warmup, port, conn, layout="deepep", weight
                 d, c, s, fig = xfer_rank(g, cfg, iters, warmup, dist.barrier, layout, weights_at_dispatch)
                 dist.barrier()
                 g.close()
-            res = summary("xfer libfabric shm (processes)", d, c, s, fig)
+            res = summary(f"xfer libfabric {_PROVIDERS[kind]} (processes)", d, c, s, fig)
         else:
             res = gloo_rank(kind, rank, cfg, iters, warmup)
         conn.send(res if rank == 0 else "ok")
@@ -259,7 +263,7 @@ def main(argv=None):
     ap.add_argument("--experts-per-rank", type=int, default=32)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--transports", default="mock,shm,gloo_a2a,gloo_ag")
+    ap.add_argument("--transports", default="mock,shm,tcp,gloo_a2a,gloo_ag")
     ap.add_argument("--layout", choices=("deepep", "flat"), default="deepep",
                     help="flat: rows only (DeepEP's layout at EP 8 is 470 MB per buffer set and rank)")
     ap.add_argument("--private-rows", type=int, default=None)
