@@ -7,7 +7,6 @@ checked against the oracle."""
 
 import dataclasses
 import threading
-import time
 
 import numpy as np
 
@@ -122,6 +121,36 @@ def test_arrivals_from_before_a_clean_never_meet_a_step_4096_on():
         rs.close()
 
 
+def wait_for_header(rs, cfg, *, source, at, epoch):
+    """Until rank ``source``'s header of step ``epoch`` arrived at rank ``at`` (a mirror of
+    its arrivals, not consumed: the step still counts it)."""
+    arrived = threading.Event()
+    header = step_imm(cfg.tag, epoch, 0, source)
+    rs.engines[at].mirror_imm_count(header, lambda total: total >= 1 and arrived.set())
+    assert arrived.wait(30), f"rank {source}'s header never came"
+
+
+def finish_after_an_early_step(rs, cfg, ins, early, seed):
+    """Rank 1 already started step 2 (``early``, inputs ``ins``), rank 0 now runs it: both
+    exact with nobody masked, then step 3."""
+
+    def after(r, g):
+        if r == 1:
+            recv, cnt = g.dispatch_recv(early)
+            expected = oracle.expected_recv(ins, r, cfg)
+            for le in range(cfg.experts_per_rank):
+                assert np.array_equal(recv[le, : cnt[le]], expected[le]), f"expert {le}"
+            x, idx, w = ins[r]
+            y = g.combine(oracle.run_experts_deepep(recv, cnt, r, cfg), early, w)
+            assert np.array_equal(y, oracle.expected_combine(x, idx, w, cfg))
+        else:
+            check_step(g, r, cfg, ins)
+        assert list(g.query_active_mask()) == [1, 1]
+        check_step(g, r, cfg, [oracle.inputs(seed, 3, s, cfg) for s in range(2)])
+
+    rs.run(after)
+
+
 def test_a_rank_stepping_before_a_peer_finished_its_clean_is_not_lost():
     """EP 2: rank 1 is silent in step 1, which rank 0 runs (masking it). At the clean rank 1
     finishes first and posts its header of the first step after it (epoch 2) before rank 0
@@ -144,28 +173,10 @@ def test_a_rank_stepping_before_a_peer_finished_its_clean_is_not_lost():
         assert [g.epoch for g in rs.groups] == [2, 2]
         ins = [oracle.inputs(57, 2, s, cfg) for s in range(2)]
         early = rs.groups[1].dispatch_send(*ins[1][:2])
-        header = step_imm(cfg.tag, 2, 0, 1)
-        deadline = time.monotonic() + 30
-        while rs.engines[0].imm_count(header) < 1:
-            assert time.monotonic() < deadline, "rank 1's header never came"
-            time.sleep(0.001)
+        wait_for_header(rs, cfg, source=1, at=0, epoch=2)
         rs.groups[0].clean(infos)
 
-        def after(r, g):
-            if r == 1:  # its step 2 already started
-                recv, cnt = g.dispatch_recv(early)
-                expected = oracle.expected_recv(ins, r, cfg)
-                for le in range(cfg.experts_per_rank):
-                    assert np.array_equal(recv[le, : cnt[le]], expected[le]), f"expert {le}"
-                x, idx, w = ins[r]
-                y = g.combine(oracle.run_experts_deepep(recv, cnt, r, cfg), early, w)
-                assert np.array_equal(y, oracle.expected_combine(x, idx, w, cfg))
-            else:
-                check_step(g, r, cfg, ins)
-            assert list(g.query_active_mask()) == [1, 1]
-            check_step(g, r, cfg, [oracle.inputs(57, 3, s, cfg) for s in range(2)])
-
-        rs.run(after)
+        finish_after_an_early_step(rs, cfg, ins, early, 57)
     finally:
         rs.close()
 
@@ -203,28 +214,10 @@ def test_a_rank_stepping_before_a_peer_finished_a_local_clean_is_not_lost():
         ins = [oracle.inputs(59, 2, s, cfg) for s in range(2)]
         rs.groups[1].clean()
         early = rs.groups[1].dispatch_send(*ins[1][:2])
-        header = step_imm(cfg.tag, 2, 0, 1)
-        deadline = time.monotonic() + 30
-        while rs.engines[0].imm_count(header) < 1:
-            assert time.monotonic() < deadline, "rank 1's header never came"
-            time.sleep(0.001)
+        wait_for_header(rs, cfg, source=1, at=0, epoch=2)
         rs.groups[0].clean()
 
-        def after(r, g):
-            if r == 1:  # its step 2 already started
-                recv, cnt = g.dispatch_recv(early)
-                expected = oracle.expected_recv(ins, r, cfg)
-                for le in range(cfg.experts_per_rank):
-                    assert np.array_equal(recv[le, : cnt[le]], expected[le]), f"expert {le}"
-                x, idx, w = ins[r]
-                y = g.combine(oracle.run_experts_deepep(recv, cnt, r, cfg), early, w)
-                assert np.array_equal(y, oracle.expected_combine(x, idx, w, cfg))
-            else:
-                check_step(g, r, cfg, ins)
-            assert list(g.query_active_mask()) == [1, 1]
-            check_step(g, r, cfg, [oracle.inputs(59, 3, s, cfg) for s in range(2)])
-
-        rs.run(after)
+        finish_after_an_early_step(rs, cfg, ins, early, 59)
     finally:
         rs.close()
 
