@@ -14,8 +14,8 @@ The proxy (``StreamProxy``: a thread, never the compute thread) carries the requ
 ``EpGroup`` — the same protocol, deadlines and masks as the host path — and sets the counter,
 whatever the outcome: a step that fails or masks a rank still releases the stream (a failed
 dispatch hands the experts no rows and its combine zeros; ``check()`` raises the error on the
-compute thread later). Only stream memory operations are queued; a captured graph could not be
-replayed yet (each request's number is fixed when queued: docs/moe.md). The active mask is
+compute thread later). Only stream memory operations are queued; requests queued with ``replay=True``
+may be captured in a CUDA graph and replayed (``StreamProxy``). The active mask is
 mirrored into device memory after every request (``mask_ptr``, int32 per rank, 1 active),
 where a kernel reads it as DeepEP's mask buffer.
 
@@ -47,8 +47,16 @@ from .. import _xfer
 from .group import EpError, EpGroup
 
 _WAIT_VALUE_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ
+_WAIT_VALUE_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
 _STREAM_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING
 _LEGACY_STREAM, _PER_THREAD_STREAM = 0, 2  # CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
+# A replayable request's ticket: the top bit, a sequence number, the request's index.
+_TICKET = 1 << 63
+_TICKET_INDEX = 1 << 16
+
+
+def _ticket(seq: int, index: int) -> int:
+    return _TICKET | ((seq % (1 << 46)) * _TICKET_INDEX) | index
 
 
 class CudaError(RuntimeError):
@@ -150,9 +158,10 @@ class Stream:
         """Queues a store of ``value`` (u64) to ``ptr``."""
         self.driver._check(self.driver._write64(self.handle, ptr, value, 0), "cuStreamWriteValue64")
 
-    def wait_value(self, ptr: int, value: int) -> None:
-        """Queues a wait until the u64 at ``ptr`` is at least ``value``."""
-        self.driver._check(self.driver._wait64(self.handle, ptr, value, _WAIT_VALUE_GEQ), "cuStreamWaitValue64")
+    def wait_value(self, ptr: int, value: int, *, equal: bool = False) -> None:
+        """Queues a wait until the u64 at ``ptr`` is at least ``value`` (``equal``: is it)."""
+        flags = _WAIT_VALUE_EQ if equal else _WAIT_VALUE_GEQ
+        self.driver._check(self.driver._wait64(self.handle, ptr, value, flags), "cuStreamWaitValue64")
 
     def host_func(self, fn) -> None:
         """Queues ``fn()``, a host function in stream order. CUDA forbids it any CUDA call;
@@ -175,6 +184,12 @@ class Stream:
             self._ran -= finished
             self._thunks.append(thunk)
         self.driver._check(self.driver.lib.cuLaunchHostFunc(ctypes.c_void_p(self.handle), thunk, None), "cuLaunchHostFunc")
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Queues a copy between device-visible addresses."""
+        self.driver._check(
+            self.driver.lib.cuMemcpyAsync(dst, src, nbytes, ctypes.c_void_p(self.handle)), "cuMemcpyAsync"
+        )
 
     def upload(self, ptr: int, array: np.ndarray) -> None:
         """Queues a copy of ``array`` (kept alive until the stream passed it) to ``ptr``."""
@@ -207,13 +222,22 @@ class StreamProxy:
     and a wait-value on a ``GpuCounter`` on the stream; a thread of this object runs
     ``action()`` when the stream reaches the write, then sets the counter to that number —
     whatever ``action`` did, so the stream always goes on. What an action raises is kept for
-    ``check()``."""
+    ``check()``.
+
+    ``queue(action, replay=True)`` makes a request a CUDA graph may replay, whose operations
+    are fixed when captured: the stream clears the request's own done flag, copies the
+    request's *ticket* (a word the proxy changes after every run, so the slot changes at every
+    replay) into the slot, and waits for the flag; the proxy runs the kept action for that
+    ticket, writes the next ticket, then sets the flag. Replayed requests are not released by
+    ``close`` (synchronize first)."""
 
     def __init__(self, engine, driver: CudaDriver, stream: Stream, *, name: str = "xfer-stream-proxy", after=None):
         self.driver, self.stream, self._after = driver, stream, after
         self._cv = threading.Condition()
-        self._queued: list = []  # (request, action) in stream order
-        self._reached = 0  # the highest request the stream has signalled
+        self._queued: list = []  # (request, action) in stream order, each run once first
+        # Requests a graph may replay: request -> (action, ticket, done flag), by index.
+        self._replays: dict = {}
+        self._signals: list[int] = []  # request numbers the stream wrote, in order
         self._next = 1
         self._closing = False
         self._drained = False
@@ -226,18 +250,35 @@ class StreamProxy:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def queue(self, action) -> int:
+    def queue(self, action, *, replay: bool = False) -> int:
         """Queues ``action``; returns its request number."""
         with self._cv:
             if self._closing:
                 raise RuntimeError("the proxy is closed")
             request = self._next
+            self._next += 1
+            if replay:
+                if len(self._replays) >= _TICKET_INDEX:
+                    raise ValueError(f"at most {_TICKET_INDEX} replayable requests per proxy")
+                index = len(self._replays)
+                ticket, flag = _xfer.GpuCounter(self.driver.device), _xfer.GpuCounter(self.driver.device)
+                ticket.set(_ticket(1, index))
+                self._replays[index] = (request, action, ticket, flag)
+                self._replay_operations(index)
+                return request
             # Both operations under the lock: the stream sees the requests in number order.
             self.stream.write_value(self.slot.device_ptr, request)
             self.stream.wait_value(self.done.device_ptr, request)
-            self._next += 1
             self._queued.append((request, action))
         return request
+
+    def _replay_operations(self, index: int) -> None:
+        """Queues replayable request ``index``'s operations — what a graph capturing them
+        holds (the tests queue them again to replay, having no capture)."""
+        _request, _action, ticket, flag = self._replays[index]
+        self.stream.write_value(flag.device_ptr, 0)
+        self.stream.copy(self.slot.device_ptr, ticket.device_ptr, 8)
+        self.stream.wait_value(flag.device_ptr, 1, equal=True)
 
     def check(self) -> None:
         """Raises the first error of a request that ran."""
@@ -247,18 +288,44 @@ class StreamProxy:
                 raise EpError(f"GPU request {request}: {error}") from error
 
     def _on_signal(self, _old: int, new: int):
+        # Every request the stream reaches is a change of the slot: the stream writes the next
+        # number only once the counter says this one ran.
         with self._cv:
-            self._reached = max(self._reached, new)
+            self._signals.append(new)
             self._cv.notify_all()
+
+    def _next_work(self):
+        """``(request, action, release)`` of the oldest signal, if any (under the lock)."""
+        while self._signals:
+            value = self._signals.pop(0)
+            if value & _TICKET:
+                entry = self._replays.get(value & (_TICKET_INDEX - 1))
+                if entry is None or entry[2].value != value:
+                    continue  # not a ticket this proxy issued now
+                request, action, ticket, flag = entry
+                seq = (value & ~_TICKET) // _TICKET_INDEX
+
+                def release(ticket=ticket, flag=flag, index=value & (_TICKET_INDEX - 1), seq=seq):
+                    ticket.set(_ticket(seq + 1, index))  # before the flag: the next replay copies it
+                    flag.set(1)
+
+                return request, action, release
+            if self._queued and self._queued[0][0] == value:
+                request, action = self._queued.pop(0)
+                return request, action, lambda request=request: self.done.set(request)
+        return None
 
     def _run(self) -> None:
         self.driver.bind()
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._closing or (self._queued and self._queued[0][0] <= self._reached))
-                if not (self._queued and self._queued[0][0] <= self._reached):
-                    return
-                request, action = self._queued.pop(0)
+                self._cv.wait_for(lambda: self._closing or self._signals)
+                work = self._next_work()
+                if work is None:
+                    if self._closing:
+                        return
+                    continue
+                request, action, release = work
             try:
                 for work in (action, self._after):
                     try:
@@ -268,7 +335,7 @@ class StreamProxy:
                         with self._cv:
                             self.errors.append((request, e))
             finally:
-                self.done.set(request)  # whatever happened: the stream must go on
+                release()  # whatever happened: the stream must go on
 
     def close(self, timeout: float) -> bool:
         """Runs what the stream reaches within ``timeout``, fails the rest (the stream is
@@ -386,8 +453,10 @@ class GpuEp:
         self.driver.upload(self.mask_ptr, self.group.query_active_mask())
 
     # -- the compute thread: queue only ---------------------------------------------------------
-    def dispatch(self, x: int, topk_idx: int, num_tokens: int) -> GpuHandle:
-        """Queues a dispatch of ``num_tokens`` tokens; returns at once."""
+    def dispatch(self, x: int, topk_idx: int, num_tokens: int, *, replay: bool = False) -> GpuHandle:
+        """Queues a dispatch of ``num_tokens`` tokens; returns at once. ``replay``: a CUDA graph
+        may replay it (``StreamProxy``): each replay dispatches what ``x`` and ``topk_idx`` then
+        hold into the same outputs."""
         cfg = self.group.cfg
         if not 0 <= num_tokens <= cfg.max_tokens:
             raise ValueError(f"num_tokens must be in 0..{cfg.max_tokens}")
@@ -397,12 +466,12 @@ class GpuEp:
         # everything queued before it ran, so the set two dispatches back is free again.
         h.recv_x, h.recv_count = self._recv[self._dispatches % 2]
         self._dispatches += 1
-        h.request = self.proxy.queue(lambda: self._run_dispatch(h, x, topk_idx))
+        h.request = self.proxy.queue(lambda: self._run_dispatch(h, x, topk_idx), replay=replay)
         return h
 
-    def combine(self, h: GpuHandle, expert_out: int, topk_weights: int, y: int) -> None:
+    def combine(self, h: GpuHandle, expert_out: int, topk_weights: int, y: int, *, replay: bool = False) -> None:
         """Queues the combine of ``h``'s step: ``y`` gets each token's weighted sum (fp32)."""
-        self.proxy.queue(lambda: self._run_combine(h, expert_out, topk_weights, y))
+        self.proxy.queue(lambda: self._run_combine(h, expert_out, topk_weights, y), replay=replay)
 
     def check(self) -> None:
         """Raises the first error of a request that ran (call it where the compute thread may
@@ -412,6 +481,7 @@ class GpuEp:
     # -- the proxy's work ------------------------------------------------------------------------
     def _run_dispatch(self, h: GpuHandle, x: int, topk_idx: int) -> None:
         cfg = self.group.cfg
+        h.step, h.error = None, None  # a replay starts afresh
         try:
             xs = self.driver.download(x, (h.num_tokens, cfg.hidden), cfg.storage)
             idx = self.driver.download(topk_idx, (h.num_tokens, cfg.top_k), np.int64)

@@ -61,12 +61,14 @@ class Rank:
         self.driver.upload(ptr, np.full(nbytes, 0xA5, dtype=np.uint8))
         return ptr
 
-    def queue_step(self, x: np.ndarray, idx: np.ndarray, w: np.ndarray):
+    def queue_step(self, x: np.ndarray, idx: np.ndarray, w: np.ndarray, *, replay: bool = False):
         """Queues the inputs' copies, a dispatch, the oracle's experts (reading the dispatched
         rows from device memory, writing the outputs back, in the stream's order) and a
-        combine; returns ``(handle, y_ptr)``."""
+        combine; returns ``(handle, y_ptr)`` (with ``replay``, also the inputs' pointers:
+        ``(handle, y_ptr, (x_ptr, idx_ptr, w_ptr))``)."""
         cfg, d = self.cfg, self.driver
-        h = self.gep.dispatch(self.device(x), self.device(idx.astype(np.int64)), x.shape[0])
+        x_ptr, idx_ptr, w_ptr = self.device(x), self.device(idx.astype(np.int64)), self.device(w.astype(np.float32))
+        h = self.gep.dispatch(x_ptr, idx_ptr, x.shape[0], replay=replay)
         shape = (cfg.experts_per_rank, cfg.ranks * cfg.max_tokens, cfg.hidden)
         out_ptr = self.empty(int(np.prod(shape)) * cfg.storage.itemsize)
 
@@ -75,10 +77,10 @@ class Rank:
             count = d.download(h.recv_count, (cfg.experts_per_rank,), np.int64)
             d.upload(out_ptr, oracle.run_experts_deepep(recv, count, self.rank, cfg))
 
-        self.experts.queue(expert)
+        self.experts.queue(expert, replay=replay)
         y_ptr = self.empty(x.shape[0] * cfg.hidden * 4)
-        self.gep.combine(h, out_ptr, self.device(w.astype(np.float32)), y_ptr)
-        return h, y_ptr
+        self.gep.combine(h, out_ptr, w_ptr, y_ptr, replay=replay)
+        return (h, y_ptr, (x_ptr, idx_ptr, w_ptr)) if replay else (h, y_ptr)
 
     def close(self) -> None:
         if self.gep is not None:
