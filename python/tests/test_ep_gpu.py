@@ -97,39 +97,15 @@ def test_a_failed_request_releases_the_stream_and_raises_on_the_compute_thread(d
 
 def test_a_graph_of_a_step_replays_with_new_inputs(driver):
     """A step queued with ``replay=True`` (dispatch, experts, combine), then replayed three
-    times as a CUDA graph replays what it captured: the same stream operations again (the
-    fake has no capture: the test re-queues them), new inputs copied into the same input
-    buffers first. Each replay is exact on both ranks (before tickets, a replay found the
-    counter at the last run's value and passed without running: replay 1 returned replay 0's
-    output)."""
-    from xfer.ep.gpu_check import run_threads
+    times as a CUDA graph replays what it captured (``gpu_check.check_replays``: the same
+    stream operations again, new inputs copied into the same input buffers first). Each run
+    is exact on both ranks (before tickets, a replay found the counter at the last run's value
+    and passed without running: replay 1 returned replay 0's output)."""
+    from xfer.ep.gpu_check import check_replays
 
-    cfg = CFG
-    ranks = make(driver, cfg)
+    ranks = make(driver, CFG)
     try:
-        def body(rank):
-            ins = [[oracle.inputs(61, n, r, cfg) for r in range(cfg.ranks)] for n in range(4)]
-            h, y_ptr, (x_ptr, idx_ptr, w_ptr) = rank.queue_step(*ins[0][rank.rank], replay=True)
-            # What the graph holds, in order: each replayable request's three operations.
-            graph = [(rank.gep.proxy, 0), (rank.experts, 0), (rank.gep.proxy, 1)]
-            outputs = []
-            for n in range(4):
-                if n > 0:
-                    x, idx, w = ins[n][rank.rank]
-                    rank.stream.upload(x_ptr, x)
-                    rank.stream.upload(idx_ptr, idx.astype(np.int64))
-                    rank.stream.upload(w_ptr, w.astype(np.float32))
-                    for proxy, index in graph:
-                        proxy._replay_operations(index)
-                assert rank.stream.reached(60), f"replay {n} did not finish"
-                outputs.append(driver.download(y_ptr, (ins[n][rank.rank][0].shape[0], cfg.hidden), np.float32))
-            rank.gep.check()
-            rank.experts.check()
-            for n, y in enumerate(outputs):
-                x, idx, w = ins[n][rank.rank]
-                assert np.array_equal(y, oracle.expected_combine(x, idx, w, cfg)), f"replay {n}"
-
-        run_threads([lambda r=r: body(r) for r in ranks])
+        check_replays(driver, ranks, 3)
     finally:
         for r in ranks:
             r.close()
