@@ -14,23 +14,22 @@ The proxy (``StreamProxy``: a thread, never the compute thread) carries the requ
 ``EpGroup`` — the same protocol, deadlines and masks as the host path — and sets the counter,
 whatever the outcome: a step that fails or masks a rank still releases the stream (a failed
 dispatch hands the experts no rows and its combine zeros; ``check()`` raises the error on the
-compute thread later). Only stream memory operations are queued; requests queued with ``replay=True``
-may be captured in a CUDA graph and replayed (``StreamProxy``). The active mask is
-mirrored into device memory after every request (``mask_ptr``, int32 per rank, 1 active),
-where a kernel reads it as DeepEP's mask buffer.
+compute thread later). Only stream memory operations are queued; requests queued with
+``replay=True`` may be captured in a CUDA graph and replayed (``StreamProxy``). The active mask
+is mirrored into device memory before the counter is set (``mask_ptr``, int32 per rank, 1
+active), where a kernel reads it as DeepEP's mask buffer.
 
-The proxy's copies go on a non-blocking stream of the driver's own and are waited for there
-(never the legacy default stream, which would wait for the compute stream that waits for the
-proxy; and a copy from pageable memory is done only when its stream says so), so the
-compute stream must be non-blocking too, or a created stream: the legacy default stream is
-refused.
+The proxy's copies go on a non-blocking stream of the driver's own and are waited for there:
+never on the legacy default stream, which would wait for a blocking compute stream that waits
+for the proxy; and a copy from pageable memory is done only when its stream says so. The
+compute stream must be a created one: the default streams are refused.
 
 What is staged: with ``EpGroup(..., memory=DeviceMemory(driver))`` the regions are device
 memory and the writes go GPU-direct, but the packing and unpacking are still the host's (the
 proxy copies a request's inputs from the device, packs in a host shadow of the regions and
 copies it over; likewise back): kernels that pack on the stream are not built (docs/moe.md,
-"The GPU path"). ``CudaDriver`` calls the CUDA driver API through ctypes (``libcuda.so.1``), so the
-same code runs against the project's fake driver (gpu-fakes/cuda.c, whose streams run their
+"The GPU path"). ``CudaDriver`` calls the CUDA driver API through ctypes (``libcuda.so.1``), so
+the same code runs against the project's fake driver (gpu-fakes/cuda.c, whose streams run their
 operations later, on a thread of their own) and on a GPU.
 """
 
