@@ -3,6 +3,12 @@
 //!
 //! Offsets are bytes from the start of a whole region (both buffer sets): set `s` starts at
 //! `s ×` the region's bytes per set.
+//!
+//! One file for the three on purpose: the sender's offsets, the matrix every rank derives
+//! from the headers and the receiver's reading of its regions are one set of formulas over one
+//! layout (slots, overflow shares, route records, combine blocks) that must agree byte for
+//! byte between ranks; the property test drives them together. Kept side by side, a change to
+//! one formula is seen beside the others that must change with it.
 
 use std::cell::Cell;
 

@@ -12,7 +12,13 @@ the group: new registrations of the written regions (the membership before canno
 a later step), one agreed epoch, a restarted rank's new engine taken in. docs/moe.md,
 "Failure".
 
-The data path is numpy on host memory; ``xfer.ep.tensors`` puts torch tensors on it."""
+The data path is numpy on host memory; ``xfer.ep.tensors`` puts torch tensors on it.
+
+One file on purpose: membership (connect, clean, rejoin), the stages and the proofs of
+delivery all read and write the same per-rank state — the active mask, the immediates owed to
+the ImmCounter, the writes not yet proven, the registered regions and their epoch — and a
+clean must reset exactly what the stages left; the protocol itself (the plan, deadlines,
+masking) is the Rust ``StepMachine``'s, so what is here is that state and the engine calls."""
 
 from __future__ import annotations
 
