@@ -272,7 +272,7 @@ class EpGroup:
     def _family(self, source: int) -> int:
         """The bits every immediate rank ``source`` posts in this group has under
         ``_SOURCE_FAMILY`` (``xfer-ep-plan``'s immediate: tag, epoch, phase, source)."""
-        return ((self.cfg.tag & 0xF) << 28) | (source & 0x3FFF)
+        return step_imm(self.cfg.tag, 0, 0, source)
 
     def query_active_mask(self) -> np.ndarray:
         """1 for each rank this one still talks to, 0 for a masked one (DeepEP's mask API)."""
@@ -293,9 +293,12 @@ class EpGroup:
                     imms.update(step_imm(self.cfg.tag, epoch, phase, source) for phase in range(3))
         return sorted(imms)
 
-    def _forget_masked_steps(self, spare=()) -> None:
+    def _reset_stray_imms(self, spare=()) -> None:
         for imm in self._stray_imms(spare):
             self.engine.reset_imm(imm)
+
+    def _forget_masked_steps(self, spare=()) -> None:
+        self._reset_stray_imms(spare)
         self._owed.clear()
         self._suspect.clear()
         self.active = [True] * self.cfg.ranks
@@ -320,8 +323,7 @@ class EpGroup:
         # not run are cleared too (its peers masked it in the first of them, writing to it at
         # most two steps on): they count for nobody here.
         self._suspect.update(e % IMM_EPOCHS for e in range(self.epoch, self.epoch + 3))
-        for imm in self._stray_imms():
-            self.engine.reset_imm(imm)
+        self._reset_stray_imms()
         self.peers = None
         self._fenced = True
         return self.local_info()
